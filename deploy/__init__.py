@@ -1,0 +1,1 @@
+"""Composition root: job config, the isthmus CLI, the per-rank program, launchers."""

@@ -1,0 +1,352 @@
+"""Typed job configuration: a TOML file plus command-line overrides.
+
+Precedence, lowest first: the defaults written below < the TOML file
+(`--config job.toml`) < `--set section.key=value` overrides < the named flags
+(`--sites`, `--ranks-per-site`, `--steps`, `--run-dir`). One rule, applied in
+`load_config`. Unknown sections or keys fail loudly, naming the known ones.
+
+Every field is documented where it is defined; `isthmus config` prints the
+resolved configuration with these docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
+    import tomli as tomllib  # type: ignore[no-redef]
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+class ConfigError(ValueError):
+    """A user's configuration is wrong; the message says what and where."""
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSection:
+    name: str = "isthmus"
+    """Job name, shown in logs and part of the job fingerprint."""
+    seed: int = 0
+    """Seed for model initialisation and data sampling; identical on every site."""
+    steps: int = 20
+    """Optimizer steps to run."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TopologySection:
+    sites: int = 2
+    """Number of sites (datacenters); named site0, site1, ..."""
+    ranks_per_site: int = 2
+    """torch.distributed ranks (processes; GPUs on a GPU host) in each site."""
+    pp: int = 1
+    """Pipeline-parallel width inside a site (only 1 is supported for now)."""
+    tp: int = 1
+    """Tensor-parallel width inside a site (only 1 is supported for now)."""
+    device: str = "auto"
+    """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    preset: str = "small"
+    """Model preset: tiny, small, 125m, 350m, 1b."""
+    dim: int = 0
+    """Hidden size; 0 keeps the preset's."""
+    n_layers: int = 0
+    """Decoder layers; 0 keeps the preset's."""
+    n_heads: int = 0
+    """Attention heads; 0 keeps the preset's."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSection:
+    batch_size: int = 8
+    """Sequences per data-parallel rank per step; the global batch is sites x dp x this."""
+    seq_len: int = 128
+    """Bytes (tokens) per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 5
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    source: str = "stdlib"
+    """"stdlib" (the Python standard library's source files read as bytes) or "path"."""
+    path: str = ""
+    """With source = "path": a text file, a folder of files, or a .bin/.npy token file."""
+    max_bytes: int = 32 * MIB
+    """Cap on the corpus bytes loaded into memory."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncSection:
+    codec: str = "zstd:1"
+    """Cross-site codec: "raw" (fp32) or "zstd[:LEVEL]"."""
+    chunk_bytes: int = 1 * MIB
+    """Raw bytes per chunk of the cross-site all-reduce (256 KiB - 4 MiB suits gRPC)."""
+    connections: int = 1
+    """gRPC connections per peer lane."""
+    timeout_s: float = 120.0
+    """Deadline for one cross-site round and for joining; a silent peer fails the step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WanSection:
+    distance_km: float = 1000.0
+    """Emulated fiber distance between every pair of sites; ~4.9 us per km one way."""
+    latency_ms: float = -1.0
+    """One-way latency; negative derives it from distance_km."""
+    bandwidth_mbit: float = 1000.0
+    """Link bandwidth in Mbit/s, each direction."""
+    queue_kib: int = 1024
+    """Buffering beyond the bandwidth-delay product, KiB."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSection:
+    run_dir: str = ""
+    """Where the resolved config, metrics.jsonl, summary.json and logs go; empty = a temp dir."""
+    log_level: str = "warning"
+    """Log level of the rank processes: debug, info, warning, error."""
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    job: JobSection = field(default_factory=JobSection)
+    topology: TopologySection = field(default_factory=TopologySection)
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    sync: SyncSection = field(default_factory=SyncSection)
+    wan: WanSection = field(default_factory=WanSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    @property
+    def site_names(self) -> list[str]:
+        return [f"site{i}" for i in range(self.topology.sites)]
+
+    @property
+    def one_way_latency_s(self) -> float:
+        if self.wan.latency_ms >= 0:
+            return self.wan.latency_ms / 1000.0
+        return self.wan.distance_km * 4.9e-6
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def fingerprint(self) -> dict[str, str]:
+        """The keys every site of one job must agree on, flattened to strings.
+
+        The emulated link (`wan`) and where a run writes (`run`) may differ per site.
+        """
+        out = {}
+        for section, values in self.to_dict().items():
+            if section in ("wan", "run"):
+                continue
+            for key, value in values.items():
+                out[f"{section}.{key}"] = str(value)
+        return out
+
+
+_SECTION_TYPES = {
+    "job": JobSection,
+    "topology": TopologySection,
+    "model": ModelSection,
+    "train": TrainSection,
+    "data": DataSection,
+    "sync": SyncSection,
+    "wan": WanSection,
+    "run": RunSection,
+}
+
+
+def field_docs(section_type: type) -> dict[str, str]:
+    """Docstrings written under each field, read from the source (for `isthmus config`)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(section_type)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def _coerce(section: str, key: str, raw: Any, expected: Any) -> Any:
+    where = f"{section}.{key}"
+    kind = type(expected)
+    if isinstance(raw, str) and kind is not str:
+        text = raw.strip()
+        try:
+            raw = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            raw = text
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return raw.lower() in ("true", "1", "yes")
+    elif kind is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+    elif kind is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+    elif kind is str:
+        return str(raw)
+    raise ConfigError(f"{where} must be {kind.__name__}, got {raw!r}")
+
+
+def _apply(config: JobConfig, section: str, key: str, value: Any, origin: str) -> None:
+    section_type = _SECTION_TYPES.get(section)
+    if section_type is None:
+        known = ", ".join(_SECTION_TYPES)
+        raise ConfigError(f"unknown config section '{section}' ({origin}); known sections: {known}")
+    target = getattr(config, section)
+    names = [f.name for f in dataclasses.fields(section_type)]
+    if key not in names:
+        raise ConfigError(
+            f"unknown config key '{section}.{key}' ({origin}); keys of [{section}]: {', '.join(names)}"
+        )
+    setattr(target, key, _coerce(section, key, value, getattr(target, key)))
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """Split "section.key=value" into its parts, or raise ConfigError."""
+    name, sep, value = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    return section, key.strip(), value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    flags: dict[str, Any] | None = None,
+) -> JobConfig:
+    """Build and validate a job config (precedence in the module docstring).
+
+    Args:
+        path: optional TOML file with [section] tables.
+        overrides: "section.key=value" strings from --set.
+        flags: "section.key" -> value from the named flags; None values are skipped.
+    Returns:
+        The validated JobConfig.
+    Raises:
+        ConfigError: unknown keys, wrong types, invalid values; the message names the key.
+    """
+    config = JobConfig()
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
+            for key, value in values.items():
+                _apply(config, section, key, value, str(path))
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        _apply(config, section, key, value, f"--set {text}")
+    for name, value in (flags or {}).items():
+        if value is not None:
+            section, key = name.split(".", 1)
+            _apply(config, section, key, value, "command line")
+    validate(config)
+    return config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: JobConfig) -> None:
+    """Check values and their combinations; raise ConfigError naming the key."""
+    t = config.topology
+    _require(config.job.steps >= 1, f"job.steps must be >= 1, got {config.job.steps}")
+    _require(1 <= t.sites <= 64, f"topology.sites must be in 1..64, got {t.sites}")
+    _require(t.ranks_per_site >= 1, f"topology.ranks_per_site must be >= 1, got {t.ranks_per_site}")
+    _require(
+        t.pp >= 1 and t.tp >= 1, f"topology.pp and topology.tp must be >= 1, got {t.pp}, {t.tp}"
+    )
+    _require(
+        t.ranks_per_site % (t.pp * t.tp) == 0,
+        f"layout does not divide the ranks: topology.ranks_per_site={t.ranks_per_site} "
+        f"is not divisible by pp*tp={t.pp}*{t.tp}={t.pp * t.tp}",
+    )
+    _require(
+        t.device in ("auto", "cpu", "cuda"),
+        f"topology.device must be auto, cpu or cuda, got {t.device!r}",
+    )
+    tr = config.train
+    _require(tr.batch_size >= 1, f"train.batch_size must be >= 1, got {tr.batch_size}")
+    _require(tr.seq_len >= 2, f"train.seq_len must be >= 2, got {tr.seq_len}")
+    _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
+    _require(tr.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {tr.warmup_steps}")
+    _require(tr.grad_clip >= 0, f"train.grad_clip must be >= 0, got {tr.grad_clip}")
+    d = config.data
+    _require(
+        d.source in ("stdlib", "path"), f"data.source must be stdlib or path, got {d.source!r}"
+    )
+    _require(d.source != "path" or bool(d.path), "data.source = 'path' needs data.path")
+    _require(d.max_bytes >= 1024, f"data.max_bytes must be >= 1024, got {d.max_bytes}")
+    s = config.sync
+    _require(
+        4 * KIB <= s.chunk_bytes <= 64 * MIB and s.chunk_bytes % 4 == 0,
+        f"sync.chunk_bytes must be a multiple of 4 in 4 KiB..64 MiB, got {s.chunk_bytes}",
+    )
+    _require(1 <= s.connections <= 16, f"sync.connections must be in 1..16, got {s.connections}")
+    _require(s.timeout_s > 0, f"sync.timeout_s must be > 0, got {s.timeout_s}")
+    w = config.wan
+    _require(w.distance_km >= 0, f"wan.distance_km must be >= 0, got {w.distance_km}")
+    _require(w.bandwidth_mbit > 0, f"wan.bandwidth_mbit must be > 0, got {w.bandwidth_mbit}")
+    _require(w.queue_kib >= 0, f"wan.queue_kib must be >= 0, got {w.queue_kib}")
+    _require(
+        config.run.log_level in ("debug", "info", "warning", "error"),
+        f"run.log_level must be debug, info, warning or error, got {config.run.log_level!r}",
+    )
+
+
+def dump_toml(config: JobConfig) -> str:
+    """Render a config as TOML that `load_config` reads back to the same values."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

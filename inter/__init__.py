@@ -1,0 +1,1 @@
+"""Between sites: coordinator, lanes, codecs, cross-site all-reduce."""

@@ -1,0 +1,383 @@
+"""The control plane of one site: rank registration, joining peer sites, membership.
+
+One `Coordinator` runs per site. The site's ranks register their lane addresses
+with it (site-local traffic). It joins every peer site's coordinator with the job
+fingerprint; a peer whose fingerprint differs is refused with a message naming
+every differing key, and both sides report it. Once every site is present and
+ready, the membership gets generation 1 and ranks learn their peers' lanes from a
+long-polling `GetMembership`. Heartbeats then record when each peer was last heard.
+
+Every RPC carries a deadline and every wait a timeout (DESIGN.md invariant 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent import futures
+
+import grpc
+
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 1 << 20  # control messages are small; refuse anything larger
+MAX_FIELD_CHARS = 1024
+MAX_FINGERPRINT_KEYS = 512
+MAX_WAIT_MS = 30_000
+
+
+class CoordinatorError(RuntimeError):
+    """The job cannot go on: a refused join, a timeout, an invalid peer."""
+
+
+def fingerprint_diff(ours: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
+    """Keys whose values differ, rendered as "key: OURS here vs THEIRS there".
+
+    Args:
+        ours: this side's flattened fingerprint.
+        theirs: the other side's.
+    Returns:
+        One string per differing key, sorted; empty when they agree.
+    """
+    missing = "<unset>"
+    return [
+        f"{key}={ours.get(key, missing)} vs {theirs.get(key, missing)}"
+        for key in sorted(set(ours) | set(theirs))
+        if ours.get(key) != theirs.get(key)
+    ]
+
+
+def peer_channel(address: str, proxy: str | None = None) -> grpc.Channel:
+    """An insecure channel to `address`, through an HTTP CONNECT proxy when given."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+    if proxy:
+        options.append(("grpc.http_proxy", proxy))
+    return grpc.insecure_channel(address, options=options)
+
+
+class Coordinator(pb_grpc.CoordinatorServicer):
+    """One site's coordinator: a gRPC server plus a thread that joins the peers.
+
+    Args:
+        site: this site's name; must be in `site_names`.
+        site_names: every site of the job, in index order (fixes summation order).
+        ranks: ranks expected to register from this site.
+        fingerprint: flattened job fingerprint every party must match.
+        peers: peer site name -> coordinator address, for every other site.
+        proxies: peer site name -> HTTP CONNECT proxy URL of the link to it (optional).
+        host: interface to bind; port 0 picks a free port (see `address`).
+        join_timeout_s: how long to wait for every site to be present and ready.
+        rpc_timeout_s: deadline of each RPC to a peer.
+        heartbeat_s: period of heartbeats to peers once joined.
+    """
+
+    def __init__(
+        self,
+        *,
+        site: str,
+        site_names: list[str],
+        ranks: int,
+        fingerprint: Mapping[str, str],
+        peers: Mapping[str, str],
+        proxies: Mapping[str, str | None] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        join_timeout_s: float = 120.0,
+        rpc_timeout_s: float = 5.0,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        if site not in site_names:
+            raise ValueError(f"site {site!r} is not one of the job's sites {site_names}")
+        missing = set(site_names) - {site} - set(peers)
+        if missing:
+            raise ValueError(f"no coordinator address for peer sites {sorted(missing)}")
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        self.site = site
+        self.site_names = list(site_names)
+        self.index = site_names.index(site)
+        self.ranks = ranks
+        self.fingerprint = dict(fingerprint)
+        self.peers = {name: peers[name] for name in site_names if name != site}
+        self.proxies = dict(proxies or {})
+        self.join_timeout_s = join_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.heartbeat_s = heartbeat_s
+
+        self._cond = threading.Condition()
+        self._lanes: list[str | None] = [None] * ranks
+        self._ready_sites: dict[str, pb.SiteInfo] = {}
+        self._told_ready: set[str] = set()
+        self._generation = 0
+        self._error: str | None = None
+        self._stopped = threading.Event()
+        self.last_seen: dict[str, float] = {}
+        self.peer_steps: dict[str, int] = {}
+        self.step = 0
+
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"coord-{site}"),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        pb_grpc.add_CoordinatorServicer_to_server(self, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"coordinator for {site} could not bind {host}:{port}")
+        self.address = f"{host}:{bound}"
+        self._joiner = threading.Thread(target=self._join_peers, name=f"join-{site}", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> str:
+        """Serve and start joining peers; returns the bound address."""
+        self._server.start()
+        self._started_at = time.monotonic()
+        self._joiner.start()
+        log.info("[%s] coordinator serving on %s", self.site, self.address)
+        return self.address
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving and joining (idempotent)."""
+        self._stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._server.stop(grace_s).wait(grace_s + 1.0)
+        if self._joiner.is_alive():
+            self._joiner.join(timeout=self.rpc_timeout_s + 1.0)
+
+    def __enter__(self) -> Coordinator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def error(self) -> str | None:
+        """Why the job cannot go on, or None."""
+        with self._cond:
+            return self._error
+
+    @property
+    def generation(self) -> int:
+        with self._cond:
+            return self._generation
+
+    def wait_ready(self, timeout_s: float) -> list[pb.SiteInfo]:
+        """Block until the membership exists; returns the sites in index order.
+
+        Raises:
+            CoordinatorError: a refused join, or no membership within the timeout.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._generation == 0 and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CoordinatorError(f"[{self.site}] no membership after {timeout_s:.0f}s")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise CoordinatorError(self._error)
+            return self._sites_locked()
+
+    # -- state helpers (call with self._cond held) --------------------------------
+
+    def _own_info_locked(self) -> pb.SiteInfo:
+        lanes = [lane or "" for lane in self._lanes]
+        return pb.SiteInfo(
+            name=self.site, index=self.index, lane_addresses=lanes, coordinator_address=self.address
+        )
+
+    def _local_ready_locked(self) -> bool:
+        return all(self._lanes)
+
+    def _sites_locked(self) -> list[pb.SiteInfo]:
+        infos = dict(self._ready_sites)
+        infos[self.site] = self._own_info_locked()
+        return [infos[name] for name in self.site_names]
+
+    def _maybe_ready_locked(self) -> None:
+        if (
+            self._generation == 0
+            and self._local_ready_locked()
+            and set(self._ready_sites) == set(self.peers)
+        ):
+            self._generation = 1
+            log.info("[%s] membership generation 1: %s", self.site, ", ".join(self.site_names))
+            self._cond.notify_all()
+
+    def _fail(self, message: str) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = message
+                log.error("[%s] %s", self.site, message)
+            self._cond.notify_all()
+
+    def _check_site_info(self, info: pb.SiteInfo, ready: bool) -> str | None:
+        if info.name not in self.peers:
+            return f"unknown site {info.name[:64]!r}; this job's sites are {self.site_names}"
+        if info.index != self.site_names.index(info.name):
+            return f"site {info.name} claims index {info.index}, expected {self.site_names.index(info.name)}"
+        if ready and (
+            len(info.lane_addresses) != self.ranks
+            or not all(0 < len(a) <= MAX_FIELD_CHARS for a in info.lane_addresses)
+        ):
+            return f"site {info.name} sent {len(info.lane_addresses)} lane addresses, expected {self.ranks}"
+        return None
+
+    def _check_fingerprint(self, theirs: pb.JobFingerprint, who: str) -> str | None:
+        if len(theirs.fields) > MAX_FINGERPRINT_KEYS:
+            return f"{who} sent a fingerprint with {len(theirs.fields)} keys (max {MAX_FINGERPRINT_KEYS})"
+        diff = fingerprint_diff(self.fingerprint, dict(theirs.fields))
+        if diff:
+            return (
+                f"job fingerprint differs between {self.site} and {who}: "
+                + "; ".join(diff[:8])
+                + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+            )
+        return None
+
+    # -- RPC handlers ---------------------------------------------------------------
+
+    def RegisterRank(self, request, context):  # noqa: N802 (gRPC method name)
+        problem = self._check_fingerprint(request.fingerprint, f"rank {request.rank}")
+        if problem is None and request.site != self.site:
+            problem = (
+                f"rank registered for site {request.site[:64]!r} at the coordinator of {self.site}"
+            )
+        if problem is None and (request.world_size != self.ranks or request.rank >= self.ranks):
+            problem = (
+                f"rank {request.rank} of world size {request.world_size} does not fit "
+                f"site {self.site} with {self.ranks} ranks"
+            )
+        if problem is None and not 0 < len(request.lane_address) <= MAX_FIELD_CHARS:
+            problem = "lane_address must be a non-empty host:port"
+        if problem is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        with self._cond:
+            self._lanes[request.rank] = request.lane_address
+            self._maybe_ready_locked()
+        return pb.RegisterRankResponse()
+
+    def Join(self, request, context):  # noqa: N802
+        problem = self._check_site_info(request.site, request.ready) or self._check_fingerprint(
+            request.fingerprint, request.site.name[:64] or "a peer"
+        )
+        if problem is not None:
+            log.warning("[%s] refused join from %s: %s", self.site, context.peer(), problem)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        with self._cond:
+            self.last_seen[request.site.name] = time.monotonic()
+            if request.ready and request.site.name not in self._ready_sites:
+                self._ready_sites[request.site.name] = request.site
+                self._maybe_ready_locked()
+            return pb.JoinResponse(site=self._own_info_locked(), ready=self._local_ready_locked())
+
+    def GetMembership(self, request, context):  # noqa: N802
+        wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while (
+                self._error is None
+                and not self._stopped.is_set()
+                and self._generation <= request.known_generation
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._error is not None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._error)
+            if self._generation == 0:
+                return pb.GetMembershipResponse(generation=0)
+            return pb.GetMembershipResponse(generation=self._generation, sites=self._sites_locked())
+
+    def Heartbeat(self, request, context):  # noqa: N802
+        if request.site not in self.peers:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
+        with self._cond:
+            self.last_seen[request.site] = time.monotonic()
+            self.peer_steps[request.site] = request.step
+            return pb.HeartbeatResponse(generation=self._generation)
+
+    # -- joining peers ----------------------------------------------------------------
+
+    def _join_peers(self) -> None:
+        channels = {
+            name: peer_channel(address, self.proxies.get(name))
+            for name, address in self.peers.items()
+        }
+        stubs = {name: pb_grpc.CoordinatorStub(ch) for name, ch in channels.items()}
+        try:
+            while not self._stopped.is_set():
+                self._join_round(stubs)
+                if self._error is not None:
+                    return
+                self._stopped.wait(0.2 if self.generation == 0 else self.heartbeat_s)
+        finally:
+            for channel in channels.values():
+                channel.close()
+
+    def _join_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
+        with self._cond:
+            joined = self._generation > 0
+            ready = self._local_ready_locked()
+            info = self._own_info_locked()
+            pending = [name for name in stubs if name not in self._told_ready]
+        if joined and not pending:
+            for name, stub in stubs.items():
+                try:
+                    stub.Heartbeat(
+                        pb.HeartbeatRequest(site=self.site, step=self.step),
+                        timeout=self.rpc_timeout_s,
+                    )
+                    self.last_seen[name] = time.monotonic()
+                except grpc.RpcError as exc:
+                    log.warning("[%s] heartbeat to %s failed: %s", self.site, name, exc.code().name)
+            return
+        if time.monotonic() - self._started_at > self.join_timeout_s:
+            with self._cond:
+                absent = [n for n in self.peers if n not in self._ready_sites]
+                local = sum(1 for lane in self._lanes if lane)
+            self._fail(
+                f"timed out after {self.join_timeout_s:.0f}s joining the job: "
+                f"{local}/{self.ranks} local ranks registered; sites not ready: {absent or 'none'}"
+            )
+            return
+        request = pb.JoinRequest(
+            site=info, fingerprint=pb.JobFingerprint(fields=self.fingerprint), ready=ready
+        )
+        for name in pending:
+            try:
+                response = stubs[name].Join(request, timeout=self.rpc_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() in (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ):
+                    self._fail(f"site {name} refused {self.site}'s join: {exc.details()}")
+                    return
+                log.debug("[%s] join %s: %s (will retry)", self.site, name, exc.code().name)
+                continue
+            problem = self._check_site_info(response.site, response.ready)
+            if problem is not None or response.site.name != name:
+                self._fail(f"site {name} answered the join with an invalid site: {problem}")
+                return
+            with self._cond:
+                self.last_seen[name] = time.monotonic()
+                if response.ready and name not in self._ready_sites:
+                    self._ready_sites[name] = response.site
+                if ready:
+                    self._told_ready.add(name)
+                self._maybe_ready_locked()

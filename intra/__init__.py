@@ -1,0 +1,1 @@
+"""One site: topology, model, data, FSDP2 data parallelism, the training step."""

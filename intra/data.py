@@ -1,0 +1,157 @@
+"""Training data: a byte corpus and stateless, sharded batch sampling.
+
+The default corpus is the Python standard library's source, read as bytes: it is
+on every machine without a download. ``ShardedBatches`` draws the batch of step
+``s`` from ``(seed, s)`` alone, so the data position *is* the step: resuming (or a
+site joining) at step ``s`` needs no sampler state beyond the step counter.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_MAX_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    """A flat token sequence (uint8 bytes or uint16 token ids) and where it came from."""
+
+    tokens: np.ndarray
+    """1-D uint8/uint16 array, possibly a read-only memory map."""
+    name: str
+    """Human-readable origin, for logs and job fingerprints."""
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 1 or self.tokens.dtype not in (np.uint8, np.uint16):
+            raise ValueError(
+                f"corpus tokens must be a 1-D uint8 or uint16 array, got "
+                f"shape {self.tokens.shape} dtype {self.tokens.dtype}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _read_files(files: list[Path], max_bytes: int) -> np.ndarray:
+    out = bytearray()
+    for f in files:
+        if len(out) >= max_bytes:
+            break
+        out += f.read_bytes()[: max_bytes - len(out)]
+    return np.frombuffer(bytes(out), dtype=np.uint8)
+
+
+def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
+    """The standard library's ``*.py`` files as bytes, sorted by relative path.
+
+    ``site-packages`` is excluded so the corpus does not depend on what is
+    installed. The same Python version gives the same bytes on every machine.
+
+    Args:
+        max_bytes: cap on the bytes loaded (the last file is truncated).
+
+    Returns:
+        The corpus.
+    """
+    if max_bytes < 2:
+        raise ValueError(f"max_bytes must be >= 2, got {max_bytes}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    return Corpus(tokens=_read_files(files, max_bytes), name=f"stdlib:{root}")
+
+
+def from_path(path: str | Path, *, dtype: str = "uint8", max_bytes: int | None = None) -> Corpus:
+    """Load a user corpus.
+
+    Args:
+        path: a ``.npy`` token array (its own dtype), a ``.bin`` raw token file
+            (memory-mapped, ``dtype``), any other file read as bytes, or a directory
+            whose files (recursively, sorted by relative path) are read as bytes.
+        dtype: element type of a ``.bin`` file: ``"uint8"`` or ``"uint16"``.
+        max_bytes: cap on the bytes read from text files (``None``: no cap).
+
+    Returns:
+        The corpus.
+
+    Raises:
+        ValueError: on a missing path, an unsupported dtype or an empty corpus.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"corpus path {str(p)!r} does not exist")
+    if dtype not in ("uint8", "uint16"):
+        raise ValueError(f"corpus dtype must be 'uint8' or 'uint16', got {dtype!r}")
+    cap = max_bytes if max_bytes is not None else 1 << 62
+    if p.is_dir():
+        files = sorted((f for f in p.rglob("*") if f.is_file()), key=lambda f: f.relative_to(p).as_posix())
+        tokens = _read_files(files, cap)
+    elif p.suffix == ".npy":
+        tokens = np.load(p, mmap_mode="r").reshape(-1)
+    elif p.suffix == ".bin":
+        tokens = np.memmap(p, dtype=np.dtype(dtype), mode="r")
+    else:
+        tokens = _read_files([p], cap)
+    if tokens.shape[0] < 2:
+        raise ValueError(f"corpus {str(p)!r} holds {tokens.shape[0]} tokens; need at least 2")
+    return Corpus(tokens=tokens, name=str(p))
+
+
+class ShardedBatches:
+    """Deterministic, stateless batches for one data shard.
+
+    Step ``s`` has a global batch of ``num_shards * batch_size`` windows whose
+    start offsets are drawn from ``(seed, s)``; shard ``k`` takes the ``k``-th
+    contiguous slice of ``batch_size`` windows. So the shards' batches, concatenated
+    in shard order, equal the batch of ``num_shards=1`` with
+    ``batch_size=num_shards*batch_size``: "2 sites x 1 rank" and "1 site x 2 ranks"
+    see the same data. Number shards as ``site_index * dp + dp_rank``.
+    """
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        shard_index: int = 0,
+        num_shards: int = 1,
+    ) -> None:
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index must be in [0, num_shards={num_shards}), got {shard_index}")
+        if len(corpus) < seq_len + 1:
+            raise ValueError(
+                f"corpus {corpus.name!r} has {len(corpus)} tokens, fewer than seq_len+1={seq_len + 1}"
+            )
+        self.corpus, self.seq_len, self.batch_size = corpus, seq_len, batch_size
+        self.seed, self.shard_index, self.num_shards = seed, shard_index, num_shards
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shard's batch for ``step``.
+
+        Args:
+            step: the training step (the data position).
+
+        Returns:
+            ``(inputs, targets)``, int64 ``[batch_size, seq_len]``; targets are inputs shifted by one.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        rng = np.random.default_rng([self.seed, step])
+        # Draw the whole global batch, then slice: the draw depends only on the global size.
+        starts = rng.integers(0, len(self.corpus) - self.seq_len, size=self.num_shards * self.batch_size)
+        mine = starts[self.shard_index * self.batch_size : (self.shard_index + 1) * self.batch_size]
+        windows = mine[:, None] + np.arange(self.seq_len + 1)[None, :]
+        chunk = torch.from_numpy(self.corpus.tokens[windows].astype(np.int64))
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()

@@ -1,0 +1,236 @@
+"""A Llama-style decoder over a byte-level vocabulary.
+
+RMSNorm, rotary position embeddings, causal attention through
+``F.scaled_dot_product_attention``, a SwiGLU MLP and an untied output head.
+Layers live in ``Transformer.layers`` (a ``ModuleList``) so parallelism can wrap
+them one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Shape of the decoder."""
+
+    dim: int
+    """Width of the residual stream."""
+    n_layers: int
+    """Transformer blocks."""
+    n_heads: int
+    """Attention heads; ``dim`` must be a multiple, and the head size even (rotary)."""
+    ffn_hidden: int
+    """Hidden width of the SwiGLU MLP."""
+    max_seq_len: int
+    """Longest sequence the rotary tables cover."""
+    vocab_size: int = 256
+    """Token ids; 256 for raw bytes."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    init_std: float = 0.02
+    """Standard deviation of the weight init (output projections are scaled down by depth)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"ModelConfig head size dim/n_heads={self.dim // self.n_heads} must be even (rotary)"
+            )
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU unit tests: ~0.13M parameters.
+    "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, ffn_hidden=172, max_seq_len=128),
+    # `isthmus local` on a 2-core CPU: ~1.9M parameters.
+    "small": ModelConfig(dim=192, n_layers=4, n_heads=6, ffn_hidden=512, max_seq_len=256),
+    # GPU sizes (SwiGLU, three MLP matrices): ~114M, ~360M and ~1.03B parameters.
+    "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, ffn_hidden=3072, max_seq_len=1024),
+    "350m": ModelConfig(dim=1024, n_layers=28, n_heads=16, ffn_hidden=2816, max_seq_len=2048),
+    "1b": ModelConfig(dim=2048, n_layers=20, n_heads=16, ffn_hidden=5632, max_seq_len=2048),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """Return a copy of a preset (``PRESETS`` entries are shared; callers may edit the copy).
+
+    Raises:
+        ValueError: on an unknown name.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return replace(PRESETS[name])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 so bf16 activations keep their precision here.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rotary_tables(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """``[max_seq_len, head_dim]`` table holding cos in the first half and sin in the second."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, device=device).float() / half))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[batch, heads, seq, head_dim]`` (half-split pairing)."""
+    half = x.shape[-1] // 2
+    cos, sin = table[: x.shape[-2], :half], table[: x.shape[-2], half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder: ``tokens [batch, seq] -> logits [batch, seq, vocab]``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Not persistent: derived from the config, so it stays out of checkpoints and digests.
+        self.register_buffer("rope", rotary_tables(cfg), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[-1] > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[-1]} exceeds max_seq_len={self.cfg.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h)).float()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Initialize every parameter from ``generator`` (same seed, same weights)."""
+        std = self.cfg.init_std
+        # GPT-2/Llama habit: shrink the projections that write into the residual
+        # stream so its variance does not grow with depth.
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.trunc_normal_(p, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator)
+            else:
+                nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std, generator=generator)
+        self.rope.copy_(rotary_tables(self.cfg, self.rope.device))
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count; ``exclude_embedding`` drops the input lookup table."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: ``6 N + 12 L d T`` (PaLM appendix B).
+
+        ``N`` excludes the input embedding (a lookup, not a matmul); the second
+        term is attention's score and value matmuls at sequence length ``T``.
+        """
+        t = self.cfg.max_seq_len if seq_len is None else seq_len
+        return 6 * self.num_params(exclude_embedding=True) + 12 * self.cfg.n_layers * self.cfg.dim * t
+
+
+def build_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """Build the model on CPU with weights drawn from ``seed``.
+
+    Every rank of every site calls this with the job's seed, so all start from
+    identical weights without any broadcast. The module is constructed on the meta
+    device and then materialized, so the global RNG is left untouched and large
+    presets do not pay for a throwaway default init.
+
+    Args:
+        cfg: model shape.
+        seed: the job's seed.
+
+    Returns:
+        The fp32 model on CPU.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    model.init_weights(generator)
+    return model

@@ -1,0 +1,113 @@
+"""The site's parallel layout and its named device mesh.
+
+One validated ``ParallelLayout`` object says how a site's ranks are split into
+pipeline (``pp``), data (``dp``) and tensor (``tp``) parallel axes; nothing about
+the topology lives in module globals.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class MeshAxis(StrEnum):
+    """Names of the device-mesh axes inside one site (outermost first)."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ParallelLayout:
+    """How one site's ranks are split across the parallel axes."""
+
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    dp: int = 1
+    """Data-parallel (FSDP2) replicas inside the site."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage."""
+
+    def __post_init__(self) -> None:
+        for axis in MeshAxis:
+            value = getattr(self, axis.value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelLayout.{axis.value} must be an integer >= 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the site: ``pp * dp * tp``."""
+        return self.pp * self.dp * self.tp
+
+    @classmethod
+    def for_ranks(cls, ranks: int, pp: int = 1, tp: int = 1) -> ParallelLayout:
+        """Derive ``dp`` from the site's rank count and the model-parallel sizes.
+
+        Args:
+            ranks: ranks in the site.
+            pp: pipeline-parallel size.
+            tp: tensor-parallel size.
+
+        Returns:
+            The layout with ``dp = ranks // (pp * tp)``.
+
+        Raises:
+            ValueError: if a size is not a positive integer or ``pp * tp`` does not divide ``ranks``.
+        """
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks_per_site must be an integer >= 1, got {ranks!r}")
+        probe = cls(pp=pp, tp=tp)  # validates pp and tp
+        if ranks % (probe.pp * probe.tp):
+            raise ValueError(
+                f"ranks_per_site={ranks} is not divisible by pp*tp={probe.pp * probe.tp} "
+                f"(pp={probe.pp}, tp={probe.tp}); choose ranks_per_site as a multiple of pp*tp"
+            )
+        return cls(pp=probe.pp, dp=ranks // (probe.pp * probe.tp), tp=probe.tp)
+
+
+def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceMesh:
+    """Build the site's device mesh with named axes.
+
+    Initializes the default process group from the environment (torchrun's
+    ``MASTER_ADDR``/``RANK``/...) if the caller has not; the world is the site's
+    ranks only, never another site's (DESIGN.md: no communicator spans sites).
+    On ``cuda`` the rank's device is ``LOCAL_RANK``.
+
+    Args:
+        layout: the validated layout; its ``world_size`` must equal the process group's.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+
+    Returns:
+        A 1-D mesh named ``dp`` (the only axis implemented so far).
+
+    Raises:
+        NotImplementedError: if ``pp > 1`` or ``tp > 1``.
+        ValueError: on an unknown device type or a world-size mismatch.
+    """
+    if layout.pp > 1 or layout.tp > 1:
+        raise NotImplementedError(
+            f"tensor/pipeline parallelism lands in a later release (got pp={layout.pp}, tp={layout.tp}); "
+            "use pp=1 tp=1"
+        )
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device_type='cuda' was requested but no CUDA device is available")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise ValueError(
+            f"the site's process group has {world} ranks but the layout needs "
+            f"pp*dp*tp={layout.world_size} ({layout})"
+        )
+    return init_device_mesh(device_type, (layout.dp,), mesh_dim_names=(MeshAxis.DP.value,))

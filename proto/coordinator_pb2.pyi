@@ -1,0 +1,98 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobFingerprint(_message.Message):
+    __slots__ = ("fields",)
+    class FieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    fields: _containers.ScalarMap[str, str]
+    def __init__(self, fields: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SiteInfo(_message.Message):
+    __slots__ = ("name", "index", "lane_addresses", "coordinator_address")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LANE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    index: int
+    lane_addresses: _containers.RepeatedScalarFieldContainer[str]
+    coordinator_address: str
+    def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., lane_addresses: _Optional[_Iterable[str]] = ..., coordinator_address: _Optional[str] = ...) -> None: ...
+
+class RegisterRankRequest(_message.Message):
+    __slots__ = ("site", "rank", "world_size", "lane_address", "fingerprint")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    rank: int
+    world_size: int
+    lane_address: str
+    fingerprint: JobFingerprint
+    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., lane_address: _Optional[str] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ...) -> None: ...
+
+class RegisterRankResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("site", "fingerprint", "ready")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    site: SiteInfo
+    fingerprint: JobFingerprint
+    ready: bool
+    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("site", "ready")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    site: SiteInfo
+    ready: bool
+    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class GetMembershipRequest(_message.Message):
+    __slots__ = ("known_generation", "wait_ms")
+    KNOWN_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    known_generation: int
+    wait_ms: int
+    def __init__(self, known_generation: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class GetMembershipResponse(_message.Message):
+    __slots__ = ("generation", "sites")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    sites: _containers.RepeatedCompositeFieldContainer[SiteInfo]
+    def __init__(self, generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("site", "step")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    step: int
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("generation",)
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    def __init__(self, generation: _Optional[int] = ...) -> None: ...

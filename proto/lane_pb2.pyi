@@ -1,0 +1,49 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChunkKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHUNK_KIND_UNSPECIFIED: _ClassVar[ChunkKind]
+    CHUNK_KIND_CONTRIBUTION: _ClassVar[ChunkKind]
+    CHUNK_KIND_RESULT: _ClassVar[ChunkKind]
+CHUNK_KIND_UNSPECIFIED: ChunkKind
+CHUNK_KIND_CONTRIBUTION: ChunkKind
+CHUNK_KIND_RESULT: ChunkKind
+
+class PushChunksRequest(_message.Message):
+    __slots__ = ("generation", "step", "group", "kind", "chunk_index", "num_chunks", "from_site", "total_elements", "num_elements", "codec", "payload", "crc32")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FROM_SITE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    group: int
+    kind: ChunkKind
+    chunk_index: int
+    num_chunks: int
+    from_site: int
+    total_elements: int
+    num_elements: int
+    codec: str
+    payload: bytes
+    crc32: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., group: _Optional[int] = ..., kind: _Optional[_Union[ChunkKind, str]] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., from_site: _Optional[int] = ..., total_elements: _Optional[int] = ..., num_elements: _Optional[int] = ..., codec: _Optional[str] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class PushChunksResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""WAN simulator: emulated long-haul links."""
