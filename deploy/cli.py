@@ -1,2 +1,243 @@
-def main() -> None:
-    print("isthmus")
+"""The `isthmus` command line.
+
+    isthmus local         every site of a job on this machine, over emulated links
+    isthmus coordinator   one site's coordinator, alone
+    isthmus config        print the resolved job config with every key documented
+
+Errors a user can fix (a bad key, a layout that does not divide the ranks, a site
+with a different job fingerprint) print one line starting with "error:" and exit
+non-zero, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import signal
+import sys
+import threading
+
+from isthmus.deploy.config import _SECTION_TYPES, ConfigError, JobConfig, field_docs, load_config
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show defaults and keep the descriptions' line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # Unset flags (None) fall back to the config, whose default the help names.
+        if action.default in (None, False, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="TOML",
+        default=None,
+        help="job config file (default: built-in defaults, see `isthmus config`)",
+    )
+    parser.add_argument(
+        "--set",
+        metavar="SECTION.KEY=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
+        help="override any config key (repeatable); see `isthmus config` for the keys",
+    )
+    if common_flags:
+        defaults = JobConfig()
+        parser.add_argument(
+            "--sites", type=int, default=None, help=f"sites (default {defaults.topology.sites})"
+        )
+        parser.add_argument(
+            "--ranks-per-site",
+            type=int,
+            default=None,
+            help=f"ranks per site (default {defaults.topology.ranks_per_site})",
+        )
+        parser.add_argument(
+            "--steps", type=int, default=None, help=f"training steps (default {defaults.job.steps})"
+        )
+        parser.add_argument(
+            "--run-dir",
+            default=None,
+            help="keep the resolved config, metrics.jsonl, summary.json and logs here "
+            "(default: a temporary folder, removed after a successful run)",
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    flags = {
+        "topology.sites": getattr(args, "sites", None),
+        "topology.ranks_per_site": getattr(args, "ranks_per_site", None),
+        "job.steps": getattr(args, "steps", None),
+        "run.run_dir": getattr(args, "run_dir", None),
+    }
+    return load_config(args.config, args.overrides, flags)
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from isthmus.deploy.local import LocalJob
+    from isthmus.deploy.summary import print_summary
+
+    config = config_from_args(args)
+    job = LocalJob(config, out=sys.stderr, progress=not args.quiet)
+    summary = job.run()
+    kept = bool(config.run.run_dir)
+    print("summary:", file=sys.stdout)
+    print_summary(summary, sys.stdout, job.run_dir if kept else None)
+    if not kept:
+        shutil.rmtree(job.run_dir, ignore_errors=True)
+    return 0
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from isthmus.inter.coordinator import Coordinator
+
+    config = config_from_args(args)
+    if args.site not in config.site_names:
+        raise ConfigError(f"--site {args.site!r} is not one of {config.site_names}")
+    host, _, port = args.listen.rpartition(":")
+    peers = dict(_pairs(args.peer, "--peer"))
+    proxies = dict(_pairs(args.proxy, "--proxy"))
+    coordinator = Coordinator(
+        site=args.site,
+        site_names=config.site_names,
+        ranks=config.topology.ranks_per_site,
+        fingerprint=config.fingerprint(),
+        peers=peers,
+        proxies=proxies,
+        host=host or "127.0.0.1",
+        port=int(port or 0),
+        join_timeout_s=config.sync.timeout_s,
+    )
+    coordinator.start()
+    print(f"coordinator {args.site} listening on {coordinator.address}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.2):
+            if coordinator.error:
+                print(f"error: {coordinator.error}", file=sys.stderr)
+                return EXIT_FAILED
+    finally:
+        coordinator.stop()
+    return 0
+
+
+def _pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ConfigError(f"{flag} expects NAME=VALUE, got {item!r}")
+        out.append((name, value))
+    return out
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    for section, section_type in _SECTION_TYPES.items():
+        docs = field_docs(section_type)
+        print(f"[{section}]")
+        for f in dataclasses.fields(section_type):
+            value = getattr(getattr(config, section), f.name)
+            rendered = (
+                f'"{value}"'
+                if isinstance(value, str)
+                else str(value).lower()
+                if isinstance(value, bool)
+                else value
+            )
+            print(f"{f.name} = {rendered}  # {docs.get(f.name, '')}")
+        print()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="isthmus",
+        description="Train one model across several datacenters (sites).",
+        formatter_class=HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    local = sub.add_parser(
+        "local",
+        help="run every site of a job on this machine over emulated links",
+        description="Run a whole job on this machine: one coordinator and one "
+        "torch.distributed world per site, ranks as processes (gloo on CPU, NCCL on "
+        "GPUs), the sites joined by emulated long-haul links (default 1000 km, "
+        "1 Gbit/s). Prints progress, then a summary; --run-dir keeps the files.",
+        formatter_class=HelpFormatter,
+    )
+    add_config_arguments(local, common_flags=True)
+    local.add_argument("--quiet", action="store_true", help="no progress line")
+    local.set_defaults(func=cmd_local)
+
+    coord = sub.add_parser(
+        "coordinator",
+        help="run one site's coordinator alone",
+        description="Serve one site's coordinator: its ranks register with it, and it "
+        "joins the peer sites' coordinators with the job fingerprint. Exits non-zero "
+        "with one line when a peer refuses the job.",
+        formatter_class=HelpFormatter,
+    )
+    add_config_arguments(coord, common_flags=False)
+    coord.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
+    coord.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on")
+    coord.add_argument(
+        "--peer", action="append", default=[], metavar="SITE=HOST:PORT", help="a peer coordinator"
+    )
+    coord.add_argument(
+        "--proxy",
+        action="append",
+        default=[],
+        metavar="SITE=URL",
+        help="HTTP CONNECT proxy (emulated link) to reach a peer through",
+    )
+    coord.set_defaults(func=cmd_coordinator)
+
+    show = sub.add_parser(
+        "config",
+        help="print the resolved job config, every key documented",
+        description="Print the job config that the given file and overrides resolve "
+        "to, as TOML with each key's meaning.",
+        formatter_class=HelpFormatter,
+    )
+    add_config_arguments(show, common_flags=True)
+    show.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the launcher's teardown runs either way.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything this run started has been stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns failures into a line
+        from isthmus.deploy.local import LaunchError
+        from isthmus.inter.coordinator import CoordinatorError
+
+        if isinstance(exc, (LaunchError, CoordinatorError, RuntimeError, OSError)):
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -71,7 +71,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         site_names: every site of the job, in index order (fixes summation order).
         ranks: ranks expected to register from this site.
         fingerprint: flattened job fingerprint every party must match.
-        peers: peer site name -> coordinator address, for every other site.
+        peers: peer site name -> coordinator address, for every other site; may
+            instead be given by `set_peers` before `start` (the address of a server
+            bound to port 0 is known only once it is constructed).
         proxies: peer site name -> HTTP CONNECT proxy URL of the link to it (optional).
         host: interface to bind; port 0 picks a free port (see `address`).
         join_timeout_s: how long to wait for every site to be present and ready.
@@ -86,7 +88,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         site_names: list[str],
         ranks: int,
         fingerprint: Mapping[str, str],
-        peers: Mapping[str, str],
+        peers: Mapping[str, str] | None = None,
         proxies: Mapping[str, str | None] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -96,9 +98,6 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     ) -> None:
         if site not in site_names:
             raise ValueError(f"site {site!r} is not one of the job's sites {site_names}")
-        missing = set(site_names) - {site} - set(peers)
-        if missing:
-            raise ValueError(f"no coordinator address for peer sites {sorted(missing)}")
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.site = site
@@ -106,8 +105,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.index = site_names.index(site)
         self.ranks = ranks
         self.fingerprint = dict(fingerprint)
-        self.peers = {name: peers[name] for name in site_names if name != site}
-        self.proxies = dict(proxies or {})
+        self.peers: dict[str, str] = {}
+        self.proxies: dict[str, str | None] = {}
+        if peers is not None:
+            self.set_peers(peers, proxies)
         self.join_timeout_s = join_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -139,8 +140,20 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     # -- lifecycle ---------------------------------------------------------------
 
+    def set_peers(
+        self, peers: Mapping[str, str], proxies: Mapping[str, str | None] | None = None
+    ) -> None:
+        """Name every other site's coordinator address (and link proxy), before `start`."""
+        missing = set(self.site_names) - {self.site} - set(peers)
+        if missing:
+            raise ValueError(f"no coordinator address for peer sites {sorted(missing)}")
+        self.peers = {name: peers[name] for name in self.site_names if name != self.site}
+        self.proxies = dict(proxies or {})
+
     def start(self) -> str:
         """Serve and start joining peers; returns the bound address."""
+        if len(self.peers) != len(self.site_names) - 1:
+            raise ValueError("set_peers() must name every peer site before start()")
         self._server.start()
         self._started_at = time.monotonic()
         self._joiner.start()

@@ -92,7 +92,9 @@ def from_path(path: str | Path, *, dtype: str = "uint8", max_bytes: int | None =
         raise ValueError(f"corpus dtype must be 'uint8' or 'uint16', got {dtype!r}")
     cap = max_bytes if max_bytes is not None else 1 << 62
     if p.is_dir():
-        files = sorted((f for f in p.rglob("*") if f.is_file()), key=lambda f: f.relative_to(p).as_posix())
+        files = sorted(
+            (f for f in p.rglob("*") if f.is_file()), key=lambda f: f.relative_to(p).as_posix()
+        )
         tokens = _read_files(files, cap)
     elif p.suffix == ".npy":
         tokens = np.load(p, mmap_mode="r").reshape(-1)
@@ -129,7 +131,9 @@ class ShardedBatches:
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
         if not 0 <= shard_index < num_shards:
-            raise ValueError(f"shard_index must be in [0, num_shards={num_shards}), got {shard_index}")
+            raise ValueError(
+                f"shard_index must be in [0, num_shards={num_shards}), got {shard_index}"
+            )
         if len(corpus) < seq_len + 1:
             raise ValueError(
                 f"corpus {corpus.name!r} has {len(corpus)} tokens, fewer than seq_len+1={seq_len + 1}"
@@ -150,7 +154,9 @@ class ShardedBatches:
             raise ValueError(f"step must be >= 0, got {step}")
         rng = np.random.default_rng([self.seed, step])
         # Draw the whole global batch, then slice: the draw depends only on the global size.
-        starts = rng.integers(0, len(self.corpus) - self.seq_len, size=self.num_shards * self.batch_size)
+        starts = rng.integers(
+            0, len(self.corpus) - self.seq_len, size=self.num_shards * self.batch_size
+        )
         mine = starts[self.shard_index * self.batch_size : (self.shard_index + 1) * self.batch_size]
         windows = mine[:, None] + np.arange(self.seq_len + 1)[None, :]
         chunk = torch.from_numpy(self.corpus.tokens[windows].astype(np.int64))

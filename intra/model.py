@@ -192,7 +192,9 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.trunc_normal_(p, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator)
+                nn.init.trunc_normal_(
+                    p, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator
+                )
             else:
                 nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std, generator=generator)
         self.rope.copy_(rotary_tables(self.cfg, self.rope.device))
@@ -209,7 +211,9 @@ class Transformer(nn.Module):
         term is attention's score and value matmuls at sequence length ``T``.
         """
         t = self.cfg.max_seq_len if seq_len is None else seq_len
-        return 6 * self.num_params(exclude_embedding=True) + 12 * self.cfg.n_layers * self.cfg.dim * t
+        return (
+            6 * self.num_params(exclude_embedding=True) + 12 * self.cfg.n_layers * self.cfg.dim * t
+        )
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10 (pyproject allows it); same behavior for our use
+
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return self.value
 
 
 class MeshAxis(StrEnum):
@@ -39,7 +47,9 @@ class ParallelLayout:
         for axis in MeshAxis:
             value = getattr(self, axis.value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelLayout.{axis.value} must be an integer >= 1, got {value!r}")
+                raise ValueError(
+                    f"ParallelLayout.{axis.value} must be an integer >= 1, got {value!r}"
+                )
 
     @property
     def world_size(self) -> int:

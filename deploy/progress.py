@@ -1,0 +1,70 @@
+"""The progress line of `isthmus local`: step, loss, tokens/s, cross-site seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TextIO
+
+from isthmus.deploy.config import JobConfig
+from isthmus.deploy.summary import merge_steps, read_jsonl
+
+
+class Progress:
+    """Re-reads the sites' metrics files and redraws one line.
+
+    On a terminal the line is redrawn in place; otherwise (CI, a pipe) a line is
+    printed every tenth of the run so logs stay short.
+    """
+
+    def __init__(self, config: JobConfig, run_dir: Path, out: TextIO, enabled: bool = True) -> None:
+        self.config, self.run_dir, self.out, self.enabled = config, run_dir, out, enabled
+        self.tty = enabled and out.isatty()
+        self.shown = -1
+        self.every = max(1, config.job.steps // 10)
+        self.width = 0
+        if enabled:
+            t = config.topology
+            self._emit(
+                f"isthmus local: {t.sites} site(s) x {t.ranks_per_site} rank(s), "
+                f"{config.job.steps} steps; starting ranks and joining sites...",
+                final=not self.tty,
+            )
+
+    def update(self) -> None:
+        if not self.enabled:
+            return
+        per_site = {
+            site: read_jsonl(self.run_dir / "sites" / site / "metrics.jsonl")
+            for site in self.config.site_names
+        }
+        steps = merge_steps(per_site)
+        if not steps or len(steps) - 1 == self.shown:
+            return
+        last = steps[-1]
+        n = len(steps)
+        if not self.tty and n % self.every and n != self.config.job.steps:
+            return
+        self.shown = n - 1
+        tokens_per_s = sum(s["tokens"] for s in steps) / max(last["elapsed_s"], 1e-9)
+        total = self.config.job.steps
+        filled = int(20 * n / total)
+        bar = "#" * filled + "." * (20 - filled)
+        self._emit(
+            f"[{bar}] step {n}/{total}  loss {last['loss']:.4f}  {tokens_per_s:,.0f} tok/s  "
+            f"cross-site {last['cross_site_s']:.3f} s/step",
+            final=not self.tty,
+        )
+
+    def _emit(self, text: str, final: bool) -> None:
+        if self.tty:
+            pad = max(0, self.width - len(text))
+            self.out.write("\r" + text + " " * pad)
+            self.width = len(text)
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.tty and self.width:
+            self.out.write("\n")
+            self.out.flush()

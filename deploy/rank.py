@@ -1,0 +1,312 @@
+"""The per-rank training program: one process of one site.
+
+Started by a launcher (`isthmus local`, later torchrun or srun) with torchrun's
+variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) describing the
+*site's* world, plus:
+
+    ISTHMUS_CONFIG       path of the resolved job config (TOML)
+    ISTHMUS_SITE         this site's name
+    ISTHMUS_COORDINATOR  host:port of this site's coordinator (multi-site jobs)
+    ISTHMUS_PROXIES      JSON {peer site: HTTP CONNECT proxy URL} of the emulated links
+    ISTHMUS_RUN_DIR      where metrics and results go
+
+It builds the site's mesh, model and FSDP2 trainer; for a multi-site job it starts
+its lane, registers with the coordinator, learns its peers (the rank with the same
+coordinate in every other site) and hands the trainer a LaneGradientSync. Rank 0
+writes one metrics line per step; every rank writes its result at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from isthmus.deploy.config import JobConfig, load_config
+from isthmus.inter.allreduce import CrossSiteAllReduce
+from isthmus.inter.codec import make_codec
+from isthmus.inter.coordinator import peer_channel
+from isthmus.inter.gradient_sync import LaneGradientSync
+from isthmus.inter.lane import LanePeer, LaneServer
+from isthmus.intra.data import ShardedBatches, from_path, stdlib_corpus
+from isthmus.intra.digest import parameter_digest
+from isthmus.intra.model import build_model, preset
+from isthmus.intra.topology import ParallelLayout, build_site_mesh
+from isthmus.intra.train import TrainConfig, Trainer
+from isthmus.proto import coordinator_pb2 as cpb
+from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
+
+log = logging.getLogger("isthmus.rank")
+
+
+@dataclass(kw_only=True, slots=True)
+class RankEnv:
+    """Where this process sits, read from the environment."""
+
+    site: str
+    rank: int
+    world_size: int
+    run_dir: Path
+    coordinator: str
+    proxies: dict[str, str]
+
+    @classmethod
+    def from_environ(cls) -> RankEnv:
+        env = os.environ
+        return cls(
+            site=env["ISTHMUS_SITE"],
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            run_dir=Path(env["ISTHMUS_RUN_DIR"]),
+            coordinator=env.get("ISTHMUS_COORDINATOR", ""),
+            proxies=json.loads(env.get("ISTHMUS_PROXIES", "{}")),
+        )
+
+
+def model_config(config: JobConfig):
+    """The preset with the config's overrides; max_seq_len covers train.seq_len."""
+    cfg = preset(config.model.preset)
+    if config.model.dim:
+        cfg.dim = config.model.dim
+        # Keep the SwiGLU hidden size at ~8/3 dim, rounded up to a multiple of 8.
+        cfg.ffn_hidden = -(-int(8 * cfg.dim / 3) // 8) * 8
+    if config.model.n_layers:
+        cfg.n_layers = config.model.n_layers
+    if config.model.n_heads:
+        cfg.n_heads = config.model.n_heads
+    cfg.max_seq_len = max(cfg.max_seq_len, config.train.seq_len)
+    cfg.__post_init__()  # re-validate after the overrides
+    return cfg
+
+
+def device_type(config: JobConfig) -> str:
+    if config.topology.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return config.topology.device
+
+
+def join_job(env: RankEnv, config: JobConfig, lane_address: str) -> list[cpb.SiteInfo]:
+    """Register this rank's lane and wait for the job's membership."""
+    deadline = time.monotonic() + config.sync.timeout_s
+    with peer_channel(env.coordinator) as channel:
+        stub = cpb_grpc.CoordinatorStub(channel)
+        stub.RegisterRank(
+            cpb.RegisterRankRequest(
+                site=env.site,
+                rank=env.rank,
+                world_size=env.world_size,
+                lane_address=lane_address,
+                fingerprint=cpb.JobFingerprint(fields=config.fingerprint()),
+            ),
+            timeout=10,
+            wait_for_ready=True,
+        )
+        while time.monotonic() < deadline:
+            reply = stub.GetMembership(
+                cpb.GetMembershipRequest(known_generation=0, wait_ms=5000), timeout=15
+            )
+            if reply.generation > 0:
+                return list(reply.sites)
+    raise TimeoutError(f"no job membership after {config.sync.timeout_s:.0f}s")
+
+
+class SiteMetrics:
+    """Rank 0's per-step metrics file and the run's totals."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.file = path.open("w") if path else None
+        self.totals = {"compute_s": 0.0, "sync_s": 0.0, "bytes_sent": 0, "raw_bytes": 0}
+
+    def record(self, line: dict) -> None:
+        for key in self.totals:
+            self.totals[key] += line[key]
+        if self.file:
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
+
+
+def run(env: RankEnv, config: JobConfig) -> None:
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    dev = device_type(config)
+    layout = ParallelLayout.for_ranks(
+        config.topology.ranks_per_site, pp=config.topology.pp, tp=config.topology.tp
+    )
+    dist.init_process_group(
+        "nccl" if dev == "cuda" else "gloo", timeout=timedelta(seconds=config.sync.timeout_s)
+    )
+    mesh = build_site_mesh(layout, dev)
+    sites = config.site_names
+    site_index = sites.index(env.site)
+
+    sync = lane = None
+    peers: dict[int, LanePeer] = {}
+    if len(sites) > 1:
+        codec = make_codec(config.sync.codec)
+        lane = LaneServer(
+            site_index=site_index,
+            num_sites=len(sites),
+            codec=codec.name,
+            chunk_bytes=config.sync.chunk_bytes,
+        )
+        membership = join_job(env, config, lane.address)
+        lane.set_generation(1)
+        for info in membership:
+            if info.name != env.site:
+                peers[info.index] = LanePeer(
+                    info.lane_addresses[env.rank],
+                    proxy=env.proxies.get(info.name),
+                    connections=config.sync.connections,
+                    chunk_bytes=config.sync.chunk_bytes,
+                )
+        allreduce = CrossSiteAllReduce(
+            site_index=site_index,
+            num_sites=len(sites),
+            server=lane,
+            peers=peers,
+            codec=codec,
+            chunk_bytes=config.sync.chunk_bytes,
+            timeout_s=config.sync.timeout_s,
+            generation=1,
+        )
+        sync = LaneGradientSync(allreduce)
+
+    model = build_model(model_config(config), seed=config.job.seed)
+    trainer = Trainer(
+        model,
+        mesh,
+        TrainConfig(
+            lr=config.train.lr,
+            warmup_steps=min(config.train.warmup_steps, config.job.steps),
+            weight_decay=config.train.weight_decay,
+            grad_clip=config.train.grad_clip or None,
+            total_steps=config.job.steps,
+        ),
+        sync=sync,
+    )
+    corpus = (
+        stdlib_corpus(config.data.max_bytes)
+        if config.data.source == "stdlib"
+        else from_path(config.data.path, max_bytes=config.data.max_bytes)
+    )
+    # Shards are numbered site-major, so the union over sites and dp ranks is the
+    # global batch that one site with sites*dp ranks would see (ShardedBatches).
+    batches = ShardedBatches(
+        corpus,
+        seq_len=config.train.seq_len,
+        batch_size=config.train.batch_size,
+        seed=config.job.seed,
+        shard_index=site_index * layout.dp + env.rank,
+        num_shards=len(sites) * layout.dp,
+    )
+    site_dir = env.run_dir / "sites" / env.site
+    site_dir.mkdir(parents=True, exist_ok=True)
+    metrics = SiteMetrics(site_dir / "metrics.jsonl" if env.rank == 0 else None)
+    dist.barrier()
+    started = time.perf_counter()
+    for step in range(config.job.steps):
+        inputs, targets = batches.batch(step)
+        if sync is not None:
+            sync.begin_step(step)
+        stats = trainer.step(step, inputs, targets)
+        round_stats = sync.last_step_stats if sync is not None else None
+        # Site totals of what crossed the WAN this step (every rank has its own lane).
+        traffic = torch.tensor(
+            [round_stats.bytes_sent, round_stats.raw_bytes] if round_stats else [0, 0],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(traffic)
+        metrics.record(
+            {
+                "site": env.site,
+                "step": step,
+                "loss": stats.loss,
+                "grad_norm": stats.grad_norm,
+                "lr": stats.lr,
+                "compute_s": stats.compute_s,
+                "sync_s": stats.sync_s,
+                "tokens": stats.tokens * layout.dp,
+                "bytes_sent": int(traffic[0]),
+                "raw_bytes": int(traffic[1]),
+                "elapsed_s": time.perf_counter() - started,
+            }
+        )
+    train_s = time.perf_counter() - started
+    digest = parameter_digest(trainer.model)
+    shard_digest = local_shard_digest(trainer.model)
+    result = {
+        "site": env.site,
+        "rank": env.rank,
+        "digest": digest,
+        "shard_digest": shard_digest,
+        "train_s": train_s,
+        "steps": config.job.steps,
+        **metrics.totals,
+    }
+    (site_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    if lane is not None:
+        lane.stop(grace=5.0)
+    for peer in peers.values():
+        peer.close()
+    dist.destroy_process_group()
+
+
+@torch.no_grad()
+def local_shard_digest(model: torch.nn.Module) -> str:
+    """sha256 of this rank's own parameter shards (no communication)."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        h.update(name.encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this rank when its launcher dies: no orphans, ever."""
+    launcher = os.environ.get("ISTHMUS_LAUNCHER_PID")
+    if not launcher:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != int(launcher):  # the launcher died before the prctl took hold
+        sys.exit(143)
+
+
+def main() -> int:
+    die_with_launcher()
+    env = RankEnv.from_environ()
+    config = load_config(os.environ["ISTHMUS_CONFIG"])
+    logging.basicConfig(
+        level=config.run.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{env.site}/{env.rank}] %(name)s: %(message)s",
+    )
+    # The launcher stops ranks with SIGTERM; exit quietly rather than with a traceback.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        run(env, config)
+    except grpc.RpcError as exc:
+        print(f"error: [{env.site}/{env.rank}] {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

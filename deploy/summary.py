@@ -1,0 +1,123 @@
+"""Turn the ranks' per-site files into the run's metrics.jsonl and summary.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TextIO
+
+from isthmus.deploy.config import JobConfig
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    # A line being written right now may be incomplete; it is read next time.
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
+    """One record per step that every site completed: losses averaged (equal batches
+    per site), bytes summed, times as the slowest site saw them."""
+    steps = min((len(lines) for lines in per_site.values()), default=0)
+    merged = []
+    for i in range(steps):
+        rows = [lines[i] for lines in per_site.values()]
+        merged.append(
+            {
+                "step": rows[0]["step"],
+                "loss": sum(r["loss"] for r in rows) / len(rows),
+                "loss_by_site": {r["site"]: r["loss"] for r in rows},
+                "grad_norm": rows[0]["grad_norm"],
+                "lr": rows[0]["lr"],
+                "tokens": sum(r["tokens"] for r in rows),
+                "compute_s": max(r["compute_s"] for r in rows),
+                "cross_site_s": max(r["sync_s"] for r in rows),
+                "cross_site_bytes": sum(r["bytes_sent"] for r in rows),
+                "raw_bytes": sum(r["raw_bytes"] for r in rows),
+                "elapsed_s": max(r["elapsed_s"] for r in rows),
+            }
+        )
+    return merged
+
+
+def summarize(config: JobConfig, run_dir: Path) -> dict:
+    """Write run_dir/metrics.jsonl and run_dir/summary.json; returns the summary.
+
+    Raises:
+        RuntimeError: when a rank's result is missing or ranks of a site disagree.
+    """
+    per_site = {
+        site: read_jsonl(run_dir / "sites" / site / "metrics.jsonl") for site in config.site_names
+    }
+    steps = merge_steps(per_site)
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for record in steps:
+            f.write(json.dumps(record) + "\n")
+    results: dict[str, list[dict]] = {}
+    for site in config.site_names:
+        for rank in range(config.topology.ranks_per_site):
+            path = run_dir / "sites" / site / f"rank{rank}.json"
+            if not path.exists():
+                raise RuntimeError(f"{site} rank {rank} wrote no result ({path})")
+            results.setdefault(site, []).append(json.loads(path.read_text()))
+    digests = {}
+    for site, ranks in results.items():
+        if len({r["digest"] for r in ranks}) != 1:
+            raise RuntimeError(f"ranks of {site} disagree on the parameter digest")
+        digests[site] = ranks[0]["digest"]
+    train_s = max(r["train_s"] for ranks in results.values() for r in ranks)
+    sent = sum(r["cross_site_bytes"] for r in steps)
+    raw = sum(r["raw_bytes"] for r in steps)
+    summary = {
+        "sites": config.topology.sites,
+        "ranks_per_site": config.topology.ranks_per_site,
+        "steps": len(steps),
+        "loss_first": steps[0]["loss"] if steps else None,
+        "loss_last": steps[-1]["loss"] if steps else None,
+        "tokens": sum(r["tokens"] for r in steps),
+        "tokens_per_s": sum(r["tokens"] for r in steps) / train_s if train_s else 0.0,
+        "train_s": train_s,
+        "compute_s": sum(r["compute_s"] for r in steps),
+        "cross_site_s": sum(r["cross_site_s"] for r in steps),
+        "cross_site_bytes": sent,
+        "raw_bytes": raw,
+        "compression_ratio": raw / sent if sent else 1.0,
+        "codec": config.sync.codec if config.topology.sites > 1 else "none",
+        "digests": digests,
+        "shard_digests": {
+            site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
+        },
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
+    """The end-of-run table a user reads."""
+    equal = len(set(summary["digests"].values())) == 1
+    rows = [
+        ("steps", f"{summary['steps']}"),
+        ("loss", f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}"),
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+        ("compute", f"{summary['compute_s']:.2f} s"),
+        ("cross-site sync", f"{summary['cross_site_s']:.2f} s"),
+        ("bytes across sites", human_bytes(summary["cross_site_bytes"])),
+        ("compression ratio", f"{summary['compression_ratio']:.3f} ({summary['codec']})"),
+    ]
+    rows += [(f"digest {site}", digest[:16]) for site, digest in summary["digests"].items()]
+    rows.append(("replicas", "identical" if equal else "DIFFERENT"))
+    if run_dir is not None:
+        rows.append(("run dir", str(run_dir)))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}", file=out)

@@ -1,0 +1,155 @@
+"""The gradient-sync seam that intra's training step calls (DESIGN.md, "Between sites").
+
+``start`` runs inside FSDP2's all-reduce hook, once per FSDP group during backward;
+``finish`` runs before ``optimizer.step()``. Rounds run on one background thread, in
+the order groups were started, so they overlap with the rest of backward while every
+site runs its rounds in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from concurrent import futures
+
+import torch
+
+from .allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
+
+__all__ = ["LaneGradientSync", "StepStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class StepStats:
+    """The cross-site sync of one training step, over all its groups."""
+
+    step: int = 0
+    groups: int = 0
+    sync_s: float = 0.0
+    """Seconds the rounds ran on the background thread (sum over groups)."""
+    wait_s: float = 0.0
+    """Seconds ``finish`` blocked the training loop."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    raw_bytes: int = 0
+    """fp32 bytes of what was sent, before encoding."""
+
+    @property
+    def compression_ratio(self) -> float:
+        """raw_bytes / bytes_sent (1.0 when nothing was sent)."""
+        return self.raw_bytes / self.bytes_sent if self.bytes_sent else 1.0
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    group: int
+    shard: torch.Tensor
+    host: torch.Tensor
+    future: futures.Future
+
+
+class LaneGradientSync:
+    """Averages each FSDP group's gradient shard over all sites.
+
+    Args:
+        allreduce: the rank's cross-site all-reduce.
+        finish_timeout_s: limit on ``finish``; default one round timeout per group
+            plus slack, since each round already bounds itself.
+    """
+
+    def __init__(self, allreduce: CrossSiteAllReduce, *, finish_timeout_s: float | None = None):
+        self.allreduce = allreduce
+        self.finish_timeout_s = finish_timeout_s
+        self.last_step_stats = StepStats()
+        self._step = 0
+        self._pending: list[_Pending] = []
+        self._abort = threading.Event()  # set when a round of this step fails
+        # One worker: rounds must run in start() order on every site.
+        self._worker = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane-sync")
+
+    def begin_step(self, step: int) -> None:
+        """Names the step whose gradients the next ``start`` calls carry.
+
+        Args:
+            step: training step; every site must use the same number.
+        """
+        if self._pending:
+            raise RuntimeError(f"begin_step({step}) while step {self._step} is unfinished")
+        self._step = step
+
+    def start(self, group: int, shard: torch.Tensor) -> None:
+        """Starts the cross-site round of one FSDP group.
+
+        Args:
+            group: FSDP group index within the step.
+            shard: the site-averaged flat gradient shard; updated in place by ``finish``.
+        """
+        if any(p.group == group for p in self._pending):
+            raise ValueError(f"group {group} already started in step {self._step}")
+        # A synchronous copy, on the stream the hook runs on, so it is ordered after
+        # the reduce-scatter that produced the shard.
+        host = shard.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+        future = self._worker.submit(self._run, self._step, group, host, self._abort)
+        self._pending.append(_Pending(group, shard, host, future))
+
+    def _run(self, step: int, group: int, host: torch.Tensor, abort: threading.Event) -> RoundStats:
+        if abort.is_set():
+            # A failed round leaves peers out of step; later rounds would only time out.
+            raise CrossSiteError(f"step {step} group {group} skipped after an earlier failure")
+        try:
+            return self.allreduce.allreduce([host], step=step, group=group, average=True)
+        except BaseException:
+            abort.set()
+            raise
+
+    def finish(self) -> None:
+        """Waits for every started group and writes the averages into the shards.
+
+        Raises:
+            CrossSiteError: a round failed or did not finish in time; no shard is
+                changed then, so the step can be retried or skipped as a whole.
+        """
+        pending, self._pending = self._pending, []
+        self._abort = threading.Event()  # rounds of the next step start afresh
+        step = self._step
+        self._step += 1  # callers that skip begin_step still get distinct rounds
+        stats = StepStats(step=step, groups=len(pending))
+        t0 = time.perf_counter()
+        timeout = self.finish_timeout_s
+        if timeout is None:
+            timeout = self.allreduce.timeout_s * max(1, len(pending)) + 5.0
+        deadline = time.monotonic() + timeout
+        try:
+            for p in pending:
+                try:
+                    rs = p.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except futures.TimeoutError as exc:
+                    raise CrossSiteError(
+                        f"step {step} group {p.group}: not finished within {timeout:.1f}s"
+                    ) from exc
+                stats.sync_s += rs.wall_s
+                stats.bytes_sent += rs.bytes_sent
+                stats.bytes_received += rs.bytes_received
+                stats.raw_bytes += rs.raw_bytes
+        finally:
+            stats.wait_s = time.perf_counter() - t0
+            self.last_step_stats = stats
+        # Copy back only once every group succeeded: all or nothing.
+        for p in pending:
+            p.shard.copy_(p.host.view_as(p.shard))
+        log.debug(
+            "[site %d step %d] synced %d groups, %d bytes sent, wait %.3fs",
+            self.allreduce.site_index,
+            step,
+            stats.groups,
+            stats.bytes_sent,
+            stats.wait_s,
+        )
+
+    def close(self) -> None:
+        """Stops the background worker (waits for a running round)."""
+        self._worker.shutdown(wait=True)

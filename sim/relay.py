@@ -1,0 +1,385 @@
+"""A TCP relay that carries connections across emulated links, on a background thread.
+
+`RelayServer` runs an asyncio loop in a daemon thread; each `Link` owns the two
+`DirectionPipe`s of one pair of sites and any number of listeners on 127.0.0.1:
+forwards (every connection goes to one fixed target) and HTTP CONNECT proxies (the
+client names a loopback target). Only loopback targets are ever connected to.
+
+gRPC through a proxy listener (checked with grpcio 1.84): pass the channel option
+`("grpc.http_proxy", "http://127.0.0.1:PORT")` (see `proxy_channel_options`). gRPC
+then tunnels targets written `127.0.0.1:N`, `localhost:N` or `ipv4:127.0.0.1:N`
+through the proxy; the option beats the `http_proxy`/`https_proxy`/`grpc_proxy`
+environment variables. But the `no_grpc_proxy` / `no_proxy` environment variables
+(the first one set wins) silently bypass even the channel option for hosts they
+list, and many machines set `no_proxy=localhost,127.0.0.1`: unset them, or set
+`no_grpc_proxy` to a name that matches nothing, e.g. `no_grpc_proxy=none.invalid`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from .link import DirectionPipe, LinkSpec
+
+SOCKET_BUFFER_BYTES = 128 * 1024
+"""SO_RCVBUF/SO_SNDBUF of relay sockets (Linux doubles it): small, so the kernel does
+not hide an unbounded buffer behind the link's in-flight bound."""
+HEADER_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 30.0
+
+T = TypeVar("T")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is `localhost` or a loopback address literal (no DNS lookup)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def proxy_channel_options(address: tuple[str, int]) -> list[tuple[str, Any]]:
+    """gRPC channel options that route a channel through a proxy listener.
+
+    Args:
+        address: (host, port) returned by `Link.add_proxy`.
+
+    Returns:
+        Options for `grpc.insecure_channel(target, options=...)`.
+    """
+    return [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", f"http://{address[0]}:{address[1]}")]
+
+
+class _HttpError(Exception):
+    def __init__(self, status: str) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+def _parse_connect(header: bytes) -> tuple[str, int]:
+    """Parse an HTTP CONNECT request head; raise `_HttpError` on a bad or forbidden one."""
+    try:
+        method, authority, version = header.split(b"\r\n", 1)[0].decode("ascii").split(" ")
+        host, _, port_text = authority.rpartition(":")
+        port = int(port_text)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _HttpError("400 Bad Request") from e
+    if method != "CONNECT" or not version.startswith("HTTP/1.") or not host or not 0 < port < 65536:
+        raise _HttpError("400 Bad Request")
+    if not is_loopback(host):
+        raise _HttpError("403 Forbidden")
+    return host.strip("[]"), port
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+
+
+async def _open(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a loopback target with small socket buffers (set before the handshake)."""
+    assert is_loopback(host), host  # callers check; this is the last line of defence
+    candidates = ["127.0.0.1", "::1"] if host.lower() == "localhost" else [host]
+    loop = asyncio.get_running_loop()
+    error: OSError = OSError(f"cannot connect to {host}:{port}")
+    for ip in candidates:
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, (ip, port)), CONNECT_TIMEOUT_S)
+            return await asyncio.open_connection(sock=sock)
+        except (OSError, asyncio.TimeoutError) as e:
+            sock.close()
+            error = e if isinstance(e, OSError) else OSError(f"timeout connecting to {ip}:{port}")
+    raise error
+
+
+class Link:
+    """Two directions between sites a and b, and the listeners that feed them.
+
+    Public methods are thread-safe: they run on the relay's loop and wait for it.
+    """
+
+    def __init__(self, name: str, spec: LinkSpec, loop: asyncio.AbstractEventLoop) -> None:
+        self.name = name
+        self._spec = spec
+        self._loop = loop
+        self._pipes = {"a": DirectionPipe(spec.a_to_b), "b": DirectionPipe(spec.b_to_a)}
+        self._servers: list[asyncio.AbstractServer] = []
+        self._handlers: set[asyncio.Task[None]] = set()
+        self.targets_connected = 0
+        """Outbound connections the relay opened to targets (counter)."""
+        self.proxy_refused = 0
+        """CONNECT requests answered 400/403 without connecting anywhere (counter)."""
+
+    @property
+    def spec(self) -> LinkSpec:
+        """The spec applied to new bytes."""
+        return self._spec
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError(f"link {self.name!r}: relay is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(CALL_TIMEOUT_S)
+
+    def add_forward(
+        self, target_host: str, target_port: int, initiator: str = "a"
+    ) -> tuple[str, int]:
+        """Listen on 127.0.0.1 and forward every connection to one loopback target.
+
+        Args:
+            target_host: loopback host of the target server.
+            target_port: its port.
+            initiator: site of the connecting clients, "a" or "b": their bytes travel
+                that site's outbound direction, the answers the other.
+
+        Returns:
+            (host, port) the listener is bound to.
+        """
+        if not is_loopback(target_host):
+            raise ValueError(f"target_host must be a loopback address, got {target_host!r}")
+        return self._call(self._listen(initiator, (target_host, int(target_port))))
+
+    def add_proxy(self, initiator: str = "a") -> tuple[str, int]:
+        """Listen on 127.0.0.1 as an HTTP CONNECT proxy to loopback targets.
+
+        Args:
+            initiator: site of the connecting clients, "a" or "b".
+
+        Returns:
+            (host, port) the listener is bound to.
+        """
+        return self._call(self._listen(initiator, None))
+
+    def update(self, spec: LinkSpec) -> None:
+        """Change both directions of the live link; applies to bytes sent afterwards."""
+        if not isinstance(spec, LinkSpec):
+            raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
+
+        async def apply() -> None:
+            self._spec = spec
+            self._pipes["a"].update(spec.a_to_b)
+            self._pipes["b"].update(spec.b_to_a)
+
+        self._call(apply())
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Counters per direction ("a_to_b", "b_to_a"): bytes_delivered, connections
+        (accepted from that direction's initiator) and inflight_bytes (now)."""
+        return {
+            key: {
+                "bytes_delivered": p.bytes_delivered,
+                "connections": p.connections,
+                "inflight_bytes": p.inflight_bytes,
+            }
+            for key, p in (("a_to_b", self._pipes["a"]), ("b_to_a", self._pipes["b"]))
+        }
+
+    async def _listen(self, initiator: str, target: tuple[str, int] | None) -> tuple[str, int]:
+        if initiator not in self._pipes:
+            raise ValueError(f"initiator must be 'a' or 'b', got {initiator!r}")
+        out = self._pipes[initiator]
+        back = self._pipes["b" if initiator == "a" else "a"]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            _tune(sock)  # accepted sockets inherit the buffer sizes
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(128)
+
+            async def on_accept(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+                # close() cancels handlers; end normally, since Python 3.11's streams call
+                # task.exception() on the finished task and log a cancelled one as an error.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._handle(r, w, out, back, target)
+
+            server = await asyncio.start_server(on_accept, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._servers.append(server)
+        host, port = sock.getsockname()[:2]
+        return host, port
+
+    async def _handle(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        out: DirectionPipe,
+        back: DirectionPipe,
+        target: tuple[str, int] | None,
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        out.connections += 1
+        peer: asyncio.StreamWriter | None = None
+        clean = False
+        try:
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if target is None:
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
+                    target = _parse_connect(head)
+                except asyncio.LimitOverrunError:
+                    raise _HttpError("400 Bad Request") from None
+                # The request crosses the link before the far side connects.
+                await asyncio.sleep(out.spec.latency_s)
+                try:
+                    peer_reader, peer = await _open(*target)
+                except OSError:
+                    raise _HttpError("502 Bad Gateway") from None
+                self.targets_connected += 1
+                await asyncio.sleep(back.spec.latency_s)  # and the answer crosses back
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:
+                peer_reader, peer = await _open(*target)
+                self.targets_connected += 1
+            await _splice(reader, writer, peer_reader, peer, out, back)
+            clean = True
+        except _HttpError as e:
+            if e.status.startswith(("400", "403")):
+                self.proxy_refused += 1
+            writer.write(f"HTTP/1.1 {e.status}\r\nConnection: close\r\n\r\n".encode())
+            with contextlib.suppress(OSError):
+                await writer.drain()
+            clean = True
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            pass  # a reset or failed side: close the other below
+        finally:
+            for w in (writer, peer):
+                if w is None:
+                    continue
+                if clean:
+                    w.close()  # flushes what is buffered, then FIN
+                else:
+                    w.transport.abort()
+            self._handlers.discard(task)
+
+    async def _close(self) -> None:
+        for server in self._servers:
+            server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        # After the handlers: from Python 3.12 wait_closed() also waits for connections.
+        for server in self._servers:
+            await server.wait_closed()
+
+
+async def _splice(
+    c_reader: asyncio.StreamReader,
+    c_writer: asyncio.StreamWriter,
+    t_reader: asyncio.StreamReader,
+    t_writer: asyncio.StreamWriter,
+    out: DirectionPipe,
+    back: DirectionPipe,
+) -> None:
+    """Carry both directions until both have delivered EOF; raise if either side fails."""
+    tasks = [
+        asyncio.ensure_future(out.carry(c_reader, t_writer)),
+        asyncio.ensure_future(back.carry(t_reader, c_writer)),
+    ]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            t.result()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class RelayServer:
+    """Runs links on an asyncio loop in a daemon thread, for synchronous callers.
+
+    Use as a context manager, or call `start()` and `close()`.
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._links: dict[str, Link] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> RelayServer:
+        """Start the loop thread (idempotent).
+
+        Returns:
+            self.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("relay server is closed")
+            if self._thread is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name="isthmus-relay", daemon=True
+                )
+                self._thread.start()
+        return self
+
+    def add_link(self, name: str, spec: LinkSpec) -> Link:
+        """Create a link with no listeners yet.
+
+        Args:
+            name: unique name, e.g. "siteA-siteB".
+            spec: the link's impairments.
+
+        Returns:
+            The link; add listeners with `add_forward` / `add_proxy`.
+        """
+        if not isinstance(spec, LinkSpec):
+            raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
+        self.start()
+        with self._lock:
+            if name in self._links:
+                raise ValueError(f"link name {name!r} is already used")
+            assert self._loop is not None
+            link = self._links[name] = Link(name, spec, self._loop)
+        return link
+
+    def link(self, name: str) -> Link:
+        """The link called `name`."""
+        return self._links[name]
+
+    def close(self) -> None:
+        """Close all listeners and connections and join the thread (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+
+        async def shutdown() -> None:
+            await asyncio.gather(*(link._close() for link in self._links.values()))
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(CALL_TIMEOUT_S)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(CALL_TIMEOUT_S)
+            loop.close()
+
+    def __enter__(self) -> RelayServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

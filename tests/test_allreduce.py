@@ -1,0 +1,361 @@
+"""Cross-site all-reduce over real gRPC lanes on loopback, one thread per site."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+import torch
+
+from isthmus.inter.allreduce import CrossSiteAllReduce, CrossSiteError
+from isthmus.inter.codec import crc32, make_codec
+from isthmus.inter.gradient_sync import LaneGradientSync
+from isthmus.inter.lane import LanePeer, LaneServer, Mailbox
+from isthmus.proto import lane_pb2, lane_pb2_grpc
+
+CHUNK = 4096  # bytes: 1024 fp32 per chunk, small so odd tensor sizes straddle chunks
+SIZES = [[1000, 3, 2500], [17], [1024], [5, 4096, 1]]  # incl. < one chunk, exact chunk
+
+
+@contextlib.contextmanager
+def sites(
+    n: int,
+    codec: str = "raw",
+    timeout_s: float = 10.0,
+    connections: int = 1,
+    chunk_bytes: int = CHUNK,
+) -> Iterator[list[CrossSiteAllReduce]]:
+    servers = [
+        LaneServer(
+            site_index=i,
+            num_sites=n,
+            codec=make_codec(codec).name,
+            generation=7,
+            chunk_bytes=chunk_bytes,
+        )
+        for i in range(n)
+    ]
+    peers = [
+        {
+            j: LanePeer(servers[j].address, chunk_bytes=chunk_bytes, connections=connections)
+            for j in range(n)
+            if j != i
+        }
+        for i in range(n)
+    ]
+    try:
+        yield [
+            CrossSiteAllReduce(
+                site_index=i,
+                num_sites=n,
+                server=servers[i],
+                peers=peers[i],
+                codec=make_codec(codec),
+                chunk_bytes=chunk_bytes,
+                timeout_s=timeout_s,
+                generation=7,
+            )
+            for i in range(n)
+        ]
+    finally:
+        for p in peers:
+            for peer in p.values():
+                peer.close()
+        for s in servers:
+            s.stop(0)
+
+
+def run_all(fns: list[Callable[[], object]], timeout: float = 25.0) -> list[object]:
+    """Runs each callable in its own thread; returns results (or raised exceptions)."""
+    out: list[object] = [None] * len(fns)
+
+    def wrap(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 (handed back to the test)
+            out[i] = exc
+
+    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a site hung"
+    return out
+
+
+def inputs(num_sites: int, sizes: list[int], seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, generator=g) * (s + 1) for n in sizes] for s in range(num_sites)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_sites", [2, 3])
+@pytest.mark.parametrize("codec", ["raw", "zstd:1"])
+@pytest.mark.parametrize("average", [False, True])
+def test_allreduce_is_exact_and_identical(num_sites: int, codec: str, average: bool) -> None:
+    with sites(num_sites, codec) as ars:
+        for step, sizes in enumerate(SIZES):
+            data = inputs(num_sites, sizes, seed=step)
+            # Reference in the owner's fixed site order, in float32.
+            want = []
+            for k in range(len(sizes)):
+                acc = data[0][k].clone()
+                for s in range(1, num_sites):
+                    acc += data[s][k]
+                want.append(acc / num_sites if average else acc)
+            res = run_all(
+                [
+                    lambda s=s, d=data, st=step: ars[s].allreduce(d[s], st, 0, average)
+                    for s in range(num_sites)
+                ]
+            )
+            for s in range(num_sites):
+                assert not isinstance(res[s], BaseException), res[s]
+                for k in range(len(sizes)):
+                    assert torch.equal(data[s][k], want[k]), (s, k)
+            assert all(len(a.server.mailbox) == 0 for a in ars)
+            total = sum(sizes) * 4
+            moved = sum(r.raw_bytes for r in res)
+            # Each site moves 2(S-1)/S of the buffer; chunk rounding makes it inexact.
+            assert moved <= 2 * total * (num_sites - 1) + 2 * CHUNK * num_sites
+
+
+@pytest.mark.timeout(30)
+def test_multiple_connections_and_groups() -> None:
+    with sites(3, "zstd:1", connections=3) as ars:
+        for group in range(3):
+            data = inputs(3, [3000, 7], seed=group)
+            want = [data[0][k] + data[1][k] + data[2][k] for k in range(2)]
+            res = run_all(
+                [lambda s=s, d=data, g=group: ars[s].allreduce(d[s], 5, g, False) for s in range(3)]
+            )
+            assert not any(isinstance(r, BaseException) for r in res), res
+            assert all(torch.equal(data[s][k], want[k]) for s in range(3) for k in range(2))
+
+
+@pytest.mark.timeout(10)
+def test_single_site_is_a_no_op() -> None:
+    server = LaneServer(site_index=0, num_sites=1, codec="raw", chunk_bytes=CHUNK)
+    try:
+        ar = CrossSiteAllReduce(
+            site_index=0,
+            num_sites=1,
+            server=server,
+            peers={},
+            codec=make_codec("raw"),
+            chunk_bytes=CHUNK,
+        )
+        x = torch.arange(10.0)
+        stats = ar.allreduce([x], 0, 0, average=True)
+        assert torch.equal(x, torch.arange(10.0)) and stats.bytes_sent == 0
+    finally:
+        server.stop(0)
+
+
+# --- the server refuses bad input and keeps its state --------------------------------
+
+
+def _request(**overrides: object) -> lane_pb2.PushChunksRequest:
+    payload = make_codec("raw").encode(torch.ones(10))
+    fields = dict(
+        generation=7,
+        step=3,
+        group=0,
+        kind=lane_pb2.CHUNK_KIND_CONTRIBUTION,
+        chunk_index=0,
+        num_chunks=1,
+        from_site=1,
+        total_elements=10,
+        num_elements=10,
+        codec="raw",
+        payload=payload,
+        crc32=crc32(payload),
+    )
+    fields.update(overrides)
+    return lane_pb2.PushChunksRequest(**fields)
+
+
+@pytest.fixture()
+def lone_server() -> Iterator[tuple[LaneServer, lane_pb2_grpc.LaneStub]]:
+    server = LaneServer(site_index=0, num_sites=3, codec="raw", generation=7, chunk_bytes=CHUNK)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield server, lane_pb2_grpc.LaneStub(channel)
+    finally:
+        channel.close()
+        server.stop(0)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("bad", "code", "words"),
+    [
+        (dict(crc32=12345), grpc.StatusCode.INVALID_ARGUMENT, "crc32 mismatch"),
+        (dict(generation=6), grpc.StatusCode.FAILED_PRECONDITION, "generation 6"),
+        (dict(codec="zstd:1"), grpc.StatusCode.FAILED_PRECONDITION, "codec 'zstd:1'"),
+        (dict(chunk_index=1), grpc.StatusCode.INVALID_ARGUMENT, "chunk_index 1 >= num_chunks 1"),
+        (dict(from_site=3), grpc.StatusCode.INVALID_ARGUMENT, "from_site 3"),
+        (dict(from_site=0), grpc.StatusCode.INVALID_ARGUMENT, "from_site 0"),
+        (dict(kind=lane_pb2.CHUNK_KIND_UNSPECIFIED), grpc.StatusCode.INVALID_ARGUMENT, "kind"),
+        (
+            dict(num_elements=2000, total_elements=2000, num_chunks=2),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "num_elements 2000",
+        ),
+        (dict(num_chunks=5), grpc.StatusCode.INVALID_ARGUMENT, "num_chunks 5"),
+        (
+            dict(payload=bytes(CHUNK * 2), crc32=crc32(bytes(CHUNK * 2))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "exceeds",
+        ),
+    ],
+)
+def test_server_refuses_bad_chunk(
+    lone_server, bad: dict, code: grpc.StatusCode, words: str
+) -> None:
+    server, stub = lone_server
+    good = _request(chunk_index=0)
+    before = server.mailbox.keys()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.PushChunks(iter([_request(**bad)]), timeout=5)
+    assert info.value.code() == code
+    assert words in info.value.details() and "site 0 refused" in info.value.details()
+    assert server.mailbox.keys() == before == []
+    # The server still works afterwards.
+    assert stub.PushChunks(iter([good]), timeout=5).accepted == 1
+    assert len(server.mailbox) == 1
+
+
+@pytest.mark.timeout(20)
+def test_server_refuses_duplicate_and_stale(lone_server) -> None:
+    server, stub = lone_server
+    assert stub.PushChunks(iter([_request()]), timeout=5).accepted == 1
+    with pytest.raises(grpc.RpcError) as info:
+        stub.PushChunks(iter([_request()]), timeout=5)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "duplicate" in info.value.details()
+    assert len(server.mailbox) == 1
+    # Taken chunks stay known: a replay after take() is still refused.
+    server.mailbox.take((3, 0, lane_pb2.CHUNK_KIND_CONTRIBUTION, 0, 1), timeout=1)
+    with pytest.raises(grpc.RpcError):
+        stub.PushChunks(iter([_request()]), timeout=5)
+    assert len(server.mailbox) == 0
+    server.mailbox.discard_before(4)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.PushChunks(iter([_request(step=3, group=1)]), timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert len(server.mailbox) == 0
+
+
+@pytest.mark.timeout(10)
+def test_mailbox_take_times_out_and_discards() -> None:
+    box = Mailbox()
+    with pytest.raises(TimeoutError):
+        box.take((0, 0, 1, 0, 1), timeout=0.05)
+    assert box.deposit((1, 0, 1, 0, 1), _request()) is None
+    assert box.deposit((2, 0, 1, 0, 1), _request()) is None
+    assert box.discard_before(2) == 1
+    assert box.keys() == [(2, 0, 1, 0, 1)]
+
+
+# --- silent peers fail within the timeout --------------------------------------------
+
+
+@pytest.mark.timeout(20)
+def test_peer_that_never_runs_its_round() -> None:
+    with sites(2, timeout_s=1.0) as ars:
+        t0 = time.monotonic()
+        with pytest.raises(CrossSiteError, match=r"site 0 step 0 group 0: timed out .* \[1\]"):
+            ars[0].allreduce([torch.ones(3000)], 0, 0, average=False)
+        assert time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.timeout(20)
+def test_peer_that_never_answers_tcp() -> None:
+    # A listening socket that never speaks HTTP/2: connects, then silence.
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", chunk_bytes=CHUNK)
+    peer = LanePeer(f"127.0.0.1:{hole.getsockname()[1]}", chunk_bytes=CHUNK)
+    try:
+        ar = CrossSiteAllReduce(
+            site_index=0,
+            num_sites=2,
+            server=server,
+            peers={1: peer},
+            codec=make_codec("raw"),
+            chunk_bytes=CHUNK,
+            timeout_s=1.0,
+        )
+        t0 = time.monotonic()
+        with pytest.raises(CrossSiteError, match="site 0 step 0 group 0"):
+            ar.allreduce([torch.ones(5000)], 0, 0, average=False)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        peer.close()
+        server.stop(0)
+        hole.close()
+
+
+@pytest.mark.timeout(20)
+def test_generation_mismatch_fails_fast() -> None:
+    with sites(2, timeout_s=5.0) as ars:
+        ars[1].server.set_generation(8)
+        t0 = time.monotonic()
+        res = run_all(
+            [lambda s=s: ars[s].allreduce([torch.ones(3000)], 0, 0, False) for s in range(2)]
+        )
+        assert isinstance(res[0], CrossSiteError) and "FAILED_PRECONDITION" in str(res[0])
+        assert "generation 7 != receiver's 8" in str(res[0])
+        assert isinstance(res[1], CrossSiteError)
+        assert time.monotonic() - t0 < 8.0
+
+
+# --- the gradient-sync seam ----------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_gradient_sync_averages_groups() -> None:
+    with sites(2, "zstd:1") as ars:
+        syncs = [LaneGradientSync(ar) for ar in ars]
+        shards = inputs(2, [2100, 9], seed=3)
+        want = [(shards[0][g] + shards[1][g]) / 2 for g in range(2)]
+
+        def site(s: int) -> object:
+            syncs[s].begin_step(11)
+            for g in range(2):
+                syncs[s].start(g, shards[s][g])
+            syncs[s].finish()
+            return syncs[s].last_step_stats
+
+        try:
+            res = run_all([lambda s=s: site(s) for s in range(2)])
+            for s in range(2):
+                assert not isinstance(res[s], BaseException), res[s]
+                assert res[s].step == 11 and res[s].groups == 2 and res[s].bytes_sent > 0
+                assert all(torch.equal(shards[s][g], want[g]) for g in range(2))
+        finally:
+            for sync in syncs:
+                sync.close()
+
+
+@pytest.mark.timeout(30)
+def test_gradient_sync_failure_leaves_shards_alone() -> None:
+    with sites(2, timeout_s=1.0) as ars:
+        sync = LaneGradientSync(ars[0])
+        shard = torch.ones(100)
+        try:
+            sync.start(0, shard)
+            sync.start(1, torch.ones(5))
+            with pytest.raises(CrossSiteError, match="step 0 group 0"):
+                sync.finish()
+            assert torch.equal(shard, torch.ones(100))
+        finally:
+            sync.close()

@@ -1,0 +1,175 @@
+"""The coordinator over real gRPC on loopback: joining, membership, refusals."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from isthmus.inter.coordinator import Coordinator, CoordinatorError, fingerprint_diff
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+FP = {"model.dim": "64", "job.seed": "0", "sync.codec": "zstd:1"}
+
+
+def make_sites(fingerprints: list[dict[str, str]], ranks: int = 2, join_timeout_s: float = 20):
+    names = [f"site{i}" for i in range(len(fingerprints))]
+    coords = [
+        Coordinator(
+            site=name,
+            site_names=names,
+            ranks=ranks,
+            fingerprint=fp,
+            join_timeout_s=join_timeout_s,
+            heartbeat_s=0.2,
+        )
+        for name, fp in zip(names, fingerprints, strict=True)
+    ]
+    addresses = {c.site: c.address for c in coords}
+    for c in coords:
+        c.set_peers({n: a for n, a in addresses.items() if n != c.site})
+    return coords
+
+
+def register(coord: Coordinator, rank: int, world: int = 2, fp=FP, site=None) -> None:
+    with grpc.insecure_channel(coord.address) as channel:
+        pb_grpc.CoordinatorStub(channel).RegisterRank(
+            pb.RegisterRankRequest(
+                site=site or coord.site,
+                rank=rank,
+                world_size=world,
+                lane_address=f"127.0.0.1:{1000 + rank}",
+                fingerprint=pb.JobFingerprint(fields=fp),
+            ),
+            timeout=5,
+        )
+
+
+def test_fingerprint_diff_names_each_differing_key():
+    assert fingerprint_diff(FP, FP) == []
+    diff = fingerprint_diff(FP, {**FP, "model.dim": "128", "extra": "1"})
+    assert diff == ["extra=<unset> vs 1", "model.dim=64 vs 128"]
+
+
+@pytest.mark.parametrize("num_sites", [2, 3])
+def test_sites_join_and_agree_on_membership(num_sites):
+    coords = make_sites([FP] * num_sites)
+    for c in coords:
+        c.start()
+    try:
+        for c in coords:
+            for rank in range(2):
+                register(c, rank)
+        memberships = [c.wait_ready(15) for c in coords]
+        for sites in memberships:
+            assert [s.name for s in sites] == [f"site{i}" for i in range(num_sites)]
+            assert [list(s.lane_addresses) for s in sites] == [
+                ["127.0.0.1:1000", "127.0.0.1:1001"]
+            ] * num_sites
+        # A rank learns the same membership by long poll.
+        with grpc.insecure_channel(coords[0].address) as channel:
+            reply = pb_grpc.CoordinatorStub(channel).GetMembership(
+                pb.GetMembershipRequest(known_generation=0, wait_ms=5000), timeout=10
+            )
+        assert reply.generation == 1 and len(reply.sites) == num_sites
+    finally:
+        for c in coords:
+            c.stop()
+
+
+def test_membership_waits_for_every_rank():
+    coords = make_sites([FP, FP])
+    for c in coords:
+        c.start()
+    try:
+        register(coords[0], 0)
+        register(coords[0], 1)
+        register(coords[1], 0)
+        with pytest.raises(CoordinatorError, match="no membership"):
+            coords[0].wait_ready(1.0)
+        register(coords[1], 1)
+        assert len(coords[0].wait_ready(10)) == 2
+    finally:
+        for c in coords:
+            c.stop()
+
+
+def test_join_with_different_fingerprint_is_refused_naming_the_key():
+    coords = make_sites([FP, {**FP, "model.dim": "128"}])
+    for c in coords:
+        c.start()
+    try:
+        for c in coords:
+            with pytest.raises(CoordinatorError) as info:
+                c.wait_ready(15)
+            message = str(info.value)
+            assert "fingerprint differs" in message and "model.dim=" in message
+            assert "64" in message and "128" in message
+            assert "job.seed" not in message  # only what differs
+        assert all(c.generation == 0 for c in coords)
+    finally:
+        for c in coords:
+            c.stop()
+
+
+def test_bad_rank_registration_is_refused_and_changes_nothing():
+    (coord,) = make_sites([FP])
+    coord.start()
+    try:
+        for kwargs, expected in [
+            ({"rank": 5}, "does not fit"),
+            ({"rank": 0, "world": 3}, "does not fit"),
+            ({"rank": 0, "fp": {**FP, "job.seed": "1"}}, "job.seed=0 vs 1"),
+            ({"rank": 0, "site": "elsewhere"}, "registered for site"),
+        ]:
+            with pytest.raises(grpc.RpcError) as info:
+                register(coord, **kwargs)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert expected in info.value.details()
+        assert coord.generation == 0
+        register(coord, 0)
+        register(coord, 1)
+        assert coord.wait_ready(5)[0].lane_addresses[1] == "127.0.0.1:1001"
+    finally:
+        coord.stop()
+
+
+def test_absent_peer_times_out_with_a_clear_error():
+    coords = make_sites([FP, FP], join_timeout_s=1.5)
+    coords[0].start()  # site1 never starts
+    try:
+        register(coords[0], 0)
+        register(coords[0], 1)
+        with pytest.raises(CoordinatorError, match="sites not ready: \\['site1'\\]"):
+            coords[0].wait_ready(10)
+    finally:
+        coords[0].stop()
+
+
+def test_long_poll_returns_when_membership_appears():
+    coords = make_sites([FP, FP])
+    for c in coords:
+        c.start()
+    result = {}
+
+    def poll():
+        with grpc.insecure_channel(coords[1].address) as channel:
+            result["reply"] = pb_grpc.CoordinatorStub(channel).GetMembership(
+                pb.GetMembershipRequest(known_generation=0, wait_ms=20000), timeout=30
+            )
+
+    try:
+        thread = threading.Thread(target=poll)
+        thread.start()
+        for c in coords:
+            register(c, 0)
+            register(c, 1)
+        thread.join(20)
+        assert result["reply"].generation == 1
+    finally:
+        for c in coords:
+            c.stop()

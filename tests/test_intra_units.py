@@ -1,0 +1,153 @@
+"""Pure-logic tests of isthmus.intra: no process groups."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from isthmus.intra.data import Corpus, ShardedBatches, from_path, stdlib_corpus
+from isthmus.intra.digest import parameter_digest
+from isthmus.intra.model import PRESETS, ModelConfig, Transformer, build_model, preset
+from isthmus.intra.topology import MeshAxis, ParallelLayout, build_site_mesh
+from isthmus.intra.train import TrainConfig
+
+
+def test_layout_defaults_and_world_size() -> None:
+    assert ParallelLayout().world_size == 1
+    assert ParallelLayout(pp=2, dp=3, tp=2).world_size == 12
+    assert [a.value for a in MeshAxis] == ["pp", "dp", "tp"]
+
+
+@pytest.mark.parametrize("field", ["pp", "dp", "tp"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_layout_rejects_bad_sizes(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"ParallelLayout\.{field}") as err:
+        ParallelLayout(**{field: value})
+    assert "\n" not in str(err.value)
+
+
+def test_for_ranks_derives_dp() -> None:
+    assert ParallelLayout.for_ranks(8, pp=2, tp=2) == ParallelLayout(pp=2, dp=2, tp=2)
+    assert ParallelLayout.for_ranks(4) == ParallelLayout(dp=4)
+
+
+def test_for_ranks_message_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^ranks_per_site=6 is not divisible by pp\*tp=4") as err:
+        ParallelLayout.for_ranks(6, pp=2, tp=2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="ranks_per_site"):
+        ParallelLayout.for_ranks(0)
+
+
+def test_mesh_refuses_model_parallel_for_now() -> None:
+    with pytest.raises(NotImplementedError, match="later release"):
+        build_site_mesh(ParallelLayout(tp=2, dp=1))
+
+
+def test_model_config_validation() -> None:
+    with pytest.raises(ValueError, match="n_heads"):
+        ModelConfig(dim=65, n_layers=1, n_heads=4, ffn_hidden=8, max_seq_len=8)
+    with pytest.raises(ValueError, match="must be even"):
+        ModelConfig(dim=12, n_layers=1, n_heads=4, ffn_hidden=8, max_seq_len=8)
+    with pytest.raises(ValueError, match="ModelConfig.n_layers"):
+        ModelConfig(dim=8, n_layers=0, n_heads=2, ffn_hidden=8, max_seq_len=8)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("huge")
+
+
+def test_presets_sizes_and_flops() -> None:
+    expect = {"tiny": (0.1e6, 0.3e6), "small": (1e6, 3e6), "125m": (100e6, 150e6)}
+    expect |= {"350m": (300e6, 420e6), "1b": (0.9e9, 1.3e9)}
+    for name, (lo, hi) in expect.items():
+        with torch.device("meta"):
+            model = Transformer(PRESETS[name])
+        assert lo <= model.num_params() <= hi, name
+        n = model.num_params(exclude_embedding=True)
+        cfg = PRESETS[name]
+        assert model.flops_per_token(64) == 6 * n + 12 * cfg.n_layers * cfg.dim * 64
+
+
+def test_model_forward_shape_and_seed() -> None:
+    cfg = preset("tiny")
+    model = build_model(cfg, seed=3)
+    logits = model(torch.randint(0, 256, (2, 16)))
+    assert logits.shape == (2, 16, 256) and logits.dtype == torch.float32
+    assert parameter_digest(model) == parameter_digest(build_model(cfg, seed=3))
+    assert parameter_digest(model) != parameter_digest(build_model(cfg, seed=4))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, cfg.max_seq_len + 1, dtype=torch.long))
+
+
+def test_model_is_causal() -> None:
+    model = build_model(preset("tiny"), seed=0)
+    x = torch.randint(0, 256, (1, 12))
+    y = x.clone()
+    y[0, 8:] = (y[0, 8:] + 1) % 256
+    # Changing tokens 8.. must not change the logits at positions < 8.
+    torch.testing.assert_close(model(x)[:, :8], model(y)[:, :8], rtol=0, atol=0)
+
+
+def _corpus(n: int = 5000) -> Corpus:
+    return Corpus(tokens=(np.arange(n) % 251).astype(np.uint8), name="ramp")
+
+
+@pytest.mark.parametrize("num_shards", [2, 3, 4])
+def test_shards_union_equals_unsharded_batch(num_shards: int) -> None:
+    corpus, b = _corpus(), 3
+    whole = ShardedBatches(corpus, seq_len=16, batch_size=num_shards * b, seed=7)
+    for step in (0, 1, 41):
+        parts = [
+            ShardedBatches(
+                corpus, seq_len=16, batch_size=b, seed=7, shard_index=k, num_shards=num_shards
+            ).batch(step)
+            for k in range(num_shards)
+        ]
+        inputs, targets = whole.batch(step)
+        assert torch.equal(torch.cat([p[0] for p in parts]), inputs)
+        assert torch.equal(torch.cat([p[1] for p in parts]), targets)
+
+
+def test_batches_are_deterministic_and_shifted() -> None:
+    data = ShardedBatches(_corpus(), seq_len=32, batch_size=4, seed=1, shard_index=1, num_shards=2)
+    x, y = data.batch(5)
+    assert x.dtype == torch.int64 and x.shape == (4, 32)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(x, data.batch(5)[0])
+    assert not torch.equal(x, data.batch(6)[0])
+    with pytest.raises(ValueError, match="shard_index"):
+        ShardedBatches(_corpus(), seq_len=8, batch_size=1, seed=0, shard_index=2, num_shards=2)
+
+
+def test_stdlib_corpus_capped() -> None:
+    corpus = stdlib_corpus(max_bytes=1 << 16)
+    assert len(corpus) == 1 << 16 and corpus.tokens.dtype == np.uint8
+    assert np.array_equal(corpus.tokens, stdlib_corpus(max_bytes=1 << 16).tokens)
+
+
+def test_from_path_kinds(tmp_path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "b.txt").write_bytes(b"world")
+    (tmp_path / "d" / "a.txt").write_bytes(b"hello ")
+    assert bytes(from_path(tmp_path / "d").tokens) == b"hello world"
+    assert bytes(from_path(tmp_path / "d" / "a.txt", max_bytes=3).tokens) == b"hel"
+    ids = np.array([1, 300, 65535], dtype=np.uint16)
+    ids.tofile(tmp_path / "t.bin")
+    np.save(tmp_path / "t.npy", ids)
+    assert from_path(tmp_path / "t.bin", dtype="uint16").tokens.tolist() == [1, 300, 65535]
+    assert from_path(tmp_path / "t.npy").tokens.dtype == np.uint16
+    with pytest.raises(ValueError, match="does not exist"):
+        from_path(tmp_path / "missing")
+
+
+def test_lr_schedule_and_validation() -> None:
+    cfg = TrainConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, total_steps=14)
+    assert [cfg.lr_at(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert math.isclose(cfg.lr_at(9), 0.55)
+    assert math.isclose(cfg.lr_at(14), 0.1) and math.isclose(cfg.lr_at(99), 0.1)
+    with pytest.raises(ValueError, match="TrainConfig.warmup_steps"):
+        TrainConfig(warmup_steps=5, total_steps=4)
+    with pytest.raises(ValueError, match="TrainConfig.betas"):
+        TrainConfig(betas=(0.9, 1.0))
