@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isthmus.inter.codec import make_codec
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
@@ -323,6 +325,10 @@ def validate(config: JobConfig) -> None:
         4 * KIB <= s.chunk_bytes <= 64 * MIB and s.chunk_bytes % 4 == 0,
         f"sync.chunk_bytes must be a multiple of 4 in 4 KiB..64 MiB, got {s.chunk_bytes}",
     )
+    try:
+        make_codec(s.codec)
+    except ValueError as exc:
+        raise ConfigError(f"sync.codec: {exc}") from None
     _require(1 <= s.connections <= 16, f"sync.connections must be in 1..16, got {s.connections}")
     _require(s.timeout_s > 0, f"sync.timeout_s must be > 0, got {s.timeout_s}")
     w = config.wan

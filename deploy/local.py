@@ -193,6 +193,21 @@ class LocalJob:
                         stderr=subprocess.STDOUT,
                     )
                 self._ranks.append(RankProcess(site, rank, process, log_path))
+        self._write_job_file(proxies, [store.port for store in self._stores])
+
+    def _write_job_file(self, proxies: dict[str, dict[str, str]], store_ports: list[int]) -> None:
+        # What this run started and where, for operators and for the teardown tests.
+        job = {
+            "launcher_pid": os.getpid(),
+            "coordinators": {c.site: c.address for c in self._coordinators},
+            "proxies": proxies,
+            "store_ports": store_ports,
+            "ranks": [
+                {"site": r.site, "rank": r.rank, "pid": r.process.pid, "log": str(r.log_path)}
+                for r in self._ranks
+            ],
+        }
+        (self.run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
 
     # -- monitoring ---------------------------------------------------------------
 

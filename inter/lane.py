@@ -261,8 +261,18 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             if not ok:
                 raise _Refused(code, why)
 
-    def PushChunks(self, request_iterator, context):  # noqa: N802 (gRPC method name)
-        """Validates and deposits each chunk of the stream; aborts on the first bad one."""
+    def PushChunks(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: Iterator[lane_pb2.PushChunksRequest],
+        context: grpc.ServicerContext,
+    ) -> lane_pb2.PushChunksResponse:
+        """Validates and deposits each chunk of the stream; aborts on the first bad one.
+
+        Chunks are deposited one by one as they arrive, not at the end of the stream:
+        a round's stream stays open until the sender's results are out, and those wait
+        for the chunks already sent (holding them back would deadlock). A refused chunk
+        changes nothing; valid chunks before it in the stream stay deposited.
+        """
         accepted = 0
         for req in request_iterator:
             try:

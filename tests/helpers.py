@@ -1,0 +1,55 @@
+"""Shared helpers for tests that drive the real `isthmus` CLI."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+ISTHMUS = [sys.executable, "-m", "isthmus.deploy.cli"]
+
+
+def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """Run `isthmus ARGS...` to completion, capturing text output."""
+    return subprocess.run(
+        [*ISTHMUS, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        **kwargs,
+    )
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for every practical purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    """A user error: non-zero exit, one 'error:' line naming the problem, no traceback."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]

@@ -1,0 +1,123 @@
+"""The CLI's contract with a user: help, config resolution, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+from helpers import ISTHMUS, assert_one_line_error, run_cli
+
+from isthmus.deploy.config import ConfigError, load_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("command", [[], ["local"], ["coordinator"], ["config"]])
+def test_help_says_what_it_does_and_lists_options_with_defaults(command):
+    result = run_cli(*command, "--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "usage: isthmus" in text
+    if command == ["local"]:
+        assert "emulated long-haul links" in text
+        for flag, default in [
+            ("--sites", "default 2"),
+            ("--ranks-per-site", "default 2"),
+            ("--steps", "default 20"),
+            ("--run-dir", "default: a temporary folder"),
+            ("--set", "override any config key"),
+        ]:
+            assert flag in text and default in text
+    if command == ["coordinator"]:
+        assert "--listen" in text and "default: 127.0.0.1:0" in text
+
+
+def test_config_prints_every_key_with_its_doc():
+    result = run_cli("config", "--set", "train.lr=0.01", "--steps", "7", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "lr = 0.01  # Peak learning rate" in result.stdout
+    assert "steps = 7  # Optimizer steps to run." in result.stdout
+    assert "[wan]" in result.stdout and "distance_km = 1000.0" in result.stdout
+
+
+def test_precedence_file_then_set_then_flags(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[job]\nsteps = 5\nseed = 3\n[train]\nlr = 0.5\n")
+    config = load_config(path, ["job.steps=6", "train.lr=0.25"], {"job.steps": 7})
+    assert (config.job.steps, config.job.seed, config.train.lr) == (7, 3, 0.25)
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--set", "model.dimm=3"], ["unknown config key 'model.dimm'", "n_heads"]),
+        (["--set", "nosuch.key=3"], ["unknown config section 'nosuch'"]),
+        (
+            ["--ranks-per-site", "3", "--set", "topology.tp=2"],
+            ["does not divide the ranks", "pp*tp"],
+        ),
+        (["--set", "train.lr=fast"], ["train.lr must be float"]),
+        (["--set", "sync.codec=lz4"], ["sync.codec"]),
+        (["--config", "/nonexistent/job.toml"], ["config file not found"]),
+    ],
+)
+def test_bad_input_is_one_line_without_traceback(args, needles, tmp_path):
+    result = run_cli("local", "--run-dir", str(tmp_path / "run"), *args, timeout=60)
+    assert_one_line_error(result, *needles)
+    assert result.returncode == 2
+    # Nothing was started: no run files written for a config that never validated.
+    assert not (tmp_path / "run" / "sites").exists()
+
+
+def test_unknown_key_in_a_toml_file_names_the_file(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[train]\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'train.learning_rate'.*job.toml"):
+        load_config(path)
+
+
+def test_site_with_a_different_fingerprint_is_refused(tmp_path):
+    """Two `isthmus coordinator` processes whose configs differ in the model size."""
+    first = subprocess.Popen(
+        [*ISTHMUS, "coordinator", "--site", "site0", "--peer", "site1=127.0.0.1:1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = first.stdout.readline()
+        assert "listening on" in line, line + first.stderr.read()
+        address = line.split()[-1]
+        started = time.monotonic()
+        second = run_cli(
+            "coordinator",
+            "--site",
+            "site1",
+            "--peer",
+            f"site0={address}",
+            "--set",
+            "model.dim=256",
+            timeout=60,
+        )
+        assert time.monotonic() - started < 30
+        assert_one_line_error(second, "fingerprint differs", "model.dim=", "256")
+        assert second.returncode == 1
+    finally:
+        first.terminate()
+        first.wait(10)
+    assert first.returncode is not None
+
+
+def test_coordinator_rejects_a_site_outside_the_job():
+    result = run_cli("coordinator", "--site", "site9", timeout=60)
+    assert_one_line_error(result, "--site 'site9' is not one of")
+
+
+def test_module_entry_point_matches_console_script():
+    result = subprocess.run(
+        ["isthmus", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    if result.returncode != 0:  # console script missing: the install step is broken
+        pytest.fail(f"`isthmus` console script not installed: {result.stderr}")
+    assert result.stdout == run_cli("--help").stdout

@@ -1,0 +1,183 @@
+"""End to end: the real `isthmus local` CLI, sites as process groups over emulated links."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import ISTHMUS, pid_alive, port_is_free, run_cli
+
+pytestmark = pytest.mark.slow
+
+SUMMARY_KEYS = {
+    "steps",
+    "loss_first",
+    "loss_last",
+    "tokens_per_s",
+    "compute_s",
+    "cross_site_s",
+    "cross_site_bytes",
+    "compression_ratio",
+    "digests",
+}
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [
+        json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+@pytest.mark.timeout(400)
+def test_default_job_trains_two_sites_to_identical_replicas(tmp_path):
+    """The README's first command: 2 sites x 2 ranks, default small model, 20 steps."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = run_cli("local", "--steps", "20", "--run-dir", str(run_dir), timeout=400)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The issue's budget for this command on a 2-core machine.
+    assert elapsed < 180, f"isthmus local --steps 20 took {elapsed:.0f}s"
+
+    summary = read_summary(run_dir)
+    assert set(summary) >= SUMMARY_KEYS
+    assert summary["steps"] == 20
+    assert summary["loss_last"] < summary["loss_first"] - 0.5, summary
+    # Every site, and within it every rank, holds the same parameters...
+    assert set(summary["digests"]) == {"site0", "site1"}
+    assert len(set(summary["digests"].values())) == 1
+    # ...and the rank at each coordinate holds the same shard in both sites.
+    shards = summary["shard_digests"]
+    assert shards["site0"] == shards["site1"] and len(set(shards["site0"])) == 2
+    assert summary["cross_site_bytes"] > 0 and summary["compression_ratio"] > 1.0
+    assert summary["cross_site_s"] > 0 and summary["compute_s"] > 0
+    assert len(losses(run_dir)) == 20
+    assert (run_dir / "config.toml").read_text().startswith("[job]")
+
+    # The progress line and the summary a user sees.
+    assert "step 20/20" in result.stderr and "tok/s" in result.stderr
+    assert "cross-site" in result.stderr
+    for label in ("loss", "tokens/s", "cross-site sync", "bytes across sites", "digest site1"):
+        assert label in result.stdout
+    assert "replicas            identical" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_two_sites_match_one_site_over_the_same_global_batch(tmp_path):
+    """2 sites x 1 rank with lossless sync against 1 site x 2 ranks.
+
+    The global batch is the same (data shards are numbered site-major), the model
+    starts from the same seed, and the average is the same math: one site sums two
+    rank gradients in gloo's reduce-scatter and divides by 2; two sites each hold
+    one rank's gradient and the cross-site all-reduce sums the two in site order
+    and divides by 2. Only the order of fp32 additions may differ, an error of a
+    few ulps per step (~1e-7 relative) that AdamW's normalisation can amplify for
+    near-zero gradients; over 6 steps the loss agrees to well under 1e-4 relative.
+    """
+    common = ["--steps", "6", "--set", "model.preset=tiny", "--set", "train.seq_len=64"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    r2 = run_cli("local", *common, "--sites", "2", "--ranks-per-site", "1", "--run-dir", str(two))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    r1 = run_cli("local", *common, "--sites", "1", "--ranks-per-site", "2", "--run-dir", str(one))
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    assert losses(two) == pytest.approx(losses(one), rel=1e-4)
+    assert losses(two)[-1] < losses(two)[0]
+
+
+@pytest.mark.timeout(300)
+def test_three_sites_stay_identical(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "local",
+        "--sites",
+        "3",
+        "--ranks-per-site",
+        "1",
+        "--steps",
+        "4",
+        "--set",
+        "model.preset=tiny",
+        "--set",
+        "sync.codec=raw",
+        "--set",
+        "sync.chunk_bytes=65536",
+        "--run-dir",
+        str(run_dir),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert len(set(summary["digests"].values())) == 1 and len(summary["digests"]) == 3
+    assert summary["compression_ratio"] == pytest.approx(1.0)
+
+
+def start_job(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
+    """Start a long `isthmus local` and wait until every site has trained a step."""
+    process = subprocess.Popen(
+        [
+            *ISTHMUS,
+            "local",
+            "--steps",
+            "500",
+            "--set",
+            "model.preset=tiny",
+            "--run-dir",
+            str(run_dir),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    metrics = [run_dir / "sites" / site / "metrics.jsonl" for site in ("site0", "site1")]
+    while not all(m.exists() and m.read_text().strip() for m in metrics):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no step within 120 s"
+        time.sleep(0.2)
+    return process, json.loads((run_dir / "job.json").read_text())
+
+
+def assert_nothing_left(job: dict) -> None:
+    deadline = time.monotonic() + 10
+    pids = [r["pid"] for r in job["ranks"]]
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if pid_alive(pid)], "orphan rank processes"
+    ports = [int(a.rsplit(":", 1)[1]) for a in job["coordinators"].values()]
+    ports += job["store_ports"]
+    ports += [
+        int(url.rsplit(":", 1)[1]) for site in job["proxies"].values() for url in site.values()
+    ]
+    assert [p for p in ports if not port_is_free(p)] == [], "ports left bound"
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_tears_everything_down(tmp_path):
+    process, job = start_job(tmp_path / "run")
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert_nothing_left(job)
+
+
+@pytest.mark.timeout(200)
+def test_a_dying_rank_fails_the_job_with_one_line_and_no_orphans(tmp_path):
+    process, job = start_job(tmp_path / "run")
+    victim = job["ranks"][1]
+    subprocess.run(["kill", "-9", str(victim["pid"])], check=True)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    # Either the killed rank is named, or a peer that lost it reports first.
+    assert "exited with code" in errors[0], errors[0]
+    assert_nothing_left(job)
