@@ -79,6 +79,13 @@ def _init(rank: int, world: int, store: str) -> None:
     )
 
 
+def _shutdown() -> None:
+    # A rank that tears gloo down while its peer still finishes the last
+    # collective can make the peer abort ("terminate called ..."): meet first.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 class RecordingSync:
     """Changes nothing; keeps each shard and a copy of it as ``start`` saw it."""
 
@@ -135,7 +142,7 @@ def _dp_worker(rank: int, world: int, store: str, record: bool) -> dict[str, Any
             result["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     result["params"] = {n: p.full_tensor() for n, p in model.named_parameters()}
     result["digest"] = parameter_digest(model)
-    dist.destroy_process_group()
+    _shutdown()
     return result
 
 
@@ -170,7 +177,7 @@ def _init_worker(rank: int, world: int, store: str) -> tuple[str, str]:
     before = parameter_digest(model)
     apply_fsdp(model, build_site_mesh(ParallelLayout(dp=world)))
     after = parameter_digest(model)  # collective: gathers the shards
-    dist.destroy_process_group()
+    _shutdown()
     return before, after
 
 
@@ -240,7 +247,7 @@ def _site_worker(site: int, sites: int, tmp: str) -> dict[str, Any]:
     losses = [trainer.step(s, *data.batch(s)).loss for s in range(STEPS)]
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     digest = parameter_digest(model)
-    dist.destroy_process_group()
+    _shutdown()
     return {"losses": losses, "params": params, "digest": digest}
 
 
