@@ -39,7 +39,8 @@ from isthmus.inter.allreduce import CrossSiteAllReduce
 from isthmus.inter.codec import make_codec
 from isthmus.inter.coordinator import peer_channel
 from isthmus.inter.gradient_sync import LaneGradientSync
-from isthmus.inter.lane import LanePeer, LaneServer
+from isthmus.inter.lane import LaneServer
+from isthmus.inter.lane_peer import LanePeer
 from isthmus.intra.data import ShardedBatches, from_path, stdlib_corpus
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.model import build_model, preset

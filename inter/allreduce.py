@@ -21,7 +21,9 @@ import torch
 from isthmus.proto import lane_pb2
 
 from .codec import Codec, CodecError, crc32
-from .lane import LanePeer, LaneServer, MailboxKey, PeerRound
+from .lane import LaneServer
+from .lane_peer import LanePeer, PeerRound
+from .mailbox import MailboxKey
 
 __all__ = ["CrossSiteAllReduce", "CrossSiteError", "RoundStats"]
 

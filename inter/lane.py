@@ -1,18 +1,17 @@
 """Lanes: the gRPC data plane between the ranks at one mesh coordinate of every site.
 
-A :class:`LaneServer` receives ``PushChunks`` streams, validates every message field
-by field and deposits the valid ones in a :class:`Mailbox`. A :class:`LanePeer` sends
-to one peer site: per round and per connection, one client-streaming ``PushChunks``
-fed from a queue by a sender thread, so encoding (the caller) and sending overlap.
+This module owns the receiving side: a :class:`LaneServer` receives ``PushChunks``
+streams, validates every message field by field and deposits the valid ones in a
+:class:`~isthmus.inter.mailbox.Mailbox`. It also owns the limits both sides share
+(:func:`max_payload_bytes`, :func:`channel_options`). The sending side,
+:class:`~isthmus.inter.lane_peer.LanePeer`, lives in :mod:`isthmus.inter.lane_peer`.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -20,15 +19,13 @@ import grpc
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 from .codec import crc32
+from .mailbox import Mailbox
 
-__all__ = ["LanePeer", "LaneServer", "Mailbox", "MailboxKey", "PeerRound", "max_payload_bytes"]
+__all__ = ["LaneServer", "channel_options", "max_payload_bytes"]
 
 log = logging.getLogger(__name__)
 
-# (step, group, kind, chunk_index, from_site)
-MailboxKey = tuple[int, int, int, int, int]
 _HEADROOM = 64 * 1024  # protobuf framing and metadata on top of the payload
-_POLL_S = 0.1  # how often blocked loops look at stop/deadline flags
 
 
 def max_payload_bytes(chunk_bytes: int) -> int:
@@ -40,92 +37,10 @@ def max_payload_bytes(chunk_bytes: int) -> int:
     return chunk_bytes + chunk_bytes // 128 + 1024
 
 
-def _channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """gRPC message size limits for a lane of ``chunk_bytes`` chunks (server and clients)."""
     limit = max_payload_bytes(chunk_bytes) + _HEADROOM
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-
-
-class Mailbox:
-    """Thread-safe store of received chunks keyed by :data:`MailboxKey`.
-
-    Keeps the keys ever deposited for the live steps so a replayed chunk is refused
-    even after it was taken, and a step floor so chunks of finished rounds are refused.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._items: dict[MailboxKey, lane_pb2.PushChunksRequest] = {}
-        self._seen: set[MailboxKey] = set()
-        self._floor = 0
-
-    def deposit(self, key: MailboxKey, item: lane_pb2.PushChunksRequest) -> str | None:
-        """Stores ``item``; returns None, or why it was refused ("duplicate"/"stale")."""
-        with self._cond:
-            if key[0] < self._floor:
-                return "stale"
-            if key in self._seen:
-                return "duplicate"
-            self._seen.add(key)
-            self._items[key] = item
-            self._cond.notify_all()
-            return None
-
-    def take(self, key: MailboxKey, timeout: float) -> lane_pb2.PushChunksRequest:
-        """Waits up to ``timeout`` seconds for ``key``, removes and returns it.
-
-        Raises:
-            TimeoutError: nothing arrived under ``key`` in time.
-        """
-        found = self.take_any((key,), timeout)
-        if found is None:
-            raise TimeoutError(f"no chunk {key} within {timeout:.3f}s")
-        return found[1]
-
-    def take_any(
-        self, keys: Iterable[MailboxKey], timeout: float
-    ) -> tuple[MailboxKey, lane_pb2.PushChunksRequest] | None:
-        """Waits up to ``timeout`` seconds for any of ``keys``; removes and returns it."""
-        wanted = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
-        deadline = time.monotonic() + max(0.0, timeout)
-        with self._cond:
-            while True:
-                for key in self._items:  # the mailbox is usually the smaller side
-                    if key in wanted:
-                        return key, self._items.pop(key)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                self._cond.wait(remaining)
-
-    def discard_before(self, step: int) -> int:
-        """Drops everything of steps before ``step`` and refuses them from now on.
-
-        Returns:
-            The number of unclaimed chunks dropped.
-        """
-        with self._cond:
-            self._floor = max(self._floor, step)
-            stale = [k for k in self._items if k[0] < step]
-            for key in stale:
-                del self._items[key]
-            self._seen = {k for k in self._seen if k[0] >= step}
-            return len(stale)
-
-    def clear(self) -> None:
-        """Forgets everything (a new membership generation starts over)."""
-        with self._cond:
-            self._items.clear()
-            self._seen.clear()
-            self._floor = 0
-
-    def keys(self) -> list[MailboxKey]:
-        """Returns a snapshot of the keys waiting to be taken."""
-        with self._cond:
-            return list(self._items)
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
 
 
 class _Refused(Exception):
@@ -173,7 +88,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self._num_sites = num_sites
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lane-rx"),
-            options=_channel_options(chunk_bytes),
+            options=channel_options(chunk_bytes),
         )
         lane_pb2_grpc.add_LaneServicer_to_server(self, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
@@ -295,163 +210,3 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 context.abort(exc.code, msg)  # raises; nothing of this chunk was stored
             accepted += 1
         return lane_pb2.PushChunksResponse(accepted=accepted)
-
-
-class _End:
-    """End-of-round sentinel."""
-
-
-class PeerRound:
-    """The chunks sent to one peer in one round, over all the peer's connections."""
-
-    def __init__(self, senders: list[_Sender], deadline: float) -> None:
-        self._senders = senders
-        self._futures = [s.begin(deadline) for s in senders]
-        self._next = 0
-        self._ended = False
-        self.sent = 0
-
-    def send(self, request: lane_pb2.PushChunksRequest) -> None:
-        """Queues one chunk; connections take turns."""
-        self._senders[self._next].queue.put(request)
-        self._next = (self._next + 1) % len(self._senders)
-        self.sent += 1
-
-    def end(self) -> None:
-        """Closes the round's streams once queued chunks are out (idempotent)."""
-        if not self._ended:
-            self._ended = True
-            for sender in self._senders:
-                sender.queue.put(_End())
-
-    def failure(self) -> BaseException | None:
-        """Returns the first stream's error so far, without waiting."""
-        for fut in self._futures:
-            if fut.done() and fut.exception() is not None:
-                return fut.exception()
-        return None
-
-    def wait(self, timeout: float) -> int:
-        """Waits for every stream's answer; returns chunks the peer accepted.
-
-        Raises:
-            grpc.RpcError: a stream was refused or failed.
-            TimeoutError: no answer within ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        total = 0
-        for fut in self._futures:
-            total += fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        return total
-
-
-class _Sender:
-    """One connection to a peer and the thread that streams its queue."""
-
-    def __init__(self, address: str, options: list, name: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=options)
-        self._stub = lane_pb2_grpc.LaneStub(self.channel)
-        self.queue: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def begin(self, deadline: float) -> futures.Future:
-        fut: futures.Future = futures.Future()
-        self.queue.put((fut, deadline))
-        return fut
-
-    def _get(self, deadline: float | None) -> object | None:
-        """Next queue item, or None once stopped or past ``deadline``."""
-        while not self._stop.is_set():
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            try:
-                return self.queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-        return None
-
-    def _requests(self, first, deadline: float, ended: threading.Event) -> Iterator:
-        yield first
-        while (item := self._get(deadline)) is not None:
-            if isinstance(item, _End):
-                ended.set()
-                return
-            yield item
-
-    def _run(self) -> None:
-        while (head := self._get(None)) is not None:
-            fut, deadline = head  # every round starts with begin()'s (future, deadline)
-            first = self._get(deadline)
-            if isinstance(first, _End):  # nothing for this peer this round
-                fut.set_result(0)
-                continue
-            ended = threading.Event()
-            try:
-                if first is None:
-                    raise TimeoutError("round deadline passed before the first chunk")
-                # wait_for_ready: a peer still starting is waited for, up to the deadline.
-                reply = self._stub.PushChunks(
-                    self._requests(first, deadline, ended),
-                    timeout=max(0.001, deadline - time.monotonic()),
-                    wait_for_ready=True,
-                )
-                fut.set_result(reply.accepted)
-            except (grpc.RpcError, TimeoutError) as exc:
-                fut.set_exception(exc)
-            # After a failure (or a stream cut short by the deadline) drop the rest of
-            # this round so the next round starts clean.
-            while not ended.is_set() and (item := self._get(None)) is not None:
-                if isinstance(item, _End):
-                    break
-
-    def close(self) -> None:
-        self._stop.set()
-        self.channel.close()  # cancels an open stream so the thread sees the stop
-        self._thread.join(timeout=5)
-
-
-class LanePeer:
-    """Client of one peer site's lane.
-
-    Args:
-        address: the peer's "host:port".
-        chunk_bytes: the job's chunk size (sets the message size limits).
-        proxy: optional HTTP CONNECT proxy URL (e.g. the WAN emulator).
-        connections: parallel TCP connections, each with its own stream and thread.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        chunk_bytes: int = 1 << 20,
-        proxy: str | None = None,
-        connections: int = 1,
-    ) -> None:
-        if connections < 1:
-            raise ValueError(f"connections must be >= 1, got {connections}")
-        self.address = address
-        base = _channel_options(chunk_bytes)
-        # Without an explicit proxy, ignore http_proxy/grpc_proxy from the environment.
-        base += [("grpc.http_proxy", proxy)] if proxy else [("grpc.enable_http_proxy", 0)]
-        self._senders = [
-            # A local subchannel pool and a distinct arg give each channel its own TCP
-            # connection; identical channels would share one.
-            _Sender(
-                address,
-                [*base, ("grpc.use_local_subchannel_pool", 1), ("grpc.channel_id", i)],
-                name=f"lane-tx-{address}-{i}",
-            )
-            for i in range(connections)
-        ]
-
-    def begin_round(self, deadline: float) -> PeerRound:
-        """Opens a round whose streams must finish by ``deadline`` (time.monotonic())."""
-        return PeerRound(self._senders, deadline)
-
-    def close(self) -> None:
-        """Stops the sender threads and closes the channels."""
-        for sender in self._senders:
-            sender.close()

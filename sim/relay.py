@@ -3,7 +3,9 @@
 `RelayServer` runs an asyncio loop in a daemon thread; each `Link` owns the two
 `DirectionPipe`s of one pair of sites and any number of listeners on 127.0.0.1:
 forwards (every connection goes to one fixed target) and HTTP CONNECT proxies (the
-client names a loopback target). Only loopback targets are ever connected to.
+client names a loopback target). Only loopback targets are ever connected to. This
+module owns the links, their listeners and the relay's loop; the CONNECT handshake
+and the socket set-up are in `isthmus.sim.connect`.
 
 gRPC through a proxy listener (checked with grpcio 1.84): pass the channel option
 `("grpc.http_proxy", "http://127.0.0.1:PORT")` (see `proxy_channel_options`). gRPC
@@ -19,33 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
-import socket
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from .connect import (
+    ESTABLISHED,
+    HttpError,
+    is_loopback,
+    listening_socket,
+    open_target,
+    read_connect,
+    refuse,
+    set_nodelay,
+)
 from .link import DirectionPipe, LinkSpec
 
-SOCKET_BUFFER_BYTES = 128 * 1024
-"""SO_RCVBUF/SO_SNDBUF of relay sockets (Linux doubles it): small, so the kernel does
-not hide an unbounded buffer behind the link's in-flight bound."""
-HEADER_TIMEOUT_S = 10.0
-CONNECT_TIMEOUT_S = 10.0
 CALL_TIMEOUT_S = 30.0
 
 T = TypeVar("T")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is `localhost` or a loopback address literal (no DNS lookup)."""
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def proxy_channel_options(address: tuple[str, int]) -> list[tuple[str, Any]]:
@@ -58,53 +52,6 @@ def proxy_channel_options(address: tuple[str, int]) -> list[tuple[str, Any]]:
         Options for `grpc.insecure_channel(target, options=...)`.
     """
     return [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", f"http://{address[0]}:{address[1]}")]
-
-
-class _HttpError(Exception):
-    def __init__(self, status: str) -> None:
-        super().__init__(status)
-        self.status = status
-
-
-def _parse_connect(header: bytes) -> tuple[str, int]:
-    """Parse an HTTP CONNECT request head; raise `_HttpError` on a bad or forbidden one."""
-    try:
-        method, authority, version = header.split(b"\r\n", 1)[0].decode("ascii").split(" ")
-        host, _, port_text = authority.rpartition(":")
-        port = int(port_text)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _HttpError("400 Bad Request") from e
-    if method != "CONNECT" or not version.startswith("HTTP/1.") or not host or not 0 < port < 65536:
-        raise _HttpError("400 Bad Request")
-    if not is_loopback(host):
-        raise _HttpError("403 Forbidden")
-    return host.strip("[]"), port
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-
-
-async def _open(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Connect to a loopback target with small socket buffers (set before the handshake)."""
-    assert is_loopback(host), host  # callers check; this is the last line of defence
-    candidates = ["127.0.0.1", "::1"] if host.lower() == "localhost" else [host]
-    loop = asyncio.get_running_loop()
-    error: OSError = OSError(f"cannot connect to {host}:{port}")
-    for ip in candidates:
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            _tune(sock)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setblocking(False)
-            await asyncio.wait_for(loop.sock_connect(sock, (ip, port)), CONNECT_TIMEOUT_S)
-            return await asyncio.open_connection(sock=sock)
-        except (OSError, asyncio.TimeoutError) as e:
-            sock.close()
-            error = e if isinstance(e, OSError) else OSError(f"timeout connecting to {ip}:{port}")
-    raise error
 
 
 class Link:
@@ -194,19 +141,15 @@ class Link:
             raise ValueError(f"initiator must be 'a' or 'b', got {initiator!r}")
         out = self._pipes[initiator]
         back = self._pipes["b" if initiator == "a" else "a"]
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+        async def on_accept(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            # close() cancels handlers; end normally, since Python 3.11's streams call
+            # task.exception() on the finished task and log a cancelled one as an error.
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._handle(r, w, out, back, target)
+
+        sock = listening_socket()
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            _tune(sock)  # accepted sockets inherit the buffer sizes
-            sock.bind(("127.0.0.1", 0))
-            sock.listen(128)
-
-            async def on_accept(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-                # close() cancels handlers; end normally, since Python 3.11's streams call
-                # task.exception() on the finished task and log a cancelled one as an error.
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._handle(r, w, out, back, target)
-
             server = await asyncio.start_server(on_accept, sock=sock)
         except BaseException:
             sock.close()
@@ -230,33 +173,27 @@ class Link:
         peer: asyncio.StreamWriter | None = None
         clean = False
         try:
-            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_nodelay(writer.get_extra_info("socket"))
             if target is None:
-                try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
-                    target = _parse_connect(head)
-                except asyncio.LimitOverrunError:
-                    raise _HttpError("400 Bad Request") from None
+                target = await read_connect(reader)
                 # The request crosses the link before the far side connects.
                 await asyncio.sleep(out.spec.latency_s)
                 try:
-                    peer_reader, peer = await _open(*target)
+                    peer_reader, peer = await open_target(*target)
                 except OSError:
-                    raise _HttpError("502 Bad Gateway") from None
+                    raise HttpError("502 Bad Gateway") from None
                 self.targets_connected += 1
                 await asyncio.sleep(back.spec.latency_s)  # and the answer crosses back
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                writer.write(ESTABLISHED)
             else:
-                peer_reader, peer = await _open(*target)
+                peer_reader, peer = await open_target(*target)
                 self.targets_connected += 1
             await _splice(reader, writer, peer_reader, peer, out, back)
             clean = True
-        except _HttpError as e:
+        except HttpError as e:
             if e.status.startswith(("400", "403")):
                 self.proxy_refused += 1
-            writer.write(f"HTTP/1.1 {e.status}\r\nConnection: close\r\n\r\n".encode())
-            with contextlib.suppress(OSError):
-                await writer.drain()
+            await refuse(writer, e.status)
             clean = True
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass  # a reset or failed side: close the other below

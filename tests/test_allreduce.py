@@ -15,7 +15,9 @@ import torch
 from isthmus.inter.allreduce import CrossSiteAllReduce, CrossSiteError
 from isthmus.inter.codec import crc32, make_codec
 from isthmus.inter.gradient_sync import LaneGradientSync
-from isthmus.inter.lane import LanePeer, LaneServer, Mailbox
+from isthmus.inter.lane import LaneServer
+from isthmus.inter.lane_peer import LanePeer
+from isthmus.inter.mailbox import Mailbox
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 CHUNK = 4096  # bytes: 1024 fp32 per chunk, small so odd tensor sizes straddle chunks

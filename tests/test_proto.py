@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from isthmus.proto import generate
-
 
 
 def test_generated_modules_are_fresh(tmp_path: Path):

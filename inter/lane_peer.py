@@ -1,0 +1,185 @@
+"""The sending side of a lane: one client per peer site.
+
+A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.lane.LaneServer`:
+per round and per connection, one client-streaming ``PushChunks`` fed from a queue by
+a sender thread, so encoding (the caller) and sending overlap. A :class:`PeerRound`
+is one round's worth of those streams.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+
+from isthmus.proto import lane_pb2, lane_pb2_grpc
+
+from .lane import channel_options
+
+__all__ = ["LanePeer", "PeerRound"]
+
+_POLL_S = 0.1  # how often blocked loops look at stop/deadline flags
+
+
+class _End:
+    """End-of-round sentinel."""
+
+
+class PeerRound:
+    """The chunks sent to one peer in one round, over all the peer's connections."""
+
+    def __init__(self, senders: list[_Sender], deadline: float) -> None:
+        self._senders = senders
+        self._futures = [s.begin(deadline) for s in senders]
+        self._next = 0
+        self._ended = False
+        self.sent = 0
+
+    def send(self, request: lane_pb2.PushChunksRequest) -> None:
+        """Queues one chunk; connections take turns."""
+        self._senders[self._next].queue.put(request)
+        self._next = (self._next + 1) % len(self._senders)
+        self.sent += 1
+
+    def end(self) -> None:
+        """Closes the round's streams once queued chunks are out (idempotent)."""
+        if not self._ended:
+            self._ended = True
+            for sender in self._senders:
+                sender.queue.put(_End())
+
+    def failure(self) -> BaseException | None:
+        """Returns the first stream's error so far, without waiting."""
+        for fut in self._futures:
+            if fut.done() and fut.exception() is not None:
+                return fut.exception()
+        return None
+
+    def wait(self, timeout: float) -> int:
+        """Waits for every stream's answer; returns chunks the peer accepted.
+
+        Raises:
+            grpc.RpcError: a stream was refused or failed.
+            TimeoutError: no answer within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        total = 0
+        for fut in self._futures:
+            total += fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        return total
+
+
+class _Sender:
+    """One connection to a peer and the thread that streams its queue."""
+
+    def __init__(self, address: str, options: list, name: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=options)
+        self._stub = lane_pb2_grpc.LaneStub(self.channel)
+        self.queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def begin(self, deadline: float) -> futures.Future:
+        fut: futures.Future = futures.Future()
+        self.queue.put((fut, deadline))
+        return fut
+
+    def _get(self, deadline: float | None) -> object | None:
+        """Next queue item, or None once stopped or past ``deadline``."""
+        while not self._stop.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            try:
+                return self.queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        return None
+
+    def _requests(self, first, deadline: float, ended: threading.Event) -> Iterator:
+        yield first
+        while (item := self._get(deadline)) is not None:
+            if isinstance(item, _End):
+                ended.set()
+                return
+            yield item
+
+    def _run(self) -> None:
+        while (head := self._get(None)) is not None:
+            fut, deadline = head  # every round starts with begin()'s (future, deadline)
+            first = self._get(deadline)
+            if isinstance(first, _End):  # nothing for this peer this round
+                fut.set_result(0)
+                continue
+            ended = threading.Event()
+            try:
+                if first is None:
+                    raise TimeoutError("round deadline passed before the first chunk")
+                # wait_for_ready: a peer still starting is waited for, up to the deadline.
+                reply = self._stub.PushChunks(
+                    self._requests(first, deadline, ended),
+                    timeout=max(0.001, deadline - time.monotonic()),
+                    wait_for_ready=True,
+                )
+                fut.set_result(reply.accepted)
+            except (grpc.RpcError, TimeoutError) as exc:
+                fut.set_exception(exc)
+            # After a failure (or a stream cut short by the deadline) drop the rest of
+            # this round so the next round starts clean.
+            while not ended.is_set() and (item := self._get(None)) is not None:
+                if isinstance(item, _End):
+                    break
+
+    def close(self) -> None:
+        self._stop.set()
+        self.channel.close()  # cancels an open stream so the thread sees the stop
+        self._thread.join(timeout=5)
+
+
+class LanePeer:
+    """Client of one peer site's lane.
+
+    Args:
+        address: the peer's "host:port".
+        chunk_bytes: the job's chunk size (sets the message size limits).
+        proxy: optional HTTP CONNECT proxy URL (e.g. the WAN emulator).
+        connections: parallel TCP connections, each with its own stream and thread.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        chunk_bytes: int = 1 << 20,
+        proxy: str | None = None,
+        connections: int = 1,
+    ) -> None:
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
+        self.address = address
+        base = channel_options(chunk_bytes)
+        # Without an explicit proxy, ignore http_proxy/grpc_proxy from the environment.
+        base += [("grpc.http_proxy", proxy)] if proxy else [("grpc.enable_http_proxy", 0)]
+        self._senders = [
+            # A local subchannel pool and a distinct arg give each channel its own TCP
+            # connection; identical channels would share one.
+            _Sender(
+                address,
+                [*base, ("grpc.use_local_subchannel_pool", 1), ("grpc.channel_id", i)],
+                name=f"lane-tx-{address}-{i}",
+            )
+            for i in range(connections)
+        ]
+
+    def begin_round(self, deadline: float) -> PeerRound:
+        """Opens a round whose streams must finish by ``deadline`` (time.monotonic())."""
+        return PeerRound(self._senders, deadline)
+
+    def close(self) -> None:
+        """Stops the sender threads and closes the channels."""
+        for sender in self._senders:
+            sender.close()

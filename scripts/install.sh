@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install isthmus (editable) and its dependencies into the current Python.
+#
+#   bash scripts/install.sh          # runtime only
+#   bash scripts/install.sh --dev    # plus pytest, grpcio-tools, ruff, shellcheck
+#
+# An installed torch >= 2.11 is kept (the GPU machines bring their CUDA build).
+# Otherwise torch 2.13.0 is installed first, pinned: on the development machines
+# that is the CPU wheel on local disk, and an unpinned `torch` would pull a
+# multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+extra=""
+case "${1:-}" in
+  --dev) extra="[dev]" ;;
+  "") ;;
+  *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
+esac
+
+python=${PYTHON:-python3}
+if ! "$python" - <<'PY' 2>/dev/null
+import sys
+import torch
+major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+sys.exit(0 if (major, minor) >= (2, 11) else 1)
+PY
+then
+  echo "installing torch==2.13.0" >&2
+  "$python" -m pip install --quiet torch==2.13.0
+fi
+"$python" -m pip install --quiet -e ".${extra}"
+echo "isthmus installed: $(command -v isthmus || echo "$python -m isthmus.deploy.cli")" >&2
