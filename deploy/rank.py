@@ -144,8 +144,13 @@ def run(env: RankEnv, config: JobConfig) -> None:
     layout = ParallelLayout.for_ranks(
         config.topology.ranks_per_site, pp=config.topology.pp, tp=config.topology.tp
     )
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # On GPUs NCCL carries the tensors and gloo the few CPU-side collectives
+    # (the per-step traffic totals), in one process group.
     dist.init_process_group(
-        "nccl" if dev == "cuda" else "gloo", timeout=timedelta(seconds=config.sync.timeout_s)
+        "cuda:nccl,cpu:gloo" if dev == "cuda" else "gloo",
+        timeout=timedelta(seconds=config.sync.timeout_s),
     )
     mesh = build_site_mesh(layout, dev)
     sites = config.site_names
