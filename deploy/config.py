@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.inter.codec import make_codec
+from isthmus.intra.model import ModelConfig, preset
 
 try:
     import tomllib
@@ -146,6 +147,28 @@ class JobConfig:
             return self.wan.latency_ms / 1000.0
         return self.wan.distance_km * 4.9e-6
 
+    def resolved_model(self) -> ModelConfig:
+        """The preset with this config's overrides; max_seq_len covers train.seq_len.
+
+        Raises:
+            ConfigError: an unknown preset or a shape the model refuses.
+        """
+        try:
+            cfg = preset(self.model.preset)
+            if self.model.dim:
+                cfg.dim = self.model.dim
+                # Keep the SwiGLU hidden size at ~8/3 dim, rounded up to a multiple of 8.
+                cfg.ffn_hidden = -(-int(8 * cfg.dim / 3) // 8) * 8
+            if self.model.n_layers:
+                cfg.n_layers = self.model.n_layers
+            if self.model.n_heads:
+                cfg.n_heads = self.model.n_heads
+            cfg.max_seq_len = max(cfg.max_seq_len, self.train.seq_len)
+            cfg.__post_init__()  # re-validate after the overrides
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
+        return cfg
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
@@ -156,10 +179,15 @@ class JobConfig:
         """
         out = {}
         for section, values in self.to_dict().items():
-            if section in ("wan", "run"):
+            if section in ("wan", "run", "model"):
                 continue
             for key, value in values.items():
                 out[f"{section}.{key}"] = str(value)
+        # The model as built, so a preset and its explicit spelling agree and a
+        # difference names the real shape ("model.dim=192 vs 256"), not an override.
+        out["model.preset"] = self.model.preset
+        for key, value in dataclasses.asdict(self.resolved_model()).items():
+            out[f"model.{key}"] = str(value)
         return out
 
 
@@ -331,6 +359,7 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"sync.codec: {exc}") from None
     _require(1 <= s.connections <= 16, f"sync.connections must be in 1..16, got {s.connections}")
     _require(s.timeout_s > 0, f"sync.timeout_s must be > 0, got {s.timeout_s}")
+    config.resolved_model()
     w = config.wan
     _require(w.distance_km >= 0, f"wan.distance_km must be >= 0, got {w.distance_km}")
     _require(w.bandwidth_mbit > 0, f"wan.bandwidth_mbit must be > 0, got {w.bandwidth_mbit}")

@@ -43,7 +43,7 @@ from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.intra.data import ShardedBatches, from_path, stdlib_corpus
 from isthmus.intra.digest import parameter_digest
-from isthmus.intra.model import build_model, preset
+from isthmus.intra.model import build_model
 from isthmus.intra.topology import ParallelLayout, build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 from isthmus.proto import coordinator_pb2 as cpb
@@ -74,22 +74,6 @@ class RankEnv:
             coordinator=env.get("ISTHMUS_COORDINATOR", ""),
             proxies=json.loads(env.get("ISTHMUS_PROXIES", "{}")),
         )
-
-
-def model_config(config: JobConfig):
-    """The preset with the config's overrides; max_seq_len covers train.seq_len."""
-    cfg = preset(config.model.preset)
-    if config.model.dim:
-        cfg.dim = config.model.dim
-        # Keep the SwiGLU hidden size at ~8/3 dim, rounded up to a multiple of 8.
-        cfg.ffn_hidden = -(-int(8 * cfg.dim / 3) // 8) * 8
-    if config.model.n_layers:
-        cfg.n_layers = config.model.n_layers
-    if config.model.n_heads:
-        cfg.n_heads = config.model.n_heads
-    cfg.max_seq_len = max(cfg.max_seq_len, config.train.seq_len)
-    cfg.__post_init__()  # re-validate after the overrides
-    return cfg
 
 
 def device_type(config: JobConfig) -> str:
@@ -188,7 +172,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         )
         sync = LaneGradientSync(allreduce)
 
-    model = build_model(model_config(config), seed=config.job.seed)
+    model = build_model(config.resolved_model(), seed=config.job.seed)
     trainer = Trainer(
         model,
         mesh,

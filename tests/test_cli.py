@@ -59,6 +59,8 @@ def test_precedence_file_then_set_then_flags(tmp_path):
         ),
         (["--set", "train.lr=fast"], ["train.lr must be float"]),
         (["--set", "sync.codec=lz4"], ["sync.codec"]),
+        (["--set", "model.preset=huge"], ["unknown model preset 'huge'", "tiny"]),
+        (["--set", "model.n_heads=5"], ["dim=192 must be divisible by n_heads=5"]),
         (["--config", "/nonexistent/job.toml"], ["config file not found"]),
     ],
 )
@@ -97,11 +99,11 @@ def test_site_with_a_different_fingerprint_is_refused(tmp_path):
             "--peer",
             f"site0={address}",
             "--set",
-            "model.dim=256",
+            "model.dim=384",
             timeout=60,
         )
         assert time.monotonic() - started < 30
-        assert_one_line_error(second, "fingerprint differs", "model.dim=", "256")
+        assert_one_line_error(second, "fingerprint differs", "model.dim=192 vs 384")
         assert second.returncode == 1
     finally:
         first.terminate()
