@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 FIBER_S_PER_KM = 4.9e-6
 """One-way propagation delay of light in fiber (refractive index ~1.47), seconds per km."""
@@ -262,12 +264,17 @@ class DirectionPipe:
                 self.bytes_delivered += written
                 room.set()
 
-        tasks = [asyncio.ensure_future(intake()), asyncio.ensure_future(deliver())]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                t.result()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await run_together(intake(), deliver())
+
+
+async def run_together(*coros: Coroutine[Any, Any, None]) -> None:
+    """Run coroutines until all finish; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            t.result()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -35,7 +35,7 @@ from .connect import (
     refuse,
     set_nodelay,
 )
-from .link import DirectionPipe, LinkSpec
+from .link import DirectionPipe, LinkSpec, run_together
 
 CALL_TIMEOUT_S = 30.0
 
@@ -227,18 +227,7 @@ async def _splice(
     back: DirectionPipe,
 ) -> None:
     """Carry both directions until both have delivered EOF; raise if either side fails."""
-    tasks = [
-        asyncio.ensure_future(out.carry(c_reader, t_writer)),
-        asyncio.ensure_future(back.carry(t_reader, c_writer)),
-    ]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            t.result()
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await run_together(out.carry(c_reader, t_writer), back.carry(t_reader, c_writer))
 
 
 class RelayServer:
