@@ -3,6 +3,7 @@
     isthmus local         every site of a job on this machine, over emulated links
     isthmus coordinator   one site's coordinator, alone
     isthmus config        print the resolved job config with every key documented
+    isthmus plan          predict step time and scaling efficiency at any size
 
 Errors a user can fix (a bad key, a layout that does not divide the ranks, a site
 with a different job fingerprint) print one line starting with "error:" and exit
@@ -89,10 +90,9 @@ def cmd_local(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     job = LocalJob(config, out=sys.stderr, progress=not args.quiet)
     summary = job.run()
-    kept = bool(config.run.run_dir)
     print("summary:", file=sys.stdout)
-    print_summary(summary, sys.stdout, job.run_dir if kept else None)
-    if not kept:
+    print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
+    if job.temporary_run_dir:
         shutil.rmtree(job.run_dir, ignore_errors=True)
     return 0
 
@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(show, common_flags=True)
     show.set_defaults(func=cmd_config)
+
+    from isthmus.deploy import plan_cmd
+
+    plan_cmd.register(sub, HelpFormatter)
     return parser
 
 
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted; everything this run started has been stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns failures into a line
-        from isthmus.deploy.local import LaunchError
+        from isthmus.deploy.ranks import LaunchError
         from isthmus.inter.coordinator import CoordinatorError
 
         if isinstance(exc, (LaunchError, CoordinatorError, RuntimeError, OSError)):

@@ -127,6 +127,18 @@ class RunSection:
 
 
 @dataclass(kw_only=True, slots=True)
+class ClusterSection:
+    coordinators: dict[str, str] = field(default_factory=dict)
+    """Site name -> host:port of its coordinator, for `isthmus site` (ignored by `local`).
+    Set one with --set cluster.coordinators.site0=10.0.0.5:7070."""
+    proxies: dict[str, str] = field(default_factory=dict)
+    """Peer site -> HTTP CONNECT proxy URL this site reaches it through (an emulated
+    link from `isthmus wan up`); empty = direct."""
+    lane_host: str = "127.0.0.1"
+    """Address this site's lanes bind and advertise to peers."""
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     topology: TopologySection = field(default_factory=TopologySection)
@@ -136,6 +148,7 @@ class JobConfig:
     sync: SyncSection = field(default_factory=SyncSection)
     wan: WanSection = field(default_factory=WanSection)
     run: RunSection = field(default_factory=RunSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     @property
     def site_names(self) -> list[str]:
@@ -175,11 +188,12 @@ class JobConfig:
     def fingerprint(self) -> dict[str, str]:
         """The keys every site of one job must agree on, flattened to strings.
 
-        The emulated link (`wan`) and where a run writes (`run`) may differ per site.
+        The emulated link (`wan`), where a run writes (`run`) and how sites reach
+        each other (`cluster`) may differ per site.
         """
         out = {}
         for section, values in self.to_dict().items():
-            if section in ("wan", "run", "model"):
+            if section in ("wan", "run", "model", "cluster"):
                 continue
             for key, value in values.items():
                 out[f"{section}.{key}"] = str(value)
@@ -200,6 +214,7 @@ _SECTION_TYPES = {
     "sync": SyncSection,
     "wan": WanSection,
     "run": RunSection,
+    "cluster": ClusterSection,
 }
 
 
@@ -257,11 +272,29 @@ def _apply(config: JobConfig, section: str, key: str, value: Any, origin: str) -
         raise ConfigError(f"unknown config section '{section}' ({origin}); known sections: {known}")
     target = getattr(config, section)
     names = [f.name for f in dataclasses.fields(section_type)]
+    key, _, sub = key.partition(".")
+    if key in names and isinstance(getattr(target, key), dict):
+        _apply_mapping(target, section, key, sub, value, origin)
+        return
+    if sub:
+        raise ConfigError(f"config key '{section}.{key}' has no sub-keys ({origin})")
     if key not in names:
         raise ConfigError(
             f"unknown config key '{section}.{key}' ({origin}); keys of [{section}]: {', '.join(names)}"
         )
     setattr(target, key, _coerce(section, key, value, getattr(target, key)))
+
+
+def _apply_mapping(target: Any, section: str, key: str, sub: str, value: Any, origin: str) -> None:
+    # Mapping fields take a whole TOML table, or one entry as section.key.NAME=VALUE.
+    where = f"{section}.{key}"
+    entries = {sub: value} if sub else value
+    if not isinstance(entries, dict):
+        raise ConfigError(f'{where} must be a table of name = "value" ({origin})')
+    for name, item in entries.items():
+        if not isinstance(item, str) or not name:
+            raise ConfigError(f"{where}.{name} must be a string, got {item!r} ({origin})")
+        getattr(target, key)[name] = item
 
 
 def parse_override(text: str) -> tuple[str, str, str]:
@@ -370,6 +403,10 @@ def validate(config: JobConfig) -> None:
     )
 
 
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def dump_toml(config: JobConfig) -> str:
     """Render a config as TOML that `load_config` reads back to the same values."""
     lines: list[str] = []
@@ -379,7 +416,9 @@ def dump_toml(config: JobConfig) -> str:
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                text = _toml_string(value)
+            elif isinstance(value, dict):
+                text = "{" + ", ".join(f"{k} = {_toml_string(v)}" for k, v in value.items()) + "}"
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

@@ -1,0 +1,169 @@
+"""One site's rank processes on this machine, and the run directory they write to.
+
+A site is its own torch.distributed world: the launcher hosts its rendezvous store
+(so no rank races for a port; ranks join it as clients, torchelastic's agent-store
+mode) and starts one process per rank running `isthmus.deploy.rank`. Ranks die
+with the launcher even if it is killed: each asks Linux for PR_SET_PDEATHSIG
+itself (a preexec_fn would fork, and gRPC's threads in the launcher make fork noisy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from isthmus.deploy.config import JobConfig, dump_toml
+
+TERMINATE_GRACE_S = 5.0
+
+
+class LaunchError(RuntimeError):
+    """The job failed; the message says where and why, in one line."""
+
+
+def prepare_run_dir(config: JobConfig) -> tuple[Path, bool]:
+    """Create (or clean) the run directory and write the resolved config into it.
+
+    Returns:
+        The directory and whether it is a temporary one the caller should remove.
+    """
+    if config.run.run_dir:
+        run_dir, temporary = Path(config.run.run_dir).resolve(), False
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        run_dir, temporary = Path(tempfile.mkdtemp(prefix="isthmus-run-")), True
+    for stale in ("metrics.jsonl", "summary.json", "sites"):
+        path = run_dir / stale
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_toml(config))
+    return run_dir, temporary
+
+
+@dataclass
+class RankProcess:
+    site: str
+    rank: int
+    process: subprocess.Popen
+    log_path: Path
+
+
+class SiteRanks:
+    """Start, watch and stop the rank processes of one site.
+
+    Args:
+        config: the job config (written to run_dir/config.toml for the ranks).
+        site: the site's name.
+        run_dir: where ranks write metrics, results and logs.
+        coordinator: host:port of the site's coordinator.
+        proxies: peer site -> HTTP CONNECT proxy URL of the link to it.
+        first_device: LOCAL_RANK of rank 0 (sites sharing a GPU host take turns).
+        threads: OMP threads per rank.
+    """
+
+    def __init__(
+        self,
+        config: JobConfig,
+        site: str,
+        run_dir: Path,
+        coordinator: str,
+        proxies: dict[str, str],
+        *,
+        first_device: int = 0,
+        threads: int = 1,
+    ) -> None:
+        self.config, self.site, self.run_dir = config, site, run_dir
+        self.coordinator, self.proxies = coordinator, proxies
+        self.first_device, self.threads = first_device, threads
+        self.ranks: list[RankProcess] = []
+        self._store: object | None = None
+
+    @property
+    def store_port(self) -> int:
+        return self._store.port if self._store is not None else 0  # type: ignore[attr-defined]
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        world = self.config.topology.ranks_per_site
+        self._store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(self.first_device + rank),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self.store_port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "OMP_NUM_THREADS": str(self.threads),
+                "ISTHMUS_CONFIG": str(self.run_dir / "config.toml"),
+                "ISTHMUS_SITE": self.site,
+                "ISTHMUS_COORDINATOR": self.coordinator,
+                "ISTHMUS_PROXIES": json.dumps(self.proxies),
+                "ISTHMUS_RUN_DIR": str(self.run_dir),
+                # gRPC skips a proxy for hosts listed in no_proxy (often localhost):
+                # name none, so lanes really cross the emulated link.
+                "no_grpc_proxy": "none.invalid",
+                "ISTHMUS_LAUNCHER_PID": str(os.getpid()),
+            }
+            log_path = self.run_dir / "logs" / f"{self.site}-rank{rank}.log"
+            with log_path.open("w") as log_file:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "isthmus.deploy.rank"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
+            self.ranks.append(RankProcess(self.site, rank, process, log_path))
+
+    def failed(self) -> RankProcess | None:
+        """The first rank that exited with an error, if any."""
+        return next((r for r in self.ranks if r.process.poll() not in (None, 0)), None)
+
+    def done(self) -> bool:
+        return bool(self.ranks) and all(r.process.poll() == 0 for r in self.ranks)
+
+    @staticmethod
+    def describe_failure(failed: RankProcess) -> str:
+        """One line: which rank, its exit code, its last error line, where its log is."""
+        lines = failed.log_path.read_text(errors="replace").strip().splitlines()
+        errors = [line for line in lines if line.startswith("error:")]
+        last = errors[-1][len("error:") :].strip() if errors else (lines[-1] if lines else "")
+        return (
+            f"{failed.site} rank {failed.rank} exited with code {failed.process.returncode}: "
+            f"{last} (log: {failed.log_path})"
+        )
+
+    def describe(self) -> list[dict]:
+        return [
+            {"site": r.site, "rank": r.rank, "pid": r.process.pid, "log": str(r.log_path)}
+            for r in self.ranks
+        ]
+
+    def close(self) -> None:
+        """Terminate what still runs, then kill what ignores it (idempotent)."""
+        for r in self.ranks:
+            if r.process.poll() is None:
+                r.process.terminate()
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for r in self.ranks:
+            try:
+                r.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                r.process.kill()
+                r.process.wait()
+        self.ranks.clear()
+        self._store = None  # a TCPStore's server closes when the object goes

@@ -1,0 +1,192 @@
+"""The planning model: step time and scaling efficiency at sizes no test machine holds.
+
+A step of S sites, each a data-parallel replica holding 1/S of the global batch:
+
+    compute_s  = 6 · N · tokens_per_site / (devices_per_site · peak_flops · mfu)
+    wire_s     = 2(S−1)/S · gradient_bytes / codec_ratio · 8 / site_bandwidth_bps
+    codec_s    = 2(S−1)/S · gradient_bytes / codec_bytes_per_s     (0 when not limiting)
+    sync_s     = max(wire_s, codec_s) + rtt_s + rounds · round_overhead_s
+    exposed_s  = max(0, sync_s − overlap · backward_s),  backward_s = 2/3 · compute_s
+    step_s     = compute_s + exposed_s + step_overhead_s
+
+Scaling efficiency is measured the way NeMo reports it (weak scaling): S sites'
+throughput against S times one site's, each site doing the same work, so
+efficiency = (compute_s + step_overhead_s) / step_s. 2(S−1)/S × bytes is what each
+site sends (and receives) in the owner-based all-reduce (DESIGN.md), the ring
+optimum; one RTT is its latency cost (contributions to owners, results back).
+
+`overlap` is the fraction of backward that cross-site traffic can hide behind: the
+FSDP2 all-reduce hook starts each group's round as soon as its gradients exist, so
+all but the last groups' traffic can run under the rest of backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+FLOPS_PER_PARAM_TOKEN = 6.0  # forward 2 + backward 4 multiply-adds per parameter per token
+BACKWARD_SHARE = 2.0 / 3.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PlanInput:
+    """One job and its link; every field in SI units unless named otherwise."""
+
+    params: float
+    """Trained parameters N."""
+    tokens_per_step: float
+    """Global batch in tokens, over all sites."""
+    sites: int = 2
+    """Sites S, each a full data-parallel replica."""
+    devices_per_site: int = 1
+    """Accelerators (or processes) per site."""
+    peak_flops: float = 989e12
+    """Peak FLOP/s of one device (H100 SXM bf16 dense: 989e12)."""
+    mfu: float = 0.4
+    """Model FLOPs utilisation reached inside a site."""
+    gradient_bytes_per_param: float = 4.0
+    """Bytes per gradient element before the codec: 4 for fp32, 2 for bf16."""
+    codec_ratio: float = 1.0
+    """Raw gradient bytes / bytes on the wire (bf16 2, int8 4, zstd ~1.1 on fp32)."""
+    bandwidth_bps: float = 1e9
+    """Cross-site bandwidth of one site, bits per second, each direction."""
+    rtt_s: float = 0.0098
+    """Round-trip time between sites (1000 km of fiber: 9.8 ms)."""
+    overlap: float = 0.0
+    """Fraction of backward that cross-site traffic hides behind, 0..1."""
+    codec_bytes_per_s: float = math.inf
+    """Aggregate encode+decode throughput of a site's lanes, raw bytes/s."""
+    rounds: int = 1
+    """Cross-site rounds per step (FSDP groups): each costs round_overhead_s."""
+    round_overhead_s: float = 0.0
+    """Fixed cost of one round beyond its bytes (RPC set-up, Python)."""
+    step_overhead_s: float = 0.0
+    """Per-step cost that one site pays too (optimizer, logging)."""
+
+    def __post_init__(self) -> None:
+        positive = ("params", "tokens_per_step", "peak_flops", "mfu", "gradient_bytes_per_param")
+        for name in positive + ("codec_ratio", "bandwidth_bps", "codec_bytes_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        for name in ("sites", "devices_per_site", "rounds"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("rtt_s", "round_overhead_s", "step_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Plan:
+    """What the model predicts for one PlanInput."""
+
+    inputs: PlanInput = field(repr=False)
+    compute_s: float
+    wire_s: float
+    codec_s: float
+    sync_s: float
+    exposed_sync_s: float
+    step_s: float
+    tokens_per_s: float
+    scaling_efficiency: float
+    wire_bytes_per_site: float
+
+    @property
+    def limit(self) -> str:
+        """What bounds the cross-site time: "link", "cpu" (codecs) or "latency"."""
+        if self.inputs.sites == 1:
+            return "none"
+        latency = self.inputs.rtt_s + self.inputs.rounds * self.inputs.round_overhead_s
+        if latency > max(self.wire_s, self.codec_s):
+            return "latency"
+        return "cpu" if self.codec_s > self.wire_s else "link"
+
+
+def predict(p: PlanInput) -> Plan:
+    """Step time, cross-site time and scaling efficiency of one configuration."""
+    tokens_per_site = p.tokens_per_step / p.sites
+    compute_s = (
+        FLOPS_PER_PARAM_TOKEN
+        * p.params
+        * tokens_per_site
+        / (p.devices_per_site * p.peak_flops * p.mfu)
+    )
+    raw_bytes = 2 * (p.sites - 1) / p.sites * p.params * p.gradient_bytes_per_param
+    wire_bytes = raw_bytes / p.codec_ratio
+    if p.sites == 1:
+        wire_s = codec_s = sync_s = 0.0
+    else:
+        wire_s = wire_bytes * 8 / p.bandwidth_bps
+        codec_s = raw_bytes / p.codec_bytes_per_s
+        sync_s = max(wire_s, codec_s) + p.rtt_s + p.rounds * p.round_overhead_s
+    exposed = max(0.0, sync_s - p.overlap * BACKWARD_SHARE * compute_s)
+    step_s = compute_s + exposed + p.step_overhead_s
+    return Plan(
+        inputs=p,
+        compute_s=compute_s,
+        wire_s=wire_s,
+        codec_s=codec_s,
+        sync_s=sync_s,
+        exposed_sync_s=exposed,
+        step_s=step_s,
+        tokens_per_s=p.tokens_per_step / step_s,
+        scaling_efficiency=(compute_s + p.step_overhead_s) / step_s,
+        wire_bytes_per_site=wire_bytes,
+    )
+
+
+def bandwidth_for_efficiency(p: PlanInput, efficiency: float) -> float:
+    """The cross-site bandwidth (bits/s per site) at which `p` reaches `efficiency`.
+
+    Returns:
+        Bits per second; 0.0 for a single site (nothing crosses), math.inf when no
+        bandwidth reaches the target (latency or codec CPU bound).
+    Raises:
+        ValueError: efficiency outside (0, 1].
+    """
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    if p.sites == 1:
+        return 0.0
+    base = predict(p)
+    # Exposed sync allowed by the target, then the sync time that leaves exposed.
+    allowed_exposed = (base.compute_s + p.step_overhead_s) / efficiency - (
+        base.compute_s + p.step_overhead_s
+    )
+    allowed_sync = allowed_exposed + p.overlap * BACKWARD_SHARE * base.compute_s
+    fixed = p.rtt_s + p.rounds * p.round_overhead_s
+    budget = allowed_sync - fixed
+    if budget <= 0 or base.codec_s > budget:
+        return math.inf
+    needed = base.wire_bytes_per_site * 8 / budget
+    check = predict(replace(p, bandwidth_bps=needed))
+    assert check.scaling_efficiency >= efficiency * (1 - 1e-9), (check, efficiency)
+    return needed
+
+
+def nemotron_340b(*, sites: int = 2, devices_per_site: int = 1536) -> PlanInput:
+    """Nemotron-4 340B as its technical report trained it, split over `sites`.
+
+    Global batch 2304 sequences x 4096 tokens, H100s (989 TFLOP/s bf16 dense) at
+    41% MFU, bf16 gradients across sites. GPUs per site are an assumption: NeMo's
+    multi-datacenter post says "thousands of GPUs" over two sites ~1000 km apart.
+    """
+    return PlanInput(
+        params=340e9,
+        tokens_per_step=2304 * 4096,
+        sites=sites,
+        devices_per_site=devices_per_site,
+        peak_flops=989e12,
+        mfu=0.41,
+        gradient_bytes_per_param=2.0,
+        rtt_s=2 * 1000 * 4.9e-6,
+        overlap=0.9,
+        bandwidth_bps=400e9,
+    )

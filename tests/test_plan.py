@@ -1,0 +1,105 @@
+"""The planning model's arithmetic and its CLI (the emulated-run check is benchmarks/plan_check.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from helpers import assert_one_line_error, run_cli
+
+from isthmus.sim.plan import PlanInput, bandwidth_for_efficiency, nemotron_340b, predict
+
+BASE = PlanInput(
+    params=1e9,
+    tokens_per_step=1e6,
+    sites=2,
+    devices_per_site=8,
+    peak_flops=1e15,
+    mfu=0.5,
+    bandwidth_bps=100e9,
+    rtt_s=0.01,
+)
+
+
+def test_compute_time_is_six_n_flops_per_token_over_site_throughput():
+    plan = predict(BASE)
+    # Each site trains half the tokens on 8 devices at half of 1 PFLOP/s.
+    assert plan.compute_s == pytest.approx(6 * 1e9 * 0.5e6 / (8 * 1e15 * 0.5))
+
+
+def test_wire_time_is_the_ring_optimum_over_the_link():
+    plan = predict(BASE)
+    assert plan.wire_bytes_per_site == pytest.approx(2 * (1 / 2) * 4e9)
+    assert plan.wire_s == pytest.approx(4e9 * 8 / 100e9)
+    assert plan.sync_s == pytest.approx(plan.wire_s + 0.01)
+    three = predict(replace(BASE, sites=3))
+    assert three.wire_bytes_per_site == pytest.approx(2 * (2 / 3) * 4e9)
+
+
+def test_one_site_is_perfectly_efficient():
+    plan = predict(replace(BASE, sites=1))
+    assert plan.sync_s == 0 and plan.scaling_efficiency == 1.0
+    assert bandwidth_for_efficiency(replace(BASE, sites=1), 0.99) == 0.0
+
+
+def test_codec_ratio_and_overlap_shrink_the_exposed_time():
+    plain = predict(BASE)
+    assert predict(replace(BASE, codec_ratio=4)).wire_s == pytest.approx(plain.wire_s / 4)
+    hidden = predict(replace(BASE, overlap=1.0))
+    assert hidden.exposed_sync_s == pytest.approx(max(0, plain.sync_s - 2 / 3 * plain.compute_s))
+    assert hidden.scaling_efficiency > plain.scaling_efficiency
+
+
+def test_limit_names_what_bounds_the_sync():
+    assert predict(BASE).limit == "link"
+    assert predict(replace(BASE, codec_bytes_per_s=1e8)).limit == "cpu"
+    assert predict(replace(BASE, bandwidth_bps=1e15, rtt_s=1.0)).limit == "latency"
+
+
+@pytest.mark.parametrize("target", [0.5, 0.9, 0.96])
+def test_bandwidth_for_efficiency_reaches_exactly_the_target(target):
+    needed = bandwidth_for_efficiency(BASE, target)
+    assert predict(replace(BASE, bandwidth_bps=needed)).scaling_efficiency == pytest.approx(target)
+    assert predict(replace(BASE, bandwidth_bps=needed * 0.9)).scaling_efficiency < target
+
+
+def test_unreachable_targets_say_so():
+    # An RTT longer than the whole allowed exposure: no bandwidth is enough.
+    assert math.isinf(bandwidth_for_efficiency(replace(BASE, rtt_s=10.0), 0.96))
+    with pytest.raises(ValueError, match="efficiency"):
+        bandwidth_for_efficiency(BASE, 1.5)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("mfu", 0.0), ("mfu", 1.5), ("sites", 0), ("overlap", -0.1), ("rtt_s", -1)]
+)
+def test_invalid_inputs_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        replace(BASE, **{field: value})
+
+
+def test_nemotron_scenario_is_self_consistent():
+    p = nemotron_340b()
+    # 2304 x 4096 tokens at 6 x 340B FLOPs each over 3072 H100s at 41%: ~15 s,
+    # about what Nemotron-4's report shows for its 6144-GPU stage (8 s) scaled by 2.
+    assert predict(p).compute_s == pytest.approx(15.45, rel=0.01)
+    assert 100e9 < bandwidth_for_efficiency(p, 0.96) < 2e12
+
+
+@pytest.mark.timeout(60)
+def test_plan_cli_prints_the_340b_prediction_next_to_nemo():
+    result = run_cli("plan", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "340.0B parameters" in result.stdout
+    assert "bandwidth for 96%" in result.stdout and "NVIDIA NeMo, published" in result.stdout
+    as_json = run_cli("plan", "--json", "--bandwidth-gbit", "800", timeout=60)
+    data = json.loads(as_json.stdout)
+    assert data["inputs"]["bandwidth_bps"] == 800e9
+    assert data["prediction"]["scaling_efficiency"] > 0.9
+
+
+@pytest.mark.timeout(60)
+def test_plan_cli_bad_input_is_one_line():
+    assert_one_line_error(run_cli("plan", "--mfu", "2", timeout=60), "mfu must be in (0, 1]")
