@@ -124,6 +124,11 @@ class RunSection:
     """Where the resolved config, metrics.jsonl, summary.json and logs go; empty = a temp dir."""
     log_level: str = "warning"
     """Log level of the rank processes: debug, info, warning, error."""
+    digest_every: int = 10
+    """Compare parameter digests across sites every this many steps (and after the
+    last); 0 = only after the last. Each digest gathers the full parameters."""
+    metrics_port: int = 0
+    """Prometheus /metrics port of each coordinator; 0 = any free port, -1 = none."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -397,6 +402,20 @@ def validate(config: JobConfig) -> None:
     _require(w.distance_km >= 0, f"wan.distance_km must be >= 0, got {w.distance_km}")
     _require(w.bandwidth_mbit > 0, f"wan.bandwidth_mbit must be > 0, got {w.bandwidth_mbit}")
     _require(w.queue_kib >= 0, f"wan.queue_kib must be >= 0, got {w.queue_kib}")
+    _require(
+        config.run.digest_every >= 0,
+        f"run.digest_every must be >= 0, got {config.run.digest_every}",
+    )
+    _require(
+        -1 <= config.run.metrics_port <= 65535,
+        f"run.metrics_port must be -1 (none), 0 (any) or a port, got {config.run.metrics_port}",
+    )
+    for key in ("coordinators", "proxies"):
+        unknown = sorted(set(getattr(config.cluster, key)) - set(config.site_names))
+        _require(
+            not unknown,
+            f"cluster.{key} names unknown sites {unknown}; sites are {config.site_names}",
+        )
     _require(
         config.run.log_level in ("debug", "info", "warning", "error"),
         f"run.log_level must be debug, info, warning or error, got {config.run.log_level!r}",

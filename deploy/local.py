@@ -120,6 +120,7 @@ class LocalJob:
                     ranks=config.topology.ranks_per_site,
                     fingerprint=config.fingerprint(),
                     join_timeout_s=config.sync.timeout_s,
+                    metrics_port=None if config.run.metrics_port < 0 else 0,
                 )
             )
         addresses = {c.site: c.address for c in self._coordinators}
@@ -149,6 +150,7 @@ class LocalJob:
         job = {
             "launcher_pid": os.getpid(),
             "coordinators": {c.site: c.address for c in self._coordinators},
+            "metrics": {c.site: c.metrics_address for c in self._coordinators},
             "proxies": proxies,
             "store_ports": [s.store_port for s in self._sites],
             "ranks": [r for s in self._sites for r in s.describe()],

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from isthmus.deploy.config import JobConfig, load_config
+from isthmus.deploy.reporting import DivergenceError, StepReporter
 from isthmus.inter.allreduce import CrossSiteAllReduce
 from isthmus.inter.codec import make_codec
 from isthmus.inter.coordinator import peer_channel
@@ -105,21 +106,6 @@ def join_job(env: RankEnv, config: JobConfig, lane_address: str) -> list[cpb.Sit
             if reply.generation > 0:
                 return list(reply.sites)
     raise TimeoutError(f"no job membership after {config.sync.timeout_s:.0f}s")
-
-
-class SiteMetrics:
-    """Rank 0's per-step metrics file and the run's totals."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.file = path.open("w") if path else None
-        self.totals = {"compute_s": 0.0, "sync_s": 0.0, "bytes_sent": 0, "raw_bytes": 0}
-
-    def record(self, line: dict) -> None:
-        for key in self.totals:
-            self.totals[key] += line[key]
-        if self.file:
-            self.file.write(json.dumps(line) + "\n")
-            self.file.flush()
 
 
 def run(env: RankEnv, config: JobConfig) -> None:
@@ -202,9 +188,12 @@ def run(env: RankEnv, config: JobConfig) -> None:
     )
     site_dir = env.run_dir / "sites" / env.site
     site_dir.mkdir(parents=True, exist_ok=True)
-    metrics = SiteMetrics(site_dir / "metrics.jsonl" if env.rank == 0 else None)
+    metrics = StepReporter(
+        env.site, site_dir / "metrics.jsonl" if env.rank == 0 else None, env.coordinator
+    )
     dist.barrier()
     started = time.perf_counter()
+    last = config.job.steps - 1
     for step in range(config.job.steps):
         inputs, targets = batches.batch(step)
         if sync is not None:
@@ -217,6 +206,13 @@ def run(env: RankEnv, config: JobConfig) -> None:
             dtype=torch.float64,
         )
         dist.all_reduce(traffic)
+        # Every rank joins the digest's gather; sites compare them (invariant 1).
+        every = config.run.digest_every
+        digest = (
+            parameter_digest(trainer.model)
+            if step == last or (every and (step + 1) % every == 0)
+            else ""
+        )
         metrics.record(
             {
                 "site": env.site,
@@ -230,10 +226,13 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 "bytes_sent": int(traffic[0]),
                 "raw_bytes": int(traffic[1]),
                 "elapsed_s": time.perf_counter() - started,
-            }
+                "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
+            },
+            digest=digest,
+            finished=step == last,
         )
     train_s = time.perf_counter() - started
-    digest = parameter_digest(trainer.model)
+    metrics.close()
     shard_digest = local_shard_digest(trainer.model)
     result = {
         "site": env.site,
@@ -294,6 +293,9 @@ def main() -> int:
         run(env, config)
     except grpc.RpcError as exc:
         print(f"error: [{env.site}/{env.rank}] {exc.details()}", file=sys.stderr)
+        return 1
+    except DivergenceError as exc:
+        print(f"error: [{env.site}/{env.rank}] {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -19,7 +19,10 @@ from collections.abc import Mapping
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from isthmus.inter.metrics import SiteMetrics
+from isthmus.inter.replicas import ReplicaDigests
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -79,6 +82,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         join_timeout_s: how long to wait for every site to be present and ready.
         rpc_timeout_s: deadline of each RPC to a peer.
         heartbeat_s: period of heartbeats to peers once joined.
+        metrics_port: serve Prometheus /metrics on this port (0 = any free port);
+            None serves none. `metrics_address` tells where it is.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         join_timeout_s: float = 120.0,
         rpc_timeout_s: float = 5.0,
         heartbeat_s: float = 1.0,
+        metrics_port: int | None = None,
     ) -> None:
         if site not in site_names:
             raise ValueError(f"site {site!r} is not one of the job's sites {site_names}")
@@ -119,10 +125,20 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._told_ready: set[str] = set()
         self._generation = 0
         self._error: str | None = None
+        self._digest: tuple[int, str] = (0, "")
         self._stopped = threading.Event()
         self.last_seen: dict[str, float] = {}
         self.peer_steps: dict[str, int] = {}
         self.step = 0
+        self.finished = False
+        self.finished_peers: set[str] = set()
+        self.replicas = ReplicaDigests()
+        self.metrics = SiteMetrics(site)
+        self.metrics_address: str | None = None
+        self._metrics_port = metrics_port
+        self._host = host
+        # grpc.health.v1: SERVING while the site trains, NOT_SERVING once it drains.
+        self.health = health.HealthServicer()
 
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"coord-{site}"),
@@ -132,6 +148,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             ],
         )
         pb_grpc.add_CoordinatorServicer_to_server(self, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"coordinator for {site} could not bind {host}:{port}")
@@ -155,13 +172,33 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if len(self.peers) != len(self.site_names) - 1:
             raise ValueError("set_peers() must name every peer site before start()")
         self._server.start()
+        self.set_serving(True)
+        if self._metrics_port is not None:
+            port = self.metrics.serve(self._host, self._metrics_port)
+            self.metrics_address = f"{self._host}:{port}"
         self._started_at = time.monotonic()
         self._joiner.start()
         log.info("[%s] coordinator serving on %s", self.site, self.address)
         return self.address
 
+    def set_serving(self, serving: bool) -> None:
+        """Answer grpc.health.v1 checks (whole server and the Coordinator service)."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", "isthmus.v1.Coordinator"):
+            self.health.set(service, status)
+
+    def drain(self) -> None:
+        """Say NOT_SERVING (the site is leaving) while still answering peers."""
+        self.set_serving(False)
+
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving and joining (idempotent)."""
+        self.set_serving(False)
+        self.metrics.close()
         self._stopped.set()
         with self._cond:
             self._cond.notify_all()
@@ -319,10 +356,41 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def Heartbeat(self, request, context):  # noqa: N802
         if request.site not in self.peers:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
+        if not self.replicas.valid(request.digest):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
+            )
         with self._cond:
             self.last_seen[request.site] = time.monotonic()
             self.peer_steps[request.site] = request.step
-            return pb.HeartbeatResponse(generation=self._generation)
+            if request.finished:
+                self.finished_peers.add(request.site)
+            self._cond.notify_all()
+        self.metrics.site_up.labels(self.site, request.site).set(1)
+        if self.replicas.record(request.site, request.digest_step, request.digest):
+            self.metrics.replicas_identical.labels(self.site).set(0)
+        return pb.HeartbeatResponse(generation=self.generation)
+
+    def ReportProgress(self, request, context):  # noqa: N802
+        if request.site != self.site:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"progress for site {request.site[:64]!r} sent to the coordinator of {self.site}",
+            )
+        if not self.replicas.valid(request.digest):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
+            )
+        self.metrics.record_step(request)
+        with self._cond:
+            self.step = request.step
+            self.finished = self.finished or request.finished
+            if request.digest:
+                self._digest = (request.digest_step, request.digest)
+        divergence = self.replicas.record(self.site, request.digest_step, request.digest)
+        if divergence:
+            self.metrics.replicas_identical.labels(self.site).set(0)
+        return pb.ReportProgressResponse(divergence=divergence or "")
 
     # -- joining peers ----------------------------------------------------------------
 
@@ -349,15 +417,26 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             info = self._own_info_locked()
             pending = [name for name in stubs if name not in self._told_ready]
         if joined and not pending:
+            with self._cond:
+                digest_step, digest = self._digest
+                beat = pb.HeartbeatRequest(
+                    site=self.site,
+                    step=self.step,
+                    digest=digest,
+                    digest_step=digest_step,
+                    finished=self.finished,
+                )
             for name, stub in stubs.items():
                 try:
-                    stub.Heartbeat(
-                        pb.HeartbeatRequest(site=self.site, step=self.step),
-                        timeout=self.rpc_timeout_s,
-                    )
+                    stub.Heartbeat(beat, timeout=self.rpc_timeout_s)
                     self.last_seen[name] = time.monotonic()
+                    self.metrics.site_up.labels(self.site, name).set(1)
                 except grpc.RpcError as exc:
-                    log.warning("[%s] heartbeat to %s failed: %s", self.site, name, exc.code().name)
+                    self.metrics.site_up.labels(self.site, name).set(0)
+                    if not self._stopped.is_set():  # a peer leaving at the end is no news
+                        log.warning(
+                            "[%s] heartbeat to %s failed: %s", self.site, name, exc.code().name
+                        )
             return
         if time.monotonic() - self._started_at > self.join_timeout_s:
             with self._cond:

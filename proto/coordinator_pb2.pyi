@@ -84,15 +84,59 @@ class GetMembershipResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("site", "step")
+    __slots__ = ("site", "step", "digest", "digest_step", "finished")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    digest: str
+    digest_step: int
+    finished: bool
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("generation",)
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     generation: int
     def __init__(self, generation: _Optional[int] = ...) -> None: ...
+
+class ReportProgressRequest(_message.Message):
+    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    CROSS_SITE_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CROSS_SITE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MFU_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    step: int
+    loss: float
+    step_s: float
+    compute_s: float
+    cross_site_s: float
+    tokens: int
+    cross_site_bytes: int
+    raw_bytes: int
+    mfu: float
+    digest: str
+    digest_step: int
+    finished: bool
+    sync_busy_s: float
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ...) -> None: ...
+
+class ReportProgressResponse(_message.Message):
+    __slots__ = ("divergence",)
+    DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    divergence: str
+    def __init__(self, divergence: _Optional[str] = ...) -> None: ...

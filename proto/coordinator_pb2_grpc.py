@@ -54,6 +54,11 @@ class CoordinatorStub:
                 request_serializer=isthmus_dot_proto_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.ReportProgress = channel.unary_unary(
+                '/isthmus.v1.Coordinator/ReportProgress',
+                request_serializer=isthmus_dot_proto_dot_coordinator__pb2.ReportProgressRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.ReportProgressResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -83,7 +88,15 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness between coordinators, and the latest step each site reached.
+        """Liveness between coordinators, the latest step each site reached and its latest
+        parameter digest, so every site can say when replicas differ.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportProgress(self, request, context):
+        """A site's rank 0 reports each step (site-local, never crosses the WAN).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +124,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.HeartbeatRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_coordinator__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ReportProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportProgress,
+                    request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.ReportProgressRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_coordinator__pb2.ReportProgressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class Coordinator:
             '/isthmus.v1.Coordinator/Heartbeat',
             isthmus_dot_proto_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
             isthmus_dot_proto_dot_coordinator__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Coordinator/ReportProgress',
+            isthmus_dot_proto_dot_coordinator__pb2.ReportProgressRequest.SerializeToString,
+            isthmus_dot_proto_dot_coordinator__pb2.ReportProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

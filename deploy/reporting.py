@@ -1,0 +1,88 @@
+"""What a rank tells the world after each step: the site's metrics.jsonl line
+(rank 0) and a progress report to the site's coordinator, which feeds Prometheus
+and compares parameter digests across sites (DESIGN.md invariant 1)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from isthmus.inter.coordinator import peer_channel
+from isthmus.proto import coordinator_pb2 as cpb
+from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
+
+log = logging.getLogger(__name__)
+REPORT_TIMEOUT_S = 5.0
+
+
+class DivergenceError(RuntimeError):
+    """Sites hold different parameters after the same step."""
+
+
+class StepReporter:
+    """Rank 0's per-step metrics file, the run's totals, and coordinator reports.
+
+    Args:
+        site: this site's name.
+        metrics_path: metrics.jsonl to write, or None on ranks other than 0.
+        coordinator: host:port of the site's coordinator, or "" for none.
+    """
+
+    def __init__(self, site: str, metrics_path: Path | None, coordinator: str) -> None:
+        self.site = site
+        self.file = metrics_path.open("w") if metrics_path else None
+        self.totals = {"compute_s": 0.0, "sync_s": 0.0, "bytes_sent": 0, "raw_bytes": 0}
+        self._channel = peer_channel(coordinator) if coordinator and metrics_path else None
+        self._stub = cpb_grpc.CoordinatorStub(self._channel) if self._channel else None
+        self.started = time.perf_counter()
+
+    def record(self, line: dict, *, digest: str = "", finished: bool = False) -> None:
+        """Write one step's line and report it; raises DivergenceError if sites differ.
+
+        Args:
+            line: the step's metrics (see deploy/rank.py for the keys).
+            digest: the site's full parameter digest after this step, if computed.
+            finished: this was the last step.
+        """
+        for key in self.totals:
+            self.totals[key] += line[key]
+        if self.file is None:
+            return
+        self.file.write(json.dumps({**line, **({"digest": digest} if digest else {})}) + "\n")
+        self.file.flush()
+        if self._stub is None:
+            return
+        request = cpb.ReportProgressRequest(
+            site=self.site,
+            step=line["step"] + 1,
+            loss=line["loss"],
+            step_s=line["compute_s"] + line["sync_s"],
+            compute_s=line["compute_s"],
+            cross_site_s=line["sync_s"],
+            tokens=line["tokens"],
+            cross_site_bytes=line["bytes_sent"],
+            raw_bytes=line["raw_bytes"],
+            mfu=line.get("mfu", 0.0),
+            sync_busy_s=line.get("sync_busy_s", 0.0),
+            digest=digest,
+            digest_step=line["step"] + 1 if digest else 0,
+            finished=finished,
+        )
+        try:
+            reply = self._stub.ReportProgress(request, timeout=REPORT_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            # Metrics are best effort: training goes on without its dashboard.
+            log.warning("progress report to the coordinator failed: %s", exc.code().name)
+            return
+        if reply.divergence:
+            raise DivergenceError(reply.divergence)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self._channel is not None:
+            self._channel.close()

@@ -1,0 +1,84 @@
+"""Prometheus metrics of one site, served by its coordinator.
+
+Names follow Prometheus conventions (base units, `_total` for counters, `_seconds`,
+`_bytes`); every metric carries the `site` label. Values come from rank 0's
+per-step reports (`ReportProgress`) and from peer heartbeats, so a scrape shows the
+same numbers as the site's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class SiteMetrics:
+    """The gauges and counters of one site, in a registry of their own."""
+
+    def __init__(self, site: str) -> None:
+        self.site = site
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, ("site", *labels), registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ("site",), registry=r)
+
+        self.step = gauge("isthmus_step", "Training steps completed")
+        self.loss = gauge("isthmus_loss", "Training loss of the last step")
+        self.step_seconds = gauge("isthmus_step_seconds", "Wall time of the last step")
+        self.compute_seconds = gauge("isthmus_compute_seconds", "Compute time of the last step")
+        self.cross_site_seconds = gauge(
+            "isthmus_cross_site_seconds", "Time the last step waited on the cross-site sync"
+        )
+        self.tokens_per_second = gauge("isthmus_tokens_per_second", "Tokens per second, last step")
+        self.mfu = gauge("isthmus_mfu_ratio", "Model FLOPs utilisation of the last step, 0..1")
+        self.compression_ratio = gauge(
+            "isthmus_compression_ratio", "Raw / wire bytes of the last step's cross-site sync"
+        )
+        self.wan_goodput = gauge(
+            "isthmus_wan_goodput_bytes_per_second",
+            "Raw gradient bytes synchronised per second the lanes were busy, last step",
+        )
+        self.tokens_total = counter("isthmus_tokens", "Tokens trained")
+        self.cross_site_bytes_total = counter(
+            "isthmus_cross_site_bytes", "Bytes sent across sites (after the codec)"
+        )
+        self.cross_site_seconds_total = counter(
+            "isthmus_cross_site_wait_seconds", "Seconds steps waited on the cross-site sync"
+        )
+        self.site_up = gauge("isthmus_site_up", "1 while a peer site answers heartbeats", ("peer",))
+        self.replicas_identical = gauge(
+            "isthmus_replicas_identical", "1 while every site's parameter digest agrees, else 0"
+        )
+        self.replicas_identical.labels(site).set(1)
+        self._server = None
+
+    def record_step(self, report) -> None:  # a ReportProgressRequest
+        s = self.site
+        self.step.labels(s).set(report.step)
+        self.loss.labels(s).set(report.loss)
+        self.step_seconds.labels(s).set(report.step_s)
+        self.compute_seconds.labels(s).set(report.compute_s)
+        self.cross_site_seconds.labels(s).set(report.cross_site_s)
+        self.tokens_per_second.labels(s).set(report.tokens / report.step_s if report.step_s else 0)
+        self.mfu.labels(s).set(report.mfu)
+        if report.cross_site_bytes:
+            self.compression_ratio.labels(s).set(report.raw_bytes / report.cross_site_bytes)
+        if report.sync_busy_s > 0:
+            self.wan_goodput.labels(s).set(report.raw_bytes / report.sync_busy_s)
+        self.tokens_total.labels(s).inc(report.tokens)
+        self.cross_site_bytes_total.labels(s).inc(report.cross_site_bytes)
+        self.cross_site_seconds_total.labels(s).inc(report.cross_site_s)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve /metrics over HTTP; returns the bound port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

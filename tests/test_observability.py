@@ -1,0 +1,152 @@
+"""Health checks, Prometheus metrics and replica digests served by a coordinator."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from isthmus.inter.coordinator import Coordinator
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+FP = {"job.seed": "0"}
+D1, D2 = "a" * 64, "b" * 64
+
+
+def scrape(address: str) -> dict[str, float]:
+    """The metrics page as {"name{labels}": value}."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def report(coord: Coordinator, **fields) -> pb.ReportProgressResponse:
+    with grpc.insecure_channel(coord.address) as channel:
+        return pb_grpc.CoordinatorStub(channel).ReportProgress(
+            pb.ReportProgressRequest(site=coord.site, **fields), timeout=5
+        )
+
+
+def health_status(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        return (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            .status
+        )
+
+
+@pytest.fixture
+def pair():
+    coords = [
+        Coordinator(
+            site=name,
+            site_names=["site0", "site1"],
+            ranks=1,
+            fingerprint=FP,
+            heartbeat_s=0.1,
+            metrics_port=0,
+        )
+        for name in ("site0", "site1")
+    ]
+    coords[0].set_peers({"site1": coords[1].address})
+    coords[1].set_peers({"site0": coords[0].address})
+    for c in coords:
+        c.start()
+    yield coords
+    for c in coords:
+        c.stop()
+
+
+def test_health_is_serving_then_not_serving_when_the_site_drains(pair):
+    coord = pair[0]
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert health_status(coord.address) == serving
+    assert health_status(coord.address, "isthmus.v1.Coordinator") == serving
+    coord.drain()
+    assert health_status(coord.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_prometheus_values_match_the_reported_step(pair):
+    line = {
+        "step": 7,
+        "loss": 3.25,
+        "step_s": 0.5,
+        "compute_s": 0.4,
+        "cross_site_s": 0.1,
+        "tokens": 2048,
+        "cross_site_bytes": 1000,
+        "raw_bytes": 1100,
+        "mfu": 0.31,
+        "sync_busy_s": 0.2,
+    }
+    report(pair[0], **line)
+    report(pair[0], **{**line, "step": 8})
+    values = scrape(pair[0].metrics_address)
+    label = '{site="site0"}'
+    assert values[f"isthmus_step{label}"] == 8
+    assert values[f"isthmus_loss{label}"] == 3.25
+    assert values[f"isthmus_cross_site_seconds{label}"] == pytest.approx(0.1)
+    assert values[f"isthmus_tokens_per_second{label}"] == pytest.approx(2048 / 0.5)
+    assert values[f"isthmus_compression_ratio{label}"] == pytest.approx(1.1)
+    assert values[f"isthmus_wan_goodput_bytes_per_second{label}"] == pytest.approx(1100 / 0.2)
+    assert values[f"isthmus_mfu_ratio{label}"] == pytest.approx(0.31)
+    assert values[f"isthmus_tokens_total{label}"] == 4096
+    assert values[f"isthmus_cross_site_bytes_total{label}"] == 2000
+
+
+def test_sites_compare_digests_and_say_when_they_differ(pair):
+    for c in pair:
+        for rank_site in (c,):
+            with grpc.insecure_channel(c.address) as channel:
+                pb_grpc.CoordinatorStub(channel).RegisterRank(
+                    pb.RegisterRankRequest(
+                        site=rank_site.site,
+                        rank=0,
+                        world_size=1,
+                        lane_address="127.0.0.1:1",
+                        fingerprint=pb.JobFingerprint(fields=FP),
+                    ),
+                    timeout=5,
+                )
+    for c in pair:
+        c.wait_ready(10)
+    assert report(pair[0], step=10, digest=D1, digest_step=10).divergence == ""
+    report(pair[1], step=10, digest=D1, digest_step=10)
+    deadline = time.monotonic() + 5
+    while pair[0].replicas.agree_at(10, ["site0", "site1"]) is None:
+        assert time.monotonic() < deadline, "peer digest never arrived by heartbeat"
+        time.sleep(0.05)
+    assert pair[0].replicas.agree_at(10, ["site0", "site1"]) is True
+    # site1 now reports a different digest for step 20: both sides learn of it.
+    report(pair[0], step=20, digest=D1, digest_step=20)
+    report(pair[1], step=20, digest=D2, digest_step=20)
+    while not pair[0].replicas.divergence:
+        assert time.monotonic() < deadline + 5, "divergence never detected"
+        time.sleep(0.05)
+    assert "replicas differ after step 20" in report(pair[0], step=21).divergence
+    assert scrape(pair[0].metrics_address)['isthmus_replicas_identical{site="site0"}'] == 0
+    assert scrape(pair[0].metrics_address)['isthmus_site_up{peer="site1",site="site0"}'] == 1
+
+
+def test_malformed_reports_are_refused_and_change_nothing(pair):
+    with pytest.raises(grpc.RpcError) as info:
+        report(pair[0], step=3, digest="not-hex", digest_step=3)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with grpc.insecure_channel(pair[0].address) as channel, pytest.raises(grpc.RpcError):
+        pb_grpc.CoordinatorStub(channel).ReportProgress(
+            pb.ReportProgressRequest(site="site1", step=3), timeout=5
+        )
+    assert pair[0].step == 0
+    assert json.dumps(pair[0].replicas.latest()) == "{}"
