@@ -1,6 +1,7 @@
 """The `isthmus` command line.
 
     isthmus local         every site of a job on this machine, over emulated links
+    isthmus site          one site of a job: its coordinator and its ranks
     isthmus coordinator   one site's coordinator, alone
     isthmus config        print the resolved job config with every key documented
     isthmus plan          predict step time and scaling efficiency at any size
@@ -97,6 +98,20 @@ def cmd_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_site(args: argparse.Namespace) -> int:
+    from isthmus.deploy.site import SiteJob
+    from isthmus.deploy.summary import print_summary
+
+    config = config_from_args(args)
+    job = SiteJob(config, args.site, out=sys.stderr, progress=not args.quiet)
+    summary = job.run()
+    print(f"summary of {args.site}:", file=sys.stdout)
+    print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
+    if job.temporary_run_dir:
+        shutil.rmtree(job.run_dir, ignore_errors=True)
+    return 0
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from isthmus.inter.coordinator import Coordinator
 
@@ -180,6 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(local, common_flags=True)
     local.add_argument("--quiet", action="store_true", help="no progress line")
     local.set_defaults(func=cmd_local)
+
+    site = sub.add_parser(
+        "site",
+        help="run one site of a job: its coordinator and its ranks",
+        description="Run one site of a multi-site job on this machine: serve its "
+        "coordinator at cluster.coordinators.SITE, start its ranks, wait for the peer "
+        "sites (with a countdown), train, and exit once every site's final parameter "
+        "digest is known. Every site needs cluster.coordinators for all sites; "
+        "cluster.proxies routes a peer through an emulated link (isthmus wan up).",
+        formatter_class=HelpFormatter,
+    )
+    add_config_arguments(site, common_flags=True)
+    site.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
+    site.add_argument("--quiet", action="store_true", help="no progress line")
+    site.set_defaults(func=cmd_site)
 
     coord = sub.add_parser(
         "coordinator",

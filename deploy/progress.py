@@ -16,16 +16,25 @@ class Progress:
     printed every tenth of the run so logs stay short.
     """
 
-    def __init__(self, config: JobConfig, run_dir: Path, out: TextIO, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        run_dir: Path,
+        out: TextIO,
+        enabled: bool = True,
+        sites: list[str] | None = None,
+    ) -> None:
         self.config, self.run_dir, self.out, self.enabled = config, run_dir, out, enabled
+        self.sites = sites or config.site_names
         self.tty = enabled and out.isatty()
         self.shown = -1
         self.every = max(1, config.job.steps // 10)
         self.width = 0
         if enabled:
             t = config.topology
+            who = "isthmus local" if sites is None else f"isthmus site {', '.join(self.sites)}"
             self._emit(
-                f"isthmus local: {t.sites} site(s) x {t.ranks_per_site} rank(s), "
+                f"{who}: {t.sites} site(s) x {t.ranks_per_site} rank(s), "
                 f"{config.job.steps} steps; starting ranks and joining sites...",
                 final=not self.tty,
             )
@@ -34,8 +43,7 @@ class Progress:
         if not self.enabled:
             return
         per_site = {
-            site: read_jsonl(self.run_dir / "sites" / site / "metrics.jsonl")
-            for site in self.config.site_names
+            site: read_jsonl(self.run_dir / "sites" / site / "metrics.jsonl") for site in self.sites
         }
         steps = merge_steps(per_site)
         if not steps or len(steps) - 1 == self.shown:
@@ -54,6 +62,11 @@ class Progress:
             f"cross-site {last['cross_site_s']:.3f} s/step",
             final=not self.tty,
         )
+
+    def status(self, text: str) -> None:
+        """A line about something other than steps (e.g. waiting for peers)."""
+        if self.enabled and self.shown < 0:
+            self._emit(text, final=not self.tty)
 
     def _emit(self, text: str, final: bool) -> None:
         if self.tty:

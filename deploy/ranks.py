@@ -28,9 +28,19 @@ class LaunchError(RuntimeError):
     """The job failed; the message says where and why, in one line."""
 
 
-def prepare_run_dir(config: JobConfig) -> tuple[Path, bool]:
+def config_path(run_dir: Path, site: str | None) -> Path:
+    """Where the ranks read the resolved config: one file per site for `isthmus site`
+    (sites may differ in how they reach each other), one for the whole local job."""
+    return run_dir / (f"config-{site}.toml" if site else "config.toml")
+
+
+def prepare_run_dir(config: JobConfig, site: str | None = None) -> tuple[Path, bool]:
     """Create (or clean) the run directory and write the resolved config into it.
 
+    Args:
+        config: the job config.
+        site: for one site of a job (`isthmus site`): clean only that site's files,
+            so sites started from different shells may share a run directory.
     Returns:
         The directory and whether it is a temporary one the caller should remove.
     """
@@ -39,14 +49,15 @@ def prepare_run_dir(config: JobConfig) -> tuple[Path, bool]:
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir, temporary = Path(tempfile.mkdtemp(prefix="isthmus-run-")), True
-    for stale in ("metrics.jsonl", "summary.json", "sites"):
-        path = run_dir / stale
+    stale = (f"sites/{site}",) if site else ("metrics.jsonl", "summary.json", "sites")
+    for name in stale:
+        path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
     (run_dir / "logs").mkdir(exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_toml(config))
+    config_path(run_dir, site).write_text(dump_toml(config))
     return run_dir, temporary
 
 
@@ -69,6 +80,7 @@ class SiteRanks:
         proxies: peer site -> HTTP CONNECT proxy URL of the link to it.
         first_device: LOCAL_RANK of rank 0 (sites sharing a GPU host take turns).
         threads: OMP threads per rank.
+        config_file: the resolved config the ranks read (see `config_path`).
     """
 
     def __init__(
@@ -81,10 +93,12 @@ class SiteRanks:
         *,
         first_device: int = 0,
         threads: int = 1,
+        config_file: Path | None = None,
     ) -> None:
         self.config, self.site, self.run_dir = config, site, run_dir
         self.coordinator, self.proxies = coordinator, proxies
         self.first_device, self.threads = first_device, threads
+        self.config_file = config_file or config_path(run_dir, None)
         self.ranks: list[RankProcess] = []
         self._store: object | None = None
 
@@ -108,7 +122,7 @@ class SiteRanks:
                 "MASTER_PORT": str(self.store_port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "OMP_NUM_THREADS": str(self.threads),
-                "ISTHMUS_CONFIG": str(self.run_dir / "config.toml"),
+                "ISTHMUS_CONFIG": str(self.config_file),
                 "ISTHMUS_SITE": self.site,
                 "ISTHMUS_COORDINATOR": self.coordinator,
                 "ISTHMUS_PROXIES": json.dumps(self.proxies),

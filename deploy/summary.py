@@ -42,21 +42,27 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
     return merged
 
 
-def summarize(config: JobConfig, run_dir: Path) -> dict:
-    """Write run_dir/metrics.jsonl and run_dir/summary.json; returns the summary.
+def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) -> dict:
+    """Write the run's metrics.jsonl and summary.json; returns the summary.
 
+    Args:
+        config: the job config.
+        run_dir: the run directory the ranks wrote to.
+        sites: summarise only these sites (one `isthmus site`); files then go to
+            run_dir/sites/SITE/ instead of run_dir/.
     Raises:
         RuntimeError: when a rank's result is missing or ranks of a site disagree.
     """
-    per_site = {
-        site: read_jsonl(run_dir / "sites" / site / "metrics.jsonl") for site in config.site_names
-    }
+    names = sites or config.site_names
+    out_dir = run_dir / "sites" / names[0] if sites else run_dir
+    per_site = {site: read_jsonl(run_dir / "sites" / site / "metrics.jsonl") for site in names}
     steps = merge_steps(per_site)
-    with (run_dir / "metrics.jsonl").open("w") as f:
-        for record in steps:
-            f.write(json.dumps(record) + "\n")
+    if not sites:  # one site's own metrics.jsonl already is its record
+        with (run_dir / "metrics.jsonl").open("w") as f:
+            for record in steps:
+                f.write(json.dumps(record) + "\n")
     results: dict[str, list[dict]] = {}
-    for site in config.site_names:
+    for site in names:
         for rank in range(config.topology.ranks_per_site):
             path = run_dir / "sites" / site / f"rank{rank}.json"
             if not path.exists():
@@ -90,7 +96,7 @@ def summarize(config: JobConfig, run_dir: Path) -> dict:
             site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
         },
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -202,9 +202,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._stopped.set()
         with self._cond:
             self._cond.notify_all()
-        self._server.stop(grace_s).wait(grace_s + 1.0)
         if self._joiner.is_alive():
             self._joiner.join(timeout=self.rpc_timeout_s + 1.0)
+        self._server.stop(grace_s).wait(grace_s + 1.0)
 
     def __enter__(self) -> Coordinator:
         self.start()
@@ -406,9 +406,34 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 if self._error is not None:
                     return
                 self._stopped.wait(0.2 if self.generation == 0 else self.heartbeat_s)
+            if self.generation > 0:
+                # A last word on the way out, so peers hear this site's final digest
+                # even when it finished last and its next heartbeat would never come.
+                self._heartbeat_round(stubs)
         finally:
             for channel in channels.values():
                 channel.close()
+
+    def _heartbeat_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
+        """Tell every peer this site's step, latest digest and whether it finished."""
+        with self._cond:
+            digest_step, digest = self._digest
+            beat = pb.HeartbeatRequest(
+                site=self.site,
+                step=self.step,
+                digest=digest,
+                digest_step=digest_step,
+                finished=self.finished,
+            )
+        for name, stub in stubs.items():
+            try:
+                stub.Heartbeat(beat, timeout=self.rpc_timeout_s)
+                self.last_seen[name] = time.monotonic()
+                self.metrics.site_up.labels(self.site, name).set(1)
+            except grpc.RpcError as exc:
+                self.metrics.site_up.labels(self.site, name).set(0)
+                if not self._stopped.is_set():  # a peer leaving at the end is no news
+                    log.warning("[%s] heartbeat to %s failed: %s", self.site, name, exc.code().name)
 
     def _join_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
         with self._cond:
@@ -417,26 +442,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             info = self._own_info_locked()
             pending = [name for name in stubs if name not in self._told_ready]
         if joined and not pending:
-            with self._cond:
-                digest_step, digest = self._digest
-                beat = pb.HeartbeatRequest(
-                    site=self.site,
-                    step=self.step,
-                    digest=digest,
-                    digest_step=digest_step,
-                    finished=self.finished,
-                )
-            for name, stub in stubs.items():
-                try:
-                    stub.Heartbeat(beat, timeout=self.rpc_timeout_s)
-                    self.last_seen[name] = time.monotonic()
-                    self.metrics.site_up.labels(self.site, name).set(1)
-                except grpc.RpcError as exc:
-                    self.metrics.site_up.labels(self.site, name).set(0)
-                    if not self._stopped.is_set():  # a peer leaving at the end is no news
-                        log.warning(
-                            "[%s] heartbeat to %s failed: %s", self.site, name, exc.code().name
-                        )
+            self._heartbeat_round(stubs)
             return
         if time.monotonic() - self._started_at > self.join_timeout_s:
             with self._cond:

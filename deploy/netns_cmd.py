@@ -1,0 +1,127 @@
+"""`isthmus wan netns`: sites as network namespaces joined by emulated links.
+
+    isthmus wan netns up --sites 2 [--distance-km 1000] [--bandwidth-mbit 1000] [--job NAME]
+    isthmus wan netns down --job NAME
+
+`up` runs until Ctrl-C or SIGTERM and then removes everything it created; `down`
+removes what a crashed `up` left. Both need root and iptables (docs/transparent.md).
+Also runnable alone: `python3 -m isthmus.deploy.netns_cmd up --sites 2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import threading
+
+from isthmus.sim import LinkSpec
+from isthmus.sim.netns import DEFAULT_POOL, NetnsError, teardown
+from isthmus.sim.transparent import TransparentWan
+
+DEFAULT_JOB = "wan"
+
+
+def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """Add `netns up` and `netns down` under `sub` (the subcommands of `isthmus wan`)."""
+    netns = sub.add_parser(
+        "netns",
+        help="sites as network namespaces; any TCP program crosses the emulated link",
+        description="Transparent mode: each site is a network namespace, and every TCP "
+        "connection from one site to another's address crosses the emulated link. "
+        "Needs root and iptables.",
+        formatter_class=formatter,
+    )
+    actions = netns.add_subparsers(dest="netns_command", metavar="{up,down}", required=True)
+    up = actions.add_parser(
+        "up",
+        help="create the namespaces and links; run until Ctrl-C, then remove them",
+        description="Create one namespace per site and one emulated link per pair of "
+        "sites, print how to run a program in each site, and serve until Ctrl-C or "
+        "SIGTERM; then remove the namespaces, veths and iptables rules.",
+        formatter_class=formatter,
+    )
+    up.add_argument("--sites", type=int, default=2, help="number of sites")
+    up.add_argument(
+        "--distance-km", type=float, default=1000.0, help="fiber distance (~4.9 us per km one way)"
+    )
+    up.add_argument(
+        "--bandwidth-mbit", type=float, default=1000.0, help="bandwidth each way, Mbit/s (0 = none)"
+    )
+    up.add_argument(
+        "--queue-kib", type=int, default=256, help="buffering beyond the bandwidth-delay product"
+    )
+    up.add_argument("--job", default=DEFAULT_JOB, help="job name, 1-8 of [a-z0-9]")
+    up.add_argument("--pool", default=DEFAULT_POOL, help="IPv4 network the sites' /24s come from")
+    up.set_defaults(func=cmd_up)
+    down = actions.add_parser(
+        "down",
+        help="remove a job's namespaces, veths and iptables rules (after a crash)",
+        description="Remove everything `netns up --job NAME` creates; stops processes "
+        "still running inside its namespaces. Safe to run when nothing is left.",
+        formatter_class=formatter,
+    )
+    down.add_argument("--job", default=DEFAULT_JOB, help="job name given to `up`")
+    down.set_defaults(func=cmd_down)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    try:
+        spec = LinkSpec.from_distance(
+            args.distance_km, args.bandwidth_mbit * 1e6, queue_bytes=args.queue_kib * 1024
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with TransparentWan(args.job, args.sites, spec) as wan:
+            print(
+                f"job {args.job}: {args.sites} site(s), every pair {args.distance_km:g} km "
+                f"({spec.a_to_b.latency_s * 1e3:.2f} ms one way), "
+                f"{args.bandwidth_mbit:g} Mbit/s each way"
+            )
+            for site in wan.sites:
+                print(
+                    f"  {site.site}  {site.address:<15} {site.namespace:<24} "
+                    f"{shlex.join(site.exec_prefix)} PROGRAM"
+                )
+            print("Ctrl-C to stop and remove everything.", flush=True)
+            while not stop.wait(0.5):
+                pass
+    except (NetnsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"job {args.job}: removed", flush=True)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    try:
+        removed = teardown(args.job)
+    except (NetnsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if any(removed.values()):
+        print(
+            f"job {args.job}: removed {len(removed['namespaces'])} namespace(s), "
+            f"{len(removed['veths'])} veth(s), {len(removed['rules'])} iptables rule(s)"
+        )
+    else:
+        print(f"job {args.job}: nothing to remove")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python3 -m isthmus.deploy.netns_cmd up|down ...`, as `isthmus wan netns up|down ...`."""
+    parser = argparse.ArgumentParser(prog="isthmus wan")
+    register(parser.add_subparsers(dest="command", required=True), argparse.HelpFormatter)
+    args = parser.parse_args(["netns", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""`isthmus wan`: run emulated links standalone, and show or change them while they run.
+
+    isthmus wan up TOPOLOGY [--control HOST:PORT] [--forward SITE_A:SITE_B=HOST:PORT ...]
+    isthmus wan show [--control HOST:PORT] [--json] [LINK]
+    isthmus wan set [--control HOST:PORT] LINK key=value ...
+
+`up` serves one link per pair of sites of a topology file (`isthmus.sim.topology`) in
+the foreground, with an HTTP CONNECT proxy per direction, optional plain TCP forwards,
+and a control endpoint (`isthmus.sim.control`) that `show` and `set` talk to. Ctrl-C or
+SIGTERM closes every listener and connection. Bad input prints one `error:` line and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+from isthmus.sim import RelayServer, Topology, control_request, is_loopback, load_topology
+from isthmus.sim.topology import spec_to_table
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+DEFAULT_CONTROL = "127.0.0.1:7407"
+EXIT_USAGE = 2  # as deploy/cli.py
+EXIT_INTERRUPTED = 130
+
+
+def _error(message: str) -> ValueError:
+    """The error to raise for bad input: a `ConfigError`, which `isthmus` prints as one
+    line. deploy/config.py imports torch, which takes seconds, so when it is not loaded
+    (`python -m isthmus.deploy.wan_cmd`, whose `main` prints any ValueError the same
+    way) a plain ValueError does."""
+    config = sys.modules.get("isthmus.deploy.config")
+    return config.ConfigError(message) if config is not None else ValueError(message)
+
+
+def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> None:
+    """Add `isthmus wan` (up, show, set) to the CLI.
+
+    Args:
+        sub: the `isthmus` parser's subparsers.
+        formatter: the help formatter; default `isthmus.deploy.cli.HelpFormatter`.
+    """
+    if formatter is None:
+        from isthmus.deploy.cli import HelpFormatter as formatter  # cli imports us: lazily
+    wan = sub.add_parser(
+        "wan",
+        help="emulate WAN links standalone; show or change them live",
+        description="Emulate the links of a topology file (sites, and latency, bandwidth, "
+        "queue and impairments per pair and direction) for any TCP program, and show "
+        "or change them while they run. See docs/wan.md.",
+        formatter_class=formatter,
+    )
+    wsub = wan.add_subparsers(dest="wan_command", metavar="COMMAND", required=True)
+    control_help = "control endpoint of `isthmus wan up`, HOST:PORT on loopback"
+
+    up = wsub.add_parser(
+        "up",
+        help="run the links of a topology file in the foreground",
+        description="Run one emulated link per pair of sites of TOPOLOGY, until Ctrl-C or "
+        "SIGTERM. Prints, for each direction, the HTTP CONNECT proxy URL to route through "
+        "(gRPC: channel option grpc.http_proxy, and env no_grpc_proxy=none.invalid), each "
+        "--forward's address, and the control address for `isthmus wan show/set`.",
+        formatter_class=formatter,
+    )
+    up.add_argument("topology", metavar="TOPOLOGY", help="topology file (TOML, see docs/wan.md)")
+    up.add_argument(
+        "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=control_help + " (0: any)"
+    )
+    up.add_argument(
+        "--forward",
+        action="append",
+        default=[],
+        metavar="SITE_A:SITE_B=HOST:PORT",
+        help="also listen for plain TCP from SITE_A and forward it to HOST:PORT (a loopback "
+        "server standing for SITE_B) across the link (repeatable)",
+    )
+    up.set_defaults(func=cmd_up)
+
+    show = wsub.add_parser(
+        "show",
+        help="print the links' specs and counters",
+        description="Print each link's spec per direction, what its impairments did so "
+        "far (lost segments, stalls, corrupted bytes, ...) and its listeners.",
+        formatter_class=formatter,
+    )
+    show.add_argument("link", nargs="?", default=None, metavar="LINK", help="one link (a-b)")
+    show.add_argument("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=control_help)
+    show.add_argument("--json", action="store_true", help="print the endpoint's JSON")
+    show.set_defaults(func=cmd_show)
+
+    change = wsub.add_parser(
+        "set",
+        help="change a live link",
+        description="Change a running link at once, for bytes sent afterwards. Keys are "
+        "those of a link in a topology file: distance_km, latency_ms, bandwidth_mbit, "
+        "queue_kib, seed, impairments (a TOML list, e.g. "
+        "'impairments=[{kind=\"loss\", rate=0.001}]'); prefix a_to_b. or b_to_a. to change "
+        "one direction only. Nothing changes if any key or value is wrong.",
+        formatter_class=formatter,
+    )
+    change.add_argument("link", metavar="LINK", help="the link to change (a-b)")
+    change.add_argument("changes", nargs="+", metavar="KEY=VALUE", help="what to change")
+    change.add_argument(
+        "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=control_help
+    )
+    change.set_defaults(func=cmd_set)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    topology = _load(args.topology)
+    forwards = [_parse_forward(text, topology) for text in args.forward]
+    host, port = _address(args.control, "--control")
+    relay = RelayServer().start()
+    try:
+        print(f"isthmus wan: {len(topology.sites)} sites from {args.topology}", flush=True)
+        for tl in topology.links:
+            link = relay.add_link(tl.name, tl.spec)
+            print(f"link {tl.name}")
+            tables = spec_to_table(tl.spec)
+            for initiator, src, dst, direction in (
+                ("a", tl.a, tl.b, "a_to_b"),
+                ("b", tl.b, tl.a, "b_to_a"),
+            ):
+                h, p = link.add_proxy(initiator=initiator)
+                print(f"  {src} -> {dst}  {_summary(tables[direction])}")
+                print(f"    proxy   http://{h}:{p}")
+                for a, b, target_host, target_port in forwards:
+                    if (a, b) == (src, dst):
+                        h, p = link.add_forward(target_host, target_port, initiator=initiator)
+                        print(f"    forward {h}:{p} -> {target_host}:{target_port}")
+        try:
+            control = relay.serve_control(host, port)
+        except OSError as exc:
+            raise _error(f"--control {args.control}: {exc}") from None
+        print(f"control {control.address}  (isthmus wan show --control {control.address})")
+        print("ready; Ctrl-C or SIGTERM stops every link", flush=True)
+        while True:
+            time.sleep(3600)
+    finally:
+        relay.close()
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    path = "/links" if args.link is None else f"/links/{args.link}"
+    answer = _request(args.control, "GET", path)
+    links = answer if args.link is None else {args.link: answer}
+    if args.json:
+        print(json.dumps(links, indent=2))
+        return 0
+    for name, link in links.items():
+        _print_link(name, link)
+    return 0
+
+
+def cmd_set(args: argparse.Namespace) -> int:
+    changes: dict[str, Any] = {}
+    for text in args.changes:
+        key, sep, raw = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise _error(f"expected KEY=VALUE, got {text!r}")
+        direction, dot, name = key.rpartition(".")
+        target = changes.setdefault(direction, {}) if dot else changes
+        if not isinstance(target, dict):
+            raise _error(f"{direction!r} is set both as a value and as a direction")
+        target[name] = _value(raw)
+    _print_link(args.link, _request(args.control, "POST", f"/links/{args.link}", changes))
+    return 0
+
+
+def _load(path: str) -> Topology:
+    try:
+        return load_topology(path)
+    except ValueError as exc:
+        raise _error(str(exc)) from None
+
+
+def _parse_forward(text: str, topology: Topology) -> tuple[str, str, str, int]:
+    pair, sep, address = text.partition("=")
+    a, colon, b = pair.partition(":")
+    if not sep or not colon:
+        raise _error(f"--forward expects SITE_A:SITE_B=HOST:PORT, got {text!r}")
+    for site in (a, b):
+        if site not in topology.sites:
+            raise _error(f"--forward {text!r}: {site!r} is not a site of the topology")
+    if a == b:
+        raise _error(f"--forward {text!r}: name two different sites")
+    host, port = _address(address, "--forward")
+    if port == 0:
+        raise _error(f"--forward {text!r}: name the target's port")
+    return a, b, host, port
+
+
+def _address(text: str, flag: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise _error(f"{flag} expects HOST:PORT, got {text!r}")
+    if not is_loopback(host):
+        raise _error(f"{flag} {text!r}: only loopback addresses are allowed")
+    return host, int(port)
+
+
+def _value(raw: str) -> Any:
+    """A TOML value (number, list, table, boolean, quoted string), else the bare text."""
+    try:
+        return tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw.strip()
+
+
+def _request(address: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    _address(address, "--control")
+    try:
+        return control_request(address, method, path, body)
+    except ValueError as exc:
+        raise _error(str(exc)) from None
+    except OSError as exc:
+        raise _error(f"no `isthmus wan up` control endpoint answers at {address}: {exc}") from None
+
+
+def _summary(table: dict[str, Any]) -> str:
+    bandwidth = table["bandwidth_mbit"]
+    parts = [
+        f"{table['latency_ms']:.3g} ms",
+        f"{bandwidth:g} Mbit/s" if bandwidth else "unlimited",
+        f"queue {table['queue_kib']:g} KiB",
+    ]
+    for imp in table["impairments"]:
+        params = ", ".join(f"{k}={v}" for k, v in imp.items() if k != "kind" and v is not None)
+        parts.append(f"{imp['kind']}({params})")
+    return ", ".join(parts)
+
+
+def _print_link(name: str, link: dict[str, Any]) -> None:
+    print(f"link {name}")
+    a, _, b = name.partition("-")
+    for direction, src, dst in (("a_to_b", a, b), ("b_to_a", b, a)):
+        print(f"  {src} -> {dst}  {_summary(link['spec'][direction])}")
+        counters = ", ".join(f"{k}={v:g}" for k, v in link["stats"][direction].items())
+        print(f"    {counters}")
+    for listener in link["listeners"]:
+        side = a if listener["initiator"] == "a" else b
+        target = f" -> {listener['target']}" if "target" in listener else ""
+        print(f"  {listener['kind']} for {side}: {listener['address']}{target}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m isthmus.deploy.wan_cmd ARGS` = `isthmus wan ARGS` without importing
+    torch (for scripts and tests); errors and Ctrl-C end it as `isthmus` does."""
+    argv = sys.argv[1:] if argv is None else argv
+    formatter = None if {"-h", "--help"} & set(argv) else argparse.HelpFormatter
+    parser = argparse.ArgumentParser(prog="isthmus")
+    register(parser.add_subparsers(dest="command", required=True), formatter)
+    args = parser.parse_args(["wan", *argv])
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return args.func(args)
+    except ValueError as exc:  # ConfigError, and nothing else reaches here as ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
