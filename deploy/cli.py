@@ -4,6 +4,7 @@
     isthmus site          one site of a job: its coordinator and its ranks
     isthmus coordinator   one site's coordinator, alone
     isthmus config        print the resolved job config with every key documented
+    isthmus report        plot a finished run
     isthmus plan          predict step time and scaling efficiency at any size
 
 Errors a user can fix (a bad key, a layout that does not divide the ranks, a site
@@ -19,6 +20,7 @@ import shutil
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from isthmus.deploy.config import _SECTION_TYPES, ConfigError, JobConfig, field_docs, load_config
 
@@ -109,6 +111,15 @@ def cmd_site(args: argparse.Namespace) -> int:
     print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
     if job.temporary_run_dir:
         shutil.rmtree(job.run_dir, ignore_errors=True)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from isthmus.deploy.report import write_report
+
+    for path in write_report(Path(args.run_dir), Path(args.out) if args.out else None):
+        print(f"wrote {path}")
+    print((Path(args.out or args.run_dir) / "report.txt").read_text(), end="")
     return 0
 
 
@@ -243,6 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(show, common_flags=True)
     show.set_defaults(func=cmd_config)
+
+    report = sub.add_parser(
+        "report",
+        help="plot a finished run: loss, step time, WAN goodput",
+        description="Write PNG plots of a finished run (loss; step time stacked into "
+        "compute, intra-site and cross-site; WAN goodput against link capacity) and a "
+        "short text summary, from the files of its --run-dir.",
+        formatter_class=HelpFormatter,
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's --run-dir")
+    report.add_argument("--out", default=None, help="folder for the plots (default: RUN_DIR)")
+    report.set_defaults(func=cmd_report)
 
     from isthmus.deploy import plan_cmd
 

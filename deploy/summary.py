@@ -37,6 +37,8 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "cross_site_bytes": sum(r["bytes_sent"] for r in rows),
                 "raw_bytes": sum(r["raw_bytes"] for r in rows),
                 "elapsed_s": max(r["elapsed_s"] for r in rows),
+                "sync_busy_s": max(r.get("sync_busy_s", 0.0) for r in rows),
+                "intra_site_s": max(r.get("intra_site_s", 0.0) for r in rows),
             }
         )
     return merged

@@ -1,0 +1,145 @@
+"""`isthmus report RUN_DIR`: plots and a short text summary of a finished run.
+
+Writes, next to the run's files (or to --out):
+    loss.png         training loss per step (the mean over sites, and each site)
+    step_time.png    each step's time stacked: compute, intra-site communication,
+                     cross-site wait
+    wan_goodput.png  cross-site goodput per step (wire bits per second the lanes
+                     were busy) against the link's capacity
+    report.txt       the summary in words
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from isthmus.deploy.config import ConfigError, load_config
+from isthmus.deploy.summary import human_bytes, read_jsonl
+
+
+def load_run(run_dir: Path) -> tuple[list[dict], dict, float]:
+    """The merged per-step records, the summary and the link capacity (bits/s)."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory not found: {run_dir}")
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    summary_path = run_dir / "summary.json"
+    config_file = run_dir / "config.toml"
+    if not steps:  # one site of an `isthmus site` run
+        sites = (
+            sorted((run_dir / "sites").glob("*/summary.json"))
+            if (run_dir / "sites").is_dir()
+            else []
+        )
+        if not sites:
+            raise ConfigError(
+                f"{run_dir} holds no metrics.jsonl: is it a finished run's --run-dir?"
+            )
+        site_dir = sites[0].parent
+        steps = [
+            {**r, "cross_site_s": r["sync_s"], "cross_site_bytes": r["bytes_sent"]}
+            for r in read_jsonl(site_dir / "metrics.jsonl")
+        ]
+        for r in steps:
+            r["site_bytes"] = r["bytes_sent"]
+        summary_path = site_dir / "summary.json"
+        config_file = run_dir / f"config-{site_dir.name}.toml"
+    if not summary_path.exists():
+        raise ConfigError(f"{summary_path} is missing: the run did not finish")
+    summary = json.loads(summary_path.read_text())
+    for r in steps:
+        # What one site sent: each direction of a link carries one site's bytes.
+        r.setdefault("site_bytes", r["cross_site_bytes"] / summary["sites"])
+    capacity = load_config(config_file).wan.bandwidth_mbit * 1e6 if config_file.exists() else 0.0
+    return steps, summary, capacity
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
+    """Draw the plots and write report.txt; returns the written paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    steps, summary, capacity = load_run(run_dir)
+    out = out_dir or run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    x = [s["step"] + 1 for s in steps]
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, [s["loss"] for s in steps], label="mean over sites", linewidth=2)
+    for site in sorted(steps[0].get("loss_by_site", {})):
+        ax.plot(x, [s["loss_by_site"][site] for s in steps], label=site, alpha=0.5)
+    ax.set(xlabel="step", ylabel="loss (nats per byte)", title="Training loss")
+    ax.legend()
+    written.append(_save(fig, out / "loss.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    compute = [s["compute_s"] - s.get("intra_site_s", 0.0) for s in steps]
+    intra = [s.get("intra_site_s", 0.0) for s in steps]
+    cross = [s["cross_site_s"] for s in steps]
+    ax.bar(x, compute, label="compute", color="#4477aa")
+    ax.bar(x, intra, bottom=compute, label="intra-site communication", color="#66ccee")
+    ax.bar(
+        x, cross, bottom=[a + b for a, b in zip(compute, intra, strict=True)],
+        label="cross-site wait", color="#ee6677",
+    )  # fmt: skip
+    ax.set(xlabel="step", ylabel="seconds", title="Step time")
+    ax.legend()
+    written.append(_save(fig, out / "step_time.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    goodput = [
+        s["site_bytes"] * 8 / s["sync_busy_s"] / 1e6 if s.get("sync_busy_s") else 0.0 for s in steps
+    ]
+    ax.plot(x, goodput, marker="o", label="one site's wire bits per second of sync")
+    if capacity:
+        ax.axhline(capacity / 1e6, color="black", linestyle="--", label="link capacity")
+    ax.set(xlabel="step", ylabel="Mbit/s", title="WAN goodput", ylim=(0, None))
+    ax.legend()
+    written.append(_save(fig, out / "wan_goodput.png"))
+
+    text = out / "report.txt"
+    text.write_text(summary_text(steps, summary, capacity) + "\n")
+    written.append(text)
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
+    wall = sum(s["compute_s"] + s["cross_site_s"] for s in steps) or 1.0
+    cross = sum(s["cross_site_s"] for s in steps)
+    busy = [s for s in steps if s.get("sync_busy_s")]
+    goodput = (
+        sum(s["site_bytes"] for s in busy) * 8 / sum(s["sync_busy_s"] for s in busy)
+        if busy
+        else 0.0
+    )
+    lines = [
+        f"{summary['steps']} steps, loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s",
+        f"cross-site wait: {cross:.2f} s of {wall:.2f} s of steps ({cross / wall:.0%})",
+        f"bytes across sites: {human_bytes(summary['cross_site_bytes'])}, "
+        f"compression {summary['compression_ratio']:.3f}",
+    ]
+    if goodput:
+        share = (
+            f" = {goodput / capacity:.0%} of the {capacity / 1e6:,.0f} Mbit/s link"
+            if capacity
+            else ""
+        )
+        lines.append(f"WAN goodput while syncing: {goodput / 1e6:,.1f} Mbit/s{share}")
+    identical = len(set(summary["digests"].values())) == 1
+    lines.append(
+        f"replicas: {'identical' if identical else 'DIFFERENT'} ({', '.join(summary['digests'])})"
+    )
+    return "\n".join(lines)
