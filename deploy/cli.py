@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import signal
 import sys
@@ -274,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs connection errors (a peer that already left, a proxy's 502)
+    # straight to stderr; every failure that matters reaches the user as our own
+    # one-line error instead. GRPC_VERBOSITY=ERROR (or DEBUG) brings them back.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     parser = build_parser()
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the launcher's teardown runs either way.

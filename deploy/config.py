@@ -129,6 +129,8 @@ class RunSection:
     last); 0 = only after the last. Each digest gathers the full parameters."""
     metrics_port: int = 0
     """Prometheus /metrics port of each coordinator; 0 = any free port, -1 = none."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to RUN_DIR/tensorboard/SITE (needs tensorboard)."""
 
 
 @dataclass(kw_only=True, slots=True)

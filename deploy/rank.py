@@ -189,7 +189,10 @@ def run(env: RankEnv, config: JobConfig) -> None:
     site_dir = env.run_dir / "sites" / env.site
     site_dir.mkdir(parents=True, exist_ok=True)
     metrics = StepReporter(
-        env.site, site_dir / "metrics.jsonl" if env.rank == 0 else None, env.coordinator
+        env.site,
+        site_dir / "metrics.jsonl" if env.rank == 0 else None,
+        env.coordinator,
+        env.run_dir / "tensorboard" / env.site if config.run.tensorboard else None,
     )
     dist.barrier()
     started = time.perf_counter()

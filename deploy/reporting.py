@@ -32,9 +32,16 @@ class StepReporter:
         coordinator: host:port of the site's coordinator, or "" for none.
     """
 
-    def __init__(self, site: str, metrics_path: Path | None, coordinator: str) -> None:
+    def __init__(
+        self,
+        site: str,
+        metrics_path: Path | None,
+        coordinator: str,
+        tensorboard_dir: Path | None = None,
+    ) -> None:
         self.site = site
         self.file = metrics_path.open("w") if metrics_path else None
+        self.board = open_tensorboard(tensorboard_dir) if metrics_path and tensorboard_dir else None
         self.totals = {"compute_s": 0.0, "sync_s": 0.0, "bytes_sent": 0, "raw_bytes": 0}
         self._channel = peer_channel(coordinator) if coordinator and metrics_path else None
         self._stub = cpb_grpc.CoordinatorStub(self._channel) if self._channel else None
@@ -54,6 +61,8 @@ class StepReporter:
             return
         self.file.write(json.dumps({**line, **({"digest": digest} if digest else {})}) + "\n")
         self.file.flush()
+        if self.board is not None:
+            write_scalars(self.board, line)
         if self._stub is None:
             return
         request = cpb.ReportProgressRequest(
@@ -84,5 +93,42 @@ class StepReporter:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.board is not None:
+            self.board.close()
         if self._channel is not None:
             self._channel.close()
+
+
+def open_tensorboard(path: Path):
+    """A SummaryWriter for the site's event files, or None (with a warning) when the
+    tensorboard package is not installed: training does not depend on it."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning(
+            "tensorboard is not installed; run.tensorboard is ignored (pip install tensorboard)"
+        )
+        return None
+    return SummaryWriter(log_dir=str(path))
+
+
+def write_scalars(board, line: dict) -> None:
+    """One step's numbers as TensorBoard scalars, named like the Prometheus metrics."""
+    step = line["step"] + 1
+    step_s = line["compute_s"] + line["sync_s"]
+    scalars = {
+        "train/loss": line["loss"],
+        "train/grad_norm": line["grad_norm"],
+        "train/lr": line["lr"],
+        "time/step_seconds": step_s,
+        "time/compute_seconds": line["compute_s"],
+        "time/cross_site_seconds": line["sync_s"],
+        "throughput/tokens_per_second": line["tokens"] / step_s if step_s else 0.0,
+        "wan/cross_site_bytes": line["bytes_sent"],
+    }
+    if line["bytes_sent"]:
+        scalars["wan/compression_ratio"] = line["raw_bytes"] / line["bytes_sent"]
+    if line.get("mfu"):
+        scalars["throughput/mfu"] = line["mfu"]
+    for name, value in scalars.items():
+        board.add_scalar(name, value, step)

@@ -30,6 +30,19 @@ def test_report_draws_plausible_plots_of_a_real_run(tmp_path):
         assert 0.02 < drawn < 0.6, (name, drawn)
         coloured = np.mean(rgb.max(axis=-1) - rgb.min(axis=-1) > 0.2)
         assert coloured > 0.005, (name, coloured)
+    # TensorBoard event files carry the same numbers as metrics.jsonl.
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for site in ("site0", "site1"):
+        board = EventAccumulator(str(run_dir / "tensorboard" / site))
+        board.Reload()
+        losses = [e.value for e in board.Scalars("train/loss")]
+        lines = (run_dir / "sites" / site / "metrics.jsonl").read_text().splitlines()
+        expected = [json.loads(line)["loss"] for line in lines]
+        assert losses == pytest.approx(expected, rel=1e-6)
+        assert len(board.Scalars("time/cross_site_seconds")) == 6
     text = (run_dir / "report.txt").read_text()
     assert "6 steps" in text and "replicas: identical" in text
     assert "of the 1,000 Mbit/s link" in text
