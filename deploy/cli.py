@@ -130,9 +130,20 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.site not in config.site_names:
         raise ConfigError(f"--site {args.site!r} is not one of {config.site_names}")
-    host, _, port = args.listen.rpartition(":")
-    peers = dict(_pairs(args.peer, "--peer"))
-    proxies = dict(_pairs(args.proxy, "--proxy"))
+    # The job config's cluster section, then the flags on top of it.
+    listen = args.listen or config.cluster.coordinators.get(args.site, "127.0.0.1:0")
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"--listen must be HOST:PORT, got {listen!r}")
+    peers = {s: a for s, a in config.cluster.coordinators.items() if s != args.site}
+    peers.update(_pairs(args.peer, "--peer"))
+    proxies = {s: u for s, u in config.cluster.proxies.items() if s != args.site and u}
+    proxies.update(_pairs(args.proxy, "--proxy"))
+    missing = [s for s in config.site_names if s != args.site and s not in peers]
+    if missing:
+        raise ConfigError(
+            f"no coordinator address for {missing}: use --peer SITE=HOST:PORT or cluster.coordinators"
+        )
     coordinator = Coordinator(
         site=args.site,
         site_names=config.site_names,
@@ -143,6 +154,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         host=host or "127.0.0.1",
         port=int(port or 0),
         join_timeout_s=config.sync.timeout_s,
+        metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
     )
     coordinator.start()
     print(f"coordinator {args.site} listening on {coordinator.address}", flush=True)
@@ -233,7 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(coord, common_flags=False)
     coord.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
-    coord.add_argument("--listen", default="127.0.0.1:0", help="host:port to serve on")
+    coord.add_argument(
+        "--listen",
+        default=None,
+        help="HOST:PORT to serve on (default: cluster.coordinators.SITE, else 127.0.0.1:0)",
+    )
     coord.add_argument(
         "--peer", action="append", default=[], metavar="SITE=HOST:PORT", help="a peer coordinator"
     )

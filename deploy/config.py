@@ -142,7 +142,13 @@ class ClusterSection:
     """Peer site -> HTTP CONNECT proxy URL this site reaches it through (an emulated
     link from `isthmus wan up`); empty = direct."""
     lane_host: str = "127.0.0.1"
-    """Address this site's lanes bind and advertise to peers."""
+    """Address this site's lanes bind (0.0.0.0 for every interface)."""
+    lane_port_base: int = 0
+    """Rank r's lane listens on lane_port_base + r (so a firewall or a Service can
+    name the ports); 0 = any free port."""
+    advertise_host: str = ""
+    """Address peers use to reach this site's lanes (behind NAT or a load balancer);
+    empty = lane_host."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -411,6 +417,18 @@ def validate(config: JobConfig) -> None:
     _require(
         -1 <= config.run.metrics_port <= 65535,
         f"run.metrics_port must be -1 (none), 0 (any) or a port, got {config.run.metrics_port}",
+    )
+    c = config.cluster
+    _require(
+        c.lane_port_base == 0 or 1024 <= c.lane_port_base <= 65535 - config.topology.ranks_per_site,
+        f"cluster.lane_port_base must be 0 or leave room for every rank below 65536, got {c.lane_port_base}",
+    )
+    _require(
+        not (
+            c.lane_host in ("0.0.0.0", "::") and not c.advertise_host and config.topology.sites > 1
+        ),
+        f"cluster.lane_host = {c.lane_host!r} binds every interface: set cluster.advertise_host "
+        "to the address peers reach this site at",
     )
     for key in ("coordinators", "proxies"):
         unknown = sorted(set(getattr(config.cluster, key)) - set(config.site_names))

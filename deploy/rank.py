@@ -67,6 +67,15 @@ class RankEnv:
     @classmethod
     def from_environ(cls) -> RankEnv:
         env = os.environ
+        # Under srun without torchrun: take the rank layout from Slurm's variables
+        # (torch.distributed's env:// rendezvous reads RANK and WORLD_SIZE too).
+        for ours, slurm in (
+            ("RANK", "SLURM_PROCID"),
+            ("WORLD_SIZE", "SLURM_NTASKS"),
+            ("LOCAL_RANK", "SLURM_LOCALID"),
+        ):
+            if ours not in env and slurm in env:
+                env[ours] = env[slurm]
         return cls(
             site=env["ISTHMUS_SITE"],
             rank=int(env["RANK"]),
@@ -130,13 +139,17 @@ def run(env: RankEnv, config: JobConfig) -> None:
     peers: dict[int, LanePeer] = {}
     if len(sites) > 1:
         codec = make_codec(config.sync.codec)
+        cluster = config.cluster
         lane = LaneServer(
             site_index=site_index,
             num_sites=len(sites),
             codec=codec.name,
             chunk_bytes=config.sync.chunk_bytes,
+            host=cluster.lane_host,
+            port=cluster.lane_port_base + env.rank if cluster.lane_port_base else 0,
         )
-        membership = join_job(env, config, lane.address)
+        port = lane.address.rsplit(":", 1)[1]
+        membership = join_job(env, config, f"{cluster.advertise_host or cluster.lane_host}:{port}")
         lane.set_generation(1)
         for info in membership:
             if info.name != env.site:

@@ -30,7 +30,7 @@ def test_help_says_what_it_does_and_lists_options_with_defaults(command):
         ]:
             assert flag in text and default in text
     if command == ["coordinator"]:
-        assert "--listen" in text and "default: 127.0.0.1:0" in text
+        assert "--listen" in text and "default: cluster.coordinators.SITE" in text
 
 
 def test_config_prints_every_key_with_its_doc():
