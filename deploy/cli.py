@@ -23,6 +23,11 @@ import sys
 import threading
 from pathlib import Path
 
+# gRPC's C core logs connection errors (a peer that already left, a proxy's 502)
+# straight to stderr; every failure that matters reaches the user as our own one-line
+# error instead. Set before anything imports grpc; GRPC_VERBOSITY=ERROR brings them back.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 from isthmus.deploy.config import _SECTION_TYPES, ConfigError, JobConfig, field_docs, load_config
 
 EXIT_USAGE = 2
@@ -287,14 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     from isthmus.deploy import plan_cmd
 
     plan_cmd.register(sub, HelpFormatter)
+
+    from isthmus.deploy import bench_cmd
+
+    bench_cmd.register(sub, HelpFormatter)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    # gRPC's C core logs connection errors (a peer that already left, a proxy's 502)
-    # straight to stderr; every failure that matters reaches the user as our own
-    # one-line error instead. GRPC_VERBOSITY=ERROR (or DEBUG) brings them back.
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     parser = build_parser()
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the launcher's teardown runs either way.

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.inter.codec import make_codec
+from isthmus.inter.lane import chunk_bytes_for_link
 from isthmus.intra.model import ModelConfig, preset
 
 try:
@@ -96,12 +97,17 @@ class DataSection:
 
 @dataclass(kw_only=True, slots=True)
 class SyncSection:
-    codec: str = "zstd:1"
-    """Cross-site codec: "raw" (fp32) or "zstd[:LEVEL]"."""
-    chunk_bytes: int = 1 * MIB
-    """Raw bytes per chunk of the cross-site all-reduce (256 KiB - 4 MiB suits gRPC)."""
-    connections: int = 1
+    codec: str = "raw+shuffle+zstd:1"
+    """Cross-site codec chain TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]]; TENSOR is raw
+    (fp32, lossless), bf16, or int8 (per-chunk scale with error feedback). Examples:
+    "raw", "bf16+shuffle+zstd:3", "int8+zstd:1"."""
+    chunk_bytes: int = 0
+    """Raw bytes per chunk of the cross-site all-reduce; 0 = the link's bandwidth-delay
+    product (from wan.*), clamped to 256 KiB - 4 MiB."""
+    connections: int = 2
     """gRPC connections per peer lane."""
+    workers: int = 0
+    """Encode/decode threads per lane; 0 = min(4, cores)."""
     timeout_s: float = 120.0
     """Deadline for one cross-site round and for joining; a silent peer fails the step."""
 
@@ -168,6 +174,13 @@ class JobConfig:
         return [f"site{i}" for i in range(self.topology.sites)]
 
     @property
+    def chunk_bytes(self) -> int:
+        """The cross-site chunk size in use: sync.chunk_bytes, or sized from the link."""
+        if self.sync.chunk_bytes:
+            return self.sync.chunk_bytes
+        return chunk_bytes_for_link(self.wan.bandwidth_mbit * 1e6, 2 * self.one_way_latency_s)
+
+    @property
     def one_way_latency_s(self) -> float:
         if self.wan.latency_ms >= 0:
             return self.wan.latency_ms / 1000.0
@@ -212,6 +225,8 @@ class JobConfig:
                 out[f"{section}.{key}"] = str(value)
         # The model as built, so a preset and its explicit spelling agree and a
         # difference names the real shape ("model.dim=192 vs 256"), not an override.
+        # Lanes refuse chunks of another size: sites must agree on the size in use.
+        out["sync.chunk_bytes"] = str(self.chunk_bytes)
         out["model.preset"] = self.model.preset
         for key, value in dataclasses.asdict(self.resolved_model()).items():
             out[f"model.{key}"] = str(value)
@@ -396,9 +411,10 @@ def validate(config: JobConfig) -> None:
     _require(d.max_bytes >= 1024, f"data.max_bytes must be >= 1024, got {d.max_bytes}")
     s = config.sync
     _require(
-        4 * KIB <= s.chunk_bytes <= 64 * MIB and s.chunk_bytes % 4 == 0,
-        f"sync.chunk_bytes must be a multiple of 4 in 4 KiB..64 MiB, got {s.chunk_bytes}",
+        s.chunk_bytes == 0 or (4 * KIB <= s.chunk_bytes <= 64 * MIB and s.chunk_bytes % 4 == 0),
+        f"sync.chunk_bytes must be 0 (auto) or a multiple of 4 in 4 KiB..64 MiB, got {s.chunk_bytes}",
     )
+    _require(0 <= s.workers <= 64, f"sync.workers must be in 0..64, got {s.workers}")
     try:
         make_codec(s.codec)
     except ValueError as exc:

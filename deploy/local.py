@@ -189,6 +189,8 @@ class LocalJob:
             site.close()
         self._sites.clear()
         for coordinator in self._coordinators:
+            coordinator.leave()  # all at once, so none reports the others leaving
+        for coordinator in self._coordinators:
             coordinator.stop()
         self._coordinators.clear()
         if self._wan is not None:

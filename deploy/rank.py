@@ -144,7 +144,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
             site_index=site_index,
             num_sites=len(sites),
             codec=codec.name,
-            chunk_bytes=config.sync.chunk_bytes,
+            chunk_bytes=config.chunk_bytes,
             host=cluster.lane_host,
             port=cluster.lane_port_base + env.rank if cluster.lane_port_base else 0,
         )
@@ -157,7 +157,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
                     info.lane_addresses[env.rank],
                     proxy=env.proxies.get(info.name),
                     connections=config.sync.connections,
-                    chunk_bytes=config.sync.chunk_bytes,
+                    chunk_bytes=config.chunk_bytes,
                 )
         allreduce = CrossSiteAllReduce(
             site_index=site_index,
@@ -165,9 +165,10 @@ def run(env: RankEnv, config: JobConfig) -> None:
             server=lane,
             peers=peers,
             codec=codec,
-            chunk_bytes=config.sync.chunk_bytes,
+            chunk_bytes=config.chunk_bytes,
             timeout_s=config.sync.timeout_s,
             generation=1,
+            workers=config.sync.workers or None,
         )
         sync = LaneGradientSync(allreduce)
 
@@ -217,8 +218,9 @@ def run(env: RankEnv, config: JobConfig) -> None:
         stats = trainer.step(step, inputs, targets)
         round_stats = sync.last_step_stats if sync is not None else None
         # Site totals of what crossed the WAN this step (every rank has its own lane).
+        rs = round_stats
         traffic = torch.tensor(
-            [round_stats.bytes_sent, round_stats.raw_bytes] if round_stats else [0, 0],
+            [rs.bytes_sent, rs.raw_bytes, rs.corrupt_chunks] if rs else [0, 0, 0],
             dtype=torch.float64,
         )
         dist.all_reduce(traffic)
@@ -241,6 +243,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 "tokens": stats.tokens * layout.dp,
                 "bytes_sent": int(traffic[0]),
                 "raw_bytes": int(traffic[1]),
+                "corrupt_chunks": int(traffic[2]),
                 "elapsed_s": time.perf_counter() - started,
                 "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
             },
@@ -261,6 +264,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
     }
     (site_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
     dist.barrier()
+    if sync is not None:
+        sync.close()
     if lane is not None:
         lane.stop(grace=5.0)
     for peer in peers.values():

@@ -42,7 +42,13 @@ class StepReporter:
         self.site = site
         self.file = metrics_path.open("w") if metrics_path else None
         self.board = open_tensorboard(tensorboard_dir) if metrics_path and tensorboard_dir else None
-        self.totals = {"compute_s": 0.0, "sync_s": 0.0, "bytes_sent": 0, "raw_bytes": 0}
+        self.totals = {
+            "compute_s": 0.0,
+            "sync_s": 0.0,
+            "bytes_sent": 0,
+            "raw_bytes": 0,
+            "corrupt_chunks": 0,
+        }
         self._channel = peer_channel(coordinator) if coordinator and metrics_path else None
         self._stub = cpb_grpc.CoordinatorStub(self._channel) if self._channel else None
         self.started = time.perf_counter()

@@ -36,6 +36,7 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "cross_site_s": max(r["sync_s"] for r in rows),
                 "cross_site_bytes": sum(r["bytes_sent"] for r in rows),
                 "raw_bytes": sum(r["raw_bytes"] for r in rows),
+                "corrupt_chunks": sum(r.get("corrupt_chunks", 0) for r in rows),
                 "elapsed_s": max(r["elapsed_s"] for r in rows),
                 "sync_busy_s": max(r.get("sync_busy_s", 0.0) for r in rows),
                 "intra_site_s": max(r.get("intra_site_s", 0.0) for r in rows),
@@ -92,6 +93,7 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         "cross_site_bytes": sent,
         "raw_bytes": raw,
         "compression_ratio": raw / sent if sent else 1.0,
+        "corrupt_chunks": sum(r["corrupt_chunks"] for r in steps),
         "codec": config.sync.codec if config.topology.sites > 1 else "none",
         "digests": digests,
         "shard_digests": {

@@ -195,13 +195,18 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         """Say NOT_SERVING (the site is leaving) while still answering peers."""
         self.set_serving(False)
 
-    def stop(self, grace_s: float = 1.0) -> None:
-        """Stop serving and joining (idempotent)."""
+    def leave(self) -> None:
+        """Stop joining and heartbeating (after one last heartbeat); peers leaving
+        from now on are expected, not news. `stop` does this too."""
         self.set_serving(False)
-        self.metrics.close()
         self._stopped.set()
         with self._cond:
             self._cond.notify_all()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving and joining (idempotent)."""
+        self.leave()
+        self.metrics.close()
         if self._joiner.is_alive():
             self._joiner.join(timeout=self.rpc_timeout_s + 1.0)
         self._server.stop(grace_s).wait(grace_s + 1.0)

@@ -1,9 +1,11 @@
 """The gradient-sync seam that intra's training step calls (DESIGN.md, "Between sites").
 
 ``start`` runs inside FSDP2's all-reduce hook, once per FSDP group during backward;
-``finish`` runs before ``optimizer.step()``. Rounds run on one background thread, in
-the order groups were started, so they overlap with the rest of backward while every
-site runs its rounds in the same order.
+``finish`` runs before ``optimizer.step()`` and waits for every group's round (all of
+this rank's lane traffic). Rounds run on one background thread, in the order groups
+were started, so they overlap with the rest of backward while every site runs its
+rounds in the same order. A CUDA shard stays on its GPU: the codec casts or quantizes
+it there and only the encoded bytes cross to the host.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class StepStats:
     bytes_received: int = 0
     raw_bytes: int = 0
     """fp32 bytes of what was sent, before encoding."""
+    corrupt_chunks: int = 0
+    """Chunks that arrived failing their checksum and were pulled again."""
 
     @property
     def compression_ratio(self) -> float:
@@ -48,7 +52,7 @@ class StepStats:
 class _Pending:
     group: int
     shard: torch.Tensor
-    host: torch.Tensor
+    buffer: torch.Tensor
     future: futures.Future
 
 
@@ -90,18 +94,32 @@ class LaneGradientSync:
         """
         if any(p.group == group for p in self._pending):
             raise ValueError(f"group {group} already started in step {self._step}")
-        # A synchronous copy, on the stream the hook runs on, so it is ordered after
-        # the reduce-scatter that produced the shard.
-        host = shard.detach().reshape(-1).to("cpu", torch.float32, copy=True)
-        future = self._worker.submit(self._run, self._step, group, host, self._abort)
-        self._pending.append(_Pending(group, shard, host, future))
+        # A copy on the stream the hook runs on, so it is ordered after the
+        # reduce-scatter that produced the shard; the event tells the worker thread
+        # (another stream) when it is complete. On CPU the copy is synchronous.
+        buffer = shard.detach().reshape(-1).to(torch.float32, copy=True)
+        ready = None
+        if buffer.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        future = self._worker.submit(self._run, self._step, group, buffer, ready, self._abort)
+        self._pending.append(_Pending(group, shard, buffer, future))
 
-    def _run(self, step: int, group: int, host: torch.Tensor, abort: threading.Event) -> RoundStats:
+    def _run(
+        self,
+        step: int,
+        group: int,
+        buffer: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        abort: threading.Event,
+    ) -> RoundStats:
         if abort.is_set():
             # A failed round leaves peers out of step; later rounds would only time out.
             raise CrossSiteError(f"step {step} group {group} skipped after an earlier failure")
         try:
-            return self.allreduce.allreduce([host], step=step, group=group, average=True)
+            if ready is not None:
+                ready.synchronize()
+            return self.allreduce.allreduce([buffer], step=step, group=group, average=True)
         except BaseException:
             abort.set()
             raise
@@ -135,12 +153,14 @@ class LaneGradientSync:
                 stats.bytes_sent += rs.bytes_sent
                 stats.bytes_received += rs.bytes_received
                 stats.raw_bytes += rs.raw_bytes
+                stats.corrupt_chunks += rs.corrupt_chunks
         finally:
             stats.wait_s = time.perf_counter() - t0
             self.last_step_stats = stats
-        # Copy back only once every group succeeded: all or nothing.
+        # Copy back only once every group succeeded: all or nothing. The rounds
+        # synchronized their device, so the buffers are complete.
         for p in pending:
-            p.shard.copy_(p.host.view_as(p.shard))
+            p.shard.copy_(p.buffer.view_as(p.shard))
         log.debug(
             "[site %d step %d] synced %d groups, %d bytes sent, wait %.3fs",
             self.allreduce.site_index,
@@ -150,6 +170,23 @@ class LaneGradientSync:
             stats.wait_s,
         )
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The lane's codec state (error-feedback residuals), to save with training state.
+
+        Returns:
+            Residuals by key; empty for stateless codecs. Call between steps.
+        """
+        if self._pending:
+            raise RuntimeError(f"state_dict() during step {self._step}; call it between steps")
+        return self.allreduce.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restores what :meth:`state_dict` returned (resuming from a checkpoint)."""
+        if self._pending:
+            raise RuntimeError(f"load_state_dict() during step {self._step}")
+        self.allreduce.load_state_dict(state)
+
     def close(self) -> None:
-        """Stops the background worker (waits for a running round)."""
+        """Stops the background worker (waits for a running round) and the codec pool."""
         self._worker.shutdown(wait=True)
+        self.allreduce.close()

@@ -2,8 +2,11 @@
 
 This module owns the receiving side: a :class:`LaneServer` receives ``PushChunks``
 streams, validates every message field by field and deposits the valid ones in a
-:class:`~isthmus.inter.mailbox.Mailbox`. It also owns the limits both sides share
-(:func:`max_payload_bytes`, :func:`channel_options`). The sending side,
+:class:`~isthmus.inter.mailbox.Mailbox`; a chunk whose payload fails its crc32 is
+marked there instead, and the round pulls it again with ``ResendChunk``, which this
+server answers from its :class:`~isthmus.inter.mailbox.Outbox`. It also owns the
+limits both sides share (:func:`max_payload_bytes`, :func:`channel_options`,
+:func:`chunk_bytes_for_link`). The sending side,
 :class:`~isthmus.inter.lane_peer.LanePeer`, lives in :mod:`isthmus.inter.lane_peer`.
 """
 
@@ -19,13 +22,14 @@ import grpc
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 from .codec import crc32
-from .mailbox import Mailbox
+from .mailbox import Mailbox, Outbox
 
-__all__ = ["LaneServer", "channel_options", "max_payload_bytes"]
+__all__ = ["LaneServer", "channel_options", "chunk_bytes_for_link", "max_payload_bytes"]
 
 log = logging.getLogger(__name__)
 
-_HEADROOM = 64 * 1024  # protobuf framing and metadata on top of the payload
+_HEADROOM = 64 * 1024
+_CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
 
 
 def max_payload_bytes(chunk_bytes: int) -> int:
@@ -35,6 +39,32 @@ def max_payload_bytes(chunk_bytes: int) -> int:
     (ZSTD_compressBound is about n + n/256 + 64); allow that and some slack.
     """
     return chunk_bytes + chunk_bytes // 128 + 1024
+
+
+MIN_CHUNK_BYTES = 256 * 1024
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def chunk_bytes_for_link(bandwidth_bps: float, rtt_s: float) -> int:
+    """Chunk size for a link: its bandwidth-delay product, clamped to 256 KiB-4 MiB.
+
+    A chunk about one BDP keeps a window's worth of data in one message: smaller
+    chunks pay gRPC's per-message cost (python gRPC wants 256 KiB-4 MiB messages),
+    larger ones delay the owner's first reduction and hold more memory per stream.
+
+    Args:
+        bandwidth_bps: link bandwidth in bits per second, one direction.
+        rtt_s: round-trip time in seconds.
+    Returns:
+        A power of two in bytes, the largest not above the BDP, within the clamp.
+    """
+    if bandwidth_bps <= 0 or rtt_s < 0:
+        raise ValueError(f"need bandwidth > 0 and rtt >= 0, got {bandwidth_bps}, {rtt_s}")
+    bdp = bandwidth_bps / 8 * rtt_s
+    size = MIN_CHUNK_BYTES
+    while size * 2 <= min(bdp, MAX_CHUNK_BYTES):
+        size *= 2
+    return size
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
@@ -83,6 +113,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.mailbox = Mailbox()
+        self.outbox = Outbox()
+        self.corruptions = 0
+        """Chunks received with a payload that failed its crc32 (each pulled again)."""
         self._lock = threading.Lock()
         self._generation = generation
         self._num_sites = num_sites
@@ -116,10 +149,22 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             if num_sites is not None:
                 self._num_sites = num_sites
             self.mailbox.clear()
+            self.outbox.clear()
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stops accepting streams; open ones get ``grace`` seconds to finish."""
         self._server.stop(grace).wait(timeout=(grace or 0) + 5)
+
+    def check(self, req: lane_pb2.PushChunksRequest) -> str | None:
+        """Returns why ``req`` is not a sound chunk for this lane, or None.
+
+        Also for chunks pulled with ``ResendChunk``, which bypass the server.
+        """
+        try:
+            self._validate(req)
+        except _Refused as exc:
+            return str(exc)
+        return None
 
     def _validate(self, req: lane_pb2.PushChunksRequest) -> None:
         with self._lock:
@@ -168,7 +213,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             (
                 crc == req.crc32,
                 bad,
-                f"crc32 mismatch on chunk {req.chunk_index}: payload has "
+                f"{_CRC_MISMATCH} on chunk {req.chunk_index}: payload has "
                 f"{crc:#010x}, header says {req.crc32:#010x}",
             ),
         )
@@ -185,15 +230,27 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
 
         Chunks are deposited one by one as they arrive, not at the end of the stream:
         a round's stream stays open until the sender's results are out, and those wait
-        for the chunks already sent (holding them back would deadlock). A refused chunk
-        changes nothing; valid chunks before it in the stream stay deposited.
+        for the chunks already sent (holding them back would deadlock). A chunk whose
+        only fault is its crc32 is marked corrupt (the round pulls it again); any other
+        fault aborts the stream, and the refused chunk changes nothing.
         """
-        accepted = 0
+        accepted = corrupt = 0
         for req in request_iterator:
             try:
-                self._validate(req)
                 key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
-                why = self.mailbox.deposit(key, req)
+                try:
+                    self._validate(req)
+                    why = self.mailbox.deposit(key, req)
+                except _Refused as exc:
+                    if not str(exc).startswith(_CRC_MISMATCH):
+                        raise
+                    log.warning("site %d: %s from site %d", self.site_index, exc, req.from_site)
+                    why = self.mailbox.mark_corrupt(key)
+                    if why is None:
+                        with self._lock:
+                            self.corruptions += 1
+                        corrupt += 1
+                        continue
                 if why == "duplicate":
                     raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"duplicate chunk {key}")
                 if why == "stale":
@@ -209,4 +266,23 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 log.warning(msg)
                 context.abort(exc.code, msg)  # raises; nothing of this chunk was stored
             accepted += 1
-        return lane_pb2.PushChunksResponse(accepted=accepted)
+        return lane_pb2.PushChunksResponse(accepted=accepted, corrupt=corrupt)
+
+    def ResendChunk(  # noqa: N802 (gRPC method name)
+        self, request: lane_pb2.ResendChunkRequest, context: grpc.ServicerContext
+    ) -> lane_pb2.ResendChunkResponse:
+        """Answers with a chunk this site sent to the requester, as first sent."""
+        generation = self.generation
+        key = (request.step, request.group, request.kind, request.chunk_index)
+        if request.generation != generation:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"site {self.site_index}: generation {request.generation} != {generation}",
+            )
+        chunk = self.outbox.get(key, request.from_site)
+        if chunk is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"site {self.site_index} has no chunk {key} for site {request.from_site}",
+            )
+        return lane_pb2.ResendChunkResponse(chunk=chunk)

@@ -2,8 +2,9 @@
 
 A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.lane.LaneServer`:
 per round and per connection, one client-streaming ``PushChunks`` fed from a queue by
-a sender thread, so encoding (the caller) and sending overlap. A :class:`PeerRound`
-is one round's worth of those streams.
+a sender thread, so encoding (the callers) and sending overlap. A :class:`PeerRound`
+is one round's worth of those streams. :meth:`LanePeer.fetch` pulls one chunk again
+(``ResendChunk``) when the copy that arrived failed its checksum.
 """
 
 from __future__ import annotations
@@ -37,18 +38,28 @@ class PeerRound:
         self._futures = [s.begin(deadline) for s in senders]
         self._next = 0
         self._ended = False
+        self._lock = threading.Lock()  # encode/decode pool threads send concurrently
         self.sent = 0
 
     def send(self, request: lane_pb2.PushChunksRequest) -> None:
-        """Queues one chunk; connections take turns."""
-        self._senders[self._next].queue.put(request)
-        self._next = (self._next + 1) % len(self._senders)
-        self.sent += 1
+        """Queues one chunk; connections take turns. Thread-safe.
+
+        A chunk sent after :meth:`end` (a failing round's stragglers) is dropped: it
+        would otherwise open the next round's stream.
+        """
+        with self._lock:
+            if self._ended:
+                return
+            sender = self._senders[self._next]
+            self._next = (self._next + 1) % len(self._senders)
+            self.sent += 1
+        sender.queue.put(request)
 
     def end(self) -> None:
         """Closes the round's streams once queued chunks are out (idempotent)."""
-        if not self._ended:
-            self._ended = True
+        with self._lock:
+            ended, self._ended = self._ended, True
+        if not ended:
             for sender in self._senders:
                 sender.queue.put(_End())
 
@@ -60,7 +71,10 @@ class PeerRound:
         return None
 
     def wait(self, timeout: float) -> int:
-        """Waits for every stream's answer; returns chunks the peer accepted.
+        """Waits for every stream's answer; returns chunks the peer took.
+
+        A chunk is taken when it was accepted or marked corrupt (the peer pulls
+        those again with ``ResendChunk``).
 
         Raises:
             grpc.RpcError: a stream was refused or failed.
@@ -78,7 +92,7 @@ class _Sender:
 
     def __init__(self, address: str, options: list, name: str) -> None:
         self.channel = grpc.insecure_channel(address, options=options)
-        self._stub = lane_pb2_grpc.LaneStub(self.channel)
+        self.stub = lane_pb2_grpc.LaneStub(self.channel)
         self.queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -120,12 +134,12 @@ class _Sender:
                 if first is None:
                     raise TimeoutError("round deadline passed before the first chunk")
                 # wait_for_ready: a peer still starting is waited for, up to the deadline.
-                reply = self._stub.PushChunks(
+                reply = self.stub.PushChunks(
                     self._requests(first, deadline, ended),
                     timeout=max(0.001, deadline - time.monotonic()),
                     wait_for_ready=True,
                 )
-                fut.set_result(reply.accepted)
+                fut.set_result(reply.accepted + reply.corrupt)
             except (grpc.RpcError, TimeoutError) as exc:
                 fut.set_exception(exc)
             # After a failure (or a stream cut short by the deadline) drop the rest of
@@ -161,6 +175,8 @@ class LanePeer:
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
         self.address = address
+        self._fetch_lock = threading.Lock()
+        self._fetches = 0
         base = channel_options(chunk_bytes)
         # Without an explicit proxy, ignore http_proxy/grpc_proxy from the environment.
         base += [("grpc.http_proxy", proxy)] if proxy else [("grpc.enable_http_proxy", 0)]
@@ -174,6 +190,25 @@ class LanePeer:
             )
             for i in range(connections)
         ]
+
+    def fetch(
+        self, request: lane_pb2.ResendChunkRequest, timeout: float
+    ) -> lane_pb2.PushChunksRequest:
+        """Pulls one chunk again from the peer (``ResendChunk``).
+
+        Args:
+            request: which chunk, and who asks.
+            timeout: deadline of the call in seconds.
+        Returns:
+            The chunk as the peer first sent it; the caller validates it.
+        Raises:
+            grpc.RpcError: the peer refused, has no such chunk or did not answer.
+        """
+        # Connections take turns so a resend does not queue behind one busy stream.
+        with self._fetch_lock:
+            sender = self._senders[self._fetches % len(self._senders)]
+            self._fetches += 1
+        return sender.stub.ResendChunk(request, timeout=max(0.001, timeout)).chunk
 
     def begin_round(self, deadline: float) -> PeerRound:
         """Opens a round whose streams must finish by ``deadline`` (time.monotonic())."""

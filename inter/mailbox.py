@@ -1,7 +1,10 @@
-"""The mailbox: where a lane server leaves the chunks it accepted until a round takes them.
+"""Where chunks wait: received ones until a round takes them, sent ones until no peer
+can ask for them again.
 
-Owns :data:`MailboxKey` and :class:`Mailbox`, which refuses replays and chunks of
-finished steps. No gRPC here; :mod:`isthmus.inter.lane` fills it, the all-reduce empties it.
+Owns :data:`MailboxKey`, :class:`Mailbox` (refuses replays and chunks of finished
+steps; holds a marker for a chunk that failed its checksum until it is pulled again)
+and :class:`Outbox` (the chunks this site sent, for ``ResendChunk``). No gRPC here;
+:mod:`isthmus.inter.lane` fills them, the all-reduce empties them.
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ from collections.abc import Iterable
 
 from isthmus.proto import lane_pb2
 
-__all__ = ["Mailbox", "MailboxKey"]
+__all__ = ["CORRUPT", "Mailbox", "MailboxKey", "Outbox", "OutboxKey"]
 
 # (step, group, kind, chunk_index, from_site)
 MailboxKey = tuple[int, int, int, int, int]
+# (step, group, kind, chunk_index)
+OutboxKey = tuple[int, int, int, int]
+CORRUPT = None
+"""What ``take_any`` returns in place of a chunk whose payload failed its checksum."""
 
 
 class Mailbox:
@@ -27,21 +34,41 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._items: dict[MailboxKey, lane_pb2.PushChunksRequest] = {}
+        self._items: dict[MailboxKey, lane_pb2.PushChunksRequest | None] = {}
         self._seen: set[MailboxKey] = set()
+        self._corrupt: set[MailboxKey] = set()  # marked, not yet replaced by a resend
         self._floor = 0
 
     def deposit(self, key: MailboxKey, item: lane_pb2.PushChunksRequest) -> str | None:
         """Stores ``item``; returns None, or why it was refused ("duplicate"/"stale")."""
+        return self._admit(key, item)
+
+    def mark_corrupt(self, key: MailboxKey) -> str | None:
+        """Leaves a :data:`CORRUPT` marker for ``key``; same refusals as ``deposit``."""
+        return self._admit(key, CORRUPT)
+
+    def _admit(self, key: MailboxKey, item: lane_pb2.PushChunksRequest | None) -> str | None:
         with self._cond:
             if key[0] < self._floor:
                 return "stale"
             if key in self._seen:
                 return "duplicate"
             self._seen.add(key)
+            if item is CORRUPT:
+                self._corrupt.add(key)
             self._items[key] = item
             self._cond.notify_all()
             return None
+
+    def redeposit(self, key: MailboxKey, item: lane_pb2.PushChunksRequest) -> bool:
+        """Stores the resent copy of a chunk marked corrupt; False if none was marked."""
+        with self._cond:
+            if key not in self._corrupt or key[0] < self._floor:
+                return False
+            self._corrupt.discard(key)
+            self._items[key] = item
+            self._cond.notify_all()
+            return True
 
     def take(self, key: MailboxKey, timeout: float) -> lane_pb2.PushChunksRequest:
         """Waits up to ``timeout`` seconds for ``key``, removes and returns it.
@@ -56,8 +83,12 @@ class Mailbox:
 
     def take_any(
         self, keys: Iterable[MailboxKey], timeout: float
-    ) -> tuple[MailboxKey, lane_pb2.PushChunksRequest] | None:
-        """Waits up to ``timeout`` seconds for any of ``keys``; removes and returns it."""
+    ) -> tuple[MailboxKey, lane_pb2.PushChunksRequest | None] | None:
+        """Waits up to ``timeout`` seconds for any of ``keys``; removes and returns it.
+
+        The item is :data:`CORRUPT` for a chunk that failed its checksum: the caller
+        pulls it again and it comes back through :meth:`redeposit`.
+        """
         wanted = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
@@ -82,6 +113,7 @@ class Mailbox:
             for key in stale:
                 del self._items[key]
             self._seen = {k for k in self._seen if k[0] >= step}
+            self._corrupt = {k for k in self._corrupt if k[0] >= step}
             return len(stale)
 
     def clear(self) -> None:
@@ -89,6 +121,7 @@ class Mailbox:
         with self._cond:
             self._items.clear()
             self._seen.clear()
+            self._corrupt.clear()
             self._floor = 0
 
     def keys(self) -> list[MailboxKey]:
@@ -98,4 +131,43 @@ class Mailbox:
 
     def __len__(self) -> int:
         with self._cond:
+            return len(self._items)
+
+
+class Outbox:
+    """Thread-safe store of the chunks this site sent, by :data:`OutboxKey`.
+
+    A receiver may ask for a chunk again after this site's round returned (its copy
+    failed the checksum), so chunks stay until :meth:`discard_before` drops their step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[OutboxKey, tuple[lane_pb2.PushChunksRequest, frozenset[int]]] = {}
+
+    def put(
+        self, key: OutboxKey, item: lane_pb2.PushChunksRequest, recipients: Iterable[int]
+    ) -> None:
+        """Keeps ``item`` for the sites in ``recipients``."""
+        with self._lock:
+            self._items[key] = (item, frozenset(recipients))
+
+    def get(self, key: OutboxKey, site: int) -> lane_pb2.PushChunksRequest | None:
+        """Returns the chunk if it was sent to ``site``, else None."""
+        with self._lock:
+            found = self._items.get(key)
+        return found[0] if found is not None and site in found[1] else None
+
+    def discard_before(self, step: int) -> None:
+        """Drops the chunks of steps before ``step``."""
+        with self._lock:
+            self._items = {k: v for k, v in self._items.items() if k[0] >= step}
+
+    def clear(self) -> None:
+        """Forgets everything (a new membership generation starts over)."""
+        with self._lock:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
             return len(self._items)

@@ -1,6 +1,7 @@
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -43,7 +44,31 @@ class PushChunksRequest(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., group: _Optional[int] = ..., kind: _Optional[_Union[ChunkKind, str]] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., from_site: _Optional[int] = ..., total_elements: _Optional[int] = ..., num_elements: _Optional[int] = ..., codec: _Optional[str] = ..., payload: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushChunksResponse(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "corrupt")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
     accepted: int
-    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+    corrupt: int
+    def __init__(self, accepted: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
+
+class ResendChunkRequest(_message.Message):
+    __slots__ = ("generation", "step", "group", "kind", "chunk_index", "from_site")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FROM_SITE_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    group: int
+    kind: ChunkKind
+    chunk_index: int
+    from_site: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., group: _Optional[int] = ..., kind: _Optional[_Union[ChunkKind, str]] = ..., chunk_index: _Optional[int] = ..., from_site: _Optional[int] = ...) -> None: ...
+
+class ResendChunkResponse(_message.Message):
+    __slots__ = ("chunk",)
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    chunk: PushChunksRequest
+    def __init__(self, chunk: _Optional[_Union[PushChunksRequest, _Mapping]] = ...) -> None: ...

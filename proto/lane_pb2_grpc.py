@@ -39,6 +39,11 @@ class LaneStub:
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.PushChunksRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_lane__pb2.PushChunksResponse.FromString,
                 _registered_method=True)
+        self.ResendChunk = channel.unary_unary(
+                '/isthmus.v1.Lane/ResendChunk',
+                request_serializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkResponse.FromString,
+                _registered_method=True)
 
 
 class LaneServicer:
@@ -52,6 +57,14 @@ class LaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResendChunk(self, request, context):
+        """A receiver whose copy of a chunk failed its checksum pulls the chunk again from
+        the site that sent it; a corrupt chunk is never summed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_LaneServicer_to_server(servicer, server):
                     servicer.PushChunks,
                     request_deserializer=isthmus_dot_proto_dot_lane__pb2.PushChunksRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_lane__pb2.PushChunksResponse.SerializeToString,
+            ),
+            'ResendChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResendChunk,
+                    request_deserializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +106,33 @@ class Lane:
             '/isthmus.v1.Lane/PushChunks',
             isthmus_dot_proto_dot_lane__pb2.PushChunksRequest.SerializeToString,
             isthmus_dot_proto_dot_lane__pb2.PushChunksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResendChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Lane/ResendChunk',
+            isthmus_dot_proto_dot_lane__pb2.ResendChunkRequest.SerializeToString,
+            isthmus_dot_proto_dot_lane__pb2.ResendChunkResponse.FromString,
             options,
             channel_credentials,
             insecure,

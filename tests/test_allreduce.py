@@ -17,7 +17,7 @@ from isthmus.inter.codec import crc32, make_codec
 from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
-from isthmus.inter.mailbox import Mailbox
+from isthmus.inter.mailbox import CORRUPT, Mailbox
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 CHUNK = 4096  # bytes: 1024 fp32 per chunk, small so odd tensor sizes straddle chunks
@@ -50,21 +50,24 @@ def sites(
         }
         for i in range(n)
     ]
+    ars = [
+        CrossSiteAllReduce(
+            site_index=i,
+            num_sites=n,
+            server=servers[i],
+            peers=peers[i],
+            codec=make_codec(codec),
+            chunk_bytes=chunk_bytes,
+            timeout_s=timeout_s,
+            generation=7,
+        )
+        for i in range(n)
+    ]
     try:
-        yield [
-            CrossSiteAllReduce(
-                site_index=i,
-                num_sites=n,
-                server=servers[i],
-                peers=peers[i],
-                codec=make_codec(codec),
-                chunk_bytes=chunk_bytes,
-                timeout_s=timeout_s,
-                generation=7,
-            )
-            for i in range(n)
-        ]
+        yield ars
     finally:
+        for ar in ars:
+            ar.close()
         for p in peers:
             for peer in p.values():
                 peer.close()
@@ -198,7 +201,6 @@ def lone_server() -> Iterator[tuple[LaneServer, lane_pb2_grpc.LaneStub]]:
 @pytest.mark.parametrize(
     ("bad", "code", "words"),
     [
-        (dict(crc32=12345), grpc.StatusCode.INVALID_ARGUMENT, "crc32 mismatch"),
         (dict(generation=6), grpc.StatusCode.FAILED_PRECONDITION, "generation 6"),
         (dict(codec="zstd:1"), grpc.StatusCode.FAILED_PRECONDITION, "codec 'zstd:1'"),
         (dict(chunk_index=1), grpc.StatusCode.INVALID_ARGUMENT, "chunk_index 1 >= num_chunks 1"),
@@ -232,6 +234,45 @@ def test_server_refuses_bad_chunk(
     # The server still works afterwards.
     assert stub.PushChunks(iter([good]), timeout=5).accepted == 1
     assert len(server.mailbox) == 1
+
+
+@pytest.mark.timeout(20)
+def test_server_marks_crc_mismatch_corrupt_and_answers_resend(lone_server) -> None:
+    server, stub = lone_server
+    reply = stub.PushChunks(
+        iter([_request(crc32=12345), _request(chunk_index=0, step=4)]), timeout=5
+    )
+    assert (reply.accepted, reply.corrupt) == (1, 1)
+    assert server.corruptions == 1
+    key = (3, 0, lane_pb2.CHUNK_KIND_CONTRIBUTION, 0, 1)
+    assert server.mailbox.take_any([key], timeout=1) == (key, CORRUPT)
+    # The intact copy comes back only through redeposit, never as a second push.
+    with pytest.raises(grpc.RpcError) as info:
+        stub.PushChunks(iter([_request()]), timeout=5)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert server.mailbox.redeposit(key, _request()) and not server.mailbox.redeposit(
+        key, _request()
+    )
+    assert server.mailbox.take(key, timeout=1).crc32 == _request().crc32
+    # ResendChunk answers only with what this site sent to the asker.
+    sent = _request(from_site=0)
+    server.outbox.put((3, 0, lane_pb2.CHUNK_KIND_RESULT, 0), sent, [2])
+    ask = lane_pb2.ResendChunkRequest(
+        generation=7, step=3, group=0, kind=lane_pb2.CHUNK_KIND_RESULT, chunk_index=0, from_site=2
+    )
+    assert stub.ResendChunk(ask, timeout=5).chunk == sent
+    for bad, code in (
+        (dict(from_site=1), grpc.StatusCode.NOT_FOUND),
+        (dict(step=2), grpc.StatusCode.NOT_FOUND),
+        (dict(generation=6), grpc.StatusCode.FAILED_PRECONDITION),
+    ):
+        wrong = lane_pb2.ResendChunkRequest()
+        wrong.CopyFrom(ask)
+        for name, value in bad.items():
+            setattr(wrong, name, value)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ResendChunk(wrong, timeout=5)
+        assert info.value.code() == code
 
 
 @pytest.mark.timeout(20)

@@ -6,7 +6,8 @@ import pytest
 import torch
 import zstandard
 
-from isthmus.inter.codec import CodecError, RawCodec, ZstdCodec, crc32, make_codec
+from isthmus.inter.codec import CodecError, crc32, make_codec
+from isthmus.inter.codecs import Fp32Stage, ZstdStage
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,18 +31,20 @@ def test_round_trip_is_exact(spec: str, n: int) -> None:
 
 
 def test_raw_is_fp32_little_endian() -> None:
-    assert RawCodec().encode(torch.tensor([1.0])) == b"\x00\x00\x80\x3f"
+    assert make_codec("raw").encode(torch.tensor([1.0])) == b"\x00\x00\x80\x3f"
 
 
 def test_codec_names() -> None:
     assert make_codec("raw").name == "raw"
-    assert make_codec("zstd").name == "zstd:1"
-    assert make_codec(" ZSTD:5 ").name == "zstd:5"
-    assert ZstdCodec(level=2, threads=2).name == "zstd:2"
+    assert make_codec("zstd").name == "raw+zstd:1"
+    assert make_codec(" ZSTD:5 ").name == "raw+zstd:5"
+    assert make_codec("fp32+shuffle+zstd:3:2").name == "raw+shuffle+zstd:3"
+    assert make_codec("Int8 + zstd").name == "int8+zstd:1"
+    assert ZstdStage(level=2, threads=2).name == "zstd:2"
 
 
 def test_zstd_threads_round_trip() -> None:
-    codec = ZstdCodec(level=1, threads=2)
+    codec = make_codec("zstd:1:2")
     x = _values(100_000)
     assert torch.equal(codec.decode(codec.encode(x), x.numel()), x)
 
@@ -51,17 +54,31 @@ def test_zeros_compress() -> None:
     assert len(payload) < 1024
 
 
-@pytest.mark.parametrize("spec", ["", "bf16", "zstd:", "zstd:x", "zstd:99", "raw:1", "lz4"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "",
+        "zstd:",
+        "zstd:x",
+        "zstd:99",
+        "raw:1",
+        "lz4",
+        "bf16+int8",
+        "zstd+shuffle",
+        "raw+zstd+zstd",
+    ],
+)
 def test_make_codec_rejects_unknown(spec: str) -> None:
-    with pytest.raises(ValueError, match="allowed: .*raw.*zstd"):
+    with pytest.raises(ValueError, match="allowed: .*raw.*bf16.*int8.*zstd"):
         make_codec(spec)
 
 
 def test_encode_rejects_wrong_input() -> None:
-    with pytest.raises(ValueError, match="1-D float32 CPU"):
-        RawCodec().encode(torch.zeros(2, 2))
-    with pytest.raises(ValueError, match="1-D float32 CPU"):
-        RawCodec().encode(torch.zeros(4, dtype=torch.float64))
+    for spec in ("raw", "bf16", "int8"):
+        with pytest.raises(ValueError, match="1-D float32"):
+            make_codec(spec).encode(torch.zeros(2, 2))
+        with pytest.raises(ValueError, match="1-D float32"):
+            make_codec(spec).encode(torch.zeros(4, dtype=torch.float64))
 
 
 def test_crc_detects_a_flipped_byte() -> None:
@@ -73,7 +90,7 @@ def test_crc_detects_a_flipped_byte() -> None:
 
 
 def test_raw_rejects_wrong_size() -> None:
-    codec = RawCodec()
+    codec = Fp32Stage()
     payload = codec.encode(_values(10))
     with pytest.raises(CodecError, match="expected 36"):
         codec.decode(payload, 9)

@@ -1,0 +1,283 @@
+"""The cross-site all-reduce benchmark: one process per site, lanes over given links.
+
+:func:`run_case` starts one spawned process per site; each runs a real
+:class:`~isthmus.inter.lane.LaneServer`, :class:`~isthmus.inter.lane_peer.LanePeer`\\ s
+and a :class:`~isthmus.inter.allreduce.CrossSiteAllReduce`, warms its connections up,
+then all-reduces one tensor when the parent says go. The links come from a factory the
+caller passes in (``inter`` does not import the WAN emulator; ``deploy`` wires it), so
+the same code can measure real links. :func:`codec_throughput` measures each codec
+on one core, to tell when the CPU and not the link is the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BenchCase",
+    "LinkFactory",
+    "codec_throughput",
+    "format_results",
+    "format_throughput",
+    "link_bound_s",
+    "run_case",
+]
+
+# (num_sites, rtt_s, bandwidth_bps) -> {(i, j): proxy URL site i dials site j through}
+LinkFactory = Callable[[int, float, float], AbstractContextManager[dict[tuple[int, int], str]]]
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class BenchCase:
+    """One point of the grid."""
+
+    sites: int
+    rtt_ms: float
+    gbit: float
+    """Link bandwidth per direction, Gbit/s."""
+    mib: float
+    """Tensor size per site, MiB of fp32."""
+    codec: str
+    chunk_bytes: int
+    """Chunk size; 0 derives it from the link (``chunk_bytes_for_link``)."""
+    connections: int = 4
+    workers: int | None = None
+    timeout_s: float = 600.0
+
+
+def link_bound_s(case: BenchCase) -> float:
+    """The ideal uncompressed all-reduce on the case's link: 2(S-1)/S x bytes / bw + RTT."""
+    tensor_bytes = int(case.mib * MIB) // 4 * 4
+    share = 2 * (case.sites - 1) / case.sites
+    return share * tensor_bytes * 8 / (case.gbit * 1e9) + case.rtt_ms / 1000
+
+
+def _site_main(index: int, case: dict[str, Any], conn: Any) -> None:
+    """One site's process: lane up, warm up, all-reduce on "go", report."""
+    os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (gRPC reads lowercase)
+    torch.set_num_threads(1)
+    from .allreduce import CrossSiteAllReduce
+    from .codec import make_codec
+    from .lane import LaneServer
+    from .lane_peer import LanePeer
+
+    c = BenchCase(**case)
+    codec = make_codec(c.codec)
+    server = LaneServer(
+        site_index=index, num_sites=c.sites, codec=codec.name, chunk_bytes=c.chunk_bytes
+    )
+    conn.send(server.address)
+    peers_info: dict[int, tuple[str, str | None]] = conn.recv()
+    peers = {
+        j: LanePeer(addr, chunk_bytes=c.chunk_bytes, proxy=proxy, connections=c.connections)
+        for j, (addr, proxy) in peers_info.items()
+    }
+    ar = CrossSiteAllReduce(
+        site_index=index,
+        num_sites=c.sites,
+        server=server,
+        peers=peers,
+        codec=codec,
+        chunk_bytes=c.chunk_bytes,
+        timeout_s=c.timeout_s,
+        workers=c.workers,
+    )
+    try:
+        # Gradient-like values: zero-mean, small, every site different.
+        g = torch.Generator().manual_seed(index)
+        n = int(c.mib * MIB) // 4
+        tensor = torch.randn(n, generator=g) * 1e-3
+        # Warm-up: opens every connection (through the proxies) before the clock runs.
+        ar.allreduce([torch.ones(c.chunk_bytes // 4 * c.sites)], step=0, group=0, average=True)
+        conn.send("ready")
+        conn.recv()  # "go": every site starts together
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        stats = ar.allreduce([tensor], step=1, group=0, average=True)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        digest = hashlib.sha256(tensor.numpy().tobytes()).hexdigest()[:16]
+        conn.send(
+            {
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "bytes_sent": stats.bytes_sent,
+                "raw_bytes": stats.raw_bytes,
+                "corrupt_chunks": stats.corrupt_chunks,
+                "encode_s": stats.encode_s,
+                "decode_s": stats.decode_s,
+                "digest": digest,
+            }
+        )
+        conn.recv()  # "done": nobody stops its server while a peer may still pull
+    except BaseException as exc:  # noqa: BLE001 (reported to the parent as one line)
+        with contextlib.suppress(Exception):
+            conn.send({"error": f"site {index}: {type(exc).__name__}: {exc}"})
+    finally:
+        ar.close()
+        for peer in peers.values():
+            peer.close()
+        server.stop(0)
+
+
+def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
+    """Runs one case, one process per site.
+
+    Args:
+        case: the grid point; ``chunk_bytes`` must already be resolved (> 0).
+        links: makes the emulated (or real) links between the sites.
+    Returns:
+        The case's parameters and figures: ``wall_s`` (slowest site), ``goodput_mb_s``,
+        ``link_bound_s``, ``efficiency``, ``compression_ratio``, ``cpu_s_per_gb``,
+        ``identical`` (every site ended with the same bits), ``corrupt_chunks``.
+    Raises:
+        RuntimeError: a site failed or timed out; the message names it.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    spec = dataclasses.asdict(case)
+    pipes, procs = [], []
+    wait_s = case.timeout_s + 60
+    with links(case.sites, case.rtt_ms / 1000, case.gbit * 1e9) as proxies:
+        try:
+            for i in range(case.sites):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_site_main, args=(i, spec, child), daemon=True)
+                proc.start()
+                pipes.append(parent)
+                procs.append(proc)
+            addresses = [_recv(p, i, wait_s) for i, p in enumerate(pipes)]
+            for i, pipe in enumerate(pipes):
+                peers = {
+                    j: (addresses[j], proxies.get((i, j))) for j in range(case.sites) if j != i
+                }
+                pipe.send(peers)
+            for i, pipe in enumerate(pipes):
+                _recv(pipe, i, wait_s)  # "ready"
+            for pipe in pipes:
+                pipe.send("go")
+            reports = [_recv(p, i, wait_s) for i, p in enumerate(pipes)]
+            for pipe in pipes:
+                pipe.send("done")
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+    return _summarize(case, reports)
+
+
+def _recv(pipe: Any, index: int, timeout: float) -> Any:
+    if not pipe.poll(timeout):
+        raise RuntimeError(f"site {index} did not answer within {timeout:.0f}s")
+    msg = pipe.recv()
+    if isinstance(msg, dict) and "error" in msg:
+        raise RuntimeError(msg["error"])
+    return msg
+
+
+def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    tensor_bytes = int(case.mib * MIB) // 4 * 4
+    wall = max(r["wall_s"] for r in reports)
+    sent = sum(r["bytes_sent"] for r in reports)
+    raw = sum(r["raw_bytes"] for r in reports)
+    bound = link_bound_s(case)
+    cpu = sum(r["cpu_s"] for r in reports) / len(reports)
+    return {
+        **dataclasses.asdict(case),
+        "tensor_bytes": tensor_bytes,
+        "wall_s": wall,
+        "goodput_mb_s": tensor_bytes / wall / 1e6,
+        "link_bound_s": bound,
+        "efficiency": bound / wall,
+        "compression_ratio": raw / sent if sent else 1.0,
+        "cpu_s_per_gb": cpu / (tensor_bytes / 1e9),
+        "identical": len({r["digest"] for r in reports}) == 1,
+        "corrupt_chunks": sum(r["corrupt_chunks"] for r in reports),
+        "sites_detail": reports,
+    }
+
+
+def codec_throughput(spec: str, mib: float = 4.0, repeat: int = 3) -> dict[str, Any]:
+    """Encode and decode speed of one codec on one core (this thread, 1 torch thread).
+
+    Args:
+        spec: codec spec.
+        mib: size of the test chunk (gradient-like fp32 values).
+        repeat: best of this many runs.
+    Returns:
+        ``encode_mb_s`` and ``decode_mb_s`` (fp32 MB per second) and ``ratio``.
+    """
+    from .codec import make_codec
+
+    codec = make_codec(spec)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = int(mib * MIB) // 4
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
+        enc = dec = float("inf")
+        payload = b""
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            payload = codec.encode(x, "bench")
+            t1 = time.perf_counter()
+            codec.decode(payload, n)
+            t2 = time.perf_counter()
+            enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "codec": codec.name,
+        "encode_mb_s": n * 4 / enc / 1e6,
+        "decode_mb_s": n * 4 / dec / 1e6,
+        "ratio": n * 4 / len(payload),
+    }
+
+
+def format_throughput(rows: list[dict[str, Any]], gbits: list[float]) -> str:
+    """A table of per-core codec speed and the cores each link speed needs.
+
+    At line rate a site encodes and decodes ``bandwidth x ratio`` of fp32 per second;
+    ``cores@XG`` is that divided by the per-core speeds.
+    """
+    head = f"{'codec':<22}{'enc MB/s/core':>14}{'dec MB/s/core':>14}{'ratio':>7}"
+    head += "".join(f"{f'cores@{g:g}G':>11}" for g in gbits)
+    lines = [head]
+    for r in rows:
+        line = (
+            f"{r['codec']:<22}{r['encode_mb_s']:>14.0f}{r['decode_mb_s']:>14.0f}{r['ratio']:>7.2f}"
+        )
+        for g in gbits:
+            fp32_rate = g * 1e9 / 8 * r["ratio"] / 1e6  # MB/s of fp32 at line rate
+            cores = fp32_rate / r["encode_mb_s"] + fp32_rate / r["decode_mb_s"]
+            line += f"{cores:>11.1f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_results(rows: list[dict[str, Any]]) -> str:
+    """The results table, one line per case."""
+    head = (
+        f"{'sites':>5}{'rtt ms':>8}{'Gbit/s':>7}{'MiB':>6}  {'codec':<22}{'chunk KiB':>10}"
+        f"{'wall s':>8}{'goodput MB/s':>13}{'bound s':>8}{'effic.':>7}{'ratio':>7}"
+        f"{'cpu s/GB':>9}{'same':>5}"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['sites']:>5}{r['rtt_ms']:>8g}{r['gbit']:>7g}{r['mib']:>6g}  {r['codec']:<22}"
+            f"{r['chunk_bytes'] // 1024:>10}{r['wall_s']:>8.2f}{r['goodput_mb_s']:>13.1f}"
+            f"{r['link_bound_s']:>8.2f}{r['efficiency']:>7.2f}{r['compression_ratio']:>7.2f}"
+            f"{r['cpu_s_per_gb']:>9.2f}{'yes' if r['identical'] else 'NO':>5}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,25 @@
+"""Codec stages, one per module; :mod:`isthmus.inter.codec` chains them.
+
+A *tensor stage* turns a 1-D float32 tensor (CPU or CUDA) into little-endian bytes
+on the host and back (:mod:`.fp32`, :mod:`.bf16`, :mod:`.int8`); *byte stages*
+transform those bytes (:mod:`.shuffle`, :mod:`.zstd`).
+"""
+
+from .base import ByteStage, CodecError, TensorStage, crc32
+from .bf16 import Bf16Stage
+from .fp32 import Fp32Stage
+from .int8 import Int8Stage
+from .shuffle import ShuffleStage
+from .zstd import ZstdStage
+
+__all__ = [
+    "Bf16Stage",
+    "ByteStage",
+    "CodecError",
+    "Fp32Stage",
+    "Int8Stage",
+    "ShuffleStage",
+    "TensorStage",
+    "ZstdStage",
+    "crc32",
+]

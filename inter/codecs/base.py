@@ -1,0 +1,134 @@
+"""What every codec stage shares: the error type, the checksum, the host copy.
+
+Payloads come from another site, so every decode treats its input as hostile: sizes
+are checked before anything is allocated (DESIGN.md, invariant 4).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import zlib
+from typing import Protocol
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ByteStage",
+    "CodecError",
+    "TensorStage",
+    "check_chunk",
+    "check_size",
+    "crc32",
+    "to_host_bytes",
+]
+
+# numpy has no bfloat16: a tensor goes to bytes through the integer type of its width.
+_AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_pinned = threading.local()
+
+
+class CodecError(ValueError):
+    """A payload could not be decoded (wrong size, corrupt or hostile frame)."""
+
+
+def crc32(payload: bytes) -> int:
+    """Returns the CRC-32 (zlib polynomial) of ``payload`` as an unsigned 32-bit int."""
+    return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+def check_chunk(chunk: torch.Tensor) -> torch.Tensor:
+    """Returns ``chunk`` detached and contiguous, or raises ValueError if not 1-D fp32."""
+    if chunk.dim() != 1 or chunk.dtype != torch.float32:
+        raise ValueError(
+            f"codec input must be a 1-D float32 tensor, got {tuple(chunk.shape)} "
+            f"{chunk.dtype} on {chunk.device}"
+        )
+    return chunk.detach().contiguous()
+
+
+def check_size(stage: str, payload: bytes, expected: int, num_elements: int) -> None:
+    """Raises CodecError unless ``payload`` is exactly ``expected`` bytes long."""
+    if num_elements < 0 or len(payload) != expected:
+        raise CodecError(
+            f"{stage} payload has {len(payload)} bytes, expected {expected} "
+            f"for {num_elements} elements"
+        )
+
+
+def _pinned_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    # cudaHostAlloc is slow, so each thread keeps one growing pinned buffer per dtype.
+    cache = getattr(_pinned, "buffers", None)
+    if cache is None:
+        cache = _pinned.buffers = {}
+    buf = cache.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 20), dtype=dtype, pin_memory=True)
+        cache[dtype] = buf
+    return buf[:numel]
+
+
+def to_host_bytes(t: torch.Tensor) -> bytes:
+    """Copies a 1-D tensor's elements to little-endian host bytes.
+
+    A CUDA tensor is copied into a pinned buffer first (a blocking copy on the
+    current stream, so the bytes are complete when it returns); ``tobytes`` then
+    copies out, so the buffer is free for the next chunk.
+
+    Args:
+        t: 1-D tensor of a 1-, 2- or 4-byte dtype on any device.
+    Returns:
+        The elements' bytes, little-endian.
+    """
+    t = t.detach().contiguous()
+    if t.device.type == "cuda":
+        host = _pinned_buffer(t.dtype, t.numel())
+        host.copy_(t)
+        t = host
+    elif t.device.type != "cpu":
+        t = t.cpu()
+    array = t.view(_AS_INT[t.element_size()]).numpy()
+    # Only a big-endian host pays for a byte swap; the wire is little-endian.
+    return (array if sys.byteorder == "little" else array.byteswap()).tobytes()
+
+
+def from_le(payload: bytes, dtype: np.dtype) -> np.ndarray:
+    """A read-only view of little-endian ``payload`` as ``dtype`` (native order)."""
+    array = np.frombuffer(payload, dtype=np.dtype(dtype).newbyteorder("<"))
+    return array if sys.byteorder == "little" else array.astype(np.dtype(dtype))
+
+
+class TensorStage(Protocol):
+    """Turns fp32 values into bytes and back; the first stage of every chain."""
+
+    name: str
+    width: int
+    """Bytes per element on the wire (what byte-shuffle groups by)."""
+    lossy: bool
+
+    def encoded_size(self, num_elements: int) -> int:
+        """Exact payload size for ``num_elements`` values."""
+        ...
+
+    def encode(self, chunk: torch.Tensor, key: str | None) -> bytes:
+        """Encodes a 1-D fp32 chunk on its device; ``key`` names error-feedback state."""
+        ...
+
+    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+        """Decodes to a new writable 1-D fp32 CPU tensor; raises CodecError."""
+        ...
+
+
+class ByteStage(Protocol):
+    """Transforms bytes and back; chained after the tensor stage."""
+
+    name: str
+
+    def encode(self, data: bytes) -> bytes:
+        """Transforms ``data``."""
+        ...
+
+    def decode(self, data: bytes, size: int) -> bytes:
+        """Inverts ``encode``; ``size`` is the exact length the result must have."""
+        ...

@@ -1,0 +1,34 @@
+"""bfloat16 cast: half the bytes of fp32, round-to-nearest-even, no error feedback."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import check_chunk, check_size, from_le, to_host_bytes
+
+__all__ = ["Bf16Stage"]
+
+
+class Bf16Stage:
+    """fp32 → bf16 on the chunk's device, so a GPU copies half the bytes to the host."""
+
+    name = "bf16"
+    width = 2
+    lossy = True
+
+    def encoded_size(self, num_elements: int) -> int:
+        """See :meth:`TensorStage.encoded_size`."""
+        return 2 * num_elements
+
+    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes:
+        """See :meth:`TensorStage.encode`."""
+        return to_host_bytes(check_chunk(chunk).to(torch.bfloat16))
+
+    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+        """See :meth:`TensorStage.decode`."""
+        expected = self.encoded_size(num_elements)
+        check_size("bf16", payload, expected, num_elements)
+        # bf16 is the top half of fp32: widening is exact and needs no rounding.
+        bits = from_le(payload, np.uint16).astype(np.uint32) << 16
+        return torch.from_numpy(bits.view(np.float32))

@@ -1,0 +1,99 @@
+"""int8 with one scale per chunk and error feedback.
+
+Encoding adds the chunk's residual (what earlier roundings lost) before quantizing
+and keeps the new rounding error as the next residual, so over many steps the sum of
+the decoded values tracks the sum of the true ones (Seide et al. 2014; Karimireddy
+et al. 2019). Only the decoded values leave the encoder: every site uses them, so
+replicas stay bitwise identical; the residual is this site's own state.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+
+import numpy as np
+import torch
+
+from .base import check_chunk, check_size, from_le, to_host_bytes
+
+__all__ = ["Int8Stage"]
+
+_SCALE = struct.Struct("<f")  # payload = fp32 scale, then one int8 per element
+
+
+class Int8Stage:
+    """Symmetric int8 (-127..127) with a per-chunk fp32 scale and error feedback.
+
+    Args:
+        error_feedback: keep per-key residuals (``encode`` with a ``key``).
+    """
+
+    name = "int8"
+    width = 1
+    lossy = True
+
+    def __init__(self, error_feedback: bool = True) -> None:
+        self.error_feedback = error_feedback
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()  # pool threads encode different keys concurrently
+
+    def encoded_size(self, num_elements: int) -> int:
+        """See :meth:`TensorStage.encoded_size`."""
+        return _SCALE.size + num_elements
+
+    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes:
+        """Quantizes on the chunk's device; see :meth:`TensorStage.encode`.
+
+        Args:
+            chunk: 1-D fp32 tensor (CPU or CUDA).
+            key: error-feedback state key (lane, group, chunk); None = no feedback.
+        Returns:
+            The fp32 scale followed by the int8 values.
+        """
+        x = check_chunk(chunk)
+        use_ef = self.error_feedback and key is not None
+        if use_ef:
+            with self._lock:
+                residual = self._residuals.get(key)
+            # A residual of another shape belongs to an older layout and is dropped; a
+            # loaded one (CPU) moves to the chunk's device.
+            if residual is not None and residual.shape == x.shape:
+                x = x + residual.to(x.device)
+        amax = float(x.abs().max()) if x.numel() else 0.0
+        if not math.isfinite(amax):
+            # A non-finite gradient decodes to NaN everywhere (as raw would propagate
+            # it) and must not poison the residual for later steps.
+            if use_ef:
+                with self._lock:
+                    self._residuals.pop(key, None)
+            return _SCALE.pack(math.nan) + bytes(x.numel())
+        scale = np.float32(amax / 127.0 if amax > 0 else 1.0)
+        q = torch.round(x / float(scale)).clamp_(-127, 127).to(torch.int8)
+        if use_ef:
+            # The residual is measured against exactly what decode will produce.
+            decoded = q.to(torch.float32) * float(scale)
+            with self._lock:
+                self._residuals[key] = x - decoded
+        return _SCALE.pack(scale) + to_host_bytes(q)
+
+    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+        """See :meth:`TensorStage.decode`."""
+        expected = self.encoded_size(num_elements)
+        check_size("int8", payload, expected, num_elements)
+        (scale,) = _SCALE.unpack_from(payload)
+        q = from_le(payload[_SCALE.size :], np.int8)
+        return torch.from_numpy(q.astype(np.float32) * np.float32(scale))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Returns a copy of the residuals by key (CPU tensors, for a checkpoint)."""
+        with self._lock:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self._residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Replaces the residuals; they move to a chunk's device on first use."""
+        with self._lock:
+            self._residuals = {
+                str(k): v.detach().to(torch.float32).reshape(-1).clone() for k, v in state.items()
+            }

@@ -1,0 +1,90 @@
+"""The all-reduce with every codec chain: exact when lossless, identical when lossy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isthmus.inter.gradient_sync import LaneGradientSync
+from isthmus.inter.lane import chunk_bytes_for_link
+from tests.test_allreduce import inputs, run_all, sites
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _reference(data: list[list[torch.Tensor]], k: int, average: bool) -> torch.Tensor:
+    acc = data[0][k].clone()  # the owner's fixed site order
+    for d in data[1:]:
+        acc += d[k]
+    return acc / len(data) if average else acc
+
+
+@pytest.mark.parametrize("num_sites", [2, 3])
+@pytest.mark.parametrize("codec", ["raw+shuffle+zstd:1", "zstd:1:2"])
+def test_lossless_chains_are_exact(num_sites: int, codec: str) -> None:
+    with sites(num_sites, codec, connections=2) as ars:
+        data = inputs(num_sites, [5000, 3], seed=1)
+        want = [_reference(data, k, True) for k in range(2)]
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 2, 1, True) for s in range(num_sites)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        assert all(torch.equal(data[s][k], want[k]) for s in range(num_sites) for k in range(2))
+
+
+@pytest.mark.parametrize("num_sites", [2, 3])
+@pytest.mark.parametrize("codec", ["bf16", "bf16+shuffle+zstd:1", "int8", "int8+zstd:1"])
+def test_lossy_chains_give_every_site_the_same_bits(num_sites: int, codec: str) -> None:
+    with sites(num_sites, codec) as ars:
+        for step in range(3):
+            data = inputs(num_sites, [5000, 7], seed=step)
+            want = [_reference(data, k, True) for k in range(2)]
+            res = run_all(
+                [
+                    lambda s=s, d=data, st=step: ars[s].allreduce(d[s], st, 0, True)
+                    for s in range(num_sites)
+                ]
+            )
+            assert not any(isinstance(r, BaseException) for r in res), res
+            for k in range(2):
+                assert all(torch.equal(data[s][k], data[0][k]) for s in range(num_sites))
+                # Two roundings (contribution, result): a few quantization steps.
+                tol = 0.02 if codec.startswith("bf16") else 0.1
+                err = (data[0][k] - want[k]).abs().max() / want[k].abs().max()
+                assert err < tol, (codec, k, float(err))
+            sent = sum(r.bytes_sent for r in res)
+            raw = sum(r.raw_bytes for r in res)
+            assert raw / sent > (1.9 if codec.startswith("bf16") else 3.5)
+        # Each lane keeps its own residuals, for its contributions and owned results.
+        if codec.startswith("int8"):
+            keys = set(ars[0].state_dict())
+            assert any("/c" in k for k in keys) and any("/r" in k for k in keys)
+
+
+def test_gradient_sync_exposes_codec_state() -> None:
+    with sites(2, "int8") as ars:
+        syncs = [LaneGradientSync(ar) for ar in ars]
+        shards = inputs(2, [3000], seed=3)
+
+        def site(s: int) -> None:
+            syncs[s].begin_step(0)
+            syncs[s].start(0, shards[s][0])
+            syncs[s].finish()
+
+        try:
+            res = run_all([lambda s=s: site(s) for s in range(2)])
+            assert not any(isinstance(r, BaseException) for r in res), res
+            assert torch.equal(shards[0][0], shards[1][0])
+            state = syncs[0].state_dict()
+            assert state and all(v.device.type == "cpu" for v in state.values())
+            syncs[1].load_state_dict(state)
+            assert syncs[1].state_dict().keys() == state.keys()
+        finally:
+            for sync in syncs:
+                sync.close()
+
+
+def test_chunk_size_follows_the_bandwidth_delay_product() -> None:
+    assert chunk_bytes_for_link(1e9, 0.0001) == 256 * 1024  # 12.5 KB BDP: the floor
+    assert chunk_bytes_for_link(1e9, 0.010) == 1024 * 1024  # 1.25 MB BDP
+    assert chunk_bytes_for_link(10e9, 0.050) == 4 * 1024 * 1024  # 62.5 MB: the ceiling
+    with pytest.raises(ValueError):
+        chunk_bytes_for_link(0, 0.01)

@@ -1,0 +1,143 @@
+"""Codec chains: bf16, int8 with error feedback, byte-shuffle; state round trips."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from isthmus.inter.codec import CodecError, make_codec
+from isthmus.inter.codecs import Int8Stage, ShuffleStage
+
+pytestmark = pytest.mark.timeout(30)
+
+LOSSLESS = ["raw", "raw+shuffle", "raw+shuffle+zstd:1", "zstd:3:2"]
+LOSSY = ["bf16", "bf16+shuffle+zstd:3", "int8", "int8+zstd:1", "int8+shuffle+zstd:1"]
+
+
+def _grad(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * 1e-3
+
+
+@pytest.mark.parametrize("spec", LOSSLESS)
+@pytest.mark.parametrize("n", [1, 3, 4097])
+def test_lossless_chains_round_trip_exactly(spec: str, n: int) -> None:
+    codec = make_codec(spec)
+    x = _grad(n)
+    assert not codec.lossy and torch.equal(codec.decode(codec.encode(x), n), x)
+
+
+@pytest.mark.parametrize("spec", LOSSY)
+@pytest.mark.parametrize("n", [1, 3, 4097])
+def test_lossy_chains_round_trip_within_their_precision(spec: str, n: int) -> None:
+    codec = make_codec(spec)
+    x = _grad(n, seed=n)
+    y = codec.decode(codec.encode(x), n)
+    assert codec.lossy and y.dtype == torch.float32 and y.shape == (n,)
+    if spec.startswith("bf16"):
+        # bf16 keeps 8 mantissa bits: relative error at most 2^-9 after rounding.
+        assert torch.all((y - x).abs() <= x.abs() * 2**-8)
+    else:
+        scale = x.abs().max() / 127  # rounding to the nearest step: half a step at most
+        assert torch.all((y - x).abs() <= scale / 2 * (1 + 1e-5))
+    y.add_(1.0)  # writable
+
+
+def test_payload_sizes() -> None:
+    x = _grad(1000)
+    assert len(make_codec("raw").encode(x)) == 4000
+    assert len(make_codec("bf16").encode(x)) == 2000
+    assert len(make_codec("int8").encode(x)) == 1004  # fp32 scale + one byte each
+
+
+def test_shuffle_round_trip_keeps_a_tail() -> None:
+    stage = ShuffleStage(4)
+    data = bytes(range(11))  # two whole elements and a 3-byte tail
+    shuffled = stage.encode(data)
+    assert shuffled[:8] == bytes([0, 4, 1, 5, 2, 6, 3, 7]) and shuffled[8:] == data[8:]
+    assert stage.decode(shuffled, 11) == data
+    with pytest.raises(CodecError):
+        stage.decode(shuffled, 12)
+
+
+def test_shuffle_helps_zstd_on_gradients() -> None:
+    x = _grad(262_144)
+    plain = len(make_codec("raw+zstd:1").encode(x))
+    shuffled = len(make_codec("raw+shuffle+zstd:1").encode(x))
+    assert shuffled < plain * 0.95
+
+
+@pytest.mark.parametrize("spec", ["bf16", "int8", "int8+zstd:1"])
+def test_lossy_decode_rejects_wrong_size(spec: str) -> None:
+    codec = make_codec(spec)
+    payload = codec.encode(_grad(10))
+    with pytest.raises(CodecError):
+        codec.decode(payload, 9)
+    with pytest.raises(CodecError):
+        codec.decode(payload + b"\x00", 10)
+
+
+# --- error feedback ------------------------------------------------------------------
+
+
+def test_residual_carries_the_quantization_error() -> None:
+    codec = make_codec("int8")
+    x = _grad(5000)
+    y = codec.decode(codec.encode(x, "g0/c0"), 5000)
+    residual = codec.state_dict()["g0/c0"]
+    assert torch.equal(residual, x - y)  # exactly what was lost, nothing else
+    # The next encode of that key adds it back before quantizing.
+    z = _grad(5000, seed=1)
+    y2 = codec.decode(codec.encode(z, "g0/c0"), 5000)
+    assert torch.allclose(codec.state_dict()["g0/c0"], z + residual - y2, atol=1e-12)
+    # No key, no feedback and no state.
+    codec.encode(z)
+    assert list(codec.state_dict()) == ["g0/c0"]
+
+
+def test_long_run_sum_tracks_the_true_sum() -> None:
+    # One large coordinate makes the scale coarse, so the small ones round to zero
+    # every step; only error feedback lets them through over time.
+    with_ef, without = make_codec("int8"), Int8Stage(error_feedback=False)
+    n, steps = 1000, 200
+    true = torch.zeros(n)
+    sums = {"ef": torch.zeros(n), "plain": torch.zeros(n)}
+    for step in range(steps):
+        # A small bias below half a step (1/254): without feedback it is lost for ever.
+        x = 1e-3 + _grad(n, seed=step)
+        x[0] = 1.0
+        true += x
+        sums["ef"] += with_ef.decode(with_ef.encode(x, "k"), n)
+        sums["plain"] += without.decode(without.encode(x, "k"), n)
+    err_ef = (sums["ef"] - true)[1:].abs().max()
+    err_plain = (sums["plain"] - true)[1:].abs().max()
+    assert true[1:].mean() > 0.15
+    # With feedback the error stays at one quantization step (scale/2 = 1/254).
+    assert err_ef <= 1 / 254 + 1e-6
+    assert err_plain > 5 * err_ef
+
+
+def test_state_dict_round_trip_resumes_identically() -> None:
+    a, b = make_codec("int8+zstd:1"), make_codec("int8+zstd:1")
+    for step in range(3):
+        a.encode(_grad(300, seed=step), "g1/c2")
+    b.load_state_dict(a.state_dict())
+    x = _grad(300, seed=9)
+    assert a.encode(x, "g1/c2") == b.encode(x, "g1/c2")
+    with pytest.raises(ValueError, match="keeps no state"):
+        make_codec("raw").load_state_dict({"k": torch.zeros(1)})
+
+
+def test_residual_of_another_shape_is_dropped_and_nan_does_not_poison() -> None:
+    codec = make_codec("int8")
+    codec.encode(_grad(100), "k")
+    codec.encode(_grad(50), "k")  # a new layout: the old residual is not added
+    assert codec.state_dict()["k"].shape == (50,)
+    bad = _grad(50)
+    bad[3] = math.inf
+    assert torch.isnan(codec.decode(codec.encode(bad, "k"), 50)).all()
+    assert "k" not in codec.state_dict()
+    x = _grad(50, seed=4)
+    assert torch.isfinite(codec.decode(codec.encode(x, "k"), 50)).all()
