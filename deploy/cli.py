@@ -5,6 +5,7 @@
     isthmus coordinator   one site's coordinator, alone
     isthmus config        print the resolved job config with every key documented
     isthmus report        plot a finished run
+    isthmus wan           emulate WAN links standalone; show or change them live
     isthmus plan          predict step time and scaling efficiency at any size
 
 Errors a user can fix (a bad key, a layout that does not divide the ranks, a site
@@ -96,8 +97,18 @@ def cmd_local(args: argparse.Namespace) -> int:
     from isthmus.deploy.local import LocalJob
     from isthmus.deploy.summary import print_summary
 
+    topology = None
+    if args.topology:
+        from isthmus.sim import load_topology
+
+        try:
+            topology = load_topology(args.topology)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"--topology: {exc}") from None
+        if args.sites is None:
+            args.sites = len(topology.sites)
     config = config_from_args(args)
-    job = LocalJob(config, out=sys.stderr, progress=not args.quiet)
+    job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology)
     summary = job.run()
     print("summary:", file=sys.stdout)
     print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
@@ -222,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     add_config_arguments(local, common_flags=True)
+    local.add_argument(
+        "--topology",
+        metavar="TOML",
+        default=None,
+        help="emulate the links of this topology file (docs/wan.md) instead of the uniform "
+        "[wan] settings; its sites become site0, site1, ... in the file's order",
+    )
     local.add_argument("--quiet", action="store_true", help="no progress line")
     local.set_defaults(func=cmd_local)
 
@@ -296,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     from isthmus.deploy import bench_cmd
 
     bench_cmd.register(sub, HelpFormatter)
+
+    from isthmus.deploy import wan_cmd
+
+    wan_cmd.register(sub, HelpFormatter)
     return parser
 
 

@@ -21,7 +21,7 @@ from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
 from isthmus.inter.coordinator import Coordinator
-from isthmus.sim import LinkSpec, RelayServer
+from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
 
 __all__ = ["LaunchError", "LocalJob", "check_supported"]
 
@@ -55,6 +55,7 @@ class LocalJob:
     config: JobConfig
     out: TextIO = sys.stderr
     progress: bool = True
+    topology: Topology | None = None
     run_dir: Path = field(init=False)
     temporary_run_dir: bool = field(init=False, default=False)
     _sites: list[SiteRanks] = field(init=False, default_factory=list)
@@ -93,18 +94,24 @@ class LocalJob:
         if len(sites) == 1:
             return proxies
         self._wan = RelayServer().start()
-        spec = LinkSpec.symmetric(
-            latency_s=config.one_way_latency_s,
-            bandwidth_bps=config.wan.bandwidth_mbit * 1e6,
-            queue_bytes=config.wan.queue_kib * 1024,
-        )
-        for i, a in enumerate(sites):
-            for b in sites[i + 1 :]:
-                link = self._wan.add_link(f"{a}-{b}", spec)
-                host, port = link.add_proxy(initiator="a")
-                proxies[a][b] = f"http://{host}:{port}"
-                host, port = link.add_proxy(initiator="b")
-                proxies[b][a] = f"http://{host}:{port}"
+        if self.topology is not None:
+            try:
+                links = topology_links(self.topology, sites)
+            except ValueError as exc:
+                raise ConfigError(f"--topology: {exc}") from None
+        else:
+            spec = LinkSpec.symmetric(
+                latency_s=config.one_way_latency_s,
+                bandwidth_bps=config.wan.bandwidth_mbit * 1e6,
+                queue_bytes=config.wan.queue_kib * 1024,
+            )
+            links = {(a, b): spec for i, a in enumerate(sites) for b in sites[i + 1 :]}
+        for (a, b), spec in links.items():
+            link = self._wan.add_link(f"{a}-{b}", spec)
+            host, port = link.add_proxy(initiator="a")
+            proxies[a][b] = f"http://{host}:{port}"
+            host, port = link.add_proxy(initiator="b")
+            proxies[b][a] = f"http://{host}:{port}"
         return proxies
 
     def _start_coordinators(self, proxies: dict[str, dict[str, str]]) -> None:

@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> 
         formatter_class=formatter,
     )
     wsub = wan.add_subparsers(dest="wan_command", metavar="COMMAND", required=True)
+    from isthmus.deploy import netns_cmd
+
+    netns_cmd.register(wsub, formatter)
     control_help = "control endpoint of `isthmus wan up`, HOST:PORT on loopback"
 
     up = wsub.add_parser(

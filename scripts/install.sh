@@ -18,6 +18,17 @@ case "${1:-}" in
   *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
 esac
 
+if [ -n "$extra" ] && ! command -v iptables >/dev/null 2>&1; then
+  # The transparent-mode tests put sites in network namespaces behind iptables rules.
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing iptables and iproute2 (for the network-namespace tests)" >&2
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2 >/dev/null
+  else
+    echo "note: the network-namespace tests need root, iptables and iproute2" >&2
+  fi
+fi
+
 python=${PYTHON:-python3}
 if ! "$python" - <<'PY' 2>/dev/null
 import sys

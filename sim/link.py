@@ -1,153 +1,68 @@
-"""One emulated long-haul link: per-direction specs and the pipe that imposes them.
+"""One direction of an emulated long-haul link: the pipe that imposes a `DirectionSpec`.
 
 A `DirectionPipe` is shared by every connection that crosses one direction of a link,
 because a link's bandwidth is shared. It keeps a serialization clock (each piece leaves
-at `max(now, next_free) + len * 8 / bandwidth` and arrives `latency_s` later) and bounds
-the bytes in flight (read from a sender, not yet delivered) by `bandwidth * latency +
-queue_bytes`, so a sender feels the bandwidth-delay product as TCP backpressure instead
-of filling an unbounded buffer.
+at `max(now, next_free) + len * 8 / bandwidth` and reaches the far end `latency_s`
+later) and bounds the bytes in flight (read from a sender, not yet off the wire) by
+`bandwidth * delay + queue_bytes`, so a sender feels the bandwidth-delay product as TCP
+backpressure instead of filling an unbounded buffer.
+
+Each piece then passes the direction's impairments in order (`sim/impairments/`): they
+may move its time on the wire (jitter), hold it back on its connection (loss stalls, a
+flap), change its bytes (corruption), split its delivery (slicing) or reset its
+connection. No impairment drops bytes while both ends are alive.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-from collections import deque
-from collections.abc import Coroutine
-from dataclasses import dataclass
+import random
+from collections import Counter, deque
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-FIBER_S_PER_KM = 4.9e-6
-"""One-way propagation delay of light in fiber (refractive index ~1.47), seconds per km."""
+from .impairments import Impairment, Piece, State
+from .spec import (  # noqa: F401 (re-exported: the specs lived here before spec.py)
+    DEFAULT_QUEUE_BYTES,
+    FIBER_S_PER_KM,
+    UNLIMITED_WINDOW_BYTES,
+    DirectionSpec,
+    LinkSpec,
+)
 
-DEFAULT_QUEUE_BYTES = 256 * 1024
 PIECE_BYTES = 64 * 1024
 """Largest piece read from a socket at once; small enough that the clock is fine-grained."""
 
-UNLIMITED_WINDOW_BYTES = 16 * 1024 * 1024
-"""In-flight bound (plus `queue_bytes`) of a link without a bandwidth limit, whose
-bandwidth-delay product is infinite: still finite so that memory stays bounded."""
-
 RECV_WINDOW_BYTES = 256 * 1024
 """Bytes per connection that may have crossed the link but wait for a slow receiver.
-Like a TCP receive window it lets a stalled receiver hold its own data without holding
-the link's shared in-flight budget, which is released when bytes arrive."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class DirectionSpec:
-    """The impairments of one direction of a link."""
-
-    latency_s: float
-    """One-way propagation delay, seconds."""
-    bandwidth_bps: float = 0.0
-    """Serialization rate, bits per second; 0 or `math.inf` means unlimited."""
-    queue_bytes: int = DEFAULT_QUEUE_BYTES
-    """Buffering beyond the bandwidth-delay product (a router queue), bytes."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.latency_s, (int, float)) or not (
-            math.isfinite(self.latency_s) and self.latency_s >= 0
-        ):
-            raise ValueError(f"latency_s must be a finite number >= 0, got {self.latency_s!r}")
-        if not isinstance(self.bandwidth_bps, (int, float)) or not self.bandwidth_bps >= 0:
-            raise ValueError(
-                f"bandwidth_bps must be >= 0 (0 or inf = unlimited), got {self.bandwidth_bps!r}"
-            )
-        if isinstance(self.queue_bytes, bool) or not isinstance(self.queue_bytes, int):
-            raise ValueError(f"queue_bytes must be an int >= 0, got {self.queue_bytes!r}")
-        if self.queue_bytes < 0:
-            raise ValueError(f"queue_bytes must be an int >= 0, got {self.queue_bytes!r}")
-
-    @property
-    def unlimited(self) -> bool:
-        """Whether this direction has no bandwidth limit."""
-        return self.bandwidth_bps == 0 or math.isinf(self.bandwidth_bps)
-
-    @property
-    def inflight_limit_bytes(self) -> int:
-        """Bytes that may be in flight: bandwidth-delay product plus queue."""
-        if self.unlimited:
-            return UNLIMITED_WINDOW_BYTES + self.queue_bytes
-        return int(self.bandwidth_bps * self.latency_s / 8) + self.queue_bytes
-
-    def serialization_s(self, nbytes: int) -> float:
-        """Seconds that `nbytes` occupy the wire."""
-        return 0.0 if self.unlimited else nbytes * 8 / self.bandwidth_bps
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class LinkSpec:
-    """Both directions of a link between site a and site b."""
-
-    a_to_b: DirectionSpec
-    """Bytes sent by a, received by b."""
-    b_to_a: DirectionSpec
-    """Bytes sent by b, received by a."""
-
-    def __post_init__(self) -> None:
-        for name in ("a_to_b", "b_to_a"):
-            if not isinstance(getattr(self, name), DirectionSpec):
-                raise ValueError(f"{name} must be a DirectionSpec, got {getattr(self, name)!r}")
-
-    @classmethod
-    def symmetric(
-        cls,
-        *,
-        latency_s: float,
-        bandwidth_bps: float = 0.0,
-        queue_bytes: int = DEFAULT_QUEUE_BYTES,
-    ) -> LinkSpec:
-        """A link with the same spec both ways.
-
-        Args:
-            latency_s: one-way delay, seconds.
-            bandwidth_bps: bits per second each way; 0 or inf = unlimited.
-            queue_bytes: buffering beyond the bandwidth-delay product, bytes.
-
-        Returns:
-            The link spec.
-        """
-        d = DirectionSpec(latency_s=latency_s, bandwidth_bps=bandwidth_bps, queue_bytes=queue_bytes)
-        return cls(a_to_b=d, b_to_a=d)
-
-    @classmethod
-    def from_distance(
-        cls, km: float, bandwidth_bps: float, *, queue_bytes: int = DEFAULT_QUEUE_BYTES
-    ) -> LinkSpec:
-        """A symmetric link over `km` of fiber (~4.9 us per km one way).
-
-        Args:
-            km: fiber route length, kilometres (longer than the great-circle distance).
-            bandwidth_bps: bits per second each way; 0 or inf = unlimited.
-            queue_bytes: buffering beyond the bandwidth-delay product, bytes.
-
-        Returns:
-            The link spec.
-        """
-        if not isinstance(km, (int, float)) or not (math.isfinite(km) and km >= 0):
-            raise ValueError(f"km must be a finite number >= 0, got {km!r}")
-        return cls.symmetric(
-            latency_s=km * FIBER_S_PER_KM, bandwidth_bps=bandwidth_bps, queue_bytes=queue_bytes
-        )
-
-    @property
-    def rtt_s(self) -> float:
-        """Round-trip propagation time, seconds (no serialization)."""
-        return self.a_to_b.latency_s + self.b_to_a.latency_s
+Like a TCP receive window it lets a stalled receiver (or a stalled stream: a loss, a
+flap) hold its own data without holding the link's shared in-flight budget, which is
+released when bytes leave the wire."""
 
 
 class DirectionPipe:
     """One direction of a link, shared by all connections crossing it.
 
     Lives on one asyncio event loop; call its methods from that loop only.
+
+    Args:
+        spec: what the direction imposes.
+        name: "a_to_b" or "b_to_a"; mixed into the impairments' seeds.
     """
 
-    def __init__(self, spec: DirectionSpec) -> None:
+    def __init__(self, spec: DirectionSpec, name: str = "a_to_b") -> None:
+        self.name = name
+        self.reverse: DirectionPipe | None = None
+        """The link's other direction, for the round-trip time; None = symmetric."""
         self._spec = spec
         self._inflight = 0
         self._next_free = 0.0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._chain: list[tuple[Impairment, State]] | None = None  # installed on the loop
+        self._timers: list[asyncio.TimerHandle] = []
+        self._live: set[Callable[[], None]] = set()  # one reset callback per carry()
+        self.counters: Counter[str] = Counter()
+        """What the impairments did (lost_segments, corrupted_bytes, resets, ...)."""
         self.bytes_delivered = 0
         """Bytes written to receivers (counter)."""
         self.connections = 0
@@ -160,13 +75,57 @@ class DirectionPipe:
 
     @property
     def inflight_bytes(self) -> int:
-        """Bytes admitted to the link and not yet arrived."""
+        """Bytes admitted to the link and not yet off the wire."""
         return self._inflight
 
     def update(self, spec: DirectionSpec) -> None:
-        """Apply `spec` to bytes entering after this call; bytes in flight keep their times."""
-        self._spec = spec
+        """Apply `spec` to bytes entering after this call; bytes in flight keep their times.
+
+        New impairments (or a new seed) start afresh: new random streams, and their
+        `at_s` times count from now. Otherwise the running impairments keep their state.
+        """
+        old, self._spec = self._spec, spec
+        if self._chain is None or (old.impairments, old.seed) != (spec.impairments, spec.seed):
+            self._install()
         self._wake()  # a larger bound may admit waiting senders
+
+    def reset_connections(self) -> None:
+        """Reset every connection carrying bytes on this direction (both sides get RST)."""
+        for kill in list(self._live):
+            kill()
+
+    async def cross(self) -> None:
+        """Wait as long as an empty message takes to cross (latency and impairments)."""
+        now = asyncio.get_running_loop().time()
+        piece = self._impaired(b"", now + self._spec.latency_s, now)
+        await asyncio.sleep(piece.at - now)
+
+    def _install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        now, spec = loop.time(), self._spec
+        self._chain = []
+        for i, imp in enumerate(spec.impairments):
+            rng = random.Random(f"{spec.seed}/{self.name}/{i}/{imp.kind}")
+            state = State(rng=rng, installed_at=now, counters=self.counters)
+            imp.start(state, now)
+            at = imp.reset_at(state)
+            if at is not None:
+                self._timers.append(loop.call_at(at, self.reset_connections))
+            self._chain.append((imp, state))
+
+    def _impaired(self, data: bytes, wire_at: float, now: float) -> Piece:
+        if self._chain is None:
+            self._install()
+        assert self._chain is not None
+        piece = Piece(data=data, wire_at=wire_at, at=wire_at)
+        back = self.reverse.spec if self.reverse is not None else self._spec
+        for imp, state in self._chain:
+            state.rtt_s = self._spec.latency_s + back.latency_s
+            imp.apply(piece, state, now)
+        return piece
 
     def _fits(self, n: int) -> bool:
         # An empty pipe admits any piece, so a piece larger than the bound cannot deadlock.
@@ -211,17 +170,24 @@ class DirectionPipe:
             writer: the receiving side.
 
         Raises:
-            OSError: either side failed (e.g. a reset); the caller closes both.
+            OSError: either side failed, or an impairment reset the connection
+                (`ConnectionResetError`); the caller closes both sides.
         """
         loop = asyncio.get_running_loop()
-        queue: deque[tuple[float, bytes | None]] = deque()  # (arrival time, data | EOF)
-        queued = asyncio.Event()
+        queue: deque[tuple[float, Piece, bool]] = deque()  # (arrival, piece, is EOF)
+        wake = asyncio.Event()  # something was queued, is due, or the connection is reset
         room = asyncio.Event()
         unwritten = 0  # admitted, not yet written to the receiver
+        reset = False
+
+        def kill() -> None:
+            nonlocal reset
+            reset = True
+            wake.set()
 
         async def intake() -> None:
             nonlocal unwritten
-            last = 0.0  # arrivals stay in order per connection even if latency drops
+            last = 0.0  # arrivals stay in order per connection even if delays drop
             while True:
                 while unwritten > self._spec.inflight_limit_bytes + RECV_WINDOW_BYTES:
                     room.clear()
@@ -229,42 +195,72 @@ class DirectionPipe:
                 # Read only now, so that a full pipe leaves bytes in the sender's socket.
                 data = await reader.read(PIECE_BYTES)
                 if not data:
-                    at = max(loop.time(), self._next_free) + self._spec.latency_s
-                    queue.append((max(at, last), None))
-                    queued.set()
+                    now = loop.time()
+                    at = max(now, self._next_free) + self._spec.latency_s
+                    eof = self._impaired(b"", at, now)
+                    queue.append((max(eof.at, last), eof, True))
+                    wake.set()
                     return
                 n = len(data)
-                last = max(await self._admit(n), last)
-                loop.call_at(last, self._release, n)
+                wire_at = await self._admit(n)
+                piece = self._impaired(data, wire_at, loop.time())
+                loop.call_at(piece.wire_at, self._release, n)
+                last = max(piece.at, last)
                 unwritten += n
-                queue.append((last, data))
-                queued.set()
+                queue.append((last, piece, False))
+                wake.set()
 
         async def deliver() -> None:
             nonlocal unwritten
             while True:
-                while not queue:
-                    queued.clear()
-                    await queued.wait()
-                delay = queue[0][0] - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                delay = queue[0][0] - loop.time() if queue else None
+                if not reset and (delay is None or delay > 0):
+                    timer = loop.call_later(delay, wake.set) if delay is not None else None
+                    wake.clear()
+                    await wake.wait()
+                    if timer is not None:
+                        timer.cancel()
+                    continue
                 written = 0
-                while queue and queue[0][0] <= loop.time():
-                    data = queue.popleft()[1]
-                    if data is None:
+                while queue and queue[0][0] <= loop.time() and not reset:
+                    _, piece, eof = queue.popleft()
+                    if eof:
                         await writer.drain()
                         if writer.can_write_eof():
                             writer.write_eof()
                         return
-                    writer.write(data)
-                    written += len(data)
+                    if piece.reset:
+                        kill()
+                        break
+                    written += await _write(writer, piece)
+                if reset:
+                    self.counters["resets"] += 1
+                    raise ConnectionResetError(f"{self.name}: connection reset by an impairment")
                 await writer.drain()
                 unwritten -= written
                 self.bytes_delivered += written
                 room.set()
 
-        await run_together(intake(), deliver())
+        self._live.add(kill)
+        try:
+            await run_together(intake(), deliver())
+        finally:
+            self._live.discard(kill)
+
+
+async def _write(writer: asyncio.StreamWriter, piece: Piece) -> int:
+    """Write a piece, in slices if an impairment sliced it; return its length."""
+    if piece.slices is None:
+        writer.write(piece.data)
+        return len(piece.data)
+    offset = 0
+    for size in piece.slices:
+        writer.write(piece.data[offset : offset + size])
+        offset += size
+        await writer.drain()  # one send per slice
+        if piece.slice_gap_s > 0 and offset < len(piece.data):
+            await asyncio.sleep(piece.slice_gap_s)
+    return offset
 
 
 async def run_together(*coros: Coroutine[Any, Any, None]) -> None:

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import socket
+import struct
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -34,7 +37,10 @@ from .connect import (
     read_connect,
     refuse,
     set_nodelay,
+    tune,
 )
+from .control import ControlServer
+from .impairments import Impairment
 from .link import DirectionPipe, LinkSpec, run_together
 
 CALL_TIMEOUT_S = 30.0
@@ -64,8 +70,15 @@ class Link:
         self.name = name
         self._spec = spec
         self._loop = loop
-        self._pipes = {"a": DirectionPipe(spec.a_to_b), "b": DirectionPipe(spec.b_to_a)}
+        self._pipes = {
+            "a": DirectionPipe(spec.a_to_b, "a_to_b"),
+            "b": DirectionPipe(spec.b_to_a, "b_to_a"),
+        }
+        self._pipes["a"].reverse, self._pipes["b"].reverse = self._pipes["b"], self._pipes["a"]
         self._servers: list[asyncio.AbstractServer] = []
+        self.listeners: list[dict[str, Any]] = []
+        """One entry per listener: kind ("forward" or "proxy"), initiator ("a" or "b"),
+        address ("127.0.0.1:PORT") and, for a forward, target ("HOST:PORT")."""
         self._handlers: set[asyncio.Task[None]] = set()
         self.targets_connected = 0
         """Outbound connections the relay opened to targets (counter)."""
@@ -99,7 +112,9 @@ class Link:
         """
         if not is_loopback(target_host):
             raise ValueError(f"target_host must be a loopback address, got {target_host!r}")
-        return self._call(self._listen(initiator, (target_host, int(target_port))))
+        address = self._call(self._listen(initiator, (target_host, int(target_port))))
+        self._note_listener("forward", initiator, address, f"{target_host}:{int(target_port)}")
+        return address
 
     def add_proxy(self, initiator: str = "a") -> tuple[str, int]:
         """Listen on 127.0.0.1 as an HTTP CONNECT proxy to loopback targets.
@@ -110,10 +125,22 @@ class Link:
         Returns:
             (host, port) the listener is bound to.
         """
-        return self._call(self._listen(initiator, None))
+        address = self._call(self._listen(initiator, None))
+        self._note_listener("proxy", initiator, address, None)
+        return address
+
+    def _note_listener(
+        self, kind: str, initiator: str, address: tuple[str, int], target: str | None
+    ) -> None:
+        entry = {"kind": kind, "initiator": initiator, "address": f"{address[0]}:{address[1]}"}
+        self.listeners.append(entry if target is None else {**entry, "target": target})
 
     def update(self, spec: LinkSpec) -> None:
-        """Change both directions of the live link; applies to bytes sent afterwards."""
+        """Change both directions of the live link; applies to bytes sent afterwards.
+
+        A direction whose impairments (or seed) change restarts them: fresh random
+        streams, `at_s` counted from now. Otherwise they keep running.
+        """
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
 
@@ -124,17 +151,105 @@ class Link:
 
         self._call(apply())
 
-    def stats(self) -> dict[str, dict[str, int]]:
+    def set_impairments(
+        self,
+        a_to_b: tuple[Impairment, ...] | None = None,
+        b_to_a: tuple[Impairment, ...] | None = None,
+    ) -> None:
+        """Replace the impairments of one or both directions (None keeps a direction's).
+
+        Args:
+            a_to_b: the new chain for bytes sent by a; () removes them all.
+            b_to_a: the new chain for bytes sent by b.
+        """
+        a, b = self._spec.a_to_b, self._spec.b_to_a
+        self.update(
+            LinkSpec(
+                a_to_b=a if a_to_b is None else dataclasses.replace(a, impairments=tuple(a_to_b)),
+                b_to_a=b if b_to_a is None else dataclasses.replace(b, impairments=tuple(b_to_a)),
+            )
+        )
+
+    def reset(self) -> None:
+        """Reset every connection on the link now: both sides get RST."""
+
+        async def kill() -> None:
+            for pipe in self._pipes.values():
+                pipe.reset_connections()
+
+        self._call(kill())
+
+    def stats(self) -> dict[str, dict[str, float]]:
         """Counters per direction ("a_to_b", "b_to_a"): bytes_delivered, connections
-        (accepted from that direction's initiator) and inflight_bytes (now)."""
+        (accepted from that direction's initiator), inflight_bytes (now), and what the
+        impairments did (lost_segments, stalls, stalled_s, flaps, held_bytes,
+        corrupted_bytes, slices, resets), each present once it is non-zero."""
         return {
             key: {
                 "bytes_delivered": p.bytes_delivered,
                 "connections": p.connections,
                 "inflight_bytes": p.inflight_bytes,
+                **p.counters,
             }
             for key, p in (("a_to_b", self._pipes["a"]), ("b_to_a", self._pipes["b"]))
         }
+
+    def carry_connection(
+        self, client: socket.socket, target: tuple[str, int], initiator: str = "a"
+    ) -> None:
+        """Carry a connection accepted outside the relay to `target`, across the link.
+
+        For listeners that learn the target from the kernel and check it themselves
+        (`isthmus.sim.transparent`): `target` may be any IPv4 address, so never pass one
+        a client chose freely. The far side is connected after the request crosses the
+        link; either side failing resets both. Returns at once; the link owns `client`.
+
+        Args:
+            client: the accepted socket of the initiator's side.
+            target: (IPv4 address, port) to connect to.
+            initiator: site of the client, "a" or "b".
+        """
+        if initiator not in self._pipes:
+            client.close()
+            raise ValueError(f"initiator must be 'a' or 'b', got {initiator!r}")
+        out, back = self._pipes[initiator], self._pipes["b" if initiator == "a" else "a"]
+
+        async def carry() -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._handlers.add(task)
+            out.connections += 1
+            far = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            writers: list[asyncio.StreamWriter] = []
+            clean = False
+            try:
+                reader, writer = await asyncio.open_connection(sock=client)
+                writers.append(writer)
+                await out.cross()  # the SYN crosses the link before the far side sees it
+                tune(far)
+                set_nodelay(far)
+                far.setblocking(False)
+                await asyncio.wait_for(self._loop.sock_connect(far, target), CALL_TIMEOUT_S)
+                far_reader, far_writer = await asyncio.open_connection(sock=far)
+                writers.append(far_writer)
+                self.targets_connected += 1
+                await _splice(reader, writer, far_reader, far_writer, out, back)
+                clean = True
+            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+                pass  # a reset or a refused target: reset the other side below
+            except asyncio.CancelledError:
+                pass  # close(): end normally, as on_accept does
+            finally:
+                for w in writers:
+                    w.close() if clean else _abort_with_rst(w)
+                for sock in (client, far)[len(writers) :]:
+                    sock.close()
+                self._handlers.discard(task)
+
+        if self._loop.is_closed():
+            client.close()
+            raise RuntimeError(f"link {self.name!r}: relay is closed")
+        asyncio.run_coroutine_threadsafe(carry(), self._loop)
 
     async def _listen(self, initiator: str, target: tuple[str, int] | None) -> tuple[str, int]:
         if initiator not in self._pipes:
@@ -171,19 +286,19 @@ class Link:
         self._handlers.add(task)
         out.connections += 1
         peer: asyncio.StreamWriter | None = None
-        clean = False
+        clean = failed = False
         try:
             set_nodelay(writer.get_extra_info("socket"))
             if target is None:
                 target = await read_connect(reader)
                 # The request crosses the link before the far side connects.
-                await asyncio.sleep(out.spec.latency_s)
+                await out.cross()
                 try:
                     peer_reader, peer = await open_target(*target)
                 except OSError:
                     raise HttpError("502 Bad Gateway") from None
                 self.targets_connected += 1
-                await asyncio.sleep(back.spec.latency_s)  # and the answer crosses back
+                await back.cross()  # and the answer crosses back
                 writer.write(ESTABLISHED)
             else:
                 peer_reader, peer = await open_target(*target)
@@ -196,15 +311,17 @@ class Link:
             await refuse(writer, e.status)
             clean = True
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
-            pass  # a reset or failed side: close the other below
+            failed = True  # a reset, a failed side or an impairment: reset both below
         finally:
             for w in (writer, peer):
                 if w is None:
                     continue
                 if clean:
                     w.close()  # flushes what is buffered, then FIN
+                elif failed:
+                    _abort_with_rst(w)
                 else:
-                    w.transport.abort()
+                    w.transport.abort()  # the relay is closing
             self._handlers.discard(task)
 
     async def _close(self) -> None:
@@ -216,6 +333,16 @@ class Link:
         # After the handlers: from Python 3.12 wait_closed() also waits for connections.
         for server in self._servers:
             await server.wait_closed()
+
+
+def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
+    """Close at once, sending RST (linger 0), so the peer sees a reset as it would
+    behind a failing middlebox, not an orderly end."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 async def _splice(
@@ -242,6 +369,7 @@ class RelayServer:
         self._links: dict[str, Link] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._controls: list[ControlServer] = []
 
     def start(self) -> RelayServer:
         """Start the loop thread (idempotent).
@@ -278,11 +406,32 @@ class RelayServer:
                 raise ValueError(f"link name {name!r} is already used")
             assert self._loop is not None
             link = self._links[name] = Link(name, spec, self._loop)
+        link.update(spec)  # installs the impairments on the loop
         return link
 
     def link(self, name: str) -> Link:
         """The link called `name`."""
         return self._links[name]
+
+    def links(self) -> dict[str, Link]:
+        """All links by name, in the order they were added."""
+        with self._lock:
+            return dict(self._links)
+
+    def serve_control(self, host: str = "127.0.0.1", port: int = 0) -> ControlServer:
+        """Serve the HTTP/JSON control endpoint (`GET /links`, `POST /links/NAME`).
+
+        Args:
+            host: a loopback address: whoever reaches it can change the links.
+            port: 0 lets the OS pick.
+
+        Returns:
+            The server (its `address`); it stops with `close()` of this relay.
+        """
+        server = ControlServer(self, host, port)
+        with self._lock:
+            self._controls.append(server)
+        return server
 
     def close(self) -> None:
         """Close all listeners and connections and join the thread (idempotent)."""
@@ -291,6 +440,8 @@ class RelayServer:
                 return
             self._closed = True
             loop, thread = self._loop, self._thread
+        for control in self._controls:
+            control.close()
         if loop is None or thread is None:
             return
 

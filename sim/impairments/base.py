@@ -1,0 +1,105 @@
+"""What every impairment shares: the piece it acts on, its per-direction state, the base.
+
+An impairment is a frozen dataclass of parameters (the spec, comparable and printable)
+whose methods act on a `Piece` with a `State` that the direction's pipe keeps for it:
+a `random.Random` seeded from the link's seed, the time it was installed, a position in
+the direction's byte stream and the direction's counters. Replacing a direction's
+impairments starts fresh states; changing only its bandwidth or latency keeps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(slots=True)
+class Piece:
+    """Bytes read at once from a sender (at most 64 KiB) on their way across a direction."""
+
+    data: bytes
+    """The payload; an impairment may replace it (corruption), never shorten it."""
+    wire_at: float
+    """Loop time at which the bytes leave the wire: the link's in-flight budget is held
+    until then. Changed only by impairments on the wire (jitter)."""
+    at: float
+    """Loop time at which the receiver may get them: `wire_at` plus stream-level holds
+    (a retransmission stall, a blackout). Kept in order per connection by the pipe."""
+    reset: bool = False
+    """Reset the connection (both sides get RST) instead of delivering this piece."""
+    slices: list[int] | None = None
+    """Write the data as slices of these sizes, `slice_gap_s` apart."""
+    slice_gap_s: float = 0.0
+
+
+@dataclass(slots=True)
+class State:
+    """One impairment's mutable state in one direction."""
+
+    rng: random.Random
+    installed_at: float
+    """Loop time at which the impairment was installed; `at_s` parameters count from it."""
+    counters: Counter[str]
+    """The direction's counters (shared by its impairments), reported by `Link.stats`."""
+    rtt_s: float = 0.0
+    """The link's round-trip propagation time now (both directions' latency)."""
+    position: int = 0
+    """Bytes of this direction's stream seen so far."""
+    next_event: int = -1
+    """Stream position of the next lost segment / corrupted byte; -1 = not drawn yet."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check_number(name: str, value: object, *, low: float = 0.0, high: float = math.inf) -> None:
+    """Raise ValueError naming `name` unless `value` is a finite real number in [low, high]."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {value!r}")
+
+
+def geometric_gap(rng: random.Random, p: float) -> int:
+    """Trials up to and including the next success of probability `p` (>= 1).
+
+    Drawing gaps instead of one coin per byte makes the positions of events in a
+    stream depend only on the seed, not on how the stream was cut into pieces.
+    """
+    if p >= 1.0:
+        return 1
+    u = 1.0 - rng.random()  # in (0, 1]
+    return int(math.log(u) / math.log1p(-p)) + 1
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Impairment:
+    """Base of the impairments; subclasses set `kind` and override what they need."""
+
+    kind: ClassVar[str] = ""
+
+    def max_delay_s(self) -> float:
+        """Most seconds this adds on the wire; widens the in-flight bound (rate x delay)."""
+        return 0.0
+
+    def start(self, state: State, loop_time: float) -> None:
+        """Called once when installed, with the loop time; may schedule nothing."""
+
+    def apply(self, piece: Piece, state: State, now: float) -> None:
+        """Act on a piece entering the direction at loop time `now`."""
+
+    def reset_at(self, state: State) -> float | None:
+        """Loop time at which every connection on the direction is reset, or None."""
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The parameters as written in a topology file, `kind` first."""
+        out: dict[str, Any] = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            out[f.name] = getattr(self, f.name)
+        return out

@@ -1,0 +1,149 @@
+"""The specs of an emulated link: what each direction imposes, and both together.
+
+A `DirectionSpec` is a value (frozen, comparable): latency, bandwidth, queue, the
+chain of impairments and the seed they draw from. `DirectionPipe` (in `link.py`)
+applies one to live bytes; `Link.update` swaps in a new one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .impairments import Impairment
+
+FIBER_S_PER_KM = 4.9e-6
+"""One-way propagation delay of light in fiber (refractive index ~1.47), seconds per km."""
+
+DEFAULT_QUEUE_BYTES = 256 * 1024
+
+UNLIMITED_WINDOW_BYTES = 16 * 1024 * 1024
+"""In-flight bound (plus `queue_bytes`) of a link without a bandwidth limit, whose
+bandwidth-delay product is infinite: still finite so that memory stays bounded."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DirectionSpec:
+    """The impairments of one direction of a link."""
+
+    latency_s: float
+    """One-way propagation delay, seconds."""
+    bandwidth_bps: float = 0.0
+    """Serialization rate, bits per second; 0 or `math.inf` means unlimited."""
+    queue_bytes: int = DEFAULT_QUEUE_BYTES
+    """Buffering beyond the bandwidth-delay product (a router queue), bytes."""
+    impairments: tuple[Impairment, ...] = ()
+    """Applied in order to every piece of bytes entering the direction."""
+    seed: int = 0
+    """Seeds one `random.Random` per impairment (with the direction's name and the
+    impairment's index and kind), so a run is reproducible."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.latency_s, (int, float)) or not (
+            math.isfinite(self.latency_s) and self.latency_s >= 0
+        ):
+            raise ValueError(f"latency_s must be a finite number >= 0, got {self.latency_s!r}")
+        if not isinstance(self.bandwidth_bps, (int, float)) or not self.bandwidth_bps >= 0:
+            raise ValueError(
+                f"bandwidth_bps must be >= 0 (0 or inf = unlimited), got {self.bandwidth_bps!r}"
+            )
+        if isinstance(self.queue_bytes, bool) or not isinstance(self.queue_bytes, int):
+            raise ValueError(f"queue_bytes must be an int >= 0, got {self.queue_bytes!r}")
+        if self.queue_bytes < 0:
+            raise ValueError(f"queue_bytes must be an int >= 0, got {self.queue_bytes!r}")
+        if not isinstance(self.impairments, tuple) or not all(
+            isinstance(i, Impairment) for i in self.impairments
+        ):
+            raise ValueError(f"impairments must be a tuple of Impairment, got {self.impairments!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @property
+    def unlimited(self) -> bool:
+        """Whether this direction has no bandwidth limit."""
+        return self.bandwidth_bps == 0 or math.isinf(self.bandwidth_bps)
+
+    @property
+    def inflight_limit_bytes(self) -> int:
+        """Bytes that may be in flight: bandwidth x (latency + the most that the
+        impairments add on the wire) plus queue."""
+        if self.unlimited:
+            return UNLIMITED_WINDOW_BYTES + self.queue_bytes
+        delay_s = self.latency_s + sum(i.max_delay_s() for i in self.impairments)
+        return int(self.bandwidth_bps * delay_s / 8) + self.queue_bytes
+
+    def serialization_s(self, nbytes: int) -> float:
+        """Seconds that `nbytes` occupy the wire."""
+        return 0.0 if self.unlimited else nbytes * 8 / self.bandwidth_bps
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LinkSpec:
+    """Both directions of a link between site a and site b."""
+
+    a_to_b: DirectionSpec
+    """Bytes sent by a, received by b."""
+    b_to_a: DirectionSpec
+    """Bytes sent by b, received by a."""
+
+    def __post_init__(self) -> None:
+        for name in ("a_to_b", "b_to_a"):
+            if not isinstance(getattr(self, name), DirectionSpec):
+                raise ValueError(f"{name} must be a DirectionSpec, got {getattr(self, name)!r}")
+
+    @classmethod
+    def symmetric(
+        cls,
+        *,
+        latency_s: float,
+        bandwidth_bps: float = 0.0,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        impairments: tuple[Impairment, ...] = (),
+        seed: int = 0,
+    ) -> LinkSpec:
+        """A link with the same spec both ways.
+
+        Args:
+            latency_s: one-way delay, seconds.
+            bandwidth_bps: bits per second each way; 0 or inf = unlimited.
+            queue_bytes: buffering beyond the bandwidth-delay product, bytes.
+            impairments: chained in each direction (each direction draws its own
+                random numbers: the pipe mixes the direction's name into the seed).
+            seed: seeds the impairments.
+
+        Returns:
+            The link spec.
+        """
+        d = DirectionSpec(
+            latency_s=latency_s,
+            bandwidth_bps=bandwidth_bps,
+            queue_bytes=queue_bytes,
+            impairments=tuple(impairments),
+            seed=seed,
+        )
+        return cls(a_to_b=d, b_to_a=d)
+
+    @classmethod
+    def from_distance(
+        cls, km: float, bandwidth_bps: float, *, queue_bytes: int = DEFAULT_QUEUE_BYTES
+    ) -> LinkSpec:
+        """A symmetric link over `km` of fiber (~4.9 us per km one way).
+
+        Args:
+            km: fiber route length, kilometres (longer than the great-circle distance).
+            bandwidth_bps: bits per second each way; 0 or inf = unlimited.
+            queue_bytes: buffering beyond the bandwidth-delay product, bytes.
+
+        Returns:
+            The link spec.
+        """
+        if not isinstance(km, (int, float)) or not (math.isfinite(km) and km >= 0):
+            raise ValueError(f"km must be a finite number >= 0, got {km!r}")
+        return cls.symmetric(
+            latency_s=km * FIBER_S_PER_KM, bandwidth_bps=bandwidth_bps, queue_bytes=queue_bytes
+        )
+
+    @property
+    def rtt_s(self) -> float:
+        """Round-trip propagation time, seconds (no serialization)."""
+        return self.a_to_b.latency_s + self.b_to_a.latency_s
