@@ -70,7 +70,15 @@ CHECKS = [
 
 def run(shape: Shape, steps: int, workdir: Path) -> dict:
     run_dir = workdir / shape.name.replace(" ", "_").replace(",", "").replace("/", "")
-    cmd = [sys.executable, "-m", "isthmus.deploy.cli", "local", "--quiet", "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "isthmus.deploy.cli",
+        "local",
+        "--quiet",
+        "--run-dir",
+        str(run_dir),
+    ]
     result = subprocess.run(cmd + shape.args(steps), capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise RuntimeError(f"{shape.name}: {result.stderr.strip().splitlines()[-1]}")
@@ -97,7 +105,9 @@ def model_of(shape: Shape) -> tuple[float, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=12, help="steps per run (first 2 are warm-up)")
     parser.add_argument("--json", default="plan_check.json", help="where to write the results")
     args = parser.parse_args()
@@ -117,7 +127,9 @@ def main() -> int:
                 compute_cache[key] = alone["compute_s"]
             if key not in overhead_cache:
                 # The same sites over a link too fast to matter: the fixed cost per round.
-                fast = Shape("cal overhead", shape.sites, shape.ranks, shape.preset, "raw", 100_000, 0.0)
+                fast = Shape(
+                    "cal overhead", shape.sites, shape.ranks, shape.preset, "raw", 100_000, 0.0
+                )
                 measured = run(fast, args.steps, workdir)
                 overhead_cache[key] = max(0.0, measured["sync_s"]) / rounds
             measured = run(shape, args.steps, workdir)

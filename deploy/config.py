@@ -19,6 +19,8 @@ from typing import Any
 from isthmus.inter.codec import make_codec
 from isthmus.inter.lane import chunk_bytes_for_link
 from isthmus.intra.model import ModelConfig, preset
+from isthmus.intra.parallel import ParallelConfig
+from isthmus.intra.topology import ParallelLayout
 
 try:
     import tomllib
@@ -50,9 +52,9 @@ class TopologySection:
     ranks_per_site: int = 2
     """torch.distributed ranks (processes; GPUs on a GPU host) in each site."""
     pp: int = 1
-    """Pipeline-parallel width inside a site (only 1 is supported for now)."""
+    """Pipeline-parallel width inside a site; dp = ranks_per_site / (pp x tp)."""
     tp: int = 1
-    """Tensor-parallel width inside a site (only 1 is supported for now)."""
+    """Tensor-parallel width inside a site."""
     device: str = "auto"
     """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present."""
 
@@ -83,6 +85,30 @@ class TrainSection:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    lr_scaling: str = "sqrt"
+    """Scale train.lr with the total data-parallel width W = sites x dp: "sqrt"
+    (lr x sqrt(W / lr_reference_dp), the usual rule for Adam), "linear"
+    (lr x W / lr_reference_dp) or "none"."""
+    lr_reference_dp: int = 4
+    """The data-parallel width at which train.lr was tuned (the default job's 2 x 2)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelSection:
+    schedule: str = "1f1b"
+    """Pipeline schedule when pp > 1: gpipe, 1f1b or interleaved_1f1b."""
+    microbatches: int = 0
+    """Micro-batches per step when pp > 1 (must divide train.batch_size); 0 = pp x stages per rank."""
+    stages_per_rank: int = 0
+    """Layer chunks per pipeline rank; 0 = 2 for interleaved_1f1b, else 1."""
+    sequence_parallel: bool = False
+    """With tp > 1, shard norms and the residual stream along the sequence (seq_len % tp == 0)."""
+    activation_checkpoint: bool = False
+    """Recompute each block in backward instead of keeping its activations."""
+    compile: bool = False
+    """torch.compile each block."""
+    mixed_precision: str = "auto"
+    """bf16 compute with fp32 gradient reduction: "auto" (on with CUDA), "true" or "false"."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -162,6 +188,7 @@ class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     topology: TopologySection = field(default_factory=TopologySection)
     model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     sync: SyncSection = field(default_factory=SyncSection)
@@ -208,6 +235,19 @@ class JobConfig:
             raise ConfigError(f"model: {exc}") from None
         return cfg
 
+    def parallel_config(self, *, cuda: bool) -> ParallelConfig:
+        """The site's parallelism choices for intra's Trainer."""
+        p = self.parallel
+        return ParallelConfig(
+            schedule=p.schedule,
+            microbatches=p.microbatches or None,
+            stages_per_rank=p.stages_per_rank or None,
+            sequence_parallel=p.sequence_parallel,
+            activation_checkpoint=p.activation_checkpoint,
+            compile=p.compile,
+            mixed_precision=cuda if p.mixed_precision == "auto" else p.mixed_precision == "true",
+        )
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
@@ -237,6 +277,7 @@ _SECTION_TYPES = {
     "job": JobSection,
     "topology": TopologySection,
     "model": ModelSection,
+    "parallel": ParallelSection,
     "train": TrainSection,
     "data": DataSection,
     "sync": SyncSection,
@@ -403,6 +444,27 @@ def validate(config: JobConfig) -> None:
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {tr.warmup_steps}")
     _require(tr.grad_clip >= 0, f"train.grad_clip must be >= 0, got {tr.grad_clip}")
+    _require(
+        tr.lr_scaling in ("sqrt", "linear", "none"),
+        f"train.lr_scaling must be sqrt, linear or none, got {tr.lr_scaling!r}",
+    )
+    _require(
+        tr.lr_reference_dp >= 1, f"train.lr_reference_dp must be >= 1, got {tr.lr_reference_dp}"
+    )
+    par = config.parallel
+    _require(
+        par.mixed_precision in ("auto", "true", "false"),
+        f"parallel.mixed_precision must be auto, true or false, got {par.mixed_precision!r}",
+    )
+    try:
+        config.parallel_config(cuda=False).check(
+            ParallelLayout.for_ranks(t.ranks_per_site, pp=t.pp, tp=t.tp),
+            config.resolved_model(),
+            batch_size=tr.batch_size,
+            seq_len=tr.seq_len,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"parallel: {exc}") from None
     d = config.data
     _require(
         d.source in ("stdlib", "path"), f"data.source must be stdlib or path, got {d.source!r}"

@@ -29,11 +29,6 @@ __all__ = ["LaunchError", "LocalJob", "check_supported"]
 def check_supported(config: JobConfig, gpus_needed: int) -> None:
     """Refuse, in one line, what this release cannot run."""
     t = config.topology
-    if t.pp > 1 or t.tp > 1:
-        raise ConfigError(
-            f"topology.pp={t.pp} topology.tp={t.tp}: only data parallelism inside a "
-            "site is supported in this release; set pp = 1 and tp = 1"
-        )
     if t.device == "cuda":
         import torch
 

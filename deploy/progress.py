@@ -59,6 +59,7 @@ class Progress:
         bar = "#" * filled + "." * (20 - filled)
         self._emit(
             f"[{bar}] step {n}/{total}  loss {last['loss']:.4f}  {tokens_per_s:,.0f} tok/s  "
+            f"MFU {last['mfu']:.1%}  "
             f"cross-site {last['cross_site_s']:.3f} s/step",
             final=not self.tty,
         )

@@ -43,9 +43,9 @@ from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.intra.data import ShardedBatches, from_path, stdlib_corpus
-from isthmus.intra.digest import parameter_digest
+from isthmus.intra.flops import scaled_lr
 from isthmus.intra.model import build_model
-from isthmus.intra.topology import ParallelLayout, build_site_mesh
+from isthmus.intra.topology import ParallelLayout, build_site_mesh, mesh_coordinate
 from isthmus.intra.train import TrainConfig, Trainer
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
@@ -132,6 +132,10 @@ def run(env: RankEnv, config: JobConfig) -> None:
         timeout=timedelta(seconds=config.sync.timeout_s),
     )
     mesh = build_site_mesh(layout, dev)
+    pp_i, dp_i, tp_i = mesh_coordinate(mesh)
+    # Lanes pair ranks by rank number: with one layout everywhere and row-major rank
+    # order (tp innermost), equal ranks sit at equal (pp, dp, tp) coordinates.
+    assert env.rank == (pp_i * layout.dp + dp_i) * layout.tp + tp_i, (env.rank, pp_i, dp_i, tp_i)
     sites = config.site_names
     site_index = sites.index(env.site)
 
@@ -177,12 +181,18 @@ def run(env: RankEnv, config: JobConfig) -> None:
         model,
         mesh,
         TrainConfig(
-            lr=config.train.lr,
+            lr=scaled_lr(
+                config.train.lr,
+                len(sites) * layout.dp,
+                config.train.lr_scaling,
+                config.train.lr_reference_dp,
+            ),
             warmup_steps=min(config.train.warmup_steps, config.job.steps),
             weight_decay=config.train.weight_decay,
             grad_clip=config.train.grad_clip or None,
             total_steps=config.job.steps,
         ),
+        parallel=config.parallel_config(cuda=dev == "cuda"),
         sync=sync,
     )
     corpus = (
@@ -191,13 +201,14 @@ def run(env: RankEnv, config: JobConfig) -> None:
         else from_path(config.data.path, max_bytes=config.data.max_bytes)
     )
     # Shards are numbered site-major, so the union over sites and dp ranks is the
-    # global batch that one site with sites*dp ranks would see (ShardedBatches).
+    # global batch that one site with sites*dp ranks would see (ShardedBatches);
+    # the tp and pp ranks of one replica read the same batch.
     batches = ShardedBatches(
         corpus,
         seq_len=config.train.seq_len,
         batch_size=config.train.batch_size,
         seed=config.job.seed,
-        shard_index=site_index * layout.dp + env.rank,
+        shard_index=site_index * layout.dp + dp_i,
         num_shards=len(sites) * layout.dp,
     )
     site_dir = env.run_dir / "sites" / env.site
@@ -227,7 +238,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         # Every rank joins the digest's gather; sites compare them (invariant 1).
         every = config.run.digest_every
         digest = (
-            parameter_digest(trainer.model)
+            trainer.parameter_digest()
             if step == last or (every and (step + 1) % every == 0)
             else ""
         )
@@ -240,7 +251,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 "lr": stats.lr,
                 "compute_s": stats.compute_s,
                 "sync_s": stats.sync_s,
-                "tokens": stats.tokens * layout.dp,
+                "tokens": stats.site_tokens,
+                "mfu": stats.mfu,
                 "bytes_sent": int(traffic[0]),
                 "raw_bytes": int(traffic[1]),
                 "corrupt_chunks": int(traffic[2]),
@@ -252,7 +264,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         )
     train_s = time.perf_counter() - started
     metrics.close()
-    shard_digest = local_shard_digest(trainer.model)
+    shard_digest = local_shard_digest(trainer.model_parts)
     result = {
         "site": env.site,
         "rank": env.rank,
@@ -274,14 +286,14 @@ def run(env: RankEnv, config: JobConfig) -> None:
 
 
 @torch.no_grad()
-def local_shard_digest(model: torch.nn.Module) -> str:
-    """sha256 of this rank's own parameter shards (no communication)."""
+def local_shard_digest(parts: list[torch.nn.Module]) -> str:
+    """sha256 of this rank's own parameter shards, over its pipeline stages (no communication)."""
     import hashlib
 
     from torch.distributed.tensor import DTensor
 
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
+    for name, p in (item for part in parts for item in part.named_parameters()):
         t = p.to_local() if isinstance(p, DTensor) else p
         h.update(name.encode())
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())

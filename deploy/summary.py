@@ -39,6 +39,7 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "corrupt_chunks": sum(r.get("corrupt_chunks", 0) for r in rows),
                 "elapsed_s": max(r["elapsed_s"] for r in rows),
                 "sync_busy_s": max(r.get("sync_busy_s", 0.0) for r in rows),
+                "mfu": sum(r.get("mfu", 0.0) for r in rows) / len(rows),
                 "intra_site_s": max(r.get("intra_site_s", 0.0) for r in rows),
             }
         )
@@ -94,6 +95,8 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         "raw_bytes": raw,
         "compression_ratio": raw / sent if sent else 1.0,
         "corrupt_chunks": sum(r["corrupt_chunks"] for r in steps),
+        # Mean over the steps after the first (which pays for start-up and compilation).
+        "mfu": sum(r["mfu"] for r in steps[1:]) / max(1, len(steps) - 1),
         "codec": config.sync.codec if config.topology.sites > 1 else "none",
         "digests": digests,
         "shard_digests": {
@@ -119,6 +122,7 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
         ("steps", f"{summary['steps']}"),
         ("loss", f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}"),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+        ("MFU", f"{summary['mfu']:.1%}"),
         ("compute", f"{summary['compute_s']:.2f} s"),
         ("cross-site sync", f"{summary['cross_site_s']:.2f} s"),
         ("bytes across sites", human_bytes(summary["cross_site_bytes"])),

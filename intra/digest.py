@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def parameter_digest(model: nn.Module) -> str:
+def parameter_digest(
+    model: nn.Module | list[nn.Module], pp_group: dist.ProcessGroup | None = None
+) -> str:
     """sha256 over the full parameters, in ``named_parameters()`` order.
 
     Each parameter contributes its name and shape, then its values as fp32,
@@ -18,15 +21,26 @@ def parameter_digest(model: nn.Module) -> str:
     ``full_tensor()``, so this is a collective: every rank of the site must call it.
 
     Args:
-        model: a plain or FSDP2-sharded module.
+        model: a plain or sharded module, or this rank's model parts (pipeline
+            stages) in order.
+        pp_group: with pipeline stages, the pp process group: each stage hashes
+            its own parameters and the result is sha256 over the stages' digests
+            in pp-rank order (so it differs from the unsplit model's digest, but
+            is equal for equal weights under the same layout).
 
     Returns:
         The hex digest.
     """
+    parts = model if isinstance(model, list) else [model]
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        t = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        h.update(f"{name}:{tuple(t.shape)}\n".encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
+    for part in parts:
+        for name, p in part.named_parameters():
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            t = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            h.update(f"{name}:{tuple(t.shape)}\n".encode())
+            h.update(t.numpy().tobytes())
+    if pp_group is None:
+        return h.hexdigest()
+    stage_digests: list[str | None] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stage_digests, h.hexdigest(), group=pp_group)
+    return hashlib.sha256("".join(stage_digests).encode()).hexdigest()

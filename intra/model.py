@@ -2,8 +2,11 @@
 
 RMSNorm, rotary position embeddings, causal attention through
 ``F.scaled_dot_product_attention``, a SwiGLU MLP and an untied output head.
-Layers live in ``Transformer.layers`` (a ``ModuleList``) so parallelism can wrap
-them one by one.
+Layers live in ``Transformer.layers``, an ``nn.ModuleDict`` keyed by the layer's
+global index (``"0"``, ``"1"``, ...): parameter names are the same as with a
+``ModuleList``, and a pipeline stage that keeps only some layers keeps their names
+(torchtitan's habit). A stage without the embedding or the head has them set to
+``None``; ``forward`` then takes or returns hidden states.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,7 +121,7 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -126,7 +130,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (
-            w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            # -1, not n_heads: under tensor parallelism q/k/v are column shards
+            # holding n_heads / tp whole heads.
+            w(x).view(b, t, -1, self.head_dim).transpose(1, 2)
             for w in (self.wq, self.wk, self.wv)
         )
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
@@ -152,33 +158,48 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.checkpoint = False
+        """Recompute this block's activations in backward (set by ``parallelize``).
+        A flag rather than ``checkpoint_wrapper`` so parameter names do not change."""
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
         return x + self.feed_forward(self.ffn_norm(x))
 
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, use_reentrant=False)
+        return self._forward(x, rope)
+
 
 class Transformer(nn.Module):
-    """The decoder: ``tokens [batch, seq] -> logits [batch, seq, vocab]``."""
+    """The decoder: ``tokens [batch, seq] -> logits [batch, seq, vocab]``.
+
+    A pipeline stage (see ``pipeline.split_stage``) may lack ``tok_embeddings``
+    (it then takes hidden states ``[batch, seq, dim]``) or ``norm``/``output``
+    (it then returns hidden states).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Not persistent: derived from the config, so it stays out of checkpoints and digests.
         self.register_buffer("rope", rotary_tables(cfg), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[-1] > self.cfg.max_seq_len:
+        if tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence length {tokens.shape[-1]} exceeds max_seq_len={self.cfg.max_seq_len}"
+                f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
             h = layer(h, self.rope)
+        if self.output is None:
+            return h
         return self.output(self.norm(h)).float()
 
     @torch.no_grad()
@@ -202,18 +223,26 @@ class Transformer(nn.Module):
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count; ``exclude_embedding`` drops the input lookup table."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+        if exclude_embedding and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: ``6 N + 12 L d T`` (PaLM appendix B).
+
+        Call it on the whole (unsplit, unsharded) model, e.g. one built on the
+        meta device: a pipeline stage or a TP shard counts only its own part.
 
         ``N`` excludes the input embedding (a lookup, not a matmul); the second
         term is attention's score and value matmuls at sequence length ``T``.
         """
         t = self.cfg.max_seq_len if seq_len is None else seq_len
-        return (
-            6 * self.num_params(exclude_embedding=True) + 12 * self.cfg.n_layers * self.cfg.dim * t
-        )
+        return flops_per_token(self.cfg, self.num_params(exclude_embedding=True), t)
+
+
+def flops_per_token(cfg: ModelConfig, params_without_embedding: int, seq_len: int) -> float:
+    """``6 N + 12 L d T``: see ``Transformer.flops_per_token``."""
+    return 6 * params_without_embedding + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:

@@ -83,29 +83,28 @@ class ParallelLayout:
 
 
 def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceMesh:
-    """Build the site's device mesh with named axes.
+    """Build the site's 3-D device mesh with axes named ``("pp", "dp", "tp")``.
 
     Initializes the default process group from the environment (torchrun's
     ``MASTER_ADDR``/``RANK``/...) if the caller has not; the world is the site's
     ranks only, never another site's (DESIGN.md: no communicator spans sites).
     On ``cuda`` the rank's device is ``LOCAL_RANK``.
 
+    Ranks are laid out row-major, ``tp`` innermost: rank ``r`` sits at
+    ``pp = r // (dp*tp)``, ``dp = r // tp % dp``, ``tp = r % tp``, so a TP group is
+    ``tp`` consecutive ranks (one NVLink island on a GPU host). Size-1 axes are
+    kept, so ``mesh["dp"]`` etc. always exist.
+
     Args:
         layout: the validated layout; its ``world_size`` must equal the process group's.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
 
     Returns:
-        A 1-D mesh named ``dp`` (the only axis implemented so far).
+        The mesh.
 
     Raises:
-        NotImplementedError: if ``pp > 1`` or ``tp > 1``.
         ValueError: on an unknown device type or a world-size mismatch.
     """
-    if layout.pp > 1 or layout.tp > 1:
-        raise NotImplementedError(
-            f"tensor/pipeline parallelism lands in a later release (got pp={layout.pp}, tp={layout.tp}); "
-            "use pp=1 tp=1"
-        )
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
     if device_type == "cuda":
@@ -120,4 +119,23 @@ def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceM
             f"the site's process group has {world} ranks but the layout needs "
             f"pp*dp*tp={layout.world_size} ({layout})"
         )
-    return init_device_mesh(device_type, (layout.dp,), mesh_dim_names=(MeshAxis.DP.value,))
+    return init_device_mesh(
+        device_type,
+        (layout.pp, layout.dp, layout.tp),
+        mesh_dim_names=tuple(axis.value for axis in MeshAxis),
+    )
+
+
+def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, int, int]:
+    """This rank's ``(pp, dp, tp)`` coordinate in a mesh from ``build_site_mesh``.
+
+    Cross-site lanes pair ranks by this coordinate: the rank at ``(p, d, t)`` in one
+    site averages its gradient shards with the rank at ``(p, d, t)`` in every other
+    site (the layouts of all sites are equal, enforced by the job fingerprint).
+    """
+    coord = mesh.get_coordinate()
+    assert coord is not None, "this rank is not part of the mesh"
+    names = mesh.mesh_dim_names or ()
+    return tuple(  # type: ignore[return-value]
+        coord[names.index(axis.value)] if axis.value in names else 0 for axis in MeshAxis
+    )

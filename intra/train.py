@@ -1,9 +1,11 @@
 """The training step of one site, and its seam to the cross-site layer.
 
 Gradient placement, per step:
-1. forward/backward; FSDP2 reduce-scatters each group's gradient inside the
-   site (averaging over the site's ``dp`` ranks) and hands the flat shard to the
-   all-reduce hook, which calls ``GradientSync.start(group, shard)``;
+1. forward/backward (through the pipeline schedule when ``pp > 1``); FSDP2
+   reduce-scatters each group's gradient inside the site, once per step
+   (averaging over the site's ``dp`` ranks; with TP each tp rank reduces its own
+   TP shard) and hands the flat shard to the all-reduce hook, which calls
+   ``GradientSync.start(group, shard)``;
 2. ``GradientSync.finish()`` waits until every shard has been overwritten, in
    place, with the average over all sites (or raises: then nothing is applied);
 3. the gradient norm is clipped -- after the sync, so every site computes the
@@ -15,7 +17,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from math import prod
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -23,10 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from .parallel import apply_fsdp, dp_mesh
+from .flops import device_peak_flops, mfu
+from .model import Transformer, flops_per_token
+from .parallel import ParallelConfig, parallelize
+from .pipeline import build_schedule, rank_stages, split_stage
+from .topology import MeshAxis, mesh_coordinate
 
 
 @runtime_checkable
@@ -104,16 +110,20 @@ class StepStats:
 
     step: int
     loss: float
-    """Mean loss over the site's global batch (all-reduced over dp ranks)."""
+    """Mean loss over the site's global batch (averaged over dp ranks)."""
     grad_norm: float
     """Global gradient norm before clipping (after the cross-site average)."""
     lr: float
     compute_s: float
-    """Wall time of the step minus ``sync_s``."""
+    """Wall time of the step minus ``sync_s`` (includes intra-site communication)."""
     sync_s: float
     """Time spent inside ``GradientSync.finish()``."""
     tokens: int
-    """Tokens this rank processed."""
+    """Tokens in this rank's batch (tp and pp ranks of one dp rank share them)."""
+    site_tokens: int = 0
+    """Tokens the whole site processed this step: ``tokens * dp``."""
+    mfu: float = 0.0
+    """The site's model FLOPs utilization over the whole step (sync included)."""
 
 
 def _hook(sync: GradientSync, group: int) -> Callable[[torch.Tensor], None]:
@@ -124,46 +134,81 @@ def _hook(sync: GradientSync, group: int) -> Callable[[torch.Tensor], None]:
     return hook
 
 
+def _axis_size(mesh: DeviceMesh, axis: MeshAxis) -> int:
+    names = mesh.mesh_dim_names or ()
+    if axis.value in names:
+        return mesh[axis.value].size()
+    return mesh.size() if axis is MeshAxis.DP and mesh.ndim == 1 else 1
+
+
 class Trainer:
-    """Owns the site's FSDP2 model, its AdamW and the step.
+    """Owns the site's parallelized model parts, their AdamW and the step.
 
     Args:
-        model: the unsharded model from ``build_model`` (sharded in place here).
+        model: the whole unsharded model from ``build_model`` (parallelized in
+            place; with ``pp > 1`` only this rank's stages are kept).
         mesh: the site mesh from ``build_site_mesh``; its device type is used.
         config: optimizer and schedule.
+        parallel: TP/PP/FSDP techniques; ``None`` means ``ParallelConfig()``.
         sync: the cross-site gradient sync; ``None`` for a single site (no hook).
-        mixed_precision: bf16 compute with fp32 gradient reduction (CUDA only).
+        mixed_precision: shorthand for ``parallel.mixed_precision=True``.
+
+    Attributes:
+        model_parts: this rank's model parts (one, or its pipeline stages).
+        model: ``model_parts[0]`` when ``pp == 1`` (the whole model), else ``None``.
+        groups: the FSDP groups, indexed as ``GradientSync.start`` numbers them.
+        coordinate: this rank's ``(pp, dp, tp)``.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Transformer,
         mesh: DeviceMesh,
         config: TrainConfig,
         *,
+        parallel: ParallelConfig | None = None,
         sync: GradientSync | None = None,
         mixed_precision: bool = False,
     ) -> None:
-        self.config, self.sync, self.mesh = config, sync, mesh
+        parallel = parallel if parallel is not None else ParallelConfig()
+        if mixed_precision:
+            parallel = replace(parallel, mixed_precision=True)
+        if parallel.mixed_precision and mesh.device_type != "cuda":
+            raise ValueError("mixed_precision needs device_type='cuda' (bf16 on CPU is slow)")
+        self.config, self.sync, self.mesh, self.parallel = config, sync, mesh, parallel
         if mesh.device_type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device(mesh.device_type)
-        mp_policy = None
-        if mixed_precision:
-            if mesh.device_type != "cuda":
-                raise ValueError(
-                    "mixed_precision=True needs device_type='cuda' (bf16 on CPU is slow)"
-                )
-            # reduce_dtype stays fp32 = the sharded parameters' dtype: FSDP2 then
-            # averages inside the collective (ReduceOp.AVG) before the hook and
-            # the sharded grads alias the hook's shard (see apply_fsdp).
-            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        self.groups = apply_fsdp(model, mesh, mp_policy=mp_policy)
-        self.model = model
-        self._dp_group = dp_mesh(mesh).get_group()
+        self.pp, self.dp, self.tp = (_axis_size(mesh, a) for a in MeshAxis)
+        self.coordinate = (
+            mesh_coordinate(mesh) if mesh.mesh_dim_names else (0, mesh.get_local_rank(), 0)
+        )
+        self._model_cfg = model.cfg
+        self._params_no_embedding = model.num_params(exclude_embedding=True)
+        self._peak = device_peak_flops(self.device)
+        if self.pp > 1:
+            num_stages = self.pp * parallel.local_stages
+            self.stages = rank_stages(self.coordinate[0], self.pp, parallel.local_stages)
+            self.model_parts = [split_stage(model, s, num_stages) for s in self.stages]
+        else:
+            num_stages, self.stages, self.model_parts = 1, [0], [model]
+        self.groups = [g for part in self.model_parts for g in parallelize(part, mesh, parallel)]
+        self.model = self.model_parts[0] if self.pp == 1 else None
+        self._is_first, self._is_last = 0 in self.stages, num_stages - 1 in self.stages
+        self.schedule = None
+        if self.pp > 1:
+            self.schedule = build_schedule(
+                self.model_parts,
+                self.stages,
+                num_stages,
+                schedule=parallel.schedule,
+                microbatches=parallel.num_microbatches(self.pp),
+                group=mesh[MeshAxis.PP.value].get_group(),
+                device=self.device,
+            )
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self.parameters(),
             lr=config.lr,
             betas=config.betas,
             weight_decay=config.weight_decay,
@@ -173,12 +218,34 @@ class Trainer:
             for i, group in enumerate(self.groups):
                 group.set_all_reduce_hook(_hook(sync, i))
 
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, over all its model parts."""
+        return [p for part in self.model_parts for p in part.parameters()]
+
     def _sync_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run forward and backward; return this rank's loss (0 off the last stage)."""
+        if self.schedule is None:
+            logits = self.model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+            return loss.detach()
+        args = (inputs,) if self._is_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if self._is_last else {}
+        self.schedule.step(*args, **kwargs)
+        if not self._is_last:
+            return torch.zeros((), device=self.device)
+        # Each micro-batch loss is already divided by the count (MicrobatchLoss).
+        return torch.stack([x.detach().float() for x in losses]).sum()
+
     def step(self, step_index: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepStats:
         """One optimizer step on this rank's batch.
+
+        Every rank of a dp replica (its tp and pp ranks) gets the same batch.
 
         Args:
             step_index: the global step (drives the LR schedule).
@@ -197,9 +264,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
+        loss = self._forward_backward(inputs, targets)
         sync_s = 0.0
         if self.sync is not None:
             self._sync_device()
@@ -211,11 +276,15 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        site_loss = loss.detach().clone()
-        dist.all_reduce(site_loss, op=dist.ReduceOp.SUM, group=self._dp_group)
-        loss_value = site_loss.item() / dist.get_world_size(self._dp_group)
+        # Only last-stage ranks hold a loss; the sum over the site counts each dp
+        # replica's loss tp times.
+        site_loss = loss.float().reshape(1).clone()
+        dist.all_reduce(site_loss, op=dist.ReduceOp.SUM)
+        loss_value = site_loss.item() / (self.dp * self.tp)
         self._sync_device()
         total = time.perf_counter() - t0
+        site_tokens = inputs.numel() * self.dp
+        fpt = flops_per_token(self._model_cfg, self._params_no_embedding, inputs.shape[1])
         return StepStats(
             step=step_index,
             loss=loss_value,
@@ -224,17 +293,56 @@ class Trainer:
             compute_s=total - sync_s,
             sync_s=sync_s,
             tokens=inputs.numel(),
+            site_tokens=site_tokens,
+            mfu=mfu(site_tokens / total, fpt, self._peak, dist.get_world_size()),
         )
 
     def _clip(self) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        # On DTensor grads the norm is a DTensor whose reduction spans the dp
-        # ranks; full_tensor() completes it so every rank sees the same value.
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if self.config.grad_clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(
-                self.model.parameters(), self.config.grad_clip, norm, foreach=True
-            )
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm.item())
+        """Global gradient norm over the site (all stages), then clip by it."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        # Each rank adds the squares of its local shards, weighted by 1/(copies
+        # of that shard inside the stage's dp*tp ranks) -- a norm weight without
+        # sequence parallelism, say, is replicated over tp -- so one sum over the
+        # site's ranks counts every element once. Copies are counted from the
+        # Replicate placements (FSDP+TP shards are Shard/_StridedShard, never
+        # Partial after the reduce-scatter) and from the mesh axes the DTensor
+        # does not span. The order of additions is fixed by the layout, so equal
+        # layouts give equal norms.
+        stage_ranks = self.dp * self.tp
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            copies = stage_ranks
+            if isinstance(g, DTensor):
+                mesh = g.device_mesh
+                replicated = prod(
+                    mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate()
+                )
+                copies = replicated * stage_ranks // mesh.size()
+                g = g.to_local()
+            total += g.float().pow(2).sum().double() / copies
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        norm = float(total.sqrt().item())
+        clip = self.config.grad_clip
+        if clip is not None and grads:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+                torch._foreach_mul_(local, coef)
+        return norm
+
+    def parameter_digest(self) -> str:
+        """sha256 of the site's full parameters (a collective over the whole site).
+
+        Equal to ``digest.parameter_digest(model)`` of the unsplit model when
+        ``pp == 1``; with pipeline stages, a digest over the stages' digests.
+        """
+        from .digest import parameter_digest
+
+        return parameter_digest(
+            self.model_parts, pp_group=mesh_pp_group(self.mesh) if self.pp > 1 else None
+        )
+
+
+def mesh_pp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The ``pp`` axis's process group."""
+    return mesh[MeshAxis.PP.value].get_group()

@@ -111,6 +111,27 @@ def test_site_with_a_different_fingerprint_is_refused(tmp_path):
     assert first.returncode is not None
 
 
+def test_sites_with_different_layouts_are_refused_showing_both():
+    first = subprocess.Popen(
+        [*ISTHMUS, "coordinator", "--site", "site0", "--peer", "site1=127.0.0.1:1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = first.stdout.readline().split()[-1]
+        second = run_cli(
+            "coordinator",
+            *("--site", "site1", "--peer", f"site0={address}"),
+            *("--set", "topology.ranks_per_site=4", "--set", "topology.tp=2"),
+            timeout=60,
+        )
+        assert_one_line_error(second, "topology.ranks_per_site=2 vs 4", "topology.tp=1 vs 2")
+    finally:
+        first.terminate()
+        first.wait(10)
+
+
 def test_coordinator_rejects_a_site_outside_the_job():
     result = run_cli("coordinator", "--site", "site9", timeout=60)
     assert_one_line_error(result, "--site 'site9' is not one of")

@@ -7,6 +7,7 @@ Each worker is a spawned process with one thread; results come back through
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -48,8 +49,13 @@ def _entry(fn: Callable[..., Any], rank: int, out: str, args: tuple) -> None:
     torch.save(fn(rank, *args), out)
 
 
-def _spawn(fn: Callable[..., Any], nprocs: int, tmp_path: Path, *args: Any) -> list[Any]:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return their results."""
+def _spawn(
+    fn: Callable[..., Any], nprocs: int, tmp_path: Path, *args: Any, timeout: float = 90
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return their results.
+
+    Workers still running ``timeout`` seconds after the start are killed (a hang fails).
+    """
     ctx = mp.get_context("spawn")
     outs = [tmp_path / f"{fn.__name__}-{r}.pt" for r in range(nprocs)]
     procs = [
@@ -58,8 +64,9 @@ def _spawn(fn: Callable[..., Any], nprocs: int, tmp_path: Path, *args: Any) -> l
     ]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(timeout=90)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -104,7 +111,7 @@ class RecordingSync:
 
 def _group_params(model: torch.nn.Module, group: int) -> list[torch.nn.Parameter]:
     if group < len(model.layers):
-        return list(model.layers[group].parameters())
+        return list(model.layers[str(group)].parameters())
     return [p for n, p in model.named_parameters() if not n.startswith("layers.")]
 
 

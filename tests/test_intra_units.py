@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,7 +11,10 @@ import torch
 
 from isthmus.intra.data import Corpus, ShardedBatches, from_path, stdlib_corpus
 from isthmus.intra.digest import parameter_digest
+from isthmus.intra.flops import PEAK_FLOPS, device_peak_flops, mfu, scaled_lr
 from isthmus.intra.model import PRESETS, ModelConfig, Transformer, build_model, preset
+from isthmus.intra.parallel import ParallelConfig
+from isthmus.intra.pipeline import rank_stages, split_stage, stage_layers
 from isthmus.intra.topology import MeshAxis, ParallelLayout, build_site_mesh
 from isthmus.intra.train import TrainConfig
 
@@ -42,9 +46,9 @@ def test_for_ranks_message_is_one_line() -> None:
         ParallelLayout.for_ranks(0)
 
 
-def test_mesh_refuses_model_parallel_for_now() -> None:
-    with pytest.raises(NotImplementedError, match="later release"):
-        build_site_mesh(ParallelLayout(tp=2, dp=1))
+def test_mesh_refuses_a_world_size_mismatch() -> None:
+    with pytest.raises(ValueError, match="device_type"):
+        build_site_mesh(ParallelLayout(tp=2, dp=1), device_type="tpu")
 
 
 def test_model_config_validation() -> None:
@@ -151,3 +155,80 @@ def test_lr_schedule_and_validation() -> None:
         TrainConfig(warmup_steps=5, total_steps=4)
     with pytest.raises(ValueError, match="TrainConfig.betas"):
         TrainConfig(betas=(0.9, 1.0))
+
+
+def test_parallel_config_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"ParallelConfig\.schedule"):
+        ParallelConfig(schedule="zb")
+    with pytest.raises(ValueError, match=r"ParallelConfig\.microbatches"):
+        ParallelConfig(microbatches=0)
+    with pytest.raises(ValueError, match=r"ParallelConfig\.stages_per_rank must be >= 2"):
+        ParallelConfig(schedule="interleaved_1f1b", stages_per_rank=1)
+    with pytest.raises(ValueError, match=r"ParallelConfig\.stages_per_rank must be 1"):
+        ParallelConfig(schedule="gpipe", stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"ParallelConfig\.compile"):
+        ParallelConfig(compile="yes")
+    assert ParallelConfig(schedule="interleaved_1f1b").local_stages == 2
+    assert ParallelConfig().num_microbatches(4) == 4
+
+
+def test_parallel_config_check_against_layout_and_model() -> None:
+    tiny = preset("tiny")
+    ParallelConfig().check(ParallelLayout(tp=4), tiny, batch_size=2, seq_len=16)
+    with pytest.raises(
+        ValueError, match=r"ModelConfig\.n_heads=4 must be divisible by ParallelLayout\.tp=8"
+    ):
+        ParallelConfig().check(ParallelLayout(tp=8), tiny, batch_size=2, seq_len=16)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        ParallelConfig(sequence_parallel=True).check(
+            ParallelLayout(tp=4), tiny, batch_size=2, seq_len=18
+        )
+    with pytest.raises(ValueError, match=r"ModelConfig\.n_layers=2"):
+        ParallelConfig(schedule="interleaved_1f1b").check(
+            ParallelLayout(pp=2), tiny, batch_size=4, seq_len=16
+        )
+    with pytest.raises(ValueError, match=r"microbatches=3 must divide"):
+        ParallelConfig(microbatches=3).check(ParallelLayout(pp=2), tiny, batch_size=4, seq_len=16)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_1b_preset_fits_tensor_parallel(tp: int) -> None:
+    # Whole heads per rank, and per-rank MLP widths that stay multiples of 64
+    # (tensor-core friendly: 1408 at tp=4, 704 at tp=8).
+    cfg = PRESETS["1b"]
+    ParallelConfig(sequence_parallel=True).check(
+        ParallelLayout(tp=tp), cfg, batch_size=8, seq_len=2048
+    )
+    assert cfg.head_dim == 128 and (cfg.ffn_hidden // tp) % 64 == 0
+
+
+def test_stage_split_keeps_names() -> None:
+    assert stage_layers(5, 2) == [[0, 1, 2], [3, 4]]
+    assert rank_stages(1, pp=2, stages_per_rank=2) == [1, 3]
+    with pytest.raises(ValueError, match="cannot fill"):
+        stage_layers(2, 4)
+    model = build_model(replace(preset("tiny"), n_layers=4), seed=0)
+    parts = [split_stage(model, s, 2) for s in range(2)]
+    names = [n for part in parts for n, _ in part.named_parameters()]
+    assert names == [n for n, _ in model.named_parameters()]
+    x = torch.randint(0, 256, (2, 8))
+    torch.testing.assert_close(parts[1](parts[0](x)), model(x), rtol=0, atol=0)
+
+
+def test_scaled_lr_rules() -> None:
+    assert scaled_lr(1e-3, 8, "linear") == pytest.approx(8e-3)
+    assert scaled_lr(1e-3, 8, "sqrt", reference_dp=2) == pytest.approx(2e-3)
+    assert scaled_lr(1e-3, 8, "none") == 1e-3
+    with pytest.raises(ValueError, match="rule"):
+        scaled_lr(1e-3, 8, "cubic")
+    with pytest.raises(ValueError, match="dp_total"):
+        scaled_lr(1e-3, 0)
+
+
+def test_mfu_and_peak() -> None:
+    assert device_peak_flops("cpu") == PEAK_FLOPS["cpu"]
+    # 1B model, ~6.6 GFLOP/token: 60k tokens/s on 1 H100 is ~40%.
+    fpt = 6.6e9
+    assert mfu(60_000, fpt, PEAK_FLOPS["H100"], 1) == pytest.approx(0.4, rel=0.01)
+    with pytest.raises(ValueError):
+        mfu(1.0, 1.0, 0.0, 1)

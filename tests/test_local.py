@@ -118,6 +118,24 @@ def test_three_sites_stay_identical(tmp_path):
     assert summary["compression_ratio"] == pytest.approx(1.0)
 
 
+@pytest.mark.timeout(400)
+def test_two_sites_laid_out_tp2_dp2_stay_identical(tmp_path):
+    """Each site is 4 ranks as tp=2 x dp=2; lanes pair ranks by mesh coordinate."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "local",
+        *("--ranks-per-site", "4", "--steps", "3", "--run-dir", str(run_dir)),
+        *("--set", "topology.tp=2", "--set", "model.preset=tiny", "--set", "train.seq_len=32"),
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert len(set(summary["digests"].values())) == 1
+    # Every coordinate holds its own shard, equal to the same coordinate's in the other site.
+    shards = summary["shard_digests"]
+    assert shards["site0"] == shards["site1"] and len(set(shards["site0"])) == 4
+
+
 def start_job(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
     """Start a long `isthmus local` and wait until every site has trained a step."""
     process = subprocess.Popen(

@@ -1,0 +1,75 @@
+"""Tensor parallelism inside a site: DTensor plans for attention, MLP and the ends.
+
+Megatron's layout: q/k/v and the MLP's gate/up are split by output columns (each
+``tp`` rank owns ``n_heads / tp`` whole heads and ``ffn_hidden / tp`` hidden
+units), the attention output and MLP down projections by input rows, so each
+block costs one all-reduce forward and one backward per sub-layer. With sequence
+parallelism those become a reduce-scatter and an all-gather, and the norms and
+the residual stream between blocks hold ``seq / tp`` positions per rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+    """Parallelize a ``Transformer`` (or one pipeline stage of it) over ``tp_mesh``, in place.
+
+    Activations that cross module boundaries stay plain local tensors
+    (``use_local_output``), so pipeline stages send ordinary tensors: replicated
+    ``[batch, seq, dim]`` without sequence parallelism, the rank's
+    ``[batch, seq / tp, dim]`` slice with it. The logits come back replicated, so
+    every tp rank computes the same loss.
+
+    Args:
+        model: the module; ``tok_embeddings``, ``norm`` and ``output`` may be ``None``.
+        tp_mesh: the site mesh's ``tp`` axis.
+        sequence_parallel: shard norms and the residual stream along the sequence.
+    """
+    stream = Shard(1) if sequence_parallel else Replicate()
+    root_plan: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        # Vocabulary rows are split; the partial lookups are summed (or
+        # reduce-scattered along the sequence) into the residual stream.
+        root_plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream
+        )
+    if model.output is not None:
+        if sequence_parallel:
+            root_plan["norm"] = SequenceParallel()
+        root_plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    for block in model.layers.values():
+        plan: dict[str, object] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                # The rotary table (second input) is a plain buffer: leave it alone.
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                ),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+            }
+        parallelize_module(block, tp_mesh, plan)
