@@ -36,3 +36,19 @@ def test_shell_scripts_pass_shellcheck():
         assert "set -euo pipefail" in script.read_text(), f"{script} lacks set -euo pipefail"
     result = run(checker, *map(str, scripts))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_subpackage_is_listed_for_non_editable_installs():
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    mapping = {"proto": "isthmus.proto", "intra": "isthmus.intra", "inter": "isthmus.inter",
+               "sim": "isthmus.sim", "deploy": "isthmus.deploy"}  # fmt: skip
+    found = set()
+    for folder, package in mapping.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *parts)))
+    assert found == listed, f"pyproject [tool.setuptools] packages: missing {found - listed}"
