@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from isthmus.deploy.config import load_config
@@ -90,8 +90,25 @@ def run(shape: Shape, steps: int, workdir: Path) -> dict:
         "compute_s": statistics.mean(x["compute_s"] for x in timed),
         "sync_s": statistics.mean(x["cross_site_s"] for x in timed),
         "ratio": summary["compression_ratio"],
+        "chunk_bytes": load_config(run_dir / "config.toml").chunk_bytes,
         "tokens_per_step": timed[0]["tokens"],
     }
+
+
+def codec_speed(spec: str) -> float:
+    """Raw bytes/s one core encodes and decodes with `spec`, on gradient-like data."""
+    import torch
+
+    from isthmus.inter.codec import make_codec
+
+    if spec == "raw":
+        return float("inf")  # a copy: never the limit here
+    codec = make_codec(spec)
+    chunk = torch.randn(1 << 18) * 1e-3  # 1 MiB of fp32, gradient-sized values
+    start = time.perf_counter()
+    for _ in range(8):
+        codec.decode(codec.encode(chunk), chunk.numel())
+    return 8 * chunk.numel() * 4 / (time.perf_counter() - start)
 
 
 def model_of(shape: Shape) -> tuple[float, int]:
@@ -150,7 +167,14 @@ def main() -> int:
                 bandwidth_bps=shape.bandwidth_mbit * 1e6,
                 rtt_s=2 * shape.latency_ms / 1000,
                 rounds=rounds,
+                chunk_bytes=measured["chunk_bytes"],
                 round_overhead_s=overhead_cache[key],
+                codec_bytes_per_s=codec_speed(shape.codec),
+                # Each group's round starts when its gradients exist: with equal groups
+                # all but the first group's share of backward is there to hide behind.
+                overlap=(rounds - 1) / rounds,
+                # Two cores, busy with compute: the lanes' CPU work takes turns with it.
+                shared_cpu=True,
             )
             plan = predict(inputs)
             error = plan.step_s / measured["step_s"] - 1
@@ -163,6 +187,8 @@ def main() -> int:
                     "measured_sync_s": measured["sync_s"],
                     "error": error,
                     "limit": plan.limit,
+                    "measured_compute_s": measured["compute_s"],
+                    "inputs": {k: v for k, v in asdict(inputs).items() if v != float("inf")},
                 }
             )
             print(

@@ -55,6 +55,15 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
     add("--distance-km", type=float, default=1000.0, help="fiber distance between sites")
     add("--rtt-ms", type=float, default=None, help="round-trip time; overrides --distance-km")
     add(
+        "--rounds",
+        type=int,
+        default=default.rounds,
+        help="cross-site rounds (FSDP groups) per step",
+    )
+    add(
+        "--chunk-mib", type=float, default=default.chunk_bytes / 2**20, help="chunk of a round, MiB"
+    )
+    add(
         "--overlap",
         type=float,
         default=default.overlap,
@@ -85,6 +94,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             bandwidth_bps=args.bandwidth_gbit * 1e9,
             rtt_s=rtt_s,
             overlap=args.overlap,
+            rounds=args.rounds,
+            chunk_bytes=args.chunk_mib * 2**20,
         )
         plan = predict(inputs)
         needed = bandwidth_for_efficiency(inputs, args.target_efficiency)

@@ -151,10 +151,13 @@ def run(env: RankEnv, config: JobConfig) -> None:
             chunk_bytes=config.chunk_bytes,
             host=cluster.lane_host,
             port=cluster.lane_port_base + env.rank if cluster.lane_port_base else 0,
+            # A peer learns this lane's address only from membership generation 1, and
+            # may start its first round before this rank has heard of the membership
+            # itself: be at generation 1 from the start, or its chunks are refused.
+            generation=1,
         )
         port = lane.address.rsplit(":", 1)[1]
         membership = join_job(env, config, f"{cluster.advertise_host or cluster.lane_host}:{port}")
-        lane.set_generation(1)
         for info in membership:
             if info.name != env.site:
                 peers[info.index] = LanePeer(

@@ -86,6 +86,14 @@ def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> 
         help="also listen for plain TCP from SITE_A and forward it to HOST:PORT (a loopback "
         "server standing for SITE_B) across the link (repeatable)",
     )
+    up.add_argument(
+        "--proxy-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="first port of the proxies, one per link direction in the file's order "
+        "(so a job config can name them); 0 = any free ports",
+    )
     up.set_defaults(func=cmd_up)
 
     show = wsub.add_parser(
@@ -125,6 +133,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     relay = RelayServer().start()
     try:
         print(f"isthmus wan: {len(topology.sites)} sites from {args.topology}", flush=True)
+        next_port = args.proxy_port
         for tl in topology.links:
             link = relay.add_link(tl.name, tl.spec)
             print(f"link {tl.name}")
@@ -133,7 +142,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                 ("a", tl.a, tl.b, "a_to_b"),
                 ("b", tl.b, tl.a, "b_to_a"),
             ):
-                h, p = link.add_proxy(initiator=initiator)
+                try:
+                    h, p = link.add_proxy(initiator=initiator, port=next_port)
+                except OSError as exc:
+                    raise _error(f"--proxy-port: port {next_port}: {exc.strerror}") from None
+                next_port = next_port + 1 if next_port else 0
                 print(f"  {src} -> {dst}  {_summary(tables[direction])}")
                 print(f"    proxy   http://{h}:{p}")
                 for a, b, target_host, target_port in forwards:

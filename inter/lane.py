@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
@@ -124,6 +125,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             options=channel_options(chunk_bytes),
         )
         lane_pb2_grpc.add_LaneServicer_to_server(self, self._server)
+        # grpc.health.v1, like every isthmus server: SERVING until stop().
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        for service in ("", "isthmus.v1.Lane"):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
             raise OSError(f"could not bind lane server to {host}:{port}")
@@ -153,6 +159,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stops accepting streams; open ones get ``grace`` seconds to finish."""
+        self.health.enter_graceful_shutdown()  # NOT_SERVING for every service
         self._server.stop(grace).wait(timeout=(grace or 0) + 5)
 
     def check(self, req: lane_pb2.PushChunksRequest) -> str | None:

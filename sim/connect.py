@@ -103,13 +103,13 @@ def set_nodelay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def listening_socket() -> socket.socket:
-    """A TCP socket listening on 127.0.0.1 at a port the OS picks, with small buffers."""
+def listening_socket(port: int = 0) -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 (at `port`, 0 = the OS picks), with small buffers."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         tune(sock)  # accepted sockets inherit the buffer sizes
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", port))
         sock.listen(128)
     except BaseException:
         sock.close()

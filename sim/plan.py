@@ -5,19 +5,26 @@ A step of S sites, each a data-parallel replica holding 1/S of the global batch:
     compute_s  = 6 · N · tokens_per_site / (devices_per_site · peak_flops · mfu)
     wire_s     = 2(S−1)/S · gradient_bytes / codec_ratio · 8 / site_bandwidth_bps
     codec_s    = 2(S−1)/S · gradient_bytes / codec_bytes_per_s     (0 when not limiting)
-    sync_s     = max(wire_s, codec_s) + rtt_s + rounds · round_overhead_s
-    exposed_s  = max(0, sync_s − overlap · backward_s),  backward_s = 2/3 · compute_s
+    fill_s     = rounds · min(chunk_bytes, gradient_bytes / rounds) / codec_ratio · 8 / bw
+    sync_s     = max(wire_s, codec_s) + fill_s + rounds · (rtt_s + round_overhead_s)
+    exposed_s  = max(sync_s / rounds, sync_s − overlap · backward_s),  backward_s = 2/3 · compute_s
+                 (with shared_cpu, the rounds' CPU overhead is exposed in full)
     step_s     = compute_s + exposed_s + step_overhead_s
 
 Scaling efficiency is measured the way NeMo reports it (weak scaling): S sites'
 throughput against S times one site's, each site doing the same work, so
 efficiency = (compute_s + step_overhead_s) / step_s. 2(S−1)/S × bytes is what each
 site sends (and receives) in the owner-based all-reduce (DESIGN.md), the ring
-optimum; one RTT is its latency cost (contributions to owners, results back).
+optimum. A round (one FSDP group) costs one RTT (contributions to owners, results
+back) and one chunk of pipeline fill: a chunk's result cannot leave its owner before
+its contributions arrived, so the link carries the last chunk twice in a row; a group
+smaller than a chunk pays its whole size again. Rounds run one after another.
 
 `overlap` is the fraction of backward that cross-site traffic can hide behind: the
 FSDP2 all-reduce hook starts each group's round as soon as its gradients exist, so
-all but the last groups' traffic can run under the rest of backward.
+all but the last groups' traffic can run under the rest of backward -- with equal
+groups, (rounds − 1) / rounds of it. The last round starts when backward ends, so
+at least its share, sync_s / rounds, is always exposed.
 """
 
 from __future__ import annotations
@@ -58,15 +65,21 @@ class PlanInput:
     codec_bytes_per_s: float = math.inf
     """Aggregate encode+decode throughput of a site's lanes, raw bytes/s."""
     rounds: int = 1
-    """Cross-site rounds per step (FSDP groups): each costs round_overhead_s."""
+    """Cross-site rounds per step (FSDP groups), synchronised one after another."""
+    chunk_bytes: float = 1 << 20
+    """Raw bytes per chunk of a round (sync.chunk_bytes)."""
     round_overhead_s: float = 0.0
     """Fixed cost of one round beyond its bytes (RPC set-up, Python)."""
     step_overhead_s: float = 0.0
     """Per-step cost that one site pays too (optimizer, logging)."""
+    shared_cpu: bool = False
+    """Compute runs on the same saturated CPU cores as the lanes (CPU-only training):
+    the lanes' own CPU work (round_overhead_s) cannot hide behind backward, only
+    their waiting on the link can."""
 
     def __post_init__(self) -> None:
         positive = ("params", "tokens_per_step", "peak_flops", "mfu", "gradient_bytes_per_param")
-        for name in positive + ("codec_ratio", "bandwidth_bps", "codec_bytes_per_s"):
+        for name in positive + ("codec_ratio", "bandwidth_bps", "codec_bytes_per_s", "chunk_bytes"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value!r}")
@@ -103,7 +116,7 @@ class Plan:
         """What bounds the cross-site time: "link", "cpu" (codecs) or "latency"."""
         if self.inputs.sites == 1:
             return "none"
-        latency = self.inputs.rtt_s + self.inputs.rounds * self.inputs.round_overhead_s
+        latency = self.inputs.rounds * (self.inputs.rtt_s + self.inputs.round_overhead_s)
         if latency > max(self.wire_s, self.codec_s):
             return "latency"
         return "cpu" if self.codec_s > self.wire_s else "link"
@@ -125,8 +138,13 @@ def predict(p: PlanInput) -> Plan:
     else:
         wire_s = wire_bytes * 8 / p.bandwidth_bps
         codec_s = raw_bytes / p.codec_bytes_per_s
-        sync_s = max(wire_s, codec_s) + p.rtt_s + p.rounds * p.round_overhead_s
-    exposed = max(0.0, sync_s - p.overlap * BACKWARD_SHARE * compute_s)
+        group_bytes = p.params * p.gradient_bytes_per_param / p.rounds
+        fill_s = p.rounds * min(p.chunk_bytes, group_bytes) / p.codec_ratio * 8 / p.bandwidth_bps
+        sync_s = max(wire_s, codec_s) + fill_s + p.rounds * (p.rtt_s + p.round_overhead_s)
+    hideable = sync_s - (p.rounds * p.round_overhead_s if p.shared_cpu else 0.0)
+    exposed = (sync_s - hideable) + max(
+        hideable / p.rounds, hideable - p.overlap * BACKWARD_SHARE * compute_s
+    )
     step_s = compute_s + exposed + p.step_overhead_s
     return Plan(
         inputs=p,
@@ -161,11 +179,21 @@ def bandwidth_for_efficiency(p: PlanInput, efficiency: float) -> float:
         base.compute_s + p.step_overhead_s
     )
     allowed_sync = allowed_exposed + p.overlap * BACKWARD_SHARE * base.compute_s
-    fixed = p.rtt_s + p.rounds * p.round_overhead_s
+    fixed = p.rounds * (p.rtt_s + p.round_overhead_s)
     budget = allowed_sync - fixed
     if budget <= 0 or base.codec_s > budget:
         return math.inf
-    needed = base.wire_bytes_per_site * 8 / budget
+    # Wire and pipeline fill both scale with 1/bandwidth; the codec bound does not.
+    group_bytes = p.params * p.gradient_bytes_per_param / p.rounds
+    fill_bytes = p.rounds * min(p.chunk_bytes, group_bytes) / p.codec_ratio
+    needed = (base.wire_bytes_per_site + fill_bytes) * 8 / budget
+    # The last round is never hidden: where its share is what exposes too much, solve
+    # sync / rounds <= allowed_exposed instead.
+    if predict(replace(p, bandwidth_bps=needed)).scaling_efficiency < efficiency:
+        budget = allowed_exposed * p.rounds - fixed
+        if budget <= 0 or base.codec_s > budget:
+            return math.inf
+        needed = (base.wire_bytes_per_site + fill_bytes) * 8 / budget
     check = predict(replace(p, bandwidth_bps=needed))
     assert check.scaling_efficiency >= efficiency * (1 - 1e-9), (check, efficiency)
     return needed
@@ -187,6 +215,8 @@ def nemotron_340b(*, sites: int = 2, devices_per_site: int = 1536) -> PlanInput:
         mfu=0.41,
         gradient_bytes_per_param=2.0,
         rtt_s=2 * 1000 * 4.9e-6,
+        rounds=96,  # one FSDP group per transformer layer
+        chunk_bytes=4 << 20,
         overlap=0.9,
         bandwidth_bps=400e9,
     )

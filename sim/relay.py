@@ -116,16 +116,17 @@ class Link:
         self._note_listener("forward", initiator, address, f"{target_host}:{int(target_port)}")
         return address
 
-    def add_proxy(self, initiator: str = "a") -> tuple[str, int]:
+    def add_proxy(self, initiator: str = "a", port: int = 0) -> tuple[str, int]:
         """Listen on 127.0.0.1 as an HTTP CONNECT proxy to loopback targets.
 
         Args:
             initiator: site of the connecting clients, "a" or "b".
+            port: port to listen on; 0 lets the OS pick.
 
         Returns:
             (host, port) the listener is bound to.
         """
-        address = self._call(self._listen(initiator, None))
+        address = self._call(self._listen(initiator, None, port))
         self._note_listener("proxy", initiator, address, None)
         return address
 
@@ -251,7 +252,9 @@ class Link:
             raise RuntimeError(f"link {self.name!r}: relay is closed")
         asyncio.run_coroutine_threadsafe(carry(), self._loop)
 
-    async def _listen(self, initiator: str, target: tuple[str, int] | None) -> tuple[str, int]:
+    async def _listen(
+        self, initiator: str, target: tuple[str, int] | None, port: int = 0
+    ) -> tuple[str, int]:
         if initiator not in self._pipes:
             raise ValueError(f"initiator must be 'a' or 'b', got {initiator!r}")
         out = self._pipes[initiator]
@@ -263,7 +266,7 @@ class Link:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._handle(r, w, out, back, target)
 
-        sock = listening_socket()
+        sock = listening_socket(port)
         try:
             server = await asyncio.start_server(on_accept, sock=sock)
         except BaseException:

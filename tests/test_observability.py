@@ -150,3 +150,54 @@ def test_malformed_reports_are_refused_and_change_nothing(pair):
         )
     assert pair[0].step == 0
     assert json.dumps(pair[0].replicas.latest()) == "{}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_live_job_serves_health_and_metrics_that_match_metrics_jsonl(tmp_path):
+    import subprocess
+
+    from helpers import ISTHMUS
+
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(
+        [*ISTHMUS, "local", "--steps", "400", "--quiet", "--run-dir", str(run_dir),
+         "--set", "model.preset=tiny", "--set", "train.seq_len=32"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines_path = run_dir / "sites" / "site0" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (lines_path.exists() and len(lines_path.read_text().splitlines()) >= 3):
+            assert job.poll() is None, job.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "no steps within 120 s"
+            time.sleep(0.2)
+        addresses = json.loads((run_dir / "job.json").read_text())
+        coordinator = addresses["coordinators"]["site0"]
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert health_status(coordinator, "isthmus.v1.Coordinator") == serving
+        with grpc.insecure_channel(coordinator) as channel:
+            membership = pb_grpc.CoordinatorStub(channel).GetMembership(
+                pb.GetMembershipRequest(known_generation=0, wait_ms=1000), timeout=10
+            )
+        lane = membership.sites[1].lane_addresses[0]
+        assert health_status(lane, "isthmus.v1.Lane") == serving
+        # A scrape names a step; the metrics.jsonl line of that step holds the same values.
+        # (A scrape taken while rank 0's report is being applied can mix two steps, so
+        # the first one that is consistent is compared.)
+        for _ in range(10):
+            values = scrape(addresses["metrics"]["site0"])
+            step = int(values['isthmus_step{site="site0"}'])
+            line = json.loads(lines_path.read_text().splitlines()[step - 1])
+            if values['isthmus_loss{site="site0"}'] == line["loss"]:
+                break
+        assert line["step"] == step - 1
+        assert values['isthmus_loss{site="site0"}'] == line["loss"]
+        assert values['isthmus_cross_site_seconds{site="site0"}'] == pytest.approx(line["sync_s"])
+        assert values['isthmus_compression_ratio{site="site0"}'] == pytest.approx(
+            line["raw_bytes"] / line["bytes_sent"]
+        )
+        assert values['isthmus_site_up{peer="site1",site="site0"}'] == 1
+    finally:
+        job.terminate()
+        job.wait(30)

@@ -6,11 +6,13 @@ import json
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers import ISTHMUS, assert_one_line_error, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_ports(n: int) -> list[int]:
@@ -73,3 +75,39 @@ def test_a_lonely_site_gives_up_with_a_countdown_and_one_line(tmp_path):
     )
     assert_one_line_error(result, "timed out after 6s joining the job", "site1")
     assert "waiting for site1" in result.stderr
+
+
+def test_the_readme_quick_start_runs_as_written(tmp_path):
+    """README, "Two sites in two shells": wan up, then one `isthmus site` per shell."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [
+        "isthmus wan up docs/quickstart/two-sites.toml --proxy-port 7500",
+        "isthmus site --config docs/quickstart/job.toml --site site0",
+        "isthmus site --config docs/quickstart/job.toml --site site1",
+    ]
+    for command in commands:
+        assert command in readme, f"README no longer shows: {command}"
+    argv = [[*ISTHMUS, *c.split()[1:]] for c in commands]
+    wan = subprocess.Popen(argv[0], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in wan.stdout:  # wait until the links are up
+            if line.startswith("ready"):
+                break
+        sites = [
+            subprocess.Popen(a, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for a in argv[1:]
+        ]
+        outputs = [p.communicate(timeout=240) for p in sites]
+        for p, (out, err) in zip(sites, outputs, strict=True):
+            assert p.returncode == 0, err[-2000:]
+            assert "step 20/20" in err and "replicas            identical" in out
+        # The cross-site traffic really crossed the emulated link.
+        shown = subprocess.run(
+            [*ISTHMUS, "wan", "show", "--control", "127.0.0.1:7407", "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert "site0-site1" in shown.stdout
+    finally:
+        wan.terminate()
+        wan.wait(10)
