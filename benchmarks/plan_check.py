@@ -173,7 +173,7 @@ def main() -> int:
                 # Each group's round starts when its gradients exist: with equal groups
                 # all but the first group's share of backward is there to hide behind.
                 overlap=(rounds - 1) / rounds,
-                # Two cores, busy with compute: the lanes' CPU work takes turns with it.
+                # Two cores, busy with compute: see PlanInput.shared_cpu.
                 shared_cpu=True,
             )
             plan = predict(inputs)

@@ -29,7 +29,8 @@ from pathlib import Path
 # error instead. Set before anything imports grpc; GRPC_VERBOSITY=ERROR brings them back.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from isthmus.deploy.config import _SECTION_TYPES, ConfigError, JobConfig, field_docs, load_config
+from isthmus.deploy.config import ConfigError, JobConfig, load_config  # noqa: E402
+from isthmus.deploy.sections import SECTION_TYPES, field_docs  # noqa: E402
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -198,7 +199,7 @@ def _pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
 
 def cmd_config(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    for section, section_type in _SECTION_TYPES.items():
+    for section, section_type in SECTION_TYPES.items():
         docs = field_docs(section_type)
         print(f"[{section}]")
         for f in dataclasses.fields(section_type):
@@ -331,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `isthmus config | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("\ninterrupted; everything this run started has been stopped", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,0 +1,191 @@
+"""The sections of a job config, each a typed dataclass whose fields are documented
+where they are defined (`isthmus config` prints these docs). Loading, precedence and
+validation live in config.py."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSection:
+    name: str = "isthmus"
+    """Job name, shown in logs and part of the job fingerprint."""
+    seed: int = 0
+    """Seed for model initialisation and data sampling; identical on every site."""
+    steps: int = 20
+    """Optimizer steps to run."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TopologySection:
+    sites: int = 2
+    """Number of sites (datacenters); named site0, site1, ..."""
+    ranks_per_site: int = 2
+    """torch.distributed ranks (processes; GPUs on a GPU host) in each site."""
+    pp: int = 1
+    """Pipeline-parallel width inside a site; dp = ranks_per_site / (pp x tp)."""
+    tp: int = 1
+    """Tensor-parallel width inside a site."""
+    device: str = "auto"
+    """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    preset: str = "small"
+    """Model preset: tiny, small, 125m, 350m, 1b."""
+    dim: int = 0
+    """Hidden size; 0 keeps the preset's."""
+    n_layers: int = 0
+    """Decoder layers; 0 keeps the preset's."""
+    n_heads: int = 0
+    """Attention heads; 0 keeps the preset's."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSection:
+    batch_size: int = 8
+    """Sequences per data-parallel rank per step; the global batch is sites x dp x this."""
+    seq_len: int = 128
+    """Bytes (tokens) per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 5
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    lr_scaling: str = "sqrt"
+    """Scale train.lr with the total data-parallel width W = sites x dp: "sqrt"
+    (lr x sqrt(W / lr_reference_dp), the usual rule for Adam), "linear"
+    (lr x W / lr_reference_dp) or "none"."""
+    lr_reference_dp: int = 4
+    """The data-parallel width at which train.lr was tuned (the default job's 2 x 2)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelSection:
+    schedule: str = "1f1b"
+    """Pipeline schedule when pp > 1: gpipe, 1f1b or interleaved_1f1b."""
+    microbatches: int = 0
+    """Micro-batches per step when pp > 1 (must divide train.batch_size); 0 = pp x stages per rank."""
+    stages_per_rank: int = 0
+    """Layer chunks per pipeline rank; 0 = 2 for interleaved_1f1b, else 1."""
+    sequence_parallel: bool = False
+    """With tp > 1, shard norms and the residual stream along the sequence (seq_len % tp == 0)."""
+    activation_checkpoint: bool = False
+    """Recompute each block in backward instead of keeping its activations."""
+    compile: bool = False
+    """torch.compile each block."""
+    mixed_precision: str = "auto"
+    """bf16 compute with fp32 gradient reduction: "auto" (on with CUDA), "true" or "false"."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    source: str = "stdlib"
+    """"stdlib" (the Python standard library's source files read as bytes) or "path"."""
+    path: str = ""
+    """With source = "path": a text file, a folder of files, or a .bin/.npy token file."""
+    max_bytes: int = 32 * MIB
+    """Cap on the corpus bytes loaded into memory."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncSection:
+    codec: str = "raw+shuffle+zstd:1"
+    """Cross-site codec chain TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]]; TENSOR is raw
+    (fp32, lossless), bf16, or int8 (per-chunk scale with error feedback). Examples:
+    "raw", "bf16+shuffle+zstd:3", "int8+zstd:1"."""
+    chunk_bytes: int = 0
+    """Raw bytes per chunk of the cross-site all-reduce; 0 = the link's bandwidth-delay
+    product (from wan.*), clamped to 256 KiB - 4 MiB."""
+    connections: int = 2
+    """gRPC connections per peer lane."""
+    workers: int = 0
+    """Encode/decode threads per lane; 0 = min(4, cores)."""
+    timeout_s: float = 120.0
+    """Deadline for one cross-site round and for joining; a silent peer fails the step."""
+
+
+@dataclass(kw_only=True, slots=True)
+class WanSection:
+    distance_km: float = 1000.0
+    """Emulated fiber distance between every pair of sites; ~4.9 us per km one way."""
+    latency_ms: float = -1.0
+    """One-way latency; negative derives it from distance_km."""
+    bandwidth_mbit: float = 1000.0
+    """Link bandwidth in Mbit/s, each direction."""
+    queue_kib: int = 1024
+    """Buffering beyond the bandwidth-delay product, KiB."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSection:
+    run_dir: str = ""
+    """Where the resolved config, metrics.jsonl, summary.json and logs go; empty = a temp dir."""
+    log_level: str = "warning"
+    """Log level of the rank processes: debug, info, warning, error."""
+    digest_every: int = 10
+    """Compare parameter digests across sites every this many steps (and after the
+    last); 0 = only after the last. Each digest gathers the full parameters."""
+    metrics_port: int = 0
+    """Prometheus /metrics port of each coordinator; 0 = any free port, -1 = none."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to RUN_DIR/tensorboard/SITE (needs tensorboard)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterSection:
+    coordinators: dict[str, str] = field(default_factory=dict)
+    """Site name -> host:port of its coordinator, for `isthmus site` (ignored by `local`).
+    Set one with --set cluster.coordinators.site0=10.0.0.5:7070."""
+    proxies: dict[str, str] = field(default_factory=dict)
+    """Peer site -> HTTP CONNECT proxy URL this site reaches it through (an emulated
+    link from `isthmus wan up`); empty = direct."""
+    lane_host: str = "127.0.0.1"
+    """Address this site's lanes bind (0.0.0.0 for every interface)."""
+    lane_port_base: int = 0
+    """Rank r's lane listens on lane_port_base + r (so a firewall or a Service can
+    name the ports); 0 = any free port."""
+    advertise_host: str = ""
+    """Address peers use to reach this site's lanes (behind NAT or a load balancer);
+    empty = lane_host."""
+
+
+SECTION_TYPES = {
+    "job": JobSection,
+    "topology": TopologySection,
+    "model": ModelSection,
+    "parallel": ParallelSection,
+    "train": TrainSection,
+    "data": DataSection,
+    "sync": SyncSection,
+    "wan": WanSection,
+    "run": RunSection,
+    "cluster": ClusterSection,
+}
+
+
+def field_docs(section_type: type) -> dict[str, str]:
+    """Docstrings written under each field, read from the source (for `isthmus config`)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(section_type)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
