@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_allreduce import inputs, run_all, sites
 
 from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import chunk_bytes_for_link
-from tests.test_allreduce import inputs, run_all, sites
 
 pytestmark = pytest.mark.timeout(60)
 

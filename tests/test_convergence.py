@@ -14,10 +14,10 @@ import hashlib
 import pytest
 import torch
 import torch.nn.functional as F
+from test_allreduce import run_all, sites
 
 from isthmus.intra.data import ShardedBatches, stdlib_corpus
 from isthmus.intra.model import build_model, preset
-from tests.test_allreduce import run_all, sites
 
 STEPS = 60
 LAST = 5  # the final loss is the mean of the last few steps' batches (same for every run)

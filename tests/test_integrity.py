@@ -12,10 +12,10 @@ import threading
 
 import pytest
 import torch
+from test_allreduce import inputs, run_all, sites
 
 from isthmus.inter.lane_peer import LanePeer, PeerRound
 from isthmus.proto import lane_pb2
-from tests.test_allreduce import inputs, run_all, sites
 
 pytestmark = pytest.mark.timeout(60)
 
