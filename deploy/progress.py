@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.config import JobConfig
-from isthmus.deploy.summary import merge_steps, read_jsonl
+from isthmus.deploy.summary import JsonlTail, merge_steps
 
 
 class Progress:
@@ -26,6 +26,11 @@ class Progress:
     ) -> None:
         self.config, self.run_dir, self.out, self.enabled = config, run_dir, out, enabled
         self.sites = sites or config.site_names
+        # Each update reads only new lines: a long run's files are not re-read.
+        self._tails = {s: JsonlTail(run_dir / "sites" / s / "metrics.jsonl") for s in self.sites}
+        self._rows: dict[str, list[dict]] = {s: [] for s in self.sites}
+        self._merged = 0
+        self._tokens = 0
         self.tty = enabled and out.isatty()
         self.shown = -1
         self.every = max(1, config.job.steps // 10)
@@ -42,18 +47,21 @@ class Progress:
     def update(self) -> None:
         if not self.enabled:
             return
-        per_site = {
-            site: read_jsonl(self.run_dir / "sites" / site / "metrics.jsonl") for site in self.sites
-        }
-        steps = merge_steps(per_site)
-        if not steps or len(steps) - 1 == self.shown:
+        for site, tail in self._tails.items():
+            self._rows[site].extend(tail.read_new())
+        ready = min(len(rows) for rows in self._rows.values())  # steps every site finished
+        if ready == 0:
             return
-        last = steps[-1]
-        n = len(steps)
+        new = merge_steps({s: rows[:ready] for s, rows in self._rows.items()})
+        self._rows = {s: rows[ready:] for s, rows in self._rows.items()}
+        self._merged += ready
+        n = self._merged
+        self._tokens += sum(r["tokens"] for r in new)
+        last = new[-1]
         if not self.tty and n % self.every and n != self.config.job.steps:
             return
         self.shown = n - 1
-        tokens_per_s = sum(s["tokens"] for s in steps) / max(last["elapsed_s"], 1e-9)
+        tokens_per_s = self._tokens / max(last["elapsed_s"], 1e-9)
         total = self.config.job.steps
         filled = int(20 * n / total)
         bar = "#" * filled + "." * (20 - filled)

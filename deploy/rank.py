@@ -43,6 +43,7 @@ from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.intra.data import ShardedBatches, from_path, stdlib_corpus
+from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.flops import scaled_lr
 from isthmus.intra.model import build_model
 from isthmus.intra.topology import ParallelLayout, build_site_mesh, mesh_coordinate
@@ -267,7 +268,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         )
     train_s = time.perf_counter() - started
     metrics.close()
-    shard_digest = local_shard_digest(trainer.model_parts)
+    shard_digest = intra_shard_digest(trainer.model_parts)
     result = {
         "site": env.site,
         "rank": env.rank,
@@ -286,21 +287,6 @@ def run(env: RankEnv, config: JobConfig) -> None:
     for peer in peers.values():
         peer.close()
     dist.destroy_process_group()
-
-
-@torch.no_grad()
-def local_shard_digest(parts: list[torch.nn.Module]) -> str:
-    """sha256 of this rank's own parameter shards, over its pipeline stages (no communication)."""
-    import hashlib
-
-    from torch.distributed.tensor import DTensor
-
-    h = hashlib.sha256()
-    for name, p in (item for part in parts for item in part.named_parameters()):
-        t = p.to_local() if isinstance(p, DTensor) else p
-        h.update(name.encode())
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def die_with_launcher() -> None:

@@ -17,6 +17,23 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
+class JsonlTail:
+    """Reads the complete lines appended to a JSONL file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset = path, 0
+
+    def read_new(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line being written is read next time
+        self._offset += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
 def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
     """One record per step that every site completed: losses averaged (equal batches
     per site), bytes summed, times as the slowest site saw them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,29 @@ def parameter_digest(
         The hex digest.
     """
     parts = model if isinstance(model, list) else [model]
-    h = hashlib.sha256()
-    for part in parts:
-        for name, p in part.named_parameters():
-            t = p.full_tensor() if isinstance(p, DTensor) else p
-            t = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-            h.update(f"{name}:{tuple(t.shape)}\n".encode())
-            h.update(t.numpy().tobytes())
+    h = _hash_parameters(parts, lambda p: p.full_tensor() if isinstance(p, DTensor) else p)
     if pp_group is None:
         return h.hexdigest()
     stage_digests: list[str | None] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(stage_digests, h.hexdigest(), group=pp_group)
     return hashlib.sha256("".join(stage_digests).encode()).hexdigest()
+
+
+@torch.no_grad()
+def shard_digest(parts: list[nn.Module]) -> str:
+    """sha256 of this rank's own parameter shards over its stages (no communication):
+    equal at equal mesh coordinates of sites that hold the same parameters."""
+    return _hash_parameters(
+        parts, lambda p: p.to_local() if isinstance(p, DTensor) else p
+    ).hexdigest()
+
+
+def _hash_parameters(parts: list[nn.Module], view: Callable[[torch.Tensor], torch.Tensor]):
+    # Name and shape, then fp32 contiguous CPU bytes, parameter by parameter.
+    h = hashlib.sha256()
+    for part in parts:
+        for name, p in part.named_parameters():
+            t = view(p).detach().to(device="cpu", dtype=torch.float32).contiguous()
+            h.update(f"{name}:{tuple(t.shape)}\n".encode())
+            h.update(t.numpy().tobytes())
+    return h
