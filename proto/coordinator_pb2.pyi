@@ -1,10 +1,98 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Verdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERDICT_UNSPECIFIED: _ClassVar[Verdict]
+    VERDICT_PENDING: _ClassVar[Verdict]
+    VERDICT_COMMIT: _ClassVar[Verdict]
+    VERDICT_RETRY: _ClassVar[Verdict]
+    VERDICT_REJOIN: _ClassVar[Verdict]
+    VERDICT_STOP: _ClassVar[Verdict]
+VERDICT_UNSPECIFIED: Verdict
+VERDICT_PENDING: Verdict
+VERDICT_COMMIT: Verdict
+VERDICT_RETRY: Verdict
+VERDICT_REJOIN: Verdict
+VERDICT_STOP: Verdict
+
+class Decision(_message.Message):
+    __slots__ = ("step", "verdict", "generation", "sites", "reason", "state_source", "state_step")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STATE_STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    verdict: Verdict
+    generation: int
+    sites: _containers.RepeatedCompositeFieldContainer[SiteInfo]
+    reason: str
+    state_source: str
+    state_step: int
+    def __init__(self, step: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., reason: _Optional[str] = ..., state_source: _Optional[str] = ..., state_step: _Optional[int] = ...) -> None: ...
+
+class CommitStepRequest(_message.Message):
+    __slots__ = ("site", "rank", "step", "generation", "ok", "wait_ms")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    rank: int
+    step: int
+    generation: int
+    ok: bool
+    wait_ms: int
+    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class SiteVoteRequest(_message.Message):
+    __slots__ = ("site", "step", "generation", "ok", "wait_ms")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    step: int
+    generation: int
+    ok: bool
+    wait_ms: int
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("leader", "generation", "sites", "start_step", "state_source")
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    leader: str
+    generation: int
+    sites: _containers.RepeatedCompositeFieldContainer[SiteInfo]
+    start_step: int
+    state_source: str
+    def __init__(self, leader: _Optional[str] = ..., generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., start_step: _Optional[int] = ..., state_source: _Optional[str] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("accepted", "generation", "committed_steps")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    generation: int
+    committed_steps: int
+    def __init__(self, accepted: _Optional[bool] = ..., generation: _Optional[int] = ..., committed_steps: _Optional[int] = ...) -> None: ...
 
 class JobFingerprint(_message.Message):
     __slots__ = ("fields",)
@@ -76,32 +164,42 @@ class GetMembershipRequest(_message.Message):
     def __init__(self, known_generation: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class GetMembershipResponse(_message.Message):
-    __slots__ = ("generation", "sites")
+    __slots__ = ("generation", "sites", "start_step", "state_source", "suspects")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     sites: _containers.RepeatedCompositeFieldContainer[SiteInfo]
-    def __init__(self, generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ...) -> None: ...
+    start_step: int
+    state_source: str
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., start_step: _Optional[int] = ..., state_source: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("site", "step", "digest", "digest_step", "finished")
+    __slots__ = ("site", "step", "digest", "digest_step", "finished", "generation")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
     digest: str
     digest_step: int
     finished: bool
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation",)
+    __slots__ = ("generation", "member")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     generation: int
-    def __init__(self, generation: _Optional[int] = ...) -> None: ...
+    member: bool
+    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
     __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s")

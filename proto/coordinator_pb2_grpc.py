@@ -59,6 +59,21 @@ class CoordinatorStub:
                 request_serializer=isthmus_dot_proto_dot_coordinator__pb2.ReportProgressRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.ReportProgressResponse.FromString,
                 _registered_method=True)
+        self.CommitStep = channel.unary_unary(
+                '/isthmus.v1.Coordinator/CommitStep',
+                request_serializer=isthmus_dot_proto_dot_coordinator__pb2.CommitStepRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.Decision.FromString,
+                _registered_method=True)
+        self.SiteVote = channel.unary_unary(
+                '/isthmus.v1.Coordinator/SiteVote',
+                request_serializer=isthmus_dot_proto_dot_coordinator__pb2.SiteVoteRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.Decision.FromString,
+                _registered_method=True)
+        self.Propose = channel.unary_unary(
+                '/isthmus.v1.Coordinator/Propose',
+                request_serializer=isthmus_dot_proto_dot_coordinator__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.ProposeResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -102,6 +117,30 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitStep(self, request, context):
+        """A local rank votes on its step's cross-site rounds (site-local). Long poll: the
+        answer is the job's decision for that step, or PENDING when the wait expires.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SiteVote(self, request, context):
+        """A site's coordinator votes, for all its ranks, at the leader site (WAN). Long
+        poll like CommitStep; repeating a vote is harmless.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Propose(self, request, context):
+        """The leader site proposes a new membership generation; a site accepts only a
+        generation above its own, and answers which steps it has committed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +168,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportProgress,
                     request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.ReportProgressRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_coordinator__pb2.ReportProgressResponse.SerializeToString,
+            ),
+            'CommitStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitStep,
+                    request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.CommitStepRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_coordinator__pb2.Decision.SerializeToString,
+            ),
+            'SiteVote': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiteVote,
+                    request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.SiteVoteRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_coordinator__pb2.Decision.SerializeToString,
+            ),
+            'Propose': grpc.unary_unary_rpc_method_handler(
+                    servicer.Propose,
+                    request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.ProposeRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_coordinator__pb2.ProposeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +320,87 @@ class Coordinator:
             '/isthmus.v1.Coordinator/ReportProgress',
             isthmus_dot_proto_dot_coordinator__pb2.ReportProgressRequest.SerializeToString,
             isthmus_dot_proto_dot_coordinator__pb2.ReportProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Coordinator/CommitStep',
+            isthmus_dot_proto_dot_coordinator__pb2.CommitStepRequest.SerializeToString,
+            isthmus_dot_proto_dot_coordinator__pb2.Decision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SiteVote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Coordinator/SiteVote',
+            isthmus_dot_proto_dot_coordinator__pb2.SiteVoteRequest.SerializeToString,
+            isthmus_dot_proto_dot_coordinator__pb2.Decision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Propose(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Coordinator/Propose',
+            isthmus_dot_proto_dot_coordinator__pb2.ProposeRequest.SerializeToString,
+            isthmus_dot_proto_dot_coordinator__pb2.ProposeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -72,3 +73,31 @@ class ResendChunkResponse(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     chunk: PushChunksRequest
     def __init__(self, chunk: _Optional[_Union[PushChunksRequest, _Mapping]] = ...) -> None: ...
+
+class PullStateRequest(_message.Message):
+    __slots__ = ("generation", "step", "rank")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    rank: int
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class StatePiece(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "crc32")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    total_bytes: int
+    data: bytes
+    crc32: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,11 @@ class LaneStub:
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkResponse.FromString,
                 _registered_method=True)
+        self.PullState = channel.unary_stream(
+                '/isthmus.v1.Lane/PullState',
+                request_serializer=isthmus_dot_proto_dot_lane__pb2.PullStateRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_lane__pb2.StatePiece.FromString,
+                _registered_method=True)
 
 
 class LaneServicer:
@@ -65,6 +70,14 @@ class LaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullState(self, request, context):
+        """A joining site's rank pulls the training state of the rank at its mesh
+        coordinate, as named tensors in pieces (never pickle).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_LaneServicer_to_server(servicer, server):
                     servicer.ResendChunk,
                     request_deserializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkResponse.SerializeToString,
+            ),
+            'PullState': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullState,
+                    request_deserializer=isthmus_dot_proto_dot_lane__pb2.PullStateRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_lane__pb2.StatePiece.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +151,33 @@ class Lane:
             '/isthmus.v1.Lane/ResendChunk',
             isthmus_dot_proto_dot_lane__pb2.ResendChunkRequest.SerializeToString,
             isthmus_dot_proto_dot_lane__pb2.ResendChunkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/isthmus.v1.Lane/PullState',
+            isthmus_dot_proto_dot_lane__pb2.PullStateRequest.SerializeToString,
+            isthmus_dot_proto_dot_lane__pb2.StatePiece.FromString,
             options,
             channel_credentials,
             insecure,
