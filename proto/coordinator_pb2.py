@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fisthmus/proto/coordinator.proto\x12\nisthmus.v1\"\xb1\x01\n\x08\x44\x65\x63ision\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12$\n\x07verdict\x18\x02 \x01(\x0e\x32\x13.isthmus.v1.Verdict\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12#\n\x05sites\x18\x04 \x03(\x0b\x32\x14.isthmus.v1.SiteInfo\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x14\n\x0cstate_source\x18\x06 \x01(\t\x12\x12\n\nstate_step\x18\x07 \x01(\x04\"n\n\x11\x43ommitStepRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\x0f\n\x07wait_ms\x18\x06 \x01(\r\"^\n\x0fSiteVoteRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\"\x83\x01\n\x0eProposeRequest\x12\x0e\n\x06leader\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12#\n\x05sites\x18\x03 \x03(\x0b\x32\x14.isthmus.v1.SiteInfo\x12\x12\n\nstart_step\x18\x04 \x01(\x04\x12\x14\n\x0cstate_source\x18\x05 \x01(\t\"P\n\x0fProposeResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x17\n\x0f\x63ommitted_steps\x18\x03 \x01(\x04\"w\n\x0eJobFingerprint\x12\x36\n\x06\x66ields\x18\x01 \x03(\x0b\x32&.isthmus.v1.JobFingerprint.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x08SiteInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x16\n\x0elane_addresses\x18\x03 \x03(\t\x12\x1b\n\x13\x63oordinator_address\x18\x04 \x01(\t\"\x8c\x01\n\x13RegisterRankRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x14\n\x0clane_address\x18\x04 \x01(\t\x12/\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x1a.isthmus.v1.JobFingerprint\"\x16\n\x14RegisterRankResponse\"q\n\x0bJoinRequest\x12\"\n\x04site\x18\x01 \x01(\x0b\x32\x14.isthmus.v1.SiteInfo\x12/\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1a.isthmus.v1.JobFingerprint\x12\r\n\x05ready\x18\x03 \x01(\x08\"A\n\x0cJoinResponse\x12\"\n\x04site\x18\x01 \x01(\x0b\x32\x14.isthmus.v1.SiteInfo\x12\r\n\x05ready\x18\x02 \x01(\x08\"A\n\x14GetMembershipRequest\x12\x18\n\x10known_generation\x18\x01 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"\x8c\x01\n\x15GetMembershipResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12#\n\x05sites\x18\x02 \x03(\x0b\x32\x14.isthmus.v1.SiteInfo\x12\x12\n\nstart_step\x18\x03 \x01(\x04\x12\x14\n\x0cstate_source\x18\x04 \x01(\t\x12\x10\n\x08suspects\x18\x05 \x03(\t\"y\n\x10HeartbeatRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x13\n\x0b\x64igest_step\x18\x04 \x01(\x04\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"7\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06member\x18\x02 \x01(\x08\"\x90\x02\n\x15ReportProgressRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0e\n\x06step_s\x18\x04 \x01(\x01\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x63ross_site_s\x18\x06 \x01(\x01\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x18\n\x10\x63ross_site_bytes\x18\x08 \x01(\x04\x12\x11\n\traw_bytes\x18\t \x01(\x04\x12\x0b\n\x03mfu\x18\n \x01(\x01\x12\x0e\n\x06\x64igest\x18\x0b \x01(\t\x12\x13\n\x0b\x64igest_step\x18\x0c \x01(\x04\x12\x10\n\x08\x66inished\x18\r \x01(\x08\x12\x13\n\x0bsync_busy_s\x18\x0e \x01(\x01\",\n\x16ReportProgressResponse\x12\x12\n\ndivergence\x18\x01 \x01(\t*\x84\x01\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x13\n\x0fVERDICT_PENDING\x10\x01\x12\x12\n\x0eVERDICT_COMMIT\x10\x02\x12\x11\n\rVERDICT_RETRY\x10\x03\x12\x12\n\x0eVERDICT_REJOIN\x10\x04\x12\x10\n\x0cVERDICT_STOP\x10\x05\x32\xda\x04\n\x0b\x43oordinator\x12Q\n\x0cRegisterRank\x12\x1f.isthmus.v1.RegisterRankRequest\x1a .isthmus.v1.RegisterRankResponse\x12\x39\n\x04Join\x12\x17.isthmus.v1.JoinRequest\x1a\x18.isthmus.v1.JoinResponse\x12T\n\rGetMembership\x12 .isthmus.v1.GetMembershipRequest\x1a!.isthmus.v1.GetMembershipResponse\x12H\n\tHeartbeat\x12\x1c.isthmus.v1.HeartbeatRequest\x1a\x1d.isthmus.v1.HeartbeatResponse\x12W\n\x0eReportProgress\x12!.isthmus.v1.ReportProgressRequest\x1a\".isthmus.v1.ReportProgressResponse\x12\x41\n\nCommitStep\x12\x1d.isthmus.v1.CommitStepRequest\x1a\x14.isthmus.v1.Decision\x12=\n\x08SiteVote\x12\x1b.isthmus.v1.SiteVoteRequest\x1a\x14.isthmus.v1.Decision\x12\x42\n\x07Propose\x12\x1a.isthmus.v1.ProposeRequest\x1a\x1b.isthmus.v1.ProposeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fisthmus/proto/coordinator.proto\x12\nisthmus.v1\"\xb1\x01\n\x08\x44\x65\x63ision\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12$\n\x07verdict\x18\x02 \x01(\x0e\x32\x13.isthmus.v1.Verdict\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12#\n\x05sites\x18\x04 \x03(\x0b\x32\x14.isthmus.v1.SiteInfo\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x14\n\x0cstate_source\x18\x06 \x01(\t\x12\x12\n\nstate_step\x18\x07 \x01(\x04\"n\n\x11\x43ommitStepRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\x0f\n\x07wait_ms\x18\x06 \x01(\r\"p\n\x0fSiteVoteRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12\x10\n\x08suspects\x18\x06 \x03(\t\"\x83\x01\n\x0eProposeRequest\x12\x0e\n\x06leader\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12#\n\x05sites\x18\x03 \x03(\x0b\x32\x14.isthmus.v1.SiteInfo\x12\x12\n\nstart_step\x18\x04 \x01(\x04\x12\x14\n\x0cstate_source\x18\x05 \x01(\t\"P\n\x0fProposeResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x17\n\x0f\x63ommitted_steps\x18\x03 \x01(\x04\"w\n\x0eJobFingerprint\x12\x36\n\x06\x66ields\x18\x01 \x03(\x0b\x32&.isthmus.v1.JobFingerprint.FieldsEntry\x1a-\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x08SiteInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x16\n\x0elane_addresses\x18\x03 \x03(\t\x12\x1b\n\x13\x63oordinator_address\x18\x04 \x01(\t\"\x8c\x01\n\x13RegisterRankRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x14\n\x0clane_address\x18\x04 \x01(\t\x12/\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x1a.isthmus.v1.JobFingerprint\"\x16\n\x14RegisterRankResponse\"q\n\x0bJoinRequest\x12\"\n\x04site\x18\x01 \x01(\x0b\x32\x14.isthmus.v1.SiteInfo\x12/\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1a.isthmus.v1.JobFingerprint\x12\r\n\x05ready\x18\x03 \x01(\x08\"U\n\x0cJoinResponse\x12\"\n\x04site\x18\x01 \x01(\x0b\x32\x14.isthmus.v1.SiteInfo\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"A\n\x14GetMembershipRequest\x12\x18\n\x10known_generation\x18\x01 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"\x8c\x01\n\x15GetMembershipResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12#\n\x05sites\x18\x02 \x03(\x0b\x32\x14.isthmus.v1.SiteInfo\x12\x12\n\nstart_step\x18\x03 \x01(\x04\x12\x14\n\x0cstate_source\x18\x04 \x01(\t\x12\x10\n\x08suspects\x18\x05 \x03(\t\"y\n\x10HeartbeatRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x13\n\x0b\x64igest_step\x18\x04 \x01(\x04\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"7\n\x11HeartbeatResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0e\n\x06member\x18\x02 \x01(\x08\"\x90\x02\n\x15ReportProgressRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0e\n\x06step_s\x18\x04 \x01(\x01\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x63ross_site_s\x18\x06 \x01(\x01\x12\x0e\n\x06tokens\x18\x07 \x01(\x04\x12\x18\n\x10\x63ross_site_bytes\x18\x08 \x01(\x04\x12\x11\n\traw_bytes\x18\t \x01(\x04\x12\x0b\n\x03mfu\x18\n \x01(\x01\x12\x0e\n\x06\x64igest\x18\x0b \x01(\t\x12\x13\n\x0b\x64igest_step\x18\x0c \x01(\x04\x12\x10\n\x08\x66inished\x18\r \x01(\x08\x12\x13\n\x0bsync_busy_s\x18\x0e \x01(\x01\",\n\x16ReportProgressResponse\x12\x12\n\ndivergence\x18\x01 \x01(\t*\x84\x01\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x13\n\x0fVERDICT_PENDING\x10\x01\x12\x12\n\x0eVERDICT_COMMIT\x10\x02\x12\x11\n\rVERDICT_RETRY\x10\x03\x12\x12\n\x0eVERDICT_REJOIN\x10\x04\x12\x10\n\x0cVERDICT_STOP\x10\x05\x32\xda\x04\n\x0b\x43oordinator\x12Q\n\x0cRegisterRank\x12\x1f.isthmus.v1.RegisterRankRequest\x1a .isthmus.v1.RegisterRankResponse\x12\x39\n\x04Join\x12\x17.isthmus.v1.JoinRequest\x1a\x18.isthmus.v1.JoinResponse\x12T\n\rGetMembership\x12 .isthmus.v1.GetMembershipRequest\x1a!.isthmus.v1.GetMembershipResponse\x12H\n\tHeartbeat\x12\x1c.isthmus.v1.HeartbeatRequest\x1a\x1d.isthmus.v1.HeartbeatResponse\x12W\n\x0eReportProgress\x12!.isthmus.v1.ReportProgressRequest\x1a\".isthmus.v1.ReportProgressResponse\x12\x41\n\nCommitStep\x12\x1d.isthmus.v1.CommitStepRequest\x1a\x14.isthmus.v1.Decision\x12=\n\x08SiteVote\x12\x1b.isthmus.v1.SiteVoteRequest\x1a\x14.isthmus.v1.Decision\x12\x42\n\x07Propose\x12\x1a.isthmus.v1.ProposeRequest\x1a\x1b.isthmus.v1.ProposeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,44 +33,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOBFINGERPRINT_FIELDSENTRY']._loaded_options = None
   _globals['_JOBFINGERPRINT_FIELDSENTRY']._serialized_options = b'8\001'
-  _globals['_VERDICT']._serialized_start=1927
-  _globals['_VERDICT']._serialized_end=2059
+  _globals['_VERDICT']._serialized_start=1965
+  _globals['_VERDICT']._serialized_end=2097
   _globals['_DECISION']._serialized_start=48
   _globals['_DECISION']._serialized_end=225
   _globals['_COMMITSTEPREQUEST']._serialized_start=227
   _globals['_COMMITSTEPREQUEST']._serialized_end=337
   _globals['_SITEVOTEREQUEST']._serialized_start=339
-  _globals['_SITEVOTEREQUEST']._serialized_end=433
-  _globals['_PROPOSEREQUEST']._serialized_start=436
-  _globals['_PROPOSEREQUEST']._serialized_end=567
-  _globals['_PROPOSERESPONSE']._serialized_start=569
-  _globals['_PROPOSERESPONSE']._serialized_end=649
-  _globals['_JOBFINGERPRINT']._serialized_start=651
-  _globals['_JOBFINGERPRINT']._serialized_end=770
-  _globals['_JOBFINGERPRINT_FIELDSENTRY']._serialized_start=725
-  _globals['_JOBFINGERPRINT_FIELDSENTRY']._serialized_end=770
-  _globals['_SITEINFO']._serialized_start=772
-  _globals['_SITEINFO']._serialized_end=864
-  _globals['_REGISTERRANKREQUEST']._serialized_start=867
-  _globals['_REGISTERRANKREQUEST']._serialized_end=1007
-  _globals['_REGISTERRANKRESPONSE']._serialized_start=1009
-  _globals['_REGISTERRANKRESPONSE']._serialized_end=1031
-  _globals['_JOINREQUEST']._serialized_start=1033
-  _globals['_JOINREQUEST']._serialized_end=1146
-  _globals['_JOINRESPONSE']._serialized_start=1148
-  _globals['_JOINRESPONSE']._serialized_end=1213
-  _globals['_GETMEMBERSHIPREQUEST']._serialized_start=1215
-  _globals['_GETMEMBERSHIPREQUEST']._serialized_end=1280
-  _globals['_GETMEMBERSHIPRESPONSE']._serialized_start=1283
-  _globals['_GETMEMBERSHIPRESPONSE']._serialized_end=1423
-  _globals['_HEARTBEATREQUEST']._serialized_start=1425
-  _globals['_HEARTBEATREQUEST']._serialized_end=1546
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1548
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1603
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1606
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=1878
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=1880
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=1924
-  _globals['_COORDINATOR']._serialized_start=2062
-  _globals['_COORDINATOR']._serialized_end=2664
+  _globals['_SITEVOTEREQUEST']._serialized_end=451
+  _globals['_PROPOSEREQUEST']._serialized_start=454
+  _globals['_PROPOSEREQUEST']._serialized_end=585
+  _globals['_PROPOSERESPONSE']._serialized_start=587
+  _globals['_PROPOSERESPONSE']._serialized_end=667
+  _globals['_JOBFINGERPRINT']._serialized_start=669
+  _globals['_JOBFINGERPRINT']._serialized_end=788
+  _globals['_JOBFINGERPRINT_FIELDSENTRY']._serialized_start=743
+  _globals['_JOBFINGERPRINT_FIELDSENTRY']._serialized_end=788
+  _globals['_SITEINFO']._serialized_start=790
+  _globals['_SITEINFO']._serialized_end=882
+  _globals['_REGISTERRANKREQUEST']._serialized_start=885
+  _globals['_REGISTERRANKREQUEST']._serialized_end=1025
+  _globals['_REGISTERRANKRESPONSE']._serialized_start=1027
+  _globals['_REGISTERRANKRESPONSE']._serialized_end=1049
+  _globals['_JOINREQUEST']._serialized_start=1051
+  _globals['_JOINREQUEST']._serialized_end=1164
+  _globals['_JOINRESPONSE']._serialized_start=1166
+  _globals['_JOINRESPONSE']._serialized_end=1251
+  _globals['_GETMEMBERSHIPREQUEST']._serialized_start=1253
+  _globals['_GETMEMBERSHIPREQUEST']._serialized_end=1318
+  _globals['_GETMEMBERSHIPRESPONSE']._serialized_start=1321
+  _globals['_GETMEMBERSHIPRESPONSE']._serialized_end=1461
+  _globals['_HEARTBEATREQUEST']._serialized_start=1463
+  _globals['_HEARTBEATREQUEST']._serialized_end=1584
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1586
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1641
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1644
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=1916
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=1918
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=1962
+  _globals['_COORDINATOR']._serialized_start=2100
+  _globals['_COORDINATOR']._serialized_end=2702
 # @@protoc_insertion_point(module_scope)

@@ -57,18 +57,20 @@ class CommitStepRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class SiteVoteRequest(_message.Message):
-    __slots__ = ("site", "step", "generation", "ok", "wait_ms")
+    __slots__ = ("site", "step", "generation", "ok", "wait_ms", "suspects")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
     generation: int
     ok: bool
     wait_ms: int
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("leader", "generation", "sites", "start_step", "state_source")
@@ -148,12 +150,14 @@ class JoinRequest(_message.Message):
     def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("site", "ready")
+    __slots__ = ("site", "ready", "generation")
     SITE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     site: SiteInfo
     ready: bool
-    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class GetMembershipRequest(_message.Message):
     __slots__ = ("known_generation", "wait_ms")
