@@ -1,0 +1,302 @@
+"""Atomic per-site checkpoints with torch.distributed.checkpoint (DCP).
+
+Every rank of the site calls ``save``. The checkpoint holds the state of
+``state.py``: parameters and AdamW state as DTensors (DCP writes each shard once,
+indexed by its place in the global tensor), and each rank's own entries (RNG,
+``extra``) under ``rank<R>/`` so DCP never merges them across ranks.
+
+Commit protocol, so a crash at any point leaves the previous checkpoint usable:
+
+1. every rank writes into ``ROOT/step-00000012.partial/`` (DCP, files fsynced);
+2. barrier; rank 0 writes ``manifest.json`` (step, world size, layout, every
+   file's size), fsyncs it, renames the folder to ``ROOT/step-00000012/`` and
+   fsyncs ``ROOT``: the rename is the commit;
+3. only then are checkpoints beyond the newest ``keep`` deleted.
+
+``latest`` accepts a folder only if its manifest is present and every file it
+lists has the recorded size; ``.partial`` folders never count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from .state import (
+    EXTRA,
+    NEXT_STEP,
+    OPTIM_KEYS,
+    ensure_optimizer_state,
+    load_rank_state,
+    named_parameters,
+)
+from .train import Trainer
+
+log = logging.getLogger("isthmus.checkpoint")
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+PARTIAL = ".partial"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or does not fit this trainer."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Where the checkpoint taken after ``step`` steps lives (committed)."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _layout(trainer: Trainer) -> dict[str, int]:
+    return {"pp": trainer.pp, "dp": trainer.dp, "tp": trainer.tp}
+
+
+def _rank_prefix(rank: int) -> str:
+    return f"rank{rank}/"
+
+
+def _sharded_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Parameters and AdamW state with their DTensor placements (shared, not copied)."""
+    ensure_optimizer_state(trainer)
+    out: dict[str, torch.Tensor] = {}
+    for fqn, p in named_parameters(trainer):
+        out[f"model/{fqn}"] = p.detach()
+        state = trainer.optimizer.state[p]
+        for key in OPTIM_KEYS:
+            out[f"optim/{fqn}/{key}"] = state[key]
+    return out
+
+
+def _rank_entries(trainer: Trainer, extra: Mapping[str, torch.Tensor] | None) -> dict:
+    entries = {"rng/cpu": torch.get_rng_state()}
+    if trainer.device.type == "cuda":
+        entries["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
+    for name, t in (extra or {}).items():
+        entries[EXTRA + name] = t.detach().to("cpu", copy=True).contiguous()
+    return entries
+
+
+def save(
+    trainer: Trainer,
+    root: Path,
+    next_step: int,
+    extra: Mapping[str, torch.Tensor] | None = None,
+    *,
+    keep: int | None = 2,
+) -> Path:
+    """Write and commit the site's checkpoint after ``next_step`` steps (a collective).
+
+    Every rank of the site's default process group must call it, between steps.
+    An existing checkpoint of the same step is replaced.
+
+    Args:
+        trainer: the rank's trainer.
+        root: the site's checkpoint folder (shared by the site's ranks).
+        next_step: steps completed.
+        extra: this rank's own tensors (e.g. codec residuals), returned by ``load``.
+        keep: committed checkpoints to keep, newest by step; ``None`` keeps all.
+
+    Returns:
+        The committed folder, ``root/step-<next_step:08d>``.
+    """
+    root = Path(root)
+    final = step_dir(root, next_step)
+    partial = final.with_name(final.name + PARTIAL)
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if partial.exists():  # left by a save that died
+            shutil.rmtree(partial)
+        partial.mkdir()
+    dist.barrier()
+    state: dict[str, torch.Tensor] = _sharded_state(trainer)
+    state[NEXT_STEP] = torch.tensor(next_step, dtype=torch.int64)
+    prefix = _rank_prefix(rank)
+    state.update({prefix + k: v for k, v in _rank_entries(trainer, extra).items()})
+    started = time.perf_counter()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+    dist.barrier()
+    problem = [None]
+    if rank == 0:
+        try:
+            _commit(trainer, partial, final, next_step)
+            _prune(root, keep)
+        except OSError as exc:
+            problem[0] = f"committing {partial}: {exc}"
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+    log.info(
+        "[rank %d step %d] checkpoint %s written in %.2fs",
+        rank,
+        next_step,
+        final,
+        time.perf_counter() - started,
+    )
+    return final
+
+
+def _commit(trainer: Trainer, partial: Path, final: Path, next_step: int) -> None:
+    files = {
+        p.relative_to(partial).as_posix(): p.stat().st_size
+        for p in sorted(partial.rglob("*"))
+        if p.is_file()
+    }
+    manifest = {
+        "format": FORMAT,
+        "next_step": next_step,
+        "world_size": dist.get_world_size(),
+        "layout": _layout(trainer),
+        "files": files,
+    }
+    tmp = partial / (MANIFEST + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(partial / MANIFEST)
+    _fsync_dir(partial)
+    stale = None
+    if final.exists():  # the same step again (a resumed run): swap, then delete
+        stale = final.with_name(f"{final.name}.stale-{os.getpid()}")
+        final.rename(stale)
+    partial.rename(final)
+    _fsync_dir(final.parent)
+    if stale is not None:
+        shutil.rmtree(stale)
+
+
+def _prune(root: Path, keep: int | None) -> None:
+    """Delete committed checkpoints beyond the newest ``keep``, and leftovers of
+    saves that died (``.partial``, ``.stale-*``)."""
+    committed = sorted(complete_steps(root, warn=False).items())
+    doomed = [path for _, path in committed[:-keep]] if keep else []
+    doomed += [p for p in root.iterdir() if p.is_dir() and not _STEP_DIR.match(p.name)]
+    doomed = [p for p in doomed if p.name.startswith("step-")]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def check_complete(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or ``None`` if it is."""
+    match = _STEP_DIR.match(path.name)
+    if match is None:
+        return "not a committed checkpoint folder (name is not step-NNNNNNNN)"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST}"
+    except (OSError, ValueError) as exc:
+        return f"unreadable {MANIFEST}: {exc}"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"{MANIFEST} is not format {FORMAT}"
+    if manifest.get("next_step") != int(match.group(1)):
+        return f"{MANIFEST} says step {manifest.get('next_step')!r}, the folder {match.group(1)}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return f"{MANIFEST} lists no DCP .metadata"
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
+def complete_steps(root: Path, *, warn: bool = True) -> dict[int, Path]:
+    """Step -> folder of every complete checkpoint under ``root``.
+
+    Args:
+        root: a site's checkpoint folder (may not exist).
+        warn: log a warning naming each incomplete or partial folder skipped.
+    """
+    root = Path(root)
+    out: dict[int, Path] = {}
+    if not root.is_dir():
+        return out
+    for path in sorted(root.iterdir()):
+        if not path.is_dir() or not path.name.startswith("step-"):
+            continue
+        problem = check_complete(path)
+        if problem is None:
+            out[int(path.name[len("step-") :])] = path
+        elif warn:
+            log.warning("skipping checkpoint %s: %s", path, problem)
+    return out
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``; incomplete ones are skipped
+    with a warning naming them."""
+    steps = complete_steps(root)
+    return steps[max(steps)] if steps else None
+
+
+def load(trainer: Trainer, path: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    """Load a checkpoint written by ``save`` with the same site layout (a collective).
+
+    Nothing of the trainer changes until every entry has been read and checked.
+
+    Args:
+        trainer: the rank's trainer (fresh or trained).
+        path: a committed checkpoint folder (``latest(root)``).
+
+    Returns:
+        ``(next_step, extra)``: the step to run next and this rank's ``extra``.
+
+    Raises:
+        CheckpointError: incomplete, or saved by another world size or layout.
+    """
+    path = Path(path)
+    problem = check_complete(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    manifest = json.loads((path / MANIFEST).read_text())
+    mine = {"world_size": dist.get_world_size(), "layout": _layout(trainer)}
+    theirs = {k: manifest[k] for k in mine}
+    if theirs != mine:
+        raise CheckpointError(f"checkpoint {path} was saved by {theirs}, this site is {mine}")
+    reader = dcp.FileSystemReader(path)
+    prefix = _rank_prefix(dist.get_rank())
+    # Fresh buffers with the trainer's placements: DCP fills this rank's shards.
+    targets: dict[str, torch.Tensor] = {}
+    for name, t in _sharded_state(trainer).items():
+        targets[name] = torch.empty_like(t)
+    targets[NEXT_STEP] = torch.empty((), dtype=torch.int64)
+    for key, meta in reader.read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+            targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    try:
+        dcp.load(targets, storage_reader=reader)
+    except Exception as exc:  # DCP wraps every rank's failure in CheckpointException
+        raise CheckpointError(f"reading checkpoint {path}: {exc}") from exc
+    local = {
+        name[len(prefix) :] if name.startswith(prefix) else name: (
+            t.to_local() if isinstance(t, DTensor) else t
+        )
+        for name, t in targets.items()
+    }
+    return load_rank_state(trainer, local)

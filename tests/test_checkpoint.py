@@ -1,0 +1,205 @@
+"""Atomic per-site checkpoints (intra/checkpoint.py) on real gloo groups, a save
+SIGKILLed halfway, and the completeness rules of ``latest``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_intra_dist import _corpus, _init, _shutdown, _spawn
+
+from isthmus.intra import checkpoint
+from isthmus.intra.data import ShardedBatches
+from isthmus.intra.model import build_model, preset
+from isthmus.intra.state import rank_state, state_digest
+from isthmus.intra.topology import ParallelLayout, build_site_mesh
+from isthmus.intra.train import TrainConfig, Trainer
+
+SEED, SEQ, BATCH = 11, 16, 2
+CONFIG = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=10)
+
+
+def _trainer(layout: ParallelLayout) -> tuple[Trainer, ShardedBatches]:
+    trainer = Trainer(build_model(preset("tiny"), SEED), build_site_mesh(layout), CONFIG)
+    data = ShardedBatches(
+        _corpus(),
+        seq_len=SEQ,
+        batch_size=BATCH,
+        seed=SEED,
+        shard_index=trainer.coordinate[1],
+        num_shards=layout.dp,
+    )
+    return trainer, data
+
+
+def _residual(rank: int) -> dict[str, torch.Tensor]:
+    # Per-rank extra entries under one name: DCP must not merge them across ranks.
+    return {"codec/g0/c0": torch.full((5,), float(rank) + 0.5)}
+
+
+def _roundtrip_one(rank: int, root: Path, layout_kw: dict) -> dict[str, Any]:
+    layout = ParallelLayout(**layout_kw)
+    a, data = _trainer(layout)
+    for step in range(3):
+        a.step(step, *data.batch(step))
+        checkpoint.save(a, root, step + 1, _residual(rank), keep=2)
+    at_3 = state_digest(rank_state(a, 3, _residual(rank)))
+    for step in range(3, 5):
+        a.step(step, *data.batch(step))
+    b, _ = _trainer(layout)
+    path = checkpoint.latest(root)
+    next_step, extra = checkpoint.load(b, path)
+    out = {
+        "path": path.name,
+        "kept": sorted(p.name for p in root.iterdir()),
+        "next_step": next_step,
+        "extra_ok": torch.equal(extra["codec/g0/c0"], _residual(rank)["codec/g0/c0"]),
+        "state_equal": state_digest(rank_state(b, next_step, extra)) == at_3,
+    }
+    for step in range(3, 5):
+        b.step(step, *data.batch(step))
+    out["digests"] = (a.parameter_digest(), b.parameter_digest())
+    dist.barrier()
+    return out
+
+
+def _roundtrip_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]:
+    _init(rank, world, store)
+    layouts = {"dp2": {"dp": 2}, "pp2": {"pp": 2}}
+    out = {name: _roundtrip_one(rank, Path(root) / name, kw) for name, kw in layouts.items()}
+    _shutdown()
+    return out
+
+
+def test_save_latest_load_resumes_bitwise_and_keeps_the_newest(tmp_path: Path) -> None:
+    results = _spawn(_roundtrip_worker, 2, tmp_path, 2, str(tmp_path / "store"), str(tmp_path))
+    for layout in ("dp2", "pp2"):
+        for rank in results:
+            r = rank[layout]
+            assert r["path"] == "step-00000003"
+            # keep=2: step 1 was deleted only after step 3 was committed.
+            assert r["kept"] == ["step-00000002", "step-00000003"]
+            assert r["next_step"] == 3 and r["extra_ok"] and r["state_equal"]
+            assert r["digests"][0] == r["digests"][1]
+        manifest = json.loads((tmp_path / layout / "step-00000003" / "manifest.json").read_text())
+        assert manifest["next_step"] == 3 and manifest["world_size"] == 2
+
+
+# -- a save killed halfway --------------------------------------------------------
+
+
+def _crash_worker(rank: int, world: int, store: str, root: str, record: str) -> None:
+    torch.set_num_threads(1)
+    _init(rank, world, store)
+    trainer, data = _trainer(ParallelLayout(dp=2))
+    for step in range(2):
+        trainer.step(step, *data.batch(step))
+    checkpoint.save(trainer, Path(root), 2, _residual(rank))
+    torch.save(state_digest(rank_state(trainer, 2, _residual(rank))), f"{record}{rank}.pt")
+    for step in range(2, 4):
+        trainer.step(step, *data.batch(step))
+    # The next save writes its data files, then stalls before DCP's .metadata,
+    # the manifest and the rename: the test SIGKILLs it there.
+    write_data = dcp_writer().write_data
+
+    def slow_write_data(self, plan, planner):
+        future = write_data(self, plan, planner)
+        future.wait()
+        time.sleep(300)
+        return future
+
+    dcp_writer().write_data = slow_write_data
+    checkpoint.save(trainer, Path(root), 4, _residual(rank))
+
+
+def dcp_writer() -> type:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter
+
+
+def _load_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]:
+    _init(rank, world, store)
+    trainer, _ = _trainer(ParallelLayout(dp=2))
+    path = checkpoint.latest(Path(root))
+    next_step, extra = checkpoint.load(trainer, path)
+    digest = state_digest(rank_state(trainer, next_step, extra))
+    _shutdown()
+    return {"path": path.name, "digest": digest}
+
+
+@pytest.mark.timeout(180)
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path: Path) -> None:
+    root, record = tmp_path / "ckpt", str(tmp_path / "digest-")
+    ctx = mp.get_context("spawn")
+    args = (2, str(tmp_path / "store"), str(root), record)
+    procs = [ctx.Process(target=_crash_worker, args=(r, *args), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    partial = root / "step-00000004.partial"
+    deadline = time.monotonic() + 120
+    try:
+        # Wait until both ranks' data files of the step-4 save are on disk.
+        while len([f for f in partial.glob("*.distcp") if f.stat().st_size]) < 2:
+            assert time.monotonic() < deadline, "the step-4 save never started writing"
+            assert all(p.is_alive() for p in procs), [p.exitcode for p in procs]
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert not (partial / "manifest.json").exists()
+    assert not (root / "step-00000004").exists()
+
+    assert checkpoint.latest(root) == root / "step-00000002"
+    loaded = _spawn(_load_worker, 2, tmp_path, 2, str(tmp_path / "store2"), str(root))
+    for rank, r in enumerate(loaded):
+        assert r["path"] == "step-00000002"
+        assert r["digest"] == torch.load(f"{record}{rank}.pt")
+
+
+# -- what counts as complete (no processes) ----------------------------------------
+
+
+def _fake_checkpoint(root: Path, step: int, *, manifest: bool = True) -> Path:
+    path = checkpoint.step_dir(root, step)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"m" * 10)
+    (path / "__0_0.distcp").write_bytes(b"d" * 100)
+    if manifest:
+        files = {".metadata": 10, "__0_0.distcp": 100}
+        (path / "manifest.json").write_text(
+            json.dumps({"format": 1, "next_step": step, "files": files})
+        )
+    return path
+
+
+def test_latest_skips_partial_and_incomplete_folders_naming_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert checkpoint.latest(tmp_path / "none") is None
+    good = _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4, manifest=False)
+    truncated = _fake_checkpoint(tmp_path, 6)
+    (truncated / "__0_0.distcp").write_bytes(b"d" * 50)
+    (tmp_path / "step-00000008.partial").mkdir()
+    with caplog.at_level(logging.WARNING, logger="isthmus.checkpoint"):
+        assert checkpoint.latest(tmp_path) == good
+    text = caplog.text
+    assert "step-00000004: no manifest.json" in text
+    assert "step-00000006: __0_0.distcp has 50 bytes, the manifest says 100" in text
+    assert "step-00000008.partial: not a committed checkpoint" in text
+
+
+def test_a_manifest_of_another_step_is_not_complete(tmp_path: Path) -> None:
+    path = _fake_checkpoint(tmp_path, 3)
+    (path / "manifest.json").write_text(json.dumps({"format": 1, "next_step": 5, "files": {}}))
+    assert "says step 5" in checkpoint.check_complete(path)
+    assert checkpoint.complete_steps(tmp_path, warn=False) == {}
