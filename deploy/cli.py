@@ -95,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
+    from isthmus.deploy.checkpointing import resolve_resume
     from isthmus.deploy.local import LocalJob
     from isthmus.deploy.summary import print_summary
 
@@ -109,6 +110,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         if args.sites is None:
             args.sites = len(topology.sites)
     config = config_from_args(args)
+    resolve_resume(config, config.site_names, resume=args.resume)
     job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology)
     summary = job.run()
     print("summary:", file=sys.stdout)
@@ -119,10 +121,12 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_site(args: argparse.Namespace) -> int:
+    from isthmus.deploy.checkpointing import resolve_resume
     from isthmus.deploy.site import SiteJob
     from isthmus.deploy.summary import print_summary
 
     config = config_from_args(args)
+    resolve_resume(config, [args.site], resume=args.resume)
     job = SiteJob(config, args.site, out=sys.stderr, progress=not args.quiet)
     summary = job.run()
     print(f"summary of {args.site}:", file=sys.stdout)
@@ -242,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
         "[wan] settings; its sites become site0, site1, ... in the file's order",
     )
     local.add_argument("--quiet", action="store_true", help="no progress line")
+    local.add_argument(
+        "--resume",
+        action="store_true",
+        help="start every site from the newest checkpoint step complete at all of them "
+        "(needs --run-dir or checkpoint.dir; docs/checkpoints.md)",
+    )
     local.set_defaults(func=cmd_local)
 
     site = sub.add_parser(
@@ -257,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(site, common_flags=True)
     site.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
     site.add_argument("--quiet", action="store_true", help="no progress line")
+    site.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from this site's newest complete checkpoint; a peer that would start "
+        "from another step is refused at join",
+    )
     site.set_defaults(func=cmd_site)
 
     coord = sub.add_parser(

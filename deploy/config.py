@@ -20,6 +20,7 @@ from isthmus.deploy.sections import (
     KIB,
     MIB,
     SECTION_TYPES,
+    CheckpointSection,
     ClusterSection,
     DataSection,
     JobSection,
@@ -58,6 +59,7 @@ class JobConfig:
     sync: SyncSection = field(default_factory=SyncSection)
     wan: WanSection = field(default_factory=WanSection)
     run: RunSection = field(default_factory=RunSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
 
     @property
@@ -132,6 +134,9 @@ class JobConfig:
         # Lanes refuse chunks of another size: sites must agree on the size in use.
         out["sync.chunk_bytes"] = str(self.chunk_bytes)
         out["model.preset"] = self.model.preset
+        # How often and where a site saves may differ; the step every site starts at may not.
+        for key in ("every", "dir", "keep"):
+            del out[f"checkpoint.{key}"]
         for key, value in dataclasses.asdict(self.resolved_model()).items():
             out[f"model.{key}"] = str(value)
         return out
@@ -325,6 +330,14 @@ def validate(config: JobConfig) -> None:
     _require(
         -1 <= config.run.metrics_port <= 65535,
         f"run.metrics_port must be -1 (none), 0 (any) or a port, got {config.run.metrics_port}",
+    )
+    ck = config.checkpoint
+    _require(ck.every >= 0, f"checkpoint.every must be >= 0 (0 = never), got {ck.every}")
+    _require(ck.keep >= 0, f"checkpoint.keep must be >= 0 (0 = all), got {ck.keep}")
+    _require(
+        -1 <= ck.resume_step < config.job.steps,
+        f"checkpoint.resume_step must be -1 (from scratch) or a step below "
+        f"job.steps={config.job.steps}, got {ck.resume_step}",
     )
     c = config.cluster
     _require(

@@ -34,6 +34,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from isthmus.deploy.checkpointing import restore, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
 from isthmus.deploy.reporting import DivergenceError, StepReporter
 from isthmus.inter.allreduce import CrossSiteAllReduce
@@ -223,10 +224,11 @@ def run(env: RankEnv, config: JobConfig) -> None:
         env.coordinator,
         env.run_dir / "tensorboard" / env.site if config.run.tensorboard else None,
     )
+    start = restore(trainer, sync, config, env.run_dir, env.site)  # 0 unless resuming
     dist.barrier()
     started = time.perf_counter()
     last = config.job.steps - 1
-    for step in range(config.job.steps):
+    for step in range(start, config.job.steps):
         inputs, targets = batches.batch(step)
         if sync is not None:
             sync.begin_step(step)
@@ -266,6 +268,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
             digest=digest,
             finished=step == last,
         )
+        save_if_due(trainer, sync, config, env.run_dir, env.site, step + 1)
     train_s = time.perf_counter() - started
     metrics.close()
     shard_digest = intra_shard_digest(trainer.model_parts)

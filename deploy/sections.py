@@ -144,6 +144,20 @@ class RunSection:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointSection:
+    every: int = 0
+    """Save a checkpoint of every site after each this many steps; 0 = never."""
+    dir: str = ""
+    """Checkpoints of site SITE go to DIR/SITE; empty = RUN_DIR/checkpoints/SITE."""
+    keep: int = 2
+    """Complete checkpoints kept per site (the newest); 0 = keep all."""
+    resume_step: int = -1
+    """Start from the checkpoint after this many steps (complete at every site); -1 =
+    from scratch. --resume sets it to the newest step complete at every site. Part of
+    the job fingerprint: every site must start at the same step."""
+
+
+@dataclass(kw_only=True, slots=True)
 class ClusterSection:
     coordinators: dict[str, str] = field(default_factory=dict)
     """Site name -> host:port of its coordinator, for `isthmus site` (ignored by `local`).
@@ -171,6 +185,7 @@ SECTION_TYPES = {
     "sync": SyncSection,
     "wan": WanSection,
     "run": RunSection,
+    "checkpoint": CheckpointSection,
     "cluster": ClusterSection,
 }
 
