@@ -7,6 +7,7 @@
     isthmus report        plot a finished run
     isthmus wan           emulate WAN links standalone; show or change them live
     isthmus plan          predict step time and scaling efficiency at any size
+    isthmus certs         create a job CA, a certificate per site and a job token
 
 Errors a user can fix (a bad key, a layout that does not divide the ranks, a site
 with a different job fingerprint) print one line starting with "error:" and exit
@@ -176,6 +177,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         port=int(port or 0),
         join_timeout_s=config.sync.timeout_s,
         metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
+        security=config.site_security(args.site),
     )
     coordinator.start()
     print(f"coordinator {args.site} listening on {coordinator.address}", flush=True)
@@ -335,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     from isthmus.deploy import wan_cmd
 
     wan_cmd.register(sub, HelpFormatter)
+
+    from isthmus.deploy import certs_cmd
+
+    certs_cmd.register(sub, HelpFormatter)
     return parser
 
 

@@ -27,6 +27,7 @@ from isthmus.deploy.sections import (
     ModelSection,
     ParallelSection,
     RunSection,
+    SecuritySection,
     SyncSection,
     TopologySection,
     TrainSection,
@@ -34,6 +35,7 @@ from isthmus.deploy.sections import (
 )
 from isthmus.inter.codec import make_codec
 from isthmus.inter.lane import chunk_bytes_for_link
+from isthmus.inter.security import SiteSecurity
 from isthmus.intra.model import ModelConfig, preset
 from isthmus.intra.parallel import ParallelConfig
 from isthmus.intra.topology import ParallelLayout
@@ -61,6 +63,7 @@ class JobConfig:
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
 
     @property
     def site_names(self) -> list[str]:
@@ -114,6 +117,26 @@ class JobConfig:
             mixed_precision=cuda if p.mixed_precision == "auto" else p.mixed_precision == "true",
         )
 
+    def site_security(self, site: str) -> SiteSecurity | None:
+        """The site's credentials for its servers and channels; None when all is off.
+
+        Raises:
+            ConfigError: a file the [security] switches need is missing (named).
+        """
+        sec = self.security
+        if not (sec.require_tls or sec.require_token):
+            return None
+        try:
+            return SiteSecurity.load(
+                sec.certs_dir,
+                site,
+                token_file=sec.token_file or None,
+                require_tls=sec.require_tls,
+                require_token=sec.require_token,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"security: {exc}") from None
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
@@ -125,7 +148,7 @@ class JobConfig:
         """
         out = {}
         for section, values in self.to_dict().items():
-            if section in ("wan", "run", "model", "cluster"):
+            if section in ("wan", "run", "model", "cluster", "security"):
                 continue
             for key, value in values.items():
                 out[f"{section}.{key}"] = str(value)
@@ -134,6 +157,9 @@ class JobConfig:
         # Lanes refuse chunks of another size: sites must agree on the size in use.
         out["sync.chunk_bytes"] = str(self.chunk_bytes)
         out["model.preset"] = self.model.preset
+        # Whether links need TLS or a token, never where the secrets are or what they are.
+        out["security.require_tls"] = str(self.security.require_tls)
+        out["security.require_token"] = str(self.security.require_token)
         # How often and where a site saves may differ; the step every site starts at may not.
         for key in ("every", "dir", "keep"):
             del out[f"checkpoint.{key}"]
@@ -357,6 +383,21 @@ def validate(config: JobConfig) -> None:
             not unknown,
             f"cluster.{key} names unknown sites {unknown}; sites are {config.site_names}",
         )
+    sec = config.security
+    _require(
+        not sec.require_tls or bool(sec.certs_dir),
+        "security.require_tls needs security.certs_dir (create one with `isthmus certs`)",
+    )
+    _require(
+        not sec.require_token or bool(sec.certs_dir or sec.token_file),
+        "security.require_token needs security.token_file or security.certs_dir",
+    )
+    if sec.require_tls:
+        ca = Path(sec.certs_dir) / "ca.crt"
+        _require(ca.is_file(), f"security.certs_dir: no CA certificate {ca}")
+    if sec.require_token:
+        token = Path(sec.token_file) if sec.token_file else Path(sec.certs_dir) / "token"
+        _require(token.is_file(), f"security: no job token file {token}")
     _require(
         config.run.log_level in ("debug", "info", "warning", "error"),
         f"run.log_level must be debug, info, warning or error, got {config.run.log_level!r}",

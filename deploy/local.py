@@ -123,6 +123,7 @@ class LocalJob:
                     fingerprint=config.fingerprint(),
                     join_timeout_s=config.sync.timeout_s,
                     metrics_port=None if config.run.metrics_port < 0 else 0,
+                    security=config.site_security(site),
                 )
             )
         addresses = {c.site: c.address for c in self._coordinators}

@@ -43,6 +43,7 @@ from isthmus.inter.coordinator import peer_channel
 from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
+from isthmus.inter.security import SiteSecurity
 from isthmus.intra.data import ShardedBatches, from_path, stdlib_corpus
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.flops import scaled_lr
@@ -94,10 +95,12 @@ def device_type(config: JobConfig) -> str:
     return config.topology.device
 
 
-def join_job(env: RankEnv, config: JobConfig, lane_address: str) -> list[cpb.SiteInfo]:
+def join_job(
+    env: RankEnv, config: JobConfig, lane_address: str, security: SiteSecurity | None = None
+) -> list[cpb.SiteInfo]:
     """Register this rank's lane and wait for the job's membership."""
     deadline = time.monotonic() + config.sync.timeout_s
-    with peer_channel(env.coordinator) as channel:
+    with peer_channel(env.coordinator, security=security) as channel:
         stub = cpb_grpc.CoordinatorStub(channel)
         stub.RegisterRank(
             cpb.RegisterRankRequest(
@@ -143,6 +146,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
 
     sync = lane = None
     peers: dict[int, LanePeer] = {}
+    security = config.site_security(env.site)  # a rank uses its site's certificate
     if len(sites) > 1:
         codec = make_codec(config.sync.codec)
         cluster = config.cluster
@@ -157,9 +161,11 @@ def run(env: RankEnv, config: JobConfig) -> None:
             # may start its first round before this rank has heard of the membership
             # itself: be at generation 1 from the start, or its chunks are refused.
             generation=1,
+            security=security,
         )
         port = lane.address.rsplit(":", 1)[1]
-        membership = join_job(env, config, f"{cluster.advertise_host or cluster.lane_host}:{port}")
+        advertised = f"{cluster.advertise_host or cluster.lane_host}:{port}"
+        membership = join_job(env, config, advertised, security)
         for info in membership:
             if info.name != env.site:
                 peers[info.index] = LanePeer(
@@ -167,6 +173,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
                     proxy=env.proxies.get(info.name),
                     connections=config.sync.connections,
                     chunk_bytes=config.chunk_bytes,
+                    security=security,
                 )
         allreduce = CrossSiteAllReduce(
             site_index=site_index,
@@ -223,6 +230,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         site_dir / "metrics.jsonl" if env.rank == 0 else None,
         env.coordinator,
         env.run_dir / "tensorboard" / env.site if config.run.tensorboard else None,
+        security=security,
     )
     start = restore(trainer, sync, config, env.run_dir, env.site)  # 0 unless resuming
     dist.barrier()

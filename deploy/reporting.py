@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from isthmus.inter.coordinator import peer_channel
+from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
 
@@ -30,6 +31,8 @@ class StepReporter:
         site: this site's name.
         metrics_path: metrics.jsonl to write, or None on ranks other than 0.
         coordinator: host:port of the site's coordinator, or "" for none.
+        tensorboard_dir: where rank 0 writes TensorBoard event files, or None.
+        security: the site's TLS and token for the coordinator channel; None = off.
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class StepReporter:
         metrics_path: Path | None,
         coordinator: str,
         tensorboard_dir: Path | None = None,
+        security: SiteSecurity | None = None,
     ) -> None:
         self.site = site
         self.file = metrics_path.open("w") if metrics_path else None
@@ -49,7 +53,9 @@ class StepReporter:
             "raw_bytes": 0,
             "corrupt_chunks": 0,
         }
-        self._channel = peer_channel(coordinator) if coordinator and metrics_path else None
+        self._channel = (
+            peer_channel(coordinator, security=security) if coordinator and metrics_path else None
+        )
         self._stub = cpb_grpc.CoordinatorStub(self._channel) if self._channel else None
         self.started = time.perf_counter()
 

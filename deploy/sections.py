@@ -175,6 +175,21 @@ class ClusterSection:
     empty = lane_host."""
 
 
+@dataclass(kw_only=True, slots=True)
+class SecuritySection:
+    certs_dir: str = ""
+    """Folder written by `isthmus certs`: ca.crt, SITE.crt and SITE.key of this site,
+    token. Needed when require_tls or require_token is on (docs/security.md)."""
+    token_file: str = ""
+    """File holding the job token; empty = CERTS_DIR/token."""
+    require_tls: bool = False
+    """Coordinators and lanes serve only mutual TLS and dial with it: a peer without a
+    certificate signed by the job CA is refused in the handshake."""
+    require_token: bool = False
+    """Every call must carry the job token (health checks excepted); a refused call is
+    logged with the peer's address."""
+
+
 SECTION_TYPES = {
     "job": JobSection,
     "topology": TopologySection,
@@ -187,6 +202,7 @@ SECTION_TYPES = {
     "run": RunSection,
     "checkpoint": CheckpointSection,
     "cluster": ClusterSection,
+    "security": SecuritySection,
 }
 
 

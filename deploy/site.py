@@ -51,6 +51,7 @@ def coordinator_for(config: JobConfig, site: str) -> Coordinator:
         port=int(port),
         join_timeout_s=config.sync.timeout_s,
         metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
+        security=config.site_security(site),
     )
 
 

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isthmus.inter.metrics import SiteMetrics
 from isthmus.inter.replicas import ReplicaDigests
+from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -55,15 +56,18 @@ def fingerprint_diff(ours: Mapping[str, str], theirs: Mapping[str, str]) -> list
     ]
 
 
-def peer_channel(address: str, proxy: str | None = None) -> grpc.Channel:
-    """An insecure channel to `address`, through an HTTP CONNECT proxy when given."""
+def peer_channel(
+    address: str, proxy: str | None = None, security: SiteSecurity | None = None
+) -> grpc.Channel:
+    """A channel to `address`, through an HTTP CONNECT proxy when given; mutual TLS
+    and the job token as `security` says (None = plaintext)."""
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
     if proxy:
         options.append(("grpc.http_proxy", proxy))
-    return grpc.insecure_channel(address, options=options)
+    return (security or INSECURE).channel(address, options)
 
 
 class Coordinator(pb_grpc.CoordinatorServicer):
@@ -84,6 +88,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         heartbeat_s: period of heartbeats to peers once joined.
         metrics_port: serve Prometheus /metrics on this port (0 = any free port);
             None serves none. `metrics_address` tells where it is.
+        security: mutual TLS and the job token for this server and the channels to
+            peers (`isthmus.inter.security`); None = plaintext, no token.
     """
 
     def __init__(
@@ -101,6 +107,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         rpc_timeout_s: float = 5.0,
         heartbeat_s: float = 1.0,
         metrics_port: int | None = None,
+        security: SiteSecurity | None = None,
     ) -> None:
         if site not in site_names:
             raise ValueError(f"site {site!r} is not one of the job's sites {site_names}")
@@ -137,6 +144,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.metrics_address: str | None = None
         self._metrics_port = metrics_port
         self._host = host
+        self.security = security or INSECURE
         # grpc.health.v1: SERVING while the site trains, NOT_SERVING once it drains.
         self.health = health.HealthServicer()
 
@@ -146,10 +154,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
+            interceptors=self.security.server_interceptors(f"coordinator of {site}"),
         )
         pb_grpc.add_CoordinatorServicer_to_server(self, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        bound = self.security.add_port(self._server, f"{host}:{port}")
         if bound == 0:
             raise OSError(f"coordinator for {site} could not bind {host}:{port}")
         self.address = f"{host}:{bound}"
@@ -401,7 +410,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def _join_peers(self) -> None:
         channels = {
-            name: peer_channel(address, self.proxies.get(name))
+            name: peer_channel(address, self.proxies.get(name), self.security)
             for name, address in self.peers.items()
         }
         stubs = {name: pb_grpc.CoordinatorStub(ch) for name, ch in channels.items()}
@@ -468,6 +477,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 if exc.code() in (
                     grpc.StatusCode.FAILED_PRECONDITION,
                     grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.UNAUTHENTICATED,  # a wrong job token stays wrong
                 ):
                     self._fail(f"site {name} refused {self.site}'s join: {exc.details()}")
                     return

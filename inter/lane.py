@@ -24,6 +24,7 @@ from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 from .codec import crc32
 from .mailbox import Mailbox, Outbox
+from .security import INSECURE, SiteSecurity
 
 __all__ = ["LaneServer", "channel_options", "chunk_bytes_for_link", "max_payload_bytes"]
 
@@ -92,6 +93,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         host: interface to bind; port 0 lets the OS pick.
         port: port to bind (0 = ephemeral).
         max_workers: handler threads; each open stream holds one for its round.
+        security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         host: str = "127.0.0.1",
         port: int = 0,
         max_workers: int = 32,
+        security: SiteSecurity | None = None,
     ) -> None:
         if not 0 <= site_index < num_sites:
             raise ValueError(f"site_index must be in [0, {num_sites}), got {site_index}")
@@ -123,6 +126,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lane-rx"),
             options=channel_options(chunk_bytes),
+            interceptors=(security or INSECURE).server_interceptors(f"lane of site {site_index}"),
         )
         lane_pb2_grpc.add_LaneServicer_to_server(self, self._server)
         # grpc.health.v1, like every isthmus server: SERVING until stop().
@@ -130,7 +134,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        bound = (security or INSECURE).add_port(self._server, f"{host}:{port}")
         if bound == 0:
             raise OSError(f"could not bind lane server to {host}:{port}")
         self._address = f"{host}:{bound}"

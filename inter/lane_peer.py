@@ -20,6 +20,7 @@ import grpc
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 from .lane import channel_options
+from .security import INSECURE, SiteSecurity
 
 __all__ = ["LanePeer", "PeerRound"]
 
@@ -90,8 +91,8 @@ class PeerRound:
 class _Sender:
     """One connection to a peer and the thread that streams its queue."""
 
-    def __init__(self, address: str, options: list, name: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=options)
+    def __init__(self, address: str, options: list, name: str, security: SiteSecurity) -> None:
+        self.channel = security.channel(address, options)
         self.stub = lane_pb2_grpc.LaneStub(self.channel)
         self.queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -162,6 +163,7 @@ class LanePeer:
         chunk_bytes: the job's chunk size (sets the message size limits).
         proxy: optional HTTP CONNECT proxy URL (e.g. the WAN emulator).
         connections: parallel TCP connections, each with its own stream and thread.
+        security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class LanePeer:
         chunk_bytes: int = 1 << 20,
         proxy: str | None = None,
         connections: int = 1,
+        security: SiteSecurity | None = None,
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
@@ -187,6 +190,7 @@ class LanePeer:
                 address,
                 [*base, ("grpc.use_local_subchannel_pool", 1), ("grpc.channel_id", i)],
                 name=f"lane-tx-{address}-{i}",
+                security=security or INSECURE,
             )
             for i in range(connections)
         ]

@@ -1,0 +1,327 @@
+"""Mutual TLS and the job token on every isthmus gRPC server and channel.
+
+One :class:`SiteSecurity` per site (a rank uses its site's): the job CA, this site's
+certificate and key, and the job token, read from the folder that `isthmus certs`
+writes. It adds the listening port of a server (TLS that requires a client
+certificate signed by the job CA, or plaintext), gives the server the interceptors
+that check each call, and opens channels that present the site's certificate and
+attach the token to every call. ``SiteSecurity()`` is all off: today's plaintext.
+
+Where refusals are seen (DESIGN.md invariant 6: an unauthenticated peer gets nothing):
+
+* **Certificate refusals** (a plaintext client, no client certificate, one signed by
+  another CA, an expired one) fail the TLS handshake inside gRPC's C core, before a
+  single byte reaches a handler. grpcio gives Python no hook there and no peer
+  address, and its tracer is not a log of ours. So the dialing side, which is always
+  an isthmus process, reports it (the RpcError names the address it dialed and the
+  SSL error); and the server's interceptor re-checks every call that does arrive:
+  when TLS is required, a call without a TLS transport and a verified peer
+  certificate (a port added without TLS by mistake) is refused and logged with
+  ``context.peer()`` like a token refusal.
+* **Token refusals** (missing or wrong ``x-isthmus-token``) are answered
+  UNAUTHENTICATED by the interceptor before the handler runs, so the call changes no
+  state, and logged at WARNING with the peer's address and the method (at most once
+  per peer host, reason and method every ``LOG_EVERY_S``; the rest at DEBUG, so a
+  misconfigured peer retrying every 200 ms cannot flood the log).
+* **Health checks** (``/grpc.health.v1.Health/``) need no token: probes (Kubernetes,
+  load balancers) cannot send one and the answer says nothing but SERVING. They are
+  still behind TLS when TLS is on, like everything on the port.
+
+Names: every site certificate carries the DNS name :data:`TLS_NAME` and channels
+verify the server against it (``grpc.ssl_target_name_override``), because peers are
+dialed by IP, NAT address or through an HTTP CONNECT proxy, none of which is a name
+a certificate could list in advance. Trust is therefore "signed by this job's CA";
+the job CA is per job, so that is the boundary.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+__all__ = [
+    "HEALTH_PREFIX",
+    "INSECURE",
+    "TLS_NAME",
+    "TOKEN_HEADER",
+    "SiteSecurity",
+]
+
+log = logging.getLogger(__name__)
+
+TLS_NAME = "isthmus"
+"""DNS name in every site certificate; channels check the server's certificate for it."""
+TOKEN_HEADER = "x-isthmus-token"
+"""Call metadata key carrying the job token (gRPC metadata keys are lowercase)."""
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+"""Methods exempt from the token (still behind TLS when it is on)."""
+MIN_TOKEN_CHARS = 16
+LOG_EVERY_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class SiteSecurity:
+    """One site's credentials and what its servers require.
+
+    Args:
+        require_tls: serve only mutual TLS and dial with it (needs ca, cert, key).
+        require_token: refuse calls without the job token (needs token).
+        ca: PEM of the job CA certificate: the only issuer trusted, both directions.
+        cert: PEM of this site's certificate (signed by the CA).
+        key: PEM of this site's private key.
+        token: the job token, attached to every outgoing call when set.
+    """
+
+    require_tls: bool = False
+    require_token: bool = False
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.require_tls and not (self.ca and self.cert and self.key):
+            raise ValueError("require_tls needs the CA certificate, a site certificate and its key")
+        if self.require_token and not self.token:
+            raise ValueError("require_token needs the job token")
+        if self.token is not None:
+            if len(self.token) < MIN_TOKEN_CHARS:
+                raise ValueError(f"the job token must be at least {MIN_TOKEN_CHARS} characters")
+            if not (self.token.isascii() and self.token.isprintable() and " " not in self.token):
+                raise ValueError("the job token must be printable ASCII without spaces")
+
+    @classmethod
+    def load(
+        cls,
+        certs_dir: str | Path,
+        site: str,
+        *,
+        token_file: str | Path | None = None,
+        require_tls: bool = False,
+        require_token: bool = False,
+    ) -> SiteSecurity:
+        """Read the files `isthmus certs` wrote: ca.crt, SITE.crt, SITE.key, token.
+
+        Only what a switch needs is read: the certificates for TLS, the token for the
+        token (from ``token_file``, default CERTS_DIR/token).
+
+        Raises:
+            ValueError: a needed file is missing or unreadable (the message names it).
+        """
+        folder = Path(certs_dir)
+
+        def read(path: Path) -> bytes:
+            try:
+                return path.read_bytes()
+            except OSError as exc:
+                raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+        ca = cert = key = None
+        token = None
+        if require_tls:
+            ca, cert, key = (
+                read(folder / name) for name in ("ca.crt", f"{site}.crt", f"{site}.key")
+            )
+        if require_token:
+            path = Path(token_file) if token_file else folder / "token"
+            token = read(path).decode("ascii", errors="replace").strip()
+        return cls(
+            require_tls=require_tls,
+            require_token=require_token,
+            ca=ca,
+            cert=cert,
+            key=key,
+            token=token,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.require_tls or self.require_token
+
+    # -- servers --------------------------------------------------------------------
+
+    def add_port(self, server: grpc.Server, address: str) -> int:
+        """Bind ``address`` on ``server``: mutual TLS when required, else plaintext.
+
+        Returns:
+            The bound port; 0 when binding failed (as gRPC's own add_*_port).
+        """
+        if not self.require_tls:
+            return server.add_insecure_port(address)
+        credentials = grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
+        )
+        return server.add_secure_port(address, credentials)
+
+    def server_interceptors(self, where: str) -> list[grpc.ServerInterceptor]:
+        """Interceptors for ``grpc.server(interceptors=...)``; none when all is off.
+
+        Args:
+            where: who is refusing, for the log line ("coordinator site0", "lane site1/0").
+        """
+        return [_Gate(self, where)] if self.enabled else []
+
+    # -- clients --------------------------------------------------------------------
+
+    def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        """A channel to ``address``: mutual TLS when required, the token on every call.
+
+        Works through an HTTP CONNECT proxy (``grpc.http_proxy`` in ``options``): TLS
+        runs inside the tunnel, end to end between the two sites.
+        """
+        options = list(options)
+        if self.require_tls:
+            options.append(("grpc.ssl_target_name_override", TLS_NAME))
+            credentials = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+            channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        if self.token:
+            channel = grpc.intercept_channel(channel, _TokenAttacher(self.token))
+        return channel
+
+
+INSECURE = SiteSecurity()
+"""Everything off: plaintext ports and channels, no token (the default everywhere)."""
+
+
+# -- server side ----------------------------------------------------------------------
+
+
+class _Refusal(Exception):
+    pass
+
+
+class _Gate(grpc.ServerInterceptor):
+    """Checks every call before its handler runs; refuses with UNAUTHENTICATED."""
+
+    def __init__(self, security: SiteSecurity, where: str) -> None:
+        self._security = security
+        self._token = (security.token or "").encode()
+        self._where = where
+        self._lock = threading.Lock()
+        self._logged: dict[tuple[str, str, str], float] = {}
+
+    def intercept_service(
+        self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        need_token = self._security.require_token and not method.startswith(HEALTH_PREFIX)
+        return _wrap(handler, lambda context: self._check(context, method, need_token))
+
+    def _check(self, context: grpc.ServicerContext, method: str, need_token: bool) -> None:
+        why = None
+        if self._security.require_tls:
+            auth = context.auth_context()
+            if auth.get("transport_security_type") != [b"ssl"] or not context.peer_identities():
+                why = "no TLS client certificate"
+        if why is None and need_token:
+            sent = dict(context.invocation_metadata()).get(TOKEN_HEADER)
+            if sent is None:
+                why = "no job token"
+            elif not hmac.compare_digest(str(sent).encode(), self._token):
+                why = "wrong job token"
+        if why is None:
+            return
+        peer = context.peer()
+        self._log(peer, why, method)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self._where} refused the call: {why}")
+
+    def _log(self, peer: str, why: str, method: str) -> None:
+        host = peer.rsplit(":", 1)[0]  # the client's port changes with every connection
+        now = time.monotonic()
+        with self._lock:
+            last = self._logged.get((host, why, method))
+            loud = last is None or now - last >= LOG_EVERY_S
+            if loud:
+                self._logged[(host, why, method)] = now
+        log.log(
+            logging.WARNING if loud else logging.DEBUG,
+            "%s refused %s from %s: %s",
+            self._where,
+            method,
+            peer,
+            why,
+        )
+
+
+def _wrap(handler: grpc.RpcMethodHandler, check: Callable) -> grpc.RpcMethodHandler:
+    """The same handler with ``check(context)`` run first (it aborts on a refusal)."""
+    if handler.request_streaming and handler.response_streaming:
+        inner, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        inner, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        inner, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        inner, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+
+    def behaviour(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+        check(context)  # raises on refusal: the handler never sees the request
+        return inner(request_or_iterator, context)
+
+    return make(
+        behaviour,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+# -- client side ----------------------------------------------------------------------
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _TokenAttacher(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the job token to the metadata of every call on a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = (TOKEN_HEADER, token)
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [*(details.metadata or ()), self._entry]
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
