@@ -146,6 +146,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from isthmus.deploy.chaos import run_suite
+
+    try:
+        results = run_suite(
+            quick=args.quick, only=args.only, keep=Path(args.keep) if args.keep else None
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0 if all(r.ok for r in results) else 1
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from isthmus.inter.coordinator import Coordinator
 
@@ -325,6 +337,24 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's --run-dir")
     report.add_argument("--out", default=None, help="folder for the plots (default: RUN_DIR)")
     report.set_defaults(func=cmd_report)
+
+    chaos = sub.add_parser(
+        "chaos",
+        help="run the fault-injection suite: kill, restart, partition, corrupt, slow",
+        description="Run real jobs (one `isthmus site` process per site over emulated "
+        "links) while injecting faults; each scenario passes when every surviving site "
+        "finishes with the same parameter digest. Prints a table and writes chaos.json "
+        "(docs/reliability.md).",
+        formatter_class=HelpFormatter,
+    )
+    chaos.add_argument("--quick", action="store_true", help="only the quick subset CI runs")
+    chaos.add_argument(
+        "--only", nargs="+", metavar="NAME", default=None, help="run only these scenarios"
+    )
+    chaos.add_argument(
+        "--keep", metavar="DIR", default=None, help="keep runs and logs here (default: a temp dir)"
+    )
+    chaos.set_defaults(func=cmd_chaos)
 
     from isthmus.deploy import plan_cmd
 

@@ -23,6 +23,7 @@ from isthmus.deploy.sections import (
     CheckpointSection,
     ClusterSection,
     DataSection,
+    FailoverSection,
     JobSection,
     ModelSection,
     ParallelSection,
@@ -59,11 +60,22 @@ class JobConfig:
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     sync: SyncSection = field(default_factory=SyncSection)
+    failover: FailoverSection = field(default_factory=FailoverSection)
     wan: WanSection = field(default_factory=WanSection)
     run: RunSection = field(default_factory=RunSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     security: SecuritySection = field(default_factory=SecuritySection)
+
+    def coordinator_options(self) -> dict[str, float | int]:
+        """The failover settings every coordinator of this job is built with."""
+        f = self.failover
+        return {
+            "heartbeat_s": f.heartbeat_s,
+            "failure_timeout_s": f.failure_timeout_s,
+            "min_sites": f.min_sites,
+            "quorum_wait_s": f.quorum_wait_s,
+        }
 
     @property
     def site_names(self) -> list[str]:
@@ -157,12 +169,12 @@ class JobConfig:
         # Lanes refuse chunks of another size: sites must agree on the size in use.
         out["sync.chunk_bytes"] = str(self.chunk_bytes)
         out["model.preset"] = self.model.preset
-        # Whether links need TLS or a token, never where the secrets are or what they are.
-        out["security.require_tls"] = str(self.security.require_tls)
-        out["security.require_token"] = str(self.security.require_token)
         # How often and where a site saves may differ; the step every site starts at may not.
         for key in ("every", "dir", "keep"):
             del out[f"checkpoint.{key}"]
+        # Whether links need TLS or a token, never where the secrets are or what they are.
+        out["security.require_tls"] = str(self.security.require_tls)
+        out["security.require_token"] = str(self.security.require_token)
         for key, value in dataclasses.asdict(self.resolved_model()).items():
             out[f"model.{key}"] = str(value)
         return out
@@ -344,6 +356,17 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"sync.codec: {exc}") from None
     _require(1 <= s.connections <= 16, f"sync.connections must be in 1..16, got {s.connections}")
     _require(s.timeout_s > 0, f"sync.timeout_s must be > 0, got {s.timeout_s}")
+    f = config.failover
+    _require(
+        1 <= f.min_sites <= config.topology.sites,
+        f"failover.min_sites must be in 1..topology.sites={config.topology.sites}, got {f.min_sites}",
+    )
+    _require(
+        0 < f.heartbeat_s < f.failure_timeout_s,
+        f"failover.heartbeat_s must be > 0 and below failover.failure_timeout_s, got "
+        f"{f.heartbeat_s} and {f.failure_timeout_s}",
+    )
+    _require(f.quorum_wait_s >= 0, f"failover.quorum_wait_s must be >= 0, got {f.quorum_wait_s}")
     config.resolved_model()
     w = config.wan
     _require(w.distance_km >= 0, f"wan.distance_km must be >= 0, got {w.distance_km}")

@@ -124,6 +124,7 @@ class LocalJob:
                     join_timeout_s=config.sync.timeout_s,
                     metrics_port=None if config.run.metrics_port < 0 else 0,
                     security=config.site_security(site),
+                    **config.coordinator_options(),
                 )
             )
         addresses = {c.site: c.address for c in self._coordinators}

@@ -36,24 +36,20 @@ import torch.distributed as dist
 
 from isthmus.deploy.checkpointing import restore, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
+from isthmus.deploy.cross_site import CrossSite
 from isthmus.deploy.reporting import DivergenceError, StepReporter
-from isthmus.inter.allreduce import CrossSiteAllReduce
-from isthmus.inter.codec import make_codec
-from isthmus.inter.coordinator import peer_channel
-from isthmus.inter.gradient_sync import LaneGradientSync
-from isthmus.inter.lane import LaneServer
-from isthmus.inter.lane_peer import LanePeer
-from isthmus.inter.security import SiteSecurity
+from isthmus.inter.membership import QuorumLost, RejoinRequired
 from isthmus.intra.data import ShardedBatches, from_path, stdlib_corpus
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.flops import scaled_lr
 from isthmus.intra.model import build_model
 from isthmus.intra.topology import ParallelLayout, build_site_mesh, mesh_coordinate
 from isthmus.intra.train import TrainConfig, Trainer
-from isthmus.proto import coordinator_pb2 as cpb
-from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
 
 log = logging.getLogger("isthmus.rank")
+
+SLOWDOWN = float(os.environ.get("ISTHMUS_SLOWDOWN", "1"))
+"""Fault injection for `isthmus chaos`: each step takes this many times longer."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,33 +91,6 @@ def device_type(config: JobConfig) -> str:
     return config.topology.device
 
 
-def join_job(
-    env: RankEnv, config: JobConfig, lane_address: str, security: SiteSecurity | None = None
-) -> list[cpb.SiteInfo]:
-    """Register this rank's lane and wait for the job's membership."""
-    deadline = time.monotonic() + config.sync.timeout_s
-    with peer_channel(env.coordinator, security=security) as channel:
-        stub = cpb_grpc.CoordinatorStub(channel)
-        stub.RegisterRank(
-            cpb.RegisterRankRequest(
-                site=env.site,
-                rank=env.rank,
-                world_size=env.world_size,
-                lane_address=lane_address,
-                fingerprint=cpb.JobFingerprint(fields=config.fingerprint()),
-            ),
-            timeout=10,
-            wait_for_ready=True,
-        )
-        while time.monotonic() < deadline:
-            reply = stub.GetMembership(
-                cpb.GetMembershipRequest(known_generation=0, wait_ms=5000), timeout=15
-            )
-            if reply.generation > 0:
-                return list(reply.sites)
-    raise TimeoutError(f"no job membership after {config.sync.timeout_s:.0f}s")
-
-
 def run(env: RankEnv, config: JobConfig) -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dev = device_type(config)
@@ -144,49 +113,19 @@ def run(env: RankEnv, config: JobConfig) -> None:
     sites = config.site_names
     site_index = sites.index(env.site)
 
-    sync = lane = None
-    peers: dict[int, LanePeer] = {}
+    sync = cross = None
     security = config.site_security(env.site)  # a rank uses its site's certificate
     if len(sites) > 1:
-        codec = make_codec(config.sync.codec)
-        cluster = config.cluster
-        lane = LaneServer(
-            site_index=site_index,
-            num_sites=len(sites),
-            codec=codec.name,
-            chunk_bytes=config.chunk_bytes,
-            host=cluster.lane_host,
-            port=cluster.lane_port_base + env.rank if cluster.lane_port_base else 0,
-            # A peer learns this lane's address only from membership generation 1, and
-            # may start its first round before this rank has heard of the membership
-            # itself: be at generation 1 from the start, or its chunks are refused.
-            generation=1,
+        cross = CrossSite.start(
+            site=env.site,
+            rank=env.rank,
+            world_size=env.world_size,
+            coordinator=env.coordinator,
+            proxies=env.proxies,
+            config=config,
             security=security,
         )
-        port = lane.address.rsplit(":", 1)[1]
-        advertised = f"{cluster.advertise_host or cluster.lane_host}:{port}"
-        membership = join_job(env, config, advertised, security)
-        for info in membership:
-            if info.name != env.site:
-                peers[info.index] = LanePeer(
-                    info.lane_addresses[env.rank],
-                    proxy=env.proxies.get(info.name),
-                    connections=config.sync.connections,
-                    chunk_bytes=config.chunk_bytes,
-                    security=security,
-                )
-        allreduce = CrossSiteAllReduce(
-            site_index=site_index,
-            num_sites=len(sites),
-            server=lane,
-            peers=peers,
-            codec=codec,
-            chunk_bytes=config.chunk_bytes,
-            timeout_s=config.sync.timeout_s,
-            generation=1,
-            workers=config.sync.workers or None,
-        )
-        sync = LaneGradientSync(allreduce)
+        sync = cross.sync
 
     model = build_model(config.resolved_model(), seed=config.job.seed)
     trainer = Trainer(
@@ -233,14 +172,28 @@ def run(env: RankEnv, config: JobConfig) -> None:
         security=security,
     )
     start = restore(trainer, sync, config, env.run_dir, env.site)  # 0 unless resuming
+    if cross is not None:
+        # A site joining a running job starts from a live peer's state (invariant 3).
+        start = cross.catch_up(trainer) or start
     dist.barrier()
     started = time.perf_counter()
     last = config.job.steps - 1
-    for step in range(start, config.job.steps):
+    step = start
+    digest = ""
+    while step < config.job.steps:
         inputs, targets = batches.batch(step)
         if sync is not None:
             sync.begin_step(step)
-        stats = trainer.step(step, inputs, targets)
+        try:
+            stats = trainer.step(step, inputs, targets)
+        except RejoinRequired as exc:
+            # The job went on without this site while it was cut off: nothing of this
+            # step was applied; take the live state and go on from where the job is.
+            assert cross is not None
+            step = cross.rejoin(trainer, exc.decision)
+            continue
+        if SLOWDOWN > 1:  # fault injection (isthmus chaos): a site F times slower
+            time.sleep((SLOWDOWN - 1) * stats.compute_s)
         round_stats = sync.last_step_stats if sync is not None else None
         # Site totals of what crossed the WAN this step (every rank has its own lane).
         rs = round_stats
@@ -272,11 +225,17 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 "corrupt_chunks": int(traffic[2]),
                 "elapsed_s": time.perf_counter() - started,
                 "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
+                "live_sites": round_stats.sites if round_stats else 1,
+                "generation": round_stats.generation if round_stats else 0,
+                "retries": round_stats.retries if round_stats else 0,
             },
             digest=digest,
             finished=step == last,
         )
+        if cross is not None:
+            cross.offer_if_asked(trainer, step + 1)
         save_if_due(trainer, sync, config, env.run_dir, env.site, step + 1)
+        step += 1
     train_s = time.perf_counter() - started
     metrics.close()
     shard_digest = intra_shard_digest(trainer.model_parts)
@@ -291,12 +250,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
     }
     (site_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    if sync is not None:
-        sync.close()
-    if lane is not None:
-        lane.stop(grace=5.0)
-    for peer in peers.values():
-        peer.close()
+    if cross is not None:
+        cross.close()
     dist.destroy_process_group()
 
 
@@ -327,7 +282,7 @@ def main() -> int:
     except grpc.RpcError as exc:
         print(f"error: [{env.site}/{env.rank}] {exc.details()}", file=sys.stderr)
         return 1
-    except DivergenceError as exc:
+    except (DivergenceError, QuorumLost) as exc:
         print(f"error: [{env.site}/{env.rank}] {exc}", file=sys.stderr)
         return 1
     return 0

@@ -117,6 +117,20 @@ class SyncSection:
 
 
 @dataclass(kw_only=True, slots=True)
+class FailoverSection:
+    min_sites: int = 1
+    """Never train with fewer live sites than this; below it the job stops."""
+    failure_timeout_s: float = 10.0
+    """A site not heard from (coordinator heartbeats) for this long is taken for dead:
+    the others finish the step's rounds without it and carry on."""
+    heartbeat_s: float = 1.0
+    """Period of the heartbeats between coordinators."""
+    quorum_wait_s: float = 300.0
+    """How long a site cut off from a quorum waits for the link to heal (then it
+    pulls the state and rejoins) before it stops with a message saying why."""
+
+
+@dataclass(kw_only=True, slots=True)
 class WanSection:
     distance_km: float = 1000.0
     """Emulated fiber distance between every pair of sites; ~4.9 us per km one way."""
@@ -198,6 +212,7 @@ SECTION_TYPES = {
     "train": TrainSection,
     "data": DataSection,
     "sync": SyncSection,
+    "failover": FailoverSection,
     "wan": WanSection,
     "run": RunSection,
     "checkpoint": CheckpointSection,

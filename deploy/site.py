@@ -52,6 +52,7 @@ def coordinator_for(config: JobConfig, site: str) -> Coordinator:
         join_timeout_s=config.sync.timeout_s,
         metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
         security=config.site_security(site),
+        **config.coordinator_options(),
     )
 
 
@@ -129,12 +130,13 @@ class SiteJob:
             progress.close()
 
     def _final_digests(self, mine: str) -> dict[str, str]:
-        """Wait for every peer's digest after the last step; LaunchError if any differs."""
+        """Wait for every live peer's digest after the last step; LaunchError if any
+        differs. Sites the job went on without (dead, or never came back) are not waited for."""
         assert self.coordinator is not None
         self.coordinator.drain()
         steps = self.config.job.steps
         deadline = time.monotonic() + PEER_DIGEST_WAIT_S
-        names = self.config.site_names
+        names = self.coordinator.live_members()
         while self.coordinator.replicas.agree_at(steps, names) is None:
             if time.monotonic() > deadline:
                 missing = [s for s, (st, _) in self._latest().items() if st != steps]
@@ -142,7 +144,7 @@ class SiteJob:
                     f"no final digest from {missing or 'peers'} after {PEER_DIGEST_WAIT_S:.0f}s"
                 )
             time.sleep(0.1)
-        digests = {site: digest for site, (_, digest) in self._latest().items()}
+        digests = {site: digest for site, (_, digest) in self._latest().items() if site in names}
         digests[self.site] = mine
         if not self.coordinator.replicas.agree_at(steps, names):
             raise LaunchError(f"sites ended with different parameters: {digests}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from concurrent import futures
 
@@ -103,6 +104,26 @@ class CrossSiteAllReduce:
         self.timeout_s = timeout_s
         self.generation = generation
         self.pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="lane-codec")
+        self.abort = threading.Event()
+        """Set (with :attr:`abort_reason`) to fail the running round at once: a member
+        site fell silent, so waiting for it until the deadline is pointless."""
+        self.abort_reason = ""
+
+    def reconfigure(
+        self, *, site_index: int, num_sites: int, peers: dict[int, LanePeer], generation: int
+    ) -> None:
+        """Moves to a new membership (between rounds): the lane server and the codec
+        state stay; the peers, this site's position and the generation change."""
+        expected = set(range(num_sites)) - {site_index}
+        if set(peers) != expected:
+            raise ValueError(f"peers must cover sites {sorted(expected)}, got {sorted(peers)}")
+        self.site_index = site_index
+        self.num_sites = num_sites
+        self.peers = peers
+        self.generation = generation
+        self.server.set_generation(generation, num_sites=num_sites, site_index=site_index)
+        self.abort.clear()
+        self.abort_reason = ""
 
     def owner(self, chunk: int, step: int, group: int) -> int:
         """Returns the site that reduces ``chunk`` of round (step, group)."""

@@ -21,6 +21,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from isthmus.inter.failover import Failover
 from isthmus.inter.metrics import SiteMetrics
 from isthmus.inter.replicas import ReplicaDigests
 from isthmus.inter.security import INSECURE, SiteSecurity
@@ -90,6 +91,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             None serves none. `metrics_address` tells where it is.
         security: mutual TLS and the job token for this server and the channels to
             peers (`isthmus.inter.security`); None = plaintext, no token.
+        failure_timeout_s: a member not heard from for this long is suspected dead.
+        min_sites: never go on with fewer live sites.
+        quorum_wait_s: how long a site without quorum waits before it stops.
     """
 
     def __init__(
@@ -108,6 +112,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         heartbeat_s: float = 1.0,
         metrics_port: int | None = None,
         security: SiteSecurity | None = None,
+        failure_timeout_s: float = 10.0,
+        min_sites: int = 1,
+        quorum_wait_s: float = 60.0,
     ) -> None:
         if site not in site_names:
             raise ValueError(f"site {site!r} is not one of the job's sites {site_names}")
@@ -140,6 +147,23 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.finished = False
         self.finished_peers: set[str] = set()
         self.replicas = ReplicaDigests()
+        # The membership: generation, its member sites, and for a site joining a
+        # running job the step it starts at and the site it pulls the state from.
+        self.members: list[str] = []
+        self.start_step = 0
+        self.state_source = ""
+        self.joining = False
+        """True while this site asks a running job to admit it (restarted or left out)."""
+        self.excluded = False
+        """True when the job went on without this site (it was cut off without quorum)."""
+        self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self.failover = Failover(
+            self,
+            failure_timeout_s=failure_timeout_s,
+            min_sites=min_sites,
+            quorum_wait_s=quorum_wait_s,
+        )
         self.metrics = SiteMetrics(site)
         self.metrics_address: str | None = None
         self._metrics_port = metrics_port
@@ -186,7 +210,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             port = self.metrics.serve(self._host, self._metrics_port)
             self.metrics_address = f"{self._host}:{port}"
         self._started_at = time.monotonic()
+        for name, address in self.peers.items():
+            channel = peer_channel(address, self.proxies.get(name), self.security)
+            self._channels.append(channel)
+            self._stubs[name] = pb_grpc.CoordinatorStub(channel)
         self._joiner.start()
+        self.failover.start()
         log.info("[%s] coordinator serving on %s", self.site, self.address)
         return self.address
 
@@ -218,7 +247,19 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.metrics.close()
         if self._joiner.is_alive():
             self._joiner.join(timeout=self.rpc_timeout_s + 1.0)
+        self.failover.join(timeout=self.rpc_timeout_s + 1.0)
         self._server.stop(grace_s).wait(grace_s + 1.0)
+        for channel in self._channels:
+            channel.close()
+
+    def peer_stub(self, name: str) -> pb_grpc.CoordinatorStub:
+        """The stub of peer site `name`'s coordinator (one channel per peer)."""
+        return self._stubs[name]
+
+    def live_members(self) -> list[str]:
+        """Members of the current generation (every site before the first)."""
+        with self._cond:
+            return list(self.members) if self.members else list(self.site_names)
 
     def __enter__(self) -> Coordinator:
         self.start()
@@ -266,6 +307,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def _local_ready_locked(self) -> bool:
         return all(self._lanes)
 
+    def _member_infos_locked(self) -> list[pb.SiteInfo]:
+        infos = dict(self._ready_sites)
+        infos[self.site] = self._own_info_locked()
+        return [infos[name] for name in self.members if name in infos]
+
     def _sites_locked(self) -> list[pb.SiteInfo]:
         infos = dict(self._ready_sites)
         infos[self.site] = self._own_info_locked()
@@ -274,10 +320,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def _maybe_ready_locked(self) -> None:
         if (
             self._generation == 0
+            and not self.joining
             and self._local_ready_locked()
             and set(self._ready_sites) == set(self.peers)
         ):
             self._generation = 1
+            self.members = list(self.site_names)
             log.info("[%s] membership generation 1: %s", self.site, ", ".join(self.site_names))
             self._cond.notify_all()
 
@@ -343,10 +391,30 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         with self._cond:
             self.last_seen[request.site.name] = time.monotonic()
-            if request.ready and request.site.name not in self._ready_sites:
-                self._ready_sites[request.site.name] = request.site
+            name = request.site.name
+            running = self._generation > 0 and not self.joining
+            # A member that joins from generation 0 once the job is under way was
+            # restarted: its earlier incarnation is gone (suspect it now, not after the
+            # failure timeout), and it is admitted like any site outside the membership.
+            restarted = (
+                running
+                and name in self.members
+                and request.generation == 0
+                and (self._generation > 1 or self.failover.committed_steps > 0)
+            )
+            news = running and (name not in self.members or restarted)
+            if news and request.ready:
+                if restarted:
+                    self.failover.restarted.add(name)
+                self.failover.add_joiner(request.site)
+            elif request.ready and name not in self._ready_sites:
+                self._ready_sites[name] = request.site
                 self._maybe_ready_locked()
-            return pb.JoinResponse(site=self._own_info_locked(), ready=self._local_ready_locked())
+            return pb.JoinResponse(
+                site=self._own_info_locked(),
+                ready=self._local_ready_locked(),
+                generation=self._generation if news else 0,
+            )
 
     def GetMembership(self, request, context):  # noqa: N802
         wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0
@@ -363,9 +431,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 self._cond.wait(left)
             if self._error is not None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._error)
-            if self._generation == 0:
+            if self._generation == 0 or self.joining:
                 return pb.GetMembershipResponse(generation=0)
-            return pb.GetMembershipResponse(generation=self._generation, sites=self._sites_locked())
+            return pb.GetMembershipResponse(
+                generation=self._generation,
+                sites=self._member_infos_locked(),
+                start_step=self.start_step,
+                state_source=self.state_source,
+                suspects=self.failover.suspects_locked(),
+            )
 
     def Heartbeat(self, request, context):  # noqa: N802
         if request.site not in self.peers:
@@ -383,7 +457,19 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.metrics.site_up.labels(self.site, request.site).set(1)
         if self.replicas.record(request.site, request.digest_step, request.digest):
             self.metrics.replicas_identical.labels(self.site).set(0)
-        return pb.HeartbeatResponse(generation=self.generation)
+        with self._cond:
+            return pb.HeartbeatResponse(
+                generation=self._generation, member=request.site in self.members
+            )
+
+    def CommitStep(self, request, context):  # noqa: N802
+        return self.failover.commit_step(request, context)
+
+    def SiteVote(self, request, context):  # noqa: N802
+        return self.failover.site_vote(request, context)
+
+    def Propose(self, request, context):  # noqa: N802
+        return self.failover.propose(request, context)
 
     def ReportProgress(self, request, context):  # noqa: N802
         if request.site != self.site:
@@ -409,24 +495,17 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     # -- joining peers ----------------------------------------------------------------
 
     def _join_peers(self) -> None:
-        channels = {
-            name: peer_channel(address, self.proxies.get(name), self.security)
-            for name, address in self.peers.items()
-        }
-        stubs = {name: pb_grpc.CoordinatorStub(ch) for name, ch in channels.items()}
-        try:
-            while not self._stopped.is_set():
-                self._join_round(stubs)
-                if self._error is not None:
-                    return
-                self._stopped.wait(0.2 if self.generation == 0 else self.heartbeat_s)
-            if self.generation > 0:
-                # A last word on the way out, so peers hear this site's final digest
-                # even when it finished last and its next heartbeat would never come.
-                self._heartbeat_round(stubs)
-        finally:
-            for channel in channels.values():
-                channel.close()
+        stubs = self._stubs
+        while not self._stopped.is_set():
+            self._join_round(stubs)
+            if self._error is not None:
+                return
+            joining = self.generation == 0 or self.joining
+            self._stopped.wait(0.2 if joining else self.heartbeat_s)
+        if self.generation > 0:
+            # A last word on the way out, so peers hear this site's final digest
+            # even when it finished last and its next heartbeat would never come.
+            self._heartbeat_round(stubs)
 
     def _heartbeat_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
         """Tell every peer this site's step, latest digest and whether it finished."""
@@ -438,27 +517,64 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 digest=digest,
                 digest_step=digest_step,
                 finished=self.finished,
+                generation=self._generation,
             )
         for name, stub in stubs.items():
             try:
-                stub.Heartbeat(beat, timeout=self.rpc_timeout_s)
+                reply = stub.Heartbeat(beat, timeout=self.rpc_timeout_s)
                 self.last_seen[name] = time.monotonic()
                 self.metrics.site_up.labels(self.site, name).set(1)
+                self._check_left_out(name, reply)
             except grpc.RpcError as exc:
                 self.metrics.site_up.labels(self.site, name).set(0)
-                if not self._stopped.is_set():  # a peer leaving at the end is no news
+                # A peer leaving at the end is no news, nor is a dead site the job
+                # already went on without (it is still asked, in case it comes back).
+                if not self._stopped.is_set() and (name in self.members or not self.members):
                     log.warning("[%s] heartbeat to %s failed: %s", self.site, name, exc.code().name)
+
+    def _check_left_out(self, name: str, reply: pb.HeartbeatResponse) -> None:
+        """A member of a newer generation that does not count this site: the job went on
+        without it (it was cut off without quorum). Ask to be admitted again."""
+        if reply is None:  # an answer that did not parse (a corrupting link)
+            return
+        with self._cond:
+            if (
+                reply.generation > self._generation
+                and not reply.member
+                and self._generation > 0
+                and not self.joining
+                and not self.finished
+            ):
+                log.warning(
+                    "[%s] %s is at generation %d without this site (at %d): joining again",
+                    self.site,
+                    name,
+                    reply.generation,
+                    self._generation,
+                )
+                self.excluded = self.joining = True
 
     def _join_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
         with self._cond:
-            joined = self._generation > 0
+            joined = self._generation > 0 and not self.joining
             ready = self._local_ready_locked()
             info = self._own_info_locked()
-            pending = [name for name in stubs if name not in self._told_ready]
+            # A site joining a running job keeps asking every peer until a leader
+            # admits it: a join is also how the leader knows it is still there.
+            pending = [name for name in stubs if name not in self._told_ready or self.joining]
         if joined and not pending:
             self._heartbeat_round(stubs)
             return
-        if time.monotonic() - self._started_at > self.join_timeout_s:
+        if self.joining and self.finished_peers:
+            # Admission happens at a step boundary; after the last step there is none.
+            self._fail(
+                f"the job finished ({', '.join(sorted(self.finished_peers))} ran its last "
+                f"step) before {self.site} could be admitted"
+            )
+            return
+        if self.excluded:
+            self._heartbeat_round(stubs)  # digests and liveness still flow
+        elif time.monotonic() - self._started_at > self.join_timeout_s:
             with self._cond:
                 absent = [n for n in self.peers if n not in self._ready_sites]
                 local = sum(1 for lane in self._lanes if lane)
@@ -468,7 +584,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
             return
         request = pb.JoinRequest(
-            site=info, fingerprint=pb.JobFingerprint(fields=self.fingerprint), ready=ready
+            site=info,
+            fingerprint=pb.JobFingerprint(fields=self.fingerprint),
+            ready=ready,
+            generation=self.generation,
         )
         for name in pending:
             try:
@@ -489,6 +608,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 return
             with self._cond:
                 self.last_seen[name] = time.monotonic()
+                if response.generation > 0 and self._generation == 0 and not self.joining:
+                    # The job is already running: wait to be admitted by its leader.
+                    log.info(
+                        "[%s] the job is running (generation %d): asking to join",
+                        self.site,
+                        response.generation,
+                    )
+                    self.joining = True
                 if response.ready and name not in self._ready_sites:
                     self._ready_sites[name] = response.site
                 if ready:

@@ -18,9 +18,12 @@ from concurrent import futures
 
 import torch
 
-from .allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
+from isthmus.proto import coordinator_pb2 as cpb
 
-__all__ = ["LaneGradientSync", "StepStats"]
+from .allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
+from .membership import QuorumLost, RejoinRequired, SiteMembership
+
+__all__ = ["LaneGradientSync", "QuorumLost", "RejoinRequired", "StepStats"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,12 @@ class StepStats:
     """fp32 bytes of what was sent, before encoding."""
     corrupt_chunks: int = 0
     """Chunks that arrived failing their checksum and were pulled again."""
+    retries: int = 0
+    """Times the step's rounds ran again in a new generation (a site failed or left)."""
+    generation: int = 0
+    """The membership generation the step committed in."""
+    sites: int = 0
+    """Live sites the step was averaged over."""
 
     @property
     def compression_ratio(self) -> float:
@@ -63,11 +72,24 @@ class LaneGradientSync:
         allreduce: the rank's cross-site all-reduce.
         finish_timeout_s: limit on ``finish``; default one round timeout per group
             plus slack, since each round already bounds itself.
+        membership: the rank's membership client. With it, ``finish`` votes on the
+            step and follows the decision: commit, run the rounds again without a
+            failed site, rejoin, or stop. Without it a failed round just raises.
     """
 
-    def __init__(self, allreduce: CrossSiteAllReduce, *, finish_timeout_s: float | None = None):
+    def __init__(
+        self,
+        allreduce: CrossSiteAllReduce,
+        *,
+        finish_timeout_s: float | None = None,
+        membership: SiteMembership | None = None,
+    ):
         self.allreduce = allreduce
         self.finish_timeout_s = finish_timeout_s
+        self.membership = membership
+        self.offer_state: cpb.Decision | None = None
+        """Set by a COMMIT that admits a site and names this site as the state source:
+        the caller offers its state after the step (then clears this)."""
         self.last_step_stats = StepStats()
         self._step = 0
         self._pending: list[_Pending] = []
@@ -127,9 +149,15 @@ class LaneGradientSync:
     def finish(self) -> None:
         """Waits for every started group and writes the averages into the shards.
 
+        With a membership, the step is voted on and the decision followed: a RETRY
+        runs every group's round again, from the untouched shards, among the sites
+        still alive; the shards change only on COMMIT (all or nothing).
+
         Raises:
-            CrossSiteError: a round failed or did not finish in time; no shard is
-                changed then, so the step can be retried or skipped as a whole.
+            CrossSiteError: (without a membership) a round failed or timed out; no
+                shard is changed then.
+            RejoinRequired: the job went on without this site.
+            QuorumLost: this site may not go on.
         """
         pending, self._pending = self._pending, []
         self._abort = threading.Event()  # rounds of the next step start afresh
@@ -137,25 +165,34 @@ class LaneGradientSync:
         self._step += 1  # callers that skip begin_step still get distinct rounds
         stats = StepStats(step=step, groups=len(pending))
         t0 = time.perf_counter()
-        timeout = self.finish_timeout_s
-        if timeout is None:
-            timeout = self.allreduce.timeout_s * max(1, len(pending)) + 5.0
-        deadline = time.monotonic() + timeout
         try:
-            for p in pending:
-                try:
-                    rs = p.future.result(timeout=max(0.0, deadline - time.monotonic()))
-                except futures.TimeoutError as exc:
-                    raise CrossSiteError(
-                        f"step {step} group {p.group}: not finished within {timeout:.1f}s"
-                    ) from exc
-                stats.sync_s += rs.wall_s
-                stats.bytes_sent += rs.bytes_sent
-                stats.bytes_received += rs.bytes_received
-                stats.raw_bytes += rs.raw_bytes
-                stats.corrupt_chunks += rs.corrupt_chunks
+            while True:
+                failure = self._collect(pending, step, stats)
+                if self.membership is None:
+                    if failure is not None:
+                        raise failure
+                    break
+                if failure is not None:
+                    log.warning("[step %d] %s", step, failure)
+                decision = self.membership.vote(step, failure is None)
+                if decision.verdict == cpb.VERDICT_COMMIT:
+                    if failure is not None:
+                        # Only possible if this rank's vote was lost: never apply a half round.
+                        raise QuorumLost(f"step {step} committed while this rank's round failed")
+                    self._follow(decision, step)
+                    break
+                if decision.verdict == cpb.VERDICT_RETRY:
+                    self.membership.configure(decision.generation, list(decision.sites))
+                    stats.retries += 1
+                    pending = self._restart(pending, step)
+                    continue
+                if decision.verdict == cpb.VERDICT_REJOIN:
+                    raise RejoinRequired(decision)
+                raise QuorumLost(decision.reason or f"step {step}: the job stopped")
         finally:
             stats.wait_s = time.perf_counter() - t0
+            stats.generation = self.allreduce.generation
+            stats.sites = self.allreduce.num_sites
             self.last_step_stats = stats
         # Copy back only once every group succeeded: all or nothing. The rounds
         # synchronized their device, so the buffers are complete.
@@ -169,6 +206,59 @@ class LaneGradientSync:
             stats.bytes_sent,
             stats.wait_s,
         )
+
+    def _collect(
+        self, pending: list[_Pending], step: int, stats: StepStats
+    ) -> CrossSiteError | None:
+        """Waits for every group's round; returns the first failure (all are awaited)."""
+        timeout = self.finish_timeout_s
+        if timeout is None:
+            timeout = self.allreduce.timeout_s * max(1, len(pending)) + 5.0
+        deadline = time.monotonic() + timeout
+        failure: CrossSiteError | None = None
+        for p in pending:
+            try:
+                rs = p.future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except futures.TimeoutError:
+                failure = failure or CrossSiteError(
+                    f"step {step} group {p.group}: not finished within {timeout:.1f}s"
+                )
+                self.allreduce.abort_reason = "the step's time ran out"
+                self.allreduce.abort.set()
+                continue
+            except CrossSiteError as exc:
+                failure = failure or exc
+                continue
+            stats.sync_s += rs.wall_s
+            stats.bytes_sent += rs.bytes_sent
+            stats.bytes_received += rs.bytes_received
+            stats.raw_bytes += rs.raw_bytes
+            stats.corrupt_chunks += rs.corrupt_chunks
+        if failure is not None:
+            # Let rounds that outlived the deadline end before anything is rerun.
+            futures.wait([p.future for p in pending], timeout=self.allreduce.timeout_s)
+            if self.membership is None:
+                self.allreduce.abort.clear()
+        return failure
+
+    def _restart(self, pending: list[_Pending], step: int) -> list[_Pending]:
+        """Runs every group's round again from its untouched shard (a RETRY)."""
+        self._abort = threading.Event()
+        restarted = []
+        for p in pending:
+            buffer = p.shard.detach().reshape(-1).to(torch.float32, copy=True)
+            future = self._worker.submit(self._run, step, p.group, buffer, None, self._abort)
+            restarted.append(_Pending(p.group, p.shard, buffer, future))
+        return restarted
+
+    def _follow(self, decision: cpb.Decision, step: int) -> None:
+        """After a COMMIT: move to the generation it names (a site was admitted)."""
+        membership = self.membership
+        assert membership is not None
+        if decision.generation != membership.generation:
+            membership.configure(decision.generation, list(decision.sites))
+            if decision.state_source == membership.site and decision.state_step == step:
+                self.offer_state = decision
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The lane's codec state (error-feedback residuals), to save with training state.
@@ -189,4 +279,6 @@ class LaneGradientSync:
     def close(self) -> None:
         """Stops the background worker (waits for a running round) and the codec pool."""
         self._worker.shutdown(wait=True)
+        if self.membership is not None:
+            self.membership.close()
         self.allreduce.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -25,12 +26,15 @@ from isthmus.proto import lane_pb2, lane_pb2_grpc
 from .codec import crc32
 from .mailbox import Mailbox, Outbox
 from .security import INSECURE, SiteSecurity
+from .state_transfer import StateOffers, pieces
 
 __all__ = ["LaneServer", "channel_options", "chunk_bytes_for_link", "max_payload_bytes"]
 
 log = logging.getLogger(__name__)
 
 _HEADROOM = 64 * 1024
+_GENERATION_WAIT_S = 10.0  # how long a chunk of a newer generation waits for this lane
+_OFFER_WAIT_S = 60.0  # how long PullState waits for the state of the step it names
 _CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
 
 
@@ -118,9 +122,15 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.chunk_bytes = chunk_bytes
         self.mailbox = Mailbox()
         self.outbox = Outbox()
+        self.offers = StateOffers()
+        """The training state this rank offers a joining site (``PullState``)."""
+        self.rank = 0
+        """This lane's rank in its site; a joiner pulls only from its own coordinate."""
+        self.offer_wait_s = _OFFER_WAIT_S
+        """How long ``PullState`` waits for the state of the step it names."""
         self.corruptions = 0
         """Chunks received with a payload that failed its crc32 (each pulled again)."""
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._generation = generation
         self._num_sites = num_sites
         self._server = grpc.server(
@@ -152,14 +162,38 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         with self._lock:
             return self._generation
 
-    def set_generation(self, generation: int, num_sites: int | None = None) -> None:
-        """Moves to a new membership; chunks of the old one in the mailbox are dropped."""
+    def set_generation(
+        self, generation: int, num_sites: int | None = None, site_index: int | None = None
+    ) -> None:
+        """Moves to a new membership; chunks of the old one in the mailbox are dropped.
+
+        Args:
+            generation: the new membership generation.
+            num_sites: sites in it (default unchanged).
+            site_index: this site's position among them (default unchanged).
+        """
         with self._lock:
+            num_sites = self._num_sites if num_sites is None else num_sites
+            site_index = self.site_index if site_index is None else site_index
+            if not 0 <= site_index < num_sites:
+                raise ValueError(f"site_index must be in [0, {num_sites}), got {site_index}")
             self._generation = generation
-            if num_sites is not None:
-                self._num_sites = num_sites
+            self._num_sites = num_sites
+            self.site_index = site_index
             self.mailbox.clear()
             self.outbox.clear()
+            self._lock.notify_all()
+
+    def _await_generation(self, generation: int, timeout: float) -> None:
+        """A sender already in a newer generation may reach this lane a moment before
+        its own rank hears of it: hold its chunk briefly rather than refuse it."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._generation < generation:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._lock.wait(left)
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stops accepting streams; open ones get ``grace`` seconds to finish."""
@@ -247,6 +281,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         """
         accepted = corrupt = 0
         for req in request_iterator:
+            if req.generation > self.generation:
+                self._await_generation(req.generation, _GENERATION_WAIT_S)
             try:
                 key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
                 try:
@@ -297,3 +333,34 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 f"site {self.site_index} has no chunk {key} for site {request.from_site}",
             )
         return lane_pb2.ResendChunkResponse(chunk=chunk)
+
+    def PullState(  # noqa: N802 (gRPC method name)
+        self, request: lane_pb2.PullStateRequest, context: grpc.ServicerContext
+    ) -> Iterator[lane_pb2.StatePiece]:
+        """Streams this rank's training state after ``request.step`` to a joining rank."""
+        generation = self.generation
+        if request.generation != generation:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"site {self.site_index}: generation {request.generation} != {generation}",
+            )
+        if request.rank != self.rank:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {request.rank} asked the lane of rank {self.rank}: pull from your "
+                "own mesh coordinate",
+            )
+        state = self.offers.wait(request.generation, request.step, self.offer_wait_s)
+        if state is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"site {self.site_index} rank {self.rank} offers no state after step "
+                f"{request.step} in generation {request.generation}",
+            )
+        log.info(
+            "[site %d rank %d] serving the state after step %d",
+            self.site_index,
+            self.rank,
+            request.step,
+        )
+        yield from pieces(state)

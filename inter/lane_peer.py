@@ -9,11 +9,13 @@ is one round's worth of those streams. :meth:`LanePeer.fetch` pulls one chunk ag
 
 from __future__ import annotations
 
-import queue
+import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 
@@ -27,16 +29,27 @@ __all__ = ["LanePeer", "PeerRound"]
 _POLL_S = 0.1  # how often blocked loops look at stop/deadline flags
 
 
-class _End:
-    """End-of-round sentinel."""
+_END = object()  # end-of-round marker
+
+
+@dataclass(slots=True)
+class _Begin:
+    """The start of a round on one connection."""
+
+    round_id: int
+    future: futures.Future
+    deadline: float
 
 
 class PeerRound:
     """The chunks sent to one peer in one round, over all the peer's connections."""
 
+    _ids = itertools.count(1)
+
     def __init__(self, senders: list[_Sender], deadline: float) -> None:
         self._senders = senders
-        self._futures = [s.begin(deadline) for s in senders]
+        self.round_id = next(PeerRound._ids)
+        self._futures = [s.begin(self.round_id, deadline) for s in senders]
         self._next = 0
         self._ended = False
         self._lock = threading.Lock()  # encode/decode pool threads send concurrently
@@ -54,7 +67,7 @@ class PeerRound:
             sender = self._senders[self._next]
             self._next = (self._next + 1) % len(self._senders)
             self.sent += 1
-        sender.queue.put(request)
+        sender.put((self.round_id, request))
 
     def end(self) -> None:
         """Closes the round's streams once queued chunks are out (idempotent)."""
@@ -62,7 +75,7 @@ class PeerRound:
             ended, self._ended = self._ended, True
         if not ended:
             for sender in self._senders:
-                sender.queue.put(_End())
+                sender.put((self.round_id, _END))
 
     def failure(self) -> BaseException | None:
         """Returns the first stream's error so far, without waiting."""
@@ -89,45 +102,77 @@ class PeerRound:
 
 
 class _Sender:
-    """One connection to a peer and the thread that streams its queue."""
+    """One connection to a peer and the thread that streams its queue.
+
+    Queue items are a :class:`_Begin`, then ``(round_id, chunk)`` pairs and a
+    ``(round_id, _END)``. Tagging every item with its round keeps rounds apart when a
+    stream fails: gRPC may still pull from the request iterator after the call
+    failed, and neither that iterator nor the clean-up may take the next round's items.
+    """
 
     def __init__(self, address: str, options: list, name: str, security: SiteSecurity) -> None:
         self.channel = security.channel(address, options)
         self.stub = lane_pb2_grpc.LaneStub(self.channel)
-        self.queue: queue.Queue = queue.Queue()
+        self._items: deque = deque()
+        self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def begin(self, deadline: float) -> futures.Future:
+    def put(self, item: object) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def begin(self, round_id: int, deadline: float) -> futures.Future:
         fut: futures.Future = futures.Future()
-        self.queue.put((fut, deadline))
+        self.put(_Begin(round_id, fut, deadline))
         return fut
 
-    def _get(self, deadline: float | None) -> object | None:
-        """Next queue item, or None once stopped or past ``deadline``."""
-        while not self._stop.is_set():
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            try:
-                return self.queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
+    def _next_begin(self) -> _Begin | None:
+        """The next round's start; older rounds' leftovers are dropped on the way."""
+        with self._cond:
+            while not self._stop.is_set():
+                while self._items:
+                    item = self._items.popleft()
+                    if isinstance(item, _Begin):
+                        return item
+                self._cond.wait(_POLL_S)
         return None
 
-    def _requests(self, first, deadline: float, ended: threading.Event) -> Iterator:
+    def _take(self, round_id: int, deadline: float) -> object | None:
+        """The next item of round ``round_id`` (a chunk or _END); None once the round is
+        superseded, the sender stops or the deadline passes. Never takes another
+        round's item."""
+        with self._cond:
+            while not self._stop.is_set():
+                if self._items:
+                    item = self._items[0]
+                    if isinstance(item, _Begin) or item[0] > round_id:
+                        return None
+                    self._items.popleft()
+                    if item[0] == round_id:
+                        return item[1]
+                    continue  # a straggler of an older round
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(_POLL_S, left))
+        return None
+
+    def _requests(self, first, round_id: int, deadline: float, ended: threading.Event) -> Iterator:
         yield first
-        while (item := self._get(deadline)) is not None:
-            if isinstance(item, _End):
+        while not ended.is_set() and (item := self._take(round_id, deadline)) is not None:
+            if item is _END:
                 ended.set()
                 return
             yield item
 
     def _run(self) -> None:
-        while (head := self._get(None)) is not None:
-            fut, deadline = head  # every round starts with begin()'s (future, deadline)
-            first = self._get(deadline)
-            if isinstance(first, _End):  # nothing for this peer this round
+        while (head := self._next_begin()) is not None:
+            fut, deadline, round_id = head.future, head.deadline, head.round_id
+            first = self._take(round_id, deadline)
+            if first is _END:  # nothing for this peer this round
                 fut.set_result(0)
                 continue
             ended = threading.Event()
@@ -136,21 +181,21 @@ class _Sender:
                     raise TimeoutError("round deadline passed before the first chunk")
                 # wait_for_ready: a peer still starting is waited for, up to the deadline.
                 reply = self.stub.PushChunks(
-                    self._requests(first, deadline, ended),
+                    self._requests(first, round_id, deadline, ended),
                     timeout=max(0.001, deadline - time.monotonic()),
                     wait_for_ready=True,
                 )
                 fut.set_result(reply.accepted + reply.corrupt)
             except (grpc.RpcError, TimeoutError) as exc:
                 fut.set_exception(exc)
-            # After a failure (or a stream cut short by the deadline) drop the rest of
-            # this round so the next round starts clean.
-            while not ended.is_set() and (item := self._get(None)) is not None:
-                if isinstance(item, _End):
-                    break
+            # The rest of a failed round (if any) is dropped by _next_begin/_take, which
+            # skip items of older rounds; stop a lingering request iterator too.
+            ended.set()
 
     def close(self) -> None:
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
         self.channel.close()  # cancels an open stream so the thread sees the stop
         self._thread.join(timeout=5)
 
@@ -213,6 +258,11 @@ class LanePeer:
             sender = self._senders[self._fetches % len(self._senders)]
             self._fetches += 1
         return sender.stub.ResendChunk(request, timeout=max(0.001, timeout)).chunk
+
+    @property
+    def stub(self) -> lane_pb2_grpc.LaneStub:
+        """A stub on the first connection, for one-off calls (``PullState``)."""
+        return self._senders[0].stub
 
     def begin_round(self, deadline: float) -> PeerRound:
         """Opens a round whose streams must finish by ``deadline`` (time.monotonic())."""

@@ -129,6 +129,8 @@ class RoundPipeline:
             self._abort.set()
 
     def _raise_failures(self) -> None:
+        if self.ar.abort.is_set():
+            raise CrossSiteError(f"{self.where}: aborted: {self.ar.abort_reason}")
         with self._lock:
             exc = self._errors[0] if self._errors else None
         if isinstance(exc, CrossSiteError):
@@ -156,12 +158,19 @@ class RoundPipeline:
         # Return only once every peer took our chunks, so no peer is left waiting for
         # bytes of a site that already moved on.
         for s, rnd in self._rounds.items():
-            try:
-                took = rnd.wait(max(0.0, self.deadline - time.monotonic()))
-            except (TimeoutError, futures.TimeoutError) as exc:
-                raise CrossSiteError(f"{self.where}: site {s} did not acknowledge in time") from exc
-            except grpc.RpcError as exc:
-                raise CrossSiteError(f"{self.where}: {describe(s, exc)}") from exc
+            while True:
+                self._raise_failures()  # an abort ends the wait for a silent peer
+                left = self.deadline - time.monotonic()
+                try:
+                    took = rnd.wait(max(0.0, min(_POLL_S * 4, left)))
+                    break
+                except (TimeoutError, futures.TimeoutError) as exc:
+                    if left <= _POLL_S * 4:
+                        raise CrossSiteError(
+                            f"{self.where}: site {s} did not acknowledge in time"
+                        ) from exc
+                except grpc.RpcError as exc:
+                    raise CrossSiteError(f"{self.where}: {describe(s, exc)}") from exc
             if took != rnd.sent:
                 raise CrossSiteError(f"{self.where}: site {s} took {took} of {rnd.sent} chunks")
 

@@ -140,14 +140,16 @@ class RegisterRankResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("site", "fingerprint", "ready")
+    __slots__ = ("site", "fingerprint", "ready", "generation")
     SITE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     site: SiteInfo
     fingerprint: JobFingerprint
     ready: bool
-    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("site", "ready", "generation")

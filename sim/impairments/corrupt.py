@@ -23,10 +23,14 @@ class Corrupt(Impairment):
     """Probability that a byte is corrupted, 0..1 (1e-6 = one byte per MB)."""
     per_piece: float = 0.0
     """Probability that a piece (one read of <= 64 KiB) gets one corrupted byte, 0..1."""
+    min_piece_bytes: int = 0
+    """per_piece hits only pieces at least this long: bulk data (gradient chunks)
+    and not the small control messages around it; 0 = every piece."""
 
     def __post_init__(self) -> None:
         check_number("corrupt.rate", self.rate, high=1.0)
         check_number("corrupt.per_piece", self.per_piece, high=1.0)
+        check_number("corrupt.min_piece_bytes", self.min_piece_bytes)
 
     def start(self, state: State, loop_time: float) -> None:
         # per_piece draws from its own stream, so `rate`'s positions stay independent
@@ -47,7 +51,7 @@ class Corrupt(Impairment):
                 hits.append((state.next_event - start, state.rng.randrange(8)))
                 state.next_event += geometric_gap(state.rng, self.rate)
         piece_rng = state.extra["piece_rng"]
-        if self.per_piece > 0 and piece_rng.random() < self.per_piece:
+        if self.per_piece > 0 and n >= self.min_piece_bytes and piece_rng.random() < self.per_piece:
             hits.append((piece_rng.randrange(n), piece_rng.randrange(8)))
         if hits:
             data = bytearray(piece.data)

@@ -1,0 +1,398 @@
+"""`isthmus chaos`: the fault-injection suite for failover, rejoin and integrity (issue 6).
+
+Each scenario runs a real job on this machine -- one `isthmus site` process per site
+(coordinator and ranks), the sites joined by emulated links of the WAN simulator --
+and injects its faults while it trains: SIGKILL a site at step k, restart it,
+partition a link for t seconds, corrupt chunks at rate p, slow one site down. It
+passes when every site expected to survive exits 0 and all of them end with the same
+parameter digest after the last step.
+
+    isthmus chaos              # the full suite (several minutes)
+    isthmus chaos --quick      # the subset CI runs
+    isthmus chaos --only partition --keep runs/
+
+A site is slowed with ISTHMUS_SLOWDOWN=F in its environment: each of its ranks sleeps
+(F - 1) x its compute time after every step (deploy/rank.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from isthmus.sim import Corrupt, Flap, LinkSpec, RelayServer
+
+__all__ = ["SCENARIOS", "Fault", "Scenario", "run_scenario", "run_suite"]
+
+SITE_TIMEOUT_S = 240.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One fault: what, where, and at which step of the job (read from its metrics)."""
+
+    kind: str
+    """kill, restart, partition, corrupt or slow."""
+    site: str = ""
+    """The site killed, restarted or slowed."""
+    link: tuple[str, str] = ("site0", "site1")
+    """The link partitioned or corrupted."""
+    at_step: int = 0
+    """Inject once the job has completed this many steps (0 = from the start)."""
+    duration_s: float = 0.0
+    """How long a partition lasts; for restart, the pause after the kill."""
+    rate: float = 0.0
+    """Corrupt: probability that a piece (<= 64 KiB read) gets a flipped bit.
+    Slow: the slowdown factor."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    description: str
+    sites: int
+    steps: int
+    faults: tuple[Fault, ...]
+    survivors: tuple[str, ...]
+    """Sites that must finish the job with equal digests."""
+    quick: bool = False
+    """Part of the quick subset (CI)."""
+    expect_generations: bool = True
+    """The membership must have changed (a site left or came back)."""
+    pace: float = 1.0
+    """Every site's steps take this many times longer (ISTHMUS_SLOWDOWN), so the job
+    still runs when a restarted or cut-off site comes back (the tiny model's step is
+    ~30 ms here)."""
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        name="kill",
+        description="SIGKILL site1 at step 4 of 2; site0 (the tie-breaker) carries on alone",
+        sites=2,
+        steps=14,
+        faults=(Fault(kind="kill", site="site1", at_step=4),),
+        survivors=("site0",),
+        quick=True,
+    ),
+    Scenario(
+        name="kill-restart",
+        description="SIGKILL site1 at step 4 and start it again: it pulls the state from "
+        "site0 and rejoins",
+        sites=2,
+        steps=60,
+        faults=(Fault(kind="restart", site="site1", at_step=4, duration_s=1.0),),
+        survivors=("site0", "site1"),
+        quick=True,
+        pace=10.0,
+    ),
+    Scenario(
+        name="kill-leader",
+        description="3 sites; SIGKILL site0 (the leader) at step 4: site1 takes over",
+        sites=3,
+        steps=14,
+        faults=(Fault(kind="kill", site="site0", at_step=4),),
+        survivors=("site1", "site2"),
+    ),
+    Scenario(
+        name="partition",
+        description="cut the site0-site1 link for 8 s at step 4: site0 (quorum by "
+        "tie-break) goes on, site1 waits, then pulls the state and rejoins",
+        sites=2,
+        steps=60,
+        faults=(Fault(kind="partition", link=("site0", "site1"), at_step=4, duration_s=6.0),),
+        survivors=("site0", "site1"),
+        quick=True,
+        pace=10.0,
+    ),
+    Scenario(
+        name="corrupt",
+        description="flip a bit in 2% of the bulk pieces (>= 16 KiB reads) crossing the "
+        "link, both ways, all run; every corrupt chunk is pulled again",
+        sites=2,
+        steps=10,
+        faults=(Fault(kind="corrupt", link=("site0", "site1"), rate=0.02),),
+        survivors=("site0", "site1"),
+        expect_generations=False,
+    ),
+    Scenario(
+        name="slow",
+        description="site1 runs 5x slower; nobody is excluded, the job waits for it",
+        sites=2,
+        steps=8,
+        faults=(Fault(kind="slow", site="site1", rate=5.0),),
+        survivors=("site0", "site1"),
+        expect_generations=False,
+    ),
+)
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _last_record(path: Path) -> dict:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return {}
+
+
+def _records(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+@dataclass
+class _Site:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    process: subprocess.Popen | None = None
+    starts: int = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = self.log.with_suffix(f".{self.starts}.log")
+        with log.open("w") as out:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,  # one process group: the site and its ranks
+            )
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def tail(self, chars: int = 1500) -> str:
+        log = self.log.with_suffix(f".{self.starts}.log")
+        try:
+            return log.read_text()[-chars:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    ok: bool
+    wall_s: float
+    why: str = ""
+    digests: dict[str, str] = field(default_factory=dict)
+    generations: int = 1
+    retries: int = 0
+    min_live_sites: int = 0
+    corrupt_chunks: int = 0
+    rejoined: list[str] = field(default_factory=list)
+
+
+def _job_file(scenario: Scenario, work: Path, ports: list[int], extra: list[str]) -> Path:
+    names = [f"site{i}" for i in range(scenario.sites)]
+    coordinators = ", ".join(f'{n} = "127.0.0.1:{p}"' for n, p in zip(names, ports, strict=True))
+    lines = [
+        "[job]",
+        f"steps = {scenario.steps}",
+        "[topology]",
+        f"sites = {scenario.sites}",
+        "ranks_per_site = 1",
+        "[model]",
+        'preset = "tiny"',
+        "[train]",
+        "batch_size = 4",
+        "seq_len = 64",
+        "[sync]",
+        'codec = "raw+zstd:1"',
+        "timeout_s = 60.0",
+        "[failover]",
+        "failure_timeout_s = 2.0",
+        "heartbeat_s = 0.25",
+        "quorum_wait_s = 120.0",
+        "[run]",
+        "digest_every = 2",
+        "tensorboard = false",
+        "metrics_port = -1",
+        "[cluster]",
+        f"coordinators = {{ {coordinators} }}",
+        *extra,
+    ]
+    path = work / "job.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_scenario(scenario: Scenario, work: Path, out: TextIO | None = None) -> ScenarioResult:
+    """Runs one scenario in ``work`` (kept for inspection); returns its result."""
+    work.mkdir(parents=True, exist_ok=True)
+    names = [f"site{i}" for i in range(scenario.sites)]
+    ports = _free_ports(scenario.sites)
+    job = _job_file(scenario, work, ports, [])
+    run_dir = work / "run"
+    started = time.monotonic()
+    relay = RelayServer().start()
+    sites: dict[str, _Site] = {}
+    try:
+        links = {}
+        proxies: dict[str, dict[str, str]] = {n: {} for n in names}
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                link = relay.add_link(
+                    f"{a}-{b}", LinkSpec.symmetric(latency_s=0.005, bandwidth_bps=1e9)
+                )
+                links[(a, b)] = link
+                host, port = link.add_proxy(initiator="a")
+                proxies[a][b] = f"http://{host}:{port}"
+                host, port = link.add_proxy(initiator="b")
+                proxies[b][a] = f"http://{host}:{port}"
+        for name in names:
+            argv = [sys.executable, "-m", "isthmus.deploy.cli", "site", "--config", str(job)]
+            argv += ["--site", name, "--run-dir", str(run_dir), "--quiet"]
+            for peer, url in proxies[name].items():
+                argv += ["--set", f"cluster.proxies.{peer}={url}"]
+            env = {**os.environ, "no_grpc_proxy": "none.invalid", "PYTHONUNBUFFERED": "1"}
+            env["ISTHMUS_SLOWDOWN"] = str(scenario.pace)
+            for fault in scenario.faults:
+                if fault.kind == "slow" and fault.site == name:
+                    env["ISTHMUS_SLOWDOWN"] = str(fault.rate)
+            sites[name] = _Site(name, argv, env, work / name)
+        for fault in scenario.faults:
+            if fault.kind == "corrupt":
+                # Gradient chunks, not the coordinators' small messages: chunks carry
+                # a crc32, control messages rely on TCP's checksum (or TLS's MAC).
+                impairment = (Corrupt(per_piece=fault.rate, min_piece_bytes=16384),)
+                links[fault.link].set_impairments(impairment, impairment)
+        for site in sites.values():
+            site.start()
+        _inject(scenario, sites, links, run_dir, out)
+        return _judge(scenario, sites, run_dir, started)
+    finally:
+        for site in sites.values():
+            site.kill()
+        relay.close()
+
+
+def _progress(run_dir: Path, names: list[str]) -> int:
+    """Steps completed by the furthest site."""
+    return max(
+        (_last_record(run_dir / "sites" / n / "metrics.jsonl").get("step", -1) + 1 for n in names),
+        default=0,
+    )
+
+
+def _inject(scenario, sites, links, run_dir: Path, out: TextIO | None) -> None:
+    pending = [f for f in scenario.faults if f.kind in ("kill", "restart", "partition")]
+    deadline = time.monotonic() + SITE_TIMEOUT_S
+    survivors = [sites[n] for n in scenario.survivors]
+    while time.monotonic() < deadline:
+        if all(s.process is not None and s.process.poll() is not None for s in survivors):
+            return
+        done = _progress(run_dir, list(sites))
+        for fault in [f for f in pending if done >= f.at_step]:
+            pending.remove(fault)
+            if out is not None:
+                print(f"  [{scenario.name}] step {done}: {fault.kind} {fault.site}", file=out)
+            if fault.kind in ("kill", "restart"):
+                sites[fault.site].kill()
+                if fault.kind == "restart":
+                    time.sleep(fault.duration_s)
+                    sites[fault.site].start()
+            elif fault.kind == "partition":
+                dark = (Flap(duration_s=fault.duration_s),)
+                links[fault.link].set_impairments(dark, dark)
+                links[fault.link].reset()  # open connections notice at once
+        time.sleep(0.1)
+
+
+def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> ScenarioResult:
+    result = ScenarioResult(scenario.name, ok=False, wall_s=0.0)
+    deadline = time.monotonic() + SITE_TIMEOUT_S
+    for name in scenario.survivors:
+        process = sites[name].process
+        try:
+            code = process.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 0:
+            result.why = f"{name} exited with {code}: ...{sites[name].tail()}"
+            result.wall_s = time.monotonic() - started
+            return result
+    result.wall_s = time.monotonic() - started
+    for name in scenario.survivors:
+        summary = json.loads((run_dir / "sites" / name / "summary.json").read_text())
+        result.digests[name] = summary["digests"][name]
+        records = _records(run_dir / "sites" / name / "metrics.jsonl")
+        result.generations = max([result.generations] + [r.get("generation", 1) for r in records])
+        result.retries += sum(r.get("retries", 0) for r in records)
+        lives = [r.get("live_sites", scenario.sites) for r in records]
+        result.min_live_sites = min([*lives, result.min_live_sites or scenario.sites])
+        result.corrupt_chunks += sum(r.get("corrupt_chunks", 0) for r in records)
+        steps = [r.get("step", 0) for r in records]
+        if steps and steps != list(range(steps[0], steps[0] + len(steps))) or steps[:1] > [0]:
+            result.rejoined.append(name)  # its steps jump: it pulled a live peer's state
+    if len(set(result.digests.values())) != 1:
+        result.why = f"survivors' digests differ: {result.digests}"
+    elif scenario.expect_generations and result.generations < 2:
+        result.why = "the membership never changed"
+    elif any(f.kind == "corrupt" for f in scenario.faults) and result.corrupt_chunks == 0:
+        result.why = "no corrupt chunk was counted"
+    else:
+        result.ok = True
+    return result
+
+
+def run_suite(
+    *, quick: bool = False, only: list[str] | None = None, keep: Path | None = None, out=sys.stdout
+) -> list[ScenarioResult]:
+    """Runs the chosen scenarios one after another; prints a table as it goes."""
+    chosen = [s for s in SCENARIOS if (not quick or s.quick) and (not only or s.name in only)]
+    unknown = set(only or ()) - {s.name for s in SCENARIOS}
+    if unknown:
+        raise ValueError(
+            f"unknown scenario(s) {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}"
+        )
+    root = keep or Path(tempfile.mkdtemp(prefix="isthmus-chaos-"))
+    results = []
+    print(f"{'scenario':<14} {'result':<6} {'wall s':>7} {'gens':>4} {'retries':>7} "
+          f"{'min live':>8} {'corrupt':>7}  rejoined", file=out)  # fmt: skip
+    for scenario in chosen:
+        r = run_scenario(scenario, root / scenario.name, out=None)
+        results.append(r)
+        print(
+            f"{r.name:<14} {'ok' if r.ok else 'FAIL':<6} {r.wall_s:7.1f} {r.generations:4d} "
+            f"{r.retries:7d} {r.min_live_sites:8d} {r.corrupt_chunks:7d}  "
+            f"{','.join(r.rejoined) or '-'}",
+            file=out,
+            flush=True,
+        )
+        if not r.ok:
+            print(f"  why: {r.why}", file=out)
+    (root / "chaos.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    print(f"results: {root / 'chaos.json'}", file=out)
+    return results

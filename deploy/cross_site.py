@@ -1,0 +1,236 @@
+"""One rank's cross-site plumbing: its lane, its place in the membership, its state offers.
+
+`CrossSite.start` opens the rank's lane, registers it with the site's coordinator,
+waits for the membership and builds the `LaneGradientSync` the trainer calls. When
+the site joins a job already under way (it was restarted, or left out while cut
+off), `catch_up` pulls the training state after the job's last committed step from
+the rank at the same mesh coordinate of a live site and loads it; `offer_if_asked`
+is the other side, after a step that admitted a site.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from isthmus.deploy.config import JobConfig
+from isthmus.inter.allreduce import CrossSiteAllReduce
+from isthmus.inter.codec import make_codec
+from isthmus.inter.coordinator import peer_channel
+from isthmus.inter.gradient_sync import LaneGradientSync
+from isthmus.inter.lane import LaneServer
+from isthmus.inter.lane_peer import LanePeer
+from isthmus.inter.membership import SiteMembership
+from isthmus.inter.security import SiteSecurity
+from isthmus.inter.state_transfer import pull_state
+from isthmus.intra.state import load_rank_state, rank_state
+from isthmus.intra.train import Trainer
+from isthmus.proto import coordinator_pb2 as cpb
+from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
+
+log = logging.getLogger("isthmus.rank")
+
+CODEC_PREFIX = "codec/"
+
+
+@dataclass
+class CrossSite:
+    """The cross-site side of one rank (see the module docstring)."""
+
+    site: str
+    rank: int
+    config: JobConfig
+    proxies: dict[str, str]
+    security: SiteSecurity | None
+    lane: LaneServer
+    membership_reply: cpb.GetMembershipResponse
+    channel: grpc.Channel
+    sync: LaneGradientSync = field(init=False)
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        site: str,
+        rank: int,
+        world_size: int,
+        coordinator: str,
+        proxies: dict[str, str],
+        config: JobConfig,
+        security: SiteSecurity | None,
+    ) -> CrossSite:
+        """Opens the lane, joins the job and builds the gradient sync."""
+        codec = make_codec(config.sync.codec)
+        cluster = config.cluster
+        sites = config.site_names
+        lane = LaneServer(
+            site_index=sites.index(site),
+            num_sites=len(sites),
+            codec=codec.name,
+            chunk_bytes=config.chunk_bytes,
+            host=cluster.lane_host,
+            port=cluster.lane_port_base + rank if cluster.lane_port_base else 0,
+            # A peer learns this lane's address only from membership generation 1, and
+            # may start its first round before this rank has heard of the membership
+            # itself: be at generation 1 from the start (chunks of a later generation
+            # are held until the rank catches up).
+            generation=1,
+            security=security,
+        )
+        lane.rank = rank
+        port = lane.address.rsplit(":", 1)[1]
+        advertised = f"{cluster.advertise_host or cluster.lane_host}:{port}"
+        channel = peer_channel(coordinator, security=security)
+        stub = cpb_grpc.CoordinatorStub(channel)
+        reply = _join(stub, site, rank, world_size, advertised, config)
+        self = cls(site, rank, config, proxies, security, lane, reply, channel)
+        allreduce = CrossSiteAllReduce(
+            site_index=0,
+            num_sites=1,
+            server=lane,
+            peers={},
+            codec=codec,
+            chunk_bytes=config.chunk_bytes,
+            timeout_s=config.sync.timeout_s,
+            generation=reply.generation,
+            workers=config.sync.workers or None,
+        )
+        membership = SiteMembership(
+            stub=stub,
+            site=site,
+            rank=rank,
+            allreduce=allreduce,
+            make_peer=self._make_peer,
+            sites=list(reply.sites),
+            generation=reply.generation,
+            decision_timeout_s=config.sync.timeout_s + config.failover.quorum_wait_s,
+        )
+        self.sync = LaneGradientSync(allreduce, membership=membership)
+        return self
+
+    def _make_peer(self, info: cpb.SiteInfo) -> LanePeer:
+        return LanePeer(
+            info.lane_addresses[self.rank],
+            proxy=self.proxies.get(info.name),
+            connections=self.config.sync.connections,
+            chunk_bytes=self.config.chunk_bytes,
+            security=self.security,
+        )
+
+    @property
+    def live_sites(self) -> int:
+        return self.sync.allreduce.num_sites
+
+    def catch_up(self, trainer: Trainer) -> int | None:
+        """For a site joining a running job: pull and load the live state.
+
+        Returns:
+            The step to continue from, or None when the job starts here (step 0).
+        """
+        reply = self.membership_reply
+        if not reply.state_source or reply.state_source == self.site:
+            return None
+        return self._pull(
+            trainer, reply.generation, list(reply.sites), reply.state_source, reply.start_step - 1
+        )
+
+    def rejoin(self, trainer: Trainer, decision: cpb.Decision) -> int:
+        """The job went on without this site: move to its generation and pull its state."""
+        self.sync.membership.configure(decision.generation, list(decision.sites))
+        return self._pull(
+            trainer,
+            decision.generation,
+            list(decision.sites),
+            decision.state_source,
+            decision.state_step,
+        )
+
+    def _pull(
+        self,
+        trainer: Trainer,
+        generation: int,
+        sites: list[cpb.SiteInfo],
+        source: str,
+        state_step: int,
+    ) -> int:
+        info = next((s for s in sites if s.name == source), None)
+        if info is None:
+            raise RuntimeError(
+                f"state source {source!r} is not a member of generation {generation}"
+            )
+        t0 = time.perf_counter()
+        peer = self._make_peer(info)
+        try:
+            state = pull_state(
+                peer.stub,
+                generation=generation,
+                step=state_step,
+                rank=self.rank,
+                timeout_s=self.config.sync.timeout_s,
+            )
+        finally:
+            peer.close()
+        next_step, extra = load_rank_state(trainer, state)
+        codec = {k[len(CODEC_PREFIX) :]: v for k, v in extra.items() if k.startswith(CODEC_PREFIX)}
+        self.sync.load_state_dict(codec)
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        log.warning(
+            "[%s/%d] pulled the state after step %d from %s (%.1f MB in %.2fs); "
+            "continuing at step %d",
+            self.site,
+            self.rank,
+            state_step,
+            source,
+            size / 1e6,
+            time.perf_counter() - t0,
+            next_step,
+        )
+        return next_step
+
+    def offer_if_asked(self, trainer: Trainer, next_step: int) -> None:
+        """After a step that admitted a site with this one as the source: offer the state."""
+        decision = self.sync.offer_state
+        if decision is None:
+            return
+        self.sync.offer_state = None
+        extra = {CODEC_PREFIX + k: v for k, v in self.sync.state_dict().items()}
+        state = rank_state(trainer, next_step, extra=extra)
+        self.lane.offers.offer(decision.generation, decision.state_step, state)
+
+    def close(self) -> None:
+        self.sync.close()
+        self.lane.stop(grace=5.0)
+        self.channel.close()
+
+
+def _join(
+    stub: cpb_grpc.CoordinatorStub,
+    site: str,
+    rank: int,
+    world_size: int,
+    lane_address: str,
+    config: JobConfig,
+) -> cpb.GetMembershipResponse:
+    """Register this rank's lane and wait for the job's membership."""
+    stub.RegisterRank(
+        cpb.RegisterRankRequest(
+            site=site,
+            rank=rank,
+            world_size=world_size,
+            lane_address=lane_address,
+            fingerprint=cpb.JobFingerprint(fields=config.fingerprint()),
+        ),
+        timeout=10,
+        wait_for_ready=True,
+    )
+    deadline = time.monotonic() + config.sync.timeout_s
+    while time.monotonic() < deadline:
+        reply = stub.GetMembership(
+            cpb.GetMembershipRequest(known_generation=0, wait_ms=5000), timeout=15
+        )
+        if reply.generation > 0:
+            return reply
+    raise TimeoutError(f"no job membership after {config.sync.timeout_s:.0f}s")

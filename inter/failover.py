@@ -1,0 +1,666 @@
+"""Step commit, failover and admission: the coordinator's part of DESIGN.md invariants 2 and 3.
+
+Every step, each rank votes on its cross-site rounds at its own coordinator
+(``CommitStep``, site-local). Once every local rank has voted, the site votes at the
+*leader* -- the lowest-index member it has not lost touch with -- with ``SiteVote``
+(one WAN call per site per step). The leader alone decides, per (step, generation):
+
+* COMMIT when every member voted ok: each site applies the update (invariant 2: an
+  update is applied once or not at all). A COMMIT may carry the next generation when
+  restarted or excluded sites are waiting to be admitted; the leader's ranks then
+  offer their state after the step, and the joiners pull it.
+* RETRY when a member voted not ok or fell silent for ``failure_timeout_s``: the
+  leader proposes generation g+1 with the members still heard from (``Propose``) and
+  every member runs the step's rounds again in it, untouched shards and all.
+* STOP when no quorum can be formed for ``quorum_wait_s``.
+
+Quorum: more than half of the job's sites, or exactly half including the job's first
+site (so a 2-site job split in two goes on on one side only). If the leader itself
+falls silent, the next member in index order takes over: it proposes g+1 and asks
+every member which steps it committed, so a COMMIT the old leader handed out before
+dying is honoured rather than contradicted.
+
+A site that learns from a heartbeat that the job moved on without it (a partition
+healed after the other side went on) joins again and is admitted like a restarted
+site: its ranks get REJOIN and pull the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from concurrent import futures
+from typing import TYPE_CHECKING
+
+import grpc
+
+from isthmus.proto import coordinator_pb2 as pb
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+
+__all__ = ["Failover", "has_quorum"]
+
+log = logging.getLogger(__name__)
+
+_LOOP_S = 0.05  # how often pending votes are forwarded and re-evaluated
+_FORWARD_WAIT_MS = 500  # long poll of one SiteVote
+MAX_STEP = 1 << 40  # steps beyond this are refused as nonsense
+
+
+def has_quorum(alive: Iterable[str], site_names: list[str]) -> bool:
+    """True when ``alive`` may go on: a majority of the job's sites, or exactly half
+    of them including the job's first site (the tie-breaker of an even split)."""
+    alive = set(alive) & set(site_names)
+    total = len(site_names)
+    return 2 * len(alive) > total or (2 * len(alive) == total and site_names[0] in alive)
+
+
+def _verdict_name(verdict: int) -> str:
+    return pb.Verdict.Name(verdict).removeprefix("VERDICT_")
+
+
+class Failover:
+    """The voting and membership-change logic of one site's coordinator.
+
+    Args:
+        coordinator: the site's coordinator; its condition variable guards this
+            object's state too.
+        failure_timeout_s: a member not heard from for this long is suspected dead.
+        min_sites: never go on with fewer live sites.
+        quorum_wait_s: how long a site without quorum waits before it stops.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        failure_timeout_s: float = 10.0,
+        min_sites: int = 1,
+        quorum_wait_s: float = 60.0,
+    ) -> None:
+        if failure_timeout_s <= 0 or quorum_wait_s < 0 or min_sites < 1:
+            raise ValueError(
+                "need failure_timeout_s > 0, quorum_wait_s >= 0 and min_sites >= 1, got "
+                f"{failure_timeout_s}, {quorum_wait_s}, {min_sites}"
+            )
+        self.c = coordinator
+        self.failure_timeout_s = failure_timeout_s
+        self.min_sites = min_sites
+        self.quorum_wait_s = quorum_wait_s
+        self.committed_steps = 0
+        """Steps this site has committed: the next step it runs."""
+        self._rank_votes: dict[tuple[int, int], dict[int, bool]] = {}
+        self._site_votes: dict[tuple[int, int], dict[str, tuple[bool, frozenset[str]]]] = {}
+        self._decisions: dict[tuple[int, int], pb.Decision] = {}
+        self._joiners: dict[str, pb.SiteInfo] = {}
+        self.restarted: set[str] = set()
+        """Members seen joining afresh: their earlier incarnation is dead."""
+        self._stuck_since: float | None = None
+        self._deciding: set[tuple[int, int]] = set()
+        self._rejoin_decision: pb.Decision | None = None
+        # The highest generation any proposal answer named: a retried proposal goes
+        # above it, so a site that accepted a failed attempt is not asked the same number.
+        self._highest_generation = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"failover-{coordinator.site}", daemon=True
+        )
+
+    # -- views (call with the coordinator's condition held) ---------------------------
+
+    def suspects_locked(self) -> list[str]:
+        """Members other than this site not heard from within the failure timeout."""
+        c = self.c
+        now = time.monotonic()
+        started = getattr(c, "_started_at", now)
+        return [
+            m
+            for m in c.members
+            if m != c.site
+            and (m in self.restarted or now - c.last_seen.get(m, started) > self.failure_timeout_s)
+        ]
+
+    def _leader_locked(self, exclude: Iterable[str] = ()) -> str:
+        gone = set(self.suspects_locked()) | set(exclude)
+        alive = [m for m in self.c.members if m not in gone]
+        return alive[0] if alive else self.c.site
+
+    def _sites_of(self, names: Iterable[str]) -> list[pb.SiteInfo]:
+        infos = dict(self.c._ready_sites)
+        infos.update(self._joiners)
+        infos[self.c.site] = self.c._own_info_locked()
+        return sorted((infos[n] for n in names), key=lambda info: info.index)
+
+    def _ordered(self, names: Iterable[str]) -> list[str]:
+        return sorted(set(names), key=self.c.site_names.index)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def commit_step(self, request: pb.CommitStepRequest, context: grpc.ServicerContext):
+        """A local rank's vote; long poll for the decision on (step, generation)."""
+        c = self.c
+        if request.site != c.site:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"vote for site {request.site[:64]!r} sent to the coordinator of {c.site}",
+            )
+        if request.rank >= c.ranks:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {request.rank} is not one of {c.site}'s {c.ranks} ranks",
+            )
+        if request.step > MAX_STEP or request.generation == 0:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"step {request.step} / generation {request.generation} out of range",
+            )
+        key = (request.step, request.generation)
+        with c._cond:
+            if request.generation > c._generation:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"generation {request.generation} is ahead of {c.site}'s {c._generation}",
+                )
+            self._rank_votes.setdefault(key, {}).setdefault(request.rank, request.ok)
+            c._cond.notify_all()
+        return self._await(key, request.wait_ms)
+
+    def site_vote(self, request: pb.SiteVoteRequest, context: grpc.ServicerContext):
+        """A member site's vote at this (leader) site; long poll for the decision."""
+        c = self.c
+        if request.site not in c.peers:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
+        if request.step > MAX_STEP or request.generation == 0:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"step {request.step} / generation {request.generation} out of range",
+            )
+        unknown = [s for s in request.suspects if s not in c.site_names]
+        if unknown:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"suspects name unknown sites {unknown[:4]}"
+            )
+        key = (request.step, request.generation)
+        with c._cond:
+            c.last_seen[request.site] = time.monotonic()
+            found = self._decisions.get(key)
+            if found is not None:
+                return found
+            if request.site not in c.members:
+                return pb.Decision(
+                    step=request.step,
+                    verdict=pb.VERDICT_PENDING,
+                    reason=f"{request.site} is not a member of generation {c._generation}",
+                )
+            if request.generation < c._generation:
+                # The voter ran the step in a generation this site has left: run it again
+                # in the current one, unless the current one already decided the step.
+                if (request.step, c._generation) in self._decisions:
+                    return self._decisions[(request.step, c._generation)]
+                return self._retry_locked(request.step, "generation moved on")
+            if request.generation > c._generation or self._leader_locked() != c.site:
+                return pb.Decision(
+                    step=request.step,
+                    verdict=pb.VERDICT_PENDING,
+                    reason=f"{c.site} is not the leader of generation {request.generation}",
+                )
+            self._site_votes.setdefault(key, {})[request.site] = (
+                request.ok,
+                frozenset(request.suspects),
+            )
+        self._evaluate(key)
+        return self._await(key, request.wait_ms)
+
+    def propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext):
+        """Adopt a higher generation proposed by its leader."""
+        c = self.c
+        names = [info.name for info in request.sites]
+        problem = None
+        if request.leader not in c.peers:
+            problem = f"unknown leader {request.leader[:64]!r}"
+        elif request.generation == 0 or request.start_step > MAX_STEP:
+            problem = "generation must be > 0 and start_step in range"
+        elif (
+            not names or len(set(names)) != len(names) or any(n not in c.site_names for n in names)
+        ):
+            problem = f"sites must be distinct sites of this job, got {names[:8]}"
+        elif request.leader not in names:
+            problem = "the leader must be a member of its generation"
+        elif request.state_source and request.state_source not in names:
+            problem = f"state_source {request.state_source[:64]!r} is not a member"
+        else:
+            for info in request.sites:
+                if info.index != c.site_names.index(info.name) or (
+                    len(info.lane_addresses) != c.ranks
+                ):
+                    problem = f"site {info.name} has index {info.index} or a wrong lane list"
+                    break
+        if problem is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        with c._cond:
+            c.last_seen[request.leader] = time.monotonic()
+            accepted = request.generation > c._generation
+            if accepted:
+                self._adopt_locked(
+                    request.generation,
+                    list(request.sites),
+                    request.start_step,
+                    request.state_source,
+                    request.leader,
+                )
+            return pb.ProposeResponse(
+                accepted=accepted,
+                generation=c._generation,
+                committed_steps=self.committed_steps,
+            )
+
+    # -- shared steps ----------------------------------------------------------------------
+
+    def _await(self, key: tuple[int, int], wait_ms: int) -> pb.Decision:
+        c = self.c
+        deadline = time.monotonic() + min(wait_ms, 30_000) / 1000.0
+        with c._cond:
+            while True:
+                found = self._decisions.get(key)
+                rejoin = self._rejoin_decision
+                if found is None and rejoin is not None and key[1] < rejoin.generation:
+                    found = rejoin
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0 or c._stopped.is_set():
+                    return pb.Decision(step=key[0], verdict=pb.VERDICT_PENDING)
+                c._cond.wait(left)
+
+    def _adopt_locked(
+        self,
+        generation: int,
+        sites: list[pb.SiteInfo],
+        start_step: int,
+        state_source: str,
+        leader: str,
+    ) -> None:
+        c = self.c
+        left_out = c.excluded
+        for info in sites:
+            if info.name != c.site:
+                c._ready_sites[info.name] = info
+                c.last_seen.setdefault(info.name, time.monotonic())
+        c._generation = generation
+        c.members = [info.name for info in sites]
+        c.start_step = start_step
+        c.state_source = state_source
+        self._stuck_since = None
+        c.joining = c.excluded = False
+        for info in sites:
+            self._joiners.pop(info.name, None)
+            self.restarted.discard(info.name)  # a member again: its new incarnation
+        log.info(
+            "[%s] membership generation %d from %s: %s (from step %d)",
+            c.site,
+            generation,
+            leader,
+            ", ".join(c.members),
+            start_step,
+        )
+        if left_out and c.site in c.members and state_source and state_source != c.site:
+            # Admitted back after being left out: ranks waiting on a vote pull the state.
+            self.committed_steps = start_step
+            self._rejoin_decision = pb.Decision(
+                step=start_step,
+                verdict=pb.VERDICT_REJOIN,
+                generation=generation,
+                sites=sites,
+                state_source=state_source,
+                state_step=max(0, start_step - 1),
+                reason=f"admitted again by {leader} at step {start_step}",
+            )
+        c._cond.notify_all()
+
+    def clear_rejoin(self) -> None:
+        """Ranks have taken the REJOIN decision."""
+        with self.c._cond:
+            self._rejoin_decision = None
+
+    def _retry_locked(self, step: int, reason: str) -> pb.Decision:
+        c = self.c
+        return pb.Decision(
+            step=step,
+            verdict=pb.VERDICT_RETRY,
+            generation=c._generation,
+            sites=self._sites_of(c.members),
+            reason=reason,
+        )
+
+    def _decide_locked(self, key: tuple[int, int], decision: pb.Decision) -> None:
+        self._decisions[key] = decision
+        if decision.verdict == pb.VERDICT_COMMIT:
+            self.committed_steps = max(self.committed_steps, key[0] + 1)
+        # Old keys go; a few steps back is enough for late askers.
+        for old in [k for k in self._decisions if k[0] < key[0] - 8]:
+            del self._decisions[old]
+        for table in (self._rank_votes, self._site_votes):
+            for old in [k for k in table if k[0] < key[0] - 8]:
+                del table[old]
+        log.info(
+            "[%s] step %d generation %d: %s%s",
+            self.c.site,
+            key[0],
+            key[1],
+            _verdict_name(decision.verdict),
+            f" -> generation {decision.generation}" if decision.generation != key[1] else "",
+        )
+        self.c._cond.notify_all()
+
+    def add_joiner(self, info: pb.SiteInfo) -> None:
+        """A site outside the membership asked to join (call with the condition held)."""
+        if info.name not in self._joiners:
+            log.info("[%s] %s asks to join; admitted at the next commit", self.c.site, info.name)
+        self._joiners[info.name] = info
+
+    # -- leader ------------------------------------------------------------------------------
+
+    def _evaluate(self, key: tuple[int, int]) -> None:
+        """As leader, decide (step, generation) if its votes or the suspects allow."""
+        c = self.c
+        step, generation = key
+        with c._cond:
+            if key in self._decisions or key in self._deciding or generation != c._generation:
+                return
+            # Leader only because the generation's leader fell silent: take over
+            # first, so a COMMIT it gave out before dying is honoured.
+            old_leader = c.members[0] if c.members and c.members[0] != c.site else None
+        if old_leader is not None:
+            self._takeover(key, old_leader)
+            return
+        with c._cond:
+            if key in self._decisions or key in self._deciding or generation != c._generation:
+                return
+            members = list(c.members)
+            votes = self._site_votes.get(key, {})
+            suspects = set(self.suspects_locked())
+            for _, theirs in votes.values():
+                suspects |= theirs
+            suspects.discard(c.site)
+            alive = [m for m in members if m not in suspects]
+            mine = self._rank_votes.get(key, {})
+            own_ok = len(mine) == c.ranks and all(mine.values())
+            if len(mine) == c.ranks:
+                votes = {**votes, c.site: (own_ok, frozenset())}
+            all_ok = all(m in votes and votes[m][0] for m in members)
+            # Decide a retry once every member still heard from has voted: a dead
+            # member is then dropped in one go instead of after a retry with it.
+            failed = (any(not ok for ok, _ in votes.values()) or len(alive) < len(members)) and all(
+                m in votes for m in alive
+            )
+            fresh = time.monotonic() - self.failure_timeout_s
+            joiners = [j for j, _ in self._joiners.items() if c.last_seen.get(j, 0.0) > fresh]
+            if all_ok and not joiners:
+                self._decide_locked(
+                    key,
+                    pb.Decision(
+                        step=step,
+                        verdict=pb.VERDICT_COMMIT,
+                        generation=generation,
+                        sites=self._sites_of(members),
+                    ),
+                )
+                return
+            if all_ok:
+                new_members, source, start = self._ordered(members + joiners), c.site, step + 1
+            elif failed:
+                if not self._quorum_ok_locked(key, alive):
+                    return
+                new_members, source, start = alive, "", step
+            else:
+                return  # waiting for votes
+            self._deciding.add(key)
+            sites = self._sites_of(new_members)
+            new_gen = max(generation, self._highest_generation) + 1
+        try:
+            answers = self._propose_all(new_gen, sites, start, source)
+            if not self._accepted_by_quorum(answers, new_gen):
+                return
+            with c._cond:
+                self._adopt_locked(new_gen, sites, start, source, c.site)
+                if all_ok:
+                    decision = pb.Decision(
+                        step=step,
+                        verdict=pb.VERDICT_COMMIT,
+                        generation=new_gen,
+                        sites=sites,
+                        state_source=source,
+                        state_step=step,
+                        reason=f"admits {', '.join(joiners)}",
+                    )
+                else:
+                    gone = sorted(set(members) - set(new_members))
+                    decision = pb.Decision(
+                        step=step,
+                        verdict=pb.VERDICT_RETRY,
+                        generation=new_gen,
+                        sites=sites,
+                        reason=f"without {', '.join(gone)}" if gone else "a round failed",
+                    )
+                self._decide_locked(key, decision)
+        finally:
+            with c._cond:
+                self._deciding.discard(key)
+
+    def _quorum_ok_locked(self, key: tuple[int, int], alive: list[str]) -> bool:
+        """False while ``alive`` may not go on; after quorum_wait_s, decide STOP."""
+        c = self.c
+        if has_quorum(alive, c.site_names) and len(alive) >= self.min_sites:
+            self._stuck_since = None
+            return True
+        now = time.monotonic()
+        if self._stuck_since is None:
+            self._stuck_since = now
+            log.warning(
+                "[%s] no quorum: reaches %s of %s (min_sites %d); waiting up to %.0fs",
+                c.site,
+                alive,
+                c.site_names,
+                self.min_sites,
+                self.quorum_wait_s,
+            )
+        if now - self._stuck_since >= self.quorum_wait_s:
+            self._decide_locked(
+                key,
+                pb.Decision(
+                    step=key[0],
+                    verdict=pb.VERDICT_STOP,
+                    generation=c._generation,
+                    reason=(
+                        f"{c.site} lost quorum: it reaches {', '.join(alive)} of "
+                        f"{', '.join(c.site_names)} (min_sites {self.min_sites}) and waited "
+                        f"{self.quorum_wait_s:.0f}s; a side holding a quorum carries on"
+                    ),
+                ),
+            )
+        return False
+
+    def _propose_all(
+        self, generation: int, sites: list[pb.SiteInfo], start: int, source: str
+    ) -> dict[str, pb.ProposeResponse]:
+        """Propose to every other member in parallel; returns the answers received."""
+        c = self.c
+        request = pb.ProposeRequest(
+            leader=c.site, generation=generation, sites=sites, start_step=start, state_source=source
+        )
+        targets = [info.name for info in sites if info.name != c.site]
+        answers: dict[str, pb.ProposeResponse] = {}
+        if not targets:
+            return answers
+        with futures.ThreadPoolExecutor(len(targets)) as pool:
+            calls = {
+                name: pool.submit(c.peer_stub(name).Propose, request, timeout=c.rpc_timeout_s)
+                for name in targets
+            }
+            for name, call in calls.items():
+                try:
+                    answers[name] = call.result()
+                    self._highest_generation = max(
+                        self._highest_generation, answers[name].generation
+                    )
+                except grpc.RpcError as exc:
+                    log.warning("[%s] propose to %s: %s", c.site, name, exc.code().name)
+        return answers
+
+    def _accepted_by_quorum(self, answers: dict[str, pb.ProposeResponse], generation: int) -> bool:
+        """True when the sites that accepted ``generation`` (this one included) hold a
+        quorum. A refusal from a site already past it means the job went on without
+        this site: it asks to be admitted again instead."""
+        c = self.c
+        accepted = [name for name, a in answers.items() if a.accepted] + [c.site]
+        if has_quorum(accepted, c.site_names):
+            return True
+        with c._cond:
+            if any(a.generation >= generation and not a.accepted for a in answers.values()):
+                log.warning(
+                    "[%s] generation %d refused by sites already past it: joining again",
+                    c.site,
+                    generation,
+                )
+                c.excluded = c.joining = True
+        return False
+
+    def _takeover(self, key: tuple[int, int], leader: str) -> None:
+        """The leader fell silent and this site is next: form generation g+1 and decide
+        the pending step so that any COMMIT the old leader gave out stands."""
+        c = self.c
+        step, generation = key
+        with c._cond:
+            if key in self._decisions or key in self._deciding or generation != c._generation:
+                return
+            suspects = set(self.suspects_locked()) | {leader}
+            alive = [m for m in c.members if m not in suspects]
+            if not self._quorum_ok_locked(key, alive):
+                return
+            self._deciding.add(key)
+            sites = self._sites_of(alive)
+            new_gen = max(generation, self._highest_generation) + 1
+        try:
+            log.warning("[%s] leader %s is silent; taking over", c.site, leader)
+            answers = self._propose_all(new_gen, sites, step, "")
+            if not self._accepted_by_quorum(answers, new_gen):
+                return
+            with c._cond:
+                committed = max(
+                    [self.committed_steps] + [a.committed_steps for a in answers.values()]
+                )
+                self._adopt_locked(new_gen, sites, step, "", c.site)
+                verdict = pb.VERDICT_COMMIT if committed > step else pb.VERDICT_RETRY
+                self._decide_locked(
+                    key,
+                    pb.Decision(
+                        step=step,
+                        verdict=verdict,
+                        generation=new_gen,
+                        sites=sites,
+                        reason=f"{leader} fell silent",
+                    ),
+                )
+        finally:
+            with c._cond:
+                self._deciding.discard(key)
+
+    # -- the loop: forward this site's votes, re-evaluate as leader --------------------------
+
+    def _run(self) -> None:
+        c = self.c
+        while not c._stopped.wait(_LOOP_S):
+            with c._cond:
+                if c._generation == 0:
+                    continue
+                ready = [
+                    key
+                    for key, votes in self._rank_votes.items()
+                    if len(votes) == c.ranks and key not in self._decisions
+                ]
+            for key in sorted(ready):
+                try:
+                    self._settle(key)
+                except Exception:  # never let the loop die; the next pass tries again
+                    log.exception("[%s] settling step %d failed", c.site, key[0])
+
+    def _settle(self, key: tuple[int, int]) -> None:
+        c = self.c
+        with c._cond:
+            if key[1] != c._generation:
+                # Ranks voted in a generation this site has left: they run it again.
+                if key not in self._decisions and c.site in c.members:
+                    self._decide_locked(key, self._retry_locked(key[0], "generation moved on"))
+                return
+            leader = self._leader_locked()
+            votes = self._rank_votes[key]
+            ok = all(votes.values())
+            suspects = self.suspects_locked()
+        if leader == c.site:
+            self._evaluate(key)
+            return
+        with c._cond:
+            # The leader is silent when it is among the suspects; the next member in
+            # line (maybe this site) takes over.
+            if leader in suspects:
+                leader = self._leader_locked()
+        request = pb.SiteVoteRequest(
+            site=c.site,
+            step=key[0],
+            generation=key[1],
+            ok=ok,
+            wait_ms=_FORWARD_WAIT_MS,
+            suspects=suspects,
+        )
+        try:
+            decision = c.peer_stub(leader).SiteVote(
+                request, timeout=c.rpc_timeout_s + _FORWARD_WAIT_MS / 1000
+            )
+        except grpc.RpcError as exc:
+            log.debug("[%s] vote at %s: %s", c.site, leader, exc.code().name)
+            with c._cond:
+                silent = leader in self.suspects_locked()
+                nxt = self._leader_locked(exclude=[leader]) if silent else None
+            if nxt == c.site:
+                self._takeover(key, leader)
+            return
+        if decision.verdict == pb.VERDICT_PENDING:
+            return
+        if decision.verdict in (pb.VERDICT_COMMIT, pb.VERDICT_RETRY) and c.site not in [
+            info.name for info in decision.sites
+        ]:
+            # The job went on without this site (it was taken for dead): ask to be
+            # admitted again; the ranks keep waiting and get REJOIN then.
+            with c._cond:
+                if not c.joining:
+                    log.warning(
+                        "[%s] step %d went on without this site: joining again", c.site, key[0]
+                    )
+                c.excluded = c.joining = True
+            return
+        with c._cond:
+            if decision.generation > c._generation and decision.verdict in (
+                pb.VERDICT_COMMIT,
+                pb.VERDICT_RETRY,
+            ):
+                # The Propose may still be on its way; the decision carries the same news.
+                self._adopt_locked(
+                    decision.generation,
+                    list(decision.sites),
+                    key[0] + 1 if decision.verdict == pb.VERDICT_COMMIT else key[0],
+                    decision.state_source,
+                    leader,
+                )
+            if key not in self._decisions:
+                self._decide_locked(key, decision)

@@ -1,0 +1,173 @@
+"""A rank's side of the job's membership: it votes on every step and follows generations.
+
+:class:`SiteMembership` talks only to its own site's coordinator (site-local): it
+votes on each step's rounds (``CommitStep``, a long poll answered with the job's
+decision) and, when the decision names a new generation, re-points the rank's
+:class:`~isthmus.inter.allreduce.CrossSiteAllReduce` at the new member sites. A
+watcher thread asks the coordinator which members fell silent and aborts a round
+that waits on one of them, so a dead site costs the failure timeout, not the round's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+from .allreduce import CrossSiteAllReduce
+from .lane_peer import LanePeer
+
+__all__ = ["QuorumLost", "RejoinRequired", "SiteMembership"]
+
+log = logging.getLogger(__name__)
+
+_VOTE_WAIT_MS = 2_000
+_RPC_SLACK_S = 5.0
+
+
+class QuorumLost(RuntimeError):
+    """This site cannot go on: the decision was STOP (its reason is the message)."""
+
+
+class RejoinRequired(Exception):
+    """The job went on without this site; pull the state named by ``decision``."""
+
+    def __init__(self, decision: pb.Decision) -> None:
+        super().__init__(decision.reason or "rejoin")
+        self.decision = decision
+
+
+class SiteMembership:
+    """One rank's membership client.
+
+    Args:
+        stub: this site's coordinator.
+        site: this site's name.
+        rank: this rank.
+        allreduce: the rank's cross-site all-reduce, re-pointed on each new generation.
+        make_peer: builds the lane client of one peer site's rank (proxy, TLS, chunk size).
+        sites: the members of ``generation``, ordered by index.
+        generation: the generation the rank starts in.
+        decision_timeout_s: how long a vote may wait for its decision.
+        watch_s: how often the watcher asks for silent members.
+    """
+
+    def __init__(
+        self,
+        *,
+        stub: pb_grpc.CoordinatorStub,
+        site: str,
+        rank: int,
+        allreduce: CrossSiteAllReduce,
+        make_peer: Callable[[pb.SiteInfo], LanePeer],
+        sites: list[pb.SiteInfo],
+        generation: int,
+        decision_timeout_s: float = 300.0,
+        watch_s: float = 0.25,
+    ) -> None:
+        self.stub = stub
+        self.site = site
+        self.rank = rank
+        self.allreduce = allreduce
+        self.make_peer = make_peer
+        self.decision_timeout_s = decision_timeout_s
+        self.watch_s = watch_s
+        self.generation = 0
+        self.sites: list[pb.SiteInfo] = []
+        self._peers: dict[tuple[str, str], LanePeer] = {}
+        self._stop = threading.Event()
+        self.configure(generation, sites)
+        self._watcher = threading.Thread(target=self._watch, name="membership-watch", daemon=True)
+        self._watcher.start()
+
+    @property
+    def member_names(self) -> list[str]:
+        return [info.name for info in self.sites]
+
+    def configure(self, generation: int, sites: list[pb.SiteInfo]) -> None:
+        """Re-points the all-reduce at the members of ``generation`` (between rounds)."""
+        names = [info.name for info in sites]
+        if self.site not in names:
+            raise ValueError(f"{self.site} is not a member of generation {generation}: {names}")
+        position = names.index(self.site)
+        peers: dict[int, LanePeer] = {}
+        used: set[tuple[str, str]] = set()
+        for i, info in enumerate(sites):
+            if info.name == self.site:
+                continue
+            # Keyed by address too: a restarted site's lanes listen somewhere new.
+            key = (info.name, info.lane_addresses[self.rank])
+            if key not in self._peers:
+                self._peers[key] = self.make_peer(info)
+            peers[i] = self._peers[key]
+            used.add(key)
+        for key in [k for k in self._peers if k not in used]:
+            self._peers.pop(key).close()
+        self.allreduce.reconfigure(
+            site_index=position, num_sites=len(sites), peers=peers, generation=generation
+        )
+        self.generation, self.sites = generation, list(sites)
+        log.info("[%s/%d] generation %d: %s", self.site, self.rank, generation, ", ".join(names))
+
+    def vote(self, step: int, ok: bool) -> pb.Decision:
+        """Votes on ``step``'s rounds; returns the job's decision (never PENDING).
+
+        Raises:
+            QuorumLost: no decision within ``decision_timeout_s``.
+        """
+        request = pb.CommitStepRequest(
+            site=self.site,
+            rank=self.rank,
+            step=step,
+            generation=self.generation,
+            ok=ok,
+            wait_ms=_VOTE_WAIT_MS,
+        )
+        deadline = time.monotonic() + self.decision_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                decision = self.stub.CommitStep(
+                    request, timeout=_VOTE_WAIT_MS / 1000 + _RPC_SLACK_S
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    raise QuorumLost(f"vote on step {step} refused: {exc.details()}") from exc
+                time.sleep(0.2)
+                continue
+            if decision.verdict != pb.VERDICT_PENDING:
+                return decision
+        raise QuorumLost(
+            f"[{self.site}/{self.rank}] no decision on step {step} after "
+            f"{self.decision_timeout_s:.0f}s"
+        )
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.watch_s):
+            try:
+                reply = self.stub.GetMembership(
+                    pb.GetMembershipRequest(known_generation=1 << 62, wait_ms=0),
+                    timeout=_RPC_SLACK_S,
+                )
+            except grpc.RpcError:
+                continue
+            silent = [s for s in reply.suspects if s in self.member_names and s != self.site]
+            if silent and not self.allreduce.abort.is_set():
+                self.allreduce.abort_reason = f"site(s) {', '.join(silent)} fell silent"
+                self.allreduce.abort.set()
+
+    def close(self) -> None:
+        """Stops the watcher and closes the peers' channels."""
+        self._stop.set()
+        self._watcher.join(timeout=self.watch_s + _RPC_SLACK_S)
+        for peer in self._peers.values():
+            peer.close()
+        self._peers.clear()

@@ -1,0 +1,319 @@
+"""Step commit and failover between real coordinators on loopback (inter/failover.py).
+
+Each site has one "rank" played by the test: it votes with CommitStep like
+deploy/rank.py does. Sites die by stopping their coordinator (its heartbeats and
+answers stop, as when its machine dies); a partition cuts the emulated link.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+
+from isthmus.inter.coordinator import Coordinator
+from isthmus.inter.failover import has_quorum
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+from isthmus.sim import Flap, LinkSpec, RelayServer
+
+pytestmark = pytest.mark.timeout(90)
+
+FP = {"job.seed": "0"}
+FAST = {"heartbeat_s": 0.1, "failure_timeout_s": 0.8, "rpc_timeout_s": 1.0}
+
+
+def start_sites(n: int, proxies=None, **options) -> list[Coordinator]:
+    names = [f"site{i}" for i in range(n)]
+    coords = [
+        Coordinator(
+            site=name,
+            site_names=names,
+            ranks=1,
+            fingerprint=FP,
+            join_timeout_s=20,
+            **{**FAST, **options},
+        )
+        for name in names
+    ]
+    addresses = {c.site: c.address for c in coords}
+    for c in coords:
+        c.set_peers(
+            {s: a for s, a in addresses.items() if s != c.site},
+            (proxies or {}).get(c.site),
+        )
+        c.start()
+    for i, c in enumerate(coords):
+        register(c, lane=f"127.0.0.1:{2000 + i}")
+    for c in coords:
+        c.wait_ready(20)
+    return coords
+
+
+def register(coord: Coordinator, lane: str) -> None:
+    with grpc.insecure_channel(coord.address) as channel:
+        pb_grpc.CoordinatorStub(channel).RegisterRank(
+            pb.RegisterRankRequest(
+                site=coord.site,
+                rank=0,
+                world_size=1,
+                lane_address=lane,
+                fingerprint=pb.JobFingerprint(fields=FP),
+            ),
+            timeout=5,
+        )
+
+
+def vote(coord: Coordinator, step: int, generation: int, ok: bool = True, wait_s: float = 15):
+    """What a rank does: vote, then ask again until the decision is not PENDING."""
+    deadline = time.monotonic() + wait_s
+    with grpc.insecure_channel(coord.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        request = pb.CommitStepRequest(
+            site=coord.site, rank=0, step=step, generation=generation, ok=ok, wait_ms=1000
+        )
+        while time.monotonic() < deadline:
+            decision = stub.CommitStep(request, timeout=5)
+            if decision.verdict != pb.VERDICT_PENDING:
+                return decision
+    raise AssertionError(f"{coord.site}: no decision on step {step} in {wait_s}s")
+
+
+def vote_all(coords, step, generation, ok=None):
+    ok = ok or {}
+    results: dict[str, pb.Decision] = {}
+
+    def one(c):
+        results[c.site] = vote(c, step, generation, ok.get(c.site, True))
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in coords]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def retry_until(coords, step, generation, members, ok):
+    """Vote not-ok (as ranks whose rounds hit a dead site do) until a RETRY names
+    exactly ``members``: the first retry may come before the silence is noticed."""
+    for _ in range(10):
+        decisions = vote_all(coords, step=step, generation=generation, ok=ok)
+        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_RETRY}, decisions
+        generation = next(iter(decisions.values())).generation
+        if all(names(d) == members for d in decisions.values()):
+            return generation
+        time.sleep(0.2)  # a rank's next round takes a while too
+    raise AssertionError(f"never retried with {members} alone")
+
+
+def names(decision: pb.Decision) -> list[str]:
+    return [info.name for info in decision.sites]
+
+
+def stop_all(coords):
+    for c in coords:
+        c.leave()
+    for c in coords:
+        c.stop(grace_s=0.2)
+
+
+def test_quorum_is_a_majority_or_half_with_the_first_site():
+    sites = ["site0", "site1", "site2", "site3"]
+    assert has_quorum(["site0", "site1", "site2"], sites)
+    assert has_quorum(["site0", "site3"], sites)  # half, with the tie-breaker
+    assert not has_quorum(["site1", "site2"], sites)  # the other half
+    assert has_quorum(["site0"], ["site0", "site1"])
+    assert not has_quorum(["site1"], ["site0", "site1"])
+    assert not has_quorum(["site2"], ["site0", "site1", "site2"])
+    assert not has_quorum(["stranger", "site0"], ["site0", "site1", "site2"])
+
+
+def test_every_site_ok_commits_the_step_everywhere():
+    coords = start_sites(3)
+    try:
+        decisions = vote_all(coords, step=0, generation=1)
+        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}
+        assert {d.generation for d in decisions.values()} == {1}
+        assert all(c.failover.committed_steps == 1 for c in coords)
+    finally:
+        stop_all(coords)
+
+
+def test_a_failed_round_is_retried_by_the_same_members_in_a_new_generation():
+    coords = start_sites(2)
+    try:
+        decisions = vote_all(coords, step=0, generation=1, ok={"site1": False})
+        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_RETRY}
+        assert {d.generation for d in decisions.values()} == {2}
+        assert all(names(d) == ["site0", "site1"] for d in decisions.values())
+        assert all(c.failover.committed_steps == 0 for c in coords)  # nothing applied
+        again = vote_all(coords, step=0, generation=2)
+        assert {d.verdict for d in again.values()} == {pb.VERDICT_COMMIT}
+    finally:
+        stop_all(coords)
+
+
+def test_a_dead_site_is_dropped_and_the_others_carry_on():
+    coords = start_sites(3)
+    try:
+        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
+        coords[2].stop(grace_s=0)  # site2 dies between steps
+        generation = retry_until(coords[:2], 1, 1, ["site0", "site1"], ok={"site0": False})
+        after = vote_all(coords[:2], step=1, generation=generation)
+        assert {d.verdict for d in after.values()} == {pb.VERDICT_COMMIT}
+        assert coords[0].live_members() == coords[1].live_members() == ["site0", "site1"]
+    finally:
+        stop_all(coords)
+
+
+def test_when_the_leader_dies_the_next_site_takes_over():
+    coords = start_sites(3)
+    try:
+        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
+        coords[0].stop(grace_s=0)  # the leader (lowest index) dies
+        generation = retry_until(coords[1:], 1, 1, ["site1", "site2"], ok={"site1": False})
+        after = vote_all(coords[1:], step=1, generation=generation)
+        assert {d.verdict for d in after.values()} == {pb.VERDICT_COMMIT}
+    finally:
+        stop_all(coords)
+
+
+def test_a_commit_given_out_before_the_leader_died_stands():
+    """site2 heard COMMIT for step 0 from site0, site1 did not: when site0 dies, site1
+    takes over and must not retry a step site2 already applied."""
+    coords = start_sites(3)
+    try:
+        # site1's vote reaches the leader, but site1 never hears the answer.
+        with grpc.insecure_channel(coords[0].address) as channel:
+            pb_grpc.CoordinatorStub(channel).SiteVote(
+                pb.SiteVoteRequest(site="site1", step=0, generation=1, ok=True, wait_ms=0),
+                timeout=5,
+            )
+        decisions = vote_all([coords[0], coords[2]], step=0, generation=1)
+        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}
+        assert coords[2].failover.committed_steps == 1
+        assert coords[1].failover.committed_steps == 0
+        coords[0].stop(grace_s=0)
+        decision = vote(coords[1], 0, 1)  # site1 asks; site0 is gone; site1 is next
+        assert decision.verdict == pb.VERDICT_COMMIT, decision
+        assert names(decision) == ["site1", "site2"] and decision.generation > 1
+        assert coords[1].failover.committed_steps == 1
+    finally:
+        stop_all(coords)
+
+
+def test_a_restarted_site_is_admitted_at_a_commit_with_the_state_source():
+    coords = start_sites(2)
+    try:
+        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
+        address = coords[1].address
+        coords[1].stop(grace_s=0)
+        generation = retry_until(coords[:1], 1, 1, ["site0"], ok={"site0": False})
+        assert vote(coords[0], 1, generation).verdict == pb.VERDICT_COMMIT
+        # site1 comes back at the same address, from generation 0.
+        host, port = address.rsplit(":", 1)
+        again = Coordinator(
+            site="site1",
+            site_names=["site0", "site1"],
+            ranks=1,
+            fingerprint=FP,
+            host=host,
+            port=int(port),
+            join_timeout_s=20,
+            **FAST,
+        )
+        again.set_peers({"site0": coords[0].address})
+        again.start()
+        coords[1] = again
+        register(again, lane="127.0.0.1:2999")
+        time.sleep(0.5)  # its joins reach site0
+        admit = vote(coords[0], 2, generation)
+        assert admit.verdict == pb.VERDICT_COMMIT
+        assert names(admit) == ["site0", "site1"] and admit.generation > generation
+        assert admit.state_source == "site0" and admit.state_step == 2
+        sites = again.wait_ready(10)
+        assert [s.name for s in sites] == ["site0", "site1"]
+        assert again.start_step == 3 and again.state_source == "site0"
+        assert sites[1].lane_addresses == ["127.0.0.1:2999"]
+    finally:
+        stop_all(coords)
+
+
+def test_under_a_partition_only_the_quorum_side_goes_on_and_the_other_stops_saying_why():
+    with RelayServer() as relay:
+        link = relay.add_link("site0-site1", LinkSpec.symmetric(latency_s=0.001))
+        proxies = {
+            "site0": {"site1": "http://{}:{}".format(*link.add_proxy(initiator="a"))},
+            "site1": {"site0": "http://{}:{}".format(*link.add_proxy(initiator="b"))},
+        }
+        os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/local.py)
+        coords = start_sites(2, proxies=proxies, quorum_wait_s=2.0)
+        try:
+            assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
+            dark = (Flap(duration_s=60),)
+            link.set_impairments(dark, dark)
+            link.reset()
+            # site0 holds the tie-break: it goes on alone. site1 may not.
+            stopped = {}
+            waiting = threading.Thread(
+                target=lambda: stopped.update(d=vote(coords[1], 1, 1, False))
+            )
+            waiting.start()
+            retry_until(coords[:1], 1, 1, ["site0"], ok={"site0": False})
+            waiting.join(20)
+            assert stopped["d"].verdict == pb.VERDICT_STOP
+            assert "lost quorum" in stopped["d"].reason and "site1" in stopped["d"].reason
+        finally:
+            link.set_impairments((), ())
+            stop_all(coords)
+
+
+@pytest.mark.parametrize(
+    "request_fields, why",
+    [
+        ({"site": "site1", "rank": 0, "step": 0, "generation": 1}, "sent to the coordinator"),
+        ({"site": "site0", "rank": 7, "step": 0, "generation": 1}, "is not one of"),
+        ({"site": "site0", "rank": 0, "step": 0, "generation": 0}, "out of range"),
+        ({"site": "site0", "rank": 0, "step": 1 << 50, "generation": 1}, "out of range"),
+        ({"site": "site0", "rank": 0, "step": 0, "generation": 9}, "ahead of"),
+    ],
+)
+def test_bad_votes_are_refused_and_change_nothing(request_fields, why):
+    coords = start_sites(2)
+    try:
+        with (
+            grpc.insecure_channel(coords[0].address) as channel,
+            pytest.raises(grpc.RpcError) as err,
+        ):
+            pb_grpc.CoordinatorStub(channel).CommitStep(
+                pb.CommitStepRequest(**request_fields, ok=True, wait_ms=0), timeout=5
+            )
+        assert why in err.value.details()
+        assert coords[0].failover._rank_votes == {}
+        assert coords[0].generation == 1
+    finally:
+        stop_all(coords)
+
+
+def test_a_propose_from_a_stranger_or_with_a_lower_generation_changes_nothing():
+    coords = start_sites(2)
+    try:
+        site0 = coords[0]._member_infos_locked()
+        with grpc.insecure_channel(coords[1].address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Propose(
+                    pb.ProposeRequest(leader="mallory", generation=9, sites=site0), timeout=5
+                )
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            answer = stub.Propose(
+                pb.ProposeRequest(leader="site0", generation=1, sites=site0), timeout=5
+            )
+        assert not answer.accepted and answer.generation == 1
+        assert coords[1].live_members() == ["site0", "site1"]
+    finally:
+        stop_all(coords)
