@@ -53,3 +53,29 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
     assert len(errors) == 1, result.stderr
     for needle in needles:
         assert needle in errors[0], errors[0]
+
+
+def raw_chunk(**overrides: object):
+    """A sound one-chunk PushChunksRequest of ten fp32 ones (raw codec); fields overridable."""
+    import torch
+
+    from isthmus.inter.codec import crc32, make_codec
+    from isthmus.proto import lane_pb2
+
+    payload = make_codec("raw").encode(torch.ones(10))
+    fields = dict(
+        generation=1,
+        step=0,
+        group=0,
+        kind=lane_pb2.CHUNK_KIND_CONTRIBUTION,
+        chunk_index=0,
+        num_chunks=1,
+        from_site=1,
+        total_elements=10,
+        num_elements=10,
+        codec="raw",
+        payload=payload,
+        crc32=crc32(payload),
+    )
+    fields.update(overrides)
+    return lane_pb2.PushChunksRequest(**fields)

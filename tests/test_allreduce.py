@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 import torch
+from helpers import raw_chunk
 
 from isthmus.inter.allreduce import CrossSiteAllReduce, CrossSiteError
 from isthmus.inter.codec import crc32, make_codec
@@ -167,23 +168,7 @@ def test_single_site_is_a_no_op() -> None:
 
 
 def _request(**overrides: object) -> lane_pb2.PushChunksRequest:
-    payload = make_codec("raw").encode(torch.ones(10))
-    fields = dict(
-        generation=7,
-        step=3,
-        group=0,
-        kind=lane_pb2.CHUNK_KIND_CONTRIBUTION,
-        chunk_index=0,
-        num_chunks=1,
-        from_site=1,
-        total_elements=10,
-        num_elements=10,
-        codec="raw",
-        payload=payload,
-        crc32=crc32(payload),
-    )
-    fields.update(overrides)
-    return lane_pb2.PushChunksRequest(**fields)
+    return raw_chunk(**{"generation": 7, "step": 3, **overrides})
 
 
 @pytest.fixture()

@@ -19,15 +19,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, raw_chunk, run_cli
 
 from isthmus.deploy.certs_cmd import write_certs
 from isthmus.deploy.config import ConfigError, load_config
-from isthmus.inter.codec import crc32, make_codec
 from isthmus.inter.coordinator import Coordinator, peer_channel
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
@@ -104,23 +102,7 @@ REFUSED = {
 
 
 def chunk(**overrides) -> lane_pb2.PushChunksRequest:
-    payload = make_codec("raw").encode(torch.ones(10))
-    fields = dict(
-        generation=1,
-        step=0,
-        group=0,
-        kind=lane_pb2.CHUNK_KIND_CONTRIBUTION,
-        chunk_index=0,
-        num_chunks=1,
-        from_site=1,
-        total_elements=10,
-        num_elements=10,
-        codec="raw",
-        payload=payload,
-        crc32=crc32(payload),
-    )
-    fields.update(overrides)
-    return lane_pb2.PushChunksRequest(**fields)
+    return raw_chunk(**overrides)
 
 
 @pytest.fixture()
