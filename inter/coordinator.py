@@ -13,6 +13,7 @@ Every RPC carries a deadline and every wait a timeout (DESIGN.md invariant 5).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isthmus.inter.failover import Failover
+from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.metrics import SiteMetrics
 from isthmus.inter.replicas import ReplicaDigests
 from isthmus.inter.security import INSECURE, SiteSecurity
@@ -50,8 +52,12 @@ def fingerprint_diff(ours: Mapping[str, str], theirs: Mapping[str, str]) -> list
         One string per differing key, sorted; empty when they agree.
     """
     missing = "<unset>"
+
+    def short(text: str) -> str:  # a peer's keys and values may be huge: keep errors readable
+        return text if len(text) <= 80 else f"{text[:64]}...({len(text)} chars)"
+
     return [
-        f"{key}={ours.get(key, missing)} vs {theirs.get(key, missing)}"
+        f"{short(key)}={short(ours.get(key, missing))} vs {short(theirs.get(key, missing))}"
         for key in sorted(set(ours) | set(theirs))
         if ours.get(key) != theirs.get(key)
     ]
@@ -178,7 +184,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
-            interceptors=self.security.server_interceptors(f"coordinator of {site}"),
+            interceptors=[
+                *self.security.server_interceptors(f"coordinator of {site}"),
+                MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
+            ],
         )
         pb_grpc.add_CoordinatorServicer_to_server(self, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -481,6 +490,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
             )
+        for name in ("step_s", "compute_s", "cross_site_s", "sync_busy_s", "mfu"):
+            value = getattr(request, name)
+            if not (math.isfinite(value) and value >= 0):  # counters refuse negative amounts
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{name} must be a finite number >= 0, got {value!r}",
+                )
         self.metrics.record_step(request)
         with self._cond:
             self.step = request.step

@@ -186,7 +186,7 @@ class Failover:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"step {request.step} / generation {request.generation} out of range",
             )
-        unknown = [s for s in request.suspects if s not in c.site_names]
+        unknown = [s[:64] for s in request.suspects if s not in c.site_names]
         if unknown:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"suspects name unknown sites {unknown[:4]}"
@@ -234,7 +234,7 @@ class Failover:
         elif (
             not names or len(set(names)) != len(names) or any(n not in c.site_names for n in names)
         ):
-            problem = f"sites must be distinct sites of this job, got {names[:8]}"
+            problem = f"sites must be distinct sites of this job, got {[n[:64] for n in names[:8]]}"
         elif request.leader not in names:
             problem = "the leader must be a member of its generation"
         elif request.state_source and request.state_source not in names:

@@ -25,6 +25,7 @@ from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 from .codec import crc32
 from .mailbox import Mailbox, Outbox
+from .malformed import MalformedRequests
 from .security import INSECURE, SiteSecurity
 from .state_transfer import StateOffers, pieces
 
@@ -136,7 +137,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lane-rx"),
             options=channel_options(chunk_bytes),
-            interceptors=(security or INSECURE).server_interceptors(f"lane of site {site_index}"),
+            interceptors=[
+                *(security or INSECURE).server_interceptors(f"lane of site {site_index}"),
+                MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
+            ],
         )
         lane_pb2_grpc.add_LaneServicer_to_server(self, self._server)
         # grpc.health.v1, like every isthmus server: SERVING until stop().
@@ -226,7 +230,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 pre,
                 f"generation {req.generation} != receiver's {generation}",
             ),
-            (req.codec == self.codec, pre, f"codec {req.codec!r} != receiver's {self.codec!r}"),
+            (
+                req.codec == self.codec,
+                pre,
+                f"codec {req.codec[:64]!r} != receiver's {self.codec!r}",
+            ),
             (
                 req.from_site < num_sites and req.from_site != self.site_index,
                 bad,
