@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from isthmus.inter.failover import Failover
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.metrics import SiteMetrics
+from isthmus.inter.peer_loop import PeerLoop
 from isthmus.inter.replicas import ReplicaDigests
 from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
@@ -195,7 +196,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if bound == 0:
             raise OSError(f"coordinator for {site} could not bind {host}:{port}")
         self.address = f"{host}:{bound}"
-        self._joiner = threading.Thread(target=self._join_peers, name=f"join-{site}", daemon=True)
+        self._peer_loop = PeerLoop(self)
+        self._joiner = threading.Thread(
+            target=self._peer_loop.run, name=f"join-{site}", daemon=True
+        )
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -507,133 +511,3 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if divergence:
             self.metrics.replicas_identical.labels(self.site).set(0)
         return pb.ReportProgressResponse(divergence=divergence or "")
-
-    # -- joining peers ----------------------------------------------------------------
-
-    def _join_peers(self) -> None:
-        stubs = self._stubs
-        while not self._stopped.is_set():
-            self._join_round(stubs)
-            if self._error is not None:
-                return
-            joining = self.generation == 0 or self.joining
-            self._stopped.wait(0.2 if joining else self.heartbeat_s)
-        if self.generation > 0:
-            # A last word on the way out, so peers hear this site's final digest
-            # even when it finished last and its next heartbeat would never come.
-            self._heartbeat_round(stubs)
-
-    def _heartbeat_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
-        """Tell every peer this site's step, latest digest and whether it finished."""
-        with self._cond:
-            digest_step, digest = self._digest
-            beat = pb.HeartbeatRequest(
-                site=self.site,
-                step=self.step,
-                digest=digest,
-                digest_step=digest_step,
-                finished=self.finished,
-                generation=self._generation,
-            )
-        for name, stub in stubs.items():
-            try:
-                reply = stub.Heartbeat(beat, timeout=self.rpc_timeout_s)
-                self.last_seen[name] = time.monotonic()
-                self.metrics.site_up.labels(self.site, name).set(1)
-                self._check_left_out(name, reply)
-            except grpc.RpcError as exc:
-                self.metrics.site_up.labels(self.site, name).set(0)
-                # A peer leaving at the end is no news, nor is a dead site the job
-                # already went on without (it is still asked, in case it comes back).
-                if not self._stopped.is_set() and (name in self.members or not self.members):
-                    log.warning("[%s] heartbeat to %s failed: %s", self.site, name, exc.code().name)
-
-    def _check_left_out(self, name: str, reply: pb.HeartbeatResponse) -> None:
-        """A member of a newer generation that does not count this site: the job went on
-        without it (it was cut off without quorum). Ask to be admitted again."""
-        if reply is None:  # an answer that did not parse (a corrupting link)
-            return
-        with self._cond:
-            if (
-                reply.generation > self._generation
-                and not reply.member
-                and self._generation > 0
-                and not self.joining
-                and not self.finished
-            ):
-                log.warning(
-                    "[%s] %s is at generation %d without this site (at %d): joining again",
-                    self.site,
-                    name,
-                    reply.generation,
-                    self._generation,
-                )
-                self.excluded = self.joining = True
-
-    def _join_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
-        with self._cond:
-            joined = self._generation > 0 and not self.joining
-            ready = self._local_ready_locked()
-            info = self._own_info_locked()
-            # A site joining a running job keeps asking every peer until a leader
-            # admits it: a join is also how the leader knows it is still there.
-            pending = [name for name in stubs if name not in self._told_ready or self.joining]
-        if joined and not pending:
-            self._heartbeat_round(stubs)
-            return
-        if self.joining and self.finished_peers:
-            # Admission happens at a step boundary; after the last step there is none.
-            self._fail(
-                f"the job finished ({', '.join(sorted(self.finished_peers))} ran its last "
-                f"step) before {self.site} could be admitted"
-            )
-            return
-        if self.excluded:
-            self._heartbeat_round(stubs)  # digests and liveness still flow
-        elif time.monotonic() - self._started_at > self.join_timeout_s:
-            with self._cond:
-                absent = [n for n in self.peers if n not in self._ready_sites]
-                local = sum(1 for lane in self._lanes if lane)
-            self._fail(
-                f"timed out after {self.join_timeout_s:.0f}s joining the job: "
-                f"{local}/{self.ranks} local ranks registered; sites not ready: {absent or 'none'}"
-            )
-            return
-        request = pb.JoinRequest(
-            site=info,
-            fingerprint=pb.JobFingerprint(fields=self.fingerprint),
-            ready=ready,
-            generation=self.generation,
-        )
-        for name in pending:
-            try:
-                response = stubs[name].Join(request, timeout=self.rpc_timeout_s)
-            except grpc.RpcError as exc:
-                if exc.code() in (
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    grpc.StatusCode.UNAUTHENTICATED,  # a wrong job token stays wrong
-                ):
-                    self._fail(f"site {name} refused {self.site}'s join: {exc.details()}")
-                    return
-                log.debug("[%s] join %s: %s (will retry)", self.site, name, exc.code().name)
-                continue
-            problem = self._check_site_info(response.site, response.ready)
-            if problem is not None or response.site.name != name:
-                self._fail(f"site {name} answered the join with an invalid site: {problem}")
-                return
-            with self._cond:
-                self.last_seen[name] = time.monotonic()
-                if response.generation > 0 and self._generation == 0 and not self.joining:
-                    # The job is already running: wait to be admitted by its leader.
-                    log.info(
-                        "[%s] the job is running (generation %d): asking to join",
-                        self.site,
-                        response.generation,
-                    )
-                    self.joining = True
-                if response.ready and name not in self._ready_sites:
-                    self._ready_sites[name] = response.site
-                if ready:
-                    self._told_ready.add(name)
-                self._maybe_ready_locked()
