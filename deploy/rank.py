@@ -49,7 +49,10 @@ from isthmus.intra.train import TrainConfig, Trainer
 log = logging.getLogger("isthmus.rank")
 
 SLOWDOWN = float(os.environ.get("ISTHMUS_SLOWDOWN", "1"))
-"""Fault injection for `isthmus chaos`: each step takes this many times longer."""
+"""Fault injection for `isthmus chaos`: each step's compute takes this many times longer."""
+STEP_FLOOR_S = float(os.environ.get("ISTHMUS_STEP_FLOOR_S", "0"))
+"""Pacing for `isthmus chaos`: no step is shorter than this, so a job still runs when a
+restarted or cut-off site comes back, whatever the hardware."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,6 +197,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
             continue
         if SLOWDOWN > 1:  # fault injection (isthmus chaos): a site F times slower
             time.sleep((SLOWDOWN - 1) * stats.compute_s)
+        if STEP_FLOOR_S > 0:
+            time.sleep(max(0.0, STEP_FLOOR_S - stats.compute_s - stats.sync_s))
         round_stats = sync.last_step_stats if sync is not None else None
         # Site totals of what crossed the WAN this step (every rank has its own lane).
         rs = round_stats
