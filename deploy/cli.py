@@ -377,8 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # SIGTERM unwinds like Ctrl-C, so the launcher's teardown runs either way.
+    # SIGTERM unwinds like Ctrl-C, so the launcher's teardown runs either way. Ctrl-C
+    # works even when started from a script's background job (shells start those with
+    # SIGINT ignored, and Python would then never raise KeyboardInterrupt).
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.func(args)
     except ConfigError as exc:
