@@ -368,8 +368,11 @@ class Failover(Leader):
 
     def _run(self) -> None:
         c = self.c
-        while not c._stopped.wait(_LOOP_S):
+        while not c._stopped.is_set():
             with c._cond:
+                # Woken at once by a rank's vote (or any other news), else every _LOOP_S:
+                # a step's vote leaves for the leader without waiting for a tick.
+                c._cond.wait(_LOOP_S)
                 if c._generation == 0:
                     continue
                 ready = [
