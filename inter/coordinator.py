@@ -27,7 +27,7 @@ from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.metrics import SiteMetrics
 from isthmus.inter.peer_loop import PeerLoop
 from isthmus.inter.replicas import ReplicaDigests
-from isthmus.inter.security import INSECURE, SiteSecurity
+from isthmus.inter.security import INSECURE, SiteSecurity, certified_names
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -375,7 +375,20 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     # -- RPC handlers ---------------------------------------------------------------
 
+    def check_identity(self, context: grpc.ServicerContext, claimed: str, method: str) -> None:
+        """With mutual TLS, a caller may speak only for a site its certificate names
+        (`isthmus certs` puts the site's name in it): another job-CA certificate cannot
+        claim to be a site it is not. Refused with PERMISSION_DENIED, logged with the
+        peer's address."""
+        names = certified_names(self.security, context)
+        if names is None or claimed in names:
+            return
+        why = f"its certificate does not name site {claimed[:64]!r}"
+        log.warning("[%s] refused %s from %s: %s", self.site, method, context.peer(), why)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"coordinator of {self.site}: {why}")
+
     def RegisterRank(self, request, context):  # noqa: N802 (gRPC method name)
+        self.check_identity(context, request.site, "RegisterRank")
         problem = self._check_fingerprint(request.fingerprint, f"rank {request.rank}")
         if problem is None and request.site != self.site:
             problem = (
@@ -396,6 +409,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return pb.RegisterRankResponse()
 
     def Join(self, request, context):  # noqa: N802
+        self.check_identity(context, request.site.name, "Join")
         problem = self._check_site_info(request.site, request.ready) or self._check_fingerprint(
             request.fingerprint, request.site.name[:64] or "a peer"
         )
@@ -455,6 +469,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
 
     def Heartbeat(self, request, context):  # noqa: N802
+        self.check_identity(context, request.site, "Heartbeat")
         if request.site not in self.peers:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
         if not self.replicas.valid(request.digest):
@@ -476,15 +491,19 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
 
     def CommitStep(self, request, context):  # noqa: N802
+        self.check_identity(context, request.site, "CommitStep")
         return self.failover.commit_step(request, context)
 
     def SiteVote(self, request, context):  # noqa: N802
+        self.check_identity(context, request.site, "SiteVote")
         return self.failover.site_vote(request, context)
 
     def Propose(self, request, context):  # noqa: N802
+        self.check_identity(context, request.leader, "Propose")
         return self.failover.propose(request, context)
 
     def ReportProgress(self, request, context):  # noqa: N802
+        self.check_identity(context, request.site, "ReportProgress")
         if request.site != self.site:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -197,6 +197,15 @@ INSECURE = SiteSecurity()
 # -- server side ----------------------------------------------------------------------
 
 
+def certified_names(security: SiteSecurity, context: grpc.ServicerContext) -> set[str] | None:
+    """The DNS names of the caller's verified certificate; None when TLS is not required
+    (then nothing binds a caller to a site name)."""
+    if not security.require_tls:
+        return None
+    names = context.auth_context().get("x509_subject_alternative_name", [])
+    return {n.decode("utf-8", "replace") for n in names}
+
+
 class _Refusal(Exception):
     pass
 

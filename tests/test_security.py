@@ -237,6 +237,27 @@ def test_coordinator_registers_no_rank_for_an_unauthenticated_peer(
     assert coordinator._lanes == ["127.0.0.1:1234"]
 
 
+def test_a_certificate_speaks_only_for_the_site_it_names(coordinator, job_dir, caplog):
+    """site1's certificate is valid for the job, but it cannot register a rank of
+    site0, nor send heartbeats or votes as site0; as site1 it is heard."""
+    site1 = full(job_dir, "site1")
+    with peer_channel(coordinator.address, security=site1) as channel:
+        stub = cpb_grpc.CoordinatorStub(channel)
+        refused = refusal(lambda: register(channel))
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "does not name site 'site0'" in refused.details()
+        refused = refusal(
+            lambda: stub.SiteVote(
+                cpb.SiteVoteRequest(site="site0", step=0, generation=1, ok=True), timeout=5
+            )
+        )
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+        stub.Heartbeat(cpb.HeartbeatRequest(site="site1"), timeout=5)  # as itself: fine
+    assert coordinator._lanes == [None]
+    line = next(r.getMessage() for r in caplog.records if "does not name" in r.getMessage())
+    assert PEER.search(line) and "RegisterRank" in line, line
+
+
 def test_health_checks_need_tls_but_no_token(coordinator, job_dir):
     request = health_pb2.HealthCheckRequest(service="isthmus.v1.Coordinator")
     no_token = clients(job_dir, job_dir)["no_token"]
