@@ -80,7 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--quick", action="store_true", help="a small grid for tests: " + str(QUICK))
     add("--chunk-kib", type=int, default=0, help="chunk size; 0 = from the link's BDP")
     add("--connections", type=int, default=4, help="gRPC connections per peer lane")
-    add("--workers", type=int, default=0, help="encode/decode threads per site; 0 = auto")
+    add("--workers", type=int, default=0, help="encode/decode threads per lane; 0 = auto")
+    add(
+        "--lanes",
+        type=int,
+        default=1,
+        help="ranks (lanes, processes) per site, each all-reducing an equal slice of the "
+        "site's tensor over the site's shared links",
+    )
     add("--timeout-s", type=float, default=600.0, help="limit on one all-reduce")
     add("--json", default="allreduce-bench.json", help="where the results go")
     add("--no-throughput", action="store_true", help="skip the per-core codec speeds")
@@ -105,6 +112,8 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
         raise ConfigError(f"--chunk-kib must be 4..{MAX_CHUNK_BYTES // 1024}, got {args.chunk_kib}")
     if not 1 <= args.connections <= 16:
         raise ConfigError(f"--connections must be in 1..16, got {args.connections}")
+    if not 1 <= args.lanes <= 64:
+        raise ConfigError(f"--lanes must be in 1..64, got {args.lanes}")
     if args.workers < 0 or args.timeout_s <= 0:
         raise ConfigError("--workers must be >= 0 and --timeout-s > 0")
     return [
@@ -118,6 +127,7 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             connections=args.connections,
             workers=args.workers or None,
             timeout_s=args.timeout_s,
+            lanes=args.lanes,
         )
         for s in sites
         for rtt in rtts

@@ -1,4 +1,4 @@
-"""The cross-site all-reduce benchmark: one process per site, lanes over given links.
+"""The cross-site all-reduce benchmark: one process per lane, lanes over given links.
 
 :func:`run_case` starts one spawned process per site; each runs a real
 :class:`~isthmus.inter.lane.LaneServer`, :class:`~isthmus.inter.lane_peer.LanePeer`\\ s
@@ -54,6 +54,10 @@ class BenchCase:
     connections: int = 4
     workers: int | None = None
     timeout_s: float = 600.0
+    lanes: int = 1
+    """Ranks per site, each with its own lane and process, all-reducing an equal slice
+    of the site's tensor with the same rank of every other site (DESIGN.md: the shard
+    after the site's reduce-scatter). All of a site's lanes share its links."""
 
 
 def link_bound_s(case: BenchCase) -> float:
@@ -63,8 +67,9 @@ def link_bound_s(case: BenchCase) -> float:
     return share * tensor_bytes * 8 / (case.gbit * 1e9) + case.rtt_ms / 1000
 
 
-def _site_main(index: int, case: dict[str, Any], conn: Any) -> None:
-    """One site's process: lane up, warm up, all-reduce on "go", report."""
+def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
+    """One lane's process (site ``index``, rank ``rank``): lane up, warm up, all-reduce
+    its slice on "go", report."""
     os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (gRPC reads lowercase)
     torch.set_num_threads(1)
     from .allreduce import CrossSiteAllReduce
@@ -97,7 +102,8 @@ def _site_main(index: int, case: dict[str, Any], conn: Any) -> None:
         # Gradient-like values: zero-mean, small, every site different.
         g = torch.Generator().manual_seed(index)
         n = int(c.mib * MIB) // 4
-        tensor = torch.randn(n, generator=g) * 1e-3
+        lo, hi = n * rank // c.lanes, n * (rank + 1) // c.lanes
+        tensor = (torch.randn(n, generator=g) * 1e-3)[lo:hi].clone()
         # Warm-up: opens every connection (through the proxies) before the clock runs.
         ar.allreduce([torch.ones(c.chunk_bytes // 4 * c.sites)], step=0, group=0, average=True)
         conn.send("ready")
@@ -121,7 +127,7 @@ def _site_main(index: int, case: dict[str, Any], conn: Any) -> None:
         conn.recv()  # "done": nobody stops its server while a peer may still pull
     except BaseException as exc:  # noqa: BLE001 (reported to the parent as one line)
         with contextlib.suppress(Exception):
-            conn.send({"error": f"site {index}: {type(exc).__name__}: {exc}"})
+            conn.send({"error": f"site {index} rank {rank}: {type(exc).__name__}: {exc}"})
     finally:
         ar.close()
         for peer in peers.values():
@@ -130,7 +136,7 @@ def _site_main(index: int, case: dict[str, Any], conn: Any) -> None:
 
 
 def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
-    """Runs one case, one process per site.
+    """Runs one case, one process per lane (``case.lanes`` per site).
 
     Args:
         case: the grid point; ``chunk_bytes`` must already be resolved (> 0).
@@ -148,16 +154,22 @@ def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
     wait_s = case.timeout_s + 60
     with links(case.sites, case.rtt_ms / 1000, case.gbit * 1e9) as proxies:
         try:
-            for i in range(case.sites):
+            lanes = [(i, r) for i in range(case.sites) for r in range(case.lanes)]
+            for i, r in lanes:
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_site_main, args=(i, spec, child), daemon=True)
+                proc = ctx.Process(target=_site_main, args=(i, r, spec, child), daemon=True)
                 proc.start()
                 pipes.append(parent)
                 procs.append(proc)
-            addresses = [_recv(p, i, wait_s) for i, p in enumerate(pipes)]
-            for i, pipe in enumerate(pipes):
+            addresses = {
+                lane: _recv(p, k, wait_s)
+                for k, (lane, p) in enumerate(zip(lanes, pipes, strict=True))
+            }
+            for (i, r), pipe in zip(lanes, pipes, strict=True):
+                # A lane pairs with the same rank of every other site, through the
+                # site pair's one link.
                 peers = {
-                    j: (addresses[j], proxies.get((i, j))) for j in range(case.sites) if j != i
+                    j: (addresses[(j, r)], proxies.get((i, j))) for j in range(case.sites) if j != i
                 }
                 pipe.send(peers)
             for i, pipe in enumerate(pipes):
@@ -191,7 +203,7 @@ def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]
     sent = sum(r["bytes_sent"] for r in reports)
     raw = sum(r["raw_bytes"] for r in reports)
     bound = link_bound_s(case)
-    cpu = sum(r["cpu_s"] for r in reports) / len(reports)
+    cpu = sum(r["cpu_s"] for r in reports) / case.sites  # per site, all its lanes
     return {
         **dataclasses.asdict(case),
         "tensor_bytes": tensor_bytes,
@@ -201,7 +213,10 @@ def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]
         "efficiency": bound / wall,
         "compression_ratio": raw / sent if sent else 1.0,
         "cpu_s_per_gb": cpu / (tensor_bytes / 1e9),
-        "identical": len({r["digest"] for r in reports}) == 1,
+        # Lane k of every site holds the same slice: equal bits per slice.
+        "identical": all(
+            len({r["digest"] for r in reports[k :: case.lanes]}) == 1 for k in range(case.lanes)
+        ),
         "corrupt_chunks": sum(r["corrupt_chunks"] for r in reports),
         "sites_detail": reports,
     }
@@ -268,14 +283,14 @@ def format_throughput(rows: list[dict[str, Any]], gbits: list[float]) -> str:
 def format_results(rows: list[dict[str, Any]]) -> str:
     """The results table, one line per case."""
     head = (
-        f"{'sites':>5}{'rtt ms':>8}{'Gbit/s':>7}{'MiB':>6}  {'codec':<22}{'chunk KiB':>10}"
+        f"{'sites':>5}{'lanes':>6}{'rtt ms':>8}{'Gbit/s':>7}{'MiB':>6}  {'codec':<22}{'chunk KiB':>10}"
         f"{'wall s':>8}{'goodput MB/s':>13}{'bound s':>8}{'effic.':>7}{'ratio':>7}"
         f"{'cpu s/GB':>9}{'same':>5}"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r['sites']:>5}{r['rtt_ms']:>8g}{r['gbit']:>7g}{r['mib']:>6g}  {r['codec']:<22}"
+            f"{r['sites']:>5}{r.get('lanes', 1):>6}{r['rtt_ms']:>8g}{r['gbit']:>7g}{r['mib']:>6g}  {r['codec']:<22}"
             f"{r['chunk_bytes'] // 1024:>10}{r['wall_s']:>8.2f}{r['goodput_mb_s']:>13.1f}"
             f"{r['link_bound_s']:>8.2f}{r['efficiency']:>7.2f}{r['compression_ratio']:>7.2f}"
             f"{r['cpu_s_per_gb']:>9.2f}{'yes' if r['identical'] else 'NO':>5}"

@@ -35,7 +35,12 @@ def test_link_bound() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("args", "words"),
-    [(["--sites", "1"], "--sites"), (["--codec", "lz4"], "--codec"), (["--gbit", "x"], "--gbit")],
+    [
+        (["--sites", "1"], "--sites"),
+        (["--codec", "lz4"], "--codec"),
+        (["--gbit", "x"], "--gbit"),
+        (["--lanes", "0"], "--lanes"),
+    ],
 )
 def test_bad_flags_are_one_line_errors(args: list[str], words: str) -> None:
     result = _script("--quick", *args, timeout=30)
@@ -60,3 +65,21 @@ def test_quick_grid_writes_json(tmp_path: Path) -> None:
         assert case["cpu_s_per_gb"] > 0
     ratios = {c["codec"]: c["compression_ratio"] for c in data["cases"]}
     assert ratios["raw"] == pytest.approx(1.0) and ratios["int8+zstd:1"] > 3.5
+
+
+@pytest.mark.timeout(180)
+def test_several_lanes_per_site_split_the_tensor_and_agree(tmp_path: Path) -> None:
+    """2 sites x 2 lanes: each lane all-reduces its half with the same rank of the other
+    site over the pair's one link; every half ends identical at both sites."""
+    out = tmp_path / "bench.json"
+    result = _script(
+        "--quick", "--lanes", "2", "--codec", "raw", "--no-throughput", "--json", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["lanes"] == 2 and case["identical"]
+    details = case["sites_detail"]
+    assert len(details) == 4
+    # Lane 0 and lane 1 hold different halves; each half's bits agree across sites.
+    assert details[0]["digest"] == details[2]["digest"] != details[1]["digest"]
+    assert sum(d["raw_bytes"] for d in details) > 0
