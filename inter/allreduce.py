@@ -145,6 +145,9 @@ class CrossSiteAllReduce:
             The round's statistics.
         Raises:
             CrossSiteError: a peer timed out, refused a chunk or sent an invalid one.
+                A single contiguous fp32 tensor is reduced in place and may then be
+                left partly reduced (LaneGradientSync hands in a copy of the shard);
+                several tensors are left as they were.
         """
         start = time.perf_counter()
         stats = RoundStats()
@@ -153,14 +156,22 @@ class CrossSiteAllReduce:
         devices = {t.device for t in tensors}
         if len(devices) > 1:
             raise ValueError(f"tensors of one round must share a device, got {devices}")
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        # One contiguous fp32 tensor (a gradient shard's buffer) is reduced where it
+        # lies: two copies of it would cost more than the codec at 1 Gbit/s.
+        single = (
+            len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous()
+        )
+        if single:
+            flat = tensors[0].detach().view(-1)
+        else:
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
         stats.tensor_bytes = flat.numel() * 4
         if self.num_sites > 1 and flat.numel() > 0:
             pipeline = RoundPipeline(self, flat, step, group, average, stats)
             stats.num_chunks = pipeline.num_chunks
             pipeline.run()
         offset = 0
-        for t in tensors:
+        for t in tensors if not single else ():
             n = t.numel()
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
