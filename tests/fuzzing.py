@@ -1,0 +1,191 @@
+"""What the fuzz tests share (tests/test_fuzz.py, tests/test_fuzz_lane.py): settings,
+the input count, strategies built from the protobuf descriptors, raw-byte manglers
+and the check that a refusal explains itself."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf import message_factory
+from google.protobuf.descriptor import FieldDescriptor as FD
+from hypothesis import HealthCheck
+from hypothesis import strategies as st
+
+FP = {"job.seed": "0"}
+SITES = ["site0", "site1"]
+DEADLINE_S = 5.0  # every call; a handler that takes longer is hung
+WAIT_CAP_MS = 60  # long polls are asked to wait at most this long
+SETTINGS = dict(
+    derandomize=True,  # the same inputs on every run (CI)
+    deadline=None,
+    database=None,
+    print_blob=False,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,  # one set of servers per test, on purpose
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
+HUGE = "x" * 20_000  # refusal details above 16 KiB never reach the caller
+COUNTS: dict[str, int] = {}
+BAD = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def count(name: str) -> None:
+    COUNTS[name] = COUNTS.get(name, 0) + 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_counts(request):
+    yield
+    total = sum(COUNTS.values())
+    if not total:
+        return
+    line = f"fuzz: {total} inputs: " + ", ".join(f"{k} {v}" for k, v in sorted(COUNTS.items()))
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n{line}")
+
+
+# -- generic strategies from the protobuf descriptors -----------------------------------
+
+U64 = [0, 1, 2, 3, 7, 2**31 - 1, 2**32 - 1, 2**32, 2**40, 2**40 + 1, 2**63 - 1, 2**63, 2**64 - 1]
+U32 = [0, 1, 2, 3, 7, 255, 2**16, 2**31 - 1, 2**32 - 1]
+UTF8 = st.characters(codec="utf-8")
+LONG = st.builds(
+    lambda s, n: s * n,
+    st.sampled_from(["x", "é", "名", "🙂", "site1"]),
+    st.sampled_from([65, 1000, 5000, 20_000]),
+)
+SHORT = st.one_of(
+    st.text(UTF8, max_size=24),
+    st.sampled_from(["", "site0", "site1", "site2", "SITE1", " site1", "site1\x00", "raw"]),
+)
+TEXT = st.integers(0, 4).flatmap(lambda i: LONG if i == 0 else SHORT)  # long now and then
+
+
+def scalar(field) -> st.SearchStrategy:
+    t = field.type
+    if t == FD.TYPE_UINT64:
+        return st.one_of(st.sampled_from(U64), st.integers(0, 2**64 - 1))
+    if t == FD.TYPE_UINT32:
+        return st.one_of(st.sampled_from(U32), st.integers(0, 2**32 - 1))
+    if t in (FD.TYPE_INT32, FD.TYPE_ENUM):
+        known = [v.number for v in field.enum_type.values] if t == FD.TYPE_ENUM else [0]
+        return st.one_of(st.sampled_from(known), st.integers(-(2**31), 2**31 - 1))
+    if t == FD.TYPE_DOUBLE:
+        return st.floats(allow_nan=True, allow_infinity=True)
+    if t == FD.TYPE_BOOL:
+        return st.booleans()
+    if t == FD.TYPE_STRING:
+        return TEXT
+    if t == FD.TYPE_BYTES:
+        return st.one_of(st.binary(max_size=64), st.integers(0, 70_000).map(bytes))
+    raise NotImplementedError(field.full_name)
+
+
+def is_map(field) -> bool:
+    return field.type == FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
+def field_values(field, depth: int) -> st.SearchStrategy:
+    """Random values for one field: a scalar, a message, a list or a map."""
+    if is_map(field):
+        key, value = (
+            field.message_type.fields_by_name["key"],
+            field.message_type.fields_by_name["value"],
+        )
+        return st.dictionaries(scalar(key), scalar(value), max_size=6)
+    one = (
+        any_message(field.message_type, depth + 1)
+        if field.type == FD.TYPE_MESSAGE
+        else scalar(field)
+    )
+    if field.is_repeated and field.type == FD.TYPE_MESSAGE:
+        return st.lists(one, max_size=4)
+    if field.is_repeated:
+        return st.one_of(st.lists(one, max_size=4), st.lists(one, min_size=50, max_size=200))
+    return one
+
+
+def set_field(msg, field, value) -> None:
+    msg.ClearField(field.name)
+    target = getattr(msg, field.name)
+    if is_map(field):
+        target.update(value)
+    elif field.is_repeated:
+        target.extend(value)
+    elif field.type == FD.TYPE_MESSAGE:
+        target.CopyFrom(value)
+    else:
+        setattr(msg, field.name, value)
+
+
+def any_message(descriptor, depth: int = 0) -> st.SearchStrategy:
+    """A message of `descriptor` with every field random (or unset)."""
+    cls = message_factory.GetMessageClass(descriptor)
+    if depth > 2:
+        return st.just(cls())
+    fields = {f.name: st.one_of(st.none(), field_values(f, depth)) for f in descriptor.fields}
+
+    def build(values):
+        msg = cls()
+        for name, value in values.items():
+            if value is not None:
+                set_field(msg, descriptor.fields_by_name[name], value)
+        return msg
+
+    return st.fixed_dictionaries(fields).map(build)
+
+
+@st.composite
+def near(draw, valid: st.SearchStrategy, changes: int = 2):
+    """A valid message with up to `changes` fields replaced by random values."""
+    msg = draw(valid)
+    fields = list(msg.DESCRIPTOR.fields)
+    for field in draw(st.lists(st.sampled_from(fields), max_size=changes, unique=True)):
+        set_field(msg, field, draw(field_values(field, 1)))
+    return msg
+
+
+def requests(valid: st.SearchStrategy, descriptor) -> st.SearchStrategy:
+    """Mostly near-valid requests (some valid), some entirely random ones."""
+    return st.one_of(near(valid), near(valid, 1), any_message(descriptor))
+
+
+def capped(msg):
+    """Long polls wait at most WAIT_CAP_MS, so a slow answer means a hang."""
+    if "wait_ms" in msg.DESCRIPTOR.fields_by_name:
+        msg.wait_ms = msg.wait_ms % (WAIT_CAP_MS + 1)
+    return msg
+
+
+# -- raw bytes ---------------------------------------------------------------------------
+
+
+@st.composite
+def mangled(draw, valid: st.SearchStrategy):
+    """A valid message's bytes truncated, spliced with random bytes or bit-flipped."""
+    data = bytearray(draw(valid).SerializeToString())
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(data)))
+        how = draw(st.sampled_from(["cut", "insert", "flip"]))
+        if how == "cut":
+            del data[at:]
+        elif how == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+        elif data:
+            data[min(at, len(data) - 1)] ^= 1 << draw(st.integers(0, 7))
+    return bytes(data)
+
+
+def raw_bytes(valid: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(st.binary(max_size=256), mangled(valid))
+
+
+def clear_refusal(method: str, status, details: str, oversized: bool) -> None:
+    """A refusal says what was wrong in a few lines. gRPC drops details above 16 KiB
+    and answers RESOURCE_EXHAUSTED instead, which only an oversized request may get."""
+    assert status != grpc.StatusCode.RESOURCE_EXHAUSTED or oversized, f"{method}: {details}"
+    assert details and len(details) < 2048, f"{method}: unclear refusal {str(details)[:300]!r}"

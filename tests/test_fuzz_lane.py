@@ -1,0 +1,329 @@
+"""Property-based fuzzing of the lane's handlers: PushChunks streams, ResendChunk and
+PullState against a real LaneServer on loopback (see tests/test_fuzz.py for the
+properties; the shared pieces are in tests/fuzzing.py)."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import grpc
+import pytest
+import torch
+from fuzzing import (  # noqa: F401 (report_counts: an autouse fixture)
+    BAD,
+    DEADLINE_S,
+    HUGE,
+    SETTINGS,
+    WAIT_CAP_MS,
+    any_message,
+    capped,
+    clear_refusal,
+    count,
+    near,
+    raw_bytes,
+    report_counts,
+    requests,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from isthmus.inter import lane as lane_module
+from isthmus.inter.lane import LaneServer, channel_options
+from isthmus.proto import lane_pb2
+
+pytestmark = pytest.mark.timeout(300)
+
+# -- the lane ------------------------------------------------------------------------------
+
+LANE_GEN = 3
+CHUNK_BYTES = 1024  # 256 fp32 elements a chunk
+PER = CHUNK_BYTES // 4
+LANE_LIMIT = dict(channel_options(CHUNK_BYTES))["grpc.max_receive_message_length"]
+FLOOR = 2  # chunks of steps below this belong to finished rounds
+
+
+def offered_state():
+    return {
+        "model/w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "optim/step": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 5, dtype=torch.bfloat16),
+    }
+
+
+class Lane:
+    def __init__(self) -> None:
+        self.server = LaneServer(
+            site_index=0, num_sites=3, codec="raw", generation=LANE_GEN, chunk_bytes=CHUNK_BYTES
+        )
+        self.server.offer_wait_s = 0.05
+        self.server.offers.offer(LANE_GEN, 11, offered_state())
+        self.sent = chunk(step=5, kind=lane_pb2.CHUNK_KIND_RESULT, from_site=0, payload=b"abc")
+        self.server.outbox.put((5, 0, lane_pb2.CHUNK_KIND_RESULT, 0), self.sent, {1, 2})
+        self.server.mailbox.discard_before(FLOOR)
+        self.channel = grpc.insecure_channel(self.server.address)
+
+    def rpc(self, method: str, kind: str = "unary_unary"):
+        return getattr(self.channel, kind)(f"/isthmus.v1.Lane/{method}")
+
+    def state(self):
+        s, m = self.server, self.server.mailbox
+        with m._cond:
+            mailbox = (
+                {k: id(v) for k, v in m._items.items()},
+                set(m._seen),
+                set(m._corrupt),
+                m._floor,
+            )
+        with s.offers._cond:
+            offer = s.offers._offer and (s.offers._offer[:2], id(s.offers._offer[2]))
+        return mailbox, len(s.outbox), s.corruptions, offer, s.generation, s.site_index
+
+    def assert_healthy(self) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service="isthmus.v1.Lane"), timeout=5
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        request = lane_pb2.ResendChunkRequest(
+            generation=LANE_GEN, step=5, kind=lane_pb2.CHUNK_KIND_RESULT, from_site=1
+        )
+        reply = lane_pb2.ResendChunkResponse.FromString(
+            self.rpc("ResendChunk")(request.SerializeToString(), timeout=5)
+        )
+        assert reply.chunk == self.sent
+        pieces = list(
+            self.rpc("PullState", "unary_stream")(
+                lane_pb2.PullStateRequest(generation=LANE_GEN, step=11).SerializeToString(),
+                timeout=5,
+            )
+        )
+        assert len(pieces) == 3
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(grace=0.2)
+
+
+@pytest.fixture
+def lane(monkeypatch):
+    # A chunk of a newer generation waits for the lane to move to it (10 s in
+    # production); the lane here never moves, so keep that wait short.
+    monkeypatch.setattr(lane_module, "_GENERATION_WAIT_S", 0.05)
+    server = Lane()
+    yield server
+    try:
+        server.assert_healthy()
+    finally:
+        server.close()
+
+
+def chunk(**fields) -> lane_pb2.PushChunksRequest:
+    values = dict(
+        generation=LANE_GEN,
+        step=FLOOR,
+        group=0,
+        kind=lane_pb2.CHUNK_KIND_CONTRIBUTION,
+        chunk_index=0,
+        num_chunks=1,
+        from_site=1,
+        total_elements=PER,
+        num_elements=PER,
+        codec="raw",
+        payload=b"",
+    )
+    values.update(fields)
+    values.setdefault("crc32", zlib.crc32(values["payload"]))
+    return lane_pb2.PushChunksRequest(**values)
+
+
+@st.composite
+def valid_chunk(draw):
+    total = draw(st.integers(1, 4 * PER))
+    num_chunks = -(-total // PER)
+    index = draw(st.integers(0, num_chunks - 1))
+    payload = draw(st.binary(max_size=64))
+    return chunk(
+        generation=LANE_GEN,
+        step=draw(st.integers(0, 60)),
+        group=draw(st.integers(0, 3)),
+        kind=draw(st.sampled_from([lane_pb2.CHUNK_KIND_CONTRIBUTION, lane_pb2.CHUNK_KIND_RESULT])),
+        chunk_index=index,
+        num_chunks=num_chunks,
+        from_site=draw(st.sampled_from([1, 2])),
+        total_elements=total,
+        num_elements=draw(st.integers(1, min(PER, total))),
+        payload=payload,
+        # Now and then a payload that fails its crc32: marked corrupt, pulled again.
+        crc32=zlib.crc32(payload) ^ draw(st.sampled_from([0] * 6 + [1])),
+    )
+
+
+CHUNK_FIELDS = lane_pb2.PushChunksRequest.DESCRIPTOR
+
+
+@st.composite
+def chunk_streams(draw):
+    """1-6 chunks, each valid, near-valid or random, with duplicates and stale ones."""
+    out: list[lane_pb2.PushChunksRequest] = []
+    for _ in range(draw(st.integers(1, 6))):
+        pick = draw(st.sampled_from(["valid", "valid", "near", "near", "random", "again", "stale"]))
+        if pick == "again" and out:
+            out.append(draw(st.sampled_from(out)))  # a duplicate
+            continue
+        msg = draw(valid_chunk())
+        if pick == "near":
+            msg = draw(near(st.just(msg), 1))
+        elif pick == "random":
+            msg = draw(any_message(CHUNK_FIELDS))
+        elif pick == "stale":
+            msg.generation = draw(st.integers(0, LANE_GEN - 1))
+        out.append(msg)
+    return out
+
+
+def expected_push(lane: Lane, chunks):
+    """What the lane should do with `chunks`, chunk by chunk: the oracle checks each
+    with the lane's own validation and a copy of its mailbox's replay guard."""
+    m = lane.server.mailbox
+    with m._cond:
+        seen, floor = set(m._seen), m._floor
+    added, corrupt = [], []
+    for req in chunks:
+        why = lane.server.check(req)
+        key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
+        if (
+            (why is not None and not why.startswith("crc32 mismatch"))
+            or key[0] < floor
+            or key in seen
+        ):
+            return added, corrupt, False
+        seen.add(key)
+        (added if why is None else corrupt).append(key)
+    return added, corrupt, True
+
+
+@settings(max_examples=1000, **SETTINGS)
+@given(chunks=chunk_streams())
+def test_push_chunks_streams(lane, chunks):
+    count("PushChunks")
+    added, corrupt, ok = expected_push(lane, chunks)
+    (items, seen, marked, _), outbox, corruptions, offer, *_ = lane.state()
+    start = time.monotonic()
+    try:
+        reply = lane_pb2.PushChunksResponse.FromString(
+            lane.rpc("PushChunks", "stream_unary")(
+                iter([c.SerializeToString() for c in chunks]), timeout=DEADLINE_S
+            )
+        )
+        status = grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        status, reply = exc.code(), exc.details()
+    assert status not in BAD, f"{status.name}: {reply}"
+    assert time.monotonic() - start < DEADLINE_S
+    if status != grpc.StatusCode.OK:
+        clear_refusal("PushChunks", status, reply, any(c.ByteSize() > LANE_LIMIT for c in chunks))
+    assert (status == grpc.StatusCode.OK) == ok, f"{status.name}: {reply}"
+    if ok:
+        assert (reply.accepted, reply.corrupt) == (len(added), len(corrupt))
+    # Chunks before a refused one were deposited (a round's stream deposits as it
+    # goes); the refused chunk and everything after it changed nothing.
+    (items2, seen2, marked2, _), outbox2, corruptions2, offer2, *_ = lane.state()
+    assert seen2 == seen | set(added) | set(corrupt)
+    assert set(items2) == set(items) | set(added) | set(corrupt)
+    assert marked2 == marked | set(corrupt)
+    assert corruptions2 == corruptions + len(corrupt)
+    assert (outbox2, offer2) == (outbox, offer)
+
+
+def check_lane(lane: Lane, method: str, data: bytes, kind: str) -> None:
+    before = lane.state()
+    start = time.monotonic()
+    try:
+        reply = lane.rpc(method, kind)(data, timeout=DEADLINE_S)
+        replies = list(reply) if kind == "unary_stream" else [reply]
+        status = grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        status, replies = exc.code(), exc.details()
+    assert status not in BAD, f"{method}: {status.name}: {replies}"
+    assert time.monotonic() - start < DEADLINE_S
+    if status == grpc.StatusCode.OK:
+        reply_type = lane_pb2.StatePiece if method == "PullState" else lane_pb2.ResendChunkResponse
+        for r in replies:
+            reply_type.FromString(r)
+    else:
+        clear_refusal(method, status, replies, len(data) > LANE_LIMIT)
+    assert lane.state() == before, f"{method} ({status.name}) changed the lane's state"
+
+
+VALID_RESEND = st.builds(
+    lane_pb2.ResendChunkRequest,
+    generation=st.integers(LANE_GEN - 1, LANE_GEN + 1),
+    step=st.integers(4, 6),
+    group=st.integers(0, 1),
+    kind=st.sampled_from([1, 2]),
+    chunk_index=st.integers(0, 1),
+    from_site=st.integers(0, 3),
+)
+VALID_PULL = st.builds(
+    lane_pb2.PullStateRequest,
+    generation=st.integers(LANE_GEN - 1, LANE_GEN + 1),
+    step=st.integers(10, 12),
+    rank=st.integers(0, 1),
+)
+
+
+@settings(max_examples=600, **SETTINGS)
+@given(request=requests(VALID_RESEND, lane_pb2.ResendChunkRequest.DESCRIPTOR))
+def test_resend_chunk(lane, request):
+    count("ResendChunk")
+    check_lane(lane, "ResendChunk", request.SerializeToString(), "unary_unary")
+
+
+@settings(max_examples=400, **SETTINGS)
+@given(request=requests(VALID_PULL, lane_pb2.PullStateRequest.DESCRIPTOR))
+def test_pull_state(lane, request):
+    count("PullState")
+    check_lane(lane, "PullState", request.SerializeToString(), "unary_stream")
+
+
+@settings(max_examples=700, **SETTINGS)
+@given(data=st.data(), method=st.sampled_from(["PushChunks", "ResendChunk", "PullState"]))
+def test_raw_bytes_to_every_lane_handler(lane, data, method):
+    count("raw Lane")
+    if method == "PushChunks":
+        messages = data.draw(st.lists(raw_bytes(valid_chunk()), min_size=1, max_size=4))
+        before = lane.state()
+        try:
+            lane.rpc("PushChunks", "stream_unary")(iter(messages), timeout=DEADLINE_S)
+            return  # every message parsed into a chunk the lane took: fine
+        except grpc.RpcError as exc:
+            assert exc.code() not in BAD, f"{exc.code().name}: {exc.details()}"
+            oversized = any(len(m) > LANE_LIMIT for m in messages)
+            clear_refusal("PushChunks", exc.code(), exc.details(), oversized)
+            if all(_unparsable(m) for m in messages[:1]):
+                assert lane.state() == before
+        return
+    valid = VALID_RESEND if method == "ResendChunk" else VALID_PULL
+    payload = data.draw(raw_bytes(valid))
+    check_lane(lane, method, payload, "unary_stream" if method == "PullState" else "unary_unary")
+
+
+def _unparsable(data: bytes) -> bool:
+    try:
+        lane_pb2.PushChunksRequest.FromString(data)
+    except Exception:
+        return True
+    return False
+
+
+def test_a_chunk_with_a_huge_codec_name_is_refused_briefly(lane):
+    """Found by the fuzzer: the lane quoted the whole codec name (see above)."""
+    before = lane.state()
+    with pytest.raises(grpc.RpcError) as refused:
+        lane.rpc("PushChunks", "stream_unary")(
+            iter([chunk(codec=HUGE).SerializeToString()]), timeout=5
+        )
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "codec 'xxxx" in refused.value.details() and len(refused.value.details()) < 500
+    assert lane.state() == before
