@@ -136,7 +136,8 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n ports free on 127.0.0.1 right now (the OS picks them)."""
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:
         s.bind(("127.0.0.1", 0))
@@ -252,7 +253,7 @@ def run_scenario(scenario: Scenario, work: Path, out: TextIO | None = None) -> S
     """Runs one scenario in ``work`` (kept for inspection); returns its result."""
     work.mkdir(parents=True, exist_ok=True)
     names = [f"site{i}" for i in range(scenario.sites)]
-    ports = _free_ports(scenario.sites)
+    ports = free_ports(scenario.sites)
     job = _job_file(scenario, work, ports, [])
     run_dir = work / "run"
     started = time.monotonic()

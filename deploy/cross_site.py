@@ -120,10 +120,6 @@ class CrossSite:
             security=self.security,
         )
 
-    @property
-    def live_sites(self) -> int:
-        return self.sync.allreduce.num_sites
-
     def catch_up(self, trainer: Trainer) -> int | None:
         """For a site joining a running job: pull and load the live state.
 

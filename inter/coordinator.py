@@ -16,18 +16,19 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isthmus.inter.failover import Failover
+from isthmus.inter.fingerprint import fingerprint_problem
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.metrics import SiteMetrics
 from isthmus.inter.peer_loop import PeerLoop
 from isthmus.inter.replicas import ReplicaDigests
-from isthmus.inter.security import INSECURE, SiteSecurity, certified_names
+from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -35,33 +36,11 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 1 << 20  # control messages are small; refuse anything larger
 MAX_FIELD_CHARS = 1024
-MAX_FINGERPRINT_KEYS = 512
 MAX_WAIT_MS = 30_000
 
 
 class CoordinatorError(RuntimeError):
     """The job cannot go on: a refused join, a timeout, an invalid peer."""
-
-
-def fingerprint_diff(ours: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
-    """Keys whose values differ, rendered as "key: OURS here vs THEIRS there".
-
-    Args:
-        ours: this side's flattened fingerprint.
-        theirs: the other side's.
-    Returns:
-        One string per differing key, sorted; empty when they agree.
-    """
-    missing = "<unset>"
-
-    def short(text: str) -> str:  # a peer's keys and values may be huge: keep errors readable
-        return text if len(text) <= 80 else f"{text[:64]}...({len(text)} chars)"
-
-    return [
-        f"{short(key)}={short(ours.get(key, missing))} vs {short(theirs.get(key, missing))}"
-        for key in sorted(set(ours) | set(theirs))
-        if ours.get(key) != theirs.get(key)
-    ]
 
 
 def peer_channel(
@@ -176,6 +155,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._metrics_port = metrics_port
         self._host = host
         self.security = security or INSECURE
+        self.where = f"coordinator of {site}"
         # grpc.health.v1: SERVING while the site trains, NOT_SERVING once it drains.
         self.health = health.HealthServicer()
 
@@ -186,7 +166,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
             interceptors=[
-                *self.security.server_interceptors(f"coordinator of {site}"),
+                *self.security.server_interceptors(self.where),
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
             ],
         )
@@ -307,7 +287,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 self._cond.wait(left)
             if self._error is not None:
                 raise CoordinatorError(self._error)
-            return self._sites_locked()
+            return self.infos_locked(self.members)
 
     # -- state helpers (call with self._cond held) --------------------------------
 
@@ -320,15 +300,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def _local_ready_locked(self) -> bool:
         return all(self._lanes)
 
-    def _member_infos_locked(self) -> list[pb.SiteInfo]:
-        infos = dict(self._ready_sites)
-        infos[self.site] = self._own_info_locked()
-        return [infos[name] for name in self.members if name in infos]
-
-    def _sites_locked(self) -> list[pb.SiteInfo]:
-        infos = dict(self._ready_sites)
-        infos[self.site] = self._own_info_locked()
-        return [infos[name] for name in self.site_names]
+    def infos_locked(
+        self, names: Iterable[str], extra: Mapping[str, pb.SiteInfo] | None = None
+    ) -> list[pb.SiteInfo]:
+        """The SiteInfo of `names` (ready peers, this site, and `extra` such as joiners
+        being admitted), in index order."""
+        infos = {**self._ready_sites, **(extra or {}), self.site: self._own_info_locked()}
+        return sorted((infos[n] for n in names if n in infos), key=lambda info: info.index)
 
     def _maybe_ready_locked(self) -> None:
         if (
@@ -362,33 +340,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return None
 
     def _check_fingerprint(self, theirs: pb.JobFingerprint, who: str) -> str | None:
-        if len(theirs.fields) > MAX_FINGERPRINT_KEYS:
-            return f"{who} sent a fingerprint with {len(theirs.fields)} keys (max {MAX_FINGERPRINT_KEYS})"
-        diff = fingerprint_diff(self.fingerprint, dict(theirs.fields))
-        if diff:
-            return (
-                f"job fingerprint differs between {self.site} and {who}: "
-                + "; ".join(diff[:8])
-                + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
-            )
-        return None
+        return fingerprint_problem(self.fingerprint, dict(theirs.fields), self.site, who)
 
     # -- RPC handlers ---------------------------------------------------------------
 
-    def check_identity(self, context: grpc.ServicerContext, claimed: str, method: str) -> None:
-        """With mutual TLS, a caller may speak only for a site its certificate names
-        (`isthmus certs` puts the site's name in it): another job-CA certificate cannot
-        claim to be a site it is not. Refused with PERMISSION_DENIED, logged with the
-        peer's address."""
-        names = certified_names(self.security, context)
-        if names is None or claimed in names:
-            return
-        why = f"its certificate does not name site {claimed[:64]!r}"
-        log.warning("[%s] refused %s from %s: %s", self.site, method, context.peer(), why)
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"coordinator of {self.site}: {why}")
-
     def RegisterRank(self, request, context):  # noqa: N802 (gRPC method name)
-        self.check_identity(context, request.site, "RegisterRank")
+        refuse_unless_named(self.security, context, self.where, request.site, "RegisterRank")
         problem = self._check_fingerprint(request.fingerprint, f"rank {request.rank}")
         if problem is None and request.site != self.site:
             problem = (
@@ -409,7 +366,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return pb.RegisterRankResponse()
 
     def Join(self, request, context):  # noqa: N802
-        self.check_identity(context, request.site.name, "Join")
+        refuse_unless_named(self.security, context, self.where, request.site.name, "Join")
         problem = self._check_site_info(request.site, request.ready) or self._check_fingerprint(
             request.fingerprint, request.site.name[:64] or "a peer"
         )
@@ -447,10 +404,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0
         deadline = time.monotonic() + wait_s
         with self._cond:
+            # A rank that already knows a generation also hears at once when a member
+            # falls silent (the failover loop wakes waiters when the suspects change).
             while (
                 self._error is None
                 and not self._stopped.is_set()
                 and self._generation <= request.known_generation
+                and not (request.known_generation and self.failover.suspects_locked())
             ):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -462,14 +422,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 return pb.GetMembershipResponse(generation=0)
             return pb.GetMembershipResponse(
                 generation=self._generation,
-                sites=self._member_infos_locked(),
+                sites=self.infos_locked(self.members),
                 start_step=self.start_step,
                 state_source=self.state_source,
                 suspects=self.failover.suspects_locked(),
             )
 
     def Heartbeat(self, request, context):  # noqa: N802
-        self.check_identity(context, request.site, "Heartbeat")
+        refuse_unless_named(self.security, context, self.where, request.site, "Heartbeat")
         if request.site not in self.peers:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
         if not self.replicas.valid(request.digest):
@@ -491,19 +451,19 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
 
     def CommitStep(self, request, context):  # noqa: N802
-        self.check_identity(context, request.site, "CommitStep")
+        refuse_unless_named(self.security, context, self.where, request.site, "CommitStep")
         return self.failover.commit_step(request, context)
 
     def SiteVote(self, request, context):  # noqa: N802
-        self.check_identity(context, request.site, "SiteVote")
+        refuse_unless_named(self.security, context, self.where, request.site, "SiteVote")
         return self.failover.site_vote(request, context)
 
     def Propose(self, request, context):  # noqa: N802
-        self.check_identity(context, request.leader, "Propose")
+        refuse_unless_named(self.security, context, self.where, request.leader, "Propose")
         return self.failover.propose(request, context)
 
     def ReportProgress(self, request, context):  # noqa: N802
-        self.check_identity(context, request.site, "ReportProgress")
+        refuse_unless_named(self.security, context, self.where, request.site, "ReportProgress")
         if request.site != self.site:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -97,6 +97,7 @@ class Failover(Leader):
         # The highest generation any proposal answer named: a retried proposal goes
         # above it, so a site that accepted a failed attempt is not asked the same number.
         self._highest_generation = 0
+        self._suspects: list[str] = []
         self._thread = threading.Thread(
             target=self._run, name=f"failover-{coordinator.site}", daemon=True
         )
@@ -121,10 +122,7 @@ class Failover(Leader):
         return alive[0] if alive else self.c.site
 
     def _sites_of(self, names: Iterable[str]) -> list[pb.SiteInfo]:
-        infos = dict(self.c._ready_sites)
-        infos.update(self._joiners)
-        infos[self.c.site] = self.c._own_info_locked()
-        return sorted((infos[n] for n in names), key=lambda info: info.index)
+        return self.c.infos_locked(names, extra=self._joiners)
 
     def _ordered(self, names: Iterable[str]) -> list[str]:
         return sorted(set(names), key=self.c.site_names.index)
@@ -323,11 +321,6 @@ class Failover(Leader):
             )
         c._cond.notify_all()
 
-    def clear_rejoin(self) -> None:
-        """Ranks have taken the REJOIN decision."""
-        with self.c._cond:
-            self._rejoin_decision = None
-
     def _retry_locked(self, step: int, reason: str) -> pb.Decision:
         c = self.c
         return pb.Decision(
@@ -375,6 +368,10 @@ class Failover(Leader):
                 c._cond.wait(_LOOP_S)
                 if c._generation == 0:
                     continue
+                suspects = self.suspects_locked()
+                if suspects != self._suspects:  # silence is noticed by time, not by a call
+                    self._suspects = suspects
+                    c._cond.notify_all()  # wake ranks long-polling GetMembership
                 ready = [
                     key
                     for key, votes in self._rank_votes.items()

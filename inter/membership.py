@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _VOTE_WAIT_MS = 2_000
 _RPC_SLACK_S = 5.0
+_WATCH_WAIT_MS = 1_000
 
 
 class QuorumLost(RuntimeError):
@@ -151,23 +152,32 @@ class SiteMembership:
         )
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.watch_s):
+        # A long poll: the coordinator answers at once when a member falls silent or
+        # the generation moves, else after _WATCH_WAIT_MS (so `close` is never held long).
+        while not self._stop.is_set():
             try:
                 reply = self.stub.GetMembership(
-                    pb.GetMembershipRequest(known_generation=1 << 62, wait_ms=0),
-                    timeout=_RPC_SLACK_S,
+                    pb.GetMembershipRequest(
+                        known_generation=self.generation, wait_ms=_WATCH_WAIT_MS
+                    ),
+                    timeout=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S,
                 )
             except grpc.RpcError:
+                self._stop.wait(self.watch_s)
                 continue
             silent = [s for s in reply.suspects if s in self.member_names and s != self.site]
             if silent and not self.allreduce.abort.is_set():
                 self.allreduce.abort_reason = f"site(s) {', '.join(silent)} fell silent"
                 self.allreduce.abort.set()
+            if silent or reply.generation != self.generation:
+                # Answered at once and would be again (a member still silent, or the
+                # coordinator in a generation this rank has not moved to): pace the asking.
+                self._stop.wait(self.watch_s)
 
     def close(self) -> None:
         """Stops the watcher and closes the peers' channels."""
         self._stop.set()
-        self._watcher.join(timeout=self.watch_s + _RPC_SLACK_S)
+        self._watcher.join(timeout=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S)
         for peer in self._peers.values():
             peer.close()
         self._peers.clear()

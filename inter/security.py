@@ -197,13 +197,21 @@ INSECURE = SiteSecurity()
 # -- server side ----------------------------------------------------------------------
 
 
-def certified_names(security: SiteSecurity, context: grpc.ServicerContext) -> set[str] | None:
-    """The DNS names of the caller's verified certificate; None when TLS is not required
-    (then nothing binds a caller to a site name)."""
+def refuse_unless_named(
+    security: SiteSecurity, context: grpc.ServicerContext, where: str, claimed: str, method: str
+) -> None:
+    """With mutual TLS, a caller may speak only for a site its certificate names
+    (`isthmus certs` puts the site's name in it): another job-CA certificate cannot claim
+    to be a site it is not. Refused with PERMISSION_DENIED, logged with the peer's
+    address. Without TLS nothing binds a caller to a name, and nothing is checked."""
     if not security.require_tls:
-        return None
+        return
     names = context.auth_context().get("x509_subject_alternative_name", [])
-    return {n.decode("utf-8", "replace") for n in names}
+    if claimed in {n.decode("utf-8", "replace") for n in names}:
+        return
+    why = f"its certificate does not name site {claimed[:64]!r}"
+    log.warning("%s refused %s from %s: %s", where, method, context.peer(), why)
+    context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{where}: {why}")
 
 
 class _Refusal(Exception):

@@ -7,7 +7,8 @@ import threading
 import grpc
 import pytest
 
-from isthmus.inter.coordinator import Coordinator, CoordinatorError, fingerprint_diff
+from isthmus.inter.coordinator import Coordinator, CoordinatorError
+from isthmus.inter.fingerprint import fingerprint_diff
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 

@@ -302,7 +302,7 @@ def test_bad_votes_are_refused_and_change_nothing(request_fields, why):
 def test_a_propose_from_a_stranger_or_with_a_lower_generation_changes_nothing():
     coords = start_sites(2)
     try:
-        site0 = coords[0]._member_infos_locked()
+        site0 = coords[0].infos_locked(coords[0].members)
         with grpc.insecure_channel(coords[1].address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             with pytest.raises(grpc.RpcError) as err:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -11,18 +10,10 @@ from pathlib import Path
 import pytest
 from helpers import ISTHMUS, assert_one_line_error, run_cli
 
+from isthmus.deploy.chaos import free_ports
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def write_job(tmp_path, **extra: str) -> str:
