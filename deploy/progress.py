@@ -1,4 +1,5 @@
-"""The progress line of `isthmus local`: step, loss, tokens/s, cross-site seconds."""
+"""The progress line of `isthmus local`: step, loss, tokens/s, MFU, and the cross-site
+sync per step: how long its rounds ran and how much of that the step waited for."""
 
 from __future__ import annotations
 
@@ -65,12 +66,17 @@ class Progress:
         total = self.config.job.steps
         filled = int(20 * n / total)
         bar = "#" * filled + "." * (20 - filled)
-        self._emit(
+        line = (
             f"[{bar}] step {n}/{total}  loss {last['loss']:.4f}  {tokens_per_s:,.0f} tok/s  "
-            f"MFU {last['mfu']:.1%}  "
-            f"cross-site {last['cross_site_s']:.3f} s/step",
-            final=not self.tty,
+            f"MFU {last['mfu']:.1%}"
         )
+        if len(self.sites) > 1 or self.config.topology.sites > 1:
+            # How long the step's rounds ran, and how much of that the step waited for.
+            line += (
+                f"  cross-site {last['sync_busy_s']:.3f} s/step"
+                f"  exposed {last['exposed_sync_s']:.3f} s/step"
+            )
+        self._emit(line, final=not self.tty)
 
     def status(self, text: str) -> None:
         """A line about something other than steps (e.g. waiting for peers)."""

@@ -209,11 +209,14 @@ def run(env: RankEnv, config: JobConfig) -> None:
         dist.all_reduce(traffic)
         # Every rank joins the digest's gather; sites compare them (invariant 1).
         every = config.run.digest_every
+        digest_started = time.perf_counter()
         digest = (
             trainer.parameter_digest()
             if step == last or (every and (step + 1) % every == 0)
             else ""
         )
+        # Steady-state throughput leaves digests out (summary.py): a check, not training.
+        digest_s = time.perf_counter() - digest_started if digest else 0.0
         metrics.record(
             {
                 "site": env.site,
@@ -229,7 +232,11 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 "raw_bytes": int(traffic[1]),
                 "corrupt_chunks": int(traffic[2]),
                 "elapsed_s": time.perf_counter() - started,
+                # What the optimizer step waited for the cross-site sync (the part
+                # not hidden behind backward), and how long the rounds ran.
+                "exposed_sync_s": round_stats.wait_s if round_stats else 0.0,
                 "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
+                "digest_s": digest_s,
                 "live_sites": round_stats.sites if round_stats else 1,
                 "generation": round_stats.generation if round_stats else 0,
                 "retries": round_stats.retries if round_stats else 0,

@@ -128,6 +128,12 @@ def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
         f"{summary['steps']} steps, loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}, "
         f"{summary['tokens_per_s']:,.0f} tokens/s",
         f"cross-site wait: {cross:.2f} s of {wall:.2f} s of steps ({cross / wall:.0%})",
+    ]
+    if busy:
+        ran = sum(s["sync_busy_s"] for s in busy)
+        hidden = max(0.0, 1 - sum(s["cross_site_s"] for s in busy) / ran)
+        lines.append(f"cross-site rounds ran {ran:.2f} s, {hidden:.0%} of it behind compute")
+    lines += [
         f"bytes across sites: {human_bytes(summary['cross_site_bytes'])}, "
         f"compression {summary['compression_ratio']:.3f}",
     ]

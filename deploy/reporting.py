@@ -49,6 +49,8 @@ class StepReporter:
         self.totals = {
             "compute_s": 0.0,
             "sync_s": 0.0,
+            "exposed_sync_s": 0.0,
+            "sync_busy_s": 0.0,
             "bytes_sent": 0,
             "raw_bytes": 0,
             "corrupt_chunks": 0,
@@ -68,7 +70,7 @@ class StepReporter:
             finished: this was the last step.
         """
         for key in self.totals:
-            self.totals[key] += line[key]
+            self.totals[key] += line.get(key, 0)
         if self.file is None:
             return
         self.file.write(json.dumps({**line, **({"digest": digest} if digest else {})}) + "\n")
@@ -83,6 +85,7 @@ class StepReporter:
             loss=line["loss"],
             step_s=line["compute_s"] + line["sync_s"],
             compute_s=line["compute_s"],
+            # isthmus_cross_site_seconds: what the step waited, i.e. the exposed sync.
             cross_site_s=line["sync_s"],
             tokens=line["tokens"],
             cross_site_bytes=line["bytes_sent"],
@@ -135,6 +138,8 @@ def write_scalars(board, line: dict) -> None:
         "time/step_seconds": step_s,
         "time/compute_seconds": line["compute_s"],
         "time/cross_site_seconds": line["sync_s"],
+        "time/exposed_sync_seconds": line.get("exposed_sync_s", line["sync_s"]),
+        "time/sync_busy_seconds": line.get("sync_busy_s", 0.0),
         "throughput/tokens_per_second": line["tokens"] / step_s if step_s else 0.0,
         "wan/cross_site_bytes": line["bytes_sent"],
     }
@@ -142,5 +147,9 @@ def write_scalars(board, line: dict) -> None:
         scalars["wan/compression_ratio"] = line["raw_bytes"] / line["bytes_sent"]
     if line.get("mfu"):
         scalars["throughput/mfu"] = line["mfu"]
+    if line.get("sync_busy_s"):
+        # Share of the rounds hidden behind compute (summary.overlap, per step).
+        exposed = line.get("exposed_sync_s", line["sync_s"])
+        scalars["time/sync_overlap"] = min(1.0, max(0.0, 1 - exposed / line["sync_busy_s"]))
     for name, value in scalars.items():
         board.add_scalar(name, value, step)

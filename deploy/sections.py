@@ -83,8 +83,9 @@ class ParallelSection:
     """With tp > 1, shard norms and the residual stream along the sequence (seq_len % tp == 0)."""
     activation_checkpoint: bool = False
     """Recompute each block in backward instead of keeping its activations."""
-    compile: bool = False
-    """torch.compile each block."""
+    compile: str = "auto"
+    """torch.compile each transformer block: "auto" (on with CUDA, off on CPU, where
+    it needs a C compiler and does not pay off), "true" or "false"."""
     mixed_precision: str = "auto"
     """bf16 compute with fp32 gradient reduction: "auto" (on with CUDA), "true" or "false"."""
 
@@ -155,6 +156,10 @@ class RunSection:
     """Prometheus /metrics port of each coordinator; 0 = any free port, -1 = none."""
     tensorboard: bool = True
     """Write TensorBoard event files to RUN_DIR/tensorboard/SITE (needs tensorboard)."""
+    steady_after: int = 2
+    """Steps left out of the summary's steady-state figures (steady tokens/s, MFU,
+    exposed sync per step): the first steps compile kernels and warm up allocators and
+    links. With fewer steps than this + 1, only the first step is left out."""
 
 
 @dataclass(kw_only=True, slots=True)

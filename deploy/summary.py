@@ -55,12 +55,60 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "raw_bytes": sum(r["raw_bytes"] for r in rows),
                 "corrupt_chunks": sum(r.get("corrupt_chunks", 0) for r in rows),
                 "elapsed_s": max(r["elapsed_s"] for r in rows),
+                # The slowest site's wait bounds the job's step.
+                "exposed_sync_s": max(r.get("exposed_sync_s", r["sync_s"]) for r in rows),
                 "sync_busy_s": max(r.get("sync_busy_s", 0.0) for r in rows),
+                "digest_s": max(r.get("digest_s", 0.0) for r in rows),
                 "mfu": sum(r.get("mfu", 0.0) for r in rows) / len(rows),
                 "intra_site_s": max(r.get("intra_site_s", 0.0) for r in rows),
             }
         )
     return merged
+
+
+def overlap(exposed_s: float, busy_s: float) -> float | None:
+    """Share of the cross-site sync hidden behind compute: 1 - exposed / busy.
+
+    Returns:
+        0..1, or None when nothing was synchronised (one site).
+    """
+    if busy_s <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - exposed_s / busy_s))
+
+
+def steady_state(steps: list[dict], skip: int) -> dict:
+    """Throughput and per-step means over the steps after the first `skip`.
+
+    The first steps compile kernels, warm up allocators and fill the links; the
+    figures a run is compared by (benchmarks/scaling_curve.py) leave them out. The
+    wall time is from the end of the last skipped step to the end of the run, less
+    the time spent on parameter digests (a check, not training).
+
+    Args:
+        steps: the merged per-step records (merge_steps).
+        skip: steps to leave out; with too few steps, only the first one is.
+    Returns:
+        steady_steps, steady_tokens_per_s, steady_step_s, mfu, exposed_sync_s_per_step,
+        sync_busy_s_per_step and compute_s_per_step; empty without steps.
+    """
+    if not steps:
+        return {}
+    if skip >= len(steps):
+        skip = min(1, len(steps) - 1)
+    window = steps[skip:]
+    start = steps[skip - 1]["elapsed_s"] if skip else 0.0
+    wall = window[-1]["elapsed_s"] - start - sum(r.get("digest_s", 0.0) for r in window)
+    n = len(window)
+    return {
+        "steady_steps": n,
+        "steady_tokens_per_s": sum(r["tokens"] for r in window) / wall if wall > 0 else 0.0,
+        "steady_step_s": wall / n,
+        "mfu": sum(r["mfu"] for r in window) / n,
+        "compute_s_per_step": sum(r["compute_s"] for r in window) / n,
+        "exposed_sync_s_per_step": sum(r["exposed_sync_s"] for r in window) / n,
+        "sync_busy_s_per_step": sum(r["sync_busy_s"] for r in window) / n,
+    }
 
 
 def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) -> dict:
@@ -97,6 +145,9 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
     train_s = max(r["train_s"] for ranks in results.values() for r in ranks)
     sent = sum(r["cross_site_bytes"] for r in steps)
     raw = sum(r["raw_bytes"] for r in steps)
+    exposed = sum(r["exposed_sync_s"] for r in steps)
+    busy = sum(r["sync_busy_s"] for r in steps)
+    steady = steady_state(steps, config.run.steady_after)
     summary = {
         "sites": config.topology.sites,
         "ranks_per_site": config.topology.ranks_per_site,
@@ -104,17 +155,32 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         "loss_first": steps[0]["loss"] if steps else None,
         "loss_last": steps[-1]["loss"] if steps else None,
         "tokens": sum(r["tokens"] for r in steps),
+        # Over the whole run, start-up and compilation included; see steady_tokens_per_s.
         "tokens_per_s": sum(r["tokens"] for r in steps) / train_s if train_s else 0.0,
         "train_s": train_s,
         "compute_s": sum(r["compute_s"] for r in steps),
+        # Seconds the steps waited for the cross-site sync (the trainer's measure of
+        # exposed_sync_s, kept under its old name).
         "cross_site_s": sum(r["cross_site_s"] for r in steps),
+        "exposed_sync_s": exposed,
+        # Seconds the cross-site rounds ran, most of it behind backward.
+        "sync_busy_s": busy,
+        # Of the steady-state steps: 1 - exposed / busy.
+        "overlap": overlap(
+            steady.get("exposed_sync_s_per_step", exposed), steady.get("sync_busy_s_per_step", busy)
+        ),
         "cross_site_bytes": sent,
         "raw_bytes": raw,
         "compression_ratio": raw / sent if sent else 1.0,
         "corrupt_chunks": sum(r["corrupt_chunks"] for r in steps),
-        # Mean over the steps after the first (which pays for start-up and compilation).
-        "mfu": sum(r["mfu"] for r in steps[1:]) / max(1, len(steps) - 1),
+        # Steady state: the steps after run.steady_after (steady_state()); "mfu" too.
+        "steady_after": config.run.steady_after,
+        "mfu": 0.0,
+        **steady,
         "codec": config.sync.codec if config.topology.sites > 1 else "none",
+        "preset": config.model.preset,
+        "batch_size": config.train.batch_size,
+        "seq_len": config.train.seq_len,
         "digests": digests,
         "shard_digests": {
             site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
@@ -135,13 +201,40 @@ def human_bytes(n: float) -> str:
 def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
     """The end-of-run table a user reads."""
     equal = len(set(summary["digests"].values())) == 1
+    steady = summary.get("steady_steps", 0)
     rows = [
         ("steps", f"{summary['steps']}"),
         ("loss", f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}"),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+    ]
+    if steady and steady < summary["steps"]:
+        rows.append(
+            (
+                "steady tokens/s",
+                f"{summary['steady_tokens_per_s']:,.0f} "
+                f"(last {steady} steps, {summary['steady_step_s']:.3f} s/step)",
+            )
+        )
+    rows += [
         ("MFU", f"{summary['mfu']:.1%}"),
         ("compute", f"{summary['compute_s']:.2f} s"),
-        ("cross-site sync", f"{summary['cross_site_s']:.2f} s"),
+    ]
+    if summary["sites"] > 1:
+        hidden = summary.get("overlap")
+        rows += [
+            (
+                "cross-site sync",
+                f"{summary['sync_busy_s']:.2f} s "
+                f"({summary.get('sync_busy_s_per_step', 0.0):.3f} s/step in rounds)",
+            ),
+            (
+                "exposed sync",
+                f"{summary['exposed_sync_s']:.2f} s "
+                f"({summary.get('exposed_sync_s_per_step', 0.0):.3f} s/step waited"
+                + (f", {hidden:.0%} overlapped)" if hidden is not None else ")"),
+            ),
+        ]
+    rows += [
         ("bytes across sites", human_bytes(summary["cross_site_bytes"])),
         ("compression ratio", f"{summary['compression_ratio']:.3f} ({summary['codec']})"),
     ]

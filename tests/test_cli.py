@@ -62,6 +62,7 @@ def test_precedence_file_then_set_then_flags(tmp_path):
         (["--set", "model.preset=huge"], ["unknown model preset 'huge'", "tiny"]),
         (["--set", "model.n_heads=5"], ["dim=192 must be divisible by n_heads=5"]),
         (["--config", "/nonexistent/job.toml"], ["config file not found"]),
+        (["--set", "parallel.compile=maybe"], ["parallel.compile must be auto, true or false"]),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(args, needles, tmp_path):
@@ -70,6 +71,32 @@ def test_bad_input_is_one_line_without_traceback(args, needles, tmp_path):
     assert result.returncode == 2
     # Nothing was started: no run files written for a config that never validated.
     assert not (tmp_path / "run" / "sites").exists()
+
+
+def test_compile_is_on_with_cuda_off_on_cpu_and_an_explicit_setting_wins(tmp_path):
+    auto = load_config()
+    assert auto.parallel.compile == "auto"
+    assert auto.parallel_config(cuda=True).compile is True
+    assert auto.parallel_config(cuda=False).compile is False
+    off = load_config(overrides=["parallel.compile=false"])
+    assert off.parallel_config(cuda=True).compile is False
+    # A TOML boolean and the ways --set may spell it reach one value, so two sites
+    # that say the same thing derive the same job fingerprint.
+    path = tmp_path / "job.toml"
+    path.write_text("[parallel]\ncompile = true\nmixed_precision = false\n")
+    from_file = load_config(path)
+    assert from_file.parallel_config(cuda=False).compile is True
+    assert from_file.parallel_config(cuda=True).mixed_precision is False
+    for spelling in ("true", "True", "yes"):
+        from_set = load_config(
+            overrides=[f"parallel.compile={spelling}", "parallel.mixed_precision=False"]
+        )
+        assert from_set.fingerprint() == from_file.fingerprint()
+    assert from_file.fingerprint()["parallel.compile"] == "true"
+    # "auto" is compared as written: what it resolves to depends on each site's device,
+    # as topology.device = "auto" does.
+    assert auto.fingerprint()["parallel.compile"] == "auto"
+    assert auto.fingerprint() != from_file.fingerprint()
 
 
 def test_unknown_key_in_a_toml_file_names_the_file(tmp_path):

@@ -20,6 +20,11 @@ SUMMARY_KEYS = {
     "tokens_per_s",
     "compute_s",
     "cross_site_s",
+    "exposed_sync_s",
+    "sync_busy_s",
+    "overlap",
+    "steady_tokens_per_s",
+    "exposed_sync_s_per_step",
     "cross_site_bytes",
     "compression_ratio",
     "digests",
@@ -59,13 +64,25 @@ def test_default_job_trains_two_sites_to_identical_replicas(tmp_path):
     assert shards["site0"] == shards["site1"] and len(set(shards["site0"])) == 2
     assert summary["cross_site_bytes"] > 0 and summary["compression_ratio"] > 1.0
     assert summary["cross_site_s"] > 0 and summary["compute_s"] > 0
+    assert summary["sync_busy_s"] > 0 and 0 <= summary["overlap"] <= 1
+    # The rounds ran for some time; what the steps waited of it is the exposed part.
+    assert 0 < summary["exposed_sync_s_per_step"] < 10
+    assert summary["steady_steps"] == 20 - summary["steady_after"]
     assert len(losses(run_dir)) == 20
     assert (run_dir / "config.toml").read_text().startswith("[job]")
 
     # The progress line and the summary a user sees.
     assert "step 20/20" in result.stderr and "tok/s" in result.stderr
-    assert "cross-site" in result.stderr
-    for label in ("loss", "tokens/s", "cross-site sync", "bytes across sites", "digest site1"):
+    assert "cross-site" in result.stderr and "exposed" in result.stderr
+    for label in (
+        "loss",
+        "tokens/s",
+        "steady tokens/s",
+        "cross-site sync",
+        "exposed sync",
+        "bytes across sites",
+        "digest site1",
+    ):
         assert label in result.stdout
     assert "replicas            identical" in result.stdout
 
