@@ -2,12 +2,14 @@
 
 A step of S sites, each a data-parallel replica holding 1/S of the global batch:
 
-    compute_s  = 6 · N · tokens_per_site / (devices_per_site · peak_flops · mfu)
+    compute_s  = F · tokens_per_site / (devices_per_site · peak_flops · mfu),  F = 6 · N by default
     wire_s     = 2(S−1)/S · gradient_bytes / codec_ratio · 8 / site_bandwidth_bps
     codec_s    = 2(S−1)/S · gradient_bytes / codec_bytes_per_s     (0 when not limiting)
-    fill_s     = rounds · min(chunk_bytes, gradient_bytes / rounds) / codec_ratio · 8 / bw
-    sync_s     = max(wire_s, codec_s) + fill_s + rounds · (rtt_s + round_overhead_s)
-    exposed_s  = max(sync_s / rounds, sync_s − overlap · backward_s),  backward_s = 2/3 · compute_s
+    fill_1     = min(chunk_bytes, gradient_bytes / rounds) / codec_ratio · 8 / bw
+    per_round  = fill_1 + rtt_s + round_overhead_s
+    sync_s     = max(wire_s, codec_s) + max(1, rounds / window) · per_round
+    tail_s     = max(wire_s, codec_s) / rounds + per_round      (the last round alone)
+    exposed_s  = max(tail_s, sync_s − overlap · backward_s),  backward_s = backward_share · compute_s
                  (shared_cpu: max(rounds · round_overhead_s, the rest), no overlap)
     step_s     = compute_s + exposed_s + step_overhead_s
 
@@ -18,13 +20,22 @@ site sends (and receives) in the owner-based all-reduce (DESIGN.md), the ring
 optimum. A round (one FSDP group) costs one RTT (contributions to owners, results
 back) and one chunk of pipeline fill: a chunk's result cannot leave its owner before
 its contributions arrived, so the link carries the last chunk twice in a row; a group
-smaller than a chunk pays its whole size again. Rounds run one after another.
+smaller than a chunk pays its whole size again. With `window` rounds in flight at
+once, a round's latency and fill hide behind the other rounds' bytes, so the rounds
+pay them window at a time; window 1 is rounds one after another.
 
 `overlap` is the fraction of backward that cross-site traffic can hide behind: the
 FSDP2 all-reduce hook starts each group's round as soon as its gradients exist, so
 all but the last groups' traffic can run under the rest of backward -- with equal
 groups, (rounds − 1) / rounds of it. The last round starts when backward ends, so
-at least its share, sync_s / rounds, is always exposed.
+at least its own time, tail_s, is always exposed. This is a queue: groups arrive
+evenly over backward and the link serves them in order; the wait after backward is
+the larger of the last round alone and the work that did not fit under backward.
+The exposed time is what the optimizer step waits for (`exposed_sync_s` in a run's
+summary.json), the sync time what the rounds took (`sync_busy_s`).
+
+`scaling_curve` gives the efficiency against the per-device batch: the sync does not
+grow with the batch while backward does, so larger batches hide more of it.
 """
 
 from __future__ import annotations
@@ -42,6 +53,9 @@ class PlanInput:
 
     params: float
     """Trained parameters N."""
+    flops_per_token: float = 0.0
+    """Training FLOPs per token (forward + backward); 0 = 6 · params. Pass the model's
+    own count (attention included) to read `mfu` the way a run reports it."""
     tokens_per_step: float
     """Global batch in tokens, over all sites."""
     sites: int = 2
@@ -62,10 +76,15 @@ class PlanInput:
     """Round-trip time between sites (1000 km of fiber: 9.8 ms)."""
     overlap: float = 0.0
     """Fraction of backward that cross-site traffic hides behind, 0..1."""
+    backward_share: float = BACKWARD_SHARE
+    """Share of compute_s spent in backward: 2/3 (4 of 6 FLOPs per parameter-token), 3/4
+    with activation checkpointing (backward recomputes the forward: 6 of 8)."""
     codec_bytes_per_s: float = math.inf
     """Aggregate encode+decode throughput of a site's lanes, raw bytes/s."""
     rounds: int = 1
-    """Cross-site rounds per step (FSDP groups), synchronised one after another."""
+    """Cross-site rounds per step (FSDP groups)."""
+    window: int = 1
+    """Rounds in flight at once; 1 = one after another."""
     chunk_bytes: float = 1 << 20
     """Raw bytes per chunk of a round (sync.chunk_bytes)."""
     round_overhead_s: float = 0.0
@@ -88,11 +107,13 @@ class PlanInput:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
-        for name in ("sites", "devices_per_site", "rounds"):
+        if not 0 < self.backward_share < 1:
+            raise ValueError(f"backward_share must be in (0, 1), got {self.backward_share!r}")
+        for name in ("sites", "devices_per_site", "rounds", "window"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("rtt_s", "round_overhead_s", "step_overhead_s"):
+        for name in ("rtt_s", "round_overhead_s", "step_overhead_s", "flops_per_token"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -113,11 +134,23 @@ class Plan:
     wire_bytes_per_site: float
 
     @property
+    def one_site_tokens_per_s(self) -> float:
+        """One site alone with the same per-device batch: S-site throughput / S at 100%."""
+        p = self.inputs
+        return p.tokens_per_step / p.sites / (self.compute_s + p.step_overhead_s)
+
+    @property
+    def overlap(self) -> float:
+        """Share of the sync hidden behind backward, 1 - exposed / sync (1.0 for one site)."""
+        return 1.0 - self.exposed_sync_s / self.sync_s if self.sync_s > 0 else 1.0
+
+    @property
     def limit(self) -> str:
         """What bounds the cross-site time: "link", "cpu" (codecs) or "latency"."""
-        if self.inputs.sites == 1:
+        p = self.inputs
+        if p.sites == 1:
             return "none"
-        latency = self.inputs.rounds * (self.inputs.rtt_s + self.inputs.round_overhead_s)
+        latency = max(1.0, p.rounds / p.window) * (p.rtt_s + p.round_overhead_s)
         if latency > max(self.wire_s, self.codec_s):
             return "latency"
         return "cpu" if self.codec_s > self.wire_s else "link"
@@ -126,28 +159,26 @@ class Plan:
 def predict(p: PlanInput) -> Plan:
     """Step time, cross-site time and scaling efficiency of one configuration."""
     tokens_per_site = p.tokens_per_step / p.sites
-    compute_s = (
-        FLOPS_PER_PARAM_TOKEN
-        * p.params
-        * tokens_per_site
-        / (p.devices_per_site * p.peak_flops * p.mfu)
-    )
+    flops_per_token = p.flops_per_token or FLOPS_PER_PARAM_TOKEN * p.params
+    compute_s = flops_per_token * tokens_per_site / (p.devices_per_site * p.peak_flops * p.mfu)
     raw_bytes = 2 * (p.sites - 1) / p.sites * p.params * p.gradient_bytes_per_param
     wire_bytes = raw_bytes / p.codec_ratio
     if p.sites == 1:
-        wire_s = codec_s = sync_s = 0.0
+        wire_s = codec_s = sync_s = tail_s = 0.0
     else:
         wire_s = wire_bytes * 8 / p.bandwidth_bps
         codec_s = raw_bytes / p.codec_bytes_per_s
         group_bytes = p.params * p.gradient_bytes_per_param / p.rounds
-        fill_s = p.rounds * min(p.chunk_bytes, group_bytes) / p.codec_ratio * 8 / p.bandwidth_bps
-        sync_s = max(wire_s, codec_s) + fill_s + p.rounds * (p.rtt_s + p.round_overhead_s)
+        fill_1 = min(p.chunk_bytes, group_bytes) / p.codec_ratio * 8 / p.bandwidth_bps
+        per_round = fill_1 + p.rtt_s + p.round_overhead_s
+        sync_s = max(wire_s, codec_s) + max(1.0, p.rounds / p.window) * per_round
+        tail_s = max(wire_s, codec_s) / p.rounds + per_round
     if p.shared_cpu and p.sites > 1:
         # Measured on a 2-core machine (benchmarks/plan_check.py): the lanes' CPU work
         # runs while they wait on the link, and nothing hides behind backward.
         exposed = max(p.rounds * p.round_overhead_s, sync_s - p.rounds * p.round_overhead_s)
     else:
-        exposed = max(sync_s / p.rounds, sync_s - p.overlap * BACKWARD_SHARE * compute_s)
+        exposed = max(tail_s, sync_s - p.overlap * p.backward_share * compute_s)
     step_s = compute_s + exposed + p.step_overhead_s
     return Plan(
         inputs=p,
@@ -176,30 +207,37 @@ def bandwidth_for_efficiency(p: PlanInput, efficiency: float) -> float:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     if p.sites == 1:
         return 0.0
-    base = predict(p)
-    # Exposed sync allowed by the target, then the sync time that leaves exposed.
-    allowed_exposed = (base.compute_s + p.step_overhead_s) / efficiency - (
-        base.compute_s + p.step_overhead_s
-    )
-    allowed_sync = allowed_exposed + p.overlap * BACKWARD_SHARE * base.compute_s
-    fixed = p.rounds * (p.rtt_s + p.round_overhead_s)
-    budget = allowed_sync - fixed
-    if budget <= 0 or base.codec_s > budget:
+
+    def reaches(bandwidth_bps: float) -> bool:
+        return predict(replace(p, bandwidth_bps=bandwidth_bps)).scaling_efficiency >= efficiency
+
+    # Efficiency only grows with bandwidth (wire time and pipeline fill shrink, the rest
+    # stays), so bisect; where even a link of 1e18 bit/s falls short, latency or the
+    # codecs' CPU bound the step.
+    low, high = 1.0, 1e18
+    if not reaches(high):
         return math.inf
-    # Wire and pipeline fill both scale with 1/bandwidth; the codec bound does not.
-    group_bytes = p.params * p.gradient_bytes_per_param / p.rounds
-    fill_bytes = p.rounds * min(p.chunk_bytes, group_bytes) / p.codec_ratio
-    needed = (base.wire_bytes_per_site + fill_bytes) * 8 / budget
-    # The last round is never hidden: where its share is what exposes too much, solve
-    # sync / rounds <= allowed_exposed instead.
-    if predict(replace(p, bandwidth_bps=needed)).scaling_efficiency < efficiency:
-        budget = allowed_exposed * p.rounds - fixed
-        if budget <= 0 or base.codec_s > budget:
-            return math.inf
-        needed = (base.wire_bytes_per_site + fill_bytes) * 8 / budget
-    check = predict(replace(p, bandwidth_bps=needed))
-    assert check.scaling_efficiency >= efficiency * (1 - 1e-9), (check, efficiency)
-    return needed
+    while high / low > 1 + 1e-12:
+        middle = math.sqrt(low * high)
+        low, high = (low, middle) if reaches(middle) else (middle, high)
+    return high
+
+
+def scaling_curve(p: PlanInput, batches: list[int], seq_len: int) -> list[Plan]:
+    """Predictions of `p` at each per-device batch (sequences of `seq_len` tokens).
+
+    Each site's devices are data-parallel ranks, so a site trains batch x seq_len x
+    devices_per_site tokens per step: compute grows with the batch, the sync does not.
+
+    Raises:
+        ValueError: a batch or seq_len below 1.
+    """
+    if seq_len < 1 or any(b < 1 for b in batches):
+        raise ValueError(f"batches and seq_len must be >= 1, got {batches} x {seq_len}")
+    return [
+        predict(replace(p, tokens_per_step=b * seq_len * p.devices_per_site * p.sites))
+        for b in batches
+    ]
 
 
 def nemotron_340b(*, sites: int = 2, devices_per_site: int = 1536) -> PlanInput:

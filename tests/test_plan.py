@@ -9,7 +9,13 @@ from dataclasses import replace
 import pytest
 from helpers import assert_one_line_error, run_cli
 
-from isthmus.sim.plan import PlanInput, bandwidth_for_efficiency, nemotron_340b, predict
+from isthmus.sim.plan import (
+    PlanInput,
+    bandwidth_for_efficiency,
+    nemotron_340b,
+    predict,
+    scaling_curve,
+)
 
 BASE = PlanInput(
     params=1e9,
@@ -128,3 +134,63 @@ def test_on_a_shared_cpu_nothing_hides_and_cpu_work_overlaps_the_link():
     link_s = shared.sync_s - 4 * 0.05
     assert shared.exposed_sync_s == pytest.approx(max(0.2, link_s))
     assert shared.exposed_sync_s > apart.exposed_sync_s
+
+
+def test_rounds_in_flight_hide_each_others_latency_but_not_the_last_ones():
+    many = replace(BASE, rounds=8, overlap=7 / 8)
+    one_by_one, windowed = predict(many), predict(replace(many, window=4))
+    per_round = (1 << 20) * 8 / 100e9 + 0.01
+    assert one_by_one.sync_s - windowed.sync_s == pytest.approx((8 - 2) * per_round)
+    # The last round starts after backward: its bytes and one RTT are always exposed.
+    assert windowed.exposed_sync_s >= windowed.wire_s / 8 + per_round - 1e-12
+    assert predict(replace(many, window=100)).sync_s == pytest.approx(one_by_one.wire_s + per_round)
+
+
+def test_overlap_is_a_queue_of_groups_arriving_over_backward():
+    # Groups arrive evenly over backward and the link serves them in order: the wait
+    # after backward is the larger of the last round alone and what did not fit.
+    p = replace(BASE, rounds=10, overlap=0.9, rtt_s=0.0, bandwidth_bps=10e9)
+    plan = predict(p)
+    backward = 2 / 3 * plan.compute_s
+    tail = plan.sync_s / 10
+    assert plan.exposed_sync_s == pytest.approx(max(tail, plan.sync_s - 0.9 * backward))
+    assert plan.overlap == pytest.approx(1 - plan.exposed_sync_s / plan.sync_s)
+    # Recomputing the forward in backward (activation checkpointing) lengthens what hides.
+    longer = predict(replace(p, backward_share=0.75))
+    assert longer.exposed_sync_s <= plan.exposed_sync_s
+
+
+def test_the_curve_hides_more_sync_at_larger_batches_and_a_lone_site_is_the_reference():
+    curve = scaling_curve(replace(BASE, rounds=20, overlap=0.95), [1, 4, 16, 64], 2048)
+    assert [c.sync_s for c in curve] == pytest.approx([curve[0].sync_s] * 4)
+    efficiency = [c.scaling_efficiency for c in curve]
+    assert efficiency == sorted(efficiency) and efficiency[-1] > 0.9 > efficiency[0]
+    for c in curve:
+        assert c.tokens_per_s == pytest.approx(2 * c.one_site_tokens_per_s * c.scaling_efficiency)
+    with pytest.raises(ValueError, match="batches"):
+        scaling_curve(BASE, [0], 2048)
+
+
+@pytest.mark.timeout(60)
+def test_plan_cli_gives_the_curve_of_a_preset_against_the_per_gpu_batch():
+    args = ("plan", "--preset", "1b", "--gbit", "10", "--rtt-ms", "10", "--codec", "int8")
+    args += ("--devices-per-site", "2", "--mfu", "0.45", "--batch", "4,16,64")
+    result = run_cli(*args, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "1.03B parameters, 21 rounds" in result.stdout
+    assert "16 x 2048" in result.stdout and "efficiency" in result.stdout
+    data = json.loads(run_cli(*args, "--json", timeout=60).stdout)
+    assert data["inputs"]["codec_ratio"] == 4.0 and data["inputs"]["rounds"] == 21
+    # The chunk isthmus local picks for a 10 Gbit/s, 10 ms link.
+    assert data["inputs"]["chunk_bytes"] == 4 << 20
+    curve = data["curve"]
+    assert [row["batch"] for row in curve] == [4, 16, 64]
+    assert curve[0]["scaling_efficiency"] < curve[-1]["scaling_efficiency"]
+    # 1.03B fp32 gradients as int8 cross at 10 Gbit/s in ~0.82 s, whatever the batch.
+    assert curve[0]["wire_s"] == pytest.approx(1.03e9 * 8 / 10e9, rel=0.01)
+    assert run_cli("plan", "--preset", "tiny", "--batch", "2,x", timeout=60).returncode == 2
+
+
+@pytest.mark.timeout(60)
+def test_plan_cli_refuses_an_unknown_codec_in_one_line():
+    assert_one_line_error(run_cli("plan", "--codec", "lz4", timeout=60), "--codec")
