@@ -12,9 +12,7 @@ its encode/decode pool, its codec state and the statistics.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import threading
 import time
 from concurrent import futures
 
@@ -23,7 +21,7 @@ import torch
 from .codec import Codec
 from .lane import LaneServer
 from .lane_peer import LanePeer
-from .round import CrossSiteError, RoundPipeline
+from .round import AbortSignal, CrossSiteError, RoundPipeline, RoundStats, RoundView
 
 __all__ = ["CrossSiteAllReduce", "CrossSiteError", "RoundStats", "default_workers"]
 
@@ -31,28 +29,6 @@ __all__ = ["CrossSiteAllReduce", "CrossSiteError", "RoundStats", "default_worker
 def default_workers() -> int:
     """Encode/decode threads per lane: a few, never more than the cores."""
     return max(1, min(4, os.cpu_count() or 1))
-
-
-@dataclasses.dataclass(slots=True)
-class RoundStats:
-    """What one ``allreduce`` call moved and how long it took."""
-
-    bytes_sent: int = 0
-    """Payload bytes this site sent (after encoding)."""
-    bytes_received: int = 0
-    """Payload bytes this site received and used."""
-    raw_bytes: int = 0
-    """fp32 bytes of the chunks this site sent, before encoding."""
-    tensor_bytes: int = 0
-    """fp32 bytes of the whole round's buffer."""
-    num_chunks: int = 0
-    corrupt_chunks: int = 0
-    """Chunks that arrived failing their crc32 and were pulled again."""
-    wall_s: float = 0.0
-    encode_s: float = 0.0
-    """Seconds spent encoding, summed over the pool's threads."""
-    decode_s: float = 0.0
-    """Seconds spent decoding, summed over the pool's threads."""
 
 
 class CrossSiteAllReduce:
@@ -104,10 +80,9 @@ class CrossSiteAllReduce:
         self.timeout_s = timeout_s
         self.generation = generation
         self.pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="lane-codec")
-        self.abort = threading.Event()
-        """Set (with :attr:`abort_reason`) to fail the running round at once: a member
-        site fell silent, so waiting for it until the deadline is pointless."""
-        self.abort_reason = ""
+        self.abort = AbortSignal()
+        """Set to fail the running rounds at once: a member site fell silent, so
+        waiting for it until the deadline is pointless."""
 
     def reconfigure(
         self, *, site_index: int, num_sites: int, peers: dict[int, LanePeer], generation: int
@@ -123,11 +98,17 @@ class CrossSiteAllReduce:
         self.generation = generation
         self.server.set_generation(generation, num_sites=num_sites, site_index=site_index)
         self.abort.clear()
-        self.abort_reason = ""
 
-    def owner(self, chunk: int, step: int, group: int) -> int:
-        """Returns the site that reduces ``chunk`` of round (step, group)."""
-        return (chunk + step + group) % self.num_sites
+    def view(self) -> RoundView:
+        """The membership and settings a round starting now runs under."""
+        return RoundView(
+            site_index=self.site_index,
+            num_sites=self.num_sites,
+            generation=self.generation,
+            codec=self.codec,
+            chunk_bytes=self.chunk_bytes,
+            timeout_s=self.timeout_s,
+        )
 
     def allreduce(
         self, tensors: list[torch.Tensor], step: int, group: int, average: bool
@@ -167,7 +148,24 @@ class CrossSiteAllReduce:
             flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
         stats.tensor_bytes = flat.numel() * 4
         if self.num_sites > 1 and flat.numel() > 0:
-            pipeline = RoundPipeline(self, flat, step, group, average, stats)
+            self.server.mailbox.discard_before(step)
+            # A peer may still pull chunks of the previous step (its round can finish
+            # after ours), so those stay; older ones go.
+            self.server.outbox.discard_before(step - 1)
+            pipeline = RoundPipeline(
+                view=self.view(),
+                mailbox=self.server.mailbox,
+                outbox=self.server.outbox,
+                check=self.server.check,
+                peers=dict(self.peers),
+                pool=self.pool,
+                abort=self.abort,
+                flat=flat,
+                step=step,
+                group=group,
+                average=average,
+                stats=stats,
+            )
             stats.num_chunks = pipeline.num_chunks
             pipeline.run()
         offset = 0

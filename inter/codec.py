@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .codecs import (
@@ -45,18 +46,20 @@ class Codec(Protocol):
 
     name: str
 
-    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes:
+    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes | memoryview:
         """Encodes one chunk.
 
         Args:
             chunk: 1-D float32 tensor, CPU or CUDA.
             key: names the chunk's error-feedback state (lossy stages with feedback).
         Returns:
-            The payload bytes.
+            The payload: bytes, or (``raw`` and ``bf16`` without byte stages) a
+            read-only view of the chunk's memory or of this thread's pinned buffer,
+            valid until the chunk changes or the thread encodes again. Copy it to keep it.
         """
         ...
 
-    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+    def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """Decodes one payload.
 
         Args:
@@ -88,22 +91,30 @@ class CodecChain:
         """Whether decode(encode(x)) may differ from x."""
         return self.tensor.lossy
 
-    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes:
+    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes | memoryview:
         """See :meth:`Codec.encode`."""
         data = self.tensor.encode(chunk, key)
         for stage in self.byte_stages:
             data = stage.encode(data)
         return data
 
-    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+    def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`Codec.decode`."""
+        return self.tensor.decode(self._unwrap(payload, num_elements), num_elements)
+
+    def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
+        """Like :meth:`decode`, as native fp32 values that may be a read-only view of
+        ``payload`` (``raw``: no copy at all); raises CodecError."""
+        return self.tensor.decode_array(self._unwrap(payload, num_elements), num_elements)
+
+    def _unwrap(self, payload: bytes | memoryview, num_elements: int) -> bytes | memoryview:
         if num_elements <= 0:
             raise CodecError(f"a chunk must hold at least one element, got {num_elements}")
         size = self.tensor.encoded_size(num_elements)
         for stage in reversed(self.byte_stages):
             # Every byte stage after the tensor stage restores exactly its input size.
             payload = stage.decode(payload, size)
-        return self.tensor.decode(payload, num_elements)
+        return payload
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Error-feedback residuals by key (empty for stages without state)."""

@@ -2,9 +2,11 @@
 
 ``start`` runs inside FSDP2's all-reduce hook, once per FSDP group during backward;
 ``finish`` runs before ``optimizer.step()`` and waits for every group's round (all of
-this rank's lane traffic). Rounds run on one background thread, in the order groups
-were started, so they overlap with the rest of backward while every site runs its
-rounds in the same order. A CUDA shard stays on its GPU: the codec casts or quantizes
+this rank's lane traffic). Rounds run on background threads, started in the order
+groups were started, up to ``rounds_in_flight`` at once: each round is pipelined
+chunk by chunk, but its start and its peers' acknowledgements cost round trips that a
+window of rounds hides. Every site starts its rounds in the same order, and results
+are applied only after the step commits, all groups together. A CUDA shard stays on its GPU: the codec casts or quantizes
 it there and only the encoded bytes cross to the host.
 """
 
@@ -35,7 +37,8 @@ class StepStats:
     step: int = 0
     groups: int = 0
     sync_s: float = 0.0
-    """Seconds the rounds ran on the background thread (sum over groups)."""
+    """Seconds from the first round's start to the last round's end (rounds overlap
+    each other and backward)."""
     wait_s: float = 0.0
     """Seconds ``finish`` blocked the training loop."""
     bytes_sent: int = 0
@@ -75,6 +78,7 @@ class LaneGradientSync:
         membership: the rank's membership client. With it, ``finish`` votes on the
             step and follows the decision: commit, run the rounds again without a
             failed site, rejoin, or stop. Without it a failed round just raises.
+        rounds_in_flight: groups' rounds that may run at once (1 = one after another).
     """
 
     def __init__(
@@ -83,7 +87,10 @@ class LaneGradientSync:
         *,
         finish_timeout_s: float | None = None,
         membership: SiteMembership | None = None,
+        rounds_in_flight: int = 4,
     ):
+        if rounds_in_flight < 1:
+            raise ValueError(f"rounds_in_flight must be >= 1, got {rounds_in_flight}")
         self.allreduce = allreduce
         self.finish_timeout_s = finish_timeout_s
         self.membership = membership
@@ -94,8 +101,11 @@ class LaneGradientSync:
         self._step = 0
         self._pending: list[_Pending] = []
         self._abort = threading.Event()  # set when a round of this step fails
-        # One worker: rounds must run in start() order on every site.
-        self._worker = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lane-sync")
+        # Rounds start in start() order on every site (the executor's queue is FIFO);
+        # up to rounds_in_flight run at once.
+        self._worker = futures.ThreadPoolExecutor(
+            max_workers=rounds_in_flight, thread_name_prefix="lane-sync"
+        )
 
     def begin_step(self, step: int) -> None:
         """Names the step whose gradients the next ``start`` calls carry.
@@ -134,14 +144,17 @@ class LaneGradientSync:
         buffer: torch.Tensor,
         ready: torch.cuda.Event | None,
         abort: threading.Event,
-    ) -> RoundStats:
+    ) -> tuple[RoundStats, float, float]:
+        """Runs one group's round; returns its stats and its start and end times."""
         if abort.is_set():
             # A failed round leaves peers out of step; later rounds would only time out.
             raise CrossSiteError(f"step {step} group {group} skipped after an earlier failure")
         try:
             if ready is not None:
                 ready.synchronize()
-            return self.allreduce.allreduce([buffer], step=step, group=group, average=True)
+            t0 = time.monotonic()
+            rs = self.allreduce.allreduce([buffer], step=step, group=group, average=True)
+            return rs, t0, time.monotonic()
         except BaseException:
             abort.set()
             raise
@@ -216,20 +229,21 @@ class LaneGradientSync:
             timeout = self.allreduce.timeout_s * max(1, len(pending)) + 5.0
         deadline = time.monotonic() + timeout
         failure: CrossSiteError | None = None
+        first, last = float("inf"), float("-inf")
         for p in pending:
             try:
-                rs = p.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                rs, began, ended = p.future.result(timeout=max(0.0, deadline - time.monotonic()))
             except futures.TimeoutError:
                 failure = failure or CrossSiteError(
                     f"step {step} group {p.group}: not finished within {timeout:.1f}s"
                 )
-                self.allreduce.abort_reason = "the step's time ran out"
-                self.allreduce.abort.set()
+                self.allreduce.abort.set("the step's time ran out")
                 continue
             except CrossSiteError as exc:
                 failure = failure or exc
                 continue
-            stats.sync_s += rs.wall_s
+            first, last = min(first, began), max(last, ended)
+            stats.sync_s = last - first
             stats.bytes_sent += rs.bytes_sent
             stats.bytes_received += rs.bytes_received
             stats.raw_bytes += rs.raw_bytes

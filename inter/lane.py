@@ -28,6 +28,7 @@ from .mailbox import Mailbox, Outbox
 from .malformed import MalformedRequests
 from .security import INSECURE, SiteSecurity
 from .state_transfer import StateOffers, pieces
+from .wire import Chunk, ChunkWire, encode_resend_response
 
 __all__ = ["LaneServer", "channel_options", "chunk_bytes_for_link", "max_payload_bytes"]
 
@@ -142,7 +143,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
             ],
         )
-        lane_pb2_grpc.add_LaneServicer_to_server(self, self._server)
+        self._server.add_generic_rpc_handlers((self._handlers(),))
         # grpc.health.v1, like every isthmus server: SERVING until stop().
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -154,6 +155,33 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self._address = f"{host}:{bound}"
         self._server.start()
         log.info("[site %d] lane server listening on %s", site_index, self._address)
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        """The Lane service with the bulk messages read and written by `inter/wire.py`:
+        a chunk's payload reaches the handler as a view, not a protobuf copy, and a
+        resend goes out as the bytes first sent. PullState is plain protobuf."""
+        stream_unary = grpc.stream_unary_rpc_method_handler
+        unary_unary = grpc.unary_unary_rpc_method_handler
+        return grpc.method_handlers_generic_handler(
+            "isthmus.v1.Lane",
+            {
+                "PushChunks": stream_unary(
+                    self.PushChunks,
+                    request_deserializer=ChunkWire.FromString,
+                    response_serializer=lane_pb2.PushChunksResponse.SerializeToString,
+                ),
+                "ResendChunk": unary_unary(
+                    self.ResendChunk,
+                    request_deserializer=lane_pb2.ResendChunkRequest.FromString,
+                    response_serializer=None,  # already bytes (encode_resend_response)
+                ),
+                "PullState": grpc.unary_stream_rpc_method_handler(
+                    self.PullState,
+                    request_deserializer=lane_pb2.PullStateRequest.FromString,
+                    response_serializer=lane_pb2.StatePiece.SerializeToString,
+                ),
+            },
+        )
 
     @property
     def address(self) -> str:
@@ -204,7 +232,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.health.enter_graceful_shutdown()  # NOT_SERVING for every service
         self._server.stop(grace).wait(timeout=(grace or 0) + 5)
 
-    def check(self, req: lane_pb2.PushChunksRequest) -> str | None:
+    def check(self, req: Chunk) -> str | None:
         """Returns why ``req`` is not a sound chunk for this lane, or None.
 
         Also for chunks pulled with ``ResendChunk``, which bypass the server.
@@ -215,7 +243,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             return str(exc)
         return None
 
-    def _validate(self, req: lane_pb2.PushChunksRequest) -> None:
+    def _validate(self, req: Chunk) -> None:
         with self._lock:
             generation, num_sites = self._generation, self._num_sites
         per = self.chunk_bytes // 4
@@ -276,7 +304,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
 
     def PushChunks(  # noqa: N802 (gRPC method name)
         self,
-        request_iterator: Iterator[lane_pb2.PushChunksRequest],
+        request_iterator: Iterator[Chunk],
         context: grpc.ServicerContext,
     ) -> lane_pb2.PushChunksResponse:
         """Validates and deposits each chunk of the stream; aborts on the first bad one.
@@ -325,8 +353,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
 
     def ResendChunk(  # noqa: N802 (gRPC method name)
         self, request: lane_pb2.ResendChunkRequest, context: grpc.ServicerContext
-    ) -> lane_pb2.ResendChunkResponse:
-        """Answers with a chunk this site sent to the requester, as first sent."""
+    ) -> bytes:
+        """Answers with a chunk this site sent to the requester, as first sent (the
+        serialized ``ResendChunkResponse``)."""
         generation = self.generation
         key = (request.step, request.group, request.kind, request.chunk_index)
         if request.generation != generation:
@@ -340,7 +369,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"site {self.site_index} has no chunk {key} for site {request.from_site}",
             )
-        return lane_pb2.ResendChunkResponse(chunk=chunk)
+        return encode_resend_response(chunk)
 
     def PullState(  # noqa: N802 (gRPC method name)
         self, request: lane_pb2.PullStateRequest, context: grpc.ServicerContext

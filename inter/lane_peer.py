@@ -9,13 +9,10 @@ is one round's worth of those streams. :meth:`LanePeer.fetch` pulls one chunk ag
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 
@@ -23,63 +20,112 @@ from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 from .lane import channel_options
 from .security import INSECURE, SiteSecurity
+from .wire import Chunk, ResendWire
 
 __all__ = ["LanePeer", "PeerRound"]
 
-_POLL_S = 0.1  # how often blocked loops look at stop/deadline flags
+_POLL_S = 0.1  # how often a waiting stream looks at its call and deadline
+_PUSH = "/isthmus.v1.Lane/PushChunks"
+_RESEND = "/isthmus.v1.Lane/ResendChunk"
 
 
-_END = object()  # end-of-round marker
+_END = object()  # end-of-stream marker
 
 
-@dataclass(slots=True)
-class _Begin:
-    """The start of a round on one connection."""
+class _Stream:
+    """One round's ``PushChunks`` call on one connection, fed from a queue.
 
-    round_id: int
-    future: futures.Future
-    deadline: float
+    grpcio pulls the request iterator on a thread of its own, so encoding (the
+    callers of :meth:`put`) and sending overlap with no sender thread of ours, and
+    several rounds' streams share a connection as HTTP/2 streams.
+    """
+
+    def __init__(self, call: grpc.StreamUnaryMultiCallable, deadline: float) -> None:
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self._deadline = deadline
+        self._closed = False
+        # wait_for_ready: a peer still starting is waited for, up to the deadline.
+        self.future = call.future(
+            self._frames(), timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=True
+        )
+
+    def put(self, item: object) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Ends the stream once queued frames are out."""
+        self.put(_END)
+
+    def _frames(self) -> Iterator[bytes]:
+        while True:
+            with self._cond:
+                while not self._items:
+                    left = self._deadline - time.monotonic()
+                    if left <= 0 or self.future_done():
+                        return  # the call's own deadline fails it; nothing more to send
+                    self._cond.wait(min(_POLL_S, left))
+                item = self._items.popleft()
+            if item is _END:
+                return
+            yield item
+
+    def future_done(self) -> bool:
+        fut = getattr(self, "future", None)
+        return fut is not None and fut.done()
 
 
 class PeerRound:
-    """The chunks sent to one peer in one round, over all the peer's connections."""
+    """The chunks sent to one peer in one round, spread over the peer's connections.
 
-    _ids = itertools.count(1)
+    Each connection gets its own stream for the round, opened with the first chunk
+    for it; rounds are independent, so several can be in flight at once.
+    """
 
-    def __init__(self, senders: list[_Sender], deadline: float) -> None:
-        self._senders = senders
-        self.round_id = next(PeerRound._ids)
-        self._futures = [s.begin(self.round_id, deadline) for s in senders]
+    def __init__(self, calls: list[grpc.StreamUnaryMultiCallable], deadline: float) -> None:
+        self._calls = calls
+        self._deadline = deadline
+        self._streams: list[_Stream | None] = [None] * len(calls)
         self._next = 0
         self._ended = False
         self._lock = threading.Lock()  # encode/decode pool threads send concurrently
         self.sent = 0
 
-    def send(self, request: lane_pb2.PushChunksRequest) -> None:
-        """Queues one chunk; connections take turns. Thread-safe.
+    def send(self, frame: bytes) -> None:
+        """Queues one serialized chunk (:func:`~isthmus.inter.wire.encode_chunk`);
+        connections take turns. Thread-safe.
 
-        A chunk sent after :meth:`end` (a failing round's stragglers) is dropped: it
-        would otherwise open the next round's stream.
+        A chunk sent after :meth:`end` (a failing round's stragglers) is dropped.
         """
         with self._lock:
             if self._ended:
                 return
-            sender = self._senders[self._next]
-            self._next = (self._next + 1) % len(self._senders)
+            i = self._next
+            self._next = (i + 1) % len(self._calls)
             self.sent += 1
-        sender.put((self.round_id, request))
+            stream = self._streams[i]
+            if stream is None:
+                stream = self._streams[i] = _Stream(self._calls[i], self._deadline)
+        stream.put(frame)
 
     def end(self) -> None:
         """Closes the round's streams once queued chunks are out (idempotent)."""
         with self._lock:
             ended, self._ended = self._ended, True
         if not ended:
-            for sender in self._senders:
-                sender.put((self.round_id, _END))
+            for stream in self._streams:
+                if stream is not None:
+                    stream.close()
+
+    def _futures(self) -> list[grpc.Future]:
+        with self._lock:
+            return [s.future for s in self._streams if s is not None]
 
     def failure(self) -> BaseException | None:
         """Returns the first stream's error so far, without waiting."""
-        for fut in self._futures:
+        for fut in self._futures():
             if fut.done() and fut.exception() is not None:
                 return fut.exception()
         return None
@@ -96,108 +142,13 @@ class PeerRound:
         """
         deadline = time.monotonic() + timeout
         total = 0
-        for fut in self._futures:
-            total += fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        return total
-
-
-class _Sender:
-    """One connection to a peer and the thread that streams its queue.
-
-    Queue items are a :class:`_Begin`, then ``(round_id, chunk)`` pairs and a
-    ``(round_id, _END)``. Tagging every item with its round keeps rounds apart when a
-    stream fails: gRPC may still pull from the request iterator after the call
-    failed, and neither that iterator nor the clean-up may take the next round's items.
-    """
-
-    def __init__(self, address: str, options: list, name: str, security: SiteSecurity) -> None:
-        self.channel = security.channel(address, options)
-        self.stub = lane_pb2_grpc.LaneStub(self.channel)
-        self._items: deque = deque()
-        self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, item: object) -> None:
-        with self._cond:
-            self._items.append(item)
-            self._cond.notify_all()
-
-    def begin(self, round_id: int, deadline: float) -> futures.Future:
-        fut: futures.Future = futures.Future()
-        self.put(_Begin(round_id, fut, deadline))
-        return fut
-
-    def _next_begin(self) -> _Begin | None:
-        """The next round's start; older rounds' leftovers are dropped on the way."""
-        with self._cond:
-            while not self._stop.is_set():
-                while self._items:
-                    item = self._items.popleft()
-                    if isinstance(item, _Begin):
-                        return item
-                self._cond.wait(_POLL_S)
-        return None
-
-    def _take(self, round_id: int, deadline: float) -> object | None:
-        """The next item of round ``round_id`` (a chunk or _END); None once the round is
-        superseded, the sender stops or the deadline passes. Never takes another
-        round's item."""
-        with self._cond:
-            while not self._stop.is_set():
-                if self._items:
-                    item = self._items[0]
-                    if isinstance(item, _Begin) or item[0] > round_id:
-                        return None
-                    self._items.popleft()
-                    if item[0] == round_id:
-                        return item[1]
-                    continue  # a straggler of an older round
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(min(_POLL_S, left))
-        return None
-
-    def _requests(self, first, round_id: int, deadline: float, ended: threading.Event) -> Iterator:
-        yield first
-        while not ended.is_set() and (item := self._take(round_id, deadline)) is not None:
-            if item is _END:
-                ended.set()
-                return
-            yield item
-
-    def _run(self) -> None:
-        while (head := self._next_begin()) is not None:
-            fut, deadline, round_id = head.future, head.deadline, head.round_id
-            first = self._take(round_id, deadline)
-            if first is _END:  # nothing for this peer this round
-                fut.set_result(0)
-                continue
-            ended = threading.Event()
+        for fut in self._futures():
             try:
-                if first is None:
-                    raise TimeoutError("round deadline passed before the first chunk")
-                # wait_for_ready: a peer still starting is waited for, up to the deadline.
-                reply = self.stub.PushChunks(
-                    self._requests(first, round_id, deadline, ended),
-                    timeout=max(0.001, deadline - time.monotonic()),
-                    wait_for_ready=True,
-                )
-                fut.set_result(reply.accepted + reply.corrupt)
-            except (grpc.RpcError, TimeoutError) as exc:
-                fut.set_exception(exc)
-            # The rest of a failed round (if any) is dropped by _next_begin/_take, which
-            # skip items of older rounds; stop a lingering request iterator too.
-            ended.set()
-
-    def close(self) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        self.channel.close()  # cancels an open stream so the thread sees the stop
-        self._thread.join(timeout=5)
+                reply = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError as exc:
+                raise TimeoutError("no answer from the peer in time") from exc
+            total += reply.accepted + reply.corrupt
+        return total
 
 
 class LanePeer:
@@ -207,7 +158,7 @@ class LanePeer:
         address: the peer's "host:port".
         chunk_bytes: the job's chunk size (sets the message size limits).
         proxy: optional HTTP CONNECT proxy URL (e.g. the WAN emulator).
-        connections: parallel TCP connections, each with its own stream and thread.
+        connections: parallel TCP connections; a round spreads its chunks over them.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
     """
 
@@ -228,21 +179,34 @@ class LanePeer:
         base = channel_options(chunk_bytes)
         # Without an explicit proxy, ignore http_proxy/grpc_proxy from the environment.
         base += [("grpc.http_proxy", proxy)] if proxy else [("grpc.enable_http_proxy", 0)]
-        self._senders = [
+        security = security or INSECURE
+        self._channels = [
             # A local subchannel pool and a distinct arg give each channel its own TCP
             # connection; identical channels would share one.
-            _Sender(
-                address,
-                [*base, ("grpc.use_local_subchannel_pool", 1), ("grpc.channel_id", i)],
-                name=f"lane-tx-{address}-{i}",
-                security=security or INSECURE,
+            security.channel(
+                address, [*base, ("grpc.use_local_subchannel_pool", 1), ("grpc.channel_id", i)]
             )
             for i in range(connections)
         ]
+        # The bulk calls take and give bytes (inter/wire.py), not protobuf objects.
+        self._push = [
+            ch.stream_unary(
+                _PUSH,
+                request_serializer=None,
+                response_deserializer=lane_pb2.PushChunksResponse.FromString,
+            )
+            for ch in self._channels
+        ]
+        self._resend = [
+            ch.unary_unary(
+                _RESEND,
+                request_serializer=lane_pb2.ResendChunkRequest.SerializeToString,
+                response_deserializer=ResendWire.FromString,
+            )
+            for ch in self._channels
+        ]
 
-    def fetch(
-        self, request: lane_pb2.ResendChunkRequest, timeout: float
-    ) -> lane_pb2.PushChunksRequest:
+    def fetch(self, request: lane_pb2.ResendChunkRequest, timeout: float) -> Chunk:
         """Pulls one chunk again from the peer (``ResendChunk``).
 
         Args:
@@ -255,20 +219,20 @@ class LanePeer:
         """
         # Connections take turns so a resend does not queue behind one busy stream.
         with self._fetch_lock:
-            sender = self._senders[self._fetches % len(self._senders)]
+            call = self._resend[self._fetches % len(self._resend)]
             self._fetches += 1
-        return sender.stub.ResendChunk(request, timeout=max(0.001, timeout)).chunk
+        return call(request, timeout=max(0.001, timeout))
 
     @property
     def stub(self) -> lane_pb2_grpc.LaneStub:
         """A stub on the first connection, for one-off calls (``PullState``)."""
-        return self._senders[0].stub
+        return lane_pb2_grpc.LaneStub(self._channels[0])
 
     def begin_round(self, deadline: float) -> PeerRound:
         """Opens a round whose streams must finish by ``deadline`` (time.monotonic())."""
-        return PeerRound(self._senders, deadline)
+        return PeerRound(self._push, deadline)
 
     def close(self) -> None:
-        """Stops the sender threads and closes the channels."""
-        for sender in self._senders:
-            sender.close()
+        """Closes the channels (open streams are cancelled)."""
+        for channel in self._channels:
+            channel.close()

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from isthmus.proto import lane_pb2
+from .wire import Chunk
 
 __all__ = ["CORRUPT", "Mailbox", "MailboxKey", "Outbox", "OutboxKey"]
 
@@ -34,12 +34,12 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._items: dict[MailboxKey, lane_pb2.PushChunksRequest | None] = {}
+        self._items: dict[MailboxKey, Chunk | None] = {}
         self._seen: set[MailboxKey] = set()
         self._corrupt: set[MailboxKey] = set()  # marked, not yet replaced by a resend
         self._floor = 0
 
-    def deposit(self, key: MailboxKey, item: lane_pb2.PushChunksRequest) -> str | None:
+    def deposit(self, key: MailboxKey, item: Chunk) -> str | None:
         """Stores ``item``; returns None, or why it was refused ("duplicate"/"stale")."""
         return self._admit(key, item)
 
@@ -47,7 +47,7 @@ class Mailbox:
         """Leaves a :data:`CORRUPT` marker for ``key``; same refusals as ``deposit``."""
         return self._admit(key, CORRUPT)
 
-    def _admit(self, key: MailboxKey, item: lane_pb2.PushChunksRequest | None) -> str | None:
+    def _admit(self, key: MailboxKey, item: Chunk | None) -> str | None:
         with self._cond:
             if key[0] < self._floor:
                 return "stale"
@@ -60,7 +60,7 @@ class Mailbox:
             self._cond.notify_all()
             return None
 
-    def redeposit(self, key: MailboxKey, item: lane_pb2.PushChunksRequest) -> bool:
+    def redeposit(self, key: MailboxKey, item: Chunk) -> bool:
         """Stores the resent copy of a chunk marked corrupt; False if none was marked."""
         with self._cond:
             if key not in self._corrupt or key[0] < self._floor:
@@ -70,7 +70,7 @@ class Mailbox:
             self._cond.notify_all()
             return True
 
-    def take(self, key: MailboxKey, timeout: float) -> lane_pb2.PushChunksRequest:
+    def take(self, key: MailboxKey, timeout: float) -> Chunk:
         """Waits up to ``timeout`` seconds for ``key``, removes and returns it.
 
         Raises:
@@ -83,7 +83,7 @@ class Mailbox:
 
     def take_any(
         self, keys: Iterable[MailboxKey], timeout: float
-    ) -> tuple[MailboxKey, lane_pb2.PushChunksRequest | None] | None:
+    ) -> tuple[MailboxKey, Chunk | None] | None:
         """Waits up to ``timeout`` seconds for any of ``keys``; removes and returns it.
 
         The item is :data:`CORRUPT` for a chunk that failed its checksum: the caller
@@ -143,16 +143,15 @@ class Outbox:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: dict[OutboxKey, tuple[lane_pb2.PushChunksRequest, frozenset[int]]] = {}
+        self._items: dict[OutboxKey, tuple[bytes, frozenset[int]]] = {}
 
-    def put(
-        self, key: OutboxKey, item: lane_pb2.PushChunksRequest, recipients: Iterable[int]
-    ) -> None:
-        """Keeps ``item`` for the sites in ``recipients``."""
+    def put(self, key: OutboxKey, item: bytes, recipients: Iterable[int]) -> None:
+        """Keeps ``item`` (the chunk's serialized ``PushChunksRequest``, as sent) for the
+        sites in ``recipients``."""
         with self._lock:
             self._items[key] = (item, frozenset(recipients))
 
-    def get(self, key: OutboxKey, site: int) -> lane_pb2.PushChunksRequest | None:
+    def get(self, key: OutboxKey, site: int) -> bytes | None:
         """Returns the chunk if it was sent to ``site``, else None."""
         with self._lock:
             found = self._items.get(key)

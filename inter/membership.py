@@ -167,8 +167,7 @@ class SiteMembership:
                 continue
             silent = [s for s in reply.suspects if s in self.member_names and s != self.site]
             if silent and not self.allreduce.abort.is_set():
-                self.allreduce.abort_reason = f"site(s) {', '.join(silent)} fell silent"
-                self.allreduce.abort.set()
+                self.allreduce.abort.set(f"site(s) {', '.join(silent)} fell silent")
             if silent or reply.generation != self.generation:
                 # Answered at once and would be again (a member still silent, or the
                 # coordinator in a generation this rank has not moved to): pace the asking.

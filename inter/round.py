@@ -1,15 +1,26 @@
 """One cross-site all-reduce round as a pipeline of small tasks.
 
 The round's main thread only routes: it takes chunks from the mailbox as they arrive
-and hands each to a pool of encode/decode threads (zstd and numpy release the GIL, so
-they overlap each other and gRPC's I/O). A task encodes and sends a contribution,
-decodes a received chunk, or, when a chunk's last contribution is in, sums them in
-site order and sends the encoded result. A chunk that arrived corrupt is pulled
-again from its sender (``ResendChunk``) and never summed.
+and hands each to a pool of encode/decode threads (zstd, numpy, the checksum and
+grpcio's copies release the GIL, so they overlap each other and gRPC's I/O). A task
+encodes and sends a contribution, decodes a received chunk, or, when a chunk's last
+contribution is in, sums them in site order and sends the encoded result. A chunk that
+arrived corrupt is pulled again from its sender (``ResendChunk``) and never summed.
+
+Bytes are copied as little as the design allows (issue 11 measured ~10 copies of every
+chunk per hop before): the encoded values go straight into the outgoing message
+(:func:`~isthmus.inter.wire.encode_chunk`), a received payload is a view of the bytes
+grpcio handed over, the sum is written where the round's tensor lies, and a ``raw``
+result is copied once, from the message into the tensor.
+
+A round is handed what it uses — a frozen :class:`RoundView` of the membership and
+settings, the lane's mailbox and outbox, the peers, the pool and one
+:class:`AbortSignal` — never the all-reduce that made it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -17,17 +28,20 @@ from concurrent import futures
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 import torch
 
 from isthmus.proto import lane_pb2
 
-from .codec import CodecError, crc32
-from .mailbox import CORRUPT, MailboxKey
+from .codec import CodecChain, CodecError, crc32
+from .codecs.base import _pinned_buffer
+from .mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
+from .wire import Chunk, encode_chunk
 
 if TYPE_CHECKING:
-    from .allreduce import CrossSiteAllReduce, RoundStats
+    from .lane_peer import LanePeer, PeerRound
 
-__all__ = ["CrossSiteError", "RoundPipeline"]
+__all__ = ["AbortSignal", "CrossSiteError", "RoundPipeline", "RoundStats", "RoundView"]
 
 _CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
 _RESULT = lane_pb2.CHUNK_KIND_RESULT
@@ -39,50 +53,135 @@ class CrossSiteError(RuntimeError):
     """A cross-site round failed: a peer timed out, refused or sent bad data."""
 
 
+class AbortSignal:
+    """One flag with its reason: set to fail the running rounds at once (a member site
+    fell silent, so waiting for it until the deadline is pointless)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        """Raises the flag; the first reason stands."""
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def clear(self) -> None:
+        self.reason = ""
+        self._event.clear()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundView:
+    """The membership and settings one round runs under; fixed for its life."""
+
+    site_index: int
+    num_sites: int
+    generation: int
+    codec: CodecChain
+    chunk_bytes: int
+    timeout_s: float
+
+    def owner(self, chunk: int, step: int, group: int) -> int:
+        """The site that reduces ``chunk`` of round (step, group): rotating with step
+        and group spreads the owners' extra work."""
+        return (chunk + step + group) % self.num_sites
+
+
+@dataclasses.dataclass(slots=True)
+class RoundStats:
+    """What one ``allreduce`` call moved and how long it took."""
+
+    bytes_sent: int = 0
+    """Payload bytes this site sent (after encoding)."""
+    bytes_received: int = 0
+    """Payload bytes this site received and used."""
+    raw_bytes: int = 0
+    """fp32 bytes of the chunks this site sent, before encoding."""
+    tensor_bytes: int = 0
+    """fp32 bytes of the whole round's buffer."""
+    num_chunks: int = 0
+    corrupt_chunks: int = 0
+    """Chunks that arrived failing their crc32 and were pulled again."""
+    wall_s: float = 0.0
+    encode_s: float = 0.0
+    """Seconds spent encoding, summed over the pool's threads."""
+    decode_s: float = 0.0
+    """Seconds spent decoding, summed over the pool's threads."""
+
+
 class RoundPipeline:
-    """Runs one round of ``ar`` over ``flat`` in place (see the module docstring)."""
+    """Runs one round over ``flat`` in place (see the module docstring).
+
+    Args:
+        view: membership and settings of the round.
+        mailbox: where this lane's server deposits received chunks.
+        outbox: where sent chunks wait for a resend request.
+        check: validates a pulled chunk (``LaneServer.check``).
+        peers: site index -> lane client, for every other site of ``view``.
+        pool: the encode/decode threads.
+        abort: fails the round at once when set.
+        flat: contiguous 1-D fp32 tensor (CPU or CUDA), reduced in place.
+        step: training step; with ``group`` it names the round on the wire.
+        group: FSDP group (bucket) index within the step.
+        average: divide the sum by the number of sites.
+        stats: filled in as the round runs.
+    """
 
     def __init__(
         self,
-        ar: CrossSiteAllReduce,
+        *,
+        view: RoundView,
+        mailbox: Mailbox,
+        outbox: Outbox,
+        check: Callable[[Chunk], str | None],
+        peers: dict[int, LanePeer],
+        pool: futures.Executor,
+        abort: AbortSignal,
         flat: torch.Tensor,
         step: int,
         group: int,
         average: bool,
         stats: RoundStats,
     ) -> None:
-        self.ar, self.flat, self.step, self.group = ar, flat, step, group
+        self.view, self.mailbox, self.outbox, self.check = view, mailbox, outbox, check
+        self.peers, self.pool, self.abort = peers, pool, abort
+        self.flat, self.step, self.group = flat, step, group
         self.average, self.stats = average, stats
-        self.per = ar.chunk_bytes // 4
+        self.codec = view.codec
+        # A CPU tensor is read and written through numpy (no torch dispatch per chunk);
+        # a CUDA one goes through host copies.
+        self.host = None if flat.is_cuda else flat.numpy()
+        self.per = view.chunk_bytes // 4
         self.total = flat.numel()
         self.num_chunks = -(-self.total // self.per)
-        self.where = f"site {ar.site_index} step {step} group {group}"
-        self.deadline = time.monotonic() + ar.timeout_s
+        self.where = f"site {view.site_index} step {step} group {group}"
+        self.deadline = time.monotonic() + view.timeout_s
         self._lock = threading.Lock()  # parts and stats, shared by the pool's tasks
-        self._parts: dict[int, dict[int, torch.Tensor]] = {}
+        self._parts: dict[int, dict[int, np.ndarray]] = {}
         self._tasks: list[futures.Future] = []
         self._errors: list[BaseException] = []
-        self._abort = threading.Event()
-        self._rounds: dict = {}
+        self._failed = threading.Event()
+        self._rounds: dict[int, PeerRound] = {}
 
     # -- the router (caller's thread) ----------------------------------------------
 
     def run(self) -> None:
         """Runs the round to the peers' acknowledgements; raises CrossSiteError."""
-        ar, step, group = self.ar, self.step, self.group
-        ar.server.mailbox.discard_before(step)
-        # A peer may still pull chunks of the previous step (its round can finish after
-        # ours), so those stay; older ones go.
-        ar.server.outbox.discard_before(step - 1)
-        self._rounds = {s: p.begin_round(self.deadline) for s, p in ar.peers.items()}
+        view, step, group = self.view, self.step, self.group
+        self._rounds = {s: p.begin_round(self.deadline) for s, p in self.peers.items()}
         ok = False
         try:
             pending: set[MailboxKey] = set()
             for c in range(self.num_chunks):
-                owner = ar.owner(c, step, group)
-                if owner == ar.site_index:
+                owner = view.owner(c, step, group)
+                if owner == view.site_index:
                     self._parts[c] = {}
-                    pending.update((step, group, _CONTRIBUTION, c, s) for s in ar.peers)
+                    pending.update((step, group, _CONTRIBUTION, c, s) for s in self.peers)
                 else:
                     pending.add((step, group, _RESULT, c, owner))
                 self._submit(self._contribute, c, owner)
@@ -92,10 +191,10 @@ class RoundPipeline:
                 if remaining <= 0:
                     missing = sorted({k[4] for k in pending})
                     raise CrossSiteError(
-                        f"{self.where}: timed out after {ar.timeout_s:.1f}s waiting for "
+                        f"{self.where}: timed out after {view.timeout_s:.1f}s waiting for "
                         f"{len(pending)} chunk(s) from site(s) {missing}"
                     )
-                found = ar.server.mailbox.take_any(pending, min(_POLL_S, remaining))
+                found = self.mailbox.take_any(pending, min(_POLL_S, remaining))
                 if found is None:
                     continue
                 key, req = found
@@ -109,28 +208,28 @@ class RoundPipeline:
             ok = True
         finally:
             if not ok:
-                self._abort.set()  # tasks still queued skip; running ones finish
+                self._failed.set()  # tasks still queued skip; running ones finish
                 futures.wait(self._tasks, timeout=max(0.0, self.deadline - time.monotonic()))
             for rnd in self._rounds.values():
                 rnd.end()
         self._wait_acks()
 
     def _submit(self, fn: Callable[..., None], *args: object) -> None:
-        self._tasks.append(self.ar.pool.submit(self._guard, fn, *args))
+        self._tasks.append(self.pool.submit(self._guard, fn, *args))
 
     def _guard(self, fn: Callable[..., None], *args: object) -> None:
-        if self._abort.is_set():
+        if self._failed.is_set():
             return
         try:
             fn(*args)
         except BaseException as exc:
             with self._lock:
                 self._errors.append(exc)
-            self._abort.set()
+            self._failed.set()
 
     def _raise_failures(self) -> None:
-        if self.ar.abort.is_set():
-            raise CrossSiteError(f"{self.where}: aborted: {self.ar.abort_reason}")
+        if self.abort.is_set():
+            raise CrossSiteError(f"{self.where}: aborted: {self.abort.reason}")
         with self._lock:
             exc = self._errors[0] if self._errors else None
         if isinstance(exc, CrossSiteError):
@@ -164,7 +263,7 @@ class RoundPipeline:
                 try:
                     took = rnd.wait(max(0.0, min(_POLL_S * 4, left)))
                     break
-                except (TimeoutError, futures.TimeoutError) as exc:
+                except TimeoutError as exc:
                     if left <= _POLL_S * 4:
                         raise CrossSiteError(
                             f"{self.where}: site {s} did not acknowledge in time"
@@ -184,55 +283,74 @@ class RoundPipeline:
             for name, value in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
 
-    def _encode(self, values: torch.Tensor, key: str) -> bytes:
+    def _encode(self, values: torch.Tensor, key: str) -> bytes | memoryview:
         t0 = time.perf_counter()
-        payload = self.ar.codec.encode(values, key)
+        payload = self.codec.encode(values, key)
         self._count(encode_s=time.perf_counter() - t0)
         return payload
 
-    def _decode(self, payload: bytes, n: int) -> torch.Tensor:
+    def _decode(self, payload: bytes | memoryview, n: int) -> np.ndarray:
         t0 = time.perf_counter()
-        values = self.ar.codec.decode(payload, n)
+        values = self.codec.decode_array(payload, n)
         self._count(decode_s=time.perf_counter() - t0)
         return values
 
-    def _request(self, kind: int, c: int, payload: bytes) -> lane_pb2.PushChunksRequest:
+    def _frame(self, kind: int, c: int, payload: bytes | memoryview) -> bytes:
+        """The chunk's message, ``payload`` copied into it once."""
         lo, hi = self._bounds(c)
-        return lane_pb2.PushChunksRequest(
-            generation=self.ar.generation,
+        header = lane_pb2.PushChunksRequest(
+            generation=self.view.generation,
             step=self.step,
             group=self.group,
             kind=kind,
             chunk_index=c,
             num_chunks=self.num_chunks,
-            from_site=self.ar.site_index,
+            from_site=self.view.site_index,
             total_elements=self.total,
             num_elements=hi - lo,
-            codec=self.ar.codec.name,
-            payload=payload,
+            codec=self.codec.name,
             crc32=crc32(payload),
         )
+        return encode_chunk(header, payload)
+
+    def _host(self, lo: int, hi: int) -> np.ndarray:
+        """Our own values of [lo, hi) on the host: a view of a CPU tensor, else a copy."""
+        if self.host is not None:
+            return self.host[lo:hi]
+        return self.flat[lo:hi].cpu().numpy()
+
+    def _store(self, lo: int, hi: int, values: np.ndarray) -> None:
+        """Writes final values into [lo, hi) of the round's tensor."""
+        if self.host is not None:
+            if values is not self.host[lo:hi]:
+                np.copyto(self.host[lo:hi], values)
+            return
+        # CUDA: through this thread's pinned buffer (a read-only view cannot become a
+        # tensor without a warning, and a pinned source makes the copy a plain DMA).
+        staging = _pinned_buffer(torch.float32, hi - lo)
+        np.copyto(staging.numpy(), values)
+        self.flat[lo:hi].copy_(staging)
 
     def _contribute(self, c: int, owner: int) -> None:
         lo, hi = self._bounds(c)
-        values = self.flat[lo:hi]
-        if owner == self.ar.site_index and not self.ar.codec.lossy:
+        me = self.view.site_index
+        if owner == me and not self.codec.lossy:
             # Lossless: decode(encode(x)) is x, so skip both.
-            self._add_part(c, owner, values.to("cpu", copy=True))
+            self._add_part(c, owner, self._host(lo, hi))
             return
         # Error-feedback state is per lane (this object), group and chunk.
-        payload = self._encode(values, f"g{self.group}/c{c}")
-        if owner == self.ar.site_index:
+        payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}")
+        if owner == me:
             # Our own part goes through the codec too, so a lossy codec treats every
             # site alike.
             self._add_part(c, owner, self._decode(payload, hi - lo))
             return
-        req = self._request(_CONTRIBUTION, c, payload)
-        self.ar.server.outbox.put((self.step, self.group, _CONTRIBUTION, c), req, [owner])
-        self._rounds[owner].send(req)
+        frame = self._frame(_CONTRIBUTION, c, payload)
+        self.outbox.put((self.step, self.group, _CONTRIBUTION, c), frame, [owner])
+        self._rounds[owner].send(frame)
         self._count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
 
-    def _receive(self, key: MailboxKey, req: lane_pb2.PushChunksRequest) -> None:
+    def _receive(self, key: MailboxKey, req: Chunk) -> None:
         kind, c, sender = key[2], key[3], key[4]
         lo, hi = self._bounds(c)
         if (req.num_elements, req.total_elements) != (hi - lo, self.total):
@@ -246,67 +364,77 @@ class RoundPipeline:
             raise CrossSiteError(f"{self.where}: chunk {c} from site {sender}: {exc}") from exc
         self._count(bytes_received=len(req.payload))
         if kind == _RESULT:
-            self.flat[lo:hi].copy_(values)
+            self._store(lo, hi, values)
         else:
             self._add_part(c, sender, values)
 
-    def _add_part(self, c: int, site: int, values: torch.Tensor) -> None:
+    def _add_part(self, c: int, site: int, values: np.ndarray) -> None:
         with self._lock:
             parts = self._parts[c]
             parts[site] = values
-            if len(parts) < self.ar.num_sites:
+            if len(parts) < self.view.num_sites:
                 return
             del self._parts[c]
         self._reduce(c, parts)
 
-    def _reduce(self, c: int, parts: dict[int, torch.Tensor]) -> None:
+    def _reduce(self, c: int, parts: dict[int, np.ndarray]) -> None:
         lo, hi = self._bounds(c)
-        sites = self.ar.num_sites
+        sites = self.view.num_sites
+        # The sum goes where the result belongs. Our own part may be that very memory:
+        # fine as one of the first two addends (an element-wise add into its own input),
+        # not later.
+        out = self.host[lo:hi] if self.host is not None else np.empty(hi - lo, np.float32)
+        for s in range(2, sites):
+            if np.may_share_memory(parts[s], out):  # would be overwritten before added
+                parts[s] = parts[s].copy()
         # Fixed site order: float addition is not associative, and every site must
         # see the same bits.
-        summed = parts[0].clone()
-        for s in range(1, sites):
-            summed.add_(parts[s])
+        np.add(parts[0], parts[1], out=out)
+        for s in range(2, sites):
+            np.add(out, parts[s], out=out)
         if self.average:
-            summed.div_(sites)
-        payload = self._encode(summed, f"g{self.group}/r{c}")
-        mine = self._decode(payload, hi - lo) if self.ar.codec.lossy else summed
-        self.flat[lo:hi].copy_(mine)
-        req = self._request(_RESULT, c, payload)
-        self.ar.server.outbox.put((self.step, self.group, _RESULT, c), req, self.ar.peers)
+            np.divide(out, np.float32(sites), out=out)
+        payload = self._encode(torch.from_numpy(out), f"g{self.group}/r{c}")
+        frame = self._frame(_RESULT, c, payload)  # copies the payload: ``out`` may change
+        if self.codec.lossy:
+            # Every site, the owner too, keeps decode(result).
+            self._store(lo, hi, self._decode(payload, hi - lo))
+        elif self.host is None:
+            self._store(lo, hi, out)
+        self.outbox.put((self.step, self.group, _RESULT, c), frame, self.peers)
         for rnd in self._rounds.values():
-            rnd.send(req)
+            rnd.send(frame)
         n = len(self._rounds)
         self._count(bytes_sent=n * len(payload), raw_bytes=n * (hi - lo) * 4)
 
     def _refetch(self, key: MailboxKey) -> None:
         step, group, kind, c, sender = key
         ask = lane_pb2.ResendChunkRequest(
-            generation=self.ar.generation,
+            generation=self.view.generation,
             step=step,
             group=group,
             kind=kind,
             chunk_index=c,
-            from_site=self.ar.site_index,
+            from_site=self.view.site_index,
         )
-        while not self._abort.is_set():
+        while not self._failed.is_set():
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 raise CrossSiteError(
                     f"{self.where}: chunk {c} from site {sender} never came intact"
                 )
             try:
-                chunk = self.ar.peers[sender].fetch(ask, min(_FETCH_TIMEOUT_S, remaining))
+                chunk = self.peers[sender].fetch(ask, min(_FETCH_TIMEOUT_S, remaining))
             except grpc.RpcError as exc:
                 raise CrossSiteError(
                     f"{self.where}: pulling chunk {c}: {describe(sender, exc)}"
                 ) from exc
             got = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
-            problem = self.ar.server.check(chunk)
+            problem = self.check(chunk)
             if got != key:
                 problem = f"site {sender} answered with chunk {got}, asked for {key}"
             if problem is None:
-                self.ar.server.mailbox.redeposit(key, chunk)
+                self.mailbox.redeposit(key, chunk)
                 return
             if not problem.startswith("crc32 mismatch"):
                 raise CrossSiteError(f"{self.where}: pulled chunk {c}: {problem}")

@@ -62,7 +62,7 @@ def raw_chunk(**overrides: object):
     from isthmus.inter.codec import crc32, make_codec
     from isthmus.proto import lane_pb2
 
-    payload = make_codec("raw").encode(torch.ones(10))
+    payload = bytes(make_codec("raw").encode(torch.ones(10)))
     fields = dict(
         generation=1,
         step=0,

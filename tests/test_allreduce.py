@@ -241,7 +241,7 @@ def test_server_marks_crc_mismatch_corrupt_and_answers_resend(lone_server) -> No
     assert server.mailbox.take(key, timeout=1).crc32 == _request().crc32
     # ResendChunk answers only with what this site sent to the asker.
     sent = _request(from_site=0)
-    server.outbox.put((3, 0, lane_pb2.CHUNK_KIND_RESULT, 0), sent, [2])
+    server.outbox.put((3, 0, lane_pb2.CHUNK_KIND_RESULT, 0), sent.SerializeToString(), [2])
     ask = lane_pb2.ResendChunkRequest(
         generation=7, step=3, group=0, kind=lane_pb2.CHUNK_KIND_RESULT, chunk_index=0, from_site=2
     )

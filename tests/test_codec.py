@@ -130,7 +130,7 @@ def test_zstd_rejects_trailing_data_and_corruption() -> None:
     x = _values(1000, seed=1)
     payload = codec.encode(x)
     with pytest.raises(CodecError):
-        codec.decode(payload + b"\x00junk", 1000)
+        codec.decode(bytes(payload) + b"\x00junk", 1000)
     corrupt = bytearray(payload)
     corrupt[-10] ^= 0xFF
     try:

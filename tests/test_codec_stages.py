@@ -76,7 +76,7 @@ def test_lossy_decode_rejects_wrong_size(spec: str) -> None:
     with pytest.raises(CodecError):
         codec.decode(payload, 9)
     with pytest.raises(CodecError):
-        codec.decode(payload + b"\x00", 10)
+        codec.decode(bytes(payload) + b"\x00", 10)
 
 
 # --- error feedback ------------------------------------------------------------------

@@ -5,7 +5,6 @@ properties; the shared pieces are in tests/fuzzing.py)."""
 from __future__ import annotations
 
 import time
-import zlib
 
 import grpc
 import pytest
@@ -30,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isthmus.inter import lane as lane_module
+from isthmus.inter.codec import crc32
 from isthmus.inter.lane import LaneServer, channel_options
 from isthmus.proto import lane_pb2
 
@@ -60,7 +60,9 @@ class Lane:
         self.server.offer_wait_s = 0.05
         self.server.offers.offer(LANE_GEN, 11, offered_state())
         self.sent = chunk(step=5, kind=lane_pb2.CHUNK_KIND_RESULT, from_site=0, payload=b"abc")
-        self.server.outbox.put((5, 0, lane_pb2.CHUNK_KIND_RESULT, 0), self.sent, {1, 2})
+        self.server.outbox.put(
+            (5, 0, lane_pb2.CHUNK_KIND_RESULT, 0), self.sent.SerializeToString(), {1, 2}
+        )
         self.server.mailbox.discard_before(FLOOR)
         self.channel = grpc.insecure_channel(self.server.address)
 
@@ -133,7 +135,7 @@ def chunk(**fields) -> lane_pb2.PushChunksRequest:
         payload=b"",
     )
     values.update(fields)
-    values.setdefault("crc32", zlib.crc32(values["payload"]))
+    values.setdefault("crc32", crc32(values["payload"]))
     return lane_pb2.PushChunksRequest(**values)
 
 
@@ -155,7 +157,7 @@ def valid_chunk(draw):
         num_elements=draw(st.integers(1, min(PER, total))),
         payload=payload,
         # Now and then a payload that fails its crc32: marked corrupt, pulled again.
-        crc32=zlib.crc32(payload) ^ draw(st.sampled_from([0] * 6 + [1])),
+        crc32=crc32(payload) ^ draw(st.sampled_from([0] * 6 + [1])),
     )
 
 

@@ -20,13 +20,13 @@ from isthmus.proto import lane_pb2
 pytestmark = pytest.mark.timeout(60)
 
 
-def _flipped(req: lane_pb2.PushChunksRequest) -> lane_pb2.PushChunksRequest:
-    bad = lane_pb2.PushChunksRequest()
-    bad.CopyFrom(req)  # the outbox keeps the intact original
+def _flipped(frame: bytes) -> bytes:
+    """The serialized chunk with one payload bit flipped (the outbox keeps the original)."""
+    bad = lane_pb2.PushChunksRequest.FromString(frame)
     payload = bytearray(bad.payload)
     payload[len(payload) // 2] ^= 0x10
     bad.payload = bytes(payload)
-    return bad
+    return bad.SerializeToString()
 
 
 @pytest.fixture()
@@ -37,7 +37,7 @@ def corrupt_every(monkeypatch: pytest.MonkeyPatch):
     lock = threading.Lock()
     original = PeerRound.send
 
-    def send(self: PeerRound, request: lane_pb2.PushChunksRequest) -> None:
+    def send(self: PeerRound, request: bytes) -> None:
         with lock:
             hit = sent["every"] and next(counter) % sent["every"] == 0
             sent["n"] += bool(hit)

@@ -145,8 +145,8 @@ def test_lane_peer_sends_with_tls_and_token(lane, job_dir):
     peer = LanePeer(lane.address, security=full(job_dir, "site1"), connections=2)
     try:
         round_ = peer.begin_round(deadline=10**9)
-        round_.send(chunk())
-        round_.send(chunk(chunk_index=0, step=1))
+        round_.send(chunk().SerializeToString())
+        round_.send(chunk(chunk_index=0, step=1).SerializeToString())
         round_.end()
         assert round_.wait(timeout=10) == 2
         assert len(lane.mailbox) == 2
@@ -319,7 +319,7 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
             lane.address, proxy=proxies["site1"]["site0"], security=full(job_dir, "site1")
         )
         round_ = peer.begin_round(deadline=10**9)
-        round_.send(chunk())
+        round_.send(chunk().SerializeToString())
         round_.end()
         assert round_.wait(timeout=10) == 1 and len(lane.mailbox) == 1
         assert link.targets_connected > joined  # the lane went through the proxy too

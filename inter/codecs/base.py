@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 import threading
-import zlib
 from typing import Protocol
 
+import crc32c as _crc32c
 import numpy as np
 import torch
 
@@ -22,6 +22,7 @@ __all__ = [
     "check_size",
     "crc32",
     "to_host_bytes",
+    "to_host_view",
 ]
 
 # numpy has no bfloat16: a tensor goes to bytes through the integer type of its width.
@@ -33,9 +34,14 @@ class CodecError(ValueError):
     """A payload could not be decoded (wrong size, corrupt or hostile frame)."""
 
 
-def crc32(payload: bytes) -> int:
-    """Returns the CRC-32 (zlib polynomial) of ``payload`` as an unsigned 32-bit int."""
-    return zlib.crc32(payload) & 0xFFFFFFFF
+def crc32(payload: bytes | memoryview) -> int:
+    """Returns the CRC-32C (Castagnoli) of ``payload`` as an unsigned 32-bit int.
+
+    CRC-32C because CPUs compute it in hardware (SSE 4.2, ARMv8): ~20 GB/s against
+    ~3 GB/s for zlib's CRC-32, which cost a lane more than copying its bytes. The
+    ``crc32c`` package releases the GIL on large buffers, so pool threads overlap.
+    """
+    return _crc32c.crc32c(payload)
 
 
 def check_chunk(chunk: torch.Tensor) -> torch.Tensor:
@@ -93,7 +99,31 @@ def to_host_bytes(t: torch.Tensor) -> bytes:
     return (array if sys.byteorder == "little" else array.byteswap()).tobytes()
 
 
-def from_le(payload: bytes, dtype: np.dtype) -> np.ndarray:
+def to_host_view(t: torch.Tensor) -> memoryview:
+    """The 1-D tensor's elements as little-endian host bytes, copied only if need be.
+
+    A CPU tensor's own memory is returned as a read-only view: valid while the tensor
+    is unchanged. A CUDA tensor is copied into this thread's pinned buffer (blocking):
+    valid until the same thread copies its next chunk. Callers that keep the bytes
+    copy them (the lanes write them into the outgoing message at once).
+
+    Args:
+        t: 1-D tensor of a 1-, 2- or 4-byte dtype on any device.
+    """
+    t = t.detach().contiguous()
+    if t.device.type == "cuda":
+        host = _pinned_buffer(t.dtype, t.numel())
+        host.copy_(t)
+        t = host
+    elif t.device.type != "cpu":
+        t = t.cpu()
+    if sys.byteorder != "little":
+        return memoryview(to_host_bytes(t))
+    array = t.view(_AS_INT[t.element_size()]).numpy()
+    return memoryview(array).cast("B").toreadonly()
+
+
+def from_le(payload: bytes | memoryview, dtype: np.dtype) -> np.ndarray:
     """A read-only view of little-endian ``payload`` as ``dtype`` (native order)."""
     array = np.frombuffer(payload, dtype=np.dtype(dtype).newbyteorder("<"))
     return array if sys.byteorder == "little" else array.astype(np.dtype(dtype))
@@ -111,12 +141,21 @@ class TensorStage(Protocol):
         """Exact payload size for ``num_elements`` values."""
         ...
 
-    def encode(self, chunk: torch.Tensor, key: str | None) -> bytes:
-        """Encodes a 1-D fp32 chunk on its device; ``key`` names error-feedback state."""
+    def encode(self, chunk: torch.Tensor, key: str | None) -> bytes | memoryview:
+        """Encodes a 1-D fp32 chunk on its device; ``key`` names error-feedback state.
+
+        May return a view of ``chunk``'s memory (or this thread's pinned buffer):
+        valid until the chunk changes or the thread encodes again (:func:`to_host_view`).
+        """
         ...
 
-    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+    def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """Decodes to a new writable 1-D fp32 CPU tensor; raises CodecError."""
+        ...
+
+    def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
+        """Decodes to 1-D native fp32 values, possibly a read-only view of ``payload``
+        (no copy where the wire already holds fp32); raises CodecError."""
         ...
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import check_chunk, check_size, from_le, to_host_bytes
+from .base import check_chunk, check_size, from_le, to_host_view
 
 __all__ = ["Bf16Stage"]
 
@@ -21,14 +21,18 @@ class Bf16Stage:
         """See :meth:`TensorStage.encoded_size`."""
         return 2 * num_elements
 
-    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes:
+    def encode(self, chunk: torch.Tensor, key: str | None = None) -> memoryview:
         """See :meth:`TensorStage.encode`."""
-        return to_host_bytes(check_chunk(chunk).to(torch.bfloat16))
+        return to_host_view(check_chunk(chunk).to(torch.bfloat16))
 
-    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+    def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`TensorStage.decode`."""
+        return torch.from_numpy(self.decode_array(payload, num_elements))
+
+    def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
+        """See :meth:`TensorStage.decode_array` (a new array)."""
         expected = self.encoded_size(num_elements)
         check_size("bf16", payload, expected, num_elements)
         # bf16 is the top half of fp32: widening is exact and needs no rounding.
         bits = from_le(payload, np.uint16).astype(np.uint32) << 16
-        return torch.from_numpy(bits.view(np.float32))
+        return bits.view(np.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import check_chunk, check_size, from_le, to_host_bytes
+from .base import check_chunk, check_size, from_le, to_host_view
 
 __all__ = ["Fp32Stage"]
 
@@ -21,13 +21,20 @@ class Fp32Stage:
         """See :meth:`TensorStage.encoded_size`."""
         return 4 * num_elements
 
-    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes:
-        """See :meth:`TensorStage.encode` (``key`` is unused: nothing is lost)."""
-        return to_host_bytes(check_chunk(chunk))
+    def encode(self, chunk: torch.Tensor, key: str | None = None) -> memoryview:
+        """See :meth:`TensorStage.encode` (``key`` is unused: nothing is lost).
 
-    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+        The chunk's own bytes, without a copy (a CUDA chunk: this thread's pinned copy).
+        """
+        return to_host_view(check_chunk(chunk))
+
+    def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`TensorStage.decode`."""
+        # Copy once so the tensor is writable and owns its memory.
+        return torch.from_numpy(self.decode_array(payload, num_elements).copy())
+
+    def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
+        """See :meth:`TensorStage.decode_array`: a view of ``payload``, no copy."""
         expected = self.encoded_size(num_elements)
         check_size("raw", payload, expected, num_elements)
-        # Copy once so the tensor is writable and owns its memory.
-        return torch.from_numpy(from_le(payload, np.float32).astype(np.float32, copy=True))
+        return from_le(payload, np.float32)

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 
-from .base import check_chunk, check_size, from_le, to_host_bytes
+from .base import check_chunk, check_size, from_le, to_host_view
 
 __all__ = ["Int8Stage"]
 
@@ -76,15 +76,19 @@ class Int8Stage:
             decoded = q.to(torch.float32) * float(scale)
             with self._lock:
                 self._residuals[key] = x - decoded
-        return _SCALE.pack(scale) + to_host_bytes(q)
+        return b"".join([_SCALE.pack(scale), to_host_view(q)])
 
-    def decode(self, payload: bytes, num_elements: int) -> torch.Tensor:
+    def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`TensorStage.decode`."""
+        return torch.from_numpy(self.decode_array(payload, num_elements))
+
+    def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
+        """See :meth:`TensorStage.decode_array` (a new array)."""
         expected = self.encoded_size(num_elements)
         check_size("int8", payload, expected, num_elements)
         (scale,) = _SCALE.unpack_from(payload)
         q = from_le(payload[_SCALE.size :], np.int8)
-        return torch.from_numpy(q.astype(np.float32) * np.float32(scale))
+        return q.astype(np.float32) * np.float32(scale)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Returns a copy of the residuals by key (CPU tensors, for a checkpoint)."""

@@ -1,0 +1,243 @@
+"""The bulk chunk stream's wire form: protobuf bytes, with the payload kept out of parsing.
+
+A lane moves gigabytes per step, and python protobuf copies a ``bytes`` field when it
+parses a message and again each time the field is read; with grpcio's own copies that
+made a 4 MiB chunk cross memory about ten times per hop. This module writes and reads
+``PushChunksRequest`` (and ``ResendChunkResponse``) itself:
+
+* :func:`encode_chunk` serializes the small header fields with protobuf and appends
+  the payload field by hand (tag, length, bytes) in one ``bytes.join``: the encoded
+  values are copied once, straight into the message grpcio sends.
+* :func:`parse_chunk` walks the message's top-level fields, parses everything except
+  the payload with protobuf and hands the payload on as a ``memoryview`` of the bytes
+  grpcio received: no copy until the round decodes it.
+
+The bytes on the wire are an ordinary protobuf encoding of the messages in
+``proto/lane.proto`` (fields may come in any order, the last payload wins, as protobuf
+parsers do), so any protobuf client can talk to a lane and the fuzz tests' messages
+parse the same way. Malformed input raises :class:`WireError`; nothing here trusts a
+length it has not checked against the bytes at hand (docs/design.md, invariant 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from isthmus.proto import lane_pb2
+
+__all__ = [
+    "Chunk",
+    "ChunkWire",
+    "ResendWire",
+    "WireError",
+    "encode_chunk",
+    "encode_resend_response",
+    "parse_chunk",
+]
+
+_PAYLOAD_FIELD = 11  # PushChunksRequest.payload
+_RESEND_CHUNK_FIELD = 1  # ResendChunkResponse.chunk
+_LEN = 2  # wire type of length-delimited fields
+_PAYLOAD_TAG = bytes([(_PAYLOAD_FIELD << 3) | _LEN])
+_RESEND_TAG = bytes([(_RESEND_CHUNK_FIELD << 3) | _LEN])
+
+
+class WireError(ValueError):
+    """Bytes that are not a well-formed message of the lane protocol."""
+
+
+@dataclasses.dataclass(slots=True)
+class Chunk:
+    """One received chunk: ``PushChunksRequest``'s fields, the payload as a view.
+
+    Field meanings and units are those of ``proto/lane.proto``. ``payload`` is a
+    read-only ``memoryview`` of the received message (or ``bytes``); it stays valid as
+    long as the chunk is referenced.
+    """
+
+    generation: int
+    step: int
+    group: int
+    kind: int
+    chunk_index: int
+    num_chunks: int
+    from_site: int
+    total_elements: int
+    num_elements: int
+    codec: str
+    payload: memoryview | bytes
+    crc32: int
+
+    def header(self) -> lane_pb2.PushChunksRequest:
+        """The header fields as a protobuf message (payload left empty)."""
+        return _header(self)
+
+
+def _header(c: Chunk) -> lane_pb2.PushChunksRequest:
+    return lane_pb2.PushChunksRequest(
+        generation=c.generation,
+        step=c.step,
+        group=c.group,
+        kind=c.kind,
+        chunk_index=c.chunk_index,
+        num_chunks=c.num_chunks,
+        from_site=c.from_site,
+        total_elements=c.total_elements,
+        num_elements=c.num_elements,
+        codec=c.codec,
+        crc32=c.crc32,
+    )
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def _read_varint(data: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end:
+            raise WireError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift >= 64:
+            raise WireError("varint longer than 10 bytes")
+
+
+def encode_chunk(header: lane_pb2.PushChunksRequest, payload: Sequence[object] | object) -> bytes:
+    """Serializes a chunk: ``header``'s fields, then the payload field.
+
+    Args:
+        header: every field but ``payload`` (a payload set here would be sent twice).
+        payload: one bytes-like object, or a sequence of them (joined, e.g. an int8
+            codec's scale and values), written as field 11 without an extra copy.
+    Returns:
+        The protobuf encoding of the full ``PushChunksRequest``.
+    """
+    parts = list(payload) if isinstance(payload, (list, tuple)) else [payload]
+    views = [memoryview(p).cast("B") for p in parts]
+    size = sum(v.nbytes for v in views)
+    return b"".join([header.SerializeToString(), _PAYLOAD_TAG, _varint(size), *views])
+
+
+def parse_chunk(data: bytes | memoryview) -> Chunk:
+    """Parses a ``PushChunksRequest`` with its payload as a view of ``data``.
+
+    Raises:
+        WireError: the bytes are not a well-formed ``PushChunksRequest``.
+    """
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+    if view.format != "B":
+        view = view.cast("B")
+    end = len(view)
+    pos = 0
+    header_spans: list[tuple[int, int]] = []
+    payload: memoryview = view[0:0]
+    while pos < end:
+        start = pos
+        tag, pos = _read_varint(view, pos, end)
+        field, wire = tag >> 3, tag & 7
+        if field == 0:
+            raise WireError("field number 0")
+        if wire == 0:
+            _, pos = _read_varint(view, pos, end)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == _LEN:
+            size, pos = _read_varint(view, pos, end)
+            if size > end - pos:
+                raise WireError(f"field {field} claims {size} bytes, {end - pos} left")
+            if field == _PAYLOAD_FIELD:
+                payload = view[pos : pos + size]
+                pos += size
+                continue
+            pos += size
+        else:
+            raise WireError(f"field {field} has unsupported wire type {wire}")
+        if pos > end:
+            raise WireError(f"field {field} runs past the end of the message")
+        header_spans.append((start, pos))
+    head = b"".join(view[a:b] for a, b in header_spans)
+    try:
+        msg = lane_pb2.PushChunksRequest.FromString(head)
+    except Exception as exc:  # DecodeError, bad UTF-8 in codec
+        raise WireError(f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return Chunk(
+        generation=msg.generation,
+        step=msg.step,
+        group=msg.group,
+        kind=msg.kind,
+        chunk_index=msg.chunk_index,
+        num_chunks=msg.num_chunks,
+        from_site=msg.from_site,
+        total_elements=msg.total_elements,
+        num_elements=msg.num_elements,
+        codec=msg.codec,
+        payload=payload.toreadonly(),
+        crc32=msg.crc32,
+    )
+
+
+def encode_resend_response(frame: bytes) -> bytes:
+    """A ``ResendChunkResponse`` holding the chunk whose encoding is ``frame``."""
+    return b"".join([_RESEND_TAG, _varint(len(frame)), frame])
+
+
+def _parse_resend(data: bytes) -> Chunk:
+    view = memoryview(data)
+    end, pos = len(view), 0
+    found: memoryview | None = None
+    while pos < end:
+        tag, pos = _read_varint(view, pos, end)
+        field, wire = tag >> 3, tag & 7
+        if wire != _LEN or field != _RESEND_CHUNK_FIELD:
+            raise WireError(f"unexpected field {field} (wire type {wire}) in ResendChunkResponse")
+        size, pos = _read_varint(view, pos, end)
+        if size > end - pos:
+            raise WireError(f"chunk claims {size} bytes, {end - pos} left")
+        found = view[pos : pos + size]
+        pos += size
+    if found is None:
+        raise WireError("ResendChunkResponse holds no chunk")
+    return parse_chunk(found)
+
+
+class ChunkWire:
+    """``PushChunksRequest`` (de)serializers for grpcio: bytes in, :class:`Chunk` out.
+
+    ``DESCRIPTOR`` names the message, so a refusal of malformed bytes
+    (:mod:`isthmus.inter.malformed`) names it too.
+    """
+
+    DESCRIPTOR = lane_pb2.PushChunksRequest.DESCRIPTOR
+
+    @classmethod
+    def FromString(cls, data: bytes) -> Chunk:  # noqa: N802 (protobuf's name)
+        """Parses one received chunk; raises :class:`WireError`."""
+        return parse_chunk(data)
+
+
+class ResendWire:
+    """``ResendChunkResponse`` deserializer for the pulling side."""
+
+    DESCRIPTOR = lane_pb2.ResendChunkResponse.DESCRIPTOR
+
+    @classmethod
+    def FromString(cls, data: bytes) -> Chunk:  # noqa: N802 (protobuf's name)
+        """Parses a pulled chunk; raises :class:`WireError`."""
+        return _parse_resend(data)
