@@ -24,7 +24,7 @@ common=(--direct --sites 2 --rtt-ms 1 --gbit 10 --mib "${MIB:-256}" --chunk-kib 
 for r in $(seq "${REPEATS:-2}"); do
   for n in "${lanes[@]}"; do
     echo "== old, $n lane(s) per site, repeat $r"
-    PYTHONPATH="$shim" python3 benchmarks/allreduce.py "${common[@]}" --lanes "$n" \
+    PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/allreduce.py "${common[@]}" --lanes "$n" \
       --json "$out/old-lanes$n-r$r.json"
     echo "== new, $n lane(s) per site, repeat $r"
     python3 benchmarks/allreduce.py "${common[@]}" --lanes "$n" --json "$out/new-lanes$n-r$r.json"
