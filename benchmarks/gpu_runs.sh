@@ -4,7 +4,18 @@
 #   bash benchmarks/gpu_runs.sh sync    # issue 4: cross-site all-reduce acceptance
 #                                        # issue 3: one 4-GPU site at the 1b preset
 #   bash benchmarks/gpu_runs.sh sites   # issue 3: one site vs two sites, 1b preset
+#   bash benchmarks/gpu_runs.sh headline  # issue 11: scaling efficiency against the
+#                                          # per-GPU batch, int8 over 1000 km at 10 Gbit/s
+#   bash benchmarks/gpu_runs.sh raw       # the same with the fp32 raw codec
 # Results go to $OUT (default ./gpu-results).
+# headline and raw run benchmarks/scaling_curve.py: for each per-GPU batch in BATCHES
+# (default "4 8 16", x 2048 tokens) one site of SITE_GPUS GPUs, then two such sites,
+# STEPS steps each (default 12; the first WARMUP, default 3, are left out of the steady
+# state), and print one site's and two sites' tokens/s, the scaling efficiency, the
+# exposed sync per step and the planning model's prediction; OUT/<mode>/scaling_curve.json
+# holds it all. Finished runs are kept and not run again, so a curve can be completed
+# over several calls (BATCHES="4 8", then BATCHES="16"). EXTRA adds --set options to
+# every run, e.g. EXTRA="--set parallel.activation_checkpoint=true" for large batches.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu-results}
@@ -31,8 +42,20 @@ case "${1:-}" in
       "${common[@]}" --run-dir /tmp/two-sites | tee "$out/two_sites.txt"
     cp /tmp/two-sites/summary.json "$out/two_sites.json"
     ;;
+  headline|raw)
+    codec=int8
+    [ "$1" = raw ] && codec=raw
+    batches=${BATCHES:-4 8 16}
+    # shellcheck disable=SC2206  # EXTRA is split into words on purpose
+    extra=(${EXTRA:-})
+    python3 benchmarks/scaling_curve.py --out "$out/$1" --batches "${batches// /,}" \
+      --preset 1b --seq 2048 --sites 2 --ranks-per-site "$site_gpus" --codec "$codec" \
+      --steps "${STEPS:-12}" --warmup "${WARMUP:-3}" \
+      --set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 \
+      --set topology.device=cuda "${extra[@]}" | tee "$out/$1.txt"
+    ;;
   *)
-    echo "usage: $0 sync|sites" >&2
+    echo "usage: $0 sync|sites|headline|raw" >&2
     exit 2
     ;;
 esac
