@@ -17,6 +17,7 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "ESTABLISHED",
     "HEADER_TIMEOUT_S",
+    "FAST_BUFFER_BYTES",
     "SOCKET_BUFFER_BYTES",
     "HttpError",
     "is_loopback",
@@ -31,8 +32,13 @@ __all__ = [
 
 SOCKET_BUFFER_BYTES = 128 * 1024
 """SO_RCVBUF/SO_SNDBUF of relay sockets (Linux doubles it): small, so the kernel does
-not hide an unbounded buffer behind the link's in-flight bound."""
+not hide an unbounded buffer behind the link's in-flight bound. A fast link's
+connections get up to `FAST_BUFFER_BYTES` (`DirectionPipe.socket_buffer_bytes`): each
+splice moves at most what one socket buffer holds, and at 25 Gbit/s 256 KiB lasts
+80 us."""
+FAST_BUFFER_BYTES = 1 << 20
 HEADER_TIMEOUT_S = 10.0
+MAX_HEADER_BYTES = 64 * 1024
 CONNECT_TIMEOUT_S = 10.0
 ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 """The answer to a CONNECT whose target the relay reached."""
@@ -72,30 +78,45 @@ def parse_connect(header: bytes) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
-async def read_connect(reader: asyncio.StreamReader) -> tuple[str, int]:
-    """Read a CONNECT request head (within `HEADER_TIMEOUT_S`) and return its target.
+async def read_connect(sock: socket.socket) -> tuple[tuple[str, int], bytes]:
+    """Read a CONNECT request head from a non-blocking socket (within
+    `HEADER_TIMEOUT_S`).
+
+    Returns:
+        The target, and any bytes the client sent after the head (to carry first).
 
     Raises:
         HttpError: a bad, oversized or forbidden request.
+        OSError: the client went away (or timed out) before the head was complete.
     """
-    try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
-    except asyncio.LimitOverrunError:
-        raise HttpError("400 Bad Request") from None
-    return parse_connect(head)
+    loop = asyncio.get_running_loop()
+    head = b""
+    deadline = loop.time() + HEADER_TIMEOUT_S
+    while b"\r\n\r\n" not in head:
+        if len(head) > MAX_HEADER_BYTES:
+            raise HttpError("400 Bad Request")
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(sock, 4096), deadline - loop.time())
+        except asyncio.TimeoutError:
+            raise OSError("no complete CONNECT request in time") from None
+        if not data:
+            raise OSError("the client closed before its CONNECT request was complete")
+        head += data
+    head, _, rest = head.partition(b"\r\n\r\n")
+    return parse_connect(head + b"\r\n\r\n"), rest
 
 
-async def refuse(writer: asyncio.StreamWriter, status: str) -> None:
+async def refuse(sock: socket.socket, status: str) -> None:
     """Answer a CONNECT with an error `status`; the caller closes the connection."""
-    writer.write(f"HTTP/1.1 {status}\r\nConnection: close\r\n\r\n".encode())
+    data = f"HTTP/1.1 {status}\r\nConnection: close\r\n\r\n".encode()
     with contextlib.suppress(OSError):
-        await writer.drain()
+        await asyncio.get_running_loop().sock_sendall(sock, data)
 
 
-def tune(sock: socket.socket) -> None:
-    """Give `sock` the relay's small buffers (`SOCKET_BUFFER_BYTES`)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+def tune(sock: socket.socket, nbytes: int = SOCKET_BUFFER_BYTES) -> None:
+    """Give `sock` the relay's small buffers (`SOCKET_BUFFER_BYTES` unless told)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
 
 
 def set_nodelay(sock: socket.socket) -> None:
@@ -117,8 +138,12 @@ def listening_socket(port: int = 0) -> socket.socket:
     return sock
 
 
-async def open_target(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Connect to a loopback target with small socket buffers (set before the handshake)."""
+async def open_target(host: str, port: int) -> socket.socket:
+    """Connect to a loopback target with small socket buffers (set before the handshake).
+
+    Returns:
+        The connected, non-blocking socket.
+    """
     assert is_loopback(host), host  # callers check; this is the last line of defence
     candidates = ["127.0.0.1", "::1"] if host.lower() == "localhost" else [host]
     loop = asyncio.get_running_loop()
@@ -131,7 +156,7 @@ async def open_target(host: str, port: int) -> tuple[asyncio.StreamReader, async
             set_nodelay(sock)
             sock.setblocking(False)
             await asyncio.wait_for(loop.sock_connect(sock, (ip, port)), CONNECT_TIMEOUT_S)
-            return await asyncio.open_connection(sock=sock)
+            return sock
         except (OSError, asyncio.TimeoutError) as e:
             sock.close()
             error = e if isinstance(e, OSError) else OSError(f"timeout connecting to {ip}:{port}")

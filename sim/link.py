@@ -11,17 +11,25 @@ Each piece then passes the direction's impairments in order (`sim/impairments/`)
 may move its time on the wire (jitter), hold it back on its connection (loss stalls, a
 flap), change its bytes (corruption), split its delivery (slicing) or reset its
 connection. No impairment drops bytes while both ends are alive.
+
+The bytes themselves are moved by the direction's `Pump` (`sim/pump.py`), a thread of
+its own; this class is the bookkeeping it asks, safe to call from any thread. Times
+are `time.monotonic()` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import random
-from collections import Counter, deque
-from collections.abc import Callable, Coroutine
-from typing import Any
+import socket
+import threading
+import time
+from collections import Counter
 
+from .connect import FAST_BUFFER_BYTES, SOCKET_BUFFER_BYTES
 from .impairments import Impairment, Piece, State
+from .pump import RECV_WINDOW_BYTES, Connection, Pump  # noqa: F401 (re-exported)
 from .spec import (  # noqa: F401 (re-exported: the specs lived here before spec.py)
     DEFAULT_QUEUE_BYTES,
     FIBER_S_PER_KM,
@@ -31,19 +39,20 @@ from .spec import (  # noqa: F401 (re-exported: the specs lived here before spec
 )
 
 PIECE_BYTES = 64 * 1024
-"""Largest piece read from a socket at once; small enough that the clock is fine-grained."""
-
-RECV_WINDOW_BYTES = 256 * 1024
-"""Bytes per connection that may have crossed the link but wait for a slow receiver.
-Like a TCP receive window it lets a stalled receiver (or a stalled stream: a loss, a
-flap) hold its own data without holding the link's shared in-flight budget, which is
-released when bytes leave the wire."""
+"""Smallest bound on a piece read from a socket at once; a fast link reads up to
+`PIECE_WIRE_S` of its wire time (at most `MAX_PIECE_BYTES`) per piece instead, so
+that the clock stays fine-grained without a syscall per 64 KiB at 25 Gbit/s."""
+PIECE_WIRE_S = 0.5e-3
+MAX_PIECE_BYTES = 1 << 20
+BUFFER_WIRE_S = 1e-3
+"""Socket buffers of a connection hold about this much of the link's wire time."""
 
 
 class DirectionPipe:
     """One direction of a link, shared by all connections crossing it.
 
-    Lives on one asyncio event loop; call its methods from that loop only.
+    Its methods are thread-safe. The pump thread that moves the bytes starts with the
+    first connection; `close()` stops it.
 
     Args:
         spec: what the direction imposes.
@@ -55,18 +64,20 @@ class DirectionPipe:
         self.reverse: DirectionPipe | None = None
         """The link's other direction, for the round-trip time; None = symmetric."""
         self._spec = spec
+        self._lock = threading.Lock()
         self._inflight = 0
         self._next_free = 0.0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self._chain: list[tuple[Impairment, State]] | None = None  # installed on the loop
-        self._timers: list[asyncio.TimerHandle] = []
-        self._live: set[Callable[[], None]] = set()  # one reset callback per carry()
+        self._on_wire: list[tuple[float, int]] = []  # heap of (leaves the wire at, bytes)
+        self._chain: list[tuple[Impairment, State]] | None = None
+        self._touches_bytes = False
+        self._resets_at: list[float] = []  # Reset.at_s times not yet passed
         self.counters: Counter[str] = Counter()
         """What the impairments did (lost_segments, corrupted_bytes, resets, ...)."""
         self.bytes_delivered = 0
-        """Bytes written to receivers (counter)."""
+        """Bytes written to receivers (counter; the pump adds to it)."""
         self.connections = 0
         """Connections whose initiator sends on this direction (counter)."""
+        self.pump = Pump(self)
 
     @property
     def spec(self) -> DirectionSpec:
@@ -78,199 +89,149 @@ class DirectionPipe:
         """Bytes admitted to the link and not yet off the wire."""
         return self._inflight
 
+    @property
+    def touches_bytes(self) -> bool:
+        """Whether an impairment reads or changes the bytes (the pump must copy them)."""
+        return self._touches_bytes
+
+    def stats(self) -> dict[str, float]:
+        """bytes_delivered, connections, inflight_bytes and the impairments' counters."""
+        with self._lock:
+            return {
+                "bytes_delivered": self.bytes_delivered,
+                "connections": self.connections,
+                "inflight_bytes": self._inflight,
+                **self.counters,
+            }
+
     def update(self, spec: DirectionSpec) -> None:
         """Apply `spec` to bytes entering after this call; bytes in flight keep their times.
 
         New impairments (or a new seed) start afresh: new random streams, and their
         `at_s` times count from now. Otherwise the running impairments keep their state.
         """
-        old, self._spec = self._spec, spec
-        if self._chain is None or (old.impairments, old.seed) != (spec.impairments, spec.seed):
-            self._install()
-        self._wake()  # a larger bound may admit waiting senders
+        with self._lock:
+            old, self._spec = self._spec, spec
+            if self._chain is None or (old.impairments, old.seed) != (spec.impairments, spec.seed):
+                self._install(time.monotonic())
+        self.pump.wake()  # a larger bound may admit waiting senders
 
     def reset_connections(self) -> None:
         """Reset every connection carrying bytes on this direction (both sides get RST)."""
-        for kill in list(self._live):
-            kill()
+        self.pump.reset_all()
+
+    def carry(
+        self, conn: Connection, src: socket.socket, dst: socket.socket, first: bytes = b""
+    ) -> None:
+        """Move bytes from `src` to `dst` across this direction until EOF (then shut
+        `dst`'s write side down, after the data), on the pump thread.
+
+        Args:
+            conn: the connection both sockets belong to; it closes them.
+            src: the sending side (non-blocking).
+            dst: the receiving side (non-blocking).
+            first: bytes already read from `src` (after a CONNECT head), sent first.
+        """
+        self.pump.add(conn, src, dst, first)
+
+    def close(self) -> None:
+        """Stop the pump and close the connections it carries (idempotent)."""
+        self.pump.close()
 
     async def cross(self) -> None:
         """Wait as long as an empty message takes to cross (latency and impairments)."""
-        now = asyncio.get_running_loop().time()
-        piece = self._impaired(b"", now + self._spec.latency_s, now)
-        await asyncio.sleep(piece.at - now)
+        now = time.monotonic()
+        with self._lock:
+            piece = self._impaired(Piece(data=b"", wire_at=now + self._spec.latency_s, at=0.0), now)
+        await asyncio.sleep(max(0.0, piece.at - time.monotonic()))
 
-    def _install(self) -> None:
-        loop = asyncio.get_running_loop()
-        for timer in self._timers:
-            timer.cancel()
-        self._timers.clear()
-        now, spec = loop.time(), self._spec
+    def socket_buffer_bytes(self) -> int:
+        """Socket buffers for a connection on this direction: about 1 ms of its rate,
+        from `SOCKET_BUFFER_BYTES` to `FAST_BUFFER_BYTES`. Set when a connection starts,
+        so that the kernel's buffering stays small against the link's in-flight bound."""
+        spec = self._spec
+        if spec.unlimited:
+            return FAST_BUFFER_BYTES
+        wanted = int(spec.bandwidth_bps * BUFFER_WIRE_S / 8)
+        return max(SOCKET_BUFFER_BYTES, min(FAST_BUFFER_BYTES, wanted))
+
+    # -- called by the pump thread ---------------------------------------------------
+
+    def piece_limit(self) -> int:
+        """Most bytes to read from a sender at once now."""
+        spec = self._spec
+        if spec.unlimited:
+            return MAX_PIECE_BYTES
+        return max(PIECE_BYTES, min(MAX_PIECE_BYTES, int(spec.bandwidth_bps * PIECE_WIRE_S / 8)))
+
+    def room(self, now: float) -> tuple[int, float | None]:
+        """Bytes the link admits now, and when room is next released (None: nothing
+        on the wire). An empty link admits any piece, so a piece larger than the bound
+        cannot deadlock; a nearly full one admits nothing below a quarter of a piece,
+        so that the clock does not shred the stream into slivers."""
+        with self._lock:
+            heap = self._on_wire
+            while heap and heap[0][0] <= now:
+                self._inflight -= heapq.heappop(heap)[1]
+            nxt = heap[0][0] if heap else None
+            limit = self.piece_limit()
+            if self._inflight == 0:
+                return limit, nxt
+            room = min(limit, self._spec.inflight_limit_bytes - self._inflight)
+            return (room if room >= min(limit, self._spec.inflight_limit_bytes) // 4 else 0), nxt
+
+    def admit(self, data: bytes | None, size: int, now: float) -> Piece:
+        """Put `size` bytes on the wire behind those before them; return the piece with
+        its times (and bytes, if an impairment changed them)."""
+        with self._lock:
+            spec = self._spec
+            self._next_free = max(now, self._next_free) + spec.serialization_s(size)
+            arrival = self._next_free + spec.latency_s  # off the wire at the far end
+            piece = self._impaired(Piece(data=data, size=size, wire_at=arrival, at=0.0), now)
+            self._inflight += size
+            heapq.heappush(self._on_wire, (piece.wire_at, size))
+            return piece
+
+    def eof(self, now: float) -> Piece:
+        """The piece that carries a sender's EOF: after the bytes before it."""
+        with self._lock:
+            at = max(now, self._next_free) + self._spec.latency_s
+            return self._impaired(Piece(data=b"", wire_at=at, at=0.0), now)
+
+    def due_reset(self, now: float) -> tuple[bool, float | None]:
+        """Whether a `Reset.at_s` time has passed (each counts once), and the next one."""
+        with self._lock:
+            passed = [t for t in self._resets_at if t <= now]
+            self._resets_at = [t for t in self._resets_at if t > now]
+            return bool(passed), min(self._resets_at, default=None)
+
+    def count(self, key: str, n: float = 1) -> None:
+        """Add to one of the direction's counters."""
+        with self._lock:
+            self.counters[key] += n
+
+    def _install(self, now: float) -> None:
+        spec = self._spec
         self._chain = []
+        self._resets_at = []
         for i, imp in enumerate(spec.impairments):
             rng = random.Random(f"{spec.seed}/{self.name}/{i}/{imp.kind}")
             state = State(rng=rng, installed_at=now, counters=self.counters)
             imp.start(state, now)
             at = imp.reset_at(state)
             if at is not None:
-                self._timers.append(loop.call_at(at, self.reset_connections))
+                self._resets_at.append(at)
             self._chain.append((imp, state))
+        self._touches_bytes = any(imp.touches_bytes for imp in spec.impairments)
 
-    def _impaired(self, data: bytes, wire_at: float, now: float) -> Piece:
+    def _impaired(self, piece: Piece, now: float) -> Piece:
+        """Run the chain on a piece whose `wire_at` (its arrival) is set."""
         if self._chain is None:
-            self._install()
+            self._install(now)
         assert self._chain is not None
-        piece = Piece(data=data, wire_at=wire_at, at=wire_at)
+        piece.at = piece.wire_at
         back = self.reverse.spec if self.reverse is not None else self._spec
         for imp, state in self._chain:
             state.rtt_s = self._spec.latency_s + back.latency_s
             imp.apply(piece, state, now)
         return piece
-
-    def _fits(self, n: int) -> bool:
-        # An empty pipe admits any piece, so a piece larger than the bound cannot deadlock.
-        return self._inflight == 0 or self._inflight + n <= self._spec.inflight_limit_bytes
-
-    def _wake(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            n, fut = self._waiters.popleft()
-            if not fut.done():
-                self._inflight += n
-                fut.set_result(None)
-
-    def _release(self, n: int) -> None:
-        self._inflight -= n
-        self._wake()
-
-    async def _admit(self, n: int) -> float:
-        """Wait for room for `n` bytes (FIFO across connections); return their arrival time."""
-        if self._waiters or not self._fits(n):
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append((n, fut))
-            try:
-                await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self._release(n)  # admitted just as we were cancelled
-                raise
-        else:
-            self._inflight += n
-        now = asyncio.get_running_loop().time()
-        self._next_free = max(now, self._next_free) + self._spec.serialization_s(n)
-        return self._next_free + self._spec.latency_s
-
-    async def carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Move bytes from `reader` to `writer` across this direction until EOF.
-
-        The EOF is delivered after the data in flight, as a shutdown of `writer`'s
-        write side. Neither stream is closed here.
-
-        Args:
-            reader: the sending side.
-            writer: the receiving side.
-
-        Raises:
-            OSError: either side failed, or an impairment reset the connection
-                (`ConnectionResetError`); the caller closes both sides.
-        """
-        loop = asyncio.get_running_loop()
-        queue: deque[tuple[float, Piece, bool]] = deque()  # (arrival, piece, is EOF)
-        wake = asyncio.Event()  # something was queued, is due, or the connection is reset
-        room = asyncio.Event()
-        unwritten = 0  # admitted, not yet written to the receiver
-        reset = False
-
-        def kill() -> None:
-            nonlocal reset
-            reset = True
-            wake.set()
-
-        async def intake() -> None:
-            nonlocal unwritten
-            last = 0.0  # arrivals stay in order per connection even if delays drop
-            while True:
-                while unwritten > self._spec.inflight_limit_bytes + RECV_WINDOW_BYTES:
-                    room.clear()
-                    await room.wait()
-                # Read only now, so that a full pipe leaves bytes in the sender's socket.
-                data = await reader.read(PIECE_BYTES)
-                if not data:
-                    now = loop.time()
-                    at = max(now, self._next_free) + self._spec.latency_s
-                    eof = self._impaired(b"", at, now)
-                    queue.append((max(eof.at, last), eof, True))
-                    wake.set()
-                    return
-                n = len(data)
-                wire_at = await self._admit(n)
-                piece = self._impaired(data, wire_at, loop.time())
-                loop.call_at(piece.wire_at, self._release, n)
-                last = max(piece.at, last)
-                unwritten += n
-                queue.append((last, piece, False))
-                wake.set()
-
-        async def deliver() -> None:
-            nonlocal unwritten
-            while True:
-                delay = queue[0][0] - loop.time() if queue else None
-                if not reset and (delay is None or delay > 0):
-                    timer = loop.call_later(delay, wake.set) if delay is not None else None
-                    wake.clear()
-                    await wake.wait()
-                    if timer is not None:
-                        timer.cancel()
-                    continue
-                written = 0
-                while queue and queue[0][0] <= loop.time() and not reset:
-                    _, piece, eof = queue.popleft()
-                    if eof:
-                        await writer.drain()
-                        if writer.can_write_eof():
-                            writer.write_eof()
-                        return
-                    if piece.reset:
-                        kill()
-                        break
-                    written += await _write(writer, piece)
-                if reset:
-                    self.counters["resets"] += 1
-                    raise ConnectionResetError(f"{self.name}: connection reset by an impairment")
-                await writer.drain()
-                unwritten -= written
-                self.bytes_delivered += written
-                room.set()
-
-        self._live.add(kill)
-        try:
-            await run_together(intake(), deliver())
-        finally:
-            self._live.discard(kill)
-
-
-async def _write(writer: asyncio.StreamWriter, piece: Piece) -> int:
-    """Write a piece, in slices if an impairment sliced it; return its length."""
-    if piece.slices is None:
-        writer.write(piece.data)
-        return len(piece.data)
-    offset = 0
-    for size in piece.slices:
-        writer.write(piece.data[offset : offset + size])
-        offset += size
-        await writer.drain()  # one send per slice
-        if piece.slice_gap_s > 0 and offset < len(piece.data):
-            await asyncio.sleep(piece.slice_gap_s)
-    return offset
-
-
-async def run_together(*coros: Coroutine[Any, Any, None]) -> None:
-    """Run coroutines until all finish; the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            t.result()
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from .connect import (
     ESTABLISHED,
+    SOCKET_BUFFER_BYTES,
     HttpError,
     is_loopback,
     listening_socket,
@@ -41,7 +42,8 @@ from .connect import (
 )
 from .control import ControlServer
 from .impairments import Impairment
-from .link import DirectionPipe, LinkSpec, run_together
+from .link import DirectionPipe, LinkSpec
+from .pump import Connection
 
 CALL_TIMEOUT_S = 30.0
 
@@ -75,11 +77,12 @@ class Link:
             "b": DirectionPipe(spec.b_to_a, "b_to_a"),
         }
         self._pipes["a"].reverse, self._pipes["b"].reverse = self._pipes["b"], self._pipes["a"]
-        self._servers: list[asyncio.AbstractServer] = []
+        self._listening: list[socket.socket] = []
         self.listeners: list[dict[str, Any]] = []
-        """One entry per listener: kind ("forward" or "proxy"), initiator ("a" or "b"),
-        address ("127.0.0.1:PORT") and, for a forward, target ("HOST:PORT")."""
-        self._handlers: set[asyncio.Task[None]] = set()
+        """One entry per listener: kind ("forward", "proxy" or "transparent"), initiator
+        ("a" or "b"), address ("HOST:PORT") and, for a forward, target ("HOST:PORT")."""
+        self._handlers: set[asyncio.Task[None]] = set()  # accept loops and handshakes
+        self._closed = False
         self.targets_connected = 0
         """Outbound connections the relay opened to targets (counter)."""
         self.proxy_refused = 0
@@ -113,7 +116,7 @@ class Link:
         if not is_loopback(target_host):
             raise ValueError(f"target_host must be a loopback address, got {target_host!r}")
         address = self._call(self._listen(initiator, (target_host, int(target_port))))
-        self._note_listener("forward", initiator, address, f"{target_host}:{int(target_port)}")
+        self.note_listener("forward", initiator, address, f"{target_host}:{int(target_port)}")
         return address
 
     def add_proxy(self, initiator: str = "a", port: int = 0) -> tuple[str, int]:
@@ -127,12 +130,13 @@ class Link:
             (host, port) the listener is bound to.
         """
         address = self._call(self._listen(initiator, None, port))
-        self._note_listener("proxy", initiator, address, None)
+        self.note_listener("proxy", initiator, address, None)
         return address
 
-    def _note_listener(
+    def note_listener(
         self, kind: str, initiator: str, address: tuple[str, int], target: str | None
     ) -> None:
+        """List a listener that feeds the link (shown by the control endpoint)."""
         entry = {"kind": kind, "initiator": initiator, "address": f"{address[0]}:{address[1]}"}
         self.listeners.append(entry if target is None else {**entry, "target": target})
 
@@ -145,12 +149,11 @@ class Link:
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
 
-        async def apply() -> None:
-            self._spec = spec
-            self._pipes["a"].update(spec.a_to_b)
-            self._pipes["b"].update(spec.b_to_a)
-
-        self._call(apply())
+        if self._closed or self._loop.is_closed():
+            raise RuntimeError(f"link {self.name!r}: relay is closed")
+        self._spec = spec
+        self._pipes["a"].update(spec.a_to_b)
+        self._pipes["b"].update(spec.b_to_a)
 
     def set_impairments(
         self,
@@ -174,26 +177,15 @@ class Link:
     def reset(self) -> None:
         """Reset every connection on the link now: both sides get RST."""
 
-        async def kill() -> None:
-            for pipe in self._pipes.values():
-                pipe.reset_connections()
-
-        self._call(kill())
+        for pipe in self._pipes.values():
+            pipe.reset_connections()
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Counters per direction ("a_to_b", "b_to_a"): bytes_delivered, connections
         (accepted from that direction's initiator), inflight_bytes (now), and what the
         impairments did (lost_segments, stalls, stalled_s, flaps, held_bytes,
         corrupted_bytes, slices, resets), each present once it is non-zero."""
-        return {
-            key: {
-                "bytes_delivered": p.bytes_delivered,
-                "connections": p.connections,
-                "inflight_bytes": p.inflight_bytes,
-                **p.counters,
-            }
-            for key, p in (("a_to_b", self._pipes["a"]), ("b_to_a", self._pipes["b"]))
-        }
+        return {"a_to_b": self._pipes["a"].stats(), "b_to_a": self._pipes["b"].stats()}
 
     def carry_connection(
         self, client: socket.socket, target: tuple[str, int], initiator: str = "a"
@@ -216,41 +208,60 @@ class Link:
         out, back = self._pipes[initiator], self._pipes["b" if initiator == "a" else "a"]
 
         async def carry() -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            self._handlers.add(task)
             out.connections += 1
-            far = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            writers: list[asyncio.StreamWriter] = []
-            clean = False
+            far: socket.socket | None = None
             try:
-                reader, writer = await asyncio.open_connection(sock=client)
-                writers.append(writer)
+                client.setblocking(False)
                 await out.cross()  # the SYN crosses the link before the far side sees it
+                far = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 tune(far)
                 set_nodelay(far)
                 far.setblocking(False)
                 await asyncio.wait_for(self._loop.sock_connect(far, target), CALL_TIMEOUT_S)
-                far_reader, far_writer = await asyncio.open_connection(sock=far)
-                writers.append(far_writer)
                 self.targets_connected += 1
-                await _splice(reader, writer, far_reader, far_writer, out, back)
-                clean = True
-            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
-                pass  # a reset or a refused target: reset the other side below
+                self._carry(client, far, out, back)
+                return
+            except (OSError, asyncio.TimeoutError):
+                _close_with_rst(client)  # a refused target: reset the client
             except asyncio.CancelledError:
-                pass  # close(): end normally, as on_accept does
-            finally:
-                for w in writers:
-                    w.close() if clean else _abort_with_rst(w)
-                for sock in (client, far)[len(writers) :]:
-                    sock.close()
-                self._handlers.discard(task)
+                client.close()  # close(): end normally, as on_accept does
+            if far is not None:
+                far.close()
 
         if self._loop.is_closed():
             client.close()
             raise RuntimeError(f"link {self.name!r}: relay is closed")
-        asyncio.run_coroutine_threadsafe(carry(), self._loop)
+        asyncio.run_coroutine_threadsafe(self._tracked(carry()), self._loop)
+
+    async def _tracked(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a handshake or an accept loop as a task that `_close` cancels."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            await coro
+        except asyncio.CancelledError:
+            pass  # close(): end quietly
+        finally:
+            self._handlers.discard(task)
+
+    def _carry(
+        self,
+        client: socket.socket,
+        far: socket.socket,
+        out: DirectionPipe,
+        back: DirectionPipe,
+        first: bytes = b"",
+    ) -> None:
+        """Hand a connected pair to the two directions' pumps; they own it from now."""
+        size = max(out.socket_buffer_bytes(), back.socket_buffer_bytes())
+        if size != SOCKET_BUFFER_BYTES:
+            for sock in (client, far):
+                with contextlib.suppress(OSError):
+                    tune(sock, size)
+        conn = Connection(client, far)
+        out.carry(conn, client, far, first)
+        back.carry(conn, far, client)
 
     async def _listen(
         self, initiator: str, target: tuple[str, int] | None, port: int = 0
@@ -259,105 +270,87 @@ class Link:
             raise ValueError(f"initiator must be 'a' or 'b', got {initiator!r}")
         out = self._pipes[initiator]
         back = self._pipes["b" if initiator == "a" else "a"]
-
-        async def on_accept(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            # close() cancels handlers; end normally, since Python 3.11's streams call
-            # task.exception() on the finished task and log a cancelled one as an error.
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._handle(r, w, out, back, target)
-
         sock = listening_socket(port)
-        try:
-            server = await asyncio.start_server(on_accept, sock=sock)
-        except BaseException:
-            sock.close()
-            raise
-        self._servers.append(server)
+        sock.setblocking(False)
+        self._listening.append(sock)
+
+        async def accept() -> None:
+            while True:
+                try:
+                    client, _ = await self._loop.sock_accept(sock)
+                except OSError:
+                    return  # closed
+                task = self._loop.create_task(
+                    self._tracked(self._handle(client, out, back, target))
+                )
+                self._handlers.add(task)  # until it runs and tracks itself
+
+        self._loop.create_task(self._tracked(accept()))
         host, port = sock.getsockname()[:2]
         return host, port
 
     async def _handle(
         self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        client: socket.socket,
         out: DirectionPipe,
         back: DirectionPipe,
         target: tuple[str, int] | None,
     ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
         out.connections += 1
-        peer: asyncio.StreamWriter | None = None
-        clean = failed = False
+        far: socket.socket | None = None
+        failed = True
         try:
-            set_nodelay(writer.get_extra_info("socket"))
+            client.setblocking(False)
+            set_nodelay(client)
+            first = b""
             if target is None:
-                target = await read_connect(reader)
+                target, first = await read_connect(client)
                 # The request crosses the link before the far side connects.
                 await out.cross()
                 try:
-                    peer_reader, peer = await open_target(*target)
+                    far = await open_target(*target)
                 except OSError:
                     raise HttpError("502 Bad Gateway") from None
                 self.targets_connected += 1
                 await back.cross()  # and the answer crosses back
-                writer.write(ESTABLISHED)
+                await self._loop.sock_sendall(client, ESTABLISHED)
             else:
-                peer_reader, peer = await open_target(*target)
+                far = await open_target(*target)
                 self.targets_connected += 1
-            await _splice(reader, writer, peer_reader, peer, out, back)
-            clean = True
+            self._carry(client, far, out, back, first)
+            return
         except HttpError as e:
             if e.status.startswith(("400", "403")):
                 self.proxy_refused += 1
-            await refuse(writer, e.status)
-            clean = True
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
-            failed = True  # a reset, a failed side or an impairment: reset both below
-        finally:
-            for w in (writer, peer):
-                if w is None:
-                    continue
-                if clean:
-                    w.close()  # flushes what is buffered, then FIN
-                elif failed:
-                    _abort_with_rst(w)
-                else:
-                    w.transport.abort()  # the relay is closing
-            self._handlers.discard(task)
+            await refuse(client, e.status)
+            failed = False
+        except (OSError, asyncio.TimeoutError):
+            pass  # a reset, a failed side or a refused target: reset both below
+        except asyncio.CancelledError:
+            failed = False  # the relay is closing: close both quietly
+        for sock in (client, far):
+            if sock is not None:
+                _close_with_rst(sock) if failed else sock.close()
 
     async def _close(self) -> None:
-        for server in self._servers:
-            server.close()
+        self._closed = True
+        for sock in self._listening:
+            sock.close()
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        # After the handlers: from Python 3.12 wait_closed() also waits for connections.
-        for server in self._servers:
-            await server.wait_closed()
+
+    def _close_pumps(self) -> None:
+        for pipe in self._pipes.values():
+            pipe.close()
 
 
-def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
+def _close_with_rst(sock: socket.socket) -> None:
     """Close at once, sending RST (linger 0), so the peer sees a reset as it would
     behind a failing middlebox, not an orderly end."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
-
-
-async def _splice(
-    c_reader: asyncio.StreamReader,
-    c_writer: asyncio.StreamWriter,
-    t_reader: asyncio.StreamReader,
-    t_writer: asyncio.StreamWriter,
-    out: DirectionPipe,
-    back: DirectionPipe,
-) -> None:
-    """Carry both directions until both have delivered EOF; raise if either side fails."""
-    await run_together(out.carry(c_reader, t_writer), back.carry(t_reader, c_writer))
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 class RelayServer:
@@ -457,6 +450,8 @@ class RelayServer:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(CALL_TIMEOUT_S)
             loop.close()
+            for link in self._links.values():
+                link._close_pumps()
 
     def __enter__(self) -> RelayServer:
         return self.start()

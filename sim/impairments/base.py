@@ -19,21 +19,30 @@ from typing import Any, ClassVar
 
 @dataclass(slots=True)
 class Piece:
-    """Bytes read at once from a sender (at most 64 KiB) on their way across a direction."""
+    """Bytes read at once from a sender (at most 1 MiB) on their way across a direction."""
 
-    data: bytes
-    """The payload; an impairment may replace it (corruption), never shorten it."""
+    data: bytes | None
+    """The payload, or None where the bytes stay in the kernel (spliced from socket to
+    socket unseen: no impairment of the direction reads them). An impairment that
+    reads or changes bytes (`touches_bytes`) gets them; it never shortens them."""
     wire_at: float
-    """Loop time at which the bytes leave the wire: the link's in-flight budget is held
-    until then. Changed only by impairments on the wire (jitter)."""
+    """Time (`time.monotonic()`) at which the bytes leave the wire at the far end: the
+    link's in-flight budget is held until then. Changed only by impairments on the
+    wire (jitter)."""
     at: float
-    """Loop time at which the receiver may get them: `wire_at` plus stream-level holds
+    """Time at which the receiver may get them: `wire_at` plus stream-level holds
     (a retransmission stall, a blackout). Kept in order per connection by the pipe."""
     reset: bool = False
     """Reset the connection (both sides get RST) instead of delivering this piece."""
     slices: list[int] | None = None
     """Write the data as slices of these sizes, `slice_gap_s` apart."""
     slice_gap_s: float = 0.0
+    size: int = -1
+    """Bytes in the piece; -1 = len(data)."""
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            self.size = len(self.data or b"")
 
 
 @dataclass(slots=True)
@@ -42,7 +51,8 @@ class State:
 
     rng: random.Random
     installed_at: float
-    """Loop time at which the impairment was installed; `at_s` parameters count from it."""
+    """Time (`time.monotonic()`) at which the impairment was installed; `at_s`
+    parameters count from it."""
     counters: Counter[str]
     """The direction's counters (shared by its impairments), reported by `Link.stats`."""
     rtt_s: float = 0.0
@@ -82,19 +92,23 @@ class Impairment:
     """Base of the impairments; subclasses set `kind` and override what they need."""
 
     kind: ClassVar[str] = ""
+    touches_bytes: ClassVar[bool] = False
+    """Whether `apply` reads or changes `piece.data`. The relay splices the bytes of a
+    direction without it from socket to socket in the kernel, never copying them."""
 
     def max_delay_s(self) -> float:
         """Most seconds this adds on the wire; widens the in-flight bound (rate x delay)."""
         return 0.0
 
     def start(self, state: State, loop_time: float) -> None:
-        """Called once when installed, with the loop time; may schedule nothing."""
+        """Called once when installed, at time `loop_time` (`time.monotonic()`)."""
 
     def apply(self, piece: Piece, state: State, now: float) -> None:
-        """Act on a piece entering the direction at loop time `now`."""
+        """Act on a piece entering the direction at time `now` (`time.monotonic()`)."""
 
     def reset_at(self, state: State) -> float | None:
-        """Loop time at which every connection on the direction is reset, or None."""
+        """Time (`time.monotonic()`) at which every connection on the direction is
+        reset, or None."""
         return None
 
     def to_dict(self) -> dict[str, Any]:

@@ -19,10 +19,12 @@ class Corrupt(Impairment):
     """
 
     kind = "corrupt"
+    touches_bytes = True
     rate: float = 0.0
     """Probability that a byte is corrupted, 0..1 (1e-6 = one byte per MB)."""
     per_piece: float = 0.0
-    """Probability that a piece (one read of <= 64 KiB) gets one corrupted byte, 0..1."""
+    """Probability that a piece (one read: up to 64 KiB, or 0.5 ms of wire time above
+    1 Gbit/s) gets one corrupted byte, 0..1."""
     min_piece_bytes: int = 0
     """per_piece hits only pieces at least this long: bulk data (gradient chunks)
     and not the small control messages around it; 0 = every piece."""
@@ -38,7 +40,7 @@ class Corrupt(Impairment):
         state.extra["piece_rng"] = random.Random(state.rng.getrandbits(64))
 
     def apply(self, piece: Piece, state: State, now: float) -> None:
-        n = len(piece.data)
+        n = piece.size
         start = state.position
         state.position += n
         if n == 0:
@@ -54,6 +56,7 @@ class Corrupt(Impairment):
         if self.per_piece > 0 and n >= self.min_piece_bytes and piece_rng.random() < self.per_piece:
             hits.append((piece_rng.randrange(n), piece_rng.randrange(8)))
         if hits:
+            assert piece.data is not None  # touches_bytes: the relay reads them for us
             data = bytearray(piece.data)
             for i, bit in hits:
                 data[i] ^= 1 << bit

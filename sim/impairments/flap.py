@@ -43,7 +43,7 @@ class Flap(Impairment):
         start = first + k * self.every_s
         if piece.at < start + self.duration_s:
             piece.at = start + self.duration_s
-            state.counters["held_bytes"] += len(piece.data)
+            state.counters["held_bytes"] += piece.size
             if state.extra.get("window") != k:
                 state.extra["window"] = k
                 state.counters["flaps"] += 1

@@ -16,10 +16,10 @@ class Loss(Impairment):
 
     TCP retransmits it, so the receiver gets every byte, later: the piece holding a
     lost segment (and, in order, everything after it on that connection) arrives
-    `delay_ms` late. A piece (one read of <= 64 KiB) of n bytes is ceil(n /
-    segment_bytes) segments; losses within one piece (less than a window) are recovered
-    together, as SACK does. Which segments are lost depends only on the seed and the
-    segment count.
+    `delay_ms` late. A piece (one read: up to 64 KiB, or 0.5 ms of wire time above
+    1 Gbit/s) of n bytes is ceil(n / segment_bytes) segments; losses within one piece
+    (less than a window) are recovered together, as SACK does. Which segments are lost
+    depends only on the seed and the segment count.
     Counters: `lost_segments`, `stalls`, `stalled_s`.
     """
 
@@ -43,7 +43,7 @@ class Loss(Impairment):
 
     def apply(self, piece: Piece, state: State, now: float) -> None:
         # Small writes go out as a segment each (the relay and isthmus set TCP_NODELAY).
-        segments = -(-len(piece.data) // self.segment_bytes)
+        segments = -(-piece.size // self.segment_bytes)
         start, end = state.position, state.position + segments  # positions in segments
         state.position = end
         if self.rate <= 0 or segments == 0:

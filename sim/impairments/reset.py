@@ -20,7 +20,8 @@ class Reset(Impairment):
 
     kind = "reset"
     rate: float = 0.0
-    """Probability that a piece (one read of <= 64 KiB) resets its connection, 0..1."""
+    """Probability that a piece (one read: up to 64 KiB, or 0.5 ms of wire time above
+    1 Gbit/s) resets its connection, 0..1."""
     at_s: float | None = None
     """Reset every open connection this many seconds after installation; None = never."""
 
@@ -30,7 +31,7 @@ class Reset(Impairment):
             check_number("reset.at_s", self.at_s)
 
     def apply(self, piece: Piece, state: State, now: float) -> None:
-        if self.rate > 0 and piece.data and state.rng.random() < self.rate:
+        if self.rate > 0 and piece.size and state.rng.random() < self.rate:
             piece.reset = True
 
     def reset_at(self, state: State) -> float | None:

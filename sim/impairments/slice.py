@@ -35,7 +35,7 @@ class Slice(Impairment):
         check_number("slice.delay_ms", self.delay_ms)
 
     def apply(self, piece: Piece, state: State, now: float) -> None:
-        left = len(piece.data)
+        left = piece.size
         sizes = []
         while left > 0:
             var = self.variation_bytes

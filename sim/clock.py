@@ -1,0 +1,91 @@
+"""Precise wake-ups for the relay's pumps: a timerfd polled with the sockets.
+
+An asyncio loop wakes its timers on millisecond ticks (about +0.5 ms per hop, +1.5 ms
+per round trip measured through the old relay), so a link could not be shorter than
+~2 ms. A pump thread instead arms a timerfd at the absolute `time.monotonic()` time
+of its next release, polls it together with its sockets, and busy-polls the last
+`SPIN_S` (timer slack and wake-up latency; a timerfd with 1 ns slack wakes ~10 us
+late on an idle machine). `time.monotonic()` is CLOCK_MONOTONIC on Linux, the
+timerfd's clock.
+
+Python 3.13 has `os.timerfd_create`; before it, libc's is called through ctypes.
+Without either, `Timer.fd` is None and the pump falls back to poll's millisecond
+timeouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+
+__all__ = ["SPIN_S", "Timer", "precise_thread"]
+
+SPIN_S = 50e-6
+"""The last stretch before a release is waited with non-blocking polls (in seconds)."""
+
+_CLOCK_MONOTONIC = 1
+_TFD_TIMER_ABSTIME = 1
+_PR_SET_TIMERSLACK = 29
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.timerfd_create  # noqa: B018 (raises AttributeError where there is none)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def precise_thread() -> None:
+    """Give the calling thread 1 ns of timer slack (Linux's default is 50 us)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+
+
+class Timer:
+    """A timerfd on CLOCK_MONOTONIC: readable once the armed time has passed."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        if hasattr(os, "timerfd_create"):  # Python 3.13+
+            self.fd = os.timerfd_create(os.CLOCK_MONOTONIC, flags=os.TFD_NONBLOCK | os.TFD_CLOEXEC)
+        elif _LIBC is not None:
+            fd = _LIBC.timerfd_create(_CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
+            self.fd = fd if fd >= 0 else None
+        self._spec = _Itimerspec()
+
+    def arm(self, at_s: float) -> None:
+        """Fire at `at_s` (`time.monotonic()` seconds, absolute; > 0)."""
+        if self.fd is None:
+            return
+        if hasattr(os, "timerfd_settime_ns"):
+            os.timerfd_settime_ns(self.fd, flags=os.TFD_TIMER_ABSTIME, initial=int(at_s * 1e9))
+            return
+        ns = int(at_s * 1e9)
+        self._spec.it_value.tv_sec, self._spec.it_value.tv_nsec = divmod(ns, 1_000_000_000)
+        _LIBC.timerfd_settime(self.fd, _TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None)
+
+    def clear(self) -> None:
+        """Consume an expiry, so that the fd polls as not readable again."""
+        if self.fd is not None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.fd, 8)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -1,0 +1,509 @@
+"""The thread that moves one link direction's bytes: from senders, through a delay line,
+to receivers, each piece released at its time from a precise clock.
+
+One `Pump` per `DirectionPipe`, serving every connection that crosses the direction
+(its bandwidth is shared, so one thread keeps its clock). Per connection a stream:
+read a piece from the sender once the link admits it (the in-flight bound), ask the
+pipe for its times (serialization, latency, impairments), hold it, write it to the
+receiver when due. Waiting is a `poll` over the sockets, a wake-up eventfd and a
+timerfd armed at the next release (`sim/clock.py`), not an event loop's millisecond
+ticks.
+
+The bytes stay in the kernel: `os.splice` moves them from the sender's socket into a
+pipe (the delay line; a chain of pipes, since one holds a few MiB at most) and from the
+pipe to the receiver's socket, unless an impairment must read or change them
+(`Impairment.touches_bytes`: corruption), in which case that direction reads them
+into Python and writes them back. Both kinds may alternate on one stream when the
+impairments change; their order is kept.
+
+Threads, not processes: `splice`, `poll` and `send` release the GIL and the Python
+work is a few microseconds per piece of up to 1 MiB, so the two pumps of a link, its
+listeners and the control endpoint share one process without waiting on each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+import select
+import socket
+import struct
+import termios
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .clock import SPIN_S, Timer, precise_thread
+
+if TYPE_CHECKING:
+    from .link import DirectionPipe
+
+__all__ = ["RECV_WINDOW_BYTES", "Connection", "Pump"]
+
+_F_SETPIPE_SZ = 1031  # linux/fcntl.h
+PIPE_BYTES = (16 << 20, 4 << 20, 1 << 20)
+"""Pipe sizes tried in turn (a privileged process may pass /proc/sys/fs/pipe-max-size)."""
+POOL_PIPES = 32
+"""Empty pipes a pump keeps for reuse."""
+RECV_WINDOW_BYTES = 256 * 1024
+"""Bytes per connection that may have crossed the link but wait for a slow receiver.
+Like a TCP receive window it lets a stalled receiver (or a stalled stream: a loss, a
+flap) hold its own data without holding the link's shared in-flight budget, which is
+released when bytes leave the wire."""
+_SPLICE = os.SPLICE_F_NONBLOCK | os.SPLICE_F_MOVE
+_IN, _OUT = select.POLLIN | select.POLLHUP | select.POLLERR, select.POLLOUT
+_SO_TIMESTAMPNS = 35  # asm-generic/socket.h; the cmsg type is the same number
+_TIMESPEC = struct.Struct("qq")
+_JOIN_S = 10.0
+
+
+class Connection:
+    """Two sockets carried across a link, one stream each way; closes them when both
+    streams are done, with RST if the connection failed (either side failed, or an
+    impairment reset it) and an orderly close otherwise."""
+
+    def __init__(self, a: socket.socket, b: socket.socket) -> None:
+        self.socks = (a, b)
+        self.failed = False
+        self._lock = threading.Lock()
+        self._carriers = 2  # one stream per direction
+        self._pumps: list[Pump] = []
+
+    def attach(self, pump: Pump) -> None:
+        with self._lock:
+            self._pumps.append(pump)
+
+    def fail(self) -> None:
+        """Reset both sides: every pump carrying the connection drops it."""
+        with self._lock:
+            self.failed = True
+            pumps = list(self._pumps)
+        for pump in pumps:
+            pump.wake()
+
+    def release(self) -> None:
+        """One direction is done with the sockets; the last one closes them."""
+        with self._lock:
+            self._carriers -= 1
+            if self._carriers != 0:
+                return
+        for sock in self.socks:
+            if self.failed:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+
+
+class _Pipe:
+    """A kernel pipe holding spliced bytes of one stream, in order."""
+
+    __slots__ = ("r", "w", "held", "full")
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        for size in PIPE_BYTES:
+            try:
+                fcntl.fcntl(self.w, _F_SETPIPE_SZ, size)
+                break
+            except OSError:
+                continue
+        self.held = 0
+        self.full = False
+
+    def close(self) -> None:
+        os.close(self.r)
+        os.close(self.w)
+
+
+class _Chunk:
+    """One piece in the delay line: `left` bytes due at `due`, in a pipe or in `data`."""
+
+    __slots__ = (
+        "due",
+        "left",
+        "pipe",
+        "data",
+        "offset",
+        "slices",
+        "slice_i",
+        "gap",
+        "eof",
+        "reset",
+    )
+
+    def __init__(self, due: float, left: int = 0, pipe: _Pipe | None = None) -> None:
+        self.due = due
+        self.left = left
+        self.pipe = pipe
+        self.data: memoryview | None = None
+        self.offset = 0
+        self.slices: list[int] | None = None
+        self.slice_i = 0
+        self.gap = 0.0
+        self.eof = False
+        self.reset = False
+
+
+class _Stream:
+    """One connection's bytes in one direction."""
+
+    __slots__ = (
+        "conn", "src", "dst", "sfd", "dfd", "chunks", "tail", "unwritten", "last",
+        "eof_read", "done", "readable", "blocked_out", "masks", "listening_since",
+    )  # fmt: skip
+
+    def __init__(self, conn: Connection, src: socket.socket, dst: socket.socket) -> None:
+        self.conn, self.src, self.dst = conn, src, dst
+        self.sfd, self.dfd = src.fileno(), dst.fileno()
+        self.chunks: deque[_Chunk] = deque()
+        self.tail: _Pipe | None = None
+        self.unwritten = 0  # admitted, not yet written to the receiver
+        self.last = 0.0  # arrivals stay in order per connection even if delays drop
+        self.eof_read = self.done = self.readable = self.blocked_out = False
+        self.masks = [0, 0]  # registered poll events of src, dst
+        self.listening_since = 0.0  # when the pump began to wait for src's bytes
+        with contextlib.suppress(OSError):  # kernel receive times, for _arrival
+            src.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+
+
+def _arrival(s: _Stream, now: float) -> float:
+    """When the bytes waiting in `s.src` reached the relay: the kernel's receive time
+    of the first of them, but no earlier than the pump began to wait for them (bytes
+    left in the socket while the link was full start when it has room), else `now`.
+
+    The pump notices bytes 15-200 us after they arrive (a thread's wake-up, longer
+    after an idle stretch); counting the link's delay from `now` added that to every
+    crossing, so to every round trip twice."""
+    try:
+        _, ancillary, _, _ = s.src.recvmsg(1, 64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return now
+    for level, kind, value in ancillary:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+            sec, nsec = _TIMESPEC.unpack(value[: _TIMESPEC.size])
+            received = now - (time.time() - (sec + nsec * 1e-9))  # wall -> monotonic
+            return min(now, max(received, s.listening_since))
+    return now
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a socket's receive queue."""
+    buf = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+    return struct.unpack("i", buf)[0]
+
+
+class Pump:
+    """Moves one direction's bytes on a thread of its own, started by the first `add`.
+
+    Args:
+        pipe: the direction: its spec, clock and counters.
+    """
+
+    def __init__(self, pipe: DirectionPipe) -> None:
+        self._pipe = pipe
+        self._lock = threading.Lock()
+        self._incoming: list[tuple[Connection, socket.socket, socket.socket, bytes]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = self._reset_all = False
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._pool: list[_Pipe] = []
+
+    def add(self, conn: Connection, src: socket.socket, dst: socket.socket, first: bytes) -> None:
+        """Carry `src` -> `dst` (both non-blocking) until EOF or failure."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                conn.attach(self)
+                self._incoming.append((conn, src, dst, first))
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name=f"isthmus-pump-{self._pipe.name}", daemon=True
+                    )
+                    self._thread.start()
+        if closed:
+            conn.fail()
+            conn.release()
+            return
+        self.wake()
+
+    def wake(self) -> None:
+        """Make the thread look at its streams and the spec now."""
+        with contextlib.suppress(OSError):  # closed: nothing to wake
+            os.eventfd_write(self._wake_fd, 1)
+
+    def reset_all(self) -> None:
+        """Reset every connection the pump carries now."""
+        with self._lock:
+            self._reset_all = True
+        self.wake()
+
+    def close(self) -> None:
+        """Stop the thread; close the connections it carries (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        self.wake()
+        if thread is not None:
+            thread.join(_JOIN_S)
+        for pipe in self._pool:
+            pipe.close()
+        self._pool.clear()
+        os.close(self._wake_fd)
+
+    # -- the thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        precise_thread()
+        timer = Timer()
+        poller = select.poll()
+        poller.register(self._wake_fd, select.POLLIN)
+        if timer.fd is not None:
+            poller.register(timer.fd, select.POLLIN)
+        streams: list[_Stream] = []
+        by_fd: dict[int, tuple[_Stream, int]] = {}  # fd -> (stream, 0 = its src, 1 = dst)
+        events: list[tuple[int, int]] = []
+        pipe = self._pipe
+        try:
+            while True:
+                with self._lock:
+                    incoming, self._incoming = self._incoming, []
+                    closing, reset, self._reset_all = self._closed, self._reset_all, False
+                if closing:
+                    for conn, *_ in incoming:
+                        conn.release()
+                    break
+                now = time.monotonic()
+                for conn, src, dst, first in incoming:
+                    s = _Stream(conn, src, dst)
+                    streams.append(s)
+                    by_fd[s.sfd], by_fd[s.dfd] = (s, 0), (s, 1)
+                    if first:
+                        self._admit(s, first, None, len(first), now)
+                for fd, _ in events:
+                    if fd == self._wake_fd:
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(fd)
+                    elif fd == timer.fd:
+                        timer.clear()
+                    elif fd in by_fd:
+                        s, side = by_fd[fd]
+                        if side == 0:
+                            s.readable = True
+                        else:
+                            s.blocked_out = False
+                due_reset, next_reset = pipe.due_reset(now)
+                if reset or due_reset:
+                    for s in streams:
+                        if not s.conn.failed:
+                            pipe.count("resets")
+                            s.conn.fail()
+                for s in streams:
+                    if s.readable and not s.conn.failed:
+                        s.readable = False
+                        self._intake(s, now)
+                now = time.monotonic()
+                wake_at = math.inf
+                for s in streams:
+                    if not s.blocked_out and not s.conn.failed:
+                        wake_at = min(wake_at, self._deliver(s, now))
+                for s in [s for s in streams if s.done or s.conn.failed]:
+                    streams.remove(s)
+                    self._drop(s, poller, by_fd)
+                if streams:
+                    streams.append(streams.pop(0))  # round robin: who reads first
+                room, next_wire = pipe.room(now)
+                window = pipe.spec.inflight_limit_bytes + RECV_WINDOW_BYTES
+                for s in streams:
+                    reading = not s.eof_read and s.unwritten <= window
+                    if reading and room == 0 and next_wire is not None:
+                        wake_at = min(wake_at, next_wire)  # room comes back then
+                    self._register(poller, s, 0, _IN if reading and room > 0 else 0)
+                    self._register(poller, s, 1, _OUT if s.blocked_out else 0)
+                if next_reset is not None:
+                    wake_at = min(wake_at, next_reset)
+                events = self._wait(poller, timer, wake_at)
+        finally:
+            for s in streams:
+                self._drop(s, poller, by_fd)
+            timer.close()
+
+    def _wait(self, poller: select.poll, timer: Timer, wake_at: float) -> list[tuple[int, int]]:
+        """Poll until an fd is ready or `wake_at`: a timer for the long part, then a
+        busy poll for the last `SPIN_S`, so that a release is microseconds late, not a
+        scheduler tick."""
+        if wake_at == math.inf:
+            return poller.poll()
+        delay = wake_at - time.monotonic()
+        if delay > SPIN_S:
+            if timer.fd is not None:
+                timer.arm(wake_at - SPIN_S)
+                events = poller.poll()
+            else:
+                events = poller.poll(max(0, int((delay - SPIN_S) * 1000)))
+            if any(fd != timer.fd for fd, _ in events):
+                return events
+            timer.clear()
+        while True:
+            events = poller.poll(0)  # releases the GIL for the other threads
+            if events or time.monotonic() >= wake_at:
+                return events
+
+    @staticmethod
+    def _register(poller: select.poll, s: _Stream, side: int, mask: int) -> None:
+        if s.masks[side] == mask:
+            return
+        fd = s.sfd if side == 0 else s.dfd
+        if mask == 0:
+            poller.unregister(fd)
+        elif s.masks[side] == 0:
+            poller.register(fd, mask)
+            if side == 0:
+                s.listening_since = time.monotonic()
+        else:
+            poller.modify(fd, mask)
+        s.masks[side] = mask
+
+    def _drop(self, s: _Stream, poller: select.poll, by_fd: dict) -> None:
+        for side in (0, 1):
+            self._register(poller, s, side, 0)
+        by_fd.pop(s.sfd, None)
+        by_fd.pop(s.dfd, None)
+        pipes = {id(c.pipe): c.pipe for c in s.chunks if c.pipe is not None}
+        if s.tail is not None:
+            pipes[id(s.tail)] = s.tail
+        for p in pipes.values():
+            self._recycle(p)
+        s.chunks.clear()
+        s.conn.release()
+
+    def _new_pipe(self) -> _Pipe:
+        return self._pool.pop() if self._pool else _Pipe()
+
+    def _recycle(self, p: _Pipe) -> None:
+        if p.held == 0 and len(self._pool) < POOL_PIPES:
+            p.full = False
+            self._pool.append(p)
+        else:
+            p.close()  # holds bytes nobody will read, or the pool is full
+
+    def _intake(self, s: _Stream, now: float) -> None:
+        """Read one piece from the sender, as large as the link admits now."""
+        pipe = self._pipe
+        room, _ = pipe.room(now)
+        if room <= 0:
+            return
+        data: bytes | None = None
+        now = _arrival(s, now)
+        try:
+            if pipe.touches_bytes:
+                data = s.src.recv(room)
+                n = len(data)
+            else:
+                n = self._splice_in(s, room)
+        except BlockingIOError:
+            return
+        except OSError:
+            s.conn.fail()  # the sender reset: reset the receiver too
+            return
+        if n < 0:
+            return
+        if n == 0:
+            s.eof_read = True
+            piece = pipe.eof(now)
+            s.last = max(piece.at, s.last)
+            chunk = _Chunk(s.last)
+            chunk.eof = True
+            s.chunks.append(chunk)
+            return
+        self._admit(s, data, s.tail if data is None else None, n, now)
+
+    def _splice_in(self, s: _Stream, want: int) -> int:
+        """Splice up to `want` bytes into the stream's tail pipe; -1 if none waited."""
+        if s.tail is None or s.tail.full:
+            s.tail = self._new_pipe()
+        try:
+            n = os.splice(s.sfd, s.tail.w, want, flags=_SPLICE)
+        except BlockingIOError:
+            if _unread(s.sfd) == 0:
+                return -1
+            # The socket has bytes, so the pipe is full (its slots, not its bytes: a
+            # slot holds one socket buffer fragment): go on in a fresh pipe.
+            s.tail.full = True
+            s.tail = self._new_pipe()
+            try:
+                n = os.splice(s.sfd, s.tail.w, want, flags=_SPLICE)
+            except BlockingIOError:
+                return -1
+        s.tail.held += n
+        return n
+
+    def _admit(
+        self, s: _Stream, data: bytes | None, held: _Pipe | None, n: int, now: float
+    ) -> None:
+        piece = self._pipe.admit(data, n, now)
+        s.last = max(piece.at, s.last)
+        chunk = _Chunk(s.last, n, held)
+        if data is not None:
+            chunk.data = memoryview(piece.data or b"")
+        chunk.slices, chunk.gap, chunk.reset = piece.slices, piece.slice_gap_s, piece.reset
+        s.chunks.append(chunk)
+        s.unwritten += n
+
+    def _deliver(self, s: _Stream, now: float) -> float:
+        """Write what is due to the receiver; return when the next piece is due
+        (inf: nothing held, or the receiver is full and POLLOUT will tell)."""
+        pipe = self._pipe
+        while s.chunks:
+            c = s.chunks[0]
+            if c.due > now:
+                return c.due
+            if c.eof:
+                with contextlib.suppress(OSError):
+                    s.dst.shutdown(socket.SHUT_WR)
+                s.done = True
+                return math.inf
+            if c.reset:
+                pipe.count("resets")
+                s.conn.fail()
+                return math.inf
+            size = c.left
+            if c.slices is not None:
+                size = c.slices[c.slice_i]
+            try:
+                if c.pipe is not None:
+                    k = os.splice(c.pipe.r, s.dfd, size, flags=_SPLICE)
+                else:
+                    assert c.data is not None
+                    k = s.dst.send(c.data[c.offset : c.offset + size])
+            except BlockingIOError:
+                s.blocked_out = True
+                return math.inf
+            except OSError:
+                s.conn.fail()  # the receiver is gone: reset the sender too
+                return math.inf
+            c.left -= k
+            c.offset += k
+            s.unwritten -= k
+            pipe.bytes_delivered += k
+            if c.pipe is not None:
+                c.pipe.held -= k
+            if c.slices is not None:
+                c.slices[c.slice_i] -= k
+                if c.slices[c.slice_i] == 0:
+                    c.slice_i += 1
+                    if c.gap > 0 and c.left:
+                        c.due = time.monotonic() + c.gap
+                        return c.due
+            if c.left == 0:
+                s.chunks.popleft()
+                if c.pipe is not None and c.pipe.held == 0 and c.pipe is not s.tail:
+                    self._recycle(c.pipe)
+            elif k < size:
+                s.blocked_out = True  # the receiver's buffer is full
+                return math.inf
+        return math.inf
