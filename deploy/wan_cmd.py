@@ -3,24 +3,35 @@
     isthmus wan up TOPOLOGY [--control HOST:PORT] [--forward SITE_A:SITE_B=HOST:PORT ...]
     isthmus wan show [--control HOST:PORT] [--json] [LINK]
     isthmus wan set [--control HOST:PORT] LINK key=value ...
+    isthmus wan netns up [--control HOST:PORT] ...   (docs/transparent.md)
 
 `up` serves one link per pair of sites of a topology file (`isthmus.sim.topology`) in
 the foreground, with an HTTP CONNECT proxy per direction, optional plain TCP forwards,
 and a control endpoint (`isthmus.sim.control`) that `show` and `set` talk to. Ctrl-C or
 SIGTERM closes every listener and connection. Bad input prints one `error:` line and
-changes nothing.
+changes nothing. `netns up` (transparent mode, `isthmus.deploy.netns_cmd`) serves the
+same control endpoint for its links "site0-site1", ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
-from isthmus.sim import RelayServer, Topology, control_request, is_loopback, load_topology
+from isthmus.sim import (
+    LinkSpec,
+    RelayServer,
+    Topology,
+    control_request,
+    is_loopback,
+    load_topology,
+)
 from isthmus.sim.topology import spec_to_table
 
 try:
@@ -64,6 +75,15 @@ def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> 
 
     netns_cmd.register(wsub, formatter)
     control_help = "control endpoint of `isthmus wan up`, HOST:PORT on loopback"
+    # `netns up` serves the control endpoint of `up` too, so `show` and `set` work on it.
+    netns_up = _subparsers(wsub.choices["netns"]).choices["up"]
+    netns_up.add_argument(
+        "--control",
+        default=DEFAULT_CONTROL,
+        metavar="HOST:PORT",
+        help="serve the control endpoint of `isthmus wan show/set` here (0: any port)",
+    )
+    netns_up.set_defaults(func=cmd_netns_up)
 
     up = wsub.add_parser(
         "up",
@@ -163,6 +183,51 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(3600)
     finally:
         relay.close()
+
+
+def cmd_netns_up(args: argparse.Namespace) -> int:
+    """`isthmus wan netns up`: `netns_cmd.cmd_up` with the control endpoint of `up`."""
+    from isthmus.sim.netns import NetnsError
+    from isthmus.sim.transparent import TransparentWan
+
+    try:
+        control = _address(args.control, "--control")
+        spec = LinkSpec.from_distance(
+            args.distance_km, args.bandwidth_mbit * 1e6, queue_bytes=args.queue_kib * 1024
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with TransparentWan(args.job, args.sites, spec, control=control) as wan:
+            print(
+                f"job {args.job}: {args.sites} site(s), every pair {args.distance_km:g} km "
+                f"({spec.a_to_b.latency_s * 1e3:.2f} ms one way), "
+                f"{args.bandwidth_mbit:g} Mbit/s each way"
+            )
+            for site in wan.sites:
+                print(
+                    f"  {site.site}  {site.address:<15} {site.namespace:<24} "
+                    f"{shlex.join(site.exec_prefix)} PROGRAM"
+                )
+            address = wan.control_address
+            print(f"control {address}  (isthmus wan show --control {address})")
+            print("Ctrl-C to stop and remove everything.", flush=True)
+            while not stop.wait(0.5):
+                pass
+    except (NetnsError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"job {args.job}: removed", flush=True)
+    return 0
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    """The subcommands of `parser` (argparse keeps no public handle on them)."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def cmd_show(args: argparse.Namespace) -> int:

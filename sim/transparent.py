@@ -161,9 +161,20 @@ class TransparentWan:
         sites: number of sites.
         spec: the spec of every link (a = the lower-numbered site).
         pool: IPv4 network the sites' /24s are taken from.
+        control: (loopback host, port) to serve the control endpoint on, as `isthmus
+            wan up` does (`isthmus wan show/set`; port 0 = any); None = none. Its
+            address is `control_address` once started.
     """
 
-    def __init__(self, job: str, sites: int, spec: LinkSpec, *, pool: str = DEFAULT_POOL) -> None:
+    def __init__(
+        self,
+        job: str,
+        sites: int,
+        spec: LinkSpec,
+        *,
+        pool: str = DEFAULT_POOL,
+        control: tuple[str, int] | None = None,
+    ) -> None:
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
         self.job = job
@@ -176,6 +187,9 @@ class TransparentWan:
         """"siteI-siteJ" (I < J) -> the link between them."""
         self._transparent: TransparentRelay | None = None
         self._created = False
+        self._control = control
+        self.control_address: str | None = None
+        """"host:port" of the control endpoint, when one was asked for."""
 
     def start(self) -> TransparentWan:
         """Create everything; on failure remove what was created and raise.
@@ -196,6 +210,11 @@ class TransparentWan:
                     pairs[(b.site, a.site)] = (link, "b")
             self._transparent = TransparentRelay(self.sites, pairs)
             ports = self._transparent.start()
+            for (src, _), (link, initiator) in pairs.items():
+                gateway = self.site(src).gateway
+                link.note_listener("transparent", initiator, (gateway, ports[src]), None)
+            if self._control is not None:
+                self.control_address = self.relay.serve_control(*self._control).address
             for site in self.sites:
                 redirect_tcp(self.job, site, ports[site.site])
         except BaseException:

@@ -1,0 +1,321 @@
+"""Probe the WAN emulator from outside: throughput and RTT against the spec, over a grid.
+
+Starts `isthmus wan up` (one link, a plain TCP forward and the HTTP CONNECT proxy) and a
+server process (TCP sink, TCP echo, gRPC sink and echo), then for every pair of
+bandwidth and RTT of the grid changes the link live (`wan set`'s control endpoint) and
+measures, as a program would see it:
+
+- TCP Gbit/s: one connection sends for `--seconds`; the sink reports bytes over the
+  time from its first to its last byte (the steady rate, without the one-way delay).
+- TCP RTT: median of `--pings` 64-byte ping-pongs on one connection.
+- gRPC Gbit/s and RTT: the same through the proxy, with a client-streaming call of
+  4 MiB messages and unary empty calls.
+
+A row "direct" measures the same without the emulator: the probe's own limit on this
+machine (a spec above it cannot be met by any emulator here).
+
+    python3 benchmarks/wan_probe.py [--gbit 1,10,25] [--rtt-ms 0.5,1,10,100] [--json out.json]
+
+Needs only the isthmus package (and grpcio, which it depends on). Default grid: about
+two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+CHUNK = 1 << 20
+GRPC_MESSAGE = 4 << 20
+STATS = struct.Struct("!QQ")  # bytes received, ns from the first byte to the last
+GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+# -- the server process ---------------------------------------------------------------
+
+
+def _sink(conn: socket.socket) -> None:
+    buf = bytearray(CHUNK)
+    total, first, last = 0, 0, 0
+    with conn:
+        while n := conn.recv_into(buf):
+            last = time.perf_counter_ns()
+            if not total:
+                first = last
+            total += n
+        conn.sendall(STATS.pack(total, last - first))
+
+
+def _echo(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+
+
+def _serve_tcp(handler) -> int:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=handler, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def _grpc_sink(requests, context) -> bytes:
+    total, first, last = 0, 0, 0
+    for message in requests:
+        last = time.perf_counter_ns()
+        if not total:
+            first = last
+        total += len(message)
+    return STATS.pack(total, last - first)
+
+
+def serve() -> None:
+    """Run the servers; print their ports as one JSON line; exit when stdin closes."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    handlers = {
+        "Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+        "Sink": grpc.stream_unary_rpc_method_handler(_grpc_sink),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.P", handlers),))
+    grpc_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ports = {"sink": _serve_tcp(_sink), "echo": _serve_tcp(_echo), "grpc": grpc_port}
+    print(json.dumps(ports), flush=True)
+    sys.stdin.read()
+    server.stop(None)
+
+
+# -- the client side ------------------------------------------------------------------
+
+
+def tcp_rate(address: tuple[str, int], seconds: float) -> float:
+    """Gbit/s of one connection sending for `seconds`, as its receiver saw it."""
+    payload = b"x" * CHUNK
+    with socket.create_connection(address, timeout=60) as s:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while len(answer) < STATS.size and (data := s.recv(STATS.size)):
+            answer += data
+    total, ns = STATS.unpack(answer)
+    return total * 8 / ns if ns else 0.0
+
+
+def tcp_rtt(address: tuple[str, int], pings: int) -> float:
+    """Median ms of 64-byte ping-pongs (after 3 unmeasured ones)."""
+    payload, rtts = b"p" * 64, []
+    with socket.create_connection(address, timeout=60) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(3 + pings):
+            t0 = time.perf_counter()
+            s.sendall(payload)
+            got = 0
+            while got < len(payload):
+                got += len(s.recv(len(payload) - got))
+            if i >= 3:
+                rtts.append(time.perf_counter() - t0)
+    return statistics.median(rtts) * 1e3
+
+
+def grpc_channel(port: int, proxy: str | None) -> grpc.Channel:
+    options = list(GRPC_OPTIONS)
+    if proxy is not None:
+        options += [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", proxy)]
+    else:
+        options += [("grpc.enable_http_proxy", 0)]
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+
+
+def grpc_rate(channel: grpc.Channel, seconds: float) -> float:
+    payload = b"g" * GRPC_MESSAGE
+    end = time.monotonic() + seconds
+
+    def messages():
+        while time.monotonic() < end:
+            yield payload
+
+    total, ns = STATS.unpack(channel.stream_unary("/probe.P/Sink")(messages(), timeout=120))
+    return total * 8 / ns if ns else 0.0
+
+
+def grpc_rtt(channel: grpc.Channel, pings: int) -> float:
+    echo, rtts = channel.unary_unary("/probe.P/Echo"), []
+    for i in range(3 + pings):
+        t0 = time.perf_counter()
+        echo(b"p", timeout=60)
+        if i >= 3:
+            rtts.append(time.perf_counter() - t0)
+    return statistics.median(rtts) * 1e3
+
+
+class Emulator:
+    """`isthmus wan up` in a child process, one link a-b, its forwards and proxy."""
+
+    def __init__(self, targets: dict[str, int], workdir: Path) -> None:
+        topology = workdir / "probe.toml"
+        topology.write_text(
+            'sites = ["a", "b"]\n[links."a-b"]\nlatency_ms = 1\nbandwidth_mbit = 1000\n'
+        )
+        cmd = [sys.executable, "-m", "isthmus.deploy.wan_cmd", "up", str(topology)]
+        cmd += ["--control", "127.0.0.1:0"]
+        for port in targets.values():
+            cmd += ["--forward", f"a:b=127.0.0.1:{port}"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.forwards: dict[int, tuple[str, int]] = {}
+        self.proxy = self.control = ""
+        assert self.proc.stdout is not None
+        direction = ""
+        for line in self.proc.stdout:
+            if m := re.match(r"\s+(\S+) -> (\S+)\s", line):
+                direction = m.group(1)
+            elif (m := re.match(r"\s+proxy\s+(\S+)", line)) and direction == "a":
+                self.proxy = m.group(1)
+            elif m := re.match(r"\s+forward (\S+):(\d+) -> \S+:(\d+)", line):
+                self.forwards[int(m.group(3))] = (m.group(1), int(m.group(2)))
+            elif m := re.match(r"control (\S+)", line):
+                self.control = m.group(1)
+            elif line.startswith("ready"):
+                break
+        if not self.control:
+            self.close()
+            raise RuntimeError("isthmus wan up did not start")
+
+    def set(self, gbit: float, rtt_ms: float) -> float:
+        """Change the link; return how long the control endpoint took to answer (s)."""
+        from isthmus.sim import control_request
+
+        t0 = time.monotonic()
+        body = {"bandwidth_mbit": gbit * 1000, "latency_ms": rtt_ms / 2, "queue_kib": 1024}
+        control_request(self.control, "POST", "/links/a-b", body)
+        return time.monotonic() - t0
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def measure(args, tcp_sink, tcp_echo, grpc_port, proxy) -> dict[str, float]:
+    row = {
+        "tcp_gbit": tcp_rate(tcp_sink, args.seconds),
+        "tcp_rtt_ms": tcp_rtt(tcp_echo, args.pings),
+    }
+    if not args.no_grpc:
+        with grpc_channel(grpc_port, proxy) as channel:
+            row["grpc_rtt_ms"] = grpc_rtt(channel, args.pings)
+            row["grpc_gbit"] = grpc_rate(channel, args.seconds)
+    return row
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _cell(value: float | None, spec: float | None) -> str:
+    if value is None:
+        return "-"
+    if not spec:
+        return f"{value:.3g}"
+    return f"{value:.3g} ({(value / spec - 1) * 100:+.0f}%)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gbit", type=_floats, default=[1, 10, 25], help="bandwidths, Gbit/s")
+    parser.add_argument("--rtt-ms", type=_floats, default=[0.5, 1, 10, 100], help="RTTs, ms")
+    parser.add_argument("--seconds", type=float, default=1.0, help="sending time per rate")
+    parser.add_argument("--pings", type=int, default=15, help="ping-pongs per RTT median")
+    parser.add_argument("--no-grpc", action="store_true", help="plain TCP only")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve()
+        return 0
+    # no_proxy must not bypass the proxy (see sim/relay.py); gRPC reads the lower case.
+    os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert server.stdout is not None
+    ports = json.loads(server.stdout.readline())
+    rows = []
+    header = "| spec Gbit/s | spec RTT ms | TCP Gbit/s | TCP RTT ms | gRPC Gbit/s | gRPC RTT ms |"
+    print(header + "\n" + "| --- " * 6 + "|", flush=True)
+
+    def report(row: dict) -> None:
+        rows.append(row)
+        gbit, rtt = row.get("spec_gbit"), row.get("spec_rtt_ms")
+        cells = [
+            "direct" if gbit is None else f"{gbit:g}",
+            "-" if rtt is None else f"{rtt:g}",
+            _cell(row.get("tcp_gbit"), gbit),
+            _cell(row.get("tcp_rtt_ms"), rtt),
+            _cell(row.get("grpc_gbit"), gbit),
+            _cell(row.get("grpc_rtt_ms"), rtt),
+        ]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        local = ("127.0.0.1",)
+        report(measure(args, (*local, ports["sink"]), (*local, ports["echo"]), ports["grpc"], None))
+        emulator = Emulator(ports, Path(tmp))
+        try:
+            for gbit in args.gbit:
+                for rtt_ms in args.rtt_ms:
+                    set_s = emulator.set(gbit, rtt_ms)
+                    row = measure(
+                        args,
+                        emulator.forwards[ports["sink"]],
+                        emulator.forwards[ports["echo"]],
+                        ports["grpc"],
+                        emulator.proxy,
+                    )
+                    report({"spec_gbit": gbit, "spec_rtt_ms": rtt_ms, "set_s": set_s, **row})
+        finally:
+            emulator.close()
+            server.communicate(b"", timeout=10)
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "seconds": round(time.monotonic() - t_start, 1),
+        "rows": rows,
+    }
+    print(f"{result['seconds']} s on {result['machine']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
