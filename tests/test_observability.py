@@ -194,6 +194,9 @@ def test_a_live_job_serves_health_and_metrics_that_match_metrics_jsonl(tmp_path)
         assert line["step"] == step - 1
         assert values['isthmus_loss{site="site0"}'] == line["loss"]
         assert values['isthmus_cross_site_seconds{site="site0"}'] == pytest.approx(line["sync_s"])
+        # The gauge is the exposed sync: the step's wait, which LaneGradientSync measures too.
+        assert line["exposed_sync_s"] == pytest.approx(line["sync_s"], abs=0.05)
+        assert line["sync_busy_s"] > 0
         assert values['isthmus_compression_ratio{site="site0"}'] == pytest.approx(
             line["raw_bytes"] / line["bytes_sent"]
         )

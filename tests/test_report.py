@@ -43,9 +43,13 @@ def test_report_draws_plausible_plots_of_a_real_run(tmp_path):
         expected = [json.loads(line)["loss"] for line in lines]
         assert losses == pytest.approx(expected, rel=1e-6)
         assert len(board.Scalars("time/cross_site_seconds")) == 6
+        exposed = [e.value for e in board.Scalars("time/exposed_sync_seconds")]
+        assert exposed == pytest.approx([json.loads(x)["exposed_sync_s"] for x in lines], rel=1e-6)
+        assert len(board.Scalars("time/sync_busy_seconds")) == 6
     text = (run_dir / "report.txt").read_text()
     assert "6 steps" in text and "replicas: identical" in text
     assert "of the 1,000 Mbit/s link" in text
+    assert "cross-site rounds ran" in text and "behind compute" in text
     assert text in result.stdout + "\n"
 
 
