@@ -372,6 +372,14 @@ def validate(config: JobConfig) -> None:
     except ValueError as exc:
         raise ConfigError(f"sync.codec: {exc}") from None
     _require(1 <= s.connections <= 16, f"sync.connections must be in 1..16, got {s.connections}")
+    _require(
+        s.transport in ("auto", "bulk", "grpc"),
+        f'sync.transport must be "auto", "bulk" or "grpc", got {s.transport!r}',
+    )
+    _require(
+        1 <= s.rounds_in_flight <= 64,
+        f"sync.rounds_in_flight must be in 1..64, got {s.rounds_in_flight}",
+    )
     _require(s.timeout_s > 0, f"sync.timeout_s must be > 0, got {s.timeout_s}")
     f = config.failover
     _require(

@@ -108,7 +108,9 @@ class CrossSite:
             generation=reply.generation,
             decision_timeout_s=config.sync.timeout_s + config.failover.quorum_wait_s,
         )
-        self.sync = LaneGradientSync(allreduce, membership=membership)
+        self.sync = LaneGradientSync(
+            allreduce, membership=membership, rounds_in_flight=config.sync.rounds_in_flight
+        )
         return self
 
     def _make_peer(self, info: cpb.SiteInfo) -> LanePeer:
@@ -118,6 +120,7 @@ class CrossSite:
             connections=self.config.sync.connections,
             chunk_bytes=self.config.chunk_bytes,
             security=self.security,
+            transport=self.config.sync.transport,
         )
 
     def catch_up(self, trainer: Trainer) -> int | None:

@@ -110,7 +110,13 @@ class SyncSection:
     """Raw bytes per chunk of the cross-site all-reduce; 0 = the link's bandwidth-delay
     product (from wan.*), clamped to 256 KiB - 4 MiB."""
     connections: int = 2
-    """gRPC connections per peer lane."""
+    """TCP connections per peer lane (bulk or gRPC)."""
+    transport: str = "auto"
+    """How chunks travel: "bulk" (the lanes' plain TCP port, fastest), "grpc"
+    (PushChunks streams) or "auto" (bulk unless mutual TLS is on; see docs/security.md)."""
+    rounds_in_flight: int = 4
+    """FSDP groups whose cross-site rounds may run at once, overlapping each other and
+    backward; 1 runs them one after another."""
     workers: int = 0
     """Encode/decode threads per lane; 0 = min(4, cores)."""
     timeout_s: float = 120.0

@@ -23,12 +23,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
+from .bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
 from .codec import crc32
 from .mailbox import Mailbox, Outbox
 from .malformed import MalformedRequests
 from .security import INSECURE, SiteSecurity
 from .state_transfer import StateOffers, pieces
-from .wire import Chunk, ChunkWire, encode_resend_response
+from .wire import Chunk, ChunkWire, WireError, encode_resend_response, parse_chunk
 
 __all__ = ["LaneServer", "channel_options", "chunk_bytes_for_link", "max_payload_bytes"]
 
@@ -100,6 +101,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         port: port to bind (0 = ephemeral).
         max_workers: handler threads; each open stream holds one for its round.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
+        bulk: also take chunks on a plain TCP port (inter/bulk.py); never with TLS.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         port: int = 0,
         max_workers: int = 32,
         security: SiteSecurity | None = None,
+        bulk: bool = True,
     ) -> None:
         if not 0 <= site_index < num_sites:
             raise ValueError(f"site_index must be in [0, {num_sites}), got {site_index}")
@@ -153,6 +156,14 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         if bound == 0:
             raise OSError(f"could not bind lane server to {host}:{port}")
         self._address = f"{host}:{bound}"
+        self._bulk: BulkListener | None = None
+        if bulk and not (security or INSECURE).require_tls:
+            self._bulk = BulkListener(
+                host,
+                self._take_frame,
+                max_frame=max_payload_bytes(chunk_bytes) + _HEADROOM,
+                where=f"lane of site {site_index}",
+            )
         self._server.start()
         log.info("[site %d] lane server listening on %s", site_index, self._address)
 
@@ -174,6 +185,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                     self.ResendChunk,
                     request_deserializer=lane_pb2.ResendChunkRequest.FromString,
                     response_serializer=None,  # already bytes (encode_resend_response)
+                ),
+                "OpenBulk": unary_unary(
+                    self.OpenBulk,
+                    request_deserializer=lane_pb2.OpenBulkRequest.FromString,
+                    response_serializer=lane_pb2.OpenBulkResponse.SerializeToString,
                 ),
                 "PullState": grpc.unary_stream_rpc_method_handler(
                     self.PullState,
@@ -230,6 +246,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     def stop(self, grace: float | None = 1.0) -> None:
         """Stops accepting streams; open ones get ``grace`` seconds to finish."""
         self.health.enter_graceful_shutdown()  # NOT_SERVING for every service
+        if self._bulk is not None:
+            self._bulk.stop()
         self._server.stop(grace).wait(timeout=(grace or 0) + 5)
 
     def check(self, req: Chunk) -> str | None:
@@ -302,6 +320,55 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             if not ok:
                 raise _Refused(code, why)
 
+    def take(self, req: Chunk) -> tuple[int, grpc.StatusCode | None, str]:
+        """Judges one received chunk and stores it if sound; both transports call it.
+
+        Returns:
+            ``(ACCEPTED, None, "")``; ``(CORRUPT, None, why)`` for a chunk whose only
+            fault is its checksum (marked: the round pulls it again); or
+            ``(REFUSED, code, message)``, and then nothing of the chunk was stored.
+        """
+        if req.generation > self.generation:
+            self._await_generation(req.generation, _GENERATION_WAIT_S)
+        key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
+        try:
+            try:
+                self._validate(req)
+                why = self.mailbox.deposit(key, req)
+            except _Refused as exc:
+                if not str(exc).startswith(_CRC_MISMATCH):
+                    raise
+                log.warning("site %d: %s from site %d", self.site_index, exc, req.from_site)
+                why = self.mailbox.mark_corrupt(key)
+                if why is None:
+                    with self._lock:
+                        self.corruptions += 1
+                    return CORRUPT, None, str(exc)
+            if why == "duplicate":
+                raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"duplicate chunk {key}")
+            if why == "stale":
+                raise _Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"chunk {key} belongs to a finished step"
+                )
+        except _Refused as exc:
+            msg = (
+                f"site {self.site_index} refused chunk from site {req.from_site} "
+                f"(step {req.step} group {req.group}): {exc}"
+            )
+            log.warning(msg)
+            return REFUSED, exc.code, msg
+        return ACCEPTED, None, ""
+
+    def _take_frame(self, frame: memoryview, peer: str) -> tuple[int, grpc.StatusCode | None, str]:
+        """A bulk connection's frame: parsed here, then judged like a gRPC one."""
+        try:
+            req = parse_chunk(frame)
+        except WireError as exc:
+            msg = f"malformed isthmus.v1.PushChunksRequest: {exc}"
+            log.warning("site %d: bulk frame from %s refused: %s", self.site_index, peer, msg)
+            return REFUSED, grpc.StatusCode.INVALID_ARGUMENT, msg
+        return self.take(req)
+
     def PushChunks(  # noqa: N802 (gRPC method name)
         self,
         request_iterator: Iterator[Chunk],
@@ -317,39 +384,24 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         """
         accepted = corrupt = 0
         for req in request_iterator:
-            if req.generation > self.generation:
-                self._await_generation(req.generation, _GENERATION_WAIT_S)
-            try:
-                key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
-                try:
-                    self._validate(req)
-                    why = self.mailbox.deposit(key, req)
-                except _Refused as exc:
-                    if not str(exc).startswith(_CRC_MISMATCH):
-                        raise
-                    log.warning("site %d: %s from site %d", self.site_index, exc, req.from_site)
-                    why = self.mailbox.mark_corrupt(key)
-                    if why is None:
-                        with self._lock:
-                            self.corruptions += 1
-                        corrupt += 1
-                        continue
-                if why == "duplicate":
-                    raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"duplicate chunk {key}")
-                if why == "stale":
-                    raise _Refused(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"chunk {key} belongs to a finished step",
-                    )
-            except _Refused as exc:
-                msg = (
-                    f"site {self.site_index} refused chunk from site {req.from_site} "
-                    f"(step {req.step} group {req.group}): {exc}"
-                )
-                log.warning(msg)
-                context.abort(exc.code, msg)  # raises; nothing of this chunk was stored
-            accepted += 1
+            status, code, msg = self.take(req)
+            if status == REFUSED:
+                context.abort(code, msg)  # raises; nothing of this chunk was stored
+            accepted += status == ACCEPTED
+            corrupt += status == CORRUPT
         return lane_pb2.PushChunksResponse(accepted=accepted, corrupt=corrupt)
+
+    def OpenBulk(  # noqa: N802 (gRPC method name)
+        self, request: lane_pb2.OpenBulkRequest, context: grpc.ServicerContext
+    ) -> lane_pb2.OpenBulkResponse:
+        """A ticket for one connection to the bulk port (inter/bulk.py)."""
+        if self._bulk is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"lane of site {self.site_index} takes chunks on PushChunks only "
+                "(mutual TLS is on, or the bulk transport is off)",
+            )
+        return lane_pb2.OpenBulkResponse(port=self._bulk.port, ticket=self._bulk.tickets.issue())
 
     def ResendChunk(  # noqa: N802 (gRPC method name)
         self, request: lane_pb2.ResendChunkRequest, context: grpc.ServicerContext

@@ -1,9 +1,10 @@
 """The sending side of a lane: one client per peer site.
 
-A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.lane.LaneServer`:
-per round and per connection, one client-streaming ``PushChunks`` fed from a queue by
-a sender thread, so encoding (the callers) and sending overlap. A :class:`PeerRound`
-is one round's worth of those streams. :meth:`LanePeer.fetch` pulls one chunk again
+A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.lane.LaneServer`,
+on its bulk TCP port (:mod:`isthmus.inter.bulk`, the default without TLS) or on gRPC:
+per round and per connection, one client-streaming ``PushChunks`` fed from a queue,
+so encoding (the callers) and sending overlap. A :class:`PeerRound` is one round's
+worth of those streams (:class:`~isthmus.inter.bulk.BulkPeerRound` on bulk). :meth:`LanePeer.fetch` pulls one chunk again
 (``ResendChunk``) when the copy that arrived failed its checksum.
 """
 
@@ -18,11 +19,14 @@ import grpc
 
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
+from .bulk import BulkConnection, BulkPeerRound
 from .lane import channel_options
 from .security import INSECURE, SiteSecurity
 from .wire import Chunk, ResendWire
 
-__all__ = ["LanePeer", "PeerRound"]
+__all__ = ["TRANSPORTS", "LanePeer", "PeerRound"]
+
+TRANSPORTS = ("auto", "bulk", "grpc")
 
 _POLL_S = 0.1  # how often a waiting stream looks at its call and deadline
 _PUSH = "/isthmus.v1.Lane/PushChunks"
@@ -160,6 +164,9 @@ class LanePeer:
         proxy: optional HTTP CONNECT proxy URL (e.g. the WAN emulator).
         connections: parallel TCP connections; a round spreads its chunks over them.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
+        transport: "bulk" (chunks on the lane's plain TCP port, inter/bulk.py), "grpc"
+            (``PushChunks`` streams) or "auto": bulk unless mutual TLS is on, since bulk
+            payloads cross in the clear.
     """
 
     def __init__(
@@ -170,9 +177,12 @@ class LanePeer:
         proxy: str | None = None,
         connections: int = 1,
         security: SiteSecurity | None = None,
+        transport: str = "auto",
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.address = address
         self._fetch_lock = threading.Lock()
         self._fetches = 0
@@ -205,6 +215,21 @@ class LanePeer:
             )
             for ch in self._channels
         ]
+        if transport == "auto":
+            transport = "grpc" if security.require_tls else "bulk"
+        self.transport = transport
+        host = address.rsplit(":", 1)[0].strip("[]")
+        self._bulk = [
+            BulkConnection(host, self._open_bulk, proxy, name=f"{address}-{i}")
+            for i in range(connections if transport == "bulk" else 0)
+        ]
+
+    def _open_bulk(self, timeout: float) -> tuple[int, bytes]:
+        """A ticket to the peer lane's bulk port (``OpenBulk``, authenticated by gRPC)."""
+        reply = lane_pb2_grpc.LaneStub(self._channels[0]).OpenBulk(
+            lane_pb2.OpenBulkRequest(), timeout=timeout, wait_for_ready=True
+        )
+        return reply.port, reply.ticket
 
     def fetch(self, request: lane_pb2.ResendChunkRequest, timeout: float) -> Chunk:
         """Pulls one chunk again from the peer (``ResendChunk``).
@@ -228,11 +253,15 @@ class LanePeer:
         """A stub on the first connection, for one-off calls (``PullState``)."""
         return lane_pb2_grpc.LaneStub(self._channels[0])
 
-    def begin_round(self, deadline: float) -> PeerRound:
-        """Opens a round whose streams must finish by ``deadline`` (time.monotonic())."""
+    def begin_round(self, deadline: float) -> PeerRound | BulkPeerRound:
+        """Opens a round whose chunks must be taken by ``deadline`` (time.monotonic())."""
+        if self._bulk:
+            return BulkPeerRound(self._bulk, deadline)
         return PeerRound(self._push, deadline)
 
     def close(self) -> None:
-        """Closes the channels (open streams are cancelled)."""
+        """Closes the bulk connections and the channels (open streams are cancelled)."""
+        for conn in self._bulk:
+            conn.close()
         for channel in self._channels:
             channel.close()

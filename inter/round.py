@@ -268,7 +268,7 @@ class RoundPipeline:
                         raise CrossSiteError(
                             f"{self.where}: site {s} did not acknowledge in time"
                         ) from exc
-                except grpc.RpcError as exc:
+                except (grpc.RpcError, OSError) as exc:  # OSError: a bulk connection broke
                     raise CrossSiteError(f"{self.where}: {describe(s, exc)}") from exc
             if took != rnd.sent:
                 raise CrossSiteError(f"{self.where}: site {s} took {took} of {rnd.sent} chunks")

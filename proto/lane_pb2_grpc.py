@@ -49,6 +49,11 @@ class LaneStub:
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.PullStateRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_lane__pb2.StatePiece.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/isthmus.v1.Lane/OpenBulk',
+                request_serializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.FromString,
+                _registered_method=True)
 
 
 class LaneServicer:
@@ -78,6 +83,17 @@ class LaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulk(self, request, context):
+        """A sending site asks for a ticket to the lane's bulk port: plain TCP carrying
+        the same PushChunksRequest messages, length-prefixed, with no gRPC framing or
+        copies on the way (inter/bulk.py). Only this call is authenticated; the ticket
+        then admits one bulk connection. Refused when the lane runs with mutual TLS
+        (chunks then travel on PushChunks, inside TLS).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +111,11 @@ def add_LaneServicer_to_server(servicer, server):
                     servicer.PullState,
                     request_deserializer=isthmus_dot_proto_dot_lane__pb2.PullStateRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_lane__pb2.StatePiece.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +199,33 @@ class Lane:
             '/isthmus.v1.Lane/PullState',
             isthmus_dot_proto_dot_lane__pb2.PullStateRequest.SerializeToString,
             isthmus_dot_proto_dot_lane__pb2.StatePiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Lane/OpenBulk',
+            isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.SerializeToString,
+            isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,

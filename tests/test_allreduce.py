@@ -32,6 +32,7 @@ def sites(
     timeout_s: float = 10.0,
     connections: int = 1,
     chunk_bytes: int = CHUNK,
+    transport: str = "auto",
 ) -> Iterator[list[CrossSiteAllReduce]]:
     servers = [
         LaneServer(
@@ -45,7 +46,12 @@ def sites(
     ]
     peers = [
         {
-            j: LanePeer(servers[j].address, chunk_bytes=chunk_bytes, connections=connections)
+            j: LanePeer(
+                servers[j].address,
+                chunk_bytes=chunk_bytes,
+                connections=connections,
+                transport=transport,
+            )
             for j in range(n)
             if j != i
         }
@@ -104,8 +110,11 @@ def inputs(num_sites: int, sizes: list[int], seed: int = 0) -> list[list[torch.T
 @pytest.mark.parametrize("num_sites", [2, 3])
 @pytest.mark.parametrize("codec", ["raw", "zstd:1"])
 @pytest.mark.parametrize("average", [False, True])
-def test_allreduce_is_exact_and_identical(num_sites: int, codec: str, average: bool) -> None:
-    with sites(num_sites, codec) as ars:
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
+def test_allreduce_is_exact_and_identical(
+    num_sites: int, codec: str, average: bool, transport: str
+) -> None:
+    with sites(num_sites, codec, transport=transport) as ars:
         for step, sizes in enumerate(SIZES):
             data = inputs(num_sites, sizes, seed=step)
             # Reference in the owner's fixed site order, in float32.

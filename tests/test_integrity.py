@@ -7,6 +7,7 @@ NIC does), so the receiver's crc32 check fails and it pulls the chunk again.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from test_allreduce import inputs, run_all, sites
 
+from isthmus.inter.bulk import BulkPeerRound
 from isthmus.inter.lane_peer import LanePeer, PeerRound
 from isthmus.proto import lane_pb2
 
@@ -35,25 +37,26 @@ def corrupt_every(monkeypatch: pytest.MonkeyPatch):
     sent = {"n": 0, "every": 0}
     counter = itertools.count(1)
     lock = threading.Lock()
-    original = PeerRound.send
+    for cls in (PeerRound, BulkPeerRound):  # either transport
 
-    def send(self: PeerRound, request: bytes) -> None:
-        with lock:
-            hit = sent["every"] and next(counter) % sent["every"] == 0
-            sent["n"] += bool(hit)
-        original(self, _flipped(request) if hit else request)
+        def send(self, request: bytes, original=cls.send) -> None:
+            with lock:
+                hit = sent["every"] and next(counter) % sent["every"] == 0
+                sent["n"] += bool(hit)
+            original(self, _flipped(request) if hit else request)
 
-    monkeypatch.setattr(PeerRound, "send", send)
+        monkeypatch.setattr(cls, "send", send)
     return sent
 
 
 @pytest.mark.parametrize("num_sites", [2, 3])
 @pytest.mark.parametrize("codec", ["raw", "raw+shuffle+zstd:1"])
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
 def test_corrupt_chunks_are_pulled_again_and_result_is_exact(
-    corrupt_every: dict, num_sites: int, codec: str
+    corrupt_every: dict, num_sites: int, codec: str, transport: str
 ) -> None:
     corrupt_every["every"] = 3
-    with sites(num_sites, codec) as ars:
+    with sites(num_sites, codec, transport=transport) as ars:
         total_corrupt = 0
         for step in range(3):
             data = inputs(num_sites, [7000, 5], seed=step)
@@ -94,7 +97,11 @@ def test_chunk_corrupt_again_on_the_way_back_is_pulled_again(
             fetches["n"] += 1
             bad = fetches["n"] % 2 == 1
             fetches["bad"] += bad
-        return _flipped(chunk) if bad else chunk
+        if not bad:
+            return chunk
+        payload = bytearray(chunk.payload)
+        payload[len(payload) // 2] ^= 0x10
+        return dataclasses.replace(chunk, payload=bytes(payload))
 
     monkeypatch.setattr(LanePeer, "fetch", fetch)
     with sites(2, "int8+zstd:1") as ars:
