@@ -162,6 +162,11 @@ def prediction(config: JobConfig, one: dict, multi: dict) -> dict:
     }
 
 
+def _wall(where: Path) -> float | None:
+    path = where / "wall_s.txt"
+    return float(path.read_text()) if path.exists() else None
+
+
 def row(out: Path, sites: int, batch: int) -> dict | None:
     """One batch's figures, or None while one of its runs is missing."""
     one_dir, multi_dir = run_dir(out, 1, batch), run_dir(out, sites, batch)
@@ -188,6 +193,9 @@ def row(out: Path, sites: int, batch: int) -> dict | None:
         "compression_ratio": multi["compression_ratio"],
         "steady_steps": multi["steady_steps"],
         "replicas_identical": len(set(multi["digests"].values())) == 1,
+        # Whole runs, start-up and compilation included: what a device call must fit.
+        "one_site_run_s": _wall(one_dir),
+        "multi_site_run_s": _wall(multi_dir),
         **prediction(config, one, multi),
     }
 

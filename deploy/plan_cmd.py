@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
         "and scaling efficiency from model size, tokens per step, devices x peak x MFU, "
         "sites, link bandwidth and RTT, codec and overlap (the model is in sim/plan.py). "
         "The defaults are Nemotron-4 340B over two sites 1000 km apart, printed next to "
-        "the bandwidth NeMo's 96%% needs; --preset NAME plans one of isthmus' models "
+        "the bandwidth NeMo's 96% needs; --preset NAME plans one of isthmus' models "
         "as `isthmus local` trains it, --batch 4,8,16 the efficiency curve against the "
         "per-device batch.",
         formatter_class=formatter,

@@ -49,6 +49,7 @@ def test_curve_of_one_site_against_two_at_two_batches(tmp_path):
         assert 0 <= r["overlap"] <= 1
         assert 0 < r["predicted_efficiency"] <= 1 and r["predicted_exposed_sync_s"] > 0
         assert r["predicted_limit"] in ("link", "latency", "cpu")
+        assert r["one_site_run_s"] > 0 and r["multi_site_run_s"] > 0
     lines = result.stdout.splitlines()
     assert "2-site tok/s" in lines[0] and "plan eff." in lines[0]
     assert lines[1].split()[:3] == ["2", "x", "32"] and lines[2].split()[:3] == ["4", "x", "32"]
