@@ -43,7 +43,7 @@ import grpc
 
 CHUNK = 1 << 20
 GRPC_MESSAGE = 4 << 20
-STATS = struct.Struct("!QQ")  # bytes received, ns from the first byte to the last
+STATS = struct.Struct("!QQ")  # bytes after the first read, ns from its end to the last
 GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 
@@ -52,14 +52,15 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message
 
 def _sink(conn: socket.socket) -> None:
     buf = bytearray(CHUNK)
-    total, first, last = 0, 0, 0
+    total, first, last = -1, 0, 0
     with conn:
         while n := conn.recv_into(buf):
             last = time.perf_counter_ns()
-            if not total:
-                first = last
-            total += n
-        conn.sendall(STATS.pack(total, last - first))
+            if total < 0:  # count from the end of the first read: it may hold a backlog
+                first, total = last, 0
+            else:
+                total += n
+        conn.sendall(STATS.pack(max(total, 0), last - first))
 
 
 def _echo(conn: socket.socket) -> None:
@@ -84,13 +85,14 @@ def _serve_tcp(handler) -> int:
 
 
 def _grpc_sink(requests, context) -> bytes:
-    total, first, last = 0, 0, 0
+    total, first, last = -1, 0, 0
     for message in requests:
         last = time.perf_counter_ns()
-        if not total:
-            first = last
-        total += len(message)
-    return STATS.pack(total, last - first)
+        if total < 0:
+            first, total = last, 0
+        else:
+            total += len(message)
+    return STATS.pack(max(total, 0), last - first)
 
 
 def serve() -> None:

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .clock import SPIN_S, Timer, precise_thread
+from .clock import Timer, precise_thread, spin_for
 
 if TYPE_CHECKING:
     from .link import DirectionPipe
@@ -184,8 +184,8 @@ def _arrival(s: _Stream, now: float) -> float:
     for level, kind, value in ancillary:
         if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
             sec, nsec = _TIMESPEC.unpack(value[: _TIMESPEC.size])
-            received = now - (time.time() - (sec + nsec * 1e-9))  # wall -> monotonic
-            return min(now, max(received, s.listening_since))
+            mono, wall = time.monotonic(), time.time()  # read together: wall -> monotonic
+            return min(mono, max(mono - (wall - (sec + nsec * 1e-9)), s.listening_since))
     return now
 
 
@@ -307,10 +307,15 @@ class Pump:
                         s.readable = False
                         self._intake(s, now)
                 now = time.monotonic()
-                wake_at = math.inf
+                wake_at, precise = math.inf, False
                 for s in streams:
                     if not s.blocked_out and not s.conn.failed:
-                        wake_at = min(wake_at, self._deliver(s, now))
+                        due = self._deliver(s, now)
+                        if due < wake_at:
+                            # A stream holding one piece waits on it (a request, a
+                            # ping): release it to the microsecond. A stream holding
+                            # many is a bulk flow, whose rate does not care.
+                            wake_at, precise = due, len(s.chunks) == 1
                 for s in [s for s in streams if s.done or s.conn.failed]:
                     streams.remove(s)
                     self._drop(s, poller, by_fd)
@@ -320,31 +325,34 @@ class Pump:
                 window = pipe.spec.inflight_limit_bytes + RECV_WINDOW_BYTES
                 for s in streams:
                     reading = not s.eof_read and s.unwritten <= window
-                    if reading and room == 0 and next_wire is not None:
-                        wake_at = min(wake_at, next_wire)  # room comes back then
+                    if reading and room == 0 and next_wire is not None and next_wire < wake_at:
+                        wake_at, precise = next_wire, False  # room comes back then
                     self._register(poller, s, 0, _IN if reading and room > 0 else 0)
                     self._register(poller, s, 1, _OUT if s.blocked_out else 0)
-                if next_reset is not None:
-                    wake_at = min(wake_at, next_reset)
-                events = self._wait(poller, timer, wake_at)
+                if next_reset is not None and next_reset < wake_at:
+                    wake_at, precise = next_reset, False
+                events = self._wait(poller, timer, wake_at, precise)
         finally:
             for s in streams:
                 self._drop(s, poller, by_fd)
             timer.close()
 
-    def _wait(self, poller: select.poll, timer: Timer, wake_at: float) -> list[tuple[int, int]]:
-        """Poll until an fd is ready or `wake_at`: a timer for the long part, then a
-        busy poll for the last `SPIN_S`, so that a release is microseconds late, not a
-        scheduler tick."""
+    def _wait(
+        self, poller: select.poll, timer: Timer, wake_at: float, precise: bool
+    ) -> list[tuple[int, int]]:
+        """Poll until an fd is ready or `wake_at`: a timer (~10-40 us late), then, if
+        `precise`, a busy poll for the last 50-300 us (`spin_for`), so that a release
+        is microseconds late, not a scheduler tick."""
         if wake_at == math.inf:
             return poller.poll()
         delay = wake_at - time.monotonic()
-        if delay > SPIN_S:
+        spin = spin_for(delay) if precise else 0.0
+        if delay > spin:
             if timer.fd is not None:
-                timer.arm(wake_at - SPIN_S)
+                timer.arm(wake_at - spin)
                 events = poller.poll()
             else:
-                events = poller.poll(max(0, int((delay - SPIN_S) * 1000)))
+                events = poller.poll(max(0, int((delay - spin) * 1000)))
             if any(fd != timer.fd for fd, _ in events):
                 return events
             timer.clear()

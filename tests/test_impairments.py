@@ -30,9 +30,6 @@ from isthmus.sim.impairments import Piece, State
 from isthmus.sim.impairments.base import geometric_gap
 
 MBIT = 1e6
-# asyncio wakes timers on the next millisecond: each crossing may be up to ~1 ms late,
-# and a loaded 2-core machine adds a little more (the slack below is per round trip).
-SLACK_S = 0.003
 
 
 @pytest.fixture

@@ -13,21 +13,21 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from isthmus.sim import LinkSpec
+from isthmus.sim import LinkSpec, control_request
 from isthmus.sim.netns import job_resources, require_tools, teardown
 from isthmus.sim.transparent import TransparentWan
 
 ROOT = Path(__file__).resolve().parents[1]
-# 10 ms one way: the relay's timers wake on the next millisecond (asyncio's epoll
-# granularity), ~0.5 ms late per direction; at 20 ms RTT that stays well inside 10%.
 LATENCY_S = 0.010
 BANDWIDTH_BPS = 100e6  # low enough that a busy 2-core CI box still keeps up
 SPEC = LinkSpec.symmetric(latency_s=LATENCY_S, bandwidth_bps=BANDWIDTH_BPS)
 PORT = 7000  # each namespace is fresh, so a fixed port is free
+WAN = [sys.executable, "-m", "isthmus.deploy.wan_cmd"]  # `isthmus wan`, without torch
 
 SERVER = r"""
 import socket, sys, threading
@@ -246,6 +246,65 @@ def test_cli_down_cleans_up_after_a_crash() -> None:
     )
     assert down.returncode == 0, down.stderr
     assert "removed 2 namespace(s)" in down.stdout
+    nothing_left(job)
+
+
+@pytest.mark.timeout(120)
+def test_cli_up_serves_control_and_a_1_ms_link() -> None:
+    job = job_name("g")
+    # `isthmus wan netns up` (wan_cmd adds --control to netns_cmd's command).
+    cli = subprocess.Popen(
+        [*WAN, "netns", "up", "--sites", "2", "--job", job, "--control", "127.0.0.1:0",
+         "--distance-km", "102.04", "--bandwidth-mbit", "2000"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        lines: list[str] = []
+        while not (line := cli.stdout.readline()).startswith("Ctrl-C"):
+            assert line, "netns up exited early"
+            lines.append(line)
+        control = next(line.split()[1] for line in lines if line.startswith("control"))
+        address = next(line.split()[1] for line in lines if line.split()[0] == "site1")
+        namespace = f"isthmus-{job}-site1"
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", namespace, sys.executable, "-c", SERVER, "0.0.0.0", str(PORT)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            client = [sys.executable, "-c", CLIENT, address, str(PORT), str(64 << 20)]
+            done = subprocess.run(
+                ["ip", "netns", "exec", f"isthmus-{job}-site0", *client],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            got = json.loads(done.stdout)
+        finally:
+            server.kill()
+            server.wait()
+        # 102.04 km = 0.5 ms one way: the issue's bound, max(5 %, 0.2 ms) of the RTT.
+        assert got["rtt_s"] == pytest.approx(1e-3, abs=0.2e-3), got
+        mbit = (64 << 20) * 8 / (got["bulk_s"] - 1e-3) / 1e6
+        assert mbit == pytest.approx(2000, rel=0.10), got
+
+        link = control_request(control, "GET", "/links")["site0-site1"]
+        assert link["stats"]["a_to_b"]["bytes_delivered"] >= 64 << 20
+        assert {entry["kind"] for entry in link["listeners"]} == {"transparent"}
+        t0 = time.monotonic()
+        changed = control_request(control, "POST", "/links/site0-site1", {"bandwidth_mbit": 50})
+        assert time.monotonic() - t0 < 1.0  # the issue: `wan set` answers within a second
+        assert changed["spec"]["b_to_a"]["bandwidth_mbit"] == 50
+        shown = subprocess.run(
+            [*WAN, "show", "--control", control], capture_output=True, text=True, timeout=30
+        )
+        assert "site0 -> site1" in shown.stdout and "50 Mbit/s" in shown.stdout, shown.stdout
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=30) == 0
+    finally:
+        if cli.poll() is None:
+            cli.kill()
     nothing_left(job)
 
 

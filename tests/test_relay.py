@@ -114,7 +114,7 @@ def test_ping_pong_rtt(relay) -> None:
                 assert s.recv(16) == b"ping"
                 if i >= 5:  # warm-up: connection to the target, first scheduling
                     rtts.append(time.monotonic() - t0)
-        # 10%: asyncio rounds sleeps up to the next millisecond (about +0.5 ms per hop).
+        # 10%, a loose bound here: tests/test_wan_fidelity.py holds the tighter one.
         assert statistics.median(rtts) == pytest.approx(spec.rtt_s, rel=0.10)
         assert min(rtts) >= spec.rtt_s * 0.99  # never faster than light
     finally:
@@ -185,11 +185,10 @@ def test_stalled_receiver_bounds_bytes_in_flight(relay) -> None:
             except BlockingIOError:
                 time.sleep(0.01)
         # What may hold bytes, largest first, in KiB: the relay's own window beyond the
-        # link (256) and its StreamReader (<= 128 + one 256 recv), kernel buffers that
-        # Linux doubles (sender SO_SNDBUF 128, relay in 256, relay out 256, sink 128),
-        # the link itself (50 Mbit/s * 10 ms = 61 + queue 64), a piece in hand (64) and
-        # the transport's write buffer (64 + a piece): ~2 MiB; 4 MiB leaves slack for
-        # loopback accounting, far below the 32 MiB the sender tries.
+        # link (256, its pipes), kernel buffers that Linux doubles (sender SO_SNDBUF
+        # 128, relay in 256, relay out 256, sink 128) and the link itself (50 Mbit/s *
+        # 10 ms = 61 + queue 64): ~1.2 MiB; 4 MiB leaves slack for loopback
+        # accounting, far below the 32 MiB the sender tries.
         assert accepted < 4 << 20, accepted
         assert link.stats()["a_to_b"]["inflight_bytes"] <= spec.a_to_b.inflight_limit_bytes
         s.close()
