@@ -8,7 +8,8 @@
 # scaling curve (benchmarks/scaling_curve.py: one site, two sites, the plan), then the
 # old tree's two-site run at the same batch (OLD_TREE imported as `isthmus`, as in
 # lanes_side_by_side.sh). Prints each run's steady-state figures and writes them to
-# $OUT/headline.json. STEPS (default 10) and WARMUP (3) as in gpu_runs.sh.
+# $OUT/headline.json. STEPS (default 10), WARMUP (3) and EXTRA (more --set options for
+# every run, e.g. "--set parallel.activation_checkpoint=true") as in gpu_runs.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 old=${1:?usage: $0 OLD_TREE}
@@ -22,7 +23,9 @@ warmup=${WARMUP:-3}
 shim=$(mktemp -d)
 trap 'rm -rf "$shim"' EXIT
 ln -s "$(cd "$old" && pwd)" "$shim/isthmus"
-link=(--set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 --set topology.device=cuda)
+# shellcheck disable=SC2206  # EXTRA is split into words on purpose
+link=(--set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 --set topology.device=cuda
+      ${EXTRA:-})
 for batch in ${BATCHES:-8 16}; do
   python3 benchmarks/scaling_curve.py --out "$out/new" --batches "$batch" --preset 1b \
     --seq 2048 --sites 2 --ranks-per-site "$site_gpus" --codec "$codec" --steps "$steps" \
