@@ -38,8 +38,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-
-import grpc
+from typing import Any
 
 CHUNK = 1 << 20
 GRPC_MESSAGE = 4 << 20
@@ -95,8 +94,15 @@ def _grpc_sink(requests, context) -> bytes:
     return STATS.pack(max(total, 0), last - first)
 
 
-def serve() -> None:
+def serve(with_grpc: bool) -> None:
     """Run the servers; print their ports as one JSON line; exit when stdin closes."""
+    ports = {"sink": _serve_tcp(_sink), "echo": _serve_tcp(_echo)}
+    if not with_grpc:
+        print(json.dumps(ports), flush=True)
+        sys.stdin.read()
+        return
+    import grpc
+
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     handlers = {
         "Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
@@ -105,7 +111,7 @@ def serve() -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.P", handlers),))
     grpc_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    ports = {"sink": _serve_tcp(_sink), "echo": _serve_tcp(_echo), "grpc": grpc_port}
+    ports["grpc"] = grpc_port
     print(json.dumps(ports), flush=True)
     sys.stdin.read()
     server.stop(None)
@@ -145,7 +151,9 @@ def tcp_rtt(address: tuple[str, int], pings: int) -> float:
     return statistics.median(rtts) * 1e3
 
 
-def grpc_channel(port: int, proxy: str | None) -> grpc.Channel:
+def grpc_channel(port: int, proxy: str | None) -> Any:
+    import grpc
+
     options = list(GRPC_OPTIONS)
     if proxy is not None:
         options += [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", proxy)]
@@ -154,7 +162,7 @@ def grpc_channel(port: int, proxy: str | None) -> grpc.Channel:
     return grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
 
 
-def grpc_rate(channel: grpc.Channel, seconds: float) -> float:
+def grpc_rate(channel: Any, seconds: float) -> float:
     payload = b"g" * GRPC_MESSAGE
     end = time.monotonic() + seconds
 
@@ -166,7 +174,7 @@ def grpc_rate(channel: grpc.Channel, seconds: float) -> float:
     return total * 8 / ns if ns else 0.0
 
 
-def grpc_rtt(channel: grpc.Channel, pings: int) -> float:
+def grpc_rtt(channel: Any, pings: int) -> float:
     echo, rtts = channel.unary_unary("/probe.P/Echo"), []
     for i in range(3 + pings):
         t0 = time.perf_counter()
@@ -241,17 +249,19 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def _cell(value: float | None, spec: float | None) -> str:
+def _cell(value: float | None, spec: float | None, digits: int = 3) -> str:
     if value is None:
         return "-"
     if not spec:
-        return f"{value:.3g}"
-    return f"{value:.3g} ({(value / spec - 1) * 100:+.0f}%)"
+        return f"{value:.{digits}g}"
+    return f"{value:.{digits}g} ({(value / spec - 1) * 100:+.0f}%)"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gbit", type=_floats, default=[1, 10, 25], help="bandwidths, Gbit/s")
+    parser.add_argument(
+        "--gbit", type=_floats, default=[1, 10, 25], help="bandwidths, Gbit/s (0: unlimited)"
+    )
     parser.add_argument("--rtt-ms", type=_floats, default=[0.5, 1, 10, 100], help="RTTs, ms")
     parser.add_argument("--seconds", type=float, default=1.0, help="sending time per rate")
     parser.add_argument("--pings", type=int, default=15, help="ping-pongs per RTT median")
@@ -260,13 +270,12 @@ def main() -> int:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve()
+        serve(with_grpc=not args.no_grpc)
         return 0
     # no_proxy must not bypass the proxy (see sim/relay.py); gRPC reads the lower case.
     os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
+    serve_cmd = [sys.executable, __file__, "--serve", *(["--no-grpc"] if args.no_grpc else [])]
+    server = subprocess.Popen(serve_cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert server.stdout is not None
     ports = json.loads(server.stdout.readline())
     rows = []
@@ -277,19 +286,21 @@ def main() -> int:
         rows.append(row)
         gbit, rtt = row.get("spec_gbit"), row.get("spec_rtt_ms")
         cells = [
-            "direct" if gbit is None else f"{gbit:g}",
+            "direct" if gbit is None else f"{gbit:g}" if gbit else "unlimited",
             "-" if rtt is None else f"{rtt:g}",
             _cell(row.get("tcp_gbit"), gbit),
-            _cell(row.get("tcp_rtt_ms"), rtt),
+            _cell(row.get("tcp_rtt_ms"), rtt, 4),
             _cell(row.get("grpc_gbit"), gbit),
-            _cell(row.get("grpc_rtt_ms"), rtt),
+            _cell(row.get("grpc_rtt_ms"), rtt, 4),
         ]
         print("| " + " | ".join(cells) + " |", flush=True)
 
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         local = ("127.0.0.1",)
-        report(measure(args, (*local, ports["sink"]), (*local, ports["echo"]), ports["grpc"], None))
+        report(
+            measure(args, (*local, ports["sink"]), (*local, ports["echo"]), ports.get("grpc"), None)
+        )
         emulator = Emulator(ports, Path(tmp))
         try:
             for gbit in args.gbit:
@@ -299,7 +310,7 @@ def main() -> int:
                         args,
                         emulator.forwards[ports["sink"]],
                         emulator.forwards[ports["echo"]],
-                        ports["grpc"],
+                        ports.get("grpc"),
                         emulator.proxy,
                     )
                     report({"spec_gbit": gbit, "spec_rtt_ms": rtt_ms, "set_s": set_s, **row})

@@ -36,7 +36,7 @@ not hide an unbounded buffer behind the link's in-flight bound. A fast link's
 connections get up to `FAST_BUFFER_BYTES` (`DirectionPipe.socket_buffer_bytes`): each
 splice moves at most what one socket buffer holds, and at 25 Gbit/s 256 KiB lasts
 80 us."""
-FAST_BUFFER_BYTES = 1 << 20
+FAST_BUFFER_BYTES = 4 << 20
 HEADER_TIMEOUT_S = 10.0
 MAX_HEADER_BYTES = 64 * 1024
 CONNECT_TIMEOUT_S = 10.0

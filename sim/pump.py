@@ -48,6 +48,8 @@ PIPE_BYTES = (16 << 20, 4 << 20, 1 << 20)
 """Pipe sizes tried in turn (a privileged process may pass /proc/sys/fs/pipe-max-size)."""
 POOL_PIPES = 32
 """Empty pipes a pump keeps for reuse."""
+INTAKE_PIECES = 4
+"""Most pieces read from one sender per wake-up."""
 RECV_WINDOW_BYTES = 256 * 1024
 """Bytes per connection that may have crossed the link but wait for a slow receiver.
 Like a TCP receive window it lets a stalled receiver (or a stalled stream: a loss, a
@@ -400,35 +402,42 @@ class Pump:
             p.close()  # holds bytes nobody will read, or the pool is full
 
     def _intake(self, s: _Stream, now: float) -> None:
-        """Read one piece from the sender, as large as the link admits now."""
+        """Read pieces from the sender, each as large as the link admits, while it has
+        bytes (up to `INTAKE_PIECES`: a fast sender fills a socket buffer faster than
+        one poll round trip per piece would empty it)."""
         pipe = self._pipe
-        room, _ = pipe.room(now)
-        if room <= 0:
-            return
-        data: bytes | None = None
-        now = _arrival(s, now)
-        try:
-            if pipe.touches_bytes:
-                data = s.src.recv(room)
-                n = len(data)
-            else:
-                n = self._splice_in(s, room)
-        except BlockingIOError:
-            return
-        except OSError:
-            s.conn.fail()  # the sender reset: reset the receiver too
-            return
-        if n < 0:
-            return
-        if n == 0:
-            s.eof_read = True
-            piece = pipe.eof(now)
-            s.last = max(piece.at, s.last)
-            chunk = _Chunk(s.last)
-            chunk.eof = True
-            s.chunks.append(chunk)
-            return
-        self._admit(s, data, s.tail if data is None else None, n, now)
+        window = pipe.spec.inflight_limit_bytes + RECV_WINDOW_BYTES
+        for _ in range(INTAKE_PIECES):
+            room, _ = pipe.room(now)
+            if room <= 0 or s.unwritten > window:
+                return
+            data: bytes | None = None
+            now = _arrival(s, now)
+            try:
+                if pipe.touches_bytes:
+                    data = s.src.recv(room)
+                    n = len(data)
+                else:
+                    n = self._splice_in(s, room)
+            except BlockingIOError:
+                return
+            except OSError:
+                s.conn.fail()  # the sender reset: reset the receiver too
+                return
+            if n < 0:
+                return
+            if n == 0:
+                s.eof_read = True
+                piece = pipe.eof(now)
+                s.last = max(piece.at, s.last)
+                chunk = _Chunk(s.last)
+                chunk.eof = True
+                s.chunks.append(chunk)
+                return
+            self._admit(s, data, s.tail if data is None else None, n, now)
+            if n < room:
+                return  # the socket is empty (or the pipe full): poll again
+            now = time.monotonic()
 
     def _splice_in(self, s: _Stream, want: int) -> int:
         """Splice up to `want` bytes into the stream's tail pipe; -1 if none waited."""
