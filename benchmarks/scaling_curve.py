@@ -146,6 +146,7 @@ def prediction(config: JobConfig, one: dict, multi: dict) -> dict:
         bandwidth_bps=config.wan.bandwidth_mbit * 1e6,
         rtt_s=2 * config.one_way_latency_s,
         rounds=rounds,
+        window=config.sync.rounds_in_flight,
         chunk_bytes=float(config.chunk_bytes),
         overlap=(rounds - 1) / rounds,
         backward_share=0.75 if config.parallel.activation_checkpoint else 2 / 3,

@@ -93,7 +93,12 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
     add("--distance-km", type=float, default=1000.0, help="fiber distance between sites")
     add("--rtt-ms", type=float, default=None, help="round-trip time; overrides --distance-km")
     add("--rounds", type=int, default=None, help="cross-site rounds (FSDP groups) per step")
-    add("--window", type=int, default=1, help="rounds in flight at once")
+    add(
+        "--window",
+        type=int,
+        default=None,
+        help="rounds in flight at once (default 1 for the 340B, sync.rounds_in_flight with --preset)",
+    )
     add("--chunk-mib", type=float, default=None, help="chunk of a round, MiB")
     add(
         "--overlap",
@@ -161,6 +166,7 @@ def preset_input(
         "rounds": rounds,
         "overlap": (rounds - 1) / rounds,
         "chunk_bytes": float(config.chunk_bytes),
+        "window": config.sync.rounds_in_flight,
         "gradient_bytes_per_param": 4.0,  # fp32 shards cross sites (reduce_dtype fp32)
         "bandwidth_bps": bandwidth_bps,
         "rtt_s": rtt_s,
