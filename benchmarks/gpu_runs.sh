@@ -12,10 +12,12 @@
 # (default "4 8 16", x 2048 tokens) one site of SITE_GPUS GPUs, then two such sites,
 # STEPS steps each (default 12; the first WARMUP, default 3, are left out of the steady
 # state), and print one site's and two sites' tokens/s, the scaling efficiency, the
-# exposed sync per step and the planning model's prediction; OUT/<mode>/scaling_curve.json
-# holds it all. Finished runs are kept and not run again, so a curve can be completed
-# over several calls (BATCHES="4 8", then BATCHES="16"). EXTRA adds --set options to
-# every run, e.g. EXTRA="--set parallel.activation_checkpoint=true" for large batches.
+# exposed sync per step and the planning model's prediction; OUT/<mode>.json holds it
+# all, OUT/<mode>.txt the table. The runs' own directories go to RUNS (default
+# /tmp/isthmus-runs/<mode>), where finished runs are not run again. About a minute or
+# two per run (start-up and compilation dominate): to stay inside one 10-minute call,
+# split a curve (BATCHES="4 8", then BATCHES="16"). EXTRA adds --set options to every
+# run, e.g. EXTRA="--set parallel.activation_checkpoint=true" for large batches.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-gpu-results}
@@ -48,7 +50,8 @@ case "${1:-}" in
     batches=${BATCHES:-4 8 16}
     # shellcheck disable=SC2206  # EXTRA is split into words on purpose
     extra=(${EXTRA:-})
-    python3 benchmarks/scaling_curve.py --out "$out/$1" --batches "${batches// /,}" \
+    python3 benchmarks/scaling_curve.py --out "${RUNS:-/tmp/isthmus-runs}/$1" \
+      --json "$out/$1.json" --batches "${batches// /,}" \
       --preset 1b --seq 2048 --sites 2 --ranks-per-site "$site_gpus" --codec "$codec" \
       --steps "${STEPS:-12}" --warmup "${WARMUP:-3}" \
       --set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 \

@@ -11,14 +11,15 @@ from the one-site run's measured compute and the job's link, codec and model.
         --preset 1b --seq 2048 --ranks-per-site 2 --codec int8 --steps 12 \\
         --set wan.bandwidth_mbit=10000 --set topology.device=cuda
 
-A run whose summary.json already exists under --out is not run again (so a curve can
-be finished over several calls); --tabulate-only runs nothing. Writes
-OUT/scaling_curve.json. benchmarks/gpu_runs.sh headline runs this on a GPU host.
+A run whose summary.json already exists under --out is not run again (an interrupted
+curve goes on where it stopped); --tabulate-only runs nothing. Writes
+OUT/scaling_curve.json (or --json). benchmarks/gpu_runs.sh headline runs this on a GPU host.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import subprocess
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="passed to every isthmus local run (the link: wan.bandwidth_mbit=10000)",
     )
+    p.add_argument(
+        "--json", type=Path, default=None, help="where the table goes (OUT/scaling_curve.json)"
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     p.add_argument("--tabulate-only", action="store_true", help="run nothing; read --out")
     return p.parse_args(argv)
@@ -78,13 +82,15 @@ def run_args(args: argparse.Namespace, sites: int, batch: int) -> list[str]:
     ]  # fmt: skip
 
 
-def run_dir(out: Path, sites: int, batch: int) -> Path:
-    return out / f"sites{sites}-batch{batch}"
+def run_dir(args: argparse.Namespace, sites: int, batch: int) -> Path:
+    """Where one run goes, named by its arguments: a run is reused only by the same run."""
+    digest = hashlib.sha1(" ".join(run_args(args, sites, batch)).encode()).hexdigest()[:8]
+    return args.out / f"sites{sites}-batch{batch}-{digest}"
 
 
 def run_once(args: argparse.Namespace, sites: int, batch: int) -> None:
     """One `isthmus local` run into its directory, unless it already finished."""
-    where = run_dir(args.out, sites, batch)
+    where = run_dir(args, sites, batch)
     if (where / "summary.json").exists():
         return
     cmd = [sys.executable, "-m", "isthmus.deploy.cli", "local", "--quiet", "--run-dir", str(where)]
@@ -168,9 +174,10 @@ def _wall(where: Path) -> float | None:
     return float(path.read_text()) if path.exists() else None
 
 
-def row(out: Path, sites: int, batch: int) -> dict | None:
+def row(args: argparse.Namespace, batch: int) -> dict | None:
     """One batch's figures, or None while one of its runs is missing."""
-    one_dir, multi_dir = run_dir(out, 1, batch), run_dir(out, sites, batch)
+    sites = args.sites
+    one_dir, multi_dir = run_dir(args, 1, batch), run_dir(args, sites, batch)
     if not ((one_dir / "summary.json").exists() and (multi_dir / "summary.json").exists()):
         return None
     one = json.loads((one_dir / "summary.json").read_text())
@@ -235,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"error: {exc}", file=sys.stderr, flush=True)
                     failed.append(batch)
                     break
-    rows = [r for r in (row(args.out, args.sites, b) for b in batches) if r is not None]
+    rows = [r for r in (row(args, b) for b in batches) if r is not None]
     if not rows:
         print(f"error: no batch has both runs under {args.out}", file=sys.stderr)
         return 1
@@ -252,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": args.overrides,
         "rows": rows,
     }
-    (args.out / "scaling_curve.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.json or args.out / "scaling_curve.json").write_text(json.dumps(result, indent=2) + "\n")
     return 1 if failed else 0
 
 

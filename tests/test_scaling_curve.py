@@ -60,3 +60,6 @@ def test_curve_of_one_site_against_two_at_two_batches(tmp_path):
     assert again.returncode == 0, again.stderr
     assert again.stdout == result.stdout
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/summary.json")} == stamps
+    # Runs are named by their arguments: other settings never reuse them.
+    other = curve(*args, "--tabulate-only", "--set", "train.lr=0.001")
+    assert other.returncode == 1 and "no batch has both runs" in other.stderr
