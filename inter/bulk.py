@@ -56,6 +56,7 @@ MAGIC = b"ISTHBULK"
 TICKET_BYTES = 32
 TICKET_TTL_S = 60.0
 HELLO_TIMEOUT_S = 10.0  # a connection that does not present its ticket in time is closed
+_LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
 OK, ACCEPTED, CORRUPT, REFUSED = 0, 1, 2, 3
 _LEN = struct.Struct("<I")
 _REFUSAL = struct.Struct("<BH")  # gRPC status code value, reason length
@@ -225,9 +226,17 @@ class BulkListener:
 
     @staticmethod
     def _refuse(conn: socket.socket, code: grpc.StatusCode, why: str) -> None:
+        """Sends the refusal, then closes without a reset: a close with unread data
+        would send RST, and the peer could lose the refusal with the connection."""
         reason = why.encode("utf-8", errors="replace")[:1024]
         with contextlib.suppress(OSError):
             conn.sendall(bytes([REFUSED]) + _REFUSAL.pack(code.value[0], len(reason)) + reason)
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(_LINGER_S)
+            deadline = time.monotonic() + _LINGER_S
+            sink = bytearray(1 << 16)
+            while time.monotonic() < deadline and conn.recv_into(sink):
+                pass  # what the peer still had in flight, until it closes too
 
     def drop_connections(self) -> None:
         """Closes every open connection; the listener stays, and peers dial again."""
@@ -390,6 +399,9 @@ class BulkConnection:
                     self._inflight.append(rnd)
                 _send_all(sock, [_LEN.pack(len(frame)), frame])
         except OSError as exc:
+            # The peer may have refused a frame and closed: its reason is what the
+            # rounds should hear, so the reader gets a moment to read it first.
+            reader.join(timeout=_LINGER_S)
             self._fail(BulkError(f"sending failed: {exc}"), sock)
 
     def _read_acks(self, sock: socket.socket) -> None:

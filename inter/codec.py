@@ -107,6 +107,13 @@ class CodecChain:
         ``payload`` (``raw``: no copy at all); raises CodecError."""
         return self.tensor.decode_array(self._unwrap(payload, num_elements), num_elements)
 
+    def decode_device(
+        self, payload: bytes | memoryview, num_elements: int, device: torch.device
+    ) -> torch.Tensor:
+        """Like :meth:`decode`, on ``device`` (byte stages run on the host first, then
+        only the tensor stage's bytes cross); raises CodecError."""
+        return self.tensor.decode_device(self._unwrap(payload, num_elements), num_elements, device)
+
     def _unwrap(self, payload: bytes | memoryview, num_elements: int) -> bytes | memoryview:
         if num_elements <= 0:
             raise CodecError(f"a chunk must hold at least one element, got {num_elements}")

@@ -34,7 +34,6 @@ import torch
 from isthmus.proto import lane_pb2
 
 from .codec import CodecChain, CodecError, crc32
-from .codecs.base import _pinned_buffer
 from .mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
 from .wire import Chunk, encode_chunk
 
@@ -153,16 +152,26 @@ class RoundPipeline:
         self.flat, self.step, self.group = flat, step, group
         self.average, self.stats = average, stats
         self.codec = view.codec
-        # A CPU tensor is read and written through numpy (no torch dispatch per chunk);
-        # a CUDA one goes through host copies.
+        # A CPU tensor is read and written through numpy (no torch dispatch per chunk).
+        # A CUDA one stays on its GPU: received bytes are decoded, summed and encoded
+        # there, on a stream of each pool thread's own (never the training's stream,
+        # whose queued backward would hold every copy back).
+        self.device = flat.device if flat.is_cuda else None
         self.host = None if flat.is_cuda else flat.numpy()
+        # A tensor divisor: torch divides by a Python number on CUDA as a multiplication
+        # by its reciprocal, which is not the host's IEEE division bit for bit.
+        self._sites = (
+            torch.tensor(float(view.num_sites), dtype=torch.float32, device=flat.device)
+            if flat.is_cuda
+            else None
+        )
         self.per = view.chunk_bytes // 4
         self.total = flat.numel()
         self.num_chunks = -(-self.total // self.per)
         self.where = f"site {view.site_index} step {step} group {group}"
         self.deadline = time.monotonic() + view.timeout_s
         self._lock = threading.Lock()  # parts and stats, shared by the pool's tasks
-        self._parts: dict[int, dict[int, np.ndarray]] = {}
+        self._parts: dict[int, dict[int, np.ndarray | torch.Tensor]] = {}
         self._tasks: list[futures.Future] = []
         self._errors: list[BaseException] = []
         self._failed = threading.Event()
@@ -221,7 +230,13 @@ class RoundPipeline:
         if self._failed.is_set():
             return
         try:
-            fn(*args)
+            if self.device is None:
+                fn(*args)
+            else:
+                stream = _lane_stream(self.device)
+                with torch.cuda.stream(stream):
+                    fn(*args)
+                stream.synchronize()  # the task's results are in place when it ends
         except BaseException as exc:
             with self._lock:
                 self._errors.append(exc)
@@ -289,9 +304,13 @@ class RoundPipeline:
         self._count(encode_s=time.perf_counter() - t0)
         return payload
 
-    def _decode(self, payload: bytes | memoryview, n: int) -> np.ndarray:
+    def _decode(self, payload: bytes | memoryview, n: int) -> np.ndarray | torch.Tensor:
+        """Host values (a CPU round) or values on the round's GPU."""
         t0 = time.perf_counter()
-        values = self.codec.decode_array(payload, n)
+        if self.device is None:
+            values = self.codec.decode_array(payload, n)
+        else:
+            values = self.codec.decode_device(payload, n, self.device)
         self._count(decode_s=time.perf_counter() - t0)
         return values
 
@@ -313,30 +332,23 @@ class RoundPipeline:
         )
         return encode_chunk(header, payload)
 
-    def _host(self, lo: int, hi: int) -> np.ndarray:
-        """Our own values of [lo, hi) on the host: a view of a CPU tensor, else a copy."""
-        if self.host is not None:
-            return self.host[lo:hi]
-        return self.flat[lo:hi].cpu().numpy()
+    def _own(self, lo: int, hi: int) -> np.ndarray | torch.Tensor:
+        """Our own values of [lo, hi), where they lie (a view, no copy)."""
+        return self.host[lo:hi] if self.host is not None else self.flat[lo:hi]
 
-    def _store(self, lo: int, hi: int, values: np.ndarray) -> None:
+    def _store(self, lo: int, hi: int, values: np.ndarray | torch.Tensor) -> None:
         """Writes final values into [lo, hi) of the round's tensor."""
         if self.host is not None:
-            if values is not self.host[lo:hi]:
-                np.copyto(self.host[lo:hi], values)
-            return
-        # CUDA: through this thread's pinned buffer (a read-only view cannot become a
-        # tensor without a warning, and a pinned source makes the copy a plain DMA).
-        staging = _pinned_buffer(torch.float32, hi - lo)
-        np.copyto(staging.numpy(), values)
-        self.flat[lo:hi].copy_(staging)
+            np.copyto(self.host[lo:hi], values)
+        elif values.data_ptr() != self.flat[lo:hi].data_ptr():
+            self.flat[lo:hi].copy_(values)
 
     def _contribute(self, c: int, owner: int) -> None:
         lo, hi = self._bounds(c)
         me = self.view.site_index
         if owner == me and not self.codec.lossy:
             # Lossless: decode(encode(x)) is x, so skip both.
-            self._add_part(c, owner, self._host(lo, hi))
+            self._add_part(c, owner, self._own(lo, hi))
             return
         # Error-feedback state is per lane (this object), group and chunk.
         payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}")
@@ -368,7 +380,10 @@ class RoundPipeline:
         else:
             self._add_part(c, sender, values)
 
-    def _add_part(self, c: int, site: int, values: np.ndarray) -> None:
+    def _add_part(self, c: int, site: int, values: np.ndarray | torch.Tensor) -> None:
+        if self.device is not None:
+            # Another thread may sum it on its own stream: the values must be complete.
+            torch.cuda.current_stream(self.device).synchronize()
         with self._lock:
             parts = self._parts[c]
             parts[site] = values
@@ -377,30 +392,39 @@ class RoundPipeline:
             del self._parts[c]
         self._reduce(c, parts)
 
-    def _reduce(self, c: int, parts: dict[int, np.ndarray]) -> None:
+    def _reduce(self, c: int, parts: dict[int, np.ndarray | torch.Tensor]) -> None:
         lo, hi = self._bounds(c)
         sites = self.view.num_sites
         # The sum goes where the result belongs. Our own part may be that very memory:
         # fine as one of the first two addends (an element-wise add into its own input),
-        # not later.
-        out = self.host[lo:hi] if self.host is not None else np.empty(hi - lo, np.float32)
-        for s in range(2, sites):
-            if np.may_share_memory(parts[s], out):  # would be overwritten before added
-                parts[s] = parts[s].copy()
-        # Fixed site order: float addition is not associative, and every site must
-        # see the same bits.
-        np.add(parts[0], parts[1], out=out)
-        for s in range(2, sites):
-            np.add(out, parts[s], out=out)
-        if self.average:
-            np.divide(out, np.float32(sites), out=out)
-        payload = self._encode(torch.from_numpy(out), f"g{self.group}/r{c}")
-        frame = self._frame(_RESULT, c, payload)  # copies the payload: ``out`` may change
+        # not later. Fixed site order: float addition is not associative, and every
+        # site must see the same bits.
+        if self.host is not None:
+            out = self.host[lo:hi]
+            for s in range(2, sites):
+                if np.may_share_memory(parts[s], out):
+                    parts[s] = parts[s].copy()
+            np.add(parts[0], parts[1], out=out)
+            for s in range(2, sites):
+                np.add(out, parts[s], out=out)
+            if self.average:
+                np.divide(out, np.float32(sites), out=out)
+            summed = torch.from_numpy(out)
+        else:
+            summed = self.flat[lo:hi]
+            for s in range(2, sites):
+                if parts[s].data_ptr() == summed.data_ptr():
+                    parts[s] = parts[s].clone()
+            torch.add(parts[0], parts[1], out=summed)
+            for s in range(2, sites):
+                summed.add_(parts[s])
+            if self.average:
+                summed.div_(self._sites)
+        payload = self._encode(summed, f"g{self.group}/r{c}")
+        frame = self._frame(_RESULT, c, payload)  # copies the payload: it may change
         if self.codec.lossy:
             # Every site, the owner too, keeps decode(result).
             self._store(lo, hi, self._decode(payload, hi - lo))
-        elif self.host is None:
-            self._store(lo, hi, out)
         self.outbox.put((self.step, self.group, _RESULT, c), frame, self.peers)
         for rnd in self._rounds.values():
             rnd.send(frame)
@@ -439,6 +463,20 @@ class RoundPipeline:
             if not problem.startswith("crc32 mismatch"):
                 raise CrossSiteError(f"{self.where}: pulled chunk {c}: {problem}")
             self._count(corrupt_chunks=1)  # corrupt again on the way back: ask again
+
+
+_streams = threading.local()
+
+
+def _lane_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's own CUDA stream on ``device`` (made once)."""
+    streams = getattr(_streams, "by_device", None)
+    if streams is None:
+        streams = _streams.by_device = {}
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def describe(site: int, exc: BaseException) -> str:

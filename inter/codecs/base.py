@@ -22,6 +22,7 @@ __all__ = [
     "check_size",
     "crc32",
     "to_host_bytes",
+    "to_device",
     "to_host_view",
 ]
 
@@ -123,6 +124,19 @@ def to_host_view(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B").toreadonly()
 
 
+def to_device(payload: bytes | memoryview, device: torch.device) -> torch.Tensor:
+    """Copies ``payload`` to a new uint8 tensor on ``device`` through this thread's
+    pinned buffer (a blocking copy on the current stream: the buffer is free after)."""
+    size = len(payload)
+    if torch.device(device).type == "cpu":  # a copy, so the tensor owns its memory
+        return torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+    staging = _pinned_buffer(torch.uint8, size)
+    np.copyto(staging.numpy(), np.frombuffer(payload, dtype=np.uint8))
+    out = torch.empty(size, dtype=torch.uint8, device=device)
+    out.copy_(staging)
+    return out
+
+
 def from_le(payload: bytes | memoryview, dtype: np.dtype) -> np.ndarray:
     """A read-only view of little-endian ``payload`` as ``dtype`` (native order)."""
     array = np.frombuffer(payload, dtype=np.dtype(dtype).newbyteorder("<"))
@@ -156,6 +170,14 @@ class TensorStage(Protocol):
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
         """Decodes to 1-D native fp32 values, possibly a read-only view of ``payload``
         (no copy where the wire already holds fp32); raises CodecError."""
+        ...
+
+    def decode_device(
+        self, payload: bytes | memoryview, num_elements: int, device: torch.device
+    ) -> torch.Tensor:
+        """Decodes on ``device``: only the encoded bytes cross to it (a CUDA lane's
+        sums and results never pass through host fp32). Same values, bit for bit, as
+        :meth:`decode` (one IEEE operation per element either way); raises CodecError."""
         ...
 
 

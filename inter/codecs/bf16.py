@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import check_chunk, check_size, from_le, to_host_view
+from .base import check_chunk, check_size, from_le, to_device, to_host_view
 
 __all__ = ["Bf16Stage"]
 
@@ -36,3 +36,10 @@ class Bf16Stage:
         # bf16 is the top half of fp32: widening is exact and needs no rounding.
         bits = from_le(payload, np.uint16).astype(np.uint32) << 16
         return bits.view(np.float32)
+
+    def decode_device(
+        self, payload: bytes | memoryview, num_elements: int, device: torch.device
+    ) -> torch.Tensor:
+        """See :meth:`TensorStage.decode_device` (widening is exact)."""
+        check_size("bf16", payload, self.encoded_size(num_elements), num_elements)
+        return to_device(payload, device).view(torch.bfloat16).to(torch.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import check_chunk, check_size, from_le, to_host_view
+from .base import check_chunk, check_size, from_le, to_device, to_host_view
 
 __all__ = ["Fp32Stage"]
 
@@ -38,3 +38,10 @@ class Fp32Stage:
         expected = self.encoded_size(num_elements)
         check_size("raw", payload, expected, num_elements)
         return from_le(payload, np.float32)
+
+    def decode_device(
+        self, payload: bytes | memoryview, num_elements: int, device: torch.device
+    ) -> torch.Tensor:
+        """See :meth:`TensorStage.decode_device`."""
+        check_size("raw", payload, self.encoded_size(num_elements), num_elements)
+        return to_device(payload, device).view(torch.float32)

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 
-from .base import check_chunk, check_size, from_le, to_host_view
+from .base import check_chunk, check_size, from_le, to_device, to_host_view
 
 __all__ = ["Int8Stage"]
 
@@ -89,6 +89,15 @@ class Int8Stage:
         (scale,) = _SCALE.unpack_from(payload)
         q = from_le(payload[_SCALE.size :], np.int8)
         return q.astype(np.float32) * np.float32(scale)
+
+    def decode_device(
+        self, payload: bytes | memoryview, num_elements: int, device: torch.device
+    ) -> torch.Tensor:
+        """See :meth:`TensorStage.decode_device`: fp32(q) x scale, as on the host."""
+        check_size("int8", payload, self.encoded_size(num_elements), num_elements)
+        raw = to_device(payload, device)
+        scale = raw[: _SCALE.size].view(torch.float32)  # the wire is little-endian
+        return raw[_SCALE.size :].view(torch.int8).to(torch.float32) * scale
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Returns a copy of the residuals by key (CPU tensors, for a checkpoint)."""
