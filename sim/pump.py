@@ -16,6 +16,8 @@ pipe to the receiver's socket, unless an impairment must read or change them
 into Python and writes them back. Both kinds may alternate on one stream when the
 impairments change; their order is kept.
 
+The per-connection state (sockets, delay line, pipes) is in `sim/stream.py`.
+
 Threads, not processes: `splice`, `poll` and `send` release the GIL and the Python
 work is a few microseconds per piece of up to 1 MiB, so the two pumps of a link, its
 listeners and the control endpoint share one process without waiting on each other.
@@ -24,28 +26,22 @@ listeners and the control endpoint share one process without waiting on each oth
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import math
 import os
 import select
 import socket
-import struct
-import termios
 import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 from .clock import Timer, precise_thread, spin_for
+from .stream import Chunk, Connection, KernelPipe, Stream, arrival, unread
 
 if TYPE_CHECKING:
     from .link import DirectionPipe
 
 __all__ = ["RECV_WINDOW_BYTES", "Connection", "Pump"]
 
-_F_SETPIPE_SZ = 1031  # linux/fcntl.h
-PIPE_BYTES = (16 << 20, 4 << 20, 1 << 20)
-"""Pipe sizes tried in turn (a privileged process may pass /proc/sys/fs/pipe-max-size)."""
 POOL_PIPES = 32
 """Empty pipes a pump keeps for reuse."""
 INTAKE_PIECES = 4
@@ -57,144 +53,7 @@ flap) hold its own data without holding the link's shared in-flight budget, whic
 released when bytes leave the wire."""
 _SPLICE = os.SPLICE_F_NONBLOCK | os.SPLICE_F_MOVE
 _IN, _OUT = select.POLLIN | select.POLLHUP | select.POLLERR, select.POLLOUT
-_SO_TIMESTAMPNS = 35  # asm-generic/socket.h; the cmsg type is the same number
-_TIMESPEC = struct.Struct("qq")
 _JOIN_S = 10.0
-
-
-class Connection:
-    """Two sockets carried across a link, one stream each way; closes them when both
-    streams are done, with RST if the connection failed (either side failed, or an
-    impairment reset it) and an orderly close otherwise."""
-
-    def __init__(self, a: socket.socket, b: socket.socket) -> None:
-        self.socks = (a, b)
-        self.failed = False
-        self._lock = threading.Lock()
-        self._carriers = 2  # one stream per direction
-        self._pumps: list[Pump] = []
-
-    def attach(self, pump: Pump) -> None:
-        with self._lock:
-            self._pumps.append(pump)
-
-    def fail(self) -> None:
-        """Reset both sides: every pump carrying the connection drops it."""
-        with self._lock:
-            self.failed = True
-            pumps = list(self._pumps)
-        for pump in pumps:
-            pump.wake()
-
-    def release(self) -> None:
-        """One direction is done with the sockets; the last one closes them."""
-        with self._lock:
-            self._carriers -= 1
-            if self._carriers != 0:
-                return
-        for sock in self.socks:
-            if self.failed:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            sock.close()
-
-
-class _Pipe:
-    """A kernel pipe holding spliced bytes of one stream, in order."""
-
-    __slots__ = ("r", "w", "held", "full")
-
-    def __init__(self) -> None:
-        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        for size in PIPE_BYTES:
-            try:
-                fcntl.fcntl(self.w, _F_SETPIPE_SZ, size)
-                break
-            except OSError:
-                continue
-        self.held = 0
-        self.full = False
-
-    def close(self) -> None:
-        os.close(self.r)
-        os.close(self.w)
-
-
-class _Chunk:
-    """One piece in the delay line: `left` bytes due at `due`, in a pipe or in `data`."""
-
-    __slots__ = (
-        "due",
-        "left",
-        "pipe",
-        "data",
-        "offset",
-        "slices",
-        "slice_i",
-        "gap",
-        "eof",
-        "reset",
-    )
-
-    def __init__(self, due: float, left: int = 0, pipe: _Pipe | None = None) -> None:
-        self.due = due
-        self.left = left
-        self.pipe = pipe
-        self.data: memoryview | None = None
-        self.offset = 0
-        self.slices: list[int] | None = None
-        self.slice_i = 0
-        self.gap = 0.0
-        self.eof = False
-        self.reset = False
-
-
-class _Stream:
-    """One connection's bytes in one direction."""
-
-    __slots__ = (
-        "conn", "src", "dst", "sfd", "dfd", "chunks", "tail", "unwritten", "last",
-        "eof_read", "done", "readable", "blocked_out", "masks", "listening_since",
-    )  # fmt: skip
-
-    def __init__(self, conn: Connection, src: socket.socket, dst: socket.socket) -> None:
-        self.conn, self.src, self.dst = conn, src, dst
-        self.sfd, self.dfd = src.fileno(), dst.fileno()
-        self.chunks: deque[_Chunk] = deque()
-        self.tail: _Pipe | None = None
-        self.unwritten = 0  # admitted, not yet written to the receiver
-        self.last = 0.0  # arrivals stay in order per connection even if delays drop
-        self.eof_read = self.done = self.readable = self.blocked_out = False
-        self.masks = [0, 0]  # registered poll events of src, dst
-        self.listening_since = 0.0  # when the pump began to wait for src's bytes
-        with contextlib.suppress(OSError):  # kernel receive times, for _arrival
-            src.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-
-
-def _arrival(s: _Stream, now: float) -> float:
-    """When the bytes waiting in `s.src` reached the relay: the kernel's receive time
-    of the first of them, but no earlier than the pump began to wait for them (bytes
-    left in the socket while the link was full start when it has room), else `now`.
-
-    The pump notices bytes 15-200 us after they arrive (a thread's wake-up, longer
-    after an idle stretch); counting the link's delay from `now` added that to every
-    crossing, so to every round trip twice."""
-    try:
-        _, ancillary, _, _ = s.src.recvmsg(1, 64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except OSError:
-        return now
-    for level, kind, value in ancillary:
-        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
-            sec, nsec = _TIMESPEC.unpack(value[: _TIMESPEC.size])
-            mono, wall = time.monotonic(), time.time()  # read together: wall -> monotonic
-            return min(mono, max(mono - (wall - (sec + nsec * 1e-9)), s.listening_since))
-    return now
-
-
-def _unread(fd: int) -> int:
-    """Bytes waiting in a socket's receive queue."""
-    buf = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
-    return struct.unpack("i", buf)[0]
 
 
 class Pump:
@@ -211,7 +70,7 @@ class Pump:
         self._thread: threading.Thread | None = None
         self._closed = self._reset_all = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._pool: list[_Pipe] = []
+        self._pool: list[KernelPipe] = []
 
     def add(self, conn: Connection, src: socket.socket, dst: socket.socket, first: bytes) -> None:
         """Carry `src` -> `dst` (both non-blocking) until EOF or failure."""
@@ -266,8 +125,8 @@ class Pump:
         poller.register(self._wake_fd, select.POLLIN)
         if timer.fd is not None:
             poller.register(timer.fd, select.POLLIN)
-        streams: list[_Stream] = []
-        by_fd: dict[int, tuple[_Stream, int]] = {}  # fd -> (stream, 0 = its src, 1 = dst)
+        streams: list[Stream] = []
+        by_fd: dict[int, tuple[Stream, int]] = {}  # fd -> (stream, 0 = its src, 1 = dst)
         events: list[tuple[int, int]] = []
         pipe = self._pipe
         try:
@@ -281,7 +140,7 @@ class Pump:
                     break
                 now = time.monotonic()
                 for conn, src, dst, first in incoming:
-                    s = _Stream(conn, src, dst)
+                    s = Stream(conn, src, dst)
                     streams.append(s)
                     by_fd[s.sfd], by_fd[s.dfd] = (s, 0), (s, 1)
                     if first:
@@ -364,7 +223,7 @@ class Pump:
                 return events
 
     @staticmethod
-    def _register(poller: select.poll, s: _Stream, side: int, mask: int) -> None:
+    def _register(poller: select.poll, s: Stream, side: int, mask: int) -> None:
         if s.masks[side] == mask:
             return
         fd = s.sfd if side == 0 else s.dfd
@@ -378,7 +237,7 @@ class Pump:
             poller.modify(fd, mask)
         s.masks[side] = mask
 
-    def _drop(self, s: _Stream, poller: select.poll, by_fd: dict) -> None:
+    def _drop(self, s: Stream, poller: select.poll, by_fd: dict) -> None:
         for side in (0, 1):
             self._register(poller, s, side, 0)
         by_fd.pop(s.sfd, None)
@@ -391,17 +250,17 @@ class Pump:
         s.chunks.clear()
         s.conn.release()
 
-    def _new_pipe(self) -> _Pipe:
-        return self._pool.pop() if self._pool else _Pipe()
+    def _new_pipe(self) -> KernelPipe:
+        return self._pool.pop() if self._pool else KernelPipe()
 
-    def _recycle(self, p: _Pipe) -> None:
+    def _recycle(self, p: KernelPipe) -> None:
         if p.held == 0 and len(self._pool) < POOL_PIPES:
             p.full = False
             self._pool.append(p)
         else:
             p.close()  # holds bytes nobody will read, or the pool is full
 
-    def _intake(self, s: _Stream, now: float) -> None:
+    def _intake(self, s: Stream, now: float) -> None:
         """Read pieces from the sender, each as large as the link admits, while it has
         bytes (up to `INTAKE_PIECES`: a fast sender fills a socket buffer faster than
         one poll round trip per piece would empty it)."""
@@ -412,7 +271,7 @@ class Pump:
             if room <= 0 or s.unwritten > window:
                 return
             data: bytes | None = None
-            now = _arrival(s, now)
+            now = arrival(s, now)
             try:
                 if pipe.touches_bytes:
                     data = s.src.recv(room)
@@ -430,7 +289,7 @@ class Pump:
                 s.eof_read = True
                 piece = pipe.eof(now)
                 s.last = max(piece.at, s.last)
-                chunk = _Chunk(s.last)
+                chunk = Chunk(s.last)
                 chunk.eof = True
                 s.chunks.append(chunk)
                 return
@@ -439,14 +298,14 @@ class Pump:
                 return  # the socket is empty (or the pipe full): poll again
             now = time.monotonic()
 
-    def _splice_in(self, s: _Stream, want: int) -> int:
+    def _splice_in(self, s: Stream, want: int) -> int:
         """Splice up to `want` bytes into the stream's tail pipe; -1 if none waited."""
         if s.tail is None or s.tail.full:
             s.tail = self._new_pipe()
         try:
             n = os.splice(s.sfd, s.tail.w, want, flags=_SPLICE)
         except BlockingIOError:
-            if _unread(s.sfd) == 0:
+            if unread(s.sfd) == 0:
                 return -1
             # The socket has bytes, so the pipe is full (its slots, not its bytes: a
             # slot holds one socket buffer fragment): go on in a fresh pipe.
@@ -460,18 +319,18 @@ class Pump:
         return n
 
     def _admit(
-        self, s: _Stream, data: bytes | None, held: _Pipe | None, n: int, now: float
+        self, s: Stream, data: bytes | None, held: KernelPipe | None, n: int, now: float
     ) -> None:
         piece = self._pipe.admit(data, n, now)
         s.last = max(piece.at, s.last)
-        chunk = _Chunk(s.last, n, held)
+        chunk = Chunk(s.last, n, held)
         if data is not None:
             chunk.data = memoryview(piece.data or b"")
         chunk.slices, chunk.gap, chunk.reset = piece.slices, piece.slice_gap_s, piece.reset
         s.chunks.append(chunk)
         s.unwritten += n
 
-    def _deliver(self, s: _Stream, now: float) -> float:
+    def _deliver(self, s: Stream, now: float) -> float:
         """Write what is due to the receiver; return when the next piece is due
         (inf: nothing held, or the receiver is full and POLLOUT will tell)."""
         pipe = self._pipe
