@@ -250,7 +250,10 @@ def check_lane(lane: Lane, method: str, data: bytes, kind: str) -> None:
     assert status not in BAD, f"{method}: {status.name}: {replies}"
     assert time.monotonic() - start < DEADLINE_S
     if status == grpc.StatusCode.OK:
-        reply_type = lane_pb2.StatePiece if method == "PullState" else lane_pb2.ResendChunkResponse
+        reply_type = {
+            "PullState": lane_pb2.StatePiece,
+            "OpenBulk": lane_pb2.OpenBulkResponse,
+        }.get(method, lane_pb2.ResendChunkResponse)
         for r in replies:
             reply_type.FromString(r)
     else:
@@ -290,7 +293,10 @@ def test_pull_state(lane, request):
 
 
 @settings(max_examples=700, **SETTINGS)
-@given(data=st.data(), method=st.sampled_from(["PushChunks", "ResendChunk", "PullState"]))
+@given(
+    data=st.data(),
+    method=st.sampled_from(["PushChunks", "ResendChunk", "PullState", "OpenBulk"]),
+)
 def test_raw_bytes_to_every_lane_handler(lane, data, method):
     count("raw Lane")
     if method == "PushChunks":
@@ -306,7 +312,11 @@ def test_raw_bytes_to_every_lane_handler(lane, data, method):
             if all(_unparsable(m) for m in messages[:1]):
                 assert lane.state() == before
         return
-    valid = VALID_RESEND if method == "ResendChunk" else VALID_PULL
+    valid = {
+        "ResendChunk": VALID_RESEND,
+        "PullState": VALID_PULL,
+        "OpenBulk": st.just(lane_pb2.OpenBulkRequest()),  # a ticket, never a state change
+    }[method]
     payload = data.draw(raw_bytes(valid))
     check_lane(lane, method, payload, "unary_stream" if method == "PullState" else "unary_unary")
 
