@@ -88,16 +88,20 @@ def to_host_bytes(t: torch.Tensor) -> bytes:
     Returns:
         The elements' bytes, little-endian.
     """
+    array = _host_tensor(t).view(_AS_INT[t.element_size()]).numpy()
+    # Only a big-endian host pays for a byte swap; the wire is little-endian.
+    return (array if sys.byteorder == "little" else array.byteswap()).tobytes()
+
+
+def _host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous on the host: itself on CPU, a CUDA tensor in this thread's
+    pinned buffer (a blocking copy on the current stream)."""
     t = t.detach().contiguous()
     if t.device.type == "cuda":
         host = _pinned_buffer(t.dtype, t.numel())
         host.copy_(t)
-        t = host
-    elif t.device.type != "cpu":
-        t = t.cpu()
-    array = t.view(_AS_INT[t.element_size()]).numpy()
-    # Only a big-endian host pays for a byte swap; the wire is little-endian.
-    return (array if sys.byteorder == "little" else array.byteswap()).tobytes()
+        return host
+    return t if t.device.type == "cpu" else t.cpu()
 
 
 def to_host_view(t: torch.Tensor) -> memoryview:
@@ -111,16 +115,9 @@ def to_host_view(t: torch.Tensor) -> memoryview:
     Args:
         t: 1-D tensor of a 1-, 2- or 4-byte dtype on any device.
     """
-    t = t.detach().contiguous()
-    if t.device.type == "cuda":
-        host = _pinned_buffer(t.dtype, t.numel())
-        host.copy_(t)
-        t = host
-    elif t.device.type != "cpu":
-        t = t.cpu()
     if sys.byteorder != "little":
         return memoryview(to_host_bytes(t))
-    array = t.view(_AS_INT[t.element_size()]).numpy()
+    array = _host_tensor(t).view(_AS_INT[t.element_size()]).numpy()
     return memoryview(array).cast("B").toreadonly()
 
 
