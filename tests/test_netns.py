@@ -28,6 +28,9 @@ BANDWIDTH_BPS = 100e6  # low enough that a busy 2-core CI box still keeps up
 SPEC = LinkSpec.symmetric(latency_s=LATENCY_S, bandwidth_bps=BANDWIDTH_BPS)
 PORT = 7000  # each namespace is fresh, so a fixed port is free
 WAN = [sys.executable, "-m", "isthmus.deploy.wan_cmd"]  # `isthmus wan`, without torch
+# Timed endpoints run at the relay pumps' priority (sim/clock.py), as in
+# tests/test_wan_fidelity.py: other jobs on a shared machine then decide no figure.
+NICE = ["nice", "-n", "-10"]
 
 SERVER = r"""
 import socket, sys, threading
@@ -252,10 +255,12 @@ def test_cli_down_cleans_up_after_a_crash() -> None:
 @pytest.mark.timeout(120)
 def test_cli_up_serves_control_and_a_1_ms_link() -> None:
     job = job_name("g")
-    # `isthmus wan netns up` (wan_cmd adds --control to netns_cmd's command).
+    # `isthmus wan netns up` (wan_cmd adds --control to netns_cmd's command). A 4 MiB
+    # queue (32 ms at 1 Gbit/s) absorbs the sender's stalls when other jobs hold the
+    # cores; with the default 256 KiB (2 ms) the link idled through some of them.
     cli = subprocess.Popen(
         [*WAN, "netns", "up", "--sites", "2", "--job", job, "--control", "127.0.0.1:0",
-         "--distance-km", "102.04", "--bandwidth-mbit", "2000"],
+         "--distance-km", "102.04", "--bandwidth-mbit", "1000", "--queue-kib", "4096"],
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -267,16 +272,15 @@ def test_cli_up_serves_control_and_a_1_ms_link() -> None:
         control = next(line.split()[1] for line in lines if line.startswith("control"))
         address = next(line.split()[1] for line in lines if line.split()[0] == "site1")
         namespace = f"isthmus-{job}-site1"
+        serve = [*NICE, sys.executable, "-c", SERVER, "0.0.0.0", str(PORT)]
         server = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, sys.executable, "-c", SERVER, "0.0.0.0", str(PORT)],
-            stdout=subprocess.PIPE,
-            text=True,
+            ["ip", "netns", "exec", namespace, *serve], stdout=subprocess.PIPE, text=True
         )
         try:
             assert server.stdout.readline().strip() == "ready"
             client = [sys.executable, "-c", CLIENT, address, str(PORT), str(64 << 20)]
             done = subprocess.run(
-                ["ip", "netns", "exec", f"isthmus-{job}-site0", *client],
+                ["ip", "netns", "exec", f"isthmus-{job}-site0", *NICE, *client],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             assert done.returncode == 0, done.stderr
@@ -287,7 +291,7 @@ def test_cli_up_serves_control_and_a_1_ms_link() -> None:
         # 102.04 km = 0.5 ms one way: the issue's bound, max(5 %, 0.2 ms) of the RTT.
         assert got["rtt_s"] == pytest.approx(1e-3, abs=0.2e-3), got
         mbit = (64 << 20) * 8 / (got["bulk_s"] - 1e-3) / 1e6
-        assert mbit == pytest.approx(2000, rel=0.10), got
+        assert mbit == pytest.approx(1000, rel=0.10), got
 
         link = control_request(control, "GET", "/links")["site0-site1"]
         assert link["stats"]["a_to_b"]["bytes_delivered"] >= 64 << 20
