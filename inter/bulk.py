@@ -14,11 +14,17 @@ one connection, for as many rounds as the lane lives:
 * client -> server: ``MAGIC`` and a 32-byte ticket from the lane's ``OpenBulk`` RPC
   (that call is what the token authenticates; a ticket is single use and expires);
 * server -> client: one byte, ``OK``;
-* client -> server: frames, each ``u32 length`` (little-endian) + the message;
-* server -> client: one acknowledgement per frame, in order: ``ACCEPTED``,
-  ``CORRUPT`` (failed its checksum: the round pulls it again with ``ResendChunk``) or
-  ``REFUSED`` + ``u8`` gRPC status code + ``u16`` length + UTF-8 reason, after which
-  the server closes the connection, as a refused gRPC stream ends.
+* client -> server: frames, each a 12-byte record head (``u32`` length, ``u32``
+  CRC-32C of the message, ``u32`` CRC-32C of those 8 bytes; little-endian) and the
+  message. The message CRC covers the header fields too, which the payload's own
+  checksum does not: a flipped step or chunk index would misfile a chunk;
+* server -> client: one acknowledgement per frame, in order: ``ACCEPTED``, ``CORRUPT``
+  (the payload failed its checksum: the round pulls it again with ``ResendChunk``),
+  ``RESEND`` (the message failed the record's checksum: the client sends it again,
+  on the same connection) or ``REFUSED`` + ``u8`` gRPC status code + ``u16`` length +
+  UTF-8 reason, after which the server closes the connection, as a refused gRPC
+  stream ends. A record head that fails its own checksum is refused (DATA_LOSS):
+  the frame boundaries are lost.
 
 Payloads cross in the clear: a lane with mutual TLS refuses ``OpenBulk`` and its
 peers send on ``PushChunks`` inside TLS. Every read is bounded (frame length, hello
@@ -41,6 +47,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from .codecs.base import crc32 as crc32c
+
 __all__ = [
     "BulkConnection",
     "BulkError",
@@ -48,6 +56,7 @@ __all__ = [
     "BulkPeerRound",
     "BulkRefused",
     "Tickets",
+    "record_head",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,8 +66,8 @@ TICKET_BYTES = 32
 TICKET_TTL_S = 60.0
 HELLO_TIMEOUT_S = 10.0  # a connection that does not present its ticket in time is closed
 _LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
-OK, ACCEPTED, CORRUPT, REFUSED = 0, 1, 2, 3
-_LEN = struct.Struct("<I")
+OK, ACCEPTED, CORRUPT, REFUSED, RESEND = 0, 1, 2, 3, 4
+_HEAD = struct.Struct("<III")  # length, CRC-32C of the message, CRC-32C of the first 8 bytes
 _REFUSAL = struct.Struct("<BH")  # gRPC status code value, reason length
 
 
@@ -160,6 +169,8 @@ class BulkListener:
 
     def __init__(self, host: str, accept: Accept, max_frame: int, where: str) -> None:
         self.tickets = Tickets()
+        self.corrupt_frames = 0
+        """Frames that failed the record's checksum (each sent again by the peer)."""
         self._accept = accept
         self._max_frame = max_frame
         self._where = where
@@ -201,10 +212,15 @@ class BulkListener:
                 return
             conn.sendall(bytes([OK]))
             conn.settimeout(None)  # rounds may be minutes apart; the lane's stop closes it
-            head = bytearray(_LEN.size)
+            head = bytearray(_HEAD.size)
             while not self._stopped.is_set():
                 _read_exact(conn, memoryview(head))
-                (size,) = _LEN.unpack(head)
+                size, frame_crc, head_crc = _HEAD.unpack(head)
+                if crc32c(memoryview(head)[:8]) != head_crc:
+                    why = "a frame's record head failed its checksum: frame boundaries lost"
+                    log.warning("%s: bulk connection from %s: %s", self._where, peer, why)
+                    self._refuse(conn, grpc.StatusCode.DATA_LOSS, why)
+                    return
                 if size > self._max_frame:
                     why = f"frame of {size} bytes exceeds {self._max_frame}"
                     log.warning("%s: bulk frame from %s refused: %s", self._where, peer, why)
@@ -212,6 +228,12 @@ class BulkListener:
                     return
                 frame = bytearray(size)
                 _read_exact(conn, memoryview(frame))
+                if crc32c(frame) != frame_crc:
+                    with self._lock:
+                        self.corrupt_frames += 1
+                    log.warning("%s: a bulk frame from %s failed its checksum", self._where, peer)
+                    conn.sendall(bytes([RESEND]))
+                    continue
                 status, code, why = self._accept(memoryview(frame), peer)
                 if status == REFUSED:
                     self._refuse(conn, code or grpc.StatusCode.INVALID_ARGUMENT, why)
@@ -309,7 +331,7 @@ class BulkConnection:
         self._host, self._open_bulk, self._proxy, self._name = host, open_bulk, proxy, name
         self._cond = threading.Condition()
         self._queue: deque[tuple[BulkPeerRound, bytes]] = deque()
-        self._inflight: deque[BulkPeerRound] = deque()
+        self._inflight: deque[tuple[BulkPeerRound, bytes]] = deque()
         self._sock: socket.socket | None = None
         self._closed = False
         self._dial_lock = threading.Lock()
@@ -396,8 +418,8 @@ class BulkConnection:
                     return
                 with self._cond:
                     rnd, frame = self._queue.popleft()
-                    self._inflight.append(rnd)
-                _send_all(sock, [_LEN.pack(len(frame)), frame])
+                    self._inflight.append((rnd, frame))
+                _send_all(sock, [record_head(frame), frame])
         except OSError as exc:
             # The peer may have refused a frame and closed: its reason is what the
             # rounds should hear, so the reader gets a moment to read it first.
@@ -411,11 +433,18 @@ class BulkConnection:
                 _read_exact(sock, memoryview(status))
                 if status[0] == REFUSED:
                     raise _read_refusal(sock, status[0])
+                if status[0] not in (ACCEPTED, CORRUPT, RESEND):
+                    raise BulkError(f"unknown acknowledgement {status[0]}")
                 with self._cond:
-                    rnd = self._inflight.popleft() if self._inflight else None
-                if rnd is None:
+                    item = self._inflight.popleft() if self._inflight else None
+                    if item is not None and status[0] == RESEND:
+                        # Sent next; every frame already in flight is acknowledged
+                        # before it, so the in-flight order stays the ack order.
+                        self._queue.appendleft(item)
+                        self._cond.notify_all()
+                if item is None:
                     raise BulkError("acknowledgement for a frame never sent")
-                rnd.acknowledged(status[0])
+                item[0].acknowledged(status[0])
         except (OSError, BulkError, BulkRefused) as exc:
             self._fail(exc, sock)
 
@@ -428,7 +457,7 @@ class BulkConnection:
         with self._cond:
             if sock is not None and self._sock is not sock:
                 return  # an older connection's late news
-            failed = {id(r): r for r in self._inflight}
+            failed = {id(r): r for r, _ in self._inflight}
             if queued_too:
                 failed.update((id(r), r) for r, _ in self._queue)
             self._inflight.clear()
@@ -455,6 +484,12 @@ class BulkConnection:
 
 
 _PENDING: socket.socket = object()  # type: ignore[assignment]  # dialling
+
+
+def record_head(frame: bytes) -> bytes:
+    """The 12 bytes that go before ``frame`` on a bulk connection (module docstring)."""
+    first = struct.pack("<II", len(frame), crc32c(frame))
+    return first + struct.pack("<I", crc32c(first))
 
 
 def _peer_closed(sock: socket.socket) -> bool:
@@ -494,6 +529,8 @@ class BulkPeerRound:
         self._error: BaseException | None = None
         self._taken = 0
         self.sent = 0
+        self.resent = 0
+        """Frames the peer received damaged and asked for again."""
 
     def send(self, frame: bytes) -> None:
         """Queues one serialized chunk; connections take turns. Thread-safe."""
@@ -515,7 +552,10 @@ class BulkPeerRound:
 
     def acknowledged(self, status: int) -> None:
         with self._cond:
-            self._taken += 1
+            if status == RESEND:
+                self.resent += 1  # the same frame goes again; one more ack to come
+            else:
+                self._taken += 1
             self._cond.notify_all()
 
     def failed(self, exc: BaseException) -> None:

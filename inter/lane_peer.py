@@ -96,6 +96,8 @@ class PeerRound:
         self._ended = False
         self._lock = threading.Lock()  # encode/decode pool threads send concurrently
         self.sent = 0
+        self.resent = 0
+        """Always 0 here: a damaged chunk is pulled again by the receiver instead."""
 
     def send(self, frame: bytes) -> None:
         """Queues one serialized chunk (:func:`~isthmus.inter.wire.encode_chunk`);

@@ -105,7 +105,7 @@ class RoundStats:
     """fp32 bytes of the whole round's buffer."""
     num_chunks: int = 0
     corrupt_chunks: int = 0
-    """Chunks that arrived failing their crc32 and were pulled again."""
+    """Chunks that arrived failing a checksum and were pulled or sent again."""
     wall_s: float = 0.0
     encode_s: float = 0.0
     """Seconds spent encoding, summed over the pool's threads."""
@@ -287,6 +287,8 @@ class RoundPipeline:
                     raise CrossSiteError(f"{self.where}: {describe(s, exc)}") from exc
             if took != rnd.sent:
                 raise CrossSiteError(f"{self.where}: site {s} took {took} of {rnd.sent} chunks")
+            if rnd.resent:  # damaged on the way (bulk frames): sent again, never summed
+                self._count(corrupt_chunks=rnd.resent)
 
     # -- tasks (pool threads) ------------------------------------------------------
 

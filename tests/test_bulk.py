@@ -17,7 +17,8 @@ from helpers import raw_chunk
 from test_allreduce import inputs, run_all, sites
 from test_security import job_dir  # noqa: F401 (a module fixture: certificates)
 
-from isthmus.inter.bulk import ACCEPTED, MAGIC, OK, REFUSED
+from isthmus.inter.bulk import ACCEPTED, MAGIC, OK, REFUSED, RESEND, record_head
+from isthmus.inter.codec import crc32
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.inter.security import SiteSecurity
@@ -61,7 +62,21 @@ def read_reply(sock: socket.socket) -> tuple[int, int | None, str]:
 
 
 def frame(msg: bytes) -> bytes:
-    return struct.pack("<I", len(msg)) + msg
+    return record_head(msg) + msg
+
+
+def oversized_head() -> bytes:
+    """A sound record head that announces a 1 GiB message."""
+    first = struct.pack("<II", 1 << 30, 0)
+    return first + struct.pack("<I", crc32(first))
+
+
+def torn_head() -> bytes:
+    """A record head with one bit of its length flipped: its own checksum fails."""
+    msg = raw_chunk().SerializeToString()
+    head = bytearray(record_head(msg))
+    head[0] ^= 0x01
+    return bytes(head) + msg
 
 
 def closed(sock: socket.socket) -> bool:
@@ -97,14 +112,15 @@ def test_a_connection_without_a_ticket_is_refused(lane, hello) -> None:
     "payload, code, words",
     [
         (frame(b"\x5a\xff\xff\xff\xff\x0f"), grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
-        (struct.pack("<I", 1 << 30), grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
+        (torn_head(), grpc.StatusCode.DATA_LOSS, "record head failed"),
+        (oversized_head(), grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
         (
             frame(raw_chunk(generation=0).SerializeToString()),
             grpc.StatusCode.FAILED_PRECONDITION,
             "generation 0 != receiver's 1",
         ),
     ],
-    ids=["malformed", "oversized", "wrong-generation"],
+    ids=["malformed", "torn-head", "oversized", "wrong-generation"],
 )
 def test_a_bad_frame_is_refused_with_its_reason_and_changes_nothing(
     lane, payload, code, words
@@ -117,6 +133,21 @@ def test_a_bad_frame_is_refused_with_its_reason_and_changes_nothing(
         assert (status, got) == (REFUSED, code.value[0]) and words in why, why
         assert closed(sock)
     assert len(lane.mailbox) == 0
+
+
+def test_a_damaged_frame_is_sent_again_and_only_the_intact_copy_is_taken(lane) -> None:
+    msg = raw_chunk().SerializeToString()
+    damaged = bytearray(msg)
+    damaged[3] ^= 0x04  # a header field: the payload's own checksum would not see it
+    port, tk = ticket(lane.address)
+    with connect(port, MAGIC + tk) as sock:
+        assert read_reply(sock)[0] == OK
+        sock.sendall(record_head(msg) + bytes(damaged))
+        assert read_reply(sock)[0] == RESEND
+        assert len(lane.mailbox) == 0 and lane._bulk.corrupt_frames == 1
+        sock.sendall(frame(msg))
+        assert read_reply(sock)[0] == ACCEPTED
+    assert lane.mailbox.keys() == [(0, 0, 1, 0, 1)]
 
 
 def test_open_bulk_needs_the_token(job_dir) -> None:  # noqa: F811

@@ -129,9 +129,10 @@ def test_relay_corruption_is_caught_and_the_result_stays_exact(
     # gRPC skips a proxy for hosts in no_proxy; name none so lanes cross the link.
     monkeypatch.setenv("no_grpc_proxy", "none.invalid")
     chunk = 256 * 1024
-    # ~1 flipped byte per 2 MB each way: payload bytes outnumber gRPC's framing
-    # ~1000 to 1, so with this seed every flip lands in a payload (a flip in framing
-    # would fail the stream, which this release does not retry).
+    # ~1 flipped byte per 2 MB each way. Chunks travel on the bulk port, whose frames
+    # carry a checksum over header and payload: a damaged frame is sent again (counted
+    # as a corrupt chunk), wherever the flip landed; only a flip in a 12-byte record
+    # head would fail the connection (its own checksum says the boundaries are lost).
     spec = LinkSpec.symmetric(latency_s=0.0005, impairments=(Corrupt(rate=5e-7),), seed=3)
     with RelayServer() as relay:
         link = relay.add_link("site0-site1", spec)
