@@ -17,6 +17,7 @@ import sys
 import threading
 
 from isthmus.sim import LinkSpec
+from isthmus.sim.control import DEFAULT_ADDRESS, parse_address
 from isthmus.sim.netns import DEFAULT_POOL, NetnsError, teardown
 from isthmus.sim.transparent import TransparentWan
 
@@ -54,6 +55,12 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
     )
     up.add_argument("--job", default=DEFAULT_JOB, help="job name, 1-8 of [a-z0-9]")
     up.add_argument("--pool", default=DEFAULT_POOL, help="IPv4 network the sites' /24s come from")
+    up.add_argument(
+        "--control",
+        default=DEFAULT_ADDRESS,
+        metavar="HOST:PORT",
+        help="serve the control endpoint of `isthmus wan show/set` here (0: any port)",
+    )
     up.set_defaults(func=cmd_up)
     down = actions.add_parser(
         "down",
@@ -68,6 +75,7 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     try:
+        control = parse_address(args.control)
         spec = LinkSpec.from_distance(
             args.distance_km, args.bandwidth_mbit * 1e6, queue_bytes=args.queue_kib * 1024
         )
@@ -78,7 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        with TransparentWan(args.job, args.sites, spec) as wan:
+        with TransparentWan(args.job, args.sites, spec, control=control) as wan:
             print(
                 f"job {args.job}: {args.sites} site(s), every pair {args.distance_km:g} km "
                 f"({spec.a_to_b.latency_s * 1e3:.2f} ms one way), "
@@ -89,10 +97,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                     f"  {site.site}  {site.address:<15} {site.namespace:<24} "
                     f"{shlex.join(site.exec_prefix)} PROGRAM"
                 )
+            address = wan.control_address
+            print(f"control {address}  (isthmus wan show --control {address})")
             print("Ctrl-C to stop and remove everything.", flush=True)
             while not stop.wait(0.5):
                 pass
-    except (NetnsError, ValueError) as e:
+    except (NetnsError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"job {args.job}: removed", flush=True)

@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
 from isthmus.sim import (
-    LinkSpec,
     RelayServer,
     Topology,
     control_request,
-    is_loopback,
     load_topology,
 )
+from isthmus.sim.control import DEFAULT_ADDRESS, parse_address
 from isthmus.sim.topology import spec_to_table
 
 try:
@@ -39,7 +36,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-DEFAULT_CONTROL = "127.0.0.1:7407"
+DEFAULT_CONTROL = DEFAULT_ADDRESS
 EXIT_USAGE = 2  # as deploy/cli.py
 EXIT_INTERRUPTED = 130
 
@@ -73,17 +70,8 @@ def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> 
     wsub = wan.add_subparsers(dest="wan_command", metavar="COMMAND", required=True)
     from isthmus.deploy import netns_cmd
 
-    netns_cmd.register(wsub, formatter)
+    netns_cmd.register(wsub, formatter)  # `netns up` serves the control endpoint too
     control_help = "control endpoint of `isthmus wan up`, HOST:PORT on loopback"
-    # `netns up` serves the control endpoint of `up` too, so `show` and `set` work on it.
-    netns_up = _subparsers(wsub.choices["netns"]).choices["up"]
-    netns_up.add_argument(
-        "--control",
-        default=DEFAULT_CONTROL,
-        metavar="HOST:PORT",
-        help="serve the control endpoint of `isthmus wan show/set` here (0: any port)",
-    )
-    netns_up.set_defaults(func=cmd_netns_up)
 
     up = wsub.add_parser(
         "up",
@@ -185,51 +173,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         relay.close()
 
 
-def cmd_netns_up(args: argparse.Namespace) -> int:
-    """`isthmus wan netns up`: `netns_cmd.cmd_up` with the control endpoint of `up`."""
-    from isthmus.sim.netns import NetnsError
-    from isthmus.sim.transparent import TransparentWan
-
-    try:
-        control = _address(args.control, "--control")
-        spec = LinkSpec.from_distance(
-            args.distance_km, args.bandwidth_mbit * 1e6, queue_bytes=args.queue_kib * 1024
-        )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        with TransparentWan(args.job, args.sites, spec, control=control) as wan:
-            print(
-                f"job {args.job}: {args.sites} site(s), every pair {args.distance_km:g} km "
-                f"({spec.a_to_b.latency_s * 1e3:.2f} ms one way), "
-                f"{args.bandwidth_mbit:g} Mbit/s each way"
-            )
-            for site in wan.sites:
-                print(
-                    f"  {site.site}  {site.address:<15} {site.namespace:<24} "
-                    f"{shlex.join(site.exec_prefix)} PROGRAM"
-                )
-            address = wan.control_address
-            print(f"control {address}  (isthmus wan show --control {address})")
-            print("Ctrl-C to stop and remove everything.", flush=True)
-            while not stop.wait(0.5):
-                pass
-    except (NetnsError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"job {args.job}: removed", flush=True)
-    return 0
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
-    """The subcommands of `parser` (argparse keeps no public handle on them)."""
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-
-
 def cmd_show(args: argparse.Namespace) -> int:
     path = "/links" if args.link is None else f"/links/{args.link}"
     answer = _request(args.control, "GET", path)
@@ -282,12 +225,10 @@ def _parse_forward(text: str, topology: Topology) -> tuple[str, str, str, int]:
 
 
 def _address(text: str, flag: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise _error(f"{flag} expects HOST:PORT, got {text!r}")
-    if not is_loopback(host):
-        raise _error(f"{flag} {text!r}: only loopback addresses are allowed")
-    return host, int(port)
+    try:
+        return parse_address(text, flag)
+    except ValueError as exc:
+        raise _error(str(exc)) from None
 
 
 def _value(raw: str) -> Any:

@@ -27,6 +27,18 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 1 << 20
 REQUEST_TIMEOUT_S = 10.0
+DEFAULT_ADDRESS = "127.0.0.1:7407"
+"""Where `isthmus wan up` and `wan netns up` serve, and `wan show/set` ask, by default."""
+
+
+def parse_address(text: str, flag: str = "--control") -> tuple[str, int]:
+    """``HOST:PORT`` on loopback (port 0: any free one); ValueError naming ``flag``."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag} expects HOST:PORT, got {text!r}")
+    if not is_loopback(host):
+        raise ValueError(f"{flag} {text!r}: only loopback addresses are allowed")
+    return host, int(port)
 
 
 def describe(link: Link) -> dict[str, Any]:

@@ -209,10 +209,11 @@ def test_teardown_after_an_exception() -> None:
 
 def start_cli(job: str) -> tuple[subprocess.Popen, list[str]]:
     cli = subprocess.Popen(
-        [sys.executable, "-m", "isthmus.deploy.netns_cmd", "up", "--sites", "2", "--job", job],
+        [sys.executable, "-m", "isthmus.deploy.netns_cmd", "up", "--sites", "2", "--job", job,
+         "--control", "127.0.0.1:0"],
         stdout=subprocess.PIPE,
         text=True,
-    )
+    )  # fmt: skip
     lines: list[str] = []
     while not (line := cli.stdout.readline()).startswith("Ctrl-C"):
         assert line, "netns up exited early"
@@ -255,7 +256,7 @@ def test_cli_down_cleans_up_after_a_crash() -> None:
 @pytest.mark.timeout(120)
 def test_cli_up_serves_control_and_a_1_ms_link() -> None:
     job = job_name("g")
-    # `isthmus wan netns up` (wan_cmd adds --control to netns_cmd's command). A 4 MiB
+    # `isthmus wan netns up` (netns_cmd's command, with its control endpoint). A 4 MiB
     # queue (32 ms at 1 Gbit/s) absorbs the sender's stalls when other jobs hold the
     # cores; with the default 256 KiB (2 ms) the link idled through some of them.
     cli = subprocess.Popen(
