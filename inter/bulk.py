@@ -347,12 +347,15 @@ class BulkConnection:
     def _ensure(self, deadline: float) -> None:
         """Dials (once) if there is no live connection; runs on the caller's thread."""
         with self._dial_lock:
-            if self._sock is not None or self._closed:
-                return
+            with self._cond:
+                if self._sock is not None or self._closed:
+                    return
+                # Marked before the thread starts: it may connect (and set the socket)
+                # before this line would otherwise run.
+                self._sock = _PENDING
             threading.Thread(
                 target=self._run, args=(deadline,), name=f"bulk-tx-{self._name}", daemon=True
             ).start()
-            self._sock = _PENDING
 
     def _connect(self, deadline: float) -> socket.socket:
         # Like gRPC's wait_for_ready: a peer still starting is retried until the deadline.
