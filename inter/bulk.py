@@ -26,6 +26,8 @@ one connection, for as many rounds as the lane lives:
   stream ends. A record head that fails its own checksum is refused (DATA_LOSS):
   the frame boundaries are lost.
 
+The listener (server side) is here; the sending side is :mod:`isthmus.inter.bulk_peer`.
+
 Payloads cross in the clear: a lane with mutual TLS refuses ``OpenBulk`` and its
 peers send on ``PushChunks`` inside TLS. Every read is bounded (frame length, hello
 size, timeouts), so a silent or hostile peer costs one thread, never the job.
@@ -41,19 +43,15 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
 import grpc
 
 from .codecs.base import crc32 as crc32c
 
 __all__ = [
-    "BulkConnection",
     "BulkError",
     "BulkListener",
-    "BulkPeerRound",
     "BulkRefused",
     "Tickets",
     "record_head",
@@ -65,7 +63,7 @@ MAGIC = b"ISTHBULK"
 TICKET_BYTES = 32
 TICKET_TTL_S = 60.0
 HELLO_TIMEOUT_S = 10.0  # a connection that does not present its ticket in time is closed
-_LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
+LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
 OK, ACCEPTED, CORRUPT, REFUSED, RESEND = 0, 1, 2, 3, 4
 _HEAD = struct.Struct("<III")  # length, CRC-32C of the message, CRC-32C of the first 8 bytes
 _REFUSAL = struct.Struct("<BH")  # gRPC status code value, reason length
@@ -92,14 +90,14 @@ class BulkRefused(grpc.RpcError):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
     # Buffer sizes are left to the kernel: setting SO_RCVBUF turns its autotuning off
     # and is capped by net.core.rmem_max (often 208 KiB), which would cap a long link
     # at rmem_max / RTT (0.2 MiB over 10 ms: 170 Mbit/s per connection).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _send_all(sock: socket.socket, parts: list[bytes]) -> None:
+def send_all(sock: socket.socket, parts: list[bytes]) -> None:
     """Writes ``parts`` in order with scatter-gather ``sendmsg``: no joined copy."""
     views = [memoryview(p).cast("B") for p in parts]
     while views:
@@ -112,7 +110,7 @@ def _send_all(sock: socket.socket, parts: list[bytes]) -> None:
                 n = 0
 
 
-def _read_exact(sock: socket.socket, buf: memoryview) -> None:
+def read_exact(sock: socket.socket, buf: memoryview) -> None:
     """Fills ``buf`` from ``sock``; raises BulkError if the peer closes first."""
     got, size = 0, len(buf)
     while got < size:
@@ -200,10 +198,10 @@ class BulkListener:
     def _handle(self, conn: socket.socket, addr: tuple) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         try:
-            _tune(conn)
+            tune(conn)
             conn.settimeout(HELLO_TIMEOUT_S)
             hello = bytearray(len(MAGIC) + TICKET_BYTES)
-            _read_exact(conn, memoryview(hello))
+            read_exact(conn, memoryview(hello))
             if hello[: len(MAGIC)] != MAGIC or not self.tickets.redeem(bytes(hello[len(MAGIC) :])):
                 log.warning(
                     "%s: bulk connection from %s refused: no valid ticket", self._where, peer
@@ -214,7 +212,7 @@ class BulkListener:
             conn.settimeout(None)  # rounds may be minutes apart; the lane's stop closes it
             head = bytearray(_HEAD.size)
             while not self._stopped.is_set():
-                _read_exact(conn, memoryview(head))
+                read_exact(conn, memoryview(head))
                 size, frame_crc, head_crc = _HEAD.unpack(head)
                 if crc32c(memoryview(head)[:8]) != head_crc:
                     why = "a frame's record head failed its checksum: frame boundaries lost"
@@ -227,7 +225,7 @@ class BulkListener:
                     self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, why)
                     return
                 frame = bytearray(size)
-                _read_exact(conn, memoryview(frame))
+                read_exact(conn, memoryview(frame))
                 if crc32c(frame) != frame_crc:
                     with self._lock:
                         self.corrupt_frames += 1
@@ -254,8 +252,8 @@ class BulkListener:
         with contextlib.suppress(OSError):
             conn.sendall(bytes([REFUSED]) + _REFUSAL.pack(code.value[0], len(reason)) + reason)
             conn.shutdown(socket.SHUT_WR)
-            conn.settimeout(_LINGER_S)
-            deadline = time.monotonic() + _LINGER_S
+            conn.settimeout(LINGER_S)
+            deadline = time.monotonic() + LINGER_S
             sink = bytearray(1 << 16)
             while time.monotonic() < deadline and conn.recv_into(sink):
                 pass  # what the peer still had in flight, until it closes too
@@ -279,312 +277,21 @@ class BulkListener:
             conn.close()
 
 
-def _dial(host: str, port: int, proxy: str | None, timeout: float) -> socket.socket:
-    """A TCP connection to host:port, through an HTTP CONNECT proxy if given."""
-    if not proxy:
-        return socket.create_connection((host, port), timeout=timeout)
-    url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout)
-    try:
-        target = f"{host}:{port}"
-        sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
-        reply = b""
-        while b"\r\n\r\n" not in reply:
-            data = sock.recv(1024)
-            if not data or len(reply) > 8192:
-                raise BulkError(f"proxy {proxy} closed or sent junk for CONNECT {target}")
-            reply += data
-        status = reply.split(b"\r\n", 1)[0]
-        if b" 200" not in status:
-            raise BulkError(
-                f"proxy {proxy} refused CONNECT {target}: {status.decode(errors='replace')}"
-            )
-        if not reply.endswith(b"\r\n\r\n"):
-            raise BulkError(f"proxy {proxy} sent bytes after its CONNECT reply")
-        return sock
-    except BaseException:
-        sock.close()
-        raise
-
-
-class BulkConnection:
-    """One bulk connection to a peer's lane, shared by that peer's rounds.
-
-    A sender thread writes queued frames in order; a reader thread matches each
-    acknowledgement to the round that sent the frame. A broken connection fails
-    the rounds with frames in flight; the next round dials again.
-
-    Args:
-        host: the peer lane's host.
-        open_bulk: asks the peer's lane for (port, ticket) over gRPC, with a timeout.
-        proxy: HTTP CONNECT proxy URL (the WAN emulator), or None.
-        name: for thread names.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        open_bulk: Callable[[float], tuple[int, bytes]],
-        proxy: str | None,
-        name: str,
-    ) -> None:
-        self._host, self._open_bulk, self._proxy, self._name = host, open_bulk, proxy, name
-        self._cond = threading.Condition()
-        self._queue: deque[tuple[BulkPeerRound, bytes]] = deque()
-        self._inflight: deque[tuple[BulkPeerRound, bytes]] = deque()
-        self._sock: socket.socket | None = None
-        self._closed = False
-        self._dial_lock = threading.Lock()
-
-    def put(self, rnd: BulkPeerRound, frame: bytes) -> None:
-        with self._cond:
-            if self._closed:
-                raise BulkError("connection closed")
-            self._queue.append((rnd, frame))
-            self._cond.notify_all()
-        self._ensure(rnd.deadline)
-
-    def _ensure(self, deadline: float) -> None:
-        """Dials (once) if there is no live connection; runs on the caller's thread."""
-        with self._dial_lock:
-            with self._cond:
-                if self._sock is not None or self._closed:
-                    return
-                # Marked before the thread starts: it may connect (and set the socket)
-                # before this line would otherwise run.
-                self._sock = _PENDING
-            threading.Thread(
-                target=self._run, args=(deadline,), name=f"bulk-tx-{self._name}", daemon=True
-            ).start()
-
-    def _connect(self, deadline: float) -> socket.socket:
-        # Like gRPC's wait_for_ready: a peer still starting is retried until the deadline.
-        delay = 0.05
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                port, ticket = self._open_bulk(max(0.001, min(left, 10.0)))
-                sock = _dial(self._host, port, self._proxy, max(0.001, min(left, 10.0)))
-                break
-            except grpc.RpcError as exc:
-                code = exc.code() if hasattr(exc, "code") else None
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                if left <= delay:
-                    raise
-            except OSError:
-                if left <= delay:
-                    raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        try:
-            _tune(sock)
-            sock.settimeout(HELLO_TIMEOUT_S)
-            sock.sendall(MAGIC + ticket)
-            answer = bytearray(1)
-            _read_exact(sock, memoryview(answer))
-            if answer[0] != OK:
-                raise _read_refusal(sock, answer[0])
-            sock.settimeout(None)
-            return sock
-        except BaseException:
-            sock.close()
-            raise
-
-    def _run(self, deadline: float) -> None:
-        try:
-            sock = self._connect(deadline)
-        except BaseException as exc:  # noqa: BLE001 (handed to the rounds waiting)
-            self._fail(exc, None, queued_too=True)  # nothing can be sent
-            return
-        with self._cond:
-            if self._closed:
-                sock.close()
-                return
-            self._sock = sock
-        reader = threading.Thread(
-            target=self._read_acks, args=(sock,), name=f"bulk-ack-{self._name}", daemon=True
-        )
-        reader.start()
-        try:
-            while True:
-                with self._cond:
-                    while not self._queue and not self._closed and self._sock is sock:
-                        self._cond.wait(0.5)
-                    if self._closed or self._sock is not sock:
-                        return
-                    idle = not self._inflight
-                # A connection that sat idle may have been closed by the peer (a lane
-                # restart, a middlebox): find out before a frame is lost in it.
-                if idle and _peer_closed(sock):
-                    self._fail(BulkError("the peer closed the idle connection"), sock)
-                    return
-                with self._cond:
-                    rnd, frame = self._queue.popleft()
-                    self._inflight.append((rnd, frame))
-                _send_all(sock, [record_head(frame), frame])
-        except OSError as exc:
-            # The peer may have refused a frame and closed: its reason is what the
-            # rounds should hear, so the reader gets a moment to read it first.
-            reader.join(timeout=_LINGER_S)
-            self._fail(BulkError(f"sending failed: {exc}"), sock)
-
-    def _read_acks(self, sock: socket.socket) -> None:
-        status = bytearray(1)
-        try:
-            while True:
-                _read_exact(sock, memoryview(status))
-                if status[0] == REFUSED:
-                    raise _read_refusal(sock, status[0])
-                if status[0] not in (ACCEPTED, CORRUPT, RESEND):
-                    raise BulkError(f"unknown acknowledgement {status[0]}")
-                with self._cond:
-                    item = self._inflight.popleft() if self._inflight else None
-                    if item is not None and status[0] == RESEND:
-                        # Sent next; every frame already in flight is acknowledged
-                        # before it, so the in-flight order stays the ack order.
-                        self._queue.appendleft(item)
-                        self._cond.notify_all()
-                if item is None:
-                    raise BulkError("acknowledgement for a frame never sent")
-                item[0].acknowledged(status[0])
-        except (OSError, BulkError, BulkRefused) as exc:
-            self._fail(exc, sock)
-
-    def _fail(
-        self, exc: BaseException, sock: socket.socket | None, queued_too: bool = False
-    ) -> None:
-        """The connection is gone: rounds with frames in flight on it fail (those may
-        or may not have arrived), and so do their queued frames; other rounds' queued
-        frames were never sent and go out on a new connection."""
-        with self._cond:
-            if sock is not None and self._sock is not sock:
-                return  # an older connection's late news
-            failed = {id(r): r for r, _ in self._inflight}
-            if queued_too:
-                failed.update((id(r), r) for r, _ in self._queue)
-            self._inflight.clear()
-            self._queue = deque(item for item in self._queue if id(item[0]) not in failed)
-            old, self._sock = self._sock, None
-            redial = self._queue[0][0].deadline if self._queue and not self._closed else None
-            self._cond.notify_all()
-        if isinstance(old, socket.socket):
-            old.close()
-        for rnd in failed.values():
-            rnd.failed(exc)
-        if redial is not None:
-            self._ensure(redial)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            sock, self._sock = self._sock, None
-            self._cond.notify_all()
-        if isinstance(sock, socket.socket):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-
-_PENDING: socket.socket = object()  # type: ignore[assignment]  # dialling
-
-
 def record_head(frame: bytes) -> bytes:
     """The 12 bytes that go before ``frame`` on a bulk connection (module docstring)."""
     first = struct.pack("<II", len(frame), crc32c(frame))
     return first + struct.pack("<I", crc32c(first))
 
 
-def _peer_closed(sock: socket.socket) -> bool:
-    """Whether the peer closed ``sock`` (a look at the receive queue, consuming nothing)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-def _read_refusal(sock: socket.socket, status: int) -> BulkRefused:
+def read_refusal(sock: socket.socket, status: int) -> BulkRefused:
     if status != REFUSED:
         return BulkRefused(grpc.StatusCode.INTERNAL, f"unknown bulk status {status}")
     head = bytearray(_REFUSAL.size)
     try:
-        _read_exact(sock, memoryview(head))
+        read_exact(sock, memoryview(head))
         code, size = _REFUSAL.unpack(head)
         reason = bytearray(size)
-        _read_exact(sock, memoryview(reason))
+        read_exact(sock, memoryview(reason))
     except (OSError, BulkError):
         return BulkRefused(grpc.StatusCode.UNAVAILABLE, "refused (reason cut off)")
     return BulkRefused(_CODES.get(code, grpc.StatusCode.UNKNOWN), reason.decode(errors="replace"))
-
-
-class BulkPeerRound:
-    """One round's chunks to one peer over its bulk connections (same interface as
-    :class:`~isthmus.inter.lane_peer.PeerRound`)."""
-
-    def __init__(self, conns: list[BulkConnection], deadline: float) -> None:
-        self._conns = conns
-        self.deadline = deadline
-        self._cond = threading.Condition()
-        self._next = 0
-        self._ended = False
-        self._error: BaseException | None = None
-        self._taken = 0
-        self.sent = 0
-        self.resent = 0
-        """Frames the peer received damaged and asked for again."""
-
-    def send(self, frame: bytes) -> None:
-        """Queues one serialized chunk; connections take turns. Thread-safe."""
-        with self._cond:
-            if self._ended or self._error is not None:
-                return
-            conn = self._conns[self._next]
-            self._next = (self._next + 1) % len(self._conns)
-            self.sent += 1
-        try:
-            conn.put(self, frame)
-        except BulkError as exc:
-            self.failed(exc)
-
-    def end(self) -> None:
-        """No more chunks in this round (later ones are dropped)."""
-        with self._cond:
-            self._ended = True
-
-    def acknowledged(self, status: int) -> None:
-        with self._cond:
-            if status == RESEND:
-                self.resent += 1  # the same frame goes again; one more ack to come
-            else:
-                self._taken += 1
-            self._cond.notify_all()
-
-    def failed(self, exc: BaseException) -> None:
-        with self._cond:
-            if self._error is None:
-                self._error = exc
-            self._cond.notify_all()
-
-    def failure(self) -> BaseException | None:
-        with self._cond:
-            return self._error
-
-    def wait(self, timeout: float) -> int:
-        """Waits until the peer acknowledged every chunk; returns how many it took.
-
-        Raises:
-            BulkRefused: the peer refused a chunk; BulkError: the connection broke.
-            TimeoutError: not all acknowledged within ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._error is None and self._taken < self.sent:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self._taken} of {self.sent} chunks acknowledged")
-                self._cond.wait(left)
-            if self._error is not None:
-                raise self._error
-            return self._taken

@@ -19,7 +19,7 @@ import grpc
 
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
-from .bulk import BulkConnection, BulkPeerRound
+from .bulk_peer import BulkConnection, BulkPeerRound
 from .lane import channel_options
 from .security import INSECURE, SiteSecurity
 from .wire import Chunk, ResendWire

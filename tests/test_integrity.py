@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_allreduce import inputs, run_all, sites
 
-from isthmus.inter.bulk import BulkPeerRound
+from isthmus.inter.bulk_peer import BulkPeerRound
 from isthmus.inter.lane_peer import LanePeer, PeerRound
 from isthmus.proto import lane_pb2
 

@@ -1,0 +1,329 @@
+"""The sending side of the bulk transport (protocol in :mod:`isthmus.inter.bulk`).
+
+A :class:`BulkConnection` is one TCP connection to a peer lane's bulk port, shared by
+that peer's rounds; a :class:`BulkPeerRound` is one round's chunks over a peer's
+connections, with the interface of :class:`~isthmus.inter.lane_peer.PeerRound`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import grpc
+
+from .bulk import (
+    ACCEPTED,
+    CORRUPT,
+    HELLO_TIMEOUT_S,
+    LINGER_S,
+    MAGIC,
+    OK,
+    REFUSED,
+    RESEND,
+    BulkError,
+    BulkRefused,
+    read_exact,
+    read_refusal,
+    record_head,
+    send_all,
+    tune,
+)
+
+__all__ = ["BulkConnection", "BulkPeerRound"]
+
+
+def _dial(host: str, port: int, proxy: str | None, timeout: float) -> socket.socket:
+    """A TCP connection to host:port, through an HTTP CONNECT proxy if given."""
+    if not proxy:
+        return socket.create_connection((host, port), timeout=timeout)
+    url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    sock = socket.create_connection((url.hostname, url.port or 80), timeout=timeout)
+    try:
+        target = f"{host}:{port}"
+        sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            data = sock.recv(1024)
+            if not data or len(reply) > 8192:
+                raise BulkError(f"proxy {proxy} closed or sent junk for CONNECT {target}")
+            reply += data
+        status = reply.split(b"\r\n", 1)[0]
+        if b" 200" not in status:
+            raise BulkError(
+                f"proxy {proxy} refused CONNECT {target}: {status.decode(errors='replace')}"
+            )
+        if not reply.endswith(b"\r\n\r\n"):
+            raise BulkError(f"proxy {proxy} sent bytes after its CONNECT reply")
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+class BulkConnection:
+    """One bulk connection to a peer's lane, shared by that peer's rounds.
+
+    A sender thread writes queued frames in order; a reader thread matches each
+    acknowledgement to the round that sent the frame. A broken connection fails
+    the rounds with frames in flight; the next round dials again.
+
+    Args:
+        host: the peer lane's host.
+        open_bulk: asks the peer's lane for (port, ticket) over gRPC, with a timeout.
+        proxy: HTTP CONNECT proxy URL (the WAN emulator), or None.
+        name: for thread names.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        open_bulk: Callable[[float], tuple[int, bytes]],
+        proxy: str | None,
+        name: str,
+    ) -> None:
+        self._host, self._open_bulk, self._proxy, self._name = host, open_bulk, proxy, name
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[BulkPeerRound, bytes]] = deque()
+        self._inflight: deque[tuple[BulkPeerRound, bytes]] = deque()
+        self._sock: socket.socket | None = None
+        self._closed = False
+        self._dial_lock = threading.Lock()
+
+    def put(self, rnd: BulkPeerRound, frame: bytes) -> None:
+        with self._cond:
+            if self._closed:
+                raise BulkError("connection closed")
+            self._queue.append((rnd, frame))
+            self._cond.notify_all()
+        self._ensure(rnd.deadline)
+
+    def _ensure(self, deadline: float) -> None:
+        """Dials (once) if there is no live connection; runs on the caller's thread."""
+        with self._dial_lock:
+            with self._cond:
+                if self._sock is not None or self._closed:
+                    return
+                # Marked before the thread starts: it may connect (and set the socket)
+                # before this line would otherwise run.
+                self._sock = _PENDING
+            threading.Thread(
+                target=self._run, args=(deadline,), name=f"bulk-tx-{self._name}", daemon=True
+            ).start()
+
+    def _connect(self, deadline: float) -> socket.socket:
+        # Like gRPC's wait_for_ready: a peer still starting is retried until the deadline.
+        delay = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                port, ticket = self._open_bulk(max(0.001, min(left, 10.0)))
+                sock = _dial(self._host, port, self._proxy, max(0.001, min(left, 10.0)))
+                break
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if left <= delay:
+                    raise
+            except OSError:
+                if left <= delay:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        try:
+            tune(sock)
+            sock.settimeout(HELLO_TIMEOUT_S)
+            sock.sendall(MAGIC + ticket)
+            answer = bytearray(1)
+            read_exact(sock, memoryview(answer))
+            if answer[0] != OK:
+                raise read_refusal(sock, answer[0])
+            sock.settimeout(None)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _run(self, deadline: float) -> None:
+        try:
+            sock = self._connect(deadline)
+        except BaseException as exc:  # noqa: BLE001 (handed to the rounds waiting)
+            self._fail(exc, None, queued_too=True)  # nothing can be sent
+            return
+        with self._cond:
+            if self._closed:
+                sock.close()
+                return
+            self._sock = sock
+        reader = threading.Thread(
+            target=self._read_acks, args=(sock,), name=f"bulk-ack-{self._name}", daemon=True
+        )
+        reader.start()
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closed and self._sock is sock:
+                        self._cond.wait(0.5)
+                    if self._closed or self._sock is not sock:
+                        return
+                    idle = not self._inflight
+                # A connection that sat idle may have been closed by the peer (a lane
+                # restart, a middlebox): find out before a frame is lost in it.
+                if idle and _peer_closed(sock):
+                    self._fail(BulkError("the peer closed the idle connection"), sock)
+                    return
+                with self._cond:
+                    rnd, frame = self._queue.popleft()
+                    self._inflight.append((rnd, frame))
+                send_all(sock, [record_head(frame), frame])
+        except OSError as exc:
+            # The peer may have refused a frame and closed: its reason is what the
+            # rounds should hear, so the reader gets a moment to read it first.
+            reader.join(timeout=LINGER_S)
+            self._fail(BulkError(f"sending failed: {exc}"), sock)
+
+    def _read_acks(self, sock: socket.socket) -> None:
+        status = bytearray(1)
+        try:
+            while True:
+                read_exact(sock, memoryview(status))
+                if status[0] == REFUSED:
+                    raise read_refusal(sock, status[0])
+                if status[0] not in (ACCEPTED, CORRUPT, RESEND):
+                    raise BulkError(f"unknown acknowledgement {status[0]}")
+                with self._cond:
+                    item = self._inflight.popleft() if self._inflight else None
+                    if item is not None and status[0] == RESEND:
+                        # Sent next; every frame already in flight is acknowledged
+                        # before it, so the in-flight order stays the ack order.
+                        self._queue.appendleft(item)
+                        self._cond.notify_all()
+                if item is None:
+                    raise BulkError("acknowledgement for a frame never sent")
+                item[0].acknowledged(status[0])
+        except (OSError, BulkError, BulkRefused) as exc:
+            self._fail(exc, sock)
+
+    def _fail(
+        self, exc: BaseException, sock: socket.socket | None, queued_too: bool = False
+    ) -> None:
+        """The connection is gone: rounds with frames in flight on it fail (those may
+        or may not have arrived), and so do their queued frames; other rounds' queued
+        frames were never sent and go out on a new connection."""
+        with self._cond:
+            if sock is not None and self._sock is not sock:
+                return  # an older connection's late news
+            failed = {id(r): r for r, _ in self._inflight}
+            if queued_too:
+                failed.update((id(r), r) for r, _ in self._queue)
+            self._inflight.clear()
+            self._queue = deque(item for item in self._queue if id(item[0]) not in failed)
+            old, self._sock = self._sock, None
+            redial = self._queue[0][0].deadline if self._queue and not self._closed else None
+            self._cond.notify_all()
+        if isinstance(old, socket.socket):
+            old.close()
+        for rnd in failed.values():
+            rnd.failed(exc)
+        if redial is not None:
+            self._ensure(redial)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            sock, self._sock = self._sock, None
+            self._cond.notify_all()
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+_PENDING: socket.socket = object()  # type: ignore[assignment]  # dialling
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (a look at the receive queue, consuming nothing)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class BulkPeerRound:
+    """One round's chunks to one peer over its bulk connections (same interface as
+    :class:`~isthmus.inter.lane_peer.PeerRound`)."""
+
+    def __init__(self, conns: list[BulkConnection], deadline: float) -> None:
+        self._conns = conns
+        self.deadline = deadline
+        self._cond = threading.Condition()
+        self._next = 0
+        self._ended = False
+        self._error: BaseException | None = None
+        self._taken = 0
+        self.sent = 0
+        self.resent = 0
+        """Frames the peer received damaged and asked for again."""
+
+    def send(self, frame: bytes) -> None:
+        """Queues one serialized chunk; connections take turns. Thread-safe."""
+        with self._cond:
+            if self._ended or self._error is not None:
+                return
+            conn = self._conns[self._next]
+            self._next = (self._next + 1) % len(self._conns)
+            self.sent += 1
+        try:
+            conn.put(self, frame)
+        except BulkError as exc:
+            self.failed(exc)
+
+    def end(self) -> None:
+        """No more chunks in this round (later ones are dropped)."""
+        with self._cond:
+            self._ended = True
+
+    def acknowledged(self, status: int) -> None:
+        with self._cond:
+            if status == RESEND:
+                self.resent += 1  # the same frame goes again; one more ack to come
+            else:
+                self._taken += 1
+            self._cond.notify_all()
+
+    def failed(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def failure(self) -> BaseException | None:
+        with self._cond:
+            return self._error
+
+    def wait(self, timeout: float) -> int:
+        """Waits until the peer acknowledged every chunk; returns how many it took.
+
+        Raises:
+            BulkRefused: the peer refused a chunk; BulkError: the connection broke.
+            TimeoutError: not all acknowledged within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._error is None and self._taken < self.sent:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self._taken} of {self.sent} chunks acknowledged")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise self._error
+            return self._taken
