@@ -22,7 +22,7 @@ from pathlib import Path
 from isthmus.deploy.config import ConfigError
 from isthmus.inter import bench
 from isthmus.inter.codec import make_codec
-from isthmus.inter.lane import MAX_CHUNK_BYTES, chunk_bytes_for_link
+from isthmus.inter.lane import chunk_bytes_for_link
 
 FULL = {
     "sites": "2,3",
@@ -31,6 +31,7 @@ FULL = {
     "mib": "64,256",
     "codec": "raw,raw+shuffle+zstd:1,bf16,bf16+shuffle+zstd:1,int8,int8+zstd:1",
 }
+_LARGEST_CHUNK = 64 << 20  # as sync.chunk_bytes allows
 QUICK = {"sites": "2", "rtt_ms": "1", "gbit": "1", "mib": "2", "codec": "raw,int8+zstd:1"}
 
 
@@ -97,6 +98,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks (lanes, processes) per site, each all-reducing an equal slice of the "
         "site's tensor over the site's shared links",
     )
+    add(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where each lane's slice lives; cuda puts each lane on a GPU of its own, so "
+        "rounds decode, sum and encode there as in training",
+    )
+    add(
+        "--groups",
+        type=int,
+        default=1,
+        help="split each slice into this many groups started one after another, as "
+        "backward starts FSDP groups (1 = one plain all-reduce)",
+    )
+    add("--in-flight", type=int, default=4, help="rounds in flight with --groups > 1")
+    add(
+        "--load-ms",
+        type=float,
+        default=0.0,
+        help="compute per step in ms, spread over the groups (matrix products on the "
+        "lane's GPU or CPU before each group starts); the table's 'exposed' column is "
+        "then how long the step waited for the sync after its compute",
+    )
     add("--timeout-s", type=float, default=600.0, help="limit on one all-reduce")
     add(
         "--direct",
@@ -123,12 +147,19 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
         except ValueError as exc:
             raise ConfigError(f"--codec: {exc}") from None
     chunk = args.chunk_kib * 1024
-    if chunk and not 4096 <= chunk <= MAX_CHUNK_BYTES:
-        raise ConfigError(f"--chunk-kib must be 4..{MAX_CHUNK_BYTES // 1024}, got {args.chunk_kib}")
+    if chunk and not 4096 <= chunk <= _LARGEST_CHUNK:
+        raise ConfigError(f"--chunk-kib must be 4..{_LARGEST_CHUNK // 1024}, got {args.chunk_kib}")
     if not 1 <= args.connections <= 16:
         raise ConfigError(f"--connections must be in 1..16, got {args.connections}")
     if not 1 <= args.lanes <= 64:
         raise ConfigError(f"--lanes must be in 1..64, got {args.lanes}")
+    if args.groups < 1 or args.in_flight < 1 or args.load_ms < 0:
+        raise ConfigError("--groups and --in-flight must be >= 1, --load-ms >= 0")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is visible")
     if args.workers < 0 or args.timeout_s <= 0:
         raise ConfigError("--workers must be >= 0 and --timeout-s > 0")
     return [
@@ -143,6 +174,10 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             workers=args.workers or None,
             timeout_s=args.timeout_s,
             lanes=args.lanes,
+            device=args.device,
+            groups=args.groups,
+            in_flight=args.in_flight,
+            load_ms=args.load_ms,
         )
         for s in sites
         for rtt in rtts

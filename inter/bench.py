@@ -58,6 +58,20 @@ class BenchCase:
     """Ranks per site, each with its own lane and process, all-reducing an equal slice
     of the site's tensor with the same rank of every other site (DESIGN.md: the shard
     after the site's reduce-scatter). All of a site's lanes share its links."""
+    device: str = "cpu"
+    """``cuda``: each lane's slice lives on a GPU of its own (lane k of site i on GPU
+    (i x lanes + k) mod count), so rounds decode, sum and encode there as in training."""
+    groups: int = 1
+    """Split each slice into this many groups, started one after another through
+    :class:`~isthmus.inter.gradient_sync.LaneGradientSync` as backward starts FSDP
+    groups (1 = one plain all-reduce)."""
+    in_flight: int = 4
+    """Rounds in flight (``sync.rounds_in_flight``) when ``groups`` > 1."""
+    load_ms: float = 0.0
+    """Compute per step, in ms, spread over the groups: before each group starts, the
+    lane's process does its share of matrix products (on its GPU, or its CPU), as
+    backward does before a group's gradients are ready. The figures then say how much
+    of the sync hid behind it (``exposed_s``)."""
 
 
 def link_bound_s(case: BenchCase) -> float:
@@ -99,28 +113,38 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
         workers=c.workers,
     )
     try:
-        # Gradient-like values: zero-mean, small, every site different.
-        g = torch.Generator().manual_seed(index)
+        device = torch.device("cpu")
+        if c.device == "cuda":
+            device = torch.device("cuda", (index * c.lanes + rank) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        # Gradient-like values: zero-mean, small, every site and slice different.
         n = int(c.mib * MIB) // 4
         lo, hi = n * rank // c.lanes, n * (rank + 1) // c.lanes
-        tensor = (torch.randn(n, generator=g) * 1e-3)[lo:hi].clone()
+        g = torch.Generator(device=device).manual_seed(index * 1000 + rank)
+        tensor = torch.randn(hi - lo, generator=g, device=device) * 1e-3
+        load = _Load(device, c.load_ms / c.groups) if c.load_ms else None
         # Warm-up: opens every connection (through the proxies) before the clock runs.
-        ar.allreduce([torch.ones(c.chunk_bytes // 4 * c.sites)], step=0, group=0, average=True)
+        warm = torch.ones(c.chunk_bytes // 4 * c.sites, device=device)
+        ar.allreduce([warm], step=0, group=0, average=True)
         conn.send("ready")
         conn.recv()  # "go": every site starts together
         cpu0, t0 = time.process_time(), time.perf_counter()
-        stats = ar.allreduce([tensor], step=1, group=0, average=True)
+        stats, compute_s, sync_s = _timed_step(ar, c, tensor, load)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        digest = hashlib.sha256(tensor.numpy().tobytes()).hexdigest()[:16]
+        host = tensor.cpu().numpy()
+        digest = hashlib.sha256(host.tobytes()).hexdigest()[:16]
         conn.send(
             {
                 "wall_s": wall,
                 "cpu_s": cpu,
+                "compute_s": compute_s,
+                "exposed_s": max(0.0, wall - compute_s),
+                "sync_s": sync_s,
                 "bytes_sent": stats.bytes_sent,
                 "raw_bytes": stats.raw_bytes,
                 "corrupt_chunks": stats.corrupt_chunks,
-                "encode_s": stats.encode_s,
-                "decode_s": stats.decode_s,
+                "encode_s": getattr(stats, "encode_s", 0.0),
+                "decode_s": getattr(stats, "decode_s", 0.0),
                 "digest": digest,
             }
         )
@@ -133,6 +157,73 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
         for peer in peers.values():
             peer.close()
         server.stop(0)
+
+
+class _Load:
+    """Matrix products standing in for backward: ``ms`` of them per call, queued on
+    the GPU's current stream (the CPU runs ahead, as training's does) or run on the
+    CPU (blocking)."""
+
+    def __init__(self, device: torch.device, ms: float) -> None:
+        self.device, self.ms = device, ms
+        size = 8192 if device.type == "cuda" else 256
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.a = torch.randn(size, size, device=device, dtype=dtype)
+        self.b = torch.randn(size, size, device=device, dtype=dtype)
+        self.per_product_ms = 0.0
+        if device.type == "cuda":
+            for _ in range(3):
+                self.a @ self.b
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                self.a @ self.b
+            torch.cuda.synchronize(device)
+            self.per_product_ms = (time.perf_counter() - t0) * 1000 / 20
+
+    def __call__(self) -> None:
+        if self.device.type == "cuda":
+            for _ in range(max(1, round(self.ms / self.per_product_ms))):
+                self.a @ self.b
+            return
+        end = time.perf_counter() + self.ms / 1000
+        while time.perf_counter() < end:
+            self.a @ self.b
+
+
+def _timed_step(
+    ar: Any, c: BenchCase, tensor: torch.Tensor, load: _Load | None
+) -> tuple[Any, float, float]:
+    """The measured all-reduce: one plain round, or ``c.groups`` rounds started as
+    backward would start them. Returns (stats, compute seconds, sync seconds)."""
+    from .gradient_sync import LaneGradientSync
+
+    if c.groups == 1 and load is None:
+        t0 = time.perf_counter()
+        stats = ar.allreduce([tensor], step=1, group=0, average=True)
+        return stats, 0.0, time.perf_counter() - t0
+    sync = LaneGradientSync(ar, rounds_in_flight=c.in_flight)
+    try:
+        t0 = time.perf_counter()
+        began = done = None
+        if tensor.is_cuda:
+            began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
+        sync.begin_step(1)
+        for group, part in enumerate(tensor.chunk(c.groups)):
+            if load is not None:
+                load()
+            sync.start(group, part)
+        compute_s = time.perf_counter() - t0
+        if done is not None:
+            done.record()
+        sync.finish()
+        if began is not None and done is not None:
+            done.synchronize()
+            compute_s = began.elapsed_time(done) / 1000
+        return sync.last_step_stats, compute_s, sync.last_step_stats.sync_s
+    finally:
+        sync.close()
 
 
 def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
@@ -218,8 +309,24 @@ def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]
             len({r["digest"] for r in reports[k :: case.lanes]}) == 1 for k in range(case.lanes)
         ),
         "corrupt_chunks": sum(r["corrupt_chunks"] for r in reports),
+        # With groups and load: the slowest lane's compute, and how long its step
+        # waited for the sync after the compute was done.
+        "compute_s": max(r["compute_s"] for r in reports),
+        "exposed_s": max(r["exposed_s"] for r in reports),
+        # Bytes a site put on its link (all its lanes) against what the link carries
+        # in the time the slowest lane's rounds ran.
+        "link_utilization": _link_utilization(case, reports),
         "sites_detail": reports,
     }
+
+
+def _link_utilization(case: BenchCase, reports: list[dict[str, Any]]) -> float:
+    per_site = [
+        sum(r["bytes_sent"] for r in reports[i * case.lanes : (i + 1) * case.lanes])
+        for i in range(case.sites)
+    ]
+    busy = max(r["sync_s"] or r["wall_s"] for r in reports)
+    return max(per_site) * 8 / (case.gbit * 1e9) / busy if busy > 0 else 0.0
 
 
 def codec_throughput(spec: str, mib: float = 4.0, repeat: int = 3) -> dict[str, Any]:
@@ -285,7 +392,7 @@ def format_results(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'sites':>5}{'lanes':>6}{'rtt ms':>8}{'Gbit/s':>7}{'MiB':>6}  {'codec':<22}{'chunk KiB':>10}"
         f"{'wall s':>8}{'goodput MB/s':>13}{'bound s':>8}{'effic.':>7}{'ratio':>7}"
-        f"{'cpu s/GB':>9}{'same':>5}"
+        f"{'cpu s/GB':>9}{'link':>6}{'exposed':>8}{'same':>5}"
     )
     lines = [head]
     for r in rows:
@@ -293,6 +400,7 @@ def format_results(rows: list[dict[str, Any]]) -> str:
             f"{r['sites']:>5}{r.get('lanes', 1):>6}{r['rtt_ms']:>8g}{r['gbit']:>7g}{r['mib']:>6g}  {r['codec']:<22}"
             f"{r['chunk_bytes'] // 1024:>10}{r['wall_s']:>8.2f}{r['goodput_mb_s']:>13.1f}"
             f"{r['link_bound_s']:>8.2f}{r['efficiency']:>7.2f}{r['compression_ratio']:>7.2f}"
-            f"{r['cpu_s_per_gb']:>9.2f}{'yes' if r['identical'] else 'NO':>5}"
+            f"{r['cpu_s_per_gb']:>9.2f}{r.get('link_utilization', 0):>6.2f}"
+            f"{r.get('exposed_s', 0):>8.2f}{'yes' if r['identical'] else 'NO':>5}"
         )
     return "\n".join(lines)

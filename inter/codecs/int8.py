@@ -23,6 +23,10 @@ __all__ = ["Int8Stage"]
 _SCALE = struct.Struct("<f")  # payload = fp32 scale, then one int8 per element
 
 
+def _nan_payload(num_elements: int) -> bytes:
+    return _SCALE.pack(math.nan) + bytes(num_elements)
+
+
 class Int8Stage:
     """Symmetric int8 (-127..127) with a per-chunk fp32 scale and error feedback.
 
@@ -61,14 +65,12 @@ class Int8Stage:
             # loaded one (CPU) moves to the chunk's device.
             if residual is not None and residual.shape == x.shape:
                 x = x + residual.to(x.device)
+        if x.is_cuda and x.numel():
+            return self._encode_device(x, key if use_ef else None)
         amax = float(x.abs().max()) if x.numel() else 0.0
         if not math.isfinite(amax):
-            # A non-finite gradient decodes to NaN everywhere (as raw would propagate
-            # it) and must not poison the residual for later steps.
-            if use_ef:
-                with self._lock:
-                    self._residuals.pop(key, None)
-            return _SCALE.pack(math.nan) + bytes(x.numel())
+            self._forget(key if use_ef else None)
+            return _nan_payload(x.numel())
         scale = np.float32(amax / 127.0 if amax > 0 else 1.0)
         q = torch.round(x / float(scale)).clamp_(-127, 127).to(torch.int8)
         if use_ef:
@@ -77,6 +79,38 @@ class Int8Stage:
             with self._lock:
                 self._residuals[key] = x - decoded
         return b"".join([_SCALE.pack(scale), to_host_view(q)])
+
+    def _encode_device(self, x: torch.Tensor, key: str | None) -> memoryview:
+        """The CUDA encode: scale, values and residual computed on the GPU, then one
+        copy of the whole payload to the host, the only wait. (Reading the scale first,
+        as the host path does, cost a second synchronization per chunk, each queued
+        behind whatever backward had put on the GPU.)"""
+        amax = x.abs().amax()
+        # A NaN or infinite amax stays in the scale (== 0 is false for NaN), which the
+        # host sees below. The scale travels with the values, so it need not be the
+        # host path's bits (CUDA divides by a scalar as a product with its reciprocal).
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / 127.0)
+        q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+        payload = torch.empty(_SCALE.size + x.numel(), dtype=torch.uint8, device=x.device)
+        payload[: _SCALE.size].copy_(scale.reshape(1).view(torch.uint8))
+        payload[_SCALE.size :].copy_(q.view(torch.uint8))
+        if key is not None:
+            residual = x - q.to(torch.float32) * scale  # what decode will produce
+            with self._lock:
+                self._residuals[key] = residual
+        host = to_host_view(payload)  # waits for the stream: the bytes are final
+        (scale_value,) = _SCALE.unpack_from(host)
+        if not math.isfinite(scale_value):
+            self._forget(key)
+            return memoryview(_nan_payload(x.numel()))
+        return host
+
+    def _forget(self, key: str | None) -> None:
+        # A non-finite gradient decodes to NaN everywhere (as raw would propagate it)
+        # and must not poison the residual for later steps.
+        if key is not None:
+            with self._lock:
+                self._residuals.pop(key, None)
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`TensorStage.decode`."""
