@@ -121,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lane's GPU or CPU before each group starts); the table's 'exposed' column is "
         "then how long the step waited for the sync after its compute",
     )
+    add("--repeats", type=int, default=1, help="timed steps per case; the median is shown")
     add("--timeout-s", type=float, default=600.0, help="limit on one all-reduce")
     add(
         "--direct",
@@ -153,8 +154,8 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
         raise ConfigError(f"--connections must be in 1..16, got {args.connections}")
     if not 1 <= args.lanes <= 64:
         raise ConfigError(f"--lanes must be in 1..64, got {args.lanes}")
-    if args.groups < 1 or args.in_flight < 1 or args.load_ms < 0:
-        raise ConfigError("--groups and --in-flight must be >= 1, --load-ms >= 0")
+    if args.groups < 1 or args.in_flight < 1 or args.repeats < 1 or args.load_ms < 0:
+        raise ConfigError("--groups, --in-flight and --repeats must be >= 1, --load-ms >= 0")
     if args.device == "cuda":
         import torch
 
@@ -178,6 +179,7 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             groups=args.groups,
             in_flight=args.in_flight,
             load_ms=args.load_ms,
+            repeats=args.repeats,
         )
         for s in sites
         for rtt in rtts

@@ -72,6 +72,8 @@ class BenchCase:
     lane's process does its share of matrix products (on its GPU, or its CPU), as
     backward does before a group's gradients are ready. The figures then say how much
     of the sync hid behind it (``exposed_s``)."""
+    repeats: int = 1
+    """Timed steps; the figures are those of the step of median wall time."""
 
 
 def link_bound_s(case: BenchCase) -> float:
@@ -88,6 +90,7 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
     torch.set_num_threads(1)
     from .allreduce import CrossSiteAllReduce
     from .codec import make_codec
+    from .gradient_sync import LaneGradientSync
     from .lane import LaneServer
     from .lane_peer import LanePeer
 
@@ -112,6 +115,7 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
         timeout_s=c.timeout_s,
         workers=c.workers,
     )
+    sync = None
     try:
         device = torch.device("cpu")
         if c.device == "cuda":
@@ -128,9 +132,16 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
         ar.allreduce([warm], step=0, group=0, average=True)
         conn.send("ready")
         conn.recv()  # "go": every site starts together
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        stats, compute_s, sync_s = _timed_step(ar, c, tensor, load)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        runs = []
+        # As training does: one sync object for every step (closing it closes ``ar``).
+        sync = LaneGradientSync(ar, rounds_in_flight=c.in_flight)
+        for step in range(1, c.repeats + 1):
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            stats, compute_s, sync_s = _timed_step(ar, sync, c, tensor, load, step)
+            runs.append(
+                (time.perf_counter() - t0, time.process_time() - cpu0, stats, compute_s, sync_s)
+            )
+        wall, cpu, stats, compute_s, sync_s = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
         host = tensor.cpu().numpy()
         digest = hashlib.sha256(host.tobytes()).hexdigest()[:16]
         conn.send(
@@ -153,7 +164,10 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
         with contextlib.suppress(Exception):
             conn.send({"error": f"site {index} rank {rank}: {type(exc).__name__}: {exc}"})
     finally:
-        ar.close()
+        if sync is not None:
+            sync.close()  # closes ar too
+        else:
+            ar.close()
         for peer in peers.values():
             peer.close()
         server.stop(0)
@@ -192,38 +206,32 @@ class _Load:
 
 
 def _timed_step(
-    ar: Any, c: BenchCase, tensor: torch.Tensor, load: _Load | None
+    ar: Any, sync: Any, c: BenchCase, tensor: torch.Tensor, load: _Load | None, step: int
 ) -> tuple[Any, float, float]:
     """The measured all-reduce: one plain round, or ``c.groups`` rounds started as
     backward would start them. Returns (stats, compute seconds, sync seconds)."""
-    from .gradient_sync import LaneGradientSync
-
     if c.groups == 1 and load is None:
         t0 = time.perf_counter()
-        stats = ar.allreduce([tensor], step=1, group=0, average=True)
+        stats = ar.allreduce([tensor], step=step, group=0, average=True)
         return stats, 0.0, time.perf_counter() - t0
-    sync = LaneGradientSync(ar, rounds_in_flight=c.in_flight)
-    try:
-        t0 = time.perf_counter()
-        began = done = None
-        if tensor.is_cuda:
-            began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began.record()
-        sync.begin_step(1)
-        for group, part in enumerate(tensor.chunk(c.groups)):
-            if load is not None:
-                load()
-            sync.start(group, part)
-        compute_s = time.perf_counter() - t0
-        if done is not None:
-            done.record()
-        sync.finish()
-        if began is not None and done is not None:
-            done.synchronize()
-            compute_s = began.elapsed_time(done) / 1000
-        return sync.last_step_stats, compute_s, sync.last_step_stats.sync_s
-    finally:
-        sync.close()
+    t0 = time.perf_counter()
+    began = done = None
+    if tensor.is_cuda:
+        began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
+    sync.begin_step(step)
+    for group, part in enumerate(tensor.chunk(c.groups)):
+        if load is not None:
+            load()
+        sync.start(group, part)
+    compute_s = time.perf_counter() - t0
+    if done is not None:
+        done.record()
+    sync.finish()
+    if began is not None and done is not None:
+        done.synchronize()
+        compute_s = began.elapsed_time(done) / 1000
+    return sync.last_step_stats, compute_s, sync.last_step_stats.sync_s
 
 
 def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:

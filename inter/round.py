@@ -159,13 +159,6 @@ class RoundPipeline:
         # whose queued backward would hold every copy back).
         self.device = flat.device if flat.is_cuda else None
         self.host = None if flat.is_cuda else flat.numpy()
-        # A tensor divisor: torch divides by a Python number on CUDA as a multiplication
-        # by its reciprocal, which is not the host's IEEE division bit for bit.
-        self._sites = (
-            torch.tensor(float(view.num_sites), dtype=torch.float32, device=flat.device)
-            if flat.is_cuda
-            else None
-        )
         self.per = view.chunk_bytes // 4
         self.total = flat.numel()
         self.num_chunks = -(-self.total // self.per)
@@ -422,7 +415,12 @@ class RoundPipeline:
             for s in range(2, sites):
                 summed.add_(parts[s])
             if self.average:
-                summed.div_(self._sites)
+                # By a tensor: torch divides by a Python number on CUDA as a product
+                # with its reciprocal, not the host's IEEE division bit for bit. Made
+                # here, on the task's stream: made on the round's thread it was a
+                # blocking copy on the default stream, which waited for all of
+                # backward's queued kernels before the round could start.
+                summed.div_(torch.full((), sites, dtype=torch.float32, device=self.device))
         payload = self._encode(summed, f"g{self.group}/r{c}")
         frame = self._frame(_RESULT, c, payload)  # copies the payload: it may change
         if self.codec.lossy:
