@@ -108,7 +108,8 @@ class SyncSection:
     "raw", "bf16+shuffle+zstd:3", "int8+zstd:1"."""
     chunk_bytes: int = 0
     """Raw bytes per chunk of the cross-site all-reduce; 0 = the link's bandwidth-delay
-    product (from wan.*), clamped to 256 KiB - 4 MiB."""
+    product (from wan.*), clamped to 256 KiB - 4 MiB, and at least 16 MiB for CUDA
+    tensors on the bulk transport (fewer, larger chunks: fewer kernel launches)."""
     connections: int = 2
     """TCP connections per peer lane (bulk or gRPC)."""
     transport: str = "auto"

@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_allreduce import inputs, run_all, sites
 
+from isthmus.deploy.config import CUDA_BULK_CHUNK_BYTES, load_config
 from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import chunk_bytes_for_link
 
@@ -88,3 +89,17 @@ def test_chunk_size_follows_the_bandwidth_delay_product() -> None:
     assert chunk_bytes_for_link(10e9, 0.050) == 4 * 1024 * 1024  # 62.5 MB: the ceiling
     with pytest.raises(ValueError):
         chunk_bytes_for_link(0, 0.01)
+
+
+def test_cuda_chunks_on_the_bulk_port_are_larger() -> None:
+    """The job's auto chunk: the link's on CPU and on gRPC (its message limit), at
+    least 16 MiB for CUDA tensors on the bulk port; a chosen size always wins."""
+    link = ["wan.distance_km=1000", "wan.bandwidth_mbit=10000"]
+    cpu = load_config(overrides=[*link, "topology.device=cpu"]).chunk_bytes
+    cuda = load_config(overrides=[*link, "topology.device=cuda"]).chunk_bytes
+    grpc = load_config(overrides=[*link, "topology.device=cuda", "sync.transport=grpc"])
+    chosen = load_config(overrides=[*link, "topology.device=cuda", "sync.chunk_bytes=65536"])
+    assert cpu == 4 << 20
+    assert cuda == CUDA_BULK_CHUNK_BYTES == 16 << 20
+    assert grpc.chunk_bytes == 4 << 20
+    assert chosen.chunk_bytes == 65536

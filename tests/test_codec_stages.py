@@ -141,3 +141,32 @@ def test_residual_of_another_shape_is_dropped_and_nan_does_not_poison() -> None:
     assert "k" not in codec.state_dict()
     x = _grad(50, seed=4)
     assert torch.isfinite(codec.decode(codec.encode(x, "k"), 50)).all()
+
+
+@pytest.mark.parametrize("values", ["gradient", "zeros", "nan", "inf"])
+def test_the_gpu_encode_decodes_like_the_host_encode(values: str) -> None:
+    """The CUDA encode (fewer kernels, no host read of the scale) written with device-
+    generic torch ops, run here on the CPU: its payload decodes within a quantization
+    step of the input, its residual is exactly input minus decode, and a non-finite
+    chunk gives the NaN payload and keeps no residual, as the host encode does."""
+    n = 4099
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e-3
+    if values == "zeros":
+        x = torch.zeros(n)
+    elif values in ("nan", "inf"):
+        x[17] = math.nan if values == "nan" else math.inf
+    gpu, host = Int8Stage(), Int8Stage()
+    payload = bytes(gpu._encode_device(x.clone(), "k"))
+    expected = bytes(host.encode(x.clone(), "k"))
+    assert len(payload) == len(expected) == 4 + n
+    decoded = gpu.decode(payload, n)
+    if values in ("nan", "inf"):
+        assert payload == expected  # NaN scale, zero values
+        assert decoded.isnan().all()
+        assert "k" not in gpu.state_dict()
+        return
+    step = x.abs().max().item() / 127
+    assert torch.all((decoded - x).abs() <= step / 2 + 1e-12)
+    assert torch.equal(gpu.state_dict()["k"], x - decoded)
+    if values == "gradient":  # the same quantization as the host's, but for ties
+        assert (decoded != host.decode(expected, n)).sum() <= 2

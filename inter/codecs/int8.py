@@ -21,6 +21,7 @@ from .base import check_chunk, check_size, from_le, to_device, to_host_view
 __all__ = ["Int8Stage"]
 
 _SCALE = struct.Struct("<f")  # payload = fp32 scale, then one int8 per element
+_SMALLEST = float(np.finfo(np.float32).tiny)
 
 
 def _nan_payload(num_elements: int) -> bytes:
@@ -85,17 +86,20 @@ class Int8Stage:
         copy of the whole payload to the host, the only wait. (Reading the scale first,
         as the host path does, cost a second synchronization per chunk, each queued
         behind whatever backward had put on the GPU.)"""
+        # Every line is a kernel launched under the GIL, which the lane's other threads
+        # want too (a profile of a CUDA lane showed its pool waiting for the GIL most of
+        # the time), so the encode uses as few as it can.
         amax = x.abs().amax()
-        # A NaN or infinite amax stays in the scale (== 0 is false for NaN), which the
-        # host sees below. The scale travels with the values, so it need not be the
-        # host path's bits (CUDA divides by a scalar as a product with its reciprocal).
-        scale = torch.where(amax == 0, torch.ones_like(amax), amax / 127.0)
-        q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+        # A NaN or infinite amax stays in the scale (clamp keeps NaN), which the host
+        # checks below; an all-zero chunk gets the smallest scale and encodes as zeros.
+        # The scale travels with the values, so it need not be the host path's bits.
+        scale = (amax / 127.0).clamp_(min=_SMALLEST)
+        values = torch.div(x, scale).round_().clamp_(-127, 127)  # integers, as fp32
         payload = torch.empty(_SCALE.size + x.numel(), dtype=torch.uint8, device=x.device)
         payload[: _SCALE.size].copy_(scale.reshape(1).view(torch.uint8))
-        payload[_SCALE.size :].copy_(q.view(torch.uint8))
+        payload[_SCALE.size :].view(torch.int8).copy_(values)
         if key is not None:
-            residual = x - q.to(torch.float32) * scale  # what decode will produce
+            residual = x - values.mul_(scale)  # what decode produces: fp32(q) x scale
             with self._lock:
                 self._residuals[key] = residual
         host = to_host_view(payload)  # waits for the stream: the bytes are final
