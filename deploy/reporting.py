@@ -1,6 +1,6 @@
 """What a rank tells the world after each step: the site's metrics.jsonl line
 (rank 0) and a progress report to the site's coordinator, which feeds Prometheus
-and compares parameter digests across sites (DESIGN.md invariant 1)."""
+and compares parameter digests across sites (docs/design.md invariant 1)."""
 
 from __future__ import annotations
 

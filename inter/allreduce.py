@@ -1,4 +1,4 @@
-"""The cross-site all-reduce over lanes (DESIGN.md, "Cross-site algorithm").
+"""The cross-site all-reduce over lanes (docs/design.md, "Cross-site algorithm").
 
 Chunk ``c`` of a round is owned by site ``(c + step + group) % num_sites``; rotating
 with step and group spreads the owners' extra work. Every other site sends the owner

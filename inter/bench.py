@@ -56,7 +56,7 @@ class BenchCase:
     timeout_s: float = 600.0
     lanes: int = 1
     """Ranks per site, each with its own lane and process, all-reducing an equal slice
-    of the site's tensor with the same rank of every other site (DESIGN.md: the shard
+    of the site's tensor with the same rank of every other site (docs/design.md: the shard
     after the site's reduce-scatter). All of a site's lanes share its links."""
     device: str = "cpu"
     """``cuda``: each lane's slice lives on a GPU of its own (lane k of site i on GPU

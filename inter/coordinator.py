@@ -7,7 +7,7 @@ every differing key, and both sides report it. Once every site is present and
 ready, the membership gets generation 1 and ranks learn their peers' lanes from a
 long-polling `GetMembership`. Heartbeats then record when each peer was last heard.
 
-Every RPC carries a deadline and every wait a timeout (DESIGN.md invariant 5).
+Every RPC carries a deadline and every wait a timeout (docs/design.md invariant 5).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Step commit, failover and admission: the coordinator's part of DESIGN.md invariants 2 and 3.
+"""Step commit, failover and admission: the coordinator's part of docs/design.md invariants 2 and 3.
 
 Every step, each rank votes on its cross-site rounds at its own coordinator
 (``CommitStep``, site-local). Once every local rank has voted, the site votes at the

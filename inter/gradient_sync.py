@@ -1,4 +1,4 @@
-"""The gradient-sync seam that intra's training step calls (DESIGN.md, "Between sites").
+"""The gradient-sync seam that intra's training step calls (docs/design.md, "Between sites").
 
 ``start`` runs inside FSDP2's all-reduce hook, once per FSDP group during backward;
 ``finish`` runs before ``optimizer.step()`` and waits for every group's round (all of

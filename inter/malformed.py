@@ -1,4 +1,4 @@
-"""Refuse a request that is not a valid protobuf with INVALID_ARGUMENT (DESIGN.md invariant 4).
+"""Refuse a request that is not a valid protobuf with INVALID_ARGUMENT (docs/design.md invariant 4).
 
 grpcio answers a request it cannot parse with INTERNAL ("Exception deserializing
 request!"), the same code as a server bug, and says nothing of what was wrong. The

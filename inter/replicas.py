@@ -1,5 +1,5 @@
 """Replica digests: every site reports sha256 digests of its full parameters, and
-any two that differ for the same step are a divergence (DESIGN.md invariant 1)."""
+any two that differ for the same step are a divergence (docs/design.md invariant 1)."""
 
 from __future__ import annotations
 

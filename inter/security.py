@@ -7,7 +7,7 @@ certificate signed by the job CA, or plaintext), gives the server the intercepto
 that check each call, and opens channels that present the site's certificate and
 attach the token to every call. ``SiteSecurity()`` is all off: today's plaintext.
 
-Where refusals are seen (DESIGN.md invariant 6: an unauthenticated peer gets nothing):
+Where refusals are seen (docs/design.md invariant 6: an unauthenticated peer gets nothing):
 
 * **Certificate refusals** (a plaintext client, no client certificate, one signed by
   another CA, an expired one) fail the TLS handshake inside gRPC's C core, before a

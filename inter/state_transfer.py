@@ -1,4 +1,4 @@
-"""Training state between sites as named tensors in pieces (DESIGN.md invariant 3).
+"""Training state between sites as named tensors in pieces (docs/design.md invariant 3).
 
 A rank of a live site *offers* its state after a step (:class:`StateOffers`, held by
 its :class:`~isthmus.inter.lane.LaneServer`); the rank at the same mesh coordinate of

@@ -87,7 +87,7 @@ def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceM
 
     Initializes the default process group from the environment (torchrun's
     ``MASTER_ADDR``/``RANK``/...) if the caller has not; the world is the site's
-    ranks only, never another site's (DESIGN.md: no communicator spans sites).
+    ranks only, never another site's (docs/design.md: no communicator spans sites).
     On ``cuda`` the rank's device is ``LOCAL_RANK``.
 
     Ranks are laid out row-major, ``tp`` innermost: rank ``r`` sits at

@@ -16,7 +16,7 @@ A step of S sites, each a data-parallel replica holding 1/S of the global batch:
 Scaling efficiency is measured the way NeMo reports it (weak scaling): S sites'
 throughput against S times one site's, each site doing the same work, so
 efficiency = (compute_s + step_overhead_s) / step_s. 2(S−1)/S × bytes is what each
-site sends (and receives) in the owner-based all-reduce (DESIGN.md), the ring
+site sends (and receives) in the owner-based all-reduce (docs/design.md), the ring
 optimum. A round (one FSDP group) costs one RTT (contributions to owners, results
 back) and one chunk of pipeline fill: a chunk's result cannot leave its owner before
 its contributions arrived, so the link carries the last chunk twice in a row; a group

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every gRPC handler (issue 6; DESIGN.md invariants 4 and 5).
+"""Property-based fuzzing of every gRPC handler (issue 6; docs/design.md invariants 4 and 5).
 
 Real servers on loopback: two coordinators that formed membership generation 1 and a
 lane server that offers a state and holds a sent chunk. Hypothesis sends each handler

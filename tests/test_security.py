@@ -1,4 +1,4 @@
-"""Mutual TLS and the job token, with real TLS on loopback (DESIGN.md invariant 6).
+"""Mutual TLS and the job token, with real TLS on loopback (docs/design.md invariant 6).
 
 Every server here is a real gRPC server bound to port 0 that requires mutual TLS
 and the token; clients are refused in the TLS handshake (plaintext, a certificate

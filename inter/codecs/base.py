@@ -1,7 +1,7 @@
 """What every codec stage shares: the error type, the checksum, the host copy.
 
 Payloads come from another site, so every decode treats its input as hostile: sizes
-are checked before anything is allocated (DESIGN.md, invariant 4).
+are checked before anything is allocated (docs/design.md, invariant 4).
 """
 
 from __future__ import annotations
