@@ -369,9 +369,18 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
 
 
 def run_suite(
-    *, quick: bool = False, only: list[str] | None = None, keep: Path | None = None, out=sys.stdout
+    *,
+    quick: bool = False,
+    only: list[str] | None = None,
+    keep: Path | None = None,
+    repeat: int = 1,
+    out=sys.stdout,
 ) -> list[ScenarioResult]:
-    """Runs the chosen scenarios one after another; prints a table as it goes."""
+    """Runs the chosen scenarios one after another, ``repeat`` rounds of them (a race
+    shows only now and then); prints a table as it goes and, after several rounds,
+    how often each scenario passed."""
+    if repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {repeat}")
     chosen = [s for s in SCENARIOS if (not quick or s.quick) and (not only or s.name in only)]
     unknown = set(only or ()) - {s.name for s in SCENARIOS}
     if unknown:
@@ -382,18 +391,31 @@ def run_suite(
     results = []
     print(f"{'scenario':<14} {'result':<6} {'wall s':>7} {'gens':>4} {'retries':>7} "
           f"{'min live':>8} {'corrupt':>7}  rejoined", file=out)  # fmt: skip
-    for scenario in chosen:
-        r = run_scenario(scenario, root / scenario.name, out=None)
-        results.append(r)
-        print(
-            f"{r.name:<14} {'ok' if r.ok else 'FAIL':<6} {r.wall_s:7.1f} {r.generations:4d} "
-            f"{r.retries:7d} {r.min_live_sites:8d} {r.corrupt_chunks:7d}  "
-            f"{','.join(r.rejoined) or '-'}",
-            file=out,
-            flush=True,
-        )
-        if not r.ok:
-            print(f"  why: {r.why}", file=out)
+    for attempt in range(1, repeat + 1):
+        for scenario in chosen:
+            where = scenario.name if repeat == 1 else f"{scenario.name}-{attempt}"
+            r = run_scenario(scenario, root / where, out=None)
+            results.append(r)
+            print(
+                f"{r.name:<14} {'ok' if r.ok else 'FAIL':<6} {r.wall_s:7.1f} {r.generations:4d} "
+                f"{r.retries:7d} {r.min_live_sites:8d} {r.corrupt_chunks:7d}  "
+                f"{','.join(r.rejoined) or '-'}",
+                file=out,
+                flush=True,
+            )
+            if not r.ok:
+                print(f"  why: {r.why} (logs: {root / where})", file=out)
+    if repeat > 1:
+        print(pass_counts(results), file=out)
     (root / "chaos.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     print(f"results: {root / 'chaos.json'}", file=out)
     return results
+
+
+def pass_counts(results: list[ScenarioResult]) -> str:
+    """One line: how many runs of each scenario passed, in the order they ran."""
+    counts: dict[str, list[int]] = {}
+    for r in results:
+        passed, runs = counts.setdefault(r.name, [0, 0])
+        counts[r.name] = [passed + r.ok, runs + 1]
+    return "passed: " + ", ".join(f"{name} {p}/{n}" for name, (p, n) in counts.items())

@@ -151,7 +151,10 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     try:
         results = run_suite(
-            quick=args.quick, only=args.only, keep=Path(args.keep) if args.keep else None
+            quick=args.quick,
+            only=args.only,
+            keep=Path(args.keep) if args.keep else None,
+            repeat=args.repeat,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -353,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chaos.add_argument(
         "--keep", metavar="DIR", default=None, help="keep runs and logs here (default: a temp dir)"
+    )
+    chaos.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the chosen scenarios N times and report how often each passed",
     )
     chaos.set_defaults(func=cmd_chaos)
 

@@ -185,15 +185,18 @@ class Failover(Leader):
         key = (request.step, request.generation)
         with c._cond:
             c.last_seen[request.site] = time.monotonic()
-            found = self._decisions.get(key)
-            if found is not None:
-                return found
             if request.site not in c.members:
+                # Checked before the stored decisions: one of an older generation may
+                # name the voter and would send it back into a generation the job has
+                # left. It hears that it was left out from its heartbeats, and joins.
                 return pb.Decision(
                     step=request.step,
                     verdict=pb.VERDICT_PENDING,
                     reason=f"{request.site} is not a member of generation {c._generation}",
                 )
+            found = self._decisions.get(key)
+            if found is not None:
+                return found
             if request.generation < c._generation:
                 # The voter ran the step in a generation this site has left: run it again
                 # in the current one, unless the current one already decided the step.
@@ -265,10 +268,14 @@ class Failover(Leader):
         deadline = time.monotonic() + min(wait_ms, 30_000) / 1000.0
         with c._cond:
             while True:
-                found = self._decisions.get(key)
+                # A rank that voted in a generation older than the one this site was
+                # admitted back in must pull the state, whatever else was decided for
+                # its key meanwhile (a RETRY there would rerun a step the job has left
+                # behind, and wait for votes no other site will ever send).
                 rejoin = self._rejoin_decision
-                if found is None and rejoin is not None and key[1] < rejoin.generation:
-                    found = rejoin
+                if rejoin is not None and key[1] < rejoin.generation:
+                    return rejoin
+                found = self._decisions.get(key)
                 if found is not None:
                     return found
                 left = deadline - time.monotonic()
@@ -387,8 +394,12 @@ class Failover(Leader):
         c = self.c
         with c._cond:
             if key[1] != c._generation:
-                # Ranks voted in a generation this site has left: they run it again.
-                if key not in self._decisions and c.site in c.members:
+                # Ranks voted in a generation this site has left: they run it again --
+                # unless the site was admitted back since, when they pull the state
+                # instead (_await hands them the REJOIN).
+                rejoin = self._rejoin_decision
+                readmitted = rejoin is not None and key[1] < rejoin.generation
+                if key not in self._decisions and c.site in c.members and not readmitted:
                     self._decide_locked(key, self._retry_locked(key[0], "generation moved on"))
                 return
             leader = self._leader_locked()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from helpers import assert_one_line_error, run_cli
 
-from isthmus.deploy.chaos import SCENARIOS, run_scenario
+from isthmus.deploy.chaos import SCENARIOS, ScenarioResult, pass_counts, run_scenario
 
 QUICK = [s for s in SCENARIOS if s.quick]
 
@@ -32,3 +32,17 @@ def test_survivors_finish_with_identical_replicas(scenario, tmp_path):
 def test_an_unknown_scenario_is_a_one_line_error(tmp_path):
     result = run_cli("chaos", "--only", "meteor", "--keep", str(tmp_path), timeout=60)
     assert_one_line_error(result, "unknown scenario(s) ['meteor']")
+
+
+def test_repeat_must_be_at_least_one(tmp_path):
+    result = run_cli("chaos", "--repeat", "0", "--keep", str(tmp_path), timeout=60)
+    assert_one_line_error(result, "--repeat must be >= 1, got 0")
+
+
+def test_repeated_runs_are_counted_per_scenario():
+    runs = [
+        ScenarioResult(name="partition", ok=True, wall_s=40.0),
+        ScenarioResult(name="kill", ok=True, wall_s=30.0),
+        ScenarioResult(name="partition", ok=False, wall_s=200.0, why="no decision"),
+    ]
+    assert pass_counts(runs) == "passed: partition 1/2, kill 1/1"

@@ -243,6 +243,34 @@ def test_a_restarted_site_is_admitted_at_a_commit_with_the_state_source():
         stop_all(coords)
 
 
+def test_a_site_admitted_back_pulls_the_state_though_its_old_vote_was_settled_meanwhile():
+    """The partition scenario's race (it deadlocked ~1 run in 9): site1, cut off at step
+    4, is admitted back by site0's Propose while its ranks still wait on their step-4
+    vote of generation 1. Its failover loop settles that old vote ("generation moved
+    on") at about the same moment; the ranks must still get REJOIN and pull the state,
+    never a RETRY that reruns step 4 in a generation whose other member left it behind."""
+    coords = start_sites(2)
+    site1 = coords[1]
+    try:
+        with pytest.raises(AssertionError, match="no decision"):
+            vote(site1, 4, 1, wait_s=1.5)  # the vote stands; nobody else votes on step 4
+        with site1._cond:
+            site1.excluded = site1.joining = True  # as its heartbeats tell it, left out
+            sites = site1.infos_locked(site1.site_names)
+        admit = pb.ProposeRequest(
+            leader="site0", generation=3, sites=sites, start_step=21, state_source="site0"
+        )
+        with grpc.insecure_channel(site1.address) as channel:
+            assert pb_grpc.CoordinatorStub(channel).Propose(admit, timeout=5).accepted
+        site1.failover._settle((4, 1))  # what its loop does with the old vote
+        decision = vote(site1, 4, 1, wait_s=5)
+        assert decision.verdict == pb.VERDICT_REJOIN, decision
+        assert decision.generation == 3 and decision.state_source == "site0"
+        assert decision.step == 21 and decision.state_step == 20
+    finally:
+        stop_all(coords)
+
+
 def test_under_a_partition_only_the_quorum_side_goes_on_and_the_other_stops_saying_why():
     with RelayServer() as relay:
         link = relay.add_link("site0-site1", LinkSpec.symmetric(latency_s=0.001))
