@@ -9,6 +9,7 @@ import threading
 import time
 from concurrent import futures
 
+import grpc
 import pytest
 
 from isthmus.sim import DirectionSpec, LinkSpec, RelayServer, proxy_channel_options
@@ -286,7 +287,6 @@ def test_connect_proxy_refuses_non_loopback(relay) -> None:
 
 @pytest.mark.timeout(60)
 def test_grpc_through_connect_proxy(relay, monkeypatch) -> None:
-    grpc = pytest.importorskip("grpc")
     # no_proxy / no_grpc_proxy would silently bypass even the channel option (see relay.py).
     for name in ("no_proxy", "NO_PROXY", "no_grpc_proxy", "NO_GRPC_PROXY"):
         monkeypatch.delenv(name, raising=False)
