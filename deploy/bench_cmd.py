@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from isthmus.deploy.config import ConfigError
+from isthmus.deploy.config import MAX_SYNC_CHUNK_BYTES, ConfigError
 from isthmus.inter import bench
 from isthmus.inter.codec import make_codec
 from isthmus.inter.lane import chunk_bytes_for_link
@@ -31,7 +31,6 @@ FULL = {
     "mib": "64,256",
     "codec": "raw,raw+shuffle+zstd:1,bf16,bf16+shuffle+zstd:1,int8,int8+zstd:1",
 }
-_LARGEST_CHUNK = 64 << 20  # as sync.chunk_bytes allows
 QUICK = {"sites": "2", "rtt_ms": "1", "gbit": "1", "mib": "2", "codec": "raw,int8+zstd:1"}
 
 
@@ -148,8 +147,10 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
         except ValueError as exc:
             raise ConfigError(f"--codec: {exc}") from None
     chunk = args.chunk_kib * 1024
-    if chunk and not 4096 <= chunk <= _LARGEST_CHUNK:
-        raise ConfigError(f"--chunk-kib must be 4..{_LARGEST_CHUNK // 1024}, got {args.chunk_kib}")
+    if chunk and not 4096 <= chunk <= MAX_SYNC_CHUNK_BYTES:
+        raise ConfigError(
+            f"--chunk-kib must be 4..{MAX_SYNC_CHUNK_BYTES // 1024}, got {args.chunk_kib}"
+        )
     if not 1 <= args.connections <= 16:
         raise ConfigError(f"--connections must be in 1..16, got {args.connections}")
     if not 1 <= args.lanes <= 64:

@@ -18,7 +18,6 @@ from typing import Any
 
 from isthmus.deploy.sections import (
     KIB,
-    MIB,
     SECTION_TYPES,
     CheckpointSection,
     ClusterSection,
@@ -43,6 +42,8 @@ from isthmus.intra.topology import ParallelLayout
 
 CUDA_BULK_CHUNK_BYTES = 16 << 20
 """The least auto chunk for CUDA tensors on the bulk transport (see ``chunk_bytes``)."""
+MAX_SYNC_CHUNK_BYTES = 64 << 20
+"""The largest ``sync.chunk_bytes`` a job (or the all-reduce benchmark) may set."""
 
 try:
     import tomllib
@@ -93,7 +94,7 @@ class JobConfig:
         bulk = self.sync.transport == "bulk" or (
             self.sync.transport == "auto" and not self.security.require_tls
         )
-        if bulk and self._cuda:
+        if bulk and self.device_type == "cuda":
             # A CUDA chunk costs a dozen kernel launches, each under the GIL that the
             # lane's threads share, and gRPC's message limit does not apply to the bulk
             # port: at 4 MiB the launches, not the link, bounded the sync (issue 11: the
@@ -102,12 +103,13 @@ class JobConfig:
         return size
 
     @property
-    def _cuda(self) -> bool:
+    def device_type(self) -> str:
+        """ "cuda" or "cpu": topology.device, with "auto" resolved on this machine."""
         if self.topology.device == "auto":
             import torch
 
-            return torch.cuda.is_available()
-        return self.topology.device == "cuda"
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.topology.device
 
     @property
     def one_way_latency_s(self) -> float:
@@ -384,7 +386,8 @@ def validate(config: JobConfig) -> None:
     _require(d.max_bytes >= 1024, f"data.max_bytes must be >= 1024, got {d.max_bytes}")
     s = config.sync
     _require(
-        s.chunk_bytes == 0 or (4 * KIB <= s.chunk_bytes <= 64 * MIB and s.chunk_bytes % 4 == 0),
+        s.chunk_bytes == 0
+        or (4 * KIB <= s.chunk_bytes <= MAX_SYNC_CHUNK_BYTES and s.chunk_bytes % 4 == 0),
         f"sync.chunk_bytes must be 0 (auto) or a multiple of 4 in 4 KiB..64 MiB, got {s.chunk_bytes}",
     )
     _require(0 <= s.workers <= 64, f"sync.workers must be in 0..64, got {s.workers}")

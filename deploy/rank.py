@@ -88,15 +88,9 @@ class RankEnv:
         )
 
 
-def device_type(config: JobConfig) -> str:
-    if config.topology.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return config.topology.device
-
-
 def run(env: RankEnv, config: JobConfig) -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    dev = device_type(config)
+    dev = config.device_type
     layout = ParallelLayout.for_ranks(
         config.topology.ranks_per_site, pp=config.topology.pp, tp=config.topology.tp
     )

@@ -272,8 +272,8 @@ class Failover(Leader):
                 # admitted back in must pull the state, whatever else was decided for
                 # its key meanwhile (a RETRY there would rerun a step the job has left
                 # behind, and wait for votes no other site will ever send).
-                rejoin = self._rejoin_decision
-                if rejoin is not None and key[1] < rejoin.generation:
+                rejoin = self._readmitted_locked(key)
+                if rejoin is not None:
                     return rejoin
                 found = self._decisions.get(key)
                 if found is not None:
@@ -282,6 +282,11 @@ class Failover(Leader):
                 if left <= 0 or c._stopped.is_set():
                     return pb.Decision(step=key[0], verdict=pb.VERDICT_PENDING)
                 c._cond.wait(left)
+
+    def _readmitted_locked(self, key: tuple[int, int]) -> pb.Decision | None:
+        """The REJOIN for a vote cast before this site was admitted back, else None."""
+        rejoin = self._rejoin_decision
+        return rejoin if rejoin is not None and key[1] < rejoin.generation else None
 
     def _adopt_locked(
         self,
@@ -397,8 +402,7 @@ class Failover(Leader):
                 # Ranks voted in a generation this site has left: they run it again --
                 # unless the site was admitted back since, when they pull the state
                 # instead (_await hands them the REJOIN).
-                rejoin = self._rejoin_decision
-                readmitted = rejoin is not None and key[1] < rejoin.generation
+                readmitted = self._readmitted_locked(key) is not None
                 if key not in self._decisions and c.site in c.members and not readmitted:
                     self._decide_locked(key, self._retry_locked(key[0], "generation moved on"))
                 return
