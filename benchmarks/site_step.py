@@ -35,9 +35,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from isthmus.intra.flops import device_peak_flops, mfu
-from isthmus.intra.model import Transformer, build_model, preset
-from isthmus.intra.parallel import ParallelConfig, PipelineSchedule
-from isthmus.intra.topology import ParallelLayout, build_site_mesh
+from isthmus.intra.layout import ParallelConfig, ParallelLayout, PipelineSchedule
+from isthmus.intra.model import Transformer, build_model
+from isthmus.intra.model_config import preset
+from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
 COMM_MARKERS = ("nccl", "gloo", "c10d::", "all_gather", "allgather", "reduce_scatter", "allreduce")

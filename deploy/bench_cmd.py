@@ -18,11 +18,14 @@ import platform
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isthmus.deploy.config import MAX_SYNC_CHUNK_BYTES, ConfigError
-from isthmus.inter import bench
-from isthmus.inter.codec import make_codec
-from isthmus.inter.lane import chunk_bytes_for_link
+from isthmus.inter.chunk_size import chunk_bytes_for_link
+from isthmus.inter.codec_spec import parse_codec_spec
+
+if TYPE_CHECKING:
+    from isthmus.inter import bench
 
 FULL = {
     "sites": "2,3",
@@ -134,6 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
     """The grid the flags select; raises ConfigError on bad input."""
+    from isthmus.inter import bench  # torch: not imported by every `isthmus` command
+
     base = QUICK if args.quick else FULL
     pick = {k: getattr(args, k) or base[k] for k in base}
     sites = [int(v) for v in _floats(pick["sites"], "--sites", 2)]
@@ -143,7 +148,7 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
     codecs = [c.strip() for c in pick["codec"].split(",") if c.strip()]
     for spec in codecs:
         try:
-            make_codec(spec)
+            parse_codec_spec(spec)
         except ValueError as exc:
             raise ConfigError(f"--codec: {exc}") from None
     chunk = args.chunk_kib * 1024
@@ -192,6 +197,8 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
 
 def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     """Runs the grid; prints the tables; writes the JSON."""
+    from isthmus.inter import bench
+
     cases = cases_from_args(args)
     out: dict = {
         "date": datetime.date.today().isoformat(),

@@ -2,19 +2,31 @@
 at, and the two calls the per-rank program makes (restore at start, save after a step).
 
 Every site of a job must start at the same step. `isthmus local --resume` takes the
-newest step that is complete at *every* site; `isthmus site --resume` takes its own
-site's newest, and `checkpoint.resume_step` is part of the job fingerprint, so a
-peer that would start from another step is refused at join, naming both steps.
+newest step that is complete at *any* site: replicas are identical after every step
+(invariant 1), so a site without that step loads another site's checkpoint of it (its
+codec residuals, which are its own, start from zero then). `isthmus site --resume`
+takes its own site's newest, and `checkpoint.resume_step` is part of the job
+fingerprint, so a peer that would start from another step is refused at join, naming
+both steps.
+
+Retention (``checkpoint.keep``) never prunes the newest step complete at every site
+whose folder this one can see (the sites of one run directory or checkpoint.dir): a
+site killed mid-save, while the other ran on and saved twice more, would otherwise
+leave no step both hold (issue 14).
+
+With a job token the manifests are signed with it and checked before a load.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.intra import checkpoint
-from isthmus.intra.train import Trainer
+
+if TYPE_CHECKING:
+    from isthmus.intra.train import Trainer
 
 log = logging.getLogger("isthmus.checkpointing")
 
@@ -36,38 +48,50 @@ def _run_dir(config: JobConfig) -> Path:
     return Path(config.run.run_dir or ".").resolve()
 
 
+def _complete_steps(config: JobConfig, run_dir: Path, sites: list[str]) -> dict[str, set[int]]:
+    from isthmus.intra import checkpoint  # torch: only a launcher that resumes pays it
+
+    return {
+        s: set(checkpoint.complete_steps(site_root(config, run_dir, s), warn=False)) for s in sites
+    }
+
+
+def common_step(config: JobConfig, run_dir: Path) -> int | None:
+    """The newest step complete at every site of the job whose folder is here, or None."""
+    steps = [v for v in _complete_steps(config, run_dir, config.site_names).values() if v]
+    common = set.intersection(*steps) if steps else set()
+    return max(common) if common else None
+
+
 def resolve_resume(config: JobConfig, sites: list[str], *, resume: bool) -> None:
     """Set ``config.checkpoint.resume_step`` for ``--resume``, or check the one given.
 
     Args:
         config: the job config; changed in place.
         sites: the sites this launcher starts (all for `local`, one for `site`).
-        resume: ``--resume`` was given: take the newest step complete at every site.
+        resume: ``--resume`` was given: take the newest step complete at any of them.
 
     Raises:
-        ConfigError: no common complete checkpoint, a missing one, or nothing left to train.
+        ConfigError: no complete checkpoint, a missing one, or nothing left to train.
     """
     wanted = config.checkpoint.resume_step
     if not resume and wanted < 0:
         return
     run_dir = _run_dir(config)
-    steps = {s: checkpoint.complete_steps(site_root(config, run_dir, s)) for s in sites}
+    steps = _complete_steps(config, run_dir, sites)
+    anywhere = set().union(*steps.values())
     if resume:
-        common = set.intersection(*(set(v) for v in steps.values()))
-        if not common:
-            found = {s: sorted(v) for s, v in steps.items()}
+        if not anywhere:
             raise ConfigError(
-                f"--resume: no checkpoint step is complete at every site under "
-                f"{site_root(config, run_dir, '*')} (complete steps: {found})"
+                f"--resume: no complete checkpoint under {site_root(config, run_dir, '*')} "
+                f"for {sites}"
             )
-        wanted = max(common)
-    else:
-        missing = [s for s, v in steps.items() if wanted not in v]
-        if missing:
-            raise ConfigError(
-                f"checkpoint.resume_step={wanted}: no complete checkpoint at {missing} under "
-                f"{site_root(config, run_dir, '*')}"
-            )
+        wanted = max(anywhere)
+    elif wanted not in anywhere:
+        raise ConfigError(
+            f"checkpoint.resume_step={wanted}: no complete checkpoint of it at {sites} under "
+            f"{site_root(config, run_dir, '*')}"
+        )
     if wanted >= config.job.steps:
         raise ConfigError(
             f"the checkpoint to resume from is at step {wanted}, job.steps={config.job.steps}: "
@@ -76,12 +100,18 @@ def resolve_resume(config: JobConfig, sites: list[str], *, resume: bool) -> None
     config.checkpoint.resume_step = wanted
 
 
-def restore(trainer: Trainer, sync, config: JobConfig, run_dir: Path, site: str) -> int:
+def restore(
+    trainer: Trainer, sync, config: JobConfig, run_dir: Path, site: str, key: bytes | None = None
+) -> int:
     """Load the checkpoint ``checkpoint.resume_step`` names (a collective of the site).
+
+    The site's own checkpoint of that step if every file matches its manifest, or else
+    the first other site's that does (replicas are identical; see the module docstring).
 
     Args:
         trainer: the rank's fresh trainer.
         sync: the rank's ``LaneGradientSync`` (gets its codec residuals back), or None.
+        key: the job token: the manifest must be signed with it; None checks no signature.
 
     Returns:
         The step to start at: 0 without a resume step.
@@ -89,9 +119,27 @@ def restore(trainer: Trainer, sync, config: JobConfig, run_dir: Path, site: str)
     step = config.checkpoint.resume_step
     if step < 0:
         return 0
-    path = checkpoint.step_dir(site_root(config, run_dir, site), step)
-    next_step, extra = checkpoint.load(trainer, path)
+    import torch.distributed as dist
+
+    from isthmus.intra import checkpoint
+
+    # Rank 0 picks the copy (reading every file of it once) and tells the site's ranks.
+    choice = [_source(config, run_dir, site, step, key) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    source = choice[0]
+    path = checkpoint.step_dir(site_root(config, run_dir, source), step)
+    next_step, extra = checkpoint.load(trainer, path, key)
     codec = {k[len(CODEC) :]: v for k, v in extra.items() if k.startswith(CODEC)}
+    if source != site:
+        log.warning(
+            "[%s step %d] resumed from %s's checkpoint %s (replicas are identical; this "
+            "site's codec residuals start from zero)",
+            site,
+            next_step,
+            source,
+            path,
+        )
+        return next_step
     if sync is not None:
         sync.load_state_dict(codec)
     elif codec:
@@ -102,10 +150,33 @@ def restore(trainer: Trainer, sync, config: JobConfig, run_dir: Path, site: str)
     return next_step
 
 
+def _source(config: JobConfig, run_dir: Path, site: str, step: int, key: bytes | None) -> str:
+    """The site whose checkpoint of ``step`` to load: this one's if it verifies, else the
+    first other site's that does, else this one's (whose load then names the problem)."""
+    from isthmus.intra import checkpoint
+
+    problems = {}
+    for candidate in [site, *(s for s in config.site_names if s != site)]:
+        path = checkpoint.step_dir(site_root(config, run_dir, candidate), step)
+        problems[candidate] = checkpoint.verify(path, key)
+        if problems[candidate] is None:
+            if candidate != site:
+                log.warning("[%s] not loading %s: %s", site, path, problems[site])
+            return candidate
+    return site
+
+
 def save_if_due(
-    trainer: Trainer, sync, config: JobConfig, run_dir: Path, site: str, next_step: int
+    trainer: Trainer,
+    sync,
+    config: JobConfig,
+    run_dir: Path,
+    site: str,
+    next_step: int,
+    key: bytes | None = None,
 ) -> Path | None:
-    """Save after ``next_step`` steps when ``checkpoint.every`` divides it (a collective).
+    """Save after ``next_step`` steps when ``checkpoint.every`` divides it (a collective);
+    the manifest is signed with ``key`` (the job token) when given.
 
     Returns:
         The committed checkpoint folder, or None when none was due.
@@ -114,10 +185,15 @@ def save_if_due(
     if not every or next_step % every:
         return None
     extra = {CODEC + k: v for k, v in sync.state_dict().items()} if sync is not None else None
+    from isthmus.intra import checkpoint
+
+    protect = common_step(config, run_dir)  # before this save: the step all sites hold now
     return checkpoint.save(
         trainer,
         site_root(config, run_dir, site),
         next_step,
         extra,
         keep=config.checkpoint.keep or None,
+        protect=protect,
+        key=key,
     )

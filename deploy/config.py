@@ -12,6 +12,7 @@ resolved configuration with these docs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,11 @@ from isthmus.deploy.sections import (
     TrainSection,
     WanSection,
 )
-from isthmus.inter.codec import make_codec
-from isthmus.inter.lane import chunk_bytes_for_link
+from isthmus.inter.chunk_size import chunk_bytes_for_link
+from isthmus.inter.codec_spec import parse_codec_spec
 from isthmus.inter.security import SiteSecurity
-from isthmus.intra.model import ModelConfig, preset
-from isthmus.intra.parallel import ParallelConfig
-from isthmus.intra.topology import ParallelLayout
+from isthmus.intra.layout import ParallelConfig, ParallelLayout
+from isthmus.intra.model_config import ModelConfig, preset
 
 CUDA_BULK_CHUNK_BYTES = 16 << 20
 """The least auto chunk for CUDA tensors on the bulk transport (see ``chunk_bytes``)."""
@@ -106,6 +106,10 @@ class JobConfig:
     def device_type(self) -> str:
         """ "cuda" or "cpu": topology.device, with "auto" resolved on this machine."""
         if self.topology.device == "auto":
+            # Without the NVIDIA driver's device node there is no CUDA, and the CLI
+            # need not import torch (seconds on a small machine) to learn it.
+            if not os.path.exists("/dev/nvidiactl"):
+                return "cpu"
             import torch
 
             return "cuda" if torch.cuda.is_available() else "cpu"
@@ -392,7 +396,7 @@ def validate(config: JobConfig) -> None:
     )
     _require(0 <= s.workers <= 64, f"sync.workers must be in 0..64, got {s.workers}")
     try:
-        make_codec(s.codec)
+        parse_codec_spec(s.codec)
     except ValueError as exc:
         raise ConfigError(f"sync.codec: {exc}") from None
     _require(1 <= s.connections <= 16, f"sync.connections must be in 1..16, got {s.connections}")

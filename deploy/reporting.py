@@ -54,6 +54,7 @@ class StepReporter:
             "bytes_sent": 0,
             "raw_bytes": 0,
             "corrupt_chunks": 0,
+            "nonfinite_chunks": 0,
         }
         self._channel = (
             peer_channel(coordinator, security=security) if coordinator and metrics_path else None

@@ -4,7 +4,8 @@ A chain is one *tensor stage* (``raw`` fp32, ``bf16``, ``int8`` with error feedb
 followed by optional *byte stages* (``shuffle``, then ``zstd[:LEVEL[:THREADS]]``),
 written as a spec joined by ``+``: ``"raw"``, ``"bf16+shuffle+zstd:3"``,
 ``"int8+zstd:1"``. A spec without a tensor stage means fp32 (``"zstd:1"`` is
-``"raw+zstd:1"``). :func:`make_codec` is the single parser; the stages live in
+``"raw+zstd:1"``). :func:`make_codec` builds it from :func:`~isthmus.inter.codec_spec.parse_codec_spec`
+(the one parser, torch-free for the CLI); the stages live in
 :mod:`isthmus.inter.codecs`, one per module.
 
 Encoding runs on the chunk's device (a CUDA chunk is cast or quantized there and
@@ -18,6 +19,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .codec_spec import ALLOWED_SPECS, parse_codec_spec
 from .codecs import (
     Bf16Stage,
     ByteStage,
@@ -32,12 +34,7 @@ from .codecs import (
 
 __all__ = ["ALLOWED_SPECS", "Codec", "CodecChain", "CodecError", "crc32", "make_codec"]
 
-ALLOWED_SPECS = (
-    'TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]] with TENSOR one of "raw" (fp32), "bf16", '
-    '"int8" (per-chunk scale, error feedback), e.g. "raw", "bf16+shuffle+zstd:3", '
-    '"int8+zstd:1"; LEVEL an integer from -7 to 22; "zstd[:LEVEL]" alone means raw+zstd'
-)
-_TENSOR_STAGES = {"raw": Fp32Stage, "fp32": Fp32Stage, "bf16": Bf16Stage, "int8": Int8Stage}
+_TENSOR_STAGES = {"raw": Fp32Stage, "bf16": Bf16Stage, "int8": Int8Stage}
 
 
 @runtime_checkable
@@ -137,20 +134,6 @@ class CodecChain:
             raise ValueError(f"codec {self.name!r} keeps no state, got {len(state)} entries")
 
 
-def _zstd(text: str) -> ZstdStage | None:
-    parts = text.split(":")
-    if parts[0] != "zstd" or len(parts) > 3:
-        return None
-    try:
-        level = int(parts[1]) if len(parts) > 1 else 1
-        threads = int(parts[2]) if len(parts) > 2 else 0
-    except ValueError:
-        return None
-    if not -7 <= level <= 22 or not 0 <= threads <= 64:
-        return None
-    return ZstdStage(level=level, threads=threads)
-
-
 def make_codec(spec: str) -> CodecChain:
     """Builds a codec chain from its spec.
 
@@ -162,19 +145,11 @@ def make_codec(spec: str) -> CodecChain:
     Raises:
         ValueError: unknown spec; the message lists the allowed forms.
     """
-    parts = [p.strip() for p in spec.strip().lower().split("+")]
-    unknown = ValueError(f"unknown codec {spec!r}; allowed: {ALLOWED_SPECS}")
-    if parts[0] in _TENSOR_STAGES:
-        tensor: TensorStage = _TENSOR_STAGES[parts.pop(0)]()
-    else:
-        tensor = Fp32Stage()
+    parsed = parse_codec_spec(spec)
+    tensor: TensorStage = _TENSOR_STAGES[parsed.tensor]()
     stages: list[ByteStage] = []
-    if parts and parts[0] == "shuffle":
-        parts.pop(0)
+    if parsed.shuffle:
         stages.append(ShuffleStage(tensor.width))
-    if parts and (zstd := _zstd(parts[0])) is not None:
-        parts.pop(0)
-        stages.append(zstd)
-    if parts or (not stages and spec.strip().lower() not in _TENSOR_STAGES):
-        raise unknown
+    if parsed.zstd_level is not None:
+        stages.append(ZstdStage(level=parsed.zstd_level, threads=parsed.zstd_threads))
     return CodecChain(tensor, stages)

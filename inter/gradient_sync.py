@@ -24,6 +24,7 @@ from isthmus.proto import coordinator_pb2 as cpb
 
 from .allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
 from .membership import QuorumLost, RejoinRequired, SiteMembership
+from .round import NonFiniteGradient
 
 __all__ = ["LaneGradientSync", "QuorumLost", "RejoinRequired", "StepStats"]
 
@@ -47,6 +48,8 @@ class StepStats:
     """fp32 bytes of what was sent, before encoding."""
     corrupt_chunks: int = 0
     """Chunks that arrived failing their checksum and were pulled again."""
+    nonfinite_chunks: int = 0
+    """Chunks that decoded to NaN or Inf, refused before summing and pulled again."""
     retries: int = 0
     """Times the step's rounds ran again in a new generation (a site failed or left)."""
     generation: int = 0
@@ -169,6 +172,7 @@ class LaneGradientSync:
         Raises:
             CrossSiteError: (without a membership) a round failed or timed out; no
                 shard is changed then.
+            NonFiniteGradient: this site's gradient holds NaN or Inf; nothing was sent.
             RejoinRequired: the job went on without this site.
             QuorumLost: this site may not go on.
         """
@@ -181,6 +185,8 @@ class LaneGradientSync:
         try:
             while True:
                 failure = self._collect(pending, step, stats)
+                if isinstance(failure, NonFiniteGradient):
+                    raise failure  # the same gradient again would fail again: stop here
                 if self.membership is None:
                     if failure is not None:
                         raise failure
@@ -248,6 +254,7 @@ class LaneGradientSync:
             stats.bytes_received += rs.bytes_received
             stats.raw_bytes += rs.raw_bytes
             stats.corrupt_chunks += rs.corrupt_chunks
+            stats.nonfinite_chunks += rs.nonfinite_chunks
         if failure is not None:
             # Let rounds that outlived the deadline end before anything is rerun.
             futures.wait([p.future for p in pending], timeout=self.allreduce.timeout_s)

@@ -6,7 +6,7 @@ streams, validates every message field by field and deposits the valid ones in a
 marked there instead, and the round pulls it again with ``ResendChunk``, which this
 server answers from its :class:`~isthmus.inter.mailbox.Outbox`. It also owns the
 limits both sides share (:func:`max_payload_bytes`, :func:`channel_options`,
-:func:`chunk_bytes_for_link`). The sending side,
+:func:`~isthmus.inter.chunk_size.chunk_bytes_for_link`). The sending side,
 :class:`~isthmus.inter.lane_peer.LanePeer`, lives in :mod:`isthmus.inter.lane_peer`.
 """
 
@@ -31,7 +31,7 @@ from .security import INSECURE, SiteSecurity
 from .state_transfer import StateOffers, pieces
 from .wire import Chunk, ChunkWire, WireError, encode_resend_response, parse_chunk
 
-__all__ = ["LaneServer", "channel_options", "chunk_bytes_for_link", "max_payload_bytes"]
+__all__ = ["LaneServer", "channel_options", "max_payload_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +48,6 @@ def max_payload_bytes(chunk_bytes: int) -> int:
     (ZSTD_compressBound is about n + n/256 + 64); allow that and some slack.
     """
     return chunk_bytes + chunk_bytes // 128 + 1024
-
-
-MIN_CHUNK_BYTES = 256 * 1024
-MAX_CHUNK_BYTES = 4 * 1024 * 1024
-
-
-def chunk_bytes_for_link(bandwidth_bps: float, rtt_s: float) -> int:
-    """Chunk size for a link: its bandwidth-delay product, clamped to 256 KiB-4 MiB.
-
-    A chunk about one BDP keeps a window's worth of data in one message: smaller
-    chunks pay gRPC's per-message cost (python gRPC wants 256 KiB-4 MiB messages),
-    larger ones delay the owner's first reduction and hold more memory per stream.
-
-    Args:
-        bandwidth_bps: link bandwidth in bits per second, one direction.
-        rtt_s: round-trip time in seconds.
-    Returns:
-        A power of two in bytes, the largest not above the BDP, within the clamp.
-    """
-    if bandwidth_bps <= 0 or rtt_s < 0:
-        raise ValueError(f"need bandwidth > 0 and rtt >= 0, got {bandwidth_bps}, {rtt_s}")
-    bdp = bandwidth_bps / 8 * rtt_s
-    size = MIN_CHUNK_BYTES
-    while size * 2 <= min(bdp, MAX_CHUNK_BYTES):
-        size *= 2
-    return size
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:

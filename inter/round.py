@@ -21,6 +21,7 @@ settings, the lane's mailbox and outbox, the peers, the pool and one
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,16 @@ from .wire import Chunk, encode_chunk
 if TYPE_CHECKING:
     from .lane_peer import LanePeer, PeerRound
 
-__all__ = ["AbortSignal", "CrossSiteError", "RoundPipeline", "RoundStats", "RoundView"]
+__all__ = [
+    "AbortSignal",
+    "CrossSiteError",
+    "NonFiniteGradient",
+    "RoundPipeline",
+    "RoundStats",
+    "RoundView",
+]
+
+log = logging.getLogger("isthmus.round")
 
 _CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
 _RESULT = lane_pb2.CHUNK_KIND_RESULT
@@ -50,6 +60,11 @@ _FETCH_TIMEOUT_S = 10.0  # one ResendChunk call; the round's deadline bounds ret
 
 class CrossSiteError(RuntimeError):
     """A cross-site round failed: a peer timed out, refused or sent bad data."""
+
+
+class NonFiniteGradient(CrossSiteError):
+    """This site's own gradient holds NaN or Inf: running the step again cannot help,
+    and sending it would spread it to every site."""
 
 
 class AbortSignal:
@@ -106,6 +121,8 @@ class RoundStats:
     num_chunks: int = 0
     corrupt_chunks: int = 0
     """Chunks that arrived failing a checksum and were pulled or sent again."""
+    nonfinite_chunks: int = 0
+    """Chunks that decoded to NaN or Inf: refused before summing, pulled again."""
     wall_s: float = 0.0
     encode_s: float = 0.0
     """Seconds spent encoding, summed over the pool's threads."""
@@ -341,6 +358,12 @@ class RoundPipeline:
     def _contribute(self, c: int, owner: int) -> None:
         lo, hi = self._bounds(c)
         me = self.view.site_index
+        if not _finite(self._own(lo, hi)):
+            # Summed in, it would turn every site's weights to NaN at once (issue 14).
+            raise NonFiniteGradient(
+                f"{self.where}: this site's gradient holds NaN or Inf (chunk {c}, elements "
+                f"{lo}..{hi}); refused before it left the site"
+            )
         if owner == me and not self.codec.lossy:
             # Lossless: decode(encode(x)) is x, so skip both.
             self._add_part(c, owner, self._own(lo, hi))
@@ -365,15 +388,34 @@ class RoundPipeline:
                 f"{self.where}: site {sender} sent chunk {c} of {req.num_elements}/"
                 f"{req.total_elements} elements, expected {hi - lo}/{self.total}"
             )
-        try:
-            values = self._decode(req.payload, hi - lo)
-        except CodecError as exc:
-            raise CrossSiteError(f"{self.where}: chunk {c} from site {sender}: {exc}") from exc
+        values = self._decoded(c, sender, req)
+        if not _finite(values):
+            # Refused before it is summed, and asked for again: a forged chunk that got
+            # into the mailbox first is replaced by the sender's own copy.
+            self._count(nonfinite_chunks=1)
+            log.warning("%s: chunk %d from site %d holds NaN or Inf; pulling it again",
+                        self.where, c, sender)  # fmt: skip
+            again = self._pull(key)
+            if again is None:
+                return  # the round failed meanwhile
+            values = self._decoded(c, sender, again)
+            if not _finite(values):
+                raise CrossSiteError(
+                    f"{self.where}: site {sender} sent NaN or Inf in chunk {c} twice; "
+                    "refused before summing"
+                )
         self._count(bytes_received=len(req.payload))
         if kind == _RESULT:
             self._store(lo, hi, values)
         else:
             self._add_part(c, sender, values)
+
+    def _decoded(self, c: int, sender: int, req: Chunk) -> np.ndarray | torch.Tensor:
+        lo, hi = self._bounds(c)
+        try:
+            return self._decode(req.payload, hi - lo)
+        except CodecError as exc:
+            raise CrossSiteError(f"{self.where}: chunk {c} from site {sender}: {exc}") from exc
 
     def _add_part(self, c: int, site: int, values: np.ndarray | torch.Tensor) -> None:
         if self.device is not None:
@@ -427,6 +469,13 @@ class RoundPipeline:
         self._count(bytes_sent=n * len(payload), raw_bytes=n * (hi - lo) * 4)
 
     def _refetch(self, key: MailboxKey) -> None:
+        chunk = self._pull(key)
+        if chunk is not None:
+            self.mailbox.redeposit(key, chunk)
+
+    def _pull(self, key: MailboxKey) -> Chunk | None:
+        """The chunk ``key`` asked again of its sender (``ResendChunk``) until it comes
+        intact; None if the round failed meanwhile."""
         step, group, kind, c, sender = key
         ask = lane_pb2.ResendChunkRequest(
             generation=self.view.generation,
@@ -453,11 +502,11 @@ class RoundPipeline:
             if got != key:
                 problem = f"site {sender} answered with chunk {got}, asked for {key}"
             if problem is None:
-                self.mailbox.redeposit(key, chunk)
-                return
+                return chunk
             if not problem.startswith("crc32 mismatch"):
                 raise CrossSiteError(f"{self.where}: pulled chunk {c}: {problem}")
             self._count(corrupt_chunks=1)  # corrupt again on the way back: ask again
+        return None
 
 
 _streams = threading.local()
@@ -495,6 +544,14 @@ def _divisor(device: torch.device, sites: int) -> torch.Tensor:
             (), float(sites), dtype=torch.float32, device=device
         )
     return t
+
+
+def _finite(values: np.ndarray | torch.Tensor) -> bool:
+    """No NaN or Inf in ``values`` (a pass at ~13 GB/s a core on the host; on a GPU one
+    reduction and a one-byte read)."""
+    if isinstance(values, np.ndarray):
+        return bool(np.isfinite(values).all())
+    return bool(torch.isfinite(values).all())
 
 
 def describe(site: int, exc: BaseException) -> str:

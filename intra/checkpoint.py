@@ -9,16 +9,23 @@ Commit protocol, so a crash at any point leaves the previous checkpoint usable:
 
 1. every rank writes into ``ROOT/step-00000012.partial/`` (DCP, files fsynced);
 2. barrier; rank 0 writes ``manifest.json`` (step, world size, layout, every
-   file's size), fsyncs it, renames the folder to ``ROOT/step-00000012/`` and
-   fsyncs ``ROOT``: the rename is the commit;
-3. only then are checkpoints beyond the newest ``keep`` deleted.
+   file's size and SHA-256; signed with HMAC-SHA256 under the job token when the job
+   has one), fsyncs it, renames the folder to ``ROOT/step-00000012/`` and fsyncs
+   ``ROOT``: the rename is the commit;
+3. only then are checkpoints beyond the newest ``keep`` deleted (but never the step
+   named by ``protect``: the newest one complete at every site, deploy/checkpointing.py).
 
 ``latest`` accepts a folder only if its manifest is present and every file it
-lists has the recorded size; ``.partial`` folders never count.
+lists has the recorded size; ``.partial`` folders never count. ``load`` first checks
+every file's hash (and the signature, given the key) before torch reads a byte: DCP's
+``.metadata`` is a pickle, and a flipped byte in a weight file would otherwise load
+as a silently wrong weight (issue 14: loss NaN at every site from the next step).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -46,10 +53,12 @@ from .train import Trainer
 
 log = logging.getLogger("isthmus.checkpoint")
 
-FORMAT = 1
+FORMAT = 2
+"""2: every file's SHA-256 in the manifest (1 had sizes only, and is refused)."""
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_READ_BYTES = 8 << 20
 
 
 class CheckpointError(ValueError):
@@ -105,6 +114,8 @@ def save(
     extra: Mapping[str, torch.Tensor] | None = None,
     *,
     keep: int | None = 2,
+    protect: int | None = None,
+    key: bytes | None = None,
 ) -> Path:
     """Write and commit the site's checkpoint after ``next_step`` steps (a collective).
 
@@ -117,6 +128,8 @@ def save(
         next_step: steps completed.
         extra: this rank's own tensors (e.g. codec residuals), returned by ``load``.
         keep: committed checkpoints to keep, newest by step; ``None`` keeps all.
+        protect: a step never pruned (the newest complete at every site), or None.
+        key: signs the manifest (HMAC-SHA256), e.g. the job token; None: unsigned.
 
     Returns:
         The committed folder, ``root/step-<next_step:08d>``.
@@ -141,8 +154,8 @@ def save(
     problem = [None]
     if rank == 0:
         try:
-            _commit(trainer, partial, final, next_step)
-            _prune(root, keep)
+            _commit(trainer, partial, final, next_step, key)
+            _prune(root, keep, protect)
         except OSError as exc:
             problem[0] = f"committing {partial}: {exc}"
     dist.broadcast_object_list(problem, src=0)
@@ -158,19 +171,37 @@ def save(
     return final
 
 
-def _commit(trainer: Trainer, partial: Path, final: Path, next_step: int) -> None:
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_READ_BYTES):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _signature(manifest: Mapping, key: bytes) -> str:
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def _commit(
+    trainer: Trainer, partial: Path, final: Path, next_step: int, key: bytes | None
+) -> None:
     files = {
-        p.relative_to(partial).as_posix(): p.stat().st_size
+        p.relative_to(partial).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(partial.rglob("*"))
         if p.is_file()
     }
-    manifest = {
+    manifest: dict = {
         "format": FORMAT,
         "next_step": next_step,
         "world_size": dist.get_world_size(),
         "layout": _layout(trainer),
         "files": files,
     }
+    if key:
+        manifest["signature"] = _signature(manifest, key)
     tmp = partial / (MANIFEST + ".tmp")
     with tmp.open("w") as f:
         json.dump(manifest, f, indent=1)
@@ -188,11 +219,11 @@ def _commit(trainer: Trainer, partial: Path, final: Path, next_step: int) -> Non
         shutil.rmtree(stale)
 
 
-def _prune(root: Path, keep: int | None) -> None:
-    """Delete committed checkpoints beyond the newest ``keep``, and leftovers of
-    saves that died (``.partial``, ``.stale-*``)."""
+def _prune(root: Path, keep: int | None, protect: int | None = None) -> None:
+    """Delete committed checkpoints beyond the newest ``keep`` (except step ``protect``),
+    and leftovers of saves that died (``.partial``, ``.stale-*``)."""
     committed = sorted(complete_steps(root, warn=False).items())
-    doomed = [path for _, path in committed[:-keep]] if keep else []
+    doomed = [path for step, path in committed[:-keep] if step != protect] if keep else []
     doomed += [p for p in root.iterdir() if p.is_dir() and not _STEP_DIR.match(p.name)]
     doomed = [p for p in doomed if p.name.startswith("step-")]
     for path in doomed:
@@ -211,18 +242,47 @@ def check_complete(path: Path) -> str | None:
     except (OSError, ValueError) as exc:
         return f"unreadable {MANIFEST}: {exc}"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return f"{MANIFEST} is not format {FORMAT}"
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        return (
+            f"{MANIFEST} is format {found!r}, not {FORMAT} (format 1, of older isthmus "
+            "releases, records no file hashes, so nothing it lists can be verified)"
+        )
     if manifest.get("next_step") != int(match.group(1)):
         return f"{MANIFEST} says step {manifest.get('next_step')!r}, the folder {match.group(1)}"
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
         return f"{MANIFEST} lists no DCP .metadata"
-    for name, size in files.items():
+    for name, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)):
+            return f"{MANIFEST} has no size for {name}"
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {size}"
+        if f.stat().st_size != entry["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}"
+    return None
+
+
+def verify(path: Path, key: bytes | None = None) -> str | None:
+    """Why ``path`` is not a complete checkpoint whose every file has the content its
+    manifest records (and, given ``key``, a manifest signed with it); ``None`` if it is.
+
+    Reads every file once; nothing is unpickled or handed to torch.
+    """
+    path = Path(path)
+    problem = check_complete(path)
+    if problem is not None:
+        return problem
+    manifest = json.loads((path / MANIFEST).read_text())
+    if key:
+        signature = manifest.get("signature")
+        if not isinstance(signature, str):
+            return f"{MANIFEST} is not signed, and this job has a token to check it with"
+        if not hmac.compare_digest(signature, _signature(manifest, key)):
+            return f"{MANIFEST}'s signature does not match the job token"
+    for name, entry in manifest["files"].items():
+        if _sha256(path / name) != entry.get("sha256"):
+            return f"{name} does not match its SHA-256 in {MANIFEST} (changed since the save)"
     return None
 
 
@@ -255,7 +315,9 @@ def latest(root: Path) -> Path | None:
     return steps[max(steps)] if steps else None
 
 
-def load(trainer: Trainer, path: Path) -> tuple[int, dict[str, torch.Tensor]]:
+def load(
+    trainer: Trainer, path: Path, key: bytes | None = None
+) -> tuple[int, dict[str, torch.Tensor]]:
     """Load a checkpoint written by ``save`` with the same site layout (a collective).
 
     Nothing of the trainer changes until every entry has been read and checked.
@@ -263,15 +325,20 @@ def load(trainer: Trainer, path: Path) -> tuple[int, dict[str, torch.Tensor]]:
     Args:
         trainer: the rank's trainer (fresh or trained).
         path: a committed checkpoint folder (``latest(root)``).
+        key: the manifest must be signed with it (the job token); None: not checked.
 
     Returns:
         ``(next_step, extra)``: the step to run next and this rank's ``extra``.
 
     Raises:
-        CheckpointError: incomplete, or saved by another world size or layout.
+        CheckpointError: incomplete, changed since the save (naming the file), unsigned
+            or signed with another key, or saved by another world size or layout.
     """
     path = Path(path)
-    problem = check_complete(path)
+    # Rank 0 reads every file once; the site's ranks share its verdict.
+    verdict = [verify(path, key) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
+    problem = verdict[0]
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
     manifest = json.loads((path / MANIFEST).read_text())

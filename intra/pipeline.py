@@ -27,8 +27,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from .layout import PipelineSchedule
 from .model import Transformer
-from .parallel import PipelineSchedule
 
 
 def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:

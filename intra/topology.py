@@ -8,78 +8,12 @@ the topology lives in module globals.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from enum import Enum
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-try:
-    from enum import StrEnum
-except ImportError:  # Python 3.10 (pyproject allows it); same behavior for our use
-
-    class StrEnum(str, Enum):  # type: ignore[no-redef]
-        def __str__(self) -> str:
-            return self.value
-
-
-class MeshAxis(StrEnum):
-    """Names of the device-mesh axes inside one site (outermost first)."""
-
-    PP = "pp"
-    DP = "dp"
-    TP = "tp"
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ParallelLayout:
-    """How one site's ranks are split across the parallel axes."""
-
-    pp: int = 1
-    """Pipeline-parallel stages."""
-    dp: int = 1
-    """Data-parallel (FSDP2) replicas inside the site."""
-    tp: int = 1
-    """Tensor-parallel ranks per stage."""
-
-    def __post_init__(self) -> None:
-        for axis in MeshAxis:
-            value = getattr(self, axis.value)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"ParallelLayout.{axis.value} must be an integer >= 1, got {value!r}"
-                )
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the site: ``pp * dp * tp``."""
-        return self.pp * self.dp * self.tp
-
-    @classmethod
-    def for_ranks(cls, ranks: int, pp: int = 1, tp: int = 1) -> ParallelLayout:
-        """Derive ``dp`` from the site's rank count and the model-parallel sizes.
-
-        Args:
-            ranks: ranks in the site.
-            pp: pipeline-parallel size.
-            tp: tensor-parallel size.
-
-        Returns:
-            The layout with ``dp = ranks // (pp * tp)``.
-
-        Raises:
-            ValueError: if a size is not a positive integer or ``pp * tp`` does not divide ``ranks``.
-        """
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-            raise ValueError(f"ranks_per_site must be an integer >= 1, got {ranks!r}")
-        probe = cls(pp=pp, tp=tp)  # validates pp and tp
-        if ranks % (probe.pp * probe.tp):
-            raise ValueError(
-                f"ranks_per_site={ranks} is not divisible by pp*tp={probe.pp * probe.tp} "
-                f"(pp={probe.pp}, tp={probe.tp}); choose ranks_per_site as a multiple of pp*tp"
-            )
-        return cls(pp=probe.pp, dp=ranks // (probe.pp * probe.tp), tp=probe.tp)
+from .layout import MeshAxis, ParallelLayout
 
 
 def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceMesh:

@@ -29,10 +29,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .flops import device_peak_flops, mfu
+from .layout import MeshAxis, ParallelConfig
 from .model import Transformer, flops_per_token
-from .parallel import ParallelConfig, parallelize
+from .parallel import parallelize
 from .pipeline import build_schedule, rank_stages, split_stage
-from .topology import MeshAxis, mesh_coordinate
+from .topology import mesh_coordinate
 
 
 @runtime_checkable

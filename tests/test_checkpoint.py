@@ -3,6 +3,7 @@ SIGKILLed halfway, and the completeness rules of ``latest``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -17,9 +18,11 @@ from test_intra_dist import _corpus, _init, _shutdown, _spawn
 
 from isthmus.intra import checkpoint
 from isthmus.intra.data import ShardedBatches
-from isthmus.intra.model import build_model, preset
+from isthmus.intra.layout import ParallelLayout
+from isthmus.intra.model import build_model
+from isthmus.intra.model_config import preset
 from isthmus.intra.state import rank_state, state_digest
-from isthmus.intra.topology import ParallelLayout, build_site_mesh
+from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
 SEED, SEQ, BATCH = 11, 16, 2
@@ -90,6 +93,66 @@ def test_save_latest_load_resumes_bitwise_and_keeps_the_newest(tmp_path: Path) -
             assert r["digests"][0] == r["digests"][1]
         manifest = json.loads((tmp_path / layout / "step-00000003" / "manifest.json").read_text())
         assert manifest["next_step"] == 3 and manifest["world_size"] == 2
+
+
+# -- verified by content ------------------------------------------------------------
+
+
+def _flip(path: Path, at: int = 40) -> bytes:
+    data = bytearray(path.read_bytes())
+    original = bytes(data)
+    data[at % len(data)] ^= 0x01
+    path.write_bytes(bytes(data))
+    return original
+
+
+def _refusal(trainer: Trainer, path: Path, key: bytes | None) -> str:
+    try:
+        checkpoint.load(trainer, path, key)
+    except checkpoint.CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def _verify_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]:
+    _init(rank, world, store)
+    root, key = Path(root), b"t" * 32
+    a, data = _trainer(ParallelLayout(dp=2))
+    for step in range(4):
+        a.step(step, *data.batch(step))
+        # Step 1 is the newest step every site holds: pruning passes it by.
+        checkpoint.save(a, root, step + 1, keep=2, protect=1, key=key)
+    b, _ = _trainer(ParallelLayout(dp=2))
+    fresh = state_digest(rank_state(b, 0))
+    path = root / "step-00000004"
+    out: dict[str, Any] = {"kept": sorted(p.name for p in root.iterdir())}
+    out["other key"] = _refusal(b, path, b"u" * 32)
+    for name in ("__1_0.distcp", ".metadata"):
+        original = _flip(path / name) if rank == 0 else b""
+        dist.barrier()
+        out[name] = _refusal(b, path, key)
+        dist.barrier()
+        if rank == 0:
+            (path / name).write_bytes(original)
+    out["untouched"] = state_digest(rank_state(b, 0)) == fresh
+    out["next_step"] = checkpoint.load(b, path, key)[0]
+    out["unsigned ok"] = checkpoint.load(b, path, None)[0] == 4
+    out["equal"] = state_digest(rank_state(b, 4)) == state_digest(rank_state(a, 4))
+    _shutdown()
+    return out
+
+
+def test_a_changed_byte_or_a_foreign_key_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """Issue 14, rows 5 and 14: a flipped byte in a weight file loaded silently (loss NaN
+    at every site); one in DCP's pickled .metadata failed deep inside torch."""
+    results = _spawn(_verify_worker, 2, tmp_path, 2, str(tmp_path / "store"), str(tmp_path / "c"))
+    for r in results:
+        assert r["kept"] == ["step-00000001", "step-00000003", "step-00000004"]
+        assert "signature does not match the job token" in r["other key"]
+        assert "__1_0.distcp does not match its SHA-256" in r["__1_0.distcp"]
+        assert ".metadata does not match its SHA-256" in r[".metadata"]
+        assert "step-00000004" in r[".metadata"]
+        assert r["untouched"] and r["next_step"] == 4 and r["unsigned ok"] and r["equal"]
 
 
 # -- a save killed halfway --------------------------------------------------------
@@ -174,9 +237,13 @@ def _fake_checkpoint(root: Path, step: int, *, manifest: bool = True) -> Path:
     (path / ".metadata").write_bytes(b"m" * 10)
     (path / "__0_0.distcp").write_bytes(b"d" * 100)
     if manifest:
-        files = {".metadata": 10, "__0_0.distcp": 100}
+        files = {
+            name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+            for name in (".metadata", "__0_0.distcp")
+            if (f := path / name)
+        }
         (path / "manifest.json").write_text(
-            json.dumps({"format": 1, "next_step": step, "files": files})
+            json.dumps({"format": checkpoint.FORMAT, "next_step": step, "files": files})
         )
     return path
 
@@ -200,6 +267,14 @@ def test_latest_skips_partial_and_incomplete_folders_naming_them(
 
 def test_a_manifest_of_another_step_is_not_complete(tmp_path: Path) -> None:
     path = _fake_checkpoint(tmp_path, 3)
-    (path / "manifest.json").write_text(json.dumps({"format": 1, "next_step": 5, "files": {}}))
+    (path / "manifest.json").write_text(json.dumps({"format": 2, "next_step": 5, "files": {}}))
     assert "says step 5" in checkpoint.check_complete(path)
     assert checkpoint.complete_steps(tmp_path, warn=False) == {}
+
+
+def test_a_manifest_without_file_hashes_is_refused_by_name(tmp_path: Path) -> None:
+    path = _fake_checkpoint(tmp_path, 3)
+    files = {".metadata": 10, "__0_0.distcp": 100}  # format 1: sizes only
+    (path / "manifest.json").write_text(json.dumps({"format": 1, "next_step": 3, "files": files}))
+    assert "format 1" in checkpoint.check_complete(path)
+    assert checkpoint.verify(path) == checkpoint.check_complete(path)

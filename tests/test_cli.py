@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import pytest
@@ -171,3 +172,21 @@ def test_module_entry_point_matches_console_script():
     if result.returncode != 0:  # console script missing: the install step is broken
         pytest.fail(f"`isthmus` console script not installed: {result.stderr}")
     assert result.stdout == run_cli("--help").stdout
+
+
+def test_the_cli_resolves_and_checks_a_job_without_importing_torch():
+    # torch costs a launcher seconds of start-up on a small machine (its ranks pay it
+    # anyway): the config, the codec spec, the model and the layout are checked first.
+    code = (
+        "import sys\n"
+        "from isthmus.deploy import cli\n"
+        "code = cli.main(['config', '--set', 'sync.codec=int8+zstd:1', '--set', "
+        "'model.preset=small', '--ranks-per-site', '2'])\n"
+        "assert code == 0, code\n"
+        "cfg = cli.load_config(None, ['topology.tp=2', 'sync.codec=bf16+shuffle'])\n"
+        "assert cfg.chunk_bytes > 0 and cfg.resolved_model().n_layers == 4\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stdout[-500:]

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from test_allreduce import run_all, sites
 
 from isthmus.intra.data import ShardedBatches, stdlib_corpus
-from isthmus.intra.model import build_model, preset
+from isthmus.intra.model import build_model
+from isthmus.intra.model_config import preset
 
 STEPS = 60
 LAST = 5  # the final loss is the mean of the last few steps' batches (same for every run)

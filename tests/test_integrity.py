@@ -11,12 +11,15 @@ import dataclasses
 import itertools
 import threading
 
+import numpy as np
 import pytest
 import torch
 from test_allreduce import inputs, run_all, sites
 
 from isthmus.inter.bulk_peer import BulkPeerRound
+from isthmus.inter.codec import crc32
 from isthmus.inter.lane_peer import LanePeer, PeerRound
+from isthmus.inter.round import CrossSiteError, NonFiniteGradient
 from isthmus.proto import lane_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -113,6 +116,65 @@ def test_chunk_corrupt_again_on_the_way_back_is_pulled_again(
         # Each pull ends with one intact answer; every corrupt copy was counted.
         assert fetches["n"] - fetches["bad"] == corrupt_every["n"]
         assert sum(r.corrupt_chunks for r in res) == corrupt_every["n"] + fetches["bad"]
+
+
+# --- non-finite values stop at the border (issue 14, row 10) ------------------------
+
+
+@pytest.fixture()
+def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
+    """The first copy of every chunk put on the wire carries NaN of the right size and a
+    matching crc32 (a forged chunk that got into the mailbox before the real one, which
+    the mailbox then refuses as a duplicate); the sender's outbox keeps the real one."""
+    seen: set[tuple] = set()
+    forged = {"n": 0}
+    lock = threading.Lock()
+    for cls in (PeerRound, BulkPeerRound):
+
+        def send(self, request: bytes, original=cls.send) -> None:
+            chunk = lane_pb2.PushChunksRequest.FromString(request)
+            key = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
+            with lock:
+                first = key not in seen
+                seen.add(key)
+                forged["n"] += first
+            if first:
+                chunk.payload = np.full(chunk.num_elements, np.nan, np.float32).tobytes()
+                chunk.crc32 = crc32(chunk.payload)
+                request = chunk.SerializeToString()
+            original(self, request)
+
+        monkeypatch.setattr(cls, "send", send)
+    return forged
+
+
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
+def test_chunks_of_nan_are_refused_before_summing_and_the_real_ones_pulled(
+    forge_nan_first: dict, transport: str
+) -> None:
+    with sites(3, "raw", transport=transport) as ars:
+        data = inputs(3, [7000, 5], seed=3)
+        want = [data[0][k] + data[1][k] + data[2][k] for k in range(2)]
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(3)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        for s in range(3):
+            assert all(torch.equal(data[s][k], want[k]) for k in range(2)), s
+        # Every forged copy (contributions and results) was refused and counted once.
+        assert forge_nan_first["n"] > 0
+        assert sum(r.nonfinite_chunks for r in res) == forge_nan_first["n"]
+
+
+def test_a_site_whose_gradient_holds_nan_sends_nothing_and_says_so() -> None:
+    with sites(2, "int8+zstd:1", timeout_s=2.0) as ars:
+        data = inputs(2, [9000], seed=1)
+        data[0][0][4321] = float("inf")
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
+        assert isinstance(res[0], NonFiniteGradient), res[0]
+        assert "site 0 step 0 group 0: this site's gradient holds NaN or Inf" in str(res[0])
+        # The other site never saw a value of it: its round timed out, nothing non-finite
+        # in its tensor (GradientSync applies a round's result only on commit).
+        assert isinstance(res[1], CrossSiteError) and "timed out" in str(res[1]), res[1]
+        assert torch.isfinite(data[1][0]).all()
 
 
 # --- through the WAN emulator, whose links flip bits ---------------------------------

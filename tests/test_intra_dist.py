@@ -23,9 +23,11 @@ import torch.nn.functional as F
 
 from isthmus.intra.data import Corpus, ShardedBatches
 from isthmus.intra.digest import parameter_digest
-from isthmus.intra.model import build_model, preset
+from isthmus.intra.layout import ParallelLayout
+from isthmus.intra.model import build_model
+from isthmus.intra.model_config import preset
 from isthmus.intra.parallel import apply_fsdp
-from isthmus.intra.topology import ParallelLayout, build_site_mesh
+from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import GradientSync, TrainConfig, Trainer
 
 SEED, SEQ, BATCH, STEPS = 5, 32, 2, 3

@@ -2,14 +2,11 @@
 
 Each layout runs one training step in spawned processes and compares the loss and
 every gradient with an unsharded single-process reference on the same global
-batch. The seam test runs two "sites" of tp=2 x dp=2 whose ranks at the same mesh
-coordinate average their shards over a separate gloo group.
+batch. Two sites of tp=2 x dp=2 joined by real lanes: tests/test_local.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,8 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from test_intra_dist import (
-    COLLECTIVE_TIMEOUT,
-    AveragingSync,
     RecordingSync,
     _corpus,
     _init,
@@ -29,9 +24,10 @@ from test_intra_dist import (
 )
 
 from isthmus.intra.data import ShardedBatches
-from isthmus.intra.model import build_model, preset
-from isthmus.intra.parallel import ParallelConfig
-from isthmus.intra.topology import ParallelLayout, build_site_mesh, mesh_coordinate
+from isthmus.intra.layout import ParallelConfig, ParallelLayout
+from isthmus.intra.model import build_model
+from isthmus.intra.model_config import preset
+from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
 SEED, SEQ, BATCH = 7, 16, 4
@@ -169,54 +165,3 @@ def test_pp2_dp2_tp2_interleaved_matches_one_process(tmp_path: Path) -> None:
         _layout_worker, 8, tmp_path, 8, str(tmp_path / "s"), layout, parallel, timeout=200
     )
     _check_layout(ranks, layout)
-
-
-def _seam_worker(proc: int, tmp: str, sites: int, per_site: int) -> dict[str, Any]:
-    site, rank = divmod(proc, per_site)
-    _init(rank, per_site, os.path.join(tmp, f"site{site}"))
-    layout = ParallelLayout(dp=2, tp=2)
-    mesh = build_site_mesh(layout)
-    model = build_model(MODEL, SEED)
-    # Lanes pair ranks by mesh coordinate: a gloo group per coordinate, joining
-    # that coordinate's rank in each site, stands in for one lane.
-    coord = mesh_coordinate(mesh)
-    lane_store = os.path.join(tmp, "lane-{}-{}-{}".format(*coord))
-    pg = dist.ProcessGroupGloo(dist.FileStore(lane_store, sites), site, sites, COLLECTIVE_TIMEOUT)
-    trainer = Trainer(model, mesh, CONFIG, sync=AveragingSync(pg, sites))
-    data = ShardedBatches(
-        _corpus(),
-        seq_len=SEQ,
-        batch_size=BATCH,
-        seed=SEED,
-        shard_index=site * layout.dp + coord[1],
-        num_shards=sites * layout.dp,
-    )
-    losses = [trainer.step(s, *data.batch(s)).loss for s in range(3)]
-    h = hashlib.sha256()
-    for p in trainer.parameters():
-        h.update(p.to_local().detach().numpy().tobytes())
-    digest = trainer.parameter_digest()
-    _shutdown()
-    return {
-        "site": site,
-        "coord": coord,
-        "shard": h.hexdigest(),
-        "digest": digest,
-        "losses": losses,
-    }
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_two_sites_tp2_dp2_stay_bitwise_identical(tmp_path: Path) -> None:
-    out = _spawn(_seam_worker, 8, tmp_path, str(tmp_path), 2, 4, timeout=200)
-    by_coord: dict[tuple, list[dict]] = {}
-    for r in out:
-        by_coord.setdefault(r["coord"], []).append(r)
-    assert len(by_coord) == 4
-    for coord, pair in by_coord.items():
-        # Invariant 1: the same update everywhere, bit for bit, shard by shard.
-        assert pair[0]["shard"] == pair[1]["shard"], coord
-    assert len({r["digest"] for r in out}) == 1
-    # The sites saw different data: their losses differ while the weights agree.
-    assert out[0]["losses"] != out[4]["losses"]

@@ -12,10 +12,11 @@ import torch
 from isthmus.intra.data import Corpus, ShardedBatches, from_path, stdlib_corpus
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.flops import PEAK_FLOPS, device_peak_flops, mfu, scaled_lr
-from isthmus.intra.model import PRESETS, ModelConfig, Transformer, build_model, preset
-from isthmus.intra.parallel import ParallelConfig
+from isthmus.intra.layout import MeshAxis, ParallelConfig, ParallelLayout
+from isthmus.intra.model import Transformer, build_model
+from isthmus.intra.model_config import PRESETS, ModelConfig, preset
 from isthmus.intra.pipeline import rank_stages, split_stage, stage_layers
-from isthmus.intra.topology import MeshAxis, ParallelLayout, build_site_mesh
+from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig
 
 

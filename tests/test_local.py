@@ -151,6 +151,14 @@ def test_two_sites_laid_out_tp2_dp2_stay_identical(tmp_path):
     # Every coordinate holds its own shard, equal to the same coordinate's in the other site.
     shards = summary["shard_digests"]
     assert shards["site0"] == shards["site1"] and len(set(shards["site0"])) == 4
+    # The sites saw different data: their losses differ while the weights agree.
+    losses = {
+        site: [
+            json.loads(line)["loss"] for line in (run_dir / "sites" / site / "metrics.jsonl").open()
+        ]
+        for site in ("site0", "site1")
+    }
+    assert losses["site0"] != losses["site1"] and len(losses["site0"]) == 3
 
 
 def start_job(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, dict]:

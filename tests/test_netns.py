@@ -61,7 +61,7 @@ with socket.create_connection((host, port), timeout=30) as c:
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     c.sendall(b"e")
     rtts = []
-    for _ in range(31):
+    for _ in range(101):
         t = time.perf_counter()
         c.sendall(b"x")
         assert c.recv(1) == b"x"
@@ -69,6 +69,9 @@ with socket.create_connection((host, port), timeout=30) as c:
     out["rtt_s"] = statistics.median(rtts[1:])
     out["rtt_min_s"] = min(rtts[1:])
 with socket.create_connection((host, port), timeout=30) as c:
+    if not nbytes:  # round trips only
+        print(json.dumps(out))
+        sys.exit(0)
     c.sendall(b"s")
     block = bytes(1 << 16)
     t = time.perf_counter()
@@ -273,28 +276,35 @@ def test_cli_up_serves_control_and_a_1_ms_link() -> None:
             lines.append(line)
         control = next(line.split()[1] for line in lines if line.startswith("control"))
         address = next(line.split()[1] for line in lines if line.split()[0] == "site1")
-        namespace = f"isthmus-{job}-site1"
         serve = [*NICE, sys.executable, "-c", SERVER, "0.0.0.0", str(PORT)]
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, *serve], stdout=subprocess.PIPE, text=True
-        )
+        in_site = {i: ["ip", "netns", "exec", f"isthmus-{job}-site{i}"] for i in (0, 1)}
+        servers = [subprocess.Popen([*in_site[i], *serve], stdout=subprocess.PIPE, text=True)
+                   for i in (0, 1)]  # fmt: skip
         try:
-            assert server.stdout.readline().strip() == "ready"
-            client = [sys.executable, "-c", CLIENT, address, str(PORT), str(64 << 20)]
-            done = subprocess.run(
-                ["ip", "netns", "exec", f"isthmus-{job}-site0", *NICE, *client],
-                capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stderr
-            got = json.loads(done.stdout)
+            assert all(s.stdout.readline().strip() == "ready" for s in servers)
+
+            def probe(host: str, nbytes: int) -> dict:
+                client = [sys.executable, "-c", CLIENT, host, str(PORT), str(nbytes)]
+                done = subprocess.run(
+                    [*in_site[0], *NICE, *client], capture_output=True, text=True, timeout=60
+                )
+                assert done.returncode == 0, done.stderr
+                return json.loads(done.stdout)
+
+            # The endpoints' own round trip (loopback inside site0, no link): what a real
+            # link would cost them too, so not the emulator's error.
+            own = probe("127.0.0.1", 0)
+            got = probe(address, 64 << 20)
         finally:
-            server.kill()
-            server.wait()
+            for s in servers:
+                s.kill()
+                s.wait()
         # 102.04 km = 0.5 ms one way: the issue's bound, max(5 %, 0.2 ms) of the RTT, on
-        # the fastest round trip (the link's own delay; docs/benchmarks.md has the
-        # medians); the median only loosely, since other jobs on 2 cores delay the
-        # endpoints' wake-ups (1.31 ms seen while another test suite ran beside it).
-        assert got["rtt_min_s"] == pytest.approx(1e-3, abs=0.2e-3), got
+        # what the link adds to the fastest round trip (the endpoints' wake-ups on a busy
+        # 2-core CI box took it from 1.00 to 1.21 ms alone); the median only loosely,
+        # since other jobs delay those wake-ups (1.31 ms seen beside another suite).
+        added = got["rtt_min_s"] - own["rtt_min_s"]
+        assert added == pytest.approx(1e-3, abs=0.2e-3), (got, own)
         assert got["rtt_s"] < 2e-3, got
         mbit = (64 << 20) * 8 / (got["bulk_s"] - 1e-3) / 1e6
         assert mbit == pytest.approx(1000, rel=0.10), got

@@ -11,7 +11,7 @@ import pytest
 from helpers import run_cli
 from test_checkpoint import _fake_checkpoint
 
-from isthmus.deploy.checkpointing import resolve_resume, site_root
+from isthmus.deploy.checkpointing import common_step, resolve_resume, site_root
 from isthmus.deploy.config import ConfigError, load_config
 
 
@@ -39,32 +39,33 @@ def test_bad_checkpoint_settings_are_refused(override: str, words: str) -> None:
         load_config(overrides=[override])
 
 
-def test_resume_takes_the_newest_step_complete_at_every_site(tmp_path: Path) -> None:
+def test_resume_takes_the_newest_step_complete_at_any_site(tmp_path: Path) -> None:
     config = load_config(overrides=[f"run.run_dir={tmp_path}"])
     for site, steps in {"site0": [2, 4, 6], "site1": [2, 4]}.items():
         for step in steps:
             _fake_checkpoint(site_root(config, tmp_path, site), step)
+    # site1 will load site0's step 6: replicas are identical after every step.
     resolve_resume(config, config.site_names, resume=True)
-    assert config.checkpoint.resume_step == 4
+    assert config.checkpoint.resume_step == 6
+    # Retention spares the newest step that every site holds.
+    assert common_step(config, tmp_path) == 4
     # One site alone (`isthmus site --resume`) takes its own newest.
     alone = load_config(overrides=[f"run.run_dir={tmp_path}"])
-    resolve_resume(alone, ["site0"], resume=True)
-    assert alone.checkpoint.resume_step == 6
+    resolve_resume(alone, ["site1"], resume=True)
+    assert alone.checkpoint.resume_step == 4
 
 
 def test_resume_refuses_clearly(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--resume needs --run-dir"):
         resolve_resume(load_config(), ["site0"], resume=True)
     config = load_config(overrides=[f"run.run_dir={tmp_path}", "job.steps=6"])
-    _fake_checkpoint(site_root(config, tmp_path, "site0"), 3)
-    with pytest.raises(ConfigError, match=r"no checkpoint step is complete at every site"):
+    with pytest.raises(ConfigError, match=r"--resume: no complete checkpoint under .*\*"):
         resolve_resume(config, config.site_names, resume=True)
-    _fake_checkpoint(site_root(config, tmp_path, "site1"), 6)
     _fake_checkpoint(site_root(config, tmp_path, "site0"), 6)
     with pytest.raises(ConfigError, match="nothing left to train"):
         resolve_resume(config, config.site_names, resume=True)
     named = load_config(overrides=[f"run.run_dir={tmp_path}", "checkpoint.resume_step=3"])
-    with pytest.raises(ConfigError, match=r"no complete checkpoint at \['site1'\]"):
+    with pytest.raises(ConfigError, match=r"resume_step=3: no complete checkpoint of it"):
         resolve_resume(named, named.site_names, resume=False)
 
 
@@ -99,8 +100,9 @@ def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(tmp_path: Pa
         "step-00000003",
         "step-00000006",
     ]
-    # As if site1 had died before committing step 6: the newest step complete at
-    # *every* site is 3, though site0 holds a newer one.
+    # As if both sites had died before committing step 6: both resume from their own
+    # step 3, residuals included.
+    shutil.rmtree(ckpt / "site0" / "step-00000006")
     shutil.rmtree(ckpt / "site1" / "step-00000006")
 
     second = run_cli(*common, "--resume", timeout=120)
@@ -111,6 +113,21 @@ def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(tmp_path: Pa
         assert [r["loss"] for r in after] == [r["loss"] for r in before[site][3:]]
         assert [r["grad_norm"] for r in after] == [r["grad_norm"] for r in before[site][3:]]
     assert json.loads((run_dir / "summary.json").read_text())["digests"] == digests
-    # The resumed run saved step 6 again at both sites (replacing site0's).
+    # The resumed run saved step 6 again at both sites.
     assert (ckpt / "site1" / "step-00000006" / "manifest.json").is_file()
     assert (ckpt / "site0" / "step-00000006" / "manifest.json").is_file()
+
+    # Issue 14, row 5: one byte of a weight file of site1's newest checkpoint flipped
+    # (sizes unchanged). site1 refuses its copy, naming the file, and loads site0's.
+    weights = sorted((ckpt / "site1" / "step-00000006").glob("*.distcp"))[0]
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    weights.write_bytes(bytes(data))
+    third = run_cli(*common, "--resume", "--steps", "8", timeout=120)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert [r["step"] for r in _site_lines(run_dir, "site1")] == [6, 7]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(set(summary["digests"].values())) == 1 and summary["steps"] == 2
+    log = (run_dir / "logs" / "site1-rank0.log").read_text()
+    assert f"{weights.name} does not match its SHA-256" in log
+    assert "resumed from site0's checkpoint" in log

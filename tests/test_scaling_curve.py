@@ -1,5 +1,5 @@
 """benchmarks/scaling_curve.py end to end on the CPU: real `isthmus local` runs of one
-site and two sites at two batches, tabulated next to the planning model (the same
+site and two sites, tabulated next to the planning model (the same
 script makes the GPU headline, benchmarks/gpu_runs.sh headline)."""
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ def curve(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(420)
-def test_curve_of_one_site_against_two_at_two_batches(tmp_path):
+def test_curve_of_one_site_against_two(tmp_path):
     out = tmp_path / "curve"
-    args = ["--out", str(out), "--batches", "2,4", "--preset", "tiny", "--seq", "32"]
+    args = ["--out", str(out), "--batches", "2", "--preset", "tiny", "--seq", "32"]
     args += ["--ranks-per-site", "1", "--steps", "4", "--warmup", "1", "--codec", "int8"]
     result = curve(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((out / "scaling_curve.json").read_text())
     assert (data["preset"], data["sites"], data["codec"]) == ("tiny", 2, "int8")
-    assert [r["batch"] for r in data["rows"]] == [2, 4]
+    # One batch: every row is two whole `isthmus local` runs (~15 s each on 2 cores).
+    assert [r["batch"] for r in data["rows"]] == [2]
     for r in data["rows"]:
         assert r["replicas_identical"], r
         assert r["steady_steps"] == 3  # 4 steps, the first left out
@@ -52,7 +53,7 @@ def test_curve_of_one_site_against_two_at_two_batches(tmp_path):
         assert r["one_site_run_s"] > 0 and r["multi_site_run_s"] > 0
     lines = result.stdout.splitlines()
     assert "2-site tok/s" in lines[0] and "plan eff." in lines[0]
-    assert lines[1].split()[:3] == ["2", "x", "32"] and lines[2].split()[:3] == ["4", "x", "32"]
+    assert lines[1].split()[:3] == ["2", "x", "32"]
 
     # Finished runs are read, not run again: the table comes back the same.
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/summary.json")}

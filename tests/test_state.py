@@ -16,9 +16,11 @@ from test_intra_dist import _corpus, _init, _shutdown, _spawn
 
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.digest import shard_digest
-from isthmus.intra.model import build_model, preset
+from isthmus.intra.layout import ParallelLayout
+from isthmus.intra.model import build_model
+from isthmus.intra.model_config import preset
 from isthmus.intra.state import StateError, load_rank_state, rank_state, state_digest
-from isthmus.intra.topology import ParallelLayout, build_site_mesh
+from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
 SEED, SEQ, BATCH = 3, 16, 2

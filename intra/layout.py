@@ -1,0 +1,217 @@
+"""What a site's parallelism is, as validated settings: the ``ParallelLayout`` (how
+many ranks on each of the pp, dp and tp axes) and the ``ParallelConfig`` (schedule,
+micro-batches, sequence parallel, checkpointing, compile, mixed precision).
+
+Plain data without torch, so that the job config, the CLI and the planning model can
+check a layout before any process imports torch (seconds on a small machine);
+``topology.py`` builds the device mesh from a layout and ``parallel.py`` applies a
+config to a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model_config import ModelConfig
+
+__all__ = ["MeshAxis", "ParallelConfig", "ParallelLayout", "PipelineSchedule", "StrEnum"]
+
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10 (pyproject allows it); same behavior for our use
+
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return self.value
+
+
+class MeshAxis(StrEnum):
+    """Names of the device-mesh axes inside one site (outermost first)."""
+
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ParallelLayout:
+    """How one site's ranks are split across the parallel axes."""
+
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    dp: int = 1
+    """Data-parallel (FSDP2) replicas inside the site."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage."""
+
+    def __post_init__(self) -> None:
+        for axis in MeshAxis:
+            value = getattr(self, axis.value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"ParallelLayout.{axis.value} must be an integer >= 1, got {value!r}"
+                )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the site: ``pp * dp * tp``."""
+        return self.pp * self.dp * self.tp
+
+    @classmethod
+    def for_ranks(cls, ranks: int, pp: int = 1, tp: int = 1) -> ParallelLayout:
+        """Derive ``dp`` from the site's rank count and the model-parallel sizes.
+
+        Args:
+            ranks: ranks in the site.
+            pp: pipeline-parallel size.
+            tp: tensor-parallel size.
+
+        Returns:
+            The layout with ``dp = ranks // (pp * tp)``.
+
+        Raises:
+            ValueError: if a size is not a positive integer or ``pp * tp`` does not divide ``ranks``.
+        """
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+            raise ValueError(f"ranks_per_site must be an integer >= 1, got {ranks!r}")
+        probe = cls(pp=pp, tp=tp)  # validates pp and tp
+        if ranks % (probe.pp * probe.tp):
+            raise ValueError(
+                f"ranks_per_site={ranks} is not divisible by pp*tp={probe.pp * probe.tp} "
+                f"(pp={probe.pp}, tp={probe.tp}); choose ranks_per_site as a multiple of pp*tp"
+            )
+        return cls(pp=probe.pp, dp=ranks // (probe.pp * probe.tp), tp=probe.tp)
+
+
+class PipelineSchedule(StrEnum):
+    """``torch.distributed.pipelining`` schedules."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Techniques a site uses on top of its ``ParallelLayout`` (pp × dp × tp sizes)."""
+
+    schedule: str = PipelineSchedule.ONE_F_ONE_B.value
+    """Pipeline schedule when ``pp > 1``: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
+    microbatches: int | None = None
+    """Micro-batches per step when ``pp > 1``; must divide the per-rank batch.
+    ``None``: ``pp * stages_per_rank`` (the fewest that keep every stage busy)."""
+    stages_per_rank: int | None = None
+    """Pipeline stages (layer chunks) each pp rank holds. ``None``: 2 for
+    ``interleaved_1f1b`` (it needs >= 2), else 1 (``gpipe``/``1f1b`` need exactly 1)."""
+    sequence_parallel: bool = False
+    """With ``tp > 1``: shard norms and the residual stream along the sequence
+    (Megatron SP); saves activation memory, turns all-reduces into
+    reduce-scatter + all-gather. Needs ``seq_len`` divisible by ``tp``."""
+    activation_checkpoint: bool = False
+    """Recompute each block's activations in backward (full, per block)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (on CPU this needs a C compiler)."""
+    mixed_precision: bool = False
+    """bf16 compute with fp32 parameters and fp32 gradient reduction (CUDA only)."""
+
+    def __post_init__(self) -> None:
+        allowed = [s.value for s in PipelineSchedule]
+        if self.schedule not in allowed:
+            raise ValueError(
+                f"ParallelConfig.schedule must be one of {allowed}, got {self.schedule!r}"
+            )
+        for name in ("microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        interleaved = self.schedule == PipelineSchedule.INTERLEAVED_1F1B
+        if self.stages_per_rank is not None:
+            if interleaved and self.stages_per_rank < 2:
+                raise ValueError(
+                    "ParallelConfig.stages_per_rank must be >= 2 for interleaved_1f1b, "
+                    f"got {self.stages_per_rank}"
+                )
+            if not interleaved and self.stages_per_rank != 1:
+                raise ValueError(
+                    f"ParallelConfig.stages_per_rank must be 1 for {self.schedule}, "
+                    f"got {self.stages_per_rank}"
+                )
+        for name in ("sequence_parallel", "activation_checkpoint", "compile", "mixed_precision"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"ParallelConfig.{name} must be true or false, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def local_stages(self) -> int:
+        """Pipeline stages per pp rank (``stages_per_rank`` resolved)."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule == PipelineSchedule.INTERLEAVED_1F1B else 1
+
+    def num_microbatches(self, pp: int) -> int:
+        """Micro-batches per step for ``pp`` ranks (``microbatches`` resolved)."""
+        return self.microbatches if self.microbatches is not None else pp * self.local_stages
+
+    def check(
+        self, layout: ParallelLayout, model: ModelConfig, *, batch_size: int, seq_len: int
+    ) -> None:
+        """Check this config against a layout, a model shape and the per-rank batch.
+
+        Args:
+            layout: the site's pp × dp × tp.
+            model: the model shape.
+            batch_size: sequences per dp rank per step.
+            seq_len: tokens per sequence.
+
+        Raises:
+            ValueError: naming the field that does not fit.
+        """
+        tp = layout.tp
+        for name in ("n_heads", "ffn_hidden", "vocab_size", "dim"):
+            if getattr(model, name) % tp:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(model, name)} must be divisible by "
+                    f"ParallelLayout.tp={tp}"
+                )
+        if self.sequence_parallel and tp > 1 and seq_len % tp:
+            raise ValueError(
+                f"ParallelConfig.sequence_parallel needs seq_len={seq_len} divisible by tp={tp}"
+            )
+        if self.mixed_precision and not _cuda_available():
+            raise ValueError("ParallelConfig.mixed_precision needs CUDA (bf16 on CPU is slow)")
+        if layout.pp == 1:
+            return
+        stages = layout.pp * self.local_stages
+        if model.n_layers < stages:
+            raise ValueError(
+                f"ModelConfig.n_layers={model.n_layers} is fewer than the pipeline stages "
+                f"pp*stages_per_rank={stages}"
+            )
+        micro = self.num_microbatches(layout.pp)
+        if batch_size % micro:
+            raise ValueError(
+                f"ParallelConfig.microbatches={micro} must divide the per-rank batch_size={batch_size}"
+            )
+        if self.schedule == PipelineSchedule.ONE_F_ONE_B and micro < layout.pp:
+            raise ValueError(
+                f"ParallelConfig.microbatches={micro} must be >= pp={layout.pp} for 1f1b"
+            )
+        if self.schedule == PipelineSchedule.INTERLEAVED_1F1B:
+            rounds = max(1, micro // layout.pp)
+            if micro % rounds:
+                raise ValueError(
+                    f"ParallelConfig.microbatches={micro} must be a multiple of "
+                    f"max(1, microbatches // pp)={rounds} for interleaved_1f1b"
+                )
+
+
+def _cuda_available() -> bool:
+    import torch  # only a mixed-precision config asks, and only where it is checked
+
+    return torch.cuda.is_available()
