@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ class Fault:
     """One fault: what, where, and at which step of the job (read from its metrics)."""
 
     kind: str
-    """kill, restart, partition, corrupt or slow."""
+    """kill, restart, partition, corrupt, slow or flood."""
     site: str = ""
     """The site killed, restarted or slowed."""
     link: tuple[str, str] = ("site0", "site1")
@@ -50,7 +51,7 @@ class Fault:
     at_step: int = 0
     """Inject once the job has completed this many steps (0 = from the start)."""
     duration_s: float = 0.0
-    """How long a partition lasts; for restart, the pause after the kill."""
+    """How long a partition or a flood lasts; for restart, the pause after the kill."""
     rate: float = 0.0
     """Corrupt: probability that a piece (<= 64 KiB read) gets a flipped bit.
     Slow: the slowdown factor."""
@@ -125,6 +126,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect_generations=False,
     ),
     Scenario(
+        name="flood",
+        description="at step 4, 20 health watches and 40 long polls held open for 6 s at "
+        "site0's coordinator (issue 14: they once froze the job); nobody is excluded",
+        sites=2,
+        steps=30,
+        faults=(Fault(kind="flood", site="site0", at_step=4, duration_s=6.0),),
+        survivors=("site0", "site1"),
+        expect_generations=False,
+        pace_s=0.3,
+    ),
+    Scenario(
         name="slow",
         description="site1 runs 5x slower; nobody is excluded, the job waits for it",
         sites=2,
@@ -192,6 +204,13 @@ class _Site:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+
+    def text(self) -> str:
+        """Everything its latest start logged."""
+        try:
+            return self.log.with_suffix(f".{self.starts}.log").read_text()
+        except OSError:
+            return ""
 
     def tail(self, chars: int = 1500) -> str:
         log = self.log.with_suffix(f".{self.starts}.log")
@@ -291,7 +310,8 @@ def run_scenario(scenario: Scenario, work: Path, out: TextIO | None = None) -> S
                 links[fault.link].set_impairments(impairment, impairment)
         for site in sites.values():
             site.start()
-        _inject(scenario, sites, links, run_dir, out)
+        coordinators = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports, strict=True)}
+        _inject(scenario, sites, links, coordinators, run_dir, out)
         return _judge(scenario, sites, run_dir, started)
     finally:
         for site in sites.values():
@@ -307,8 +327,9 @@ def _progress(run_dir: Path, names: list[str]) -> int:
     )
 
 
-def _inject(scenario, sites, links, run_dir: Path, out: TextIO | None) -> None:
-    pending = [f for f in scenario.faults if f.kind in ("kill", "restart", "partition")]
+def _inject(scenario, sites, links, coordinators, run_dir: Path, out: TextIO | None) -> None:
+    kinds = ("kill", "restart", "partition", "flood")
+    pending = [f for f in scenario.faults if f.kind in kinds]
     deadline = time.monotonic() + SITE_TIMEOUT_S
     survivors = [sites[n] for n in scenario.survivors]
     while time.monotonic() < deadline:
@@ -328,7 +349,32 @@ def _inject(scenario, sites, links, run_dir: Path, out: TextIO | None) -> None:
                 dark = (Flap(duration_s=fault.duration_s),)
                 links[fault.link].set_impairments(dark, dark)
                 links[fault.link].reset()  # open connections notice at once
+            elif fault.kind == "flood":
+                threading.Thread(
+                    target=_flood, args=(coordinators[fault.site], fault.duration_s), daemon=True
+                ).start()
         time.sleep(0.1)
+
+
+def _flood(address: str, duration_s: float) -> None:
+    """Holds 20 health watches and 40 long polls open at a coordinator for a while: what
+    an unauthenticated caller can do (health needs no token), as issue 14 did."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from isthmus.proto import coordinator_pb2 as pb
+    from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        stub = pb_grpc.CoordinatorStub(channel)
+        timeout = duration_s + 5
+        calls = [health.Watch(health_pb2.HealthCheckRequest(), timeout=timeout) for _ in range(20)]
+        ask = pb.GetMembershipRequest(known_generation=10**6, wait_ms=30_000)
+        calls += [stub.GetMembership.future(ask, timeout=timeout) for _ in range(40)]
+        time.sleep(duration_s)
+        for call in calls:
+            call.cancel()
 
 
 def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> ScenarioResult:
@@ -363,6 +409,10 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         result.why = "the membership never changed"
     elif any(f.kind == "corrupt" for f in scenario.faults) and result.corrupt_chunks == 0:
         result.why = "no corrupt chunk was counted"
+    elif any(
+        f.kind == "flood" and "slots busy" not in sites[f.site].text() for f in scenario.faults
+    ):
+        result.why = "the flood was never turned away (no 'slots busy' in the site's log)"
     else:
         result.ok = True
     return result

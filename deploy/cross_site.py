@@ -79,6 +79,7 @@ class CrossSite:
             # are held until the rank catches up).
             generation=1,
             security=security,
+            mailbox_bytes=mailbox_budget(config),
         )
         lane.rank = rank
         port = lane.address.rsplit(":", 1)[1]
@@ -203,6 +204,14 @@ class CrossSite:
         self.sync.close()
         self.lane.stop(grace=5.0)
         self.channel.close()
+
+
+def mailbox_budget(config: JobConfig) -> int:
+    """Bytes a lane's mailbox may hold: two steps of its traffic at fp32, the widest
+    codec (per step a lane receives at most its shard's contributions and its shard's
+    results), plus 16 chunks of slack."""
+    shard = 4 * config.resolved_model().num_params // config.topology.ranks_per_site
+    return 2 * 2 * shard + 16 * config.chunk_bytes
 
 
 def _join(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -110,7 +111,19 @@ class SiteRanks:
         import torch.distributed as dist
 
         world = self.config.topology.ranks_per_site
-        self._store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        # torch's TCPStore has no authentication, and bound by itself it listens on every
+        # interface (issue 14, row 11). The ranks are on this machine: hand it a socket
+        # bound to loopback instead (the store closes it when it goes).
+        listener = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
         for rank in range(world):
             env = {
                 **os.environ,

@@ -20,8 +20,9 @@ from collections.abc import Iterable, Mapping
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots, pool_size
 from isthmus.inter.failover import Failover
 from isthmus.inter.fingerprint import fingerprint_problem
 from isthmus.inter.malformed import MalformedRequests
@@ -156,11 +157,19 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._host = host
         self.security = security or INSECURE
         self.where = f"coordinator of {site}"
+        # Long polls (GetMembership, CommitStep, SiteVote) wait on a slot each; a call
+        # without one answers at once (inter/bounds.py): the legitimate waiters are this
+        # site's ranks and the other sites' coordinators, a few calls each.
+        self.refusals = RefusalLog(self.where)
+        waiters = 2 * ranks + 2 * len(self.site_names) + 2
+        self.long_polls = WaitSlots(waiters, "long poll", self.refusals)
         # grpc.health.v1: SERVING while the site trains, NOT_SERVING once it drains.
-        self.health = health.HealthServicer()
+        self.health = BoundedHealth(self.refusals)
 
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"coord-{site}"),
+            futures.ThreadPoolExecutor(
+                max_workers=pool_size(waiters), thread_name_prefix=f"coord-{site}"
+            ),
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -401,7 +410,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
 
     def GetMembership(self, request, context):  # noqa: N802
-        wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0
+        with self.long_polls.wait(context) as may_wait:
+            return self._get_membership(request, context, may_wait)
+
+    def _get_membership(self, request, context, may_wait: bool):
+        wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
         deadline = time.monotonic() + wait_s
         with self._cond:
             # A rank that already knows a generation also hears at once when a member

@@ -165,7 +165,7 @@ class Failover(Leader):
                 )
             self._rank_votes.setdefault(key, {}).setdefault(request.rank, request.ok)
             c._cond.notify_all()
-        return self._await(key, request.wait_ms)
+        return self._await(key, request.wait_ms, context)
 
     def site_vote(self, request: pb.SiteVoteRequest, context: grpc.ServicerContext):
         """A member site's vote at this (leader) site; long poll for the decision."""
@@ -214,7 +214,7 @@ class Failover(Leader):
                 frozenset(request.suspects),
             )
         self._evaluate(key)
-        return self._await(key, request.wait_ms)
+        return self._await(key, request.wait_ms, context)
 
     def propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext):
         """Adopt a higher generation proposed by its leader."""
@@ -263,7 +263,13 @@ class Failover(Leader):
 
     # -- shared steps ----------------------------------------------------------------------
 
-    def _await(self, key: tuple[int, int], wait_ms: int) -> pb.Decision:
+    def _await(
+        self, key: tuple[int, int], wait_ms: int, context: grpc.ServicerContext
+    ) -> pb.Decision:
+        with self.c.long_polls.wait(context) as may_wait:
+            return self._await_slot(key, wait_ms if may_wait else 0)
+
+    def _await_slot(self, key: tuple[int, int], wait_ms: int) -> pb.Decision:
         c = self.c
         deadline = time.monotonic() + min(wait_ms, 30_000) / 1000.0
         with c._cond:

@@ -19,10 +19,11 @@ from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
+from .bounds import BoundedHealth, RefusalLog
 from .bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
 from .codec import crc32
 from .mailbox import Mailbox, Outbox
@@ -36,6 +37,8 @@ __all__ = ["LaneServer", "channel_options", "max_payload_bytes"]
 log = logging.getLogger(__name__)
 
 _HEADROOM = 64 * 1024
+_GENERATIONS_AHEAD = 2
+"""Generations past this lane's whose chunks it holds for a moment (see ``take``)."""
 _GENERATION_WAIT_S = 10.0  # how long a chunk of a newer generation waits for this lane
 _OFFER_WAIT_S = 60.0  # how long PullState waits for the state of the step it names
 _CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
@@ -76,6 +79,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         max_workers: handler threads; each open stream holds one for its round.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
         bulk: also take chunks on a plain TCP port (inter/bulk.py); never with TLS.
+        mailbox_bytes: payload bytes received chunks may hold while they wait for their
+            round (``Mailbox``); None: unbounded. Give it room for two steps of this
+            lane's traffic.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         max_workers: int = 32,
         security: SiteSecurity | None = None,
         bulk: bool = True,
+        mailbox_bytes: int | None = None,
     ) -> None:
         if not 0 <= site_index < num_sites:
             raise ValueError(f"site_index must be in [0, {num_sites}), got {site_index}")
@@ -99,7 +106,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.site_index = site_index
         self.codec = codec
         self.chunk_bytes = chunk_bytes
-        self.mailbox = Mailbox()
+        self.mailbox = Mailbox(max_bytes=mailbox_bytes)
         self.outbox = Outbox()
         self.offers = StateOffers()
         """The training state this rank offers a joining site (``PullState``)."""
@@ -122,7 +129,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         )
         self._server.add_generic_rpc_handlers((self._handlers(),))
         # grpc.health.v1, like every isthmus server: SERVING until stop().
-        self.health = health.HealthServicer()
+        self.health = BoundedHealth(RefusalLog(f"lane of site {site_index}"))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -302,10 +309,17 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             fault is its checksum (marked: the round pulls it again); or
             ``(REFUSED, code, message)``, and then nothing of the chunk was stored.
         """
-        if req.generation > self.generation:
-            self._await_generation(req.generation, _GENERATION_WAIT_S)
         key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
         try:
+            if req.generation > self.generation + _GENERATIONS_AHEAD:
+                # Held, it would hold a handler thread for nothing: no sender runs that
+                # far ahead of the membership this rank knows.
+                raise _Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"generation {req.generation} is ahead of this lane's {self.generation}",
+                )
+            if req.generation > self.generation:
+                self._await_generation(req.generation, _GENERATION_WAIT_S)
             try:
                 self._validate(req)
                 why = self.mailbox.deposit(key, req)
@@ -323,6 +337,17 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             if why == "stale":
                 raise _Refused(
                     grpc.StatusCode.FAILED_PRECONDITION, f"chunk {key} belongs to a finished step"
+                )
+            if why == "ahead":
+                raise _Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"chunk {key} is for a step {self.mailbox.max_ahead} or more past the live one",
+                )
+            if why == "full":
+                raise _Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"chunk {key}: the mailbox holds its budget of "
+                    f"{self.mailbox.max_bytes} bytes of chunks no round has taken",
                 )
         except _Refused as exc:
             msg = (

@@ -1,8 +1,10 @@
 """Where chunks wait: received ones until a round takes them, sent ones until no peer
 can ask for them again.
 
-Owns :data:`MailboxKey`, :class:`Mailbox` (refuses replays and chunks of finished
-steps; holds a marker for a chunk that failed its checksum until it is pulled again)
+Owns :data:`MailboxKey`, :class:`Mailbox` (refuses replays, chunks of finished steps,
+chunks of steps too far ahead, and chunks past its byte budget: whoever sends, it holds
+at most a live window of steps in bounded memory; holds a marker for a chunk that
+failed its checksum until it is pulled again)
 and :class:`Outbox` (the chunks this site sent, for ``ResendChunk``). No gRPC here;
 :mod:`isthmus.inter.lane` fills them, the all-reduce empties them.
 """
@@ -15,7 +17,7 @@ from collections.abc import Iterable
 
 from .wire import Chunk
 
-__all__ = ["CORRUPT", "Mailbox", "MailboxKey", "Outbox", "OutboxKey"]
+__all__ = ["CORRUPT", "MAX_STEPS_AHEAD", "Mailbox", "MailboxKey", "Outbox", "OutboxKey"]
 
 # (step, group, kind, chunk_index, from_site)
 MailboxKey = tuple[int, int, int, int, int]
@@ -23,6 +25,10 @@ MailboxKey = tuple[int, int, int, int, int]
 OutboxKey = tuple[int, int, int, int]
 CORRUPT = None
 """What ``take_any`` returns in place of a chunk whose payload failed its checksum."""
+MAX_STEPS_AHEAD = 4
+"""Steps past the live one whose chunks are taken. Every step's rounds need every
+site, so a peer's rounds run at most a step or two ahead of ours; 1,500 chunks for
+far-future steps once took a rank from 0.65 to 2.2 GB, never released (issue 14)."""
 
 
 class Mailbox:
@@ -30,17 +36,31 @@ class Mailbox:
 
     Keeps the keys ever deposited for the live steps so a replayed chunk is refused
     even after it was taken, and a step floor so chunks of finished rounds are refused.
+    Once a round has set the floor, chunks of steps ``max_ahead`` or more past it are
+    refused; and the payload bytes waiting never exceed ``max_bytes``.
+
+    Args:
+        max_bytes: payload bytes that may wait at once; None: unbounded.
+        max_ahead: steps past the floor whose chunks are taken.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None, max_ahead: int = MAX_STEPS_AHEAD) -> None:
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        if max_ahead < 1:
+            raise ValueError(f"max_ahead must be >= 1, got {max_ahead}")
+        self.max_bytes, self.max_ahead = max_bytes, max_ahead
         self._cond = threading.Condition()
         self._items: dict[MailboxKey, Chunk | None] = {}
         self._seen: set[MailboxKey] = set()
         self._corrupt: set[MailboxKey] = set()  # marked, not yet replaced by a resend
         self._floor = 0
+        self._live = False  # a round set the floor (after a clear, none has yet)
+        self._bytes = 0
 
     def deposit(self, key: MailboxKey, item: Chunk) -> str | None:
-        """Stores ``item``; returns None, or why it was refused ("duplicate"/"stale")."""
+        """Stores ``item``; returns None, or why it was refused: "duplicate", "stale",
+        "ahead" (a step too far past the live one) or "full" (over the byte budget)."""
         return self._admit(key, item)
 
     def mark_corrupt(self, key: MailboxKey) -> str | None:
@@ -51,12 +71,18 @@ class Mailbox:
         with self._cond:
             if key[0] < self._floor:
                 return "stale"
+            if self._live and key[0] >= self._floor + self.max_ahead:
+                return "ahead"
             if key in self._seen:
                 return "duplicate"
+            size = _size(item)
+            if self.max_bytes is not None and self._bytes + size > self.max_bytes:
+                return "full"
             self._seen.add(key)
             if item is CORRUPT:
                 self._corrupt.add(key)
             self._items[key] = item
+            self._bytes += size
             self._cond.notify_all()
             return None
 
@@ -66,6 +92,8 @@ class Mailbox:
             if key not in self._corrupt or key[0] < self._floor:
                 return False
             self._corrupt.discard(key)
+            # A pulled copy the round asked for: taken even over the budget.
+            self._bytes += _size(item) - _size(self._items.get(key))
             self._items[key] = item
             self._cond.notify_all()
             return True
@@ -95,7 +123,9 @@ class Mailbox:
             while True:
                 for key in self._items:  # the mailbox is usually the smaller side
                     if key in wanted:
-                        return key, self._items.pop(key)
+                        item = self._items.pop(key)
+                        self._bytes -= _size(item)
+                        return key, item
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -109,9 +139,10 @@ class Mailbox:
         """
         with self._cond:
             self._floor = max(self._floor, step)
+            self._live = True
             stale = [k for k in self._items if k[0] < step]
             for key in stale:
-                del self._items[key]
+                self._bytes -= _size(self._items.pop(key))
             self._seen = {k for k in self._seen if k[0] >= step}
             self._corrupt = {k for k in self._corrupt if k[0] >= step}
             return len(stale)
@@ -122,7 +153,7 @@ class Mailbox:
             self._items.clear()
             self._seen.clear()
             self._corrupt.clear()
-            self._floor = 0
+            self._floor, self._live, self._bytes = 0, False, 0
 
     def keys(self) -> list[MailboxKey]:
         """Returns a snapshot of the keys waiting to be taken."""
@@ -132,6 +163,16 @@ class Mailbox:
     def __len__(self) -> int:
         with self._cond:
             return len(self._items)
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Payload bytes of the chunks waiting to be taken."""
+        with self._cond:
+            return self._bytes
+
+
+def _size(item: Chunk | None) -> int:
+    return len(item.payload) if item is not None else 0
 
 
 class Outbox:

@@ -52,6 +52,13 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def num_params(self) -> int:
+        """Parameters of the whole decoder (``Transformer.num_params()``), unbuilt."""
+        d, f, v = self.dim, self.ffn_hidden, self.vocab_size
+        block = 4 * d * d + 3 * d * f + 2 * d  # attention, SwiGLU MLP, two norms
+        return 2 * v * d + self.n_layers * block + d  # embedding, head, final norm
+
 
 PRESETS: dict[str, ModelConfig] = {
     # CPU unit tests: ~0.13M parameters.

@@ -32,6 +32,26 @@ def port_is_free(port: int) -> bool:
         return True
 
 
+def listening_on(port: int) -> set[str]:
+    """The local addresses where something listens on TCP ``port`` (/proc/net/tcp{,6}):
+    "127.0.0.1", "0.0.0.0", "::", ..."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                host, hex_port = local.split(":")
+                if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(host)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                family = socket.AF_INET if width == 8 else socket.AF_INET6
+                address = socket.inet_ntop(family, raw)
+                found.add(address.removeprefix("::ffff:"))  # IPv4-mapped: the IPv4 one
+    return found
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

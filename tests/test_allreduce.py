@@ -290,6 +290,47 @@ def test_server_refuses_duplicate_and_stale(lone_server) -> None:
     assert len(server.mailbox) == 0
 
 
+@pytest.mark.timeout(30)
+def test_a_lane_holds_only_the_live_steps_within_its_budget() -> None:
+    """Issue 14, row 8: 1,500 chunks for far-future steps were all taken and never freed."""
+    one = len(_request().payload)
+    server = LaneServer(
+        site_index=0, num_sites=3, codec="raw", generation=7, chunk_bytes=CHUNK,
+        mailbox_bytes=3 * one,
+    )  # fmt: skip
+    channel = grpc.insecure_channel(server.address)
+    stub = lane_pb2_grpc.LaneStub(channel)
+
+    def push(**fields: object) -> grpc.StatusCode:
+        try:
+            stub.PushChunks(iter([_request(**fields)]), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    try:
+        server.mailbox.discard_before(3)  # a round of step 3 is live
+        ahead = 3 + server.mailbox.max_ahead
+        assert push(step=ahead) == grpc.StatusCode.FAILED_PRECONDITION
+        assert push(step=10**6) == grpc.StatusCode.FAILED_PRECONDITION
+        # A sender three generations ahead is refused at once, not held for seconds.
+        t0 = time.monotonic()
+        assert push(generation=10) == grpc.StatusCode.FAILED_PRECONDITION
+        assert time.monotonic() - t0 < 2.0
+        assert [push(step=3, group=i) for i in range(3)] == [grpc.StatusCode.OK] * 3
+        # Full: refused, and nothing of it kept (the same key is taken once room is made).
+        assert push(step=4) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(server.mailbox) == 3 and server.mailbox.waiting_bytes == 3 * one
+        server.mailbox.take((3, 0, lane_pb2.CHUNK_KIND_CONTRIBUTION, 0, 1), timeout=1)
+        assert push(step=4) == grpc.StatusCode.OK
+        assert server.mailbox.waiting_bytes == 3 * one
+        server.mailbox.discard_before(4)
+        assert server.mailbox.waiting_bytes == one
+    finally:
+        channel.close()
+        server.stop(0)
+
+
 @pytest.mark.timeout(10)
 def test_mailbox_take_times_out_and_discards() -> None:
     box = Mailbox()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -172,5 +173,64 @@ def test_long_poll_returns_when_membership_appears():
         thread.join(20)
         assert result["reply"].generation == 1
     finally:
+        for c in coords:
+            c.stop()
+
+
+@pytest.mark.timeout(60)
+def test_floods_of_long_polls_and_health_watches_leave_threads_for_training():
+    """Issue 14, rows 6-7: 20 health watches or 32 long polls took every handler thread of
+    a coordinator, and training froze silently while they stayed open."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    coords = make_sites([FP, FP])
+    for c in coords:
+        c.start()
+    channel = grpc.insecure_channel(coords[0].address)
+    stub = pb_grpc.CoordinatorStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    watches, polls = [], []
+    try:
+        for c in coords:
+            for rank in range(2):
+                register(c, rank)
+        for c in coords:
+            c.wait_ready(15)
+        # 20 watches and 40 long polls that would each wait 30 s for a newer generation.
+        for _ in range(20):
+            watches.append(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=40))
+        ask = pb.GetMembershipRequest(known_generation=1, wait_ms=30_000)
+        polls = [stub.GetMembership.future(ask, timeout=40) for _ in range(40)]
+        # The calls past the slots were answered at once, with what the coordinator knows.
+        waiting = coords[0].long_polls.slots
+        deadline = time.monotonic() + 10
+        while sum(p.done() for p in polls) < 40 - waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+        answered = [p.result() for p in polls if p.done()]
+        assert len(answered) >= 40 - waiting and all(r.generation == 1 for r in answered)
+        # Watches past the two allowed were refused, saying why.
+        refused = []
+        for w in watches:
+            try:
+                next(w)
+            except grpc.RpcError as exc:
+                refused.append(exc)
+        assert len(refused) == 18
+        assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        # What training needs still answers at once: a heartbeat, a health check.
+        t0 = time.monotonic()
+        reply = stub.Heartbeat(pb.HeartbeatRequest(site="site1", digest_step=0), timeout=5)
+        assert reply.generation == 1
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+        assert time.monotonic() - t0 < 2.0
+        assert coords[0].refusals.count >= 18 + 40 - waiting
+    finally:
+        for w in watches:
+            w.cancel()
+        for p in polls:
+            p.cancel()
+        channel.close()
         for c in coords:
             c.stop()

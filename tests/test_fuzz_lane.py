@@ -186,10 +186,11 @@ def chunk_streams(draw):
 
 def expected_push(lane: Lane, chunks):
     """What the lane should do with `chunks`, chunk by chunk: the oracle checks each
-    with the lane's own validation and a copy of its mailbox's replay guard."""
+    with the lane's own validation and a copy of its mailbox's replay guard and step
+    window (its byte budget is unbounded here)."""
     m = lane.server.mailbox
     with m._cond:
-        seen, floor = set(m._seen), m._floor
+        seen, floor, live = set(m._seen), m._floor, m._live
     added, corrupt = [], []
     for req in chunks:
         why = lane.server.check(req)
@@ -197,6 +198,7 @@ def expected_push(lane: Lane, chunks):
         if (
             (why is not None and not why.startswith("crc32 mismatch"))
             or key[0] < floor
+            or (live and key[0] >= floor + m.max_ahead)  # too far past the live step
             or key in seen
         ):
             return added, corrupt, False

@@ -70,6 +70,7 @@ def test_presets_sizes_and_flops() -> None:
         with torch.device("meta"):
             model = Transformer(PRESETS[name])
         assert lo <= model.num_params() <= hi, name
+        assert PRESETS[name].num_params == model.num_params(), name  # counted unbuilt
         n = model.num_params(exclude_embedding=True)
         cfg = PRESETS[name]
         assert model.flops_per_token(64) == 6 * n + 12 * cfg.n_layers * cfg.dim * 64

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ISTHMUS, pid_alive, port_is_free, run_cli
+from helpers import ISTHMUS, listening_on, pid_alive, port_is_free, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -205,6 +205,12 @@ def assert_nothing_left(job: dict) -> None:
 @pytest.mark.timeout(200)
 def test_ctrl_c_tears_everything_down(tmp_path):
     process, job = start_job(tmp_path / "run")
+    # Nothing of a local job listens beyond loopback: not the coordinators, not the
+    # link proxies, not torch's unauthenticated TCPStore (issue 14, row 11).
+    ports = [int(a.rsplit(":", 1)[1]) for a in job["coordinators"].values()]
+    ports += [int(u.rsplit(":", 1)[1]) for site in job["proxies"].values() for u in site.values()]
+    for port in [*ports, *job["store_ports"]]:
+        assert listening_on(port) == {"127.0.0.1"}, (port, listening_on(port))
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
