@@ -229,6 +229,10 @@ class Failover(Leader):
             not names or len(set(names)) != len(names) or any(n not in c.site_names for n in names)
         ):
             problem = f"sites must be distinct sites of this job, got {[n[:64] for n in names[:8]]}"
+        elif names != self._ordered(names):
+            # Every site derives the leader and each chunk's owner from this order; one
+            # reordered list froze the job for good (issue 14, row 4).
+            problem = f"sites must be in the job's order {self._ordered(names)}, got {names}"
         elif request.leader not in names:
             problem = "the leader must be a member of its generation"
         elif c.site not in names:

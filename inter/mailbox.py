@@ -165,6 +165,12 @@ class Mailbox:
             return len(self._items)
 
     @property
+    def floor(self) -> int:
+        """The live step: chunks of earlier steps are refused."""
+        with self._cond:
+            return self._floor
+
+    @property
     def waiting_bytes(self) -> int:
         """Payload bytes of the chunks waiting to be taken."""
         with self._cond:

@@ -345,3 +345,22 @@ def test_a_propose_from_a_stranger_or_with_a_lower_generation_changes_nothing():
         assert coords[1].live_members() == ["site0", "site1"]
     finally:
         stop_all(coords)
+
+
+def test_a_propose_that_reorders_the_members_is_refused():
+    """Issue 14, row 4: accepted, it froze the job's steps for good, silently."""
+    coords = start_sites(2)
+    try:
+        reordered = list(reversed(coords[0].infos_locked(coords[0].members)))
+        with (
+            grpc.insecure_channel(coords[1].address) as channel,
+            pytest.raises(grpc.RpcError) as err,
+        ):
+            pb_grpc.CoordinatorStub(channel).Propose(
+                pb.ProposeRequest(leader="site0", generation=2, sites=reordered), timeout=5
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "in the job's order ['site0', 'site1']" in err.value.details()
+        assert coords[1].generation == 1 and coords[1].live_members() == ["site0", "site1"]
+    finally:
+        stop_all(coords)

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from isthmus.inter import lane as lane_module
 from isthmus.inter.codec import crc32
 from isthmus.inter.lane import LaneServer, channel_options
+from isthmus.inter.mailbox import MAX_STEPS_AHEAD
 from isthmus.proto import lane_pb2
 
 pytestmark = pytest.mark.timeout(300)
@@ -147,7 +148,8 @@ def valid_chunk(draw):
     payload = draw(st.binary(max_size=64))
     return chunk(
         generation=LANE_GEN,
-        step=draw(st.integers(0, 60)),
+        # Around the live window: stale, live, and a step or two past the last taken.
+        step=draw(st.integers(max(0, FLOOR - 2), FLOOR + MAX_STEPS_AHEAD + 1)),
         group=draw(st.integers(0, 3)),
         kind=draw(st.sampled_from([lane_pb2.CHUNK_KIND_CONTRIBUTION, lane_pb2.CHUNK_KIND_RESULT])),
         chunk_index=index,

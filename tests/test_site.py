@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -40,12 +39,16 @@ def test_two_sites_started_separately_train_to_identical_replicas(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(2)  # the second operator is a little late; the first one waits
+    # The second operator is late: site0 says whom it waits for, and how long it will.
+    early: list[str] = []
+    while not (line := first.stderr.readline()).startswith("waiting for site1"):
+        assert line, f"site0 exited: {''.join(early)[-2000:]}"
+        early.append(line)
+    assert line.rstrip().endswith("s left"), line
     second = run_cli("site", "--config", job, "--site", "site1", "--run-dir", str(run_dir))
     out0, err0 = first.communicate(timeout=120)
     assert second.returncode == 0, second.stderr[-2000:]
     assert first.returncode == 0, err0[-2000:]
-    assert "waiting for site1" in err0 and "s left" in err0
     for out in (out0, second.stdout):
         assert "replicas            identical" in out
     s0 = json.loads((run_dir / "sites" / "site0" / "summary.json").read_text())
