@@ -31,6 +31,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from isthmus.deploy.config import ConfigError, JobConfig, load_config  # noqa: E402
+from isthmus.deploy.exposure import check_exposure  # noqa: E402
 from isthmus.deploy.sections import SECTION_TYPES, field_docs  # noqa: E402
 
 EXIT_USAGE = 2
@@ -91,8 +92,22 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         "topology.ranks_per_site": getattr(args, "ranks_per_site", None),
         "job.steps": getattr(args, "steps", None),
         "run.run_dir": getattr(args, "run_dir", None),
+        "security.insecure": True if getattr(args, "insecure", False) else None,
     }
     return load_config(args.config, args.overrides, flags)
+
+
+def add_insecure_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="let the site listen beyond loopback without mutual TLS and the job token "
+        "(warned on every start); without it such a site refuses to start (docs/security.md)",
+    )
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]
 
 
 def cmd_local(args: argparse.Namespace) -> int:
@@ -111,6 +126,8 @@ def cmd_local(args: argparse.Namespace) -> int:
         if args.sites is None:
             args.sites = len(topology.sites)
     config = config_from_args(args)
+    for site in config.site_names:  # coordinators on loopback; lanes on cluster.lane_host
+        check_exposure(config, site, "127.0.0.1", sys.stderr)
     resolve_resume(config, config.site_names, resume=args.resume)
     job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology)
     summary = job.run()
@@ -127,6 +144,8 @@ def cmd_site(args: argparse.Namespace) -> int:
     from isthmus.deploy.summary import print_summary
 
     config = config_from_args(args)
+    coordinator = config.cluster.coordinators.get(args.site, "127.0.0.1:0")
+    check_exposure(config, args.site, _host(coordinator), sys.stderr)
     resolve_resume(config, [args.site], resume=args.resume)
     job = SiteJob(config, args.site, out=sys.stderr, progress=not args.quiet)
     summary = job.run()
@@ -172,6 +191,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     host, _, port = listen.rpartition(":")
     if not port.isdigit():
         raise ConfigError(f"--listen must be HOST:PORT, got {listen!r}")
+    check_exposure(config, args.site, host, sys.stderr)  # its lanes too: it is the site's
     peers = {s: a for s, a in config.cluster.coordinators.items() if s != args.site}
     peers.update(_pairs(args.peer, "--peer"))
     proxies = {s: u for s, u in config.cluster.proxies.items() if s != args.site and u}
@@ -269,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start every site from the newest checkpoint step complete at all of them "
         "(needs --run-dir or checkpoint.dir; docs/checkpoints.md)",
     )
+    add_insecure_flag(local)
     local.set_defaults(func=cmd_local)
 
     site = sub.add_parser(
@@ -290,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from this site's newest complete checkpoint; a peer that would start "
         "from another step is refused at join",
     )
+    add_insecure_flag(site)
     site.set_defaults(func=cmd_site)
 
     coord = sub.add_parser(
@@ -317,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SITE=URL",
         help="HTTP CONNECT proxy (emulated link) to reach a peer through",
     )
+    add_insecure_flag(coord)
     coord.set_defaults(func=cmd_coordinator)
 
     show = sub.add_parser(

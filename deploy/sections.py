@@ -214,6 +214,9 @@ class SecuritySection:
     require_token: bool = False
     """Every call must carry the job token (health checks excepted); a refused call is
     logged with the peer's address."""
+    insecure: bool = False
+    """Let a site listen beyond loopback without require_tls and require_token (a
+    warning every start); off, such a site refuses to start (`--insecure` sets it)."""
 
 
 SECTION_TYPES = {

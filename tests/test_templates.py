@@ -11,7 +11,9 @@ import pytest
 import tomllib
 import yaml
 
+from isthmus.deploy.certs_cmd import write_certs
 from isthmus.deploy.config import load_config
+from isthmus.deploy.exposure import check_exposure
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -55,8 +57,18 @@ def test_the_configmap_job_loads_and_the_statefulset_runs_it(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(job)
     assert tomllib.loads(job)["cluster"]["lane_port_base"] == 7100
-    config = load_config(path, ["cluster.advertise_host=isthmus-site0.example.net"])
+    certs = tmp_path / "tls"  # what the Secret mounts at /etc/isthmus/tls
+    write_certs(certs, ["site0", "site1"])
+    overrides = ["cluster.advertise_host=isthmus-site0.example.net"]
+    assert tomllib.loads(job)["security"]["certs_dir"] == "/etc/isthmus/tls"
+    config = load_config(path, [*overrides, f"security.certs_dir={certs}"])
     assert config.topology.ranks_per_site == 8
+    # Lanes on every interface: the template turns on mutual TLS and the token, so the
+    # site starts (docs/security.md), from the files the Secret holds.
+    check_exposure(config, "site0", "0.0.0.0")
+    secret = next(d for d in docs if d["kind"] == "Secret")["stringData"]
+    assert set(secret) == {"ca.crt", "SITE_NAME.crt", "SITE_NAME.key", "token"}
+    assert {"ca.crt", "site0.crt", "site0.key", "token"} <= {p.name for p in certs.iterdir()}
     stateful = next(d for d in docs if d["kind"] == "StatefulSet")
     command = stateful["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[:2] == ["isthmus", "site"]

@@ -1,0 +1,72 @@
+"""Secure by default: a site reachable beyond loopback runs with mutual TLS and the job
+token, or starts only when its operator says ``--insecure`` (and is warned every start).
+
+Tried from outside (issue 14), a plaintext site without a token lets anyone who reaches
+its ports vote, propose, heartbeat a false digest or pull the whole training state; on
+loopback that is the machine's own users, beyond it the network's. What a site listens
+on: its coordinator (with its metrics) where ``cluster.coordinators.SITE`` or
+``--listen`` says, and its lanes (with their bulk ports) on ``cluster.lane_host``.
+torch's TCPStore is always on loopback (deploy/ranks.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TextIO
+
+from isthmus.deploy.config import ConfigError, JobConfig
+
+__all__ = ["check_exposure", "exposed_listeners", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1, "localhost" and "" (our servers read it as 127.0.0.1)."""
+    host = host.strip().strip("[]")
+    if host in ("", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a DNS name: assume others can resolve it too
+
+
+def exposed_listeners(config: JobConfig, site: str, coordinator_host: str) -> list[str]:
+    """What of ``site`` would listen beyond loopback, in words naming the setting."""
+    out = []
+    if not is_loopback(coordinator_host):
+        out.append(f"its coordinator on {coordinator_host} (cluster.coordinators.{site}/--listen)")
+    if not is_loopback(config.cluster.lane_host):
+        out.append(f"its lanes on {config.cluster.lane_host} (cluster.lane_host)")
+    return out
+
+
+def check_exposure(
+    config: JobConfig, site: str, coordinator_host: str, warn_to: TextIO | None = None
+) -> None:
+    """Refuse (ConfigError) a site exposed without mutual TLS and the job token, unless
+    ``security.insecure`` (``--insecure``); then print a warning to ``warn_to``."""
+    exposed = exposed_listeners(config, site, coordinator_host)
+    sec = config.security
+    if not exposed or (sec.require_tls and sec.require_token):
+        return
+    what = " and ".join(exposed)
+    missing = [
+        name
+        for name, on in (
+            ("security.require_tls", sec.require_tls),
+            ("security.require_token", sec.require_token),
+        )
+        if not on
+    ]
+    if not sec.insecure:
+        raise ConfigError(
+            f"{site} would serve {what} without {' and '.join(missing)}: anyone who reaches "
+            "it could vote, propose or pull the training state. Turn them on (isthmus certs; "
+            "docs/security.md), or pass --insecure to run it exposed anyway"
+        )
+    if warn_to is not None:
+        print(
+            f"warning: --insecure: {site} serves {what} without {' and '.join(missing)}",
+            file=warn_to,
+            flush=True,
+        )
