@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +58,7 @@ class LocalJob:
     _sites: list[SiteRanks] = field(init=False, default_factory=list)
     _coordinators: list[Coordinator] = field(init=False, default_factory=list)
     _wan: RelayServer | None = field(init=False, default=None)
+    _token_file: Path | None = field(init=False, default=None)
 
     def run(self) -> dict:
         """Run the job to completion; returns the summary (also in run_dir/summary.json).
@@ -66,8 +69,9 @@ class LocalJob:
         """
         t = self.config.topology
         check_supported(self.config, t.sites * t.ranks_per_site)
-        self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)
         try:
+            self._make_job_token()
+            self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)
             proxies = self._start_wan()
             self._start_coordinators(proxies)
             self._start_ranks(proxies)
@@ -80,6 +84,19 @@ class LocalJob:
             self.close()
 
     # -- setup --------------------------------------------------------------------
+
+    def _make_job_token(self) -> None:
+        """A token for this run when the config names none: the ports are on loopback,
+        but every user of the machine reaches loopback (issue 14: one forged call
+        stopped a job). Written 0600 outside the run folder, removed by ``close``."""
+        security = self.config.security
+        if security.require_token:
+            return
+        fd, path = tempfile.mkstemp(prefix="isthmus-token-")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        self._token_file = Path(path)
+        security.require_token, security.token_file = True, path
 
     def _start_wan(self) -> dict[str, dict[str, str]]:
         """One emulated link per pair of sites; returns site -> peer -> proxy URL."""
@@ -157,6 +174,8 @@ class LocalJob:
             "metrics": {c.site: c.metrics_address for c in self._coordinators},
             "proxies": proxies,
             "store_ports": [s.store_port for s in self._sites],
+            # Every call to a coordinator or lane carries the job token (0600 file).
+            "token_file": self.config.security.token_file,
             "ranks": [r for s in self._sites for r in s.describe()],
         }
         (self.run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
@@ -200,3 +219,6 @@ class LocalJob:
         if self._wan is not None:
             self._wan.close()
             self._wan = None
+        if self._token_file is not None:
+            self._token_file.unlink(missing_ok=True)
+            self._token_file = None

@@ -211,11 +211,15 @@ def test_ctrl_c_tears_everything_down(tmp_path):
     ports += [int(u.rsplit(":", 1)[1]) for site in job["proxies"].values() for u in site.values()]
     for port in [*ports, *job["store_ports"]]:
         assert listening_on(port) == {"127.0.0.1"}, (port, listening_on(port))
+    # Loopback is every local user's: the job made itself a token, readable by its owner.
+    token = Path(job["token_file"])
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) >= 32
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
     assert_nothing_left(job)
+    assert not token.exists()
 
 
 @pytest.mark.timeout(200)

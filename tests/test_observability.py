@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.coordinator import Coordinator
+from isthmus.inter.security import TOKEN_HEADER
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -176,10 +178,15 @@ def test_a_live_job_serves_health_and_metrics_that_match_metrics_jsonl(tmp_path)
         coordinator = addresses["coordinators"]["site0"]
         serving = health_pb2.HealthCheckResponse.SERVING
         assert health_status(coordinator, "isthmus.v1.Coordinator") == serving
+        # A local job makes a token for itself: a call without it is refused.
+        token = Path(addresses["token_file"]).read_text().strip()
+        ask = pb.GetMembershipRequest(known_generation=0, wait_ms=1000)
         with grpc.insecure_channel(coordinator) as channel:
-            membership = pb_grpc.CoordinatorStub(channel).GetMembership(
-                pb.GetMembershipRequest(known_generation=0, wait_ms=1000), timeout=10
-            )
+            stub = pb_grpc.CoordinatorStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetMembership(ask, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            membership = stub.GetMembership(ask, timeout=10, metadata=[(TOKEN_HEADER, token)])
         lane = membership.sites[1].lane_addresses[0]
         assert health_status(lane, "isthmus.v1.Lane") == serving
         # A scrape names a step; the metrics.jsonl line of that step holds the same values.
