@@ -158,15 +158,21 @@ class JobConfig:
             mixed_precision=cuda if p.mixed_precision == "auto" else p.mixed_precision == "true",
         )
 
-    def site_security(self, site: str) -> SiteSecurity | None:
+    def site_security(self, site: str, run_token: str | None = None) -> SiteSecurity | None:
         """The site's credentials for its servers and channels; None when all is off.
+
+        Args:
+            site: the site.
+            run_token: a token the launcher made for this run (``isthmus local``, handed
+                to its ranks as ISTHMUS_RUN_TOKEN); required on every call when the
+                [security] section asks for nothing itself.
 
         Raises:
             ConfigError: a file the [security] switches need is missing (named).
         """
         sec = self.security
         if not (sec.require_tls or sec.require_token):
-            return None
+            return SiteSecurity(require_token=True, token=run_token) if run_token else None
         try:
             return SiteSecurity.load(
                 sec.certs_dir,

@@ -58,6 +58,7 @@ class LocalJob:
     _sites: list[SiteRanks] = field(init=False, default_factory=list)
     _coordinators: list[Coordinator] = field(init=False, default_factory=list)
     _wan: RelayServer | None = field(init=False, default=None)
+    _token: str | None = field(init=False, default=None)
     _token_file: Path | None = field(init=False, default=None)
 
     def run(self) -> dict:
@@ -88,15 +89,17 @@ class LocalJob:
     def _make_job_token(self) -> None:
         """A token for this run when the config names none: the ports are on loopback,
         but every user of the machine reaches loopback (issue 14: one forged call
-        stopped a job). Written 0600 outside the run folder, removed by ``close``."""
-        security = self.config.security
-        if security.require_token:
+        stopped a job). The ranks get it in their environment (ISTHMUS_RUN_TOKEN), not
+        in the run's config, which outlives it; a 0600 file outside the run folder,
+        named in job.json, lets the operator call the coordinators. Checkpoints are not
+        signed with it (the next run's token differs)."""
+        if self.config.security.require_token:
             return
+        self._token = secrets.token_urlsafe(32)
         fd, path = tempfile.mkstemp(prefix="isthmus-token-")  # mode 0600
         with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
+            f.write(self._token + "\n")
         self._token_file = Path(path)
-        security.require_token, security.token_file = True, path
 
     def _start_wan(self) -> dict[str, dict[str, str]]:
         """One emulated link per pair of sites; returns site -> peer -> proxy URL."""
@@ -140,7 +143,7 @@ class LocalJob:
                     fingerprint=config.fingerprint(),
                     join_timeout_s=config.sync.timeout_s,
                     metrics_port=None if config.run.metrics_port < 0 else 0,
-                    security=config.site_security(site),
+                    security=config.site_security(site, self._token),
                     **config.coordinator_options(),
                 )
             )
@@ -164,6 +167,7 @@ class LocalJob:
                 proxies[coordinator.site],
                 first_device=i * world,
                 threads=threads,
+                run_token=self._token,
             )
             self._sites.append(site)
             site.start()
@@ -174,8 +178,8 @@ class LocalJob:
             "metrics": {c.site: c.metrics_address for c in self._coordinators},
             "proxies": proxies,
             "store_ports": [s.store_port for s in self._sites],
-            # Every call to a coordinator or lane carries the job token (0600 file).
-            "token_file": self.config.security.token_file,
+            # The run's own token (a 0600 file), when the config names none.
+            "token_file": str(self._token_file) if self._token_file else None,
             "ranks": [r for s in self._sites for r in s.describe()],
         }
         (self.run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")

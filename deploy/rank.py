@@ -113,7 +113,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
     site_index = sites.index(env.site)
 
     sync = cross = None
-    security = config.site_security(env.site)  # a rank uses its site's certificate
+    # A rank uses its site's certificate, and its launcher's token for the run if any.
+    security = config.site_security(env.site, os.environ.get("ISTHMUS_RUN_TOKEN"))
     if len(sites) > 1:
         cross = CrossSite.start(
             site=env.site,
@@ -170,8 +171,10 @@ def run(env: RankEnv, config: JobConfig) -> None:
         env.run_dir / "tensorboard" / env.site if config.run.tensorboard else None,
         security=security,
     )
-    # With a job token, checkpoint manifests are signed and checked with it.
-    key = security.token.encode() if security is not None and security.token else None
+    # With a job token, checkpoint manifests are signed and checked with it (not with a
+    # launcher's token for one run: the next run's would differ).
+    token = security.token if security is not None and config.security.require_token else None
+    key = token.encode() if token else None
     start = restore(trainer, sync, config, env.run_dir, env.site, key)  # 0 unless resuming
     if cross is not None:
         # A site joining a running job starts from a live peer's state (invariant 3).

@@ -95,11 +95,13 @@ class SiteRanks:
         first_device: int = 0,
         threads: int = 1,
         config_file: Path | None = None,
+        run_token: str | None = None,
     ) -> None:
         self.config, self.site, self.run_dir = config, site, run_dir
         self.coordinator, self.proxies = coordinator, proxies
         self.first_device, self.threads = first_device, threads
         self.config_file = config_file or config_path(run_dir, None)
+        self.run_token = run_token
         self.ranks: list[RankProcess] = []
         self._store: object | None = None
 
@@ -140,6 +142,8 @@ class SiteRanks:
                 "ISTHMUS_COORDINATOR": self.coordinator,
                 "ISTHMUS_PROXIES": json.dumps(self.proxies),
                 "ISTHMUS_RUN_DIR": str(self.run_dir),
+                # The launcher's token for this run, if it made one (deploy/local.py).
+                **({"ISTHMUS_RUN_TOKEN": self.run_token} if self.run_token else {}),
                 # gRPC skips a proxy for hosts listed in no_proxy (often localhost):
                 # name none, so lanes really cross the emulated link.
                 "no_grpc_proxy": "none.invalid",
