@@ -119,16 +119,21 @@ def restore(
     step = config.checkpoint.resume_step
     if step < 0:
         return 0
-    import torch.distributed as dist
-
     from isthmus.intra import checkpoint
 
-    # Rank 0 picks the copy (reading every file of it once) and tells the site's ranks.
-    choice = [_source(config, run_dir, site, step, key) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    source = choice[0]
-    path = checkpoint.step_dir(site_root(config, run_dir, source), step)
-    next_step, extra = checkpoint.load(trainer, path, key)
+    # Each load verifies every file first (rank 0 reads them, the site shares the
+    # verdict) and changes nothing when it refuses: so try our copy, then the others'.
+    refusals = []
+    for source in [site, *(s for s in config.site_names if s != site)]:
+        path = checkpoint.step_dir(site_root(config, run_dir, source), step)
+        try:
+            next_step, extra = checkpoint.load(trainer, path, key)
+            break
+        except checkpoint.CheckpointError as exc:
+            refusals.append(exc)
+            log.warning("[%s] not loading %s: %s", site, path, exc)
+    else:
+        raise refusals[0]  # this site's own copy names what is wrong
     codec = {k[len(CODEC) :]: v for k, v in extra.items() if k.startswith(CODEC)}
     if source != site:
         log.warning(
@@ -148,22 +153,6 @@ def restore(
         )
     log.info("[%s step %d] resumed from %s", site, next_step, path)
     return next_step
-
-
-def _source(config: JobConfig, run_dir: Path, site: str, step: int, key: bytes | None) -> str:
-    """The site whose checkpoint of ``step`` to load: this one's if it verifies, else the
-    first other site's that does, else this one's (whose load then names the problem)."""
-    from isthmus.intra import checkpoint
-
-    problems = {}
-    for candidate in [site, *(s for s in config.site_names if s != site)]:
-        path = checkpoint.step_dir(site_root(config, run_dir, candidate), step)
-        problems[candidate] = checkpoint.verify(path, key)
-        if problems[candidate] is None:
-            if candidate != site:
-                log.warning("[%s] not loading %s: %s", site, path, problems[site])
-            return candidate
-    return site
 
 
 def save_if_due(

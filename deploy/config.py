@@ -488,26 +488,3 @@ def validate(config: JobConfig) -> None:
         config.run.log_level in ("debug", "info", "warning", "error"),
         f"run.log_level must be debug, info, warning or error, got {config.run.log_level!r}",
     )
-
-
-def _toml_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def dump_toml(config: JobConfig) -> str:
-    """Render a config as TOML that `load_config` reads back to the same values."""
-    lines: list[str] = []
-    for section, values in config.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = _toml_string(value)
-            elif isinstance(value, dict):
-                text = "{" + ", ".join(f"{k} = {_toml_string(v)}" for k, v in value.items()) + "}"
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)

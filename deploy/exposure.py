@@ -11,23 +11,18 @@ torch's TCPStore is always on loopback (deploy/ranks.py).
 
 from __future__ import annotations
 
-import ipaddress
 from typing import TextIO
 
 from isthmus.deploy.config import ConfigError, JobConfig
+from isthmus.sim.connect import is_loopback as loopback_literal
 
 __all__ = ["check_exposure", "exposed_listeners", "is_loopback"]
 
 
 def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1, "localhost" and "" (our servers read it as 127.0.0.1)."""
-    host = host.strip().strip("[]")
-    if host in ("", "localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a DNS name: assume others can resolve it too
+    """``sim``'s test (127.0.0.0/8, ::1, localhost), with "" as loopback: our servers
+    read an empty host as 127.0.0.1."""
+    return loopback_literal(host.strip() or "127.0.0.1")
 
 
 def exposed_listeners(config: JobConfig, site: str, coordinator_host: str) -> list[str]:

@@ -20,13 +20,36 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from isthmus.deploy.config import JobConfig, dump_toml
+from isthmus.deploy.config import JobConfig
 
 TERMINATE_GRACE_S = 5.0
 
 
 class LaunchError(RuntimeError):
     """The job failed; the message says where and why, in one line."""
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def dump_toml(config: JobConfig) -> str:
+    """Render a config as TOML that `load_config` reads back to the same values."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = _toml_string(value)
+            elif isinstance(value, dict):
+                text = "{" + ", ".join(f"{k} = {_toml_string(v)}" for k, v in value.items()) + "}"
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def config_path(run_dir: Path, site: str | None) -> Path:

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 1 << 20  # control messages are small; refuse anything larger
 MAX_FIELD_CHARS = 1024
 MAX_WAIT_MS = 30_000
+_MESSAGE_LIMITS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 class CoordinatorError(RuntimeError):
@@ -49,10 +53,7 @@ def peer_channel(
 ) -> grpc.Channel:
     """A channel to `address`, through an HTTP CONNECT proxy when given; mutual TLS
     and the job token as `security` says (None = plaintext)."""
-    options = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ]
+    options = list(_MESSAGE_LIMITS)
     if proxy:
         options.append(("grpc.http_proxy", proxy))
     return (security or INSECURE).channel(address, options)
@@ -170,10 +171,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             futures.ThreadPoolExecutor(
                 max_workers=pool_size(waiters), thread_name_prefix=f"coord-{site}"
             ),
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
+            options=_MESSAGE_LIMITS,
             interceptors=[
                 *self.security.server_interceptors(self.where),
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
@@ -410,13 +408,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
 
     def GetMembership(self, request, context):  # noqa: N802
-        with self.long_polls.wait(context) as may_wait:
-            return self._get_membership(request, context, may_wait)
-
-    def _get_membership(self, request, context, may_wait: bool):
-        wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
-        deadline = time.monotonic() + wait_s
-        with self._cond:
+        with self.long_polls.wait(context) as may_wait, self._cond:
+            wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
+            deadline = time.monotonic() + wait_s
             # A rank that already knows a generation also hears at once when a member
             # falls silent (the failover loop wakes waiters when the suspects change).
             while (

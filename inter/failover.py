@@ -270,13 +270,9 @@ class Failover(Leader):
     def _await(
         self, key: tuple[int, int], wait_ms: int, context: grpc.ServicerContext
     ) -> pb.Decision:
-        with self.c.long_polls.wait(context) as may_wait:
-            return self._await_slot(key, wait_ms if may_wait else 0)
-
-    def _await_slot(self, key: tuple[int, int], wait_ms: int) -> pb.Decision:
         c = self.c
-        deadline = time.monotonic() + min(wait_ms, 30_000) / 1000.0
-        with c._cond:
+        with c.long_polls.wait(context) as may_wait, c._cond:
+            deadline = time.monotonic() + (min(wait_ms, 30_000) / 1000.0 if may_wait else 0.0)
             while True:
                 # A rank that voted in a generation older than the one this site was
                 # admitted back in must pull the state, whatever else was decided for

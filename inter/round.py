@@ -20,7 +20,6 @@ settings, the lane's mailbox and outbox, the peers, the pool and one
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +33,7 @@ import torch
 
 from isthmus.proto import lane_pb2
 
-from .codec import CodecChain, CodecError, crc32
+from .codec import CodecError, crc32
 from .mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
 from .wire import Chunk, encode_chunk
 
@@ -50,84 +49,14 @@ __all__ = [
     "RoundView",
 ]
 
+from .round_types import AbortSignal, CrossSiteError, NonFiniteGradient, RoundStats, RoundView
+
 log = logging.getLogger("isthmus.round")
 
 _CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
 _RESULT = lane_pb2.CHUNK_KIND_RESULT
 _POLL_S = 0.05  # how often the waiting router looks for failed tasks and sends
 _FETCH_TIMEOUT_S = 10.0  # one ResendChunk call; the round's deadline bounds retries
-
-
-class CrossSiteError(RuntimeError):
-    """A cross-site round failed: a peer timed out, refused or sent bad data."""
-
-
-class NonFiniteGradient(CrossSiteError):
-    """This site's own gradient holds NaN or Inf: running the step again cannot help,
-    and sending it would spread it to every site."""
-
-
-class AbortSignal:
-    """One flag with its reason: set to fail the running rounds at once (a member site
-    fell silent, so waiting for it until the deadline is pointless)."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self.reason = ""
-
-    def set(self, reason: str) -> None:
-        """Raises the flag; the first reason stands."""
-        if not self._event.is_set():
-            self.reason = reason
-            self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def clear(self) -> None:
-        self.reason = ""
-        self._event.clear()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RoundView:
-    """The membership and settings one round runs under; fixed for its life."""
-
-    site_index: int
-    num_sites: int
-    generation: int
-    codec: CodecChain
-    chunk_bytes: int
-    timeout_s: float
-
-    def owner(self, chunk: int, step: int, group: int) -> int:
-        """The site that reduces ``chunk`` of round (step, group): rotating with step
-        and group spreads the owners' extra work."""
-        return (chunk + step + group) % self.num_sites
-
-
-@dataclasses.dataclass(slots=True)
-class RoundStats:
-    """What one ``allreduce`` call moved and how long it took."""
-
-    bytes_sent: int = 0
-    """Payload bytes this site sent (after encoding)."""
-    bytes_received: int = 0
-    """Payload bytes this site received and used."""
-    raw_bytes: int = 0
-    """fp32 bytes of the chunks this site sent, before encoding."""
-    tensor_bytes: int = 0
-    """fp32 bytes of the whole round's buffer."""
-    num_chunks: int = 0
-    corrupt_chunks: int = 0
-    """Chunks that arrived failing a checksum and were pulled or sent again."""
-    nonfinite_chunks: int = 0
-    """Chunks that decoded to NaN or Inf: refused before summing, pulled again."""
-    wall_s: float = 0.0
-    encode_s: float = 0.0
-    """Seconds spent encoding, summed over the pool's threads."""
-    decode_s: float = 0.0
-    """Seconds spent decoding, summed over the pool's threads."""
 
 
 class RoundPipeline:
