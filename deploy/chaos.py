@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from isthmus.deploy.config import load_config
 from isthmus.sim import Corrupt, Flap, LinkSpec, RelayServer
 
 __all__ = ["SCENARIOS", "Fault", "Scenario", "run_scenario", "run_suite"]
@@ -268,8 +269,17 @@ def _job_file(scenario: Scenario, work: Path, ports: list[int], extra: list[str]
     return path
 
 
-def run_scenario(scenario: Scenario, work: Path, out: TextIO | None = None) -> ScenarioResult:
-    """Runs one scenario in ``work`` (kept for inspection); returns its result."""
+def run_scenario(
+    scenario: Scenario,
+    work: Path,
+    out: TextIO | None = None,
+    overrides: tuple[str, ...] = (),
+) -> ScenarioResult:
+    """Runs one scenario in ``work`` (kept for inspection); returns its result.
+
+    ``overrides`` are ``KEY=VALUE`` settings given to every site (``--set``), e.g.
+    ``sync.mode=diloco`` to run the scenario in another sync mode.
+    """
     work.mkdir(parents=True, exist_ok=True)
     names = [f"site{i}" for i in range(scenario.sites)]
     ports = free_ports(scenario.sites)
@@ -296,6 +306,8 @@ def run_scenario(scenario: Scenario, work: Path, out: TextIO | None = None) -> S
             argv += ["--site", name, "--run-dir", str(run_dir), "--quiet"]
             for peer, url in proxies[name].items():
                 argv += ["--set", f"cluster.proxies.{peer}={url}"]
+            for setting in overrides:
+                argv += ["--set", setting]
             env = {**os.environ, "no_grpc_proxy": "none.invalid", "PYTHONUNBUFFERED": "1"}
             env["ISTHMUS_STEP_FLOOR_S"] = str(scenario.pace_s)
             for fault in scenario.faults:
@@ -424,11 +436,12 @@ def run_suite(
     only: list[str] | None = None,
     keep: Path | None = None,
     repeat: int = 1,
+    overrides: tuple[str, ...] = (),
     out=sys.stdout,
 ) -> list[ScenarioResult]:
     """Runs the chosen scenarios one after another, ``repeat`` rounds of them (a race
     shows only now and then); prints a table as it goes and, after several rounds,
-    how often each scenario passed."""
+    how often each scenario passed. ``overrides`` go to every site (``--set``)."""
     if repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {repeat}")
     chosen = [s for s in SCENARIOS if (not quick or s.quick) and (not only or s.name in only)]
@@ -437,6 +450,7 @@ def run_suite(
         raise ValueError(
             f"unknown scenario(s) {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}"
         )
+    load_config(None, list(overrides))  # a bad setting fails here, in one line, not per site
     root = keep or Path(tempfile.mkdtemp(prefix="isthmus-chaos-"))
     results = []
     print(f"{'scenario':<14} {'result':<6} {'wall s':>7} {'gens':>4} {'retries':>7} "
@@ -444,7 +458,7 @@ def run_suite(
     for attempt in range(1, repeat + 1):
         for scenario in chosen:
             where = scenario.name if repeat == 1 else f"{scenario.name}-{attempt}"
-            r = run_scenario(scenario, root / where, out=None)
+            r = run_scenario(scenario, root / where, out=None, overrides=overrides)
             results.append(r)
             print(
                 f"{r.name:<14} {'ok' if r.ok else 'FAIL':<6} {r.wall_s:7.1f} {r.generations:4d} "

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isthmus.deploy.config import ConfigError, JobConfig
+from isthmus.deploy.rank_extras import CODEC, extra_state, load_extra_state
 
 if TYPE_CHECKING:
+    from isthmus.intra.outer import OuterOptimizer
     from isthmus.intra.train import Trainer
 
 log = logging.getLogger("isthmus.checkpointing")
-
-CODEC = "codec/"
 
 
 def site_root(config: JobConfig, run_dir: Path, site: str) -> Path:
@@ -101,7 +101,13 @@ def resolve_resume(config: JobConfig, sites: list[str], *, resume: bool) -> None
 
 
 def restore(
-    trainer: Trainer, sync, config: JobConfig, run_dir: Path, site: str, key: bytes | None = None
+    trainer: Trainer,
+    sync,
+    config: JobConfig,
+    run_dir: Path,
+    site: str,
+    key: bytes | None = None,
+    outer: OuterOptimizer | None = None,
 ) -> int:
     """Load the checkpoint ``checkpoint.resume_step`` names (a collective of the site).
 
@@ -112,6 +118,7 @@ def restore(
         trainer: the rank's fresh trainer.
         sync: the rank's ``LaneGradientSync`` (gets its codec residuals back), or None.
         key: the job token: the manifest must be signed with it; None checks no signature.
+        outer: the DiLoCo outer optimizer (gets its anchor and momentum back), or None.
 
     Returns:
         The step to start at: 0 without a resume step.
@@ -134,8 +141,9 @@ def restore(
             log.warning("[%s] not loading %s: %s", site, path, exc)
     else:
         raise refusals[0]  # this site's own copy names what is wrong
-    codec = {k[len(CODEC) :]: v for k, v in extra.items() if k.startswith(CODEC)}
     if source != site:
+        # The outer optimizer's state is the same at every site; the codec's is not.
+        load_extra_state(extra, None, outer)
         log.warning(
             "[%s step %d] resumed from %s's checkpoint %s (replicas are identical; this "
             "site's codec residuals start from zero)",
@@ -145,9 +153,8 @@ def restore(
             path,
         )
         return next_step
-    if sync is not None:
-        sync.load_state_dict(codec)
-    elif codec:
+    load_extra_state(extra, sync, outer)
+    if sync is None and any(k.startswith(CODEC) for k in extra):
         log.warning(
             "[%s step %d] checkpoint holds codec state but the job has one site", site, step
         )
@@ -163,6 +170,7 @@ def save_if_due(
     site: str,
     next_step: int,
     key: bytes | None = None,
+    outer: OuterOptimizer | None = None,
 ) -> Path | None:
     """Save after ``next_step`` steps when ``checkpoint.every`` divides it (a collective);
     the manifest is signed with ``key`` (the job token) when given.
@@ -173,7 +181,7 @@ def save_if_due(
     every = config.checkpoint.every
     if not every or next_step % every:
         return None
-    extra = {CODEC + k: v for k, v in sync.state_dict().items()} if sync is not None else None
+    extra = extra_state(sync, outer)
     from isthmus.intra import checkpoint
 
     protect = common_step(config, run_dir)  # before this save: the step all sites hold now

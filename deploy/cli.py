@@ -174,6 +174,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             only=args.only,
             keep=Path(args.keep) if args.keep else None,
             repeat=args.repeat,
+            overrides=tuple(args.set),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -386,6 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="run the chosen scenarios N times and report how often each passed",
+    )
+    chaos.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for every site of every scenario, e.g. sync.mode=diloco",
     )
     chaos.set_defaults(func=cmd_chaos)
 

@@ -44,6 +44,8 @@ CUDA_BULK_CHUNK_BYTES = 16 << 20
 """The least auto chunk for CUDA tensors on the bulk transport (see ``chunk_bytes``)."""
 MAX_SYNC_CHUNK_BYTES = 64 << 20
 """The largest ``sync.chunk_bytes`` a job (or the all-reduce benchmark) may set."""
+SYNC_MODES = ("step", "diloco")
+"""What ``sync.mode`` may be (``SyncSection.mode`` says what each does)."""
 
 try:
     import tomllib
@@ -415,6 +417,16 @@ def validate(config: JobConfig) -> None:
         f"sync.rounds_in_flight must be in 1..64, got {s.rounds_in_flight}",
     )
     _require(s.timeout_s > 0, f"sync.timeout_s must be > 0, got {s.timeout_s}")
+    _require(
+        s.mode in SYNC_MODES,
+        f"sync.mode must be one of {', '.join(SYNC_MODES)}, got {s.mode!r}",
+    )
+    _require(s.inner_steps >= 1, f"sync.inner_steps must be >= 1, got {s.inner_steps}")
+    _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
+    _require(
+        0 <= s.outer_momentum < 1,
+        f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}",
+    )
     f = config.failover
     _require(
         1 <= f.min_sites <= config.topology.sites,

@@ -17,23 +17,24 @@ from dataclasses import dataclass, field
 import grpc
 
 from isthmus.deploy.config import JobConfig
+from isthmus.deploy.rank_extras import extra_state, load_extra_state
 from isthmus.inter.allreduce import CrossSiteAllReduce
 from isthmus.inter.codec import make_codec
 from isthmus.inter.coordinator import peer_channel
 from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
+from isthmus.inter.mailbox import MAX_STEPS_AHEAD
 from isthmus.inter.membership import SiteMembership
 from isthmus.inter.security import SiteSecurity
 from isthmus.inter.state_transfer import pull_state
+from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.state import load_rank_state, rank_state
 from isthmus.intra.train import Trainer
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
 
 log = logging.getLogger("isthmus.rank")
-
-CODEC_PREFIX = "codec/"
 
 
 @dataclass
@@ -49,6 +50,8 @@ class CrossSite:
     membership_reply: cpb.GetMembershipResponse
     channel: grpc.Channel
     sync: LaneGradientSync = field(init=False)
+    outer: OuterOptimizer | None = None
+    """DiLoCo's outer optimizer, whose state travels with the rank's (set by the caller)."""
 
     @classmethod
     def start(
@@ -80,6 +83,9 @@ class CrossSite:
             generation=1,
             security=security,
             mailbox_bytes=mailbox_budget(config),
+            # Rounds are inner_steps apart in DiLoCo: the window counts rounds, not steps.
+            steps_ahead=MAX_STEPS_AHEAD
+            * (config.sync.inner_steps if config.sync.mode == "diloco" else 1),
         )
         lane.rank = rank
         port = lane.address.rsplit(":", 1)[1]
@@ -174,8 +180,7 @@ class CrossSite:
         finally:
             peer.close()
         next_step, extra = load_rank_state(trainer, state)
-        codec = {k[len(CODEC_PREFIX) :]: v for k, v in extra.items() if k.startswith(CODEC_PREFIX)}
-        self.sync.load_state_dict(codec)
+        load_extra_state(extra, self.sync, self.outer)
         size = sum(t.numel() * t.element_size() for t in state.values())
         log.warning(
             "[%s/%d] pulled the state after step %d from %s (%.1f MB in %.2fs); "
@@ -196,8 +201,7 @@ class CrossSite:
         if decision is None:
             return
         self.sync.offer_state = None
-        extra = {CODEC_PREFIX + k: v for k, v in self.sync.state_dict().items()}
-        state = rank_state(trainer, next_step, extra=extra)
+        state = rank_state(trainer, next_step, extra=extra_state(self.sync, self.outer))
         self.lane.offers.offer(decision.generation, decision.state_step, state)
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.flops import scaled_lr
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
+from isthmus.intra.outer import OuterConfig, OuterOptimizer
 from isthmus.intra.topology import build_site_mesh, mesh_coordinate
 from isthmus.intra.train import TrainConfig, Trainer
 
@@ -127,6 +128,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         )
         sync = cross.sync
 
+    diloco = config.sync.mode == "diloco"
     model = build_model(config.resolved_model(), seed=config.job.seed)
     trainer = Trainer(
         model,
@@ -134,7 +136,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
         TrainConfig(
             lr=scaled_lr(
                 config.train.lr,
-                len(sites) * layout.dp,
+                # An inner optimizer of DiLoCo sees its own site's batch only.
+                layout.dp if diloco else len(sites) * layout.dp,
                 config.train.lr_scaling,
                 config.train.lr_reference_dp,
             ),
@@ -144,8 +147,21 @@ def run(env: RankEnv, config: JobConfig) -> None:
             total_steps=config.job.steps,
         ),
         parallel=config.parallel_config(cuda=dev == "cuda"),
-        sync=sync,
+        sync=None if diloco else sync,
     )
+    outer = None
+    if diloco and sync is not None:
+        assert cross is not None
+        outer = cross.outer = OuterOptimizer(
+            trainer,
+            sync,
+            OuterConfig(
+                inner_steps=config.sync.inner_steps,
+                lr=config.sync.outer_lr,
+                momentum=config.sync.outer_momentum,
+            ),
+            total_steps=config.job.steps,
+        )
     corpus = (
         stdlib_corpus(config.data.max_bytes)
         if config.data.source == "stdlib"
@@ -175,7 +191,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
     # launcher's token for one run: the next run's would differ).
     token = security.token if security is not None and config.security.require_token else None
     key = token.encode() if token else None
-    start = restore(trainer, sync, config, env.run_dir, env.site, key)  # 0 unless resuming
+    # 0 unless resuming
+    start = restore(trainer, sync, config, env.run_dir, env.site, key, outer=outer)
     if cross is not None:
         # A site joining a running job starts from a live peer's state (invariant 3).
         start = cross.catch_up(trainer) or start
@@ -184,23 +201,38 @@ def run(env: RankEnv, config: JobConfig) -> None:
     last = config.job.steps - 1
     step = start
     digest = ""
+    synced = start - 1  # the last step that ended with replicas equal across sites
     while step < config.job.steps:
         inputs, targets = batches.batch(step)
-        if sync is not None:
+        # Per-step sync: every step's gradients cross (in the trainer's hook). DiLoCo:
+        # only the outer gradient of the steps where the outer optimizer is due.
+        crosses = sync is not None and (outer is None or outer.due(step))
+        if crosses:
             sync.begin_step(step)
         try:
             stats = trainer.step(step, inputs, targets)
+            if outer is not None and crosses:
+                t_outer = time.perf_counter()
+                outer.step()
+                stats.sync_s = time.perf_counter() - t_outer
         except RejoinRequired as exc:
             # The job went on without this site while it was cut off: nothing of this
-            # step was applied; take the live state and go on from where the job is.
+            # step's sync was applied; take the live state and go on from where the job is.
             assert cross is not None
             step = cross.rejoin(trainer, exc.decision)
+            synced = step - 1
             continue
         if SLOWDOWN > 1:  # fault injection (isthmus chaos): a site F times slower
             time.sleep((SLOWDOWN - 1) * stats.compute_s)
         if STEP_FLOOR_S > 0:
             time.sleep(max(0.0, STEP_FLOOR_S - stats.compute_s - stats.sync_s))
-        round_stats = sync.last_step_stats if sync is not None else None
+        round_stats = sync.last_step_stats if crosses else None
+        live_sites, generation = 1, 0
+        if round_stats is not None:
+            live_sites, generation = round_stats.sites, round_stats.generation
+        elif cross is not None:  # a step that did not cross (DiLoCo): the membership now
+            membership = cross.sync.membership
+            live_sites, generation = len(membership.sites), membership.generation
         # Site totals of what crossed the WAN this step (every rank has its own lane).
         rs = round_stats
         traffic = torch.tensor(
@@ -211,13 +243,16 @@ def run(env: RankEnv, config: JobConfig) -> None:
         )
         dist.all_reduce(traffic)
         # Every rank joins the digest's gather; sites compare them (invariant 1).
+        # Replicas are equal only after a step that synced (every step, or DiLoCo's
+        # outer steps): digest the first of those at or past each multiple of `every`.
         every = config.run.digest_every
         digest_started = time.perf_counter()
-        digest = (
-            trainer.parameter_digest()
-            if step == last or (every and (step + 1) % every == 0)
-            else ""
-        )
+        due = step == last or (every and (step + 1) // every > (synced + 1) // every)
+        if sync is None or crosses:
+            digest = trainer.parameter_digest() if due else ""
+            synced = step
+        else:
+            digest = ""
         # Steady-state throughput leaves digests out (summary.py): a check, not training.
         digest_s = time.perf_counter() - digest_started if digest else 0.0
         metrics.record(
@@ -241,16 +276,17 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 "exposed_sync_s": round_stats.wait_s if round_stats else 0.0,
                 "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
                 "digest_s": digest_s,
-                "live_sites": round_stats.sites if round_stats else 1,
-                "generation": round_stats.generation if round_stats else 0,
+                "live_sites": live_sites,
+                "generation": generation,
                 "retries": round_stats.retries if round_stats else 0,
+                "outer_steps": outer.outer_steps if outer is not None else 0,
             },
             digest=digest,
             finished=step == last,
         )
         if cross is not None:
             cross.offer_if_asked(trainer, step + 1)
-        save_if_due(trainer, sync, config, env.run_dir, env.site, step + 1, key)
+        save_if_due(trainer, sync, config, env.run_dir, env.site, step + 1, key, outer)
         step += 1
     train_s = time.perf_counter() - started
     metrics.close()

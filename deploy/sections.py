@@ -102,6 +102,18 @@ class DataSection:
 
 @dataclass(kw_only=True, slots=True)
 class SyncSection:
+    mode: str = "step"
+    """How the sites combine their work: "step" averages the gradient across sites every
+    step; "diloco" lets each site take inner_steps steps alone, then averages how far
+    the parameters moved (the outer gradient) and applies it with outer_lr and
+    outer_momentum (DiLoCo; docs/design.md, "Sync modes")."""
+    inner_steps: int = 50
+    """diloco: H, the steps each site trains alone between outer steps (the job's last
+    step always ends with one)."""
+    outer_lr: float = 0.7
+    """diloco: learning rate of the outer Nesterov SGD (DiLoCo's default)."""
+    outer_momentum: float = 0.9
+    """diloco: Nesterov momentum of the outer SGD; 0 = none."""
     codec: str = "raw+shuffle+zstd:1"
     """Cross-site codec chain TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]]; TENSOR is raw
     (fp32, lossless), bf16, or int8 (per-chunk scale with error feedback). Examples:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -130,6 +131,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._digest: tuple[int, str] = (0, "")
         self._stopped = threading.Event()
         self.last_seen: dict[str, float] = {}
+        self.incarnation = secrets.token_hex(8)
+        """This coordinator process's random id, sent with its joins."""
+        self._incarnations: dict[str, str] = {}  # the id each peer last joined with
         self.peer_steps: dict[str, int] = {}
         self.step = 0
         self.finished = False
@@ -334,11 +338,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 log.error("[%s] %s", self.site, message)
             self._cond.notify_all()
 
-    def _check_site_info(self, info: pb.SiteInfo, ready: bool) -> str | None:
+    def _check_site_info(self, info: pb.SiteInfo, ready: bool, incarnation: str = "") -> str | None:
         if info.name not in self.peers:
             return f"unknown site {info.name[:64]!r}; this job's sites are {self.site_names}"
         if info.index != self.site_names.index(info.name):
             return f"site {info.name} claims index {info.index}, expected {self.site_names.index(info.name)}"
+        if len(incarnation) > 64:
+            return f"site {info.name} sent an incarnation of {len(incarnation)} characters (max 64)"
         if ready and (
             len(info.lane_addresses) != self.ranks
             or not all(0 < len(a) <= MAX_FIELD_CHARS for a in info.lane_addresses)
@@ -374,9 +380,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def Join(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site.name, "Join")
-        problem = self._check_site_info(request.site, request.ready) or self._check_fingerprint(
-            request.fingerprint, request.site.name[:64] or "a peer"
-        )
+        problem = self._check_site_info(
+            request.site, request.ready, request.incarnation
+        ) or self._check_fingerprint(request.fingerprint, request.site.name[:64] or "a peer")
         if problem is not None:
             log.warning("[%s] refused join from %s: %s", self.site, context.peer(), problem)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
@@ -384,16 +390,24 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.last_seen[request.site.name] = time.monotonic()
             name = request.site.name
             running = self._generation > 0 and not self.joining
+            known = self._incarnations.get(name)
+            changed = bool(known and request.incarnation and known != request.incarnation)
             # A member that joins from generation 0 once the job is under way was
             # restarted: its earlier incarnation is gone (suspect it now, not after the
             # failure timeout), and it is admitted like any site outside the membership.
+            # Under way: a step committed, or the joiner is a new process (in DiLoCo the
+            # first commit comes only after inner_steps steps).
             restarted = (
                 running
                 and name in self.members
                 and request.generation == 0
-                and (self._generation > 1 or self.failover.committed_steps > 0)
+                and (self._generation > 1 or self.failover.committed_steps > 0 or changed)
             )
             news = running and (name not in self.members or restarted)
+            if request.incarnation and not (changed and running and not (news and request.ready)):
+                # A new incarnation counts once its site is ready to be admitted; until
+                # then its earlier one is what the job knows.
+                self._incarnations[name] = request.incarnation
             if news and request.ready:
                 if restarted:
                     self.failover.restarted.add(name)

@@ -198,6 +198,9 @@ class LaneGradientSync:
                     if failure is not None:
                         # Only possible if this rank's vote was lost: never apply a half round.
                         raise QuorumLost(f"step {step} committed while this rank's round failed")
+                    # What the step was averaged over, before a commit admits a site.
+                    stats.generation = self.allreduce.generation
+                    stats.sites = self.allreduce.num_sites
                     self._follow(decision, step)
                     break
                 if decision.verdict == cpb.VERDICT_RETRY:
@@ -210,8 +213,9 @@ class LaneGradientSync:
                 raise QuorumLost(decision.reason or f"step {step}: the job stopped")
         finally:
             stats.wait_s = time.perf_counter() - t0
-            stats.generation = self.allreduce.generation
-            stats.sites = self.allreduce.num_sites
+            if not stats.sites:  # not committed (or no membership): where it stands now
+                stats.generation = self.allreduce.generation
+                stats.sites = self.allreduce.num_sites
             self.last_step_stats = stats
         # Copy back only once every group succeeded: all or nothing. The rounds
         # synchronized their device, so the buffers are complete.

@@ -26,7 +26,7 @@ from isthmus.proto import lane_pb2, lane_pb2_grpc
 from .bounds import BoundedHealth, RefusalLog
 from .bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
 from .codec import crc32
-from .mailbox import Mailbox, Outbox
+from .mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
 from .malformed import MalformedRequests
 from .security import INSECURE, SiteSecurity
 from .state_transfer import StateOffers, pieces
@@ -82,6 +82,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         mailbox_bytes: payload bytes received chunks may hold while they wait for their
             round (``Mailbox``); None: unbounded. Give it room for two steps of this
             lane's traffic.
+        steps_ahead: how far past the live round a chunk's step may be
+            (``Mailbox.max_ahead``): a few steps, times the steps between rounds when
+            the job syncs only every so many steps (DiLoCo).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         security: SiteSecurity | None = None,
         bulk: bool = True,
         mailbox_bytes: int | None = None,
+        steps_ahead: int = MAX_STEPS_AHEAD,
     ) -> None:
         if not 0 <= site_index < num_sites:
             raise ValueError(f"site_index must be in [0, {num_sites}), got {site_index}")
@@ -106,7 +110,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.site_index = site_index
         self.codec = codec
         self.chunk_bytes = chunk_bytes
-        self.mailbox = Mailbox(max_bytes=mailbox_bytes)
+        self.mailbox = Mailbox(max_bytes=mailbox_bytes, max_ahead=steps_ahead)
         self.outbox = Outbox()
         self.offers = StateOffers()
         """The training state this rank offers a joining site (``PullState``)."""

@@ -131,6 +131,7 @@ class PeerLoop:
             fingerprint=pb.JobFingerprint(fields=c.fingerprint),
             ready=ready,
             generation=c.generation,
+            incarnation=c.incarnation,
         )
         for name in pending:
             try:

@@ -140,16 +140,18 @@ class RegisterRankResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("site", "fingerprint", "ready", "generation")
+    __slots__ = ("site", "fingerprint", "ready", "generation", "incarnation")
     SITE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     site: SiteInfo
     fingerprint: JobFingerprint
     ready: bool
     generation: int
-    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("site", "ready", "generation")

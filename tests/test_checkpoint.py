@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_intra_dist import _corpus, _init, _shutdown, _spawn
+from dist_helpers import init_gloo, random_corpus, shutdown, spawn
 
 from isthmus.intra import checkpoint
 from isthmus.intra.data import ShardedBatches
@@ -32,7 +32,7 @@ CONFIG = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=10)
 def _trainer(layout: ParallelLayout) -> tuple[Trainer, ShardedBatches]:
     trainer = Trainer(build_model(preset("tiny"), SEED), build_site_mesh(layout), CONFIG)
     data = ShardedBatches(
-        _corpus(),
+        random_corpus(),
         seq_len=SEQ,
         batch_size=BATCH,
         seed=SEED,
@@ -74,15 +74,15 @@ def _roundtrip_one(rank: int, root: Path, layout_kw: dict) -> dict[str, Any]:
 
 
 def _roundtrip_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     layouts = {"dp2": {"dp": 2}, "pp2": {"pp": 2}}
     out = {name: _roundtrip_one(rank, Path(root) / name, kw) for name, kw in layouts.items()}
-    _shutdown()
+    shutdown()
     return out
 
 
 def test_save_latest_load_resumes_bitwise_and_keeps_the_newest(tmp_path: Path) -> None:
-    results = _spawn(_roundtrip_worker, 2, tmp_path, 2, str(tmp_path / "store"), str(tmp_path))
+    results = spawn(_roundtrip_worker, 2, tmp_path, 2, str(tmp_path / "store"), str(tmp_path))
     for layout in ("dp2", "pp2"):
         for rank in results:
             r = rank[layout]
@@ -115,7 +115,7 @@ def _refusal(trainer: Trainer, path: Path, key: bytes | None) -> str:
 
 
 def _verify_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     root, key = Path(root), b"t" * 32
     a, data = _trainer(ParallelLayout(dp=2))
     for step in range(4):
@@ -138,14 +138,14 @@ def _verify_worker(rank: int, world: int, store: str, root: str) -> dict[str, An
     out["next_step"] = checkpoint.load(b, path, key)[0]
     out["unsigned ok"] = checkpoint.load(b, path, None)[0] == 4
     out["equal"] = state_digest(rank_state(b, 4)) == state_digest(rank_state(a, 4))
-    _shutdown()
+    shutdown()
     return out
 
 
 def test_a_changed_byte_or_a_foreign_key_is_refused_naming_the_file(tmp_path: Path) -> None:
     """Issue 14, rows 5 and 14: a flipped byte in a weight file loaded silently (loss NaN
     at every site); one in DCP's pickled .metadata failed deep inside torch."""
-    results = _spawn(_verify_worker, 2, tmp_path, 2, str(tmp_path / "store"), str(tmp_path / "c"))
+    results = spawn(_verify_worker, 2, tmp_path, 2, str(tmp_path / "store"), str(tmp_path / "c"))
     for r in results:
         assert r["kept"] == ["step-00000001", "step-00000003", "step-00000004"]
         assert "signature does not match the job token" in r["other key"]
@@ -160,7 +160,7 @@ def test_a_changed_byte_or_a_foreign_key_is_refused_naming_the_file(tmp_path: Pa
 
 def _crash_worker(rank: int, world: int, store: str, root: str, record: str) -> None:
     torch.set_num_threads(1)
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     trainer, data = _trainer(ParallelLayout(dp=2))
     for step in range(2):
         trainer.step(step, *data.batch(step))
@@ -189,12 +189,12 @@ def dcp_writer() -> type:
 
 
 def _load_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     trainer, _ = _trainer(ParallelLayout(dp=2))
     path = checkpoint.latest(Path(root))
     next_step, extra = checkpoint.load(trainer, path)
     digest = state_digest(rank_state(trainer, next_step, extra))
-    _shutdown()
+    shutdown()
     return {"path": path.name, "digest": digest}
 
 
@@ -222,7 +222,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path: Pa
     assert not (root / "step-00000004").exists()
 
     assert checkpoint.latest(root) == root / "step-00000002"
-    loaded = _spawn(_load_worker, 2, tmp_path, 2, str(tmp_path / "store2"), str(root))
+    loaded = spawn(_load_worker, 2, tmp_path, 2, str(tmp_path / "store2"), str(root))
     for rank, r in enumerate(loaded):
         assert r["path"] == "step-00000002"
         assert r["digest"] == torch.load(f"{record}{rank}.pt")

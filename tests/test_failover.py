@@ -110,6 +110,25 @@ def retry_until(coords, step, generation, members, ok):
     raise AssertionError(f"never retried with {members} alone")
 
 
+def restart_site1(address: str, site0: Coordinator, lane: str) -> Coordinator:
+    """A new site1 coordinator at ``address`` (its old one stopped), one rank registered."""
+    host, port = address.rsplit(":", 1)
+    again = Coordinator(
+        site="site1",
+        site_names=["site0", "site1"],
+        ranks=1,
+        fingerprint=FP,
+        host=host,
+        port=int(port),
+        join_timeout_s=20,
+        **FAST,
+    )
+    again.set_peers({"site0": site0.address})
+    again.start()
+    register(again, lane=lane)
+    return again
+
+
 def names(decision: pb.Decision) -> list[str]:
     return [info.name for info in decision.sites]
 
@@ -215,21 +234,7 @@ def test_a_restarted_site_is_admitted_at_a_commit_with_the_state_source():
         generation = retry_until(coords[:1], 1, 1, ["site0"], ok={"site0": False})
         assert vote(coords[0], 1, generation).verdict == pb.VERDICT_COMMIT
         # site1 comes back at the same address, from generation 0.
-        host, port = address.rsplit(":", 1)
-        again = Coordinator(
-            site="site1",
-            site_names=["site0", "site1"],
-            ranks=1,
-            fingerprint=FP,
-            host=host,
-            port=int(port),
-            join_timeout_s=20,
-            **FAST,
-        )
-        again.set_peers({"site0": coords[0].address})
-        again.start()
-        coords[1] = again
-        register(again, lane="127.0.0.1:2999")
+        again = coords[1] = restart_site1(address, coords[0], lane="127.0.0.1:2999")
         time.sleep(0.5)  # its joins reach site0
         admit = vote(coords[0], 2, generation)
         assert admit.verdict == pb.VERDICT_COMMIT
@@ -239,6 +244,28 @@ def test_a_restarted_site_is_admitted_at_a_commit_with_the_state_source():
         assert [s.name for s in sites] == ["site0", "site1"]
         assert again.start_step == 3 and again.state_source == "site0"
         assert sites[1].lane_addresses == ["127.0.0.1:2999"]
+    finally:
+        stop_all(coords)
+
+
+def test_a_site_restarted_before_the_first_commit_is_taken_for_dead_and_admitted():
+    """In DiLoCo the first commit comes only after inner_steps steps; a site restarted
+    before it must not pass for a late starter (the other site's round would wait on
+    chunks its dead incarnation never sent): its new incarnation gives it away."""
+    coords = start_sites(2)
+    try:
+        before = coords[1].incarnation
+        coords[1].stop(grace_s=0)
+        again = coords[1] = restart_site1(coords[1].address, coords[0], lane="127.0.0.1:2998")
+        assert again.incarnation != before
+        time.sleep(0.5)  # its joins reach site0
+        with coords[0]._cond:
+            assert coords[0].failover.suspects_locked() == ["site1"]  # at once
+        generation = retry_until(coords[:1], 4, 1, ["site0"], ok={"site0": True})
+        admit = vote(coords[0], 4, generation)
+        assert admit.verdict == pb.VERDICT_COMMIT
+        assert names(admit) == ["site0", "site1"] and admit.state_step == 4
+        assert again.wait_ready(10) and again.start_step == 5
     finally:
         stop_all(coords)
 

@@ -7,21 +7,16 @@ Each worker is a spawned process with one thread; results come back through
 from __future__ import annotations
 
 import os
-import sys
-import time
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from dist_helpers import COLLECTIVE_TIMEOUT, init_gloo, random_corpus, shutdown, spawn
 
-from isthmus.intra.data import Corpus, ShardedBatches
+from isthmus.intra.data import ShardedBatches
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
@@ -33,74 +28,12 @@ from isthmus.intra.train import GradientSync, TrainConfig, Trainer
 SEED, SEQ, BATCH, STEPS = 5, 32, 2, 3
 # Large clip so clipping multiplies by exactly 1 and the recorded shards stay comparable.
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=1, total_steps=10, grad_clip=1e6)
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 # Parameters after 3 AdamW steps. Adam's update lr * m / (sqrt(v) + eps) is
 # ~ lr * sign(g) once |g| >> eps, but where |g| is within a few orders of eps=1e-8
 # (some grads here are ~1e-10) an ulp-level absolute grad difference (~1e-9 for
 # entries up to 4e-2) moves the update by a visible fraction of lr. Measured:
 # 1.1e-5 worst case (0.4% of lr) on a handful of elements; bound it at 1% of lr.
 PARAM_TOL = {"rtol": 1e-5, "atol": 0.01 * CONFIG.lr}
-
-
-def _corpus() -> Corpus:
-    rng = np.random.default_rng(0)
-    return Corpus(tokens=rng.integers(0, 256, 20000, dtype=np.uint8), name="random")
-
-
-def _entry(fn: Callable[..., Any], rank: int, out: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    torch.save(fn(rank, *args), out)
-    # The result is on disk. Leave without the interpreter's teardown: process groups
-    # still referenced by meshes and DTensors are then destroyed in no particular order,
-    # and gloo now and then aborts there ("terminate called without an active
-    # exception", seen once in ~10 CI runs of test_checkpoint), after the work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _spawn(
-    fn: Callable[..., Any], nprocs: int, tmp_path: Path, *args: Any, timeout: float = 90
-) -> list[Any]:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return their results.
-
-    Workers still running ``timeout`` seconds after the start are killed (a hang fails).
-    """
-    ctx = mp.get_context("spawn")
-    outs = [tmp_path / f"{fn.__name__}-{r}.pt" for r in range(nprocs)]
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, str(outs[r]), args), daemon=True)
-        for r in range(nprocs)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * nprocs, f"worker exit codes {codes}"
-    return [torch.load(o, weights_only=False) for o in outs]
-
-
-def _init(rank: int, world: int, store: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, world),
-        rank=rank,
-        world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
-
-
-def _shutdown() -> None:
-    # A rank that tears gloo down while its peer still finishes the last
-    # collective can make the peer abort ("terminate called ..."): meet first.
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 class RecordingSync:
@@ -126,14 +59,19 @@ def _group_params(model: torch.nn.Module, group: int) -> list[torch.nn.Parameter
 
 
 def _dp_worker(rank: int, world: int, store: str, record: bool) -> dict[str, Any]:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     mesh = build_site_mesh(ParallelLayout(dp=world))
     model = build_model(preset("tiny"), SEED)
     initial = parameter_digest(model)
     sync = RecordingSync() if record else None
     trainer = Trainer(model, mesh, CONFIG, sync=sync)
     data = ShardedBatches(
-        _corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED, shard_index=rank, num_shards=world
+        random_corpus(),
+        seq_len=SEQ,
+        batch_size=BATCH,
+        seed=SEED,
+        shard_index=rank,
+        num_shards=world,
     )
     result: dict[str, Any] = {"initial": initial, "losses": [], "shard_checks": []}
     for step in range(STEPS):
@@ -159,7 +97,7 @@ def _dp_worker(rank: int, world: int, store: str, record: bool) -> dict[str, Any
             result["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     result["params"] = {n: p.full_tensor() for n, p in model.named_parameters()}
     result["digest"] = parameter_digest(model)
-    _shutdown()
+    shutdown()
     return result
 
 
@@ -170,7 +108,7 @@ def _reference(global_batch: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(
         model.parameters(), lr=CONFIG.lr, betas=CONFIG.betas, weight_decay=CONFIG.weight_decay
     )
-    data = ShardedBatches(_corpus(), seq_len=SEQ, batch_size=global_batch, seed=SEED)
+    data = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=global_batch, seed=SEED)
     out: dict[str, Any] = {"losses": []}
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -189,25 +127,25 @@ def _reference(global_batch: int) -> dict[str, Any]:
 
 
 def _init_worker(rank: int, world: int, store: str) -> tuple[str, str]:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     model = build_model(preset("tiny"), SEED)
     before = parameter_digest(model)
     apply_fsdp(model, build_site_mesh(ParallelLayout(dp=world)))
     after = parameter_digest(model)  # collective: gathers the shards
-    _shutdown()
+    shutdown()
     return before, after
 
 
 @pytest.mark.timeout(120)
 def test_init_identical_across_processes_and_shardings(tmp_path: Path) -> None:
-    results = _spawn(_init_worker, 2, tmp_path, 2, str(tmp_path / "store"))
+    results = spawn(_init_worker, 2, tmp_path, 2, str(tmp_path / "store"))
     expected = parameter_digest(build_model(preset("tiny"), SEED))
     assert {d for pair in results for d in pair} == {expected}
 
 
 @pytest.mark.timeout(120)
 def test_fsdp_dp2_matches_unsharded_reference(tmp_path: Path) -> None:
-    ranks = _spawn(_dp_worker, 2, tmp_path, 2, str(tmp_path / "store"), True)
+    ranks = spawn(_dp_worker, 2, tmp_path, 2, str(tmp_path / "store"), True)
     ref = _reference(global_batch=2 * BATCH)
     # fp32 throughout; the sharded run only sums the batch in a different order
     # (two half-batch means averaged by the reduce-scatter), so differences are
@@ -249,7 +187,7 @@ class AveragingSync:
 def _site_worker(site: int, sites: int, tmp: str) -> dict[str, Any]:
     # Each site is its own one-rank torch.distributed world; the "WAN" is a
     # separate gloo group that FSDP never sees.
-    _init(0, 1, os.path.join(tmp, f"site{site}"))
+    init_gloo(0, 1, os.path.join(tmp, f"site{site}"))
     cross = dist.ProcessGroupGloo(
         dist.FileStore(os.path.join(tmp, "cross"), sites), site, sites, COLLECTIVE_TIMEOUT
     )
@@ -259,19 +197,24 @@ def _site_worker(site: int, sites: int, tmp: str) -> dict[str, Any]:
     assert isinstance(sync, GradientSync)
     trainer = Trainer(model, mesh, CONFIG, sync=sync)
     data = ShardedBatches(
-        _corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED, shard_index=site, num_shards=sites
+        random_corpus(),
+        seq_len=SEQ,
+        batch_size=BATCH,
+        seed=SEED,
+        shard_index=site,
+        num_shards=sites,
     )
     losses = [trainer.step(s, *data.batch(s)).loss for s in range(STEPS)]
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     digest = parameter_digest(model)
-    _shutdown()
+    shutdown()
     return {"losses": losses, "params": params, "digest": digest}
 
 
 @pytest.mark.timeout(120)
 def test_gradient_sync_two_sites_match_one_site_two_ranks(tmp_path: Path) -> None:
-    one_site = _spawn(_dp_worker, 2, tmp_path, 2, str(tmp_path / "store"), False)[0]
-    sites = _spawn(_site_worker, 2, tmp_path, 2, str(tmp_path))
+    one_site = spawn(_dp_worker, 2, tmp_path, 2, str(tmp_path / "store"), False)[0]
+    sites = spawn(_site_worker, 2, tmp_path, 2, str(tmp_path))
     # Invariant 1: every site applied the same update, bit for bit.
     assert sites[0]["digest"] == sites[1]["digest"]
     # Each site's loss is over its half of the global batch; their mean is the

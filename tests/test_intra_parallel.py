@@ -15,13 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_intra_dist import (
-    RecordingSync,
-    _corpus,
-    _init,
-    _shutdown,
-    _spawn,
-)
+from dist_helpers import init_gloo, random_corpus, shutdown, spawn
+from test_intra_dist import RecordingSync
 
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
@@ -58,7 +53,12 @@ def _one_layout(rank: int, layout: dict, parallel: dict) -> dict[str, Any]:
     trainer = Trainer(build_model(MODEL, SEED), mesh, CONFIG, parallel=config, sync=sync)
     _, dp_rank, _ = trainer.coordinate
     data = ShardedBatches(
-        _corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED, shard_index=dp_rank, num_shards=lay.dp
+        random_corpus(),
+        seq_len=SEQ,
+        batch_size=BATCH,
+        seed=SEED,
+        shard_index=dp_rank,
+        num_shards=lay.dp,
     )
     stats = trainer.step(0, *data.batch(0))
     # The hook fired exactly once per FSDP group (RecordingSync asserts no
@@ -83,9 +83,9 @@ def _one_layout(rank: int, layout: dict, parallel: dict) -> dict[str, Any]:
 def _layouts_worker(rank: int, world: int, store: str, cases: dict) -> dict[str, Any]:
     # Several layouts in one set of processes: each builds its own mesh (new
     # subgroups) over the same world. Starting processes is most of the cost.
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     out = {name: _one_layout(rank, *case) for name, case in cases.items()}
-    _shutdown()
+    shutdown()
     return out
 
 
@@ -95,7 +95,7 @@ def _layout_worker(rank: int, world: int, store: str, layout: dict, parallel: di
 
 def _reference(global_batch: int) -> dict[str, Any]:
     model = build_model(MODEL, SEED)
-    data = ShardedBatches(_corpus(), seq_len=SEQ, batch_size=global_batch, seed=SEED)
+    data = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=global_batch, seed=SEED)
     x, y = data.batch(0)
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
@@ -146,7 +146,7 @@ LAYOUTS_4 = {
 @pytest.fixture(scope="module")
 def four_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("layouts4")
-    ranks = _spawn(_layouts_worker, 4, tmp, 4, str(tmp / "store"), LAYOUTS_4, timeout=200)
+    ranks = spawn(_layouts_worker, 4, tmp, 4, str(tmp / "store"), LAYOUTS_4, timeout=200)
     return {name: [r[name] for r in ranks] for name in LAYOUTS_4}
 
 
@@ -161,7 +161,7 @@ def test_layout_4_ranks_matches_one_process(four_rank_results: dict, case: str) 
 def test_pp2_dp2_tp2_interleaved_matches_one_process(tmp_path: Path) -> None:
     layout = {"pp": 2, "dp": 2, "tp": 2}
     parallel = {"schedule": "interleaved_1f1b", "microbatches": 4, "activation_checkpoint": True}
-    ranks = _spawn(
+    ranks = spawn(
         _layout_worker, 8, tmp_path, 8, str(tmp_path / "s"), layout, parallel, timeout=200
     )
     _check_layout(ranks, layout)

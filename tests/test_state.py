@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_intra_dist import _corpus, _init, _shutdown, _spawn
+from dist_helpers import init_gloo, random_corpus, shutdown, spawn
 
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.digest import shard_digest
@@ -32,7 +32,7 @@ LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 def _trainer(layout: ParallelLayout) -> tuple[Trainer, ShardedBatches]:
     trainer = Trainer(build_model(MODEL, SEED), build_site_mesh(layout), CONFIG)
     data = ShardedBatches(
-        _corpus(),
+        random_corpus(),
         seq_len=SEQ,
         batch_size=BATCH,
         seed=SEED,
@@ -98,16 +98,16 @@ def _one_layout(layout_kw: dict) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, store: str) -> dict[str, Any]:
-    _init(rank, world, store)
+    init_gloo(rank, world, store)
     out = {name: _one_layout(kw) for name, kw in LAYOUTS.items()}
-    _shutdown()
+    shutdown()
     return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     tmp: Path = tmp_path_factory.mktemp("state")
-    return _spawn(_worker, 2, tmp, 2, str(tmp / "store"), timeout=240)
+    return spawn(_worker, 2, tmp, 2, str(tmp / "store"), timeout=240)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -1,0 +1,48 @@
+"""What a rank's state carries beside its trainer's: the lane's codec residuals and the
+DiLoCo outer optimizer's anchor and momentum.
+
+The same entries travel in a checkpoint (``extra`` of ``intra.checkpoint.save``) and in
+the state a joining site pulls from a live peer (``extra/`` of ``intra.state``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from isthmus.inter.gradient_sync import LaneGradientSync
+    from isthmus.intra.outer import OuterOptimizer
+
+CODEC = "codec/"
+
+
+def extra_state(
+    sync: LaneGradientSync | None, outer: OuterOptimizer | None
+) -> dict[str, torch.Tensor]:
+    """The rank's extra entries: ``codec/...`` residuals and ``outer/...`` state."""
+    out = {CODEC + k: v for k, v in sync.state_dict().items()} if sync is not None else {}
+    if outer is not None:
+        out.update(outer.state_dict())
+    return out
+
+
+def load_extra_state(
+    extra: Mapping[str, torch.Tensor],
+    sync: LaneGradientSync | None,
+    outer: OuterOptimizer | None,
+) -> None:
+    """Give the sync its codec residuals and the outer optimizer its state.
+
+    Args:
+        extra: the entries :func:`extra_state` made (a missing kind starts afresh).
+        sync: gets the ``codec/`` entries; None when they must not be used (they
+            belong to another site's lane, or the job has one site).
+        outer: gets the ``outer/`` entries (equal at every site), or None.
+    """
+    if sync is not None:
+        sync.load_state_dict({k[len(CODEC) :]: v for k, v in extra.items() if k.startswith(CODEC)})
+    if outer is not None:
+        outer.load_state_dict(extra)

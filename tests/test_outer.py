@@ -1,0 +1,202 @@
+"""DiLoCo's outer optimizer on real gloo process groups: two one-rank sites whose
+"WAN" is a gloo group of their own (the lanes are tested end to end in test_sync_modes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import COLLECTIVE_TIMEOUT, init_gloo, random_corpus, shutdown, spawn
+from test_intra_dist import AveragingSync
+
+from isthmus.intra.data import ShardedBatches
+from isthmus.intra.digest import parameter_digest
+from isthmus.intra.layout import ParallelLayout
+from isthmus.intra.model import build_model
+from isthmus.intra.model_config import preset
+from isthmus.intra.outer import OuterConfig, OuterOptimizer, outer_groups
+from isthmus.intra.topology import build_site_mesh
+from isthmus.intra.train import TrainConfig, Trainer
+
+SEED, SEQ, BATCH = 5, 32, 2
+INNER = TrainConfig(lr=3e-3, warmup_steps=1, total_steps=20)
+
+
+class FailingSync:
+    """A cross-site sync whose round fails: finish raises after start saw the shards."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    def start(self, group: int, shard: torch.Tensor) -> None:
+        self.started.append(group)
+        shard.fill_(float("nan"))  # a failed round may have scribbled on its buffers
+
+    def finish(self) -> None:
+        raise RuntimeError("the round failed")
+
+
+def _site(site: int, tmp: str) -> tuple[Trainer, ShardedBatches, dist.ProcessGroup]:
+    init_gloo(0, 1, os.path.join(tmp, f"site{site}"))
+    cross = dist.ProcessGroupGloo(
+        dist.FileStore(os.path.join(tmp, "cross"), 2), site, 2, COLLECTIVE_TIMEOUT
+    )
+    trainer = Trainer(
+        build_model(preset("tiny"), SEED), build_site_mesh(ParallelLayout(dp=1)), INNER
+    )
+    data = ShardedBatches(
+        random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED, shard_index=site, num_shards=2
+    )
+    return trainer, data, cross
+
+
+def _flat_params(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).clone() for g in outer_groups(trainer) for _, t in g])
+
+
+def _mean_over_sites(t: torch.Tensor, cross: dist.ProcessGroup) -> torch.Tensor:
+    both = [torch.empty_like(t) for _ in range(2)]
+    cross.allgather([both], [t.contiguous()]).wait()
+    return (both[0] + both[1]) / 2
+
+
+def _averaging_worker(site: int, tmp: str) -> dict[str, Any]:
+    """H = 1, outer lr 1, momentum 0: each outer step must average the sites' parameters."""
+    trainer, data, cross = _site(site, tmp)
+    outer = OuterOptimizer(
+        trainer,
+        AveragingSync(cross, 2),
+        OuterConfig(inner_steps=1, lr=1.0, momentum=0.0),
+        total_steps=3,
+    )
+    errors = []
+    for step in range(3):
+        trainer.step(step, *data.batch(step))
+        assert outer.due(step)
+        expected = _mean_over_sites(_flat_params(trainer), cross)
+        outer.step()
+        errors.append(float((_flat_params(trainer) - expected).abs().max()))
+    digest = parameter_digest(trainer.model)
+    shutdown()
+    return {"errors": errors, "digest": digest, "outer_steps": outer.outer_steps}
+
+
+@pytest.mark.timeout(120)
+def test_h1_outer_lr_1_no_momentum_averages_parameters_every_step(tmp_path: Path) -> None:
+    sites = spawn(_averaging_worker, 2, tmp_path, str(tmp_path))
+    assert sites[0]["digest"] == sites[1]["digest"]  # replicas equal after every outer step
+    assert sites[0]["outer_steps"] == 3
+    # anchor - (anchor - mean) in fp32: a few ulps of parameters of size ~1e-1.
+    assert max(sites[0]["errors"] + sites[1]["errors"]) < 1e-6
+
+
+def _nesterov_worker(site: int, tmp: str) -> dict[str, Any]:
+    """H = 2 with momentum: the anchor follows torch.optim.SGD(nesterov=True) fed the
+    mean outer gradient, and the parameters land on the anchor."""
+    trainer, data, cross = _site(site, tmp)
+    config = OuterConfig(inner_steps=2, lr=0.7, momentum=0.9)
+    outer = OuterOptimizer(trainer, AveragingSync(cross, 2), config, total_steps=5)
+    reference = torch.nn.Parameter(_flat_params(trainer))
+    sgd = torch.optim.SGD([reference], lr=config.lr, momentum=config.momentum, nesterov=True)
+    errors, due = [], []
+    for step in range(5):
+        trainer.step(step, *data.batch(step))
+        due.append(outer.due(step))
+        if not outer.due(step):
+            continue
+        reference.grad = _mean_over_sites(reference.detach() - _flat_params(trainer), cross)
+        sgd.step()
+        outer.step()
+        errors.append(float((_flat_params(trainer) - reference.detach()).abs().max()))
+        anchor = torch.cat(outer.anchor)
+        assert torch.equal(anchor, _flat_params(trainer))
+    state = {k: v.clone() for k, v in outer.state_dict().items()}
+    digest = parameter_digest(trainer.model)
+    shutdown()
+    return {"errors": errors, "due": due, "digest": digest, "state": state}
+
+
+@pytest.mark.timeout(120)
+def test_outer_step_is_nesterov_sgd_on_the_mean_outer_gradient(tmp_path: Path) -> None:
+    sites = spawn(_nesterov_worker, 2, tmp_path, str(tmp_path))
+    # Every H = 2 steps, and the last step (index 4) of a 5-step job.
+    assert sites[0]["due"] == [False, True, False, True, True]
+    assert sites[0]["digest"] == sites[1]["digest"]
+    # The same math in another order (torch's SGD vs in-place foreach-free ops).
+    assert len(sites[0]["errors"]) == 3 and max(sites[0]["errors"]) < 1e-6
+    for name, value in sites[0]["state"].items():
+        assert torch.equal(value, sites[1]["state"][name]), name  # anchors and momentum agree
+    assert any(v.abs().sum() > 0 for k, v in sites[0]["state"].items() if "momentum" in k)
+
+
+def _failure_worker(rank: int, tmp: str) -> dict[str, Any]:
+    init_gloo(0, 1, os.path.join(tmp, "one"))
+    trainer = Trainer(
+        build_model(preset("tiny"), SEED), build_site_mesh(ParallelLayout(dp=1)), INNER
+    )
+    data = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED)
+    out: dict[str, Any] = {}
+    try:
+        with pytest.raises(ValueError, match="must not sync gradients itself"):
+            OuterOptimizer(
+                Trainer(
+                    build_model(preset("tiny"), SEED),
+                    build_site_mesh(ParallelLayout(dp=1)),
+                    INNER,
+                    sync=FailingSync(),
+                ),
+                FailingSync(),
+                OuterConfig(),
+                total_steps=1,
+            )
+        sync = FailingSync()
+        outer = OuterOptimizer(trainer, sync, OuterConfig(inner_steps=1), total_steps=2)
+        trainer.step(0, *data.batch(0))
+        params = _flat_params(trainer)
+        state = {k: v.clone() for k, v in outer.state_dict().items()}
+        with pytest.raises(RuntimeError, match="the round failed"):
+            outer.step()
+        out["groups_started"] = len(sync.started)
+        out["params_kept"] = torch.equal(params, _flat_params(trainer))
+        out["state_kept"] = all(torch.equal(v, outer.state_dict()[k]) for k, v in state.items())
+        # A state with a wrong shape is refused before anything is copied.
+        bad = dict(state)
+        bad["outer/anchor/0"] = torch.zeros(3)
+        before = {k: v.clone() for k, v in outer.state_dict().items()}
+        with pytest.raises(ValueError, match=r"outer/anchor/0.*shape \(3,\)"):
+            outer.load_state_dict(
+                {**bad, "outer/momentum/0": torch.ones_like(state["outer/momentum/0"])}
+            )
+        out["refusal_kept"] = all(torch.equal(v, outer.state_dict()[k]) for k, v in before.items())
+        # No outer entries (a state saved in per-step mode): a fresh outer loop.
+        outer.momentum[0].fill_(1.0)
+        out["fresh"] = outer.load_state_dict({"codec/x": torch.zeros(1)}) is False
+        out["fresh_anchor"] = torch.equal(torch.cat(outer.anchor), _flat_params(trainer))
+        out["fresh_momentum"] = all(float(m.abs().sum()) == 0 for m in outer.momentum)
+        out["groups"] = len(outer.groups)
+    finally:
+        shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_outer_round_changes_nothing_and_bad_state_is_refused(tmp_path: Path) -> None:
+    (out,) = spawn(_failure_worker, 1, tmp_path, str(tmp_path))
+    # tiny has 2 blocks, then the embedding, final norm and head.
+    assert out["groups"] == out["groups_started"] == 3
+    assert out["params_kept"] and out["state_kept"] and out["refusal_kept"]
+    assert out["fresh"] and out["fresh_anchor"] and out["fresh_momentum"]
+
+
+def test_outer_config_refuses_bad_values() -> None:
+    for kwargs, needle in (
+        ({"inner_steps": 0}, "inner_steps"),
+        ({"lr": 0.0}, "lr"),
+        ({"momentum": 1.0}, "momentum"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            OuterConfig(**kwargs)

@@ -1,0 +1,89 @@
+"""Sync modes end to end: `isthmus local --set sync.mode=diloco` over real lanes and
+emulated links, its checkpoints and resume, and its settings refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, run_cli
+
+TINY = ["--set", "model.preset=tiny", "--set", "train.seq_len=64", "--ranks-per-site", "2"]
+DILOCO = ["--set", "sync.mode=diloco", "--set", "sync.inner_steps=3"]
+
+
+def records(run_dir: Path, site: str) -> list[dict]:
+    lines = (run_dir / "sites" / site / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path):
+    """2 sites x 2 ranks (FSDP shards), H = 3, 8 steps: outer steps after steps 2, 5
+    and the last; replicas equal after each, different in between."""
+    first = tmp_path / "first"
+    common = [*TINY, *DILOCO, "--steps", "8", "--set", "run.digest_every=1"]
+    result = run_cli(
+        "local", *common, "--run-dir", str(first), "--set", "checkpoint.every=4", timeout=400
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas            identical" in result.stdout
+    site0, site1 = records(first, "site0"), records(first, "site1")
+    outer = [2, 5, 7]
+    for recs in (site0, site1):
+        assert [r["step"] for r in recs if r["bytes_sent"] > 0] == outer
+        assert [r["step"] for r in recs if r.get("digest")] == outer
+        assert [r["outer_steps"] for r in recs] == [0, 0, 1, 1, 1, 2, 2, 3]
+        assert all(r["live_sites"] == 2 for r in recs)
+    for a, b in zip(site0, site1, strict=True):
+        assert a.get("digest") == b.get("digest")  # equal after every outer step
+    # The sites train on their own data between outer steps: their losses differ.
+    assert all(a["loss"] != b["loss"] for a, b in zip(site0, site1, strict=True))
+    final = json.loads((first / "summary.json").read_text())["digests"]
+    assert len(set(final.values())) == 1
+
+    # Resume from the checkpoint after 4 steps: mid-round (the outer step is after step
+    # 5), so the anchor and outer momentum must come back with the inner state.
+    second = tmp_path / "second"
+    result = run_cli(
+        "local",
+        *common,
+        "--run-dir",
+        str(second),
+        "--set",
+        f"checkpoint.dir={first / 'checkpoints'}",
+        "--set",
+        "checkpoint.resume_step=4",
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = json.loads((second / "summary.json").read_text())["digests"]
+    assert resumed == final
+    assert [r["step"] for r in records(second, "site0")] == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ("sync.mode=async", "sync.mode must be one of step, diloco, got 'async'"),
+        ("sync.inner_steps=0", "sync.inner_steps must be >= 1, got 0"),
+        ("sync.outer_lr=0", "sync.outer_lr must be > 0, got 0"),
+        ("sync.outer_momentum=1", "sync.outer_momentum must be in [0, 1), got 1"),
+    ],
+)
+def test_bad_sync_mode_settings_are_one_line_errors(tmp_path, setting, needle):
+    result = run_cli("local", "--set", setting, "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert_one_line_error(result, needle)
+    assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+def test_the_sync_mode_is_part_of_the_job_fingerprint():
+    from isthmus.deploy.config import load_config
+
+    step = load_config(None, []).fingerprint()
+    diloco = load_config(None, ["sync.mode=diloco", "sync.inner_steps=20"]).fingerprint()
+    assert step["sync.mode"] == "step" and diloco["sync.mode"] == "diloco"
+    assert diloco["sync.inner_steps"] == "20"
+    assert {"sync.outer_lr", "sync.outer_momentum"} <= set(diloco)
