@@ -162,6 +162,12 @@ def restore(
     return next_step
 
 
+def save_due(config: JobConfig, next_step: int) -> bool:
+    """Whether a checkpoint is saved after ``next_step`` steps (``checkpoint.every``)."""
+    every = config.checkpoint.every
+    return bool(every) and next_step % every == 0
+
+
 def save_if_due(
     trainer: Trainer,
     sync,
@@ -178,8 +184,7 @@ def save_if_due(
     Returns:
         The committed checkpoint folder, or None when none was due.
     """
-    every = config.checkpoint.every
-    if not every or next_step % every:
+    if not save_due(config, next_step):
         return None
     extra = extra_state(sync, outer)
     from isthmus.intra import checkpoint

@@ -427,6 +427,11 @@ def validate(config: JobConfig) -> None:
         0 <= s.outer_momentum < 1,
         f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}",
     )
+    _require(
+        0 <= s.outer_delay < s.inner_steps,
+        f"sync.outer_delay must be in 0..inner_steps-1 = 0..{s.inner_steps - 1}, "
+        f"got {s.outer_delay}",
+    )
     f = config.failover
     _require(
         1 <= f.min_sites <= config.topology.sites,

@@ -34,7 +34,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from isthmus.deploy.checkpointing import restore, save_if_due
+from isthmus.deploy.checkpointing import restore, save_due, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
 from isthmus.deploy.cross_site import CrossSite
 from isthmus.deploy.reporting import DivergenceError, StepReporter
@@ -159,8 +159,10 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 inner_steps=config.sync.inner_steps,
                 lr=config.sync.outer_lr,
                 momentum=config.sync.outer_momentum,
+                delay=config.sync.outer_delay,
             ),
             total_steps=config.job.steps,
+            begin_step=sync.begin_step,
         )
     corpus = (
         stdlib_corpus(config.data.max_bytes)
@@ -205,15 +207,19 @@ def run(env: RankEnv, config: JobConfig) -> None:
     while step < config.job.steps:
         inputs, targets = batches.batch(step)
         # Per-step sync: every step's gradients cross (in the trainer's hook). DiLoCo:
-        # only the outer gradient of the steps where the outer optimizer is due.
-        crosses = sync is not None and (outer is None or outer.due(step))
-        if crosses:
+        # the outer optimizer's rounds, started every H steps, land `delay` steps later.
+        per_step = sync is not None and outer is None
+        if per_step:
             sync.begin_step(step)
+        landed = False
         try:
             stats = trainer.step(step, inputs, targets)
-            if outer is not None and crosses:
+            if outer is not None:
                 t_outer = time.perf_counter()
-                outer.step()
+                landed = outer.step(step)
+                if outer.in_flight and save_due(config, step + 1):
+                    outer.finish()  # a checkpoint holds no round in flight
+                    landed = True
                 stats.sync_s = time.perf_counter() - t_outer
         except RejoinRequired as exc:
             # The job went on without this site while it was cut off: nothing of this
@@ -226,6 +232,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
             time.sleep((SLOWDOWN - 1) * stats.compute_s)
         if STEP_FLOOR_S > 0:
             time.sleep(max(0.0, STEP_FLOOR_S - stats.compute_s - stats.sync_s))
+        crosses = per_step or landed
         round_stats = sync.last_step_stats if crosses else None
         live_sites, generation = 1, 0
         if round_stats is not None:
@@ -243,16 +250,19 @@ def run(env: RankEnv, config: JobConfig) -> None:
         )
         dist.all_reduce(traffic)
         # Every rank joins the digest's gather; sites compare them (invariant 1).
-        # Replicas are equal only after a step that synced (every step, or DiLoCo's
-        # outer steps): digest the first of those at or past each multiple of `every`.
+        # Replicas are equal only after a step that synced (every step, or one where a
+        # DiLoCo round landed: then with a delay only the anchors are, until the last
+        # step): digest the first of those at or past each multiple of `every`.
         every = config.run.digest_every
         digest_started = time.perf_counter()
         due = step == last or (every and (step + 1) // every > (synced + 1) // every)
+        digest = ""
         if sync is None or crosses:
-            digest = trainer.parameter_digest() if due else ""
             synced = step
-        else:
-            digest = ""
+            if due and outer is not None and outer.config.delay and step != last:
+                digest = outer.anchor_digest()  # parameters differ by local progress
+            elif due:
+                digest = trainer.parameter_digest()
         # Steady-state throughput leaves digests out (summary.py): a check, not training.
         digest_s = time.perf_counter() - digest_started if digest else 0.0
         metrics.record(

@@ -114,6 +114,10 @@ class SyncSection:
     """diloco: learning rate of the outer Nesterov SGD (DiLoCo's default)."""
     outer_momentum: float = 0.9
     """diloco: Nesterov momentum of the outer SGD; 0 = none."""
+    outer_delay: int = 0
+    """diloco: inner steps an outer all-reduce runs behind, in 0..inner_steps-1: the sites
+    train on while it crosses and its average lands that many steps later, added under
+    the progress made meanwhile (overlapped DiLoCo). 0 = each outer step waits for it."""
     codec: str = "raw+shuffle+zstd:1"
     """Cross-site codec chain TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]]; TENSOR is raw
     (fp32, lossless), bf16, or int8 (per-chunk scale with error feedback). Examples:

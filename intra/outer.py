@@ -18,10 +18,12 @@ same at every site for the rank at one mesh coordinate: the peer it exchanges wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -42,10 +44,20 @@ class OuterConfig:
     """Outer learning rate (1.0 with momentum 0 averages the sites' parameters)."""
     momentum: float = 0.9
     """Nesterov momentum of the outer SGD; 0 disables it."""
+    delay: int = 0
+    """Inner steps the outer all-reduce runs behind (0 <= delay < inner_steps): the
+    sites train on while their outer gradients cross, and the average lands ``delay``
+    steps after it was taken, added under the progress made meanwhile (overlapped,
+    "eager" DiLoCo). 0: each outer step waits for its all-reduce."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
             raise ValueError(f"OuterConfig.inner_steps must be >= 1, got {self.inner_steps}")
+        if not 0 <= self.delay < self.inner_steps:
+            raise ValueError(
+                f"OuterConfig.delay must be in [0, inner_steps={self.inner_steps}), "
+                f"got {self.delay}"
+            )
         if not self.lr > 0:
             raise ValueError(f"OuterConfig.lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -85,62 +97,144 @@ def _flat(group: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for _, t in group])
 
 
+@dataclass(slots=True)
+class _Round:
+    """An outer all-reduce in flight."""
+
+    step: int
+    """The step after which its outer gradients were taken (the lane's round key)."""
+    deltas: list[torch.Tensor]
+    """The outer gradients handed to the sync; they hold the mean once it finished."""
+    taken: list[torch.Tensor] | None
+    """With a delay: copies of this site's own outer gradients (anchor - parameters
+    when they were taken), to tell the progress made since."""
+
+
 class OuterOptimizer:
-    """Keeps the anchor and outer momentum of one rank's shards; runs the outer step.
+    """Keeps the anchor and outer momentum of one rank's shards; runs the outer steps.
 
     Args:
         trainer: the rank's trainer, built *without* a sync (its steps stay in the site).
         sync: the cross-site average of one flat fp32 tensor per group (the lane's
             ``LaneGradientSync`` in a job).
-        config: H, outer learning rate and momentum.
-        total_steps: the job's steps; the last one always ends with an outer step,
-            so a job ends with equal replicas.
+        config: H, outer learning rate and momentum, delay.
+        total_steps: the job's steps; the last one always ends with an outer step that
+            waits for its all-reduce, so a job ends with equal replicas.
+        begin_step: called with the step before a round starts (the lane's
+            ``begin_step``, which keys the round), or None.
 
-    Memory: two fp32 copies of the rank's shards (anchor and momentum), as in DiLoCo.
+    Memory: two fp32 copies of the rank's shards (anchor and momentum), as in DiLoCo,
+    plus one while a round is in flight and one more with a delay.
     """
 
     def __init__(
-        self, trainer: Trainer, sync: GradientSync, config: OuterConfig, *, total_steps: int
+        self,
+        trainer: Trainer,
+        sync: GradientSync,
+        config: OuterConfig,
+        *,
+        total_steps: int,
+        begin_step: Callable[[int], None] | None = None,
     ) -> None:
         if trainer.sync is not None:
             raise ValueError("the trainer must not sync gradients itself in DiLoCo mode")
         self.sync, self.config, self.total_steps = sync, config, total_steps
+        self.begin_step = begin_step
         self.groups = outer_groups(trainer)
         self.anchor = [_flat(g) for g in self.groups]
         self.momentum = [torch.zeros_like(a) for a in self.anchor]
         self.outer_steps = 0
-        """Outer steps taken by this optimizer (since it was built or loaded)."""
+        """Outer steps applied by this optimizer (since it was built or loaded)."""
+        self._round: _Round | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """An outer all-reduce was started and has not landed yet."""
+        return self._round is not None
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` ends with an outer step: every H steps, and the job's last."""
+        """Whether an outer round starts after ``step``: every H steps, and the last."""
         return (step + 1) % self.config.inner_steps == 0 or step == self.total_steps - 1
 
+    def lands(self, step: int) -> bool:
+        """Whether the round in flight must land after ``step`` (its delay is over, or
+        a new round or the job's end comes)."""
+        r = self._round
+        return r is not None and (step >= r.step + self.config.delay or self.due(step))
+
     @torch.no_grad()
-    def step(self) -> None:
-        """Averages the outer gradient over the sites and moves the anchor and the
-        parameters to the new anchor. Call between inner steps, on every rank.
+    def step(self, step: int) -> bool:
+        """Whatever ``step`` owes the outer loop: land the round in flight when it is
+        due, start a new round when one is due (and wait for it without a delay, or at
+        the job's last step). Call after every inner step, on every rank.
+
+        Returns:
+            Whether a round landed: the anchors are then equal at every site, and so
+            are the parameters when nothing is in flight and no delay applies.
 
         Raises:
             Whatever ``sync.finish()`` raises; the anchor, momentum and parameters are
             then unchanged.
         """
-        deltas = []
-        for i, (group, anchor) in enumerate(zip(self.groups, self.anchor, strict=True)):
-            delta = anchor - _flat(group)  # how far this site moved since the last sync
+        landed = False
+        if self.lands(step):
+            self.finish()
+            landed = True
+        if self.due(step):
+            self.start(step)
+            if self.config.delay == 0 or step == self.total_steps - 1:
+                self.finish()
+                landed = True
+        return landed
+
+    @torch.no_grad()
+    def start(self, step: int) -> None:
+        """Hands this site's outer gradient (anchor - parameters) to the sync."""
+        if self._round is not None:
+            raise RuntimeError(f"outer round of step {self._round.step} still in flight")
+        if self.begin_step is not None:
+            self.begin_step(step)
+        # How far this site moved since the last sync.
+        deltas = [anchor - _flat(g) for g, anchor in zip(self.groups, self.anchor, strict=True)]
+        taken = [d.clone() for d in deltas] if self.config.delay else None
+        for i, delta in enumerate(deltas):
             self.sync.start(i, delta)
-            deltas.append(delta)
+        self._round = _Round(step, deltas, taken)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Waits for the round in flight and applies it: Nesterov SGD on the anchor,
+        then the parameters = the new anchor (+ the progress made since the round
+        started, with a delay)."""
+        r = self._round
+        if r is None:
+            return
         self.sync.finish()  # each delta now holds the mean over the sites
+        self._round = None
         lr, mu = self.config.lr, self.config.momentum
-        for group, anchor, buf, delta in zip(
-            self.groups, self.anchor, self.momentum, deltas, strict=True
+        taken = r.taken or [None] * len(r.deltas)
+        for group, anchor, buf, delta, own in zip(
+            self.groups, self.anchor, self.momentum, r.deltas, taken, strict=True
         ):
+            # Progress since the round started: now - (anchor - own outer gradient).
+            progress = None if own is None else _flat(group).sub_(anchor).add_(own)
             # torch.optim.SGD(nesterov=True) on the anchor: buf = mu*buf + g, step g + mu*buf.
             if mu:
                 buf.mul_(mu).add_(delta)
                 delta.add_(buf, alpha=mu)
             anchor.add_(delta, alpha=-lr)
-            self._write(group, anchor)
+            self._write(group, anchor if progress is None else progress.add_(anchor))
         self.outer_steps += 1
+
+    def anchor_digest(self) -> str:
+        """sha256 over the site's anchors (a collective of the site's process group):
+        equal at every site after a round landed, though parameters differ with a delay."""
+        h = hashlib.sha256()
+        for anchor in self.anchor:
+            h.update(anchor.detach().cpu().numpy().tobytes())
+        ranks: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, h.hexdigest())
+        return hashlib.sha256("".join(str(r) for r in ranks).encode()).hexdigest()
 
     @staticmethod
     def _write(group: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
@@ -152,7 +246,10 @@ class OuterOptimizer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Anchor and momentum per group, as ``outer/anchor/<i>`` and ``outer/momentum/<i>``
-        (the names a rank's state carries in ``extra``)."""
+        (the names a rank's state carries in ``extra``). Not while a round is in flight
+        (``finish`` it first): its outer gradients are in no state."""
+        if self._round is not None:
+            raise RuntimeError(f"outer round of step {self._round.step} in flight: finish it first")
         out = {}
         for i, (anchor, buf) in enumerate(zip(self.anchor, self.momentum, strict=True)):
             out[f"{PREFIX}anchor/{i}"] = anchor
@@ -172,6 +269,7 @@ class OuterOptimizer:
         Raises:
             ValueError: an entry is missing or has the wrong shape; nothing changed then.
         """
+        self._round = None  # a loaded state replaces whatever was in flight
         if not any(k.startswith(PREFIX) for k in state):
             self.reset()
             return False
@@ -187,6 +285,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def reset(self) -> None:
         """Anchor at the current parameters, zero momentum (a fresh outer loop)."""
+        self._round = None
         for group, anchor, buf in zip(self.groups, self.anchor, self.momentum, strict=True):
             anchor.copy_(_flat(group))
             buf.zero_()

@@ -78,7 +78,7 @@ def _averaging_worker(site: int, tmp: str) -> dict[str, Any]:
         trainer.step(step, *data.batch(step))
         assert outer.due(step)
         expected = _mean_over_sites(_flat_params(trainer), cross)
-        outer.step()
+        assert outer.step(step)  # landed
         errors.append(float((_flat_params(trainer) - expected).abs().max()))
     digest = parameter_digest(trainer.model)
     shutdown()
@@ -110,7 +110,7 @@ def _nesterov_worker(site: int, tmp: str) -> dict[str, Any]:
             continue
         reference.grad = _mean_over_sites(reference.detach() - _flat_params(trainer), cross)
         sgd.step()
-        outer.step()
+        assert outer.step(step) and not outer.in_flight
         errors.append(float((_flat_params(trainer) - reference.detach()).abs().max()))
         anchor = torch.cat(outer.anchor)
         assert torch.equal(anchor, _flat_params(trainer))
@@ -159,10 +159,15 @@ def _failure_worker(rank: int, tmp: str) -> dict[str, Any]:
         params = _flat_params(trainer)
         state = {k: v.clone() for k, v in outer.state_dict().items()}
         with pytest.raises(RuntimeError, match="the round failed"):
-            outer.step()
+            outer.step(0)
         out["groups_started"] = len(sync.started)
         out["params_kept"] = torch.equal(params, _flat_params(trainer))
-        out["state_kept"] = all(torch.equal(v, outer.state_dict()[k]) for k, v in state.items())
+        out["state_kept"] = torch.equal(
+            torch.cat(outer.anchor), torch.cat([state[f"outer/anchor/{i}"] for i in range(3)])
+        ) and all(float(m.abs().sum()) == 0 for m in outer.momentum)
+        with pytest.raises(RuntimeError, match="in flight"):
+            outer.state_dict()  # the failed round's outer gradients are in no state
+        outer.reset()
         # A state with a wrong shape is refused before anything is copied.
         bad = dict(state)
         bad["outer/anchor/0"] = torch.zeros(3)
@@ -192,11 +197,59 @@ def test_a_failed_outer_round_changes_nothing_and_bad_state_is_refused(tmp_path:
     assert out["fresh"] and out["fresh_anchor"] and out["fresh_momentum"]
 
 
+def _delayed_worker(site: int, tmp: str) -> dict[str, Any]:
+    """H = 3, delay 2: each round lands two steps after its outer gradients were taken,
+    as the new anchor plus the progress this site made meanwhile."""
+    trainer, data, cross = _site(site, tmp)
+    config = OuterConfig(inner_steps=3, lr=0.7, momentum=0.9, delay=2)
+    outer = OuterOptimizer(trainer, AveragingSync(cross, 2), config, total_steps=9)
+    anchor = torch.nn.Parameter(_flat_params(trainer))
+    sgd = torch.optim.SGD([anchor], lr=config.lr, momentum=config.momentum, nesterov=True)
+    landed, errors, anchor_digests, taken = [], [], [], None
+    for step in range(9):
+        trainer.step(step, *data.batch(step))
+        expected = None
+        if outer.lands(step):
+            now, (at, own) = _flat_params(trainer), taken
+            anchor.grad = _mean_over_sites(own, cross)
+            sgd.step()
+            expected = anchor.detach() + (now - at)  # new anchor + progress since
+        if outer.due(step):
+            at = _flat_params(trainer)
+            taken = (at, anchor.detach() - at)
+            if step == 8:  # the job's last round lands at once, with no progress since
+                anchor.grad = _mean_over_sites(taken[1], cross)
+                sgd.step()
+                expected = anchor.detach().clone()
+        if outer.step(step):
+            landed.append(step)
+            if expected is not None:
+                errors.append(float((_flat_params(trainer) - expected).abs().max()))
+            assert torch.allclose(torch.cat(outer.anchor), anchor.detach(), rtol=0, atol=1e-6)
+            anchor_digests.append(outer.anchor_digest())
+    digest = parameter_digest(trainer.model)
+    shutdown()
+    return {"landed": landed, "errors": errors, "anchors": anchor_digests, "digest": digest}
+
+
+@pytest.mark.timeout(120)
+def test_a_delayed_round_lands_later_under_the_progress_made_meanwhile(tmp_path: Path) -> None:
+    sites = spawn(_delayed_worker, 2, tmp_path, str(tmp_path))
+    # Rounds start after steps 2, 5 and 8 (the last); they land after 4 and 7, and the
+    # last one at once, so the job ends with equal parameters.
+    assert sites[0]["landed"] == [4, 7, 8]
+    assert sites[0]["anchors"] == sites[1]["anchors"]  # equal anchors whenever one landed
+    assert sites[0]["digest"] == sites[1]["digest"]
+    assert max(sites[0]["errors"] + sites[1]["errors"]) < 1e-5
+
+
 def test_outer_config_refuses_bad_values() -> None:
     for kwargs, needle in (
         ({"inner_steps": 0}, "inner_steps"),
         ({"lr": 0.0}, "lr"),
         ({"momentum": 1.0}, "momentum"),
+        ({"inner_steps": 3, "delay": 3}, "delay"),
+        ({"delay": -1}, "delay"),
     ):
         with pytest.raises(ValueError, match=needle):
             OuterConfig(**kwargs)

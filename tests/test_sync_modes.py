@@ -18,24 +18,33 @@ def records(run_dir: Path, site: str) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+# H = 3 over 8 steps with a checkpoint after 4: rounds start after steps 2, 5 and 7.
+# Without a delay each lands at once. With delay 2 the first would land after step 4,
+# but the checkpoint after step 3 lands it first; the second lands at the last step,
+# just before the last round, which lands at once.
+LANDINGS = {0: ([2, 5, 7], [0, 0, 1, 1, 1, 2, 2, 3]), 2: ([3, 7], [0, 0, 0, 1, 1, 1, 1, 3])}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path):
-    """2 sites x 2 ranks (FSDP shards), H = 3, 8 steps: outer steps after steps 2, 5
-    and the last; replicas equal after each, different in between."""
+@pytest.mark.parametrize("delay", sorted(LANDINGS))
+def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path, delay):
+    """2 sites x 2 ranks (FSDP shards): replicas (with a delay: anchors) equal after
+    every landed round, different in between; a resume lands on the same digest."""
     first = tmp_path / "first"
     common = [*TINY, *DILOCO, "--steps", "8", "--set", "run.digest_every=1"]
+    common += ["--set", f"sync.outer_delay={delay}"]
     result = run_cli(
         "local", *common, "--run-dir", str(first), "--set", "checkpoint.every=4", timeout=400
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "replicas            identical" in result.stdout
     site0, site1 = records(first, "site0"), records(first, "site1")
-    outer = [2, 5, 7]
+    landed, outer_steps = LANDINGS[delay]
     for recs in (site0, site1):
-        assert [r["step"] for r in recs if r["bytes_sent"] > 0] == outer
-        assert [r["step"] for r in recs if r.get("digest")] == outer
-        assert [r["outer_steps"] for r in recs] == [0, 0, 1, 1, 1, 2, 2, 3]
+        assert [r["step"] for r in recs if r["bytes_sent"] > 0] == landed
+        assert [r["step"] for r in recs if r.get("digest")] == landed
+        assert [r["outer_steps"] for r in recs] == outer_steps
         assert all(r["live_sites"] == 2 for r in recs)
     for a, b in zip(site0, site1, strict=True):
         assert a.get("digest") == b.get("digest")  # equal after every outer step
@@ -71,6 +80,7 @@ def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path):
         ("sync.inner_steps=0", "sync.inner_steps must be >= 1, got 0"),
         ("sync.outer_lr=0", "sync.outer_lr must be > 0, got 0"),
         ("sync.outer_momentum=1", "sync.outer_momentum must be in [0, 1), got 1"),
+        ("sync.outer_delay=50", "sync.outer_delay must be in 0..inner_steps-1 = 0..49, got 50"),
     ],
 )
 def test_bad_sync_mode_settings_are_one_line_errors(tmp_path, setting, needle):
