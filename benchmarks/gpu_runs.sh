@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_runs.sh headline  # issue 11: scaling efficiency against the
 #                                          # per-GPU batch, int8 over 1000 km at 10 Gbit/s
 #   bash benchmarks/gpu_runs.sh raw       # the same with the fp32 raw codec
+#   bash benchmarks/gpu_runs.sh modes     # issue 12: per-step sync against DiLoCo and
+#                                          # overlapped DiLoCo over 1000 km at 1 Gbit/s
+#                                          # (PRESET, default 125m; STEPS, default 100)
 # Results go to $OUT (default ./gpu-results).
 # headline and raw run benchmarks/scaling_curve.py: for each per-GPU batch in BATCHES
 # (default "32 64", x 2048 tokens, with activation checkpointing so that they fit; at
@@ -60,8 +63,20 @@ case "${1:-}" in
       --set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 \
       --set topology.device=cuda "${extra[@]}" | tee "$out/$1.txt"
     ;;
+  modes)
+    # One site alone (for the scaling efficiency), then two sites per mode; the
+    # per-step baseline runs 20 steps only (each waits on the link).
+    preset=${PRESET:-125m}
+    python3 benchmarks/sync_modes.py --out "${RUNS:-/tmp/isthmus-runs}/modes-$preset" \
+      --json "$out/modes_$preset.json" --one-site --preset "$preset" \
+      --ranks-per-site "$site_gpus" --steps "${STEPS:-100}" --tail 10 --codec int8 \
+      --modes "${MODES:-step@20,diloco:20,diloco:20:19}" --timeout 400 \
+      --set topology.device=cuda --set train.seq_len=2048 \
+      --set train.batch_size="${BATCH:-16}" --set wan.distance_km=1000 \
+      --set wan.bandwidth_mbit=1000 | tee "$out/modes_$preset.txt"
+    ;;
   *)
-    echo "usage: $0 sync|sites|headline|raw" >&2
+    echo "usage: $0 sync|sites|headline|raw|modes" >&2
     exit 2
     ;;
 esac

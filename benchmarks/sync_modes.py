@@ -1,16 +1,26 @@
-"""Training quality and WAN bytes of each sync mode at equal tokens.
+"""Sync modes side by side: training loss at equal tokens, WAN bytes per token and
+scaling efficiency.
 
-Runs `isthmus local` once per mode on the same job (same model, seed, sites, global
-batch and steps, so every run sees the same tokens), then prints one row per mode:
-the final training loss (mean over the sites and the last --tail steps), its gap to
-the per-step run, bytes across sites per token and the wall time.
+Runs `isthmus local` once per mode on the same job (same model, seed, sites and global
+batch), and with --one-site also one site alone with the same layout, then prints one
+row per mode: the training loss at equal tokens (mean over the sites and the --tail
+steps that end at the step count every run reached), its gap to the per-step run,
+bytes across sites per token and how many times fewer than per-step sync, steady
+tokens/s and the scaling efficiency (S sites / (S x one site)).
 
+    # quality (CPU, the issue's table)
     python3 benchmarks/sync_modes.py --out runs/modes --steps 400 --preset small \\
         --modes step,diloco:20,diloco:50 --codec raw
+    # throughput (GPU host, 2 sites x 2 GPUs over 1000 km at 1 Gbit/s)
+    python3 benchmarks/sync_modes.py --out runs/modes-gpu --one-site --preset 125m \\
+        --ranks-per-site 2 --steps 100 --modes step@20,diloco:20,diloco:20:19 \\
+        --codec int8 --set topology.device=cuda --set train.seq_len=2048 \\
+        --set wan.bandwidth_mbit=1000
 
-A mode is `step` or `diloco:H` (H inner steps; outer lr and momentum from --set). A
-run whose summary.json already exists under --out is not run again. Writes
-OUT/sync_modes.json (or --json).
+A mode is `step` or `diloco:H[:D]` (H inner steps, outer delay D; outer lr and
+momentum from --set), optionally `@STEPS` to run fewer steps than --steps (a slow
+per-step baseline). A run whose summary.json already exists under --out is not run
+again. Writes OUT/sync_modes.json (or --json).
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--ranks-per-site", type=int, default=1)
     p.add_argument("--codec", default="raw", help="sync.codec of every run")
-    p.add_argument("--tail", type=int, default=20, help="steps the final loss averages over")
+    p.add_argument("--tail", type=int, default=20, help="steps the loss averages over")
+    p.add_argument("--one-site", action="store_true", help="also run one site: efficiency")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -48,59 +59,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     args = p.parse_args(argv)
     for mode in args.modes.split(","):
-        mode_settings(mode)  # refuse a bad mode before anything runs
+        mode_run(mode, args.steps)  # refuse a bad mode before anything runs
     return args
 
 
-def mode_settings(mode: str) -> list[str]:
-    """`--set` arguments of one mode spec (`step` or `diloco:H`)."""
-    name, _, h = mode.partition(":")
-    if name == "step" and not h:
-        return ["--set", "sync.mode=step"]
-    if name == "diloco" and h.isdigit() and int(h) >= 1:
-        return ["--set", "sync.mode=diloco", "--set", f"sync.inner_steps={h}"]
-    raise SystemExit(f"error: mode {mode!r}: expected step or diloco:H with H >= 1")
+def mode_run(mode: str, default_steps: int) -> tuple[list[str], int]:
+    """The `--set` arguments and the steps of one mode spec."""
+    spec, _, steps = mode.partition("@")
+    if steps and not (steps.isdigit() and int(steps) >= 1):
+        raise SystemExit(f"error: mode {mode!r}: @STEPS must be a positive integer")
+    name, *numbers = spec.split(":")
+    count = int(steps) if steps else default_steps
+    if name == "step" and not numbers:
+        return ["--set", "sync.mode=step"], count
+    if name == "diloco" and 1 <= len(numbers) <= 2 and all(n.isdigit() for n in numbers):
+        settings = ["--set", "sync.mode=diloco", "--set", f"sync.inner_steps={numbers[0]}"]
+        if len(numbers) == 2:
+            settings += ["--set", f"sync.outer_delay={numbers[1]}"]
+        return settings, count
+    raise SystemExit(f"error: mode {mode!r}: expected step or diloco:H[:D], then @STEPS or not")
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> Path:
-    run_dir = args.out / mode.replace(":", "-h")
+def run_dir_of(args: argparse.Namespace, mode: str) -> Path:
+    return args.out / mode.replace(":", "-").replace("@", "-n")
+
+
+def run(args: argparse.Namespace, name: str, run_dir: Path, sites: int, settings: list[str],
+        steps: int) -> Path:  # fmt: skip
     if (run_dir / "summary.json").exists():
         return run_dir
     cmd = [
         sys.executable, "-m", "isthmus.deploy.cli", "local",
-        "--sites", str(args.sites), "--ranks-per-site", str(args.ranks_per_site),
-        "--steps", str(args.steps), "--run-dir", str(run_dir),
+        "--sites", str(sites), "--ranks-per-site", str(args.ranks_per_site),
+        "--steps", str(steps), "--run-dir", str(run_dir),
         "--set", f"model.preset={args.preset}", "--set", f"sync.codec={args.codec}",
         "--set", "run.tensorboard=false", "--set", "run.digest_every=0",
-        *mode_settings(mode),
+        *settings,
     ]  # fmt: skip
     for override in args.overrides:
         cmd += ["--set", override]
-    print(f"[{mode}] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    print(f"[{name}] {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
-        raise SystemExit(f"error: {mode} failed ({done.returncode}): {done.stderr[-2000:]}")
-    print(f"[{mode}] done in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+        raise SystemExit(f"error: {name} failed ({done.returncode}): {done.stderr[-2000:]}")
+    print(f"[{name}] done in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
     return run_dir
 
 
-def measure(run_dir: Path, tail: int) -> dict:
+def site_records(run_dir: Path) -> list[list[dict]]:
+    return [
+        [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted((run_dir / "sites").glob("*/metrics.jsonl"))
+    ]
+
+
+def measure(run_dir: Path, tail: int, at_step: int) -> dict:
+    """One run's row; the loss is taken over the `tail` steps before `at_step`."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    finals, tokens, wall = [], 0, 0.0
-    for metrics in sorted((run_dir / "sites").glob("*/metrics.jsonl")):
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
-        finals.append(sum(r["loss"] for r in records[-tail:]) / len(records[-tail:]))
-        tokens += sum(r["tokens"] for r in records)
-        wall = max(wall, records[-1]["elapsed_s"])
+    sites = site_records(run_dir)
+    losses = [r["loss"] for recs in sites for r in recs if at_step - tail <= r["step"] < at_step]
+    tokens = sum(r["tokens"] for recs in sites for r in recs)
     byte_count = summary["cross_site_bytes"]
     return {
-        "final_loss": sum(finals) / len(finals),
+        "steps": summary["steps"],
+        "loss_at_equal_tokens": sum(losses) / len(losses),
         "tokens": tokens,
         "cross_site_bytes": byte_count,
         "bytes_per_token": byte_count / tokens if tokens else 0.0,
-        "wall_s": wall,
-        "tokens_per_s": summary["tokens_per_s"],
+        "wall_s": max(recs[-1]["elapsed_s"] for recs in sites),
+        "steady_tokens_per_s": summary["steady_tokens_per_s"],
+        "exposed_sync_s_per_step": summary["exposed_sync_s_per_step"],
         "replicas_identical": len(set(summary["digests"].values())) == 1,
     }
 
@@ -108,23 +137,36 @@ def measure(run_dir: Path, tail: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = {}
+    one_site = None
+    if args.one_site:
+        one = run(args, "one site", args.out / "one-site", 1, ["--set", "sync.mode=step"],
+                  args.steps)  # fmt: skip
+        one_site = json.loads((one / "summary.json").read_text())["steady_tokens_per_s"]
+    dirs = {}
     for mode in args.modes.split(","):
-        rows[mode] = measure(run_mode(args, mode), args.tail)
-    base = rows.get("step")
+        settings, steps = mode_run(mode, args.steps)
+        dirs[mode] = run(args, mode, run_dir_of(args, mode), args.sites, settings, steps)
+    common = min(mode_run(m, args.steps)[1] for m in dirs)
+    rows = {mode: measure(d, args.tail, common) for mode, d in dirs.items()}
+    base = rows.get("step") or next((r for m, r in rows.items() if m.startswith("step")), None)
     print(
-        f"{'mode':<12} {'final loss':>10} {'vs step':>8} {'bytes/token':>12} "
-        f"{'fewer bytes':>11} {'tokens/s':>9} {'identical':>9}"
+        f"{'mode':<16} {'steps':>5} {'loss@' + str(common):>9} {'vs step':>8} "
+        f"{'bytes/token':>12} {'fewer':>8} {'tokens/s':>9} {'scaling':>8} {'identical':>9}"
     )
     for mode, r in rows.items():
-        gap = (r["final_loss"] / base["final_loss"] - 1) if base else 0.0
+        gap = r["loss_at_equal_tokens"] / base["loss_at_equal_tokens"] - 1 if base else 0.0
         fewer = (
-            base["bytes_per_token"] / r["bytes_per_token"] if base and r["bytes_per_token"] else 1.0
+            base["bytes_per_token"] / r["bytes_per_token"]
+            if base and r["bytes_per_token"]
+            else float("inf")
         )
-        r["loss_vs_step"], r["fewer_bytes_than_step"] = gap, fewer
+        scaling = r["steady_tokens_per_s"] / (args.sites * one_site) if one_site else None
+        r.update(loss_vs_step=gap, fewer_bytes_than_step=fewer, scaling_efficiency=scaling)
         print(
-            f"{mode:<12} {r['final_loss']:10.4f} {gap:+8.2%} {r['bytes_per_token']:12.1f} "
-            f"{fewer:10.1f}x {r['tokens_per_s']:9.0f} {str(r['replicas_identical']):>9}"
+            f"{mode:<16} {r['steps']:5d} {r['loss_at_equal_tokens']:9.4f} {gap:+8.2%} "
+            f"{r['bytes_per_token']:12.1f} {fewer:7.1f}x {r['steady_tokens_per_s']:9.0f} "
+            f"{'-' if scaling is None else f'{scaling:.1%}':>8} "
+            f"{str(r['replicas_identical']):>9}"
         )
     out = args.json or args.out / "sync_modes.json"
     out.write_text(
@@ -133,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
                 "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
                 "machine": f"{platform.node()} {platform.machine()}",
                 "date": time.strftime("%Y-%m-%d"),
-                "steps": args.steps,
                 "preset": args.preset,
                 "codec": args.codec,
+                "loss_at_step": common,
                 "tail": args.tail,
+                "one_site_tokens_per_s": one_site,
                 "rows": rows,
             },
             indent=2,
