@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_runs.sh modes     # issue 12: per-step sync against DiLoCo and
 #                                          # overlapped DiLoCo over 1000 km at 1 Gbit/s
 #                                          # (PRESET, default 125m; STEPS, default 100)
+#   bash benchmarks/gpu_runs.sh pair      # one site alone against two one-site jobs
+#                                          # at once on the two halves of the host
 # Results go to $OUT (default ./gpu-results).
 # headline and raw run benchmarks/scaling_curve.py: for each per-GPU batch in BATCHES
 # (default "32 64", x 2048 tokens, with activation checkpointing so that they fit; at
@@ -75,8 +77,29 @@ case "${1:-}" in
       --set train.batch_size="${BATCH:-16}" --set wan.distance_km=1000 \
       --set wan.bandwidth_mbit=1000 | tee "$out/modes_$preset.txt"
     ;;
+  pair)
+    # Do two sites on one host slow each other with nothing crossing between them?
+    # One site alone, then two one-site jobs at once on the two halves of the GPUs.
+    preset=${PRESET:-125m}
+    common=(--sites 1 --ranks-per-site "$site_gpus" --steps "${STEPS:-300}" --quiet
+            --set model.preset="$preset" --set topology.device=cuda --set train.seq_len=2048
+            --set train.batch_size="${BATCH:-16}" --set run.tensorboard=false)
+    python3 -m isthmus.deploy.cli local "${common[@]}" --run-dir /tmp/pair-alone >/dev/null
+    first=$(seq -s, 0 $((site_gpus - 1)))
+    second=$(seq -s, "$site_gpus" $((2 * site_gpus - 1)))
+    CUDA_VISIBLE_DEVICES=$first python3 -m isthmus.deploy.cli local "${common[@]}" \
+      --run-dir /tmp/pair-a >/dev/null &
+    CUDA_VISIBLE_DEVICES=$second python3 -m isthmus.deploy.cli local "${common[@]}" \
+      --run-dir /tmp/pair-b >/dev/null
+    wait
+    for run in alone a b; do
+      python3 -c "import json, sys; s = json.load(open(sys.argv[1]))
+print(sys.argv[2], round(s['steady_tokens_per_s']), 'tokens/s')" \
+        "/tmp/pair-$run/summary.json" "$run"
+    done | tee "$out/pair_$preset.txt"
+    ;;
   *)
-    echo "usage: $0 sync|sites|headline|raw|modes" >&2
+    echo "usage: $0 sync|sites|headline|raw|modes|pair" >&2
     exit 2
     ;;
 esac

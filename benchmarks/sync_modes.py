@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -130,6 +131,11 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
         "wall_s": max(recs[-1]["elapsed_s"] for recs in sites),
         "steady_tokens_per_s": summary["steady_tokens_per_s"],
         "exposed_sync_s_per_step": summary["exposed_sync_s_per_step"],
+        # The inner steps' own time, the WAN aside: two sites on one host can slow
+        # each other (memory bandwidth, PCIe, CPU) where sites in two places do not.
+        "median_compute_s": statistics.median(
+            r["compute_s"] for recs in sites for r in recs[summary["steady_after"] :]
+        ),
         "replicas_identical": len(set(summary["digests"].values())) == 1,
     }
 
@@ -142,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         one = run(args, "one site", args.out / "one-site", 1, ["--set", "sync.mode=step"],
                   args.steps)  # fmt: skip
         one_site = json.loads((one / "summary.json").read_text())["steady_tokens_per_s"]
+        print(f"one site: {one_site:,.0f} tokens/s, median compute "
+              f"{measure(one, args.tail, args.steps)['median_compute_s']:.4f} s/step")  # fmt: skip
     dirs = {}
     for mode in args.modes.split(","):
         settings, steps = mode_run(mode, args.steps)
