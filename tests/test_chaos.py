@@ -29,6 +29,21 @@ def test_survivors_finish_with_identical_replicas(scenario, tmp_path):
         assert result.rejoined == ["site1"]  # it pulled site0's state and came back
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_restarted_site_rejoins_an_overlapped_diloco_job(tmp_path):
+    """kill-restart in DiLoCo with a delay: site1 dies before the job's first commit
+    (after 5 steps); its new incarnation is taken for dead at once, site0 goes on
+    alone, then site1 pulls the state (anchor and outer momentum too) and rejoins."""
+    scenario = next(s for s in SCENARIOS if s.name == "kill-restart")
+    overrides = ("sync.mode=diloco", "sync.inner_steps=5", "sync.outer_delay=2")
+    result = run_scenario(scenario, tmp_path, overrides=overrides)
+    assert result.ok, result.why
+    assert set(result.digests) == {"site0", "site1"}
+    assert len(set(result.digests.values())) == 1
+    assert result.rejoined == ["site1"]
+
+
 def test_an_unknown_scenario_is_a_one_line_error(tmp_path):
     result = run_cli("chaos", "--only", "meteor", "--keep", str(tmp_path), timeout=60)
     assert_one_line_error(result, "unknown scenario(s) ['meteor']")

@@ -73,6 +73,34 @@ def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path, de
     assert [r["step"] for r in records(second, "site0")] == [4, 5, 6, 7]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_three_sites_in_overlapped_diloco_end_identical(tmp_path):
+    """3 sites x 1 rank, H = 2, delay 1: rounds land one step late, anchors agree at
+    every landing and the parameters at the end."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "local",
+        "--sites", "3", "--ranks-per-site", "1", "--steps", "7",
+        "--set", "model.preset=tiny", "--set", "train.seq_len=64",
+        "--set", "sync.mode=diloco", "--set", "sync.inner_steps=2",
+        "--set", "sync.outer_delay=1", "--set", "run.digest_every=1",
+        "--run-dir", str(run_dir),
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    sites = [records(run_dir, f"site{i}") for i in range(3)]
+    # Rounds start after steps 1, 3, 5 and 6 (the last); each lands a step later,
+    # the one after step 5 at the last step, where the last lands at once.
+    for recs in sites:
+        assert [r["step"] for r in recs if r.get("digest")] == [2, 4, 6]
+        assert all(r["live_sites"] == 3 for r in recs)
+    for step in (2, 4, 6):
+        assert len({recs[step]["digest"] for recs in sites}) == 1
+    final = json.loads((run_dir / "summary.json").read_text())["digests"]
+    assert len(final) == 3 and len(set(final.values())) == 1
+
+
 @pytest.mark.parametrize(
     ("setting", "needle"),
     [
