@@ -114,6 +114,19 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
         "3/4 of compute is backward; give the MFU such a run reports",
     )
     add(
+        "--inner-steps",
+        type=int,
+        default=1,
+        help="steps between cross-site rounds: 1 = per-step sync, H > 1 = DiLoCo "
+        "(sync.mode=diloco, sync.inner_steps)",
+    )
+    add(
+        "--outer-delay",
+        type=int,
+        default=0,
+        help="DiLoCo: steps a round runs behind (sync.outer_delay), 0..H-1",
+    )
+    add(
         "--round-overhead-ms",
         type=float,
         default=0.0,
@@ -220,6 +233,8 @@ def build_input(args: argparse.Namespace) -> tuple[PlanInput, list[int]]:
         "overlap": args.overlap,
         "round_overhead_s": args.round_overhead_ms / 1000,
         "backward_share": 0.75 if args.activation_checkpoint else None,
+        "inner_steps": args.inner_steps,
+        "outer_delay": args.outer_delay,
     }
     if args.preset is not None:
         bandwidth = (args.bandwidth_gbit if args.bandwidth_gbit is not None else 1.0) * 1e9
@@ -306,6 +321,12 @@ def _describe(p: PlanInput) -> list[tuple[str, str]]:
             f"{p.rounds} rounds (FSDP groups) per step",
         ),
         ("sites", f"{p.sites} x {p.devices_per_site} devices at {p.mfu:.0%} MFU"),
+        (
+            "sync",
+            "every step"
+            if p.inner_steps == 1
+            else f"DiLoCo: every {p.inner_steps} steps, {p.outer_delay} steps behind",
+        ),
         (
             "link",
             f"{p.bandwidth_bps / 1e9:,.1f} Gbit/s per site, RTT {p.rtt_s * 1e3:.1f} ms, "

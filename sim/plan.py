@@ -91,6 +91,13 @@ class PlanInput:
     """Fixed cost of one round beyond its bytes (RPC set-up, Python)."""
     step_overhead_s: float = 0.0
     """Per-step cost that one site pays too (optimizer, logging)."""
+    inner_steps: int = 1
+    """Steps between cross-site rounds: 1 is per-step sync (``sync.mode = "step"``); H > 1
+    is DiLoCo, whose round carries the fp32 outer gradient once per H steps, taken after
+    a step, so nothing of it hides behind backward."""
+    outer_delay: int = 0
+    """DiLoCo: inner steps a round runs behind (``sync.outer_delay``), 0 <= d < H; the
+    round is exposed only for what it needs beyond d steps of compute."""
     shared_cpu: bool = False
     """Compute runs on the same saturated CPU cores as the lanes (CPU-only training).
     Then, as measured on a 2-core machine, the rounds do not hide behind backward
@@ -109,7 +116,12 @@ class PlanInput:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
         if not 0 < self.backward_share < 1:
             raise ValueError(f"backward_share must be in (0, 1), got {self.backward_share!r}")
-        for name in ("sites", "devices_per_site", "rounds", "window"):
+        if not (isinstance(self.outer_delay, int) and 0 <= self.outer_delay < self.inner_steps):
+            raise ValueError(
+                f"outer_delay must be an integer in [0, inner_steps={self.inner_steps}), "
+                f"got {self.outer_delay!r}"
+            )
+        for name in ("sites", "devices_per_site", "rounds", "window", "inner_steps"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -173,7 +185,14 @@ def predict(p: PlanInput) -> Plan:
         per_round = fill_1 + p.rtt_s + p.round_overhead_s
         sync_s = max(wire_s, codec_s) + max(1.0, p.rounds / p.window) * per_round
         tail_s = max(wire_s, codec_s) / p.rounds + per_round
-    if p.shared_cpu and p.sites > 1:
+    if p.inner_steps > 1:
+        # DiLoCo: one round per H steps, after a step (no backward to hide behind), or
+        # behind the next `outer_delay` steps; spread over the H steps it serves.
+        behind = p.outer_delay * (compute_s + p.step_overhead_s)
+        exposed = max(0.0, sync_s - behind) / p.inner_steps
+        wire_s, codec_s, sync_s = (t / p.inner_steps for t in (wire_s, codec_s, sync_s))
+        wire_bytes /= p.inner_steps
+    elif p.shared_cpu and p.sites > 1:
         # Measured on a 2-core machine (benchmarks/plan_check.py): the lanes' CPU work
         # runs while they wait on the link, and nothing hides behind backward.
         exposed = max(p.rounds * p.round_overhead_s, sync_s - p.rounds * p.round_overhead_s)

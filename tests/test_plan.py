@@ -194,3 +194,43 @@ def test_plan_cli_gives_the_curve_of_a_preset_against_the_per_gpu_batch():
 @pytest.mark.timeout(60)
 def test_plan_cli_refuses_an_unknown_codec_in_one_line():
     assert_one_line_error(run_cli("plan", "--codec", "lz4", timeout=60), "--codec")
+
+
+def test_diloco_pays_one_round_every_h_steps_and_a_delay_hides_it():
+    step = replace(BASE, bandwidth_bps=1e9)  # a 4 GB gradient: 32 s of link, 3 s of compute
+    per_step = predict(step)
+    h = 50
+    diloco = predict(replace(step, inner_steps=h))
+    # One round of the same bytes (the fp32 outer gradient) per H steps, nothing hidden.
+    assert diloco.wire_bytes_per_site == pytest.approx(per_step.wire_bytes_per_site / h)
+    assert diloco.sync_s == pytest.approx(per_step.sync_s / h)
+    assert diloco.exposed_sync_s == pytest.approx(per_step.sync_s / h)
+    assert diloco.compute_s == per_step.compute_s
+    # Behind d steps the round is exposed only beyond d steps of compute...
+    d = 5
+    delayed = predict(replace(step, inner_steps=h, outer_delay=d))
+    expected = (per_step.sync_s - d * per_step.compute_s) / h
+    assert delayed.exposed_sync_s == pytest.approx(expected)
+    # ...and not at all once they cover it.
+    hidden = predict(replace(step, inner_steps=h, outer_delay=h - 1))
+    assert hidden.exposed_sync_s == 0 and hidden.scaling_efficiency == 1.0
+    assert per_step.scaling_efficiency < diloco.scaling_efficiency < 1.0
+    with pytest.raises(ValueError, match="outer_delay"):
+        replace(step, inner_steps=h, outer_delay=h)
+
+
+@pytest.mark.timeout(60)
+def test_plan_cli_plans_diloco():
+    args = ("plan", "--preset", "125m", "--batch", "16", "--devices-per-site", "2")
+    args += ("--gbit", "1", "--codec", "int8", "--mfu", "0.4", "--json")
+    step = json.loads(run_cli(*args, timeout=60).stdout)["prediction"]
+    result = run_cli(*args, "--inner-steps", "100", "--outer-delay", "99", timeout=60)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["inputs"]["inner_steps"] == 100
+    assert data["prediction"]["scaling_efficiency"] == 1.0
+    assert step["scaling_efficiency"] < 0.5
+    table = run_cli(*args[:-1], "--inner-steps", "100", timeout=60).stdout
+    assert "DiLoCo: every 100 steps, 0 steps behind" in table
+    bad = run_cli(*args[:-1], "--inner-steps", "10", "--outer-delay", "10", timeout=60)
+    assert_one_line_error(bad, "outer_delay must be an integer in [0, inner_steps=10), got 10")
