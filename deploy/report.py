@@ -6,6 +6,8 @@ Writes, next to the run's files (or to --out):
                      cross-site wait
     wan_goodput.png  cross-site goodput per step (wire bits per second the lanes
                      were busy) against the link's capacity
+    loss_vs_cost.png training loss against tokens trained and against bytes sent
+                     across sites (what sync modes and codecs trade)
     report.txt       the summary in words
 """
 
@@ -100,10 +102,29 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     ax.legend()
     written.append(_save(fig, out / "wan_goodput.png"))
 
+    fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(7, 4), sharey=True)
+    losses = [s["loss"] for s in steps]
+    by_tokens.plot(_cumulative(s["tokens"] for s in steps), losses, linewidth=2)
+    by_tokens.set(xlabel="tokens trained", ylabel="loss (nats per byte)")
+    by_bytes.plot(
+        [b / 1e6 for b in _cumulative(s["cross_site_bytes"] for s in steps)], losses, linewidth=2
+    )
+    by_bytes.set(xlabel="MB sent across sites")
+    fig.suptitle("Training loss against what it cost")
+    written.append(_save(fig, out / "loss_vs_cost.png"))
+
     text = out / "report.txt"
     text.write_text(summary_text(steps, summary, capacity) + "\n")
     written.append(text)
     return written
+
+
+def _cumulative(values) -> list[float]:
+    total, out = 0.0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
 
 
 def _save(fig, path: Path) -> Path:
@@ -133,10 +154,15 @@ def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
         ran = sum(s["sync_busy_s"] for s in busy)
         hidden = max(0.0, 1 - sum(s["cross_site_s"] for s in busy) / ran)
         lines.append(f"cross-site rounds ran {ran:.2f} s, {hidden:.0%} of it behind compute")
+    tokens = sum(s["tokens"] for s in steps)
+    per_token = f", {summary['cross_site_bytes'] / tokens:,.1f} per token" if tokens else ""
     lines += [
-        f"bytes across sites: {human_bytes(summary['cross_site_bytes'])}, "
+        f"bytes across sites: {human_bytes(summary['cross_site_bytes'])}{per_token}, "
         f"compression {summary['compression_ratio']:.3f}",
     ]
+    outer = max((s.get("outer_steps", 0) for s in steps), default=0)
+    if outer:
+        lines.append(f"DiLoCo outer steps: {outer} (the sites synced {outer} times)")
     if goodput:
         share = (
             f" = {goodput / capacity:.0%} of the {capacity / 1e6:,.0f} Mbit/s link"

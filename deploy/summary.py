@@ -62,6 +62,7 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "digest_s": max(r.get("digest_s", 0.0) for r in rows),
                 "mfu": sum(r.get("mfu", 0.0) for r in rows) / len(rows),
                 "intra_site_s": max(r.get("intra_site_s", 0.0) for r in rows),
+                "outer_steps": max(r.get("outer_steps", 0) for r in rows),
             }
         )
     return merged
@@ -180,6 +181,10 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         "mfu": 0.0,
         **steady,
         "codec": config.sync.codec if config.topology.sites > 1 else "none",
+        "sync_mode": config.sync.mode,
+        # DiLoCo: the times the sites synced (0 in per-step sync, which syncs every step).
+        "outer_steps": steps[-1].get("outer_steps", 0) if steps else 0,
+        "bytes_per_token": sent / sum(r["tokens"] for r in steps) if steps else 0.0,
         "preset": config.model.preset,
         "batch_size": config.train.batch_size,
         "seq_len": config.train.seq_len,

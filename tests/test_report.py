@@ -20,7 +20,7 @@ def test_report_draws_plausible_plots_of_a_real_run(tmp_path):
     assert result.returncode == 0, result.stderr
     import matplotlib.image
 
-    for name in ("loss.png", "step_time.png", "wan_goodput.png"):
+    for name in ("loss.png", "step_time.png", "wan_goodput.png", "loss_vs_cost.png"):
         image = matplotlib.image.imread(run_dir / name)
         height, width = image.shape[:2]
         assert (width, height) == (700, 400), name
@@ -50,6 +50,9 @@ def test_report_draws_plausible_plots_of_a_real_run(tmp_path):
     assert "6 steps" in text and "replicas: identical" in text
     assert "of the 1,000 Mbit/s link" in text
     assert "cross-site rounds ran" in text and "behind compute" in text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert f"{summary['bytes_per_token']:,.1f} per token" in text
+    assert summary["sync_mode"] == "step" and summary["outer_steps"] == 0
     assert text in result.stdout + "\n"
 
 

@@ -50,8 +50,13 @@ def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path, de
         assert a.get("digest") == b.get("digest")  # equal after every outer step
     # The sites train on their own data between outer steps: their losses differ.
     assert all(a["loss"] != b["loss"] for a, b in zip(site0, site1, strict=True))
-    final = json.loads((first / "summary.json").read_text())["digests"]
+    summary = json.loads((first / "summary.json").read_text())
+    final = summary["digests"]
     assert len(set(final.values())) == 1
+    assert summary["sync_mode"] == "diloco" and summary["outer_steps"] == 3
+    report = run_cli("report", str(first), timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "DiLoCo outer steps: 3" in report.stdout and (first / "loss_vs_cost.png").exists()
 
     # Resume from the checkpoint after 4 steps: mid-round (the outer step is after step
     # 5), so the anchor and outer momentum must come back with the inner state.
