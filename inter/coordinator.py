@@ -419,6 +419,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 site=self._own_info_locked(),
                 ready=self._local_ready_locked(),
                 generation=self._generation if news else 0,
+                incarnation=self.incarnation,
             )
 
     def GetMembership(self, request, context):  # noqa: N802

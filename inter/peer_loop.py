@@ -146,12 +146,15 @@ class PeerLoop:
                     return
                 log.debug("[%s] join %s: %s (will retry)", c.site, name, exc.code().name)
                 continue
-            problem = c._check_site_info(response.site, response.ready)
+            problem = c._check_site_info(response.site, response.ready, response.incarnation)
             if problem is not None or response.site.name != name:
                 c._fail(f"site {name} answered the join with an invalid site: {problem}")
                 return
             with c._cond:
                 c.last_seen[name] = time.monotonic()
+                if response.incarnation and (name not in c._incarnations or c._generation == 0):
+                    # Who answered: a later join from another process is a restart.
+                    c._incarnations[name] = response.incarnation
                 if response.generation > 0 and c._generation == 0 and not c.joining:
                     # The job is already running: wait to be admitted by its leader.
                     log.info(

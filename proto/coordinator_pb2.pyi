@@ -154,14 +154,16 @@ class JoinRequest(_message.Message):
     def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("site", "ready", "generation")
+    __slots__ = ("site", "ready", "generation", "incarnation")
     SITE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     site: SiteInfo
     ready: bool
     generation: int
-    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class GetMembershipRequest(_message.Message):
     __slots__ = ("known_generation", "wait_ms")

@@ -270,6 +270,34 @@ def test_a_site_restarted_before_the_first_commit_is_taken_for_dead_and_admitted
         stop_all(coords)
 
 
+def test_a_site_that_only_answered_joins_is_known_by_its_incarnation():
+    """Seen on a GPU host: site1 answered site0's joins but never reached site0 itself, so
+    site0 did not know site1's incarnation and took its restart for a late start."""
+    site0, site1 = (
+        Coordinator(
+            site=name,
+            site_names=["site0", "site1"],
+            ranks=1,
+            fingerprint=FP,
+            join_timeout_s=20,
+            **FAST,
+        )
+        for name in ("site0", "site1")
+    )
+    try:
+        site1.set_peers({"site0": "127.0.0.1:1"})  # its own joins go nowhere
+        site0.set_peers({"site1": site1.address})
+        site1.start()
+        site0.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "site1" not in site0._incarnations:
+            time.sleep(0.05)
+        assert site0._incarnations.get("site1") == site1.incarnation  # from site1's answers
+        assert site1._incarnations.get("site0") == site0.incarnation  # from site0's joins
+    finally:
+        stop_all([site0, site1])
+
+
 def test_a_site_admitted_back_pulls_the_state_though_its_old_vote_was_settled_meanwhile():
     """The partition scenario's race (it deadlocked ~1 run in 9): site1, cut off at step
     4, is admitted back by site0's Propose while its ranks still wait on their step-4
