@@ -204,6 +204,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
     step = start
     digest = ""
     synced = start - 1  # the last step that ended with replicas equal across sites
+    reported_last = False
     while step < config.job.steps:
         inputs, targets = batches.batch(step)
         # Per-step sync: every step's gradients cross (in the trainer's hook). DiLoCo:
@@ -294,10 +295,17 @@ def run(env: RankEnv, config: JobConfig) -> None:
             digest=digest,
             finished=step == last,
         )
+        reported_last = step == last
         if cross is not None:
             cross.offer_if_asked(trainer, step + 1)
         save_if_due(trainer, sync, config, env.run_dir, env.site, step + 1, key, outer)
         step += 1
+    if not reported_last:
+        # This site joined (or rejoined) with the state after the last step: admitted at
+        # the job's last commit (in DiLoCo, its last round). Nothing was left to train;
+        # the other sites still wait for its final digest.
+        digest = trainer.parameter_digest()
+        metrics.report_final_digest(config.job.steps, digest)
     train_s = time.perf_counter() - started
     metrics.close()
     shard_digest = intra_shard_digest(trainer.model_parts)

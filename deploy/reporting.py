@@ -106,6 +106,23 @@ class StepReporter:
         if reply.divergence:
             raise DivergenceError(reply.divergence)
 
+    def report_final_digest(self, steps: int, digest: str) -> None:
+        """For a site that joined with the state after the job's last step (admitted at
+        its last commit: nothing left to train): give the coordinator the final digest
+        that the other sites wait for. Writes no metrics line: no step ran here."""
+        if self._stub is None:
+            return
+        request = cpb.ReportProgressRequest(
+            site=self.site, step=steps, digest=digest, digest_step=steps, finished=True
+        )
+        try:
+            reply = self._stub.ReportProgress(request, timeout=REPORT_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log.warning("final report to the coordinator failed: %s", exc.code().name)
+            return
+        if reply.divergence:
+            raise DivergenceError(reply.divergence)
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()

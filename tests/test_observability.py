@@ -142,6 +142,19 @@ def test_sites_compare_digests_and_say_when_they_differ(pair):
     assert scrape(pair[0].metrics_address)['isthmus_site_up{peer="site1",site="site0"}'] == 1
 
 
+def test_a_site_admitted_at_the_last_commit_reports_its_final_digest(pair):
+    """A site whose pulled state is after the last step trains nothing; its ranks still
+    hand the final digest to its coordinator, and the peers see it."""
+    from isthmus.deploy.reporting import StepReporter
+
+    reporter = StepReporter("site1", Path("/dev/null"), pair[1].address)
+    try:
+        reporter.report_final_digest(30, D1)
+    finally:
+        reporter.close()
+    assert pair[1].finished and pair[1].replicas.latest()["site1"] == (30, D1)
+
+
 def test_malformed_reports_are_refused_and_change_nothing(pair):
     with pytest.raises(grpc.RpcError) as info:
         report(pair[0], step=3, digest="not-hex", digest_step=3)
