@@ -241,6 +241,8 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
                 + (f", {hidden:.0%} overlapped)" if hidden is not None else ")"),
             ),
         ]
+    if summary.get("outer_steps"):
+        rows.append(("sync", f"DiLoCo: {summary['outer_steps']} outer steps"))
     rows += [
         ("bytes across sites", human_bytes(summary["cross_site_bytes"])),
         ("compression ratio", f"{summary['compression_ratio']:.3f} ({summary['codec']})"),

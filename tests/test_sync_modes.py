@@ -39,6 +39,7 @@ def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path, de
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "replicas            identical" in result.stdout
+    assert "DiLoCo: 3 outer steps" in result.stdout
     site0, site1 = records(first, "site0"), records(first, "site1")
     landed, outer_steps = LANDINGS[delay]
     for recs in (site0, site1):
