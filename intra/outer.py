@@ -11,6 +11,11 @@ then continues from the new anchor, so the replicas are bitwise equal after ever
 step: the averaged outer gradient is (the all-reduce's invariant), and so are the
 anchors and the momentum that start equal and take the same updates.
 
+With ``delay`` D > 0 (overlapped or "eager" DiLoCo) a round runs behind the next D inner
+steps and lands as the new anchor plus the progress the site made meanwhile: the link
+costs nothing while a round is shorter than D steps of compute. The anchors are then
+equal whenever a round lands, the parameters at the end (the last round lands at once).
+
 The outer step works on this rank's local shards only, in groups that follow the
 model's blocks (each block's parameters, then the parameters outside ``layers``), the
 same at every site for the rank at one mesh coordinate: the peer it exchanges with.
