@@ -223,14 +223,14 @@ def test_diloco_pays_one_round_every_h_steps_and_a_delay_hides_it():
 def test_plan_cli_plans_diloco():
     args = ("plan", "--preset", "125m", "--batch", "16", "--devices-per-site", "2")
     args += ("--gbit", "1", "--codec", "int8", "--mfu", "0.4", "--json")
-    step = json.loads(run_cli(*args, timeout=60).stdout)["prediction"]
     result = run_cli(*args, "--inner-steps", "100", "--outer-delay", "99", timeout=60)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["inputs"]["inner_steps"] == 100
+    assert data["inputs"]["inner_steps"] == 100 and data["inputs"]["outer_delay"] == 99
+    # int8 125m at 1 Gbit/s: ~1 s per round, hidden behind 99 steps of compute.
     assert data["prediction"]["scaling_efficiency"] == 1.0
-    assert step["scaling_efficiency"] < 0.5
-    table = run_cli(*args[:-1], "--inner-steps", "100", timeout=60).stdout
-    assert "DiLoCo: every 100 steps, 0 steps behind" in table
+    # A site sends its fp32 outer gradient as int8 once per 100 steps: params / 100 bytes.
+    params = data["inputs"]["params"]
+    assert data["prediction"]["wire_bytes_per_site"] == pytest.approx(params / 100)
     bad = run_cli(*args[:-1], "--inner-steps", "10", "--outer-delay", "10", timeout=60)
     assert_one_line_error(bad, "outer_delay must be an integer in [0, inner_steps=10), got 10")
