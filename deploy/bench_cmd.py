@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.config import MAX_SYNC_CHUNK_BYTES, ConfigError
+from isthmus.deploy.config import ConfigError
+from isthmus.deploy.validation import MAX_SYNC_CHUNK_BYTES
 from isthmus.inter.chunk_size import chunk_bytes_for_link
 from isthmus.inter.codec_spec import parse_codec_spec
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.sections import (
-    KIB,
     SECTION_TYPES,
     CheckpointSection,
     ClusterSection,
@@ -34,27 +33,19 @@ from isthmus.deploy.sections import (
     TrainSection,
     WanSection,
 )
+from isthmus.deploy.validation import ConfigError, validate
 from isthmus.inter.chunk_size import chunk_bytes_for_link
-from isthmus.inter.codec_spec import parse_codec_spec
 from isthmus.inter.security import SiteSecurity
-from isthmus.intra.layout import ParallelConfig, ParallelLayout
+from isthmus.intra.layout import ParallelConfig
 from isthmus.intra.model_config import ModelConfig, preset
 
 CUDA_BULK_CHUNK_BYTES = 16 << 20
 """The least auto chunk for CUDA tensors on the bulk transport (see ``chunk_bytes``)."""
-MAX_SYNC_CHUNK_BYTES = 64 << 20
-"""The largest ``sync.chunk_bytes`` a job (or the all-reduce benchmark) may set."""
-SYNC_MODES = ("step", "diloco")
-"""What ``sync.mode`` may be (``SyncSection.mode`` says what each does)."""
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
     import tomli as tomllib  # type: ignore[no-redef]
-
-
-class ConfigError(ValueError):
-    """A user's configuration is wrong; the message says what and where."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -337,171 +328,3 @@ def _normalize_switches(config: JobConfig) -> None:
         elif value in ("false", "0", "no"):
             value = "false"
         setattr(par, key, value)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def validate(config: JobConfig) -> None:
-    """Check values and their combinations; raise ConfigError naming the key."""
-    t = config.topology
-    _require(config.job.steps >= 1, f"job.steps must be >= 1, got {config.job.steps}")
-    _require(1 <= t.sites <= 64, f"topology.sites must be in 1..64, got {t.sites}")
-    _require(t.ranks_per_site >= 1, f"topology.ranks_per_site must be >= 1, got {t.ranks_per_site}")
-    _require(
-        t.pp >= 1 and t.tp >= 1, f"topology.pp and topology.tp must be >= 1, got {t.pp}, {t.tp}"
-    )
-    _require(
-        t.ranks_per_site % (t.pp * t.tp) == 0,
-        f"layout does not divide the ranks: topology.ranks_per_site={t.ranks_per_site} "
-        f"is not divisible by pp*tp={t.pp}*{t.tp}={t.pp * t.tp}",
-    )
-    _require(
-        t.device in ("auto", "cpu", "cuda"),
-        f"topology.device must be auto, cpu or cuda, got {t.device!r}",
-    )
-    tr = config.train
-    _require(tr.batch_size >= 1, f"train.batch_size must be >= 1, got {tr.batch_size}")
-    _require(tr.seq_len >= 2, f"train.seq_len must be >= 2, got {tr.seq_len}")
-    _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
-    _require(tr.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {tr.warmup_steps}")
-    _require(tr.grad_clip >= 0, f"train.grad_clip must be >= 0, got {tr.grad_clip}")
-    _require(
-        tr.lr_scaling in ("sqrt", "linear", "none"),
-        f"train.lr_scaling must be sqrt, linear or none, got {tr.lr_scaling!r}",
-    )
-    _require(
-        tr.lr_reference_dp >= 1, f"train.lr_reference_dp must be >= 1, got {tr.lr_reference_dp}"
-    )
-    par = config.parallel
-    for key in ("compile", "mixed_precision"):
-        _require(
-            getattr(par, key) in ("auto", "true", "false"),
-            f"parallel.{key} must be auto, true or false, got {getattr(par, key)!r}",
-        )
-    try:
-        config.parallel_config(cuda=False).check(
-            ParallelLayout.for_ranks(t.ranks_per_site, pp=t.pp, tp=t.tp),
-            config.resolved_model(),
-            batch_size=tr.batch_size,
-            seq_len=tr.seq_len,
-        )
-    except ValueError as exc:
-        raise ConfigError(f"parallel: {exc}") from None
-    d = config.data
-    _require(
-        d.source in ("stdlib", "path"), f"data.source must be stdlib or path, got {d.source!r}"
-    )
-    _require(d.source != "path" or bool(d.path), "data.source = 'path' needs data.path")
-    _require(d.max_bytes >= 1024, f"data.max_bytes must be >= 1024, got {d.max_bytes}")
-    s = config.sync
-    _require(
-        s.chunk_bytes == 0
-        or (4 * KIB <= s.chunk_bytes <= MAX_SYNC_CHUNK_BYTES and s.chunk_bytes % 4 == 0),
-        f"sync.chunk_bytes must be 0 (auto) or a multiple of 4 in 4 KiB..64 MiB, got {s.chunk_bytes}",
-    )
-    _require(0 <= s.workers <= 64, f"sync.workers must be in 0..64, got {s.workers}")
-    try:
-        parse_codec_spec(s.codec)
-    except ValueError as exc:
-        raise ConfigError(f"sync.codec: {exc}") from None
-    _require(1 <= s.connections <= 16, f"sync.connections must be in 1..16, got {s.connections}")
-    _require(
-        s.transport in ("auto", "bulk", "grpc"),
-        f'sync.transport must be "auto", "bulk" or "grpc", got {s.transport!r}',
-    )
-    _require(
-        1 <= s.rounds_in_flight <= 64,
-        f"sync.rounds_in_flight must be in 1..64, got {s.rounds_in_flight}",
-    )
-    _require(s.timeout_s > 0, f"sync.timeout_s must be > 0, got {s.timeout_s}")
-    _require(
-        s.mode in SYNC_MODES,
-        f"sync.mode must be one of {', '.join(SYNC_MODES)}, got {s.mode!r}",
-    )
-    _require(s.inner_steps >= 1, f"sync.inner_steps must be >= 1, got {s.inner_steps}")
-    _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
-    _require(
-        0 <= s.outer_momentum < 1,
-        f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}",
-    )
-    _require(
-        0 <= s.outer_delay < s.inner_steps,
-        f"sync.outer_delay must be in 0..inner_steps-1 = 0..{s.inner_steps - 1}, "
-        f"got {s.outer_delay}",
-    )
-    f = config.failover
-    _require(
-        1 <= f.min_sites <= config.topology.sites,
-        f"failover.min_sites must be in 1..topology.sites={config.topology.sites}, got {f.min_sites}",
-    )
-    _require(
-        0 < f.heartbeat_s < f.failure_timeout_s,
-        f"failover.heartbeat_s must be > 0 and below failover.failure_timeout_s, got "
-        f"{f.heartbeat_s} and {f.failure_timeout_s}",
-    )
-    _require(f.quorum_wait_s >= 0, f"failover.quorum_wait_s must be >= 0, got {f.quorum_wait_s}")
-    config.resolved_model()
-    w = config.wan
-    _require(w.distance_km >= 0, f"wan.distance_km must be >= 0, got {w.distance_km}")
-    _require(w.bandwidth_mbit > 0, f"wan.bandwidth_mbit must be > 0, got {w.bandwidth_mbit}")
-    _require(w.queue_kib >= 0, f"wan.queue_kib must be >= 0, got {w.queue_kib}")
-    _require(
-        config.run.digest_every >= 0,
-        f"run.digest_every must be >= 0, got {config.run.digest_every}",
-    )
-    _require(
-        config.run.steady_after >= 0,
-        f"run.steady_after must be >= 0, got {config.run.steady_after}",
-    )
-    _require(
-        -1 <= config.run.metrics_port <= 65535,
-        f"run.metrics_port must be -1 (none), 0 (any) or a port, got {config.run.metrics_port}",
-    )
-    ck = config.checkpoint
-    _require(ck.every >= 0, f"checkpoint.every must be >= 0 (0 = never), got {ck.every}")
-    _require(ck.keep >= 0, f"checkpoint.keep must be >= 0 (0 = all), got {ck.keep}")
-    _require(
-        -1 <= ck.resume_step < config.job.steps,
-        f"checkpoint.resume_step must be -1 (from scratch) or a step below "
-        f"job.steps={config.job.steps}, got {ck.resume_step}",
-    )
-    c = config.cluster
-    _require(
-        c.lane_port_base == 0 or 1024 <= c.lane_port_base <= 65535 - config.topology.ranks_per_site,
-        f"cluster.lane_port_base must be 0 or leave room for every rank below 65536, got {c.lane_port_base}",
-    )
-    _require(
-        not (
-            c.lane_host in ("0.0.0.0", "::") and not c.advertise_host and config.topology.sites > 1
-        ),
-        f"cluster.lane_host = {c.lane_host!r} binds every interface: set cluster.advertise_host "
-        "to the address peers reach this site at",
-    )
-    for key in ("coordinators", "proxies"):
-        unknown = sorted(set(getattr(config.cluster, key)) - set(config.site_names))
-        _require(
-            not unknown,
-            f"cluster.{key} names unknown sites {unknown}; sites are {config.site_names}",
-        )
-    sec = config.security
-    _require(
-        not sec.require_tls or bool(sec.certs_dir),
-        "security.require_tls needs security.certs_dir (create one with `isthmus certs`)",
-    )
-    _require(
-        not sec.require_token or bool(sec.certs_dir or sec.token_file),
-        "security.require_token needs security.token_file or security.certs_dir",
-    )
-    if sec.require_tls:
-        ca = Path(sec.certs_dir) / "ca.crt"
-        _require(ca.is_file(), f"security.certs_dir: no CA certificate {ca}")
-    if sec.require_token:
-        token = Path(sec.token_file) if sec.token_file else Path(sec.certs_dir) / "token"
-        _require(token.is_file(), f"security: no job token file {token}")
-    _require(
-        config.run.log_level in ("debug", "info", "warning", "error"),
-        f"run.log_level must be debug, info, warning or error, got {config.run.log_level!r}",
-    )

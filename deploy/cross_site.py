@@ -19,8 +19,8 @@ import grpc
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.rank_extras import extra_state, load_extra_state
 from isthmus.inter.allreduce import CrossSiteAllReduce
+from isthmus.inter.channels import peer_channel
 from isthmus.inter.codec import make_codec
-from isthmus.inter.coordinator import peer_channel
 from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer

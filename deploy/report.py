@@ -14,6 +14,7 @@ Writes, next to the run's files (or to --out):
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 from pathlib import Path
 
 from isthmus.deploy.config import ConfigError, load_config
@@ -104,10 +105,10 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
 
     fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(7, 4), sharey=True)
     losses = [s["loss"] for s in steps]
-    by_tokens.plot(_cumulative(s["tokens"] for s in steps), losses, linewidth=2)
+    by_tokens.plot(list(accumulate(s["tokens"] for s in steps)), losses, linewidth=2)
     by_tokens.set(xlabel="tokens trained", ylabel="loss (nats per byte)")
     by_bytes.plot(
-        [b / 1e6 for b in _cumulative(s["cross_site_bytes"] for s in steps)], losses, linewidth=2
+        [b / 1e6 for b in accumulate(s["cross_site_bytes"] for s in steps)], losses, linewidth=2
     )
     by_bytes.set(xlabel="MB sent across sites")
     fig.suptitle("Training loss against what it cost")
@@ -117,14 +118,6 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     text.write_text(summary_text(steps, summary, capacity) + "\n")
     written.append(text)
     return written
-
-
-def _cumulative(values) -> list[float]:
-    total, out = 0.0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 def _save(fig, path: Path) -> Path:

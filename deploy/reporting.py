@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from isthmus.inter.coordinator import peer_channel
+from isthmus.inter.channels import peer_channel
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
@@ -97,14 +97,7 @@ class StepReporter:
             digest_step=line["step"] + 1 if digest else 0,
             finished=finished,
         )
-        try:
-            reply = self._stub.ReportProgress(request, timeout=REPORT_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            # Metrics are best effort: training goes on without its dashboard.
-            log.warning("progress report to the coordinator failed: %s", exc.code().name)
-            return
-        if reply.divergence:
-            raise DivergenceError(reply.divergence)
+        self._report(request)
 
     def report_final_digest(self, steps: int, digest: str) -> None:
         """For a site that joined with the state after the job's last step (admitted at
@@ -112,13 +105,19 @@ class StepReporter:
         that the other sites wait for. Writes no metrics line: no step ran here."""
         if self._stub is None:
             return
-        request = cpb.ReportProgressRequest(
-            site=self.site, step=steps, digest=digest, digest_step=steps, finished=True
+        self._report(
+            cpb.ReportProgressRequest(
+                site=self.site, step=steps, digest=digest, digest_step=steps, finished=True
+            )
         )
+
+    def _report(self, request: cpb.ReportProgressRequest) -> None:
+        assert self._stub is not None
         try:
             reply = self._stub.ReportProgress(request, timeout=REPORT_TIMEOUT_S)
         except grpc.RpcError as exc:
-            log.warning("final report to the coordinator failed: %s", exc.code().name)
+            # Metrics are best effort: training goes on without its dashboard.
+            log.warning("progress report to the coordinator failed: %s", exc.code().name)
             return
         if reply.divergence:
             raise DivergenceError(reply.divergence)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -24,8 +23,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots, pool_size
+from isthmus.inter.channels import MESSAGE_LIMITS, peer_channel
 from isthmus.inter.failover import Failover
 from isthmus.inter.fingerprint import fingerprint_problem
+from isthmus.inter.incarnations import Incarnations
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.metrics import SiteMetrics
 from isthmus.inter.peer_loop import PeerLoop
@@ -36,28 +37,12 @@ from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 1 << 20  # control messages are small; refuse anything larger
 MAX_FIELD_CHARS = 1024
 MAX_WAIT_MS = 30_000
-_MESSAGE_LIMITS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 class CoordinatorError(RuntimeError):
     """The job cannot go on: a refused join, a timeout, an invalid peer."""
-
-
-def peer_channel(
-    address: str, proxy: str | None = None, security: SiteSecurity | None = None
-) -> grpc.Channel:
-    """A channel to `address`, through an HTTP CONNECT proxy when given; mutual TLS
-    and the job token as `security` says (None = plaintext)."""
-    options = list(_MESSAGE_LIMITS)
-    if proxy:
-        options.append(("grpc.http_proxy", proxy))
-    return (security or INSECURE).channel(address, options)
 
 
 class Coordinator(pb_grpc.CoordinatorServicer):
@@ -131,9 +116,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._digest: tuple[int, str] = (0, "")
         self._stopped = threading.Event()
         self.last_seen: dict[str, float] = {}
-        self.incarnation = secrets.token_hex(8)
-        """This coordinator process's random id, sent with its joins."""
-        self._incarnations: dict[str, str] = {}  # the id each peer last joined with
+        self.incarnations = Incarnations()  # this process's id and the peers'
         self.peer_steps: dict[str, int] = {}
         self.step = 0
         self.finished = False
@@ -175,7 +158,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             futures.ThreadPoolExecutor(
                 max_workers=pool_size(waiters), thread_name_prefix=f"coord-{site}"
             ),
-            options=_MESSAGE_LIMITS,
+            options=MESSAGE_LIMITS,
             interceptors=[
                 *self.security.server_interceptors(self.where),
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
@@ -343,14 +326,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             return f"unknown site {info.name[:64]!r}; this job's sites are {self.site_names}"
         if info.index != self.site_names.index(info.name):
             return f"site {info.name} claims index {info.index}, expected {self.site_names.index(info.name)}"
-        if len(incarnation) > 64:
-            return f"site {info.name} sent an incarnation of {len(incarnation)} characters (max 64)"
         if ready and (
             len(info.lane_addresses) != self.ranks
             or not all(0 < len(a) <= MAX_FIELD_CHARS for a in info.lane_addresses)
         ):
             return f"site {info.name} sent {len(info.lane_addresses)} lane addresses, expected {self.ranks}"
-        return None
+        return Incarnations.problem(info.name, incarnation)
 
     def _check_fingerprint(self, theirs: pb.JobFingerprint, who: str) -> str | None:
         return fingerprint_problem(self.fingerprint, dict(theirs.fields), self.site, who)
@@ -390,24 +371,24 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.last_seen[request.site.name] = time.monotonic()
             name = request.site.name
             running = self._generation > 0 and not self.joining
-            known = self._incarnations.get(name)
-            changed = bool(known and request.incarnation and known != request.incarnation)
-            # A member that joins from generation 0 once the job is under way was
-            # restarted: its earlier incarnation is gone (suspect it now, not after the
-            # failure timeout), and it is admitted like any site outside the membership.
-            # Under way: a step committed, or the joiner is a new process (in DiLoCo the
-            # first commit comes only after inner_steps steps).
+            # A member that joins from generation 0 once the job is under way (a step
+            # committed) or from another process than the job knows was restarted: its
+            # earlier incarnation is gone (suspect it now, not after the failure
+            # timeout), and it is admitted like any site outside the membership.
             restarted = (
                 running
                 and name in self.members
                 and request.generation == 0
-                and (self._generation > 1 or self.failover.committed_steps > 0 or changed)
+                and (
+                    self._generation > 1
+                    or self.failover.committed_steps > 0
+                    or self.incarnations.is_new(name, request.incarnation)
+                )
             )
             news = running and (name not in self.members or restarted)
-            if request.incarnation and not (changed and running and not (news and request.ready)):
-                # A new incarnation counts once its site is ready to be admitted; until
-                # then its earlier one is what the job knows.
-                self._incarnations[name] = request.incarnation
+            self.incarnations.learn(
+                name, request.incarnation, replace=not running or (news and request.ready)
+            )
             if news and request.ready:
                 if restarted:
                     self.failover.restarted.add(name)
@@ -419,7 +400,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 site=self._own_info_locked(),
                 ready=self._local_ready_locked(),
                 generation=self._generation if news else 0,
-                incarnation=self.incarnation,
+                incarnation=self.incarnations.mine,
             )
 
     def GetMembership(self, request, context):  # noqa: N802

@@ -131,7 +131,7 @@ class PeerLoop:
             fingerprint=pb.JobFingerprint(fields=c.fingerprint),
             ready=ready,
             generation=c.generation,
-            incarnation=c.incarnation,
+            incarnation=c.incarnations.mine,
         )
         for name in pending:
             try:
@@ -152,9 +152,8 @@ class PeerLoop:
                 return
             with c._cond:
                 c.last_seen[name] = time.monotonic()
-                if response.incarnation and (name not in c._incarnations or c._generation == 0):
-                    # Who answered: a later join from another process is a restart.
-                    c._incarnations[name] = response.incarnation
+                # Who answered: a later join from another process is a restart.
+                c.incarnations.learn(name, response.incarnation, replace=c._generation == 0)
                 if response.generation > 0 and c._generation == 0 and not c.joining:
                     # The job is already running: wait to be admitted by its leader.
                     log.info(

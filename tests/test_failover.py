@@ -26,19 +26,21 @@ FP = {"job.seed": "0"}
 FAST = {"heartbeat_s": 0.1, "failure_timeout_s": 0.8, "rpc_timeout_s": 1.0}
 
 
+def coordinator(site: str, names: list[str], **options) -> Coordinator:
+    """One site's coordinator with the fast test settings, not started."""
+    return Coordinator(
+        site=site,
+        site_names=names,
+        ranks=1,
+        fingerprint=FP,
+        join_timeout_s=20,
+        **{**FAST, **options},
+    )
+
+
 def start_sites(n: int, proxies=None, **options) -> list[Coordinator]:
     names = [f"site{i}" for i in range(n)]
-    coords = [
-        Coordinator(
-            site=name,
-            site_names=names,
-            ranks=1,
-            fingerprint=FP,
-            join_timeout_s=20,
-            **{**FAST, **options},
-        )
-        for name in names
-    ]
+    coords = [coordinator(name, names, **options) for name in names]
     addresses = {c.site: c.address for c in coords}
     for c in coords:
         c.set_peers(
@@ -113,16 +115,7 @@ def retry_until(coords, step, generation, members, ok):
 def restart_site1(address: str, site0: Coordinator, lane: str) -> Coordinator:
     """A new site1 coordinator at ``address`` (its old one stopped), one rank registered."""
     host, port = address.rsplit(":", 1)
-    again = Coordinator(
-        site="site1",
-        site_names=["site0", "site1"],
-        ranks=1,
-        fingerprint=FP,
-        host=host,
-        port=int(port),
-        join_timeout_s=20,
-        **FAST,
-    )
+    again = coordinator("site1", ["site0", "site1"], host=host, port=int(port))
     again.set_peers({"site0": site0.address})
     again.start()
     register(again, lane=lane)
@@ -254,10 +247,10 @@ def test_a_site_restarted_before_the_first_commit_is_taken_for_dead_and_admitted
     chunks its dead incarnation never sent): its new incarnation gives it away."""
     coords = start_sites(2)
     try:
-        before = coords[1].incarnation
+        before = coords[1].incarnations.mine
         coords[1].stop(grace_s=0)
         again = coords[1] = restart_site1(coords[1].address, coords[0], lane="127.0.0.1:2998")
-        assert again.incarnation != before
+        assert again.incarnations.mine != before
         time.sleep(0.5)  # its joins reach site0
         with coords[0]._cond:
             assert coords[0].failover.suspects_locked() == ["site1"]  # at once
@@ -273,27 +266,17 @@ def test_a_site_restarted_before_the_first_commit_is_taken_for_dead_and_admitted
 def test_a_site_that_only_answered_joins_is_known_by_its_incarnation():
     """Seen on a GPU host: site1 answered site0's joins but never reached site0 itself, so
     site0 did not know site1's incarnation and took its restart for a late start."""
-    site0, site1 = (
-        Coordinator(
-            site=name,
-            site_names=["site0", "site1"],
-            ranks=1,
-            fingerprint=FP,
-            join_timeout_s=20,
-            **FAST,
-        )
-        for name in ("site0", "site1")
-    )
+    site0, site1 = (coordinator(name, ["site0", "site1"]) for name in ("site0", "site1"))
     try:
         site1.set_peers({"site0": "127.0.0.1:1"})  # its own joins go nowhere
         site0.set_peers({"site1": site1.address})
         site1.start()
         site0.start()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and "site1" not in site0._incarnations:
+        while time.monotonic() < deadline and site0.incarnations.get("site1") is None:
             time.sleep(0.05)
-        assert site0._incarnations.get("site1") == site1.incarnation  # from site1's answers
-        assert site1._incarnations.get("site0") == site0.incarnation  # from site0's joins
+        assert site0.incarnations.get("site1") == site1.incarnations.mine  # from site1's answers
+        assert site1.incarnations.get("site0") == site0.incarnations.mine  # from site0's joins
     finally:
         stop_all([site0, site1])
 

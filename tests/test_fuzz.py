@@ -45,7 +45,8 @@ from hypothesis import strategies as st
 from test_failover import register
 from test_fuzz_lane import LANE_LIMIT, chunk, lane  # noqa: F401 (lane: a fixture)
 
-from isthmus.inter.coordinator import MAX_MESSAGE_BYTES, Coordinator
+from isthmus.inter.channels import MAX_MESSAGE_BYTES
+from isthmus.inter.coordinator import Coordinator
 from isthmus.proto import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)

@@ -26,7 +26,8 @@ from helpers import assert_one_line_error, raw_chunk, run_cli
 
 from isthmus.deploy.certs_cmd import write_certs
 from isthmus.deploy.config import ConfigError, load_config
-from isthmus.inter.coordinator import Coordinator, peer_channel
+from isthmus.inter.channels import peer_channel
+from isthmus.inter.coordinator import Coordinator
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.inter.security import TLS_NAME, SiteSecurity
