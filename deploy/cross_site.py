@@ -85,7 +85,7 @@ class CrossSite:
             mailbox_bytes=mailbox_budget(config),
             # Rounds are inner_steps apart in DiLoCo: the window counts rounds, not steps.
             steps_ahead=MAX_STEPS_AHEAD
-            * (config.sync.inner_steps if config.sync.mode == "diloco" else 1),
+            * (config.sync.inner_steps if config.sync.mode != "step" else 1),
         )
         lane.rank = rank
         port = lane.address.rsplit(":", 1)[1]

@@ -128,7 +128,9 @@ def run(env: RankEnv, config: JobConfig) -> None:
         )
         sync = cross.sync
 
-    diloco = config.sync.mode == "diloco"
+    # DiLoCo and Streaming DiLoCo: each site steps alone, an outer optimizer syncs.
+    streaming = config.sync.mode == "streaming"
+    diloco = streaming or config.sync.mode == "diloco"
     model = build_model(config.resolved_model(), seed=config.job.seed)
     trainer = Trainer(
         model,
@@ -160,6 +162,9 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 lr=config.sync.outer_lr,
                 momentum=config.sync.outer_momentum,
                 delay=config.sync.outer_delay,
+                # DiLoCo is Streaming DiLoCo with one fragment and the eager merge.
+                fragments=config.sync.fragments if streaming else 1,
+                alpha=config.sync.fragment_alpha if streaming else None,
             ),
             total_steps=config.job.steps,
             begin_step=sync.begin_step,
@@ -260,7 +265,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         digest = ""
         if sync is None or crosses:
             synced = step
-            if due and outer is not None and outer.config.delay and step != last:
+            if due and outer is not None and not outer.replicas_equal_on_landing and step != last:
                 digest = outer.anchor_digest()  # parameters differ by local progress
             elif due:
                 digest = trainer.parameter_digest()

@@ -154,7 +154,9 @@ def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
         f"compression {summary['compression_ratio']:.3f}",
     ]
     outer = max((s.get("outer_steps", 0) for s in steps), default=0)
-    if outer:
+    if outer and summary.get("sync_mode") == "streaming":
+        lines.append(f"Streaming DiLoCo: {outer} fragment rounds (the sites synced {outer} times)")
+    elif outer:
         lines.append(f"DiLoCo outer steps: {outer} (the sites synced {outer} times)")
     if goodput:
         share = (

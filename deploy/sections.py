@@ -106,18 +106,29 @@ class SyncSection:
     """How the sites combine their work: "step" averages the gradient across sites every
     step; "diloco" lets each site take inner_steps steps alone, then averages how far
     the parameters moved (the outer gradient) and applies it with outer_lr and
-    outer_momentum (DiLoCo; docs/design.md, "Sync modes")."""
+    outer_momentum (DiLoCo); "streaming" does the same for one of `fragments` strided
+    groups of blocks at a time, every inner_steps/fragments steps (Streaming DiLoCo;
+    docs/design.md, "Sync modes")."""
     inner_steps: int = 50
-    """diloco: H, the steps each site trains alone between outer steps (the job's last
-    step always ends with one)."""
+    """diloco, streaming: H, the steps each site trains alone between outer steps (the
+    job's last step always ends with one, of every fragment)."""
     outer_lr: float = 0.7
-    """diloco: learning rate of the outer Nesterov SGD (DiLoCo's default)."""
+    """diloco, streaming: learning rate of the outer Nesterov SGD (DiLoCo's default)."""
     outer_momentum: float = 0.9
-    """diloco: Nesterov momentum of the outer SGD; 0 = none."""
+    """diloco, streaming: Nesterov momentum of the outer SGD; 0 = none."""
     outer_delay: int = 0
-    """diloco: inner steps an outer all-reduce runs behind, in 0..inner_steps-1: the sites
-    train on while it crosses and its average lands that many steps later, added under
-    the progress made meanwhile (overlapped DiLoCo). 0 = each outer step waits for it."""
+    """diloco, streaming: inner steps an outer all-reduce runs behind, in
+    0..inner_steps/fragments-1: the sites train on while it crosses and its average
+    lands that many steps later, merged with the progress made meanwhile (diloco: added
+    under it; streaming: mixed by fragment_alpha). 0 = each outer step waits for it."""
+    fragments: int = 2
+    """streaming: P, fragments of the blocks (block i in fragment i mod P), synced one at
+    a time, fragment k at (k+1)*inner_steps/fragments steps into each inner_steps; must
+    divide inner_steps and be at most the model's layers."""
+    fragment_alpha: float = 0.5
+    """streaming: a fragment landing outer_delay steps late becomes
+    fragment_alpha*local + (1-fragment_alpha)*average (Streaming DiLoCo's mixing;
+    0 = the average only). Unused without a delay."""
     codec: str = "raw+shuffle+zstd:1"
     """Cross-site codec chain TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]]; TENSOR is raw
     (fp32, lossless), bf16, or int8 (per-chunk scale with error feedback). Examples:

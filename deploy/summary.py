@@ -182,7 +182,8 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         **steady,
         "codec": config.sync.codec if config.topology.sites > 1 else "none",
         "sync_mode": config.sync.mode,
-        # DiLoCo: the times the sites synced (0 in per-step sync, which syncs every step).
+        # DiLoCo: the times the sites synced (0 in per-step sync, which syncs every step);
+        # Streaming DiLoCo: the fragments' rounds.
         "outer_steps": steps[-1].get("outer_steps", 0) if steps else 0,
         "bytes_per_token": sent / sum(r["tokens"] for r in steps) if steps else 0.0,
         "preset": config.model.preset,
@@ -242,7 +243,10 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
             ),
         ]
     if summary.get("outer_steps"):
-        rows.append(("sync", f"DiLoCo: {summary['outer_steps']} outer steps"))
+        if summary.get("sync_mode") == "streaming":
+            rows.append(("sync", f"Streaming DiLoCo: {summary['outer_steps']} fragment rounds"))
+        else:
+            rows.append(("sync", f"DiLoCo: {summary['outer_steps']} outer steps"))
     rows += [
         ("bytes across sites", human_bytes(summary["cross_site_bytes"])),
         ("compression ratio", f"{summary['compression_ratio']:.3f} ({summary['codec']})"),

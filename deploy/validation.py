@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 MAX_SYNC_CHUNK_BYTES = 64 << 20
 """The largest ``sync.chunk_bytes`` a job (or the all-reduce benchmark) may set."""
-SYNC_MODES = ("step", "diloco")
+SYNC_MODES = ("step", "diloco", "streaming")
 """What ``sync.mode`` may be (``SyncSection.mode`` says what each does)."""
 
 
@@ -112,10 +112,23 @@ def validate(config: JobConfig) -> None:
         0 <= s.outer_momentum < 1,
         f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}",
     )
+    period = s.inner_steps
+    if s.mode == "streaming":
+        layers = config.resolved_model().n_layers
+        _require(
+            1 <= s.fragments <= min(layers, s.inner_steps) and s.inner_steps % s.fragments == 0,
+            f"sync.fragments must divide sync.inner_steps={s.inner_steps} and be at most the "
+            f"model's {layers} layers, got {s.fragments}",
+        )
+        _require(
+            0 <= s.fragment_alpha <= 1,
+            f"sync.fragment_alpha must be in [0, 1], got {s.fragment_alpha}",
+        )
+        period = s.inner_steps // s.fragments
     _require(
-        0 <= s.outer_delay < s.inner_steps,
-        f"sync.outer_delay must be in 0..inner_steps-1 = 0..{s.inner_steps - 1}, "
-        f"got {s.outer_delay}",
+        0 <= s.outer_delay < period,
+        f"sync.outer_delay must be in 0..{period - 1} (below inner_steps"
+        f"{'/fragments' if s.mode == 'streaming' else ''} = {period}), got {s.outer_delay}",
     )
     f = config.failover
     _require(

@@ -16,6 +16,13 @@ steps and lands as the new anchor plus the progress the site made meanwhile: the
 costs nothing while a round is shorter than D steps of compute. The anchors are then
 equal whenever a round lands, the parameters at the end (the last round lands at once).
 
+With ``fragments`` P > 1 (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512)
+the blocks are dealt into P strided fragments (block i in fragment i mod P), and
+fragment k takes its outer step every H steps at its own offset, (k+1)·H/P steps into
+each H: the link carries 1/P of the model at a time, P times as often, so a round is P
+times shorter and hides behind fewer inner steps. A fragment that lands ``delay``
+steps late is mixed with the local parameters, ``alpha``·local + (1-``alpha``)·average.
+
 The outer step works on this rank's local shards only, in groups that follow the
 model's blocks (each block's parameters, then the parameters outside ``layers``), the
 same at every site for the rank at one mesh coordinate: the peer it exchanges with.
@@ -34,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from .train import GradientSync, Trainer
 
-__all__ = ["OuterConfig", "OuterOptimizer", "outer_groups"]
+__all__ = ["OuterConfig", "OuterOptimizer", "fragment_of", "outer_groups"]
 
 PREFIX = "outer/"
 
@@ -50,23 +57,42 @@ class OuterConfig:
     momentum: float = 0.9
     """Nesterov momentum of the outer SGD; 0 disables it."""
     delay: int = 0
-    """Inner steps the outer all-reduce runs behind (0 <= delay < inner_steps): the
-    sites train on while their outer gradients cross, and the average lands ``delay``
-    steps after it was taken, added under the progress made meanwhile (overlapped,
-    "eager" DiLoCo). 0: each outer step waits for its all-reduce."""
+    """Inner steps the outer all-reduce runs behind (0 <= delay < inner_steps/fragments):
+    the sites train on while their outer gradients cross, and the average lands
+    ``delay`` steps after it was taken, merged with the progress made meanwhile
+    (overlapped DiLoCo; see ``alpha``). 0: each outer step waits for its all-reduce."""
+    fragments: int = 1
+    """P: strided fragments of the blocks, synced in turn (Streaming DiLoCo); 1 = DiLoCo.
+    Must divide ``inner_steps``."""
+    alpha: float | None = None
+    """How a round that lands late meets the local parameters: None adds the progress
+    made since it was taken to the new anchor ("eager" DiLoCo); a number mixes,
+    ``alpha``·local + (1-``alpha``)·new anchor (Streaming DiLoCo's merge)."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
             raise ValueError(f"OuterConfig.inner_steps must be >= 1, got {self.inner_steps}")
-        if not 0 <= self.delay < self.inner_steps:
+        if not 1 <= self.fragments <= self.inner_steps or self.inner_steps % self.fragments:
             raise ValueError(
-                f"OuterConfig.delay must be in [0, inner_steps={self.inner_steps}), "
+                f"OuterConfig.fragments must divide inner_steps={self.inner_steps}, "
+                f"got {self.fragments}"
+            )
+        if not 0 <= self.delay < self.period:
+            raise ValueError(
+                f"OuterConfig.delay must be in [0, inner_steps/fragments={self.period}), "
                 f"got {self.delay}"
             )
+        if self.alpha is not None and not 0 <= self.alpha <= 1:
+            raise ValueError(f"OuterConfig.alpha must be in [0, 1], got {self.alpha}")
         if not self.lr > 0:
             raise ValueError(f"OuterConfig.lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"OuterConfig.momentum must be in [0, 1), got {self.momentum}")
+
+    @property
+    def period(self) -> int:
+        """Steps between two rounds: H / P (one fragment's round each)."""
+        return self.inner_steps // self.fragments
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -98,6 +124,16 @@ def outer_groups(trainer: Trainer) -> list[list[tuple[str, torch.Tensor]]]:
     return [g for g in groups if sum(t.numel() for _, t in g) > 0]
 
 
+def fragment_of(group: list[tuple[str, torch.Tensor]], fragments: int) -> int:
+    """The fragment a group of :func:`outer_groups` belongs to: block i's is i mod P;
+    the parameters outside ``layers`` go with the last fragment (synced at the H
+    boundaries, like DiLoCo's one round)."""
+    name = group[0][0]
+    if name.startswith("layers."):
+        return int(name.split(".", 2)[1]) % fragments
+    return fragments - 1
+
+
 def _flat(group: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for _, t in group])
 
@@ -108,11 +144,16 @@ class _Round:
 
     step: int
     """The step after which its outer gradients were taken (the lane's round key)."""
+    groups: list[int]
+    """Indices of the groups it carries (one fragment's, or all at the job's end)."""
     deltas: list[torch.Tensor]
     """The outer gradients handed to the sync; they hold the mean once it finished."""
     taken: list[torch.Tensor] | None
-    """With a delay: copies of this site's own outer gradients (anchor - parameters
-    when they were taken), to tell the progress made since."""
+    """Eager merge (``alpha`` None) with a delay: copies of this site's own outer
+    gradients (anchor - parameters when they were taken), to tell the progress since."""
+    merge: bool
+    """Whether it lands after later inner steps, whose progress is kept (a delay and
+    not the job's last step); otherwise the parameters become the new anchor."""
 
 
 class OuterOptimizer:
@@ -122,14 +163,19 @@ class OuterOptimizer:
         trainer: the rank's trainer, built *without* a sync (its steps stay in the site).
         sync: the cross-site average of one flat fp32 tensor per group (the lane's
             ``LaneGradientSync`` in a job).
-        config: H, outer learning rate and momentum, delay.
-        total_steps: the job's steps; the last one always ends with an outer step that
-            waits for its all-reduce, so a job ends with equal replicas.
+        config: H, outer learning rate and momentum, delay, fragments and merge.
+        total_steps: the job's steps; the last one always ends with an outer step of
+            every fragment that waits for its all-reduce, so a job ends with equal
+            replicas.
         begin_step: called with the step before a round starts (the lane's
             ``begin_step``, which keys the round), or None.
 
+    Every rank of a site starts a round at the same steps, also a rank whose shards hold
+    nothing of the fragment due (its round is empty but still voted on), so the site's
+    collectives (digests) line up.
+
     Memory: two fp32 copies of the rank's shards (anchor and momentum), as in DiLoCo,
-    plus one while a round is in flight and one more with a delay.
+    plus the round in flight (one fragment's) and, for the eager merge, a copy of it.
     """
 
     def __init__(
@@ -146,10 +192,12 @@ class OuterOptimizer:
         self.sync, self.config, self.total_steps = sync, config, total_steps
         self.begin_step = begin_step
         self.groups = outer_groups(trainer)
+        self.fragment = [fragment_of(g, config.fragments) for g in self.groups]
         self.anchor = [_flat(g) for g in self.groups]
         self.momentum = [torch.zeros_like(a) for a in self.anchor]
         self.outer_steps = 0
-        """Outer steps applied by this optimizer (since it was built or loaded)."""
+        """Rounds applied by this optimizer (since it was built or loaded): outer steps
+        of DiLoCo, fragment outer steps of Streaming DiLoCo."""
         self._round: _Round | None = None
 
     @property
@@ -157,9 +205,25 @@ class OuterOptimizer:
         """An outer all-reduce was started and has not landed yet."""
         return self._round is not None
 
+    @property
+    def replicas_equal_on_landing(self) -> bool:
+        """Whether the parameters (not only the anchors) are equal across sites after a
+        round landed: DiLoCo without a delay. Otherwise they are at the job's end."""
+        return self.config.delay == 0 and self.config.fragments == 1
+
     def due(self, step: int) -> bool:
-        """Whether an outer round starts after ``step``: every H steps, and the last."""
-        return (step + 1) % self.config.inner_steps == 0 or step == self.total_steps - 1
+        """Whether a round starts after ``step``: every H/P steps, and the last."""
+        return (step + 1) % self.config.period == 0 or step == self.total_steps - 1
+
+    def due_fragments(self, step: int) -> list[int]:
+        """The fragments whose round starts after ``step``: fragment k at (k+1)·H/P
+        steps into each H, every fragment at the job's last step, none otherwise."""
+        cfg = self.config
+        if step == self.total_steps - 1:
+            return list(range(cfg.fragments))
+        if (step + 1) % cfg.period:
+            return []
+        return [((step + 1) % cfg.inner_steps // cfg.period - 1) % cfg.fragments]
 
     def lands(self, step: int) -> bool:
         """Whether the round in flight must land after ``step`` (its delay is over, or
@@ -175,7 +239,7 @@ class OuterOptimizer:
 
         Returns:
             Whether a round landed: the anchors are then equal at every site, and so
-            are the parameters when nothing is in flight and no delay applies.
+            are the parameters if :attr:`replicas_equal_on_landing` or at the end.
 
         Raises:
             Whatever ``sync.finish()`` raises; the anchor, momentum and parameters are
@@ -187,48 +251,58 @@ class OuterOptimizer:
             landed = True
         if self.due(step):
             self.start(step)
-            if self.config.delay == 0 or step == self.total_steps - 1:
+            if self._round is not None and not self._round.merge:
                 self.finish()
                 landed = True
         return landed
 
     @torch.no_grad()
     def start(self, step: int) -> None:
-        """Hands this site's outer gradient (anchor - parameters) to the sync."""
+        """Hands this site's outer gradient (anchor - parameters) of the fragments due
+        after ``step`` to the sync (all of them if none is due)."""
         if self._round is not None:
             raise RuntimeError(f"outer round of step {self._round.step} still in flight")
+        due = self.due_fragments(step) or list(range(self.config.fragments))
+        groups = [i for i, k in enumerate(self.fragment) if k in due]
+        merge = self.config.delay > 0 and step != self.total_steps - 1
         if self.begin_step is not None:
             self.begin_step(step)
         # How far this site moved since the last sync.
-        deltas = [anchor - _flat(g) for g, anchor in zip(self.groups, self.anchor, strict=True)]
-        taken = [d.clone() for d in deltas] if self.config.delay else None
-        for i, delta in enumerate(deltas):
+        deltas = [self.anchor[i] - _flat(self.groups[i]) for i in groups]
+        eager = merge and self.config.alpha is None
+        taken = [d.clone() for d in deltas] if eager else None
+        for i, delta in zip(groups, deltas, strict=True):
             self.sync.start(i, delta)
-        self._round = _Round(step, deltas, taken)
+        self._round = _Round(step, groups, deltas, taken, merge)
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Waits for the round in flight and applies it: Nesterov SGD on the anchor,
-        then the parameters = the new anchor (+ the progress made since the round
-        started, with a delay)."""
+        """Waits for the round in flight and applies it: Nesterov SGD on the anchor of
+        each group it carries, then their parameters = the new anchor, merged with the
+        progress made since the round started if it landed late."""
         r = self._round
         if r is None:
             return
         self.sync.finish()  # each delta now holds the mean over the sites
         self._round = None
-        lr, mu = self.config.lr, self.config.momentum
-        taken = r.taken or [None] * len(r.deltas)
-        for group, anchor, buf, delta, own in zip(
-            self.groups, self.anchor, self.momentum, r.deltas, taken, strict=True
-        ):
-            # Progress since the round started: now - (anchor - own outer gradient).
+        lr, mu, alpha = self.config.lr, self.config.momentum, self.config.alpha
+        taken = r.taken or [None] * len(r.groups)
+        for i, delta, own in zip(r.groups, r.deltas, taken, strict=True):
+            group, anchor, buf = self.groups[i], self.anchor[i], self.momentum[i]
+            # Eager merge: the progress since the round started, now - (anchor - own).
             progress = None if own is None else _flat(group).sub_(anchor).add_(own)
+            local = _flat(group) if r.merge and alpha is not None else None
             # torch.optim.SGD(nesterov=True) on the anchor: buf = mu*buf + g, step g + mu*buf.
             if mu:
                 buf.mul_(mu).add_(delta)
                 delta.add_(buf, alpha=mu)
             anchor.add_(delta, alpha=-lr)
-            self._write(group, anchor if progress is None else progress.add_(anchor))
+            if progress is not None:
+                self._write(group, progress.add_(anchor))
+            elif local is not None:  # Streaming DiLoCo: alpha*local + (1-alpha)*anchor
+                self._write(group, local.mul_(alpha).add_(anchor, alpha=1 - alpha))
+            else:
+                self._write(group, anchor)
         self.outer_steps += 1
 
     def anchor_digest(self) -> str:

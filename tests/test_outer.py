@@ -18,7 +18,7 @@ from isthmus.intra.digest import parameter_digest
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import preset
-from isthmus.intra.outer import OuterConfig, OuterOptimizer, outer_groups
+from isthmus.intra.outer import OuterConfig, OuterOptimizer, fragment_of, outer_groups
 from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
@@ -243,6 +243,84 @@ def test_a_delayed_round_lands_later_under_the_progress_made_meanwhile(tmp_path:
     assert max(sites[0]["errors"] + sites[1]["errors"]) < 1e-5
 
 
+def _groups_flat(trainer: Trainer, indices: list[int]) -> torch.Tensor:
+    groups = outer_groups(trainer)
+    return torch.cat([t.detach().reshape(-1).clone() for i in indices for _, t in groups[i]])
+
+
+def _streaming_worker(site: int, tmp: str) -> dict[str, Any]:
+    """Streaming DiLoCo, H = 4, P = 2, delay 1, alpha 0.5: fragment 0 (block 0) syncs
+    after steps 1, 5, fragment 1 (block 1 and the embedding/norm/head) after 3, 7;
+    each lands a step later, mixed half and half with the local parameters; the last
+    step syncs both at once. Checked against torch's Nesterov SGD per fragment."""
+    trainer, data, cross = _site(site, tmp)
+    config = OuterConfig(inner_steps=4, lr=0.7, momentum=0.9, delay=1, fragments=2, alpha=0.5)
+    outer = OuterOptimizer(trainer, AveragingSync(cross, 2), config, total_steps=10)
+    members = {k: [i for i, f in enumerate(outer.fragment) if f == k] for k in (0, 1)}
+    refs = {k: torch.nn.Parameter(_groups_flat(trainer, members[k])) for k in (0, 1)}
+    sgds = {k: torch.optim.SGD([refs[k]], lr=0.7, momentum=0.9, nesterov=True) for k in (0, 1)}
+    landed, errors, untouched, anchors, started, due = [], [], [], [], None, []
+    for step in range(10):
+        trainer.step(step, *data.batch(step))
+        due.append(outer.due_fragments(step))
+        before = {k: _groups_flat(trainer, members[k]) for k in (0, 1)}
+        expected: dict[int, torch.Tensor] = {}
+        if outer.lands(step):
+            k, own = started
+            refs[k].grad = _mean_over_sites(own, cross)
+            sgds[k].step()
+            expected[k] = 0.5 * before[k] + 0.5 * refs[k].detach()
+        if step == 9:  # the last round: every fragment, landing at once on the anchor
+            for k in (0, 1):
+                refs[k].grad = _mean_over_sites(refs[k].detach() - before[k], cross)
+                sgds[k].step()
+                expected[k] = refs[k].detach().clone()
+        elif outer.due(step):
+            (k,) = outer.due_fragments(step)
+            started = (k, refs[k].detach() - before[k])
+        if outer.step(step):
+            landed.append(step)
+            anchors.append(outer.anchor_digest())
+            for k in (0, 1):
+                now = _groups_flat(trainer, members[k])
+                if k in expected:
+                    errors.append(float((now - expected[k]).abs().max()))
+                else:
+                    untouched.append(torch.equal(now, before[k]))
+    digest = parameter_digest(trainer.model)
+    shutdown()
+    return {
+        "landed": landed,
+        "errors": errors,
+        "untouched": untouched,
+        "anchors": anchors,
+        "digest": digest,
+        "due": due,
+        "members": members,
+        "outer_steps": outer.outer_steps,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_streaming_fragments_land_in_turn_mixed_with_local_progress(tmp_path: Path) -> None:
+    sites = spawn(_streaming_worker, 2, tmp_path, str(tmp_path))
+    s0, s1 = sites
+    # tiny: groups are block 0, block 1, then the rest; blocks strided over 2 fragments.
+    assert s0["members"] == {0: [0], 1: [1, 2]}
+    assert s0["due"] == [[], [0], [], [1], [], [0], [], [1], [], [0, 1]]
+    assert s0["landed"] == [2, 4, 6, 8, 9] and s0["outer_steps"] == 5
+    assert all(s0["untouched"]) and len(s0["untouched"]) == 4  # the other fragment
+    assert max(s0["errors"] + s1["errors"]) < 1e-5
+    assert s0["anchors"] == s1["anchors"]  # the anchors agree at every landing
+    assert s0["digest"] == s1["digest"]  # and the parameters at the end
+
+
+def test_fragments_deal_the_blocks_strided() -> None:
+    t = torch.zeros(1)
+    assert [fragment_of([(f"layers.{i}.w", t)], 4) for i in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert fragment_of([("embed.weight", t)], 4) == 3  # with the last fragment
+
+
 def test_outer_config_refuses_bad_values() -> None:
     for kwargs, needle in (
         ({"inner_steps": 0}, "inner_steps"),
@@ -250,6 +328,9 @@ def test_outer_config_refuses_bad_values() -> None:
         ({"momentum": 1.0}, "momentum"),
         ({"inner_steps": 3, "delay": 3}, "delay"),
         ({"delay": -1}, "delay"),
+        ({"inner_steps": 6, "fragments": 4}, "fragments must divide"),
+        ({"inner_steps": 6, "fragments": 3, "delay": 2}, r"inner_steps/fragments=2"),
+        ({"alpha": 1.5}, "alpha"),
     ):
         with pytest.raises(ValueError, match=needle):
             OuterConfig(**kwargs)

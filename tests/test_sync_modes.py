@@ -18,30 +18,54 @@ def records(run_dir: Path, site: str) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-# H = 3 over 8 steps with a checkpoint after 4: rounds start after steps 2, 5 and 7.
-# Without a delay each lands at once. With delay 2 the first would land after step 4,
+# 8 steps with a checkpoint after 4. DiLoCo, H = 3: rounds start after steps 2, 5 and
+# 7. Without a delay each lands at once. With delay 2 the first would land after step 4,
 # but the checkpoint after step 3 lands it first; the second lands at the last step,
-# just before the last round, which lands at once.
-LANDINGS = {0: ([2, 5, 7], [0, 0, 1, 1, 1, 2, 2, 3]), 2: ([3, 7], [0, 0, 0, 1, 1, 1, 1, 3])}
+# just before the last round, which lands at once. Streaming, H = 4, 2 fragments, delay
+# 1: fragment 0 after step 1 (lands after 2), fragment 1 after step 3 (landed at once
+# by the checkpoint), fragment 0 after 5 (lands after 6), both after the last step.
+MODES = {
+    "diloco-0": (
+        ["sync.mode=diloco", "sync.inner_steps=3", "sync.outer_delay=0"],
+        [2, 5, 7],
+        [0, 0, 1, 1, 1, 2, 2, 3],
+    ),
+    "diloco-2": (
+        ["sync.mode=diloco", "sync.inner_steps=3", "sync.outer_delay=2"],
+        [3, 7],
+        [0, 0, 0, 1, 1, 1, 1, 3],
+    ),
+    "streaming-1": (
+        ["sync.mode=streaming", "sync.inner_steps=4", "sync.fragments=2", "sync.outer_delay=1"],
+        [2, 3, 6, 7],
+        [0, 0, 1, 2, 2, 2, 3, 4],
+    ),
+}
+"""Settings, steps where rounds landed, outer steps (rounds applied) after each step."""
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("delay", sorted(LANDINGS))
-def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path, delay):
-    """2 sites x 2 ranks (FSDP shards): replicas (with a delay: anchors) equal after
-    every landed round, different in between; a resume lands on the same digest."""
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_outer_modes_cross_only_on_outer_steps_and_resume_bit_for_bit(tmp_path, mode):
+    """2 sites x 2 ranks (FSDP shards): replicas (with a delay or fragments: anchors)
+    equal after every landed round, different in between; a resume lands on the same
+    digest."""
+    settings, landed, outer_steps = MODES[mode]
     first = tmp_path / "first"
-    common = [*TINY, *DILOCO, "--steps", "8", "--set", "run.digest_every=1"]
-    common += ["--set", f"sync.outer_delay={delay}"]
+    common = [*TINY, "--steps", "8", "--set", "run.digest_every=1"]
+    for setting in settings:
+        common += ["--set", setting]
     result = run_cli(
         "local", *common, "--run-dir", str(first), "--set", "checkpoint.every=4", timeout=400
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "replicas            identical" in result.stdout
-    assert "DiLoCo: 3 outer steps" in result.stdout
+    rounds = outer_steps[-1]
+    streaming = mode.startswith("streaming")
+    said = f"Streaming DiLoCo: {rounds} fragment rounds" if streaming else f"DiLoCo: {rounds} outer"
+    assert said in result.stdout
     site0, site1 = records(first, "site0"), records(first, "site1")
-    landed, outer_steps = LANDINGS[delay]
     for recs in (site0, site1):
         assert [r["step"] for r in recs if r["bytes_sent"] > 0] == landed
         assert [r["step"] for r in recs if r.get("digest")] == landed
@@ -54,13 +78,14 @@ def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path, de
     summary = json.loads((first / "summary.json").read_text())
     final = summary["digests"]
     assert len(set(final.values())) == 1
-    assert summary["sync_mode"] == "diloco" and summary["outer_steps"] == 3
+    assert summary["sync_mode"] == settings[0].split("=")[1] and summary["outer_steps"] == rounds
     report = run_cli("report", str(first), timeout=120)
     assert report.returncode == 0, report.stderr
-    assert "DiLoCo outer steps: 3" in report.stdout and (first / "loss_vs_cost.png").exists()
+    assert f"{rounds} " in report.stdout and (first / "loss_vs_cost.png").exists()
+    assert ("Streaming DiLoCo" if streaming else "DiLoCo outer steps") in report.stdout
 
-    if not delay:
-        return  # the resume below covers both: its state is mid-round either way
+    if mode == "diloco-0":
+        return  # the resumes below cover it: their state is mid-round either way
     # Resume from the checkpoint after 4 steps: mid-round (the next round starts after
     # step 5), so the anchor and outer momentum must come back with the inner state.
     second = tmp_path / "second"
@@ -83,23 +108,33 @@ def test_diloco_crosses_only_on_outer_steps_and_resumes_bit_for_bit(tmp_path, de
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_three_sites_in_overlapped_diloco_end_identical(tmp_path):
-    """3 sites x 1 rank, H = 2, delay 1: rounds land one step late, anchors agree at
-    every landing and the parameters at the end."""
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["sync.mode=diloco", "sync.inner_steps=2"],
+        ["sync.mode=streaming", "sync.inner_steps=4", "sync.fragments=2"],
+    ],
+    ids=["diloco", "streaming"],
+)
+def test_three_sites_in_overlapped_outer_modes_end_identical(tmp_path, settings):
+    """3 sites x 1 rank, a round every 2 steps (DiLoCo H = 2; streaming H = 4 in 2
+    fragments), delay 1: rounds land one step late, anchors agree at every landing and
+    the parameters at the end."""
     run_dir = tmp_path / "run"
     result = run_cli(
         "local",
         "--sites", "3", "--ranks-per-site", "1", "--steps", "7",
         "--set", "model.preset=tiny", "--set", "train.seq_len=64",
-        "--set", "sync.mode=diloco", "--set", "sync.inner_steps=2",
+        *[arg for one in settings for arg in ("--set", one)],
         "--set", "sync.outer_delay=1", "--set", "run.digest_every=1",
         "--run-dir", str(run_dir),
         timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     sites = [records(run_dir, f"site{i}") for i in range(3)]
-    # Rounds start after steps 1, 3, 5 and 6 (the last); each lands a step later,
-    # the one after step 5 at the last step, where the last lands at once.
+    # Rounds start after steps 1, 3, 5 and 6 (the last; streaming: fragments 0, 1, 0,
+    # then both); each lands a step later, the one after step 5 at the last step,
+    # where the last lands at once.
     for recs in sites:
         assert [r["step"] for r in recs if r.get("digest")] == [2, 4, 6]
         assert all(r["live_sites"] == 3 for r in recs)
@@ -112,15 +147,31 @@ def test_three_sites_in_overlapped_diloco_end_identical(tmp_path):
 @pytest.mark.parametrize(
     ("setting", "needle"),
     [
-        ("sync.mode=async", "sync.mode must be one of step, diloco, got 'async'"),
+        ("sync.mode=async", "sync.mode must be one of step, diloco, streaming, got 'async'"),
         ("sync.inner_steps=0", "sync.inner_steps must be >= 1, got 0"),
         ("sync.outer_lr=0", "sync.outer_lr must be > 0, got 0"),
         ("sync.outer_momentum=1", "sync.outer_momentum must be in [0, 1), got 1"),
-        ("sync.outer_delay=50", "sync.outer_delay must be in 0..inner_steps-1 = 0..49, got 50"),
+        ("sync.outer_delay=50", "sync.outer_delay must be in 0..49 (below inner_steps = 50)"),
+        (
+            "sync.mode=streaming sync.fragments=3",
+            "sync.fragments must divide sync.inner_steps=50 and be at most the model's 4 "
+            "layers, got 3",
+        ),
+        (
+            "sync.mode=streaming sync.fragments=10",
+            "sync.fragments must divide sync.inner_steps=50 and be at most the model's 4 "
+            "layers, got 10",
+        ),
+        (
+            "sync.mode=streaming sync.outer_delay=25",
+            "sync.outer_delay must be in 0..24 (below inner_steps/fragments = 25), got 25",
+        ),
+        ("sync.mode=streaming sync.fragment_alpha=2", "sync.fragment_alpha must be in [0, 1]"),
     ],
 )
 def test_bad_sync_mode_settings_are_one_line_errors(tmp_path, setting, needle):
-    result = run_cli("local", "--set", setting, "--run-dir", str(tmp_path / "run"), timeout=60)
+    settings = [arg for one in setting.split() for arg in ("--set", one)]
+    result = run_cli("local", *settings, "--run-dir", str(tmp_path / "run"), timeout=60)
     assert_one_line_error(result, needle)
     assert not (tmp_path / "run").exists()  # refused before anything was made
 
@@ -132,4 +183,8 @@ def test_the_sync_mode_is_part_of_the_job_fingerprint():
     diloco = load_config(None, ["sync.mode=diloco", "sync.inner_steps=20"]).fingerprint()
     assert step["sync.mode"] == "step" and diloco["sync.mode"] == "diloco"
     assert diloco["sync.inner_steps"] == "20"
-    assert {"sync.outer_lr", "sync.outer_momentum"} <= set(diloco)
+    assert {"sync.outer_lr", "sync.outer_momentum", "sync.outer_delay"} <= set(diloco)
+    streaming = load_config(
+        None, ["sync.mode=streaming", "sync.inner_steps=40", "sync.fragments=4"]
+    ).fingerprint()
+    assert streaming["sync.fragments"] == "4" and streaming["sync.fragment_alpha"] == "0.5"
