@@ -17,8 +17,9 @@ tokens/s and the scaling efficiency (S sites / (S x one site)).
         --codec int8 --set topology.device=cuda --set train.seq_len=2048 \\
         --set wan.bandwidth_mbit=1000
 
-A mode is `step` or `diloco:H[:D]` (H inner steps, outer delay D; outer lr and
-momentum from --set), optionally `@STEPS` to run fewer steps than --steps (a slow
+A mode is `step`, `diloco:H[:D]` (H inner steps, outer delay D; outer lr and
+momentum from --set) or `streaming:H:P[:D]` (P fragments, mixing from --set
+sync.fragment_alpha), optionally `@STEPS` to run fewer steps than --steps (a slow
 per-step baseline). A run whose summary.json already exists under --out is not run
 again. Writes OUT/sync_modes.json (or --json).
 """
@@ -78,7 +79,16 @@ def mode_run(mode: str, default_steps: int) -> tuple[list[str], int]:
         if len(numbers) == 2:
             settings += ["--set", f"sync.outer_delay={numbers[1]}"]
         return settings, count
-    raise SystemExit(f"error: mode {mode!r}: expected step or diloco:H[:D], then @STEPS or not")
+    if name == "streaming" and 2 <= len(numbers) <= 3 and all(n.isdigit() for n in numbers):
+        settings = ["--set", "sync.mode=streaming", "--set", f"sync.inner_steps={numbers[0]}"]
+        settings += ["--set", f"sync.fragments={numbers[1]}"]
+        if len(numbers) == 3:
+            settings += ["--set", f"sync.outer_delay={numbers[2]}"]
+        return settings, count
+    raise SystemExit(
+        f"error: mode {mode!r}: expected step, diloco:H[:D] or streaming:H:P[:D], "
+        "then @STEPS or not"
+    )
 
 
 def run_dir_of(args: argparse.Namespace, mode: str) -> Path:

@@ -124,7 +124,14 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
         "--outer-delay",
         type=int,
         default=0,
-        help="DiLoCo: steps a round runs behind (sync.outer_delay), 0..H-1",
+        help="DiLoCo: steps a round runs behind (sync.outer_delay), 0..H/P-1",
+    )
+    add(
+        "--fragments",
+        type=int,
+        default=1,
+        help="Streaming DiLoCo: fragments synced in turn (sync.mode=streaming, "
+        "sync.fragments), a divisor of H; 1 = DiLoCo",
     )
     add(
         "--round-overhead-ms",
@@ -235,6 +242,7 @@ def build_input(args: argparse.Namespace) -> tuple[PlanInput, list[int]]:
         "backward_share": 0.75 if args.activation_checkpoint else None,
         "inner_steps": args.inner_steps,
         "outer_delay": args.outer_delay,
+        "fragments": args.fragments,
     }
     if args.preset is not None:
         bandwidth = (args.bandwidth_gbit if args.bandwidth_gbit is not None else 1.0) * 1e9
@@ -325,7 +333,11 @@ def _describe(p: PlanInput) -> list[tuple[str, str]]:
             "sync",
             "every step"
             if p.inner_steps == 1
-            else f"DiLoCo: every {p.inner_steps} steps, {p.outer_delay} steps behind",
+            else f"DiLoCo: every {p.inner_steps} steps, {p.outer_delay} steps behind"
+            if p.fragments == 1
+            else f"Streaming DiLoCo: {p.fragments} fragments, one every "
+            f"{p.inner_steps // p.fragments} of {p.inner_steps} steps, "
+            f"{p.outer_delay} steps behind",
         ),
         (
             "link",

@@ -96,8 +96,11 @@ class PlanInput:
     is DiLoCo, whose round carries the fp32 outer gradient once per H steps, taken after
     a step, so nothing of it hides behind backward."""
     outer_delay: int = 0
-    """DiLoCo: inner steps a round runs behind (``sync.outer_delay``), 0 <= d < H; the
+    """DiLoCo: inner steps a round runs behind (``sync.outer_delay``), 0 <= d < H/P; the
     round is exposed only for what it needs beyond d steps of compute."""
+    fragments: int = 1
+    """Streaming DiLoCo: P fragments (``sync.fragments``) synced in turn, one round of
+    1/P of the outer gradient every H/P steps; 1 = DiLoCo. Must divide H."""
     shared_cpu: bool = False
     """Compute runs on the same saturated CPU cores as the lanes (CPU-only training).
     Then, as measured on a 2-core machine, the rounds do not hide behind backward
@@ -116,15 +119,20 @@ class PlanInput:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
         if not 0 < self.backward_share < 1:
             raise ValueError(f"backward_share must be in (0, 1), got {self.backward_share!r}")
-        if not (isinstance(self.outer_delay, int) and 0 <= self.outer_delay < self.inner_steps):
-            raise ValueError(
-                f"outer_delay must be an integer in [0, inner_steps={self.inner_steps}), "
-                f"got {self.outer_delay!r}"
-            )
-        for name in ("sites", "devices_per_site", "rounds", "window", "inner_steps"):
+        for name in ("sites", "devices_per_site", "rounds", "window", "inner_steps", "fragments"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.inner_steps % self.fragments:
+            raise ValueError(
+                f"fragments must divide inner_steps={self.inner_steps}, got {self.fragments}"
+            )
+        period = self.inner_steps // self.fragments
+        if not (isinstance(self.outer_delay, int) and 0 <= self.outer_delay < period):
+            what = "inner_steps" if self.fragments == 1 else "inner_steps/fragments"
+            raise ValueError(
+                f"outer_delay must be an integer in [0, {what}={period}), got {self.outer_delay!r}"
+            )
         for name in ("rtt_s", "round_overhead_s", "step_overhead_s", "flops_per_token"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -188,9 +196,15 @@ def predict(p: PlanInput) -> Plan:
     if p.inner_steps > 1:
         # DiLoCo: one round per H steps, after a step (no backward to hide behind), or
         # behind the next `outer_delay` steps; spread over the H steps it serves.
+        # Streaming: a round of 1/P of it (its share of the groups) every H/P steps.
+        if p.sites > 1 and p.fragments > 1:
+            wire_s, codec_s = wire_s / p.fragments, codec_s / p.fragments
+            rounds = max(1.0, p.rounds / p.fragments)
+            sync_s = max(wire_s, codec_s) + max(1.0, rounds / p.window) * per_round
+        period = p.inner_steps // p.fragments
         behind = p.outer_delay * (compute_s + p.step_overhead_s)
-        exposed = max(0.0, sync_s - behind) / p.inner_steps
-        wire_s, codec_s, sync_s = (t / p.inner_steps for t in (wire_s, codec_s, sync_s))
+        exposed = max(0.0, sync_s - behind) / period
+        wire_s, codec_s, sync_s = (t / period for t in (wire_s, codec_s, sync_s))
         wire_bytes /= p.inner_steps
     elif p.shared_cpu and p.sites > 1:
         # Measured on a 2-core machine (benchmarks/plan_check.py): the lanes' CPU work

@@ -29,15 +29,28 @@ def test_survivors_finish_with_identical_replicas(scenario, tmp_path):
         assert result.rejoined == ["site1"]  # it pulled site0's state and came back
 
 
+OUTER_MODES = {
+    # site1 dies before the job's first commit (after 5 steps).
+    "diloco": ("sync.mode=diloco", "sync.inner_steps=5", "sync.outer_delay=2"),
+    # A fragment's round every 2 steps: site1 dies between fragment rounds.
+    "streaming": (
+        "sync.mode=streaming",
+        "sync.inner_steps=4",
+        "sync.fragments=2",
+        "sync.outer_delay=1",
+    ),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_restarted_site_rejoins_an_overlapped_diloco_job(tmp_path):
-    """kill-restart in DiLoCo with a delay: site1 dies before the job's first commit
-    (after 5 steps); its new incarnation is taken for dead at once, site0 goes on
-    alone, then site1 pulls the state (anchor and outer momentum too) and rejoins."""
+@pytest.mark.parametrize("mode", sorted(OUTER_MODES))
+def test_a_restarted_site_rejoins_an_overlapped_outer_mode_job(tmp_path, mode):
+    """kill-restart in DiLoCo and Streaming DiLoCo with a delay: site1's new
+    incarnation is taken for dead at once, site0 goes on alone, then site1 pulls the
+    state (anchors and outer momentum too) and rejoins."""
     scenario = next(s for s in SCENARIOS if s.name == "kill-restart")
-    overrides = ("sync.mode=diloco", "sync.inner_steps=5", "sync.outer_delay=2")
-    result = run_scenario(scenario, tmp_path, overrides=overrides)
+    result = run_scenario(scenario, tmp_path, overrides=OUTER_MODES[mode])
     assert result.ok, result.why
     assert set(result.digests) == {"site0", "site1"}
     assert len(set(result.digests.values())) == 1

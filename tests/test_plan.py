@@ -219,6 +219,27 @@ def test_diloco_pays_one_round_every_h_steps_and_a_delay_hides_it():
         replace(step, inner_steps=h, outer_delay=h)
 
 
+def test_streaming_sends_a_fragment_every_h_over_p_steps():
+    step = replace(BASE, bandwidth_bps=1e9)
+    h, p = 100, 4
+    diloco = predict(replace(step, inner_steps=h))
+    streaming = predict(replace(step, inner_steps=h, fragments=p))
+    # The same bytes per step (the whole outer gradient once per H steps)...
+    assert streaming.wire_bytes_per_site == pytest.approx(diloco.wire_bytes_per_site)
+    # ...in rounds of a quarter of it, every 25 steps: each hides behind fewer steps.
+    fragment_round_s = streaming.sync_s * (h // p)
+    assert fragment_round_s < diloco.sync_s * h / 2
+    d = 3
+    delayed = predict(replace(step, inner_steps=h, fragments=p, outer_delay=d))
+    assert delayed.exposed_sync_s == pytest.approx(
+        max(0.0, fragment_round_s - d * streaming.compute_s) / (h // p)
+    )
+    with pytest.raises(ValueError, match=r"inner_steps/fragments=25"):
+        replace(step, inner_steps=h, fragments=p, outer_delay=25)
+    with pytest.raises(ValueError, match="fragments must divide"):
+        replace(step, inner_steps=h, fragments=3)
+
+
 @pytest.mark.timeout(60)
 def test_plan_cli_plans_diloco():
     args = ("plan", "--preset", "125m", "--batch", "16", "--devices-per-site", "2")
@@ -232,5 +253,8 @@ def test_plan_cli_plans_diloco():
     # A site sends its fp32 outer gradient as int8 once per 100 steps: params / 100 bytes.
     params = data["inputs"]["params"]
     assert data["prediction"]["wire_bytes_per_site"] == pytest.approx(params / 100)
+    stream = run_cli(*args, "--inner-steps", "100", "--fragments", "4", timeout=60)
+    assert stream.returncode == 0, stream.stderr
+    assert json.loads(stream.stdout)["inputs"]["fragments"] == 4
     bad = run_cli(*args[:-1], "--inner-steps", "10", "--outer-delay", "10", timeout=60)
     assert_one_line_error(bad, "outer_delay must be an integer in [0, inner_steps=10), got 10")

@@ -188,3 +188,24 @@ def test_the_sync_mode_is_part_of_the_job_fingerprint():
         None, ["sync.mode=streaming", "sync.inner_steps=40", "sync.fragments=4"]
     ).fingerprint()
     assert streaming["sync.fragments"] == "4" and streaming["sync.fragment_alpha"] == "0.5"
+
+
+def test_the_modes_benchmark_reads_every_mode_and_refuses_a_bad_one():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sync_modes.py"
+    spec = importlib.util.spec_from_file_location("sync_modes_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    settings, steps = bench.mode_run("streaming:100:4:3@50", 400)
+    assert steps == 50 and settings == [
+        "--set", "sync.mode=streaming", "--set", "sync.inner_steps=100",
+        "--set", "sync.fragments=4", "--set", "sync.outer_delay=3",
+    ]  # fmt: skip
+    assert bench.mode_run("diloco:20", 400) == (
+        ["--set", "sync.mode=diloco", "--set", "sync.inner_steps=20"],
+        400,
+    )
+    with pytest.raises(SystemExit, match="streaming:H:P"):
+        bench.mode_run("streaming:100", 400)
