@@ -125,6 +125,20 @@ def site_records(run_dir: Path) -> list[list[dict]]:
     ]
 
 
+def tokens_per_s_before_last(sites: list[list[dict]], skip: int) -> float:
+    """Steady tokens/s without the job's last step: the one round that always waits for
+    all of the model (a one-time cost at the end, like start-up at the beginning)."""
+    tokens, wall = 0, 0.0
+    for recs in sites:
+        window = recs[skip:-1]
+        if not window:
+            return 0.0
+        tokens += sum(r["tokens"] for r in window)
+        digests = sum(r.get("digest_s", 0.0) for r in window)
+        wall = max(wall, window[-1]["elapsed_s"] - recs[skip - 1]["elapsed_s"] - digests)
+    return tokens / wall if wall > 0 else 0.0
+
+
 def measure(run_dir: Path, tail: int, at_step: int) -> dict:
     """One run's row; the loss is taken over the `tail` steps before `at_step`."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -140,6 +154,9 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
         "bytes_per_token": byte_count / tokens if tokens else 0.0,
         "wall_s": max(recs[-1]["elapsed_s"] for recs in sites),
         "steady_tokens_per_s": summary["steady_tokens_per_s"],
+        "tokens_per_s_before_last": tokens_per_s_before_last(
+            sites, max(1, summary["steady_after"])
+        ),
         "exposed_sync_s_per_step": summary["exposed_sync_s_per_step"],
         # The inner steps' own time, the WAN aside: two sites on one host can slow
         # each other (memory bandwidth, PCIe, CPU) where sites in two places do not.
@@ -153,11 +170,12 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    one_site = None
+    one_site, one_before_last = None, 0.0
     if args.one_site:
         one = run(args, "one site", args.out / "one-site", 1, ["--set", "sync.mode=step"],
                   args.steps)  # fmt: skip
         one_site = json.loads((one / "summary.json").read_text())["steady_tokens_per_s"]
+        one_before_last = measure(one, args.tail, args.steps)["tokens_per_s_before_last"]
         print(f"one site: {one_site:,.0f} tokens/s, median compute "
               f"{measure(one, args.tail, args.steps)['median_compute_s']:.4f} s/step")  # fmt: skip
     dirs = {}
@@ -169,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     base = rows.get("step") or next((r for m, r in rows.items() if m.startswith("step")), None)
     print(
         f"{'mode':<16} {'steps':>5} {'loss@' + str(common):>9} {'vs step':>8} "
-        f"{'bytes/token':>12} {'fewer':>8} {'tokens/s':>9} {'scaling':>8} {'identical':>9}"
+        f"{'bytes/token':>12} {'fewer':>8} {'tokens/s':>9} {'scaling':>8} "
+        f"{'w/o last':>8} {'identical':>9}"
     )
     for mode, r in rows.items():
         gap = r["loss_at_equal_tokens"] / base["loss_at_equal_tokens"] - 1 if base else 0.0
@@ -179,11 +198,21 @@ def main(argv: list[str] | None = None) -> int:
             else float("inf")
         )
         scaling = r["steady_tokens_per_s"] / (args.sites * one_site) if one_site else None
-        r.update(loss_vs_step=gap, fewer_bytes_than_step=fewer, scaling_efficiency=scaling)
+        # The same without each run's last step (DiLoCo's final round of the whole model).
+        before_last = (
+            r["tokens_per_s_before_last"] / (args.sites * one_before_last) if one_site else None
+        )
+        r.update(
+            loss_vs_step=gap,
+            fewer_bytes_than_step=fewer,
+            scaling_efficiency=scaling,
+            scaling_efficiency_before_last_step=before_last,
+        )
         print(
             f"{mode:<16} {r['steps']:5d} {r['loss_at_equal_tokens']:9.4f} {gap:+8.2%} "
             f"{r['bytes_per_token']:12.1f} {fewer:7.1f}x {r['steady_tokens_per_s']:9.0f} "
             f"{'-' if scaling is None else f'{scaling:.1%}':>8} "
+            f"{'-' if before_last is None else f'{before_last:.1%}':>8} "
             f"{str(r['replicas_identical']):>9}"
         )
     out = args.json or args.out / "sync_modes.json"
@@ -198,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 "loss_at_step": common,
                 "tail": args.tail,
                 "one_site_tokens_per_s": one_site,
+                "one_site_tokens_per_s_before_last": one_before_last or None,
                 "rows": rows,
             },
             indent=2,
