@@ -10,6 +10,11 @@
 #   bash benchmarks/gpu_runs.sh modes     # issue 12: per-step sync against DiLoCo and
 #                                          # overlapped DiLoCo over 1000 km at 1 Gbit/s
 #                                          # (PRESET, default 125m; STEPS, default 100)
+#                                          # (STEADY_AFTER: steps left out of the
+#                                          # steady state, default 2)
+#   bash benchmarks/gpu_runs.sh loss      # per-step sync's loss over STEPS steps on a
+#                                          # 10 Gbit/s link: the baseline the modes'
+#                                          # loss compares with (a link changes no loss)
 #   bash benchmarks/gpu_runs.sh pair      # one site alone against two one-site jobs
 #                                          # at once on the two halves of the host
 # Results go to $OUT (default ./gpu-results).
@@ -73,9 +78,20 @@ case "${1:-}" in
       --json "$out/modes_$preset.json" --one-site --preset "$preset" \
       --ranks-per-site "$site_gpus" --steps "${STEPS:-100}" --tail 10 --codec int8 \
       --modes "${MODES:-step@20,diloco:20,diloco:20:19}" --timeout 400 \
+      --steady-after "${STEADY_AFTER:-2}" \
       --set topology.device=cuda --set train.seq_len=2048 \
       --set train.batch_size="${BATCH:-16}" --set wan.distance_km=1000 \
       --set wan.bandwidth_mbit=1000 | tee "$out/modes_$preset.txt"
+    ;;
+  loss)
+    preset=${PRESET:-125m}
+    python3 benchmarks/sync_modes.py --out "${RUNS:-/tmp/isthmus-runs}/loss-$preset" \
+      --json "$out/loss_$preset.json" --preset "$preset" \
+      --ranks-per-site "$site_gpus" --steps "${STEPS:-600}" --tail 10 --codec int8 \
+      --modes step --timeout 500 \
+      --set topology.device=cuda --set train.seq_len=2048 \
+      --set train.batch_size="${BATCH:-16}" --set wan.distance_km=1000 \
+      --set wan.bandwidth_mbit=10000 | tee "$out/loss_$preset.txt"
     ;;
   pair)
     # Do two sites on one host slow each other with nothing crossing between them?
@@ -99,7 +115,7 @@ print(sys.argv[2], round(s['steady_tokens_per_s']), 'tokens/s')" \
     done | tee "$out/pair_$preset.txt"
     ;;
   *)
-    echo "usage: $0 sync|sites|headline|raw|modes|pair" >&2
+    echo "usage: $0 sync|sites|headline|raw|modes|loss|pair" >&2
     exit 2
     ;;
 esac

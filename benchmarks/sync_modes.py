@@ -57,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="passed to every run",
     )
+    p.add_argument(
+        "--steady-after",
+        type=int,
+        default=2,
+        help="steps left out of the steady state (run.steady_after): with outer modes, "
+        "past the first round, which absorbs the sites' start-up skew",
+    )
     p.add_argument("--json", type=Path, default=None, help="default OUT/sync_modes.json")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     args = p.parse_args(argv)
@@ -105,6 +112,7 @@ def run(args: argparse.Namespace, name: str, run_dir: Path, sites: int, settings
         "--steps", str(steps), "--run-dir", str(run_dir),
         "--set", f"model.preset={args.preset}", "--set", f"sync.codec={args.codec}",
         "--set", "run.tensorboard=false", "--set", "run.digest_every=0",
+        "--set", f"run.steady_after={args.steady_after}",
         *settings,
     ]  # fmt: skip
     for override in args.overrides:
@@ -226,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 "codec": args.codec,
                 "loss_at_step": common,
                 "tail": args.tail,
+                "steady_after": args.steady_after,
                 "one_site_tokens_per_s": one_site,
                 "one_site_tokens_per_s_before_last": one_before_last or None,
                 "rows": rows,
