@@ -25,6 +25,7 @@ from .codecs import (
     ByteStage,
     CodecError,
     Fp32Stage,
+    Int4Stage,
     Int8Stage,
     ShuffleStage,
     TensorStage,
@@ -34,7 +35,7 @@ from .codecs import (
 
 __all__ = ["ALLOWED_SPECS", "Codec", "CodecChain", "CodecError", "crc32", "make_codec"]
 
-_TENSOR_STAGES = {"raw": Fp32Stage, "bf16": Bf16Stage, "int8": Int8Stage}
+_TENSOR_STAGES = {"raw": Fp32Stage, "bf16": Bf16Stage, "int8": Int8Stage, "int4": Int4Stage}
 
 
 @runtime_checkable

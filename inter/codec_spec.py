@@ -11,10 +11,10 @@ __all__ = ["ALLOWED_SPECS", "CodecSpec", "parse_codec_spec"]
 
 ALLOWED_SPECS = (
     'TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]] with TENSOR one of "raw" (fp32), "bf16", '
-    '"int8" (per-chunk scale, error feedback), e.g. "raw", "bf16+shuffle+zstd:3", '
+    '"int8" or "int4" (per-chunk scale, error feedback), e.g. "raw", "bf16+shuffle+zstd:3", '
     '"int8+zstd:1"; LEVEL an integer from -7 to 22; "zstd[:LEVEL]" alone means raw+zstd'
 )
-TENSOR_STAGES = {"raw": "raw", "fp32": "raw", "bf16": "bf16", "int8": "int8"}
+TENSOR_STAGES = {"raw": "raw", "fp32": "raw", "bf16": "bf16", "int8": "int8", "int4": "int4"}
 """Spelling -> the tensor stage's canonical name."""
 
 
@@ -23,7 +23,7 @@ class CodecSpec:
     """One chain: a tensor stage, then optionally shuffle, then optionally zstd."""
 
     tensor: str
-    """``raw``, ``bf16`` or ``int8``."""
+    """``raw``, ``bf16``, ``int8`` or ``int4``."""
     shuffle: bool = False
     zstd_level: int | None = None
     """zstd's level, or None without zstd."""

@@ -8,12 +8,20 @@ import pytest
 import torch
 
 from isthmus.inter.codec import CodecError, make_codec
-from isthmus.inter.codecs import Int8Stage, ShuffleStage
+from isthmus.inter.codecs import Int4Stage, Int8Stage, ShuffleStage
 
 pytestmark = pytest.mark.timeout(30)
 
 LOSSLESS = ["raw", "raw+shuffle", "raw+shuffle+zstd:1", "zstd:3:2"]
-LOSSY = ["bf16", "bf16+shuffle+zstd:3", "int8", "int8+zstd:1", "int8+shuffle+zstd:1"]
+LOSSY = [
+    "bf16",
+    "bf16+shuffle+zstd:3",
+    "int8",
+    "int8+zstd:1",
+    "int8+shuffle+zstd:1",
+    "int4",
+    "int4+zstd:1",
+]
 
 
 def _grad(n: int, seed: int = 0) -> torch.Tensor:
@@ -40,7 +48,8 @@ def test_lossy_chains_round_trip_within_their_precision(spec: str, n: int) -> No
         # bf16 keeps 8 mantissa bits: relative error at most 2^-9 after rounding.
         assert torch.all((y - x).abs() <= x.abs() * 2**-8)
     else:
-        scale = x.abs().max() / 127  # rounding to the nearest step: half a step at most
+        levels = 7 if spec.startswith("int4") else 127
+        scale = x.abs().max() / levels  # rounding to the nearest step: half a step at most
         assert torch.all((y - x).abs() <= scale / 2 * (1 + 1e-5))
     y.add_(1.0)  # writable
 
@@ -50,6 +59,38 @@ def test_payload_sizes() -> None:
     assert len(make_codec("raw").encode(x)) == 4000
     assert len(make_codec("bf16").encode(x)) == 2000
     assert len(make_codec("int8").encode(x)) == 1004  # fp32 scale + one byte each
+    assert len(make_codec("int4").encode(x)) == 504  # fp32 scale + half a byte each
+    assert len(make_codec("int4").encode(_grad(1001))) == 505  # the last byte half used
+
+
+def test_int4_packs_two_levels_per_byte_low_nibble_first() -> None:
+    stage = Int4Stage(error_feedback=False)
+    x = torch.tensor([7.0, -7.0, 0.0, 3.0, -1.0])  # scale 1: the levels themselves
+    payload = bytes(stage.encode(x))
+    assert payload[4:] == bytes([(7 + 8) | (-7 + 8) << 4, 8 | (3 + 8) << 4, (-1 + 8) | 8 << 4])
+    assert torch.equal(stage.decode(payload, 5), x)
+    # The device decode (what a CUDA round runs) gives the host's bits.
+    assert torch.equal(stage.decode_device(payload, 5, torch.device("cpu")), x)
+    with pytest.raises(CodecError, match="int4 payload has 6 bytes, expected 7"):
+        stage.decode(payload[:-1], 5)
+    # A hostile nibble 0 decodes to level -8: finite, never out of bounds.
+    assert float(stage.decode(payload[:4] + bytes([0, 0, 0]), 5)[0]) == -8.0
+
+
+def test_int4_error_feedback_tracks_the_sum_and_forgets_a_nan() -> None:
+    with_ef, without = Int4Stage(), Int4Stage(error_feedback=False)
+    total, fed, plain = torch.zeros(4096), torch.zeros(4096), torch.zeros(4096)
+    for step in range(40):
+        g = _grad(4096, seed=step)
+        total += g
+        fed += with_ef.decode(with_ef.encode(g, "k"), 4096)
+        plain += without.decode(without.encode(g, "k"), 4096)
+    # Feedback keeps the drift at one rounding; without it the errors add up.
+    assert (fed - total).abs().max() < 0.5 * (plain - total).abs().max()
+    bad = _grad(4096).clone()
+    bad[7] = float("nan")
+    assert torch.isnan(with_ef.decode(with_ef.encode(bad, "k"), 4096)).all()
+    assert "k" not in with_ef.state_dict()  # the NaN left no residual behind
 
 
 def test_shuffle_round_trip_keeps_a_tail() -> None:

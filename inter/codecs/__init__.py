@@ -1,13 +1,14 @@
 """Codec stages, one per module; :mod:`isthmus.inter.codec` chains them.
 
 A *tensor stage* turns a 1-D float32 tensor (CPU or CUDA) into little-endian bytes
-on the host and back (:mod:`.fp32`, :mod:`.bf16`, :mod:`.int8`); *byte stages*
+on the host and back (:mod:`.fp32`, :mod:`.bf16`, :mod:`.int8`, :mod:`.int4`); *byte stages*
 transform those bytes (:mod:`.shuffle`, :mod:`.zstd`).
 """
 
 from .base import ByteStage, CodecError, TensorStage, crc32
 from .bf16 import Bf16Stage
 from .fp32 import Fp32Stage
+from .int4 import Int4Stage
 from .int8 import Int8Stage
 from .shuffle import ShuffleStage
 from .zstd import ZstdStage
@@ -17,6 +18,7 @@ __all__ = [
     "ByteStage",
     "CodecError",
     "Fp32Stage",
+    "Int4Stage",
     "Int8Stage",
     "ShuffleStage",
     "TensorStage",
