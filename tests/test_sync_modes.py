@@ -144,6 +144,30 @@ def test_three_sites_in_overlapped_outer_modes_end_identical(tmp_path, settings)
     assert len(final) == 3 and len(set(final.values())) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_streaming_with_pipeline_stages_holding_no_part_of_a_fragment(tmp_path):
+    """pp = 2 of tiny's 2 blocks, 2 fragments: the last stage holds nothing of
+    fragment 0 (block 0), so its rounds of that fragment are empty, yet every rank
+    votes and digests at the same steps and the replicas end identical."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "local", *TINY, "--set", "topology.pp=2", "--steps", "6",
+        "--set", "sync.mode=streaming", "--set", "sync.inner_steps=4",
+        "--set", "sync.fragments=2", "--set", "run.digest_every=1",
+        "--run-dir", str(run_dir),
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas            identical" in result.stdout
+    site0, site1 = records(run_dir, "site0"), records(run_dir, "site1")
+    # Fragment 0 after step 1, fragment 1 after step 3, both after step 5 (the last).
+    assert [r["step"] for r in site0 if r.get("digest")] == [1, 3, 5]
+    assert [r["outer_steps"] for r in site0] == [0, 1, 1, 2, 2, 3]
+    for a, b in zip(site0, site1, strict=True):
+        assert a.get("digest") == b.get("digest")
+
+
 @pytest.mark.parametrize(
     ("setting", "needle"),
     [
