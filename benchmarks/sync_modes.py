@@ -64,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="steps left out of the steady state (run.steady_after): with outer modes, "
         "past the first round, which absorbs the sites' start-up skew",
     )
+    p.add_argument(
+        "--final-eval",
+        type=int,
+        default=0,
+        help="batches of the final model's evaluation (run.final_eval_batches): the loss "
+        "of the model a run ends with, not of the sites' local models along the way",
+    )
     p.add_argument("--json", type=Path, default=None, help="default OUT/sync_modes.json")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     args = p.parse_args(argv)
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace, name: str, run_dir: Path, sites: int, settings
         "--set", f"model.preset={args.preset}", "--set", f"sync.codec={args.codec}",
         "--set", "run.tensorboard=false", "--set", "run.digest_every=0",
         "--set", f"run.steady_after={args.steady_after}",
+        "--set", f"run.final_eval_batches={args.final_eval}",
         *settings,
     ]  # fmt: skip
     for override in args.overrides:
@@ -172,6 +180,7 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
             r["compute_s"] for recs in sites for r in recs[summary["steady_after"] :]
         ),
         "replicas_identical": len(set(summary["digests"].values())) == 1,
+        "final_eval_loss": summary.get("final_eval_loss"),
     }
 
 
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'mode':<16} {'steps':>5} {'loss@' + str(common):>9} {'vs step':>8} "
         f"{'bytes/token':>12} {'fewer':>8} {'tokens/s':>9} {'scaling':>8} "
-        f"{'w/o last':>8} {'identical':>9}"
+        f"{'w/o last':>8} {'identical':>9} {'final eval':>10} {'vs step':>8}"
     )
     for mode, r in rows.items():
         gap = r["loss_at_equal_tokens"] / base["loss_at_equal_tokens"] - 1 if base else 0.0
@@ -210,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         before_last = (
             r["tokens_per_s_before_last"] / (args.sites * one_before_last) if one_site else None
         )
+        # The model each run ends with, on the same fresh batches (--final-eval).
+        final, base_final = r["final_eval_loss"], base and base["final_eval_loss"]
+        final_gap = final / base_final - 1 if final is not None and base_final else None
         r.update(
+            final_eval_vs_step=final_gap,
             loss_vs_step=gap,
             fewer_bytes_than_step=fewer,
             scaling_efficiency=scaling,
@@ -221,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['bytes_per_token']:12.1f} {fewer:7.1f}x {r['steady_tokens_per_s']:9.0f} "
             f"{'-' if scaling is None else f'{scaling:.1%}':>8} "
             f"{'-' if before_last is None else f'{before_last:.1%}':>8} "
-            f"{str(r['replicas_identical']):>9}"
+            f"{str(r['replicas_identical']):>9} "
+            f"{'-' if final is None else f'{final:.4f}':>10} "
+            f"{'-' if final_gap is None else f'{final_gap:+.2%}':>8}"
         )
     out = args.json or args.out / "sync_modes.json"
     out.write_text(

@@ -40,7 +40,7 @@ from isthmus.deploy.cross_site import CrossSite
 from isthmus.deploy.reporting import DivergenceError, StepReporter
 from isthmus.inter.membership import QuorumLost, RejoinRequired
 from isthmus.inter.round import NonFiniteGradient
-from isthmus.intra.data import ShardedBatches, from_path, stdlib_corpus
+from isthmus.intra.data import Corpus, ShardedBatches, from_path, stdlib_corpus
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.flops import scaled_lr
 from isthmus.intra.layout import ParallelLayout
@@ -313,6 +313,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         metrics.report_final_digest(config.job.steps, digest)
     train_s = time.perf_counter() - started
     metrics.close()
+    final_eval_loss = final_eval(trainer, corpus, config)
     shard_digest = intra_shard_digest(trainer.model_parts)
     result = {
         "site": env.site,
@@ -320,6 +321,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         "digest": digest,
         "shard_digest": shard_digest,
         "train_s": train_s,
+        "final_eval_loss": final_eval_loss,
         "steps": config.job.steps,
         **metrics.totals,
     }
@@ -328,6 +330,27 @@ def run(env: RankEnv, config: JobConfig) -> None:
     if cross is not None:
         cross.close()
     dist.destroy_process_group()
+
+
+EVAL_SEED_OFFSET = 0x5EED
+"""Added to job.seed for the final evaluation's windows: a stream the training's
+(seed, step) draws never use."""
+
+
+def final_eval(trainer: Trainer, corpus: Corpus, config: JobConfig) -> float | None:
+    """The final model's mean loss on run.final_eval_batches batches of fresh windows,
+    the same batches on every rank of every site (so the same value everywhere: the
+    replicas are identical after the last step); None when none are asked for."""
+    n = config.run.final_eval_batches
+    if not n:
+        return None
+    batches = ShardedBatches(
+        corpus,
+        seq_len=config.train.seq_len,
+        batch_size=config.train.batch_size,
+        seed=config.job.seed + EVAL_SEED_OFFSET,
+    )
+    return sum(trainer.evaluate(*batches.batch(i)) for i in range(n)) / n
 
 
 def die_with_launcher() -> None:

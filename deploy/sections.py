@@ -191,6 +191,11 @@ class RunSection:
     """Prometheus /metrics port of each coordinator; 0 = any free port, -1 = none."""
     tensorboard: bool = True
     """Write TensorBoard event files to RUN_DIR/tensorboard/SITE (needs tensorboard)."""
+    final_eval_batches: int = 0
+    """After the last step (replicas identical at every site, in every sync mode),
+    the final model's mean loss on this many batches of fresh random windows, the same
+    batches at every site (not a held-out split: windows may overlap trained ones);
+    in summary.json as final_eval_loss. 0 = none. Not with topology.pp > 1 yet."""
     steady_after: int = 2
     """Steps left out of the summary's steady-state figures (steady tokens/s, MFU,
     exposed sync per step): the first steps compile kernels and warm up allocators and

@@ -144,6 +144,8 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         if len({r["digest"] for r in ranks}) != 1:
             raise RuntimeError(f"ranks of {site} disagree on the parameter digest")
         digests[site] = ranks[0]["digest"]
+    # The final model's loss on the same fresh batches everywhere (run.final_eval_batches).
+    evals = {site: ranks[0].get("final_eval_loss") for site, ranks in results.items()}
     train_s = max(r["train_s"] for ranks in results.values() for r in ranks)
     sent = sum(r["cross_site_bytes"] for r in steps)
     raw = sum(r["raw_bytes"] for r in steps)
@@ -189,6 +191,8 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         "preset": config.model.preset,
         "batch_size": config.train.batch_size,
         "seq_len": config.train.seq_len,
+        "final_eval_loss": next(iter(evals.values()), None),
+        "final_eval_losses": evals,
         "digests": digests,
         "shard_digests": {
             site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
@@ -251,6 +255,8 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
         ("bytes across sites", human_bytes(summary["cross_site_bytes"])),
         ("compression ratio", f"{summary['compression_ratio']:.3f} ({summary['codec']})"),
     ]
+    if summary.get("final_eval_loss") is not None:
+        rows.append(("final eval loss", f"{summary['final_eval_loss']:.4f} (fresh batches)"))
     rows += [(f"digest {site}", digest[:16]) for site, digest in summary["digests"].items()]
     rows.append(("replicas", "identical" if equal else "DIFFERENT"))
     if run_dir is not None:

@@ -155,6 +155,15 @@ def validate(config: JobConfig) -> None:
         f"run.steady_after must be >= 0, got {config.run.steady_after}",
     )
     _require(
+        config.run.final_eval_batches >= 0,
+        f"run.final_eval_batches must be >= 0, got {config.run.final_eval_batches}",
+    )
+    _require(
+        not config.run.final_eval_batches or config.topology.pp == 1,
+        f"run.final_eval_batches needs topology.pp=1 (no forward-only pipeline schedule "
+        f"yet), got pp={config.topology.pp}",
+    )
+    _require(
         -1 <= config.run.metrics_port <= 65535,
         f"run.metrics_port must be -1 (none), 0 (any) or a port, got {config.run.metrics_port}",
     )

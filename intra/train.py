@@ -331,6 +331,24 @@ class Trainer:
                 torch._foreach_mul_(local, coef)
         return norm
 
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The model's mean cross-entropy on one batch, no update (a collective).
+
+        Every rank of the site passes the same batch (FSDP's forward gathers the
+        parameters on every dp rank), so every rank returns the same value.
+
+        Raises:
+            NotImplementedError: with pipeline stages (a forward-only schedule is not
+                built yet).
+        """
+        if self.schedule is not None:
+            raise NotImplementedError("evaluation with pipeline stages (pp > 1)")
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        logits = self.model(inputs)
+        return float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item())
+
     def parameter_digest(self) -> str:
         """sha256 of the site's full parameters (a collective over the whole site).
 

@@ -225,3 +225,26 @@ def test_gradient_sync_two_sites_match_one_site_two_ranks(tmp_path: Path) -> Non
     )
     for name, p in one_site["params"].items():
         torch.testing.assert_close(sites[0]["params"][name], p, **PARAM_TOL, msg=name)
+
+
+def _evaluate_worker(rank: int, world: int, store: str) -> float:
+    init_gloo(rank, world, store)
+    trainer = Trainer(
+        build_model(preset("tiny"), SEED), build_site_mesh(ParallelLayout(dp=world)), CONFIG
+    )
+    batch = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED).batch(0)
+    loss = trainer.evaluate(*batch)  # the same batch on both ranks
+    shutdown()
+    return loss
+
+
+def test_evaluate_gives_the_unsharded_models_loss_on_every_rank(tmp_path: Path) -> None:
+    losses = spawn(_evaluate_worker, 2, tmp_path, 2, str(tmp_path / "store"))
+    inputs, targets = ShardedBatches(
+        random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED
+    ).batch(0)
+    with torch.no_grad():
+        logits = build_model(preset("tiny"), SEED)(inputs)
+        want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    assert losses[0] == losses[1]
+    assert abs(losses[0] - want) < 1e-5

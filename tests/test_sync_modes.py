@@ -54,6 +54,7 @@ def test_outer_modes_cross_only_on_outer_steps_and_resume_bit_for_bit(tmp_path, 
     settings, landed, outer_steps = MODES[mode]
     first = tmp_path / "first"
     common = [*TINY, "--steps", "8", "--set", "run.digest_every=1"]
+    common += ["--set", "run.final_eval_batches=2"]
     for setting in settings:
         common += ["--set", setting]
     result = run_cli(
@@ -78,6 +79,10 @@ def test_outer_modes_cross_only_on_outer_steps_and_resume_bit_for_bit(tmp_path, 
     summary = json.loads((first / "summary.json").read_text())
     final = summary["digests"]
     assert len(set(final.values())) == 1
+    # The final model, evaluated on the same fresh batches at both sites.
+    evals = summary["final_eval_losses"]
+    assert set(evals) == {"site0", "site1"} and len(set(evals.values())) == 1
+    assert summary["final_eval_loss"] < summary["loss_first"]
     assert summary["sync_mode"] == settings[0].split("=")[1] and summary["outer_steps"] == rounds
     report = run_cli("report", str(first), timeout=120)
     assert report.returncode == 0, report.stderr
@@ -191,6 +196,10 @@ def test_streaming_with_pipeline_stages_holding_no_part_of_a_fragment(tmp_path):
             "sync.outer_delay must be in 0..24 (below inner_steps/fragments = 25), got 25",
         ),
         ("sync.mode=streaming sync.fragment_alpha=2", "sync.fragment_alpha must be in [0, 1]"),
+        (
+            "run.final_eval_batches=2 topology.pp=2 topology.ranks_per_site=2",
+            "run.final_eval_batches needs topology.pp=1",
+        ),
     ],
 )
 def test_bad_sync_mode_settings_are_one_line_errors(tmp_path, setting, needle):

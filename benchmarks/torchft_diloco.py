@@ -1,0 +1,725 @@
+"""torchft 0.2's DiLoCo vs isthmus's DiLoCo, on the same emulated link.
+
+Two replica groups ("sites") of one rank each, each in its own network namespace,
+joined by one emulated link in transparent mode (`isthmus.sim.transparent`; needs
+root and iptables). Both sides train the same thing: isthmus's model
+(`model.preset`, seed `job.seed`), its byte-level stdlib corpus sharded by site
+(`ShardedBatches`), its inner step (`isthmus.intra.train.Trainer`: AdamW, warmup +
+cosine schedule, lr `scaled_lr(train.lr, dp of the site)`, grad clipping), H inner
+steps between outer steps, outer Nesterov SGD (`sync.outer_lr`, `sync.outer_momentum`).
+What differs is who averages the outer gradient across the link:
+
+- torchft: `torchft.local_sgd.DiLoCo` on the Trainer's AdamW, a `torchft.Manager`
+  per replica group (replica ids replica0/replica1, use_async_quorum=False, as
+  DiLoCo requires), a lighthouse in site 0's namespace (min_replicas=2) and
+  torchft's reconfigurable `ProcessGroupGloo`; each outer step asks the lighthouse
+  for a quorum, all-reduces the pseudo-gradient over gloo across the link (one
+  all-reduce per parameter tensor unless --torchft-bucketize), votes should_commit
+  and steps the outer SGD;
+- isthmus: `isthmus site` run in each namespace (`sync.mode=diloco`), coordinators
+  and lanes on the namespace addresses, no proxies: its control plane, lanes and
+  bulk ports cross the same relay as torchft's traffic (--isthmus-via local runs
+  `isthmus local` instead, with its own user-space emulator of the same link).
+
+Per side: wall time per outer step (median over outer steps after the first), the
+sync part of an outer step, the total wall time (launch to exit, and the training
+loop alone), the final training loss (mean of the last --loss-window steps of
+both replicas), bytes the link carried, and whether the replicas end equal
+(sha256 of the parameters, `Trainer.parameter_digest`).
+
+torchft is never a dependency of isthmus: it is imported only by this script's
+worker processes, from --torchft-path (appended to sys.path, after site-packages,
+so the installed torch is used). See docs/torchft_comparison.md for the install.
+
+    sudo python3 benchmarks/torchft_diloco.py [--steps 100] [--inner-steps 20]
+        [--distance-km 1000] [--bandwidth-mbit 1000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date, timedelta
+from pathlib import Path
+
+DEFAULT_TORCHFT_PATH = "/opt/torchft-site"
+SITE_PORT = 29500  # each site's one-rank torch.distributed world (loopback)
+STORE_PORT = 29510  # torchft: each replica group's TCPStore (its namespace address)
+MANAGER_PORT = 29511  # torchft: each replica group's ManagerServer
+LIGHTHOUSE_PORT = 29520  # torchft: the lighthouse, in site 0's namespace
+COORDINATOR_PORT = 7070  # isthmus: each site's coordinator (its namespace address)
+SIDES = ("torchft", "isthmus")
+CLI_WITH_CORES = (
+    "import os, sys; os.cpu_count = lambda: {cores}; sys.argv[0] = 'isthmus'; "
+    "from isthmus.deploy.cli import main; sys.exit(main())"
+)
+TORCHFT_MODULES = (
+    "torchft.local_sgd",
+    "torchft.manager",
+    "torchft.process_group",
+    "torchft.coordination",
+    "torchft.checkpointing.http_transport",
+)
+
+
+def die_with_parent() -> None:
+    """SIGKILL this worker when the benchmark dies (PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def job_overrides(args: argparse.Namespace) -> list[str]:
+    """The `--set` overrides both sides build their job config from."""
+    return [
+        "sync.mode=diloco",
+        f"sync.inner_steps={args.inner_steps}",
+        f"sync.outer_lr={args.outer_lr}",
+        f"sync.outer_momentum={args.outer_momentum}",
+        f"sync.codec={args.codec}",
+        f"model.preset={args.preset}",
+        f"train.batch_size={args.batch_size}",
+        f"train.seq_len={args.seq_len}",
+        f"job.seed={args.seed}",
+        f"wan.distance_km={args.distance_km}",
+        f"wan.bandwidth_mbit={args.bandwidth_mbit}",
+        "topology.device=cpu",
+        "run.tensorboard=false",
+        "run.digest_every=0",  # digests only after the last step (torchft: the same)
+        "run.metrics_port=-1",
+        *args.set,
+    ]
+
+
+# -- torchft workers (inside the namespaces) -------------------------------------------
+
+
+def lighthouse_worker(args: argparse.Namespace) -> None:
+    die_with_parent()
+    sys.path.append(args.torchft_path)
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind=f"[::]:{LIGHTHOUSE_PORT}", min_replicas=2)
+    print(json.dumps({"lighthouse": server.address()}), flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.shutdown()
+
+
+def torchft_worker(args: argparse.Namespace) -> None:
+    die_with_parent()
+    site, addresses = args.site, args.addresses
+    address = addresses[site]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(SITE_PORT),
+        RANK="0",
+        WORLD_SIZE="1",
+        # gloo (the site's world and torchft's cross-replica group) binds and
+        # announces this interface's address, not what the hostname resolves to.
+        GLOO_SOCKET_IFNAME="isthmus0",
+    )
+    sys.path.append(args.torchft_path)  # after site-packages: the installed torch wins
+    import torch
+    import torch.distributed as dist
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from isthmus.deploy.config import load_config
+    from isthmus.intra.data import ShardedBatches, stdlib_corpus
+    from isthmus.intra.flops import scaled_lr
+    from isthmus.intra.layout import ParallelLayout
+    from isthmus.intra.model import build_model
+    from isthmus.intra.topology import build_site_mesh
+    from isthmus.intra.train import TrainConfig, Trainer
+
+    torch.set_num_threads(args.threads)
+    config = load_config(
+        overrides=job_overrides(args),
+        flags={"job.steps": args.steps, "topology.sites": 2, "topology.ranks_per_site": 1},
+    )
+    timeout = timedelta(seconds=args.timeout_s)
+
+    class NamespaceHTTPTransport(HTTPTransport):
+        """torchft's checkpoint server advertises http://<gethostname()>:port; in a
+        namespace the hostname resolves to an address the other site cannot reach,
+        so advertise the namespace's own address instead (the server binds [::])."""
+
+        def address(self) -> str:
+            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    # The same inner trainer as `isthmus site` builds for diloco (deploy/rank.py).
+    dist.init_process_group("gloo", timeout=timeout)
+    layout = ParallelLayout.for_ranks(1, pp=1, tp=1)
+    mesh = build_site_mesh(layout, "cpu")
+    model = build_model(config.resolved_model(), seed=config.job.seed)
+    trainer = Trainer(
+        model,
+        mesh,
+        TrainConfig(
+            lr=scaled_lr(
+                config.train.lr, layout.dp, config.train.lr_scaling, config.train.lr_reference_dp
+            ),  # fmt: skip
+            warmup_steps=min(config.train.warmup_steps, config.job.steps),
+            weight_decay=config.train.weight_decay,
+            grad_clip=config.train.grad_clip or None,
+            total_steps=config.job.steps,
+        ),
+        parallel=config.parallel_config(cuda=False),
+    )
+    batches = ShardedBatches(
+        stdlib_corpus(config.data.max_bytes),
+        seq_len=config.train.seq_len,
+        batch_size=config.train.batch_size,
+        seed=config.job.seed,
+        shard_index=site,
+        num_shards=2,
+    )
+
+    def state_dict() -> dict:
+        return {"model": trainer.model.state_dict(), "inner_optim": trainer.optimizer.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        trainer.model.load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["inner_optim"])
+
+    # torchft's replica group: its own TCPStore on the namespace address (the
+    # lighthouse hands the primary's to the other group to rendezvous the gloo group).
+    store = dist.TCPStore(address, STORE_PORT, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=2,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        rank=0,
+        world_size=1,
+        store_addr=address,
+        store_port=STORE_PORT,
+        lighthouse_addr=f"http://{addresses[0]}:{LIGHTHOUSE_PORT}",
+        replica_id=f"replica{site}",
+        port=MANAGER_PORT,
+        # What the lighthouse hands to the other group (torchft's default: the host
+        # name, which resolves to loopback here, unreachable from the other namespace).
+        hostname=socket.gethostname() if args.torchft_hostname else address,
+        checkpoint_transport=(HTTPTransport if args.torchft_hostname else NamespaceHTTPTransport)(
+            timeout=timeout, num_chunks=0
+        ),
+        init_sync=args.init_sync,
+    )
+    outer_optimizer = torch.optim.SGD(
+        trainer.model.parameters(),
+        lr=config.sync.outer_lr,
+        momentum=config.sync.outer_momentum,
+        nesterov=config.sync.outer_momentum > 0,
+    )
+    phases: dict[str, list[float]] = {"quorum_s": [], "prepare_s": [], "perform_s": []}
+
+    def timed(fn, key: str):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phases[key].append(time.perf_counter() - t0)
+
+        return wrapper
+
+    records = []
+    commits = []
+    try:
+        with DiLoCo(
+            manager,
+            [trainer.model],
+            trainer.optimizer,
+            outer_optimizer,
+            sync_every=config.sync.inner_steps,
+            backup_device=torch.device("cpu"),
+            pin_memory=False,
+            use_bucketization=args.torchft_bucketize,
+        ) as diloco:
+            # Time the phases of each outer step (private attributes of torchft 0.2).
+            manager.start_quorum = timed(manager.start_quorum, "quorum_s")
+            fragment = diloco._fragments[0]
+            fragment.prepare_sync = timed(fragment.prepare_sync, "prepare_s")
+            perform = fragment.perform_sync
+
+            def perform_sync() -> bool:
+                t0 = time.perf_counter()
+                ok = perform()
+                phases["perform_s"].append(time.perf_counter() - t0)
+                commits.append(bool(ok))
+                return ok
+
+            fragment.perform_sync = perform_sync
+            started = time.perf_counter()
+            for step in range(config.job.steps):
+                t0 = time.perf_counter()
+                stats = trainer.step(step, *batches.batch(step))  # the sync runs in its hook
+                now = time.perf_counter()
+                records.append(
+                    {
+                        "step": step,
+                        "loss": stats.loss,
+                        "step_s": now - t0,
+                        "elapsed_s": now - started,
+                    }
+                )
+        digest = trainer.parameter_digest()
+        result = {
+            "site": site,
+            "records": records,
+            "phases": phases,
+            "commits": commits,
+            "manager_step": manager.current_step(),
+            "errored": str(manager.errored()) if manager.errored() else None,
+            "digest": digest,
+            "threads": args.threads,
+        }
+        print(json.dumps(result), flush=True)
+    finally:
+        manager.shutdown(wait=False)
+        dist.destroy_process_group()
+        del store
+
+
+# -- driver (root namespace) -------------------------------------------------------------
+
+
+def python_env(threads: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "no_grpc_proxy": "none.invalid",  # gRPC must not take a proxy from the environment
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def spawn(cmd: list[str], threads: int, log: Path) -> subprocess.Popen:
+    """Start `cmd` in its own process group; stderr goes to `log`."""
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env=python_env(threads),
+        start_new_session=True,
+    )
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Kill what is left of the benchmark's own process groups."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def link_bytes(wan) -> int:
+    stats = wan.links["site0-site1"].stats()
+    return int(sum(d["bytes_delivered"] for d in stats.values()))
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")[-n:]
+    return ""
+
+
+def run_torchft(wan, args: argparse.Namespace, logs: Path) -> dict:
+    addresses = [s.address for s in wan.sites]
+    me = [sys.executable, str(Path(__file__).resolve())]
+    procs: list[subprocess.Popen] = []
+    bytes0 = link_bytes(wan)
+    t0 = time.perf_counter()
+    try:
+        lh_log = logs / "torchft-lighthouse.log"
+        lighthouse = spawn(
+            [
+                *wan.sites[0].exec_prefix,
+                *me,
+                "--worker",
+                "lighthouse",
+                "--torchft-path",
+                args.torchft_path,
+            ],  # fmt: skip
+            1,
+            lh_log,
+        )
+        procs.append(lighthouse)
+        line = lighthouse.stdout.readline()  # ready once it prints its address
+        if not line:
+            raise SystemExit(f"torchft lighthouse failed:\n{tail(lh_log)}")
+        workers = []
+        for site in range(2):
+            cmd = [
+                *wan.sites[site].exec_prefix, *me, "--worker", "torchft", "--site", str(site),
+                "--addresses", *addresses, "--threads", str(args.threads),
+                *worker_flags(args),
+            ]  # fmt: skip
+            workers.append(spawn(cmd, args.threads, logs / f"torchft-site{site}.log"))
+        procs.extend(workers)
+        results = []
+        for site, p in enumerate(workers):
+            stdout, _ = p.communicate(timeout=args.side_timeout_s)
+            if p.returncode != 0:
+                log = tail(logs / f"torchft-site{site}.log")
+                raise SystemExit(f"torchft worker site{site} failed (exit {p.returncode}):\n{log}")
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        stop(procs)
+    wall = time.perf_counter() - t0
+    per_site = {
+        f"site{r['site']}": {
+            "steps": [{k: x[k] for k in ("step", "loss", "elapsed_s")} for x in r["records"]],
+            "sync_s": outer_sync_times(r),
+            "digest": r["digest"],
+            "committed": sum(r["commits"]),
+        }
+        for r in results
+    }
+    extra = {
+        "phases_s": {f"site{r['site']}": r["phases"] for r in results},
+        "commits": {f"site{r['site']}": r["commits"] for r in results},
+        "manager_step": {f"site{r['site']}": r["manager_step"] for r in results},
+        "errored": {f"site{r['site']}": r["errored"] for r in results},
+        "threads_per_rank": args.threads,
+        "bucketize": args.torchft_bucketize,
+        "init_sync": args.init_sync,
+    }
+    return summarize_side(per_site, wall, link_bytes(wan) - bytes0, args, extra)
+
+
+def outer_sync_times(result: dict) -> list[float]:
+    """Seconds each outer step spent syncing (quorum + all-reduce + commit + outer step)."""
+    ph = result["phases"]
+    return [
+        q + a + b for q, a, b in zip(ph["quorum_s"], ph["prepare_s"], ph["perform_s"], strict=True)
+    ]
+
+
+def run_isthmus(wan, args: argparse.Namespace, logs: Path, run_root: Path) -> dict:
+    common = [
+        "--sites", "2", "--ranks-per-site", "1", "--steps", str(args.steps), "--quiet",
+        *(x for s in job_overrides(args) for x in ("--set", s)),
+    ]  # fmt: skip
+    procs: list[subprocess.Popen] = []
+    bytes0 = link_bytes(wan) if wan is not None else 0
+    t0 = time.perf_counter()
+    # The isthmus CLI, with os.cpu_count() made to give every rank --threads threads
+    # (deploy/site.py divides the cores by the site's ranks, deploy/local.py by all
+    # ranks; both sites share this machine, and torchft's ranks get --threads too).
+    ranks = 1 if args.isthmus_via == "netns" else 2
+    cli = [sys.executable, "-c", CLI_WITH_CORES.format(cores=args.threads * ranks)]
+    try:
+        if args.isthmus_via == "local":
+            run_dir = run_root / "isthmus-local"
+            cmd = [*cli, "local", *common, "--run-dir", str(run_dir)]
+            procs.append(spawn(cmd, args.threads, logs / "isthmus-local.log"))
+            site_dirs = {f"site{i}": run_dir / "sites" / f"site{i}" for i in range(2)}
+        else:
+            addresses = [s.address for s in wan.sites]
+            coords = [f"cluster.coordinators.site{i}={a}:{COORDINATOR_PORT}" for i, a in enumerate(addresses)]  # fmt: skip
+            site_dirs = {}
+            for i, site in enumerate(wan.sites):
+                run_dir = run_root / f"isthmus-site{i}"
+                site_dirs[f"site{i}"] = run_dir / "sites" / f"site{i}"
+                cmd = [
+                    *site.exec_prefix, *cli, "site", "--site", f"site{i}", "--insecure",
+                    *common, "--run-dir", str(run_dir),
+                    *(x for c in coords for x in ("--set", c)),
+                    "--set", f"cluster.lane_host={site.address}",
+                ]  # fmt: skip
+                procs.append(spawn(cmd, args.threads, logs / f"isthmus-site{i}.log"))
+        for i, p in enumerate(procs):
+            p.communicate(timeout=args.side_timeout_s)
+            if p.returncode != 0:
+                name = "isthmus-local" if args.isthmus_via == "local" else f"isthmus-site{i}"
+                raise SystemExit(
+                    f"{name} failed (exit {p.returncode}):\n{tail(logs / f'{name}.log')}"
+                )
+    finally:
+        stop(procs)
+    wall = time.perf_counter() - t0
+    per_site = {}
+    for name, d in site_dirs.items():
+        steps = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps.sort(key=lambda r: r["step"])
+        h = args.inner_steps
+        summary_path = d / "summary.json"
+        if not summary_path.exists():  # isthmus local: one summary for the run
+            summary_path = d.parent.parent / "summary.json"
+        summary = json.loads(summary_path.read_text())
+        per_site[name] = {
+            "steps": [{k: r[k] for k in ("step", "loss", "elapsed_s")} for r in steps],
+            "sync_s": [r["sync_s"] for r in steps if (r["step"] + 1) % h == 0],
+            "digest": summary["digests"][name],
+            "committed": max((r.get("outer_steps", 0) for r in steps), default=0),
+            "bytes_sent": sum(r.get("bytes_sent", 0) for r in steps),
+        }
+    crossed = link_bytes(wan) - bytes0 if args.isthmus_via == "netns" else None
+    if crossed is None:  # the user-space emulator's counters are not ours; use the lanes'
+        crossed = sum(s["bytes_sent"] for s in per_site.values())
+    extra = {"via": args.isthmus_via, "threads_per_rank": args.threads}
+    return summarize_side(per_site, wall, crossed, args, extra)
+
+
+def summarize_side(per_site: dict, wall: float, crossed: int, args, extra: dict) -> dict:
+    """Outer-step times, losses and digests of one side, from each site's per-step records."""
+    h = args.inner_steps
+    outer_walls: list[float] = []  # per outer step: the slower site's time for its H steps
+    sync: list[float] = []
+    for k in range(args.steps // h):
+        ends = []
+        for s in per_site.values():
+            el = {r["step"]: r["elapsed_s"] for r in s["steps"]}
+            begin = el.get(k * h - 1, 0.0)
+            ends.append(el[(k + 1) * h - 1] - begin)
+        outer_walls.append(max(ends))
+        sync.append(max(s["sync_s"][k] for s in per_site.values() if k < len(s["sync_s"])))
+    steady = outer_walls[1:] or outer_walls
+    steady_sync = sync[1:] or sync
+    w = args.loss_window
+    losses = [r["loss"] for s in per_site.values() for r in s["steps"][-w:]]
+    digests = {name: s["digest"] for name, s in per_site.items()}
+    return {
+        "outer_steps": len(outer_walls),
+        "outer_step_s": outer_walls,
+        "outer_step_median_s": statistics.median(steady),
+        "sync_s": sync,
+        "sync_median_s": statistics.median(steady_sync),
+        "train_wall_s": max(s["steps"][-1]["elapsed_s"] for s in per_site.values()),
+        "total_wall_s": wall,
+        "final_loss": statistics.fmean(losses),
+        "first_loss": statistics.fmean(s["steps"][0]["loss"] for s in per_site.values()),
+        "loss_curve": {
+            name: [round(r["loss"], 4) for r in s["steps"]] for name, s in per_site.items()
+        },
+        "step_s": {name: step_times(s["steps"]) for name, s in per_site.items()},
+        "link_bytes": crossed,
+        "digests": digests,
+        "replicas_equal": len(set(digests.values())) == 1,
+        "outer_steps_committed": min(s["committed"] for s in per_site.values()),
+        **extra,
+    }
+
+
+def step_times(steps: list[dict]) -> list[float]:
+    """Wall seconds of each step (sync included), from the cumulative elapsed times."""
+    out, last = [], 0.0
+    for r in steps:
+        out.append(round(r["elapsed_s"] - last, 4))
+        last = r["elapsed_s"]
+    return out
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    flags = [
+        "--torchft-path", args.torchft_path, "--steps", str(args.steps),
+        "--inner-steps", str(args.inner_steps), "--outer-lr", str(args.outer_lr),
+        "--outer-momentum", str(args.outer_momentum), "--preset", args.preset,
+        "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+        "--seed", str(args.seed), "--codec", args.codec,
+        "--distance-km", str(args.distance_km), "--bandwidth-mbit", str(args.bandwidth_mbit),
+        "--timeout-s", str(args.timeout_s),
+    ]  # fmt: skip
+    for s in args.set:
+        flags += ["--set", s]
+    if args.torchft_bucketize:
+        flags.append("--torchft-bucketize")
+    if args.init_sync:
+        flags.append("--init-sync")
+    if args.torchft_hostname:
+        flags.append("--torchft-hostname")
+    return flags
+
+
+def preflight(args: argparse.Namespace) -> str | None:
+    """Why this machine cannot run the benchmark, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and iptables)"
+    for tool in ("iptables", "ip"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}` (apt-get install -y {'iptables' if tool == 'iptables' else 'iproute2'})"  # fmt: skip
+    check = (
+        f"import sys; sys.path.append({args.torchft_path!r}); "
+        f"import importlib; [importlib.import_module(m) for m in {TORCHFT_MODULES!r}]"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", check], capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired:
+        return "importing torchft timed out"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return (
+            f"torchft is not importable from {args.torchft_path} ({last}); "
+            "see docs/torchft_comparison.md to install it"
+        )
+    return None
+
+
+def print_table(result: dict) -> None:
+    t, i = result["torchft"], result["isthmus"]
+    rows = [
+        ("outer step, median s", "outer_step_median_s", "{:.2f}"),
+        ("  of which sync, median s", "sync_median_s", "{:.3f}"),
+        ("training loop s", "train_wall_s", "{:.1f}"),
+        ("total wall s (launch..exit)", "total_wall_s", "{:.1f}"),
+        ("loss, first step", "first_loss", "{:.4f}"),
+        (f"loss, last {result['loss_window']} steps", "final_loss", "{:.4f}"),
+        ("bytes over the link, MB", "link_bytes", None),
+        ("outer steps committed", "outer_steps_committed", "{}"),
+        ("replicas equal at the end", "replicas_equal", None),
+    ]
+    print(
+        f"2 replica groups x 1 rank, {result['distance_km']:g} km "
+        f"({result['one_way_latency_s'] * 1e3:.2f} ms one way), {result['bandwidth_mbit']:g} Mbit/s, "
+        f"{result['steps']} steps, H={result['inner_steps']}, model {result['preset']}"
+    )
+    print(f"{'':32} {'torchft 0.2':>14} {'isthmus':>14}")
+    for label, key, fmt in rows:
+        cells = []
+        for side in (t, i):
+            v = side[key]
+            if key == "link_bytes":
+                cells.append(f"{v / 1e6:.1f}")
+            elif fmt is None:
+                cells.append("yes" if v else "NO")
+            else:
+                cells.append(fmt.format(v))
+        print(f"{label:32} {cells[0]:>14} {cells[1]:>14}")
+    same = "yes" if result["same_parameters"] else "no"
+    print(f"final parameters equal across the two sides (sha256): {same}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add = p.add_argument
+    add("--torchft-path", default=DEFAULT_TORCHFT_PATH, help="directory torchft 0.2 is installed in (pip --target)")  # fmt: skip
+    add("--steps", type=int, default=100, help="inner steps in all (a multiple of H)")
+    add("--inner-steps", type=int, default=20, help="H: inner steps per outer step")
+    add("--outer-lr", type=float, default=0.7)
+    add("--outer-momentum", type=float, default=0.9, help="Nesterov momentum of the outer SGD")
+    add("--preset", default="small", help="isthmus model preset")
+    add("--batch-size", type=int, default=8)
+    add("--seq-len", type=int, default=128)
+    add("--seed", type=int, default=0)
+    add("--codec", default="raw", help="isthmus codec (raw: fp32 like torchft's gloo all-reduce)")
+    add("--distance-km", type=float, default=1000.0, help="fiber distance (4.9 us/km one way)")
+    add("--bandwidth-mbit", type=float, default=1000.0, help="link bandwidth each way, Mbit/s")
+    add("--set", action="append", default=[], help="extra isthmus config override (both sides)")  # fmt: skip
+    add("--threads", type=int, default=0, help="torch threads per rank, both sides; 0 = cores / 2")  # fmt: skip
+    add("--isthmus-via", choices=("netns", "local"), default="netns", help="isthmus side: `isthmus site` in the namespaces (default) or `isthmus local` (its own emulator)")  # fmt: skip
+    add("--torchft-bucketize", action="store_true", help="torchft: one all-reduce per 1 GiB bucket instead of per tensor")  # fmt: skip
+    add("--init-sync", action="store_true", help="torchft: init_sync=True (replica1 heals from replica0 at the first quorum, over the checkpoint server)")  # fmt: skip
+    add("--torchft-hostname", action="store_true", help="torchft: advertise the host name (its default) instead of the namespace address, to see why that fails")  # fmt: skip
+    add("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="which sides to run")
+    add("--loss-window", type=int, default=5, help="final loss: mean of this many last steps")
+    add("--timeout-s", type=float, default=300.0, help="torchft collective/quorum timeout")
+    add("--side-timeout-s", type=float, default=1800.0, help="give up on a side after this long")
+    add("--job", default="tftdl", help="namespace job name (1-8 of [a-z0-9])")
+    add("--keep", default=None, help="keep run dirs and logs here (default: a temporary dir)")
+    add("--json", default=None, help="also write the results here")
+    add("--worker", choices=("torchft", "lighthouse"), help=argparse.SUPPRESS)
+    add("--site", type=int, help=argparse.SUPPRESS)
+    add("--addresses", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker == "lighthouse":
+        lighthouse_worker(args)
+        return 0
+    if args.worker == "torchft":
+        torchft_worker(args)
+        return 0
+    if args.inner_steps < 1 or args.steps < args.inner_steps or args.steps % args.inner_steps:
+        p.error("--steps must be a positive multiple of --inner-steps")
+    if args.threads <= 0:
+        args.threads = max(1, (os.cpu_count() or 1) // 2)  # two ranks share the machine
+    reason = preflight(args)
+    if reason is not None:
+        print(f"torchft_diloco: {reason}", file=sys.stderr)
+        return 2
+
+    from isthmus.sim import LinkSpec
+    from isthmus.sim.transparent import TransparentWan
+
+    spec = LinkSpec.from_distance(args.distance_km, args.bandwidth_mbit * 1e6)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            root = Path(args.keep)
+            root.mkdir(parents=True, exist_ok=True)
+        else:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tftdl-")))
+        logs = root / "logs"
+        logs.mkdir(exist_ok=True)
+        wan = stack.enter_context(TransparentWan(args.job, 2, spec))
+        out: dict[str, dict] = {}
+        for side in args.sides:
+            print(f"running {side} ...", file=sys.stderr, flush=True)
+            if side == "torchft":
+                out[side] = run_torchft(wan, args, logs)
+            else:
+                out[side] = run_isthmus(wan, args, logs, root)
+    result = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",  # fmt: skip
+        "command": " ".join(
+            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
+        ),  # fmt: skip
+        "steps": args.steps,
+        "inner_steps": args.inner_steps,
+        "preset": args.preset,
+        "batch": [args.batch_size, args.seq_len],
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
+        "distance_km": args.distance_km,
+        "one_way_latency_s": spec.a_to_b.latency_s,
+        "bandwidth_mbit": args.bandwidth_mbit,
+        "loss_window": args.loss_window,
+        **out,
+    }
+    if len(out) == 2:
+        digests = {d for side in out.values() for d in side["digests"].values()}
+        result["same_parameters"] = len(digests) == 1
+    if len(out) == 2:
+        print_table(result)
+    else:
+        for side, r in out.items():
+            keys = ("outer_step_median_s", "sync_median_s", "train_wall_s", "total_wall_s", "final_loss", "link_bytes", "outer_steps_committed", "replicas_equal")  # fmt: skip
+            print(side, {k: r[k] for k in keys})
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
