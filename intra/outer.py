@@ -20,8 +20,9 @@ With ``fragments`` P > 1 (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18
 the blocks are dealt into P strided fragments (block i in fragment i mod P), and
 fragment k takes its outer step every H steps at its own offset, (k+1)·H/P steps into
 each H: the link carries 1/P of the model at a time, P times as often, so a round is P
-times shorter and hides behind fewer inner steps. A fragment that lands ``delay``
-steps late is mixed with the local parameters, ``alpha``·local + (1-``alpha``)·average.
+times shorter and hides behind fewer inner steps. With ``alpha`` set, a round that
+lands ``delay`` steps late is mixed with the local parameters, ``alpha``·local +
+(1-``alpha``)·new anchor, instead of the eager merge.
 
 The outer step works on this rank's local shards only, in groups that follow the
 model's blocks (each block's parameters, then the parameters outside ``layers``), the
