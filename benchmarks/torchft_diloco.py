@@ -21,11 +21,16 @@ What differs is who averages the outer gradient across the link:
   bulk ports cross the same relay as torchft's traffic (--isthmus-via local runs
   `isthmus local` instead, with its own user-space emulator of the same link).
 
-Per side: wall time per outer step (median over outer steps after the first), the
-sync part of an outer step, the total wall time (launch to exit, and the training
-loop alone), the final training loss (mean of the last --loss-window steps of
-both replicas), bytes the link carried, and whether the replicas end equal
-(sha256 of the parameters, `Trainer.parameter_digest`).
+Per side: wall time per outer step (H inner steps and the sync; median over the
+outer steps after each run's first), the sync's time (torchft: quorum + all-reduce +
+should_commit + outer SGD, timed around its hooks; isthmus: `OuterOptimizer.step`)
+at the site that waited longest and at the site that arrived last (the sync's own
+cost, without waiting for the other replica), the median inner step, the total wall
+time (launch to exit, and the training loop alone), the final training loss (mean
+of the last --loss-window steps of both replicas), bytes the link carried, outer
+steps committed, and whether the replicas end equal (sha256 of the parameters,
+`Trainer.parameter_digest`; also compared across the two sides). --repeats N runs
+each side N times in alternating order (the machine's load drifts).
 
 torchft is never a dependency of isthmus: it is imported only by this script's
 worker processes, from --torchft-path (appended to sys.path, after site-packages,
@@ -430,6 +435,7 @@ def run_isthmus(wan, args: argparse.Namespace, logs: Path, run_root: Path) -> di
         "--sites", "2", "--ranks-per-site", "1", "--steps", str(args.steps), "--quiet",
         *(x for s in job_overrides(args) for x in ("--set", s)),
     ]  # fmt: skip
+    run_root.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     bytes0 = link_bytes(wan) if wan is not None else 0
     t0 = time.perf_counter()
@@ -495,7 +501,8 @@ def summarize_side(per_site: dict, wall: float, crossed: int, args, extra: dict)
     """Outer-step times, losses and digests of one side, from each site's per-step records."""
     h = args.inner_steps
     outer_walls: list[float] = []  # per outer step: the slower site's time for its H steps
-    sync: list[float] = []
+    sync: list[float] = []  # the site that waited longest (includes waiting for the other)
+    sync_last: list[float] = []  # the site that arrived last: the sync's own cost
     for k in range(args.steps // h):
         ends = []
         for s in per_site.values():
@@ -503,9 +510,15 @@ def summarize_side(per_site: dict, wall: float, crossed: int, args, extra: dict)
             begin = el.get(k * h - 1, 0.0)
             ends.append(el[(k + 1) * h - 1] - begin)
         outer_walls.append(max(ends))
-        sync.append(max(s["sync_s"][k] for s in per_site.values() if k < len(s["sync_s"])))
+        times = [s["sync_s"][k] for s in per_site.values() if k < len(s["sync_s"])]
+        sync.append(max(times))
+        sync_last.append(min(times))
     steady = outer_walls[1:] or outer_walls
     steady_sync = sync[1:] or sync
+    steady_last = sync_last[1:] or sync_last
+    inner = [
+        t for s in per_site.values() for i, t in enumerate(step_times(s["steps"])) if (i + 1) % h
+    ]
     w = args.loss_window
     losses = [r["loss"] for s in per_site.values() for r in s["steps"][-w:]]
     digests = {name: s["digest"] for name, s in per_site.items()}
@@ -515,6 +528,9 @@ def summarize_side(per_site: dict, wall: float, crossed: int, args, extra: dict)
         "outer_step_median_s": statistics.median(steady),
         "sync_s": sync,
         "sync_median_s": statistics.median(steady_sync),
+        "sync_last_s": sync_last,
+        "sync_last_median_s": statistics.median(steady_last),
+        "inner_step_median_s": statistics.median(inner),
         "train_wall_s": max(s["steps"][-1]["elapsed_s"] for s in per_site.values()),
         "total_wall_s": wall,
         "final_loss": statistics.fmean(losses),
@@ -528,6 +544,28 @@ def summarize_side(per_site: dict, wall: float, crossed: int, args, extra: dict)
         "replicas_equal": len(set(digests.values())) == 1,
         "outer_steps_committed": min(s["committed"] for s in per_site.values()),
         **extra,
+    }
+
+
+def combine(runs: list[dict]) -> dict:
+    """One side's repeated runs: medians over every run's outer steps after its first."""
+    first = runs[0]
+    steady = [t for r in runs for t in r["outer_step_s"][1:] or r["outer_step_s"]]
+    sync = [t for r in runs for t in r["sync_s"][1:] or r["sync_s"]]
+    last = [t for r in runs for t in r["sync_last_s"][1:] or r["sync_last_s"]]
+    return {
+        **first,
+        "outer_step_median_s": statistics.median(steady),
+        "sync_median_s": statistics.median(sync),
+        "sync_last_median_s": statistics.median(last),
+        "inner_step_median_s": statistics.median(r["inner_step_median_s"] for r in runs),
+        "train_wall_s": statistics.median(r["train_wall_s"] for r in runs),
+        "total_wall_s": statistics.median(r["total_wall_s"] for r in runs),
+        "link_bytes": statistics.median(r["link_bytes"] for r in runs),
+        "replicas_equal": all(r["replicas_equal"] for r in runs),
+        "outer_steps_committed": min(r["outer_steps_committed"] for r in runs),
+        "runs_identical": len({tuple(sorted(r["digests"].values())) for r in runs}) == 1,
+        "runs": runs,
     }
 
 
@@ -591,7 +629,9 @@ def print_table(result: dict) -> None:
     t, i = result["torchft"], result["isthmus"]
     rows = [
         ("outer step, median s", "outer_step_median_s", "{:.2f}"),
-        ("  of which sync, median s", "sync_median_s", "{:.3f}"),
+        ("  sync, longest wait, median s", "sync_median_s", "{:.3f}"),
+        ("  sync, last to arrive, median s", "sync_last_median_s", "{:.3f}"),
+        ("inner step, median s", "inner_step_median_s", "{:.3f}"),
         ("training loop s", "train_wall_s", "{:.1f}"),
         ("total wall s (launch..exit)", "total_wall_s", "{:.1f}"),
         ("loss, first step", "first_loss", "{:.4f}"),
@@ -603,9 +643,10 @@ def print_table(result: dict) -> None:
     print(
         f"2 replica groups x 1 rank, {result['distance_km']:g} km "
         f"({result['one_way_latency_s'] * 1e3:.2f} ms one way), {result['bandwidth_mbit']:g} Mbit/s, "
-        f"{result['steps']} steps, H={result['inner_steps']}, model {result['preset']}"
+        f"{result['steps']} steps, H={result['inner_steps']}, model {result['preset']}, "
+        f"{result['repeats']} run(s) per side"
     )
-    print(f"{'':32} {'torchft 0.2':>14} {'isthmus':>14}")
+    print(f"{'':34} {'torchft 0.2':>14} {'isthmus':>14}")
     for label, key, fmt in rows:
         cells = []
         for side in (t, i):
@@ -616,7 +657,7 @@ def print_table(result: dict) -> None:
                 cells.append("yes" if v else "NO")
             else:
                 cells.append(fmt.format(v))
-        print(f"{label:32} {cells[0]:>14} {cells[1]:>14}")
+        print(f"{label:34} {cells[0]:>14} {cells[1]:>14}")
     same = "yes" if result["same_parameters"] else "no"
     print(f"final parameters equal across the two sides (sha256): {same}")
 
@@ -643,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--init-sync", action="store_true", help="torchft: init_sync=True (replica1 heals from replica0 at the first quorum, over the checkpoint server)")  # fmt: skip
     add("--torchft-hostname", action="store_true", help="torchft: advertise the host name (its default) instead of the namespace address, to see why that fails")  # fmt: skip
     add("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="which sides to run")
+    add("--repeats", type=int, default=1, help="runs per side, in alternating order (A B B A ...)")  # fmt: skip
     add("--loss-window", type=int, default=5, help="final loss: mean of this many last steps")
     add("--timeout-s", type=float, default=300.0, help="torchft collective/quorum timeout")
     add("--side-timeout-s", type=float, default=1800.0, help="give up on a side after this long")
@@ -661,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.inner_steps < 1 or args.steps < args.inner_steps or args.steps % args.inner_steps:
         p.error("--steps must be a positive multiple of --inner-steps")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if args.threads <= 0:
         args.threads = max(1, (os.cpu_count() or 1) // 2)  # two ranks share the machine
     reason = preflight(args)
@@ -682,13 +726,18 @@ def main(argv: list[str] | None = None) -> int:
         logs = root / "logs"
         logs.mkdir(exist_ok=True)
         wan = stack.enter_context(TransparentWan(args.job, 2, spec))
-        out: dict[str, dict] = {}
-        for side in args.sides:
-            print(f"running {side} ...", file=sys.stderr, flush=True)
-            if side == "torchft":
-                out[side] = run_torchft(wan, args, logs)
-            else:
-                out[side] = run_isthmus(wan, args, logs, root)
+        runs: dict[str, list[dict]] = {side: [] for side in args.sides}
+        for rep in range(args.repeats):
+            # Alternate the order (A B, B A, ...): the machine's load drifts.
+            for side in args.sides if rep % 2 == 0 else args.sides[::-1]:
+                print(f"running {side} ({rep + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)  # fmt: skip
+                rep_logs = logs / f"{side}-{rep}"
+                rep_logs.mkdir(exist_ok=True)
+                if side == "torchft":
+                    runs[side].append(run_torchft(wan, args, rep_logs))
+                else:
+                    runs[side].append(run_isthmus(wan, args, rep_logs, root / f"run{rep}"))
+        out = {side: combine(r) for side, r in runs.items()}
     result = {
         "date": date.today().isoformat(),
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",  # fmt: skip
@@ -705,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         "one_way_latency_s": spec.a_to_b.latency_s,
         "bandwidth_mbit": args.bandwidth_mbit,
         "loss_window": args.loss_window,
+        "repeats": args.repeats,
         **out,
     }
     if len(out) == 2:
@@ -714,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(result)
     else:
         for side, r in out.items():
-            keys = ("outer_step_median_s", "sync_median_s", "train_wall_s", "total_wall_s", "final_loss", "link_bytes", "outer_steps_committed", "replicas_equal")  # fmt: skip
+            keys = ("outer_step_median_s", "sync_median_s", "sync_last_median_s", "train_wall_s", "total_wall_s", "final_loss", "link_bytes", "outer_steps_committed", "replicas_equal")  # fmt: skip
             print(side, {k: r[k] for k in keys})
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
