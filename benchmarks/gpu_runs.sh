@@ -11,7 +11,7 @@
 #                                          # overlapped DiLoCo over 1000 km at 1 Gbit/s
 #                                          # (PRESET, default 125m; STEPS, default 100)
 #                                          # (STEADY_AFTER: steps left out of the
-#                                          # steady state, default 2)
+#                                          # steady state, default 2; CODEC, default int8)
 #   bash benchmarks/gpu_runs.sh loss      # per-step sync's loss over STEPS steps on a
 #                                          # 10 Gbit/s link: the baseline the modes'
 #                                          # loss compares with (a link changes no loss)
@@ -76,7 +76,7 @@ case "${1:-}" in
     preset=${PRESET:-125m}
     python3 benchmarks/sync_modes.py --out "${RUNS:-/tmp/isthmus-runs}/modes-$preset" \
       --json "$out/modes_$preset.json" --one-site --preset "$preset" \
-      --ranks-per-site "$site_gpus" --steps "${STEPS:-100}" --tail 10 --codec int8 \
+      --ranks-per-site "$site_gpus" --steps "${STEPS:-100}" --tail 10 --codec "${CODEC:-int8}" \
       --modes "${MODES:-step@20,diloco:20,diloco:20:19}" --timeout 400 \
       --steady-after "${STEADY_AFTER:-2}" \
       --set topology.device=cuda --set train.seq_len=2048 \
