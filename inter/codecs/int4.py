@@ -57,14 +57,8 @@ class Int4Stage(Int8Stage):
         Returns:
             The fp32 scale followed by the packed nibbles.
         """
-        x = check_chunk(chunk)
         key = key if self.error_feedback else None
-        if key is not None:
-            with self._lock:
-                residual = self._residuals.get(key)
-            # A residual of another shape belongs to an older layout and is dropped.
-            if residual is not None and residual.shape == x.shape:
-                x = x + residual.to(x.device)
+        x = self._with_residual(check_chunk(chunk), key)
         n = x.numel()
         if n == 0:
             return _SCALE.pack(1.0)

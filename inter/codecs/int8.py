@@ -57,15 +57,8 @@ class Int8Stage:
         Returns:
             The fp32 scale followed by the int8 values.
         """
-        x = check_chunk(chunk)
         use_ef = self.error_feedback and key is not None
-        if use_ef:
-            with self._lock:
-                residual = self._residuals.get(key)
-            # A residual of another shape belongs to an older layout and is dropped; a
-            # loaded one (CPU) moves to the chunk's device.
-            if residual is not None and residual.shape == x.shape:
-                x = x + residual.to(x.device)
+        x = self._with_residual(check_chunk(chunk), key if use_ef else None)
         if x.is_cuda and x.numel():
             return self._encode_device(x, key if use_ef else None)
         amax = float(x.abs().max()) if x.numel() else 0.0
@@ -80,6 +73,18 @@ class Int8Stage:
             with self._lock:
                 self._residuals[key] = x - decoded
         return b"".join([_SCALE.pack(scale), to_host_view(q)])
+
+    def _with_residual(self, x: torch.Tensor, key: str | None) -> torch.Tensor:
+        """``x`` plus the residual kept under ``key`` (what earlier roundings lost)."""
+        if key is None:
+            return x
+        with self._lock:
+            residual = self._residuals.get(key)
+        # A residual of another shape belongs to an older layout and is dropped; a
+        # loaded one (CPU) moves to the chunk's device.
+        if residual is not None and residual.shape == x.shape:
+            x = x + residual.to(x.device)
+        return x
 
     def _encode_device(self, x: torch.Tensor, key: str | None) -> memoryview:
         """The CUDA encode: scale, values and residual computed on the GPU, then one
