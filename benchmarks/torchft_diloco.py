@@ -44,27 +44,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import platform
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date, timedelta
+from datetime import date
 from pathlib import Path
 
-DEFAULT_TORCHFT_PATH = "/opt/torchft-site"
-SITE_PORT = 29500  # each site's one-rank torch.distributed world (loopback)
-STORE_PORT = 29510  # torchft: each replica group's TCPStore (its namespace address)
-MANAGER_PORT = 29511  # torchft: each replica group's ManagerServer
-LIGHTHOUSE_PORT = 29520  # torchft: the lighthouse, in site 0's namespace
-COORDINATOR_PORT = 7070  # isthmus: each site's coordinator (its namespace address)
+from torchft_results import combine, outer_sync_times, print_table, summarize_side
+
+# The worker side, run by this script inside the namespaces (same directory: a script's
+# own folder is first on sys.path).
+from torchft_workers import (
+    COORDINATOR_PORT,
+    DEFAULT_TORCHFT_PATH,
+    job_overrides,
+    lighthouse_worker,
+    torchft_worker,
+)
+
 SIDES = ("torchft", "isthmus")
 CLI_WITH_CORES = (
     "import os, sys; os.cpu_count = lambda: {cores}; sys.argv[0] = 'isthmus'; "
@@ -77,234 +80,6 @@ TORCHFT_MODULES = (
     "torchft.coordination",
     "torchft.checkpointing.http_transport",
 )
-
-
-def die_with_parent() -> None:
-    """SIGKILL this worker when the benchmark dies (PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-
-
-def job_overrides(args: argparse.Namespace) -> list[str]:
-    """The `--set` overrides both sides build their job config from."""
-    return [
-        "sync.mode=diloco",
-        f"sync.inner_steps={args.inner_steps}",
-        f"sync.outer_lr={args.outer_lr}",
-        f"sync.outer_momentum={args.outer_momentum}",
-        f"sync.codec={args.codec}",
-        f"model.preset={args.preset}",
-        f"train.batch_size={args.batch_size}",
-        f"train.seq_len={args.seq_len}",
-        f"job.seed={args.seed}",
-        f"wan.distance_km={args.distance_km}",
-        f"wan.bandwidth_mbit={args.bandwidth_mbit}",
-        "topology.device=cpu",
-        "run.tensorboard=false",
-        "run.digest_every=0",  # digests only after the last step (torchft: the same)
-        "run.metrics_port=-1",
-        *args.set,
-    ]
-
-
-# -- torchft workers (inside the namespaces) -------------------------------------------
-
-
-def lighthouse_worker(args: argparse.Namespace) -> None:
-    die_with_parent()
-    sys.path.append(args.torchft_path)
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(bind=f"[::]:{LIGHTHOUSE_PORT}", min_replicas=2)
-    print(json.dumps({"lighthouse": server.address()}), flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        while True:
-            time.sleep(3600)
-    finally:
-        server.shutdown()
-
-
-def torchft_worker(args: argparse.Namespace) -> None:
-    die_with_parent()
-    site, addresses = args.site, args.addresses
-    address = addresses[site]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(SITE_PORT),
-        RANK="0",
-        WORLD_SIZE="1",
-        # gloo (the site's world and torchft's cross-replica group) binds and
-        # announces this interface's address, not what the hostname resolves to.
-        GLOO_SOCKET_IFNAME="isthmus0",
-    )
-    sys.path.append(args.torchft_path)  # after site-packages: the installed torch wins
-    import torch
-    import torch.distributed as dist
-    from torchft.checkpointing.http_transport import HTTPTransport
-    from torchft.local_sgd import DiLoCo
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-
-    from isthmus.deploy.config import load_config
-    from isthmus.intra.data import ShardedBatches, stdlib_corpus
-    from isthmus.intra.flops import scaled_lr
-    from isthmus.intra.layout import ParallelLayout
-    from isthmus.intra.model import build_model
-    from isthmus.intra.topology import build_site_mesh
-    from isthmus.intra.train import TrainConfig, Trainer
-
-    torch.set_num_threads(args.threads)
-    config = load_config(
-        overrides=job_overrides(args),
-        flags={"job.steps": args.steps, "topology.sites": 2, "topology.ranks_per_site": 1},
-    )
-    timeout = timedelta(seconds=args.timeout_s)
-
-    class NamespaceHTTPTransport(HTTPTransport):
-        """torchft's checkpoint server advertises http://<gethostname()>:port; in a
-        namespace the hostname resolves to an address the other site cannot reach,
-        so advertise the namespace's own address instead (the server binds [::])."""
-
-        def address(self) -> str:
-            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-    # The same inner trainer as `isthmus site` builds for diloco (deploy/rank.py).
-    dist.init_process_group("gloo", timeout=timeout)
-    layout = ParallelLayout.for_ranks(1, pp=1, tp=1)
-    mesh = build_site_mesh(layout, "cpu")
-    model = build_model(config.resolved_model(), seed=config.job.seed)
-    trainer = Trainer(
-        model,
-        mesh,
-        TrainConfig(
-            lr=scaled_lr(
-                config.train.lr, layout.dp, config.train.lr_scaling, config.train.lr_reference_dp
-            ),  # fmt: skip
-            warmup_steps=min(config.train.warmup_steps, config.job.steps),
-            weight_decay=config.train.weight_decay,
-            grad_clip=config.train.grad_clip or None,
-            total_steps=config.job.steps,
-        ),
-        parallel=config.parallel_config(cuda=False),
-    )
-    batches = ShardedBatches(
-        stdlib_corpus(config.data.max_bytes),
-        seq_len=config.train.seq_len,
-        batch_size=config.train.batch_size,
-        seed=config.job.seed,
-        shard_index=site,
-        num_shards=2,
-    )
-
-    def state_dict() -> dict:
-        return {"model": trainer.model.state_dict(), "inner_optim": trainer.optimizer.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["inner_optim"])
-
-    # torchft's replica group: its own TCPStore on the namespace address (the
-    # lighthouse hands the primary's to the other group to rendezvous the gloo group).
-    store = dist.TCPStore(address, STORE_PORT, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=2,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr=address,
-        store_port=STORE_PORT,
-        lighthouse_addr=f"http://{addresses[0]}:{LIGHTHOUSE_PORT}",
-        replica_id=f"replica{site}",
-        port=MANAGER_PORT,
-        # What the lighthouse hands to the other group (torchft's default: the host
-        # name, which resolves to loopback here, unreachable from the other namespace).
-        hostname=socket.gethostname() if args.torchft_hostname else address,
-        checkpoint_transport=(HTTPTransport if args.torchft_hostname else NamespaceHTTPTransport)(
-            timeout=timeout, num_chunks=0
-        ),
-        init_sync=args.init_sync,
-    )
-    outer_optimizer = torch.optim.SGD(
-        trainer.model.parameters(),
-        lr=config.sync.outer_lr,
-        momentum=config.sync.outer_momentum,
-        nesterov=config.sync.outer_momentum > 0,
-    )
-    phases: dict[str, list[float]] = {"quorum_s": [], "prepare_s": [], "perform_s": []}
-
-    def timed(fn, key: str):
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                phases[key].append(time.perf_counter() - t0)
-
-        return wrapper
-
-    records = []
-    commits = []
-    try:
-        with DiLoCo(
-            manager,
-            [trainer.model],
-            trainer.optimizer,
-            outer_optimizer,
-            sync_every=config.sync.inner_steps,
-            backup_device=torch.device("cpu"),
-            pin_memory=False,
-            use_bucketization=args.torchft_bucketize,
-        ) as diloco:
-            # Time the phases of each outer step (private attributes of torchft 0.2).
-            manager.start_quorum = timed(manager.start_quorum, "quorum_s")
-            fragment = diloco._fragments[0]
-            fragment.prepare_sync = timed(fragment.prepare_sync, "prepare_s")
-            perform = fragment.perform_sync
-
-            def perform_sync() -> bool:
-                t0 = time.perf_counter()
-                ok = perform()
-                phases["perform_s"].append(time.perf_counter() - t0)
-                commits.append(bool(ok))
-                return ok
-
-            fragment.perform_sync = perform_sync
-            started = time.perf_counter()
-            for step in range(config.job.steps):
-                t0 = time.perf_counter()
-                stats = trainer.step(step, *batches.batch(step))  # the sync runs in its hook
-                now = time.perf_counter()
-                records.append(
-                    {
-                        "step": step,
-                        "loss": stats.loss,
-                        "step_s": now - t0,
-                        "elapsed_s": now - started,
-                    }
-                )
-        digest = trainer.parameter_digest()
-        result = {
-            "site": site,
-            "records": records,
-            "phases": phases,
-            "commits": commits,
-            "manager_step": manager.current_step(),
-            "errored": str(manager.errored()) if manager.errored() else None,
-            "digest": digest,
-            "threads": args.threads,
-        }
-        print(json.dumps(result), flush=True)
-    finally:
-        manager.shutdown(wait=False)
-        dist.destroy_process_group()
-        del store
 
 
 # -- driver (root namespace) -------------------------------------------------------------
@@ -422,14 +197,6 @@ def run_torchft(wan, args: argparse.Namespace, logs: Path) -> dict:
     return summarize_side(per_site, wall, link_bytes(wan) - bytes0, args, extra)
 
 
-def outer_sync_times(result: dict) -> list[float]:
-    """Seconds each outer step spent syncing (quorum + all-reduce + commit + outer step)."""
-    ph = result["phases"]
-    return [
-        q + a + b for q, a, b in zip(ph["quorum_s"], ph["prepare_s"], ph["perform_s"], strict=True)
-    ]
-
-
 def run_isthmus(wan, args: argparse.Namespace, logs: Path, run_root: Path) -> dict:
     common = [
         "--sites", "2", "--ranks-per-site", "1", "--steps", str(args.steps), "--quiet",
@@ -497,87 +264,6 @@ def run_isthmus(wan, args: argparse.Namespace, logs: Path, run_root: Path) -> di
     return summarize_side(per_site, wall, crossed, args, extra)
 
 
-def summarize_side(per_site: dict, wall: float, crossed: int, args, extra: dict) -> dict:
-    """Outer-step times, losses and digests of one side, from each site's per-step records."""
-    h = args.inner_steps
-    outer_walls: list[float] = []  # per outer step: the slower site's time for its H steps
-    sync: list[float] = []  # the site that waited longest (includes waiting for the other)
-    sync_last: list[float] = []  # the site that arrived last: the sync's own cost
-    for k in range(args.steps // h):
-        ends = []
-        for s in per_site.values():
-            el = {r["step"]: r["elapsed_s"] for r in s["steps"]}
-            begin = el.get(k * h - 1, 0.0)
-            ends.append(el[(k + 1) * h - 1] - begin)
-        outer_walls.append(max(ends))
-        times = [s["sync_s"][k] for s in per_site.values() if k < len(s["sync_s"])]
-        sync.append(max(times))
-        sync_last.append(min(times))
-    steady = outer_walls[1:] or outer_walls
-    steady_sync = sync[1:] or sync
-    steady_last = sync_last[1:] or sync_last
-    inner = [
-        t for s in per_site.values() for i, t in enumerate(step_times(s["steps"])) if (i + 1) % h
-    ]
-    w = args.loss_window
-    losses = [r["loss"] for s in per_site.values() for r in s["steps"][-w:]]
-    digests = {name: s["digest"] for name, s in per_site.items()}
-    return {
-        "outer_steps": len(outer_walls),
-        "outer_step_s": outer_walls,
-        "outer_step_median_s": statistics.median(steady),
-        "sync_s": sync,
-        "sync_median_s": statistics.median(steady_sync),
-        "sync_last_s": sync_last,
-        "sync_last_median_s": statistics.median(steady_last),
-        "inner_step_median_s": statistics.median(inner),
-        "train_wall_s": max(s["steps"][-1]["elapsed_s"] for s in per_site.values()),
-        "total_wall_s": wall,
-        "final_loss": statistics.fmean(losses),
-        "first_loss": statistics.fmean(s["steps"][0]["loss"] for s in per_site.values()),
-        "loss_curve": {
-            name: [round(r["loss"], 4) for r in s["steps"]] for name, s in per_site.items()
-        },
-        "step_s": {name: step_times(s["steps"]) for name, s in per_site.items()},
-        "link_bytes": crossed,
-        "digests": digests,
-        "replicas_equal": len(set(digests.values())) == 1,
-        "outer_steps_committed": min(s["committed"] for s in per_site.values()),
-        **extra,
-    }
-
-
-def combine(runs: list[dict]) -> dict:
-    """One side's repeated runs: medians over every run's outer steps after its first."""
-    first = runs[0]
-    steady = [t for r in runs for t in r["outer_step_s"][1:] or r["outer_step_s"]]
-    sync = [t for r in runs for t in r["sync_s"][1:] or r["sync_s"]]
-    last = [t for r in runs for t in r["sync_last_s"][1:] or r["sync_last_s"]]
-    return {
-        **first,
-        "outer_step_median_s": statistics.median(steady),
-        "sync_median_s": statistics.median(sync),
-        "sync_last_median_s": statistics.median(last),
-        "inner_step_median_s": statistics.median(r["inner_step_median_s"] for r in runs),
-        "train_wall_s": statistics.median(r["train_wall_s"] for r in runs),
-        "total_wall_s": statistics.median(r["total_wall_s"] for r in runs),
-        "link_bytes": statistics.median(r["link_bytes"] for r in runs),
-        "replicas_equal": all(r["replicas_equal"] for r in runs),
-        "outer_steps_committed": min(r["outer_steps_committed"] for r in runs),
-        "runs_identical": len({tuple(sorted(r["digests"].values())) for r in runs}) == 1,
-        "runs": runs,
-    }
-
-
-def step_times(steps: list[dict]) -> list[float]:
-    """Wall seconds of each step (sync included), from the cumulative elapsed times."""
-    out, last = [], 0.0
-    for r in steps:
-        out.append(round(r["elapsed_s"] - last, 4))
-        last = r["elapsed_s"]
-    return out
-
-
 def worker_flags(args: argparse.Namespace) -> list[str]:
     flags = [
         "--torchft-path", args.torchft_path, "--steps", str(args.steps),
@@ -623,43 +309,6 @@ def preflight(args: argparse.Namespace) -> str | None:
             "see docs/torchft_comparison.md to install it"
         )
     return None
-
-
-def print_table(result: dict) -> None:
-    t, i = result["torchft"], result["isthmus"]
-    rows = [
-        ("outer step, median s", "outer_step_median_s", "{:.2f}"),
-        ("  sync, longest wait, median s", "sync_median_s", "{:.3f}"),
-        ("  sync, last to arrive, median s", "sync_last_median_s", "{:.3f}"),
-        ("inner step, median s", "inner_step_median_s", "{:.3f}"),
-        ("training loop s", "train_wall_s", "{:.1f}"),
-        ("total wall s (launch..exit)", "total_wall_s", "{:.1f}"),
-        ("loss, first step", "first_loss", "{:.4f}"),
-        (f"loss, last {result['loss_window']} steps", "final_loss", "{:.4f}"),
-        ("bytes over the link, MB", "link_bytes", None),
-        ("outer steps committed", "outer_steps_committed", "{}"),
-        ("replicas equal at the end", "replicas_equal", None),
-    ]
-    print(
-        f"2 replica groups x 1 rank, {result['distance_km']:g} km "
-        f"({result['one_way_latency_s'] * 1e3:.2f} ms one way), {result['bandwidth_mbit']:g} Mbit/s, "
-        f"{result['steps']} steps, H={result['inner_steps']}, model {result['preset']}, "
-        f"{result['repeats']} run(s) per side"
-    )
-    print(f"{'':34} {'torchft 0.2':>14} {'isthmus':>14}")
-    for label, key, fmt in rows:
-        cells = []
-        for side in (t, i):
-            v = side[key]
-            if key == "link_bytes":
-                cells.append(f"{v / 1e6:.1f}")
-            elif fmt is None:
-                cells.append("yes" if v else "NO")
-            else:
-                cells.append(fmt.format(v))
-        print(f"{label:34} {cells[0]:>14} {cells[1]:>14}")
-    same = "yes" if result["same_parameters"] else "no"
-    print(f"final parameters equal across the two sides (sha256): {same}")
 
 
 def main(argv: list[str] | None = None) -> int:
