@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from isthmus.deploy.summary import merge_steps, steady_state
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -143,16 +145,10 @@ def site_records(run_dir: Path) -> list[list[dict]]:
 
 def tokens_per_s_before_last(sites: list[list[dict]], skip: int) -> float:
     """Steady tokens/s without the job's last step: the one round that always waits for
-    all of the model (a one-time cost at the end, like start-up at the beginning)."""
-    tokens, wall = 0, 0.0
-    for recs in sites:
-        window = recs[skip:-1]
-        if not window:
-            return 0.0
-        tokens += sum(r["tokens"] for r in window)
-        digests = sum(r.get("digest_s", 0.0) for r in window)
-        wall = max(wall, window[-1]["elapsed_s"] - recs[skip - 1]["elapsed_s"] - digests)
-    return tokens / wall if wall > 0 else 0.0
+    all of the model (a one-time cost at the end, like start-up at the beginning).
+    Computed as summary.json's steady tokens/s is, on the steps before the last."""
+    merged = merge_steps({str(i): recs[:-1] for i, recs in enumerate(sites)})
+    return steady_state(merged, skip).get("steady_tokens_per_s", 0.0)
 
 
 def measure(run_dir: Path, tail: int, at_step: int) -> dict:
