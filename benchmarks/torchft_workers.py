@@ -91,12 +91,10 @@ def torchft_worker(args: argparse.Namespace) -> None:
     from torchft.process_group import ProcessGroupGloo
 
     from isthmus.deploy.config import load_config
+    from isthmus.deploy.rank import build_trainer
     from isthmus.intra.data import ShardedBatches, stdlib_corpus
-    from isthmus.intra.flops import scaled_lr
     from isthmus.intra.layout import ParallelLayout
-    from isthmus.intra.model import build_model
     from isthmus.intra.topology import build_site_mesh
-    from isthmus.intra.train import TrainConfig, Trainer
 
     torch.set_num_threads(args.threads)
     config = load_config(
@@ -113,25 +111,11 @@ def torchft_worker(args: argparse.Namespace) -> None:
         def address(self) -> str:
             return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-    # The same inner trainer as `isthmus site` builds for diloco (deploy/rank.py).
+    # The inner trainer `isthmus site` builds for diloco (deploy/rank.py).
     dist.init_process_group("gloo", timeout=timeout)
     layout = ParallelLayout.for_ranks(1, pp=1, tp=1)
     mesh = build_site_mesh(layout, "cpu")
-    model = build_model(config.resolved_model(), seed=config.job.seed)
-    trainer = Trainer(
-        model,
-        mesh,
-        TrainConfig(
-            lr=scaled_lr(
-                config.train.lr, layout.dp, config.train.lr_scaling, config.train.lr_reference_dp
-            ),  # fmt: skip
-            warmup_steps=min(config.train.warmup_steps, config.job.steps),
-            weight_decay=config.train.weight_decay,
-            grad_clip=config.train.grad_clip or None,
-            total_steps=config.job.steps,
-        ),
-        parallel=config.parallel_config(cuda=False),
-    )
+    trainer = build_trainer(config, mesh, layout, 2, cuda=False)
     batches = ShardedBatches(
         stdlib_corpus(config.data.max_bytes),
         seq_len=config.train.seq_len,

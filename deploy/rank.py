@@ -33,6 +33,7 @@ from pathlib import Path
 import grpc
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from isthmus.deploy.checkpointing import restore, save_due, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
@@ -47,7 +48,7 @@ from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.outer import OuterConfig, OuterOptimizer
 from isthmus.intra.topology import build_site_mesh, mesh_coordinate
-from isthmus.intra.train import TrainConfig, Trainer
+from isthmus.intra.train import GradientSync, TrainConfig, Trainer
 
 log = logging.getLogger("isthmus.rank")
 
@@ -131,26 +132,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
     # DiLoCo and Streaming DiLoCo: each site steps alone, an outer optimizer syncs.
     streaming = config.sync.mode == "streaming"
     diloco = streaming or config.sync.mode == "diloco"
-    model = build_model(config.resolved_model(), seed=config.job.seed)
-    trainer = Trainer(
-        model,
-        mesh,
-        TrainConfig(
-            lr=scaled_lr(
-                config.train.lr,
-                # An inner optimizer of DiLoCo sees its own site's batch only.
-                layout.dp if diloco else len(sites) * layout.dp,
-                config.train.lr_scaling,
-                config.train.lr_reference_dp,
-            ),
-            warmup_steps=min(config.train.warmup_steps, config.job.steps),
-            weight_decay=config.train.weight_decay,
-            grad_clip=config.train.grad_clip or None,
-            total_steps=config.job.steps,
-        ),
-        parallel=config.parallel_config(cuda=dev == "cuda"),
-        sync=None if diloco else sync,
-    )
+    trainer = build_trainer(config, mesh, layout, len(sites), cuda=dev == "cuda", sync=sync)
     outer = None
     if diloco and sync is not None:
         assert cross is not None
@@ -330,6 +312,42 @@ def run(env: RankEnv, config: JobConfig) -> None:
     if cross is not None:
         cross.close()
     dist.destroy_process_group()
+
+
+def build_trainer(
+    config: JobConfig,
+    mesh: DeviceMesh,
+    layout: ParallelLayout,
+    num_sites: int,
+    *,
+    cuda: bool,
+    sync: GradientSync | None = None,
+) -> Trainer:
+    """The rank's model and trainer as the job config says (also what
+    benchmarks/torchft_workers.py trains with). Per-step sync: ``sync`` averages every
+    gradient across sites, and the learning rate scales with the global dp width. In
+    the outer modes the trainer keeps its steps in the site (``sync`` is not used: the
+    outer optimizer crosses) and its learning rate scales with the site's dp only, the
+    batch its optimizer sees."""
+    per_step = config.sync.mode == "step"
+    return Trainer(
+        build_model(config.resolved_model(), seed=config.job.seed),
+        mesh,
+        TrainConfig(
+            lr=scaled_lr(
+                config.train.lr,
+                num_sites * layout.dp if per_step else layout.dp,
+                config.train.lr_scaling,
+                config.train.lr_reference_dp,
+            ),
+            warmup_steps=min(config.train.warmup_steps, config.job.steps),
+            weight_decay=config.train.weight_decay,
+            grad_clip=config.train.grad_clip or None,
+            total_steps=config.job.steps,
+        ),
+        parallel=config.parallel_config(cuda=cuda),
+        sync=sync if per_step else None,
+    )
 
 
 EVAL_SEED_OFFSET = 0x5EED
