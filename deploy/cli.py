@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import os
 import shutil
 import signal
@@ -423,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGINT ignored, and Python would then never raise KeyboardInterrupt).
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # `kill -USR1` prints every thread's stack (coordinators, relays) to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except ConfigError as exc:

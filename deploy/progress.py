@@ -93,6 +93,9 @@ class Progress:
         self.out.flush()
 
     def close(self) -> None:
+        # The ranks may have written their last steps after the previous update: show
+        # them, so a finished run always ends on its last step.
+        self.update()
         if self.tty and self.width:
             self.out.write("\n")
             self.out.flush()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import logging
 import os
@@ -393,6 +394,8 @@ def main() -> int:
     )
     # The launcher stops ranks with SIGTERM; exit quietly rather than with a traceback.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # `kill -USR1` prints every thread's stack to the rank's log: how a stuck rank is read.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         run(env, config)
     except grpc.RpcError as exc:

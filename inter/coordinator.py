@@ -371,18 +371,22 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.last_seen[request.site.name] = time.monotonic()
             name = request.site.name
             running = self._generation > 0 and not self.joining
-            # A member that joins from generation 0 once the job is under way (a step
-            # committed) or from another process than the job knows was restarted: its
-            # earlier incarnation is gone (suspect it now, not after the failure
-            # timeout), and it is admitted like any site outside the membership.
+            # A member that joins from generation 0 in another process than the job
+            # knows was restarted: its earlier incarnation is gone (suspect it now, not
+            # after the failure timeout), and it is admitted like any site outside the
+            # membership. The same process joining from generation 0 is a late copy of
+            # a join it sent before the job began (a slow server, a retried call): it
+            # changes nothing. Only a peer that names no incarnation is judged by
+            # whether the job is under way.
+            known = self.incarnations.get(name)
             restarted = (
                 running
                 and name in self.members
                 and request.generation == 0
                 and (
-                    self._generation > 1
-                    or self.failover.committed_steps > 0
-                    or self.incarnations.is_new(name, request.incarnation)
+                    self.incarnations.is_new(name, request.incarnation)
+                    if known and request.incarnation
+                    else self._generation > 1 or self.failover.committed_steps > 0
                 )
             )
             news = running and (name not in self.members or restarted)

@@ -2,24 +2,59 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 ISTHMUS = [sys.executable, "-m", "isthmus.deploy.cli"]
 
 
 def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """Run `isthmus ARGS...` to completion, capturing text output."""
-    return subprocess.run(
+    """Run `isthmus ARGS...` to completion, capturing text output.
+
+    A run past ``timeout`` is a hang to be read, not just a number: every process of
+    the job gets SIGUSR1 (each prints all its threads' stacks: the launcher to its
+    stderr, ranks to their logs), then SIGKILL, and the raised TimeoutExpired carries
+    the launcher's stderr and the tails of the run's logs.
+    """
+    process = subprocess.Popen(
         [*ISTHMUS, *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         stdin=subprocess.DEVNULL,
+        start_new_session=True,  # one process group: the launcher and its ranks
         **kwargs,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGUSR1)
+        time.sleep(3)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(
+            process.args, timeout, output=stdout, stderr=_hang_report(args, stderr)
+        ) from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _hang_report(args: tuple[str, ...], stderr: str) -> str:
+    parts = [f"--- launcher stderr ---\n{stderr[-20000:]}"]
+    if "--run-dir" in args:
+        logs = Path(args[args.index("--run-dir") + 1]) / "logs"
+        for log in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+            parts.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-20000:]}")
+    report = "\n".join(parts)
+    print(report, file=sys.stderr)  # pytest shows it with the failure
+    return report
 
 
 def port_is_free(port: int) -> bool:

@@ -402,3 +402,33 @@ def test_a_propose_that_reorders_the_members_is_refused():
         assert coords[1].generation == 1 and coords[1].live_members() == ["site0", "site1"]
     finally:
         stop_all(coords)
+
+
+def test_a_late_copy_of_a_members_first_join_does_not_pass_for_a_restart():
+    """Seen as a 6-step job hanging in CI: a join that site1 sent before the job began
+    (generation 0) and site0 handled only after the first commit, as a slow server or a
+    retried call can, made site0 take the live site1 for restarted. The same
+    incarnation is the same process: such a join changes nothing."""
+    coords = start_sites(2)
+    try:
+        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
+        with coords[1]._cond:
+            info = coords[1]._own_info_locked()
+        late = pb.JoinRequest(
+            site=info,
+            fingerprint=pb.JobFingerprint(fields=FP),
+            ready=True,
+            generation=0,
+            incarnation=coords[1].incarnations.mine,
+        )
+        with grpc.insecure_channel(coords[0].address) as channel:
+            answer = pb_grpc.CoordinatorStub(channel).Join(late, timeout=5)
+        assert answer.generation == 0  # not news: site1 is a member as it is
+        with coords[0]._cond:
+            assert coords[0].failover.suspects_locked() == []
+            assert "site1" not in coords[0].failover.restarted
+        decisions = vote_all(coords, 1, 1)
+        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
+        assert all(names(d) == ["site0", "site1"] for d in decisions.values())
+    finally:
+        stop_all(coords)

@@ -92,6 +92,26 @@ def test_steady_state_leaves_out_warm_up_steps_and_digest_time():
     assert steady_state([], skip=2) == {}
 
 
+def test_progress_ends_on_the_last_step_written_after_its_last_update(tmp_path):
+    """Seen in CI: the ranks wrote their last steps between the launcher's last update
+    and its check that they had exited, and the run's last line read "step 18/20"."""
+    config = load_config(overrides=["job.steps=3"])
+    paths = [tmp_path / "sites" / site / "metrics.jsonl" for site in config.site_names]
+    for path in paths:
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(line(path.parent.name, 0, elapsed=1, exposed=0, busy=0)) + "\n")
+    out = io.StringIO()
+    progress = Progress(config, tmp_path, out)
+    progress.update()
+    for path in paths:
+        with path.open("a") as f:
+            for i in (1, 2):
+                f.write(json.dumps(line(path.parent.name, i, elapsed=i + 1, exposed=0, busy=0)))
+                f.write("\n")
+    progress.close()
+    assert out.getvalue().rstrip().splitlines()[-1].split("]")[1].startswith(" step 3/3")
+
+
 def test_progress_line_and_summary_show_the_sync_and_what_of_it_was_exposed(tmp_path):
     config = load_config(overrides=["job.steps=2"])
     for site in config.site_names:
