@@ -186,6 +186,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
     else:
         config = load_config(args.config)
         sites, job = config.site_names, config.job.name
+        if config.failover.witness:  # the witness's server is named like a site
+            sites = [*sites, "witness"]
     out = Path(args.out).resolve()
     for path in write_certs(out, sites, days=args.days, hosts=args.host, force=args.force, job=job):
         print(f"wrote {path}")

@@ -31,122 +31,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from isthmus.deploy.chaos_scenarios import SCENARIOS, Fault, Scenario
 from isthmus.deploy.config import load_config
+from isthmus.deploy.hostile_calls import flood, forge, missed_forgeries
 from isthmus.sim import Corrupt, Flap, LinkSpec, RelayServer
 
 __all__ = ["SCENARIOS", "Fault", "Scenario", "run_scenario", "run_suite"]
 
 SITE_TIMEOUT_S = 240.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Fault:
-    """One fault: what, where, and at which step of the job (read from its metrics)."""
-
-    kind: str
-    """kill, restart, partition, corrupt, slow or flood."""
-    site: str = ""
-    """The site killed, restarted or slowed."""
-    link: tuple[str, str] = ("site0", "site1")
-    """The link partitioned or corrupted."""
-    at_step: int = 0
-    """Inject once the job has completed this many steps (0 = from the start)."""
-    duration_s: float = 0.0
-    """How long a partition or a flood lasts; for restart, the pause after the kill."""
-    rate: float = 0.0
-    """Corrupt: probability that a piece (<= 64 KiB read) gets a flipped bit.
-    Slow: the slowdown factor."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Scenario:
-    name: str
-    description: str
-    sites: int
-    steps: int
-    faults: tuple[Fault, ...]
-    survivors: tuple[str, ...]
-    """Sites that must finish the job with equal digests."""
-    quick: bool = False
-    """Part of the quick subset (CI)."""
-    expect_generations: bool = True
-    """The membership must have changed (a site left or came back)."""
-    pace_s: float = 0.0
-    """No step of any site is shorter than this (ISTHMUS_STEP_FLOOR_S), so the job
-    still runs when a restarted or cut-off site comes back, on any hardware."""
-
-
-SCENARIOS: tuple[Scenario, ...] = (
-    Scenario(
-        name="kill",
-        description="SIGKILL site1 at step 4 of 2; site0 (the tie-breaker) carries on alone",
-        sites=2,
-        steps=14,
-        faults=(Fault(kind="kill", site="site1", at_step=4),),
-        survivors=("site0",),
-        quick=True,
-    ),
-    Scenario(
-        name="kill-restart",
-        description="SIGKILL site1 at step 4 and start it again: it pulls the state from "
-        "site0 and rejoins",
-        sites=2,
-        steps=60,
-        faults=(Fault(kind="restart", site="site1", at_step=4, duration_s=1.0),),
-        survivors=("site0", "site1"),
-        quick=True,
-        pace_s=0.3,
-    ),
-    Scenario(
-        name="kill-leader",
-        description="3 sites; SIGKILL site0 (the leader) at step 4: site1 takes over",
-        sites=3,
-        steps=14,
-        faults=(Fault(kind="kill", site="site0", at_step=4),),
-        survivors=("site1", "site2"),
-    ),
-    Scenario(
-        name="partition",
-        description="cut the site0-site1 link for 8 s at step 4: site0 (quorum by "
-        "tie-break) goes on, site1 waits, then pulls the state and rejoins",
-        sites=2,
-        steps=60,
-        faults=(Fault(kind="partition", link=("site0", "site1"), at_step=4, duration_s=6.0),),
-        survivors=("site0", "site1"),
-        quick=True,
-        pace_s=0.3,
-    ),
-    Scenario(
-        name="corrupt",
-        description="flip a bit in 2% of the bulk pieces (>= 16 KiB reads) crossing the "
-        "link, both ways, all run; every corrupt chunk is pulled again",
-        sites=2,
-        steps=10,
-        faults=(Fault(kind="corrupt", link=("site0", "site1"), rate=0.02),),
-        survivors=("site0", "site1"),
-        expect_generations=False,
-    ),
-    Scenario(
-        name="flood",
-        description="at step 4, 20 health watches and 40 long polls held open for 6 s at "
-        "site0's coordinator (issue 14: they once froze the job); nobody is excluded",
-        sites=2,
-        steps=30,
-        faults=(Fault(kind="flood", site="site0", at_step=4, duration_s=6.0),),
-        survivors=("site0", "site1"),
-        expect_generations=False,
-        pace_s=0.3,
-    ),
-    Scenario(
-        name="slow",
-        description="site1 runs 5x slower; nobody is excluded, the job waits for it",
-        sites=2,
-        steps=8,
-        faults=(Fault(kind="slow", site="site1", rate=5.0),),
-        survivors=("site0", "site1"),
-        expect_generations=False,
-    ),
-)
 
 
 def free_ports(n: int) -> list[int]:
@@ -160,24 +52,19 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def _last_record(path: Path) -> dict:
+def _records(path: Path) -> list[dict]:
+    """A metrics.jsonl's lines; one being written (not yet whole) is skipped."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        return {}
-    for line in reversed(lines):
+        return []
+    records = []
+    for line in lines:
         try:
-            return json.loads(line)
+            records.append(json.loads(line))
         except ValueError:
             continue
-    return {}
-
-
-def _records(path: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return []
+    return records
 
 
 @dataclass
@@ -235,7 +122,7 @@ class ScenarioResult:
     rejoined: list[str] = field(default_factory=list)
 
 
-def _job_file(scenario: Scenario, work: Path, ports: list[int], extra: list[str]) -> Path:
+def _job_file(scenario: Scenario, work: Path, ports: list[int], witness: str) -> Path:
     names = [f"site{i}" for i in range(scenario.sites)]
     coordinators = ", ".join(f'{n} = "127.0.0.1:{p}"' for n, p in zip(names, ports, strict=True))
     lines = [
@@ -256,13 +143,13 @@ def _job_file(scenario: Scenario, work: Path, ports: list[int], extra: list[str]
         "failure_timeout_s = 2.0",
         "heartbeat_s = 0.25",
         "quorum_wait_s = 120.0",
+        *([f'witness = "{witness}"'] if witness else []),
         "[run]",
         "digest_every = 2",
         "tensorboard = false",
         "metrics_port = -1",
         "[cluster]",
         f"coordinators = {{ {coordinators} }}",
-        *extra,
     ]
     path = work / "job.toml"
     path.write_text("\n".join(lines) + "\n")
@@ -282,13 +169,20 @@ def run_scenario(
     """
     work.mkdir(parents=True, exist_ok=True)
     names = [f"site{i}" for i in range(scenario.sites)]
-    ports = free_ports(scenario.sites)
-    job = _job_file(scenario, work, ports, [])
+    ports = free_ports(scenario.sites + 1)
+    witness = f"127.0.0.1:{ports.pop()}" if scenario.witness else ""
+    job = _job_file(scenario, work, ports, witness)
     run_dir = work / "run"
     started = time.monotonic()
     relay = RelayServer().start()
     sites: dict[str, _Site] = {}
+    helpers: list[_Site] = []
     try:
+        if witness:
+            argv = [sys.executable, "-m", "isthmus.deploy.cli", "witness", "--config", str(job)]
+            argv += ["--listen", witness, *(a for o in overrides for a in ("--set", o))]
+            helpers.append(_Site("witness", argv, dict(os.environ), work / "witness"))
+            helpers[0].start()
         links = {}
         proxies: dict[str, dict[str, str]] = {n: {} for n in names}
         for i, a in enumerate(names):
@@ -323,10 +217,11 @@ def run_scenario(
         for site in sites.values():
             site.start()
         coordinators = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports, strict=True)}
-        _inject(scenario, sites, links, coordinators, run_dir, out)
+        fingerprint = load_config(job, list(overrides)).fingerprint()
+        _inject(scenario, sites, links, coordinators, fingerprint, run_dir, out)
         return _judge(scenario, sites, run_dir, started)
     finally:
-        for site in sites.values():
+        for site in [*sites.values(), *helpers]:
             site.kill()
         relay.close()
 
@@ -334,13 +229,18 @@ def run_scenario(
 def _progress(run_dir: Path, names: list[str]) -> int:
     """Steps completed by the furthest site."""
     return max(
-        (_last_record(run_dir / "sites" / n / "metrics.jsonl").get("step", -1) + 1 for n in names),
+        (
+            (_records(run_dir / "sites" / n / "metrics.jsonl") or [{}])[-1].get("step", -1) + 1
+            for n in names
+        ),
         default=0,
     )
 
 
-def _inject(scenario, sites, links, coordinators, run_dir: Path, out: TextIO | None) -> None:
-    kinds = ("kill", "restart", "partition", "flood")
+def _inject(
+    scenario, sites, links, coordinators, fingerprint, run_dir: Path, out: TextIO | None
+) -> None:
+    kinds = ("kill", "restart", "partition", "flood", "forge")
     pending = [f for f in scenario.faults if f.kind in kinds]
     deadline = time.monotonic() + SITE_TIMEOUT_S
     survivors = [sites[n] for n in scenario.survivors]
@@ -363,30 +263,15 @@ def _inject(scenario, sites, links, coordinators, run_dir: Path, out: TextIO | N
                 links[fault.link].reset()  # open connections notice at once
             elif fault.kind == "flood":
                 threading.Thread(
-                    target=_flood, args=(coordinators[fault.site], fault.duration_s), daemon=True
+                    target=flood, args=(coordinators[fault.site], fault.duration_s), daemon=True
+                ).start()
+            elif fault.kind == "forge":
+                threading.Thread(
+                    target=forge,
+                    args=(coordinators[fault.site], fingerprint, done, fault.duration_s),
+                    daemon=True,
                 ).start()
         time.sleep(0.1)
-
-
-def _flood(address: str, duration_s: float) -> None:
-    """Holds 20 health watches and 40 long polls open at a coordinator for a while: what
-    an unauthenticated caller can do (health needs no token), as issue 14 did."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from isthmus.proto import coordinator_pb2 as pb
-    from isthmus.proto import coordinator_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        stub = pb_grpc.CoordinatorStub(channel)
-        timeout = duration_s + 5
-        calls = [health.Watch(health_pb2.HealthCheckRequest(), timeout=timeout) for _ in range(20)]
-        ask = pb.GetMembershipRequest(known_generation=10**6, wait_ms=30_000)
-        calls += [stub.GetMembership.future(ask, timeout=timeout) for _ in range(40)]
-        time.sleep(duration_s)
-        for call in calls:
-            call.cancel()
 
 
 def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> ScenarioResult:
@@ -415,6 +300,7 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         steps = [r.get("step", 0) for r in records]
         if steps and steps != list(range(steps[0], steps[0] + len(steps))) or steps[:1] > [0]:
             result.rejoined.append(name)  # its steps jump: it pulled a live peer's state
+    forged = [f for f in scenario.faults if f.kind == "forge"]
     if len(set(result.digests.values())) != 1:
         result.why = f"survivors' digests differ: {result.digests}"
     elif scenario.expect_generations and result.generations < 2:
@@ -425,6 +311,10 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         f.kind == "flood" and "slots busy" not in sites[f.site].text() for f in scenario.faults
     ):
         result.why = "the flood was never turned away (no 'slots busy' in the site's log)"
+    elif forged and result.generations > 1:
+        result.why = "a forged call changed the membership"
+    elif forged and (why := missed_forgeries(sites[forged[0].site].text())):
+        result.why = why
     else:
         result.ok = True
     return result

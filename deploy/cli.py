@@ -413,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     from isthmus.deploy import certs_cmd
 
     certs_cmd.register(sub, HelpFormatter)
+
+    from isthmus.deploy import witness_cmd
+
+    witness_cmd.register(sub, HelpFormatter)
     return parser
 
 

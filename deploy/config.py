@@ -72,6 +72,12 @@ class JobConfig:
             "failure_timeout_s": f.failure_timeout_s,
             "min_sites": f.min_sites,
             "quorum_wait_s": f.quorum_wait_s,
+            # The most steps between two votes (an outer round's, with its delay), and slack.
+            "vote_window": self.sync.inner_steps + self.sync.outer_delay + 16
+            if self.sync.mode != "step"
+            else 16,
+            "first_step": max(0, self.checkpoint.resume_step),
+            "witness": self.failover.witness or None,
         }
 
     @property
@@ -203,6 +209,8 @@ class JobConfig:
         # Whether links need TLS or a token, never where the secrets are or what they are.
         out["security.require_tls"] = str(self.security.require_tls)
         out["security.require_token"] = str(self.security.require_token)
+        # Whether the job has a witness, not where each site reaches it.
+        out["failover.witness"] = str(bool(self.failover.witness))
         for key, value in dataclasses.asdict(self.resolved_model()).items():
             out[f"model.{key}"] = str(value)
         return out

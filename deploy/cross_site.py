@@ -26,6 +26,7 @@ from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.inter.mailbox import MAX_STEPS_AHEAD
 from isthmus.inter.membership import SiteMembership
+from isthmus.inter.rank_keys import RANK_KEY
 from isthmus.inter.security import SiteSecurity
 from isthmus.inter.state_transfer import pull_state
 from isthmus.intra.outer import OuterOptimizer
@@ -234,6 +235,7 @@ def _join(
             world_size=world_size,
             lane_address=lane_address,
             fingerprint=cpb.JobFingerprint(fields=config.fingerprint()),
+            rank_key=RANK_KEY,
         ),
         timeout=10,
         wait_for_ready=True,

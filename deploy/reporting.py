@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from isthmus.inter.channels import peer_channel
+from isthmus.inter.rank_keys import RANK_KEY
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
@@ -113,6 +114,7 @@ class StepReporter:
 
     def _report(self, request: cpb.ReportProgressRequest) -> None:
         assert self._stub is not None
+        request.rank_key = RANK_KEY  # the coordinator takes its site's digest from its ranks
         try:
             reply = self._stub.ReportProgress(request, timeout=REPORT_TIMEOUT_S)
         except grpc.RpcError as exc:

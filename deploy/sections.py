@@ -164,6 +164,10 @@ class FailoverSection:
     quorum_wait_s: float = 300.0
     """How long a site cut off from a quorum waits for the link to heal (then it
     pulls the state and rejoins) before it stops with a message saying why."""
+    witness: str = ""
+    """host:port of the job's witness (`isthmus witness`, at a third place): a side
+    holding exactly half the sites goes on only with its grant, so two sites survive
+    the loss of either. Empty = none: an even split goes on on the side with site0."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -141,6 +141,11 @@ def validate(config: JobConfig) -> None:
         f"{f.heartbeat_s} and {f.failure_timeout_s}",
     )
     _require(f.quorum_wait_s >= 0, f"failover.quorum_wait_s must be >= 0, got {f.quorum_wait_s}")
+    host, _, port = f.witness.rpartition(":")
+    _require(
+        not f.witness or (bool(host) and port.isdigit()),
+        f"failover.witness must be HOST:PORT, got {f.witness!r}",
+    )
     config.resolved_model()
     w = config.wan
     _require(w.distance_km >= 0, f"wan.distance_km must be >= 0, got {w.distance_km}")

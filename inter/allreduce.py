@@ -85,7 +85,13 @@ class CrossSiteAllReduce:
         waiting for it until the deadline is pointless."""
 
     def reconfigure(
-        self, *, site_index: int, num_sites: int, peers: dict[int, LanePeer], generation: int
+        self,
+        *,
+        site_index: int,
+        num_sites: int,
+        peers: dict[int, LanePeer],
+        generation: int,
+        site_names: list[str] | None = None,
     ) -> None:
         """Moves to a new membership (between rounds): the lane server and the codec
         state stay; the peers, this site's position and the generation change."""
@@ -96,7 +102,9 @@ class CrossSiteAllReduce:
         self.num_sites = num_sites
         self.peers = peers
         self.generation = generation
-        self.server.set_generation(generation, num_sites=num_sites, site_index=site_index)
+        self.server.set_generation(
+            generation, num_sites=num_sites, site_index=site_index, site_names=site_names
+        )
         self.abort.clear()
 
     def view(self) -> RoundView:

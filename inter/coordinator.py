@@ -13,7 +13,6 @@ Every RPC carries a deadline and every wait a timeout (docs/design.md invariant 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -22,16 +21,19 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from isthmus.inter.admission import on_join
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots, pool_size
-from isthmus.inter.channels import MESSAGE_LIMITS, peer_channel
+from isthmus.inter.channels import MESSAGE_LIMITS, peer_channel, server_options
 from isthmus.inter.failover import Failover
 from isthmus.inter.fingerprint import fingerprint_problem
 from isthmus.inter.incarnations import Incarnations
 from isthmus.inter.malformed import MalformedRequests
-from isthmus.inter.metrics import SiteMetrics
+from isthmus.inter.metrics import SiteMetrics, report_problem
 from isthmus.inter.peer_loop import PeerLoop
+from isthmus.inter.rank_keys import RankKeys
 from isthmus.inter.replicas import ReplicaDigests
 from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
+from isthmus.inter.witness import WitnessLink
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -68,6 +70,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         failure_timeout_s: a member not heard from for this long is suspected dead.
         min_sites: never go on with fewer live sites.
         quorum_wait_s: how long a site without quorum waits before it stops.
+        vote_window: votes for steps further than this past the step the site runs
+            are refused. first_step: a resumed job's first step.
+        witness: host:port of the job's witness (inter/witness.py), if it has one.
     """
 
     def __init__(
@@ -89,6 +94,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         failure_timeout_s: float = 10.0,
         min_sites: int = 1,
         quorum_wait_s: float = 60.0,
+        vote_window: int = 64,
+        first_step: int = 0,
+        witness: str | None = None,
     ) -> None:
         if site not in site_names:
             raise ValueError(f"site {site!r} is not one of the job's sites {site_names}")
@@ -121,7 +129,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.step = 0
         self.finished = False
         self.finished_peers: set[str] = set()
-        self.replicas = ReplicaDigests()
+        self.replicas = ReplicaDigests(site)
+        self.rank_keys = RankKeys(site)  # which process speaks for each local rank
+        self.asked_to_join: set[str] = set()
+        """Sites whose join of the running job awaits their answer at their own address."""
         # The membership: generation, its member sites, and for a site joining a
         # running job the step it starts at and the site it pulls the state from.
         self.members: list[str] = []
@@ -138,6 +149,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             failure_timeout_s=failure_timeout_s,
             min_sites=min_sites,
             quorum_wait_s=quorum_wait_s,
+            vote_window=vote_window,
+            first_step=first_step,
         )
         self.metrics = SiteMetrics(site)
         self.metrics_address: str | None = None
@@ -145,6 +158,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._host = host
         self.security = security or INSECURE
         self.where = f"coordinator of {site}"
+        self.witness = WitnessLink.of(self, witness) if witness else None
         # Long polls (GetMembership, CommitStep, SiteVote) wait on a slot each; a call
         # without one answers at once (inter/bounds.py): the legitimate waiters are this
         # site's ranks and the other sites' coordinators, a few calls each.
@@ -158,7 +172,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             futures.ThreadPoolExecutor(
                 max_workers=pool_size(waiters), thread_name_prefix=f"coord-{site}"
             ),
-            options=MESSAGE_LIMITS,
+            options=server_options(MESSAGE_LIMITS),
             interceptors=[
                 *self.security.server_interceptors(self.where),
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
@@ -203,6 +217,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self._stubs[name] = pb_grpc.CoordinatorStub(channel)
         self._joiner.start()
         self.failover.start()
+        if self.witness is not None:
+            self.witness.start()
         log.info("[%s] coordinator serving on %s", self.site, self.address)
         return self.address
 
@@ -235,6 +251,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if self._joiner.is_alive():
             self._joiner.join(timeout=self.rpc_timeout_s + 1.0)
         self.failover.join(timeout=self.rpc_timeout_s + 1.0)
+        if self.witness is not None:
+            self.witness.stop()
         self._server.stop(grace_s).wait(grace_s + 1.0)
         for channel in self._channels:
             channel.close()
@@ -333,8 +351,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             return f"site {info.name} sent {len(info.lane_addresses)} lane addresses, expected {self.ranks}"
         return Incarnations.problem(info.name, incarnation)
 
-    def _check_fingerprint(self, theirs: pb.JobFingerprint, who: str) -> str | None:
-        return fingerprint_problem(self.fingerprint, dict(theirs.fields), self.site, who)
+    def _check_fingerprint(
+        self, theirs: pb.JobFingerprint, who: str, *, to_caller: bool = False
+    ) -> str | None:
+        # Without the job token or TLS anyone can call: what goes back to the caller
+        # names the keys that differ, not this job's values (the log here has them).
+        values = not to_caller or self.security.require_token or self.security.require_tls
+        return fingerprint_problem(
+            self.fingerprint, dict(theirs.fields), self.site, who, values=values
+        )
 
     # -- RPC handlers ---------------------------------------------------------------
 
@@ -352,6 +377,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
         if problem is None and not 0 < len(request.lane_address) <= MAX_FIELD_CHARS:
             problem = "lane_address must be a non-empty host:port"
+        if problem is None:
+            problem = self.rank_keys.register(request.rank, request.rank_key)
         if problem is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         with self._cond:
@@ -361,45 +388,17 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def Join(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site.name, "Join")
-        problem = self._check_site_info(
-            request.site, request.ready, request.incarnation
-        ) or self._check_fingerprint(request.fingerprint, request.site.name[:64] or "a peer")
+        who = request.site.name[:64] or "a peer"
+        problem = answer = self._check_site_info(request.site, request.ready, request.incarnation)
+        if problem is None:
+            problem = self._check_fingerprint(request.fingerprint, who)
+            answer = self._check_fingerprint(request.fingerprint, who, to_caller=True)
         if problem is not None:
             log.warning("[%s] refused join from %s: %s", self.site, context.peer(), problem)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, answer or problem)
         with self._cond:
             self.last_seen[request.site.name] = time.monotonic()
-            name = request.site.name
-            running = self._generation > 0 and not self.joining
-            # A member that joins from generation 0 in another process than the job
-            # knows was restarted: its earlier incarnation is gone (suspect it now, not
-            # after the failure timeout), and it is admitted like any site outside the
-            # membership. The same process joining from generation 0 is a late copy of
-            # a join it sent before the job began (a slow server, a retried call): it
-            # changes nothing. Only a peer that names no incarnation is judged by
-            # whether the job is under way.
-            known = self.incarnations.get(name)
-            restarted = (
-                running
-                and name in self.members
-                and request.generation == 0
-                and (
-                    self.incarnations.is_new(name, request.incarnation)
-                    if known and request.incarnation
-                    else self._generation > 1 or self.failover.committed_steps > 0
-                )
-            )
-            news = running and (name not in self.members or restarted)
-            self.incarnations.learn(
-                name, request.incarnation, replace=not running or (news and request.ready)
-            )
-            if news and request.ready:
-                if restarted:
-                    self.failover.restarted.add(name)
-                self.failover.add_joiner(request.site)
-            elif request.ready and name not in self._ready_sites:
-                self._ready_sites[name] = request.site
-                self._maybe_ready_locked()
+            news = on_join(self, request)
             return pb.JoinResponse(
                 site=self._own_info_locked(),
                 ready=self._local_ready_locked(),
@@ -450,11 +449,16 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 self.finished_peers.add(request.site)
             self._cond.notify_all()
         self.metrics.site_up.labels(self.site, request.site).set(1)
-        if self.replicas.record(request.site, request.digest_step, request.digest):
-            self.metrics.replicas_identical.labels(self.site).set(0)
+        self.replicas.claim(request.site, request.digest_step, request.digest)
+        digest = self.replicas.own(request.confirm_step) if request.confirm_digest else ""
         with self._cond:
             return pb.HeartbeatResponse(
-                generation=self._generation, member=request.site in self.members
+                generation=self._generation,
+                member=request.site in self.members,
+                incarnation=self.incarnations.mine,
+                confirmed_digest=digest,
+                site=self._own_info_locked(),
+                ready=self._local_ready_locked(),
             )
 
     def CommitStep(self, request, context):  # noqa: N802
@@ -471,22 +475,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def ReportProgress(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "ReportProgress")
-        if request.site != self.site:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"progress for site {request.site[:64]!r} sent to the coordinator of {self.site}",
-            )
-        if not self.replicas.valid(request.digest):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
-            )
-        for name in ("step_s", "compute_s", "cross_site_s", "sync_busy_s", "mfu"):
-            value = getattr(request, name)
-            if not (math.isfinite(value) and value >= 0):  # counters refuse negative amounts
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{name} must be a finite number >= 0, got {value!r}",
-                )
+        problem = report_problem(request, self.site)
+        if problem is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if not self.rank_keys.is_any_rank(request.rank_key):
+            why = "progress without the key of a registered rank"
+            self.refusals.note(context.peer(), why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.where}: {why}")
         self.metrics.record_step(request)
         with self._cond:
             self.step = request.step

@@ -64,6 +64,9 @@ class Failover(Leader):
         failure_timeout_s: a member not heard from for this long is suspected dead.
         min_sites: never go on with fewer live sites.
         quorum_wait_s: how long a site without quorum waits before it stops.
+        vote_window: votes for steps more than this past the step the site runs are
+            refused (forged votes for coming steps once froze a job: issue 14, row 3).
+        first_step: the job's first step (a resumed job starts past 0).
     """
 
     def __init__(
@@ -73,16 +76,21 @@ class Failover(Leader):
         failure_timeout_s: float = 10.0,
         min_sites: int = 1,
         quorum_wait_s: float = 60.0,
+        vote_window: int = 64,
+        first_step: int = 0,
     ) -> None:
-        if failure_timeout_s <= 0 or quorum_wait_s < 0 or min_sites < 1:
+        if failure_timeout_s <= 0 or quorum_wait_s < 0 or min_sites < 1 or vote_window < 1:
             raise ValueError(
-                "need failure_timeout_s > 0, quorum_wait_s >= 0 and min_sites >= 1, got "
-                f"{failure_timeout_s}, {quorum_wait_s}, {min_sites}"
+                "need failure_timeout_s > 0, quorum_wait_s >= 0, min_sites >= 1 and "
+                f"vote_window >= 1, got {failure_timeout_s}, {quorum_wait_s}, {min_sites}, "
+                f"{vote_window}"
             )
         self.c = coordinator
         self.failure_timeout_s = failure_timeout_s
         self.min_sites = min_sites
         self.quorum_wait_s = quorum_wait_s
+        self.vote_window = vote_window
+        self.first_step = first_step
         self.committed_steps = 0
         """Steps this site has committed: the next step it runs."""
         self._rank_votes: dict[tuple[int, int], dict[int, bool]] = {}
@@ -127,6 +135,14 @@ class Failover(Leader):
     def _ordered(self, names: Iterable[str]) -> list[str]:
         return sorted(set(names), key=self.c.site_names.index)
 
+    def _refuse_if_too_far_locked(self, step: int, context: grpc.ServicerContext) -> None:
+        """Refuses (and logs) a vote for a step too far past the one this site runs."""
+        runs = max(self.committed_steps, self.c.start_step, self.first_step)
+        if step > runs + self.vote_window:
+            far = f"a vote for step {step}, more than {self.vote_window} steps past step {runs}"
+            self.c.refusals.note(context.peer(), far)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.c.where}: {far}")
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -156,6 +172,10 @@ class Failover(Leader):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"step {request.step} / generation {request.generation} out of range",
             )
+        if not c.rank_keys.is_rank(request.rank, request.rank_key):
+            why = f"a vote for rank {request.rank} without the key it registered with"
+            c.refusals.note(context.peer(), why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{c.where}: {why}")
         key = (request.step, request.generation)
         with c._cond:
             if request.generation > c._generation:
@@ -163,7 +183,9 @@ class Failover(Leader):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"generation {request.generation} is ahead of {c.site}'s {c._generation}",
                 )
-            self._rank_votes.setdefault(key, {}).setdefault(request.rank, request.ok)
+            self._refuse_if_too_far_locked(request.step, context)
+            votes = self._rank_votes.setdefault(key, {})
+            votes[request.rank] = votes.get(request.rank, True) and request.ok
             c._cond.notify_all()
         return self._await(key, request.wait_ms, context)
 
@@ -209,10 +231,13 @@ class Failover(Leader):
                     verdict=pb.VERDICT_PENDING,
                     reason=f"{c.site} is not the leader of generation {request.generation}",
                 )
-            self._site_votes.setdefault(key, {})[request.site] = (
-                request.ok,
-                frozenset(request.suspects),
-            )
+            self._refuse_if_too_far_locked(request.step, context)
+            # A site's vote is resent while it waits; a "not ok" stands once cast, so a
+            # second call saying "ok" (a forged one) cannot turn a failed round into a
+            # commit. The worst such a call can do is make the step run again.
+            votes = self._site_votes.setdefault(key, {})
+            ok = votes[request.site][0] and request.ok if request.site in votes else request.ok
+            votes[request.site] = (ok, frozenset(request.suspects))
         self._evaluate(key)
         return self._await(key, request.wait_ms, context)
 

@@ -32,16 +32,29 @@ def fingerprint_diff(ours: Mapping[str, str], theirs: Mapping[str, str]) -> list
 
 
 def fingerprint_problem(
-    ours: Mapping[str, str], theirs: Mapping[str, str], here: str, who: str
+    ours: Mapping[str, str],
+    theirs: Mapping[str, str],
+    here: str,
+    who: str,
+    *,
+    values: bool = True,
 ) -> str | None:
-    """Why `theirs` (sent by `who`) cannot join `here`'s job, or None when they agree."""
+    """Why `theirs` (sent by `who`) cannot join `here`'s job, or None when they agree.
+
+    With ``values=False`` only the differing keys are named: the answer to a caller
+    who may not belong to the job tells it nothing of the job's configuration (the
+    refusing side logs the full message)."""
     if len(theirs) > MAX_FINGERPRINT_KEYS:
         return f"{who} sent a fingerprint with {len(theirs)} keys (max {MAX_FINGERPRINT_KEYS})"
     diff = fingerprint_diff(ours, theirs)
-    if diff:
-        return (
-            f"job fingerprint differs between {here} and {who}: "
-            + "; ".join(diff[:8])
-            + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
-        )
-    return None
+    if not diff:
+        return None
+    if not values:
+        diff = [line.split("=", 1)[0] for line in diff]
+    return (
+        f"job fingerprint differs between {here} and {who}"
+        + ("" if values else f" in these keys ({here}'s log has both values)")
+        + ": "
+        + "; ".join(diff[:8])
+        + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+    )

@@ -25,10 +25,11 @@ from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 from .bounds import BoundedHealth, RefusalLog
 from .bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
+from .channels import server_options
 from .codec import crc32
 from .mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
 from .malformed import MalformedRequests
-from .security import INSECURE, SiteSecurity
+from .security import INSECURE, SiteSecurity, refuse_unless_named
 from .state_transfer import StateOffers, pieces
 from .wire import Chunk, ChunkWire, WireError, encode_resend_response, parse_chunk
 
@@ -123,9 +124,12 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self._lock = threading.Condition()
         self._generation = generation
         self._num_sites = num_sites
+        self._site_names: list[str] | None = None  # the members, once a membership is set
+        self.security = security or INSECURE
+        self.where = f"lane of site {site_index}"
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lane-rx"),
-            options=channel_options(chunk_bytes),
+            options=server_options(channel_options(chunk_bytes)),
             interceptors=[
                 *(security or INSECURE).server_interceptors(f"lane of site {site_index}"),
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
@@ -196,7 +200,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             return self._generation
 
     def set_generation(
-        self, generation: int, num_sites: int | None = None, site_index: int | None = None
+        self,
+        generation: int,
+        num_sites: int | None = None,
+        site_index: int | None = None,
+        site_names: list[str] | None = None,
     ) -> None:
         """Moves to a new membership; chunks of the old one in the mailbox are dropped.
 
@@ -204,6 +212,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             generation: the new membership generation.
             num_sites: sites in it (default unchanged).
             site_index: this site's position among them (default unchanged).
+            site_names: their names in order; with mutual TLS a chunk "from site i"
+                is taken only from a certificate naming the i-th (default unchanged).
         """
         with self._lock:
             num_sites = self._num_sites if num_sites is None else num_sites
@@ -213,6 +223,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             self._generation = generation
             self._num_sites = num_sites
             self.site_index = site_index
+            if site_names is not None:
+                self._site_names = list(site_names)
             self.mailbox.clear()
             self.outbox.clear()
             self._lock.notify_all()
@@ -387,12 +399,24 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         """
         accepted = corrupt = 0
         for req in request_iterator:
+            self._refuse_unless_sender(context, req.from_site, "PushChunks")
             status, code, msg = self.take(req)
             if status == REFUSED:
                 context.abort(code, msg)  # raises; nothing of this chunk was stored
             accepted += status == ACCEPTED
             corrupt += status == CORRUPT
         return lane_pb2.PushChunksResponse(accepted=accepted, corrupt=corrupt)
+
+    def _refuse_unless_sender(
+        self, context: grpc.ServicerContext, from_site: int, method: str
+    ) -> None:
+        """With mutual TLS, a call for site ``from_site`` (a chunk it sends, a chunk sent
+        to it) only from a certificate naming that member: another site of the job
+        cannot push chunks in its name or pull what was sent to it (issue 14, row 9)."""
+        with self._lock:
+            names = self._site_names
+        if names is not None and from_site < len(names):
+            refuse_unless_named(self.security, context, self.where, names[from_site], method)
 
     def OpenBulk(  # noqa: N802 (gRPC method name)
         self, request: lane_pb2.OpenBulkRequest, context: grpc.ServicerContext
@@ -411,6 +435,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     ) -> bytes:
         """Answers with a chunk this site sent to the requester, as first sent (the
         serialized ``ResendChunkResponse``)."""
+        self._refuse_unless_sender(context, request.from_site, "ResendChunk")
         generation = self.generation
         key = (request.step, request.group, request.kind, request.chunk_index)
         if request.generation != generation:

@@ -27,12 +27,14 @@ __all__ = ["Leader", "has_quorum"]
 log = logging.getLogger("isthmus.inter.failover")
 
 
-def has_quorum(alive: Iterable[str], site_names: list[str]) -> bool:
+def has_quorum(alive: Iterable[str], site_names: list[str], *, tie_break: bool = True) -> bool:
     """True when ``alive`` may go on: a majority of the job's sites, or exactly half
-    of them including the job's first site (the tie-breaker of an even split)."""
+    of them including the job's first site (the tie-breaker of an even split) unless
+    ``tie_break`` is off: a job with a witness (inter/witness.py) asks it instead."""
     alive = set(alive) & set(site_names)
     total = len(site_names)
-    return 2 * len(alive) > total or (2 * len(alive) == total and site_names[0] in alive)
+    half_with_first = 2 * len(alive) == total and site_names[0] in alive
+    return 2 * len(alive) > total or (tie_break and half_with_first)
 
 
 class Leader:
@@ -138,10 +140,18 @@ class Leader:
             with c._cond:
                 self._deciding.discard(key)
 
+    def _may_go_on(self, sites: list[str]) -> bool:
+        """A quorum of the job's sites; with a witness, exactly half of them only with
+        its grant (asked in the background: False until it answers)."""
+        witness = self.c.witness
+        if has_quorum(sites, self.c.site_names, tie_break=witness is None):
+            return True
+        return witness is not None and witness.granted(sites)
+
     def _quorum_ok_locked(self, key: tuple[int, int], alive: list[str]) -> bool:
         """False while ``alive`` may not go on; after quorum_wait_s, decide STOP."""
         c = self.c
-        if has_quorum(alive, c.site_names) and len(alive) >= self.min_sites:
+        if self._may_go_on(alive) and len(alive) >= self.min_sites:
             self._stuck_since = None
             return True
         now = time.monotonic()
@@ -204,7 +214,7 @@ class Leader:
         this site: it asks to be admitted again instead."""
         c = self.c
         accepted = [name for name, a in answers.items() if a.accepted] + [c.site]
-        if has_quorum(accepted, c.site_names):
+        if self._may_go_on(accepted):
             return True
         with c._cond:
             if any(a.generation >= generation and not a.accepted for a in answers.values()):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
+from isthmus.inter.rank_keys import RANK_KEY
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -111,7 +112,11 @@ class SiteMembership:
         for key in [k for k in self._peers if k not in used]:
             self._peers.pop(key).close()
         self.allreduce.reconfigure(
-            site_index=position, num_sites=len(sites), peers=peers, generation=generation
+            site_index=position,
+            num_sites=len(sites),
+            peers=peers,
+            generation=generation,
+            site_names=names,
         )
         self.generation, self.sites = generation, list(sites)
         log.info("[%s/%d] generation %d: %s", self.site, self.rank, generation, ", ".join(names))
@@ -129,6 +134,7 @@ class SiteMembership:
             generation=self.generation,
             ok=ok,
             wait_ms=_VOTE_WAIT_MS,
+            rank_key=RANK_KEY,
         )
         deadline = time.monotonic() + self.decision_timeout_s
         while time.monotonic() < deadline:

@@ -8,7 +8,24 @@ same numbers as the site's metrics.jsonl.
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from .replicas import ReplicaDigests
+
+
+def report_problem(report, site: str) -> str | None:
+    """Why a ReportProgressRequest to ``site``'s coordinator is malformed, or None."""
+    if report.site != site:
+        return f"progress for site {report.site[:64]!r} sent to the coordinator of {site}"
+    if not ReplicaDigests.valid(report.digest):
+        return "digest must be 64 lowercase hex digits"
+    for name in ("step_s", "compute_s", "cross_site_s", "sync_busy_s", "mfu"):
+        value = getattr(report, name)
+        if not (math.isfinite(value) and value >= 0):  # counters refuse negative amounts
+            return f"{name} must be a finite number >= 0, got {value!r}"
+    return None
 
 
 class SiteMetrics:

@@ -19,6 +19,8 @@ import grpc
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
+from .admission import on_answer
+
 if TYPE_CHECKING:
     from .coordinator import Coordinator
 
@@ -48,7 +50,8 @@ class PeerLoop:
             self.heartbeat_round(stubs)
 
     def heartbeat_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
-        """Tell every peer this site's step, latest digest and whether it finished."""
+        """Tell every peer this site's step, latest digest and whether it finished;
+        settle what calls claiming to be that peer said, with its answer."""
         c = self.c
         with c._cond:
             digest_step, digest = c._digest
@@ -61,17 +64,36 @@ class PeerLoop:
                 generation=c._generation,
             )
         for name, stub in stubs.items():
+            doubted = c.replicas.doubted(name)
+            request = beat
+            if doubted is not None:
+                request = pb.HeartbeatRequest()
+                request.CopyFrom(beat)
+                request.confirm_digest, request.confirm_step = True, doubted
             try:
-                reply = stub.Heartbeat(beat, timeout=c.rpc_timeout_s)
+                reply = stub.Heartbeat(request, timeout=c.rpc_timeout_s)
                 c.last_seen[name] = time.monotonic()
                 c.metrics.site_up.labels(c.site, name).set(1)
                 self.check_left_out(name, reply)
+                self.settle_claims(name, reply, doubted)
             except grpc.RpcError as exc:
                 c.metrics.site_up.labels(c.site, name).set(0)
                 # A peer leaving at the end is no news, nor is a dead site the job
                 # already went on without (it is still asked, in case it comes back).
                 if not c._stopped.is_set() and (name in c.members or not c.members):
                     log.warning("[%s] heartbeat to %s failed: %s", c.site, name, exc.code().name)
+
+    def settle_claims(self, name: str, reply: pb.HeartbeatResponse, doubted: int | None) -> None:
+        """What ``name`` answered at its own address settles what calls claiming to be
+        it said: a restart (a new incarnation), a join (admitted with the lanes it
+        names here) and a digest that differed from this site's."""
+        c = self.c
+        if reply is None:
+            return
+        if doubted is not None and c.replicas.confirm(name, doubted, reply.confirmed_digest):
+            c.metrics.replicas_identical.labels(c.site).set(0)
+        with c._cond:
+            on_answer(c, name, reply)
 
     def check_left_out(self, name: str, reply: pb.HeartbeatResponse) -> None:
         """A member of a newer generation that does not count this site: the job went on

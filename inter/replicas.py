@@ -14,40 +14,113 @@ KEEP_STEPS = 16  # digests kept per site; comparisons only need the recent ones
 
 
 class ReplicaDigests:
-    """Thread-safe record of (site, step) -> digest, with divergence detection."""
+    """Thread-safe record of (site, step) -> digest, with divergence detection.
 
-    def __init__(self) -> None:
+    This site's own digests come from its ranks (``record``). A peer's arrive in its
+    heartbeats (``claim``), calls anyone could have made: one that differs from this
+    site's own is *doubted*, not yet a divergence. The peer loop asks the peer at its
+    own address for its digest at that step (``doubted``, ``confirm``); only a
+    confirmed difference is a divergence, and a forged claim is dropped with a warning.
+    """
+
+    def __init__(self, site: str = "") -> None:
+        self.site = site
         self._lock = threading.Lock()
         self._by_site: dict[str, dict[int, str]] = {}
+        self._confirmed: set[tuple[str, int]] = set()
+        self._doubted: dict[str, set[int]] = {}
         self.divergence: str | None = None
+        self.forged = 0
+        """Claims a peer belied when asked (each one logged)."""
 
     @staticmethod
     def valid(digest: str) -> bool:
         return digest == "" or bool(DIGEST.match(digest))
 
     def record(self, site: str, step: int, digest: str) -> str | None:
-        """Store one digest; returns the divergence message if it disagrees with a peer's."""
+        """Stores this site's own digest; returns the divergence message, if any."""
         if not digest:
             return self.divergence
         with self._lock:
-            mine = self._by_site.setdefault(site, {})
-            mine[step] = digest
-            for old in sorted(mine)[:-KEEP_STEPS]:
-                del mine[old]
+            self._store_locked(site, step, digest)
             for other, digests in self._by_site.items():
                 theirs = digests.get(step)
-                if (
-                    other != site
-                    and theirs is not None
-                    and theirs != digest
-                    and not self.divergence
-                ):
-                    self.divergence = (
-                        f"replicas differ after step {step}: {site} has {digest[:16]}, "
-                        f"{other} has {theirs[:16]}"
-                    )
-                    log.error(self.divergence)
+                if other == site or theirs is None or theirs == digest:
+                    continue
+                if (other, step) in self._confirmed:
+                    self._diverge_locked(step, site, digest, other, theirs)
+                else:
+                    self._doubted.setdefault(other, set()).add(step)
             return self.divergence
+
+    def claim(self, site: str, step: int, digest: str) -> None:
+        """Stores a peer's digest as its heartbeat claimed it."""
+        if not digest:
+            return
+        with self._lock:
+            if (site, step) in self._confirmed:
+                return  # the peer itself said what it has
+            self._store_locked(site, step, digest)
+            mine = self._by_site.get(self.site, {}).get(step)
+            if mine is not None and mine != digest:
+                self._doubted.setdefault(site, set()).add(step)
+
+    def doubted(self, site: str) -> int | None:
+        """The oldest step of ``site``'s digests that still needs its confirmation."""
+        with self._lock:
+            steps = self._doubted.get(site)
+            return min(steps) if steps else None
+
+    def confirm(self, site: str, step: int, digest: str) -> str | None:
+        """What ``site`` answered, asked at its own address, for its digest at ``step``.
+
+        Returns the divergence message if its digest really differs from this site's."""
+        with self._lock:
+            self._doubted.get(site, set()).discard(step)
+            claimed = self._by_site.get(site, {}).get(step)
+            if not digest:  # it no longer has that step: nothing to settle it with
+                self._by_site.get(site, {}).pop(step, None)
+                log.warning("%s could not confirm its digest after step %d", site, step)
+                return self.divergence
+            if claimed is not None and claimed != digest:
+                self.forged += 1
+                log.warning(
+                    "a heartbeat claiming to be %s said %s after step %d; %s itself says "
+                    "%s: the claim is dropped",
+                    site,
+                    claimed[:16],
+                    step,
+                    site,
+                    digest[:16],
+                )
+            self._store_locked(site, step, digest)
+            self._confirmed.add((site, step))
+            mine = self._by_site.get(self.site, {}).get(step)
+            if mine is not None and mine != digest:
+                self._diverge_locked(step, self.site, mine, site, digest)
+            return self.divergence
+
+    def _store_locked(self, site: str, step: int, digest: str) -> None:
+        digests = self._by_site.setdefault(site, {})
+        digests[step] = digest
+        for old in sorted(digests)[:-KEEP_STEPS]:
+            del digests[old]
+            self._confirmed.discard((site, old))
+            self._doubted.get(site, set()).discard(old)
+
+    def _diverge_locked(self, step: int, site: str, digest: str, other: str, theirs: str) -> None:
+        if self.divergence:
+            return
+        self.divergence = (
+            f"replicas differ after step {step}: {site} has {digest[:16]}, "
+            f"{other} has {theirs[:16]}"
+        )
+        log.error(self.divergence)
+
+    def own(self, step: int) -> str:
+        """This site's digest after ``step`` steps, or "" if it has none."""
+        with self._lock:
+            return self._by_site.get(self.site, {}).get(step, "")
 
     def latest(self) -> dict[str, tuple[int, str]]:
         """site -> (step, digest) of its newest digest."""
@@ -55,9 +128,11 @@ class ReplicaDigests:
             return {site: max(d.items()) for site, d in self._by_site.items() if d}
 
     def agree_at(self, step: int, sites: list[str]) -> bool | None:
-        """True if every site has reported the same digest for `step`; None while any is missing."""
+        """True if every site has the same digest for ``step``; None while any is
+        missing or a difference awaits its site's confirmation."""
         with self._lock:
             found = [self._by_site.get(site, {}).get(step) for site in sites]
-        if any(d is None for d in found):
+            waiting = any(step in self._doubted.get(site, ()) for site in sites)
+        if any(d is None for d in found) or waiting:
             return None
         return len(set(found)) == 1

@@ -41,20 +41,22 @@ class Decision(_message.Message):
     def __init__(self, step: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., reason: _Optional[str] = ..., state_source: _Optional[str] = ..., state_step: _Optional[int] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("site", "rank", "step", "generation", "ok", "wait_ms")
+    __slots__ = ("site", "rank", "step", "generation", "ok", "wait_ms", "rank_key")
     SITE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    RANK_KEY_FIELD_NUMBER: _ClassVar[int]
     site: str
     rank: int
     step: int
     generation: int
     ok: bool
     wait_ms: int
-    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    rank_key: str
+    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ..., rank_key: _Optional[str] = ...) -> None: ...
 
 class SiteVoteRequest(_message.Message):
     __slots__ = ("site", "step", "generation", "ok", "wait_ms", "suspects")
@@ -122,18 +124,20 @@ class SiteInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., index: _Optional[int] = ..., lane_addresses: _Optional[_Iterable[str]] = ..., coordinator_address: _Optional[str] = ...) -> None: ...
 
 class RegisterRankRequest(_message.Message):
-    __slots__ = ("site", "rank", "world_size", "lane_address", "fingerprint")
+    __slots__ = ("site", "rank", "world_size", "lane_address", "fingerprint", "rank_key")
     SITE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RANK_KEY_FIELD_NUMBER: _ClassVar[int]
     site: str
     rank: int
     world_size: int
     lane_address: str
     fingerprint: JobFingerprint
-    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., lane_address: _Optional[str] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ...) -> None: ...
+    rank_key: str
+    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., lane_address: _Optional[str] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., rank_key: _Optional[str] = ...) -> None: ...
 
 class RegisterRankResponse(_message.Message):
     __slots__ = ()
@@ -188,31 +192,43 @@ class GetMembershipResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., start_step: _Optional[int] = ..., state_source: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("site", "step", "digest", "digest_step", "finished", "generation")
+    __slots__ = ("site", "step", "digest", "digest_step", "finished", "generation", "confirm_digest", "confirm_step")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_STEP_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
     digest: str
     digest_step: int
     finished: bool
     generation: int
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
+    confirm_digest: bool
+    confirm_step: int
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., generation: _Optional[int] = ..., confirm_digest: _Optional[bool] = ..., confirm_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "member")
+    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     member: bool
-    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ...) -> None: ...
+    incarnation: str
+    confirmed_digest: str
+    site: SiteInfo
+    ready: bool
+    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s")
+    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +243,7 @@ class ReportProgressRequest(_message.Message):
     DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SYNC_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    RANK_KEY_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
     loss: float
@@ -241,10 +258,43 @@ class ReportProgressRequest(_message.Message):
     digest_step: int
     finished: bool
     sync_busy_s: float
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ...) -> None: ...
+    rank_key: str
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ..., rank_key: _Optional[str] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ("divergence",)
     DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
     divergence: str
     def __init__(self, divergence: _Optional[str] = ...) -> None: ...
+
+class WitnessPingRequest(_message.Message):
+    __slots__ = ("site", "fingerprint")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    fingerprint: JobFingerprint
+    def __init__(self, site: _Optional[str] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ...) -> None: ...
+
+class WitnessPingResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WitnessGrantRequest(_message.Message):
+    __slots__ = ("site", "members", "fingerprint")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    fingerprint: JobFingerprint
+    def __init__(self, site: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ...) -> None: ...
+
+class WitnessGrantResponse(_message.Message):
+    __slots__ = ("granted", "reason", "holder")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    granted: bool
+    reason: str
+    holder: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., holder: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -410,3 +410,129 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WitnessStub:
+    """A witness: a coordinator-only process at a third place whose grant breaks an even
+    split of the job's sites (isthmus witness; inter/witness.py). Two sites with a
+    witness survive the loss of either, and a partition still lets one side go on.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Ping = channel.unary_unary(
+                '/isthmus.v1.Witness/Ping',
+                request_serializer=isthmus_dot_proto_dot_coordinator__pb2.WitnessPingRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.WitnessPingResponse.FromString,
+                _registered_method=True)
+        self.Grant = channel.unary_unary(
+                '/isthmus.v1.Witness/Grant',
+                request_serializer=isthmus_dot_proto_dot_coordinator__pb2.WitnessGrantRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.WitnessGrantResponse.FromString,
+                _registered_method=True)
+
+
+class WitnessServicer:
+    """A witness: a coordinator-only process at a third place whose grant breaks an even
+    split of the job's sites (isthmus witness; inter/witness.py). Two sites with a
+    witness survive the loss of either, and a partition still lets one side go on.
+    """
+
+    def Ping(self, request, context):
+        """A site says it is alive (every heartbeat period).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Grant(self, request, context):
+        """A side holding exactly half the sites asks to go on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WitnessServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.WitnessPingRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_coordinator__pb2.WitnessPingResponse.SerializeToString,
+            ),
+            'Grant': grpc.unary_unary_rpc_method_handler(
+                    servicer.Grant,
+                    request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.WitnessGrantRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_coordinator__pb2.WitnessGrantResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'isthmus.v1.Witness', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('isthmus.v1.Witness', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Witness:
+    """A witness: a coordinator-only process at a third place whose grant breaks an even
+    split of the job's sites (isthmus witness; inter/witness.py). Two sites with a
+    witness survive the loss of either, and a partition still lets one side go on.
+    """
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Witness/Ping',
+            isthmus_dot_proto_dot_coordinator__pb2.WitnessPingRequest.SerializeToString,
+            isthmus_dot_proto_dot_coordinator__pb2.WitnessPingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Grant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Witness/Grant',
+            isthmus_dot_proto_dot_coordinator__pb2.WitnessGrantRequest.SerializeToString,
+            isthmus_dot_proto_dot_coordinator__pb2.WitnessGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -134,3 +134,33 @@ def raw_chunk(**overrides: object):
     )
     fields.update(overrides)
     return lane_pb2.PushChunksRequest(**fields)
+
+
+def register_rank(
+    address: str,
+    site: str,
+    fingerprint: dict[str, str],
+    *,
+    key: str,
+    lane: str = "127.0.0.1:1",
+    rank: int = 0,
+    world_size: int = 1,
+) -> None:
+    """What a rank does first: register its lane and its key at its site's coordinator."""
+    import grpc
+
+    from isthmus.proto import coordinator_pb2 as pb
+    from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        pb_grpc.CoordinatorStub(channel).RegisterRank(
+            pb.RegisterRankRequest(
+                site=site,
+                rank=rank,
+                world_size=world_size,
+                lane_address=lane,
+                fingerprint=pb.JobFingerprint(fields=fingerprint),
+                rank_key=key,
+            ),
+            timeout=5,
+        )

@@ -42,7 +42,7 @@ from fuzzing import (  # noqa: F401 (report_counts: an autouse fixture)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_failover import register
+from test_failover import rank_key, register
 from test_fuzz_lane import LANE_LIMIT, chunk, lane  # noqa: F401 (lane: a fixture)
 
 from isthmus.inter.channels import MAX_MESSAGE_BYTES
@@ -387,7 +387,9 @@ def test_report_progress_refuses_negative_or_non_finite_times(sites):
             assert field in details
             assert sites.state(0) == before
     # A NaN loss is still reported: a diverging run must be seen.
-    ok = pb.ReportProgressRequest(site="site0", step=3, loss=math.nan, step_s=1.0)
+    ok = pb.ReportProgressRequest(
+        site="site0", step=3, loss=math.nan, step_s=1.0, rank_key=rank_key(sites.coords[0])
+    )
     assert sites.call(0, "ReportProgress", ok.SerializeToString())[0] == grpc.StatusCode.OK
 
 

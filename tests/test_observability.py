@@ -10,8 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import register_rank
 
 from isthmus.inter.coordinator import Coordinator
+from isthmus.inter.rank_keys import RANK_KEY
 from isthmus.inter.security import TOKEN_HEADER
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -36,8 +38,14 @@ def scrape(address: str) -> dict[str, float]:
 def report(coord: Coordinator, **fields) -> pb.ReportProgressResponse:
     with grpc.insecure_channel(coord.address) as channel:
         return pb_grpc.CoordinatorStub(channel).ReportProgress(
-            pb.ReportProgressRequest(site=coord.site, **fields), timeout=5
+            pb.ReportProgressRequest(site=coord.site, rank_key=RANK_KEY, **fields), timeout=5
         )
+
+
+def register_ranks(coords: list[Coordinator]) -> None:
+    """This test process as rank 0 of each site (its votes and reports carry RANK_KEY)."""
+    for c in coords:
+        register_rank(c.address, c.site, FP, key=RANK_KEY)
 
 
 def health_status(address: str, service: str = "") -> int:
@@ -93,6 +101,7 @@ def test_prometheus_values_match_the_reported_step(pair):
         "mfu": 0.31,
         "sync_busy_s": 0.2,
     }
+    register_ranks(pair)
     report(pair[0], **line)
     report(pair[0], **{**line, "step": 8})
     values = scrape(pair[0].metrics_address)
@@ -109,19 +118,7 @@ def test_prometheus_values_match_the_reported_step(pair):
 
 
 def test_sites_compare_digests_and_say_when_they_differ(pair):
-    for c in pair:
-        for rank_site in (c,):
-            with grpc.insecure_channel(c.address) as channel:
-                pb_grpc.CoordinatorStub(channel).RegisterRank(
-                    pb.RegisterRankRequest(
-                        site=rank_site.site,
-                        rank=0,
-                        world_size=1,
-                        lane_address="127.0.0.1:1",
-                        fingerprint=pb.JobFingerprint(fields=FP),
-                    ),
-                    timeout=5,
-                )
+    register_ranks(pair)
     for c in pair:
         c.wait_ready(10)
     assert report(pair[0], step=10, digest=D1, digest_step=10).divergence == ""
@@ -147,6 +144,7 @@ def test_a_site_admitted_at_the_last_commit_reports_its_final_digest(pair):
     hand the final digest to its coordinator, and the peers see it."""
     from isthmus.deploy.reporting import StepReporter
 
+    register_ranks(pair)
     reporter = StepReporter("site1", Path("/dev/null"), pair[1].address)
     try:
         reporter.report_final_digest(30, D1)

@@ -30,7 +30,9 @@ from isthmus.inter.channels import peer_channel
 from isthmus.inter.coordinator import Coordinator
 from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
+from isthmus.inter.rank_keys import RANK_KEY
 from isthmus.inter.security import TLS_NAME, SiteSecurity
+from isthmus.inter.witness import WitnessServer
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -155,6 +157,24 @@ def test_lane_peer_sends_with_tls_and_token(lane, job_dir):
         peer.close()
 
 
+def test_a_lane_takes_a_sites_chunks_only_from_its_certificate(lane, job_dir):
+    """Issue 14, row 9: with a membership set, chunks "from site1" (and ResendChunk for
+    what was sent to site1) come only from a certificate naming site1."""
+    lane.set_generation(1, num_sites=2, site_index=0, site_names=["site0", "site1"])
+    with open_channel(full(job_dir, "site0"), lane.address) as channel:  # not site1
+        stub = lane_pb2_grpc.LaneStub(channel)
+        refused = refusal(lambda: stub.PushChunks(iter([chunk()]), timeout=5))
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
+        assert "does not name site 'site1'" in refused.details()
+        ask = lane_pb2.ResendChunkRequest(generation=1, step=0, from_site=1)
+        refused = refusal(lambda: stub.ResendChunk(ask, timeout=5))
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
+    assert len(lane.mailbox) == 0
+    with open_channel(full(job_dir, "site1"), lane.address) as channel:
+        reply = lane_pb2_grpc.LaneStub(channel).PushChunks(iter([chunk()]), timeout=5)
+    assert reply.accepted == 1 and len(lane.mailbox) == 1
+
+
 def test_a_client_refuses_a_server_of_another_ca(job_dir, rogue_dir):
     """Mutual: a site does not talk to an impostor that holds another CA's certificate."""
     impostor = LaneServer(
@@ -215,6 +235,7 @@ def register(channel: grpc.Channel) -> None:
             world_size=1,
             lane_address="127.0.0.1:1234",
             fingerprint=cpb.JobFingerprint(fields={"job.name": "t"}),
+            rank_key=RANK_KEY,
         ),
         timeout=5,
     )
@@ -305,6 +326,7 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
                         world_size=1,
                         lane_address="127.0.0.1:1",
                         fingerprint=cpb.JobFingerprint(fields={"job.name": "t"}),
+                        rank_key=RANK_KEY,
                     ),
                     timeout=5,
                 )
@@ -428,6 +450,36 @@ def test_certs_command_takes_the_sites_from_a_job_config(tmp_path):
         "site1.crt",
         "site2.crt",
     }
+    # A job with a witness gets the witness's certificate too.
+    job.write_text('[topology]\nsites = 2\n[failover]\nwitness = "127.0.0.1:7090"\n')
+    result = run_cli("certs", "--out", str(tmp_path / "w"), "-c", str(job), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "w" / "witness.crt").is_file()
+
+
+def test_a_witness_with_tls_grants_a_site_only_to_its_own_certificate(tmp_path):
+    write_certs(tmp_path, ["site0", "site1", "witness"])
+    witness = WitnessServer(
+        site_names=SITES,
+        fingerprint={"job.name": "t"},
+        failure_timeout_s=1.0,
+        security=full(tmp_path, "witness"),
+    ).start()
+    try:
+        ask = cpb.WitnessGrantRequest(
+            site="site0",
+            members=["site0"],
+            fingerprint=cpb.JobFingerprint(fields={"job.name": "t"}),
+        )
+        with open_channel(full(tmp_path, "site1"), witness.address) as channel:
+            refused = refusal(lambda: cpb_grpc.WitnessStub(channel).Grant(ask, timeout=5))
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert witness.holder == []
+        with open_channel(full(tmp_path, "site0"), witness.address) as channel:
+            assert cpb_grpc.WitnessStub(channel).Grant(ask, timeout=5).granted
+        assert witness.holder == ["site0"]
+    finally:
+        witness.stop()
 
 
 # -- end to end ---------------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""The chaos suite's scenarios (`isthmus chaos`; the runner is deploy/chaos.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SCENARIOS", "Fault", "Scenario"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One fault: what, where, and at which step of the job (read from its metrics)."""
+
+    kind: str
+    """kill, restart, partition, corrupt, slow, flood or forge."""
+    site: str = ""
+    """The site killed, restarted or slowed."""
+    link: tuple[str, str] = ("site0", "site1")
+    """The link partitioned or corrupted."""
+    at_step: int = 0
+    """Inject once the job has completed this many steps (0 = from the start)."""
+    duration_s: float = 0.0
+    """How long a partition or a flood lasts; for restart, the pause after the kill."""
+    rate: float = 0.0
+    """Corrupt: probability that a piece (<= 64 KiB read) gets a flipped bit.
+    Slow: the slowdown factor."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    description: str
+    sites: int
+    steps: int
+    faults: tuple[Fault, ...]
+    survivors: tuple[str, ...]
+    """Sites that must finish the job with equal digests."""
+    quick: bool = False
+    """Part of the quick subset (CI)."""
+    expect_generations: bool = True
+    """The membership must have changed (a site left or came back)."""
+    pace_s: float = 0.0
+    """No step of any site is shorter than this (ISTHMUS_STEP_FLOOR_S), so the job
+    still runs when a restarted or cut-off site comes back, on any hardware."""
+    witness: bool = False
+    """The job has a witness (`isthmus witness`, failover.witness) that breaks even splits."""
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        name="kill",
+        description="SIGKILL site1 at step 4 of 2; site0 (the tie-breaker) carries on alone",
+        sites=2,
+        steps=14,
+        faults=(Fault(kind="kill", site="site1", at_step=4),),
+        survivors=("site0",),
+        quick=True,
+    ),
+    Scenario(
+        name="kill-restart",
+        description="SIGKILL site1 at step 4 and start it again: it pulls the state from "
+        "site0 and rejoins",
+        sites=2,
+        steps=60,
+        faults=(Fault(kind="restart", site="site1", at_step=4, duration_s=1.0),),
+        survivors=("site0", "site1"),
+        quick=True,
+        pace_s=0.3,
+    ),
+    Scenario(
+        name="kill-first",
+        description="2 sites and a witness; SIGKILL site0 (the tie-breaker) at step 4: with "
+        "the witness's grant site1 carries on alone (without one it would stop)",
+        sites=2,
+        steps=14,
+        faults=(Fault(kind="kill", site="site0", at_step=4),),
+        survivors=("site1",),
+        quick=True,
+        witness=True,
+    ),
+    Scenario(
+        name="kill-leader",
+        description="3 sites; SIGKILL site0 (the leader) at step 4: site1 takes over",
+        sites=3,
+        steps=14,
+        faults=(Fault(kind="kill", site="site0", at_step=4),),
+        survivors=("site1", "site2"),
+    ),
+    Scenario(
+        name="partition",
+        description="cut the site0-site1 link for 8 s at step 4: site0 (quorum by "
+        "tie-break) goes on, site1 waits, then pulls the state and rejoins",
+        sites=2,
+        steps=60,
+        faults=(Fault(kind="partition", link=("site0", "site1"), at_step=4, duration_s=6.0),),
+        survivors=("site0", "site1"),
+        quick=True,
+        pace_s=0.3,
+    ),
+    Scenario(
+        name="corrupt",
+        description="flip a bit in 2% of the bulk pieces (>= 16 KiB reads) crossing the "
+        "link, both ways, all run; every corrupt chunk is pulled again",
+        sites=2,
+        steps=10,
+        faults=(Fault(kind="corrupt", link=("site0", "site1"), rate=0.02),),
+        survivors=("site0", "site1"),
+        expect_generations=False,
+    ),
+    Scenario(
+        name="flood",
+        description="at step 4, 20 health watches and 40 long polls held open for 6 s at "
+        "site0's coordinator (issue 14: they once froze the job); nobody is excluded",
+        sites=2,
+        steps=30,
+        faults=(Fault(kind="flood", site="site0", at_step=4, duration_s=6.0),),
+        survivors=("site0", "site1"),
+        expect_generations=False,
+        pace_s=0.3,
+    ),
+    Scenario(
+        name="forge",
+        description="from step 4, for 6 s, calls in site1's name at site0's coordinator: a "
+        "heartbeat with a wrong digest, a join claiming a restart with other lanes, votes "
+        "without the rank's key, a reordered proposal (issue 14, rows 1-4); nobody leaves",
+        sites=2,
+        steps=30,
+        faults=(Fault(kind="forge", site="site0", at_step=4, duration_s=6.0),),
+        survivors=("site0", "site1"),
+        quick=True,
+        expect_generations=False,
+        pace_s=0.3,
+    ),
+    Scenario(
+        name="slow",
+        description="site1 runs 5x slower; nobody is excluded, the job waits for it",
+        sites=2,
+        steps=8,
+        faults=(Fault(kind="slow", site="site1", rate=5.0),),
+        survivors=("site0", "site1"),
+        expect_generations=False,
+    ),
+)

@@ -1,0 +1,153 @@
+"""Hostile callers for the chaos suite: the ``flood`` and ``forge`` scenarios (issue 14).
+
+``flood`` holds health watches and long polls open at a coordinator (rows 6-7: they
+once froze the job). ``forge`` is what a process on the same machine sends a running job whose coordinators need no
+token (sites started separately on loopback): calls that claim to come from a site
+or a rank they do not come from. Replayed while the job trains, every one must be
+refused or found out, and the job must finish with equal digests:
+
+1. a heartbeat in site1's name with a digest site1 does not have (it once stopped
+   site0 with "replicas differ");
+2. a join in site1's name "after a restart", naming the forger's lanes (it once
+   dropped the live site1 and handed the state to the caller);
+3. votes for site0's rank on the coming steps, without the rank's key (the first
+   vote for a step won, and froze the job);
+4. a proposal from site1 with the members reordered (it froze the job for good).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["flood", "forge", "missed_forgeries"]
+
+
+def flood(address: str, duration_s: float) -> None:
+    """Holds 20 health watches and 40 long polls open at a coordinator for a while: what
+    an unauthenticated caller can do (health needs no token), as issue 14 did."""
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        stub = pb_grpc.CoordinatorStub(channel)
+        timeout = duration_s + 5
+        calls = [health.Watch(health_pb2.HealthCheckRequest(), timeout=timeout) for _ in range(20)]
+        ask = pb.GetMembershipRequest(known_generation=10**6, wait_ms=30_000)
+        calls += [stub.GetMembership.future(ask, timeout=timeout) for _ in range(40)]
+        time.sleep(duration_s)
+        for call in calls:
+            call.cancel()
+
+
+def forge(
+    target: str,
+    fingerprint: Mapping[str, str],
+    step: int,
+    duration_s: float,
+    *,
+    victim: str = "site1",
+    ranks: int = 1,
+) -> dict[str, int]:
+    """Sends the forged calls to the coordinator at ``target`` (site0's) for
+    ``duration_s``, each claiming to come from ``victim``; ``step`` is about where the
+    job is. Returns how many calls of each kind the coordinator answered without an
+    error (those must have changed nothing that matters)."""
+    answered = {"heartbeat": 0, "join": 0, "vote": 0, "propose": 0}
+    deadline = time.monotonic() + duration_s
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        while time.monotonic() < deadline:
+            generation = _generation(stub)
+            for kind, call in _calls(stub, fingerprint, step, generation, victim, ranks):
+                try:
+                    call()
+                    answered[kind] += 1
+                except grpc.RpcError:
+                    pass
+            step += 1
+            time.sleep(0.3)
+    return answered
+
+
+def missed_forgeries(log: str) -> str:
+    """Why the target site's log shows that not every forged call was found out, or ""."""
+    if "without the key it registered with" not in log:
+        return "the forged votes were never refused (nothing in the site's log)"
+    if "the claim is dropped" not in log and "could not confirm its digest" not in log:
+        return "the forged digest was never checked with the site it named"
+    return ""
+
+
+def _generation(stub: pb_grpc.CoordinatorStub) -> int:
+    """The job's generation, as anyone may ask it (GetMembership needs no rank key)."""
+    try:
+        return stub.GetMembership(pb.GetMembershipRequest(), timeout=2).generation or 1
+    except grpc.RpcError:
+        return 1
+
+
+def _calls(stub, fingerprint, step: int, generation: int, victim: str, ranks: int):
+    index = int(victim.removeprefix("site"))
+    # Digests for the steps around the job's (the chaos jobs digest every 2 steps): a
+    # claim the real site1 has not yet overwritten meets site0's own digest.
+    for even in range(max(2, step - step % 2 - 6), step + 8, 2):
+        yield (
+            "heartbeat",
+            lambda even=even: stub.Heartbeat(
+                pb.HeartbeatRequest(
+                    site=victim,
+                    step=even,
+                    digest=secrets.token_hex(32),
+                    digest_step=even,
+                    generation=generation,
+                ),
+                timeout=2,
+            ),
+        )
+    forger = pb.SiteInfo(
+        name=victim,
+        index=index,
+        lane_addresses=["127.0.0.1:9"] * ranks,
+        coordinator_address="127.0.0.1:9",
+    )
+    yield (
+        "join",
+        lambda: stub.Join(
+            pb.JoinRequest(
+                site=forger,
+                fingerprint=pb.JobFingerprint(fields=dict(fingerprint)),
+                ready=True,
+                generation=0,
+                incarnation=secrets.token_hex(8),
+            ),
+            timeout=2,
+        ),
+    )
+    for ahead in range(1, 4):
+        yield (
+            "vote",
+            lambda ahead=ahead: stub.CommitStep(
+                pb.CommitStepRequest(
+                    site="site0", rank=0, step=step + ahead, generation=generation, ok=False
+                ),
+                timeout=2,
+            ),
+        )
+    yield (
+        "propose",
+        lambda: stub.Propose(
+            pb.ProposeRequest(
+                leader=victim,
+                generation=generation + 1,
+                sites=[forger, pb.SiteInfo(name="site0", index=0)],
+                start_step=step,
+            ),
+            timeout=2,
+        ),
+    )

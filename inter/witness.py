@@ -1,0 +1,258 @@
+"""The witness: a coordinator-only process at a third place that breaks even splits.
+
+Without one, a job split into two equal halves goes on on the side holding its first
+site (inter/leader.py), so two sites survive the loss of site1 but not of site0.
+With a witness (``cluster.witness``; run it with ``isthmus witness``), a side holding
+exactly half the sites goes on only with the witness's *grant*:
+
+* the witness backs one side at a time, its **holder** (none at first);
+* it grants a side that contains the holder (the same sites, or more), and a side
+  without some of the holder's sites only once those have been silent at the witness
+  for ``failure_timeout_s`` (every site pings it each heartbeat period);
+* so when a site dies the other is granted, and when the two sites are cut apart but
+  both still reach the witness, the first to ask is granted and the other waits, as
+  two-node clusters do with a quorum disk.
+
+A site that cannot reach the witness never has half on its own; a majority never
+needs it. Grants and pings carry the job fingerprint; with mutual TLS a caller speaks
+only for the site its certificate names (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent import futures
+from typing import TYPE_CHECKING
+
+import grpc
+
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+from .channels import MESSAGE_LIMITS, peer_channel, server_options
+from .fingerprint import fingerprint_problem
+from .security import INSECURE, SiteSecurity, refuse_unless_named
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+
+__all__ = ["WitnessLink", "WitnessServer"]
+
+log = logging.getLogger(__name__)
+
+
+class WitnessServer(pb_grpc.WitnessServicer):
+    """The witness process's gRPC server.
+
+    Args:
+        site_names: the job's sites, in index order.
+        fingerprint: the job fingerprint every caller must match.
+        failure_timeout_s: a site not heard from for this long is taken for dead.
+        host, port: where to listen (port 0 picks one; see ``address``).
+        security: mutual TLS and the job token (None = neither).
+    """
+
+    def __init__(
+        self,
+        *,
+        site_names: list[str],
+        fingerprint: Mapping[str, str],
+        failure_timeout_s: float,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        security: SiteSecurity | None = None,
+    ) -> None:
+        self.site_names = list(site_names)
+        self.fingerprint = dict(fingerprint)
+        self.failure_timeout_s = failure_timeout_s
+        self.security = security or INSECURE
+        self.where = "witness"
+        self.holder: list[str] = []
+        self._last_seen: dict[str, float] = {}
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="witness"),
+            options=server_options(MESSAGE_LIMITS),
+            interceptors=self.security.server_interceptors(self.where),
+        )
+        pb_grpc.add_WitnessServicer_to_server(self, self._server)
+        bound = self.security.add_port(self._server, f"{host}:{port}")
+        self.address = f"{host}:{bound}"
+
+    def start(self) -> WitnessServer:
+        self._server.start()
+        log.info("witness of %s listening on %s", ", ".join(self.site_names), self.address)
+        return self
+
+    def stop(self, grace_s: float = 0.5) -> None:
+        self._server.stop(grace_s).wait(timeout=grace_s + 5)
+
+    def _check(self, site: str, fingerprint: pb.JobFingerprint, context, method: str) -> None:
+        refuse_unless_named(self.security, context, self.where, site, method)
+        if site not in self.site_names:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {site[:64]!r}")
+        problem = fingerprint_problem(
+            self.fingerprint,
+            dict(fingerprint.fields),
+            self.where,
+            site,
+            values=self.security.require_token or self.security.require_tls,
+        )
+        if problem is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+
+    def Ping(self, request, context):  # noqa: N802 (gRPC method name)
+        self._check(request.site, request.fingerprint, context, "Ping")
+        with self._lock:
+            self._last_seen[request.site] = time.monotonic()
+        return pb.WitnessPingResponse()
+
+    def Grant(self, request, context):  # noqa: N802
+        self._check(request.site, request.fingerprint, context, "Grant")
+        members = list(request.members)
+        if (
+            request.site not in members
+            or len(set(members)) != len(members)
+            or any(m not in self.site_names for m in members)
+        ):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"members must be distinct sites of the job including {request.site[:64]!r}",
+            )
+        with self._lock:
+            self._last_seen[request.site] = time.monotonic()
+            why = self._refusal_locked(members)
+            if why is None:
+                if set(members) != set(self.holder):
+                    log.warning("witness: backing %s now", ", ".join(members))
+                self.holder = sorted(members, key=self.site_names.index)
+            return pb.WitnessGrantResponse(
+                granted=why is None, reason=why or "", holder=self.holder
+            )
+
+    def _refusal_locked(self, members: list[str]) -> str | None:
+        if 2 * len(members) != len(self.site_names):
+            return f"{len(members)} of {len(self.site_names)} sites is not an even split"
+        now = time.monotonic()
+        alive = [
+            s
+            for s in self.holder
+            if s not in members
+            and now - self._last_seen.get(s, self._started) <= self.failure_timeout_s
+        ]
+        if alive:
+            return f"the witness backs {', '.join(self.holder)}, and {', '.join(alive)} is alive"
+        return None
+
+
+class WitnessLink:
+    """A coordinator's line to the witness: pings it every ``heartbeat_s`` and asks for
+    grants, on its own thread, so that a witness that does not answer never holds up
+    the coordinator. ``granted`` answers from what the witness last said."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        site: str,
+        fingerprint: Mapping[str, str],
+        heartbeat_s: float,
+        rpc_timeout_s: float,
+        security: SiteSecurity | None = None,
+        on_answer: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.address, self.site = address, site
+        self._fingerprint = pb.JobFingerprint(fields=dict(fingerprint))
+        self._heartbeat_s, self._rpc_timeout_s = heartbeat_s, rpc_timeout_s
+        self._channel = peer_channel(address, security=security or INSECURE)
+        self._stub = pb_grpc.WitnessStub(self._channel)
+        self._on_answer = on_answer
+        self._lock = threading.Lock()
+        self._wanted: frozenset[str] | None = None
+        self._answers: dict[frozenset[str], tuple[bool, float]] = {}
+        self._stopped = threading.Event()
+        self._wake = threading.Event()
+        self._said: dict[str, str] = {}  # the last warning of each kind, logged when it changes
+        self._thread = threading.Thread(target=self._run, name=f"witness-{site}", daemon=True)
+
+    @classmethod
+    def of(cls, coordinator: Coordinator, address: str) -> WitnessLink:
+        """The link of ``coordinator`` (built after its settings and security)."""
+        c = coordinator
+
+        def wake_the_leader() -> None:  # a grant arrived: re-evaluate pending steps
+            with c._cond:
+                c._cond.notify_all()
+
+        return cls(
+            address,
+            site=c.site,
+            fingerprint=c.fingerprint,
+            heartbeat_s=c.heartbeat_s,
+            rpc_timeout_s=c.rpc_timeout_s,
+            security=c.security,
+            on_answer=wake_the_leader,
+        )
+
+    def start(self) -> WitnessLink:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(self._rpc_timeout_s + 1)
+        self._channel.close()
+
+    def granted(self, members: Iterable[str]) -> bool:
+        """Whether the witness backs ``members`` going on, from its answer of the last
+        heartbeat period; asks it (in the background) when there is none yet."""
+        wanted = frozenset(members)
+        with self._lock:
+            answer = self._answers.get(wanted)
+            if answer is not None and time.monotonic() - answer[1] <= 2 * self._heartbeat_s:
+                return answer[0]
+            self._wanted = wanted
+        self._wake.set()
+        return False
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            with self._lock:
+                wanted, self._wanted = self._wanted, None
+            try:
+                if wanted is not None:
+                    self._ask(wanted)
+                else:
+                    ping = pb.WitnessPingRequest(site=self.site, fingerprint=self._fingerprint)
+                    self._stub.Ping(ping, timeout=self._rpc_timeout_s)
+                    self._say("ping", "")
+            except grpc.RpcError as exc:
+                if not self._stopped.is_set():
+                    self._say("ping", f"[{self.site}] witness {self.address}: {exc.code().name}")
+            self._wake.wait(self._heartbeat_s)
+            self._wake.clear()
+
+    def _ask(self, members: frozenset[str]) -> None:
+        request = pb.WitnessGrantRequest(
+            site=self.site, members=sorted(members), fingerprint=self._fingerprint
+        )
+        reply = self._stub.Grant(request, timeout=self._rpc_timeout_s)
+        if not reply.granted:
+            self._say(
+                "grant",
+                f"[{self.site}] the witness does not back {sorted(members)}: {reply.reason}",
+            )
+        with self._lock:
+            self._answers[members] = (reply.granted, time.monotonic())
+        self._on_answer()
+
+    def _say(self, kind: str, warning: str) -> None:
+        """Logs ``warning`` when it differs from the last of its kind ("" = all is well)."""
+        if warning and warning != self._said.get(kind):
+            log.warning("%s", warning)
+        self._said[kind] = warning

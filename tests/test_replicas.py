@@ -1,0 +1,45 @@
+"""Replica digests (inter/replicas.py): a peer's claim that differs from this site's
+own digest is doubted until the peer, asked at its own address, confirms or belies it."""
+
+from __future__ import annotations
+
+from isthmus.inter.replicas import ReplicaDigests
+
+A, B = "a" * 64, "b" * 64
+
+
+def test_a_claim_the_peer_belies_is_dropped_and_a_confirmed_one_diverges():
+    replicas = ReplicaDigests("site0")
+    assert replicas.record("site0", 4, A) is None
+    replicas.claim("site1", 4, B)  # a heartbeat anyone could have sent
+    assert replicas.divergence is None and replicas.doubted("site1") == 4
+    assert replicas.agree_at(4, ["site0", "site1"]) is None
+    assert replicas.confirm("site1", 4, A) is None  # site1 itself: same as ours
+    assert replicas.forged == 1 and replicas.doubted("site1") is None
+    assert replicas.agree_at(4, ["site0", "site1"]) is True
+    replicas.claim("site1", 4, B)  # a confirmed digest is not overwritten by claims
+    assert replicas.agree_at(4, ["site0", "site1"]) is True
+
+    replicas.claim("site1", 6, B)  # a claim first, this site's own digest later
+    assert replicas.record("site0", 6, A) is None and replicas.doubted("site1") == 6
+    assert "replicas differ after step 6" in replicas.confirm("site1", 6, B)
+    assert replicas.agree_at(6, ["site0", "site1"]) is False
+
+
+def test_a_claim_the_peer_cannot_confirm_is_dropped_without_a_divergence():
+    replicas = ReplicaDigests("site0")
+    replicas.record("site0", 4, A)
+    replicas.claim("site1", 4, B)
+    assert replicas.confirm("site1", 4, "") is None  # it has no step 4 (not yet, or no more)
+    assert replicas.divergence is None and "site1" not in replicas.latest()
+    replicas.claim("site1", 4, A)  # its real heartbeat, later
+    assert replicas.agree_at(4, ["site0", "site1"]) is True
+
+
+def test_matching_claims_need_no_confirmation_and_old_steps_are_forgotten():
+    replicas = ReplicaDigests("site0")
+    for step in range(40):
+        replicas.record("site0", step, A)
+        replicas.claim("site1", step, A)
+    assert replicas.doubted("site1") is None and replicas.agree_at(39, ["site0", "site1"])
+    assert replicas.agree_at(0, ["site0", "site1"]) is None  # kept only the last 16
