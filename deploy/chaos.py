@@ -170,7 +170,8 @@ def run_scenario(
     work.mkdir(parents=True, exist_ok=True)
     names = [f"site{i}" for i in range(scenario.sites)]
     ports = free_ports(scenario.sites + 1)
-    witness = f"127.0.0.1:{ports.pop()}" if scenario.witness else ""
+    witness_port = ports.pop()  # used only by a scenario with a witness
+    witness = f"127.0.0.1:{witness_port}" if scenario.witness else ""
     job = _job_file(scenario, work, ports, witness)
     run_dir = work / "run"
     started = time.monotonic()

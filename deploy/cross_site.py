@@ -22,7 +22,7 @@ from isthmus.inter.allreduce import CrossSiteAllReduce
 from isthmus.inter.channels import peer_channel
 from isthmus.inter.codec import make_codec
 from isthmus.inter.gradient_sync import LaneGradientSync
-from isthmus.inter.lane import LaneServer
+from isthmus.inter.lane import RESERVED_THREADS, LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.inter.mailbox import MAX_STEPS_AHEAD
 from isthmus.inter.membership import SiteMembership
@@ -87,6 +87,12 @@ class CrossSite:
             # Rounds are inner_steps apart in DiLoCo: the window counts rounds, not steps.
             steps_ahead=MAX_STEPS_AHEAD
             * (config.sync.inner_steps if config.sync.mode != "step" else 1),
+            # A stream per connection per round in flight from every peer, twice over
+            # (a round's streams may outlive it briefly), and the reserved threads.
+            max_workers=RESERVED_THREADS
+            + max(
+                24, 2 * (len(sites) - 1) * config.sync.connections * config.sync.rounds_in_flight
+            ),
         )
         lane.rank = rank
         port = lane.address.rsplit(":", 1)[1]

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
-from .bounds import BoundedHealth, RefusalLog
+from .bounds import BoundedHealth, RefusalLog, WaitSlots
 from .bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
 from .channels import server_options
 from .codec import crc32
@@ -60,6 +60,10 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
+RESERVED_THREADS = 8
+"""A lane's handler threads that ``PushChunks`` streams may never take."""
+
+
 class _Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -77,7 +81,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         chunk_bytes: the job's chunk size; bounds payloads and messages.
         host: interface to bind; port 0 lets the OS pick.
         port: port to bind (0 = ephemeral).
-        max_workers: handler threads; each open stream holds one for its round.
+        max_workers: handler threads; each open stream holds one for its round. All
+            but :data:`RESERVED_THREADS` may hold ``PushChunks`` streams, so that
+            streams nobody ends (issue 14, row 7) never take the threads of
+            ``ResendChunk``, ``PullState``, ``OpenBulk`` and health checks.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
         bulk: also take chunks on a plain TCP port (inter/bulk.py); never with TLS.
         mailbox_bytes: payload bytes received chunks may hold while they wait for their
@@ -137,7 +144,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         )
         self._server.add_generic_rpc_handlers((self._handlers(),))
         # grpc.health.v1, like every isthmus server: SERVING until stop().
-        self.health = BoundedHealth(RefusalLog(f"lane of site {site_index}"))
+        self.refusals = RefusalLog(f"lane of site {site_index}")
+        self.health = BoundedHealth(self.refusals)
+        streams = max(1, max_workers - RESERVED_THREADS)
+        self._streams = WaitSlots(streams, "PushChunks stream", self.refusals)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -397,6 +407,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         only fault is its crc32 is marked corrupt (the round pulls it again); any other
         fault aborts the stream, and the refused chunk changes nothing.
         """
+        self._streams.hold_for_stream(context)  # or RESOURCE_EXHAUSTED, logged
         accepted = corrupt = 0
         for req in request_iterator:
             self._refuse_unless_sender(context, req.from_site, "PushChunks")

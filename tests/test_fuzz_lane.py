@@ -343,3 +343,48 @@ def test_a_chunk_with_a_huge_codec_name_is_refused_briefly(lane):
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "codec 'xxxx" in refused.value.details() and len(refused.value.details()) < 500
     assert lane.state() == before
+
+
+def test_streams_nobody_ends_never_take_the_threads_of_resends_and_health():
+    """Issue 14, row 7: 40 never-ending PushChunks streams froze a job. A lane lets all
+    but RESERVED_THREADS handler threads hold streams; past that a stream is refused at
+    once, and ResendChunk and health checks are still answered."""
+    from threading import Event
+
+    from isthmus.inter.lane import RESERVED_THREADS
+    from isthmus.proto import lane_pb2_grpc
+
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", max_workers=RESERVED_THREADS + 2)
+    release = Event()
+
+    def never_ending():
+        release.wait(30)
+        return
+        yield  # a generator that sends nothing until released
+
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = lane_pb2_grpc.LaneStub(channel)
+            held = [stub.PushChunks.future(never_ending(), timeout=30) for _ in range(2)]
+            deadline = time.monotonic() + 10
+            while server.refusals.count == 0:
+                extra = stub.PushChunks.future(never_ending(), timeout=30)
+                try:
+                    extra.result(timeout=0.5)
+                except grpc.FutureTimeoutError:
+                    held.append(extra)  # not yet refused: the first two were still arriving
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                assert time.monotonic() < deadline, "a third stream was never refused"
+            ask = lane_pb2.ResendChunkRequest(generation=0, step=0, from_site=1)
+            with pytest.raises(grpc.RpcError) as answer:
+                stub.ResendChunk(ask, timeout=5)
+            assert answer.value.code() == grpc.StatusCode.NOT_FOUND  # answered, not stuck
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING
+            release.set()
+            assert all(call.result(timeout=10).accepted == 0 for call in held)
+    finally:
+        release.set()
+        server.stop(0)
