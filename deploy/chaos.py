@@ -312,6 +312,11 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         f.kind == "flood" and "slots busy" not in sites[f.site].text() for f in scenario.faults
     ):
         result.why = "the flood was never turned away (no 'slots busy' in the site's log)"
+    elif any(
+        f.kind == "flood" and "PushChunks stream slots busy" not in _rank0_log(run_dir, f.site)
+        for f in scenario.faults
+    ):
+        result.why = "the lane's streams were never turned away (nothing in its rank's log)"
     elif forged and result.generations > 1:
         result.why = "a forged call changed the membership"
     elif forged and (why := missed_forgeries(sites[forged[0].site].text())):
@@ -319,6 +324,13 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
     else:
         result.ok = True
     return result
+
+
+def _rank0_log(run_dir: Path, site: str) -> str:
+    try:
+        return (run_dir / "logs" / f"{site}-rank0.log").read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def run_suite(

@@ -110,7 +110,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         name="flood",
         description="at step 4, 20 health watches and 40 long polls held open for 6 s at "
-        "site0's coordinator (issue 14: they once froze the job); nobody is excluded",
+        "site0's coordinator and 40 silent PushChunks streams at its lane (issue 14: they "
+        "once froze the job); nobody is excluded",
         sites=2,
         steps=30,
         faults=(Fault(kind="flood", site="site0", at_step=4, duration_s=6.0),),

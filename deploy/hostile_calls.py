@@ -18,6 +18,7 @@ refused or found out, and the job must finish with equal digests:
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 
@@ -31,18 +32,35 @@ __all__ = ["flood", "forge", "missed_forgeries"]
 
 
 def flood(address: str, duration_s: float) -> None:
-    """Holds 20 health watches and 40 long polls open at a coordinator for a while: what
-    an unauthenticated caller can do (health needs no token), as issue 14 did."""
+    """Holds 20 health watches and 40 long polls open at a coordinator, and 40
+    PushChunks streams that send nothing at the lane of its rank 0, for a while: what
+    an unauthenticated caller can do (health needs no token), as issue 14 did (rows 6-7)."""
+    from isthmus.proto import lane_pb2_grpc
+
+    stop = threading.Event()
+
+    def nothing():  # a stream that sends no chunk until the flood ends
+        stop.wait(duration_s + 5)
+        yield from ()
+
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         stub = pb_grpc.CoordinatorStub(channel)
         timeout = duration_s + 5
         calls = [health.Watch(health_pb2.HealthCheckRequest(), timeout=timeout) for _ in range(20)]
+        membership = stub.GetMembership(pb.GetMembershipRequest(), timeout=5)
         ask = pb.GetMembershipRequest(known_generation=10**6, wait_ms=30_000)
         calls += [stub.GetMembership.future(ask, timeout=timeout) for _ in range(40)]
-        time.sleep(duration_s)
-        for call in calls:
-            call.cancel()
+        mine = [info for info in membership.sites if info.coordinator_address == address]
+        lane = mine[0].lane_addresses[0] if mine and mine[0].lane_addresses else None
+        with grpc.insecure_channel(lane or address) as lane_channel:
+            if lane is not None:
+                push = lane_pb2_grpc.LaneStub(lane_channel).PushChunks
+                calls += [push.future(nothing(), timeout=timeout) for _ in range(40)]
+            time.sleep(duration_s)
+            stop.set()
+            for call in calls:
+                call.cancel()
 
 
 def forge(
