@@ -270,6 +270,7 @@ def _inject(
                 threading.Thread(
                     target=forge,
                     args=(coordinators[fault.site], fingerprint, done, fault.duration_s),
+                    kwargs={"victims_coordinator": coordinators["site1"]},
                     daemon=True,
                 ).start()
         time.sleep(0.1)
@@ -319,7 +320,7 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         result.why = "the lane's streams were never turned away (nothing in its rank's log)"
     elif forged and result.generations > 1:
         result.why = "a forged call changed the membership"
-    elif forged and (why := missed_forgeries(sites[forged[0].site].text())):
+    elif forged and (why := missed_forgeries(sites[forged[0].site].text(), sites["site1"].text())):
         result.why = why
     else:
         result.ok = True

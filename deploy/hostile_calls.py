@@ -12,7 +12,8 @@ refused or found out, and the job must finish with equal digests:
    dropped the live site1 and handed the state to the caller);
 3. votes for site0's rank on the coming steps, without the rank's key (the first
    vote for a step won, and froze the job);
-4. a proposal from site1 with the members reordered (it froze the job for good).
+4. a proposal from site1 with the members reordered (it froze the job for good), and
+   one in site0's (the leader's) name in the job's order, sent to site1.
 """
 
 from __future__ import annotations
@@ -70,19 +71,29 @@ def forge(
     duration_s: float,
     *,
     victim: str = "site1",
+    victims_coordinator: str | None = None,
     ranks: int = 1,
 ) -> dict[str, int]:
-    """Sends the forged calls to the coordinator at ``target`` (site0's) for
-    ``duration_s``, each claiming to come from ``victim``; ``step`` is about where the
-    job is. Returns how many calls of each kind the coordinator answered without an
-    error (those must have changed nothing that matters)."""
-    answered = {"heartbeat": 0, "join": 0, "vote": 0, "propose": 0}
+    """Sends the forged calls to the coordinator at ``target`` (site0's, the leader's)
+    for ``duration_s``, each claiming to come from ``victim``, and to
+    ``victims_coordinator`` a Propose in the leader's name in the job's own order;
+    ``step`` is about where the job is. Returns how many calls of each kind were
+    answered without an error (those must have changed nothing that matters)."""
+    answered = {"heartbeat": 0, "join": 0, "vote": 0, "propose": 0, "leader's propose": 0}
     deadline = time.monotonic() + duration_s
-    with grpc.insecure_channel(target) as channel:
-        stub = pb_grpc.CoordinatorStub(channel)
+    with (
+        grpc.insecure_channel(target) as channel,
+        grpc.insecure_channel(victims_coordinator or target) as other,
+    ):
+        stub, victims = pb_grpc.CoordinatorStub(channel), pb_grpc.CoordinatorStub(other)
         while time.monotonic() < deadline:
             generation = _generation(stub)
-            for kind, call in _calls(stub, fingerprint, step, generation, victim, ranks):
+            calls = list(_calls(stub, fingerprint, step, generation, victim, ranks))
+            if victims_coordinator is not None:
+                calls.append(
+                    ("leader's propose", lambda step=step: _leaders_propose(victims, step))
+                )
+            for kind, call in calls:
                 try:
                     call()
                     answered[kind] += 1
@@ -93,8 +104,22 @@ def forge(
     return answered
 
 
-def missed_forgeries(log: str) -> str:
-    """Why the target site's log shows that not every forged call was found out, or ""."""
+def _leaders_propose(victims: pb_grpc.CoordinatorStub, step: int) -> None:
+    """A next generation of the very members, in their order, in site0's (the
+    leader's) name: what anyone can build from GetMembership."""
+    now = victims.GetMembership(pb.GetMembershipRequest(), timeout=2)
+    victims.Propose(
+        pb.ProposeRequest(
+            leader="site0", generation=now.generation + 1, sites=list(now.sites), start_step=step
+        ),
+        timeout=2,
+    )
+
+
+def missed_forgeries(log: str, victims_log: str) -> str:
+    """Why the sites' logs show that not every forged call was found out, or ""."""
+    if "does not propose generation" not in victims_log:
+        return "the Propose in the leader's name was never checked with the leader"
     if "without the key it registered with" not in log:
         return "the forged votes were never refused (nothing in the site's log)"
     if "the claim is dropped" not in log and "could not confirm its digest" not in log:

@@ -11,6 +11,11 @@ its lanes and whether its ranks are ready, and the site is admitted with those
 (issue 14, row 2: a forged join once dropped the live site and admitted the caller's
 lanes, which then pulled the training state). Call both with the coordinator's
 condition held.
+
+A new membership generation is believed the same way: a ``Propose`` is adopted only
+if the site it names as leader, asked at its own address, says it is proposing that
+generation with those members (a forged Propose in the leader's name, in the job's
+order, once stopped a job).
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import grpc
+
 from isthmus.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
 
-__all__ = ["on_answer", "on_join"]
+__all__ = ["malformed_proposal", "on_answer", "on_join", "unconfirmed_proposal"]
 
 log = logging.getLogger("isthmus.inter.coordinator")
 
@@ -73,3 +80,48 @@ def on_answer(c: Coordinator, name: str, reply: pb.HeartbeatResponse) -> None:
         c.asked_to_join.discard(name)
         c.incarnations.learn(name, reply.incarnation, replace=True)
         c.failover.add_joiner(reply.site)
+
+
+def unconfirmed_proposal(c: Coordinator, request: pb.ProposeRequest) -> str | None:
+    """Why ``request`` is not what its leader proposes, asked at the leader's own
+    address (without the coordinator's condition held), or None."""
+    members = [info.name for info in request.sites]
+    ask = pb.HeartbeatRequest(
+        site=c.site, step=c.step, generation=c.generation, confirm_generation=request.generation
+    )
+    try:
+        reply = c.peer_stub(request.leader).Heartbeat(ask, timeout=c.rpc_timeout_s / 2)
+    except grpc.RpcError as exc:
+        return f"{request.leader} could not be asked about its proposal: {exc.code().name}"
+    if list(reply.proposed_members) != members:
+        return f"{request.leader} does not propose generation {request.generation} with {members}"
+    return None
+
+
+def malformed_proposal(c: Coordinator, request: pb.ProposeRequest, max_step: int) -> str | None:
+    """Why ``request`` cannot be a generation of this job, or None."""
+    names = [info.name for info in request.sites]
+    ordered = sorted(set(names) & set(c.site_names), key=c.site_names.index)
+    problem = None
+    if request.leader not in c.peers:
+        problem = f"unknown leader {request.leader[:64]!r}"
+    elif request.generation == 0 or request.start_step > max_step:
+        problem = "generation must be > 0 and start_step in range"
+    elif not names or len(set(names)) != len(names) or any(n not in c.site_names for n in names):
+        problem = f"sites must be distinct sites of this job, got {[n[:64] for n in names[:8]]}"
+    elif names != ordered:
+        # Every site derives the leader and each chunk's owner from this order; one
+        # reordered list froze the job for good (issue 14, row 4).
+        problem = f"sites must be in the job's order {ordered}, got {names}"
+    elif request.leader not in names:
+        problem = "the leader must be a member of its generation"
+    elif c.site not in names:
+        problem = f"a generation is proposed to its members; {c.site} is not one"
+    elif request.state_source and request.state_source not in names:
+        problem = f"state_source {request.state_source[:64]!r} is not a member"
+    else:
+        for info in request.sites:
+            if info.index != c.site_names.index(info.name) or (len(info.lane_addresses) != c.ranks):
+                problem = f"site {info.name} has index {info.index} or a wrong lane list"
+                break
+    return problem

@@ -459,6 +459,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 confirmed_digest=digest,
                 site=self._own_info_locked(),
                 ready=self._local_ready_locked(),
+                proposed_members=self.failover.proposing.get(request.confirm_generation, []),
             )
 
     def CommitStep(self, request, context):  # noqa: N802

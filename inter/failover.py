@@ -37,6 +37,7 @@ import grpc
 
 from isthmus.proto import coordinator_pb2 as pb
 
+from .admission import malformed_proposal, unconfirmed_proposal
 from .leader import Leader, has_quorum
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class Failover(Leader):
         # The highest generation any proposal answer named: a retried proposal goes
         # above it, so a site that accepted a failed attempt is not asked the same number.
         self._highest_generation = 0
+        self.proposing: dict[int, list[str]] = {}
+        """generation -> members, while this site proposes it (asked by the members)."""
         self._suspects: list[str] = []
         self._thread = threading.Thread(
             target=self._run, name=f"failover-{coordinator.site}", daemon=True
@@ -244,35 +247,12 @@ class Failover(Leader):
     def propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext):
         """Adopt a higher generation proposed by its leader."""
         c = self.c
-        names = [info.name for info in request.sites]
-        problem = None
-        if request.leader not in c.peers:
-            problem = f"unknown leader {request.leader[:64]!r}"
-        elif request.generation == 0 or request.start_step > MAX_STEP:
-            problem = "generation must be > 0 and start_step in range"
-        elif (
-            not names or len(set(names)) != len(names) or any(n not in c.site_names for n in names)
-        ):
-            problem = f"sites must be distinct sites of this job, got {[n[:64] for n in names[:8]]}"
-        elif names != self._ordered(names):
-            # Every site derives the leader and each chunk's owner from this order; one
-            # reordered list froze the job for good (issue 14, row 4).
-            problem = f"sites must be in the job's order {self._ordered(names)}, got {names}"
-        elif request.leader not in names:
-            problem = "the leader must be a member of its generation"
-        elif c.site not in names:
-            problem = f"a generation is proposed to its members; {c.site} is not one"
-        elif request.state_source and request.state_source not in names:
-            problem = f"state_source {request.state_source[:64]!r} is not a member"
-        else:
-            for info in request.sites:
-                if info.index != c.site_names.index(info.name) or (
-                    len(info.lane_addresses) != c.ranks
-                ):
-                    problem = f"site {info.name} has index {info.index} or a wrong lane list"
-                    break
+        problem = malformed_proposal(c, request, MAX_STEP)
         if problem is not None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if request.generation > c.generation and (why := unconfirmed_proposal(c, request)):
+            c.refusals.note(context.peer(), why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{c.where}: {why}")
         with c._cond:
             c.last_seen[request.leader] = time.monotonic()
             accepted = request.generation > c._generation

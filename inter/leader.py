@@ -52,6 +52,7 @@ class Leader:
     _deciding: set
     _stuck_since: float | None
     _highest_generation: int
+    proposing: dict[int, list[str]]
 
     def _evaluate(self, key: tuple[int, int]) -> None:
         """As leader, decide (step, generation) if its votes or the suspects allow."""
@@ -193,6 +194,10 @@ class Leader:
         answers: dict[str, pb.ProposeResponse] = {}
         if not targets:
             return answers
+        # Each member asks this site, at its own address, whether it proposes this
+        # (failover.propose): a Propose in its name from anyone else is refused.
+        with c._cond:
+            self.proposing[generation] = [info.name for info in sites]
         with futures.ThreadPoolExecutor(len(targets)) as pool:
             calls = {
                 name: pool.submit(c.peer_stub(name).Propose, request, timeout=c.rpc_timeout_s)
@@ -206,6 +211,8 @@ class Leader:
                     )
                 except grpc.RpcError as exc:
                     log.warning("[%s] propose to %s: %s", c.site, name, exc.code().name)
+        with c._cond:
+            self.proposing.pop(generation, None)
         return answers
 
     def _accepted_by_quorum(self, answers: dict[str, pb.ProposeResponse], generation: int) -> bool:

@@ -172,8 +172,19 @@ class SiteMembership:
                 self._stop.wait(self.watch_s)
                 continue
             silent = [s for s in reply.suspects if s in self.member_names and s != self.site]
-            if silent and not self.allreduce.abort.is_set():
-                self.allreduce.abort.set(f"site(s) {', '.join(silent)} fell silent")
+            # The job went on without a member while this rank's round still waits on
+            # it: once out of the membership it is no suspect any more, and the round
+            # would wait out sync.timeout_s (a 3-site kill-leader run took 120 s).
+            newer = (
+                {info.name for info in reply.sites} if reply.generation > self.generation else set()
+            )
+            left = [s for s in self.member_names if newer and s not in newer]
+            if (silent or left) and not self.allreduce.abort.is_set():
+                self.allreduce.abort.set(
+                    f"site(s) {', '.join(silent)} fell silent"
+                    if silent
+                    else f"generation {reply.generation} went on without {', '.join(left)}"
+                )
             if silent or reply.generation != self.generation:
                 # Answered at once and would be again (a member still silent, or the
                 # coordinator in a generation this rank has not moved to): pace the asking.

@@ -192,7 +192,7 @@ class GetMembershipResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., start_step: _Optional[int] = ..., state_source: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("site", "step", "digest", "digest_step", "finished", "generation", "confirm_digest", "confirm_step")
+    __slots__ = ("site", "step", "digest", "digest_step", "finished", "generation", "confirm_digest", "confirm_step", "confirm_generation")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class HeartbeatRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CONFIRM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CONFIRM_STEP_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_GENERATION_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
     digest: str
@@ -209,23 +210,26 @@ class HeartbeatRequest(_message.Message):
     generation: int
     confirm_digest: bool
     confirm_step: int
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., generation: _Optional[int] = ..., confirm_digest: _Optional[bool] = ..., confirm_step: _Optional[int] = ...) -> None: ...
+    confirm_generation: int
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., generation: _Optional[int] = ..., confirm_digest: _Optional[bool] = ..., confirm_step: _Optional[int] = ..., confirm_generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready")
+    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready", "proposed_members")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     member: bool
     incarnation: str
     confirmed_digest: str
     site: SiteInfo
     ready: bool
-    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    proposed_members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
     __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key")

@@ -316,6 +316,8 @@ def test_a_site_admitted_back_pulls_the_state_though_its_old_vote_was_settled_me
         admit = pb.ProposeRequest(
             leader="site0", generation=3, sites=sites, start_step=21, state_source="site0"
         )
+        with coords[0]._cond:  # site0 proposes it (site1 asks site0 before adopting it)
+            coords[0].failover.proposing[3] = ["site0", "site1"]
         with grpc.insecure_channel(site1.address) as channel:
             assert pb_grpc.CoordinatorStub(channel).Propose(admit, timeout=5).accepted
         site1.failover._settle((4, 1))  # what its loop does with the old vote
@@ -616,3 +618,28 @@ def test_with_a_witness_a_partition_still_lets_only_one_side_go_on():
             link.set_impairments((), ())
             stop_all(coords)
             witness.stop()
+
+
+def test_a_propose_in_the_leaders_name_that_it_did_not_send_is_refused():
+    """Found while replaying issue 14: a Propose in the job's order and in the real
+    leader's name (anyone can read the members from GetMembership) moved site1 to a
+    generation nobody else was in, and the job stopped ("no decision on step 4"). A
+    member now asks the leader, at its own address, before adopting a generation."""
+    coords = start_sites(2)
+    try:
+        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
+        with coords[1]._cond:
+            sites = coords[1].infos_locked(coords[1].members)
+        forged = pb.ProposeRequest(leader="site0", generation=2, sites=sites, start_step=1)
+        with (
+            grpc.insecure_channel(coords[1].address) as channel,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            pb_grpc.CoordinatorStub(channel).Propose(forged, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "site0 does not propose generation 2" in refused.value.details()
+        assert coords[1].generation == 1
+        decisions = vote_all(coords, 1, 1)
+        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
+    finally:
+        stop_all(coords)
