@@ -390,8 +390,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         refuse_unless_named(self.security, context, self.where, request.site.name, "Join")
         who = request.site.name[:64] or "a peer"
         problem = answer = self._check_site_info(request.site, request.ready, request.incarnation)
-        if problem is None:
-            problem = self._check_fingerprint(request.fingerprint, who)
+        if problem is None and (problem := self._check_fingerprint(request.fingerprint, who)):
             answer = self._check_fingerprint(request.fingerprint, who, to_caller=True)
         if problem is not None:
             log.warning("[%s] refused join from %s: %s", self.site, context.peer(), problem)

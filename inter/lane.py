@@ -423,9 +423,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     ) -> None:
         """With mutual TLS, a call for site ``from_site`` (a chunk it sends, a chunk sent
         to it) only from a certificate naming that member: another site of the job
-        cannot push chunks in its name or pull what was sent to it (issue 14, row 9)."""
-        with self._lock:
-            names = self._site_names
+        cannot push chunks in its name or pull what was sent to it (issue 14, row 9).
+        Called per chunk: without TLS it returns before anything else."""
+        if not self.security.require_tls:
+            return
+        names = self._site_names  # replaced whole by set_generation, never mutated
         if names is not None and from_site < len(names):
             refuse_unless_named(self.security, context, self.where, names[from_site], method)
 

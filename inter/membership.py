@@ -175,10 +175,10 @@ class SiteMembership:
             # The job went on without a member while this rank's round still waits on
             # it: once out of the membership it is no suspect any more, and the round
             # would wait out sync.timeout_s (a 3-site kill-leader run took 120 s).
-            newer = (
-                {info.name for info in reply.sites} if reply.generation > self.generation else set()
-            )
-            left = [s for s in self.member_names if newer and s not in newer]
+            left = []
+            if reply.generation > self.generation and reply.sites:
+                newer = {info.name for info in reply.sites}
+                left = [s for s in self.member_names if s not in newer]
             if (silent or left) and not self.allreduce.abort.is_set():
                 self.allreduce.abort.set(
                     f"site(s) {', '.join(silent)} fell silent"

@@ -1,151 +1,36 @@
 """Step commit and failover between real coordinators on loopback (inter/failover.py).
 
-Each site has one "rank" played by the test: it votes with CommitStep like
-deploy/rank.py does. Sites die by stopping their coordinator (its heartbeats and
-answers stop, as when its machine dies); a partition cuts the emulated link.
+Each site has one "rank" played by the test (tests/coordinators.py). Sites die by
+stopping their coordinator (its heartbeats and answers stop, as when its machine
+dies); a partition cuts the emulated link.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import grpc
 import pytest
-from helpers import register_rank
+from coordinators import (
+    coordinator,
+    linked_pair,
+    names,
+    rank_key,
+    restart_site1,
+    retry_until,
+    start_sites,
+    stop_all,
+    vote,
+    vote_all,
+)
 
-from isthmus.inter.coordinator import Coordinator
 from isthmus.inter.failover import has_quorum
-from isthmus.inter.witness import WitnessServer
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
-from isthmus.sim import Flap, LinkSpec, RelayServer
+from isthmus.sim import Flap, RelayServer
 
 pytestmark = pytest.mark.timeout(90)
-
-FP = {"job.seed": "0"}
-FAST = {"heartbeat_s": 0.1, "failure_timeout_s": 0.8, "rpc_timeout_s": 1.0}
-
-
-def coordinator(site: str, names: list[str], **options) -> Coordinator:
-    """One site's coordinator with the fast test settings, not started."""
-    return Coordinator(
-        site=site,
-        site_names=names,
-        ranks=1,
-        fingerprint=FP,
-        join_timeout_s=20,
-        **{**FAST, **options},
-    )
-
-
-def start_sites(n: int, proxies=None, **options) -> list[Coordinator]:
-    names = [f"site{i}" for i in range(n)]
-    coords = [coordinator(name, names, **options) for name in names]
-    addresses = {c.site: c.address for c in coords}
-    for c in coords:
-        c.set_peers(
-            {s: a for s, a in addresses.items() if s != c.site},
-            (proxies or {}).get(c.site),
-        )
-        c.start()
-    for i, c in enumerate(coords):
-        register(c, lane=f"127.0.0.1:{2000 + i}")
-    for c in coords:
-        c.wait_ready(20)
-    return coords
-
-
-def rank_key(coord: Coordinator) -> str:
-    """The key the test's rank 0 of ``coord``'s site registers and votes with (one per
-    coordinator process, as a rank's own is one per process)."""
-    return f"rank0-of-{coord.site}-{coord.incarnations.mine}"
-
-
-def register(coord: Coordinator, lane: str) -> None:
-    register_rank(coord.address, coord.site, FP, key=rank_key(coord), lane=lane)
-
-
-def vote(coord: Coordinator, step: int, generation: int, ok: bool = True, wait_s: float = 15):
-    """What a rank does: vote, then ask again until the decision is not PENDING."""
-    deadline = time.monotonic() + wait_s
-    with grpc.insecure_channel(coord.address) as channel:
-        stub = pb_grpc.CoordinatorStub(channel)
-        request = pb.CommitStepRequest(
-            site=coord.site,
-            rank=0,
-            step=step,
-            generation=generation,
-            ok=ok,
-            wait_ms=1000,
-            rank_key=rank_key(coord),
-        )
-        while time.monotonic() < deadline:
-            decision = stub.CommitStep(request, timeout=5)
-            if decision.verdict != pb.VERDICT_PENDING:
-                return decision
-    raise AssertionError(f"{coord.site}: no decision on step {step} in {wait_s}s")
-
-
-def vote_all(coords, step, generation, ok=None):
-    ok = ok or {}
-    results: dict[str, pb.Decision] = {}
-
-    def one(c):
-        results[c.site] = vote(c, step, generation, ok.get(c.site, True))
-
-    threads = [threading.Thread(target=one, args=(c,)) for c in coords]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return results
-
-
-def retry_until(coords, step, generation, members, ok):
-    """Vote not-ok (as ranks whose rounds hit a dead site do) until a RETRY names
-    exactly ``members``: the first retry may come before the silence is noticed."""
-    for _ in range(10):
-        decisions = vote_all(coords, step=step, generation=generation, ok=ok)
-        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_RETRY}, decisions
-        generation = next(iter(decisions.values())).generation
-        if all(names(d) == members for d in decisions.values()):
-            return generation
-        time.sleep(0.2)  # a rank's next round takes a while too
-    raise AssertionError(f"never retried with {members} alone")
-
-
-def restart_site1(address: str, site0: Coordinator, lane: str) -> Coordinator:
-    """A new site1 coordinator at ``address`` (its old one stopped), one rank registered."""
-    host, port = address.rsplit(":", 1)
-    again = coordinator("site1", ["site0", "site1"], host=host, port=int(port))
-    again.set_peers({"site0": site0.address})
-    again.start()
-    register(again, lane=lane)
-    return again
-
-
-def linked_pair(relay: RelayServer):
-    """An emulated link between site0 and site1, and each site's proxy through it."""
-    link = relay.add_link("site0-site1", LinkSpec.symmetric(latency_s=0.001))
-    proxies = {
-        "site0": {"site1": "http://{}:{}".format(*link.add_proxy(initiator="a"))},
-        "site1": {"site0": "http://{}:{}".format(*link.add_proxy(initiator="b"))},
-    }
-    os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/local.py)
-    return link, proxies
-
-
-def names(decision: pb.Decision) -> list[str]:
-    return [info.name for info in decision.sites]
-
-
-def stop_all(coords):
-    for c in coords:
-        c.leave()
-    for c in coords:
-        c.stop(grace_s=0.2)
 
 
 def test_quorum_is_a_majority_or_half_with_the_first_site():
@@ -420,226 +305,5 @@ def test_a_propose_that_reorders_the_members_is_refused():
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "in the job's order ['site0', 'site1']" in err.value.details()
         assert coords[1].generation == 1 and coords[1].live_members() == ["site0", "site1"]
-    finally:
-        stop_all(coords)
-
-
-def test_a_late_copy_of_a_members_first_join_does_not_pass_for_a_restart():
-    """Seen as a 6-step job hanging in CI: a join that site1 sent before the job began
-    (generation 0) and site0 handled only after the first commit, as a slow server or a
-    retried call can, made site0 take the live site1 for restarted. The same
-    incarnation is the same process: such a join changes nothing."""
-    coords = start_sites(2)
-    try:
-        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-        with coords[1]._cond:
-            info = coords[1]._own_info_locked()
-        late = pb.JoinRequest(
-            site=info,
-            fingerprint=pb.JobFingerprint(fields=FP),
-            ready=True,
-            generation=0,
-            incarnation=coords[1].incarnations.mine,
-        )
-        with grpc.insecure_channel(coords[0].address) as channel:
-            answer = pb_grpc.CoordinatorStub(channel).Join(late, timeout=5)
-        assert answer.generation == 0  # not news: site1 is a member as it is
-        with coords[0]._cond:
-            assert coords[0].failover.suspects_locked() == []
-            assert "site1" not in coords[0].failover.restarted
-        decisions = vote_all(coords, 1, 1)
-        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
-        assert all(names(d) == ["site0", "site1"] for d in decisions.values())
-    finally:
-        stop_all(coords)
-
-
-def _forged_join(site1: Coordinator, **changes) -> pb.JoinRequest:
-    with site1._cond:
-        info = site1._own_info_locked()
-    request = pb.JoinRequest(
-        site=info,
-        fingerprint=pb.JobFingerprint(fields=FP),
-        ready=True,
-        generation=0,
-        incarnation="f" * 16,  # another process than the job knows: "I restarted"
-    )
-    del request.site.lane_addresses[:]
-    request.site.lane_addresses.append("127.0.0.1:6666")  # lanes the forger listens on
-    return request
-
-
-def test_a_forged_restart_is_belied_by_the_site_itself_and_changes_nothing():
-    """Issue 14, row 2: one Join as site1 from generation 0 dropped the live site1 and
-    admitted the caller's lanes, which then pulled the training state. site0 now asks
-    site1 at its own address, which answers with its real incarnation and lanes."""
-    coords = start_sites(2)
-    try:
-        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-        with grpc.insecure_channel(coords[0].address) as channel:
-            pb_grpc.CoordinatorStub(channel).Join(_forged_join(coords[1]), timeout=5)
-        time.sleep(0.5)  # a few heartbeats: site1 has answered for itself
-        with coords[0]._cond:
-            assert coords[0].failover.suspects_locked() == []
-            assert coords[0].failover._joiners == {}
-            assert coords[0].incarnations.get("site1") == coords[1].incarnations.mine
-            lanes = list(coords[0].infos_locked(["site1"])[0].lane_addresses)
-        assert lanes == ["127.0.0.1:2001"]
-        decisions = vote_all(coords, 1, 1)
-        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
-        assert all(names(d) == ["site0", "site1"] for d in decisions.values())
-    finally:
-        stop_all(coords)
-
-
-def test_a_forged_digest_is_checked_with_the_site_itself_before_anything_stops():
-    """Issue 14, row 1: one Heartbeat(site="site1", digest=...) stopped site0 with
-    "replicas differ". A digest that differs is now asked of site1 at its own address;
-    a real difference is still a divergence (tests/test_observability.py)."""
-    coords = start_sites(2)
-    mine, forged = "a" * 64, "b" * 64
-    try:
-        with grpc.insecure_channel(coords[0].address) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            report = pb.ReportProgressRequest(
-                site="site0", step=10, digest=mine, digest_step=10, rank_key=rank_key(coords[0])
-            )
-            assert stub.ReportProgress(report, timeout=5).divergence == ""
-            stub.Heartbeat(
-                pb.HeartbeatRequest(site="site1", step=10, digest=forged, digest_step=10),
-                timeout=5,
-            )
-            assert coords[0].replicas.agree_at(10, ["site0", "site1"]) is None  # in doubt
-            deadline = time.monotonic() + 10
-            while coords[0].replicas.doubted("site1") is not None:
-                assert time.monotonic() < deadline, "site1 was never asked"
-                time.sleep(0.05)
-            # site1 has no step 10 yet: the claim goes, nothing stops.
-            assert coords[0].replicas.latest().get("site1", (0, ""))[1] != forged
-            assert coords[0].replicas.divergence is None
-            assert stub.ReportProgress(report, timeout=5).divergence == ""
-        # site1 reaches step 10 with the same parameters: the sites agree.
-        with grpc.insecure_channel(coords[1].address) as channel:
-            pb_grpc.CoordinatorStub(channel).ReportProgress(
-                pb.ReportProgressRequest(
-                    site="site1", step=10, digest=mine, digest_step=10, rank_key=rank_key(coords[1])
-                ),
-                timeout=5,
-            )
-        while coords[0].replicas.agree_at(10, ["site0", "site1"]) is not True:
-            assert time.monotonic() < deadline, "site1's own digest never arrived"
-            time.sleep(0.05)
-    finally:
-        stop_all(coords)
-
-
-def test_a_not_ok_site_vote_stands_against_a_later_ok_for_the_same_round():
-    """Issue 14, row 3: the first vote for a key won, so a forged "ok" sent ahead of a
-    failed round could commit it. "Not ok" now stands once cast: at worst a forged
-    vote makes the step run again."""
-    coords = start_sites(2)
-    try:
-        with grpc.insecure_channel(coords[0].address) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            for ok in (False, True):  # site1's failed round, then a forged "ok"
-                stub.SiteVote(
-                    pb.SiteVoteRequest(site="site1", step=0, generation=1, ok=ok, wait_ms=0),
-                    timeout=5,
-                )
-        assert vote(coords[0], 0, 1).verdict == pb.VERDICT_RETRY
-    finally:
-        stop_all(coords)
-
-
-def test_a_rank_is_registered_by_one_process_only():
-    coords = start_sites(2)
-    try:
-        with grpc.insecure_channel(coords[0].address) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            request = pb.RegisterRankRequest(
-                site="site0",
-                rank=0,
-                world_size=1,
-                lane_address="127.0.0.1:2000",
-                fingerprint=pb.JobFingerprint(fields=FP),
-                rank_key=rank_key(coords[0]),
-            )
-            stub.RegisterRank(request, timeout=5)  # the rank retrying: the same key
-            request.rank_key = "e" * 32
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.RegisterRank(request, timeout=5)
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "already registered by another process" in refused.value.details()
-        # The rank that registered first still votes.
-        with grpc.insecure_channel(coords[0].address) as channel:
-            vote0 = pb.CommitStepRequest(
-                site="site0", rank=0, step=0, generation=1, ok=True, rank_key=rank_key(coords[0])
-            )
-            assert pb_grpc.CoordinatorStub(channel).CommitStep(vote0, timeout=5).step == 0
-    finally:
-        stop_all(coords)
-
-
-def test_with_a_witness_two_sites_survive_the_loss_of_site0():
-    """Issue 14, point 7: without a witness, losing site0 (the tie-breaker) stops a
-    two-site job. With one, site1 is granted the even split once site0 falls silent."""
-    witness = WitnessServer(site_names=["site0", "site1"], fingerprint=FP, failure_timeout_s=0.8)
-    witness.start()
-    coords = start_sites(2, witness=witness.address)
-    try:
-        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-        coords[0].stop(grace_s=0)
-        generation = retry_until(coords[1:], 1, 1, ["site1"], ok={"site1": False})
-        assert vote(coords[1], 1, generation).verdict == pb.VERDICT_COMMIT
-        assert witness.holder == ["site1"]
-    finally:
-        stop_all(coords)
-        witness.stop()
-
-
-def test_with_a_witness_a_partition_still_lets_only_one_side_go_on():
-    with RelayServer() as relay:
-        link, proxies = linked_pair(relay)
-        witness = WitnessServer(
-            site_names=["site0", "site1"], fingerprint=FP, failure_timeout_s=0.8
-        ).start()
-        coords = start_sites(2, proxies=proxies, quorum_wait_s=3.0, witness=witness.address)
-        try:
-            assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-            dark = (Flap(duration_s=60),)
-            link.set_impairments(dark, dark)  # the sites cut apart; both reach the witness
-            link.reset()
-            decisions = vote_all(coords, 1, 1, ok={"site0": False, "site1": False})
-            verdicts = sorted(pb.Verdict.Name(d.verdict) for d in decisions.values())
-            assert verdicts == ["VERDICT_RETRY", "VERDICT_STOP"], decisions
-            (going_on,) = [s for s, d in decisions.items() if d.verdict == pb.VERDICT_RETRY]
-            assert names(decisions[going_on]) == [going_on] and witness.holder == [going_on]
-        finally:
-            link.set_impairments((), ())
-            stop_all(coords)
-            witness.stop()
-
-
-def test_a_propose_in_the_leaders_name_that_it_did_not_send_is_refused():
-    """Found while replaying issue 14: a Propose in the job's order and in the real
-    leader's name (anyone can read the members from GetMembership) moved site1 to a
-    generation nobody else was in, and the job stopped ("no decision on step 4"). A
-    member now asks the leader, at its own address, before adopting a generation."""
-    coords = start_sites(2)
-    try:
-        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-        with coords[1]._cond:
-            sites = coords[1].infos_locked(coords[1].members)
-        forged = pb.ProposeRequest(leader="site0", generation=2, sites=sites, start_step=1)
-        with (
-            grpc.insecure_channel(coords[1].address) as channel,
-            pytest.raises(grpc.RpcError) as refused,
-        ):
-            pb_grpc.CoordinatorStub(channel).Propose(forged, timeout=5)
-        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "site0 does not propose generation 2" in refused.value.details()
-        assert coords[1].generation == 1
-        decisions = vote_all(coords, 1, 1)
-        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
     finally:
         stop_all(coords)

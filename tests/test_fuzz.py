@@ -24,6 +24,7 @@ import time
 
 import grpc
 import pytest
+from coordinators import rank_key, register
 from fuzzing import (  # noqa: F401 (report_counts: an autouse fixture)
     BAD,
     DEADLINE_S,
@@ -42,7 +43,6 @@ from fuzzing import (  # noqa: F401 (report_counts: an autouse fixture)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_failover import rank_key, register
 from test_fuzz_lane import LANE_LIMIT, chunk, lane  # noqa: F401 (lane: a fixture)
 
 from isthmus.inter.channels import MAX_MESSAGE_BYTES

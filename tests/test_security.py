@@ -32,7 +32,6 @@ from isthmus.inter.lane import LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.inter.rank_keys import RANK_KEY
 from isthmus.inter.security import TLS_NAME, SiteSecurity
-from isthmus.inter.witness import WitnessServer
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -455,31 +454,6 @@ def test_certs_command_takes_the_sites_from_a_job_config(tmp_path):
     result = run_cli("certs", "--out", str(tmp_path / "w"), "-c", str(job), timeout=60)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "w" / "witness.crt").is_file()
-
-
-def test_a_witness_with_tls_grants_a_site_only_to_its_own_certificate(tmp_path):
-    write_certs(tmp_path, ["site0", "site1", "witness"])
-    witness = WitnessServer(
-        site_names=SITES,
-        fingerprint={"job.name": "t"},
-        failure_timeout_s=1.0,
-        security=full(tmp_path, "witness"),
-    ).start()
-    try:
-        ask = cpb.WitnessGrantRequest(
-            site="site0",
-            members=["site0"],
-            fingerprint=cpb.JobFingerprint(fields={"job.name": "t"}),
-        )
-        with open_channel(full(tmp_path, "site1"), witness.address) as channel:
-            refused = refusal(lambda: cpb_grpc.WitnessStub(channel).Grant(ask, timeout=5))
-        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert witness.holder == []
-        with open_channel(full(tmp_path, "site0"), witness.address) as channel:
-            assert cpb_grpc.WitnessStub(channel).Grant(ask, timeout=5).granted
-        assert witness.holder == ["site0"]
-    finally:
-        witness.stop()
 
 
 # -- end to end ---------------------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""Real coordinators on loopback for the control-plane tests (test_failover.py,
+test_forged_calls.py, test_witness.py, test_fuzz.py): each site has one "rank" played
+by the test, which registers and votes like deploy/rank.py does. Sites die by
+stopping their coordinator; a partition cuts the emulated link."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+from helpers import register_rank
+
+from isthmus.inter.coordinator import Coordinator
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+from isthmus.sim import LinkSpec, RelayServer
+
+FP = {"job.seed": "0"}
+FAST = {"heartbeat_s": 0.1, "failure_timeout_s": 0.8, "rpc_timeout_s": 1.0}
+
+
+def coordinator(site: str, names: list[str], **options) -> Coordinator:
+    """One site's coordinator with the fast test settings, not started."""
+    return Coordinator(
+        site=site,
+        site_names=names,
+        ranks=1,
+        fingerprint=FP,
+        join_timeout_s=20,
+        **{**FAST, **options},
+    )
+
+
+def start_sites(n: int, proxies=None, **options) -> list[Coordinator]:
+    names = [f"site{i}" for i in range(n)]
+    coords = [coordinator(name, names, **options) for name in names]
+    addresses = {c.site: c.address for c in coords}
+    for c in coords:
+        c.set_peers(
+            {s: a for s, a in addresses.items() if s != c.site},
+            (proxies or {}).get(c.site),
+        )
+        c.start()
+    for i, c in enumerate(coords):
+        register(c, lane=f"127.0.0.1:{2000 + i}")
+    for c in coords:
+        c.wait_ready(20)
+    return coords
+
+
+def rank_key(coord: Coordinator) -> str:
+    """The key the test's rank 0 of ``coord``'s site registers and votes with (one per
+    coordinator process, as a rank's own is one per process)."""
+    return f"rank0-of-{coord.site}-{coord.incarnations.mine}"
+
+
+def register(coord: Coordinator, lane: str) -> None:
+    register_rank(coord.address, coord.site, FP, key=rank_key(coord), lane=lane)
+
+
+def vote(coord: Coordinator, step: int, generation: int, ok: bool = True, wait_s: float = 15):
+    """What a rank does: vote, then ask again until the decision is not PENDING."""
+    deadline = time.monotonic() + wait_s
+    with grpc.insecure_channel(coord.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        request = pb.CommitStepRequest(
+            site=coord.site,
+            rank=0,
+            step=step,
+            generation=generation,
+            ok=ok,
+            wait_ms=1000,
+            rank_key=rank_key(coord),
+        )
+        while time.monotonic() < deadline:
+            decision = stub.CommitStep(request, timeout=5)
+            if decision.verdict != pb.VERDICT_PENDING:
+                return decision
+    raise AssertionError(f"{coord.site}: no decision on step {step} in {wait_s}s")
+
+
+def vote_all(coords, step, generation, ok=None):
+    ok = ok or {}
+    results: dict[str, pb.Decision] = {}
+
+    def one(c):
+        results[c.site] = vote(c, step, generation, ok.get(c.site, True))
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in coords]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def retry_until(coords, step, generation, members, ok):
+    """Vote not-ok (as ranks whose rounds hit a dead site do) until a RETRY names
+    exactly ``members``: the first retry may come before the silence is noticed."""
+    for _ in range(10):
+        decisions = vote_all(coords, step=step, generation=generation, ok=ok)
+        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_RETRY}, decisions
+        generation = next(iter(decisions.values())).generation
+        if all(names(d) == members for d in decisions.values()):
+            return generation
+        time.sleep(0.2)  # a rank's next round takes a while too
+    raise AssertionError(f"never retried with {members} alone")
+
+
+def restart_site1(address: str, site0: Coordinator, lane: str) -> Coordinator:
+    """A new site1 coordinator at ``address`` (its old one stopped), one rank registered."""
+    host, port = address.rsplit(":", 1)
+    again = coordinator("site1", ["site0", "site1"], host=host, port=int(port))
+    again.set_peers({"site0": site0.address})
+    again.start()
+    register(again, lane=lane)
+    return again
+
+
+def linked_pair(relay: RelayServer):
+    """An emulated link between site0 and site1, and each site's proxy through it."""
+    link = relay.add_link("site0-site1", LinkSpec.symmetric(latency_s=0.001))
+    proxies = {
+        "site0": {"site1": "http://{}:{}".format(*link.add_proxy(initiator="a"))},
+        "site1": {"site0": "http://{}:{}".format(*link.add_proxy(initiator="b"))},
+    }
+    os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/local.py)
+    return link, proxies
+
+
+def names(decision: pb.Decision) -> list[str]:
+    return [info.name for info in decision.sites]
+
+
+def stop_all(coords):
+    for c in coords:
+        c.leave()
+    for c in coords:
+        c.stop(grace_s=0.2)
