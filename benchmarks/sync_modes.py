@@ -4,7 +4,8 @@ scaling efficiency.
 Runs `isthmus local` once per mode on the same job (same model, seed, sites and global
 batch), and with --one-site also one site alone with the same layout, then prints one
 row per mode: the training loss at equal tokens (mean over the sites and the --tail
-steps that end at the step count every run reached), its gap to the per-step run,
+steps that end at the step count every run reached) and the held-out loss of the model
+the sites share at that step, their gaps to the per-step run,
 bytes across sites per token and how many times fewer than per-step sync, steady
 tokens/s and the scaling efficiency (S sites / (S x one site)).
 
@@ -67,12 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "past the first round, which absorbs the sites' start-up skew",
     )
     p.add_argument(
-        "--final-eval",
+        "--eval-batches",
         type=int,
-        default=0,
-        help="batches of the final model's evaluation (run.final_eval_batches): the loss "
-        "of the model a run ends with, not of the sites' local models along the way",
+        default=16,
+        help="held-out batches per measurement (run.eval_batches): the loss of the model "
+        "the sites share on text never trained on, at the step every run reached",
     )
+    p.add_argument("--eval-every", type=int, default=50, help="run.eval_every of every run")
     p.add_argument("--json", type=Path, default=None, help="default OUT/sync_modes.json")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     args = p.parse_args(argv)
@@ -122,7 +124,8 @@ def run(args: argparse.Namespace, name: str, run_dir: Path, sites: int, settings
         "--set", f"model.preset={args.preset}", "--set", f"sync.codec={args.codec}",
         "--set", "run.tensorboard=false", "--set", "run.digest_every=0",
         "--set", f"run.steady_after={args.steady_after}",
-        "--set", f"run.final_eval_batches={args.final_eval}",
+        "--set", f"run.eval_batches={args.eval_batches}",
+        "--set", f"run.eval_every={args.eval_every}",
         *settings,
     ]  # fmt: skip
     for override in args.overrides:
@@ -176,7 +179,12 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
             r["compute_s"] for recs in sites for r in recs[summary["steady_after"] :]
         ),
         "replicas_identical": len(set(summary["digests"].values())) == 1,
-        "final_eval_loss": summary.get("final_eval_loss"),
+        # The held-out loss measured after the step every run reached (it always is: the
+        # last step of the shortest run, or a multiple of --eval-every).
+        "val_loss": next(
+            (r["val_loss"] for r in sites[0] if r["step"] == at_step - 1 and "val_loss" in r),
+            None,
+        ),
     }
 
 
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'mode':<16} {'steps':>5} {'loss@' + str(common):>9} {'vs step':>8} "
         f"{'bytes/token':>12} {'fewer':>8} {'tokens/s':>9} {'scaling':>8} "
-        f"{'w/o last':>8} {'identical':>9} {'final eval':>10} {'vs step':>8}"
+        f"{'w/o last':>8} {'identical':>9} {'held-out':>10} {'vs step':>8}"
     )
     for mode, r in rows.items():
         gap = r["loss_at_equal_tokens"] / base["loss_at_equal_tokens"] - 1 if base else 0.0
@@ -215,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         before_last = (
             r["tokens_per_s_before_last"] / (args.sites * one_before_last) if one_site else None
         )
-        # The model each run ends with, on the same fresh batches (--final-eval).
-        final, base_final = r["final_eval_loss"], base and base["final_eval_loss"]
+        # The shared model's held-out loss at the step every run reached.
+        final, base_final = r["val_loss"], base and base["val_loss"]
         final_gap = final / base_final - 1 if final is not None and base_final else None
         r.update(
-            final_eval_vs_step=final_gap,
+            val_loss_vs_step=final_gap,
             loss_vs_step=gap,
             fewer_bytes_than_step=fewer,
             scaling_efficiency=scaling,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.config import ConfigError, JobConfig
+from isthmus.deploy.corpus import load_corpus
 from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
@@ -29,7 +30,8 @@ __all__ = ["LaunchError", "LocalJob", "check_supported"]
 
 
 def check_supported(config: JobConfig, gpus_needed: int) -> None:
-    """Refuse, in one line, what this release cannot run."""
+    """Refuse, in one line, what this release cannot run (before anything is made)."""
+    load_corpus(config)  # a corpus that cannot be read or split
     t = config.topology
     if t.device == "cuda":
         import torch

@@ -32,6 +32,7 @@ class Progress:
         self._rows: dict[str, list[dict]] = {s: [] for s in self.sites}
         self._merged = 0
         self._tokens = 0
+        self._val: float | None = None  # the latest held-out loss
         self.tty = enabled and out.isatty()
         self.shown = -1
         self.every = max(1, config.job.steps // 10)
@@ -59,6 +60,8 @@ class Progress:
         n = self._merged
         self._tokens += sum(r["tokens"] for r in new)
         last = new[-1]
+        for r in new:
+            self._val = r.get("val_loss", self._val)
         if not self.tty and n % self.every and n != self.config.job.steps:
             return
         self.shown = n - 1
@@ -70,6 +73,8 @@ class Progress:
             f"[{bar}] step {n}/{total}  loss {last['loss']:.4f}  {tokens_per_s:,.0f} tok/s  "
             f"MFU {last['mfu']:.1%}"
         )
+        if self._val is not None:
+            line += f"  held-out {self._val:.4f}"
         if len(self.sites) > 1 or self.config.topology.sites > 1:
             # How long the step's rounds ran, and how much of that the step waited for.
             line += (

@@ -38,11 +38,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from isthmus.deploy.checkpointing import restore, save_due, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
+from isthmus.deploy.corpus import load_corpus
 from isthmus.deploy.cross_site import CrossSite
+from isthmus.deploy.evaluation import HeldOutLoss
 from isthmus.deploy.reporting import DivergenceError, StepReporter
 from isthmus.inter.membership import QuorumLost, RejoinRequired
 from isthmus.inter.round import NonFiniteGradient
-from isthmus.intra.data import Corpus, ShardedBatches, from_path, stdlib_corpus
+from isthmus.intra.data import ShardedBatches
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.flops import scaled_lr
 from isthmus.intra.layout import ParallelLayout
@@ -152,11 +154,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
             total_steps=config.job.steps,
             begin_step=sync.begin_step,
         )
-    corpus = (
-        stdlib_corpus(config.data.max_bytes)
-        if config.data.source == "stdlib"
-        else from_path(config.data.path, max_bytes=config.data.max_bytes)
-    )
+    corpus, split = load_corpus(config)
+    held_out = HeldOutLoss(corpus, split, config)
     # Shards are numbered site-major, so the union over sites and dp ranks is the
     # global batch that one site with sites*dp ranks would see (ShardedBatches);
     # the tp and pp ranks of one replica read the same batch.
@@ -167,6 +166,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
         seed=config.job.seed,
         shard_index=site_index * layout.dp + dp_i,
         num_shards=len(sites) * layout.dp,
+        spans=split.train,
     )
     site_dir = env.run_dir / "sites" / env.site
     site_dir.mkdir(parents=True, exist_ok=True)
@@ -254,6 +254,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 digest = trainer.parameter_digest()
         # Steady-state throughput leaves digests out (summary.py): a check, not training.
         digest_s = time.perf_counter() - digest_started if digest else 0.0
+        # The held-out loss, of the model the sites share (equal everywhere).
+        val = held_out.measure(trainer, outer) if held_out.due(step) else None
         metrics.record(
             {
                 "site": env.site,
@@ -275,6 +277,7 @@ def run(env: RankEnv, config: JobConfig) -> None:
                 "exposed_sync_s": round_stats.wait_s if round_stats else 0.0,
                 "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
                 "digest_s": digest_s,
+                **({"val_loss": val[0], "eval_s": val[1]} if val else {}),
                 "live_sites": live_sites,
                 "generation": generation,
                 "retries": round_stats.retries if round_stats else 0,
@@ -296,7 +299,6 @@ def run(env: RankEnv, config: JobConfig) -> None:
         metrics.report_final_digest(config.job.steps, digest)
     train_s = time.perf_counter() - started
     metrics.close()
-    final_eval_loss = final_eval(trainer, corpus, config)
     shard_digest = intra_shard_digest(trainer.model_parts)
     result = {
         "site": env.site,
@@ -304,7 +306,6 @@ def run(env: RankEnv, config: JobConfig) -> None:
         "digest": digest,
         "shard_digest": shard_digest,
         "train_s": train_s,
-        "final_eval_loss": final_eval_loss,
         "steps": config.job.steps,
         **metrics.totals,
     }
@@ -349,27 +350,6 @@ def build_trainer(
         parallel=config.parallel_config(cuda=cuda),
         sync=sync if per_step else None,
     )
-
-
-EVAL_SEED_OFFSET = 0x5EED
-"""Added to job.seed for the final evaluation's windows: a stream the training's
-(seed, step) draws never use."""
-
-
-def final_eval(trainer: Trainer, corpus: Corpus, config: JobConfig) -> float | None:
-    """The final model's mean loss on run.final_eval_batches batches of fresh windows,
-    the same batches on every rank of every site (so the same value everywhere: the
-    replicas are identical after the last step); None when none are asked for."""
-    n = config.run.final_eval_batches
-    if not n:
-        return None
-    batches = ShardedBatches(
-        corpus,
-        seq_len=config.train.seq_len,
-        batch_size=config.train.batch_size,
-        seed=config.job.seed + EVAL_SEED_OFFSET,
-    )
-    return sum(trainer.evaluate(*batches.batch(i)) for i in range(n)) / n
 
 
 def die_with_launcher() -> None:

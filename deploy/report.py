@@ -9,6 +9,9 @@ Writes, next to the run's files (or to --out):
     loss_vs_cost.png training loss against tokens trained and against bytes sent
                      across sites (what sync modes and codecs trade)
     report.txt       the summary in words
+
+With several runs, `isthmus report RUN_A RUN_B ...` overlays them instead
+(report_compare.py).
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from __future__ import annotations
 import json
 from itertools import accumulate
 from pathlib import Path
+from typing import Any
 
-from isthmus.deploy.config import ConfigError, load_config
+from isthmus.deploy.config import ConfigError, JobConfig
 from isthmus.deploy.summary import human_bytes, read_jsonl
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
+    import tomli as tomllib  # type: ignore[no-redef]
 
 
 def load_run(run_dir: Path) -> tuple[list[dict], dict, float]:
@@ -53,8 +62,31 @@ def load_run(run_dir: Path) -> tuple[list[dict], dict, float]:
     for r in steps:
         # What one site sent: each direction of a link carries one site's bytes.
         r.setdefault("site_bytes", r["cross_site_bytes"] / summary["sites"])
-    capacity = load_config(config_file).wan.bandwidth_mbit * 1e6 if config_file.exists() else 0.0
+    config = read_run_config(config_file)
+    capacity = run_setting(config, "wan", "bandwidth_mbit") * 1e6 if config else 0.0
     return steps, summary, capacity
+
+
+def read_run_config(path: Path) -> dict[str, dict]:
+    """The tables of a run's resolved config.toml; empty when there is none.
+
+    Read as plain TOML, not with load_config: a run written by another version of
+    isthmus may hold keys this one no longer knows (or lack new ones), and a report of
+    it needs only a few settings (run_setting).
+    """
+    if not path.exists():
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+
+def run_setting(config: dict[str, dict], section: str, key: str) -> Any:
+    """SECTION.KEY of a run's config (read_run_config), or today's default where the
+    run's config lacks it."""
+    value = config.get(section, {}).get(key)
+    return getattr(getattr(JobConfig(), section), key) if value is None else value
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
@@ -76,7 +108,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         ax.plot(x, [s["loss_by_site"][site] for s in steps], label=site, alpha=0.5)
     ax.set(xlabel="step", ylabel="loss (nats per byte)", title="Training loss")
     ax.legend()
-    written.append(_save(fig, out / "loss.png"))
+    written.append(save_figure(fig, out / "loss.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     compute = [s["compute_s"] - s.get("intra_site_s", 0.0) for s in steps]
@@ -90,7 +122,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     )  # fmt: skip
     ax.set(xlabel="step", ylabel="seconds", title="Step time")
     ax.legend()
-    written.append(_save(fig, out / "step_time.png"))
+    written.append(save_figure(fig, out / "step_time.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     goodput = [
@@ -101,7 +133,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         ax.axhline(capacity / 1e6, color="black", linestyle="--", label="link capacity")
     ax.set(xlabel="step", ylabel="Mbit/s", title="WAN goodput", ylim=(0, None))
     ax.legend()
-    written.append(_save(fig, out / "wan_goodput.png"))
+    written.append(save_figure(fig, out / "wan_goodput.png"))
 
     fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(7, 4), sharey=True)
     losses = [s["loss"] for s in steps]
@@ -112,7 +144,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     )
     by_bytes.set(xlabel="MB sent across sites")
     fig.suptitle("Training loss against what it cost")
-    written.append(_save(fig, out / "loss_vs_cost.png"))
+    written.append(save_figure(fig, out / "loss_vs_cost.png"))
 
     text = out / "report.txt"
     text.write_text(summary_text(steps, summary, capacity) + "\n")
@@ -120,7 +152,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     return written
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
+    """Write a matplotlib figure as PNG and free it."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     import matplotlib.pyplot as plt
@@ -130,6 +163,7 @@ def _save(fig, path: Path) -> Path:
 
 
 def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
+    """report.txt: the run in a few lines."""
     wall = sum(s["compute_s"] + s["cross_site_s"] for s in steps) or 1.0
     cross = sum(s["cross_site_s"] for s in steps)
     busy = [s for s in steps if s.get("sync_busy_s")]
@@ -143,6 +177,8 @@ def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
         f"{summary['tokens_per_s']:,.0f} tokens/s",
         f"cross-site wait: {cross:.2f} s of {wall:.2f} s of steps ({cross / wall:.0%})",
     ]
+    if summary.get("val_loss") is not None:
+        lines.insert(1, f"held-out loss {summary['val_loss']:.4f} after the last step")
     if busy:
         ran = sum(s["sync_busy_s"] for s in busy)
         hidden = max(0.0, 1 - sum(s["cross_site_s"] for s in busy) / ran)

@@ -166,6 +166,8 @@ def write_scalars(board, line: dict) -> None:
         scalars["wan/compression_ratio"] = line["raw_bytes"] / line["bytes_sent"]
     if line.get("mfu"):
         scalars["throughput/mfu"] = line["mfu"]
+    if line.get("val_loss") is not None:
+        scalars["eval/val_loss"] = line["val_loss"]
     if line.get("sync_busy_s"):
         # Share of the rounds hidden behind compute (summary.overlap, per step).
         exposed = line.get("exposed_sync_s", line["sync_s"])

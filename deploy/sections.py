@@ -98,6 +98,10 @@ class DataSection:
     """With source = "path": a text file, a folder of files, or a .bin/.npy token file."""
     max_bytes: int = 32 * MIB
     """Cap on the corpus bytes loaded into memory."""
+    val_fraction: float = 0.01
+    """Share of the corpus held out for the validation loss, never trained on: blocks
+    spread evenly over it (intra/data.py split_corpus; docs/design.md, "Held-out
+    loss"). 0 = none (then no held-out loss is measured)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,11 +199,13 @@ class RunSection:
     """Prometheus /metrics port of each coordinator; 0 = any free port, -1 = none."""
     tensorboard: bool = True
     """Write TensorBoard event files to RUN_DIR/tensorboard/SITE (needs tensorboard)."""
-    final_eval_batches: int = 0
-    """After the last step (replicas identical at every site, in every sync mode),
-    the final model's mean loss on this many batches of fresh random windows, the same
-    batches at every site (not a held-out split: windows may overlap trained ones);
-    in summary.json as final_eval_loss. 0 = none. Not with topology.pp > 1 yet."""
+    eval_every: int = 50
+    """Measure the held-out loss every this many steps and after the last (in
+    metrics.jsonl, TensorBoard, the progress line and summary.json as val_loss); 0 =
+    only after the last. The outer modes measure the sites' shared model (the anchors)."""
+    eval_batches: int = 16
+    """Held-out batches per measurement (train.batch_size windows each), the same ones
+    every time and at every site; 0 = no held-out loss."""
     steady_after: int = 2
     """Steps left out of the summary's steady-state figures (steady tokens/s, MFU,
     exposed sync per step): the first steps compile kernels and warm up allocators and

@@ -63,9 +63,20 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "mfu": sum(r.get("mfu", 0.0) for r in rows) / len(rows),
                 "intra_site_s": max(r.get("intra_site_s", 0.0) for r in rows),
                 "outer_steps": max(r.get("outer_steps", 0) for r in rows),
+                "eval_s": max(r.get("eval_s", 0.0) for r in rows),
+                **_held_out(rows),
             }
         )
     return merged
+
+
+def _held_out(rows: list[dict]) -> dict:
+    """A step's held-out loss: each site's, and their mean (they are equal: every site
+    measures the same model on the same batches; summarize() checks it)."""
+    by_site = {r["site"]: r["val_loss"] for r in rows if r.get("val_loss") is not None}
+    if not by_site:
+        return {}
+    return {"val_loss": sum(by_site.values()) / len(by_site), "val_loss_by_site": by_site}
 
 
 def overlap(exposed_s: float, busy_s: float) -> float | None:
@@ -85,7 +96,7 @@ def steady_state(steps: list[dict], skip: int) -> dict:
     The first steps compile kernels, warm up allocators and fill the links; the
     figures a run is compared by (benchmarks/scaling_curve.py) leave them out. The
     wall time is from the end of the last skipped step to the end of the run, less
-    the time spent on parameter digests (a check, not training).
+    the time spent on parameter digests and held-out losses (checks, not training).
 
     Args:
         steps: the merged per-step records (merge_steps).
@@ -100,7 +111,8 @@ def steady_state(steps: list[dict], skip: int) -> dict:
         skip = min(1, len(steps) - 1)
     window = steps[skip:]
     start = steps[skip - 1]["elapsed_s"] if skip else 0.0
-    wall = window[-1]["elapsed_s"] - start - sum(r.get("digest_s", 0.0) for r in window)
+    checks = sum(r.get("digest_s", 0.0) + r.get("eval_s", 0.0) for r in window)
+    wall = window[-1]["elapsed_s"] - start - checks
     n = len(window)
     return {
         "steady_steps": n,
@@ -144,8 +156,11 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         if len({r["digest"] for r in ranks}) != 1:
             raise RuntimeError(f"ranks of {site} disagree on the parameter digest")
         digests[site] = ranks[0]["digest"]
-    # The final model's loss on the same fresh batches everywhere (run.final_eval_batches).
-    evals = {site: ranks[0].get("final_eval_loss") for site, ranks in results.items()}
+    # The held-out loss: the last measured (after the last step), and whether every
+    # site measured the same value every time.
+    measured = [r for r in steps if "val_loss" in r]
+    held_out = measured[-1] if measured else {}
+    unequal = [r["step"] for r in measured if len(set(r["val_loss_by_site"].values())) > 1]
     train_s = max(r["train_s"] for ranks in results.values() for r in ranks)
     sent = sum(r["cross_site_bytes"] for r in steps)
     raw = sum(r["raw_bytes"] for r in steps)
@@ -191,8 +206,11 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         "preset": config.model.preset,
         "batch_size": config.train.batch_size,
         "seq_len": config.train.seq_len,
-        "final_eval_loss": next(iter(evals.values()), None),
-        "final_eval_losses": evals,
+        "val_loss": held_out.get("val_loss"),
+        "val_losses": held_out.get("val_loss_by_site", {}),
+        "val_step": held_out.get("step"),
+        # Steps whose held-out loss differed between sites (never, unless replicas differ).
+        "val_unequal_steps": unequal,
         "digests": digests,
         "shard_digests": {
             site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
@@ -255,8 +273,14 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
         ("bytes across sites", human_bytes(summary["cross_site_bytes"])),
         ("compression ratio", f"{summary['compression_ratio']:.3f} ({summary['codec']})"),
     ]
-    if summary.get("final_eval_loss") is not None:
-        rows.append(("final eval loss", f"{summary['final_eval_loss']:.4f} (fresh batches)"))
+    if summary.get("val_loss") is not None:
+        same = "every site" if not summary.get("val_unequal_steps") else "DIFFERS between sites"
+        rows.append(
+            (
+                "held-out loss",
+                f"{summary['val_loss']:.4f} after step {summary['val_step'] + 1} ({same})",
+            )
+        )
     rows += [(f"digest {site}", digest[:16]) for site, digest in summary["digests"].items()]
     rows.append(("replicas", "identical" if equal else "DIFFERENT"))
     if run_dir is not None:

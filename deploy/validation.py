@@ -81,6 +81,9 @@ def validate(config: JobConfig) -> None:
     )
     _require(d.source != "path" or bool(d.path), "data.source = 'path' needs data.path")
     _require(d.max_bytes >= 1024, f"data.max_bytes must be >= 1024, got {d.max_bytes}")
+    _require(
+        0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}"
+    )
     s = config.sync
     _require(
         s.chunk_bytes == 0
@@ -160,13 +163,9 @@ def validate(config: JobConfig) -> None:
         f"run.steady_after must be >= 0, got {config.run.steady_after}",
     )
     _require(
-        config.run.final_eval_batches >= 0,
-        f"run.final_eval_batches must be >= 0, got {config.run.final_eval_batches}",
-    )
-    _require(
-        not config.run.final_eval_batches or config.topology.pp == 1,
-        f"run.final_eval_batches needs topology.pp=1 (no forward-only pipeline schedule "
-        f"yet), got pp={config.topology.pp}",
+        config.run.eval_every >= 0 and config.run.eval_batches >= 0,
+        f"run.eval_every and run.eval_batches must be >= 0, got {config.run.eval_every} "
+        f"and {config.run.eval_batches}",
     )
     _require(
         -1 <= config.run.metrics_port <= 65535,

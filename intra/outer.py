@@ -32,7 +32,8 @@ same at every site for the rank at one mesh coordinate: the peer it exchanges wi
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -315,6 +316,22 @@ class OuterOptimizer:
         ranks: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, h.hexdigest())
         return hashlib.sha256("".join(str(r) for r in ranks).encode()).hexdigest()
+
+    @contextmanager
+    def shared_model(self) -> Iterator[None]:
+        """Inside the block, the parameters are the anchors: the model the sites share
+        (equal at every site at one step, though their local parameters drift apart
+        between outer steps). The local parameters are put back bit for bit after."""
+        with torch.no_grad():
+            local = [_flat(g) for g in self.groups]
+            for group, anchor in zip(self.groups, self.anchor, strict=True):
+                self._write(group, anchor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for group, mine in zip(self.groups, local, strict=True):
+                    self._write(group, mine)
 
     @staticmethod
     def _write(group: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:

@@ -335,19 +335,36 @@ class Trainer:
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """The model's mean cross-entropy on one batch, no update (a collective).
 
-        Every rank of the site passes the same batch (FSDP's forward gathers the
-        parameters on every dp rank), so every rank returns the same value.
-
-        Raises:
-            NotImplementedError: with pipeline stages (a forward-only schedule is not
-                built yet).
+        Every rank of a dp replica passes the same batch (FSDP's forward gathers the
+        parameters on every dp rank); with pipeline stages the forward-only schedule
+        runs the micro-batches and the last stage shares the loss with the others. Every
+        rank of the site returns the same value when every replica has the same batch.
         """
-        if self.schedule is not None:
-            raise NotImplementedError("evaluation with pipeline stages (pp > 1)")
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        logits = self.model(inputs)
-        return float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item())
+        try:
+            return self._evaluate(inputs, targets)
+        finally:
+            # FSDP keeps the root and the last block gathered after a forward (backward
+            # would need them first). A forward without backward must free them, or the
+            # next forward reuses the gathered copies: stale once the parameters change
+            # (an optimizer step, or the outer modes' anchors swapped out again).
+            for group in self.groups:
+                group.reshard()
+
+    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        if self.schedule is None:
+            logits = self.model(inputs)
+            return float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item())
+        args = (inputs,) if self._is_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if self._is_last else {}
+        self.schedule.eval(*args, **kwargs)
+        loss = torch.zeros((), device=self.device, dtype=torch.float32)
+        if self._is_last:  # each micro-batch loss is already divided by the count
+            loss = torch.stack([x.detach().float() for x in losses]).sum()
+        dist.all_reduce(loss, group=mesh_pp_group(self.mesh))  # only the last stage's is not 0
+        return float(loss.item())
 
     def parameter_digest(self) -> str:
         """sha256 of the site's full parameters (a collective over the whole site).

@@ -2,7 +2,7 @@
 
 Each layout runs one training step in spawned processes and compares the loss and
 every gradient with an unsharded single-process reference on the same global
-batch. Two sites of tp=2 x dp=2 joined by real lanes: tests/test_local.py.
+batch, and the evaluation forward (the held-out loss's) with the reference's loss. Two sites of tp=2 x dp=2 joined by real lanes: tests/test_local.py.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ def _one_layout(rank: int, layout: dict, parallel: dict) -> dict[str, Any]:
         shard_index=dp_rank,
         num_shards=lay.dp,
     )
+    # The held-out loss's forward (pipeline: the forward-only schedule) on the whole
+    # global batch, every rank the same, before the step: the reference's loss.
+    whole = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH * lay.dp, seed=SEED)
+    eval_loss = trainer.evaluate(*whole.batch(0))
     stats = trainer.step(0, *data.batch(0))
     # The hook fired exactly once per FSDP group (RecordingSync asserts no
     # repeats), also with pipeline micro-batches.
@@ -72,6 +76,7 @@ def _one_layout(rank: int, layout: dict, parallel: dict) -> dict[str, Any]:
     dist.barrier()
     return {
         "loss": stats.loss,
+        "eval_loss": eval_loss,
         "grad_norm": stats.grad_norm,
         "grads": grads,
         "hooks_ok": hooks_ok,
@@ -115,6 +120,7 @@ def _check_layout(ranks: list[dict], layout: dict) -> None:
         assert r["hooks_ok"], r["coordinate"]
         # Every rank reports the same site loss and norm (one all-reduce each).
         assert r["loss"] == ranks[0]["loss"] and r["grad_norm"] == ranks[0]["grad_norm"]
+        assert r["eval_loss"] == ranks[0]["eval_loss"], r["coordinate"]
         for name, g in r["grads"].items():
             if name in merged:  # dp/tp replicas of a stage gathered the same tensor
                 assert torch.equal(merged[name], g), name
@@ -125,6 +131,10 @@ def _check_layout(ranks: list[dict], layout: dict) -> None:
     )
     torch.testing.assert_close(
         torch.tensor(ranks[0]["grad_norm"]), torch.tensor(ref["grad_norm"]), **LOSS_TOL
+    )
+    # Trainer.evaluate: the same loss as the training forward, without the update.
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["eval_loss"]), torch.tensor(ref["loss"]), **LOSS_TOL
     )
     for name, g in ref["grads"].items():
         torch.testing.assert_close(merged[name], g, **GRAD_TOL, msg=name)

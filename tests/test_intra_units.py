@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from isthmus.intra.data import Corpus, ShardedBatches, from_path, stdlib_corpus
+from isthmus.intra.data import (
+    HELD_OUT_BLOCKS,
+    Corpus,
+    ShardedBatches,
+    Split,
+    from_path,
+    split_corpus,
+    stdlib_corpus,
+)
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.flops import PEAK_FLOPS, device_peak_flops, mfu, scaled_lr
 from isthmus.intra.layout import MeshAxis, ParallelConfig, ParallelLayout
@@ -125,6 +133,54 @@ def test_batches_are_deterministic_and_shifted() -> None:
     assert not torch.equal(x, data.batch(6)[0])
     with pytest.raises(ValueError, match="shard_index"):
         ShardedBatches(_corpus(), seq_len=8, batch_size=1, seed=0, shard_index=2, num_shards=2)
+
+
+def test_held_out_blocks_are_spread_and_never_trained_on() -> None:
+    n, seq = 400_000, 32
+    split = split_corpus(n, 0.01, seq)
+    assert abs(split.held_out_tokens / n - 0.01) < 0.001
+    # Blocks over the whole corpus, not one end: the standard library is sorted by path.
+    assert len(split.held_out) == HELD_OUT_BLOCKS
+    assert split.held_out[0][0] < n / 8 and split.held_out[-1][1] > n * 7 / 8
+    # Train and held-out spans tile the corpus without overlap.
+    spans = sorted(split.train + split.held_out)
+    assert spans[0][0] == 0 and spans[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    # Every token a training window reads (inputs and targets) is a training token.
+    corpus = Corpus(tokens=np.zeros(n, dtype=np.uint8), name="zeros")
+    held = np.zeros(n, dtype=bool)
+    for lo, hi in split.held_out:
+        held[lo:hi] = True
+    train = ShardedBatches(corpus, seq_len=seq, batch_size=64, seed=3, spans=split.train)
+    val = ShardedBatches(corpus, seq_len=seq, batch_size=64, seed=3, spans=split.held_out)
+    for step in range(200):
+        for data, inside in ((train, False), (val, True)):
+            starts = data.window_starts(step)
+            windows = starts[:, None] + np.arange(seq + 1)[None, :]
+            assert (held[windows] == inside).all(), (step, inside)
+
+
+def test_whole_corpus_span_draws_what_no_spans_draws() -> None:
+    # val_fraction = 0 keeps every job's data exactly as before the split existed.
+    corpus = _corpus()
+    assert split_corpus(len(corpus), 0.0, 16) == Split.whole(len(corpus))
+    old = ShardedBatches(corpus, seq_len=16, batch_size=4, seed=9)
+    new = ShardedBatches(corpus, seq_len=16, batch_size=4, seed=9, spans=[(0, len(corpus))])
+    for step in (0, 7):
+        assert torch.equal(old.batch(step)[0], new.batch(step)[0])
+
+
+def test_a_corpus_too_short_to_split_is_refused_in_one_line() -> None:
+    # A small corpus still gets one held-out block (its middle one) ...
+    split = split_corpus(5000, 0.01, 128)
+    assert len(split.held_out) == 1 and split.held_out_tokens == 258
+    # ... until three blocks no longer fit.
+    with pytest.raises(ValueError, match=r"too short .* data.val_fraction=0"):
+        split_corpus(700, 0.01, 128)
+    with pytest.raises(ValueError, match=r"\[0, 0.5\]"):
+        split_corpus(5000, 0.6, 16)
+    with pytest.raises(ValueError, match="no window"):
+        ShardedBatches(_corpus(), seq_len=16, batch_size=1, seed=0, spans=[(0, 10)])
 
 
 def test_stdlib_corpus_capped() -> None:

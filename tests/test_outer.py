@@ -260,6 +260,9 @@ def _streaming_worker(site: int, tmp: str) -> dict[str, Any]:
     refs = {k: torch.nn.Parameter(_groups_flat(trainer, members[k])) for k in (0, 1)}
     sgds = {k: torch.optim.SGD([refs[k]], lr=0.7, momentum=0.9, nesterov=True) for k in (0, 1)}
     landed, errors, untouched, anchors, started, due = [], [], [], [], None, []
+    shared: list[bool] = []
+    shared_losses: list[float] = []
+    held_out = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED + 1)
     for step in range(10):
         trainer.step(step, *data.batch(step))
         due.append(outer.due_fragments(step))
@@ -278,7 +281,15 @@ def _streaming_worker(site: int, tmp: str) -> dict[str, Any]:
         elif outer.due(step):
             (k,) = outer.due_fragments(step)
             started = (k, refs[k].detach() - before[k])
-        if outer.step(step):
+        landed_now = outer.step(step)
+        # The held-out loss's model: the anchors, swapped in and the local parameters
+        # put back bit for bit.
+        local = _flat_params(trainer)
+        with outer.shared_model():
+            shared.append(torch.equal(_flat_params(trainer), torch.cat(outer.anchor)))
+            shared_losses.append(trainer.evaluate(*held_out.batch(step)))
+        shared.append(torch.equal(_flat_params(trainer), local))
+        if landed_now:
             landed.append(step)
             anchors.append(outer.anchor_digest())
             for k in (0, 1):
@@ -298,6 +309,8 @@ def _streaming_worker(site: int, tmp: str) -> dict[str, Any]:
         "due": due,
         "members": members,
         "outer_steps": outer.outer_steps,
+        "shared": shared,
+        "shared_losses": shared_losses,
     }
 
 
@@ -313,6 +326,10 @@ def test_streaming_fragments_land_in_turn_mixed_with_local_progress(tmp_path: Pa
     assert max(s0["errors"] + s1["errors"]) < 1e-5
     assert s0["anchors"] == s1["anchors"]  # the anchors agree at every landing
     assert s0["digest"] == s1["digest"]  # and the parameters at the end
+    # The shared model is the anchors, the same at both sites at every step (the same
+    # held-out batch gives the same loss) while their local parameters differ.
+    assert all(s0["shared"]) and all(s1["shared"]) and len(s0["shared"]) == 20
+    assert s0["shared_losses"] == s1["shared_losses"]
 
 
 def test_fragments_deal_the_blocks_strided() -> None:

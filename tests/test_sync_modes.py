@@ -54,7 +54,7 @@ def test_outer_modes_cross_only_on_outer_steps_and_resume_bit_for_bit(tmp_path, 
     settings, landed, outer_steps = MODES[mode]
     first = tmp_path / "first"
     common = [*TINY, "--steps", "8", "--set", "run.digest_every=1"]
-    common += ["--set", "run.final_eval_batches=2"]
+    common += ["--set", "run.eval_every=2", "--set", "run.eval_batches=2"]
     for setting in settings:
         common += ["--set", setting]
     result = run_cli(
@@ -79,10 +79,14 @@ def test_outer_modes_cross_only_on_outer_steps_and_resume_bit_for_bit(tmp_path, 
     summary = json.loads((first / "summary.json").read_text())
     final = summary["digests"]
     assert len(set(final.values())) == 1
-    # The final model, evaluated on the same fresh batches at both sites.
-    evals = summary["final_eval_losses"]
-    assert set(evals) == {"site0", "site1"} and len(set(evals.values())) == 1
-    assert summary["final_eval_loss"] < summary["loss_first"]
+    # The held-out loss of the model the sites share (the anchors), every 2 steps: the
+    # same at both sites although their local parameters (and training losses) differ.
+    for recs in (site0, site1):
+        assert [r["step"] for r in recs if "val_loss" in r] == [1, 3, 5, 7]
+    assert [r.get("val_loss") for r in site0] == [r.get("val_loss") for r in site1]
+    assert summary["val_losses"] == {"site0": site0[-1]["val_loss"], "site1": site1[-1]["val_loss"]}
+    assert summary["val_unequal_steps"] == [] and summary["val_step"] == 7
+    assert summary["val_loss"] < summary["loss_first"]
     assert summary["sync_mode"] == settings[0].split("=")[1] and summary["outer_steps"] == rounds
     report = run_cli("report", str(first), timeout=120)
     assert report.returncode == 0, report.stderr
@@ -196,10 +200,8 @@ def test_streaming_with_pipeline_stages_holding_no_part_of_a_fragment(tmp_path):
             "sync.outer_delay must be in 0..24 (below inner_steps/fragments = 25), got 25",
         ),
         ("sync.mode=streaming sync.fragment_alpha=2", "sync.fragment_alpha must be in [0, 1]"),
-        (
-            "run.final_eval_batches=2 topology.pp=2 topology.ranks_per_site=2",
-            "run.final_eval_batches needs topology.pp=1",
-        ),
+        ("data.val_fraction=0.7", "data.val_fraction must be in [0, 0.5], got 0.7"),
+        ("run.eval_every=-1", "run.eval_every and run.eval_batches must be >= 0"),
     ],
 )
 def test_bad_sync_mode_settings_are_one_line_errors(tmp_path, setting, needle):
@@ -207,6 +209,31 @@ def test_bad_sync_mode_settings_are_one_line_errors(tmp_path, setting, needle):
     result = run_cli("local", *settings, "--run-dir", str(tmp_path / "run"), timeout=60)
     assert_one_line_error(result, needle)
     assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+@pytest.mark.timeout(300)
+def test_measuring_the_held_out_loss_changes_nothing_of_training(tmp_path):
+    """Streaming DiLoCo measures the anchors swapped in for the local parameters: with a
+    measurement after every step the job must end on the digest of one without any."""
+    common = [*TINY, "--steps", "6", "--set", "sync.mode=streaming", "--set", "sync.inner_steps=4"]
+    common += ["--set", "sync.outer_delay=1", "--set", "run.eval_batches=1"]
+    digests = []
+    for every, run in ((1, "every"), (0, "last")):
+        result = run_cli(
+            "local",
+            *common,
+            "--set",
+            f"run.eval_every={every}",
+            "--run-dir",
+            str(tmp_path / run),
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((tmp_path / run / "summary.json").read_text())
+        measured = [r["step"] for r in records(tmp_path / run, "site0") if "val_loss" in r]
+        assert measured == (list(range(6)) if every else [5])
+        digests.append(summary["digests"]["site0"])
+    assert digests[0] == digests[1]
 
 
 def test_the_sync_mode_is_part_of_the_job_fingerprint():

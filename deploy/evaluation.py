@@ -1,0 +1,67 @@
+"""The held-out loss: what the model scores on text it never trained on.
+
+Measured every ``run.eval_every`` steps and after the last, on the same
+``run.eval_batches`` batches of the corpus's held-out split every time and at every site,
+so one run's curve and two runs' values compare. Per-step sync keeps the replicas equal,
+so every site measures the same model. The outer modes (DiLoCo, Streaming DiLoCo)
+measure the sites' *shared* model -- the anchors, the parameters as of each fragment's
+last outer step, equal at every site while their local parameters drift apart -- which
+is also the model a job ends with (its last step lands every fragment).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+from isthmus.deploy.config import JobConfig
+from isthmus.intra.data import Corpus, ShardedBatches, Split
+from isthmus.intra.outer import OuterOptimizer
+from isthmus.intra.train import Trainer
+
+__all__ = ["EVAL_SEED_OFFSET", "HeldOutLoss"]
+
+EVAL_SEED_OFFSET = 0x5EED
+"""Added to job.seed for the held-out windows: a stream the training draws never use."""
+
+
+class HeldOutLoss:
+    """When to measure the held-out loss, and the measurement (a collective of the site:
+    every rank calls it at the same steps)."""
+
+    def __init__(self, corpus: Corpus, split: Split, config: JobConfig) -> None:
+        self.batches_per_eval = config.run.eval_batches if split.held_out else 0
+        self.every, self.last = config.run.eval_every, config.job.steps - 1
+        self.batches = (
+            ShardedBatches(
+                corpus,
+                seq_len=config.train.seq_len,
+                batch_size=config.train.batch_size,
+                seed=config.job.seed + EVAL_SEED_OFFSET,
+                spans=split.held_out,
+            )
+            if self.batches_per_eval
+            else None
+        )
+
+    def due(self, step: int) -> bool:
+        """Whether the loss is measured after ``step``."""
+        if self.batches is None:
+            return False
+        return step == self.last or bool(self.every and (step + 1) % self.every == 0)
+
+    def measure(self, trainer: Trainer, outer: OuterOptimizer | None = None) -> tuple[float, float]:
+        """The mean loss over the held-out batches, and the seconds it took.
+
+        Args:
+            trainer: the rank's trainer.
+            outer: in the outer modes, the optimizer whose anchors (the shared model)
+                are measured in place of the local parameters, which are put back.
+        """
+        assert self.batches is not None, "no held-out split or no batches asked for"
+        started = time.perf_counter()
+        with outer.shared_model() if outer is not None else nullcontext():
+            total = sum(
+                trainer.evaluate(*self.batches.batch(i)) for i in range(self.batches_per_eval)
+            )
+        return total / self.batches_per_eval, time.perf_counter() - started
