@@ -177,6 +177,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
         env.run_dir / "tensorboard" / env.site if config.run.tensorboard else None,
         security=security,
     )
+    if cross is None:
+        metrics.register_alone(env.rank, env.world_size, config.fingerprint())
     # With a job token, checkpoint manifests are signed and checked with it (not with a
     # launcher's token for one run: the next run's would differ).
     token = security.token if security is not None and config.security.require_token else None

@@ -112,6 +112,24 @@ class StepReporter:
             )
         )
 
+    def register_alone(self, rank: int, world_size: int, fingerprint: dict[str, str]) -> None:
+        """In a job of one site (no lanes, no cross-site registration): register this
+        rank's key, without which the coordinator refuses its progress reports."""
+        if self._stub is None:
+            return
+        self._stub.RegisterRank(
+            cpb.RegisterRankRequest(
+                site=self.site,
+                rank=rank,
+                world_size=world_size,
+                lane_address="",
+                fingerprint=cpb.JobFingerprint(fields=fingerprint),
+                rank_key=RANK_KEY,
+            ),
+            timeout=REPORT_TIMEOUT_S,
+            wait_for_ready=True,
+        )
+
     def _report(self, request: cpb.ReportProgressRequest) -> None:
         assert self._stub is not None
         request.rank_key = RANK_KEY  # the coordinator takes its site's digest from its ranks

@@ -375,15 +375,18 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 f"rank {request.rank} of world size {request.world_size} does not fit "
                 f"site {self.site} with {self.ranks} ranks"
             )
-        if problem is None and not 0 < len(request.lane_address) <= MAX_FIELD_CHARS:
+        # The ranks of a job of one site run no lanes: they register only their keys.
+        address = request.lane_address
+        if problem is None and (len(address) > MAX_FIELD_CHARS or (self.peers and not address)):
             problem = "lane_address must be a non-empty host:port"
         if problem is None:
             problem = self.rank_keys.register(request.rank, request.rank_key)
         if problem is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         with self._cond:
-            self._lanes[request.rank] = request.lane_address
-            self._maybe_ready_locked()
+            if address:
+                self._lanes[request.rank] = address
+                self._maybe_ready_locked()
         return pb.RegisterRankResponse()
 
     def Join(self, request, context):  # noqa: N802

@@ -120,6 +120,8 @@ class PeerLoop:
 
     def join_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
         c = self.c
+        if not stubs:  # a job of one site: nobody to join, and its ranks have no lanes
+            return
         with c._cond:
             joined = c._generation > 0 and not c.joining
             ready = c._local_ready_locked()

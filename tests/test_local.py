@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -107,6 +108,25 @@ def test_two_sites_match_one_site_over_the_same_global_batch(tmp_path):
     assert r1.returncode == 0, r1.stderr[-3000:]
     assert losses(two) == pytest.approx(losses(one), rel=1e-4)
     assert losses(two)[-1] < losses(two)[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_one_site_job_outlasts_the_join_timeout_and_reports_its_progress(tmp_path):
+    """A job of one site joins nobody: its coordinator must not time out waiting for
+    lanes it will never have (sync.timeout_s), and its rank registers its key so that
+    the coordinator takes its progress reports (Prometheus, the job's last step)."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "local", "--sites", "1", "--ranks-per-site", "1", "--steps", "16",
+        "--set", "model.preset=tiny", "--set", "sync.timeout_s=5", "--run-dir", str(run_dir),
+        env={**os.environ, "ISTHMUS_STEP_FLOOR_S": "0.5"},  # 8 s of steps: past the 5 s
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "joining the job" not in result.stderr
+    log = (run_dir / "logs" / "site0-rank0.log").read_text()
+    assert "progress report to the coordinator failed" not in log, log[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 16
 
 
 @pytest.mark.timeout(300)
