@@ -218,7 +218,12 @@ def run_scenario(
         for site in sites.values():
             site.start()
         coordinators = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports, strict=True)}
-        fingerprint = load_config(job, list(overrides)).fingerprint()
+        config = load_config(job, list(overrides))
+        if config.data.tokenizer != "bytes":  # the sites' fingerprints carry its hash
+            from isthmus.deploy.corpus import pin_tokenizer
+
+            pin_tokenizer(config)
+        fingerprint = config.fingerprint()
         _inject(scenario, sites, links, coordinators, fingerprint, run_dir, out)
         return _judge(scenario, sites, run_dir, started)
     finally:

@@ -8,6 +8,7 @@
     isthmus wan           emulate WAN links standalone; show or change them live
     isthmus plan          predict step time and scaling efficiency at any size
     isthmus certs         create a job CA, a certificate per site and a job token
+    isthmus tokenizer     train the job's BPE tokenizer once, as a tokenizer.json
 
 Errors a user can fix (a bad key, a layout that does not divide the ranks, a site
 with a different job fingerprint) print one line starting with "error:" and exit
@@ -198,6 +199,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.site not in config.site_names:
         raise ConfigError(f"--site {args.site!r} is not one of {config.site_names}")
+    if config.data.tokenizer != "bytes":  # the fingerprint carries the tokenizer's hash
+        from isthmus.deploy.corpus import pin_tokenizer
+
+        pin_tokenizer(config)
     # The job config's cluster section, then the flags on top of it.
     listen = args.listen or config.cluster.coordinators.get(args.site, "127.0.0.1:0")
     host, _, port = listen.rpartition(":")
@@ -444,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     from isthmus.deploy import witness_cmd
 
     witness_cmd.register(sub, HelpFormatter)
+
+    from isthmus.deploy import tokenizer_cmd
+
+    tokenizer_cmd.register(sub, HelpFormatter)
     return parser
 
 

@@ -38,6 +38,7 @@ from isthmus.inter.chunk_size import chunk_bytes_for_link
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.layout import ParallelConfig
 from isthmus.intra.model_config import ModelConfig, preset
+from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
 
 CUDA_BULK_CHUNK_BYTES = 16 << 20
 """The least auto chunk for CUDA tensors on the bulk transport (see ``chunk_bytes``)."""
@@ -121,13 +122,21 @@ class JobConfig:
         return self.wan.distance_km * 4.9e-6
 
     def resolved_model(self) -> ModelConfig:
-        """The preset with this config's overrides; max_seq_len covers train.seq_len.
+        """The preset with this config's overrides; max_seq_len covers train.seq_len and
+        vocab_size the tokenizer's ids (256 bytes, data.vocab_size for a bpe trained here,
+        a file's ids padded to a multiple of 64, read from its JSON).
 
         Raises:
-            ConfigError: an unknown preset or a shape the model refuses.
+            ConfigError: an unknown preset, a shape the model refuses, or an unreadable
+                tokenizer file.
         """
         try:
+            vocab = self._model_vocab()
+        except ValueError as exc:
+            raise ConfigError(f"data.tokenizer: {exc}") from None
+        try:
             cfg = preset(self.model.preset)
+            cfg.vocab_size = vocab
             if self.model.dim:
                 cfg.dim = self.model.dim
                 # Keep the SwiGLU hidden size at ~8/3 dim, rounded up to a multiple of 8.
@@ -141,6 +150,14 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
         return cfg
+
+    def _model_vocab(self) -> int:
+        """The model's vocabulary, from data.tokenizer (``resolved_model``)."""
+        if self.data.tokenizer == "bytes":
+            return BYTE_VOCAB
+        if self.data.tokenizer == "bpe":
+            return self.data.vocab_size
+        return file_vocab_size(self.data.tokenizer)
 
     def parallel_config(self, *, cuda: bool) -> ParallelConfig:
         """The site's parallelism choices for intra's Trainer."""
@@ -211,6 +228,13 @@ class JobConfig:
         out["security.require_token"] = str(self.security.require_token)
         # Whether the job has a witness, not where each site reaches it.
         out["failover.witness"] = str(bool(self.failover.witness))
+        # The tokenizer by kind and content (data.tokenizer_sha256, filled in by the
+        # launcher: deploy/corpus.py), not by where each site keeps its file or cache.
+        kind = self.data.tokenizer
+        out["data.tokenizer"] = kind if kind in ("bytes", "bpe") else "file"
+        del out["data.cache_dir"]
+        if kind != "bpe":
+            del out["data.vocab_size"]  # unused; model.vocab_size says what the model has
         for key, value in dataclasses.asdict(self.resolved_model()).items():
             out[f"model.{key}"] = str(value)
         return out

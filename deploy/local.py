@@ -30,7 +30,11 @@ __all__ = ["LaunchError", "LocalJob", "check_supported"]
 
 
 def check_supported(config: JobConfig, gpus_needed: int) -> None:
-    """Refuse, in one line, what this release cannot run (before anything is made)."""
+    """Refuse, in one line, what this release cannot run (before anything is made).
+
+    Loading the corpus also trains and encodes a BPE tokenizer into the cache before any
+    rank starts, and fills in data.tokenizer_sha256 for the fingerprint and the ranks.
+    """
     load_corpus(config)  # a corpus that cannot be read or split
     t = config.topology
     if t.device == "cuda":

@@ -54,7 +54,7 @@ class TrainSection:
     batch_size: int = 8
     """Sequences per data-parallel rank per step; the global batch is sites x dp x this."""
     seq_len: int = 128
-    """Bytes (tokens) per sequence."""
+    """Tokens per sequence (bytes with data.tokenizer = "bytes")."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 5
@@ -102,6 +102,25 @@ class DataSection:
     """Share of the corpus held out for the validation loss, never trained on: blocks
     spread evenly over it (intra/data.py split_corpus; docs/design.md, "Held-out
     loss"). 0 = none (then no held-out loss is measured)."""
+    tokenizer: str = "bytes"
+    """How text becomes tokens: "bytes" (vocabulary 256), "bpe" (a byte-level BPE of
+    vocab_size tokens trained on the training split, never on held-out text, cached in
+    cache_dir), or the path of a tokenizer.json of Hugging Face `tokenizers` (e.g. from
+    `isthmus tokenizer`; the model's vocabulary is its ids, padded to a multiple of 64).
+    bpe and a file need `pip install 'isthmus[bpe]'`; .bin/.npy corpora are token ids
+    already and take "bytes"."""
+    vocab_size: int = 4096
+    """With tokenizer = "bpe": tokens in the vocabulary (the 256 bytes included),
+    257..65536; the model's vocabulary."""
+    tokenizer_sha256: str = ""
+    """sha256 of the tokenizer's canonical JSON (`isthmus tokenizer` prints it), part of
+    the job fingerprint: sites with different tokenizers are refused at join. Empty = the
+    launcher fills it in from the tokenizer in use (training a bpe one first); set, a
+    tokenizer whose hash differs is refused."""
+    cache_dir: str = ""
+    """Where trained tokenizers and tokenized corpora are kept between runs (keyed by a
+    hash of the corpus and the settings); empty = $XDG_CACHE_HOME/isthmus, else
+    ~/.cache/isthmus. May differ per site."""
 
 
 @dataclass(kw_only=True, slots=True)

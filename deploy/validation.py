@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 from isthmus.deploy.sections import KIB
 from isthmus.inter.codec_spec import parse_codec_spec
 from isthmus.intra.layout import ParallelLayout
+from isthmus.intra.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
 
 if TYPE_CHECKING:
     from isthmus.deploy.config import JobConfig
+    from isthmus.deploy.sections import DataSection
 
 MAX_SYNC_CHUNK_BYTES = 64 << 20
 """The largest ``sync.chunk_bytes`` a job (or the all-reduce benchmark) may set."""
@@ -31,6 +33,7 @@ def _require(ok: bool, message: str) -> None:
 
 def validate(config: JobConfig) -> None:
     """Check values and their combinations; raise ConfigError naming the key."""
+    _check_tokenizer(config.data)  # first: the model's vocabulary comes from it
     t = config.topology
     _require(config.job.steps >= 1, f"job.steps must be >= 1, got {config.job.steps}")
     _require(1 <= t.sites <= 64, f"topology.sites must be in 1..64, got {t.sites}")
@@ -216,3 +219,43 @@ def validate(config: JobConfig) -> None:
         config.run.log_level in ("debug", "info", "warning", "error"),
         f"run.log_level must be debug, info, warning or error, got {config.run.log_level!r}",
     )
+
+
+def _check_tokenizer(d: DataSection) -> None:
+    """data.tokenizer and the keys that go with it."""
+    _require(
+        MIN_BPE_VOCAB <= d.vocab_size <= MAX_VOCAB,
+        f"data.vocab_size must be in {MIN_BPE_VOCAB}..{MAX_VOCAB} (ids fit uint16), got "
+        f"{d.vocab_size}",
+    )
+    sha = d.tokenizer_sha256
+    _require(
+        not sha or (len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)),
+        f"data.tokenizer_sha256 must be empty or 64 lowercase hex digits, got {sha!r}",
+    )
+    if d.tokenizer == "bytes":
+        _require(
+            not sha,
+            'data.tokenizer_sha256 pins a BPE tokenizer; data.tokenizer = "bytes" has none '
+            "(leave it empty)",
+        )
+        return
+    _require(
+        not (d.source == "path" and Path(d.path).suffix in (".bin", ".npy")),
+        f"data.tokenizer = {d.tokenizer!r} is for text, and data.path {d.path!r} holds token "
+        'ids already (.bin/.npy): leave data.tokenizer = "bytes"',
+    )
+    if d.tokenizer != "bpe":
+        _require(
+            Path(d.tokenizer).is_file(),
+            f'data.tokenizer must be "bytes", "bpe" or the path of a tokenizer.json; '
+            f"{d.tokenizer!r} is neither (no such file)",
+        )
+        try:
+            file_facts(d.tokenizer)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"data.tokenizer: {exc}") from None
+    try:
+        require_tokenizers()
+    except ValueError as exc:
+        raise ConfigError(f"data.tokenizer = {d.tokenizer!r}: {exc}") from None

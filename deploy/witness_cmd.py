@@ -23,6 +23,10 @@ def cmd_witness(args: argparse.Namespace) -> int:
 
     flags = {"security.insecure": True if args.insecure else None}
     config = load_config(args.config, args.overrides, flags)
+    if config.data.tokenizer != "bytes":  # the fingerprint carries the tokenizer's hash
+        from isthmus.deploy.corpus import pin_tokenizer
+
+        pin_tokenizer(config)
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--listen must be HOST:PORT, got {args.listen!r}")

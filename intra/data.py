@@ -139,7 +139,9 @@ class Split:
         return sum(end - start for start, end in self.held_out)
 
 
-def split_corpus(n_tokens: int, fraction: float, seq_len: int) -> Split:
+def split_corpus(
+    n_tokens: int, fraction: float, seq_len: int, *, bytes_per_token: int = 1
+) -> Split:
     """Hold out about ``fraction`` of a corpus of ``n_tokens`` tokens.
 
     The corpus is cut into blocks, ``HELD_OUT_BLOCKS`` periods of ``round(1/fraction)``
@@ -152,6 +154,10 @@ def split_corpus(n_tokens: int, fraction: float, seq_len: int) -> Split:
         n_tokens: the corpus length.
         fraction: the share to hold out, in [0, 0.5]; 0 holds out nothing.
         seq_len: tokens per training window (a block holds at least two windows).
+        bytes_per_token: 1 for a corpus of tokens. A text corpus is cut in bytes before
+            it is tokenized (``intra/tokenizer.py``, so no held-out byte reaches a
+            tokenizer's training): ``n_tokens`` is then its bytes, and a block holds two
+            windows at this many bytes a token.
 
     Returns:
         The split.
@@ -164,13 +170,15 @@ def split_corpus(n_tokens: int, fraction: float, seq_len: int) -> Split:
     if fraction == 0:
         return Split.whole(n_tokens)
     period = max(2, round(1 / fraction))
-    block = max(2 * (seq_len + 1), n_tokens // (period * HELD_OUT_BLOCKS))
+    block = max(2 * (seq_len + 1) * bytes_per_token, n_tokens // (period * HELD_OUT_BLOCKS))
     blocks = n_tokens // block
     if blocks < 3:
+        unit = "tokens" if bytes_per_token == 1 else "bytes"
+        rate = "" if bytes_per_token == 1 else f" at {bytes_per_token} bytes a token"
         raise ValueError(
-            f"a corpus of {n_tokens} tokens is too short to hold out a split with windows "
-            f"of {seq_len + 1} tokens (it needs {3 * block}); use a larger corpus or "
-            f"data.val_fraction=0 (no held-out loss)"
+            f"a corpus of {n_tokens} {unit} is too short to hold out a split with windows "
+            f"of {seq_len + 1} tokens (it needs {3 * block} {unit}{rate}); use a larger "
+            f"corpus or data.val_fraction=0 (no held-out loss)"
         )
     held = [i for i in range(blocks) if i % period == period // 2] or [blocks // 2]
     held_out = tuple((i * block, (i + 1) * block) for i in held)

@@ -1,0 +1,78 @@
+"""`isthmus tokenizer`: train the job's BPE once and write it as a tokenizer.json.
+
+The same training as a job with data.tokenizer = "bpe" (the training split of the job's
+corpus, never its held-out text; through the same cache): hand the file to every site
+with ``--set data.tokenizer=FILE`` and no site trains, or pin its sha256
+(data.tokenizer_sha256). Train it with the job's config (--config), so it sees the
+job's training split: the split depends on data.* and train.seq_len.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from isthmus.deploy.config import ConfigError, load_config
+
+__all__ = ["register"]
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from isthmus.deploy.corpus import trained_tokenizer
+    from isthmus.intra.tokenizer import json_vocab_size, tokenizer_sha256
+
+    flags = {"data.tokenizer": "bpe", "data.vocab_size": args.vocab_size}
+    config = load_config(args.config, args.overrides, flags)
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ConfigError(f"--out {out} exists; pass --force to replace it")
+    json_text = trained_tokenizer(config)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+        with os.fdopen(fd, "w") as f:
+            f.write(json_text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: {exc.strerror or exc}") from None
+    d = config.data
+    sha = tokenizer_sha256(json_text)
+    corpus = d.path if d.source == "path" else "the standard library"
+    print(
+        f"wrote {out}: {json_vocab_size(json.loads(json_text))} tokens (data.vocab_size = "
+        f"{d.vocab_size}), trained on the training split of {corpus}"
+    )
+    print(f"sha256 {sha}")
+    print(f"every site (and a witness): --set data.tokenizer={out}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """Add `isthmus tokenizer` to the CLI."""
+    from isthmus.deploy.cli import add_config_arguments
+
+    parser = sub.add_parser(
+        "tokenizer",
+        help="train the job's BPE tokenizer once and write it as a tokenizer.json",
+        description="Train a byte-level BPE on the training split of the job's corpus "
+        "(data.source, data.path, data.max_bytes; never on held-out text), exactly as a "
+        "job with data.tokenizer=bpe does (and through the same cache, data.cache_dir), "
+        "and write it as a tokenizers tokenizer.json. Give the file to every site with "
+        "--set data.tokenizer=FILE. Prints its sha256 (data.tokenizer_sha256).",
+        formatter_class=formatter,
+    )
+    add_config_arguments(parser, common_flags=False)
+    parser.add_argument("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens, the 256 bytes included, 257..65536 (default: data.vocab_size, 4096)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing --out")
+    parser.set_defaults(func=cmd_tokenizer)
