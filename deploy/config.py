@@ -37,7 +37,7 @@ from isthmus.deploy.validation import ConfigError, validate
 from isthmus.inter.chunk_size import chunk_bytes_for_link
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.layout import ParallelConfig
-from isthmus.intra.model_config import ModelConfig, preset
+from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset
 from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
 
 CUDA_BULK_CHUNK_BYTES = 16 << 20
@@ -325,6 +325,7 @@ def load_config(
         ConfigError: unknown keys, wrong types, invalid values; the message names the key.
     """
     config = JobConfig()
+    given: set[str] = set()  # section.key the file, --set or flags named
     if path is not None:
         try:
             data = tomllib.loads(Path(path).read_text())
@@ -337,16 +338,38 @@ def load_config(
                 raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
             for key, value in values.items():
                 _apply(config, section, key, value, str(path))
+                given.add(f"{section}.{key}")
     for text in overrides or []:
         section, key, value = parse_override(text)
         _apply(config, section, key, value, f"--set {text}")
+        given.add(f"{section}.{key}")
     for name, value in (flags or {}).items():
         if value is not None:
             section, key = name.split(".", 1)
             _apply(config, section, key, value, "command line")
+            given.add(name)
+    _preset_training(config, given)
     _normalize_switches(config)
     validate(config)
     return config
+
+
+def _preset_training(config: JobConfig, given: set[str]) -> None:
+    """The preset's learning rate, warmup, batch and sequence length
+    (intra/model_config.py, PRESET_TRAINING) for each train key the job left unset: a
+    1b model does not train well at a 1.9M-parameter model's learning rate."""
+    defaults = PRESET_TRAINING.get(config.model.preset)
+    if defaults is None:
+        return  # an unknown preset is refused by validation, naming the known ones
+    for key, value in (
+        ("lr", defaults.lr),
+        ("lr_reference_dp", defaults.reference_dp),
+        ("warmup_steps", defaults.warmup_steps),
+        ("batch_size", defaults.batch_size),
+        ("seq_len", defaults.seq_len),
+    ):
+        if f"train.{key}" not in given:
+            setattr(config.train, key, value)
 
 
 def _normalize_switches(config: JobConfig) -> None:

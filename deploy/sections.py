@@ -52,11 +52,14 @@ class ModelSection:
 @dataclass(kw_only=True, slots=True)
 class TrainSection:
     batch_size: int = 8
-    """Sequences per data-parallel rank per step; the global batch is sites x dp x this."""
+    """Sequences per data-parallel rank per step; the global batch is sites x dp x this.
+    Unset, the preset's (as are seq_len, lr, warmup_steps and lr_reference_dp:
+    `isthmus config --set model.preset=NAME` shows them; intra/model_config.py,
+    PRESET_TRAINING, says where each comes from)."""
     seq_len: int = 128
     """Tokens per sequence (bytes with data.tokenizer = "bytes")."""
     lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (AdamW) at lr_reference_dp replicas; unset, the preset's."""
     warmup_steps: int = 5
     """Linear warmup steps before the cosine decay."""
     weight_decay: float = 0.1
@@ -68,7 +71,7 @@ class TrainSection:
     (lr x sqrt(W / lr_reference_dp), the usual rule for Adam), "linear"
     (lr x W / lr_reference_dp) or "none"."""
     lr_reference_dp: int = 4
-    """The data-parallel width at which train.lr was tuned (the default job's 2 x 2)."""
+    """The data-parallel width (sites x dp) at which train.lr was tuned; unset, the preset's."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -49,6 +49,33 @@ def test_precedence_file_then_set_then_flags(tmp_path):
     assert (config.job.steps, config.job.seed, config.train.lr) == (7, 3, 0.25)
 
 
+def test_each_preset_trains_with_its_own_defaults_unless_the_job_says(tmp_path):
+    from isthmus.intra.model_config import PRESET_TRAINING, PRESETS
+
+    assert set(PRESET_TRAINING) == set(PRESETS)
+    for name, want in PRESET_TRAINING.items():
+        t = load_config(None, [f"model.preset={name}"]).train
+        got = (t.lr, t.lr_reference_dp, t.warmup_steps, t.batch_size, t.seq_len)
+        assert got == (want.lr, want.reference_dp, want.warmup_steps, want.batch_size,
+                       want.seq_len), name  # fmt: skip
+    # A 1b job does not take the CPU presets' 3e-3 (issue 16: it trained worse).
+    assert load_config(None, ["model.preset=1b"]).train.lr == 1.5e-4
+    # What the job names wins, from --set and from a file, key by key.
+    t = load_config(None, ["model.preset=1b", "train.lr=0.001", "train.seq_len=512"]).train
+    assert (t.lr, t.seq_len, t.batch_size) == (0.001, 512, 8)
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\npreset = "125m"\n[train]\nwarmup_steps = 7\n')
+    t = load_config(path).train
+    assert (t.warmup_steps, t.lr, t.seq_len) == (7, 6e-4, 2048)
+    # The resolved config a launcher writes for its ranks reads back the same.
+    from isthmus.deploy.ranks import dump_toml
+
+    config = load_config(None, ["model.preset=125m"])
+    written = tmp_path / "resolved.toml"
+    written.write_text(dump_toml(config))
+    assert load_config(written).train == config.train
+
+
 @pytest.mark.parametrize(
     "args, needles",
     [
