@@ -154,7 +154,12 @@ class JobConfig:
     def _model_vocab(self) -> int:
         """The model's vocabulary, from data.tokenizer (``resolved_model``)."""
         if self.data.tokenizer == "bytes":
-            return BYTE_VOCAB
+            # Token ids already (.bin/.npy): data.vocab_size says how many there are.
+            pretokenized = self.data.source == "path" and Path(self.data.path).suffix in (
+                ".bin",
+                ".npy",
+            )
+            return self.data.vocab_size if pretokenized else BYTE_VOCAB
         if self.data.tokenizer == "bpe":
             return self.data.vocab_size
         return file_vocab_size(self.data.tokenizer)

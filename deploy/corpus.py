@@ -56,12 +56,27 @@ def load_corpus(config: JobConfig) -> tuple[Corpus, Split]:
     try:
         raw = _raw_corpus(d)
         if d.tokenizer == "bytes":
+            _check_ids(raw, config.resolved_model().vocab_size)
             return raw, split_corpus(len(raw), d.val_fraction, config.train.seq_len)
         return _tokenized(config, raw)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(f"data: {exc}") from None
+
+
+def _check_ids(corpus: Corpus, vocab: int) -> None:
+    """Refuse token ids the model's embedding has no row for (a pre-tokenized corpus
+    whose vocabulary is larger than data.vocab_size): an index error deep in a rank
+    otherwise, or a device-side assert on a GPU."""
+    if corpus.tokens.dtype == np.uint8 and vocab >= 256:
+        return
+    top = int(corpus.tokens.max())
+    if top >= vocab:
+        raise ConfigError(
+            f"data: corpus {corpus.name!r} holds token id {top}, beyond the model's "
+            f"vocabulary of {vocab}: set data.vocab_size to at least {top + 1}"
+        )
 
 
 def pin_tokenizer(config: JobConfig) -> None:

@@ -114,7 +114,8 @@ class DataSection:
     already and take "bytes"."""
     vocab_size: int = 4096
     """With tokenizer = "bpe": tokens in the vocabulary (the 256 bytes included),
-    257..65536; the model's vocabulary."""
+    257..65536; the model's vocabulary. Also the model's vocabulary for a pre-tokenized
+    .bin/.npy corpus, whose ids must be below it."""
     tokenizer_sha256: str = ""
     """sha256 of the tokenizer's canonical JSON (`isthmus tokenizer` prints it), part of
     the job fingerprint: sites with different tokenizers are refused at join. Empty = the

@@ -354,3 +354,33 @@ def test_a_two_site_job_with_a_bpe_trained_here(tmp_path):
     assert summary["loss_first"] == pytest.approx(np.log(512), abs=0.5)
     resolved = load_config(run / "config.toml")
     assert resolved.data.tokenizer_sha256 == tokenizer_sha256(config_json(tmp_path / "cache"))
+
+
+@pytest.mark.timeout(300)
+def test_a_pretokenized_corpus_sizes_the_model_by_data_vocab_size(tmp_path):
+    """Ids of a .npy corpus beyond 255 need an embedding row each: the model takes
+    data.vocab_size, and ids beyond it are refused in one line before anything starts
+    (before, a uint16 corpus trained a 256-row embedding and failed deep in a rank)."""
+    ids = (np.arange(60_000) * 7919 % 1000).astype(np.uint16)  # ids 0..999
+    path = tmp_path / "ids.npy"
+    np.save(path, ids)
+    common = ["--set", "data.source=path", "--set", f"data.path={path}"]
+    config = load_config(None, [arg for arg in common if arg != "--set"])
+    assert config.resolved_model().vocab_size == 4096
+    load_corpus(config)  # ids 0..999 fit
+    small = load_config(None, [*(a for a in common if a != "--set"), "data.vocab_size=512"])
+    with pytest.raises(ConfigError, match="holds token id 999.*data.vocab_size to at least 1000"):
+        load_corpus(small)
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "local", "--steps", "3", "--set", "model.preset=tiny", *common,
+        "--run-dir", str(run_dir), timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas            identical" in result.stdout
+    refused = run_cli(
+        "local", "--set", "data.vocab_size=512", *common, "--run-dir", str(tmp_path / "no"),
+        timeout=60,
+    )  # fmt: skip
+    assert_one_line_error(refused, "holds token id 999")
+    assert not (tmp_path / "no").exists()
