@@ -158,7 +158,7 @@ class SyncSection:
     0 = the average only). Unused without a delay."""
     codec: str = "raw+shuffle+zstd:1"
     """Cross-site codec chain TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]]; TENSOR is raw
-    (fp32, lossless), bf16, int8 or int4 (per-chunk scale with error feedback; int4
+    (fp32, lossless), bf16, int8 or int4 (a scale per 1024 values, error feedback; int4
     packs two values per byte, for DiLoCo's outer gradients). Examples:
     "raw", "bf16+shuffle+zstd:3", "int8+zstd:1"."""
     chunk_bytes: int = 0

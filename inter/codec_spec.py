@@ -11,7 +11,7 @@ __all__ = ["ALLOWED_SPECS", "CodecSpec", "parse_codec_spec"]
 
 ALLOWED_SPECS = (
     'TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]] with TENSOR one of "raw" (fp32), "bf16", '
-    '"int8" or "int4" (per-chunk scale, error feedback), e.g. "raw", "bf16+shuffle+zstd:3", '
+    '"int8" or "int4" (a scale per 1024 values, error feedback), e.g. "raw", "bf16+shuffle+zstd:3", '
     '"int8+zstd:1"; LEVEL an integer from -7 to 22; "zstd[:LEVEL]" alone means raw+zstd'
 )
 TENSOR_STAGES = {"raw": "raw", "fp32": "raw", "bf16": "bf16", "int8": "int8", "int4": "int4"}

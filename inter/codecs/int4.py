@@ -1,10 +1,11 @@
-"""4-bit integers, two per byte, with one scale per chunk and error feedback.
+"""4-bit integers, two per byte, with one scale per block of values and error feedback.
 
 Streaming DiLoCo (arXiv 2501.18512) sends its outer gradients in 4 bits with no loss
 of quality: they are averaged over H steps and feed an outer optimizer that, with
 error feedback, sees every rounding error again at its next round. This stage is
-int8's (:mod:`.int8`) at half the bytes: symmetric levels -7..7 of a per-chunk fp32
-scale, the rounding error kept as the next residual. A value is stored as its level +
+int8's (:mod:`.int8`) at half the bytes: symmetric levels -7..7 of an fp32 scale per
+block of ``BLOCK`` values (all scales first), the rounding error kept as the next
+residual. A value is stored as its level +
 8, so a byte holds element 2i in its low nibble and 2i+1 in its high one; an odd
 chunk pads its last byte with a zero (level 0).
 
@@ -15,26 +16,26 @@ a GPU runs.
 
 from __future__ import annotations
 
-import math
-import struct
-
 import numpy as np
 import torch
 
 from .base import check_chunk, check_size, from_le, to_device, to_host_view
-from .int8 import Int8Stage
+from .int8 import BLOCK, Int8Stage, block_scales, blockwise_levels, expand_scales
 
 __all__ = ["Int4Stage"]
 
-_SCALE = struct.Struct("<f")  # payload = fp32 scale, then two 4-bit values per byte
-_SMALLEST = float(np.finfo(np.float32).tiny)
+_SCALE_BYTES = 4
 LEVELS = 7
 """Largest level: values are -7..7 times the scale (15 of the 16 nibbles; symmetric)."""
 _OFFSET = 8  # stored nibble = level + 8, so 1..15 (0 never written, decoded as -8)
 
 
+def _head(num_elements: int) -> int:
+    return _SCALE_BYTES * -(-num_elements // BLOCK)
+
+
 class Int4Stage(Int8Stage):
-    """Symmetric 4-bit (-7..7) with a per-chunk fp32 scale and error feedback.
+    """Symmetric 4-bit (-7..7) with an fp32 scale per ``BLOCK`` values and error feedback.
 
     Args:
         error_feedback: keep per-key residuals (``encode`` with a ``key``).
@@ -45,8 +46,8 @@ class Int4Stage(Int8Stage):
     lossy = True
 
     def encoded_size(self, num_elements: int) -> int:
-        """See :meth:`TensorStage.encoded_size`: the scale, then half a byte each."""
-        return _SCALE.size + (num_elements + 1) // 2
+        """See :meth:`TensorStage.encoded_size`: the scales, then half a byte each."""
+        return _head(num_elements) + (num_elements + 1) // 2
 
     def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes | memoryview:
         """Quantizes on the chunk's device; see :meth:`TensorStage.encode`.
@@ -55,46 +56,36 @@ class Int4Stage(Int8Stage):
             chunk: 1-D fp32 tensor (CPU or CUDA).
             key: error-feedback state key (lane, group, chunk); None = no feedback.
         Returns:
-            The fp32 scale followed by the packed nibbles.
+            The fp32 scales followed by the packed nibbles.
         """
         key = key if self.error_feedback else None
         x = self._with_residual(check_chunk(chunk), key)
         n = x.numel()
         if n == 0:
-            return _SCALE.pack(1.0)
-        # A NaN or infinite amax stays in the scale (clamp keeps NaN), checked below.
-        scale = (x.abs().amax() / LEVELS).clamp_(min=_SMALLEST)
-        levels = torch.div(x, scale).round_().clamp_(-LEVELS, LEVELS)  # integers, as fp32
+            return b""
+        scales, levels, decoded = blockwise_levels(x, LEVELS)
         if key is not None:
-            residual = x - levels * scale  # exactly what decode produces: fp32(q) x scale
             with self._lock:
-                self._residuals[key] = residual
-        nibbles = levels.add_(_OFFSET).nan_to_num_(_OFFSET).to(torch.uint8)
+                self._residuals[key] = x - decoded
+        nibbles = levels.add(_OFFSET).nan_to_num_(_OFFSET).to(torch.uint8)
         if n % 2:
             nibbles = torch.cat([nibbles, nibbles.new_full((1,), _OFFSET)])
+        head = _head(n)
         payload = torch.empty(self.encoded_size(n), dtype=torch.uint8, device=x.device)
-        payload[: _SCALE.size].copy_(scale.reshape(1).view(torch.uint8))
-        torch.bitwise_or(nibbles[0::2], nibbles[1::2] << 4, out=payload[_SCALE.size :])
-        host = to_host_view(payload)  # on CUDA: waits for the stream, the bytes are final
-        (scale_value,) = _SCALE.unpack_from(host)
-        if not math.isfinite(scale_value):
-            # A non-finite gradient decodes to NaN everywhere and must not poison the
-            # residual for later steps.
-            self._forget(key)
-            return _SCALE.pack(math.nan) + bytes(self.encoded_size(n) - _SCALE.size)
-        return host
+        payload[:head].copy_(scales.view(torch.uint8))
+        torch.bitwise_or(nibbles[0::2], nibbles[1::2] << 4, out=payload[head:])
+        return self._checked(to_host_view(payload), n, key)
 
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
         """See :meth:`TensorStage.decode_array` (a new array)."""
         check_size("int4", payload, self.encoded_size(num_elements), num_elements)
-        (scale,) = _SCALE.unpack_from(payload)
-        packed = from_le(payload[_SCALE.size :], np.uint8)
+        packed = from_le(payload[_head(num_elements) :], np.uint8)
         levels = np.empty(2 * packed.size, dtype=np.float32)
         levels[0::2] = packed & 0x0F
         levels[1::2] = packed >> 4
         levels = levels[:num_elements]
         levels -= _OFFSET
-        return levels * np.float32(scale)
+        return levels * expand_scales(block_scales(payload, num_elements), num_elements)
 
     def decode_device(
         self, payload: bytes | memoryview, num_elements: int, device: torch.device
@@ -102,7 +93,8 @@ class Int4Stage(Int8Stage):
         """See :meth:`TensorStage.decode_device`: fp32(q) x scale, as on the host."""
         check_size("int4", payload, self.encoded_size(num_elements), num_elements)
         raw = to_device(payload, device)
-        scale = raw[: _SCALE.size].view(torch.float32)  # the wire is little-endian
-        packed = raw[_SCALE.size :]
+        head = _head(num_elements)
+        scales = raw[:head].view(torch.float32)  # the wire is little-endian
+        packed = raw[head:]
         levels = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:num_elements]
-        return (levels.to(torch.float32) - _OFFSET) * scale
+        return (levels.to(torch.float32) - _OFFSET) * expand_scales(scales, num_elements)
