@@ -1,8 +1,9 @@
 """The held-out loss: what the model scores on text it never trained on.
 
 Measured every ``run.eval_every`` steps and after the last, on the same
-``run.eval_batches`` batches of the corpus's held-out split every time and at every site,
-so one run's curve and two runs' values compare. Per-step sync keeps the replicas equal,
+``run.eval_batches`` batches of ``EVAL_BATCH`` windows of the corpus's held-out split
+every time and at every site -- whatever the job's per-rank batch, so runs of other
+layouts (one site of 2 ranks, two sites of 1, one rank with twice the batch) compare. Per-step sync keeps the replicas equal,
 so every site measures the same model. The outer modes (DiLoCo, Streaming DiLoCo)
 measure the sites' *shared* model -- the anchors, the parameters as of each fragment's
 last outer step, equal at every site while their local parameters drift apart -- which
@@ -15,11 +16,12 @@ import time
 from contextlib import nullcontext
 
 from isthmus.deploy.config import JobConfig
+from isthmus.deploy.sections import EVAL_BATCH
 from isthmus.intra.data import Corpus, ShardedBatches, Split
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.train import Trainer
 
-__all__ = ["EVAL_SEED_OFFSET", "HeldOutLoss"]
+__all__ = ["EVAL_BATCH", "EVAL_SEED_OFFSET", "HeldOutLoss"]
 
 EVAL_SEED_OFFSET = 0x5EED
 """Added to job.seed for the held-out windows: a stream the training draws never use."""
@@ -36,7 +38,7 @@ class HeldOutLoss:
             ShardedBatches(
                 corpus,
                 seq_len=config.train.seq_len,
-                batch_size=config.train.batch_size,
+                batch_size=EVAL_BATCH,
                 seed=config.job.seed + EVAL_SEED_OFFSET,
                 spans=split.held_out,
             )

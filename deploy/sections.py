@@ -209,6 +209,12 @@ class WanSection:
     """Buffering beyond the bandwidth-delay product, KiB."""
 
 
+EVAL_BATCH = 8
+"""Windows per held-out batch (deploy/evaluation.py). Not train.batch_size: the held-out
+set would change with the layout, and runs of other per-rank batches would be measured
+on other text."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RunSection:
     run_dir: str = ""
@@ -227,8 +233,9 @@ class RunSection:
     metrics.jsonl, TensorBoard, the progress line and summary.json as val_loss); 0 =
     only after the last. The outer modes measure the sites' shared model (the anchors)."""
     eval_batches: int = 16
-    """Held-out batches per measurement (train.batch_size windows each), the same ones
-    every time and at every site; 0 = no held-out loss."""
+    """Held-out batches per measurement (EVAL_BATCH = 8 windows of train.seq_len each,
+    whatever the per-rank batch, so layouts compare), the same ones every time and at
+    every site; 0 = no held-out loss."""
     steady_after: int = 2
     """Steps left out of the summary's steady-state figures (steady tokens/s, MFU,
     exposed sync per step): the first steps compile kernels and warm up allocators and

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.sections import KIB
+from isthmus.deploy.sections import EVAL_BATCH, KIB
 from isthmus.inter.codec_spec import parse_codec_spec
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
@@ -170,6 +170,14 @@ def validate(config: JobConfig) -> None:
         f"run.eval_every and run.eval_batches must be >= 0, got {config.run.eval_every} "
         f"and {config.run.eval_batches}",
     )
+    if config.topology.pp > 1 and config.run.eval_batches:
+        micro = config.parallel_config(cuda=False).num_microbatches(config.topology.pp)
+        _require(
+            EVAL_BATCH % micro == 0,
+            f"the held-out batch of {EVAL_BATCH} windows is cut into parallel.microbatches="
+            f"{micro} with pp > 1, which must divide it: set microbatches to 1, 2, 4 or 8, "
+            f"or run.eval_batches=0 (no held-out loss)",
+        )
     _require(
         -1 <= config.run.metrics_port <= 65535,
         f"run.metrics_port must be -1 (none), 0 (any) or a port, got {config.run.metrics_port}",

@@ -152,3 +152,22 @@ def test_progress_line_and_summary_show_the_sync_and_what_of_it_was_exposed(tmp_
     print_summary(summary, text, None)
     assert "0.080 s/step in rounds" in text.getvalue()
     assert "0.020 s/step waited, 75% overlapped" in text.getvalue()
+
+
+def test_the_held_out_set_does_not_change_with_the_layout():
+    """One rank with batch 16 and two ranks with batch 8 (or two sites of one) must be
+    measured on the same held-out text, or their held-out losses do not compare."""
+    import torch
+
+    from isthmus.deploy.config import load_config
+    from isthmus.deploy.corpus import load_corpus
+    from isthmus.deploy.evaluation import HeldOutLoss
+
+    windows = []
+    for overrides in (["train.batch_size=8"], ["train.batch_size=16", "topology.sites=1"]):
+        config = load_config(None, ["model.preset=tiny", "data.max_bytes=1000000", *overrides])
+        corpus, split = load_corpus(config)
+        held_out = HeldOutLoss(corpus, split, config)
+        windows.append([held_out.batches.batch(i)[0] for i in range(held_out.batches_per_eval)])
+    assert len(windows[0]) == len(windows[1]) == 16
+    assert all(torch.equal(a, b) for a, b in zip(*windows, strict=True))

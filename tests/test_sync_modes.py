@@ -202,6 +202,10 @@ def test_streaming_with_pipeline_stages_holding_no_part_of_a_fragment(tmp_path):
         ("sync.mode=streaming sync.fragment_alpha=2", "sync.fragment_alpha must be in [0, 1]"),
         ("data.val_fraction=0.7", "data.val_fraction must be in [0, 0.5], got 0.7"),
         ("run.eval_every=-1", "run.eval_every and run.eval_batches must be >= 0"),
+        (
+            "topology.pp=3 topology.ranks_per_site=3 train.batch_size=3",
+            "parallel.microbatches=3 with pp > 1, which must divide it",
+        ),
     ],
 )
 def test_bad_sync_mode_settings_are_one_line_errors(tmp_path, setting, needle):
