@@ -14,26 +14,21 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.rank_extras import extra_state, load_extra_state
 from isthmus.inter.allreduce import CrossSiteAllReduce
-from isthmus.inter.channels import peer_channel
 from isthmus.inter.codec import make_codec
+from isthmus.inter.coordinator_client import CoordinatorClient, Decision, Membership, SiteInfo
 from isthmus.inter.gradient_sync import LaneGradientSync
 from isthmus.inter.lane import RESERVED_THREADS, LaneServer
 from isthmus.inter.lane_peer import LanePeer
 from isthmus.inter.mailbox import MAX_STEPS_AHEAD
 from isthmus.inter.membership import SiteMembership
-from isthmus.inter.rank_keys import RANK_KEY
 from isthmus.inter.security import SiteSecurity
 from isthmus.inter.state_transfer import pull_state
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.state import load_rank_state, rank_state
 from isthmus.intra.train import Trainer
-from isthmus.proto import coordinator_pb2 as cpb
-from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
 
 log = logging.getLogger("isthmus.rank")
 
@@ -48,8 +43,9 @@ class CrossSite:
     proxies: dict[str, str]
     security: SiteSecurity | None
     lane: LaneServer
-    membership_reply: cpb.GetMembershipResponse
-    channel: grpc.Channel
+    joined: Membership
+    """The membership this rank first learned (a running job's names the state to pull)."""
+    coordinator: CoordinatorClient
     sync: LaneGradientSync = field(init=False)
     outer: OuterOptimizer | None = None
     """DiLoCo's outer optimizer, whose state travels with the rank's (set by the caller)."""
@@ -97,10 +93,9 @@ class CrossSite:
         lane.rank = rank
         port = lane.address.rsplit(":", 1)[1]
         advertised = f"{cluster.advertise_host or cluster.lane_host}:{port}"
-        channel = peer_channel(coordinator, security=security)
-        stub = cpb_grpc.CoordinatorStub(channel)
-        reply = _join(stub, site, rank, world_size, advertised, config)
-        self = cls(site, rank, config, proxies, security, lane, reply, channel)
+        client = CoordinatorClient.connect(coordinator, security)
+        joined = _join(client, site, rank, world_size, advertised, config)
+        self = cls(site, rank, config, proxies, security, lane, joined, client)
         allreduce = CrossSiteAllReduce(
             site_index=0,
             num_sites=1,
@@ -109,17 +104,17 @@ class CrossSite:
             codec=codec,
             chunk_bytes=config.chunk_bytes,
             timeout_s=config.sync.timeout_s,
-            generation=reply.generation,
+            generation=joined.generation,
             workers=config.sync.workers or None,
         )
         membership = SiteMembership(
-            stub=stub,
+            stub=client.stub,
             site=site,
             rank=rank,
             allreduce=allreduce,
             make_peer=self._make_peer,
-            sites=list(reply.sites),
-            generation=reply.generation,
+            sites=list(joined.sites),
+            generation=joined.generation,
             decision_timeout_s=config.sync.timeout_s + config.failover.quorum_wait_s,
         )
         self.sync = LaneGradientSync(
@@ -127,7 +122,7 @@ class CrossSite:
         )
         return self
 
-    def _make_peer(self, info: cpb.SiteInfo) -> LanePeer:
+    def _make_peer(self, info: SiteInfo) -> LanePeer:
         return LanePeer(
             info.lane_addresses[self.rank],
             proxy=self.proxies.get(info.name),
@@ -143,14 +138,18 @@ class CrossSite:
         Returns:
             The step to continue from, or None when the job starts here (step 0).
         """
-        reply = self.membership_reply
-        if not reply.state_source or reply.state_source == self.site:
+        joined = self.joined
+        if not joined.state_source or joined.state_source == self.site:
             return None
         return self._pull(
-            trainer, reply.generation, list(reply.sites), reply.state_source, reply.start_step - 1
+            trainer,
+            joined.generation,
+            list(joined.sites),
+            joined.state_source,
+            joined.start_step - 1,
         )
 
-    def rejoin(self, trainer: Trainer, decision: cpb.Decision) -> int:
+    def rejoin(self, trainer: Trainer, decision: Decision) -> int:
         """The job went on without this site: move to its generation and pull its state."""
         self.sync.membership.configure(decision.generation, list(decision.sites))
         return self._pull(
@@ -165,7 +164,7 @@ class CrossSite:
         self,
         trainer: Trainer,
         generation: int,
-        sites: list[cpb.SiteInfo],
+        sites: list[SiteInfo],
         source: str,
         state_step: int,
     ) -> int:
@@ -214,7 +213,7 @@ class CrossSite:
     def close(self) -> None:
         self.sync.close()
         self.lane.stop(grace=5.0)
-        self.channel.close()
+        self.coordinator.close()
 
 
 def mailbox_budget(config: JobConfig) -> int:
@@ -226,31 +225,20 @@ def mailbox_budget(config: JobConfig) -> int:
 
 
 def _join(
-    stub: cpb_grpc.CoordinatorStub,
+    client: CoordinatorClient,
     site: str,
     rank: int,
     world_size: int,
     lane_address: str,
     config: JobConfig,
-) -> cpb.GetMembershipResponse:
+) -> Membership:
     """Register this rank's lane and wait for the job's membership."""
-    stub.RegisterRank(
-        cpb.RegisterRankRequest(
-            site=site,
-            rank=rank,
-            world_size=world_size,
-            lane_address=lane_address,
-            fingerprint=cpb.JobFingerprint(fields=config.fingerprint()),
-            rank_key=RANK_KEY,
-        ),
-        timeout=10,
-        wait_for_ready=True,
+    client.register_rank(
+        site=site,
+        rank=rank,
+        world_size=world_size,
+        lane_address=lane_address,
+        fingerprint=config.fingerprint(),
+        timeout_s=10,
     )
-    deadline = time.monotonic() + config.sync.timeout_s
-    while time.monotonic() < deadline:
-        reply = stub.GetMembership(
-            cpb.GetMembershipRequest(known_generation=0, wait_ms=5000), timeout=15
-        )
-        if reply.generation > 0:
-            return reply
-    raise TimeoutError(f"no job membership after {config.sync.timeout_s:.0f}s")
+    return client.wait_membership(config.sync.timeout_s)

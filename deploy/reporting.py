@@ -11,11 +11,8 @@ from pathlib import Path
 
 import grpc
 
-from isthmus.inter.channels import peer_channel
-from isthmus.inter.rank_keys import RANK_KEY
+from isthmus.inter.coordinator_client import CoordinatorClient, Progress
 from isthmus.inter.security import SiteSecurity
-from isthmus.proto import coordinator_pb2 as cpb
-from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
 
 log = logging.getLogger(__name__)
 REPORT_TIMEOUT_S = 5.0
@@ -57,10 +54,11 @@ class StepReporter:
             "corrupt_chunks": 0,
             "nonfinite_chunks": 0,
         }
-        self._channel = (
-            peer_channel(coordinator, security=security) if coordinator and metrics_path else None
+        self._coordinator = (
+            CoordinatorClient.connect(coordinator, security)
+            if coordinator and metrics_path
+            else None
         )
-        self._stub = cpb_grpc.CoordinatorStub(self._channel) if self._channel else None
         self.started = time.perf_counter()
 
     def record(self, line: dict, *, digest: str = "", finished: bool = False) -> None:
@@ -79,9 +77,9 @@ class StepReporter:
         self.file.flush()
         if self.board is not None:
             write_scalars(self.board, line)
-        if self._stub is None:
+        if self._coordinator is None:
             return
-        request = cpb.ReportProgressRequest(
+        progress = Progress(
             site=self.site,
             step=line["step"] + 1,
             loss=line["loss"],
@@ -98,57 +96,51 @@ class StepReporter:
             digest_step=line["step"] + 1 if digest else 0,
             finished=finished,
         )
-        self._report(request)
+        self._report(progress)
 
     def report_final_digest(self, steps: int, digest: str) -> None:
         """For a site that joined with the state after the job's last step (admitted at
         its last commit: nothing left to train): give the coordinator the final digest
         that the other sites wait for. Writes no metrics line: no step ran here."""
-        if self._stub is None:
+        if self._coordinator is None:
             return
         self._report(
-            cpb.ReportProgressRequest(
-                site=self.site, step=steps, digest=digest, digest_step=steps, finished=True
-            )
+            Progress(site=self.site, step=steps, digest=digest, digest_step=steps, finished=True)
         )
 
     def register_alone(self, rank: int, world_size: int, fingerprint: dict[str, str]) -> None:
         """In a job of one site (no lanes, no cross-site registration): register this
         rank's key, without which the coordinator refuses its progress reports."""
-        if self._stub is None:
+        if self._coordinator is None:
             return
-        self._stub.RegisterRank(
-            cpb.RegisterRankRequest(
-                site=self.site,
-                rank=rank,
-                world_size=world_size,
-                lane_address="",
-                fingerprint=cpb.JobFingerprint(fields=fingerprint),
-                rank_key=RANK_KEY,
-            ),
-            timeout=REPORT_TIMEOUT_S,
-            wait_for_ready=True,
+        self._coordinator.register_rank(
+            site=self.site,
+            rank=rank,
+            world_size=world_size,
+            lane_address="",
+            fingerprint=fingerprint,
+            timeout_s=REPORT_TIMEOUT_S,
         )
 
-    def _report(self, request: cpb.ReportProgressRequest) -> None:
-        assert self._stub is not None
-        request.rank_key = RANK_KEY  # the coordinator takes its site's digest from its ranks
+    def _report(self, progress: Progress) -> None:
+        assert self._coordinator is not None
         try:
-            reply = self._stub.ReportProgress(request, timeout=REPORT_TIMEOUT_S)
+            # With the rank's key: the coordinator takes its site's digest from its ranks.
+            divergence = self._coordinator.report_progress(progress, timeout_s=REPORT_TIMEOUT_S)
         except grpc.RpcError as exc:
             # Metrics are best effort: training goes on without its dashboard.
             log.warning("progress report to the coordinator failed: %s", exc.code().name)
             return
-        if reply.divergence:
-            raise DivergenceError(reply.divergence)
+        if divergence:
+            raise DivergenceError(divergence)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
         if self.board is not None:
             self.board.close()
-        if self._channel is not None:
-            self._channel.close()
+        if self._coordinator is not None:
+            self._coordinator.close()
 
 
 def open_tensorboard(path: Path):

@@ -1,0 +1,277 @@
+"""A rank's setup: where it sits, what it was told, and everything it builds before
+its first step (deploy/rank.py runs the steps and the teardown).
+
+`set_up` joins the site's torch.distributed world, builds the mesh, model and FSDP2
+trainer and, for a multi-site job, opens the rank's lane, registers it with the
+site's coordinator and hands the trainer a LaneGradientSync (or the outer optimizer
+one, in the outer modes); then it loads the data, restores a checkpoint or pulls a
+running job's state, and waits for the site's other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from isthmus.deploy.checkpointing import restore
+from isthmus.deploy.config import JobConfig
+from isthmus.deploy.corpus import load_corpus
+from isthmus.deploy.cross_site import CrossSite
+from isthmus.deploy.evaluation import HeldOutLoss
+from isthmus.deploy.reporting import StepReporter
+from isthmus.inter.gradient_sync import LaneGradientSync
+from isthmus.intra.data import ShardedBatches
+from isthmus.intra.flops import scaled_lr
+from isthmus.intra.layout import ParallelLayout
+from isthmus.intra.model import build_model
+from isthmus.intra.outer import OuterConfig, OuterOptimizer
+from isthmus.intra.topology import build_site_mesh, mesh_coordinate
+from isthmus.intra.train import GradientSync, TrainConfig, Trainer
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FaultInjection:
+    """What `isthmus chaos` asks of a rank (deploy/chaos.py), read once at start from
+    ISTHMUS_SLOWDOWN and ISTHMUS_STEP_FLOOR_S."""
+
+    slowdown: float = 1.0
+    """Each step's compute takes this many times longer (a site F times slower)."""
+    step_floor_s: float = 0.0
+    """No step is shorter than this, seconds, so a job still runs when a restarted or
+    cut-off site comes back, whatever the hardware."""
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> FaultInjection:
+        return cls(
+            slowdown=float(env.get("ISTHMUS_SLOWDOWN", "1")),
+            step_floor_s=float(env.get("ISTHMUS_STEP_FLOOR_S", "0")),
+        )
+
+    def pace(self, compute_s: float, sync_s: float) -> None:
+        """Sleeps after a step that computed ``compute_s`` and synced ``sync_s`` seconds."""
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * compute_s)
+        if self.step_floor_s > 0:
+            time.sleep(max(0.0, self.step_floor_s - compute_s - sync_s))
+
+
+@dataclass(kw_only=True, slots=True)
+class RankEnv:
+    """Where this process sits, read from the environment."""
+
+    site: str
+    rank: int
+    world_size: int
+    run_dir: Path
+    coordinator: str
+    proxies: dict[str, str]
+    faults: FaultInjection = field(default_factory=FaultInjection)
+
+    @classmethod
+    def from_environ(cls) -> RankEnv:
+        env = os.environ
+        # Under srun without torchrun: take the rank layout from Slurm's variables
+        # (torch.distributed's env:// rendezvous reads RANK and WORLD_SIZE too).
+        for ours, slurm in (
+            ("RANK", "SLURM_PROCID"),
+            ("WORLD_SIZE", "SLURM_NTASKS"),
+            ("LOCAL_RANK", "SLURM_LOCALID"),
+        ):
+            if ours not in env and slurm in env:
+                env[ours] = env[slurm]
+        return cls(
+            site=env["ISTHMUS_SITE"],
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            run_dir=Path(env["ISTHMUS_RUN_DIR"]),
+            coordinator=env.get("ISTHMUS_COORDINATOR", ""),
+            proxies=json.loads(env.get("ISTHMUS_PROXIES", "{}")),
+            faults=FaultInjection.from_environ(env),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class RankParts:
+    """What `set_up` built: everything the step loop and the teardown use."""
+
+    env: RankEnv
+    config: JobConfig
+    trainer: Trainer
+    cross: CrossSite | None
+    """The rank's lane, membership and state offers; None in a job of one site."""
+    sync: LaneGradientSync | None
+    outer: OuterOptimizer | None
+    """DiLoCo's (or Streaming DiLoCo's) outer optimizer; None with per-step sync."""
+    batches: ShardedBatches
+    held_out: HeldOutLoss
+    metrics: StepReporter
+    site_dir: Path
+    key: bytes | None
+    """The job token that signs checkpoint manifests, or None."""
+    start: int
+    """The first step to train: 0, a checkpoint's, or a running job's."""
+
+
+def set_up(env: RankEnv, config: JobConfig) -> RankParts:
+    """Builds the rank (see the module docstring); returns once every rank of the site
+    is ready for its first step."""
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    dev = config.device_type
+    layout = ParallelLayout.for_ranks(
+        config.topology.ranks_per_site, pp=config.topology.pp, tp=config.topology.tp
+    )
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # On GPUs NCCL carries the tensors and gloo the few CPU-side collectives
+    # (the per-step traffic totals), in one process group.
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo" if dev == "cuda" else "gloo",
+        timeout=timedelta(seconds=config.sync.timeout_s),
+    )
+    mesh = build_site_mesh(layout, dev)
+    pp_i, dp_i, tp_i = mesh_coordinate(mesh)
+    # Lanes pair ranks by rank number: with one layout everywhere and row-major rank
+    # order (tp innermost), equal ranks sit at equal (pp, dp, tp) coordinates.
+    assert env.rank == (pp_i * layout.dp + dp_i) * layout.tp + tp_i, (env.rank, pp_i, dp_i, tp_i)
+    sites = config.site_names
+    site_index = sites.index(env.site)
+
+    sync = cross = None
+    # A rank uses its site's certificate, and its launcher's token for the run if any.
+    security = config.site_security(env.site, os.environ.get("ISTHMUS_RUN_TOKEN"))
+    if len(sites) > 1:
+        cross = CrossSite.start(
+            site=env.site,
+            rank=env.rank,
+            world_size=env.world_size,
+            coordinator=env.coordinator,
+            proxies=env.proxies,
+            config=config,
+            security=security,
+        )
+        sync = cross.sync
+
+    trainer = build_trainer(config, mesh, layout, len(sites), cuda=dev == "cuda", sync=sync)
+    outer = _outer_optimizer(config, trainer, cross)
+    corpus, split = load_corpus(config)
+    held_out = HeldOutLoss(corpus, split, config)
+    # Shards are numbered site-major, so the union over sites and dp ranks is the
+    # global batch that one site with sites*dp ranks would see (ShardedBatches);
+    # the tp and pp ranks of one replica read the same batch.
+    batches = ShardedBatches(
+        corpus,
+        seq_len=config.train.seq_len,
+        batch_size=config.train.batch_size,
+        seed=config.job.seed,
+        shard_index=site_index * layout.dp + dp_i,
+        num_shards=len(sites) * layout.dp,
+        spans=split.train,
+    )
+    site_dir = env.run_dir / "sites" / env.site
+    site_dir.mkdir(parents=True, exist_ok=True)
+    metrics = StepReporter(
+        env.site,
+        site_dir / "metrics.jsonl" if env.rank == 0 else None,
+        env.coordinator,
+        env.run_dir / "tensorboard" / env.site if config.run.tensorboard else None,
+        security=security,
+    )
+    if cross is None:
+        metrics.register_alone(env.rank, env.world_size, config.fingerprint())
+    # With a job token, checkpoint manifests are signed and checked with it (not with a
+    # launcher's token for one run: the next run's would differ).
+    token = security.token if security is not None and config.security.require_token else None
+    key = token.encode() if token else None
+    # 0 unless resuming
+    start = restore(trainer, sync, config, env.run_dir, env.site, key, outer=outer)
+    if cross is not None:
+        # A site joining a running job starts from a live peer's state (invariant 3).
+        start = cross.catch_up(trainer) or start
+    dist.barrier()
+    return RankParts(
+        env=env,
+        config=config,
+        trainer=trainer,
+        cross=cross,
+        sync=sync,
+        outer=outer,
+        batches=batches,
+        held_out=held_out,
+        metrics=metrics,
+        site_dir=site_dir,
+        key=key,
+        start=start,
+    )
+
+
+def _outer_optimizer(
+    config: JobConfig, trainer: Trainer, cross: CrossSite | None
+) -> OuterOptimizer | None:
+    """DiLoCo and Streaming DiLoCo: each site steps alone, an outer optimizer syncs
+    (and travels with the rank's state: ``cross.outer``). None with per-step sync or
+    one site."""
+    streaming = config.sync.mode == "streaming"
+    if not (streaming or config.sync.mode == "diloco") or cross is None:
+        return None
+    sync = cross.sync
+    cross.outer = OuterOptimizer(
+        trainer,
+        sync,
+        OuterConfig(
+            inner_steps=config.sync.inner_steps,
+            lr=config.sync.outer_lr,
+            momentum=config.sync.outer_momentum,
+            delay=config.sync.outer_delay,
+            # DiLoCo is Streaming DiLoCo with one fragment and the eager merge.
+            fragments=config.sync.fragments if streaming else 1,
+            alpha=config.sync.fragment_alpha if streaming else None,
+        ),
+        total_steps=config.job.steps,
+        begin_step=sync.begin_step,
+    )
+    return cross.outer
+
+
+def build_trainer(
+    config: JobConfig,
+    mesh: DeviceMesh,
+    layout: ParallelLayout,
+    num_sites: int,
+    *,
+    cuda: bool,
+    sync: GradientSync | None = None,
+) -> Trainer:
+    """The rank's model and trainer as the job config says (also what
+    benchmarks/torchft_workers.py trains with). Per-step sync: ``sync`` averages every
+    gradient across sites, and the learning rate scales with the global dp width. In
+    the outer modes the trainer keeps its steps in the site (``sync`` is not used: the
+    outer optimizer crosses) and its learning rate scales with the site's dp only, the
+    batch its optimizer sees."""
+    per_step = config.sync.mode == "step"
+    return Trainer(
+        build_model(config.resolved_model(), seed=config.job.seed),
+        mesh,
+        TrainConfig(
+            lr=scaled_lr(
+                config.train.lr,
+                num_sites * layout.dp if per_step else layout.dp,
+                config.train.lr_scaling,
+                config.train.lr_reference_dp,
+            ),
+            warmup_steps=min(config.train.warmup_steps, config.job.steps),
+            weight_decay=config.train.weight_decay,
+            grad_clip=config.train.grad_clip or None,
+            total_steps=config.job.steps,
+        ),
+        parallel=config.parallel_config(cuda=cuda),
+        sync=sync if per_step else None,
+    )

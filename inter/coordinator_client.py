@@ -1,0 +1,240 @@
+"""A rank's typed client of its own site's coordinator: the calls deploy makes.
+
+A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
+registers its lane and its key (``RegisterRank``), waits for the job's membership
+(``GetMembership``) and, on rank 0, reports each step's progress (``ReportProgress``).
+:class:`CoordinatorClient` builds those protobuf messages, so the composition root
+passes plain values and gets plain values back. The rank's key
+(:data:`~isthmus.inter.rank_keys.RANK_KEY`) goes with every registration and report:
+the coordinator takes a site's digest only from its own ranks. The vote on each step
+(``CommitStep``) is :class:`~isthmus.inter.membership.SiteMembership`'s, over this
+client's :attr:`~CoordinatorClient.stub`.
+
+Every call has a deadline (docs/design.md invariant 5) and raises ``grpc.RpcError``
+when the coordinator refuses it or does not answer in time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from isthmus.inter.channels import peer_channel
+from isthmus.inter.rank_keys import RANK_KEY
+from isthmus.inter.security import SiteSecurity
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["CoordinatorClient", "Decision", "Membership", "Progress", "SiteInfo"]
+
+SiteInfo = pb.SiteInfo
+"""A member site as the coordinator names it: ``name``, ``index``, ``lane_addresses``
+(indexed by rank) and ``coordinator_address`` (read it, never build it)."""
+Decision = pb.Decision
+"""The job's decision on a step (``generation``, ``sites``, ``state_source``,
+``state_step``, ...), as a rejoin carries it (read it, never build it)."""
+
+_MEMBERSHIP_WAIT_MS = 5_000
+"""How long the coordinator may hold one membership long poll."""
+_MEMBERSHIP_RPC_TIMEOUT_S = 15.0
+"""Deadline of one membership long poll: its wait and ample slack."""
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """The job's membership as a rank first learns it (``GetMembershipResponse``).
+
+    Attributes:
+        generation: the membership generation, > 0.
+        sites: the member sites, ordered by index.
+        start_step: the first step this site trains in the generation; > 0 when it
+            joins a running job and pulls the state after ``start_step - 1``.
+        state_source: the site whose ranks serve that state; "" when the job starts
+            here (or the source is this site).
+    """
+
+    generation: int
+    sites: tuple[SiteInfo, ...]
+    start_step: int
+    state_source: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Progress:
+    """One step's report of a site to its coordinator (``ReportProgressRequest``).
+
+    Fields left out are 0 (or "" / False), as a report of a site that trained no step
+    leaves them.
+
+    Attributes:
+        site: this site's name.
+        step: steps completed, this one included.
+        loss: the step's mean training loss over the site's ranks.
+        step_s: wall seconds of the step.
+        compute_s: seconds of it spent computing.
+        cross_site_s: seconds the step waited on the cross-site sync.
+        tokens: tokens the site trained on this step.
+        cross_site_bytes: bytes the site's lanes sent across sites, after the codec.
+        raw_bytes: the same bytes before the codec.
+        mfu: model FLOPs utilisation of the step, 0..1 (0 when unknown).
+        sync_busy_s: seconds the lanes were busy with the step's rounds.
+        digest: sha256 hex of the full parameters after ``digest_step`` steps; "" when
+            none was computed this step.
+        digest_step: the step count ``digest`` is of; 0 without a digest.
+        finished: this was the job's last step.
+    """
+
+    site: str
+    step: int
+    loss: float = 0.0
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    cross_site_s: float = 0.0
+    tokens: int = 0
+    cross_site_bytes: int = 0
+    raw_bytes: int = 0
+    mfu: float = 0.0
+    sync_busy_s: float = 0.0
+    digest: str = ""
+    digest_step: int = 0
+    finished: bool = False
+
+
+class CoordinatorClient:
+    """One rank's calls to its site's coordinator, over one channel.
+
+    Args:
+        channel: a channel to the coordinator (:meth:`connect` opens one).
+        rank_key: the key this process registers its rank with and sends with its
+            reports; the process's own :data:`RANK_KEY` unless a test plays a rank.
+    """
+
+    def __init__(self, channel: grpc.Channel, *, rank_key: str = RANK_KEY) -> None:
+        self.channel = channel
+        self.stub = pb_grpc.CoordinatorStub(channel)
+        """The raw stub, for the inter modules that make their own calls (the votes)."""
+        self.rank_key = rank_key
+
+    @classmethod
+    def connect(
+        cls, address: str, security: SiteSecurity | None = None, *, rank_key: str = RANK_KEY
+    ) -> CoordinatorClient:
+        """A client of the coordinator at ``address`` ("host:port"), with mutual TLS and
+        the job token as ``security`` says (None = plaintext)."""
+        return cls(peer_channel(address, security=security), rank_key=rank_key)
+
+    def register_rank(
+        self,
+        *,
+        site: str,
+        rank: int,
+        world_size: int,
+        lane_address: str,
+        fingerprint: Mapping[str, str],
+        timeout_s: float,
+    ) -> None:
+        """Registers this rank's lane and key: what a rank does first.
+
+        Waits for the coordinator to come up (``wait_for_ready``), at most
+        ``timeout_s``. From then on the coordinator counts this rank's votes and takes
+        the site's digest only with this client's key.
+
+        Args:
+            site: this site's name.
+            rank: this rank in the site's torch.distributed world.
+            world_size: ranks in that world.
+            lane_address: "host:port" peers reach this rank's lane at; "" in a job of
+                one site (no lanes: only the key is registered).
+            fingerprint: the job fingerprint (``JobConfig.fingerprint()``).
+            timeout_s: deadline of the call, seconds.
+
+        Raises:
+            grpc.RpcError: FAILED_PRECONDITION when the coordinator refuses the rank
+                (another fingerprint, a rank that does not fit the site, the rank
+                already registered with another key, ...), DEADLINE_EXCEEDED when it
+                is not reached in time.
+        """
+        self.stub.RegisterRank(
+            pb.RegisterRankRequest(
+                site=site,
+                rank=rank,
+                world_size=world_size,
+                lane_address=lane_address,
+                fingerprint=pb.JobFingerprint(fields=fingerprint),
+                rank_key=self.rank_key,
+            ),
+            timeout=timeout_s,
+            wait_for_ready=True,
+        )
+
+    def wait_membership(self, timeout_s: float) -> Membership:
+        """Waits until every site of the job is ready and returns the membership.
+
+        Asks by long poll (each call held up to 5 s, with a 15 s deadline) until the
+        generation is > 0.
+
+        Args:
+            timeout_s: how long to wait for the membership, seconds.
+
+        Raises:
+            TimeoutError: no membership after ``timeout_s``.
+            grpc.RpcError: a call failed (FAILED_PRECONDITION once the coordinator
+                gave up on the job, e.g. a peer with another fingerprint).
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reply = self.stub.GetMembership(
+                pb.GetMembershipRequest(known_generation=0, wait_ms=_MEMBERSHIP_WAIT_MS),
+                timeout=_MEMBERSHIP_RPC_TIMEOUT_S,
+            )
+            if reply.generation > 0:
+                return Membership(
+                    generation=reply.generation,
+                    sites=tuple(reply.sites),
+                    start_step=reply.start_step,
+                    state_source=reply.state_source,
+                )
+        raise TimeoutError(f"no job membership after {timeout_s:.0f}s")
+
+    def report_progress(self, progress: Progress, *, timeout_s: float) -> str:
+        """Reports one step (with this client's key) to the coordinator, which feeds
+        Prometheus and compares the digest with the other sites'.
+
+        Args:
+            progress: what the site did this step.
+            timeout_s: deadline of the call, seconds.
+
+        Returns:
+            Why the sites' replicas differ when a peer reported another digest for a
+            step this site digested too, else "".
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT for a malformed report, PERMISSION_DENIED
+                when the key is not one of the site's registered ranks', or the call
+                failed or timed out.
+        """
+        request = pb.ReportProgressRequest(
+            site=progress.site,
+            step=progress.step,
+            loss=progress.loss,
+            step_s=progress.step_s,
+            compute_s=progress.compute_s,
+            cross_site_s=progress.cross_site_s,
+            tokens=progress.tokens,
+            cross_site_bytes=progress.cross_site_bytes,
+            raw_bytes=progress.raw_bytes,
+            mfu=progress.mfu,
+            sync_busy_s=progress.sync_busy_s,
+            digest=progress.digest,
+            digest_step=progress.digest_step,
+            finished=progress.finished,
+            rank_key=self.rank_key,
+        )
+        return self.stub.ReportProgress(request, timeout=timeout_s).divergence
+
+    def close(self) -> None:
+        """Closes the channel (calls in flight are cancelled)."""
+        self.channel.close()
