@@ -35,6 +35,7 @@ from isthmus.deploy.sections import (
 )
 from isthmus.deploy.validation import ConfigError, validate
 from isthmus.inter.chunk_size import chunk_bytes_for_link
+from isthmus.inter.codec_spec import CODEC_FORMAT
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.layout import ParallelConfig
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset
@@ -224,6 +225,8 @@ class JobConfig:
         # difference names the real shape ("model.dim=192 vs 256"), not an override.
         # Lanes refuse chunks of another size: sites must agree on the size in use.
         out["sync.chunk_bytes"] = str(self.chunk_bytes)
+        # Lanes of two releases whose payloads are laid out otherwise cannot talk.
+        out["sync.codec_format"] = str(CODEC_FORMAT)
         out["model.preset"] = self.model.preset
         # How often and where a site saves may differ; the step every site starts at may not.
         for key in ("every", "dir", "keep"):

@@ -39,7 +39,13 @@ from isthmus.intra.tokenizer import (
     tokenizer_sha256,
 )
 
-__all__ = ["default_cache_dir", "load_corpus", "pin_tokenizer", "trained_tokenizer"]
+__all__ = [
+    "default_cache_dir",
+    "load_corpus",
+    "pin_tokenizer",
+    "trained_tokenizer",
+    "write_atomically",
+]
 
 
 def load_corpus(config: JobConfig) -> tuple[Corpus, Split]:
@@ -224,6 +230,27 @@ def _check_windows(split: Split, seq_len: int, byte_split: Split) -> None:
         )
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Writes ``path`` whole or not at all: a temporary file beside it, fsynced, then
+    renamed over it, so a reader never sees half a file (ranks starting together).
+
+    Raises:
+        OSError: the folder cannot be made or written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a shared folder's file private
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _say(message: str) -> None:
     print(f"isthmus: {message}", file=sys.stderr, flush=True)
 
@@ -242,18 +269,7 @@ class _Cache:
 
     def write(self, name: str, data: bytes) -> None:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{name}.")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a shared cache_dir private
-                os.replace(tmp, self.dir / name)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_atomically(self.dir / name, data)
         except OSError as exc:
             raise ConfigError(
                 f"data.cache_dir: cannot write {self.dir / name} ({exc.strerror or exc}); set "

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from isthmus.deploy.config import ConfigError, load_config
@@ -21,7 +19,7 @@ __all__ = ["register"]
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from isthmus.deploy.corpus import trained_tokenizer
+    from isthmus.deploy.corpus import trained_tokenizer, write_atomically
     from isthmus.intra.tokenizer import json_vocab_size, tokenizer_sha256
 
     flags = {"data.tokenizer": "bpe", "data.vocab_size": args.vocab_size}
@@ -31,12 +29,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} exists; pass --force to replace it")
     json_text = trained_tokenizer(config)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-        with os.fdopen(fd, "w") as f:
-            f.write(json_text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
+        write_atomically(out, json_text.encode())
     except OSError as exc:
         raise ConfigError(f"--out {out}: {exc.strerror or exc}") from None
     d = config.data

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ALLOWED_SPECS", "CodecSpec", "parse_codec_spec"]
+__all__ = ["ALLOWED_SPECS", "CODEC_FORMAT", "CodecSpec", "parse_codec_spec"]
 
 ALLOWED_SPECS = (
     'TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]] with TENSOR one of "raw" (fp32), "bf16", '
     '"int8" or "int4" (a scale per 1024 values, error feedback), e.g. "raw", "bf16+shuffle+zstd:3", '
     '"int8+zstd:1"; LEVEL an integer from -7 to 22; "zstd[:LEVEL]" alone means raw+zstd'
 )
+CODEC_FORMAT = 2
+"""Version of the codecs' payload layouts, in the job fingerprint (sync.codec_format):
+a site whose int8 payloads are laid out otherwise would fail every chunk's size check,
+so it is refused at join instead. 2: int8/int4 carry a scale per 1024 values (1: one
+per chunk)."""
+
 TENSOR_STAGES = {"raw": "raw", "fp32": "raw", "bf16": "bf16", "int8": "int8", "int4": "int4"}
 """Spelling -> the tensor stage's canonical name."""
 

@@ -88,15 +88,14 @@ class TrainingDefaults:
     """Where the values come from."""
 
 
+_CPU_TRAINING = TrainingDefaults(
+    lr=3e-3, reference_dp=4, warmup_steps=5, batch_size=8, seq_len=128,
+    source="the CPU default job (2 sites x 2 ranks) every test and CPU benchmark uses",
+)  # fmt: skip
+
 PRESET_TRAINING: dict[str, TrainingDefaults] = {
-    "tiny": TrainingDefaults(
-        lr=3e-3, reference_dp=4, warmup_steps=5, batch_size=8, seq_len=128,
-        source="the CPU default job (2 sites x 2 ranks) every test and CPU benchmark uses",
-    ),
-    "small": TrainingDefaults(
-        lr=3e-3, reference_dp=4, warmup_steps=5, batch_size=8, seq_len=128,
-        source="the CPU default job (2 sites x 2 ranks) every test and CPU benchmark uses",
-    ),
+    "tiny": _CPU_TRAINING,
+    "small": _CPU_TRAINING,
     # docs/benchmarks.md, "Learning rate per preset": one H100, 300 steps of 16 x 2048
     # tokens, lr 3e-4 / 6e-4 / 1.2e-3 / 3e-3 -> held-out 1.184 / 1.139 / 1.303 / 1.802;
     # GPT-3's 125M used 6e-4 too (Brown et al. 2020, Table 2.1).

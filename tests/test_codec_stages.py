@@ -219,3 +219,17 @@ def test_each_block_of_values_has_its_own_scale(stage_type: type, values: str) -
         assert torch.all((decoded[block] - x[block]).abs() <= step / 2 + 1e-12), b
     if values == "gradient":  # blocks 1-3 keep their small values
         assert decoded[BLOCK:].abs().max() < 0.01 and (decoded[BLOCK:] != 0).float().mean() > 0.6
+
+
+def test_a_site_with_another_payload_layout_is_refused_at_join() -> None:
+    """int8's layout changed (a scale per block): a site of the release before would
+    fail every chunk's size check, so the fingerprint names the layout's version."""
+    from isthmus.deploy.config import load_config
+    from isthmus.inter.codec_spec import CODEC_FORMAT
+    from isthmus.inter.fingerprint import fingerprint_problem
+
+    ours = load_config(None, ["sync.codec=int8"]).fingerprint()
+    assert ours["sync.codec_format"] == str(CODEC_FORMAT)
+    older = {k: v for k, v in ours.items() if k != "sync.codec_format"}
+    problem = fingerprint_problem(ours, older, "site0", "site1")
+    assert problem is not None and "sync.codec_format" in problem

@@ -19,19 +19,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import check_chunk, check_size, from_le, to_device, to_host_view
-from .int8 import BLOCK, Int8Stage, block_scales, blockwise_levels, expand_scales
+from .base import check_size, from_le, to_device
+from .int8 import Int8Stage, block_scales, expand_scales, scale_bytes
 
 __all__ = ["Int4Stage"]
 
-_SCALE_BYTES = 4
 LEVELS = 7
 """Largest level: values are -7..7 times the scale (15 of the 16 nibbles; symmetric)."""
 _OFFSET = 8  # stored nibble = level + 8, so 1..15 (0 never written, decoded as -8)
-
-
-def _head(num_elements: int) -> int:
-    return _SCALE_BYTES * -(-num_elements // BLOCK)
 
 
 class Int4Stage(Int8Stage):
@@ -44,42 +39,25 @@ class Int4Stage(Int8Stage):
     name = "int4"
     width = 1  # a byte at a time for the shuffle stage (which then does nothing)
     lossy = True
+    levels = LEVELS
 
     def encoded_size(self, num_elements: int) -> int:
         """See :meth:`TensorStage.encoded_size`: the scales, then half a byte each."""
-        return _head(num_elements) + (num_elements + 1) // 2
+        return scale_bytes(num_elements) + (num_elements + 1) // 2
 
-    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes | memoryview:
-        """Quantizes on the chunk's device; see :meth:`TensorStage.encode`.
-
-        Args:
-            chunk: 1-D fp32 tensor (CPU or CUDA).
-            key: error-feedback state key (lane, group, chunk); None = no feedback.
-        Returns:
-            The fp32 scales followed by the packed nibbles.
-        """
-        key = key if self.error_feedback else None
-        x = self._with_residual(check_chunk(chunk), key)
-        n = x.numel()
-        if n == 0:
-            return b""
-        scales, levels, decoded = blockwise_levels(x, LEVELS)
-        if key is not None:
-            with self._lock:
-                self._residuals[key] = x - decoded
-        nibbles = levels.add(_OFFSET).nan_to_num_(_OFFSET).to(torch.uint8)
-        if n % 2:
+    @staticmethod
+    def _pack(q: torch.Tensor, out: torch.Tensor) -> None:
+        """Two levels a byte, low nibble first, each stored as level + 8; an odd count
+        pads the last byte with level 0."""
+        nibbles = q.add(_OFFSET).nan_to_num_(_OFFSET).to(torch.uint8)
+        if q.numel() % 2:
             nibbles = torch.cat([nibbles, nibbles.new_full((1,), _OFFSET)])
-        head = _head(n)
-        payload = torch.empty(self.encoded_size(n), dtype=torch.uint8, device=x.device)
-        payload[:head].copy_(scales.view(torch.uint8))
-        torch.bitwise_or(nibbles[0::2], nibbles[1::2] << 4, out=payload[head:])
-        return self._checked(to_host_view(payload), n, key)
+        torch.bitwise_or(nibbles[0::2], nibbles[1::2] << 4, out=out)
 
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
         """See :meth:`TensorStage.decode_array` (a new array)."""
         check_size("int4", payload, self.encoded_size(num_elements), num_elements)
-        packed = from_le(payload[_head(num_elements) :], np.uint8)
+        packed = from_le(payload[scale_bytes(num_elements) :], np.uint8)
         levels = np.empty(2 * packed.size, dtype=np.float32)
         levels[0::2] = packed & 0x0F
         levels[1::2] = packed >> 4
@@ -93,7 +71,7 @@ class Int4Stage(Int8Stage):
         """See :meth:`TensorStage.decode_device`: fp32(q) x scale, as on the host."""
         check_size("int4", payload, self.encoded_size(num_elements), num_elements)
         raw = to_device(payload, device)
-        head = _head(num_elements)
+        head = scale_bytes(num_elements)
         scales = raw[:head].view(torch.float32)  # the wire is little-endian
         packed = raw[head:]
         levels = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:num_elements]

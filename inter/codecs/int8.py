@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .base import check_chunk, check_size, from_le, to_device, to_host_view
 
-__all__ = ["BLOCK", "Int8Stage", "blockwise_levels", "block_scales"]
+__all__ = ["BLOCK", "Int8Stage", "block_scales", "blockwise_levels", "expand_scales", "scale_bytes"]
 
 BLOCK = 1024
 """Values per scale (part of the wire format: every site of a job runs one version)."""
@@ -38,29 +38,32 @@ def _blocks(num_elements: int) -> int:
     return -(-num_elements // BLOCK)
 
 
-def blockwise_levels(
-    x: torch.Tensor, levels: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def scale_bytes(num_elements: int) -> int:
+    """Bytes of the scales at the head of a payload of ``num_elements`` values."""
+    return _SCALE_BYTES * _blocks(num_elements)
+
+
+def blockwise_levels(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` to integers in [-levels, levels] with one scale per block.
 
     Returns:
-        ``(scales, q, decoded)``: fp32 scales ``[blocks]``, the integers as fp32 ``[n]``
-        and what decode produces from them, fp32(q) x scale ``[n]`` (the residual is
-        measured against it). A non-finite block keeps a non-finite scale (clamp keeps
-        NaN): the caller sends the chunk as NaN.
+        ``(scales, q)``: fp32 scales ``[blocks]`` and the integers as fp32
+        ``[blocks, BLOCK]`` (the last block zero-padded). A non-finite block keeps a
+        non-finite scale (clamp keeps NaN): the caller sends the chunk as NaN.
     """
     n = x.numel()
     blocks = _blocks(n)
-    padded = F.pad(x, (0, blocks * BLOCK - n)).view(blocks, BLOCK)
+    # Chunks are mostly whole blocks: pad (a copy) only the short last one.
+    padded = x if n == blocks * BLOCK else F.pad(x, (0, blocks * BLOCK - n))
+    padded = padded.view(blocks, BLOCK)
     scales = (padded.abs().amax(dim=1) / levels).clamp_(min=_SMALLEST)
     q = torch.div(padded, scales[:, None]).round_().clamp_(-levels, levels)
-    decoded = (q * scales[:, None]).view(-1)[:n]
-    return scales, q.view(-1)[:n], decoded
+    return scales, q
 
 
 def block_scales(payload: bytes | memoryview, num_elements: int) -> np.ndarray:
     """The fp32 scales at the head of a payload (a read-only view)."""
-    return from_le(payload[: _SCALE_BYTES * _blocks(num_elements)], np.float32)
+    return from_le(payload[: scale_bytes(num_elements)], np.float32)
 
 
 def expand_scales(scales: np.ndarray | torch.Tensor, num_elements: int):
@@ -81,6 +84,8 @@ class Int8Stage:
     name = "int8"
     width = 1
     lossy = True
+    levels = 127
+    """Largest magnitude of a quantized value (symmetric)."""
 
     def __init__(self, error_feedback: bool = True) -> None:
         self.error_feedback = error_feedback
@@ -89,7 +94,7 @@ class Int8Stage:
 
     def encoded_size(self, num_elements: int) -> int:
         """See :meth:`TensorStage.encoded_size`: the scales, then a byte a value."""
-        return _SCALE_BYTES * _blocks(num_elements) + num_elements
+        return scale_bytes(num_elements) + num_elements
 
     def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes | memoryview:
         """Quantizes on the chunk's device (CPU and CUDA run the same torch code, then
@@ -107,15 +112,21 @@ class Int8Stage:
         n = x.numel()
         if n == 0:
             return b""
-        scales, q, decoded = blockwise_levels(x, 127)
-        if key is not None:
+        scales, q = blockwise_levels(x, self.levels)
+        if key is not None:  # measured against exactly what decode produces: fp32(q) x scale
+            decoded = (q * scales[:, None]).view(-1)[:n]
             with self._lock:
                 self._residuals[key] = x - decoded
         head = _SCALE_BYTES * scales.numel()
-        payload = torch.empty(head + n, dtype=torch.uint8, device=x.device)
+        payload = torch.empty(self.encoded_size(n), dtype=torch.uint8, device=x.device)
         payload[:head].copy_(scales.view(torch.uint8))
-        payload[head:].view(torch.int8).copy_(q)
+        self._pack(q.view(-1)[:n], payload[head:])
         return self._checked(to_host_view(payload), n, key)
+
+    @staticmethod
+    def _pack(q: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes the integers ``q`` (as fp32) into the payload's value bytes ``out``."""
+        out.view(torch.int8).copy_(q)
 
     def _checked(self, host: memoryview, n: int, key: str | None) -> bytes | memoryview:
         """``host``, or an all-NaN payload when a scale is not finite: a non-finite
@@ -153,7 +164,7 @@ class Int8Stage:
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
         """See :meth:`TensorStage.decode_array` (a new array)."""
         check_size("int8", payload, self.encoded_size(num_elements), num_elements)
-        head = _SCALE_BYTES * _blocks(num_elements)
+        head = scale_bytes(num_elements)
         q = from_le(payload[head:], np.int8)
         return q.astype(np.float32) * expand_scales(
             block_scales(payload, num_elements), num_elements
@@ -165,7 +176,7 @@ class Int8Stage:
         """See :meth:`TensorStage.decode_device`: fp32(q) x scale, as on the host."""
         check_size("int8", payload, self.encoded_size(num_elements), num_elements)
         raw = to_device(payload, device)
-        head = _SCALE_BYTES * _blocks(num_elements)
+        head = scale_bytes(num_elements)
         scales = raw[:head].view(torch.float32)  # the wire is little-endian
         return raw[head:].view(torch.int8).to(torch.float32) * expand_scales(scales, num_elements)
 
