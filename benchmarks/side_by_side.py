@@ -125,10 +125,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def cross_site(args: argparse.Namespace):
     """This rank's `CrossSiteAllReduce` with the same rank of the other site."""
-    from isthmus.inter.allreduce import CrossSiteAllReduce
-    from isthmus.inter.codec import make_codec
-    from isthmus.inter.lane import LaneServer
-    from isthmus.inter.lane_peer import LanePeer
+    from isthmus.inter.data.allreduce import CrossSiteAllReduce
+    from isthmus.inter.data.codec import make_codec
+    from isthmus.inter.data.lane import LaneServer
+    from isthmus.inter.data.lane_peer import LanePeer
 
     site, chunk = args.site, int(args.chunk_mib * MIB)
     codec = make_codec(args.codec)

@@ -1,7 +1,7 @@
 """`isthmus bench allreduce`: the cross-site all-reduce over emulated links.
 
 The grid (sites x RTT x bandwidth x tensor size x codec) runs case by case; each case
-starts one process per site (`isthmus.inter.bench`) whose lanes cross the WAN
+starts one process per site (`isthmus.inter.data.bench`) whose lanes cross the WAN
 emulator (`isthmus.sim.RelayServer`, an HTTP CONNECT proxy per direction, as
 `isthmus local` wires them). Prints the per-core codec speeds, then one line per
 case, and writes everything as JSON.
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 from isthmus.deploy.config import ConfigError
 from isthmus.deploy.validation import MAX_SYNC_CHUNK_BYTES
-from isthmus.inter.chunk_size import chunk_bytes_for_link
-from isthmus.inter.codec_spec import parse_codec_spec
+from isthmus.inter.data.chunk_size import chunk_bytes_for_link
+from isthmus.inter.data.codec_spec import parse_codec_spec
 
 if TYPE_CHECKING:
-    from isthmus.inter import bench
+    from isthmus.inter.data import bench
 
 FULL = {
     "sites": "2,3",
@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
     """The grid the flags select; raises ConfigError on bad input."""
-    from isthmus.inter import bench  # torch: not imported by every `isthmus` command
+    from isthmus.inter.data import bench  # torch: not imported by every `isthmus` command
 
     base = QUICK if args.quick else FULL
     pick = {k: getattr(args, k) or base[k] for k in base}
@@ -198,7 +198,7 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
 
 def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     """Runs the grid; prints the tables; writes the JSON."""
-    from isthmus.inter import bench
+    from isthmus.inter.data import bench
 
     cases = cases_from_args(args)
     out: dict = {

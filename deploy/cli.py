@@ -194,7 +194,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from isthmus.inter.coordinator import Coordinator
+    from isthmus.inter.control.coordinator import Coordinator
 
     config = config_from_args(args)
     if args.site not in config.site_names:
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - the CLI's one place that turns failures into a line
         from isthmus.deploy.ranks import LaunchError
-        from isthmus.inter.coordinator import CoordinatorError
+        from isthmus.inter.control.coordinator import CoordinatorError
 
         if isinstance(exc, (LaunchError, CoordinatorError, RuntimeError, OSError)):
             print(f"error: {exc}", file=sys.stderr)

@@ -34,8 +34,8 @@ from isthmus.deploy.sections import (
     WanSection,
 )
 from isthmus.deploy.validation import ConfigError, validate
-from isthmus.inter.chunk_size import chunk_bytes_for_link
-from isthmus.inter.codec_spec import CODEC_FORMAT
+from isthmus.inter.data.chunk_size import chunk_bytes_for_link
+from isthmus.inter.data.codec_spec import CODEC_FORMAT
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.layout import ParallelConfig
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset

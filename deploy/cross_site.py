@@ -16,16 +16,21 @@ from dataclasses import dataclass, field
 
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.rank_extras import extra_state, load_extra_state
-from isthmus.inter.allreduce import CrossSiteAllReduce
-from isthmus.inter.codec import make_codec
-from isthmus.inter.coordinator_client import CoordinatorClient, Decision, Membership, SiteInfo
-from isthmus.inter.gradient_sync import LaneGradientSync
-from isthmus.inter.lane import RESERVED_THREADS, LaneServer
-from isthmus.inter.lane_peer import LanePeer
-from isthmus.inter.mailbox import MAX_STEPS_AHEAD
-from isthmus.inter.membership import SiteMembership
+from isthmus.inter.control.coordinator_client import (
+    CoordinatorClient,
+    Decision,
+    Membership,
+    SiteInfo,
+)
+from isthmus.inter.data.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.codec import make_codec
+from isthmus.inter.data.gradient_sync import LaneGradientSync
+from isthmus.inter.data.lane import RESERVED_THREADS, LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD
+from isthmus.inter.data.membership import SiteMembership
+from isthmus.inter.data.state_transfer import pull_state
 from isthmus.inter.security import SiteSecurity
-from isthmus.inter.state_transfer import pull_state
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.state import load_rank_state, rank_state
 from isthmus.intra.train import Trainer

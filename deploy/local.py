@@ -23,7 +23,7 @@ from isthmus.deploy.corpus import load_corpus
 from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
-from isthmus.inter.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator
 from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
 
 __all__ = ["LaunchError", "LocalJob", "check_supported"]

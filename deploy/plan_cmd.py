@@ -26,7 +26,7 @@ from isthmus.sim.plan import (
 )
 
 NEMO_EFFICIENCY = 0.96  # NVIDIA NeMo's published two-site figure for Nemotron-4 340B
-# Raw bytes per wire byte of each tensor codec on fp32 gradients (inter/codecs/): int8
+# Raw bytes per wire byte of each tensor codec on fp32 gradients (inter/data/codecs/): int8
 # carries one fp32 scale per 1024 values (0.4 %: left out). A zstd stage
 # depends on the data: pass --codec-ratio measured by a run (summary.json).
 TENSOR_CODEC_RATIO = {"raw": 1.0, "bf16": 2.0, "int8": 4.0, "int4": 8.0}
@@ -203,7 +203,7 @@ def codec_ratio(spec: str) -> float:
     Raises:
         ConfigError: the chain is not a valid sync.codec.
     """
-    from isthmus.inter.codec import make_codec
+    from isthmus.inter.data.codec import make_codec
 
     try:
         make_codec(spec)

@@ -42,9 +42,9 @@ from isthmus.deploy.checkpointing import save_due, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
 from isthmus.deploy.rank_setup import FaultInjection, RankEnv, RankParts, build_trainer, set_up
 from isthmus.deploy.reporting import DivergenceError
-from isthmus.inter.gradient_sync import StepStats as RoundStats
-from isthmus.inter.membership import QuorumLost, RejoinRequired
-from isthmus.inter.round import NonFiniteGradient
+from isthmus.inter.data.gradient_sync import StepStats as RoundStats
+from isthmus.inter.data.membership import QuorumLost, RejoinRequired
+from isthmus.inter.data.round import NonFiniteGradient
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.train import StepStats
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from isthmus.inter.gradient_sync import LaneGradientSync
+    from isthmus.inter.data.gradient_sync import LaneGradientSync
     from isthmus.intra.outer import OuterOptimizer
 
 CODEC = "codec/"

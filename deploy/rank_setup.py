@@ -28,7 +28,7 @@ from isthmus.deploy.corpus import load_corpus
 from isthmus.deploy.cross_site import CrossSite
 from isthmus.deploy.evaluation import HeldOutLoss
 from isthmus.deploy.reporting import StepReporter
-from isthmus.inter.gradient_sync import LaneGradientSync
+from isthmus.inter.data.gradient_sync import LaneGradientSync
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.flops import scaled_lr
 from isthmus.intra.layout import ParallelLayout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from isthmus.inter.coordinator_client import CoordinatorClient, Progress
+from isthmus.inter.control.coordinator_client import CoordinatorClient, Progress
 from isthmus.inter.security import SiteSecurity
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from isthmus.deploy.local import check_supported
 from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, config_path, prepare_run_dir
 from isthmus.deploy.summary import summarize
-from isthmus.inter.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator
 
 PEER_DIGEST_WAIT_S = 30.0
 

@@ -1,6 +1,6 @@
 """`isthmus witness`: the job's witness, a coordinator-only process at a third place.
 
-It breaks even splits of the job's sites (inter/witness.py): with it, two sites
+It breaks even splits of the job's sites (inter/control/witness.py): with it, two sites
 survive the loss of either, and a partition still lets only one side go on. Every
 site names it in ``failover.witness``. It holds no training state and needs no GPU.
 """
@@ -19,7 +19,7 @@ __all__ = ["register"]
 
 
 def cmd_witness(args: argparse.Namespace) -> int:
-    from isthmus.inter.witness import WitnessServer
+    from isthmus.inter.control.witness import WitnessServer
 
     flags = {"security.insecure": True if args.insecure else None}
     config = load_config(args.config, args.overrides, flags)

@@ -12,7 +12,7 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from .replicas import ReplicaDigests
+from isthmus.inter.control.replicas import ReplicaDigests
 
 
 def report_problem(report, site: str) -> str | None:

@@ -414,7 +414,7 @@ class Coordinator:
 
 class WitnessStub:
     """A witness: a coordinator-only process at a third place whose grant breaks an even
-    split of the job's sites (isthmus witness; inter/witness.py). Two sites with a
+    split of the job's sites (isthmus witness; inter/control/witness.py). Two sites with a
     witness survive the loss of either, and a partition still lets one side go on.
     """
 
@@ -438,7 +438,7 @@ class WitnessStub:
 
 class WitnessServicer:
     """A witness: a coordinator-only process at a third place whose grant breaks an even
-    split of the job's sites (isthmus witness; inter/witness.py). Two sites with a
+    split of the job's sites (isthmus witness; inter/control/witness.py). Two sites with a
     witness survive the loss of either, and a partition still lets one side go on.
     """
 
@@ -479,7 +479,7 @@ def add_WitnessServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Witness:
     """A witness: a coordinator-only process at a third place whose grant breaks an even
-    split of the job's sites (isthmus witness; inter/witness.py). Two sites with a
+    split of the job's sites (isthmus witness; inter/control/witness.py). Two sites with a
     witness survive the loss of either, and a partition still lets one side go on.
     """
 

@@ -86,7 +86,7 @@ class LaneServicer:
     def OpenBulk(self, request, context):
         """A sending site asks for a ticket to the lane's bulk port: plain TCP carrying
         the same PushChunksRequest messages, length-prefixed, with no gRPC framing or
-        copies on the way (inter/bulk.py). Only this call is authenticated; the ticket
+        copies on the way (inter/data/bulk.py). Only this call is authenticated; the ticket
         then admits one bulk connection. Refused when the lane runs with mutual TLS
         (chunks then travel on PushChunks, inside TLS).
         """

@@ -12,7 +12,7 @@ import time
 import grpc
 from helpers import register_rank
 
-from isthmus.inter.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 from isthmus.sim import LinkSpec, RelayServer

@@ -13,12 +13,12 @@ import pytest
 import torch
 from helpers import raw_chunk
 
-from isthmus.inter.allreduce import CrossSiteAllReduce, CrossSiteError
-from isthmus.inter.codec import crc32, make_codec
-from isthmus.inter.gradient_sync import LaneGradientSync
-from isthmus.inter.lane import LaneServer
-from isthmus.inter.lane_peer import LanePeer
-from isthmus.inter.mailbox import CORRUPT, Mailbox
+from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError
+from isthmus.inter.data.codec import crc32, make_codec
+from isthmus.inter.data.gradient_sync import LaneGradientSync
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.mailbox import CORRUPT, Mailbox
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 CHUNK = 4096  # bytes: 1024 fp32 per chunk, small so odd tensor sizes straddle chunks

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.inter.bench import BenchCase, link_bound_s
+from isthmus.inter.data.bench import BenchCase, link_bound_s
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "allreduce.py"
 

@@ -7,8 +7,8 @@ import torch
 from test_allreduce import inputs, run_all, sites
 
 from isthmus.deploy.config import CUDA_BULK_CHUNK_BYTES, load_config
-from isthmus.inter.chunk_size import chunk_bytes_for_link
-from isthmus.inter.gradient_sync import LaneGradientSync
+from isthmus.inter.data.chunk_size import chunk_bytes_for_link
+from isthmus.inter.data.gradient_sync import LaneGradientSync
 
 pytestmark = pytest.mark.timeout(60)
 

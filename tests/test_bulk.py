@@ -1,4 +1,4 @@
-"""The bulk transport (inter/bulk.py) against real lanes on loopback.
+"""The bulk transport (inter/data/bulk.py) against real lanes on loopback.
 
 Who may connect (a ticket from the authenticated OpenBulk call, used once), what a
 hostile or broken connection gets (a refusal with a reason, the connection closed, the
@@ -17,10 +17,10 @@ from helpers import raw_chunk
 from test_allreduce import inputs, run_all, sites
 from test_security import job_dir  # noqa: F401 (a module fixture: certificates)
 
-from isthmus.inter.bulk import ACCEPTED, MAGIC, OK, REFUSED, RESEND, record_head
-from isthmus.inter.codec import crc32
-from isthmus.inter.lane import LaneServer
-from isthmus.inter.lane_peer import LanePeer
+from isthmus.inter.data.bulk import ACCEPTED, MAGIC, OK, REFUSED, RESEND, record_head
+from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 

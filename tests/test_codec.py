@@ -6,8 +6,8 @@ import pytest
 import torch
 import zstandard
 
-from isthmus.inter.codec import CodecError, crc32, make_codec
-from isthmus.inter.codecs import Fp32Stage, ZstdStage
+from isthmus.inter.data.codec import CodecError, crc32, make_codec
+from isthmus.inter.data.codecs import Fp32Stage, ZstdStage
 
 pytestmark = pytest.mark.timeout(30)
 

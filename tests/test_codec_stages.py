@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from isthmus.inter.codec import CodecError, make_codec
-from isthmus.inter.codecs import Int4Stage, Int8Stage, ShuffleStage
-from isthmus.inter.codecs.int8 import BLOCK
+from isthmus.inter.data.codec import CodecError, make_codec
+from isthmus.inter.data.codecs import Int4Stage, Int8Stage, ShuffleStage
+from isthmus.inter.data.codecs.int8 import BLOCK
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -225,8 +225,8 @@ def test_a_site_with_another_payload_layout_is_refused_at_join() -> None:
     """int8's layout changed (a scale per block): a site of the release before would
     fail every chunk's size check, so the fingerprint names the layout's version."""
     from isthmus.deploy.config import load_config
-    from isthmus.inter.codec_spec import CODEC_FORMAT
-    from isthmus.inter.fingerprint import fingerprint_problem
+    from isthmus.inter.control.fingerprint import fingerprint_problem
+    from isthmus.inter.data.codec_spec import CODEC_FORMAT
 
     ours = load_config(None, ["sync.codec=int8"]).fingerprint()
     assert ours["sync.codec_format"] == str(CODEC_FORMAT)

@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 
-from isthmus.inter.coordinator import Coordinator, CoordinatorError
-from isthmus.inter.fingerprint import fingerprint_diff
-from isthmus.inter.rank_keys import RANK_KEY
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorError
+from isthmus.inter.control.fingerprint import fingerprint_diff
+from isthmus.inter.control.rank_keys import RANK_KEY
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -105,7 +105,7 @@ def test_membership_waits_for_every_rank():
 
 def test_join_with_different_fingerprint_is_refused_naming_the_key(caplog):
     coords = make_sites([FP, {**FP, "model.dim": "128"}])
-    caplog.set_level(logging.WARNING, logger="isthmus.inter.coordinator")
+    caplog.set_level(logging.WARNING, logger="isthmus.inter.control.coordinator")
     for c in coords:
         c.start()
     try:
@@ -246,7 +246,7 @@ def test_floods_of_long_polls_and_health_watches_leave_threads_for_training():
 def test_servers_close_idle_connections_and_a_peer_reconnects(monkeypatch):
     """Issue 14, point 3: an idle connection is closed (anyone who reaches a port could
     otherwise pile them up); a peer's next call opens a new one by itself."""
-    from isthmus.inter import channels
+    from isthmus.inter.control import channels
 
     monkeypatch.setattr(channels, "IDLE_CLOSE_MS", 300)
     (coord,) = make_sites([FP])

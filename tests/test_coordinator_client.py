@@ -1,4 +1,4 @@
-"""The typed client a rank calls its coordinator with (inter/coordinator_client.py),
+"""The typed client a rank calls its coordinator with (inter/control/coordinator_client.py),
 against real coordinators on loopback: registration, membership, progress reports,
 and the errors each raises."""
 
@@ -10,8 +10,8 @@ import grpc
 import pytest
 from coordinators import FP, coordinator, stop_all
 
-from isthmus.inter.coordinator import Coordinator
-from isthmus.inter.coordinator_client import CoordinatorClient, Progress
+from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator_client import CoordinatorClient, Progress
 
 pytestmark = pytest.mark.timeout(60)
 D1, D2 = "a" * 64, "b" * 64

@@ -1,4 +1,4 @@
-"""Step commit and failover between real coordinators on loopback (inter/failover.py).
+"""Step commit and failover between real coordinators on loopback (inter/control/failover.py).
 
 Each site has one "rank" played by the test (tests/coordinators.py). Sites die by
 stopping their coordinator (its heartbeats and answers stop, as when its machine
@@ -25,7 +25,7 @@ from coordinators import (
     vote_all,
 )
 
-from isthmus.inter.failover import has_quorum
+from isthmus.inter.control.failover import has_quorum
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 from isthmus.sim import Flap, RelayServer

@@ -1,6 +1,6 @@
 """Calls that claim to come from a site or rank they do not come from (issue 14): each
 is settled by the site's own answer at its own address, or by the rank's key
-(inter/admission.py, inter/replicas.py, inter/rank_keys.py). Real coordinators on
+(inter/control/admission.py, inter/control/replicas.py, inter/control/rank_keys.py). Real coordinators on
 loopback (tests/coordinators.py)."""
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_fuzz_lane import LANE_LIMIT, chunk, lane  # noqa: F401 (lane: a fixture)
 
-from isthmus.inter.channels import MAX_MESSAGE_BYTES
-from isthmus.inter.coordinator import Coordinator
+from isthmus.inter.control.channels import MAX_MESSAGE_BYTES
+from isthmus.inter.control.coordinator import Coordinator
 from isthmus.proto import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)

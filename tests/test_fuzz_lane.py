@@ -28,10 +28,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isthmus.inter import lane as lane_module
-from isthmus.inter.codec import crc32
-from isthmus.inter.lane import LaneServer, channel_options
-from isthmus.inter.mailbox import MAX_STEPS_AHEAD
+from isthmus.inter.data import lane as lane_module
+from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.lane import LaneServer, channel_options
+from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD
 from isthmus.proto import lane_pb2
 
 pytestmark = pytest.mark.timeout(300)
@@ -351,7 +351,7 @@ def test_streams_nobody_ends_never_take_the_threads_of_resends_and_health():
     once, and ResendChunk and health checks are still answered."""
     from threading import Event
 
-    from isthmus.inter.lane import RESERVED_THREADS
+    from isthmus.inter.data.lane import RESERVED_THREADS
     from isthmus.proto import lane_pb2_grpc
 
     server = LaneServer(site_index=0, num_sites=2, codec="raw", max_workers=RESERVED_THREADS + 2)

@@ -16,10 +16,10 @@ import pytest
 import torch
 from test_allreduce import inputs, run_all, sites
 
-from isthmus.inter.bulk_peer import BulkPeerRound
-from isthmus.inter.codec import crc32
-from isthmus.inter.lane_peer import LanePeer, PeerRound
-from isthmus.inter.round import CrossSiteError, NonFiniteGradient
+from isthmus.inter.data.bulk_peer import BulkPeerRound
+from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.lane_peer import LanePeer, PeerRound
+from isthmus.inter.data.round import CrossSiteError, NonFiniteGradient
 from isthmus.proto import lane_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,9 +183,9 @@ def test_a_site_whose_gradient_holds_nan_sends_nothing_and_says_so() -> None:
 def test_relay_corruption_is_caught_and_the_result_stays_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from isthmus.inter.allreduce import CrossSiteAllReduce
-    from isthmus.inter.codec import make_codec
-    from isthmus.inter.lane import LaneServer
+    from isthmus.inter.data.allreduce import CrossSiteAllReduce
+    from isthmus.inter.data.codec import make_codec
+    from isthmus.inter.data.lane import LaneServer
     from isthmus.sim import Corrupt, LinkSpec, RelayServer
 
     # gRPC skips a proxy for hosts in no_proxy; name none so lanes cross the link.

@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import register_rank
 
-from isthmus.inter.coordinator import Coordinator
-from isthmus.inter.rank_keys import RANK_KEY
+from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.rank_keys import RANK_KEY
 from isthmus.inter.security import TOKEN_HEADER
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc

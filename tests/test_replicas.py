@@ -1,9 +1,9 @@
-"""Replica digests (inter/replicas.py): a peer's claim that differs from this site's
+"""Replica digests (inter/control/replicas.py): a peer's claim that differs from this site's
 own digest is doubted until the peer, asked at its own address, confirms or belies it."""
 
 from __future__ import annotations
 
-from isthmus.inter.replicas import ReplicaDigests
+from isthmus.inter.control.replicas import ReplicaDigests
 
 A, B = "a" * 64, "b" * 64
 

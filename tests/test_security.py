@@ -26,11 +26,11 @@ from helpers import assert_one_line_error, raw_chunk, run_cli
 
 from isthmus.deploy.certs_cmd import write_certs
 from isthmus.deploy.config import ConfigError, load_config
-from isthmus.inter.channels import peer_channel
-from isthmus.inter.coordinator import Coordinator
-from isthmus.inter.lane import LaneServer
-from isthmus.inter.lane_peer import LanePeer
-from isthmus.inter.rank_keys import RANK_KEY
+from isthmus.inter.control.channels import peer_channel
+from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.rank_keys import RANK_KEY
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.security import TLS_NAME, SiteSecurity
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc

@@ -8,8 +8,8 @@ import grpc
 import pytest
 import torch
 
-from isthmus.inter.lane import LaneServer
-from isthmus.inter.state_transfer import (
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.state_transfer import (
     PIECE_BYTES,
     StateTransferError,
     assemble,

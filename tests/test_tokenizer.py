@@ -17,7 +17,7 @@ from helpers import ISTHMUS, assert_one_line_error, run_cli
 
 from isthmus.deploy.config import ConfigError, load_config
 from isthmus.deploy.corpus import load_corpus, pin_tokenizer
-from isthmus.inter.fingerprint import fingerprint_problem
+from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.intra.data import ShardedBatches, stdlib_corpus
 from isthmus.intra.tokenizer import (
     TextTokenizer,

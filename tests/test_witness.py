@@ -1,4 +1,4 @@
-"""The witness (inter/witness.py): with it, two sites survive the loss of either, and a
+"""The witness (inter/control/witness.py): with it, two sites survive the loss of either, and a
 partition still lets only one side go on. Real coordinators and a witness on loopback;
 and the witness under mutual TLS."""
 
@@ -18,8 +18,8 @@ from coordinators import (
 )
 
 from isthmus.deploy.certs_cmd import write_certs
+from isthmus.inter.control.witness import WitnessServer
 from isthmus.inter.security import SiteSecurity
-from isthmus.inter.witness import WitnessServer
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 from isthmus.sim import Flap, RelayServer

@@ -3,7 +3,7 @@
 :class:`SiteMembership` talks only to its own site's coordinator (site-local): it
 votes on each step's rounds (``CommitStep``, a long poll answered with the job's
 decision) and, when the decision names a new generation, re-points the rank's
-:class:`~isthmus.inter.allreduce.CrossSiteAllReduce` at the new member sites. A
+:class:`~isthmus.inter.data.allreduce.CrossSiteAllReduce` at the new member sites. A
 watcher thread asks the coordinator which members fell silent and aborts a round
 that waits on one of them, so a dead site costs the failure timeout, not the round's.
 """
@@ -17,12 +17,11 @@ from collections.abc import Callable
 
 import grpc
 
-from isthmus.inter.rank_keys import RANK_KEY
+from isthmus.inter.control.rank_keys import RANK_KEY
+from isthmus.inter.data.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
-
-from .allreduce import CrossSiteAllReduce
-from .lane_peer import LanePeer
 
 __all__ = ["QuorumLost", "RejoinRequired", "SiteMembership"]
 

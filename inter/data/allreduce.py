@@ -6,7 +6,7 @@ its encoded chunk (CONTRIBUTION); the owner decodes all contributions, its own t
 sums them in site-index order, encodes the sum once and sends those same bytes
 (RESULT) to every site; every site, the owner included, keeps ``decode(result)``.
 So all sites hold bitwise-identical values whatever the codec. The round itself is
-:class:`~isthmus.inter.round.RoundPipeline`; this module owns the lane's settings,
+:class:`~isthmus.inter.data.round.RoundPipeline`; this module owns the lane's settings,
 its encode/decode pool, its codec state and the statistics.
 """
 
@@ -18,10 +18,16 @@ from concurrent import futures
 
 import torch
 
-from .codec import Codec
-from .lane import LaneServer
-from .lane_peer import LanePeer
-from .round import AbortSignal, CrossSiteError, RoundPipeline, RoundStats, RoundView
+from isthmus.inter.data.codec import Codec
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.round import (
+    AbortSignal,
+    CrossSiteError,
+    RoundPipeline,
+    RoundStats,
+    RoundView,
+)
 
 __all__ = ["CrossSiteAllReduce", "CrossSiteError", "RoundStats", "default_workers"]
 

@@ -1,6 +1,6 @@
 """A codec chain's spec, parsed and checked without building it (no torch, no zstd):
 the job config and the CLI refuse a bad ``sync.codec`` before any process imports
-torch; :func:`isthmus.inter.codec.make_codec` builds the chain from the same parse.
+torch; :func:`isthmus.inter.data.codec.make_codec` builds the chain from the same parse.
 """
 
 from __future__ import annotations

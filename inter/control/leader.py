@@ -1,7 +1,7 @@
 """The leader site's decisions on a step: commit, retry without silent sites, admit
 joiners, stop without quorum, and take over from a leader that fell silent.
 
-:class:`Leader` is the part of :class:`~isthmus.inter.failover.Failover` that runs
+:class:`Leader` is the part of :class:`~isthmus.inter.control.failover.Failover` that runs
 only at the leader (the lowest-index member still heard from); see that module's
 docstring for the protocol. It shares Failover's state and the coordinator's
 condition variable.
@@ -20,17 +20,17 @@ import grpc
 from isthmus.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from isthmus.inter.control.coordinator import Coordinator
 
 __all__ = ["Leader", "has_quorum"]
 
-log = logging.getLogger("isthmus.inter.failover")
+log = logging.getLogger("isthmus.inter.control.failover")
 
 
 def has_quorum(alive: Iterable[str], site_names: list[str], *, tie_break: bool = True) -> bool:
     """True when ``alive`` may go on: a majority of the job's sites, or exactly half
     of them including the job's first site (the tie-breaker of an even split) unless
-    ``tie_break`` is off: a job with a witness (inter/witness.py) asks it instead."""
+    ``tie_break`` is off: a job with a witness (inter/control/witness.py) asks it instead."""
     alive = set(alive) & set(site_names)
     total = len(site_names)
     half_with_first = 2 * len(alive) == total and site_names[0] in alive

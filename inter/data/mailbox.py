@@ -6,7 +6,7 @@ chunks of steps too far ahead, and chunks past its byte budget: whoever sends, i
 at most a live window of steps in bounded memory; holds a marker for a chunk that
 failed its checksum until it is pulled again)
 and :class:`Outbox` (the chunks this site sent, for ``ResendChunk``). No gRPC here;
-:mod:`isthmus.inter.lane` fills them, the all-reduce empties them.
+:mod:`isthmus.inter.data.lane` fills them, the all-reduce empties them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from .wire import Chunk
+from isthmus.inter.data.wire import Chunk
 
 __all__ = ["CORRUPT", "MAX_STEPS_AHEAD", "Mailbox", "MailboxKey", "Outbox", "OutboxKey"]
 

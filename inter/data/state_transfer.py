@@ -1,7 +1,7 @@
 """Training state between sites as named tensors in pieces (docs/design.md invariant 3).
 
 A rank of a live site *offers* its state after a step (:class:`StateOffers`, held by
-its :class:`~isthmus.inter.lane.LaneServer`); the rank at the same mesh coordinate of
+its :class:`~isthmus.inter.data.lane.LaneServer`); the rank at the same mesh coordinate of
 a joining site *pulls* it with ``PullState`` (:func:`pull_state`). Nothing is pickled:
 each tensor travels as its dtype name, shape and raw little-endian bytes, in pieces
 of at most :data:`PIECE_BYTES`, each with a crc32; the receiver checks every field
@@ -17,9 +17,8 @@ from collections.abc import Iterator, Mapping
 import grpc
 import torch
 
+from isthmus.inter.data.codec import crc32
 from isthmus.proto import lane_pb2, lane_pb2_grpc
-
-from .codec import crc32
 
 __all__ = ["PIECE_BYTES", "StateOffers", "StateTransferError", "pieces", "pull_state"]
 

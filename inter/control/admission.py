@@ -28,11 +28,11 @@ import grpc
 from isthmus.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from isthmus.inter.control.coordinator import Coordinator
 
 __all__ = ["malformed_proposal", "on_answer", "on_join", "unconfirmed_proposal"]
 
-log = logging.getLogger("isthmus.inter.coordinator")
+log = logging.getLogger("isthmus.inter.control.coordinator")
 
 
 def on_join(c: Coordinator, request: pb.JoinRequest) -> bool:

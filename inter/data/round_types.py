@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from .codec import CodecChain
+from isthmus.inter.data.codec import CodecChain
 
 __all__ = ["AbortSignal", "CrossSiteError", "NonFiniteGradient", "RoundStats", "RoundView"]
 

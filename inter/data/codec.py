@@ -4,9 +4,9 @@ A chain is one *tensor stage* (``raw`` fp32, ``bf16``, ``int8`` with error feedb
 followed by optional *byte stages* (``shuffle``, then ``zstd[:LEVEL[:THREADS]]``),
 written as a spec joined by ``+``: ``"raw"``, ``"bf16+shuffle+zstd:3"``,
 ``"int8+zstd:1"``. A spec without a tensor stage means fp32 (``"zstd:1"`` is
-``"raw+zstd:1"``). :func:`make_codec` builds it from :func:`~isthmus.inter.codec_spec.parse_codec_spec`
+``"raw+zstd:1"``). :func:`make_codec` builds it from :func:`~isthmus.inter.data.codec_spec.parse_codec_spec`
 (the one parser, torch-free for the CLI); the stages live in
-:mod:`isthmus.inter.codecs`, one per module.
+:mod:`isthmus.inter.data.codecs`, one per module.
 
 Encoding runs on the chunk's device (a CUDA chunk is cast or quantized there and
 only the smaller result is copied to the host); decoding yields CPU tensors.
@@ -19,8 +19,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .codec_spec import ALLOWED_SPECS, parse_codec_spec
-from .codecs import (
+from isthmus.inter.data.codec_spec import ALLOWED_SPECS, parse_codec_spec
+from isthmus.inter.data.codecs import (
     Bf16Stage,
     ByteStage,
     CodecError,

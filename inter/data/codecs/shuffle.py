@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import CodecError
+from isthmus.inter.data.codecs.base import CodecError
 
 __all__ = ["ShuffleStage"]
 

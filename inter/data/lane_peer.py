@@ -1,10 +1,10 @@
 """The sending side of a lane: one client per peer site.
 
-A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.lane.LaneServer`,
-on its bulk TCP port (:mod:`isthmus.inter.bulk`, the default without TLS) or on gRPC:
+A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.data.lane.LaneServer`,
+on its bulk TCP port (:mod:`isthmus.inter.data.bulk`, the default without TLS) or on gRPC:
 per round and per connection, one client-streaming ``PushChunks`` fed from a queue,
 so encoding (the callers) and sending overlap. A :class:`PeerRound` is one round's
-worth of those streams (:class:`~isthmus.inter.bulk.BulkPeerRound` on bulk). :meth:`LanePeer.fetch` pulls one chunk again
+worth of those streams (:class:`~isthmus.inter.data.bulk.BulkPeerRound` on bulk). :meth:`LanePeer.fetch` pulls one chunk again
 (``ResendChunk``) when the copy that arrived failed its checksum.
 """
 
@@ -17,12 +17,11 @@ from collections.abc import Iterator
 
 import grpc
 
+from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
+from isthmus.inter.data.lane import channel_options
+from isthmus.inter.data.wire import Chunk, ResendWire
+from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
-
-from .bulk_peer import BulkConnection, BulkPeerRound
-from .lane import channel_options
-from .security import INSECURE, SiteSecurity
-from .wire import Chunk, ResendWire
 
 __all__ = ["TRANSPORTS", "LanePeer", "PeerRound"]
 
@@ -100,7 +99,7 @@ class PeerRound:
         """Always 0 here: a damaged chunk is pulled again by the receiver instead."""
 
     def send(self, frame: bytes) -> None:
-        """Queues one serialized chunk (:func:`~isthmus.inter.wire.encode_chunk`);
+        """Queues one serialized chunk (:func:`~isthmus.inter.data.wire.encode_chunk`);
         connections take turns. Thread-safe.
 
         A chunk sent after :meth:`end` (a failing round's stragglers) is dropped.
@@ -166,7 +165,7 @@ class LanePeer:
         proxy: optional HTTP CONNECT proxy URL (e.g. the WAN emulator).
         connections: parallel TCP connections; a round spreads its chunks over them.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
-        transport: "bulk" (chunks on the lane's plain TCP port, inter/bulk.py), "grpc"
+        transport: "bulk" (chunks on the lane's plain TCP port, inter/data/bulk.py), "grpc"
             (``PushChunks`` streams) or "auto": bulk unless mutual TLS is on, since bulk
             payloads cross in the clear.
     """
@@ -200,7 +199,7 @@ class LanePeer:
             )
             for i in range(connections)
         ]
-        # The bulk calls take and give bytes (inter/wire.py), not protobuf objects.
+        # The bulk calls take and give bytes (inter/data/wire.py), not protobuf objects.
         self._push = [
             ch.stream_unary(
                 _PUSH,

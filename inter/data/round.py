@@ -9,7 +9,7 @@ arrived corrupt is pulled again from its sender (``ResendChunk``) and never summ
 
 Bytes are copied as little as the design allows (issue 11 measured ~10 copies of every
 chunk per hop before): the encoded values go straight into the outgoing message
-(:func:`~isthmus.inter.wire.encode_chunk`), a received payload is a view of the bytes
+(:func:`~isthmus.inter.data.wire.encode_chunk`), a received payload is a view of the bytes
 grpcio handed over, the sum is written where the round's tensor lies, and a ``raw``
 result is copied once, from the message into the tensor.
 
@@ -31,14 +31,13 @@ import grpc
 import numpy as np
 import torch
 
+from isthmus.inter.data.codec import CodecError, crc32
+from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
+from isthmus.inter.data.wire import Chunk, encode_chunk
 from isthmus.proto import lane_pb2
 
-from .codec import CodecError, crc32
-from .mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
-from .wire import Chunk, encode_chunk
-
 if TYPE_CHECKING:
-    from .lane_peer import LanePeer, PeerRound
+    from isthmus.inter.data.lane_peer import LanePeer, PeerRound
 
 __all__ = [
     "AbortSignal",
@@ -49,7 +48,13 @@ __all__ = [
     "RoundView",
 ]
 
-from .round_types import AbortSignal, CrossSiteError, NonFiniteGradient, RoundStats, RoundView
+from isthmus.inter.data.round_types import (
+    AbortSignal,
+    CrossSiteError,
+    NonFiniteGradient,
+    RoundStats,
+    RoundView,
+)
 
 log = logging.getLogger("isthmus.round")
 

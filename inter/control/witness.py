@@ -1,7 +1,7 @@
 """The witness: a coordinator-only process at a third place that breaks even splits.
 
 Without one, a job split into two equal halves goes on on the side holding its first
-site (inter/leader.py), so two sites survive the loss of site1 but not of site0.
+site (inter/control/leader.py), so two sites survive the loss of site1 but not of site0.
 With a witness (``cluster.witness``; run it with ``isthmus witness``), a side holding
 exactly half the sites goes on only with the witness's *grant*:
 
@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
+from isthmus.inter.control.fingerprint import fingerprint_problem
+from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-from .channels import MESSAGE_LIMITS, peer_channel, server_options
-from .fingerprint import fingerprint_problem
-from .security import INSECURE, SiteSecurity, refuse_unless_named
-
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from isthmus.inter.control.coordinator import Coordinator
 
 __all__ = ["WitnessLink", "WitnessServer"]
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import check_chunk, check_size, from_le, to_device, to_host_view
+from isthmus.inter.data.codecs.base import check_chunk, check_size, from_le, to_device, to_host_view
 
 __all__ = ["BLOCK", "Int8Stage", "block_scales", "blockwise_levels", "expand_scales", "scale_bytes"]
 

@@ -21,19 +21,19 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from isthmus.inter.admission import on_join
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots, pool_size
-from isthmus.inter.channels import MESSAGE_LIMITS, peer_channel, server_options
-from isthmus.inter.failover import Failover
-from isthmus.inter.fingerprint import fingerprint_problem
-from isthmus.inter.incarnations import Incarnations
+from isthmus.inter.control.admission import on_join
+from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
+from isthmus.inter.control.failover import Failover
+from isthmus.inter.control.fingerprint import fingerprint_problem
+from isthmus.inter.control.incarnations import Incarnations
+from isthmus.inter.control.peer_loop import PeerLoop
+from isthmus.inter.control.rank_keys import RankKeys
+from isthmus.inter.control.replicas import ReplicaDigests
+from isthmus.inter.control.witness import WitnessLink
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.metrics import SiteMetrics, report_problem
-from isthmus.inter.peer_loop import PeerLoop
-from isthmus.inter.rank_keys import RankKeys
-from isthmus.inter.replicas import ReplicaDigests
 from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
-from isthmus.inter.witness import WitnessLink
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -72,7 +72,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         quorum_wait_s: how long a site without quorum waits before it stops.
         vote_window: votes for steps further than this past the step the site runs
             are refused. first_step: a resumed job's first step.
-        witness: host:port of the job's witness (inter/witness.py), if it has one.
+        witness: host:port of the job's witness (inter/control/witness.py), if it has one.
     """
 
     def __init__(

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import check_size, from_le, to_device
-from .int8 import Int8Stage, block_scales, expand_scales, scale_bytes
+from isthmus.inter.data.codecs.base import check_size, from_le, to_device
+from isthmus.inter.data.codecs.int8 import Int8Stage, block_scales, expand_scales, scale_bytes
 
 __all__ = ["Int4Stage"]
 

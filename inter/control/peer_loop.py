@@ -16,17 +16,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from isthmus.inter.control.admission import on_answer
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-from .admission import on_answer
-
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from isthmus.inter.control.coordinator import Coordinator
 
 __all__ = ["PeerLoop"]
 
-log = logging.getLogger("isthmus.inter.coordinator")
+log = logging.getLogger("isthmus.inter.control.coordinator")
 
 
 class PeerLoop:

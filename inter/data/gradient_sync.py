@@ -20,11 +20,10 @@ from concurrent import futures
 
 import torch
 
+from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
+from isthmus.inter.data.membership import QuorumLost, RejoinRequired, SiteMembership
+from isthmus.inter.data.round import NonFiniteGradient
 from isthmus.proto import coordinator_pb2 as cpb
-
-from .allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
-from .membership import QuorumLost, RejoinRequired, SiteMembership
-from .round import NonFiniteGradient
 
 __all__ = ["LaneGradientSync", "QuorumLost", "RejoinRequired", "StepStats"]
 

@@ -5,9 +5,9 @@ registers its lane and its key (``RegisterRank``), waits for the job's membershi
 (``GetMembership``) and, on rank 0, reports each step's progress (``ReportProgress``).
 :class:`CoordinatorClient` builds those protobuf messages, so the composition root
 passes plain values and gets plain values back. The rank's key
-(:data:`~isthmus.inter.rank_keys.RANK_KEY`) goes with every registration and report:
+(:data:`~isthmus.inter.control.rank_keys.RANK_KEY`) goes with every registration and report:
 the coordinator takes a site's digest only from its own ranks. The vote on each step
-(``CommitStep``) is :class:`~isthmus.inter.membership.SiteMembership`'s, over this
+(``CommitStep``) is :class:`~isthmus.inter.data.membership.SiteMembership`'s, over this
 client's :attr:`~CoordinatorClient.stub`.
 
 Every call has a deadline (docs/design.md invariant 5) and raises ``grpc.RpcError``
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from isthmus.inter.channels import peer_channel
-from isthmus.inter.rank_keys import RANK_KEY
+from isthmus.inter.control.channels import peer_channel
+from isthmus.inter.control.rank_keys import RANK_KEY
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc

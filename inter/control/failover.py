@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from isthmus.inter.control.admission import malformed_proposal, unconfirmed_proposal
+from isthmus.inter.control.leader import Leader, has_quorum
 from isthmus.proto import coordinator_pb2 as pb
 
-from .admission import malformed_proposal, unconfirmed_proposal
-from .leader import Leader, has_quorum
-
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from isthmus.inter.control.coordinator import Coordinator
 
 __all__ = ["Failover", "has_quorum"]
 

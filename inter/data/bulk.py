@@ -8,7 +8,7 @@ straight into the buffer the round then sums from, and sent with one scatter-gat
 ``sendmsg``; both release the GIL for the whole copy.
 
 The messages are the same ``PushChunksRequest`` encodings as on gRPC
-(:mod:`isthmus.inter.wire`), validated by the same code (``LaneServer.accept``). On
+(:mod:`isthmus.inter.data.wire`), validated by the same code (``LaneServer.accept``). On
 one connection, for as many rounds as the lane lives:
 
 * client -> server: ``MAGIC`` and a 32-byte ticket from the lane's ``OpenBulk`` RPC
@@ -26,7 +26,7 @@ one connection, for as many rounds as the lane lives:
   stream ends. A record head that fails its own checksum is refused (DATA_LOSS):
   the frame boundaries are lost.
 
-The listener (server side) is here; the sending side is :mod:`isthmus.inter.bulk_peer`.
+The listener (server side) is here; the sending side is :mod:`isthmus.inter.data.bulk_peer`.
 
 Payloads cross in the clear: a lane with mutual TLS refuses ``OpenBulk`` and its
 peers send on ``PushChunks`` inside TLS. Every read is bounded (frame length, hello
@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 import grpc
 
-from .codecs.base import crc32 as crc32c
+from isthmus.inter.data.codecs.base import crc32 as crc32c
 
 __all__ = [
     "BulkError",

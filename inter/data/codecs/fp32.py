@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import check_chunk, check_size, from_le, to_device, to_host_view
+from isthmus.inter.data.codecs.base import check_chunk, check_size, from_le, to_device, to_host_view
 
 __all__ = ["Fp32Stage"]
 

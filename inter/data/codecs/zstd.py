@@ -6,7 +6,7 @@ import threading
 
 import zstandard
 
-from .base import CodecError
+from isthmus.inter.data.codecs.base import CodecError
 
 __all__ = ["ZstdStage"]
 

@@ -1,8 +1,8 @@
-"""The sending side of the bulk transport (protocol in :mod:`isthmus.inter.bulk`).
+"""The sending side of the bulk transport (protocol in :mod:`isthmus.inter.data.bulk`).
 
 A :class:`BulkConnection` is one TCP connection to a peer lane's bulk port, shared by
 that peer's rounds; a :class:`BulkPeerRound` is one round's chunks over a peer's
-connections, with the interface of :class:`~isthmus.inter.lane_peer.PeerRound`.
+connections, with the interface of :class:`~isthmus.inter.data.lane_peer.PeerRound`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from .bulk import (
+from isthmus.inter.data.bulk import (
     ACCEPTED,
     CORRUPT,
     HELLO_TIMEOUT_S,
@@ -260,7 +260,7 @@ def _peer_closed(sock: socket.socket) -> bool:
 
 class BulkPeerRound:
     """One round's chunks to one peer over its bulk connections (same interface as
-    :class:`~isthmus.inter.lane_peer.PeerRound`)."""
+    :class:`~isthmus.inter.data.lane_peer.PeerRound`)."""
 
     def __init__(self, conns: list[BulkConnection], deadline: float) -> None:
         self._conns = conns

@@ -1,8 +1,8 @@
 """The cross-site all-reduce benchmark: one process per lane, lanes over given links.
 
 :func:`run_case` starts one spawned process per site; each runs a real
-:class:`~isthmus.inter.lane.LaneServer`, :class:`~isthmus.inter.lane_peer.LanePeer`\\ s
-and a :class:`~isthmus.inter.allreduce.CrossSiteAllReduce`, warms its connections up,
+:class:`~isthmus.inter.data.lane.LaneServer`, :class:`~isthmus.inter.data.lane_peer.LanePeer`\\ s
+and a :class:`~isthmus.inter.data.allreduce.CrossSiteAllReduce`, warms its connections up,
 then all-reduces one tensor when the parent says go. The links come from a factory the
 caller passes in (``inter`` does not import the WAN emulator; ``deploy`` wires it), so
 the same code can measure real links. :func:`codec_throughput` measures each codec
@@ -63,7 +63,7 @@ class BenchCase:
     (i x lanes + k) mod count), so rounds decode, sum and encode there as in training."""
     groups: int = 1
     """Split each slice into this many groups, started one after another through
-    :class:`~isthmus.inter.gradient_sync.LaneGradientSync` as backward starts FSDP
+    :class:`~isthmus.inter.data.gradient_sync.LaneGradientSync` as backward starts FSDP
     groups (1 = one plain all-reduce)."""
     in_flight: int = 4
     """Rounds in flight (``sync.rounds_in_flight``) when ``groups`` > 1."""
@@ -88,11 +88,11 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
     its slice on "go", report."""
     os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (gRPC reads lowercase)
     torch.set_num_threads(1)
-    from .allreduce import CrossSiteAllReduce
-    from .codec import make_codec
-    from .gradient_sync import LaneGradientSync
-    from .lane import LaneServer
-    from .lane_peer import LanePeer
+    from isthmus.inter.data.allreduce import CrossSiteAllReduce
+    from isthmus.inter.data.codec import make_codec
+    from isthmus.inter.data.gradient_sync import LaneGradientSync
+    from isthmus.inter.data.lane import LaneServer
+    from isthmus.inter.data.lane_peer import LanePeer
 
     c = BenchCase(**case)
     codec = make_codec(c.codec)
@@ -347,7 +347,7 @@ def codec_throughput(spec: str, mib: float = 4.0, repeat: int = 3) -> dict[str, 
     Returns:
         ``encode_mb_s`` and ``decode_mb_s`` (fp32 MB per second) and ``ratio``.
     """
-    from .codec import make_codec
+    from isthmus.inter.data.codec import make_codec
 
     codec = make_codec(spec)
     threads = torch.get_num_threads()

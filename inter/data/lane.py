@@ -2,12 +2,12 @@
 
 This module owns the receiving side: a :class:`LaneServer` receives ``PushChunks``
 streams, validates every message field by field and deposits the valid ones in a
-:class:`~isthmus.inter.mailbox.Mailbox`; a chunk whose payload fails its crc32 is
+:class:`~isthmus.inter.data.mailbox.Mailbox`; a chunk whose payload fails its crc32 is
 marked there instead, and the round pulls it again with ``ResendChunk``, which this
-server answers from its :class:`~isthmus.inter.mailbox.Outbox`. It also owns the
+server answers from its :class:`~isthmus.inter.data.mailbox.Outbox`. It also owns the
 limits both sides share (:func:`max_payload_bytes`, :func:`channel_options`,
-:func:`~isthmus.inter.chunk_size.chunk_bytes_for_link`). The sending side,
-:class:`~isthmus.inter.lane_peer.LanePeer`, lives in :mod:`isthmus.inter.lane_peer`.
+:func:`~isthmus.inter.data.chunk_size.chunk_bytes_for_link`). The sending side,
+:class:`~isthmus.inter.data.lane_peer.LanePeer`, lives in :mod:`isthmus.inter.data.lane_peer`.
 """
 
 from __future__ import annotations
@@ -21,17 +21,16 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots
+from isthmus.inter.control.channels import server_options
+from isthmus.inter.data.bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
+from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
+from isthmus.inter.data.state_transfer import StateOffers, pieces
+from isthmus.inter.data.wire import Chunk, ChunkWire, WireError, encode_resend_response, parse_chunk
+from isthmus.inter.malformed import MalformedRequests
+from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
 from isthmus.proto import lane_pb2, lane_pb2_grpc
-
-from .bounds import BoundedHealth, RefusalLog, WaitSlots
-from .bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
-from .channels import server_options
-from .codec import crc32
-from .mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
-from .malformed import MalformedRequests
-from .security import INSECURE, SiteSecurity, refuse_unless_named
-from .state_transfer import StateOffers, pieces
-from .wire import Chunk, ChunkWire, WireError, encode_resend_response, parse_chunk
 
 __all__ = ["LaneServer", "channel_options", "max_payload_bytes"]
 
@@ -86,7 +85,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             streams nobody ends (issue 14, row 7) never take the threads of
             ``ResendChunk``, ``PullState``, ``OpenBulk`` and health checks.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
-        bulk: also take chunks on a plain TCP port (inter/bulk.py); never with TLS.
+        bulk: also take chunks on a plain TCP port (inter/data/bulk.py); never with TLS.
         mailbox_bytes: payload bytes received chunks may hold while they wait for their
             round (``Mailbox``); None: unbounded. Give it room for two steps of this
             lane's traffic.
@@ -167,7 +166,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         log.info("[site %d] lane server listening on %s", site_index, self._address)
 
     def _handlers(self) -> grpc.GenericRpcHandler:
-        """The Lane service with the bulk messages read and written by `inter/wire.py`:
+        """The Lane service with the bulk messages read and written by `inter/data/wire.py`:
         a chunk's payload reaches the handler as a view, not a protobuf copy, and a
         resend goes out as the bytes first sent. PullState is plain protobuf."""
         stream_unary = grpc.stream_unary_rpc_method_handler
@@ -434,7 +433,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     def OpenBulk(  # noqa: N802 (gRPC method name)
         self, request: lane_pb2.OpenBulkRequest, context: grpc.ServicerContext
     ) -> lane_pb2.OpenBulkResponse:
-        """A ticket for one connection to the bulk port (inter/bulk.py)."""
+        """A ticket for one connection to the bulk port (inter/data/bulk.py)."""
         if self._bulk is None:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -1,0 +1,1 @@
+"""The control plane: coordinators, failover, leader election, membership, witness."""
