@@ -4,7 +4,7 @@
 waits for the membership and builds the `LaneGradientSync` the trainer calls. When
 the site joins a job already under way (it was restarted, or left out while cut
 off), `catch_up` pulls the training state after the job's last committed step from
-the rank at the same mesh coordinate of a live site and loads it; `offer_if_asked`
+the rank at the same mesh coordinate of a live site and loads it; `offer_state`
 is the other side, after a step that admitted a site.
 """
 
@@ -113,7 +113,7 @@ class CrossSite:
             workers=config.sync.workers or None,
         )
         membership = SiteMembership(
-            stub=client.stub,
+            client=client,
             site=site,
             rank=rank,
             allreduce=allreduce,
@@ -206,12 +206,9 @@ class CrossSite:
         )
         return next_step
 
-    def offer_if_asked(self, trainer: Trainer, next_step: int) -> None:
-        """After a step that admitted a site with this one as the source: offer the state."""
-        decision = self.sync.offer_state
-        if decision is None:
-            return
-        self.sync.offer_state = None
+    def offer_state(self, trainer: Trainer, decision: Decision, next_step: int) -> None:
+        """After a step whose commit admitted a site and named this one as the source
+        of its state (``StepOutcome.offer_state``): offer the state, for ``PullState``."""
         state = rank_state(trainer, next_step, extra=extra_state(self.sync, self.outer))
         self.lane.offers.offer(decision.generation, decision.state_step, state)
 

@@ -42,11 +42,11 @@ from isthmus.deploy.checkpointing import save_due, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
 from isthmus.deploy.rank_setup import FaultInjection, RankEnv, RankParts, build_trainer, set_up
 from isthmus.deploy.reporting import DivergenceError
-from isthmus.inter.data.gradient_sync import StepStats as RoundStats
-from isthmus.inter.data.membership import QuorumLost, RejoinRequired
+from isthmus.inter.data.gradient_sync import StepOutcome, SyncStats
+from isthmus.inter.data.membership import QuorumLost
 from isthmus.inter.data.round import NonFiniteGradient
 from isthmus.intra.digest import shard_digest as intra_shard_digest
-from isthmus.intra.train import StepStats
+from isthmus.intra.train import StepStats, SyncResult
 
 __all__ = ["LoopState", "RankEnv", "build_trainer", "main", "run", "tear_down", "train"]
 
@@ -90,21 +90,17 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
     while progress.step < config.job.steps:
         step = progress.step
         inputs, targets = parts.batches.batch(step)
-        per_step = sync is not None and outer is None
-        if per_step:
-            sync.begin_step(step)
-        try:
-            stats, landed = _step(parts, step, inputs, targets)
-        except RejoinRequired as exc:
+        stats, synced = _step(parts, step, inputs, targets)
+        if synced is not None and synced.rejoin is not None:
             # The job went on without this site while it was cut off: nothing of this
             # step's sync was applied; take the live state and go on from where the job is.
             assert parts.cross is not None
-            progress.step = parts.cross.rejoin(parts.trainer, exc.decision)
+            progress.step = parts.cross.rejoin(parts.trainer, synced.rejoin)
             progress.synced = progress.step - 1
             continue
         faults.pace(stats.compute_s, stats.sync_s)
-        crosses = per_step or landed
-        round_stats = sync.last_step_stats if crosses else None
+        crosses = synced is not None
+        round_stats = synced.stats if synced is not None else None
         live_sites, generation = _membership_now(parts, round_stats)
         traffic = _site_traffic(round_stats)
         digest_started = time.perf_counter()
@@ -145,8 +141,9 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
             finished=step == last,
         )
         progress.reported_last = step == last
-        if parts.cross is not None:
-            parts.cross.offer_if_asked(parts.trainer, step + 1)
+        if synced is not None and synced.offer_state is not None:
+            assert parts.cross is not None
+            parts.cross.offer_state(parts.trainer, synced.offer_state, step + 1)
         save_if_due(parts.trainer, sync, config, env.run_dir, env.site, step + 1, parts.key, outer)
         progress.step += 1
     return progress
@@ -154,28 +151,37 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
 
 def _step(
     parts: RankParts, step: int, inputs: torch.Tensor, targets: torch.Tensor
-) -> tuple[StepStats, bool]:
+) -> tuple[StepStats, StepOutcome | None]:
     """Trains ``step`` (and, in the outer modes, runs its outer step).
 
     Returns:
-        The step's stats, and whether an outer round landed after it.
-
-    Raises:
-        RejoinRequired: the job went on without this site.
+        The step's stats, and how its cross-site sync ended: the step's own (per-step
+        sync), the outer round's that landed after it (outer modes), or None when
+        nothing crossed. A sync that did not commit (rejoin) applied nothing.
     """
     stats = parts.trainer.step(step, inputs, targets)
-    outer, landed = parts.outer, False
-    if outer is not None:
-        t_outer = time.perf_counter()
-        landed = outer.step(step)
-        if outer.in_flight and save_due(parts.config, step + 1):
-            outer.finish()  # a checkpoint holds no round in flight
-            landed = True
-        stats.sync_s = time.perf_counter() - t_outer
-    return stats, landed
+    outer = parts.outer
+    if outer is None:
+        return stats, _lane_outcome(stats.sync)
+    t_outer = time.perf_counter()
+    landed = outer.step(step)
+    if (
+        (landed is None or landed.committed)
+        and outer.in_flight
+        and save_due(parts.config, step + 1)
+    ):
+        landed = outer.finish()  # a checkpoint holds no round in flight
+    stats.sync_s = time.perf_counter() - t_outer
+    return stats, _lane_outcome(landed)
 
 
-def _membership_now(parts: RankParts, round_stats: RoundStats | None) -> tuple[int, int]:
+def _lane_outcome(result: SyncResult | None) -> StepOutcome | None:
+    """The lane's outcome behind intra's ``SyncResult`` (a job's sync is the lane's)."""
+    assert result is None or isinstance(result, StepOutcome), result
+    return result
+
+
+def _membership_now(parts: RankParts, round_stats: SyncStats | None) -> tuple[int, int]:
     """The live sites and the generation after a step: its round's, or (a step that
     did not cross, in DiLoCo) the rank's membership now; (1, 0) for one site."""
     if round_stats is not None:
@@ -186,7 +192,7 @@ def _membership_now(parts: RankParts, round_stats: RoundStats | None) -> tuple[i
     return 1, 0
 
 
-def _site_traffic(rs: RoundStats | None) -> torch.Tensor:
+def _site_traffic(rs: SyncStats | None) -> torch.Tensor:
     """Site totals of what crossed the WAN this step (every rank has its own lane):
     bytes sent, raw bytes, corrupt and non-finite chunks. A collective of the site."""
     traffic = torch.tensor(

@@ -236,7 +236,6 @@ def _outer_optimizer(
             alpha=config.sync.fragment_alpha if streaming else None,
         ),
         total_steps=config.job.steps,
-        begin_step=sync.begin_step,
     )
     return cross.outer
 

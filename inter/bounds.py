@@ -67,7 +67,7 @@ class RefusalLog:
                 return
             self._last[key] = now
             if len(self._last) > 1024:  # callers come and go: forget the oldest
-                for stale in sorted(self._last, key=self._last.get)[:512]:
+                for stale in sorted(self._last, key=self._last.__getitem__)[:512]:
                     del self._last[stale]
         log.warning("%s: %s from %s", self.where, reason, peer)
 

@@ -55,6 +55,8 @@ class MalformedRequests(grpc.ServerInterceptor):
 
         if handler.request_streaming:
             inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
+            # Declared once: the two branches define it with different parameter names.
+            behaviour: Callable[[Any, grpc.ServicerContext], Any]
 
             def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
                 for request in requests:

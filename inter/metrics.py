@@ -9,10 +9,14 @@ same numbers as the site's metrics.jsonl.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from isthmus.inter.control.replicas import ReplicaDigests
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 
 def report_problem(report, site: str) -> str | None:
@@ -70,7 +74,7 @@ class SiteMetrics:
             "isthmus_replicas_identical", "1 while every site's parameter digest agrees, else 0"
         )
         self.replicas_identical.labels(site).set(1)
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def record_step(self, report) -> None:  # a ReportProgressRequest
         s = self.site

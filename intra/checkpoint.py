@@ -151,7 +151,7 @@ def save(
     started = time.perf_counter()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
     dist.barrier()
-    problem = [None]
+    problem: list[str | None] = [None]
     if rank == 0:
         try:
             _commit(trainer, partial, final, next_step, key)
@@ -353,9 +353,9 @@ def load(
     for name, t in _sharded_state(trainer).items():
         targets[name] = torch.empty_like(t)
     targets[NEXT_STEP] = torch.empty((), dtype=torch.int64)
-    for key, meta in reader.read_metadata().state_dict_metadata.items():
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
-            targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    for entry, meta in reader.read_metadata().state_dict_metadata.items():
+        if entry.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+            targets[entry] = torch.empty(meta.size, dtype=meta.properties.dtype)
     try:
         dcp.load(targets, storage_reader=reader)
     except Exception as exc:  # DCP wraps every rank's failure in CheckpointException

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+_M = TypeVar("_M", bound=nn.Module)  # so a list of Transformers is accepted (list is invariant)
+
 
 @torch.no_grad()
-def parameter_digest(
-    model: nn.Module | list[nn.Module], pp_group: dist.ProcessGroup | None = None
-) -> str:
+def parameter_digest(model: _M | list[_M], pp_group: dist.ProcessGroup | None = None) -> str:
     """sha256 over the full parameters, in ``named_parameters()`` order.
 
     Each parameter contributes its name and shape, then its values as fp32,
@@ -38,11 +39,12 @@ def parameter_digest(
         return h.hexdigest()
     stage_digests: list[str | None] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(stage_digests, h.hexdigest(), group=pp_group)
-    return hashlib.sha256("".join(stage_digests).encode()).hexdigest()
+    # all_gather_object filled every entry with a stage's hex digest.
+    return hashlib.sha256("".join(cast("list[str]", stage_digests)).encode()).hexdigest()
 
 
 @torch.no_grad()
-def shard_digest(parts: list[nn.Module]) -> str:
+def shard_digest(parts: Sequence[nn.Module]) -> str:
     """sha256 of this rank's own parameter shards over its stages (no communication):
     equal at equal mesh coordinates of sites that hold the same parameters."""
     return _hash_parameters(
@@ -50,7 +52,7 @@ def shard_digest(parts: list[nn.Module]) -> str:
     ).hexdigest()
 
 
-def _hash_parameters(parts: list[nn.Module], view: Callable[[torch.Tensor], torch.Tensor]):
+def _hash_parameters(parts: Sequence[nn.Module], view: Callable[[torch.Tensor], torch.Tensor]):
     # Name and shape, then fp32 contiguous CPU bytes, parameter by parameter.
     h = hashlib.sha256()
     for part in parts:

@@ -113,6 +113,8 @@ class Transformer(nn.Module):
     (it then returns hidden states).
     """
 
+    rope: torch.Tensor  # a buffer (register_buffer in __init__)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -133,6 +135,7 @@ class Transformer(nn.Module):
             h = layer(h, self.rope)
         if self.output is None:
             return h
+        assert self.norm is not None  # a stage holds both or neither (split_stage)
         return self.output(self.norm(h)).float()
 
     @torch.no_grad()

@@ -32,7 +32,7 @@ same at every site for the rank at one mesh coordinate: the peer it exchanges wi
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .train import GradientSync, Trainer
+from .train import GradientSync, SyncResult, Trainer
 
 __all__ = ["OuterConfig", "OuterOptimizer", "fragment_of", "outer_groups"]
 
@@ -111,7 +111,7 @@ def outer_groups(trainer: Trainer) -> list[list[tuple[str, torch.Tensor]]]:
     """
     groups: list[list[tuple[str, torch.Tensor]]] = []
     for part in trainer.model_parts:
-        layers: nn.ModuleDict = part.layers  # type: ignore[assignment]
+        layers: nn.ModuleDict = part.layers
         for key, block in layers.items():
             groups.append(
                 [(f"layers.{key}.{fqn}", _local(p)) for fqn, p in block.named_parameters()]
@@ -169,8 +169,6 @@ class OuterOptimizer:
         total_steps: the job's steps; the last one always ends with an outer step of
             every fragment that waits for its all-reduce, so a job ends with equal
             replicas.
-        begin_step: called with the step before a round starts (the lane's
-            ``begin_step``, which keys the round), or None.
 
     Every rank of a site starts a round at the same steps, also a rank whose shards hold
     nothing of the fragment due (its round is empty but still voted on), so the site's
@@ -187,12 +185,10 @@ class OuterOptimizer:
         config: OuterConfig,
         *,
         total_steps: int,
-        begin_step: Callable[[int], None] | None = None,
     ) -> None:
         if trainer.sync is not None:
             raise ValueError("the trainer must not sync gradients itself in DiLoCo mode")
         self.sync, self.config, self.total_steps = sync, config, total_steps
-        self.begin_step = begin_step
         self.groups = outer_groups(trainer)
         self.fragment = [fragment_of(g, config.fragments) for g in self.groups]
         self.anchor = [_flat(g) for g in self.groups]
@@ -234,28 +230,31 @@ class OuterOptimizer:
         return r is not None and (step >= r.step + self.config.delay or self.due(step))
 
     @torch.no_grad()
-    def step(self, step: int) -> bool:
+    def step(self, step: int) -> SyncResult | None:
         """Whatever ``step`` owes the outer loop: land the round in flight when it is
         due, start a new round when one is due (and wait for it without a delay, or at
         the job's last step). Call after every inner step, on every rank.
 
         Returns:
-            Whether a round landed: the anchors are then equal at every site, and so
-            are the parameters if :attr:`replicas_equal_on_landing` or at the end.
+            What the sync said of the round that landed, or None if none landed. When
+            it committed, the anchors are equal at every site, and so are the
+            parameters if :attr:`replicas_equal_on_landing` or at the end. When it did
+            not (the job went on without this site), nothing changed and the round is
+            still in flight: the caller pulls the live state.
 
         Raises:
             Whatever ``sync.finish()`` raises; the anchor, momentum and parameters are
             then unchanged.
         """
-        landed = False
+        landed = None
         if self.lands(step):
-            self.finish()
-            landed = True
+            landed = self.finish()
+            if landed is not None and not landed.committed:
+                return landed
         if self.due(step):
             self.start(step)
             if self._round is not None and not self._round.merge:
-                self.finish()
-                landed = True
+                landed = self.finish()
         return landed
 
     @torch.no_grad()
@@ -267,28 +266,33 @@ class OuterOptimizer:
         due = self.due_fragments(step) or list(range(self.config.fragments))
         groups = [i for i, k in enumerate(self.fragment) if k in due]
         merge = self.config.delay > 0 and step != self.total_steps - 1
-        if self.begin_step is not None:
-            self.begin_step(step)
         # How far this site moved since the last sync.
         deltas = [self.anchor[i] - _flat(self.groups[i]) for i in groups]
         eager = merge and self.config.alpha is None
         taken = [d.clone() for d in deltas] if eager else None
         for i, delta in zip(groups, deltas, strict=True):
-            self.sync.start(i, delta)
+            self.sync.start(step, i, delta)
         self._round = _Round(step, groups, deltas, taken, merge)
 
     @torch.no_grad()
-    def finish(self) -> None:
+    def finish(self) -> SyncResult | None:
         """Waits for the round in flight and applies it: Nesterov SGD on the anchor of
         each group it carries, then their parameters = the new anchor, merged with the
-        progress made since the round started if it landed late."""
+        progress made since the round started if it landed late.
+
+        Returns:
+            What the sync said (None when no round was in flight); a round that did not
+            commit changes nothing and stays in flight.
+        """
         r = self._round
         if r is None:
-            return
-        self.sync.finish()  # each delta now holds the mean over the sites
+            return None
+        result = self.sync.finish(r.step)  # each delta now holds the mean over the sites
+        if not result.committed:
+            return result
         self._round = None
         lr, mu, alpha = self.config.lr, self.config.momentum, self.config.alpha
-        taken = r.taken or [None] * len(r.groups)
+        taken: Sequence[torch.Tensor | None] = r.taken or [None] * len(r.groups)
         for i, delta, own in zip(r.groups, r.deltas, taken, strict=True):
             group, anchor, buf = self.groups[i], self.anchor[i], self.momentum[i]
             # Eager merge: the progress since the round started, now - (anchor - own).
@@ -302,10 +306,12 @@ class OuterOptimizer:
             if progress is not None:
                 self._write(group, progress.add_(anchor))
             elif local is not None:  # Streaming DiLoCo: alpha*local + (1-alpha)*anchor
+                assert alpha is not None  # local is only taken with alpha set
                 self._write(group, local.mul_(alpha).add_(anchor, alpha=1 - alpha))
             else:
                 self._write(group, anchor)
         self.outer_steps += 1
+        return result
 
     def anchor_digest(self) -> str:
         """sha256 over the site's anchors (a collective of the site's process group):

@@ -9,12 +9,15 @@ before any of this (``pipeline.py``) and each stage is parallelized on its own.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .layout import MeshAxis, ParallelConfig
+from .model import Block, Transformer
 from .tensor_parallel import apply_tp
 
 
@@ -64,7 +67,7 @@ def apply_fsdp(
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
         raise ValueError("apply_fsdp needs a model whose .layers is an nn.ModuleDict")
-    kwargs = {"mesh": dp_mesh(mesh)}
+    kwargs: dict[str, Any] = {"mesh": dp_mesh(mesh)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     groups: list[FSDPModule] = []
@@ -74,15 +77,15 @@ def apply_fsdp(
         # forward would only all-gather it again immediately (torchtitan does the same).
         reshard = reshard_after_forward and i < len(blocks) - 1
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
-        groups.append(layer)
+        groups.append(cast(FSDPModule, layer))  # fully_shard changed its class in place
     # The root keeps its parameters unsharded after forward (FSDP2's root heuristic).
     fully_shard(model, **kwargs)
     if _has_own_params(model):
-        groups.append(model)
+        groups.append(cast(FSDPModule, model))
     return groups
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> list[FSDPModule]:
+def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) -> list[FSDPModule]:
     """Apply TP, activation checkpointing, compile and FSDP2 to one model part, in place.
 
     Args:
@@ -97,6 +100,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> l
     if MeshAxis.TP.value in names and mesh[MeshAxis.TP.value].size() > 1:
         apply_tp(model, mesh[MeshAxis.TP.value], sequence_parallel=config.sequence_parallel)
     for block in model.layers.values():
+        assert isinstance(block, Block)  # what Transformer.layers holds
         block.checkpoint = config.activation_checkpoint
         if config.compile:
             # Per block, not the whole model: FSDP2 hooks stay outside the graph

@@ -16,6 +16,9 @@ cross-site sync, which may already have copied them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -86,7 +89,7 @@ class MicrobatchLoss:
 
 
 def build_schedule(
-    parts: list[nn.Module],
+    parts: Sequence[nn.Module],
     stages: list[int],
     num_stages: int,
     *,
@@ -115,9 +118,14 @@ def build_schedule(
         for part, index in zip(parts, stages, strict=True)
     ]
     loss_fn = MicrobatchLoss(microbatches)
-    common = {"n_microbatches": microbatches, "loss_fn": loss_fn, "scale_grads": False}
+    common: dict[str, Any] = {
+        "n_microbatches": microbatches,
+        "loss_fn": loss_fn,
+        "scale_grads": False,
+    }
     if schedule == PipelineSchedule.GPIPE:
         return ScheduleGPipe(pipeline_stages[0], **common)
     if schedule == PipelineSchedule.ONE_F_ONE_B:
         return Schedule1F1B(pipeline_stages[0], **common)
-    return ScheduleInterleaved1F1B(pipeline_stages, **common)
+    # torch types the stages as list[_PipelineStageBase] (invariant), not Sequence.
+    return ScheduleInterleaved1F1B(pipeline_stages, **common)  # type: ignore[arg-type]

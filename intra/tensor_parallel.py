@@ -10,19 +10,24 @@ the residual stream between blocks hold ``seq / tp`` positions per rank.
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+if TYPE_CHECKING:
+    from .model import Transformer
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Parallelize a ``Transformer`` (or one pipeline stage of it) over ``tp_mesh``, in place.
 
     Activations that cross module boundaries stay plain local tensors
@@ -37,7 +42,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
         sequence_parallel: shard norms and the residual stream along the sequence.
     """
     stream = Shard(1) if sequence_parallel else Replicate()
-    root_plan: dict[str, object] = {}
+    root_plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
         # Vocabulary rows are split; the partial lookups are summed (or
         # reduce-scattered along the sequence) into the residual stream.
@@ -51,7 +56,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
     for block in model.layers.values():
-        plan: dict[str, object] = {
+        plan: dict[str, ParallelStyle] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

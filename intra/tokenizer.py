@@ -206,7 +206,7 @@ class TextTokenizer:
     def train(cls, texts: Sequence[str], vocab_size: int) -> TextTokenizer:
         """Train a byte-level BPE of ``vocab_size`` tokens on ``texts`` (fewer when the
         texts hold fewer pairs to merge). The same texts and size give the same
-        tokenizer.json on every machine (tests/test_tokenizer.py trains in two processes,
+        tokenizer.json on every machine (tests/intra/test_tokenizer.py trains in two processes,
         with other hash seeds and thread counts, and compares the bytes); the job
         fingerprint carries its sha256 all the same, so a site whose ``tokenizers``
         trains otherwise is refused.

@@ -5,9 +5,10 @@ Gradient placement, per step:
    reduce-scatters each group's gradient inside the site, once per step
    (averaging over the site's ``dp`` ranks; with TP each tp rank reduces its own
    TP shard) and hands the flat shard to the all-reduce hook, which calls
-   ``GradientSync.start(group, shard)``;
-2. ``GradientSync.finish()`` waits until every shard has been overwritten, in
-   place, with the average over all sites (or raises: then nothing is applied);
+   ``GradientSync.start(step, group, shard)``;
+2. ``GradientSync.finish(step)`` waits until every shard has been overwritten, in
+   place, with the average over all sites, and says whether the step committed (or
+   raises): a step that did not commit applies nothing;
 3. the gradient norm is clipped -- after the sync, so every site computes the
    same norm -- and the sharded AdamW steps.
 """
@@ -36,6 +37,14 @@ from .pipeline import build_schedule, rank_stages, split_stage
 from .topology import mesh_coordinate
 
 
+class SyncResult(Protocol):
+    """What ``GradientSync.finish`` returns; intra reads only whether it committed and
+    hands the rest back to its caller (``StepStats.sync``)."""
+
+    @property
+    def committed(self) -> bool: ...
+
+
 @runtime_checkable
 class GradientSync(Protocol):
     """Averages gradient shards across sites; implemented in ``isthmus.inter``.
@@ -46,12 +55,15 @@ class GradientSync(Protocol):
     already averaged over the site's dp ranks; the sharded gradients are views
     of it, so overwriting it in place (before ``finish`` returns) is how the
     cross-site average reaches the optimizer. On CUDA it is called inside
-    FSDP2's all-reduce stream.
+    FSDP2's all-reduce stream. ``step`` is the training step, the same number at
+    every site (it names the step's rounds). ``finish`` returns whether the step
+    committed: a step that did not (the job went on without this site) leaves the
+    shards and the optimizer untouched.
     """
 
-    def start(self, group: int, shard: torch.Tensor) -> None: ...
+    def start(self, step: int, group: int, shard: torch.Tensor) -> None: ...
 
-    def finish(self) -> None: ...
+    def finish(self, step: int) -> SyncResult: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,12 +137,21 @@ class StepStats:
     """Tokens the whole site processed this step: ``tokens * dp``."""
     mfu: float = 0.0
     """The site's model FLOPs utilization over the whole step (sync included)."""
+    sync: SyncResult | None = None
+    """What ``GradientSync.finish`` returned (None without a sync). When it did not
+    commit, the optimizer did not step and ``grad_norm`` is 0."""
+
+    @property
+    def committed(self) -> bool:
+        """The step's update was applied (always, without a sync)."""
+        return self.sync is None or self.sync.committed
 
 
-def _hook(sync: GradientSync, group: int) -> Callable[[torch.Tensor], None]:
-    # A factory, so each hook binds its own group index.
+def _hook(trainer: Trainer, sync: GradientSync, group: int) -> Callable[[torch.Tensor], None]:
+    # A factory, so each hook binds its own group index; the step is the trainer's
+    # step in progress (the hook runs inside its backward).
     def hook(shard: torch.Tensor) -> None:
-        sync.start(group, shard)
+        sync.start(trainer.step_in_progress, group, shard)
 
     return hook
 
@@ -177,6 +198,8 @@ class Trainer:
         if parallel.mixed_precision and mesh.device_type != "cuda":
             raise ValueError("mixed_precision needs device_type='cuda' (bf16 on CPU is slow)")
         self.config, self.sync, self.mesh, self.parallel = config, sync, mesh, parallel
+        self.step_in_progress = 0
+        """The step whose backward runs (the sync hooks name their rounds by it)."""
         if mesh.device_type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -217,7 +240,7 @@ class Trainer:
         )
         if sync is not None:
             for i, group in enumerate(self.groups):
-                group.set_all_reduce_hook(_hook(sync, i))
+                group.set_all_reduce_hook(_hook(self, sync, i))
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, over all its model parts."""
@@ -230,6 +253,7 @@ class Trainer:
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run forward and backward; return this rank's loss (0 off the last stage)."""
         if self.schedule is None:
+            assert self.model is not None  # pp == 1: the one part is the whole model
             logits = self.model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             loss.backward()
@@ -257,26 +281,30 @@ class Trainer:
             The step's stats.
 
         Raises:
-            Whatever ``sync.finish()`` raises; the optimizer has then not stepped.
+            Whatever ``sync.finish()`` raises; the optimizer has then not stepped (nor
+            when the sync says the step did not commit: see ``StepStats.committed``).
         """
         t0 = time.perf_counter()
+        self.step_in_progress = step_index
         # set_to_none is required: with an existing grad FSDP2 accumulates a *copy*
         # of the reduced shard, and the sync's later in-place write would be lost.
         self.optimizer.zero_grad(set_to_none=True)
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         loss = self._forward_backward(inputs, targets)
-        sync_s = 0.0
+        sync_s, synced = 0.0, None
         if self.sync is not None:
             self._sync_device()
             t_sync = time.perf_counter()
-            self.sync.finish()
+            synced = self.sync.finish(step_index)
             sync_s = time.perf_counter() - t_sync
-        grad_norm = self._clip()
         lr = self.config.lr_at(step_index)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        grad_norm = 0.0
+        if synced is None or synced.committed:
+            grad_norm = self._clip()
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
         # Only last-stage ranks hold a loss; the sum over the site counts each dp
         # replica's loss tp times.
         site_loss = loss.float().reshape(1).clone()
@@ -296,6 +324,7 @@ class Trainer:
             tokens=inputs.numel(),
             site_tokens=site_tokens,
             mfu=mfu(site_tokens / total, fpt, self._peak, dist.get_world_size()),
+            sync=synced,
         )
 
     def _clip(self) -> float:
@@ -354,6 +383,7 @@ class Trainer:
 
     def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         if self.schedule is None:
+            assert self.model is not None
             logits = self.model(inputs)
             return float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item())
         args = (inputs,) if self._is_first else ()

@@ -1,4 +1,5 @@
-"""Multi-process helpers for tests on real gloo process groups.
+"""Multi-process helpers for tests on real gloo process groups, and two gradient syncs
+(intra.train.GradientSync) for the training step's tests.
 
 Each worker is a spawned process with one thread; results come back through
 ``torch.save`` files.
@@ -10,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -83,3 +85,56 @@ def shutdown() -> None:
     # collective can make the peer abort ("terminate called ..."): meet first.
     dist.barrier()
     dist.destroy_process_group()
+
+
+# -- gradient syncs for tests (isthmus.intra.train.GradientSync) ----------------------
+
+
+@dataclass(frozen=True)
+class SyncDone:
+    """What the test syncs' ``finish`` returns (``isthmus.intra.train.SyncResult``)."""
+
+    committed: bool = True
+
+
+class RecordingSync:
+    """Changes nothing; keeps each shard and a copy of it as ``start`` saw it, and the
+    steps ``start`` and ``finish`` were called with. ``commit=False`` makes ``finish``
+    say the step did not commit (as a lane does when the job went on without a site)."""
+
+    def __init__(self, commit: bool = True) -> None:
+        self.commit = commit
+        self.shards: dict[int, torch.Tensor] = {}
+        self.seen: dict[int, torch.Tensor] = {}
+        self.steps: list[tuple[str, int]] = []
+
+    def start(self, step: int, group: int, shard: torch.Tensor) -> None:
+        assert group not in self.shards, f"group {group} started twice in one step"
+        self.steps.append(("start", step))
+        self.shards[group] = shard
+        self.seen[group] = shard.clone()
+
+    def finish(self, step: int) -> SyncDone:
+        self.steps.append(("finish", step))
+        return SyncDone(self.commit)
+
+
+class AveragingSync:
+    """Test-only cross-site sync: a plain gloo all-reduce over its own group, then / sites."""
+
+    def __init__(self, pg: dist.ProcessGroup, sites: int) -> None:
+        self.pg, self.sites, self.pending = pg, sites, {}
+
+    def start(self, step: int, group: int, shard: torch.Tensor) -> None:
+        assert group not in self.pending
+        self.pending[group] = shard
+
+    def finish(self, step: int) -> SyncDone:
+        # Work happens here, after the hook returned: this is what proves that an
+        # in-place write made later still reaches the optimizer. Group order is
+        # fixed so both sites issue matching collectives.
+        for group in sorted(self.pending):
+            self.pg.allreduce([self.pending[group]]).wait()
+            self.pending[group].div_(self.sites)
+        self.pending = {}
+        return SyncDone()

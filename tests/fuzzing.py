@@ -1,15 +1,20 @@
-"""What the fuzz tests share (tests/test_fuzz.py, tests/test_fuzz_lane.py): settings,
-the input count, strategies built from the protobuf descriptors, raw-byte manglers
-and the check that a refusal explains itself."""
+"""What the fuzz tests share (tests/inter/test_fuzz.py, tests/inter/test_fuzz_lane.py):
+settings, the input count, strategies built from the protobuf descriptors, raw-byte
+manglers, the check that a refusal explains itself, and the lane they fuzz."""
 
 from __future__ import annotations
 
 import grpc
-import pytest
+import torch
 from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor as FD
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
+
+from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.lane import LaneServer, channel_options
+from isthmus.proto import lane_pb2
 
 FP = {"job.seed": "0"}
 SITES = ["site0", "site1"]
@@ -34,18 +39,6 @@ BAD = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLI
 
 def count(name: str) -> None:
     COUNTS[name] = COUNTS.get(name, 0) + 1
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_counts(request):
-    yield
-    total = sum(COUNTS.values())
-    if not total:
-        return
-    line = f"fuzz: {total} inputs: " + ", ".join(f"{k} {v}" for k, v in sorted(COUNTS.items()))
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\n{line}")
 
 
 # -- generic strategies from the protobuf descriptors -----------------------------------
@@ -189,3 +182,98 @@ def clear_refusal(method: str, status, details: str, oversized: bool) -> None:
     and answers RESOURCE_EXHAUSTED instead, which only an oversized request may get."""
     assert status != grpc.StatusCode.RESOURCE_EXHAUSTED or oversized, f"{method}: {details}"
     assert details and len(details) < 2048, f"{method}: unclear refusal {str(details)[:300]!r}"
+
+
+# -- a lane to fuzz (tests/inter/conftest.py serves it as the fuzz_lane fixture) ---------
+
+LANE_GEN = 3
+CHUNK_BYTES = 1024  # 256 fp32 elements a chunk
+PER = CHUNK_BYTES // 4
+LANE_LIMIT = dict(channel_options(CHUNK_BYTES))["grpc.max_receive_message_length"]
+FLOOR = 2  # chunks of steps below this belong to finished rounds
+
+
+def offered_state():
+    return {
+        "model/w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "optim/step": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 5, dtype=torch.bfloat16),
+    }
+
+
+class Lane:
+    """A real LaneServer on loopback in a known state: a state on offer for PullState, a
+    sent chunk in the outbox for ResendChunk, and the mailbox past step FLOOR."""
+
+    def __init__(self) -> None:
+        self.server = LaneServer(
+            site_index=0, num_sites=3, codec="raw", generation=LANE_GEN, chunk_bytes=CHUNK_BYTES
+        )
+        self.server.offer_wait_s = 0.05
+        self.server.offers.offer(LANE_GEN, 11, offered_state())
+        self.sent = chunk(step=5, kind=lane_pb2.CHUNK_KIND_RESULT, from_site=0, payload=b"abc")
+        self.server.outbox.put(
+            (5, 0, lane_pb2.CHUNK_KIND_RESULT, 0), self.sent.SerializeToString(), {1, 2}
+        )
+        self.server.mailbox.discard_before(FLOOR)
+        self.channel = grpc.insecure_channel(self.server.address)
+
+    def rpc(self, method: str, kind: str = "unary_unary"):
+        return getattr(self.channel, kind)(f"/isthmus.v1.Lane/{method}")
+
+    def state(self):
+        s, m = self.server, self.server.mailbox
+        with m._cond:
+            mailbox = (
+                {k: id(v) for k, v in m._items.items()},
+                set(m._seen),
+                set(m._corrupt),
+                m._floor,
+            )
+        with s.offers._cond:
+            offer = s.offers._offer and (s.offers._offer[:2], id(s.offers._offer[2]))
+        return mailbox, len(s.outbox), s.corruptions, offer, s.generation, s.site_index
+
+    def assert_healthy(self) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service="isthmus.v1.Lane"), timeout=5
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        request = lane_pb2.ResendChunkRequest(
+            generation=LANE_GEN, step=5, kind=lane_pb2.CHUNK_KIND_RESULT, from_site=1
+        )
+        reply = lane_pb2.ResendChunkResponse.FromString(
+            self.rpc("ResendChunk")(request.SerializeToString(), timeout=5)
+        )
+        assert reply.chunk == self.sent
+        pieces = list(
+            self.rpc("PullState", "unary_stream")(
+                lane_pb2.PullStateRequest(generation=LANE_GEN, step=11).SerializeToString(),
+                timeout=5,
+            )
+        )
+        assert len(pieces) == 3
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(grace=0.2)
+
+
+def chunk(**fields) -> lane_pb2.PushChunksRequest:
+    """A sound one-chunk contribution to the fuzz lane at step FLOOR; fields overridable."""
+    values = dict(
+        generation=LANE_GEN,
+        step=FLOOR,
+        group=0,
+        kind=lane_pb2.CHUNK_KIND_CONTRIBUTION,
+        chunk_index=0,
+        num_chunks=1,
+        from_site=1,
+        total_elements=PER,
+        num_elements=PER,
+        codec="raw",
+        payload=b"",
+    )
+    values.update(fields)
+    values.setdefault("crc32", crc32(values["payload"]))
+    return lane_pb2.PushChunksRequest(**values)

@@ -1,8 +1,11 @@
-"""Shared helpers for tests that drive the real `isthmus` CLI."""
+"""What tests of every layer share: the real `isthmus` CLI run to completion, ports and
+processes, one-line errors, sound protobuf requests, a fake checkpoint, the repository."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import socket
@@ -12,6 +15,7 @@ import time
 from pathlib import Path
 
 ISTHMUS = [sys.executable, "-m", "isthmus.deploy.cli"]
+ROOT = Path(__file__).resolve().parents[1]  # the repository: tests/ sits at its top
 
 
 def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
@@ -164,3 +168,27 @@ def register_rank(
             ),
             timeout=5,
         )
+
+
+def fake_checkpoint(root: Path, step: int, *, manifest: bool = True) -> Path:
+    """A committed-looking checkpoint folder of ``step`` under ``root``, without torch.
+
+    Two small files stand in for torch.distributed.checkpoint's; ``manifest`` adds the
+    manifest.json that makes the folder complete (sizes and SHA-256 of both files).
+    """
+    from isthmus.intra import checkpoint
+
+    path = checkpoint.step_dir(root, step)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"m" * 10)
+    (path / "__0_0.distcp").write_bytes(b"d" * 100)
+    if manifest:
+        files = {
+            name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+            for name in (".metadata", "__0_0.distcp")
+            if (f := path / name)
+        }
+        (path / "manifest.json").write_text(
+            json.dumps({"format": checkpoint.FORMAT, "next_step": step, "files": files})
+        )
+    return path

@@ -10,7 +10,8 @@ heartbeat to it, at the address the job configured, answers with its incarnation
 its lanes and whether its ranks are ready, and the site is admitted with those
 (issue 14, row 2: a forged join once dropped the live site and admitted the caller's
 lanes, which then pulled the training state). Call both with the coordinator's
-condition held.
+condition (``coordinator.state.cond``) held; what they change goes through the
+state's transitions (inter/control/state.py).
 
 A new membership generation is believed the same way: a ``Propose`` is adopted only
 if the site it names as leader, asked at its own address, says it is proposing that
@@ -25,61 +26,85 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from isthmus.inter.control.incarnations import Incarnations
 from isthmus.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
     from isthmus.inter.control.coordinator import Coordinator
 
-__all__ = ["malformed_proposal", "on_answer", "on_join", "unconfirmed_proposal"]
+__all__ = ["malformed_proposal", "on_answer", "on_join", "site_problem", "unconfirmed_proposal"]
 
 log = logging.getLogger("isthmus.inter.control.coordinator")
+
+MAX_FIELD_CHARS = 1024  # longest lane address (host:port) a site may name
+
+
+def site_problem(
+    c: Coordinator, info: pb.SiteInfo, ready: bool, incarnation: str = ""
+) -> str | None:
+    """Why ``info`` (a peer's join, or its answer to one) cannot be a site of this job,
+    or None; a ready site must name one lane per rank."""
+    if info.name not in c.peers:
+        return f"unknown site {info.name[:64]!r}; this job's sites are {c.site_names}"
+    expected = c.site_names.index(info.name)
+    if info.index != expected:
+        return f"site {info.name} claims index {info.index}, expected {expected}"
+    if ready and (
+        len(info.lane_addresses) != c.ranks
+        or not all(0 < len(a) <= MAX_FIELD_CHARS for a in info.lane_addresses)
+    ):
+        return (
+            f"site {info.name} sent {len(info.lane_addresses)} lane addresses, expected {c.ranks}"
+        )
+    return Incarnations.problem(info.name, incarnation)
 
 
 def on_join(c: Coordinator, request: pb.JoinRequest) -> bool:
     """Notes what a join asks; returns whether it is news to a running job (the joiner
     then waits to be admitted)."""
+    st = c.state
     name = request.site.name
-    running = c._generation > 0 and not c.joining
+    running = st.running
+    members = st.members
     restarted = (
         running
-        and name in c.members
+        and name in members
         and request.generation == 0
         and c.incarnations.is_new(name, request.incarnation)
     )
-    news = running and (name not in c.members or restarted)
+    news = running and (name not in members or restarted)
     c.incarnations.learn(name, request.incarnation, replace=not running)
     if news and request.ready:
         c.asked_to_join.add(name)  # settled by its own answer (on_answer)
-    elif not running and request.ready and name not in c._ready_sites:
-        c._ready_sites[name] = request.site
-        c._maybe_ready_locked()
+    elif not running and request.ready:
+        st.admit_locked(request.site)  # the first SiteInfo stands
     return news
 
 
 def on_answer(c: Coordinator, name: str, reply: pb.HeartbeatResponse) -> None:
     """What ``name`` answered at its own address: a restart (a new incarnation) is
     taken for one, and a site that asked to join is admitted with the lanes it names."""
-    running = c._generation > 0 and not c.joining
-    if not running or not reply.incarnation:
+    st = c.state
+    if not st.running or not reply.incarnation:
         return
-    if name in c.members and c.incarnations.is_new(name, reply.incarnation):
+    members = st.members
+    if name in members and c.incarnations.is_new(name, reply.incarnation):
         # Its earlier incarnation is gone: suspect it now, not after the failure
         # timeout, and admit it like any site outside the membership.
         log.warning("[%s] %s restarted: admitting it again", c.site, name)
         c.incarnations.learn(name, reply.incarnation, replace=True)
-        c.failover.restarted.add(name)
         c.asked_to_join.add(name)
-        c._cond.notify_all()
+        st.suspect_locked(name)
     if (
         name in c.asked_to_join
         and reply.ready
         and reply.site.name == name
-        and c._check_site_info(reply.site, reply.ready, reply.incarnation) is None
-        and (name not in c.members or name in c.failover.restarted)
+        and site_problem(c, reply.site, reply.ready, reply.incarnation) is None
+        and (name not in members or name in st.restarted)
     ):
         c.asked_to_join.discard(name)
         c.incarnations.learn(name, reply.incarnation, replace=True)
-        c.failover.add_joiner(reply.site)
+        c.failover.add_joiner_locked(reply.site)
 
 
 def unconfirmed_proposal(c: Coordinator, request: pb.ProposeRequest) -> str | None:
@@ -87,7 +112,10 @@ def unconfirmed_proposal(c: Coordinator, request: pb.ProposeRequest) -> str | No
     address (without the coordinator's condition held), or None."""
     members = [info.name for info in request.sites]
     ask = pb.HeartbeatRequest(
-        site=c.site, step=c.step, generation=c.generation, confirm_generation=request.generation
+        site=c.site,
+        step=c.step,
+        generation=c.state.generation,
+        confirm_generation=request.generation,
     )
     try:
         reply = c.peer_stub(request.leader).Heartbeat(ask, timeout=c.rpc_timeout_s / 2)

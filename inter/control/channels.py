@@ -29,7 +29,7 @@ def peer_channel(
 ) -> grpc.Channel:
     """A channel to `address`, through an HTTP CONNECT proxy when given; mutual TLS
     and the job token as `security` says (None = plaintext)."""
-    options = list(MESSAGE_LIMITS)
+    options: list[tuple[str, int | str]] = list(MESSAGE_LIMITS)
     if proxy:
         options.append(("grpc.http_proxy", proxy))
     return (security or INSECURE).channel(address, options)

@@ -6,6 +6,8 @@ fingerprint; a peer whose fingerprint differs is refused with a message naming
 every differing key, and both sides report it. Once every site is present and
 ready, the membership gets generation 1 and ranks learn their peers' lanes from a
 long-polling `GetMembership`. Heartbeats then record when each peer was last heard.
+The membership itself lives in `self.state` (inter/control/state.py), changed only by
+its named transitions; the handlers here, the failover loop and the peer loop call them.
 
 Every RPC carries a deadline and every wait a timeout (docs/design.md invariant 5).
 """
@@ -15,14 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots, pool_size
-from isthmus.inter.control.admission import on_join
+from isthmus.inter.control.admission import MAX_FIELD_CHARS, on_join, site_problem
 from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
 from isthmus.inter.control.failover import Failover
 from isthmus.inter.control.fingerprint import fingerprint_problem
@@ -30,6 +32,7 @@ from isthmus.inter.control.incarnations import Incarnations
 from isthmus.inter.control.peer_loop import PeerLoop
 from isthmus.inter.control.rank_keys import RankKeys
 from isthmus.inter.control.replicas import ReplicaDigests
+from isthmus.inter.control.state import CoordinatorState
 from isthmus.inter.control.witness import WitnessLink
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.metrics import SiteMetrics, report_problem
@@ -39,7 +42,6 @@ from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_FIELD_CHARS = 1024
 MAX_WAIT_MS = 30_000
 
 
@@ -98,10 +100,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         first_step: int = 0,
         witness: str | None = None,
     ) -> None:
-        if site not in site_names:
-            raise ValueError(f"site {site!r} is not one of the job's sites {site_names}")
-        if ranks < 1:
-            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        # First: it checks the site, the ranks and the failure timeout.
+        self.state = CoordinatorState(
+            site=site, site_names=site_names, ranks=ranks, failure_timeout_s=failure_timeout_s
+        )
+        """The membership and its transitions, shared with failover and the peer loop."""
         self.site = site
         self.site_names = list(site_names)
         self.index = site_names.index(site)
@@ -114,16 +117,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.join_timeout_s = join_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.heartbeat_s = heartbeat_s
-
-        self._cond = threading.Condition()
-        self._lanes: list[str | None] = [None] * ranks
-        self._ready_sites: dict[str, pb.SiteInfo] = {}
-        self._told_ready: set[str] = set()
-        self._generation = 0
-        self._error: str | None = None
         self._digest: tuple[int, str] = (0, "")
-        self._stopped = threading.Event()
-        self.last_seen: dict[str, float] = {}
         self.incarnations = Incarnations()  # this process's id and the peers'
         self.peer_steps: dict[str, int] = {}
         self.step = 0
@@ -133,20 +127,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.rank_keys = RankKeys(site)  # which process speaks for each local rank
         self.asked_to_join: set[str] = set()
         """Sites whose join of the running job awaits their answer at their own address."""
-        # The membership: generation, its member sites, and for a site joining a
-        # running job the step it starts at and the site it pulls the state from.
-        self.members: list[str] = []
-        self.start_step = 0
-        self.state_source = ""
-        self.joining = False
-        """True while this site asks a running job to admit it (restarted or left out)."""
-        self.excluded = False
-        """True when the job went on without this site (it was cut off without quorum)."""
         self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}
         self._channels: list[grpc.Channel] = []
+        self.security = security or INSECURE
+        self.where = f"coordinator of {site}"
+        self.witness = WitnessLink.of(self, witness) if witness else None
         self.failover = Failover(
             self,
-            failure_timeout_s=failure_timeout_s,
             min_sites=min_sites,
             quorum_wait_s=quorum_wait_s,
             vote_window=vote_window,
@@ -156,9 +143,6 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.metrics_address: str | None = None
         self._metrics_port = metrics_port
         self._host = host
-        self.security = security or INSECURE
-        self.where = f"coordinator of {site}"
-        self.witness = WitnessLink.of(self, witness) if witness else None
         # Long polls (GetMembership, CommitStep, SiteVote) wait on a slot each; a call
         # without one answers at once (inter/bounds.py): the legitimate waiters are this
         # site's ranks and the other sites' coordinators, a few calls each.
@@ -184,6 +168,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if bound == 0:
             raise OSError(f"coordinator for {site} could not bind {host}:{port}")
         self.address = f"{host}:{bound}"
+        self.state.address = self.address
         self._peer_loop = PeerLoop(self)
         self._joiner = threading.Thread(
             target=self._peer_loop.run, name=f"join-{site}", daemon=True
@@ -210,7 +195,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if self._metrics_port is not None:
             port = self.metrics.serve(self._host, self._metrics_port)
             self.metrics_address = f"{self._host}:{port}"
-        self._started_at = time.monotonic()
+        self.state.mark_started()
         for name, address in self.peers.items():
             channel = peer_channel(address, self.proxies.get(name), self.security)
             self._channels.append(channel)
@@ -240,9 +225,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         """Stop joining and heartbeating (after one last heartbeat); peers leaving
         from now on are expected, not news. `stop` does this too."""
         self.set_serving(False)
-        self._stopped.set()
-        with self._cond:
-            self._cond.notify_all()
+        self.state.stop()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving and joining (idempotent)."""
@@ -261,10 +244,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         """The stub of peer site `name`'s coordinator (one channel per peer)."""
         return self._stubs[name]
 
+    def peer_stubs(self) -> Mapping[str, pb_grpc.CoordinatorStub]:
+        """Every peer's stub, by site name (filled by `start`)."""
+        return self._stubs
+
     def live_members(self) -> list[str]:
         """Members of the current generation (every site before the first)."""
-        with self._cond:
-            return list(self.members) if self.members else list(self.site_names)
+        return self.state.members or list(self.site_names)
 
     def __enter__(self) -> Coordinator:
         self.start()
@@ -273,16 +259,52 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    # -- the membership, read from `state` (what launchers and tests read) --------------
+
     @property
     def error(self) -> str | None:
         """Why the job cannot go on, or None."""
-        with self._cond:
-            return self._error
+        return self.state.error
 
     @property
     def generation(self) -> int:
-        with self._cond:
-            return self._generation
+        """The membership generation (0 until every site is present and ready)."""
+        return self.state.generation
+
+    @property
+    def members(self) -> list[str]:
+        """The member sites of the current generation."""
+        return self.state.members
+
+    @property
+    def start_step(self) -> int:
+        """For a site admitted to a running job: the step it starts at."""
+        return self.state.start_step
+
+    @property
+    def state_source(self) -> str:
+        """For a site admitted to a running job: the member it pulls the state from."""
+        return self.state.state_source
+
+    @property
+    def last_seen(self) -> Mapping[str, float]:
+        """When each peer was last heard from (time.monotonic)."""
+        return self.state.last_seen
+
+    @property
+    def digest(self) -> tuple[int, str]:
+        """This site's latest parameter digest and its step, as its rank 0 reported it."""
+        return self._digest
+
+    @property
+    def joining(self) -> bool:
+        """True while this site asks a running job to admit it (restarted or left out)."""
+        return self.state.joining
+
+    @property
+    def excluded(self) -> bool:
+        """True when the job went on without this site (it was cut off without quorum)."""
+        return self.state.excluded
 
     def wait_ready(self, timeout_s: float) -> list[pb.SiteInfo]:
         """Block until the membership exists; returns the sites in index order.
@@ -290,66 +312,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         Raises:
             CoordinatorError: a refused join, or no membership within the timeout.
         """
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._generation == 0 and self._error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CoordinatorError(f"[{self.site}] no membership after {timeout_s:.0f}s")
-                self._cond.wait(left)
-            if self._error is not None:
-                raise CoordinatorError(self._error)
-            return self.infos_locked(self.members)
-
-    # -- state helpers (call with self._cond held) --------------------------------
-
-    def _own_info_locked(self) -> pb.SiteInfo:
-        lanes = [lane or "" for lane in self._lanes]
-        return pb.SiteInfo(
-            name=self.site, index=self.index, lane_addresses=lanes, coordinator_address=self.address
-        )
-
-    def _local_ready_locked(self) -> bool:
-        return all(self._lanes)
-
-    def infos_locked(
-        self, names: Iterable[str], extra: Mapping[str, pb.SiteInfo] | None = None
-    ) -> list[pb.SiteInfo]:
-        """The SiteInfo of `names` (ready peers, this site, and `extra` such as joiners
-        being admitted), in index order."""
-        infos = {**self._ready_sites, **(extra or {}), self.site: self._own_info_locked()}
-        return sorted((infos[n] for n in names if n in infos), key=lambda info: info.index)
-
-    def _maybe_ready_locked(self) -> None:
-        if (
-            self._generation == 0
-            and not self.joining
-            and self._local_ready_locked()
-            and set(self._ready_sites) == set(self.peers)
-        ):
-            self._generation = 1
-            self.members = list(self.site_names)
-            log.info("[%s] membership generation 1: %s", self.site, ", ".join(self.site_names))
-            self._cond.notify_all()
-
-    def _fail(self, message: str) -> None:
-        with self._cond:
-            if self._error is None:
-                self._error = message
-                log.error("[%s] %s", self.site, message)
-            self._cond.notify_all()
-
-    def _check_site_info(self, info: pb.SiteInfo, ready: bool, incarnation: str = "") -> str | None:
-        if info.name not in self.peers:
-            return f"unknown site {info.name[:64]!r}; this job's sites are {self.site_names}"
-        if info.index != self.site_names.index(info.name):
-            return f"site {info.name} claims index {info.index}, expected {self.site_names.index(info.name)}"
-        if ready and (
-            len(info.lane_addresses) != self.ranks
-            or not all(0 < len(a) <= MAX_FIELD_CHARS for a in info.lane_addresses)
-        ):
-            return f"site {info.name} sent {len(info.lane_addresses)} lane addresses, expected {self.ranks}"
-        return Incarnations.problem(info.name, incarnation)
+        st = self.state
+        with st.cond:
+            if not st.cond.wait_for(lambda: st.generation > 0 or st.error is not None, timeout_s):
+                raise CoordinatorError(f"[{self.site}] no membership after {timeout_s:.0f}s")
+            if st.error is not None:
+                raise CoordinatorError(st.error)
+            return st.infos_locked(st.members)
 
     def _check_fingerprint(
         self, theirs: pb.JobFingerprint, who: str, *, to_caller: bool = False
@@ -383,57 +352,58 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             problem = self.rank_keys.register(request.rank, request.rank_key)
         if problem is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        with self._cond:
-            if address:
-                self._lanes[request.rank] = address
-                self._maybe_ready_locked()
+        if address:
+            with self.state.cond:
+                self.state.register_lane_locked(request.rank, address)
         return pb.RegisterRankResponse()
 
     def Join(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site.name, "Join")
         who = request.site.name[:64] or "a peer"
-        problem = answer = self._check_site_info(request.site, request.ready, request.incarnation)
+        problem = answer = site_problem(self, request.site, request.ready, request.incarnation)
         if problem is None and (problem := self._check_fingerprint(request.fingerprint, who)):
             answer = self._check_fingerprint(request.fingerprint, who, to_caller=True)
         if problem is not None:
             log.warning("[%s] refused join from %s: %s", self.site, context.peer(), problem)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, answer or problem)
-        with self._cond:
-            self.last_seen[request.site.name] = time.monotonic()
+        st = self.state
+        with st.cond:
+            st.heard_from_locked(request.site.name)
             news = on_join(self, request)
             return pb.JoinResponse(
-                site=self._own_info_locked(),
-                ready=self._local_ready_locked(),
-                generation=self._generation if news else 0,
+                site=st.own_info_locked(),
+                ready=st.local_ready_locked(),
+                generation=st.generation if news else 0,
                 incarnation=self.incarnations.mine,
             )
 
     def GetMembership(self, request, context):  # noqa: N802
-        with self.long_polls.wait(context) as may_wait, self._cond:
+        st = self.state
+        with self.long_polls.wait(context) as may_wait, st.cond:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
             deadline = time.monotonic() + wait_s
             # A rank that already knows a generation also hears at once when a member
             # falls silent (the failover loop wakes waiters when the suspects change).
             while (
-                self._error is None
-                and not self._stopped.is_set()
-                and self._generation <= request.known_generation
-                and not (request.known_generation and self.failover.suspects_locked())
+                st.error is None
+                and not st.stopped.is_set()
+                and st.generation <= request.known_generation
+                and not (request.known_generation and st.suspects_locked())
             ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
-            if self._error is not None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, self._error)
-            if self._generation == 0 or self.joining:
+                st.cond.wait(left)
+            if st.error is not None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, st.error)
+            if not st.running:
                 return pb.GetMembershipResponse(generation=0)
             return pb.GetMembershipResponse(
-                generation=self._generation,
-                sites=self.infos_locked(self.members),
-                start_step=self.start_step,
-                state_source=self.state_source,
-                suspects=self.failover.suspects_locked(),
+                generation=st.generation,
+                sites=st.infos_locked(st.members),
+                start_step=st.start_step,
+                state_source=st.state_source,
+                suspects=st.suspects_locked(),
             )
 
     def Heartbeat(self, request, context):  # noqa: N802
@@ -444,24 +414,25 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
             )
-        with self._cond:
-            self.last_seen[request.site] = time.monotonic()
+        st = self.state
+        with st.cond:
+            st.heard_from_locked(request.site)
             self.peer_steps[request.site] = request.step
             if request.finished:
                 self.finished_peers.add(request.site)
-            self._cond.notify_all()
+            st.cond.notify_all()  # a peer's progress: waiters re-check
         self.metrics.site_up.labels(self.site, request.site).set(1)
         self.replicas.claim(request.site, request.digest_step, request.digest)
         digest = self.replicas.own(request.confirm_step) if request.confirm_digest else ""
-        with self._cond:
+        with st.cond:
             return pb.HeartbeatResponse(
-                generation=self._generation,
-                member=request.site in self.members,
+                generation=st.generation,
+                member=request.site in st.members,
                 incarnation=self.incarnations.mine,
                 confirmed_digest=digest,
-                site=self._own_info_locked(),
-                ready=self._local_ready_locked(),
-                proposed_members=self.failover.proposing.get(request.confirm_generation, []),
+                site=st.own_info_locked(),
+                ready=st.local_ready_locked(),
+                proposed_members=self.failover.leader.proposing.get(request.confirm_generation, []),
             )
 
     def CommitStep(self, request, context):  # noqa: N802
@@ -486,7 +457,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.refusals.note(context.peer(), why)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.where}: {why}")
         self.metrics.record_step(request)
-        with self._cond:
+        with self.state.cond:
             self.step = request.step
             self.finished = self.finished or request.finished
             if request.digest:

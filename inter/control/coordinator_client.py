@@ -2,13 +2,14 @@
 
 A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
 registers its lane and its key (``RegisterRank``), waits for the job's membership
-(``GetMembership``) and, on rank 0, reports each step's progress (``ReportProgress``).
-:class:`CoordinatorClient` builds those protobuf messages, so the composition root
-passes plain values and gets plain values back. The rank's key
-(:data:`~isthmus.inter.control.rank_keys.RANK_KEY`) goes with every registration and report:
-the coordinator takes a site's digest only from its own ranks. The vote on each step
-(``CommitStep``) is :class:`~isthmus.inter.data.membership.SiteMembership`'s, over this
-client's :attr:`~CoordinatorClient.stub`.
+(``GetMembership``), votes on each step (``CommitStep``, through
+:class:`~isthmus.inter.data.membership.SiteMembership`), watches for silent members
+and, on rank 0, reports each step's progress (``ReportProgress``).
+:class:`CoordinatorClient` builds those protobuf messages, so its callers pass plain
+values and get plain values back. The rank's key
+(:data:`~isthmus.inter.control.rank_keys.RANK_KEY`) goes with every registration, vote
+and report: the coordinator counts a vote and takes a site's digest only from its own
+ranks.
 
 Every call has a deadline (docs/design.md invariant 5) and raises ``grpc.RpcError``
 when the coordinator refuses it or does not answer in time.
@@ -28,7 +29,15 @@ from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["CoordinatorClient", "Decision", "Membership", "Progress", "SiteInfo"]
+__all__ = [
+    "CoordinatorClient",
+    "Decision",
+    "Membership",
+    "MembershipNow",
+    "Progress",
+    "SiteInfo",
+    "Verdict",
+]
 
 SiteInfo = pb.SiteInfo
 """A member site as the coordinator names it: ``name``, ``index``, ``lane_addresses``
@@ -36,6 +45,17 @@ SiteInfo = pb.SiteInfo
 Decision = pb.Decision
 """The job's decision on a step (``generation``, ``sites``, ``state_source``,
 ``state_step``, ...), as a rejoin carries it (read it, never build it)."""
+
+
+class Verdict:
+    """A decision's verdict (``Decision.verdict``), named."""
+
+    PENDING = pb.VERDICT_PENDING
+    COMMIT = pb.VERDICT_COMMIT
+    RETRY = pb.VERDICT_RETRY
+    REJOIN = pb.VERDICT_REJOIN
+    STOP = pb.VERDICT_STOP
+
 
 _MEMBERSHIP_WAIT_MS = 5_000
 """How long the coordinator may hold one membership long poll."""
@@ -60,6 +80,21 @@ class Membership:
     sites: tuple[SiteInfo, ...]
     start_step: int
     state_source: str
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipNow:
+    """The job's membership as the coordinator sees it now (a watch's answer).
+
+    Attributes:
+        generation: the coordinator's generation (0 before the job starts).
+        sites: its member sites, ordered by index.
+        suspects: members the coordinator has not heard from within the failure timeout.
+    """
+
+    generation: int
+    sites: tuple[SiteInfo, ...]
+    suspects: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +150,6 @@ class CoordinatorClient:
     def __init__(self, channel: grpc.Channel, *, rank_key: str = RANK_KEY) -> None:
         self.channel = channel
         self.stub = pb_grpc.CoordinatorStub(channel)
-        """The raw stub, for the inter modules that make their own calls (the votes)."""
         self.rank_key = rank_key
 
     @classmethod
@@ -198,6 +232,47 @@ class CoordinatorClient:
                     state_source=reply.state_source,
                 )
         raise TimeoutError(f"no job membership after {timeout_s:.0f}s")
+
+    def commit_step(
+        self,
+        *,
+        site: str,
+        rank: int,
+        step: int,
+        generation: int,
+        ok: bool,
+        wait_ms: int,
+        timeout_s: float,
+    ) -> Decision:
+        """Votes on ``step``'s rounds (ok: this rank's rounds all succeeded) and waits up
+        to ``wait_ms`` for the job's decision; PENDING when none came in that time.
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT or FAILED_PRECONDITION when the vote is
+                refused (a stale generation, a rank this process does not speak for);
+                other codes when the coordinator did not answer.
+        """
+        request = pb.CommitStepRequest(
+            site=site,
+            rank=rank,
+            step=step,
+            generation=generation,
+            ok=ok,
+            wait_ms=wait_ms,
+            rank_key=self.rank_key,
+        )
+        return self.stub.CommitStep(request, timeout=timeout_s)
+
+    def membership_now(
+        self, *, known_generation: int, wait_ms: int, timeout_s: float
+    ) -> MembershipNow:
+        """The membership, answered at once if it is not ``known_generation`` or a
+        member is suspect, else after up to ``wait_ms`` (a long poll)."""
+        reply = self.stub.GetMembership(
+            pb.GetMembershipRequest(known_generation=known_generation, wait_ms=wait_ms),
+            timeout=timeout_s,
+        )
+        return MembershipNow(reply.generation, tuple(reply.sites), tuple(reply.suspects))
 
     def report_progress(self, progress: Progress, *, timeout_s: float) -> str:
         """Reports one step (with this client's key) to the coordinator, which feeds

@@ -37,6 +37,7 @@ import grpc
 
 from isthmus.inter.control.admission import malformed_proposal, unconfirmed_proposal
 from isthmus.inter.control.leader import Leader, has_quorum
+from isthmus.inter.control.state import Adoption, Ballots, Key
 from isthmus.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -51,17 +52,15 @@ _FORWARD_WAIT_MS = 500  # long poll of one SiteVote
 MAX_STEP = 1 << 40  # steps beyond this are refused as nonsense
 
 
-def _verdict_name(verdict: int) -> str:
-    return pb.Verdict.Name(verdict).removeprefix("VERDICT_")
-
-
-class Failover(Leader):
+class Failover:
     """The voting and membership-change logic of one site's coordinator.
 
+    The membership lives in ``coordinator.state`` (inter/control/state.py), the votes
+    and decisions in :attr:`ballots`; decisions only the leader takes are
+    :attr:`leader`'s. All of it is guarded by the state's condition variable.
+
     Args:
-        coordinator: the site's coordinator; its condition variable guards this
-            object's state too.
-        failure_timeout_s: a member not heard from for this long is suspected dead.
+        coordinator: the site's coordinator (its settings, stubs, rank keys and state).
         min_sites: never go on with fewer live sites.
         quorum_wait_s: how long a site without quorum waits before it stops.
         vote_window: votes for steps more than this past the step the site runs are
@@ -73,73 +72,65 @@ class Failover(Leader):
         self,
         coordinator: Coordinator,
         *,
-        failure_timeout_s: float = 10.0,
         min_sites: int = 1,
         quorum_wait_s: float = 60.0,
         vote_window: int = 64,
         first_step: int = 0,
     ) -> None:
-        if failure_timeout_s <= 0 or quorum_wait_s < 0 or min_sites < 1 or vote_window < 1:
+        if quorum_wait_s < 0 or min_sites < 1 or vote_window < 1:
             raise ValueError(
-                "need failure_timeout_s > 0, quorum_wait_s >= 0, min_sites >= 1 and "
-                f"vote_window >= 1, got {failure_timeout_s}, {quorum_wait_s}, {min_sites}, "
-                f"{vote_window}"
+                "need quorum_wait_s >= 0, min_sites >= 1 and vote_window >= 1, got "
+                f"{quorum_wait_s}, {min_sites}, {vote_window}"
             )
         self.c = coordinator
-        self.failure_timeout_s = failure_timeout_s
-        self.min_sites = min_sites
-        self.quorum_wait_s = quorum_wait_s
+        self.state = coordinator.state
+        self.ballots = Ballots(self.state)
+        self.leader = Leader(
+            self.state,
+            self.ballots,
+            peer_stub=coordinator.peer_stub,
+            rpc_timeout_s=coordinator.rpc_timeout_s,
+            witness=coordinator.witness,
+            min_sites=min_sites,
+            quorum_wait_s=quorum_wait_s,
+        )
         self.vote_window = vote_window
         self.first_step = first_step
-        self.committed_steps = 0
-        """Steps this site has committed: the next step it runs."""
-        self._rank_votes: dict[tuple[int, int], dict[int, bool]] = {}
-        self._site_votes: dict[tuple[int, int], dict[str, tuple[bool, frozenset[str]]]] = {}
-        self._decisions: dict[tuple[int, int], pb.Decision] = {}
-        self._joiners: dict[str, pb.SiteInfo] = {}
-        self.restarted: set[str] = set()
-        """Members seen joining afresh: their earlier incarnation is dead."""
-        self._stuck_since: float | None = None
-        self._deciding: set[tuple[int, int]] = set()
-        self._rejoin_decision: pb.Decision | None = None
-        # The highest generation any proposal answer named: a retried proposal goes
-        # above it, so a site that accepted a failed attempt is not asked the same number.
-        self._highest_generation = 0
-        self.proposing: dict[int, list[str]] = {}
-        """generation -> members, while this site proposes it (asked by the members)."""
-        self._suspects: list[str] = []
+        self._suspects: list[str] = []  # as the loop last saw them (it wakes waiters on a change)
         self._thread = threading.Thread(
             target=self._run, name=f"failover-{coordinator.site}", daemon=True
         )
 
-    # -- views (call with the coordinator's condition held) ---------------------------
+    # -- views (call with the state's condition held) -----------------------------------------
 
     def suspects_locked(self) -> list[str]:
         """Members other than this site not heard from within the failure timeout."""
-        c = self.c
-        now = time.monotonic()
-        started = getattr(c, "_started_at", now)
-        return [
-            m
-            for m in c.members
-            if m != c.site
-            and (m in self.restarted or now - c.last_seen.get(m, started) > self.failure_timeout_s)
-        ]
+        return self.state.suspects_locked()
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps this site has committed: the next step it runs."""
+        return self.state.committed_steps
+
+    @property
+    def restarted(self) -> frozenset[str]:
+        """Members seen joining afresh: their earlier incarnation is dead."""
+        return self.state.restarted
+
+    @property
+    def proposing(self) -> dict[int, list[str]]:
+        """generation -> members, while this site proposes it (asked by the members)."""
+        return self.leader.proposing
 
     def _leader_locked(self, exclude: Iterable[str] = ()) -> str:
-        gone = set(self.suspects_locked()) | set(exclude)
-        alive = [m for m in self.c.members if m not in gone]
-        return alive[0] if alive else self.c.site
-
-    def _sites_of(self, names: Iterable[str]) -> list[pb.SiteInfo]:
-        return self.c.infos_locked(names, extra=self._joiners)
-
-    def _ordered(self, names: Iterable[str]) -> list[str]:
-        return sorted(set(names), key=self.c.site_names.index)
+        gone = set(self.state.suspects_locked()) | set(exclude)
+        alive = [m for m in self.state.members if m not in gone]
+        return alive[0] if alive else self.state.site
 
     def _refuse_if_too_far_locked(self, step: int, context: grpc.ServicerContext) -> None:
         """Refuses (and logs) a vote for a step too far past the one this site runs."""
-        runs = max(self.committed_steps, self.c.start_step, self.first_step)
+        st = self.state
+        runs = max(st.committed_steps, st.start_step, self.first_step)
         if step > runs + self.vote_window:
             far = f"a vote for step {step}, more than {self.vote_window} steps past step {runs}"
             self.c.refusals.note(context.peer(), far)
@@ -153,6 +144,10 @@ class Failover(Leader):
     def join(self, timeout: float) -> None:
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def add_joiner_locked(self, info: pb.SiteInfo) -> None:
+        """A site outside the membership asked to join; admitted at the next commit."""
+        self.ballots.add_joiner_locked(info)
 
     # -- handlers ------------------------------------------------------------------------
 
@@ -179,16 +174,15 @@ class Failover(Leader):
             c.refusals.note(context.peer(), why)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{c.where}: {why}")
         key = (request.step, request.generation)
-        with c._cond:
-            if request.generation > c._generation:
+        st = self.state
+        with st.cond:
+            if request.generation > st.generation:
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"generation {request.generation} is ahead of {c.site}'s {c._generation}",
+                    f"generation {request.generation} is ahead of {c.site}'s {st.generation}",
                 )
             self._refuse_if_too_far_locked(request.step, context)
-            votes = self._rank_votes.setdefault(key, {})
-            votes[request.rank] = votes.get(request.rank, True) and request.ok
-            c._cond.notify_all()
+            self.ballots.vote_rank_locked(key, request.rank, request.ok)
         return self._await(key, request.wait_ms, context)
 
     def site_vote(self, request: pb.SiteVoteRequest, context: grpc.ServicerContext):
@@ -207,40 +201,37 @@ class Failover(Leader):
                 grpc.StatusCode.INVALID_ARGUMENT, f"suspects name unknown sites {unknown[:4]}"
             )
         key = (request.step, request.generation)
-        with c._cond:
-            c.last_seen[request.site] = time.monotonic()
-            if request.site not in c.members:
+        st, b = self.state, self.ballots
+        with st.cond:
+            st.heard_from_locked(request.site)
+            if request.site not in st.members:
                 # Checked before the stored decisions: one of an older generation may
                 # name the voter and would send it back into a generation the job has
                 # left. It hears that it was left out from its heartbeats, and joins.
                 return pb.Decision(
                     step=request.step,
                     verdict=pb.VERDICT_PENDING,
-                    reason=f"{request.site} is not a member of generation {c._generation}",
+                    reason=f"{request.site} is not a member of generation {st.generation}",
                 )
-            found = self._decisions.get(key)
+            found = b.decisions.get(key)
             if found is not None:
                 return found
-            if request.generation < c._generation:
+            if request.generation < st.generation:
                 # The voter ran the step in a generation this site has left: run it again
                 # in the current one, unless the current one already decided the step.
-                if (request.step, c._generation) in self._decisions:
-                    return self._decisions[(request.step, c._generation)]
-                return self._retry_locked(request.step, "generation moved on")
-            if request.generation > c._generation or self._leader_locked() != c.site:
+                if (request.step, st.generation) in b.decisions:
+                    return b.decisions[(request.step, st.generation)]
+                return b.retry_locked(request.step, "generation moved on")
+            if request.generation > st.generation or self._leader_locked() != c.site:
                 return pb.Decision(
                     step=request.step,
                     verdict=pb.VERDICT_PENDING,
                     reason=f"{c.site} is not the leader of generation {request.generation}",
                 )
             self._refuse_if_too_far_locked(request.step, context)
-            # A site's vote is resent while it waits; a "not ok" stands once cast, so a
-            # second call saying "ok" (a forged one) cannot turn a failed round into a
-            # commit. The worst such a call can do is make the step run again.
-            votes = self._site_votes.setdefault(key, {})
-            ok = votes[request.site][0] and request.ok if request.site in votes else request.ok
-            votes[request.site] = (ok, frozenset(request.suspects))
-        self._evaluate(key)
+            # A "not ok" stands once cast (Ballots.vote_site_locked says why).
+            b.vote_site_locked(key, request.site, request.ok, request.suspects)
+        self.leader.evaluate(key)
         return self._await(key, request.wait_ms, context)
 
     def propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext):
@@ -249,187 +240,94 @@ class Failover(Leader):
         problem = malformed_proposal(c, request, MAX_STEP)
         if problem is not None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if request.generation > c.generation and (why := unconfirmed_proposal(c, request)):
+        st = self.state
+        if request.generation > st.generation and (why := unconfirmed_proposal(c, request)):
             c.refusals.note(context.peer(), why)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{c.where}: {why}")
-        with c._cond:
-            c.last_seen[request.leader] = time.monotonic()
-            accepted = request.generation > c._generation
-            if accepted:
-                self._adopt_locked(
-                    request.generation,
-                    list(request.sites),
-                    request.start_step,
-                    request.state_source,
-                    request.leader,
-                )
+        with st.cond:
+            st.heard_from_locked(request.leader)
+            adopted = self.ballots.adopt_locked(
+                request.generation,
+                list(request.sites),
+                start_step=request.start_step,
+                state_source=request.state_source,
+                leader=request.leader,
+            )
             return pb.ProposeResponse(
-                accepted=accepted,
-                generation=c._generation,
-                committed_steps=self.committed_steps,
+                accepted=adopted is not Adoption.STALE,
+                generation=st.generation,
+                committed_steps=st.committed_steps,
             )
 
-    # -- shared steps ----------------------------------------------------------------------
+    # -- waiting for a decision -----------------------------------------------------------
 
-    def _await(
-        self, key: tuple[int, int], wait_ms: int, context: grpc.ServicerContext
-    ) -> pb.Decision:
-        c = self.c
-        with c.long_polls.wait(context) as may_wait, c._cond:
+    def _await(self, key: Key, wait_ms: int, context: grpc.ServicerContext) -> pb.Decision:
+        st, b = self.state, self.ballots
+        with self.c.long_polls.wait(context) as may_wait, st.cond:
             deadline = time.monotonic() + (min(wait_ms, 30_000) / 1000.0 if may_wait else 0.0)
             while True:
                 # A rank that voted in a generation older than the one this site was
                 # admitted back in must pull the state, whatever else was decided for
                 # its key meanwhile (a RETRY there would rerun a step the job has left
                 # behind, and wait for votes no other site will ever send).
-                rejoin = self._readmitted_locked(key)
+                rejoin = b.readmitted_locked(key)
                 if rejoin is not None:
                     return rejoin
-                found = self._decisions.get(key)
+                found = b.decisions.get(key)
                 if found is not None:
                     return found
                 left = deadline - time.monotonic()
-                if left <= 0 or c._stopped.is_set():
+                if left <= 0 or st.stopped.is_set():
                     return pb.Decision(step=key[0], verdict=pb.VERDICT_PENDING)
-                c._cond.wait(left)
-
-    def _readmitted_locked(self, key: tuple[int, int]) -> pb.Decision | None:
-        """The REJOIN for a vote cast before this site was admitted back, else None."""
-        rejoin = self._rejoin_decision
-        return rejoin if rejoin is not None and key[1] < rejoin.generation else None
-
-    def _adopt_locked(
-        self,
-        generation: int,
-        sites: list[pb.SiteInfo],
-        start_step: int,
-        state_source: str,
-        leader: str,
-    ) -> None:
-        c = self.c
-        left_out = c.excluded
-        for info in sites:
-            if info.name != c.site:
-                c._ready_sites[info.name] = info
-                c.last_seen.setdefault(info.name, time.monotonic())
-        c._generation = generation
-        c.members = [info.name for info in sites]
-        c.start_step = start_step
-        c.state_source = state_source
-        self._stuck_since = None
-        c.joining = c.excluded = False
-        for info in sites:
-            self._joiners.pop(info.name, None)
-            self.restarted.discard(info.name)  # a member again: its new incarnation
-        log.info(
-            "[%s] membership generation %d from %s: %s (from step %d)",
-            c.site,
-            generation,
-            leader,
-            ", ".join(c.members),
-            start_step,
-        )
-        if left_out and c.site in c.members and state_source and state_source != c.site:
-            # Admitted back after being left out: ranks waiting on a vote pull the state.
-            self.committed_steps = start_step
-            self._rejoin_decision = pb.Decision(
-                step=start_step,
-                verdict=pb.VERDICT_REJOIN,
-                generation=generation,
-                sites=sites,
-                state_source=state_source,
-                state_step=max(0, start_step - 1),
-                reason=f"admitted again by {leader} at step {start_step}",
-            )
-        c._cond.notify_all()
-
-    def _retry_locked(self, step: int, reason: str) -> pb.Decision:
-        c = self.c
-        return pb.Decision(
-            step=step,
-            verdict=pb.VERDICT_RETRY,
-            generation=c._generation,
-            sites=self._sites_of(c.members),
-            reason=reason,
-        )
-
-    def _decide_locked(self, key: tuple[int, int], decision: pb.Decision) -> None:
-        self._decisions[key] = decision
-        if decision.verdict == pb.VERDICT_COMMIT:
-            self.committed_steps = max(self.committed_steps, key[0] + 1)
-        # Old keys go; a few steps back is enough for late askers.
-        for old in [k for k in self._decisions if k[0] < key[0] - 8]:
-            del self._decisions[old]
-        for table in (self._rank_votes, self._site_votes):
-            for old in [k for k in table if k[0] < key[0] - 8]:
-                del table[old]
-        log.info(
-            "[%s] step %d generation %d: %s%s",
-            self.c.site,
-            key[0],
-            key[1],
-            _verdict_name(decision.verdict),
-            f" -> generation {decision.generation}" if decision.generation != key[1] else "",
-        )
-        self.c._cond.notify_all()
-
-    def add_joiner(self, info: pb.SiteInfo) -> None:
-        """A site outside the membership asked to join (call with the condition held)."""
-        if info.name not in self._joiners:
-            log.info("[%s] %s asks to join; admitted at the next commit", self.c.site, info.name)
-        self._joiners[info.name] = info
+                st.cond.wait(left)
 
     # -- the loop: forward this site's votes, re-evaluate as leader --------------------------
 
     def _run(self) -> None:
-        c = self.c
-        while not c._stopped.is_set():
-            with c._cond:
+        st, b = self.state, self.ballots
+        while not st.stopped.is_set():
+            with st.cond:
                 # Woken at once by a rank's vote (or any other news), else every _LOOP_S:
                 # a step's vote leaves for the leader without waiting for a tick.
-                c._cond.wait(_LOOP_S)
-                if c._generation == 0:
+                st.cond.wait(_LOOP_S)
+                if st.generation == 0:
                     continue
-                suspects = self.suspects_locked()
+                suspects = st.suspects_locked()
                 if suspects != self._suspects:  # silence is noticed by time, not by a call
                     self._suspects = suspects
-                    c._cond.notify_all()  # wake ranks long-polling GetMembership
-                ready = [
-                    key
-                    for key, votes in self._rank_votes.items()
-                    if len(votes) == c.ranks and key not in self._decisions
-                ]
-            for key in sorted(ready):
+                    st.cond.notify_all()  # wake ranks long-polling GetMembership
+                ready = b.voted_locked(self.c.ranks)
+            for key in ready:
                 try:
                     self._settle(key)
                 except Exception:  # never let the loop die; the next pass tries again
-                    log.exception("[%s] settling step %d failed", c.site, key[0])
+                    log.exception("[%s] settling step %d failed", st.site, key[0])
 
-    def _settle(self, key: tuple[int, int]) -> None:
-        c = self.c
-        with c._cond:
-            if key[1] != c._generation:
+    def _settle(self, key: Key) -> None:
+        c, st, b = self.c, self.state, self.ballots
+        with st.cond:
+            if key[1] != st.generation:
                 # Ranks voted in a generation this site has left: they run it again --
                 # unless the site was admitted back since, when they pull the state
                 # instead (_await hands them the REJOIN).
-                readmitted = self._readmitted_locked(key) is not None
-                if key not in self._decisions and c.site in c.members and not readmitted:
-                    self._decide_locked(key, self._retry_locked(key[0], "generation moved on"))
+                readmitted = b.readmitted_locked(key) is not None
+                if key not in b.decisions and st.site in st.members and not readmitted:
+                    b.decide_locked(key, b.retry_locked(key[0], "generation moved on"))
                 return
             leader = self._leader_locked()
-            votes = self._rank_votes[key]
+            votes = b.rank_votes[key]
             ok = all(votes.values())
-            suspects = self.suspects_locked()
-        if leader == c.site:
-            self._evaluate(key)
+            suspects = st.suspects_locked()
+        if leader == st.site:
+            self.leader.evaluate(key)
             return
-        with c._cond:
+        with st.cond:
             # The leader is silent when it is among the suspects; the next member in
             # line (maybe this site) takes over.
             if leader in suspects:
                 leader = self._leader_locked()
         request = pb.SiteVoteRequest(
-            site=c.site,
+            site=st.site,
             step=key[0],
             generation=key[1],
             ok=ok,
@@ -441,39 +339,31 @@ class Failover(Leader):
                 request, timeout=c.rpc_timeout_s + _FORWARD_WAIT_MS / 1000
             )
         except grpc.RpcError as exc:
-            log.debug("[%s] vote at %s: %s", c.site, leader, exc.code().name)
-            with c._cond:
-                silent = leader in self.suspects_locked()
+            log.debug("[%s] vote at %s: %s", st.site, leader, exc.code().name)
+            with st.cond:
+                silent = leader in st.suspects_locked()
                 nxt = self._leader_locked(exclude=[leader]) if silent else None
-            if nxt == c.site:
-                self._takeover(key, leader)
+            if nxt == st.site:
+                self.leader.takeover(key, leader)
             return
         if decision.verdict == pb.VERDICT_PENDING:
             return
-        if decision.verdict in (pb.VERDICT_COMMIT, pb.VERDICT_RETRY) and c.site not in [
-            info.name for info in decision.sites
-        ]:
+        going_on = decision.verdict in (pb.VERDICT_COMMIT, pb.VERDICT_RETRY)
+        if going_on and st.site not in [info.name for info in decision.sites]:
             # The job went on without this site (it was taken for dead): ask to be
             # admitted again; the ranks keep waiting and get REJOIN then.
-            with c._cond:
-                if not c.joining:
-                    log.warning(
-                        "[%s] step %d went on without this site: joining again", c.site, key[0]
-                    )
-                c.excluded = c.joining = True
+            with st.cond:
+                st.exclude_locked(f"step {key[0]} went on without this site")
             return
-        with c._cond:
-            if decision.generation > c._generation and decision.verdict in (
-                pb.VERDICT_COMMIT,
-                pb.VERDICT_RETRY,
-            ):
+        with st.cond:
+            if going_on and decision.generation > st.generation:
                 # The Propose may still be on its way; the decision carries the same news.
-                self._adopt_locked(
+                b.adopt_locked(
                     decision.generation,
                     list(decision.sites),
-                    key[0] + 1 if decision.verdict == pb.VERDICT_COMMIT else key[0],
-                    decision.state_source,
-                    leader,
+                    start_step=key[0] + 1 if decision.verdict == pb.VERDICT_COMMIT else key[0],
+                    state_source=decision.state_source,
+                    leader=leader,
                 )
-            if key not in self._decisions:
-                self._decide_locked(key, decision)
+            if key not in b.decisions:
+                b.decide_locked(key, decision)

@@ -1,26 +1,30 @@
 """The leader site's decisions on a step: commit, retry without silent sites, admit
 joiners, stop without quorum, and take over from a leader that fell silent.
 
-:class:`Leader` is the part of :class:`~isthmus.inter.control.failover.Failover` that runs
-only at the leader (the lowest-index member still heard from); see that module's
-docstring for the protocol. It shares Failover's state and the coordinator's
-condition variable.
+A :class:`Leader` runs only at the leader (the lowest-index member still heard from);
+:class:`~isthmus.inter.control.failover.Failover` holds one and calls it (see that
+module's docstring for the protocol). It is given what it uses: the membership
+(:class:`~isthmus.inter.control.state.CoordinatorState`, whose condition guards
+everything here too), the step votes and decisions it shares with failover
+(:class:`~isthmus.inter.control.state.Ballots`), the peers' stubs and the witness.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from typing import TYPE_CHECKING
 
 import grpc
 
+from isthmus.inter.control.state import Adoption, Ballots, CoordinatorState, Key
 from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from isthmus.inter.control.coordinator import Coordinator
+    from isthmus.inter.control.witness import WitnessLink
 
 __all__ = ["Leader", "has_quorum"]
 
@@ -38,70 +42,104 @@ def has_quorum(alive: Iterable[str], site_names: list[str], *, tie_break: bool =
 
 
 class Leader:
-    """Decisions taken at the leader site (a base of ``Failover``)."""
+    """Decisions taken at the leader site.
 
-    c: Coordinator
-    failure_timeout_s: float
-    min_sites: int
-    quorum_wait_s: float
-    committed_steps: int
-    _site_votes: dict
-    _rank_votes: dict
-    _decisions: dict
-    _joiners: dict
-    _deciding: set
-    _stuck_since: float | None
-    _highest_generation: int
-    proposing: dict[int, list[str]]
+    Args:
+        state: the site's membership; its condition guards this object's state too.
+        ballots: the votes and decisions per (step, generation), shared with failover.
+        peer_stub: the stub of a peer site's coordinator, by name.
+        rpc_timeout_s: deadline of each Propose.
+        witness: the job's witness, if it has one: a side holding exactly half the
+            sites goes on only with its grant.
+        min_sites: never go on with fewer live sites.
+        quorum_wait_s: how long a leader without quorum waits before it decides STOP.
+    """
 
-    def _evaluate(self, key: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        state: CoordinatorState,
+        ballots: Ballots,
+        *,
+        peer_stub: Callable[[str], pb_grpc.CoordinatorStub],
+        rpc_timeout_s: float,
+        witness: WitnessLink | None,
+        min_sites: int,
+        quorum_wait_s: float,
+    ) -> None:
+        self.state = state
+        self.ballots = ballots
+        self._peer_stub = peer_stub
+        self._rpc_timeout_s = rpc_timeout_s
+        self._witness = witness
+        self.min_sites = min_sites
+        self.quorum_wait_s = quorum_wait_s
+        self._deciding: set[Key] = set()
+        # (generation, since when) it has had no quorum; a new generation starts afresh.
+        self._stuck: tuple[int, float] | None = None
+        # The highest generation any proposal answer named: a retried proposal goes
+        # above it, so a site that accepted a failed attempt is not asked the same number.
+        self._highest_generation = 0
+        self.proposing: dict[int, list[str]] = {}
+        """generation -> members, while this site proposes it (asked by the members)."""
+
+    def _busy_locked(self, key: Key) -> bool:
+        """``key`` is decided, being decided, or of a generation this site has left."""
+        b = self.ballots
+        return key in b.decisions or key in self._deciding or key[1] != self.state.generation
+
+    def _ordered(self, names: Iterable[str]) -> list[str]:
+        return sorted(set(names), key=self.state.site_names.index)
+
+    def evaluate(self, key: Key) -> None:
         """As leader, decide (step, generation) if its votes or the suspects allow."""
-        c = self.c
+        st, b = self.state, self.ballots
         step, generation = key
-        with c._cond:
-            if key in self._decisions or key in self._deciding or generation != c._generation:
+        with st.cond:
+            if self._busy_locked(key):
                 return
             # Leader only because the generation's leader fell silent: take over
             # first, so a COMMIT it gave out before dying is honoured.
-            old_leader = c.members[0] if c.members and c.members[0] != c.site else None
+            members = st.members
+            old_leader = members[0] if members and members[0] != st.site else None
         if old_leader is not None:
-            self._takeover(key, old_leader)
+            self.takeover(key, old_leader)
             return
-        with c._cond:
-            if key in self._decisions or key in self._deciding or generation != c._generation:
+        with st.cond:
+            if self._busy_locked(key):
                 return
-            members = list(c.members)
-            votes = self._site_votes.get(key, {})
-            suspects = set(self.suspects_locked())
+            members = st.members
+            votes = b.site_votes.get(key, {})
+            suspects = set(st.suspects_locked())
             for _, theirs in votes.values():
                 suspects |= theirs
-            suspects.discard(c.site)
+            suspects.discard(st.site)
             alive = [m for m in members if m not in suspects]
-            mine = self._rank_votes.get(key, {})
-            own_ok = len(mine) == c.ranks and all(mine.values())
-            if len(mine) == c.ranks:
-                votes = {**votes, c.site: (own_ok, frozenset())}
+            mine = b.rank_votes.get(key, {})
+            own_ok = len(mine) == st.ranks and all(mine.values())
+            if len(mine) == st.ranks:
+                votes = {**votes, st.site: (own_ok, frozenset())}
             all_ok = all(m in votes and votes[m][0] for m in members)
             # Decide a retry once every member still heard from has voted: a dead
             # member is then dropped in one go instead of after a retry with it.
             failed = (any(not ok for ok, _ in votes.values()) or len(alive) < len(members)) and all(
                 m in votes for m in alive
             )
-            fresh = time.monotonic() - self.failure_timeout_s
-            joiners = [j for j, _ in self._joiners.items() if c.last_seen.get(j, 0.0) > fresh]
+            fresh = time.monotonic() - st.failure_timeout_s
+            last_seen = st.last_seen
+            joiners = [j for j in b.joiners if last_seen.get(j, 0.0) > fresh]
             if all_ok and not joiners:
-                self._decide_locked(
+                b.decide_locked(
                     key,
                     pb.Decision(
                         step=step,
                         verdict=pb.VERDICT_COMMIT,
                         generation=generation,
-                        sites=self._sites_of(members),
+                        sites=b.sites_of_locked(members),
                     ),
                 )
                 return
             if all_ok:
-                new_members, source, start = self._ordered(members + joiners), c.site, step + 1
+                new_members, source, start = self._ordered(members + joiners), st.site, step + 1
             elif failed:
                 if not self._quorum_ok_locked(key, alive):
                     return
@@ -109,14 +147,15 @@ class Leader:
             else:
                 return  # waiting for votes
             self._deciding.add(key)
-            sites = self._sites_of(new_members)
+            sites = b.sites_of_locked(new_members)
             new_gen = max(generation, self._highest_generation) + 1
         try:
             answers = self._propose_all(new_gen, sites, start, source)
             if not self._accepted_by_quorum(answers, new_gen):
                 return
-            with c._cond:
-                self._adopt_locked(new_gen, sites, start, source, c.site)
+            with st.cond:
+                if not self._adopt_own_locked(new_gen, sites, start, source):
+                    return
                 if all_ok:
                     decision = pb.Decision(
                         step=step,
@@ -136,46 +175,64 @@ class Leader:
                         sites=sites,
                         reason=f"without {', '.join(gone)}" if gone else "a round failed",
                     )
-                self._decide_locked(key, decision)
+                b.decide_locked(key, decision)
         finally:
-            with c._cond:
+            with st.cond:
                 self._deciding.discard(key)
+
+    def _adopt_own_locked(
+        self, generation: int, sites: list[pb.SiteInfo], start: int, source: str
+    ) -> bool:
+        """Adopt the generation this site proposed and a quorum accepted. False when this
+        site moved past it meanwhile (another leader's proposal): generations only move
+        forward, and a decision in the one it left would contradict the newer one."""
+        adopted = self.ballots.adopt_locked(
+            generation, sites, start_step=start, state_source=source, leader=self.state.site
+        )
+        if adopted is Adoption.STALE:
+            log.warning(
+                "[%s] generation %d accepted, but this site is at %d already: no decision",
+                self.state.site,
+                generation,
+                self.state.generation,
+            )
+        return adopted is not Adoption.STALE
 
     def _may_go_on(self, sites: list[str]) -> bool:
         """A quorum of the job's sites; with a witness, exactly half of them only with
         its grant (asked in the background: False until it answers)."""
-        witness = self.c.witness
-        if has_quorum(sites, self.c.site_names, tie_break=witness is None):
+        witness = self._witness
+        if has_quorum(sites, self.state.site_names, tie_break=witness is None):
             return True
         return witness is not None and witness.granted(sites)
 
-    def _quorum_ok_locked(self, key: tuple[int, int], alive: list[str]) -> bool:
+    def _quorum_ok_locked(self, key: Key, alive: list[str]) -> bool:
         """False while ``alive`` may not go on; after quorum_wait_s, decide STOP."""
-        c = self.c
+        st = self.state
         if self._may_go_on(alive) and len(alive) >= self.min_sites:
-            self._stuck_since = None
+            self._stuck = None
             return True
         now = time.monotonic()
-        if self._stuck_since is None:
-            self._stuck_since = now
+        if self._stuck is None or self._stuck[0] != st.generation:
+            self._stuck = (st.generation, now)
             log.warning(
                 "[%s] no quorum: reaches %s of %s (min_sites %d); waiting up to %.0fs",
-                c.site,
+                st.site,
                 alive,
-                c.site_names,
+                st.site_names,
                 self.min_sites,
                 self.quorum_wait_s,
             )
-        if now - self._stuck_since >= self.quorum_wait_s:
-            self._decide_locked(
+        if now - self._stuck[1] >= self.quorum_wait_s:
+            self.ballots.decide_locked(
                 key,
                 pb.Decision(
                     step=key[0],
                     verdict=pb.VERDICT_STOP,
-                    generation=c._generation,
+                    generation=st.generation,
                     reason=(
-                        f"{c.site} lost quorum: it reaches {', '.join(alive)} of "
-                        f"{', '.join(c.site_names)} (min_sites {self.min_sites}) and waited "
+                        f"{st.site} lost quorum: it reaches {', '.join(alive)} of "
+                        f"{', '.join(st.site_names)} (min_sites {self.min_sites}) and waited "
                         f"{self.quorum_wait_s:.0f}s; a side holding a quorum carries on"
                     ),
                 ),
@@ -186,21 +243,27 @@ class Leader:
         self, generation: int, sites: list[pb.SiteInfo], start: int, source: str
     ) -> dict[str, pb.ProposeResponse]:
         """Propose to every other member in parallel; returns the answers received."""
-        c = self.c
+        st = self.state
         request = pb.ProposeRequest(
-            leader=c.site, generation=generation, sites=sites, start_step=start, state_source=source
+            leader=st.site,
+            generation=generation,
+            sites=sites,
+            start_step=start,
+            state_source=source,
         )
-        targets = [info.name for info in sites if info.name != c.site]
+        targets = [info.name for info in sites if info.name != st.site]
         answers: dict[str, pb.ProposeResponse] = {}
         if not targets:
             return answers
         # Each member asks this site, at its own address, whether it proposes this
         # (failover.propose): a Propose in its name from anyone else is refused.
-        with c._cond:
+        with st.cond:
             self.proposing[generation] = [info.name for info in sites]
         with futures.ThreadPoolExecutor(len(targets)) as pool:
             calls = {
-                name: pool.submit(c.peer_stub(name).Propose, request, timeout=c.rpc_timeout_s)
+                name: pool.submit(
+                    self._peer_stub(name).Propose, request, timeout=self._rpc_timeout_s
+                )
                 for name in targets
             }
             for name, call in calls.items():
@@ -210,8 +273,8 @@ class Leader:
                         self._highest_generation, answers[name].generation
                     )
                 except grpc.RpcError as exc:
-                    log.warning("[%s] propose to %s: %s", c.site, name, exc.code().name)
-        with c._cond:
+                    log.warning("[%s] propose to %s: %s", st.site, name, exc.code().name)
+        with st.cond:
             self.proposing.pop(generation, None)
         return answers
 
@@ -219,47 +282,43 @@ class Leader:
         """True when the sites that accepted ``generation`` (this one included) hold a
         quorum. A refusal from a site already past it means the job went on without
         this site: it asks to be admitted again instead."""
-        c = self.c
-        accepted = [name for name, a in answers.items() if a.accepted] + [c.site]
+        st = self.state
+        accepted = [name for name, a in answers.items() if a.accepted] + [st.site]
         if self._may_go_on(accepted):
             return True
-        with c._cond:
+        with st.cond:
             if any(a.generation >= generation and not a.accepted for a in answers.values()):
-                log.warning(
-                    "[%s] generation %d refused by sites already past it: joining again",
-                    c.site,
-                    generation,
-                )
-                c.excluded = c.joining = True
+                st.exclude_locked(f"generation {generation} refused by sites already past it")
         return False
 
-    def _takeover(self, key: tuple[int, int], leader: str) -> None:
+    def takeover(self, key: Key, leader: str) -> None:
         """The leader fell silent and this site is next: form generation g+1 and decide
         the pending step so that any COMMIT the old leader gave out stands."""
-        c = self.c
+        st, b = self.state, self.ballots
         step, generation = key
-        with c._cond:
-            if key in self._decisions or key in self._deciding or generation != c._generation:
+        with st.cond:
+            if self._busy_locked(key):
                 return
-            suspects = set(self.suspects_locked()) | {leader}
-            alive = [m for m in c.members if m not in suspects]
+            suspects = set(st.suspects_locked()) | {leader}
+            alive = [m for m in st.members if m not in suspects]
             if not self._quorum_ok_locked(key, alive):
                 return
             self._deciding.add(key)
-            sites = self._sites_of(alive)
+            sites = b.sites_of_locked(alive)
             new_gen = max(generation, self._highest_generation) + 1
         try:
-            log.warning("[%s] leader %s is silent; taking over", c.site, leader)
+            log.warning("[%s] leader %s is silent; taking over", st.site, leader)
             answers = self._propose_all(new_gen, sites, step, "")
             if not self._accepted_by_quorum(answers, new_gen):
                 return
-            with c._cond:
+            with st.cond:
                 committed = max(
-                    [self.committed_steps] + [a.committed_steps for a in answers.values()]
+                    [st.committed_steps] + [a.committed_steps for a in answers.values()]
                 )
-                self._adopt_locked(new_gen, sites, step, "", c.site)
+                if not self._adopt_own_locked(new_gen, sites, step, ""):
+                    return
                 verdict = pb.VERDICT_COMMIT if committed > step else pb.VERDICT_RETRY
-                self._decide_locked(
+                b.decide_locked(
                     key,
                     pb.Decision(
                         step=step,
@@ -270,5 +329,5 @@ class Leader:
                     ),
                 )
         finally:
-            with c._cond:
+            with st.cond:
                 self._deciding.discard(key)

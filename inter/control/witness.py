@@ -182,11 +182,6 @@ class WitnessLink:
     def of(cls, coordinator: Coordinator, address: str) -> WitnessLink:
         """The link of ``coordinator`` (built after its settings and security)."""
         c = coordinator
-
-        def wake_the_leader() -> None:  # a grant arrived: re-evaluate pending steps
-            with c._cond:
-                c._cond.notify_all()
-
         return cls(
             address,
             site=c.site,
@@ -194,7 +189,7 @@ class WitnessLink:
             heartbeat_s=c.heartbeat_s,
             rpc_timeout_s=c.rpc_timeout_s,
             security=c.security,
-            on_answer=wake_the_leader,
+            on_answer=c.state.wake,  # a grant arrived: the leader re-evaluates pending steps
         )
 
     def start(self) -> WitnessLink:

@@ -7,7 +7,8 @@ sums them in site-index order, encodes the sum once and sends those same bytes
 (RESULT) to every site; every site, the owner included, keeps ``decode(result)``.
 So all sites hold bitwise-identical values whatever the codec. The round itself is
 :class:`~isthmus.inter.data.round.RoundPipeline`; this module owns the lane's settings,
-its encode/decode pool, its codec state and the statistics.
+its encode/decode pool, its codec state and the statistics. The membership it runs
+under is the lane server's (:attr:`LaneServer.members`, the one copy on a rank).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from concurrent import futures
 
 import torch
 
-from isthmus.inter.data.codec import Codec
+from isthmus.inter.data.codec import CodecChain
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.round import (
@@ -28,6 +29,7 @@ from isthmus.inter.data.round import (
     RoundStats,
     RoundView,
 )
+from isthmus.inter.data.round_types import Members
 
 __all__ = ["CrossSiteAllReduce", "CrossSiteError", "RoundStats", "default_workers"]
 
@@ -43,7 +45,8 @@ class CrossSiteAllReduce:
     Args:
         site_index: this site's index in the membership.
         num_sites: number of live sites.
-        server: this rank's lane server (receives from every peer).
+        server: this rank's lane server (receives from every peer); it keeps the
+            membership (``site_index``, ``num_sites``, ``generation`` are set on it).
         peers: site index -> lane client, for every other site.
         codec: the job's codec; must match the server's and every peer's.
         chunk_bytes: chunk size in bytes (a multiple of 4, equal to the server's).
@@ -59,7 +62,7 @@ class CrossSiteAllReduce:
         num_sites: int,
         server: LaneServer,
         peers: dict[int, LanePeer],
-        codec: Codec,
+        codec: CodecChain,
         chunk_bytes: int = 1 << 20,
         timeout_s: float = 60.0,
         generation: int = 0,
@@ -77,48 +80,53 @@ class CrossSiteAllReduce:
         workers = default_workers() if workers is None else workers
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        self.site_index = site_index
-        self.num_sites = num_sites
         self.server = server
+        members = Members(generation, site_index, num_sites, server.members.site_names)
+        if members != server.members:  # moving clears the mailbox: only when it differs
+            server.set_members(members)
         self.peers = peers
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self.generation = generation
         self.pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="lane-codec")
         self.abort = AbortSignal()
         """Set to fail the running rounds at once: a member site fell silent, so
         waiting for it until the deadline is pointless."""
 
-    def reconfigure(
-        self,
-        *,
-        site_index: int,
-        num_sites: int,
-        peers: dict[int, LanePeer],
-        generation: int,
-        site_names: list[str] | None = None,
-    ) -> None:
+    @property
+    def members(self) -> Members:
+        """The membership rounds run under (the lane server's)."""
+        return self.server.members
+
+    @property
+    def site_index(self) -> int:
+        return self.server.members.site_index
+
+    @property
+    def num_sites(self) -> int:
+        return self.server.members.num_sites
+
+    @property
+    def generation(self) -> int:
+        return self.server.members.generation
+
+    def reconfigure(self, members: Members, peers: dict[int, LanePeer]) -> None:
         """Moves to a new membership (between rounds): the lane server and the codec
         state stay; the peers, this site's position and the generation change."""
-        expected = set(range(num_sites)) - {site_index}
+        expected = set(range(members.num_sites)) - {members.site_index}
         if set(peers) != expected:
             raise ValueError(f"peers must cover sites {sorted(expected)}, got {sorted(peers)}")
-        self.site_index = site_index
-        self.num_sites = num_sites
         self.peers = peers
-        self.generation = generation
-        self.server.set_generation(
-            generation, num_sites=num_sites, site_index=site_index, site_names=site_names
-        )
+        self.server.set_members(members)
         self.abort.clear()
 
     def view(self) -> RoundView:
         """The membership and settings a round starting now runs under."""
+        members = self.server.members
         return RoundView(
-            site_index=self.site_index,
-            num_sites=self.num_sites,
-            generation=self.generation,
+            site_index=members.site_index,
+            num_sites=members.num_sites,
+            generation=members.generation,
             codec=self.codec,
             chunk_bytes=self.chunk_bytes,
             timeout_s=self.timeout_s,

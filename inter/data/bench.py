@@ -219,19 +219,18 @@ def _timed_step(
     if tensor.is_cuda:
         began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began.record()
-    sync.begin_step(step)
     for group, part in enumerate(tensor.chunk(c.groups)):
         if load is not None:
             load()
-        sync.start(group, part)
+        sync.start(step, group, part)
     compute_s = time.perf_counter() - t0
     if done is not None:
         done.record()
-    sync.finish()
+    stats = sync.finish(step).stats
     if began is not None and done is not None:
         done.synchronize()
         compute_s = began.elapsed_time(done) / 1000
-    return sync.last_step_stats, compute_s, sync.last_step_stats.sync_s
+    return stats, compute_s, stats.sync_s
 
 
 def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
@@ -356,7 +355,7 @@ def codec_throughput(spec: str, mib: float = 4.0, repeat: int = 3) -> dict[str, 
         n = int(mib * MIB) // 4
         x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
         enc = dec = float("inf")
-        payload = b""
+        payload: bytes | memoryview = b""
         for _ in range(repeat):
             t0 = time.perf_counter()
             payload = codec.encode(x, "bench")

@@ -135,7 +135,7 @@ class Tickets:
         with self._lock:
             self._live = {t: exp for t, exp in self._live.items() if exp > now}
             if len(self._live) >= self._limit:  # bounded: the oldest go first
-                for t in sorted(self._live, key=self._live.get)[: len(self._live) // 2]:
+                for t in sorted(self._live, key=self._live.__getitem__)[: len(self._live) // 2]:
                     del self._live[t]
             self._live[ticket] = now + self._ttl
         return ticket

@@ -14,6 +14,7 @@ only the smaller result is copied to the host); decoding yields CPU tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -35,7 +36,12 @@ from isthmus.inter.data.codecs import (
 
 __all__ = ["ALLOWED_SPECS", "Codec", "CodecChain", "CodecError", "crc32", "make_codec"]
 
-_TENSOR_STAGES = {"raw": Fp32Stage, "bf16": Bf16Stage, "int8": Int8Stage, "int4": Int4Stage}
+_TENSOR_STAGES: dict[str, Callable[[], TensorStage]] = {
+    "raw": Fp32Stage,
+    "bf16": Bf16Stage,
+    "int8": Int8Stage,
+    "int4": Int4Stage,
+}
 
 
 @runtime_checkable

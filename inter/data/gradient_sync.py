@@ -1,8 +1,11 @@
 """The gradient-sync seam that intra's training step calls (docs/design.md, "Between sites").
 
-``start`` runs inside FSDP2's all-reduce hook, once per FSDP group during backward;
-``finish`` runs before ``optimizer.step()`` and waits for every group's round (all of
-this rank's lane traffic). Rounds run on background threads, started in the order
+``start(step, group, shard)`` runs inside FSDP2's all-reduce hook, once per FSDP group
+during backward; ``finish(step)`` runs before ``optimizer.step()``, waits for every
+group's round (all of this rank's lane traffic), has the step voted on and returns
+its :class:`StepOutcome`: committed (the shards hold the cross-site mean, after any
+retries among the sites still alive) or rejoin (the job went on without this site;
+nothing was applied). A stop raises :class:`QuorumLost`: the rank ends there. Rounds run on background threads, started in the order
 groups were started, up to ``rounds_in_flight`` at once: each round is pipelined
 chunk by chunk, but its start and its peers' acknowledgements cost round trips that a
 window of rounds hides. Every site starts its rounds in the same order, and results
@@ -14,25 +17,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from concurrent import futures
 
 import torch
 
+from isthmus.inter.control.coordinator_client import Decision, Verdict
 from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
-from isthmus.inter.data.membership import QuorumLost, RejoinRequired, SiteMembership
+from isthmus.inter.data.membership import QuorumLost, SiteMembership
 from isthmus.inter.data.round import NonFiniteGradient
-from isthmus.proto import coordinator_pb2 as cpb
 
-__all__ = ["LaneGradientSync", "QuorumLost", "RejoinRequired", "StepStats"]
+__all__ = ["LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
-class StepStats:
-    """The cross-site sync of one training step, over all its groups."""
+class SyncStats:
+    """The cross-site sync of one training step, over all its groups (what crossed;
+    ``intra.train.StepStats`` is the step's training side)."""
 
     step: int = 0
     groups: int = 0
@@ -60,6 +63,24 @@ class StepStats:
     def compression_ratio(self) -> float:
         """raw_bytes / bytes_sent (1.0 when nothing was sent)."""
         return self.raw_bytes / self.bytes_sent if self.bytes_sent else 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """How a step's cross-site sync ended (``LaneGradientSync.finish``'s result)."""
+
+    stats: SyncStats
+    rejoin: Decision | None = None
+    """The job went on without this site: pull the state this decision names. Nothing
+    of the step was applied. None when the step committed."""
+    offer_state: Decision | None = None
+    """The commit admitted a site and named this one as the source of its state: offer
+    the state after this step (``PullState`` serves it)."""
+
+    @property
+    def committed(self) -> bool:
+        """The shards hold the cross-site mean; the optimizer may step."""
+        return self.rejoin is None
 
 
 @dataclasses.dataclass(slots=True)
@@ -96,38 +117,27 @@ class LaneGradientSync:
         self.allreduce = allreduce
         self.finish_timeout_s = finish_timeout_s
         self.membership = membership
-        self.offer_state: cpb.Decision | None = None
-        """Set by a COMMIT that admits a site and names this site as the state source:
-        the caller offers its state after the step (then clears this)."""
-        self.last_step_stats = StepStats()
-        self._step = 0
+        self._step: int | None = None  # the step whose rounds are started, until finish
         self._pending: list[_Pending] = []
-        self._abort = threading.Event()  # set when a round of this step fails
         # Rounds start in start() order on every site (the executor's queue is FIFO);
         # up to rounds_in_flight run at once.
         self._worker = futures.ThreadPoolExecutor(
             max_workers=rounds_in_flight, thread_name_prefix="lane-sync"
         )
 
-    def begin_step(self, step: int) -> None:
-        """Names the step whose gradients the next ``start`` calls carry.
-
-        Args:
-            step: training step; every site must use the same number.
-        """
-        if self._pending:
-            raise RuntimeError(f"begin_step({step}) while step {self._step} is unfinished")
-        self._step = step
-
-    def start(self, group: int, shard: torch.Tensor) -> None:
+    def start(self, step: int, group: int, shard: torch.Tensor) -> None:
         """Starts the cross-site round of one FSDP group.
 
         Args:
+            step: training step; every site uses the same number (it names the round).
             group: FSDP group index within the step.
             shard: the site-averaged flat gradient shard; updated in place by ``finish``.
         """
+        if self._pending and step != self._step:
+            raise RuntimeError(f"step {step} started while step {self._step} is unfinished")
         if any(p.group == group for p in self._pending):
-            raise ValueError(f"group {group} already started in step {self._step}")
+            raise ValueError(f"group {group} already started in step {step}")
+        self._step = step
         # A copy on the stream the hook runs on, so it is ordered after the
         # reduce-scatter that produced the shard; the event tells the worker thread
         # (another stream) when it is complete. On CPU the copy is synchronous.
@@ -136,50 +146,50 @@ class LaneGradientSync:
         if buffer.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        future = self._worker.submit(self._run, self._step, group, buffer, ready, self._abort)
+        future = self._worker.submit(self._run, step, group, buffer, ready)
         self._pending.append(_Pending(group, shard, buffer, future))
 
     def _run(
-        self,
-        step: int,
-        group: int,
-        buffer: torch.Tensor,
-        ready: torch.cuda.Event | None,
-        abort: threading.Event,
+        self, step: int, group: int, buffer: torch.Tensor, ready: torch.cuda.Event | None
     ) -> tuple[RoundStats, float, float]:
         """Runs one group's round; returns its stats and its start and end times."""
+        abort = self.allreduce.abort
         if abort.is_set():
             # A failed round leaves peers out of step; later rounds would only time out.
-            raise CrossSiteError(f"step {step} group {group} skipped after an earlier failure")
+            raise CrossSiteError(f"step {step} group {group} skipped: {abort.reason}")
         try:
             if ready is not None:
                 ready.synchronize()
             t0 = time.monotonic()
             rs = self.allreduce.allreduce([buffer], step=step, group=group, average=True)
             return rs, t0, time.monotonic()
-        except BaseException:
-            abort.set()
+        except BaseException as exc:
+            # The one abort signal of the rank: the step's other rounds fail at once.
+            abort.set(f"step {step} group {group} failed: {exc}")
             raise
 
-    def finish(self) -> None:
-        """Waits for every started group and writes the averages into the shards.
+    def finish(self, step: int) -> StepOutcome:
+        """Waits for every group started in ``step`` and writes the averages into the shards.
 
         With a membership, the step is voted on and the decision followed: a RETRY
         runs every group's round again, from the untouched shards, among the sites
         still alive; the shards change only on COMMIT (all or nothing).
 
+        Returns:
+            Committed (the shards hold the mean) or rejoin (nothing applied), with
+            the step's :class:`SyncStats`.
+
         Raises:
             CrossSiteError: (without a membership) a round failed or timed out; no
                 shard is changed then.
             NonFiniteGradient: this site's gradient holds NaN or Inf; nothing was sent.
-            RejoinRequired: the job went on without this site.
             QuorumLost: this site may not go on.
         """
-        pending, self._pending = self._pending, []
-        self._abort = threading.Event()  # rounds of the next step start afresh
-        step = self._step
-        self._step += 1  # callers that skip begin_step still get distinct rounds
-        stats = StepStats(step=step, groups=len(pending))
+        if self._pending and step != self._step:
+            raise RuntimeError(f"finish({step}) while step {self._step}'s rounds run")
+        pending, self._pending, self._step = self._pending, [], None
+        stats = SyncStats(step=step, groups=len(pending))
+        rejoin = offer = None
         t0 = time.perf_counter()
         try:
             while True:
@@ -193,29 +203,31 @@ class LaneGradientSync:
                 if failure is not None:
                     log.warning("[step %d] %s", step, failure)
                 decision = self.membership.vote(step, failure is None)
-                if decision.verdict == cpb.VERDICT_COMMIT:
+                if decision.verdict == Verdict.COMMIT:
                     if failure is not None:
                         # Only possible if this rank's vote was lost: never apply a half round.
                         raise QuorumLost(f"step {step} committed while this rank's round failed")
                     # What the step was averaged over, before a commit admits a site.
                     stats.generation = self.allreduce.generation
                     stats.sites = self.allreduce.num_sites
-                    self._follow(decision, step)
+                    offer = self._follow(decision, step)
                     break
-                if decision.verdict == cpb.VERDICT_RETRY:
+                if decision.verdict == Verdict.RETRY:
                     self.membership.configure(decision.generation, list(decision.sites))
                     stats.retries += 1
                     pending = self._restart(pending, step)
                     continue
-                if decision.verdict == cpb.VERDICT_REJOIN:
-                    raise RejoinRequired(decision)
+                if decision.verdict == Verdict.REJOIN:
+                    rejoin = decision
+                    break
                 raise QuorumLost(decision.reason or f"step {step}: the job stopped")
         finally:
             stats.wait_s = time.perf_counter() - t0
             if not stats.sites:  # not committed (or no membership): where it stands now
                 stats.generation = self.allreduce.generation
                 stats.sites = self.allreduce.num_sites
-            self.last_step_stats = stats
+        if rejoin is not None:
+            return StepOutcome(stats, rejoin=rejoin)
         # Copy back only once every group succeeded: all or nothing. The rounds
         # synchronized their device, so the buffers are complete.
         for p in pending:
@@ -228,9 +240,10 @@ class LaneGradientSync:
             stats.bytes_sent,
             stats.wait_s,
         )
+        return StepOutcome(stats, offer_state=offer)
 
     def _collect(
-        self, pending: list[_Pending], step: int, stats: StepStats
+        self, pending: list[_Pending], step: int, stats: SyncStats
     ) -> CrossSiteError | None:
         """Waits for every group's round; returns the first failure (all are awaited)."""
         timeout = self.finish_timeout_s
@@ -266,23 +279,26 @@ class LaneGradientSync:
         return failure
 
     def _restart(self, pending: list[_Pending], step: int) -> list[_Pending]:
-        """Runs every group's round again from its untouched shard (a RETRY)."""
-        self._abort = threading.Event()
+        """Runs every group's round again from its untouched shard (a RETRY; the new
+        generation's ``configure`` cleared the abort signal)."""
         restarted = []
         for p in pending:
             buffer = p.shard.detach().reshape(-1).to(torch.float32, copy=True)
-            future = self._worker.submit(self._run, step, p.group, buffer, None, self._abort)
+            future = self._worker.submit(self._run, step, p.group, buffer, None)
             restarted.append(_Pending(p.group, p.shard, buffer, future))
         return restarted
 
-    def _follow(self, decision: cpb.Decision, step: int) -> None:
-        """After a COMMIT: move to the generation it names (a site was admitted)."""
+    def _follow(self, decision: Decision, step: int) -> Decision | None:
+        """After a COMMIT: move to the generation it names (a site was admitted);
+        returns the decision when this site is to offer the joiner its state."""
         membership = self.membership
         assert membership is not None
-        if decision.generation != membership.generation:
-            membership.configure(decision.generation, list(decision.sites))
-            if decision.state_source == membership.site and decision.state_step == step:
-                self.offer_state = decision
+        if decision.generation == membership.generation:
+            return None
+        membership.configure(decision.generation, list(decision.sites))
+        if decision.state_source == membership.site and decision.state_step == step:
+            return decision
+        return None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The lane's codec state (error-feedback residuals), to save with training state.

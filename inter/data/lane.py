@@ -26,6 +26,7 @@ from isthmus.inter.control.channels import server_options
 from isthmus.inter.data.bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
+from isthmus.inter.data.round_types import Members
 from isthmus.inter.data.state_transfer import StateOffers, pieces
 from isthmus.inter.data.wire import Chunk, ChunkWire, WireError, encode_resend_response, parse_chunk
 from isthmus.inter.malformed import MalformedRequests
@@ -110,11 +111,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         mailbox_bytes: int | None = None,
         steps_ahead: int = MAX_STEPS_AHEAD,
     ) -> None:
-        if not 0 <= site_index < num_sites:
-            raise ValueError(f"site_index must be in [0, {num_sites}), got {site_index}")
+        members = Members(generation, site_index, num_sites)  # checks the index
         if chunk_bytes < 4 or chunk_bytes % 4:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4, got {chunk_bytes}")
-        self.site_index = site_index
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.mailbox = Mailbox(max_bytes=mailbox_bytes, max_ahead=steps_ahead)
@@ -128,9 +127,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.corruptions = 0
         """Chunks received with a payload that failed its crc32 (each pulled again)."""
         self._lock = threading.Condition()
-        self._generation = generation
-        self._num_sites = num_sites
-        self._site_names: list[str] | None = None  # the members, once a membership is set
+        self._members = members  # replaced whole by set_members, never mutated
         self.security = security or INSECURE
         self.where = f"lane of site {site_index}"
         self._server = grpc.server(
@@ -203,10 +200,28 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         return self._address
 
     @property
+    def members(self) -> Members:
+        """The rank's membership: the generation accepted chunks must carry, this site's
+        position and the members' names (the one copy on a rank; see :class:`Members`)."""
+        return self._members
+
+    @property
     def generation(self) -> int:
         """The membership generation accepted chunks must carry."""
+        return self._members.generation
+
+    @property
+    def site_index(self) -> int:
+        """This site's position among the members."""
+        return self._members.site_index
+
+    def set_members(self, members: Members) -> None:
+        """Moves to a new membership; chunks of the old one in the mailbox are dropped."""
         with self._lock:
-            return self._generation
+            self._members = members
+            self.mailbox.clear()
+            self.outbox.clear()
+            self._lock.notify_all()
 
     def set_generation(
         self,
@@ -215,35 +230,24 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         site_index: int | None = None,
         site_names: list[str] | None = None,
     ) -> None:
-        """Moves to a new membership; chunks of the old one in the mailbox are dropped.
-
-        Args:
-            generation: the new membership generation.
-            num_sites: sites in it (default unchanged).
-            site_index: this site's position among them (default unchanged).
-            site_names: their names in order; with mutual TLS a chunk "from site i"
-                is taken only from a certificate naming the i-th (default unchanged).
-        """
-        with self._lock:
-            num_sites = self._num_sites if num_sites is None else num_sites
-            site_index = self.site_index if site_index is None else site_index
-            if not 0 <= site_index < num_sites:
-                raise ValueError(f"site_index must be in [0, {num_sites}), got {site_index}")
-            self._generation = generation
-            self._num_sites = num_sites
-            self.site_index = site_index
-            if site_names is not None:
-                self._site_names = list(site_names)
-            self.mailbox.clear()
-            self.outbox.clear()
-            self._lock.notify_all()
+        """:meth:`set_members` with the fields not given unchanged."""
+        now = self._members
+        num_sites = now.num_sites if num_sites is None else num_sites
+        self.set_members(
+            Members(
+                generation,
+                now.site_index if site_index is None else site_index,
+                num_sites,
+                now.site_names if site_names is None else tuple(site_names),
+            )
+        )
 
     def _await_generation(self, generation: int, timeout: float) -> None:
         """A sender already in a newer generation may reach this lane a moment before
         its own rank hears of it: hold its chunk briefly rather than refuse it."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._generation < generation:
+            while self._members.generation < generation:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -268,8 +272,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         return None
 
     def _validate(self, req: Chunk) -> None:
-        with self._lock:
-            generation, num_sites = self._generation, self._num_sites
+        members = self._members  # one consistent view for the whole check
+        generation, num_sites = members.generation, members.num_sites
         per = self.chunk_bytes // 4
         limit = max_payload_bytes(self.chunk_bytes)
         crc = crc32(req.payload)
@@ -288,9 +292,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 f"codec {req.codec[:64]!r} != receiver's {self.codec!r}",
             ),
             (
-                req.from_site < num_sites and req.from_site != self.site_index,
+                req.from_site < num_sites and req.from_site != members.site_index,
                 bad,
-                f"from_site {req.from_site} is not a peer of site {self.site_index} "
+                f"from_site {req.from_site} is not a peer of site {members.site_index} "
                 f"among {num_sites} sites",
             ),
             (req.kind in kinds, bad, f"chunk kind {req.kind} is not CONTRIBUTION or RESULT"),
@@ -426,7 +430,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         Called per chunk: without TLS it returns before anything else."""
         if not self.security.require_tls:
             return
-        names = self._site_names  # replaced whole by set_generation, never mutated
+        names = self._members.site_names
         if names is not None and from_site < len(names):
             refuse_unless_named(self.security, context, self.where, names[from_site], method)
 
@@ -440,6 +444,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 f"lane of site {self.site_index} takes chunks on PushChunks only "
                 "(mutual TLS is on, or the bulk transport is off)",
             )
+        assert self._bulk is not None  # context.abort raised (grpc has no type hints)
         return lane_pb2.OpenBulkResponse(port=self._bulk.port, ticket=self._bulk.tickets.issue())
 
     def ResendChunk(  # noqa: N802 (gRPC method name)
@@ -461,6 +466,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"site {self.site_index} has no chunk {key} for site {request.from_site}",
             )
+        assert chunk is not None  # context.abort raised
         return encode_resend_response(chunk)
 
     def PullState(  # noqa: N802 (gRPC method name)
@@ -486,6 +492,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 f"site {self.site_index} rank {self.rank} offers no state after step "
                 f"{request.step} in generation {request.generation}",
             )
+        assert state is not None  # context.abort raised
         log.info(
             "[site %d rank %d] serving the state after step %d",
             self.site_index,

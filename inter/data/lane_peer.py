@@ -187,7 +187,7 @@ class LanePeer:
         self.address = address
         self._fetch_lock = threading.Lock()
         self._fetches = 0
-        base = channel_options(chunk_bytes)
+        base: list[tuple[str, int | str]] = [*channel_options(chunk_bytes)]
         # Without an explicit proxy, ignore http_proxy/grpc_proxy from the environment.
         base += [("grpc.http_proxy", proxy)] if proxy else [("grpc.enable_http_proxy", 0)]
         security = security or INSECURE

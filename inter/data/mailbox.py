@@ -14,15 +14,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from isthmus.inter.data.wire import Chunk
+
+if TYPE_CHECKING:
+    from isthmus.proto import lane_pb2
 
 __all__ = ["CORRUPT", "MAX_STEPS_AHEAD", "Mailbox", "MailboxKey", "Outbox", "OutboxKey"]
 
 # (step, group, kind, chunk_index, from_site)
-MailboxKey = tuple[int, int, int, int, int]
+MailboxKey = tuple[int, int, "lane_pb2.ChunkKind", int, int]
 # (step, group, kind, chunk_index)
-OutboxKey = tuple[int, int, int, int]
+OutboxKey = tuple[int, int, "lane_pb2.ChunkKind", int]
 CORRUPT = None
 """What ``take_any`` returns in place of a chunk whose payload failed its checksum."""
 MAX_STEPS_AHEAD = 4
@@ -98,8 +102,9 @@ class Mailbox:
             self._cond.notify_all()
             return True
 
-    def take(self, key: MailboxKey, timeout: float) -> Chunk:
-        """Waits up to ``timeout`` seconds for ``key``, removes and returns it.
+    def take(self, key: MailboxKey, timeout: float) -> Chunk | None:
+        """Waits up to ``timeout`` seconds for ``key``, removes and returns it
+        (:data:`CORRUPT` for a chunk that failed its checksum).
 
         Raises:
             TimeoutError: nothing arrived under ``key`` in time.

@@ -17,13 +17,17 @@ from collections.abc import Callable
 
 import grpc
 
-from isthmus.inter.control.rank_keys import RANK_KEY
+from isthmus.inter.control.coordinator_client import (
+    CoordinatorClient,
+    Decision,
+    SiteInfo,
+    Verdict,
+)
 from isthmus.inter.data.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.proto import coordinator_pb2 as pb
-from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+from isthmus.inter.data.round_types import Members
 
-__all__ = ["QuorumLost", "RejoinRequired", "SiteMembership"]
+__all__ = ["QuorumLost", "SiteMembership"]
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +40,11 @@ class QuorumLost(RuntimeError):
     """This site cannot go on: the decision was STOP (its reason is the message)."""
 
 
-class RejoinRequired(Exception):
-    """The job went on without this site; pull the state named by ``decision``."""
-
-    def __init__(self, decision: pb.Decision) -> None:
-        super().__init__(decision.reason or "rejoin")
-        self.decision = decision
-
-
 class SiteMembership:
     """One rank's membership client.
 
     Args:
-        stub: this site's coordinator.
+        client: this rank's client of its site's coordinator.
         site: this site's name.
         rank: this rank.
         allreduce: the rank's cross-site all-reduce, re-pointed on each new generation.
@@ -62,25 +58,24 @@ class SiteMembership:
     def __init__(
         self,
         *,
-        stub: pb_grpc.CoordinatorStub,
+        client: CoordinatorClient,
         site: str,
         rank: int,
         allreduce: CrossSiteAllReduce,
-        make_peer: Callable[[pb.SiteInfo], LanePeer],
-        sites: list[pb.SiteInfo],
+        make_peer: Callable[[SiteInfo], LanePeer],
+        sites: list[SiteInfo],
         generation: int,
         decision_timeout_s: float = 300.0,
         watch_s: float = 0.25,
     ) -> None:
-        self.stub = stub
+        self.client = client
         self.site = site
         self.rank = rank
         self.allreduce = allreduce
         self.make_peer = make_peer
         self.decision_timeout_s = decision_timeout_s
         self.watch_s = watch_s
-        self.generation = 0
-        self.sites: list[pb.SiteInfo] = []
+        self.sites: list[SiteInfo] = []
         self._peers: dict[tuple[str, str], LanePeer] = {}
         self._stop = threading.Event()
         self.configure(generation, sites)
@@ -88,10 +83,15 @@ class SiteMembership:
         self._watcher.start()
 
     @property
+    def generation(self) -> int:
+        """The generation the rank is in (the lane server's :class:`Members`)."""
+        return self.allreduce.generation
+
+    @property
     def member_names(self) -> list[str]:
         return [info.name for info in self.sites]
 
-    def configure(self, generation: int, sites: list[pb.SiteInfo]) -> None:
+    def configure(self, generation: int, sites: list[SiteInfo]) -> None:
         """Re-points the all-reduce at the members of ``generation`` (between rounds)."""
         names = [info.name for info in sites]
         if self.site not in names:
@@ -110,36 +110,27 @@ class SiteMembership:
             used.add(key)
         for key in [k for k in self._peers if k not in used]:
             self._peers.pop(key).close()
-        self.allreduce.reconfigure(
-            site_index=position,
-            num_sites=len(sites),
-            peers=peers,
-            generation=generation,
-            site_names=names,
-        )
-        self.generation, self.sites = generation, list(sites)
+        self.allreduce.reconfigure(Members(generation, position, len(sites), tuple(names)), peers)
+        self.sites = list(sites)
         log.info("[%s/%d] generation %d: %s", self.site, self.rank, generation, ", ".join(names))
 
-    def vote(self, step: int, ok: bool) -> pb.Decision:
+    def vote(self, step: int, ok: bool) -> Decision:
         """Votes on ``step``'s rounds; returns the job's decision (never PENDING).
 
         Raises:
             QuorumLost: no decision within ``decision_timeout_s``.
         """
-        request = pb.CommitStepRequest(
-            site=self.site,
-            rank=self.rank,
-            step=step,
-            generation=self.generation,
-            ok=ok,
-            wait_ms=_VOTE_WAIT_MS,
-            rank_key=RANK_KEY,
-        )
         deadline = time.monotonic() + self.decision_timeout_s
         while time.monotonic() < deadline:
             try:
-                decision = self.stub.CommitStep(
-                    request, timeout=_VOTE_WAIT_MS / 1000 + _RPC_SLACK_S
+                decision = self.client.commit_step(
+                    site=self.site,
+                    rank=self.rank,
+                    step=step,
+                    generation=self.generation,
+                    ok=ok,
+                    wait_ms=_VOTE_WAIT_MS,
+                    timeout_s=_VOTE_WAIT_MS / 1000 + _RPC_SLACK_S,
                 )
             except grpc.RpcError as exc:
                 if exc.code() in (
@@ -149,7 +140,7 @@ class SiteMembership:
                     raise QuorumLost(f"vote on step {step} refused: {exc.details()}") from exc
                 time.sleep(0.2)
                 continue
-            if decision.verdict != pb.VERDICT_PENDING:
+            if decision.verdict != Verdict.PENDING:
                 return decision
         raise QuorumLost(
             f"[{self.site}/{self.rank}] no decision on step {step} after "
@@ -161,11 +152,10 @@ class SiteMembership:
         # the generation moves, else after _WATCH_WAIT_MS (so `close` is never held long).
         while not self._stop.is_set():
             try:
-                reply = self.stub.GetMembership(
-                    pb.GetMembershipRequest(
-                        known_generation=self.generation, wait_ms=_WATCH_WAIT_MS
-                    ),
-                    timeout=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S,
+                reply = self.client.membership_now(
+                    known_generation=self.generation,
+                    wait_ms=_WATCH_WAIT_MS,
+                    timeout_s=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S,
                 )
             except grpc.RpcError:
                 self._stop.wait(self.watch_s)

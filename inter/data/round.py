@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import grpc
 import numpy as np
@@ -37,6 +37,7 @@ from isthmus.inter.data.wire import Chunk, encode_chunk
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
+    from isthmus.inter.data.bulk_peer import BulkPeerRound
     from isthmus.inter.data.lane_peer import LanePeer, PeerRound
 
 __all__ = [
@@ -119,7 +120,7 @@ class RoundPipeline:
         self._tasks: list[futures.Future] = []
         self._errors: list[BaseException] = []
         self._failed = threading.Event()
-        self._rounds: dict[int, PeerRound] = {}
+        self._rounds: dict[int, PeerRound | BulkPeerRound] = {}
 
     # -- the router (caller's thread) ----------------------------------------------
 
@@ -253,6 +254,7 @@ class RoundPipeline:
     def _decode(self, payload: bytes | memoryview, n: int) -> np.ndarray | torch.Tensor:
         """Host values (a CPU round) or values on the round's GPU."""
         t0 = time.perf_counter()
+        values: np.ndarray | torch.Tensor
         if self.device is None:
             values = self.codec.decode_array(payload, n)
         else:
@@ -260,7 +262,7 @@ class RoundPipeline:
         self._count(decode_s=time.perf_counter() - t0)
         return values
 
-    def _frame(self, kind: int, c: int, payload: bytes | memoryview) -> bytes:
+    def _frame(self, kind: lane_pb2.ChunkKind, c: int, payload: bytes | memoryview) -> bytes:
         """The chunk's message, ``payload`` copied into it once."""
         lo, hi = self._bounds(c)
         header = lane_pb2.PushChunksRequest(
@@ -286,7 +288,9 @@ class RoundPipeline:
         """Writes final values into [lo, hi) of the round's tensor."""
         if self.host is not None:
             np.copyto(self.host[lo:hi], values)
-        elif values.data_ptr() != self.flat[lo:hi].data_ptr():
+            return
+        assert isinstance(values, torch.Tensor)  # a CUDA round decodes onto its GPU
+        if values.data_ptr() != self.flat[lo:hi].data_ptr():
             self.flat[lo:hi].copy_(values)
 
     def _contribute(self, c: int, owner: int) -> None:
@@ -371,24 +375,28 @@ class RoundPipeline:
         # not later. Fixed site order: float addition is not associative, and every
         # site must see the same bits.
         if self.host is not None:
+            host_parts = cast("dict[int, np.ndarray]", parts)  # a CPU round decodes to numpy
             out = self.host[lo:hi]
             for s in range(2, sites):
-                if np.may_share_memory(parts[s], out):
-                    parts[s] = parts[s].copy()
-            np.add(parts[0], parts[1], out=out)
+                if np.may_share_memory(host_parts[s], out):
+                    host_parts[s] = host_parts[s].copy()
+            np.add(host_parts[0], host_parts[1], out=out)
             for s in range(2, sites):
-                np.add(out, parts[s], out=out)
+                np.add(out, host_parts[s], out=out)
             if self.average:
                 np.divide(out, np.float32(sites), out=out)
             summed = torch.from_numpy(out)
         else:
+            # A CUDA round: self.device is set and the parts are tensors on it.
+            assert self.device is not None
+            gpu_parts = cast("dict[int, torch.Tensor]", parts)
             summed = self.flat[lo:hi]
             for s in range(2, sites):
-                if parts[s].data_ptr() == summed.data_ptr():
-                    parts[s] = parts[s].clone()
-            torch.add(parts[0], parts[1], out=summed)
+                if gpu_parts[s].data_ptr() == summed.data_ptr():
+                    gpu_parts[s] = gpu_parts[s].clone()
+            torch.add(gpu_parts[0], gpu_parts[1], out=summed)
             for s in range(2, sites):
-                summed.add_(parts[s])
+                summed.add_(gpu_parts[s])
             if self.average:
                 summed.div_(_divisor(self.device, sites))
         payload = self._encode(summed, f"g{self.group}/r{c}")

@@ -1,5 +1,6 @@
-"""What one cross-site round is run under and reports: its view of the membership, its
-statistics, the flag that aborts it, and the errors it raises (``round.py`` runs it)."""
+"""What one cross-site round is run under and reports: the rank's membership, the
+round's view of it, its statistics, the flag that aborts it, and the errors it raises
+(``round.py`` runs it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import threading
 
 from isthmus.inter.data.codec import CodecChain
 
-__all__ = ["AbortSignal", "CrossSiteError", "NonFiniteGradient", "RoundStats", "RoundView"]
+__all__ = [
+    "AbortSignal",
+    "CrossSiteError",
+    "Members",
+    "NonFiniteGradient",
+    "RoundStats",
+    "RoundView",
+]
 
 
 class CrossSiteError(RuntimeError):
@@ -40,6 +48,30 @@ class AbortSignal:
     def clear(self) -> None:
         self.reason = ""
         self._event.clear()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Members:
+    """A rank's membership of the job: one generation, replaced whole, never mutated.
+
+    The rank's lane server holds the current one (it checks every incoming chunk
+    against it); the all-reduce and its rounds read it from there, and only
+    :class:`~isthmus.inter.data.membership.SiteMembership` moves it to a new generation.
+    """
+
+    generation: int
+    site_index: int
+    """This site's position among the members."""
+    num_sites: int
+    site_names: tuple[str, ...] | None = None
+    """The members' names in order; with mutual TLS a chunk "from site i" is taken only
+    from a certificate naming the i-th. None before a membership names them."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.site_index < self.num_sites:
+            raise ValueError(f"site_index must be in [0, {self.num_sites}), got {self.site_index}")
+        if self.site_names is not None and len(self.site_names) != self.num_sites:
+            raise ValueError(f"{len(self.site_names)} site names for {self.num_sites} sites")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -22,9 +22,12 @@ length it has not checked against the bytes at hand (docs/design.md, invariant 4
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from isthmus.proto import lane_pb2
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 __all__ = [
     "Chunk",
@@ -59,7 +62,7 @@ class Chunk:
     generation: int
     step: int
     group: int
-    kind: int
+    kind: lane_pb2.ChunkKind
     chunk_index: int
     num_chunks: int
     from_site: int
@@ -117,7 +120,9 @@ def _read_varint(data: memoryview, pos: int, end: int) -> tuple[int, int]:
             raise WireError("varint longer than 10 bytes")
 
 
-def encode_chunk(header: lane_pb2.PushChunksRequest, payload: Sequence[object] | object) -> bytes:
+def encode_chunk(
+    header: lane_pb2.PushChunksRequest, payload: Buffer | list[Buffer] | tuple[Buffer, ...]
+) -> bytes:
     """Serializes a chunk: ``header``'s fields, then the payload field.
 
     Args:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import crc32c as _crc32c
 import numpy as np
+import numpy.typing as npt
 import torch
 
 __all__ = [
@@ -35,7 +36,7 @@ class CodecError(ValueError):
     """A payload could not be decoded (wrong size, corrupt or hostile frame)."""
 
 
-def crc32(payload: bytes | memoryview) -> int:
+def crc32(payload: bytes | bytearray | memoryview) -> int:
     """Returns the CRC-32C (Castagnoli) of ``payload`` as an unsigned 32-bit int.
 
     CRC-32C because CPUs compute it in hardware (SSE 4.2, ARMv8): ~20 GB/s against
@@ -55,7 +56,7 @@ def check_chunk(chunk: torch.Tensor) -> torch.Tensor:
     return chunk.detach().contiguous()
 
 
-def check_size(stage: str, payload: bytes, expected: int, num_elements: int) -> None:
+def check_size(stage: str, payload: bytes | memoryview, expected: int, num_elements: int) -> None:
     """Raises CodecError unless ``payload`` is exactly ``expected`` bytes long."""
     if num_elements < 0 or len(payload) != expected:
         raise CodecError(
@@ -118,7 +119,8 @@ def to_host_view(t: torch.Tensor) -> memoryview:
     if sys.byteorder != "little":
         return memoryview(to_host_bytes(t))
     array = _host_tensor(t).view(_AS_INT[t.element_size()]).numpy()
-    return memoryview(array).cast("B").toreadonly()
+    # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12.
+    return memoryview(array).cast("B").toreadonly()  # type: ignore[arg-type]
 
 
 def to_device(payload: bytes | memoryview, device: torch.device) -> torch.Tensor:
@@ -134,7 +136,7 @@ def to_device(payload: bytes | memoryview, device: torch.device) -> torch.Tensor
     return out
 
 
-def from_le(payload: bytes | memoryview, dtype: np.dtype) -> np.ndarray:
+def from_le(payload: bytes | memoryview, dtype: npt.DTypeLike) -> np.ndarray:
     """A read-only view of little-endian ``payload`` as ``dtype`` (native order)."""
     array = np.frombuffer(payload, dtype=np.dtype(dtype).newbyteorder("<"))
     return array if sys.byteorder == "little" else array.astype(np.dtype(dtype))
@@ -183,10 +185,10 @@ class ByteStage(Protocol):
 
     name: str
 
-    def encode(self, data: bytes) -> bytes:
-        """Transforms ``data``."""
+    def encode(self, data: bytes | memoryview) -> bytes | memoryview:
+        """Transforms ``data`` (the tensor stage's output may be a view)."""
         ...
 
-    def decode(self, data: bytes, size: int) -> bytes:
+    def decode(self, data: bytes | memoryview, size: int) -> bytes | memoryview:
         """Inverts ``encode``; ``size`` is the exact length the result must have."""
         ...

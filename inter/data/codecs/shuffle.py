@@ -27,7 +27,7 @@ class ShuffleStage:
             raise ValueError(f"shuffle width must be >= 1, got {width}")
         self.width = width
 
-    def encode(self, data: bytes) -> bytes:
+    def encode(self, data: bytes | memoryview) -> bytes | memoryview:
         """See :meth:`ByteStage.encode`; a tail shorter than one element stays as is."""
         w = self.width
         body = len(data) - len(data) % w
@@ -36,7 +36,7 @@ class ShuffleStage:
         planes = np.frombuffer(data, dtype=np.uint8, count=body).reshape(-1, w).T
         return planes.tobytes() + data[body:]
 
-    def decode(self, data: bytes, size: int) -> bytes:
+    def decode(self, data: bytes | memoryview, size: int) -> bytes | memoryview:
         """See :meth:`ByteStage.decode`."""
         if len(data) != size:
             raise CodecError(f"shuffled payload has {len(data)} bytes, expected {size}")

@@ -47,11 +47,11 @@ class ZstdStage:
             dec = self._local.decompressor = zstandard.ZstdDecompressor()
         return dec
 
-    def encode(self, data: bytes) -> bytes:
+    def encode(self, data: bytes | memoryview) -> bytes:
         """See :meth:`ByteStage.encode`."""
         return self._compressor().compress(data)
 
-    def decode(self, data: bytes, size: int) -> bytes:
+    def decode(self, data: bytes | memoryview, size: int) -> bytes:
         """See :meth:`ByteStage.decode`; refuses frames that declare another size."""
         try:
             declared = zstandard.frame_content_size(data)

@@ -1,0 +1,61 @@
+"""`isthmus chaos`: the fault-injection suite (deploy/chaos.py, docs/reliability.md)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from isthmus.deploy.config import ConfigError
+
+__all__ = ["register"]
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from isthmus.deploy.chaos import run_suite
+
+    try:
+        results = run_suite(
+            quick=args.quick,
+            only=args.only,
+            keep=Path(args.keep) if args.keep else None,
+            repeat=args.repeat,
+            overrides=tuple(args.set),
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0 if all(r.ok for r in results) else 1
+
+
+def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """Add `isthmus chaos` to the CLI."""
+    parser = sub.add_parser(
+        "chaos",
+        help="run the fault-injection suite: kill, restart, partition, corrupt, slow",
+        description="Run real jobs (one `isthmus site` process per site over emulated "
+        "links) while injecting faults; each scenario passes when every surviving site "
+        "finishes with the same parameter digest. Prints a table and writes chaos.json "
+        "(docs/reliability.md).",
+        formatter_class=formatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="only the quick subset CI runs")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", default=None, help="run only these scenarios"
+    )
+    parser.add_argument(
+        "--keep", metavar="DIR", default=None, help="keep runs and logs here (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the chosen scenarios N times and report how often each passed",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for every site of every scenario, e.g. sync.mode=diloco",
+    )
+    parser.set_defaults(func=cmd_chaos)

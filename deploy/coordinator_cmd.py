@@ -1,0 +1,116 @@
+"""`isthmus coordinator`: one site's coordinator, alone (inter/control/coordinator.py).
+
+Its ranks register with it, and it joins the peer sites' coordinators with the job
+fingerprint; it exits non-zero with one line when a peer refuses the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from isthmus.deploy.cli import (
+    EXIT_FAILED,
+    add_config_arguments,
+    add_insecure_flag,
+    config_from_args,
+)
+from isthmus.deploy.config import ConfigError
+from isthmus.deploy.exposure import check_exposure
+
+__all__ = ["register"]
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from isthmus.inter.control.coordinator import Coordinator
+
+    config = config_from_args(args)
+    if args.site not in config.site_names:
+        raise ConfigError(f"--site {args.site!r} is not one of {config.site_names}")
+    if config.data.tokenizer != "bytes":  # the fingerprint carries the tokenizer's hash
+        from isthmus.deploy.corpus import pin_tokenizer
+
+        pin_tokenizer(config)
+    # The job config's cluster section, then the flags on top of it.
+    listen = args.listen or config.cluster.coordinators.get(args.site, "127.0.0.1:0")
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"--listen must be HOST:PORT, got {listen!r}")
+    check_exposure(config, args.site, host, sys.stderr)  # its lanes too: it is the site's
+    peers = {s: a for s, a in config.cluster.coordinators.items() if s != args.site}
+    peers.update(_pairs(args.peer, "--peer"))
+    proxies = {s: u for s, u in config.cluster.proxies.items() if s != args.site and u}
+    proxies.update(_pairs(args.proxy, "--proxy"))
+    missing = [s for s in config.site_names if s != args.site and s not in peers]
+    if missing:
+        raise ConfigError(
+            f"no coordinator address for {missing}: use --peer SITE=HOST:PORT or cluster.coordinators"
+        )
+    coordinator = Coordinator(
+        site=args.site,
+        site_names=config.site_names,
+        ranks=config.topology.ranks_per_site,
+        fingerprint=config.fingerprint(),
+        peers=peers,
+        proxies=proxies,
+        host=host or "127.0.0.1",
+        port=int(port or 0),
+        join_timeout_s=config.sync.timeout_s,
+        metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
+        security=config.site_security(args.site),
+    )
+    coordinator.start()
+    print(f"coordinator {args.site} listening on {coordinator.address}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.2):
+            if coordinator.error:
+                print(f"error: {coordinator.error}", file=sys.stderr)
+                return EXIT_FAILED
+    finally:
+        coordinator.stop()
+    return 0
+
+
+def _pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ConfigError(f"{flag} expects NAME=VALUE, got {item!r}")
+        out.append((name, value))
+    return out
+
+
+def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """Add `isthmus coordinator` to the CLI."""
+    parser = sub.add_parser(
+        "coordinator",
+        help="run one site's coordinator alone",
+        description="Serve one site's coordinator: its ranks register with it, and it "
+        "joins the peer sites' coordinators with the job fingerprint. Exits non-zero "
+        "with one line when a peer refuses the job.",
+        formatter_class=formatter,
+    )
+    add_config_arguments(parser, common_flags=False)
+    parser.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
+    parser.add_argument(
+        "--listen",
+        default=None,
+        help="HOST:PORT to serve on (default: cluster.coordinators.SITE, else 127.0.0.1:0)",
+    )
+    parser.add_argument(
+        "--peer", action="append", default=[], metavar="SITE=HOST:PORT", help="a peer coordinator"
+    )
+    parser.add_argument(
+        "--proxy",
+        action="append",
+        default=[],
+        metavar="SITE=URL",
+        help="HTTP CONNECT proxy (emulated link) to reach a peer through",
+    )
+    add_insecure_flag(parser)
+    parser.set_defaults(func=cmd_coordinator)

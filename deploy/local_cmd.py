@@ -1,0 +1,76 @@
+"""`isthmus local`: every site of a job on this machine, over emulated links.
+
+One coordinator and one torch.distributed world per site, ranks as processes, the
+sites joined by emulated long-haul links (deploy/local.py); prints progress, then the
+run's summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+
+from isthmus.deploy.cli import add_config_arguments, add_insecure_flag, config_from_args
+from isthmus.deploy.config import ConfigError
+from isthmus.deploy.exposure import check_exposure
+
+__all__ = ["register"]
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from isthmus.deploy.checkpointing import resolve_resume
+    from isthmus.deploy.local import LocalJob
+    from isthmus.deploy.summary import print_summary
+
+    topology = None
+    if args.topology:
+        from isthmus.sim import load_topology
+
+        try:
+            topology = load_topology(args.topology)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"--topology: {exc}") from None
+        if args.sites is None:
+            args.sites = len(topology.sites)
+    config = config_from_args(args)
+    for site in config.site_names:  # coordinators on loopback; lanes on cluster.lane_host
+        check_exposure(config, site, "127.0.0.1", sys.stderr)
+    resolve_resume(config, config.site_names, resume=args.resume)
+    job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology)
+    summary = job.run()
+    print("summary:", file=sys.stdout)
+    print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
+    if job.temporary_run_dir:
+        shutil.rmtree(job.run_dir, ignore_errors=True)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """Add `isthmus local` to the CLI."""
+    parser = sub.add_parser(
+        "local",
+        help="run every site of a job on this machine over emulated links",
+        description="Run a whole job on this machine: one coordinator and one "
+        "torch.distributed world per site, ranks as processes (gloo on CPU, NCCL on "
+        "GPUs), the sites joined by emulated long-haul links (default 1000 km, "
+        "1 Gbit/s). Prints progress, then a summary; --run-dir keeps the files.",
+        formatter_class=formatter,
+    )
+    add_config_arguments(parser, common_flags=True)
+    parser.add_argument(
+        "--topology",
+        metavar="TOML",
+        default=None,
+        help="emulate the links of this topology file (docs/wan.md) instead of the uniform "
+        "[wan] settings; its sites become site0, site1, ... in the file's order",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="start every site from the newest checkpoint step complete at all of them "
+        "(needs --run-dir or checkpoint.dir; docs/checkpoints.md)",
+    )
+    add_insecure_flag(parser)
+    parser.set_defaults(func=cmd_local)

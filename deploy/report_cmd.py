@@ -1,0 +1,62 @@
+"""`isthmus report`: plot a finished run (deploy/report.py), or compare several
+(deploy/report_compare.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from isthmus.deploy.config import ConfigError
+
+__all__ = ["register"]
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from isthmus.deploy.report import write_report
+    from isthmus.deploy.report_compare import write_comparison
+
+    run_dirs = [Path(p) for p in args.run_dirs]
+    out = Path(args.out) if args.out else None
+    labels = [label.strip() for label in args.labels.split(",")] if args.labels else None
+    if len(run_dirs) == 1:
+        if labels is not None:
+            raise ConfigError("--labels names the runs of a comparison: give two or more RUN_DIRs")
+        written = write_report(run_dirs[0], out)
+    else:
+        written = write_comparison(run_dirs, out, labels)
+    for path in written:
+        print(f"wrote {path}")
+    print(written[-1].read_text(), end="")  # the text: report.txt or compare.txt
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """Add `isthmus report` to the CLI."""
+    parser = sub.add_parser(
+        "report",
+        help="plot a finished run, or compare several",
+        description="One RUN_DIR: write PNG plots of a finished run (loss; step time "
+        "stacked into compute, intra-site and cross-site; WAN goodput against link "
+        "capacity) and a short text summary, from the files of its --run-dir. Several: "
+        "overlay them (held-out and training loss against tokens and against wall "
+        "seconds, bytes across sites against tokens) and write compare.txt, a table "
+        "with one row per run and each run's held-out loss relative to the first.",
+        formatter_class=formatter,
+    )
+    parser.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="finished runs' --run-dir; the first "
+        "is the baseline of a comparison"
+    )  # fmt: skip
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for the plots (default: RUN_DIR with one run, ./isthmus-compare with several)",
+    )
+    parser.add_argument(
+        "--labels",
+        default=None,
+        metavar="A,B,...",
+        help="names of the compared runs, in order (default: the sync mode, codec, sites x "
+        "ranks, ... where the runs differ)",
+    )
+    parser.set_defaults(func=cmd_report)

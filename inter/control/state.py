@@ -1,0 +1,465 @@
+"""The state a site's coordinator shares among its pieces, changed by named transitions.
+
+The coordinator's RPC handlers (inter/control/coordinator.py), its failover loop
+(failover.py), the leader's decisions (leader.py), the peer loop (peer_loop.py) and the
+admission rule (admission.py) all read and change one membership: its generation and
+members, whether this site is joining or was left out, which peers said they are
+ready, who is suspected dead and which steps committed. :class:`CoordinatorState` owns
+it, and every change is one of its transitions (``admit``, ``exclude``, ``suspect``,
+``commit``, ``adopt_generation``, ...), so each can be tested on its own
+(tests/inter/test_coordinator_state.py) and a reader finds in one file what moves the
+membership (the partition scenario once deadlocked in code that wrote it from four
+modules). :class:`Ballots` owns the votes and decisions per (step, generation) that
+failover and the leader share.
+
+Locking: one condition variable, ``CoordinatorState.cond`` (re-entrant), guards all of
+it. A method whose name ends in ``_locked`` must be called with it held; every other
+method takes it itself. A property reads one field without the lock (a single read is
+atomic); a caller that needs several fields to agree holds ``cond`` around them. Every
+transition wakes the threads waiting on ``cond`` (long polls, the failover loop), which
+re-check what they wait for; only ``heard_from_locked``, a timestamp, wakes nobody.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+
+from isthmus.proto import coordinator_pb2 as pb
+
+__all__ = ["Adoption", "Ballots", "CoordinatorState", "Key"]
+
+log = logging.getLogger("isthmus.inter.control.coordinator")
+failover_log = logging.getLogger("isthmus.inter.control.failover")
+
+Key = tuple[int, int]
+"""(step, generation): what a vote and a decision are about."""
+
+_KEEP_STEPS = 8  # decisions and votes this many steps back still answer late askers
+
+
+class Adoption(enum.Enum):
+    """What :meth:`CoordinatorState.adopt_generation_locked` did."""
+
+    STALE = "stale"
+    """Not newer than the current generation: ignored (generations only move forward)."""
+    ADOPTED = "adopted"
+    READMITTED = "readmitted"
+    """Adopted by a site the job had left out: it pulls the state from another member."""
+
+
+class CoordinatorState:
+    """The membership of one site's coordinator and the transitions that change it.
+
+    Args:
+        site: this site's name; must be in ``site_names``.
+        site_names: every site of the job, in index order.
+        ranks: ranks of this site (each registers one lane address).
+        failure_timeout_s: a member not heard from for this long is suspected dead.
+    """
+
+    def __init__(
+        self, *, site: str, site_names: Sequence[str], ranks: int, failure_timeout_s: float
+    ) -> None:
+        if site not in site_names:
+            raise ValueError(f"site {site!r} is not one of the job's sites {list(site_names)}")
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        if failure_timeout_s <= 0:
+            raise ValueError(f"failure_timeout_s must be > 0, got {failure_timeout_s}")
+        self.site = site
+        self.site_names = list(site_names)
+        self.index = self.site_names.index(site)
+        self.ranks = ranks
+        self.peers = frozenset(self.site_names) - {site}
+        self.failure_timeout_s = failure_timeout_s
+        self.address = ""
+        """Where this site's coordinator listens: set once, when its server is bound."""
+        self.cond = threading.Condition(threading.RLock())
+        self.stopped = threading.Event()
+        """Set when the site leaves: loops end, long polls answer at once."""
+        self.started_at: float | None = None
+        self._error: str | None = None
+        self._generation = 0
+        self._members: list[str] = []
+        self._start_step = 0
+        self._state_source = ""
+        self._joining = False
+        self._excluded = False
+        self._lanes: list[str | None] = [None] * ranks
+        self._ready_sites: dict[str, pb.SiteInfo] = {}
+        self._told_ready: set[str] = set()
+        self._last_seen: dict[str, float] = {}
+        self._restarted: set[str] = set()
+        self._committed_steps = 0
+
+    # -- views ------------------------------------------------------------------------
+
+    @property
+    def error(self) -> str | None:
+        """Why the job cannot go on, or None."""
+        return self._error
+
+    @property
+    def generation(self) -> int:
+        """The membership generation (0 until every site is present and ready)."""
+        return self._generation
+
+    @property
+    def members(self) -> list[str]:
+        """The sites of the current generation, in index order (a copy)."""
+        return list(self._members)
+
+    @property
+    def start_step(self) -> int:
+        """For a site joining a running job: the step it starts at."""
+        return self._start_step
+
+    @property
+    def state_source(self) -> str:
+        """For a site joining a running job: the member it pulls the state from."""
+        return self._state_source
+
+    @property
+    def joining(self) -> bool:
+        """True while this site asks a running job to admit it (restarted or left out)."""
+        return self._joining
+
+    @property
+    def excluded(self) -> bool:
+        """True when the job went on without this site (it was cut off without quorum)."""
+        return self._excluded
+
+    @property
+    def running(self) -> bool:
+        """A member of a running job: a generation exists and this site is in it."""
+        return self._generation > 0 and not self._joining
+
+    @property
+    def lanes(self) -> list[str | None]:
+        """The lane address each local rank registered (None: not yet), a copy."""
+        return list(self._lanes)
+
+    @property
+    def ready_sites(self) -> Mapping[str, pb.SiteInfo]:
+        """Peers that said they are ready, with their SiteInfo (read-only)."""
+        return MappingProxyType(self._ready_sites)
+
+    @property
+    def told_ready(self) -> frozenset[str]:
+        """Peers this site told, in a join, that it is ready."""
+        return frozenset(self._told_ready)
+
+    @property
+    def last_seen(self) -> Mapping[str, float]:
+        """When each peer was last heard from (time.monotonic), read-only."""
+        return MappingProxyType(self._last_seen)
+
+    @property
+    def restarted(self) -> frozenset[str]:
+        """Members seen joining afresh: their earlier incarnation is dead."""
+        return frozenset(self._restarted)
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps this site has committed: the next step it runs."""
+        return self._committed_steps
+
+    def seconds_since_start(self) -> float:
+        """How long ago the coordinator started (0 before it did)."""
+        started = self.started_at
+        return 0.0 if started is None else time.monotonic() - started
+
+    def local_ready_locked(self) -> bool:
+        """Every local rank has registered its lane."""
+        return all(self._lanes)
+
+    def own_info_locked(self) -> pb.SiteInfo:
+        """This site's SiteInfo: its lanes ("" for a rank not yet registered)."""
+        lanes = [lane or "" for lane in self._lanes]
+        return pb.SiteInfo(
+            name=self.site, index=self.index, lane_addresses=lanes, coordinator_address=self.address
+        )
+
+    def infos_locked(
+        self, names: Iterable[str], extra: Mapping[str, pb.SiteInfo] | None = None
+    ) -> list[pb.SiteInfo]:
+        """The SiteInfo of ``names`` (ready peers, this site, and ``extra`` such as joiners
+        being admitted), in index order."""
+        infos = {**self._ready_sites, **(extra or {}), self.site: self.own_info_locked()}
+        return sorted((infos[n] for n in names if n in infos), key=lambda info: info.index)
+
+    def suspects_locked(self) -> list[str]:
+        """Members other than this site not heard from within the failure timeout, and
+        members that restarted (their old incarnation is gone)."""
+        now = time.monotonic()
+        started = self.started_at if self.started_at is not None else now
+        return [
+            m
+            for m in self._members
+            if m != self.site
+            and (
+                m in self._restarted
+                or now - self._last_seen.get(m, started) > self.failure_timeout_s
+            )
+        ]
+
+    # -- transitions ----------------------------------------------------------------------
+
+    def mark_started(self) -> None:
+        """The coordinator started: silence is counted from now, and the join timeout."""
+        with self.cond:
+            self.started_at = time.monotonic()
+
+    def register_lane_locked(self, rank: int, address: str) -> None:
+        """Local ``rank`` serves its lane at ``address``; the last one may form generation 1."""
+        self._lanes[rank] = address
+        self._form_first_generation_locked()
+        self.cond.notify_all()
+
+    def admit_locked(self, info: pb.SiteInfo) -> bool:
+        """A peer said it is ready (before the job runs, or to a joining site); kept
+        only once: the first SiteInfo stands (a new generation brings newer ones).
+        Returns whether it was news. The last ready peer may form generation 1."""
+        if info.name not in self.peers:
+            raise ValueError(f"{info.name[:64]!r} is not a peer of {self.site}")
+        news = info.name not in self._ready_sites
+        if news:
+            self._ready_sites[info.name] = info
+        self._form_first_generation_locked()
+        self.cond.notify_all()
+        return news
+
+    def mark_told_ready_locked(self, name: str) -> None:
+        """This site told peer ``name``, in a join, that it is ready."""
+        self._told_ready.add(name)
+        self.cond.notify_all()
+
+    def await_admission_locked(self, generation: int) -> bool:
+        """A peer answered a first join with ``generation``: the job runs without this
+        site, which now waits to be admitted by its leader. Returns whether that is news."""
+        if self._generation != 0 or self._joining or generation <= 0:
+            return False
+        log.info("[%s] the job is running (generation %d): asking to join", self.site, generation)
+        self._joining = True
+        self.cond.notify_all()
+        return True
+
+    def exclude_locked(self, reason: str) -> bool:
+        """The job went on without this site (``reason`` says how this site learned it):
+        it is left out and asks to be admitted again. The one place that sets
+        ``excluded`` and ``joining``; idempotent. Returns whether it was news."""
+        news = not self._excluded
+        if news:
+            log.warning("[%s] %s: joining again", self.site, reason)
+        self._excluded = self._joining = True
+        self.cond.notify_all()
+        return news
+
+    def suspect_locked(self, name: str) -> None:
+        """Member ``name`` restarted: suspect it now, not after the failure timeout, until
+        a generation takes it back in."""
+        self._restarted.add(name)
+        self.cond.notify_all()
+
+    def heard_from_locked(self, name: str) -> None:
+        """A call from, or an answer of, peer ``name`` arrived. Wakes nobody: silence is
+        noticed by time, and the failover loop wakes the waiters when the suspects change."""
+        self._last_seen[name] = time.monotonic()
+
+    def commit_locked(self, step: int) -> None:
+        """``step`` committed: this site runs the steps after it."""
+        self._committed_steps = max(self._committed_steps, step + 1)
+        self.cond.notify_all()
+
+    def adopt_generation_locked(
+        self,
+        generation: int,
+        sites: Sequence[pb.SiteInfo],
+        *,
+        start_step: int,
+        state_source: str,
+        leader: str,
+    ) -> Adoption:
+        """Move to ``generation`` with the members ``sites`` (proposed or decided by
+        ``leader``), which a site joining starts at ``start_step`` with the state of
+        ``state_source``. An older or equal generation is ignored. Clears ``joining``
+        and ``excluded``; a member that restarted is trusted again in its new incarnation."""
+        if generation <= self._generation:
+            return Adoption.STALE
+        left_out = self._excluded
+        now = time.monotonic()
+        for info in sites:
+            if info.name != self.site:
+                self._ready_sites[info.name] = info
+                self._last_seen.setdefault(info.name, now)
+        self._generation = generation
+        self._members = [info.name for info in sites]
+        self._start_step = start_step
+        self._state_source = state_source
+        self._joining = self._excluded = False
+        self._restarted -= set(self._members)
+        failover_log.info(
+            "[%s] membership generation %d from %s: %s (from step %d)",
+            self.site,
+            generation,
+            leader,
+            ", ".join(self._members),
+            start_step,
+        )
+        readmitted = left_out and self.site in self._members and state_source not in ("", self.site)
+        if readmitted:
+            self._committed_steps = start_step  # the state it pulls has these steps applied
+        self.cond.notify_all()
+        return Adoption.READMITTED if readmitted else Adoption.ADOPTED
+
+    def fail(self, message: str) -> None:
+        """The job cannot go on (the first reason stands); waiters hear it at once."""
+        with self.cond:
+            if self._error is None:
+                self._error = message
+                log.error("[%s] %s", self.site, message)
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        """The site leaves: loops end and long polls answer."""
+        self.stopped.set()
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake every waiter on news kept outside this state (a grant of the witness)."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def _form_first_generation_locked(self) -> None:
+        """Generation 1, once every local rank and every peer is ready (and this site
+        is not joining a job that runs already)."""
+        if (
+            self._generation == 0
+            and not self._joining
+            and self.local_ready_locked()
+            and set(self._ready_sites) == self.peers
+        ):
+            self._generation = 1
+            self._members = list(self.site_names)
+            log.info("[%s] membership generation 1: %s", self.site, ", ".join(self.site_names))
+
+
+class Ballots:
+    """Per (step, generation): the local ranks' votes, the member sites' votes (at the
+    leader) and the decision; and the sites waiting to be admitted at the next commit.
+    Guarded by ``state.cond`` like the state itself (every method is ``_locked``)."""
+
+    def __init__(self, state: CoordinatorState) -> None:
+        self.state = state
+        self.rank_votes: dict[Key, dict[int, bool]] = {}
+        self.site_votes: dict[Key, dict[str, tuple[bool, frozenset[str]]]] = {}
+        self.decisions: dict[Key, pb.Decision] = {}
+        self.joiners: dict[str, pb.SiteInfo] = {}
+        self.rejoin: pb.Decision | None = None
+        """The REJOIN for ranks that voted before this site was admitted back."""
+
+    def vote_rank_locked(self, key: Key, rank: int, ok: bool) -> None:
+        """Local ``rank``'s vote; a "not ok" stands once cast."""
+        votes = self.rank_votes.setdefault(key, {})
+        votes[rank] = votes.get(rank, True) and ok
+        self.state.cond.notify_all()
+
+    def vote_site_locked(self, key: Key, site: str, ok: bool, suspects: Iterable[str]) -> None:
+        """Member ``site``'s vote at the leader. A site's vote is resent while it waits;
+        a "not ok" stands once cast, so a second call saying "ok" (a forged one) cannot
+        turn a failed round into a commit: the worst it can do is make the step run again."""
+        votes = self.site_votes.setdefault(key, {})
+        ok = votes[site][0] and ok if site in votes else ok
+        votes[site] = (ok, frozenset(suspects))
+        self.state.cond.notify_all()
+
+    def voted_locked(self, ranks: int) -> list[Key]:
+        """Undecided keys every one of the ``ranks`` local ranks voted on, in order."""
+        return sorted(
+            key
+            for key, votes in self.rank_votes.items()
+            if len(votes) == ranks and key not in self.decisions
+        )
+
+    def add_joiner_locked(self, info: pb.SiteInfo) -> None:
+        """A site outside the membership asked to join (settled with its own answer)."""
+        if info.name not in self.joiners:
+            failover_log.info(
+                "[%s] %s asks to join; admitted at the next commit", self.state.site, info.name
+            )
+        self.joiners[info.name] = info
+        self.state.cond.notify_all()
+
+    def sites_of_locked(self, names: Iterable[str]) -> list[pb.SiteInfo]:
+        """The SiteInfo of ``names``, joiners being admitted included, in index order."""
+        return self.state.infos_locked(names, extra=self.joiners)
+
+    def retry_locked(self, step: int, reason: str) -> pb.Decision:
+        """A RETRY of ``step`` in the current generation."""
+        state = self.state
+        return pb.Decision(
+            step=step,
+            verdict=pb.VERDICT_RETRY,
+            generation=state.generation,
+            sites=self.sites_of_locked(state.members),
+            reason=reason,
+        )
+
+    def readmitted_locked(self, key: Key) -> pb.Decision | None:
+        """The REJOIN for a vote cast before this site was admitted back, else None."""
+        rejoin = self.rejoin
+        return rejoin if rejoin is not None and key[1] < rejoin.generation else None
+
+    def decide_locked(self, key: Key, decision: pb.Decision) -> None:
+        """Record the decision on ``key`` (a COMMIT commits its step) and wake the voters."""
+        self.decisions[key] = decision
+        if decision.verdict == pb.VERDICT_COMMIT:
+            self.state.commit_locked(key[0])
+        for table in (self.decisions, self.rank_votes, self.site_votes):
+            for old in [k for k in table if k[0] < key[0] - _KEEP_STEPS]:
+                del table[old]
+        failover_log.info(
+            "[%s] step %d generation %d: %s%s",
+            self.state.site,
+            key[0],
+            key[1],
+            pb.Verdict.Name(decision.verdict).removeprefix("VERDICT_"),
+            f" -> generation {decision.generation}" if decision.generation != key[1] else "",
+        )
+        self.state.cond.notify_all()
+
+    def adopt_locked(
+        self,
+        generation: int,
+        sites: Sequence[pb.SiteInfo],
+        *,
+        start_step: int,
+        state_source: str,
+        leader: str,
+    ) -> Adoption:
+        """:meth:`CoordinatorState.adopt_generation_locked`, then: the new members are no
+        longer joiners, and a site admitted back hands its waiting ranks a REJOIN."""
+        outcome = self.state.adopt_generation_locked(
+            generation, sites, start_step=start_step, state_source=state_source, leader=leader
+        )
+        if outcome is Adoption.STALE:
+            return outcome
+        for info in sites:
+            self.joiners.pop(info.name, None)
+        if outcome is Adoption.READMITTED:
+            # Ranks waiting on a vote of an older generation pull the state instead.
+            self.rejoin = pb.Decision(
+                step=start_step,
+                verdict=pb.VERDICT_REJOIN,
+                generation=generation,
+                sites=sites,
+                state_source=state_source,
+                state_step=max(0, start_step - 1),
+                reason=f"admitted again by {leader} at step {start_step}",
+            )
+        return outcome

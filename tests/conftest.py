@@ -1,0 +1,22 @@
+"""Fixtures that tests of several layers share (tests/<layer>/conftest.py hold a layer's own).
+
+The helper modules next to this file (helpers.py, lanes.py, sockets.py, coordinators.py,
+dist_helpers.py, fuzzing.py) are importable from every layer: pyproject's
+[tool.pytest.ini_options] puts tests/ on the import path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from isthmus.deploy.certs_cmd import write_certs
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory) -> Path:
+    """The certificates of a job of site0 and site1: a CA, each site's key pair, the token."""
+    out = tmp_path_factory.mktemp("job-certs")
+    write_certs(out, ["site0", "site1"])
+    return out

@@ -1,0 +1,187 @@
+"""The layers' import rules (docs/design.md, "Layout"), read from the source with ast.
+
+intra, sim and proto import nothing of ours but themselves; inter imports only proto
+and inter; inter/control never imports inter/data (a coordinator moves no tensors);
+deploy, the composition root, may import everything. Every import counts: at module
+level, inside a function, under TYPE_CHECKING, relative ones, and the names handed to
+importlib.import_module. A docstring that mentions a module is no import.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from helpers import ROOT
+
+# Where each folder lives in the import namespace (pyproject's [tool.setuptools.package-dir]).
+PACKAGES = {
+    "proto": "isthmus.proto",
+    "intra": "isthmus.intra",
+    "inter": "isthmus.inter",
+    "sim": "isthmus.sim",
+    "deploy": "isthmus.deploy",
+}
+
+# (the importing package, what of ours it may import, what it must not even so); a
+# module obeys every rule whose package holds it (inter/control: both inter's and its own).
+RULES = (
+    ("isthmus.proto", ("isthmus.proto",), ()),
+    ("isthmus.intra", ("isthmus.intra",), ()),
+    ("isthmus.sim", ("isthmus.sim",), ()),
+    ("isthmus.inter", ("isthmus.proto", "isthmus.inter"), ()),
+    ("isthmus.inter.control", ("isthmus.proto", "isthmus.inter"), ("isthmus.inter.data",)),
+    # The data plane reaches the control plane only as a rank talks to its coordinator
+    # (the typed client, the rank's key) and through the shared gRPC channel options.
+    (
+        "isthmus.inter.data",
+        (
+            "isthmus.proto",
+            "isthmus.inter.data",
+            *(
+                f"isthmus.inter.{shared}"
+                for shared in ("security", "bounds", "malformed", "metrics")
+            ),
+            *(
+                f"isthmus.inter.control.{m}"
+                for m in ("coordinator_client", "rank_keys", "channels")
+            ),
+        ),
+        (),
+    ),
+    ("isthmus.deploy", ("isthmus",), ()),
+)
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _modules(root: Path) -> Iterator[tuple[Path, str, bool]]:
+    """Each source file with its module name and whether it is a package's __init__."""
+    for folder, package in PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            if "_pb2" in path.name:  # generated (proto/generate.py), never edited
+                continue
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            is_package = parts[-1] == "__init__"
+            yield path, ".".join((package, *parts[: -1 if is_package else None])), is_package
+
+
+def _resolve(name: str, level: int, module: str, is_package: bool) -> str:
+    """The absolute name of ``from <level dots><name> import ...`` written in ``module``."""
+    if not level:
+        return name
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, name] if name else base)
+
+
+def _import_module_target(call: ast.Call) -> str | None:
+    """The module an ``import_module(...)`` or ``__import__(...)`` call names, as far as
+    its first argument tells: a constant, or an f-string's constant head up to its last
+    dot, the package the module lands in (f"isthmus.deploy.{name}_cmd": isthmus.deploy)."""
+    func = call.func
+    called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+    if called not in ("import_module", "__import__") or not call.args:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        head = str(arg.values[0].value)
+        return head[: head.rindex(".") + 1] if "." in head else None
+    return None
+
+
+def imports(source: str, module: str, is_package: bool) -> Iterator[tuple[int, str, str]]:
+    """Every (line, imported module, statement) in ``source``, wherever it stands."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node.module or "", node.level, module, is_package)
+            # `from isthmus.inter import data` imports isthmus.inter.data.
+            names = [base if a.name == "*" else f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Call) and (target := _import_module_target(node)) is not None:
+            name = target.lstrip(".")
+            names = [_resolve(name.rstrip("."), len(target) - len(name), module, is_package)]
+        else:
+            continue
+        statement = " ".join((ast.get_source_segment(source, node) or "").split())
+        for name in names:
+            yield node.lineno, name, statement
+
+
+def _broken_rule(module: str, name: str) -> str | None:
+    """Why ``module`` may not import ``name``, or None if it may."""
+    for package, allowed, forbidden in RULES:
+        if not _under(module, package):
+            continue
+        if not any(_under(name, a) for a in allowed):
+            return f"{package} may import only {', '.join(allowed)} of ours"
+        if any(_under(name, f) for f in forbidden):
+            return f"{package} must not import {', '.join(forbidden)}"
+    return None
+
+
+def violations(root: Path) -> list[str]:
+    """One line per import that breaks a rule: file, line, the statement, and the rule."""
+    found = set()
+    for path, module, is_package in _modules(root):
+        for line, name, statement in imports(path.read_text(), module, is_package):
+            if _under(name, "isthmus") and (why := _broken_rule(module, name)):
+                found.add((str(path.relative_to(root)), line, f"{statement}  ({why})"))
+    return [f"{path}:{line}: {text}" for path, line, text in sorted(found)]
+
+
+def test_every_layer_imports_only_what_the_layout_allows() -> None:
+    scanned = {module.split(".")[1] for _, module, _ in _modules(ROOT)}
+    assert scanned == set(PACKAGES), scanned  # a moved folder must not pass by vanishing
+    found = violations(ROOT)
+    assert not found, "imports against docs/design.md's Layout:\n" + "\n".join(found)
+
+
+def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
+    # A tree with one of each kind of import the check must catch, and one of each it
+    # must let pass, so that the check above cannot pass by seeing nothing.
+    files = {
+        "proto/__init__.py": "",
+        "intra/__init__.py": "from . import model\n",
+        "intra/model.py": '"""Uses isthmus.inter.data for nothing."""\nimport torch\n',
+        "sim/__init__.py": "def f():\n    import isthmus.deploy.cli\n",
+        "inter/__init__.py": "",
+        "inter/security.py": "from isthmus.proto import lane_pb2\nfrom isthmus.intra import train\n",
+        "inter/data/__init__.py": "",
+        "inter/data/lane.py": "from isthmus.inter.control import coordinator_client\n",
+        "inter/data/round.py": "from isthmus.inter.control.failover import Failover\n",
+        "inter/control/__init__.py": "",
+        "inter/control/coordinator.py": (
+            "from typing import TYPE_CHECKING\n"
+            "from ..security import SiteSecurity\n"
+            "if TYPE_CHECKING:\n"
+            "    from ..data.lane import LaneServer\n"
+            "def f():\n"
+            "    from isthmus.inter import data\n"
+            "    import importlib\n"
+            "    return importlib.import_module(f'isthmus.inter.data.{name}')\n"
+        ),
+        "inter/control/lane_pb2.py": "from isthmus.deploy import cli\n",  # generated: skipped
+        "deploy/__init__.py": "from isthmus.inter.data.lane import LaneServer\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = violations(tmp_path)
+    where = [line.split("  (")[0] for line in found]
+    assert where == [
+        "inter/control/coordinator.py:4: from ..data.lane import LaneServer",
+        "inter/control/coordinator.py:6: from isthmus.inter import data",
+        "inter/control/coordinator.py:8: importlib.import_module(f'isthmus.inter.data.{name}')",
+        "inter/data/round.py:1: from isthmus.inter.control.failover import Failover",
+        "inter/security.py:2: from isthmus.intra import train",
+        "sim/__init__.py:2: import isthmus.deploy.cli",
+    ], "\n".join(found)
+    assert found[0].endswith("(isthmus.inter.control must not import isthmus.inter.data)")
+    assert found[-1].endswith("(isthmus.sim may import only isthmus.sim of ours)")

@@ -1,0 +1,132 @@
+"""Resuming a job from its checkpoints: the [checkpoint] config, the step a resumed
+job starts at, and a real `isthmus local` run stopped and resumed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import fake_checkpoint, run_cli
+
+from isthmus.deploy.checkpointing import common_step, resolve_resume, site_root
+from isthmus.deploy.config import ConfigError, load_config
+
+
+def test_checkpoint_settings_stay_out_of_the_fingerprint_but_the_start_step_does_not() -> None:
+    base = load_config().fingerprint()
+    other = load_config(
+        overrides=["checkpoint.every=5", "checkpoint.dir=/x", "checkpoint.keep=9"]
+    ).fingerprint()
+    assert base == other
+    assert base["checkpoint.resume_step"] == "-1"
+    resumed = load_config(overrides=["checkpoint.resume_step=3"]).fingerprint()
+    assert resumed["checkpoint.resume_step"] == "3"
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("checkpoint.every=-1", "checkpoint.every must be >= 0"),
+        ("checkpoint.keep=-2", "checkpoint.keep must be >= 0"),
+        ("checkpoint.resume_step=20", "below job.steps=20"),
+    ],
+)
+def test_bad_checkpoint_settings_are_refused(override: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_config(overrides=[override])
+
+
+def test_resume_takes_the_newest_step_complete_at_any_site(tmp_path: Path) -> None:
+    config = load_config(overrides=[f"run.run_dir={tmp_path}"])
+    for site, steps in {"site0": [2, 4, 6], "site1": [2, 4]}.items():
+        for step in steps:
+            fake_checkpoint(site_root(config, tmp_path, site), step)
+    # site1 will load site0's step 6: replicas are identical after every step.
+    resolve_resume(config, config.site_names, resume=True)
+    assert config.checkpoint.resume_step == 6
+    # Retention spares the newest step that every site holds.
+    assert common_step(config, tmp_path) == 4
+    # One site alone (`isthmus site --resume`) takes its own newest.
+    alone = load_config(overrides=[f"run.run_dir={tmp_path}"])
+    resolve_resume(alone, ["site1"], resume=True)
+    assert alone.checkpoint.resume_step == 4
+
+
+def test_resume_refuses_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--resume needs --run-dir"):
+        resolve_resume(load_config(), ["site0"], resume=True)
+    config = load_config(overrides=[f"run.run_dir={tmp_path}", "job.steps=6"])
+    with pytest.raises(ConfigError, match=r"--resume: no complete checkpoint under .*\*"):
+        resolve_resume(config, config.site_names, resume=True)
+    fake_checkpoint(site_root(config, tmp_path, "site0"), 6)
+    with pytest.raises(ConfigError, match="nothing left to train"):
+        resolve_resume(config, config.site_names, resume=True)
+    named = load_config(overrides=[f"run.run_dir={tmp_path}", "checkpoint.resume_step=3"])
+    with pytest.raises(ConfigError, match=r"resume_step=3: no complete checkpoint of it"):
+        resolve_resume(named, named.site_names, resume=False)
+
+
+def _site_lines(run_dir: Path, site: str) -> list[dict]:
+    text = (run_dir / "sites" / site / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(tmp_path: Path) -> None:
+    """2 sites x 1 rank, 6 steps, a checkpoint every 3; then resume from step 3.
+
+    The int8 codec keeps error-feedback residuals, so they must come back from the
+    checkpoint too. Everything a step computes is deterministic on CPU (same
+    layout, same order of additions, data drawn from (seed, step)): the resumed
+    steps must match bitwise, not within a tolerance.
+    """
+    run_dir = tmp_path / "run"
+    common = [
+        *("local", "--sites", "2", "--ranks-per-site", "1", "--steps", "6"),
+        *("--run-dir", str(run_dir), "--set", "model.preset=tiny", "--set", "train.seq_len=64"),
+        *("--set", "checkpoint.every=3", "--set", "sync.codec=int8+zstd:1"),
+        *("--set", "run.tensorboard=false", "--quiet"),
+    ]
+    first = run_cli(*common, timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {s: _site_lines(run_dir, s) for s in ("site0", "site1")}
+    digests = json.loads((run_dir / "summary.json").read_text())["digests"]
+    ckpt = run_dir / "checkpoints"
+    assert sorted(p.name for p in (ckpt / "site0").iterdir()) == [
+        "step-00000003",
+        "step-00000006",
+    ]
+    # As if both sites had died before committing step 6: both resume from their own
+    # step 3, residuals included.
+    shutil.rmtree(ckpt / "site0" / "step-00000006")
+    shutil.rmtree(ckpt / "site1" / "step-00000006")
+
+    second = run_cli(*common, "--resume", timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    for site in ("site0", "site1"):
+        after = _site_lines(run_dir, site)
+        assert [r["step"] for r in after] == [3, 4, 5]
+        assert [r["loss"] for r in after] == [r["loss"] for r in before[site][3:]]
+        assert [r["grad_norm"] for r in after] == [r["grad_norm"] for r in before[site][3:]]
+    assert json.loads((run_dir / "summary.json").read_text())["digests"] == digests
+    # The resumed run saved step 6 again at both sites.
+    assert (ckpt / "site1" / "step-00000006" / "manifest.json").is_file()
+    assert (ckpt / "site0" / "step-00000006" / "manifest.json").is_file()
+
+    # Issue 14, row 5: one byte of a weight file of site1's newest checkpoint flipped
+    # (sizes unchanged). site1 refuses its copy, naming the file, and loads site0's.
+    weights = sorted((ckpt / "site1" / "step-00000006").glob("*.distcp"))[0]
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    weights.write_bytes(bytes(data))
+    third = run_cli(*common, "--resume", "--steps", "8", timeout=120)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert [r["step"] for r in _site_lines(run_dir, "site1")] == [6, 7]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(set(summary["digests"].values())) == 1 and summary["steps"] == 2
+    log = (run_dir / "logs" / "site1-rank0.log").read_text()
+    assert f"{weights.name} does not match its SHA-256" in log
+    assert "resumed from site0's checkpoint" in log

@@ -1,0 +1,105 @@
+"""`isthmus site` in two shells: each site launched on its own, as operators would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from helpers import ISTHMUS, ROOT, assert_one_line_error, run_cli
+
+from isthmus.deploy.chaos import free_ports
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def write_job(tmp_path, **extra: str) -> str:
+    p0, p1 = free_ports(2)
+    lines = [
+        "[job]",
+        "steps = 5",
+        "[model]",
+        'preset = "tiny"',
+        "[cluster]",
+        f'coordinators = {{ site0 = "127.0.0.1:{p0}", site1 = "127.0.0.1:{p1}" }}',
+    ]
+    path = tmp_path / "job.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_two_sites_started_separately_train_to_identical_replicas(tmp_path):
+    job = write_job(tmp_path)
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(
+        [*ISTHMUS, "site", "--config", job, "--site", "site0", "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    # The second operator is late: site0 says whom it waits for, and how long it will.
+    early: list[str] = []
+    while not (line := first.stderr.readline()).startswith("waiting for site1"):
+        assert line, f"site0 exited: {''.join(early)[-2000:]}"
+        early.append(line)
+    assert line.rstrip().endswith("s left"), line
+    second = run_cli("site", "--config", job, "--site", "site1", "--run-dir", str(run_dir))
+    out0, err0 = first.communicate(timeout=120)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert first.returncode == 0, err0[-2000:]
+    for out in (out0, second.stdout):
+        assert "replicas            identical" in out
+    s0 = json.loads((run_dir / "sites" / "site0" / "summary.json").read_text())
+    s1 = json.loads((run_dir / "sites" / "site1" / "summary.json").read_text())
+    assert s0["digests"] == s1["digests"] and set(s0["digests"]) == {"site0", "site1"}
+    assert len(set(s0["digests"].values())) == 1
+
+
+def test_a_site_without_its_peers_address_is_told_how_to_set_it(tmp_path):
+    result = run_cli("site", "--site", "site0", "--run-dir", str(tmp_path / "r"), timeout=60)
+    assert_one_line_error(result, "cluster.coordinators has no address for ['site1']")
+
+
+def test_a_lonely_site_gives_up_with_a_countdown_and_one_line(tmp_path):
+    job = write_job(tmp_path)
+    result = run_cli(
+        "site", "--config", job, "--site", "site0", "--set", "sync.timeout_s=6", timeout=120
+    )
+    assert_one_line_error(result, "timed out after 6s joining the job", "site1")
+    assert "waiting for site1" in result.stderr
+
+
+def test_the_readme_quick_start_runs_as_written(tmp_path):
+    """README, "Two sites in two shells": wan up, then one `isthmus site` per shell."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [
+        "isthmus wan up docs/quickstart/two-sites.toml --proxy-port 7500",
+        "isthmus site --config docs/quickstart/job.toml --site site0",
+        "isthmus site --config docs/quickstart/job.toml --site site1",
+    ]
+    for command in commands:
+        assert command in readme, f"README no longer shows: {command}"
+    argv = [[*ISTHMUS, *c.split()[1:]] for c in commands]
+    wan = subprocess.Popen(argv[0], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in wan.stdout:  # wait until the links are up
+            if line.startswith("ready"):
+                break
+        sites = [
+            subprocess.Popen(a, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for a in argv[1:]
+        ]
+        outputs = [p.communicate(timeout=240) for p in sites]
+        for p, (out, err) in zip(sites, outputs, strict=True):
+            assert p.returncode == 0, err[-2000:]
+            assert "step 20/20" in err and "replicas            identical" in out
+        # The cross-site traffic really crossed the emulated link.
+        shown = subprocess.run(
+            [*ISTHMUS, "wan", "show", "--control", "127.0.0.1:7407", "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert "site0-site1" in shown.stdout
+    finally:
+        wan.terminate()
+        wan.wait(10)

@@ -1,0 +1,86 @@
+"""The all-reduce benchmark: `--quick` runs end to end and writes valid JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+from isthmus.inter.data.bench import BenchCase, link_bound_s
+
+SCRIPT = ROOT / "benchmarks" / "allreduce.py"
+
+
+def _script(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_link_bound() -> None:
+    case = BenchCase(sites=2, rtt_ms=10, gbit=1, mib=256, codec="raw", chunk_bytes=1 << 20)
+    # 2(S-1)/S x 256 MiB at 1 Gbit/s, plus one RTT.
+    assert link_bound_s(case) == pytest.approx(256 * 2**20 * 8 / 1e9 + 0.010)
+    three = BenchCase(sites=3, rtt_ms=0, gbit=10, mib=64, codec="raw", chunk_bytes=1 << 20)
+    assert link_bound_s(three) == pytest.approx(4 / 3 * 64 * 2**20 * 8 / 10e9)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--sites", "1"], "--sites"),
+        (["--codec", "lz4"], "--codec"),
+        (["--gbit", "x"], "--gbit"),
+        (["--lanes", "0"], "--lanes"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(args: list[str], words: str) -> None:
+    result = _script("--quick", *args, timeout=30)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and words in errors[0], result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_quick_grid_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = _script("--quick", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "enc MB/s/core" in result.stdout and "effic." in result.stdout
+    data = json.loads(out.read_text())
+    assert {r["codec"] for r in data["codec_throughput"]} == {"raw", "int8+zstd:1"}
+    assert len(data["cases"]) == 2
+    for case in data["cases"]:
+        assert case["identical"] and case["wall_s"] > 0 and case["efficiency"] > 0
+        assert case["chunk_bytes"] == 256 * 1024  # 1 ms x 1 Gbit/s is below the floor
+        assert case["cpu_s_per_gb"] > 0
+    ratios = {c["codec"]: c["compression_ratio"] for c in data["cases"]}
+    assert ratios["raw"] == pytest.approx(1.0) and ratios["int8+zstd:1"] > 3.5
+
+
+@pytest.mark.timeout(180)
+def test_several_lanes_per_site_split_the_tensor_and_agree(tmp_path: Path) -> None:
+    """2 sites x 2 lanes: each lane all-reduces its half with the same rank of the other
+    site over the pair's one link; every half ends identical at both sites."""
+    out = tmp_path / "bench.json"
+    result = _script(
+        "--quick", "--lanes", "2", "--codec", "raw", "--no-throughput", "--json", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["lanes"] == 2 and case["identical"]
+    details = case["sites_detail"]
+    assert len(details) == 4
+    # Lane 0 and lane 1 hold different halves; each half's bits agree across sites.
+    assert details[0]["digest"] == details[2]["digest"] != details[1]["digest"]
+    assert sum(d["raw_bytes"] for d in details) > 0

@@ -1,0 +1,198 @@
+"""The bulk transport (inter/data/bulk.py) against real lanes on loopback.
+
+Who may connect (a ticket from the authenticated OpenBulk call, used once), what a
+hostile or broken connection gets (a refusal with a reason, the connection closed, the
+mailbox untouched), and that rounds recover from a broken connection by dialling again.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import grpc
+import pytest
+import torch
+from helpers import raw_chunk
+from lanes import inputs, run_all, sites
+
+from isthmus.inter.data.bulk import ACCEPTED, MAGIC, OK, REFUSED, RESEND, record_head
+from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.security import SiteSecurity
+from isthmus.proto import lane_pb2, lane_pb2_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture()
+def lane():
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1)
+    yield server
+    server.stop(0)
+
+
+def ticket(address: str) -> tuple[int, bytes]:
+    with grpc.insecure_channel(address) as channel:
+        reply = lane_pb2_grpc.LaneStub(channel).OpenBulk(lane_pb2.OpenBulkRequest(), timeout=5)
+    return reply.port, reply.ticket
+
+
+def connect(port: int, hello: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(hello)
+    return sock
+
+
+def read_reply(sock: socket.socket) -> tuple[int, int | None, str]:
+    """(status, code, reason) of one reply; a refusal carries code and reason."""
+    status = sock.recv(1)[0]
+    if status != REFUSED:
+        return status, None, ""
+    head = b""
+    while len(head) < 3:
+        head += sock.recv(3 - len(head))
+    code, size = struct.unpack("<BH", head)
+    reason = b""
+    while len(reason) < size:
+        reason += sock.recv(size - len(reason))
+    return status, code, reason.decode()
+
+
+def frame(msg: bytes) -> bytes:
+    return record_head(msg) + msg
+
+
+def oversized_head() -> bytes:
+    """A sound record head that announces a 1 GiB message."""
+    first = struct.pack("<II", 1 << 30, 0)
+    return first + struct.pack("<I", crc32(first))
+
+
+def torn_head() -> bytes:
+    """A record head with one bit of its length flipped: its own checksum fails."""
+    msg = raw_chunk().SerializeToString()
+    head = bytearray(record_head(msg))
+    head[0] ^= 0x01
+    return bytes(head) + msg
+
+
+def closed(sock: socket.socket) -> bool:
+    return sock.recv(1) == b""
+
+
+def test_a_ticket_admits_one_connection_that_takes_chunks(lane) -> None:
+    port, tk = ticket(lane.address)
+    with connect(port, MAGIC + tk) as sock:
+        assert read_reply(sock)[0] == OK
+        sock.sendall(frame(raw_chunk().SerializeToString()))
+        assert read_reply(sock)[0] == ACCEPTED
+    assert len(lane.mailbox) == 1
+    with connect(port, MAGIC + tk) as again:  # single use
+        status, code, why = read_reply(again)
+        assert (status, code) == (REFUSED, grpc.StatusCode.UNAUTHENTICATED.value[0])
+        assert "no valid bulk ticket" in why and closed(again)
+
+
+@pytest.mark.parametrize(
+    "hello", [MAGIC + bytes(32), b"GET / HTTP/1.1\r\n" + bytes(24)], ids=["forged", "junk"]
+)
+def test_a_connection_without_a_ticket_is_refused(lane, hello) -> None:
+    port, _ = ticket(lane.address)
+    with connect(port, hello) as sock:
+        status, code, _ = read_reply(sock)
+        assert (status, code) == (REFUSED, grpc.StatusCode.UNAUTHENTICATED.value[0])
+        assert closed(sock)
+    assert len(lane.mailbox) == 0
+
+
+@pytest.mark.parametrize(
+    "payload, code, words",
+    [
+        (frame(b"\x5a\xff\xff\xff\xff\x0f"), grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
+        (torn_head(), grpc.StatusCode.DATA_LOSS, "record head failed"),
+        (oversized_head(), grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
+        (
+            frame(raw_chunk(generation=0).SerializeToString()),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "generation 0 != receiver's 1",
+        ),
+    ],
+    ids=["malformed", "torn-head", "oversized", "wrong-generation"],
+)
+def test_a_bad_frame_is_refused_with_its_reason_and_changes_nothing(
+    lane, payload, code, words
+) -> None:
+    port, tk = ticket(lane.address)
+    with connect(port, MAGIC + tk) as sock:
+        assert read_reply(sock)[0] == OK
+        sock.sendall(payload)
+        status, got, why = read_reply(sock)
+        assert (status, got) == (REFUSED, code.value[0]) and words in why, why
+        assert closed(sock)
+    assert len(lane.mailbox) == 0
+
+
+def test_a_damaged_frame_is_sent_again_and_only_the_intact_copy_is_taken(lane) -> None:
+    msg = raw_chunk().SerializeToString()
+    damaged = bytearray(msg)
+    damaged[3] ^= 0x04  # a header field: the payload's own checksum would not see it
+    port, tk = ticket(lane.address)
+    with connect(port, MAGIC + tk) as sock:
+        assert read_reply(sock)[0] == OK
+        sock.sendall(record_head(msg) + bytes(damaged))
+        assert read_reply(sock)[0] == RESEND
+        assert len(lane.mailbox) == 0 and lane._bulk.corrupt_frames == 1
+        sock.sendall(frame(msg))
+        assert read_reply(sock)[0] == ACCEPTED
+    assert lane.mailbox.keys() == [(0, 0, 1, 0, 1)]
+
+
+def test_open_bulk_needs_the_token(job_dir) -> None:
+    token_only = SiteSecurity.load(job_dir, "site0", require_token=True)
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1, security=token_only)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            ticket(server.address)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with token_only.channel(server.address) as channel:
+            reply = lane_pb2_grpc.LaneStub(channel).OpenBulk(lane_pb2.OpenBulkRequest(), timeout=5)
+        assert reply.port and len(reply.ticket) == 32
+    finally:
+        server.stop(0)
+
+
+def test_with_tls_chunks_stay_on_grpc(job_dir) -> None:
+    tls = SiteSecurity.load(job_dir, "site0", require_tls=True, require_token=True)
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1, security=tls)
+    peer_security = SiteSecurity.load(job_dir, "site1", require_tls=True, require_token=True)
+    peer = LanePeer(server.address, security=peer_security)
+    try:
+        assert peer.transport == "grpc"
+        with peer_security.channel(server.address) as channel, pytest.raises(grpc.RpcError) as info:
+            lane_pb2_grpc.LaneStub(channel).OpenBulk(lane_pb2.OpenBulkRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "mutual TLS" in info.value.details()
+    finally:
+        peer.close()
+        server.stop(0)
+
+
+def test_rounds_go_on_after_the_peer_drops_the_connection() -> None:
+    with sites(2, "raw", transport="bulk") as ars:
+        for step in range(3):
+            data = inputs(2, [5000], seed=step)
+            want = data[0][0] + data[1][0]
+            res = run_all(
+                [
+                    lambda s=s, d=data, st=step: ars[s].allreduce(d[s], st, 0, False)
+                    for s in range(2)
+                ]
+            )
+            assert not any(isinstance(r, BaseException) for r in res), res
+            assert all(torch.equal(data[s][0], want) for s in range(2))
+            # The receiving side drops every bulk connection between steps: the next
+            # round dials again with a fresh ticket.
+            for a in ars:
+                a.server._bulk.drop_connections()

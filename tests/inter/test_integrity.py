@@ -1,0 +1,251 @@
+"""Integrity: a chunk that fails its checksum is pulled again, never summed.
+
+Corruption is injected at the lane level: the sender's copy in the outbox stays
+intact while the bytes put on the wire have one bit flipped (what a faulty link or
+NIC does), so the receiver's crc32 check fails and it pulls the chunk again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+from lanes import inputs, run_all, sites
+
+from isthmus.inter.data.bulk_peer import BulkPeerRound
+from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.lane_peer import LanePeer, PeerRound
+from isthmus.inter.data.round import CrossSiteError, NonFiniteGradient
+from isthmus.proto import lane_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _flipped(frame: bytes) -> bytes:
+    """The serialized chunk with one payload bit flipped (the outbox keeps the original)."""
+    bad = lane_pb2.PushChunksRequest.FromString(frame)
+    payload = bytearray(bad.payload)
+    payload[len(payload) // 2] ^= 0x10
+    bad.payload = bytes(payload)
+    return bad.SerializeToString()
+
+
+@pytest.fixture()
+def corrupt_every(monkeypatch: pytest.MonkeyPatch):
+    """Flips a bit in every n-th chunk put on the wire (both kinds); returns a counter."""
+    sent = {"n": 0, "every": 0}
+    counter = itertools.count(1)
+    lock = threading.Lock()
+    for cls in (PeerRound, BulkPeerRound):  # either transport
+
+        def send(self, request: bytes, original=cls.send) -> None:
+            with lock:
+                hit = sent["every"] and next(counter) % sent["every"] == 0
+                sent["n"] += bool(hit)
+            original(self, _flipped(request) if hit else request)
+
+        monkeypatch.setattr(cls, "send", send)
+    return sent
+
+
+@pytest.mark.parametrize("num_sites", [2, 3])
+@pytest.mark.parametrize("codec", ["raw", "raw+shuffle+zstd:1"])
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
+def test_corrupt_chunks_are_pulled_again_and_result_is_exact(
+    corrupt_every: dict, num_sites: int, codec: str, transport: str
+) -> None:
+    corrupt_every["every"] = 3
+    with sites(num_sites, codec, transport=transport) as ars:
+        total_corrupt = 0
+        for step in range(3):
+            data = inputs(num_sites, [7000, 5], seed=step)
+            # Reference in the owner's fixed order: site 0 first, then 1, 2.
+            want = []
+            for k in range(2):
+                acc = data[0][k].clone()
+                for s in range(1, num_sites):
+                    acc += data[s][k]
+                want.append(acc)
+            res = run_all(
+                [
+                    lambda s=s, d=data, st=step: ars[s].allreduce(d[s], st, 0, False)
+                    for s in range(num_sites)
+                ]
+            )
+            for s in range(num_sites):
+                assert not isinstance(res[s], BaseException), res[s]
+                assert all(torch.equal(data[s][k], want[k]) for k in range(2)), s
+            total_corrupt += sum(r.corrupt_chunks for r in res)
+        assert corrupt_every["n"] > 0
+        # Every corruption was seen, counted once by the round and once by the lane.
+        assert total_corrupt == corrupt_every["n"]
+        assert sum(a.server.corruptions for a in ars) == corrupt_every["n"]
+
+
+def test_chunk_corrupt_again_on_the_way_back_is_pulled_again(
+    corrupt_every: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corrupt_every["every"] = 2
+    fetches = {"n": 0, "bad": 0}
+    lock = threading.Lock()
+    original = LanePeer.fetch
+
+    def fetch(self: LanePeer, request, timeout):  # every other answer is corrupt too
+        chunk = original(self, request, timeout)
+        with lock:
+            fetches["n"] += 1
+            bad = fetches["n"] % 2 == 1
+            fetches["bad"] += bad
+        if not bad:
+            return chunk
+        payload = bytearray(chunk.payload)
+        payload[len(payload) // 2] ^= 0x10
+        return dataclasses.replace(chunk, payload=bytes(payload))
+
+    monkeypatch.setattr(LanePeer, "fetch", fetch)
+    with sites(2, "int8+zstd:1") as ars:
+        data = inputs(2, [9000], seed=5)
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        assert torch.equal(data[0][0], data[1][0])
+        assert corrupt_every["n"] > 0 and fetches["bad"] > 0
+        # Each pull ends with one intact answer; every corrupt copy was counted.
+        assert fetches["n"] - fetches["bad"] == corrupt_every["n"]
+        assert sum(r.corrupt_chunks for r in res) == corrupt_every["n"] + fetches["bad"]
+
+
+# --- non-finite values stop at the border (issue 14, row 10) ------------------------
+
+
+@pytest.fixture()
+def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
+    """The first copy of every chunk put on the wire carries NaN of the right size and a
+    matching crc32 (a forged chunk that got into the mailbox before the real one, which
+    the mailbox then refuses as a duplicate); the sender's outbox keeps the real one."""
+    seen: set[tuple] = set()
+    forged = {"n": 0}
+    lock = threading.Lock()
+    for cls in (PeerRound, BulkPeerRound):
+
+        def send(self, request: bytes, original=cls.send) -> None:
+            chunk = lane_pb2.PushChunksRequest.FromString(request)
+            key = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
+            with lock:
+                first = key not in seen
+                seen.add(key)
+                forged["n"] += first
+            if first:
+                chunk.payload = np.full(chunk.num_elements, np.nan, np.float32).tobytes()
+                chunk.crc32 = crc32(chunk.payload)
+                request = chunk.SerializeToString()
+            original(self, request)
+
+        monkeypatch.setattr(cls, "send", send)
+    return forged
+
+
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
+def test_chunks_of_nan_are_refused_before_summing_and_the_real_ones_pulled(
+    forge_nan_first: dict, transport: str
+) -> None:
+    with sites(3, "raw", transport=transport) as ars:
+        data = inputs(3, [7000, 5], seed=3)
+        want = [data[0][k] + data[1][k] + data[2][k] for k in range(2)]
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(3)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        for s in range(3):
+            assert all(torch.equal(data[s][k], want[k]) for k in range(2)), s
+        # Every forged copy (contributions and results) was refused and counted once.
+        assert forge_nan_first["n"] > 0
+        assert sum(r.nonfinite_chunks for r in res) == forge_nan_first["n"]
+
+
+def test_a_site_whose_gradient_holds_nan_sends_nothing_and_says_so() -> None:
+    with sites(2, "int8+zstd:1", timeout_s=2.0) as ars:
+        data = inputs(2, [9000], seed=1)
+        data[0][0][4321] = float("inf")
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
+        assert isinstance(res[0], NonFiniteGradient), res[0]
+        assert "site 0 step 0 group 0: this site's gradient holds NaN or Inf" in str(res[0])
+        # The other site never saw a value of it: its round timed out, nothing non-finite
+        # in its tensor (GradientSync applies a round's result only on commit).
+        assert isinstance(res[1], CrossSiteError) and "timed out" in str(res[1]), res[1]
+        assert torch.isfinite(data[1][0]).all()
+
+
+# --- through the WAN emulator, whose links flip bits ---------------------------------
+
+
+def test_relay_corruption_is_caught_and_the_result_stays_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from isthmus.inter.data.allreduce import CrossSiteAllReduce
+    from isthmus.inter.data.codec import make_codec
+    from isthmus.inter.data.lane import LaneServer
+    from isthmus.sim import Corrupt, LinkSpec, RelayServer
+
+    # gRPC skips a proxy for hosts in no_proxy; name none so lanes cross the link.
+    monkeypatch.setenv("no_grpc_proxy", "none.invalid")
+    chunk = 256 * 1024
+    # ~1 flipped byte per 2 MB each way. Chunks travel on the bulk port, whose frames
+    # carry a checksum over header and payload: a damaged frame is sent again (counted
+    # as a corrupt chunk), wherever the flip landed; only a flip in a 12-byte record
+    # head would fail the connection (its own checksum says the boundaries are lost).
+    spec = LinkSpec.symmetric(latency_s=0.0005, impairments=(Corrupt(rate=5e-7),), seed=3)
+    with RelayServer() as relay:
+        link = relay.add_link("site0-site1", spec)
+        proxies = {0: link.add_proxy(initiator="a"), 1: link.add_proxy(initiator="b")}
+        servers = [
+            LaneServer(site_index=i, num_sites=2, codec="raw", chunk_bytes=chunk) for i in range(2)
+        ]
+        peers = [
+            LanePeer(
+                servers[1 - i].address,
+                chunk_bytes=chunk,
+                proxy="http://{}:{}".format(*proxies[i]),
+                connections=2,
+            )
+            for i in range(2)
+        ]
+        ars = [
+            CrossSiteAllReduce(
+                site_index=i,
+                num_sites=2,
+                server=servers[i],
+                peers={1 - i: peers[i]},
+                codec=make_codec("raw"),
+                chunk_bytes=chunk,
+                timeout_s=30,
+            )
+            for i in range(2)
+        ]
+        try:
+            corrupt = 0
+            for step in range(3):
+                data = inputs(2, [1 << 20], seed=step)  # 4 MiB per site
+                want = data[0][0] + data[1][0]
+                res = run_all(
+                    [
+                        lambda s=s, d=data, st=step: ars[s].allreduce(d[s], st, 0, False)
+                        for s in range(2)
+                    ]
+                )
+                assert not any(isinstance(r, BaseException) for r in res), res
+                assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
+                corrupt += sum(r.corrupt_chunks for r in res)
+            flipped = sum(d.get("corrupted_bytes", 0) for d in link.stats().values())
+            assert flipped > 0
+            # Every chunk a flip landed in was counted and pulled again.
+            assert 0 < corrupt <= flipped
+            print(f"flipped bytes {flipped}, corrupt chunks pulled again {corrupt}")
+        finally:
+            for ar in ars:
+                ar.close()
+            for p in peers:
+                p.close()
+            for s in servers:
+                s.stop(0)

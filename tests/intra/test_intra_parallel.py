@@ -1,0 +1,176 @@
+"""TP, PP and FSDP composed inside one site, checked against one process (gloo, CPU).
+
+Each layout runs one training step in spawned processes and compares the loss and
+every gradient with an unsharded single-process reference on the same global
+batch, and the evaluation forward (the held-out loss's) with the reference's loss. Two sites of tp=2 x dp=2 joined by real lanes: tests/e2e/test_local.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_helpers import RecordingSync, init_gloo, random_corpus, shutdown, spawn
+
+from isthmus.intra.data import ShardedBatches
+from isthmus.intra.layout import ParallelConfig, ParallelLayout
+from isthmus.intra.model import build_model
+from isthmus.intra.model_config import preset
+from isthmus.intra.topology import build_site_mesh
+from isthmus.intra.train import TrainConfig, Trainer
+
+SEED, SEQ, BATCH = 7, 16, 4
+# Four layers so that pp=2 with two stages per rank (interleaved 1F1B) has one layer each.
+MODEL = replace(preset("tiny"), n_layers=4)
+# Clip so large that it never scales: the recorded gradients are the raw ones.
+CONFIG = TrainConfig(lr=3e-3, warmup_steps=1, total_steps=10, grad_clip=1e6)
+
+# Tolerances (fp32 everywhere). A sharded run computes the same sums in another
+# order: TP splits each matmul's inner dimension (rowwise) and adds the partial
+# products with an all-reduce; FSDP and the pipeline's micro-batches average the
+# batch in pieces. Each reordering costs a few ulps of the *terms* summed, so the
+# absolute error is set by the largest gradients (~0.07 here, fp32 ulp 7.5e-9),
+# not by the entry itself: a near-cancelling entry of 1e-8 can be off by 2e-8.
+# Measured over all layouts below: worst 3.0e-8 absolute on a gradient (4 ulps
+# of 0.07), 8.6e-8 relative on the loss, 4e-8 relative on the gradient norm.
+# Bounds: atol 1e-7 (~3x the worst) plus rtol 1e-5; loss and norm 1e-6 relative.
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
+LOSS_TOL = {"rtol": 1e-6, "atol": 0.0}
+
+
+def _one_layout(rank: int, layout: dict, parallel: dict) -> dict[str, Any]:
+    lay = ParallelLayout(**layout)
+    config = ParallelConfig(**parallel)
+    config.check(lay, MODEL, batch_size=BATCH, seq_len=SEQ)
+    mesh = build_site_mesh(lay)
+    sync = RecordingSync()
+    trainer = Trainer(build_model(MODEL, SEED), mesh, CONFIG, parallel=config, sync=sync)
+    _, dp_rank, _ = trainer.coordinate
+    data = ShardedBatches(
+        random_corpus(),
+        seq_len=SEQ,
+        batch_size=BATCH,
+        seed=SEED,
+        shard_index=dp_rank,
+        num_shards=lay.dp,
+    )
+    # The held-out loss's forward (pipeline: the forward-only schedule) on the whole
+    # global batch, every rank the same, before the step: the reference's loss.
+    whole = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH * lay.dp, seed=SEED)
+    eval_loss = trainer.evaluate(*whole.batch(0))
+    stats = trainer.step(0, *data.batch(0))
+    # The hook fired exactly once per FSDP group (RecordingSync asserts no
+    # repeats), also with pipeline micro-batches.
+    hooks_ok = sorted(sync.shards) == list(range(len(trainer.groups)))
+    grads = {
+        name: p.grad.full_tensor()
+        for part in trainer.model_parts
+        for name, p in part.named_parameters()
+    }
+    dist.barrier()
+    return {
+        "loss": stats.loss,
+        "eval_loss": eval_loss,
+        "grad_norm": stats.grad_norm,
+        "grads": grads,
+        "hooks_ok": hooks_ok,
+        "groups": len(trainer.groups),
+        "coordinate": trainer.coordinate,
+    }
+
+
+def _layouts_worker(rank: int, world: int, store: str, cases: dict) -> dict[str, Any]:
+    # Several layouts in one set of processes: each builds its own mesh (new
+    # subgroups) over the same world. Starting processes is most of the cost.
+    init_gloo(rank, world, store)
+    out = {name: _one_layout(rank, *case) for name, case in cases.items()}
+    shutdown()
+    return out
+
+
+def _layout_worker(rank: int, world: int, store: str, layout: dict, parallel: dict) -> dict:
+    return _layouts_worker(rank, world, store, {"case": (layout, parallel)})["case"]
+
+
+def _reference(global_batch: int) -> dict[str, Any]:
+    model = build_model(MODEL, SEED)
+    data = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=global_batch, seed=SEED)
+    x, y = data.batch(0)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    norm = torch.nn.utils.get_total_norm(list(grads.values()))
+    return {"loss": loss.item(), "grads": grads, "grad_norm": norm.item()}
+
+
+def _check_layout(ranks: list[dict], layout: dict) -> None:
+    lay = ParallelLayout(**layout)
+    ref = _reference(BATCH * lay.dp)
+    assert sorted(r["coordinate"] for r in ranks) == sorted(
+        (p, d, t) for p in range(lay.pp) for d in range(lay.dp) for t in range(lay.tp)
+    )
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        assert r["hooks_ok"], r["coordinate"]
+        # Every rank reports the same site loss and norm (one all-reduce each).
+        assert r["loss"] == ranks[0]["loss"] and r["grad_norm"] == ranks[0]["grad_norm"]
+        assert r["eval_loss"] == ranks[0]["eval_loss"], r["coordinate"]
+        for name, g in r["grads"].items():
+            if name in merged:  # dp/tp replicas of a stage gathered the same tensor
+                assert torch.equal(merged[name], g), name
+            merged[name] = g
+    assert sorted(merged) == sorted(ref["grads"])
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["loss"]), torch.tensor(ref["loss"]), **LOSS_TOL
+    )
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["grad_norm"]), torch.tensor(ref["grad_norm"]), **LOSS_TOL
+    )
+    # Trainer.evaluate: the same loss as the training forward, without the update.
+    torch.testing.assert_close(
+        torch.tensor(ranks[0]["eval_loss"]), torch.tensor(ref["loss"]), **LOSS_TOL
+    )
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(merged[name], g, **GRAD_TOL, msg=name)
+
+
+LAYOUTS_4 = {
+    "dp4": ({"dp": 4}, {}),
+    "tp4-sp": ({"tp": 4}, {"sequence_parallel": True}),
+    "pp4-gpipe": ({"pp": 4}, {"schedule": "gpipe", "microbatches": 4}),
+    "tp2xdp2-ac": ({"dp": 2, "tp": 2}, {"activation_checkpoint": True}),
+    "pp2xdp2-1f1b": ({"pp": 2, "dp": 2}, {"schedule": "1f1b", "microbatches": 2}),
+    "pp2xtp2-interleaved-sp": (
+        {"pp": 2, "tp": 2},
+        {"schedule": "interleaved_1f1b", "sequence_parallel": True},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("layouts4")
+    ranks = spawn(_layouts_worker, 4, tmp, 4, str(tmp / "store"), LAYOUTS_4, timeout=200)
+    return {name: [r[name] for r in ranks] for name in LAYOUTS_4}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(LAYOUTS_4))
+def test_layout_4_ranks_matches_one_process(four_rank_results: dict, case: str) -> None:
+    _check_layout(four_rank_results[case], LAYOUTS_4[case][0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pp2_dp2_tp2_interleaved_matches_one_process(tmp_path: Path) -> None:
+    layout = {"pp": 2, "dp": 2, "tp": 2}
+    parallel = {"schedule": "interleaved_1f1b", "microbatches": 4, "activation_checkpoint": True}
+    ranks = spawn(
+        _layout_worker, 8, tmp_path, 8, str(tmp_path / "s"), layout, parallel, timeout=200
+    )
+    _check_layout(ranks, layout)

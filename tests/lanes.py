@@ -1,0 +1,103 @@
+"""Cross-site all-reduces over real gRPC lanes on loopback, one thread per site.
+
+What the all-reduce tests share (tests/inter/test_allreduce.py, test_allreduce_codecs.py,
+test_allreduce_cuda.py, test_bulk.py, test_convergence.py, test_integrity.py): ``sites``
+wires n sites' lane servers, peers and all-reduces together; ``run_all`` runs one
+callable per site, each in its own thread; ``inputs`` draws every site's tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+from isthmus.inter.data.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.codec import make_codec
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
+
+CHUNK = 4096  # bytes: 1024 fp32 per chunk, small so odd tensor sizes straddle chunks
+
+
+@contextlib.contextmanager
+def sites(
+    n: int,
+    codec: str = "raw",
+    timeout_s: float = 10.0,
+    connections: int = 1,
+    chunk_bytes: int = CHUNK,
+    transport: str = "auto",
+) -> Iterator[list[CrossSiteAllReduce]]:
+    servers = [
+        LaneServer(
+            site_index=i,
+            num_sites=n,
+            codec=make_codec(codec).name,
+            generation=7,
+            chunk_bytes=chunk_bytes,
+        )
+        for i in range(n)
+    ]
+    peers = [
+        {
+            j: LanePeer(
+                servers[j].address,
+                chunk_bytes=chunk_bytes,
+                connections=connections,
+                transport=transport,
+            )
+            for j in range(n)
+            if j != i
+        }
+        for i in range(n)
+    ]
+    ars = [
+        CrossSiteAllReduce(
+            site_index=i,
+            num_sites=n,
+            server=servers[i],
+            peers=peers[i],
+            codec=make_codec(codec),
+            chunk_bytes=chunk_bytes,
+            timeout_s=timeout_s,
+            generation=7,
+        )
+        for i in range(n)
+    ]
+    try:
+        yield ars
+    finally:
+        for ar in ars:
+            ar.close()
+        for p in peers:
+            for peer in p.values():
+                peer.close()
+        for s in servers:
+            s.stop(0)
+
+
+def run_all(fns: list[Callable[[], object]], timeout: float = 25.0) -> list[object]:
+    """Runs each callable in its own thread; returns results (or raised exceptions)."""
+    out: list[object] = [None] * len(fns)
+
+    def wrap(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 (handed back to the test)
+            out[i] = exc
+
+    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a site hung"
+    return out
+
+
+def inputs(num_sites: int, sizes: list[int], seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, generator=g) * (s + 1) for n in sizes] for s in range(num_sites)]

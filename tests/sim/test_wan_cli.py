@@ -1,0 +1,117 @@
+"""`isthmus wan` as a user runs it: up in the foreground, set and show from another shell.
+
+The commands run as `python -m isthmus.deploy.wan_cmd`, the same code as `isthmus wan`
+without the torch import of the rest of the CLI (seconds on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ISTHMUS, assert_one_line_error, port_is_free
+from sockets import Server, Sink, connect, send_timed
+
+WAN = [sys.executable, "-m", "isthmus.deploy.wan_cmd"]
+MBIT = 1e6
+
+
+def _wan(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*WAN, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+def _topology(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "topology.toml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.timeout(20)
+def test_set_changes_a_running_link(tmp_path) -> None:
+    topology = _topology(
+        tmp_path,
+        'sites = ["a", "b"]\n[links."a-b"]\nlatency_ms = 5\nbandwidth_mbit = 40\n',
+    )
+    sink = Sink()
+    server = Server(sink)
+    target = f"127.0.0.1:{server.address[1]}"
+    up = subprocess.Popen(
+        [*WAN, "up", topology, "--control", "127.0.0.1:0", "--forward", f"a:b={target}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("ready"):
+            line = up.stdout.readline()
+            assert line, up.stderr.read()
+            lines.append(line.strip())
+        forward = next(line.split()[1] for line in lines if line.startswith("forward"))
+        control = next(line.split()[1] for line in lines if line.startswith("control"))
+        assert any(line.startswith("proxy   http://127.0.0.1:") for line in lines)
+        host, port = forward.split(":")
+        with connect((host, int(port))) as s:
+            before = send_timed(s, sink, 4 << 20, 0.005)
+            changed = _wan("set", "--control", control, "a-b", "bandwidth_mbit=160")
+            assert changed.returncode == 0, changed.stderr
+            assert "160 Mbit/s" in changed.stdout
+            after = send_timed(s, sink, 16 << 20, 0.005)
+        print(f"wan set: 40 -> {before / MBIT:.1f} Mbit/s, 160 -> {after / MBIT:.1f} Mbit/s")
+        assert before == pytest.approx(40 * MBIT, rel=0.10)
+        assert after == pytest.approx(160 * MBIT, rel=0.10)
+
+        refused = _wan("set", "--control", control, "a-b", "a_to_b.bandwidth_mbit=-1")
+        assert_one_line_error(refused, "links.a-b.a_to_b.bandwidth_mbit")
+        refused = _wan("set", "--control", control, "a-b", "impairments=[{kind='gremlin'}]")
+        assert_one_line_error(refused, "kind must be one of")
+        shown = _wan("show", "--control", control, "--json")
+        link = json.loads(shown.stdout)["a-b"]
+        assert link["spec"]["a_to_b"]["bandwidth_mbit"] == 160  # the refusals changed nothing
+        assert link["stats"]["a_to_b"]["bytes_delivered"] == 20 << 20
+        assert "a -> b" in _wan("show", "--control", control).stdout
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(10)
+        server.close()
+    assert code == 130, up.stderr.read()  # interrupted, as Ctrl-C
+    assert port_is_free(int(port))
+
+
+@pytest.mark.timeout(20)
+def test_bad_input_fails_with_one_line(tmp_path) -> None:
+    bad = _topology(tmp_path, 'sites = ["a", "b"]\n[links."a-b"]\nlatency_ms = 5\nbandwith = 1\n')
+    assert_one_line_error(_wan("up", bad), "unknown key 'bandwith'", "topology.toml")
+    assert_one_line_error(_wan("up", str(tmp_path / "missing.toml")), "not found")
+    good = _topology(
+        tmp_path, 'sites = ["a", "b"]\n[defaults]\ndistance_km = 10\nbandwidth_mbit = 1\n'
+    )
+    assert_one_line_error(_wan("up", good, "--forward", "a:c=127.0.0.1:9"), "'c' is not a site")
+    assert_one_line_error(_wan("up", good, "--control", "10.0.0.1:80"), "loopback")
+    assert_one_line_error(_wan("set", "--control", "127.0.0.1:1", "a-b", "x=1"), "no `isthmus wan")
+    assert_one_line_error(_wan("set", "--control", "127.0.0.1:1", "a-b", "nonsense"), "KEY=VALUE")
+
+
+@pytest.mark.timeout(60)  # imports torch for the help formatter: seconds on a busy machine
+def test_help_lists_options_with_defaults() -> None:
+    import argparse
+
+    from isthmus.deploy import cli, wan_cmd
+
+    result = subprocess.run([*ISTHMUS, "wan", "up", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    helps = [result.stdout]
+    parser = argparse.ArgumentParser(prog="isthmus")
+    wan_cmd.register(parser.add_subparsers(dest="command"), cli.HelpFormatter)
+    (wan,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    (sub,) = (a for a in wan.choices["wan"]._actions if isinstance(a, argparse._SubParsersAction))
+    helps += [sub.choices[name].format_help() for name in ("set", "show")]
+    for text in helps:
+        assert "--control HOST:PORT" in text
+        assert "(default: 127.0.0.1:7407)" in " ".join(text.split())
