@@ -223,25 +223,6 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             self.outbox.clear()
             self._lock.notify_all()
 
-    def set_generation(
-        self,
-        generation: int,
-        num_sites: int | None = None,
-        site_index: int | None = None,
-        site_names: list[str] | None = None,
-    ) -> None:
-        """:meth:`set_members` with the fields not given unchanged."""
-        now = self._members
-        num_sites = now.num_sites if num_sites is None else num_sites
-        self.set_members(
-            Members(
-                generation,
-                now.site_index if site_index is None else site_index,
-                num_sites,
-                now.site_names if site_names is None else tuple(site_names),
-            )
-        )
-
     def _await_generation(self, generation: int, timeout: float) -> None:
         """A sender already in a newer generation may reach this lane a moment before
         its own rank hears of it: hold its chunk briefly rather than refuse it."""

@@ -303,7 +303,7 @@ def test_peer_that_never_answers_tcp() -> None:
 @pytest.mark.timeout(20)
 def test_generation_mismatch_fails_fast() -> None:
     with sites(2, timeout_s=5.0) as ars:
-        ars[1].server.set_generation(8)
+        ars[1].server.set_members(Members(8, 1, 2))
         t0 = time.monotonic()
         res = run_all(
             [lambda s=s: ars[s].allreduce([torch.ones(3000)], 0, 0, False) for s in range(2)]

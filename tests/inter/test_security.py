@@ -31,6 +31,7 @@ from isthmus.inter.control.coordinator import Coordinator
 from isthmus.inter.control.rank_keys import RANK_KEY
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.round_types import Members
 from isthmus.inter.security import TLS_NAME, SiteSecurity
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
@@ -152,7 +153,7 @@ def test_lane_peer_sends_with_tls_and_token(lane, job_dir):
 def test_a_lane_takes_a_sites_chunks_only_from_its_certificate(lane, job_dir):
     """Issue 14, row 9: with a membership set, chunks "from site1" (and ResendChunk for
     what was sent to site1) come only from a certificate naming site1."""
-    lane.set_generation(1, num_sites=2, site_index=0, site_names=["site0", "site1"])
+    lane.set_members(Members(1, 0, 2, ("site0", "site1")))
     with open_channel(full(job_dir, "site0"), lane.address) as channel:  # not site1
         stub = lane_pb2_grpc.LaneStub(channel)
         refused = refusal(lambda: stub.PushChunks(iter([chunk()]), timeout=5))
