@@ -33,6 +33,7 @@ import torch
 
 from isthmus.inter.data.codec import CodecError, crc32
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
+from isthmus.inter.data.round_device import divisor, finite, lane_stream
 from isthmus.inter.data.wire import Chunk, encode_chunk
 from isthmus.proto import lane_pb2
 
@@ -178,7 +179,7 @@ class RoundPipeline:
             if self.device is None:
                 fn(*args)
             else:
-                stream = _lane_stream(self.device)
+                stream = lane_stream(self.device)
                 with torch.cuda.stream(stream):
                     fn(*args)
                 stream.synchronize()  # the task's results are in place when it ends
@@ -296,7 +297,7 @@ class RoundPipeline:
     def _contribute(self, c: int, owner: int) -> None:
         lo, hi = self._bounds(c)
         me = self.view.site_index
-        if not _finite(self._own(lo, hi)):
+        if not finite(self._own(lo, hi)):
             # Summed in, it would turn every site's weights to NaN at once (issue 14).
             raise NonFiniteGradient(
                 f"{self.where}: this site's gradient holds NaN or Inf (chunk {c}, elements "
@@ -327,7 +328,7 @@ class RoundPipeline:
                 f"{req.total_elements} elements, expected {hi - lo}/{self.total}"
             )
         values = self._decoded(c, sender, req)
-        if not _finite(values):
+        if not finite(values):
             # Refused before it is summed, and asked for again: a forged chunk that got
             # into the mailbox first is replaced by the sender's own copy.
             self._count(nonfinite_chunks=1)
@@ -337,7 +338,7 @@ class RoundPipeline:
             if again is None:
                 return  # the round failed meanwhile
             values = self._decoded(c, sender, again)
-            if not _finite(values):
+            if not finite(values):
                 raise CrossSiteError(
                     f"{self.where}: site {sender} sent NaN or Inf in chunk {c} twice; "
                     "refused before summing"
@@ -398,7 +399,7 @@ class RoundPipeline:
             for s in range(2, sites):
                 summed.add_(gpu_parts[s])
             if self.average:
-                summed.div_(_divisor(self.device, sites))
+                summed.div_(divisor(self.device, sites))
         payload = self._encode(summed, f"g{self.group}/r{c}")
         frame = self._frame(_RESULT, c, payload)  # copies the payload: it may change
         if self.codec.lossy:
@@ -449,51 +450,6 @@ class RoundPipeline:
                 raise CrossSiteError(f"{self.where}: pulled chunk {c}: {problem}")
             self._count(corrupt_chunks=1)  # corrupt again on the way back: ask again
         return None
-
-
-_streams = threading.local()
-_PRIORITY = -1  # lower is more urgent; measured: 1b step's sync 2.67 s at 0, 2.48 s at -1
-
-
-def _lane_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's own CUDA stream on ``device`` (made once), of high priority: its
-    kernels are small and a round waits on each, so the GPU should schedule them
-    between backward's, not after the queue of them (NCCL's streams do the same)."""
-    streams = getattr(_streams, "by_device", None)
-    if streams is None:
-        streams = _streams.by_device = {}
-    stream = streams.get(device)
-    if stream is None:
-        stream = streams[device] = torch.cuda.Stream(device, priority=_PRIORITY)
-    return stream
-
-
-def _divisor(device: torch.device, sites: int) -> torch.Tensor:
-    """The site count as an fp32 tensor on ``device``, made once per pool thread.
-
-    A tensor, because torch divides by a Python number on CUDA as a product with its
-    reciprocal, not the host's IEEE division bit for bit. Made by the thread that uses
-    it, on its own lane stream (the caller's), so its stream orders the fill before
-    every use; made on a round's thread it was a blocking copy on the default stream,
-    queued behind all of backward's kernels, and every round waited for the GPU.
-    """
-    divisors = getattr(_streams, "divisors", None)
-    if divisors is None:
-        divisors = _streams.divisors = {}
-    t = divisors.get((device, sites))
-    if t is None:
-        t = divisors[(device, sites)] = torch.full(
-            (), float(sites), dtype=torch.float32, device=device
-        )
-    return t
-
-
-def _finite(values: np.ndarray | torch.Tensor) -> bool:
-    """No NaN or Inf in ``values`` (a pass at ~13 GB/s a core on the host; on a GPU one
-    reduction and a one-byte read)."""
-    if isinstance(values, np.ndarray):
-        return bool(np.isfinite(values).all())
-    return bool(torch.isfinite(values).all())
 
 
 def describe(site: int, exc: BaseException) -> str:
