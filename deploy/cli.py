@@ -27,8 +27,10 @@ import argparse
 import faulthandler
 import importlib
 import os
+import shutil
 import signal
 import sys
+from typing import Any
 
 # gRPC's C core logs connection errors (a peer that already left, a proxy's 502)
 # straight to stderr; every failure that matters reaches the user as our own one-line
@@ -126,6 +128,26 @@ def add_insecure_flag(parser: argparse.ArgumentParser) -> None:
         help="let the site listen beyond loopback without mutual TLS and the job token "
         "(warned on every start); without it such a site refuses to start (docs/security.md)",
     )
+
+
+def add_job_flags(parser: argparse.ArgumentParser, resume_help: str) -> None:
+    """The flags every command that runs a job takes (`local`, `site`)."""
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument("--resume", action="store_true", help=resume_help)
+    add_insecure_flag(parser)
+
+
+def run_job(job: Any, heading: str) -> int:
+    """Run a `LocalJob` or `SiteJob`, print its summary under ``heading`` and drop its
+    run directory if it was a temporary one."""
+    from isthmus.deploy.summary import print_summary
+
+    summary = job.run()
+    print(heading, file=sys.stdout)
+    print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
+    if job.temporary_run_dir:
+        shutil.rmtree(job.run_dir, ignore_errors=True)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,10 +8,9 @@ run's summary.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 
-from isthmus.deploy.cli import add_config_arguments, add_insecure_flag, config_from_args
+from isthmus.deploy.cli import add_config_arguments, add_job_flags, config_from_args, run_job
 from isthmus.deploy.config import ConfigError
 from isthmus.deploy.exposure import check_exposure
 
@@ -21,7 +20,6 @@ __all__ = ["register"]
 def cmd_local(args: argparse.Namespace) -> int:
     from isthmus.deploy.checkpointing import resolve_resume
     from isthmus.deploy.local import LocalJob
-    from isthmus.deploy.summary import print_summary
 
     topology = None
     if args.topology:
@@ -38,12 +36,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         check_exposure(config, site, "127.0.0.1", sys.stderr)
     resolve_resume(config, config.site_names, resume=args.resume)
     job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology)
-    summary = job.run()
-    print("summary:", file=sys.stdout)
-    print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
-    if job.temporary_run_dir:
-        shutil.rmtree(job.run_dir, ignore_errors=True)
-    return 0
+    return run_job(job, "summary:")
 
 
 def register(sub: argparse._SubParsersAction, formatter: type) -> None:
@@ -65,12 +58,9 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
         help="emulate the links of this topology file (docs/wan.md) instead of the uniform "
         "[wan] settings; its sites become site0, site1, ... in the file's order",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="start every site from the newest checkpoint step complete at all of them "
-        "(needs --run-dir or checkpoint.dir; docs/checkpoints.md)",
+    add_job_flags(
+        parser,
+        resume_help="start every site from the newest checkpoint step complete at all of "
+        "them (needs --run-dir or checkpoint.dir; docs/checkpoints.md)",
     )
-    add_insecure_flag(parser)
     parser.set_defaults(func=cmd_local)

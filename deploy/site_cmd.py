@@ -7,10 +7,9 @@ exits once every site's final parameter digest is known.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 
-from isthmus.deploy.cli import add_config_arguments, add_insecure_flag, config_from_args
+from isthmus.deploy.cli import add_config_arguments, add_job_flags, config_from_args, run_job
 from isthmus.deploy.exposure import check_exposure
 
 __all__ = ["register"]
@@ -23,19 +22,13 @@ def _host(address: str) -> str:
 def cmd_site(args: argparse.Namespace) -> int:
     from isthmus.deploy.checkpointing import resolve_resume
     from isthmus.deploy.site import SiteJob
-    from isthmus.deploy.summary import print_summary
 
     config = config_from_args(args)
     coordinator = config.cluster.coordinators.get(args.site, "127.0.0.1:0")
     check_exposure(config, args.site, _host(coordinator), sys.stderr)
     resolve_resume(config, [args.site], resume=args.resume)
     job = SiteJob(config, args.site, out=sys.stderr, progress=not args.quiet)
-    summary = job.run()
-    print(f"summary of {args.site}:", file=sys.stdout)
-    print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
-    if job.temporary_run_dir:
-        shutil.rmtree(job.run_dir, ignore_errors=True)
-    return 0
+    return run_job(job, f"summary of {args.site}:")
 
 
 def register(sub: argparse._SubParsersAction, formatter: type) -> None:
@@ -52,12 +45,9 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
     )
     add_config_arguments(parser, common_flags=True)
     parser.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="start from this site's newest complete checkpoint; a peer that would start "
-        "from another step is refused at join",
+    add_job_flags(
+        parser,
+        resume_help="start from this site's newest complete checkpoint; a peer that would "
+        "start from another step is refused at join",
     )
-    add_insecure_flag(parser)
     parser.set_defaults(func=cmd_site)
