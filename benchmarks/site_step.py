@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -64,6 +65,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="FSDP2 CPU offload: parameters, gradients and AdamW state in host memory",
+    )
     p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
@@ -147,6 +153,7 @@ def main() -> None:
         activation_checkpoint=args.ac,
         compile=args.compile,
         mixed_precision=bf16,
+        offload=args.offload,
     )
     parallel.check(layout, cfg, batch_size=args.batch, seq_len=seq)
     with torch.device("meta"):
@@ -190,6 +197,7 @@ def main() -> None:
             "activation_checkpoint": args.ac,
             "compile": args.compile,
             "bf16": bf16,
+            "offload": args.offload,
         },
         "batch_per_dp_rank": args.batch,
         "seq_len": seq,
@@ -204,6 +212,8 @@ def main() -> None:
         "mfu": mfu(tokens_per_s, flops_per_token, peak, layout.world_size),
         "loss_last": losses[-1],
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda else None,
+        # Linux reports ru_maxrss in KiB: the host memory offload moves the state into.
+        "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
     if args.profile_steps > 0:
         prof = [batches[s % len(batches)] for s in range(args.profile_steps)]
@@ -243,6 +253,7 @@ def print_table(r: dict) -> None:
         ]
     if r["max_memory_gib"] is not None:
         rows.append(("peak memory", f"{r['max_memory_gib']:.1f} GiB"))
+    rows.append(("host peak (rank 0)", f"{r['host_peak_gib']:.1f} GiB"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")

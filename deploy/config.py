@@ -178,6 +178,7 @@ class JobConfig:
             # eager (benchmarks/site_step.py), so CUDA compiles unless told not to.
             compile=cuda if p.compile == "auto" else p.compile == "true",
             mixed_precision=cuda if p.mixed_precision == "auto" else p.mixed_precision == "true",
+            offload=p.offload,
         )
 
     def site_security(self, site: str, run_token: str | None = None) -> SiteSecurity | None:

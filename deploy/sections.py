@@ -91,6 +91,9 @@ class ParallelSection:
     it needs a C compiler and does not pay off), "true" or "false"."""
     mixed_precision: str = "auto"
     """bf16 compute with fp32 gradient reduction: "auto" (on with CUDA), "true" or "false"."""
+    offload: bool = False
+    """FSDP2 CPU offload: sharded parameters, gradients and AdamW state in host memory,
+    the optimizer stepping on the CPU (for a model that does not fit the devices)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -116,6 +116,11 @@ class ParallelConfig:
     """``torch.compile`` each transformer block (on CPU this needs a C compiler)."""
     mixed_precision: bool = False
     """bf16 compute with fp32 parameters and fp32 gradient reduction (CUDA only)."""
+    offload: bool = False
+    """FSDP2's CPU offload: the sharded parameters, their gradients and AdamW's state
+    live in host memory (pinned on CUDA), each group is copied to the device for its
+    all-gather, and the optimizer steps on the CPU. For a model whose sharded state
+    does not fit the devices; costs the copies and a CPU optimizer step."""
 
     def __post_init__(self) -> None:
         allowed = [s.value for s in PipelineSchedule]

@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .layout import MeshAxis, ParallelConfig
 from .model import Block, Transformer
@@ -44,6 +44,7 @@ def apply_fsdp(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> list[FSDPModule]:
     """Shard ``model`` with FSDP2: one group per entry of ``model.layers``, then the root.
 
@@ -57,6 +58,8 @@ def apply_fsdp(
             all-reduce hook, and an in-place update made later would be lost.
         reshard_after_forward: free gathered parameters after forward. ``False``
             with pipeline parallelism, where each micro-batch would gather them again.
+        offload: keep the sharded parameters, gradients and optimizer state in host
+            memory (FSDP2's ``CPUOffloadPolicy``; pinned when the mesh is on CUDA).
 
     Returns:
         The FSDP groups that hold parameters, in a fixed order -- layers in index
@@ -70,6 +73,8 @@ def apply_fsdp(
     kwargs: dict[str, Any] = {"mesh": dp_mesh(mesh)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     groups: list[FSDPModule] = []
     blocks = list(layers.values())
     for i, layer in enumerate(blocks):
@@ -113,4 +118,16 @@ def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) ->
         # the sharded grads alias the hook's shard (see apply_fsdp).
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     pp = mesh[MeshAxis.PP.value].size() if MeshAxis.PP.value in names else 1
-    return apply_fsdp(model, mesh, mp_policy=mp_policy, reshard_after_forward=pp == 1)
+    return apply_fsdp(
+        model, mesh, mp_policy=mp_policy, reshard_after_forward=pp == 1, offload=config.offload
+    )
+
+
+def group_parameters(group: FSDPModule) -> list[nn.Parameter]:
+    """The parameters one FSDP group shards, in registration order: a block's own, or
+    for the root (the model or a pipeline stage: it holds ``layers``) those outside
+    ``layers`` -- the embedding, final norm and head."""
+    module = cast(nn.Module, group)
+    if isinstance(getattr(module, "layers", None), nn.ModuleDict):
+        return [p for name, p in module.named_parameters() if not name.startswith("layers.")]
+    return list(module.parameters())

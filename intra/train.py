@@ -5,7 +5,9 @@ Gradient placement, per step:
    reduce-scatters each group's gradient inside the site, once per step
    (averaging over the site's ``dp`` ranks; with TP each tp rank reduces its own
    TP shard) and hands the flat shard to the all-reduce hook, which calls
-   ``GradientSync.start(step, group, shard)``;
+   ``GradientSync.start(step, group, shard)`` (with ``parallel.offload`` the
+   gradients are host copies made after the hook, so the trainer starts the sync
+   after backward instead, on each group's host gradients as one flat tensor);
 2. ``GradientSync.finish(step)`` waits until every shard has been overwritten, in
    place, with the average over all sites, and says whether the step committed (or
    raises): a step that did not commit applies nothing;
@@ -32,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from .flops import device_peak_flops, mfu
 from .layout import MeshAxis, ParallelConfig
 from .model import Transformer, flops_per_token
-from .parallel import parallelize
+from .parallel import group_parameters, parallelize
 from .pipeline import build_schedule, rank_stages, split_stage
 from .topology import mesh_coordinate
 
@@ -238,7 +240,11 @@ class Trainer:
             weight_decay=config.weight_decay,
             foreach=True,
         )
-        if sync is not None:
+        # With offload the sharded gradients are host copies FSDP2 makes right after
+        # the all-reduce hook, so an in-place write to the hook's shard would be lost:
+        # the sync then runs after backward on the host gradients themselves.
+        self._offloaded = [group_parameters(g) for g in self.groups] if parallel.offload else []
+        if sync is not None and not parallel.offload:
             for i, group in enumerate(self.groups):
                 group.set_all_reduce_hook(_hook(self, sync, i))
 
@@ -296,7 +302,10 @@ class Trainer:
         if self.sync is not None:
             self._sync_device()
             t_sync = time.perf_counter()
+            flats = self._start_offloaded(self.sync, step_index) if self._offloaded else []
             synced = self.sync.finish(step_index)
+            if flats and synced.committed:
+                self._apply_offloaded(flats)
             sync_s = time.perf_counter() - t_sync
         lr = self.config.lr_at(step_index)
         grad_norm = 0.0
@@ -326,6 +335,29 @@ class Trainer:
             mfu=mfu(site_tokens / total, fpt, self._peak, dist.get_world_size()),
             sync=synced,
         )
+
+    def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        grads = [p.grad for p in params if p.grad is not None]
+        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+    def _start_offloaded(self, sync: GradientSync, step: int) -> list[torch.Tensor]:
+        """Hand each group's host gradients, as one flat fp32 tensor, to the sync (the
+        hook's place when the gradients are offloaded); the same layout at every site."""
+        flats = []
+        for i, params in enumerate(self._offloaded):
+            local = self._local_grads(params)
+            flat = torch.cat([g.reshape(-1).float() for g in local]) if local else torch.empty(0)
+            sync.start(step, i, flat)
+            flats.append(flat)
+        return flats
+
+    def _apply_offloaded(self, flats: list[torch.Tensor]) -> None:
+        """Write the committed cross-site means back into the host gradients."""
+        for params, flat in zip(self._offloaded, flats, strict=True):
+            offset = 0
+            for g in self._local_grads(params):
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _clip(self) -> float:
         """Global gradient norm over the site (all stages), then clip by it."""

@@ -221,3 +221,12 @@ def test_the_cli_resolves_and_checks_a_job_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False", done.stdout[-500:]
+
+
+def test_offload_is_part_of_the_fingerprint_and_a_bad_value_is_refused():
+    assert load_config(None, []).fingerprint()["parallel.offload"] == "False"
+    on = load_config(None, ["parallel.offload=true"])
+    assert on.fingerprint()["parallel.offload"] == "True"
+    assert on.parallel_config(cuda=True).offload is True
+    with pytest.raises(ConfigError, match="parallel.offload"):
+        load_config(None, ["parallel.offload=sometimes"])

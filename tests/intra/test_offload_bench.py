@@ -1,0 +1,48 @@
+"""benchmarks/offload.py: one site with and without FSDP2 CPU offload, on CPU gloo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "offload.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_offload_benchmark_runs_both_ways_and_offload_changes_no_loss(tmp_path):
+    out = tmp_path / "offload.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, str(BENCH), "--device", "cpu", "--gpus", "2"),
+            *("--case", "tiny:2", "--seq", "64", "--batch", "2", "--steps", "2"),
+            *("--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["offload"], r["fits"]) for r in rows] == [
+        ("tiny:2", False, True),
+        ("tiny:2", True, True),
+    ]
+    without, with_offload = rows
+    assert with_offload["params"] == without["params"] > 0
+    # On CPU offload moves nothing: the same arithmetic, the same loss bit for bit.
+    assert with_offload["loss_last"] == without["loss_last"]
+    assert "tiny:2" in done.stdout and "offload" in done.stdout
+
+
+def test_the_offload_benchmark_refuses_a_malformed_case():
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--case", "1b"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 2
+    assert "expected PRESET:LAYERS" in done.stderr
