@@ -53,8 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="override the preset's n_layers")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     p.add_argument(
-        "--dp", type=int, default=None, help="data-parallel ranks (default: world / (pp*tp))"
+        "--dp", type=int, default=None, help="data-parallel ranks (default: world / (pp*cp*tp))"
     )
     p.add_argument("--batch", type=int, default=4, help="sequences per dp rank per step")
     p.add_argument(
@@ -132,9 +133,9 @@ def main() -> None:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.dp is None:
-        layout = ParallelLayout.for_ranks(world, pp=args.pp, tp=args.tp)
+        layout = ParallelLayout.for_ranks(world, pp=args.pp, tp=args.tp, cp=args.cp)
     else:
-        layout = ParallelLayout(pp=args.pp, dp=args.dp, tp=args.tp)
+        layout = ParallelLayout(pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp)
     if not dist.is_initialized():
         if dev == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -189,7 +190,7 @@ def main() -> None:
     result = {
         "preset": args.preset,
         "params": sum(p.numel() for p in trainer.parameters()) if layout.pp == 1 else None,
-        "layout": {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
+        "layout": {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp},
         "parallel": {
             "schedule": args.schedule if layout.pp > 1 else None,
             "microbatches": parallel.num_microbatches(layout.pp) if layout.pp > 1 else None,

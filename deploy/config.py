@@ -37,7 +37,7 @@ from isthmus.deploy.validation import ConfigError, validate
 from isthmus.inter.data.chunk_size import chunk_bytes_for_link
 from isthmus.inter.data.codec_spec import CODEC_FORMAT
 from isthmus.inter.security import SiteSecurity
-from isthmus.intra.layout import ParallelConfig
+from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset
 from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
 
@@ -164,6 +164,11 @@ class JobConfig:
         if self.data.tokenizer == "bpe":
             return self.data.vocab_size
         return file_vocab_size(self.data.tokenizer)
+
+    def site_layout(self) -> ParallelLayout:
+        """One site's pp × dp × cp × tp (dp from the rank count). Raises ValueError."""
+        t = self.topology
+        return ParallelLayout.for_ranks(t.ranks_per_site, pp=t.pp, tp=t.tp, cp=t.cp)
 
     def parallel_config(self, *, cuda: bool) -> ParallelConfig:
         """The site's parallelism choices for intra's Trainer."""

@@ -126,9 +126,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     is ready for its first step."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dev = config.device_type
-    layout = ParallelLayout.for_ranks(
-        config.topology.ranks_per_site, pp=config.topology.pp, tp=config.topology.tp
-    )
+    layout = config.site_layout()
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # On GPUs NCCL carries the tensors and gloo the few CPU-side collectives
@@ -138,10 +136,11 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         timeout=timedelta(seconds=config.sync.timeout_s),
     )
     mesh = build_site_mesh(layout, dev)
-    pp_i, dp_i, tp_i = mesh_coordinate(mesh)
+    pp_i, dp_i, cp_i, tp_i = mesh_coordinate(mesh)
     # Lanes pair ranks by rank number: with one layout everywhere and row-major rank
-    # order (tp innermost), equal ranks sit at equal (pp, dp, tp) coordinates.
-    assert env.rank == (pp_i * layout.dp + dp_i) * layout.tp + tp_i, (env.rank, pp_i, dp_i, tp_i)
+    # order (tp innermost), equal ranks sit at equal (pp, dp, cp, tp) coordinates.
+    where = ((pp_i * layout.dp + dp_i) * layout.cp + cp_i) * layout.tp + tp_i
+    assert env.rank == where, (env.rank, pp_i, dp_i, cp_i, tp_i)
     sites = config.site_names
     site_index = sites.index(env.site)
 

@@ -30,9 +30,12 @@ class TopologySection:
     ranks_per_site: int = 2
     """torch.distributed ranks (processes; GPUs on a GPU host) in each site."""
     pp: int = 1
-    """Pipeline-parallel width inside a site; dp = ranks_per_site / (pp x tp)."""
+    """Pipeline-parallel width inside a site; dp = ranks_per_site / (pp x cp x tp)."""
     tp: int = 1
     """Tensor-parallel width inside a site."""
+    cp: int = 1
+    """Context-parallel width inside a site: each sequence split over cp ranks (two
+    chunks each, for even causal-attention work; train.seq_len divisible by 2 x cp)."""
     device: str = "auto"
     """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present."""
 

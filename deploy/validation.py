@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from isthmus.deploy.sections import EVAL_BATCH, KIB
 from isthmus.inter.data.codec_spec import parse_codec_spec
-from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
 
 if TYPE_CHECKING:
@@ -39,12 +38,13 @@ def validate(config: JobConfig) -> None:
     _require(1 <= t.sites <= 64, f"topology.sites must be in 1..64, got {t.sites}")
     _require(t.ranks_per_site >= 1, f"topology.ranks_per_site must be >= 1, got {t.ranks_per_site}")
     _require(
-        t.pp >= 1 and t.tp >= 1, f"topology.pp and topology.tp must be >= 1, got {t.pp}, {t.tp}"
+        t.pp >= 1 and t.tp >= 1 and t.cp >= 1,
+        f"topology.pp, topology.cp and topology.tp must be >= 1, got {t.pp}, {t.cp}, {t.tp}",
     )
     _require(
-        t.ranks_per_site % (t.pp * t.tp) == 0,
+        t.ranks_per_site % (t.pp * t.cp * t.tp) == 0,
         f"layout does not divide the ranks: topology.ranks_per_site={t.ranks_per_site} "
-        f"is not divisible by pp*tp={t.pp}*{t.tp}={t.pp * t.tp}",
+        f"is not divisible by pp*cp*tp={t.pp}*{t.cp}*{t.tp}={t.pp * t.cp * t.tp}",
     )
     _require(
         t.device in ("auto", "cpu", "cuda"),
@@ -71,7 +71,7 @@ def validate(config: JobConfig) -> None:
         )
     try:
         config.parallel_config(cuda=False).check(
-            ParallelLayout.for_ranks(t.ranks_per_site, pp=t.pp, tp=t.tp),
+            config.site_layout(),
             config.resolved_model(),
             batch_size=tr.batch_size,
             seq_len=tr.seq_len,

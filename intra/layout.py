@@ -33,6 +33,7 @@ class MeshAxis(StrEnum):
 
     PP = "pp"
     DP = "dp"
+    CP = "cp"
     TP = "tp"
 
 
@@ -44,6 +45,10 @@ class ParallelLayout:
     """Pipeline-parallel stages."""
     dp: int = 1
     """Data-parallel (FSDP2) replicas inside the site."""
+    cp: int = 1
+    """Context-parallel ranks per replica: each holds 1/cp of every sequence (two
+    chunks, one from each end, so causal attention's work is even) and gathers the
+    others' keys and values; FSDP2 shards over dp × cp."""
     tp: int = 1
     """Tensor-parallel ranks per stage."""
 
@@ -57,33 +62,37 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """Ranks in the site: ``pp * dp * tp``."""
-        return self.pp * self.dp * self.tp
+        """Ranks in the site: ``pp * dp * cp * tp``."""
+        return self.pp * self.dp * self.cp * self.tp
 
     @classmethod
-    def for_ranks(cls, ranks: int, pp: int = 1, tp: int = 1) -> ParallelLayout:
+    def for_ranks(cls, ranks: int, pp: int = 1, tp: int = 1, cp: int = 1) -> ParallelLayout:
         """Derive ``dp`` from the site's rank count and the model-parallel sizes.
 
         Args:
             ranks: ranks in the site.
             pp: pipeline-parallel size.
             tp: tensor-parallel size.
+            cp: context-parallel size.
 
         Returns:
-            The layout with ``dp = ranks // (pp * tp)``.
+            The layout with ``dp = ranks // (pp * cp * tp)``.
 
         Raises:
-            ValueError: if a size is not a positive integer or ``pp * tp`` does not divide ``ranks``.
+            ValueError: if a size is not a positive integer or ``pp * cp * tp`` does not
+                divide ``ranks``.
         """
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks_per_site must be an integer >= 1, got {ranks!r}")
-        probe = cls(pp=pp, tp=tp)  # validates pp and tp
-        if ranks % (probe.pp * probe.tp):
+        probe = cls(pp=pp, tp=tp, cp=cp)  # validates pp, tp and cp
+        model_ranks = probe.pp * probe.cp * probe.tp
+        if ranks % model_ranks:
             raise ValueError(
-                f"ranks_per_site={ranks} is not divisible by pp*tp={probe.pp * probe.tp} "
-                f"(pp={probe.pp}, tp={probe.tp}); choose ranks_per_site as a multiple of pp*tp"
+                f"ranks_per_site={ranks} is not divisible by pp*cp*tp={model_ranks} "
+                f"(pp={probe.pp}, cp={probe.cp}, tp={probe.tp}); choose ranks_per_site as "
+                "a multiple of pp*cp*tp"
             )
-        return cls(pp=probe.pp, dp=ranks // (probe.pp * probe.tp), tp=probe.tp)
+        return cls(pp=probe.pp, dp=ranks // model_ranks, cp=probe.cp, tp=probe.tp)
 
 
 class PipelineSchedule(StrEnum):
@@ -169,7 +178,7 @@ class ParallelConfig:
         """Check this config against a layout, a model shape and the per-rank batch.
 
         Args:
-            layout: the site's pp × dp × tp.
+            layout: the site's pp × dp × cp × tp.
             model: the model shape.
             batch_size: sequences per dp rank per step.
             seq_len: tokens per sequence.
@@ -184,9 +193,17 @@ class ParallelConfig:
                     f"ModelConfig.{name}={getattr(model, name)} must be divisible by "
                     f"ParallelLayout.tp={tp}"
                 )
-        if self.sequence_parallel and tp > 1 and seq_len % tp:
+        cp = layout.cp
+        if cp > 1 and seq_len % (2 * cp):
             raise ValueError(
-                f"ParallelConfig.sequence_parallel needs seq_len={seq_len} divisible by tp={tp}"
+                f"ParallelLayout.cp={cp} needs seq_len={seq_len} divisible by 2*cp={2 * cp} "
+                "(each cp rank holds two equal chunks of every sequence)"
+            )
+        local_seq = seq_len // cp
+        if self.sequence_parallel and tp > 1 and local_seq % tp:
+            raise ValueError(
+                f"ParallelConfig.sequence_parallel needs seq_len/cp={local_seq} divisible "
+                f"by tp={tp}"
             )
         if self.mixed_precision and not _cuda_available():
             raise ValueError("ParallelConfig.mixed_precision needs CUDA (bf16 on CPU is slow)")

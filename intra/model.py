@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .context_parallel import ContextShard
 from .model_config import ModelConfig
 
 
@@ -59,6 +60,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.context: ContextShard | None = None
+        """With context parallelism (set by ``parallelize``): attend to every cp rank's
+        keys and values, masked by global position."""
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -69,7 +73,12 @@ class Attention(nn.Module):
             for w in (self.wq, self.wk, self.wv)
         )
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.context is not None:
+            k, v = self.context.gather(k), self.context.gather(v)
+            mask = self.context.causal_mask(t, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -124,15 +133,23 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Not persistent: derived from the config, so it stays out of checkpoints and digests.
         self.register_buffer("rope", rotary_tables(cfg), persistent=False)
+        self.context: ContextShard | None = None
+        """With context parallelism (set by ``parallelize``): ``tokens`` are this rank's
+        chunks of each sequence, rotated by their global positions."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[1] > self.cfg.max_seq_len:
+        local = tokens.shape[1]
+        cp = self.context.size if self.context is not None else 1
+        if local * cp > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.cfg.max_seq_len}"
+                f"sequence length {local * cp} exceeds max_seq_len={self.cfg.max_seq_len}"
             )
+        rope = self.rope
+        if self.context is not None:
+            rope = rope.index_select(0, self.context.positions(local, rope.device))
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         if self.output is None:
             return h
         assert self.norm is not None  # a stage holds both or neither (split_stage)

@@ -16,18 +16,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from .context_parallel import ContextShard
 from .layout import MeshAxis, ParallelConfig
 from .model import Block, Transformer
 from .tensor_parallel import apply_tp
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh's data-parallel axis (the whole mesh when it is 1-D and unnamed)."""
+    """The mesh FSDP2 shards over: the data-parallel axis, flattened with the
+    context-parallel one when ``cp > 1`` (cp ranks hold the same parameters and
+    average their gradients like replicas); the whole mesh when it is 1-D and unnamed."""
     names = mesh.mesh_dim_names
     if names is None:
         if mesh.ndim != 1:
             raise ValueError("an unnamed mesh must be 1-D to be used for data parallelism")
         return mesh
+    if MeshAxis.CP.value in names and mesh[MeshAxis.CP.value].size() > 1:
+        return mesh[MeshAxis.DP.value, MeshAxis.CP.value]._flatten("dp_cp")
     return mesh[MeshAxis.DP.value]
 
 
@@ -91,7 +96,8 @@ def apply_fsdp(
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) -> list[FSDPModule]:
-    """Apply TP, activation checkpointing, compile and FSDP2 to one model part, in place.
+    """Apply TP, context parallelism, activation checkpointing, compile and FSDP2 to
+    one model part, in place.
 
     Args:
         model: a ``Transformer`` or one pipeline stage of it, on CPU in fp32.
@@ -104,6 +110,13 @@ def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) ->
     names = mesh.mesh_dim_names or ()
     if MeshAxis.TP.value in names and mesh[MeshAxis.TP.value].size() > 1:
         apply_tp(model, mesh[MeshAxis.TP.value], sequence_parallel=config.sequence_parallel)
+    if MeshAxis.CP.value in names and mesh[MeshAxis.CP.value].size() > 1:
+        cp_mesh = mesh[MeshAxis.CP.value]
+        context = ContextShard(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+        model.context = context
+        for block in model.layers.values():
+            assert isinstance(block, Block)
+            block.attention.context = context
     for block in model.layers.values():
         assert isinstance(block, Block)  # what Transformer.layers holds
         block.checkpoint = config.activation_checkpoint

@@ -17,7 +17,7 @@ from .layout import MeshAxis, ParallelLayout
 
 
 def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceMesh:
-    """Build the site's 3-D device mesh with axes named ``("pp", "dp", "tp")``.
+    """Build the site's 4-D device mesh with axes named ``("pp", "dp", "cp", "tp")``.
 
     Initializes the default process group from the environment (torchrun's
     ``MASTER_ADDR``/``RANK``/...) if the caller has not; the world is the site's
@@ -25,9 +25,10 @@ def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceM
     On ``cuda`` the rank's device is ``LOCAL_RANK``.
 
     Ranks are laid out row-major, ``tp`` innermost: rank ``r`` sits at
-    ``pp = r // (dp*tp)``, ``dp = r // tp % dp``, ``tp = r % tp``, so a TP group is
-    ``tp`` consecutive ranks (one NVLink island on a GPU host). Size-1 axes are
-    kept, so ``mesh["dp"]`` etc. always exist.
+    ``pp = r // (dp*cp*tp)``, ``dp = r // (cp*tp) % dp``, ``cp = r // tp % cp``,
+    ``tp = r % tp``, so a TP group is ``tp`` consecutive ranks (one NVLink island on a
+    GPU host) and a CP group the next-nearest. Size-1 axes are kept, so ``mesh["dp"]``
+    etc. always exist.
 
     Args:
         layout: the validated layout; its ``world_size`` must equal the process group's.
@@ -51,20 +52,20 @@ def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceM
     if world != layout.world_size:
         raise ValueError(
             f"the site's process group has {world} ranks but the layout needs "
-            f"pp*dp*tp={layout.world_size} ({layout})"
+            f"pp*dp*cp*tp={layout.world_size} ({layout})"
         )
     return init_device_mesh(
         device_type,
-        (layout.pp, layout.dp, layout.tp),
+        (layout.pp, layout.dp, layout.cp, layout.tp),
         mesh_dim_names=tuple(axis.value for axis in MeshAxis),
     )
 
 
-def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, int, int]:
-    """This rank's ``(pp, dp, tp)`` coordinate in a mesh from ``build_site_mesh``.
+def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, int, int, int]:
+    """This rank's ``(pp, dp, cp, tp)`` coordinate in a mesh from ``build_site_mesh``.
 
-    Cross-site lanes pair ranks by this coordinate: the rank at ``(p, d, t)`` in one
-    site averages its gradient shards with the rank at ``(p, d, t)`` in every other
+    Cross-site lanes pair ranks by this coordinate: the rank at ``(p, d, c, t)`` in one
+    site averages its gradient shards with the rank at ``(p, d, c, t)`` in every other
     site (the layouts of all sites are equal, enforced by the job fingerprint).
     """
     coord = mesh.get_coordinate()

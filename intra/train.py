@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .context_parallel import ContextShard
 from .flops import device_peak_flops, mfu
 from .layout import MeshAxis, ParallelConfig
 from .model import Transformer, flops_per_token
@@ -206,10 +207,16 @@ class Trainer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device(mesh.device_type)
-        self.pp, self.dp, self.tp = (_axis_size(mesh, a) for a in MeshAxis)
+        self.pp, self.dp, self.cp, self.tp = (_axis_size(mesh, a) for a in MeshAxis)
         self.coordinate = (
-            mesh_coordinate(mesh) if mesh.mesh_dim_names else (0, mesh.get_local_rank(), 0)
+            mesh_coordinate(mesh) if mesh.mesh_dim_names else (0, mesh.get_local_rank(), 0, 0)
         )
+        self._context: ContextShard | None = None
+        if self.cp > 1:
+            cp_mesh = mesh[MeshAxis.CP.value]
+            self._context = ContextShard(
+                cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
+            )
         self._model_cfg = model.cfg
         self._params_no_embedding = model.num_params(exclude_embedding=True)
         self._peak = device_peak_flops(self.device)
@@ -297,7 +304,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        loss = self._forward_backward(inputs, targets)
+        loss = self._forward_backward(*self._local(inputs, targets))
         sync_s, synced = 0.0, None
         if self.sync is not None:
             self._sync_device()
@@ -318,7 +325,7 @@ class Trainer:
         # replica's loss tp times.
         site_loss = loss.float().reshape(1).clone()
         dist.all_reduce(site_loss, op=dist.ReduceOp.SUM)
-        loss_value = site_loss.item() / (self.dp * self.tp)
+        loss_value = site_loss.item() / (self.dp * self.cp * self.tp)
         self._sync_device()
         total = time.perf_counter() - t0
         site_tokens = inputs.numel() * self.dp
@@ -370,7 +377,7 @@ class Trainer:
         # Partial after the reduce-scatter) and from the mesh axes the DTensor
         # does not span. The order of additions is fixed by the layout, so equal
         # layouts give equal norms.
-        stage_ranks = self.dp * self.tp
+        stage_ranks = self.dp * self.cp * self.tp
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:
             copies = stage_ranks
@@ -404,7 +411,11 @@ class Trainer:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         try:
-            return self._evaluate(inputs, targets)
+            loss = self._evaluate(*self._local(inputs, targets))
+            if self._context is not None:  # each cp rank's mean over equal token counts
+                dist.all_reduce(loss, group=self._context.group)
+                loss /= self.cp
+            return float(loss.item())
         finally:
             # FSDP keeps the root and the last block gathered after a forward (backward
             # would need them first). A forward without backward must free them, or the
@@ -413,11 +424,20 @@ class Trainer:
             for group in self.groups:
                 group.reshard()
 
-    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def _local(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of the replica's batch: all of them, or with context
+        parallelism its two chunks of every sequence."""
+        if self._context is None:
+            return inputs, targets
+        return self._context.shard(inputs), self._context.shard(targets)
+
+    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.schedule is None:
             assert self.model is not None
             logits = self.model(inputs)
-            return float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item())
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         args = (inputs,) if self._is_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self._is_last else {}
@@ -426,7 +446,7 @@ class Trainer:
         if self._is_last:  # each micro-batch loss is already divided by the count
             loss = torch.stack([x.detach().float() for x in losses]).sum()
         dist.all_reduce(loss, group=mesh_pp_group(self.mesh))  # only the last stage's is not 0
-        return float(loss.item())
+        return loss
 
     def parameter_digest(self) -> str:
         """sha256 of the site's full parameters (a collective over the whole site).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -83,7 +84,7 @@ def test_each_preset_trains_with_its_own_defaults_unless_the_job_says(tmp_path):
         (["--set", "nosuch.key=3"], ["unknown config section 'nosuch'"]),
         (
             ["--ranks-per-site", "3", "--set", "topology.tp=2"],
-            ["does not divide the ranks", "pp*tp"],
+            ["does not divide the ranks", "pp*cp*tp"],
         ),
         (["--set", "train.lr=fast"], ["train.lr must be float"]),
         (["--set", "sync.codec=lz4"], ["sync.codec"]),
@@ -230,3 +231,18 @@ def test_offload_is_part_of_the_fingerprint_and_a_bad_value_is_refused():
     assert on.parallel_config(cuda=True).offload is True
     with pytest.raises(ConfigError, match="parallel.offload"):
         load_config(None, ["parallel.offload=sometimes"])
+
+
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["topology.cp=2", "train.seq_len=30"], "seq_len=30 divisible by 2*cp=4"),
+        (["topology.cp=4", "topology.ranks_per_site=6"], "pp*cp*tp=1*4*1=4"),
+        (["topology.cp=0"], "topology.pp, topology.cp and topology.tp must be >= 1"),
+    ],
+)
+def test_a_context_parallel_layout_that_does_not_fit_is_refused_naming_the_numbers(sets, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, sets)
+    assert load_config(None, ["topology.cp=2", "train.seq_len=32"]).site_layout().cp == 2
+    assert load_config(None, ["topology.cp=2"]).fingerprint()["topology.cp"] == "2"

@@ -209,6 +209,24 @@ def test_two_sites_laid_out_tp2_dp2_stay_identical(tmp_path):
     assert losses["site0"] != losses["site1"] and len(losses["site0"]) == 3
 
 
+@pytest.mark.timeout(300)
+def test_two_sites_with_context_parallel_ranks_stay_identical(tmp_path):
+    """Each site is 4 ranks as dp=2 x cp=2: every sequence split over two ranks, FSDP
+    over all four, lanes pairing the four coordinates with the other site's."""
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "local",
+        *("--ranks-per-site", "4", "--steps", "3", "--run-dir", str(run_dir)),
+        *("--set", "topology.cp=2", "--set", "model.preset=tiny", "--set", "train.seq_len=32"),
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert len(set(summary["digests"].values())) == 1
+    shards = summary["shard_digests"]
+    assert shards["site0"] == shards["site1"] and len(set(shards["site0"])) == 4
+
+
 def start_job(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
     """Start a long `isthmus local` and wait until every site has trained a step."""
     process = subprocess.Popen(

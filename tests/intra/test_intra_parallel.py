@@ -1,4 +1,4 @@
-"""TP, PP and FSDP composed inside one site, checked against one process (gloo, CPU).
+"""TP, PP, CP and FSDP composed inside one site, checked against one process (gloo, CPU).
 
 Each layout runs one training step in spawned processes and compares the loss and
 every gradient with an unsharded single-process reference on the same global
@@ -50,7 +50,7 @@ def _one_layout(rank: int, layout: dict, parallel: dict) -> dict[str, Any]:
     mesh = build_site_mesh(lay)
     sync = RecordingSync()
     trainer = Trainer(build_model(MODEL, SEED), mesh, CONFIG, parallel=config, sync=sync)
-    _, dp_rank, _ = trainer.coordinate
+    _, dp_rank, _, _ = trainer.coordinate
     data = ShardedBatches(
         random_corpus(),
         seq_len=SEQ,
@@ -112,7 +112,11 @@ def _check_layout(ranks: list[dict], layout: dict) -> None:
     lay = ParallelLayout(**layout)
     ref = _reference(BATCH * lay.dp)
     assert sorted(r["coordinate"] for r in ranks) == sorted(
-        (p, d, t) for p in range(lay.pp) for d in range(lay.dp) for t in range(lay.tp)
+        (p, d, c, t)
+        for p in range(lay.pp)
+        for d in range(lay.dp)
+        for c in range(lay.cp)
+        for t in range(lay.tp)
     )
     merged: dict[str, torch.Tensor] = {}
     for r in ranks:
@@ -149,6 +153,11 @@ LAYOUTS_4 = {
         {"pp": 2, "tp": 2},
         {"schedule": "interleaved_1f1b", "sequence_parallel": True},
     ),
+    # Context parallelism: each sequence in 2*cp chunks, two per rank.
+    "cp4": ({"cp": 4}, {}),
+    "cp2xdp2": ({"dp": 2, "cp": 2}, {}),
+    "cp2xtp2-sp": ({"cp": 2, "tp": 2}, {"sequence_parallel": True}),
+    "pp2xcp2-1f1b": ({"pp": 2, "cp": 2}, {"schedule": "1f1b", "microbatches": 2}),
 }
 
 

@@ -31,10 +31,11 @@ from isthmus.intra.train import TrainConfig
 def test_layout_defaults_and_world_size() -> None:
     assert ParallelLayout().world_size == 1
     assert ParallelLayout(pp=2, dp=3, tp=2).world_size == 12
-    assert [a.value for a in MeshAxis] == ["pp", "dp", "tp"]
+    assert ParallelLayout(pp=2, dp=3, cp=2, tp=2).world_size == 24
+    assert [a.value for a in MeshAxis] == ["pp", "dp", "cp", "tp"]
 
 
-@pytest.mark.parametrize("field", ["pp", "dp", "tp"])
+@pytest.mark.parametrize("field", ["pp", "dp", "cp", "tp"])
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_layout_rejects_bad_sizes(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"ParallelLayout\.{field}") as err:
@@ -45,10 +46,13 @@ def test_layout_rejects_bad_sizes(field: str, value: object) -> None:
 def test_for_ranks_derives_dp() -> None:
     assert ParallelLayout.for_ranks(8, pp=2, tp=2) == ParallelLayout(pp=2, dp=2, tp=2)
     assert ParallelLayout.for_ranks(4) == ParallelLayout(dp=4)
+    assert ParallelLayout.for_ranks(8, tp=2, cp=2) == ParallelLayout(dp=2, cp=2, tp=2)
 
 
 def test_for_ranks_message_is_one_line() -> None:
-    with pytest.raises(ValueError, match=r"^ranks_per_site=6 is not divisible by pp\*tp=4") as err:
+    with pytest.raises(
+        ValueError, match=r"^ranks_per_site=6 is not divisible by pp\*cp\*tp=4"
+    ) as err:
         ParallelLayout.for_ranks(6, pp=2, tp=2)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="ranks_per_site"):
