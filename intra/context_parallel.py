@@ -20,6 +20,7 @@ layer and exact softmax arithmetic; it costs ``seq_len / cp`` queries against
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,9 @@ class ContextShard:
         index = self.positions(seq // self.size, tokens.device)
         return tokens.index_select(1, index)
 
+    # A collective inside a compiled block: torch.compile runs it eagerly between the
+    # block's compiled pieces rather than tracing a process group.
+    @torch.compiler.disable
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every cp rank's ``[batch, heads, local_seq, head_dim]`` along the sequence."""
         return _GatherSequence.apply(x, self.group, self.rank, self.size)
@@ -89,8 +93,12 @@ class ContextShard:
     def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
         """``[local_len, cp * local_len]``: True where this rank's query may attend to
         a gathered key (the key's global position is not after the query's)."""
-        queries = self.positions(local_len, device)
-        keys = torch.cat(
-            [local_positions(local_len, r, self.size, device) for r in range(self.size)]
-        )
-        return queries[:, None] >= keys[None, :]
+        return _causal_mask(local_len, self.rank, self.size, device)
+
+
+@lru_cache(maxsize=8)
+def _causal_mask(local_len: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
+    # Made once per shape, not once per layer and step.
+    queries = local_positions(local_len, rank, size, device)
+    keys = torch.cat([local_positions(local_len, r, size, device) for r in range(size)])
+    return queries[:, None] >= keys[None, :]
