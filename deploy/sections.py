@@ -43,7 +43,8 @@ class TopologySection:
 @dataclass(kw_only=True, slots=True)
 class ModelSection:
     preset: str = "small"
-    """Model preset: tiny, small, 125m, 350m, 1b."""
+    """Model preset: tiny, small, 125m, 350m, 1b, or a mixture of experts moe-tiny,
+    moe-small, moe-125m (8 experts, top-2, as many active parameters as the dense preset)."""
     dim: int = 0
     """Hidden size; 0 keeps the preset's."""
     n_layers: int = 0

@@ -193,6 +193,11 @@ class ParallelConfig:
                     f"ModelConfig.{name}={getattr(model, name)} must be divisible by "
                     f"ParallelLayout.tp={tp}"
                 )
+        if model.n_experts and self.sequence_parallel and tp > 1:
+            raise ValueError(
+                f"ParallelConfig.sequence_parallel is not supported with ModelConfig.n_experts="
+                f"{model.n_experts}: expert layers run whole on every tp rank"
+            )
         cp = layout.cp
         if cp > 1 and seq_len % (2 * cp):
             raise ValueError(

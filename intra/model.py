@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .context_parallel import ContextShard
 from .model_config import ModelConfig
+from .moe import MoEFeedForward
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +100,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward: nn.Module = MoEFeedForward(cfg) if cfg.n_experts else FeedForward(cfg)
         self.checkpoint = False
         """Recompute this block's activations in backward (set by ``parallelize``).
         A flag rather than ``checkpoint_wrapper`` so parameter names do not change."""
@@ -165,7 +166,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(("wo.weight", "w2.weight", "feed_forward.w2")):
                 nn.init.trunc_normal_(
                     p, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator
                 )
@@ -173,12 +174,14 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std, generator=generator)
         self.rope.copy_(rotary_tables(self.cfg, self.rope.device))
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count; ``exclude_embedding`` drops the input lookup table."""
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Parameter count; ``exclude_embedding`` drops the input lookup table, ``active``
+        the experts a token is not routed to (mixture of experts; call it on the whole
+        model)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding and self.tok_embeddings is not None:
             n -= self.tok_embeddings.weight.numel()
-        return n
+        return n - (self.cfg.inactive_params if active else 0)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: ``6 N + 12 L d T`` (PaLM appendix B).
@@ -186,11 +189,12 @@ class Transformer(nn.Module):
         Call it on the whole (unsplit, unsharded) model, e.g. one built on the
         meta device: a pipeline stage or a TP shard counts only its own part.
 
-        ``N`` excludes the input embedding (a lookup, not a matmul); the second
-        term is attention's score and value matmuls at sequence length ``T``.
+        ``N`` excludes the input embedding (a lookup, not a matmul) and, in a mixture of
+        experts, the experts a token is not routed to; the second term is attention's
+        score and value matmuls at sequence length ``T``.
         """
         t = self.cfg.max_seq_len if seq_len is None else seq_len
-        return flops_per_token(self.cfg, self.num_params(exclude_embedding=True), t)
+        return flops_per_token(self.cfg, self.num_params(exclude_embedding=True, active=True), t)
 
 
 def flops_per_token(cfg: ModelConfig, params_without_embedding: int, seq_len: int) -> float:

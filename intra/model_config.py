@@ -30,6 +30,13 @@ class ModelConfig:
     """Rotary base frequency."""
     init_std: float = 0.02
     """Standard deviation of the weight init (output projections are scaled down by depth)."""
+    n_experts: int = 0
+    """Experts per feed-forward layer (intra/moe.py); 0 = a dense SwiGLU MLP. Each
+    expert is a SwiGLU MLP of hidden width ``ffn_hidden``."""
+    top_k: int = 2
+    """Experts each token is routed to (with ``n_experts``)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer's; 0 = none)."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len", "vocab_size"):
@@ -47,6 +54,17 @@ class ModelConfig:
         for name in ("norm_eps", "rope_theta", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int):
+            raise ValueError(f"ModelConfig.n_experts must be an integer, got {self.n_experts!r}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"ModelConfig.top_k={self.top_k} must be in 1..n_experts={self.n_experts}"
+            )
+        if self.n_experts < 0 or not self.aux_loss_coef >= 0:
+            raise ValueError(
+                f"ModelConfig.n_experts={self.n_experts} and aux_loss_coef="
+                f"{self.aux_loss_coef} must be >= 0"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -56,8 +74,16 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameters of the whole decoder (``Transformer.num_params()``), unbuilt."""
         d, f, v = self.dim, self.ffn_hidden, self.vocab_size
-        block = 4 * d * d + 3 * d * f + 2 * d  # attention, SwiGLU MLP, two norms
+        ffn = 3 * d * f if not self.n_experts else self.n_experts * (3 * d * f + d)
+        block = 4 * d * d + ffn + 2 * d  # attention, SwiGLU MLP(s) and router, two norms
         return 2 * v * d + self.n_layers * block + d  # embedding, head, final norm
+
+    @property
+    def inactive_params(self) -> int:
+        """Parameters a token does not use: the experts it is not routed to."""
+        if not self.n_experts:
+            return 0
+        return self.n_layers * (self.n_experts - self.top_k) * 3 * self.dim * self.ffn_hidden
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -69,6 +95,18 @@ PRESETS: dict[str, ModelConfig] = {
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, ffn_hidden=3072, max_seq_len=1024),
     "350m": ModelConfig(dim=1024, n_layers=28, n_heads=16, ffn_hidden=2816, max_seq_len=2048),
     "1b": ModelConfig(dim=2048, n_layers=20, n_heads=16, ffn_hidden=5632, max_seq_len=2048),
+    # Mixture of experts: 8 experts (4 for tiny), top-2, each expert half the dense
+    # preset's MLP, so a token uses as many parameters as in the dense preset of the
+    # same name (the issue's "dense preset of equal active parameters").
+    "moe-tiny": ModelConfig(
+        dim=64, n_layers=2, n_heads=4, ffn_hidden=86, max_seq_len=128, n_experts=4
+    ),
+    "moe-small": ModelConfig(
+        dim=192, n_layers=4, n_heads=6, ffn_hidden=256, max_seq_len=256, n_experts=8
+    ),
+    "moe-125m": ModelConfig(
+        dim=768, n_layers=12, n_heads=12, ffn_hidden=1536, max_seq_len=1024, n_experts=8
+    ),
 }
 
 
@@ -115,6 +153,10 @@ PRESET_TRAINING: dict[str, TrainingDefaults] = {
         source="GPU sweep (docs/benchmarks.md); GPT-3 Table 2.1, 1.3B",
     ),
 }  # fmt: skip
+# A mixture-of-experts preset trains like the dense preset whose active size it has
+# (not swept).
+for _name in ("tiny", "small", "125m"):
+    PRESET_TRAINING[f"moe-{_name}"] = PRESET_TRAINING[_name]
 
 
 def preset(name: str) -> ModelConfig:

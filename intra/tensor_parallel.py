@@ -23,6 +23,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .model import FeedForward
+
 if TYPE_CHECKING:
     from .model import Transformer
 
@@ -61,10 +63,15 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
         }
+        # Experts are not split: a mixture-of-experts layer runs whole on every tp
+        # rank, on the same replicated tokens (sequence parallelism is refused with it).
+        if isinstance(block.feed_forward, FeedForward):
+            plan |= {
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            }
         if sequence_parallel:
             plan |= {
                 "attention_norm": SequenceParallel(),

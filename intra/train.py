@@ -35,6 +35,7 @@ from .context_parallel import ContextShard
 from .flops import device_peak_flops, mfu
 from .layout import MeshAxis, ParallelConfig
 from .model import Transformer, flops_per_token
+from .moe import MoEFeedForward
 from .parallel import group_parameters, parallelize
 from .pipeline import build_schedule, rank_stages, split_stage
 from .topology import mesh_coordinate
@@ -218,7 +219,7 @@ class Trainer:
                 cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
             )
         self._model_cfg = model.cfg
-        self._params_no_embedding = model.num_params(exclude_embedding=True)
+        self._params_no_embedding = model.num_params(exclude_embedding=True, active=True)
         self._peak = device_peak_flops(self.device)
         if self.pp > 1:
             num_stages = self.pp * parallel.local_stages
@@ -240,6 +241,12 @@ class Trainer:
                 group=mesh[MeshAxis.PP.value].get_group(),
                 device=self.device,
             )
+        if self.pp > 1:  # each micro-batch's loss is divided by their count: its aux loss too
+            scale = 1.0 / parallel.num_microbatches(self.pp)
+            for part in self.model_parts:
+                for module in part.modules():
+                    if isinstance(module, MoEFeedForward):
+                        module.aux_scale = scale
         self.optimizer = torch.optim.AdamW(
             self.parameters(),
             lr=config.lr,

@@ -184,15 +184,26 @@ def test_three_sites_stay_identical(tmp_path):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout", ["topology.tp=2", "topology.cp=2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("topology.tp=2", "model.preset=tiny"),
+        ("topology.cp=2", "model.preset=tiny"),
+        ("topology.cp=2", "model.preset=moe-tiny"),
+    ],
+    ids=["tp2xdp2", "dp2xcp2", "moe-dp2xcp2"],
+)
 def test_two_sites_of_four_model_parallel_ranks_stay_identical(tmp_path, layout):
     """Each site is 4 ranks as tp=2 x dp=2, or dp=2 x cp=2 (every sequence split over
-    two ranks, FSDP over all four); lanes pair ranks by mesh coordinate."""
+    two ranks, FSDP over all four), with a dense model or a mixture of experts; lanes
+    pair ranks by mesh coordinate."""
     run_dir = tmp_path / "run"
+    sets = [arg for key in layout for arg in ("--set", key)]
     result = run_cli(
         "local",
         *("--ranks-per-site", "4", "--steps", "3", "--run-dir", str(run_dir)),
-        *("--set", layout, "--set", "model.preset=tiny", "--set", "train.seq_len=32"),
+        *sets,
+        *("--set", "train.seq_len=32"),
         timeout=380,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -27,6 +27,11 @@ from isthmus.intra.train import TrainConfig, Trainer
 SEED, SEQ, BATCH = 7, 16, 4
 # Four layers so that pp=2 with two stages per rank (interleaved 1F1B) has one layer each.
 MODEL = replace(preset("tiny"), n_layers=4)
+# Mixture of experts of the same shape. The load-balancing loss is off here: it is a
+# mean over each rank's own tokens (as in Megatron), so a sharded run's differs from
+# one process's by design; tests/intra/test_moe.py checks it on its own.
+MOE_MODEL = replace(preset("moe-tiny"), n_layers=4, aux_loss_coef=0.0)
+MODELS = {"dense": MODEL, "moe": MOE_MODEL}
 # Clip so large that it never scales: the recorded gradients are the raw ones.
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=1, total_steps=10, grad_clip=1e6)
 
@@ -43,13 +48,13 @@ GRAD_TOL = {"rtol": 1e-5, "atol": 1e-7}
 LOSS_TOL = {"rtol": 1e-6, "atol": 0.0}
 
 
-def _one_layout(rank: int, layout: dict, parallel: dict) -> dict[str, Any]:
+def _one_layout(rank: int, layout: dict, parallel: dict, model: str = "dense") -> dict[str, Any]:
     lay = ParallelLayout(**layout)
     config = ParallelConfig(**parallel)
-    config.check(lay, MODEL, batch_size=BATCH, seq_len=SEQ)
+    config.check(lay, MODELS[model], batch_size=BATCH, seq_len=SEQ)
     mesh = build_site_mesh(lay)
     sync = RecordingSync()
-    trainer = Trainer(build_model(MODEL, SEED), mesh, CONFIG, parallel=config, sync=sync)
+    trainer = Trainer(build_model(MODELS[model], SEED), mesh, CONFIG, parallel=config, sync=sync)
     _, dp_rank, _, _ = trainer.coordinate
     data = ShardedBatches(
         random_corpus(),
@@ -97,8 +102,8 @@ def _layout_worker(rank: int, world: int, store: str, layout: dict, parallel: di
     return _layouts_worker(rank, world, store, {"case": (layout, parallel)})["case"]
 
 
-def _reference(global_batch: int) -> dict[str, Any]:
-    model = build_model(MODEL, SEED)
+def _reference(global_batch: int, model_name: str = "dense") -> dict[str, Any]:
+    model = build_model(MODELS[model_name], SEED)
     data = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=global_batch, seed=SEED)
     x, y = data.batch(0)
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -108,9 +113,9 @@ def _reference(global_batch: int) -> dict[str, Any]:
     return {"loss": loss.item(), "grads": grads, "grad_norm": norm.item()}
 
 
-def _check_layout(ranks: list[dict], layout: dict) -> None:
+def _check_layout(ranks: list[dict], layout: dict, model: str = "dense") -> None:
     lay = ParallelLayout(**layout)
-    ref = _reference(BATCH * lay.dp)
+    ref = _reference(BATCH * lay.dp, model)
     assert sorted(r["coordinate"] for r in ranks) == sorted(
         (p, d, c, t)
         for p in range(lay.pp)
@@ -158,6 +163,10 @@ LAYOUTS_4 = {
     "cp2xdp2": ({"dp": 2, "cp": 2}, {}),
     "cp2xtp2-sp": ({"cp": 2, "tp": 2}, {"sequence_parallel": True}),
     "pp2xcp2-1f1b": ({"pp": 2, "cp": 2}, {"schedule": "1f1b", "microbatches": 2}),
+    # Mixture of experts (dropless top-2 of 4): experts sharded by FSDP like any weight.
+    "moe-dp4": ({"dp": 4}, {}, "moe"),
+    "moe-tp2xdp2": ({"dp": 2, "tp": 2}, {}, "moe"),
+    "moe-pp2xcp2": ({"pp": 2, "cp": 2}, {"schedule": "1f1b", "microbatches": 2}, "moe"),
 }
 
 
@@ -171,7 +180,8 @@ def four_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, lis
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", list(LAYOUTS_4))
 def test_layout_4_ranks_matches_one_process(four_rank_results: dict, case: str) -> None:
-    _check_layout(four_rank_results[case], LAYOUTS_4[case][0])
+    layout, _, *model = LAYOUTS_4[case]
+    _check_layout(four_rank_results[case], layout, *model)
 
 
 @pytest.mark.slow
