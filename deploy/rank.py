@@ -132,6 +132,7 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
                 "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
                 "digest_s": digest_s,
                 **({"val_loss": val[0], "eval_s": val[1]} if val else {}),
+                **({"moe_aux_loss": stats.moe_aux_loss} if stats.moe_aux_loss is not None else {}),
                 "live_sites": live_sites,
                 "generation": generation,
                 "retries": round_stats.retries if round_stats else 0,

@@ -47,6 +47,11 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "loss": sum(r["loss"] for r in rows) / len(rows),
                 "loss_by_site": {r["site"]: r["loss"] for r in rows},
                 "grad_norm": rows[0]["grad_norm"],
+                **(
+                    {"moe_aux_loss": sum(r["moe_aux_loss"] for r in rows) / len(rows)}
+                    if all("moe_aux_loss" in r for r in rows)
+                    else {}
+                ),
                 "lr": rows[0]["lr"],
                 "tokens": sum(r["tokens"] for r in rows),
                 "compute_s": max(r["compute_s"] for r in rows),

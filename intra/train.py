@@ -144,6 +144,9 @@ class StepStats:
     sync: SyncResult | None = None
     """What ``GradientSync.finish`` returned (None without a sync). When it did not
     commit, the optimizer did not step and ``grad_norm`` is 0."""
+    moe_aux_loss: float | None = None
+    """Mixture of experts: the load-balancing loss (1 = balanced), the mean over the
+    site's expert layers; None for a dense model."""
 
     @property
     def committed(self) -> bool:
@@ -241,12 +244,12 @@ class Trainer:
                 group=mesh[MeshAxis.PP.value].get_group(),
                 device=self.device,
             )
+        self._moe_layers = [
+            m for part in self.model_parts for m in part.modules() if isinstance(m, MoEFeedForward)
+        ]
         if self.pp > 1:  # each micro-batch's loss is divided by their count: its aux loss too
-            scale = 1.0 / parallel.num_microbatches(self.pp)
-            for part in self.model_parts:
-                for module in part.modules():
-                    if isinstance(module, MoEFeedForward):
-                        module.aux_scale = scale
+            for layer in self._moe_layers:
+                layer.aux_scale = 1.0 / parallel.num_microbatches(self.pp)
         self.optimizer = torch.optim.AdamW(
             self.parameters(),
             lr=config.lr,
@@ -330,9 +333,20 @@ class Trainer:
             self.optimizer.step()
         # Only last-stage ranks hold a loss; the sum over the site counts each dp
         # replica's loss tp times.
-        site_loss = loss.float().reshape(1).clone()
-        dist.all_reduce(site_loss, op=dist.ReduceOp.SUM)
-        loss_value = site_loss.item() / (self.dp * self.cp * self.tp)
+        # Mixture of experts: each layer's load-balancing loss, summed with their
+        # count in the same all-reduce (a middle pipeline stage has layers, the last
+        # the loss), so the site's mean over every layer and rank comes free.
+        aux = [m.last_aux_loss for m in self._moe_layers if m.last_aux_loss is not None]
+        site = torch.stack(
+            [
+                loss.float().reshape(()),
+                torch.stack(aux).sum().to(loss.device) if aux else loss.new_zeros(()),
+                loss.new_full((), float(len(aux))),
+            ]
+        )
+        dist.all_reduce(site, op=dist.ReduceOp.SUM)
+        site_loss, aux_sum, aux_count = site.tolist()
+        loss_value = site_loss / (self.dp * self.cp * self.tp)
         self._sync_device()
         total = time.perf_counter() - t0
         site_tokens = inputs.numel() * self.dp
@@ -348,6 +362,7 @@ class Trainer:
             site_tokens=site_tokens,
             mfu=mfu(site_tokens / total, fpt, self._peak, dist.get_world_size()),
             sync=synced,
+            moe_aux_loss=aux_sum / aux_count if aux_count else None,
         )
 
     def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:

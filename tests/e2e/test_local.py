@@ -220,6 +220,14 @@ def test_two_sites_of_four_model_parallel_ranks_stay_identical(tmp_path, layout)
         for site in ("site0", "site1")
     }
     assert losses["site0"] != losses["site1"] and len(losses["site0"]) == 3
+    # A mixture of experts reports its load-balancing loss (1 when balanced, at most
+    # n_experts = 4); a dense model has none.
+    lines = [json.loads(line) for line in (run_dir / "sites" / "site0" / "metrics.jsonl").open()]
+    aux = [line.get("moe_aux_loss") for line in lines]
+    if "moe" in layout[1]:
+        assert all(a is not None and 1.0 <= a < 4.0 for a in aux), aux
+    else:
+        assert aux == [None] * 3
 
 
 def start_job(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
