@@ -54,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (moe presets)")
     p.add_argument(
         "--dp", type=int, default=None, help="data-parallel ranks (default: world / (pp*cp*tp))"
     )
@@ -155,6 +156,7 @@ def main() -> None:
         compile=args.compile,
         mixed_precision=bf16,
         offload=args.offload,
+        expert_parallel=args.ep,
     )
     parallel.check(layout, cfg, batch_size=args.batch, seq_len=seq)
     with torch.device("meta"):
@@ -199,6 +201,7 @@ def main() -> None:
             "compile": args.compile,
             "bf16": bf16,
             "offload": args.offload,
+            "expert_parallel": args.ep,
         },
         "batch_per_dp_rank": args.batch,
         "seq_len": seq,

@@ -184,6 +184,7 @@ class JobConfig:
             compile=cuda if p.compile == "auto" else p.compile == "true",
             mixed_precision=cuda if p.mixed_precision == "auto" else p.mixed_precision == "true",
             offload=p.offload,
+            expert_parallel=self.topology.ep,
         )
 
     def site_security(self, site: str, run_token: str | None = None) -> SiteSecurity | None:

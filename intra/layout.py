@@ -125,6 +125,10 @@ class ParallelConfig:
     """``torch.compile`` each transformer block (on CPU this needs a C compiler)."""
     mixed_precision: bool = False
     """bf16 compute with fp32 parameters and fp32 gradient reduction (CUDA only)."""
+    expert_parallel: int = 1
+    """Mixture of experts: split the experts over this many consecutive dp ranks (each
+    holds ``n_experts / expert_parallel``; tokens reach their experts by all-to-all).
+    Must divide dp and n_experts."""
     offload: bool = False
     """FSDP2's CPU offload: the sharded parameters, their gradients and AdamW's state
     live in host memory (pinned on CUDA), each group is copied to the device for its
@@ -137,6 +141,9 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig.schedule must be one of {allowed}, got {self.schedule!r}"
             )
+        ep = self.expert_parallel
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"ParallelConfig.expert_parallel must be an integer >= 1, got {ep!r}")
         for name in ("microbatches", "stages_per_rank"):
             value = getattr(self, name)
             if value is not None and (
@@ -198,6 +205,23 @@ class ParallelConfig:
                 f"ParallelConfig.sequence_parallel is not supported with ModelConfig.n_experts="
                 f"{model.n_experts}: expert layers run whole on every tp rank"
             )
+        ep = self.expert_parallel
+        if ep > 1:
+            if not model.n_experts or model.n_experts % ep:
+                raise ValueError(
+                    f"expert parallelism over ep={ep} needs a mixture of experts whose "
+                    f"n_experts is a multiple of it, got n_experts={model.n_experts}"
+                )
+            if layout.dp % ep:
+                raise ValueError(
+                    f"expert parallelism needs ep={ep} to divide dp={layout.dp} (the experts "
+                    "are split over consecutive dp ranks)"
+                )
+            if layout.cp > 1:
+                raise ValueError(
+                    f"expert parallelism (ep={ep}) with context parallelism (cp={layout.cp}) "
+                    "is not supported yet"
+                )
         cp = layout.cp
         if cp > 1 and seq_len % (2 * cp):
             raise ValueError(

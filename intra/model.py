@@ -166,7 +166,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight", "feed_forward.w2")):
+            elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 nn.init.trunc_normal_(
                     p, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator
                 )

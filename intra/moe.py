@@ -16,13 +16,18 @@ it works inside pipeline stages, where no stage but the last sees the loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as distnn
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .model_config import ModelConfig
 
-__all__ = ["MoEFeedForward"]
+__all__ = ["ExpertShard", "GroupedExperts", "MoEFeedForward"]
 
 
 class _AddAuxGradient(torch.autograd.Function):
@@ -40,6 +45,64 @@ class _AddAuxGradient(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertShard:
+    """This rank's place among the ranks that split the experts (expert parallelism,
+    set by ``parallel.parallelize``): rank ``rank`` of ``size`` holds experts
+    ``rank * n / size`` to ``(rank + 1) * n / size - 1``."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU MLPs as stacked weights ``[experts, ...]`` (one FSDP2 group
+    of their own under expert parallelism, where each rank holds a slice)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
+        self.grad_scale = 1.0
+        """Multiplies the weights' gradients: ``1 / ep`` under expert parallelism, where an
+        expert's gradient sums the ep ranks that sent it tokens (each a mean over its own
+        tokens) while FSDP2 averages only over the ranks that share the expert."""
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``rows`` grouped by this rank's experts, ``counts[e]`` rows for expert ``e``
+        (all of them without expert parallelism) -> each row through its expert.
+
+        A forward of its own so that FSDP2 gathers the weights first (its hooks run
+        around a module's forward). Every expert runs, even on no rows: then every
+        rank's backward reaches every expert weight, and FSDP2 sees the same gradients
+        everywhere."""
+        w1, w3, w2 = (
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2)
+        )
+        if self.grad_scale != 1.0:
+            w1, w3, w2 = (_ScaleGradient.apply(w, self.grad_scale) for w in (w1, w3, w2))
+        outs = [
+            F.linear(F.silu(F.linear(h, w1[e])) * F.linear(h, w3[e]), w2[e])
+            for e, h in enumerate(rows.split(counts))
+        ]
+        return torch.cat(outs)
+
+
 class MoEFeedForward(nn.Module):
     """``[batch, seq, dim] -> [batch, seq, dim]`` through ``top_k`` of ``n_experts``
     SwiGLU experts of hidden width ``ffn_hidden`` each."""
@@ -49,14 +112,14 @@ class MoEFeedForward(nn.Module):
         e, d, f = cfg.n_experts, cfg.dim, cfg.ffn_hidden
         self.top_k, self.aux_loss_coef = cfg.top_k, cfg.aux_loss_coef
         self.router = nn.Linear(d, e, bias=False)
-        self.w1 = nn.Parameter(torch.empty(e, f, d))  # gate
-        self.w3 = nn.Parameter(torch.empty(e, f, d))  # up
-        self.w2 = nn.Parameter(torch.empty(e, d, f))  # down
+        self.experts = GroupedExperts(e, d, f)
         self.aux_scale = 1.0
         """The aux loss's weight in one backward: 1, or 1 / micro-batches in a pipeline
         (each micro-batch's loss is divided by their count). Set by the trainer."""
         self.last_aux_loss: torch.Tensor | None = None
         """The load-balancing loss of the last forward (before ``aux_loss_coef``)."""
+        self.expert_shard: ExpertShard | None = None
+        """With expert parallelism (set by ``parallelize``): where the experts are."""
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[tokens, dim]`` -> each token's ``top_k`` experts, their weights (summing
@@ -73,16 +136,64 @@ class MoEFeedForward(nn.Module):
         b, t, d = x.shape
         tokens = x.reshape(-1, d)
         chosen, weights, aux = self.route(tokens)
-        out = torch.zeros_like(tokens)
-        # Every expert runs, even on no tokens: then every rank's backward reaches
-        # every expert weight, and FSDP2's reduce-scatter sees the same gradients
-        # everywhere.
-        for e in range(self.w1.shape[0]):
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            h = tokens.index_select(0, rows)
-            y = F.linear(F.silu(F.linear(h, self.w1[e])) * F.linear(h, self.w3[e]), self.w2[e])
-            out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
+        if self.expert_shard is None:
+            out = self._local(tokens, chosen, weights)
+        else:
+            out = self._exchanged(tokens, chosen, weights, self.expert_shard)
         self.last_aux_loss = aux.detach()
         if self.aux_loss_coef and torch.is_grad_enabled():
             out = _AddAuxGradient.apply(out, aux, self.aux_loss_coef * self.aux_scale)
         return out.view(b, t, d)
+
+    def _local(
+        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        slots = chosen.reshape(-1)
+        order = slots.argsort(stable=True)  # each token's copies, grouped by expert
+        counts = torch.bincount(slots, minlength=self.router.out_features).tolist()
+        y = self.experts(tokens.index_select(0, order // self.top_k), counts)
+        scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add(0, order // self.top_k, y * scale)
+
+    def _exchanged(
+        self,
+        tokens: torch.Tensor,
+        chosen: torch.Tensor,
+        weights: torch.Tensor,
+        shard: ExpertShard,
+    ) -> torch.Tensor:
+        """Expert parallelism: send each routed copy of a token to the rank holding its
+        expert (all-to-all), run this rank's experts on what arrived, send the results
+        back (all-to-all) and combine them. Both exchanges carry gradients back."""
+        n_experts = self.router.out_features
+        local_n = n_experts // shard.size
+        slots = chosen.reshape(-1)
+        order = slots.argsort(stable=True)  # copies grouped by expert, so by owner rank
+        sent = tokens.index_select(0, order // self.top_k)
+        per_expert = torch.bincount(slots, minlength=n_experts)
+        # How many copies each rank sends each of the receiver's experts.
+        arriving = torch.empty_like(per_expert)
+        dist.all_to_all_single(arriving, per_expert, group=shard.group)
+        send_splits = per_expert.view(shard.size, local_n).sum(dim=1).tolist()
+        recv_splits = arriving.view(shard.size, local_n).sum(dim=1).tolist()
+        received = distnn.all_to_all_single(
+            tokens.new_empty(sum(recv_splits), tokens.shape[1]),
+            sent,
+            recv_splits,
+            send_splits,
+            group=shard.group,
+        )
+        # Arrivals come grouped by sender, then by this rank's expert: regroup them by
+        # expert for the experts, and the results back into arrival order.
+        owner = torch.arange(local_n, device=tokens.device).repeat(shard.size)
+        expert_of_row = owner.repeat_interleave(arriving.to(tokens.device))
+        by_expert = expert_of_row.argsort(stable=True)
+        counts = torch.bincount(expert_of_row, minlength=local_n).tolist()
+        y = self.experts(received.index_select(0, by_expert), counts)
+        results = torch.zeros_like(received).index_copy(0, by_expert, y)
+        returned = distnn.all_to_all_single(
+            tokens.new_empty(sent.shape), results, send_splits, recv_splits, group=shard.group
+        )
+        scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        out = torch.zeros_like(tokens)
+        return out.index_add(0, order // self.top_k, returned * scale)

@@ -13,12 +13,14 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from .context_parallel import ContextShard
 from .layout import MeshAxis, ParallelConfig
 from .model import Block, Transformer
+from .moe import ExpertShard, MoEFeedForward
 from .tensor_parallel import apply_tp
 
 
@@ -50,6 +52,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
     """Shard ``model`` with FSDP2: one group per entry of ``model.layers``, then the root.
 
@@ -65,6 +68,9 @@ def apply_fsdp(
             with pipeline parallelism, where each micro-batch would gather them again.
         offload: keep the sharded parameters, gradients and optimizer state in host
             memory (FSDP2's ``CPUOffloadPolicy``; pinned when the mesh is on CUDA).
+        expert_mesh: with expert parallelism, the mesh of ``expert_parallel_mesh``: each
+            block's experts become a group of their own, sharded over its ``dp_outer``
+            axis (the ranks holding the same experts), just before the block's group.
 
     Returns:
         The FSDP groups that hold parameters, in a fixed order -- layers in index
@@ -86,6 +92,11 @@ def apply_fsdp(
         # The last layer is the first one backward needs: resharding it after
         # forward would only all-gather it again immediately (torchtitan does the same).
         reshard = reshard_after_forward and i < len(blocks) - 1
+        experts = getattr(getattr(layer, "feed_forward", None), "experts", None)
+        if expert_mesh is not None and experts is not None:
+            outer = expert_mesh["dp_outer"]
+            fully_shard(experts, reshard_after_forward=reshard, **(kwargs | {"mesh": outer}))
+            groups.append(cast(FSDPModule, experts))
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
         groups.append(cast(FSDPModule, layer))  # fully_shard changed its class in place
     # The root keeps its parameters unsharded after forward (FSDP2's root heuristic).
@@ -130,17 +141,58 @@ def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) ->
         # averages inside the collective (ReduceOp.AVG) before the hook and
         # the sharded grads alias the hook's shard (see apply_fsdp).
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    experts = None
+    if config.expert_parallel > 1:
+        experts = expert_parallel_mesh(mesh, config.expert_parallel)
+        _split_experts(model, experts["ep"])
     pp = mesh[MeshAxis.PP.value].size() if MeshAxis.PP.value in names else 1
     return apply_fsdp(
-        model, mesh, mp_policy=mp_policy, reshard_after_forward=pp == 1, offload=config.offload
+        model,
+        mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=pp == 1,
+        offload=config.offload,
+        expert_mesh=experts,
     )
 
 
+def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """A second mesh over the site's ranks with the dp axis split as ``(dp_outer,
+    ep)``: rank order is the site mesh's, so dp rank ``d`` sits at ``dp_outer = d //
+    ep``, ``ep = d % ep``. Experts are split over ``ep`` and sharded over ``dp_outer``."""
+    pp, dp, cp, tp = (mesh[axis.value].size() for axis in MeshAxis)
+    return init_device_mesh(
+        mesh.device_type,
+        (pp, dp // ep, ep, cp, tp),
+        mesh_dim_names=("pp", "dp_outer", "ep", "cp", "tp"),
+    )
+
+
+def _split_experts(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Give each rank of ``ep_mesh`` its slice of every expert layer's experts (a
+    DTensor sharded on the expert dimension) and tell the layer where they are."""
+    shard = ExpertShard(ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size())
+    for module in model.modules():
+        if not isinstance(module, MoEFeedForward):
+            continue
+        module.expert_shard = shard
+        module.experts.grad_scale = 1.0 / shard.size
+        for name, param in list(module.experts.named_parameters()):
+            split = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+            module.experts.register_parameter(name, nn.Parameter(split))
+
+
 def group_parameters(group: FSDPModule) -> list[nn.Parameter]:
-    """The parameters one FSDP group shards, in registration order: a block's own, or
-    for the root (the model or a pipeline stage: it holds ``layers``) those outside
-    ``layers`` -- the embedding, final norm and head."""
+    """The parameters one FSDP group shards, in registration order: its module's, less
+    those of the groups nested in it -- for the root (the model or a pipeline stage)
+    the embedding, final norm and head."""
     module = cast(nn.Module, group)
-    if isinstance(getattr(module, "layers", None), nn.ModuleDict):
-        return [p for name, p in module.named_parameters() if not name.startswith("layers.")]
-    return list(module.parameters())
+    # A nested group's parameters are its own (a block's experts under expert
+    # parallelism; the blocks under the root).
+    nested = {
+        id(p)
+        for sub in module.modules()
+        if sub is not module and isinstance(sub, FSDPModule)
+        for p in sub.parameters()
+    }
+    return [p for p in module.parameters() if id(p) not in nested]

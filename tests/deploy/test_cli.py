@@ -239,10 +239,16 @@ def test_offload_is_part_of_the_fingerprint_and_a_bad_value_is_refused():
         (["topology.cp=2", "train.seq_len=30"], "seq_len=30 divisible by 2*cp=4"),
         (["topology.cp=4", "topology.ranks_per_site=6"], "pp*cp*tp=1*4*1=4"),
         (["topology.cp=0"], "topology.pp, topology.cp and topology.tp must be >= 1"),
+        (["topology.ep=2"], "needs a mixture of experts whose n_experts is a multiple"),
+        (["topology.ep=4", "model.preset=moe-tiny"], "needs ep=4 to divide dp=2"),
+        (["topology.ep=0", "model.preset=moe-tiny"], "expert_parallel must be an integer >= 1"),
     ],
 )
-def test_a_context_parallel_layout_that_does_not_fit_is_refused_naming_the_numbers(sets, needle):
+def test_a_cp_or_ep_layout_that_does_not_fit_is_refused_naming_the_numbers(sets, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(None, sets)
     assert load_config(None, ["topology.cp=2", "train.seq_len=32"]).site_layout().cp == 2
     assert load_config(None, ["topology.cp=2"]).fingerprint()["topology.cp"] == "2"
+    moe = load_config(None, ["topology.ep=2", "model.preset=moe-tiny"])
+    assert moe.fingerprint()["topology.ep"] == "2"
+    assert moe.parallel_config(cuda=False).expert_parallel == 2

@@ -190,13 +190,15 @@ def test_three_sites_stay_identical(tmp_path):
         ("topology.tp=2", "model.preset=tiny"),
         ("topology.cp=2", "model.preset=tiny"),
         ("topology.cp=2", "model.preset=moe-tiny"),
+        ("topology.ep=2", "model.preset=moe-tiny"),
     ],
-    ids=["tp2xdp2", "dp2xcp2", "moe-dp2xcp2"],
+    ids=["tp2xdp2", "dp2xcp2", "moe-dp2xcp2", "moe-dp4-ep2"],
 )
 def test_two_sites_of_four_model_parallel_ranks_stay_identical(tmp_path, layout):
     """Each site is 4 ranks as tp=2 x dp=2, or dp=2 x cp=2 (every sequence split over
-    two ranks, FSDP over all four), with a dense model or a mixture of experts; lanes
-    pair ranks by mesh coordinate."""
+    two ranks, FSDP over all four), with a dense model or a mixture of experts, or dp=4
+    with the experts split over pairs of ranks (ep=2); lanes pair ranks by mesh
+    coordinate, so an expert shard is averaged with the same one at the other site."""
     run_dir = tmp_path / "run"
     sets = [arg for key in layout for arg in ("--set", key)]
     result = run_cli(

@@ -167,6 +167,16 @@ LAYOUTS_4 = {
     "moe-dp4": ({"dp": 4}, {}, "moe"),
     "moe-tp2xdp2": ({"dp": 2, "tp": 2}, {}, "moe"),
     "moe-pp2xcp2": ({"pp": 2, "cp": 2}, {"schedule": "1f1b", "microbatches": 2}, "moe"),
+    # Expert parallelism: the 4 experts split over ep consecutive dp ranks, tokens
+    # exchanged all-to-all, each block's experts an FSDP group of their own.
+    "moe-ep4": ({"dp": 4}, {"expert_parallel": 4}, "moe"),
+    "moe-dp4-ep2": ({"dp": 4}, {"expert_parallel": 2}, "moe"),
+    "moe-tp2xdp2-ep2": ({"dp": 2, "tp": 2}, {"expert_parallel": 2}, "moe"),
+    "moe-pp2xdp2-ep2": (
+        {"pp": 2, "dp": 2},
+        {"schedule": "1f1b", "microbatches": 2, "expert_parallel": 2},
+        "moe",
+    ),
 }
 
 

@@ -30,8 +30,9 @@ def test_experts_with_equal_weights_give_the_dense_mlp():
     dense = FeedForward(replace(CFG, n_experts=0))
     with torch.no_grad():
         for name in ("w1", "w2", "w3"):
-            getattr(dense, name).weight.copy_(getattr(layer, name)[0])
-            getattr(layer, name).copy_(getattr(layer, name)[0].expand_as(getattr(layer, name)))
+            stacked = getattr(layer.experts, name)
+            getattr(dense, name).weight.copy_(stacked[0])
+            stacked.copy_(stacked[0].expand_as(stacked))
     x = torch.randn(2, 8, CFG.dim)
     torch.testing.assert_close(layer(x), dense(x), rtol=1e-5, atol=1e-6)
 
@@ -43,7 +44,10 @@ def test_top_1_sends_each_token_to_its_best_expert_alone():
     best = layer.router(tokens).argmax(dim=-1)
     expected = torch.stack(
         [
-            F.linear(F.silu(F.linear(t, layer.w1[e])) * F.linear(t, layer.w3[e]), layer.w2[e])
+            F.linear(
+                F.silu(F.linear(t, layer.experts.w1[e])) * F.linear(t, layer.experts.w3[e]),
+                layer.experts.w2[e],
+            )
             for t, e in zip(tokens, best.tolist(), strict=True)
         ]
     )
