@@ -17,6 +17,13 @@
 #                                          # loss compares with (a link changes no loss)
 #   bash benchmarks/gpu_runs.sh pair      # one site alone against two one-site jobs
 #                                          # at once on the two halves of the host
+#   bash benchmarks/gpu_runs.sh longctx   # issue 17: one site of all GPUs, 125m at
+#                                          # SEQ tokens (default 32768), one sequence
+#                                          # per replica: cp = 1 (dp = GPUs) against
+#                                          # cp = GPUs, tokens/s, MFU, peak memory
+#   bash benchmarks/gpu_runs.sh moe       # issue 17: moe-125m with ep = GPUs against
+#                                          # dense 125m (equal active parameters):
+#                                          # tokens/s, MFU, time in collectives
 # Results go to $OUT (default ./gpu-results).
 # headline and raw run benchmarks/scaling_curve.py: for each per-GPU batch in BATCHES
 # (default "32 64", x 2048 tokens, with activation checkpointing so that they fit; at
@@ -92,6 +99,23 @@ case "${1:-}" in
       --set topology.device=cuda --set train.seq_len=2048 \
       --set train.batch_size="${BATCH:-16}" --set wan.distance_km=1000 \
       --set wan.bandwidth_mbit=10000 | tee "$out/loss_$preset.txt"
+    ;;
+  longctx)
+    seq=${SEQ:-32768}
+    for cp in 1 "$gpus"; do
+      python3 -m torch.distributed.run --nproc-per-node "$gpus" benchmarks/site_step.py \
+        --preset 125m --seq "$seq" --batch 1 --cp "$cp" --ac --warmup 2 --steps 5 \
+        --profile-steps 0 --json "$out/longctx_cp$cp.json" 2>&1 | tail -20 \
+        | tee "$out/longctx_cp$cp.txt" || echo "cp=$cp failed (out of memory?)"
+    done
+    ;;
+  moe)
+    for preset in 125m moe-125m; do
+      ep=1; [ "$preset" = moe-125m ] && ep=$gpus
+      python3 -m torch.distributed.run --nproc-per-node "$gpus" benchmarks/site_step.py \
+        --preset "$preset" --ep "$ep" --batch 8 --seq 2048 --warmup 3 --steps 10 \
+        --json "$out/moe_$preset.json" 2>&1 | tail -20 | tee "$out/moe_$preset.txt"
+    done
     ;;
   pair)
     # Do two sites on one host slow each other with nothing crossing between them?

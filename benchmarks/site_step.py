@@ -42,7 +42,10 @@ from isthmus.intra.model_config import preset
 from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
-COMM_MARKERS = ("nccl", "gloo", "c10d::", "all_gather", "allgather", "reduce_scatter", "allreduce")
+COMM_MARKERS = (
+    *("nccl", "gloo", "c10d::", "all_gather", "allgather", "reduce_scatter", "allreduce"),
+    *("all_to_all", "alltoall"),
+)
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as distnn
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -28,6 +28,15 @@ from torch.distributed.tensor import DTensor
 from .model_config import ModelConfig
 
 __all__ = ["ExpertShard", "GroupedExperts", "MoEFeedForward"]
+
+
+def _exchange(
+    rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """All-to-all of ``rows`` (``send_splits[r]`` to rank ``r``) whose backward sends the
+    gradients back the same way."""
+    out = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
+    return funcol.wait_tensor(out)
 
 
 class _AddAuxGradient(torch.autograd.Function):
@@ -176,13 +185,7 @@ class MoEFeedForward(nn.Module):
         dist.all_to_all_single(arriving, per_expert, group=shard.group)
         send_splits = per_expert.view(shard.size, local_n).sum(dim=1).tolist()
         recv_splits = arriving.view(shard.size, local_n).sum(dim=1).tolist()
-        received = distnn.all_to_all_single(
-            tokens.new_empty(sum(recv_splits), tokens.shape[1]),
-            sent,
-            recv_splits,
-            send_splits,
-            group=shard.group,
-        )
+        received = _exchange(sent, recv_splits, send_splits, shard.group)
         # Arrivals come grouped by sender, then by this rank's expert: regroup them by
         # expert for the experts, and the results back into arrival order.
         owner = torch.arange(local_n, device=tokens.device).repeat(shard.size)
@@ -191,9 +194,7 @@ class MoEFeedForward(nn.Module):
         counts = torch.bincount(expert_of_row, minlength=local_n).tolist()
         y = self.experts(received.index_select(0, by_expert), counts)
         results = torch.zeros_like(received).index_copy(0, by_expert, y)
-        returned = distnn.all_to_all_single(
-            tokens.new_empty(sent.shape), results, send_splits, recv_splits, group=shard.group
-        )
+        returned = _exchange(results, send_splits, recv_splits, shard.group)
         scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
         out = torch.zeros_like(tokens)
         return out.index_add(0, order // self.top_k, returned * scale)
