@@ -75,8 +75,19 @@ def _site_lines(run_dir: Path, site: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(tmp_path: Path) -> None:
-    """2 sites x 1 rank, 6 steps, a checkpoint every 3; then resume from step 3.
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--ranks-per-site", "1", "--set", "model.preset=tiny"),
+        # Experts split over two ranks: DTensors on a second mesh, saved and loaded.
+        ("--ranks-per-site", "2", "--set", "model.preset=moe-tiny", "--set", "topology.ep=2"),
+    ],
+    ids=["dense", "moe-ep2"],
+)
+def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(
+    tmp_path: Path, layout: tuple[str, ...]
+) -> None:
+    """2 sites, 6 steps, a checkpoint every 3; then resume from step 3.
 
     The int8 codec keeps error-feedback residuals, so they must come back from the
     checkpoint too. Everything a step computes is deterministic on CPU (same
@@ -85,8 +96,8 @@ def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(tmp_path: Pa
     """
     run_dir = tmp_path / "run"
     common = [
-        *("local", "--sites", "2", "--ranks-per-site", "1", "--steps", "6"),
-        *("--run-dir", str(run_dir), "--set", "model.preset=tiny", "--set", "train.seq_len=64"),
+        *("local", "--sites", "2", *layout, "--steps", "6"),
+        *("--run-dir", str(run_dir), "--set", "train.seq_len=64"),
         *("--set", "checkpoint.every=3", "--set", "sync.codec=int8+zstd:1"),
         *("--set", "run.tensorboard=false", "--quiet"),
     ]
