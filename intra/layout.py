@@ -126,9 +126,9 @@ class ParallelConfig:
     mixed_precision: bool = False
     """bf16 compute with fp32 parameters and fp32 gradient reduction (CUDA only)."""
     expert_parallel: int = 1
-    """Mixture of experts: split the experts over this many consecutive dp ranks (each
-    holds ``n_experts / expert_parallel``; tokens reach their experts by all-to-all).
-    Must divide dp and n_experts."""
+    """Mixture of experts: split the experts over this many dp ranks (each holds
+    ``n_experts / expert_parallel``; tokens reach their experts by all-to-all). Must
+    divide dp and n_experts."""
     offload: bool = False
     """FSDP2's CPU offload: the sharded parameters, their gradients and AdamW's state
     live in host memory (pinned on CUDA), each group is copied to the device for its
@@ -215,12 +215,7 @@ class ParallelConfig:
             if layout.dp % ep:
                 raise ValueError(
                     f"expert parallelism needs ep={ep} to divide dp={layout.dp} (the experts "
-                    "are split over consecutive dp ranks)"
-                )
-            if layout.cp > 1:
-                raise ValueError(
-                    f"expert parallelism (ep={ep}) with context parallelism (cp={layout.cp}) "
-                    "is not supported yet"
+                    "are split over dp ranks)"
                 )
         cp = layout.cp
         if cp > 1 and seq_len % (2 * cp):

@@ -69,7 +69,7 @@ def apply_fsdp(
         offload: keep the sharded parameters, gradients and optimizer state in host
             memory (FSDP2's ``CPUOffloadPolicy``; pinned when the mesh is on CUDA).
         expert_mesh: with expert parallelism, the mesh of ``expert_parallel_mesh``: each
-            block's experts become a group of their own, sharded over its ``dp_outer``
+            block's experts become a group of their own, sharded over its ``expert_dp``
             axis (the ranks holding the same experts), just before the block's group.
 
     Returns:
@@ -94,7 +94,7 @@ def apply_fsdp(
         reshard = reshard_after_forward and i < len(blocks) - 1
         experts = getattr(getattr(layer, "feed_forward", None), "experts", None)
         if expert_mesh is not None and experts is not None:
-            outer = expert_mesh["dp_outer"]
+            outer = expert_mesh["expert_dp"]
             fully_shard(experts, reshard_after_forward=reshard, **(kwargs | {"mesh": outer}))
             groups.append(cast(FSDPModule, experts))
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
@@ -157,15 +157,19 @@ def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) ->
 
 
 def expert_parallel_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """A second mesh over the site's ranks with the dp axis split as ``(dp_outer,
-    ep)``: rank order is the site mesh's, so dp rank ``d`` sits at ``dp_outer = d //
-    ep``, ``ep = d % ep``. Experts are split over ``ep`` and sharded over ``dp_outer``."""
+    """A second mesh over the site's ranks with the dp axis split as ``(ep, dp_outer)``:
+    rank order is the site mesh's, so dp rank ``d`` sits at ``ep = d // (dp / ep)``,
+    ``dp_outer = d % (dp / ep)``. Experts are split over ``ep``; the ranks holding the
+    same experts -- ``dp_outer`` and ``cp``, adjacent, flattened as ``expert_dp`` --
+    shard and average them."""
     pp, dp, cp, tp = (mesh[axis.value].size() for axis in MeshAxis)
-    return init_device_mesh(
+    experts = init_device_mesh(
         mesh.device_type,
-        (pp, dp // ep, ep, cp, tp),
-        mesh_dim_names=("pp", "dp_outer", "ep", "cp", "tp"),
+        (pp, ep, dp // ep, cp, tp),
+        mesh_dim_names=("pp", "ep", "dp_outer", "cp", "tp"),
     )
+    experts["dp_outer", "cp"]._flatten("expert_dp")
+    return experts
 
 
 def _split_experts(model: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -176,6 +176,7 @@ LAYOUTS_4 = {
     "moe-ep4": ({"dp": 4}, {"expert_parallel": 4}, "moe"),
     "moe-dp4-ep2": ({"dp": 4}, {"expert_parallel": 2}, "moe"),
     "moe-tp2xdp2-ep2": ({"dp": 2, "tp": 2}, {"expert_parallel": 2}, "moe"),
+    "moe-dp2xcp2-ep2": ({"dp": 2, "cp": 2}, {"expert_parallel": 2}, "moe"),
     "moe-pp2xdp2-ep2": (
         {"pp": 2, "dp": 2},
         {"schedule": "1f1b", "microbatches": 2, "expert_parallel": 2},
