@@ -38,7 +38,7 @@ class TopologySection:
     chunks each, for even causal-attention work; train.seq_len divisible by 2 x cp)."""
     ep: int = 1
     """Expert-parallel width (mixture-of-experts presets): the experts split over ep
-    consecutive dp ranks, tokens exchanged all-to-all; divides dp and the expert count."""
+    dp ranks, tokens exchanged all-to-all; divides dp and the expert count."""
     device: str = "auto"
     """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present."""
 
