@@ -7,14 +7,15 @@ same attention work (the load-balanced layout of Megatron's and torchtitan's CP)
 
 Attention gathers the keys and values of all ``cp`` ranks (an all-gather along the
 sequence; the backward sums each rank's key and value gradients back to their owner)
-and masks causally by global position. Each rank's loss is the mean over its own
+and each local chunk attends to the keys up to its own end, causally aligned to the
+end of that span -- no mask in memory, so flash attention still applies. Each rank's loss is the mean over its own
 tokens; the ranks hold equal token counts, so FSDP2's average over ``dp × cp`` is the
 gradient of the mean over the whole sequence. Everything else -- embedding, norms,
 MLP, head -- is per token and runs on the local chunks unchanged.
 
 Gathering K and V whole (instead of passing them round a ring) keeps one collective per
-layer and exact softmax arithmetic; it costs ``seq_len / cp`` queries against
-``seq_len`` keys of memory per rank, which is the ring's total too.
+layer and exact softmax arithmetic; each rank holds the whole sequence's keys and values
+for one layer at a time, which the ring avoids.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from functools import lru_cache
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 __all__ = ["ContextShard", "local_positions"]
 
@@ -87,18 +90,38 @@ class ContextShard:
     # block's compiled pieces rather than tracing a process group.
     @torch.compiler.disable
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every cp rank's ``[batch, heads, local_seq, head_dim]`` along the sequence."""
-        return _GatherSequence.apply(x, self.group, self.rank, self.size)
+        """Every cp rank's ``[batch, heads, local_seq, head_dim]`` along the sequence,
+        in global order (chunk 0, 1, ..., 2*cp - 1)."""
+        gathered = _GatherSequence.apply(x, self.group, self.rank, self.size)
+        return gathered.index_select(2, _global_order(x.shape[2], self.size, x.device))
 
-    def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
-        """``[local_len, cp * local_len]``: True where this rank's query may attend to
-        a gathered key (the key's global position is not after the query's)."""
-        return _causal_mask(local_len, self.rank, self.size, device)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries over every cp rank's keys.
+
+        Each of the rank's two chunks (global chunk ``c`` of length ``C``) attends to
+        the keys of chunks ``0..c``, causally aligned to the end (``causal_lower_right``):
+        flash and memory-efficient kernels take that without a mask in memory, and the
+        work of the two chunks sums to ``2*cp + 1`` blocks on every rank.
+        """
+        keys, values = self.gather(k), self.gather(v)
+        chunk = q.shape[2] // 2
+        outs = []
+        for half, c in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            seen = (c + 1) * chunk
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q.narrow(2, half * chunk, chunk),
+                    keys.narrow(2, 0, seen),
+                    values.narrow(2, 0, seen),
+                    attn_mask=causal_lower_right(chunk, seen),
+                )
+            )
+        return torch.cat(outs, dim=2)
 
 
 @lru_cache(maxsize=8)
-def _causal_mask(local_len: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
-    # Made once per shape, not once per layer and step.
-    queries = local_positions(local_len, rank, size, device)
-    keys = torch.cat([local_positions(local_len, r, size, device) for r in range(size)])
-    return queries[:, None] >= keys[None, :]
+def _global_order(local_len: int, size: int, device: torch.device) -> torch.Tensor:
+    """Indices that put the all-gathered sequence (rank 0's two chunks, rank 1's, ...)
+    in global order."""
+    gathered = torch.cat([local_positions(local_len, r, size, device) for r in range(size)])
+    return gathered.argsort()

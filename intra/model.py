@@ -75,9 +75,7 @@ class Attention(nn.Module):
         )
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         if self.context is not None:
-            k, v = self.context.gather(k), self.context.gather(v)
-            mask = self.context.causal_mask(t, x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = self.context.attend(q, k, v)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
