@@ -8,9 +8,9 @@ same attention work (the load-balanced layout of Megatron's and torchtitan's CP)
 Attention gathers the keys and values of all ``cp`` ranks (an all-gather along the
 sequence; the backward sums each rank's key and value gradients back to their owner)
 and each local chunk attends to the keys up to its own end, causally aligned to the
-end of that span -- no mask in memory, so flash attention still applies. Each rank's loss is the mean over its own
-tokens; the ranks hold equal token counts, so FSDP2's average over ``dp × cp`` is the
-gradient of the mean over the whole sequence. Everything else -- embedding, norms,
+end of that span -- no mask in memory, so flash attention still applies. Each rank's
+loss is the mean over its own tokens; the ranks hold equal token counts, so FSDP2's
+average over ``dp × cp`` is the gradient of the mean over the whole sequence. Everything else -- embedding, norms,
 MLP, head -- is per token and runs on the local chunks unchanged.
 
 Gathering K and V whole (instead of passing them round a ring) keeps one collective per

@@ -63,7 +63,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.context: ContextShard | None = None
         """With context parallelism (set by ``parallelize``): attend to every cp rank's
-        keys and values, masked by global position."""
+        keys and values (``ContextShard.attend``)."""
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape

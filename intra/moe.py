@@ -145,56 +145,43 @@ class MoEFeedForward(nn.Module):
         b, t, d = x.shape
         tokens = x.reshape(-1, d)
         chosen, weights, aux = self.route(tokens)
+        # Each token's routed copies, grouped by expert (so, under expert parallelism,
+        # by the rank that holds it); the results come back in the same order.
+        slots = chosen.reshape(-1)
+        order = slots.argsort(stable=True)
+        source = order // self.top_k
+        copies = tokens.index_select(0, source)
+        per_expert = torch.bincount(slots, minlength=self.router.out_features)
         if self.expert_shard is None:
-            out = self._local(tokens, chosen, weights)
+            results = self.experts(copies, per_expert.tolist())
         else:
-            out = self._exchanged(tokens, chosen, weights, self.expert_shard)
+            results = self._exchanged(copies, per_expert, self.expert_shard)
+        scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        out = torch.zeros_like(tokens).index_add(0, source, results * scale)
         self.last_aux_loss = aux.detach()
         if self.aux_loss_coef and torch.is_grad_enabled():
             out = _AddAuxGradient.apply(out, aux, self.aux_loss_coef * self.aux_scale)
         return out.view(b, t, d)
 
-    def _local(
-        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        slots = chosen.reshape(-1)
-        order = slots.argsort(stable=True)  # each token's copies, grouped by expert
-        counts = torch.bincount(slots, minlength=self.router.out_features).tolist()
-        y = self.experts(tokens.index_select(0, order // self.top_k), counts)
-        scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        return torch.zeros_like(tokens).index_add(0, order // self.top_k, y * scale)
-
     def _exchanged(
-        self,
-        tokens: torch.Tensor,
-        chosen: torch.Tensor,
-        weights: torch.Tensor,
-        shard: ExpertShard,
+        self, copies: torch.Tensor, per_expert: torch.Tensor, shard: ExpertShard
     ) -> torch.Tensor:
-        """Expert parallelism: send each routed copy of a token to the rank holding its
-        expert (all-to-all), run this rank's experts on what arrived, send the results
-        back (all-to-all) and combine them. Both exchanges carry gradients back."""
-        n_experts = self.router.out_features
-        local_n = n_experts // shard.size
-        slots = chosen.reshape(-1)
-        order = slots.argsort(stable=True)  # copies grouped by expert, so by owner rank
-        sent = tokens.index_select(0, order // self.top_k)
-        per_expert = torch.bincount(slots, minlength=n_experts)
+        """Expert parallelism: send each copy to the rank holding its expert
+        (all-to-all), run this rank's experts on what arrived, and send the results
+        back (all-to-all), in ``copies``' order. Both exchanges carry gradients back."""
+        local_n = per_expert.numel() // shard.size
         # How many copies each rank sends each of the receiver's experts.
         arriving = torch.empty_like(per_expert)
         dist.all_to_all_single(arriving, per_expert, group=shard.group)
         send_splits = per_expert.view(shard.size, local_n).sum(dim=1).tolist()
         recv_splits = arriving.view(shard.size, local_n).sum(dim=1).tolist()
-        received = _exchange(sent, recv_splits, send_splits, shard.group)
+        received = _exchange(copies, recv_splits, send_splits, shard.group)
         # Arrivals come grouped by sender, then by this rank's expert: regroup them by
         # expert for the experts, and the results back into arrival order.
-        owner = torch.arange(local_n, device=tokens.device).repeat(shard.size)
-        expert_of_row = owner.repeat_interleave(arriving.to(tokens.device))
+        owner = torch.arange(local_n, device=copies.device).repeat(shard.size)
+        expert_of_row = owner.repeat_interleave(arriving.to(copies.device))
         by_expert = expert_of_row.argsort(stable=True)
         counts = torch.bincount(expert_of_row, minlength=local_n).tolist()
         y = self.experts(received.index_select(0, by_expert), counts)
         results = torch.zeros_like(received).index_copy(0, by_expert, y)
-        returned = _exchange(results, send_splits, recv_splits, shard.group)
-        scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        out = torch.zeros_like(tokens)
-        return out.index_add(0, order // self.top_k, returned * scale)
+        return _exchange(results, send_splits, recv_splits, shard.group)

@@ -106,7 +106,22 @@ def apply_fsdp(
     return groups
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) -> list[FSDPModule]:
+def context_shard(mesh: DeviceMesh) -> ContextShard | None:
+    """This rank's context-parallel group, or None when the mesh has no cp axis > 1."""
+    names = mesh.mesh_dim_names or ()
+    if MeshAxis.CP.value not in names or mesh[MeshAxis.CP.value].size() == 1:
+        return None
+    cp_mesh = mesh[MeshAxis.CP.value]
+    return ContextShard(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+
+
+def parallelize(
+    model: Transformer,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    *,
+    expert_mesh: DeviceMesh | None = None,
+) -> list[FSDPModule]:
     """Apply TP, context parallelism, activation checkpointing, compile and FSDP2 to
     one model part, in place.
 
@@ -114,6 +129,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) ->
         model: a ``Transformer`` or one pipeline stage of it, on CPU in fp32.
         mesh: the site mesh from ``build_site_mesh``.
         config: the techniques to apply.
+        expert_mesh: with expert parallelism, the site's ``expert_parallel_mesh`` (made
+            once per site and shared by its pipeline stages; made here if not given).
 
     Returns:
         The part's FSDP groups (see ``apply_fsdp``).
@@ -121,9 +138,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) ->
     names = mesh.mesh_dim_names or ()
     if MeshAxis.TP.value in names and mesh[MeshAxis.TP.value].size() > 1:
         apply_tp(model, mesh[MeshAxis.TP.value], sequence_parallel=config.sequence_parallel)
-    if MeshAxis.CP.value in names and mesh[MeshAxis.CP.value].size() > 1:
-        cp_mesh = mesh[MeshAxis.CP.value]
-        context = ContextShard(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+    context = context_shard(mesh)
+    if context is not None:
         model.context = context
         for block in model.layers.values():
             assert isinstance(block, Block)
@@ -141,10 +157,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) ->
         # averages inside the collective (ReduceOp.AVG) before the hook and
         # the sharded grads alias the hook's shard (see apply_fsdp).
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    experts = None
     if config.expert_parallel > 1:
-        experts = expert_parallel_mesh(mesh, config.expert_parallel)
-        _split_experts(model, experts["ep"])
+        if expert_mesh is None:
+            expert_mesh = expert_parallel_mesh(mesh, config.expert_parallel)
+        _split_experts(model, expert_mesh["ep"])
     pp = mesh[MeshAxis.PP.value].size() if MeshAxis.PP.value in names else 1
     return apply_fsdp(
         model,
@@ -152,7 +168,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, config: ParallelConfig) ->
         mp_policy=mp_policy,
         reshard_after_forward=pp == 1,
         offload=config.offload,
-        expert_mesh=experts,
+        expert_mesh=expert_mesh if config.expert_parallel > 1 else None,
     )
 
 

@@ -31,12 +31,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .context_parallel import ContextShard
 from .flops import device_peak_flops, mfu
 from .layout import MeshAxis, ParallelConfig
 from .model import Transformer, flops_per_token
 from .moe import MoEFeedForward
-from .parallel import group_parameters, parallelize
+from .parallel import context_shard, expert_parallel_mesh, group_parameters, parallelize
 from .pipeline import build_schedule, rank_stages, split_stage
 from .topology import mesh_coordinate
 
@@ -215,12 +214,7 @@ class Trainer:
         self.coordinate = (
             mesh_coordinate(mesh) if mesh.mesh_dim_names else (0, mesh.get_local_rank(), 0, 0)
         )
-        self._context: ContextShard | None = None
-        if self.cp > 1:
-            cp_mesh = mesh[MeshAxis.CP.value]
-            self._context = ContextShard(
-                cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
-            )
+        self._context = context_shard(mesh)
         self._model_cfg = model.cfg
         self._params_no_embedding = model.num_params(exclude_embedding=True, active=True)
         self._peak = device_peak_flops(self.device)
@@ -230,7 +224,17 @@ class Trainer:
             self.model_parts = [split_stage(model, s, num_stages) for s in self.stages]
         else:
             num_stages, self.stages, self.model_parts = 1, [0], [model]
-        self.groups = [g for part in self.model_parts for g in parallelize(part, mesh, parallel)]
+        # One expert mesh for all of this rank's stages: each mesh is new process groups.
+        experts = (
+            expert_parallel_mesh(mesh, parallel.expert_parallel)
+            if parallel.expert_parallel > 1
+            else None
+        )
+        self.groups = [
+            g
+            for part in self.model_parts
+            for g in parallelize(part, mesh, parallel, expert_mesh=experts)
+        ]
         self.model = self.model_parts[0] if self.pp == 1 else None
         self._is_first, self._is_last = 0 in self.stages, num_stages - 1 in self.stages
         self.schedule = None
