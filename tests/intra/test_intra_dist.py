@@ -26,7 +26,7 @@ from dist_helpers import (
 
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.digest import parameter_digest
-from isthmus.intra.layout import ParallelLayout
+from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import preset
 from isthmus.intra.parallel import apply_fsdp
@@ -159,11 +159,13 @@ def test_fsdp_dp2_matches_unsharded_reference(tmp_path: Path) -> None:
     assert ranks[0]["digest"] == ranks[1]["digest"]
 
 
-def _uncommitted_worker(rank: int, world: int, store: str) -> dict[str, Any]:
+def _uncommitted_worker(rank: int, world: int, store: str, offload: bool) -> dict[str, Any]:
     init_gloo(rank, world, store)
     model = build_model(preset("tiny"), SEED)
     sync = RecordingSync(commit=False)
-    trainer = Trainer(model, build_site_mesh(ParallelLayout(dp=world)), CONFIG, sync=sync)
+    mesh = build_site_mesh(ParallelLayout(dp=world))
+    parallel = ParallelConfig(offload=offload)
+    trainer = Trainer(model, mesh, CONFIG, parallel=parallel, sync=sync)
     data = ShardedBatches(
         random_corpus(),
         seq_len=SEQ,
@@ -192,11 +194,12 @@ def _uncommitted_worker(rank: int, world: int, store: str) -> dict[str, Any]:
     return out
 
 
-def test_a_step_whose_sync_did_not_commit_changes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_a_step_whose_sync_did_not_commit_changes_nothing(tmp_path: Path, offload: bool) -> None:
     """A lane's sync says REJOIN when the job went on without this site: the trainer
     must then leave parameters and optimizer state as they were (the site pulls the
     live state next); the step it runs once the sync commits trains normally."""
-    ranks = spawn(_uncommitted_worker, 2, tmp_path, 2, str(tmp_path / "store"))
+    ranks = spawn(_uncommitted_worker, 2, tmp_path, 2, str(tmp_path / "store"), offload)
     for r in ranks:
         assert r["committed"] == (False, True)
         assert r["after"] == r["before"]
