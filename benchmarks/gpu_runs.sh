@@ -18,12 +18,18 @@
 #   bash benchmarks/gpu_runs.sh pair      # one site alone against two one-site jobs
 #                                          # at once on the two halves of the host
 #   bash benchmarks/gpu_runs.sh longctx   # issue 17: one site of all GPUs, 125m at
-#                                          # SEQ tokens (default 32768), one sequence
+#                                          # SEQ tokens (default 262144), one sequence
 #                                          # per replica: cp = 1 (dp = GPUs) against
-#                                          # cp = GPUs, tokens/s, MFU, peak memory
+#                                          # cp = GPUs, without and with activation
+#                                          # checkpointing: tokens/s, MFU, peak memory
+#                                          # (CHECKPOINTING="off" runs without only)
 #   bash benchmarks/gpu_runs.sh moe       # issue 17: moe-125m with ep = GPUs against
 #                                          # dense 125m (equal active parameters):
 #                                          # tokens/s, MFU, time in collectives
+#   bash benchmarks/gpu_runs.sh cp-sites  # issue 17: one site against two sites with
+#                                          # cp = SITE_GPUS inside each, 125m at 32k
+#                                          # tokens, int8 over 1000 km at 10 Gbit/s
+#   bash benchmarks/gpu_runs.sh ep-sites  # the same with moe-125m, ep = SITE_GPUS
 # Results go to $OUT (default ./gpu-results).
 # headline and raw run benchmarks/scaling_curve.py: for each per-GPU batch in BATCHES
 # (default "32 64", x 2048 tokens, with activation checkpointing so that they fit; at
@@ -101,21 +107,48 @@ case "${1:-}" in
       --set wan.bandwidth_mbit=10000 | tee "$out/loss_$preset.txt"
     ;;
   longctx)
-    seq=${SEQ:-32768}
-    for cp in 1 "$gpus"; do
-      python3 -m torch.distributed.run --nproc-per-node "$gpus" benchmarks/site_step.py \
-        --preset 125m --seq "$seq" --batch 1 --cp "$cp" --ac --warmup 2 --steps 5 \
-        --profile-steps 0 --json "$out/longctx_cp$cp.json" 2>&1 | tail -20 \
-        | tee "$out/longctx_cp$cp.txt" || echo "cp=$cp failed (out of memory?)"
+    # Without checkpointing, one 125m sequence of 131k tokens takes 68 GiB of an H100
+    # and one of 262k does not fit: context parallelism is what makes it fit. With
+    # checkpointing both fit, and data parallelism (cp = 1) is the faster of the two.
+    seq=${SEQ:-262144}
+    for ac in ${CHECKPOINTING:-off on}; do
+      [ "$ac" = on ] && ac=--ac || ac=
+      for cp in 1 "$gpus"; do
+        name=longctx_cp$cp${ac:+_ac}
+        timeout "${RUN_TIMEOUT:-240}" python3 -m torch.distributed.run \
+          --nproc-per-node "$gpus" benchmarks/site_step.py --preset 125m --seq "$seq" \
+          --batch 1 --cp "$cp" $ac --warmup 2 --steps 4 --profile-steps 0 \
+          --json "$out/$name.json" >"$out/$name.log" 2>&1 \
+          || echo "cp=$cp $ac: failed, $(grep -o 'OutOfMemoryError' "$out/$name.log" | head -1)"
+        tail -8 "$out/$name.log" | tee "$out/$name.txt"
+      done
     done
     ;;
   moe)
     for preset in 125m moe-125m; do
       ep=1; [ "$preset" = moe-125m ] && ep=$gpus
-      python3 -m torch.distributed.run --nproc-per-node "$gpus" benchmarks/site_step.py \
+      timeout "${RUN_TIMEOUT:-240}" python3 -m torch.distributed.run \
+        --nproc-per-node "$gpus" benchmarks/site_step.py \
         --preset "$preset" --ep "$ep" --batch 8 --seq 2048 --warmup 3 --steps 10 \
-        --json "$out/moe_$preset.json" 2>&1 | tail -20 | tee "$out/moe_$preset.txt"
+        --json "$out/moe_$preset.json" >"$out/moe_$preset.log" 2>&1 || echo "$preset: failed"
+      tail -12 "$out/moe_$preset.log" | tee "$out/moe_$preset.txt"
     done
+    ;;
+  cp-sites|ep-sites)
+    # Per-step int8 sync over 1000 km at 10 Gbit/s (the issue-11 headline's link);
+    # eager (parallel.compile=false): the comparison is one site against two.
+    if [ "$1" = cp-sites ]; then
+      shape=(--preset 125m --seq "${SEQ:-32768}" --batches "${BATCHES:-1}"
+             --set "topology.cp=$site_gpus")
+    else
+      shape=(--preset moe-125m --seq 2048 --batches "${BATCHES:-16}"
+             --set "topology.ep=$site_gpus" --set parallel.activation_checkpoint=true)
+    fi
+    python3 benchmarks/scaling_curve.py --out "${RUNS:-/tmp/isthmus-runs}/$1" \
+      --json "$out/$1.json" "${shape[@]}" --sites 2 --ranks-per-site "$site_gpus" \
+      --codec int8 --steps "${STEPS:-16}" --warmup "${WARMUP:-4}" \
+      --set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 \
+      --set topology.device=cuda --set parallel.compile=false | tee "$out/$1.txt"
     ;;
   pair)
     # Do two sites on one host slow each other with nothing crossing between them?
@@ -139,7 +172,7 @@ print(sys.argv[2], round(s['steady_tokens_per_s']), 'tokens/s')" \
     done | tee "$out/pair_$preset.txt"
     ;;
   *)
-    echo "usage: $0 sync|sites|headline|raw|modes|loss|pair" >&2
+    echo "usage: $0 sync|sites|headline|raw|modes|loss|longctx|moe|cp-sites|ep-sites|pair" >&2
     exit 2
     ;;
 esac

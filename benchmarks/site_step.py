@@ -46,6 +46,10 @@ COMM_MARKERS = (
     *("nccl", "gloo", "c10d::", "all_gather", "allgather", "reduce_scatter", "allreduce"),
     *("all_to_all", "alltoall"),
 )
+# Expert parallelism's token exchange: NCCL runs all_to_all as grouped send/recv
+# (kernel ncclDevKernel_SendRecv); nothing else in a step sends point to point
+# unless pp > 1.
+ALL_TO_ALL_MARKERS = ("all_to_all", "alltoall", "sendrecv")
 
 
 def parse_args() -> argparse.Namespace:
@@ -101,10 +105,11 @@ def comm_split(trainer: Trainer, batches: list, device: torch.device, step0: int
         for i, (x, y) in enumerate(batches):
             trainer.step(step0 + i, x, y)
     wall = (time.perf_counter() - t0) / len(batches)
-    comm = compute = 0.0
+    comm = compute = a2a = 0.0
     for evt in prof.key_averages():
         name = evt.key.lower()
         is_comm = any(m in name for m in COMM_MARKERS)
+        is_a2a = any(m in name for m in ALL_TO_ALL_MARKERS)
         if device.type == "cuda":
             # Kernel events only: CPU ops also carry the device time of the
             # kernels they launched, which would count each kernel twice.
@@ -113,10 +118,12 @@ def comm_split(trainer: Trainer, batches: list, device: torch.device, step0: int
             t = evt.self_device_time_total / 1e6  # us -> s
             if is_comm:
                 comm += t
+                a2a += t if is_a2a else 0.0
             else:
                 compute += t
         elif is_comm:
             comm += evt.self_cpu_time_total / 1e6
+            a2a += evt.self_cpu_time_total / 1e6 if is_a2a else 0.0
     n = len(batches)
     if device.type != "cuda":
         compute = max(0.0, wall * n - comm)
@@ -124,6 +131,7 @@ def comm_split(trainer: Trainer, batches: list, device: torch.device, step0: int
         "profiled_step_s": wall,
         "compute_s": compute / n,
         "comm_s": comm / n,
+        "all_to_all_s": a2a / n,
         # Against the profiled steps' own wall time (the profiler slows steps a little).
         "exposed_s": max(0.0, wall - compute / n),
     }
@@ -241,7 +249,7 @@ def print_table(r: dict) -> None:
     lay = r["layout"]
     print(
         f"site_step: {r['preset']} on {r['world_size']} x {r['device']}, "
-        f"pp={lay['pp']} dp={lay['dp']} tp={lay['tp']}, {r['parallel']}"
+        f"pp={lay['pp']} dp={lay['dp']} cp={lay['cp']} tp={lay['tp']}, {r['parallel']}"
     )
     rows = [
         ("step time (median)", f"{r['step_s'] * 1e3:.1f} ms"),
@@ -256,6 +264,7 @@ def print_table(r: dict) -> None:
         rows += [
             ("compute / step", f"{r['compute_s'] * 1e3:.1f} ms"),
             ("intra-site comm / step", f"{r['comm_s'] * 1e3:.1f} ms (kernel time, may overlap)"),
+            ("of it all-to-all", f"{r['all_to_all_s'] * 1e3:.1f} ms"),
             ("exposed (step - compute)", f"{r['exposed_s'] * 1e3:.1f} ms"),
         ]
     if r["max_memory_gib"] is not None:

@@ -57,6 +57,28 @@ def test_a_restarted_site_rejoins_an_overlapped_outer_mode_job(tmp_path, mode):
     assert result.rejoined == ["site1"]
 
 
+LAYOUTS = {
+    # Two ranks per site: each rank's shard of the state is what the rejoining
+    # site pulls (invariant 3), whatever axis the ranks split.
+    "cp2": ("topology.ranks_per_site=2", "topology.cp=2"),
+    "ep2": ("topology.ranks_per_site=2", "model.preset=moe-tiny", "topology.ep=2"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_restarted_site_rejoins_with_context_or_expert_parallel_ranks(tmp_path, layout):
+    """kill-restart with the sequence (cp) or the experts (ep) split over each site's
+    two ranks: site1 pulls every rank's shard from site0 and the replicas end equal."""
+    scenario = next(s for s in SCENARIOS if s.name == "kill-restart")
+    result = run_scenario(scenario, tmp_path, overrides=LAYOUTS[layout])
+    assert result.ok, result.why
+    assert set(result.digests) == {"site0", "site1"}
+    assert len(set(result.digests.values())) == 1
+    assert result.rejoined == ["site1"]
+
+
 def test_an_unknown_scenario_is_a_one_line_error(tmp_path):
     result = run_cli("chaos", "--only", "meteor", "--keep", str(tmp_path), timeout=60)
     assert_one_line_error(result, "unknown scenario(s) ['meteor']")
