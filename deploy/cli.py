@@ -95,9 +95,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool)
         )
         parser.add_argument(
             "--ranks-per-site",
-            type=int,
+            type=str,
             default=None,
-            help=f"ranks per site (default {defaults.topology.ranks_per_site})",
+            metavar="N|N,M,...",
+            help="ranks per site, or one count per site for sites of different sizes "
+            f"(4,2) (default {defaults.topology.ranks_per_site})",
         )
         parser.add_argument(
             "--steps", type=int, default=None, help=f"training steps (default {defaults.job.steps})"

@@ -165,10 +165,29 @@ class JobConfig:
             return self.data.vocab_size
         return file_vocab_size(self.data.tokenizer)
 
-    def site_layout(self) -> ParallelLayout:
-        """One site's pp × dp × cp × tp (dp from the rank count). Raises ValueError."""
+    @property
+    def site_ranks(self) -> list[int]:
+        """Each site's rank count, by site index (topology.ranks_per_site: one number
+        for all, or one per site)."""
+        ranks = self.topology.ranks_per_site
+        return list(ranks) if isinstance(ranks, list) else [ranks] * self.topology.sites
+
+    def ranks_of(self, site: str) -> int:
+        """The rank count of ``site``."""
+        return self.site_ranks[self.site_names.index(site)]
+
+    def site_layout(self, site: str | None = None) -> ParallelLayout:
+        """A site's pp × dp × cp × tp (dp from its rank count; the first site's when
+        ``site`` is None). Raises ValueError."""
         t = self.topology
-        return ParallelLayout.for_ranks(t.ranks_per_site, pp=t.pp, tp=t.tp, cp=t.cp)
+        ranks = self.ranks_of(site) if site is not None else self.site_ranks[0]
+        return ParallelLayout.for_ranks(ranks, pp=t.pp, tp=t.tp, cp=t.cp)
+
+    def site_dp(self) -> list[int]:
+        """Each site's data-parallel width; a site's share of the global batch is its
+        dp over their sum."""
+        t = self.topology
+        return [n // (t.pp * t.cp * t.tp) for n in self.site_ranks]
 
     def parallel_config(self, *, cuda: bool) -> ParallelConfig:
         """The site's parallelism choices for intra's Trainer."""
@@ -255,8 +274,30 @@ class JobConfig:
         return out
 
 
+def _coerce_ranks(raw: Any) -> int | list[int]:
+    """topology.ranks_per_site: an integer, or a list of them (TOML `[4, 2]`, or
+    `4,2` from the command line)."""
+    if isinstance(raw, str):
+        text = raw.strip()
+        if "," in text and not text.startswith("["):
+            text = f"[{text}]"
+        try:
+            raw = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            raw = text
+    if isinstance(raw, list) and raw and all(type(n) is int for n in raw):
+        return list(raw)
+    if type(raw) is int:
+        return raw
+    raise ConfigError(
+        f"topology.ranks_per_site must be an integer or a list of them (one per site), got {raw!r}"
+    )
+
+
 def _coerce(section: str, key: str, raw: Any, expected: Any) -> Any:
     where = f"{section}.{key}"
+    if where == "topology.ranks_per_site":
+        return _coerce_ranks(raw)
     kind = type(expected)
     if isinstance(raw, str) and kind is not str:
         text = raw.strip()
@@ -398,3 +439,9 @@ def _normalize_switches(config: JobConfig) -> None:
         elif value in ("false", "0", "no"):
             value = "false"
         setattr(par, key, value)
+    # One size for every site is spelled as one number, so `[2, 2]` and `2` make the
+    # same fingerprint (a list of another length is left for validation to name).
+    t = config.topology
+    ranks = t.ranks_per_site
+    if isinstance(ranks, list) and len(ranks) == t.sites and len(set(ranks)) == 1:
+        t.ranks_per_site = ranks[0]

@@ -51,7 +51,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     coordinator = Coordinator(
         site=args.site,
         site_names=config.site_names,
-        ranks=config.topology.ranks_per_site,
+        ranks=config.ranks_of(args.site),
+        site_ranks=config.site_ranks,
         fingerprint=config.fingerprint(),
         peers=peers,
         proxies=proxies,

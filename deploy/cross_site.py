@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.rank_extras import extra_state, load_extra_state
 from isthmus.inter.control.coordinator_client import (
@@ -29,9 +31,11 @@ from isthmus.inter.data.lane import RESERVED_THREADS, LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD
 from isthmus.inter.data.membership import SiteMembership
+from isthmus.inter.data.shard_map import GroupShape, ShardPosition
 from isthmus.inter.data.state_transfer import pull_state
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.outer import OuterOptimizer
+from isthmus.intra.parallel import group_parameters, sharded_rows
 from isthmus.intra.state import load_rank_state, rank_state
 from isthmus.intra.train import Trainer
 
@@ -127,9 +131,9 @@ class CrossSite:
         )
         return self
 
-    def _make_peer(self, info: SiteInfo) -> LanePeer:
+    def _make_peer(self, info: SiteInfo, rank: int | None = None) -> LanePeer:
         return LanePeer(
-            info.lane_addresses[self.rank],
+            info.lane_addresses[self.rank if rank is None else rank],
             proxy=self.proxies.get(info.name),
             connections=self.config.sync.connections,
             chunk_bytes=self.config.chunk_bytes,
@@ -178,6 +182,14 @@ class CrossSite:
             raise RuntimeError(
                 f"state source {source!r} is not a member of generation {generation}"
             )
+        own = self.config.ranks_of(self.site)
+        if len(info.lane_addresses) != own:
+            # Its rank at this coordinate holds other rows than this one (issue 15).
+            raise RuntimeError(
+                f"{self.site} ({own} ranks) cannot pull its state from {source} "
+                f"({len(info.lane_addresses)} ranks): a site rejoins only from a site of "
+                "its own size for now"
+            )
         t0 = time.perf_counter()
         peer = self._make_peer(info)
         try:
@@ -218,11 +230,47 @@ class CrossSite:
         self.coordinator.close()
 
 
+def shard_layout(
+    config: JobConfig, trainer: Trainer, outer: OuterOptimizer | None
+) -> tuple[ShardPosition, dict[int, GroupShape]]:
+    """This rank's position in its site and the tensors of each group it syncs, for
+    sites of different sizes (``LaneGradientSync.set_layout``): per-step sync hands
+    FSDP2's padded reduce-scatter outputs, offload and the outer modes packed shards."""
+    rows: dict[int, tuple[int, int, int, int]] = {}
+    params: dict[str, torch.nn.Parameter] = {}
+    for part in trainer.model_parts:
+        rows |= sharded_rows(part)
+        params |= dict(part.named_parameters())
+    shards = {(index, width) for _, _, index, width in rows.values()}
+    if len(shards) != 1:
+        raise ValueError(f"parameters sharded over several meshes {sorted(shards)}")
+    ((shard_index, width),) = shards
+    pp_i, _, _, tp_i = trainer.coordinate
+    position = ShardPosition(
+        pp=trainer.pp, tp=trainer.tp, pp_index=pp_i, tp_index=tp_i, shard_index=shard_index
+    )
+    if width != trainer.dp * trainer.cp or position.width(trainer.mesh.size()) != width:
+        raise ValueError(f"FSDP shards over {width} ranks, not dp x cp of the site")
+
+    def shape(group: list[torch.nn.Parameter], padded: bool) -> GroupShape:
+        return GroupShape(
+            rows=tuple(rows[id(p)][0] for p in group),
+            row_elems=tuple(rows[id(p)][1] for p in group),
+            padded=padded,
+        )
+
+    if outer is not None:
+        groups = [[params[name] for name, _ in g] for g in outer.groups]
+        return position, {i: shape(g, padded=False) for i, g in enumerate(groups)}
+    padded = not config.parallel.offload  # offload syncs the host shards, packed
+    return position, {i: shape(group_parameters(g), padded) for i, g in enumerate(trainer.groups)}
+
+
 def mailbox_budget(config: JobConfig) -> int:
     """Bytes a lane's mailbox may hold: two steps of its traffic at fp32, the widest
     codec (per step a lane receives at most its shard's contributions and its shard's
     results), plus 16 chunks of slack."""
-    shard = 4 * config.resolved_model().num_params // config.topology.ranks_per_site
+    shard = 4 * config.resolved_model().num_params // min(config.site_ranks)
     return 2 * 2 * shard + 16 * config.chunk_bytes
 
 

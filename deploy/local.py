@@ -74,8 +74,7 @@ class LocalJob:
             LaunchError: a rank failed, a site was refused, or replicas diverged.
             ConfigError: a setting this launcher cannot honour.
         """
-        t = self.config.topology
-        check_supported(self.config, t.sites * t.ranks_per_site)
+        check_supported(self.config, sum(self.config.site_ranks))
         try:
             self._make_job_token()
             self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)
@@ -145,7 +144,8 @@ class LocalJob:
                 Coordinator(
                     site=site,
                     site_names=config.site_names,
-                    ranks=config.topology.ranks_per_site,
+                    ranks=config.ranks_of(site),
+                    site_ranks=config.site_ranks,
                     fingerprint=config.fingerprint(),
                     join_timeout_s=config.sync.timeout_s,
                     metrics_port=None if config.run.metrics_port < 0 else 0,
@@ -162,8 +162,8 @@ class LocalJob:
             coordinator.start()
 
     def _start_ranks(self, proxies: dict[str, dict[str, str]]) -> None:
-        world = self.config.topology.ranks_per_site
-        threads = max(1, (os.cpu_count() or 1) // (world * len(self._coordinators)))
+        sizes = self.config.site_ranks
+        threads = max(1, (os.cpu_count() or 1) // sum(sizes))
         for i, coordinator in enumerate(self._coordinators):
             site = SiteRanks(
                 self.config,
@@ -171,7 +171,7 @@ class LocalJob:
                 self.run_dir,
                 coordinator.address,
                 proxies[coordinator.site],
-                first_device=i * world,
+                first_device=sum(sizes[:i]),
                 threads=threads,
                 run_token=self._token,
             )

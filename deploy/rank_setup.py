@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from isthmus.deploy.checkpointing import restore
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.corpus import load_corpus
-from isthmus.deploy.cross_site import CrossSite
+from isthmus.deploy.cross_site import CrossSite, shard_layout
 from isthmus.deploy.evaluation import HeldOutLoss
 from isthmus.deploy.reporting import StepReporter
 from isthmus.inter.data.gradient_sync import LaneGradientSync
@@ -126,7 +126,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     is ready for its first step."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dev = config.device_type
-    layout = config.site_layout()
+    layout = config.site_layout(env.site)
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # On GPUs NCCL carries the tensors and gloo the few CPU-side collectives
@@ -159,20 +159,24 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         )
         sync = cross.sync
 
-    trainer = build_trainer(config, mesh, layout, len(sites), cuda=dev == "cuda", sync=sync)
+    dp_before, dp_total = sum(config.site_dp()[:site_index]), sum(config.site_dp())
+    trainer = build_trainer(config, mesh, layout, dp_total, cuda=dev == "cuda", sync=sync)
     outer = _outer_optimizer(config, trainer, cross)
+    if cross is not None and len(set(config.site_ranks)) > 1:
+        # Sites of different sizes pair their ranks by the elements they hold.
+        cross.sync.set_layout(*shard_layout(config, trainer, outer))
     corpus, split = load_corpus(config)
     held_out = HeldOutLoss(corpus, split, config)
     # Shards are numbered site-major, so the union over sites and dp ranks is the
-    # global batch that one site with sites*dp ranks would see (ShardedBatches);
+    # global batch that one site with all their dp ranks would see (ShardedBatches);
     # the tp and pp ranks of one replica read the same batch.
     batches = ShardedBatches(
         corpus,
         seq_len=config.train.seq_len,
         batch_size=config.train.batch_size,
         seed=config.job.seed,
-        shard_index=site_index * layout.dp + dp_i,
-        num_shards=len(sites) * layout.dp,
+        shard_index=dp_before + dp_i,
+        num_shards=dp_total,
         spans=split.train,
     )
     site_dir = env.run_dir / "sites" / env.site
@@ -243,7 +247,7 @@ def build_trainer(
     config: JobConfig,
     mesh: DeviceMesh,
     layout: ParallelLayout,
-    num_sites: int,
+    dp_total: int,
     *,
     cuda: bool,
     sync: GradientSync | None = None,
@@ -261,13 +265,15 @@ def build_trainer(
         TrainConfig(
             lr=scaled_lr(
                 config.train.lr,
-                num_sites * layout.dp if per_step else layout.dp,
+                dp_total if per_step else layout.dp,
                 config.train.lr_scaling,
                 config.train.lr_reference_dp,
             ),
             warmup_steps=min(config.train.warmup_steps, config.job.steps),
             weight_decay=config.train.weight_decay,
             grad_clip=config.train.grad_clip or None,
+            # Sites of different sizes sum the squares of their shards in different orders.
+            portable_clip=len(set(config.site_ranks)) > 1,
             total_steps=config.job.steps,
         ),
         parallel=config.parallel_config(cuda=cuda),

@@ -135,7 +135,7 @@ class SiteRanks:
     def start(self) -> None:
         import torch.distributed as dist
 
-        world = self.config.topology.ranks_per_site
+        world = self.config.ranks_of(self.site)
         # torch's TCPStore has no authentication, and bound by itself it listens on every
         # interface (issue 14, row 11). The ranks are on this machine: hand it a socket
         # bound to loopback instead (the store closes it when it goes).

@@ -27,8 +27,10 @@ class JobSection:
 class TopologySection:
     sites: int = 2
     """Number of sites (datacenters); named site0, site1, ..."""
-    ranks_per_site: int = 2
-    """torch.distributed ranks (processes; GPUs on a GPU host) in each site."""
+    ranks_per_site: int | list[int] = 2
+    """torch.distributed ranks (processes; GPUs on a GPU host) in each site: one number
+    for every site, or one per site (`[4, 2]`: sites of different sizes, which differ in
+    dp only; pp, cp and tp are the job's)."""
     pp: int = 1
     """Pipeline-parallel width inside a site; dp = ranks_per_site / (pp x cp x tp)."""
     tp: int = 1

@@ -43,7 +43,8 @@ def coordinator_for(config: JobConfig, site: str) -> Coordinator:
     return Coordinator(
         site=site,
         site_names=config.site_names,
-        ranks=config.topology.ranks_per_site,
+        ranks=config.ranks_of(site),
+        site_ranks=config.site_ranks,
         fingerprint=config.fingerprint(),
         peers={s: a for s, a in addresses.items() if s != site},
         proxies={s: u for s, u in config.cluster.proxies.items() if s != site and u},
@@ -76,7 +77,7 @@ class SiteJob:
             LaunchError: a rank failed, a peer refused the job, or replicas differ.
             ConfigError: a setting this launcher cannot honour.
         """
-        check_supported(self.config, self.config.topology.ranks_per_site)
+        check_supported(self.config, self.config.ranks_of(self.site))
         self.coordinator = coordinator_for(self.config, self.site)
         os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/ranks.py)
         self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config, self.site)
@@ -88,7 +89,7 @@ class SiteJob:
                 self.run_dir,
                 self.coordinator.address,
                 {s: u for s, u in self.config.cluster.proxies.items() if s != self.site and u},
-                threads=max(1, (os.cpu_count() or 1) // self.config.topology.ranks_per_site),
+                threads=max(1, (os.cpu_count() or 1) // self.config.ranks_of(self.site)),
                 config_file=config_path(self.run_dir, self.site),
             )
             self._ranks.start()

@@ -34,9 +34,17 @@ class JsonlTail:
         return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
+def _token_mean(rows: list[dict]) -> float:
+    """The sites' losses averaged over their tokens: the loss of the global batch."""
+    if len({r["tokens"] for r in rows}) == 1:
+        return sum(r["loss"] for r in rows) / len(rows)
+    return sum(r["loss"] * r["tokens"] for r in rows) / sum(r["tokens"] for r in rows)
+
+
 def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
-    """One record per step that every site completed: losses averaged (equal batches
-    per site), bytes summed, times as the slowest site saw them."""
+    """One record per step that every site completed: losses averaged, weighted by
+    each site's tokens (sites of different sizes), bytes summed, times as the slowest
+    site saw them."""
     steps = min((len(lines) for lines in per_site.values()), default=0)
     merged = []
     for i in range(steps):
@@ -44,7 +52,7 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
         merged.append(
             {
                 "step": rows[0]["step"],
-                "loss": sum(r["loss"] for r in rows) / len(rows),
+                "loss": _token_mean(rows),
                 "loss_by_site": {r["site"]: r["loss"] for r in rows},
                 "grad_norm": rows[0]["grad_norm"],
                 **(
@@ -151,7 +159,7 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
                 f.write(json.dumps(record) + "\n")
     results: dict[str, list[dict]] = {}
     for site in names:
-        for rank in range(config.topology.ranks_per_site):
+        for rank in range(config.ranks_of(site)):
             path = run_dir / "sites" / site / f"rank{rank}.json"
             if not path.exists():
                 raise RuntimeError(f"{site} rank {rank} wrote no result ({path})")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from isthmus.deploy.sections import EVAL_BATCH, KIB
 from isthmus.inter.data.codec_spec import parse_codec_spec
+from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
 
 if TYPE_CHECKING:
@@ -36,15 +37,30 @@ def validate(config: JobConfig) -> None:
     t = config.topology
     _require(config.job.steps >= 1, f"job.steps must be >= 1, got {config.job.steps}")
     _require(1 <= t.sites <= 64, f"topology.sites must be in 1..64, got {t.sites}")
-    _require(t.ranks_per_site >= 1, f"topology.ranks_per_site must be >= 1, got {t.ranks_per_site}")
+    sizes = t.ranks_per_site if isinstance(t.ranks_per_site, list) else [t.ranks_per_site]
+    _require(
+        not isinstance(t.ranks_per_site, list) or len(sizes) == t.sites,
+        f"topology.ranks_per_site names {len(sizes)} site sizes {sizes} for "
+        f"topology.sites={t.sites}: give one per site, or one number for all",
+    )
+    _require(
+        all(n >= 1 for n in sizes), f"topology.ranks_per_site must be >= 1, got {t.ranks_per_site}"
+    )
     _require(
         t.pp >= 1 and t.tp >= 1 and t.cp >= 1,
         f"topology.pp, topology.cp and topology.tp must be >= 1, got {t.pp}, {t.cp}, {t.tp}",
     )
+    for n in sizes:
+        _require(
+            n % (t.pp * t.cp * t.tp) == 0,
+            f"layout does not divide the ranks: topology.ranks_per_site={n} "
+            f"is not divisible by pp*cp*tp={t.pp}*{t.cp}*{t.tp}={t.pp * t.cp * t.tp} "
+            "(sites may differ in dp only: pp, cp and tp are the same at every site)",
+        )
     _require(
-        t.ranks_per_site % (t.pp * t.cp * t.tp) == 0,
-        f"layout does not divide the ranks: topology.ranks_per_site={t.ranks_per_site} "
-        f"is not divisible by pp*cp*tp={t.pp}*{t.cp}*{t.tp}={t.pp * t.cp * t.tp}",
+        len(set(sizes)) == 1 or t.ep == 1,
+        f"topology.ep={t.ep} needs sites of one size, got topology.ranks_per_site={sizes}: "
+        "expert-parallel sites of different sizes are not supported yet",
     )
     _require(
         t.device in ("auto", "cpu", "cuda"),
@@ -70,12 +86,13 @@ def validate(config: JobConfig) -> None:
             f"parallel.{key} must be auto, true or false, got {getattr(par, key)!r}",
         )
     try:
-        config.parallel_config(cuda=False).check(
-            config.site_layout(),
-            config.resolved_model(),
-            batch_size=tr.batch_size,
-            seq_len=tr.seq_len,
-        )
+        for ranks in dict.fromkeys(config.site_ranks):  # each size once
+            config.parallel_config(cuda=False).check(
+                ParallelLayout.for_ranks(ranks, pp=t.pp, tp=t.tp, cp=t.cp),
+                config.resolved_model(),
+                batch_size=tr.batch_size,
+                seq_len=tr.seq_len,
+            )
     except ValueError as exc:
         raise ConfigError(f"parallel: {exc}") from None
     d = config.data
@@ -192,7 +209,7 @@ def validate(config: JobConfig) -> None:
     )
     c = config.cluster
     _require(
-        c.lane_port_base == 0 or 1024 <= c.lane_port_base <= 65535 - config.topology.ranks_per_site,
+        c.lane_port_base == 0 or 1024 <= c.lane_port_base <= 65535 - max(config.site_ranks),
         f"cluster.lane_port_base must be 0 or leave room for every rank below 65536, got {c.lane_port_base}",
     )
     _require(

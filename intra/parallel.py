@@ -216,3 +216,39 @@ def group_parameters(group: FSDPModule) -> list[nn.Parameter]:
         for p in sub.parameters()
     }
     return [p for p in module.parameters() if id(p) not in nested]
+
+
+def sharded_rows(module: nn.Module) -> dict[int, tuple[int, int, int, int]]:
+    """How FSDP2 sharded each parameter under ``module``, by ``id(parameter)``:
+    ``(rows, row_elems, shard_index, shard_width)``: the rows along the sharded first
+    dimension before FSDP sharding (after tensor parallelism), the elements per row,
+    and this rank's chunk of them (torch.chunk's rule) among how many.
+
+    Sites of different sizes pair their ranks by these (inter/data/shard_map.py). It
+    reads FSDP2's own record of each parameter, so it follows whatever it padded.
+    """
+    out: dict[int, tuple[int, int, int, int]] = {}
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        # torch 2.13 keeps a list of parameter groups per module, 2.11 one.
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g] if (g := getattr(state, "_fsdp_param_group", None)) else []
+        for group in groups:
+            for fp in group.fsdp_params:
+                if fp.fsdp_placement != Shard(0):
+                    raise ValueError(f"FSDP sharded a parameter on {fp.fsdp_placement}, not dim 0")
+                size = fp._orig_size
+                info = fp.mesh_info
+                row_elems = 1
+                for d in size[1:]:
+                    row_elems *= d
+                out[id(fp.sharded_param)] = (
+                    size[0],
+                    row_elems,
+                    info.shard_mesh_rank,
+                    info.shard_mesh_size,
+                )
+    return out

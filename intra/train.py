@@ -85,6 +85,13 @@ class TrainConfig:
     """AdamW betas."""
     grad_clip: float | None = 1.0
     """Max global gradient norm; ``None`` disables clipping."""
+    portable_clip: bool = False
+    """Clip by a norm that does not depend on how the site shards the gradient: the
+    squares summed in fp64 and the norm rounded to 16 significant bits. Sites of
+    different sizes sum their shards in different orders; with equal layouts (the
+    default off) the norms are bitwise equal anyway. Two sites' fp64 norms differ by
+    ~1e-15 relative, so they round apart only when one lies that close to the edge of
+    a 2**-16-wide bucket: ~1e-10 per clipped step."""
     total_steps: int = 1000
     """Length of the schedule."""
 
@@ -151,6 +158,12 @@ class StepStats:
     def committed(self) -> bool:
         """The step's update was applied (always, without a sync)."""
         return self.sync is None or self.sync.committed
+
+
+def _round_bits(x: float, bits: int) -> float:
+    """``x`` rounded to ``bits`` significant bits."""
+    mantissa, exponent = math.frexp(x)
+    return math.ldexp(round(mantissa * (1 << bits)) / (1 << bits), exponent)
 
 
 def _hook(trainer: Trainer, sync: GradientSync, group: int) -> Callable[[torch.Tensor], None]:
@@ -414,12 +427,14 @@ class Trainer:
                 )
                 copies = replicated * stage_ranks // mesh.size()
                 g = g.to_local()
-            total += g.float().pow(2).sum().double() / copies
+            squares = g.double().pow(2) if self.config.portable_clip else g.float().pow(2)
+            total += squares.sum().double() / copies
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         norm = float(total.sqrt().item())
         clip = self.config.grad_clip
         if clip is not None and grads:
-            coef = clip / (norm + 1e-6)
+            by = _round_bits(norm, 16) if self.config.portable_clip else norm
+            coef = clip / (by + 1e-6)
             if coef < 1.0:
                 local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
                 torch._foreach_mul_(local, coef)

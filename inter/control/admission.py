@@ -49,13 +49,12 @@ def site_problem(
     expected = c.site_names.index(info.name)
     if info.index != expected:
         return f"site {info.name} claims index {info.index}, expected {expected}"
+    ranks = c.site_ranks[expected]
     if ready and (
-        len(info.lane_addresses) != c.ranks
+        len(info.lane_addresses) != ranks
         or not all(0 < len(a) <= MAX_FIELD_CHARS for a in info.lane_addresses)
     ):
-        return (
-            f"site {info.name} sent {len(info.lane_addresses)} lane addresses, expected {c.ranks}"
-        )
+        return f"site {info.name} sent {len(info.lane_addresses)} lane addresses, expected {ranks}"
     return Incarnations.problem(info.name, incarnation)
 
 
@@ -149,7 +148,8 @@ def malformed_proposal(c: Coordinator, request: pb.ProposeRequest, max_step: int
         problem = f"state_source {request.state_source[:64]!r} is not a member"
     else:
         for info in request.sites:
-            if info.index != c.site_names.index(info.name) or (len(info.lane_addresses) != c.ranks):
+            index = c.site_names.index(info.name)
+            if info.index != index or len(info.lane_addresses) != c.site_ranks[index]:
                 problem = f"site {info.name} has index {info.index} or a wrong lane list"
                 break
     return problem

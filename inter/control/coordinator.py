@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 
 import grpc
@@ -84,6 +84,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         site_names: list[str],
         ranks: int,
         fingerprint: Mapping[str, str],
+        site_ranks: Sequence[int] | None = None,
         peers: Mapping[str, str] | None = None,
         proxies: Mapping[str, str | None] | None = None,
         host: str = "127.0.0.1",
@@ -109,6 +110,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.site_names = list(site_names)
         self.index = site_names.index(site)
         self.ranks = ranks
+        self.site_ranks = list(site_ranks) if site_ranks is not None else [ranks] * len(site_names)
+        """Each site's rank count, by index: sites may differ in size (one lane per rank)."""
+        if len(self.site_ranks) != len(site_names) or self.site_ranks[self.index] != ranks:
+            raise ValueError(
+                f"site_ranks {self.site_ranks} must give each of {len(site_names)} sites its "
+                f"ranks, {ranks} for {site}"
+            )
         self.fingerprint = dict(fingerprint)
         self.peers: dict[str, str] = {}
         self.proxies: dict[str, str | None] = {}

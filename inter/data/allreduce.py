@@ -40,7 +40,8 @@ def default_workers() -> int:
 
 
 class CrossSiteAllReduce:
-    """All-reduces flat fp32 buffers with the same rank of every other site.
+    """All-reduces flat fp32 buffers with the same rank of every other site (or the
+    ranks a round names, between sites of different sizes).
 
     Args:
         site_index: this site's index in the membership.
@@ -133,7 +134,12 @@ class CrossSiteAllReduce:
         )
 
     def allreduce(
-        self, tensors: list[torch.Tensor], step: int, group: int, average: bool
+        self,
+        tensors: list[torch.Tensor],
+        step: int,
+        group: int,
+        average: bool,
+        peers: dict[int, LanePeer] | None = None,
     ) -> RoundStats:
         """Sums (or averages) ``tensors`` over all sites, in place.
 
@@ -144,6 +150,9 @@ class CrossSiteAllReduce:
             step: training step; with ``group`` it names the round on the wire.
             group: FSDP group (bucket) index within the step.
             average: divide the sum by ``num_sites``.
+            peers: the lane of each other site for this round, when it is not the
+                same rank's (sites of different sizes pair ranks by the elements they
+                hold: inter/data/shard_map.py); default the configured peers.
         Returns:
             The round's statistics.
         Raises:
@@ -179,7 +188,7 @@ class CrossSiteAllReduce:
                 mailbox=self.server.mailbox,
                 outbox=self.server.outbox,
                 check=self.server.check,
-                peers=dict(self.peers),
+                peers=dict(self.peers if peers is None else peers),
                 pool=self.pool,
                 abort=self.abort,
                 flat=flat,

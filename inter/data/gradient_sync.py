@@ -26,6 +26,7 @@ from isthmus.inter.control.coordinator_client import Decision, Verdict
 from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
 from isthmus.inter.data.membership import QuorumLost, SiteMembership
 from isthmus.inter.data.round import NonFiniteGradient
+from isthmus.inter.data.shard_map import MAX_PIECES, GroupShape, Piece, ShardPosition, pieces
 
 __all__ = ["LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
 
@@ -124,6 +125,17 @@ class LaneGradientSync:
         self._worker = futures.ThreadPoolExecutor(
             max_workers=rounds_in_flight, thread_name_prefix="lane-sync"
         )
+        self._position: ShardPosition | None = None
+        self._shapes: dict[int, GroupShape] = {}
+
+    def set_layout(self, position: ShardPosition, shapes: dict[int, GroupShape]) -> None:
+        """Where this rank's shards sit: its position and each group's tensors. Needed
+        only when the sites differ in size: a round is then cut into pieces, each
+        exchanged with the ranks that hold its elements (inter/data/shard_map.py), and
+        each site's contribution is weighted by the tokens it processed."""
+        if self._pending:
+            raise RuntimeError(f"set_layout() during step {self._step}")
+        self._position, self._shapes = position, dict(shapes)
 
     def start(self, step: int, group: int, shard: torch.Tensor) -> None:
         """Starts the cross-site round of one FSDP group.
@@ -161,12 +173,61 @@ class LaneGradientSync:
             if ready is not None:
                 ready.synchronize()
             t0 = time.monotonic()
-            rs = self.allreduce.allreduce([buffer], step=step, group=group, average=True)
+            widths = self._unequal_widths()
+            if widths is None:
+                rs = self.allreduce.allreduce([buffer], step=step, group=group, average=True)
+            else:
+                rs = self._run_pieces(step, group, buffer, widths)
             return rs, t0, time.monotonic()
         except BaseException as exc:
             # The one abort signal of the rank: the step's other rounds fail at once.
             abort.set(f"step {step} group {group} failed: {exc}")
             raise
+
+    def _unequal_widths(self) -> list[int] | None:
+        """Each member site's shard ranks when the sites differ in size, else None."""
+        if self.membership is None:
+            return None
+        sizes = self.membership.site_ranks()
+        if len(set(sizes)) == 1:
+            return None
+        if self._position is None:
+            raise CrossSiteError(f"sites of {sizes} ranks, but no shard layout was set")
+        return [self._position.width(n) for n in sizes]
+
+    def _run_pieces(
+        self, step: int, group: int, buffer: torch.Tensor, widths: list[int]
+    ) -> RoundStats:
+        """One group's round between sites of different sizes: each piece with the
+        ranks that hold it, each site's part weighted by its tokens (its shard ranks:
+        every replica processes the same batch), so the mean is the one a single site
+        of all the ranks would compute."""
+        position, membership = self._position, self.membership
+        assert position is not None and membership is not None
+        shape = self._shapes.get(group)
+        if shape is None:
+            raise CrossSiteError(f"step {step}: group {group} has no shape in the shard layout")
+        me = self.allreduce.site_index
+        sizes = membership.site_ranks()
+        # average=True divides by the sites: weight w_s = W_s * sites / sum(W).
+        buffer.mul_(widths[me] * len(widths) / sum(widths))
+        total = RoundStats()
+        for piece in pieces(shape, widths, me, position.shard_index):
+            peers = {
+                s: membership.peer(s, position.rank_of(sizes[s], piece.holders[s]))
+                for s in range(len(widths))
+                if s != me
+            }
+            part = _gather(buffer, piece)
+            rs = self.allreduce.allreduce(
+                [part], step=step, group=group * MAX_PIECES + piece.key, average=True, peers=peers
+            )
+            _scatter(buffer, piece, part)
+            for name in ("bytes_sent", "bytes_received", "raw_bytes", "tensor_bytes"):
+                setattr(total, name, getattr(total, name) + getattr(rs, name))
+            for name in ("num_chunks", "corrupt_chunks", "nonfinite_chunks"):
+                setattr(total, name, getattr(total, name) + getattr(rs, name))
+        return total
 
     def finish(self, step: int) -> StepOutcome:
         """Waits for every group started in ``step`` and writes the averages into the shards.
@@ -322,3 +383,16 @@ class LaneGradientSync:
         if self.membership is not None:
             self.membership.close()
         self.allreduce.close()
+
+
+def _gather(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The piece's elements of ``buffer``, in the piece's order (a copy)."""
+    return torch.cat([buffer[o : o + n] for o, n in piece.runs])
+
+
+def _scatter(buffer: torch.Tensor, piece: Piece, values: torch.Tensor) -> None:
+    """Writes a piece's elements back where :func:`_gather` took them from."""
+    at = 0
+    for o, n in piece.runs:
+        buffer[o : o + n].copy_(values[at : at + n])
+        at += n

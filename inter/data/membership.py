@@ -48,7 +48,8 @@ class SiteMembership:
         site: this site's name.
         rank: this rank.
         allreduce: the rank's cross-site all-reduce, re-pointed on each new generation.
-        make_peer: builds the lane client of one peer site's rank (proxy, TLS, chunk size).
+        make_peer: builds the lane client of a peer site's rank: ``make_peer(info,
+            rank)`` (proxy, TLS, chunk size); this rank's own number at equal sites.
         sites: the members of ``generation``, ordered by index.
         generation: the generation the rank starts in.
         decision_timeout_s: how long a vote may wait for its decision.
@@ -62,7 +63,7 @@ class SiteMembership:
         site: str,
         rank: int,
         allreduce: CrossSiteAllReduce,
-        make_peer: Callable[[SiteInfo], LanePeer],
+        make_peer: Callable[[SiteInfo, int], LanePeer],
         sites: list[SiteInfo],
         generation: int,
         decision_timeout_s: float = 300.0,
@@ -77,6 +78,7 @@ class SiteMembership:
         self.watch_s = watch_s
         self.sites: list[SiteInfo] = []
         self._peers: dict[tuple[str, str], LanePeer] = {}
+        self._peers_lock = threading.Lock()  # rounds of several groups open peers at once
         self._stop = threading.Event()
         self.configure(generation, sites)
         self._watcher = threading.Thread(target=self._watch, name="membership-watch", daemon=True)
@@ -98,21 +100,34 @@ class SiteMembership:
             raise ValueError(f"{self.site} is not a member of generation {generation}: {names}")
         position = names.index(self.site)
         peers: dict[int, LanePeer] = {}
-        used: set[tuple[str, str]] = set()
-        for i, info in enumerate(sites):
-            if info.name == self.site:
-                continue
-            # Keyed by address too: a restarted site's lanes listen somewhere new.
-            key = (info.name, info.lane_addresses[self.rank])
-            if key not in self._peers:
-                self._peers[key] = self.make_peer(info)
-            peers[i] = self._peers[key]
-            used.add(key)
-        for key in [k for k in self._peers if k not in used]:
+        # The lanes of other ranks (sites of different sizes) are opened on first use;
+        # those of sites or addresses no longer members close here.
+        live = {(info.name, a) for info in sites for a in info.lane_addresses}
+        for key in [k for k in self._peers if k not in live]:
             self._peers.pop(key).close()
-        self.allreduce.reconfigure(Members(generation, position, len(sites), tuple(names)), peers)
         self.sites = list(sites)
+        for i, info in enumerate(sites):
+            if info.name != self.site:
+                # The same rank; a smaller site has no such rank, but between sites of
+                # different sizes every round names its own peers (GradientSync's
+                # pieces), so this default is never used there.
+                peers[i] = self.peer(i, self.rank % len(info.lane_addresses))
+        self.allreduce.reconfigure(Members(generation, position, len(sites), tuple(names)), peers)
         log.info("[%s/%d] generation %d: %s", self.site, self.rank, generation, ", ".join(names))
+
+    def site_ranks(self) -> list[int]:
+        """Each member site's rank count, by site index (sites may differ in size)."""
+        return [len(info.lane_addresses) for info in self.sites]
+
+    def peer(self, site_index: int, rank: int) -> LanePeer:
+        """The lane client of ``rank`` at member site ``site_index`` (opened once;
+        keyed by address too: a restarted site's lanes listen somewhere new)."""
+        info = self.sites[site_index]
+        key = (info.name, info.lane_addresses[rank])
+        with self._peers_lock:
+            if key not in self._peers:
+                self._peers[key] = self.make_peer(info, rank)
+            return self._peers[key]
 
     def vote(self, step: int, ok: bool) -> Decision:
         """Votes on ``step``'s rounds; returns the job's decision (never PENDING).

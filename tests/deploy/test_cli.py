@@ -252,3 +252,40 @@ def test_a_cp_or_ep_layout_that_does_not_fit_is_refused_naming_the_numbers(sets,
     moe = load_config(None, ["topology.ep=2", "model.preset=moe-tiny"])
     assert moe.fingerprint()["topology.ep"] == "2"
     assert moe.parallel_config(cuda=False).expert_parallel == 2
+
+
+def test_sites_of_different_sizes_are_one_list_and_part_of_the_fingerprint(tmp_path):
+    cfg = load_config(None, ["topology.ranks_per_site=[4, 2]"])
+    assert cfg.site_ranks == [4, 2] and cfg.ranks_of("site1") == 2
+    assert cfg.site_dp() == [4, 2] and cfg.site_layout("site1").dp == 2
+    assert cfg.fingerprint()["topology.ranks_per_site"] == "[4, 2]"
+    swapped = load_config(None, [], flags={"topology.ranks_per_site": "2,4"})
+    assert swapped.fingerprint()["topology.ranks_per_site"] == "[2, 4]"
+    # One size for all is one number, however it is spelled.
+    same = load_config(None, ["topology.ranks_per_site=[2, 2]"])
+    assert same.topology.ranks_per_site == 2
+    assert same.fingerprint() == load_config(None, []).fingerprint()
+    toml = tmp_path / "job.toml"
+    toml.write_text("[topology]\nsites = 3\nranks_per_site = [2, 1, 4]\n")
+    assert load_config(toml).site_ranks == [2, 1, 4]
+
+
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["topology.ranks_per_site=[4, 2, 2]"], "names 3 site sizes [4, 2, 2] for topology.sites=2"),
+        (["topology.ranks_per_site=[4, 0]"], "must be >= 1"),
+        (["topology.ranks_per_site=[4, 3]", "topology.tp=2"], "ranks_per_site=3 is not divisible"),
+        (["topology.ranks_per_site=[4, 2]", "topology.ep=2", "model.preset=moe-tiny"],
+         "topology.ep=2 needs sites of one size"),
+        (["topology.ranks_per_site=[4, two]"], "an integer or a list of them"),
+    ],
+)  # fmt: skip
+def test_site_sizes_that_cannot_work_are_refused_naming_the_numbers(sets, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, sets)
+
+
+def test_a_bad_ranks_per_site_flag_is_a_one_line_error():
+    result = run_cli("local", "--ranks-per-site", "4,x", "--steps", "1", timeout=60)
+    assert_one_line_error(result, "topology.ranks_per_site must be an integer or a list")

@@ -266,3 +266,18 @@ def test_servers_close_idle_connections_and_a_peer_reconnects(monkeypatch):
             assert stub.GetMembership(pb.GetMembershipRequest(), timeout=5).generation == 0
     finally:
         coord.stop()
+
+
+def test_sites_of_different_sizes_are_checked_by_each_sites_own_count():
+    from isthmus.inter.control.admission import site_problem
+
+    c = Coordinator(
+        site="a", site_names=["a", "b"], ranks=4, site_ranks=[4, 2], fingerprint={},
+        peers={"b": "127.0.0.1:1"},
+    )  # fmt: skip
+    two = pb.SiteInfo(name="b", index=1, lane_addresses=["h:1", "h:2"])
+    four = pb.SiteInfo(name="b", index=1, lane_addresses=["h:1", "h:2", "h:3", "h:4"])
+    assert site_problem(c, two, ready=True) is None
+    assert "sent 4 lane addresses, expected 2" in (site_problem(c, four, ready=True) or "")
+    with pytest.raises(ValueError, match="must give each of 2 sites its ranks"):
+        Coordinator(site="a", site_names=["a", "b"], ranks=4, site_ranks=[2, 4], fingerprint={})

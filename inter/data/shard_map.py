@@ -1,0 +1,159 @@
+"""Pairing the ranks of sites of different sizes by the elements they hold (issue 15).
+
+Inside a site, FSDP2 shards every tensor of a group along its first dimension over
+the site's shard ranks (``dp x cp`` of them): with ``W`` of them, rank ``k`` holds
+rows ``[k*c, (k+1)*c)`` of a tensor of ``n`` rows, ``c = ceil(n / W)`` (torch.chunk's
+rule; the last chunks may be short or empty). Sites of equal size hold the same rows at
+the same rank, and a rank's round exchanges its whole flat buffer with the same rank of
+every other site. Sites of different sizes do not: a rank of a 2-rank site holds what
+two ranks of a 4-rank site hold, and rounding can make the chunks straddle.
+
+So the rows of each tensor are cut at every site's chunk boundaries. Each piece of the
+cut is held by exactly one shard rank per site; the pieces held by the same ranks
+(one per site) form a *piece* of the group, exchanged as one round among those ranks
+only. Every site enumerates the pieces in the same order and lays out a piece's
+elements in the same order (tensor by tensor, row by row), so the sums line up element
+for element, and every site ends with the same values, whatever its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["GroupShape", "Piece", "ShardPosition", "pieces", "shard_rows"]
+
+MAX_PIECES = 4096
+"""Pieces one group may have; a piece's round is named ``group * MAX_PIECES + key``."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShape:
+    """What one group's flat buffer holds: its tensors, in order, by their rows.
+
+    Attributes:
+        rows: each tensor's size along the sharded (first) dimension, before sharding.
+        row_elems: elements per row of each tensor.
+        padded: each tensor's slice is padded to ``ceil(rows / W)`` rows, as in FSDP2's
+            reduce-scatter output; otherwise slices are packed (local shards).
+    """
+
+    rows: tuple[int, ...]
+    row_elems: tuple[int, ...]
+    padded: bool
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.row_elems):
+            raise ValueError(f"{len(self.rows)} row counts for {len(self.row_elems)} tensors")
+        if any(n < 0 for n in self.rows) or any(e < 1 for e in self.row_elems):
+            raise ValueError("rows must be >= 0 and row_elems >= 1")
+
+    def flat_size(self, width: int, index: int) -> int:
+        """Elements of the flat buffer of shard rank ``index`` of ``width``."""
+        total = 0
+        for n, e in zip(self.rows, self.row_elems, strict=True):
+            start, end = shard_rows(n, width, index)
+            total += (_chunk(n, width) if self.padded else end - start) * e
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPosition:
+    """Where a rank sits in its site, for pairing: its pipeline and tensor-parallel
+    coordinates (equal at every site) and its shard index (``dp x cp`` flattened)."""
+
+    pp: int
+    tp: int
+    pp_index: int
+    tp_index: int
+    shard_index: int
+
+    def width(self, site_ranks: int) -> int:
+        """Shard ranks (``dp x cp``) of a site of ``site_ranks`` ranks."""
+        return site_ranks // (self.pp * self.tp)
+
+    def rank_of(self, site_ranks: int, shard: int) -> int:
+        """The rank of a site of ``site_ranks`` ranks that holds ``shard`` at this
+        rank's pipeline and tensor coordinates (ranks are row-major, tp innermost)."""
+        return (self.pp_index * self.width(site_ranks) + shard) * self.tp + self.tp_index
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One round of a group between sites of different sizes.
+
+    Attributes:
+        key: the piece's index among the group's pieces, the same at every site.
+        holders: the shard index holding the piece at each member site, by site index.
+        runs: ``(offset, length)`` of the piece's elements in this rank's flat
+            buffer, in the piece's order.
+    """
+
+    key: int
+    holders: tuple[int, ...]
+    runs: tuple[tuple[int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(length for _, length in self.runs)
+
+
+def _chunk(n: int, width: int) -> int:
+    return -(-n // width)
+
+
+def shard_rows(n: int, width: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of a tensor of ``n`` rows that shard rank ``index`` of
+    ``width`` holds (torch.chunk's rule, empty past the end)."""
+    if not 0 <= index < width:
+        raise ValueError(f"shard index {index} outside width {width}")
+    c = _chunk(n, width)
+    return min(index * c, n), min((index + 1) * c, n)
+
+
+def pieces(shape: GroupShape, widths: Sequence[int], me: int, shard: int) -> list[Piece]:
+    """The pieces of a group that shard rank ``shard`` of site ``me`` holds.
+
+    Args:
+        shape: the group's tensors (the same at every site).
+        widths: the shard ranks of each member site, by site index.
+        me: this site's index in ``widths``.
+        shard: this rank's shard index at its site.
+
+    Returns:
+        This rank's pieces, in key order; together they cover every element it holds
+        (never padding).
+    """
+    if not 0 <= me < len(widths) or not 0 <= shard < widths[me]:
+        raise ValueError(f"site {me} shard {shard} outside widths {list(widths)}")
+    # (holders, tensor, first row, last row) of every cut, in tensor and row order.
+    cuts: list[tuple[tuple[int, ...], int, int, int]] = []
+    for t, n in enumerate(shape.rows):
+        bounds = sorted({min(j * _chunk(n, w), n) for w in widths for j in range(w + 1)})
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            if b > a:
+                cuts.append((tuple(a // _chunk(n, w) for w in widths), t, a, b))
+    keys = {h: k for k, h in enumerate(sorted({h for h, *_ in cuts}))}
+    if len(keys) > MAX_PIECES:
+        raise ValueError(f"{len(keys)} pieces in one group, more than {MAX_PIECES}")
+    # Where each tensor's slice starts in this rank's flat buffer.
+    offsets, at = [], 0
+    for n, e in zip(shape.rows, shape.row_elems, strict=True):
+        offsets.append(at)
+        start, end = shard_rows(n, widths[me], shard)
+        at += (_chunk(n, widths[me]) if shape.padded else end - start) * e
+    runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for holders, t, a, b in cuts:
+        if holders[me] != shard:
+            continue
+        e = shape.row_elems[t]
+        start, _ = shard_rows(shape.rows[t], widths[me], shard)
+        offset, length = offsets[t] + (a - start) * e, (b - a) * e
+        own = runs.setdefault(holders, [])
+        if own and own[-1][0] + own[-1][1] == offset:
+            own[-1] = (own[-1][0], own[-1][1] + length)  # contiguous: one run
+        else:
+            own.append((offset, length))
+    return [
+        Piece(keys[h], h, tuple(r)) for h, r in sorted(runs.items(), key=lambda kv: keys[kv[0]])
+    ]

@@ -1,0 +1,67 @@
+"""Sites of different sizes (issue 15): the real `isthmus local`, a site of 4 ranks and
+a site of 2 pairing their ranks by the elements they hold, against one site of 6."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_cli
+
+pytestmark = pytest.mark.slow
+
+TINY = ("--set", "model.preset=tiny", "--set", "train.batch_size=2", "--set", "train.seq_len=64")
+
+
+def _run(run_dir: Path, sizes: str, *extra: str, steps: int = 5) -> dict:
+    sites = str(len(sizes.split(",")))
+    result = run_cli(
+        "local", "--sites", sites, "--ranks-per-site", sizes, "--steps", str(steps),
+        "--quiet", "--run-dir", str(run_dir), *TINY, *extra, timeout=400,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.mark.timeout(600)
+def test_sites_of_four_and_two_ranks_train_like_one_site_of_six(tmp_path):
+    """Same global batch (6 replicas x 2 sequences, the same data shards): every
+    step's loss (sites weighted by their tokens) equals one site's up to the order
+    in which the sums are taken, and the two sites end bitwise equal."""
+    two = _run(tmp_path / "four-two", "4,2")
+    one = _run(tmp_path / "six", "6")
+    assert len(set(two["digests"].values())) == 1, two["digests"]
+    assert two["ranks_per_site"] == [4, 2]
+    uneven, even = _losses(tmp_path / "four-two"), _losses(tmp_path / "six")
+    assert len(uneven) == len(even) == 5
+    for step, (a, b) in enumerate(zip(uneven, even, strict=True)):
+        # Reduction order only: the 6-rank site averages six gradients at once, the
+        # pair four, two, then across sites (measured: equal to 6 digits).
+        assert a == pytest.approx(b, rel=1e-5), (step, uneven, even)
+    assert uneven[-1] < uneven[0] - 0.3  # and it trains
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "setting",
+    [
+        ("--set", "sync.mode=diloco", "--set", "sync.inner_steps=2"),
+        ("--set", "sync.mode=streaming", "--set", "sync.inner_steps=4",
+         "--set", "sync.fragments=2", "--set", "sync.outer_delay=1"),
+        ("--set", "parallel.offload=true", "--set", "sync.codec=int8"),
+    ],
+    ids=["diloco", "streaming", "offload-int8"],
+)  # fmt: skip
+def test_sites_of_two_and_one_ranks_end_bitwise_equal(tmp_path, setting):
+    """The outer modes (packed parameter shards) and offload (packed host gradients,
+    here through the lossy int8 codec) pair ranks by elements too."""
+    summary = _run(tmp_path / "run", "2,1", *setting, steps=4)
+    assert len(set(summary["digests"].values())) == 1, summary["digests"]
+    assert summary["cross_site_bytes"] > 0
