@@ -30,6 +30,9 @@
 #                                          # cp = SITE_GPUS inside each, 125m at 32k
 #                                          # tokens, int8 over 1000 km at 10 Gbit/s
 #   bash benchmarks/gpu_runs.sh ep-sites  # the same with moe-125m, ep = SITE_GPUS
+#   bash benchmarks/gpu_runs.sh unequal   # issue 15: sites of SIZES GPUs (default
+#                                          # 2,1) alone and together, 1b, batch BATCH
+#                                          # (64) x 2048, int8 over 1000 km at 10 Gbit/s
 # Results go to $OUT (default ./gpu-results).
 # headline and raw run benchmarks/scaling_curve.py: for each per-GPU batch in BATCHES
 # (default "32 64", x 2048 tokens, with activation checkpointing so that they fit; at
@@ -150,6 +153,15 @@ case "${1:-}" in
       --set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 \
       --set topology.device=cuda --set parallel.compile=false | tee "$out/$1.txt"
     ;;
+  unequal)
+    python3 benchmarks/unequal_sites.py --sizes "${SIZES:-2,1}" \
+      --out "${RUNS:-/tmp/isthmus-runs}/unequal" --json "$out/unequal.json" \
+      --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" --set model.preset="${PRESET:-1b}" \
+      --set train.seq_len=2048 --set train.batch_size="${BATCH:-64}" \
+      --set parallel.activation_checkpoint=true --set sync.codec=int8 \
+      --set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 \
+      --set topology.device=cuda | tee "$out/unequal.txt"
+    ;;
   pair)
     # Do two sites on one host slow each other with nothing crossing between them?
     # One site alone, then two one-site jobs at once on the two halves of the GPUs.
@@ -172,7 +184,7 @@ print(sys.argv[2], round(s['steady_tokens_per_s']), 'tokens/s')" \
     done | tee "$out/pair_$preset.txt"
     ;;
   *)
-    echo "usage: $0 sync|sites|headline|raw|modes|loss|longctx|moe|cp-sites|ep-sites|pair" >&2
+    echo "usage: $0 sync|sites|headline|raw|modes|loss|longctx|moe|cp-sites|ep-sites|unequal|pair" >&2
     exit 2
     ;;
 esac

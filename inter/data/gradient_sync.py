@@ -15,6 +15,7 @@ it there and only the encoded bytes cross to the host.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -26,6 +27,7 @@ from isthmus.inter.control.coordinator_client import Decision, Verdict
 from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
 from isthmus.inter.data.membership import QuorumLost, SiteMembership
 from isthmus.inter.data.round import NonFiniteGradient
+from isthmus.inter.data.round_device import lane_stream
 from isthmus.inter.data.shard_map import MAX_PIECES, GroupShape, Piece, ShardPosition, pieces
 
 __all__ = ["LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
@@ -209,8 +211,14 @@ class LaneGradientSync:
             raise CrossSiteError(f"step {step}: group {group} has no shape in the shard layout")
         me = self.allreduce.site_index
         sizes = membership.site_ranks()
-        # average=True divides by the sites: weight w_s = W_s * sites / sum(W).
-        buffer.mul_(widths[me] * len(widths) / sum(widths))
+        # On a GPU the copies run on this thread's lane stream (never behind the
+        # training's kernels) and are waited for before a round reads them and before
+        # finish() copies the buffer back.
+        stream = lane_stream(buffer.device) if buffer.is_cuda else None
+        on_stream = (lambda: torch.cuda.stream(stream)) if stream else contextlib.nullcontext
+        with on_stream():
+            # average=True divides by the sites: weight w_s = W_s * sites / sum(W).
+            buffer.mul_(widths[me] * len(widths) / sum(widths))
         total = RoundStats()
         for piece in pieces(shape, widths, me, position.shard_index):
             peers = {
@@ -218,15 +226,21 @@ class LaneGradientSync:
                 for s in range(len(widths))
                 if s != me
             }
-            part = _gather(buffer, piece)
+            with on_stream():
+                part = _gather(buffer, piece)
+            if stream is not None:
+                stream.synchronize()
             rs = self.allreduce.allreduce(
                 [part], step=step, group=group * MAX_PIECES + piece.key, average=True, peers=peers
             )
-            _scatter(buffer, piece, part)
+            with on_stream():
+                _scatter(buffer, piece, part)
             for name in ("bytes_sent", "bytes_received", "raw_bytes", "tensor_bytes"):
                 setattr(total, name, getattr(total, name) + getattr(rs, name))
             for name in ("num_chunks", "corrupt_chunks", "nonfinite_chunks"):
                 setattr(total, name, getattr(total, name) + getattr(rs, name))
+        if stream is not None:
+            stream.synchronize()
         return total
 
     def finish(self, step: int) -> StepOutcome:
