@@ -115,14 +115,15 @@ case "${1:-}" in
     # checkpointing both fit, and data parallelism (cp = 1) is the faster of the two.
     seq=${SEQ:-262144}
     for ac in ${CHECKPOINTING:-off on}; do
-      [ "$ac" = on ] && ac=--ac || ac=
       for cp in 1 "$gpus"; do
-        name=longctx_cp$cp${ac:+_ac}
+        name=longctx_cp$cp
+        flags=()
+        if [ "$ac" = on ]; then name=${name}_ac; flags=(--ac); fi
         timeout "${RUN_TIMEOUT:-240}" python3 -m torch.distributed.run \
           --nproc-per-node "$gpus" benchmarks/site_step.py --preset 125m --seq "$seq" \
-          --batch 1 --cp "$cp" $ac --warmup 2 --steps 4 --profile-steps 0 \
+          --batch 1 --cp "$cp" "${flags[@]}" --warmup 2 --steps 4 --profile-steps 0 \
           --json "$out/$name.json" >"$out/$name.log" 2>&1 \
-          || echo "cp=$cp $ac: failed, $(grep -o 'OutOfMemoryError' "$out/$name.log" | head -1)"
+          || echo "cp=$cp checkpointing=$ac: failed, $(grep -o 'OutOfMemoryError' "$out/$name.log" | head -1)"
         tail -8 "$out/$name.log" | tee "$out/$name.txt"
       done
     done
