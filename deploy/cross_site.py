@@ -36,6 +36,7 @@ from isthmus.inter.data.state_transfer import pull_state
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.parallel import group_parameters, sharded_rows
+from isthmus.intra.reshard import reshard_state, source_shards
 from isthmus.intra.state import load_rank_state, rank_state
 from isthmus.intra.train import Trainer
 
@@ -182,28 +183,18 @@ class CrossSite:
             raise RuntimeError(
                 f"state source {source!r} is not a member of generation {generation}"
             )
-        own = self.config.ranks_of(self.site)
-        if len(info.lane_addresses) != own:
-            # Its rank at this coordinate holds other rows than this one (issue 15).
-            raise RuntimeError(
-                f"{self.site} ({own} ranks) cannot pull its state from {source} "
-                f"({len(info.lane_addresses)} ranks): a site rejoins only from a site of "
-                "its own size for now"
-            )
+        own, theirs = self.config.ranks_of(self.site), len(info.lane_addresses)
         t0 = time.perf_counter()
-        peer = self._make_peer(info)
-        try:
-            state = pull_state(
-                peer.stub,
-                generation=generation,
-                step=state_step,
-                rank=self.rank,
-                timeout_s=self.config.sync.timeout_s,
-            )
-        finally:
-            peer.close()
-        next_step, extra = load_rank_state(trainer, state)
-        load_extra_state(extra, self.sync, self.outer)
+        if theirs == own:
+            state = self._pull_rank(info, generation, state_step, self.rank)
+            next_step, extra = load_rank_state(trainer, state)
+            load_extra_state(extra, self.sync, self.outer)
+        else:
+            # A site of another size: its ranks hold other rows; cut ours from theirs.
+            state = self._pull_resharded(trainer, info, generation, state_step)
+            next_step, extra = load_rank_state(trainer, state)
+            # The codec residuals belong to the source's lanes, cut into other pieces.
+            load_extra_state(extra, None, self.outer)
         size = sum(t.numel() * t.element_size() for t in state.values())
         log.warning(
             "[%s/%d] pulled the state after step %d from %s (%.1f MB in %.2fs); "
@@ -217,6 +208,39 @@ class CrossSite:
             next_step,
         )
         return next_step
+
+    def _pull_rank(
+        self, info: SiteInfo, generation: int, state_step: int, rank: int
+    ) -> dict[str, torch.Tensor]:
+        """The state after ``state_step`` that ``rank`` of site ``info`` offers."""
+        peer = self._make_peer(info, rank)
+        try:
+            return pull_state(
+                peer.stub,
+                generation=generation,
+                step=state_step,
+                rank=rank,
+                timeout_s=self.config.sync.timeout_s,
+            )
+        finally:
+            peer.close()
+
+    def _pull_resharded(
+        self, trainer: Trainer, info: SiteInfo, generation: int, state_step: int
+    ) -> dict[str, torch.Tensor]:
+        """This rank's state cut from the ranks of a site of another size whose rows
+        overlap its own (intra/reshard.py)."""
+        position = self.sync.position
+        if position is None:
+            raise RuntimeError("sites of different sizes, but no shard layout was set")
+        ranks = len(info.lane_addresses)
+        width = position.width(ranks)
+        sources = {
+            j: self._pull_rank(info, generation, state_step, position.rank_of(ranks, j))
+            for j in source_shards(trainer, width)
+        }
+        groups = [[name for name, _ in g] for g in self.outer.groups] if self.outer else []
+        return reshard_state(trainer, sources, width, groups)
 
     def offer_state(self, trainer: Trainer, decision: Decision, next_step: int) -> None:
         """After a step whose commit admitted a site and named this one as the source

@@ -31,13 +31,11 @@ same at every site for the rank at one mesh coordinate: the peer it exchanges wi
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -189,6 +187,7 @@ class OuterOptimizer:
         if trainer.sync is not None:
             raise ValueError("the trainer must not sync gradients itself in DiLoCo mode")
         self.sync, self.config, self.total_steps = sync, config, total_steps
+        self._trainer = trainer
         self.groups = outer_groups(trainer)
         self.fragment = [fragment_of(g, config.fragments) for g in self.groups]
         self.anchor = [_flat(g) for g in self.groups]
@@ -314,14 +313,12 @@ class OuterOptimizer:
         return result
 
     def anchor_digest(self) -> str:
-        """sha256 over the site's anchors (a collective of the site's process group):
-        equal at every site after a round landed, though parameters differ with a delay."""
-        h = hashlib.sha256()
-        for anchor in self.anchor:
-            h.update(anchor.detach().cpu().numpy().tobytes())
-        ranks: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, h.hexdigest())
-        return hashlib.sha256("".join(str(r) for r in ranks).encode()).hexdigest()
+        """The site's parameter digest of the anchors (a collective of the site's process
+        group): equal at every site after a round landed, though parameters differ with
+        a delay. Over the whole tensors (``Trainer.parameter_digest``), not each rank's
+        shards, so sites of different sizes compare too."""
+        with self.shared_model():
+            return self._trainer.parameter_digest()
 
     @contextmanager
     def shared_model(self) -> Iterator[None]:

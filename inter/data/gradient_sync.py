@@ -130,6 +130,11 @@ class LaneGradientSync:
         self._position: ShardPosition | None = None
         self._shapes: dict[int, GroupShape] = {}
 
+    @property
+    def position(self) -> ShardPosition | None:
+        """This rank's place in its site, when a layout was set (sites of different sizes)."""
+        return self._position
+
     def set_layout(self, position: ShardPosition, shapes: dict[int, GroupShape]) -> None:
         """Where this rank's shards sit: its position and each group's tensors. Needed
         only when the sites differ in size: a round is then cut into pieces, each

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
+from isthmus.deploy.chaos import SCENARIOS, run_scenario
+
 pytestmark = pytest.mark.slow
 
 TINY = ("--set", "model.preset=tiny", "--set", "train.batch_size=2", "--set", "train.seq_len=64")
@@ -65,3 +67,29 @@ def test_sites_of_two_and_one_ranks_end_bitwise_equal(tmp_path, setting):
     summary = _run(tmp_path / "run", "2,1", *setting, steps=4)
     assert len(set(summary["digests"].values())) == 1, summary["digests"]
     assert summary["cross_site_bytes"] > 0
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("topology.ranks_per_site=[2, 1]",),
+        ("topology.ranks_per_site=[1, 2]",),
+        ("topology.ranks_per_site=[2, 1]", "sync.mode=diloco", "sync.inner_steps=5",
+         "sync.outer_delay=2"),
+    ],
+    ids=["two-one", "one-two", "two-one-diloco"],
+)  # fmt: skip
+def test_a_restarted_site_of_another_size_rejoins_with_the_state_cut_to_its_rows(
+    tmp_path, overrides
+):
+    """kill-restart (site1 killed, restarted, admitted back): site1's ranks hold other
+    rows than site0's, so each pulls from every site0 rank whose rows overlap its own
+    and cuts its rows out of them (parameters, AdamW state, DiLoCo's anchor and
+    momentum); the replicas end equal (invariant 3)."""
+    scenario = next(s for s in SCENARIOS if s.name == "kill-restart")
+    result = run_scenario(scenario, tmp_path, overrides=overrides)
+    assert result.ok, result.why
+    assert set(result.digests) == {"site0", "site1"}
+    assert len(set(result.digests.values())) == 1
+    assert result.rejoined == ["site1"]
