@@ -192,10 +192,20 @@ class JobConfig:
         return ParallelLayout.for_ranks(ranks, pp=t.pp, tp=t.tp, cp=t.cp)
 
     def site_dp(self) -> list[int]:
-        """Each site's data-parallel width; a site's share of the global batch is its
-        dp over their sum."""
+        """Each site's data-parallel width."""
         t = self.topology
         return [n // (t.pp * t.cp * t.tp) for n in self.site_ranks]
+
+    @property
+    def site_accumulate(self) -> list[int]:
+        """Each site's micro-batches per rank per step (train.accumulate)."""
+        m = self.train.accumulate
+        return list(m) if isinstance(m, list) else [m] * self.topology.sites
+
+    def site_units(self) -> list[int]:
+        """Each site's micro-batches per step over its replicas (accumulate x dp): its
+        share of the global batch, and the weight of its gradient."""
+        return [m * dp for m, dp in zip(self.site_accumulate, self.site_dp(), strict=True)]
 
     def parallel_config(self, *, cuda: bool) -> ParallelConfig:
         """The site's parallelism choices for intra's Trainer."""
@@ -282,9 +292,12 @@ class JobConfig:
         return out
 
 
-def _coerce_ranks(raw: Any) -> int | list[int]:
-    """topology.ranks_per_site: an integer, or a list of them (TOML `[4, 2]`, or
-    `4,2` from the command line)."""
+PER_SITE = ("topology.ranks_per_site", "train.accumulate")
+"""Keys that take one integer for every site or a list of one per site."""
+
+
+def _coerce_per_site(where: str, raw: Any) -> int | list[int]:
+    """An integer, or a list of them (TOML `[4, 2]`, or `4,2` from the command line)."""
     if isinstance(raw, str):
         text = raw.strip()
         if "," in text and not text.startswith("["):
@@ -297,15 +310,13 @@ def _coerce_ranks(raw: Any) -> int | list[int]:
         return list(raw)
     if type(raw) is int:
         return raw
-    raise ConfigError(
-        f"topology.ranks_per_site must be an integer or a list of them (one per site), got {raw!r}"
-    )
+    raise ConfigError(f"{where} must be an integer or a list of them (one per site), got {raw!r}")
 
 
 def _coerce(section: str, key: str, raw: Any, expected: Any) -> Any:
     where = f"{section}.{key}"
-    if where == "topology.ranks_per_site":
-        return _coerce_ranks(raw)
+    if where in PER_SITE:
+        return _coerce_per_site(where, raw)
     kind = type(expected)
     if isinstance(raw, str) and kind is not str:
         text = raw.strip()
@@ -447,9 +458,10 @@ def _normalize_switches(config: JobConfig) -> None:
         elif value in ("false", "0", "no"):
             value = "false"
         setattr(par, key, value)
-    # One size for every site is spelled as one number, so `[2, 2]` and `2` make the
+    # One value for every site is spelled as one number, so `[2, 2]` and `2` make the
     # same fingerprint (a list of another length is left for validation to name).
-    t = config.topology
-    ranks = t.ranks_per_site
-    if isinstance(ranks, list) and len(ranks) == t.sites and len(set(ranks)) == 1:
-        t.ranks_per_site = ranks[0]
+    sites = config.topology.sites
+    for section, key in (("topology", "ranks_per_site"), ("train", "accumulate")):
+        value = getattr(getattr(config, section), key)
+        if isinstance(value, list) and len(value) == sites and len(set(value)) == 1:
+            setattr(getattr(config, section), key, value[0])

@@ -159,12 +159,18 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         )
         sync = cross.sync
 
-    dp_before, dp_total = sum(config.site_dp()[:site_index]), sum(config.site_dp())
-    trainer = build_trainer(config, mesh, layout, dp_total, cuda=dev == "cuda", sync=sync)
+    # The global batch in micro-batches (accumulate x dp per site), numbered site-major.
+    units, accumulate = config.site_units(), config.site_accumulate[site_index]
+    trainer = build_trainer(
+        config, mesh, layout, sum(units), cuda=dev == "cuda", sync=sync, accumulate=accumulate
+    )
     outer = _outer_optimizer(config, trainer, cross)
     if cross is not None and len(set(config.site_ranks)) > 1:
         # Sites of different sizes pair their ranks by the elements they hold.
         cross.sync.set_layout(*shard_layout(config, trainer, outer))
+    if cross is not None:
+        # Each site's gradient counts by the micro-batches it processed.
+        cross.sync.set_site_units(dict(zip(sites, units, strict=True)))
     corpus, split = load_corpus(config)
     held_out = HeldOutLoss(corpus, split, config)
     # Shards are numbered site-major, so the union over sites and dp ranks is the
@@ -175,8 +181,9 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         seq_len=config.train.seq_len,
         batch_size=config.train.batch_size,
         seed=config.job.seed,
-        shard_index=dp_before + dp_i,
-        num_shards=dp_total,
+        shard_index=sum(units[:site_index]) + dp_i * accumulate,
+        num_shards=sum(units),
+        units=accumulate,
         spans=split.train,
     )
     site_dir = env.run_dir / "sites" / env.site
@@ -247,17 +254,19 @@ def build_trainer(
     config: JobConfig,
     mesh: DeviceMesh,
     layout: ParallelLayout,
-    dp_total: int,
+    units_total: int,
     *,
     cuda: bool,
     sync: GradientSync | None = None,
+    accumulate: int = 1,
 ) -> Trainer:
     """The rank's model and trainer as the job config says (also what
     benchmarks/torchft_workers.py trains with). Per-step sync: ``sync`` averages every
     gradient across sites, and the learning rate scales with the global dp width. In
     the outer modes the trainer keeps its steps in the site (``sync`` is not used: the
     outer optimizer crosses) and its learning rate scales with the site's dp only, the
-    batch its optimizer sees."""
+    batch its optimizer sees. ``units_total`` is the global batch in micro-batches
+    (sites x dp when every rank takes one); ``accumulate`` this rank's per step."""
     per_step = config.sync.mode == "step"
     return Trainer(
         build_model(config.resolved_model(), seed=config.job.seed),
@@ -265,7 +274,7 @@ def build_trainer(
         TrainConfig(
             lr=scaled_lr(
                 config.train.lr,
-                dp_total if per_step else layout.dp,
+                units_total if per_step else layout.dp * accumulate,
                 config.train.lr_scaling,
                 config.train.lr_reference_dp,
             ),
@@ -275,6 +284,7 @@ def build_trainer(
             # Sites of different sizes sum the squares of their shards in different orders.
             portable_clip=len(set(config.site_ranks)) > 1,
             total_steps=config.job.steps,
+            accumulate=accumulate,
         ),
         parallel=config.parallel_config(cuda=cuda),
         sync=sync if per_step else None,

@@ -67,6 +67,12 @@ class TrainSection:
     PRESET_TRAINING, says where each comes from)."""
     seq_len: int = 128
     """Tokens per sequence (bytes with data.tokenizer = "bytes")."""
+    accumulate: int | list[int] = 1
+    """Micro-batches of batch_size sequences each rank sums per step: one number for
+    every site, or one per site (`[2, 1]`: a site of GPUs twice as fast takes twice the
+    micro-batches, so the sites finish a step together). The global batch is the sum
+    over sites of accumulate x dp x batch_size, each site's gradient weighted by its
+    tokens. Needs topology.pp = 1 and no parallel.offload."""
     lr: float = 3e-3
     """Peak learning rate (AdamW) at lr_reference_dp replicas; unset, the preset's."""
     warmup_steps: int = 5

@@ -68,6 +68,19 @@ def validate(config: JobConfig) -> None:
     )
     tr = config.train
     _require(tr.batch_size >= 1, f"train.batch_size must be >= 1, got {tr.batch_size}")
+    accumulate = tr.accumulate if isinstance(tr.accumulate, list) else [tr.accumulate]
+    _require(
+        not isinstance(tr.accumulate, list) or len(accumulate) == t.sites,
+        f"train.accumulate names {len(accumulate)} values {accumulate} for "
+        f"topology.sites={t.sites}: give one per site, or one number for all",
+    )
+    _require(all(m >= 1 for m in accumulate), f"train.accumulate must be >= 1, got {tr.accumulate}")
+    _require(
+        max(accumulate) == 1 or (t.pp == 1 and not config.parallel.offload),
+        f"train.accumulate={tr.accumulate} needs topology.pp=1 and parallel.offload=false "
+        f"(got pp={t.pp}, offload={config.parallel.offload}): pipelines have micro-batches "
+        "of their own",
+    )
     _require(tr.seq_len >= 2, f"train.seq_len must be >= 2, got {tr.seq_len}")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {tr.warmup_steps}")

@@ -205,6 +205,11 @@ class ShardedBatches:
     With ``spans`` (a ``Split``'s ``train`` or ``held_out``), every window lies inside
     one span, start offsets uniform over the positions where one fits; without, the
     whole corpus is one span.
+
+    With ``units > 1`` the shard takes ``units`` consecutive slices from
+    ``shard_index`` on (a rank that accumulates several micro-batches per step; sites
+    of different speeds take different counts), so the global batch stays the same set
+    of windows however it is split.
     """
 
     def __init__(
@@ -217,12 +222,16 @@ class ShardedBatches:
         shard_index: int = 0,
         num_shards: int = 1,
         spans: Sequence[Span] | None = None,
+        units: int = 1,
     ) -> None:
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
-        if not 0 <= shard_index < num_shards:
+        if seq_len < 1 or batch_size < 1 or units < 1:
             raise ValueError(
-                f"shard_index must be in [0, num_shards={num_shards}), got {shard_index}"
+                f"seq_len, batch_size and units must be >= 1, got {seq_len}, {batch_size}, {units}"
+            )
+        if not 0 <= shard_index <= num_shards - units:
+            raise ValueError(
+                f"shard_index={shard_index} and units={units} must lie in "
+                f"[0, num_shards={num_shards})"
             )
         if len(corpus) < seq_len + 1:
             raise ValueError(
@@ -243,6 +252,7 @@ class ShardedBatches:
         self._positions = int(fits.sum())
         self.corpus, self.seq_len, self.batch_size = corpus, seq_len, batch_size
         self.seed, self.shard_index, self.num_shards = seed, shard_index, num_shards
+        self.units = units
 
     def window_starts(self, step: int) -> np.ndarray:
         """The corpus offsets of the shard's windows at ``step``."""
@@ -251,7 +261,8 @@ class ShardedBatches:
         rng = np.random.default_rng([self.seed, step])
         # Draw the whole global batch, then slice: the draw depends only on the global size.
         draws = rng.integers(0, self._positions, size=self.num_shards * self.batch_size)
-        mine = draws[self.shard_index * self.batch_size : (self.shard_index + 1) * self.batch_size]
+        first = self.shard_index * self.batch_size
+        mine = draws[first : first + self.units * self.batch_size]
         # The span each draw falls in, and the offset inside it (one span: the draw).
         span = np.searchsorted(self._first_index, mine, side="right") - 1
         return self._span_starts[span] + (mine - self._first_index[span])
@@ -263,7 +274,8 @@ class ShardedBatches:
             step: the training step (the data position).
 
         Returns:
-            ``(inputs, targets)``, int64 ``[batch_size, seq_len]``; targets are inputs shifted by one.
+            ``(inputs, targets)``, int64 ``[units * batch_size, seq_len]``; targets are
+            inputs shifted by one.
         """
         starts = self.window_starts(step)
         windows = starts[:, None] + np.arange(self.seq_len + 1)[None, :]

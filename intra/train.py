@@ -94,10 +94,16 @@ class TrainConfig:
     a 2**-16-wide bucket: ~1e-10 per clipped step."""
     total_steps: int = 1000
     """Length of the schedule."""
+    accumulate: int = 1
+    """Micro-batches whose gradients one step sums: the batch handed to ``step`` is cut
+    into this many, each forward and backward on its own, the site's reduce-scatter
+    (and the cross-site sync) once after the last. Needs ``pp == 1``."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
+        if not self.accumulate >= 1:
+            raise ValueError(f"TrainConfig.accumulate must be >= 1, got {self.accumulate!r}")
         if not self.total_steps >= 1:
             raise ValueError(f"TrainConfig.total_steps must be >= 1, got {self.total_steps!r}")
         if not 0 <= self.warmup_steps <= self.total_steps:
@@ -264,9 +270,14 @@ class Trainer:
         self._moe_layers = [
             m for part in self.model_parts for m in part.modules() if isinstance(m, MoEFeedForward)
         ]
-        if self.pp > 1:  # each micro-batch's loss is divided by their count: its aux loss too
-            for layer in self._moe_layers:
-                layer.aux_scale = 1.0 / parallel.num_microbatches(self.pp)
+        if self.pp > 1 and config.accumulate > 1:
+            raise ValueError(
+                "TrainConfig.accumulate > 1 needs pp == 1 (pipelines have micro-batches)"
+            )
+        # Each micro-batch's loss is divided by their count: its aux loss too.
+        count = parallel.num_microbatches(self.pp) if self.pp > 1 else config.accumulate
+        for layer in self._moe_layers:
+            layer.aux_scale = 1.0 / count
         self.optimizer = torch.optim.AdamW(
             self.parameters(),
             lr=config.lr,
@@ -294,10 +305,26 @@ class Trainer:
         """Run forward and backward; return this rank's loss (0 off the last stage)."""
         if self.schedule is None:
             assert self.model is not None  # pp == 1: the one part is the whole model
-            logits = self.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            loss.backward()
-            return loss.detach()
+            m = self.config.accumulate
+            if m == 1:
+                logits = self.model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss.backward()
+                return loss.detach()
+            if inputs.shape[0] % m:
+                raise ValueError(
+                    f"a batch of {inputs.shape[0]} does not split into {m} micro-batches"
+                )
+            total = torch.zeros((), device=self.device)
+            for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):
+                # Gradients add up unsharded; the last backward reduce-scatters them
+                # (and its all-reduce hook starts the cross-site sync) once.
+                self.model.set_requires_gradient_sync(i == m - 1)
+                logits = self.model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / m
+                loss.backward()
+                total += loss.detach()
+            return total
         args = (inputs,) if self._is_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets, "losses": losses} if self._is_last else {}

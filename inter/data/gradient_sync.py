@@ -129,6 +129,18 @@ class LaneGradientSync:
         )
         self._position: ShardPosition | None = None
         self._shapes: dict[int, GroupShape] = {}
+        self._site_units: dict[str, int] = {}
+
+    def set_site_units(self, units: dict[str, int]) -> None:
+        """Each site's share of the global batch (micro-batches per step over its
+        replicas), by name: a site's contribution is weighted by it, so the round's
+        mean is the mean over every token the live sites processed. Unset, or equal
+        at every live site, the sites count alike."""
+        if self._pending:
+            raise RuntimeError(f"set_site_units() during step {self._step}")
+        if any(n < 1 for n in units.values()):
+            raise ValueError(f"site units must be >= 1, got {units}")
+        self._site_units = dict(units)
 
     @property
     def position(self) -> ShardPosition | None:
@@ -180,6 +192,14 @@ class LaneGradientSync:
             if ready is not None:
                 ready.synchronize()
             t0 = time.monotonic()
+            weight = self._weight()
+            if weight is not None:
+                # average=True divides by the live sites: w = units * sites / sum(units).
+                stream = lane_stream(buffer.device) if buffer.is_cuda else None
+                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                    buffer.mul_(weight)
+                if stream is not None:
+                    stream.synchronize()
             widths = self._unequal_widths()
             if widths is None:
                 rs = self.allreduce.allreduce([buffer], step=step, group=group, average=True)
@@ -190,6 +210,16 @@ class LaneGradientSync:
             # The one abort signal of the rank: the step's other rounds fail at once.
             abort.set(f"step {step} group {group} failed: {exc}")
             raise
+
+    def _weight(self) -> float | None:
+        """This site's weight in the live sites' mean, None when they count alike."""
+        if self.membership is None or not self._site_units:
+            return None
+        names = self.membership.member_names
+        units = [self._site_units[n] for n in names]
+        if len(set(units)) == 1:
+            return None
+        return units[self.allreduce.site_index] * len(units) / sum(units)
 
     def _unequal_widths(self) -> list[int] | None:
         """Each member site's shard ranks when the sites differ in size, else None."""
@@ -206,9 +236,7 @@ class LaneGradientSync:
         self, step: int, group: int, buffer: torch.Tensor, widths: list[int]
     ) -> RoundStats:
         """One group's round between sites of different sizes: each piece with the
-        ranks that hold it, each site's part weighted by its tokens (its shard ranks:
-        every replica processes the same batch), so the mean is the one a single site
-        of all the ranks would compute."""
+        ranks that hold it (the buffer is already weighted by the site's tokens)."""
         position, membership = self._position, self.membership
         assert position is not None and membership is not None
         shape = self._shapes.get(group)
@@ -221,9 +249,6 @@ class LaneGradientSync:
         # finish() copies the buffer back.
         stream = lane_stream(buffer.device) if buffer.is_cuda else None
         on_stream = (lambda: torch.cuda.stream(stream)) if stream else contextlib.nullcontext
-        with on_stream():
-            # average=True divides by the sites: weight w_s = W_s * sites / sum(W).
-            buffer.mul_(widths[me] * len(widths) / sum(widths))
         total = RoundStats()
         for piece in pieces(shape, widths, me, position.shard_index):
             peers = {

@@ -289,3 +289,20 @@ def test_site_sizes_that_cannot_work_are_refused_naming_the_numbers(sets, needle
 def test_a_bad_ranks_per_site_flag_is_a_one_line_error():
     result = run_cli("local", "--ranks-per-site", "4,x", "--steps", "1", timeout=60)
     assert_one_line_error(result, "topology.ranks_per_site must be an integer or a list")
+
+
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["train.accumulate=[2, 1, 1]"], "train.accumulate names 3 values [2, 1, 1] for topology.sites=2"),
+        (["train.accumulate=0"], "train.accumulate must be >= 1"),
+        (["train.accumulate=[2, 1]", "topology.pp=2"], "needs topology.pp=1 and parallel.offload=false"),
+        (["train.accumulate=2", "parallel.offload=true"], "needs topology.pp=1"),
+    ],
+)  # fmt: skip
+def test_micro_batches_per_site_that_cannot_work_are_refused(sets, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, sets)
+    cfg = load_config(None, ["train.accumulate=[2, 1]", "topology.ranks_per_site=[1, 2]"])
+    assert cfg.site_units() == [2, 2] and cfg.fingerprint()["train.accumulate"] == "[2, 1]"
+    assert load_config(None, ["train.accumulate=[3, 3]"]).train.accumulate == 3

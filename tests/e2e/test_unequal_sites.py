@@ -73,12 +73,14 @@ def test_sites_of_two_and_one_ranks_end_bitwise_equal(tmp_path, setting):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ("topology.ranks_per_site=[2, 1]",),
+        # The larger site restarts: each of its ranks cuts its rows from the one rank.
         ("topology.ranks_per_site=[1, 2]",),
+        # The smaller one: its rank stacks the rows of both of site0's (per-step sync's
+        # rejoin from two ranks is the same code, without the outer state).
         ("topology.ranks_per_site=[2, 1]", "sync.mode=diloco", "sync.inner_steps=5",
          "sync.outer_delay=2"),
     ],
-    ids=["two-one", "one-two", "two-one-diloco"],
+    ids=["one-two", "two-one-diloco"],
 )  # fmt: skip
 def test_a_restarted_site_of_another_size_rejoins_with_the_state_cut_to_its_rows(
     tmp_path, overrides
@@ -93,3 +95,20 @@ def test_a_restarted_site_of_another_size_rejoins_with_the_state_cut_to_its_rows
     assert set(result.digests) == {"site0", "site1"}
     assert len(set(result.digests.values())) == 1
     assert result.rejoined == ["site1"]
+
+
+@pytest.mark.timeout(600)
+def test_sites_that_accumulate_two_and_one_micro_batches_train_like_one_site_of_three(tmp_path):
+    """A site twice as fast takes twice the micro-batches (train.accumulate=[2, 1]):
+    the same global batch as one rank accumulating three, each site's gradient
+    weighted by its micro-batches, every step's loss equal up to summation order."""
+    split = _run(tmp_path / "two-one", "1,1", "--set", "train.accumulate=[2, 1]")
+    one = _run(tmp_path / "three", "1", "--set", "train.accumulate=3")
+    assert len(set(split["digests"].values())) == 1, split["digests"]
+    uneven, even = _losses(tmp_path / "two-one"), _losses(tmp_path / "three")
+    for step, (a, b) in enumerate(zip(uneven, even, strict=True)):
+        assert a == pytest.approx(b, rel=1e-5), (step, uneven, even)
+    assert split["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+    # And a smaller site that makes up in micro-batches: equal shares, no weighting.
+    both = _run(tmp_path / "sizes", "2,1", "--set", "train.accumulate=[1, 2]", steps=3)
+    assert len(set(both["digests"].values())) == 1, both["digests"]

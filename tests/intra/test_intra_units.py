@@ -128,6 +128,28 @@ def test_shards_union_equals_unsharded_batch(num_shards: int) -> None:
         assert torch.equal(torch.cat([p[1] for p in parts]), targets)
 
 
+def test_a_split_of_the_global_batch_into_units_keeps_the_same_windows() -> None:
+    """Sites of different speeds take different numbers of micro-batches (units): a
+    site-major split of the same global batch, in any proportions, is the same set."""
+    corpus, b = _corpus(), 2
+    whole = ShardedBatches(corpus, seq_len=16, batch_size=6 * b, seed=3).batch(9)[0]
+    for counts in ([2, 1, 3], [1, 1, 4], [6]):
+        first, parts = 0, []
+        for units in counts:
+            data = ShardedBatches(
+                corpus, seq_len=16, batch_size=b, seed=3, shard_index=first, num_shards=6,
+                units=units,
+            )  # fmt: skip
+            parts.append(data.batch(9)[0])
+            assert parts[-1].shape == (units * b, 16)
+            first += units
+        assert torch.equal(torch.cat(parts), whole)
+    with pytest.raises(ValueError, match="units=3 must lie in"):
+        ShardedBatches(
+            corpus, seq_len=8, batch_size=1, seed=0, shard_index=4, num_shards=6, units=3
+        )
+
+
 def test_batches_are_deterministic_and_shifted() -> None:
     data = ShardedBatches(_corpus(), seq_len=32, batch_size=4, seed=1, shard_index=1, num_shards=2)
     x, y = data.batch(5)
