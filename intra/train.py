@@ -22,13 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from math import prod
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .flops import device_peak_flops, mfu
@@ -319,7 +320,7 @@ class Trainer:
             for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):
                 # Gradients add up unsharded; the last backward reduce-scatters them
                 # (and its all-reduce hook starts the cross-site sync) once.
-                self.model.set_requires_gradient_sync(i == m - 1)
+                cast(FSDPModule, self.model).set_requires_gradient_sync(i == m - 1)
                 logits = self.model(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / m
                 loss.backward()
