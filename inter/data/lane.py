@@ -216,11 +216,20 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         return self._members.site_index
 
     def set_members(self, members: Members) -> None:
-        """Moves to a new membership; chunks of the old one in the mailbox are dropped."""
+        """Moves to a new membership; chunks of an older generation are dropped.
+
+        Within one generation they stay. A peer that learned the membership first may
+        send its first chunks while this rank is still setting up, and the lane takes
+        generation-1 chunks from the start for that. Dropping them when the rank then
+        set its place in the same generation lost a contribution: that round waited out
+        the whole sync timeout, and the job went on only after the retry (a CI run,
+        2026-11-27: step 0 took 121 s)."""
         with self._lock:
+            moved = members.generation != self._members.generation
             self._members = members
-            self.mailbox.clear()
-            self.outbox.clear()
+            if moved:
+                self.mailbox.clear()
+                self.outbox.clear()
             self._lock.notify_all()
 
     def _await_generation(self, generation: int, timeout: float) -> None:

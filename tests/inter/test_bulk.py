@@ -20,6 +20,7 @@ from isthmus.inter.data.bulk import ACCEPTED, MAGIC, OK, REFUSED, RESEND, record
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.round_types import Members
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
@@ -196,3 +197,21 @@ def test_rounds_go_on_after_the_peer_drops_the_connection() -> None:
             # round dials again with a fresh ticket.
             for a in ars:
                 a.server._bulk.drop_connections()
+
+
+def test_chunks_that_came_before_the_rank_took_its_place_survive_it():
+    """A peer that learned the membership first sends its first chunk while this rank
+    is still setting up: the rank taking its place in the same generation keeps the
+    chunk (it was dropped, and the round waited out the sync timeout); a new
+    generation drops it."""
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1)
+    try:
+        status, _, why = server.take(raw_chunk(from_site=1))
+        assert status == ACCEPTED, why
+        server.set_members(Members(1, 0, 1, ("site0",)))  # a placeholder, as at start-up
+        server.set_members(Members(1, 0, 2, ("site0", "site1")))
+        assert len(server.mailbox) == 1
+        server.set_members(Members(2, 0, 2, ("site0", "site1")))
+        assert len(server.mailbox) == 0
+    finally:
+        server.stop(0)
