@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from concurrent import futures
 
 import torch
@@ -195,16 +196,13 @@ class LaneGradientSync:
             weight = self._weight()
             if weight is not None:
                 # average=True divides by the live sites: w = units * sites / sum(units).
-                stream = lane_stream(buffer.device) if buffer.is_cuda else None
-                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                with _on_lane_stream(buffer):
                     buffer.mul_(weight)
-                if stream is not None:
-                    stream.synchronize()
-            widths = self._unequal_widths()
-            if widths is None:
+            sizes = self.membership.site_ranks() if self.membership is not None else [1]
+            if len(set(sizes)) == 1:
                 rs = self.allreduce.allreduce([buffer], step=step, group=group, average=True)
             else:
-                rs = self._run_pieces(step, group, buffer, widths)
+                rs = self._run_pieces(step, group, buffer, sizes)
             return rs, t0, time.monotonic()
         except BaseException as exc:
             # The one abort signal of the rank: the step's other rounds fail at once.
@@ -221,56 +219,35 @@ class LaneGradientSync:
             return None
         return units[self.allreduce.site_index] * len(units) / sum(units)
 
-    def _unequal_widths(self) -> list[int] | None:
-        """Each member site's shard ranks when the sites differ in size, else None."""
-        if self.membership is None:
-            return None
-        sizes = self.membership.site_ranks()
-        if len(set(sizes)) == 1:
-            return None
-        if self._position is None:
-            raise CrossSiteError(f"sites of {sizes} ranks, but no shard layout was set")
-        return [self._position.width(n) for n in sizes]
-
     def _run_pieces(
-        self, step: int, group: int, buffer: torch.Tensor, widths: list[int]
+        self, step: int, group: int, buffer: torch.Tensor, sizes: list[int]
     ) -> RoundStats:
-        """One group's round between sites of different sizes: each piece with the
+        """One group's round between sites of ``sizes`` ranks: each piece with the
         ranks that hold it (the buffer is already weighted by the site's tokens)."""
         position, membership = self._position, self.membership
-        assert position is not None and membership is not None
+        assert membership is not None
+        if position is None:
+            raise CrossSiteError(f"sites of {sizes} ranks, but no shard layout was set")
         shape = self._shapes.get(group)
         if shape is None:
             raise CrossSiteError(f"step {step}: group {group} has no shape in the shard layout")
-        me = self.allreduce.site_index
-        sizes = membership.site_ranks()
-        # On a GPU the copies run on this thread's lane stream (never behind the
-        # training's kernels) and are waited for before a round reads them and before
-        # finish() copies the buffer back.
-        stream = lane_stream(buffer.device) if buffer.is_cuda else None
-        on_stream = (lambda: torch.cuda.stream(stream)) if stream else contextlib.nullcontext
+        me, widths = self.allreduce.site_index, [position.width(n) for n in sizes]
         total = RoundStats()
         for piece in pieces(shape, widths, me, position.shard_index):
             peers = {
                 s: membership.peer(s, position.rank_of(sizes[s], piece.holders[s]))
-                for s in range(len(widths))
+                for s in range(len(sizes))
                 if s != me
             }
-            with on_stream():
+            with _on_lane_stream(buffer):
                 part = _gather(buffer, piece)
-            if stream is not None:
-                stream.synchronize()
             rs = self.allreduce.allreduce(
                 [part], step=step, group=group * MAX_PIECES + piece.key, average=True, peers=peers
             )
-            with on_stream():
+            with _on_lane_stream(buffer):
                 _scatter(buffer, piece, part)
-            for name in ("bytes_sent", "bytes_received", "raw_bytes", "tensor_bytes"):
+            for name in _SUMMED_STATS:
                 setattr(total, name, getattr(total, name) + getattr(rs, name))
-            for name in ("num_chunks", "corrupt_chunks", "nonfinite_chunks"):
-                setattr(total, name, getattr(total, name) + getattr(rs, name))
-        if stream is not None:
-            stream.synchronize()
         return total
 
     def finish(self, step: int) -> StepOutcome:
@@ -427,6 +404,27 @@ class LaneGradientSync:
         if self.membership is not None:
             self.membership.close()
         self.allreduce.close()
+
+
+_SUMMED_STATS = (
+    *("bytes_sent", "bytes_received", "raw_bytes", "tensor_bytes"),
+    *("num_chunks", "corrupt_chunks", "nonfinite_chunks"),
+)
+"""The RoundStats of a group's pieces that add up to the group's."""
+
+
+@contextlib.contextmanager
+def _on_lane_stream(buffer: torch.Tensor) -> Iterator[None]:
+    """On a GPU, runs the block on this thread's lane stream (never behind the
+    training's kernels) and waits for it, so a round reads, or finish() copies back,
+    complete values; on the CPU, just the block."""
+    if not buffer.is_cuda:
+        yield
+        return
+    stream = lane_stream(buffer.device)
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
 
 
 def _gather(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:

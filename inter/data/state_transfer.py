@@ -201,7 +201,8 @@ def pull_state(
         stub: a stub on the serving rank's lane (its proxy and TLS already set).
         generation: the generation this site was admitted in.
         step: the step whose state is wanted.
-        rank: this rank (must equal the serving rank).
+        rank: the serving rank (this rank's own number between sites of one size; the
+            ranks holding its rows otherwise), which the lane checks.
         timeout_s: deadline of the whole stream.
         max_total_bytes: refuse a state larger than this.
     Raises:
