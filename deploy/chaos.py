@@ -120,6 +120,8 @@ class ScenarioResult:
     min_live_sites: int = 0
     corrupt_chunks: int = 0
     rejoined: list[str] = field(default_factory=list)
+    micro_batches: dict[str, list[int]] = field(default_factory=dict)
+    """Each survivor's micro-batches per rank, step by step (train.accumulate, balanced)."""
 
 
 def _job_file(scenario: Scenario, work: Path, ports: list[int], witness: str) -> Path:
@@ -172,6 +174,7 @@ def run_scenario(
     ports = free_ports(scenario.sites + 1)
     witness_port = ports.pop()  # used only by a scenario with a witness
     witness = f"127.0.0.1:{witness_port}" if scenario.witness else ""
+    overrides = (*scenario.settings, *overrides)
     job = _job_file(scenario, work, ports, witness)
     run_dir = work / "run"
     started = time.monotonic()
@@ -208,6 +211,7 @@ def run_scenario(
             for fault in scenario.faults:
                 if fault.kind == "slow" and fault.site == name:
                     env["ISTHMUS_SLOWDOWN"] = str(fault.rate)
+                    env["ISTHMUS_SLOW_FROM_STEP"] = str(fault.at_step)
             sites[name] = _Site(name, argv, env, work / name)
         for fault in scenario.faults:
             if fault.kind == "corrupt":
@@ -304,10 +308,15 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         lives = [r.get("live_sites", scenario.sites) for r in records]
         result.min_live_sites = min([*lives, result.min_live_sites or scenario.sites])
         result.corrupt_chunks += sum(r.get("corrupt_chunks", 0) for r in records)
+        result.micro_batches[name] = [r.get("micro_batches", 1) for r in records]
         steps = [r.get("step", 0) for r in records]
         if steps and steps != list(range(steps[0], steps[0] + len(steps))) or steps[:1] > [0]:
             result.rejoined.append(name)  # its steps jump: it pulled a live peer's state
     forged = [f for f in scenario.faults if f.kind == "forge"]
+    slowed = [f.site for f in scenario.faults if f.kind == "slow"]
+    moved = [
+        result.micro_batches.get(n, [0])[-1] < result.micro_batches.get(n, [0])[0] for n in slowed
+    ]
     if len(set(result.digests.values())) != 1:
         result.why = f"survivors' digests differ: {result.digests}"
     elif scenario.expect_generations and result.generations < 2:
@@ -323,6 +332,8 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         for f in scenario.faults
     ):
         result.why = "the lane's streams were never turned away (nothing in its rank's log)"
+    elif scenario.expect_rebalance and not (moved and all(moved)):
+        result.why = f"the slowed site kept its micro-batches: {result.micro_batches}"
     elif forged and result.generations > 1:
         result.why = "a forged call changed the membership"
     elif forged and (why := missed_forgeries(sites[forged[0].site].text(), sites["site1"].text())):

@@ -44,6 +44,11 @@ class Scenario:
     still runs when a restarted or cut-off site comes back, on any hardware."""
     witness: bool = False
     """The job has a witness (`isthmus witness`, failover.witness) that breaks even splits."""
+    settings: tuple[str, ...] = ()
+    """``KEY=VALUE`` job settings of the scenario, given to every site (``--set``)."""
+    expect_rebalance: bool = False
+    """The slowed site must end with fewer micro-batches per step than it began with
+    (train.balance_every moved them to the others)."""
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -140,5 +145,18 @@ SCENARIOS: tuple[Scenario, ...] = (
         faults=(Fault(kind="slow", site="site1", rate=5.0),),
         survivors=("site0", "site1"),
         expect_generations=False,
+    ),
+    Scenario(
+        name="slow-balance",
+        description="site1 slows 4x at step 8 of a job whose sites re-balance every 4 "
+        "steps (3 micro-batches each to begin): micro-batches move to site0, the global "
+        "batch held",
+        sites=2,
+        steps=32,
+        faults=(Fault(kind="slow", site="site1", rate=4.0, at_step=8),),
+        survivors=("site0", "site1"),
+        expect_generations=False,
+        settings=("train.accumulate=3", "train.balance_every=4"),
+        expect_rebalance=True,
     ),
 )

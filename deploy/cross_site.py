@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from isthmus.deploy.balance import Balancer
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.rank_extras import extra_state, load_extra_state
 from isthmus.inter.control.coordinator_client import (
@@ -59,6 +60,8 @@ class CrossSite:
     sync: LaneGradientSync = field(init=False)
     outer: OuterOptimizer | None = None
     """DiLoCo's outer optimizer, whose state travels with the rank's (set by the caller)."""
+    balancer: Balancer | None = None
+    """The sites' split of the batch, which travels with the rank's state (set by the caller)."""
 
     @classmethod
     def start(
@@ -188,13 +191,13 @@ class CrossSite:
         if theirs == own:
             state = self._pull_rank(info, generation, state_step, self.rank)
             next_step, extra = load_rank_state(trainer, state)
-            load_extra_state(extra, self.sync, self.outer)
+            load_extra_state(extra, self.sync, self.outer, self.balancer)
         else:
             # A site of another size: its ranks hold other rows; cut ours from theirs.
             state = self._pull_resharded(trainer, info, generation, state_step)
             next_step, extra = load_rank_state(trainer, state)
             # The codec residuals belong to the source's lanes, cut into other pieces.
-            load_extra_state(extra, None, self.outer)
+            load_extra_state(extra, None, self.outer, self.balancer)
         size = sum(t.numel() * t.element_size() for t in state.values())
         log.warning(
             "[%s/%d] pulled the state after step %d from %s (%.1f MB in %.2fs); "
@@ -245,7 +248,9 @@ class CrossSite:
     def offer_state(self, trainer: Trainer, decision: Decision, next_step: int) -> None:
         """After a step whose commit admitted a site and named this one as the source
         of its state (``StepOutcome.offer_state``): offer the state, for ``PullState``."""
-        state = rank_state(trainer, next_step, extra=extra_state(self.sync, self.outer))
+        state = rank_state(
+            trainer, next_step, extra=extra_state(self.sync, self.outer, self.balancer)
+        )
         self.lane.offers.offer(decision.generation, decision.state_step, state)
 
     def close(self) -> None:

@@ -87,9 +87,13 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
     env, config, sync, outer = parts.env, parts.config, parts.sync, parts.outer
     last = config.job.steps - 1
     progress = LoopState(step=parts.start, synced=parts.start - 1, started=time.perf_counter())
+    balancer = parts.balancer
     while progress.step < config.job.steps:
         step = progress.step
+        micro_batches = parts.trainer.config.accumulate
         inputs, targets = parts.batches.batch(step)
+        if balancer is not None:
+            balancer.before_step(step)
         stats, synced = _step(parts, step, inputs, targets)
         if synced is not None and synced.rejoin is not None:
             # The job went on without this site while it was cut off: nothing of this
@@ -98,7 +102,11 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
             progress.step = parts.cross.rejoin(parts.trainer, synced.rejoin)
             progress.synced = progress.step - 1
             continue
-        faults.pace(stats.compute_s, stats.sync_s)
+        slowed = faults.pace(step, stats.compute_s, stats.sync_s)
+        if balancer is not None:
+            # The site's own work, slowdown and all; the wait for other sites is not.
+            balancer.measure(stats.compute_s + slowed)
+            balancer.after_step(step)
         crosses = synced is not None
         round_stats = synced.stats if synced is not None else None
         live_sites, generation = _membership_now(parts, round_stats)
@@ -120,6 +128,8 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
                 "compute_s": stats.compute_s,
                 "sync_s": stats.sync_s,
                 "tokens": stats.site_tokens,
+                # Micro-batches each of the site's ranks ran (train.accumulate, balanced).
+                "micro_batches": micro_batches,
                 "mfu": stats.mfu,
                 "bytes_sent": int(traffic[0]),
                 "raw_bytes": int(traffic[1]),
@@ -145,7 +155,17 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
         if synced is not None and synced.offer_state is not None:
             assert parts.cross is not None
             parts.cross.offer_state(parts.trainer, synced.offer_state, step + 1)
-        save_if_due(parts.trainer, sync, config, env.run_dir, env.site, step + 1, parts.key, outer)
+        save_if_due(
+            parts.trainer,
+            sync,
+            config,
+            env.run_dir,
+            env.site,
+            step + 1,
+            parts.key,
+            outer,
+            balancer,
+        )
         progress.step += 1
     return progress
 

@@ -1,5 +1,6 @@
-"""What a rank's state carries beside its trainer's: the lane's codec residuals and the
-DiLoCo outer optimizer's anchor and momentum.
+"""What a rank's state carries beside its trainer's: the lane's codec residuals, the
+DiLoCo outer optimizer's anchor and momentum, and the sites' split of the batch when it
+is balanced.
 
 The same entries travel in a checkpoint (``extra`` of ``intra.checkpoint.save``) and in
 the state a joining site pulls from a live peer (``extra/`` of ``intra.state``).
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from isthmus.deploy.balance import Balancer
     from isthmus.inter.data.gradient_sync import LaneGradientSync
     from isthmus.intra.outer import OuterOptimizer
 
@@ -20,12 +22,17 @@ CODEC = "codec/"
 
 
 def extra_state(
-    sync: LaneGradientSync | None, outer: OuterOptimizer | None
+    sync: LaneGradientSync | None,
+    outer: OuterOptimizer | None,
+    balancer: Balancer | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The rank's extra entries: ``codec/...`` residuals and ``outer/...`` state."""
+    """The rank's extra entries: ``codec/...`` residuals, ``outer/...`` state and the
+    ``balance/...`` split."""
     out = {CODEC + k: v for k, v in sync.state_dict().items()} if sync is not None else {}
     if outer is not None:
         out.update(outer.state_dict())
+    if balancer is not None:
+        out.update(balancer.state())
     return out
 
 
@@ -33,16 +40,21 @@ def load_extra_state(
     extra: Mapping[str, torch.Tensor],
     sync: LaneGradientSync | None,
     outer: OuterOptimizer | None,
+    balancer: Balancer | None = None,
 ) -> None:
-    """Give the sync its codec residuals and the outer optimizer its state.
+    """Give the sync its codec residuals, the outer optimizer its state and the
+    balancer its split.
 
     Args:
         extra: the entries :func:`extra_state` made (a missing kind starts afresh).
         sync: gets the ``codec/`` entries; None when they must not be used (they
             belong to another site's lane, or the job has one site).
         outer: gets the ``outer/`` entries (equal at every site), or None.
+        balancer: gets the ``balance/`` split (equal at every site), or None.
     """
     if sync is not None:
         sync.load_state_dict({k[len(CODEC) :]: v for k, v in extra.items() if k.startswith(CODEC)})
     if outer is not None:
         outer.load_state_dict(extra)
+    if balancer is not None:
+        balancer.load_state(extra)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from isthmus.deploy.balance import Balancer, BatchSplit
 from isthmus.deploy.checkpointing import restore
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.corpus import load_corpus
@@ -45,6 +46,8 @@ class FaultInjection:
 
     slowdown: float = 1.0
     """Each step's compute takes this many times longer (a site F times slower)."""
+    slow_from_step: int = 0
+    """The slowdown starts at this step (a site that slows while the job runs)."""
     step_floor_s: float = 0.0
     """No step is shorter than this, seconds, so a job still runs when a restarted or
     cut-off site comes back, whatever the hardware."""
@@ -53,15 +56,21 @@ class FaultInjection:
     def from_environ(cls, env: Mapping[str, str]) -> FaultInjection:
         return cls(
             slowdown=float(env.get("ISTHMUS_SLOWDOWN", "1")),
+            slow_from_step=int(env.get("ISTHMUS_SLOW_FROM_STEP", "0")),
             step_floor_s=float(env.get("ISTHMUS_STEP_FLOOR_S", "0")),
         )
 
-    def pace(self, compute_s: float, sync_s: float) -> None:
-        """Sleeps after a step that computed ``compute_s`` and synced ``sync_s`` seconds."""
-        if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * compute_s)
+    def pace(self, step: int, compute_s: float, sync_s: float) -> float:
+        """Sleeps after ``step``, which computed ``compute_s`` and synced ``sync_s``
+        seconds. Returns the seconds of slowdown (the site's work made longer: what a
+        balancer must see), not the floor's."""
+        slowed = 0.0
+        if self.slowdown > 1 and step >= self.slow_from_step:
+            slowed = (self.slowdown - 1) * compute_s
+            time.sleep(slowed)
         if self.step_floor_s > 0:
             time.sleep(max(0.0, self.step_floor_s - compute_s - sync_s))
+        return slowed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,6 +128,8 @@ class RankParts:
     """The job token that signs checkpoint manifests, or None."""
     start: int
     """The first step to train: 0, a checkpoint's, or a running job's."""
+    balancer: Balancer | None = None
+    """Moves micro-batches between sites of different speeds (train.balance_every)."""
 
 
 def set_up(env: RankEnv, config: JobConfig) -> RankParts:
@@ -186,6 +197,20 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         units=accumulate,
         spans=split.train,
     )
+    balancer = None
+    if cross is not None and config.train.balance_every:
+        # Sites of different speeds: the split of the global batch follows them.
+        balancer = cross.balancer = Balancer(
+            every=config.train.balance_every,
+            split=BatchSplit(tuple(config.site_accumulate), tuple(config.site_dp())),
+            site=site_index,
+            sites=sites,
+            dp_index=dp_i,
+            rank=env.rank,
+            sync=cross.sync,
+            trainer=trainer,
+            batches=batches,
+        )
     site_dir = env.run_dir / "sites" / env.site
     site_dir.mkdir(parents=True, exist_ok=True)
     metrics = StepReporter(
@@ -202,7 +227,9 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     token = security.token if security is not None and config.security.require_token else None
     key = token.encode() if token else None
     # 0 unless resuming
-    start = restore(trainer, sync, config, env.run_dir, env.site, key, outer=outer)
+    start = restore(
+        trainer, sync, config, env.run_dir, env.site, key, outer=outer, balancer=balancer
+    )
     if cross is not None:
         # A site joining a running job starts from a live peer's state (invariant 3).
         start = cross.catch_up(trainer) or start
@@ -220,6 +247,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         site_dir=site_dir,
         key=key,
         start=start,
+        balancer=balancer,
     )
 
 

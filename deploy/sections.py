@@ -73,6 +73,12 @@ class TrainSection:
     micro-batches, so the sites finish a step together). The global batch is the sum
     over sites of accumulate x dp x batch_size, each site's gradient weighted by its
     tokens. Needs topology.pp = 1 and no parallel.offload."""
+    balance_every: int = 0
+    """Re-balance train.accumulate between the sites every this many steps, from each
+    site's measured seconds per micro-batch, so the sites finish a step together; the
+    global batch (its sum over sites of accumulate x dp) is held (deploy/balance.py).
+    0 keeps train.accumulate's split. Needs sync.mode = "step", topology.pp = 1, no
+    parallel.offload, and room to move: give ranks 2 or more micro-batches."""
     lr: float = 3e-3
     """Peak learning rate (AdamW) at lr_reference_dp replicas; unset, the preset's."""
     warmup_steps: int = 5

@@ -81,6 +81,14 @@ def validate(config: JobConfig) -> None:
         f"(got pp={t.pp}, offload={config.parallel.offload}): pipelines have micro-batches "
         "of their own",
     )
+    _require(tr.balance_every >= 0, f"train.balance_every must be >= 0, got {tr.balance_every}")
+    _require(
+        tr.balance_every == 0
+        or (config.sync.mode == "step" and t.pp == 1 and not config.parallel.offload),
+        f"train.balance_every={tr.balance_every} needs sync.mode=step, topology.pp=1 and "
+        f"parallel.offload=false (got {config.sync.mode}, pp={t.pp}, "
+        f"offload={config.parallel.offload}): the split moves micro-batches of per-step sync",
+    )
     _require(tr.seq_len >= 2, f"train.seq_len must be >= 2, got {tr.seq_len}")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {tr.warmup_steps}")

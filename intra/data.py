@@ -251,8 +251,18 @@ class ShardedBatches:
         self._first_index = np.cumsum(fits) - fits
         self._positions = int(fits.sum())
         self.corpus, self.seq_len, self.batch_size = corpus, seq_len, batch_size
-        self.seed, self.shard_index, self.num_shards = seed, shard_index, num_shards
-        self.units = units
+        self.seed, self.num_shards = seed, num_shards
+        self.shard_index, self.units = shard_index, units
+
+    def resplit(self, shard_index: int, units: int) -> None:
+        """Takes ``units`` slices from ``shard_index`` on from the next batch (the
+        sites' split of the global batch changed: deploy/balance.py)."""
+        if units < 1 or not 0 <= shard_index <= self.num_shards - units:
+            raise ValueError(
+                f"shard_index={shard_index} and units={units} must lie in "
+                f"[0, num_shards={self.num_shards})"
+            )
+        self.shard_index, self.units = shard_index, units
 
     def window_starts(self, step: int) -> np.ndarray:
         """The corpus offsets of the shard's windows at ``step``."""

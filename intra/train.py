@@ -294,6 +294,18 @@ class Trainer:
             for i, group in enumerate(self.groups):
                 group.set_all_reduce_hook(_hook(self, sync, i))
 
+    def set_accumulate(self, micro_batches: int) -> None:
+        """Sums this many micro-batches per step from the next step on (the sites'
+        split of the global batch changed: deploy/balance.py)."""
+        if micro_batches < 1 or self.pp > 1:
+            raise ValueError(
+                f"set_accumulate({micro_batches}) needs a count >= 1 and pp == 1 (got pp="
+                f"{self.pp}): pipelines have micro-batches of their own"
+            )
+        self.config.accumulate = micro_batches
+        for layer in self._moe_layers:
+            layer.aux_scale = 1.0 / micro_batches
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, over all its model parts."""
         return [p for part in self.model_parts for p in part.parameters()]

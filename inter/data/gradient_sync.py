@@ -26,14 +26,19 @@ import torch
 
 from isthmus.inter.control.coordinator_client import Decision, Verdict
 from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
+from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.membership import QuorumLost, SiteMembership
 from isthmus.inter.data.round import NonFiniteGradient
 from isthmus.inter.data.round_device import lane_stream
 from isthmus.inter.data.shard_map import MAX_PIECES, GroupShape, Piece, ShardPosition, pieces
 
-__all__ = ["LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
+__all__ = ["SHARE_GROUP", "LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
 
 log = logging.getLogger(__name__)
+
+SHARE_GROUP = (1 << 32) - 1
+"""The wire group of a step's shared round (:meth:`LaneGradientSync.share`): past any
+gradient group's pieces (``group * MAX_PIECES + piece``)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,6 +98,8 @@ class _Pending:
     shard: torch.Tensor
     buffer: torch.Tensor
     future: futures.Future
+    shared: bool = False
+    """A :meth:`LaneGradientSync.share` round: summed among the sites' first ranks."""
 
 
 class LaneGradientSync:
@@ -181,8 +188,40 @@ class LaneGradientSync:
         future = self._worker.submit(self._run, step, group, buffer, ready)
         self._pending.append(_Pending(group, shard, buffer, future))
 
+    def share(self, step: int, values: torch.Tensor) -> None:
+        """Adds a small round to ``step``'s sync: ``values`` (fp32, on the CPU) summed
+        over the live sites, written back in place when the step commits, like the
+        gradients. Only each site's rank 0 calls it, and all of them at the same steps;
+        the round runs between those ranks, unweighted, with the job's codec, so every
+        site holds the same bits of the sum (a site's caller spreads what it must not
+        lose to rounding: deploy/balance.py). A RETRY sums again over the sites still
+        alive; a site that died adds nothing.
+
+        Raises:
+            ValueError: ``values`` is not a CPU fp32 tensor, or a round is already
+                shared in this step.
+        """
+        if values.dtype != torch.float32 or values.is_cuda:
+            raise ValueError(
+                f"share() takes a CPU fp32 tensor, got {values.dtype} on {values.device}"
+            )
+        if self._pending and step != self._step:
+            raise RuntimeError(f"step {step} started while step {self._step} is unfinished")
+        if any(p.shared for p in self._pending):
+            raise ValueError(f"a round is already shared in step {step}")
+        self._step = step
+        buffer = values.detach().reshape(-1).clone()
+        future = self._worker.submit(self._run, step, SHARE_GROUP, buffer, None, shared=True)
+        self._pending.append(_Pending(SHARE_GROUP, values, buffer, future, shared=True))
+
     def _run(
-        self, step: int, group: int, buffer: torch.Tensor, ready: torch.cuda.Event | None
+        self,
+        step: int,
+        group: int,
+        buffer: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        *,
+        shared: bool = False,
     ) -> tuple[RoundStats, float, float]:
         """Runs one group's round; returns its stats and its start and end times."""
         abort = self.allreduce.abort
@@ -193,6 +232,11 @@ class LaneGradientSync:
             if ready is not None:
                 ready.synchronize()
             t0 = time.monotonic()
+            if shared:
+                rs = self.allreduce.allreduce(
+                    [buffer], step=step, group=group, average=False, peers=self._first_ranks()
+                )
+                return rs, t0, time.monotonic()
             weight = self._weight()
             if weight is not None:
                 # average=True divides by the live sites: w = units * sites / sum(units).
@@ -208,6 +252,14 @@ class LaneGradientSync:
             # The one abort signal of the rank: the step's other rounds fail at once.
             abort.set(f"step {step} group {group} failed: {exc}")
             raise
+
+    def _first_ranks(self) -> dict[int, LanePeer] | None:
+        """The lane of every other live site's rank 0 (this rank is its site's)."""
+        membership = self.membership
+        if membership is None:
+            return None
+        me = self.allreduce.site_index
+        return {s: membership.peer(s, 0) for s in range(len(membership.sites)) if s != me}
 
     def _weight(self) -> float | None:
         """This site's weight in the live sites' mean, None when they count alike."""
@@ -366,8 +418,8 @@ class LaneGradientSync:
         restarted = []
         for p in pending:
             buffer = p.shard.detach().reshape(-1).to(torch.float32, copy=True)
-            future = self._worker.submit(self._run, step, p.group, buffer, None)
-            restarted.append(_Pending(p.group, p.shard, buffer, future))
+            future = self._worker.submit(self._run, step, p.group, buffer, None, shared=p.shared)
+            restarted.append(_Pending(p.group, p.shard, buffer, future, p.shared))
         return restarted
 
     def _follow(self, decision: Decision, step: int) -> Decision | None:

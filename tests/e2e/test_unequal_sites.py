@@ -112,3 +112,42 @@ def test_sites_that_accumulate_two_and_one_micro_batches_train_like_one_site_of_
     # And a smaller site that makes up in micro-batches: equal shares, no weighting.
     both = _run(tmp_path / "sizes", "2,1", "--set", "train.accumulate=[1, 2]", steps=3)
     assert len(set(both["digests"].values())) == 1, both["digests"]
+
+
+@pytest.mark.timeout(600)
+def test_a_site_that_slows_hands_micro_batches_over_and_the_job_trains_like_one_site(tmp_path):
+    """The chaos suite's slow-balance: site1 slows 4x at step 8 of 32, the sites
+    re-balance every 4 steps. Its micro-batches move to site0 with the global batch
+    held (3 + 3 = 6 every step), and every step's loss, the sites weighted by their
+    tokens, equals one site's accumulating all 6: whatever the split, the step averages
+    the same windows with the same weights."""
+    scenario = next(s for s in SCENARIOS if s.name == "slow-balance")
+    result = run_scenario(scenario, tmp_path / "chaos")
+    assert result.ok, result.why
+    first, second = result.micro_batches["site0"], result.micro_batches["site1"]
+    assert first[0] == second[0] == 3
+    assert first[-1] > 3 > second[-1], (first, second)
+    assert all(a + b == 6 for a, b in zip(first, second, strict=True))
+    # Nothing moves before the slowdown: equal speeds are left alone.
+    assert first[:8] == second[:8] == [3] * 8
+    run = tmp_path / "chaos" / "run" / "sites"
+    records = {
+        name: [json.loads(line) for line in (run / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("site0", "site1")
+    }
+    merged = [
+        (a["loss"] * a["tokens"] + b["loss"] * b["tokens"]) / (a["tokens"] + b["tokens"])
+        for a, b in zip(records["site0"], records["site1"], strict=True)
+    ]
+    one = tmp_path / "one"
+    result_one = run_cli(
+        "local", "--sites", "1", "--ranks-per-site", "1", "--steps", str(scenario.steps),
+        "--quiet", "--run-dir", str(one), "--set", "model.preset=tiny",
+        "--set", "train.batch_size=4", "--set", "train.seq_len=64",
+        "--set", "train.accumulate=6", timeout=400,
+    )  # fmt: skip
+    assert result_one.returncode == 0, result_one.stderr[-3000:]
+    alone = _losses(one)
+    assert len(merged) == len(alone) == scenario.steps
+    for step, (a, b) in enumerate(zip(merged, alone, strict=True)):
+        assert a == pytest.approx(b, rel=1e-5), (step, merged, alone)

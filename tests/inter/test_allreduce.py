@@ -392,3 +392,52 @@ def test_gradient_sync_failure_leaves_shards_alone() -> None:
             assert not ars[0].abort.is_set()  # cleared for the next step
         finally:
             sync.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_shared_round_sums_each_sites_slot_to_the_same_bits_everywhere() -> None:
+    """What the balancer relies on (deploy/balance.py): a step's shared round, beside a
+    gradient group, gives every site the same bits of the sum. Through int8, a value in
+    a codec block of its own keeps its own scale: a slot 10^4 times smaller than
+    another's crosses to within fp32 rounding instead of rounding to zero."""
+    from isthmus.inter.data.codecs.int8 import BLOCK
+
+    with sites(3, "int8") as ars:
+        syncs = [LaneGradientSync(ar) for ar in ars]
+        slots = [0.0123, 250.5, 0.0]  # site 2 reports nothing (as a site just rejoined)
+        shared = [torch.zeros(3 * BLOCK) for _ in range(3)]
+        for s in range(3):
+            shared[s][s * BLOCK] = slots[s]
+        grads = inputs(3, [3000], seed=5)
+
+        def site(s: int) -> object:
+            syncs[s].share(4, shared[s])
+            syncs[s].start(4, 0, grads[s][0])
+            with pytest.raises(ValueError, match="already shared in step 4"):
+                syncs[s].share(4, torch.zeros(3))
+            return syncs[s].finish(4)
+
+        try:
+            res = run_all([lambda s=s: site(s) for s in range(3)])
+            assert not any(isinstance(r, BaseException) for r in res), res
+            assert all(torch.equal(shared[0], shared[s]) for s in (1, 2))
+            assert all(torch.equal(grads[0][0], grads[s][0]) for s in (1, 2))  # averaged too
+            got = shared[0][::BLOCK].tolist()
+            assert got[0] == pytest.approx(slots[0], rel=1e-6)
+            assert got[1] == pytest.approx(slots[1], rel=1e-6)
+            assert got[2] == 0.0
+            # Nothing else of the sum moved off zero.
+            assert torch.count_nonzero(shared[0]) == 2
+        finally:
+            for sync in syncs:
+                sync.close()
+
+
+def test_share_takes_only_a_host_fp32_tensor() -> None:
+    with sites(2) as ars:
+        sync = LaneGradientSync(ars[0])
+        try:
+            with pytest.raises(ValueError, match="CPU fp32 tensor"):
+                sync.share(0, torch.zeros(4, dtype=torch.float64))
+        finally:
+            sync.close()
