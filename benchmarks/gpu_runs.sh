@@ -30,6 +30,10 @@
 #                                          # cp = SITE_GPUS inside each, 125m at 32k
 #                                          # tokens, int8 over 1000 km at 10 Gbit/s
 #   bash benchmarks/gpu_runs.sh ep-sites  # the same with moe-125m, ep = SITE_GPUS
+#   bash benchmarks/gpu_runs.sh slow      # issue 15: sites of SIZES GPUs (default 2,2),
+#                                          # site1 2x slower from step 8 of 24, the split
+#                                          # kept and re-balanced every 4 steps; 1b,
+#                                          # batch 8 x 8 micro-batches x 2048 per GPU
 #   bash benchmarks/gpu_runs.sh unequal   # issue 15: sites of SIZES GPUs (default
 #                                          # 2,1) alone and together, 1b, batch BATCH
 #                                          # (64) x 2048, int8 over 1000 km at 10 Gbit/s
@@ -162,6 +166,17 @@ case "${1:-}" in
       --set parallel.activation_checkpoint=true --set sync.codec=int8 \
       --set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 \
       --set topology.device=cuda | tee "$out/unequal.txt"
+    ;;
+  slow)
+    python3 benchmarks/slow_site.py --sizes "${SIZES:-2,2}" \
+      --out "${RUNS:-/tmp/isthmus-runs}/slow" --json "$out/slow.json" \
+      --steps "${STEPS:-24}" --slow-at "${SLOW_AT:-8}" --factor "${FACTOR:-2}" \
+      --balance "${BALANCE:-4}" --set model.preset="${PRESET:-1b}" \
+      --set train.seq_len=2048 --set train.batch_size="${BATCH:-8}" \
+      --set train.accumulate="${ACCUMULATE:-8}" \
+      --set parallel.activation_checkpoint=true --set sync.codec=int8 \
+      --set wan.distance_km=1000 --set wan.bandwidth_mbit=10000 \
+      --set topology.device=cuda | tee "$out/slow.txt"
     ;;
   pair)
     # Do two sites on one host slow each other with nothing crossing between them?

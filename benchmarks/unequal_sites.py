@@ -54,8 +54,15 @@ def _devices(sizes: list[int], site: int) -> str:
     return ",".join(str(d) for d in range(first, first + sizes[site]))
 
 
-def run_once(args: argparse.Namespace, name: str, ranks: str, env: dict[str, str]) -> dict:
-    """One `isthmus local` run (reused when its summary exists); returns its summary."""
+def run_once(
+    args: argparse.Namespace,
+    name: str,
+    ranks: str,
+    env: dict[str, str],
+    extra: tuple[str, ...] = (),
+) -> dict:
+    """One `isthmus local` run (reused when its summary exists) with ``extra`` flags;
+    returns its summary. ``args`` holds out, steps, warmup, overrides and timeout."""
     where = args.out / name
     summary = where / "summary.json"
     if not summary.exists():
@@ -64,6 +71,7 @@ def run_once(args: argparse.Namespace, name: str, ranks: str, env: dict[str, str
         cmd += ["--run-dir", str(where), "--sites", sites, "--ranks-per-site", ranks]
         cmd += ["--steps", str(args.steps), "--set", f"run.steady_after={args.warmup}"]
         cmd += [a for o in args.overrides for a in ("--set", o)]
+        cmd += list(extra)
         started = time.monotonic()
         result = subprocess.run(
             cmd,

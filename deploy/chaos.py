@@ -34,6 +34,7 @@ from typing import TextIO
 from isthmus.deploy.chaos_scenarios import SCENARIOS, Fault, Scenario
 from isthmus.deploy.config import load_config
 from isthmus.deploy.hostile_calls import flood, forge, missed_forgeries
+from isthmus.deploy.local import slow_env
 from isthmus.sim import Corrupt, Flap, LinkSpec, RelayServer
 
 __all__ = ["SCENARIOS", "Fault", "Scenario", "run_scenario", "run_suite"]
@@ -210,8 +211,7 @@ def run_scenario(
             env["ISTHMUS_STEP_FLOOR_S"] = str(scenario.pace_s)
             for fault in scenario.faults:
                 if fault.kind == "slow" and fault.site == name:
-                    env["ISTHMUS_SLOWDOWN"] = str(fault.rate)
-                    env["ISTHMUS_SLOW_FROM_STEP"] = str(fault.at_step)
+                    env.update(slow_env(fault.rate, fault.at_step))
             sites[name] = _Site(name, argv, env, work / name)
         for fault in scenario.faults:
             if fault.kind == "corrupt":

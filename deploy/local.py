@@ -26,7 +26,7 @@ from isthmus.deploy.summary import summarize
 from isthmus.inter.control.coordinator import Coordinator
 from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
 
-__all__ = ["LaunchError", "LocalJob", "check_supported"]
+__all__ = ["LaunchError", "LocalJob", "check_supported", "parse_slow", "slow_env"]
 
 
 def check_supported(config: JobConfig, gpus_needed: int) -> None:
@@ -59,6 +59,9 @@ class LocalJob:
     out: TextIO = sys.stderr
     progress: bool = True
     topology: Topology | None = None
+    slow: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """Site -> (factor, first step): its ranks compute that many times slower from that
+    step on (``--slow``; deploy/rank_setup.FaultInjection)."""
     run_dir: Path = field(init=False)
     temporary_run_dir: bool = field(init=False, default=False)
     _sites: list[SiteRanks] = field(init=False, default_factory=list)
@@ -174,6 +177,9 @@ class LocalJob:
                 first_device=sum(sizes[:i]),
                 threads=threads,
                 run_token=self._token,
+                extra_env=slow_env(*self.slow[coordinator.site])
+                if coordinator.site in self.slow
+                else None,
             )
             self._sites.append(site)
             site.start()
@@ -232,3 +238,33 @@ class LocalJob:
         if self._token_file is not None:
             self._token_file.unlink(missing_ok=True)
             self._token_file = None
+
+
+def slow_env(factor: float, from_step: int) -> dict[str, str]:
+    """The environment that slows a site's ranks (deploy/rank_setup.FaultInjection)."""
+    return {"ISTHMUS_SLOWDOWN": str(factor), "ISTHMUS_SLOW_FROM_STEP": str(from_step)}
+
+
+def parse_slow(specs: list[str], sites: list[str]) -> dict[str, tuple[float, int]]:
+    """``SITE=FACTOR[@STEP]`` options (``isthmus local --slow``), checked.
+
+    Raises:
+        ConfigError: a malformed spec, an unknown site or a factor below 1.
+    """
+    out: dict[str, tuple[float, int]] = {}
+    for spec in specs:
+        site, _, rest = spec.partition("=")
+        factor, _, step = rest.partition("@")
+        try:
+            value, first = float(factor), int(step or 0)
+        except ValueError:
+            value, first = -1.0, -1
+        if site not in sites:
+            raise ConfigError(f"--slow {spec}: no site {site!r} in this job ({', '.join(sites)})")
+        if not (value >= 1 and first >= 0):
+            raise ConfigError(
+                f"--slow {spec}: want SITE=FACTOR[@STEP] with FACTOR >= 1 and STEP >= 0, "
+                "e.g. site1=2@20"
+            )
+        out[site] = (value, first)
+    return out

@@ -19,7 +19,7 @@ __all__ = ["register"]
 
 def cmd_local(args: argparse.Namespace) -> int:
     from isthmus.deploy.checkpointing import resolve_resume
-    from isthmus.deploy.local import LocalJob
+    from isthmus.deploy.local import LocalJob, parse_slow
 
     topology = None
     if args.topology:
@@ -35,7 +35,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     for site in config.site_names:  # coordinators on loopback; lanes on cluster.lane_host
         check_exposure(config, site, "127.0.0.1", sys.stderr)
     resolve_resume(config, config.site_names, resume=args.resume)
-    job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology)
+    slow = parse_slow(args.slow, config.site_names)
+    job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology, slow=slow)
     return run_job(job, "summary:")
 
 
@@ -57,6 +58,15 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
         default=None,
         help="emulate the links of this topology file (docs/wan.md) instead of the uniform "
         "[wan] settings; its sites become site0, site1, ... in the file's order",
+    )
+    parser.add_argument(
+        "--slow",
+        metavar="SITE=FACTOR[@STEP]",
+        action="append",
+        default=[],
+        help="make a site's ranks compute FACTOR times slower from STEP on (default 0), "
+        "as a site of older GPUs or one that slows while the job runs would; see "
+        "train.balance_every",
     )
     add_job_flags(
         parser,

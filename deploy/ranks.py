@@ -105,6 +105,8 @@ class SiteRanks:
         first_device: LOCAL_RANK of rank 0 (sites sharing a GPU host take turns).
         threads: OMP threads per rank.
         config_file: the resolved config the ranks read (see `config_path`).
+        extra_env: more environment for every rank (fault injection: ``isthmus local
+            --slow``).
     """
 
     def __init__(
@@ -119,8 +121,10 @@ class SiteRanks:
         threads: int = 1,
         config_file: Path | None = None,
         run_token: str | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.config, self.site, self.run_dir = config, site, run_dir
+        self.extra_env = dict(extra_env or {})
         self.coordinator, self.proxies = coordinator, proxies
         self.first_device, self.threads = first_device, threads
         self.config_file = config_file or config_path(run_dir, None)
@@ -171,6 +175,7 @@ class SiteRanks:
                 # name none, so lanes really cross the emulated link.
                 "no_grpc_proxy": "none.invalid",
                 "ISTHMUS_LAUNCHER_PID": str(os.getpid()),
+                **self.extra_env,
             }
             log_path = self.run_dir / "logs" / f"{self.site}-rank{rank}.log"
             with log_path.open("w") as log_file:

@@ -92,6 +92,9 @@ def test_each_preset_trains_with_its_own_defaults_unless_the_job_says(tmp_path):
         (["--set", "model.n_heads=5"], ["dim=192 must be divisible by n_heads=5"]),
         (["--config", "/nonexistent/job.toml"], ["config file not found"]),
         (["--set", "parallel.compile=maybe"], ["parallel.compile must be auto, true or false"]),
+        (["--slow", "site7=2"], ["--slow site7=2: no site 'site7' in this job (site0, site1)"]),
+        (["--slow", "site1=0.5@3"], ["want SITE=FACTOR[@STEP] with FACTOR >= 1"]),
+        (["--slow", "site1=2@soon"], ["want SITE=FACTOR[@STEP]"]),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(args, needles, tmp_path):
@@ -298,6 +301,9 @@ def test_a_bad_ranks_per_site_flag_is_a_one_line_error():
         (["train.accumulate=0"], "train.accumulate must be >= 1"),
         (["train.accumulate=[2, 1]", "topology.pp=2"], "needs topology.pp=1 and parallel.offload=false"),
         (["train.accumulate=2", "parallel.offload=true"], "needs topology.pp=1"),
+        (["train.balance_every=-1"], "train.balance_every must be >= 0"),
+        (["train.balance_every=5", "sync.mode=diloco"], "train.balance_every=5 needs sync.mode=step"),
+        (["train.balance_every=5", "topology.pp=2"], "needs sync.mode=step, topology.pp=1"),
     ],
 )  # fmt: skip
 def test_micro_batches_per_site_that_cannot_work_are_refused(sets, needle):
