@@ -27,7 +27,7 @@ from isthmus.deploy.config import ConfigError, JobConfig
 from isthmus.deploy.rank_extras import CODEC, extra_state, load_extra_state
 
 if TYPE_CHECKING:
-    from isthmus.deploy.balance import Balancer
+    from isthmus.deploy.batch_plan import BatchPlan
     from isthmus.intra.outer import OuterOptimizer
     from isthmus.intra.train import Trainer
 
@@ -109,7 +109,7 @@ def restore(
     site: str,
     key: bytes | None = None,
     outer: OuterOptimizer | None = None,
-    balancer: Balancer | None = None,
+    plan: BatchPlan | None = None,
 ) -> int:
     """Load the checkpoint ``checkpoint.resume_step`` names (a collective of the site).
 
@@ -121,7 +121,7 @@ def restore(
         sync: the rank's ``LaneGradientSync`` (gets its codec residuals back), or None.
         key: the job token: the manifest must be signed with it; None checks no signature.
         outer: the DiLoCo outer optimizer (gets its anchor and momentum back), or None.
-        balancer: gets the sites' split of the batch back, or None.
+        plan: gets the global batch's size and split back, or None.
 
     Returns:
         The step to start at: 0 without a resume step.
@@ -146,7 +146,7 @@ def restore(
         raise refusals[0]  # this site's own copy names what is wrong
     if source != site:
         # The outer optimizer's state is the same at every site; the codec's is not.
-        load_extra_state(extra, None, outer, balancer)
+        load_extra_state(extra, None, outer, plan)
         log.warning(
             "[%s step %d] resumed from %s's checkpoint %s (replicas are identical; this "
             "site's codec residuals start from zero)",
@@ -156,7 +156,7 @@ def restore(
             path,
         )
         return next_step
-    load_extra_state(extra, sync, outer, balancer)
+    load_extra_state(extra, sync, outer, plan)
     if sync is None and any(k.startswith(CODEC) for k in extra):
         log.warning(
             "[%s step %d] checkpoint holds codec state but the job has one site", site, step
@@ -180,7 +180,7 @@ def save_if_due(
     next_step: int,
     key: bytes | None = None,
     outer: OuterOptimizer | None = None,
-    balancer: Balancer | None = None,
+    plan: BatchPlan | None = None,
 ) -> Path | None:
     """Save after ``next_step`` steps when ``checkpoint.every`` divides it (a collective);
     the manifest is signed with ``key`` (the job token) when given.
@@ -190,7 +190,7 @@ def save_if_due(
     """
     if not save_due(config, next_step):
         return None
-    extra = extra_state(sync, outer, balancer)
+    extra = extra_state(sync, outer, plan)
     from isthmus.intra import checkpoint
 
     protect = common_step(config, run_dir)  # before this save: the step all sites hold now

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from isthmus.deploy.balance import Balancer
+from isthmus.deploy.batch_plan import BatchPlan
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.rank_extras import extra_state, load_extra_state
 from isthmus.inter.control.coordinator_client import (
@@ -60,8 +60,8 @@ class CrossSite:
     sync: LaneGradientSync = field(init=False)
     outer: OuterOptimizer | None = None
     """DiLoCo's outer optimizer, whose state travels with the rank's (set by the caller)."""
-    balancer: Balancer | None = None
-    """The sites' split of the batch, which travels with the rank's state (set by the caller)."""
+    plan: BatchPlan | None = None
+    """The global batch's size and split, which travel with the rank's state (set by the caller)."""
 
     @classmethod
     def start(
@@ -191,13 +191,13 @@ class CrossSite:
         if theirs == own:
             state = self._pull_rank(info, generation, state_step, self.rank)
             next_step, extra = load_rank_state(trainer, state)
-            load_extra_state(extra, self.sync, self.outer, self.balancer)
+            load_extra_state(extra, self.sync, self.outer, self.plan)
         else:
             # A site of another size: its ranks hold other rows; cut ours from theirs.
             state = self._pull_resharded(trainer, info, generation, state_step)
             next_step, extra = load_rank_state(trainer, state)
             # The codec residuals belong to the source's lanes, cut into other pieces.
-            load_extra_state(extra, None, self.outer, self.balancer)
+            load_extra_state(extra, None, self.outer, self.plan)
         size = sum(t.numel() * t.element_size() for t in state.values())
         log.warning(
             "[%s/%d] pulled the state after step %d from %s (%.1f MB in %.2fs); "
@@ -248,9 +248,7 @@ class CrossSite:
     def offer_state(self, trainer: Trainer, decision: Decision, next_step: int) -> None:
         """After a step whose commit admitted a site and named this one as the source
         of its state (``StepOutcome.offer_state``): offer the state, for ``PullState``."""
-        state = rank_state(
-            trainer, next_step, extra=extra_state(self.sync, self.outer, self.balancer)
-        )
+        state = rank_state(trainer, next_step, extra=extra_state(self.sync, self.outer, self.plan))
         self.lane.offers.offer(decision.generation, decision.state_step, state)
 
     def close(self) -> None:

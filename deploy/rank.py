@@ -87,13 +87,14 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
     env, config, sync, outer = parts.env, parts.config, parts.sync, parts.outer
     last = config.job.steps - 1
     progress = LoopState(step=parts.start, synced=parts.start - 1, started=time.perf_counter())
-    balancer = parts.balancer
+    plan = parts.plan
     while progress.step < config.job.steps:
         step = progress.step
-        micro_batches = parts.trainer.config.accumulate
+        if plan is not None:
+            plan.before_step(step)  # a ramp may resize this step's batch
+        # Micro-batches, global batch: what this step trains (a decision applies next).
+        batch = plan.record() if plan is not None else {}
         inputs, targets = parts.batches.batch(step)
-        if balancer is not None:
-            balancer.before_step(step)
         stats, synced = _step(parts, step, inputs, targets)
         if synced is not None and synced.rejoin is not None:
             # The job went on without this site while it was cut off: nothing of this
@@ -103,14 +104,18 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
             progress.synced = progress.step - 1
             continue
         slowed = faults.pace(step, stats.compute_s, stats.sync_s)
-        if balancer is not None:
-            # The site's own work, slowdown and all; the wait for other sites is not.
-            balancer.measure(stats.compute_s + slowed)
-            balancer.after_step(step)
         crosses = synced is not None
         round_stats = synced.stats if synced is not None else None
         live_sites, generation = _membership_now(parts, round_stats)
         traffic = _site_traffic(round_stats)
+        if plan is not None:
+            plan.after_step(
+                step,
+                # The site's own work, slowdown and all; the wait for other sites is not.
+                compute_s=stats.compute_s + slowed,
+                site_sq_norm=float(traffic[4]),
+                global_sq_norm=stats.grad_norm**2,
+            )
         digest_started = time.perf_counter()
         progress.digest = _digest_if_due(parts, progress, step, crosses)
         # Steady-state throughput leaves digests out (summary.py): a check, not training.
@@ -128,8 +133,7 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
                 "compute_s": stats.compute_s,
                 "sync_s": stats.sync_s,
                 "tokens": stats.site_tokens,
-                # Micro-batches each of the site's ranks ran (train.accumulate, balanced).
-                "micro_batches": micro_batches,
+                **batch,
                 "mfu": stats.mfu,
                 "bytes_sent": int(traffic[0]),
                 "raw_bytes": int(traffic[1]),
@@ -164,7 +168,7 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
             step + 1,
             parts.key,
             outer,
-            balancer,
+            plan,
         )
         progress.step += 1
     return progress
@@ -215,11 +219,14 @@ def _membership_now(parts: RankParts, round_stats: SyncStats | None) -> tuple[in
 
 def _site_traffic(rs: SyncStats | None) -> torch.Tensor:
     """Site totals of what crossed the WAN this step (every rank has its own lane):
-    bytes sent, raw bytes, corrupt and non-finite chunks. A collective of the site."""
+    bytes sent, raw bytes, corrupt and non-finite chunks, and the squared norm of the
+    site's own mean gradient when it was measured (its ranks' shards add up to it;
+    a tensor-parallel replica of a norm weight counts tp times). A collective of the
+    site."""
     traffic = torch.tensor(
-        [rs.bytes_sent, rs.raw_bytes, rs.corrupt_chunks, rs.nonfinite_chunks]
+        [rs.bytes_sent, rs.raw_bytes, rs.corrupt_chunks, rs.nonfinite_chunks, rs.local_sq_norm]
         if rs
-        else [0, 0, 0, 0],
+        else [0, 0, 0, 0, 0],
         dtype=torch.float64,
     )
     dist.all_reduce(traffic)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from isthmus.deploy.balance import Balancer
+    from isthmus.deploy.batch_plan import BatchPlan
     from isthmus.inter.data.gradient_sync import LaneGradientSync
     from isthmus.intra.outer import OuterOptimizer
 
@@ -24,15 +24,15 @@ CODEC = "codec/"
 def extra_state(
     sync: LaneGradientSync | None,
     outer: OuterOptimizer | None,
-    balancer: Balancer | None = None,
+    plan: BatchPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     """The rank's extra entries: ``codec/...`` residuals, ``outer/...`` state and the
-    ``balance/...`` split."""
+    ``batch/...`` size and split."""
     out = {CODEC + k: v for k, v in sync.state_dict().items()} if sync is not None else {}
     if outer is not None:
         out.update(outer.state_dict())
-    if balancer is not None:
-        out.update(balancer.state())
+    if plan is not None:
+        out.update(plan.state())
     return out
 
 
@@ -40,21 +40,21 @@ def load_extra_state(
     extra: Mapping[str, torch.Tensor],
     sync: LaneGradientSync | None,
     outer: OuterOptimizer | None,
-    balancer: Balancer | None = None,
+    plan: BatchPlan | None = None,
 ) -> None:
     """Give the sync its codec residuals, the outer optimizer its state and the
-    balancer its split.
+    batch plan its size and split.
 
     Args:
         extra: the entries :func:`extra_state` made (a missing kind starts afresh).
         sync: gets the ``codec/`` entries; None when they must not be used (they
             belong to another site's lane, or the job has one site).
         outer: gets the ``outer/`` entries (equal at every site), or None.
-        balancer: gets the ``balance/`` split (equal at every site), or None.
+        plan: gets the ``batch/`` split and its measurements (equal at every site), or None.
     """
     if sync is not None:
         sync.load_state_dict({k[len(CODEC) :]: v for k, v in extra.items() if k.startswith(CODEC)})
     if outer is not None:
         outer.load_state_dict(extra)
-    if balancer is not None:
-        balancer.load_state(extra)
+    if plan is not None:
+        plan.load_state(extra)

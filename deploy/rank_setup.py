@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from isthmus.deploy.balance import Balancer, BatchSplit
+from isthmus.deploy.batch_plan import BatchPlan
 from isthmus.deploy.checkpointing import restore
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.corpus import load_corpus
@@ -128,8 +128,8 @@ class RankParts:
     """The job token that signs checkpoint manifests, or None."""
     start: int
     """The first step to train: 0, a checkpoint's, or a running job's."""
-    balancer: Balancer | None = None
-    """Moves micro-batches between sites of different speeds (train.balance_every)."""
+    plan: BatchPlan | None = None
+    """The global batch's size over time and its split between the sites."""
 
 
 def set_up(env: RankEnv, config: JobConfig) -> RankParts:
@@ -197,20 +197,18 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         units=accumulate,
         spans=split.train,
     )
-    balancer = None
-    if cross is not None and config.train.balance_every:
-        # Sites of different speeds: the split of the global batch follows them.
-        balancer = cross.balancer = Balancer(
-            every=config.train.balance_every,
-            split=BatchSplit(tuple(config.site_accumulate), tuple(config.site_dp())),
-            site=site_index,
-            sites=sites,
-            dp_index=dp_i,
-            rank=env.rank,
-            sync=cross.sync,
-            trainer=trainer,
-            batches=batches,
-        )
+    # The global batch's size over time and its split between the sites.
+    plan = BatchPlan(
+        config=config,
+        site=site_index,
+        dp_index=dp_i,
+        rank=env.rank,
+        trainer=trainer,
+        batches=batches,
+        sync=sync,
+    )
+    if cross is not None:
+        cross.plan = plan
     site_dir = env.run_dir / "sites" / env.site
     site_dir.mkdir(parents=True, exist_ok=True)
     metrics = StepReporter(
@@ -227,9 +225,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     token = security.token if security is not None and config.security.require_token else None
     key = token.encode() if token else None
     # 0 unless resuming
-    start = restore(
-        trainer, sync, config, env.run_dir, env.site, key, outer=outer, balancer=balancer
-    )
+    start = restore(trainer, sync, config, env.run_dir, env.site, key, outer=outer, plan=plan)
     if cross is not None:
         # A site joining a running job starts from a live peer's state (invariant 3).
         start = cross.catch_up(trainer) or start
@@ -247,7 +243,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         site_dir=site_dir,
         key=key,
         start=start,
-        balancer=balancer,
+        plan=plan,
     )
 
 

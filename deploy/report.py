@@ -8,6 +8,10 @@ Writes, next to the run's files (or to --out):
                      were busy) against the link's capacity
     loss_vs_cost.png training loss against tokens trained and against bytes sent
                      across sites (what sync modes and codecs trade)
+    batch.png        the global batch per step (and the gradient noise scale when it
+                     is estimated) next to the loss, and each site's micro-batches:
+                     only for a run whose batch changed (train.batch_schedule,
+                     train.balance_every)
     report.txt       the summary in words
 
 With several runs, `isthmus report RUN_A RUN_B ...` overlays them instead
@@ -146,10 +150,49 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     fig.suptitle("Training loss against what it cost")
     written.append(save_figure(fig, out / "loss_vs_cost.png"))
 
+    if _batch_changed(steps):
+        written.append(batch_figure(steps, out / "batch.png"))
+
     text = out / "report.txt"
     text.write_text(summary_text(steps, summary, capacity) + "\n")
     written.append(text)
     return written
+
+
+def _batch_changed(steps: list[dict]) -> bool:
+    """Whether the run's global batch or its split between sites ever changed."""
+    seen = {
+        (s.get("global_batch"), tuple(sorted(s.get("micro_batches_by_site", {}).items())))
+        for s in steps
+    }
+    return len(seen) > 1 or any("noise_scale" in s for s in steps)
+
+
+def batch_figure(steps: list[dict], path: Path) -> Path:
+    """batch.png: the global batch (sequences), the noise scale where estimated, and
+    the loss, per step; below, each site's micro-batches per rank."""
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] + 1 for s in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.step(x, [s.get("global_batch", 0) for s in steps], where="post", linewidth=2,
+             label="global batch", color="#4477aa")  # fmt: skip
+    noisy = [(xi, s["noise_scale"]) for xi, s in zip(x, steps, strict=True) if "noise_scale" in s]
+    if noisy:
+        top.plot(*zip(*noisy, strict=True), linestyle="--", color="#228833",
+                 label="gradient noise scale B_simple")  # fmt: skip
+    top.set(ylabel="sequences", title="Global batch and loss", ylim=(0, None))
+    top.legend(loc="upper left")
+    loss = top.twinx()
+    loss.plot(x, [s["loss"] for s in steps], color="#ee6677", alpha=0.6, label="loss")
+    loss.set(ylabel="loss (nats per byte)")
+    loss.legend(loc="upper right")
+    for site in sorted(steps[0].get("micro_batches_by_site", {})):
+        counts = [s.get("micro_batches_by_site", {}).get(site, 0) for s in steps]
+        bottom.step(x, counts, where="post", label=site)
+    bottom.set(xlabel="step", ylabel="micro-batches per rank", ylim=(0, None))
+    bottom.legend()
+    return save_figure(fig, path)
 
 
 def save_figure(fig: Any, path: Path) -> Path:

@@ -79,6 +79,20 @@ class TrainSection:
     global batch (its sum over sites of accumulate x dp) is held (deploy/balance.py).
     0 keeps train.accumulate's split. Needs sync.mode = "step", topology.pp = 1, no
     parallel.offload, and room to move: give ranks 2 or more micro-batches."""
+    batch_schedule: str = "fixed"
+    """How the global batch changes over the job (deploy/batch_plan.py): "fixed" (the
+    sum over sites of accumulate x dp micro-batches, every step), "ramp" (from
+    batch_start micro-batches up to that sum, linearly over batch_ramp_steps, as
+    Megatron's rampup_batch_size) or "noise" (from batch_start, grown toward the
+    gradient noise scale of McCandlish et al. 2018 at each balance_every decision, up
+    to that sum; needs two or more sites: each site's own mean gradient is the small
+    batch of the estimate). The learning rate follows the batch by lr_scaling. Needs
+    sync.mode = "step", topology.pp = 1 and no parallel.offload."""
+    batch_start: int = 0
+    """The global batch at step 0 of "ramp" and "noise", in micro-batches; 0 is one per
+    replica of every site (the least there is)."""
+    batch_ramp_steps: int = 0
+    """"ramp": the steps over which the global batch grows to its full size."""
     lr: float = 3e-3
     """Peak learning rate (AdamW) at lr_reference_dp replicas; unset, the preset's."""
     warmup_steps: int = 5

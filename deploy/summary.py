@@ -78,9 +78,24 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "outer_steps": max(r.get("outer_steps", 0) for r in rows),
                 "eval_s": max(r.get("eval_s", 0.0) for r in rows),
                 **_held_out(rows),
+                **_batch(rows),
             }
         )
     return merged
+
+
+def _batch(rows: list[dict]) -> dict:
+    """A step's global batch (sequences; the same at every site), each site's
+    micro-batches per rank, and the gradient noise scale when it is estimated."""
+    if not all("global_batch" in r for r in rows):
+        return {}
+    out = {
+        "global_batch": rows[0]["global_batch"],
+        "micro_batches_by_site": {r["site"]: r["micro_batches"] for r in rows},
+    }
+    if "noise_scale" in rows[0]:
+        out["noise_scale"] = rows[0]["noise_scale"]
+    return out
 
 
 def _held_out(rows: list[dict]) -> dict:

@@ -89,6 +89,7 @@ def validate(config: JobConfig) -> None:
         f"parallel.offload=false (got {config.sync.mode}, pp={t.pp}, "
         f"offload={config.parallel.offload}): the split moves micro-batches of per-step sync",
     )
+    _check_batch_schedule(config)
     _require(tr.seq_len >= 2, f"train.seq_len must be >= 2, got {tr.seq_len}")
     _require(tr.lr > 0, f"train.lr must be > 0, got {tr.lr}")
     _require(tr.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {tr.warmup_steps}")
@@ -305,3 +306,45 @@ def _check_tokenizer(d: DataSection) -> None:
         require_tokenizers()
     except ValueError as exc:
         raise ConfigError(f"data.tokenizer = {d.tokenizer!r}: {exc}") from None
+
+
+def _check_batch_schedule(config: JobConfig) -> None:
+    """train.batch_schedule and its settings (deploy/batch_plan.py)."""
+    tr, t = config.train, config.topology
+    schedule = tr.batch_schedule
+    _require(
+        schedule in ("fixed", "ramp", "noise"),
+        f"train.batch_schedule must be fixed, ramp or noise, got {schedule!r}",
+    )
+    if schedule == "fixed":
+        return
+    sizes = t.ranks_per_site if isinstance(t.ranks_per_site, list) else [t.ranks_per_site] * t.sites
+    accumulate = tr.accumulate if isinstance(tr.accumulate, list) else [tr.accumulate] * t.sites
+    dp = [n // (t.pp * t.cp * t.tp) for n in sizes]
+    least = sum(dp)
+    full = sum(m * d for m, d in zip(accumulate, dp, strict=True))
+    _require(
+        config.sync.mode == "step" and t.pp == 1 and not config.parallel.offload,
+        f"train.batch_schedule={schedule} needs sync.mode=step, topology.pp=1 and "
+        f"parallel.offload=false (got {config.sync.mode}, pp={t.pp}, "
+        f"offload={config.parallel.offload})",
+    )
+    start = tr.batch_start or least
+    _require(
+        least <= start < full,
+        f"train.batch_start={tr.batch_start} must lie in [{least}, {full}) micro-batches: "
+        f"at least one per replica ({least}), below the full batch of train.accumulate "
+        f"({full}; raise train.accumulate to leave the batch room to grow)",
+    )
+    if schedule == "ramp":
+        _require(
+            tr.batch_ramp_steps >= 1,
+            f"train.batch_schedule=ramp needs train.batch_ramp_steps >= 1, got {tr.batch_ramp_steps}",
+        )
+    else:
+        _require(
+            t.sites >= 2 and tr.balance_every >= 1,
+            f"train.batch_schedule=noise needs two or more sites and train.balance_every >= 1 "
+            f"(got {t.sites} sites, balance_every={tr.balance_every}): each site's own mean "
+            "gradient is the estimate's small batch, and the decisions ride on its rounds",
+        )

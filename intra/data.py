@@ -254,15 +254,17 @@ class ShardedBatches:
         self.seed, self.num_shards = seed, num_shards
         self.shard_index, self.units = shard_index, units
 
-    def resplit(self, shard_index: int, units: int) -> None:
-        """Takes ``units`` slices from ``shard_index`` on from the next batch (the
-        sites' split of the global batch changed: deploy/balance.py)."""
-        if units < 1 or not 0 <= shard_index <= self.num_shards - units:
+    def resplit(self, shard_index: int, units: int, num_shards: int | None = None) -> None:
+        """Takes ``units`` slices from ``shard_index`` on, of a global batch of
+        ``num_shards`` slices (default: as before), from the next batch on: the sites'
+        split of the global batch, or its size, changed (deploy/batch_plan.py)."""
+        num_shards = self.num_shards if num_shards is None else num_shards
+        if units < 1 or not 0 <= shard_index <= num_shards - units:
             raise ValueError(
                 f"shard_index={shard_index} and units={units} must lie in "
-                f"[0, num_shards={self.num_shards})"
+                f"[0, num_shards={num_shards})"
             )
-        self.shard_index, self.units = shard_index, units
+        self.shard_index, self.units, self.num_shards = shard_index, units, num_shards
 
     def window_starts(self, step: int) -> np.ndarray:
         """The corpus offsets of the shard's windows at ``step``."""

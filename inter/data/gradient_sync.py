@@ -67,6 +67,10 @@ class SyncStats:
     """The membership generation the step committed in."""
     sites: int = 0
     """Live sites the step was averaged over."""
+    local_sq_norm: float = 0.0
+    """The squared L2 norm of what this rank handed in, before the sites' mean (its
+    shards of the site's own mean gradient); measured only when
+    :attr:`LaneGradientSync.measure_norms` is set (the gradient noise scale)."""
 
     @property
     def compression_ratio(self) -> float:
@@ -138,6 +142,9 @@ class LaneGradientSync:
         self._position: ShardPosition | None = None
         self._shapes: dict[int, GroupShape] = {}
         self._site_units: dict[str, int] = {}
+        self.measure_norms = False
+        """Sum the squares of each round's input (``SyncStats.local_sq_norm``): one more
+        pass over the shard, on the lane's thread."""
 
     def set_site_units(self, units: dict[str, int]) -> None:
         """Each site's share of the global batch (micro-batches per step over its
@@ -222,8 +229,9 @@ class LaneGradientSync:
         ready: torch.cuda.Event | None,
         *,
         shared: bool = False,
-    ) -> tuple[RoundStats, float, float]:
-        """Runs one group's round; returns its stats and its start and end times."""
+    ) -> tuple[RoundStats, float, float, float]:
+        """Runs one group's round; returns its stats, its start and end times and the
+        squared norm of its input (0 unless measured)."""
         abort = self.allreduce.abort
         if abort.is_set():
             # A failed round leaves peers out of step; later rounds would only time out.
@@ -236,7 +244,11 @@ class LaneGradientSync:
                 rs = self.allreduce.allreduce(
                     [buffer], step=step, group=group, average=False, peers=self._first_ranks()
                 )
-                return rs, t0, time.monotonic()
+                return rs, t0, time.monotonic(), 0.0
+            sq_norm = 0.0
+            if self.measure_norms:
+                with _on_lane_stream(buffer):
+                    sq_norm = float(torch.linalg.vector_norm(buffer, dtype=torch.float64) ** 2)
             weight = self._weight()
             if weight is not None:
                 # average=True divides by the live sites: w = units * sites / sum(units).
@@ -247,7 +259,7 @@ class LaneGradientSync:
                 rs = self.allreduce.allreduce([buffer], step=step, group=group, average=True)
             else:
                 rs = self._run_pieces(step, group, buffer, sizes)
-            return rs, t0, time.monotonic()
+            return rs, t0, time.monotonic(), sq_norm
         except BaseException as exc:
             # The one abort signal of the rank: the step's other rounds fail at once.
             abort.set(f"step {step} group {group} failed: {exc}")
@@ -386,9 +398,12 @@ class LaneGradientSync:
         deadline = time.monotonic() + timeout
         failure: CrossSiteError | None = None
         first, last = float("inf"), float("-inf")
+        stats.local_sq_norm = 0.0  # this attempt's (a RETRY measures again)
         for p in pending:
             try:
-                rs, began, ended = p.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                rs, began, ended, sq_norm = p.future.result(
+                    timeout=max(0.0, deadline - time.monotonic())
+                )
             except futures.TimeoutError:
                 failure = failure or CrossSiteError(
                     f"step {step} group {p.group}: not finished within {timeout:.1f}s"
@@ -400,6 +415,7 @@ class LaneGradientSync:
                 continue
             first, last = min(first, began), max(last, ended)
             stats.sync_s = last - first
+            stats.local_sq_norm += sq_norm
             stats.bytes_sent += rs.bytes_sent
             stats.bytes_received += rs.bytes_received
             stats.raw_bytes += rs.raw_bytes

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from isthmus.deploy.balance import BatchSplit, best_split
+from isthmus.deploy.balance import BatchSplit, best_split, resized
 
 
 def _slowest(seconds: list[float], accumulate: tuple[int, ...]) -> float:
@@ -87,3 +87,27 @@ def test_bad_splits_and_timings_are_refused():
         BatchSplit((1,), (1, 1))
     with pytest.raises(ValueError, match="3 timings for 2 sites"):
         best_split([0.1, 0.1, 0.1], BatchSplit((1, 1), (1, 1)))
+
+
+def test_a_resized_batch_keeps_the_sites_shares_or_follows_their_speeds():
+    split = BatchSplit((4, 4), (1, 1))
+    # No timings: the configured shares, whatever rounding the split in use carries.
+    assert resized(BatchSplit((2, 1), (1, 1)), 8, shares=(4, 4)).accumulate == (4, 4)
+    assert resized(split, 6).accumulate == (3, 3)
+    assert resized(BatchSplit((2, 1), (1, 1)), 6).accumulate == (4, 2)
+    # Timings of every site: the fastest split of the new size.
+    assert resized(split, 6, [0.1, 0.2]).accumulate == (4, 2)
+    # One site unmeasured: shares again.
+    assert resized(split, 6, [0.1, 0.0]).accumulate == (3, 3)
+    assert resized(split, 8) is split
+
+
+def test_a_batch_whole_micro_batches_cannot_make_rounds_up():
+    # dp 2 and 2: only even batches exist.
+    split = BatchSplit((2, 2), (2, 2))
+    assert resized(split, 7).total == 8
+    assert resized(split, 5).total == 6
+    # dp 2 and 3 with one micro-batch each at least: 6 is not 2a + 3b with a, b >= 1.
+    assert resized(BatchSplit((3, 1), (2, 3)), 6).total == 7
+    with pytest.raises(ValueError, match="a global batch of 3 gives a replica"):
+        resized(split, 3)

@@ -304,6 +304,12 @@ def test_a_bad_ranks_per_site_flag_is_a_one_line_error():
         (["train.balance_every=-1"], "train.balance_every must be >= 0"),
         (["train.balance_every=5", "sync.mode=diloco"], "train.balance_every=5 needs sync.mode=step"),
         (["train.balance_every=5", "topology.pp=2"], "needs sync.mode=step, topology.pp=1"),
+        (["train.batch_schedule=cosine"], "train.batch_schedule must be fixed, ramp or noise, got 'cosine'"),
+        (["train.batch_schedule=ramp", "train.accumulate=4"], "needs train.batch_ramp_steps >= 1, got 0"),
+        (["train.batch_schedule=ramp", "train.batch_ramp_steps=5"], "train.batch_start=0 must lie in [4, 4) micro-batches"),
+        (["train.batch_schedule=ramp", "train.batch_ramp_steps=5", "train.accumulate=4", "train.batch_start=1"], "train.batch_start=1 must lie in [4, 16)"),
+        (["train.batch_schedule=noise", "train.accumulate=4"], "needs two or more sites and train.balance_every >= 1"),
+        (["train.batch_schedule=ramp", "train.batch_ramp_steps=5", "train.accumulate=4", "sync.mode=diloco"], "train.batch_schedule=ramp needs sync.mode=step"),
     ],
 )  # fmt: skip
 def test_micro_batches_per_site_that_cannot_work_are_refused(sets, needle):
