@@ -81,9 +81,14 @@ def _site_lines(run_dir: Path, site: str) -> list[dict]:
         ("--ranks-per-site", "1", "--set", "model.preset=tiny"),
         # Experts split over two ranks: DTensors on a second mesh, saved and loaded.
         ("--ranks-per-site", "2", "--set", "model.preset=moe-tiny", "--set", "topology.ep=2"),
+        # A batch that grows over the steps: the resumed step 3 takes its size and split
+        # (3 micro-batches: 2 + 1) from the ramp and the checkpoint.
+        ("--ranks-per-site", "1", "--set", "model.preset=tiny", "--set", "train.accumulate=2",
+         "--set", "train.batch_schedule=ramp", "--set", "train.batch_ramp_steps=6",
+         "--set", "train.batch_start=2"),
     ],
-    ids=["dense", "moe-ep2"],
-)
+    ids=["dense", "moe-ep2", "ramp"],
+)  # fmt: skip
 def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(
     tmp_path: Path, layout: tuple[str, ...]
 ) -> None:
@@ -104,6 +109,8 @@ def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(
     first = run_cli(*common, timeout=120)
     assert first.returncode == 0, first.stderr[-3000:]
     before = {s: _site_lines(run_dir, s) for s in ("site0", "site1")}
+    if "train.batch_schedule=ramp" in layout:  # 2 + 1 micro-batches of 8 from step 3
+        assert [r["global_batch"] for r in before["site0"]] == [16, 16, 16, 24, 24, 24]
     digests = json.loads((run_dir / "summary.json").read_text())["digests"]
     ckpt = run_dir / "checkpoints"
     assert sorted(p.name for p in (ckpt / "site0").iterdir()) == [
@@ -122,6 +129,8 @@ def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(
         assert [r["step"] for r in after] == [3, 4, 5]
         assert [r["loss"] for r in after] == [r["loss"] for r in before[site][3:]]
         assert [r["grad_norm"] for r in after] == [r["grad_norm"] for r in before[site][3:]]
+        batch = [r.get("global_batch") for r in before[site]]
+        assert [r.get("global_batch") for r in after] == batch[3:]
     assert json.loads((run_dir / "summary.json").read_text())["digests"] == digests
     # The resumed run saved step 6 again at both sites.
     assert (ckpt / "site1" / "step-00000006" / "manifest.json").is_file()
