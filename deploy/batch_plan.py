@@ -62,6 +62,12 @@ NOISE_DECAY = 0.8
 """The noise scale's moving averages, per decision (each already a window's mean)."""
 NOISE_WARMUP = 3
 """Decisions before the noise scale counts."""
+WARMUP_STEPS = 2
+"""Steps after a start (or a rejoin) that are not measured: the first allocate and
+compile, and on a 2-core machine the second was still seen 20 % off."""
+MIN_SAMPLES = 3
+"""Steps a site must have measured to report (fewer, and it keeps its micro-batches):
+a decision on one or two steps once moved micro-batches between equal sites."""
 
 
 class BatchPlan:
@@ -132,7 +138,7 @@ class BatchPlan:
         """The last committed timings (the same bits at every site); 0 for none."""
         self._ramp_units: int | None = None
         self._window: list[tuple[float, float, float]] = []
-        self._warm = False  # the first step after a start compiles and allocates
+        self._unmeasured = WARMUP_STEPS
         self._shared: torch.Tensor | None = None
         if self.active:
             first = self.split if self.schedule == "fixed" else self._resized(start)
@@ -174,7 +180,7 @@ class BatchPlan:
         if self.rank != 0 or not self.due(step):
             return
         values = torch.zeros(len(self.sites) * _VALUES * BLOCK, dtype=torch.float32)
-        if self._window:
+        if len(self._window) >= min(MIN_SAMPLES, self.every):
             seconds, site_sq, global_sq = zip(*self._window, strict=True)
             # The median step: one that stalls (a collection, a page fault, a
             # neighbour's burst) must not move micro-batches.
@@ -199,10 +205,9 @@ class BatchPlan:
         applies what it decides."""
         if not self.active:
             return
-        if self._warm:
-            self._window.append((compute_s / self.micro_batches, site_sq_norm, global_sq_norm))
-        self._warm = True
+        sample = (compute_s / self.micro_batches, site_sq_norm, global_sq_norm)
         if not self.due(step):
+            self._record(sample)
             return
         values = torch.zeros(len(self.sites) * _VALUES, dtype=torch.float64)
         if self.rank == 0:
@@ -210,7 +215,18 @@ class BatchPlan:
             values.copy_(self._shared[::BLOCK])
         dist.broadcast(values, src=0)
         self._window, self._shared = [], None
+        before = self.split
         self._decide(step, values.view(len(self.sites), _VALUES).tolist())
+        if self.split == before:
+            # The next window starts with this step, unless it ran a split (a batch per
+            # site, for the noise scale's estimators) that is gone.
+            self._record(sample)
+
+    def _record(self, sample: tuple[float, float, float]) -> None:
+        if self._unmeasured:
+            self._unmeasured -= 1
+        else:
+            self._window.append(sample)
 
     def _decide(self, step: int, rows: list[list[float]]) -> None:
         """What the shared sum decides: the split, then (``noise``) the batch size."""
@@ -277,7 +293,8 @@ class BatchPlan:
     def load_state(self, extra: Mapping[str, torch.Tensor]) -> None:
         """Takes what :meth:`state` saved (a checkpoint, or a live site's); missing
         entries keep this rank's. The measurements start afresh."""
-        self._window, self._warm, self._shared, self._ramp_units = [], False, None, None
+        self._window, self._shared, self._ramp_units = [], None, None
+        self._unmeasured = WARMUP_STEPS
         if not self.active:
             return
         if _SECONDS_KEY in extra:
