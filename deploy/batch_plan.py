@@ -254,11 +254,13 @@ class BatchPlan:
         if split == self.split:
             return
         if self.rank == 0:
+            size = self.split.total, split.total
             log.warning(
-                "after step %d: global batch %d -> %d micro-batches, per rank %s -> %s%s",
+                "after step %d: %smicro-batches per rank %s -> %s%s",
                 step,
-                self.split.total,
-                split.total,
+                f"global batch {size[0]} -> {size[1]} micro-batches, "
+                if size[0] != size[1]
+                else "",
                 list(self.split.accumulate),
                 list(split.accumulate),
                 f" (seconds per micro-batch {[round(t, 4) for t in seconds]})" if seconds else "",
