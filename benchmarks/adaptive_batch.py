@@ -24,8 +24,9 @@ import time
 from itertools import accumulate
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from unequal_sites import run_once  # noqa: E402
+from unequal_sites import run_once
+
+from isthmus.deploy.cli import add_set_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,14 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accumulate", type=int, default=8, help="micro-batches per site at most")
     p.add_argument("--start", type=int, default=2, help="global micro-batches at step 0")
     p.add_argument("--every", type=int, default=5, help="steps between decisions")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="passed to every run (model, seq_len, lr, ...)",
-    )
+    add_set_argument(p, help="passed to every run (model, seq_len, lr, ...)")
     p.add_argument("--json", type=Path, default=None, help="default OUT/adaptive_batch.json")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     return p.parse_args(argv)

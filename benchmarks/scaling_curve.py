@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from isthmus.deploy.cli import add_set_argument
 from isthmus.deploy.config import JobConfig, load_config
 from isthmus.sim.plan import PlanInput, predict
 
@@ -46,13 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--warmup", type=int, default=3, help="steps left out of steady state (run.steady_after)"
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="passed to every isthmus local run (the link: wan.bandwidth_mbit=10000)",
+    add_set_argument(
+        p, help="passed to every isthmus local run (the link: wan.bandwidth_mbit=10000)"
     )
     p.add_argument(
         "--json", type=Path, default=None, help="where the table goes (OUT/scaling_curve.json)"

@@ -26,8 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from unequal_sites import run_once  # noqa: E402
+from unequal_sites import run_once
+
+from isthmus.deploy.cli import add_set_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,14 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--factor", type=float, default=2.0, help="how many times slower")
     p.add_argument("--slow-at", type=int, default=8, help="the step it slows at")
     p.add_argument("--balance", type=int, default=4, help="train.balance_every of run two")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="passed to both runs (model, batch, accumulate, link, codec, device)",
-    )
+    add_set_argument(p, help="passed to both runs (model, batch, accumulate, link, codec, device)")
     p.add_argument("--json", type=Path, default=None, help="default OUT/slow_site.json")
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     return p.parse_args(argv)

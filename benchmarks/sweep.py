@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from isthmus.deploy.cli import add_set_argument
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -41,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tail", type=int, default=20, help="steps the training loss averages")
     p.add_argument("--at-step", type=int, default=0, help="also the held-out loss at this step")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one job may take")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="to every job")
+    add_set_argument(p, help="to every job")
     p.add_argument(
         "--report-only", action="store_true", help="tabulate the finished jobs, run none"
     )

@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from isthmus.deploy.cli import add_set_argument
 from isthmus.deploy.summary import merge_steps, steady_state
 
 
@@ -52,14 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--codec", default="raw", help="sync.codec of every run")
     p.add_argument("--tail", type=int, default=20, help="steps the loss averages over")
     p.add_argument("--one-site", action="store_true", help="also run one site: efficiency")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="passed to every run",
-    )
+    add_set_argument(p, help="passed to every run")
     p.add_argument(
         "--steady-after",
         type=int,

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from isthmus.deploy.cli import add_set_argument
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -36,14 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="run directories and the JSON")
     p.add_argument("--steps", type=int, default=12, help="steps per run")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady state")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="passed to every run (model, batch, link, codec, device)",
-    )
+    add_set_argument(p, help="passed to every run (model, batch, link, codec, device)")
     p.add_argument("--json", type=Path, default=None, help="default OUT/unequal_sites.json")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     return p.parse_args(argv)

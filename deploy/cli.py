@@ -73,6 +73,18 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+def add_set_argument(
+    parser: argparse.ArgumentParser,
+    help: str = "override any config key (repeatable); see `isthmus config` for the keys",
+) -> None:
+    """``--set SECTION.KEY=VALUE``, repeatable, into ``args.overrides``: the CLI's and
+    every benchmark's way of passing config keys on."""
+    parser.add_argument(
+        "--set", metavar="SECTION.KEY=VALUE", action="append", default=[], dest="overrides",
+        help=help,
+    )  # fmt: skip
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool) -> None:
     parser.add_argument(
         "--config",
@@ -80,14 +92,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool)
         default=None,
         help="job config file (default: built-in defaults, see `isthmus config`)",
     )
-    parser.add_argument(
-        "--set",
-        metavar="SECTION.KEY=VALUE",
-        action="append",
-        default=[],
-        dest="overrides",
-        help="override any config key (repeatable); see `isthmus config` for the keys",
-    )
+    add_set_argument(parser)
     if common_flags:
         defaults = JobConfig()
         parser.add_argument(

@@ -15,11 +15,9 @@ it there and only the encoded bytes cross to the host.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from concurrent import futures
 
 import torch
@@ -29,8 +27,15 @@ from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError, Rou
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.membership import QuorumLost, SiteMembership
 from isthmus.inter.data.round import NonFiniteGradient
-from isthmus.inter.data.round_device import lane_stream
-from isthmus.inter.data.shard_map import MAX_PIECES, GroupShape, Piece, ShardPosition, pieces
+from isthmus.inter.data.round_device import on_lane_stream
+from isthmus.inter.data.shard_map import (
+    MAX_PIECES,
+    GroupShape,
+    ShardPosition,
+    gather_piece,
+    pieces,
+    scatter_piece,
+)
 
 __all__ = ["SHARE_GROUP", "LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
 
@@ -247,12 +252,12 @@ class LaneGradientSync:
                 return rs, t0, time.monotonic(), 0.0
             sq_norm = 0.0
             if self.measure_norms:
-                with _on_lane_stream(buffer):
+                with on_lane_stream(buffer):
                     sq_norm = float(torch.linalg.vector_norm(buffer, dtype=torch.float64) ** 2)
             weight = self._weight()
             if weight is not None:
                 # average=True divides by the live sites: w = units * sites / sum(units).
-                with _on_lane_stream(buffer):
+                with on_lane_stream(buffer):
                     buffer.mul_(weight)
             sizes = self.membership.site_ranks() if self.membership is not None else [1]
             if len(set(sizes)) == 1:
@@ -303,13 +308,13 @@ class LaneGradientSync:
                 for s in range(len(sizes))
                 if s != me
             }
-            with _on_lane_stream(buffer):
-                part = _gather(buffer, piece)
+            with on_lane_stream(buffer):
+                part = gather_piece(buffer, piece)
             rs = self.allreduce.allreduce(
                 [part], step=step, group=group * MAX_PIECES + piece.key, average=True, peers=peers
             )
-            with _on_lane_stream(buffer):
-                _scatter(buffer, piece, part)
+            with on_lane_stream(buffer):
+                scatter_piece(buffer, piece, part)
             for name in _SUMMED_STATS:
                 setattr(total, name, getattr(total, name) + getattr(rs, name))
         return total
@@ -479,30 +484,3 @@ _SUMMED_STATS = (
     *("num_chunks", "corrupt_chunks", "nonfinite_chunks"),
 )
 """The RoundStats of a group's pieces that add up to the group's."""
-
-
-@contextlib.contextmanager
-def _on_lane_stream(buffer: torch.Tensor) -> Iterator[None]:
-    """On a GPU, runs the block on this thread's lane stream (never behind the
-    training's kernels) and waits for it, so a round reads, or finish() copies back,
-    complete values; on the CPU, just the block."""
-    if not buffer.is_cuda:
-        yield
-        return
-    stream = lane_stream(buffer.device)
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
-
-
-def _gather(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """The piece's elements of ``buffer``, in the piece's order (a copy)."""
-    return torch.cat([buffer[o : o + n] for o, n in piece.runs])
-
-
-def _scatter(buffer: torch.Tensor, piece: Piece, values: torch.Tensor) -> None:
-    """Writes a piece's elements back where :func:`_gather` took them from."""
-    at = 0
-    for o, n in piece.runs:
-        buffer[o : o + n].copy_(values[at : at + n])
-        at += n

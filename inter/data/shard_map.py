@@ -21,7 +21,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["GroupShape", "Piece", "ShardPosition", "pieces", "shard_rows"]
+import torch
+
+__all__ = [
+    "GroupShape",
+    "Piece",
+    "ShardPosition",
+    "gather_piece",
+    "pieces",
+    "scatter_piece",
+    "shard_rows",
+]
 
 MAX_PIECES = 4096
 """Pieces one group may have; a piece's round is named ``group * MAX_PIECES + key``."""
@@ -157,3 +167,16 @@ def pieces(shape: GroupShape, widths: Sequence[int], me: int, shard: int) -> lis
     return [
         Piece(keys[h], h, tuple(r)) for h, r in sorted(runs.items(), key=lambda kv: keys[kv[0]])
     ]
+
+
+def gather_piece(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The piece's elements of a rank's flat ``buffer``, in the piece's order (a copy)."""
+    return torch.cat([buffer[o : o + n] for o, n in piece.runs])
+
+
+def scatter_piece(buffer: torch.Tensor, piece: Piece, values: torch.Tensor) -> None:
+    """Writes a piece's elements back where :func:`gather_piece` took them from."""
+    at = 0
+    for o, n in piece.runs:
+        buffer[o : o + n].copy_(values[at : at + n])
+        at += n
