@@ -91,17 +91,24 @@ case "${1:-}" in
       --set topology.device=cuda "${extra[@]}" | tee "$out/$1.txt"
     ;;
   modes)
-    # One site alone (for the scaling efficiency), then two sites per mode; the
-    # per-step baseline runs 20 steps only (each waits on the link).
+    # One site alone (for the scaling efficiency; ONE_SITE=0: none, ONE_SITE_STEPS: its
+    # length), then two sites per mode; the per-step baseline runs 20 steps only (each
+    # waits on the link); `joined` (all GPUs in one site) is the loss baseline of long
+    # runs. EVAL_EVERY: held-out loss every this many steps; EXTRA: more --set options.
     preset=${PRESET:-125m}
+    steps=${STEPS:-100}
+    one=()
+    [ "${ONE_SITE:-1}" = 1 ] && one=(--one-site --one-site-steps "${ONE_SITE_STEPS:-$steps}")
+    # shellcheck disable=SC2206  # EXTRA is split into words on purpose
+    extra=(${EXTRA:-})
     python3 benchmarks/sync_modes.py --out "${RUNS:-/tmp/isthmus-runs}/modes-$preset" \
-      --json "$out/modes_$preset.json" --one-site --preset "$preset" \
-      --ranks-per-site "$site_gpus" --steps "${STEPS:-100}" --tail 10 --codec "${CODEC:-int8}" \
-      --modes "${MODES:-step@20,diloco:20,diloco:20:19}" --timeout 400 \
-      --steady-after "${STEADY_AFTER:-2}" \
+      --json "$out/modes_$preset.json" "${one[@]}" --preset "$preset" \
+      --ranks-per-site "$site_gpus" --steps "$steps" --tail 10 --codec "${CODEC:-int8}" \
+      --modes "${MODES:-step@20,diloco:20,diloco:20:19}" --timeout "${RUN_TIMEOUT:-400}" \
+      --steady-after "${STEADY_AFTER:-2}" --eval-every "${EVAL_EVERY:-50}" \
       --set topology.device=cuda --set train.seq_len=2048 \
       --set train.batch_size="${BATCH:-16}" --set wan.distance_km=1000 \
-      --set wan.bandwidth_mbit=1000 | tee "$out/modes_$preset.txt"
+      --set wan.bandwidth_mbit=1000 "${extra[@]}" | tee "$out/modes_$preset.txt"
     ;;
   loss)
     preset=${PRESET:-125m}

@@ -19,9 +19,12 @@ tokens/s and the scaling efficiency (S sites / (S x one site)).
         --set wan.bandwidth_mbit=1000
 
 A mode is `step`, `diloco:H[:D]` (H inner steps, outer delay D; outer lr and
-momentum from --set) or `streaming:H:P[:D]` (P fragments, mixing from --set
-sync.fragment_alpha), optionally `@STEPS` to run fewer steps than --steps (a slow
-per-step baseline). A run whose summary.json already exists under --out is not run
+momentum from --set), `streaming:H:P[:D]` (P fragments, mixing from --set
+sync.fragment_alpha) or `joined` (every rank of every site in one site: per-step
+sync's math with an exact all-reduce, no codec and no link, so at full speed; when
+present it is the loss baseline, for a per-step run over a thin link would take hours
+to reach the outer modes' step counts), optionally `@STEPS` to run fewer steps than
+--steps (a slow per-step baseline whose bytes per token are all that is wanted). A run whose summary.json already exists under --out is not run
 again. Writes OUT/sync_modes.json (or --json).
 """
 
@@ -53,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--codec", default="raw", help="sync.codec of every run")
     p.add_argument("--tail", type=int, default=20, help="steps the loss averages over")
     p.add_argument("--one-site", action="store_true", help="also run one site: efficiency")
+    p.add_argument(
+        "--one-site-steps",
+        type=int,
+        default=None,
+        help="steps of the one-site run (default --steps): its steady tokens/s is all "
+        "that is wanted of it",
+    )
     add_set_argument(p, help="passed to every run")
     p.add_argument(
         "--steady-after",
@@ -84,7 +94,7 @@ def mode_run(mode: str, default_steps: int) -> tuple[list[str], int]:
         raise SystemExit(f"error: mode {mode!r}: @STEPS must be a positive integer")
     name, *numbers = spec.split(":")
     count = int(steps) if steps else default_steps
-    if name == "step" and not numbers:
+    if name in ("step", "joined") and not numbers:
         return ["--set", "sync.mode=step"], count
     if name == "diloco" and 1 <= len(numbers) <= 2 and all(n.isdigit() for n in numbers):
         settings = ["--set", "sync.mode=diloco", "--set", f"sync.inner_steps={numbers[0]}"]
@@ -98,7 +108,7 @@ def mode_run(mode: str, default_steps: int) -> tuple[list[str], int]:
             settings += ["--set", f"sync.outer_delay={numbers[2]}"]
         return settings, count
     raise SystemExit(
-        f"error: mode {mode!r}: expected step, diloco:H[:D] or streaming:H:P[:D], "
+        f"error: mode {mode!r}: expected step, joined, diloco:H[:D] or streaming:H:P[:D], "
         "then @STEPS or not"
     )
 
@@ -108,12 +118,12 @@ def run_dir_of(args: argparse.Namespace, mode: str) -> Path:
 
 
 def run(args: argparse.Namespace, name: str, run_dir: Path, sites: int, settings: list[str],
-        steps: int) -> Path:  # fmt: skip
+        steps: int, ranks_per_site: int | None = None) -> Path:  # fmt: skip
     if (run_dir / "summary.json").exists():
         return run_dir
     cmd = [
         sys.executable, "-m", "isthmus.deploy.cli", "local",
-        "--sites", str(sites), "--ranks-per-site", str(args.ranks_per_site),
+        "--sites", str(sites), "--ranks-per-site", str(ranks_per_site or args.ranks_per_site),
         "--steps", str(steps), "--run-dir", str(run_dir),
         "--set", f"model.preset={args.preset}", "--set", f"sync.codec={args.codec}",
         "--set", "run.tensorboard=false", "--set", "run.digest_every=0",
@@ -169,8 +179,9 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
         "exposed_sync_s_per_step": summary["exposed_sync_s_per_step"],
         # The inner steps' own time, the WAN aside: two sites on one host can slow
         # each other (memory bandwidth, PCIe, CPU) where sites in two places do not.
+        # (A run no longer than its steady_after, a bytes-only baseline: all of its steps.)
         "median_compute_s": statistics.median(
-            r["compute_s"] for recs in sites for r in recs[summary["steady_after"] :]
+            r["compute_s"] for recs in sites for r in (recs[summary["steady_after"] :] or recs)
         ),
         "replicas_identical": len(set(summary["digests"].values())) == 1,
         # The held-out loss measured after the step every run reached (it always is: the
@@ -187,39 +198,64 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     one_site, one_before_last = None, 0.0
     if args.one_site:
+        one_steps = args.one_site_steps or args.steps
         one = run(args, "one site", args.out / "one-site", 1, ["--set", "sync.mode=step"],
-                  args.steps)  # fmt: skip
+                  one_steps)  # fmt: skip
         one_site = json.loads((one / "summary.json").read_text())["steady_tokens_per_s"]
-        one_before_last = measure(one, args.tail, args.steps)["tokens_per_s_before_last"]
+        one_row = measure(one, args.tail, one_steps)
+        one_before_last = one_row["tokens_per_s_before_last"]
         print(f"one site: {one_site:,.0f} tokens/s, median compute "
-              f"{measure(one, args.tail, args.steps)['median_compute_s']:.4f} s/step")  # fmt: skip
+              f"{one_row['median_compute_s']:.4f} s/step")  # fmt: skip
     dirs = {}
     for mode in args.modes.split(","):
         settings, steps = mode_run(mode, args.steps)
-        dirs[mode] = run(args, mode, run_dir_of(args, mode), args.sites, settings, steps)
-    common = min(mode_run(m, args.steps)[1] for m in dirs)
-    rows = {mode: measure(d, args.tail, common) for mode, d in dirs.items()}
-    base = rows.get("step") or next((r for m, r in rows.items() if m.startswith("step")), None)
+        if mode.partition("@")[0] == "joined":
+            dirs[mode] = run(args, mode, run_dir_of(args, mode), 1, settings, steps,
+                             ranks_per_site=args.sites * args.ranks_per_site)  # fmt: skip
+        else:
+            dirs[mode] = run(args, mode, run_dir_of(args, mode), args.sites, settings, steps)
+    # The loss baseline: the joined run where there is one (the same math at full speed;
+    # a per-step run beside it is then there for its bytes only, compared at its own
+    # last step), else per-step sync. Bytes compare with per-step sync.
+    joined = next((m for m in dirs if m.startswith("joined")), None)
+    bytes_only = {m for m in dirs if joined and m.startswith("step")}
+    common = min(mode_run(m, args.steps)[1] for m in dirs if m not in bytes_only)
+    rows = {
+        mode: measure(d, args.tail, mode_run(mode, args.steps)[1] if mode in bytes_only else common)
+        for mode, d in dirs.items()
+    }
+    step_row = rows.get("step") or next((r for m, r in rows.items() if m.startswith("step")), None)
+    base = rows[joined] if joined else step_row
     print(
-        f"{'mode':<16} {'steps':>5} {'loss@' + str(common):>9} {'vs step':>8} "
+        f"{'mode':<16} {'steps':>5} {'loss@' + str(common):>9} {'vs base':>8} "
         f"{'bytes/token':>12} {'fewer':>8} {'tokens/s':>9} {'scaling':>8} "
-        f"{'w/o last':>8} {'identical':>9} {'held-out':>10} {'vs step':>8}"
+        f"{'w/o last':>8} {'identical':>9} {'held-out':>10} {'vs base':>8}"
     )
     for mode, r in rows.items():
-        gap = r["loss_at_equal_tokens"] / base["loss_at_equal_tokens"] - 1 if base else 0.0
+        gap = (
+            r["loss_at_equal_tokens"] / base["loss_at_equal_tokens"] - 1
+            if base and mode not in bytes_only
+            else None
+        )
         fewer = (
-            base["bytes_per_token"] / r["bytes_per_token"]
-            if base and r["bytes_per_token"]
+            step_row["bytes_per_token"] / r["bytes_per_token"]
+            if step_row and r["bytes_per_token"]
             else float("inf")
         )
-        scaling = r["steady_tokens_per_s"] / (args.sites * one_site) if one_site else None
+        # Scaling is of the sites' runs; the joined one holds all their GPUs in one site.
+        scaled = one_site and mode != joined
+        scaling = r["steady_tokens_per_s"] / (args.sites * one_site) if scaled else None
         # The same without each run's last step (DiLoCo's final round of the whole model).
         before_last = (
-            r["tokens_per_s_before_last"] / (args.sites * one_before_last) if one_site else None
+            r["tokens_per_s_before_last"] / (args.sites * one_before_last) if scaled else None
         )
         # The shared model's held-out loss at the step every run reached.
         final, base_final = r["val_loss"], base and base["val_loss"]
-        final_gap = final / base_final - 1 if final is not None and base_final else None
+        final_gap = (
+            final / base_final - 1
+            if final is not None and base_final and mode not in bytes_only
+            else None
+        )
         r.update(
             val_loss_vs_step=final_gap,
             loss_vs_step=gap,
@@ -228,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             scaling_efficiency_before_last_step=before_last,
         )
         print(
-            f"{mode:<16} {r['steps']:5d} {r['loss_at_equal_tokens']:9.4f} {gap:+8.2%} "
+            f"{mode:<16} {r['steps']:5d} {r['loss_at_equal_tokens']:9.4f} "
+            f"{'-' if gap is None else f'{gap:+.2%}':>8} "
             f"{r['bytes_per_token']:12.1f} {fewer:7.1f}x {r['steady_tokens_per_s']:9.0f} "
             f"{'-' if scaling is None else f'{scaling:.1%}':>8} "
             f"{'-' if before_last is None else f'{before_last:.1%}':>8} "
@@ -246,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 "preset": args.preset,
                 "codec": args.codec,
                 "loss_at_step": common,
+                "loss_baseline": next((m for m, r in rows.items() if r is base), None),
                 "tail": args.tail,
                 "steady_after": args.steady_after,
                 "one_site_tokens_per_s": one_site,

@@ -4,6 +4,8 @@ emulated links, its checkpoints and resume, and its settings refused in one line
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -272,5 +274,37 @@ def test_the_modes_benchmark_reads_every_mode_and_refuses_a_bad_one():
         ["--set", "sync.mode=diloco", "--set", "sync.inner_steps=20"],
         400,
     )
+    assert bench.mode_run("joined", 400) == (["--set", "sync.mode=step"], 400)
     with pytest.raises(SystemExit, match="streaming:H:P"):
         bench.mode_run("streaming:100", 400)
+    with pytest.raises(SystemExit, match="joined"):
+        bench.mode_run("joined:2", 400)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_modes_benchmark_compares_loss_with_the_joined_run_and_bytes_with_per_step(tmp_path):
+    """`joined` (every rank in one site) is the loss baseline when present; a short
+    per-step run beside it gives the bytes per token and is left out of the loss."""
+    out = tmp_path / "modes"
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "sync_modes.py"), "--out", str(out),
+        "--steps", "4", "--preset", "tiny", "--modes", "step@2,joined,diloco:2",
+        "--set", "train.seq_len=64", "--eval-every", "4", "--eval-batches", "2", "--tail", "2",
+    ]  # fmt: skip
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "sync_modes.json").read_text())
+    assert result["loss_baseline"] == "joined" and result["loss_at_step"] == 4
+    rows = result["rows"]
+    joined_sites = sorted(p.name for p in (out / "joined" / "sites").iterdir())
+    assert joined_sites == ["site0"] and rows["joined"]["cross_site_bytes"] == 0
+    assert rows["step@2"]["steps"] == 2 and rows["step@2"]["loss_vs_step"] is None
+    assert rows["joined"]["loss_vs_step"] == 0.0
+    diloco = rows["diloco:2"]
+    expected = diloco["loss_at_equal_tokens"] / rows["joined"]["loss_at_equal_tokens"] - 1
+    assert diloco["loss_vs_step"] == pytest.approx(expected)
+    # DiLoCo at H = 2 sends the fp32 model once per 2 steps: half per-step sync's bytes.
+    assert diloco["fewer_bytes_than_step"] == pytest.approx(2.0, rel=0.05)
