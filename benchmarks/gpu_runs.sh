@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_runs.sh loss      # per-step sync's loss over STEPS steps on a
 #                                          # 10 Gbit/s link: the baseline the modes'
 #                                          # loss compares with (a link changes no loss)
+#   bash benchmarks/gpu_runs.sh corpus    # a larger corpus for long loss comparisons:
+#                                          # the host's installed source files
 #   bash benchmarks/gpu_runs.sh pair      # one site alone against two one-site jobs
 #                                          # at once on the two halves of the host
 #   bash benchmarks/gpu_runs.sh longctx   # issue 17: one site of all GPUs, 125m at
@@ -109,6 +111,20 @@ case "${1:-}" in
       --set topology.device=cuda --set train.seq_len=2048 \
       --set train.batch_size="${BATCH:-16}" --set wan.distance_km=1000 \
       --set wan.bandwidth_mbit=1000 "${extra[@]}" | tee "$out/modes_$preset.txt"
+    ;;
+  corpus)
+    # A corpus larger than the default one (the standard library's 30-odd MB, which the
+    # 125m model memorizes within a few thousand steps of 2 x 2 GPUs): the source text
+    # of the host's installed packages, sorted by path, up to CORPUS_BYTES (default
+    # 600 MB), written to CORPUS (default /tmp/corpus.txt). Train on it with
+    # EXTRA="--set data.source=path --set data.path=/tmp/corpus.txt --set data.max_bytes=..."
+    corpus=${CORPUS:-/tmp/corpus.txt}
+    read -r -a roots < <(python3 -c 'import site, sys; print(sys.prefix, *site.getsitepackages())')
+    find /usr /opt "${roots[@]}" -type f -size -1024k \( -name '*.py' -o -name '*.h' \
+      -o -name '*.hpp' -o -name '*.cuh' -o -name '*.c' -o -name '*.cc' -o -name '*.cpp' \) \
+      -print0 2>/dev/null | sort -zu | xargs -0 cat 2>/dev/null \
+      | head -c "${CORPUS_BYTES:-600000000}" >"$corpus" || true
+    echo "corpus: $(stat -c %s "$corpus") bytes in $corpus" | tee "$out/corpus.txt"
     ;;
   loss)
     preset=${PRESET:-125m}

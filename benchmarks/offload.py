@@ -83,8 +83,26 @@ def run_case(args: argparse.Namespace, case: str, offload: bool) -> dict:
             kept += ["max_memory_gib", "host_peak_gib", "device"]
             return row | {"fits": True} | {k: result[k] for k in kept}
         oom = "out of memory" in done.stderr.lower() or "OutOfMemoryError" in done.stderr
-        tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-3:]
-        return row | {"fits": False if oom else None, "error": " | ".join(tail)[-600:]}
+        if not oom and args.json:
+            # The whole of it beside the JSON: a worker that dies once in a while (a
+            # SIGABRT 3 s in, once in 2026-11) must leave more than torchrun's summary.
+            log = args.json.with_name(f"{args.json.stem}-{preset}-{layers}-offload-{offload}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(done.stdout + done.stderr)
+        return row | {"fits": False if oom else None, "error": failure_of(done.stderr)}
+
+
+WORKER_FAILURES = ("terminate called", "what():", "Traceback", "Error:", "Fatal Python error")
+"""The first lines a dying worker writes, before torchrun's summary buries them."""
+
+
+def failure_of(stderr: str) -> str:
+    """The worker's own first error line (a C++ abort, a Python exception) and the last
+    lines of stderr (torchrun's summary: which rank, which signal), at most 600 chars."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    first = next((line for line in lines if any(m in line for m in WORKER_FAILURES)), "")
+    tail = " | ".join(lines[-3:])
+    return (f"{first[:300]} || {tail}" if first else tail)[-600:]
 
 
 def table(rows: list[dict]) -> str:
