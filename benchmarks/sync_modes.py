@@ -24,8 +24,9 @@ sync.fragment_alpha) or `joined` (every rank of every site in one site: per-step
 sync's math with an exact all-reduce, no codec and no link, so at full speed; when
 present it is the loss baseline, for a per-step run over a thin link would take hours
 to reach the outer modes' step counts), optionally `@STEPS` to run fewer steps than
---steps (a slow per-step baseline whose bytes per token are all that is wanted). A run whose summary.json already exists under --out is not run
-again. Writes OUT/sync_modes.json (or --json).
+--steps (a slow per-step baseline whose bytes per token are all that is wanted). A
+run whose summary.json already exists under --out is not run again. Writes
+OUT/sync_modes.json (or --json).
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         fewer = (
             step_row["bytes_per_token"] / r["bytes_per_token"]
             if step_row and r["bytes_per_token"]
-            else float("inf")
+            else None  # sends nothing: the joined run
         )
         # Scaling is of the sites' runs; the joined one holds all their GPUs in one site.
         scaled = one_site and mode != joined
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{mode:<16} {r['steps']:5d} {r['loss_at_equal_tokens']:9.4f} "
             f"{'-' if gap is None else f'{gap:+.2%}':>8} "
-            f"{r['bytes_per_token']:12.1f} {fewer:7.1f}x {r['steady_tokens_per_s']:9.0f} "
+            f"{r['bytes_per_token']:12.1f} {'-' if fewer is None else f'{fewer:.1f}x':>8} "
+            f"{r['steady_tokens_per_s']:9.0f} "
             f"{'-' if scaling is None else f'{scaling:.1%}':>8} "
             f"{'-' if before_last is None else f'{before_last:.1%}':>8} "
             f"{str(r['replicas_identical']):>9} "
