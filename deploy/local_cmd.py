@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from isthmus.deploy.cli import add_config_arguments, add_job_flags, config_from_args, run_job
-from isthmus.deploy.config import ConfigError
+from isthmus.deploy.config import ConfigError, JobConfig
 from isthmus.deploy.exposure import check_exposure
 
-__all__ = ["register"]
+__all__ = ["register", "resolve_local_job"]
 
 
-def cmd_local(args: argparse.Namespace) -> int:
-    from isthmus.deploy.checkpointing import resolve_resume
-    from isthmus.deploy.local import LocalJob, parse_slow
+def resolve_local_job(args: argparse.Namespace) -> tuple[JobConfig, Any, dict]:
+    """The job `isthmus local ARGS` would run: its config, topology and slowed sites,
+    checked as a launch checks them, before anything starts (also what the README's
+    examples are tested with, tests/deploy/test_readme.py).
+
+    Raises:
+        ConfigError: anything the launch would refuse in one line.
+    """
+    from isthmus.deploy.local import parse_slow
 
     topology = None
     if args.topology:
@@ -32,10 +39,17 @@ def cmd_local(args: argparse.Namespace) -> int:
         if args.sites is None:
             args.sites = len(topology.sites)
     config = config_from_args(args)
+    return config, topology, parse_slow(args.slow, config.site_names)
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from isthmus.deploy.checkpointing import resolve_resume
+    from isthmus.deploy.local import LocalJob
+
+    config, topology, slow = resolve_local_job(args)
     for site in config.site_names:  # coordinators on loopback; lanes on cluster.lane_host
         check_exposure(config, site, "127.0.0.1", sys.stderr)
     resolve_resume(config, config.site_names, resume=args.resume)
-    slow = parse_slow(args.slow, config.site_names)
     job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology, slow=slow)
     return run_job(job, "summary:")
 
