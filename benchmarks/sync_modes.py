@@ -114,6 +114,10 @@ def mode_run(mode: str, default_steps: int) -> tuple[list[str], int]:
     )
 
 
+def is_joined(mode: str) -> bool:
+    return mode.partition("@")[0] == "joined"
+
+
 def run_dir_of(args: argparse.Namespace, mode: str) -> Path:
     return args.out / mode.replace(":", "-").replace("@", "-n")
 
@@ -207,25 +211,25 @@ def main(argv: list[str] | None = None) -> int:
         one_before_last = one_row["tokens_per_s_before_last"]
         print(f"one site: {one_site:,.0f} tokens/s, median compute "
               f"{one_row['median_compute_s']:.4f} s/step")  # fmt: skip
-    dirs = {}
+    dirs, steps_of = {}, {}
     for mode in args.modes.split(","):
-        settings, steps = mode_run(mode, args.steps)
-        if mode.partition("@")[0] == "joined":
-            dirs[mode] = run(args, mode, run_dir_of(args, mode), 1, settings, steps,
-                             ranks_per_site=args.sites * args.ranks_per_site)  # fmt: skip
-        else:
-            dirs[mode] = run(args, mode, run_dir_of(args, mode), args.sites, settings, steps)
+        settings, steps_of[mode] = mode_run(mode, args.steps)
+        # `joined`: the same ranks, all in one site.
+        sites, ranks = (
+            (1, args.sites * args.ranks_per_site) if is_joined(mode) else (args.sites, None)
+        )
+        dirs[mode] = run(args, mode, run_dir_of(args, mode), sites, settings, steps_of[mode], ranks)
     # The loss baseline: the joined run where there is one (the same math at full speed;
     # a per-step run beside it is then there for its bytes only, compared at its own
     # last step), else per-step sync. Bytes compare with per-step sync.
-    joined = next((m for m in dirs if m.startswith("joined")), None)
+    joined = next((m for m in dirs if is_joined(m)), None)
     bytes_only = {m for m in dirs if joined and m.startswith("step")}
-    common = min(mode_run(m, args.steps)[1] for m in dirs if m not in bytes_only)
+    common = min(steps_of[m] for m in dirs if m not in bytes_only)
     rows = {
-        mode: measure(d, args.tail, mode_run(mode, args.steps)[1] if mode in bytes_only else common)
+        mode: measure(d, args.tail, steps_of[mode] if mode in bytes_only else common)
         for mode, d in dirs.items()
     }
-    step_row = rows.get("step") or next((r for m, r in rows.items() if m.startswith("step")), None)
+    step_row = next((r for m, r in rows.items() if m.startswith("step")), None)
     base = rows[joined] if joined else step_row
     print(
         f"{'mode':<16} {'steps':>5} {'loss@' + str(common):>9} {'vs base':>8} "

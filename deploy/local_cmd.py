@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from isthmus.deploy.cli import add_config_arguments, add_job_flags, config_from_args, run_job
 from isthmus.deploy.config import ConfigError, JobConfig
 from isthmus.deploy.exposure import check_exposure
 
+if TYPE_CHECKING:
+    from isthmus.sim import Topology
+
 __all__ = ["register", "resolve_local_job"]
 
 
-def resolve_local_job(args: argparse.Namespace) -> tuple[JobConfig, Any, dict]:
+def resolve_local_job(
+    args: argparse.Namespace,
+) -> tuple[JobConfig, Topology | None, dict[str, tuple[float, int]]]:
     """The job `isthmus local ARGS` would run: its config, topology and slowed sites,
     checked as a launch checks them, before anything starts (also what the README's
     examples are tested with, tests/deploy/test_readme.py).
