@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -44,6 +45,14 @@ from .train import GradientSync, SyncResult, Trainer
 __all__ = ["OuterConfig", "OuterOptimizer", "fragment_of", "outer_groups"]
 
 PREFIX = "outer/"
+
+
+@runtime_checkable
+class VotesAhead(Protocol):
+    """A sync that can vote on a step's rounds as soon as they end, before ``finish``
+    (the lane's ``LaneGradientSync``; one without a membership ignores it)."""
+
+    def vote_ahead(self, step: int) -> None: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -271,6 +280,11 @@ class OuterOptimizer:
         taken = [d.clone() for d in deltas] if eager else None
         for i, delta in zip(groups, deltas, strict=True):
             self.sync.start(step, i, delta)
+        if merge and isinstance(self.sync, VotesAhead):
+            # The round lands `delay` steps from now: vote as soon as it ends, so the
+            # landing finds the job's decision made rather than waiting there for the
+            # slowest site's vote (its step times drift from this site's meanwhile).
+            self.sync.vote_ahead(step)
         self._round = _Round(step, groups, deltas, taken, merge)
 
     @torch.no_grad()

@@ -226,6 +226,31 @@ class LaneGradientSync:
         future = self._worker.submit(self._run, step, SHARE_GROUP, buffer, None, shared=True)
         self._pending.append(_Pending(SHARE_GROUP, values, buffer, future, shared=True))
 
+    def vote_ahead(self, step: int) -> None:
+        """Votes "ok" on ``step``'s rounds as soon as they all succeed, on the lane's
+        worker, without waiting for the decision (:meth:`SiteMembership.vote_ahead`).
+
+        For rounds whose :meth:`finish` comes steps later (an outer round with a
+        delay): the vote ``finish`` casts then finds the job's decision already made,
+        so the landing step does not wait on the other sites' votes, which arrive
+        whenever their own step times let them. A round that failed is left to
+        ``finish`` to vote on, as before. Without a membership there is no vote.
+        """
+        if step != self._step or not self._pending:
+            raise RuntimeError(f"vote_ahead({step}) without rounds of step {step} started")
+        membership = self.membership
+        if membership is None:
+            return
+        rounds = [p.future for p in self._pending]
+
+        def vote() -> None:
+            # Queued after the step's rounds (the queue is FIFO): they all started.
+            done, _ = futures.wait(rounds)
+            if all(f.exception() is None for f in done):
+                membership.vote_ahead(step)
+
+        self._worker.submit(vote)
+
     def _run(
         self,
         step: int,

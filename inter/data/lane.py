@@ -464,6 +464,15 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     ) -> Iterator[lane_pb2.StatePiece]:
         """Streams this rank's training state after ``request.step`` to a joining rank."""
         generation = self.generation
+        if request.generation > generation:
+            # The commit that admitted the joiner is decided before the source lands it
+            # (an outer round voted ahead lands steps later): its rank moves to that
+            # generation, and offers the state, when it does. The joiner asks again.
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"site {self.site_index} is in generation {generation}, not yet "
+                f"{request.generation}: ask again",
+            )
         if request.generation != generation:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

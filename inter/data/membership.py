@@ -162,6 +162,28 @@ class SiteMembership:
             f"{self.decision_timeout_s:.0f}s"
         )
 
+    def vote_ahead(self, step: int) -> None:
+        """Casts this rank's "ok" on ``step``'s rounds without waiting for the decision.
+
+        For a round that lands steps after it ended (an outer round with a delay): the
+        sites' votes then meet while they train on, and the :meth:`vote` at landing
+        finds the decision made instead of waiting there for the slowest site's vote
+        and the coordinators' round trips. Best effort: that :meth:`vote` votes again
+        (an "ok" counts once), so a vote lost here costs only the wait it would save.
+        """
+        try:
+            self.client.commit_step(
+                site=self.site,
+                rank=self.rank,
+                step=step,
+                generation=self.generation,
+                ok=True,
+                wait_ms=0,
+                timeout_s=_RPC_SLACK_S,
+            )
+        except grpc.RpcError as exc:
+            log.debug("[%s/%d] early vote on step %d: %s", self.site, self.rank, step, exc)
+
     def _watch(self) -> None:
         # A long poll: the coordinator answers at once when a member falls silent or
         # the generation moves, else after _WATCH_WAIT_MS (so `close` is never held long).

@@ -209,10 +209,19 @@ def pull_state(
         StateTransferError: the peer refused, failed or sent a malformed piece.
     """
     request = lane_pb2.PullStateRequest(generation=generation, step=step, rank=rank)
-    try:
-        stream = stub.PullState(request, timeout=timeout_s, wait_for_ready=True)
-        return assemble(stream, max_total_bytes)
-    except grpc.RpcError as exc:
-        raise StateTransferError(
-            f"pulling the state after step {step}: {exc.code().name}: {exc.details()}"
-        ) from exc
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            stream = stub.PullState(
+                request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True
+            )
+            return assemble(stream, max_total_bytes)
+        except grpc.RpcError as exc:
+            # UNAVAILABLE: the serving rank is not in this generation yet (it moves
+            # there when it lands the step that admitted this site); ask again.
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline - 0.2:
+                time.sleep(0.2)
+                continue
+            raise StateTransferError(
+                f"pulling the state after step {step}: {exc.code().name}: {exc.details()}"
+            ) from exc

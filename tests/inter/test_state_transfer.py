@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
 import torch
 
 from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.round_types import Members
 from isthmus.inter.data.state_transfer import (
     PIECE_BYTES,
     StateTransferError,
@@ -104,6 +106,27 @@ def test_a_joining_rank_pulls_the_offered_state_over_grpc(lane):
         threading.Timer(0.2, lane.offers.offer, args=(3, 11, state)).start()
         got = pull_state(stub, generation=3, step=11, rank=1, timeout_s=10)
     assert_same(got, state)
+
+
+def test_a_pull_ahead_of_the_serving_lanes_generation_waits_for_it_to_move_there(lane):
+    """An outer round voted ahead: the commit admitting the joiner is decided before the
+    source lands it and moves to the new generation (then offers its state)."""
+    state = sample_state()
+
+    def land() -> None:
+        lane.set_members(Members(4, 0, 2))
+        lane.offers.offer(4, 11, state)
+
+    with grpc.insecure_channel(lane.address) as channel:
+        stub = lane_pb2_grpc.LaneStub(channel)
+        threading.Timer(0.5, land).start()
+        got = pull_state(stub, generation=4, step=11, rank=1, timeout_s=10)
+        assert_same(got, state)
+        # A source that never gets there: the pull gives up at its deadline, saying why.
+        started = time.monotonic()
+        with pytest.raises(StateTransferError, match="in generation 4, not yet 5: ask again"):
+            pull_state(stub, generation=5, step=11, rank=1, timeout_s=1.0)
+        assert time.monotonic() - started < 5.0
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,19 @@ class FailingSync:
         raise RuntimeError("the round failed")
 
 
+class VotingAheadSync(AveragingSync):
+    """AveragingSync that also records the steps the outer optimizer voted ahead on
+    (``LaneGradientSync.vote_ahead``: the rounds started, their finish steps away)."""
+
+    def __init__(self, pg: dist.ProcessGroup, sites: int) -> None:
+        super().__init__(pg, sites)
+        self.voted_ahead: list[int] = []
+
+    def vote_ahead(self, step: int) -> None:
+        assert self.pending, "voted ahead before the round's groups started"
+        self.voted_ahead.append(step)
+
+
 def _site(site: int, tmp: str) -> tuple[Trainer, ShardedBatches, dist.ProcessGroup]:
     init_gloo(0, 1, os.path.join(tmp, f"site{site}"))
     cross = dist.ProcessGroupGloo(
@@ -74,11 +87,9 @@ def _mean_over_sites(t: torch.Tensor, cross: dist.ProcessGroup) -> torch.Tensor:
 def _averaging_worker(site: int, tmp: str) -> dict[str, Any]:
     """H = 1, outer lr 1, momentum 0: each outer step must average the sites' parameters."""
     trainer, data, cross = _site(site, tmp)
+    sync = VotingAheadSync(cross, 2)
     outer = OuterOptimizer(
-        trainer,
-        AveragingSync(cross, 2),
-        OuterConfig(inner_steps=1, lr=1.0, momentum=0.0),
-        total_steps=3,
+        trainer, sync, OuterConfig(inner_steps=1, lr=1.0, momentum=0.0), total_steps=3
     )
     errors = []
     for step in range(3):
@@ -89,6 +100,8 @@ def _averaging_worker(site: int, tmp: str) -> dict[str, Any]:
         errors.append(float((_flat_params(trainer) - expected).abs().max()))
     digest = parameter_digest(trainer.model)
     shutdown()
+    # Without a delay each round lands at once: nothing to vote on ahead.
+    assert sync.voted_ahead == []
     return {"errors": errors, "digest": digest, "outer_steps": outer.outer_steps}
 
 
@@ -225,7 +238,8 @@ def _delayed_worker(site: int, tmp: str) -> dict[str, Any]:
     as the new anchor plus the progress this site made meanwhile."""
     trainer, data, cross = _site(site, tmp)
     config = OuterConfig(inner_steps=3, lr=0.7, momentum=0.9, delay=2)
-    outer = OuterOptimizer(trainer, AveragingSync(cross, 2), config, total_steps=9)
+    sync = VotingAheadSync(cross, 2)
+    outer = OuterOptimizer(trainer, sync, config, total_steps=9)
     anchor = torch.nn.Parameter(_flat_params(trainer))
     sgd = torch.optim.SGD([anchor], lr=config.lr, momentum=config.momentum, nesterov=True)
     landed, errors, anchor_digests, taken = [], [], [], None
@@ -252,7 +266,13 @@ def _delayed_worker(site: int, tmp: str) -> dict[str, Any]:
             anchor_digests.append(outer.anchor_digest())
     digest = parameter_digest(trainer.model)
     shutdown()
-    return {"landed": landed, "errors": errors, "anchors": anchor_digests, "digest": digest}
+    return {
+        "landed": landed,
+        "errors": errors,
+        "anchors": anchor_digests,
+        "digest": digest,
+        "voted_ahead": sync.voted_ahead,
+    }
 
 
 @pytest.mark.timeout(120)
@@ -261,6 +281,8 @@ def test_a_delayed_round_lands_later_under_the_progress_made_meanwhile(tmp_path:
     # Rounds start after steps 2, 5 and 8 (the last); they land after 4 and 7, and the
     # last one at once, so the job ends with equal parameters.
     assert sites[0]["landed"] == [4, 7, 8]
+    # The delayed rounds are voted on as they start; the last one lands at once.
+    assert sites[0]["voted_ahead"] == sites[1]["voted_ahead"] == [2, 5]
     assert sites[0]["anchors"] == sites[1]["anchors"]  # equal anchors whenever one landed
     assert sites[0]["digest"] == sites[1]["digest"]
     assert max(sites[0]["errors"] + sites[1]["errors"]) < 1e-5

@@ -1,0 +1,100 @@
+"""Voting on a round before landing it (LaneGradientSync.vote_ahead): two sites with real
+coordinators, real lanes and real memberships on loopback, as deploy/cross_site.py wires
+a rank. An outer round with a delay lands steps after it ended; its vote is cast when it
+ends, so the site that lands first finds the decision made without the other's finish."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from coordinators import FP, coordinator, rank_key
+from helpers import register_rank
+from lanes import inputs, run_all, sites
+
+from isthmus.inter.control.coordinator_client import CoordinatorClient
+from isthmus.inter.data.gradient_sync import LaneGradientSync
+from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.membership import QuorumLost, SiteMembership
+
+
+@contextmanager
+def joined_sites(decision_timeout_s: float) -> Iterator[list[LaneGradientSync]]:
+    """Two sites of one rank each: coordinators, lanes and the ranks' memberships."""
+    names = ["site0", "site1"]
+    with sites(2) as ars:
+        coords = [coordinator(name, names) for name in names]
+        syncs: list[LaneGradientSync] = []
+        try:
+            for c in coords:
+                c.set_peers({o.site: o.address for o in coords if o is not c}, None)
+                c.start()
+            for c, ar in zip(coords, ars, strict=True):
+                register_rank(c.address, c.site, FP, key=rank_key(c), lane=ar.server.address)
+            for c in coords:
+                c.wait_ready(20)
+            for c, ar in zip(coords, ars, strict=True):
+                client = CoordinatorClient.connect(c.address, rank_key=rank_key(c))
+                now = client.membership_now(known_generation=0, wait_ms=0, timeout_s=5)
+                membership = SiteMembership(
+                    client=client,
+                    site=c.site,
+                    rank=0,
+                    allreduce=ar,
+                    make_peer=lambda info, rank: LanePeer(info.lane_addresses[rank]),
+                    sites=list(now.sites),
+                    generation=now.generation,
+                    decision_timeout_s=decision_timeout_s,
+                )
+                syncs.append(LaneGradientSync(ar, membership=membership))
+            yield syncs
+        finally:
+            for sync in syncs:
+                sync.close()
+            for c in coords:
+                c.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_round_voted_ahead_commits_before_the_other_site_lands_it(ahead):
+    with joined_sites(decision_timeout_s=3.0) as syncs:
+        shards = inputs(2, [3000], seed=5)
+        want = (shards[0][0] + shards[1][0]) / 2
+        for s, sync in enumerate(syncs):
+            sync.start(4, 0, shards[s][0])
+            if ahead:
+                sync.vote_ahead(4)
+        # site1 lands the round while site0 is still training on (no finish yet): only
+        # site0's vote cast ahead can make the decision.
+        if not ahead:
+            with pytest.raises(QuorumLost, match="no decision on step 4"):
+                syncs[1].finish(4)
+            return
+        started = time.monotonic()
+        landed = syncs[1].finish(4)
+        assert landed.committed and time.monotonic() - started < 2.0
+        assert landed.stats.sites == 2
+        assert torch.equal(shards[1][0], want)
+        # site0 lands later and finds the same decision.
+        assert syncs[0].finish(4).committed
+        assert torch.equal(shards[0][0], want)
+        # The next round votes the usual way, at finish, and still commits everywhere.
+        for s, sync in enumerate(syncs):
+            sync.start(5, 0, shards[s][0])
+        results = run_all([lambda s=s: syncs[s].finish(5) for s in range(2)])
+        assert all(not isinstance(r, BaseException) and r.committed for r in results), results
+
+
+@pytest.mark.timeout(30)
+def test_vote_ahead_needs_the_steps_rounds_started():
+    with sites(2) as ars:
+        sync = LaneGradientSync(ars[0])
+        try:
+            with pytest.raises(RuntimeError, match=r"vote_ahead\(3\) without rounds of step 3"):
+                sync.vote_ahead(3)
+        finally:
+            sync.close()
