@@ -242,12 +242,16 @@ class LaneGradientSync:
         if membership is None:
             return
         rounds = [p.future for p in self._pending]
+        # The generation the rounds run in, read now: a vote that came after finish
+        # followed a decision into the next generation must not vote there.
+        generation = membership.generation
 
         def vote() -> None:
             # Queued after the step's rounds (the queue is FIFO): they all started.
             done, _ = futures.wait(rounds)
-            if all(f.exception() is None for f in done):
-                membership.vote_ahead(step)
+            # Once finish took the rounds, its own vote covers them.
+            if self._step == step and all(f.exception() is None for f in done):
+                membership.vote_ahead(step, generation)
 
         self._worker.submit(vote)
 

@@ -162,8 +162,9 @@ class SiteMembership:
             f"{self.decision_timeout_s:.0f}s"
         )
 
-    def vote_ahead(self, step: int) -> None:
-        """Casts this rank's "ok" on ``step``'s rounds without waiting for the decision.
+    def vote_ahead(self, step: int, generation: int) -> None:
+        """Casts this rank's "ok" on ``step``'s rounds, run in ``generation``, without
+        waiting for the decision.
 
         For a round that lands steps after it ended (an outer round with a delay): the
         sites' votes then meet while they train on, and the :meth:`vote` at landing
@@ -176,7 +177,7 @@ class SiteMembership:
                 site=self.site,
                 rank=self.rank,
                 step=step,
-                generation=self.generation,
+                generation=generation,
                 ok=True,
                 wait_ms=0,
                 timeout_s=_RPC_SLACK_S,
