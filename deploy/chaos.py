@@ -371,10 +371,14 @@ def run_suite(
             f"unknown scenario(s) {sorted(unknown)}; known: {[s.name for s in SCENARIOS]}"
         )
     load_config(None, list(overrides))  # a bad setting fails here, in one line, not per site
+    unfit = unfit_scenarios(chosen, overrides, named=bool(only))
     root = keep or Path(tempfile.mkdtemp(prefix="isthmus-chaos-"))
     results = []
     print(f"{'scenario':<14} {'result':<6} {'wall s':>7} {'gens':>4} {'retries':>7} "
           f"{'min live':>8} {'corrupt':>7}  rejoined", file=out)  # fmt: skip
+    for name, why in unfit.items():
+        print(f"{name:<14} {'skip':<6}  with these settings: {why}", file=out)
+    chosen = [s for s in chosen if s.name not in unfit]
     for attempt in range(1, repeat + 1):
         for scenario in chosen:
             where = scenario.name if repeat == 1 else f"{scenario.name}-{attempt}"
@@ -394,6 +398,27 @@ def run_suite(
     (root / "chaos.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     print(f"results: {root / 'chaos.json'}", file=out)
     return results
+
+
+def unfit_scenarios(
+    chosen: list[Scenario], overrides: tuple[str, ...], *, named: bool
+) -> dict[str, str]:
+    """The chosen scenarios whose own settings the job's ``overrides`` cannot take
+    (slow-balance re-balances per-step sync's micro-batches, so no outer mode runs it),
+    each with the configuration's one-line refusal: the suite skips them, saying why.
+
+    Raises:
+        ValueError: one is unfit and was ``named`` (``--only``): asked for, refused.
+    """
+    unfit = {}
+    for scenario in chosen:
+        try:
+            load_config(None, [*scenario.settings, *overrides])
+        except ValueError as exc:
+            if named:
+                raise ValueError(f"scenario {scenario.name}: {exc}") from None
+            unfit[scenario.name] = str(exc)
+    return unfit
 
 
 def pass_counts(results: list[ScenarioResult]) -> str:

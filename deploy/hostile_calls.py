@@ -137,17 +137,19 @@ def _generation(stub: pb_grpc.CoordinatorStub) -> int:
 
 def _calls(stub, fingerprint, step: int, generation: int, victim: str, ranks: int):
     index = int(victim.removeprefix("site"))
-    # Digests for the steps around the job's (the chaos jobs digest every 2 steps): a
-    # claim the real site1 has not yet overwritten meets site0's own digest.
-    for even in range(max(2, step - step % 2 - 6), step + 8, 2):
+    # Digests for every step around the job's: a claim the real site1 has not yet
+    # overwritten meets site0's own digest. Every step, not every other one: the chaos
+    # jobs digest every 2 steps, but per-step sync's digests fall after odd steps and an
+    # outer mode's on the steps its rounds land.
+    for near in range(max(2, step - 6), step + 8):
         yield (
             "heartbeat",
-            lambda even=even: stub.Heartbeat(
+            lambda near=near: stub.Heartbeat(
                 pb.HeartbeatRequest(
                     site=victim,
-                    step=even,
+                    step=near,
                     digest=secrets.token_hex(32),
-                    digest_step=even,
+                    digest_step=near,
                     generation=generation,
                 ),
                 timeout=2,

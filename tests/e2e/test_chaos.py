@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 from helpers import assert_one_line_error, run_cli
 
-from isthmus.deploy.chaos import SCENARIOS, ScenarioResult, pass_counts, run_scenario
+from isthmus.deploy.chaos import (
+    SCENARIOS,
+    ScenarioResult,
+    pass_counts,
+    run_scenario,
+    unfit_scenarios,
+)
 
 QUICK = [s for s in SCENARIOS if s.quick]
 
@@ -57,6 +63,17 @@ def test_a_restarted_site_rejoins_an_overlapped_outer_mode_job(tmp_path, mode):
     assert result.rejoined == ["site1"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_forged_calls_are_found_out_in_streaming_mode(tmp_path):
+    """forge in Streaming DiLoCo: its digests fall on the steps where rounds land, not
+    per-step sync's; the forged digest claims must meet them and be checked with site1."""
+    scenario = next(s for s in SCENARIOS if s.name == "forge")
+    result = run_scenario(scenario, tmp_path, overrides=OUTER_MODES["streaming"])
+    assert result.ok, result.why
+    assert len(set(result.digests.values())) == 1
+
+
 LAYOUTS = {
     # Two ranks per site: each rank's shard of the state is what the rejoining
     # site pulls (invariant 3), whatever axis the ranks split. The same with
@@ -84,6 +101,21 @@ def test_a_restarted_site_rejoins_with_expert_parallel_ranks(tmp_path, layout):
 def test_an_unknown_scenario_is_a_one_line_error(tmp_path):
     result = run_cli("chaos", "--only", "meteor", "--keep", str(tmp_path), timeout=60)
     assert_one_line_error(result, "unknown scenario(s) ['meteor']")
+
+
+def test_a_scenario_the_sync_mode_cannot_run_is_skipped_or_refused_by_name(tmp_path):
+    diloco = ("sync.mode=diloco", "sync.inner_steps=5")
+    unfit = unfit_scenarios(list(SCENARIOS), diloco, named=False)
+    assert list(unfit) == ["slow-balance"]
+    assert "train.balance_every=4 needs sync.mode=step" in unfit["slow-balance"]
+    assert unfit_scenarios(list(SCENARIOS), (), named=False) == {}
+    # Asked for by name, it is a one-line refusal before anything runs.
+    result = run_cli(
+        "chaos", "--only", "slow-balance", "--keep", str(tmp_path),
+        *("--set", diloco[0], "--set", diloco[1]), timeout=60,
+    )  # fmt: skip
+    assert_one_line_error(result, "scenario slow-balance: train.balance_every=4 needs")
+    assert not any(tmp_path.iterdir())
 
 
 def test_repeat_must_be_at_least_one(tmp_path):
