@@ -36,6 +36,7 @@ from isthmus.inter.data.shard_map import (
     pieces,
     scatter_piece,
 )
+from isthmus.inter.data.sync_stats import StepOutcome, SyncStats
 
 __all__ = ["SHARE_GROUP", "LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
 
@@ -44,61 +45,6 @@ log = logging.getLogger(__name__)
 SHARE_GROUP = (1 << 32) - 1
 """The wire group of a step's shared round (:meth:`LaneGradientSync.share`): past any
 gradient group's pieces (``group * MAX_PIECES + piece``)."""
-
-
-@dataclasses.dataclass(slots=True)
-class SyncStats:
-    """The cross-site sync of one training step, over all its groups (what crossed;
-    ``intra.train.StepStats`` is the step's training side)."""
-
-    step: int = 0
-    groups: int = 0
-    sync_s: float = 0.0
-    """Seconds from the first round's start to the last round's end (rounds overlap
-    each other and backward)."""
-    wait_s: float = 0.0
-    """Seconds ``finish`` blocked the training loop."""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    raw_bytes: int = 0
-    """fp32 bytes of what was sent, before encoding."""
-    corrupt_chunks: int = 0
-    """Chunks that arrived failing their checksum and were pulled again."""
-    nonfinite_chunks: int = 0
-    """Chunks that decoded to NaN or Inf, refused before summing and pulled again."""
-    retries: int = 0
-    """Times the step's rounds ran again in a new generation (a site failed or left)."""
-    generation: int = 0
-    """The membership generation the step committed in."""
-    sites: int = 0
-    """Live sites the step was averaged over."""
-    local_sq_norm: float = 0.0
-    """The squared L2 norm of what this rank handed in, before the sites' mean (its
-    shards of the site's own mean gradient); measured only when
-    :attr:`LaneGradientSync.measure_norms` is set (the gradient noise scale)."""
-
-    @property
-    def compression_ratio(self) -> float:
-        """raw_bytes / bytes_sent (1.0 when nothing was sent)."""
-        return self.raw_bytes / self.bytes_sent if self.bytes_sent else 1.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepOutcome:
-    """How a step's cross-site sync ended (``LaneGradientSync.finish``'s result)."""
-
-    stats: SyncStats
-    rejoin: Decision | None = None
-    """The job went on without this site: pull the state this decision names. Nothing
-    of the step was applied. None when the step committed."""
-    offer_state: Decision | None = None
-    """The commit admitted a site and named this one as the source of its state: offer
-    the state after this step (``PullState`` serves it)."""
-
-    @property
-    def committed(self) -> bool:
-        """The shards hold the cross-site mean; the optimizer may step."""
-        return self.rejoin is None
 
 
 @dataclasses.dataclass(slots=True)
@@ -227,31 +173,21 @@ class LaneGradientSync:
         self._pending.append(_Pending(SHARE_GROUP, values, buffer, future, shared=True))
 
     def vote_ahead(self, step: int) -> None:
-        """Votes "ok" on ``step``'s rounds as soon as they all succeed, on the lane's
-        worker, without waiting for the decision (:meth:`SiteMembership.vote_ahead`).
-
-        For rounds whose :meth:`finish` comes steps later (an outer round with a
-        delay): the vote ``finish`` casts then finds the job's decision already made,
-        so the landing step does not wait on the other sites' votes, which arrive
-        whenever their own step times let them. A round that failed is left to
-        ``finish`` to vote on, as before. Without a membership there is no vote.
-        """
+        """Votes "ok" on ``step``'s rounds once they all succeed, on the lane's worker,
+        not waiting for the decision: for rounds whose :meth:`finish` comes steps later
+        (an outer delay), whose vote then finds the decision made instead of waiting for
+        the other sites' drift. A failed round is left to ``finish``, as before."""
         if step != self._step or not self._pending:
             raise RuntimeError(f"vote_ahead({step}) without rounds of step {step} started")
-        membership = self.membership
+        membership, rounds = self.membership, [p.future for p in self._pending]
         if membership is None:
             return
-        rounds = [p.future for p in self._pending]
-        # The generation the rounds run in, read now: a vote that came after finish
-        # followed a decision into the next generation must not vote there.
-        generation = membership.generation
+        generation = membership.generation  # not the next one, should finish be first
 
-        def vote() -> None:
-            # Queued after the step's rounds (the queue is FIFO): they all started.
+        def vote() -> None:  # queued after the rounds (FIFO): they all started
             done, _ = futures.wait(rounds)
-            # Once finish took the rounds, its own vote covers them.
             if self._step == step and all(f.exception() is None for f in done):
-                membership.vote_ahead(step, generation)
+                membership.vote_ahead(step, generation)  # unless finish took them
 
         self._worker.submit(vote)
 

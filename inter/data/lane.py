@@ -465,9 +465,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         """Streams this rank's training state after ``request.step`` to a joining rank."""
         generation = self.generation
         if request.generation > generation:
-            # The commit that admitted the joiner is decided before the source lands it
-            # (an outer round voted ahead lands steps later): its rank moves to that
-            # generation, and offers the state, when it does. The joiner asks again.
+            # Admitted by a round voted ahead: this rank moves there when it lands it.
             context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"site {self.site_index} is in generation {generation}, not yet "
