@@ -42,17 +42,19 @@ for path in sorted(glob.glob(f"{out}/*-r*.json")):
     ((mode, row),) = json.load(open(path))["rows"].items()
     waits = []  # every landing wait past 5 ms, at either site, from step 20 on
     for metrics in glob.glob(f"{runs}/{name.replace('-r', '-')}/*/sites/*/metrics.jsonl"):
+        site = os.path.basename(os.path.dirname(metrics))
         for line in open(metrics):
             r = json.loads(line)
             if r.get("step", 0) >= 20 and r.get("exposed_sync_s", 0) > 0.005:
-                waits.append(r["exposed_sync_s"])
+                waits.append((site, r["step"], r["exposed_sync_s"]))
     rows.append({
         "run": name, "mode": mode,
         "exposed_sync_s_per_step": row["exposed_sync_s_per_step"],
         "median_compute_s": row["median_compute_s"],
         "steady_tokens_per_s": row["steady_tokens_per_s"],
         "waits_over_5ms": len(waits),
-        "median_wait_s": statistics.median(waits) if waits else 0.0,
+        "median_wait_s": statistics.median(w for _, _, w in waits) if waits else 0.0,
+        "waits": sorted(waits, key=lambda w: (w[1], w[0])),  # (site, step, seconds)
         "replicas_identical": row["replicas_identical"],
     })
 print(f"{'run':8} {'mode':18} {'exposed s/step':>14} {'compute s':>10} {'tokens/s':>10} "
