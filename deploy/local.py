@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.deploy.corpus import load_corpus
 from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
@@ -35,6 +34,8 @@ def check_supported(config: JobConfig, gpus_needed: int) -> None:
     Loading the corpus also trains and encodes a BPE tokenizer into the cache before any
     rank starts, and fills in data.tokenizer_sha256 for the fingerprint and the ranks.
     """
+    from isthmus.deploy.corpus import load_corpus  # imports torch: not for a bad --set
+
     load_corpus(config)  # a corpus that cannot be read or split
     t = config.topology
     if t.device == "cuda":

@@ -160,8 +160,8 @@ class DataSection:
     launcher fills it in from the tokenizer in use (training a bpe one first); set, a
     tokenizer whose hash differs is refused."""
     cache_dir: str = ""
-    """Where trained tokenizers and tokenized corpora are kept between runs (keyed by a
-    hash of the corpus and the settings); empty = $XDG_CACHE_HOME/isthmus, else
+    """Where trained tokenizers, tokenized corpora and the default corpus's bytes are kept
+    between runs (keyed by a hash of the corpus and the settings); empty = $XDG_CACHE_HOME/isthmus, else
     ~/.cache/isthmus. May differ per site."""
 
 

@@ -58,6 +58,11 @@ def _read_files(files: list[Path], max_bytes: int) -> np.ndarray:
     return np.frombuffer(bytes(out), dtype=np.uint8)
 
 
+def stdlib_root() -> Path:
+    """The folder of this Python's standard library (``stdlib_corpus``'s source)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     """The standard library's ``*.py`` files as bytes, sorted by relative path.
 
@@ -72,7 +77,7 @@ def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     """
     if max_bytes < 2:
         raise ValueError(f"max_bytes must be >= 2, got {max_bytes}")
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     files = sorted(
         (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
         key=lambda p: p.relative_to(root).as_posix(),

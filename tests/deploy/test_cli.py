@@ -220,6 +220,8 @@ def test_the_cli_resolves_and_checks_a_job_without_importing_torch():
         "assert code == 0, code\n"
         "cfg = cli.load_config(None, ['topology.tp=2', 'sync.codec=bf16+shuffle'])\n"
         "assert cfg.chunk_bytes > 0 and cfg.resolved_model().n_layers == 4\n"
+        "# A job that `local` refuses is refused before the corpus (and torch) loads.\n"
+        "assert cli.main(['local', '--set', 'model.dimm=3', '--slow', 'site1=2']) == 2\n"
         "print('torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -1,0 +1,42 @@
+"""The default corpus (the standard library's bytes) is walked once per install and read
+from data.cache_dir after that (deploy/corpus.py): every rank and launcher loads it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import isthmus.deploy.corpus as corpus_module
+from isthmus.deploy.config import load_config
+from isthmus.deploy.corpus import load_corpus
+from isthmus.intra.data import stdlib_corpus
+
+
+def test_the_stdlib_corpus_is_walked_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    job = [f"data.cache_dir={cache}", "data.max_bytes=200000"]
+    first, split = load_corpus(load_config(None, job))
+    walked = stdlib_corpus(200_000)
+    assert np.array_equal(first.tokens, walked.tokens) and first.name == walked.name
+    assert [p.name[:7] for p in cache.iterdir()] == ["stdlib-"]  # one entry, no temp files
+
+    def no_walk(max_bytes):
+        raise AssertionError("walked the standard library again")
+
+    monkeypatch.setattr(corpus_module, "stdlib_corpus", no_walk)
+    again, split_again = load_corpus(load_config(None, job))
+    assert np.array_equal(again.tokens, walked.tokens) and again.name == walked.name
+    assert split_again == split
+    # Another cap is another entry, never the first one's bytes.
+    monkeypatch.undo()
+    shorter, _ = load_corpus(load_config(None, [f"data.cache_dir={cache}", "data.max_bytes=2000"]))
+    assert np.array_equal(shorter.tokens, walked.tokens[:2000])
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_the_walk_not_the_job(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    job = [f"data.cache_dir={blocked / 'cache'}", "data.max_bytes=5000"]
+    for _ in range(2):
+        loaded, _split = load_corpus(load_config(None, job))
+        assert np.array_equal(loaded.tokens, stdlib_corpus(5000).tokens)
