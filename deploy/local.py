@@ -183,7 +183,9 @@ class LocalJob:
                 else None,
             )
             self._sites.append(site)
-            site.start()
+            site.spawn()
+        for site in self._sites:
+            site.serve_store()
         # What this run started and where, for operators and for the teardown tests.
         job = {
             "launcher_pid": os.getpid(),

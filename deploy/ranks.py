@@ -131,28 +131,47 @@ class SiteRanks:
         self.run_token = run_token
         self.ranks: list[RankProcess] = []
         self._store: object | None = None
+        self._listener: socket.socket | None = None
+        self._port = 0
 
     @property
     def store_port(self) -> int:
-        return self._store.port if self._store is not None else 0  # type: ignore[attr-defined]
+        return self._port if self._store is not None else 0
 
     def start(self) -> None:
-        import torch.distributed as dist
+        """Start the site's ranks, then serve their store."""
+        self.spawn()
+        self.serve_store()
 
+    def spawn(self) -> None:
+        """Start the site's ranks; they wait for their store (``serve_store``) in its
+        socket's backlog. A launcher of several sites spawns every site's ranks first:
+        its own import of torch for the stores (1-2 s on a small machine) then overlaps
+        theirs instead of holding them back."""
         world = self.config.ranks_of(self.site)
         # torch's TCPStore has no authentication, and bound by itself it listens on every
         # interface (issue 14, row 11). The ranks are on this machine: hand it a socket
         # bound to loopback instead (the store closes it when it goes).
-        listener = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
-        port = listener.getsockname()[1]
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
+        self._port = self._listener.getsockname()[1]
+        self._spawn(world)
+
+    def serve_store(self) -> None:
+        """Serve the site's TCPStore on the socket ``spawn`` bound."""
+        import torch.distributed as dist
+
+        assert self._listener is not None, "spawn() first"
         self._store = dist.TCPStore(
             "127.0.0.1",
-            port,
-            world,
+            self._port,
+            self.config.ranks_of(self.site),
             is_master=True,
             wait_for_workers=False,
-            master_listen_fd=listener.detach(),
+            master_listen_fd=self._listener.detach(),
         )
+        self._listener = None
+
+    def _spawn(self, world: int) -> None:
         for rank in range(world):
             env = {
                 **os.environ,
@@ -161,7 +180,7 @@ class SiteRanks:
                 "LOCAL_RANK": str(self.first_device + rank),
                 "LOCAL_WORLD_SIZE": str(world),
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(self.store_port),
+                "MASTER_PORT": str(self._port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "OMP_NUM_THREADS": str(self.threads),
                 "ISTHMUS_CONFIG": str(self.config_file),
@@ -226,3 +245,6 @@ class SiteRanks:
                 r.process.wait()
         self.ranks.clear()
         self._store = None  # a TCPStore's server closes when the object goes
+        if self._listener is not None:  # spawned, never served
+            self._listener.close()
+            self._listener = None

@@ -15,9 +15,12 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 HELD_OUT_BLOCKS = 8
@@ -294,6 +297,8 @@ class ShardedBatches:
             ``(inputs, targets)``, int64 ``[units * batch_size, seq_len]``; targets are
             inputs shifted by one.
         """
+        import torch  # here, not at the top: a launcher loads the corpus without torch
+
         starts = self.window_starts(step)
         windows = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         chunk = torch.from_numpy(self.corpus.tokens[windows].astype(np.int64))

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # numpy and data.py (torch) load only where text is encoded
+if TYPE_CHECKING:  # numpy and data.py load only where text is encoded
     import numpy as np
 
     from isthmus.intra.data import Split

@@ -3,6 +3,9 @@ from data.cache_dir after that (deploy/corpus.py): every rank and launcher loads
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 
 import isthmus.deploy.corpus as corpus_module
@@ -40,3 +43,19 @@ def test_a_cache_folder_that_cannot_be_written_costs_the_walk_not_the_job(tmp_pa
     for _ in range(2):
         loaded, _split = load_corpus(load_config(None, job))
         assert np.array_equal(loaded.tokens, stdlib_corpus(5000).tokens)
+
+
+def test_a_launcher_loads_the_corpus_without_importing_torch(tmp_path):
+    """`isthmus local` loads the corpus before it starts any rank: torch's import (1-2 s
+    on a small machine) would hold every rank back."""
+    code = (
+        "import sys; from isthmus.deploy.config import load_config; "
+        "from isthmus.deploy.corpus import load_corpus; import isthmus.deploy.local; "
+        "load_corpus(load_config(None, sys.argv[1:])); print('torch' in sys.modules)"
+    )
+    args = [f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=5000"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"]
