@@ -18,7 +18,7 @@ when the coordinator refuses it or does not answer in time.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -264,14 +264,27 @@ class CoordinatorClient:
         return self.stub.CommitStep(request, timeout=timeout_s)
 
     def membership_now(
-        self, *, known_generation: int, wait_ms: int, timeout_s: float
+        self,
+        *,
+        known_generation: int,
+        wait_ms: int,
+        timeout_s: float,
+        on_call: Callable[[grpc.Future], None] | None = None,
     ) -> MembershipNow:
         """The membership, answered at once if it is not ``known_generation`` or a
-        member is suspect, else after up to ``wait_ms`` (a long poll)."""
-        reply = self.stub.GetMembership(
+        member is suspect, else after up to ``wait_ms`` (a long poll).
+
+        ``on_call`` is handed the call before it is waited on: its ``cancel()`` ends the
+        poll at once, and this raises ``grpc.FutureCancelledError`` (how a watcher that
+        is closing stops without waiting out the poll).
+        """
+        call = self.stub.GetMembership.future(
             pb.GetMembershipRequest(known_generation=known_generation, wait_ms=wait_ms),
             timeout=timeout_s,
         )
+        if on_call is not None:
+            on_call(call)
+        reply = call.result()
         return MembershipNow(reply.generation, tuple(reply.sites), tuple(reply.suspects))
 
     def report_progress(self, progress: Progress, *, timeout_s: float) -> str:

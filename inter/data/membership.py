@@ -80,6 +80,8 @@ class SiteMembership:
         self._peers: dict[tuple[str, str], LanePeer] = {}
         self._peers_lock = threading.Lock()  # rounds of several groups open peers at once
         self._stop = threading.Event()
+        self._poll: grpc.Future | None = None  # the watcher's long poll, for close()
+        self._poll_lock = threading.Lock()
         self.configure(generation, sites)
         self._watcher = threading.Thread(target=self._watch, name="membership-watch", daemon=True)
         self._watcher.start()
@@ -187,14 +189,17 @@ class SiteMembership:
 
     def _watch(self) -> None:
         # A long poll: the coordinator answers at once when a member falls silent or
-        # the generation moves, else after _WATCH_WAIT_MS (so `close` is never held long).
+        # the generation moves, else after _WATCH_WAIT_MS (`close` cancels it).
         while not self._stop.is_set():
             try:
                 reply = self.client.membership_now(
                     known_generation=self.generation,
                     wait_ms=_WATCH_WAIT_MS,
                     timeout_s=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S,
+                    on_call=self._hold_poll,
                 )
+            except grpc.FutureCancelledError:
+                return  # closed
             except grpc.RpcError:
                 self._stop.wait(self.watch_s)
                 continue
@@ -217,9 +222,19 @@ class SiteMembership:
                 # coordinator in a generation this rank has not moved to): pace the asking.
                 self._stop.wait(self.watch_s)
 
+    def _hold_poll(self, call: grpc.Future) -> None:
+        with self._poll_lock:
+            self._poll = call
+            if self._stop.is_set():
+                call.cancel()
+
     def close(self) -> None:
         """Stops the watcher and closes the peers' channels."""
         self._stop.set()
+        # End the long poll now: waiting it out cost every rank up to 1 s at the end of a job.
+        with self._poll_lock:
+            if self._poll is not None:
+                self._poll.cancel()
         self._watcher.join(timeout=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S)
         for peer in self._peers.values():
             peer.close()

@@ -15,6 +15,7 @@ from coordinators import FP, coordinator, rank_key
 from helpers import register_rank
 from lanes import inputs, run_all, sites
 
+import isthmus.inter.data.membership as membership_module
 from isthmus.inter.control.coordinator_client import CoordinatorClient
 from isthmus.inter.data.gradient_sync import LaneGradientSync
 from isthmus.inter.data.lane_peer import LanePeer
@@ -98,3 +99,18 @@ def test_vote_ahead_needs_the_steps_rounds_started():
                 sync.vote_ahead(3)
         finally:
             sync.close()
+
+
+@pytest.mark.timeout(60)
+def test_closing_a_membership_ends_its_watchers_long_poll_at_once(monkeypatch):
+    """A rank's last act is closing its membership: the watcher's long poll is cancelled,
+    not waited out (it held every rank up to a second at the end of every job)."""
+    monkeypatch.setattr(membership_module, "_WATCH_WAIT_MS", 30_000)
+    with joined_sites(decision_timeout_s=3.0) as syncs:
+        membership = syncs[0].membership
+        assert membership is not None
+        time.sleep(0.5)  # the watcher is in its 30 s poll
+        started = time.monotonic()
+        membership.close()
+        assert time.monotonic() - started < 5.0
+        assert not membership._watcher.is_alive()
