@@ -173,6 +173,8 @@ class PeerLoop:
             if problem is not None or response.site.name != name:
                 st.fail(f"site {name} answered the join with an invalid site: {problem}")
                 return
+            # Up from its first answer: the job may run steps before the first heartbeat.
+            c.metrics.site_up.labels(c.site, name).set(1)
             with st.cond:
                 st.heard_from_locked(name)
                 # Who answered: a later join from another process is a restart.
