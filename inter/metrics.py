@@ -78,7 +78,9 @@ class SiteMetrics:
         self.cross_site_seconds_total = counter(
             "isthmus_cross_site_wait_seconds", "Seconds steps waited on the cross-site sync"
         )
-        self.site_up = gauge("isthmus_site_up", "1 while a peer site answers joins and heartbeats", ("peer",))
+        self.site_up = gauge(
+            "isthmus_site_up", "1 while a peer site answers joins and heartbeats", ("peer",)
+        )
         self.replicas_identical = gauge(
             "isthmus_replicas_identical", "1 while every site's parameter digest agrees, else 0"
         )
