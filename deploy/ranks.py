@@ -160,7 +160,8 @@ class SiteRanks:
         """Serve the site's TCPStore on the socket ``spawn`` bound."""
         import torch.distributed as dist
 
-        assert self._listener is not None, "spawn() first"
+        if self._listener is None:
+            raise RuntimeError(f"{self.site}: serve_store() before spawn()")
         self._store = dist.TCPStore(
             "127.0.0.1",
             self._port,
