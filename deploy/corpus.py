@@ -37,6 +37,7 @@ from isthmus.intra.data import (
     from_path,
     split_corpus,
     stdlib_corpus,
+    stdlib_name,
     stdlib_root,
 )
 from isthmus.intra.tokenizer import (
@@ -153,7 +154,7 @@ def _raw_corpus(d: DataSection) -> Corpus:
             tokens = np.fromfile(_Cache(d).dir / _stdlib_entry(d), dtype=np.uint8)
         except (FileNotFoundError, NotADirectoryError):
             return stdlib_corpus(d.max_bytes)
-        return Corpus(tokens=tokens, name=f"stdlib:{stdlib_root()}")
+        return Corpus(tokens=tokens, name=stdlib_name())
     return from_path(d.path, max_bytes=d.max_bytes)
 
 
@@ -172,10 +173,10 @@ def _keep_stdlib(d: DataSection, raw: Corpus) -> None:
     folder that cannot be written costs the walk, not the job."""
     if d.source != "stdlib":
         return
-    cache = _Cache(d)
-    if not (cache.dir / _stdlib_entry(d)).is_file():
+    cache, entry = _Cache(d), _stdlib_entry(d)
+    if not (cache.dir / entry).is_file():
         with contextlib.suppress(ConfigError):
-            cache.write(_stdlib_entry(d), raw.tokens.tobytes())
+            cache.write(entry, raw.tokens.tobytes())
 
 
 def _corpus_sha256(raw: Corpus) -> str:

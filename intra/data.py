@@ -66,6 +66,11 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def stdlib_name() -> str:
+    """``stdlib_corpus``'s name, also for a copy of its bytes read back from a cache."""
+    return f"stdlib:{stdlib_root()}"
+
+
 def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     """The standard library's ``*.py`` files as bytes, sorted by relative path.
 
@@ -85,7 +90,7 @@ def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
         (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
         key=lambda p: p.relative_to(root).as_posix(),
     )
-    return Corpus(tokens=_read_files(files, max_bytes), name=f"stdlib:{root}")
+    return Corpus(tokens=_read_files(files, max_bytes), name=stdlib_name())
 
 
 def from_path(path: str | Path, *, dtype: str = "uint8", max_bytes: int | None = None) -> Corpus:
