@@ -263,6 +263,7 @@ def _outer_optimizer(
         OuterConfig(
             inner_steps=config.sync.inner_steps,
             lr=config.sync.outer_lr,
+            lr_ramp=config.sync.outer_lr_ramp,
             momentum=config.sync.outer_momentum,
             delay=config.sync.outer_delay,
             # DiLoCo is Streaming DiLoCo with one fragment and the eager merge.

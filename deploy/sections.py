@@ -181,6 +181,10 @@ class SyncSection:
     """diloco, streaming: learning rate of the outer Nesterov SGD (DiLoCo's default)."""
     outer_momentum: float = 0.9
     """diloco, streaming: Nesterov momentum of the outer SGD; 0 = none."""
+    outer_lr_ramp: float = 1.0
+    """diloco, streaming: the outer learning rate at the end of the inner learning
+    rate's cosine, as a multiple of outer_lr; in between it rises as the inner one
+    decays (docs/design.md, "Sync modes"). 1 = outer_lr throughout."""
     outer_delay: int = 0
     """diloco, streaming: inner steps an outer all-reduce runs behind, in
     0..inner_steps/fragments-1: the sites train on while it crosses and its average

@@ -153,6 +153,7 @@ def validate(config: JobConfig) -> None:
     )
     _require(s.inner_steps >= 1, f"sync.inner_steps must be >= 1, got {s.inner_steps}")
     _require(s.outer_lr > 0, f"sync.outer_lr must be > 0, got {s.outer_lr}")
+    _require(s.outer_lr_ramp > 0, f"sync.outer_lr_ramp must be > 0, got {s.outer_lr_ramp}")
     _require(
         0 <= s.outer_momentum < 1,
         f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}",

@@ -63,6 +63,11 @@ class OuterConfig:
     """H: steps each site trains alone between two outer steps."""
     lr: float = 0.7
     """Outer learning rate (1.0 with momentum 0 averages the sites' parameters)."""
+    lr_ramp: float = 1.0
+    """The outer learning rate at the end of the inner schedule, as a multiple of
+    ``lr``: a round taken at a step where the inner cosine has gone a fraction d of the
+    way from its peak to its floor steps with ``lr * (1 + (lr_ramp - 1) * d)``. 1 keeps
+    ``lr`` throughout."""
     momentum: float = 0.9
     """Nesterov momentum of the outer SGD; 0 disables it."""
     delay: int = 0
@@ -95,6 +100,8 @@ class OuterConfig:
             raise ValueError(f"OuterConfig.alpha must be in [0, 1], got {self.alpha}")
         if not self.lr > 0:
             raise ValueError(f"OuterConfig.lr must be > 0, got {self.lr}")
+        if not self.lr_ramp > 0:
+            raise ValueError(f"OuterConfig.lr_ramp must be > 0, got {self.lr_ramp}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"OuterConfig.momentum must be in [0, 1), got {self.momentum}")
 
@@ -304,7 +311,7 @@ class OuterOptimizer:
         if not result.committed:
             return result
         self._round = None
-        lr, mu, alpha = self.config.lr, self.config.momentum, self.config.alpha
+        lr, mu, alpha = self.lr_at(r.step), self.config.momentum, self.config.alpha
         taken: Sequence[torch.Tensor | None] = r.taken or [None] * len(r.groups)
         for i, delta, own in zip(r.groups, r.deltas, taken, strict=True):
             group, anchor, buf = self.groups[i], self.anchor[i], self.momentum[i]
@@ -325,6 +332,14 @@ class OuterOptimizer:
                 self._write(group, anchor)
         self.outer_steps += 1
         return result
+
+    def lr_at(self, step: int) -> float:
+        """The outer learning rate of a round taken after ``step`` (``OuterConfig.lr_ramp``:
+        it follows the inner schedule, the same at every site)."""
+        cfg = self.config
+        if cfg.lr_ramp == 1.0:
+            return cfg.lr
+        return cfg.lr * (1.0 + (cfg.lr_ramp - 1.0) * self._trainer.config.decayed_at(step))
 
     def anchor_digest(self) -> str:
         """The site's parameter digest of the anchors (a collective of the site's process

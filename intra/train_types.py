@@ -99,11 +99,19 @@ class TrainConfig:
         """Learning rate of ``step``: linear warmup, then cosine to ``min_lr_ratio * lr``."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
-        progress = min(
-            1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
-        )
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * self._progress(step)))
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+    def decayed_at(self, step: int) -> float:
+        """How far the cosine has taken the learning rate from its peak toward its floor
+        at ``step``: 0 through the warmup and at the peak, 1 at the schedule's end."""
+        if step < self.warmup_steps:
+            return 0.0
+        return 0.5 * (1.0 - math.cos(math.pi * self._progress(step)))
+
+    def _progress(self, step: int) -> float:
+        """The fraction of the cosine's steps (those after the warmup) done at ``step``."""
+        return min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
 
 
 @dataclass(slots=True)

@@ -185,6 +185,7 @@ def test_streaming_with_pipeline_stages_holding_no_part_of_a_fragment(tmp_path):
         ("sync.mode=async", "sync.mode must be one of step, diloco, streaming, got 'async'"),
         ("sync.inner_steps=0", "sync.inner_steps must be >= 1, got 0"),
         ("sync.outer_lr=0", "sync.outer_lr must be > 0, got 0"),
+        ("sync.outer_lr_ramp=-1", "sync.outer_lr_ramp must be > 0, got -1"),
         ("sync.outer_momentum=1", "sync.outer_momentum must be in [0, 1), got 1"),
         ("sync.outer_delay=50", "sync.outer_delay must be in 0..49 (below inner_steps = 50)"),
         (
@@ -251,6 +252,8 @@ def test_the_sync_mode_is_part_of_the_job_fingerprint():
     assert step["sync.mode"] == "step" and diloco["sync.mode"] == "diloco"
     assert diloco["sync.inner_steps"] == "20"
     assert {"sync.outer_lr", "sync.outer_momentum", "sync.outer_delay"} <= set(diloco)
+    ramped = load_config(None, ["sync.mode=diloco", "sync.outer_lr_ramp=1.5"]).fingerprint()
+    assert (diloco["sync.outer_lr_ramp"], ramped["sync.outer_lr_ramp"]) == ("1.0", "1.5")
     streaming = load_config(
         None, ["sync.mode=streaming", "sync.inner_steps=40", "sync.fragments=4"]
     ).fingerprint()

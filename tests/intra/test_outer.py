@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -60,13 +61,15 @@ class VotingAheadSync(AveragingSync):
         self.voted_ahead.append(step)
 
 
-def _site(site: int, tmp: str) -> tuple[Trainer, ShardedBatches, dist.ProcessGroup]:
+def _site(
+    site: int, tmp: str, inner: TrainConfig = INNER
+) -> tuple[Trainer, ShardedBatches, dist.ProcessGroup]:
     init_gloo(0, 1, os.path.join(tmp, f"site{site}"))
     cross = dist.ProcessGroupGloo(
         dist.FileStore(os.path.join(tmp, "cross"), 2), site, 2, COLLECTIVE_TIMEOUT
     )
     trainer = Trainer(
-        build_model(preset("tiny"), SEED), build_site_mesh(ParallelLayout(dp=1)), INNER
+        build_model(preset("tiny"), SEED), build_site_mesh(ParallelLayout(dp=1)), inner
     )
     data = ShardedBatches(
         random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED, shard_index=site, num_shards=2
@@ -114,21 +117,27 @@ def test_h1_outer_lr_1_no_momentum_averages_parameters_every_step(tmp_path: Path
     assert max(sites[0]["errors"] + sites[1]["errors"]) < 1e-6
 
 
-def _nesterov_worker(site: int, tmp: str) -> dict[str, Any]:
+def _nesterov_worker(site: int, tmp: str, ramp: float = 1.0) -> dict[str, Any]:
     """H = 2 with momentum: the anchor follows torch.optim.SGD(nesterov=True) fed the
-    mean outer gradient, and the parameters land on the anchor."""
-    trainer, data, cross = _site(site, tmp)
-    config = OuterConfig(inner_steps=2, lr=0.7, momentum=0.9)
+    mean outer gradient, and the parameters land on the anchor. With ``ramp``, SGD's
+    learning rate is set before each outer step to what the ramp says at that step of a
+    5-step inner schedule (its cosine ends at the last step)."""
+    trainer, data, cross = _site(site, tmp, TrainConfig(lr=3e-3, warmup_steps=1, total_steps=5))
+    config = OuterConfig(inner_steps=2, lr=0.7, momentum=0.9, lr_ramp=ramp)
     outer = OuterOptimizer(trainer, AveragingSync(cross, 2), config, total_steps=5)
     reference = torch.nn.Parameter(_flat_params(trainer))
     sgd = torch.optim.SGD([reference], lr=config.lr, momentum=config.momentum, nesterov=True)
-    errors, due = [], []
+    errors, due, lrs = [], [], []
     for step in range(5):
         trainer.step(step, *data.batch(step))
         due.append(outer.due(step))
         if not outer.due(step):
             continue
         reference.grad = _mean_over_sites(reference.detach() - _flat_params(trainer), cross)
+        lrs.append(outer.lr_at(step))
+        # Warmup 1, then a cosine over steps 1..5: decayed 0, 1/2 and 0.854 at 1, 3, 4.
+        decayed = 0.5 * (1 - math.cos(math.pi * (step - 1) / 4))
+        sgd.param_groups[0]["lr"] = config.lr * (1 + (ramp - 1) * decayed)
         sgd.step()
         assert outer.step(step) and not outer.in_flight
         errors.append(float((_flat_params(trainer) - reference.detach()).abs().max()))
@@ -137,12 +146,18 @@ def _nesterov_worker(site: int, tmp: str) -> dict[str, Any]:
     state = {k: v.clone() for k, v in outer.state_dict().items()}
     digest = parameter_digest(trainer.model)
     shutdown()
-    return {"errors": errors, "due": due, "digest": digest, "state": state}
+    return {"errors": errors, "due": due, "digest": digest, "state": state, "lrs": lrs}
 
 
 @pytest.mark.timeout(120)
-def test_outer_step_is_nesterov_sgd_on_the_mean_outer_gradient(tmp_path: Path) -> None:
-    sites = spawn(_nesterov_worker, 2, tmp_path, str(tmp_path))
+@pytest.mark.parametrize("ramp", [1.0, 2.5])
+def test_outer_step_is_nesterov_sgd_on_the_mean_outer_gradient(tmp_path: Path, ramp: float) -> None:
+    """Also with sync.outer_lr_ramp: the outer lr rises as the inner cosine decays."""
+    sites = spawn(_nesterov_worker, 2, tmp_path, str(tmp_path), ramp)
+    expected = [0.7, 0.7 * (1 + (ramp - 1) * 0.5), 0.7 * (1 + (ramp - 1) * 0.8535534)]
+    assert sites[0]["lrs"] == pytest.approx(expected, rel=1e-6)
+    if ramp == 1.0:
+        assert sites[0]["lrs"] == [0.7] * 3  # exactly the configured lr, no arithmetic
     # Every H = 2 steps, and the last step (index 4) of a 5-step job.
     assert sites[0]["due"] == [False, True, False, True, True]
     assert sites[0]["digest"] == sites[1]["digest"]
@@ -387,6 +402,7 @@ def test_outer_config_refuses_bad_values() -> None:
     for kwargs, needle in (
         ({"inner_steps": 0}, "inner_steps"),
         ({"lr": 0.0}, "lr"),
+        ({"lr_ramp": 0.0}, "lr_ramp"),
         ({"momentum": 1.0}, "momentum"),
         ({"inner_steps": 3, "delay": 3}, "delay"),
         ({"delay": -1}, "delay"),
