@@ -186,8 +186,12 @@ class LaneGradientSync:
 
         def vote() -> None:  # queued after the rounds (FIFO): they all started
             done, _ = futures.wait(rounds)
-            if self._step == step and all(f.exception() is None for f in done):
-                membership.vote_ahead(step, generation)  # unless finish took them
+            if self._step != step or any(f.exception() is not None for f in done):
+                return  # finish took them, or a round failed: finish decides
+            try:
+                membership.vote_ahead(step, generation)
+            except Exception:  # best effort (finish votes again); never lost unseen
+                log.warning("early vote on step %d failed; voting at landing", step, exc_info=True)
 
         self._worker.submit(vote)
 

@@ -90,6 +90,38 @@ def test_a_round_voted_ahead_commits_before_the_other_site_lands_it(ahead):
         assert all(not isinstance(r, BaseException) and r.committed for r in results), results
 
 
+@pytest.mark.timeout(60)
+def test_an_early_vote_that_breaks_is_logged_and_the_round_still_lands(monkeypatch, caplog):
+    """vote_ahead is best effort, but an error it did not expect is reported, not lost
+    on the lane's worker; the vote at landing then decides as before."""
+
+    tried: list[str] = []
+
+    def broken(self, step, generation):
+        tried.append(self.site)
+        raise ValueError(f"broken early vote {step}")
+
+    monkeypatch.setattr(SiteMembership, "vote_ahead", broken)
+    caplog.set_level("WARNING", logger="isthmus.inter.data.gradient_sync")
+    with joined_sites(decision_timeout_s=5.0) as syncs:
+        shards = inputs(2, [3000], seed=6)
+        want = (shards[0][0] + shards[1][0]) / 2
+        for s, sync in enumerate(syncs):
+            sync.start(4, 0, shards[s][0])
+            sync.vote_ahead(4)
+        # Land only once both early votes were tried (a landing first would skip them).
+        deadline = time.monotonic() + 10
+        while len(tried) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(tried) == ["site0", "site1"]
+        results = run_all([lambda s=s: syncs[s].finish(4) for s in range(2)])
+        assert all(not isinstance(r, BaseException) and r.committed for r in results), results
+        assert all(torch.equal(shards[s][0], want) for s in range(2))
+    failed = [r for r in caplog.records if "early vote on step 4 failed" in r.getMessage()]
+    assert len(failed) == 2
+    assert all("broken early vote 4" in str(r.exc_info[1]) for r in failed)
+
+
 @pytest.mark.timeout(30)
 def test_vote_ahead_needs_the_steps_rounds_started():
     with sites(2) as ars:
