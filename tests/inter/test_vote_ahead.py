@@ -6,63 +6,22 @@ ends, so the site that lands first finds the decision made without the other's f
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
-from coordinators import FP, coordinator, rank_key
-from helpers import register_rank
 from lanes import inputs, run_all, sites
+from memberships import joined_sites
 
 import isthmus.inter.data.membership as membership_module
 from isthmus.inter.control.coordinator_client import CoordinatorClient
 from isthmus.inter.data.gradient_sync import LaneGradientSync
-from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.membership import QuorumLost, SiteMembership
-
-
-@contextmanager
-def joined_sites(decision_timeout_s: float) -> Iterator[list[LaneGradientSync]]:
-    """Two sites of one rank each: coordinators, lanes and the ranks' memberships."""
-    names = ["site0", "site1"]
-    with sites(2) as ars:
-        coords = [coordinator(name, names) for name in names]
-        syncs: list[LaneGradientSync] = []
-        try:
-            for c in coords:
-                c.set_peers({o.site: o.address for o in coords if o is not c}, None)
-                c.start()
-            for c, ar in zip(coords, ars, strict=True):
-                register_rank(c.address, c.site, FP, key=rank_key(c), lane=ar.server.address)
-            for c in coords:
-                c.wait_ready(20)
-            for c, ar in zip(coords, ars, strict=True):
-                client = CoordinatorClient.connect(c.address, rank_key=rank_key(c))
-                now = client.membership_now(known_generation=0, wait_ms=0, timeout_s=5)
-                membership = SiteMembership(
-                    client=client,
-                    site=c.site,
-                    rank=0,
-                    allreduce=ar,
-                    make_peer=lambda info, rank: LanePeer(info.lane_addresses[rank]),
-                    sites=list(now.sites),
-                    generation=now.generation,
-                    decision_timeout_s=decision_timeout_s,
-                )
-                syncs.append(LaneGradientSync(ar, membership=membership))
-            yield syncs
-        finally:
-            for sync in syncs:
-                sync.close()
-            for c in coords:
-                c.stop()
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ahead", [True, False])
 def test_a_round_voted_ahead_commits_before_the_other_site_lands_it(ahead):
-    with joined_sites(decision_timeout_s=3.0) as syncs:
+    with joined_sites(decision_timeout_s=3.0) as (syncs, _):
         shards = inputs(2, [3000], seed=5)
         want = (shards[0][0] + shards[1][0]) / 2
         for s, sync in enumerate(syncs):
@@ -103,7 +62,7 @@ def test_an_early_vote_that_breaks_is_logged_and_the_round_still_lands(monkeypat
 
     monkeypatch.setattr(SiteMembership, "vote_ahead", broken)
     caplog.set_level("WARNING", logger="isthmus.inter.data.gradient_sync")
-    with joined_sites(decision_timeout_s=5.0) as syncs:
+    with joined_sites(decision_timeout_s=5.0) as (syncs, _):
         shards = inputs(2, [3000], seed=6)
         want = (shards[0][0] + shards[1][0]) / 2
         for s, sync in enumerate(syncs):
@@ -138,7 +97,7 @@ def test_closing_a_membership_ends_its_watchers_long_poll_at_once(monkeypatch):
     """A rank's last act is closing its membership: the watcher's long poll is cancelled,
     not waited out (it held every rank up to a second at the end of every job)."""
     monkeypatch.setattr(membership_module, "_WATCH_WAIT_MS", 30_000)
-    with joined_sites(decision_timeout_s=3.0) as syncs:
+    with joined_sites(decision_timeout_s=3.0) as (syncs, _):
         membership = syncs[0].membership
         assert membership is not None
         time.sleep(0.5)  # the watcher is in its 30 s poll
