@@ -13,7 +13,6 @@ from lanes import inputs, run_all, sites
 from memberships import joined_sites
 
 import isthmus.inter.data.membership as membership_module
-from isthmus.inter.control.coordinator_client import CoordinatorClient
 from isthmus.inter.data.gradient_sync import LaneGradientSync
 from isthmus.inter.data.membership import QuorumLost, SiteMembership
 
