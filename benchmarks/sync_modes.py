@@ -195,6 +195,8 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
             (r["val_loss"] for r in sites[0] if r["step"] == at_step - 1 and "val_loss" in r),
             None,
         ),
+        # Every held-out measurement, by the number of steps taken (where a gap opens).
+        "val_curve": {r["step"] + 1: r["val_loss"] for r in sites[0] if "val_loss" in r},
     }
 
 

@@ -307,6 +307,8 @@ def test_the_modes_benchmark_compares_loss_with_the_joined_run_and_bytes_with_pe
     assert rows["step@2"]["steps"] == 2 and rows["step@2"]["loss_vs_step"] is None
     assert rows["joined"]["loss_vs_step"] == 0.0
     diloco = rows["diloco:2"]
+    # The held-out curve, by steps taken (JSON keys): one measurement, the last.
+    assert diloco["val_curve"] == {"4": diloco["val_loss"]} and diloco["val_loss"] > 0
     expected = diloco["loss_at_equal_tokens"] / rows["joined"]["loss_at_equal_tokens"] - 1
     assert diloco["loss_vs_step"] == pytest.approx(expected)
     # DiLoCo at H = 2 sends the fp32 model once per 2 steps: half per-step sync's bytes.
