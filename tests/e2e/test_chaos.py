@@ -78,8 +78,11 @@ LAYOUTS = {
     # Two ranks per site: each rank's shard of the state is what the rejoining
     # site pulls (invariant 3), whatever axis the ranks split. The same with
     # topology.cp=2 hung once in 10 runs (site1's two ranks out of step in the cp
-    # all-gather two steps before the end, after a clean rejoin): an open bug, not
-    # run here until it is understood.
+    # all-gather two steps before the end, after a clean rejoin). Since then it
+    # passed 47 runs in a row (`isthmus chaos --only kill-restart --repeat N --set
+    # topology.ranks_per_site=2 --set model.preset=tiny --set topology.cp=2`, 15 of
+    # them beside the test suite; 2026-11-28), but its cause was never found, so it
+    # stays out of this suite rather than risk a hang in CI.
     "ep2": ("topology.ranks_per_site=2", "model.preset=moe-tiny", "topology.ep=2"),
 }
 
