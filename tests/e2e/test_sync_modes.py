@@ -244,6 +244,26 @@ def test_measuring_the_held_out_loss_changes_nothing_of_training(tmp_path):
     assert digests[0] == digests[1]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_ramped_outer_learning_rate_reaches_the_outer_steps_of_every_site(tmp_path):
+    """sync.outer_lr_ramp travels from the job's config to every rank's outer optimizer:
+    the same job with the ramp ends on other parameters, equal at both sites."""
+    common = ["--set", "model.preset=tiny", "--set", "train.seq_len=64", "--steps", "6"]
+    common += ["--set", "train.warmup_steps=1", *DILOCO[:2], "--set", "sync.inner_steps=2"]
+    digests = {}
+    for ramp in ("1", "3"):
+        run = tmp_path / f"ramp{ramp}"
+        result = run_cli(
+            "local", *common, "--set", f"sync.outer_lr_ramp={ramp}", "--run-dir", str(run),
+            timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "replicas            identical" in result.stdout
+        digests[ramp] = json.loads((run / "summary.json").read_text())["digests"]["site0"]
+    assert digests["1"] != digests["3"]
+
+
 def test_the_sync_mode_is_part_of_the_job_fingerprint():
     from isthmus.deploy.config import load_config
 
