@@ -168,6 +168,8 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     sites = site_records(run_dir)
     losses = [r["loss"] for recs in sites for r in recs if at_step - tail <= r["step"] < at_step]
+    # Every held-out measurement, by the number of steps taken (where a gap opens).
+    curve = {r["step"] + 1: r["val_loss"] for r in sites[0] if "val_loss" in r}
     tokens = sum(r["tokens"] for recs in sites for r in recs)
     byte_count = summary["cross_site_bytes"]
     return {
@@ -191,12 +193,8 @@ def measure(run_dir: Path, tail: int, at_step: int) -> dict:
         "replicas_identical": len(set(summary["digests"].values())) == 1,
         # The held-out loss measured after the step every run reached (it always is: the
         # last step of the shortest run, or a multiple of --eval-every).
-        "val_loss": next(
-            (r["val_loss"] for r in sites[0] if r["step"] == at_step - 1 and "val_loss" in r),
-            None,
-        ),
-        # Every held-out measurement, by the number of steps taken (where a gap opens).
-        "val_curve": {r["step"] + 1: r["val_loss"] for r in sites[0] if "val_loss" in r},
+        "val_loss": curve.get(at_step),
+        "val_curve": curve,
     }
 
 

@@ -336,9 +336,7 @@ class OuterOptimizer:
     def lr_at(self, step: int) -> float:
         """The outer learning rate of a round taken after ``step`` (``OuterConfig.lr_ramp``:
         it follows the inner schedule, the same at every site)."""
-        cfg = self.config
-        if cfg.lr_ramp == 1.0:
-            return cfg.lr
+        cfg = self.config  # lr_ramp 1: lr * (1.0 + 0.0 * d), which is lr bit for bit
         return cfg.lr * (1.0 + (cfg.lr_ramp - 1.0) * self._trainer.config.decayed_at(step))
 
     def anchor_digest(self) -> str:
