@@ -25,7 +25,35 @@ from isthmus.deploy.summary import summarize
 from isthmus.inter.control.coordinator import Coordinator
 from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
 
-__all__ = ["LaunchError", "LocalJob", "check_supported", "parse_slow", "slow_env"]
+__all__ = [
+    "LaunchError",
+    "LocalJob",
+    "check_supported",
+    "first_gpus",
+    "gpus_needed",
+    "parse_slow",
+    "slow_env",
+]
+
+
+def first_gpus(sizes: list[int], gpus: int, share: bool) -> list[int]:
+    """The first GPU (LOCAL_RANK of rank 0) of each site of ``sizes`` ranks on a host of
+    ``gpus`` GPUs: one after another, or with ``share`` (run.share_gpus) starting again
+    at GPU 0 where a site would run past the last one."""
+    firsts, offset = [], 0
+    for size in sizes:
+        if share and offset + size > gpus:
+            offset = 0
+        firsts.append(offset)
+        offset += size
+    return firsts
+
+
+def gpus_needed(config: JobConfig) -> int:
+    """GPUs `isthmus local` needs on ``cuda``: every rank its own, or with
+    run.share_gpus the largest site's."""
+    sizes = config.site_ranks
+    return max(sizes) if config.run.share_gpus else sum(sizes)
 
 
 def check_supported(config: JobConfig, gpus_needed: int) -> None:
@@ -43,7 +71,8 @@ def check_supported(config: JobConfig, gpus_needed: int) -> None:
 
         have = torch.cuda.device_count()
         if have < gpus_needed:
-            raise ConfigError(f"topology.device = cuda needs {gpus_needed} GPUs, found {have}")
+            gpu = "GPU" if gpus_needed == 1 else "GPUs"
+            raise ConfigError(f"topology.device = cuda needs {gpus_needed} {gpu}, found {have}")
 
 
 @dataclass
@@ -78,7 +107,7 @@ class LocalJob:
             LaunchError: a rank failed, a site was refused, or replicas diverged.
             ConfigError: a setting this launcher cannot honour.
         """
-        check_supported(self.config, sum(self.config.site_ranks))
+        check_supported(self.config, gpus_needed(self.config))
         try:
             self._make_job_token()
             self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)
@@ -165,9 +194,18 @@ class LocalJob:
             )
             coordinator.start()
 
+    def _gpu_count(self) -> int:
+        """This host's GPUs where sites share them, else as many as the job has ranks."""
+        if self.config.run.share_gpus and self.config.device_type == "cuda":
+            import torch
+
+            return torch.cuda.device_count()
+        return sum(self.config.site_ranks)
+
     def _start_ranks(self, proxies: dict[str, dict[str, str]]) -> None:
         sizes = self.config.site_ranks
         threads = max(1, (os.cpu_count() or 1) // sum(sizes))
+        firsts = first_gpus(sizes, self._gpu_count(), self.config.run.share_gpus)
         for i, coordinator in enumerate(self._coordinators):
             site = SiteRanks(
                 self.config,
@@ -175,7 +213,7 @@ class LocalJob:
                 self.run_dir,
                 coordinator.address,
                 proxies[coordinator.site],
-                first_device=sum(sizes[:i]),
+                first_device=firsts[i],
                 threads=threads,
                 run_token=self._token,
                 extra_env=slow_env(*self.slow[coordinator.site])

@@ -278,6 +278,10 @@ class RunSection:
     """Held-out batches per measurement (EVAL_BATCH = 8 windows of train.seq_len each,
     whatever the per-rank batch, so layouts compare), the same ones every time and at
     every site; 0 = no held-out loss."""
+    share_gpus: bool = False
+    """`isthmus local` only: sites take turns on this host's GPUs. A site whose ranks
+    would run past the last GPU starts again at GPU 0, so one GPU runs two one-rank
+    sites. The sites then share compute: for loss and correctness, not for speed."""
     steady_after: int = 2
     """Steps left out of the summary's steady-state figures (steady tokens/s, MFU,
     exposed sync per step): the first steps compile kernels and warm up allocators and

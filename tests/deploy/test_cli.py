@@ -92,6 +92,11 @@ def test_each_preset_trains_with_its_own_defaults_unless_the_job_says(tmp_path):
         (["--set", "model.n_heads=5"], ["dim=192 must be divisible by n_heads=5"]),
         (["--config", "/nonexistent/job.toml"], ["config file not found"]),
         (["--set", "parallel.compile=maybe"], ["parallel.compile must be auto, true or false"]),
+        (["--set", "topology.device=cuda"], ["topology.device = cuda needs 4 GPUs, found 0"]),
+        (
+            ["--set", "topology.device=cuda", "--set", "run.share_gpus=true"],
+            ["topology.device = cuda needs 2 GPUs, found 0"],
+        ),
         (["--slow", "site7=2"], ["--slow site7=2: no site 'site7' in this job (site0, site1)"]),
         (["--slow", "site1=0.5@3"], ["want SITE=FACTOR[@STEP] with FACTOR >= 1"]),
         (["--slow", "site1=2@soon"], ["want SITE=FACTOR[@STEP]"]),
@@ -103,6 +108,23 @@ def test_bad_input_is_one_line_without_traceback(args, needles, tmp_path):
     assert result.returncode == 2
     # Nothing was started: no run files written for a config that never validated.
     assert not (tmp_path / "run" / "sites").exists()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "gpus", "share", "firsts"),
+    [
+        ([2, 2], 4, False, [0, 2]),
+        ([2, 2], 4, True, [0, 2]),  # enough GPUs: sharing changes nothing
+        ([1, 1], 1, True, [0, 0]),  # one GPU, two one-rank sites
+        ([2, 2], 2, True, [0, 0]),
+        ([1, 1, 1], 2, True, [0, 1, 0]),
+        ([2, 1], 2, True, [0, 0]),  # a site never straddles the last GPU
+    ],
+)
+def test_sites_take_turns_on_the_gpus_only_with_share_gpus(sizes, gpus, share, firsts):
+    from isthmus.deploy.local import first_gpus
+
+    assert first_gpus(sizes, gpus, share) == firsts
 
 
 def test_compile_is_on_with_cuda_off_on_cpu_and_an_explicit_setting_wins(tmp_path):
