@@ -14,7 +14,7 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -32,6 +32,7 @@ __all__ = [
     "first_gpus",
     "gpus_needed",
     "parse_slow",
+    "resolve_device",
     "slow_env",
 ]
 
@@ -54,6 +55,27 @@ def gpus_needed(config: JobConfig) -> int:
     run.share_gpus the largest site's."""
     sizes = config.site_ranks
     return max(sizes) if config.run.share_gpus else sum(sizes)
+
+
+def resolve_device(config: JobConfig, out: TextIO | None = None) -> JobConfig:
+    """``topology.device = "auto"`` made explicit for this host: ``cuda`` when it has a
+    GPU for every rank that needs one (`gpus_needed`), else ``cpu``, so that no rank
+    starts on a GPU the host does not have. Says so on ``out`` when GPUs go unused."""
+    if config.topology.device != "auto":
+        return config
+    have = 0
+    if config.device_type == "cuda":  # no torch import without the NVIDIA driver
+        import torch
+
+        have = torch.cuda.device_count()
+    device = "cuda" if have >= gpus_needed(config) else "cpu"
+    if have and device == "cpu" and out is not None:
+        print(
+            f"topology.device=auto: {have} GPU(s) for {gpus_needed(config)} GPU ranks; "
+            "training on the CPU (run.share_gpus=true lets sites share the GPUs)",
+            file=out,
+        )
+    return replace(config, topology=replace(config.topology, device=device))
 
 
 def check_supported(config: JobConfig, gpus_needed: int) -> None:
@@ -107,6 +129,7 @@ class LocalJob:
             LaunchError: a rank failed, a site was refused, or replicas diverged.
             ConfigError: a setting this launcher cannot honour.
         """
+        self.config = resolve_device(self.config, self.out)
         check_supported(self.config, gpus_needed(self.config))
         try:
             self._make_job_token()

@@ -42,7 +42,9 @@ class TopologySection:
     """Expert-parallel width (mixture-of-experts presets): the experts split over ep
     dp ranks, tokens exchanged all-to-all; divides dp and the expert count."""
     device: str = "auto"
-    """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present."""
+    """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present
+    (`isthmus local`: one per rank, or per rank of the largest site with
+    run.share_gpus; else the CPU)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -127,6 +127,17 @@ def test_sites_take_turns_on_the_gpus_only_with_share_gpus(sizes, gpus, share, f
     assert first_gpus(sizes, gpus, share) == firsts
 
 
+def test_auto_device_is_made_explicit_for_the_ranks_and_an_explicit_one_is_kept():
+    from isthmus.deploy.local import resolve_device
+
+    # This machine has no GPU: "auto" trains on the CPU, and the ranks read "cpu", not
+    # "auto" (which they would resolve to cuda on a host with one GPU for four ranks).
+    assert resolve_device(load_config()).topology.device == "cpu"
+    for device in ("cpu", "cuda"):
+        config = load_config(overrides=[f"topology.device={device}"])
+        assert resolve_device(config) is config
+
+
 def test_compile_is_on_with_cuda_off_on_cpu_and_an_explicit_setting_wins(tmp_path):
     auto = load_config()
     assert auto.parallel.compile == "auto"
