@@ -57,10 +57,10 @@ def gpus_needed(config: JobConfig) -> int:
     return max(sizes) if config.run.share_gpus else sum(sizes)
 
 
-def resolve_device(config: JobConfig, out: TextIO | None = None) -> JobConfig:
-    """``topology.device = "auto"`` made explicit for this host: ``cuda`` when it has a
-    GPU for every rank that needs one (`gpus_needed`), else ``cpu``, so that no rank
-    starts on a GPU the host does not have. Says so on ``out`` when GPUs go unused."""
+def resolve_device(config: JobConfig, needed: int, out: TextIO | None = None) -> JobConfig:
+    """``topology.device = "auto"`` made explicit for a launcher of ranks on this host:
+    ``cuda`` when it has the ``needed`` GPUs, else ``cpu``, so that no rank starts on a
+    GPU the host does not have. Says so on ``out`` when GPUs go unused."""
     if config.topology.device != "auto":
         return config
     have = 0
@@ -68,10 +68,10 @@ def resolve_device(config: JobConfig, out: TextIO | None = None) -> JobConfig:
         import torch
 
         have = torch.cuda.device_count()
-    device = "cuda" if have >= gpus_needed(config) else "cpu"
+    device = "cuda" if have >= needed else "cpu"
     if have and device == "cpu" and out is not None:
         print(
-            f"topology.device=auto: {have} GPU(s) for {gpus_needed(config)} GPU ranks; "
+            f"topology.device=auto: {have} GPU(s) for {needed} GPU ranks; "
             "training on the CPU (run.share_gpus=true lets sites share the GPUs)",
             file=out,
         )
@@ -129,7 +129,7 @@ class LocalJob:
             LaunchError: a rank failed, a site was refused, or replicas diverged.
             ConfigError: a setting this launcher cannot honour.
         """
-        self.config = resolve_device(self.config, self.out)
+        self.config = resolve_device(self.config, gpus_needed(self.config), self.out)
         check_supported(self.config, gpus_needed(self.config))
         try:
             self._make_job_token()

@@ -43,8 +43,8 @@ class TopologySection:
     dp ranks, tokens exchanged all-to-all; divides dp and the expert count."""
     device: str = "auto"
     """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present
-    (`isthmus local`: one per rank, or per rank of the largest site with
-    run.share_gpus; else the CPU)."""
+    (one per rank that `isthmus local` or `isthmus site` starts on the host, or per
+    rank of the largest site with run.share_gpus; else the CPU)."""
 
 
 @dataclass(kw_only=True, slots=True)

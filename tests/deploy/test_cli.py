@@ -132,10 +132,10 @@ def test_auto_device_is_made_explicit_for_the_ranks_and_an_explicit_one_is_kept(
 
     # This machine has no GPU: "auto" trains on the CPU, and the ranks read "cpu", not
     # "auto" (which they would resolve to cuda on a host with one GPU for four ranks).
-    assert resolve_device(load_config()).topology.device == "cpu"
+    assert resolve_device(load_config(), 4).topology.device == "cpu"
     for device in ("cpu", "cuda"):
         config = load_config(overrides=[f"topology.device={device}"])
-        assert resolve_device(config) is config
+        assert resolve_device(config, 4) is config
 
 
 def test_compile_is_on_with_cuda_off_on_cpu_and_an_explicit_setting_wins(tmp_path):
