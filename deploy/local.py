@@ -14,7 +14,7 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -32,7 +32,7 @@ __all__ = [
     "first_gpus",
     "gpus_needed",
     "parse_slow",
-    "resolve_device",
+    "gpu_shortage",
     "slow_env",
 ]
 
@@ -57,25 +57,24 @@ def gpus_needed(config: JobConfig) -> int:
     return max(sizes) if config.run.share_gpus else sum(sizes)
 
 
-def resolve_device(config: JobConfig, needed: int, out: TextIO | None = None) -> JobConfig:
-    """``topology.device = "auto"`` made explicit for a launcher of ranks on this host:
-    ``cuda`` when it has the ``needed`` GPUs, else ``cpu``, so that no rank starts on a
-    GPU the host does not have. Says so on ``out`` when GPUs go unused."""
-    if config.topology.device != "auto":
-        return config
-    have = 0
-    if config.device_type == "cuda":  # no torch import without the NVIDIA driver
-        import torch
-
-        have = torch.cuda.device_count()
-    device = "cuda" if have >= needed else "cpu"
-    if have and device == "cpu" and out is not None:
-        print(
-            f"topology.device=auto: {have} GPU(s) for {needed} GPU ranks; "
-            "training on the CPU (run.share_gpus=true lets sites share the GPUs)",
-            file=out,
-        )
-    return replace(config, topology=replace(config.topology, device=device))
+def gpu_shortage(device: str, have: int, needed: int) -> str | None:
+    """Why ranks that need ``needed`` GPUs cannot start on a host of ``have`` on
+    topology.device ``device`` (as configured), or None. ``auto`` chooses CUDA wherever
+    there is a GPU, so a host with some but too few is refused too, naming the ways
+    out: the device stays as configured because it is part of the job's fingerprint,
+    which every site and the witness compare as written."""
+    if device == "cpu" or have >= needed:
+        return None
+    gpus = "GPU" if needed == 1 else "GPUs"
+    if device == "cuda":
+        return f"topology.device = cuda needs {needed} {gpus}, found {have}"
+    if have == 0:
+        return None  # auto without a GPU: the CPU
+    return (
+        f"topology.device = auto chose cuda, but this host has {have} GPU(s) for {needed} "
+        "ranks: set topology.device=cpu, or run.share_gpus=true (isthmus local: the "
+        "sites take turns on the GPUs), or fewer ranks"
+    )
 
 
 def check_supported(config: JobConfig, gpus_needed: int) -> None:
@@ -87,14 +86,14 @@ def check_supported(config: JobConfig, gpus_needed: int) -> None:
     from isthmus.deploy.corpus import load_corpus  # imports torch: not for a bad --set
 
     load_corpus(config)  # a corpus that cannot be read or split
-    t = config.topology
-    if t.device == "cuda":
+    have = 0
+    if config.device_type == "cuda":  # auto: no torch import without the NVIDIA driver
         import torch
 
         have = torch.cuda.device_count()
-        if have < gpus_needed:
-            gpu = "GPU" if gpus_needed == 1 else "GPUs"
-            raise ConfigError(f"topology.device = cuda needs {gpus_needed} {gpu}, found {have}")
+    problem = gpu_shortage(config.topology.device, have, gpus_needed)
+    if problem:
+        raise ConfigError(problem)
 
 
 @dataclass
@@ -129,7 +128,6 @@ class LocalJob:
             LaunchError: a rank failed, a site was refused, or replicas diverged.
             ConfigError: a setting this launcher cannot honour.
         """
-        self.config = resolve_device(self.config, gpus_needed(self.config), self.out)
         check_supported(self.config, gpus_needed(self.config))
         try:
             self._make_job_token()

@@ -42,9 +42,9 @@ class TopologySection:
     """Expert-parallel width (mixture-of-experts presets): the experts split over ep
     dp ranks, tokens exchanged all-to-all; divides dp and the expert count."""
     device: str = "auto"
-    """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda when enough GPUs are present
-    (one per rank that `isthmus local` or `isthmus site` starts on the host, or per
-    rank of the largest site with run.share_gpus; else the CPU)."""
+    """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda where the host has a GPU, else cpu.
+    `isthmus local` and `isthmus site` refuse a host with fewer GPUs than the ranks
+    they start (with run.share_gpus: than the largest site's), naming the ways out."""
 
 
 @dataclass(kw_only=True, slots=True)

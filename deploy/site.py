@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.deploy.local import check_supported, resolve_device
+from isthmus.deploy.local import check_supported
 from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, config_path, prepare_run_dir
 from isthmus.deploy.summary import summarize
@@ -77,7 +77,6 @@ class SiteJob:
             LaunchError: a rank failed, a peer refused the job, or replicas differ.
             ConfigError: a setting this launcher cannot honour.
         """
-        self.config = resolve_device(self.config, self.config.ranks_of(self.site), self.out)
         check_supported(self.config, self.config.ranks_of(self.site))
         self.coordinator = coordinator_for(self.config, self.site)
         os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/ranks.py)

@@ -127,15 +127,28 @@ def test_sites_take_turns_on_the_gpus_only_with_share_gpus(sizes, gpus, share, f
     assert first_gpus(sizes, gpus, share) == firsts
 
 
-def test_auto_device_is_made_explicit_for_the_ranks_and_an_explicit_one_is_kept():
-    from isthmus.deploy.local import resolve_device
+@pytest.mark.parametrize(
+    ("device", "have", "needed", "needle"),
+    [
+        ("cuda", 1, 4, "topology.device = cuda needs 4 GPUs, found 1"),
+        ("cuda", 4, 4, None),
+        ("cpu", 0, 4, None),
+        ("auto", 0, 4, None),  # no GPU: the CPU
+        ("auto", 4, 4, None),
+        # One GPU for four ranks: `auto` would start ranks 1-3 on GPUs that are not there.
+        ("auto", 1, 4, "auto chose cuda, but this host has 1 GPU(s) for 4 ranks"),
+    ],
+)
+def test_a_host_with_too_few_gpus_is_refused_naming_the_ways_out(device, have, needed, needle):
+    from isthmus.deploy.local import gpu_shortage
 
-    # This machine has no GPU: "auto" trains on the CPU, and the ranks read "cpu", not
-    # "auto" (which they would resolve to cuda on a host with one GPU for four ranks).
-    assert resolve_device(load_config(), 4).topology.device == "cpu"
-    for device in ("cpu", "cuda"):
-        config = load_config(overrides=[f"topology.device={device}"])
-        assert resolve_device(config, 4) is config
+    problem = gpu_shortage(device, have, needed)
+    if needle is None:
+        assert problem is None
+    else:
+        assert needle in problem
+        if device == "auto":
+            assert "topology.device=cpu" in problem and "run.share_gpus=true" in problem
 
 
 def test_compile_is_on_with_cuda_off_on_cpu_and_an_explicit_setting_wins(tmp_path):
