@@ -38,9 +38,15 @@ from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from isthmus.inter.control.coordinator import Coordinator
 
-__all__ = ["WitnessLink", "WitnessServer"]
+__all__ = ["HOST_KEYS", "WitnessLink", "WitnessServer"]
 
 log = logging.getLogger(__name__)
+
+HOST_KEYS = frozenset({"sync.chunk_bytes"})
+"""Fingerprint keys a site derives from its own host, which the witness leaves out: on
+``topology.device = "auto"`` a site with GPUs sends larger chunks than the link alone
+asks for (deploy/config.py), and the witness, which moves no chunks, typically runs
+on a host without them. Sites still compare these keys with each other."""
 
 
 class WitnessServer(pb_grpc.WitnessServicer):
@@ -65,7 +71,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
         security: SiteSecurity | None = None,
     ) -> None:
         self.site_names = list(site_names)
-        self.fingerprint = dict(fingerprint)
+        self.fingerprint = {k: v for k, v in fingerprint.items() if k not in HOST_KEYS}
         self.failure_timeout_s = failure_timeout_s
         self.security = security or INSECURE
         self.where = "witness"
@@ -96,7 +102,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {site[:64]!r}")
         problem = fingerprint_problem(
             self.fingerprint,
-            dict(fingerprint.fields),
+            {k: v for k, v in fingerprint.fields.items() if k not in HOST_KEYS},
             self.where,
             site,
             values=self.security.require_token or self.security.require_tls,

@@ -67,6 +67,37 @@ def test_with_a_witness_a_partition_still_lets_only_one_side_go_on():
             witness.stop()
 
 
+def test_a_witness_ignores_the_chunk_size_a_site_derives_from_its_gpus():
+    """A GPU site on topology.device = "auto" sends 16 MiB chunks where the witness's
+    GPU-less host computes the link's 1 MiB from the same job file: the witness moves
+    no chunks, so it grants; any other difference is still refused, naming the key."""
+    from isthmus.deploy.config import load_config
+
+    witness_fp = load_config(overrides=["topology.device=cpu"]).fingerprint()
+    site_fp = load_config(overrides=["topology.device=cpu"]).fingerprint()
+    site_fp["sync.chunk_bytes"] = str(load_config(overrides=["topology.device=cuda"]).chunk_bytes)
+    assert site_fp["sync.chunk_bytes"] != witness_fp["sync.chunk_bytes"]  # 16 MiB vs 1 MiB
+    witness = WitnessServer(
+        site_names=["site0", "site1"], fingerprint=witness_fp, failure_timeout_s=1.0
+    ).start()
+    try:
+        with grpc.insecure_channel(witness.address) as channel:
+            stub = pb_grpc.WitnessStub(channel)
+            ask = pb.WitnessGrantRequest(
+                site="site0", members=["site0"], fingerprint=pb.JobFingerprint(fields=site_fp)
+            )
+            assert stub.Grant(ask, timeout=5).granted
+            other = dict(site_fp, **{"job.seed": "7"})
+            ping = pb.WitnessPingRequest(site="site1", fingerprint=pb.JobFingerprint(fields=other))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Ping(ping, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "job.seed" in refused.value.details()
+        assert witness.holder == ["site0"]
+    finally:
+        witness.stop()
+
+
 def test_a_witness_with_tls_grants_a_site_only_to_its_own_certificate(tmp_path):
     write_certs(tmp_path, ["site0", "site1", "witness"])
 
