@@ -30,9 +30,9 @@ __all__ = [
     "LocalJob",
     "check_supported",
     "first_gpus",
+    "gpu_shortage",
     "gpus_needed",
     "parse_slow",
-    "gpu_shortage",
     "slow_env",
 ]
 
