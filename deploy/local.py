@@ -32,6 +32,7 @@ __all__ = [
     "first_gpus",
     "gpu_shortage",
     "gpus_needed",
+    "host_gpus",
     "parse_slow",
     "slow_env",
 ]
@@ -77,7 +78,17 @@ def gpu_shortage(device: str, have: int, needed: int) -> str | None:
     )
 
 
-def check_supported(config: JobConfig, gpus_needed: int) -> None:
+def host_gpus(config: JobConfig) -> int:
+    """The GPUs this host offers the job: none unless it runs on CUDA (``auto``
+    imports no torch without the NVIDIA driver)."""
+    if config.device_type != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_supported(config: JobConfig, needed: int) -> None:
     """Refuse, in one line, what this release cannot run (before anything is made).
 
     Loading the corpus also trains and encodes a BPE tokenizer into the cache before any
@@ -86,12 +97,7 @@ def check_supported(config: JobConfig, gpus_needed: int) -> None:
     from isthmus.deploy.corpus import load_corpus  # imports torch: not for a bad --set
 
     load_corpus(config)  # a corpus that cannot be read or split
-    have = 0
-    if config.device_type == "cuda":  # auto: no torch import without the NVIDIA driver
-        import torch
-
-        have = torch.cuda.device_count()
-    problem = gpu_shortage(config.topology.device, have, gpus_needed)
+    problem = gpu_shortage(config.topology.device, host_gpus(config), needed)
     if problem:
         raise ConfigError(problem)
 
@@ -215,18 +221,10 @@ class LocalJob:
             )
             coordinator.start()
 
-    def _gpu_count(self) -> int:
-        """This host's GPUs where sites share them, else as many as the job has ranks."""
-        if self.config.run.share_gpus and self.config.device_type == "cuda":
-            import torch
-
-            return torch.cuda.device_count()
-        return sum(self.config.site_ranks)
-
     def _start_ranks(self, proxies: dict[str, dict[str, str]]) -> None:
         sizes = self.config.site_ranks
         threads = max(1, (os.cpu_count() or 1) // sum(sizes))
-        firsts = first_gpus(sizes, self._gpu_count(), self.config.run.share_gpus)
+        firsts = first_gpus(sizes, host_gpus(self.config), self.config.run.share_gpus)
         for i, coordinator in enumerate(self._coordinators):
             site = SiteRanks(
                 self.config,
