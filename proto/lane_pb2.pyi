@@ -113,3 +113,21 @@ class OpenBulkResponse(_message.Message):
     port: int
     ticket: bytes
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class AbortRoundRequest(_message.Message):
+    __slots__ = ("generation", "step", "group", "from_site", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    FROM_SITE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    group: int
+    from_site: int
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., group: _Optional[int] = ..., from_site: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortRoundResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

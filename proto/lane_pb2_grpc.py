@@ -54,6 +54,11 @@ class LaneStub:
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.FromString,
                 _registered_method=True)
+        self.AbortRound = channel.unary_unary(
+                '/isthmus.v1.Lane/AbortRound',
+                request_serializer=isthmus_dot_proto_dot_lane__pb2.AbortRoundRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_lane__pb2.AbortRoundResponse.FromString,
+                _registered_method=True)
 
 
 class LaneServicer:
@@ -94,6 +99,16 @@ class LaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortRound(self, request, context):
+        """A site whose part of a round failed (it refused a chunk, or its own encode
+        went wrong) tells the round's other sites at once, so that none of them waits
+        out the round's deadline for chunks that will not come; every site then votes
+        the step failed and it is retried (docs/design.md, invariant 2).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +131,11 @@ def add_LaneServicer_to_server(servicer, server):
                     servicer.OpenBulk,
                     request_deserializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.SerializeToString,
+            ),
+            'AbortRound': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRound,
+                    request_deserializer=isthmus_dot_proto_dot_lane__pb2.AbortRoundRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_lane__pb2.AbortRoundResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +246,33 @@ class Lane:
             '/isthmus.v1.Lane/OpenBulk',
             isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.SerializeToString,
             isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Lane/AbortRound',
+            isthmus_dot_proto_dot_lane__pb2.AbortRoundRequest.SerializeToString,
+            isthmus_dot_proto_dot_lane__pb2.AbortRoundResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -198,7 +198,11 @@ class CrossSiteAllReduce:
                 stats=stats,
             )
             stats.num_chunks = pipeline.num_chunks
-            pipeline.run()
+            try:
+                pipeline.run()
+            except CrossSiteError as exc:
+                exc.stats = stats  # what the failed round counted reaches the step's metrics
+                raise
         offset = 0
         for t in tensors if not single else ():
             n = t.numel()

@@ -28,13 +28,22 @@ from isthmus.inter.data.codecs import (
     Fp32Stage,
     Int4Stage,
     Int8Stage,
+    NonFiniteEncoding,
     ShuffleStage,
     TensorStage,
     ZstdStage,
     crc32,
 )
 
-__all__ = ["ALLOWED_SPECS", "Codec", "CodecChain", "CodecError", "crc32", "make_codec"]
+__all__ = [
+    "ALLOWED_SPECS",
+    "Codec",
+    "CodecChain",
+    "CodecError",
+    "NonFiniteEncoding",
+    "crc32",
+    "make_codec",
+]
 
 _TENSOR_STAGES: dict[str, Callable[[], TensorStage]] = {
     "raw": Fp32Stage,
@@ -50,12 +59,16 @@ class Codec(Protocol):
 
     name: str
 
-    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes | memoryview:
+    def encode(
+        self, chunk: torch.Tensor, key: str | None = None, *, require_finite: bool = False
+    ) -> bytes | memoryview:
         """Encodes one chunk.
 
         Args:
             chunk: 1-D float32 tensor, CPU or CUDA.
             key: names the chunk's error-feedback state (lossy stages with feedback).
+            require_finite: raise NonFiniteEncoding instead of returning a payload
+                that decodes to NaN or Inf (checked on the tensor stage's bytes).
         Returns:
             The payload: bytes, or (``raw`` and ``bf16`` without byte stages) a
             read-only view of the chunk's memory or of this thread's pinned buffer,
@@ -95,9 +108,16 @@ class CodecChain:
         """Whether decode(encode(x)) may differ from x."""
         return self.tensor.lossy
 
-    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes | memoryview:
+    def encode(
+        self, chunk: torch.Tensor, key: str | None = None, *, require_finite: bool = False
+    ) -> bytes | memoryview:
         """See :meth:`Codec.encode`."""
         data = self.tensor.encode(chunk, key)
+        if require_finite and not self.tensor.finite(data, chunk.numel()):
+            raise NonFiniteEncoding(
+                f"the {self.tensor.name} stage encoded {chunk.numel()} values to a payload "
+                "holding NaN or Inf"
+            )
         for stage in self.byte_stages:
             data = stage.encode(data)
         return data

@@ -352,6 +352,10 @@ class LaneGradientSync:
         # synchronized their device, so the buffers are complete.
         for p in pending:
             p.shard.copy_(p.buffer.view_as(p.shard))
+            if p.buffer.is_cuda:
+                # The buffer was made on the hook's stream and is dropped now, while
+                # this stream's copy may still be queued: keep its memory until then.
+                p.buffer.record_stream(torch.cuda.current_stream(p.buffer.device))
         log.debug(
             "[site %d step %d] synced %d groups, %d bytes sent, wait %.3fs",
             self.allreduce.site_index,
@@ -386,15 +390,13 @@ class LaneGradientSync:
                 continue
             except CrossSiteError as exc:
                 failure = failure or exc
+                if exc.stats is not None:  # a failed round's refusals count too
+                    _add_round(stats, exc.stats)
                 continue
             first, last = min(first, began), max(last, ended)
             stats.sync_s = last - first
             stats.local_sq_norm += sq_norm
-            stats.bytes_sent += rs.bytes_sent
-            stats.bytes_received += rs.bytes_received
-            stats.raw_bytes += rs.raw_bytes
-            stats.corrupt_chunks += rs.corrupt_chunks
-            stats.nonfinite_chunks += rs.nonfinite_chunks
+            _add_round(stats, rs)
         if failure is not None:
             # Let rounds that outlived the deadline end before anything is rerun.
             futures.wait([p.future for p in pending], timeout=self.allreduce.timeout_s)
@@ -408,7 +410,14 @@ class LaneGradientSync:
         restarted = []
         for p in pending:
             buffer = p.shard.detach().reshape(-1).to(torch.float32, copy=True)
-            future = self._worker.submit(self._run, step, p.group, buffer, None, shared=p.shared)
+            ready = None
+            if buffer.is_cuda:
+                # As in start(): the copy is queued on this thread's stream, and the
+                # round reads the buffer on its own; without the event it could read
+                # the buffer before the copy wrote it (issue 38).
+                ready = torch.cuda.Event()
+                ready.record()
+            future = self._worker.submit(self._run, step, p.group, buffer, ready, shared=p.shared)
             restarted.append(_Pending(p.group, p.shard, buffer, future, p.shared))
         return restarted
 
@@ -446,6 +455,15 @@ class LaneGradientSync:
         if self.membership is not None:
             self.membership.close()
         self.allreduce.close()
+
+
+def _add_round(stats: SyncStats, rs: RoundStats) -> None:
+    """Adds what one round moved and refused to the step's stats."""
+    stats.bytes_sent += rs.bytes_sent
+    stats.bytes_received += rs.bytes_received
+    stats.raw_bytes += rs.raw_bytes
+    stats.corrupt_chunks += rs.corrupt_chunks
+    stats.nonfinite_chunks += rs.nonfinite_chunks
 
 
 _SUMMED_STATS = (

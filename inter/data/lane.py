@@ -186,6 +186,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                     request_deserializer=lane_pb2.OpenBulkRequest.FromString,
                     response_serializer=lane_pb2.OpenBulkResponse.SerializeToString,
                 ),
+                "AbortRound": unary_unary(
+                    self.AbortRound,
+                    request_deserializer=lane_pb2.AbortRoundRequest.FromString,
+                    response_serializer=lane_pb2.AbortRoundResponse.SerializeToString,
+                ),
                 "PullState": grpc.unary_stream_rpc_method_handler(
                     self.PullState,
                     request_deserializer=lane_pb2.PullStateRequest.FromString,
@@ -458,6 +463,38 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             )
         assert chunk is not None  # context.abort raised
         return encode_resend_response(chunk)
+
+    def AbortRound(  # noqa: N802 (gRPC method name)
+        self, request: lane_pb2.AbortRoundRequest, context: grpc.ServicerContext
+    ) -> lane_pb2.AbortRoundResponse:
+        """Notes that a member site gave up a round of this generation: this rank's
+        part of it fails at once (``RoundPipeline``) instead of at its deadline."""
+        self._refuse_unless_sender(context, request.from_site, "AbortRound")
+        members = self._members
+        if request.generation != members.generation:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"site {members.site_index}: generation {request.generation} != "
+                f"{members.generation}",
+            )
+        if request.from_site >= members.num_sites or request.from_site == members.site_index:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"from_site {request.from_site} is not another member of {members.num_sites} sites",
+            )
+        refused = self.mailbox.note_abort(
+            request.step, request.group, request.from_site, request.reason
+        )
+        if refused is not None:
+            self.refusals.note(
+                f"site {request.from_site}",
+                f"AbortRound of step {request.step} group {request.group}: {refused}",
+            )
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"site {members.site_index} did not note the abort: {refused}",
+            )
+        return lane_pb2.AbortRoundResponse()
 
     def PullState(  # noqa: N802 (gRPC method name)
         self, request: lane_pb2.PullStateRequest, context: grpc.ServicerContext

@@ -249,6 +249,15 @@ class LanePeer:
             self._fetches += 1
         return call(request, timeout=max(0.001, timeout))
 
+    def abort_round(self, request: lane_pb2.AbortRoundRequest, timeout: float) -> grpc.Future:
+        """Tells the peer that this site gave up a round (``AbortRound``), without
+        waiting: the caller's round has failed already, and a dead peer must not hold it.
+
+        Returns:
+            The call's future; its failure is the caller's to log or ignore.
+        """
+        return self.stub.AbortRound.future(request, timeout=max(0.001, timeout))
+
     @property
     def stub(self) -> lane_pb2_grpc.LaneStub:
         """A stub on the first connection, for one-off calls (``PullState``)."""

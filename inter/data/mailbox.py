@@ -4,7 +4,8 @@ can ask for them again.
 Owns :data:`MailboxKey`, :class:`Mailbox` (refuses replays, chunks of finished steps,
 chunks of steps too far ahead, and chunks past its byte budget: whoever sends, it holds
 at most a live window of steps in bounded memory; holds a marker for a chunk that
-failed its checksum until it is pulled again)
+failed its checksum until it is pulled again; notes the rounds a peer gave up, so
+that this site's part of them fails at once instead of waiting out its deadline)
 and :class:`Outbox` (the chunks this site sent, for ``ResendChunk``). No gRPC here;
 :mod:`isthmus.inter.data.lane` fills them, the all-reduce empties them.
 """
@@ -21,7 +22,16 @@ from isthmus.inter.data.wire import Chunk
 if TYPE_CHECKING:
     from isthmus.proto import lane_pb2
 
-__all__ = ["CORRUPT", "MAX_STEPS_AHEAD", "Mailbox", "MailboxKey", "Outbox", "OutboxKey"]
+__all__ = [
+    "CORRUPT",
+    "MAX_ABORTS",
+    "MAX_REASON",
+    "MAX_STEPS_AHEAD",
+    "Mailbox",
+    "MailboxKey",
+    "Outbox",
+    "OutboxKey",
+]
 
 # (step, group, kind, chunk_index, from_site)
 MailboxKey = tuple[int, int, "lane_pb2.ChunkKind", int, int]
@@ -33,6 +43,11 @@ MAX_STEPS_AHEAD = 4
 """Steps past the live one whose chunks are taken. Every step's rounds need every
 site, so a peer's rounds run at most a step or two ahead of ours; 1,500 chunks for
 far-future steps once took a rank from 0.65 to 2.2 GB, never released (issue 14)."""
+MAX_ABORTS = 1024
+"""Given-up rounds noted at once: a step has at most a few hundred groups' rounds, and
+only the live window of steps is kept."""
+MAX_REASON = 512
+"""Characters of a peer's reason kept for the log."""
 
 
 class Mailbox:
@@ -61,6 +76,8 @@ class Mailbox:
         self._floor = 0
         self._live = False  # a round set the floor (after a clear, none has yet)
         self._bytes = 0
+        # (step, group) -> (site, why): rounds a peer gave up in this generation.
+        self._aborts: dict[tuple[int, int], tuple[int, str]] = {}
 
     def deposit(self, key: MailboxKey, item: Chunk) -> str | None:
         """Stores ``item``; returns None, or why it was refused: "duplicate", "stale",
@@ -89,6 +106,29 @@ class Mailbox:
             self._bytes += size
             self._cond.notify_all()
             return None
+
+    def note_abort(self, step: int, group: int, site: int, reason: str) -> str | None:
+        """Notes that ``site`` gave up round (step, group): :meth:`aborted` tells the
+        round, which then fails at once. Returns None, or why the note was refused:
+        "stale" (a finished step), "ahead" (a step too far past the live one) or "full"
+        (:data:`MAX_ABORTS` rounds noted). The first site's note stands."""
+        with self._cond:
+            if step < self._floor:
+                return "stale"
+            if self._live and step >= self._floor + self.max_ahead:
+                return "ahead"
+            if (step, group) in self._aborts:
+                return None
+            if len(self._aborts) >= MAX_ABORTS:
+                return "full"
+            self._aborts[(step, group)] = (site, reason[:MAX_REASON])
+            self._cond.notify_all()
+            return None
+
+    def aborted(self, step: int, group: int) -> tuple[int, str] | None:
+        """The site that gave up round (step, group) and why, or None."""
+        with self._cond:
+            return self._aborts.get((step, group))
 
     def redeposit(self, key: MailboxKey, item: Chunk) -> bool:
         """Stores the resent copy of a chunk marked corrupt; False if none was marked."""
@@ -150,6 +190,7 @@ class Mailbox:
                 self._bytes -= _size(self._items.pop(key))
             self._seen = {k for k in self._seen if k[0] >= step}
             self._corrupt = {k for k in self._corrupt if k[0] >= step}
+            self._aborts = {k: v for k, v in self._aborts.items() if k[0] >= step}
             return len(stale)
 
     def clear(self) -> None:
@@ -158,6 +199,7 @@ class Mailbox:
             self._items.clear()
             self._seen.clear()
             self._corrupt.clear()
+            self._aborts.clear()
             self._floor, self._live, self._bytes = 0, False, 0
 
     def keys(self) -> list[MailboxKey]:

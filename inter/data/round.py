@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 import torch
 
-from isthmus.inter.data.codec import CodecError, crc32
+from isthmus.inter.data.codec import CodecError, NonFiniteEncoding, crc32
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
 from isthmus.inter.data.round_device import divisor, finite, lane_stream
 from isthmus.inter.data.wire import Chunk, encode_chunk
@@ -53,7 +53,9 @@ __all__ = [
 from isthmus.inter.data.round_types import (
     AbortSignal,
     CrossSiteError,
+    EncodingFault,
     NonFiniteGradient,
+    PeerAborted,
     RoundStats,
     RoundView,
 )
@@ -64,6 +66,7 @@ _CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
 _RESULT = lane_pb2.CHUNK_KIND_RESULT
 _POLL_S = 0.05  # how often the waiting router looks for failed tasks and sends
 _FETCH_TIMEOUT_S = 10.0  # one ResendChunk call; the round's deadline bounds retries
+_ABORT_TIMEOUT_S = 5.0  # one AbortRound call, sent without waiting for its answer
 
 
 class RoundPipeline:
@@ -161,6 +164,10 @@ class RoundPipeline:
                 self._submit(self._receive, key, req)
             self._wait_tasks()
             ok = True
+        except CrossSiteError as exc:
+            if not isinstance(exc, PeerAborted):
+                self._tell_peers(exc)
+            raise
         finally:
             if not ok:
                 self._failed.set()  # tasks still queued skip; running ones finish
@@ -168,6 +175,24 @@ class RoundPipeline:
             for rnd in self._rounds.values():
                 rnd.end()
         self._wait_acks()
+
+    def _tell_peers(self, exc: CrossSiteError) -> None:
+        """Tells every peer of the round that this site gave it up, so that none waits
+        for chunks that will not come until its deadline (issue 38: a refused chunk
+        cost the sender's site 120 s). Not for a round a peer gave up: that peer told
+        every site itself."""
+        ask = lane_pb2.AbortRoundRequest(
+            generation=self.view.generation,
+            step=self.step,
+            group=self.group,
+            from_site=self.view.site_index,
+            reason=str(exc)[:512],
+        )
+        for peer in self.peers.values():
+            try:
+                peer.abort_round(ask, _ABORT_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 (best effort: the peer's deadline remains)
+                log.debug("%s: could not send AbortRound", self.where, exc_info=True)
 
     def _submit(self, fn: Callable[..., None], *args: object) -> None:
         self._tasks.append(self.pool.submit(self._guard, fn, *args))
@@ -191,6 +216,10 @@ class RoundPipeline:
     def _raise_failures(self) -> None:
         if self.abort.is_set():
             raise CrossSiteError(f"{self.where}: aborted: {self.abort.reason}")
+        given_up = self.mailbox.aborted(self.step, self.group)
+        if given_up is not None:
+            site, why = given_up
+            raise PeerAborted(f"{self.where}: site {site} gave the round up: {why}")
         with self._lock:
             exc = self._errors[0] if self._errors else None
         if isinstance(exc, CrossSiteError):
@@ -247,10 +276,13 @@ class RoundPipeline:
                 setattr(self.stats, name, getattr(self.stats, name) + value)
 
     def _encode(self, values: torch.Tensor, key: str) -> bytes | memoryview:
+        """``values`` encoded; raises NonFiniteEncoding rather than return a payload
+        that decodes to NaN or Inf (nothing non-finite ever leaves: invariant 8)."""
         t0 = time.perf_counter()
-        payload = self.codec.encode(values, key)
-        self._count(encode_s=time.perf_counter() - t0)
-        return payload
+        try:
+            return self.codec.encode(values, key, require_finite=True)
+        finally:
+            self._count(encode_s=time.perf_counter() - t0)
 
     def _decode(self, payload: bytes | memoryview, n: int) -> np.ndarray | torch.Tensor:
         """Host values (a CPU round) or values on the round's GPU."""
@@ -297,18 +329,24 @@ class RoundPipeline:
     def _contribute(self, c: int, owner: int) -> None:
         lo, hi = self._bounds(c)
         me = self.view.site_index
-        if not finite(self._own(lo, hi)):
-            # Summed in, it would turn every site's weights to NaN at once (issue 14).
-            raise NonFiniteGradient(
-                f"{self.where}: this site's gradient holds NaN or Inf (chunk {c}, elements "
-                f"{lo}..{hi}); refused before it left the site"
-            )
         if owner == me and not self.codec.lossy:
             # Lossless: decode(encode(x)) is x, so skip both.
+            self._check_own(c, lo, hi)
             self._add_part(c, owner, self._own(lo, hi))
             return
-        # Error-feedback state is per lane (this object), group and chunk.
-        payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}")
+        # Error-feedback state is per lane (this object), group and chunk. The payload
+        # is checked, not the gradient before it: one pass over the encoded bytes (for
+        # int8 its scales alone) covers both the gradient and the encode.
+        try:
+            payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}")
+        except NonFiniteEncoding as exc:
+            self._check_own(c, lo, hi)
+            self._count(nonfinite_chunks=1)
+            raise EncodingFault(
+                f"{self.where}: chunk {c} (elements {lo}..{hi}) is finite, but its "
+                f"contribution came out of the {self.codec.name} encode non-finite ({exc}); "
+                "not sent"
+            ) from exc
         if owner == me:
             # Our own part goes through the codec too, so a lossy codec treats every
             # site alike.
@@ -318,6 +356,15 @@ class RoundPipeline:
         self.outbox.put((self.step, self.group, _CONTRIBUTION, c), frame, [owner])
         self._rounds[owner].send(frame)
         self._count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
+
+    def _check_own(self, c: int, lo: int, hi: int) -> None:
+        """Raises NonFiniteGradient if this site's own values of chunk ``c`` are not
+        finite: summed in, they would turn every site's weights to NaN at once (issue 14)."""
+        if not finite(self._own(lo, hi)):
+            raise NonFiniteGradient(
+                f"{self.where}: this site's gradient holds NaN or Inf (chunk {c}, elements "
+                f"{lo}..{hi}); refused before it left the site"
+            )
 
     def _receive(self, key: MailboxKey, req: Chunk) -> None:
         kind, c, sender = key[2], key[3], key[4]
@@ -391,6 +438,11 @@ class RoundPipeline:
             # A CUDA round: self.device is set and the parts are tensors on it.
             assert self.device is not None
             gpu_parts = cast("dict[int, torch.Tensor]", parts)
+            stream = torch.cuda.current_stream(self.device)
+            for part in gpu_parts.values():
+                # Decoded on other pool threads' streams and dropped when this returns:
+                # their memory is not to be reused before this stream has read it.
+                part.record_stream(stream)
             summed = self.flat[lo:hi]
             for s in range(2, sites):
                 if gpu_parts[s].data_ptr() == summed.data_ptr():
@@ -400,7 +452,15 @@ class RoundPipeline:
                 summed.add_(gpu_parts[s])
             if self.average:
                 summed.div_(divisor(self.device, sites))
-        payload = self._encode(summed, f"g{self.group}/r{c}")
+        try:
+            payload = self._encode(summed, f"g{self.group}/r{c}")
+        except NonFiniteEncoding as exc:
+            self._count(nonfinite_chunks=1)
+            cause = "overflowed" if not finite(summed) else "is finite, but its encode is not"
+            raise EncodingFault(
+                f"{self.where}: the sum of chunk {c} (elements {lo}..{hi}) {cause} "
+                f"({self.codec.name}: {exc}); the result is not sent"
+            ) from exc
         frame = self._frame(_RESULT, c, payload)  # copies the payload: it may change
         if self.codec.lossy:
             # Every site, the owner too, keeps decode(result).

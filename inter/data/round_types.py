@@ -12,15 +12,31 @@ from isthmus.inter.data.codec import CodecChain
 __all__ = [
     "AbortSignal",
     "CrossSiteError",
+    "EncodingFault",
     "Members",
     "NonFiniteGradient",
+    "PeerAborted",
     "RoundStats",
     "RoundView",
 ]
 
 
 class CrossSiteError(RuntimeError):
-    """A cross-site round failed: a peer timed out, refused or sent bad data."""
+    """A cross-site round failed: a peer timed out, refused or sent bad data.
+
+    ``stats`` holds what the round had counted when it failed (refused and corrupt
+    chunks, bytes), so a failed attempt's refusals still reach the step's metrics."""
+
+    stats: RoundStats | None = None
+
+
+class EncodingFault(CrossSiteError):
+    """A finite chunk came out of this site's encode as NaN or Inf: a bug, caught
+    before the chunk left; the round fails, and running the step again may help."""
+
+
+class PeerAborted(CrossSiteError):
+    """Another site gave this round up (``AbortRound``): its chunks will not come."""
 
 
 class NonFiniteGradient(CrossSiteError):

@@ -5,7 +5,13 @@ on the host and back (:mod:`.fp32`, :mod:`.bf16`, :mod:`.int8`, :mod:`.int4`); *
 transform those bytes (:mod:`.shuffle`, :mod:`.zstd`).
 """
 
-from isthmus.inter.data.codecs.base import ByteStage, CodecError, TensorStage, crc32
+from isthmus.inter.data.codecs.base import (
+    ByteStage,
+    CodecError,
+    NonFiniteEncoding,
+    TensorStage,
+    crc32,
+)
 from isthmus.inter.data.codecs.bf16 import Bf16Stage
 from isthmus.inter.data.codecs.fp32 import Fp32Stage
 from isthmus.inter.data.codecs.int4 import Int4Stage
@@ -20,6 +26,7 @@ __all__ = [
     "Fp32Stage",
     "Int4Stage",
     "Int8Stage",
+    "NonFiniteEncoding",
     "ShuffleStage",
     "TensorStage",
     "ZstdStage",

@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "ByteStage",
     "CodecError",
+    "NonFiniteEncoding",
     "TensorStage",
     "check_chunk",
     "check_size",
@@ -34,6 +35,11 @@ _pinned = threading.local()
 
 class CodecError(ValueError):
     """A payload could not be decoded (wrong size, corrupt or hostile frame)."""
+
+
+class NonFiniteEncoding(ValueError):
+    """An encoded payload holds NaN or Inf (``CodecChain.encode(..., require_finite=True)``):
+    from a finite chunk that is a bug of the encode, never a value to send."""
 
 
 def crc32(payload: bytes | bytearray | memoryview) -> int:
@@ -164,6 +170,11 @@ class TensorStage(Protocol):
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """Decodes to a new writable 1-D fp32 CPU tensor; raises CodecError."""
+        ...
+
+    def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
+        """Whether every value ``payload`` decodes to is finite, read off the host bytes
+        as cheaply as the format allows (int8 and int4: their block scales alone)."""
         ...
 
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:

@@ -9,6 +9,9 @@ from isthmus.inter.data.codecs.base import check_chunk, check_size, from_le, to_
 
 __all__ = ["Bf16Stage"]
 
+_EXPONENT = np.uint16(0x7F80)
+"""A bf16's exponent bits: all set is Inf or NaN."""
+
 
 class Bf16Stage:
     """fp32 → bf16 on the chunk's device, so a GPU copies half the bytes to the host."""
@@ -24,6 +27,11 @@ class Bf16Stage:
     def encode(self, chunk: torch.Tensor, key: str | None = None) -> memoryview:
         """See :meth:`TensorStage.encode`."""
         return to_host_view(check_chunk(chunk).to(torch.bfloat16))
+
+    def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
+        """See :meth:`TensorStage.finite`: no value with every exponent bit set."""
+        exponent = from_le(payload, np.uint16) & _EXPONENT
+        return not bool((exponent == _EXPONENT).any())
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`TensorStage.decode`."""

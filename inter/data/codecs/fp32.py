@@ -28,6 +28,10 @@ class Fp32Stage:
         """
         return to_host_view(check_chunk(chunk))
 
+    def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
+        """See :meth:`TensorStage.finite` (one pass over the values)."""
+        return bool(np.isfinite(from_le(payload, np.float32)).all())
+
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`TensorStage.decode`."""
         # Copy once so the tensor is writable and owns its memory.

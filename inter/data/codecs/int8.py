@@ -140,6 +140,11 @@ class Int8Stage:
             self.encoded_size(n) - _SCALE_BYTES * blocks
         )
 
+    def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
+        """See :meth:`TensorStage.finite`: the integers are finite by construction, so
+        the block scales say it (a non-finite block keeps a non-finite scale)."""
+        return bool(np.isfinite(block_scales(payload, num_elements)).all())
+
     def _with_residual(self, x: torch.Tensor, key: str | None) -> torch.Tensor:
         """``x`` plus the residual kept under ``key`` (what earlier roundings lost)."""
         if key is None:
@@ -148,9 +153,17 @@ class Int8Stage:
             residual = self._residuals.get(key)
         # A residual of another shape belongs to an older layout and is dropped; a
         # loaded one (CPU) moves to the chunk's device.
-        if residual is not None and residual.shape == x.shape:
-            x = x + residual.to(x.device)
-        return x
+        if residual is None or residual.shape != x.shape:
+            return x
+        residual = residual.to(x.device)
+        if residual.is_cuda:
+            # Another pool thread made it on its own stream, and this encode drops it
+            # (the next residual replaces it) right after queuing the add below. Without
+            # this, the allocator hands its memory back to the maker's stream at once,
+            # and that thread's next chunk could overwrite it before this stream's add
+            # has read it: a finite gradient then left as NaN (issue 38).
+            residual.record_stream(torch.cuda.current_stream(x.device))
+        return x + residual
 
     def _forget(self, key: str | None) -> None:
         if key is not None:
