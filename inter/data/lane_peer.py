@@ -10,6 +10,7 @@ worth of those streams (:class:`~isthmus.inter.data.bulk.BulkPeerRound` on bulk)
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -22,6 +23,8 @@ from isthmus.inter.data.lane import channel_options
 from isthmus.inter.data.wire import Chunk, ResendWire
 from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TRANSPORTS", "LanePeer", "PeerRound"]
 
@@ -187,6 +190,7 @@ class LanePeer:
         self.address = address
         self._fetch_lock = threading.Lock()
         self._fetches = 0
+        self._aborting: set[grpc.Future] = set()  # AbortRound calls in flight
         base: list[tuple[str, int | str]] = [*channel_options(chunk_bytes)]
         # Without an explicit proxy, ignore http_proxy/grpc_proxy from the environment.
         base += [("grpc.http_proxy", proxy)] if proxy else [("grpc.enable_http_proxy", 0)]
@@ -249,14 +253,21 @@ class LanePeer:
             self._fetches += 1
         return call(request, timeout=max(0.001, timeout))
 
-    def abort_round(self, request: lane_pb2.AbortRoundRequest, timeout: float) -> grpc.Future:
+    def abort_round(self, request: lane_pb2.AbortRoundRequest, timeout: float) -> None:
         """Tells the peer that this site gave up a round (``AbortRound``), without
-        waiting: the caller's round has failed already, and a dead peer must not hold it.
+        waiting: the caller's round has failed already, and a dead peer must not hold
+        it. A failed call is logged; the peer then meets its round's deadline."""
+        call = self.stub.AbortRound.future(request, timeout=max(0.001, timeout))
+        # grpc cancels a call whose future is collected: hold it until it ends.
+        with self._fetch_lock:
+            self._aborting.add(call)
+        call.add_done_callback(self._aborted)
 
-        Returns:
-            The call's future; its failure is the caller's to log or ignore.
-        """
-        return self.stub.AbortRound.future(request, timeout=max(0.001, timeout))
+    def _aborted(self, call: grpc.Future) -> None:
+        with self._fetch_lock:
+            self._aborting.discard(call)
+        if not call.cancelled() and call.exception() is not None:
+            log.info("AbortRound to %s failed: %s", self.address, call.exception())
 
     @property
     def stub(self) -> lane_pb2_grpc.LaneStub:
