@@ -155,6 +155,7 @@ def check_lane(lane: Lane, method: str, data: bytes, kind: str) -> None:
         reply_type = {
             "PullState": lane_pb2.StatePiece,
             "OpenBulk": lane_pb2.OpenBulkResponse,
+            "AbortRound": lane_pb2.AbortRoundResponse,
         }.get(method, lane_pb2.ResendChunkResponse)
         for r in replies:
             reply_type.FromString(r)
@@ -172,6 +173,14 @@ VALID_RESEND = st.builds(
     chunk_index=st.integers(0, 1),
     from_site=st.integers(0, 3),
 )
+VALID_ABORT = st.builds(
+    lane_pb2.AbortRoundRequest,
+    generation=st.integers(LANE_GEN - 1, LANE_GEN + 1),
+    step=st.integers(0, 8),
+    group=st.integers(0, 1),
+    from_site=st.integers(0, 3),
+    reason=st.text(max_size=40),
+)
 VALID_PULL = st.builds(
     lane_pb2.PullStateRequest,
     generation=st.integers(LANE_GEN - 1, LANE_GEN + 1),
@@ -187,6 +196,15 @@ def test_resend_chunk(fuzz_lane, request):
     check_lane(fuzz_lane, "ResendChunk", request.SerializeToString(), "unary_unary")
 
 
+@settings(max_examples=300, **SETTINGS)
+@given(request=requests(VALID_ABORT, lane_pb2.AbortRoundRequest.DESCRIPTOR))
+def test_abort_round(fuzz_lane, request):
+    """A given-up round is only noted (for the lane's own round, never run here): the
+    chunks, outbox and offer stay as they were, and a refusal says why in a line."""
+    count("AbortRound")
+    check_lane(fuzz_lane, "AbortRound", request.SerializeToString(), "unary_unary")
+
+
 @settings(max_examples=400, **SETTINGS)
 @given(request=requests(VALID_PULL, lane_pb2.PullStateRequest.DESCRIPTOR))
 def test_pull_state(fuzz_lane, request):
@@ -197,7 +215,7 @@ def test_pull_state(fuzz_lane, request):
 @settings(max_examples=700, **SETTINGS)
 @given(
     data=st.data(),
-    method=st.sampled_from(["PushChunks", "ResendChunk", "PullState", "OpenBulk"]),
+    method=st.sampled_from(["PushChunks", "ResendChunk", "PullState", "OpenBulk", "AbortRound"]),
 )
 def test_raw_bytes_to_every_lane_handler(fuzz_lane, data, method):
     count("raw Lane")
@@ -216,6 +234,7 @@ def test_raw_bytes_to_every_lane_handler(fuzz_lane, data, method):
         return
     valid = {
         "ResendChunk": VALID_RESEND,
+        "AbortRound": VALID_ABORT,
         "PullState": VALID_PULL,
         "OpenBulk": st.just(lane_pb2.OpenBulkRequest()),  # a ticket, never a state change
     }[method]

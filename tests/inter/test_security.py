@@ -162,7 +162,11 @@ def test_a_lane_takes_a_sites_chunks_only_from_its_certificate(lane, job_dir):
         ask = lane_pb2.ResendChunkRequest(generation=1, step=0, from_site=1)
         refused = refusal(lambda: stub.ResendChunk(ask, timeout=5))
         assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
-    assert len(lane.mailbox) == 0
+        # Nor can it give up site1's rounds in its name (issue 38's AbortRound).
+        give_up = lane_pb2.AbortRoundRequest(generation=1, step=0, from_site=1)
+        refused = refusal(lambda: stub.AbortRound(give_up, timeout=5))
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
+    assert len(lane.mailbox) == 0 and lane.mailbox.aborted(0, 0) is None
     with open_channel(full(job_dir, "site1"), lane.address) as channel:
         reply = lane_pb2_grpc.LaneStub(channel).PushChunks(iter([chunk()]), timeout=5)
     assert reply.accepted == 1 and len(lane.mailbox) == 1
