@@ -61,6 +61,11 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
 
 
 RESERVED_THREADS = 8
+PULL_STATE_WAITS = 2
+"""``PullState`` calls a lane serves at once: each may wait for its state up to
+``offer_wait_s`` on a handler thread, and a joining rank pulls from its own coordinate
+once at a time. 40 held ones once took every thread of a lane: its rounds, ``OpenBulk``
+and health froze for 50 s (issue 33, row 3)."""
 """A lane's handler threads that ``PushChunks`` streams may never take."""
 
 
@@ -144,6 +149,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.health = BoundedHealth(self.refusals)
         streams = max(1, max_workers - RESERVED_THREADS)
         self._streams = WaitSlots(streams, "PushChunks stream", self.refusals)
+        # Taken from the reserved threads: the rest still answer at once.
+        self._pulls = WaitSlots(PULL_STATE_WAITS, "PullState", self.refusals)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -499,7 +506,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     def PullState(  # noqa: N802 (gRPC method name)
         self, request: lane_pb2.PullStateRequest, context: grpc.ServicerContext
     ) -> Iterator[lane_pb2.StatePiece]:
-        """Streams this rank's training state after ``request.step`` to a joining rank."""
+        """Streams this rank's training state after ``request.step`` to a joining rank
+        (at most :data:`PULL_STATE_WAITS` at once; more get RESOURCE_EXHAUSTED, logged)."""
+        self._pulls.hold_for_stream(context)
         generation = self.generation
         if request.generation > generation:
             # Admitted by a round voted ahead: this rank moves there when it lands it.

@@ -1,0 +1,52 @@
+"""Issue 33: what one caller can hold at a lane is bounded, and the rest still answers.
+
+A real LaneServer on loopback, called from outside as a stranger (or a token holder)
+would. Row 3: 40 ``PullState`` calls held for a state nobody offers took every handler
+thread; the job's rounds, ``OpenBulk`` and health checks froze for 50 s.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from isthmus.inter.data.lane import PULL_STATE_WAITS, LaneServer
+from isthmus.proto import lane_pb2, lane_pb2_grpc
+
+
+@pytest.mark.timeout(60)
+def test_held_pull_states_never_take_the_lanes_threads():
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1)
+    server.offer_wait_s = 20.0  # nobody offers: each call waits this long
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = lane_pb2_grpc.LaneStub(channel)
+            ask = lane_pb2.PullStateRequest(generation=1, step=3, rank=0)
+            calls = [stub.PullState(ask, timeout=30) for _ in range(40)]
+            deadline = time.monotonic() + 5  # refusals come at once, not after 20 s
+            while sum(c.done() for c in calls) < 40 - PULL_STATE_WAITS:
+                assert time.monotonic() < deadline, [c.done() for c in calls]
+                time.sleep(0.05)
+            held = [c for c in calls if not c.done()]
+            assert len(held) == PULL_STATE_WAITS
+            refused = [c for c in calls if c.done()]
+            for call in refused:
+                assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.details()
+                assert f"all {PULL_STATE_WAITS} PullState slots busy" in call.details()
+            # The lane still answers what trains: a ticket, a health check, a resend.
+            assert stub.OpenBulk(lane_pb2.OpenBulkRequest(), timeout=5).ticket
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="isthmus.v1.Lane"), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as answer:
+                stub.ResendChunk(lane_pb2.ResendChunkRequest(generation=1, from_site=1), timeout=5)
+            assert answer.value.code() == grpc.StatusCode.NOT_FOUND  # answered, not frozen
+            assert server.refusals.count >= len(refused)  # each one counted (and logged)
+            for call in calls:
+                call.cancel()
+    finally:
+        server.stop(0)
