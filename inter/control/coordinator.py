@@ -430,7 +430,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 self.finished_peers.add(request.site)
             st.cond.notify_all()  # a peer's progress: waiters re-check
         self.metrics.site_up.labels(self.site, request.site).set(1)
-        self.replicas.claim(request.site, request.digest_step, request.digest)
+        refused = self.replicas.claim(
+            request.site, request.digest_step, request.digest, live=self.step
+        )
+        if refused is not None:  # the heartbeat counts; its digest does not
+            self.refusals.note(context.peer(), f"Heartbeat in {request.site}'s name: {refused}")
         digest = self.replicas.own(request.confirm_step) if request.confirm_digest else ""
         with st.cond:
             return pb.HeartbeatResponse(

@@ -11,6 +11,14 @@ log = logging.getLogger(__name__)
 
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
 KEEP_STEPS = 16  # digests kept per site; comparisons only need the recent ones
+AHEAD_STEPS = 64
+"""A peer's claimed digest more than this many steps past this site's own step is
+refused: 16 claims for steps 10^9.. once evicted every real digest, and the job ended
+without a final one (issue 33, row 1). The peer's heartbeats repeat its latest digest,
+so an honest one far ahead is taken once this site comes within reach."""
+AHEAD_KEEP = 4
+"""Digests kept per site for steps past this site's own: claims ahead never evict
+the ones this site can compare now."""
 
 
 class ReplicaDigests:
@@ -53,17 +61,30 @@ class ReplicaDigests:
                     self._doubted.setdefault(other, set()).add(step)
             return self.divergence
 
-    def claim(self, site: str, step: int, digest: str) -> None:
-        """Stores a peer's digest as its heartbeat claimed it."""
+    def claim(self, site: str, step: int, digest: str, live: int | None = None) -> str | None:
+        """Stores a peer's digest as its heartbeat claimed it.
+
+        Args:
+            live: this site's own step; a claim more than :data:`AHEAD_STEPS` past it is
+                refused, and at most :data:`AHEAD_KEEP` claims past it are kept.
+        Returns:
+            None, or why the claim was refused (for the caller's refusal log).
+        """
         if not digest:
-            return
+            return None
+        if live is not None and step > live + AHEAD_STEPS:
+            return (
+                f"a digest for step {step}, more than {AHEAD_STEPS} steps past this "
+                f"site's {live}"
+            )
         with self._lock:
             if (site, step) in self._confirmed:
-                return  # the peer itself said what it has
-            self._store_locked(site, step, digest)
+                return None  # the peer itself said what it has
+            self._store_locked(site, step, digest, live)
             mine = self._by_site.get(self.site, {}).get(step)
             if mine is not None and mine != digest:
                 self._doubted.setdefault(site, set()).add(step)
+        return None
 
     def doubted(self, site: str) -> int | None:
         """The oldest step of ``site``'s digests that still needs its confirmation."""
@@ -100,10 +121,14 @@ class ReplicaDigests:
                 self._diverge_locked(step, self.site, mine, site, digest)
             return self.divergence
 
-    def _store_locked(self, site: str, step: int, digest: str) -> None:
+    def _store_locked(self, site: str, step: int, digest: str, live: int | None = None) -> None:
+        """Stores; keeps the newest KEEP_STEPS digests up to ``live`` and the
+        AHEAD_KEEP nearest past it (all by number when ``live`` is None)."""
         digests = self._by_site.setdefault(site, {})
         digests[step] = digest
-        for old in sorted(digests)[:-KEEP_STEPS]:
+        ahead = sorted(s for s in digests if live is not None and s > live)
+        upto = sorted(s for s in digests if live is None or s <= live)
+        for old in ahead[AHEAD_KEEP:] + upto[:-KEEP_STEPS]:
             del digests[old]
             self._confirmed.discard((site, old))
             self._doubted.get(site, set()).discard(old)

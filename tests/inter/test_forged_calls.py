@@ -135,6 +135,36 @@ def test_a_forged_digest_is_checked_with_the_site_itself_before_anything_stops()
         stop_all(coords)
 
 
+def test_digests_claimed_far_ahead_are_refused_and_the_final_one_stays():
+    """Issue 33, row 1: 16 Heartbeats in site1's name with digests for steps 10^9..
+    evicted the real ones; both sites ended "no final digest from ['site1']". Claims
+    that far past this site's step are refused (logged once per caller); the real
+    final digest is kept."""
+    coords = start_sites(2)
+    mine = "a" * 64
+    try:
+        with grpc.insecure_channel(coords[0].address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            report = pb.ReportProgressRequest(
+                site="site0", step=10, digest=mine, digest_step=10, rank_key=rank_key(coords[0])
+            )
+            stub.ReportProgress(report, timeout=5)
+            stub.Heartbeat(
+                pb.HeartbeatRequest(site="site1", step=10, digest=mine, digest_step=10), timeout=5
+            )
+            before = coords[0].refusals.count
+            for step in range(10**9, 10**9 + 16):
+                stub.Heartbeat(  # the heartbeat is answered; its digest is not taken
+                    pb.HeartbeatRequest(site="site1", step=step, digest="b" * 64, digest_step=step),
+                    timeout=5,
+                )
+            assert coords[0].refusals.count == before + 16
+            assert coords[0].replicas.agree_at(10, ["site0", "site1"]) is True
+            assert coords[0].replicas.latest()["site1"] == (10, mine)
+    finally:
+        stop_all(coords)
+
+
 def test_a_not_ok_site_vote_stands_against_a_later_ok_for_the_same_round():
     """Issue 14, row 3: the first vote for a key won, so a forged "ok" sent ahead of a
     failed round could commit it. "Not ok" now stands once cast: at worst a forged

@@ -43,3 +43,23 @@ def test_matching_claims_need_no_confirmation_and_old_steps_are_forgotten():
         replicas.claim("site1", step, A)
     assert replicas.doubted("site1") is None and replicas.agree_at(39, ["site0", "site1"])
     assert replicas.agree_at(0, ["site0", "site1"]) is None  # kept only the last 16
+
+
+def test_claims_far_ahead_are_refused_and_never_evict_the_digests_in_reach():
+    """Issue 33, row 1: 16 heartbeats in site1's name claiming digests for steps
+    10^9..10^9+15 evicted the real ones; the job ended without a final digest."""
+    replicas = ReplicaDigests("site0")
+    for step in (8, 10):
+        replicas.record("site0", step, A)
+        assert replicas.claim("site1", step, A, live=step) is None
+    for step in range(10**9, 10**9 + 16):
+        refused = replicas.claim("site1", step, B, live=10)
+        assert refused is not None and "more than 64 steps past this site's 10" in refused
+    for step in range(11, 11 + 64):  # within reach, but past this site's step
+        assert replicas.claim("site1", step, B, live=10) is None
+    assert replicas.agree_at(10, ["site0", "site1"]) is True  # the real ones stayed
+    assert replicas.agree_at(8, ["site0", "site1"]) is True
+    assert max(s for s in range(11, 75) if replicas.agree_at(s, ["site1"]) is not None) == 14
+    # An honest peer ahead is taken once this site comes within reach.
+    assert replicas.claim("site1", 200, A, live=120) is not None
+    assert replicas.claim("site1", 200, A, live=150) is None
