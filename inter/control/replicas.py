@@ -74,8 +74,7 @@ class ReplicaDigests:
             return None
         if live is not None and step > live + AHEAD_STEPS:
             return (
-                f"a digest for step {step}, more than {AHEAD_STEPS} steps past this "
-                f"site's {live}"
+                f"a digest for step {step}, more than {AHEAD_STEPS} steps past this site's {live}"
             )
         with self._lock:
             if (site, step) in self._confirmed:

@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 import grpc
 
+from isthmus.inter.bounds import RefusalLog
 from isthmus.inter.data.codecs.base import crc32 as crc32c
 
 __all__ = [
@@ -63,6 +64,19 @@ MAGIC = b"ISTHBULK"
 TICKET_BYTES = 32
 TICKET_TTL_S = 60.0
 HELLO_TIMEOUT_S = 10.0  # a connection that does not present its ticket in time is closed
+FRAME_STALL_S = 30.0
+"""A frame whose bytes stop coming for this long is given up and its connection closed:
+400 frames begun and left open once held 450 MB and 400 threads of one rank (issue 33,
+row 4). Between frames a connection may idle: rounds can be minutes apart."""
+MAX_UNTICKETED = 16
+"""Connections that have not yet presented a ticket, at once: the next one closes the
+oldest of them. 600 such connections once took 516 threads, and the listener died when
+descriptors ran out (issue 33, row 5). A real peer presents its ticket within
+milliseconds of connecting, so it is never the oldest for long; a flood only
+replaces itself."""
+MAX_CONNECTIONS = 64
+"""Connections with a ticket, at once: a peer opens ``sync.connections`` per lane
+(4 by default), so 64 serve 16 peers; more are refused (RESOURCE_EXHAUSTED)."""
 LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
 OK, ACCEPTED, CORRUPT, REFUSED, RESEND = 0, 1, 2, 3, 4
 _HEAD = struct.Struct("<III")  # length, CRC-32C of the message, CRC-32C of the first 8 bytes
@@ -165,8 +179,19 @@ class BulkListener:
         where: who listens, for log lines.
     """
 
-    def __init__(self, host: str, accept: Accept, max_frame: int, where: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        accept: Accept,
+        max_frame: int,
+        where: str,
+        refusals: RefusalLog | None = None,
+    ) -> None:
         self.tickets = Tickets()
+        self.refusals = refusals or RefusalLog(where)
+        """Connections turned away, logged once per caller and reason a minute."""
+        self._waiting: dict[socket.socket, str] = {}  # no ticket yet, oldest first
+        self._ticketed = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.corrupt_frames = 0
         """Frames that failed the record's checksum (each sent again by the peer)."""
         self._accept = accept
@@ -184,35 +209,64 @@ class BulkListener:
         while not self._stopped.is_set():
             try:
                 conn, addr = self._sock.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as exc:
+                if self._stopped.is_set():
+                    return  # closed by stop()
+                # Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the listener
+                # lives on; connections that end free what it needs.
+                self.refusals.note("the listener", f"accept failed: {exc}")
+                self._stopped.wait(0.1)
+                continue
             with self._lock:
                 if self._stopped.is_set():
                     conn.close()
                     return
                 self._conns.add(conn)
+                oldest = None
+                if len(self._waiting) >= MAX_UNTICKETED:
+                    oldest = next(iter(self._waiting))
+                    who = self._waiting.pop(oldest)
+                self._waiting[conn] = f"{addr[0]}:{addr[1]}"
+            if oldest is not None:
+                self.refusals.note(
+                    who, f"bulk connection closed: {MAX_UNTICKETED} newer ones wait for a ticket"
+                )
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)  # its thread ends and closes it
             threading.Thread(
                 target=self._handle, args=(conn, addr), name="lane-bulk-rx", daemon=True
             ).start()
 
     def _handle(self, conn: socket.socket, addr: tuple) -> None:
         peer = f"{addr[0]}:{addr[1]}"
+        ticketed = False
         try:
-            tune(conn)
-            conn.settimeout(HELLO_TIMEOUT_S)
-            hello = bytearray(len(MAGIC) + TICKET_BYTES)
-            read_exact(conn, memoryview(hello))
-            if hello[: len(MAGIC)] != MAGIC or not self.tickets.redeem(bytes(hello[len(MAGIC) :])):
-                log.warning(
-                    "%s: bulk connection from %s refused: no valid ticket", self._where, peer
-                )
+            try:
+                tune(conn)
+                conn.settimeout(HELLO_TIMEOUT_S)
+                hello = bytearray(len(MAGIC) + TICKET_BYTES)
+                read_exact(conn, memoryview(hello))
+            finally:
+                with self._lock:
+                    self._waiting.pop(conn, None)
+            ticket = bytes(hello[len(MAGIC) :])
+            if hello[: len(MAGIC)] != MAGIC or not self.tickets.redeem(ticket):
+                self.refusals.note(peer, "bulk connection refused: no valid ticket")
                 self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "no valid bulk ticket")
                 return
+            ticketed = self._ticketed.acquire(blocking=False)
+            if not ticketed:
+                why = f"{MAX_CONNECTIONS} bulk connections are open already"
+                self.refusals.note(peer, f"bulk connection refused: {why}")
+                self._refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                return
             conn.sendall(bytes([OK]))
-            conn.settimeout(None)  # rounds may be minutes apart; the lane's stop closes it
             head = bytearray(_HEAD.size)
             while not self._stopped.is_set():
-                read_exact(conn, memoryview(head))
+                conn.settimeout(None)  # rounds may be minutes apart; the lane's stop closes it
+                read_exact(conn, memoryview(head)[:1])
+                conn.settimeout(FRAME_STALL_S)  # a frame begun comes on, or is given up
+                read_exact(conn, memoryview(head)[1:])
                 size, frame_crc, head_crc = _HEAD.unpack(head)
                 if crc32c(memoryview(head)[:8]) != head_crc:
                     why = "a frame's record head failed its checksum: frame boundaries lost"
@@ -237,11 +291,21 @@ class BulkListener:
                     self._refuse(conn, code or grpc.StatusCode.INVALID_ARGUMENT, why)
                     return
                 conn.sendall(bytes([status]))
+        except TimeoutError:
+            why = (
+                f"a frame stalled {FRAME_STALL_S:.0f}s"
+                if ticketed
+                else f"no ticket within {HELLO_TIMEOUT_S:.0f}s"
+            )
+            self.refusals.note(peer, f"bulk connection closed: {why}")
         except (OSError, BulkError):
             pass  # the peer went away or the lane stops; its rounds see it on their side
         finally:
+            if ticketed:
+                self._ticketed.release()
             with self._lock:
                 self._conns.discard(conn)
+                self._waiting.pop(conn, None)
             conn.close()
 
     @staticmethod

@@ -165,6 +165,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 self._take_frame,
                 max_frame=max_payload_bytes(chunk_bytes) + _HEADROOM,
                 where=f"lane of site {site_index}",
+                refusals=self.refusals,
             )
         self._server.start()
         log.info("[site %d] lane server listening on %s", site_index, self._address)

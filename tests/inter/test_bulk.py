@@ -215,3 +215,72 @@ def test_chunks_that_came_before_the_rank_took_its_place_survive_it():
         assert len(server.mailbox) == 0
     finally:
         server.stop(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_connections_without_tickets_stays_bounded_and_rounds_go_on() -> None:
+    """Issue 33, row 5: 600 connections before any ticket took 516 threads of a rank.
+    Past MAX_UNTICKETED waiting for a ticket, each new connection closes the oldest;
+    a real peer presents its ticket at once, so the sites' rounds go on meanwhile."""
+    import threading
+
+    from isthmus.inter.data.bulk import MAX_UNTICKETED
+
+    with sites(2, "raw", transport="bulk") as ars:
+        port = ars[0].server._bulk.port
+        threads = threading.active_count()
+        flood = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(100)]
+        try:
+            # The oldest ones were closed by the server (EOF), the newest still wait.
+            open_ = [s for s in flood if not _closed_now(s)]
+            assert len(open_) <= MAX_UNTICKETED, len(open_)
+            assert threading.active_count() - threads <= MAX_UNTICKETED + 4
+            assert ars[0].server.refusals.count >= 100 - MAX_UNTICKETED
+            data = inputs(2, [50_000], seed=1)
+            want = (data[0][0] + data[1][0]) / 2
+            results = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, True) for s in range(2)])
+            assert not any(isinstance(r, BaseException) for r in results), results
+            assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
+        finally:
+            for s in flood:
+                s.close()
+
+
+def _closed_now(sock: socket.socket) -> bool:
+    """True once the server closed ``sock`` (waits a little for it to happen)."""
+    sock.settimeout(0.3)
+    try:
+        return sock.recv(1) == b""
+    except (TimeoutError, OSError):
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_frame_and_too_many_connections_are_cut_off(lane, monkeypatch) -> None:
+    """Issue 33, row 4: 400 frames begun and left open after a ticket held 450 MB and
+    400 threads of one rank. A frame whose bytes stop for FRAME_STALL_S is given up,
+    and connections past MAX_CONNECTIONS are refused."""
+    from isthmus.inter.data import bulk
+
+    monkeypatch.setattr(bulk, "FRAME_STALL_S", 1.0)
+    monkeypatch.setattr(bulk, "MAX_CONNECTIONS", 2)
+    lane._bulk._ticketed = __import__("threading").BoundedSemaphore(2)  # made at start
+    port, tk = ticket(lane.address)
+    stalled = connect(port, MAGIC + tk)
+    assert stalled.recv(1) == bytes([OK])
+    msg = raw_chunk().SerializeToString()
+    stalled.sendall(record_head(msg) + msg[:10])  # a frame begun, then nothing
+    port, tk = ticket(lane.address)
+    second = connect(port, MAGIC + tk)
+    assert second.recv(1) == bytes([OK])
+    port, tk = ticket(lane.address)
+    third = connect(port, MAGIC + tk)
+    status, code, why = read_reply(third)
+    assert status == REFUSED and code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], why
+    assert "2 bulk connections are open already" in why
+    stalled.settimeout(10)
+    assert closed(stalled)  # given up after a second without bytes
+    second.sendall(frame(msg))  # the one idle between frames was left alone
+    assert read_reply(second)[0] == ACCEPTED
+    for s in (stalled, second, third):
+        s.close()
