@@ -284,3 +284,40 @@ def test_a_stalled_frame_and_too_many_connections_are_cut_off(lane, monkeypatch)
     assert read_reply(second)[0] == ACCEPTED
     for s in (stalled, second, third):
         s.close()
+
+
+_EMFILE_SCRIPT = r"""
+import resource, socket, sys, time
+from isthmus.inter.data.bulk import BulkListener, MAGIC, REFUSED
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+listener = BulkListener("127.0.0.1", lambda frame, peer: (0, None, ""), 1 << 20, "test")
+held = []
+try:
+    while True:  # until this process (client and server alike) is out of descriptors
+        held.append(socket.create_connection(("127.0.0.1", listener.port), timeout=2))
+except OSError:
+    pass
+time.sleep(0.5)  # the listener meets EMFILE on the connections still queued
+for s in held:
+    s.close()
+time.sleep(0.5)
+sock = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+sock.sendall(MAGIC + bytes(32))  # no valid ticket: refused, so someone answered
+assert sock.recv(1) == bytes([REFUSED]), "the listener did not answer"
+assert listener._thread.is_alive()
+print("alive after", listener.refusals.count, "refusals")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_listener_survives_running_out_of_descriptors() -> None:
+    """Issue 33, row 5: when file descriptors ran out, the listener's thread exited
+    for good and the lane took no bulk connection again."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _EMFILE_SCRIPT], capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "alive after" in done.stdout
