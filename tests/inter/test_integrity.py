@@ -19,7 +19,7 @@ from lanes import inputs, run_all, sites
 from isthmus.inter.data.bulk_peer import BulkPeerRound
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.lane_peer import LanePeer, PeerRound
-from isthmus.inter.data.round import CrossSiteError, NonFiniteGradient
+from isthmus.inter.data.round_types import NonFiniteGradient, PeerAborted
 from isthmus.proto import lane_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -171,9 +171,13 @@ def test_a_site_whose_gradient_holds_nan_sends_nothing_and_says_so() -> None:
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
         assert isinstance(res[0], NonFiniteGradient), res[0]
         assert "site 0 step 0 group 0: this site's gradient holds NaN or Inf" in str(res[0])
-        # The other site never saw a value of it: its round timed out, nothing non-finite
-        # in its tensor (GradientSync applies a round's result only on commit).
-        assert isinstance(res[1], CrossSiteError) and "timed out" in str(res[1]), res[1]
+        # The other site never saw a value of it: site 0 told it that it gave the round
+        # up (issue 38: it used to wait out the round's timeout), nothing non-finite in
+        # its tensor (GradientSync applies a round's result only on commit).
+        assert isinstance(res[1], PeerAborted), res[1]
+        assert "site 0 gave the round up: site 0 step 0 group 0: this site's gradient" in str(
+            res[1]
+        )
         assert torch.isfinite(data[1][0]).all()
 
 
