@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from scaling_curve import run_args  # the same `isthmus local` arguments as the curve
+
 from isthmus.deploy.cli import add_set_argument
 
 _ALARM = re.compile(r"NaN or Inf|timed out|non-finite|gave the round up")
@@ -56,25 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_args(args: argparse.Namespace, sites: int) -> list[str]:
-    """The `isthmus local` arguments of one run."""
-    sets = [
-        f"model.preset={args.preset}",
-        f"train.seq_len={args.seq}",
-        f"train.batch_size={args.batch}",
-        f"sync.codec={args.codec}",
-        f"run.steady_after={args.warmup}",
-        "run.digest_every=0",  # one digest, after the last step
-        *args.overrides,
-    ]
-    return [
-        "--sites", str(sites),
-        "--ranks-per-site", str(args.ranks_per_site),
-        "--steps", str(args.steps),
-        *(x for s in sets for x in ("--set", s)),
-    ]  # fmt: skip
-
-
 def run_once(args: argparse.Namespace, where: Path, sites: int) -> float | None:
     """One `isthmus local` run into ``where`` unless it finished before; its wall
     seconds (None when it was not run now)."""
@@ -84,7 +67,7 @@ def run_once(args: argparse.Namespace, where: Path, sites: int) -> float | None:
     started = time.monotonic()
     try:
         result = subprocess.run(
-            cmd + run_args(args, sites),
+            cmd + run_args(args, sites, args.batch),
             capture_output=True,
             text=True,
             timeout=args.timeout,
@@ -195,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "host": platform.node(),
         "date": time.strftime("%Y-%m-%d"),
-        "args": run_args(args, args.sites),
+        "args": run_args(args, args.sites, args.batch),
         "rows": rows,
         "clean": len(clean),
     }

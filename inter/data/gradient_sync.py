@@ -459,12 +459,12 @@ class LaneGradientSync:
 
 def _add_round(stats: SyncStats, rs: RoundStats) -> None:
     """Adds what one round moved and refused to the step's stats."""
-    stats.bytes_sent += rs.bytes_sent
-    stats.bytes_received += rs.bytes_received
-    stats.raw_bytes += rs.raw_bytes
-    stats.corrupt_chunks += rs.corrupt_chunks
-    stats.nonfinite_chunks += rs.nonfinite_chunks
+    for name in _STEP_STATS:
+        setattr(stats, name, getattr(stats, name) + getattr(rs, name))
 
+
+_STEP_STATS = ("bytes_sent", "bytes_received", "raw_bytes", "corrupt_chunks", "nonfinite_chunks")
+"""The RoundStats of a step's rounds that add up to its SyncStats."""
 
 _SUMMED_STATS = (
     *("bytes_sent", "bytes_received", "raw_bytes", "tensor_bytes"),

@@ -61,12 +61,12 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
 
 
 RESERVED_THREADS = 8
+"""A lane's handler threads that ``PushChunks`` streams may never take."""
 PULL_STATE_WAITS = 2
 """``PullState`` calls a lane serves at once: each may wait for its state up to
 ``offer_wait_s`` on a handler thread, and a joining rank pulls from its own coordinate
 once at a time. 40 held ones once took every thread of a lane: its rounds, ``OpenBulk``
 and health froze for 50 s (issue 33, row 3)."""
-"""A lane's handler threads that ``PushChunks`` streams may never take."""
 
 
 class _Refused(Exception):
@@ -495,7 +495,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         )
         if refused is not None:
             self.refusals.note(
-                f"site {request.from_site}",
+                context.peer(),
                 f"AbortRound of step {request.step} group {request.group}: {refused}",
             )
             context.abort(

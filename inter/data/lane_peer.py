@@ -188,7 +188,7 @@ class LanePeer:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.address = address
-        self._fetch_lock = threading.Lock()
+        self._lock = threading.Lock()  # the resend turn and the AbortRound calls
         self._fetches = 0
         self._aborting: set[grpc.Future] = set()  # AbortRound calls in flight
         base: list[tuple[str, int | str]] = [*channel_options(chunk_bytes)]
@@ -248,7 +248,7 @@ class LanePeer:
             grpc.RpcError: the peer refused, has no such chunk or did not answer.
         """
         # Connections take turns so a resend does not queue behind one busy stream.
-        with self._fetch_lock:
+        with self._lock:
             call = self._resend[self._fetches % len(self._resend)]
             self._fetches += 1
         return call(request, timeout=max(0.001, timeout))
@@ -259,12 +259,12 @@ class LanePeer:
         it. A failed call is logged; the peer then meets its round's deadline."""
         call = self.stub.AbortRound.future(request, timeout=max(0.001, timeout))
         # grpc cancels a call whose future is collected: hold it until it ends.
-        with self._fetch_lock:
+        with self._lock:
             self._aborting.add(call)
         call.add_done_callback(self._aborted)
 
     def _aborted(self, call: grpc.Future) -> None:
-        with self._fetch_lock:
+        with self._lock:
             self._aborting.discard(call)
         if not call.cancelled() and call.exception() is not None:
             log.info("AbortRound to %s failed: %s", self.address, call.exception())

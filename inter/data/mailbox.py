@@ -88,12 +88,19 @@ class Mailbox:
         """Leaves a :data:`CORRUPT` marker for ``key``; same refusals as ``deposit``."""
         return self._admit(key, CORRUPT)
 
+    def _outside_locked(self, step: int) -> str | None:
+        """ "stale" or "ahead" when ``step`` is outside the live window, else None."""
+        if step < self._floor:
+            return "stale"
+        if self._live and step >= self._floor + self.max_ahead:
+            return "ahead"
+        return None
+
     def _admit(self, key: MailboxKey, item: Chunk | None) -> str | None:
         with self._cond:
-            if key[0] < self._floor:
-                return "stale"
-            if self._live and key[0] >= self._floor + self.max_ahead:
-                return "ahead"
+            outside = self._outside_locked(key[0])
+            if outside is not None:
+                return outside
             if key in self._seen:
                 return "duplicate"
             size = _size(item)
@@ -113,10 +120,9 @@ class Mailbox:
         "stale" (a finished step), "ahead" (a step too far past the live one) or "full"
         (:data:`MAX_ABORTS` rounds noted). The first site's note stands."""
         with self._cond:
-            if step < self._floor:
-                return "stale"
-            if self._live and step >= self._floor + self.max_ahead:
-                return "ahead"
+            outside = self._outside_locked(step)
+            if outside is not None:
+                return outside
             if (step, group) in self._aborts:
                 return None
             if len(self._aborts) >= MAX_ABORTS:
