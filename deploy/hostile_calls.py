@@ -1,9 +1,9 @@
 """Hostile callers for the chaos suite: the ``flood`` and ``forge`` scenarios (issue 14).
 
 ``flood`` holds health watches and long polls open at a coordinator (rows 6-7: they
-once froze the job). ``forge`` is what a process on the same machine sends a running job whose coordinators need no
-token (sites started separately on loopback): calls that claim to come from a site
-or a rank they do not come from. Replayed while the job trains, every one must be
+once froze the job). ``forge`` is what a process on the same machine that holds the job token sends a
+running job (sites started separately on loopback): calls that claim to come from a
+site or a rank they do not come from. Replayed while the job trains, every one must be
 refused or found out, and the job must finish with equal digests:
 
 1. a heartbeat in site1's name with a digest site1 does not have (it once stopped
@@ -32,6 +32,17 @@ from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 __all__ = ["flood", "forge", "missed_forgeries"]
 
 
+def _channel(address: str) -> grpc.Channel:
+    """A channel that carries the user's job token, which the chaos suite's sites run
+    with (deploy/job_secret.py): without it every call below is refused at the gate and
+    nothing behind it is tested. So the caller plays the strongest local attacker that
+    is not the job, a holder of the token, and its claims must still be found out."""
+    from isthmus.deploy.job_secret import job_token
+    from isthmus.inter.security import SiteSecurity
+
+    return SiteSecurity(token=job_token()).channel(address)
+
+
 def flood(address: str, duration_s: float) -> None:
     """Holds 20 health watches and 40 long polls open at a coordinator, and 40
     PushChunks streams that send nothing at the lane of its rank 0, for a while: what
@@ -44,7 +55,7 @@ def flood(address: str, duration_s: float) -> None:
         stop.wait(duration_s + 5)
         yield from ()
 
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         stub = pb_grpc.CoordinatorStub(channel)
         timeout = duration_s + 5
@@ -54,7 +65,7 @@ def flood(address: str, duration_s: float) -> None:
         calls += [stub.GetMembership.future(ask, timeout=timeout) for _ in range(40)]
         mine = [info for info in membership.sites if info.coordinator_address == address]
         lane = mine[0].lane_addresses[0] if mine and mine[0].lane_addresses else None
-        with grpc.insecure_channel(lane or address) as lane_channel:
+        with _channel(lane or address) as lane_channel:
             if lane is not None:
                 push = lane_pb2_grpc.LaneStub(lane_channel).PushChunks
                 calls += [push.future(nothing(), timeout=timeout) for _ in range(40)]
@@ -82,8 +93,8 @@ def forge(
     answered = {"heartbeat": 0, "join": 0, "vote": 0, "propose": 0, "leader's propose": 0}
     deadline = time.monotonic() + duration_s
     with (
-        grpc.insecure_channel(target) as channel,
-        grpc.insecure_channel(victims_coordinator or target) as other,
+        _channel(target) as channel,
+        _channel(victims_coordinator or target) as other,
     ):
         stub, victims = pb_grpc.CoordinatorStub(channel), pb_grpc.CoordinatorStub(other)
         while time.monotonic() < deadline:
