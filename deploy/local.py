@@ -20,7 +20,7 @@ from typing import TextIO
 
 from isthmus.deploy.config import ConfigError, JobConfig
 from isthmus.deploy.progress import Progress
-from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
+from isthmus.deploy.ranks import LaunchError, RankProcess, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
 from isthmus.inter.control.coordinator import Coordinator
 from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
@@ -29,6 +29,7 @@ __all__ = [
     "LaunchError",
     "LocalJob",
     "check_supported",
+    "explain_failure",
     "first_gpus",
     "gpu_shortage",
     "gpus_needed",
@@ -278,7 +279,7 @@ class LocalJob:
         for site in self._sites:
             failed = site.failed()
             if failed is not None:
-                raise LaunchError(site.describe_failure(failed))
+                raise LaunchError(explain_failure(failed))
 
     # -- teardown -----------------------------------------------------------------
 
@@ -298,6 +299,33 @@ class LocalJob:
         if self._token_file is not None:
             self._token_file.unlink(missing_ok=True)
             self._token_file = None
+
+
+FULL_BELOW = 1 << 20
+"""A disk with less free space than this could not take a rank's last line."""
+
+
+def explain_failure(failed: RankProcess) -> str:
+    """One line for a rank that exited with an error (``SiteRanks.describe_failure``).
+
+    A rank whose log holds no error line on a disk that is full could not write it
+    (issue 33, row 12: the job stopped with an empty reason): then say that, naming the
+    errno and the log.
+    """
+    reason = SiteRanks.describe_failure(failed)
+    try:
+        log = failed.log_path.read_text(errors="replace")
+        said = any(line.startswith("error:") for line in log.splitlines())
+        disk = os.statvfs(failed.log_path.parent)
+    except OSError:
+        return reason
+    if said or disk.f_bavail * disk.f_frsize >= FULL_BELOW:
+        return reason
+    return (
+        f"{failed.site} rank {failed.rank} exited with code {failed.process.returncode}: "
+        f"no space left on device (ENOSPC) writing {failed.log_path}: the disk of the run "
+        "folder is full, and the rank's log could not take its error"
+    )
 
 
 def slow_env(factor: float, from_step: int) -> dict[str, str]:

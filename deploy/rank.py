@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import faulthandler
 import json
 import logging
@@ -33,6 +34,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -45,12 +47,20 @@ from isthmus.deploy.reporting import DivergenceError
 from isthmus.inter.data.gradient_sync import StepOutcome, SyncStats
 from isthmus.inter.data.membership import QuorumLost
 from isthmus.inter.data.round import NonFiniteGradient
+from isthmus.intra.checkpoint import CheckpointError, describe_os_error
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.train import StepStats, SyncResult
 
 __all__ = ["LoopState", "RankEnv", "build_trainer", "main", "run", "tear_down", "train"]
 
 log = logging.getLogger("isthmus.rank")
+
+RESERVE_BYTES = 64 << 10
+"""Disk space a rank holds back, in a file beside its log, for its last words: on a
+full disk its error line would not reach the log, where the launcher reads it, and
+the job would stop with an empty reason (issue 33, row 12)."""
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+"""Failures of the rank's storage, reported in one line rather than as a traceback."""
 
 
 def run(env: RankEnv, config: JobConfig) -> None:
@@ -297,6 +307,38 @@ def die_with_launcher() -> None:
         sys.exit(143)
 
 
+class LastWords:
+    """The rank's one error line, delivered to its log even when the disk is full: a
+    reserve of ``RESERVE_BYTES`` taken at start is given back just before the line is
+    written (and at exit). Where the run folder has no ``logs/`` (a launcher of its
+    own), nothing is reserved."""
+
+    def __init__(self, env: RankEnv) -> None:
+        self.prefix = f"[{env.site}/{env.rank}]"
+        self.reserve: Path | None = env.run_dir / "logs" / f".{env.site}-rank{env.rank}.reserve"
+        try:
+            self.reserve.write_bytes(bytes(RESERVE_BYTES))  # zeros: real blocks, not a hole
+        except OSError:  # no logs/ here, or already full: nothing held back
+            self.release()
+            self.reserve = None
+
+    def say(self, text: str) -> int:
+        """Print ``error: [site/rank] text`` to stderr (the rank's log); returns 1."""
+        line = f"error: {self.prefix} {text}"
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except OSError:  # the log's disk is full: free the reserve, then say it once more
+            self.release()
+            with contextlib.suppress(OSError):
+                print(line, file=sys.stderr, flush=True)
+        return 1
+
+    def release(self) -> None:
+        if self.reserve is not None:
+            with contextlib.suppress(OSError):
+                self.reserve.unlink(missing_ok=True)
+
+
 def main() -> int:
     die_with_launcher()
     env = RankEnv.from_environ()
@@ -309,14 +351,21 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # `kill -USR1` prints every thread's stack to the rank's log: how a stuck rank is read.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    last_words = LastWords(env)
     try:
         run(env, config)
     except grpc.RpcError as exc:
-        print(f"error: [{env.site}/{env.rank}] {exc.details()}", file=sys.stderr)
-        return 1
-    except (DivergenceError, QuorumLost, NonFiniteGradient) as exc:
-        print(f"error: [{env.site}/{env.rank}] {exc}", file=sys.stderr)
-        return 1
+        return last_words.say(str(exc.details()))
+    except (DivergenceError, QuorumLost, NonFiniteGradient, CheckpointError) as exc:
+        return last_words.say(str(exc))
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        # "no space left on device (ENOSPC) writing /run/x": a failed write() names no
+        # file, so then the run folder.
+        return last_words.say(describe_os_error(exc, f"a file under {env.run_dir}"))
+    finally:
+        last_words.release()
     return 0
 
 

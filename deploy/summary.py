@@ -162,16 +162,15 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         sites: summarise only these sites (one `isthmus site`); files then go to
             run_dir/sites/SITE/ instead of run_dir/.
     Raises:
-        RuntimeError: when a rank's result is missing or ranks of a site disagree.
+        RuntimeError: when a rank's result is missing, ranks of a site disagree, or a
+            file cannot be written (naming the errno and the file).
     """
     names = sites or config.site_names
     out_dir = run_dir / "sites" / names[0] if sites else run_dir
     per_site = {site: read_jsonl(run_dir / "sites" / site / "metrics.jsonl") for site in names}
     steps = merge_steps(per_site)
     if not sites:  # one site's own metrics.jsonl already is its record
-        with (run_dir / "metrics.jsonl").open("w") as f:
-            for record in steps:
-                f.write(json.dumps(record) + "\n")
+        _write(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in steps))
     results: dict[str, list[dict]] = {}
     for site in names:
         for rank in range(config.ranks_of(site)):
@@ -244,8 +243,19 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
             site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
         },
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _write(path: Path, text: str) -> None:
+    """Write a file of the run; a failure (a full disk) is one line naming the errno and
+    the file, which a failed write() itself does not name."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        from isthmus.intra.checkpoint import describe_os_error  # torch: only when it failed
+
+        raise RuntimeError(describe_os_error(exc, path)) from None
 
 
 def human_bytes(n: float) -> str:

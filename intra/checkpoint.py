@@ -15,6 +15,11 @@ Commit protocol, so a crash at any point leaves the previous checkpoint usable:
 3. only then are checkpoints beyond the newest ``keep`` deleted (but never the step
    named by ``protect``: the newest one complete at every site, deploy/checkpointing.py).
 
+A save that fails (a full disk: issue 33, row 12) removes its ``.partial`` folder and
+raises a CheckpointError naming the errno and the file; every save first removes the
+leftovers of saves that died (``.partial``, ``.stale-*``), so a restart frees their
+space before it writes.
+
 ``latest`` accepts a folder only if its manifest is present and every file it
 lists has the recorded size; ``.partial`` folders never count. ``load`` first checks
 every file's hash (and the signature, given the key) before torch reads a byte: DCP's
@@ -24,6 +29,7 @@ as a silently wrong weight (issue 14: loss NaN at every site from the next step)
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -38,6 +44,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -68,6 +76,17 @@ class CheckpointError(ValueError):
 def step_dir(root: Path, step: int) -> Path:
     """Where the checkpoint taken after ``step`` steps lives (committed)."""
     return Path(root) / f"step-{step:08d}"
+
+
+def describe_os_error(exc: OSError, path: Path | str | None = None) -> str:
+    """One line for a failed file operation: what, the errno's name and the path, e.g.
+    ``no space left on device (ENOSPC) writing /run/x.distcp``. A failed ``write()``
+    carries no file name: ``path`` then says which file it was."""
+    what = (exc.strerror or str(exc)).strip()
+    what = what[:1].lower() + what[1:]
+    name = errno.errorcode.get(exc.errno or 0)
+    where = exc.filename if exc.filename is not None else path
+    return f"{what}{f' ({name})' if name else ''}" + (f" writing {where}" if where else "")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -138,29 +157,31 @@ def save(
     final = step_dir(root, next_step)
     partial = final.with_name(final.name + PARTIAL)
     rank = dist.get_rank()
+    problem: list[str | None] = [None]
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a save that died
-            shutil.rmtree(partial)
-        partial.mkdir()
-    dist.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)  # of saves that died: free their space first
+            partial.mkdir()
+        except OSError as exc:
+            problem[0] = describe_os_error(exc, partial)
+    _raise_if_failed(problem, partial, next_step)  # also the barrier before DCP
     state: dict[str, torch.Tensor] = _sharded_state(trainer)
     state[NEXT_STEP] = torch.tensor(next_step, dtype=torch.int64)
     prefix = _rank_prefix(rank)
     state.update({prefix + k: v for k, v in _rank_entries(trainer, extra).items()})
     started = time.perf_counter()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
-    dist.barrier()
-    problem: list[str | None] = [None]
-    if rank == 0:
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+    except CheckpointException as exc:  # raised at every rank alike: DCP gathers failures
+        problem[0] = _dcp_failure(exc, partial) if rank == 0 else "failed"  # rank 0's says
+    if problem[0] is None and rank == 0:
         try:
             _commit(trainer, partial, final, next_step, key)
             _prune(root, keep, protect)
         except OSError as exc:
-            problem[0] = f"committing {partial}: {exc}"
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise CheckpointError(problem[0])
+            problem[0] = describe_os_error(exc, partial)
+    _raise_if_failed(problem, partial, next_step)
     log.info(
         "[rank %d step %d] checkpoint %s written in %.2fs",
         rank,
@@ -169,6 +190,70 @@ def save(
         time.perf_counter() - started,
     )
     return final
+
+
+def _raise_if_failed(problem: list[str | None], partial: Path, next_step: int) -> None:
+    """Share rank 0's verdict with the site (a collective); on a failure, rank 0 removes
+    the partial folder (a full disk gets its space back) and every rank raises."""
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is None:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    raise CheckpointError(
+        f"{problem[0]}: checkpoint step {next_step} not saved (its {PARTIAL} folder removed)"
+    )
+
+
+def _dcp_failure(exc: CheckpointException, partial: Path) -> str:
+    """What failed in a DCP save, as one line naming the file where it can."""
+    failures = sorted(exc.failures.items())
+    # An OSError first; else the first failure, which on a full disk may not be one:
+    # torch.save's zip writer reports a short write as "unexpected pos" (RuntimeError).
+    rank, (error, frames) = next(
+        ((r, f) for r, f in failures if isinstance(f[0], OSError)), failures[0]
+    )
+    if any(frame.name == "finish" for frame in frames):  # rank 0 writing .metadata
+        where = partial / ".metadata"
+    else:
+        # A write() error names no file: DCP writes rank R's data to __R_<i>.distcp, one
+        # after another, so the last one there is the one it was writing.
+        files = sorted(
+            partial.glob(f"__{rank}_*{DEFAULT_SUFFIX}"), key=lambda f: int(f.stem.split("_")[-1])
+        )
+        where = files[-1] if files else partial
+    if not isinstance(error, OSError):
+        full = _out_of_space(partial)
+        if full is None:
+            return f"rank {rank}: {type(error).__name__}: {error}"
+        error = OSError(full.errno, os.strerror(full.errno))  # the probe's name is not news
+    return describe_os_error(error, where)
+
+
+PROBE_BYTES = 1 << 20
+
+
+def _out_of_space(folder: Path) -> OSError | None:
+    """The error a ``PROBE_BYTES`` allocation in ``folder`` fails with when its disk
+    (or the user's quota) is full, else None."""
+    probe = folder / ".space-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, PROBE_BYTES)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        return exc if exc.errno in (errno.ENOSPC, errno.EDQUOT) else None
+    return None
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Remove what saves that died left under ``root`` (``.partial``, ``.stale-*``)."""
+    for path in root.iterdir():
+        if path.is_dir() and path.name.startswith("step-") and not _STEP_DIR.match(path.name):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
@@ -224,10 +309,9 @@ def _prune(root: Path, keep: int | None, protect: int | None = None) -> None:
     and leftovers of saves that died (``.partial``, ``.stale-*``)."""
     committed = sorted(complete_steps(root, warn=False).items())
     doomed = [path for step, path in committed[:-keep] if step != protect] if keep else []
-    doomed += [p for p in root.iterdir() if p.is_dir() and not _STEP_DIR.match(p.name)]
-    doomed = [p for p in doomed if p.name.startswith("step-")]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
+    _remove_leftovers(root)
 
 
 def check_complete(path: Path) -> str | None:
@@ -358,7 +442,7 @@ def load(
             targets[entry] = torch.empty(meta.size, dtype=meta.properties.dtype)
     try:
         dcp.load(targets, storage_reader=reader)
-    except Exception as exc:  # DCP wraps every rank's failure in CheckpointException
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         raise CheckpointError(f"reading checkpoint {path}: {exc}") from exc
     local = {
         name[len(prefix) :] if name.startswith(prefix) else name: (

@@ -261,3 +261,59 @@ def test_a_manifest_without_file_hashes_is_refused_by_name(tmp_path: Path) -> No
     (path / "manifest.json").write_text(json.dumps({"format": 1, "next_step": 3, "files": files}))
     assert "format 1" in checkpoint.check_complete(path)
     assert checkpoint.verify(path) == checkpoint.check_complete(path)
+
+
+# -- a full disk (issue 33, row 12) -------------------------------------------------
+
+
+def _full_disk_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]:
+    from tmpfs import fill
+
+    init_gloo(rank, world, store)
+    root = Path(root)
+    trainer, data = _trainer(ParallelLayout(dp=2))
+    trainer.step(0, *data.batch(0))
+    checkpoint.save(trainer, root, 1, _residual(rank))
+    out: dict[str, Any] = {}
+    if rank == 0:
+        (root / "step-00000007.partial").mkdir()  # left by a save that died
+        (root / "step-00000007.partial" / "__0_0.distcp").write_bytes(b"x" * 4096)
+        filler = fill(root.parent)
+    dist.barrier()
+    trainer.step(1, *data.batch(1))
+    try:
+        checkpoint.save(trainer, root, 2, _residual(rank))
+    except checkpoint.CheckpointError as exc:
+        out["error"] = str(exc)
+    dist.barrier()
+    out["after failure"] = sorted(p.name for p in root.iterdir())
+    if rank == 0:
+        filler.unlink()
+    dist.barrier()
+    out["saved"] = checkpoint.save(trainer, root, 2, _residual(rank)).name
+    out["after retry"] = sorted(p.name for p in root.iterdir())
+    shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_names_the_file_and_the_errno_and_leaves_no_partial(tmp_path: Path) -> None:
+    """Issue 33, row 12: a save on a full disk (a real one, a small tmpfs) stopped the
+    job with an empty reason and left its .partial folder behind."""
+    from tmpfs import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "4m") as disk:
+        root = disk / "ckpt"
+        store = str(tmp_path / "store")  # not on the full disk
+        results = spawn(_full_disk_worker, 2, tmp_path, 2, store, str(root))
+    for r in results:
+        error = r["error"]
+        assert error.startswith("no space left on device (ENOSPC) writing "), error
+        # The file being written, or the folder when DCP had not opened it yet.
+        assert f"{root}/step-00000002.partial" in error, error
+        assert "checkpoint step 2 not saved (its .partial folder removed)" in error, error
+        # The leftover of an earlier death went before the save began; the failed save's
+        # partial folder went after it.
+        assert r["after failure"] == ["step-00000001"], r["after failure"]
+        assert r["saved"] == "step-00000002"
+        assert r["after retry"] == ["step-00000001", "step-00000002"]
