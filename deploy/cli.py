@@ -149,7 +149,13 @@ def run_job(job: Any, heading: str) -> int:
     run directory if it was a temporary one."""
     from isthmus.deploy.summary import print_summary
 
-    summary = job.run()
+    # Run folders, resolved configs, logs and checkpoints are the job's state: only their
+    # owner may read them (issue 33). The ranks inherit the mask.
+    mask = os.umask(0o077)
+    try:
+        summary = job.run()
+    finally:
+        os.umask(mask)
     print(heading, file=sys.stdout)
     print_summary(summary, sys.stdout, None if job.temporary_run_dir else job.run_dir)
     if job.temporary_run_dir:

@@ -42,6 +42,13 @@ def check_exposure(
     ``security.insecure`` (``--insecure``); then print a warning to ``warn_to``."""
     exposed = exposed_listeners(config, site, coordinator_host)
     sec = config.security
+    if not exposed and sec.insecure and not sec.require_token and warn_to is not None:
+        print(
+            f"warning: --insecure: {site} runs without a job token: anyone on this machine "
+            "can call its coordinator and lanes",
+            file=warn_to,
+            flush=True,
+        )
     if not exposed or (sec.require_tls and sec.require_token):
         return
     what = " and ".join(exposed)

@@ -158,8 +158,8 @@ class LocalJob:
         stopped a job). The ranks get it in their environment (ISTHMUS_RUN_TOKEN), not
         in the run's config, which outlives it; a 0600 file outside the run folder,
         named in job.json, lets the operator call the coordinators. Checkpoints are not
-        signed with it (the next run's token differs)."""
-        if self.config.security.require_token:
+        signed with it (the next run's token differs); ``--insecure`` runs without one."""
+        if self.config.security.require_token or self.config.security.insecure:
             return
         self._token = secrets.token_urlsafe(32)
         fd, path = tempfile.mkstemp(prefix="isthmus-token-")  # mode 0600

@@ -220,10 +220,9 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     )
     if cross is None:
         metrics.register_alone(env.rank, env.world_size, config.fingerprint())
-    # With a job token, checkpoint manifests are signed and checked with it (not with a
+    # Manifests are signed and checked with the job's token, or the user's (never with a
     # launcher's token for one run: the next run's would differ).
-    token = security.token if security is not None and config.security.require_token else None
-    key = token.encode() if token else None
+    key = config.checkpoint_key()
     # 0 unless resuming
     start = restore(trainer, sync, config, env.run_dir, env.site, key, outer=outer, plan=plan)
     if cross is not None:

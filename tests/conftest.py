@@ -7,11 +7,21 @@ dist_helpers.py, fuzzing.py) are importable from every layer: pyproject's
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from isthmus.deploy.certs_cmd import write_certs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isthmus_home(tmp_path_factory) -> Path:
+    """The user's job token (deploy/job_secret.py) lives here, not in the home folder of
+    whoever runs the suite; subprocesses (sites, ranks) inherit it."""
+    home = tmp_path_factory.mktemp("isthmus-home")
+    os.environ["ISTHMUS_HOME"] = str(home)
+    return home
 
 
 @pytest.fixture(scope="module")

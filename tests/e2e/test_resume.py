@@ -3,8 +3,10 @@ job starts at, and a real `isthmus local` run stopped and resumed."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -136,17 +138,28 @@ def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(
     assert (ckpt / "site1" / "step-00000006" / "manifest.json").is_file()
     assert (ckpt / "site0" / "step-00000006" / "manifest.json").is_file()
 
-    # Issue 14, row 5: one byte of a weight file of site1's newest checkpoint flipped
-    # (sizes unchanged). site1 refuses its copy, naming the file, and loads site0's.
-    weights = sorted((ckpt / "site1" / "step-00000006").glob("*.distcp"))[0]
+    # Issue 33, row 10: one byte of a weight file of site1's newest checkpoint changed
+    # and the manifest's SHA-256 of it rewritten to match (sizes unchanged). The manifest
+    # is signed with the user's job token, so site1 refuses its copy and loads site0's.
+    # (A changed byte alone is refused for its hash: tests/intra/test_checkpoint.py.)
+    newest = ckpt / "site1" / "step-00000006"
+    weights = sorted(newest.glob("*.distcp"))[0]
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0x10
     weights.write_bytes(bytes(data))
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"][weights.name]["sha256"] = hashlib.sha256(data).hexdigest()
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    # Issue 33, item 1: the run's files are its owner's alone.
+    for path in (run_dir / "config.toml", weights, run_dir / "logs" / "site1-rank0.log"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    for path in (ckpt, newest, run_dir / "sites" / "site0"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     third = run_cli(*common, "--resume", "--steps", "8", timeout=120)
     assert third.returncode == 0, third.stderr[-3000:]
     assert [r["step"] for r in _site_lines(run_dir, "site1")] == [6, 7]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(set(summary["digests"].values())) == 1 and summary["steps"] == 2
     log = (run_dir / "logs" / "site1-rank0.log").read_text()
-    assert f"{weights.name} does not match its SHA-256" in log
+    assert "manifest.json's signature does not match" in log
     assert "resumed from site0's checkpoint" in log

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 
+import grpc
 import pytest
 from helpers import ISTHMUS, ROOT, assert_one_line_error, run_cli
 
 from isthmus.deploy.chaos import free_ports
+from isthmus.deploy.config import JobConfig, load_config
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -43,6 +48,11 @@ def test_two_sites_started_separately_train_to_identical_replicas(tmp_path):
         assert line, f"site0 exited: {''.join(early)[-2000:]}"
         early.append(line)
     assert line.rstrip().endswith("s left"), line
+    # Issue 33, rows 2 and 6: while site0 waits, a stranger on the machine joins in
+    # site1's name and registers site0's rank 0. Both sites run with the user's job
+    # token (deploy/job_secret.py), so neither call reaches a handler.
+    refused = forged_calls(load_config(job))
+    assert refused == ["UNAUTHENTICATED"] * 3, refused
     second = run_cli("site", "--config", job, "--site", "site1", "--run-dir", str(run_dir))
     out0, err0 = first.communicate(timeout=120)
     assert second.returncode == 0, second.stderr[-2000:]
@@ -53,6 +63,50 @@ def test_two_sites_started_separately_train_to_identical_replicas(tmp_path):
     s1 = json.loads((run_dir / "sites" / "site1" / "summary.json").read_text())
     assert s0["digests"] == s1["digests"] and set(s0["digests"]) == {"site0", "site1"}
     assert len(set(s0["digests"].values())) == 1
+    # Issue 33, item 1: what the sites wrote is their owner's alone.
+    for path in (run_dir / "config-site0.toml", run_dir / "sites" / "site0" / "summary.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE((run_dir / "sites" / "site1").stat().st_mode) == 0o700
+
+
+def forged_calls(config: JobConfig) -> list[str]:
+    """A Join in site1's name, site0's rank 0 registered and a membership asked at site0,
+    without the token, with the job's fingerprint (its config is readable): the status
+    of each."""
+    fingerprint = pb.JobFingerprint(fields=config.fingerprint())
+    address = config.cluster.coordinators["site0"]
+    calls = [
+        lambda stub: stub.Join(
+            pb.JoinRequest(
+                site=pb.SiteInfo(name="site1", coordinator_address="127.0.0.1:9"),
+                fingerprint=fingerprint,
+                ready=True,
+            ),
+            timeout=10,
+        ),
+        lambda stub: stub.RegisterRank(
+            pb.RegisterRankRequest(
+                site="site0",
+                rank=0,
+                world_size=2,
+                lane_address="127.0.0.1:9",
+                fingerprint=fingerprint,
+                rank_key="k" * 32,
+            ),
+            timeout=10,
+        ),  # fmt: skip
+        lambda stub: stub.GetMembership(pb.GetMembershipRequest(), timeout=10),
+    ]
+    out = []
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        for call in calls:
+            try:
+                call(stub)
+                out.append("OK")
+            except grpc.RpcError as exc:
+                out.append(exc.code().name)
+    return out
 
 
 def test_a_site_without_its_peers_address_is_told_how_to_set_it(tmp_path):

@@ -373,7 +373,9 @@ def test_fingerprint_says_whether_security_is_on_but_holds_no_secret(job_dir):
     text = json.dumps(fingerprint)
     assert token not in text and str(job_dir) not in text
     assert config.site_security("site1").cert == (job_dir / "site1.crt").read_bytes()
-    assert load_config().site_security("site0") is None  # off by default
+    # Without a [security] section: the user's job token, no TLS (tests/deploy/test_job_secret.py).
+    default = load_config().site_security("site0")
+    assert default is not None and default.require_token and not default.require_tls
 
 
 @pytest.mark.parametrize(
