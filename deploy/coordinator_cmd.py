@@ -2,6 +2,13 @@
 
 Its ranks register with it, and it joins the peer sites' coordinators with the job
 fingerprint; it exits non-zero with one line when a peer refuses the job.
+
+Its ranks are started by someone else (Slurm's ``srun`` in
+deploy/slurm/site-multinode.sbatch), so no launcher of ours hands them their keys:
+with ``--rank-secret-file`` (a 0600 file of random bytes the ranks can read, named to
+them in ``ISTHMUS_RANK_SECRET_FILE``) each rank's key derives from it and a stranger
+cannot register a rank; without it the first process to register a rank owns it
+(inter/control/rank_keys.py), and the coordinator says so when it starts.
 """
 
 from __future__ import annotations
@@ -48,10 +55,25 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"no coordinator address for {missing}: use --peer SITE=HOST:PORT or cluster.coordinators"
         )
+    from isthmus.inter.control.rank_keys import RankKeys, read_secret
+
+    ranks = config.ranks_of(args.site)
+    if args.rank_secret_file:
+        try:
+            keys = RankKeys.derive(args.site, ranks, read_secret(args.rank_secret_file))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--rank-secret-file: {exc}") from exc
+    else:
+        keys = RankKeys.first_come(args.site)
+        print(
+            f"warning: {args.site}'s ranks register first come (no --rank-secret-file): "
+            "another local process could register a rank before it starts",
+            file=sys.stderr,
+        )
     coordinator = Coordinator(
         site=args.site,
         site_names=config.site_names,
-        ranks=config.ranks_of(args.site),
+        ranks=ranks,
         site_ranks=config.site_ranks,
         fingerprint=config.fingerprint(),
         peers=peers,
@@ -61,6 +83,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         join_timeout_s=config.sync.timeout_s,
         metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
         security=config.site_security(args.site),
+        rank_keys=keys,
     )
     coordinator.start()
     print(f"coordinator {args.site} listening on {coordinator.address}", flush=True)
@@ -112,6 +135,13 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
         default=[],
         metavar="SITE=URL",
         help="HTTP CONNECT proxy (emulated link) to reach a peer through",
+    )
+    parser.add_argument(
+        "--rank-secret-file",
+        default=None,
+        metavar="PATH",
+        help="0600 file of >= 16 random bytes; ranks that read it (ISTHMUS_RANK_SECRET_FILE) "
+        "derive their registration keys from it (default: ranks register first come)",
     )
     add_insecure_flag(parser)
     parser.set_defaults(func=cmd_coordinator)

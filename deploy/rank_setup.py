@@ -28,6 +28,7 @@ from isthmus.deploy.config import JobConfig
 from isthmus.deploy.corpus import load_corpus
 from isthmus.deploy.cross_site import CrossSite, shard_layout
 from isthmus.deploy.evaluation import HeldOutLoss
+from isthmus.deploy.ranks import STORE_ENV
 from isthmus.deploy.reporting import StepReporter
 from isthmus.inter.data.gradient_sync import LaneGradientSync
 from isthmus.intra.data import ShardedBatches
@@ -141,10 +142,18 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # On GPUs NCCL carries the tensors and gloo the few CPU-side collectives
-    # (the per-step traffic totals), in one process group.
+    # (the per-step traffic totals), in one process group. Ranks of one host meet in a
+    # FileStore in their launcher's 0700 folder (deploy/ranks.py); only ranks spread
+    # over hosts (Slurm multi-node) use env:// and its TCPStore.
+    store_path = os.environ.get(STORE_ENV)
+    meet: dict = {}
+    if store_path:
+        store = dist.FileStore(store_path, env.world_size)
+        meet = {"store": store, "rank": env.rank, "world_size": env.world_size}
     dist.init_process_group(
         "cuda:nccl,cpu:gloo" if dev == "cuda" else "gloo",
         timeout=timedelta(seconds=config.sync.timeout_s),
+        **meet,
     )
     mesh = build_site_mesh(layout, dev)
     pp_i, dp_i, cp_i, tp_i = mesh_coordinate(mesh)

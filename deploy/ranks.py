@@ -1,10 +1,16 @@
 """One site's rank processes on this machine, and the run directory they write to.
 
-A site is its own torch.distributed world: the launcher hosts its rendezvous store
-(so no rank races for a port; ranks join it as clients, torchelastic's agent-store
-mode) and starts one process per rank running `isthmus.deploy.rank`. Ranks die
-with the launcher even if it is killed: each asks Linux for PR_SET_PDEATHSIG
-itself (a preexec_fn would fork, and gRPC's threads in the launcher make fork noisy).
+A site is its own torch.distributed world: the launcher starts one process per rank
+running `isthmus.deploy.rank`, and the ranks, all on this host, meet in a
+torch.distributed FileStore in a 0700 folder the launcher makes and removes
+(:data:`STORE_ENV`): only the site's own processes (its user) can read or write it.
+torch's TCPStore has no authentication, and anyone on the machine could set, get and
+delete its keys (issue 33, row 11); it stays only where a site's ranks span hosts
+(deploy/slurm/site-multinode.sbatch: env:// with MASTER_ADDR), behind the cluster's
+network. Each rank gets the key its site's coordinator drew for it
+(inter/control/rank_keys.py). Ranks die with the launcher even if it is killed: each
+asks Linux for PR_SET_PDEATHSIG itself (a preexec_fn would fork, and gRPC's threads in
+the launcher make fork noisy).
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,8 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isthmus.deploy.config import JobConfig
+from isthmus.inter.control.rank_keys import KEY_ENV, handout
 
 TERMINATE_GRACE_S = 5.0
+STORE_ENV = "ISTHMUS_STORE"
+"""The FileStore a site's ranks meet in (a file in the launcher's 0700 folder)."""
 
 
 class LaunchError(RuntimeError):
@@ -130,59 +138,43 @@ class SiteRanks:
         self.config_file = config_file or config_path(run_dir, None)
         self.run_token = run_token
         self.ranks: list[RankProcess] = []
-        self._store: object | None = None
-        self._listener: socket.socket | None = None
-        self._port = 0
+        self.store_dir: Path | None = None
+        """The 0700 folder of the ranks' FileStore while they run."""
 
     @property
     def store_port(self) -> int:
-        return self._port if self._store is not None else 0
+        """0: the ranks meet in a FileStore, no store listens on a port."""
+        return 0
 
     def start(self) -> None:
-        """Start the site's ranks, then serve their store."""
+        """Start the site's ranks."""
         self.spawn()
-        self.serve_store()
 
     def spawn(self) -> None:
-        """Start the site's ranks; they wait for their store (``serve_store``) in its
-        socket's backlog. A launcher of several sites spawns every site's ranks first:
-        its own import of torch for the stores (1-2 s on a small machine) then overlaps
-        theirs instead of holding them back."""
+        """Start the site's ranks; they meet in a FileStore in a fresh 0700 folder
+        (mkdtemp makes it so), on this host's disk rather than in the run folder,
+        which may be a network filesystem where file locks are slow or absent."""
         world = self.config.ranks_of(self.site)
-        # torch's TCPStore has no authentication, and bound by itself it listens on every
-        # interface (issue 14, row 11). The ranks are on this machine: hand it a socket
-        # bound to loopback instead (the store closes it when it goes).
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
-        self._port = self._listener.getsockname()[1]
+        self.store_dir = Path(tempfile.mkdtemp(prefix=f"isthmus-store-{self.site}-"))
         self._spawn(world)
 
     def serve_store(self) -> None:
-        """Serve the site's TCPStore on the socket ``spawn`` bound."""
-        import torch.distributed as dist
-
-        if self._listener is None:
-            raise RuntimeError(f"{self.site}: serve_store() before spawn()")
-        self._store = dist.TCPStore(
-            "127.0.0.1",
-            self._port,
-            self.config.ranks_of(self.site),
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=self._listener.detach(),
-        )
-        self._listener = None
+        """Nothing to serve: the ranks share a FileStore (kept for launchers that
+        called it when the site hosted a TCPStore)."""
 
     def _spawn(self, world: int) -> None:
+        # The coordinator in this process drew one key per rank: only the process
+        # started here as rank r may register as it (inter/control/rank_keys.py).
+        keys = handout(self.coordinator)
         for rank in range(world):
             env = {
-                **os.environ,
+                **{k: v for k, v in os.environ.items() if k != KEY_ENV},
+                **({KEY_ENV: keys[rank]} if keys is not None and rank < len(keys) else {}),
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world),
                 "LOCAL_RANK": str(self.first_device + rank),
                 "LOCAL_WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(self._port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                STORE_ENV: str(self.store_dir / "store"),
                 "OMP_NUM_THREADS": str(self.threads),
                 "ISTHMUS_CONFIG": str(self.config_file),
                 "ISTHMUS_SITE": self.site,
@@ -245,7 +237,6 @@ class SiteRanks:
                 r.process.kill()
                 r.process.wait()
         self.ranks.clear()
-        self._store = None  # a TCPStore's server closes when the object goes
-        if self._listener is not None:  # spawned, never served
-            self._listener.close()
-            self._listener = None
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+            self.store_dir = None

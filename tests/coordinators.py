@@ -51,9 +51,9 @@ def start_sites(n: int, proxies=None, **options) -> list[Coordinator]:
 
 
 def rank_key(coord: Coordinator) -> str:
-    """The key the test's rank 0 of ``coord``'s site registers and votes with (one per
-    coordinator process, as a rank's own is one per process)."""
-    return f"rank0-of-{coord.site}-{coord.incarnations.mine}"
+    """The key the test's rank 0 of ``coord``'s site registers and votes with: the one
+    the coordinator drew for its launcher to hand that rank (inter/control/rank_keys.py)."""
+    return coord.rank_keys.handed(0)
 
 
 def register(coord: Coordinator, lane: str) -> None:

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots, pool_size
+from isthmus.inter.control import rank_keys as handouts
 from isthmus.inter.control.admission import MAX_FIELD_CHARS, on_join, site_problem
 from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
 from isthmus.inter.control.failover import Failover
@@ -75,6 +76,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         vote_window: votes for steps further than this past the step the site runs
             are refused. first_step: a resumed job's first step.
         witness: host:port of the job's witness (inter/control/witness.py), if it has one.
+        rank_keys: which key each local rank registers with; by default one random
+            key per rank, which the site's launcher in this process hands its ranks
+            (inter/control/rank_keys.py).
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         vote_window: int = 64,
         first_step: int = 0,
         witness: str | None = None,
+        rank_keys: RankKeys | None = None,
     ) -> None:
         # First: it checks the site, the ranks and the failure timeout.
         self.state = CoordinatorState(
@@ -132,7 +137,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.finished = False
         self.finished_peers: set[str] = set()
         self.replicas = ReplicaDigests(site)
-        self.rank_keys = RankKeys(site)  # which process speaks for each local rank
+        self.rank_keys = rank_keys or RankKeys.draw(site, ranks)
+        """Which process speaks for each local rank (the key its launcher handed it)."""
         self.asked_to_join: set[str] = set()
         """Sites whose join of the running job awaits their answer at their own address."""
         self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}
@@ -177,6 +183,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             raise OSError(f"coordinator for {site} could not bind {host}:{port}")
         self.address = f"{host}:{bound}"
         self.state.address = self.address
+        if self.rank_keys.bound:  # for the launcher of this site's ranks, in this process
+            handouts.publish(self.address, self.rank_keys)
         self._peer_loop = PeerLoop(self)
         self._joiner = threading.Thread(
             target=self._peer_loop.run, name=f"join-{site}", daemon=True
@@ -245,6 +253,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if self.witness is not None:
             self.witness.stop()
         self._server.stop(grace_s).wait(grace_s + 1.0)
+        handouts.withdraw(self.address)
         for channel in self._channels:
             channel.close()
 
@@ -356,10 +365,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         address = request.lane_address
         if problem is None and (len(address) > MAX_FIELD_CHARS or (self.peers and not address)):
             problem = "lane_address must be a non-empty host:port"
-        if problem is None:
-            problem = self.rank_keys.register(request.rank, request.rank_key)
         if problem is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        refused = self.rank_keys.register(request.rank, request.rank_key)
+        if refused is not None and refused.stranger:
+            # Not the process the launcher started as this rank: nothing recorded.
+            self.refusals.note(context.peer(), f"RegisterRank: {refused.why}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.where}: {refused.why}")
+        if refused is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused.why)
         if address:
             with self.state.cond:
                 self.state.register_lane_locked(request.rank, address)

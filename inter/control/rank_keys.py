@@ -1,50 +1,178 @@
-"""Which process speaks for each rank of a site: a key drawn by the rank itself.
+"""Which process speaks for each rank of a site: a key its launcher handed it.
 
 The job token (inter/security.py) says that a caller belongs to the job, not which
-rank it is, and without it anyone on the machine can call a coordinator. A rank
-therefore draws a random key once per process and registers it with its lane
-(``RegisterRank``); from then on the coordinator counts a vote (``CommitStep``) only
-with the key of the rank it names, and takes the site's own digest
-(``ReportProgress``) only with a key of one of its ranks. A second registration of
-the same rank with another key is refused: the first process to register a rank owns
-it for the coordinator's life (a rank that retries its registration sends the same
-key). The key never leaves the site: ranks reach their own coordinator only.
+rank it is, and without it anyone on the machine can call a coordinator. Each rank
+therefore registers with a key (``RegisterRank``), and from then on the coordinator
+counts a vote (``CommitStep``) only with the key of the rank it names, and takes the
+site's own digest (``ReportProgress``) only with a key of one of its ranks.
+
+Which key a rank may register with is decided before the rank starts (issue 33,
+row 6: a stranger that registered rank 0 first once stopped the site). A coordinator
+draws one random key per rank (:meth:`RankKeys.draw`); the launcher of the site's
+ranks (deploy/ranks.py ``SiteRanks``), which runs in the coordinator's process, finds
+them with :func:`handout` by the coordinator's address and hands each rank its own in
+the environment (:data:`KEY_ENV`). Ranks that another launcher starts on several hosts
+(Slurm's ``srun``) derive theirs from a site secret in a 0600 file
+(:data:`SECRET_FILE_ENV`, :func:`derived_key`), which ``isthmus coordinator
+--rank-secret-file`` reads too. A registration with any other key is refused and
+changes nothing. Only a coordinator built with :meth:`RankKeys.first_come` (``isthmus
+coordinator`` without a secret file, for ranks no launcher of ours starts) keeps the
+old rule: the first process to register a rank owns it for the coordinator's life.
+The key never leaves the site: ranks reach their own coordinator only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import os
 import secrets
 import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["RANK_KEY", "RankKeys"]
+__all__ = [
+    "KEY_ENV",
+    "RANK_KEY",
+    "SECRET_FILE_ENV",
+    "KeyRefusal",
+    "RankKeys",
+    "derived_key",
+    "handout",
+    "own_key",
+    "publish",
+    "read_secret",
+    "withdraw",
+]
 
-RANK_KEY = secrets.token_hex(16)
+KEY_ENV = "ISTHMUS_RANK_KEY"
+"""The environment variable a launcher hands a rank its key in."""
+SECRET_FILE_ENV = "ISTHMUS_RANK_SECRET_FILE"
+"""The environment variable naming a site secret file ranks derive their keys from."""
+MIN_KEY_CHARS, MAX_KEY_CHARS = 16, 64
+MIN_SECRET_BYTES = 16
+
+
+def derived_key(secret: bytes, site: str, rank: int) -> str:
+    """The key of ``rank`` of ``site`` under a site secret (HMAC-SHA256, 32 hex digits)."""
+    return hmac.new(secret, f"{site}/{rank}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def read_secret(path: str | Path) -> bytes:
+    """A site secret file's bytes (stripped).
+
+    Raises:
+        ValueError: shorter than 16 bytes, or readable by other users.
+    """
+    path = Path(path)
+    if path.stat().st_mode & 0o077:
+        raise ValueError(f"rank secret file {path} must be readable by its owner only (0600)")
+    secret = path.read_bytes().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"rank secret file {path} holds {len(secret)} bytes, need >= 16")
+    return secret
+
+
+def own_key(env: Mapping[str, str] = os.environ) -> str:
+    """This process's key: the one its launcher handed it (:data:`KEY_ENV`), derived
+    from the site secret file (:data:`SECRET_FILE_ENV`, with ``ISTHMUS_SITE`` and
+    ``RANK`` or ``SLURM_PROCID``), else a random one (a rank of a first-come site)."""
+    handed = env.get(KEY_ENV, "")
+    if handed:
+        return handed
+    secret_file = env.get(SECRET_FILE_ENV, "")
+    rank = env.get("RANK", env.get("SLURM_PROCID", ""))
+    if secret_file and rank.isdigit() and env.get("ISTHMUS_SITE"):
+        return derived_key(read_secret(secret_file), env["ISTHMUS_SITE"], int(rank))
+    return secrets.token_hex(16)
+
+
+RANK_KEY = own_key()
 """This process's key, sent with its rank's calls to its own coordinator."""
 
-MIN_KEY_CHARS, MAX_KEY_CHARS = 16, 64
+
+@dataclass(frozen=True, slots=True)
+class KeyRefusal:
+    """Why a registration was refused."""
+
+    why: str
+    stranger: bool
+    """The key is not the one the rank was handed: the caller is not the rank
+    (PERMISSION_DENIED), rather than a malformed or conflicting request."""
 
 
 class RankKeys:
-    """The key each rank of one site registered with (thread-safe)."""
+    """The key each rank of one site registers with (thread-safe).
 
-    def __init__(self, site: str) -> None:
+    Args:
+        site: the site's name.
+        handed: the key handed to each rank, by rank; None: the first key a rank
+            registers with is its key (ranks no launcher of ours starts).
+    """
+
+    def __init__(self, site: str, handed: Sequence[str] | None = None) -> None:
         self.site = site
+        self._handed = tuple(handed) if handed is not None else None
         self._keys: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def register(self, rank: int, key: str) -> str | None:
+    @classmethod
+    def draw(cls, site: str, ranks: int) -> RankKeys:
+        """One random key per rank, for the launcher to hand out (:func:`handout`)."""
+        return cls(site, [secrets.token_hex(16) for _ in range(ranks)])
+
+    @classmethod
+    def derive(cls, site: str, ranks: int, secret: bytes) -> RankKeys:
+        """The keys ranks derive from a site secret file (:func:`own_key`)."""
+        return cls(site, [derived_key(secret, site, r) for r in range(ranks)])
+
+    @classmethod
+    def first_come(cls, site: str) -> RankKeys:
+        """The first key a rank registers with is its key."""
+        return cls(site, None)
+
+    @property
+    def bound(self) -> bool:
+        """Whether each rank's key was fixed before it started."""
+        return self._handed is not None
+
+    def handed(self, rank: int) -> str:
+        """The key handed to ``rank`` (only for a bound site)."""
+        if self._handed is None:
+            raise ValueError(f"{self.site} hands its ranks no keys (first come)")
+        return self._handed[rank]
+
+    def handed_keys(self) -> tuple[str, ...] | None:
+        return self._handed
+
+    def register(self, rank: int, key: str) -> KeyRefusal | None:
         """Records ``rank``'s key; returns why it is refused, or None."""
         if not MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS:
-            return (
-                f"rank_key must have {MIN_KEY_CHARS} to {MAX_KEY_CHARS} characters, got {len(key)}"
+            return KeyRefusal(
+                f"rank_key must have {MIN_KEY_CHARS} to {MAX_KEY_CHARS} characters, got {len(key)}",
+                stranger=self.bound,
             )
+        if self._handed is not None:
+            # Constant-time: the key is compared with the secret handed to the rank.
+            if rank >= len(self._handed) or not hmac.compare_digest(
+                self._handed[rank].encode(), key.encode()
+            ):
+                return KeyRefusal(
+                    f"rank {rank} of {self.site} registers with the key its launcher "
+                    "handed it, not this one",
+                    stranger=True,
+                )
+            with self._lock:
+                self._keys[rank] = key
+            return None
         with self._lock:
             known = self._keys.setdefault(rank, key)
         if not hmac.compare_digest(known.encode(), key.encode()):
-            return (
+            return KeyRefusal(
                 f"rank {rank} of {self.site} is already registered by another process "
-                "(a second launch of the same site?)"
+                "(a second launch of the same site?)",
+                stranger=False,
             )
         return None
 
@@ -59,3 +187,30 @@ class RankKeys:
         with self._lock:
             known = list(self._keys.values())
         return any(hmac.compare_digest(k.encode(), key.encode()) for k in known)
+
+
+# The launcher of a site's ranks runs in its coordinator's process (deploy/local.py,
+# deploy/site.py) and knows the coordinator by its address only: it finds the keys to
+# hand out here. Keyed by the bound address, unique in a process while it is bound.
+_HANDOUTS: dict[str, RankKeys] = {}
+_HANDOUTS_LOCK = threading.Lock()
+
+
+def publish(address: str, keys: RankKeys) -> None:
+    """The coordinator at ``address`` (in this process) takes these keys."""
+    with _HANDOUTS_LOCK:
+        _HANDOUTS[address] = keys
+
+
+def withdraw(address: str) -> None:
+    """The coordinator at ``address`` stopped."""
+    with _HANDOUTS_LOCK:
+        _HANDOUTS.pop(address, None)
+
+
+def handout(address: str) -> tuple[str, ...] | None:
+    """The keys to hand the ranks of the coordinator at ``address``, by rank, if that
+    coordinator runs in this process and binds its ranks' keys; else None."""
+    with _HANDOUTS_LOCK:
+        keys = _HANDOUTS.get(address)
+    return keys.handed_keys() if keys is not None else None

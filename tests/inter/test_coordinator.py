@@ -11,7 +11,6 @@ import pytest
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorError
 from isthmus.inter.control.fingerprint import fingerprint_diff
-from isthmus.inter.control.rank_keys import RANK_KEY
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -48,7 +47,7 @@ def register(coord: Coordinator, rank: int, world: int = 2, fp=FP, site=None) ->
                 world_size=world,
                 lane_address=f"127.0.0.1:{1000 + rank}",
                 fingerprint=pb.JobFingerprint(fields=fp),
-                rank_key=RANK_KEY,
+                rank_key=coord.rank_keys.handed(min(rank, coord.ranks - 1)),
             ),
             timeout=5,
         )

@@ -28,7 +28,7 @@ def two_sites() -> list[Coordinator]:
 
 def rank0(coord: Coordinator, lane: str) -> CoordinatorClient:
     """A client playing rank 0 of ``coord``'s site, registered with its lane."""
-    client = CoordinatorClient.connect(coord.address, rank_key=f"client-key-of-{coord.site}")
+    client = CoordinatorClient.connect(coord.address, rank_key=coord.rank_keys.handed(0))
     client.register_rank(
         site=coord.site, rank=0, world_size=1, lane_address=lane, fingerprint=FP, timeout_s=5
     )
@@ -55,7 +55,7 @@ def test_registered_ranks_learn_the_membership():
 def test_a_refused_registration_raises_with_the_coordinators_reason():
     coord = coordinator("site0", ["site0"])
     coord.start()
-    client = CoordinatorClient.connect(coord.address, rank_key="first-key-of-rank0")
+    client = CoordinatorClient.connect(coord.address, rank_key=coord.rank_keys.handed(0))
     other = CoordinatorClient.connect(coord.address, rank_key="other-key-of-rank0")
     register = {"site": "site0", "rank": 0, "world_size": 1, "lane_address": "", "timeout_s": 5}
     try:
@@ -67,8 +67,8 @@ def test_a_refused_registration_raises_with_the_coordinators_reason():
         client.register_rank(**register, fingerprint=FP)
         with pytest.raises(grpc.RpcError) as info:
             other.register_rank(**register, fingerprint=FP)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "already registered by another process" in info.value.details()
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "the key its launcher handed it" in info.value.details()
     finally:
         client.close()
         other.close()

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import register_rank
 
 from isthmus.inter.control.coordinator import Coordinator
-from isthmus.inter.control.rank_keys import RANK_KEY
+from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
 from isthmus.inter.security import TOKEN_HEADER
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -67,6 +67,7 @@ def pair():
             fingerprint=FP,
             heartbeat_s=0.1,
             metrics_port=0,
+            rank_keys=RankKeys(name, [RANK_KEY]),  # this process plays rank 0 (StepReporter)
         )
         for name in ("site0", "site1")
     ]

@@ -28,7 +28,7 @@ from isthmus.deploy.certs_cmd import write_certs
 from isthmus.deploy.config import ConfigError, load_config
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator
-from isthmus.inter.control.rank_keys import RANK_KEY
+from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.round_types import Members
@@ -218,6 +218,7 @@ def coordinator(job_dir) -> Coordinator:
         peers={"site1": "127.0.0.1:9"},  # never answers; this test talks to site0 only
         join_timeout_s=60,
         security=full(job_dir, "site0"),
+        rank_keys=RankKeys("site0", [RANK_KEY]),  # this process plays rank 0
     )
     coord.start()
     yield coord
@@ -310,6 +311,7 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
                     fingerprint={"job.name": "t"},
                     join_timeout_s=30,
                     security=full(job_dir, site),
+                    rank_keys=RankKeys(site, [RANK_KEY]),  # this process plays rank 0
                 )
             )
         for c in coords:
