@@ -124,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         "job.steps": getattr(args, "steps", None),
         "run.run_dir": getattr(args, "run_dir", None),
         "security.insecure": True if getattr(args, "insecure", False) else None,
+        "run.oversubscribe": True if getattr(args, "oversubscribe", False) else None,
     }
     return load_config(args.config, args.overrides, flags)
 
@@ -142,6 +143,12 @@ def add_job_flags(parser: argparse.ArgumentParser, resume_help: str) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.add_argument("--resume", action="store_true", help=resume_help)
     add_insecure_flag(parser)
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="run more CPU ranks on this host than max(8, 4 x its cores); without it such "
+        "a job is refused before it starts (run.oversubscribe)",
+    )
 
 
 def run_job(job: Any, heading: str) -> int:

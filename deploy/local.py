@@ -22,6 +22,7 @@ from isthmus.deploy.config import ConfigError, JobConfig
 from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, RankProcess, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
+from isthmus.deploy.validation import HostFacts, host_problem
 from isthmus.inter.control.coordinator import Coordinator
 from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
 
@@ -89,18 +90,30 @@ def host_gpus(config: JobConfig) -> int:
     return torch.cuda.device_count()
 
 
-def check_supported(config: JobConfig, needed: int) -> None:
-    """Refuse, in one line, what this release cannot run (before anything is made).
+def check_supported(config: JobConfig, needed: int, site_ranks: list[int] | None = None) -> None:
+    """Refuse, in one line, what this release or this host cannot run (before anything
+    is made: no run folder, no process).
+
+    Args:
+        config: the validated job config.
+        needed: GPUs the ranks need on CUDA (``gpus_needed``; a site's ranks).
+        site_ranks: the ranks of each site started on this host; None: one site of
+            ``needed`` ranks (`isthmus site`).
 
     Loading the corpus also trains and encodes a BPE tokenizer into the cache before any
-    rank starts, and fills in data.tokenizer_sha256 for the fingerprint and the ranks.
+    rank starts, and fills in data.tokenizer_sha256 for the fingerprint and the ranks:
+    it comes last, after the checks that cost nothing.
     """
     from isthmus.deploy.corpus import load_corpus  # imports torch: not for a bad --set
 
-    load_corpus(config)  # a corpus that cannot be read or split
-    problem = gpu_shortage(config.topology.device, host_gpus(config), needed)
+    cuda = config.device_type == "cuda"
+    host = HostFacts.here(cuda)
+    problem = gpu_shortage(config.topology.device, host.gpus, needed) or host_problem(
+        config, host, site_ranks or [needed], cuda=cuda and host.gpus > 0
+    )
     if problem:
         raise ConfigError(problem)
+    load_corpus(config)  # a corpus that cannot be read or split
 
 
 @dataclass
@@ -135,7 +148,7 @@ class LocalJob:
             LaunchError: a rank failed, a site was refused, or replicas diverged.
             ConfigError: a setting this launcher cannot honour.
         """
-        check_supported(self.config, gpus_needed(self.config))
+        check_supported(self.config, gpus_needed(self.config), self.config.site_ranks)
         try:
             self._make_job_token()
             self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)

@@ -288,6 +288,10 @@ class RunSection:
     """Steps left out of the summary's steady-state figures (steady tokens/s, MFU,
     exposed sync per step): the first steps compile kernels and warm up allocators and
     links. With fewer steps than this + 1, only the first step is left out."""
+    oversubscribe: bool = False
+    """Run more CPU ranks on this host than max(8, 4 x its cores) (`--oversubscribe`
+    sets it); off, such a job is refused before it starts (deploy/validation.py,
+    ``host_problem``, says why those numbers)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -368,3 +368,102 @@ def test_micro_batches_per_site_that_cannot_work_are_refused(sets, needle):
     cfg = load_config(None, ["train.accumulate=[2, 1]", "topology.ranks_per_site=[1, 2]"])
     assert cfg.site_units() == [2, 2] and cfg.fingerprint()["train.accumulate"] == "[2, 1]"
     assert load_config(None, ["train.accumulate=[3, 3]"]).train.accumulate == 3
+
+
+# -- absurd sizes (issue 33, row 13) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "needle"),
+    [
+        # Issue 33, row 13: 100,000 ranks launched for 90 s until killed.
+        ("local", ["--ranks-per-site", "100000"], "200000 CPU ranks on a host of"),
+        ("site", ["--site", "site0", "--ranks-per-site", "100000"], "100000 CPU ranks on a host"),
+        # --oversubscribe lets more ranks than cores start, not more than memory holds.
+        ("local", ["--ranks-per-site", "100000", "--oversubscribe"], "of memory for 200000 ranks"),
+        # Far beyond any host's memory (TiBs), so the test holds on a big machine too.
+        ("local", ["--set", "train.batch_size=10000000"], "of logits a rank"),
+        ("local", ["--set", "train.seq_len=100000000"], "train.seq_len=100000000"),
+        ("local", ["--set", "model.dim=60000"], "of parameters, gradients and AdamW state a site"),
+    ],
+)
+def test_absurd_sizes_are_refused_in_one_line_before_anything_starts(
+    tmp_path, command, flags, needle
+):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    cpu = ("--set", "topology.device=cpu")  # a GPU host would count GPUs instead
+    result = run_cli(command, *flags, *cpu, "--steps", "1", "--run-dir", str(run_dir), timeout=60)
+    assert_one_line_error(result, needle)
+    assert result.returncode == 2  # a user's error
+    assert not run_dir.exists()  # nothing made
+    # Refused before the corpus is read or a process starts (the CLI's own start-up is
+    # most of it: ~2 s on a 2-core machine).
+    assert time.monotonic() - started < 30
+
+
+def test_oversubscribe_is_a_flag_of_local_and_site():
+    from isthmus.deploy.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    for argv in (["local"], ["site", "--site", "site0"]):
+        assert config_from_args(parser.parse_args(argv)).run.oversubscribe is False
+        flagged = config_from_args(parser.parse_args([*argv, "--oversubscribe"]))
+        assert flagged.run.oversubscribe is True
+
+
+@pytest.mark.parametrize(
+    ("cores", "site_ranks", "sets", "refused"),
+    [
+        (2, [2, 2], [], False),  # the default job on the 2-core CI machine
+        (1, [4, 4], [], False),  # the floor: 8 ranks on any host (the e2e tests' largest)
+        (1, [4, 5], [], True),
+        (2, [9], [], True),  # one site (isthmus site) of 9 on 2 cores
+        (4, [8, 8], [], False),  # 4 a core
+        (4, [8, 9], [], True),
+        (4, [8, 9], ["run.oversubscribe=true"], False),
+    ],
+)
+def test_cpu_ranks_beyond_four_a_core_need_oversubscribe(cores, site_ranks, sets, refused):
+    from isthmus.deploy.validation import HostFacts, host_problem
+
+    sizes = f"topology.ranks_per_site={site_ranks}"
+    config = load_config(None, [sizes, f"topology.sites={len(site_ranks)}", *sets])
+    host = HostFacts(cores=cores, memory_bytes=64 << 30)
+    problem = host_problem(config, host, site_ranks, cuda=False)
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert f"{sum(site_ranks)} CPU ranks on a host of {cores} cores" in problem
+        assert f"max(8, 4 x cores) = {max(8, 4 * cores)}" in problem
+        assert "--oversubscribe" in problem
+
+
+def test_memory_lower_bounds_refuse_only_what_cannot_fit():
+    """Each bound is a floor (16 bytes a parameter, one micro-batch's logits, 256 MiB a
+    process), so a refusal is never a guess; the presets' own jobs pass."""
+    from isthmus.deploy.validation import HostFacts, host_problem
+
+    small_host = HostFacts(cores=2, memory_bytes=4 << 30)
+    assert host_problem(load_config(), small_host, [2, 2], cuda=False) is None
+    big = load_config(None, ["model.preset=1b", "train.seq_len=2048", "topology.ranks_per_site=8"])
+    # An 8-GPU site of 80 GiB GPUs on a host of 1 TiB: the README's 1b recipe fits.
+    gpu_host = HostFacts(cores=64, memory_bytes=1 << 40, gpus=8, gpu_memory_bytes=80 << 30)
+    assert host_problem(big, gpu_host, [8], cuda=True) is None
+    # The same model's state (~16 GiB) on one 8 GiB GPU does not.
+    one = load_config(None, ["model.preset=1b", "topology.ranks_per_site=1"])
+    small_gpu = HostFacts(cores=8, memory_bytes=64 << 30, gpus=1, gpu_memory_bytes=8 << 30)
+    assert "each GPU needs at least" in host_problem(one, small_gpu, [1], cuda=True)
+    # ... unless it is offloaded to a host that holds it.
+    offload = load_config(
+        None, ["model.preset=1b", "topology.ranks_per_site=1", "parallel.offload=true"]
+    )
+    assert host_problem(offload, small_gpu, [1], cuda=True) is None
+    typo = load_config(None, ["train.batch_size=80000"])  # 8000 meant
+    assert "of logits a rank" in host_problem(typo, small_host, [2, 2], cuda=False)
+
+
+def test_the_default_job_fits_this_host():
+    from isthmus.deploy.validation import HostFacts, host_problem
+
+    config = load_config()
+    assert host_problem(config, HostFacts.here(cuda=False), config.site_ranks, cuda=False) is None

@@ -199,8 +199,11 @@ def test_token_alone_without_tls(job_dir, caplog):
         assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
         assert len(server.mailbox) == 0
         assert PEER.search(caplog.text)
+        # With the token, and the pass site 1's lane is granted (issue 33, row 8).
+        site1 = (("isthmus-lane-pass", server.tickets.issue("1").hex()),)
         with token_only.channel(server.address) as channel:
-            assert lane_pb2_grpc.LaneStub(channel).PushChunks(iter([chunk()]), timeout=5).accepted
+            stub = lane_pb2_grpc.LaneStub(channel)
+            assert stub.PushChunks(iter([chunk()]), timeout=5, metadata=site1).accepted
     finally:
         server.stop(0)
 
