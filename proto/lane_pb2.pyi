@@ -53,26 +53,38 @@ class PushChunksResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
 
 class ResendChunkRequest(_message.Message):
-    __slots__ = ("generation", "step", "group", "kind", "chunk_index", "from_site")
+    __slots__ = ("generation", "step", "group", "kind", "chunk_index", "from_site", "nonce")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     FROM_SITE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     group: int
     kind: ChunkKind
     chunk_index: int
     from_site: int
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., group: _Optional[int] = ..., kind: _Optional[_Union[ChunkKind, str]] = ..., chunk_index: _Optional[int] = ..., from_site: _Optional[int] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., group: _Optional[int] = ..., kind: _Optional[_Union[ChunkKind, str]] = ..., chunk_index: _Optional[int] = ..., from_site: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class ResendChunkResponse(_message.Message):
-    __slots__ = ("chunk",)
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeliverChunkRequest(_message.Message):
+    __slots__ = ("chunk", "nonce")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     chunk: PushChunksRequest
-    def __init__(self, chunk: _Optional[_Union[PushChunksRequest, _Mapping]] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, chunk: _Optional[_Union[PushChunksRequest, _Mapping]] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class DeliverChunkResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PullStateRequest(_message.Message):
     __slots__ = ("generation", "step", "rank")
@@ -103,8 +115,12 @@ class StatePiece(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class OpenBulkRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("from_site", "nonce")
+    FROM_SITE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    from_site: int
+    nonce: bytes
+    def __init__(self, from_site: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class OpenBulkResponse(_message.Message):
     __slots__ = ("port", "ticket")
@@ -113,6 +129,22 @@ class OpenBulkResponse(_message.Message):
     port: int
     ticket: bytes
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class GrantBulkRequest(_message.Message):
+    __slots__ = ("nonce", "ticket", "port", "from_site")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    FROM_SITE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    ticket: bytes
+    port: int
+    from_site: int
+    def __init__(self, nonce: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., port: _Optional[int] = ..., from_site: _Optional[int] = ...) -> None: ...
+
+class GrantBulkResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class AbortRoundRequest(_message.Message):
     __slots__ = ("generation", "step", "group", "from_site", "reason")

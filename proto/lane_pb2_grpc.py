@@ -44,6 +44,11 @@ class LaneStub:
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkResponse.FromString,
                 _registered_method=True)
+        self.DeliverChunk = channel.unary_unary(
+                '/isthmus.v1.Lane/DeliverChunk',
+                request_serializer=isthmus_dot_proto_dot_lane__pb2.DeliverChunkRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_lane__pb2.DeliverChunkResponse.FromString,
+                _registered_method=True)
         self.PullState = channel.unary_stream(
                 '/isthmus.v1.Lane/PullState',
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.PullStateRequest.SerializeToString,
@@ -53,6 +58,11 @@ class LaneStub:
                 '/isthmus.v1.Lane/OpenBulk',
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.FromString,
+                _registered_method=True)
+        self.GrantBulk = channel.unary_unary(
+                '/isthmus.v1.Lane/GrantBulk',
+                request_serializer=isthmus_dot_proto_dot_lane__pb2.GrantBulkRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_lane__pb2.GrantBulkResponse.FromString,
                 _registered_method=True)
         self.AbortRound = channel.unary_unary(
                 '/isthmus.v1.Lane/AbortRound',
@@ -73,8 +83,19 @@ class LaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResendChunk(self, request, context):
-        """A receiver whose copy of a chunk failed its checksum pulls the chunk again from
-        the site that sent it; a corrupt chunk is never summed.
+        """A receiver whose copy of a chunk failed its checksum (or decoded to NaN or Inf)
+        asks its sender for the chunk again. The answer carries no chunk: the sender
+        hands the chunk to the requesting site's own lane, at the address its rounds
+        know, in a DeliverChunk call that carries the request's nonce; the caller of
+        ResendChunk gets no gradient bytes, whoever it is (issue 33, row 7).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeliverChunk(self, request, context):
+        """A chunk asked for with ResendChunk, handed to the asking site's lane; taken only
+        with the nonce of a request that lane's round made and sent to the sender alone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,9 +112,20 @@ class LaneServicer:
     def OpenBulk(self, request, context):
         """A sending site asks for a ticket to the lane's bulk port: plain TCP carrying
         the same PushChunksRequest messages, length-prefixed, with no gRPC framing or
-        copies on the way (inter/data/bulk.py). Only this call is authenticated; the ticket
-        then admits one bulk connection. Refused when the lane runs with mutual TLS
-        (chunks then travel on PushChunks, inside TLS).
+        copies on the way (inter/data/bulk.py). The ticket is not in the answer: the lane
+        grants it to the asking site's own lane, at the address its rounds know, in a
+        GrantBulk call that carries the request's nonce, so only that site holds it. The
+        ticket admits one bulk connection, whose chunks must all come from that site
+        (issue 33, row 8). Without TLS and without a bulk port, the same ticket is a
+        pass that PushChunks streams present in metadata. Refused when the lane runs
+        with mutual TLS (chunks then travel on PushChunks, inside TLS).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GrantBulk(self, request, context):
+        """A ticket granted by the lane of site from_site for the request with this nonce.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +154,11 @@ def add_LaneServicer_to_server(servicer, server):
                     request_deserializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_lane__pb2.ResendChunkResponse.SerializeToString,
             ),
+            'DeliverChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeliverChunk,
+                    request_deserializer=isthmus_dot_proto_dot_lane__pb2.DeliverChunkRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_lane__pb2.DeliverChunkResponse.SerializeToString,
+            ),
             'PullState': grpc.unary_stream_rpc_method_handler(
                     servicer.PullState,
                     request_deserializer=isthmus_dot_proto_dot_lane__pb2.PullStateRequest.FromString,
@@ -131,6 +168,11 @@ def add_LaneServicer_to_server(servicer, server):
                     servicer.OpenBulk,
                     request_deserializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.SerializeToString,
+            ),
+            'GrantBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantBulk,
+                    request_deserializer=isthmus_dot_proto_dot_lane__pb2.GrantBulkRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_lane__pb2.GrantBulkResponse.SerializeToString,
             ),
             'AbortRound': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortRound,
@@ -203,6 +245,33 @@ class Lane:
             _registered_method=True)
 
     @staticmethod
+    def DeliverChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Lane/DeliverChunk',
+            isthmus_dot_proto_dot_lane__pb2.DeliverChunkRequest.SerializeToString,
+            isthmus_dot_proto_dot_lane__pb2.DeliverChunkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def PullState(request,
             target,
             options=(),
@@ -246,6 +315,33 @@ class Lane:
             '/isthmus.v1.Lane/OpenBulk',
             isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.SerializeToString,
             isthmus_dot_proto_dot_lane__pb2.OpenBulkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Lane/GrantBulk',
+            isthmus_dot_proto_dot_lane__pb2.GrantBulkRequest.SerializeToString,
+            isthmus_dot_proto_dot_lane__pb2.GrantBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,

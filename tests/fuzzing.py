@@ -13,7 +13,7 @@ from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 from isthmus.inter.data.codec import crc32
-from isthmus.inter.data.lane import LaneServer, channel_options
+from isthmus.inter.data.lane import PASS_METADATA, LaneServer, channel_options
 from isthmus.proto import lane_pb2
 
 FP = {"job.seed": "0"}
@@ -201,6 +201,30 @@ def offered_state():
     }
 
 
+class AskingLane:
+    """Stands for the lanes of sites 1 and 2, to which a chunk asked for again goes
+    (``DeliverChunk``): it takes only the one nonce its "round" made."""
+
+    NONCE = b"\x01" * 32
+    address = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    def deliver(self, frame: bytes, nonce: bytes, timeout: float) -> None:
+        if nonce != self.NONCE:
+            raise _Denied()
+        self.got.append(frame)
+
+
+class _Denied(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.PERMISSION_DENIED
+
+    def details(self) -> str:
+        return "did not ask for it"
+
+
 class Lane:
     """A real LaneServer on loopback in a known state: a state on offer for PullState, a
     sent chunk in the outbox for ResendChunk, and the mailbox past step FLOOR."""
@@ -212,11 +236,18 @@ class Lane:
         self.server.offer_wait_s = 0.05
         self.server.offers.offer(LANE_GEN, 11, offered_state())
         self.sent = chunk(step=5, kind=lane_pb2.CHUNK_KIND_RESULT, from_site=0, payload=b"abc")
+        self.asker = AskingLane()
         self.server.outbox.put(
-            (5, 0, lane_pb2.CHUNK_KIND_RESULT, 0), self.sent.SerializeToString(), {1, 2}
+            (5, 0, lane_pb2.CHUNK_KIND_RESULT, 0),
+            self.sent.SerializeToString(),
+            {1: self.asker, 2: self.asker},
         )
         self.server.mailbox.discard_before(FLOOR)
         self.channel = grpc.insecure_channel(self.server.address)
+
+    def site1_pass(self) -> tuple:
+        """Metadata of a PushChunks pass granted to site 1 (as site 1's lane holds)."""
+        return ((PASS_METADATA, self.server.tickets.issue("1").hex()),)
 
     def rpc(self, method: str, kind: str = "unary_unary"):
         return getattr(self.channel, kind)(f"/isthmus.v1.Lane/{method}")
@@ -240,12 +271,17 @@ class Lane:
         )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         request = lane_pb2.ResendChunkRequest(
-            generation=LANE_GEN, step=5, kind=lane_pb2.CHUNK_KIND_RESULT, from_site=1
+            generation=LANE_GEN,
+            step=5,
+            kind=lane_pb2.CHUNK_KIND_RESULT,
+            from_site=1,
+            nonce=AskingLane.NONCE,
         )
         reply = lane_pb2.ResendChunkResponse.FromString(
             self.rpc("ResendChunk")(request.SerializeToString(), timeout=5)
         )
-        assert reply.chunk == self.sent
+        assert reply.ListFields() == []  # the chunk went to the asking site's lane
+        assert self.asker.got[-1] == self.sent.SerializeToString()
         pieces = list(
             self.rpc("PullState", "unary_stream")(
                 lane_pb2.PullStateRequest(generation=LANE_GEN, step=11).SerializeToString(),

@@ -11,8 +11,10 @@ The messages are the same ``PushChunksRequest`` encodings as on gRPC
 (:mod:`isthmus.inter.data.wire`), validated by the same code (``LaneServer.accept``). On
 one connection, for as many rounds as the lane lives:
 
-* client -> server: ``MAGIC`` and a 32-byte ticket from the lane's ``OpenBulk`` RPC
-  (that call is what the token authenticates; a ticket is single use and expires);
+* client -> server: ``MAGIC`` and a 32-byte ticket that the lane granted the client's
+  site (``OpenBulk`` asks; ``GrantBulk`` hands it to the asking site's own lane, so a
+  stranger who asks gets none); a ticket is single use, expires, and names the site
+  whose chunks the connection may carry;
 * server -> client: one byte, ``OK``;
 * client -> server: frames, each a 12-byte record head (``u32`` length, ``u32``
   CRC-32C of the message, ``u32`` CRC-32C of those 8 bytes; little-endian) and the
@@ -135,38 +137,59 @@ def read_exact(sock: socket.socket, buf: memoryview) -> None:
 
 
 class Tickets:
-    """Single-use tickets for bulk connections, issued by ``OpenBulk``."""
+    """Tickets for bulk connections, each bound to the site it was granted to.
+
+    A lane grants a ticket only to the asking site's own lane (``GrantBulk``, at the
+    address its rounds know), so a ticket says which site holds it: a bulk connection
+    is single use and its chunks must come from that site; a ``PushChunks`` stream may
+    present one as a pass until it expires (lanes without TLS or a bulk port).
+    """
 
     def __init__(self, ttl_s: float = TICKET_TTL_S, limit: int = 256) -> None:
         self._lock = threading.Lock()
-        self._live: dict[bytes, float] = {}
+        self._live: dict[bytes, tuple[float, str]] = {}
         self._ttl = ttl_s
         self._limit = limit
 
-    def issue(self) -> bytes:
+    def issue(self, holder: str) -> bytes:
+        """A new ticket for ``holder`` (a site's name, or its index as a string)."""
         ticket = os.urandom(TICKET_BYTES)
         now = time.monotonic()
         with self._lock:
-            self._live = {t: exp for t, exp in self._live.items() if exp > now}
+            self._live = {t: v for t, v in self._live.items() if v[0] > now}
             if len(self._live) >= self._limit:  # bounded: the oldest go first
                 for t in sorted(self._live, key=self._live.__getitem__)[: len(self._live) // 2]:
                     del self._live[t]
-            self._live[ticket] = now + self._ttl
+            self._live[ticket] = (now + self._ttl, holder)
         return ticket
 
-    def redeem(self, ticket: bytes) -> bool:
-        """True once for a live ticket (compared in constant time)."""
+    def cancel(self, ticket: bytes) -> None:
+        """Forgets a ticket nobody took."""
+        with self._lock:
+            self._live.pop(ticket, None)
+
+    def redeem(self, ticket: bytes) -> str | None:
+        """The holder of a live ticket, once (compared in constant time); else None."""
+        return self._find(ticket, use=True)
+
+    def holder(self, ticket: bytes) -> str | None:
+        """The holder of a live ticket, which stays live (a pass); else None."""
+        return self._find(ticket, use=False)
+
+    def _find(self, ticket: bytes, use: bool) -> str | None:
         now = time.monotonic()
         with self._lock:
-            for t, expiry in list(self._live.items()):
+            for t, (expiry, holder) in list(self._live.items()):
                 if hmac.compare_digest(t, ticket):
-                    del self._live[t]
-                    return expiry > now
-        return False
+                    if use or expiry <= now:
+                        del self._live[t]
+                    return holder if expiry > now else None
+        return None
 
 
-Accept = Callable[[memoryview, str], tuple[int, grpc.StatusCode | None, str]]
-"""The lane's judgement of one frame: (status, refusal code, reason)."""
+Accept = Callable[[memoryview, str, str], tuple[int, grpc.StatusCode | None, str]]
+"""The lane's judgement of one frame from (caller's address, ticket's holder):
+(status, refusal code, reason)."""
 
 
 class BulkListener:
@@ -174,9 +197,11 @@ class BulkListener:
 
     Args:
         host: interface to bind (the lane's).
-        accept: judges and stores one frame (``LaneServer.accept_frame``).
+        accept: judges and stores one frame (``LaneServer._take_frame``), told the
+            site the connection's ticket was granted to.
         max_frame: the largest frame accepted, in bytes.
         where: who listens, for log lines.
+        tickets: the lane's tickets (granted by ``OpenBulk``); default a new set.
     """
 
     def __init__(
@@ -186,8 +211,9 @@ class BulkListener:
         max_frame: int,
         where: str,
         refusals: RefusalLog | None = None,
+        tickets: Tickets | None = None,
     ) -> None:
-        self.tickets = Tickets()
+        self.tickets = tickets or Tickets()
         self.refusals = refusals or RefusalLog(where)
         """Connections turned away, logged once per caller and reason a minute."""
         self._waiting: dict[socket.socket, str] = {}  # no ticket yet, oldest first
@@ -250,7 +276,8 @@ class BulkListener:
                 with self._lock:
                     self._waiting.pop(conn, None)
             ticket = bytes(hello[len(MAGIC) :])
-            if hello[: len(MAGIC)] != MAGIC or not self.tickets.redeem(ticket):
+            holder = self.tickets.redeem(ticket) if hello[: len(MAGIC)] == MAGIC else None
+            if holder is None:
                 self.refusals.note(peer, "bulk connection refused: no valid ticket")
                 self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "no valid bulk ticket")
                 return
@@ -286,7 +313,7 @@ class BulkListener:
                     log.warning("%s: a bulk frame from %s failed its checksum", self._where, peer)
                     conn.sendall(bytes([RESEND]))
                     continue
-                status, code, why = self._accept(memoryview(frame), peer)
+                status, code, why = self._accept(memoryview(frame), peer, holder)
                 if status == REFUSED:
                     self._refuse(conn, code or grpc.StatusCode.INVALID_ARGUMENT, why)
                     return

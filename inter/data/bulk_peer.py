@@ -75,7 +75,8 @@ class BulkConnection:
 
     Args:
         host: the peer lane's host.
-        open_bulk: asks the peer's lane for (port, ticket) over gRPC, with a timeout.
+        open_bulk: asks the peer's lane for (port, ticket) over gRPC, with a timeout
+            (the ticket is granted to this rank's own lane: ``LanePeer._open_bulk``).
         proxy: HTTP CONNECT proxy URL (the WAN emulator), or None.
         name: for thread names.
     """
@@ -135,7 +136,9 @@ class BulkConnection:
                 if left <= delay:
                     raise
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            # Short: UNAVAILABLE also means the peer's round with this site has not
+            # begun yet, and its ticket follows within moments of that.
+            delay = min(delay * 2, 0.25)
         try:
             tune(sock)
             sock.settimeout(HELLO_TIMEOUT_S)

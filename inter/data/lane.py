@@ -3,8 +3,9 @@
 This module owns the receiving side: a :class:`LaneServer` receives ``PushChunks``
 streams, validates every message field by field and deposits the valid ones in a
 :class:`~isthmus.inter.data.mailbox.Mailbox`; a chunk whose payload fails its crc32 is
-marked there instead, and the round pulls it again with ``ResendChunk``, which this
-server answers from its :class:`~isthmus.inter.data.mailbox.Outbox`. It also owns the
+marked there instead, and the round pulls it again with ``ResendChunk``; what a lane
+hands only to a site of its rounds (a chunk asked for again, a bulk ticket) goes through
+:mod:`isthmus.inter.data.lane_handoff`. It also owns the
 limits both sides share (:func:`max_payload_bytes`, :func:`channel_options`,
 :func:`~isthmus.inter.data.chunk_size.chunk_bytes_for_link`). The sending side,
 :class:`~isthmus.inter.data.lane_peer.LanePeer`, lives in :mod:`isthmus.inter.data.lane_peer`.
@@ -23,12 +24,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots
 from isthmus.inter.control.channels import server_options
-from isthmus.inter.data.bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener
+from isthmus.inter.data.bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener, Tickets
 from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.lane_handoff import LaneHandoff, holder_of
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
 from isthmus.inter.data.round_types import Members
 from isthmus.inter.data.state_transfer import StateOffers, pieces
-from isthmus.inter.data.wire import Chunk, ChunkWire, WireError, encode_resend_response, parse_chunk
+from isthmus.inter.data.wire import Chunk, ChunkWire, DeliverWire, WireError, parse_chunk
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -43,6 +45,10 @@ _GENERATIONS_AHEAD = 2
 _GENERATION_WAIT_S = 10.0  # how long a chunk of a newer generation waits for this lane
 _OFFER_WAIT_S = 60.0  # how long PullState waits for the state of the step it names
 _CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
+ANY_SENDER = object()
+"""``LaneServer.take``'s holder when the sender was checked already (mutual TLS)."""
+PASS_METADATA = "isthmus-lane-pass"
+"""gRPC metadata key of the ticket a ``PushChunks`` stream presents without TLS (hex)."""
 
 
 def max_payload_bytes(chunk_bytes: int) -> int:
@@ -143,6 +149,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
             ],
         )
+        self.tickets = Tickets()
+        """Bulk tickets (and PushChunks passes) granted, each bound to a site."""
+        self.handoff = LaneHandoff(self)
         self._server.add_generic_rpc_handlers((self._handlers(),))
         # grpc.health.v1, like every isthmus server: SERVING until stop().
         self.refusals = RefusalLog(f"lane of site {site_index}")
@@ -166,6 +175,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 max_frame=max_payload_bytes(chunk_bytes) + _HEADROOM,
                 where=f"lane of site {site_index}",
                 refusals=self.refusals,
+                tickets=self.tickets,
             )
         self._server.start()
         log.info("[site %d] lane server listening on %s", site_index, self._address)
@@ -185,12 +195,22 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                     response_serializer=lane_pb2.PushChunksResponse.SerializeToString,
                 ),
                 "ResendChunk": unary_unary(
-                    self.ResendChunk,
+                    self.handoff.resend,
                     request_deserializer=lane_pb2.ResendChunkRequest.FromString,
-                    response_serializer=None,  # already bytes (encode_resend_response)
+                    response_serializer=lane_pb2.ResendChunkResponse.SerializeToString,
+                ),
+                "DeliverChunk": unary_unary(
+                    self.handoff.take_delivery,
+                    request_deserializer=DeliverWire.FromString,
+                    response_serializer=lane_pb2.DeliverChunkResponse.SerializeToString,
+                ),
+                "GrantBulk": unary_unary(
+                    self.handoff.take_grant,
+                    request_deserializer=lane_pb2.GrantBulkRequest.FromString,
+                    response_serializer=lane_pb2.GrantBulkResponse.SerializeToString,
                 ),
                 "OpenBulk": unary_unary(
-                    self.OpenBulk,
+                    self.handoff.open_bulk,
                     request_deserializer=lane_pb2.OpenBulkRequest.FromString,
                     response_serializer=lane_pb2.OpenBulkResponse.SerializeToString,
                 ),
@@ -217,6 +237,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         """The rank's membership: the generation accepted chunks must carry, this site's
         position and the members' names (the one copy on a rank; see :class:`Members`)."""
         return self._members
+
+    @property
+    def bulk_port(self) -> int:
+        """The bulk listener's TCP port; 0 without one."""
+        return self._bulk.port if self._bulk is not None else 0
 
     @property
     def generation(self) -> int:
@@ -333,8 +358,15 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             if not ok:
                 raise _Refused(code, why)
 
-    def take(self, req: Chunk) -> tuple[int, grpc.StatusCode | None, str]:
+    def take(
+        self, req: Chunk, holder: str | None | object = ANY_SENDER, peer: str = ""
+    ) -> tuple[int, grpc.StatusCode | None, str]:
         """Judges one received chunk and stores it if sound; both transports call it.
+
+        ``holder`` is the site the chunk's ticket or pass was granted to (None: none);
+        a sound chunk in another site's name is refused before it can take the real
+        one's place, and so is one that failed its checksum (it would mark the real one
+        corrupt). :data:`ANY_SENDER`: the sender was checked already (mutual TLS).
 
         Returns:
             ``(ACCEPTED, None, "")``; ``(CORRUPT, None, why)`` for a chunk whose only
@@ -354,10 +386,12 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 self._await_generation(req.generation, _GENERATION_WAIT_S)
             try:
                 self._validate(req)
+                self._check_holder(req.from_site, holder, peer)
                 why = self.mailbox.deposit(key, req)
             except _Refused as exc:
                 if not str(exc).startswith(_CRC_MISMATCH):
                     raise
+                self._check_holder(req.from_site, holder, peer)
                 log.warning("site %d: %s from site %d", self.site_index, exc, req.from_site)
                 why = self.mailbox.mark_corrupt(key)
                 if why is None:
@@ -390,15 +424,33 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             return REFUSED, exc.code, msg
         return ACCEPTED, None, ""
 
-    def _take_frame(self, frame: memoryview, peer: str) -> tuple[int, grpc.StatusCode | None, str]:
-        """A bulk connection's frame: parsed here, then judged like a gRPC one."""
+    def _take_frame(
+        self, frame: memoryview, peer: str, holder: str
+    ) -> tuple[int, grpc.StatusCode | None, str]:
+        """A bulk connection's frame: parsed here, then judged like a gRPC one; taken
+        only from the site the connection's ticket was granted to."""
         try:
             req = parse_chunk(frame)
         except WireError as exc:
             msg = f"malformed isthmus.v1.PushChunksRequest: {exc}"
             log.warning("site %d: bulk frame from %s refused: %s", self.site_index, peer, msg)
             return REFUSED, grpc.StatusCode.INVALID_ARGUMENT, msg
-        return self.take(req)
+        return self.take(req, holder, peer)
+
+    def _check_holder(self, from_site: int, holder: str | None | object, peer: str) -> None:
+        """Refuses a chunk "from ``from_site``" unless the ticket or pass it came with
+        was granted to that site: an injected chunk is refused before it can take the
+        real one's place in the mailbox (issue 33, row 8). Logged once per caller."""
+        if holder is ANY_SENDER:
+            return
+        if holder is None:
+            why = f"chunk in site {from_site}'s name without a ticket or pass granted to it"
+        elif holder != holder_of(self._members.site_names, from_site):
+            why = f"chunk in site {from_site}'s name on a ticket granted to {holder}"
+        else:
+            return
+        self.refusals.note(peer or "a caller", why)
+        raise _Refused(grpc.StatusCode.PERMISSION_DENIED, why)
 
     def PushChunks(  # noqa: N802 (gRPC method name)
         self,
@@ -414,17 +466,30 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         fault aborts the stream, and the refused chunk changes nothing.
         """
         self._streams.hold_for_stream(context)  # or RESOURCE_EXHAUSTED, logged
+        tls = self.security.require_tls
+        holder = ANY_SENDER if tls else self._pass_holder(context)
         accepted = corrupt = 0
         for req in request_iterator:
-            self._refuse_unless_sender(context, req.from_site, "PushChunks")
-            status, code, msg = self.take(req)
+            if tls:
+                self.refuse_unless_sender(context, req.from_site, "PushChunks")
+            status, code, msg = self.take(req, holder, context.peer())
             if status == REFUSED:
                 context.abort(code, msg)  # raises; nothing of this chunk was stored
             accepted += status == ACCEPTED
             corrupt += status == CORRUPT
         return lane_pb2.PushChunksResponse(accepted=accepted, corrupt=corrupt)
 
-    def _refuse_unless_sender(
+    def _pass_holder(self, context: grpc.ServicerContext) -> str | None:
+        """The site a stream's pass (a ticket in its metadata) was granted to, or None."""
+        for key, value in context.invocation_metadata() or ():
+            if key == PASS_METADATA and isinstance(value, str) and len(value) <= 128:
+                try:
+                    return self.tickets.holder(bytes.fromhex(value))
+                except ValueError:
+                    return None
+        return None
+
+    def refuse_unless_sender(
         self, context: grpc.ServicerContext, from_site: int, method: str
     ) -> None:
         """With mutual TLS, a call for site ``from_site`` (a chunk it sends, a chunk sent
@@ -437,47 +502,12 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         if names is not None and from_site < len(names):
             refuse_unless_named(self.security, context, self.where, names[from_site], method)
 
-    def OpenBulk(  # noqa: N802 (gRPC method name)
-        self, request: lane_pb2.OpenBulkRequest, context: grpc.ServicerContext
-    ) -> lane_pb2.OpenBulkResponse:
-        """A ticket for one connection to the bulk port (inter/data/bulk.py)."""
-        if self._bulk is None:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"lane of site {self.site_index} takes chunks on PushChunks only "
-                "(mutual TLS is on, or the bulk transport is off)",
-            )
-        assert self._bulk is not None  # context.abort raised (grpc has no type hints)
-        return lane_pb2.OpenBulkResponse(port=self._bulk.port, ticket=self._bulk.tickets.issue())
-
-    def ResendChunk(  # noqa: N802 (gRPC method name)
-        self, request: lane_pb2.ResendChunkRequest, context: grpc.ServicerContext
-    ) -> bytes:
-        """Answers with a chunk this site sent to the requester, as first sent (the
-        serialized ``ResendChunkResponse``)."""
-        self._refuse_unless_sender(context, request.from_site, "ResendChunk")
-        generation = self.generation
-        key = (request.step, request.group, request.kind, request.chunk_index)
-        if request.generation != generation:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"site {self.site_index}: generation {request.generation} != {generation}",
-            )
-        chunk = self.outbox.get(key, request.from_site)
-        if chunk is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"site {self.site_index} has no chunk {key} for site {request.from_site}",
-            )
-        assert chunk is not None  # context.abort raised
-        return encode_resend_response(chunk)
-
     def AbortRound(  # noqa: N802 (gRPC method name)
         self, request: lane_pb2.AbortRoundRequest, context: grpc.ServicerContext
     ) -> lane_pb2.AbortRoundResponse:
         """Notes that a member site gave up a round of this generation: this rank's
         part of it fails at once (``RoundPipeline``) instead of at its deadline."""
-        self._refuse_unless_sender(context, request.from_site, "AbortRound")
+        self.refuse_unless_sender(context, request.from_site, "AbortRound")
         members = self._members
         if request.generation != members.generation:
             context.abort(

@@ -4,8 +4,10 @@ A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.data.lane.La
 on its bulk TCP port (:mod:`isthmus.inter.data.bulk`, the default without TLS) or on gRPC:
 per round and per connection, one client-streaming ``PushChunks`` fed from a queue,
 so encoding (the callers) and sending overlap. A :class:`PeerRound` is one round's
-worth of those streams (:class:`~isthmus.inter.data.bulk.BulkPeerRound` on bulk). :meth:`LanePeer.fetch` pulls one chunk again
-(``ResendChunk``) when the copy that arrived failed its checksum.
+worth of those streams (:class:`~isthmus.inter.data.bulk.BulkPeerRound` on bulk). :meth:`LanePeer.fetch` asks for one chunk
+again (``ResendChunk``) when the copy that arrived failed its checksum; the peer hands it
+to this rank's own lane (:mod:`isthmus.inter.data.lane_handoff`), as it grants the
+tickets that admit this rank's chunks to its bulk port (or its ``PushChunks`` streams).
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
+from isthmus.inter.data.bulk import TICKET_TTL_S, BulkRefused
 from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
-from isthmus.inter.data.lane import channel_options
-from isthmus.inter.data.wire import Chunk, ResendWire
+from isthmus.inter.data.lane import PASS_METADATA, channel_options
+from isthmus.inter.data.lane_handoff import Handoffs
+from isthmus.inter.data.wire import encode_delivery
 from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
@@ -33,6 +37,10 @@ TRANSPORTS = ("auto", "bulk", "grpc")
 _POLL_S = 0.1  # how often a waiting stream looks at its call and deadline
 _PUSH = "/isthmus.v1.Lane/PushChunks"
 _RESEND = "/isthmus.v1.Lane/ResendChunk"
+_DELIVER = "/isthmus.v1.Lane/DeliverChunk"
+Home = tuple[int, Handoffs]
+"""This rank's site index and its lane's :class:`Handoffs`: what a peer's hand-offs
+(tickets granted, chunks delivered) are matched against."""
 
 
 _END = object()  # end-of-stream marker
@@ -46,14 +54,19 @@ class _Stream:
     several rounds' streams share a connection as HTTP/2 streams.
     """
 
-    def __init__(self, call: grpc.StreamUnaryMultiCallable, deadline: float) -> None:
+    def __init__(
+        self, call: grpc.StreamUnaryMultiCallable, deadline: float, metadata: tuple = ()
+    ) -> None:
         self._items: deque = deque()
         self._cond = threading.Condition()
         self._deadline = deadline
         self._closed = False
         # wait_for_ready: a peer still starting is waited for, up to the deadline.
         self.future = call.future(
-            self._frames(), timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=True
+            self._frames(),
+            timeout=max(0.001, deadline - time.monotonic()),
+            wait_for_ready=True,
+            metadata=metadata or None,
         )
 
     def put(self, item: object) -> None:
@@ -90,9 +103,15 @@ class PeerRound:
     for it; rounds are independent, so several can be in flight at once.
     """
 
-    def __init__(self, calls: list[grpc.StreamUnaryMultiCallable], deadline: float) -> None:
+    def __init__(
+        self,
+        calls: list[grpc.StreamUnaryMultiCallable],
+        deadline: float,
+        metadata: Callable[[float], tuple] | None = None,
+    ) -> None:
         self._calls = calls
         self._deadline = deadline
+        self._metadata = metadata  # the stream's pass, without TLS (LanePeer._pass)
         self._streams: list[_Stream | None] = [None] * len(calls)
         self._next = 0
         self._ended = False
@@ -115,7 +134,8 @@ class PeerRound:
             self.sent += 1
             stream = self._streams[i]
             if stream is None:
-                stream = self._streams[i] = _Stream(self._calls[i], self._deadline)
+                metadata = self._metadata(self._deadline) if self._metadata else ()
+                stream = self._streams[i] = _Stream(self._calls[i], self._deadline, metadata)
         stream.put(frame)
 
     def end(self) -> None:
@@ -216,10 +236,21 @@ class LanePeer:
             ch.unary_unary(
                 _RESEND,
                 request_serializer=lane_pb2.ResendChunkRequest.SerializeToString,
-                response_deserializer=ResendWire.FromString,
+                response_deserializer=lane_pb2.ResendChunkResponse.FromString,
             )
             for ch in self._channels
         ]
+        self._deliver = [
+            ch.unary_unary(
+                _DELIVER,
+                request_serializer=None,  # already bytes (encode_delivery)
+                response_deserializer=lane_pb2.DeliverChunkResponse.FromString,
+            )
+            for ch in self._channels
+        ]
+        self._home: Home | None = None  # told by each round (begin_round)
+        self._security = security
+        self._pass: tuple[bytes, float] | None = None  # a PushChunks pass and when it came
         if transport == "auto":
             transport = "grpc" if security.require_tls else "bulk"
         self.transport = transport
@@ -230,20 +261,58 @@ class LanePeer:
         ]
 
     def _open_bulk(self, timeout: float) -> tuple[int, bytes]:
-        """A ticket to the peer lane's bulk port (``OpenBulk``, authenticated by gRPC)."""
+        """A ticket to the peer lane's bulk port: ``OpenBulk`` asks, and the peer grants
+        it to this rank's own lane (``GrantBulk``) before it answers."""
+        if self._home is None:
+            raise BulkRefused(
+                grpc.StatusCode.FAILED_PRECONDITION, "no round told this lane its own site"
+            )
+        me, handoffs = self._home
+        nonce = handoffs.expect(("ticket",))
         reply = lane_pb2_grpc.LaneStub(self._channels[0]).OpenBulk(
-            lane_pb2.OpenBulkRequest(), timeout=timeout, wait_for_ready=True
+            lane_pb2.OpenBulkRequest(from_site=me, nonce=nonce),
+            timeout=timeout,
+            wait_for_ready=True,
         )
-        return reply.port, reply.ticket
+        granted = handoffs.collect(nonce, 0.0)
+        if granted is None:
+            raise BulkRefused(
+                grpc.StatusCode.UNAUTHENTICATED, f"{self.address} answered but granted no ticket"
+            )
+        port, ticket = granted  # type: ignore[misc]  # what take_grant stored
+        return port or reply.port, ticket
 
-    def fetch(self, request: lane_pb2.ResendChunkRequest, timeout: float) -> Chunk:
-        """Pulls one chunk again from the peer (``ResendChunk``).
+    def _stream_pass(self, deadline: float) -> tuple:
+        """Without TLS, the metadata a ``PushChunks`` stream presents: a ticket the peer
+        granted this site, renewed at half its life; with TLS, none (the certificate)."""
+        if self._security.require_tls:
+            return ()
+        with self._lock:
+            held = self._pass
+        if held is None or time.monotonic() - held[1] > TICKET_TTL_S / 2:
+            delay = 0.05
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    ticket = self._open_bulk(max(0.001, min(left, 10.0)))[1]
+                    break
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or left <= delay:
+                        raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+            held = (ticket, time.monotonic())
+            with self._lock:
+                self._pass = held
+        return ((PASS_METADATA, held[0].hex()),)
+
+    def fetch(self, request: lane_pb2.ResendChunkRequest, timeout: float) -> None:
+        """Asks the peer for one chunk again (``ResendChunk``); the peer hands it to
+        this rank's lane (``DeliverChunk``) with ``request.nonce`` before it answers.
 
         Args:
-            request: which chunk, and who asks.
+            request: which chunk, who asks, and the nonce the chunk comes back with.
             timeout: deadline of the call in seconds.
-        Returns:
-            The chunk as the peer first sent it; the caller validates it.
         Raises:
             grpc.RpcError: the peer refused, has no such chunk or did not answer.
         """
@@ -251,7 +320,27 @@ class LanePeer:
         with self._lock:
             call = self._resend[self._fetches % len(self._resend)]
             self._fetches += 1
-        return call(request, timeout=max(0.001, timeout))
+        call(request, timeout=max(0.001, timeout))
+
+    def deliver(self, frame: bytes, nonce: bytes, timeout: float) -> None:
+        """Hands a chunk this site sent to the peer's lane again (``DeliverChunk``),
+        for its round's request ``nonce``.
+
+        Raises:
+            grpc.RpcError: PERMISSION_DENIED if the peer's lane did not ask for it.
+        """
+        with self._lock:
+            call = self._deliver[self._fetches % len(self._deliver)]
+            self._fetches += 1
+        call(encode_delivery(frame, nonce), timeout=max(0.001, timeout))
+
+    def grant_bulk(self, request: lane_pb2.GrantBulkRequest, timeout: float) -> None:
+        """Hands the peer's lane the ticket it asked for (``GrantBulk``).
+
+        Raises:
+            grpc.RpcError: PERMISSION_DENIED if the peer's lane did not ask for it.
+        """
+        self.stub.GrantBulk(request, timeout=max(0.001, timeout))
 
     def abort_round(self, request: lane_pb2.AbortRoundRequest, timeout: float) -> None:
         """Tells the peer that this site gave up a round (``AbortRound``), without
@@ -274,11 +363,19 @@ class LanePeer:
         """A stub on the first connection, for one-off calls (``PullState``)."""
         return lane_pb2_grpc.LaneStub(self._channels[0])
 
-    def begin_round(self, deadline: float) -> PeerRound | BulkPeerRound:
-        """Opens a round whose chunks must be taken by ``deadline`` (time.monotonic())."""
+    def begin_round(self, deadline: float, home: Home | None = None) -> PeerRound | BulkPeerRound:
+        """Opens a round whose chunks must be taken by ``deadline`` (time.monotonic()).
+
+        Args:
+            deadline: when the round's chunks must have been taken.
+            home: this rank's site index and lane hand-offs, where the peer grants the
+                tickets that admit this site's chunks (``OpenBulk``).
+        """
+        if home is not None:
+            self._home = home
         if self._bulk:
             return BulkPeerRound(self._bulk, deadline)
-        return PeerRound(self._push, deadline)
+        return PeerRound(self._push, deadline, self._stream_pass)
 
     def close(self) -> None:
         """Closes the bulk connections and the channels (open streams are cancelled)."""

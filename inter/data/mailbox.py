@@ -6,7 +6,9 @@ chunks of steps too far ahead, and chunks past its byte budget: whoever sends, i
 at most a live window of steps in bounded memory; holds a marker for a chunk that
 failed its checksum until it is pulled again; notes the rounds a peer gave up, so
 that this site's part of them fails at once instead of waiting out its deadline)
-and :class:`Outbox` (the chunks this site sent, for ``ResendChunk``). No gRPC here;
+and :class:`Outbox` (the chunks this site sent, for ``ResendChunk``, and the peer lanes
+this site's rounds talk to, the only addresses a chunk or a bulk ticket is handed to:
+:mod:`isthmus.inter.data.lane_handoff`). No gRPC here;
 :mod:`isthmus.inter.data.lane` fills them, the all-reduce empties them.
 """
 
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from isthmus.inter.data.lane_handoff import Handoffs
 from isthmus.inter.data.wire import Chunk
 
 if TYPE_CHECKING:
+    from isthmus.inter.data.lane_handoff import HandoffPeer
     from isthmus.proto import lane_pb2
 
 __all__ = [
@@ -78,6 +82,9 @@ class Mailbox:
         self._bytes = 0
         # (step, group) -> (site, why): rounds a peer gave up in this generation.
         self._aborts: dict[tuple[int, int], tuple[int, str]] = {}
+        self.handoffs = Handoffs()
+        """Nonces of what this rank asked of peers (chunks again, bulk tickets), where
+        the lane puts what their lanes hand back (inter/data/lane_handoff.py)."""
 
     def deposit(self, key: MailboxKey, item: Chunk) -> str | None:
         """Stores ``item``; returns None, or why it was refused: "duplicate", "stale",
@@ -235,27 +242,43 @@ def _size(item: Chunk | None) -> int:
 
 
 class Outbox:
-    """Thread-safe store of the chunks this site sent, by :data:`OutboxKey`.
+    """Thread-safe store of the chunks this site sent, by :data:`OutboxKey`, and of the
+    peer lanes this site's rounds talk to.
 
     A receiver may ask for a chunk again after this site's round returned (its copy
     failed the checksum), so chunks stay until :meth:`discard_before` drops their step.
+    A chunk asked for again goes to the lane it was first sent to, never to the caller.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: dict[OutboxKey, tuple[bytes, frozenset[int]]] = {}
+        self._items: dict[OutboxKey, tuple[bytes, dict[int, HandoffPeer]]] = {}
+        self._peers: dict[int, dict[str, HandoffPeer]] = {}  # site -> address -> lane
 
-    def put(self, key: OutboxKey, item: bytes, recipients: Iterable[int]) -> None:
-        """Keeps ``item`` (the chunk's serialized ``PushChunksRequest``, as sent) for the
-        sites in ``recipients``."""
+    def meet(self, peers: Mapping[int, HandoffPeer]) -> None:
+        """Notes the lanes a round of this generation talks to, by site index."""
         with self._lock:
-            self._items[key] = (item, frozenset(recipients))
+            for site, peer in peers.items():
+                self._peers.setdefault(site, {})[peer.address] = peer
 
-    def get(self, key: OutboxKey, site: int) -> bytes | None:
-        """Returns the chunk if it was sent to ``site``, else None."""
+    def peers_of(self, site: int) -> list[HandoffPeer]:
+        """The lanes of ``site`` this site's rounds talked to in this generation."""
+        with self._lock:
+            return list(self._peers.get(site, {}).values())
+
+    def put(self, key: OutboxKey, item: bytes, recipients: Mapping[int, HandoffPeer]) -> None:
+        """Keeps ``item`` (the chunk's serialized ``PushChunksRequest``, as sent) for the
+        sites in ``recipients``, each with the lane it was sent to."""
+        with self._lock:
+            self._items[key] = (item, dict(recipients))
+
+    def get(self, key: OutboxKey, site: int) -> tuple[bytes, HandoffPeer] | None:
+        """The chunk and the lane it went to, if it was sent to ``site``; else None."""
         with self._lock:
             found = self._items.get(key)
-        return found[0] if found is not None and site in found[1] else None
+        if found is None or site not in found[1]:
+            return None
+        return found[0], found[1][site]
 
     def discard_before(self, step: int) -> None:
         """Drops the chunks of steps before ``step``."""
@@ -266,6 +289,7 @@ class Outbox:
         """Forgets everything (a new membership generation starts over)."""
         with self._lock:
             self._items.clear()
+            self._peers.clear()
 
     def __len__(self) -> int:
         with self._lock:

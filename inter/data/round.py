@@ -131,7 +131,11 @@ class RoundPipeline:
     def run(self) -> None:
         """Runs the round to the peers' acknowledgements; raises CrossSiteError."""
         view, step, group = self.view, self.step, self.group
-        self._rounds = {s: p.begin_round(self.deadline) for s, p in self.peers.items()}
+        # The lanes this round talks to are the only ones this site hands a chunk asked
+        # for again, or a bulk ticket (inter/data/lane_handoff.py).
+        self.outbox.meet(self.peers)
+        home = (view.site_index, self.mailbox.handoffs)
+        self._rounds = {s: p.begin_round(self.deadline, home) for s, p in self.peers.items()}
         ok = False
         try:
             pending: set[MailboxKey] = set()
@@ -353,7 +357,9 @@ class RoundPipeline:
             self._add_part(c, owner, self._decode(payload, hi - lo))
             return
         frame = self._frame(_CONTRIBUTION, c, payload)
-        self.outbox.put((self.step, self.group, _CONTRIBUTION, c), frame, [owner])
+        self.outbox.put(
+            (self.step, self.group, _CONTRIBUTION, c), frame, {owner: self.peers[owner]}
+        )
         self._rounds[owner].send(frame)
         self._count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
 
@@ -478,32 +484,38 @@ class RoundPipeline:
 
     def _pull(self, key: MailboxKey) -> Chunk | None:
         """The chunk ``key`` asked again of its sender (``ResendChunk``) until it comes
-        intact; None if the round failed meanwhile."""
+        intact; None if the round failed meanwhile. The sender hands it to this lane
+        (``DeliverChunk``, with the request's nonce) before it answers."""
         step, group, kind, c, sender = key
-        ask = lane_pb2.ResendChunkRequest(
-            generation=self.view.generation,
-            step=step,
-            group=group,
-            kind=kind,
-            chunk_index=c,
-            from_site=self.view.site_index,
-        )
+        handoffs = self.mailbox.handoffs
         while not self._failed.is_set():
+            ask = lane_pb2.ResendChunkRequest(
+                generation=self.view.generation,
+                step=step,
+                group=group,
+                kind=kind,
+                chunk_index=c,
+                from_site=self.view.site_index,
+                nonce=handoffs.expect(("chunk", key)),
+            )
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 raise CrossSiteError(
                     f"{self.where}: chunk {c} from site {sender} never came intact"
                 )
             try:
-                chunk = self.peers[sender].fetch(ask, min(_FETCH_TIMEOUT_S, remaining))
+                self.peers[sender].fetch(ask, min(_FETCH_TIMEOUT_S, remaining))
             except grpc.RpcError as exc:
+                handoffs.collect(ask.nonce, 0.0)  # forget the nonce
                 raise CrossSiteError(
                     f"{self.where}: pulling chunk {c}: {describe(sender, exc)}"
                 ) from exc
-            got = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
-            problem = self.check(chunk)
-            if got != key:
-                problem = f"site {sender} answered with chunk {got}, asked for {key}"
+            chunk = cast("Chunk | None", handoffs.collect(ask.nonce, 0.0))
+            if chunk is None:
+                raise CrossSiteError(
+                    f"{self.where}: site {sender} answered for chunk {c} but never handed it over"
+                )
+            problem = self.check(chunk)  # the key matched the nonce's (take_delivery)
             if problem is None:
                 return chunk
             if not problem.startswith("crc32 mismatch"):

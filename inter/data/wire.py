@@ -3,7 +3,7 @@
 A lane moves gigabytes per step, and python protobuf copies a ``bytes`` field when it
 parses a message and again each time the field is read; with grpcio's own copies that
 made a 4 MiB chunk cross memory about ten times per hop. This module writes and reads
-``PushChunksRequest`` (and ``ResendChunkResponse``) itself:
+``PushChunksRequest`` (and ``DeliverChunkRequest``, a resent chunk) itself:
 
 * :func:`encode_chunk` serializes the small header fields with protobuf and appends
   the payload field by hand (tag, length, bytes) in one ``bytes.join``: the encoded
@@ -32,18 +32,22 @@ if TYPE_CHECKING:
 __all__ = [
     "Chunk",
     "ChunkWire",
-    "ResendWire",
+    "DeliverWire",
+    "Delivery",
     "WireError",
     "encode_chunk",
-    "encode_resend_response",
+    "encode_delivery",
     "parse_chunk",
 ]
 
 _PAYLOAD_FIELD = 11  # PushChunksRequest.payload
-_RESEND_CHUNK_FIELD = 1  # ResendChunkResponse.chunk
+_DELIVER_CHUNK_FIELD = 1  # DeliverChunkRequest.chunk
+_DELIVER_NONCE_FIELD = 2  # DeliverChunkRequest.nonce
 _LEN = 2  # wire type of length-delimited fields
 _PAYLOAD_TAG = bytes([(_PAYLOAD_FIELD << 3) | _LEN])
-_RESEND_TAG = bytes([(_RESEND_CHUNK_FIELD << 3) | _LEN])
+_DELIVER_TAG = bytes([(_DELIVER_CHUNK_FIELD << 3) | _LEN])
+_NONCE_TAG = bytes([(_DELIVER_NONCE_FIELD << 3) | _LEN])
+MAX_NONCE = 64  # bytes of a nonce looked at; a lane makes 32
 
 
 class WireError(ValueError):
@@ -198,28 +202,44 @@ def parse_chunk(data: bytes | memoryview) -> Chunk:
     )
 
 
-def encode_resend_response(frame: bytes) -> bytes:
-    """A ``ResendChunkResponse`` holding the chunk whose encoding is ``frame``."""
-    return b"".join([_RESEND_TAG, _varint(len(frame)), frame])
+def encode_delivery(frame: bytes, nonce: bytes) -> bytes:
+    """A ``DeliverChunkRequest``: the chunk whose encoding is ``frame``, and ``nonce``."""
+    return b"".join(
+        [_DELIVER_TAG, _varint(len(frame)), frame, _NONCE_TAG, _varint(len(nonce)), nonce]
+    )
 
 
-def _parse_resend(data: bytes) -> Chunk:
+@dataclasses.dataclass(slots=True)
+class Delivery:
+    """A parsed ``DeliverChunkRequest``."""
+
+    chunk: Chunk
+    nonce: bytes
+
+
+def _parse_delivery(data: bytes) -> Delivery:
     view = memoryview(data)
     end, pos = len(view), 0
     found: memoryview | None = None
+    nonce = b""
     while pos < end:
         tag, pos = _read_varint(view, pos, end)
         field, wire = tag >> 3, tag & 7
-        if wire != _LEN or field != _RESEND_CHUNK_FIELD:
-            raise WireError(f"unexpected field {field} (wire type {wire}) in ResendChunkResponse")
+        if wire != _LEN or field not in (_DELIVER_CHUNK_FIELD, _DELIVER_NONCE_FIELD):
+            raise WireError(f"unexpected field {field} (wire type {wire}) in DeliverChunkRequest")
         size, pos = _read_varint(view, pos, end)
         if size > end - pos:
-            raise WireError(f"chunk claims {size} bytes, {end - pos} left")
-        found = view[pos : pos + size]
+            raise WireError(f"field {field} claims {size} bytes, {end - pos} left")
+        if field == _DELIVER_CHUNK_FIELD:
+            found = view[pos : pos + size]
+        elif size > MAX_NONCE:
+            raise WireError(f"nonce of {size} bytes exceeds {MAX_NONCE}")
+        else:
+            nonce = bytes(view[pos : pos + size])
         pos += size
     if found is None:
-        raise WireError("ResendChunkResponse holds no chunk")
-    return parse_chunk(found)
+        raise WireError("DeliverChunkRequest holds no chunk")
+    return Delivery(parse_chunk(found), nonce)
 
 
 class ChunkWire:
@@ -237,12 +257,12 @@ class ChunkWire:
         return parse_chunk(data)
 
 
-class ResendWire:
-    """``ResendChunkResponse`` deserializer for the pulling side."""
+class DeliverWire:
+    """``DeliverChunkRequest`` deserializer for the lane that asked for the chunk."""
 
-    DESCRIPTOR = lane_pb2.ResendChunkResponse.DESCRIPTOR
+    DESCRIPTOR = lane_pb2.DeliverChunkRequest.DESCRIPTOR
 
     @classmethod
-    def FromString(cls, data: bytes) -> Chunk:  # noqa: N802 (protobuf's name)
-        """Parses a pulled chunk; raises :class:`WireError`."""
-        return _parse_resend(data)
+    def FromString(cls, data: bytes) -> Delivery:  # noqa: N802 (protobuf's name)
+        """Parses a delivered chunk; raises :class:`WireError`."""
+        return _parse_delivery(data)

@@ -15,7 +15,7 @@ from lanes import CHUNK, inputs, run_all, sites
 from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError
 from isthmus.inter.data.codec import crc32, make_codec
 from isthmus.inter.data.gradient_sync import LaneGradientSync
-from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane import PASS_METADATA, LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox
 from isthmus.inter.data.round_types import Members
@@ -98,12 +98,27 @@ def _request(**overrides: object) -> lane_pb2.PushChunksRequest:
     return raw_chunk(**{"generation": 7, "step": 3, **overrides})
 
 
+class _Site1Stub:
+    """A lane stub whose PushChunks streams present a pass granted to site 1, as the
+    real site 1's do (without TLS, a chunk is taken only from its site's pass)."""
+
+    def __init__(self, server: LaneServer, channel: grpc.Channel) -> None:
+        self._stub = lane_pb2_grpc.LaneStub(channel)
+        self._pass = ((PASS_METADATA, server.tickets.issue("1").hex()),)
+
+    def PushChunks(self, requests, timeout):  # noqa: N802 (gRPC method name)
+        return self._stub.PushChunks(requests, timeout=timeout, metadata=self._pass)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stub, name)
+
+
 @pytest.fixture()
-def lone_server() -> Iterator[tuple[LaneServer, lane_pb2_grpc.LaneStub]]:
+def lone_server() -> Iterator[tuple[LaneServer, _Site1Stub]]:
     server = LaneServer(site_index=0, num_sites=3, codec="raw", generation=7, chunk_bytes=CHUNK)
     channel = grpc.insecure_channel(server.address)
     try:
-        yield server, lane_pb2_grpc.LaneStub(channel)
+        yield server, _Site1Stub(server, channel)
     finally:
         channel.close()
         server.stop(0)
@@ -166,13 +181,21 @@ def test_server_marks_crc_mismatch_corrupt_and_answers_resend(lone_server) -> No
         key, _request()
     )
     assert server.mailbox.take(key, timeout=1).crc32 == _request().crc32
-    # ResendChunk answers only with what this site sent to the asker.
+    # ResendChunk hands the chunk to the asker's lane, never to the caller.
     sent = _request(from_site=0)
-    server.outbox.put((3, 0, lane_pb2.CHUNK_KIND_RESULT, 0), sent.SerializeToString(), [2])
+    asker = _Asker()
+    server.outbox.put((3, 0, lane_pb2.CHUNK_KIND_RESULT, 0), sent.SerializeToString(), {2: asker})
     ask = lane_pb2.ResendChunkRequest(
-        generation=7, step=3, group=0, kind=lane_pb2.CHUNK_KIND_RESULT, chunk_index=0, from_site=2
+        generation=7,
+        step=3,
+        group=0,
+        kind=lane_pb2.CHUNK_KIND_RESULT,
+        chunk_index=0,
+        from_site=2,
+        nonce=b"n" * 32,
     )
-    assert stub.ResendChunk(ask, timeout=5).chunk == sent
+    assert stub.ResendChunk(ask, timeout=5).ListFields() == []
+    assert asker.got == [(sent.SerializeToString(), b"n" * 32)]
     for bad, code in (
         (dict(from_site=1), grpc.StatusCode.NOT_FOUND),
         (dict(step=2), grpc.StatusCode.NOT_FOUND),
@@ -185,6 +208,18 @@ def test_server_marks_crc_mismatch_corrupt_and_answers_resend(lone_server) -> No
         with pytest.raises(grpc.RpcError) as info:
             stub.ResendChunk(wrong, timeout=5)
         assert info.value.code() == code
+
+
+class _Asker:
+    """Stands for the asking site's lane: takes what is handed to it."""
+
+    address = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.got: list[tuple[bytes, bytes]] = []
+
+    def deliver(self, frame: bytes, nonce: bytes, timeout: float) -> None:
+        self.got.append((frame, nonce))
 
 
 @pytest.mark.timeout(20)
@@ -217,7 +252,7 @@ def test_a_lane_holds_only_the_live_steps_within_its_budget() -> None:
         mailbox_bytes=3 * one,
     )  # fmt: skip
     channel = grpc.insecure_channel(server.address)
-    stub = lane_pb2_grpc.LaneStub(channel)
+    stub = _Site1Stub(server, channel)
 
     def push(**fields: object) -> grpc.StatusCode:
         try:
@@ -267,7 +302,10 @@ def test_mailbox_take_times_out_and_discards() -> None:
 def test_peer_that_never_runs_its_round() -> None:
     with sites(2, timeout_s=1.0) as ars:
         t0 = time.monotonic()
-        with pytest.raises(CrossSiteError, match=r"site 0 step 0 group 0: timed out .* \[1\]"):
+        # Timed out waiting for site 1, or for the bulk ticket site 1 grants only once
+        # its own round with site 0 has begun.
+        never = r"site 0 step 0 group 0: (timed out .* \[1\]|.*no round with site 0 yet)"
+        with pytest.raises(CrossSiteError, match=never):
             ars[0].allreduce([torch.ones(3000)], 0, 0, average=False)
         assert time.monotonic() - t0 < 3.0
 

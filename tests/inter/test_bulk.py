@@ -1,6 +1,6 @@
 """The bulk transport (inter/data/bulk.py) against real lanes on loopback.
 
-Who may connect (a ticket from the authenticated OpenBulk call, used once), what a
+Who may connect (a ticket granted to a site's own lane, used once), what a
 hostile or broken connection gets (a refusal with a reason, the connection closed, the
 mailbox untouched), and that rounds recover from a broken connection by dialling again.
 """
@@ -36,10 +36,10 @@ def lane():
     server.stop(0)
 
 
-def ticket(address: str) -> tuple[int, bytes]:
-    with grpc.insecure_channel(address) as channel:
-        reply = lane_pb2_grpc.LaneStub(channel).OpenBulk(lane_pb2.OpenBulkRequest(), timeout=5)
-    return reply.port, reply.ticket
+def ticket(server: LaneServer, site: int = 1) -> tuple[int, bytes]:
+    """A ticket as the lane grants it to site ``site``'s own lane (``GrantBulk``); how
+    it gets there is tests/inter/test_sender_bound_chunks.py's matter."""
+    return server.bulk_port, server.tickets.issue(str(site))
 
 
 def connect(port: int, hello: bytes) -> socket.socket:
@@ -86,7 +86,7 @@ def closed(sock: socket.socket) -> bool:
 
 
 def test_a_ticket_admits_one_connection_that_takes_chunks(lane) -> None:
-    port, tk = ticket(lane.address)
+    port, tk = ticket(lane)
     with connect(port, MAGIC + tk) as sock:
         assert read_reply(sock)[0] == OK
         sock.sendall(frame(raw_chunk().SerializeToString()))
@@ -102,7 +102,7 @@ def test_a_ticket_admits_one_connection_that_takes_chunks(lane) -> None:
     "hello", [MAGIC + bytes(32), b"GET / HTTP/1.1\r\n" + bytes(24)], ids=["forged", "junk"]
 )
 def test_a_connection_without_a_ticket_is_refused(lane, hello) -> None:
-    port, _ = ticket(lane.address)
+    port, _ = ticket(lane)
     with connect(port, hello) as sock:
         status, code, _ = read_reply(sock)
         assert (status, code) == (REFUSED, grpc.StatusCode.UNAUTHENTICATED.value[0])
@@ -127,7 +127,7 @@ def test_a_connection_without_a_ticket_is_refused(lane, hello) -> None:
 def test_a_bad_frame_is_refused_with_its_reason_and_changes_nothing(
     lane, payload, code, words
 ) -> None:
-    port, tk = ticket(lane.address)
+    port, tk = ticket(lane)
     with connect(port, MAGIC + tk) as sock:
         assert read_reply(sock)[0] == OK
         sock.sendall(payload)
@@ -141,7 +141,7 @@ def test_a_damaged_frame_is_sent_again_and_only_the_intact_copy_is_taken(lane) -
     msg = raw_chunk().SerializeToString()
     damaged = bytearray(msg)
     damaged[3] ^= 0x04  # a header field: the payload's own checksum would not see it
-    port, tk = ticket(lane.address)
+    port, tk = ticket(lane)
     with connect(port, MAGIC + tk) as sock:
         assert read_reply(sock)[0] == OK
         sock.sendall(record_head(msg) + bytes(damaged))
@@ -156,12 +156,15 @@ def test_open_bulk_needs_the_token(job_dir) -> None:
     token_only = SiteSecurity.load(job_dir, "site0", require_token=True)
     server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1, security=token_only)
     try:
-        with pytest.raises(grpc.RpcError) as info:
-            ticket(server.address)
+        ask = lane_pb2.OpenBulkRequest(from_site=1, nonce=bytes(32))
+        with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as info:
+            lane_pb2_grpc.LaneStub(channel).OpenBulk(ask, timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with token_only.channel(server.address) as channel:
-            reply = lane_pb2_grpc.LaneStub(channel).OpenBulk(lane_pb2.OpenBulkRequest(), timeout=5)
-        assert reply.port and len(reply.ticket) == 32
+        # A token holder asking in site 1's name gets no ticket either: it would go to
+        # site 1's lane, and this lane has no round with site 1 to know where that is.
+        with token_only.channel(server.address) as channel, pytest.raises(grpc.RpcError) as info:
+            lane_pb2_grpc.LaneStub(channel).OpenBulk(ask, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(0)
 
@@ -263,15 +266,15 @@ def test_a_stalled_frame_and_too_many_connections_are_cut_off(lane, monkeypatch)
     monkeypatch.setattr(bulk, "FRAME_STALL_S", 1.0)
     monkeypatch.setattr(bulk, "MAX_CONNECTIONS", 2)
     lane._bulk._ticketed = __import__("threading").BoundedSemaphore(2)  # made at start
-    port, tk = ticket(lane.address)
+    port, tk = ticket(lane)
     stalled = connect(port, MAGIC + tk)
     assert stalled.recv(1) == bytes([OK])
     msg = raw_chunk().SerializeToString()
     stalled.sendall(record_head(msg) + msg[:10])  # a frame begun, then nothing
-    port, tk = ticket(lane.address)
+    port, tk = ticket(lane)
     second = connect(port, MAGIC + tk)
     assert second.recv(1) == bytes([OK])
-    port, tk = ticket(lane.address)
+    port, tk = ticket(lane)
     third = connect(port, MAGIC + tk)
     status, code, why = read_reply(third)
     assert status == REFUSED and code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], why
@@ -288,7 +291,7 @@ _EMFILE_SCRIPT = r"""
 import resource, socket, sys, time
 from isthmus.inter.data.bulk import BulkListener, MAGIC, REFUSED
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
-listener = BulkListener("127.0.0.1", lambda frame, peer: (0, None, ""), 1 << 20, "test")
+listener = BulkListener("127.0.0.1", lambda frame, peer, holder: (0, None, ""), 1 << 20, "test")
 held = []
 try:
     while True:  # until this process (client and server alike) is out of descriptors

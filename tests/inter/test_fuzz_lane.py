@@ -97,6 +97,7 @@ def expected_push(lane: Lane, chunks):
         key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
         if (
             (why is not None and not why.startswith("crc32 mismatch"))
+            or req.from_site != 1  # the stream's pass was granted to site 1 only
             or key[0] < floor
             or (live and key[0] >= floor + m.max_ahead)  # too far past the live step
             or key in seen
@@ -117,7 +118,9 @@ def test_push_chunks_streams(fuzz_lane, chunks):
     try:
         reply = lane_pb2.PushChunksResponse.FromString(
             fuzz_lane.rpc("PushChunks", "stream_unary")(
-                iter([c.SerializeToString() for c in chunks]), timeout=DEADLINE_S
+                iter([c.SerializeToString() for c in chunks]),
+                timeout=DEADLINE_S,
+                metadata=fuzz_lane.site1_pass(),
             )
         )
         status = grpc.StatusCode.OK

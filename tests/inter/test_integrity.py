@@ -7,7 +7,6 @@ NIC does), so the receiver's crc32 check fails and it pulls the chunk again.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 
@@ -92,21 +91,23 @@ def test_chunk_corrupt_again_on_the_way_back_is_pulled_again(
     corrupt_every["every"] = 2
     fetches = {"n": 0, "bad": 0}
     lock = threading.Lock()
-    original = LanePeer.fetch
+    original = LanePeer.deliver
 
-    def fetch(self: LanePeer, request, timeout):  # every other answer is corrupt too
-        chunk = original(self, request, timeout)
+    def deliver(self: LanePeer, frame: bytes, nonce: bytes, timeout: float) -> None:
+        # Every other chunk handed back (ResendChunk -> DeliverChunk) is corrupt too.
         with lock:
             fetches["n"] += 1
             bad = fetches["n"] % 2 == 1
             fetches["bad"] += bad
-        if not bad:
-            return chunk
-        payload = bytearray(chunk.payload)
-        payload[len(payload) // 2] ^= 0x10
-        return dataclasses.replace(chunk, payload=bytes(payload))
+        if bad:
+            chunk = lane_pb2.PushChunksRequest.FromString(frame)
+            payload = bytearray(chunk.payload)
+            payload[len(payload) // 2] ^= 0x10
+            chunk.payload = bytes(payload)
+            frame = chunk.SerializeToString()
+        original(self, frame, nonce, timeout)
 
-    monkeypatch.setattr(LanePeer, "fetch", fetch)
+    monkeypatch.setattr(LanePeer, "deliver", deliver)
     with sites(2, "int8+zstd:1") as ars:
         data = inputs(2, [9000], seed=5)
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])

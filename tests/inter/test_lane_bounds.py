@@ -37,7 +37,9 @@ def test_held_pull_states_never_take_the_lanes_threads():
                 assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.details()
                 assert f"all {PULL_STATE_WAITS} PullState slots busy" in call.details()
             # The lane still answers what trains: a ticket, a health check, a resend.
-            assert stub.OpenBulk(lane_pb2.OpenBulkRequest(), timeout=5).ticket
+            with pytest.raises(grpc.RpcError) as answer:  # answered: no round with site 1 yet
+                stub.OpenBulk(lane_pb2.OpenBulkRequest(from_site=1, nonce=bytes(32)), timeout=5)
+            assert answer.value.code() == grpc.StatusCode.UNAVAILABLE
             health = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="isthmus.v1.Lane"), timeout=5
             )

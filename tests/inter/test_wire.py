@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isthmus.inter.data.wire import (
-    ResendWire,
+    DeliverWire,
     WireError,
     encode_chunk,
-    encode_resend_response,
+    encode_delivery,
     parse_chunk,
 )
 from isthmus.proto import lane_pb2
@@ -126,14 +126,19 @@ def test_malformed_bytes_are_refused_with_a_reason(data: bytes, why: str) -> Non
         parse_chunk(data)
 
 
-def test_resend_response_round_trip() -> None:
+def test_delivery_round_trip() -> None:
     sent = lane_pb2.PushChunksRequest(step=4, chunk_index=2, payload=b"xyz", crc32=5)
     frame = sent.SerializeToString()
-    body = encode_resend_response(frame)
-    assert lane_pb2.ResendChunkResponse.FromString(body).chunk == sent
-    chunk = ResendWire.FromString(body)
+    body = encode_delivery(frame, b"n" * 32)
+    parsed = lane_pb2.DeliverChunkRequest.FromString(body)
+    assert parsed.chunk == sent and parsed.nonce == b"n" * 32
+    delivery = DeliverWire.FromString(body)
+    chunk = delivery.chunk
     assert (chunk.step, chunk.chunk_index, bytes(chunk.payload), chunk.crc32) == (4, 2, b"xyz", 5)
+    assert delivery.nonce == b"n" * 32
     with pytest.raises(WireError, match="holds no chunk"):
-        ResendWire.FromString(b"")
+        DeliverWire.FromString(b"")
     with pytest.raises(WireError, match="unexpected field"):
-        ResendWire.FromString(b"\x10\x01")
+        DeliverWire.FromString(b"\x18\x01")
+    with pytest.raises(WireError, match="nonce of 65 bytes"):
+        DeliverWire.FromString(encode_delivery(frame, b"n" * 65))
