@@ -128,7 +128,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         name="forge",
         description="from step 4, for 6 s, calls in site1's name at site0's coordinator: a "
         "heartbeat with a wrong digest, a join claiming a restart with other lanes, votes "
-        "without the rank's key, a reordered proposal (issue 14, rows 1-4); nobody leaves",
+        "without the rank's key, a reordered proposal (issue 14, rows 1-4); and at its "
+        "lane: ResendChunk, OpenBulk and NaN or finite chunks for the coming steps (issue "
+        "33, rows 7-8); nobody leaves",
         sites=2,
         steps=30,
         faults=(Fault(kind="forge", site="site0", at_step=4, duration_s=6.0),),

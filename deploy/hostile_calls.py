@@ -13,12 +13,18 @@ refused or found out, and the job must finish with equal digests:
 3. votes for site0's rank on the coming steps, without the rank's key (the first
    vote for a step won, and froze the job);
 4. a proposal from site1 with the members reordered (it froze the job for good), and
-   one in site0's (the leader's) name in the job's order, sent to site1.
+   one in site0's (the leader's) name in the job's order, sent to site1;
+5. at site0's rank-0 lane (issue 33): ResendChunk in site1's name for chunks of the
+   steps around the job's (row 7: it once handed the caller 20 live gradient chunks),
+   OpenBulk in site1's name (a ticket would let it send chunks as site1), and chunks
+   in site1's name, NaN and finite with a valid checksum, for the coming steps (row 8:
+   each once cost the job a retried step). All are refused; the lane logs each caller.
 """
 
 from __future__ import annotations
 
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Mapping
@@ -90,16 +96,29 @@ def forge(
     ``victims_coordinator`` a Propose in the leader's name in the job's own order;
     ``step`` is about where the job is. Returns how many calls of each kind were
     answered without an error (those must have changed nothing that matters)."""
-    answered = {"heartbeat": 0, "join": 0, "vote": 0, "propose": 0, "leader's propose": 0}
+    answered = {
+        "heartbeat": 0,
+        "join": 0,
+        "vote": 0,
+        "propose": 0,
+        "leader's propose": 0,
+        "resend": 0,
+        "open bulk": 0,
+        "chunk": 0,
+    }
     deadline = time.monotonic() + duration_s
     with (
         _channel(target) as channel,
         _channel(victims_coordinator or target) as other,
     ):
         stub, victims = pb_grpc.CoordinatorStub(channel), pb_grpc.CoordinatorStub(other)
+        lane = _lane_of(stub, target)
+        lane_channel = grpc.insecure_channel(lane) if lane else None
         while time.monotonic() < deadline:
             generation = _generation(stub)
             calls = list(_calls(stub, fingerprint, step, generation, victim, ranks))
+            if lane_channel is not None:
+                calls += _lane_calls(lane_channel, fingerprint, step, generation, victim)
             if victims_coordinator is not None:
                 calls.append(
                     ("leader's propose", lambda step=step: _leaders_propose(victims, step))
@@ -112,7 +131,64 @@ def forge(
                     pass
             step += 1
             time.sleep(0.3)
+        if lane_channel is not None:
+            lane_channel.close()
     return answered
+
+
+def _lane_of(stub: pb_grpc.CoordinatorStub, coordinator: str) -> str | None:
+    """The rank-0 lane of the site whose coordinator is at ``coordinator``, as anyone
+    may read it from GetMembership."""
+    try:
+        membership = stub.GetMembership(pb.GetMembershipRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+    for info in membership.sites:
+        if info.coordinator_address == coordinator and info.lane_addresses:
+            return info.lane_addresses[0]
+    return None
+
+
+def _lane_calls(channel: grpc.Channel, fingerprint, step: int, generation: int, victim: str):
+    """Issue 33, rows 7 and 8: a resend, a bulk ticket and chunks in ``victim``'s name."""
+    from isthmus.inter.data.codec import crc32, make_codec
+    from isthmus.proto import lane_pb2, lane_pb2_grpc
+
+    lane = lane_pb2_grpc.LaneStub(channel)
+    index = int(victim.removeprefix("site"))
+    kinds = (lane_pb2.CHUNK_KIND_CONTRIBUTION, lane_pb2.CHUNK_KIND_RESULT)
+    for near in range(max(0, step - 2), step + 2):
+        for kind in kinds:
+            ask = lane_pb2.ResendChunkRequest(
+                generation=generation,
+                step=near,
+                kind=kind,
+                chunk_index=0,
+                from_site=index,
+                nonce=secrets.token_bytes(32),
+            )
+            yield "resend", lambda ask=ask: lane.ResendChunk(ask, timeout=2)
+    ask = lane_pb2.OpenBulkRequest(from_site=index, nonce=secrets.token_bytes(32))
+    yield "open bulk", lambda: lane.OpenBulk(ask, timeout=2)
+    codec = make_codec(fingerprint.get("sync.codec", "raw")).name
+    per = int(fingerprint.get("sync.chunk_bytes", "4096")) // 4
+    for ahead in range(1, 3):
+        for value in (float("nan"), 1e3):
+            payload = struct.pack(f"<{per}f", *([value] * per))
+            for kind in kinds:
+                chunk = lane_pb2.PushChunksRequest(
+                    generation=generation,
+                    step=step + ahead,
+                    kind=kind,
+                    num_chunks=1,
+                    from_site=index,
+                    total_elements=per,
+                    num_elements=per,
+                    codec=codec,
+                    payload=payload,
+                    crc32=crc32(payload),
+                )
+                yield "chunk", lambda c=chunk: lane.PushChunks(iter([c]), timeout=2)
 
 
 def _leaders_propose(victims: pb_grpc.CoordinatorStub, step: int) -> None:
