@@ -336,7 +336,13 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         result.why = f"the slowed site kept its micro-batches: {result.micro_batches}"
     elif forged and result.generations > 1:
         result.why = "a forged call changed the membership"
-    elif forged and (why := missed_forgeries(sites[forged[0].site].text(), sites["site1"].text())):
+    elif forged and (
+        why := missed_forgeries(
+            sites[forged[0].site].text(),
+            sites["site1"].text(),
+            _rank0_log(run_dir, forged[0].site),
+        )
+    ):
         result.why = why
     else:
         result.ok = True

@@ -113,7 +113,7 @@ def forge(
     ):
         stub, victims = pb_grpc.CoordinatorStub(channel), pb_grpc.CoordinatorStub(other)
         lane = _lane_of(stub, target)
-        lane_channel = grpc.insecure_channel(lane) if lane else None
+        lane_channel = _channel(lane) if lane else None
         while time.monotonic() < deadline:
             generation = _generation(stub)
             calls = list(_calls(stub, fingerprint, step, generation, victim, ranks))
@@ -203,8 +203,13 @@ def _leaders_propose(victims: pb_grpc.CoordinatorStub, step: int) -> None:
     )
 
 
-def missed_forgeries(log: str, victims_log: str) -> str:
-    """Why the sites' logs show that not every forged call was found out, or ""."""
+def missed_forgeries(log: str, victims_log: str, lane_log: str) -> str:
+    """Why the logs of the target site, of the victim and of the target's rank-0 lane
+    show that not every forged call was found out, or ""."""
+    if "without a ticket or pass granted to it" not in lane_log:
+        return "the chunks in the victim's name were never refused (nothing in the lane's log)"
+    if "that the site did not ask for" not in lane_log:
+        return "the resends and bulk tickets asked in the victim's name were never checked"
     if "does not propose generation" not in victims_log:
         return "the Propose in the leader's name was never checked with the leader"
     if "without the key it registered with" not in log:

@@ -420,7 +420,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 f"site {self.site_index} refused chunk from site {req.from_site} "
                 f"(step {req.step} group {req.group}): {exc}"
             )
-            log.warning(msg)
+            if exc.code != grpc.StatusCode.PERMISSION_DENIED:  # else logged once per caller
+                log.warning(msg)
             return REFUSED, exc.code, msg
         return ACCEPTED, None, ""
 
