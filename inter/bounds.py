@@ -13,7 +13,16 @@ froze for as long as they stayed open, silently. So waiting is rationed:
 * :class:`BoundedHealth` — grpc.health.v1 with at most a few ``Watch`` streams open;
   ``Check`` is never limited.
 * :class:`RefusalLog` — each refusal logged with the caller's address, once per caller
-  and reason per minute: a stall is never silent, a flood never floods the log.
+  and reason per minute, with how many there were: a stall is never silent, a flood
+  never floods the log. A caller is its host (a flood opens connection after
+  connection, each with its own port).
+* Per caller (issue 33, row 9: a flood of re-polls took steps/s from 1.28 to 0.62 on
+  two cores, the refused polls answered at once and asked again in a tight loop): a
+  caller — what it claims to be (a site, a rank) at its host — holds at most ``share``
+  of the slots, so a flood cannot take those of the ranks that train, and
+  :class:`RePolls` paces the polls it gets answered at once: past a burst and a rate,
+  such a poll is held a moment before its answer (a few at a time) or refused with
+  RESOURCE_EXHAUSTED at once, before it touches any state.
 """
 
 from __future__ import annotations
@@ -27,7 +36,15 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health
 
-__all__ = ["HEALTH_WATCHES", "BoundedHealth", "RefusalLog", "WaitSlots", "pool_size"]
+__all__ = [
+    "HEALTH_WATCHES",
+    "BoundedHealth",
+    "RePolls",
+    "RefusalLog",
+    "WaitSlots",
+    "peer_host",
+    "pool_size",
+]
 
 log = logging.getLogger("isthmus.bounds")
 
@@ -36,6 +53,16 @@ HEALTH_WATCHES = 2
 _ANSWER_AT_ONCE = 4
 """Threads a server keeps for calls that answer without waiting."""
 _LOG_EVERY_S = 60.0
+_MAX_CALLERS = 1024  # callers remembered (the oldest forgotten first)
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string: "ipv4:127.0.0.1:5555" -> "127.0.0.1",
+    "ipv6:[::1]:5555" -> "[::1]"; anything else as it is."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        return rest.rsplit(":", 1)[0]
+    return peer
 
 
 def pool_size(waiters: int) -> int:
@@ -45,7 +72,8 @@ def pool_size(waiters: int) -> int:
 
 
 class RefusalLog:
-    """Logs a refusal once per (caller, reason) per minute, with the caller's address.
+    """Logs a refusal once per (caller host, reason) per minute, with the caller's
+    address and how many such refusals there were.
 
     Args:
         where: names the server in each line, e.g. "coordinator of site0".
@@ -53,7 +81,7 @@ class RefusalLog:
 
     def __init__(self, where: str) -> None:
         self.where = where
-        self._last: dict[tuple[str, str], float] = {}
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # last logged, count
         self._lock = threading.Lock()
         self.count = 0
         """Refusals so far (logged or not)."""
@@ -62,14 +90,82 @@ class RefusalLog:
         now = time.monotonic()
         with self._lock:
             self.count += 1
-            key = (peer, reason)
-            if now - self._last.get(key, -_LOG_EVERY_S) < _LOG_EVERY_S:
+            key = (peer_host(peer), reason)
+            last, times = self._seen.get(key, (-_LOG_EVERY_S, 0))
+            times += 1
+            if now - last < _LOG_EVERY_S:
+                self._seen[key] = (last, times)
                 return
-            self._last[key] = now
-            if len(self._last) > 1024:  # callers come and go: forget the oldest
-                for stale in sorted(self._last, key=self._last.__getitem__)[:512]:
-                    del self._last[stale]
-        log.warning("%s: %s from %s", self.where, reason, peer)
+            self._seen[key] = (now, times)
+            if len(self._seen) > _MAX_CALLERS:  # callers come and go: forget the oldest
+                for stale in sorted(self._seen, key=lambda k: self._seen[k][0])[:512]:
+                    del self._seen[stale]
+        suffix = f" ({times} from {key[0]} so far)" if times > 1 else ""
+        log.warning("%s: %s from %s%s", self.where, reason, peer, suffix)
+
+
+class RePolls:
+    """Paces a caller's polls that were answered at once (no slot for them to wait in).
+
+    A caller may be answered at once ``burst`` times, then ``per_s`` times a second
+    (a token bucket); a poll beyond that is held ``hold_s`` before its answer, so a
+    client that asks again as soon as it is answered asks ``1 / hold_s`` times a
+    second instead of as fast as the CPU goes. At most ``holds`` polls are held at
+    once (each holds a thread); one that finds none free is refused at once.
+
+    Args:
+        per_s: answered-at-once polls a second per caller, once the burst is spent.
+        burst: answered-at-once polls a caller may send in a row.
+        hold_s: how long a poll past the rate is held, seconds.
+        holds: polls held at once (threads the server keeps for it: see ``pool_size``).
+        clock: monotonic seconds (a test moves it).
+    """
+
+    def __init__(
+        self,
+        *,
+        per_s: float = 5.0,
+        burst: int = 20,
+        hold_s: float = 0.5,
+        holds: int = 2,
+        clock=time.monotonic,
+    ) -> None:
+        if per_s <= 0 or burst < 1 or hold_s < 0 or holds < 0:
+            raise ValueError(
+                f"per_s, burst, hold_s, holds must be > 0, >= 1, >= 0, >= 0; got "
+                f"{per_s}, {burst}, {hold_s}, {holds}"
+            )
+        self.per_s, self.burst, self.hold_s, self.holds = per_s, burst, hold_s, holds
+        self._clock = clock
+        self._tokens: dict[str, tuple[float, float]] = {}  # caller -> (tokens, at)
+        self._lock = threading.Lock()
+        self._holding = threading.BoundedSemaphore(holds) if holds else None
+        self._woken = threading.Event()
+
+    def too_fast(self, caller: str) -> bool:
+        """Takes one of ``caller``'s tokens; True when it had none left."""
+        now = self._clock()
+        with self._lock:
+            tokens, at = self._tokens.pop(caller, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - at) * self.per_s)
+            self._tokens[caller] = (max(0.0, tokens - 1.0), now)  # most recent last
+            while len(self._tokens) > _MAX_CALLERS:
+                del self._tokens[next(iter(self._tokens))]
+        return tokens < 1.0
+
+    def hold(self) -> bool:
+        """Holds the calling thread ``hold_s``; False at once when ``holds`` are held."""
+        if self._holding is None or not self._holding.acquire(blocking=False):
+            return False
+        try:
+            self._woken.wait(self.hold_s)
+        finally:
+            self._holding.release()
+        return True
+
+    def release_all(self) -> None:
+        """Ends every hold now (the server is stopping)."""
+        self._woken.set()
 
 
 class WaitSlots:
@@ -79,27 +175,63 @@ class WaitSlots:
         slots: calls that may wait at once.
         what: what a slot is for, in the refusal's log line ("long polls").
         refusals: where a call turned away is logged.
+        repolls: paces the callers answered at once (None: they are not paced).
     """
 
-    def __init__(self, slots: int, what: str, refusals: RefusalLog) -> None:
+    def __init__(
+        self, slots: int, what: str, refusals: RefusalLog, repolls: RePolls | None = None
+    ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        self.slots, self.what, self.refusals = slots, what, refusals
+        self.slots, self.what, self.refusals, self.repolls = slots, what, refusals, repolls
         self._free = threading.BoundedSemaphore(slots)
+        self._held: dict[str, int] = {}  # caller -> slots it holds
+        self._lock = threading.Lock()
+
+    def _take(self, caller: str, share: int) -> str | None:
+        """Takes a slot for ``caller``; returns why not, or None."""
+        with self._lock:
+            if self._held.get(caller, 0) >= share:
+                return f"{caller} holds its {share} {self.what} slots"
+            if not self._free.acquire(blocking=False):
+                return f"all {self.slots} {self.what} slots busy"
+            self._held[caller] = self._held.get(caller, 0) + 1
+            return None
+
+    def _give(self, caller: str) -> None:
+        with self._lock:
+            left = self._held.pop(caller) - 1
+            if left:
+                self._held[caller] = left
+        self._free.release()
 
     @contextlib.contextmanager
-    def wait(self, context: grpc.ServicerContext) -> Iterator[bool]:
-        """Yields True with a slot held for the block, or False (answer at once)."""
-        held = self._free.acquire(blocking=False)
+    def wait(
+        self, context: grpc.ServicerContext, caller: str = "", share: int | None = None
+    ) -> Iterator[bool]:
+        """Yields True with a slot held for the block, or False (answer at once).
+
+        Args:
+            context: the call's context (its peer is the caller's host).
+            caller: what the call claims to be ("site0 rank 1", "site1's vote"); the
+                caller is that at its host.
+            share: slots one caller may hold at once (default: all).
+        """
+        peer = context.peer()
+        who = f"{caller or 'a caller'} at {peer_host(peer)}"
+        busy = self._take(who, self.slots if share is None else share)
+        held = busy is None
         if not held:
-            self.refusals.note(
-                context.peer(), f"all {self.slots} {self.what} slots busy; answered at once"
-            )
+            self.refusals.note(peer, f"{busy}; answered at once")
+            if self.repolls is not None and self.repolls.too_fast(who) and not self.repolls.hold():
+                why = f"{who} re-polls faster than {self.repolls.per_s:g}/s"
+                self.refusals.note(peer, why)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         try:
             yield held
         finally:
             if held:
-                self._free.release()
+                self._give(who)
 
     def hold_for_stream(self, context: grpc.ServicerContext) -> None:
         """Takes a slot until the call ends, or refuses it with RESOURCE_EXHAUSTED."""

@@ -9,9 +9,17 @@ asking to join a running job, is settled by the site itself: the peer loop's nex
 heartbeat to it, at the address the job configured, answers with its incarnation,
 its lanes and whether its ranks are ready, and the site is admitted with those
 (issue 14, row 2: a forged join once dropped the live site and admitted the caller's
-lanes, which then pulled the training state). Call both with the coordinator's
-condition (``coordinator.state.cond``) held; what they change goes through the
-state's transitions (inter/control/state.py).
+lanes, which then pulled the training state). A *first* join, before the job runs, is
+settled the same way (issue 33, row 2: a join in site1's name, sent before site1
+started, once made site0 form generation 1 with fake lanes and push gradient chunks
+to them): the join only makes this site join the named site at its configured address
+(through the link's proxy, as every call to a peer), and the site is admitted with the
+lanes and incarnation of *that* answer. The join's handler itself calls nobody, so two
+sites that start at once and join each other never wait on each other. What a join
+claimed is kept (:class:`JoinClaims`) until the site answers; a claim its answer
+contradicts is logged once per caller with a count. Call ``on_join`` and ``on_answer``
+with the coordinator's condition (``coordinator.state.cond``) held; what they change
+goes through the state's transitions (inter/control/state.py).
 
 A new membership generation is believed the same way: a ``Propose`` is adopted only
 if the site it names as leader, asked at its own address, says it is proposing that
@@ -26,17 +34,58 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from isthmus.inter.bounds import RefusalLog
 from isthmus.inter.control.incarnations import Incarnations
 from isthmus.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
     from isthmus.inter.control.coordinator import Coordinator
 
-__all__ = ["malformed_proposal", "on_answer", "on_join", "site_problem", "unconfirmed_proposal"]
+__all__ = [
+    "JoinClaims",
+    "malformed_proposal",
+    "on_answer",
+    "on_join",
+    "site_problem",
+    "unconfirmed_proposal",
+]
 
 log = logging.getLogger("isthmus.inter.control.coordinator")
 
 MAX_FIELD_CHARS = 1024  # longest lane address (host:port) a site may name
+MAX_CLAIMS_PER_SITE = 16  # unsettled joins kept per site name (the oldest go first)
+
+
+class JoinClaims:
+    """What joins in each site's name claimed (lanes, incarnation), by caller, until the
+    site's own answer settles them; one it contradicts is a forged join, logged with the
+    caller's address (``refusals``: once per caller per minute, with a count). A claim
+    is only ever compared: nothing is admitted from it. Guarded by the state's condition.
+    """
+
+    def __init__(self, refusals: RefusalLog) -> None:
+        self.refusals = refusals
+        self._pending: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {}
+
+    def claim(self, name: str, caller: str, info: pb.SiteInfo, incarnation: str) -> None:
+        """A join from ``caller`` said ``name`` is ready with ``info``'s lanes."""
+        claims = self._pending.setdefault(name, {})
+        claims.pop(caller, None)
+        claims[caller] = (tuple(info.lane_addresses), incarnation)
+        while len(claims) > MAX_CLAIMS_PER_SITE:
+            del claims[next(iter(claims))]
+
+    def settle(self, name: str, info: pb.SiteInfo, incarnation: str) -> None:
+        """``name`` answered at its own address with ``info``: claims that differ were
+        not its own."""
+        lanes = tuple(info.lane_addresses)
+        for caller, (claimed, claimed_incarnation) in self._pending.pop(name, {}).items():
+            if claimed != lanes or (incarnation and claimed_incarnation != incarnation):
+                self.refusals.note(
+                    caller,
+                    f"Join in {name}'s name that {name}, asked at its own address, does not "
+                    "confirm (other lanes or another process); nothing taken from it",
+                )
 
 
 def site_problem(
@@ -58,9 +107,10 @@ def site_problem(
     return Incarnations.problem(info.name, incarnation)
 
 
-def on_join(c: Coordinator, request: pb.JoinRequest) -> bool:
-    """Notes what a join asks; returns whether it is news to a running job (the joiner
-    then waits to be admitted)."""
+def on_join(c: Coordinator, request: pb.JoinRequest, caller: str) -> bool:
+    """Notes what a join from ``caller`` asks; returns whether it is news to a running
+    job (the joiner then waits to be admitted). Nothing is taken from the join itself:
+    not the lanes, nor that the site is alive, nor an incarnation other than a first."""
     st = c.state
     name = request.site.name
     running = st.running
@@ -72,11 +122,20 @@ def on_join(c: Coordinator, request: pb.JoinRequest) -> bool:
         and c.incarnations.is_new(name, request.incarnation)
     )
     news = running and (name not in members or restarted)
-    c.incarnations.learn(name, request.incarnation, replace=not running)
-    if news and request.ready:
+    # Only an id never heard before: a site is admitted from its own answers, which
+    # replace this one (the peer loop's join, on_answer), and a join never replaces one.
+    c.incarnations.learn(name, request.incarnation, replace=False)
+    if not request.ready:
+        return news
+    c.join_claims.claim(name, caller, request.site, request.incarnation)
+    if news:
         c.asked_to_join.add(name)  # settled by its own answer (on_answer)
-    elif not running and request.ready:
-        st.admit_locked(request.site)  # the first SiteInfo stands
+    elif not running and name in st.ready_sites:
+        # Admitted already, from its own answer: a join that differs is not its own.
+        known = c.incarnations.get(name) or ""
+        c.join_claims.settle(name, st.ready_sites[name], known)
+    elif not running:
+        st.doubt_locked(name)  # asked at its own address; admitted with that answer
     return news
 
 
@@ -84,6 +143,8 @@ def on_answer(c: Coordinator, name: str, reply: pb.HeartbeatResponse) -> None:
     """What ``name`` answered at its own address: a restart (a new incarnation) is
     taken for one, and a site that asked to join is admitted with the lanes it names."""
     st = c.state
+    if reply.ready and reply.site.name == name:
+        c.join_claims.settle(name, reply.site, reply.incarnation)
     if not st.running or not reply.incarnation:
         return
     members = st.members

@@ -23,9 +23,9 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots, pool_size
+from isthmus.inter.bounds import BoundedHealth, RefusalLog, RePolls, WaitSlots, pool_size
 from isthmus.inter.control import rank_keys as handouts
-from isthmus.inter.control.admission import MAX_FIELD_CHARS, on_join, site_problem
+from isthmus.inter.control.admission import MAX_FIELD_CHARS, JoinClaims, on_join, site_problem
 from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
 from isthmus.inter.control.failover import Failover
 from isthmus.inter.control.fingerprint import fingerprint_problem
@@ -161,14 +161,22 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # without one answers at once (inter/bounds.py): the legitimate waiters are this
         # site's ranks and the other sites' coordinators, a few calls each.
         self.refusals = RefusalLog(self.where)
+        self.join_claims = JoinClaims(self.refusals)
+        """What joins in each peer's name claimed, until the peer's own answer settles it."""
+        # Each caller holds its share only (a rank two, a peer site's votes two, the
+        # membership polls from one host one per rank and two more), and one answered
+        # at once too often is paced (inter/bounds.py, issue 33 row 9).
         waiters = 2 * ranks + 2 * len(self.site_names) + 2
-        self.long_polls = WaitSlots(waiters, "long poll", self.refusals)
+        self.repolls = RePolls()
+        self.long_polls = WaitSlots(waiters, "long poll", self.refusals, self.repolls)
+        self.membership_share = ranks + 2
         # grpc.health.v1: SERVING while the site trains, NOT_SERVING once it drains.
         self.health = BoundedHealth(self.refusals)
 
         self._server = grpc.server(
             futures.ThreadPoolExecutor(
-                max_workers=pool_size(waiters), thread_name_prefix=f"coord-{site}"
+                max_workers=pool_size(waiters + self.repolls.holds),
+                thread_name_prefix=f"coord-{site}",
             ),
             options=server_options(MESSAGE_LIMITS),
             interceptors=[
@@ -246,6 +254,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving and joining (idempotent)."""
         self.leave()
+        self.repolls.release_all()
         self.metrics.close()
         if self._joiner.is_alive():
             self._joiner.join(timeout=self.rpc_timeout_s + 1.0)
@@ -390,8 +399,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, answer or problem)
         st = self.state
         with st.cond:
-            st.heard_from_locked(request.site.name)
-            news = on_join(self, request)
+            # Not even "heard from": anyone can send a join in a site's name; the
+            # site's answers to this site's own calls say whether it is alive.
+            news = on_join(self, request, context.peer())
             return pb.JoinResponse(
                 site=st.own_info_locked(),
                 ready=st.local_ready_locked(),
@@ -401,7 +411,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def GetMembership(self, request, context):  # noqa: N802
         st = self.state
-        with self.long_polls.wait(context) as may_wait, st.cond:
+        polls = self.long_polls.wait(context, "GetMembership", self.membership_share)
+        with polls as may_wait, st.cond:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
             deadline = time.monotonic() + wait_s
             # A rank that already knows a generation also hears at once when a member

@@ -239,6 +239,14 @@ class CoordinatorState:
         self._told_ready.add(name)
         self.cond.notify_all()
 
+    def doubt_locked(self, name: str) -> None:
+        """A call in peer ``name``'s name said it is ready: that is settled with ``name``
+        itself, at its configured address. This site joins it again (the peer loop joins
+        every peer it has not told it is ready) and admits the SiteInfo of its answer."""
+        if name in self.peers and name not in self._ready_sites:
+            self._told_ready.discard(name)
+            self.cond.notify_all()
+
     def await_admission_locked(self, generation: int) -> bool:
         """A peer answered a first join with ``generation``: the job runs without this
         site, which now waits to be admitted by its leader. Returns whether that is news."""

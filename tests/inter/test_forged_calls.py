@@ -200,8 +200,8 @@ def test_a_rank_is_registered_by_one_process_only():
             request.rank_key = "e" * 32
             with pytest.raises(grpc.RpcError) as refused:
                 stub.RegisterRank(request, timeout=5)
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "already registered by another process" in refused.value.details()
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "the key its launcher handed it" in refused.value.details()
         # The rank that registered first still votes.
         with grpc.insecure_channel(coords[0].address) as channel:
             vote0 = pb.CommitStepRequest(

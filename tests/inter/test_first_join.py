@@ -1,0 +1,112 @@
+"""A first Join in a site's name is settled with that site at its configured address
+(inter/control/admission.py; issue 33, row 2). Real coordinators on loopback, joined
+through an emulated link's proxies as ``isthmus local`` joins them; the forger calls
+site0 directly, as any local process can."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from coordinators import FP, coordinator, linked_pair, register, stop_all
+
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+from isthmus.sim import RelayServer
+
+pytestmark = pytest.mark.timeout(60)
+FAKE_LANE = "127.0.0.1:9"
+
+
+def forged_join(address: str, incarnation: str = "f" * 16) -> pb.JoinResponse:
+    """A Join in site1's name, ready, with fake lanes and the job's fingerprint."""
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.CoordinatorStub(channel).Join(
+            pb.JoinRequest(
+                site=pb.SiteInfo(name="site1", index=1, lane_addresses=[FAKE_LANE]),
+                fingerprint=pb.JobFingerprint(fields=FP),
+                ready=True,
+                incarnation=incarnation,
+            ),
+            timeout=5,
+        )
+
+
+def wait_for(predicate, what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_join_in_a_site_s_name_before_it_starts_admits_nothing(caplog):
+    relay = RelayServer().start()
+    link, proxies = linked_pair(relay)
+    names = ["site0", "site1"]
+    site0, site1 = (coordinator(name, names) for name in names)
+    try:
+        site0.set_peers({"site1": site1.address}, proxies["site0"])
+        site1.set_peers({"site0": site0.address}, proxies["site1"])
+        site0.start()
+        register(site0, lane="127.0.0.1:2000")  # site0 is ready; site1 has not started
+        for _ in range(3):
+            # Answered (a join cannot be told from the site's own until the site is
+            # asked), but nothing is taken from it: no generation, no lanes, no liveness.
+            assert forged_join(site0.address).generation == 0
+        with site0.state.cond:
+            site0.state.cond.wait_for(lambda: False, 1.5)  # site0 keeps joining site1
+            assert site0.generation == 0
+            assert "site1" not in site0.state.ready_sites
+            assert "site1" not in site0.state.last_seen
+        assert site0.refusals.count == 0  # not settled yet: site1 has not answered
+
+        # The real site1 starts: site0 admits it with the lanes site1 itself names.
+        site1.start()
+        register(site1, lane="127.0.0.1:2001")
+        sites = {info.name: list(info.lane_addresses) for info in site0.wait_ready(20)}
+        assert sites == {"site0": ["127.0.0.1:2000"], "site1": ["127.0.0.1:2001"]}
+        assert site0.incarnations.get("site1") == site1.incarnations.mine
+        # The three forged claims, contradicted by site1's answer: counted, and logged
+        # once for their host, with the caller's address.
+        wait_for(lambda: site0.refusals.count >= 3, "the forged joins were never settled")
+        assert site0.refusals.count == 3
+        lines = [r.getMessage() for r in caplog.records if "does not confirm" in r.getMessage()]
+        assert len(lines) == 1 and "site1's name" in lines[0] and "127.0.0.1" in lines[0]
+
+        # After the job runs, a forged join in a member's name changes nothing either.
+        generation = site0.generation
+        forged_join(site0.address, incarnation="e" * 16)
+        time.sleep(0.5)
+        with site0.state.cond:
+            assert site0.generation == generation and site0.state.suspects_locked() == []
+            assert list(site0.state.ready_sites["site1"].lane_addresses) == ["127.0.0.1:2001"]
+    finally:
+        stop_all([site0, site1])
+        relay.close()
+
+
+def test_two_sites_starting_at_once_join_each_other_without_waiting():
+    """Both sites' first joins cross: each asks the other at its address from its own
+    peer loop (never from a handler), so neither waits on the other."""
+    relay = RelayServer().start()
+    link, proxies = linked_pair(relay)
+    names = ["site0", "site1"]
+    coords = [coordinator(name, names) for name in names]
+    try:
+        for c, other in zip(coords, reversed(coords), strict=True):
+            c.set_peers({other.site: other.address}, proxies[c.site])
+        for c in coords:
+            c.start()
+        start = time.monotonic()
+        for i, c in enumerate(coords):
+            register(c, lane=f"127.0.0.1:{2000 + i}")
+        for c in coords:
+            c.wait_ready(10)
+        # A join round every 0.2 s, one more round trip to settle: well under a second.
+        assert time.monotonic() - start < 2.0
+        for c in coords:
+            assert c.refusals.count == 0  # a site's own joins are never taken for forged
+    finally:
+        stop_all(coords)
+        relay.close()

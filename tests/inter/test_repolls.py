@@ -1,0 +1,118 @@
+"""A flood of long polls against a coordinator (inter/bounds.py ``WaitSlots`` and
+``RePolls``; issue 33, row 9): the flooder holds its share of the slots only, its polls
+answered at once are paced, and the ranks that train are still answered."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from coordinators import start_sites, stop_all, vote_all
+
+from isthmus.inter.bounds import RePolls
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_caller_is_answered_at_once_for_a_burst_then_at_its_rate():
+    clock = Clock()
+    repolls = RePolls(per_s=2.0, burst=3, hold_s=0.0, holds=1, clock=clock)
+    assert [repolls.too_fast("a") for _ in range(4)] == [False, False, False, True]
+    assert repolls.too_fast("b") is False  # another caller has its own burst
+    clock.now += 0.5  # one token back at 2/s
+    assert [repolls.too_fast("a") for _ in range(2)] == [False, True]
+    clock.now += 60  # never more than the burst
+    assert [repolls.too_fast("a") for _ in range(4)] == [False, False, False, True]
+
+
+def test_only_a_few_polls_are_held_at_once():
+    repolls = RePolls(hold_s=5.0, holds=1)
+    held = threading.Thread(target=repolls.hold)
+    held.start()
+    deadline = time.monotonic() + 5
+    while repolls._holding._value != 0:  # noqa: SLF001 (the one hold is taken)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    start = time.monotonic()
+    assert repolls.hold() is False  # none free: the caller is refused, not held
+    assert time.monotonic() - start < 1.0
+    repolls.release_all()
+    held.join(5)
+    assert not held.is_alive()
+
+
+def poll(stub, generation: int, wait_ms: int):
+    return stub.GetMembership(
+        pb.GetMembershipRequest(known_generation=generation, wait_ms=wait_ms), timeout=40
+    )
+
+
+def test_a_polling_flood_is_paced_and_the_ranks_still_commit(caplog):
+    coords = start_sites(2)
+    site0 = coords[0]
+    channel = grpc.insecure_channel(site0.address)
+    stub = pb_grpc.CoordinatorStub(channel)
+    held = []
+    try:
+        generation = site0.generation
+        # The flooder takes every slot it may wait in ...
+        for _ in range(site0.membership_share + 3):
+            held.append(
+                stub.GetMembership.future(
+                    pb.GetMembershipRequest(known_generation=generation, wait_ms=30_000),
+                    timeout=40,
+                )
+            )
+        # ... then asks again as soon as it is answered, from one thread for 2 s.
+        answered, refused = 0, 0
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            try:
+                poll(stub, generation, 30_000)
+                answered += 1
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                refused += 1
+        # Unpaced, a loop like this one is answered thousands of times in 2 s on loopback;
+        # paced: the burst (20), 5/s after it, and a 0.5 s hold per poll past that.
+        assert answered + refused < 60, (answered, refused)
+        # A flooder of several threads finds the holds taken: refused at once, no state read.
+        codes = []
+
+        def flood_thread():
+            for _ in range(10):
+                try:
+                    poll(stub, generation, 30_000)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+
+        threads = [threading.Thread(target=flood_thread) for _ in range(4)]
+        for t in threads:
+            t.start()
+        # Meanwhile the ranks vote and the job commits, in its own slots.
+        decisions = vote_all(coords, step=0, generation=generation)
+        assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}
+        for t in threads:
+            t.join(30)
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        # Logged once per caller and reason, however many times it happened.
+        lines = [r.getMessage() for r in caplog.records if "re-polls faster" in r.getMessage()]
+        assert len(lines) == 1 and "GetMembership at 127.0.0.1" in lines[0]
+        assert site0.generation == generation  # the flood changed nothing
+    finally:
+        for call in held:
+            call.cancel()
+        channel.close()
+        stop_all(coords)
