@@ -20,7 +20,7 @@ from typing import TextIO
 
 from isthmus.deploy.config import ConfigError, JobConfig
 from isthmus.deploy.progress import Progress
-from isthmus.deploy.ranks import LaunchError, RankProcess, SiteRanks, prepare_run_dir
+from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
 from isthmus.deploy.validation import HostFacts, host_problem
 from isthmus.inter.control.coordinator import Coordinator
@@ -30,7 +30,6 @@ __all__ = [
     "LaunchError",
     "LocalJob",
     "check_supported",
-    "explain_failure",
     "first_gpus",
     "gpu_shortage",
     "gpus_needed",
@@ -292,7 +291,7 @@ class LocalJob:
         for site in self._sites:
             failed = site.failed()
             if failed is not None:
-                raise LaunchError(explain_failure(failed))
+                raise LaunchError(site.describe_failure(failed))
 
     # -- teardown -----------------------------------------------------------------
 
@@ -312,33 +311,6 @@ class LocalJob:
         if self._token_file is not None:
             self._token_file.unlink(missing_ok=True)
             self._token_file = None
-
-
-FULL_BELOW = 1 << 20
-"""A disk with less free space than this could not take a rank's last line."""
-
-
-def explain_failure(failed: RankProcess) -> str:
-    """One line for a rank that exited with an error (``SiteRanks.describe_failure``).
-
-    A rank whose log holds no error line on a disk that is full could not write it
-    (issue 33, row 12: the job stopped with an empty reason): then say that, naming the
-    errno and the log.
-    """
-    reason = SiteRanks.describe_failure(failed)
-    try:
-        log = failed.log_path.read_text(errors="replace")
-        said = any(line.startswith("error:") for line in log.splitlines())
-        disk = os.statvfs(failed.log_path.parent)
-    except OSError:
-        return reason
-    if said or disk.f_bavail * disk.f_frsize >= FULL_BELOW:
-        return reason
-    return (
-        f"{failed.site} rank {failed.rank} exited with code {failed.process.returncode}: "
-        f"no space left on device (ENOSPC) writing {failed.log_path}: the disk of the run "
-        "folder is full, and the rank's log could not take its error"
-    )
 
 
 def slow_env(factor: float, from_step: int) -> dict[str, str]:

@@ -93,6 +93,10 @@ def prepare_run_dir(config: JobConfig, site: str | None = None) -> tuple[Path, b
     return run_dir, temporary
 
 
+FULL_BELOW = 1 << 20
+"""A disk with less free space than this could not take a rank's last line."""
+
+
 @dataclass
 class RankProcess:
     site: str
@@ -209,14 +213,26 @@ class SiteRanks:
 
     @staticmethod
     def describe_failure(failed: RankProcess) -> str:
-        """One line: which rank, its exit code, its last error line, where its log is."""
-        lines = failed.log_path.read_text(errors="replace").strip().splitlines()
+        """One line: which rank, its exit code, its last error line, where its log is.
+
+        A rank whose log holds no error line on a disk that is full could not write it
+        (issue 33, row 12: the job stopped with an empty reason): then say that, naming
+        the errno and the log.
+        """
+        head = f"{failed.site} rank {failed.rank} exited with code {failed.process.returncode}"
+        try:
+            lines = failed.log_path.read_text(errors="replace").strip().splitlines()
+            disk = os.statvfs(failed.log_path.parent)
+        except OSError as exc:
+            return f"{head}: its log {failed.log_path} cannot be read: {exc.strerror or exc}"
         errors = [line for line in lines if line.startswith("error:")]
+        if not errors and disk.f_bavail * disk.f_frsize < FULL_BELOW:
+            return (
+                f"{head}: no space left on device (ENOSPC) writing {failed.log_path}: the "
+                "disk of the run folder is full, and the rank's log could not take its error"
+            )
         last = errors[-1][len("error:") :].strip() if errors else (lines[-1] if lines else "")
-        return (
-            f"{failed.site} rank {failed.rank} exited with code {failed.process.returncode}: "
-            f"{last} (log: {failed.log_path})"
-        )
+        return f"{head}: {last} (log: {failed.log_path})"
 
     def describe(self) -> list[dict]:
         return [

@@ -14,8 +14,7 @@ import pytest
 from helpers import run_cli
 from tmpfs import fill, small_tmpfs
 
-from isthmus.deploy.local import explain_failure
-from isthmus.deploy.ranks import RankProcess
+from isthmus.deploy.ranks import RankProcess, SiteRanks
 
 
 @pytest.mark.slow
@@ -35,9 +34,12 @@ def test_isthmus_local_on_a_full_disk_names_the_errno_and_the_file(tmp_path: Pat
         assert result.returncode == 1, result.stdout + result.stderr
         last = result.stderr.strip().splitlines()[-1]
         assert last.startswith("error: site"), result.stderr
-        assert "no space left on device (ENOSPC) writing " in last, last
-        assert f"{run_dir}/checkpoints/site" in last and ".partial/" in last, last
-        assert "not saved (its .partial folder removed)" in last, last
+        assert f"no space left on device (ENOSPC) writing {run_dir}/" in last, last
+        # Mostly the second checkpoint fills the disk; on a slow machine the logs may have
+        # taken the last bytes first, and then the next write there names its own file.
+        if ".partial/" in last:
+            assert f"{run_dir}/checkpoints/site" in last, last
+            assert "not saved (its .partial folder removed)" in last, last
         assert "Traceback" not in result.stderr, result.stderr
         leftovers = [str(p) for p in run_dir.rglob("*.partial")]
         assert leftovers == [], leftovers
@@ -106,8 +108,8 @@ def test_the_launcher_names_a_full_disk_when_a_rank_could_not_say_why(tmp_path: 
         silent.wait(timeout=30)
         failed = RankProcess("site1", 0, silent, log)
         # Room on the disk: the rank's (empty) reason stands, nothing is guessed.
-        assert "ENOSPC" not in explain_failure(failed)
+        assert "ENOSPC" not in SiteRanks.describe_failure(failed)
         fill(disk)
-        reason = explain_failure(failed)
+        reason = SiteRanks.describe_failure(failed)
     assert reason.startswith("site1 rank 0 exited with code 1: no space left on device (ENOSPC)")
     assert str(log) in reason
