@@ -159,6 +159,8 @@ def check_lane(lane: Lane, method: str, data: bytes, kind: str) -> None:
             "PullState": lane_pb2.StatePiece,
             "OpenBulk": lane_pb2.OpenBulkResponse,
             "AbortRound": lane_pb2.AbortRoundResponse,
+            "DeliverChunk": lane_pb2.DeliverChunkResponse,
+            "GrantBulk": lane_pb2.GrantBulkResponse,
         }.get(method, lane_pb2.ResendChunkResponse)
         for r in replies:
             reply_type.FromString(r)
@@ -184,6 +186,18 @@ VALID_ABORT = st.builds(
     from_site=st.integers(0, 3),
     reason=st.text(max_size=40),
 )
+# Hand-offs answer a nonce the lane's own round made; none of these is one, so each
+# must be refused and leave the mailbox, the outbox and the offer as they were.
+VALID_DELIVER = st.builds(
+    lane_pb2.DeliverChunkRequest, chunk=valid_chunk(), nonce=st.binary(max_size=40)
+)
+VALID_GRANT = st.builds(
+    lane_pb2.GrantBulkRequest,
+    nonce=st.binary(max_size=40),
+    ticket=st.binary(max_size=40),
+    port=st.integers(0, 65535),
+    from_site=st.integers(0, 3),
+)
 VALID_PULL = st.builds(
     lane_pb2.PullStateRequest,
     generation=st.integers(LANE_GEN - 1, LANE_GEN + 1),
@@ -208,6 +222,20 @@ def test_abort_round(fuzz_lane, request):
     check_lane(fuzz_lane, "AbortRound", request.SerializeToString(), "unary_unary")
 
 
+@settings(max_examples=200, **SETTINGS)
+@given(request=requests(VALID_DELIVER, lane_pb2.DeliverChunkRequest.DESCRIPTOR))
+def test_deliver_chunk(fuzz_lane, request):
+    count("DeliverChunk")
+    check_lane(fuzz_lane, "DeliverChunk", request.SerializeToString(), "unary_unary")
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(request=requests(VALID_GRANT, lane_pb2.GrantBulkRequest.DESCRIPTOR))
+def test_grant_bulk(fuzz_lane, request):
+    count("GrantBulk")
+    check_lane(fuzz_lane, "GrantBulk", request.SerializeToString(), "unary_unary")
+
+
 @settings(max_examples=400, **SETTINGS)
 @given(request=requests(VALID_PULL, lane_pb2.PullStateRequest.DESCRIPTOR))
 def test_pull_state(fuzz_lane, request):
@@ -218,7 +246,17 @@ def test_pull_state(fuzz_lane, request):
 @settings(max_examples=700, **SETTINGS)
 @given(
     data=st.data(),
-    method=st.sampled_from(["PushChunks", "ResendChunk", "PullState", "OpenBulk", "AbortRound"]),
+    method=st.sampled_from(
+        [
+            "PushChunks",
+            "ResendChunk",
+            "PullState",
+            "OpenBulk",
+            "AbortRound",
+            "DeliverChunk",
+            "GrantBulk",
+        ]
+    ),  # fmt: skip
 )
 def test_raw_bytes_to_every_lane_handler(fuzz_lane, data, method):
     count("raw Lane")
@@ -238,6 +276,8 @@ def test_raw_bytes_to_every_lane_handler(fuzz_lane, data, method):
     valid = {
         "ResendChunk": VALID_RESEND,
         "AbortRound": VALID_ABORT,
+        "DeliverChunk": VALID_DELIVER,
+        "GrantBulk": VALID_GRANT,
         "PullState": VALID_PULL,
         "OpenBulk": st.just(lane_pb2.OpenBulkRequest()),  # a ticket, never a state change
     }[method]
