@@ -226,7 +226,8 @@ def _dcp_failure(exc: CheckpointException, partial: Path) -> str:
         full = _out_of_space(partial)
         if full is None:
             return f"rank {rank}: {type(error).__name__}: {error}"
-        error = OSError(full.errno, os.strerror(full.errno))  # the probe's name is not news
+        errno_ = full.errno or errno.ENOSPC  # when the probe's error carries none
+        error = OSError(errno_, os.strerror(errno_))  # the probe's name is not news
     return describe_os_error(error, where)
 
 

@@ -5,7 +5,8 @@ streams, validates every message field by field and deposits the valid ones in a
 :class:`~isthmus.inter.data.mailbox.Mailbox`; a chunk whose payload fails its crc32 is
 marked there instead, and the round pulls it again with ``ResendChunk``; what a lane
 hands only to a site of its rounds (a chunk asked for again, a bulk ticket) goes through
-:mod:`isthmus.inter.data.lane_handoff`. It also owns the
+:mod:`isthmus.inter.data.lane_handoff`, a round given up and a pull of the training state
+through :mod:`isthmus.inter.data.lane_requests`. It also owns the
 limits both sides share (:func:`max_payload_bytes`, :func:`channel_options`,
 :func:`~isthmus.inter.data.chunk_size.chunk_bytes_for_link`). The sending side,
 :class:`~isthmus.inter.data.lane_peer.LanePeer`, lives in :mod:`isthmus.inter.data.lane_peer`.
@@ -27,9 +28,10 @@ from isthmus.inter.control.channels import server_options
 from isthmus.inter.data.bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener, Tickets
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.lane_handoff import LaneHandoff, holder_of
+from isthmus.inter.data.lane_requests import OFFER_WAIT_S, LaneRequests
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
 from isthmus.inter.data.round_types import Members
-from isthmus.inter.data.state_transfer import StateOffers, pieces
+from isthmus.inter.data.state_transfer import StateOffers
 from isthmus.inter.data.wire import Chunk, ChunkWire, DeliverWire, WireError, parse_chunk
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
@@ -43,7 +45,6 @@ _HEADROOM = 64 * 1024
 _GENERATIONS_AHEAD = 2
 """Generations past this lane's whose chunks it holds for a moment (see ``take``)."""
 _GENERATION_WAIT_S = 10.0  # how long a chunk of a newer generation waits for this lane
-_OFFER_WAIT_S = 60.0  # how long PullState waits for the state of the step it names
 _CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
 ANY_SENDER = object()
 """``LaneServer.take``'s holder when the sender was checked already (mutual TLS)."""
@@ -133,7 +134,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         """The training state this rank offers a joining site (``PullState``)."""
         self.rank = 0
         """This lane's rank in its site; a joiner pulls only from its own coordinate."""
-        self.offer_wait_s = _OFFER_WAIT_S
+        self.offer_wait_s = OFFER_WAIT_S
         """How long ``PullState`` waits for the state of the step it names."""
         self.corruptions = 0
         """Chunks received with a payload that failed its crc32 (each pulled again)."""
@@ -152,6 +153,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.tickets = Tickets()
         """Bulk tickets (and PushChunks passes) granted, each bound to a site."""
         self.handoff = LaneHandoff(self)
+        self.requests = LaneRequests(self)
         self._server.add_generic_rpc_handlers((self._handlers(),))
         # grpc.health.v1, like every isthmus server: SERVING until stop().
         self.refusals = RefusalLog(f"lane of site {site_index}")
@@ -159,7 +161,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         streams = max(1, max_workers - RESERVED_THREADS)
         self._streams = WaitSlots(streams, "PushChunks stream", self.refusals)
         # Taken from the reserved threads: the rest still answer at once.
-        self._pulls = WaitSlots(PULL_STATE_WAITS, "PullState", self.refusals)
+        self.pulls = WaitSlots(PULL_STATE_WAITS, "PullState", self.refusals)
+        """Joining ranks waiting in PullState (inter/data/lane_requests.py)."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -215,12 +218,12 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                     response_serializer=lane_pb2.OpenBulkResponse.SerializeToString,
                 ),
                 "AbortRound": unary_unary(
-                    self.AbortRound,
+                    self.requests.abort_round,
                     request_deserializer=lane_pb2.AbortRoundRequest.FromString,
                     response_serializer=lane_pb2.AbortRoundResponse.SerializeToString,
                 ),
                 "PullState": grpc.unary_stream_rpc_method_handler(
-                    self.PullState,
+                    self.requests.pull_state,
                     request_deserializer=lane_pb2.PullStateRequest.FromString,
                     response_serializer=lane_pb2.StatePiece.SerializeToString,
                 ),
@@ -502,76 +505,3 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         names = self._members.site_names
         if names is not None and from_site < len(names):
             refuse_unless_named(self.security, context, self.where, names[from_site], method)
-
-    def AbortRound(  # noqa: N802 (gRPC method name)
-        self, request: lane_pb2.AbortRoundRequest, context: grpc.ServicerContext
-    ) -> lane_pb2.AbortRoundResponse:
-        """Notes that a member site gave up a round of this generation: this rank's
-        part of it fails at once (``RoundPipeline``) instead of at its deadline."""
-        self.refuse_unless_sender(context, request.from_site, "AbortRound")
-        members = self._members
-        if request.generation != members.generation:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"site {members.site_index}: generation {request.generation} != "
-                f"{members.generation}",
-            )
-        if request.from_site >= members.num_sites or request.from_site == members.site_index:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"from_site {request.from_site} is not another member of {members.num_sites} sites",
-            )
-        refused = self.mailbox.note_abort(
-            request.step, request.group, request.from_site, request.reason
-        )
-        if refused is not None:
-            self.refusals.note(
-                context.peer(),
-                f"AbortRound of step {request.step} group {request.group}: {refused}",
-            )
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"site {members.site_index} did not note the abort: {refused}",
-            )
-        return lane_pb2.AbortRoundResponse()
-
-    def PullState(  # noqa: N802 (gRPC method name)
-        self, request: lane_pb2.PullStateRequest, context: grpc.ServicerContext
-    ) -> Iterator[lane_pb2.StatePiece]:
-        """Streams this rank's training state after ``request.step`` to a joining rank
-        (at most :data:`PULL_STATE_WAITS` at once; more get RESOURCE_EXHAUSTED, logged)."""
-        self._pulls.hold_for_stream(context)
-        generation = self.generation
-        if request.generation > generation:
-            # Admitted by a round voted ahead: this rank moves there when it lands it.
-            context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"site {self.site_index} is in generation {generation}, not yet "
-                f"{request.generation}: ask again",
-            )
-        if request.generation != generation:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"site {self.site_index}: generation {request.generation} != {generation}",
-            )
-        if request.rank != self.rank:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {request.rank} asked the lane of rank {self.rank}: pull from your "
-                "own mesh coordinate",
-            )
-        state = self.offers.wait(request.generation, request.step, self.offer_wait_s)
-        if state is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"site {self.site_index} rank {self.rank} offers no state after step "
-                f"{request.step} in generation {request.generation}",
-            )
-        assert state is not None  # context.abort raised
-        log.info(
-            "[site %d rank %d] serving the state after step %d",
-            self.site_index,
-            self.rank,
-            request.step,
-        )
-        yield from pieces(state)

@@ -279,6 +279,8 @@ class LanePeer:
             raise BulkRefused(
                 grpc.StatusCode.UNAUTHENTICATED, f"{self.address} answered but granted no ticket"
             )
+        port: int
+        ticket: bytes
         port, ticket = granted  # type: ignore[misc]  # what take_grant stored
         return port or reply.port, ticket
 
