@@ -164,12 +164,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.join_claims = JoinClaims(self.refusals)
         """What joins in each peer's name claimed, until the peer's own answer settles it."""
         # Each caller holds its share only (a rank two, a peer site's votes two, the
-        # membership polls from one host one per rank and two more), and one answered
-        # at once too often is paced (inter/bounds.py, issue 33 row 9).
+        # site's ranks' membership polls two a rank, anyone else's two a host), and one
+        # answered at once too often is paced unless it proved a rank's key
+        # (inter/bounds.py, issue 33 row 9).
         waiters = 2 * ranks + 2 * len(self.site_names) + 2
         self.repolls = RePolls()
         self.long_polls = WaitSlots(waiters, "long poll", self.refusals, self.repolls)
-        self.membership_share = ranks + 2
         # grpc.health.v1: SERVING while the site trains, NOT_SERVING once it drains.
         self.health = BoundedHealth(self.refusals)
 
@@ -411,7 +411,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def GetMembership(self, request, context):  # noqa: N802
         st = self.state
-        polls = self.long_polls.wait(context, "GetMembership", self.membership_share)
+        # A registered rank's polls (with its key) wait in the ranks' share, unpaced;
+        # anyone else's share the two slots of their host, and are paced.
+        if request.rank_key and self.rank_keys.is_any_rank(request.rank_key):
+            polls = self.long_polls.wait(
+                context, f"{self.site}'s ranks", 2 * self.ranks, paced=False
+            )
+        else:
+            polls = self.long_polls.wait(context, "GetMembership", 2)
         with polls as may_wait, st.cond:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
             deadline = time.monotonic() + wait_s

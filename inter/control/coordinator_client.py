@@ -221,7 +221,9 @@ class CoordinatorClient:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             reply = self.stub.GetMembership(
-                pb.GetMembershipRequest(known_generation=0, wait_ms=_MEMBERSHIP_WAIT_MS),
+                pb.GetMembershipRequest(
+                    known_generation=0, wait_ms=_MEMBERSHIP_WAIT_MS, rank_key=self.rank_key
+                ),
                 timeout=_MEMBERSHIP_RPC_TIMEOUT_S,
             )
             if reply.generation > 0:
@@ -279,7 +281,9 @@ class CoordinatorClient:
         is closing stops without waiting out the poll).
         """
         call = self.stub.GetMembership.future(
-            pb.GetMembershipRequest(known_generation=known_generation, wait_ms=wait_ms),
+            pb.GetMembershipRequest(
+                known_generation=known_generation, wait_ms=wait_ms, rank_key=self.rank_key
+            ),
             timeout=timeout_s,
         )
         if on_call is not None:

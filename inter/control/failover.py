@@ -183,7 +183,9 @@ class Failover:
                 )
             self._refuse_if_too_far_locked(request.step, context)
             self.ballots.vote_rank_locked(key, request.rank, request.ok)
-        return self._await(key, request.wait_ms, context, f"{c.site} rank {request.rank}")
+        # The vote proved its rank's key above: its polls are never paced.
+        rank = f"{c.site} rank {request.rank}"
+        return self._await(key, request.wait_ms, context, rank, paced=False)
 
     def site_vote(self, request: pb.SiteVoteRequest, context: grpc.ServicerContext):
         """A member site's vote at this (leader) site; long poll for the decision."""
@@ -232,7 +234,7 @@ class Failover:
             # A "not ok" stands once cast (Ballots.vote_site_locked says why).
             b.vote_site_locked(key, request.site, request.ok, request.suspects)
         self.leader.evaluate(key)
-        return self._await(key, request.wait_ms, context, f"{request.site}'s vote")
+        return self._await(key, request.wait_ms, context, f"{request.site}'s vote", paced=True)
 
     def propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext):
         """Adopt a higher generation proposed by its leader."""
@@ -262,11 +264,11 @@ class Failover:
     # -- waiting for a decision -----------------------------------------------------------
 
     def _await(
-        self, key: Key, wait_ms: int, context: grpc.ServicerContext, caller: str
+        self, key: Key, wait_ms: int, context: grpc.ServicerContext, caller: str, *, paced: bool
     ) -> pb.Decision:
         # ``caller`` holds two slots at most: a vote and an early vote (inter/bounds.py).
         st, b = self.state, self.ballots
-        with self.c.long_polls.wait(context, caller, 2) as may_wait, st.cond:
+        with self.c.long_polls.wait(context, caller, 2, paced=paced) as may_wait, st.cond:
             deadline = time.monotonic() + (min(wait_ms, 30_000) / 1000.0 if may_wait else 0.0)
             while True:
                 # A rank that voted in a generation older than the one this site was

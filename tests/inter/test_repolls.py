@@ -9,9 +9,10 @@ import time
 
 import grpc
 import pytest
-from coordinators import start_sites, stop_all, vote_all
+from coordinators import rank_key, start_sites, stop_all, vote_all
 
 from isthmus.inter.bounds import RePolls
+from isthmus.inter.control.coordinator_client import CoordinatorClient
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -68,7 +69,7 @@ def test_a_polling_flood_is_paced_and_the_ranks_still_commit(caplog):
     try:
         generation = site0.generation
         # The flooder takes every slot it may wait in ...
-        for _ in range(site0.membership_share + 3):
+        for _ in range(2 + 3):  # an unregistered caller waits in two slots at most
             held.append(
                 stub.GetMembership.future(
                     pb.GetMembershipRequest(known_generation=generation, wait_ms=30_000),
@@ -86,24 +87,33 @@ def test_a_polling_flood_is_paced_and_the_ranks_still_commit(caplog):
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 refused += 1
         # Unpaced, a loop like this one is answered thousands of times in 2 s on loopback;
-        # paced: the burst (20), 5/s after it, and a 0.5 s hold per poll past that.
+        # paced: the burst (20), 5/s after it, and a 1 s hold per poll past that.
         assert answered + refused < 60, (answered, refused)
-        # A flooder of several threads finds the holds taken: refused at once, no state read.
+        # A flooder of more threads than there are holds finds them taken: refused at
+        # once, before any state is read.
         codes = []
 
         def flood_thread():
-            for _ in range(10):
+            for _ in range(3):
                 try:
                     poll(stub, generation, 30_000)
                 except grpc.RpcError as exc:
                     codes.append(exc.code())
 
-        threads = [threading.Thread(target=flood_thread) for _ in range(4)]
+        threads = [threading.Thread(target=flood_thread) for _ in range(site0.repolls.holds + 4)]
         for t in threads:
             t.start()
-        # Meanwhile the ranks vote and the job commits, in its own slots.
+        # Meanwhile the ranks vote and the job commits, in its own slots, and a rank's
+        # membership poll (with its key) waits in the ranks' share, never paced.
         decisions = vote_all(coords, step=0, generation=generation)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}
+        rank0 = CoordinatorClient.connect(site0.address, rank_key=rank_key(site0))
+        try:
+            for _ in range(30):  # past any burst: a flooder would be paced by now
+                now = rank0.membership_now(known_generation=0, wait_ms=0, timeout_s=5)
+                assert now.generation == generation
+        finally:
+            rank0.close()
         for t in threads:
             t.join(30)
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
