@@ -121,7 +121,7 @@ def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> 
         help="change a live link",
         description="Change a running link at once, for bytes sent afterwards. Keys are "
         "those of a link in a topology file: distance_km, latency_ms, bandwidth_mbit, "
-        "queue_kib, seed, impairments (a TOML list, e.g. "
+        "per_flow_mbit, queue_kib, seed, impairments (a TOML list, e.g. "
         "'impairments=[{kind=\"loss\", rate=0.001}]'); prefix a_to_b. or b_to_a. to change "
         "one direction only. Nothing changes if any key or value is wrong.",
         formatter_class=formatter,
@@ -256,6 +256,8 @@ def _summary(table: dict[str, Any]) -> str:
         f"{bandwidth:g} Mbit/s" if bandwidth else "unlimited",
         f"queue {table['queue_kib']:g} KiB",
     ]
+    if table.get("per_flow_mbit"):
+        parts.insert(2, f"{table['per_flow_mbit']:g} Mbit/s per flow")
     for imp in table["impairments"]:
         params = ", ".join(f"{k}={v}" for k, v in imp.items() if k != "kind" and v is not None)
         parts.append(f"{imp['kind']}({params})")

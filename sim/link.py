@@ -7,6 +7,12 @@ later) and bounds the bytes in flight (read from a sender, not yet off the wire)
 `bandwidth * delay + queue_bytes`, so a sender feels the bandwidth-delay product as TCP
 backpressure instead of filling an unbounded buffer.
 
+A direction may also cap each connection (`DirectionSpec.per_flow_bps`, as public
+clouds cap one TCP flow): every stream keeps a token bucket (`charge_flow`), the pump
+reads no more from a flow whose bucket is empty (its sender feels the cap as
+backpressure, as behind a cloud's shaper) and each piece arrives no sooner than its
+flow's shaper lets its last bit out. Flows share the link's bandwidth as before.
+
 Each piece then passes the direction's impairments in order (`sim/impairments/`): they
 may move its time on the wire (jitter), hold it back on its connection (loss stalls, a
 flap), change its bytes (corruption), split its delivery (slicing) or reset its
@@ -44,6 +50,11 @@ PIECE_BYTES = 64 * 1024
 that the clock stays fine-grained without a syscall per 64 KiB at 25 Gbit/s."""
 PIECE_WIRE_S = 0.5e-3
 MAX_PIECE_BYTES = 1 << 20
+FLOW_PIECE_WIRE_S = 2e-3
+"""A capped flow's pieces (and its token bucket's depth) hold about this much of its
+cap's wire time: longer than `PIECE_WIRE_S`, so that a 5 Gbit/s flow moves ~1 MiB a
+piece as an uncapped one does (the pump's Python work is per piece: pieces 4x smaller
+would cost 4x the CPU of the thread that moves the whole link)."""
 BUFFER_WIRE_S = 1e-3
 """Socket buffers of a connection hold about this much of the link's wire time."""
 
@@ -158,11 +169,45 @@ class DirectionPipe:
     # -- called by the pump thread ---------------------------------------------------
 
     def piece_limit(self) -> int:
-        """Most bytes to read from a sender at once now."""
+        """Most bytes to read from a sender at once now (the link's own bound)."""
         spec = self._spec
         if spec.unlimited:
             return MAX_PIECE_BYTES
         return max(PIECE_BYTES, min(MAX_PIECE_BYTES, int(spec.bandwidth_bps * PIECE_WIRE_S / 8)))
+
+    def flow_piece_limit(self) -> int:
+        """Most bytes to read from one capped flow at once: `piece_limit`, and no more
+        than `FLOW_PIECE_WIRE_S` of the flow's own cap (at least `PIECE_BYTES`), so that
+        a slow flow's pieces are spaced finely. Also the depth of the flow's token
+        bucket: what a flow that was idle may send at once. No cap: `piece_limit`."""
+        spec = self._spec
+        limit = self.piece_limit()
+        if not spec.flow_capped:
+            return limit
+        return min(limit, max(PIECE_BYTES, int(spec.per_flow_bps * FLOW_PIECE_WIRE_S / 8)))
+
+    def charge_flow(self, free_at: float, size: int, now: float) -> float:
+        """A flow's token bucket after it sent `size` bytes at `now`.
+
+        The bucket is kept as the time `free_at` when it is next non-negative: a flow
+        may send while `free_at <= now`, each piece moves it on by its time at the cap,
+        and an idle flow's credit is one piece (`flow_piece_limit`), which also absorbs
+        the pump's late wake-ups. The piece may cross the link no sooner than
+        the returned time (its last bit leaves the flow's shaper then).
+
+        Args:
+            free_at: the flow's time before this piece (0.0 for a new flow).
+            size: bytes of the piece.
+            now: when it was read.
+
+        Returns:
+            The flow's new `free_at`; 0.0 when the direction has no cap.
+        """
+        spec = self._spec
+        if not spec.flow_capped:
+            return 0.0
+        burst_s = self.flow_piece_limit() * 8 / spec.per_flow_bps
+        return max(free_at, now - burst_s) + size * 8 / spec.per_flow_bps
 
     def room(self, now: float) -> tuple[int, float | None]:
         """Bytes the link admits now, and when room is next released (None: nothing
@@ -180,13 +225,19 @@ class DirectionPipe:
             room = min(limit, self._spec.inflight_limit_bytes - self._inflight)
             return (room if room >= min(limit, self._spec.inflight_limit_bytes) // 4 else 0), nxt
 
-    def admit(self, data: bytes | None, size: int, now: float) -> Piece:
+    def admit(self, data: bytes | None, size: int, now: float, flow_done: float = 0.0) -> Piece:
         """Put `size` bytes on the wire behind those before them; return the piece with
-        its times (and bytes, if an impairment changed them)."""
+        its times (and bytes, if an impairment changed them).
+
+        `flow_done` is when the piece's last bit leaves its flow's shaper (a per-flow
+        cap, `charge_flow`): it arrives no sooner than that plus the latency. The
+        shaper holds the flow's next piece back instead of reserving the link's clock
+        ahead, so a capped flow leaves no idle gap on the link for the others."""
         with self._lock:
             spec = self._spec
             self._next_free = max(now, self._next_free) + spec.serialization_s(size)
-            arrival = self._next_free + spec.latency_s  # off the wire at the far end
+            # off the wire at the far end
+            arrival = max(self._next_free, flow_done) + spec.latency_s
             piece = self._impaired(Piece(data=data, size=size, wire_at=arrival, at=0.0), now)
             self._inflight += size
             heapq.heappush(self._on_wire, (piece.wire_at, size))

@@ -5,9 +5,10 @@ One `Pump` per `DirectionPipe`, serving every connection that crosses the direct
 (its bandwidth is shared, so one thread keeps its clock). Per connection a stream:
 read a piece from the sender once the link admits it (the in-flight bound), ask the
 pipe for its times (serialization, latency, impairments), hold it, write it to the
-receiver when due. Waiting is a `poll` over the sockets, a wake-up eventfd and a
-timerfd armed at the next release (`sim/clock.py`), not an event loop's millisecond
-ticks.
+receiver when due. A direction with a per-flow cap also holds back each stream whose
+token bucket is empty (`DirectionPipe.charge_flow`) until it refills. Waiting is a
+`poll` over the sockets, a wake-up eventfd and a timerfd armed at the next release
+(`sim/clock.py`), not an event loop's millisecond ticks.
 
 The bytes stay in the kernel: `os.splice` moves them from the sender's socket into a
 pipe (the delay line; a chain of pipes, since one holds a few MiB at most) and from the
@@ -163,8 +164,10 @@ class Pump:
                         if not s.conn.failed:
                             pipe.count("resets")
                             s.conn.fail()
+                capped = pipe.spec.flow_capped
                 for s in streams:
-                    if s.readable and not s.conn.failed:
+                    # A flow held by its cap stays readable: read it when it may.
+                    if s.readable and not s.conn.failed and not (capped and s.flow_free > now):
                         s.readable = False
                         self._intake(s, now)
                 now = time.monotonic()
@@ -184,10 +187,15 @@ class Pump:
                     streams.append(streams.pop(0))  # round robin: who reads first
                 room, next_wire = pipe.room(now)
                 window = pipe.spec.inflight_limit_bytes + RECV_WINDOW_BYTES
+                capped = pipe.spec.flow_capped
                 for s in streams:
                     reading = not s.eof_read and s.unwritten <= window
                     if reading and room == 0 and next_wire is not None and next_wire < wake_at:
                         wake_at, precise = next_wire, False  # room comes back then
+                    if reading and capped and s.flow_free > now:
+                        reading = False  # its cap holds it: look again when it may send
+                        if s.flow_free < wake_at:
+                            wake_at, precise = s.flow_free, False
                     self._register(poller, s, 0, _IN if reading and room > 0 else 0)
                     self._register(poller, s, 1, _OUT if s.blocked_out else 0)
                 if next_reset is not None and next_reset < wake_at:
@@ -266,10 +274,16 @@ class Pump:
         one poll round trip per piece would empty it)."""
         pipe = self._pipe
         window = pipe.spec.inflight_limit_bytes + RECV_WINDOW_BYTES
+        capped = pipe.spec.flow_capped
         for _ in range(INTAKE_PIECES):
             room, _ = pipe.room(now)
             if room <= 0 or s.unwritten > window:
                 return
+            if capped:
+                if s.flow_free > now:
+                    s.readable = True  # its cap holds it, not an empty socket
+                    return
+                room = min(room, pipe.flow_piece_limit())
             data: bytes | None = None
             now = arrival(s, now)
             try:
@@ -321,7 +335,9 @@ class Pump:
     def _admit(
         self, s: Stream, data: bytes | None, held: KernelPipe | None, n: int, now: float
     ) -> None:
-        piece = self._pipe.admit(data, n, now)
+        pipe = self._pipe
+        s.flow_free = pipe.charge_flow(s.flow_free, n, now)
+        piece = pipe.admit(data, n, now, s.flow_free)
         s.last = max(piece.at, s.last)
         chunk = Chunk(s.last, n, held)
         if data is not None:

@@ -30,6 +30,10 @@ class DirectionSpec:
     """One-way propagation delay, seconds."""
     bandwidth_bps: float = 0.0
     """Serialization rate, bits per second; 0 or `math.inf` means unlimited."""
+    per_flow_bps: float = 0.0
+    """Most each TCP flow (one relayed connection, this direction) may carry, bits per
+    second, on top of `bandwidth_bps` that all flows share, as public clouds cap one
+    flow (AWS: 5 Gbit/s); 0 or `math.inf` means no cap."""
     queue_bytes: int = DEFAULT_QUEUE_BYTES
     """Buffering beyond the bandwidth-delay product (a router queue), bytes."""
     impairments: tuple[Impairment, ...] = ()
@@ -47,6 +51,14 @@ class DirectionSpec:
             raise ValueError(
                 f"bandwidth_bps must be >= 0 (0 or inf = unlimited), got {self.bandwidth_bps!r}"
             )
+        if (
+            isinstance(self.per_flow_bps, bool)
+            or not isinstance(self.per_flow_bps, (int, float))
+            or not self.per_flow_bps >= 0
+        ):
+            raise ValueError(
+                f"per_flow_bps must be >= 0 (0 or inf = no cap), got {self.per_flow_bps!r}"
+            )
         if isinstance(self.queue_bytes, bool) or not isinstance(self.queue_bytes, int):
             raise ValueError(f"queue_bytes must be an int >= 0, got {self.queue_bytes!r}")
         if self.queue_bytes < 0:
@@ -62,6 +74,11 @@ class DirectionSpec:
     def unlimited(self) -> bool:
         """Whether this direction has no bandwidth limit."""
         return self.bandwidth_bps == 0 or math.isinf(self.bandwidth_bps)
+
+    @property
+    def flow_capped(self) -> bool:
+        """Whether each flow has a rate cap of its own (`per_flow_bps`)."""
+        return self.per_flow_bps != 0 and not math.isinf(self.per_flow_bps)
 
     @property
     def inflight_limit_bytes(self) -> int:
@@ -97,6 +114,7 @@ class LinkSpec:
         *,
         latency_s: float,
         bandwidth_bps: float = 0.0,
+        per_flow_bps: float = 0.0,
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
         impairments: tuple[Impairment, ...] = (),
         seed: int = 0,
@@ -106,6 +124,8 @@ class LinkSpec:
         Args:
             latency_s: one-way delay, seconds.
             bandwidth_bps: bits per second each way; 0 or inf = unlimited.
+            per_flow_bps: most bits per second of one connection each way; 0 or
+                inf = no cap.
             queue_bytes: buffering beyond the bandwidth-delay product, bytes.
             impairments: chained in each direction (each direction draws its own
                 random numbers: the pipe mixes the direction's name into the seed).
@@ -117,6 +137,7 @@ class LinkSpec:
         d = DirectionSpec(
             latency_s=latency_s,
             bandwidth_bps=bandwidth_bps,
+            per_flow_bps=per_flow_bps,
             queue_bytes=queue_bytes,
             impairments=tuple(impairments),
             seed=seed,

@@ -123,6 +123,7 @@ class Stream:
     __slots__ = (
         "conn", "src", "dst", "sfd", "dfd", "chunks", "tail", "unwritten", "last",
         "eof_read", "done", "readable", "blocked_out", "masks", "listening_since",
+        "flow_free",
     )  # fmt: skip
 
     def __init__(self, conn: Connection, src: socket.socket, dst: socket.socket) -> None:
@@ -135,6 +136,7 @@ class Stream:
         self.eof_read = self.done = self.readable = self.blocked_out = False
         self.masks = [0, 0]  # registered poll events of src, dst
         self.listening_since = 0.0  # when the pump began to wait for src's bytes
+        self.flow_free = 0.0  # a per-flow cap's token bucket: may read once now >= this
         with contextlib.suppress(OSError):  # kernel receive times, for arrival
             src.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
 

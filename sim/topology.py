@@ -6,6 +6,7 @@
     [defaults]                      # optional; fills every pair not in [links]
     distance_km = 1000              # or latency_ms (one way); ~4.9 us per km of fiber
     bandwidth_mbit = 1000           # each direction; 0 = unlimited
+    per_flow_mbit = 5000            # optional; most one TCP flow carries; 0 = no cap
     queue_kib = 256                 # buffering beyond the bandwidth-delay product
     impairments = [{kind = "jitter", ms = 1}]
 
@@ -37,7 +38,15 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-DIRECTION_KEYS = ("distance_km", "latency_ms", "bandwidth_mbit", "queue_kib", "impairments", "seed")
+DIRECTION_KEYS = (
+    "distance_km",
+    "latency_ms",
+    "bandwidth_mbit",
+    "per_flow_mbit",
+    "queue_kib",
+    "impairments",
+    "seed",
+)
 """Keys of a direction's table (and of a link's or [defaults], which add a_to_b/b_to_a)."""
 DIRECTIONS = ("a_to_b", "b_to_a")
 SITE_NAME = re.compile(r"[A-Za-z0-9_.]+")
@@ -174,6 +183,7 @@ def spec_to_table(spec: LinkSpec) -> dict[str, dict[str, Any]]:
         out[name] = {
             "latency_ms": d.latency_s * 1000.0,
             "bandwidth_mbit": 0.0 if d.unlimited else d.bandwidth_bps / 1e6,
+            "per_flow_mbit": d.per_flow_bps / 1e6 if d.flow_capped else 0.0,
             "queue_kib": d.queue_bytes / 1024,
             "impairments": [i.to_dict() for i in d.impairments],
             "seed": d.seed,
@@ -210,7 +220,11 @@ def _link(defaults: dict[str, Any], table: Any, where: str, seed: int) -> LinkSp
     derived_seed = zlib.crc32(f"{seed}/{where}".encode())  # links draw different streams
     directions = {}
     for name in DIRECTIONS:
-        merged: dict[str, Any] = {"queue_kib": DEFAULT_QUEUE_BYTES // 1024, "impairments": []}
+        merged: dict[str, Any] = {
+            "per_flow_mbit": 0,
+            "queue_kib": DEFAULT_QUEUE_BYTES // 1024,
+            "impairments": [],
+        }
         for layer, at in (
             (defaults, "defaults"),
             (_table(defaults.get(name), f"defaults.{name}"), f"defaults.{name}"),
@@ -257,6 +271,7 @@ def _direction(table: dict[str, Any], where: str, seed: int) -> DirectionSpec:
     return DirectionSpec(
         latency_s=latency_s,
         bandwidth_bps=_number(f"{where}.bandwidth_mbit", table["bandwidth_mbit"]) * 1e6,
+        per_flow_bps=_number(f"{where}.per_flow_mbit", table.get("per_flow_mbit", 0)) * 1e6,
         queue_bytes=int(queue_kib * 1024),
         impairments=impairments,
         seed=seed,
