@@ -91,6 +91,18 @@ def test_a_residual_read_on_another_stream_is_not_reused_before_the_read() -> No
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     n = 1 << 20
     first, second = (torch.randn(n, device="cuda") * 1e-3 for _ in range(2))
+    # CUDA loads kernels lazily, and loading one waits for what runs on the device: the
+    # NaN fill below, loaded for the first time while stream b sleeps, would wait for b's
+    # read, and the test would pass without the fix (it did, on an H200). So every kernel
+    # is loaded first, by the same work on both streams.
+    for stream in (a, b):
+        with torch.cuda.stream(stream):
+            warm = Int8Stage()
+            for _ in range(2):
+                warm.encode(first, "warm")
+            torch.full((n,), float("nan"), device="cuda")
+            torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
     with torch.cuda.stream(a):
         stage.encode(first, "g0/c12")  # leaves the residual, made on stream a
     torch.cuda.synchronize()
@@ -114,6 +126,7 @@ def test_a_residual_read_on_another_stream_is_not_reused_before_the_read() -> No
         # stream A's pool, the residual's among them unless it is held for stream B.
         taken = [torch.full((n,), float("nan"), device="cuda") for _ in range(64)]
     a.synchronize()
+    assert not b.query(), "stream a waited for stream b: the test would prove nothing"
     stage.go.set()
     worker.join(30)
     del taken
