@@ -253,16 +253,15 @@ class LocalJob:
                 else None,
             )
             self._sites.append(site)
-            site.spawn()
-        for site in self._sites:
-            site.serve_store()
+            site.start()
         # What this run started and where, for operators and for the teardown tests.
         job = {
             "launcher_pid": os.getpid(),
             "coordinators": {c.site: c.address for c in self._coordinators},
             "metrics": {c.site: c.metrics_address for c in self._coordinators},
             "proxies": proxies,
-            "store_ports": [s.store_port for s in self._sites],
+            # Each site's ranks meet in a FileStore there (a 0700 folder), not on a port.
+            "stores": [str(s.store_dir) for s in self._sites],
             # The run's own token (a 0600 file), when the config names none.
             "token_file": str(self._token_file) if self._token_file else None,
             "ranks": [r for s in self._sites for r in s.describe()],

@@ -145,26 +145,13 @@ class SiteRanks:
         self.store_dir: Path | None = None
         """The 0700 folder of the ranks' FileStore while they run."""
 
-    @property
-    def store_port(self) -> int:
-        """0: the ranks meet in a FileStore, no store listens on a port."""
-        return 0
-
     def start(self) -> None:
-        """Start the site's ranks."""
-        self.spawn()
-
-    def spawn(self) -> None:
         """Start the site's ranks; they meet in a FileStore in a fresh 0700 folder
         (mkdtemp makes it so), on this host's disk rather than in the run folder,
         which may be a network filesystem where file locks are slow or absent."""
         world = self.config.ranks_of(self.site)
         self.store_dir = Path(tempfile.mkdtemp(prefix=f"isthmus-store-{self.site}-"))
         self._spawn(world)
-
-    def serve_store(self) -> None:
-        """Nothing to serve: the ranks share a FileStore (kept for launchers that
-        called it when the site hosted a TCPStore)."""
 
     def _spawn(self, world: int) -> None:
         # The coordinator in this process drew one key per rank: only the process

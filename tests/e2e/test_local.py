@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -266,11 +267,11 @@ def assert_nothing_left(job: dict) -> None:
         time.sleep(0.1)
     assert not [pid for pid in pids if pid_alive(pid)], "orphan rank processes"
     ports = [int(a.rsplit(":", 1)[1]) for a in job["coordinators"].values()]
-    ports += [p for p in job["store_ports"] if p]  # 0: a FileStore (deploy/ranks.py)
     ports += [
         int(url.rsplit(":", 1)[1]) for site in job["proxies"].values() for url in site.values()
     ]
     assert [p for p in ports if not port_is_free(p)] == [], "ports left bound"
+    assert [s for s in job["stores"] if os.path.exists(s)] == [], "store folders left"
 
 
 @pytest.mark.timeout(200)
@@ -281,7 +282,7 @@ def test_ctrl_c_tears_everything_down(tmp_path):
     ports = [int(a.rsplit(":", 1)[1]) for a in job["coordinators"].values()]
     ports += [int(u.rsplit(":", 1)[1]) for site in job["proxies"].values() for u in site.values()]
     # The ranks' store is a FileStore in a 0700 folder: no port at all (issue 33, row 11).
-    assert not any(job["store_ports"])
+    assert all(stat.S_IMODE(os.stat(store).st_mode) == 0o700 for store in job["stores"])
     for port in ports:
         assert listening_on(port) == {"127.0.0.1"}, (port, listening_on(port))
     # Loopback is every local user's: the job made itself a token, readable by its owner.
