@@ -35,6 +35,7 @@ from isthmus.deploy.chaos_scenarios import SCENARIOS, Fault, Scenario
 from isthmus.deploy.config import load_config
 from isthmus.deploy.hostile_calls import flood, forge, missed_forgeries
 from isthmus.deploy.local import slow_env
+from isthmus.inter.security import SiteSecurity
 from isthmus.sim import Corrupt, Flap, LinkSpec, RelayServer
 
 __all__ = ["SCENARIOS", "Fault", "Scenario", "run_scenario", "run_suite"]
@@ -228,7 +229,10 @@ def run_scenario(
 
             pin_tokenizer(config)
         fingerprint = config.fingerprint()
-        _inject(scenario, sites, links, coordinators, fingerprint, run_dir, out)
+        # With TLS, hostile calls come with site0's certificate (a site of the job speaking
+        # for another); else with the user's job token, which the sites run with.
+        credentials = config.site_security("site0") if config.security.require_tls else None
+        _inject(scenario, sites, links, coordinators, fingerprint, run_dir, out, credentials)
         return _judge(scenario, sites, run_dir, started)
     finally:
         for site in [*sites.values(), *helpers]:
@@ -248,7 +252,14 @@ def _progress(run_dir: Path, names: list[str]) -> int:
 
 
 def _inject(
-    scenario, sites, links, coordinators, fingerprint, run_dir: Path, out: TextIO | None
+    scenario,
+    sites,
+    links,
+    coordinators,
+    fingerprint,
+    run_dir: Path,
+    out: TextIO | None,
+    credentials: SiteSecurity | None,
 ) -> None:
     kinds = ("kill", "restart", "partition", "flood", "forge")
     pending = [f for f in scenario.faults if f.kind in kinds]
@@ -273,13 +284,18 @@ def _inject(
                 links[fault.link].reset()  # open connections notice at once
             elif fault.kind == "flood":
                 threading.Thread(
-                    target=flood, args=(coordinators[fault.site], fault.duration_s), daemon=True
+                    target=flood,
+                    args=(coordinators[fault.site], fault.duration_s, credentials),
+                    daemon=True,
                 ).start()
             elif fault.kind == "forge":
                 threading.Thread(
                     target=forge,
                     args=(coordinators[fault.site], fingerprint, done, fault.duration_s),
-                    kwargs={"victims_coordinator": coordinators["site1"]},
+                    kwargs={
+                        "victims_coordinator": coordinators["site1"],
+                        "credentials": credentials,
+                    },
                     daemon=True,
                 ).start()
         time.sleep(0.1)
@@ -328,7 +344,9 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
     ):
         result.why = "the flood was never turned away (no 'slots busy' in the site's log)"
     elif any(
-        f.kind == "flood" and "PushChunks stream slots busy" not in _rank0_log(run_dir, f.site)
+        # Turned away for want of a slot, or before one: no pass granted to a peer site,
+        # or (with TLS) a certificate that names no peer of the flooded site.
+        f.kind == "flood" and ": PushChunks stream " not in _rank0_log(run_dir, f.site)
         for f in scenario.faults
     ):
         result.why = "the lane's streams were never turned away (nothing in its rank's log)"

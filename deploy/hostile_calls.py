@@ -32,24 +32,28 @@ from collections.abc import Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["flood", "forge", "missed_forgeries"]
 
 
-def _channel(address: str) -> grpc.Channel:
-    """A channel that carries the user's job token, which the chaos suite's sites run
-    with (deploy/job_secret.py): without it every call below is refused at the gate and
-    nothing behind it is tested. So the caller plays the strongest local attacker that
-    is not the job, a holder of the token, and its claims must still be found out."""
+def _channel(address: str, credentials: SiteSecurity | None = None) -> grpc.Channel:
+    """A channel with ``credentials`` (a site's certificate and the job token, in a job
+    with TLS), else carrying the user's job token, which the chaos suite's sites run with
+    (deploy/job_secret.py): without it every call below is refused at the gate and
+    nothing behind it is tested. So the caller plays the strongest attacker that is not
+    the site it claims to be, a holder of the token (and of site0's certificate with
+    TLS), and its claims must still be found out."""
+    if credentials is not None:
+        return credentials.channel(address)
     from isthmus.deploy.job_secret import job_token
-    from isthmus.inter.security import SiteSecurity
 
     return SiteSecurity(token=job_token()).channel(address)
 
 
-def flood(address: str, duration_s: float) -> None:
+def flood(address: str, duration_s: float, credentials: SiteSecurity | None = None) -> None:
     """Holds 20 health watches and 40 long polls open at a coordinator, and 40
     PushChunks streams that send nothing at the lane of its rank 0, for a while: what
     an unauthenticated caller can do (health needs no token), as issue 14 did (rows 6-7)."""
@@ -61,7 +65,7 @@ def flood(address: str, duration_s: float) -> None:
         stop.wait(duration_s + 5)
         yield from ()
 
-    with _channel(address) as channel:
+    with _channel(address, credentials) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         stub = pb_grpc.CoordinatorStub(channel)
         timeout = duration_s + 5
@@ -71,7 +75,7 @@ def flood(address: str, duration_s: float) -> None:
         calls += [stub.GetMembership.future(ask, timeout=timeout) for _ in range(40)]
         mine = [info for info in membership.sites if info.coordinator_address == address]
         lane = mine[0].lane_addresses[0] if mine and mine[0].lane_addresses else None
-        with _channel(lane or address) as lane_channel:
+        with _channel(lane or address, credentials) as lane_channel:
             if lane is not None:
                 push = lane_pb2_grpc.LaneStub(lane_channel).PushChunks
                 calls += [push.future(nothing(), timeout=timeout) for _ in range(40)]
@@ -90,11 +94,13 @@ def forge(
     victim: str = "site1",
     victims_coordinator: str | None = None,
     ranks: int = 1,
+    credentials: SiteSecurity | None = None,
 ) -> dict[str, int]:
     """Sends the forged calls to the coordinator at ``target`` (site0's, the leader's)
     for ``duration_s``, each claiming to come from ``victim``, and to
     ``victims_coordinator`` a Propose in the leader's name in the job's own order;
-    ``step`` is about where the job is. Returns how many calls of each kind were
+    ``step`` is about where the job is; ``credentials``: the caller's (site0's, in a job
+    with TLS), else the user's job token. Returns how many calls of each kind were
     answered without an error (those must have changed nothing that matters)."""
     answered = {
         "heartbeat": 0,
@@ -108,12 +114,12 @@ def forge(
     }
     deadline = time.monotonic() + duration_s
     with (
-        _channel(target) as channel,
-        _channel(victims_coordinator or target) as other,
+        _channel(target, credentials) as channel,
+        _channel(victims_coordinator or target, credentials) as other,
     ):
         stub, victims = pb_grpc.CoordinatorStub(channel), pb_grpc.CoordinatorStub(other)
         lane = _lane_of(stub, target)
-        lane_channel = _channel(lane) if lane else None
+        lane_channel = _channel(lane, credentials) if lane else None
         while time.monotonic() < deadline:
             generation = _generation(stub)
             calls = list(_calls(stub, fingerprint, step, generation, victim, ranks))
@@ -206,15 +212,19 @@ def _leaders_propose(victims: pb_grpc.CoordinatorStub, step: int) -> None:
 def missed_forgeries(log: str, victims_log: str, lane_log: str) -> str:
     """Why the logs of the target site, of the victim and of the target's rank-0 lane
     show that not every forged call was found out, or ""."""
-    if "without a ticket or pass granted to it" not in lane_log:
+    # With TLS the caller holds site0's certificate: a claim to be site1 is refused for
+    # it before anything else is looked at.
+    certificate = "its certificate does not name site 'site1'"
+    streams = "certificate names no peer site of site0"
+    if not any(s in lane_log for s in ("without a ticket or pass granted to it", streams)):
         return "the chunks in the victim's name were never refused (nothing in the lane's log)"
-    if "that the site did not ask for" not in lane_log:
+    if "that the site did not ask for" not in lane_log and certificate not in lane_log:
         return "the resends and bulk tickets asked in the victim's name were never checked"
     if "does not propose generation" not in victims_log:
         return "the Propose in the leader's name was never checked with the leader"
     if "without the key it registered with" not in log:
         return "the forged votes were never refused (nothing in the site's log)"
-    if "the claim is dropped" not in log and "could not confirm its digest" not in log:
+    if not any(s in log for s in ("the claim is dropped", "could not confirm", certificate)):
         return "the forged digest was never checked with the site it named"
     return ""
 

@@ -31,10 +31,11 @@ froze for as long as they stayed open, silently. So waiting is rationed:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health
@@ -243,13 +244,30 @@ class WaitSlots:
             if held:
                 self._give(who)
 
-    def hold_for_stream(self, context: grpc.ServicerContext) -> None:
-        """Takes a slot until the call ends, or refuses it with RESOURCE_EXHAUSTED."""
-        if not self._free.acquire(blocking=False):
-            reason = f"all {self.slots} {self.what} slots busy"
-            self.refusals.note(context.peer(), reason)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
-        context.add_callback(self._free.release)
+    def hold_for_stream(
+        self, context: grpc.ServicerContext, caller: str = "", share: int | None = None
+    ) -> None:
+        """Takes a slot until the call ends, or refuses it with RESOURCE_EXHAUSTED.
+
+        Args:
+            context: the call's context.
+            caller: who holds the stream, as the server knows it (a site named by its
+                certificate or its ticket); "" for anyone.
+            share: slots one caller may hold at once (default: all).
+        """
+        busy: str | None
+        if share is None:
+            acquired = self._free.acquire(blocking=False)
+            busy = None if acquired else f"all {self.slots} {self.what} slots busy"
+            release: Callable[[], None] = self._free.release
+        else:
+            who = caller or "a caller"
+            busy = self._take(who, share)
+            release = functools.partial(self._give, who)
+        if busy is not None:
+            self.refusals.note(context.peer(), busy)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
+        context.add_callback(release)
 
 
 class BoundedHealth(health.HealthServicer):

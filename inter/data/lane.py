@@ -34,7 +34,7 @@ from isthmus.inter.data.round_types import Members
 from isthmus.inter.data.state_transfer import StateOffers
 from isthmus.inter.data.wire import Chunk, ChunkWire, DeliverWire, WireError, parse_chunk
 from isthmus.inter.malformed import MalformedRequests
-from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
+from isthmus.inter.security import INSECURE, TLS_NAME, SiteSecurity, refuse_unless_named
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 __all__ = ["LaneServer", "channel_options", "max_payload_bytes"]
@@ -469,9 +469,14 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         only fault is its crc32 is marked corrupt (the round pulls it again); any other
         fault aborts the stream, and the refused chunk changes nothing.
         """
-        self._streams.hold_for_stream(context)  # or RESOURCE_EXHAUSTED, logged
         tls = self.security.require_tls
         holder = ANY_SENDER if tls else self._pass_holder(context)
+        # Each peer site may hold its share of the streams, so one that holds streams
+        # open (a token holder with a ticket, another site's certificate) cannot take
+        # every peer's (issue 33); a stream no peer site holds is not worth a thread.
+        caller = self._stream_holder(context, holder)
+        share = max(1, self._streams.slots // max(1, self._members.num_sites - 1))
+        self._streams.hold_for_stream(context, caller, share)  # or RESOURCE_EXHAUSTED
         accepted = corrupt = 0
         for req in request_iterator:
             if tls:
@@ -482,6 +487,30 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             accepted += status == ACCEPTED
             corrupt += status == CORRUPT
         return lane_pb2.PushChunksResponse(accepted=accepted, corrupt=corrupt)
+
+    def _stream_holder(self, context: grpc.ServicerContext, holder: str | None | object) -> str:
+        """The peer site a ``PushChunks`` stream comes from: its certificate's (TLS) or
+        its pass's; refused (PERMISSION_DENIED, logged) when that is no peer of this
+        lane: no pass, or this very site (it never sends its own lane a chunk)."""
+        members = self._members
+        own = holder_of(members.site_names, members.site_index)
+        if holder is ANY_SENDER:
+            names = context.auth_context().get("x509_subject_alternative_name", [])
+            named = {n.decode("utf-8", "replace") for n in names}
+            peers = named - {own, TLS_NAME}
+            if members.site_names is not None:
+                peers &= set(members.site_names)
+            found = min(peers) if peers else None
+            why = f"PushChunks stream whose certificate names no peer site of {own}"
+        elif holder is None:
+            found, why = None, "PushChunks stream without a ticket or pass granted to a peer"
+        else:
+            found = holder if holder != own else None
+            why = f"PushChunks stream on a pass granted to {own} itself"
+        if found is None:
+            self.refusals.note(context.peer(), why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        return f"site {found}"
 
     def _pass_holder(self, context: grpc.ServicerContext) -> str | None:
         """The site a stream's pass (a ticket in its metadata) was granted to, or None."""

@@ -300,7 +300,9 @@ def test_a_chunk_with_a_huge_codec_name_is_refused_briefly(fuzz_lane):
     before = fuzz_lane.state()
     with pytest.raises(grpc.RpcError) as refused:
         fuzz_lane.rpc("PushChunks", "stream_unary")(
-            iter([chunk(codec=HUGE).SerializeToString()]), timeout=5
+            iter([chunk(codec=HUGE).SerializeToString()]),
+            timeout=5,
+            metadata=fuzz_lane.site1_pass(),
         )
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "codec 'xxxx" in refused.value.details() and len(refused.value.details()) < 500
@@ -313,7 +315,7 @@ def test_streams_nobody_ends_never_take_the_threads_of_resends_and_health():
     once, and ResendChunk and health checks are still answered."""
     from threading import Event
 
-    from isthmus.inter.data.lane import RESERVED_THREADS
+    from isthmus.inter.data.lane import PASS_METADATA, RESERVED_THREADS
     from isthmus.proto import lane_pb2_grpc
 
     server = LaneServer(site_index=0, num_sites=2, codec="raw", max_workers=RESERVED_THREADS + 2)
@@ -324,13 +326,17 @@ def test_streams_nobody_ends_never_take_the_threads_of_resends_and_health():
         return
         yield  # a generator that sends nothing until released
 
+    # A stream needs a pass (a ticket granted to a site) to hold a thread at all.
+    site1 = ((PASS_METADATA, server.tickets.issue("1").hex()),)
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = lane_pb2_grpc.LaneStub(channel)
-            held = [stub.PushChunks.future(never_ending(), timeout=30) for _ in range(2)]
+            held = [
+                stub.PushChunks.future(never_ending(), timeout=30, metadata=site1) for _ in range(2)
+            ]
             deadline = time.monotonic() + 10
             while server.refusals.count == 0:
-                extra = stub.PushChunks.future(never_ending(), timeout=30)
+                extra = stub.PushChunks.future(never_ending(), timeout=30, metadata=site1)
                 try:
                     extra.result(timeout=0.5)
                 except grpc.FutureTimeoutError:

@@ -7,13 +7,14 @@ thread; the job's rounds, ``OpenBulk`` and health checks froze for 50 s.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from isthmus.inter.data.lane import PULL_STATE_WAITS, LaneServer
+from isthmus.inter.data.lane import PASS_METADATA, PULL_STATE_WAITS, RESERVED_THREADS, LaneServer
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 
@@ -51,4 +52,55 @@ def test_held_pull_states_never_take_the_lanes_threads():
             for call in calls:
                 call.cancel()
     finally:
+        server.stop(0)
+
+
+@pytest.mark.timeout(60)
+def test_one_site_holds_only_its_share_of_the_streams():
+    """Issue 33: PushChunks streams were one pool for every peer, so a caller with a
+    ticket (or, with TLS, a site's certificate: `isthmus chaos --only flood` with TLS
+    retried 64 steps) that held them open refused every other peer's chunks. Each peer
+    site may hold its share; a stream without a pass holds nothing."""
+    server = LaneServer(site_index=0, num_sites=3, codec="raw", max_workers=RESERVED_THREADS + 4)
+    release = threading.Event()
+
+    def never_ending():
+        release.wait(30)
+        return
+        yield  # a stream that sends nothing until released
+
+    def opened(site: str):
+        metadata = ((PASS_METADATA, server.tickets.issue(site).hex()),)
+        return stub.PushChunks.future(never_ending(), timeout=30, metadata=metadata)
+
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = lane_pb2_grpc.LaneStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:  # no pass: turned away at once
+                stub.PushChunks(never_ending(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            share = 4 // 2  # 4 stream slots, 2 peer sites
+            hoarder = [opened("2") for _ in range(share)]
+            deadline = time.monotonic() + 10
+            while True:  # the hoarder's next stream is refused once its share arrived
+                extra = opened("2")
+                try:
+                    extra.result(timeout=0.5)
+                except grpc.FutureTimeoutError:
+                    hoarder.append(extra)
+                    assert time.monotonic() < deadline, "site 2 was never held to its share"
+                    continue
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    assert f"site 2 holds its {share} PushChunks stream slots" in exc.details()
+                    break
+            peer = [opened("1") for _ in range(share)]  # the real peer still gets its share
+            time.sleep(1.0)
+            assert not any(call.done() for call in peer), [c.exception() for c in peer]
+            release.set()
+            assert all(call.result(timeout=10).accepted == 0 for call in peer)
+            for call in hoarder:
+                call.cancel()
+    finally:
+        release.set()
         server.stop(0)
