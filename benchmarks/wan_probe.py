@@ -137,17 +137,23 @@ def tcp_rate(address: tuple[str, int], seconds: float) -> float:
 
 def tcp_rtt(address: tuple[str, int], pings: int) -> float:
     """Median ms of 64-byte ping-pongs (after 3 unmeasured ones)."""
-    payload, rtts = b"p" * 64, []
     with socket.create_connection(address, timeout=60) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i in range(3 + pings):
-            t0 = time.perf_counter()
-            s.sendall(payload)
-            got = 0
-            while got < len(payload):
-                got += len(s.recv(len(payload) - got))
-            if i >= 3:
-                rtts.append(time.perf_counter() - t0)
+        return ping_pong_ms(s, pings)
+
+
+def ping_pong_ms(s: socket.socket, pings: int) -> float:
+    """Median ms of 64-byte ping-pongs on a connected socket to an echo server (after
+    3 unmeasured ones)."""
+    payload, rtts = b"p" * 64, []
+    for i in range(3 + pings):
+        t0 = time.perf_counter()
+        s.sendall(payload)
+        got = 0
+        while got < len(payload):
+            got += len(s.recv(len(payload) - got))
+        if i >= 3:
+            rtts.append(time.perf_counter() - t0)
     return statistics.median(rtts) * 1e3
 
 

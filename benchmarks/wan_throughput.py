@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import socket
-import statistics
 import struct
 import subprocess
 import sys
@@ -46,6 +45,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from wan_probe import ping_pong_ms  # the script's folder is on sys.path
 
 CHUNK = 4 << 20
 STATS = struct.Struct("!QQQ")  # bytes after the first read, monotonic ns of its end, of the last
@@ -168,17 +169,8 @@ def flows_rate(targets: list[tuple[Any, str | None]], sink_port: int, seconds: f
 
 def rtt_ms(address, via_proxy: str | None, echo_port: int, pings: int) -> float:
     """Median ms of 64-byte ping-pongs (after 3 unmeasured ones)."""
-    payload, rtts = b"p" * 64, []
     with open_flow(address, via_proxy, echo_port) as s:
-        for i in range(3 + pings):
-            t0 = time.perf_counter()
-            s.sendall(payload)
-            got = 0
-            while got < len(payload):
-                got += len(s.recv(len(payload) - got))
-            if i >= 3:
-                rtts.append(time.perf_counter() - t0)
-    return statistics.median(rtts) * 1e3
+        return ping_pong_ms(s, pings)
 
 
 # -- the emulator --------------------------------------------------------------------
