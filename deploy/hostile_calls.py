@@ -216,7 +216,8 @@ def missed_forgeries(log: str, victims_log: str, lane_log: str) -> str:
     # it before anything else is looked at.
     certificate = "its certificate does not name site 'site1'"
     streams = "certificate names no peer site of site0"
-    if not any(s in lane_log for s in ("without a ticket or pass granted to it", streams)):
+    # Refused chunk by chunk, or (no pass, another site's certificate) with their stream.
+    if not any(s in lane_log for s in ("without a ticket or pass granted to", streams)):
         return "the chunks in the victim's name were never refused (nothing in the lane's log)"
     if "that the site did not ask for" not in lane_log and certificate not in lane_log:
         return "the resends and bulk tickets asked in the victim's name were never checked"
