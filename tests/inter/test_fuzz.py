@@ -365,7 +365,9 @@ def test_bytes_that_do_not_parse_get_invalid_argument_naming_the_message(sites, 
     good = chunk(step=live + 1).SerializeToString()
     later = chunk(step=live + 2).SerializeToString()
     with pytest.raises(grpc.RpcError) as refused:
-        fuzz_lane.rpc("PushChunks", "stream_unary")(iter([good, b"\xff\xff", later]), timeout=5)
+        fuzz_lane.rpc("PushChunks", "stream_unary")(
+            iter([good, b"\xff\xff", later]), timeout=5, metadata=fuzz_lane.site1_pass()
+        )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "malformed isthmus.v1.PushChunksRequest" in refused.value.details()
     waiting = fuzz_lane.server.mailbox.keys()
@@ -432,7 +434,9 @@ def test_an_oversized_message_is_refused_by_size_and_changes_nothing(sites, fuzz
     before = fuzz_lane.state()
     with pytest.raises(grpc.RpcError) as refused:
         fuzz_lane.rpc("PushChunks", "stream_unary")(
-            iter([chunk(payload=bytes(LANE_LIMIT + 1)).SerializeToString()]), timeout=5
+            iter([chunk(payload=bytes(LANE_LIMIT + 1)).SerializeToString()]),
+            timeout=5,
+            metadata=fuzz_lane.site1_pass(),
         )
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert fuzz_lane.state() == before
