@@ -266,8 +266,12 @@ class JobConfig:
     def checkpoint_key(self) -> bytes | None:
         """What signs checkpoint manifests and what ``--resume`` checks them with: the
         configured job token, else the user's job token (it outlives a run, unlike
-        ``isthmus local``'s run token); None with ``security.insecure`` and no token."""
+        ``isthmus local``'s run token); None with ``security.insecure`` and no token, and
+        for a job that neither saves nor resumes (it needs no home folder to keep the
+        user's token in)."""
         sec = self.security
+        if self.checkpoint.every <= 0 and self.checkpoint.resume_step < 0:
+            return None
         if sec.require_token:
             try:
                 token = SiteSecurity.load(

@@ -148,6 +148,7 @@ class LocalJob:
             ConfigError: a setting this launcher cannot honour.
         """
         check_supported(self.config, gpus_needed(self.config), self.config.site_ranks)
+        self.config.checkpoint_key()  # a ConfigError now, not in every rank after start
         try:
             self._make_job_token()
             self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)

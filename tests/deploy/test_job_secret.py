@@ -98,20 +98,24 @@ def test_a_token_or_folder_another_user_made_first_is_refused(tmp_path):
 
 
 def test_a_job_without_a_security_section_runs_with_the_users_token(isthmus_home):
-    config = load_config(None, [])
+    config = load_config(None, ["checkpoint.every=2"])
     security = config.site_security("site0")
     assert security is not None and security.require_token
     assert security.token == job_token()
     assert config.checkpoint_key() == job_token().encode()
+    # A job that neither saves nor resumes needs no key (nor a home folder for it).
+    assert load_config(None, []).checkpoint_key() is None
     # A launcher's run token is used for calls; the checkpoint key stays the user's.
     assert config.site_security("site0", "r" * 43).token == "r" * 43
     # --insecure: no token at all, and unsigned checkpoints.
-    insecure = load_config(None, ["security.insecure=true"])
+    insecure = load_config(None, ["security.insecure=true", "checkpoint.every=2"])
     assert insecure.site_security("site0") is None and insecure.checkpoint_key() is None
     # The witness never falls back to it (sites of `isthmus local` call it with run tokens).
     assert config.site_security("witness", default_token=False) is None
 
 
 def test_the_configured_token_signs_checkpoints(job_dir):
-    config = load_config(None, [f"security.certs_dir={job_dir}", "security.require_token=true"])
+    config = load_config(
+        None, [f"security.certs_dir={job_dir}", "security.require_token=true", "checkpoint.every=2"]
+    )
     assert config.checkpoint_key() == (job_dir / "token").read_text().strip().encode()
