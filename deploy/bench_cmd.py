@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from isthmus.deploy.config import ConfigError
 from isthmus.deploy.validation import MAX_SYNC_CHUNK_BYTES
-from isthmus.inter.data.chunk_size import chunk_bytes_for_link
+from isthmus.inter.data.chunk_size import sync_chunk_bytes
 from isthmus.inter.data.codec_spec import parse_codec_spec
 
 if TYPE_CHECKING:
@@ -177,7 +177,10 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             gbit=g,
             mib=mib,
             codec=codec,
-            chunk_bytes=chunk or chunk_bytes_for_link(g * 1e9, rtt / 1000),
+            # As training sizes them (the CUDA floor included), so the figures are
+            # the ones training sees.
+            chunk_bytes=chunk
+            or sync_chunk_bytes(g * 1e9, rtt / 1000, cuda=args.device == "cuda", bulk=True),
             connections=args.connections,
             workers=args.workers or None,
             timeout_s=args.timeout_s,

@@ -35,17 +35,12 @@ from isthmus.deploy.sections import (
     WanSection,
 )
 from isthmus.deploy.validation import ConfigError, validate
-from isthmus.inter.data.chunk_size import chunk_bytes_for_link
+from isthmus.inter.data.chunk_size import sync_chunk_bytes
 from isthmus.inter.data.codec_spec import CODEC_FORMAT
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset
 from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
-
-CUDA_BULK_CHUNK_BYTES = 16 << 20
-"""The least auto chunk for CUDA tensors on the bulk transport (see ``chunk_bytes``)."""
-UNEQUAL_CUDA_CHUNK_BYTES = 64 << 20
-"""The same between sites of different sizes (see ``chunk_bytes``)."""
 
 try:
     import tomllib
@@ -94,23 +89,16 @@ class JobConfig:
         """The cross-site chunk size in use: sync.chunk_bytes, or sized from the link."""
         if self.sync.chunk_bytes:
             return self.sync.chunk_bytes
-        size = chunk_bytes_for_link(self.wan.bandwidth_mbit * 1e6, 2 * self.one_way_latency_s)
         bulk = self.sync.transport == "bulk" or (
             self.sync.transport == "auto" and not self.security.require_tls
         )
-        if bulk and self.device_type == "cuda":
-            # A CUDA chunk costs a dozen kernel launches, each under the GIL that the
-            # lane's threads share, and gRPC's message limit does not apply to the bulk
-            # port: at 4 MiB the launches, not the link, bounded the sync (issue 11: the
-            # 1b gradient over 2 lanes took 1.92 s at 4 MiB, 1.05 s at 16 MiB).
-            size = max(size, CUDA_BULK_CHUNK_BYTES)
-            if len(set(self.site_ranks)) > 1:
-                # A rank of the smaller site carries as many more bytes as its site has
-                # fewer ranks, in one process: 1b on 2 + 1 H100s went from 74.8 % to
-                # 94.4 % of the sites' standalone sum at 64 MiB (connections: no
-                # change; docs/benchmarks.md, "Sites of different sizes").
-                size = max(size, UNEQUAL_CUDA_CHUNK_BYTES)
-        return size
+        return sync_chunk_bytes(
+            self.wan.bandwidth_mbit * 1e6,
+            2 * self.one_way_latency_s,
+            cuda=self.device_type == "cuda",
+            bulk=bulk,
+            unequal_sites=len(set(self.site_ranks)) > 1,
+        )
 
     @property
     def device_type(self) -> str:

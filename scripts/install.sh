@@ -41,4 +41,8 @@ then
   "$python" -m pip install --quiet torch==2.13.0
 fi
 "$python" -m pip install --quiet -e ".${extra}"
+# The lanes' receive path in C (inter/data/wirecore.c), built now rather than by the
+# first rank; without a C compiler the lanes use the same path in Python.
+"$python" -m isthmus.inter.data.wirecore >&2 ||
+  echo "note: no C compiler: the lanes receive through Python (slower, same results)" >&2
 echo "isthmus installed: $(command -v isthmus || echo "$python -m isthmus.deploy.cli")" >&2

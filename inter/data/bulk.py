@@ -16,13 +16,18 @@ one connection, for as many rounds as the lane lives:
   stranger who asks gets none); a ticket is single use, expires, and names the site
   whose chunks the connection may carry;
 * server -> client: one byte, ``OK``;
-* client -> server: frames, each a 12-byte record head (``u32`` length, ``u32``
-  CRC-32C of the message, ``u32`` CRC-32C of those 8 bytes; little-endian) and the
-  message. The message CRC covers the header fields too, which the payload's own
-  checksum does not: a flipped step or chunk index would misfile a chunk;
+* client -> server: frames, each a 16-byte record head (``u32`` header length,
+  ``u32`` payload length, ``u32`` CRC-32C of the header, ``u32`` CRC-32C of those 12
+  bytes; little-endian), the header (a ``PushChunksRequest`` with every field but the
+  payload) and the payload's bytes. The payload is covered by its own checksum, in
+  the header; the record's covers the header, which the payload's does not: a
+  flipped step or chunk index would misfile a chunk. So each byte is checksummed
+  once, and the receiver, which reads the header first, reads the payload straight
+  into the buffer the round uses, checksumming it as it comes
+  (:mod:`isthmus.inter.data.wirecore`);
 * server -> client: one acknowledgement per frame, in order: ``ACCEPTED``, ``CORRUPT``
   (the payload failed its checksum: the round pulls it again with ``ResendChunk``),
-  ``RESEND`` (the message failed the record's checksum: the client sends it again,
+  ``RESEND`` (the header failed the record's checksum: the client sends it again,
   on the same connection) or ``REFUSED`` + ``u8`` gRPC status code + ``u16`` length +
   UTF-8 reason, after which the server closes the connection, as a refused gRPC
   stream ends. A record head that fails its own checksum is refused (DATA_LOSS):
@@ -48,21 +53,26 @@ import time
 from collections.abc import Callable
 
 import grpc
+import numpy as np
 
 from isthmus.inter.bounds import RefusalLog
+from isthmus.inter.data import wirecore
 from isthmus.inter.data.codecs.base import crc32 as crc32c
+from isthmus.inter.data.wire import Chunk, Frame, WireError, parse_header
+from isthmus.inter.data.wirecore import recv_payload
 
 __all__ = [
     "BulkError",
     "BulkListener",
     "BulkRefused",
     "Tickets",
+    "frame_bytes",
     "record_head",
 ]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"ISTHBULK"
+MAGIC = b"ISTHBLK2"  # the second version of the framing (header and payload apart)
 TICKET_BYTES = 32
 TICKET_TTL_S = 60.0
 HELLO_TIMEOUT_S = 10.0  # a connection that does not present its ticket in time is closed
@@ -81,7 +91,9 @@ MAX_CONNECTIONS = 64
 (4 by default), so 64 serve 16 peers; more are refused (RESOURCE_EXHAUSTED)."""
 LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
 OK, ACCEPTED, CORRUPT, REFUSED, RESEND = 0, 1, 2, 3, 4
-_HEAD = struct.Struct("<III")  # length, CRC-32C of the message, CRC-32C of the first 8 bytes
+_MAGIC_V1 = b"ISTHBULK"  # one message with one checksum over all of it; refused by name
+MAX_HEADER = 4096  # bytes of a frame's header: its fields are a few numbers and a codec name
+_HEAD = struct.Struct("<IIII")  # header length, payload length, CRC-32C of the header, of 12 bytes
 _REFUSAL = struct.Struct("<BH")  # gRPC status code value, reason length
 
 
@@ -113,7 +125,7 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def send_all(sock: socket.socket, parts: list[bytes]) -> None:
+def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """Writes ``parts`` in order with scatter-gather ``sendmsg``: no joined copy."""
     views = [memoryview(p).cast("B") for p in parts]
     while views:
@@ -126,14 +138,19 @@ def send_all(sock: socket.socket, parts: list[bytes]) -> None:
                 n = 0
 
 
+def _empty(size: int) -> memoryview:
+    """``size`` writable bytes, not zeroed: every byte is received before it is read."""
+    array = np.empty(size, dtype=np.uint8)
+    # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12.
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
+
+
 def read_exact(sock: socket.socket, buf: memoryview) -> None:
     """Fills ``buf`` from ``sock``; raises BulkError if the peer closes first."""
-    got, size = 0, len(buf)
-    while got < size:
-        n = sock.recv_into(buf[got:], size - got)
-        if n == 0:
-            raise BulkError("connection closed by the peer")
-        got += n
+    try:
+        wirecore.read_exact(sock, buf)
+    except wirecore.FrameClosed as exc:
+        raise BulkError(str(exc)) from None
 
 
 class Tickets:
@@ -187,8 +204,8 @@ class Tickets:
         return None
 
 
-Accept = Callable[[memoryview, str, str], tuple[int, grpc.StatusCode | None, str]]
-"""The lane's judgement of one frame from (caller's address, ticket's holder):
+Accept = Callable[[Chunk, str, str], tuple[int, grpc.StatusCode | None, str]]
+"""The lane's judgement of one received chunk from (caller's address, ticket's holder):
 (status, refusal code, reason)."""
 
 
@@ -197,9 +214,9 @@ class BulkListener:
 
     Args:
         host: interface to bind (the lane's).
-        accept: judges and stores one frame (``LaneServer._take_frame``), told the
-            site the connection's ticket was granted to.
-        max_frame: the largest frame accepted, in bytes.
+        accept: judges and stores one chunk (``LaneServer.take``), told the site the
+            connection's ticket was granted to.
+        max_frame: the largest payload accepted, in bytes.
         where: who listens, for log lines.
         tickets: the lane's tickets (granted by ``OpenBulk``); default a new set.
     """
@@ -277,6 +294,11 @@ class BulkListener:
                     self._waiting.pop(conn, None)
             ticket = bytes(hello[len(MAGIC) :])
             holder = self.tickets.redeem(ticket) if hello[: len(MAGIC)] == MAGIC else None
+            if hello[: len(MAGIC)] == _MAGIC_V1:
+                why = "bulk framing version 1; this lane speaks version 2: upgrade that site"
+                self.refusals.note(peer, f"bulk connection refused: {why}")
+                self._refuse(conn, grpc.StatusCode.FAILED_PRECONDITION, why)
+                return
             if holder is None:
                 self.refusals.note(peer, "bulk connection refused: no valid ticket")
                 self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "no valid bulk ticket")
@@ -294,30 +316,8 @@ class BulkListener:
                 read_exact(conn, memoryview(head)[:1])
                 conn.settimeout(FRAME_STALL_S)  # a frame begun comes on, or is given up
                 read_exact(conn, memoryview(head)[1:])
-                size, frame_crc, head_crc = _HEAD.unpack(head)
-                if crc32c(memoryview(head)[:8]) != head_crc:
-                    why = "a frame's record head failed its checksum: frame boundaries lost"
-                    log.warning("%s: bulk connection from %s: %s", self._where, peer, why)
-                    self._refuse(conn, grpc.StatusCode.DATA_LOSS, why)
+                if not self._frame(conn, head, peer, holder):
                     return
-                if size > self._max_frame:
-                    why = f"frame of {size} bytes exceeds {self._max_frame}"
-                    log.warning("%s: bulk frame from %s refused: %s", self._where, peer, why)
-                    self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, why)
-                    return
-                frame = bytearray(size)
-                read_exact(conn, memoryview(frame))
-                if crc32c(frame) != frame_crc:
-                    with self._lock:
-                        self.corrupt_frames += 1
-                    log.warning("%s: a bulk frame from %s failed its checksum", self._where, peer)
-                    conn.sendall(bytes([RESEND]))
-                    continue
-                status, code, why = self._accept(memoryview(frame), peer, holder)
-                if status == REFUSED:
-                    self._refuse(conn, code or grpc.StatusCode.INVALID_ARGUMENT, why)
-                    return
-                conn.sendall(bytes([status]))
         except TimeoutError:
             why = (
                 f"a frame stalled {FRAME_STALL_S:.0f}s"
@@ -334,6 +334,49 @@ class BulkListener:
                 self._conns.discard(conn)
                 self._waiting.pop(conn, None)
             conn.close()
+
+    def _frame(self, conn: socket.socket, head: bytearray, peer: str, holder: str) -> bool:
+        """Reads the frame whose record head is ``head`` and answers it; False once the
+        connection was refused (and is to be closed)."""
+        header_size, payload_size, header_crc, head_crc = _HEAD.unpack(head)
+        if crc32c(memoryview(head)[:12]) != head_crc:
+            why = "a frame's record head failed its checksum: frame boundaries lost"
+            log.warning("%s: bulk connection from %s: %s", self._where, peer, why)
+            self._refuse(conn, grpc.StatusCode.DATA_LOSS, why)
+            return False
+        if header_size > MAX_HEADER or payload_size > self._max_frame:
+            why = (
+                f"frame of {header_size} + {payload_size} bytes exceeds "
+                f"{MAX_HEADER} + {self._max_frame}"
+            )
+            log.warning("%s: bulk frame from %s refused: %s", self._where, peer, why)
+            self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, why)
+            return False
+        header = bytearray(header_size)
+        read_exact(conn, memoryview(header))
+        payload = _empty(payload_size)
+        if crc32c(header) != header_crc:
+            recv_payload(conn, payload, FRAME_STALL_S, f32=False)  # frame boundary kept
+            with self._lock:
+                self.corrupt_frames += 1
+            log.warning("%s: a bulk frame from %s failed its checksum", self._where, peer)
+            conn.sendall(bytes([RESEND]))
+            return True
+        try:
+            chunk = parse_header(bytes(header))
+        except WireError as exc:
+            msg = f"malformed isthmus.v1.PushChunksRequest: {exc}"
+            log.warning("%s: bulk frame from %s refused: %s", self._where, peer, msg)
+            self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, msg)
+            return False
+        crc, finite = recv_payload(conn, payload, FRAME_STALL_S, f32=chunk.codec == "raw")
+        chunk.payload, chunk.payload_crc, chunk.payload_finite = payload.toreadonly(), crc, finite
+        status, code, why = self._accept(chunk, peer, holder)
+        if status == REFUSED:
+            self._refuse(conn, code or grpc.StatusCode.INVALID_ARGUMENT, why)
+            return False
+        conn.sendall(bytes([status]))
+        return True
 
     @staticmethod
     def _refuse(conn: socket.socket, code: grpc.StatusCode, why: str) -> None:
@@ -368,10 +411,21 @@ class BulkListener:
             conn.close()
 
 
-def record_head(frame: bytes) -> bytes:
-    """The 12 bytes that go before ``frame`` on a bulk connection (module docstring)."""
-    first = struct.pack("<II", len(frame), crc32c(frame))
+def record_head(header: bytes, payload_bytes: int) -> bytes:
+    """The 16 bytes that go before a frame on a bulk connection (module docstring)."""
+    first = struct.pack("<III", len(header), payload_bytes, crc32c(header))
     return first + struct.pack("<I", crc32c(first))
+
+
+def frame_parts(frame: Frame) -> list[bytes | memoryview]:
+    """What a connection writes for ``frame``, in order (one ``sendmsg``)."""
+    return [record_head(frame.header, frame.payload_bytes), frame.header, frame.payload]
+
+
+def frame_bytes(message: bytes) -> bytes:
+    """A whole ``PushChunksRequest`` encoding as the bytes of one bulk frame (for
+    clients written by hand, and tests)."""
+    return b"".join(frame_parts(Frame.from_message(message)))
 
 
 def read_refusal(sock: socket.socket, status: int) -> BulkRefused:

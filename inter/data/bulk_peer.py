@@ -28,12 +28,13 @@ from isthmus.inter.data.bulk import (
     RESEND,
     BulkError,
     BulkRefused,
+    frame_parts,
     read_exact,
     read_refusal,
-    record_head,
     send_all,
     tune,
 )
+from isthmus.inter.data.wire import Frame
 
 __all__ = ["BulkConnection", "BulkPeerRound"]
 
@@ -90,13 +91,13 @@ class BulkConnection:
     ) -> None:
         self._host, self._open_bulk, self._proxy, self._name = host, open_bulk, proxy, name
         self._cond = threading.Condition()
-        self._queue: deque[tuple[BulkPeerRound, bytes]] = deque()
-        self._inflight: deque[tuple[BulkPeerRound, bytes]] = deque()
+        self._queue: deque[tuple[BulkPeerRound, Frame]] = deque()
+        self._inflight: deque[tuple[BulkPeerRound, Frame]] = deque()
         self._sock: socket.socket | None = None
         self._closed = False
         self._dial_lock = threading.Lock()
 
-    def put(self, rnd: BulkPeerRound, frame: bytes) -> None:
+    def put(self, rnd: BulkPeerRound, frame: Frame) -> None:
         with self._cond:
             if self._closed:
                 raise BulkError("connection closed")
@@ -184,7 +185,7 @@ class BulkConnection:
                 with self._cond:
                     rnd, frame = self._queue.popleft()
                     self._inflight.append((rnd, frame))
-                send_all(sock, [record_head(frame), frame])
+                send_all(sock, frame_parts(frame))  # one sendmsg: nothing joined
         except OSError as exc:
             # The peer may have refused a frame and closed: its reason is what the
             # rounds should hear, so the reader gets a moment to read it first.
@@ -277,8 +278,8 @@ class BulkPeerRound:
         self.resent = 0
         """Frames the peer received damaged and asked for again."""
 
-    def send(self, frame: bytes) -> None:
-        """Queues one serialized chunk; connections take turns. Thread-safe."""
+    def send(self, frame: Frame) -> None:
+        """Queues one chunk; connections take turns. Thread-safe."""
         with self._cond:
             if self._ended or self._error is not None:
                 return

@@ -32,7 +32,7 @@ from isthmus.inter.data.lane_requests import OFFER_WAIT_S, LaneRequests
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
 from isthmus.inter.data.round_types import Members
 from isthmus.inter.data.state_transfer import StateOffers
-from isthmus.inter.data.wire import Chunk, ChunkWire, DeliverWire, WireError, parse_chunk
+from isthmus.inter.data.wire import Chunk, ChunkWire, DeliverWire
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.security import INSECURE, TLS_NAME, SiteSecurity, refuse_unless_named
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -174,8 +174,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         if bulk and not (security or INSECURE).require_tls:
             self._bulk = BulkListener(
                 host,
-                self._take_frame,
-                max_frame=max_payload_bytes(chunk_bytes) + _HEADROOM,
+                self._take_bulk,
+                max_frame=max_payload_bytes(chunk_bytes),
                 where=f"lane of site {site_index}",
                 refusals=self.refusals,
                 tickets=self.tickets,
@@ -307,7 +307,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         generation, num_sites = members.generation, members.num_sites
         per = self.chunk_bytes // 4
         limit = max_payload_bytes(self.chunk_bytes)
-        crc = crc32(req.payload)
+        known = getattr(req, "payload_crc", None)  # a protobuf message (tests) has none
+        crc = known if known is not None else crc32(req.payload)
         pre, bad = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT
         kinds = (lane_pb2.CHUNK_KIND_CONTRIBUTION, lane_pb2.CHUNK_KIND_RESULT)
         # Cheap field checks first; the CRC last, on a message that is otherwise sound.
@@ -428,17 +429,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             return REFUSED, exc.code, msg
         return ACCEPTED, None, ""
 
-    def _take_frame(
-        self, frame: memoryview, peer: str, holder: str
+    def _take_bulk(
+        self, req: Chunk, peer: str, holder: str
     ) -> tuple[int, grpc.StatusCode | None, str]:
-        """A bulk connection's frame: parsed here, then judged like a gRPC one; taken
-        only from the site the connection's ticket was granted to."""
-        try:
-            req = parse_chunk(frame)
-        except WireError as exc:
-            msg = f"malformed isthmus.v1.PushChunksRequest: {exc}"
-            log.warning("site %d: bulk frame from %s refused: %s", self.site_index, peer, msg)
-            return REFUSED, grpc.StatusCode.INVALID_ARGUMENT, msg
+        """A bulk connection's chunk (its header parsed by the listener), judged like a
+        gRPC one; taken only from the site the connection's ticket was granted to."""
         return self.take(req, holder, peer)
 
     def _check_holder(self, from_site: int, holder: str | None | object, peer: str) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from isthmus.inter.data.wire import Chunk, Delivery
+from isthmus.inter.data.wire import Chunk, Delivery, Frame
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class HandoffPeer(Protocol):
 
     address: str
 
-    def deliver(self, frame: bytes, nonce: bytes, timeout: float) -> None: ...
+    def deliver(self, frame: Frame | bytes, nonce: bytes, timeout: float) -> None: ...
 
     def grant_bulk(self, request: lane_pb2.GrantBulkRequest, timeout: float) -> None: ...
 

@@ -24,7 +24,7 @@ from isthmus.inter.data.bulk import TICKET_TTL_S, BulkRefused
 from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
 from isthmus.inter.data.lane import PASS_METADATA, channel_options
 from isthmus.inter.data.lane_handoff import Handoffs
-from isthmus.inter.data.wire import encode_delivery
+from isthmus.inter.data.wire import Frame, encode_delivery
 from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
@@ -120,9 +120,9 @@ class PeerRound:
         self.resent = 0
         """Always 0 here: a damaged chunk is pulled again by the receiver instead."""
 
-    def send(self, frame: bytes) -> None:
-        """Queues one serialized chunk (:func:`~isthmus.inter.data.wire.encode_chunk`);
-        connections take turns. Thread-safe.
+    def send(self, frame: Frame) -> None:
+        """Queues one chunk (serialized here, the payload's one copy); connections take
+        turns. Thread-safe.
 
         A chunk sent after :meth:`end` (a failing round's stragglers) is dropped.
         """
@@ -136,7 +136,7 @@ class PeerRound:
             if stream is None:
                 metadata = self._metadata(self._deadline) if self._metadata else ()
                 stream = self._streams[i] = _Stream(self._calls[i], self._deadline, metadata)
-        stream.put(frame)
+        stream.put(frame.joined())
 
     def end(self) -> None:
         """Closes the round's streams once queued chunks are out (idempotent)."""
@@ -324,7 +324,7 @@ class LanePeer:
             self._fetches += 1
         call(request, timeout=max(0.001, timeout))
 
-    def deliver(self, frame: bytes, nonce: bytes, timeout: float) -> None:
+    def deliver(self, frame: Frame | bytes, nonce: bytes, timeout: float) -> None:
         """Hands a chunk this site sent to the peer's lane again (``DeliverChunk``),
         for its round's request ``nonce``.
 
@@ -334,7 +334,8 @@ class LanePeer:
         with self._lock:
             call = self._deliver[self._fetches % len(self._deliver)]
             self._fetches += 1
-        call(encode_delivery(frame, nonce), timeout=max(0.001, timeout))
+        message = frame.joined() if isinstance(frame, Frame) else frame
+        call(encode_delivery(message, nonce), timeout=max(0.001, timeout))
 
     def grant_bulk(self, request: lane_pb2.GrantBulkRequest, timeout: float) -> None:
         """Hands the peer's lane the ticket it asked for (``GrantBulk``).

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from isthmus.inter.data.lane_handoff import Handoffs
-from isthmus.inter.data.wire import Chunk
+from isthmus.inter.data.wire import Chunk, Frame
 
 if TYPE_CHECKING:
     from isthmus.inter.data.lane_handoff import HandoffPeer
@@ -252,7 +252,7 @@ class Outbox:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: dict[OutboxKey, tuple[bytes, dict[int, HandoffPeer]]] = {}
+        self._items: dict[OutboxKey, tuple[Frame | bytes, dict[int, HandoffPeer]]] = {}
         self._peers: dict[int, dict[str, HandoffPeer]] = {}  # site -> address -> lane
 
     def meet(self, peers: Mapping[int, HandoffPeer]) -> None:
@@ -266,13 +266,15 @@ class Outbox:
         with self._lock:
             return list(self._peers.get(site, {}).values())
 
-    def put(self, key: OutboxKey, item: bytes, recipients: Mapping[int, HandoffPeer]) -> None:
-        """Keeps ``item`` (the chunk's serialized ``PushChunksRequest``, as sent) for the
+    def put(
+        self, key: OutboxKey, item: Frame | bytes, recipients: Mapping[int, HandoffPeer]
+    ) -> None:
+        """Keeps ``item`` (the chunk as sent, or its serialized ``PushChunksRequest``) for the
         sites in ``recipients``, each with the lane it was sent to."""
         with self._lock:
             self._items[key] = (item, dict(recipients))
 
-    def get(self, key: OutboxKey, site: int) -> tuple[bytes, HandoffPeer] | None:
+    def get(self, key: OutboxKey, site: int) -> tuple[Frame | bytes, HandoffPeer] | None:
         """The chunk and the lane it went to, if it was sent to ``site``; else None."""
         with self._lock:
             found = self._items.get(key)

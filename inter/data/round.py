@@ -34,7 +34,7 @@ import torch
 from isthmus.inter.data.codec import CodecError, NonFiniteEncoding, crc32
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
 from isthmus.inter.data.round_device import divisor, finite, lane_stream
-from isthmus.inter.data.wire import Chunk, encode_chunk
+from isthmus.inter.data.wire import Chunk, Frame
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
@@ -299,8 +299,11 @@ class RoundPipeline:
         self._count(decode_s=time.perf_counter() - t0)
         return values
 
-    def _frame(self, kind: lane_pb2.ChunkKind, c: int, payload: bytes | memoryview) -> bytes:
-        """The chunk's message, ``payload`` copied into it once."""
+    def _frame(self, kind: lane_pb2.ChunkKind, c: int, payload: bytes | memoryview) -> Frame:
+        """The chunk to send. A CPU round's payload is sent from where it lies (the
+        round's tensor, or the codec's output): nothing writes there before every peer
+        took it. A CUDA round's lies in the thread's pinned buffer, which its next chunk
+        reuses, so it is copied once."""
         lo, hi = self._bounds(c)
         header = lane_pb2.PushChunksRequest(
             generation=self.view.generation,
@@ -315,7 +318,10 @@ class RoundPipeline:
             codec=self.codec.name,
             crc32=crc32(payload),
         )
-        return encode_chunk(header, payload)
+        view = memoryview(payload).cast("B")
+        if self.device is not None and not isinstance(payload, bytes):
+            view = memoryview(bytes(view))
+        return Frame(header.SerializeToString(), view)
 
     def _own(self, lo: int, hi: int) -> np.ndarray | torch.Tensor:
         """Our own values of [lo, hi), where they lie (a view, no copy)."""
@@ -381,7 +387,9 @@ class RoundPipeline:
                 f"{req.total_elements} elements, expected {hi - lo}/{self.total}"
             )
         values = self._decoded(c, sender, req)
-        if not finite(values):
+        # A raw payload from a bulk connection was checked as it arrived (wirecore).
+        checked = getattr(req, "payload_finite", None)
+        if not (checked if checked is not None else finite(values)):
             # Refused before it is summed, and asked for again: a forged chunk that got
             # into the mailbox first is replaced by the sender's own copy.
             self._count(nonfinite_chunks=1)
@@ -467,7 +475,7 @@ class RoundPipeline:
                 f"{self.where}: the sum of chunk {c} (elements {lo}..{hi}) {cause} "
                 f"({self.codec.name}: {exc}); the result is not sent"
             ) from exc
-        frame = self._frame(_RESULT, c, payload)  # copies the payload: it may change
+        frame = self._frame(_RESULT, c, payload)
         if self.codec.lossy:
             # Every site, the owner too, keeps decode(result).
             self._store(lo, hi, self._decode(payload, hi - lo))

@@ -34,10 +34,12 @@ __all__ = [
     "ChunkWire",
     "DeliverWire",
     "Delivery",
+    "Frame",
     "WireError",
     "encode_chunk",
     "encode_delivery",
     "parse_chunk",
+    "parse_header",
 ]
 
 _PAYLOAD_FIELD = 11  # PushChunksRequest.payload
@@ -75,6 +77,12 @@ class Chunk:
     codec: str
     payload: memoryview | bytes
     crc32: int
+    payload_crc: int | None = None
+    """The payload's CRC-32C as this process computed it while receiving (never read
+    from the wire): spares the lane a second pass. None: not computed yet."""
+    payload_finite: bool | None = None
+    """For a ``raw`` payload received on a bulk connection: whether every fp32 value is
+    finite, checked in the same pass. None: not checked."""
 
     def header(self) -> lane_pb2.PushChunksRequest:
         """The header fields as a protobuf message (payload left empty)."""
@@ -140,6 +148,50 @@ def encode_chunk(
     views = [memoryview(p).cast("B") for p in parts]
     size = sum(v.nbytes for v in views)
     return b"".join([header.SerializeToString(), _PAYLOAD_TAG, _varint(size), *views])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frame:
+    """One chunk to send: its header fields serialized, and its payload not yet copied.
+
+    A bulk connection writes the two with one scatter-gather ``sendmsg``; gRPC and
+    resends take :meth:`joined`, the ordinary protobuf message. ``payload`` must stay
+    unchanged while the frame may still be sent or asked for again (a CPU round's
+    tensor view, or bytes of its own).
+    """
+
+    header: bytes
+    payload: memoryview
+
+    @classmethod
+    def from_message(cls, message: bytes | memoryview) -> Frame:
+        """The frame of a whole ``PushChunksRequest`` encoding (clients written by hand,
+        tests). Raises :class:`WireError` if it is not one."""
+        chunk = parse_chunk(message)
+        payload = memoryview(bytes(chunk.payload))
+        chunk.payload = b""
+        return cls(chunk.header().SerializeToString(), payload)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.payload.nbytes
+
+    def joined(self) -> bytes:
+        """The full ``PushChunksRequest`` encoding (one copy of the payload)."""
+        return b"".join([self.header, _PAYLOAD_TAG, _varint(self.payload.nbytes), self.payload])
+
+
+def parse_header(data: bytes | memoryview) -> Chunk:
+    """Parses the header of a bulk frame: every field of a ``PushChunksRequest`` but
+    the payload, which follows it on the connection (set by the caller).
+
+    Raises:
+        WireError: malformed, or it carries a payload of its own.
+    """
+    chunk = parse_chunk(data)
+    if len(chunk.payload):
+        raise WireError("a bulk frame's header carries a payload field")
+    return chunk
 
 
 def parse_chunk(data: bytes | memoryview) -> Chunk:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from lanes import inputs, run_all, sites
 
-from isthmus.deploy.config import CUDA_BULK_CHUNK_BYTES, load_config
-from isthmus.inter.data.chunk_size import chunk_bytes_for_link
+from isthmus.deploy.config import load_config
+from isthmus.inter.data.chunk_size import CUDA_BULK_CHUNK_BYTES, chunk_bytes_for_link
 from isthmus.inter.data.gradient_sync import LaneGradientSync
 
 pytestmark = pytest.mark.timeout(60)

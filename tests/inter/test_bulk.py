@@ -18,7 +18,15 @@ import torch
 from helpers import raw_chunk
 from lanes import inputs, run_all, sites
 
-from isthmus.inter.data.bulk import ACCEPTED, MAGIC, OK, REFUSED, RESEND, record_head
+from isthmus.inter.data.bulk import (
+    ACCEPTED,
+    MAGIC,
+    OK,
+    REFUSED,
+    RESEND,
+    frame_bytes,
+    record_head,
+)
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
@@ -64,21 +72,26 @@ def read_reply(sock: socket.socket) -> tuple[int, int | None, str]:
 
 
 def frame(msg: bytes) -> bytes:
-    return record_head(msg) + msg
+    return frame_bytes(msg)
 
 
 def oversized_head() -> bytes:
-    """A sound record head that announces a 1 GiB message."""
-    first = struct.pack("<II", 1 << 30, 0)
+    """A sound record head that announces a 1 GiB payload."""
+    first = struct.pack("<III", 16, 1 << 30, 0)
     return first + struct.pack("<I", crc32(first))
 
 
 def torn_head() -> bytes:
     """A record head with one bit of its length flipped: its own checksum fails."""
-    msg = raw_chunk().SerializeToString()
-    head = bytearray(record_head(msg))
+    head = bytearray(frame(raw_chunk().SerializeToString()))
     head[0] ^= 0x01
-    return bytes(head) + msg
+    return bytes(head)
+
+
+def malformed_header() -> bytes:
+    """A sound record head before a header that is no protobuf message."""
+    junk = b"\x5a\xff\xff\xff\xff\x0f"
+    return record_head(junk, 0) + junk
 
 
 def closed(sock: socket.socket) -> bool:
@@ -113,7 +126,7 @@ def test_a_connection_without_a_ticket_is_refused(lane, hello) -> None:
 @pytest.mark.parametrize(
     "payload, code, words",
     [
-        (frame(b"\x5a\xff\xff\xff\xff\x0f"), grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
+        (malformed_header(), grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
         (torn_head(), grpc.StatusCode.DATA_LOSS, "record head failed"),
         (oversized_head(), grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
         (
@@ -139,12 +152,12 @@ def test_a_bad_frame_is_refused_with_its_reason_and_changes_nothing(
 
 def test_a_damaged_frame_is_sent_again_and_only_the_intact_copy_is_taken(lane) -> None:
     msg = raw_chunk().SerializeToString()
-    damaged = bytearray(msg)
-    damaged[3] ^= 0x04  # a header field: the payload's own checksum would not see it
+    damaged = bytearray(frame(msg))
+    damaged[16 + 1] ^= 0x04  # a header field: the payload's own checksum would not see it
     port, tk = ticket(lane)
     with connect(port, MAGIC + tk) as sock:
         assert read_reply(sock)[0] == OK
-        sock.sendall(record_head(msg) + bytes(damaged))
+        sock.sendall(bytes(damaged))
         assert read_reply(sock)[0] == RESEND
         assert len(lane.mailbox) == 0 and lane._bulk.corrupt_frames == 1
         sock.sendall(frame(msg))
@@ -270,7 +283,7 @@ def test_a_stalled_frame_and_too_many_connections_are_cut_off(lane, monkeypatch)
     stalled = connect(port, MAGIC + tk)
     assert stalled.recv(1) == bytes([OK])
     msg = raw_chunk().SerializeToString()
-    stalled.sendall(record_head(msg) + msg[:10])  # a frame begun, then nothing
+    stalled.sendall(frame(msg)[:30])  # a frame begun, then nothing
     port, tk = ticket(lane)
     second = connect(port, MAGIC + tk)
     assert second.recv(1) == bytes([OK])
@@ -322,3 +335,12 @@ def test_the_listener_survives_running_out_of_descriptors() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "alive after" in done.stdout
+
+
+def test_a_peer_of_the_first_framing_is_told_to_upgrade(lane) -> None:
+    port, tk = ticket(lane)
+    with connect(port, b"ISTHBULK" + tk) as sock:
+        status, code, why = read_reply(sock)
+        assert (status, code) == (REFUSED, grpc.StatusCode.FAILED_PRECONDITION.value[0])
+        assert "bulk framing version 1" in why and closed(sock)
+    assert len(lane.mailbox) == 0

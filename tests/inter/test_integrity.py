@@ -19,6 +19,7 @@ from isthmus.inter.data.bulk_peer import BulkPeerRound
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.lane_peer import LanePeer, PeerRound
 from isthmus.inter.data.round_types import NonFiniteGradient, PeerAborted
+from isthmus.inter.data.wire import Frame
 from isthmus.proto import lane_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,11 +42,11 @@ def corrupt_every(monkeypatch: pytest.MonkeyPatch):
     lock = threading.Lock()
     for cls in (PeerRound, BulkPeerRound):  # either transport
 
-        def send(self, request: bytes, original=cls.send) -> None:
+        def send(self, frame: Frame, original=cls.send) -> None:
             with lock:
                 hit = sent["every"] and next(counter) % sent["every"] == 0
                 sent["n"] += bool(hit)
-            original(self, _flipped(request) if hit else request)
+            original(self, Frame.from_message(_flipped(frame.joined())) if hit else frame)
 
         monkeypatch.setattr(cls, "send", send)
     return sent
@@ -93,14 +94,15 @@ def test_chunk_corrupt_again_on_the_way_back_is_pulled_again(
     lock = threading.Lock()
     original = LanePeer.deliver
 
-    def deliver(self: LanePeer, frame: bytes, nonce: bytes, timeout: float) -> None:
+    def deliver(self: LanePeer, frame: Frame | bytes, nonce: bytes, timeout: float) -> None:
         # Every other chunk handed back (ResendChunk -> DeliverChunk) is corrupt too.
         with lock:
             fetches["n"] += 1
             bad = fetches["n"] % 2 == 1
             fetches["bad"] += bad
         if bad:
-            chunk = lane_pb2.PushChunksRequest.FromString(frame)
+            sent = frame.joined() if isinstance(frame, Frame) else frame
+            chunk = lane_pb2.PushChunksRequest.FromString(sent)
             payload = bytearray(chunk.payload)
             payload[len(payload) // 2] ^= 0x10
             chunk.payload = bytes(payload)
@@ -132,8 +134,8 @@ def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
     lock = threading.Lock()
     for cls in (PeerRound, BulkPeerRound):
 
-        def send(self, request: bytes, original=cls.send) -> None:
-            chunk = lane_pb2.PushChunksRequest.FromString(request)
+        def send(self, frame: Frame, original=cls.send) -> None:
+            chunk = lane_pb2.PushChunksRequest.FromString(frame.joined())
             key = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
             with lock:
                 first = key not in seen
@@ -142,8 +144,8 @@ def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
             if first:
                 chunk.payload = np.full(chunk.num_elements, np.nan, np.float32).tobytes()
                 chunk.crc32 = crc32(chunk.payload)
-                request = chunk.SerializeToString()
-            original(self, request)
+                frame = Frame.from_message(chunk.SerializeToString())
+            original(self, frame)
 
         monkeypatch.setattr(cls, "send", send)
     return forged
@@ -196,10 +198,11 @@ def test_relay_corruption_is_caught_and_the_result_stays_exact(
     # gRPC skips a proxy for hosts in no_proxy; name none so lanes cross the link.
     monkeypatch.setenv("no_grpc_proxy", "none.invalid")
     chunk = 256 * 1024
-    # ~1 flipped byte per 2 MB each way. Chunks travel on the bulk port, whose frames
-    # carry a checksum over header and payload: a damaged frame is sent again (counted
-    # as a corrupt chunk), wherever the flip landed; only a flip in a 12-byte record
-    # head would fail the connection (its own checksum says the boundaries are lost).
+    # ~1 flipped byte per 2 MB each way. Chunks travel on the bulk port: a flip in a
+    # frame's header fails the record's checksum and the frame is sent again; one in
+    # its payload fails the payload's checksum and the round pulls it again (each
+    # counted as a corrupt chunk); only a flip in a 16-byte record head would fail the
+    # connection (its own checksum says the boundaries are lost).
     spec = LinkSpec.symmetric(latency_s=0.0005, impairments=(Corrupt(rate=5e-7),), seed=3)
     with RelayServer() as relay:
         link = relay.add_link("site0-site1", spec)

@@ -32,6 +32,7 @@ from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.round_types import Members
+from isthmus.inter.data.wire import Frame
 from isthmus.inter.security import TLS_NAME, SiteSecurity
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc
@@ -141,8 +142,8 @@ def test_lane_peer_sends_with_tls_and_token(lane, job_dir):
     peer = LanePeer(lane.address, security=full(job_dir, "site1"), connections=2)
     try:
         round_ = peer.begin_round(deadline=10**9)
-        round_.send(chunk().SerializeToString())
-        round_.send(chunk(chunk_index=0, step=1).SerializeToString())
+        round_.send(Frame.from_message(chunk().SerializeToString()))
+        round_.send(Frame.from_message(chunk(chunk_index=0, step=1).SerializeToString()))
         round_.end()
         assert round_.wait(timeout=10) == 2
         assert len(lane.mailbox) == 2
@@ -345,7 +346,7 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
             lane.address, proxy=proxies["site1"]["site0"], security=full(job_dir, "site1")
         )
         round_ = peer.begin_round(deadline=10**9)
-        round_.send(chunk().SerializeToString())
+        round_.send(Frame.from_message(chunk().SerializeToString()))
         round_.end()
         assert round_.wait(timeout=10) == 1 and len(lane.mailbox) == 1
         assert link.targets_connected > joined  # the lane went through the proxy too

@@ -20,7 +20,7 @@ import torch
 from helpers import raw_chunk
 from lanes import inputs, run_all, sites
 
-from isthmus.inter.data.bulk import MAGIC, OK, REFUSED, record_head
+from isthmus.inter.data.bulk import MAGIC, OK, REFUSED, frame_bytes
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.lane import LaneServer
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -155,14 +155,14 @@ def test_a_bulk_ticket_carries_only_the_chunks_of_the_site_it_was_granted_to() -
             sock.sendall(MAGIC + lane.tickets.issue("2"))
             assert sock.recv(1) == bytes([OK])
             msg = raw_chunk(from_site=1).SerializeToString()
-            sock.sendall(record_head(msg) + msg)
+            sock.sendall(frame_bytes(msg))
             assert sock.recv(1) == bytes([REFUSED])
             assert b"granted to 2" in sock.recv(4096)
         assert lane.mailbox.keys() == []
         with socket.create_connection(("127.0.0.1", lane.bulk_port), timeout=5) as sock:
             sock.sendall(MAGIC + lane.tickets.issue("1"))
             assert sock.recv(1) == bytes([OK])
-            sock.sendall(record_head(msg) + msg)
+            sock.sendall(frame_bytes(msg))
             assert sock.recv(1) != bytes([REFUSED])
         assert lane.mailbox.keys() == [(0, 0, 1, 0, 1)]
     finally:

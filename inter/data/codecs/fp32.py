@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from isthmus.inter.data.codecs.base import check_chunk, check_size, from_le, to_device, to_host_view
+from isthmus.inter.data.wirecore import all_finite
 
 __all__ = ["Fp32Stage"]
 
@@ -30,7 +31,7 @@ class Fp32Stage:
 
     def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
         """See :meth:`TensorStage.finite` (one pass over the values)."""
-        return bool(np.isfinite(from_le(payload, np.float32)).all())
+        return all_finite(from_le(payload, np.float32))
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`TensorStage.decode`."""

@@ -1,0 +1,216 @@
+"""The lane's receive path in C (``wirecore.c``), built on first use; Python otherwise.
+
+:func:`recv_payload` reads a chunk's payload from a bulk connection straight into the
+buffer the round uses, and checksums it (and checks an fp32 payload for NaN/Inf) piece
+by piece while each piece is still in the cache: one pass over memory instead of
+three, in one call that holds no GIL (ctypes releases it), so the training loop's
+thread is not made to wait for it.
+
+The library is compiled once per source version with the system's C compiler (``cc``,
+or ``$CC``) into ``$ISTHMUS_HOME/native`` (default ``~/.isthmus/native``, a folder of
+the user's own, mode 0700: a library someone else could write is never loaded). Where
+no compiler works, or ``ISTHMUS_NATIVE=0``, the same results come from Python
+(``recv_into`` and the ``crc32c`` package), and :data:`BACKEND` says which is in use.
+``python3 -m isthmus.inter.data.wirecore`` builds it ahead of time and prints where.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import crc32c as _crc32c
+import numpy as np
+
+__all__ = [
+    "BACKEND",
+    "FrameClosed",
+    "all_finite",
+    "library_path",
+    "load",
+    "read_exact",
+    "recv_payload",
+]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("wirecore.c")
+_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE"]
+
+
+class FrameClosed(ConnectionError):
+    """The peer closed the connection in the middle of a payload."""
+
+
+def _home() -> Path:
+    return Path(os.environ.get("ISTHMUS_HOME") or Path.home() / ".isthmus")
+
+
+def library_path() -> Path:
+    """Where this source version's library is (or would be) built."""
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return _home() / "native" / f"wirecore-{digest}-{sys.platform}.so"
+
+
+def _private_dir(path: Path) -> None:
+    """Makes ``path`` (and its parent) 0700 folders of this user, or raises OSError."""
+    for folder in (path.parent, path):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        info = folder.stat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise PermissionError(f"{folder} is not a private folder of this user")
+
+
+def _build(target: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc or $CC) on PATH")
+    _private_dir(target.parent)
+    # Built under a private name and renamed into place: ranks that start together
+    # each build, and none ever loads a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise OSError(f"{cc} failed: {done.stderr.strip()[-400:]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _trusted(path: Path) -> bool:
+    info = path.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+BACKEND = "python"
+"""``"native"`` once the C library is loaded, else ``"python"``."""
+
+
+def load() -> ctypes.CDLL | None:
+    """The C library (built on first use), or None where it cannot be (logged once)."""
+    global _lib, _tried, BACKEND
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("ISTHMUS_NATIVE", "1") == "0":
+            return None
+        target = library_path()
+        try:
+            if not target.exists():
+                _build(target)
+            if not _trusted(target) or not _trusted(target.parent):
+                raise PermissionError(f"{target} is writable by other users; not loaded")
+            lib = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("wirecore: the C receive path is off (%s); using Python's", exc)
+            return None
+        lib.wc_crc32c.restype = ctypes.c_uint32
+        lib.wc_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        lib.wc_recv_frame.restype = ctypes.c_long
+        lib.wc_recv_frame.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_uint32),
+            ctypes.POINTER(ctypes.c_int),
+        ]
+        lib.wc_all_finite.restype = ctypes.c_int
+        lib.wc_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _lib, BACKEND = lib, "native"
+        return lib
+
+
+def _address(buf: memoryview) -> int:
+    """The address of a writable, C-contiguous buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def recv_payload(
+    sock: socket.socket, buf: memoryview, stall_s: float, f32: bool
+) -> tuple[int, bool | None]:
+    """Fills ``buf`` from ``sock``; returns (CRC-32C of the bytes, whether every fp32
+    word is finite, or None when not asked or not known).
+
+    Raises:
+        FrameClosed: the peer closed before ``buf`` was full.
+        TimeoutError: no byte came for ``stall_s`` seconds.
+        OSError: the connection failed.
+    """
+    lib = load()
+    if not len(buf):
+        return 0, True if f32 else None
+    if lib is None:
+        return _recv_python(sock, buf, stall_s), None
+    crc, nonfinite = ctypes.c_uint32(), ctypes.c_int()
+    got = lib.wc_recv_frame(
+        sock.fileno(),
+        _address(buf),
+        len(buf),
+        max(1, int(stall_s * 1000)),
+        int(f32),
+        ctypes.byref(crc),
+        ctypes.byref(nonfinite),
+    )
+    if got == 0:
+        raise FrameClosed("connection closed by the peer")
+    if got < 0:
+        if -got == errno.ETIMEDOUT:
+            raise TimeoutError(f"no byte of the frame for {stall_s:.0f}s")
+        raise OSError(-got, os.strerror(-got))
+    return crc.value, (not nonfinite.value) if f32 else None
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """No NaN or Inf in a contiguous fp32 array: one read pass without a temporary
+    (numpy's ``isfinite(...).all()`` writes and reads a mask as large again)."""
+    lib = load()
+    if lib is None or values.dtype != np.float32 or not values.flags.c_contiguous:
+        return bool(np.isfinite(values).all())
+    return bool(lib.wc_all_finite(values.ctypes.data, values.size))
+
+
+def read_exact(sock: socket.socket, buf: memoryview) -> None:
+    """Fills ``buf`` from ``sock`` with ``recv_into`` (the GIL released while it
+    copies); raises FrameClosed if the peer closes first."""
+    got, size = 0, len(buf)
+    while got < size:
+        n = sock.recv_into(buf[got:], size - got)
+        if n == 0:
+            raise FrameClosed("connection closed by the peer")
+        got += n
+
+
+def _recv_python(sock: socket.socket, buf: memoryview, stall_s: float) -> int:
+    sock.settimeout(stall_s)
+    read_exact(sock, buf)
+    return _crc32c.crc32c(buf)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    load()
+    print(f"wirecore: {BACKEND}" + (f" ({library_path()})" if BACKEND == "native" else ""))
+    sys.exit(0 if BACKEND == "native" else 1)
