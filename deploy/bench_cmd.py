@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from isthmus.deploy.config import ConfigError
 from isthmus.deploy.validation import MAX_SYNC_CHUNK_BYTES
-from isthmus.inter.data.chunk_size import sync_chunk_bytes
+from isthmus.inter.data.chunk_size import connections_for_link, sync_chunk_bytes
 from isthmus.inter.data.codec_spec import parse_codec_spec
 
 if TYPE_CHECKING:
@@ -40,16 +41,19 @@ QUICK = {"sites": "2", "rtt_ms": "1", "gbit": "1", "mib": "2", "codec": "raw,int
 
 @contextlib.contextmanager
 def emulated_links(
-    num_sites: int, rtt_s: float, bandwidth_bps: float
+    num_sites: int, rtt_s: float, bandwidth_bps: float, per_flow_bps: float = 0.0
 ) -> Iterator[dict[tuple[int, int], str]]:
-    """One emulated link per pair of sites; yields {(i, j): proxy URL i dials j by}."""
+    """One emulated link per pair of sites (each TCP flow held to ``per_flow_bps``, 0 =
+    no cap); yields {(i, j): proxy URL i dials j by}."""
     from isthmus.sim import LinkSpec, RelayServer
 
     # gRPC skips a proxy for hosts in no_proxy; name none so lanes cross the link.
     os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (gRPC reads lowercase)
     relay = RelayServer().start()
     try:
-        spec = LinkSpec.symmetric(latency_s=rtt_s / 2, bandwidth_bps=bandwidth_bps)
+        spec = LinkSpec.symmetric(
+            latency_s=rtt_s / 2, bandwidth_bps=bandwidth_bps, per_flow_bps=per_flow_bps
+        )
         proxies: dict[tuple[int, int], str] = {}
         for i in range(num_sites):
             for j in range(i + 1, num_sites):
@@ -92,7 +96,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--codec", help=f"codec specs (default {FULL['codec']})")
     add("--quick", action="store_true", help="a small grid for tests: " + str(QUICK))
     add("--chunk-kib", type=int, default=0, help="chunk size; 0 = from the link's BDP")
-    add("--connections", type=int, default=4, help="gRPC connections per peer lane")
+    add(
+        "--connections",
+        type=int,
+        default=0,
+        help="TCP connections per peer lane; 0 = as training sizes them from the link",
+    )
+    add(
+        "--per-flow-mbit",
+        type=float,
+        default=0.0,
+        help="the emulated link holds each TCP connection to this many Mbit/s (0 = no cap)",
+    )
     add("--workers", type=int, default=0, help="encode/decode threads per lane; 0 = auto")
     add(
         "--lanes",
@@ -157,8 +172,10 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
         raise ConfigError(
             f"--chunk-kib must be 4..{MAX_SYNC_CHUNK_BYTES // 1024}, got {args.chunk_kib}"
         )
-    if not 1 <= args.connections <= 16:
-        raise ConfigError(f"--connections must be in 1..16, got {args.connections}")
+    if not 0 <= args.connections <= 16:
+        raise ConfigError(f"--connections must be in 0..16, got {args.connections}")
+    if args.per_flow_mbit < 0:
+        raise ConfigError(f"--per-flow-mbit must be >= 0, got {args.per_flow_mbit}")
     if not 1 <= args.lanes <= 64:
         raise ConfigError(f"--lanes must be in 1..64, got {args.lanes}")
     if args.groups < 1 or args.in_flight < 1 or args.repeats < 1 or args.load_ms < 0:
@@ -181,7 +198,8 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             # the ones training sees.
             chunk_bytes=chunk
             or sync_chunk_bytes(g * 1e9, rtt / 1000, cuda=args.device == "cuda", bulk=True),
-            connections=args.connections,
+            connections=args.connections
+            or connections_for_link(g * 1e9, rtt / 1000, args.per_flow_mbit * 1e6),
             workers=args.workers or None,
             timeout_s=args.timeout_s,
             lanes=args.lanes,
@@ -218,7 +236,8 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
         print(bench.format_throughput(out["codec_throughput"], gbits), flush=True)
         print(flush=True)
     for case in cases:
-        result = bench.run_case(case, direct_links if args.direct else emulated_links)
+        links = functools.partial(emulated_links, per_flow_bps=args.per_flow_mbit * 1e6)
+        result = bench.run_case(case, direct_links if args.direct else links)
         result["direct"] = bool(args.direct)
         out["cases"].append(result)
         # One line per case as it finishes: a full grid takes a while.

@@ -35,7 +35,7 @@ from isthmus.deploy.sections import (
     WanSection,
 )
 from isthmus.deploy.validation import ConfigError, validate
-from isthmus.inter.data.chunk_size import sync_chunk_bytes
+from isthmus.inter.data.chunk_size import connections_for_link, sync_chunk_bytes
 from isthmus.inter.data.codec_spec import CODEC_FORMAT
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
@@ -98,6 +98,17 @@ class JobConfig:
             cuda=self.device_type == "cuda",
             bulk=bulk,
             unequal_sites=len(set(self.site_ranks)) > 1,
+        )
+
+    @property
+    def lane_connections(self) -> int:
+        """TCP connections per peer lane: sync.connections, or as many as fill the link."""
+        if self.sync.connections:
+            return self.sync.connections
+        return connections_for_link(
+            self.wan.bandwidth_mbit * 1e6,
+            2 * self.one_way_latency_s,
+            per_flow_bps=self.wan.per_flow_mbit * 1e6,
         )
 
     @property

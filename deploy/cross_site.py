@@ -100,7 +100,7 @@ class CrossSite:
             # (a round's streams may outlive it briefly), and the reserved threads.
             max_workers=RESERVED_THREADS
             + max(
-                24, 2 * (len(sites) - 1) * config.sync.connections * config.sync.rounds_in_flight
+                24, 2 * (len(sites) - 1) * config.lane_connections * config.sync.rounds_in_flight
             ),
         )
         lane.rank = rank
@@ -139,7 +139,7 @@ class CrossSite:
         return LanePeer(
             info.lane_addresses[self.rank if rank is None else rank],
             proxy=self.proxies.get(info.name),
-            connections=self.config.sync.connections,
+            connections=self.config.lane_connections,
             chunk_bytes=self.config.chunk_bytes,
             security=self.security,
             transport=self.config.sync.transport,

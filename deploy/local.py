@@ -198,6 +198,7 @@ class LocalJob:
                 latency_s=config.one_way_latency_s,
                 bandwidth_bps=config.wan.bandwidth_mbit * 1e6,
                 queue_bytes=config.wan.queue_kib * 1024,
+                per_flow_bps=config.wan.per_flow_mbit * 1e6,
             )
             links = {(a, b): spec for i, a in enumerate(sites) for b in sites[i + 1 :]}
         for (a, b), spec in links.items():

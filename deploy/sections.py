@@ -209,8 +209,10 @@ class SyncSection:
     """Raw bytes per chunk of the cross-site all-reduce; 0 = the link's bandwidth-delay
     product (from wan.*), clamped to 256 KiB - 4 MiB, and at least 16 MiB for CUDA
     tensors on the bulk transport (fewer, larger chunks: fewer kernel launches)."""
-    connections: int = 2
-    """TCP connections per peer lane (bulk or gRPC)."""
+    connections: int = 0
+    """TCP connections per peer lane (bulk or gRPC), 1..16; 0 = as many as fill the link:
+    bandwidth / wan.per_flow_mbit, or the bandwidth-delay product over one connection's
+    TCP window, at least 2 (inter/data/chunk_size.py, ``connections_for_link``)."""
     transport: str = "auto"
     """How chunks travel: "bulk" (the lanes' plain TCP port, fastest), "grpc"
     (PushChunks streams) or "auto" (bulk unless mutual TLS is on; see docs/security.md)."""
@@ -249,6 +251,10 @@ class WanSection:
     """One-way latency; negative derives it from distance_km."""
     bandwidth_mbit: float = 1000.0
     """Link bandwidth in Mbit/s, each direction."""
+    per_flow_mbit: float = 0.0
+    """Most Mbit/s one TCP connection gets, each direction (public clouds cap a flow:
+    AWS at 5 Gbit/s); 0 = no cap. `isthmus local` emulates it, and the lanes open enough
+    connections to fill the link (sync.connections = 0)."""
     queue_kib: int = 1024
     """Buffering beyond the bandwidth-delay product, KiB."""
 

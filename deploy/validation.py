@@ -140,7 +140,10 @@ def validate(config: JobConfig) -> None:
         parse_codec_spec(s.codec)
     except ValueError as exc:
         raise ConfigError(f"sync.codec: {exc}") from None
-    _require(1 <= s.connections <= 16, f"sync.connections must be in 1..16, got {s.connections}")
+    _require(
+        0 <= s.connections <= 16,
+        f"sync.connections must be in 1..16, or 0 to fill the link, got {s.connections}",
+    )
     _require(
         s.transport in ("auto", "bulk", "grpc"),
         f'sync.transport must be "auto", "bulk" or "grpc", got {s.transport!r}',
@@ -200,6 +203,9 @@ def validate(config: JobConfig) -> None:
     _require(w.distance_km >= 0, f"wan.distance_km must be >= 0, got {w.distance_km}")
     _require(w.bandwidth_mbit > 0, f"wan.bandwidth_mbit must be > 0, got {w.bandwidth_mbit}")
     _require(w.queue_kib >= 0, f"wan.queue_kib must be >= 0, got {w.queue_kib}")
+    _require(
+        w.per_flow_mbit >= 0, f"wan.per_flow_mbit must be >= 0 (0 = no cap), got {w.per_flow_mbit}"
+    )
     _require(
         config.run.digest_every >= 0,
         f"run.digest_every must be >= 0, got {config.run.digest_every}",

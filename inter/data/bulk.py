@@ -87,8 +87,9 @@ descriptors ran out (issue 33, row 5). A real peer presents its ticket within
 milliseconds of connecting, so it is never the oldest for long; a flood only
 replaces itself."""
 MAX_CONNECTIONS = 64
-"""Connections with a ticket, at once: a peer opens ``sync.connections`` per lane
-(4 by default), so 64 serve 16 peers; more are refused (RESOURCE_EXHAUSTED)."""
+"""Connections with a ticket, at once: a peer lane opens ``sync.connections`` (2-16,
+sized from the link by default), so 64 serve 4 to 32 peers; more are refused
+(RESOURCE_EXHAUSTED)."""
 LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
 OK, ACCEPTED, CORRUPT, REFUSED, RESEND = 0, 1, 2, 3, 4
 _MAGIC_V1 = b"ISTHBULK"  # one message with one checksum over all of it; refused by name
@@ -118,11 +119,23 @@ class BulkRefused(grpc.RpcError):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+USER_TIMEOUT_S = 30.0
+"""A bulk connection whose sent bytes go unacknowledged this long is dropped by the
+kernel (``TCP_USER_TIMEOUT``), and one idle that long is probed (keepalive): a peer
+that vanished (a host down, a cable cut) fails the connection, not a thread forever."""
+
+
 def tune(sock: socket.socket) -> None:
     # Buffer sizes are left to the kernel: setting SO_RCVBUF turns its autotuning off
     # and is capped by net.core.rmem_max (often 208 KiB), which would cap a long link
     # at rmem_max / RTT (0.2 MiB over 10 ms: 170 Mbit/s per connection).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(USER_TIMEOUT_S * 1000))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, int(USER_TIMEOUT_S))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
 def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:

@@ -1,15 +1,22 @@
-"""How big a lane's chunks are for a link, without torch or gRPC (the job config
-resolves it in the CLI before any process imports torch)."""
+"""How a lane cuts its transfers for a link: the chunk size, and how many TCP
+connections per peer. Without torch or gRPC: the job config resolves both in the CLI
+before any process imports torch."""
 
 from __future__ import annotations
+
+import math
+from pathlib import Path
 
 __all__ = [
     "CUDA_BULK_CHUNK_BYTES",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
     "UNEQUAL_CUDA_CHUNK_BYTES",
+    "MAX_CONNECTIONS",
     "chunk_bytes_for_link",
+    "connections_for_link",
     "sync_chunk_bytes",
+    "tcp_receive_window",
 ]
 
 MIN_CHUNK_BYTES = 256 * 1024
@@ -18,6 +25,9 @@ CUDA_BULK_CHUNK_BYTES = 16 << 20
 """The least chunk of a CUDA tensor on the bulk port (see :func:`sync_chunk_bytes`)."""
 UNEQUAL_CUDA_CHUNK_BYTES = 64 << 20
 """The least chunk of a CUDA tensor when sites differ in rank count."""
+MAX_CONNECTIONS = 16
+"""Connections per peer lane at most (a lane's bulk port admits 64 in all)."""
+_DEFAULT_RMEM_MAX = 6 << 20  # Linux's default tcp_rmem maximum
 
 
 def chunk_bytes_for_link(bandwidth_bps: float, rtt_s: float) -> int:
@@ -62,3 +72,41 @@ def sync_chunk_bytes(
         if unequal_sites:
             size = max(size, UNEQUAL_CUDA_CHUNK_BYTES)
     return size
+
+
+def tcp_receive_window(path: str = "/proc/sys/net/ipv4/tcp_rmem") -> int:
+    """The most bytes one TCP connection of this host keeps in flight toward it: half
+    the kernel's largest autotuned receive buffer (the other half is its overhead, as
+    ``tcp_adv_win_scale`` = 1 has it). 3 MiB where the file cannot be read."""
+    try:
+        rmem_max = int(Path(path).read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        rmem_max = _DEFAULT_RMEM_MAX
+    return max(64 << 10, rmem_max // 2)
+
+
+def connections_for_link(
+    bandwidth_bps: float, rtt_s: float, per_flow_bps: float = 0.0, window_bytes: int = 0
+) -> int:
+    """TCP connections per peer lane that fill a link, 2-16.
+
+    One connection carries at most one receive window per round trip, and a link may
+    cap each flow (public clouds do: AWS holds one flow to 5 Gbit/s); so as many as the
+    larger of bandwidth / per-flow cap and bandwidth-delay product / window, at least 2
+    (a connection that waits for its acknowledgements leaves the other sending).
+
+    Args:
+        bandwidth_bps: link bandwidth in bits per second, one direction.
+        rtt_s: round-trip time in seconds.
+        per_flow_bps: most bits per second of one connection; 0 = no cap.
+        window_bytes: one connection's window; 0 = :func:`tcp_receive_window`.
+    """
+    if bandwidth_bps <= 0 or rtt_s < 0 or per_flow_bps < 0:
+        raise ValueError(
+            f"need bandwidth > 0, rtt >= 0, per-flow cap >= 0, got "
+            f"{bandwidth_bps}, {rtt_s}, {per_flow_bps}"
+        )
+    window = window_bytes or tcp_receive_window()
+    by_cap = math.ceil(bandwidth_bps / per_flow_bps) if per_flow_bps else 1
+    by_window = math.ceil(bandwidth_bps / 8 * rtt_s / window)
+    return max(2, min(MAX_CONNECTIONS, max(by_cap, by_window)))
