@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 # gRPC's C core logs connection errors (a peer that already left, a proxy's 502)
@@ -117,7 +118,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool)
         )
 
 
-def config_from_args(args: argparse.Namespace) -> JobConfig:
+def config_from_args(
+    args: argparse.Namespace, fit: Callable[[JobConfig, set[str]], None] | None = None
+) -> JobConfig:
     flags = {
         "topology.sites": getattr(args, "sites", None),
         "topology.ranks_per_site": getattr(args, "ranks_per_site", None),
@@ -126,7 +129,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         "security.insecure": True if getattr(args, "insecure", False) else None,
         "run.oversubscribe": True if getattr(args, "oversubscribe", False) else None,
     }
-    return load_config(args.config, args.overrides, flags)
+    return load_config(args.config, args.overrides, flags, fit=fit)
 
 
 def add_insecure_flag(parser: argparse.ArgumentParser) -> None:

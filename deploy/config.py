@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -425,6 +426,7 @@ def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     flags: dict[str, Any] | None = None,
+    fit: Callable[[JobConfig, set[str]], None] | None = None,
 ) -> JobConfig:
     """Build and validate a job config (precedence in the module docstring).
 
@@ -432,6 +434,8 @@ def load_config(
         path: optional TOML file with [section] tables.
         overrides: "section.key=value" strings from --set.
         flags: "section.key" -> value from the named flags; None values are skipped.
+        fit: changes settings the sources left unset (given the keys they named),
+            before validation (`isthmus local` fits the host: deploy/quickstart.py).
     Returns:
         The validated JobConfig.
     Raises:
@@ -461,13 +465,15 @@ def load_config(
             section, key = name.split(".", 1)
             _apply(config, section, key, value, "command line")
             given.add(name)
-    _preset_training(config, given)
+    apply_preset_training(config, given)
+    if fit is not None:
+        fit(config, given)
     _normalize_switches(config)
     validate(config)
     return config
 
 
-def _preset_training(config: JobConfig, given: set[str]) -> None:
+def apply_preset_training(config: JobConfig, given: set[str]) -> None:
     """The preset's learning rate, warmup, batch and sequence length
     (intra/model_config.py, PRESET_TRAINING) for each train key the job left unset: a
     1b model does not train well at a 1.9M-parameter model's learning rate."""

@@ -22,16 +22,24 @@ __all__ = ["register", "resolve_local_job"]
 
 
 def resolve_local_job(
-    args: argparse.Namespace,
+    args: argparse.Namespace, notes: list[str] | None = None
 ) -> tuple[JobConfig, Topology | None, dict[str, tuple[float, int]]]:
     """The job `isthmus local ARGS` would run: its config, topology and slowed sites,
     checked as a launch checks them, before anything starts (also what the README's
-    examples are tested with, tests/deploy/test_readme.py).
+    examples are tested with, tests/deploy/test_readme.py). Settings the job left
+    unset are fitted to this host (deploy/quickstart.py); what was chosen is appended
+    to ``notes``.
 
     Raises:
         ConfigError: anything the launch would refuse in one line.
     """
-    from isthmus.deploy.local import parse_slow
+    from isthmus.deploy.local import host_gpus, parse_slow
+    from isthmus.deploy.quickstart import fit_to_host
+
+    def fit(config: JobConfig, given: set[str]) -> None:
+        chosen = fit_to_host(config, given, host_gpus(config))
+        if notes is not None:
+            notes.extend(chosen)
 
     topology = None
     if args.topology:
@@ -43,15 +51,22 @@ def resolve_local_job(
             raise ConfigError(f"--topology: {exc}") from None
         if args.sites is None:
             args.sites = len(topology.sites)
-    config = config_from_args(args)
+    config = config_from_args(args, fit=fit)
     return config, topology, parse_slow(args.slow, config.site_names)
 
 
 def cmd_local(args: argparse.Namespace) -> int:
     from isthmus.deploy.checkpointing import resolve_resume
     from isthmus.deploy.local import LocalJob
+    from isthmus.deploy.quickstart import plan_hint
 
-    config, topology, slow = resolve_local_job(args)
+    notes: list[str] = []
+    config, topology, slow = resolve_local_job(args, notes)
+    if notes:
+        print("isthmus local fitted this host: " + "; ".join(notes), file=sys.stderr)
+    hint = plan_hint(config)
+    if hint:
+        print(hint, file=sys.stderr)
     for site in config.site_names:  # coordinators on loopback; lanes on cluster.lane_host
         check_exposure(config, site, "127.0.0.1", sys.stderr)
     resolve_resume(config, config.site_names, resume=args.resume)
