@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.job_secret import SecretError, job_token
 from isthmus.deploy.sections import (
     SECTION_TYPES,
     CheckpointSection,
@@ -228,66 +227,17 @@ class JobConfig:
     def site_security(
         self, site: str, run_token: str | None = None, *, default_token: bool = True
     ) -> SiteSecurity | None:
-        """The site's credentials for its servers and channels; None when all is off.
+        """The site's credentials for its servers and channels; None when all is off
+        (deploy/job_security.py, ``site_security``)."""
+        from isthmus.deploy.job_security import site_security
 
-        When the [security] section asks for nothing, calls still carry a token: the
-        launcher's ``run_token``, else the user's job token (deploy/job_secret.py), unless
-        ``security.insecure``. Loopback is every local user's (issue 33).
-
-        Args:
-            site: the site.
-            run_token: a token the launcher made for this run (``isthmus local``, handed
-                to its ranks as ISTHMUS_RUN_TOKEN).
-            default_token: fall back to the user's job token (the witness does not: the
-                sites that call it may each run with a run token of their own).
-
-        Raises:
-            ConfigError: a file the [security] switches need is missing (named), or the
-                user's job token cannot be made or trusted.
-        """
-        sec = self.security
-        if not (sec.require_tls or sec.require_token):
-            if run_token:
-                return SiteSecurity(require_token=True, token=run_token)
-            if sec.insecure or not default_token:
-                return None
-            return SiteSecurity(require_token=True, token=self._user_token())
-        try:
-            return SiteSecurity.load(
-                sec.certs_dir,
-                site,
-                token_file=sec.token_file or None,
-                require_tls=sec.require_tls,
-                require_token=sec.require_token,
-            )
-        except ValueError as exc:
-            raise ConfigError(f"security: {exc}") from None
+        return site_security(self, site, run_token, default_token=default_token)
 
     def checkpoint_key(self) -> bytes | None:
-        """What signs checkpoint manifests and what ``--resume`` checks them with: the
-        configured job token, else the user's job token (it outlives a run, unlike
-        ``isthmus local``'s run token); None with ``security.insecure`` and no token, and
-        for a job that neither saves nor resumes (it needs no home folder to keep the
-        user's token in)."""
-        sec = self.security
-        if self.checkpoint.every <= 0 and self.checkpoint.resume_step < 0:
-            return None
-        if sec.require_token:
-            try:
-                token = SiteSecurity.load(
-                    sec.certs_dir, "", token_file=sec.token_file or None, require_token=True
-                ).token
-            except ValueError as exc:
-                raise ConfigError(f"security: {exc}") from None
-            return token.encode() if token else None
-        return None if sec.insecure else self._user_token().encode()
+        """What signs checkpoint manifests (deploy/job_security.py, ``checkpoint_key``)."""
+        from isthmus.deploy.job_security import checkpoint_key
 
-    @staticmethod
-    def _user_token() -> str:
-        try:
-            return job_token()
-        except SecretError as exc:
-            raise ConfigError(f"security: {exc}") from None
+        return checkpoint_key(self)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}

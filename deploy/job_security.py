@@ -1,0 +1,83 @@
+"""Who a job's sites trust, and what signs its checkpoints, from its [security] section.
+
+When the section asks for nothing, calls still carry a token: the launcher's run token,
+else the user's job token (deploy/job_secret.py), unless ``security.insecure``.
+Loopback is every local user's (issue 33). Checkpoint manifests are signed with the
+configured job token, else the user's, which outlives a run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from isthmus.deploy.job_secret import SecretError, job_token
+from isthmus.deploy.validation import ConfigError
+from isthmus.inter.security import SiteSecurity
+
+if TYPE_CHECKING:
+    from isthmus.deploy.config import JobConfig
+
+__all__ = ["checkpoint_key", "site_security"]
+
+
+def site_security(
+    config: JobConfig, site: str, run_token: str | None = None, *, default_token: bool = True
+) -> SiteSecurity | None:
+    """The site's credentials for its servers and channels; None when all is off.
+
+    Args:
+        config: the job.
+        site: the site.
+        run_token: a token the launcher made for this run (``isthmus local``, handed
+            to its ranks as ISTHMUS_RUN_TOKEN).
+        default_token: fall back to the user's job token (the witness does not: the
+            sites that call it may each run with a run token of their own).
+
+    Raises:
+        ConfigError: a file the [security] switches need is missing (named), or the
+            user's job token cannot be made or trusted.
+    """
+    sec = config.security
+    if not (sec.require_tls or sec.require_token):
+        if run_token:
+            return SiteSecurity(require_token=True, token=run_token)
+        if sec.insecure or not default_token:
+            return None
+        return SiteSecurity(require_token=True, token=_user_token())
+    try:
+        return SiteSecurity.load(
+            sec.certs_dir,
+            site,
+            token_file=sec.token_file or None,
+            require_tls=sec.require_tls,
+            require_token=sec.require_token,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"security: {exc}") from None
+
+
+def checkpoint_key(config: JobConfig) -> bytes | None:
+    """What signs checkpoint manifests and what ``--resume`` checks them with: the
+    configured job token, else the user's job token (it outlives a run, unlike
+    ``isthmus local``'s run token); None with ``security.insecure`` and no token, and
+    for a job that neither saves nor resumes (it needs no home folder to keep the
+    user's token in)."""
+    sec = config.security
+    if config.checkpoint.every <= 0 and config.checkpoint.resume_step < 0:
+        return None
+    if sec.require_token:
+        try:
+            token = SiteSecurity.load(
+                sec.certs_dir, "", token_file=sec.token_file or None, require_token=True
+            ).token
+        except ValueError as exc:
+            raise ConfigError(f"security: {exc}") from None
+        return token.encode() if token else None
+    return None if sec.insecure else _user_token().encode()
+
+
+def _user_token() -> str:
+    try:
+        return job_token()
+    except SecretError as exc:
+        raise ConfigError(f"security: {exc}") from None
