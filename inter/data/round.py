@@ -33,7 +33,7 @@ import torch
 
 from isthmus.inter.data.codec import CodecError, NonFiniteEncoding, crc32
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
-from isthmus.inter.data.round_device import divisor, finite, lane_stream
+from isthmus.inter.data.round_device import finite, lane_stream, sum_parts
 from isthmus.inter.data.wire import Chunk, Frame
 from isthmus.proto import lane_pb2
 
@@ -58,6 +58,7 @@ from isthmus.inter.data.round_types import (
     PeerAborted,
     RoundStats,
     RoundView,
+    describe,
 )
 
 log = logging.getLogger("isthmus.round")
@@ -432,40 +433,10 @@ class RoundPipeline:
     def _reduce(self, c: int, parts: dict[int, np.ndarray | torch.Tensor]) -> None:
         lo, hi = self._bounds(c)
         sites = self.view.num_sites
-        # The sum goes where the result belongs. Our own part may be that very memory:
-        # fine as one of the first two addends (an element-wise add into its own input),
-        # not later. Fixed site order: float addition is not associative, and every
-        # site must see the same bits.
-        if self.host is not None:
-            host_parts = cast("dict[int, np.ndarray]", parts)  # a CPU round decodes to numpy
-            out = self.host[lo:hi]
-            for s in range(2, sites):
-                if np.may_share_memory(host_parts[s], out):
-                    host_parts[s] = host_parts[s].copy()
-            np.add(host_parts[0], host_parts[1], out=out)
-            for s in range(2, sites):
-                np.add(out, host_parts[s], out=out)
-            if self.average:
-                np.divide(out, np.float32(sites), out=out)
-            summed = torch.from_numpy(out)
-        else:
-            # A CUDA round: self.device is set and the parts are tensors on it.
-            assert self.device is not None
-            gpu_parts = cast("dict[int, torch.Tensor]", parts)
-            stream = torch.cuda.current_stream(self.device)
-            for part in gpu_parts.values():
-                # Decoded on other pool threads' streams and dropped when this returns:
-                # their memory is not to be reused before this stream has read it.
-                part.record_stream(stream)
-            summed = self.flat[lo:hi]
-            for s in range(2, sites):
-                if gpu_parts[s].data_ptr() == summed.data_ptr():
-                    gpu_parts[s] = gpu_parts[s].clone()
-            torch.add(gpu_parts[0], gpu_parts[1], out=summed)
-            for s in range(2, sites):
-                summed.add_(gpu_parts[s])
-            if self.average:
-                summed.div_(divisor(self.device, sites))
+        if self.host is not None:  # a CPU round decodes to numpy
+            summed = torch.from_numpy(sum_parts(parts, self.host[lo:hi], sites, self.average))
+        else:  # a CUDA round: the parts are tensors on self.device
+            summed = sum_parts(parts, self.flat[lo:hi], sites, self.average)
         try:
             payload = self._encode(summed, f"g{self.group}/r{c}")
         except NonFiniteEncoding as exc:
@@ -530,12 +501,3 @@ class RoundPipeline:
                 raise CrossSiteError(f"{self.where}: pulled chunk {c}: {problem}")
             self._count(corrupt_chunks=1)  # corrupt again on the way back: ask again
         return None
-
-
-def describe(site: int, exc: BaseException) -> str:
-    """One line for a failed call to ``site``."""
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        code = exc.code()
-        kind = "timed out" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
-        return f"sending to site {site} {kind}: {code.name}: {exc.details()}"
-    return f"sending to site {site} failed: {exc}"

@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import grpc
+
 from isthmus.inter.data.codec import CodecChain
 
 __all__ = [
+    "describe",
     "AbortSignal",
     "CrossSiteError",
     "EncodingFault",
@@ -129,3 +132,12 @@ class RoundStats:
     """Seconds spent encoding, summed over the pool's threads."""
     decode_s: float = 0.0
     """Seconds spent decoding, summed over the pool's threads."""
+
+
+def describe(site: int, exc: BaseException) -> str:
+    """One line for a failed call to ``site``."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        code = exc.code()
+        kind = "timed out" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
+        return f"sending to site {site} {kind}: {code.name}: {exc.details()}"
+    return f"sending to site {site} failed: {exc}"
