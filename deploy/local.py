@@ -34,9 +34,20 @@ __all__ = [
     "gpu_shortage",
     "gpus_needed",
     "host_gpus",
+    "link_spec",
     "parse_slow",
     "slow_env",
 ]
+
+
+def link_spec(config: JobConfig) -> LinkSpec:
+    """The link `isthmus local` emulates between every pair of sites, from [wan]."""
+    return LinkSpec.symmetric(
+        latency_s=config.one_way_latency_s,
+        bandwidth_bps=config.wan.bandwidth_mbit * 1e6,
+        queue_bytes=config.wan.queue_kib * 1024,
+        per_flow_bps=config.wan.per_flow_mbit * 1e6,
+    )
 
 
 def first_gpus(sizes: list[int], gpus: int, share: bool) -> list[int]:
@@ -194,12 +205,7 @@ class LocalJob:
             except ValueError as exc:
                 raise ConfigError(f"--topology: {exc}") from None
         else:
-            spec = LinkSpec.symmetric(
-                latency_s=config.one_way_latency_s,
-                bandwidth_bps=config.wan.bandwidth_mbit * 1e6,
-                queue_bytes=config.wan.queue_kib * 1024,
-                per_flow_bps=config.wan.per_flow_mbit * 1e6,
-            )
+            spec = link_spec(config)
             links = {(a, b): spec for i, a in enumerate(sites) for b in sites[i + 1 :]}
         for (a, b), spec in links.items():
             link = self._wan.add_link(f"{a}-{b}", spec)

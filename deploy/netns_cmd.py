@@ -51,6 +51,12 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
         "--bandwidth-mbit", type=float, default=1000.0, help="bandwidth each way, Mbit/s (0 = none)"
     )
     up.add_argument(
+        "--per-flow-mbit",
+        type=float,
+        default=0.0,
+        help="most Mbit/s one TCP connection gets each way, as clouds cap a flow (0 = no cap)",
+    )
+    up.add_argument(
         "--queue-kib", type=int, default=256, help="buffering beyond the bandwidth-delay product"
     )
     up.add_argument("--job", default=DEFAULT_JOB, help="job name, 1-8 of [a-z0-9]")
@@ -77,7 +83,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         control = parse_address(args.control)
         spec = LinkSpec.from_distance(
-            args.distance_km, args.bandwidth_mbit * 1e6, queue_bytes=args.queue_kib * 1024
+            args.distance_km,
+            args.bandwidth_mbit * 1e6,
+            queue_bytes=args.queue_kib * 1024,
+            per_flow_bps=args.per_flow_mbit * 1e6,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -91,6 +100,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"job {args.job}: {args.sites} site(s), every pair {args.distance_km:g} km "
                 f"({spec.a_to_b.latency_s * 1e3:.2f} ms one way), "
                 f"{args.bandwidth_mbit:g} Mbit/s each way"
+                + (f", {args.per_flow_mbit:g} Mbit/s per flow" if args.per_flow_mbit else "")
             )
             for site in wan.sites:
                 print(

@@ -146,7 +146,12 @@ class LinkSpec:
 
     @classmethod
     def from_distance(
-        cls, km: float, bandwidth_bps: float, *, queue_bytes: int = DEFAULT_QUEUE_BYTES
+        cls,
+        km: float,
+        bandwidth_bps: float,
+        *,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        per_flow_bps: float = 0.0,
     ) -> LinkSpec:
         """A symmetric link over `km` of fiber (~4.9 us per km one way).
 
@@ -154,6 +159,7 @@ class LinkSpec:
             km: fiber route length, kilometres (longer than the great-circle distance).
             bandwidth_bps: bits per second each way; 0 or inf = unlimited.
             queue_bytes: buffering beyond the bandwidth-delay product, bytes.
+            per_flow_bps: most bits per second of one connection each way; 0 = no cap.
 
         Returns:
             The link spec.
@@ -161,7 +167,10 @@ class LinkSpec:
         if not isinstance(km, (int, float)) or not (math.isfinite(km) and km >= 0):
             raise ValueError(f"km must be a finite number >= 0, got {km!r}")
         return cls.symmetric(
-            latency_s=km * FIBER_S_PER_KM, bandwidth_bps=bandwidth_bps, queue_bytes=queue_bytes
+            latency_s=km * FIBER_S_PER_KM,
+            bandwidth_bps=bandwidth_bps,
+            queue_bytes=queue_bytes,
+            per_flow_bps=per_flow_bps,
         )
 
     @property

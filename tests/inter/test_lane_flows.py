@@ -10,6 +10,7 @@ import torch
 from lanes import inputs, run_all
 
 from isthmus.deploy.config import ConfigError, load_config
+from isthmus.deploy.local import link_spec
 from isthmus.inter.data import bulk
 from isthmus.inter.data.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.chunk_size import connections_for_link, tcp_receive_window
@@ -52,6 +53,10 @@ def test_a_job_sizes_its_connections_from_wan_and_a_chosen_count_wins(monkeypatc
     assert load_config(overrides=link).lane_connections == 5
     assert load_config(overrides=[*link, "sync.connections=3"]).lane_connections == 3
     assert load_config(overrides=["wan.bandwidth_mbit=100"]).lane_connections == 2
+    # isthmus local emulates the cap it sizes for.
+    spec = link_spec(load_config(overrides=link))
+    assert spec.a_to_b.per_flow_bps == spec.b_to_a.per_flow_bps == 5e9
+    assert spec.a_to_b.bandwidth_bps == 25e9
     for bad, words in [
         ("wan.per_flow_mbit=-1", "wan.per_flow_mbit must be >= 0"),
         ("sync.connections=17", "sync.connections must be in 1..16, or 0"),

@@ -211,10 +211,10 @@ def test_teardown_after_an_exception() -> None:
     nothing_left(job)
 
 
-def start_cli(job: str) -> tuple[subprocess.Popen, list[str]]:
+def start_cli(job: str, *more: str) -> tuple[subprocess.Popen, list[str]]:
     cli = subprocess.Popen(
         [sys.executable, "-m", "isthmus.deploy.netns_cmd", "up", "--sites", "2", "--job", job,
-         "--control", "127.0.0.1:0"],
+         "--control", "127.0.0.1:0", *more],
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -237,6 +237,20 @@ def test_cli_up_prints_sites_and_cleans_up_on_signal(sig: signal.Signals) -> Non
     finally:
         if cli.poll() is None:
             cli.kill()
+    nothing_left(job)
+
+
+def test_cli_up_caps_each_flow_when_asked() -> None:
+    job = job_name("h")
+    cli, lines = start_cli(job, "--per-flow-mbit", "300")
+    try:
+        assert "300 Mbit/s per flow" in lines[0], lines
+        control = next(line.split()[1] for line in lines if line.startswith("control"))
+        spec = control_request(control, "GET", "/links")["site0-site1"]["spec"]
+        assert spec["a_to_b"]["per_flow_mbit"] == spec["b_to_a"]["per_flow_mbit"] == 300
+    finally:
+        cli.send_signal(signal.SIGTERM)
+        cli.wait(timeout=30)
     nothing_left(job)
 
 
