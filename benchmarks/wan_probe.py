@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import socket
 import statistics
 import struct
@@ -39,6 +38,10 @@ import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any
+
+from wan_up import Emulator  # the script's folder is on sys.path
+
+LINK = "s0-s1"  # the one link, site s0 to site s1
 
 CHUNK = 1 << 20
 GRPC_MESSAGE = 4 << 20
@@ -190,55 +193,6 @@ def grpc_rtt(channel: Any, pings: int) -> float:
     return statistics.median(rtts) * 1e3
 
 
-class Emulator:
-    """`isthmus wan up` in a child process, one link a-b, its forwards and proxy."""
-
-    def __init__(self, targets: dict[str, int], workdir: Path) -> None:
-        topology = workdir / "probe.toml"
-        topology.write_text(
-            'sites = ["a", "b"]\n[links."a-b"]\nlatency_ms = 1\nbandwidth_mbit = 1000\n'
-        )
-        cmd = [sys.executable, "-m", "isthmus.deploy.wan_cmd", "up", str(topology)]
-        cmd += ["--control", "127.0.0.1:0"]
-        for port in targets.values():
-            cmd += ["--forward", f"a:b=127.0.0.1:{port}"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self.forwards: dict[int, tuple[str, int]] = {}
-        self.proxy = self.control = ""
-        assert self.proc.stdout is not None
-        direction = ""
-        for line in self.proc.stdout:
-            if m := re.match(r"\s+(\S+) -> (\S+)\s", line):
-                direction = m.group(1)
-            elif (m := re.match(r"\s+proxy\s+(\S+)", line)) and direction == "a":
-                self.proxy = m.group(1)
-            elif m := re.match(r"\s+forward (\S+):(\d+) -> \S+:(\d+)", line):
-                self.forwards[int(m.group(3))] = (m.group(1), int(m.group(2)))
-            elif m := re.match(r"control (\S+)", line):
-                self.control = m.group(1)
-            elif line.startswith("ready"):
-                break
-        if not self.control:
-            self.close()
-            raise RuntimeError("isthmus wan up did not start")
-
-    def set(self, gbit: float, rtt_ms: float) -> float:
-        """Change the link; return how long the control endpoint took to answer (s)."""
-        from isthmus.sim import control_request
-
-        t0 = time.monotonic()
-        body = {"bandwidth_mbit": gbit * 1000, "latency_ms": rtt_ms / 2, "queue_kib": 1024}
-        control_request(self.control, "POST", "/links/a-b", body)
-        return time.monotonic() - t0
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def measure(args, tcp_sink, tcp_echo, grpc_port, proxy) -> dict[str, float]:
     row = {
         "tcp_gbit": tcp_rate(tcp_sink, args.seconds),
@@ -307,17 +261,19 @@ def main() -> int:
         report(
             measure(args, (*local, ports["sink"]), (*local, ports["echo"]), ports.get("grpc"), None)
         )
-        emulator = Emulator(ports, Path(tmp))
+        emulator = Emulator(Path(tmp), 2, [LINK], list(ports.values()))
         try:
             for gbit in args.gbit:
                 for rtt_ms in args.rtt_ms:
-                    set_s = emulator.set(gbit, rtt_ms)
+                    set_s = emulator.set(
+                        bandwidth_mbit=gbit * 1000, latency_ms=rtt_ms / 2, queue_kib=1024
+                    )
                     row = measure(
                         args,
-                        emulator.forwards[ports["sink"]],
-                        emulator.forwards[ports["echo"]],
+                        emulator.forwards[(LINK, ports["sink"])],
+                        emulator.forwards[(LINK, ports["echo"])],
                         ports.get("grpc"),
-                        emulator.proxy,
+                        emulator.proxies[LINK],
                     )
                     report({"spec_gbit": gbit, "spec_rtt_ms": rtt_ms, "set_s": set_s, **row})
         finally:

@@ -29,16 +29,13 @@ Prints a markdown table; writes JSON to `--json PATH` and/or `$OUT/wan_throughpu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import multiprocessing
 import os
 import platform
-import re
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,12 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from wan_probe import ping_pong_ms  # the script's folder is on sys.path
+from wan_up import Emulator
 
 CHUNK = 4 << 20
 STATS = struct.Struct("!QQQ")  # bytes after the first read, monotonic ns of its end, of the last
 SINK_PROCESSES = 8
 START_DELAY_S = 0.4  # flows connect, then all start sending at one monotonic time
-TICKS = os.sysconf("SC_CLK_TCK")
 _FORK = multiprocessing.get_context("fork")
 
 
@@ -174,69 +171,6 @@ def rtt_ms(address, via_proxy: str | None, echo_port: int, pings: int) -> float:
 
 
 # -- the emulator --------------------------------------------------------------------
-
-
-class Emulator:
-    """One `isthmus wan up` child: `sites` sites, a forward to each target on `links`."""
-
-    def __init__(self, workdir: Path, sites: int, links: list[str], targets: list[int]) -> None:
-        names = [f"s{i}" for i in range(sites)]
-        topology = workdir / f"wan{id(self)}.toml"
-        topology.write_text(
-            f"sites = {json.dumps(names)}\n[defaults]\nlatency_ms = 0.5\nbandwidth_mbit = 1000\n"
-        )
-        cmd = [sys.executable, "-m", "isthmus.deploy.wan_cmd", "up", str(topology)]
-        cmd += ["--control", "127.0.0.1:0"]
-        for link in links:
-            a, b = link.split("-")
-            cmd += [arg for port in targets for arg in ("--forward", f"{a}:{b}=127.0.0.1:{port}")]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self.links = links
-        self.forwards: dict[tuple[str, int], tuple[str, int]] = {}  # (link, target) -> addr
-        self.proxies: dict[str, str] = {}  # link -> proxy URL of its a -> b direction
-        self.control = ""
-        assert self.proc.stdout is not None
-        link = src = ""
-        for line in self.proc.stdout:
-            if m := re.match(r"link (\S+)", line):
-                link = m.group(1)
-            elif m := re.match(r"\s+(\S+) -> (\S+)\s", line):
-                src = m.group(1)
-            elif (m := re.match(r"\s+proxy\s+(\S+)", line)) and src == link.split("-")[0]:
-                self.proxies[link] = m.group(1)
-            elif m := re.match(r"\s+forward (\S+):(\d+) -> \S+:(\d+)", line):
-                self.forwards[(link, int(m.group(3)))] = (m.group(1), int(m.group(2)))
-            elif m := re.match(r"control (\S+)", line):
-                self.control = m.group(1)
-            elif line.startswith("ready"):
-                break
-        if not self.control:
-            self.close()
-            raise RuntimeError("isthmus wan up did not start")
-
-    def set(self, **changes: float) -> None:
-        """Change every link used (topology-file keys)."""
-        from isthmus.sim import control_request
-
-        for link in self.links:
-            control_request(self.control, "POST", f"/links/{link}", changes)
-
-    def cpu_s(self) -> dict[str, tuple[float, float]]:
-        """(user, system) seconds so far of each thread of the `wan up` process."""
-        out = {}
-        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-            with contextlib.suppress(OSError):  # a thread that just ended
-                stat = Path(f"/proc/{self.proc.pid}/task/{tid}/stat").read_text()
-                fields = stat.rsplit(")", 1)[1].split()
-                out[f"{self.proc.pid}/{tid}"] = (int(fields[11]) / TICKS, int(fields[12]) / TICKS)
-        return out
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 # -- the grid ------------------------------------------------------------------------
