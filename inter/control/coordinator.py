@@ -438,9 +438,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, st.error)
             if not st.running:
                 return pb.GetMembershipResponse(generation=0)
+            # A caller that knows this generation has its sites: each rank's watcher asks
+            # once a second, and every site's lanes in each answer made the site's polls
+            # O(ranks²) bytes a second (docs/benchmarks.md, "The control plane at scale").
+            known = request.known_generation == st.generation
             return pb.GetMembershipResponse(
                 generation=st.generation,
-                sites=st.infos_locked(st.members),
+                sites=[] if known else st.infos_locked(st.members),
                 start_step=st.start_step,
                 state_source=st.state_source,
                 suspects=st.suspects_locked(),

@@ -372,10 +372,18 @@ class Ballots:
         """The REJOIN for ranks that voted before this site was admitted back."""
 
     def vote_rank_locked(self, key: Key, rank: int, ok: bool) -> None:
-        """Local ``rank``'s vote; a "not ok" stands once cast."""
+        """Local ``rank``'s vote; a "not ok" stands once cast.
+
+        Wakes the waiters only once every local rank has voted on ``key``: before that
+        nothing anyone waits for has changed (the site votes at the leader with all its
+        ranks' votes, :meth:`voted_locked`). Waking them on every vote woke each of the
+        site's long polls (two a rank) once per rank, N x 2N wake-ups a step: 11 CPU
+        seconds a step at 1,024 ranks (docs/benchmarks.md, "The control plane at scale").
+        """
         votes = self.rank_votes.setdefault(key, {})
         votes[rank] = votes.get(rank, True) and ok
-        self.state.cond.notify_all()
+        if len(votes) >= self.state.ranks:
+            self.state.cond.notify_all()
 
     def vote_site_locked(self, key: Key, site: str, ok: bool, suspects: Iterable[str]) -> None:
         """Member ``site``'s vote at the leader. A site's vote is resent while it waits;
