@@ -1,0 +1,484 @@
+"""The control plane under load: one coordinator per site, hundreds to thousands of ranks.
+
+Each site's coordinator (inter/control/coordinator.py) is a real gRPC server on
+loopback in its own process, so its CPU time is its own; site0's is the failover
+leader (every other site votes there). Each site's ranks are simulated by one client
+process (grpc.aio, many ranks per event loop) that does per rank what deploy/rank.py
+does through inter/control/coordinator_client.py and inter/data/membership.py:
+
+- once: ``RegisterRank`` (lane address, key), then ``GetMembership`` until generation 1;
+- always: the membership watcher, a ``GetMembership`` long poll (1 s) after another;
+- per step: ``CommitStep`` (a long poll of 2 s, asked again while PENDING), and on rank 0
+  ``ReportProgress`` once the step committed.
+
+Steps start on a fixed clock (``--rate`` steps/s); a step that takes longer than its
+period delays the next one, and the table's ``steps/s`` says what was reached.
+
+Reported per (sites, ranks per site):
+
+- ``decision p50 / p99``: per step, from the last rank's vote (sent, in any site) to the
+  moment every rank of every site holds the COMMIT, ms, over the measured steps;
+- ``votes sent``: from the step's start to the last vote sent (the clients' own pace);
+- ``leader / other cpu``: CPU seconds per step of site0's coordinator and of the busiest
+  other coordinator; ``leader cores``: the leader's CPU seconds per wall second (equal
+  to its CPU per step when the steps keep to 1 step/s);
+- ``clients cpu``: CPU seconds per step of all simulated ranks together.
+
+Run::
+
+    python benchmarks/control_plane.py --ranks 256,1024,4096 --sites 2,3 --steps 20 \\
+        --json runs/control_plane.json
+    python benchmarks/control_plane.py --quick   # 2 sites x 16 ranks, 3 steps: a smoke test
+
+Timestamps of different processes are compared on CLOCK_MONOTONIC (``time.monotonic``),
+which one machine shares among its processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SECRET = b"control-plane-benchmark-secret!!"
+"""The site secret the simulated ranks derive their keys from (rank_keys.derived_key)."""
+FINGERPRINT = {"job.seed": "0", "bench": "control_plane"}
+VOTE_WAIT_MS = 2_000  # inter/data/membership.py _VOTE_WAIT_MS
+WATCH_WAIT_MS = 1_000  # inter/data/membership.py _WATCH_WAIT_MS
+RPC_SLACK_S = 5.0
+STEP_TIMEOUT_S = 60.0
+"""A step not decided everywhere by then: the configuration did not keep up."""
+RANKS_PER_CHANNEL = 8
+"""Simulated ranks sharing one client channel (one TCP connection): a host's ranks."""
+
+
+# -- a coordinator process ----------------------------------------------------------------
+
+
+def serve_coordinator(site: str, names: list[str], ranks: int) -> None:
+    """Runs one site's coordinator: prints its address, reads the peers' addresses
+    (one JSON line), starts, and serves until stdin closes or says "stop"."""
+    from isthmus.inter.control.coordinator import Coordinator
+    from isthmus.inter.control.rank_keys import RankKeys
+
+    coordinator = Coordinator(
+        site=site,
+        site_names=names,
+        ranks=ranks,
+        fingerprint=FINGERPRINT,
+        rank_keys=RankKeys.derive(site, ranks, SECRET),
+        join_timeout_s=600.0,
+        heartbeat_s=1.0,
+        failure_timeout_s=30.0,  # a loaded 2-core machine must not look like a dead site
+        rpc_timeout_s=10.0,
+    )
+    print(coordinator.address, flush=True)
+    peers = json.loads(sys.stdin.readline())
+    coordinator.set_peers({name: address for name, address in peers.items() if name != site})
+    coordinator.start()
+    print("started", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "stop":
+            break
+    coordinator.stop(grace_s=0.5)
+
+
+# -- a process of simulated ranks -----------------------------------------------------------
+
+
+@dataclass
+class StepTimes:
+    """What one site's ranks saw of one step (CLOCK_MONOTONIC seconds)."""
+
+    step: int
+    first_vote: float = 0.0
+    last_vote: float = 0.0
+    last_seen: float = 0.0
+    verdicts: dict[str, int] = field(default_factory=dict)
+    repolls: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    """Votes that failed (deadline, overload) and were sent again, as a rank does."""
+    timed_out: bool = False
+
+
+class SimulatedRanks:
+    """``ranks`` ranks of ``site`` in one event loop, over one channel per
+    ``RANKS_PER_CHANNEL`` ranks."""
+
+    def __init__(self, site: str, address: str, ranks: int) -> None:
+        import grpc
+
+        from isthmus.inter.control.channels import MESSAGE_LIMITS
+        from isthmus.inter.control.rank_keys import derived_key
+        from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+        self.site, self.ranks = site, ranks
+        count = max(1, -(-ranks // RANKS_PER_CHANNEL))
+        self.channels = [
+            grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS) for _ in range(count)
+        ]
+        self.stubs = [pb_grpc.CoordinatorStub(c) for c in self.channels]
+        self.keys = [derived_key(SECRET, site, r) for r in range(ranks)]
+        self.generation = 0
+        self.stop = asyncio.Event()
+        self.watchers: list[asyncio.Task] = []
+
+    def stub(self, rank: int):
+        return self.stubs[rank // RANKS_PER_CHANNEL]
+
+    async def join(self) -> None:
+        """Every rank registers, then waits for the membership; the watchers start."""
+        from isthmus.proto import coordinator_pb2 as pb
+
+        gate = asyncio.Semaphore(256)
+
+        async def register(rank: int) -> None:
+            async with gate:
+                await self.stub(rank).RegisterRank(
+                    pb.RegisterRankRequest(
+                        site=self.site,
+                        rank=rank,
+                        world_size=self.ranks,
+                        lane_address=f"127.0.0.1:{20000 + rank}",
+                        fingerprint=pb.JobFingerprint(fields=FINGERPRINT),
+                        rank_key=self.keys[rank],
+                    ),
+                    timeout=120,
+                    wait_for_ready=True,
+                )
+
+        async def membership(rank: int) -> int:
+            async with gate:
+                while True:
+                    reply = await self.stub(rank).GetMembership(
+                        pb.GetMembershipRequest(
+                            known_generation=0, wait_ms=5_000, rank_key=self.keys[rank]
+                        ),
+                        timeout=15,
+                    )
+                    if reply.generation > 0:
+                        return reply.generation
+
+        await asyncio.gather(*(register(r) for r in range(self.ranks)))
+        generations = await asyncio.gather(*(membership(r) for r in range(self.ranks)))
+        self.generation = max(generations)
+        self.watchers = [asyncio.create_task(self.watch(r)) for r in range(self.ranks)]
+
+    async def watch(self, rank: int) -> None:
+        """The membership watcher of inter/data/membership.py: long poll after long poll."""
+        import grpc
+
+        from isthmus.proto import coordinator_pb2 as pb
+
+        while not self.stop.is_set():
+            try:
+                reply = await self.stub(rank).GetMembership(
+                    pb.GetMembershipRequest(
+                        known_generation=self.generation,
+                        wait_ms=WATCH_WAIT_MS,
+                        rank_key=self.keys[rank],
+                    ),
+                    timeout=WATCH_WAIT_MS / 1000 + RPC_SLACK_S,
+                )
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.25)
+                continue
+            if reply.suspects or reply.generation != self.generation:
+                await asyncio.sleep(0.25)
+
+    async def vote(self, rank: int, step: int, times: StepTimes) -> None:
+        """One rank's vote on ``step``, asked again while PENDING (SiteMembership.vote)."""
+        import grpc
+
+        from isthmus.proto import coordinator_pb2 as pb
+
+        request = pb.CommitStepRequest(
+            site=self.site,
+            rank=rank,
+            step=step,
+            generation=self.generation,
+            ok=True,
+            wait_ms=VOTE_WAIT_MS,
+            rank_key=self.keys[rank],
+        )
+        sent = time.monotonic()
+        times.first_vote = min(times.first_vote or sent, sent)
+        times.last_vote = max(times.last_vote, sent)
+        while True:
+            try:
+                decision = await self.stub(rank).CommitStep(
+                    request, timeout=VOTE_WAIT_MS / 1000 + RPC_SLACK_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    raise
+                times.errors[exc.code().name] = times.errors.get(exc.code().name, 0) + 1
+                await asyncio.sleep(0.2)
+                continue
+            if decision.verdict != pb.VERDICT_PENDING:
+                break
+            times.repolls += 1
+        times.last_seen = max(times.last_seen, time.monotonic())
+        name = pb.Verdict.Name(decision.verdict).removeprefix("VERDICT_")
+        times.verdicts[name] = times.verdicts.get(name, 0) + 1
+        if rank == 0 and decision.verdict == pb.VERDICT_COMMIT:
+            await self.stub(0).ReportProgress(
+                pb.ReportProgressRequest(
+                    site=self.site, step=step + 1, step_s=1.0, rank_key=self.keys[0]
+                ),
+                timeout=RPC_SLACK_S,
+            )
+
+    async def step(self, step: int, at: float) -> StepTimes:
+        """Every rank votes on ``step`` from ``at`` (CLOCK_MONOTONIC) on."""
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        times = StepTimes(step)
+        votes = asyncio.gather(*(self.vote(r, step, times) for r in range(self.ranks)))
+        try:
+            await asyncio.wait_for(votes, STEP_TIMEOUT_S)
+        except TimeoutError:
+            times.timed_out = True
+        return times
+
+    async def close(self) -> None:
+        self.stop.set()
+        for task in self.watchers:
+            task.cancel()
+        await asyncio.gather(*self.watchers, return_exceptions=True)
+        for channel in self.channels:
+            await channel.close()
+
+
+async def _ranks_main(site: str, address: str, ranks: int) -> None:
+    """The client process: joins, says "ready", then runs "step N AT" lines from stdin."""
+    sim = SimulatedRanks(site, address, ranks)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    await sim.join()
+    print("ready", flush=True)
+    while line := (await reader.readline()).decode().split():
+        if line[0] != "step":
+            break
+        times = await sim.step(int(line[1]), float(line[2]))
+        print(json.dumps(asdict(times)), flush=True)
+    await sim.close()
+
+
+def serve_ranks(site: str, address: str, ranks: int) -> None:
+    asyncio.run(_ranks_main(site, address, ranks))
+
+
+# -- the driver -------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, __file__, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
+
+
+def _line(proc: subprocess.Popen, what: str) -> str:
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line:
+        raise RuntimeError(f"{what} exited (rc {proc.poll()}) before answering")
+    return line.strip()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def run_case(sites: int, ranks: int, steps: int, rate: float, warmup: int) -> dict:
+    """One configuration: start the coordinators and the ranks, run ``warmup`` + ``steps``
+    steps at ``rate`` steps/s, stop everything; returns the row of the table."""
+    names = [f"site{i}" for i in range(sites)]
+    procs: list[subprocess.Popen] = []
+    try:
+        coords = [_spawn("--serve-coordinator", n, ",".join(names), str(ranks)) for n in names]
+        procs += coords
+        addresses = {n: _line(p, f"coordinator {n}") for n, p in zip(names, coords, strict=True)}
+        for p in coords:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(addresses) + "\n")
+        for n, p in zip(names, coords, strict=True):
+            _line(p, f"coordinator {n}")
+        t0 = time.monotonic()
+        clients = [_spawn("--serve-ranks", n, addresses[n], str(ranks)) for n in names]
+        procs += clients
+        for n, p in zip(names, clients, strict=True):
+            if _line(p, f"ranks of {n}") != "ready":
+                raise RuntimeError(f"ranks of {n} did not join")
+        join_s = time.monotonic() - t0
+        period = 1.0 / rate
+        rows: list[dict] = []
+        at = time.monotonic() + 0.2
+        cpu0: list[float] = []
+        measured_from = 0.0
+        failed = ""
+        for step in range(warmup + steps):
+            if step == warmup:
+                cpu0 = [cpu_seconds(p.pid) for p in procs]
+                measured_from = at
+            for p in clients:
+                assert p.stdin is not None
+                p.stdin.write(f"step {step} {at}\n")
+            seen = [json.loads(_line(p, "ranks")) for p in clients]
+            if any(s["timed_out"] for s in seen):
+                failed = f"step {step} not decided within {STEP_TIMEOUT_S:.0f}s"
+                break
+            if step >= warmup:
+                rows.append({"start": at, "sites": seen})
+            at = max(at + period, time.monotonic() + 0.01)
+        elapsed = at - measured_from  # when the next step would start
+        now = [cpu_seconds(p.pid) for p in procs] if cpu0 else cpu0
+        cpu = [b - a for a, b in zip(cpu0, now, strict=True)]
+    finally:
+        for p in procs:
+            if p.stdin is not None and p.poll() is None:
+                try:
+                    p.stdin.write("stop\n")
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    row = {"sites": sites, "ranks_per_site": ranks, "steps": steps, "target_steps_per_s": rate}
+    if failed or not rows:
+        return {**row, "failed": failed or "no step measured", "join_s": join_s}
+    latencies, sent = [], []
+    verdicts: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    repolls = 0
+    for measured in rows:
+        last_vote = max(s["last_vote"] for s in measured["sites"])
+        latencies.append(1000 * (max(s["last_seen"] for s in measured["sites"]) - last_vote))
+        sent.append(1000 * (last_vote - measured["start"]))
+        for s in measured["sites"]:
+            for name, count in s["errors"].items():
+                errors[name] = errors.get(name, 0) + count
+            repolls += s["repolls"]
+            for name, count in s["verdicts"].items():
+                verdicts[name] = verdicts.get(name, 0) + count
+    coord_cpu = [c / steps for c in cpu[:sites]]
+    return {
+        **row,
+        "steps_per_s": steps / elapsed,
+        "join_s": join_s,
+        "decision_ms_p50": percentile(latencies, 0.5),
+        "decision_ms_p99": percentile(latencies, 0.99),
+        "decision_ms": latencies,
+        "votes_sent_ms_p50": statistics.median(sent),
+        "leader_cores": coord_cpu[0] * steps / elapsed,
+        "leader_cpu_s_per_step": coord_cpu[0],
+        "other_cpu_s_per_step": max(coord_cpu[1:]),
+        "coordinator_cpu_s_per_step": coord_cpu,
+        "clients_cpu_s_per_step": sum(cpu[sites:]) / steps,
+        "verdicts": verdicts,
+        "vote_errors": errors,
+        "vote_repolls": repolls,
+    }
+
+
+HEADER = (
+    f"{'sites':>5} {'ranks/site':>10} {'steps/s':>7} {'decision p50':>12} {'p99':>8} "
+    f"{'votes sent':>10} {'leader cpu':>10} {'other cpu':>9} {'leader cores':>12} "
+    f"{'clients cpu':>11}"
+)
+
+
+def format_row(r: dict) -> str:
+    if "failed" in r:
+        return f"{r['sites']:>5} {r['ranks_per_site']:>10}  did not keep up: {r['failed']}"
+    return (
+        f"{r['sites']:>5} {r['ranks_per_site']:>10} {r['steps_per_s']:>7.2f} "
+        f"{r['decision_ms_p50']:>9.1f} ms {r['decision_ms_p99']:>5.1f} ms "
+        f"{r['votes_sent_ms_p50']:>7.0f} ms {r['leader_cpu_s_per_step']:>8.3f} s "
+        f"{r['other_cpu_s_per_step']:>7.3f} s {r['leader_cores']:>12.2f} "
+        f"{r['clients_cpu_s_per_step']:>9.3f} s"
+    )
+
+
+def _counts(text: str, flag: str, low: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag} takes integers separated by commas") from None
+    if not values or min(values) < low:
+        raise argparse.ArgumentTypeError(f"{flag} values must be >= {low}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--ranks", default="256,1024,4096", help="ranks per site, comma-separated")
+    p.add_argument("--sites", default="2,3", help="site counts, comma-separated (>= 2)")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
+    p.add_argument("--rate", type=float, default=1.0, help="target steps per second")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--quick", action="store_true", help="2 sites x 16 ranks, 3 steps")
+    p.add_argument("--serve-coordinator", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--serve-ranks", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_coordinator:
+        site, names, ranks = args.serve_coordinator
+        serve_coordinator(site, names.split(","), int(ranks))
+        return 0
+    if args.serve_ranks:
+        site, address, ranks = args.serve_ranks
+        serve_ranks(site, address, int(ranks))
+        return 0
+    try:
+        ranks = _counts(args.ranks, "--ranks", 1)
+        sites = _counts(args.sites, "--sites", 2)
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    if args.steps < 1 or args.warmup < 0 or args.rate <= 0:
+        p.error("--steps must be >= 1, --warmup >= 0 and --rate > 0")
+    if args.quick:
+        ranks, sites, args.steps, args.warmup = [16], [2], 3, 1
+    print(HEADER, flush=True)
+    results = []
+    for s in sites:
+        for r in ranks:
+            row = run_case(s, r, args.steps, args.rate, args.warmup)
+            results.append(row)
+            print(format_row(row), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"machine": f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d")}
+        args.json.write_text(json.dumps({**meta, "rows": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
