@@ -126,6 +126,35 @@ def test_repeat_must_be_at_least_one(tmp_path):
     assert_one_line_error(result, "--repeat must be >= 1, got 0")
 
 
+def test_a_hung_survivor_fails_its_scenario_within_one_budget(tmp_path, monkeypatch):
+    """The injection's wait and the judge's share SITE_TIMEOUT_S from the scenario's
+    start: a site that never exits fails the scenario, with its log's tail, before a
+    test's own timeout (which would show only thread stacks)."""
+    import sys
+    import time
+
+    from isthmus.deploy import chaos
+
+    monkeypatch.setattr(chaos, "SITE_TIMEOUT_S", 2.0)
+    scenario = next(s for s in SCENARIOS if s.name == "kill")
+    hung = chaos._Site("site0", [sys.executable, "-c", "import time; print('stuck', flush=True); time.sleep(600)"],
+                       {}, tmp_path / "site0")  # fmt: skip
+    hung.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "stuck" not in hung.text():  # up and logging: its tail is in the reason
+            assert time.monotonic() < deadline, "the stand-in site never started"
+            time.sleep(0.05)
+        started = time.monotonic() - 2.0  # as if the injection had spent the budget
+        result = chaos._judge(scenario, {"site0": hung}, tmp_path / "run", started)
+        waited = time.monotonic() - started - 2.0
+    finally:
+        hung.kill()
+    assert not result.ok and result.why.startswith("site0 exited with None"), result.why
+    assert "stuck" in result.why
+    assert waited < 1.5, waited  # the judge's 1 s floor, not a budget of its own
+
+
 def test_repeated_runs_are_counted_per_scenario():
     runs = [
         ScenarioResult(name="partition", ok=True, wall_s=40.0),

@@ -117,9 +117,9 @@ def test_a_site_without_its_peers_address_is_told_how_to_set_it(tmp_path):
 def test_a_lonely_site_gives_up_with_a_countdown_and_one_line(tmp_path):
     job = write_job(tmp_path)
     result = run_cli(
-        "site", "--config", job, "--site", "site0", "--set", "sync.timeout_s=6", timeout=120
+        "site", "--config", job, "--site", "site0", "--set", "sync.timeout_s=3", timeout=120
     )
-    assert_one_line_error(result, "timed out after 6s joining the job", "site1")
+    assert_one_line_error(result, "timed out after 3s joining the job", "site1")
     assert "waiting for site1" in result.stderr
 
 
