@@ -109,38 +109,44 @@ BACKEND = "python"
 def load() -> ctypes.CDLL | None:
     """The C library (built on first use), or None where it cannot be (logged once)."""
     global _lib, _tried, BACKEND
+    if _tried:  # every chunk asks: no lock once the answer is known
+        return _lib
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("ISTHMUS_NATIVE", "1") == "0":
-            return None
-        target = library_path()
-        try:
-            if not target.exists():
-                _build(target)
-            if not _trusted(target) or not _trusted(target.parent):
-                raise PermissionError(f"{target} is writable by other users; not loaded")
-            lib = ctypes.CDLL(str(target))
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("wirecore: the C receive path is off (%s); using Python's", exc)
-            return None
-        lib.wc_crc32c.restype = ctypes.c_uint32
-        lib.wc_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        lib.wc_recv_frame.restype = ctypes.c_long
-        lib.wc_recv_frame.argtypes = [
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.POINTER(ctypes.c_uint32),
-            ctypes.POINTER(ctypes.c_int),
-        ]
-        lib.wc_all_finite.restype = ctypes.c_int
-        lib.wc_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _lib, BACKEND = lib, "native"
-        return lib
+        if not _tried:
+            _lib = _open()
+            BACKEND = "native" if _lib is not None else "python"
+            _tried = True  # last: a reader that sees it sees _lib
+        return _lib
+
+
+def _open() -> ctypes.CDLL | None:
+    if os.environ.get("ISTHMUS_NATIVE", "1") == "0":
+        return None
+    target = library_path()
+    try:
+        if not target.exists():
+            _build(target)
+        if not _trusted(target) or not _trusted(target.parent):
+            raise PermissionError(f"{target} is writable by other users; not loaded")
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("wirecore: the C receive path is off (%s); using Python's", exc)
+        return None
+    lib.wc_crc32c.restype = ctypes.c_uint32
+    lib.wc_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+    lib.wc_recv_frame.restype = ctypes.c_long
+    lib.wc_recv_frame.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_uint32),
+        ctypes.POINTER(ctypes.c_int),
+    ]
+    lib.wc_all_finite.restype = ctypes.c_int
+    lib.wc_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
 
 
 def _address(buf: memoryview) -> int:
