@@ -2,7 +2,8 @@
 
 What the all-reduce tests share (tests/inter/test_allreduce.py, test_allreduce_codecs.py,
 test_allreduce_cuda.py, test_bulk.py, test_convergence.py, test_integrity.py): ``sites``
-wires n sites' lane servers, peers and all-reduces together; ``run_all`` runs one
+wires n sites' lane servers, peers and all-reduces together (``two_sites_over``: across an
+emulated link); ``run_all`` runs one
 callable per site, each in its own thread; ``inputs`` draws every site's tensors.
 """
 
@@ -101,3 +102,51 @@ def run_all(fns: list[Callable[[], object]], timeout: float = 25.0) -> list[obje
 def inputs(num_sites: int, sizes: list[int], seed: int = 0) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [[torch.randn(n, generator=g) * (s + 1) for n in sizes] for s in range(num_sites)]
+
+
+@contextlib.contextmanager
+def two_sites_over(
+    spec: object, chunk_bytes: int, connections: int, timeout_s: float
+) -> Iterator[tuple[list[CrossSiteAllReduce], list[LaneServer], object]]:
+    """Two raw sites whose lanes cross one emulated link of ``spec`` (a ``LinkSpec``):
+    yields their all-reduces, lane servers and the link (for its stats). The caller
+    names no gRPC proxy exception (``no_grpc_proxy``), so lanes cross the link."""
+    from isthmus.sim import RelayServer
+
+    with RelayServer() as relay:
+        link = relay.add_link("site0-site1", spec)
+        proxies = {0: link.add_proxy(initiator="a"), 1: link.add_proxy(initiator="b")}
+        servers = [
+            LaneServer(site_index=i, num_sites=2, codec="raw", chunk_bytes=chunk_bytes)
+            for i in range(2)
+        ]
+        peers = [
+            LanePeer(
+                servers[1 - i].address,
+                chunk_bytes=chunk_bytes,
+                proxy="http://{}:{}".format(*proxies[i]),
+                connections=connections,
+            )
+            for i in range(2)
+        ]
+        ars = [
+            CrossSiteAllReduce(
+                site_index=i,
+                num_sites=2,
+                server=servers[i],
+                peers={1 - i: peers[i]},
+                codec=make_codec("raw"),
+                chunk_bytes=chunk_bytes,
+                timeout_s=timeout_s,
+            )
+            for i in range(2)
+        ]
+        try:
+            yield ars, servers, link
+        finally:
+            for ar in ars:
+                ar.close()
+            for peer in peers:
+                peer.close()
+            for server in servers:
+                server.stop(0)

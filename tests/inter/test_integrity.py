@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from lanes import inputs, run_all, sites
+from lanes import inputs, run_all, sites, two_sites_over
 
 from isthmus.inter.data.bulk_peer import BulkPeerRound
 from isthmus.inter.data.codec import crc32
@@ -190,10 +190,7 @@ def test_a_site_whose_gradient_holds_nan_sends_nothing_and_says_so() -> None:
 def test_relay_corruption_is_caught_and_the_result_stays_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from isthmus.inter.data.allreduce import CrossSiteAllReduce
-    from isthmus.inter.data.codec import make_codec
-    from isthmus.inter.data.lane import LaneServer
-    from isthmus.sim import Corrupt, LinkSpec, RelayServer
+    from isthmus.sim import Corrupt, LinkSpec
 
     # gRPC skips a proxy for hosts in no_proxy; name none so lanes cross the link.
     monkeypatch.setenv("no_grpc_proxy", "none.invalid")
@@ -204,56 +201,22 @@ def test_relay_corruption_is_caught_and_the_result_stays_exact(
     # counted as a corrupt chunk); only a flip in a 16-byte record head would fail the
     # connection (its own checksum says the boundaries are lost).
     spec = LinkSpec.symmetric(latency_s=0.0005, impairments=(Corrupt(rate=5e-7),), seed=3)
-    with RelayServer() as relay:
-        link = relay.add_link("site0-site1", spec)
-        proxies = {0: link.add_proxy(initiator="a"), 1: link.add_proxy(initiator="b")}
-        servers = [
-            LaneServer(site_index=i, num_sites=2, codec="raw", chunk_bytes=chunk) for i in range(2)
-        ]
-        peers = [
-            LanePeer(
-                servers[1 - i].address,
-                chunk_bytes=chunk,
-                proxy="http://{}:{}".format(*proxies[i]),
-                connections=2,
+    with two_sites_over(spec, chunk_bytes=chunk, connections=2, timeout_s=30) as (ars, _, link):
+        corrupt = 0
+        for step in range(3):
+            data = inputs(2, [1 << 20], seed=step)  # 4 MiB per site
+            want = data[0][0] + data[1][0]
+            res = run_all(
+                [
+                    lambda s=s, d=data, st=step: ars[s].allreduce(d[s], st, 0, False)
+                    for s in range(2)
+                ]
             )
-            for i in range(2)
-        ]
-        ars = [
-            CrossSiteAllReduce(
-                site_index=i,
-                num_sites=2,
-                server=servers[i],
-                peers={1 - i: peers[i]},
-                codec=make_codec("raw"),
-                chunk_bytes=chunk,
-                timeout_s=30,
-            )
-            for i in range(2)
-        ]
-        try:
-            corrupt = 0
-            for step in range(3):
-                data = inputs(2, [1 << 20], seed=step)  # 4 MiB per site
-                want = data[0][0] + data[1][0]
-                res = run_all(
-                    [
-                        lambda s=s, d=data, st=step: ars[s].allreduce(d[s], st, 0, False)
-                        for s in range(2)
-                    ]
-                )
-                assert not any(isinstance(r, BaseException) for r in res), res
-                assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
-                corrupt += sum(r.corrupt_chunks for r in res)
-            flipped = sum(d.get("corrupted_bytes", 0) for d in link.stats().values())
-            assert flipped > 0
-            # Every chunk a flip landed in was counted and pulled again.
-            assert 0 < corrupt <= flipped
-            print(f"flipped bytes {flipped}, corrupt chunks pulled again {corrupt}")
-        finally:
-            for ar in ars:
-                ar.close()
-            for p in peers:
-                p.close()
-            for s in servers:
-                s.stop(0)
+            assert not any(isinstance(r, BaseException) for r in res), res
+            assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
+            corrupt += sum(r.corrupt_chunks for r in res)
+        flipped = sum(d.get("corrupted_bytes", 0) for d in link.stats().values())
+        assert flipped > 0
+        # Every chunk a flip landed in was counted and pulled again.
+        assert 0 < corrupt <= flipped
+        print(f"flipped bytes {flipped}, corrupt chunks pulled again {corrupt}")

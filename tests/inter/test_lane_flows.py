@@ -7,17 +7,13 @@ import socket
 
 import pytest
 import torch
-from lanes import inputs, run_all
+from lanes import inputs, run_all, two_sites_over
 
 from isthmus.deploy.config import ConfigError, load_config
 from isthmus.deploy.local import link_spec
 from isthmus.inter.data import bulk
-from isthmus.inter.data.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.chunk_size import connections_for_link, tcp_receive_window
-from isthmus.inter.data.codec import make_codec
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.sim import LinkSpec, RelayServer
+from isthmus.sim import LinkSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,49 +71,24 @@ def test_a_round_over_a_capped_link_opens_the_sized_connections_and_is_exact(
     n = connections_for_link(400e6, 0.002, 100e6)
     assert n == 4
     spec = LinkSpec.symmetric(latency_s=0.001, bandwidth_bps=400e6, per_flow_bps=100e6)
-    chunk = 256 * 1024
-    with RelayServer() as relay:
-        link = relay.add_link("site0-site1", spec)
-        proxies = {0: link.add_proxy(initiator="a"), 1: link.add_proxy(initiator="b")}
-        servers = [
-            LaneServer(site_index=i, num_sites=2, codec="raw", chunk_bytes=chunk) for i in range(2)
-        ]
-        ars = [
-            CrossSiteAllReduce(
-                site_index=i,
-                num_sites=2,
-                server=servers[i],
-                peers={
-                    1 - i: LanePeer(
-                        servers[1 - i].address,
-                        chunk_bytes=chunk,
-                        proxy="http://{}:{}".format(*proxies[i]),
-                        connections=n,
-                    )
-                },
-                codec=make_codec("raw"),
-                chunk_bytes=chunk,
-                timeout_s=60,
-            )
-            for i in range(2)
-        ]
-        try:
-            data = inputs(2, [1 << 20], seed=7)  # 4 MiB a site: 16 chunks, 8 each way
-            want = data[0][0] + data[1][0]
-            res = run_all([lambda s=s: ars[s].allreduce(data[s], 1, 0, False) for s in range(2)])
-            assert not any(isinstance(r, BaseException) for r in res), res
-            assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
-            stats = link.stats()
-            # Each direction: the lanes' bulk connections plus gRPC's channels (OpenBulk).
-            assert stats["a_to_b"]["connections"] >= n
-            assert stats["b_to_a"]["connections"] >= n
-            # The listener's side of every bulk connection drops a vanished peer.
-            conns = list(servers[0]._bulk._conns)
-            assert len(conns) == n
-            for conn in conns:
-                timeout = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
-                assert timeout == int(bulk.USER_TIMEOUT_S * 1000)
-                assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-        finally:
-            for ar in ars:
-                ar.close()
+    with two_sites_over(spec, chunk_bytes=256 * 1024, connections=n, timeout_s=60) as (
+        ars,
+        servers,
+        link,
+    ):
+        data = inputs(2, [1 << 20], seed=7)  # 4 MiB a site: 16 chunks, 8 each way
+        want = data[0][0] + data[1][0]
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 1, 0, False) for s in range(2)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
+        stats = link.stats()
+        # Each direction: the lanes' bulk connections plus gRPC's channels (OpenBulk).
+        assert stats["a_to_b"]["connections"] >= n
+        assert stats["b_to_a"]["connections"] >= n
+        # The listener's side of every bulk connection drops a vanished peer.
+        conns = list(servers[0]._bulk._conns)
+        assert len(conns) == n
+        for conn in conns:
+            timeout = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+            assert timeout == int(bulk.USER_TIMEOUT_S * 1000)
+            assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
