@@ -104,6 +104,8 @@ class ContextShard:
         work of the two chunks sums to ``2*cp + 1`` blocks on every rank.
         """
         keys, values = self.gather(k), self.gather(v)
+        # Grouped-query attention: gather the n_kv_heads, let the kernel share them.
+        gqa = k.shape[1] != q.shape[1]
         chunk = q.shape[2] // 2
         outs = []
         for half, c in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
@@ -114,6 +116,7 @@ class ContextShard:
                     keys.narrow(2, 0, seen),
                     values.narrow(2, 0, seen),
                     attn_mask=causal_lower_right(chunk, seen),
+                    enable_gqa=gqa,
                 )
             )
         return torch.cat(outs, dim=2)

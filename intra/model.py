@@ -1,7 +1,11 @@
 """A Llama-style decoder over a byte-level vocabulary.
 
 RMSNorm, rotary position embeddings, causal attention through
-``F.scaled_dot_product_attention``, a SwiGLU MLP and an untied output head.
+``F.scaled_dot_product_attention``, a SwiGLU MLP and an output head. What the Llama,
+Qwen2 and Mistral families add is optional in ``ModelConfig``: grouped-query attention
+(``n_kv_heads``), q/k/v biases, a head tied to the embedding, Llama 3's rotary scaling.
+The rotary layout is Hugging Face's (``rotate_half``: the head's first half pairs with
+its second), so their weights load without permuting q and k (intra/hf_layout.py).
 Layers live in ``Transformer.layers``, an ``nn.ModuleDict`` keyed by the layer's
 global index (``"0"``, ``"1"``, ...): parameter names are the same as with a
 ``ModuleList``, and a pipeline stage that keeps only some layers keeps their names
@@ -36,10 +40,29 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rotary_tables(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
-    """``[max_seq_len, head_dim]`` table holding cos in the first half and sin in the second."""
+def rotary_frequencies(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """The ``head_dim / 2`` rotary frequencies, with Llama 3's scaling when the config
+    has it (the arithmetic of transformers' ``_compute_llama3_parameters``, so a model
+    loaded from Hugging Face gives the same logits)."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, device=device).float() / half))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are stretched by `factor`, short ones kept, those between blended.
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rotary_tables(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """``[max_seq_len, head_dim]`` table holding cos in the first half and sin in the second."""
+    inv_freq = rotary_frequencies(cfg, device)
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
@@ -57,9 +80,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        kv = cfg.kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.context: ContextShard | None = None
         """With context parallelism (set by ``parallelize``): attend to every cp rank's
@@ -69,7 +93,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = (
             # -1, not n_heads: under tensor parallelism q/k/v are column shards
-            # holding n_heads / tp whole heads.
+            # holding n_heads / tp (n_kv_heads / tp) whole heads.
             w(x).view(b, t, -1, self.head_dim).transpose(1, 2)
             for w in (self.wq, self.wk, self.wv)
         )
@@ -77,7 +101,10 @@ class Attention(nn.Module):
         if self.context is not None:
             out = self.context.attend(q, k, v)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            # Grouped-query attention: query head h reads key/value head h // (n_heads /
+            # n_kv_heads), as Hugging Face's repeat_kv; tp shards keep whole groups.
+            gqa = k.shape[1] != q.shape[1]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -130,11 +157,20 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
         # Not persistent: derived from the config, so it stays out of checkpoints and digests.
         self.register_buffer("rope", rotary_tables(cfg), persistent=False)
         self.context: ContextShard | None = None
         """With context parallelism (set by ``parallelize``): ``tokens`` are this rank's
         chunks of each sequence, rotated by their global positions."""
+
+    def tie_weights(self) -> None:
+        """With ``cfg.tie_embeddings``, make the head's weight the embedding's: one
+        parameter under two names, which ``named_parameters()`` (checkpoints, digests,
+        FSDP) lists once, as ``tok_embeddings.weight``. Called again by whatever swaps
+        parameters (``to_empty``, tensor parallelism), which would untie them."""
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens.shape[1]
@@ -164,6 +200,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 nn.init.trunc_normal_(
                     p, std=out_std, a=-3 * out_std, b=3 * out_std, generator=generator
@@ -177,7 +215,8 @@ class Transformer(nn.Module):
         the experts a token is not routed to (mixture of experts; call it on the whole
         model)."""
         n = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.tok_embeddings is not None:
+        # A tied head is a matmul as well as the lookup: its weight stays counted.
+        if exclude_embedding and self.tok_embeddings is not None and not self.cfg.tie_embeddings:
             n -= self.tok_embeddings.weight.numel()
         return n - (self.cfg.inactive_params if active else 0)
 
@@ -218,6 +257,7 @@ def build_model(cfg: ModelConfig, seed: int) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty made a new parameter for each name
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     model.init_weights(generator)

@@ -5,7 +5,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["PRESETS", "PRESET_TRAINING", "ModelConfig", "TrainingDefaults", "preset"]
+__all__ = [
+    "PRESETS",
+    "PRESET_TRAINING",
+    "Llama3RopeScaling",
+    "ModelConfig",
+    "TrainingDefaults",
+    "preset",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Hugging Face ``rope_type = "llama3"``):
+    wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+    stretched by ``factor``, shorter than ``... / high_freq_factor`` kept, and those
+    between interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(
+                "llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < "
+                f"high_freq_factor, got {self.factor}, {self.low_freq_factor}, "
+                f"{self.high_freq_factor}"
+            )
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(
+                "llama3 rope scaling needs original_max_position_embeddings >= 1, got "
+                f"{self.original_max_position_embeddings}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,6 +70,15 @@ class ModelConfig:
     """Experts each token is routed to (with ``n_experts``)."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (Switch Transformer's; 0 = none)."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention: each serves ``n_heads / n_kv_heads``
+    query heads); 0 = ``n_heads``."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    tie_embeddings: bool = False
+    """The output head reuses the input embedding's weight (one parameter)."""
+    rope_scaling: Llama3RopeScaling | None = None
+    """Rotary frequency scaling; None = plain rotary."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len", "vocab_size"):
@@ -60,6 +102,16 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.top_k={self.top_k} must be in 1..n_experts={self.n_experts}"
             )
+        kv = self.n_kv_heads
+        if (
+            isinstance(kv, bool)
+            or not isinstance(kv, int)
+            or kv < 0
+            or self.n_heads % self.kv_heads
+        ):
+            raise ValueError(
+                f"ModelConfig.n_kv_heads={kv!r} must divide n_heads={self.n_heads} (0 = n_heads)"
+            )
         if self.n_experts < 0 or not self.aux_loss_coef >= 0:
             raise ValueError(
                 f"ModelConfig.n_experts={self.n_experts} and aux_loss_coef="
@@ -71,12 +123,20 @@ class ModelConfig:
         return self.dim // self.n_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads in use (``n_kv_heads``, or ``n_heads`` when it is 0)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
     def num_params(self) -> int:
         """Parameters of the whole decoder (``Transformer.num_params()``), unbuilt."""
         d, f, v = self.dim, self.ffn_hidden, self.vocab_size
+        kv = self.kv_heads * self.head_dim
         ffn = 3 * d * f if not self.n_experts else self.n_experts * (3 * d * f + d)
-        block = 4 * d * d + ffn + 2 * d  # attention, SwiGLU MLP(s) and router, two norms
-        return 2 * v * d + self.n_layers * block + d  # embedding, head, final norm
+        attention = 2 * d * d + 2 * d * kv + ((d + 2 * kv) if self.qkv_bias else 0)
+        block = attention + ffn + 2 * d  # attention, SwiGLU MLP(s) and router, two norms
+        ends = (1 if self.tie_embeddings else 2) * v * d  # embedding and head
+        return ends + self.n_layers * block + d  # and the final norm
 
     @property
     def inactive_params(self) -> int:

@@ -1,9 +1,10 @@
 """Tensor parallelism inside a site: DTensor plans for attention, MLP and the ends.
 
 Megatron's layout: q/k/v and the MLP's gate/up are split by output columns (each
-``tp`` rank owns ``n_heads / tp`` whole heads and ``ffn_hidden / tp`` hidden
-units), the attention output and MLP down projections by input rows, so each
-block costs one all-reduce forward and one backward per sub-layer. With sequence
+``tp`` rank owns ``n_heads / tp`` whole heads, the ``n_kv_heads / tp`` key/value heads
+its query heads read, and ``ffn_hidden / tp`` hidden units), the attention output and
+MLP down projections by input rows, so each block costs one all-reduce forward and one
+backward per sub-layer. With sequence
 parallelism those become a reduce-scatter and an all-gather, and the norms and
 the residual stream between blocks hold ``seq / tp`` positions per rank.
 """
@@ -57,6 +58,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
         root_plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
+        # A tied head: the embedding and the head each got their own DTensor copy of
+        # the one weight, both sharded by vocabulary rows (Shard(0)); keep one.
+        model.tie_weights()
     for block in model.layers.values():
         plan: dict[str, ParallelStyle] = {
             "attention.wq": ColwiseParallel(),

@@ -20,7 +20,7 @@ from dist_helpers import RecordingSync, init_gloo, random_corpus, shutdown, spaw
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model import build_model
-from isthmus.intra.model_config import preset
+from isthmus.intra.model_config import Llama3RopeScaling, preset
 from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
@@ -31,7 +31,25 @@ MODEL = replace(preset("tiny"), n_layers=4)
 # mean over each rank's own tokens (as in Megatron), so a sharded run's differs from
 # one process's by design; tests/intra/test_moe.py checks it on its own.
 MOE_MODEL = replace(preset("moe-tiny"), n_layers=4, aux_loss_coef=0.0)
-MODELS = {"dense": MODEL, "moe": MOE_MODEL}
+# What the Llama, Qwen2 and Mistral families add (intra/hf_layout.py): grouped-query
+# attention (2 key/value heads for 4 query heads), q/k/v biases, a head tied to the
+# embedding, Llama 3's rotary scaling (its three frequency bands all present at this
+# size). A tied head is refused with pp > 1, so pipelines run it untied.
+GQA_MODEL = replace(
+    MODEL,
+    n_kv_heads=2,
+    qkv_bias=True,
+    tie_embeddings=True,
+    rope_scaling=Llama3RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=128
+    ),
+)
+MODELS = {
+    "dense": MODEL,
+    "moe": MOE_MODEL,
+    "gqa": GQA_MODEL,
+    "gqa-untied": replace(GQA_MODEL, tie_embeddings=False),
+}
 # Clip so large that it never scales: the recorded gradients are the raw ones.
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=1, total_steps=10, grad_clip=1e6)
 
@@ -181,6 +199,14 @@ LAYOUTS_4 = {
         {"pp": 2, "dp": 2},
         {"schedule": "1f1b", "microbatches": 2, "expert_parallel": 2},
         "moe",
+    ),
+    # Grouped-query attention, q/k/v biases, tied head: FSDP with tp, cp and pp.
+    "gqa-tp2xdp2": ({"dp": 2, "tp": 2}, {}, "gqa"),
+    "gqa-cp2xtp2-sp": ({"cp": 2, "tp": 2}, {"sequence_parallel": True}, "gqa"),
+    "gqa-pp2xcp2-1f1b": (
+        {"pp": 2, "cp": 2},
+        {"schedule": "1f1b", "microbatches": 2},
+        "gqa-untied",
     ),
 }
 
