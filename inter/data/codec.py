@@ -60,7 +60,12 @@ class Codec(Protocol):
     name: str
 
     def encode(
-        self, chunk: torch.Tensor, key: str | None = None, *, require_finite: bool = False
+        self,
+        chunk: torch.Tensor,
+        key: str | None = None,
+        *,
+        require_finite: bool = False,
+        decoded_out: torch.Tensor | None = None,
     ) -> bytes | memoryview:
         """Encodes one chunk.
 
@@ -69,10 +74,11 @@ class Codec(Protocol):
             key: names the chunk's error-feedback state (lossy stages with feedback).
             require_finite: raise NonFiniteEncoding instead of returning a payload
                 that decodes to NaN or Inf (checked on the tensor stage's bytes).
+            decoded_out: if given, receives what a decode of the payload returns.
         Returns:
             The payload: bytes, or (``raw`` and ``bf16`` without byte stages) a
-            read-only view of the chunk's memory or of this thread's pinned buffer,
-            valid until the chunk changes or the thread encodes again. Copy it to keep it.
+            read-only view of the chunk's memory (valid until the chunk changes) or
+            of pinned memory the view alone holds (a CUDA chunk's).
         """
         ...
 
@@ -109,18 +115,49 @@ class CodecChain:
         return self.tensor.lossy
 
     def encode(
-        self, chunk: torch.Tensor, key: str | None = None, *, require_finite: bool = False
+        self,
+        chunk: torch.Tensor,
+        key: str | None = None,
+        *,
+        require_finite: bool = False,
+        decoded_out: torch.Tensor | None = None,
     ) -> bytes | memoryview:
-        """See :meth:`Codec.encode`."""
-        data = self.tensor.encode(chunk, key)
+        """See :meth:`Codec.encode`.
+
+        Args:
+            decoded_out: if given (1-D fp32, ``chunk``'s size and device, may be
+                ``chunk`` itself), receives the values a decode of the payload gives,
+                bit for bit: int8 and int4 write them as they quantize, other stages
+                decode. A round keeps decode(result) without a copy to the device and back.
+        """
+        if decoded_out is not None and isinstance(self.tensor, Int8Stage):
+            data = self.tensor.encode(chunk, key, decoded_out=decoded_out)
+        else:
+            data = self.tensor.encode(chunk, key)
         if require_finite and not self.tensor.finite(data, chunk.numel()):
             raise NonFiniteEncoding(
                 f"the {self.tensor.name} stage encoded {chunk.numel()} values to a payload "
                 "holding NaN or Inf"
             )
+        if decoded_out is not None and not isinstance(self.tensor, Int8Stage):
+            self._decode_into(data, decoded_out)
         for stage in self.byte_stages:
             data = stage.encode(data)
         return data
+
+    def _decode_into(self, data: bytes | memoryview, out: torch.Tensor) -> None:
+        """``out`` := the tensor stage's decode of ``data`` (no copy where ``data`` is a
+        lossless view of ``out`` itself)."""
+        n = out.numel()
+        if out.is_cuda:
+            values = self.tensor.decode_device(data, n, out.device)
+            if values.data_ptr() != out.data_ptr():
+                out.copy_(values)
+            return
+        array = self.tensor.decode_array(data, n)
+        target = out.numpy()
+        if not np.may_share_memory(array, target):
+            np.copyto(target, array)
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`Codec.decode`."""

@@ -280,12 +280,15 @@ class RoundPipeline:
             for name, value in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
 
-    def _encode(self, values: torch.Tensor, key: str) -> bytes | memoryview:
-        """``values`` encoded; raises NonFiniteEncoding rather than return a payload
-        that decodes to NaN or Inf (nothing non-finite ever leaves: invariant 8)."""
+    def _encode(
+        self, values: torch.Tensor, key: str, decoded: torch.Tensor | None = None
+    ) -> bytes | memoryview:
+        """``values`` encoded (and, into ``decoded``, what the payload decodes to);
+        raises NonFiniteEncoding rather than return a payload that decodes to NaN or
+        Inf (nothing non-finite ever leaves: invariant 8)."""
         t0 = time.perf_counter()
         try:
-            return self.codec.encode(values, key, require_finite=True)
+            return self.codec.encode(values, key, require_finite=True, decoded_out=decoded)
         finally:
             self._count(encode_s=time.perf_counter() - t0)
 
@@ -301,10 +304,9 @@ class RoundPipeline:
         return values
 
     def _frame(self, kind: lane_pb2.ChunkKind, c: int, payload: bytes | memoryview) -> Frame:
-        """The chunk to send. A CPU round's payload is sent from where it lies (the
-        round's tensor, or the codec's output): nothing writes there before every peer
-        took it. A CUDA round's lies in the thread's pinned buffer, which its next chunk
-        reuses, so it is copied once."""
+        """The chunk to send, from where its payload lies: the round's tensor, or the
+        codec's output (a CUDA chunk's in pinned memory of its own, see
+        ``codecs.base.to_host_view``). Nothing writes there before every peer took it."""
         lo, hi = self._bounds(c)
         header = lane_pb2.PushChunksRequest(
             generation=self.view.generation,
@@ -319,10 +321,11 @@ class RoundPipeline:
             codec=self.codec.name,
             crc32=crc32(payload),
         )
-        view = memoryview(payload).cast("B")
-        if self.device is not None and not isinstance(payload, bytes):
-            view = memoryview(bytes(view))
-        return Frame(header.SerializeToString(), view)
+        return Frame(header.SerializeToString(), memoryview(payload).cast("B"))
+
+    def _like(self, n: int) -> torch.Tensor:
+        """A new fp32 tensor of ``n`` values where the round's values live."""
+        return torch.empty(n, dtype=torch.float32, device=self.device or "cpu")
 
     def _own(self, lo: int, hi: int) -> np.ndarray | torch.Tensor:
         """Our own values of [lo, hi), where they lie (a view, no copy)."""
@@ -348,8 +351,11 @@ class RoundPipeline:
         # Error-feedback state is per lane (this object), group and chunk. The payload
         # is checked, not the gradient before it: one pass over the encoded bytes (for
         # int8 its scales alone) covers both the gradient and the encode.
+        # Our own part goes through the codec too, so a lossy codec treats every site
+        # alike; the encode leaves its decoded values, with no decode.
+        own = self._like(hi - lo) if owner == me else None
         try:
-            payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}")
+            payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}", own)
         except NonFiniteEncoding as exc:
             self._check_own(c, lo, hi)
             self._count(nonfinite_chunks=1)
@@ -358,10 +364,8 @@ class RoundPipeline:
                 f"contribution came out of the {self.codec.name} encode non-finite ({exc}); "
                 "not sent"
             ) from exc
-        if owner == me:
-            # Our own part goes through the codec too, so a lossy codec treats every
-            # site alike.
-            self._add_part(c, owner, self._decode(payload, hi - lo))
+        if own is not None:
+            self._add_part(c, owner, own if self.host is None else own.numpy())
             return
         frame = self._frame(_CONTRIBUTION, c, payload)
         self.outbox.put(
@@ -437,8 +441,12 @@ class RoundPipeline:
             summed = torch.from_numpy(sum_parts(parts, self.host[lo:hi], sites, self.average))
         else:  # a CUDA round: the parts are tensors on self.device
             summed = sum_parts(parts, self.flat[lo:hi], sites, self.average)
+        # Every site, the owner too, keeps decode(result): a lossy encode leaves it in
+        # place of the sum as it quantizes.
         try:
-            payload = self._encode(summed, f"g{self.group}/r{c}")
+            payload = self._encode(
+                summed, f"g{self.group}/r{c}", summed if self.codec.lossy else None
+            )
         except NonFiniteEncoding as exc:
             self._count(nonfinite_chunks=1)
             cause = "overflowed" if not finite(summed) else "is finite, but its encode is not"
@@ -447,9 +455,6 @@ class RoundPipeline:
                 f"({self.codec.name}: {exc}); the result is not sent"
             ) from exc
         frame = self._frame(_RESULT, c, payload)
-        if self.codec.lossy:
-            # Every site, the owner too, keeps decode(result).
-            self._store(lo, hi, self._decode(payload, hi - lo))
         self.outbox.put((self.step, self.group, _RESULT, c), frame, self.peers)
         for rnd in self._rounds.values():
             rnd.send(frame)

@@ -86,9 +86,8 @@ def _pinned_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
 def to_host_bytes(t: torch.Tensor) -> bytes:
     """Copies a 1-D tensor's elements to little-endian host bytes.
 
-    A CUDA tensor is copied into a pinned buffer first (a blocking copy on the
-    current stream, so the bytes are complete when it returns); ``tobytes`` then
-    copies out, so the buffer is free for the next chunk.
+    A CUDA tensor is copied into pinned memory first (a blocking copy on the current
+    stream, so the bytes are complete when it returns); ``tobytes`` then copies out.
 
     Args:
         t: 1-D tensor of a 1-, 2- or 4-byte dtype on any device.
@@ -101,11 +100,13 @@ def to_host_bytes(t: torch.Tensor) -> bytes:
 
 
 def _host_tensor(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous on the host: itself on CPU, a CUDA tensor in this thread's
-    pinned buffer (a blocking copy on the current stream)."""
+    """``t`` contiguous on the host: itself on CPU; a CUDA tensor in pinned memory of
+    its own (a blocking copy on the current stream). Its own, so a lane sends the
+    payload from there with no copy into a message; torch's caching host allocator
+    hands the memory out again once nothing refers to it (no cudaHostAlloc a chunk)."""
     t = t.detach().contiguous()
     if t.device.type == "cuda":
-        host = _pinned_buffer(t.dtype, t.numel())
+        host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
         host.copy_(t)
         return host
     return t if t.device.type == "cpu" else t.cpu()
@@ -115,9 +116,8 @@ def to_host_view(t: torch.Tensor) -> memoryview:
     """The 1-D tensor's elements as little-endian host bytes, copied only if need be.
 
     A CPU tensor's own memory is returned as a read-only view: valid while the tensor
-    is unchanged. A CUDA tensor is copied into this thread's pinned buffer (blocking):
-    valid until the same thread copies its next chunk. Callers that keep the bytes
-    copy them (the lanes write them into the outgoing message at once).
+    is unchanged. A CUDA tensor is copied into pinned memory that the view alone holds
+    (blocking): valid as long as the view is kept.
 
     Args:
         t: 1-D tensor of a 1-, 2- or 4-byte dtype on any device.
@@ -163,8 +163,8 @@ class TensorStage(Protocol):
     def encode(self, chunk: torch.Tensor, key: str | None) -> bytes | memoryview:
         """Encodes a 1-D fp32 chunk on its device; ``key`` names error-feedback state.
 
-        May return a view of ``chunk``'s memory (or this thread's pinned buffer):
-        valid until the chunk changes or the thread encodes again (:func:`to_host_view`).
+        May return a view of ``chunk``'s memory (valid until the chunk changes) or of
+        pinned memory of its own (:func:`to_host_view`).
         """
         ...
 

@@ -40,6 +40,7 @@ class Int4Stage(Int8Stage):
     width = 1  # a byte at a time for the shuffle stage (which then does nothing)
     lossy = True
     levels = LEVELS
+    fused = False  # the kernels write int8's format; this one packs nibbles in torch
 
     def encoded_size(self, num_elements: int) -> int:
         """See :meth:`TensorStage.encoded_size`: the scales, then half a byte each."""

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from isthmus.inter.data.codecs import int8_kernels
 from isthmus.inter.data.codecs.base import check_chunk, check_size, from_le, to_device, to_host_view
 
 __all__ = ["BLOCK", "Int8Stage", "block_scales", "blockwise_levels", "expand_scales", "scale_bytes"]
@@ -86,6 +87,8 @@ class Int8Stage:
     lossy = True
     levels = 127
     """Largest magnitude of a quantized value (symmetric)."""
+    fused = True
+    """Whether a GPU chunk takes the fused kernels (:mod:`.int8_kernels`): this format's."""
 
     def __init__(self, error_feedback: bool = True) -> None:
         self.error_feedback = error_feedback
@@ -96,37 +99,73 @@ class Int8Stage:
         """See :meth:`TensorStage.encoded_size`: the scales, then a byte a value."""
         return scale_bytes(num_elements) + num_elements
 
-    def encode(self, chunk: torch.Tensor, key: str | None = None) -> bytes | memoryview:
-        """Quantizes on the chunk's device (CPU and CUDA run the same torch code, then
-        one copy of the payload to the host, the only wait); see
-        :meth:`TensorStage.encode`.
+    def encode(
+        self,
+        chunk: torch.Tensor,
+        key: str | None = None,
+        decoded_out: torch.Tensor | None = None,
+    ) -> bytes | memoryview:
+        """Quantizes on the chunk's device (on a GPU one fused kernel where Triton is,
+        else the same torch code as on the CPU; then one copy of the payload to the
+        host, the only wait); see :meth:`TensorStage.encode`.
 
         Args:
             chunk: 1-D fp32 tensor (CPU or CUDA).
             key: error-feedback state key (lane, group, chunk); None = no feedback.
+            decoded_out: if given (``chunk``'s shape and device, may be ``chunk``),
+                receives what :meth:`decode` of the payload returns, with no decode.
         Returns:
             The fp32 scales followed by the int8 values.
         """
         key = key if self.error_feedback else None
-        x = self._with_residual(check_chunk(chunk), key)
+        x = check_chunk(chunk)
         n = x.numel()
         if n == 0:
             return b""
+        if self.fused and int8_kernels.usable(x):
+            return self._encode_fused(x, key, decoded_out)
+        x = self._with_residual(x, key)
         scales, q = blockwise_levels(x, self.levels)
-        if key is not None:  # measured against exactly what decode produces: fp32(q) x scale
+        if key is not None or decoded_out is not None:
+            # measured against exactly what decode produces: fp32(q) x scale
             decoded = (q * scales[:, None]).view(-1)[:n]
-            with self._lock:
-                self._residuals[key] = x - decoded
+            if key is not None:
+                with self._lock:
+                    self._residuals[key] = x - decoded
+            if decoded_out is not None:
+                decoded_out.copy_(decoded)
         head = _SCALE_BYTES * scales.numel()
         payload = torch.empty(self.encoded_size(n), dtype=torch.uint8, device=x.device)
         payload[:head].copy_(scales.view(torch.uint8))
         self._pack(q.view(-1)[:n], payload[head:])
+        self._before_host_copy()
         return self._checked(to_host_view(payload), n, key)
+
+    def _encode_fused(
+        self, x: torch.Tensor, key: str | None, decoded_out: torch.Tensor | None
+    ) -> bytes | memoryview:
+        """:meth:`encode` as one kernel: the residual is read and rewritten in place."""
+        residual = self._residual(x, key)
+        fresh = torch.empty_like(x) if key is not None and residual is None else None
+        payload = torch.empty(self.encoded_size(x.numel()), dtype=torch.uint8, device=x.device)
+        int8_kernels.quantize(
+            x, residual, fresh if fresh is not None else residual, decoded_out, payload,
+            self.levels, _SMALLEST,
+        )  # fmt: skip
+        if key is not None and fresh is not None:
+            with self._lock:
+                self._residuals[key] = fresh
+        self._before_host_copy()
+        return self._checked(to_host_view(payload), x.numel(), key)
 
     @staticmethod
     def _pack(q: torch.Tensor, out: torch.Tensor) -> None:
         """Writes the integers ``q`` (as fp32) into the payload's value bytes ``out``."""
         out.view(torch.int8).copy_(q)
+
+    def _before_host_copy(self) -> None:
+        """Called once the device work of an encode is queued, before the blocking copy
+        of its payload to the host (a test pauses an encode here)."""
 
     def _checked(self, host: memoryview, n: int, key: str | None) -> bytes | memoryview:
         """``host``, or an all-NaN payload when a scale is not finite: a non-finite
@@ -147,23 +186,31 @@ class Int8Stage:
 
     def _with_residual(self, x: torch.Tensor, key: str | None) -> torch.Tensor:
         """``x`` plus the residual kept under ``key`` (what earlier roundings lost)."""
+        residual = self._residual(x, key)
+        return x if residual is None else x + residual
+
+    def _residual(self, x: torch.Tensor, key: str | None) -> torch.Tensor | None:
+        """The residual kept under ``key``, on ``x``'s device, or None."""
         if key is None:
-            return x
+            return None
         with self._lock:
             residual = self._residuals.get(key)
         # A residual of another shape belongs to an older layout and is dropped; a
-        # loaded one (CPU) moves to the chunk's device.
+        # loaded one (CPU) moves to the chunk's device, and is kept there.
         if residual is None or residual.shape != x.shape:
-            return x
-        residual = residual.to(x.device)
+            return None
+        if residual.device != x.device:
+            residual = residual.to(x.device)
+            with self._lock:
+                self._residuals[key] = residual
         if residual.is_cuda:
-            # Another pool thread made it on its own stream, and this encode drops it
-            # (the next residual replaces it) right after queuing the add below. Without
+            # Another pool thread made it on its own stream, and the torch path drops
+            # it (the next residual replaces it) right after queuing its read. Without
             # this, the allocator hands its memory back to the maker's stream at once,
-            # and that thread's next chunk could overwrite it before this stream's add
-            # has read it: a finite gradient then left as NaN (issue 38).
+            # and that thread's next chunk could overwrite it before this stream's read
+            # has run: a finite gradient then left as NaN (issue 38).
             residual.record_stream(torch.cuda.current_stream(x.device))
-        return x + residual
+        return residual
 
     def _forget(self, key: str | None) -> None:
         if key is not None:
@@ -186,9 +233,13 @@ class Int8Stage:
     def decode_device(
         self, payload: bytes | memoryview, num_elements: int, device: torch.device
     ) -> torch.Tensor:
-        """See :meth:`TensorStage.decode_device`: fp32(q) x scale, as on the host."""
+        """See :meth:`TensorStage.decode_device`: fp32(q) x scale, as on the host (one
+        kernel where Triton is)."""
         check_size("int8", payload, self.encoded_size(num_elements), num_elements)
         raw = to_device(payload, device)
+        if self.fused and int8_kernels.usable(raw):
+            out = torch.empty(num_elements, dtype=torch.float32, device=raw.device)
+            return int8_kernels.dequantize(raw, num_elements, out)
         head = scale_bytes(num_elements)
         scales = raw[:head].view(torch.float32)  # the wire is little-endian
         return raw[head:].view(torch.int8).to(torch.float32) * expand_scales(scales, num_elements)

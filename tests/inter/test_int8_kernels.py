@@ -1,0 +1,83 @@
+"""The int8 codec's fused kernels (inter/data/codecs/int8_kernels.py) against its torch
+code, bit for bit: the payload, the residual error feedback keeps, and the decoded
+values. Run on CPU tensors under Triton's interpreter (a GPU runs the same kernels
+compiled; tests/inter/test_allreduce_cuda.py checks those against the CPU rounds).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton", reason="the kernels are Triton's; the --dev install brings it")
+
+_CHECK = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from isthmus.inter.data.codecs import Int8Stage, int8_kernels
+    from isthmus.inter.data.codecs.int8 import BLOCK
+
+    assert int8_kernels.usable(torch.empty(1)), "the interpreter should run the kernels"
+
+    def torch_path(stage, *args, **kwargs):
+        os.environ["ISTHMUS_FUSED"] = "0"
+        try:
+            return stage.encode(*args, **kwargs)
+        finally:
+            os.environ["ISTHMUS_FUSED"] = "1"
+
+    g = torch.Generator().manual_seed(7)
+    fused, reference = Int8Stage(), Int8Stage()
+    # Whole blocks and a short last one, steps that carry a residual, a block of zeros,
+    # values far apart in size, and halves that round to even.
+    for step, n in enumerate([3 * BLOCK, 3 * BLOCK, 2 * BLOCK + 77, 2 * BLOCK + 77, 5]):
+        x = torch.randn(n, generator=g) * torch.logspace(-6, 2, n)
+        x[:BLOCK] = 0.0 if step == 1 else x[:BLOCK]
+        if step == 0:
+            x[BLOCK : BLOCK + 8] = torch.tensor([127.0, 0.5, 1.5, -2.5, 63.5, -0.5, 3.5, 4.5])
+        key = f"g0/c{n}"
+        out_f, out_r = torch.empty(n), torch.empty(n)
+        a = bytes(fused.encode(x, key, decoded_out=out_f))
+        b = bytes(torch_path(reference, x, key, decoded_out=out_r))
+        assert a == b, f"step {step}: payloads differ"
+        assert torch.equal(out_f, out_r), f"step {step}: decoded values differ"
+        assert torch.equal(out_f, reference.decode(b, n)), f"step {step}: not decode(payload)"
+        assert torch.equal(fused.state_dict()[key], reference.state_dict()[key]), step
+        got = int8_kernels.dequantize(torch.frombuffer(bytearray(a), dtype=torch.uint8), n,
+                                      torch.empty(n))
+        assert torch.equal(got, reference.decode(a, n)), f"step {step}: dequantize differs"
+
+    # In place: the decoded values replace the sum they came from (a round's result).
+    x = torch.randn(4 * BLOCK, generator=g)
+    want = torch.empty_like(x)
+    b = bytes(torch_path(Int8Stage(), x.clone(), "r", decoded_out=want))
+    assert bytes(Int8Stage().encode(x, "r", decoded_out=x)) == b and torch.equal(x, want)
+
+    # Not finite: the payload says so by its scales, and the residual is dropped.
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2 * BLOCK, generator=g)
+        x[BLOCK + 3] = bad
+        payload = fused.encode(x, "bad")
+        assert not fused.finite(payload, x.numel()), bad
+        assert "bad" not in fused.state_dict(), bad
+    print("ok")
+    """
+)
+
+
+def test_fused_int8_equals_the_torch_code_bit_for_bit() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", ISTHMUS_FUSED="1")
+    done = subprocess.run(
+        [sys.executable, "-c", "import os\n" + _CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        done.stdout[-2000:] + done.stderr[-4000:]
+    )
