@@ -301,8 +301,13 @@ def build_trainer(
     batch its optimizer sees. ``units_total`` is the global batch in micro-batches
     (sites x dp when every rank takes one); ``accumulate`` this rank's per step."""
     per_step = config.sync.mode == "step"
+    model = build_model(config.resolved_model(), seed=config.job.seed)
+    if config.model.init_from:  # every rank reads the whole file, before sharding
+        from isthmus.intra.hf_layout import load_weights
+
+        load_weights(model, config.model.init_from)
     return Trainer(
-        build_model(config.resolved_model(), seed=config.job.seed),
+        model,
         mesh,
         TrainConfig(
             lr=scaled_lr(

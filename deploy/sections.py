@@ -58,6 +58,15 @@ class ModelSection:
     """Decoder layers; 0 keeps the preset's."""
     n_heads: int = 0
     """Attention heads; 0 keeps the preset's."""
+    hf_config: str = ""
+    """A Hugging Face config.json of the Llama, Qwen2 or Mistral family: the model's
+    shape (grouped-query attention, q/k/v biases, tied head, llama3 rope scaling, its
+    vocabulary) comes from it instead of preset, dim, n_layers and n_heads
+    (docs/models.md). "" = the preset."""
+    init_from: str = ""
+    """A Hugging Face model folder (config.json and model.safetensors, or its shards):
+    training starts from its weights instead of job.seed's; hf_config defaults to its
+    config.json. "" = random weights. --resume's checkpoint wins over it."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -110,11 +110,12 @@ def validate(config: JobConfig) -> None:
             getattr(par, key) in ("auto", "true", "false"),
             f"parallel.{key} must be auto, true or false, got {getattr(par, key)!r}",
         )
+    model = config.resolved_model()  # its own errors name their model.* key
     try:
         for ranks in dict.fromkeys(config.site_ranks):  # each size once
             config.parallel_config(cuda=False).check(
                 ParallelLayout.for_ranks(ranks, pp=t.pp, tp=t.tp, cp=t.cp),
-                config.resolved_model(),
+                model,
                 batch_size=tr.batch_size,
                 seq_len=tr.seq_len,
             )

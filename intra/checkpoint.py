@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -452,3 +453,33 @@ def load(
         for name, t in targets.items()
     }
     return load_rank_state(trainer, local)
+
+
+def full_parameters(path: Path, key: bytes | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter of a checkpoint as one whole tensor, by name, read in this one
+    process without a process group (``isthmus export``): DCP reassembles each from
+    the shards the site's ranks saved, whatever their tp, fsdp and pp layout.
+
+    Args:
+        path: a committed checkpoint folder.
+        key: the manifest must be signed with it; None: not checked.
+
+    Raises:
+        CheckpointError: incomplete, changed since the save, or unsigned (``verify``).
+    """
+    path = Path(path)
+    problem = verify(path, key)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    reader = dcp.FileSystemReader(path)
+    targets: dict[str, torch.Tensor] = {}
+    for entry, meta in reader.read_metadata().state_dict_metadata.items():
+        if entry.startswith("model/") and isinstance(meta, TensorStorageMetadata):
+            targets[entry] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(targets, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        raise CheckpointError(f"reading checkpoint {path}: {exc}") from exc
+    return {name[len("model/") :]: t for name, t in targets.items()}

@@ -1,0 +1,160 @@
+"""`isthmus export RUN_OR_CHECKPOINT --to hf DIR`: a checkpoint's weights in the Hugging
+Face layout (config.json and model.safetensors), for ``transformers`` and everything
+else that reads it; ``model.init_from = DIR`` trains on from it (docs/models.md).
+
+A run folder exports its newest checkpoint complete at any site (replicas are
+identical: the step `isthmus local --resume` would take); a checkpoint folder
+(``.../checkpoints/site0/step-00000040``) exports that one, with the job config found
+beside it (the run's config.toml) or given with --config. The checkpoint is verified by
+content (and signature, where the job signs) before anything reads it, its sharded
+parameters are gathered into whole tensors in this one process, and DIR is written
+only once all of that succeeded (into a temporary folder, then renamed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from isthmus.deploy.cli import add_set_argument
+from isthmus.deploy.config import ConfigError, JobConfig, load_config
+
+__all__ = ["export_hf", "register"]
+
+FORMATS = ("hf",)
+
+
+def _find_config(path: Path, given: str | None, overrides: list[str]) -> tuple[JobConfig, Path]:
+    """The job config of a run or checkpoint folder, and the run folder."""
+    if given is not None:
+        return load_config(given, overrides), path
+    # A checkpoint sits in RUN/checkpoints/SITE/step-N: look up to three levels above.
+    for folder in (path, *path.parents[:3]):
+        found = sorted(folder.glob("config*.toml"))
+        if found:
+            return load_config(found[0], overrides), folder
+    raise ConfigError(f"no config.toml in or above {path}: give the job's with --config")
+
+
+def _checkpoint(path: Path, config: JobConfig, run_dir: Path) -> Path:
+    """``path`` if it is a committed checkpoint, else the newest complete one of any
+    site of the run in ``run_dir``."""
+    from isthmus.deploy.checkpointing import site_root
+    from isthmus.intra import checkpoint
+
+    if path.name.startswith("step-"):
+        problem = checkpoint.check_complete(path)
+        if problem is not None:
+            raise ConfigError(f"{path} is not a complete checkpoint: {problem}")
+        return path
+    newest: dict[int, Path] = {}
+    for site in config.site_names:
+        newest |= checkpoint.complete_steps(site_root(config, run_dir, site), warn=False)
+    if not newest:
+        raise ConfigError(f"{path} holds no complete checkpoint (checkpoint.every > 0 saves them)")
+    return newest[max(newest)]
+
+
+def export_hf(source: Path, out: Path, config: JobConfig, run_dir: Path) -> tuple[Path, int]:
+    """Write ``out/config.json`` and ``out/model.safetensors`` from the checkpoint of
+    ``source`` (see the module doc).
+
+    Returns:
+        The checkpoint exported and its parameter count.
+
+    Raises:
+        ConfigError: no checkpoint, one that fails verification or does not hold this
+            job's model, a model with no Hugging Face layout, or an ``out`` that holds
+            files already; nothing is written then.
+    """
+    import torch
+
+    from isthmus.intra import checkpoint, hf_layout
+    from isthmus.intra.model import Transformer
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} already exists and is not an empty folder")
+    cfg = config.resolved_model()
+    model = config.model
+    base_path = model.hf_config or (
+        str(Path(model.init_from) / "config.json") if model.init_from else ""
+    )
+    try:
+        base = hf_layout.read_config(base_path) if base_path else None
+        hf = hf_layout.hf_config(cfg, base)
+    except ValueError as exc:
+        raise ConfigError(f"export: {exc}") from None
+    path = _checkpoint(source, config, run_dir)
+    try:
+        params = checkpoint.full_parameters(path, config.checkpoint_key())
+    except checkpoint.CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    with torch.device("meta"):
+        expected = {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
+    found = {n: tuple(t.shape) for n, t in params.items()}
+    if found != expected:
+        differ = sorted(set(found) ^ set(expected)) or [
+            n for n in expected if found[n] != expected[n]
+        ]
+        raise ConfigError(
+            f"checkpoint {path} does not hold this job's model (first difference: "
+            f"{differ[0]}); give the job's config with --config"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        hf_layout.save_weights(params.items(), staging)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path, sum(t.numel() for t in params.values())
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    source = Path(args.source)
+    if not source.exists():
+        raise ConfigError(f"{source} not found: give a run's --run-dir or a checkpoint folder")
+    config, run_dir = _find_config(source, args.config, args.overrides)
+    path, count = export_hf(source, Path(args.to_dir), config, run_dir)
+    print(f"wrote {args.to_dir}/config.json and model.safetensors: {count:,} parameters of {path}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """Add `isthmus export` to the CLI."""
+    parser = sub.add_parser(
+        "export",
+        help="write a checkpoint in the Hugging Face layout (config.json, model.safetensors)",
+        description="Write a run's newest checkpoint (or the checkpoint folder given) as "
+        "a Hugging Face model folder: config.json and model.safetensors, loadable by "
+        "transformers' AutoModelForCausalLM.from_pretrained and by model.init_from. "
+        "Needs the isthmus[hf] extra (safetensors).",
+        formatter_class=formatter,
+    )
+    parser.add_argument(
+        "source", metavar="RUN_OR_CHECKPOINT", help="a run's --run-dir or a step-NNNNNNNN folder"
+    )
+    parser.add_argument(
+        "--to", nargs=2, metavar=("FORMAT", "DIR"), required=True,
+        help="the layout (hf) and the folder to write (new, or empty)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--config", default=None, metavar="TOML",
+        help="the job's config (default: the config.toml in or above RUN_OR_CHECKPOINT)",
+    )  # fmt: skip
+    add_set_argument(parser, help="override a key of the job's config (repeatable)")
+    parser.set_defaults(func=_dispatch)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    fmt, args.to_dir = args.to
+    if fmt not in FORMATS:
+        raise ConfigError(f"--to {fmt}: the formats are {', '.join(FORMATS)}")
+    return cmd_export(args)

@@ -1,0 +1,131 @@
+"""Weights in and out in the Hugging Face layout: `model.init_from` trains on from a
+``transformers`` model folder and `isthmus export --to hf` writes one that
+``transformers`` loads with the same logits. Nothing is downloaded: the models are
+tiny and random, built from a local config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers  # the dev extra installs it; never a runtime dependency
+from helpers import assert_one_line_error, run_cli
+
+from isthmus.deploy.config import load_config
+from isthmus.deploy.corpus import load_corpus
+from isthmus.deploy.ranks import dump_toml
+from isthmus.intra import checkpoint
+from isthmus.intra.data import ShardedBatches
+from isthmus.intra.digest import parameter_digest
+from isthmus.intra.model import build_model
+
+# A Qwen2 with all that the families add but rope scaling (tests/intra/test_hf_layout.py
+# has that): grouped-query attention, q/k/v biases, a tied head. Byte vocabulary, so
+# the job's default tokenizer fits it.
+QWEN2 = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+# fp32. Logits of one set of weights through transformers and isthmus: bitwise equal
+# (tests/intra/test_hf_layout.py), bound 1e-5. The job's first loss against
+# transformers' on the same batch: the job ran tp=2, whose row-parallel matmuls add
+# their halves in another order, a few ulps of the loss (~5.5): bound 1e-5 relative.
+LOGITS_TOL = {"atol": 1e-5, "rtol": 0.0}
+LOSS_TOL = {"atol": 0.0, "rtol": 1e-5}
+
+
+def hf_folder(folder: Path) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN2)).float().eval()
+    with torch.no_grad():  # HF's init leaves biases at 0 and norms at 1: perturb all
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
+    start = hf_folder(tmp_path / "start")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(32, 127)) * 1000)
+    run = tmp_path / "run"
+    # The smallest job that shards a checkpoint: one site of tp=2, one step, saved.
+    job = [
+        "--sites", "1", "--ranks-per-site", "2", "--steps", "1", "--run-dir", str(run),
+        "--set", "topology.tp=2", "--set", f"model.init_from={tmp_path / 'start'}",
+        "--set", "train.seq_len=32", "--set", "train.batch_size=2",
+        "--set", "data.source=path", "--set", f"data.path={corpus}",
+        "--set", "checkpoint.every=1", "--quiet",
+    ]  # fmt: skip
+    result = run_cli("local", *job, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # init_from: the job's first loss is transformers' on the job's first batch.
+    config = load_config(run / "config.toml")
+    data, split = load_corpus(config)
+    batches = ShardedBatches(data, seq_len=32, batch_size=2, seed=0, spans=split.train)
+    inputs, targets = batches.batch(0)
+    with torch.no_grad():
+        expected = F.cross_entropy(start(inputs).logits.flatten(0, 1), targets.flatten())
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0
+    torch.testing.assert_close(torch.tensor(first["loss"]), expected, **LOSS_TOL)
+
+    # export: the real CLI, from the run folder (its newest checkpoint, tp-sharded).
+    out = tmp_path / "exported"
+    result = run_cli("export", str(run), "--to", "hf", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "step-00000001" in result.stdout
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (tmp_path / "start" / "config.json").read_text()
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(theirs).__name__ == "Qwen2ForCausalLM"
+    # isthmus's model on the checkpoint: its whole parameters, gathered from the tp
+    # shards, are the job's (the digest the run reported of its final weights).
+    ours = build_model(config.resolved_model(), seed=1)
+    saved = checkpoint.full_parameters(
+        run / "checkpoints" / "site0" / "step-00000001", config.checkpoint_key()
+    )
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(saved.pop(name))
+    assert not saved
+    summary = json.loads((run / "summary.json").read_text())
+    assert parameter_digest(ours) == summary["digests"]["site0"]
+    with torch.no_grad():
+        logits = ours(inputs)
+        torch.testing.assert_close(theirs(inputs).logits, logits, **LOGITS_TOL)
+        # ... and they are the trained weights, not the ones the job started from.
+        assert (start(inputs).logits - logits).abs().max() > 1e-3
+
+    # Bad input, one line, nothing written: an existing folder, a run without checkpoints.
+    assert_one_line_error(run_cli("export", str(run), "--to", "hf", str(out)), "not an empty")
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    (empty / "config.toml").write_text(dump_toml(config))
+    missing = tmp_path / "never"
+    assert_one_line_error(
+        run_cli("export", str(empty), "--to", "hf", str(missing)), "holds no complete checkpoint"
+    )
+    assert not missing.exists()
+
+
+def test_an_unsupported_family_is_refused_in_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
+    result = run_cli("config", "--set", f"model.hf_config={config}", timeout=60)
+    assert_one_line_error(
+        result, "model_type 'gpt2' is not supported", "llama, qwen2, mistral", "hidden_size"
+    )
