@@ -173,7 +173,11 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
             rank=env.rank,
             world_size=env.world_size,
             coordinator=env.coordinator,
-            proxies=env.proxies,
+            # A rank that srun started (site-multinode.sbatch) has no launcher of ours to
+            # name the emulated links: it takes the job file's, as its coordinator does.
+            proxies=env.proxies
+            if "ISTHMUS_PROXIES" in os.environ
+            else {s: u for s, u in config.cluster.proxies.items() if s != env.site and u},
             config=config,
             security=security,
         )
