@@ -5,6 +5,7 @@ config (nothing is downloaded)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,25 @@ def test_weights_that_do_not_fit_leave_the_model_unchanged(tmp_path: Path) -> No
     with pytest.raises(hf_layout.HFLayoutError, match="gate_proj.weight has shape"):
         hf_layout.load_weights(model, tmp_path)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_a_preset_shape_exports_as_a_config_transformers_reads(
+    tmp_path: Path, qkv_bias: bool
+) -> None:
+    # What `isthmus export` writes for a job without a config.json of its own: Llama's
+    # (Qwen2's with q/k/v biases), here with every option the model has.
+    cfg = hf_layout.model_config({"model_type": "llama", **TINY, "rope_scaling": LLAMA3_ROPE})
+    cfg = replace(cfg, qkv_bias=qkv_bias, tie_embeddings=qkv_bias)
+    ours = build_model(cfg, seed=3)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.05)  # built at 0: make them count
+    (tmp_path / "config.json").write_text(json.dumps(hf_layout.hf_config(cfg)))
+    hf_layout.save_weights(ours.named_parameters(), tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    assert type(theirs).__name__ == ("Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM")
+    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, **LOGITS_TOL)
