@@ -11,7 +11,9 @@
 # where there are enough). Chunks are 4 MiB for CPU tensors and 16 MiB for CUDA ones,
 # as training sizes them on the bulk port. The table's "cpu s/GB" column is the
 # process CPU time per GB of tensor. Tables go to stdout, JSON to $OUT.
-# MIB (256), CODECS (raw,int8), REPEATS (2) and CONNECTIONS (2) override the defaults.
+# MIB (256), CODECS (raw,int8), REPEATS (2), CONNECTIONS (2) and ROUNDS (3: timed
+# rounds per run, the median shown; the first one also pays for first-use allocations,
+# e.g. the pinned memory a CUDA lane's payloads then reuse) override the defaults.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 old=${1:?usage: $0 OLD_TREE [LANES...]}
@@ -28,7 +30,7 @@ for device in ${DEVICES:-cpu}; do
   [ "$device" = cuda ] && chunk=16384
   common=(--direct --sites 2 --rtt-ms 1 --gbit 10 --mib "${MIB:-256}" --chunk-kib "$chunk"
           --codec "${CODECS:-raw,int8}" --connections "${CONNECTIONS:-2}" --no-throughput
-          --device "$device")
+          --device "$device" --repeats "${ROUNDS:-3}")
   for r in $(seq "${REPEATS:-2}"); do
     for n in "${lanes[@]}"; do
       echo "== old, $device, $n lane(s) per site, repeat $r"

@@ -80,6 +80,12 @@ def sites(
             s.stop(0)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``torch.equal`` holds -0.0 equal to 0.0; replicas must not
+    differ even there)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def run_all(fns: list[Callable[[], object]], timeout: float = 25.0) -> list[object]:
     """Runs each callable in its own thread; returns results (or raised exceptions)."""
     out: list[object] = [None] * len(fns)

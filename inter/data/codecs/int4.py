@@ -55,6 +55,15 @@ class Int4Stage(Int8Stage):
             nibbles = torch.cat([nibbles, nibbles.new_full((1,), _OFFSET)])
         torch.bitwise_or(nibbles[0::2], nibbles[1::2] << 4, out=out)
 
+    @staticmethod
+    def _unpack_into(
+        payload: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor
+    ) -> None:
+        """``out`` := (level - 8) x scale, the levels read from the payload's nibbles."""
+        packed = payload[scale_bytes(n) :]
+        levels = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
+        torch.mul(levels.to(torch.float32) - _OFFSET, expand_scales(scales, n), out=out)
+
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
         """See :meth:`TensorStage.decode_array` (a new array)."""
         check_size("int4", payload, self.encoded_size(num_elements), num_elements)

@@ -126,18 +126,18 @@ class Int8Stage:
             return self._encode_fused(x, key, decoded_out)
         x = self._with_residual(x, key)
         scales, q = blockwise_levels(x, self.levels)
-        if key is not None or decoded_out is not None:
-            # measured against exactly what decode produces: fp32(q) x scale
+        if key is not None:  # measured against what decode produces: fp32(q) x scale
             decoded = (q * scales[:, None]).view(-1)[:n]
-            if key is not None:
-                with self._lock:
-                    self._residuals[key] = x - decoded
-            if decoded_out is not None:
-                decoded_out.copy_(decoded)
+            with self._lock:
+                self._residuals[key] = x - decoded
         head = _SCALE_BYTES * scales.numel()
         payload = torch.empty(self.encoded_size(n), dtype=torch.uint8, device=x.device)
         payload[:head].copy_(scales.view(torch.uint8))
         self._pack(q.view(-1)[:n], payload[head:])
+        if decoded_out is not None:
+            # From the payload's integers, as decode reads them: q rounded to -0.0 is
+            # 0 on the wire, and a replica must not differ from another even there.
+            self._unpack_into(payload, scales, n, decoded_out)
         self._before_host_copy()
         return self._checked(to_host_view(payload), n, key)
 
@@ -162,6 +162,14 @@ class Int8Stage:
     def _pack(q: torch.Tensor, out: torch.Tensor) -> None:
         """Writes the integers ``q`` (as fp32) into the payload's value bytes ``out``."""
         out.view(torch.int8).copy_(q)
+
+    @staticmethod
+    def _unpack_into(
+        payload: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor
+    ) -> None:
+        """``out`` := fp32(q) x scale, q read from the payload's value bytes."""
+        q = payload[_SCALE_BYTES * scales.numel() :].view(torch.int8)
+        torch.mul(q.to(torch.float32), expand_scales(scales, n), out=out)
 
     def _before_host_copy(self) -> None:
         """Called once the device work of an encode is queued, before the blocking copy

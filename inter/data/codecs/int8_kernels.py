@@ -32,7 +32,6 @@ import torch
 __all__ = ["dequantize", "quantize", "usable"]
 
 _BLOCK = 1024  # int8.BLOCK: one scale per block, one kernel program per block
-_ROUNDER = 12582912.0  # 1.5 * 2**23: x + it - it rounds |x| < 2**22 half to even
 _lock = threading.Lock()
 _kernels: tuple | None = None
 _decided = False
@@ -97,7 +96,9 @@ def _build() -> tuple:
         poison = tl.sum(v - v, axis=0)
         scale = tl.maximum(tl.math.div_rn(amax, levels), smallest) + poison
         t = tl.math.div_rn(v, scale)
-        t = (t + _ROUNDER) - _ROUNDER
+        # 1.5 * 2**23 (a literal: a kernel reads no module globals): adding and taking
+        # it away again rounds |t| < 2**22 to the nearest integer, half to even.
+        t = (t + 12582912.0) - 12582912.0
         q = tl.minimum(tl.maximum(t, -levels), levels)
         tl.store(scales_ptr + block, scale)
         tl.store(q_ptr + offsets, q.to(tl.int8), mask=inside)
