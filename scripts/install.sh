@@ -2,7 +2,8 @@
 # Install isthmus (editable) and its dependencies into the current Python.
 #
 #   bash scripts/install.sh          # runtime only
-#   bash scripts/install.sh --dev    # plus pytest, grpcio-tools, ruff, shellcheck
+#   bash scripts/install.sh --dev    # plus pytest, grpcio-tools, ruff, shellcheck; as root
+#                                    # with apt: iptables, iproute2, slurm-wlm, munge
 #
 # An installed torch >= 2.11 is kept (the GPU machines bring their CUDA build).
 # Otherwise torch 2.13.0 is installed first, pinned: on the development machines
@@ -18,14 +19,22 @@ case "${1:-}" in
   *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
 esac
 
-if [ -n "$extra" ] && ! command -v iptables >/dev/null 2>&1; then
-  # The transparent-mode tests put sites in network namespaces behind iptables rules.
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing iptables and iproute2 (for the network-namespace tests)" >&2
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2 >/dev/null
-  else
-    echo "note: the network-namespace tests need root, iptables and iproute2" >&2
+if [ -n "$extra" ]; then
+  # The transparent-mode tests put sites in network namespaces behind iptables rules;
+  # the Slurm test (tests/deploy/test_slurm.py) runs a one-node Slurm of its own.
+  packages=()
+  command -v iptables >/dev/null 2>&1 || packages+=(iptables iproute2)
+  command -v slurmctld >/dev/null 2>&1 || packages+=(slurm-wlm munge)
+  if [ "${#packages[@]}" -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      # ~13 s on a fresh Debian 12 (download included); recommends would double it.
+      echo "installing ${packages[*]} (for the network-namespace and Slurm tests)" >&2
+      apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${packages[@]}" >/dev/null
+    else
+      echo "note: the network-namespace and Slurm tests need root and ${packages[*]}" >&2
+    fi
   fi
 fi
 
