@@ -54,7 +54,9 @@ def fit_to_host(config: JobConfig, given: set[str], gpus: int) -> list[str]:
                 f"{sites} sites x 1 GPU, taking turns on this host's {gpus} GPU(s) "
                 "(run.share_gpus; for correctness, not speed)"
             )
-    if "model.preset" not in given and not given & {"model.dim", "model.n_layers"}:
+    # A config.json (model.hf_config, model.init_from) says the model: no preset swap.
+    chosen = {"model.dim", "model.n_layers", "model.hf_config", "model.init_from"}
+    if "model.preset" not in given and not given & chosen:
         config.model.preset = GPU_PRESET
         apply_preset_training(config, given)  # its own batch, length, learning rate
         notes.append(f"model.preset={GPU_PRESET}, a model worth a GPU")

@@ -122,10 +122,27 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
     assert not missing.exists()
 
 
-def test_an_unsupported_family_is_refused_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("change", "flags", "words"),
+    [
+        # Another family: the line names it, the families and the fields they need.
+        (
+            {"model_type": "gpt2"},
+            [],
+            ["model_type 'gpt2' is not supported", "llama, qwen2, mistral", "hidden_size"],
+        ),
+        # A tied head on another pipeline stage than the embedding.
+        ({}, ["--set", "topology.pp=2"], ["tie_word_embeddings", "pp=2"]),
+        # Whole key/value heads per tp rank: 2 of them cannot split 4 ways.
+        ({}, ["--set", "topology.tp=4"], ["n_kv_heads=2", "tp=4"]),
+        ({"max_position_embeddings": 16}, [], ["train.seq_len=32 exceeds the 16 positions"]),
+    ],
+)
+def test_a_config_json_isthmus_cannot_build_is_refused_in_one_line(
+    tmp_path: Path, change: dict, flags: list[str], words: list[str]
+) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
-    result = run_cli("config", "--set", f"model.hf_config={config}", timeout=60)
-    assert_one_line_error(
-        result, "model_type 'gpt2' is not supported", "llama, qwen2, mistral", "hidden_size"
-    )
+    config.write_text(json.dumps({"model_type": "qwen2", **QWEN2, **change}))
+    argv = ["--ranks-per-site", "4", "--set", "train.seq_len=32"]
+    argv += ["--set", f"model.hf_config={config}", *flags]
+    assert_one_line_error(run_cli("config", *argv, timeout=60), *words)
