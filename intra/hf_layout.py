@@ -389,17 +389,20 @@ def load_weights(model: Transformer, folder: Path | str) -> None:
             ``model`` is then unchanged.
     """
     import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     folder = Path(folder)
     check_weights(folder, model.cfg)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for path in _weight_files(folder):
-            for name, tensor in load_file(path).items():
-                ours = from_hf_name(name)
-                if ours in params:  # a tied head's lm_head.weight is the embedding
-                    params[ours].copy_(tensor)
+            # One tensor at a time from the memory-mapped file: a rank never holds a
+            # second copy of the model.
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+                    ours = from_hf_name(name)
+                    if ours in params:  # a tied head's lm_head.weight is the embedding
+                        params[ours].copy_(f.get_tensor(name))
 
 
 def save_weights(named: Iterable[tuple[str, torch.Tensor]], folder: Path | str) -> Path:
