@@ -8,8 +8,20 @@ does through inter/control/coordinator_client.py and inter/data/membership.py:
 
 - once: ``RegisterRank`` (lane address, key), then ``GetMembership`` until generation 1;
 - always: the membership watcher, a ``GetMembership`` long poll (1 s) after another;
-- per step: ``CommitStep`` (a long poll of 2 s, asked again while PENDING), and on rank 0
-  ``ReportProgress`` once the step committed.
+- per step: ``CommitStep`` (a long poll of 2 s, asked again while PENDING; ``sites_known``
+  as inter/control/coordinator_client.py sends it), and on rank 0 ``ReportProgress``
+  once the step committed.
+
+With ``--host-ranks K`` (K > 1) the ranks of each host of K ranks are spoken for by one
+agent, as a per-host agent would: one ``CommitHostStep`` a host a step carrying its
+ranks' K ballots, and one membership watcher a host (a 10 s long poll). The coordinator then sees what it
+would from such agents; the hop from a rank to its agent (on the host) is a function
+call here. ``--host-ranks 1`` (the default) is what ranks do today.
+
+``--compare-rev REV`` runs each configuration twice, first with the coordinators of
+git revision REV (extracted with ``git archive``; its ``inter/`` and ``proto/`` are
+imported as ``isthmus.inter`` and ``isthmus.proto``), then with this tree's: old and new
+in one run, on the same machine minutes apart.
 
 Steps start on a fixed clock (``--rate`` steps/s); a step that takes longer than its
 period delays the next one, and the table's ``steps/s`` says what was reached.
@@ -18,16 +30,22 @@ Reported per (sites, ranks per site):
 
 - ``decision p50 / p99``: per step, from the last rank's vote (sent, in any site) to the
   moment every rank of every site holds the COMMIT, ms, over the measured steps;
+  ``first``: the median to the first rank holding it (the rest is the fan-out);
 - ``votes sent``: from the step's start to the last vote sent (the clients' own pace);
 - ``leader / other cpu``: CPU seconds per step of site0's coordinator and of the busiest
-  other coordinator; ``leader cores``: the leader's CPU seconds per wall second (equal
-  to its CPU per step when the steps keep to 1 step/s);
-- ``clients cpu``: CPU seconds per step of all simulated ranks together.
+  other coordinator (each its own process: /proc/PID/stat, user + system, every thread);
+  ``leader cores``: the leader's CPU seconds per wall second (equal to its CPU per step
+  when the steps keep to 1 step/s);
+- ``clients cpu``: CPU seconds per step of all simulated ranks together, apart from the
+  coordinators': on one machine they compete with them for its cores, which a real
+  site's hosts do not.
 
 Run::
 
     python benchmarks/control_plane.py --ranks 256,1024,4096 --sites 2,3 --steps 20 \\
         --json runs/control_plane.json
+    python benchmarks/control_plane.py --ranks 1024 --sites 2 --host-ranks 1,8 \\
+        --compare-rev HEAD~5  # old coordinators (per rank only), new per rank and per host
     python benchmarks/control_plane.py --quick   # 2 sites x 16 ranks, 3 steps: a smoke test
 
 Timestamps of different processes are compared on CLOCK_MONOTONIC (``time.monotonic``),
@@ -43,6 +61,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +71,10 @@ SECRET = b"control-plane-benchmark-secret!!"
 FINGERPRINT = {"job.seed": "0", "bench": "control_plane"}
 VOTE_WAIT_MS = 2_000  # inter/data/membership.py _VOTE_WAIT_MS
 WATCH_WAIT_MS = 1_000  # inter/data/membership.py _WATCH_WAIT_MS
+HOST_WATCH_WAIT_MS = 10_000
+"""An agent's watch: answered at once on news (a suspect, a generation) like a rank's,
+so a longer wait costs nothing but the polls it saves; a rank's 1 s polls, in phase with
+1 s steps, landed on the coordinator in the same burst as the step's votes."""
 RPC_SLACK_S = 5.0
 STEP_TIMEOUT_S = 60.0
 """A step not decided everywhere by then: the configuration did not keep up."""
@@ -100,6 +123,7 @@ class StepTimes:
     step: int
     first_vote: float = 0.0
     last_vote: float = 0.0
+    first_seen: float = 0.0
     last_seen: float = 0.0
     verdicts: dict[str, int] = field(default_factory=dict)
     repolls: int = 0
@@ -110,16 +134,17 @@ class StepTimes:
 
 class SimulatedRanks:
     """``ranks`` ranks of ``site`` in one event loop, over one channel per
-    ``RANKS_PER_CHANNEL`` ranks."""
+    ``RANKS_PER_CHANNEL`` ranks; with ``host_ranks`` > 1, one agent per host of that
+    many ranks votes and watches for them."""
 
-    def __init__(self, site: str, address: str, ranks: int) -> None:
+    def __init__(self, site: str, address: str, ranks: int, host_ranks: int = 1) -> None:
         import grpc
 
         from isthmus.inter.control.channels import MESSAGE_LIMITS
         from isthmus.inter.control.rank_keys import derived_key
         from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-        self.site, self.ranks = site, ranks
+        self.site, self.ranks, self.host_ranks = site, ranks, host_ranks
         count = max(1, -(-ranks // RANKS_PER_CHANNEL))
         self.channels = [
             grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS) for _ in range(count)
@@ -169,7 +194,9 @@ class SimulatedRanks:
         await asyncio.gather(*(register(r) for r in range(self.ranks)))
         generations = await asyncio.gather(*(membership(r) for r in range(self.ranks)))
         self.generation = max(generations)
-        self.watchers = [asyncio.create_task(self.watch(r)) for r in range(self.ranks)]
+        # A host's agent watches once for its ranks (under the first one's key).
+        watching = range(0, self.ranks, self.host_ranks)
+        self.watchers = [asyncio.create_task(self.watch(r)) for r in watching]
 
     async def watch(self, rank: int) -> None:
         """The membership watcher of inter/data/membership.py: long poll after long poll."""
@@ -177,15 +204,16 @@ class SimulatedRanks:
 
         from isthmus.proto import coordinator_pb2 as pb
 
+        wait_ms = WATCH_WAIT_MS if self.host_ranks == 1 else HOST_WATCH_WAIT_MS
         while not self.stop.is_set():
             try:
                 reply = await self.stub(rank).GetMembership(
                     pb.GetMembershipRequest(
                         known_generation=self.generation,
-                        wait_ms=WATCH_WAIT_MS,
+                        wait_ms=wait_ms,
                         rank_key=self.keys[rank],
                     ),
-                    timeout=WATCH_WAIT_MS / 1000 + RPC_SLACK_S,
+                    timeout=wait_ms / 1000 + RPC_SLACK_S,
                 )
             except grpc.aio.AioRpcError:
                 await asyncio.sleep(0.25)
@@ -194,28 +222,44 @@ class SimulatedRanks:
                 await asyncio.sleep(0.25)
 
     async def vote(self, rank: int, step: int, times: StepTimes) -> None:
-        """One rank's vote on ``step``, asked again while PENDING (SiteMembership.vote)."""
+        """One rank's vote on ``step``, asked again while PENDING (SiteMembership.vote);
+        with hosts, the vote of the host whose first rank is ``rank``, for its ranks."""
         import grpc
 
         from isthmus.proto import coordinator_pb2 as pb
 
-        request = pb.CommitStepRequest(
-            site=self.site,
-            rank=rank,
-            step=step,
-            generation=self.generation,
-            ok=True,
-            wait_ms=VOTE_WAIT_MS,
-            rank_key=self.keys[rank],
-        )
+        if self.host_ranks > 1:
+            ballots = [
+                pb.RankBallot(rank=r, ok=True, rank_key=self.keys[r])
+                for r in range(rank, min(self.ranks, rank + self.host_ranks))
+            ]
+            request = pb.CommitHostStepRequest(
+                site=self.site,
+                step=step,
+                generation=self.generation,
+                ballots=ballots,
+                wait_ms=VOTE_WAIT_MS,
+                sites_known=True,
+            )
+            call = self.stub(rank).CommitHostStep
+        else:
+            request = pb.CommitStepRequest(
+                site=self.site,
+                rank=rank,
+                step=step,
+                generation=self.generation,
+                ok=True,
+                wait_ms=VOTE_WAIT_MS,
+                rank_key=self.keys[rank],
+                sites_known=True,
+            )
+            call = self.stub(rank).CommitStep
         sent = time.monotonic()
         times.first_vote = min(times.first_vote or sent, sent)
         times.last_vote = max(times.last_vote, sent)
         while True:
             try:
-                decision = await self.stub(rank).CommitStep(
-                    request, timeout=VOTE_WAIT_MS / 1000 + RPC_SLACK_S
-                )
+                decision = await call(request, timeout=VOTE_WAIT_MS / 1000 + RPC_SLACK_S)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -228,9 +272,12 @@ class SimulatedRanks:
             if decision.verdict != pb.VERDICT_PENDING:
                 break
             times.repolls += 1
-        times.last_seen = max(times.last_seen, time.monotonic())
+        seen = time.monotonic()
+        times.first_seen = min(times.first_seen or seen, seen)
+        times.last_seen = max(times.last_seen, seen)
         name = pb.Verdict.Name(decision.verdict).removeprefix("VERDICT_")
-        times.verdicts[name] = times.verdicts.get(name, 0) + 1
+        ranks = min(self.host_ranks, self.ranks - rank)  # the ranks this answer is for
+        times.verdicts[name] = times.verdicts.get(name, 0) + ranks
         if rank == 0 and decision.verdict == pb.VERDICT_COMMIT:
             await self.stub(0).ReportProgress(
                 pb.ReportProgressRequest(
@@ -243,7 +290,8 @@ class SimulatedRanks:
         """Every rank votes on ``step`` from ``at`` (CLOCK_MONOTONIC) on."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         times = StepTimes(step)
-        votes = asyncio.gather(*(self.vote(r, step, times) for r in range(self.ranks)))
+        voters = range(0, self.ranks, self.host_ranks)
+        votes = asyncio.gather(*(self.vote(r, step, times) for r in voters))
         try:
             await asyncio.wait_for(votes, STEP_TIMEOUT_S)
         except TimeoutError:
@@ -259,9 +307,9 @@ class SimulatedRanks:
             await channel.close()
 
 
-async def _ranks_main(site: str, address: str, ranks: int) -> None:
+async def _ranks_main(site: str, address: str, ranks: int, host_ranks: int) -> None:
     """The client process: joins, says "ready", then runs "step N AT" lines from stdin."""
-    sim = SimulatedRanks(site, address, ranks)
+    sim = SimulatedRanks(site, address, ranks, host_ranks)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -275,8 +323,8 @@ async def _ranks_main(site: str, address: str, ranks: int) -> None:
     await sim.close()
 
 
-def serve_ranks(site: str, address: str, ranks: int) -> None:
-    asyncio.run(_ranks_main(site, address, ranks))
+def serve_ranks(site: str, address: str, ranks: int, host_ranks: int) -> None:
+    asyncio.run(_ranks_main(site, address, ranks, host_ranks))
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -288,14 +336,36 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _spawn(*args: str) -> subprocess.Popen:
+def _spawn(*args: str, code: Path | None = None) -> subprocess.Popen:
+    """This script in a child process; ``code``: a folder whose ``isthmus`` package it
+    imports instead of this tree's (:func:`extract_rev`)."""
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, __file__, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         bufsize=1,
+        env=env,
     )
+
+
+def extract_rev(rev: str, into: Path) -> Path:
+    """``inter/`` and ``proto/`` of git revision ``rev`` as an ``isthmus`` package under
+    ``into`` (a regular package: found on PYTHONPATH before the editable install)."""
+    root = Path(__file__).resolve().parent.parent
+    package = into / "isthmus"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev, "inter", "proto"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(package)], input=archive, check=True)
+    return into
 
 
 def _line(proc: subprocess.Popen, what: str) -> str:
@@ -311,13 +381,27 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run_case(sites: int, ranks: int, steps: int, rate: float, warmup: int) -> dict:
-    """One configuration: start the coordinators and the ranks, run ``warmup`` + ``steps``
-    steps at ``rate`` steps/s, stop everything; returns the row of the table."""
+def run_case(
+    sites: int,
+    ranks: int,
+    steps: int,
+    rate: float,
+    warmup: int,
+    *,
+    host_ranks: int = 1,
+    code: Path | None = None,
+    code_name: str = "new",
+) -> dict:
+    """One configuration: start the coordinators (of ``code``, else this tree's) and the
+    ranks, run ``warmup`` + ``steps`` steps at ``rate`` steps/s, stop everything;
+    returns the row of the table."""
     names = [f"site{i}" for i in range(sites)]
     procs: list[subprocess.Popen] = []
+    join_s = 0.0
     try:
-        coords = [_spawn("--serve-coordinator", n, ",".join(names), str(ranks)) for n in names]
+        coords = [
+            _spawn("--serve-coordinator", n, ",".join(names), str(ranks), code=code) for n in names
+        ]
         procs += coords
         addresses = {n: _line(p, f"coordinator {n}") for n, p in zip(names, coords, strict=True)}
         for p in coords:
@@ -326,7 +410,9 @@ def run_case(sites: int, ranks: int, steps: int, rate: float, warmup: int) -> di
         for n, p in zip(names, coords, strict=True):
             _line(p, f"coordinator {n}")
         t0 = time.monotonic()
-        clients = [_spawn("--serve-ranks", n, addresses[n], str(ranks)) for n in names]
+        clients = [
+            _spawn("--serve-ranks", n, addresses[n], str(ranks), str(host_ranks)) for n in names
+        ]
         procs += clients
         for n, p in zip(names, clients, strict=True):
             if _line(p, f"ranks of {n}") != "ready":
@@ -369,16 +455,24 @@ def run_case(sites: int, ranks: int, steps: int, rate: float, warmup: int) -> di
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    row = {"sites": sites, "ranks_per_site": ranks, "steps": steps, "target_steps_per_s": rate}
+    row = {
+        "code": code_name,
+        "host_ranks": host_ranks,
+        "sites": sites,
+        "ranks_per_site": ranks,
+        "steps": steps,
+        "target_steps_per_s": rate,
+    }
     if failed or not rows:
         return {**row, "failed": failed or "no step measured", "join_s": join_s}
-    latencies, sent = [], []
+    latencies, sent, first = [], [], []
     verdicts: dict[str, int] = {}
     errors: dict[str, int] = {}
     repolls = 0
     for measured in rows:
         last_vote = max(s["last_vote"] for s in measured["sites"])
         latencies.append(1000 * (max(s["last_seen"] for s in measured["sites"]) - last_vote))
+        first.append(1000 * (min(s["first_seen"] for s in measured["sites"]) - last_vote))
         sent.append(1000 * (last_vote - measured["start"]))
         for s in measured["sites"]:
             for name, count in s["errors"].items():
@@ -394,12 +488,15 @@ def run_case(sites: int, ranks: int, steps: int, rate: float, warmup: int) -> di
         "decision_ms_p50": percentile(latencies, 0.5),
         "decision_ms_p99": percentile(latencies, 0.99),
         "decision_ms": latencies,
+        "first_answer_ms_p50": statistics.median(first),
         "votes_sent_ms_p50": statistics.median(sent),
         "leader_cores": coord_cpu[0] * steps / elapsed,
+        "coordinator_cores": [c * steps / elapsed for c in coord_cpu],
         "leader_cpu_s_per_step": coord_cpu[0],
         "other_cpu_s_per_step": max(coord_cpu[1:]),
         "coordinator_cpu_s_per_step": coord_cpu,
         "clients_cpu_s_per_step": sum(cpu[sites:]) / steps,
+        "clients_cores": sum(cpu[sites:]) / elapsed,
         "verdicts": verdicts,
         "vote_errors": errors,
         "vote_repolls": repolls,
@@ -407,18 +504,22 @@ def run_case(sites: int, ranks: int, steps: int, rate: float, warmup: int) -> di
 
 
 HEADER = (
+    f"{'code':>8} {'host':>4} "
     f"{'sites':>5} {'ranks/site':>10} {'steps/s':>7} {'decision p50':>12} {'p99':>8} "
+    f"{'first':>6} "
     f"{'votes sent':>10} {'leader cpu':>10} {'other cpu':>9} {'leader cores':>12} "
     f"{'clients cpu':>11}"
 )
 
 
 def format_row(r: dict) -> str:
+    head = f"{r['code'][:8]:>8} {r['host_ranks']:>4} {r['sites']:>5} {r['ranks_per_site']:>10}"
     if "failed" in r:
-        return f"{r['sites']:>5} {r['ranks_per_site']:>10}  did not keep up: {r['failed']}"
+        return f"{head}  did not keep up: {r['failed']}"
     return (
-        f"{r['sites']:>5} {r['ranks_per_site']:>10} {r['steps_per_s']:>7.2f} "
+        f"{head} {r['steps_per_s']:>7.2f} "
         f"{r['decision_ms_p50']:>9.1f} ms {r['decision_ms_p99']:>5.1f} ms "
+        f"{r['first_answer_ms_p50']:>6.1f} "
         f"{r['votes_sent_ms_p50']:>7.0f} ms {r['leader_cpu_s_per_step']:>8.3f} s "
         f"{r['other_cpu_s_per_step']:>7.3f} s {r['leader_cores']:>12.2f} "
         f"{r['clients_cpu_s_per_step']:>9.3f} s"
@@ -444,38 +545,75 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
     p.add_argument("--rate", type=float, default=1.0, help="target steps per second")
+    p.add_argument(
+        "--host-ranks",
+        default="1",
+        help="ranks one agent votes and watches for, comma-separated (1: each rank itself)",
+    )
+    p.add_argument(
+        "--compare-rev",
+        metavar="REV",
+        help="run each configuration with REV's coordinators first (per rank only)",
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--quick", action="store_true", help="2 sites x 16 ranks, 3 steps")
     p.add_argument("--serve-coordinator", nargs=3, help=argparse.SUPPRESS)
-    p.add_argument("--serve-ranks", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--serve-ranks", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_coordinator:
         site, names, ranks = args.serve_coordinator
         serve_coordinator(site, names.split(","), int(ranks))
         return 0
     if args.serve_ranks:
-        site, address, ranks = args.serve_ranks
-        serve_ranks(site, address, int(ranks))
+        site, address, ranks, host_ranks = args.serve_ranks
+        serve_ranks(site, address, int(ranks), int(host_ranks))
         return 0
     try:
         ranks = _counts(args.ranks, "--ranks", 1)
         sites = _counts(args.sites, "--sites", 2)
+        hosts = _counts(args.host_ranks, "--host-ranks", 1)
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
     if args.steps < 1 or args.warmup < 0 or args.rate <= 0:
         p.error("--steps must be >= 1, --warmup >= 0 and --rate > 0")
     if args.quick:
         ranks, sites, args.steps, args.warmup = [16], [2], 3, 1
-    print(HEADER, flush=True)
-    results = []
-    for s in sites:
-        for r in ranks:
-            row = run_case(s, r, args.steps, args.rate, args.warmup)
-            results.append(row)
-            print(format_row(row), flush=True)
+    with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:
+        codes: list[tuple[str, Path | None]] = [("new", None)]
+        if args.compare_rev:
+            try:
+                old = extract_rev(args.compare_rev, Path(tmp))
+            except subprocess.CalledProcessError:
+                p.error(f"--compare-rev: git cannot archive {args.compare_rev!r}")
+            codes.insert(0, (args.compare_rev, old))
+        print(HEADER, flush=True)
+        results = []
+        for s in sites:
+            for r in ranks:
+                for name, code in codes:
+                    # An older coordinator knows no CommitHostStep: it runs per rank only.
+                    for h in hosts if code is None else [1]:
+                        row = run_case(
+                            s,
+                            r,
+                            args.steps,
+                            args.rate,
+                            args.warmup,
+                            host_ranks=h,
+                            code=code,
+                            code_name=name,
+                        )
+                        results.append(row)
+                        print(format_row(row), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"machine": f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d")}
+        meta = {
+            "machine": f"{os.cpu_count()} cores",
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(
+                ["python3", "benchmarks/control_plane.py", *(argv or sys.argv[1:])]
+            ),
+        }
         args.json.write_text(json.dumps({**meta, "rows": results}, indent=1) + "\n")
     return 0
 

@@ -41,7 +41,7 @@ class Decision(_message.Message):
     def __init__(self, step: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., reason: _Optional[str] = ..., state_source: _Optional[str] = ..., state_step: _Optional[int] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("site", "rank", "step", "generation", "ok", "wait_ms", "rank_key")
+    __slots__ = ("site", "rank", "step", "generation", "ok", "wait_ms", "rank_key", "sites_known")
     SITE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class CommitStepRequest(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_KEY_FIELD_NUMBER: _ClassVar[int]
+    SITES_KNOWN_FIELD_NUMBER: _ClassVar[int]
     site: str
     rank: int
     step: int
@@ -56,7 +57,34 @@ class CommitStepRequest(_message.Message):
     ok: bool
     wait_ms: int
     rank_key: str
-    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ..., rank_key: _Optional[str] = ...) -> None: ...
+    sites_known: bool
+    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ok: _Optional[bool] = ..., wait_ms: _Optional[int] = ..., rank_key: _Optional[str] = ..., sites_known: _Optional[bool] = ...) -> None: ...
+
+class RankBallot(_message.Message):
+    __slots__ = ("rank", "ok", "rank_key")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    RANK_KEY_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    ok: bool
+    rank_key: str
+    def __init__(self, rank: _Optional[int] = ..., ok: _Optional[bool] = ..., rank_key: _Optional[str] = ...) -> None: ...
+
+class CommitHostStepRequest(_message.Message):
+    __slots__ = ("site", "step", "generation", "ballots", "wait_ms", "sites_known")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BALLOTS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SITES_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    step: int
+    generation: int
+    ballots: _containers.RepeatedCompositeFieldContainer[RankBallot]
+    wait_ms: int
+    sites_known: bool
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., ballots: _Optional[_Iterable[_Union[RankBallot, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., sites_known: _Optional[bool] = ...) -> None: ...
 
 class SiteVoteRequest(_message.Message):
     __slots__ = ("site", "step", "generation", "ok", "wait_ms", "suspects")

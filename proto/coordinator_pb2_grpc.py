@@ -64,6 +64,11 @@ class CoordinatorStub:
                 request_serializer=isthmus_dot_proto_dot_coordinator__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.Decision.FromString,
                 _registered_method=True)
+        self.CommitHostStep = channel.unary_unary(
+                '/isthmus.v1.Coordinator/CommitHostStep',
+                request_serializer=isthmus_dot_proto_dot_coordinator__pb2.CommitHostStepRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.Decision.FromString,
+                _registered_method=True)
         self.SiteVote = channel.unary_unary(
                 '/isthmus.v1.Coordinator/SiteVote',
                 request_serializer=isthmus_dot_proto_dot_coordinator__pb2.SiteVoteRequest.SerializeToString,
@@ -125,6 +130,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitHostStep(self, request, context):
+        """Several ranks of one host vote on one step in one call (a per-host agent speaks for
+        them, holding their keys; site-local). Long poll like CommitStep, one answer for
+        them all: a site's calls a step are its hosts, not its ranks. Refused whole, with
+        nothing recorded, when any of its ballots is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SiteVote(self, request, context):
         """A site's coordinator votes, for all its ranks, at the leader site (WAN). Long
         poll like CommitStep; repeating a vote is harmless.
@@ -172,6 +187,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'CommitStep': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitStep,
                     request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.CommitStepRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_coordinator__pb2.Decision.SerializeToString,
+            ),
+            'CommitHostStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitHostStep,
+                    request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.CommitHostStepRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_coordinator__pb2.Decision.SerializeToString,
             ),
             'SiteVote': grpc.unary_unary_rpc_method_handler(
@@ -346,6 +366,33 @@ class Coordinator:
             target,
             '/isthmus.v1.Coordinator/CommitStep',
             isthmus_dot_proto_dot_coordinator__pb2.CommitStepRequest.SerializeToString,
+            isthmus_dot_proto_dot_coordinator__pb2.Decision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitHostStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Coordinator/CommitHostStep',
+            isthmus_dot_proto_dot_coordinator__pb2.CommitHostStepRequest.SerializeToString,
             isthmus_dot_proto_dot_coordinator__pb2.Decision.FromString,
             options,
             channel_credentials,

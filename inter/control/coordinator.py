@@ -419,21 +419,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
         else:
             polls = self.long_polls.wait(context, "GetMembership", 2)
-        with polls as may_wait, st.cond:
+        with polls as may_wait:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
-            deadline = time.monotonic() + wait_s
-            # A rank that already knows a generation also hears at once when a member
-            # falls silent (the failover loop wakes waiters when the suspects change).
-            while (
-                st.error is None
-                and not st.stopped.is_set()
-                and st.generation <= request.known_generation
-                and not (request.known_generation and st.suspects_locked())
-            ):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                st.cond.wait(left)
+            st.await_membership(request.known_generation, time.monotonic() + wait_s)
+        with st.cond:
             if st.error is not None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, st.error)
             if not st.running:
@@ -486,6 +475,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def CommitStep(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "CommitStep")
         return self.failover.commit_step(request, context)
+
+    def CommitHostStep(self, request, context):  # noqa: N802
+        refuse_unless_named(self.security, context, self.where, request.site, "CommitHostStep")
+        return self.failover.commit_host_step(request, context)
 
     def SiteVote(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "SiteVote")

@@ -249,6 +249,9 @@ class CoordinatorClient:
         """Votes on ``step``'s rounds (ok: this rank's rounds all succeeded) and waits up
         to ``wait_ms`` for the job's decision; PENDING when none came in that time.
 
+        The rank runs in ``generation`` and has its sites: a COMMIT that keeps it comes
+        without ``sites`` (``sites_known``); any other decision names them.
+
         Raises:
             grpc.RpcError: INVALID_ARGUMENT or FAILED_PRECONDITION when the vote is
                 refused (a stale generation, a rank this process does not speak for);
@@ -262,6 +265,7 @@ class CoordinatorClient:
             ok=ok,
             wait_ms=wait_ms,
             rank_key=self.rank_key,
+            sites_known=True,
         )
         return self.stub.CommitStep(request, timeout=timeout_s)
 

@@ -30,14 +30,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
 
 from isthmus.inter.control.admission import malformed_proposal, unconfirmed_proposal
+from isthmus.inter.control.ballots import Ballots
 from isthmus.inter.control.leader import Leader, has_quorum
-from isthmus.inter.control.state import Adoption, Ballots, Key
+from isthmus.inter.control.state import Adoption, Key
 from isthmus.proto import coordinator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 _LOOP_S = 0.05  # how often pending votes are forwarded and re-evaluated
 _FORWARD_WAIT_MS = 500  # long poll of one SiteVote
 MAX_STEP = 1 << 40  # steps beyond this are refused as nonsense
+MAX_HOST_BALLOTS = 256  # ranks one CommitHostStep speaks for (a host has 8 or so)
 
 
 class Failover:
@@ -153,26 +155,60 @@ class Failover:
 
     def commit_step(self, request: pb.CommitStepRequest, context: grpc.ServicerContext):
         """A local rank's vote; long poll for the decision on (step, generation)."""
+        ballot = pb.RankBallot(rank=request.rank, ok=request.ok, rank_key=request.rank_key)
+        key = self._record_votes(request, [ballot], context)
+        # The vote proved its rank's key: its polls are never paced.
+        rank = f"{self.c.site} rank {request.rank}"
+        return self._await(
+            key, request.wait_ms, context, rank, paced=False, sites_known=request.sites_known
+        )
+
+    def commit_host_step(self, request: pb.CommitHostStepRequest, context: grpc.ServicerContext):
+        """The votes of several ranks of one host; one long poll for their decision."""
+        c = self.c
+        ranks = [b.rank for b in request.ballots]
+        if not 1 <= len(ranks) <= MAX_HOST_BALLOTS or len(set(ranks)) != len(ranks):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a host votes for 1 to {MAX_HOST_BALLOTS} distinct ranks, got "
+                f"{len(ranks)} ballots for {len(set(ranks))} ranks",
+            )
+        key = self._record_votes(request, request.ballots, context)
+        host = f"{c.site} host of rank {min(ranks)}"
+        return self._await(
+            key, request.wait_ms, context, host, paced=False, sites_known=request.sites_known
+        )
+
+    def _record_votes(
+        self,
+        request: pb.CommitStepRequest | pb.CommitHostStepRequest,
+        ballots: Sequence[pb.RankBallot],
+        context: grpc.ServicerContext,
+    ) -> Key:
+        """Checks the ballots of local ranks on (step, generation), each with its rank's
+        key, and records them all or refuses the call with none recorded."""
         c = self.c
         if request.site != c.site:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"vote for site {request.site[:64]!r} sent to the coordinator of {c.site}",
             )
-        if request.rank >= c.ranks:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {request.rank} is not one of {c.site}'s {c.ranks} ranks",
-            )
+        for ballot in ballots:
+            if ballot.rank >= c.ranks:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"rank {ballot.rank} is not one of {c.site}'s {c.ranks} ranks",
+                )
         if request.step > MAX_STEP or request.generation == 0:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"step {request.step} / generation {request.generation} out of range",
             )
-        if not c.rank_keys.is_rank(request.rank, request.rank_key):
-            why = f"a vote for rank {request.rank} without the key it registered with"
-            c.refusals.note(context.peer(), why)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{c.where}: {why}")
+        for ballot in ballots:
+            if not c.rank_keys.is_rank(ballot.rank, ballot.rank_key):
+                why = f"a vote for rank {ballot.rank} without the key it registered with"
+                c.refusals.note(context.peer(), why)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{c.where}: {why}")
         key = (request.step, request.generation)
         st = self.state
         with st.cond:
@@ -182,10 +218,9 @@ class Failover:
                     f"generation {request.generation} is ahead of {c.site}'s {st.generation}",
                 )
             self._refuse_if_too_far_locked(request.step, context)
-            self.ballots.vote_rank_locked(key, request.rank, request.ok)
-        # The vote proved its rank's key above: its polls are never paced.
-        rank = f"{c.site} rank {request.rank}"
-        return self._await(key, request.wait_ms, context, rank, paced=False)
+            for ballot in ballots:
+                self.ballots.vote_rank_locked(key, ballot.rank, ballot.ok)
+        return key
 
     def site_vote(self, request: pb.SiteVoteRequest, context: grpc.ServicerContext):
         """A member site's vote at this (leader) site; long poll for the decision."""
@@ -264,44 +299,63 @@ class Failover:
     # -- waiting for a decision -----------------------------------------------------------
 
     def _await(
-        self, key: Key, wait_ms: int, context: grpc.ServicerContext, caller: str, *, paced: bool
+        self,
+        key: Key,
+        wait_ms: int,
+        context: grpc.ServicerContext,
+        caller: str,
+        *,
+        paced: bool,
+        sites_known: bool = False,
     ) -> pb.Decision:
         # ``caller`` holds two slots at most: a vote and an early vote (inter/bounds.py).
+        # It waits for its key's decision alone, not on the state's condition: each
+        # rank's vote is a waiting thread, and a wake-up of all of them per transition
+        # grew with the ranks (inter/control/wakeups.py).
         st, b = self.state, self.ballots
-        with self.c.long_polls.wait(context, caller, 2, paced=paced) as may_wait, st.cond:
+        with self.c.long_polls.wait(context, caller, 2, paced=paced) as may_wait:
             deadline = time.monotonic() + (min(wait_ms, 30_000) / 1000.0 if may_wait else 0.0)
             while True:
-                # A rank that voted in a generation older than the one this site was
-                # admitted back in must pull the state, whatever else was decided for
-                # its key meanwhile (a RETRY there would rerun a step the job has left
-                # behind, and wait for votes no other site will ever send).
-                rejoin = b.readmitted_locked(key)
-                if rejoin is not None:
-                    return rejoin
-                found = b.decisions.get(key)
-                if found is not None:
-                    return found
-                left = deadline - time.monotonic()
-                if left <= 0 or st.stopped.is_set():
-                    return pb.Decision(step=key[0], verdict=pb.VERDICT_PENDING)
-                st.cond.wait(left)
+                with st.cond:
+                    # A rank that voted in a generation older than the one this site was
+                    # admitted back in must pull the state, whatever else was decided for
+                    # its key meanwhile (a RETRY there would rerun a step the job has left
+                    # behind, and wait for votes no other site will ever send).
+                    rejoin = b.readmitted_locked(key)
+                    if rejoin is not None:
+                        return rejoin
+                    found = b.answer_locked(key, sites_known)
+                    if found is not None:
+                        return found
+                    left = deadline - time.monotonic()
+                    if left <= 0 or st.stopped.is_set():
+                        return pb.Decision(step=key[0], verdict=pb.VERDICT_PENDING)
+                    decided = b.decision_event_locked(key)
+                decided.wait(left)
 
     # -- the loop: forward this site's votes, re-evaluate as leader --------------------------
 
     def _run(self) -> None:
         st, b = self.state, self.ballots
+        settled: set[Key] = set()  # keys settled at least once (a new one goes at once)
         while not st.stopped.is_set():
             with st.cond:
-                # Woken at once by a rank's vote (or any other news), else every _LOOP_S:
-                # a step's vote leaves for the leader without waiting for a tick.
-                st.cond.wait(_LOOP_S)
+                # Woken at once by a site's last vote (or any other news), else every
+                # _LOOP_S. A key whose votes completed while this loop was settling
+                # another is not waited for: its notification came before this wait,
+                # and waiting out the tick cost up to 50 ms of every step's decision.
+                fresh = st.generation and set(b.voted_locked(self.c.ranks)) - settled
+                if not fresh:
+                    st.cond.wait(_LOOP_S)
                 if st.generation == 0:
                     continue
                 suspects = st.suspects_locked()
                 if suspects != self._suspects:  # silence is noticed by time, not by a call
                     self._suspects = suspects
-                    st.cond.notify_all()  # wake ranks long-polling GetMembership
+                    st.membership_news.publish()  # wake ranks long-polling GetMembership
+                    st.cond.notify_all()
                 ready = b.voted_locked(self.c.ranks)
+            settled = set(ready)
             for key in ready:
                 try:
                     self._settle(key)

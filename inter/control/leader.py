@@ -6,7 +6,7 @@ A :class:`Leader` runs only at the leader (the lowest-index member still heard f
 module's docstring for the protocol). It is given what it uses: the membership
 (:class:`~isthmus.inter.control.state.CoordinatorState`, whose condition guards
 everything here too), the step votes and decisions it shares with failover
-(:class:`~isthmus.inter.control.state.Ballots`), the peers' stubs and the witness.
+(:class:`~isthmus.inter.control.ballots.Ballots`), the peers' stubs and the witness.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from isthmus.inter.control.state import Adoption, Ballots, CoordinatorState, Key
+from isthmus.inter.control.ballots import Ballots
+from isthmus.inter.control.state import Adoption, CoordinatorState, Key
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 

@@ -9,15 +9,18 @@ it, and every change is one of its transitions (``admit``, ``exclude``, ``suspec
 ``commit``, ``adopt_generation``, ...), so each can be tested on its own
 (tests/inter/test_coordinator_state.py) and a reader finds in one file what moves the
 membership (the partition scenario once deadlocked in code that wrote it from four
-modules). :class:`Ballots` owns the votes and decisions per (step, generation) that
-failover and the leader share.
+modules). The votes and decisions per (step, generation) that failover and the leader
+share are :class:`~isthmus.inter.control.ballots.Ballots`'s, under the same lock.
 
 Locking: one condition variable, ``CoordinatorState.cond`` (re-entrant), guards all of
 it. A method whose name ends in ``_locked`` must be called with it held; every other
 method takes it itself. A property reads one field without the lock (a single read is
 atomic); a caller that needs several fields to agree holds ``cond`` around them. Every
-transition wakes the threads waiting on ``cond`` (long polls, the failover loop), which
-re-check what they wait for; only ``heard_from_locked``, a timestamp, wakes nobody.
+transition wakes the threads waiting on ``cond`` (the failover loop, ``wait_ready``),
+which re-check what they wait for; only ``heard_from_locked``, a timestamp, wakes nobody.
+The ranks' long polls wait for their own news instead (inter/control/wakeups.py): a
+membership watcher for :attr:`CoordinatorState.membership_news`, a vote for the
+decision on its key (``Ballots.decision_event_locked``).
 """
 
 from __future__ import annotations
@@ -29,17 +32,16 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
+from isthmus.inter.control.wakeups import Broadcast, KeyedWakeups
 from isthmus.proto import coordinator_pb2 as pb
 
-__all__ = ["Adoption", "Ballots", "CoordinatorState", "Key"]
+__all__ = ["Adoption", "CoordinatorState", "Key"]
 
 log = logging.getLogger("isthmus.inter.control.coordinator")
 failover_log = logging.getLogger("isthmus.inter.control.failover")
 
 Key = tuple[int, int]
 """(step, generation): what a vote and a decision are about."""
-
-_KEEP_STEPS = 8  # decisions and votes this many steps back still answer late askers
 
 
 class Adoption(enum.Enum):
@@ -96,6 +98,12 @@ class CoordinatorState:
         self._last_seen: dict[str, float] = {}
         self._restarted: set[str] = set()
         self._committed_steps = 0
+        self.membership_news = Broadcast()
+        """Published (under ``cond``) when what a ``GetMembership`` long poll waits for
+        may have changed: the generation, joining, the error, a stop, the suspects."""
+        self.decision_news: KeyedWakeups[Key] = KeyedWakeups()
+        """Published (under ``cond``) per (step, generation) decided, for the votes
+        waiting on it (``Ballots``); every key on a stop or a readmission."""
 
     # -- views ------------------------------------------------------------------------
 
@@ -208,6 +216,26 @@ class CoordinatorState:
             )
         ]
 
+    def await_membership(self, known_generation: int, deadline: float) -> None:
+        """Waits until ``deadline`` (time.monotonic) for what a ``GetMembership`` long poll
+        waits for: a generation past ``known_generation``, an error, a stop, and for a
+        caller that knows a generation, a member fallen silent (the failover loop
+        publishes :attr:`membership_news` when the suspects change)."""
+        while True:
+            with self.cond:
+                if (
+                    self._error is not None
+                    or self.stopped.is_set()
+                    or self._generation > known_generation
+                    or (known_generation and self.suspects_locked())
+                ):
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                news = self.membership_news.event()
+            news.wait(left)
+
     # -- transitions ----------------------------------------------------------------------
 
     def mark_started(self) -> None:
@@ -254,6 +282,7 @@ class CoordinatorState:
             return False
         log.info("[%s] the job is running (generation %d): asking to join", self.site, generation)
         self._joining = True
+        self.membership_news.publish()
         self.cond.notify_all()
         return True
 
@@ -265,6 +294,7 @@ class CoordinatorState:
         if news:
             log.warning("[%s] %s: joining again", self.site, reason)
         self._excluded = self._joining = True
+        self.membership_news.publish()
         self.cond.notify_all()
         return news
 
@@ -322,6 +352,7 @@ class CoordinatorState:
         readmitted = left_out and self.site in self._members and state_source not in ("", self.site)
         if readmitted:
             self._committed_steps = start_step  # the state it pulls has these steps applied
+        self.membership_news.publish()
         self.cond.notify_all()
         return Adoption.READMITTED if readmitted else Adoption.ADOPTED
 
@@ -331,6 +362,7 @@ class CoordinatorState:
             if self._error is None:
                 self._error = message
                 log.error("[%s] %s", self.site, message)
+            self.membership_news.publish()
             self.cond.notify_all()
 
     def stop(self) -> None:
@@ -341,6 +373,8 @@ class CoordinatorState:
     def wake(self) -> None:
         """Wake every waiter on news kept outside this state (a grant of the witness)."""
         with self.cond:
+            self.membership_news.publish()
+            self.decision_news.publish_all()
             self.cond.notify_all()
 
     def _form_first_generation_locked(self) -> None:
@@ -354,128 +388,5 @@ class CoordinatorState:
         ):
             self._generation = 1
             self._members = list(self.site_names)
+            self.membership_news.publish()
             log.info("[%s] membership generation 1: %s", self.site, ", ".join(self.site_names))
-
-
-class Ballots:
-    """Per (step, generation): the local ranks' votes, the member sites' votes (at the
-    leader) and the decision; and the sites waiting to be admitted at the next commit.
-    Guarded by ``state.cond`` like the state itself (every method is ``_locked``)."""
-
-    def __init__(self, state: CoordinatorState) -> None:
-        self.state = state
-        self.rank_votes: dict[Key, dict[int, bool]] = {}
-        self.site_votes: dict[Key, dict[str, tuple[bool, frozenset[str]]]] = {}
-        self.decisions: dict[Key, pb.Decision] = {}
-        self.joiners: dict[str, pb.SiteInfo] = {}
-        self.rejoin: pb.Decision | None = None
-        """The REJOIN for ranks that voted before this site was admitted back."""
-
-    def vote_rank_locked(self, key: Key, rank: int, ok: bool) -> None:
-        """Local ``rank``'s vote; a "not ok" stands once cast.
-
-        Wakes the waiters only once every local rank has voted on ``key``: before that
-        nothing anyone waits for has changed (the site votes at the leader with all its
-        ranks' votes, :meth:`voted_locked`). Waking them on every vote woke each of the
-        site's long polls (two a rank) once per rank, N x 2N wake-ups a step: 11 CPU
-        seconds a step at 1,024 ranks (docs/benchmarks.md, "The control plane at scale").
-        """
-        votes = self.rank_votes.setdefault(key, {})
-        votes[rank] = votes.get(rank, True) and ok
-        if len(votes) >= self.state.ranks:
-            self.state.cond.notify_all()
-
-    def vote_site_locked(self, key: Key, site: str, ok: bool, suspects: Iterable[str]) -> None:
-        """Member ``site``'s vote at the leader. A site's vote is resent while it waits;
-        a "not ok" stands once cast, so a second call saying "ok" (a forged one) cannot
-        turn a failed round into a commit: the worst it can do is make the step run again."""
-        votes = self.site_votes.setdefault(key, {})
-        ok = votes[site][0] and ok if site in votes else ok
-        votes[site] = (ok, frozenset(suspects))
-        self.state.cond.notify_all()
-
-    def voted_locked(self, ranks: int) -> list[Key]:
-        """Undecided keys every one of the ``ranks`` local ranks voted on, in order."""
-        return sorted(
-            key
-            for key, votes in self.rank_votes.items()
-            if len(votes) == ranks and key not in self.decisions
-        )
-
-    def add_joiner_locked(self, info: pb.SiteInfo) -> None:
-        """A site outside the membership asked to join (settled with its own answer)."""
-        if info.name not in self.joiners:
-            failover_log.info(
-                "[%s] %s asks to join; admitted at the next commit", self.state.site, info.name
-            )
-        self.joiners[info.name] = info
-        self.state.cond.notify_all()
-
-    def sites_of_locked(self, names: Iterable[str]) -> list[pb.SiteInfo]:
-        """The SiteInfo of ``names``, joiners being admitted included, in index order."""
-        return self.state.infos_locked(names, extra=self.joiners)
-
-    def retry_locked(self, step: int, reason: str) -> pb.Decision:
-        """A RETRY of ``step`` in the current generation."""
-        state = self.state
-        return pb.Decision(
-            step=step,
-            verdict=pb.VERDICT_RETRY,
-            generation=state.generation,
-            sites=self.sites_of_locked(state.members),
-            reason=reason,
-        )
-
-    def readmitted_locked(self, key: Key) -> pb.Decision | None:
-        """The REJOIN for a vote cast before this site was admitted back, else None."""
-        rejoin = self.rejoin
-        return rejoin if rejoin is not None and key[1] < rejoin.generation else None
-
-    def decide_locked(self, key: Key, decision: pb.Decision) -> None:
-        """Record the decision on ``key`` (a COMMIT commits its step) and wake the voters."""
-        self.decisions[key] = decision
-        if decision.verdict == pb.VERDICT_COMMIT:
-            self.state.commit_locked(key[0])
-        for table in (self.decisions, self.rank_votes, self.site_votes):
-            for old in [k for k in table if k[0] < key[0] - _KEEP_STEPS]:
-                del table[old]
-        failover_log.info(
-            "[%s] step %d generation %d: %s%s",
-            self.state.site,
-            key[0],
-            key[1],
-            pb.Verdict.Name(decision.verdict).removeprefix("VERDICT_"),
-            f" -> generation {decision.generation}" if decision.generation != key[1] else "",
-        )
-        self.state.cond.notify_all()
-
-    def adopt_locked(
-        self,
-        generation: int,
-        sites: Sequence[pb.SiteInfo],
-        *,
-        start_step: int,
-        state_source: str,
-        leader: str,
-    ) -> Adoption:
-        """:meth:`CoordinatorState.adopt_generation_locked`, then: the new members are no
-        longer joiners, and a site admitted back hands its waiting ranks a REJOIN."""
-        outcome = self.state.adopt_generation_locked(
-            generation, sites, start_step=start_step, state_source=state_source, leader=leader
-        )
-        if outcome is Adoption.STALE:
-            return outcome
-        for info in sites:
-            self.joiners.pop(info.name, None)
-        if outcome is Adoption.READMITTED:
-            # Ranks waiting on a vote of an older generation pull the state instead.
-            self.rejoin = pb.Decision(
-                step=start_step,
-                verdict=pb.VERDICT_REJOIN,
-                generation=generation,
-                sites=sites,
-                state_source=state_source,
-                state_step=max(0, start_step - 1),
-                reason=f"admitted again by {leader} at step {start_step}",
-            )
-        return outcome

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from isthmus.inter.control.state import Adoption, Ballots, CoordinatorState
+from isthmus.inter.control.ballots import Ballots
+from isthmus.inter.control.state import Adoption, CoordinatorState
 from isthmus.proto import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
