@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isthmus.deploy.hf_model import hf_model_config
 from isthmus.deploy.sections import (
     SECTION_TYPES,
     CheckpointSection,
@@ -144,7 +145,7 @@ class JobConfig:
         except ValueError as exc:
             raise ConfigError(f"data.tokenizer: {exc}") from None
         if self.model.hf_config or self.model.init_from:
-            return self._hf_model(vocab)
+            return hf_model_config(self.model, seq_len=self.train.seq_len, vocab=vocab)
         try:
             cfg = preset(self.model.preset)
             cfg.vocab_size = vocab
@@ -160,42 +161,6 @@ class JobConfig:
             cfg.__post_init__()  # re-validate after the overrides
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
-        return cfg
-
-    def _hf_model(self, vocab: int) -> ModelConfig:
-        """``resolved_model`` of a Hugging Face config.json (model.hf_config, or
-        model.init_from's): its shape as it is, checked against the tokenizer, the
-        sequence length and, with init_from, the weights' names and shapes."""
-        from isthmus.intra import hf_layout
-
-        m = self.model
-        for key in ("dim", "n_layers", "n_heads"):
-            if getattr(m, key):
-                raise ConfigError(
-                    f"model.{key} does not apply with a config.json (model.hf_config)"
-                )
-        path = m.hf_config or str(Path(m.init_from) / "config.json")
-        key = "model.hf_config" if m.hf_config else "model.init_from"
-        try:
-            cfg = hf_layout.model_config(hf_layout.read_config(path))
-        except ValueError as exc:  # "config.json: ..." or "PATH not found"
-            text = str(exc).removeprefix("config.json: ").replace(f"{path} ", "")
-            raise ConfigError(f"{key}: {path}: {text}") from None
-        if m.init_from:
-            try:
-                hf_layout.check_weights(m.init_from, cfg)
-            except ValueError as exc:
-                raise ConfigError(f"model.init_from: {exc}") from None
-        if vocab > cfg.vocab_size:
-            raise ConfigError(
-                f"model: {path} has vocab_size={cfg.vocab_size}, fewer than the "
-                f"tokenizer's {vocab} ids (data.tokenizer)"
-            )
-        if self.train.seq_len > cfg.max_seq_len:
-            raise ConfigError(
-                f"train.seq_len={self.train.seq_len} exceeds the {cfg.max_seq_len} positions "
-                f"of {path} (max_position_embeddings, or its sliding_window)"
-            )
         return cfg
 
     def _model_vocab(self) -> int:

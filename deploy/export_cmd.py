@@ -83,6 +83,7 @@ def export_hf(source: Path, out: Path, config: JobConfig, run_dir: Path) -> tupl
         str(Path(model.init_from) / "config.json") if model.init_from else ""
     )
     try:
+        hf_layout.require_safetensors()
         base = hf_layout.read_config(base_path) if base_path else None
         hf = hf_layout.hf_config(cfg, base)
     except ValueError as exc:

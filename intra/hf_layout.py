@@ -21,6 +21,7 @@ extra), so the job config can read a config.json before any process imports torc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import struct
@@ -44,6 +45,7 @@ __all__ = [
     "load_weights",
     "model_config",
     "read_config",
+    "require_safetensors",
     "save_weights",
     "to_hf_name",
 ]
@@ -380,6 +382,15 @@ def check_weights(folder: Path | str, cfg: ModelConfig) -> None:
         raise HFLayoutError(f"{folder}: the weights hold {extra[0]}, which the model lacks")
 
 
+def require_safetensors() -> None:
+    """Raise HFLayoutError, saying how to install it, when ``safetensors`` is missing."""
+    if importlib.util.find_spec("safetensors") is None:
+        raise HFLayoutError(
+            "reading and writing model.safetensors needs the safetensors package: "
+            "pip install 'isthmus[hf]'"
+        )
+
+
 def load_weights(model: Transformer, folder: Path | str) -> None:
     """Copy a Hugging Face model folder's weights (``model.safetensors`` or its shards)
     into ``model``, a whole unsharded ``Transformer`` (before parallelization).
@@ -389,6 +400,8 @@ def load_weights(model: Transformer, folder: Path | str) -> None:
             ``model`` is then unchanged.
     """
     import torch
+
+    require_safetensors()
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -408,6 +421,7 @@ def load_weights(model: Transformer, folder: Path | str) -> None:
 def save_weights(named: Iterable[tuple[str, torch.Tensor]], folder: Path | str) -> Path:
     """Write isthmus-named full tensors as ``folder/model.safetensors`` in Hugging
     Face's names (a tied model passes no ``output.weight``)."""
+    require_safetensors()
     from safetensors.torch import save_file
 
     tensors = {to_hf_name(name): t.detach().to("cpu").contiguous() for name, t in named}
