@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,12 +27,12 @@ from helpers import ROOT
 
 from isthmus.deploy.chaos import free_ports
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
 NODE = "localhost"  # resolvable anywhere: the multi-node template's MASTER_ADDR
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-JOB_TIMEOUT_S = 180
+JOB_TIMEOUT_S = 300  # beyond sync.timeout_s: a site that gives up says why first
 
 
 def require_slurm() -> None:
@@ -103,7 +104,8 @@ class Cluster:
             )
         )
         self.env = {**os.environ, "SLURM_CONF": str(conf)}
-        # munged refuses root without --force; its socket is this cluster's own.
+        # This cluster's own socket, in a 0700 folder: munged wants every user able to
+        # reach it and refuses to start without --force (only root's jobs run here).
         self._daemon(
             "munged", "-F", "--force", f"--socket={munge}/socket", f"--key-file={key}",
             f"--log-file={munge}/log", f"--pid-file={munge}/pid", f"--seed-file={munge}/seed",
@@ -120,7 +122,7 @@ class Cluster:
                 subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
             )
 
-    def _wait_for(self, ready, what: str, timeout: float = 30) -> None:
+    def _wait_for(self, ready: Callable[[], bool], what: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
             dead = [d.args[0] for d in self.daemons if d.poll() is not None]
@@ -196,7 +198,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
     require_slurm()
     cluster = Cluster(tmp_path_factory.mktemp("slurm"))
     try:
@@ -220,7 +222,7 @@ class Link:
 
 
 @pytest.fixture
-def link(tmp_path):
+def link(tmp_path) -> Iterator[Link]:
     topology = tmp_path / "link.toml"
     topology.write_text(
         'sites = ["site0", "site1"]\nseed = 1\n'
@@ -261,6 +263,10 @@ def write_job(tmp_path: Path, link: Link, ports: list[int], *extra: str) -> Path
                 'preset = "tiny"',
                 "[run]",
                 'log_level = "info"',  # the ranks' timeline, should a job fail
+                # Six processes importing torch at once on a loaded 2-core machine took
+                # 110 s to reach their coordinators (the default joining deadline is 120).
+                "[sync]",
+                "timeout_s = 240",
                 *extra,
                 "[cluster]",
                 f"coordinators = {{ {coordinators} }}",
