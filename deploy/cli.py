@@ -12,6 +12,7 @@
     isthmus certs         create a job CA, a certificate per site and a job token
     isthmus witness       the job's witness, which breaks even splits of its sites
     isthmus tokenizer     train the job's BPE tokenizer once, as a tokenizer.json
+    isthmus data          tokenize local text/jsonl/parquet files into token shards once
     isthmus export        write a checkpoint in the Hugging Face layout (safetensors)
 
 Each command is a module, deploy/NAME_cmd.py (the table COMMANDS below); this one
@@ -62,6 +63,7 @@ COMMANDS = (
     "certs",
     "witness",
     "tokenizer",
+    "data",
     "export",
 )
 

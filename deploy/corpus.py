@@ -13,6 +13,10 @@ bytes are kept there too (``_keep_stdlib``), so no rank walks the standard libra
 
 The tokenizer's sha256 is part of the job fingerprint (data.tokenizer_sha256): loading
 fills it in, or refuses a tokenizer whose hash differs from the one the job pins.
+
+A prepared folder (data.source = "prepared", `isthmus data prepare`) is token ids
+already: it is memory-mapped, its manifest's tokenizer sha256 must be data.tokenizer's,
+and its split is cut in tokens (data.val_fraction), as for a .bin token file.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from isthmus.intra.data import (
     Corpus,
     Split,
     from_path,
+    prepared_corpus,
     split_corpus,
     stdlib_corpus,
     stdlib_name,
@@ -45,6 +50,7 @@ from isthmus.intra.tokenizer import (
     TextTokenizer,
     decode_text,
     encode_spans,
+    file_facts,
     split_text,
     tokenizer_sha256,
 )
@@ -70,6 +76,8 @@ def load_corpus(config: JobConfig) -> tuple[Corpus, Split]:
     """
     d = config.data
     try:
+        if d.source == "prepared":
+            return _prepared(config)
         raw = _raw_corpus(d)
         if d.tokenizer == "bytes":
             _check_ids(raw, config.resolved_model().vocab_size)
@@ -82,6 +90,23 @@ def load_corpus(config: JobConfig) -> tuple[Corpus, Split]:
         raise
     except ValueError as exc:
         raise ConfigError(f"data: {exc}") from None
+
+
+def _prepared(config: JobConfig) -> tuple[Corpus, Split]:
+    """A folder of `isthmus data prepare`, refused when it was tokenized by another
+    tokenizer than data.tokenizer (its ids would mean other text)."""
+    d = config.data
+    corpus, manifest = prepared_corpus(d.path)
+    sha = file_facts(d.tokenizer)[1]
+    theirs = manifest["tokenizer"]["sha256"]
+    if theirs != sha:
+        raise ConfigError(
+            f"data.path: {d.path} was prepared with tokenizer sha256 {theirs[:16]}..., but "
+            f"data.tokenizer = {d.tokenizer} is {sha[:16]}...: use the tokenizer.json it "
+            f"was prepared with ({Path(d.path) / 'tokenizer.json'}) or prepare it again"
+        )
+    _pin(d, sha)
+    return corpus, split_corpus(len(corpus), d.val_fraction, config.train.seq_len)
 
 
 def _check_ids(corpus: Corpus, vocab: int) -> None:
@@ -130,6 +155,8 @@ def trained_tokenizer(config: JobConfig) -> str:
     """
     d = config.data
     try:
+        if d.source == "prepared":
+            return _prepared(config)
         raw = _raw_corpus(d)
         byte_split = split_text(len(raw), d.val_fraction, config.train.seq_len)
         return _bpe_json(d, raw, byte_split, _corpus_sha256(raw))

@@ -145,9 +145,12 @@ class ParallelSection:
 @dataclass(kw_only=True, slots=True)
 class DataSection:
     source: str = "stdlib"
-    """"stdlib" (the Python standard library's source files read as bytes) or "path"."""
+    """"stdlib" (the Python standard library's source files read as bytes), "path", or
+    "prepared" (a folder `isthmus data prepare` wrote: token shards, memory-mapped;
+    data.tokenizer must be the tokenizer.json it was prepared with, checked by sha256)."""
     path: str = ""
-    """With source = "path": a text file, a folder of files, or a .bin/.npy token file."""
+    """With source = "path": a text file, a folder of files, or a .bin/.npy token file.
+    With source = "prepared": the prepared folder (docs/data.md)."""
     max_bytes: int = 32 * MIB
     """Cap on the corpus bytes loaded into memory."""
     val_fraction: float = 0.01

@@ -123,9 +123,15 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"parallel: {exc}") from None
     d = config.data
     _require(
-        d.source in ("stdlib", "path"), f"data.source must be stdlib or path, got {d.source!r}"
+        d.source in ("stdlib", "path", "prepared"),
+        f"data.source must be stdlib, path or prepared, got {d.source!r}",
     )
-    _require(d.source != "path" or bool(d.path), "data.source = 'path' needs data.path")
+    _require(d.source == "stdlib" or bool(d.path), f"data.source = {d.source!r} needs data.path")
+    _require(
+        d.source != "prepared" or d.tokenizer not in ("bytes", "bpe"),
+        'data.source = "prepared" needs data.tokenizer = the tokenizer.json it was prepared '
+        f"with (e.g. {Path(d.path) / 'tokenizer.json'})",
+    )
     _require(d.max_bytes >= 1024, f"data.max_bytes must be >= 1024, got {d.max_bytes}")
     _require(
         0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}"
@@ -313,6 +319,8 @@ def _check_tokenizer(d: DataSection) -> None:
             file_facts(d.tokenizer)
         except (ValueError, OSError) as exc:
             raise ConfigError(f"data.tokenizer: {exc}") from None
+    if d.source == "prepared":
+        return  # token ids already: the file is only hashed, never run
     try:
         require_tokenizers()
     except ValueError as exc:

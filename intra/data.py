@@ -7,10 +7,15 @@ site joining) at step ``s`` needs no sampler state beyond the step counter.
 
 ``split_corpus`` holds part of a corpus out: blocks spread evenly over it that no
 training window ever touches, from which the held-out (validation) loss is measured.
+
+``prepared_corpus`` reads the folder `isthmus data prepare` writes (deploy/data_cmd.py):
+uint16 ``.bin`` shards, each the same raw token file ``from_path`` memory-maps, and a
+manifest.json; ``ShardedTokens`` reads the shards, memory-mapped, as one sequence.
 """
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,14 +35,52 @@ library sorted by path), few and long enough that a window rarely crosses a bord
 
 Span = tuple[int, int]
 """Token positions ``[start, end)`` of a corpus."""
+PREPARED_FORMAT = "isthmus-tokens"
+PREPARED_VERSION = 1
+"""manifest.json's ``format`` and ``version``: a reader refuses any other."""
+
+
+class ShardedTokens:
+    """Token files read as one 1-D sequence, each memory-mapped: the shards of a prepared
+    folder. Indexing by an integer array (``ShardedBatches``' windows, which may cross a
+    border between shards) gathers from each file in turn; a slice is copied out."""
+
+    def __init__(self, shards: Sequence[np.ndarray]) -> None:
+        if not shards or any(a.ndim != 1 or a.dtype != shards[0].dtype for a in shards):
+            raise ValueError("shards must be one or more 1-D arrays of one dtype")
+        self.shards = list(shards)
+        self.dtype = shards[0].dtype
+        self.ndim = 1
+        ends = np.cumsum([a.shape[0] for a in shards], dtype=np.int64)
+        self._starts = ends - np.array([a.shape[0] for a in shards], dtype=np.int64)
+        self.shape = (int(ends[-1]),)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: np.ndarray | slice) -> np.ndarray:
+        if isinstance(index, slice):
+            index = np.arange(self.shape[0])[index]
+        flat = np.asarray(index, dtype=np.int64).reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
+            raise IndexError(f"token index out of [0, {self.shape[0]})")
+        shard = np.searchsorted(self._starts, flat, side="right") - 1
+        out = np.empty(flat.shape, dtype=self.dtype)
+        for k in np.unique(shard):
+            mine = shard == k
+            out[mine] = self.shards[k][flat[mine] - self._starts[k]]
+        return out.reshape(np.shape(index))
+
+    def max(self) -> int:
+        return max(int(a.max()) for a in self.shards if a.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
 class Corpus:
     """A flat token sequence (uint8 bytes or uint16 token ids) and where it came from."""
 
-    tokens: np.ndarray
-    """1-D uint8/uint16 array, possibly a read-only memory map."""
+    tokens: np.ndarray | ShardedTokens
+    """1-D uint8/uint16 array, possibly a read-only memory map, or memory-mapped shards."""
     name: str
     """Human-readable origin, for logs and job fingerprints."""
 
@@ -129,6 +172,58 @@ def from_path(path: str | Path, *, dtype: str = "uint8", max_bytes: int | None =
     if tokens.shape[0] < 2:
         raise ValueError(f"corpus {str(p)!r} holds {tokens.shape[0]} tokens; need at least 2")
     return Corpus(tokens=tokens, name=str(p))
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """A prepared folder's manifest.json, its format checked.
+
+    Raises:
+        ValueError: no such folder or manifest, not JSON, or another format or version.
+    """
+    path = Path(folder) / "manifest.json"
+    if not Path(folder).is_dir():
+        raise ValueError(f"prepared data folder {str(folder)!r} does not exist")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{str(folder)!r} has no manifest.json: not a folder `isthmus data prepare` wrote"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read it ({exc})") from None
+    if not isinstance(manifest, dict) or (manifest.get("format"), manifest.get("version")) != (
+        PREPARED_FORMAT,
+        PREPARED_VERSION,
+    ):
+        raise ValueError(
+            f"{path} is not a version-{PREPARED_VERSION} {PREPARED_FORMAT} manifest; "
+            "prepare the data again with this release's `isthmus data prepare`"
+        )
+    return manifest
+
+
+def prepared_corpus(folder: str | Path) -> tuple[Corpus, dict]:
+    """The tokens of a prepared folder, memory-mapped, and its manifest.
+
+    Raises:
+        ValueError: as ``read_manifest``, or a shard that is missing or whose size is not
+            the manifest's (a folder copied in part, or changed since).
+    """
+    manifest = read_manifest(folder)
+    dtype = np.dtype(manifest["dtype"])
+    shards = []
+    for entry in manifest["shards"]:
+        path = Path(folder) / entry["file"]
+        size = path.stat().st_size if path.is_file() else -1
+        if size != entry["tokens"] * dtype.itemsize:
+            found = "is missing" if size < 0 else f"holds {size} bytes"
+            raise ValueError(
+                f"shard {path} {found}, the manifest says {entry['tokens']} {dtype} tokens; "
+                "copy the whole folder or prepare it again"
+            )
+        shards.append(np.memmap(path, dtype=dtype, mode="r"))
+    tokens = shards[0] if len(shards) == 1 else ShardedTokens(shards)
+    return Corpus(tokens=tokens, name=f"prepared:{folder}"), manifest
 
 
 @dataclass(frozen=True, slots=True)

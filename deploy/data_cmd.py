@@ -1,0 +1,404 @@
+"""`isthmus data prepare`: local text, jsonl and parquet files to token shards once.
+
+Every document is encoded with the tokenizer.json (optionally followed by an
+end-of-document token) and appended to uint16 ``.bin`` shards -- the raw token files
+``intra/data.py`` already memory-maps -- beside a manifest.json: the format version,
+each shard's tokens, the total, the tokenizer's sha256 (a job whose data.tokenizer hashes
+otherwise is refused, deploy/corpus.py), and each source file's sha256 and size. The
+tokenizer.json is copied in, so a job can name it from the folder.
+
+Reading: a ``.txt`` file is one document; a ``.jsonl`` file one document a line (its
+``--text-field``); both with the standard library. Only ``.parquet`` goes through the
+``datasets`` library (it brings pyarrow, ~265 MB installed: the ``isthmus[data]``
+extra, never a runtime dependency), local files only, offline, streamed (no arrow cache).
+
+The folder is written under a temporary name beside ``--out`` and renamed into place
+when complete, so a prepare killed midway leaves no ``--out``; bad input is refused in
+one line before that rename, leaving nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import numpy as np
+
+from isthmus.deploy.config import ConfigError
+from isthmus.intra.data import PREPARED_FORMAT, PREPARED_VERSION
+
+if TYPE_CHECKING:
+    from isthmus.intra.tokenizer import TextTokenizer
+
+__all__ = ["FORMATS", "prepare", "register"]
+
+FORMATS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+"""File suffix -> how its documents are read."""
+DEFAULT_SHARD_TOKENS = 1 << 28
+"""A shard holds at most this many tokens (512 MiB of uint16)."""
+DATASETS_HINT = "pip install 'isthmus[data]'"
+
+
+def prepare(
+    sources: list[Path],
+    tokenizer: Path,
+    out: Path,
+    *,
+    text_field: str = "text",
+    eos: str | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Tokenize ``sources`` into the folder ``out``; returns its manifest.
+
+    Raises:
+        ConfigError: a missing or unreadable source, an unknown format, a bad record, no
+            tokens at all, an unusable tokenizer, or an ``out`` that exists (without
+            ``force``). Nothing is left behind.
+    """
+    from isthmus.intra.tokenizer import TextTokenizer
+
+    if shard_tokens < 1:
+        raise ConfigError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    if out.exists() and not force:
+        raise ConfigError(f"--out {out} exists; pass --force to replace it")
+    if not sources:
+        raise ConfigError("no input files")
+    for src in sources:
+        if not src.is_file():
+            raise ConfigError(f"input {src}: no such file")
+        if src.suffix.lower() not in FORMATS:
+            known = ", ".join(FORMATS)
+            raise ConfigError(f"input {src}: unknown format {src.suffix!r} (known: {known})")
+        if FORMATS[src.suffix.lower()] == "parquet" and not importlib.util.find_spec("datasets"):
+            raise ConfigError(f"input {src}: parquet needs the datasets package: {DATASETS_HINT}")
+    try:
+        tok = TextTokenizer.from_file(tokenizer)
+    except ValueError as exc:
+        raise ConfigError(f"--tokenizer: {exc}") from None
+    eos_id = _eos_id(tok, eos)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.preparing."))
+    try:
+        manifest = _write(
+            sources, tok, tmp, text_field, eos_id, eos, shard_tokens, _Bar(sources, progress)
+        )
+        (tmp / "tokenizer.json").write_text(tok.json)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep a shared folder private
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _eos_id(tok: TextTokenizer, eos: str | None) -> int | None:
+    if eos is None:
+        return None
+    value = json.loads(tok.json)
+    for added in value.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == eos:
+            return int(added["id"])
+    vocab = (value.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and isinstance(vocab.get(eos), int):
+        return int(vocab[eos])
+    raise ConfigError(f"--eos {eos!r}: the tokenizer has no such token")
+
+
+def _write(
+    sources: list[Path],
+    tok: TextTokenizer,
+    folder: Path,
+    text_field: str,
+    eos_id: int | None,
+    eos: str | None,
+    shard_tokens: int,
+    bar: _Bar,
+) -> dict:
+    shards = _Shards(folder, shard_tokens)
+    records = []
+    documents = 0
+    try:
+        for src in sources:
+            digest = hashlib.sha256()
+            docs = 0
+            for text in _documents(src, text_field, digest, bar):
+                ids = tok.encode(text)
+                if eos_id is not None:
+                    ids = np.append(ids, np.uint16(eos_id))
+                shards.add(ids)
+                docs += 1
+                bar.tokens = shards.total
+            if FORMATS[src.suffix.lower()] == "parquet":
+                _hash_file(src, digest)
+            bar.file_done(src)
+            documents += docs
+            records.append(
+                {
+                    "path": str(src.resolve()),
+                    "sha256": digest.hexdigest(),
+                    "bytes": src.stat().st_size,
+                    "documents": docs,
+                }
+            )
+    finally:
+        shards.close()
+        bar.finish()
+    if shards.total == 0:
+        raise ConfigError(
+            f"no tokens: the {len(sources)} input file(s) hold no text"
+            + ("" if "jsonl" not in {FORMATS[s.suffix.lower()] for s in sources} else
+               f" (jsonl field {text_field!r})")
+        )  # fmt: skip
+    return {
+        "format": PREPARED_FORMAT,
+        "version": PREPARED_VERSION,
+        "dtype": "uint16",
+        "tokens": shards.total,
+        "documents": documents,
+        "shards": shards.entries,
+        "tokenizer": {"sha256": tok.sha256, "ids": tok.vocab_size, "file": "tokenizer.json"},
+        "eos": None if eos is None else {"token": eos, "id": eos_id},
+        "sources": records,
+        "validation": "not cut here: a job holds out data.val_fraction of the tokens, blocks "
+        "spread evenly over them, cut by train.seq_len (intra/data.py split_corpus)",
+    }
+
+
+def _documents(src: Path, text_field: str, digest: hashlib._Hash, bar: _Bar) -> Iterator[str]:
+    kind = FORMATS[src.suffix.lower()]
+    try:
+        if kind == "text":
+            raw = src.read_bytes()
+            digest.update(raw)
+            bar.advance(len(raw))
+            if raw:
+                yield raw.decode("utf-8", errors="replace")
+        elif kind == "jsonl":
+            with open(src, "rb") as f:
+                yield from _jsonl(src, f, text_field, digest, bar)
+        else:
+            yield from _parquet(src, text_field)
+    except OSError as exc:
+        raise ConfigError(f"input {src}: {exc.strerror or exc}") from None
+
+
+def _jsonl(
+    src: Path, f: BinaryIO, text_field: str, digest: hashlib._Hash, bar: _Bar
+) -> Iterator[str]:
+    for number, line in enumerate(f, 1):
+        digest.update(line)
+        bar.advance(len(line))
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise ConfigError(f"input {src}, line {number}: not JSON") from None
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"input {src}, line {number}: no string field {text_field!r} "
+                "(--text-field names it)"
+            )
+        if text:
+            yield text
+
+
+def _parquet(src: Path, text_field: str) -> Iterator[str]:
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # local files only: never the hub
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            f"input {src}: parquet needs the datasets package: {DATASETS_HINT}"
+        ) from None
+    datasets.disable_progress_bars()  # ours is on stderr already
+    try:
+        rows = datasets.load_dataset(
+            "parquet", data_files=[str(src)], split="train", streaming=True
+        )
+        if text_field not in (rows.column_names or [text_field]):
+            raise ConfigError(
+                f"input {src}: no column {text_field!r} (it has {rows.column_names}; "
+                "--text-field names it)"
+            )
+        for number, row in enumerate(rows):
+            text = row.get(text_field)
+            if not isinstance(text, str):
+                raise ConfigError(f"input {src}, row {number}: {text_field!r} is not a string")
+            if text:
+                yield text
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pyarrow and datasets raise many kinds
+        raise ConfigError(f"input {src}: cannot read it as parquet ({exc})") from None
+
+
+def _hash_file(src: Path, digest: hashlib._Hash) -> None:
+    with open(src, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+
+
+class _Shards:
+    """uint16 token files of at most ``limit`` tokens, appended in order."""
+
+    def __init__(self, folder: Path, limit: int) -> None:
+        self.folder, self.limit = folder, limit
+        self.entries: list[dict] = []
+        self.total = 0
+        self._file: BinaryIO | None = None
+        self._in_file = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        ids = np.ascontiguousarray(ids, dtype=np.uint16)
+        while ids.size:
+            if self._file is None or self._in_file == self.limit:
+                self._open()
+            room = self.limit - self._in_file
+            part, ids = ids[:room], ids[room:]
+            assert self._file is not None
+            self._file.write(part.tobytes())
+            self._in_file += part.size
+            self.entries[-1]["tokens"] = self._in_file
+            self.total += part.size
+
+    def _open(self) -> None:
+        self.close()
+        name = f"shard-{len(self.entries):05d}.bin"
+        self._file = open(self.folder / name, "wb")  # noqa: SIM115 - closed in close()
+        self._in_file = 0
+        self.entries.append({"file": name, "tokens": 0})
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+
+class _Bar:
+    """A progress bar on stderr over the input bytes: redrawn in place on a terminal,
+    one line at the end otherwise (CI, a pipe)."""
+
+    def __init__(self, sources: list[Path], enabled: bool) -> None:
+        self.total = sum(s.stat().st_size for s in sources) or 1
+        self.done = 0
+        self.tokens = 0
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.started = time.perf_counter()
+        self._drawn = 0.0
+        self._file_start = 0
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self.tty and time.perf_counter() - self._drawn > 0.2:
+            self._draw("\r")
+
+    def file_done(self, src: Path) -> None:
+        self._file_start += src.stat().st_size
+        self.done = self._file_start  # a parquet file counts when it is read whole
+        if self.tty:
+            self._draw("\r")
+
+    def finish(self) -> None:
+        if self.enabled:
+            self._draw("\r" if self.tty else "")
+            print(file=sys.stderr, flush=True)
+
+    def _draw(self, start: str) -> None:
+        self._drawn = time.perf_counter()
+        share = min(1.0, self.done / self.total)
+        filled = int(30 * share)
+        print(
+            f"{start}isthmus data prepare [{'#' * filled}{'.' * (30 - filled)}] "
+            f"{share:4.0%} {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB, "
+            f"{self.tokens:,} tokens, {self._drawn - self.started:.0f} s",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    manifest = prepare(
+        [Path(s) for s in args.inputs],
+        Path(args.tokenizer),
+        out,
+        text_field=args.text_field,
+        eos=args.eos,
+        shard_tokens=args.shard_tokens,
+        force=args.force,
+        progress=not args.quiet,
+    )
+    print(
+        f"wrote {out}: {manifest['tokens']:,} tokens of {manifest['documents']:,} documents "
+        f"in {len(manifest['shards'])} shard(s), tokenizer sha256 {manifest['tokenizer']['sha256']}"
+    )
+    print(
+        f"every site: --set data.source=prepared --set data.path={out} "
+        f"--set data.tokenizer={out / 'tokenizer.json'}"
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+    """Add `isthmus data prepare` to the CLI."""
+    parser = sub.add_parser(
+        "data",
+        help="turn local text/jsonl/parquet files into token shards once",
+        description="Work on training data before a job (docs/data.md).",
+        formatter_class=formatter,
+    )
+    actions = parser.add_subparsers(dest="data_action", required=True, metavar="ACTION")
+    prep = actions.add_parser(
+        "prepare",
+        help="tokenize local files into a folder of token shards and a manifest",
+        description="Tokenize local files (.txt: one document a file; .jsonl: one a line, "
+        "its --text-field; .parquet: one a row, through the datasets library, offline) with "
+        "a tokenizer.json into uint16 token shards and a manifest.json (token counts, the "
+        "tokenizer's sha256, each input's sha256 and size), written whole under a temporary "
+        "name and renamed to --out. Train on it with data.source=prepared, data.path=OUT, "
+        "data.tokenizer=OUT/tokenizer.json.",
+        formatter_class=formatter,
+    )
+    prep.add_argument("inputs", nargs="+", metavar="FILE", help=".txt, .jsonl or .parquet files")
+    prep.add_argument("--tokenizer", required=True, metavar="FILE", help="a tokenizer.json")
+    prep.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    prep.add_argument(
+        "--text-field", default="text", metavar="NAME", help="jsonl/parquet text field"
+    )
+    prep.add_argument(
+        "--eos",
+        default=None,
+        metavar="TOKEN",
+        help="a token of the tokenizer appended after every document (default: none)",
+    )
+    prep.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        metavar="N",
+        help=f"tokens a shard holds at most (default {DEFAULT_SHARD_TOKENS:,})",
+    )
+    prep.add_argument("--force", action="store_true", help="replace an existing --out")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.set_defaults(func=cmd_data_prepare)
