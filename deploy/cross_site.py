@@ -11,6 +11,7 @@ is the other side, after a step that admitted a site.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -105,7 +106,10 @@ class CrossSite:
         )
         lane.rank = rank
         port = lane.address.rsplit(":", 1)[1]
-        advertised = f"{cluster.advertise_host or cluster.lane_host}:{port}"
+        # One cluster.advertise_host cannot name every host of a site on several: the
+        # launcher of a rank on another host names that host's address in the environment.
+        host = os.environ.get("ISTHMUS_ADVERTISE_HOST") or cluster.advertise_host
+        advertised = f"{host or cluster.lane_host}:{port}"
         client = CoordinatorClient.connect(coordinator, security)
         joined = _join(client, site, rank, world_size, advertised, config)
         self = cls(site, rank, config, proxies, security, lane, joined, client)

@@ -13,6 +13,14 @@ where iptables, tagged with the comment `isthmus:<job>`:
 - filter FORWARD: nothing is forwarded to or from the veth, whatever `ip_forward` says.
 
 IPv6 is off on both ends of each veth, so no link-local address bypasses the rules.
+
+A site may span several nodes (`create_sites(..., nodes=[2, 1])`): its namespace is
+the first node, and each further node is a namespace `isthmus-<job>-<site>-n<k>` on a
+LAN of the site's own (a bridge `lan0` in the first node, a veth from it to `lan0` in each
+further node, on a /24 of its own, the first node at `.1`). The first node forwards the others'
+traffic to and from the site's veth, so the further nodes' TCP to other sites takes
+the same redirect, and every other site (and the root namespace, whose relay dials
+them) routes the LAN through the site.
 Everything a job creates is found again by name (namespaces and veths) and comment
 (rules), so `teardown(job)` needs no state and also cleans up after a crash.
 """
@@ -35,6 +43,7 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_POOL",
     "NetnsError",
+    "NodeNet",
     "SiteNet",
     "create_sites",
     "job_resources",
@@ -49,6 +58,9 @@ SITE_IFNAME = "isthmus0"
 """The veth end inside every site's namespace."""
 LOCK_PATH = "/run/isthmus-netns.lock"
 """Serializes /24 allocation between jobs created at the same time."""
+LAN_IFNAME = "lan0"
+"""A multi-node site's LAN interface in each of its nodes (the bridge in the first): the
+one GLOO_SOCKET_IFNAME names."""
 STOP_GRACE_S = 3.0
 _JOB_RE = re.compile(r"[a-z0-9]{1,8}")  # veth names must fit IFNAMSIZ (15 characters)
 _MAX_SITES = 100
@@ -56,6 +68,22 @@ _MAX_SITES = 100
 
 class NetnsError(RuntimeError):
     """Setting up or tearing down namespaces failed; the message says which command and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeNet:
+    """A further node of a multi-node site: a namespace of its own on the site's LAN."""
+
+    site: str
+    namespace: str
+    """Network namespace name, `isthmus-<job>-<site>-n<k>`."""
+    address: str
+    """The node's IPv4 address on the site's LAN (on `lan0`)."""
+
+    @property
+    def exec_prefix(self) -> list[str]:
+        """The command prefix that runs a program on this node."""
+        return ["ip", "netns", "exec", self.namespace]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +100,16 @@ class SiteNet:
     """The root namespace's end of the veth; the site's relay listener binds here."""
     veth: str
     """Name of the root namespace's end of the veth."""
+    lan_address: str = ""
+    """A multi-node site's first node on its LAN (`lan0`): where the other nodes reach
+    it (MASTER_ADDR, the coordinator); empty for a site of one node."""
+    nodes: tuple[NodeNet, ...] = ()
+    """The site's further nodes (none for a site of one node)."""
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every address of the site that other sites reach it at (its nodes')."""
+        return (self.address, *(n.address for n in self.nodes))
 
     @property
     def exec_prefix(self) -> list[str]:
@@ -227,7 +265,9 @@ def _disable_ipv6(interface: str, namespace: str | None = None) -> None:
     _run(*prefix, "sh", "-c", f"[ ! -e {path} ] || echo 1 > {path}")
 
 
-def create_sites(job: str, sites: int, *, pool: str = DEFAULT_POOL) -> list[SiteNet]:
+def create_sites(
+    job: str, sites: int, *, pool: str = DEFAULT_POOL, nodes: list[int] | None = None
+) -> list[SiteNet]:
     """Create one namespace and veth per site, isolated by filter rules; no TCP path yet.
 
     Call `redirect_tcp` next, with the ports of the relay listeners, and `teardown`
@@ -237,6 +277,8 @@ def create_sites(job: str, sites: int, *, pool: str = DEFAULT_POOL) -> list[Site
         job: short job name, 1-8 characters of [a-z0-9]; part of every name created.
         sites: number of sites, 1 to 100.
         pool: IPv4 network the sites' /24s are taken from.
+        nodes: nodes per site (default one each); a site of more gets a LAN /24 and a
+            namespace per further node.
 
     Returns:
         The sites, in order.
@@ -247,13 +289,22 @@ def create_sites(job: str, sites: int, *, pool: str = DEFAULT_POOL) -> list[Site
     _check_job(job)
     if isinstance(sites, bool) or not isinstance(sites, int) or not 1 <= sites <= _MAX_SITES:
         raise ValueError(f"sites must be an int in [1, {_MAX_SITES}], got {sites!r}")
+    nodes = [1] * sites if nodes is None else list(nodes)
+    if len(nodes) != sites or not all(type(n) is int and 1 <= n <= 200 for n in nodes):
+        raise ValueError(f"nodes must list 1-200 nodes for each of {sites} site(s), got {nodes!r}")
     require_tools()
     if any(job_resources(job).values()):
         raise NetnsError(f"job {job!r} exists; remove it with `isthmus wan netns down --job {job}`")
     try:
         with _allocation_lock():
-            subnets = _free_subnets(pool, sites)
-            nets = [_create_site(job, i, net, subnets) for i, net in enumerate(subnets)]
+            lans = sum(n > 1 for n in nodes)
+            subnets = _free_subnets(pool, sites + lans)
+            site_nets, lan_iter = subnets[:sites], iter(subnets[sites:])
+            site_lans = [next(lan_iter) if n > 1 else None for n in nodes]
+            nets = [
+                _create_site(job, i, net, subnets, site_lans[i], nodes[i])
+                for i, net in enumerate(site_nets)
+            ]
     except BaseException:
         with contextlib.suppress(NetnsError):
             teardown(job)
@@ -262,15 +313,26 @@ def create_sites(job: str, sites: int, *, pool: str = DEFAULT_POOL) -> list[Site
 
 
 def _create_site(
-    job: str, index: int, net: ipaddress.IPv4Network, all_nets: list[ipaddress.IPv4Network]
+    job: str,
+    index: int,
+    net: ipaddress.IPv4Network,
+    all_nets: list[ipaddress.IPv4Network],
+    lan: ipaddress.IPv4Network | None,
+    node_count: int,
 ) -> SiteNet:
     hosts = list(net.hosts())
+    name, namespace = f"site{index}", f"{_namespace_prefix(job)}site{index}"
+    lan_hosts = list(lan.hosts()) if lan else []
     site = SiteNet(
-        site=f"site{index}",
-        namespace=f"{_namespace_prefix(job)}site{index}",
+        site=name,
+        namespace=namespace,
         address=str(hosts[1]),
         gateway=str(hosts[0]),
         veth=_veth(job, index),
+        lan_address=str(lan_hosts[0]) if lan else "",
+        nodes=tuple(
+            NodeNet(name, f"{namespace}-n{k}", str(lan_hosts[k])) for k in range(1, node_count)
+        ),
     )
     ns, peer = site.namespace, f"ip-{job}-{index}"
     in_ns = ("ip", "netns", "exec", ns)
@@ -297,9 +359,41 @@ def _create_site(
     _run(*in_ns, "ip", "link", "set", SITE_IFNAME, "up")
     _run(*in_ns, "ip", "link", "set", "lo", "up")
     for other in all_nets:
-        if other != net:
+        if other not in (net, lan):
             _run(*in_ns, "ip", "route", "add", str(other), "via", site.gateway)
+    if lan is not None:
+        _create_lan(site, lan, all_nets)
     return site
+
+
+def _create_lan(
+    site: SiteNet, lan: ipaddress.IPv4Network, all_nets: list[ipaddress.IPv4Network]
+) -> None:
+    """The site's LAN: a bridge `lan0` in the first node, a veth from it to each further node."""
+    first = ("ip", "netns", "exec", site.namespace)
+    # The relay in the root namespace dials the further nodes through the site's veth.
+    _run("ip", "route", "add", str(lan), "via", site.address, "dev", site.veth)
+    _run(*first, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")  # this netns only
+    _run(*first, "ip", "link", "add", LAN_IFNAME, "type", "bridge")
+    _disable_ipv6(LAN_IFNAME, site.namespace)
+    _run(*first, "ip", "addr", "add", f"{site.lan_address}/24", "dev", LAN_IFNAME)
+    _run(*first, "ip", "link", "set", LAN_IFNAME, "up")
+    for k, node in enumerate(site.nodes, start=1):
+        in_node = ("ip", "netns", "exec", node.namespace)
+        port = f"{LAN_IFNAME}p{k}"  # the bridge's port to node k
+        _run("ip", "netns", "add", node.namespace)
+        # Both ends are made inside the namespaces: nothing of the LAN is in the root's.
+        _run(*first, "ip", "link", "add", port, "type", "veth", "peer", "name", LAN_IFNAME,
+             "netns", node.namespace)  # fmt: skip
+        _disable_ipv6(port, site.namespace)
+        _disable_ipv6(LAN_IFNAME, node.namespace)
+        _run(*first, "ip", "link", "set", port, "master", LAN_IFNAME, "up")
+        _run(*in_node, "ip", "addr", "add", f"{node.address}/24", "dev", LAN_IFNAME)
+        _run(*in_node, "ip", "link", "set", LAN_IFNAME, "up")
+        _run(*in_node, "ip", "link", "set", "lo", "up")
+        for other in all_nets:  # every other /24 of the job, the site's own included
+            if other != lan:
+                _run(*in_node, "ip", "route", "add", str(other), "via", site.lan_address)
 
 
 def redirect_tcp(job: str, site: SiteNet, port: int) -> None:

@@ -68,7 +68,7 @@ class TransparentRelay:
     ) -> None:
         self._sites = sites
         self._links = links
-        self._by_address = {s.address: s.site for s in sites}
+        self._by_address = {a: s.site for s in sites for a in s.addresses}
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._listeners: list[socket.socket] = []
@@ -117,7 +117,7 @@ class TransparentRelay:
         except OSError:
             host, port = "", 0  # not redirected: someone dialled the listener itself
         dest = self._by_address.get(host)
-        if peer != site.address or dest is None or dest == site.site:
+        if peer not in site.addresses or dest is None or dest == site.site:
             self.refused += 1
             _reset(client)
             return
@@ -164,6 +164,8 @@ class TransparentWan:
         control: (loopback host, port) to serve the control endpoint on, as `isthmus
             wan up` does (`isthmus wan show/set`; port 0 = any); None = none. Its
             address is `control_address` once started.
+        nodes: nodes per site (default one each): a site of more spans namespaces on a
+            LAN of its own (`isthmus.sim.netns.create_sites`), all behind its one link.
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class TransparentWan:
         *,
         pool: str = DEFAULT_POOL,
         control: tuple[str, int] | None = None,
+        nodes: list[int] | None = None,
     ) -> None:
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
@@ -188,6 +191,7 @@ class TransparentWan:
         self._transparent: TransparentRelay | None = None
         self._created = False
         self._control = control
+        self._nodes = nodes
         self.control_address: str | None = None
         """"host:port" of the control endpoint, when one was asked for."""
 
@@ -198,7 +202,7 @@ class TransparentWan:
             NetnsError: not root, a tool missing, the job exists, or a command failed.
         """
         try:
-            self.sites = create_sites(self.job, self._count, pool=self._pool)
+            self.sites = create_sites(self.job, self._count, pool=self._pool, nodes=self._nodes)
             self._created = True
             self.relay.start()
             pairs: dict[tuple[str, str], tuple[Link, str]] = {}
