@@ -55,11 +55,43 @@ def resolve_local_job(
     return config, topology, parse_slow(args.slow, config.site_names)
 
 
+def add_script_flag(parser: argparse.ArgumentParser) -> None:
+    """``--script PATH [-- ARGS]``: every rank runs the user's script (deploy/api.py)."""
+    parser.add_argument(
+        "--script",
+        metavar="PATH",
+        default=None,
+        help="run this Python script as every rank instead of the built-in trainer, as "
+        "torchrun would; it trains through isthmus.deploy.api (docs/api.md). Arguments "
+        "for it follow `--`",
+    )
+    parser.add_argument("script_args", nargs="*", help=argparse.SUPPRESS)
+
+
+def use_script(args: argparse.Namespace) -> None:
+    """Hands ``--script`` to the ranks (they inherit the launcher's environment);
+    refuses a missing script, or arguments without one, before anything starts."""
+    import json
+    import os
+
+    from isthmus.deploy.api import SCRIPT_ENV
+
+    if args.script is None:
+        if args.script_args:
+            raise ConfigError(f"unexpected arguments {args.script_args} (no --script)")
+        return
+    path = os.path.abspath(args.script)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--script {args.script}: no such file")
+    os.environ[SCRIPT_ENV] = json.dumps([path, *args.script_args])
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from isthmus.deploy.checkpointing import resolve_resume
     from isthmus.deploy.local import LocalJob
     from isthmus.deploy.quickstart import plan_hint
 
+    use_script(args)
     notes: list[str] = []
     config, topology, slow = resolve_local_job(args, notes)
     if notes:
@@ -102,6 +134,7 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
         "as a site of older GPUs or one that slows while the job runs would; see "
         "train.balance_every",
     )
+    add_script_flag(parser)
     add_job_flags(
         parser,
         resume_help="start every site from the newest checkpoint step complete at all of "

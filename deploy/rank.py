@@ -40,6 +40,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from isthmus.deploy.api import SCRIPT_ENV
 from isthmus.deploy.checkpointing import save_due, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
 from isthmus.deploy.rank_setup import FaultInjection, RankEnv, RankParts, build_trainer, set_up
@@ -116,7 +117,6 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
         slowed = faults.pace(step, stats.compute_s, stats.sync_s)
         crosses = synced is not None
         round_stats = synced.stats if synced is not None else None
-        live_sites, generation = _membership_now(parts, round_stats)
         traffic = _site_traffic(round_stats)
         if plan is not None:
             plan.after_step(
@@ -134,34 +134,30 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
         held_out = parts.held_out
         val = held_out.measure(parts.trainer, outer) if held_out.due(step) else None
         parts.metrics.record(
-            {
-                "site": env.site,
-                "step": step,
-                "loss": stats.loss,
-                "grad_norm": stats.grad_norm,
-                "lr": stats.lr,
-                "compute_s": stats.compute_s,
-                "sync_s": stats.sync_s,
-                "tokens": stats.site_tokens,
-                **batch,
-                "mfu": stats.mfu,
-                "bytes_sent": int(traffic[0]),
-                "raw_bytes": int(traffic[1]),
-                "corrupt_chunks": int(traffic[2]),
-                "nonfinite_chunks": int(traffic[3]),
-                "elapsed_s": time.perf_counter() - progress.started,
-                # What the optimizer step waited for the cross-site sync (the part
-                # not hidden behind backward), and how long the rounds ran.
-                "exposed_sync_s": round_stats.wait_s if round_stats else 0.0,
-                "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
-                "digest_s": digest_s,
-                **({"val_loss": val[0], "eval_s": val[1]} if val else {}),
-                **({"moe_aux_loss": stats.moe_aux_loss} if stats.moe_aux_loss is not None else {}),
-                "live_sites": live_sites,
-                "generation": generation,
-                "retries": round_stats.retries if round_stats else 0,
-                "outer_steps": outer.outer_steps if outer is not None else 0,
-            },
+            step_line(
+                parts,
+                progress,
+                round_stats,
+                traffic,
+                step=step,
+                loss=stats.loss,
+                grad_norm=stats.grad_norm,
+                lr=stats.lr,
+                compute_s=stats.compute_s,
+                sync_s=stats.sync_s,
+                tokens=stats.site_tokens,
+                mfu=stats.mfu,
+                digest_s=digest_s,
+                more={
+                    **batch,
+                    **({"val_loss": val[0], "eval_s": val[1]} if val else {}),
+                    **(
+                        {"moe_aux_loss": stats.moe_aux_loss}
+                        if stats.moe_aux_loss is not None
+                        else {}
+                    ),
+                },
+            ),
             digest=progress.digest,
             finished=step == last,
         )
@@ -182,6 +178,56 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
         )
         progress.step += 1
     return progress
+
+
+def step_line(
+    parts: RankParts,
+    progress: LoopState,
+    round_stats: SyncStats | None,
+    traffic: torch.Tensor,
+    *,
+    step: int,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    compute_s: float,
+    sync_s: float,
+    tokens: int,
+    mfu: float,
+    digest_s: float,
+    more: dict,
+) -> dict:
+    """A step's metrics line (metrics.jsonl, TensorBoard, the coordinator's progress):
+    the built-in trainer's and a script's (deploy/api.py) alike. ``tokens`` are the
+    site's; ``traffic`` is ``_site_traffic``'s; ``more`` adds keys."""
+    outer = parts.outer
+    live_sites, generation = _membership_now(parts, round_stats)
+    return {
+        "site": parts.env.site,
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "compute_s": compute_s,
+        "sync_s": sync_s,
+        "tokens": tokens,
+        "mfu": mfu,
+        "bytes_sent": int(traffic[0]),
+        "raw_bytes": int(traffic[1]),
+        "corrupt_chunks": int(traffic[2]),
+        "nonfinite_chunks": int(traffic[3]),
+        "elapsed_s": time.perf_counter() - progress.started,
+        # What the optimizer step waited for the cross-site sync (the part
+        # not hidden behind backward), and how long the rounds ran.
+        "exposed_sync_s": round_stats.wait_s if round_stats else 0.0,
+        "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
+        "digest_s": digest_s,
+        **more,
+        "live_sites": live_sites,
+        "generation": generation,
+        "retries": round_stats.retries if round_stats else 0,
+        "outer_steps": outer.outer_steps if outer is not None else 0,
+    }
 
 
 def _step(
@@ -295,6 +341,34 @@ def tear_down(parts: RankParts, progress: LoopState) -> None:
     dist.destroy_process_group()
 
 
+class ScriptError(Exception):
+    """The user's script raised: its traceback is in the rank's log, its last line here."""
+
+
+def run_script(argv: list[str]) -> None:
+    """Runs the user's script (``--script PATH ARGS``) as this rank, as torchrun would:
+    ``__main__``, ``sys.argv`` its own; it trains through ``isthmus.deploy.api``. What
+    it raises ends the rank with the traceback's last line (the job's one error line);
+    a script that returns without ``ctx.finish()`` is torn down here."""
+    import runpy
+    import traceback
+
+    from isthmus.deploy import api
+
+    sys.argv = list(argv)
+    sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise ScriptError(f"{argv[0]} exited with {exc.code}") from None
+    except Exception as exc:
+        traceback.print_exc()
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        raise ScriptError(f"{argv[0]}: {last}") from None
+    api.close_current()
+
+
 def die_with_launcher() -> None:
     """Ask Linux to SIGKILL this rank when its launcher dies: no orphans, ever."""
     launcher = os.environ.get("ISTHMUS_LAUNCHER_PID")
@@ -352,8 +426,14 @@ def main() -> int:
     # `kill -USR1` prints every thread's stack to the rank's log: how a stuck rank is read.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     last_words = LastWords(env)
+    script = os.environ.get(SCRIPT_ENV)
     try:
-        run(env, config)
+        if script:
+            run_script(json.loads(script))
+        else:
+            run(env, config)
+    except ScriptError as exc:
+        return last_words.say(str(exc))
     except grpc.RpcError as exc:
         return last_words.say(str(exc.details()))
     except (DivergenceError, QuorumLost, NonFiniteGradient, CheckpointError) as exc:

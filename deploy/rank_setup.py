@@ -31,6 +31,7 @@ from isthmus.deploy.evaluation import HeldOutLoss
 from isthmus.deploy.ranks import STORE_ENV
 from isthmus.deploy.reporting import StepReporter
 from isthmus.inter.data.gradient_sync import LaneGradientSync
+from isthmus.inter.security import SiteSecurity
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.flops import scaled_lr
 from isthmus.intra.layout import ParallelLayout
@@ -133,9 +134,13 @@ class RankParts:
     """The global batch's size over time and its split between the sites."""
 
 
-def set_up(env: RankEnv, config: JobConfig) -> RankParts:
-    """Builds the rank (see the module docstring); returns once every rank of the site
-    is ready for its first step."""
+def join_site(env: RankEnv, config: JobConfig) -> tuple[DeviceMesh, tuple[int, int, int, int]]:
+    """Joins the site's torch.distributed world and builds its mesh (the first thing
+    every rank does, the built-in trainer's and a user's script's alike).
+
+    Returns:
+        The site mesh and this rank's ``(pp, dp, cp, tp)`` coordinate in it.
+    """
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dev = config.device_type
     layout = config.site_layout(env.site)
@@ -161,13 +166,19 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     # order (tp innermost), equal ranks sit at equal (pp, dp, cp, tp) coordinates.
     where = ((pp_i * layout.dp + dp_i) * layout.cp + cp_i) * layout.tp + tp_i
     assert env.rank == where, (env.rank, pp_i, dp_i, cp_i, tp_i)
-    sites = config.site_names
-    site_index = sites.index(env.site)
+    return mesh, (pp_i, dp_i, cp_i, tp_i)
 
-    sync = cross = None
-    # A rank uses its site's certificate, and its launcher's token for the run if any.
-    security = config.site_security(env.site, os.environ.get("ISTHMUS_RUN_TOKEN"))
-    if len(sites) > 1:
+
+def security_of(env: RankEnv, config: JobConfig) -> SiteSecurity | None:
+    """A rank uses its site's certificate, and its launcher's token for the run if any."""
+    return config.site_security(env.site, os.environ.get("ISTHMUS_RUN_TOKEN"))
+
+
+def join_job(env: RankEnv, config: JobConfig, security: SiteSecurity | None) -> CrossSite | None:
+    """For a job of several sites: opens the rank's lane and joins the job (None for one
+    site)."""
+    cross = None
+    if len(config.site_names) > 1:
         cross = CrossSite.start(
             site=env.site,
             rank=env.rank,
@@ -181,14 +192,27 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
             config=config,
             security=security,
         )
-        sync = cross.sync
+    return cross
+
+
+def set_up(env: RankEnv, config: JobConfig) -> RankParts:
+    """Builds the rank (see the module docstring); returns once every rank of the site
+    is ready for its first step."""
+    dev = config.device_type
+    layout = config.site_layout(env.site)
+    mesh, (_, dp_i, _, _) = join_site(env, config)
+    sites = config.site_names
+    site_index = sites.index(env.site)
+    security = security_of(env, config)
+    cross = join_job(env, config, security)
+    sync = cross.sync if cross is not None else None
 
     # The global batch in micro-batches (accumulate x dp per site), numbered site-major.
     units, accumulate = config.site_units(), config.site_accumulate[site_index]
     trainer = build_trainer(
         config, mesh, layout, sum(units), cuda=dev == "cuda", sync=sync, accumulate=accumulate
     )
-    outer = _outer_optimizer(config, trainer, cross)
+    outer = outer_optimizer(config, trainer, cross)
     if cross is not None and len(set(config.site_ranks)) > 1:
         # Sites of different sizes pair their ranks by the elements they hold.
         cross.sync.set_layout(*shard_layout(config, trainer, outer))
@@ -222,17 +246,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     )
     if cross is not None:
         cross.plan = plan
-    site_dir = env.run_dir / "sites" / env.site
-    site_dir.mkdir(parents=True, exist_ok=True)
-    metrics = StepReporter(
-        env.site,
-        site_dir / "metrics.jsonl" if env.rank == 0 else None,
-        env.coordinator,
-        env.run_dir / "tensorboard" / env.site if config.run.tensorboard else None,
-        security=security,
-    )
-    if cross is None:
-        metrics.register_alone(env.rank, env.world_size, config.fingerprint())
+    site_dir, metrics = open_metrics(env, config, security, alone=cross is None)
     # Manifests are signed and checked with the job's token, or the user's (never with a
     # launcher's token for one run: the next run's would differ).
     key = config.checkpoint_key()
@@ -259,7 +273,26 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     )
 
 
-def _outer_optimizer(
+def open_metrics(
+    env: RankEnv, config: JobConfig, security: SiteSecurity | None, *, alone: bool
+) -> tuple[Path, StepReporter]:
+    """The site's folder in the run and the rank's metrics reporter (rank 0 writes
+    metrics.jsonl); a job of one site (``alone``) registers with its coordinator here."""
+    site_dir = env.run_dir / "sites" / env.site
+    site_dir.mkdir(parents=True, exist_ok=True)
+    metrics = StepReporter(
+        env.site,
+        site_dir / "metrics.jsonl" if env.rank == 0 else None,
+        env.coordinator,
+        env.run_dir / "tensorboard" / env.site if config.run.tensorboard else None,
+        security=security,
+    )
+    if alone:
+        metrics.register_alone(env.rank, env.world_size, config.fingerprint())
+    return site_dir, metrics
+
+
+def outer_optimizer(
     config: JobConfig, trainer: Trainer, cross: CrossSite | None
 ) -> OuterOptimizer | None:
     """DiLoCo and Streaming DiLoCo: each site steps alone, an outer optimizer syncs

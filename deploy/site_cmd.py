@@ -11,6 +11,7 @@ import sys
 
 from isthmus.deploy.cli import add_config_arguments, add_job_flags, config_from_args, run_job
 from isthmus.deploy.exposure import check_exposure
+from isthmus.deploy.local_cmd import add_script_flag, use_script
 
 __all__ = ["register"]
 
@@ -23,6 +24,7 @@ def cmd_site(args: argparse.Namespace) -> int:
     from isthmus.deploy.checkpointing import resolve_resume
     from isthmus.deploy.site import SiteJob
 
+    use_script(args)
     config = config_from_args(args)
     coordinator = config.cluster.coordinators.get(args.site, "127.0.0.1:0")
     check_exposure(config, args.site, _host(coordinator), sys.stderr)
@@ -45,6 +47,7 @@ def register(sub: argparse._SubParsersAction, formatter: type) -> None:
     )
     add_config_arguments(parser, common_flags=True)
     parser.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
+    add_script_flag(parser)
     add_job_flags(
         parser,
         resume_help="start from this site's newest complete checkpoint; a peer that would "

@@ -1,0 +1,442 @@
+"""isthmus's public API for a training script of your own, run as every rank.
+
+``isthmus local --script train.py`` (or ``isthmus site --script train.py``) starts
+``train.py`` in every rank of every site, as torchrun would; the coordinators, lanes,
+emulated links, failover, metrics and report are the job's as always. The script::
+
+    from isthmus.deploy import api
+
+    ctx = api.init()                                   # this rank's site, rank, mesh
+    model = MyNet().to(ctx.device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ctx.attach(model, optimizer)                       # syncs across sites, resumes
+    for step in ctx.steps():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        outcome = ctx.step(loss=loss, tokens=x.numel())  # the optimizer steps on commit
+    ctx.finish()
+
+Semantic versioning: the names in ``__all__`` and their documented behaviour are the
+API (docs/api.md); anything else here may change.
+
+Underneath, the script's model goes through the machinery the built-in trainer uses:
+the site's world and mesh (``rank_setup.join_site``), the rank's lane and membership
+(``CrossSite``), the gradient sync (``LaneGradientSync``) or the outer optimizer of
+DiLoCo and streaming (``rank_setup.outer_optimizer``), checkpoints
+(``checkpointing.restore``/``save_if_due``), the per-step digest, metrics and teardown
+of ``deploy/rank.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from isthmus.deploy.checkpointing import restore, save_due, save_if_due
+from isthmus.deploy.config import JobConfig, load_config
+from isthmus.deploy.rank_setup import (
+    RankEnv,
+    RankParts,
+    join_job,
+    join_site,
+    open_metrics,
+    outer_optimizer,
+    security_of,
+)
+from isthmus.intra.digest import parameter_digest
+from isthmus.intra.train import TrainConfig
+
+__all__ = ["Context", "Outcome", "SCRIPT_ENV", "init"]
+
+SCRIPT_ENV = "ISTHMUS_SCRIPT"
+"""JSON ``[path, arg, ...]``: the launcher's ``--script``, which every rank runs."""
+USER_PREFIX = "user/"
+"""The script's own state in a checkpoint (and in a state transfer), beside the rank's."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a step ended (``Context.step``)."""
+
+    step: int
+    """The step this was."""
+    committed: bool
+    """Its update was applied at every live site (the optimizer stepped). False: nothing
+    of it was applied here (see ``rejoined``)."""
+    rejoined: bool = False
+    """The job went on without this site while it was cut off: the live state was pulled
+    and ``Context.steps`` continues at ``next_step``."""
+    next_step: int = 0
+    """The step ``Context.steps`` yields next."""
+
+
+class _ScriptModel:
+    """The script's model and optimizer, shaped as the built-in ``Trainer`` is where the
+    rank's machinery reads one (state and checkpoints, state transfer, outer optimizer,
+    digests): one model part, its FSDP groups, the site's mesh."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, steps: int
+    ) -> None:
+        self.model, self.model_parts, self.optimizer, self.mesh = model, [model], optimizer, mesh
+        self.device = _device(mesh.device_type)
+        self.pp, self.dp, self.cp, self.tp = 1, mesh.size(), 1, 1
+        self.coordinate = (0, mesh.get_rank(), 0, 0)
+        self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.sync = None  # the outer optimizer checks that the model does not sync itself
+        self.step_in_progress = 0
+        # Only the outer learning rate's ramp reads it (OuterOptimizer.lr_at).
+        self.config = TrainConfig(total_steps=steps, warmup_steps=0)
+
+    def parameter_digest(self) -> str:
+        return parameter_digest(self.model_parts)
+
+
+class _UserState:
+    """The script's own tensors, carried in checkpoints and state transfers as the
+    rank's extra entries (where the built-in trainer's batch plan goes)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = dict(tensors)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {USER_PREFIX + k: v for k, v in self.tensors.items()}
+
+    def load_state(self, extra: Mapping[str, torch.Tensor]) -> None:
+        for key, value in extra.items():
+            if key.startswith(USER_PREFIX) and key[len(USER_PREFIX) :] in self.tensors:
+                with torch.no_grad():
+                    self.tensors[key[len(USER_PREFIX) :]].copy_(value)
+
+
+def _device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+class Context:
+    """One rank of the job, as the script sees it (made by :func:`init`).
+
+    Attributes:
+        config: the job's resolved config (``config.job.steps``, ``config.sync.mode``...).
+        site: this site's name; ``site_index`` its place in ``sites``.
+        rank: this rank in its site; ``world_size`` the site's ranks.
+        mesh: the site's device mesh, axes ``pp``, ``dp``, ``cp``, ``tp``
+            (``fully_shard(block, mesh=ctx.mesh["dp"])`` shards over the site's ranks).
+        device: where this rank computes.
+        start_step: the first step to train (0, a checkpoint's, or a running job's).
+    """
+
+    def __init__(self, env: RankEnv, config: JobConfig) -> None:
+        layout = config.site_layout(env.site)
+        if (layout.pp, layout.cp, layout.tp) != (1, 1, 1):
+            raise ValueError(
+                f"--script needs a data-parallel layout (pp=cp=tp=1), got pp={layout.pp} "
+                f"cp={layout.cp} tp={layout.tp}"
+            )
+        self._env, self.config = env, config
+        self.site, self.rank, self.world_size = env.site, env.rank, env.world_size
+        self.sites = list(config.site_names)
+        self.site_index = self.sites.index(env.site)
+        self.mesh, _ = join_site(env, config)
+        self.device = _device(self.mesh.device_type)
+        self._security = security_of(env, config)
+        self._cross = join_job(env, config, self._security)
+        self.start_step = 0
+        self._parts: RankParts | None = None
+        self._progress = None
+        self._next = 0
+        self._flat: list[torch.Tensor] | None = None
+        self._finished = False
+
+    # --- where this rank's data comes from ---------------------------------------
+
+    def data_shard(self) -> tuple[int, int]:
+        """``(index, count)``: this rank's data-parallel shard among every rank of every
+        site (site-major), what it should read of the job's data each step."""
+        units = self.config.site_units()
+        accumulate = self.config.site_accumulate[self.site_index]
+        return sum(units[: self.site_index]) + self.rank * accumulate, sum(units)
+
+    def token_batches(self):
+        """The job's token data (``[data]`` of the job, the built-in presets' corpus), as
+        this rank's shard: ``.batch(step)`` gives ``(inputs, targets)``, resumable."""
+        from isthmus.deploy.corpus import load_corpus
+        from isthmus.intra.data import ShardedBatches
+
+        corpus, split = load_corpus(self.config)
+        index, count = self.data_shard()
+        return ShardedBatches(
+            corpus,
+            seq_len=self.config.train.seq_len,
+            batch_size=self.config.train.batch_size,
+            seed=self.config.job.seed,
+            shard_index=index,
+            num_shards=count,
+            units=self.config.site_accumulate[self.site_index],
+            spans=split.train,
+        )
+
+    # --- the model ---------------------------------------------------------------
+
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: Mapping[str, torch.Tensor] | None = None,
+    ) -> int:
+        """Makes ``model`` (plain, or sharded with FSDP2's ``fully_shard`` over
+        ``mesh["dp"]``) train as one replica across sites in the job's ``sync.mode``,
+        and restores a checkpoint (``--resume``) or a running job's state.
+
+        Args:
+            model: this rank's model, on ``device``, identical at every rank at start
+                (seed it with ``config.job.seed``).
+            optimizer: its Adam or AdamW (their state is what checkpoints hold).
+            state: the script's own tensors to checkpoint and restore with the model
+                (loaded in place on resume), e.g. a data position.
+
+        Returns:
+            The first step to train (also ``start_step``).
+        """
+        if self._parts is not None:
+            raise RuntimeError("attach() was called already: one model per job")
+        from isthmus.deploy.rank import LoopState
+
+        config, env, cross = self.config, self._env, self._cross
+        shaped = _ScriptModel(model, optimizer, self.mesh["dp"], config.job.steps)
+        step_sync = cross is not None and config.sync.mode == "step"
+        if step_sync and shaped.groups:
+            # FSDP2 hands each group's reduce-scatter output over during backward, as
+            # it does to the built-in trainer: the cross-site rounds overlap backward.
+            for i, group in enumerate(shaped.groups):
+                group.set_all_reduce_hook(self._hook(shaped, cross.sync, i))
+        outer = outer_optimizer(config, shaped, cross)  # type: ignore[arg-type]
+        user = _UserState(state or {})
+        if cross is not None:
+            cross.sync.set_site_units(dict(zip(self.sites, config.site_units(), strict=True)))
+            cross.plan = user  # type: ignore[assignment]
+        site_dir, metrics = open_metrics(env, config, self._security, alone=cross is None)
+        sync = cross.sync if cross is not None else None
+        key = config.checkpoint_key()
+        start = restore(shaped, sync, config, env.run_dir, env.site, key, outer, user)  # type: ignore[arg-type]
+        if cross is not None:
+            start = cross.catch_up(shaped) or start  # type: ignore[arg-type]
+        dist.barrier()
+        self._parts = RankParts(
+            env=env,
+            config=config,
+            trainer=shaped,  # type: ignore[arg-type]
+            cross=cross,
+            sync=sync,
+            outer=outer,
+            batches=None,  # type: ignore[arg-type]
+            held_out=None,  # type: ignore[arg-type]
+            metrics=metrics,
+            site_dir=site_dir,
+            key=key,
+            start=start,
+            plan=user,  # type: ignore[arg-type]
+        )
+        self._user = user
+        self.start_step = self._next = start
+        self._progress = LoopState(step=start, synced=start - 1, started=time.perf_counter())
+        self._step_started = time.perf_counter()
+        return start
+
+    @staticmethod
+    def _hook(shaped: _ScriptModel, sync, group: int):
+        def hook(shard: torch.Tensor) -> None:
+            sync.start(shaped.step_in_progress, group, shard)
+
+        return hook
+
+    # --- the loop ------------------------------------------------------------------
+
+    def steps(self) -> Iterator[int]:
+        """The steps to train, from ``start_step`` to ``config.job.steps - 1``; after a
+        rejoin it continues where the job is. Call :meth:`step` once per step."""
+        parts = self._require()
+        while self._next < parts.config.job.steps:
+            before = self._next
+            self._step_started = time.perf_counter()
+            assert isinstance(parts.trainer, _ScriptModel)
+            parts.trainer.step_in_progress = before
+            yield before
+            if self._next == before:
+                raise RuntimeError(f"step {before}: call ctx.step() once per step")
+
+    def step(
+        self, *, loss: torch.Tensor | float = 0.0, tokens: int = 0, **metrics: float
+    ) -> Outcome:
+        """Ends the step after ``loss.backward()``: its gradients are averaged across
+        sites (``sync.mode = "step"``) and the optimizer steps once they committed, or
+        the site steps alone and the outer round of DiLoCo/streaming runs when due. Then
+        the gradients are cleared, the step's metrics written (``loss``, the site's mean,
+        and ``tokens``, this rank's, plus any more numbers) and a checkpoint saved when
+        due.
+
+        Returns:
+            The step's outcome: ``committed`` is False when nothing was applied (the
+            site had to rejoin the job, which ``steps`` then follows).
+        """
+        from isthmus.deploy.rank import _digest_if_due, _site_traffic, step_line
+
+        parts = self._require()
+        shaped, cross, outer, config = parts.trainer, parts.cross, parts.outer, parts.config
+        assert isinstance(shaped, _ScriptModel)
+        step = self._next
+        compute_s = time.perf_counter() - self._step_started
+        t_sync = time.perf_counter()
+        synced = None
+        if parts.sync is not None and outer is None:
+            synced = self._sync_step(shaped, step)
+        elif not shaped.groups and self.world_size > 1:
+            _site_mean(shaped.model)  # a plain model: the site's ranks average here
+        if synced is None or synced.committed:
+            shaped.optimizer.step()
+        shaped.optimizer.zero_grad(set_to_none=True)
+        if outer is not None:
+            synced = outer.step(step)
+            if (
+                (synced is None or synced.committed)
+                and outer.in_flight
+                and save_due(config, step + 1)
+            ):
+                synced = outer.finish()  # a checkpoint holds no round in flight
+        sync_s = time.perf_counter() - t_sync
+        if synced is not None and synced.rejoin is not None:
+            assert cross is not None
+            self._next = cross.rejoin(shaped, synced.rejoin)  # type: ignore[arg-type]
+            assert self._progress is not None
+            self._progress.step, self._progress.synced = self._next, self._next - 1
+            return Outcome(step, committed=False, rejoined=True, next_step=self._next)
+        round_stats = synced.stats if synced is not None else None
+        traffic = _site_traffic(round_stats)
+        site_loss = torch.tensor([float(loss)], dtype=torch.float64)
+        dist.all_reduce(site_loss)
+        progress = self._progress
+        assert progress is not None
+        digest_started = time.perf_counter()
+        progress.digest = _digest_if_due(parts, progress, step, synced is not None)
+        last = config.job.steps - 1
+        parts.metrics.record(
+            step_line(
+                parts,
+                progress,
+                round_stats,
+                traffic,
+                step=step,
+                loss=float(site_loss) / self.world_size,
+                grad_norm=0.0,
+                lr=shaped.optimizer.param_groups[0].get("lr", 0.0),
+                compute_s=compute_s,
+                sync_s=sync_s,
+                tokens=tokens * self.world_size,
+                mfu=0.0,
+                digest_s=time.perf_counter() - digest_started if progress.digest else 0.0,
+                more={k: float(v) for k, v in metrics.items()},
+            ),
+            digest=progress.digest,
+            finished=step == last,
+        )
+        progress.reported_last = step == last
+        if synced is not None and synced.offer_state is not None:
+            assert cross is not None
+            cross.offer_state(shaped, synced.offer_state, step + 1)  # type: ignore[arg-type]
+        env = self._env
+        save_if_due(
+            shaped,
+            parts.sync,
+            config,
+            env.run_dir,
+            env.site,
+            step + 1,
+            parts.key,
+            outer,
+            self._user,
+        )  # type: ignore[arg-type]
+        self._next = progress.step = step + 1
+        return Outcome(step, committed=True, next_step=self._next)
+
+    def _sync_step(self, shaped: _ScriptModel, step: int):
+        """The step's cross-site gradient average (per-step sync): FSDP2's hooks started
+        it during backward; a plain model's gradients go now, as one flat tensor."""
+        sync = self._parts.sync  # type: ignore[union-attr]
+        assert sync is not None
+        flat = None
+        if not shaped.groups:
+            _site_mean(shaped.model)
+            grads = [p.grad for p in shaped.model.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            sync.start(step, 0, flat)
+        synced = sync.finish(step)
+        if flat is not None and synced.committed:
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        return synced
+
+    def finish(self) -> None:
+        """After the last step: the final digest, the rank's result, and the lane,
+        coordinator channel and process group closed (what the launcher waits for)."""
+        if self._finished:
+            return
+        from isthmus.deploy.rank import tear_down
+
+        parts = self._require()
+        assert self._progress is not None
+        self._finished = True
+        tear_down(parts, self._progress)
+
+    def _require(self) -> RankParts:
+        if self._parts is None:
+            raise RuntimeError("call ctx.attach(model, optimizer) first")
+        return self._parts
+
+
+def _site_mean(model: nn.Module) -> None:
+    """Averages a plain (unsharded) model's gradients over the site's ranks."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+_current: Context | None = None
+
+
+def init() -> Context:
+    """This rank's context: joins its site's world and, in a job of several sites, the
+    job (its lane and membership). Call once, first, in a script that ``isthmus local
+    --script`` or ``isthmus site --script`` started."""
+    global _current
+    if _current is not None:
+        return _current
+    if "ISTHMUS_CONFIG" not in os.environ:
+        raise RuntimeError(
+            "isthmus.deploy.api.init(): not started by isthmus (run the script with "
+            "`isthmus local --script PATH`)"
+        )
+    _current = Context(RankEnv.from_environ(), load_config(Path(os.environ["ISTHMUS_CONFIG"])))
+    return _current
+
+
+def close_current() -> None:
+    """Tears the rank down if the script returned without :meth:`Context.finish`."""
+    if _current is not None and _current._parts is not None:
+        _current.finish()
