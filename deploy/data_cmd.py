@@ -136,7 +136,7 @@ def _write(
         for src in sources:
             digest = hashlib.sha256()
             docs = 0
-            for text in _documents(src, text_field, digest, bar):
+            for text in _documents(src, text_field, digest, bar, folder / ".hf-cache"):
                 ids = tok.encode(text)
                 if eos_id is not None:
                     ids = np.append(ids, np.uint16(eos_id))
@@ -158,6 +158,7 @@ def _write(
     finally:
         shards.close()
         bar.finish()
+        shutil.rmtree(folder / ".hf-cache", ignore_errors=True)
     if shards.total == 0:
         raise ConfigError(
             f"no tokens: the {len(sources)} input file(s) hold no text"
@@ -179,7 +180,9 @@ def _write(
     }
 
 
-def _documents(src: Path, text_field: str, digest: hashlib._Hash, bar: _Bar) -> Iterator[str]:
+def _documents(
+    src: Path, text_field: str, digest: hashlib._Hash, bar: _Bar, hf_cache: Path
+) -> Iterator[str]:
     kind = FORMATS[src.suffix.lower()]
     try:
         if kind == "text":
@@ -192,7 +195,7 @@ def _documents(src: Path, text_field: str, digest: hashlib._Hash, bar: _Bar) -> 
             with open(src, "rb") as f:
                 yield from _jsonl(src, f, text_field, digest, bar)
         else:
-            yield from _parquet(src, text_field)
+            yield from _parquet(src, text_field, hf_cache)
     except OSError as exc:
         raise ConfigError(f"input {src}: {exc.strerror or exc}") from None
 
@@ -219,7 +222,7 @@ def _jsonl(
             yield text
 
 
-def _parquet(src: Path, text_field: str) -> Iterator[str]:
+def _parquet(src: Path, text_field: str, hf_cache: Path) -> Iterator[str]:
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # local files only: never the hub
     try:
         import datasets
@@ -230,7 +233,12 @@ def _parquet(src: Path, text_field: str) -> Iterator[str]:
     datasets.disable_progress_bars()  # ours is on stderr already
     try:
         rows = datasets.load_dataset(
-            "parquet", data_files=[str(src)], split="train", streaming=True
+            # The lock files datasets keeps go in the folder being written, not ~/.cache.
+            "parquet",
+            data_files=[str(src)],
+            split="train",
+            streaming=True,
+            cache_dir=str(hf_cache),
         )
         if text_field not in (rows.column_names or [text_field]):
             raise ConfigError(
