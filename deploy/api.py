@@ -55,10 +55,8 @@ from isthmus.deploy.rank_setup import (
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.train import TrainConfig
 
-__all__ = ["Context", "Outcome", "SCRIPT_ENV", "init"]
+__all__ = ["Context", "Outcome", "init"]
 
-SCRIPT_ENV = "ISTHMUS_SCRIPT"
-"""JSON ``[path, arg, ...]``: the launcher's ``--script``, which every rank runs."""
 USER_PREFIX = "user/"
 """The script's own state in a checkpoint (and in a state transfer), beside the rank's."""
 

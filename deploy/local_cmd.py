@@ -74,7 +74,7 @@ def use_script(args: argparse.Namespace) -> None:
     import json
     import os
 
-    from isthmus.deploy.api import SCRIPT_ENV
+    from isthmus.deploy.ranks import SCRIPT_ENV
 
     if args.script is None:
         if args.script_args:

@@ -40,10 +40,10 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from isthmus.deploy.api import SCRIPT_ENV
 from isthmus.deploy.checkpointing import save_due, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
 from isthmus.deploy.rank_setup import FaultInjection, RankEnv, RankParts, build_trainer, set_up
+from isthmus.deploy.ranks import SCRIPT_ENV
 from isthmus.deploy.reporting import DivergenceError
 from isthmus.inter.data.gradient_sync import StepOutcome, SyncStats
 from isthmus.inter.data.membership import QuorumLost

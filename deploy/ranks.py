@@ -30,6 +30,9 @@ from isthmus.inter.control.rank_keys import KEY_ENV, handout
 
 TERMINATE_GRACE_S = 5.0
 STORE_ENV = "ISTHMUS_STORE"
+SCRIPT_ENV = "ISTHMUS_SCRIPT"
+"""JSON ``[path, arg, ...]``: the launcher's ``--script``, which every rank runs
+(deploy/api.py); the ranks inherit it from the launcher's environment."""
 """The FileStore a site's ranks meet in (a file in the launcher's 0700 folder)."""
 
 
@@ -103,6 +106,13 @@ class RankProcess:
     rank: int
     process: subprocess.Popen
     log_path: Path
+
+
+def _log_written(rank: RankProcess) -> float:
+    try:
+        return rank.log_path.stat().st_mtime
+    except OSError:
+        return float("inf")
 
 
 class SiteRanks:
@@ -192,8 +202,12 @@ class SiteRanks:
             self.ranks.append(RankProcess(self.site, rank, process, log_path))
 
     def failed(self) -> RankProcess | None:
-        """The first rank that exited with an error, if any."""
-        return next((r for r in self.ranks if r.process.poll() not in (None, 0)), None)
+        """The rank that failed first, if any failed: the one whose log was written last
+        the earliest. When one rank raises, the site's others fail in their next
+        collective a moment later, often before the launcher looks; the first is the
+        cause, the rest "connection reset by peer"."""
+        failed = [r for r in self.ranks if r.process.poll() not in (None, 0)]
+        return min(failed, key=_log_written, default=None)
 
     def done(self) -> bool:
         return bool(self.ranks) and all(r.process.poll() == 0 for r in self.ranks)

@@ -1,0 +1,147 @@
+"""End to end: `isthmus local --script`, the user's script as every rank through
+isthmus.deploy.api (the examples/ folder, a failing script, a resume with the
+script's own state), two sites over emulated links."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, assert_one_line_error, run_cli
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = ROOT / "examples"
+
+
+def run_script(run_dir: Path, script: Path, *args: str, steps: int = 4, timeout: float = 400):
+    """`isthmus local --script SCRIPT --steps STEPS ARGS` (flags before `--`)."""
+    return run_cli(
+        "local", "--script", str(script), "--steps", str(steps), "--run-dir", str(run_dir),
+        *args, timeout=timeout,
+    )  # fmt: skip
+
+
+def assert_identical_replicas(run_dir: Path, steps: int, first: int = 0) -> list[dict]:
+    """The sites' final digests (and each coordinate's shard) are equal after a run that
+    trained steps ``first`` to ``steps - 1``; returns the merged metrics lines."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps - first
+    assert set(summary["digests"]) == {"site0", "site1"}
+    assert len(set(summary["digests"].values())) == 1, summary["digests"]
+    shards = summary["shard_digests"]
+    assert shards["site0"] == shards["site1"], shards
+    assert summary["cross_site_bytes"] > 0
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(first, steps))
+    assert all(line["tokens"] > 0 and line["loss"] > 0 for line in lines)
+    return lines
+
+
+@pytest.mark.timeout(400)
+def test_convnet_syncs_every_step_to_identical_replicas(tmp_path):
+    """Not a transformer, a plain (unsharded) module: its flat gradient crosses."""
+    run_dir = tmp_path / "run"
+    result = run_script(run_dir, EXAMPLES / "convnet.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas            identical" in result.stderr
+    assert_identical_replicas(run_dir, 4)
+
+
+@pytest.mark.timeout(400)
+def test_hf_llama_sharded_with_fsdp2_to_identical_replicas(tmp_path):
+    """transformers' LlamaForCausalLM from a local config.json, FSDP2 inside each site:
+    its groups' reduce-scatter outputs cross from the all-reduce hook."""
+    pytest.importorskip("transformers")
+    run_dir = tmp_path / "run"
+    config = EXAMPLES / "tiny_llama" / "config.json"
+    result = run_script(run_dir, EXAMPLES / "hf_llama.py", "--", str(config), steps=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_identical_replicas(run_dir, 3)
+
+
+@pytest.mark.timeout(400)
+def test_preset_through_the_api_in_streaming_mode(tmp_path):
+    """The built-in model through the same API; the outer rounds of Streaming DiLoCo."""
+    run_dir = tmp_path / "run"
+    result = run_script(run_dir, EXAMPLES / "preset.py", "--set", "sync.mode=streaming")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = assert_identical_replicas(run_dir, 4)
+    assert lines[-1]["outer_steps"] >= 1
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    assert any((run_dir / "tensorboard" / "site0").iterdir())
+
+
+RAISES = """
+    import torch
+    from isthmus.deploy import api
+
+    ctx = api.init()
+    model = torch.nn.Linear(4, 1)
+    ctx.attach(model, torch.optim.AdamW(model.parameters()))
+    for step in ctx.steps():
+        if step == 1 and ctx.site == "site1" and ctx.rank == 1:
+            raise ValueError(f"bad batch at step {step}")
+        loss = model(torch.ones(2, 4)).pow(2).mean()
+        loss.backward()
+        ctx.step(loss=loss, tokens=2)
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_script_that_raises_in_one_rank_ends_the_job_with_its_last_line(tmp_path):
+    script = tmp_path / "raises.py"
+    script.write_text(textwrap.dedent(RAISES))
+    result = run_script(tmp_path / "run", script, steps=4, timeout=300)
+    assert result.returncode != 0
+    assert_one_line_error(
+        result, "site1 rank 1 exited", "raises.py: ValueError: bad batch at step 1"
+    )
+    # The rank's log holds the whole traceback.
+    log = (tmp_path / "run" / "logs" / "site1-rank1.log").read_text()
+    assert "Traceback" in log and 'raise ValueError(f"bad batch' in log
+
+
+COUNTS = """
+    import json, sys
+    import torch
+    from isthmus.deploy import api
+
+    ctx = api.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    seen = torch.zeros((), dtype=torch.int64)  # the script's own state: samples seen
+    start = ctx.attach(model, torch.optim.AdamW(model.parameters()), state={"seen": seen})
+    resumed_with = int(seen)
+    for step in ctx.steps():
+        loss = model(torch.full((2, 4), float(step))).pow(2).mean()
+        loss.backward()
+        seen += 2
+        ctx.step(loss=loss, tokens=2)
+    if ctx.rank == 0:
+        out = {"start": start, "resumed_with": resumed_with, "seen": int(seen)}
+        open(sys.argv[1] + "." + ctx.site, "w").write(json.dumps(out))
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(400)
+def test_resume_restores_the_scripts_own_state(tmp_path):
+    script, run_dir, out = tmp_path / "counts.py", tmp_path / "run", tmp_path / "out"
+    script.write_text(textwrap.dedent(COUNTS))
+    common = ("--ranks-per-site", "1", "--set", "checkpoint.every=2")
+    first = run_script(run_dir, script, *common, "--", str(out), steps=4)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(Path(f"{out}.site1").read_text()) == {
+        "start": 0, "resumed_with": 0, "seen": 8,
+    }  # fmt: skip
+    resumed = run_script(run_dir, script, *common, "--resume", "--", str(out), steps=6)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for site in ("site0", "site1"):
+        assert json.loads(Path(f"{out}.{site}").read_text()) == {
+            "start": 4, "resumed_with": 8, "seen": 12,
+        }  # fmt: skip
+    assert_identical_replicas(run_dir, 6, first=4)
