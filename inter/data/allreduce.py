@@ -13,6 +13,7 @@ under is the lane server's (:attr:`LaneServer.members`, the one copy on a rank).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from concurrent import futures
@@ -32,6 +33,8 @@ from isthmus.inter.data.round import (
 from isthmus.inter.data.round_types import Members
 
 __all__ = ["CrossSiteAllReduce", "CrossSiteError", "RoundStats", "default_workers"]
+
+log = logging.getLogger("isthmus.round")
 
 
 def default_workers() -> int:
@@ -89,7 +92,8 @@ class CrossSiteAllReduce:
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self.pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="lane-codec")
+        self.workers = workers
+        self.pool = self._new_pool()
         self.abort = AbortSignal()
         """Set to fail the running rounds at once: a member site fell silent, so
         waiting for it until the deadline is pointless."""
@@ -202,6 +206,7 @@ class CrossSiteAllReduce:
                 pipeline.run()
             except CrossSiteError as exc:
                 exc.stats = stats  # what the failed round counted reaches the step's metrics
+                self._renew_pool_if_lost(pipeline, exc)
                 raise
         offset = 0
         for t in tensors if not single else ():
@@ -212,6 +217,27 @@ class CrossSiteAllReduce:
         # results are in place, and the training's stream was never waited for.
         stats.wall_s = time.perf_counter() - start
         return stats
+
+    def _renew_pool_if_lost(self, pipeline: RoundPipeline, exc: CrossSiteError) -> None:
+        """After a failed round: a new pool of codec threads when the old one is shut
+        down or has threads that still hang in the round's tasks (a wait on a GPU that
+        never returns, a blocked codec), so the step's retry does not queue behind
+        them. The old threads are left to finish or hang on their own; what they write
+        lands in the failed round's buffer, which nothing reads."""
+        stuck = pipeline.stuck()
+        if not pipeline.pool_lost and not stuck:
+            return
+        why = (
+            "was shut down"
+            if pipeline.pool_lost
+            else f"has {stuck} thread(s) stuck in the failed round"
+        )
+        log.warning("lane codec pool %s (%s); new threads take over", why, exc)
+        old, self.pool = self.pool, self._new_pool()
+        old.shutdown(wait=False, cancel_futures=True)
+
+    def _new_pool(self) -> futures.ThreadPoolExecutor:
+        return futures.ThreadPoolExecutor(self.workers, thread_name_prefix="lane-codec")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The codec's error-feedback residuals, by "g{group}/{c|r}{chunk}" key."""

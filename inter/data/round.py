@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -34,6 +34,7 @@ import torch
 from isthmus.inter.data.codec import CodecError, NonFiniteEncoding, crc32
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
 from isthmus.inter.data.round_device import finite, lane_stream, sum_parts
+from isthmus.inter.data.round_pull import pull_intact
 from isthmus.inter.data.wire import Chunk, Frame
 from isthmus.proto import lane_pb2
 
@@ -66,7 +67,6 @@ log = logging.getLogger("isthmus.round")
 _CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
 _RESULT = lane_pb2.CHUNK_KIND_RESULT
 _POLL_S = 0.05  # how often the waiting router looks for failed tasks and sends
-_FETCH_TIMEOUT_S = 10.0  # one ResendChunk call; the round's deadline bounds retries
 _ABORT_TIMEOUT_S = 5.0  # one AbortRound call, sent without waiting for its answer
 
 
@@ -126,6 +126,8 @@ class RoundPipeline:
         self._errors: list[BaseException] = []
         self._failed = threading.Event()
         self._rounds: dict[int, PeerRound | BulkPeerRound] = {}
+        self.pool_lost = False
+        """The pool refused a task: it was shut down (its owner makes a new one)."""
 
     # -- the router (caller's thread) ----------------------------------------------
 
@@ -200,7 +202,16 @@ class RoundPipeline:
                 log.debug("%s: could not send AbortRound", self.where, exc_info=True)
 
     def _submit(self, fn: Callable[..., None], *args: object) -> None:
-        self._tasks.append(self.pool.submit(self._guard, fn, *args))
+        try:
+            self._tasks.append(self.pool.submit(self._guard, fn, *args))
+        except RuntimeError as exc:  # the pool was shut down under the round
+            self.pool_lost = True
+            raise CrossSiteError(f"{self.where}: the lane's codec threads are gone") from exc
+
+    def stuck(self) -> int:
+        """How many of the round's tasks are still running (after it failed: threads
+        that hang, which the lane's next rounds must not wait behind)."""
+        return sum(1 for task in self._tasks if task.running())
 
     def _guard(self, fn: Callable[..., None], *args: object) -> None:
         if self._failed.is_set():
@@ -467,42 +478,17 @@ class RoundPipeline:
             self.mailbox.redeposit(key, chunk)
 
     def _pull(self, key: MailboxKey) -> Chunk | None:
-        """The chunk ``key`` asked again of its sender (``ResendChunk``) until it comes
-        intact; None if the round failed meanwhile. The sender hands it to this lane
-        (``DeliverChunk``, with the request's nonce) before it answers."""
-        step, group, kind, c, sender = key
-        handoffs = self.mailbox.handoffs
-        while not self._failed.is_set():
-            ask = lane_pb2.ResendChunkRequest(
-                generation=self.view.generation,
-                step=step,
-                group=group,
-                kind=kind,
-                chunk_index=c,
-                from_site=self.view.site_index,
-                nonce=handoffs.expect(("chunk", key)),
-            )
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise CrossSiteError(
-                    f"{self.where}: chunk {c} from site {sender} never came intact"
-                )
-            try:
-                self.peers[sender].fetch(ask, min(_FETCH_TIMEOUT_S, remaining))
-            except grpc.RpcError as exc:
-                handoffs.collect(ask.nonce, 0.0)  # forget the nonce
-                raise CrossSiteError(
-                    f"{self.where}: pulling chunk {c}: {describe(sender, exc)}"
-                ) from exc
-            chunk = cast("Chunk | None", handoffs.collect(ask.nonce, 0.0))
-            if chunk is None:
-                raise CrossSiteError(
-                    f"{self.where}: site {sender} answered for chunk {c} but never handed it over"
-                )
-            problem = self.check(chunk)  # the key matched the nonce's (take_delivery)
-            if problem is None:
-                return chunk
-            if not problem.startswith("crc32 mismatch"):
-                raise CrossSiteError(f"{self.where}: pulled chunk {c}: {problem}")
-            self._count(corrupt_chunks=1)  # corrupt again on the way back: ask again
-        return None
+        """The chunk ``key`` asked again of its sender until it comes intact; None if
+        the round failed meanwhile (:func:`~isthmus.inter.data.round_pull.pull_intact`)."""
+        return pull_intact(
+            key,
+            peer=self.peers[key[4]],
+            handoffs=self.mailbox.handoffs,
+            check=self.check,
+            generation=self.view.generation,
+            site_index=self.view.site_index,
+            deadline=self.deadline,
+            failed=self._failed,
+            where=self.where,
+            on_corrupt=lambda: self._count(corrupt_chunks=1),
+        )
