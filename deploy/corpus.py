@@ -176,6 +176,11 @@ def default_cache_dir() -> Path:
 
 
 def _raw_corpus(d: DataSection) -> Corpus:
+    if d.source == "prepared":  # `isthmus tokenizer` on it: its files are token ids
+        raise ConfigError(
+            'data.source = "prepared" is token ids already; a tokenizer is trained on text '
+            '(data.source = "path")'
+        )
     if d.source == "stdlib":
         try:
             tokens = np.fromfile(_Cache(d).dir / _stdlib_entry(d), dtype=np.uint8)
