@@ -227,6 +227,11 @@ class TransparentWan:
         return self
 
     @property
+    def relayed(self) -> int:
+        """Connections handed to a link."""
+        return self._transparent.relayed if self._transparent else 0
+
+    @property
     def refused(self) -> int:
         """Connections reset because they were addressed outside the job."""
         return self._transparent.refused if self._transparent else 0

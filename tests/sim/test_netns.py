@@ -375,3 +375,37 @@ def test_side_by_side_quick_writes_both_timings(tmp_path: Path) -> None:
     # Both ways moved the tensors across the emulated link, not around it.
     assert result["link"]["a_to_b"]["bytes_delivered"] > 2 * 4 * (1 << 20)
     nothing_left(job_name("h"))
+
+
+def test_a_site_of_two_nodes_reaches_the_others_only_through_its_link() -> None:
+    job = job_name("n")
+    with pytest.raises(ValueError, match="nodes must list"):
+        TransparentWan(job, 2, SPEC, nodes=[2]).start()
+    assert not any(job_resources(job).values())  # refused before anything was made
+    with TransparentWan(job, 2, SPEC, nodes=[1, 2]) as wan:
+        second = wan.sites[1].nodes[0]
+        assert second.namespace == f"isthmus-{job}-site1-n1"
+        serve = [sys.executable, "-c", SERVER, "0.0.0.0", str(PORT)]
+        servers = [
+            subprocess.Popen([*prefix, *serve], stdout=subprocess.PIPE, text=True)
+            for prefix in (second.exec_prefix, wan.sites[0].exec_prefix)
+        ]
+        try:
+            assert all(s.stdout.readline().strip() == "ready" for s in servers)
+            assert in_site(wan, 1, PROBE, second.address, PORT) == "answered"  # the LAN
+            assert wan.relayed == 0
+            assert in_site(wan, 0, PROBE, second.address, PORT) == "answered"  # the link
+            from_second = subprocess.run(
+                [*second.exec_prefix, sys.executable, "-c", PROBE, wan.sites[0].address, str(PORT)],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert from_second.stdout.strip() == "answered", from_second
+            assert wan.relayed == 2 and wan.refused == 0
+            stats = wan.links["site0-site1"].stats()
+            assert stats["a_to_b"]["bytes_delivered"] >= 2 <= stats["b_to_a"]["bytes_delivered"]
+        finally:
+            for server in servers:
+                server.kill()
+                server.wait()
+        assert len(job_resources(job)["namespaces"]) == 3
+    nothing_left(job)
