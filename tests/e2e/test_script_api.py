@@ -46,7 +46,7 @@ def test_convnet_syncs_every_step_to_identical_replicas(tmp_path):
     run_dir = tmp_path / "run"
     result = run_script(run_dir, EXAMPLES / "convnet.py")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "replicas            identical" in result.stderr
+    assert "replicas            identical" in result.stdout
     assert_identical_replicas(run_dir, 4)
 
 
