@@ -79,6 +79,7 @@ def use_script(args: argparse.Namespace) -> None:
     if args.script is None:
         if args.script_args:
             raise ConfigError(f"unexpected arguments {args.script_args} (no --script)")
+        os.environ.pop(SCRIPT_ENV, None)  # the built-in trainer, whatever the shell had
         return
     path = os.path.abspath(args.script)
     if not os.path.isfile(path):
