@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.checkpointing import restore, save_due, save_if_due
 from isthmus.deploy.config import JobConfig, load_config
@@ -275,14 +276,20 @@ class Context:
                 raise RuntimeError(f"step {before}: call ctx.step() once per step")
 
     def step(
-        self, *, loss: torch.Tensor | float = 0.0, tokens: int = 0, **metrics: float
+        self,
+        *,
+        loss: torch.Tensor | float = 0.0,
+        tokens: int = 0,
+        grad_clip: float | None = None,
+        **metrics: float,
     ) -> Outcome:
         """Ends the step after ``loss.backward()``: its gradients are averaged across
         sites (``sync.mode = "step"``) and the optimizer steps once they committed, or
         the site steps alone and the outer round of DiLoCo/streaming runs when due. Then
         the gradients are cleared, the step's metrics written (``loss``, the site's mean,
         and ``tokens``, this rank's, plus any more numbers) and a checkpoint saved when
-        due.
+        due. ``grad_clip``: the gradients' global norm is clipped to it after the sync
+        (so every site clips alike) and reported as ``grad_norm``.
 
         Returns:
             The step's outcome: ``committed`` is False when nothing was applied (the
@@ -301,7 +308,10 @@ class Context:
             synced = self._sync_step(shaped, step)
         elif not shaped.groups and self.world_size > 1:
             _site_mean(shaped.model)  # a plain model: the site's ranks average here
+        grad_norm = 0.0
         if synced is None or synced.committed:
+            if grad_clip is not None:
+                grad_norm = _clip(shaped.model, grad_clip)
             shaped.optimizer.step()
         shaped.optimizer.zero_grad(set_to_none=True)
         if outer is not None:
@@ -336,7 +346,7 @@ class Context:
                 traffic,
                 step=step,
                 loss=float(site_loss) / self.world_size,
-                grad_norm=0.0,
+                grad_norm=grad_norm,
                 lr=shaped.optimizer.param_groups[0].get("lr", 0.0),
                 compute_s=compute_s,
                 sync_s=sync_s,
@@ -402,6 +412,14 @@ class Context:
         if self._parts is None:
             raise RuntimeError("call ctx.attach(model, optimizer) first")
         return self._parts
+
+
+def _clip(model: nn.Module, max_norm: float) -> float:
+    """Clips the gradients' global norm (over the site's shards: FSDP2's are DTensors)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 def _site_mean(model: nn.Module) -> None:

@@ -29,5 +29,5 @@ for step in ctx.steps():
     logits = model(input_ids=inputs.to(ctx.device)).logits
     loss = F.cross_entropy(logits.flatten(0, 1), targets.to(ctx.device).flatten())
     loss.backward()
-    ctx.step(loss=loss, tokens=inputs.numel())
+    ctx.step(loss=loss, tokens=inputs.numel(), grad_clip=1.0)
 ctx.finish()

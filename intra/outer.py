@@ -126,7 +126,8 @@ def outer_groups(trainer: Trainer) -> list[list[tuple[str, torch.Tensor]]]:
     groups: list[list[tuple[str, torch.Tensor]]] = []
     for part in trainer.model_parts:
         # A model of another shape (a user's script, deploy/api.py) is one group.
-        layers = part.layers if isinstance(getattr(part, "layers", None), nn.ModuleDict) else {}
+        blocks = getattr(part, "layers", None)
+        layers = dict(blocks.items()) if isinstance(blocks, nn.ModuleDict) else {}
         for key, block in layers.items():
             groups.append(
                 [(f"layers.{key}.{fqn}", _local(p)) for fqn, p in block.named_parameters()]
