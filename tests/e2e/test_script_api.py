@@ -5,11 +5,12 @@ script's own state), two sites over emulated links."""
 from __future__ import annotations
 
 import json
+import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, assert_one_line_error, run_cli
+from helpers import ISTHMUS, ROOT, assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -145,3 +146,26 @@ def test_resume_restores_the_scripts_own_state(tmp_path):
             "start": 4, "resumed_with": 8, "seen": 12,
         }  # fmt: skip
     assert_identical_replicas(run_dir, 6, first=4)
+
+
+@pytest.mark.timeout(400)
+def test_isthmus_site_runs_the_script_at_each_site(tmp_path):
+    """Each site launched on its own (`isthmus site --script`), as operators would."""
+    from test_site import write_job
+
+    job, run_dir = write_job(tmp_path), tmp_path / "run"
+    common = ["--config", job, "--steps", "3", "--run-dir", str(run_dir)]
+    script = ["--script", str(EXAMPLES / "convnet.py")]
+    first = subprocess.Popen(
+        [*ISTHMUS, "site", *common, "--site", "site0", *script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    second = run_cli("site", *common, "--site", "site1", *script, timeout=300)
+    out0, err0 = first.communicate(timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert first.returncode == 0, err0[-2000:]
+    s0 = json.loads((run_dir / "sites" / "site0" / "summary.json").read_text())
+    assert set(s0["digests"]) == {"site0", "site1"} and len(set(s0["digests"].values())) == 1
+    assert "replicas            identical" in out0
