@@ -89,7 +89,7 @@ class _ScriptModel:
         self.model, self.model_parts, self.optimizer, self.mesh = model, [model], optimizer, mesh
         self.device = _device(mesh.device_type)
         self.pp, self.dp, self.cp, self.tp = 1, mesh.size(), 1, 1
-        self.coordinate = (0, mesh.get_rank(), 0, 0)
+        self.coordinate = (0, mesh.get_local_rank(), 0, 0)
         self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.sync = None  # the outer optimizer checks that the model does not sync itself
         self.step_in_progress = 0
