@@ -1,6 +1,6 @@
 """A small convnet, not a transformer, on images it generates, synced every step.
 
-    isthmus local --script examples/convnet.py --steps 4
+isthmus local --script examples/convnet.py --steps 4
 """
 
 import torch
