@@ -1,6 +1,7 @@
-"""The README's commands, as written: every `isthmus ...` line of its bash blocks parses
-with the real CLI, and every `isthmus local` example resolves to a job its launch would
-accept (config, topology, --slow), without running it. An example that names a setting
+"""The README's commands and the launch recipes', as written (README.md, docs/launch.md,
+docs/measure.md, docs/configuration.md): every `isthmus ...` line of their bash blocks
+parses with the real CLI, and every `isthmus local` example resolves to a job its launch
+would accept (config, topology, --slow), without running it. An example that names a setting
 the layout refuses (one did, in 2026-11) fails here in seconds instead of in a reader's
 terminal."""
 
@@ -15,14 +16,18 @@ from helpers import ROOT
 from isthmus.deploy.cli import build_parser, config_from_args
 from isthmus.deploy.local_cmd import resolve_local_job
 
-README = ROOT / "README.md"
+PAGES = [
+    ROOT / "README.md",
+    *(ROOT / "docs" / f for f in ("launch.md", "measure.md", "configuration.md")),
+]
 
 
 def readme_commands() -> list[list[str]]:
-    """The argv (after `isthmus`) of every `isthmus` command in the README's bash blocks:
+    """The argv (after `isthmus`) of every `isthmus` command in the pages' bash blocks:
     continuation lines joined, comments dropped, `a && b` split."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+    text = "\n".join(page.read_text() for page in PAGES)
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
                 words = shlex.split(part, comments=True)
@@ -32,6 +37,7 @@ def readme_commands() -> list[list[str]]:
 
 
 def test_the_readme_has_the_examples_this_test_is_for():
+    assert len(PAGES[0].read_text().splitlines()) <= 150  # the rest lives in docs/ pages
     commands = readme_commands()
     local = [c for c in commands if c[0] == "local"]
     assert len(local) >= 10, commands  # a change to the extraction must not empty it
@@ -41,7 +47,7 @@ def test_the_readme_has_the_examples_this_test_is_for():
 
 @pytest.mark.parametrize("argv", readme_commands(), ids=lambda argv: " ".join(argv)[:60])
 def test_every_readme_command_parses_and_every_local_example_resolves(argv, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the README's paths are the repository's
+    monkeypatch.chdir(ROOT)  # the pages' paths are the repository's
     args = build_parser().parse_args(argv)
     if args.command == "local":
         config, _, _ = resolve_local_job(args)
