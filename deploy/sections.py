@@ -155,7 +155,7 @@ class DataSection:
     """Cap on the corpus bytes loaded into memory."""
     val_fraction: float = 0.01
     """Share of the corpus held out for the validation loss, never trained on: blocks
-    spread evenly over it (intra/data.py split_corpus; docs/design.md, "Held-out
+    spread evenly over it (intra/data.py split_corpus; docs/data.md, "Held-out
     loss"). 0 = none (then no held-out loss is measured)."""
     tokenizer: str = "bytes"
     """How text becomes tokens: "bytes" (vocabulary 256), "bpe" (a byte-level BPE of
@@ -187,7 +187,7 @@ class SyncSection:
     the parameters moved (the outer gradient) and applies it with outer_lr and
     outer_momentum (DiLoCo); "streaming" does the same for one of `fragments` strided
     groups of blocks at a time, every inner_steps/fragments steps (Streaming DiLoCo;
-    docs/design.md, "Sync modes")."""
+    docs/sync-modes.md)."""
     inner_steps: int = 50
     """diloco, streaming: H, the steps each site trains alone between outer steps (the
     job's last step always ends with one, of every fragment)."""
@@ -198,7 +198,7 @@ class SyncSection:
     outer_lr_ramp: float = 1.0
     """diloco, streaming: the outer learning rate at the end of the inner learning
     rate's cosine, as a multiple of outer_lr; in between it rises as the inner one
-    decays (docs/design.md, "Sync modes"). 1 = outer_lr throughout."""
+    decays (docs/sync-modes.md). 1 = outer_lr throughout."""
     outer_delay: int = 0
     """diloco, streaming: inner steps an outer all-reduce runs behind, in
     0..inner_steps/fragments-1: the sites train on while it crosses and its average
