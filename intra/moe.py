@@ -1,10 +1,13 @@
-"""Mixture of experts: a top-k routed SwiGLU feed-forward, dropless.
+"""Mixture of experts: a top-k routed SwiGLU feed-forward, dropless by default.
 
 A router scores every token against ``n_experts`` experts; each token goes to its
 ``top_k`` best, weighted by their renormalized softmax scores, and every expert computes
-every token sent to it (dropless: no capacity, no token dropped, so the result does not
-depend on how the batch is split over ranks). The experts' weights are stacked
-``[n_experts, ...]`` parameters, so FSDP2 shards them like any other.
+every token sent to it (dropless: no token dropped, so the result does not depend on how
+the batch is split over ranks). ``capacity_factor`` > 0 bounds each expert's share of a
+rank's copies instead (intra/moe_dispatch.py says which are dropped); the result then
+depends on each rank's tokens. The experts' weights are stacked ``[n_experts, ...]``
+parameters, so FSDP2 shards them like any other. How tokens reach the experts, on the
+device and as grouped matmuls: intra/moe_dispatch.py.
 
 The load-balancing loss is Switch Transformer's (Fedus et al. 2021, eq. 4):
 ``n_experts * sum_i f_i * P_i``, ``f_i`` the share of routed slots expert ``i`` got and
@@ -16,27 +19,29 @@ it works inside pipeline stages, where no stage but the last sees the loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .model_config import ModelConfig
+from .moe_dispatch import (
+    MOE_IMPLS,
+    ExpertShard,
+    capacity,
+    exchange_rows,
+    expert_counts,
+    grouped_mm_usable,
+    moe_impl_from_env,
+    plan_dispatch,
+    run_expert_parallel,
+    swiglu_grouped,
+    swiglu_loop,
+)
 
-__all__ = ["ExpertShard", "GroupedExperts", "MoEFeedForward"]
-
-
-def _exchange(
-    rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
-    """All-to-all of ``rows`` (``send_splits[r]`` to rank ``r``) whose backward sends the
-    gradients back the same way."""
-    out = funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group)
-    return funcol.wait_tensor(out)
+__all__ = ["ExpertShard", "GroupedExperts", "MoEFeedForward", "Routing", "set_moe_impl"]
 
 
 class _AddAuxGradient(torch.autograd.Function):
@@ -54,17 +59,6 @@ class _AddAuxGradient(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
-@dataclass(frozen=True, slots=True)
-class ExpertShard:
-    """This rank's place among the ranks that split the experts (expert parallelism,
-    set by ``parallel.parallelize``): rank ``rank`` of ``size`` holds experts
-    ``rank * n / size`` to ``(rank + 1) * n / size - 1``."""
-
-    group: dist.ProcessGroup
-    rank: int
-    size: int
-
-
 class _ScaleGradient(torch.autograd.Function):
     """Identity; multiplies the gradient by ``scale`` in backward."""
 
@@ -76,6 +70,9 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.scale, None
+
+
+EXPERT_KERNELS = ("auto", "grouped_mm", "loop")
 
 
 class GroupedExperts(nn.Module):
@@ -91,10 +88,19 @@ class GroupedExperts(nn.Module):
         """Multiplies the weights' gradients: ``1 / ep`` under expert parallelism, where an
         expert's gradient sums the ep ranks that sent it tokens (each a mean over its own
         tokens) while FSDP2 averages only over the ranks that share the expert."""
+        self.kernel = "auto"
+        """``auto``: ``torch._grouped_mm`` where ``grouped_mm_usable`` says so, else one
+        expert after another; ``grouped_mm`` forces it (tests, on CPU); ``loop`` never."""
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows`` grouped by this rank's experts, ``counts[e]`` rows for expert ``e``
-        (all of them without expert parallelism) -> each row through its expert.
+    def forward(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        counts: list[int] | None = None,
+    ) -> torch.Tensor:
+        """``rows`` grouped by this rank's experts -> each row through its expert. The
+        groups come as device ``offsets`` (int32 ends), host ``counts``, or both; rows
+        past the last group give zeros (the loop) or are left unwritten (grouped_mm).
 
         A forward of its own so that FSDP2 gathers the weights first (its hooks run
         around a module's forward). Every expert runs, even on no rows: then every
@@ -105,11 +111,33 @@ class GroupedExperts(nn.Module):
         )
         if self.grad_scale != 1.0:
             w1, w3, w2 = (_ScaleGradient.apply(w, self.grad_scale) for w in (w1, w3, w2))
-        outs = [
-            F.linear(F.silu(F.linear(h, w1[e])) * F.linear(h, w3[e]), w2[e])
-            for e, h in enumerate(rows.split(counts))
-        ]
-        return torch.cat(outs)
+        grouped = self.kernel == "grouped_mm" or (
+            self.kernel == "auto" and grouped_mm_usable(rows, w2)
+        )
+        # No rows at all (an expert-parallel rank nobody sent to): the loop, which
+        # still gives every weight its zero gradient.
+        if grouped and offsets is not None and rows.shape[0]:
+            return swiglu_grouped(rows, offsets, w1, w3, w2)
+        if counts is None:
+            assert offsets is not None
+            # The fallback's one host read (a CPU tensor here costs nothing).
+            counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+        return swiglu_loop(rows, counts, w1, w3, w2)
+
+
+class Routing(NamedTuple):
+    """One forward's routing of ``[tokens, dim]``."""
+
+    chosen: torch.Tensor
+    """``[tokens, top_k]`` expert ids, best first."""
+    weights: torch.Tensor
+    """``[tokens, top_k]`` their weights, summing to 1 per token (the tokens' dtype)."""
+    scores: torch.Tensor
+    """``[tokens, top_k]`` their router probabilities (fp32)."""
+    routed: torch.Tensor
+    """Copies routed to each expert, before any capacity (int64)."""
+    aux: torch.Tensor
+    """The load-balancing loss of this routing."""
 
 
 class MoEFeedForward(nn.Module):
@@ -120,68 +148,108 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         e, d, f = cfg.n_experts, cfg.dim, cfg.ffn_hidden
         self.top_k, self.aux_loss_coef = cfg.top_k, cfg.aux_loss_coef
+        self.capacity_factor = cfg.capacity_factor
         self.router = nn.Linear(d, e, bias=False)
         self.experts = GroupedExperts(e, d, f)
+        self.impl = moe_impl_from_env()
+        """``grouped`` or ``loop`` (``MOE_IMPLS``; ``set_moe_impl`` changes a model's)."""
         self.aux_scale = 1.0
         """The aux loss's weight in one backward: 1, or 1 / micro-batches in a pipeline
         (each micro-batch's loss is divided by their count). Set by the trainer."""
         self.last_aux_loss: torch.Tensor | None = None
         """The load-balancing loss of the last forward (before ``aux_loss_coef``)."""
+        self.last_stats: torch.Tensor | None = None
+        """The last forward's load, on the device (no host read): the load-balancing
+        loss, the busiest expert's routed copies over the mean, the share of copies
+        dropped (0 when dropless); over this rank's tokens."""
         self.expert_shard: ExpertShard | None = None
         """With expert parallelism (set by ``parallelize``): where the experts are."""
 
-    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[tokens, dim]`` -> each token's ``top_k`` experts, their weights (summing
-        to 1) and the load-balancing loss of this routing."""
+    def route(self, tokens: torch.Tensor) -> Routing:
+        """``[tokens, dim]`` -> each token's ``top_k`` experts, their weights and the
+        load-balancing loss of this routing."""
         probs = self.router(tokens).float().softmax(dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(tokens.dtype)
+        scores, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (scores / scores.sum(dim=-1, keepdim=True)).to(tokens.dtype)
         n_experts = probs.shape[-1]
-        share = F.one_hot(chosen, n_experts).sum(dim=(0, 1)).float() / chosen.numel()
+        routed = expert_counts(chosen.reshape(-1), n_experts)
+        share = routed.float() / chosen.numel()
         aux = n_experts * (share * probs.mean(dim=0)).sum()
-        return chosen, weights, aux
+        return Routing(chosen, weights, scores, routed, aux)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         tokens = x.reshape(-1, d)
-        chosen, weights, aux = self.route(tokens)
+        routing = self.route(tokens)
+        limit = capacity(self.capacity_factor, tokens.shape[0], self.top_k, routing.routed.numel())
         # Each token's routed copies, grouped by expert (so, under expert parallelism,
         # by the rank that holds it); the results come back in the same order.
-        slots = chosen.reshape(-1)
-        order = slots.argsort(stable=True)
-        source = order // self.top_k
-        copies = tokens.index_select(0, source)
-        per_expert = torch.bincount(slots, minlength=self.router.out_features)
-        if self.expert_shard is None:
-            results = self.experts(copies, per_expert.tolist())
+        plan = plan_dispatch(routing.chosen, routing.scores, routing.routed, limit)
+        copies = tokens.index_select(0, plan.source)
+        dropped = None if plan.keep is None else ~plan.keep.unsqueeze(-1)
+        if dropped is not None:
+            copies = copies.masked_fill(dropped, 0.0)
+        if self.expert_shard is not None and self.impl == "loop":
+            results = self._exchanged_loop(copies, plan.counts, self.expert_shard)
+        elif self.expert_shard is not None:
+            run = lambda rows, offsets, counts: self.experts(rows, offsets, counts)  # noqa: E731
+            results = run_expert_parallel(copies, plan.counts, self.expert_shard, run)
+        elif self.impl == "loop":
+            results = self.experts(copies, counts=plan.counts.tolist())
         else:
-            results = self._exchanged(copies, per_expert, self.expert_shard)
-        scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        out = torch.zeros_like(tokens).index_add(0, source, results * scale)
-        self.last_aux_loss = aux.detach()
+            results = self.experts(copies, plan.counts.cumsum(0, dtype=torch.int32))
+        if dropped is not None:
+            results = results.masked_fill(dropped, 0.0)
+        scale = routing.weights.reshape(-1).index_select(0, plan.order).unsqueeze(-1)
+        out = torch.zeros_like(tokens).index_add(0, plan.source, results * scale)
+        self._record(routing, plan.counts, dropless=plan.keep is None)
         if self.aux_loss_coef and torch.is_grad_enabled():
-            out = _AddAuxGradient.apply(out, aux, self.aux_loss_coef * self.aux_scale)
+            out = _AddAuxGradient.apply(out, routing.aux, self.aux_loss_coef * self.aux_scale)
         return out.view(b, t, d)
 
-    def _exchanged(
+    def _record(self, routing: Routing, kept: torch.Tensor, dropless: bool) -> None:
+        """Keep this forward's load-balancing loss and load (``last_stats``)."""
+        aux = routing.aux.detach()
+        routed = routing.routed.float()
+        dropped = 0.0 if dropless else 1.0 - kept.sum().float() / routed.sum()
+        self.last_aux_loss = aux
+        self.last_stats = torch.stack(
+            [aux, routed.max() / routed.mean(), torch.as_tensor(dropped, device=aux.device)]
+        )
+
+    def _exchanged_loop(
         self, copies: torch.Tensor, per_expert: torch.Tensor, shard: ExpertShard
     ) -> torch.Tensor:
-        """Expert parallelism: send each copy to the rank holding its expert
-        (all-to-all), run this rank's experts on what arrived, and send the results
-        back (all-to-all), in ``copies``' order. Both exchanges carry gradients back."""
+        """``run_expert_parallel`` as issue 17 wrote it (``impl = "loop"``): the split
+        sizes, the arrivals' layout and the per-expert counts each read to the host."""
         local_n = per_expert.numel() // shard.size
-        # How many copies each rank sends each of the receiver's experts.
         arriving = torch.empty_like(per_expert)
         dist.all_to_all_single(arriving, per_expert, group=shard.group)
         send_splits = per_expert.view(shard.size, local_n).sum(dim=1).tolist()
         recv_splits = arriving.view(shard.size, local_n).sum(dim=1).tolist()
-        received = _exchange(copies, recv_splits, send_splits, shard.group)
-        # Arrivals come grouped by sender, then by this rank's expert: regroup them by
-        # expert for the experts, and the results back into arrival order.
+        sent = sum(send_splits)
+        received = exchange_rows(copies[:sent], recv_splits, send_splits, shard.group)
         owner = torch.arange(local_n, device=copies.device).repeat(shard.size)
         expert_of_row = owner.repeat_interleave(arriving.to(copies.device))
         by_expert = expert_of_row.argsort(stable=True)
         counts = torch.bincount(expert_of_row, minlength=local_n).tolist()
-        y = self.experts(received.index_select(0, by_expert), counts)
+        y = self.experts(received.index_select(0, by_expert), counts=counts)
         results = torch.zeros_like(received).index_copy(0, by_expert, y)
-        return _exchange(results, send_splits, recv_splits, shard.group)
+        back = exchange_rows(results, send_splits, recv_splits, shard.group)
+        dropped = copies.shape[0] - sent
+        return torch.cat([back, back.new_zeros(dropped, back.shape[1])]) if dropped else back
+
+
+def set_moe_impl(model: nn.Module, impl: str) -> int:
+    """Switch every mixture-of-experts layer of ``model`` to ``impl`` (``MOE_IMPLS``);
+    returns how many layers there were.
+
+    Raises:
+        ValueError: an unknown ``impl``.
+    """
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"MoE implementation {impl!r}: choose one of {list(MOE_IMPLS)}")
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    for layer in layers:
+        layer.impl = impl
+    return len(layers)

@@ -75,7 +75,7 @@ def test_the_load_balancing_loss_joins_the_gradient_and_not_the_output():
     out = with_aux(x)
     (out * upstream).sum().backward()
     out0 = without(x)
-    _, _, aux = without.route(x.reshape(-1, CFG.dim))
+    aux = without.route(x.reshape(-1, CFG.dim)).aux
     ((out0 * upstream).sum() + coef * aux).backward()
     assert torch.equal(out, out0)
     for (name, a), b in zip(with_aux.named_parameters(), without.parameters(), strict=True):
@@ -89,7 +89,7 @@ def test_the_load_balancing_loss_joins_the_gradient_and_not_the_output():
 def test_moe_presets_count_their_active_parameters_like_the_dense_ones():
     model = build_model(preset("moe-tiny"), 0)
     assert model.num_params() == preset("moe-tiny").num_params
-    for name in ("tiny", "small", "125m"):
+    for name in ("tiny", "small", "125m", "350m"):
         moe, dense = preset(f"moe-{name}"), preset(name)
         routers = moe.n_layers * moe.n_experts * moe.dim
         assert moe.num_params - moe.inactive_params - routers == dense.num_params
