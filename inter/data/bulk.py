@@ -53,11 +53,11 @@ import time
 from collections.abc import Callable
 
 import grpc
-import numpy as np
 
 from isthmus.inter.bounds import RefusalLog
 from isthmus.inter.data import wirecore
 from isthmus.inter.data.codecs.base import crc32 as crc32c
+from isthmus.inter.data.codecs.base import receive_buffer
 from isthmus.inter.data.wire import Chunk, Frame, WireError, parse_header
 from isthmus.inter.data.wirecore import recv_payload
 
@@ -149,13 +149,6 @@ def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
             else:
                 views[0] = views[0][n:]
                 n = 0
-
-
-def _empty(size: int) -> memoryview:
-    """``size`` writable bytes, not zeroed: every byte is received before it is read."""
-    array = np.empty(size, dtype=np.uint8)
-    # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12.
-    return memoryview(array).cast("B")  # type: ignore[arg-type]
 
 
 def read_exact(sock: socket.socket, buf: memoryview) -> None:
@@ -367,7 +360,7 @@ class BulkListener:
             return False
         header = bytearray(header_size)
         read_exact(conn, memoryview(header))
-        payload = _empty(payload_size)
+        payload = receive_buffer(payload_size)  # not zeroed: every byte is read into it
         if crc32c(header) != header_crc:
             recv_payload(conn, payload, FRAME_STALL_S, f32=False)  # frame boundary kept
             with self._lock:

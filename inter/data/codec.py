@@ -159,6 +159,14 @@ class CodecChain:
         if not np.may_share_memory(array, target):
             np.copyto(target, array)
 
+    def payload_finite(self, payload: bytes | memoryview, num_elements: int) -> bool | None:
+        """Whether ``payload`` decodes to finite values only, read off its bytes (int8:
+        its scales alone), or None where that is not cheap (byte stages would have to
+        be undone first) or its size is wrong (the decode will say so)."""
+        if self.byte_stages or len(payload) != self.tensor.encoded_size(num_elements):
+            return None
+        return self.tensor.finite(payload, num_elements)
+
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
         """See :meth:`Codec.decode`."""
         return self.tensor.decode(self._unwrap(payload, num_elements), num_elements)

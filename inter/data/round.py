@@ -33,8 +33,14 @@ import torch
 
 from isthmus.inter.data.codec import CodecError, NonFiniteEncoding, crc32
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
-from isthmus.inter.data.round_device import finite, lane_stream, sum_parts
-from isthmus.inter.data.round_pull import pull_intact
+from isthmus.inter.data.round_device import (
+    done_event,
+    finite,
+    lane_stream,
+    sum_parts,
+    wait_on_gpu,
+)
+from isthmus.inter.data.round_pull import pull_intact, tell_peers_abort
 from isthmus.inter.data.wire import Chunk, Frame
 from isthmus.proto import lane_pb2
 
@@ -67,7 +73,6 @@ log = logging.getLogger("isthmus.round")
 _CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
 _RESULT = lane_pb2.CHUNK_KIND_RESULT
 _POLL_S = 0.05  # how often the waiting router looks for failed tasks and sends
-_ABORT_TIMEOUT_S = 5.0  # one AbortRound call, sent without waiting for its answer
 
 
 class RoundPipeline:
@@ -122,6 +127,7 @@ class RoundPipeline:
         self.deadline = time.monotonic() + view.timeout_s
         self._lock = threading.Lock()  # parts and stats, shared by the pool's tasks
         self._parts: dict[int, dict[int, np.ndarray | torch.Tensor]] = {}
+        self._ready: dict[int, list[torch.cuda.Event]] = {}  # a CUDA chunk's parts, done
         self._tasks: list[futures.Future] = []
         self._errors: list[BaseException] = []
         self._failed = threading.Event()
@@ -172,8 +178,8 @@ class RoundPipeline:
             self._wait_tasks()
             ok = True
         except CrossSiteError as exc:
-            if not isinstance(exc, PeerAborted):
-                self._tell_peers(exc)
+            if not isinstance(exc, PeerAborted):  # (a peer that gave up told every site)
+                tell_peers_abort(self.peers, self.view, self.step, self.group, str(exc))
             raise
         finally:
             if not ok:
@@ -182,24 +188,6 @@ class RoundPipeline:
             for rnd in self._rounds.values():
                 rnd.end()
         self._wait_acks()
-
-    def _tell_peers(self, exc: CrossSiteError) -> None:
-        """Tells every peer of the round that this site gave it up, so that none waits
-        for chunks that will not come until its deadline (issue 38: a refused chunk
-        cost the sender's site 120 s). Not for a round a peer gave up: that peer told
-        every site itself."""
-        ask = lane_pb2.AbortRoundRequest(
-            generation=self.view.generation,
-            step=self.step,
-            group=self.group,
-            from_site=self.view.site_index,
-            reason=str(exc)[:512],
-        )
-        for peer in self.peers.values():
-            try:
-                peer.abort_round(ask, _ABORT_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 (best effort: the peer's deadline remains)
-                log.debug("%s: could not send AbortRound", self.where, exc_info=True)
 
     def _submit(self, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -403,9 +391,7 @@ class RoundPipeline:
                 f"{req.total_elements} elements, expected {hi - lo}/{self.total}"
             )
         values = self._decoded(c, sender, req)
-        # A raw payload from a bulk connection was checked as it arrived (wirecore).
-        checked = getattr(req, "payload_finite", None)
-        if not (checked if checked is not None else finite(values)):
+        if not self._decodes_finite(req, values):
             # Refused before it is summed, and asked for again: a forged chunk that got
             # into the mailbox first is replaced by the sender's own copy.
             self._count(nonfinite_chunks=1)
@@ -415,7 +401,7 @@ class RoundPipeline:
             if again is None:
                 return  # the round failed meanwhile
             values = self._decoded(c, sender, again)
-            if not finite(values):
+            if not self._decodes_finite(again, values):
                 raise CrossSiteError(
                     f"{self.where}: site {sender} sent NaN or Inf in chunk {c} twice; "
                     "refused before summing"
@@ -426,6 +412,16 @@ class RoundPipeline:
         else:
             self._add_part(c, sender, values)
 
+    def _decodes_finite(self, req: Chunk, values: np.ndarray | torch.Tensor) -> bool:
+        """No NaN or Inf in what ``req`` decoded to: as a raw payload from a bulk
+        connection was checked while it arrived (wirecore), else off the payload's bytes
+        where the codec can (int8: its scales), else on the values (on a GPU, a
+        reduction and a wait for it)."""
+        checked = getattr(req, "payload_finite", None)
+        if checked is None:
+            checked = self.codec.payload_finite(req.payload, req.num_elements)
+        return checked if checked is not None else finite(values)
+
     def _decoded(self, c: int, sender: int, req: Chunk) -> np.ndarray | torch.Tensor:
         lo, hi = self._bounds(c)
         try:
@@ -434,15 +430,17 @@ class RoundPipeline:
             raise CrossSiteError(f"{self.where}: chunk {c} from site {sender}: {exc}") from exc
 
     def _add_part(self, c: int, site: int, values: np.ndarray | torch.Tensor) -> None:
-        if self.device is not None:
-            # Another thread may sum it on its own stream: the values must be complete.
-            torch.cuda.current_stream(self.device).synchronize()
+        ready = done_event(self.device)  # for the thread that sums, on its own stream
         with self._lock:
             parts = self._parts[c]
             parts[site] = values
+            if ready is not None:
+                self._ready.setdefault(c, []).append(ready)
             if len(parts) < self.view.num_sites:
                 return
             del self._parts[c]
+            events = self._ready.pop(c, [])
+        wait_on_gpu(events, self.device)
         self._reduce(c, parts)
 
     def _reduce(self, c: int, parts: dict[int, np.ndarray | torch.Tensor]) -> None:

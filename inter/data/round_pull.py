@@ -1,4 +1,5 @@
-"""A chunk asked again of its sender until it comes intact (a round's resend path).
+"""A round's calls back to its peers: a chunk asked again of its sender until it comes
+intact (the resend path), and the word that this site gave a round up.
 
 A receiver that got a chunk damaged on the way (its checksum failed) or one that
 decodes to NaN pulls it from the sender: ``ResendChunk`` names the chunk and a nonce,
@@ -9,6 +10,7 @@ the caller. Kept apart from round.py, whose pipeline only calls it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,16 +20,40 @@ import grpc
 
 from isthmus.inter.data.lane_handoff import Handoffs
 from isthmus.inter.data.mailbox import MailboxKey
-from isthmus.inter.data.round_types import CrossSiteError, describe
+from isthmus.inter.data.round_types import CrossSiteError, RoundView, describe
 from isthmus.inter.data.wire import Chunk
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
     from isthmus.inter.data.lane_peer import LanePeer
 
-__all__ = ["pull_intact"]
+__all__ = ["pull_intact", "tell_peers_abort"]
+
+log = logging.getLogger("isthmus.round")
 
 _FETCH_TIMEOUT_S = 10.0  # one ResendChunk call; the round's deadline bounds retries
+_ABORT_TIMEOUT_S = 5.0  # one AbortRound call, sent without waiting for its answer
+
+
+def tell_peers_abort(
+    peers: dict[int, LanePeer], view: RoundView, step: int, group: int, reason: str
+) -> None:
+    """Tells every peer of the round that this site gave it up, so that none waits for
+    chunks that will not come until its deadline (issue 38: a refused chunk cost the
+    sender's site 120 s)."""
+    ask = lane_pb2.AbortRoundRequest(
+        generation=view.generation,
+        step=step,
+        group=group,
+        from_site=view.site_index,
+        reason=reason[:512],
+    )
+    for peer in peers.values():
+        try:
+            peer.abort_round(ask, _ABORT_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 (best effort: the peer's deadline remains)
+            log.debug("site %d step %d group %d: could not send AbortRound",
+                      view.site_index, step, group, exc_info=True)  # fmt: skip
 
 
 def pull_intact(

@@ -233,3 +233,25 @@ def test_a_site_with_another_payload_layout_is_refused_at_join() -> None:
     older = {k: v for k, v in ours.items() if k != "sync.codec_format"}
     problem = fingerprint_problem(ours, older, "site0", "site1")
     assert problem is not None and "sync.codec_format" in problem
+
+
+@pytest.mark.parametrize(("stage_type", "largest"), [(Int8Stage, 128), (Int4Stage, 8)])
+def test_finite_reads_a_payload_exactly_as_its_decode_will(stage_type: type, largest: int) -> None:
+    """A received chunk is checked off its bytes, not its decoded values: a forged
+    finite scale whose product with the largest integer overflows must count as
+    non-finite, and the largest scale that cannot overflow as finite."""
+    stage, n = stage_type(), 2 * BLOCK
+    payload = bytearray(stage.encode(torch.ones(n), None))
+    assert stage.finite(bytes(payload), n)
+    # The wire's most negative integer everywhere (int8 -128; int4's nibble 0 is -8).
+    head = 4 * (n // BLOCK)
+    payload[head:] = bytes(len(payload) - head)
+    if stage_type is Int8Stage:
+        payload[head:] = b"\x80" * (len(payload) - head)
+    fp32_max = torch.finfo(torch.float32).max
+    for scale, finite in [(fp32_max / largest, True), (fp32_max / largest * 1.001, False),
+                          (1e38, False), (math.inf, False), (math.nan, False)]:  # fmt: skip
+        payload[4:8] = torch.tensor([scale], dtype=torch.float32).numpy().tobytes()
+        decoded = stage.decode(bytes(payload), n)
+        assert stage.finite(bytes(payload), n) is finite, scale
+        assert bool(torch.isfinite(decoded).all()) is finite, scale

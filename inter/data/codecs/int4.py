@@ -40,6 +40,7 @@ class Int4Stage(Int8Stage):
     width = 1  # a byte at a time for the shuffle stage (which then does nothing)
     lossy = True
     levels = LEVELS
+    wire_max = _OFFSET  # a stored nibble 0 decodes to -8
     fused = False  # the kernels write int8's format; this one packs nibbles in torch
 
     def encoded_size(self, num_elements: int) -> int:

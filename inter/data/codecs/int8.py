@@ -29,6 +29,8 @@ from isthmus.inter.data.codecs.base import check_chunk, check_size, from_le, to_
 
 __all__ = ["BLOCK", "Int8Stage", "block_scales", "blockwise_levels", "expand_scales", "scale_bytes"]
 
+_FP32_MAX = float(np.finfo(np.float32).max)
+
 BLOCK = 1024
 """Values per scale (part of the wire format: every site of a job runs one version)."""
 _SCALE_BYTES = 4  # one little-endian fp32 per block, all before the values
@@ -87,6 +89,8 @@ class Int8Stage:
     lossy = True
     levels = 127
     """Largest magnitude of a quantized value (symmetric)."""
+    wire_max = 128
+    """Largest magnitude an integer on the wire can hold (a hostile int8 may be -128)."""
     fused = True
     """Whether a GPU chunk takes the fused kernels (:mod:`.int8_kernels`): this format's."""
 
@@ -189,8 +193,15 @@ class Int8Stage:
 
     def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
         """See :meth:`TensorStage.finite`: the integers are finite by construction, so
-        the block scales say it (a non-finite block keeps a non-finite scale)."""
-        return bool(np.isfinite(block_scales(payload, num_elements)).all())
+        the block scales say it (a non-finite block keeps a non-finite scale), and the
+        largest of them times the largest integer the wire holds must stay within fp32:
+        a forged finite scale of 1e38 would decode to Inf. Exact for a payload from
+        anywhere, so a received chunk is checked here, not after its decode."""
+        scales = block_scales(payload, num_elements)
+        if not np.isfinite(scales).all():
+            return False
+        # fp32 x a power of two is exact in float64; fp32(q x s) <= FP32_MAX when q x s is.
+        return scales.size == 0 or float(np.abs(scales).max()) * self.wire_max <= _FP32_MAX
 
     def _with_residual(self, x: torch.Tensor, key: str | None) -> torch.Tensor:
         """``x`` plus the residual kept under ``key`` (what earlier roundings lost)."""
