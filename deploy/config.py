@@ -157,6 +157,12 @@ class JobConfig:
                 cfg.n_layers = self.model.n_layers
             if self.model.n_heads:
                 cfg.n_heads = self.model.n_heads
+            if self.model.capacity_factor and not cfg.n_experts:
+                raise ValueError(
+                    f"capacity_factor={self.model.capacity_factor} needs a mixture of "
+                    f"experts (a moe-* preset), got {self.model.preset!r}"
+                )
+            cfg.capacity_factor = self.model.capacity_factor
             cfg.max_seq_len = max(cfg.max_seq_len, self.train.seq_len)
             cfg.__post_init__()  # re-validate after the overrides
         except ValueError as exc:

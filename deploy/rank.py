@@ -151,11 +151,7 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
                 more={
                     **batch,
                     **({"val_loss": val[0], "eval_s": val[1]} if val else {}),
-                    **(
-                        {"moe_aux_loss": stats.moe_aux_loss}
-                        if stats.moe_aux_loss is not None
-                        else {}
-                    ),
+                    **stats.moe_metrics(),
                 },
             ),
             digest=progress.digest,

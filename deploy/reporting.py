@@ -172,8 +172,9 @@ def write_scalars(board, line: dict) -> None:
         "throughput/tokens_per_second": line["tokens"] / step_s if step_s else 0.0,
         "wan/cross_site_bytes": line["bytes_sent"],
     }
-    if "moe_aux_loss" in line:
-        scalars["train/moe_aux_loss"] = line["moe_aux_loss"]
+    for key in ("moe_aux_loss", "moe_load_ratio", "moe_dropped"):
+        if key in line:
+            scalars[f"train/{key}"] = line[key]
     if line["bytes_sent"]:
         scalars["wan/compression_ratio"] = line["raw_bytes"] / line["bytes_sent"]
     if line.get("mfu"):

@@ -51,7 +51,8 @@ class TopologySection:
 class ModelSection:
     preset: str = "small"
     """Model preset: tiny, small, 125m, 350m, 1b, or a mixture of experts moe-tiny,
-    moe-small, moe-125m (8 experts, top-2, as many active parameters as the dense preset)."""
+    moe-small, moe-125m, moe-350m (8 experts, top-2, as many active parameters as the
+    dense preset)."""
     dim: int = 0
     """Hidden size; 0 keeps the preset's."""
     n_layers: int = 0
@@ -63,6 +64,10 @@ class ModelSection:
     shape (grouped-query attention, q/k/v biases, tied head, llama3 rope scaling, its
     vocabulary) comes from it instead of preset, dim, n_layers and n_heads
     (docs/models.md). "" = the preset."""
+    capacity_factor: float = 0.0
+    """Mixture of experts: 0 = dropless (every routed token computed). Above 0, each
+    expert takes at most ceil(capacity_factor x tokens x top_k / n_experts) of a rank's
+    routed tokens and drops those of lowest router probability beyond that."""
     init_from: str = ""
     """A Hugging Face model folder (config.json and model.safetensors, or its shards):
     training starts from its weights instead of job.seed's; hf_config defaults to its

@@ -55,11 +55,11 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "loss": _token_mean(rows),
                 "loss_by_site": {r["site"]: r["loss"] for r in rows},
                 "grad_norm": rows[0]["grad_norm"],
-                **(
-                    {"moe_aux_loss": sum(r["moe_aux_loss"] for r in rows) / len(rows)}
-                    if all("moe_aux_loss" in r for r in rows)
-                    else {}
-                ),
+                **{
+                    key: sum(r[key] for r in rows) / len(rows)
+                    for key in ("moe_aux_loss", "moe_load_ratio", "moe_dropped")
+                    if all(key in r for r in rows)
+                },
                 "lr": rows[0]["lr"],
                 "tokens": sum(r["tokens"] for r in rows),
                 "compute_s": max(r["compute_s"] for r in rows),

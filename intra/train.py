@@ -274,19 +274,17 @@ class Trainer:
             self.optimizer.step()
         # Only last-stage ranks hold a loss; the sum over the site counts each dp
         # replica's loss tp times.
-        # Mixture of experts: each layer's load-balancing loss, summed with their
-        # count in the same all-reduce (a middle pipeline stage has layers, the last
-        # the loss), so the site's mean over every layer and rank comes free.
-        aux = [m.last_aux_loss for m in self._moe_layers if m.last_aux_loss is not None]
-        site = torch.stack(
-            [
-                loss.float().reshape(()),
-                torch.stack(aux).sum().to(loss.device) if aux else loss.new_zeros(()),
-                loss.new_full((), float(len(aux))),
-            ]
+        # Mixture of experts: each layer's load-balancing loss, load ratio and dropped
+        # share, summed with their count in the same all-reduce (a middle pipeline
+        # stage has layers, the last the loss): the site's mean over every layer and
+        # rank comes free.
+        moe = [m.last_stats for m in self._moe_layers if m.last_stats is not None]
+        moe_sum = torch.stack(moe).sum(0).to(loss.device) if moe else loss.new_zeros(3)
+        site = torch.cat(
+            [loss.float().reshape(1), moe_sum.float(), loss.new_full((1,), float(len(moe)))]
         )
         dist.all_reduce(site, op=dist.ReduceOp.SUM)
-        site_loss, aux_sum, aux_count = site.tolist()
+        site_loss, aux_sum, load_sum, dropped_sum, moe_count = site.tolist()
         loss_value = site_loss / (self.dp * self.cp * self.tp)
         self._sync_device()
         total = time.perf_counter() - t0
@@ -303,7 +301,9 @@ class Trainer:
             site_tokens=site_tokens,
             mfu=mfu(site_tokens / total, fpt, self._peak, dist.get_world_size()),
             sync=synced,
-            moe_aux_loss=aux_sum / aux_count if aux_count else None,
+            moe_aux_loss=aux_sum / moe_count if moe_count else None,
+            moe_load_ratio=load_sum / moe_count if moe_count else None,
+            moe_dropped=dropped_sum / moe_count if moe_count else None,
         )
 
     def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:

@@ -140,6 +140,22 @@ class StepStats:
     moe_aux_loss: float | None = None
     """Mixture of experts: the load-balancing loss (1 = balanced), the mean over the
     site's expert layers; None for a dense model."""
+    moe_load_ratio: float | None = None
+    """Mixture of experts: the busiest expert's routed copies over the mean (1 =
+    balanced, at most n_experts / top_k), the mean over the site's expert layers and
+    ranks (each over its own tokens); None for a dense model."""
+    moe_dropped: float | None = None
+    """Mixture of experts: the share of routed copies the capacity dropped (0 when
+    dropless), the same mean; None for a dense model."""
+
+    def moe_metrics(self) -> dict[str, float]:
+        """The mixture-of-experts statistics as metrics.jsonl keys; {} for a dense model."""
+        values = {
+            "moe_aux_loss": self.moe_aux_loss,
+            "moe_load_ratio": self.moe_load_ratio,
+            "moe_dropped": self.moe_dropped,
+        }
+        return {k: v for k, v in values.items() if v is not None}
 
     @property
     def committed(self) -> bool:
