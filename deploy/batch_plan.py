@@ -36,12 +36,12 @@ import torch.distributed as dist
 
 from isthmus.deploy.balance import BatchSplit, best_split, resized
 from isthmus.deploy.batch_size import NoiseScale, NoiseScaleController, RampSchedule
-from isthmus.inter.data.codecs.int8 import BLOCK
+from isthmus.inter.data import INT8_BLOCK as BLOCK
 from isthmus.intra.flops import scaled_lr
 
 if TYPE_CHECKING:
     from isthmus.deploy.config import JobConfig
-    from isthmus.inter.data.gradient_sync import LaneGradientSync
+    from isthmus.inter.data import LaneGradientSync
     from isthmus.intra.data import ShardedBatches
     from isthmus.intra.train import Trainer
 

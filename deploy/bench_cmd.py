@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 
 from isthmus.deploy.config import ConfigError
 from isthmus.deploy.validation import MAX_SYNC_CHUNK_BYTES
-from isthmus.inter.data.chunk_size import connections_for_link, sync_chunk_bytes
-from isthmus.inter.data.codec_spec import parse_codec_spec
+from isthmus.inter.data import connections_for_link, parse_codec_spec, sync_chunk_bytes
 
 if TYPE_CHECKING:
     from isthmus.inter.data import bench

@@ -36,8 +36,7 @@ from isthmus.deploy.sections import (
     WanSection,
 )
 from isthmus.deploy.validation import ConfigError, validate
-from isthmus.inter.data.chunk_size import connections_for_link, sync_chunk_bytes
-from isthmus.inter.data.codec_spec import CODEC_FORMAT
+from isthmus.inter.data import CODEC_FORMAT, connections_for_link, sync_chunk_bytes
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset

@@ -1,11 +1,12 @@
-"""One rank's cross-site plumbing: its lane, its place in the membership, its state offers.
+"""One rank's cross-site side: its sync (opened with inter/data's one entry point), and
+the training state it pulls or offers.
 
-`CrossSite.start` opens the rank's lane, registers it with the site's coordinator,
-waits for the membership and builds the `LaneGradientSync` the trainer calls. When
-the site joins a job already under way (it was restarted, or left out while cut
-off), `catch_up` pulls the training state after the job's last committed step from
-the rank at the same mesh coordinate of a live site and loads it; `offer_state`
-is the other side, after a step that admitted a site.
+`CrossSite.start` turns the job's config into the rank's sync settings and opens the
+sync (`open_rank_sync`: the lane, the join, the membership and the `LaneGradientSync`
+the trainer calls). When the site joins a job already under way (it was restarted,
+or left out while cut off), `catch_up` pulls the training state after the job's last
+committed step from the rank at the same mesh coordinate of a live site and loads it;
+`offer_state` is the other side, after a step that admitted a site.
 """
 
 from __future__ import annotations
@@ -13,28 +14,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from isthmus.deploy.batch_plan import BatchPlan
 from isthmus.deploy.config import JobConfig
 from isthmus.deploy.rank_extras import extra_state, load_extra_state
-from isthmus.inter.control.coordinator_client import (
-    CoordinatorClient,
-    Decision,
-    Membership,
-    SiteInfo,
+from isthmus.inter.control.coordinator_client import CoordinatorClient, Decision, SiteInfo
+from isthmus.inter.data import (
+    Generation,
+    GroupShape,
+    LaneGradientSync,
+    RankSync,
+    RankSyncSettings,
+    ShardPosition,
+    open_rank_sync,
 )
-from isthmus.inter.data.allreduce import CrossSiteAllReduce
-from isthmus.inter.data.codec import make_codec
-from isthmus.inter.data.gradient_sync import LaneGradientSync
-from isthmus.inter.data.lane import RESERVED_THREADS, LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD
-from isthmus.inter.data.membership import SiteMembership
-from isthmus.inter.data.shard_map import GroupShape, ShardPosition
-from isthmus.inter.data.state_transfer import pull_state
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.parallel import group_parameters, sharded_rows
@@ -52,17 +48,18 @@ class CrossSite:
     site: str
     rank: int
     config: JobConfig
-    proxies: dict[str, str]
-    security: SiteSecurity | None
-    lane: LaneServer
-    joined: Membership
-    """The membership this rank first learned (a running job's names the state to pull)."""
+    link: RankSync
+    """The rank's open cross-site sync: lane, membership, gradient sync."""
     coordinator: CoordinatorClient
-    sync: LaneGradientSync = field(init=False)
     outer: OuterOptimizer | None = None
     """DiLoCo's outer optimizer, whose state travels with the rank's (set by the caller)."""
     plan: BatchPlan | None = None
     """The global batch's size and split, which travel with the rank's state (set by the caller)."""
+
+    @property
+    def sync(self) -> LaneGradientSync:
+        """What the trainer calls: averages each step's gradients over the live sites."""
+        return self.link.sync
 
     @classmethod
     def start(
@@ -76,78 +73,16 @@ class CrossSite:
         config: JobConfig,
         security: SiteSecurity | None,
     ) -> CrossSite:
-        """Opens the lane, joins the job and builds the gradient sync."""
-        codec = make_codec(config.sync.codec)
-        cluster = config.cluster
-        sites = config.site_names
-        lane = LaneServer(
-            site_index=sites.index(site),
-            num_sites=len(sites),
-            codec=codec.name,
-            chunk_bytes=config.chunk_bytes,
-            host=cluster.lane_host,
-            port=cluster.lane_port_base + rank if cluster.lane_port_base else 0,
-            # A peer learns this lane's address only from membership generation 1, and
-            # may start its first round before this rank has heard of the membership
-            # itself: be at generation 1 from the start (chunks of a later generation
-            # are held until the rank catches up).
-            generation=1,
-            security=security,
-            mailbox_bytes=mailbox_budget(config),
-            # Rounds are inner_steps apart in DiLoCo: the window counts rounds, not steps.
-            steps_ahead=MAX_STEPS_AHEAD
-            * (config.sync.inner_steps if config.sync.mode != "step" else 1),
-            # A stream per connection per round in flight from every peer, twice over
-            # (a round's streams may outlive it briefly), and the reserved threads.
-            max_workers=RESERVED_THREADS
-            + max(
-                24, 2 * (len(sites) - 1) * config.lane_connections * config.sync.rounds_in_flight
-            ),
-        )
-        lane.rank = rank
-        port = lane.address.rsplit(":", 1)[1]
-        # One cluster.advertise_host cannot name every host of a site on several: the
-        # launcher of a rank on another host names that host's address in the environment.
-        host = os.environ.get("ISTHMUS_ADVERTISE_HOST") or cluster.advertise_host
-        advertised = f"{host or cluster.lane_host}:{port}"
+        """Opens the rank's cross-site sync: the lane, the join, the gradient sync."""
         client = CoordinatorClient.connect(coordinator, security)
-        joined = _join(client, site, rank, world_size, advertised, config)
-        self = cls(site, rank, config, proxies, security, lane, joined, client)
-        allreduce = CrossSiteAllReduce(
-            site_index=0,
-            num_sites=1,
-            server=lane,
-            peers={},
-            codec=codec,
-            chunk_bytes=config.chunk_bytes,
-            timeout_s=config.sync.timeout_s,
-            generation=joined.generation,
-            workers=config.sync.workers or None,
-        )
-        membership = SiteMembership(
-            client=client,
-            site=site,
-            rank=rank,
-            allreduce=allreduce,
-            make_peer=self._make_peer,
-            sites=list(joined.sites),
-            generation=joined.generation,
-            decision_timeout_s=config.sync.timeout_s + config.failover.quorum_wait_s,
-        )
-        self.sync = LaneGradientSync(
-            allreduce, membership=membership, rounds_in_flight=config.sync.rounds_in_flight
-        )
-        return self
-
-    def _make_peer(self, info: SiteInfo, rank: int | None = None) -> LanePeer:
-        return LanePeer(
-            info.lane_addresses[self.rank if rank is None else rank],
-            proxy=self.proxies.get(info.name),
-            connections=self.config.lane_connections,
-            chunk_bytes=self.config.chunk_bytes,
-            security=self.security,
-            transport=self.config.sync.transport,
-        )
+        try:
+            link = open_rank_sync(
+                sync_settings(config, site, rank, world_size, proxies, security), client
+            )
+        except BaseException:
+            client.close()
+            raise
+        return cls(site, rank, config, link, client)
 
     def catch_up(self, trainer: Trainer) -> int | None:
         """For a site joining a running job: pull and load the live state.
@@ -155,7 +90,7 @@ class CrossSite:
         Returns:
             The step to continue from, or None when the job starts here (step 0).
         """
-        joined = self.joined
+        joined = self.link.joined
         if not joined.state_source or joined.state_source == self.site:
             return None
         return self._pull(
@@ -168,7 +103,7 @@ class CrossSite:
 
     def rejoin(self, trainer: Trainer, decision: Decision) -> int:
         """The job went on without this site: move to its generation and pull its state."""
-        self.sync.membership.configure(decision.generation, list(decision.sites))
+        self.link.adopt(Generation.of(decision))
         return self._pull(
             trainer,
             decision.generation,
@@ -220,17 +155,7 @@ class CrossSite:
         self, info: SiteInfo, generation: int, state_step: int, rank: int
     ) -> dict[str, torch.Tensor]:
         """The state after ``state_step`` that ``rank`` of site ``info`` offers."""
-        peer = self._make_peer(info, rank)
-        try:
-            return pull_state(
-                peer.stub,
-                generation=generation,
-                step=state_step,
-                rank=rank,
-                timeout_s=self.config.sync.timeout_s,
-            )
-        finally:
-            peer.close()
+        return self.link.pull_state(info, generation=generation, step=state_step, rank=rank)
 
     def _pull_resharded(
         self, trainer: Trainer, info: SiteInfo, generation: int, state_step: int
@@ -253,11 +178,10 @@ class CrossSite:
         """After a step whose commit admitted a site and named this one as the source
         of its state (``StepOutcome.offer_state``): offer the state, for ``PullState``."""
         state = rank_state(trainer, next_step, extra=extra_state(self.sync, self.outer, self.plan))
-        self.lane.offers.offer(decision.generation, decision.state_step, state)
+        self.link.offer_state(decision.generation, decision.state_step, state)
 
     def close(self) -> None:
-        self.sync.close()
-        self.lane.stop(grace=5.0)
+        self.link.close()
         self.coordinator.close()
 
 
@@ -305,21 +229,38 @@ def mailbox_budget(config: JobConfig) -> int:
     return 2 * 2 * shard + 16 * config.chunk_bytes
 
 
-def _join(
-    client: CoordinatorClient,
+def sync_settings(
+    config: JobConfig,
     site: str,
     rank: int,
     world_size: int,
-    lane_address: str,
-    config: JobConfig,
-) -> Membership:
-    """Register this rank's lane and wait for the job's membership."""
-    client.register_rank(
+    proxies: dict[str, str],
+    security: SiteSecurity | None,
+) -> RankSyncSettings:
+    """The rank's cross-site sync settings, from the job's config."""
+    cluster, sync = config.cluster, config.sync
+    return RankSyncSettings(
         site=site,
         rank=rank,
         world_size=world_size,
-        lane_address=lane_address,
+        job_sites=tuple(config.site_names),
         fingerprint=config.fingerprint(),
-        timeout_s=10,
+        codec=sync.codec,
+        chunk_bytes=config.chunk_bytes,
+        timeout_s=sync.timeout_s,
+        decision_timeout_s=sync.timeout_s + config.failover.quorum_wait_s,
+        rounds_in_flight=sync.rounds_in_flight,
+        workers=sync.workers or None,
+        # Rounds are inner_steps apart in DiLoCo: the lane's window counts rounds.
+        steps_between_rounds=sync.inner_steps if sync.mode != "step" else 1,
+        lane_host=cluster.lane_host,
+        lane_port=cluster.lane_port_base + rank if cluster.lane_port_base else 0,
+        # One cluster.advertise_host cannot name every host of a site on several: the
+        # launcher of a rank on another host names that host's address in the environment.
+        advertise_host=os.environ.get("ISTHMUS_ADVERTISE_HOST") or cluster.advertise_host,
+        lane_connections=config.lane_connections,
+        transport=sync.transport,
+        mailbox_bytes=mailbox_budget(config),
+        proxies=proxies,
+        security=security,
     )
-    return client.wait_membership(config.sync.timeout_s)

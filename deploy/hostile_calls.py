@@ -157,7 +157,7 @@ def _lane_of(stub: pb_grpc.CoordinatorStub, coordinator: str) -> str | None:
 
 def _lane_calls(channel: grpc.Channel, fingerprint, step: int, generation: int, victim: str):
     """Issue 33, rows 7 and 8: a resend, a bulk ticket and chunks in ``victim``'s name."""
-    from isthmus.inter.data.codec import crc32, make_codec
+    from isthmus.inter.data import crc32, make_codec
     from isthmus.proto import lane_pb2, lane_pb2_grpc
 
     lane = lane_pb2_grpc.LaneStub(channel)

@@ -203,7 +203,7 @@ def codec_ratio(spec: str) -> float:
     Raises:
         ConfigError: the chain is not a valid sync.codec.
     """
-    from isthmus.inter.data.codec import make_codec
+    from isthmus.inter.data import make_codec
 
     try:
         make_codec(spec)

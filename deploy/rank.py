@@ -45,9 +45,7 @@ from isthmus.deploy.config import JobConfig, load_config
 from isthmus.deploy.rank_setup import FaultInjection, RankEnv, RankParts, build_trainer, set_up
 from isthmus.deploy.ranks import SCRIPT_ENV
 from isthmus.deploy.reporting import DivergenceError
-from isthmus.inter.data.gradient_sync import StepOutcome, SyncStats
-from isthmus.inter.data.membership import QuorumLost
-from isthmus.inter.data.round import NonFiniteGradient
+from isthmus.inter.data import NonFiniteGradient, QuorumLost, StepOutcome, SyncStats
 from isthmus.intra.checkpoint import CheckpointError, describe_os_error
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.train import StepStats, SyncResult

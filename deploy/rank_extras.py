@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from isthmus.deploy.batch_plan import BatchPlan
-    from isthmus.inter.data.gradient_sync import LaneGradientSync
+    from isthmus.inter.data import LaneGradientSync
     from isthmus.intra.outer import OuterOptimizer
 
 CODEC = "codec/"

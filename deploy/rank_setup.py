@@ -30,7 +30,7 @@ from isthmus.deploy.cross_site import CrossSite, shard_layout
 from isthmus.deploy.evaluation import HeldOutLoss
 from isthmus.deploy.ranks import STORE_ENV
 from isthmus.deploy.reporting import StepReporter
-from isthmus.inter.data.gradient_sync import LaneGradientSync
+from isthmus.inter.data import LaneGradientSync
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.flops import scaled_lr

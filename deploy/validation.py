@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isthmus.deploy.sections import EVAL_BATCH, KIB
-from isthmus.inter.data.codec_spec import parse_codec_spec
+from isthmus.inter.data import parse_codec_spec
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
 

@@ -1,1 +1,81 @@
-"""The data plane: lanes, rounds, the cross-site all-reduce, codecs, state transfer."""
+"""The data plane: lanes, rounds, the cross-site all-reduce, codecs, state transfer.
+
+What the rest of isthmus uses of it is named here, and deploy imports nothing else
+(tests/deploy/test_layers.py): a rank opens its cross-site sync with one call,
+:func:`open_rank_sync` (inter/data/rank_sync.py), and its trainer calls the
+:class:`LaneGradientSync` that comes with it; the job's config checks its codec and
+sizes its chunks with the helpers below. The names load on first use, so a command
+that only reads the config does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from isthmus.inter.data.chunk_size import connections_for_link, sync_chunk_bytes
+    from isthmus.inter.data.codec import crc32, make_codec
+    from isthmus.inter.data.codec_spec import CODEC_FORMAT, parse_codec_spec
+    from isthmus.inter.data.codecs.int8 import BLOCK as INT8_BLOCK
+    from isthmus.inter.data.gradient_sync import LaneGradientSync
+    from isthmus.inter.data.membership import Generation, QuorumLost
+    from isthmus.inter.data.rank_sync import RankSync, RankSyncSettings, open_rank_sync
+    from isthmus.inter.data.round_types import NonFiniteGradient
+    from isthmus.inter.data.shard_map import GroupShape, ShardPosition
+    from isthmus.inter.data.sync_stats import StepOutcome, SyncStats
+
+_EXPORTS: dict[str, tuple[str, str]] = {
+    # A rank's cross-site sync and what a step's outcome carries.
+    "open_rank_sync": ("rank_sync", "open_rank_sync"),
+    "RankSync": ("rank_sync", "RankSync"),
+    "RankSyncSettings": ("rank_sync", "RankSyncSettings"),
+    "Generation": ("membership", "Generation"),
+    "LaneGradientSync": ("gradient_sync", "LaneGradientSync"),
+    "StepOutcome": ("sync_stats", "StepOutcome"),
+    "SyncStats": ("sync_stats", "SyncStats"),
+    "QuorumLost": ("membership", "QuorumLost"),
+    "NonFiniteGradient": ("round_types", "NonFiniteGradient"),
+    # Where a rank's shards sit, for sites of different sizes.
+    "GroupShape": ("shard_map", "GroupShape"),
+    "ShardPosition": ("shard_map", "ShardPosition"),
+    # Codecs and chunk sizes, for the job's config, its plan and its checks.
+    "make_codec": ("codec", "make_codec"),
+    "crc32": ("codec", "crc32"),
+    "parse_codec_spec": ("codec_spec", "parse_codec_spec"),
+    "CODEC_FORMAT": ("codec_spec", "CODEC_FORMAT"),
+    "INT8_BLOCK": ("codecs.int8", "BLOCK"),
+    "connections_for_link": ("chunk_size", "connections_for_link"),
+    "sync_chunk_bytes": ("chunk_size", "sync_chunk_bytes"),
+}
+
+__all__ = [
+    "CODEC_FORMAT",
+    "Generation",
+    "GroupShape",
+    "INT8_BLOCK",
+    "LaneGradientSync",
+    "NonFiniteGradient",
+    "QuorumLost",
+    "RankSync",
+    "RankSyncSettings",
+    "ShardPosition",
+    "StepOutcome",
+    "SyncStats",
+    "connections_for_link",
+    "crc32",
+    "make_codec",
+    "open_rank_sync",
+    "parse_codec_spec",
+    "sync_chunk_bytes",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Loads an exported name's module on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value

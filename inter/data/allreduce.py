@@ -46,35 +46,47 @@ class CrossSiteAllReduce:
     """All-reduces flat fp32 buffers with the same rank of every other site (or the
     ranks a round names, between sites of different sizes).
 
+    The membership its rounds run under is the lane server's. A rank's all-reduce is
+    built without one and moved to each generation by
+    :meth:`~isthmus.inter.data.membership.SiteMembership.adopt` (through
+    :meth:`reconfigure`; inter/data/rank_sync.py wires it); one used alone (tests, the
+    lane benchmark) is given a fixed membership here.
+
     Args:
-        site_index: this site's index in the membership.
-        num_sites: number of live sites.
         server: this rank's lane server (receives from every peer); it keeps the
             membership (``site_index``, ``num_sites``, ``generation`` are set on it).
-        peers: site index -> lane client, for every other site.
         codec: the job's codec; must match the server's and every peer's.
         chunk_bytes: chunk size in bytes (a multiple of 4, equal to the server's).
         timeout_s: limit on one whole round, from call to last acknowledgement.
-        generation: membership generation stamped on every chunk.
         workers: encode/decode threads (default :func:`default_workers`).
+        site_index, num_sites, peers, generation: a fixed membership, for an
+            all-reduce used alone: this site's index, the live sites, the lane client
+            of every other site by index and the generation stamped on every chunk.
+            Without them the server's membership stands, with no peers, until
+            :meth:`reconfigure`.
     """
 
     def __init__(
         self,
         *,
-        site_index: int,
-        num_sites: int,
         server: LaneServer,
-        peers: dict[int, LanePeer],
         codec: CodecChain,
         chunk_bytes: int = 1 << 20,
         timeout_s: float = 60.0,
-        generation: int = 0,
         workers: int | None = None,
+        site_index: int | None = None,
+        num_sites: int | None = None,
+        peers: dict[int, LanePeer] | None = None,
+        generation: int = 0,
     ) -> None:
-        expected = set(range(num_sites)) - {site_index}
-        if set(peers) != expected:
-            raise ValueError(f"peers must cover sites {sorted(expected)}, got {sorted(peers)}")
+        members = None
+        if site_index is not None or num_sites is not None or peers is not None:
+            if site_index is None or num_sites is None or peers is None:
+                raise ValueError("a fixed membership needs site_index, num_sites and peers")
+            members = Members(generation, site_index, num_sites, server.members.site_names)
+            expected = set(range(num_sites)) - {site_index}
+            if set(peers) != expected:
+                raise ValueError(f"peers must cover sites {sorted(expected)}, got {sorted(peers)}")
         if chunk_bytes != server.chunk_bytes:
             raise ValueError(f"chunk_bytes {chunk_bytes} != server's {server.chunk_bytes}")
         if codec.name != server.codec:
@@ -85,10 +97,9 @@ class CrossSiteAllReduce:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.server = server
-        members = Members(generation, site_index, num_sites, server.members.site_names)
-        if members != server.members:  # moving clears the mailbox: only when it differs
-            server.set_members(members)
-        self.peers = peers
+        if members is not None and members != server.members:
+            server.set_members(members)  # moving clears the mailbox: only when it differs
+        self.peers: dict[int, LanePeer] = peers if peers is not None else {}
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s

@@ -25,7 +25,7 @@ import torch
 from isthmus.inter.control.coordinator_client import Decision, Verdict
 from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
 from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.inter.data.membership import QuorumLost, SiteMembership
+from isthmus.inter.data.membership import Generation, QuorumLost, SiteMembership
 from isthmus.inter.data.round import NonFiniteGradient
 from isthmus.inter.data.round_device import on_lane_stream
 from isthmus.inter.data.shard_map import (
@@ -333,7 +333,7 @@ class LaneGradientSync:
                     offer = self._follow(decision, step)
                     break
                 if decision.verdict == Verdict.RETRY:
-                    self.membership.configure(decision.generation, list(decision.sites))
+                    self.membership.adopt(Generation.of(decision))
                     stats.retries += 1
                     pending = self._restart(pending, step)
                     continue
@@ -406,7 +406,7 @@ class LaneGradientSync:
 
     def _restart(self, pending: list[_Pending], step: int) -> list[_Pending]:
         """Runs every group's round again from its untouched shard (a RETRY; the new
-        generation's ``configure`` cleared the abort signal)."""
+        generation's ``adopt`` cleared the abort signal)."""
         restarted = []
         for p in pending:
             buffer = p.shard.detach().reshape(-1).to(torch.float32, copy=True)
@@ -428,7 +428,7 @@ class LaneGradientSync:
         assert membership is not None
         if decision.generation == membership.generation:
             return None
-        membership.configure(decision.generation, list(decision.sites))
+        membership.adopt(Generation.of(decision))
         if decision.state_source == membership.site and decision.state_step == step:
             return decision
         return None

@@ -1,11 +1,16 @@
 """A rank's side of the job's membership: it votes on every step and follows generations.
 
+A membership is one value, a :class:`Generation` (its number and its member sites);
+:meth:`SiteMembership.adopt` is the one call that moves a rank to another: it opens the
+lanes of the new members, closes those of sites gone and re-points the rank's
+:class:`~isthmus.inter.data.allreduce.CrossSiteAllReduce` (and through it the lane
+server, which checks every incoming chunk against the generation).
+
 :class:`SiteMembership` talks only to its own site's coordinator (site-local): it
 votes on each step's rounds (``CommitStep``, a long poll answered with the job's
-decision) and, when the decision names a new generation, re-points the rank's
-:class:`~isthmus.inter.data.allreduce.CrossSiteAllReduce` at the new member sites. A
-watcher thread asks the coordinator which members fell silent and aborts a round
-that waits on one of them, so a dead site costs the failure timeout, not the round's.
+decision). A watcher thread asks the coordinator which members fell silent and reports
+them through a callback (the rank's abort signal: a round that waits on a silent site
+fails then), so a dead site costs the failure timeout, not the round's.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -27,7 +34,7 @@ from isthmus.inter.data.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.round_types import Members
 
-__all__ = ["QuorumLost", "SiteMembership"]
+__all__ = ["Generation", "QuorumLost", "SiteMembership"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,56 @@ class QuorumLost(RuntimeError):
     """This site cannot go on: the decision was STOP (its reason is the message)."""
 
 
+class _NamesGeneration(Protocol):
+    """What names a generation: the membership a rank first learns, a decision, a watch."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def sites(self) -> Sequence[SiteInfo]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One generation of the job's membership, as a rank adopts it whole.
+
+    Attributes:
+        number: the generation, > 0 (every chunk of its rounds carries it).
+        sites: the member sites ordered by index, each with its ranks' lane addresses.
+    """
+
+    number: int
+    sites: tuple[SiteInfo, ...]
+
+    def __post_init__(self) -> None:
+        if self.number < 1:
+            raise ValueError(f"a generation's number must be >= 1, got {self.number}")
+        names = self.names
+        if len(set(names)) != len(names):
+            raise ValueError(f"generation {self.number} names a site twice: {names}")
+
+    @classmethod
+    def of(cls, source: _NamesGeneration) -> Generation:
+        """The generation a membership, a decision or a watch's answer names."""
+        return cls(source.generation, tuple(source.sites))
+
+    @property
+    def names(self) -> list[str]:
+        """The member sites' names, by index."""
+        return [info.name for info in self.sites]
+
+    def members(self, site: str) -> Members:
+        """The lane server's view of this generation from member ``site``.
+
+        Raises:
+            ValueError: ``site`` is not a member.
+        """
+        names = self.names
+        if site not in names:
+            raise ValueError(f"{site} is not a member of generation {self.number}: {names}")
+        return Members(self.number, names.index(site), len(names), tuple(names))
+
+
 class SiteMembership:
     """One rank's membership client.
 
@@ -50,8 +107,10 @@ class SiteMembership:
         allreduce: the rank's cross-site all-reduce, re-pointed on each new generation.
         make_peer: builds the lane client of a peer site's rank: ``make_peer(info,
             rank)`` (proxy, TLS, chunk size); this rank's own number at equal sites.
-        sites: the members of ``generation``, ordered by index.
-        generation: the generation the rank starts in.
+        joined: the generation the rank starts in (adopted here).
+        on_suspect: the watcher's report, with the reason, when a member this rank's
+            rounds may wait on fell silent or was left out of a newer generation
+            (called again, at most every ``watch_s``, while that holds).
         decision_timeout_s: how long a vote may wait for its decision.
         watch_s: how often the watcher asks for silent members.
     """
@@ -64,58 +123,79 @@ class SiteMembership:
         rank: int,
         allreduce: CrossSiteAllReduce,
         make_peer: Callable[[SiteInfo, int], LanePeer],
-        sites: list[SiteInfo],
-        generation: int,
+        joined: Generation,
+        on_suspect: Callable[[str], None],
         decision_timeout_s: float = 300.0,
         watch_s: float = 0.25,
     ) -> None:
+        joined.members(site)  # a one-line refusal before anything starts
         self.client = client
         self.site = site
         self.rank = rank
         self.allreduce = allreduce
         self.make_peer = make_peer
+        self.on_suspect = on_suspect
         self.decision_timeout_s = decision_timeout_s
         self.watch_s = watch_s
-        self.sites: list[SiteInfo] = []
+        self._current = joined
         self._peers: dict[tuple[str, str], LanePeer] = {}
         self._peers_lock = threading.Lock()  # rounds of several groups open peers at once
         self._stop = threading.Event()
         self._poll: grpc.Future | None = None  # the watcher's long poll, for close()
         self._poll_lock = threading.Lock()
-        self.configure(generation, sites)
+        self.adopt(joined)
         self._watcher = threading.Thread(target=self._watch, name="membership-watch", daemon=True)
         self._watcher.start()
 
     @property
+    def current(self) -> Generation:
+        """The generation the rank is in."""
+        return self._current
+
+    @property
     def generation(self) -> int:
-        """The generation the rank is in (the lane server's :class:`Members`)."""
-        return self.allreduce.generation
+        """The number of the generation the rank is in."""
+        return self._current.number
+
+    @property
+    def sites(self) -> tuple[SiteInfo, ...]:
+        """The member sites of the generation the rank is in, by index."""
+        return self._current.sites
 
     @property
     def member_names(self) -> list[str]:
-        return [info.name for info in self.sites]
+        return self._current.names
 
-    def configure(self, generation: int, sites: list[SiteInfo]) -> None:
-        """Re-points the all-reduce at the members of ``generation`` (between rounds)."""
-        names = [info.name for info in sites]
-        if self.site not in names:
-            raise ValueError(f"{self.site} is not a member of generation {generation}: {names}")
-        position = names.index(self.site)
-        peers: dict[int, LanePeer] = {}
+    def adopt(self, generation: Generation) -> None:
+        """Moves the rank to ``generation`` (between rounds): the one place it changes.
+
+        Raises:
+            ValueError: this site is not a member (nothing changes then).
+        """
+        members = generation.members(self.site)
         # The lanes of other ranks (sites of different sizes) are opened on first use;
         # those of sites or addresses no longer members close here.
-        live = {(info.name, a) for info in sites for a in info.lane_addresses}
-        for key in [k for k in self._peers if k not in live]:
-            self._peers.pop(key).close()
-        self.sites = list(sites)
-        for i, info in enumerate(sites):
-            if info.name != self.site:
-                # The same rank; a smaller site has no such rank, but between sites of
-                # different sizes every round names its own peers (GradientSync's
-                # pieces), so this default is never used there.
-                peers[i] = self.peer(i, self.rank % len(info.lane_addresses))
-        self.allreduce.reconfigure(Members(generation, position, len(sites), tuple(names)), peers)
-        log.info("[%s/%d] generation %d: %s", self.site, self.rank, generation, ", ".join(names))
+        live = {(info.name, a) for info in generation.sites for a in info.lane_addresses}
+        with self._peers_lock:
+            for key in [k for k in self._peers if k not in live]:
+                self._peers.pop(key).close()
+        self._current = generation
+        # The same rank; a smaller site has no such rank, but between sites of different
+        # sizes every round names its own peers (GradientSync's pieces), so this default
+        # is never used there.
+        peers = {
+            i: self.peer(i, self.rank % len(info.lane_addresses))
+            for i, info in enumerate(generation.sites)
+            if info.name != self.site
+        }
+        self.allreduce.reconfigure(members, peers)
+        log.info(
+            "[%s/%d] generation %d: %s",
+            self.site,
+            self.rank,
+            generation.number,
+            ", ".join(generation.names),
+        )
 
     def site_ranks(self) -> list[int]:
         """Each member site's rank count, by site index (sites may differ in size)."""
@@ -124,7 +204,7 @@ class SiteMembership:
     def peer(self, site_index: int, rank: int) -> LanePeer:
         """The lane client of ``rank`` at member site ``site_index`` (opened once;
         keyed by address too: a restarted site's lanes listen somewhere new)."""
-        info = self.sites[site_index]
+        info = self._current.sites[site_index]
         key = (info.name, info.lane_addresses[rank])
         with self._peers_lock:
             if key not in self._peers:
@@ -211,8 +291,8 @@ class SiteMembership:
             if reply.generation > self.generation and reply.sites:
                 newer = {info.name for info in reply.sites}
                 left = [s for s in self.member_names if s not in newer]
-            if (silent or left) and not self.allreduce.abort.is_set():
-                self.allreduce.abort.set(
+            if silent or left:
+                self.on_suspect(
                     f"site(s) {', '.join(silent)} fell silent"
                     if silent
                     else f"generation {reply.generation} went on without {', '.join(left)}"
@@ -236,6 +316,7 @@ class SiteMembership:
             if self._poll is not None:
                 self._poll.cancel()
         self._watcher.join(timeout=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S)
-        for peer in self._peers.values():
-            peer.close()
-        self._peers.clear()
+        with self._peers_lock:
+            for peer in self._peers.values():
+                peer.close()
+            self._peers.clear()

@@ -2,7 +2,8 @@
 
 intra, sim and proto import nothing of ours but themselves; inter imports only proto
 and inter; inter/control never imports inter/data (a coordinator moves no tensors);
-deploy, the composition root, may import everything. Every import counts: at module
+deploy, the composition root, may import everything, but the data plane only through
+the names inter/data/__init__.py exports. Every import counts: at module
 level, inside a function, under TYPE_CHECKING, relative ones, and the names handed to
 importlib.import_module. A docstring that mentions a module is no import.
 """
@@ -52,6 +53,11 @@ RULES = (
     ),
     ("isthmus.deploy", ("isthmus",), ()),
 )
+
+# deploy reaches the data plane through its front door only: the names
+# inter/data/__init__.py exports (read from its __all__), and the modules run as programs.
+DATA_PLANE = "isthmus.inter.data"
+DATA_PLANE_PROGRAMS = ("bench",)
 
 
 def _under(name: str, package: str) -> bool:
@@ -114,8 +120,22 @@ def imports(source: str, module: str, is_package: bool) -> Iterator[tuple[int, s
             yield node.lineno, name, statement
 
 
-def _broken_rule(module: str, name: str) -> str | None:
+def data_plane_exports(root: Path) -> set[str]:
+    """The names inter/data/__init__.py lists in ``__all__`` (empty without one)."""
+    init = root / "inter" / "data" / "__init__.py"
+    for node in ast.parse(init.read_text()).body if init.exists() else ():
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _broken_rule(module: str, name: str, exports: set[str]) -> str | None:
     """Why ``module`` may not import ``name``, or None if it may."""
+    inside = name.removeprefix(DATA_PLANE + ".") if name.startswith(DATA_PLANE + ".") else None
+    if _under(module, "isthmus.deploy") and inside not in (None, *exports, *DATA_PLANE_PROGRAMS):
+        return f"deploy may import from {DATA_PLANE} only what its __init__ exports"
     for package, allowed, forbidden in RULES:
         if not _under(module, package):
             continue
@@ -128,10 +148,10 @@ def _broken_rule(module: str, name: str) -> str | None:
 
 def violations(root: Path) -> list[str]:
     """One line per import that breaks a rule: file, line, the statement, and the rule."""
-    found = set()
+    found, exports = set(), data_plane_exports(root)
     for path, module, is_package in _modules(root):
         for line, name, statement in imports(path.read_text(), module, is_package):
-            if _under(name, "isthmus") and (why := _broken_rule(module, name)):
+            if _under(name, "isthmus") and (why := _broken_rule(module, name, exports)):
                 found.add((str(path.relative_to(root)), line, f"{statement}  ({why})"))
     return [f"{path}:{line}: {text}" for path, line, text in sorted(found)]
 
@@ -153,7 +173,7 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
         "sim/__init__.py": "def f():\n    import isthmus.deploy.cli\n",
         "inter/__init__.py": "",
         "inter/security.py": "from isthmus.proto import lane_pb2\nfrom isthmus.intra import train\n",
-        "inter/data/__init__.py": "",
+        "inter/data/__init__.py": '__all__ = ["open_rank_sync"]\n',
         "inter/data/lane.py": "from isthmus.inter.control import coordinator_client\n",
         "inter/data/round.py": "from isthmus.inter.control.failover import Failover\n",
         "inter/control/__init__.py": "",
@@ -169,6 +189,11 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
         ),
         "inter/control/lane_pb2.py": "from isthmus.deploy import cli\n",  # generated: skipped
         "deploy/__init__.py": "from isthmus.inter.data.lane import LaneServer\n",
+        "deploy/rank.py": (
+            "from isthmus.inter.data import bench, open_rank_sync\n"
+            "from isthmus.inter.data import lane\n"
+            "import isthmus.inter.data\n"
+        ),
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +201,8 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
     found = violations(tmp_path)
     where = [line.split("  (")[0] for line in found]
     assert where == [
+        "deploy/__init__.py:1: from isthmus.inter.data.lane import LaneServer",
+        "deploy/rank.py:2: from isthmus.inter.data import lane",
         "inter/control/coordinator.py:4: from ..data.lane import LaneServer",
         "inter/control/coordinator.py:6: from isthmus.inter import data",
         "inter/control/coordinator.py:8: importlib.import_module(f'isthmus.inter.data.{name}')",
@@ -183,5 +210,8 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
         "inter/security.py:2: from isthmus.intra import train",
         "sim/__init__.py:2: import isthmus.deploy.cli",
     ], "\n".join(found)
-    assert found[0].endswith("(isthmus.inter.control must not import isthmus.inter.data)")
+    assert found[0].endswith(
+        "(deploy may import from isthmus.inter.data only what its __init__ exports)"
+    )
+    assert found[2].endswith("(isthmus.inter.control must not import isthmus.inter.data)")
     assert found[-1].endswith("(isthmus.sim may import only isthmus.sim of ours)")
