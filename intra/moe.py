@@ -211,11 +211,10 @@ class MoEFeedForward(nn.Module):
         """Keep this forward's load-balancing loss and load (``last_stats``)."""
         aux = routing.aux.detach()
         routed = routing.routed.float()
-        dropped = 0.0 if dropless else 1.0 - kept.sum().float() / routed.sum()
+        # new_zeros, not torch.tensor(0.0, device=...): a host-to-device copy waits.
+        dropped = aux.new_zeros(()) if dropless else 1.0 - kept.sum().float() / routed.sum()
         self.last_aux_loss = aux
-        self.last_stats = torch.stack(
-            [aux, routed.max() / routed.mean(), torch.as_tensor(dropped, device=aux.device)]
-        )
+        self.last_stats = torch.stack([aux, routed.max() / routed.mean(), dropped])
 
     def _exchanged_loop(
         self, copies: torch.Tensor, per_expert: torch.Tensor, shard: ExpertShard

@@ -154,3 +154,14 @@ def test_a_bad_capacity_factor_is_refused_in_one_line(bad):
     with pytest.raises(ValueError, match=r"^ModelConfig.capacity_factor must be a finite") as e:
         replace(CFG, capacity_factor=bad)
     assert "\n" not in str(e.value)
+
+
+def test_torch_compile_sees_the_grouped_layer_as_one_graph():
+    """``parallel.compile`` compiles each block: on the grouped path the MoE layer is one
+    graph without a break (its forward and backward compile whole); the loop's host
+    read breaks it in two."""
+    for impl, graphs in (("grouped", 1), ("loop", 2)):
+        layer = MoEFeedForward(replace(CFG, capacity_factor=1.0)).to(torch.bfloat16)
+        layer.impl, layer.experts.kernel = impl, "grouped_mm"
+        explained = torch._dynamo.explain(layer)(torch.randn(2, 16, CFG.dim, dtype=torch.bfloat16))
+        assert explained.graph_count == graphs, explained.break_reasons
