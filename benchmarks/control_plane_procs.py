@@ -34,20 +34,20 @@ RANKS_PER_CHANNEL = 8
 def serve_coordinator(site: str, names: list[str], ranks: int) -> None:
     """Runs one site's coordinator: prints its address, reads the peers' addresses
     (one JSON line), starts, and serves until stdin closes or says "stop"."""
-    from isthmus.inter.control.coordinator import Coordinator
+    from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
     from isthmus.inter.control.rank_keys import RankKeys
 
-    coordinator = Coordinator(
+    settings = CoordinatorSettings(
         site=site,
         site_names=names,
         ranks=ranks,
         fingerprint=FINGERPRINT,
-        rank_keys=RankKeys.derive(site, ranks, SECRET),
         join_timeout_s=600.0,
         heartbeat_s=1.0,
         failure_timeout_s=30.0,  # a loaded 2-core machine must not look like a dead site
         rpc_timeout_s=10.0,
     )
+    coordinator = Coordinator(settings, rank_keys=RankKeys.derive(site, ranks, SECRET))
     print(coordinator.address, flush=True)
     peers = json.loads(sys.stdin.readline())
     coordinator.set_peers({name: address for name, address in peers.items() if name != site})

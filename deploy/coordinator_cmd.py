@@ -31,7 +31,7 @@ __all__ = ["register"]
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from isthmus.inter.control.coordinator import Coordinator
+    from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 
     config = config_from_args(args)
     if args.site not in config.site_names:
@@ -70,18 +70,21 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             "another local process could register a rank before it starts",
             file=sys.stderr,
         )
-    coordinator = Coordinator(
+    settings = CoordinatorSettings(
         site=args.site,
         site_names=config.site_names,
         ranks=ranks,
         site_ranks=config.site_ranks,
         fingerprint=config.fingerprint(),
-        peers=peers,
-        proxies=proxies,
         host=host or "127.0.0.1",
         port=int(port or 0),
         join_timeout_s=config.sync.timeout_s,
         metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
+    )
+    coordinator = Coordinator(
+        settings,
+        peers=peers,
+        proxies=proxies,
         security=config.site_security(args.site),
         rank_keys=keys,
     )

@@ -23,7 +23,7 @@ from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
 from isthmus.deploy.validation import HostFacts, host_problem
-from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
 
 __all__ = [
@@ -223,15 +223,17 @@ class LocalJob:
         for site in config.site_names:
             self._coordinators.append(
                 Coordinator(
-                    site=site,
-                    site_names=config.site_names,
-                    ranks=config.ranks_of(site),
-                    site_ranks=config.site_ranks,
-                    fingerprint=config.fingerprint(),
-                    join_timeout_s=config.sync.timeout_s,
-                    metrics_port=None if config.run.metrics_port < 0 else 0,
+                    CoordinatorSettings(
+                        site=site,
+                        site_names=config.site_names,
+                        ranks=config.ranks_of(site),
+                        site_ranks=config.site_ranks,
+                        fingerprint=config.fingerprint(),
+                        join_timeout_s=config.sync.timeout_s,
+                        metrics_port=None if config.run.metrics_port < 0 else 0,
+                        **config.coordinator_options(),
+                    ),
                     security=config.site_security(site, self._token),
-                    **config.coordinator_options(),
                 )
             )
         addresses = {c.site: c.address for c in self._coordinators}

@@ -21,7 +21,7 @@ from isthmus.deploy.local import check_supported
 from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, config_path, prepare_run_dir
 from isthmus.deploy.summary import summarize
-from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 
 PEER_DIGEST_WAIT_S = 30.0
 
@@ -40,20 +40,23 @@ def coordinator_for(config: JobConfig, site: str) -> Coordinator:
     host, _, port = addresses.get(site, "127.0.0.1:0").rpartition(":")
     if not port.isdigit():
         raise ConfigError(f"cluster.coordinators.{site} must be HOST:PORT, got {addresses[site]!r}")
-    return Coordinator(
+    settings = CoordinatorSettings(
         site=site,
         site_names=config.site_names,
         ranks=config.ranks_of(site),
         site_ranks=config.site_ranks,
         fingerprint=config.fingerprint(),
-        peers={s: a for s, a in addresses.items() if s != site},
-        proxies={s: u for s, u in config.cluster.proxies.items() if s != site and u},
         host=host or "127.0.0.1",
         port=int(port),
         join_timeout_s=config.sync.timeout_s,
         metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
-        security=config.site_security(site),
         **config.coordinator_options(),
+    )
+    return Coordinator(
+        settings,
+        peers={s: a for s, a in addresses.items() if s != site},
+        proxies={s: u for s, u in config.cluster.proxies.items() if s != site and u},
+        security=config.site_security(site),
     )
 
 

@@ -12,7 +12,7 @@ import time
 import grpc
 from helpers import register_rank
 
-from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 from isthmus.sim import LinkSpec, RelayServer
@@ -21,16 +21,16 @@ FP = {"job.seed": "0"}
 FAST = {"heartbeat_s": 0.1, "failure_timeout_s": 0.8, "rpc_timeout_s": 1.0}
 
 
+COLLABORATORS = ("peers", "proxies", "security", "rank_keys", "clock")
+"""What a Coordinator is handed besides its settings."""
+
+
 def coordinator(site: str, names: list[str], **options) -> Coordinator:
-    """One site's coordinator with the fast test settings, not started."""
-    return Coordinator(
-        site=site,
-        site_names=names,
-        ranks=1,
-        fingerprint=FP,
-        join_timeout_s=20,
-        **{**FAST, **options},
-    )
+    """One site's coordinator with the fast test settings, not started; ``options`` are
+    settings (CoordinatorSettings) and collaborators (COLLABORATORS) alike."""
+    handed = {k: options.pop(k) for k in COLLABORATORS if k in options}
+    settings = {"ranks": 1, "fingerprint": FP, "join_timeout_s": 20, **FAST, **options}
+    return Coordinator(CoordinatorSettings(site=site, site_names=names, **settings), **handed)
 
 
 def start_sites(n: int, proxies=None, **options) -> list[Coordinator]:

@@ -6,8 +6,10 @@ fingerprint; a peer whose fingerprint differs is refused with a message naming
 every differing key, and both sides report it. Once every site is present and
 ready, the membership gets generation 1 and ranks learn their peers' lanes from a
 long-polling `GetMembership`. Heartbeats then record when each peer was last heard.
-The membership itself lives in `self.state` (inter/control/state.py), changed only by
-its named transitions; the handlers here, the failover loop and the peer loop call them.
+Everything the coordinator knows lives in `self.state` (inter/control/state.py),
+changed only by its named transitions; the handlers here, the failover loop, the peer
+loop and the admission rule call them. Each of those helpers is handed the few things
+it uses (the frozen settings, the peers' stubs, the state), never the coordinator.
 
 Every RPC carries a deadline and every wait a timeout (docs/design.md invariant 5).
 """
@@ -17,22 +19,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, RePolls, WaitSlots, pool_size
 from isthmus.inter.control import rank_keys as handouts
-from isthmus.inter.control.admission import MAX_FIELD_CHARS, JoinClaims, on_join, site_problem
+from isthmus.inter.control.admission import MAX_FIELD_CHARS, Admission
 from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
 from isthmus.inter.control.failover import Failover
 from isthmus.inter.control.fingerprint import fingerprint_problem
-from isthmus.inter.control.incarnations import Incarnations
 from isthmus.inter.control.peer_loop import PeerLoop
 from isthmus.inter.control.rank_keys import RankKeys
-from isthmus.inter.control.replicas import ReplicaDigests
+from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.state import CoordinatorState
 from isthmus.inter.control.witness import WitnessLink
 from isthmus.inter.malformed import MalformedRequests
@@ -40,6 +42,8 @@ from isthmus.inter.metrics import SiteMetrics, report_problem
 from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["Coordinator", "CoordinatorError", "CoordinatorSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -50,133 +54,99 @@ class CoordinatorError(RuntimeError):
     """The job cannot go on: a refused join, a timeout, an invalid peer."""
 
 
+def _view(name: str, doc: str) -> Any:
+    """A read-only attribute of the coordinator that reads ``state.<name>``."""
+    return property(lambda self: getattr(self.state, name), doc=doc)
+
+
 class Coordinator(pb_grpc.CoordinatorServicer):
     """One site's coordinator: a gRPC server plus a thread that joins the peers.
 
     Args:
-        site: this site's name; must be in `site_names`.
-        site_names: every site of the job, in index order (fixes summation order).
-        ranks: ranks expected to register from this site.
-        fingerprint: flattened job fingerprint every party must match.
+        settings: the site, the job's sites, the fingerprint, where to bind, the
+            timeouts and the failover settings (inter/control/settings.py).
         peers: peer site name -> coordinator address, for every other site; may
             instead be given by `set_peers` before `start` (the address of a server
             bound to port 0 is known only once it is constructed).
         proxies: peer site name -> HTTP CONNECT proxy URL of the link to it (optional).
-        host: interface to bind; port 0 picks a free port (see `address`).
-        join_timeout_s: how long to wait for every site to be present and ready.
-        rpc_timeout_s: deadline of each RPC to a peer.
-        heartbeat_s: period of heartbeats to peers once joined.
-        metrics_port: serve Prometheus /metrics on this port (0 = any free port);
-            None serves none. `metrics_address` tells where it is.
         security: mutual TLS and the job token for this server and the channels to
             peers (`isthmus.inter.security`); None = plaintext, no token.
-        failure_timeout_s: a member not heard from for this long is suspected dead.
-        min_sites: never go on with fewer live sites.
-        quorum_wait_s: how long a site without quorum waits before it stops.
-        vote_window: votes for steps further than this past the step the site runs
-            are refused. first_step: a resumed job's first step.
-        witness: host:port of the job's witness (inter/control/witness.py), if it has one.
         rank_keys: which key each local rank registers with; by default one random
             key per rank, which the site's launcher in this process hands its ranks
             (inter/control/rank_keys.py).
+        clock: what every time of the control plane is read from (seconds, monotonic).
     """
 
     def __init__(
         self,
+        settings: CoordinatorSettings,
         *,
-        site: str,
-        site_names: list[str],
-        ranks: int,
-        fingerprint: Mapping[str, str],
-        site_ranks: Sequence[int] | None = None,
         peers: Mapping[str, str] | None = None,
         proxies: Mapping[str, str | None] | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        join_timeout_s: float = 120.0,
-        rpc_timeout_s: float = 5.0,
-        heartbeat_s: float = 1.0,
-        metrics_port: int | None = None,
         security: SiteSecurity | None = None,
-        failure_timeout_s: float = 10.0,
-        min_sites: int = 1,
-        quorum_wait_s: float = 60.0,
-        vote_window: int = 64,
-        first_step: int = 0,
-        witness: str | None = None,
         rank_keys: RankKeys | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # First: it checks the site, the ranks and the failure timeout.
-        self.state = CoordinatorState(
-            site=site, site_names=site_names, ranks=ranks, failure_timeout_s=failure_timeout_s
+        self.settings = s = settings
+        self.site, self.site_names, self.ranks = s.site, list(s.site_names), s.ranks
+        self.state = st = CoordinatorState(
+            site=s.site,
+            site_names=s.site_names,
+            ranks=s.ranks,
+            failure_timeout_s=s.failure_timeout_s,
+            clock=clock,
         )
-        """The membership and its transitions, shared with failover and the peer loop."""
-        self.site = site
-        self.site_names = list(site_names)
-        self.index = site_names.index(site)
-        self.ranks = ranks
-        self.site_ranks = list(site_ranks) if site_ranks is not None else [ranks] * len(site_names)
-        """Each site's rank count, by index: sites may differ in size (one lane per rank)."""
-        if len(self.site_ranks) != len(site_names) or self.site_ranks[self.index] != ranks:
-            raise ValueError(
-                f"site_ranks {self.site_ranks} must give each of {len(site_names)} sites its "
-                f"ranks, {ranks} for {site}"
-            )
-        self.fingerprint = dict(fingerprint)
+        """Everything this site knows and its transitions, shared with its helpers."""
         self.peers: dict[str, str] = {}
         self.proxies: dict[str, str | None] = {}
         if peers is not None:
             self.set_peers(peers, proxies)
-        self.join_timeout_s = join_timeout_s
-        self.rpc_timeout_s = rpc_timeout_s
-        self.heartbeat_s = heartbeat_s
-        self._digest: tuple[int, str] = (0, "")
-        self.incarnations = Incarnations()  # this process's id and the peers'
-        self.peer_steps: dict[str, int] = {}
-        self.step = 0
-        self.finished = False
-        self.finished_peers: set[str] = set()
-        self.replicas = ReplicaDigests(site)
-        self.rank_keys = rank_keys or RankKeys.draw(site, ranks)
+        self.rank_keys = rank_keys or RankKeys.draw(s.site, s.ranks)
         """Which process speaks for each local rank (the key its launcher handed it)."""
-        self.asked_to_join: set[str] = set()
-        """Sites whose join of the running job awaits their answer at their own address."""
-        self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}
-        self._channels: list[grpc.Channel] = []
         self.security = security or INSECURE
-        self.where = f"coordinator of {site}"
-        self.witness = WitnessLink.of(self, witness) if witness else None
-        self.failover = Failover(
-            self,
-            min_sites=min_sites,
-            quorum_wait_s=quorum_wait_s,
-            vote_window=vote_window,
-            first_step=first_step,
-        )
-        self.metrics = SiteMetrics(site)
+        self.where = s.where
+        self.metrics = SiteMetrics(s.site)
         self.metrics_address: str | None = None
-        self._metrics_port = metrics_port
-        self._host = host
         # Long polls (GetMembership, CommitStep, SiteVote) wait on a slot each; a call
-        # without one answers at once (inter/bounds.py): the legitimate waiters are this
-        # site's ranks and the other sites' coordinators, a few calls each.
+        # without one answers at once (inter/bounds.py). Each caller holds its share
+        # only (a rank two, a peer site's votes two, the site's ranks' membership polls
+        # two a rank, anyone else's two a host), and one answered at once too often is
+        # paced unless it proved a rank's key (inter/bounds.py, issue 33 row 9).
         self.refusals = RefusalLog(self.where)
-        self.join_claims = JoinClaims(self.refusals)
-        """What joins in each peer's name claimed, until the peer's own answer settles it."""
-        # Each caller holds its share only (a rank two, a peer site's votes two, the
-        # site's ranks' membership polls two a rank, anyone else's two a host), and one
-        # answered at once too often is paced unless it proved a rank's key
-        # (inter/bounds.py, issue 33 row 9).
-        waiters = 2 * ranks + 2 * len(self.site_names) + 2
+        waiters = 2 * s.ranks + 2 * len(s.site_names) + 2
         self.repolls = RePolls()
         self.long_polls = WaitSlots(waiters, "long poll", self.refusals, self.repolls)
         # grpc.health.v1: SERVING while the site trains, NOT_SERVING once it drains.
         self.health = BoundedHealth(self.refusals)
+        self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}  # filled by start()
+        self._channels: list[grpc.Channel] = []
+        self.witness = WitnessLink.of(s, self.security, on_answer=st.wake, clock=clock)
+        self.failover = Failover(
+            s,
+            st,
+            stubs=self._stubs,
+            rank_keys=self.rank_keys,
+            refusals=self.refusals,
+            long_polls=self.long_polls,
+            witness=self.witness,
+        )
+        self.admission = Admission(
+            s, st, refusals=self.refusals, add_joiner=self.failover.add_joiner_locked
+        )
+        self._peer_loop = PeerLoop(
+            s, st, stubs=self._stubs, admission=self.admission, metrics=self.metrics
+        )
+        self._server = self._bind(waiters + self.repolls.holds)
+        self._joiner = threading.Thread(
+            target=self._peer_loop.run, name=f"join-{s.site}", daemon=True
+        )
 
-        self._server = grpc.server(
+    def _bind(self, workers: int) -> grpc.Server:
+        """The gRPC server, bound where the settings say (`address` tells where)."""
+        s = self.settings
+        server = grpc.server(
             futures.ThreadPoolExecutor(
-                max_workers=pool_size(waiters + self.repolls.holds),
-                thread_name_prefix=f"coord-{site}",
+                max_workers=pool_size(workers), thread_name_prefix=f"coord-{s.site}"
             ),
             options=server_options(MESSAGE_LIMITS),
             interceptors=[
@@ -184,19 +154,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
             ],
         )
-        pb_grpc.add_CoordinatorServicer_to_server(self, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        bound = self.security.add_port(self._server, f"{host}:{port}")
+        pb_grpc.add_CoordinatorServicer_to_server(self, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        bound = self.security.add_port(server, f"{s.host}:{s.port}")
         if bound == 0:
-            raise OSError(f"coordinator for {site} could not bind {host}:{port}")
-        self.address = f"{host}:{bound}"
-        self.state.address = self.address
+            raise OSError(f"coordinator for {s.site} could not bind {s.host}:{s.port}")
+        self.address = self.state.address = f"{s.host}:{bound}"
         if self.rank_keys.bound:  # for the launcher of this site's ranks, in this process
             handouts.publish(self.address, self.rank_keys)
-        self._peer_loop = PeerLoop(self)
-        self._joiner = threading.Thread(
-            target=self._peer_loop.run, name=f"join-{site}", daemon=True
-        )
+        return server
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -216,9 +182,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             raise ValueError("set_peers() must name every peer site before start()")
         self._server.start()
         self.set_serving(True)
-        if self._metrics_port is not None:
-            port = self.metrics.serve(self._host, self._metrics_port)
-            self.metrics_address = f"{self._host}:{port}"
+        host, metrics_port = self.settings.host, self.settings.metrics_port
+        if metrics_port is not None:
+            self.metrics_address = f"{host}:{self.metrics.serve(host, metrics_port)}"
         self.state.mark_started()
         for name, address in self.peers.items():
             channel = peer_channel(address, self.proxies.get(name), self.security)
@@ -257,22 +223,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.repolls.release_all()
         self.metrics.close()
         if self._joiner.is_alive():
-            self._joiner.join(timeout=self.rpc_timeout_s + 1.0)
-        self.failover.join(timeout=self.rpc_timeout_s + 1.0)
+            self._joiner.join(timeout=self.settings.rpc_timeout_s + 1.0)
+        self.failover.join(timeout=self.settings.rpc_timeout_s + 1.0)
         if self.witness is not None:
             self.witness.stop()
         self._server.stop(grace_s).wait(grace_s + 1.0)
         handouts.withdraw(self.address)
         for channel in self._channels:
             channel.close()
-
-    def peer_stub(self, name: str) -> pb_grpc.CoordinatorStub:
-        """The stub of peer site `name`'s coordinator (one channel per peer)."""
-        return self._stubs[name]
-
-    def peer_stubs(self) -> Mapping[str, pb_grpc.CoordinatorStub]:
-        """Every peer's stub, by site name (filled by `start`)."""
-        return self._stubs
 
     def live_members(self) -> list[str]:
         """Members of the current generation (every site before the first)."""
@@ -285,52 +243,21 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # -- the membership, read from `state` (what launchers and tests read) --------------
+    # -- what launchers and tests read, from `state` -------------------------------------
 
-    @property
-    def error(self) -> str | None:
-        """Why the job cannot go on, or None."""
-        return self.state.error
-
-    @property
-    def generation(self) -> int:
-        """The membership generation (0 until every site is present and ready)."""
-        return self.state.generation
-
-    @property
-    def members(self) -> list[str]:
-        """The member sites of the current generation."""
-        return self.state.members
-
-    @property
-    def start_step(self) -> int:
-        """For a site admitted to a running job: the step it starts at."""
-        return self.state.start_step
-
-    @property
-    def state_source(self) -> str:
-        """For a site admitted to a running job: the member it pulls the state from."""
-        return self.state.state_source
-
-    @property
-    def last_seen(self) -> Mapping[str, float]:
-        """When each peer was last heard from (time.monotonic)."""
-        return self.state.last_seen
-
-    @property
-    def digest(self) -> tuple[int, str]:
-        """This site's latest parameter digest and its step, as its rank 0 reported it."""
-        return self._digest
-
-    @property
-    def joining(self) -> bool:
-        """True while this site asks a running job to admit it (restarted or left out)."""
-        return self.state.joining
-
-    @property
-    def excluded(self) -> bool:
-        """True when the job went on without this site (it was cut off without quorum)."""
-        return self.state.excluded
+    error = _view("error", "Why the job cannot go on, or None.")
+    generation = _view("generation", "The membership generation (0 until all are ready).")
+    members = _view("members", "The member sites of the current generation.")
+    start_step = _view("start_step", "For a site admitted to a running job: its first step.")
+    state_source = _view("state_source", "For a site admitted: the member it pulls from.")
+    last_seen = _view("last_seen", "When each peer was last heard from (on the clock).")
+    joining = _view("joining", "True while this site asks a running job to admit it.")
+    excluded = _view("excluded", "True when the job went on without this site.")
+    step = _view("step", "The step this site's ranks last reported.")
+    finished = _view("finished", "This site's ranks ran their last step.")
+    digest = _view("digest", "This site's latest parameter digest and its step.")
+    replicas = _view("replicas", "Every site's parameter digests (ReplicaDigests).")
+    incarnations = _view("incarnations", "This process's id and the peers' (Incarnations).")
 
     def wait_ready(self, timeout_s: float) -> list[pb.SiteInfo]:
         """Block until the membership exists; returns the sites in index order.
@@ -353,7 +280,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # names the keys that differ, not this job's values (the log here has them).
         values = not to_caller or self.security.require_token or self.security.require_tls
         return fingerprint_problem(
-            self.fingerprint, dict(theirs.fields), self.site, who, values=values
+            self.settings.fingerprint, dict(theirs.fields), self.site, who, values=values
         )
 
     # -- RPC handlers ---------------------------------------------------------------
@@ -391,7 +318,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def Join(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site.name, "Join")
         who = request.site.name[:64] or "a peer"
-        problem = answer = site_problem(self, request.site, request.ready, request.incarnation)
+        problem = answer = self.admission.site_problem(
+            request.site, request.ready, request.incarnation
+        )
         if problem is None and (problem := self._check_fingerprint(request.fingerprint, who)):
             answer = self._check_fingerprint(request.fingerprint, who, to_caller=True)
         if problem is not None:
@@ -401,12 +330,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         with st.cond:
             # Not even "heard from": anyone can send a join in a site's name; the
             # site's answers to this site's own calls say whether it is alive.
-            news = on_join(self, request, context.peer())
+            news = self.admission.on_join(request, context.peer())
             return pb.JoinResponse(
                 site=st.own_info_locked(),
                 ready=st.local_ready_locked(),
                 generation=st.generation if news else 0,
-                incarnation=self.incarnations.mine,
+                incarnation=st.incarnations.mine,
             )
 
     def GetMembership(self, request, context):  # noqa: N802
@@ -421,7 +350,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             polls = self.long_polls.wait(context, "GetMembership", 2)
         with polls as may_wait:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
-            st.await_membership(request.known_generation, time.monotonic() + wait_s)
+            st.await_membership(request.known_generation, st.clock() + wait_s)
         with st.cond:
             if st.error is not None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, st.error)
@@ -443,29 +372,23 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         refuse_unless_named(self.security, context, self.where, request.site, "Heartbeat")
         if request.site not in self.peers:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
-        if not self.replicas.valid(request.digest):
+        st = self.state
+        if not st.replicas.valid(request.digest):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
             )
-        st = self.state
         with st.cond:
-            st.heard_from_locked(request.site)
-            self.peer_steps[request.site] = request.step
-            if request.finished:
-                self.finished_peers.add(request.site)
-            st.cond.notify_all()  # a peer's progress: waiters re-check
+            st.peer_progress_locked(request.site, request.step, request.finished)
         self.metrics.site_up.labels(self.site, request.site).set(1)
-        refused = self.replicas.claim(
-            request.site, request.digest_step, request.digest, live=self.step
-        )
+        refused = st.replicas.claim(request.site, request.digest_step, request.digest, live=st.step)
         if refused is not None:  # the heartbeat counts; its digest does not
             self.refusals.note(context.peer(), f"Heartbeat in {request.site}'s name: {refused}")
-        digest = self.replicas.own(request.confirm_step) if request.confirm_digest else ""
+        digest = st.replicas.own(request.confirm_step) if request.confirm_digest else ""
         with st.cond:
             return pb.HeartbeatResponse(
                 generation=st.generation,
                 member=request.site in st.members,
-                incarnation=self.incarnations.mine,
+                incarnation=st.incarnations.mine,
                 confirmed_digest=digest,
                 site=st.own_info_locked(),
                 ready=st.local_ready_locked(),
@@ -498,12 +421,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.refusals.note(context.peer(), why)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.where}: {why}")
         self.metrics.record_step(request)
-        with self.state.cond:
-            self.step = request.step
-            self.finished = self.finished or request.finished
-            if request.digest:
-                self._digest = (request.digest_step, request.digest)
-        divergence = self.replicas.record(self.site, request.digest_step, request.digest)
+        st = self.state
+        with st.cond:
+            st.report_progress_locked(
+                request.step, request.finished, request.digest_step, request.digest
+            )
+        divergence = st.replicas.record(self.site, request.digest_step, request.digest)
         if divergence:
             self.metrics.replicas_identical.labels(self.site).set(0)
         return pb.ReportProgressResponse(divergence=divergence or "")

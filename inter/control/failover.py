@@ -29,20 +29,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
 
 import grpc
 
+from isthmus.inter.bounds import RefusalLog, WaitSlots
 from isthmus.inter.control.admission import malformed_proposal, unconfirmed_proposal
 from isthmus.inter.control.ballots import Ballots
 from isthmus.inter.control.leader import Leader, has_quorum
-from isthmus.inter.control.state import Adoption, Key
+from isthmus.inter.control.rank_keys import RankKeys
+from isthmus.inter.control.settings import CoordinatorSettings
+from isthmus.inter.control.state import Adoption, CoordinatorState, Key
+from isthmus.inter.control.witness import WitnessLink
 from isthmus.proto import coordinator_pb2 as pb
-
-if TYPE_CHECKING:
-    from isthmus.inter.control.coordinator import Coordinator
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["Failover", "has_quorum"]
 
@@ -57,50 +57,52 @@ MAX_HOST_BALLOTS = 256  # ranks one CommitHostStep speaks for (a host has 8 or s
 class Failover:
     """The voting and membership-change logic of one site's coordinator.
 
-    The membership lives in ``coordinator.state`` (inter/control/state.py), the votes
-    and decisions in :attr:`ballots`; decisions only the leader takes are
-    :attr:`leader`'s. All of it is guarded by the state's condition variable.
+    The membership lives in ``state`` (inter/control/state.py), the votes and decisions
+    in :attr:`ballots`; decisions only the leader takes are :attr:`leader`'s. All of it
+    is guarded by the state's condition variable.
 
     Args:
-        coordinator: the site's coordinator (its settings, stubs, rank keys and state).
-        min_sites: never go on with fewer live sites.
-        quorum_wait_s: how long a site without quorum waits before it stops.
-        vote_window: votes for steps more than this past the step the site runs are
-            refused (forged votes for coming steps once froze a job: issue 14, row 3).
-        first_step: the job's first step (a resumed job starts past 0).
+        settings: the coordinator's settings (quorum, vote window, first step, timeouts).
+        state: the membership, shared with the coordinator's handlers and the peer loop.
+        stubs: each peer's coordinator stub, by site name (filled once the site starts).
+        rank_keys: which key each local rank votes with.
+        refusals: where refused votes are reported, once per caller.
+        long_polls: the slots a vote waits for its decision in.
+        witness: the job's witness, if it has one.
     """
 
     def __init__(
         self,
-        coordinator: Coordinator,
+        settings: CoordinatorSettings,
+        state: CoordinatorState,
         *,
-        min_sites: int = 1,
-        quorum_wait_s: float = 60.0,
-        vote_window: int = 64,
-        first_step: int = 0,
+        stubs: Mapping[str, pb_grpc.CoordinatorStub],
+        rank_keys: RankKeys,
+        refusals: RefusalLog,
+        long_polls: WaitSlots,
+        witness: WitnessLink | None = None,
     ) -> None:
-        if quorum_wait_s < 0 or min_sites < 1 or vote_window < 1:
-            raise ValueError(
-                "need quorum_wait_s >= 0, min_sites >= 1 and vote_window >= 1, got "
-                f"{quorum_wait_s}, {min_sites}, {vote_window}"
-            )
-        self.c = coordinator
-        self.state = coordinator.state
+        self.settings = settings
+        self.state = state
+        self.stubs = stubs
+        self._rank_keys = rank_keys
+        self._refusals = refusals
+        self._long_polls = long_polls
         self.ballots = Ballots(self.state)
         self.leader = Leader(
             self.state,
             self.ballots,
-            peer_stub=coordinator.peer_stub,
-            rpc_timeout_s=coordinator.rpc_timeout_s,
-            witness=coordinator.witness,
-            min_sites=min_sites,
-            quorum_wait_s=quorum_wait_s,
+            peer_stub=stubs.__getitem__,
+            rpc_timeout_s=settings.rpc_timeout_s,
+            witness=witness,
+            min_sites=settings.min_sites,
+            quorum_wait_s=settings.quorum_wait_s,
         )
-        self.vote_window = vote_window
-        self.first_step = first_step
+        self.vote_window = settings.vote_window
+        self.first_step = settings.first_step
         self._suspects: list[str] = []  # as the loop last saw them (it wakes waiters on a change)
         self._thread = threading.Thread(
-            target=self._run, name=f"failover-{coordinator.site}", daemon=True
+            target=self._run, name=f"failover-{settings.site}", daemon=True
         )
 
     # -- views (call with the state's condition held) -----------------------------------------
@@ -135,8 +137,8 @@ class Failover:
         runs = max(st.committed_steps, st.start_step, self.first_step)
         if step > runs + self.vote_window:
             far = f"a vote for step {step}, more than {self.vote_window} steps past step {runs}"
-            self.c.refusals.note(context.peer(), far)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.c.where}: {far}")
+            self._refusals.note(context.peer(), far)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.settings.where}: {far}")
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -158,14 +160,13 @@ class Failover:
         ballot = pb.RankBallot(rank=request.rank, ok=request.ok, rank_key=request.rank_key)
         key = self._record_votes(request, [ballot], context)
         # The vote proved its rank's key: its polls are never paced.
-        rank = f"{self.c.site} rank {request.rank}"
+        rank = f"{self.settings.site} rank {request.rank}"
         return self._await(
             key, request.wait_ms, context, rank, paced=False, sites_known=request.sites_known
         )
 
     def commit_host_step(self, request: pb.CommitHostStepRequest, context: grpc.ServicerContext):
         """The votes of several ranks of one host; one long poll for their decision."""
-        c = self.c
         ranks = [b.rank for b in request.ballots]
         if not 1 <= len(ranks) <= MAX_HOST_BALLOTS or len(set(ranks)) != len(ranks):
             context.abort(
@@ -174,7 +175,7 @@ class Failover:
                 f"{len(ranks)} ballots for {len(set(ranks))} ranks",
             )
         key = self._record_votes(request, request.ballots, context)
-        host = f"{c.site} host of rank {min(ranks)}"
+        host = f"{self.settings.site} host of rank {min(ranks)}"
         return self._await(
             key, request.wait_ms, context, host, paced=False, sites_known=request.sites_known
         )
@@ -187,17 +188,17 @@ class Failover:
     ) -> Key:
         """Checks the ballots of local ranks on (step, generation), each with its rank's
         key, and records them all or refuses the call with none recorded."""
-        c = self.c
-        if request.site != c.site:
+        s = self.settings
+        if request.site != s.site:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"vote for site {request.site[:64]!r} sent to the coordinator of {c.site}",
+                f"vote for site {request.site[:64]!r} sent to the coordinator of {s.site}",
             )
         for ballot in ballots:
-            if ballot.rank >= c.ranks:
+            if ballot.rank >= s.ranks:
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"rank {ballot.rank} is not one of {c.site}'s {c.ranks} ranks",
+                    f"rank {ballot.rank} is not one of {s.site}'s {s.ranks} ranks",
                 )
         if request.step > MAX_STEP or request.generation == 0:
             context.abort(
@@ -205,17 +206,17 @@ class Failover:
                 f"step {request.step} / generation {request.generation} out of range",
             )
         for ballot in ballots:
-            if not c.rank_keys.is_rank(ballot.rank, ballot.rank_key):
+            if not self._rank_keys.is_rank(ballot.rank, ballot.rank_key):
                 why = f"a vote for rank {ballot.rank} without the key it registered with"
-                c.refusals.note(context.peer(), why)
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{c.where}: {why}")
+                self._refusals.note(context.peer(), why)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{s.where}: {why}")
         key = (request.step, request.generation)
         st = self.state
         with st.cond:
             if request.generation > st.generation:
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"generation {request.generation} is ahead of {c.site}'s {st.generation}",
+                    f"generation {request.generation} is ahead of {s.site}'s {st.generation}",
                 )
             self._refuse_if_too_far_locked(request.step, context)
             for ballot in ballots:
@@ -224,15 +225,15 @@ class Failover:
 
     def site_vote(self, request: pb.SiteVoteRequest, context: grpc.ServicerContext):
         """A member site's vote at this (leader) site; long poll for the decision."""
-        c = self.c
-        if request.site not in c.peers:
+        s = self.settings
+        if request.site not in s.peers:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
         if request.step > MAX_STEP or request.generation == 0:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"step {request.step} / generation {request.generation} out of range",
             )
-        unknown = [s[:64] for s in request.suspects if s not in c.site_names]
+        unknown = [n[:64] for n in request.suspects if n not in s.site_names]
         if unknown:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"suspects name unknown sites {unknown[:4]}"
@@ -259,11 +260,11 @@ class Failover:
                 if (request.step, st.generation) in b.decisions:
                     return b.decisions[(request.step, st.generation)]
                 return b.retry_locked(request.step, "generation moved on")
-            if request.generation > st.generation or self._leader_locked() != c.site:
+            if request.generation > st.generation or self._leader_locked() != s.site:
                 return pb.Decision(
                     step=request.step,
                     verdict=pb.VERDICT_PENDING,
-                    reason=f"{c.site} is not the leader of generation {request.generation}",
+                    reason=f"{s.site} is not the leader of generation {request.generation}",
                 )
             self._refuse_if_too_far_locked(request.step, context)
             # A "not ok" stands once cast (Ballots.vote_site_locked says why).
@@ -273,14 +274,15 @@ class Failover:
 
     def propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext):
         """Adopt a higher generation proposed by its leader."""
-        c = self.c
-        problem = malformed_proposal(c, request, MAX_STEP)
+        s, st = self.settings, self.state
+        problem = malformed_proposal(s, request, MAX_STEP)
         if problem is not None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        st = self.state
-        if request.generation > st.generation and (why := unconfirmed_proposal(c, request)):
-            c.refusals.note(context.peer(), why)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{c.where}: {why}")
+        if request.generation > st.generation and (
+            why := unconfirmed_proposal(s, st, self.stubs[request.leader], request)
+        ):
+            self._refusals.note(context.peer(), why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{s.where}: {why}")
         with st.cond:
             st.heard_from_locked(request.leader)
             adopted = self.ballots.adopt_locked(
@@ -313,8 +315,8 @@ class Failover:
         # rank's vote is a waiting thread, and a wake-up of all of them per transition
         # grew with the ranks (inter/control/wakeups.py).
         st, b = self.state, self.ballots
-        with self.c.long_polls.wait(context, caller, 2, paced=paced) as may_wait:
-            deadline = time.monotonic() + (min(wait_ms, 30_000) / 1000.0 if may_wait else 0.0)
+        with self._long_polls.wait(context, caller, 2, paced=paced) as may_wait:
+            deadline = st.clock() + (min(wait_ms, 30_000) / 1000.0 if may_wait else 0.0)
             while True:
                 with st.cond:
                     # A rank that voted in a generation older than the one this site was
@@ -327,7 +329,7 @@ class Failover:
                     found = b.answer_locked(key, sites_known)
                     if found is not None:
                         return found
-                    left = deadline - time.monotonic()
+                    left = deadline - st.clock()
                     if left <= 0 or st.stopped.is_set():
                         return pb.Decision(step=key[0], verdict=pb.VERDICT_PENDING)
                     decided = b.decision_event_locked(key)
@@ -344,7 +346,7 @@ class Failover:
                 # _LOOP_S. A key whose votes completed while this loop was settling
                 # another is not waited for: its notification came before this wait,
                 # and waiting out the tick cost up to 50 ms of every step's decision.
-                fresh = st.generation and set(b.voted_locked(self.c.ranks)) - settled
+                fresh = st.generation and set(b.voted_locked(st.ranks)) - settled
                 if not fresh:
                     st.cond.wait(_LOOP_S)
                 if st.generation == 0:
@@ -354,7 +356,7 @@ class Failover:
                     self._suspects = suspects
                     st.membership_news.publish()  # wake ranks long-polling GetMembership
                     st.cond.notify_all()
-                ready = b.voted_locked(self.c.ranks)
+                ready = b.voted_locked(st.ranks)
             settled = set(ready)
             for key in ready:
                 try:
@@ -363,7 +365,7 @@ class Failover:
                     log.exception("[%s] settling step %d failed", st.site, key[0])
 
     def _settle(self, key: Key) -> None:
-        c, st, b = self.c, self.state, self.ballots
+        st, b = self.state, self.ballots
         with st.cond:
             if key[1] != st.generation:
                 # Ranks voted in a generation this site has left: they run it again --
@@ -394,8 +396,8 @@ class Failover:
             suspects=suspects,
         )
         try:
-            decision = c.peer_stub(leader).SiteVote(
-                request, timeout=c.rpc_timeout_s + _FORWARD_WAIT_MS / 1000
+            decision = self.stubs[leader].SiteVote(
+                request, timeout=self.settings.rpc_timeout_s + _FORWARD_WAIT_MS / 1000
             )
         except grpc.RpcError as exc:
             log.debug("[%s] vote at %s: %s", st.site, leader, exc.code().name)

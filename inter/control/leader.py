@@ -12,7 +12,6 @@ everything here too), the step votes and decisions it shares with failover
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from typing import TYPE_CHECKING
@@ -125,7 +124,7 @@ class Leader:
             failed = (any(not ok for ok, _ in votes.values()) or len(alive) < len(members)) and all(
                 m in votes for m in alive
             )
-            fresh = time.monotonic() - st.failure_timeout_s
+            fresh = st.clock() - st.failure_timeout_s
             last_seen = st.last_seen
             joiners = [j for j in b.joiners if last_seen.get(j, 0.0) > fresh]
             if all_ok and not joiners:
@@ -213,7 +212,7 @@ class Leader:
         if self._may_go_on(alive) and len(alive) >= self.min_sites:
             self._stuck = None
             return True
-        now = time.monotonic()
+        now = st.clock()
         if self._stuck is None or self._stuck[0] != st.generation:
             self._stuck = (st.generation, now)
             log.warning(

@@ -4,8 +4,10 @@ The coordinator's RPC handlers (inter/control/coordinator.py), its failover loop
 (failover.py), the leader's decisions (leader.py), the peer loop (peer_loop.py) and the
 admission rule (admission.py) all read and change one membership: its generation and
 members, whether this site is joining or was left out, which peers said they are
-ready, who is suspected dead and which steps committed. :class:`CoordinatorState` owns
-it, and every change is one of its transitions (``admit``, ``exclude``, ``suspect``,
+ready, who is suspected dead and which steps committed; and what the site knows of its
+peers and itself: their incarnations, the replica digests, what joins claimed, who
+asked to join, and the steps and digests reported. :class:`CoordinatorState` owns it,
+and every change is one of its transitions (``admit``, ``exclude``, ``suspect``,
 ``commit``, ``adopt_generation``, ...), so each can be tested on its own
 (tests/inter/test_coordinator_state.py) and a reader finds in one file what moves the
 membership (the partition scenario once deadlocked in code that wrote it from four
@@ -29,9 +31,12 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
+from isthmus.inter.control.incarnations import Incarnations
+from isthmus.inter.control.join_claims import JoinClaims
+from isthmus.inter.control.replicas import ReplicaDigests
 from isthmus.inter.control.wakeups import Broadcast, KeyedWakeups
 from isthmus.proto import coordinator_pb2 as pb
 
@@ -62,10 +67,18 @@ class CoordinatorState:
         site_names: every site of the job, in index order.
         ranks: ranks of this site (each registers one lane address).
         failure_timeout_s: a member not heard from for this long is suspected dead.
+        clock: what every time in here is read from (seconds, monotonic); a test hands
+            one it moves instead of waiting for time to pass.
     """
 
     def __init__(
-        self, *, site: str, site_names: Sequence[str], ranks: int, failure_timeout_s: float
+        self,
+        *,
+        site: str,
+        site_names: Sequence[str],
+        ranks: int,
+        failure_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if site not in site_names:
             raise ValueError(f"site {site!r} is not one of the job's sites {list(site_names)}")
@@ -79,6 +92,7 @@ class CoordinatorState:
         self.ranks = ranks
         self.peers = frozenset(self.site_names) - {site}
         self.failure_timeout_s = failure_timeout_s
+        self.clock = clock
         self.address = ""
         """Where this site's coordinator listens: set once, when its server is bound."""
         self.cond = threading.Condition(threading.RLock())
@@ -98,6 +112,18 @@ class CoordinatorState:
         self._last_seen: dict[str, float] = {}
         self._restarted: set[str] = set()
         self._committed_steps = 0
+        self._asked_to_join: set[str] = set()
+        self._step = 0
+        self._finished = False
+        self._digest: tuple[int, str] = (0, "")
+        self._peer_steps: dict[str, int] = {}
+        self._finished_peers: set[str] = set()
+        self.incarnations = Incarnations()
+        """This process's id and the peers' (guarded by ``cond``)."""
+        self.replicas = ReplicaDigests(site)
+        """Every site's parameter digests (its own lock)."""
+        self.join_claims = JoinClaims()
+        """What joins in each peer's name claimed, until the peer's own answer settles it."""
         self.membership_news = Broadcast()
         """Published (under ``cond``) when what a ``GetMembership`` long poll waits for
         may have changed: the generation, joining, the error, a stop, the suspects."""
@@ -164,7 +190,7 @@ class CoordinatorState:
 
     @property
     def last_seen(self) -> Mapping[str, float]:
-        """When each peer was last heard from (time.monotonic), read-only."""
+        """When each peer was last heard from (on :attr:`clock`), read-only."""
         return MappingProxyType(self._last_seen)
 
     @property
@@ -177,10 +203,40 @@ class CoordinatorState:
         """Steps this site has committed: the next step it runs."""
         return self._committed_steps
 
+    @property
+    def asked_to_join(self) -> frozenset[str]:
+        """Sites whose join of the running job awaits their answer at their own address."""
+        return frozenset(self._asked_to_join)
+
+    @property
+    def step(self) -> int:
+        """The step this site's ranks last reported."""
+        return self._step
+
+    @property
+    def finished(self) -> bool:
+        """This site's ranks ran their last step."""
+        return self._finished
+
+    @property
+    def digest(self) -> tuple[int, str]:
+        """This site's latest parameter digest and its step, as its rank 0 reported it."""
+        return self._digest
+
+    @property
+    def peer_steps(self) -> Mapping[str, int]:
+        """The step each peer's heartbeats last said it runs, read-only."""
+        return MappingProxyType(self._peer_steps)
+
+    @property
+    def finished_peers(self) -> frozenset[str]:
+        """Peers whose heartbeats said they ran their last step."""
+        return frozenset(self._finished_peers)
+
     def seconds_since_start(self) -> float:
         """How long ago the coordinator started (0 before it did)."""
         started = self.started_at
-        return 0.0 if started is None else time.monotonic() - started
+        return 0.0 if started is None else self.clock() - started
 
     def local_ready_locked(self) -> bool:
         """Every local rank has registered its lane."""
@@ -204,7 +260,7 @@ class CoordinatorState:
     def suspects_locked(self) -> list[str]:
         """Members other than this site not heard from within the failure timeout, and
         members that restarted (their old incarnation is gone)."""
-        now = time.monotonic()
+        now = self.clock()
         started = self.started_at if self.started_at is not None else now
         return [
             m
@@ -217,7 +273,7 @@ class CoordinatorState:
         ]
 
     def await_membership(self, known_generation: int, deadline: float) -> None:
-        """Waits until ``deadline`` (time.monotonic) for what a ``GetMembership`` long poll
+        """Waits until ``deadline`` (on :attr:`clock`) for what a ``GetMembership`` long poll
         waits for: a generation past ``known_generation``, an error, a stop, and for a
         caller that knows a generation, a member fallen silent (the failover loop
         publishes :attr:`membership_news` when the suspects change)."""
@@ -230,7 +286,7 @@ class CoordinatorState:
                     or (known_generation and self.suspects_locked())
                 ):
                     return
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     return
                 news = self.membership_news.event()
@@ -241,7 +297,7 @@ class CoordinatorState:
     def mark_started(self) -> None:
         """The coordinator started: silence is counted from now, and the join timeout."""
         with self.cond:
-            self.started_at = time.monotonic()
+            self.started_at = self.clock()
 
     def register_lane_locked(self, rank: int, address: str) -> None:
         """Local ``rank`` serves its lane at ``address``; the last one may form generation 1."""
@@ -307,7 +363,32 @@ class CoordinatorState:
     def heard_from_locked(self, name: str) -> None:
         """A call from, or an answer of, peer ``name`` arrived. Wakes nobody: silence is
         noticed by time, and the failover loop wakes the waiters when the suspects change."""
-        self._last_seen[name] = time.monotonic()
+        self._last_seen[name] = self.clock()
+
+    def peer_progress_locked(self, name: str, step: int, finished: bool) -> None:
+        """Peer ``name``'s heartbeat said it runs ``step`` (and whether it finished)."""
+        self._last_seen[name] = self.clock()
+        self._peer_steps[name] = step
+        if finished:
+            self._finished_peers.add(name)
+        self.cond.notify_all()  # a peer's progress: waiters re-check
+
+    def report_progress_locked(
+        self, step: int, finished: bool, digest_step: int, digest: str
+    ) -> None:
+        """This site's ranks report ``step`` (and its digest, if any); finished stays so."""
+        self._step = step
+        self._finished = self._finished or finished
+        if digest:
+            self._digest = (digest_step, digest)
+
+    def ask_to_join_locked(self, name: str) -> None:
+        """``name`` asked to join the running job; settled by its answer at its address."""
+        self._asked_to_join.add(name)
+
+    def settle_join_locked(self, name: str) -> None:
+        """``name``'s own answer settled its join (it waits to be admitted, or not)."""
+        self._asked_to_join.discard(name)
 
     def commit_locked(self, step: int) -> None:
         """``step`` committed: this site runs the steps after it."""
@@ -330,7 +411,7 @@ class CoordinatorState:
         if generation <= self._generation:
             return Adoption.STALE
         left_out = self._excluded
-        now = time.monotonic()
+        now = self.clock()
         for info in sites:
             if info.name != self.site:
                 self._ready_sites[info.name] = info

@@ -25,18 +25,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
-from typing import TYPE_CHECKING
 
 import grpc
 
 from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
 from isthmus.inter.control.fingerprint import fingerprint_problem
+from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from isthmus.inter.control.coordinator import Coordinator
 
 __all__ = ["HOST_KEYS", "WitnessLink", "WitnessServer"]
 
@@ -58,6 +55,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
         failure_timeout_s: a site not heard from for this long is taken for dead.
         host, port: where to listen (port 0 picks one; see ``address``).
         security: mutual TLS and the job token (None = neither).
+        clock: what silence is measured on (seconds, monotonic).
     """
 
     def __init__(
@@ -69,6 +67,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
         host: str = "127.0.0.1",
         port: int = 0,
         security: SiteSecurity | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.site_names = list(site_names)
         self.fingerprint = {k: v for k, v in fingerprint.items() if k not in HOST_KEYS}
@@ -77,7 +76,8 @@ class WitnessServer(pb_grpc.WitnessServicer):
         self.where = "witness"
         self.holder: list[str] = []
         self._last_seen: dict[str, float] = {}
-        self._started = time.monotonic()
+        self._clock = clock
+        self._started = clock()
         self._lock = threading.Lock()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="witness"),
@@ -113,7 +113,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
     def Ping(self, request, context):  # noqa: N802 (gRPC method name)
         self._check(request.site, request.fingerprint, context, "Ping")
         with self._lock:
-            self._last_seen[request.site] = time.monotonic()
+            self._last_seen[request.site] = self._clock()
         return pb.WitnessPingResponse()
 
     def Grant(self, request, context):  # noqa: N802
@@ -129,7 +129,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
                 f"members must be distinct sites of the job including {request.site[:64]!r}",
             )
         with self._lock:
-            self._last_seen[request.site] = time.monotonic()
+            self._last_seen[request.site] = self._clock()
             why = self._refusal_locked(members)
             if why is None:
                 if set(members) != set(self.holder):
@@ -142,7 +142,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
     def _refusal_locked(self, members: list[str]) -> str | None:
         if 2 * len(members) != len(self.site_names):
             return f"{len(members)} of {len(self.site_names)} sites is not an even split"
-        now = time.monotonic()
+        now = self._clock()
         alive = [
             s
             for s in self.holder
@@ -157,7 +157,17 @@ class WitnessServer(pb_grpc.WitnessServicer):
 class WitnessLink:
     """A coordinator's line to the witness: pings it every ``heartbeat_s`` and asks for
     grants, on its own thread, so that a witness that does not answer never holds up
-    the coordinator. ``granted`` answers from what the witness last said."""
+    the coordinator. ``granted`` answers from what the witness last said.
+
+    Args:
+        address: the witness's host:port.
+        site, fingerprint: who asks, with the job's fingerprint.
+        heartbeat_s: how often it pings; an answer older than two periods is stale.
+        rpc_timeout_s: deadline of each call to the witness.
+        security: mutual TLS and the job token (None = neither).
+        on_answer: called when a grant's answer arrives (the leader re-evaluates).
+        clock: what an answer's age is measured on (seconds, monotonic).
+    """
 
     def __init__(
         self,
@@ -169,6 +179,7 @@ class WitnessLink:
         rpc_timeout_s: float,
         security: SiteSecurity | None = None,
         on_answer: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.address, self.site = address, site
         self._fingerprint = pb.JobFingerprint(fields=dict(fingerprint))
@@ -176,6 +187,7 @@ class WitnessLink:
         self._channel = peer_channel(address, security=security or INSECURE)
         self._stub = pb_grpc.WitnessStub(self._channel)
         self._on_answer = on_answer
+        self._clock = clock
         self._lock = threading.Lock()
         self._wanted: frozenset[str] | None = None
         self._answers: dict[frozenset[str], tuple[bool, float]] = {}
@@ -185,17 +197,26 @@ class WitnessLink:
         self._thread = threading.Thread(target=self._run, name=f"witness-{site}", daemon=True)
 
     @classmethod
-    def of(cls, coordinator: Coordinator, address: str) -> WitnessLink:
-        """The link of ``coordinator`` (built after its settings and security)."""
-        c = coordinator
+    def of(
+        cls,
+        settings: CoordinatorSettings,
+        security: SiteSecurity,
+        *,
+        on_answer: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> WitnessLink | None:
+        """The link of a coordinator with ``settings`` (None: the job has no witness)."""
+        if not settings.witness:
+            return None
         return cls(
-            address,
-            site=c.site,
-            fingerprint=c.fingerprint,
-            heartbeat_s=c.heartbeat_s,
-            rpc_timeout_s=c.rpc_timeout_s,
-            security=c.security,
-            on_answer=c.state.wake,  # a grant arrived: the leader re-evaluates pending steps
+            settings.witness,
+            site=settings.site,
+            fingerprint=settings.fingerprint,
+            heartbeat_s=settings.heartbeat_s,
+            rpc_timeout_s=settings.rpc_timeout_s,
+            security=security,
+            on_answer=on_answer,
+            clock=clock,
         )
 
     def start(self) -> WitnessLink:
@@ -214,7 +235,7 @@ class WitnessLink:
         wanted = frozenset(members)
         with self._lock:
             answer = self._answers.get(wanted)
-            if answer is not None and time.monotonic() - answer[1] <= 2 * self._heartbeat_s:
+            if answer is not None and self._clock() - answer[1] <= 2 * self._heartbeat_s:
                 return answer[0]
             self._wanted = wanted
         self._wake.set()
@@ -248,7 +269,7 @@ class WitnessLink:
                 f"[{self.site}] the witness does not back {sorted(members)}: {reply.reason}",
             )
         with self._lock:
-            self._answers[members] = (reply.granted, time.monotonic())
+            self._answers[members] = (reply.granted, self._clock())
         self._on_answer()
 
     def _say(self, kind: str, warning: str) -> None:

@@ -19,7 +19,7 @@ from helpers import register_rank
 
 from isthmus.deploy.config import load_config
 from isthmus.deploy.ranks import SiteRanks, prepare_run_dir
-from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,11 +33,13 @@ def test_a_stranger_cannot_register_a_rank_and_the_ranks_meet_in_a_private_store
     run_dir, _ = prepare_run_dir(config)
     fingerprint = config.fingerprint()
     coord = Coordinator(
-        site="site0",
-        site_names=config.site_names,
-        ranks=2,
-        fingerprint=fingerprint,
-        join_timeout_s=120,
+        CoordinatorSettings(
+            site="site0",
+            site_names=config.site_names,
+            ranks=2,
+            fingerprint=fingerprint,
+            join_timeout_s=120,
+        )
     )
     coord.start()
     ranks = SiteRanks(config, "site0", run_dir, coord.address, {})

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from helpers import register_rank
 
-from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.rank_keys import RankKeys
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -33,7 +33,9 @@ RANKS = 8
 def site():
     """A one-site job of RANKS ranks, all registered: no peers, so nothing but the
     test's calls moves its state (no heartbeats, no suspects)."""
-    coord = Coordinator(site="site0", site_names=["site0"], ranks=RANKS, fingerprint=FP)
+    coord = Coordinator(
+        CoordinatorSettings(site="site0", site_names=["site0"], ranks=RANKS, fingerprint=FP)
+    )
     coord.start()
     try:
         for rank in range(RANKS):

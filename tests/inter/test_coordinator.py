@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from isthmus.inter.control.coordinator import Coordinator, CoordinatorError
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorError, CoordinatorSettings
 from isthmus.inter.control.fingerprint import fingerprint_diff
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -23,12 +23,14 @@ def make_sites(fingerprints: list[dict[str, str]], ranks: int = 2, join_timeout_
     names = [f"site{i}" for i in range(len(fingerprints))]
     coords = [
         Coordinator(
-            site=name,
-            site_names=names,
-            ranks=ranks,
-            fingerprint=fp,
-            join_timeout_s=join_timeout_s,
-            heartbeat_s=0.2,
+            CoordinatorSettings(
+                site=name,
+                site_names=names,
+                ranks=ranks,
+                fingerprint=fp,
+                join_timeout_s=join_timeout_s,
+                heartbeat_s=0.2,
+            )
         )
         for name, fp in zip(names, fingerprints, strict=True)
     ]
@@ -275,13 +277,14 @@ def test_servers_close_idle_connections_and_a_peer_reconnects(monkeypatch):
 def test_sites_of_different_sizes_are_checked_by_each_sites_own_count():
     from isthmus.inter.control.admission import site_problem
 
-    c = Coordinator(
-        site="a", site_names=["a", "b"], ranks=4, site_ranks=[4, 2], fingerprint={},
-        peers={"b": "127.0.0.1:1"},
-    )  # fmt: skip
+    c = CoordinatorSettings(
+        site="a", site_names=["a", "b"], ranks=4, site_ranks=[4, 2], fingerprint={}
+    )
     two = pb.SiteInfo(name="b", index=1, lane_addresses=["h:1", "h:2"])
     four = pb.SiteInfo(name="b", index=1, lane_addresses=["h:1", "h:2", "h:3", "h:4"])
     assert site_problem(c, two, ready=True) is None
     assert "sent 4 lane addresses, expected 2" in (site_problem(c, four, ready=True) or "")
     with pytest.raises(ValueError, match="must give each of 2 sites its ranks"):
-        Coordinator(site="a", site_names=["a", "b"], ranks=4, site_ranks=[2, 4], fingerprint={})
+        CoordinatorSettings(
+            site="a", site_names=["a", "b"], ranks=4, site_ranks=[2, 4], fingerprint={}
+        )

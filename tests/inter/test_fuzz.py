@@ -46,7 +46,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from isthmus.inter.control.channels import MAX_MESSAGE_BYTES
-from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.proto import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("report_counts")]
@@ -184,16 +184,18 @@ class Sites:
     def __init__(self) -> None:
         self.coords = [
             Coordinator(
-                site=name,
-                site_names=SITES,
-                ranks=1,
-                fingerprint=FP,
-                join_timeout_s=20,
-                heartbeat_s=0.2,
-                # Nobody is suspected while the fuzzer keeps the machine busy: a
-                # suspect would make the leader reconfigure the job under the test.
-                failure_timeout_s=60,
-                rpc_timeout_s=2,
+                CoordinatorSettings(
+                    site=name,
+                    site_names=SITES,
+                    ranks=1,
+                    fingerprint=FP,
+                    join_timeout_s=20,
+                    heartbeat_s=0.2,
+                    # Nobody is suspected while the fuzzer keeps the machine busy: a
+                    # suspect would make the leader reconfigure the job under the test.
+                    failure_timeout_s=60,
+                    rpc_timeout_s=2,
+                )
             )
             for name in SITES
         ]
@@ -253,7 +255,7 @@ def coordinator_state(c: Coordinator):
             "lanes": list(c.state.lanes),
             "ready_sites": {n: i.SerializeToString() for n, i in c.state.ready_sites.items()},
             "joining": (c.joining, c.excluded, c.state.error, c.start_step, c.state_source),
-            "progress": (c.step, c.finished, c._digest, sorted(c.finished_peers)),
+            "progress": (c.step, c.state.finished, c.digest, sorted(c.state.finished_peers)),
             "rank_votes": {k: dict(v) for k, v in f.ballots.rank_votes.items()},
             "site_votes": {k: dict(v) for k, v in f.ballots.site_votes.items()},
             "decisions": {k: d.SerializeToString() for k, d in f.ballots.decisions.items()},

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import register_rank
 
-from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
 from isthmus.inter.security import TOKEN_HEADER
 from isthmus.proto import coordinator_pb2 as pb
@@ -61,12 +61,14 @@ def health_status(address: str, service: str = "") -> int:
 def pair():
     coords = [
         Coordinator(
-            site=name,
-            site_names=["site0", "site1"],
-            ranks=1,
-            fingerprint=FP,
-            heartbeat_s=0.1,
-            metrics_port=0,
+            CoordinatorSettings(
+                site=name,
+                site_names=["site0", "site1"],
+                ranks=1,
+                fingerprint=FP,
+                heartbeat_s=0.1,
+                metrics_port=0,
+            ),
             rank_keys=RankKeys(name, [RANK_KEY]),  # this process plays rank 0 (StepReporter)
         )
         for name in ("site0", "site1")

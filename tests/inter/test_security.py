@@ -27,7 +27,7 @@ from helpers import assert_one_line_error, raw_chunk, run_cli
 from isthmus.deploy.certs_cmd import write_certs
 from isthmus.deploy.config import ConfigError, load_config
 from isthmus.inter.control.channels import peer_channel
-from isthmus.inter.control.coordinator import Coordinator
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
@@ -216,12 +216,14 @@ def test_token_alone_without_tls(job_dir, caplog):
 @pytest.fixture()
 def coordinator(job_dir) -> Coordinator:
     coord = Coordinator(
-        site="site0",
-        site_names=SITES,
-        ranks=1,
-        fingerprint={"job.name": "t"},
+        CoordinatorSettings(
+            site="site0",
+            site_names=SITES,
+            ranks=1,
+            fingerprint={"job.name": "t"},
+            join_timeout_s=60,
+        ),
         peers={"site1": "127.0.0.1:9"},  # never answers; this test talks to site0 only
-        join_timeout_s=60,
         security=full(job_dir, "site0"),
         rank_keys=RankKeys("site0", [RANK_KEY]),  # this process plays rank 0
     )
@@ -310,11 +312,13 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
         for site in SITES:
             coords.append(
                 Coordinator(
-                    site=site,
-                    site_names=SITES,
-                    ranks=1,
-                    fingerprint={"job.name": "t"},
-                    join_timeout_s=30,
+                    CoordinatorSettings(
+                        site=site,
+                        site_names=SITES,
+                        ranks=1,
+                        fingerprint={"job.name": "t"},
+                        join_timeout_s=30,
+                    ),
                     security=full(job_dir, site),
                     rank_keys=RankKeys(site, [RANK_KEY]),  # this process plays rank 0
                 )
