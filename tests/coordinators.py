@@ -10,7 +10,7 @@ import threading
 import time
 
 import grpc
-from helpers import register_rank
+from helpers import register_rank, wait_until
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.proto import coordinator_pb2 as pb
@@ -98,14 +98,20 @@ def vote_all(coords, step, generation, ok=None):
 
 def retry_until(coords, step, generation, members, ok):
     """Vote not-ok (as ranks whose rounds hit a dead site do) until a RETRY names
-    exactly ``members``: the first retry may come before the silence is noticed."""
-    for _ in range(10):
+    exactly ``members``. Waits first until every voter suspects the sites that are not
+    to stay (silence is noticed after failure_timeout_s), so a retry drops them."""
+
+    def dropped(c: Coordinator) -> bool:
+        with c.state.cond:
+            return set(c.members) - set(members) <= set(c.state.suspects_locked())
+
+    wait_until(lambda: all(dropped(c) for c in coords), f"{members}' peers never suspected")
+    for _ in range(10):  # a leader that is not yet suspected may answer once more
         decisions = vote_all(coords, step=step, generation=generation, ok=ok)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_RETRY}, decisions
         generation = next(iter(decisions.values())).generation
         if all(names(d) == members for d in decisions.values()):
             return generation
-        time.sleep(0.2)  # a rank's next round takes a while too
     raise AssertionError(f"never retried with {members} alone")
 
 

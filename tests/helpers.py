@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ISTHMUS = [sys.executable, "-m", "isthmus.deploy.cli"]
@@ -59,6 +60,30 @@ def _hang_report(args: tuple[str, ...], stderr: str) -> str:
     report = "\n".join(parts)
     print(report, file=sys.stderr)  # pytest shows it with the failure
     return report
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
+    """Polls ``condition`` until it holds; fails with ``what`` after ``timeout_s``. The
+    way a test waits for something another thread or process does: on the event
+    itself, never a fixed delay (a fixed delay is too short on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} (not within {timeout_s:g}s)"
+        time.sleep(0.01)
+
+
+class ManualClock:
+    """A clock a test moves (``advance``) instead of waiting for time to pass; hand it
+    as the ``clock`` of a CoordinatorState, Coordinator or WitnessServer."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def port_is_free(port: int) -> bool:

@@ -12,11 +12,10 @@ every rank's, and one call carries the votes of a host's ranks.
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
-from helpers import register_rank
+from helpers import register_rank, wait_until
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.rank_keys import RankKeys
@@ -159,7 +158,7 @@ def test_a_long_poll_is_woken_by_its_own_news_only(site):
         st = coord.state
         # Both wait on their own event: nothing waits on the state's condition but
         # the failover loop, however many ranks keep long polls there.
-        _wait_for(lambda: len(st.decision_news) == 1)
+        wait_until(lambda: len(st.decision_news) == 1, "the vote never waited")
         for _ in range(3):
             with st.cond:
                 st.cond.notify_all()  # what a peer's heartbeat does
@@ -175,13 +174,6 @@ def test_a_long_poll_is_woken_by_its_own_news_only(site):
             sites = st.infos_locked(["site0"])
             st.adopt_generation_locked(2, sites, start_step=1, state_source="", leader="site0")
         assert poll.result(timeout=10).generation == 2
-
-
-def _wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_a_voter_that_has_the_sites_gets_its_commit_without_them(site):

@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from helpers import wait_until
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorError, CoordinatorSettings
 from isthmus.inter.control.fingerprint import fingerprint_diff
@@ -212,9 +213,7 @@ def test_floods_of_long_polls_and_health_watches_leave_threads_for_training():
         # The calls past the caller's share of the slots were answered at once, with what
         # the coordinator knows; past its burst of those, refused (inter/bounds.py RePolls).
         waiting = 2  # an unregistered caller's share of the slots
-        deadline = time.monotonic() + 10
-        while sum(p.done() for p in polls) < 40 - waiting and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: sum(p.done() for p in polls) >= 40 - waiting, "polls not answered")
         done = [p for p in polls if p.done()]
         answered = [p.result() for p in done if p.exception() is None]
         paced = [p.exception().code() for p in done if p.exception() is not None]
@@ -264,10 +263,7 @@ def test_servers_close_idle_connections_and_a_peer_reconnects(monkeypatch):
             ready = grpc.ChannelConnectivity.READY
             states = []
             channel.subscribe(states.append, try_to_connect=False)
-            deadline = time.monotonic() + 10
-            while states[-1:] == [ready] or not states:
-                assert time.monotonic() < deadline, f"never closed: {states}"
-                time.sleep(0.05)
+            wait_until(lambda: states and states[-1:] != [ready], f"never closed: {states}")
             assert states[-1] == grpc.ChannelConnectivity.IDLE
             assert stub.GetMembership(pb.GetMembershipRequest(), timeout=5).generation == 0
     finally:

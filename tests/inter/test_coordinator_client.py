@@ -4,11 +4,10 @@ and the errors each raises."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from coordinators import FP, coordinator, stop_all
+from helpers import wait_until
 
 from isthmus.inter.control.coordinator import Coordinator
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Progress
@@ -92,10 +91,7 @@ def test_progress_needs_a_registered_key_and_returns_the_divergence():
         # site1 digests step 10 differently: site0 hears of it by heartbeat.
         report = Progress(site="site1", step=10, digest=D2, digest_step=10)
         assert clients[1].report_progress(report, timeout_s=5) == ""
-        deadline = time.monotonic() + 10
-        while not coords[0].replicas.divergence:
-            assert time.monotonic() < deadline, "divergence never detected"
-            time.sleep(0.05)
+        wait_until(lambda: coords[0].replicas.divergence, "divergence never detected")
         divergence = clients[0].report_progress(Progress(site="site0", step=11), timeout_s=5)
         assert "replicas differ after step 10" in divergence
     finally:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from helpers import ManualClock
 
 from isthmus.inter.control.ballots import Ballots
 from isthmus.inter.control.state import Adoption, CoordinatorState
@@ -24,9 +25,11 @@ pytestmark = pytest.mark.timeout(30)
 NAMES = ["site0", "site1", "site2"]
 
 
-def make_state(site: str = "site1", *, ranks: int = 1, failure_timeout_s: float = 10.0):
+def make_state(
+    site: str = "site1", *, ranks: int = 1, failure_timeout_s: float = 10.0, clock=time.monotonic
+):
     return CoordinatorState(
-        site=site, site_names=NAMES, ranks=ranks, failure_timeout_s=failure_timeout_s
+        site=site, site_names=NAMES, ranks=ranks, failure_timeout_s=failure_timeout_s, clock=clock
     )
 
 
@@ -201,13 +204,17 @@ def test_a_restarted_member_is_suspected_at_once_until_a_generation_takes_it_bac
 
 
 def test_a_silent_member_is_suspected_after_the_failure_timeout_and_not_before():
-    state = make_state(failure_timeout_s=0.2)
+    clock = ManualClock()
+    state = make_state(failure_timeout_s=0.2, clock=clock)
     state.mark_started()
     adopt(state, 1, NAMES)
     with state.cond:
         state.heard_from_locked("site0")
         assert state.suspects_locked() == []  # nobody silent for long yet
-    time.sleep(0.3)
+    clock.advance(0.19)
+    with state.cond:
+        assert state.suspects_locked() == []  # silent for just under the timeout: not yet
+    clock.advance(0.02)
     with state.cond:
         state.heard_from_locked("site0")
         assert state.suspects_locked() == ["site2"]  # never this site itself

@@ -8,7 +8,6 @@ dies); a partition cuts the emulated link.
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -24,6 +23,7 @@ from coordinators import (
     vote,
     vote_all,
 )
+from helpers import wait_until
 
 from isthmus.inter.control.failover import has_quorum
 from isthmus.proto import coordinator_pb2 as pb
@@ -131,7 +131,8 @@ def test_a_restarted_site_is_admitted_at_a_commit_with_the_state_source():
         assert vote(coords[0], 1, generation).verdict == pb.VERDICT_COMMIT
         # site1 comes back at the same address, from generation 0.
         again = coords[1] = restart_site1(address, coords[0], lane="127.0.0.1:2999")
-        time.sleep(0.5)  # its joins reach site0
+        # Its joins reach site0, which asks site1 itself and takes it as a joiner.
+        wait_until(lambda: "site1" in coords[0].failover.ballots.joiners, "site1 never joined")
         admit = vote(coords[0], 2, generation)
         assert admit.verdict == pb.VERDICT_COMMIT
         assert names(admit) == ["site0", "site1"] and admit.generation > generation
@@ -154,9 +155,12 @@ def test_a_site_restarted_before_the_first_commit_is_taken_for_dead_and_admitted
         coords[1].stop(grace_s=0)
         again = coords[1] = restart_site1(coords[1].address, coords[0], lane="127.0.0.1:2998")
         assert again.incarnations.mine != before
-        time.sleep(0.5)  # its joins reach site0
+        # site0 asks site1 at its address and learns the new incarnation: a restart.
+        mine = again.incarnations.mine
+        wait_until(lambda: coords[0].incarnations.get("site1") == mine, "restart never seen")
         with coords[0].state.cond:
-            assert coords[0].failover.suspects_locked() == ["site1"]  # at once
+            assert "site1" in coords[0].state.restarted  # suspected for it, not for silence
+            assert coords[0].failover.suspects_locked() == ["site1"]
         generation = retry_until(coords[:1], 4, 1, ["site0"], ok={"site0": True})
         admit = vote(coords[0], 4, generation)
         assert admit.verdict == pb.VERDICT_COMMIT
@@ -175,9 +179,7 @@ def test_a_site_that_only_answered_joins_is_known_by_its_incarnation():
         site0.set_peers({"site1": site1.address})
         site1.start()
         site0.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and site0.incarnations.get("site1") is None:
-            time.sleep(0.05)
+        wait_until(lambda: site0.incarnations.get("site1") is not None, "site1 never answered")
         assert site0.incarnations.get("site1") == site1.incarnations.mine  # from site1's answers
         assert site1.incarnations.get("site0") == site0.incarnations.mine  # from site0's joins
     finally:

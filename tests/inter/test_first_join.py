@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 from coordinators import FP, coordinator, linked_pair, register, stop_all
+from helpers import wait_until
 
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -33,13 +34,6 @@ def forged_join(address: str, incarnation: str = "f" * 16) -> pb.JoinResponse:
         )
 
 
-def wait_for(predicate, what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_a_join_in_a_site_s_name_before_it_starts_admits_nothing(caplog):
     relay = RelayServer().start()
     link, proxies = linked_pair(relay)
@@ -48,14 +42,19 @@ def test_a_join_in_a_site_s_name_before_it_starts_admits_nothing(caplog):
     try:
         site0.set_peers({"site1": site1.address}, proxies["site0"])
         site1.set_peers({"site0": site0.address}, proxies["site1"])
+        joins: list[int] = []  # site0's rounds of joins (each asks site1, which is not up)
+        rounds = site0._peer_loop  # noqa: SLF001 (counted, not changed)
+        join_round = rounds.join_round
+        rounds.join_round = lambda stubs: (join_round(stubs), joins.append(1))
         site0.start()
         register(site0, lane="127.0.0.1:2000")  # site0 is ready; site1 has not started
         for _ in range(3):
             # Answered (a join cannot be told from the site's own until the site is
             # asked), but nothing is taken from it: no generation, no lanes, no liveness.
             assert forged_join(site0.address).generation == 0
+        after = len(joins)  # a whole round begun after the forged joins: site0 joined site1
+        wait_until(lambda: len(joins) >= after + 2, "site0 stopped joining site1")
         with site0.state.cond:
-            site0.state.cond.wait_for(lambda: False, 1.5)  # site0 keeps joining site1
             assert site0.generation == 0
             assert "site1" not in site0.state.ready_sites
             assert "site1" not in site0.state.last_seen
@@ -70,15 +69,16 @@ def test_a_join_in_a_site_s_name_before_it_starts_admits_nothing(caplog):
         # The forged claims, contradicted by site1's answer: counted (one per connection
         # they came on: gRPC may reuse one for all three), logged once for their host,
         # with the caller's address.
-        wait_for(lambda: site0.refusals.count >= 1, "the forged joins were never settled")
+        wait_until(lambda: site0.refusals.count >= 1, "the forged joins were never settled")
         assert 1 <= site0.refusals.count <= 3
         lines = [r.getMessage() for r in caplog.records if "does not confirm" in r.getMessage()]
         assert len(lines) == 1 and "site1's name" in lines[0] and "127.0.0.1" in lines[0]
 
         # After the job runs, a forged join in a member's name changes nothing either.
-        generation = site0.generation
+        generation, refused = site0.generation, site0.refusals.count
         forged_join(site0.address, incarnation="e" * 16)
-        time.sleep(0.5)
+        # site1's next answer belies it (a refusal) and nothing else changes.
+        wait_until(lambda: site0.refusals.count > refused, "the forged join was never settled")
         with site0.state.cond:
             assert site0.generation == generation and site0.state.suspects_locked() == []
             assert list(site0.state.ready_sites["site1"].lane_addresses) == ["127.0.0.1:2001"]

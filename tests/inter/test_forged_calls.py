@@ -5,8 +5,6 @@ loopback (tests/coordinators.py)."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from coordinators import (
@@ -19,6 +17,7 @@ from coordinators import (
     vote,
     vote_all,
 )
+from helpers import wait_until
 
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -80,7 +79,8 @@ def test_a_forged_restart_is_belied_by_the_site_itself_and_changes_nothing():
         assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
         with grpc.insecure_channel(coords[0].address) as channel:
             pb_grpc.CoordinatorStub(channel).Join(_forged_join(coords[1]), timeout=5)
-        time.sleep(0.5)  # a few heartbeats: site1 has answered for itself
+        # site1 has answered for itself: its answer belied the join's claim.
+        wait_until(lambda: coords[0].refusals.count >= 1, "site1 never answered for itself")
         with coords[0].state.cond:
             assert coords[0].failover.suspects_locked() == []
             assert coords[0].failover.ballots.joiners == {}
@@ -112,10 +112,7 @@ def test_a_forged_digest_is_checked_with_the_site_itself_before_anything_stops()
                 timeout=5,
             )
             assert coords[0].replicas.agree_at(10, ["site0", "site1"]) is None  # in doubt
-            deadline = time.monotonic() + 10
-            while coords[0].replicas.doubted("site1") is not None:
-                assert time.monotonic() < deadline, "site1 was never asked"
-                time.sleep(0.05)
+            wait_until(lambda: coords[0].replicas.doubted("site1") is None, "site1 never asked")
             # site1 has no step 10 yet: the claim goes, nothing stops.
             assert coords[0].replicas.latest().get("site1", (0, ""))[1] != forged
             assert coords[0].replicas.divergence is None
@@ -128,9 +125,10 @@ def test_a_forged_digest_is_checked_with_the_site_itself_before_anything_stops()
                 ),
                 timeout=5,
             )
-        while coords[0].replicas.agree_at(10, ["site0", "site1"]) is not True:
-            assert time.monotonic() < deadline, "site1's own digest never arrived"
-            time.sleep(0.05)
+        wait_until(
+            lambda: coords[0].replicas.agree_at(10, ["site0", "site1"]) is True,
+            "site1's own digest never arrived",
+        )
     finally:
         stop_all(coords)
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import register_rank
+from helpers import register_rank, wait_until
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
@@ -126,17 +125,13 @@ def test_sites_compare_digests_and_say_when_they_differ(pair):
         c.wait_ready(10)
     assert report(pair[0], step=10, digest=D1, digest_step=10).divergence == ""
     report(pair[1], step=10, digest=D1, digest_step=10)
-    deadline = time.monotonic() + 5
-    while pair[0].replicas.agree_at(10, ["site0", "site1"]) is None:
-        assert time.monotonic() < deadline, "peer digest never arrived by heartbeat"
-        time.sleep(0.05)
+    agreed = lambda: pair[0].replicas.agree_at(10, ["site0", "site1"])  # noqa: E731
+    wait_until(lambda: agreed() is not None, "peer digest never arrived by heartbeat")
     assert pair[0].replicas.agree_at(10, ["site0", "site1"]) is True
     # site1 now reports a different digest for step 20: both sides learn of it.
     report(pair[0], step=20, digest=D1, digest_step=20)
     report(pair[1], step=20, digest=D2, digest_step=20)
-    while not pair[0].replicas.divergence:
-        assert time.monotonic() < deadline + 5, "divergence never detected"
-        time.sleep(0.05)
+    wait_until(lambda: pair[0].replicas.divergence, "divergence never detected")
     assert "replicas differ after step 20" in report(pair[0], step=21).divergence
     assert scrape(pair[0].metrics_address)['isthmus_replicas_identical{site="site0"}'] == 0
     assert scrape(pair[0].metrics_address)['isthmus_site_up{peer="site1",site="site0"}'] == 1
@@ -183,11 +178,12 @@ def test_a_live_job_serves_health_and_metrics_that_match_metrics_jsonl(tmp_path)
     )  # fmt: skip
     try:
         lines_path = run_dir / "sites" / "site0" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (lines_path.exists() and len(lines_path.read_text().splitlines()) >= 3):
+
+        def stepped() -> bool:
             assert job.poll() is None, job.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "no steps within 120 s"
-            time.sleep(0.2)
+            return lines_path.exists() and len(lines_path.read_text().splitlines()) >= 3
+
+        wait_until(stepped, "no steps", timeout_s=120)
         addresses = json.loads((run_dir / "job.json").read_text())
         coordinator = addresses["coordinators"]["site0"]
         serving = health_pb2.HealthCheckResponse.SERVING

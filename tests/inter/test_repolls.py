@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 from coordinators import rank_key, start_sites, stop_all, vote_all
+from helpers import wait_until
 
 from isthmus.inter.bounds import RePolls
 from isthmus.inter.control.coordinator_client import CoordinatorClient
@@ -42,10 +43,8 @@ def test_only_a_few_polls_are_held_at_once():
     repolls = RePolls(hold_s=5.0, holds=1)
     held = threading.Thread(target=repolls.hold)
     held.start()
-    deadline = time.monotonic() + 5
-    while repolls._holding._value != 0:  # noqa: SLF001 (the one hold is taken)
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    # The one hold is taken.
+    wait_until(lambda: repolls._holding._value == 0, "never held")  # noqa: SLF001
     start = time.monotonic()
     assert repolls.hold() is False  # none free: the caller is refused, not held
     assert time.monotonic() - start < 1.0

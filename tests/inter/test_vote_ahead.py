@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from helpers import wait_until
 from lanes import inputs, run_all, sites
 from memberships import joined_sites
 
@@ -68,9 +69,7 @@ def test_an_early_vote_that_breaks_is_logged_and_the_round_still_lands(monkeypat
             sync.start(4, 0, shards[s][0])
             sync.vote_ahead(4)
         # Land only once both early votes were tried (a landing first would skip them).
-        deadline = time.monotonic() + 10
-        while len(tried) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(tried) >= 2, "the early votes were never tried")
         assert sorted(tried) == ["site0", "site1"]
         results = run_all([lambda s=s: syncs[s].finish(4) for s in range(2)])
         assert all(not isinstance(r, BaseException) and r.committed for r in results), results
@@ -99,7 +98,9 @@ def test_closing_a_membership_ends_its_watchers_long_poll_at_once(monkeypatch):
     with joined_sites(decision_timeout_s=3.0) as (syncs, _):
         membership = syncs[0].membership
         assert membership is not None
-        time.sleep(0.5)  # the watcher is in its 30 s poll
+        # The watcher is in its 30 s poll: the call is out and unanswered.
+        poll = lambda: membership._poll  # noqa: E731, SLF001 (the call close() cancels)
+        wait_until(lambda: poll() is not None and not poll().done(), "the watcher never polled")
         started = time.monotonic()
         membership.close()
         assert time.monotonic() - started < 5.0
