@@ -59,6 +59,11 @@ RULES = (
 DATA_PLANE = "isthmus.inter.data"
 DATA_PLANE_PROGRAMS = ("bench",)
 
+# The coordinator hands its helpers (failover, peer loop, admission, witness) what they
+# use: the settings, the peers' stubs, the state. None reaches back for the coordinator,
+# not even under TYPE_CHECKING: that cycle made it a service locator (issue 37 item 2).
+COORDINATOR = "isthmus.inter.control.coordinator"
+
 
 def _under(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
@@ -136,6 +141,8 @@ def _broken_rule(module: str, name: str, exports: set[str]) -> str | None:
     inside = name.removeprefix(DATA_PLANE + ".") if name.startswith(DATA_PLANE + ".") else None
     if _under(module, "isthmus.deploy") and inside not in (None, *exports, *DATA_PLANE_PROGRAMS):
         return f"deploy may import from {DATA_PLANE} only what its __init__ exports"
+    if _under(name, COORDINATOR) and _under(module, "isthmus.inter.control") and name != module:
+        return f"only {COORDINATOR} itself imports it: hand a helper what it uses"
     for package, allowed, forbidden in RULES:
         if not _under(module, package):
             continue
@@ -187,6 +194,11 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
             "    import importlib\n"
             "    return importlib.import_module(f'isthmus.inter.data.{name}')\n"
         ),
+        "inter/control/failover.py": (
+            "from isthmus.inter.control import coordinator_client\n"
+            "if TYPE_CHECKING:\n"
+            "    from .coordinator import Coordinator\n"
+        ),
         "inter/control/lane_pb2.py": "from isthmus.deploy import cli\n",  # generated: skipped
         "deploy/__init__.py": "from isthmus.inter.data.lane import LaneServer\n",
         "deploy/rank.py": (
@@ -206,6 +218,7 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
         "inter/control/coordinator.py:4: from ..data.lane import LaneServer",
         "inter/control/coordinator.py:6: from isthmus.inter import data",
         "inter/control/coordinator.py:8: importlib.import_module(f'isthmus.inter.data.{name}')",
+        "inter/control/failover.py:3: from .coordinator import Coordinator",
         "inter/data/round.py:1: from isthmus.inter.control.failover import Failover",
         "inter/security.py:2: from isthmus.intra import train",
         "sim/__init__.py:2: import isthmus.deploy.cli",
@@ -214,4 +227,5 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
         "(deploy may import from isthmus.inter.data only what its __init__ exports)"
     )
     assert found[2].endswith("(isthmus.inter.control must not import isthmus.inter.data)")
+    assert found[5].endswith(f"(only {COORDINATOR} itself imports it: hand a helper what it uses)")
     assert found[-1].endswith("(isthmus.sim may import only isthmus.sim of ours)")
