@@ -33,13 +33,7 @@ import torch
 
 from isthmus.inter.data.codec import CodecError, NonFiniteEncoding, crc32
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
-from isthmus.inter.data.round_device import (
-    done_event,
-    finite,
-    lane_stream,
-    sum_parts,
-    wait_on_gpu,
-)
+from isthmus.inter.data.round_device import finite, lane_stream, sum_parts
 from isthmus.inter.data.round_pull import pull_intact, tell_peers_abort
 from isthmus.inter.data.wire import Chunk, Frame
 from isthmus.proto import lane_pb2
@@ -127,7 +121,6 @@ class RoundPipeline:
         self.deadline = time.monotonic() + view.timeout_s
         self._lock = threading.Lock()  # parts and stats, shared by the pool's tasks
         self._parts: dict[int, dict[int, np.ndarray | torch.Tensor]] = {}
-        self._ready: dict[int, list[torch.cuda.Event]] = {}  # a CUDA chunk's parts, done
         self._tasks: list[futures.Future] = []
         self._errors: list[BaseException] = []
         self._failed = threading.Event()
@@ -430,17 +423,16 @@ class RoundPipeline:
             raise CrossSiteError(f"{self.where}: chunk {c} from site {sender}: {exc}") from exc
 
     def _add_part(self, c: int, site: int, values: np.ndarray | torch.Tensor) -> None:
-        ready = done_event(self.device)  # for the thread that sums, on its own stream
+        if self.device is not None:
+            # Another thread may sum it on its own stream: the values must be complete.
+            # (A CUDA event for that stream to wait on measured no faster, 2026-11-29.)
+            torch.cuda.current_stream(self.device).synchronize()
         with self._lock:
             parts = self._parts[c]
             parts[site] = values
-            if ready is not None:
-                self._ready.setdefault(c, []).append(ready)
             if len(parts) < self.view.num_sites:
                 return
             del self._parts[c]
-            events = self._ready.pop(c, [])
-        wait_on_gpu(events, self.device)
         self._reduce(c, parts)
 
     def _reduce(self, c: int, parts: dict[int, np.ndarray | torch.Tensor]) -> None:

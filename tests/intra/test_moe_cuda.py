@@ -32,12 +32,18 @@ def _layer(impl: str, factor: float = 0.0) -> MoEFeedForward:
     return layer.cuda().to(torch.bfloat16)
 
 
-def _run(layer: MoEFeedForward, seed: int = 1, positive: bool = False) -> dict[str, torch.Tensor]:
+def _inputs(seed: int = 1, positive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input and the gradient that reaches its output (made apart from the
+    run: seeding a CUDA generator copies to the device and waits)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(4, 256, CFG.dim, device="cuda", dtype=torch.bfloat16, generator=g)
     x = x.abs() if positive else x
-    upstream = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    x.requires_grad_()
+    return x, torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def _run(layer: MoEFeedForward, seed: int = 1, positive: bool = False, inputs=None):
+    x, upstream = inputs if inputs is not None else _inputs(seed, positive)
+    x = x.detach().requires_grad_()
     out = layer(x)
     (out.float() * upstream.float()).sum().backward()
     return {"out": out.detach(), "x": x.grad} | {n: p.grad for n, p in layer.named_parameters()}
@@ -68,15 +74,15 @@ def test_grouped_gemm_gives_the_loops_outputs_and_gradients(factor):
 
 @pytest.mark.parametrize("factor", [0.0, 1.0])
 def test_the_grouped_path_never_synchronizes_with_the_host(factor):
-    layer = _layer("grouped", factor)
+    layer, loop = _layer("grouped", factor), _layer("loop", factor)
     _run(layer)  # first use: lazy CUDA initialization, cuBLAS handles
+    inputs = _inputs(seed=2)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _run(layer, seed=2)
-        loop = _layer("loop", factor)
+        _run(layer, inputs=inputs)
         with pytest.raises(RuntimeError, match="synchroniz"):
-            _run(loop, seed=2)
+            _run(loop, inputs=inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

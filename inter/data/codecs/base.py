@@ -23,7 +23,6 @@ __all__ = [
     "check_chunk",
     "check_size",
     "crc32",
-    "receive_buffer",
     "to_host_bytes",
     "to_device",
     "to_host_view",
@@ -130,48 +129,15 @@ def to_host_view(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B").toreadonly()  # type: ignore[arg-type]
 
 
-def receive_buffer(size: int) -> memoryview:
-    """``size`` writable bytes, not zeroed, for a payload read from a socket.
-
-    In a process that uses CUDA, pinned memory from torch's caching host allocator: a
-    CUDA round then copies the payload to its GPU straight from there, without waiting
-    (:func:`to_device`). Elsewhere plain memory: asking whether CUDA is in use never
-    starts it."""
-    if torch.cuda.is_initialized():
-        # numpy keeps the tensor (its memory's owner) as the array's base.
-        array = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
-    else:
-        array = np.empty(size, dtype=np.uint8)
-    # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12.
-    return memoryview(array).cast("B")  # type: ignore[arg-type]
-
-
-def _pinned_source(payload: bytes | memoryview) -> torch.Tensor | None:
-    """The pinned tensor whose memory ``payload`` is, whole (a :func:`receive_buffer`
-    from torch's caching host allocator), or None."""
-    owner = payload.obj if isinstance(payload, memoryview) else None
-    base = owner.base if isinstance(owner, np.ndarray) else None
-    if not isinstance(base, torch.Tensor) or base.numel() != len(payload):
-        return None
-    if np.frombuffer(payload, dtype=np.uint8).ctypes.data != base.data_ptr():
-        return None
-    return base if base.is_pinned() else None
-
-
 def to_device(payload: bytes | memoryview, device: torch.device) -> torch.Tensor:
-    """Copies ``payload`` to a new uint8 tensor on ``device``, in order on the current
-    stream. From a :func:`receive_buffer`, straight and without waiting (the caching
-    host allocator keeps that memory until the copy has read it); from anywhere else
-    through this thread's pinned buffer, waiting for the copy (the buffer is reused)."""
+    """Copies ``payload`` to a new uint8 tensor on ``device`` through this thread's
+    pinned buffer (a blocking copy on the current stream: the buffer is free after)."""
     size = len(payload)
     if torch.device(device).type == "cpu":  # a copy, so the tensor owns its memory
         return torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
-    out = torch.empty(size, dtype=torch.uint8, device=device)
-    pinned = _pinned_source(payload)
-    if pinned is not None:
-        return out.copy_(pinned, non_blocking=True)
     staging = _pinned_buffer(torch.uint8, size)
     np.copyto(staging.numpy(), np.frombuffer(payload, dtype=np.uint8))
+    out = torch.empty(size, dtype=torch.uint8, device=device)
     out.copy_(staging)
     return out
 
