@@ -6,10 +6,9 @@ them only -- the dead site adds nothing, and nothing is counted twice."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from helpers import wait_until
 from lanes import inputs, run_all
 from memberships import joined_sites
 
@@ -33,7 +32,8 @@ def test_a_retried_step_sums_its_shared_round_over_the_surviving_sites(dies):
             # survivors' buffers of its data must not survive into the retry.
             syncs[2].share(4, shared[2].clone())
             syncs[2].start(4, 0, grads[2][0].clone())
-            time.sleep(0.02)
+            outbox = syncs[2].allreduce.server.outbox
+            wait_until(lambda: len(outbox) > 0, "site2 sent a chunk of its round")
             syncs[2].allreduce.server.stop(0)
         # The survivors' rounds fail (site2's chunks stop coming, the lanes time out),
         # they vote "failed", and the leader finds site2 gone (no heartbeats) and
