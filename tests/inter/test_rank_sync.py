@@ -8,28 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import time
 
 import grpc
 import pytest
 import torch
 from coordinators import coordinator, rank_key
-from helpers import listening_on
+from helpers import listening_on, wait_until
 from lanes import inputs, run_all
 from memberships import opened_sites, settings
 
 from isthmus.inter.control.coordinator_client import CoordinatorClient
 from isthmus.inter.data import Generation, RankSyncSettings, open_rank_sync
 from isthmus.inter.data.round_types import Members
-
-
-def _wait_for(condition, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.mark.timeout(60)
@@ -74,7 +64,7 @@ def test_the_watcher_reports_a_silent_site_to_the_rounds_abort_signal():
         abort = opened[0].sync.allreduce.abort
         assert not abort.is_set()
         coords[1].stop(grace_s=0)  # site1 falls silent; site0's coordinator notices
-        assert _wait_for(abort.is_set), "the watcher never reported site1"
+        wait_until(abort.is_set, "the watcher reported site1", 15.0)
         assert "site1 fell silent" in abort.reason
 
 
@@ -86,7 +76,7 @@ def test_close_ends_the_watcher_and_the_lane():
         assert listening_on(port)
         rank_sync.close()
         assert not rank_sync.membership._watcher.is_alive()
-        assert _wait_for(lambda: not listening_on(port), 5.0)
+        wait_until(lambda: not listening_on(port), "the lane stopped listening", 5.0)
 
 
 @pytest.mark.timeout(60)
