@@ -29,8 +29,8 @@ def test_held_pull_states_never_take_the_lanes_threads():
             ask = lane_pb2.PullStateRequest(generation=1, step=3, rank=0)
             calls = [stub.PullState(ask, timeout=30) for _ in range(40)]
             # Refusals come at once, not after 20 s.
-            refused = lambda: sum(c.done() for c in calls) >= 40 - PULL_STATE_WAITS  # noqa: E731
-            wait_until(refused, "the calls over the bound were refused", 5.0)
+            answered = lambda: sum(c.done() for c in calls) >= 40 - PULL_STATE_WAITS  # noqa: E731
+            wait_until(answered, "the calls over the bound were refused", 5.0)
             held = [c for c in calls if not c.done()]
             assert len(held) == PULL_STATE_WAITS
             refused = [c for c in calls if c.done()]
