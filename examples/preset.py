@@ -15,7 +15,11 @@ ctx = api.init()
 cfg = ctx.config
 model = build_model(cfg.resolved_model(), seed=cfg.job.seed).to(ctx.device)
 parallelize(model, ctx.mesh, cfg.parallel_config(cuda=ctx.device.type == "cuda"))  # FSDP2
-optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+# As the built-in trainer builds it (foreach: one kernel per step for all parameters,
+# which torch picks by itself only on GPUs).
+optimizer = torch.optim.AdamW(
+    model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, foreach=True
+)
 ctx.attach(model, optimizer)
 
 batches = ctx.token_batches()
