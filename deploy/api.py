@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,9 @@ from isthmus.deploy.rank_setup import (
 )
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.train import TrainConfig
+
+if TYPE_CHECKING:  # rank.py runs a script through this module: imported lazily at run time
+    from isthmus.deploy.rank import LoopState
 
 __all__ = ["Context", "Outcome", "init"]
 
@@ -153,7 +157,7 @@ class Context:
         self._cross = join_job(env, config, self._security)
         self.start_step = 0
         self._parts: RankParts | None = None
-        self._progress = None
+        self._progress: LoopState | None = None
         self._next = 0
         self._flat: list[torch.Tensor] | None = None
         self._finished = False
@@ -214,8 +218,7 @@ class Context:
 
         config, env, cross = self.config, self._env, self._cross
         shaped = _ScriptModel(model, optimizer, self.mesh["dp"], config.job.steps)
-        step_sync = cross is not None and config.sync.mode == "step"
-        if step_sync and shaped.groups:
+        if cross is not None and config.sync.mode == "step" and shaped.groups:
             # FSDP2 hands each group's reduce-scatter output over during backward, as
             # it does to the built-in trainer: the cross-site rounds overlap backward.
             for i, group in enumerate(shaped.groups):
@@ -325,7 +328,7 @@ class Context:
         sync_s = time.perf_counter() - t_sync
         if synced is not None and synced.rejoin is not None:
             assert cross is not None
-            self._next = cross.rejoin(shaped, synced.rejoin)  # type: ignore[arg-type]
+            self._next = cross.rejoin(shaped, synced.rejoin)
             assert self._progress is not None
             self._progress.step, self._progress.synced = self._next, self._next - 1
             return Outcome(step, committed=False, rejoined=True, next_step=self._next)
@@ -361,7 +364,7 @@ class Context:
         progress.reported_last = step == last
         if synced is not None and synced.offer_state is not None:
             assert cross is not None
-            cross.offer_state(shaped, synced.offer_state, step + 1)  # type: ignore[arg-type]
+            cross.offer_state(shaped, synced.offer_state, step + 1)
         env = self._env
         save_if_due(
             shaped,
@@ -373,7 +376,7 @@ class Context:
             parts.key,
             outer,
             self._user,
-        )  # type: ignore[arg-type]
+        )
         self._next = progress.step = step + 1
         return Outcome(step, committed=True, next_step=self._next)
 

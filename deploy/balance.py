@@ -89,11 +89,16 @@ def _pick(
             for m in range(1, left // dp[k] + 1)
             if max(float(tables[k][left - m * dp[k]]), m * float(seconds[k])) <= best
         ]
-        m = min(feasible, key=lambda m, cur=current[k]: (abs(m - cur), m))
+        m = _nearest(feasible, current[k])
         chosen[k] = m
         left -= m * dp[k]
     assert left == 0, (left, chosen)
     return chosen
+
+
+def _nearest(counts: list[int], target: int) -> int:
+    """The count of `counts` nearest `target`, the smaller on a tie."""
+    return min(counts, key=lambda m: (abs(m - target), m))
 
 
 def _measured(seconds: Sequence[float]) -> list[int]:

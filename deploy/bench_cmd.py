@@ -249,10 +249,14 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> None:
+def register(
+    sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter] | None = None
+) -> None:
     """Add `isthmus bench allreduce` to the CLI."""
     if formatter is None:
-        from isthmus.deploy.cli import HelpFormatter as formatter  # noqa: N813
+        from isthmus.deploy.cli import HelpFormatter
+
+        formatter = HelpFormatter
     parser = sub.add_parser(
         "bench",
         help="benchmark the data plane",

@@ -46,7 +46,7 @@ def _key_pem(key) -> bytes:
 def _san(names: Sequence[str]):
     from cryptography import x509
 
-    entries = []
+    entries: list[x509.GeneralName] = []
     for name in dict.fromkeys(names):  # keep order, drop repeats
         try:
             entries.append(x509.IPAddress(ipaddress.ip_address(name)))
@@ -199,7 +199,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus certs` to the CLI."""
     parser = sub.add_parser(
         "certs",

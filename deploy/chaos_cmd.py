@@ -26,7 +26,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus chaos` to the CLI."""
     parser = sub.add_parser(
         "chaos",

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from isthmus.deploy.hf_model import hf_model_config
 from isthmus.deploy.sections import (
@@ -42,10 +43,22 @@ from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset
 from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # Python 3.10: the same parser, packaged as tomli
+    import tomli as tomllib
+
+
+class CoordinatorOptions(TypedDict):
+    """The `CoordinatorSettings` fields a job's config sets the same at every site."""
+
+    heartbeat_s: float
+    failure_timeout_s: float
+    min_sites: int
+    quorum_wait_s: float
+    vote_window: int
+    first_step: int
+    witness: str | None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,7 +77,7 @@ class JobConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     security: SecuritySection = field(default_factory=SecuritySection)
 
-    def coordinator_options(self) -> dict[str, float | int]:
+    def coordinator_options(self) -> CoordinatorOptions:
         """The failover settings every coordinator of this job is built with."""
         f = self.failover
         return {

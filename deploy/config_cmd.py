@@ -30,7 +30,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus config` to the CLI."""
     parser = sub.add_parser(
         "config",

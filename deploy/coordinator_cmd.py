@@ -72,9 +72,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         )
     settings = CoordinatorSettings(
         site=args.site,
-        site_names=config.site_names,
+        site_names=tuple(config.site_names),
         ranks=ranks,
-        site_ranks=config.site_ranks,
+        site_ranks=tuple(config.site_ranks),
         fingerprint=config.fingerprint(),
         host=host or "127.0.0.1",
         port=int(port or 0),
@@ -112,7 +112,7 @@ def _pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
     return out
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus coordinator` to the CLI."""
     parser = sub.add_parser(
         "coordinator",

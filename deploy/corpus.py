@@ -155,9 +155,7 @@ def trained_tokenizer(config: JobConfig) -> str:
     """
     d = config.data
     try:
-        if d.source == "prepared":
-            return _prepared(config)
-        raw = _raw_corpus(d)
+        raw = _raw_corpus(d)  # refuses data.source = "prepared": token ids, not text
         byte_split = split_text(len(raw), d.val_fraction, config.train.seq_len)
         return _bpe_json(d, raw, byte_split, _corpus_sha256(raw))
     except ConfigError:
@@ -207,6 +205,7 @@ def _keep_stdlib(d: DataSection, raw: Corpus) -> None:
         return
     cache, entry = _Cache(d), _stdlib_entry(d)
     if not (cache.dir / entry).is_file():
+        assert isinstance(raw.tokens, np.ndarray)  # text is read whole; only ids are sharded
         with contextlib.suppress(ConfigError):
             cache.write(entry, raw.tokens.tobytes())
 
@@ -244,6 +243,7 @@ def _tokenized(config: JobConfig, raw: Corpus) -> tuple[Corpus, Split]:
     if found is None:
         started = time.perf_counter()
         _say(f"tokenizing {len(raw) / 1e6:.1f} MB of text ({label}; cached in {cache.dir})...")
+        assert isinstance(raw.tokens, np.ndarray)  # text is read whole; only ids are sharded
         found = encode_spans(raw.tokens, byte_split, TextTokenizer(json_text).encode)
         cache.write_tokens(name, *found)
         _say(f"tokenized into {len(found[0]):,} tokens in {time.perf_counter() - started:.1f} s")

@@ -368,7 +368,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus data prepare` to the CLI."""
     parser = sub.add_parser(
         "data",

@@ -128,7 +128,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus export` to the CLI."""
     parser = sub.add_parser(
         "export",

@@ -225,9 +225,9 @@ class LocalJob:
                 Coordinator(
                     CoordinatorSettings(
                         site=site,
-                        site_names=config.site_names,
+                        site_names=tuple(config.site_names),
                         ranks=config.ranks_of(site),
-                        site_ranks=config.site_ranks,
+                        site_ranks=tuple(config.site_ranks),
                         fingerprint=config.fingerprint(),
                         join_timeout_s=config.sync.timeout_s,
                         metrics_port=None if config.run.metrics_port < 0 else 0,

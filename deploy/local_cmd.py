@@ -107,7 +107,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     return run_job(job, "summary:")
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus local` to the CLI."""
     parser = sub.add_parser(
         "local",

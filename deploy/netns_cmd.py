@@ -24,7 +24,7 @@ from isthmus.sim.transparent import TransparentWan
 DEFAULT_JOB = "wan"
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `netns up` and `netns down` under `sub` (the subcommands of `isthmus wan`)."""
     netns = sub.add_parser(
         "netns",

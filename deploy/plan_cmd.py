@@ -14,6 +14,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, replace
+from typing import Any
 
 from isthmus.deploy.config import ConfigError, load_config
 from isthmus.sim.plan import (
@@ -32,7 +33,7 @@ NEMO_EFFICIENCY = 0.96  # NVIDIA NeMo's published two-site figure for Nemotron-4
 TENSOR_CODEC_RATIO = {"raw": 1.0, "bf16": 2.0, "int8": 4.0, "int4": 8.0}
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus plan` to the CLI."""
     parser = sub.add_parser(
         "plan",
@@ -179,7 +180,7 @@ def preset_input(
     with torch.device("meta"):
         model = Transformer(cfg)
     rounds = cfg.n_layers + 1  # one FSDP group per block, plus the root's own
-    values = {
+    values: dict[str, Any] = {  # PlanInput's fields, floats and ints
         "params": float(model.num_params()),
         "flops_per_token": model.flops_per_token(seq_len),
         "tokens_per_step": float(seq_len),

@@ -262,7 +262,7 @@ def _membership_now(parts: RankParts, round_stats: SyncStats | None) -> tuple[in
     if round_stats is not None:
         return round_stats.sites, round_stats.generation
     if parts.cross is not None:
-        membership = parts.cross.sync.membership
+        membership = parts.cross.link.membership  # the one sync.membership holds, never None
         return len(membership.sites), membership.generation
     return 1, 0
 

@@ -167,6 +167,8 @@ class SiteRanks:
         # The coordinator in this process drew one key per rank: only the process
         # started here as rank r may register as it (inter/control/rank_keys.py).
         keys = handout(self.coordinator)
+        store_dir = self.store_dir
+        assert store_dir is not None  # start() made it
         for rank in range(world):
             env = {
                 **{k: v for k, v in os.environ.items() if k != KEY_ENV},
@@ -175,7 +177,7 @@ class SiteRanks:
                 "WORLD_SIZE": str(world),
                 "LOCAL_RANK": str(self.first_device + rank),
                 "LOCAL_WORLD_SIZE": str(world),
-                STORE_ENV: str(self.store_dir / "store"),
+                STORE_ENV: str(store_dir / "store"),
                 "OMP_NUM_THREADS": str(self.threads),
                 "ISTHMUS_CONFIG": str(self.config_file),
                 "ISTHMUS_SITE": self.site,

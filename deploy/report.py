@@ -21,6 +21,7 @@ With several runs, `isthmus report RUN_A RUN_B ...` overlays them instead
 from __future__ import annotations
 
 import json
+import sys
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,10 @@ from typing import Any
 from isthmus.deploy.config import ConfigError, JobConfig
 from isthmus.deploy.summary import human_bytes, read_jsonl
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # Python 3.10: the same parser, packaged as tomli
+    import tomli as tomllib
 
 
 def load_run(run_dir: Path) -> tuple[list[dict], dict, float]:

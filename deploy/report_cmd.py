@@ -30,7 +30,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus report` to the CLI."""
     parser = sub.add_parser(
         "report",

@@ -42,9 +42,9 @@ def coordinator_for(config: JobConfig, site: str) -> Coordinator:
         raise ConfigError(f"cluster.coordinators.{site} must be HOST:PORT, got {addresses[site]!r}")
     settings = CoordinatorSettings(
         site=site,
-        site_names=config.site_names,
+        site_names=tuple(config.site_names),
         ranks=config.ranks_of(site),
-        site_ranks=config.site_ranks,
+        site_ranks=tuple(config.site_ranks),
         fingerprint=config.fingerprint(),
         host=host or "127.0.0.1",
         port=int(port),

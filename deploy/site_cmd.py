@@ -33,7 +33,7 @@ def cmd_site(args: argparse.Namespace) -> int:
     return run_job(job, f"summary of {args.site}:")
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus site` to the CLI."""
     parser = sub.add_parser(
         "site",

@@ -44,7 +44,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus tokenizer` to the CLI."""
     from isthmus.deploy.cli import add_config_arguments
 

@@ -31,10 +31,10 @@ from isthmus.sim import (
 from isthmus.sim.control import DEFAULT_ADDRESS, parse_address
 from isthmus.sim.topology import spec_to_table
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # Python 3.10
+    import tomli as tomllib
 
 DEFAULT_CONTROL = DEFAULT_ADDRESS
 EXIT_USAGE = 2  # as deploy/cli.py
@@ -50,7 +50,9 @@ def _error(message: str) -> ValueError:
     return config.ConfigError(message) if config is not None else ValueError(message)
 
 
-def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> None:
+def register(
+    sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter] | None = None
+) -> None:
     """Add `isthmus wan` (up, show, set) to the CLI.
 
     Args:
@@ -58,7 +60,9 @@ def register(sub: argparse._SubParsersAction, formatter: type | None = None) -> 
         formatter: the help formatter; default `isthmus.deploy.cli.HelpFormatter`.
     """
     if formatter is None:
-        from isthmus.deploy.cli import HelpFormatter as formatter  # cli imports us: lazily
+        from isthmus.deploy.cli import HelpFormatter  # cli imports us: lazily
+
+        formatter = HelpFormatter
     wan = sub.add_parser(
         "wan",
         help="emulate WAN links standalone; show or change them live",

@@ -59,7 +59,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, formatter: type) -> None:
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus witness` to the CLI."""
     from isthmus.deploy.cli import add_config_arguments
 

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import sys
 import threading
 
 __all__ = [
@@ -92,7 +93,8 @@ class Timer:
 
     def __init__(self) -> None:
         self.fd: int | None = None
-        if hasattr(os, "timerfd_create"):  # Python 3.13+
+        # The version check lets mypy (pinned to 3.11) skip what 3.13 added to os.
+        if sys.version_info >= (3, 13) and hasattr(os, "timerfd_create"):
             self.fd = os.timerfd_create(os.CLOCK_MONOTONIC, flags=os.TFD_NONBLOCK | os.TFD_CLOEXEC)
         elif _LIBC is not None:
             fd = _LIBC.timerfd_create(_CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
@@ -103,9 +105,10 @@ class Timer:
         """Fire at `at_s` (`time.monotonic()` seconds, absolute; > 0)."""
         if self.fd is None:
             return
-        if hasattr(os, "timerfd_settime_ns"):
+        if sys.version_info >= (3, 13) and hasattr(os, "timerfd_settime_ns"):
             os.timerfd_settime_ns(self.fd, flags=os.TFD_TIMER_ABSTIME, initial=int(at_s * 1e9))
             return
+        assert _LIBC is not None  # the fd came from libc's timerfd_create
         ns = int(at_s * 1e9)
         self._spec.it_value.tv_sec, self._spec.it_value.tv_nsec = divmod(ns, 1_000_000_000)
         _LIBC.timerfd_settime(self.fd, _TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None)

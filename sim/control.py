@@ -70,6 +70,7 @@ class ControlServer:
     def address(self) -> str:
         """ "host:port" the endpoint listens on."""
         host, port = self._httpd.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET server's address: (str, int)
         return f"{host}:{port}"
 
     def close(self) -> None:

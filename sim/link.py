@@ -256,7 +256,7 @@ class DirectionPipe:
             self._resets_at = [t for t in self._resets_at if t > now]
             return bool(passed), min(self._resets_at, default=None)
 
-    def count(self, key: str, n: float = 1) -> None:
+    def count(self, key: str, n: int = 1) -> None:
         """Add to one of the direction's counters."""
         with self._lock:
             self.counters[key] += n

@@ -167,7 +167,7 @@ def _allocation_lock() -> Iterator[None]:
 
 def _free_subnets(pool: str, count: int) -> list[ipaddress.IPv4Network]:
     """`count` /24s of `pool` that no address or route of the root namespace touches."""
-    used: list[ipaddress.IPv4Network] = []
+    used: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
     for line in _run("ip", "-4", "-o", "addr", "show").splitlines():
         fields = line.split()
         used.append(ipaddress.ip_interface(fields[fields.index("inet") + 1]).network)
@@ -178,7 +178,7 @@ def _free_subnets(pool: str, count: int) -> list[ipaddress.IPv4Network]:
                 break
     free = [
         net
-        for net in ipaddress.ip_network(pool).subnets(new_prefix=24)
+        for net in ipaddress.IPv4Network(pool).subnets(new_prefix=24)
         if not any(net.overlaps(u) for u in used)
     ]
     if len(free) < count:

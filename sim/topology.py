@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +35,10 @@ from typing import Any
 from .impairments import impairment_from_dict
 from .spec import DEFAULT_QUEUE_BYTES, FIBER_S_PER_KM, DirectionSpec, LinkSpec
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # Python 3.10
+    import tomli as tomllib
 
 DIRECTION_KEYS = (
     "distance_km",
@@ -122,8 +124,7 @@ def load_topology(path: str | Path) -> Topology:
 def parse_topology(data: dict[str, Any]) -> Topology:
     """Build a `Topology` from a parsed TOML document (format in the module docstring)."""
     _known(data, ("sites", "seed", "defaults", "links"), "the top level")
-    sites = data.get("sites")
-    _check_sites(sites)
+    sites = _check_sites(data.get("sites"))
     seed = _int("seed", data.get("seed", 0))
     defaults = _table(data.get("defaults"), "defaults")
     _known(defaults, (*DIRECTION_KEYS, *DIRECTIONS), "[defaults]")
@@ -278,7 +279,8 @@ def _direction(table: dict[str, Any], where: str, seed: int) -> DirectionSpec:
     )
 
 
-def _check_sites(sites: Any) -> None:
+def _check_sites(sites: Any) -> Sequence[str]:
+    """`sites` itself, once it is known to be two or more distinct site names."""
     if not isinstance(sites, (list, tuple)) or not all(isinstance(s, str) for s in sites):
         raise ValueError(f'sites must be a list of names like ["east", "west"], got {sites!r}')
     if len(sites) < 2 or len(set(sites)) != len(sites):
@@ -286,6 +288,7 @@ def _check_sites(sites: Any) -> None:
     for site in sites:
         if not SITE_NAME.fullmatch(site):
             raise ValueError(f"sites: {site!r} is not a name of letters, digits, _ and .")
+    return sites
 
 
 def _known(table: dict[str, Any], keys: tuple[str, ...], where: str) -> None:

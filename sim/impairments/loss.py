@@ -59,4 +59,5 @@ class Loss(Impairment):
             piece.at += delay
             state.counters["lost_segments"] += lost
             state.counters["stalls"] += 1
-            state.counters["stalled_s"] += delay
+            # typeshed types a Counter's values as int; Python's docs allow any number.
+            state.counters["stalled_s"] += delay  # type: ignore[assignment]

@@ -1,4 +1,5 @@
-"""mypy over the public APIs of intra and inter, as pyproject's [tool.mypy] configures it.
+"""mypy over the whole package (intra, inter, deploy, sim; not the generated proto), as
+pyproject's [tool.mypy] configures it.
 
 mypy cannot see the editable install's path hook, so it reads the package through a
 symlink named ``isthmus`` to the repository (no install step). Its cache lives in the
@@ -18,7 +19,7 @@ from helpers import ROOT
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_intra_and_inter_type_check(tmp_path):
+def test_package_type_checks(tmp_path):
     (tmp_path / "isthmus").symlink_to(ROOT, target_is_directory=True)
     config, cache = ROOT / "pyproject.toml", ROOT / ".mypy_cache"
     result = subprocess.run(
@@ -30,7 +31,16 @@ def test_intra_and_inter_type_check(tmp_path):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"mypy found errors:\n{output}"
-    # Every module of both packages, so none drops out of the check unnoticed.
-    sources = [p for package in ("intra", "inter") for p in (ROOT / package).rglob("*.py")]
+    # Every module of the four packages, so none drops out of the check unnoticed. mypy
+    # also counts a folder without __init__.py as a (namespace) package: deploy/k8s and
+    # deploy/slurm, which hold manifests.
+    packages = [ROOT / name for name in ("intra", "inter", "deploy", "sim")]
+    modules = [p for package in packages for p in package.rglob("*.py")]
+    folders = [
+        d
+        for package in packages
+        for d in package.rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists()
+    ]
     checked = re.search(r"Success: no issues found in (\d+) source files", result.stdout)
-    assert checked and int(checked[1]) == len(sources), output
+    assert checked and int(checked[1]) == len(modules) + len(folders), output
