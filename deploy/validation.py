@@ -35,10 +35,30 @@ def _require(ok: bool, message: str) -> None:
 
 
 def validate(config: JobConfig) -> None:
-    """Check values and their combinations; raise ConfigError naming the key."""
+    """Check values and their combinations, one section after another (a section's
+    check reads the others its keys depend on); raise ConfigError naming the key."""
     _check_tokenizer(config.data)  # first: the model's vocabulary comes from it
-    t = config.topology
     _require(config.job.steps >= 1, f"job.steps must be >= 1, got {config.job.steps}")
+    _check_topology(config)
+    _check_train(config)
+    _check_parallel(config)
+    _check_data(config)
+    _check_sync(config)
+    _check_failover(config)
+    _check_wan(config)
+    _check_run(config)
+    _check_checkpoint(config)
+    _check_cluster(config)
+    _check_security(config)
+    _require(
+        config.run.log_level in ("debug", "info", "warning", "error"),
+        f"run.log_level must be debug, info, warning or error, got {config.run.log_level!r}",
+    )
+
+
+def _check_topology(config: JobConfig) -> None:
+    """topology.*: the sites, their sizes and each site's layout."""
+    t = config.topology
     _require(1 <= t.sites <= 64, f"topology.sites must be in 1..64, got {t.sites}")
     sizes = t.ranks_per_site if isinstance(t.ranks_per_site, list) else [t.ranks_per_site]
     _require(
@@ -69,7 +89,11 @@ def validate(config: JobConfig) -> None:
         t.device in ("auto", "cpu", "cuda"),
         f"topology.device must be auto, cpu or cuda, got {t.device!r}",
     )
-    tr = config.train
+
+
+def _check_train(config: JobConfig) -> None:
+    """train.*, and the batch schedule."""
+    t, tr = config.topology, config.train
     _require(tr.batch_size >= 1, f"train.batch_size must be >= 1, got {tr.batch_size}")
     accumulate = tr.accumulate if isinstance(tr.accumulate, list) else [tr.accumulate]
     _require(
@@ -104,6 +128,11 @@ def validate(config: JobConfig) -> None:
     _require(
         tr.lr_reference_dp >= 1, f"train.lr_reference_dp must be >= 1, got {tr.lr_reference_dp}"
     )
+
+
+def _check_parallel(config: JobConfig) -> None:
+    """parallel.*, and the layout of each site size for the model and its batch."""
+    t, tr = config.topology, config.train
     par = config.parallel
     for key in ("compile", "mixed_precision"):
         _require(
@@ -121,6 +150,10 @@ def validate(config: JobConfig) -> None:
             )
     except ValueError as exc:
         raise ConfigError(f"parallel: {exc}") from None
+
+
+def _check_data(config: JobConfig) -> None:
+    """data.* (the tokenizer's keys are checked first, by `_check_tokenizer`)."""
     d = config.data
     _require(
         d.source in ("stdlib", "path", "prepared"),
@@ -136,6 +169,10 @@ def validate(config: JobConfig) -> None:
     _require(
         0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}"
     )
+
+
+def _check_sync(config: JobConfig) -> None:
+    """sync.*, the outer round's period included."""
     s = config.sync
     _require(
         s.chunk_bytes == 0
@@ -189,6 +226,10 @@ def validate(config: JobConfig) -> None:
         f"sync.outer_delay must be in 0..{period - 1} (below inner_steps"
         f"{'/fragments' if s.mode == 'streaming' else ''} = {period}), got {s.outer_delay}",
     )
+
+
+def _check_failover(config: JobConfig) -> None:
+    """failover.*."""
     f = config.failover
     _require(
         1 <= f.min_sites <= config.topology.sites,
@@ -205,7 +246,10 @@ def validate(config: JobConfig) -> None:
         not f.witness or (bool(host) and port.isdigit()),
         f"failover.witness must be HOST:PORT, got {f.witness!r}",
     )
-    config.resolved_model()
+
+
+def _check_wan(config: JobConfig) -> None:
+    """wan.*: the emulated link."""
     w = config.wan
     _require(w.distance_km >= 0, f"wan.distance_km must be >= 0, got {w.distance_km}")
     _require(w.bandwidth_mbit > 0, f"wan.bandwidth_mbit must be > 0, got {w.bandwidth_mbit}")
@@ -213,6 +257,10 @@ def validate(config: JobConfig) -> None:
     _require(
         w.per_flow_mbit >= 0, f"wan.per_flow_mbit must be >= 0 (0 = no cap), got {w.per_flow_mbit}"
     )
+
+
+def _check_run(config: JobConfig) -> None:
+    """run.* but run.log_level (checked last, in `validate`)."""
     _require(
         config.run.digest_every >= 0,
         f"run.digest_every must be >= 0, got {config.run.digest_every}",
@@ -238,6 +286,10 @@ def validate(config: JobConfig) -> None:
         -1 <= config.run.metrics_port <= 65535,
         f"run.metrics_port must be -1 (none), 0 (any) or a port, got {config.run.metrics_port}",
     )
+
+
+def _check_checkpoint(config: JobConfig) -> None:
+    """checkpoint.*."""
     ck = config.checkpoint
     _require(ck.every >= 0, f"checkpoint.every must be >= 0 (0 = never), got {ck.every}")
     _require(ck.keep >= 0, f"checkpoint.keep must be >= 0 (0 = all), got {ck.keep}")
@@ -246,6 +298,10 @@ def validate(config: JobConfig) -> None:
         f"checkpoint.resume_step must be -1 (from scratch) or a step below "
         f"job.steps={config.job.steps}, got {ck.resume_step}",
     )
+
+
+def _check_cluster(config: JobConfig) -> None:
+    """cluster.*: ports, addresses and the sites they name."""
     c = config.cluster
     _require(
         c.lane_port_base == 0 or 1024 <= c.lane_port_base <= 65535 - max(config.site_ranks),
@@ -264,6 +320,10 @@ def validate(config: JobConfig) -> None:
             not unknown,
             f"cluster.{key} names unknown sites {unknown}; sites are {config.site_names}",
         )
+
+
+def _check_security(config: JobConfig) -> None:
+    """security.*, and that the files it names are there."""
     sec = config.security
     _require(
         not sec.require_tls or bool(sec.certs_dir),
@@ -279,10 +339,6 @@ def validate(config: JobConfig) -> None:
     if sec.require_token:
         token = Path(sec.token_file) if sec.token_file else Path(sec.certs_dir) / "token"
         _require(token.is_file(), f"security: no job token file {token}")
-    _require(
-        config.run.log_level in ("debug", "info", "warning", "error"),
-        f"run.log_level must be debug, info, warning or error, got {config.run.log_level!r}",
-    )
 
 
 def _check_tokenizer(d: DataSection) -> None:
