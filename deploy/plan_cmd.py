@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -48,6 +49,21 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         formatter_class=formatter,
     )
     add = parser.add_argument
+    _add_job_flags(add)
+    _add_link_flags(add)
+    _add_round_flags(add)
+    add(
+        "--target-efficiency",
+        type=float,
+        default=NEMO_EFFICIENCY,
+        help="efficiency to solve bandwidth for",
+    )
+    add("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=cmd_plan)
+
+
+def _add_job_flags(add: Callable[..., argparse.Action]) -> None:
+    """The model, its batch and the sites' devices."""
     add("--preset", default=None, help="isthmus model preset (tiny ... 1b) instead of the 340B")
     add("--params", type=float, default=None, help="trained parameters (default: the model's)")
     add(
@@ -77,6 +93,10 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         default=None,
         help="bytes per gradient element before the codec (4 fp32, 2 bf16)",
     )
+
+
+def _add_link_flags(add: Callable[..., argparse.Action]) -> None:
+    """The codec and the link between sites."""
     add(
         "--codec",
         default=None,
@@ -93,6 +113,10 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )
     add("--distance-km", type=float, default=1000.0, help="fiber distance between sites")
     add("--rtt-ms", type=float, default=None, help="round-trip time; overrides --distance-km")
+
+
+def _add_round_flags(add: Callable[..., argparse.Action]) -> None:
+    """How the cross-site rounds run: their count, window, chunks, overlap and period."""
     add("--rounds", type=int, default=None, help="cross-site rounds (FSDP groups) per step")
     add(
         "--window",
@@ -140,14 +164,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         default=0.0,
         help="fixed cost of a round beyond its bytes",
     )
-    add(
-        "--target-efficiency",
-        type=float,
-        default=NEMO_EFFICIENCY,
-        help="efficiency to solve bandwidth for",
-    )
-    add("--json", action="store_true", help="print JSON instead of a table")
-    parser.set_defaults(func=cmd_plan)
 
 
 def preset_input(
