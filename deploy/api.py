@@ -59,6 +59,7 @@ from isthmus.intra.train import TrainConfig
 
 if TYPE_CHECKING:  # rank.py runs a script through this module: imported lazily at run time
     from isthmus.deploy.rank import LoopState
+    from isthmus.inter.data import StepOutcome
 
 __all__ = ["Context", "Outcome", "init"]
 
@@ -298,14 +299,60 @@ class Context:
             The step's outcome: ``committed`` is False when nothing was applied (the
             site had to rejoin the job, which ``steps`` then follows).
         """
-        from isthmus.deploy.rank import _digest_if_due, _site_traffic, step_line
-
         parts = self._require()
-        shaped, cross, outer, config = parts.trainer, parts.cross, parts.outer, parts.config
+        shaped, cross, config = parts.trainer, parts.cross, parts.config
         assert isinstance(shaped, _ScriptModel)
         step = self._next
         compute_s = time.perf_counter() - self._step_started
         t_sync = time.perf_counter()
+        synced, grad_norm = self._apply_gradients(parts, shaped, step, grad_clip)
+        sync_s = time.perf_counter() - t_sync
+        if synced is not None and synced.rejoin is not None:
+            assert cross is not None
+            self._next = cross.rejoin(shaped, synced.rejoin)
+            assert self._progress is not None
+            self._progress.step, self._progress.synced = self._next, self._next - 1
+            return Outcome(step, committed=False, rejoined=True, next_step=self._next)
+        progress = self._progress
+        assert progress is not None
+        self._record_step(
+            parts,
+            progress,
+            step,
+            synced,
+            loss=loss,
+            grad_norm=grad_norm,
+            compute_s=compute_s,
+            sync_s=sync_s,
+            tokens=tokens,
+            metrics=metrics,
+        )
+        if synced is not None and synced.offer_state is not None:
+            assert cross is not None
+            cross.offer_state(shaped, synced.offer_state, step + 1)
+        env = self._env
+        save_if_due(
+            shaped,
+            parts.sync,
+            config,
+            env.run_dir,
+            env.site,
+            step + 1,
+            parts.key,
+            parts.outer,
+            self._user,
+        )
+        self._next = progress.step = step + 1
+        return Outcome(step, committed=True, next_step=self._next)
+
+    def _apply_gradients(
+        self, parts: RankParts, shaped: _ScriptModel, step: int, grad_clip: float | None
+    ) -> tuple[StepOutcome | None, float]:
+        """The step's sync (per-step, or DiLoCo's outer round when due) and optimizer
+        step: what the sync decided, and the gradients' norm (0 unless clipped)."""
+        from isthmus.deploy.rank import _lane_outcome
+
+        outer = parts.outer
         synced = None
         if parts.sync is not None and outer is None:
             synced = self._sync_step(shaped, step)
@@ -322,25 +369,36 @@ class Context:
             if (
                 (synced is None or synced.committed)
                 and outer.in_flight
-                and save_due(config, step + 1)
+                and save_due(parts.config, step + 1)
             ):
                 synced = outer.finish()  # a checkpoint holds no round in flight
-        sync_s = time.perf_counter() - t_sync
-        if synced is not None and synced.rejoin is not None:
-            assert cross is not None
-            self._next = cross.rejoin(shaped, synced.rejoin)
-            assert self._progress is not None
-            self._progress.step, self._progress.synced = self._next, self._next - 1
-            return Outcome(step, committed=False, rejoined=True, next_step=self._next)
+        return _lane_outcome(synced), grad_norm
+
+    def _record_step(
+        self,
+        parts: RankParts,
+        progress: LoopState,
+        step: int,
+        synced: StepOutcome | None,
+        *,
+        loss: torch.Tensor | float,
+        grad_norm: float,
+        compute_s: float,
+        sync_s: float,
+        tokens: int,
+        metrics: dict[str, float],
+    ) -> None:
+        """The step's digest when due, and its line in the metrics (``loss``, the site's
+        mean; ``tokens``, this rank's)."""
+        from isthmus.deploy.rank import _digest_if_due, _site_traffic, step_line
+
         round_stats = synced.stats if synced is not None else None
         traffic = _site_traffic(round_stats)
         site_loss = torch.tensor([float(loss)], dtype=torch.float64)
         dist.all_reduce(site_loss)
-        progress = self._progress
-        assert progress is not None
         digest_started = time.perf_counter()
         progress.digest = _digest_if_due(parts, progress, step, synced is not None)
-        last = config.job.steps - 1
+        last = parts.config.job.steps - 1
         parts.metrics.record(
             step_line(
                 parts,
@@ -350,7 +408,7 @@ class Context:
                 step=step,
                 loss=float(site_loss) / self.world_size,
                 grad_norm=grad_norm,
-                lr=shaped.optimizer.param_groups[0].get("lr", 0.0),
+                lr=parts.trainer.optimizer.param_groups[0].get("lr", 0.0),
                 compute_s=compute_s,
                 sync_s=sync_s,
                 tokens=tokens * self.world_size,
@@ -362,23 +420,6 @@ class Context:
             finished=step == last,
         )
         progress.reported_last = step == last
-        if synced is not None and synced.offer_state is not None:
-            assert cross is not None
-            cross.offer_state(shaped, synced.offer_state, step + 1)
-        env = self._env
-        save_if_due(
-            shaped,
-            parts.sync,
-            config,
-            env.run_dir,
-            env.site,
-            step + 1,
-            parts.key,
-            outer,
-            self._user,
-        )
-        self._next = progress.step = step + 1
-        return Outcome(step, committed=True, next_step=self._next)
 
     def _sync_step(self, shaped: _ScriptModel, step: int):
         """The step's cross-site gradient average (per-step sync): FSDP2's hooks started
