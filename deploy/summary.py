@@ -171,6 +171,13 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
     steps = merge_steps(per_site)
     if not sites:  # one site's own metrics.jsonl already is its record
         _write(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in steps))
+    summary = _summary(config, steps, _rank_results(config, run_dir, names))
+    _write(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _rank_results(config: JobConfig, run_dir: Path, names: list[str]) -> dict[str, list[dict]]:
+    """Each site's ranks' results (rank{N}.json), in rank order; a missing one raises."""
     results: dict[str, list[dict]] = {}
     for site in names:
         for rank in range(config.ranks_of(site)):
@@ -178,6 +185,12 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
             if not path.exists():
                 raise RuntimeError(f"{site} rank {rank} wrote no result ({path})")
             results.setdefault(site, []).append(json.loads(path.read_text()))
+    return results
+
+
+def _summary(config: JobConfig, steps: list[dict], results: dict[str, list[dict]]) -> dict:
+    """summary.json's content, from the merged steps and the ranks' results; ranks of a
+    site that disagree on the parameter digest raise."""
     digests = {}
     for site, ranks in results.items():
         if len({r["digest"] for r in ranks}) != 1:
@@ -243,7 +256,6 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
             site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
         },
     }
-    _write(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
