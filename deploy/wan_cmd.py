@@ -37,6 +37,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 DEFAULT_CONTROL = DEFAULT_ADDRESS
+CONTROL_HELP = "control endpoint of `isthmus wan up`, HOST:PORT on loopback"
 EXIT_USAGE = 2  # as deploy/cli.py
 EXIT_INTERRUPTED = 130
 
@@ -75,8 +76,13 @@ def register(
     from isthmus.deploy import netns_cmd
 
     netns_cmd.register(wsub, formatter)  # `netns up` serves the control endpoint too
-    control_help = "control endpoint of `isthmus wan up`, HOST:PORT on loopback"
+    _add_up(wsub, formatter)
+    _add_show(wsub, formatter)
+    _add_set(wsub, formatter)
 
+
+def _add_up(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    """`isthmus wan up`: run the links of a topology file."""
     up = wsub.add_parser(
         "up",
         help="run the links of a topology file in the foreground",
@@ -88,7 +94,7 @@ def register(
     )
     up.add_argument("topology", metavar="TOPOLOGY", help="topology file (TOML, see docs/wan.md)")
     up.add_argument(
-        "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=control_help + " (0: any)"
+        "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP + " (0: any)"
     )
     up.add_argument(
         "--forward",
@@ -108,6 +114,9 @@ def register(
     )
     up.set_defaults(func=cmd_up)
 
+
+def _add_show(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    """`isthmus wan show`: the links' specs and counters."""
     show = wsub.add_parser(
         "show",
         help="print the links' specs and counters",
@@ -116,10 +125,13 @@ def register(
         formatter_class=formatter,
     )
     show.add_argument("link", nargs="?", default=None, metavar="LINK", help="one link (a-b)")
-    show.add_argument("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=control_help)
+    show.add_argument("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP)
     show.add_argument("--json", action="store_true", help="print the endpoint's JSON")
     show.set_defaults(func=cmd_show)
 
+
+def _add_set(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+    """`isthmus wan set`: change a live link."""
     change = wsub.add_parser(
         "set",
         help="change a live link",
@@ -133,7 +145,7 @@ def register(
     change.add_argument("link", metavar="LINK", help="the link to change (a-b)")
     change.add_argument("changes", nargs="+", metavar="KEY=VALUE", help="what to change")
     change.add_argument(
-        "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=control_help
+        "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP
     )
     change.set_defaults(func=cmd_set)
 
