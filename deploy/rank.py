@@ -93,8 +93,7 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
     step whose sync finds that the job went on without this site pulls the live state
     and goes on from where the job is.
     """
-    env, config, sync, outer = parts.env, parts.config, parts.sync, parts.outer
-    last = config.job.steps - 1
+    config = parts.config
     progress = LoopState(step=parts.start, synced=parts.start - 1, started=time.perf_counter())
     plan = parts.plan
     while progress.step < config.job.steps:
@@ -112,66 +111,88 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
             progress.step = parts.cross.rejoin(parts.trainer, synced.rejoin)
             progress.synced = progress.step - 1
             continue
-        slowed = faults.pace(step, stats.compute_s, stats.sync_s)
-        crosses = synced is not None
-        round_stats = synced.stats if synced is not None else None
-        traffic = _site_traffic(round_stats)
-        if plan is not None:
-            plan.after_step(
-                step,
-                # The site's own work, slowdown and all; the wait for other sites is not.
-                compute_s=stats.compute_s + slowed,
-                site_sq_norm=float(traffic[4]),
-                global_sq_norm=stats.grad_norm**2,
-            )
-        digest_started = time.perf_counter()
-        progress.digest = _digest_if_due(parts, progress, step, crosses)
-        # Steady-state throughput leaves digests out (summary.py): a check, not training.
-        digest_s = time.perf_counter() - digest_started if progress.digest else 0.0
-        # The held-out loss, of the model the sites share (equal everywhere).
-        held_out = parts.held_out
-        val = held_out.measure(parts.trainer, outer) if held_out.due(step) else None
-        parts.metrics.record(
-            step_line(
-                parts,
-                progress,
-                round_stats,
-                traffic,
-                step=step,
-                loss=stats.loss,
-                grad_norm=stats.grad_norm,
-                lr=stats.lr,
-                compute_s=stats.compute_s,
-                sync_s=stats.sync_s,
-                tokens=stats.site_tokens,
-                mfu=stats.mfu,
-                digest_s=digest_s,
-                more={
-                    **batch,
-                    **({"val_loss": val[0], "eval_s": val[1]} if val else {}),
-                    **stats.moe_metrics(),
-                },
-            ),
-            digest=progress.digest,
-            finished=step == last,
-        )
-        progress.reported_last = step == last
-        if synced is not None and synced.offer_state is not None:
-            assert parts.cross is not None
-            parts.cross.offer_state(parts.trainer, synced.offer_state, step + 1)
-        save_if_due(
-            parts.trainer,
-            sync,
-            config,
-            env.run_dir,
-            env.site,
-            step + 1,
-            parts.key,
-            outer,
-            plan,
-        )
+        _report_step(parts, faults, progress, step, stats, synced, batch)
+        _offer_and_save(parts, step, synced)
         progress.step += 1
     return progress
+
+
+def _report_step(
+    parts: RankParts,
+    faults: FaultInjection,
+    progress: LoopState,
+    step: int,
+    stats: StepStats,
+    synced: StepOutcome | None,
+    batch: dict[str, float],
+) -> None:
+    """After a step that committed: the injected slowdown, the batch plan's measures,
+    the digest when due, the held-out loss when due, and the step's line in the metrics."""
+    outer, plan, last = parts.outer, parts.plan, parts.config.job.steps - 1
+    slowed = faults.pace(step, stats.compute_s, stats.sync_s)
+    crosses = synced is not None
+    round_stats = synced.stats if synced is not None else None
+    traffic = _site_traffic(round_stats)
+    if plan is not None:
+        plan.after_step(
+            step,
+            # The site's own work, slowdown and all; the wait for other sites is not.
+            compute_s=stats.compute_s + slowed,
+            site_sq_norm=float(traffic[4]),
+            global_sq_norm=stats.grad_norm**2,
+        )
+    digest_started = time.perf_counter()
+    progress.digest = _digest_if_due(parts, progress, step, crosses)
+    # Steady-state throughput leaves digests out (summary.py): a check, not training.
+    digest_s = time.perf_counter() - digest_started if progress.digest else 0.0
+    # The held-out loss, of the model the sites share (equal everywhere).
+    held_out = parts.held_out
+    val = held_out.measure(parts.trainer, outer) if held_out.due(step) else None
+    parts.metrics.record(
+        step_line(
+            parts,
+            progress,
+            round_stats,
+            traffic,
+            step=step,
+            loss=stats.loss,
+            grad_norm=stats.grad_norm,
+            lr=stats.lr,
+            compute_s=stats.compute_s,
+            sync_s=stats.sync_s,
+            tokens=stats.site_tokens,
+            mfu=stats.mfu,
+            digest_s=digest_s,
+            more={
+                **batch,
+                **({"val_loss": val[0], "eval_s": val[1]} if val else {}),
+                **stats.moe_metrics(),
+            },
+        ),
+        digest=progress.digest,
+        finished=step == last,
+    )
+    progress.reported_last = step == last
+
+
+def _offer_and_save(parts: RankParts, step: int, synced: StepOutcome | None) -> None:
+    """Offer the state after ``step`` to a site the commit admitted, if this one is its
+    source; then save a checkpoint when one is due."""
+    env, config, sync, outer, plan = parts.env, parts.config, parts.sync, parts.outer, parts.plan
+    if synced is not None and synced.offer_state is not None:
+        assert parts.cross is not None
+        parts.cross.offer_state(parts.trainer, synced.offer_state, step + 1)
+    save_if_due(
+        parts.trainer,
+        sync,
+        config,
+        env.run_dir,
+        env.site,
+        step + 1,
+        parts.key,
+        outer,
+        plan,
+    )
 
 
 def step_line(
