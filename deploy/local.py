@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.config import ConfigError, JobConfig
+from isthmus.deploy.host_check import HostFacts, host_problem
 from isthmus.deploy.progress import Progress
 from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
 from isthmus.deploy.summary import summarize
-from isthmus.deploy.validation import HostFacts, host_problem
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
 

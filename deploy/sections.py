@@ -313,7 +313,7 @@ class RunSection:
     links. With fewer steps than this + 1, only the first step is left out."""
     oversubscribe: bool = False
     """Run more CPU ranks on this host than max(8, 4 x its cores) (`--oversubscribe`
-    sets it); off, such a job is refused before it starts (deploy/validation.py,
+    sets it); off, such a job is refused before it starts (deploy/host_check.py,
     ``host_problem``, says why those numbers)."""
 
 

@@ -425,7 +425,7 @@ def test_oversubscribe_is_a_flag_of_local_and_site():
     ],
 )
 def test_cpu_ranks_beyond_four_a_core_need_oversubscribe(cores, site_ranks, sets, refused):
-    from isthmus.deploy.validation import HostFacts, host_problem
+    from isthmus.deploy.host_check import HostFacts, host_problem
 
     sizes = f"topology.ranks_per_site={site_ranks}"
     config = load_config(None, [sizes, f"topology.sites={len(site_ranks)}", *sets])
@@ -441,7 +441,7 @@ def test_cpu_ranks_beyond_four_a_core_need_oversubscribe(cores, site_ranks, sets
 def test_memory_lower_bounds_refuse_only_what_cannot_fit():
     """Each bound is a floor (16 bytes a parameter, one micro-batch's logits, 256 MiB a
     process), so a refusal is never a guess; the presets' own jobs pass."""
-    from isthmus.deploy.validation import HostFacts, host_problem
+    from isthmus.deploy.host_check import HostFacts, host_problem
 
     small_host = HostFacts(cores=2, memory_bytes=4 << 30)
     assert host_problem(load_config(), small_host, [2, 2], cuda=False) is None
@@ -463,7 +463,7 @@ def test_memory_lower_bounds_refuse_only_what_cannot_fit():
 
 
 def test_the_default_job_fits_this_host():
-    from isthmus.deploy.validation import HostFacts, host_problem
+    from isthmus.deploy.host_check import HostFacts, host_problem
 
     config = load_config()
     assert host_problem(config, HostFacts.here(cuda=False), config.site_ranks, cuda=False) is None
