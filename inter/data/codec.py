@@ -160,10 +160,13 @@ class CodecChain:
             np.copyto(target, array)
 
     def payload_finite(self, payload: bytes | memoryview, num_elements: int) -> bool | None:
-        """Whether ``payload`` decodes to finite values only, read off its bytes (int8:
-        its scales alone), or None where that is not cheap (byte stages would have to
-        be undone first) or its size is wrong (the decode will say so)."""
-        if self.byte_stages or len(payload) != self.tensor.encoded_size(num_elements):
+        """Whether ``payload`` decodes to finite values only, read off its scales (int8,
+        int4: a 1024th of the values), or None where that would not be cheaper than a
+        pass over the decoded values (raw and bf16 read every value either way; byte
+        stages would have to be undone first) or the size is wrong (the decode says so)."""
+        if self.byte_stages or not isinstance(self.tensor, Int8Stage):
+            return None
+        if len(payload) != self.tensor.encoded_size(num_elements):
             return None
         return self.tensor.finite(payload, num_elements)
 

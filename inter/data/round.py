@@ -383,8 +383,8 @@ class RoundPipeline:
                 f"{self.where}: site {sender} sent chunk {c} of {req.num_elements}/"
                 f"{req.total_elements} elements, expected {hi - lo}/{self.total}"
             )
-        values = self._decoded(c, sender, req)
-        if not self._decodes_finite(req, values):
+        values = self._finite_decoded(c, sender, req)
+        if values is None:
             # Refused before it is summed, and asked for again: a forged chunk that got
             # into the mailbox first is replaced by the sender's own copy.
             self._count(nonfinite_chunks=1)
@@ -393,8 +393,8 @@ class RoundPipeline:
             again = self._pull(key)
             if again is None:
                 return  # the round failed meanwhile
-            values = self._decoded(c, sender, again)
-            if not self._decodes_finite(again, values):
+            values = self._finite_decoded(c, sender, again)
+            if values is None:
                 raise CrossSiteError(
                     f"{self.where}: site {sender} sent NaN or Inf in chunk {c} twice; "
                     "refused before summing"
@@ -405,15 +405,18 @@ class RoundPipeline:
         else:
             self._add_part(c, sender, values)
 
-    def _decodes_finite(self, req: Chunk, values: np.ndarray | torch.Tensor) -> bool:
-        """No NaN or Inf in what ``req`` decoded to: as a raw payload from a bulk
-        connection was checked while it arrived (wirecore), else off the payload's bytes
-        where the codec can (int8: its scales), else on the values (on a GPU, a
-        reduction and a wait for it)."""
+    def _finite_decoded(self, c: int, sender: int, req: Chunk) -> np.ndarray | torch.Tensor | None:
+        """``req`` decoded, or None if it holds NaN or Inf. Known before any decode where
+        the payload says it (a raw one from a bulk connection, checked as it arrived by
+        wirecore; int8's scales), else checked on the values (on a GPU, a reduction and
+        a wait for it)."""
         checked = getattr(req, "payload_finite", None)
         if checked is None:
             checked = self.codec.payload_finite(req.payload, req.num_elements)
-        return checked if checked is not None else finite(values)
+        if checked is False:
+            return None
+        values = self._decoded(c, sender, req)
+        return values if checked or finite(values) else None
 
     def _decoded(self, c: int, sender: int, req: Chunk) -> np.ndarray | torch.Tensor:
         lo, hi = self._bounds(c)
