@@ -39,14 +39,15 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -173,7 +174,9 @@ def save(
     state.update({prefix + k: v for k, v in _rank_entries(trainer, extra).items()})
     started = time.perf_counter()
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+        writer = dcp.FileSystemWriter(partial, sync_files=True)
+        writer.fs = _FileNamingFileSystem()
+        dcp.save(state, storage_writer=writer)
     except CheckpointException as exc:  # raised at every rank alike: DCP gathers failures
         problem[0] = _dcp_failure(exc, partial) if rank == 0 else "failed"  # rank 0's says
     if problem[0] is None and rank == 0:
@@ -206,6 +209,38 @@ def _raise_if_failed(problem: list[str | None], partial: Path, next_step: int) -
     )
 
 
+class _FileNamingFileSystem(FileSystem):
+    """DCP's file system, but a failed write raises the OSError that failed it, with the
+    file's name. torch.save's zip writer turns the stream's OSError (ENOSPC) into
+    RuntimeError "unexpected pos 704 vs 598" and keeps the OSError only as its
+    ``__context__``, which does not survive DCP's gathering of failures to rank 0."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        except RuntimeError as exc:
+            cause = _os_error_under(exc)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, str(path)) from exc
+
+
+def _os_error_under(exc: BaseException) -> OSError | None:
+    """The OSError an exception was raised while handling (its ``__context__`` chain)."""
+    seen = exc.__cause__ or exc.__context__
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _dcp_failure(exc: CheckpointException, partial: Path) -> str:
     """What failed in a DCP save, as one line naming the file where it can."""
     failures = sorted(exc.failures.items())
@@ -214,6 +249,8 @@ def _dcp_failure(exc: CheckpointException, partial: Path) -> str:
     rank, (error, frames) = next(
         ((r, f) for r, f in failures if isinstance(f[0], OSError)), failures[0]
     )
+    if isinstance(error, OSError) and error.filename is not None:
+        return describe_os_error(error)  # _FileNamingFileSystem named the file
     if any(frame.name == "finish" for frame in frames):  # rank 0 writing .metadata
         where = partial / ".metadata"
     else:

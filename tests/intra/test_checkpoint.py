@@ -3,6 +3,7 @@ SIGKILLed halfway, and the completeness rules of ``latest``."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
@@ -317,3 +318,43 @@ def test_a_full_disk_names_the_file_and_the_errno_and_leaves_no_partial(tmp_path
         assert r["after failure"] == ["step-00000001"], r["after failure"]
         assert r["saved"] == "step-00000002"
         assert r["after retry"] == ["step-00000001", "step-00000002"]
+
+
+@pytest.mark.parametrize("full", ["before", "while writing"])
+def test_a_short_write_inside_torch_save_names_its_errno_and_its_file(
+    tmp_path: Path, full: str
+) -> None:
+    """CI, stop 43: torch.save's zip writer reported a disk that filled while it wrote as
+    RuntimeError "unexpected pos 704 vs 598", and the free-space probe that named it
+    ENOSPC found space again (the other site had just removed its own failed save). The
+    stream DCP writes through now raises the OSError that failed the write, named,
+    whatever the disk holds by the time the failure is read."""
+    from tmpfs import fill, small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        filler = fill(disk) if full == "before" else None
+        target = disk / "__0_0.distcp"
+        naming = checkpoint._FileNamingFileSystem()
+        with pytest.raises(OSError) as caught, naming.create_stream(target, "wb") as stream:
+            torch.save(torch.zeros(1 << 20), stream)  # 4 MB
+        if filler is not None:
+            filler.unlink()  # space is back before anyone reads the failure
+        else:
+            target.unlink()
+    error = caught.value
+    assert error.errno == errno.ENOSPC
+    assert error.filename == str(target)
+    if full == "while writing":  # what torch raised is kept as the cause
+        assert "unexpected pos" in str(error.__cause__), repr(error.__cause__)
+    assert checkpoint.describe_os_error(error) == (
+        f"no space left on device (ENOSPC) writing {target}"
+    )
+
+
+def test_a_runtime_error_without_an_os_error_under_it_passes_unchanged(tmp_path: Path) -> None:
+    naming = checkpoint._FileNamingFileSystem()
+    with (
+        pytest.raises(RuntimeError, match="not a disk"),
+        naming.create_stream(tmp_path / "x", "wb"),
+    ):
+        raise RuntimeError("not a disk")
