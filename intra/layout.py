@@ -193,6 +193,15 @@ class ParallelConfig:
         Raises:
             ValueError: naming the field that does not fit.
         """
+        self._check_model_split(layout, model)
+        self._check_sequence_split(layout, seq_len)
+        if self.mixed_precision and not _cuda_available():
+            raise ValueError("ParallelConfig.mixed_precision needs CUDA (bf16 on CPU is slow)")
+        if layout.pp > 1:
+            self._check_pipeline(layout, model, batch_size)
+
+    def _check_model_split(self, layout: ParallelLayout, model: ModelConfig) -> None:
+        """The model's heads, widths and experts split evenly over tp and ep."""
         tp = layout.tp
         for name in ("n_heads", "ffn_hidden", "vocab_size", "dim"):
             if getattr(model, name) % tp:
@@ -227,7 +236,11 @@ class ParallelConfig:
                     f"expert parallelism needs ep={ep} to divide dp={layout.dp} (the experts "
                     "are split over dp ranks)"
                 )
-        cp = layout.cp
+
+    def _check_sequence_split(self, layout: ParallelLayout, seq_len: int) -> None:
+        """Each sequence splits evenly over cp, and each cp chunk over tp with sequence
+        parallelism."""
+        cp, tp = layout.cp, layout.tp
         if cp > 1 and seq_len % (2 * cp):
             raise ValueError(
                 f"ParallelLayout.cp={cp} needs seq_len={seq_len} divisible by 2*cp={2 * cp} "
@@ -239,10 +252,10 @@ class ParallelConfig:
                 f"ParallelConfig.sequence_parallel needs seq_len/cp={local_seq} divisible "
                 f"by tp={tp}"
             )
-        if self.mixed_precision and not _cuda_available():
-            raise ValueError("ParallelConfig.mixed_precision needs CUDA (bf16 on CPU is slow)")
-        if layout.pp == 1:
-            return
+
+    def _check_pipeline(self, layout: ParallelLayout, model: ModelConfig, batch_size: int) -> None:
+        """With ``pp > 1``: enough layers for the stages, and micro-batches that divide
+        the batch and fit the schedule."""
         stages = layout.pp * self.local_stages
         if model.n_layers < stages:
             raise ValueError(
