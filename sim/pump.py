@@ -129,7 +129,6 @@ class Pump:
         streams: list[Stream] = []
         by_fd: dict[int, tuple[Stream, int]] = {}  # fd -> (stream, 0 = its src, 1 = dst)
         events: list[tuple[int, int]] = []
-        pipe = self._pipe
         try:
             while True:
                 with self._lock:
@@ -140,64 +139,13 @@ class Pump:
                         conn.release()
                     break
                 now = time.monotonic()
-                for conn, src, dst, first in incoming:
-                    s = Stream(conn, src, dst)
-                    streams.append(s)
-                    by_fd[s.sfd], by_fd[s.dfd] = (s, 0), (s, 1)
-                    if first:
-                        self._admit(s, first, None, len(first), now)
-                for fd, _ in events:
-                    if fd == self._wake_fd:
-                        with contextlib.suppress(BlockingIOError):
-                            os.eventfd_read(fd)
-                    elif fd == timer.fd:
-                        timer.clear()
-                    elif fd in by_fd:
-                        s, side = by_fd[fd]
-                        if side == 0:
-                            s.readable = True
-                        else:
-                            s.blocked_out = False
-                due_reset, next_reset = pipe.due_reset(now)
-                if reset or due_reset:
-                    for s in streams:
-                        if not s.conn.failed:
-                            pipe.count("resets")
-                            s.conn.fail()
-                capped = pipe.spec.flow_capped
-                for s in streams:
-                    # A flow held by its cap stays readable: read it when it may.
-                    if s.readable and not s.conn.failed and not (capped and s.flow_free > now):
-                        s.readable = False
-                        self._intake(s, now)
+                self._accept(incoming, streams, by_fd, now)
+                self._note_events(events, timer, by_fd)
+                next_reset = self._reset_and_read(streams, reset, now)
                 now = time.monotonic()
-                wake_at, precise = math.inf, False
-                for s in streams:
-                    if not s.blocked_out and not s.conn.failed:
-                        due = self._deliver(s, now)
-                        if due < wake_at:
-                            # A stream holding one piece waits on it (a request, a
-                            # ping): release it to the microsecond. A stream holding
-                            # many is a bulk flow, whose rate does not care.
-                            wake_at, precise = due, len(s.chunks) == 1
-                for s in [s for s in streams if s.done or s.conn.failed]:
-                    streams.remove(s)
-                    self._drop(s, poller, by_fd)
-                if streams:
-                    streams.append(streams.pop(0))  # round robin: who reads first
-                room, next_wire = pipe.room(now)
-                window = pipe.spec.inflight_limit_bytes + RECV_WINDOW_BYTES
-                capped = pipe.spec.flow_capped
-                for s in streams:
-                    reading = not s.eof_read and s.unwritten <= window
-                    if reading and room == 0 and next_wire is not None and next_wire < wake_at:
-                        wake_at, precise = next_wire, False  # room comes back then
-                    if reading and capped and s.flow_free > now:
-                        reading = False  # its cap holds it: look again when it may send
-                        if s.flow_free < wake_at:
-                            wake_at, precise = s.flow_free, False
-                    self._register(poller, s, 0, _IN if reading and room > 0 else 0)
-                    self._register(poller, s, 1, _OUT if s.blocked_out else 0)
+                wake_at, precise = self._deliver_all(streams, now)
+                self._retire(streams, poller, by_fd)
+                wake_at, precise = self._listen(poller, streams, now, wake_at, precise)
                 if next_reset is not None and next_reset < wake_at:
                     wake_at, precise = next_reset, False
                 events = self._wait(poller, timer, wake_at, precise)
@@ -205,6 +153,101 @@ class Pump:
             for s in streams:
                 self._drop(s, poller, by_fd)
             timer.close()
+
+    def _accept(
+        self,
+        incoming: list[tuple[Connection, socket.socket, socket.socket, bytes]],
+        streams: list[Stream],
+        by_fd: dict[int, tuple[Stream, int]],
+        now: float,
+    ) -> None:
+        """Start a stream for each new connection; admit the bytes already read."""
+        for conn, src, dst, first in incoming:
+            s = Stream(conn, src, dst)
+            streams.append(s)
+            by_fd[s.sfd], by_fd[s.dfd] = (s, 0), (s, 1)
+            if first:
+                self._admit(s, first, None, len(first), now)
+
+    def _note_events(
+        self, events: list[tuple[int, int]], timer: Timer, by_fd: dict[int, tuple[Stream, int]]
+    ) -> None:
+        """Clear the wake-up and timer fds; mark the streams whose sockets are ready."""
+        for fd, _ in events:
+            if fd == self._wake_fd:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(fd)
+            elif fd == timer.fd:
+                timer.clear()
+            elif fd in by_fd:
+                s, side = by_fd[fd]
+                if side == 0:
+                    s.readable = True
+                else:
+                    s.blocked_out = False
+
+    def _reset_and_read(self, streams: list[Stream], reset: bool, now: float) -> float | None:
+        """Reset every stream if asked to or a reset is due, then read from each sender
+        that has bytes and may send; returns when the next scheduled reset is due."""
+        pipe = self._pipe
+        due_reset, next_reset = pipe.due_reset(now)
+        if reset or due_reset:
+            for s in streams:
+                if not s.conn.failed:
+                    pipe.count("resets")
+                    s.conn.fail()
+        capped = pipe.spec.flow_capped
+        for s in streams:
+            # A flow held by its cap stays readable: read it when it may.
+            if s.readable and not s.conn.failed and not (capped and s.flow_free > now):
+                s.readable = False
+                self._intake(s, now)
+        return next_reset
+
+    def _deliver_all(self, streams: list[Stream], now: float) -> tuple[float, bool]:
+        """Write what is due on every stream; returns (when the next piece is due,
+        whether to release it precisely)."""
+        wake_at, precise = math.inf, False
+        for s in streams:
+            if not s.blocked_out and not s.conn.failed:
+                due = self._deliver(s, now)
+                if due < wake_at:
+                    # A stream holding one piece waits on it (a request, a
+                    # ping): release it to the microsecond. A stream holding
+                    # many is a bulk flow, whose rate does not care.
+                    wake_at, precise = due, len(s.chunks) == 1
+        return wake_at, precise
+
+    def _retire(
+        self, streams: list[Stream], poller: select.poll, by_fd: dict[int, tuple[Stream, int]]
+    ) -> None:
+        """Drop the finished and failed streams; rotate the rest (who reads first)."""
+        for s in [s for s in streams if s.done or s.conn.failed]:
+            streams.remove(s)
+            self._drop(s, poller, by_fd)
+        if streams:
+            streams.append(streams.pop(0))  # round robin: who reads first
+
+    def _listen(
+        self, poller: select.poll, streams: list[Stream], now: float, wake_at: float, precise: bool
+    ) -> tuple[float, bool]:
+        """Poll each sender that may send and each receiver that was full; returns
+        (wake_at, precise) moved earlier to when link room or a flow's cap comes back."""
+        pipe = self._pipe
+        room, next_wire = pipe.room(now)
+        window = pipe.spec.inflight_limit_bytes + RECV_WINDOW_BYTES
+        capped = pipe.spec.flow_capped
+        for s in streams:
+            reading = not s.eof_read and s.unwritten <= window
+            if reading and room == 0 and next_wire is not None and next_wire < wake_at:
+                wake_at, precise = next_wire, False  # room comes back then
+            if reading and capped and s.flow_free > now:
+                reading = False  # its cap holds it: look again when it may send
+                if s.flow_free < wake_at:
+                    wake_at, precise = s.flow_free, False
+            self._register(poller, s, 0, _IN if reading and room > 0 else 0)
+            self._register(poller, s, 1, _OUT if s.blocked_out else 0)
+        return wake_at, precise
 
     def _wait(
         self, poller: select.poll, timer: Timer, wake_at: float, precise: bool
