@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from isthmus.deploy.bench_cmd import add_arguments, cmd_bench_allreduce
-from isthmus.deploy.config import ConfigError
+from isthmus.deploy.commands.bench import add_arguments, cmd_bench_allreduce
+from isthmus.deploy.config.job import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
 #   bash benchmarks/lanes_side_by_side.sh OLD_TREE [LANES...]
 #
 # OLD_TREE is a checkout of the package folders to compare with (e.g. `git worktree add
-# /tmp/old <commit>`; its deploy/bench_cmd.py needs --direct). Both run
+# /tmp/old <commit>`; its deploy/commands/bench.py needs --direct). Both run
 # `benchmarks/allreduce.py --direct` (two sites, no emulator: the lanes' own limit) with
 # the same flags, alternating old and new REPEATS times, for each device in DEVICES
 # (default "cpu"; "cpu cuda" adds CUDA tensors, each site's lanes on GPUs of their own

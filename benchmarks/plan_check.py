@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from isthmus.deploy.config import load_config
+from isthmus.deploy.config.job import load_config
 from isthmus.intra.model import Transformer
 from isthmus.sim.plan import PlanInput, predict
 

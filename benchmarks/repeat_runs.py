@@ -32,7 +32,7 @@ from pathlib import Path
 
 from scaling_curve import run_args  # the same `isthmus local` arguments as the curve
 
-from isthmus.deploy.cli import add_set_argument
+from isthmus.deploy.commands.arguments import add_set_argument
 
 _ALARM = re.compile(r"NaN or Inf|timed out|non-finite|gave the round up")
 

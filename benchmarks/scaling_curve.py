@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from isthmus.deploy.cli import add_set_argument
-from isthmus.deploy.config import JobConfig, load_config
+from isthmus.deploy.commands.arguments import add_set_argument
+from isthmus.deploy.config.job import JobConfig, load_config
 from isthmus.sim.plan import PlanInput, predict
 
 

@@ -278,7 +278,7 @@ def print_table(r: dict) -> None:
 
 if __name__ == "__main__":
     main()
-    # As deploy/rank.py does: everything is written and the process group destroyed, so
+    # As deploy/rank/program.py does: everything is written and the process group destroyed, so
     # skip the interpreter's teardown of torch's C++ state. On a loaded 2-core machine it
     # aborted 1 run in 10-20 *after* destroy_process_group ("terminate called without an
     # active exception": a thread still joinable at static destruction), failing a case

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from unequal_sites import run_once
 
-from isthmus.deploy.cli import add_set_argument
+from isthmus.deploy.commands.arguments import add_set_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

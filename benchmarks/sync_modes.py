@@ -40,8 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from isthmus.deploy.cli import add_set_argument
-from isthmus.deploy.summary import merge_steps, steady_state
+from isthmus.deploy.commands.arguments import add_set_argument
+from isthmus.deploy.reports.summary import merge_steps, steady_state
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,7 +10,7 @@
 # preset's gradient (3930 MiB fp32 per site), 21 groups, 4 rounds in flight, 800 ms of
 # backward, int8, 10 Gbit/s, 9.8 ms RTT. MIB, NGROUPS, LOAD_MS, IN_FLIGHT, CODECS, GBIT,
 # RTT_MS, LANES, DEVICE override them. With OLD_TREE (a checkout to compare with; its
-# bench needs this tree's inter/data/bench.py and deploy/bench_cmd.py), old and new run
+# bench needs this tree's inter/data/bench.py and deploy/commands/bench.py), old and new run
 # alternately, REPEATS times. Tables to stdout, JSON to $OUT.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -207,7 +207,7 @@ def run_isthmus(wan, args: argparse.Namespace, logs: Path, run_root: Path) -> di
     bytes0 = link_bytes(wan) if wan is not None else 0
     t0 = time.perf_counter()
     # The isthmus CLI, with os.cpu_count() made to give every rank --threads threads
-    # (deploy/site.py divides the cores by the site's ranks, deploy/local.py by all
+    # (deploy/launch/site.py divides the cores by the site's ranks, deploy/launch/local.py by all
     # ranks; both sites share this machine, and torchft's ranks get --threads too).
     ranks = 1 if args.isthmus_via == "netns" else 2
     cli = [sys.executable, "-c", CLI_WITH_CORES.format(cores=args.threads * ranks)]

@@ -90,8 +90,8 @@ def torchft_worker(args: argparse.Namespace) -> None:
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 
-    from isthmus.deploy.config import load_config
-    from isthmus.deploy.rank import build_trainer
+    from isthmus.deploy.config.job import load_config
+    from isthmus.deploy.rank.program import build_trainer
     from isthmus.intra.data import ShardedBatches, stdlib_corpus
     from isthmus.intra.layout import ParallelLayout
     from isthmus.intra.topology import build_site_mesh
@@ -111,7 +111,7 @@ def torchft_worker(args: argparse.Namespace) -> None:
         def address(self) -> str:
             return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-    # The inner trainer `isthmus site` builds for diloco (deploy/rank.py).
+    # The inner trainer `isthmus site` builds for diloco (deploy/rank/program.py).
     dist.init_process_group("gloo", timeout=timeout)
     layout = ParallelLayout.for_ranks(1, pp=1, tp=1)
     mesh = build_site_mesh(layout, "cpu")

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from isthmus.deploy.cli import add_set_argument
+from isthmus.deploy.commands.arguments import add_set_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -25,7 +25,7 @@ class Emulator:
         topology.write_text(
             f"sites = {json.dumps(names)}\n[defaults]\nlatency_ms = 0.5\nbandwidth_mbit = 1000\n"
         )
-        cmd = [sys.executable, "-m", "isthmus.deploy.wan_cmd", "up", str(topology)]
+        cmd = [sys.executable, "-m", "isthmus.deploy.commands.wan", "up", str(topology)]
         cmd += ["--control", "127.0.0.1:0"]
         for link in links:
             a, b = link.split("-")

@@ -24,7 +24,7 @@ the site's world and mesh (``rank_setup.join_site``), the rank's lane and member
 (``CrossSite``), the gradient sync (``LaneGradientSync``) or the outer optimizer of
 DiLoCo and streaming (``rank_setup.outer_optimizer``), checkpoints
 (``checkpointing.restore``/``save_if_due``), the per-step digest, metrics and teardown
-of ``deploy/rank.py``.
+of ``deploy/rank/program.py``.
 """
 
 from __future__ import annotations
@@ -43,22 +43,31 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from isthmus.deploy.checkpointing import restore, save_due, save_if_due
-from isthmus.deploy.config import JobConfig, load_config
-from isthmus.deploy.rank_setup import (
+from isthmus.deploy.config.job import JobConfig, load_config
+from isthmus.deploy.rank.checkpointing import restore, save_due, save_if_due
+from isthmus.deploy.rank.program import (
+    LoopState,
+    _digest_if_due,
+    _lane_outcome,
+    _site_traffic,
+    step_line,
+    tear_down,
+)
+from isthmus.deploy.rank.startup import (
     RankEnv,
     RankParts,
+    at_script_end,
     join_job,
     join_site,
     open_metrics,
     outer_optimizer,
     security_of,
 )
+from isthmus.deploy.security.trust import checkpoint_key
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.train import TrainConfig
 
-if TYPE_CHECKING:  # rank.py runs a script through this module: imported lazily at run time
-    from isthmus.deploy.rank import LoopState
+if TYPE_CHECKING:
     from isthmus.inter.data import StepOutcome
 
 __all__ = ["Context", "Outcome", "init"]
@@ -175,7 +184,7 @@ class Context:
     def token_batches(self):
         """The job's token data (``[data]`` of the job, the built-in presets' corpus), as
         this rank's shard: ``.batch(step)`` gives ``(inputs, targets)``, resumable."""
-        from isthmus.deploy.corpus import load_corpus
+        from isthmus.deploy.rank.corpus import load_corpus
         from isthmus.intra.data import ShardedBatches
 
         corpus, split = load_corpus(self.config)
@@ -215,7 +224,6 @@ class Context:
         """
         if self._parts is not None:
             raise RuntimeError("attach() was called already: one model per job")
-        from isthmus.deploy.rank import LoopState
 
         config, env, cross = self.config, self._env, self._cross
         shaped = _ScriptModel(model, optimizer, self.mesh["dp"], config.job.steps)
@@ -231,7 +239,7 @@ class Context:
             cross.plan = user  # type: ignore[assignment]
         site_dir, metrics = open_metrics(env, config, self._security, alone=cross is None)
         sync = cross.sync if cross is not None else None
-        key = config.checkpoint_key()
+        key = checkpoint_key(config)
         start = restore(shaped, sync, config, env.run_dir, env.site, key, outer, user)  # type: ignore[arg-type]
         if cross is not None:
             start = cross.catch_up(shaped) or start  # type: ignore[arg-type]
@@ -350,7 +358,6 @@ class Context:
     ) -> tuple[StepOutcome | None, float]:
         """The step's sync (per-step, or DiLoCo's outer round when due) and optimizer
         step: what the sync decided, and the gradients' norm (0 unless clipped)."""
-        from isthmus.deploy.rank import _lane_outcome
 
         outer = parts.outer
         synced = None
@@ -390,7 +397,6 @@ class Context:
     ) -> None:
         """The step's digest when due, and its line in the metrics (``loss``, the site's
         mean; ``tokens``, this rank's)."""
-        from isthmus.deploy.rank import _digest_if_due, _site_traffic, step_line
 
         round_stats = synced.stats if synced is not None else None
         traffic = _site_traffic(round_stats)
@@ -445,7 +451,6 @@ class Context:
         coordinator channel and process group closed (what the launcher waits for)."""
         if self._finished:
             return
-        from isthmus.deploy.rank import tear_down
 
         parts = self._require()
         assert self._progress is not None
@@ -493,6 +498,7 @@ def init() -> Context:
             "`isthmus local --script PATH`)"
         )
     _current = Context(RankEnv.from_environ(), load_config(Path(os.environ["ISTHMUS_CONFIG"])))
+    at_script_end(close_current)
     return _current
 
 

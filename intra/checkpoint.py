@@ -13,7 +13,7 @@ Commit protocol, so a crash at any point leaves the previous checkpoint usable:
    has one), fsyncs it, renames the folder to ``ROOT/step-00000012/`` and fsyncs
    ``ROOT``: the rename is the commit;
 3. only then are checkpoints beyond the newest ``keep`` deleted (but never the step
-   named by ``protect``: the newest one complete at every site, deploy/checkpointing.py).
+   named by ``protect``: the newest one complete at every site, deploy/rank/checkpointing.py).
 
 A save that fails (a full disk: issue 33, row 12) removes its ``.partial`` folder and
 raises a CheckpointError naming the errno and the file; every save first removes the

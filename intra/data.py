@@ -8,7 +8,7 @@ site joining) at step ``s`` needs no sampler state beyond the step counter.
 ``split_corpus`` holds part of a corpus out: blocks spread evenly over it that no
 training window ever touches, from which the held-out (validation) loss is measured.
 
-``prepared_corpus`` reads the folder `isthmus data prepare` writes (deploy/data_cmd.py):
+``prepared_corpus`` reads the folder `isthmus data prepare` writes (deploy/commands/data.py):
 uint16 ``.bin`` shards, each the same raw token file ``from_path`` memory-maps, and a
 manifest.json; ``ShardedTokens`` reads the shards, memory-mapped, as one sequence.
 """
@@ -365,7 +365,7 @@ class ShardedBatches:
     def resplit(self, shard_index: int, units: int, num_shards: int | None = None) -> None:
         """Takes ``units`` slices from ``shard_index`` on, of a global batch of
         ``num_shards`` slices (default: as before), from the next batch on: the sites'
-        split of the global batch, or its size, changed (deploy/batch_plan.py)."""
+        split of the global batch, or its size, changed (deploy/batch/plan.py)."""
         num_shards = self.num_shards if num_shards is None else num_shards
         if units < 1 or not 0 <= shard_index <= num_shards - units:
             raise ValueError(

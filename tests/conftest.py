@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.deploy.certs_cmd import write_certs
+from isthmus.deploy.commands.certs import write_certs
 
 
 @pytest.fixture(scope="session", autouse=True)
 def isthmus_home(tmp_path_factory) -> Path:
-    """The user's job token (deploy/job_secret.py) lives here, not in the home folder of
+    """The user's job token (deploy/security/token.py) lives here, not in the home folder of
     whoever runs the suite; subprocesses (sites, ranks) inherit it."""
     home = tmp_path_factory.mktemp("isthmus-home")
     os.environ["ISTHMUS_HOME"] = str(home)

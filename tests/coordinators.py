@@ -1,6 +1,6 @@
 """Real coordinators on loopback for the control-plane tests (test_failover.py,
 test_forged_calls.py, test_witness.py, test_fuzz.py): each site has one "rank" played
-by the test, which registers and votes like deploy/rank.py does. Sites die by
+by the test, which registers and votes like deploy/rank/program.py does. Sites die by
 stopping their coordinator; a partition cuts the emulated link."""
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def linked_pair(relay: RelayServer):
         "site0": {"site1": "http://{}:{}".format(*link.add_proxy(initiator="a"))},
         "site1": {"site0": "http://{}:{}".format(*link.add_proxy(initiator="b"))},
     }
-    os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/local.py)
+    os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/launch/local.py)
     return link, proxies
 
 

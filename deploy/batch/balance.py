@@ -8,7 +8,7 @@ step's mean is over the same windows of tokens whatever the split: only who comp
 which part moves.
 
 These are pure functions: every site calls them with the same bits (the measured
-timings reach every site as the bits of one committed sum: deploy/batch_plan.py) and
+timings reach every site as the bits of one committed sum: deploy/batch/plan.py) and
 must get the same split, so the search is exact and its ties are broken by rule.
 """
 

@@ -7,7 +7,7 @@ Size (``train.batch_schedule``), in micro-batches of ``train.batch_size`` sequen
   ``train.batch_ramp_steps`` (Megatron's ``rampup_batch_size``, counted in steps); every
   rank computes it from the step number;
 - ``noise``: from ``train.batch_start``, grown toward the gradient noise scale
-  (McCandlish et al. 2018; deploy/batch_size.py) at each decision, up to that sum.
+  (McCandlish et al. 2018; deploy/batch/size.py) at each decision, up to that sum.
 
 Split (``train.balance_every = N``): every N steps each site's rank 0 adds to that
 step's sync one codec block per value (``LaneGradientSync.share``): its median seconds
@@ -16,7 +16,7 @@ norm of the site's own mean gradient, of the global mean gradient, and the site'
 sequences per step. The sum exists only when the step commits and is the same bits at
 every site; rank 0 hands it to its site's ranks, and every rank of every site derives
 the same decisions from it: the split that finishes the sites together
-(deploy/balance.py), the noise scale and the batch size. A decision applies from the
+(deploy/batch/balance.py), the noise scale and the batch size. A decision applies from the
 next step; the learning rate follows the batch by ``train.lr_scaling``.
 
 The split, the last timings and the noise scale's averages travel in checkpoints and
@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from isthmus.deploy.balance import BatchSplit, best_split, resized
-from isthmus.deploy.batch_size import NoiseScale, NoiseScaleController, RampSchedule
+from isthmus.deploy.batch.balance import BatchSplit, best_split, resized
+from isthmus.deploy.batch.size import NoiseScale, NoiseScaleController, RampSchedule
 from isthmus.inter.data import INT8_BLOCK as BLOCK
 from isthmus.intra.flops import scaled_lr
 
 if TYPE_CHECKING:
-    from isthmus.deploy.config import JobConfig
+    from isthmus.deploy.config.job import JobConfig
     from isthmus.inter.data import LaneGradientSync
     from isthmus.intra.data import ShardedBatches
     from isthmus.intra.train import Trainer

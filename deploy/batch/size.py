@@ -1,7 +1,7 @@
 """The global batch over time: a linear ramp, the gradient noise scale, and a controller.
 
 The global batch is ``U`` *units*, micro-batches of ``train.batch_size`` sequences
-(deploy/balance.py says how they are split between the sites). This module holds the
+(deploy/batch/balance.py says how they are split between the sites). This module holds the
 pure functions that choose ``U`` from one step to the next; the machinery that makes
 every site agree on a change lives elsewhere. Every site calls these with the same bits
 (the sums of a sync are bitwise identical everywhere) and must get the same answer, so

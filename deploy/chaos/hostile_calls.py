@@ -42,13 +42,13 @@ __all__ = ["flood", "forge", "missed_forgeries"]
 def _channel(address: str, credentials: SiteSecurity | None = None) -> grpc.Channel:
     """A channel with ``credentials`` (a site's certificate and the job token, in a job
     with TLS), else carrying the user's job token, which the chaos suite's sites run with
-    (deploy/job_secret.py): without it every call below is refused at the gate and
+    (deploy/security/token.py): without it every call below is refused at the gate and
     nothing behind it is tested. So the caller plays the strongest attacker that is not
     the site it claims to be, a holder of the token (and of site0's certificate with
     TLS), and its claims must still be found out."""
     if credentials is not None:
         return credentials.channel(address)
-    from isthmus.deploy.job_secret import job_token
+    from isthmus.deploy.security.token import job_token
 
     return SiteSecurity(token=job_token()).channel(address)
 

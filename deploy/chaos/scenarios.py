@@ -1,4 +1,4 @@
-"""The chaos suite's scenarios (`isthmus chaos`; the runner is deploy/chaos.py)."""
+"""The chaos suite's scenarios (`isthmus chaos`; the runner is deploy/chaos/suite.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ parameter digest after the last step.
 
 A site is slowed with ISTHMUS_SLOWDOWN=F in its environment: each of its ranks sleeps
 (F - 1) x its compute time after every step; ISTHMUS_STEP_FLOOR_S=T makes no step
-shorter than T seconds (deploy/rank.py).
+shorter than T seconds (deploy/rank/program.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from isthmus.deploy.chaos_scenarios import SCENARIOS, Fault, Scenario
-from isthmus.deploy.config import load_config
-from isthmus.deploy.hostile_calls import flood, forge, missed_forgeries
-from isthmus.deploy.local import slow_env
+from isthmus.deploy.chaos.hostile_calls import flood, forge, missed_forgeries
+from isthmus.deploy.chaos.scenarios import SCENARIOS, Fault, Scenario
+from isthmus.deploy.config.job import load_config
+from isthmus.deploy.launch.local import slow_env
+from isthmus.deploy.security.trust import site_security
 from isthmus.inter.security import SiteSecurity
 from isthmus.sim import Corrupt, Flap, LinkSpec, RelayServer
 
@@ -228,13 +229,13 @@ def run_scenario(
         coordinators = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports, strict=True)}
         config = load_config(job, list(overrides))
         if config.data.tokenizer != "bytes":  # the sites' fingerprints carry its hash
-            from isthmus.deploy.corpus import pin_tokenizer
+            from isthmus.deploy.rank.corpus import pin_tokenizer
 
             pin_tokenizer(config)
         fingerprint = config.fingerprint()
         # With TLS, hostile calls come with site0's certificate (a site of the job speaking
         # for another); else with the user's job token, which the sites run with.
-        credentials = config.site_security("site0") if config.security.require_tls else None
+        credentials = site_security(config, "site0") if config.security.require_tls else None
         _inject(scenario, sites, links, coordinators, fingerprint, run_dir, out, credentials)
         return _judge(scenario, sites, run_dir, started)
     finally:

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.config import ConfigError
-from isthmus.deploy.validation import MAX_SYNC_CHUNK_BYTES
+from isthmus.deploy.config.job import ConfigError
+from isthmus.deploy.config.validation import MAX_SYNC_CHUNK_BYTES
 from isthmus.inter.data import connections_for_link, parse_codec_spec, sync_chunk_bytes
 
 if TYPE_CHECKING:
@@ -254,7 +254,7 @@ def register(
 ) -> None:
     """Add `isthmus bench allreduce` to the CLI."""
     if formatter is None:
-        from isthmus.deploy.cli import HelpFormatter
+        from isthmus.deploy.commands.arguments import HelpFormatter
 
         formatter = HelpFormatter
     parser = sub.add_parser(

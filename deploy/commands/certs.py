@@ -19,7 +19,7 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from isthmus.deploy.config import ConfigError, load_config
+from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.inter.security import TLS_NAME
 
 PRIVATE = 0o600

@@ -1,17 +1,17 @@
-"""`isthmus chaos`: the fault-injection suite (deploy/chaos.py, docs/reliability.md)."""
+"""`isthmus chaos`: the fault-injection suite (deploy/chaos/suite.py, docs/reliability.md)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from isthmus.deploy.config import ConfigError
+from isthmus.deploy.config.job import ConfigError
 
 __all__ = ["register"]
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from isthmus.deploy.chaos import run_suite
+    from isthmus.deploy.chaos.suite import run_suite
 
     try:
         results = run_suite(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from isthmus.deploy.cli import add_config_arguments, config_from_args
-from isthmus.deploy.sections import SECTION_TYPES, field_docs
+from isthmus.deploy.commands.arguments import add_config_arguments, config_from_args
+from isthmus.deploy.config.sections import SECTION_TYPES, field_docs
 
 __all__ = ["register"]
 

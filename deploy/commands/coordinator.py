@@ -18,14 +18,15 @@ import signal
 import sys
 import threading
 
-from isthmus.deploy.cli import (
+from isthmus.deploy.commands.arguments import (
     EXIT_FAILED,
     add_config_arguments,
     add_insecure_flag,
     config_from_args,
 )
-from isthmus.deploy.config import ConfigError
-from isthmus.deploy.exposure import check_exposure
+from isthmus.deploy.config.job import ConfigError
+from isthmus.deploy.security.exposure import check_exposure
+from isthmus.deploy.security.trust import site_security
 
 __all__ = ["register"]
 
@@ -37,7 +38,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if args.site not in config.site_names:
         raise ConfigError(f"--site {args.site!r} is not one of {config.site_names}")
     if config.data.tokenizer != "bytes":  # the fingerprint carries the tokenizer's hash
-        from isthmus.deploy.corpus import pin_tokenizer
+        from isthmus.deploy.rank.corpus import pin_tokenizer
 
         pin_tokenizer(config)
     # The job config's cluster section, then the flags on top of it.
@@ -85,7 +86,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         settings,
         peers=peers,
         proxies=proxies,
-        security=config.site_security(args.site),
+        security=site_security(config, args.site),
         rank_keys=keys,
     )
     coordinator.start()

@@ -4,7 +4,7 @@ Every document is encoded with the tokenizer.json (optionally followed by an
 end-of-document token) and appended to uint16 ``.bin`` shards -- the raw token files
 ``intra/data.py`` already memory-maps -- beside a manifest.json: the format version,
 each shard's tokens, the total, the tokenizer's sha256 (a job whose data.tokenizer hashes
-otherwise is refused, deploy/corpus.py), and each source file's sha256 and size. The
+otherwise is refused, deploy/rank/corpus.py), and each source file's sha256 and size. The
 tokenizer.json is copied in, so a job can name it from the folder.
 
 Reading: a ``.txt`` file is one document; a ``.jsonl`` file one document a line (its
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
-from isthmus.deploy.config import ConfigError
+from isthmus.deploy.config.job import ConfigError
 from isthmus.intra.data import PREPARED_FORMAT, PREPARED_VERSION
 
 if TYPE_CHECKING:

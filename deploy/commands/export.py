@@ -19,8 +19,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from isthmus.deploy.cli import add_set_argument
-from isthmus.deploy.config import ConfigError, JobConfig, load_config
+from isthmus.deploy.commands.arguments import add_set_argument
+from isthmus.deploy.config.job import ConfigError, JobConfig, load_config
+from isthmus.deploy.security.trust import checkpoint_key
 
 __all__ = ["export_hf", "register"]
 
@@ -42,7 +43,7 @@ def _find_config(path: Path, given: str | None, overrides: list[str]) -> tuple[J
 def _checkpoint(path: Path, config: JobConfig, run_dir: Path) -> Path:
     """``path`` if it is a committed checkpoint, else the newest complete one of any
     site of the run in ``run_dir``."""
-    from isthmus.deploy.checkpointing import site_root
+    from isthmus.deploy.rank.checkpointing import site_root
     from isthmus.intra import checkpoint
 
     if path.name.startswith("step-"):
@@ -90,7 +91,7 @@ def export_hf(source: Path, out: Path, config: JobConfig, run_dir: Path) -> tupl
         raise ConfigError(f"export: {exc}") from None
     path = _checkpoint(source, config, run_dir)
     try:
-        params = checkpoint.full_parameters(path, config.checkpoint_key())
+        params = checkpoint.full_parameters(path, checkpoint_key(config))
     except checkpoint.CheckpointError as exc:
         raise ConfigError(str(exc)) from None
     with torch.device("meta"):

@@ -1,7 +1,7 @@
 """`isthmus local`: every site of a job on this machine, over emulated links.
 
 One coordinator and one torch.distributed world per site, ranks as processes, the
-sites joined by emulated long-haul links (deploy/local.py); prints progress, then the
+sites joined by emulated long-haul links (deploy/launch/local.py); prints progress, then the
 run's summary.
 """
 
@@ -11,9 +11,14 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.cli import add_config_arguments, add_job_flags, config_from_args, run_job
-from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.deploy.exposure import check_exposure
+from isthmus.deploy.commands.arguments import (
+    add_config_arguments,
+    add_job_flags,
+    config_from_args,
+    run_job,
+)
+from isthmus.deploy.config.job import ConfigError, JobConfig
+from isthmus.deploy.security.exposure import check_exposure
 
 if TYPE_CHECKING:
     from isthmus.sim import Topology
@@ -27,14 +32,14 @@ def resolve_local_job(
     """The job `isthmus local ARGS` would run: its config, topology and slowed sites,
     checked as a launch checks them, before anything starts (also what the README's
     examples are tested with, tests/deploy/test_readme.py). Settings the job left
-    unset are fitted to this host (deploy/quickstart.py); what was chosen is appended
+    unset are fitted to this host (deploy/launch/quickstart.py); what was chosen is appended
     to ``notes``.
 
     Raises:
         ConfigError: anything the launch would refuse in one line.
     """
-    from isthmus.deploy.local import host_gpus, parse_slow
-    from isthmus.deploy.quickstart import fit_to_host
+    from isthmus.deploy.launch.local import host_gpus, parse_slow
+    from isthmus.deploy.launch.quickstart import fit_to_host
 
     def fit(config: JobConfig, given: set[str]) -> None:
         chosen = fit_to_host(config, given, host_gpus(config))
@@ -74,7 +79,7 @@ def use_script(args: argparse.Namespace) -> None:
     import json
     import os
 
-    from isthmus.deploy.ranks import SCRIPT_ENV
+    from isthmus.deploy.rank.contract import SCRIPT_ENV
 
     if args.script is None:
         if args.script_args:
@@ -88,9 +93,9 @@ def use_script(args: argparse.Namespace) -> None:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from isthmus.deploy.checkpointing import resolve_resume
-    from isthmus.deploy.local import LocalJob
-    from isthmus.deploy.quickstart import plan_hint
+    from isthmus.deploy.launch.local import LocalJob
+    from isthmus.deploy.launch.quickstart import plan_hint
+    from isthmus.deploy.rank.checkpointing import resolve_resume
 
     use_script(args)
     notes: list[str] = []

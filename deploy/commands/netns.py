@@ -5,7 +5,7 @@
 
 `up` runs until Ctrl-C or SIGTERM and then removes everything it created; `down`
 removes what a crashed `up` left. Both need root and iptables (docs/transparent.md).
-Also runnable alone: `python3 -m isthmus.deploy.netns_cmd up --sites 2`.
+Also runnable alone: `python3 -m isthmus.deploy.commands.netns up --sites 2`.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python3 -m isthmus.deploy.netns_cmd up|down ...`, as `isthmus wan netns up|down ...`."""
+    """`python3 -m isthmus.deploy.commands.netns up|down ...`, as `isthmus wan netns up|down ...`."""
     parser = argparse.ArgumentParser(prog="isthmus wan")
     register(parser.add_subparsers(dest="command", required=True), argparse.HelpFormatter)
     args = parser.parse_args(["netns", *(sys.argv[1:] if argv is None else argv)])

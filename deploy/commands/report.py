@@ -1,19 +1,19 @@
-"""`isthmus report`: plot a finished run (deploy/report.py), or compare several
-(deploy/report_compare.py)."""
+"""`isthmus report`: plot a finished run (deploy/reports/plots.py), or compare several
+(deploy/reports/compare.py)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from isthmus.deploy.config import ConfigError
+from isthmus.deploy.config.job import ConfigError
 
 __all__ = ["register"]
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from isthmus.deploy.report import write_report
-    from isthmus.deploy.report_compare import write_comparison
+    from isthmus.deploy.reports.compare import write_comparison
+    from isthmus.deploy.reports.plots import write_report
 
     run_dirs = [Path(p) for p in args.run_dirs]
     out = Path(args.out) if args.out else None

@@ -1,6 +1,6 @@
 """`isthmus site`: one site of a job, its coordinator and its ranks, as operators run it.
 
-Each site is started on its own (deploy/site.py); it waits for its peers, trains, and
+Each site is started on its own (deploy/launch/site.py); it waits for its peers, trains, and
 exits once every site's final parameter digest is known.
 """
 
@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from isthmus.deploy.cli import add_config_arguments, add_job_flags, config_from_args, run_job
-from isthmus.deploy.exposure import check_exposure
-from isthmus.deploy.local_cmd import add_script_flag, use_script
+from isthmus.deploy.commands.arguments import (
+    add_config_arguments,
+    add_job_flags,
+    config_from_args,
+    run_job,
+)
+from isthmus.deploy.commands.local import add_script_flag, use_script
+from isthmus.deploy.security.exposure import check_exposure
 
 __all__ = ["register"]
 
@@ -21,8 +26,8 @@ def _host(address: str) -> str:
 
 
 def cmd_site(args: argparse.Namespace) -> int:
-    from isthmus.deploy.checkpointing import resolve_resume
-    from isthmus.deploy.site import SiteJob
+    from isthmus.deploy.launch.site import SiteJob
+    from isthmus.deploy.rank.checkpointing import resolve_resume
 
     use_script(args)
     config = config_from_args(args)

@@ -13,13 +13,13 @@ import argparse
 import json
 from pathlib import Path
 
-from isthmus.deploy.config import ConfigError, load_config
+from isthmus.deploy.config.job import ConfigError, load_config
 
 __all__ = ["register"]
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from isthmus.deploy.corpus import trained_tokenizer, write_atomically
+    from isthmus.deploy.rank.corpus import trained_tokenizer, write_atomically
     from isthmus.intra.tokenizer import json_vocab_size, tokenizer_sha256
 
     flags = {"data.tokenizer": "bpe", "data.vocab_size": args.vocab_size}
@@ -46,7 +46,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus tokenizer` to the CLI."""
-    from isthmus.deploy.cli import add_config_arguments
+    from isthmus.deploy.commands.arguments import add_config_arguments
 
     parser = sub.add_parser(
         "tokenizer",

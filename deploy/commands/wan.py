@@ -9,7 +9,7 @@
 the foreground, with an HTTP CONNECT proxy per direction, optional plain TCP forwards,
 and a control endpoint (`isthmus.sim.control`) that `show` and `set` talk to. Ctrl-C or
 SIGTERM closes every listener and connection. Bad input prints one `error:` line and
-changes nothing. `netns up` (transparent mode, `isthmus.deploy.netns_cmd`) serves the
+changes nothing. `netns up` (transparent mode, `isthmus.deploy.commands.netns`) serves the
 same control endpoint for its links "site0-site1", ...
 """
 
@@ -44,10 +44,10 @@ EXIT_INTERRUPTED = 130
 
 def _error(message: str) -> ValueError:
     """The error to raise for bad input: a `ConfigError`, which `isthmus` prints as one
-    line. deploy/config.py imports torch, which takes seconds, so when it is not loaded
-    (`python -m isthmus.deploy.wan_cmd`, whose `main` prints any ValueError the same
+    line. deploy/config/job.py imports torch, which takes seconds, so when it is not loaded
+    (`python -m isthmus.deploy.commands.wan`, whose `main` prints any ValueError the same
     way) a plain ValueError does."""
-    config = sys.modules.get("isthmus.deploy.config")
+    config = sys.modules.get("isthmus.deploy.config.job")
     return config.ConfigError(message) if config is not None else ValueError(message)
 
 
@@ -61,7 +61,7 @@ def register(
         formatter: the help formatter; default `isthmus.deploy.cli.HelpFormatter`.
     """
     if formatter is None:
-        from isthmus.deploy.cli import HelpFormatter  # cli imports us: lazily
+        from isthmus.deploy.commands.arguments import HelpFormatter
 
         formatter = HelpFormatter
     wan = sub.add_parser(
@@ -73,7 +73,7 @@ def register(
         formatter_class=formatter,
     )
     wsub = wan.add_subparsers(dest="wan_command", metavar="COMMAND", required=True)
-    from isthmus.deploy import netns_cmd
+    from isthmus.deploy.commands import netns as netns_cmd
 
     netns_cmd.register(wsub, formatter)  # `netns up` serves the control endpoint too
     _add_up(wsub, formatter)
@@ -294,7 +294,7 @@ def _print_link(name: str, link: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m isthmus.deploy.wan_cmd ARGS` = `isthmus wan ARGS` without importing
+    """`python -m isthmus.deploy.commands.wan ARGS` = `isthmus wan ARGS` without importing
     torch (for scripts and tests); errors and Ctrl-C end it as `isthmus` does."""
     argv = sys.argv[1:] if argv is None else argv
     formatter = None if {"-h", "--help"} & set(argv) else argparse.HelpFormatter

@@ -12,8 +12,9 @@ import signal
 import sys
 import threading
 
-from isthmus.deploy.config import ConfigError, load_config
-from isthmus.deploy.exposure import is_loopback
+from isthmus.deploy.config.job import ConfigError, load_config
+from isthmus.deploy.security.exposure import is_loopback
+from isthmus.deploy.security.trust import site_security
 
 __all__ = ["register"]
 
@@ -24,7 +25,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
     flags = {"security.insecure": True if args.insecure else None}
     config = load_config(args.config, args.overrides, flags)
     if config.data.tokenizer != "bytes":  # the fingerprint carries the tokenizer's hash
-        from isthmus.deploy.corpus import pin_tokenizer
+        from isthmus.deploy.rank.corpus import pin_tokenizer
 
         pin_tokenizer(config)
     host, _, port = args.listen.rpartition(":")
@@ -46,7 +47,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
         failure_timeout_s=config.failover.failure_timeout_s,
         host=host,
         port=int(port),
-        security=config.site_security("witness", default_token=False),
+        security=site_security(config, "witness", default_token=False),
     ).start()
     print(f"witness of {', '.join(config.site_names)} listening on {witness.address}", flush=True)
     stop = threading.Event()
@@ -61,7 +62,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     """Add `isthmus witness` to the CLI."""
-    from isthmus.deploy.cli import add_config_arguments
+    from isthmus.deploy.commands.arguments import add_config_arguments
 
     parser = sub.add_parser(
         "witness",

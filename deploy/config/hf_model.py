@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from isthmus.deploy.sections import ModelSection
-from isthmus.deploy.validation import ConfigError
+from isthmus.deploy.config.sections import ModelSection
+from isthmus.deploy.config.validation import ConfigError
 from isthmus.intra import hf_layout
 from isthmus.intra.model_config import ModelConfig
 

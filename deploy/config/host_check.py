@@ -1,5 +1,5 @@
 """What one host can run: the launchers' check that a job fits this machine (its cores,
-memory and GPUs) before any process starts (``host_problem``, run by deploy/local.py).
+memory and GPUs) before any process starts (``host_problem``, run by deploy/launch/local.py).
 The rules are pure functions of ``HostFacts``, so tests give them any host."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from isthmus.deploy.config import JobConfig
+    from isthmus.deploy.config.job import JobConfig
 
 __all__ = ["HostFacts", "host_problem"]
 
@@ -79,7 +79,7 @@ def host_problem(
     ``CPU_RANKS_PER_CORE`` a core unless ``run.oversubscribe``, and sizes whose lower
     bound of memory (never an estimate that could be high) exceeds what the host or a
     GPU has, --oversubscribe or not. Too few GPUs for the ranks are ``gpu_shortage``'s
-    (deploy/local.py).
+    (deploy/launch/local.py).
 
     Args:
         config: the validated job config.

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from isthmus.deploy.hf_model import hf_model_config
-from isthmus.deploy.sections import (
+from isthmus.deploy.config.hf_model import hf_model_config
+from isthmus.deploy.config.sections import (
     SECTION_TYPES,
     CheckpointSection,
     ClusterSection,
@@ -36,9 +36,8 @@ from isthmus.deploy.sections import (
     TrainSection,
     WanSection,
 )
-from isthmus.deploy.validation import ConfigError, validate
+from isthmus.deploy.config.validation import ConfigError, validate
 from isthmus.inter.data import CODEC_FORMAT, connections_for_link, sync_chunk_bytes
-from isthmus.inter.security import SiteSecurity
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset
 from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
@@ -245,21 +244,6 @@ class JobConfig:
             expert_parallel=self.topology.ep,
         )
 
-    def site_security(
-        self, site: str, run_token: str | None = None, *, default_token: bool = True
-    ) -> SiteSecurity | None:
-        """The site's credentials for its servers and channels; None when all is off
-        (deploy/job_security.py, ``site_security``)."""
-        from isthmus.deploy.job_security import site_security
-
-        return site_security(self, site, run_token, default_token=default_token)
-
-    def checkpoint_key(self) -> bytes | None:
-        """What signs checkpoint manifests (deploy/job_security.py, ``checkpoint_key``)."""
-        from isthmus.deploy.job_security import checkpoint_key
-
-        return checkpoint_key(self)
-
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
@@ -291,7 +275,7 @@ class JobConfig:
         # Whether the job has a witness, not where each site reaches it.
         out["failover.witness"] = str(bool(self.failover.witness))
         # The tokenizer by kind and content (data.tokenizer_sha256, filled in by the
-        # launcher: deploy/corpus.py), not by where each site keeps its file or cache.
+        # launcher: deploy/rank/corpus.py), not by where each site keeps its file or cache.
         kind = self.data.tokenizer
         out["data.tokenizer"] = kind if kind in ("bytes", "bpe") else "file"
         del out["data.cache_dir"]
@@ -406,7 +390,7 @@ def load_config(
         overrides: "section.key=value" strings from --set.
         flags: "section.key" -> value from the named flags; None values are skipped.
         fit: changes settings the sources left unset (given the keys they named),
-            before validation (`isthmus local` fits the host: deploy/quickstart.py).
+            before validation (`isthmus local` fits the host: deploy/launch/quickstart.py).
     Returns:
         The validated JobConfig.
     Raises:

@@ -92,11 +92,11 @@ class TrainSection:
     balance_every: int = 0
     """Re-balance train.accumulate between the sites every this many steps, from each
     site's measured seconds per micro-batch, so the sites finish a step together; the
-    global batch (its sum over sites of accumulate x dp) is held (deploy/balance.py).
+    global batch (its sum over sites of accumulate x dp) is held (deploy/batch/balance.py).
     0 keeps train.accumulate's split. Needs sync.mode = "step", topology.pp = 1, no
     parallel.offload, and room to move: give ranks 2 or more micro-batches."""
     batch_schedule: str = "fixed"
-    """How the global batch changes over the job (deploy/batch_plan.py): "fixed" (the
+    """How the global batch changes over the job (deploy/batch/plan.py): "fixed" (the
     sum over sites of accumulate x dp micro-batches, every step), "ramp" (from
     batch_start micro-batches up to that sum, linearly over batch_ramp_steps, as
     Megatron's rampup_batch_size) or "noise" (from batch_start, grown toward the
@@ -277,7 +277,7 @@ class WanSection:
 
 
 EVAL_BATCH = 8
-"""Windows per held-out batch (deploy/evaluation.py). Not train.batch_size: the held-out
+"""Windows per held-out batch (deploy/rank/evaluation.py). Not train.batch_size: the held-out
 set would change with the layout, and runs of other per-rank batches would be measured
 on other text."""
 
@@ -313,7 +313,7 @@ class RunSection:
     links. With fewer steps than this + 1, only the first step is left out."""
     oversubscribe: bool = False
     """Run more CPU ranks on this host than max(8, 4 x its cores) (`--oversubscribe`
-    sets it); off, such a job is refused before it starts (deploy/host_check.py,
+    sets it); off, such a job is refused before it starts (deploy/config/host_check.py,
     ``host_problem``, says why those numbers)."""
 
 

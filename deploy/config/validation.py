@@ -7,14 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.sections import EVAL_BATCH, KIB
+from isthmus.deploy.config.sections import EVAL_BATCH, KIB
 from isthmus.inter.data import parse_codec_spec
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
 
 if TYPE_CHECKING:
-    from isthmus.deploy.config import JobConfig
-    from isthmus.deploy.sections import DataSection
+    from isthmus.deploy.config.job import JobConfig
+    from isthmus.deploy.config.sections import DataSection
 
 MAX_SYNC_CHUNK_BYTES = 64 << 20
 """The largest ``sync.chunk_bytes`` a job (or the all-reduce benchmark) may set."""
@@ -381,7 +381,7 @@ def _check_tokenizer(d: DataSection) -> None:
 
 
 def _check_batch_schedule(config: JobConfig) -> None:
-    """train.batch_schedule and its settings (deploy/batch_plan.py)."""
+    """train.batch_schedule and its settings (deploy/batch/plan.py)."""
     tr, t = config.train, config.topology
     schedule = tr.batch_schedule
     _require(

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.deploy.host_check import HostFacts, host_problem
-from isthmus.deploy.progress import Progress
-from isthmus.deploy.ranks import LaunchError, SiteRanks, prepare_run_dir
-from isthmus.deploy.summary import summarize
+from isthmus.deploy.config.host_check import HostFacts, host_problem
+from isthmus.deploy.config.job import ConfigError, JobConfig
+from isthmus.deploy.launch.progress import Progress
+from isthmus.deploy.launch.ranks import LaunchError, SiteRanks, prepare_run_dir
+from isthmus.deploy.reports.summary import summarize
+from isthmus.deploy.security.trust import checkpoint_key, site_security
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.sim import LinkSpec, RelayServer, Topology, topology_links
 
@@ -114,7 +115,7 @@ def check_supported(config: JobConfig, needed: int, site_ranks: list[int] | None
     rank starts, and fills in data.tokenizer_sha256 for the fingerprint and the ranks:
     it comes last, after the checks that cost nothing.
     """
-    from isthmus.deploy.corpus import load_corpus  # imports torch: not for a bad --set
+    from isthmus.deploy.rank.corpus import load_corpus  # imports torch: not for a bad --set
 
     cuda = config.device_type == "cuda"
     host = HostFacts.here(cuda)
@@ -159,7 +160,7 @@ class LocalJob:
             ConfigError: a setting this launcher cannot honour.
         """
         check_supported(self.config, gpus_needed(self.config), self.config.site_ranks)
-        self.config.checkpoint_key()  # a ConfigError now, not in every rank after start
+        checkpoint_key(self.config)  # a ConfigError now, not in every rank after start
         try:
             self._make_job_token()
             self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)
@@ -233,7 +234,7 @@ class LocalJob:
                         metrics_port=None if config.run.metrics_port < 0 else 0,
                         **config.coordinator_options(),
                     ),
-                    security=config.site_security(site, self._token),
+                    security=site_security(config, site, self._token),
                 )
             )
         addresses = {c.site: c.address for c in self._coordinators}

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TextIO
 
-from isthmus.deploy.config import JobConfig
-from isthmus.deploy.summary import JsonlTail, merge_steps
+from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.reports.summary import JsonlTail, merge_steps
 
 
 class Progress:

@@ -13,14 +13,14 @@ left to their defaults are fitted before anything starts, and each choice is pri
   of the model every few steps instead of every gradient.
 
 A setting the job names (file, ``--set`` or flag) is never changed, and what it cannot
-run is refused as before (deploy/local.py, ``gpu_shortage``). Only `isthmus local` fits:
+run is refused as before (deploy/launch/local.py, ``gpu_shortage``). Only `isthmus local` fits:
 every site of it starts from this one resolved config, so all of them, and the job's
 fingerprint, see the same values; `isthmus site` runs exactly what its file says.
 """
 
 from __future__ import annotations
 
-from isthmus.deploy.config import JobConfig, apply_preset_training
+from isthmus.deploy.config.job import JobConfig, apply_preset_training
 
 __all__ = ["GPU_PRESET", "PLAN_HINT_BELOW", "fit_to_host", "plan_hint", "step_sync_efficiency"]
 
@@ -90,8 +90,8 @@ def step_sync_efficiency(config: JobConfig) -> float | None:
     """The planning model's scaling efficiency of per-step sync for this job's preset,
     per-rank batch and link, as `isthmus plan --preset` computes it; None if the
     preset is not one the planning model knows."""
-    from isthmus.deploy.config import ConfigError
-    from isthmus.deploy.plan_cmd import codec_ratio, preset_input
+    from isthmus.deploy.config.job import ConfigError
+    from isthmus.deploy.config.planning import codec_ratio, preset_input
     from isthmus.sim.plan import predict
 
     ranks = config.topology.ranks_per_site

@@ -1,7 +1,7 @@
 """One site's rank processes on this machine, and the run directory they write to.
 
 A site is its own torch.distributed world: the launcher starts one process per rank
-running `isthmus.deploy.rank`, and the ranks, all on this host, meet in a
+running `isthmus.deploy.rank.program`, and the ranks, all on this host, meet in a
 torch.distributed FileStore in a 0700 folder the launcher makes and removes
 (:data:`STORE_ENV`): only the site's own processes (its user) can read or write it.
 torch's TCPStore has no authentication, and anyone on the machine could set, get and
@@ -25,15 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from isthmus.deploy.config import JobConfig
+from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.rank.contract import STORE_ENV
 from isthmus.inter.control.rank_keys import KEY_ENV, handout
 
 TERMINATE_GRACE_S = 5.0
-STORE_ENV = "ISTHMUS_STORE"
-SCRIPT_ENV = "ISTHMUS_SCRIPT"
-"""JSON ``[path, arg, ...]``: the launcher's ``--script``, which every rank runs
-(deploy/api.py); the ranks inherit it from the launcher's environment."""
-"""The FileStore a site's ranks meet in (a file in the launcher's 0700 folder)."""
 
 
 class LaunchError(RuntimeError):
@@ -184,7 +180,7 @@ class SiteRanks:
                 "ISTHMUS_COORDINATOR": self.coordinator,
                 "ISTHMUS_PROXIES": json.dumps(self.proxies),
                 "ISTHMUS_RUN_DIR": str(self.run_dir),
-                # The launcher's token for this run, if it made one (deploy/local.py).
+                # The launcher's token for this run, if it made one (deploy/launch/local.py).
                 **({"ISTHMUS_RUN_TOKEN": self.run_token} if self.run_token else {}),
                 # gRPC skips a proxy for hosts listed in no_proxy (often localhost):
                 # name none, so lanes really cross the emulated link.
@@ -195,7 +191,7 @@ class SiteRanks:
             log_path = self.run_dir / "logs" / f"{self.site}-rank{rank}.log"
             with log_path.open("w") as log_file:
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "isthmus.deploy.rank"],
+                    [sys.executable, "-m", "isthmus.deploy.rank.program"],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,

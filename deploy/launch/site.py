@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.deploy.local import check_supported
-from isthmus.deploy.progress import Progress
-from isthmus.deploy.ranks import LaunchError, SiteRanks, config_path, prepare_run_dir
-from isthmus.deploy.summary import summarize
+from isthmus.deploy.config.job import ConfigError, JobConfig
+from isthmus.deploy.launch.local import check_supported
+from isthmus.deploy.launch.progress import Progress
+from isthmus.deploy.launch.ranks import LaunchError, SiteRanks, config_path, prepare_run_dir
+from isthmus.deploy.reports.summary import summarize
+from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 
 PEER_DIGEST_WAIT_S = 30.0
@@ -56,7 +57,7 @@ def coordinator_for(config: JobConfig, site: str) -> Coordinator:
         settings,
         peers={s: a for s, a in addresses.items() if s != site},
         proxies={s: u for s, u in config.cluster.proxies.items() if s != site and u},
-        security=config.site_security(site),
+        security=site_security(config, site),
     )
 
 
@@ -82,7 +83,7 @@ class SiteJob:
         """
         check_supported(self.config, self.config.ranks_of(self.site))
         self.coordinator = coordinator_for(self.config, self.site)
-        os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/ranks.py)
+        os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/launch/ranks.py)
         self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config, self.site)
         try:
             self.coordinator.start()

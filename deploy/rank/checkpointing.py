@@ -23,11 +23,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.deploy.rank_extras import CODEC, extra_state, load_extra_state
+from isthmus.deploy.config.job import ConfigError, JobConfig
+from isthmus.deploy.rank.extras import CODEC, extra_state, load_extra_state
 
 if TYPE_CHECKING:
-    from isthmus.deploy.batch_plan import BatchPlan
+    from isthmus.deploy.batch.plan import BatchPlan
     from isthmus.intra.outer import OuterOptimizer
     from isthmus.intra.train import Trainer
 

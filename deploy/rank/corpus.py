@@ -7,7 +7,7 @@ BPE on the 31.5 MB standard library takes ~13 s and encoding it ~22 s on a 2-cor
 machine, and every rank loads the corpus: both results are cached in data.cache_dir,
 keyed by the sha256 of the corpus bytes and the settings, each file written under a
 temporary name and renamed into place, so ranks starting together never read half a
-file. Launchers load the corpus before they start anything (deploy/local.py,
+file. Launchers load the corpus before they start anything (deploy/launch/local.py,
 ``check_supported``), so their ranks find the cache filled. The default corpus's own
 bytes are kept there too (``_keep_stdlib``), so no rank walks the standard library.
 
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.deploy.sections import DataSection
+from isthmus.deploy.config.job import ConfigError, JobConfig
+from isthmus.deploy.config.sections import DataSection
 from isthmus.intra.data import (
     Corpus,
     Split,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from isthmus.deploy.batch_plan import BatchPlan
-from isthmus.deploy.config import JobConfig
-from isthmus.deploy.rank_extras import extra_state, load_extra_state
+from isthmus.deploy.batch.plan import BatchPlan
+from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.rank.extras import extra_state, load_extra_state
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Decision, SiteInfo
 from isthmus.inter.data import (
     Generation,

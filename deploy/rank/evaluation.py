@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 
-from isthmus.deploy.config import JobConfig
-from isthmus.deploy.sections import EVAL_BATCH
+from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.config.sections import EVAL_BATCH
 from isthmus.intra.data import Corpus, ShardedBatches, Split
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.train import Trainer

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from isthmus.deploy.batch_plan import BatchPlan
+    from isthmus.deploy.batch.plan import BatchPlan
     from isthmus.inter.data import LaneGradientSync
     from isthmus.intra.outer import OuterOptimizer
 

@@ -16,7 +16,7 @@ its lane, registers with the coordinator, learns its peers (the rank with the sa
 coordinate in every other site) and hands the trainer a LaneGradientSync. Rank 0
 writes one metrics line per step; every rank writes its result at the end.
 
-`run` is the rank's three phases: `set_up` (deploy/rank_setup.py) builds it all,
+`run` is the rank's three phases: `set_up` (deploy/rank/startup.py) builds it all,
 `train` is the step loop, `tear_down` reports the final digest, writes the rank's
 result and closes what setup opened.
 """
@@ -40,11 +40,18 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from isthmus.deploy.checkpointing import save_due, save_if_due
-from isthmus.deploy.config import JobConfig, load_config
-from isthmus.deploy.rank_setup import FaultInjection, RankEnv, RankParts, build_trainer, set_up
-from isthmus.deploy.ranks import SCRIPT_ENV
-from isthmus.deploy.reporting import DivergenceError
+from isthmus.deploy.config.job import JobConfig, load_config
+from isthmus.deploy.rank.checkpointing import save_due, save_if_due
+from isthmus.deploy.rank.contract import SCRIPT_ENV
+from isthmus.deploy.rank.reporting import DivergenceError
+from isthmus.deploy.rank.startup import (
+    FaultInjection,
+    RankEnv,
+    RankParts,
+    build_trainer,
+    script_ended,
+    set_up,
+)
 from isthmus.inter.data import NonFiniteGradient, QuorumLost, StepOutcome, SyncStats
 from isthmus.intra.checkpoint import CheckpointError, describe_os_error
 from isthmus.intra.digest import shard_digest as intra_shard_digest
@@ -368,8 +375,6 @@ def run_script(argv: list[str]) -> None:
     import runpy
     import traceback
 
-    from isthmus.deploy import api
-
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     try:
@@ -381,7 +386,7 @@ def run_script(argv: list[str]) -> None:
         traceback.print_exc()
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
         raise ScriptError(f"{argv[0]}: {last}") from None
-    api.close_current()
+    script_ended()
 
 
 def die_with_launcher() -> None:

@@ -65,7 +65,7 @@ class StepReporter:
         """Write one step's line and report it; raises DivergenceError if sites differ.
 
         Args:
-            line: the step's metrics (see deploy/rank.py for the keys).
+            line: the step's metrics (see deploy/rank/program.py for the keys).
             digest: the site's full parameter digest after this step, if computed.
             finished: this was the last step.
         """

@@ -1,5 +1,5 @@
 """A rank's setup: where it sits, what it was told, and everything it builds before
-its first step (deploy/rank.py runs the steps and the teardown).
+its first step (deploy/rank/program.py runs the steps and the teardown).
 
 `set_up` joins the site's torch.distributed world, builds the mesh, model and FSDP2
 trainer and, for a multi-site job, opens the rank's lane, registers it with the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -22,14 +22,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from isthmus.deploy.batch_plan import BatchPlan
-from isthmus.deploy.checkpointing import restore
-from isthmus.deploy.config import JobConfig
-from isthmus.deploy.corpus import load_corpus
-from isthmus.deploy.cross_site import CrossSite, shard_layout
-from isthmus.deploy.evaluation import HeldOutLoss
-from isthmus.deploy.ranks import STORE_ENV
-from isthmus.deploy.reporting import StepReporter
+from isthmus.deploy.batch.plan import BatchPlan
+from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.rank.checkpointing import restore
+from isthmus.deploy.rank.contract import STORE_ENV
+from isthmus.deploy.rank.corpus import load_corpus
+from isthmus.deploy.rank.cross_site import CrossSite, shard_layout
+from isthmus.deploy.rank.evaluation import HeldOutLoss
+from isthmus.deploy.rank.reporting import StepReporter
+from isthmus.deploy.security.trust import checkpoint_key, site_security
 from isthmus.inter.data import LaneGradientSync
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.data import ShardedBatches
@@ -40,10 +41,26 @@ from isthmus.intra.outer import OuterConfig, OuterOptimizer
 from isthmus.intra.topology import build_site_mesh, mesh_coordinate
 from isthmus.intra.train import GradientSync, TrainConfig, Trainer
 
+_SCRIPT_END: list[Callable[[], None]] = []
+
+
+def at_script_end(hook: Callable[[], None]) -> None:
+    """Run ``hook`` when the user's script returns (deploy/api.py registers its teardown
+    of a context the script left open). Kept here, not in rank/program.py, because the
+    program runs as ``__main__``: a script importing it would get a second module, and a
+    second, empty list of hooks."""
+    _SCRIPT_END.append(hook)
+
+
+def script_ended() -> None:
+    """Run the hooks :func:`at_script_end` registered, once each."""
+    while _SCRIPT_END:
+        _SCRIPT_END.pop(0)()
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FaultInjection:
-    """What `isthmus chaos` asks of a rank (deploy/chaos.py), read once at start from
+    """What `isthmus chaos` asks of a rank (deploy/chaos/suite.py), read once at start from
     ISTHMUS_SLOWDOWN and ISTHMUS_STEP_FLOOR_S."""
 
     slowdown: float = 1.0
@@ -148,7 +165,7 @@ def join_site(env: RankEnv, config: JobConfig) -> tuple[DeviceMesh, tuple[int, i
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # On GPUs NCCL carries the tensors and gloo the few CPU-side collectives
     # (the per-step traffic totals), in one process group. Ranks of one host meet in a
-    # FileStore in their launcher's 0700 folder (deploy/ranks.py); only ranks spread
+    # FileStore in their launcher's 0700 folder (deploy/launch/ranks.py); only ranks spread
     # over hosts (Slurm multi-node) use env:// and its TCPStore.
     store_path = os.environ.get(STORE_ENV)
     meet: dict = {}
@@ -171,7 +188,7 @@ def join_site(env: RankEnv, config: JobConfig) -> tuple[DeviceMesh, tuple[int, i
 
 def security_of(env: RankEnv, config: JobConfig) -> SiteSecurity | None:
     """A rank uses its site's certificate, and its launcher's token for the run if any."""
-    return config.site_security(env.site, os.environ.get("ISTHMUS_RUN_TOKEN"))
+    return site_security(config, env.site, os.environ.get("ISTHMUS_RUN_TOKEN"))
 
 
 def join_job(env: RankEnv, config: JobConfig, security: SiteSecurity | None) -> CrossSite | None:
@@ -249,7 +266,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     site_dir, metrics = open_metrics(env, config, security, alone=cross is None)
     # Manifests are signed and checked with the job's token, or the user's (never with a
     # launcher's token for one run: the next run's would differ).
-    key = config.checkpoint_key()
+    key = checkpoint_key(config)
     # 0 unless resuming
     start = restore(trainer, sync, config, env.run_dir, env.site, key, outer=outer, plan=plan)
     if cross is not None:

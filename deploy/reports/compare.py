@@ -20,9 +20,9 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.config import ConfigError
-from isthmus.deploy.report import load_run, read_run_config, run_setting, save_figure
-from isthmus.deploy.summary import merge_steps, read_jsonl
+from isthmus.deploy.config.job import ConfigError
+from isthmus.deploy.reports.plots import load_run, read_run_config, run_setting, save_figure
+from isthmus.deploy.reports.summary import merge_steps, read_jsonl
 
 DEFAULT_OUT = Path("isthmus-compare")
 FINAL_WINDOW = 5

@@ -26,8 +26,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.config import ConfigError, JobConfig
-from isthmus.deploy.summary import human_bytes, read_jsonl
+from isthmus.deploy.config.job import ConfigError, JobConfig
+from isthmus.deploy.reports.summary import human_bytes, read_jsonl
 
 if sys.version_info >= (3, 11):
     import tomllib

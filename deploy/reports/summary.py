@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import TextIO
 
-from isthmus.deploy.config import JobConfig
+from isthmus.deploy.config.job import JobConfig
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -6,14 +6,14 @@ its ports vote, propose, heartbeat a false digest or pull the whole training sta
 loopback that is the machine's own users, beyond it the network's. What a site listens
 on: its coordinator (with its metrics) where ``cluster.coordinators.SITE`` or
 ``--listen`` says, and its lanes (with their bulk ports) on ``cluster.lane_host``.
-torch's TCPStore is always on loopback (deploy/ranks.py).
+torch's TCPStore is always on loopback (deploy/launch/ranks.py).
 """
 
 from __future__ import annotations
 
 from typing import TextIO
 
-from isthmus.deploy.config import ConfigError, JobConfig
+from isthmus.deploy.config.job import ConfigError, JobConfig
 from isthmus.sim.connect import is_loopback as loopback_literal
 
 __all__ = ["check_exposure", "exposed_listeners", "is_loopback"]

@@ -8,7 +8,7 @@ its checkpoints are signed with it:
 * ``isthmus site`` (and ``isthmus coordinator``, and the ranks either starts) require
   this token on every call. Sites of one user on one machine read the same file, so
   the two-shell quick start needs nothing from its user.
-* ``isthmus local`` keeps its per-run token for calls (deploy/local.py), and signs its
+* ``isthmus local`` keeps its per-run token for calls (deploy/launch/local.py), and signs its
   checkpoints with this one, which outlives the run, so ``--resume`` can check them.
 
 The file is ``$ISTHMUS_HOME/job-token`` (default ``~/.isthmus``), in a 0700 folder.

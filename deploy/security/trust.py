@@ -1,7 +1,7 @@
 """Who a job's sites trust, and what signs its checkpoints, from its [security] section.
 
 When the section asks for nothing, calls still carry a token: the launcher's run token,
-else the user's job token (deploy/job_secret.py), unless ``security.insecure``.
+else the user's job token (deploy/security/token.py), unless ``security.insecure``.
 Loopback is every local user's (issue 33). Checkpoint manifests are signed with the
 configured job token, else the user's, which outlives a run.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.job_secret import SecretError, job_token
-from isthmus.deploy.validation import ConfigError
+from isthmus.deploy.config.validation import ConfigError
+from isthmus.deploy.security.token import SecretError, job_token
 from isthmus.inter.security import SiteSecurity
 
 if TYPE_CHECKING:
-    from isthmus.deploy.config import JobConfig
+    from isthmus.deploy.config.job import JobConfig
 
 __all__ = ["checkpoint_key", "site_security"]
 

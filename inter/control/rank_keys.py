@@ -9,7 +9,7 @@ site's own digest (``ReportProgress``) only with a key of one of its ranks.
 Which key a rank may register with is decided before the rank starts (issue 33,
 row 6: a stranger that registered rank 0 first once stopped the site). A coordinator
 draws one random key per rank (:meth:`RankKeys.draw`); the launcher of the site's
-ranks (deploy/ranks.py ``SiteRanks``), which runs in the coordinator's process, finds
+ranks (deploy/launch/ranks.py ``SiteRanks``), which runs in the coordinator's process, finds
 them with :func:`handout` by the coordinator's address and hands each rank its own in
 the environment (:data:`KEY_ENV`). Ranks that another launcher starts on several hosts
 (Slurm's ``srun``) derive theirs from a site secret in a 0600 file
@@ -204,8 +204,8 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-# The launcher of a site's ranks runs in its coordinator's process (deploy/local.py,
-# deploy/site.py) and knows the coordinator by its address only: it finds the keys to
+# The launcher of a site's ranks runs in its coordinator's process (deploy/launch/local.py,
+# deploy/launch/site.py) and knows the coordinator by its address only: it finds the keys to
 # hand out here. Keyed by the bound address, unique in a process while it is bound.
 _HANDOUTS: dict[str, RankKeys] = {}
 _HANDOUTS_LOCK = threading.Lock()

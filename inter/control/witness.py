@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 HOST_KEYS = frozenset({"sync.chunk_bytes"})
 """Fingerprint keys a site derives from its own host, which the witness leaves out: on
 ``topology.device = "auto"`` a site with GPUs sends larger chunks than the link alone
-asks for (deploy/config.py), and the witness, which moves no chunks, typically runs
+asks for (deploy/config/job.py), and the witness, which moves no chunks, typically runs
 on a host without them. Sites still compare these keys with each other."""
 
 

@@ -152,7 +152,7 @@ class LaneGradientSync:
         gradients. Only each site's rank 0 calls it, and all of them at the same steps;
         the round runs between those ranks, unweighted, with the job's codec, so every
         site holds the same bits of the sum (a site's caller spreads what it must not
-        lose to rounding: deploy/balance.py). A RETRY sums again over the sites still
+        lose to rounding: deploy/batch/balance.py). A RETRY sums again over the sites still
         alive; a site that died adds nothing.
 
         Raises:

@@ -1,6 +1,6 @@
 """What a step's cross-site sync reports (:class:`SyncStats`) and how it ended
 (:class:`StepOutcome`): the results of ``LaneGradientSync.finish``
-(inter/data/gradient_sync.py), which the rank records (deploy/rank.py)."""
+(inter/data/gradient_sync.py), which the rank records (deploy/rank/program.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The balancer's split (deploy/balance.py): exact, deterministic, and it holds the batch."""
+"""The balancer's split (deploy/batch/balance.py): exact, deterministic, and it holds the batch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from isthmus.deploy.balance import BatchSplit, best_split, resized
+from isthmus.deploy.batch.balance import BatchSplit, best_split, resized
 
 
 def _slowest(seconds: list[float], accumulate: tuple[int, ...]) -> float:

@@ -1,4 +1,4 @@
-"""The adaptive global batch's pure parts (deploy/batch_size.py): the ramp against a
+"""The adaptive global batch's pure parts (deploy/batch/size.py): the ramp against a
 Megatron-style reference, the noise-scale estimator on synthetic gradients whose noise
 scale is known, the controller's rules, and the learning rate that follows the batch."""
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from isthmus.deploy.batch_size import (
+from isthmus.deploy.batch.size import (
     NoiseScale,
     NoiseScaleController,
     RampSchedule,

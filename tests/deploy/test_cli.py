@@ -10,7 +10,7 @@ import time
 import pytest
 from helpers import ISTHMUS, assert_one_line_error, run_cli
 
-from isthmus.deploy.config import ConfigError, load_config
+from isthmus.deploy.config.job import ConfigError, load_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,7 +69,7 @@ def test_each_preset_trains_with_its_own_defaults_unless_the_job_says(tmp_path):
     t = load_config(path).train
     assert (t.warmup_steps, t.lr, t.seq_len) == (7, 6e-4, 2048)
     # The resolved config a launcher writes for its ranks reads back the same.
-    from isthmus.deploy.ranks import dump_toml
+    from isthmus.deploy.launch.ranks import dump_toml
 
     config = load_config(None, ["model.preset=125m"])
     written = tmp_path / "resolved.toml"
@@ -122,7 +122,7 @@ def test_bad_input_is_one_line_without_traceback(args, needles, tmp_path):
     ],
 )
 def test_sites_take_turns_on_the_gpus_only_with_share_gpus(sizes, gpus, share, firsts):
-    from isthmus.deploy.local import first_gpus
+    from isthmus.deploy.launch.local import first_gpus
 
     assert first_gpus(sizes, gpus, share) == firsts
 
@@ -140,7 +140,7 @@ def test_sites_take_turns_on_the_gpus_only_with_share_gpus(sizes, gpus, share, f
     ],
 )
 def test_a_host_with_too_few_gpus_is_refused_naming_the_ways_out(device, have, needed, needle):
-    from isthmus.deploy.local import gpu_shortage
+    from isthmus.deploy.launch.local import gpu_shortage
 
     problem = gpu_shortage(device, have, needed)
     if needle is None:
@@ -234,7 +234,7 @@ def test_sites_with_different_layouts_are_refused_naming_the_keys_and_values():
             *("--set", "topology.ranks_per_site=4", "--set", "topology.tp=2"),
             timeout=60,
         )
-        # Both hold the user's job token (deploy/job_secret.py), so the caller is one of
+        # Both hold the user's job token (deploy/security/token.py), so the caller is one of
         # the job's and the answer names the values too; the refusing site logs them.
         assert_one_line_error(second, "topology.ranks_per_site=2 vs 4; topology.tp=1 vs 2")
     finally:
@@ -263,10 +263,11 @@ def test_the_cli_resolves_and_checks_a_job_without_importing_torch():
     code = (
         "import sys\n"
         "from isthmus.deploy import cli\n"
+        "from isthmus.deploy.config.job import load_config\n"
         "code = cli.main(['config', '--set', 'sync.codec=int8+zstd:1', '--set', "
         "'model.preset=small', '--ranks-per-site', '2'])\n"
         "assert code == 0, code\n"
-        "cfg = cli.load_config(None, ['topology.tp=2', 'sync.codec=bf16+shuffle'])\n"
+        "cfg = load_config(None, ['topology.tp=2', 'sync.codec=bf16+shuffle'])\n"
         "assert cfg.chunk_bytes > 0 and cfg.resolved_model().n_layers == 4\n"
         "# A job that `local` refuses is refused before the corpus (and torch) loads.\n"
         "assert cli.main(['local', '--set', 'model.dimm=3', '--slow', 'site1=2']) == 2\n"
@@ -403,7 +404,8 @@ def test_absurd_sizes_are_refused_in_one_line_before_anything_starts(
 
 
 def test_oversubscribe_is_a_flag_of_local_and_site():
-    from isthmus.deploy.cli import build_parser, config_from_args
+    from isthmus.deploy.cli import build_parser
+    from isthmus.deploy.commands.arguments import config_from_args
 
     parser = build_parser()
     for argv in (["local"], ["site", "--site", "site0"]):
@@ -425,7 +427,7 @@ def test_oversubscribe_is_a_flag_of_local_and_site():
     ],
 )
 def test_cpu_ranks_beyond_four_a_core_need_oversubscribe(cores, site_ranks, sets, refused):
-    from isthmus.deploy.host_check import HostFacts, host_problem
+    from isthmus.deploy.config.host_check import HostFacts, host_problem
 
     sizes = f"topology.ranks_per_site={site_ranks}"
     config = load_config(None, [sizes, f"topology.sites={len(site_ranks)}", *sets])
@@ -441,7 +443,7 @@ def test_cpu_ranks_beyond_four_a_core_need_oversubscribe(cores, site_ranks, sets
 def test_memory_lower_bounds_refuse_only_what_cannot_fit():
     """Each bound is a floor (16 bytes a parameter, one micro-batch's logits, 256 MiB a
     process), so a refusal is never a guess; the presets' own jobs pass."""
-    from isthmus.deploy.host_check import HostFacts, host_problem
+    from isthmus.deploy.config.host_check import HostFacts, host_problem
 
     small_host = HostFacts(cores=2, memory_bytes=4 << 30)
     assert host_problem(load_config(), small_host, [2, 2], cuda=False) is None
@@ -463,7 +465,7 @@ def test_memory_lower_bounds_refuse_only_what_cannot_fit():
 
 
 def test_the_default_job_fits_this_host():
-    from isthmus.deploy.host_check import HostFacts, host_problem
+    from isthmus.deploy.config.host_check import HostFacts, host_problem
 
     config = load_config()
     assert host_problem(config, HostFacts.here(cuda=False), config.site_ranks, cuda=False) is None

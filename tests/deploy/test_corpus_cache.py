@@ -1,5 +1,5 @@
 """The default corpus (the standard library's bytes) is walked once per install and read
-from data.cache_dir after that (deploy/corpus.py): every rank and launcher loads it."""
+from data.cache_dir after that (deploy/rank/corpus.py): every rank and launcher loads it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 import numpy as np
 
-import isthmus.deploy.corpus as corpus_module
-from isthmus.deploy.config import load_config
-from isthmus.deploy.corpus import load_corpus
+import isthmus.deploy.rank.corpus as corpus_module
+from isthmus.deploy.config.job import load_config
+from isthmus.deploy.rank.corpus import load_corpus
 from isthmus.intra.data import stdlib_corpus
 
 
@@ -49,8 +49,8 @@ def test_a_launcher_loads_the_corpus_without_importing_torch(tmp_path):
     """`isthmus local` loads the corpus before it starts any rank: torch's import (1-2 s
     on a small machine) would hold every rank back."""
     code = (
-        "import sys; from isthmus.deploy.config import load_config; "
-        "from isthmus.deploy.corpus import load_corpus; import isthmus.deploy.local; "
+        "import sys; from isthmus.deploy.config.job import load_config; "
+        "from isthmus.deploy.rank.corpus import load_corpus; import isthmus.deploy.launch.local; "
         "load_corpus(load_config(None, sys.argv[1:])); print('torch' in sys.modules)"
     )
     args = [f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=5000"]

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from helpers import assert_one_line_error, run_cli
 
-from isthmus.deploy.config import ConfigError, load_config
-from isthmus.deploy.corpus import load_corpus
-from isthmus.deploy.data_cmd import prepare
+from isthmus.deploy.commands.data import prepare
+from isthmus.deploy.config.job import ConfigError, load_config
+from isthmus.deploy.rank.corpus import load_corpus
 from isthmus.intra.tokenizer import TextTokenizer
 
 DOCS = ["def add(a, b):\n    return a + b\n", "héllo wörld", "x = [1, 2, 3]\n" * 40]

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 import transformers  # the dev extra installs it; never a runtime dependency
 from helpers import assert_one_line_error, run_cli
 
-from isthmus.deploy.config import load_config
-from isthmus.deploy.corpus import load_corpus
-from isthmus.deploy.ranks import dump_toml
+from isthmus.deploy.config.job import load_config
+from isthmus.deploy.launch.ranks import dump_toml
+from isthmus.deploy.rank.corpus import load_corpus
+from isthmus.deploy.security.trust import checkpoint_key
 from isthmus.intra import checkpoint
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.digest import parameter_digest
@@ -96,7 +97,7 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
     # shards, are the job's (the digest the run reported of its final weights).
     ours = build_model(config.resolved_model(), seed=1)
     saved = checkpoint.full_parameters(
-        run / "checkpoints" / "site0" / "step-00000001", config.checkpoint_key()
+        run / "checkpoints" / "site0" / "step-00000001", checkpoint_key(config)
     )
     with torch.no_grad():
         for name, p in ours.named_parameters():

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 from helpers import ISTHMUS, assert_one_line_error, run_cli
 
-from isthmus.deploy.config import ConfigError, load_config
-from isthmus.deploy.exposure import check_exposure, is_loopback
+from isthmus.deploy.config.job import ConfigError, load_config
+from isthmus.deploy.security.exposure import check_exposure, is_loopback
 
 pytestmark = pytest.mark.timeout(60)
 

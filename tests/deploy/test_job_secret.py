@@ -1,4 +1,4 @@
-"""The user's job token (deploy/job_secret.py): made once, private, never taken from
+"""The user's job token (deploy/security/token.py): made once, private, never taken from
 a file another user could have read or written."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from isthmus.deploy.config import load_config
-from isthmus.deploy.job_secret import TOKEN_NAME, SecretError, job_token
+from isthmus.deploy.config.job import load_config
+from isthmus.deploy.security.token import TOKEN_NAME, SecretError, job_token
+from isthmus.deploy.security.trust import checkpoint_key, site_security
 
 NOBODY = 65534
 
@@ -31,7 +32,7 @@ def test_the_token_is_made_once_in_a_private_folder_and_read_back(tmp_path):
 
 def test_sites_that_start_at_once_read_one_token(tmp_path):
     home = tmp_path / "isthmus"
-    code = "import sys; from isthmus.deploy.job_secret import job_token; print(job_token())"
+    code = "import sys; from isthmus.deploy.security.token import job_token; print(job_token())"
     env = {**os.environ, "ISTHMUS_HOME": str(home)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
@@ -99,23 +100,23 @@ def test_a_token_or_folder_another_user_made_first_is_refused(tmp_path):
 
 def test_a_job_without_a_security_section_runs_with_the_users_token(isthmus_home):
     config = load_config(None, ["checkpoint.every=2"])
-    security = config.site_security("site0")
+    security = site_security(config, "site0")
     assert security is not None and security.require_token
     assert security.token == job_token()
-    assert config.checkpoint_key() == job_token().encode()
+    assert checkpoint_key(config) == job_token().encode()
     # A job that neither saves nor resumes needs no key (nor a home folder for it).
-    assert load_config(None, []).checkpoint_key() is None
+    assert checkpoint_key(load_config(None, [])) is None
     # A launcher's run token is used for calls; the checkpoint key stays the user's.
-    assert config.site_security("site0", "r" * 43).token == "r" * 43
+    assert site_security(config, "site0", "r" * 43).token == "r" * 43
     # --insecure: no token at all, and unsigned checkpoints.
     insecure = load_config(None, ["security.insecure=true", "checkpoint.every=2"])
-    assert insecure.site_security("site0") is None and insecure.checkpoint_key() is None
+    assert site_security(insecure, "site0") is None and checkpoint_key(insecure) is None
     # The witness never falls back to it (sites of `isthmus local` call it with run tokens).
-    assert config.site_security("witness", default_token=False) is None
+    assert site_security(config, "witness", default_token=False) is None
 
 
 def test_the_configured_token_signs_checkpoints(job_dir):
     config = load_config(
         None, [f"security.certs_dir={job_dir}", "security.require_token=true", "checkpoint.every=2"]
     )
-    assert config.checkpoint_key() == (job_dir / "token").read_text().strip().encode()
+    assert checkpoint_key(config) == (job_dir / "token").read_text().strip().encode()

@@ -201,7 +201,7 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
         ),
         "inter/control/lane_pb2.py": "from isthmus.deploy import cli\n",  # generated: skipped
         "deploy/__init__.py": "from isthmus.inter.data.lane import LaneServer\n",
-        "deploy/rank.py": (
+        "deploy/rank/program.py": (
             "from isthmus.inter.data import bench, open_rank_sync\n"
             "from isthmus.inter.data import lane\n"
             "import isthmus.inter.data\n"
@@ -214,7 +214,7 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
     where = [line.split("  (")[0] for line in found]
     assert where == [
         "deploy/__init__.py:1: from isthmus.inter.data.lane import LaneServer",
-        "deploy/rank.py:2: from isthmus.inter.data import lane",
+        "deploy/rank/program.py:2: from isthmus.inter.data import lane",
         "inter/control/coordinator.py:4: from ..data.lane import LaneServer",
         "inter/control/coordinator.py:6: from isthmus.inter import data",
         "inter/control/coordinator.py:8: importlib.import_module(f'isthmus.inter.data.{name}')",
@@ -229,3 +229,110 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
     assert found[2].endswith("(isthmus.inter.control must not import isthmus.inter.data)")
     assert found[5].endswith(f"(only {COORDINATOR} itself imports it: hand a helper what it uses)")
     assert found[-1].endswith("(isthmus.sim may import only isthmus.sim of ours)")
+
+
+# deploy's parts: its sub-packages (commands, config, launch, rank, ...) and its top-level
+# modules (cli, api). Each imports the parts below it only, so a part reads on its own and
+# the folder shows the architecture: config and security at the bottom, the rank's life
+# and the launchers above them, the commands and the CLI on top. The CLI dispatches to
+# the commands through importlib and no command imports it (issue 37: cli.py was both
+# dispatcher and the commands' helper library, a cycle through importlib).
+DEPLOY = "isthmus.deploy"
+CLI = "isthmus.deploy.cli"
+
+
+def _part(module: str) -> str | None:
+    """The part of deploy ``module`` belongs to (``isthmus.deploy.rank``), else None."""
+    if not _under(module, DEPLOY) or module == DEPLOY:
+        return None
+    return ".".join(module.split(".")[:3])
+
+
+def deploy_parts(root: Path) -> dict[str, dict[str, str]]:
+    """Each deploy part's imports of the other parts: {part: {imported part: where}}."""
+    graph: dict[str, dict[str, str]] = {}
+    for path, module, is_package in _modules(root):
+        if (part := _part(module)) is None:
+            continue
+        graph.setdefault(part, {})
+        for line, name, statement in imports(path.read_text(), module, is_package):
+            if (other := _part(name)) is not None and other != part:
+                where = f"{path.relative_to(root)}:{line}: {statement}"
+                graph[part].setdefault(other, where)
+    return graph
+
+
+def deploy_cycles(root: Path) -> list[str]:
+    """One line per cycle between deploy's parts (and per import of the CLI), naming the
+    import that closes it."""
+    graph = deploy_parts(root)
+    found = [
+        f"{where}  (only the console script and tests import {CLI})"
+        for part, edges in graph.items()
+        for other, where in edges.items()
+        if other == CLI
+    ]
+    for part, edges in sorted(graph.items()):
+        for other, where in sorted(edges.items()):
+            if other != CLI and _reaches(graph, other, part):
+                found.append(f"{where}  ({part} -> {other} -> ... -> {part})")
+    return found
+
+
+def _reaches(graph: dict[str, dict[str, str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, {}))
+    return False
+
+
+def test_deploy_parts_import_downwards_only() -> None:
+    parts = deploy_parts(ROOT)
+    # The sub-packages the design names; a new one is a design decision, not an accident.
+    assert set(parts) == {
+        f"{DEPLOY}.{p}"
+        for p in (
+            "api",
+            "batch",
+            "chaos",
+            "cli",
+            "commands",
+            "config",
+            "launch",
+            "rank",
+            "reports",
+            "security",
+        )  # fmt: skip
+    }, sorted(parts)
+    found = deploy_cycles(ROOT)
+    assert not found, "cycles between deploy's parts:\n" + "\n".join(found)
+
+
+def test_the_cycle_check_sees_a_cycle_and_an_import_of_the_cli(tmp_path: Path) -> None:
+    files = {
+        "deploy/__init__.py": "",
+        "deploy/cli.py": "import importlib\nimportlib.import_module(f'isthmus.deploy.commands.{n}')\n",
+        "deploy/commands/__init__.py": "",
+        "deploy/commands/local.py": "from isthmus.deploy.cli import EXIT_USAGE\n",
+        "deploy/config/__init__.py": "",
+        "deploy/config/job.py": "def f():\n    from isthmus.deploy.security import trust\n",
+        "deploy/security/__init__.py": "",
+        "deploy/security/trust.py": "from ..config.job import JobConfig\n",
+        "deploy/launch/__init__.py": "",
+        "deploy/launch/local.py": "from isthmus.deploy.config.job import JobConfig\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = deploy_cycles(tmp_path)
+    assert [line.split("  (")[0] for line in found] == [
+        "deploy/commands/local.py:1: from isthmus.deploy.cli import EXIT_USAGE",
+        "deploy/cli.py:2: importlib.import_module(f'isthmus.deploy.commands.{n}')",
+        "deploy/config/job.py:2: from isthmus.deploy.security import trust",
+        "deploy/security/trust.py:1: from ..config.job import JobConfig",
+    ], "\n".join(found)

@@ -1,13 +1,13 @@
-"""`isthmus local` fits the host (deploy/quickstart.py): what a GPU quick start
+"""`isthmus local` fits the host (deploy/launch/quickstart.py): what a GPU quick start
 chooses on 1, 2, 4 and 8 GPUs, and that every setting a job names wins."""
 
 from __future__ import annotations
 
 import pytest
 
-from isthmus.deploy.config import ConfigError, load_config
-from isthmus.deploy.local import gpu_shortage, gpus_needed
-from isthmus.deploy.quickstart import GPU_PRESET, fit_to_host, plan_hint
+from isthmus.deploy.config.job import ConfigError, load_config
+from isthmus.deploy.launch.local import gpu_shortage, gpus_needed
+from isthmus.deploy.launch.quickstart import GPU_PRESET, fit_to_host, plan_hint
 
 CUDA = ["topology.device=cuda"]  # the host's GPUs are passed in: this machine has none
 

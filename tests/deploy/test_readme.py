@@ -13,8 +13,9 @@ import shlex
 import pytest
 from helpers import ROOT
 
-from isthmus.deploy.cli import build_parser, config_from_args
-from isthmus.deploy.local_cmd import resolve_local_job
+from isthmus.deploy.cli import build_parser
+from isthmus.deploy.commands.arguments import config_from_args
+from isthmus.deploy.commands.local import resolve_local_job
 
 PAGES = [
     ROOT / "README.md",

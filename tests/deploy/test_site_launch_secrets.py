@@ -1,4 +1,4 @@
-"""What a site's launcher hands only its own ranks (deploy/ranks.py ``SiteRanks``), with
+"""What a site's launcher hands only its own ranks (deploy/launch/ranks.py ``SiteRanks``), with
 real rank processes and a real coordinator in this process, as ``isthmus local`` and
 ``isthmus site`` run them (issue 33, rows 6 and 11):
 
@@ -17,8 +17,8 @@ import grpc
 import pytest
 from helpers import register_rank
 
-from isthmus.deploy.config import load_config
-from isthmus.deploy.ranks import SiteRanks, prepare_run_dir
+from isthmus.deploy.config.job import load_config
+from isthmus.deploy.launch.ranks import SiteRanks, prepare_run_dir
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 
 pytestmark = pytest.mark.timeout(240)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from isthmus.deploy.chaos import free_ports
+from isthmus.deploy.chaos.suite import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -229,7 +229,7 @@ def link(tmp_path) -> Iterator[Link]:
         '[links."site0-site1"]\ndistance_km = 100\nbandwidth_mbit = 1000\n'
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "isthmus.deploy.wan_cmd", "up", str(topology), "--control",
+        [sys.executable, "-m", "isthmus.deploy.commands.wan", "up", str(topology), "--control",
          "127.0.0.1:0"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """How the run's summary turns per-site step lines into exposed sync, overlap and
-steady-state throughput (deploy/summary.py), and how the progress line shows them."""
+steady-state throughput (deploy/reports/summary.py), and how the progress line shows them."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from isthmus.deploy.config import load_config
-from isthmus.deploy.progress import Progress
-from isthmus.deploy.summary import merge_steps, overlap, print_summary, steady_state
+from isthmus.deploy.config.job import load_config
+from isthmus.deploy.launch.progress import Progress
+from isthmus.deploy.reports.summary import merge_steps, overlap, print_summary, steady_state
 
 
 def line(site: str, step: int, *, elapsed: float, exposed: float, busy: float, **extra) -> dict:
-    """One site's metrics.jsonl line as deploy/rank.py writes it."""
+    """One site's metrics.jsonl line as deploy/rank/program.py writes it."""
     return {
         "site": site,
         "step": step,
@@ -159,9 +159,9 @@ def test_the_held_out_set_does_not_change_with_the_layout():
     measured on the same held-out text, or their held-out losses do not compare."""
     import torch
 
-    from isthmus.deploy.config import load_config
-    from isthmus.deploy.corpus import load_corpus
-    from isthmus.deploy.evaluation import HeldOutLoss
+    from isthmus.deploy.config.job import load_config
+    from isthmus.deploy.rank.corpus import load_corpus
+    from isthmus.deploy.rank.evaluation import HeldOutLoss
 
     windows = []
     for overrides in (["train.batch_size=8"], ["train.batch_size=16", "topology.sites=1"]):

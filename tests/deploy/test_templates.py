@@ -11,9 +11,9 @@ import tomllib
 import yaml
 from helpers import ROOT
 
-from isthmus.deploy.certs_cmd import write_certs
-from isthmus.deploy.config import load_config
-from isthmus.deploy.exposure import check_exposure
+from isthmus.deploy.commands.certs import write_certs
+from isthmus.deploy.config.job import load_config
+from isthmus.deploy.security.exposure import check_exposure
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,5 +1,5 @@
 """The global batch over time (issue 15, part 3): a ramp and the noise-scale controller,
-with the real `isthmus local` (deploy/batch_plan.py)."""
+with the real `isthmus local` (deploy/batch/plan.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
-from isthmus.deploy.chaos import SCENARIOS, run_scenario
+from isthmus.deploy.chaos.suite import SCENARIOS, run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 from helpers import run_cli
 from tmpfs import fill, small_tmpfs
 
-from isthmus.deploy.ranks import RankProcess, SiteRanks
+from isthmus.deploy.launch.ranks import RankProcess, SiteRanks
 
 
 @pytest.mark.slow
@@ -55,8 +55,8 @@ _RANK = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from isthmus.deploy.rank import LastWords
-    from isthmus.deploy.rank_setup import RankEnv
+    from isthmus.deploy.rank.program import LastWords
+    from isthmus.deploy.rank.startup import RankEnv
 
     env = RankEnv(site="site0", rank=1, world_size=2, run_dir=Path(sys.argv[1]),
                   coordinator="", proxies={})

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.deploy.config import load_config
-from isthmus.deploy.ranks import dump_toml
+from isthmus.deploy.config.job import load_config
+from isthmus.deploy.launch.ranks import dump_toml
 from isthmus.sim import LinkSpec
 from isthmus.sim.netns import LAN_IFNAME, SiteNet, require_tools
 from isthmus.sim.transparent import TransparentWan
@@ -78,7 +78,9 @@ class MultiNodeSite:
                 "ISTHMUS_COORDINATOR": f"{self.net.lan_address}:{COORDINATOR_PORT}",
                 "ISTHMUS_ADVERTISE_HOST": address,
             }  # fmt: skip
-            self._spawn(f"rank{rank}", [*prefix, sys.executable, "-m", "isthmus.deploy.rank"], env)
+            self._spawn(
+                f"rank{rank}", [*prefix, sys.executable, "-m", "isthmus.deploy.rank.program"], env
+            )
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.logs / f"site1-{name}.log", "a")  # noqa: SIM115 - the child's

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import fake_checkpoint, run_cli
 
-from isthmus.deploy.checkpointing import common_step, resolve_resume, site_root
-from isthmus.deploy.config import ConfigError, load_config
+from isthmus.deploy.config.job import ConfigError, load_config
+from isthmus.deploy.rank.checkpointing import common_step, resolve_resume, site_root
 
 
 def test_checkpoint_settings_stay_out_of_the_fingerprint_but_the_start_step_does_not() -> None:

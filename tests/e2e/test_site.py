@@ -10,8 +10,8 @@ import grpc
 import pytest
 from helpers import ISTHMUS, ROOT, assert_one_line_error, run_cli
 
-from isthmus.deploy.chaos import free_ports
-from isthmus.deploy.config import JobConfig, load_config
+from isthmus.deploy.chaos.suite import free_ports
+from isthmus.deploy.config.job import JobConfig, load_config
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -50,7 +50,7 @@ def test_two_sites_started_separately_train_to_identical_replicas(tmp_path):
     assert line.rstrip().endswith("s left"), line
     # Issue 33, rows 2 and 6: while site0 waits, a stranger on the machine joins in
     # site1's name and registers site0's rank 0. Both sites run with the user's job
-    # token (deploy/job_secret.py), so neither call reaches a handler.
+    # token (deploy/security/token.py), so neither call reaches a handler.
     refused = forged_calls(load_config(job))
     assert refused == ["UNAUTHENTICATED"] * 3, refused
     second = run_cli("site", "--config", job, "--site", "site1", "--run-dir", str(run_dir))

@@ -265,7 +265,7 @@ def test_a_ramped_outer_learning_rate_reaches_the_outer_steps_of_every_site(tmp_
 
 
 def test_the_sync_mode_is_part_of_the_job_fingerprint():
-    from isthmus.deploy.config import load_config
+    from isthmus.deploy.config.job import load_config
 
     step = load_config(None, []).fingerprint()
     diloco = load_config(None, ["sync.mode=diloco", "sync.inner_steps=20"]).fingerprint()

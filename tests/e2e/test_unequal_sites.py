@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
-from isthmus.deploy.chaos import SCENARIOS, run_scenario
+from isthmus.deploy.chaos.suite import SCENARIOS, run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -434,7 +434,7 @@ def test_gradient_sync_failure_leaves_shards_alone() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_shared_round_sums_each_sites_slot_to_the_same_bits_everywhere() -> None:
-    """What the balancer relies on (deploy/balance.py): a step's shared round, beside a
+    """What the balancer relies on (deploy/batch/balance.py): a step's shared round, beside a
     gradient group, gives every site the same bits of the sum. Through int8, a value in
     a codec block of its own keeps its own scale: a slot 10^4 times smaller than
     another's crosses to within fp32 rounding instead of rounding to zero."""

@@ -225,7 +225,7 @@ def test_each_block_of_values_has_its_own_scale(stage_type: type, values: str) -
 def test_a_site_with_another_payload_layout_is_refused_at_join() -> None:
     """int8's layout changed (a scale per block): a site of the release before would
     fail every chunk's size check, so the fingerprint names the layout's version."""
-    from isthmus.deploy.config import load_config
+    from isthmus.deploy.config.job import load_config
     from isthmus.inter.control.fingerprint import fingerprint_problem
     from isthmus.inter.data.codec_spec import CODEC_FORMAT
 

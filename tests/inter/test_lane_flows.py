@@ -9,8 +9,8 @@ import pytest
 import torch
 from lanes import inputs, run_all, two_sites_over
 
-from isthmus.deploy.config import ConfigError, load_config
-from isthmus.deploy.local import link_spec
+from isthmus.deploy.config.job import ConfigError, load_config
+from isthmus.deploy.launch.local import link_spec
 from isthmus.inter.data import bulk
 from isthmus.inter.data.chunk_size import connections_for_link, tcp_receive_window
 from isthmus.sim import LinkSpec

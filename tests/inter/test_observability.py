@@ -140,7 +140,7 @@ def test_sites_compare_digests_and_say_when_they_differ(pair):
 def test_a_site_admitted_at_the_last_commit_reports_its_final_digest(pair):
     """A site whose pulled state is after the last step trains nothing; its ranks still
     hand the final digest to its coordinator, and the peers see it."""
-    from isthmus.deploy.reporting import StepReporter
+    from isthmus.deploy.rank.reporting import StepReporter
 
     register_ranks(pair)
     reporter = StepReporter("site1", Path("/dev/null"), pair[1].address)

@@ -24,8 +24,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import assert_one_line_error, raw_chunk, run_cli
 
-from isthmus.deploy.certs_cmd import write_certs
-from isthmus.deploy.config import ConfigError, load_config
+from isthmus.deploy.commands.certs import write_certs
+from isthmus.deploy.config.job import ConfigError, load_config
+from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
@@ -383,9 +384,9 @@ def test_fingerprint_says_whether_security_is_on_but_holds_no_secret(job_dir):
     token = (job_dir / "token").read_text().strip()
     text = json.dumps(fingerprint)
     assert token not in text and str(job_dir) not in text
-    assert config.site_security("site1").cert == (job_dir / "site1.crt").read_bytes()
+    assert site_security(config, "site1").cert == (job_dir / "site1.crt").read_bytes()
     # Without a [security] section: the user's job token, no TLS (tests/deploy/test_job_secret.py).
-    default = load_config().site_security("site0")
+    default = site_security(load_config(), "site0")
     assert default is not None and default.require_token and not default.require_tls
 
 
@@ -411,7 +412,7 @@ def test_a_site_without_its_certificate_is_named(job_dir):
         overrides=[f"security.certs_dir={job_dir}", "security.require_tls=true", "topology.sites=3"]
     )
     with pytest.raises(ConfigError, match=re.escape(str(job_dir / "site2.crt"))):
-        config.site_security("site2")
+        site_security(config, "site2")
 
 
 # -- isthmus certs ----------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Voting on a round before landing it (LaneGradientSync.vote_ahead): two sites with real
-coordinators, real lanes and real memberships on loopback, as deploy/cross_site.py wires
+coordinators, real lanes and real memberships on loopback, as deploy/rank/cross_site.py wires
 a rank. An outer round with a delay lands steps after it ended; its vote is cast when it
 ends, so the site that lands first finds the decision made without the other's finish."""
 

@@ -17,7 +17,7 @@ from coordinators import (
     vote_all,
 )
 
-from isthmus.deploy.certs_cmd import write_certs
+from isthmus.deploy.commands.certs import write_certs
 from isthmus.inter.control.witness import WitnessServer
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
@@ -71,7 +71,7 @@ def test_a_witness_ignores_the_chunk_size_a_site_derives_from_its_gpus():
     """A GPU site on topology.device = "auto" sends 16 MiB chunks where the witness's
     GPU-less host computes the link's 1 MiB from the same job file: the witness moves
     no chunks, so it grants; any other difference is still refused, naming the key."""
-    from isthmus.deploy.config import load_config
+    from isthmus.deploy.config.job import load_config
 
     witness_fp = load_config(overrides=["topology.device=cpu"]).fingerprint()
     site_fp = load_config(overrides=["topology.device=cpu"]).fingerprint()

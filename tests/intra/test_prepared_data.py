@@ -22,7 +22,7 @@ from isthmus.intra.data import (
 
 
 def _write_folder(folder: Path, tokens: np.ndarray, sizes: list[int]) -> None:
-    """The layout data_cmd.py writes: uint16 .bin shards and a manifest naming them."""
+    """The layout deploy/commands/data.py writes: uint16 .bin shards and a manifest naming them."""
     folder.mkdir()
     shards, start = [], 0
     for k, size in enumerate(sizes):

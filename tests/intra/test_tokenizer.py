@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from helpers import ISTHMUS, assert_one_line_error, run_cli
 
-from isthmus.deploy.config import ConfigError, load_config
-from isthmus.deploy.corpus import load_corpus, pin_tokenizer
+from isthmus.deploy.config.job import ConfigError, load_config
+from isthmus.deploy.rank.corpus import load_corpus, pin_tokenizer
 from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.intra.data import ShardedBatches, stdlib_corpus
 from isthmus.intra.tokenizer import (
@@ -191,8 +191,8 @@ def test_byte_runs_and_cache_hits_never_import_tokenizers(tmp_path):
     job = settings(cache, "data.tokenizer=bpe", "data.vocab_size=300", "data.max_bytes=200000")
     load_corpus(load_config(None, job))
     code = (
-        "import sys; from isthmus.deploy.config import load_config; "
-        "from isthmus.deploy.corpus import load_corpus; "
+        "import sys; from isthmus.deploy.config.job import load_config; "
+        "from isthmus.deploy.rank.corpus import load_corpus; "
         "load_corpus(load_config(None, sys.argv[1:])); print('tokenizers' in sys.modules)"
     )
     for args in ([], job):
@@ -267,7 +267,7 @@ def test_a_site_with_another_tokenizer_file_is_refused_at_join(tmp_path, stdlib_
         first.terminate()
         _, log = first.communicate(timeout=10)
     # The refusing site logs both hashes; both hold the user's job token
-    # (deploy/job_secret.py), so the refused one is one of the job's and told them too.
+    # (deploy/security/token.py), so the refused one is one of the job's and told them too.
     a_sha, b_sha = (tokenizer_sha256(p.read_text()) for p in (a, b))
     assert f"data.tokenizer_sha256={a_sha} vs {b_sha}" in log
     assert f"data.tokenizer_sha256={a_sha} vs {b_sha}" in second.stderr

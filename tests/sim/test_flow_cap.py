@@ -32,7 +32,7 @@ LATENCY_S = 0.005
 # token bucket's depth: 3 % of a 2 MiB transfer. 15 % leaves room for timing on a
 # busy machine, and is still far below what an uncapped flow gets (4x the cap).
 CAP_TOLERANCE = 1.15
-WAN = [sys.executable, "-m", "isthmus.deploy.wan_cmd"]
+WAN = [sys.executable, "-m", "isthmus.deploy.commands.wan"]
 
 
 def _capped(**overrides: float) -> LinkSpec:

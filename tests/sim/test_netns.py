@@ -27,7 +27,7 @@ LATENCY_S = 0.010
 BANDWIDTH_BPS = 100e6  # low enough that a busy 2-core CI box still keeps up
 SPEC = LinkSpec.symmetric(latency_s=LATENCY_S, bandwidth_bps=BANDWIDTH_BPS)
 PORT = 7000  # each namespace is fresh, so a fixed port is free
-WAN = [sys.executable, "-m", "isthmus.deploy.wan_cmd"]  # `isthmus wan`, without torch
+WAN = [sys.executable, "-m", "isthmus.deploy.commands.wan"]  # `isthmus wan`, without torch
 # Timed endpoints run at the relay pumps' priority (sim/clock.py), as in
 # tests/sim/test_wan_fidelity.py: other jobs on a shared machine then decide no figure.
 NICE = ["nice", "-n", "-10"]
@@ -213,7 +213,7 @@ def test_teardown_after_an_exception() -> None:
 
 def start_cli(job: str, *more: str) -> tuple[subprocess.Popen, list[str]]:
     cli = subprocess.Popen(
-        [sys.executable, "-m", "isthmus.deploy.netns_cmd", "up", "--sites", "2", "--job", job,
+        [sys.executable, "-m", "isthmus.deploy.commands.netns", "up", "--sites", "2", "--job", job,
          "--control", "127.0.0.1:0", *more],
         stdout=subprocess.PIPE,
         text=True,
@@ -261,7 +261,7 @@ def test_cli_down_cleans_up_after_a_crash() -> None:
     cli.wait()
     assert job_resources(job)["namespaces"]
     down = subprocess.run(
-        [sys.executable, "-m", "isthmus.deploy.netns_cmd", "down", "--job", job],
+        [sys.executable, "-m", "isthmus.deploy.commands.netns", "down", "--job", job],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,6 +1,6 @@
 """`isthmus wan` as a user runs it: up in the foreground, set and show from another shell.
 
-The commands run as `python -m isthmus.deploy.wan_cmd`, the same code as `isthmus wan`
+The commands run as `python -m isthmus.deploy.commands.wan`, the same code as `isthmus wan`
 without the torch import of the rest of the CLI (seconds on a loaded machine).
 """
 
@@ -16,7 +16,7 @@ import pytest
 from helpers import ISTHMUS, assert_one_line_error, port_is_free
 from sockets import Server, Sink, connect, send_timed
 
-WAN = [sys.executable, "-m", "isthmus.deploy.wan_cmd"]
+WAN = [sys.executable, "-m", "isthmus.deploy.commands.wan"]
 MBIT = 1e6
 
 
@@ -105,13 +105,14 @@ def test_bad_input_fails_with_one_line(tmp_path) -> None:
 def test_help_lists_options_with_defaults() -> None:
     import argparse
 
-    from isthmus.deploy import cli, wan_cmd
+    from isthmus.deploy.commands import wan as wan_cmd
+    from isthmus.deploy.commands.arguments import HelpFormatter
 
     result = subprocess.run([*ISTHMUS, "wan", "up", "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     helps = [result.stdout]
     parser = argparse.ArgumentParser(prog="isthmus")
-    wan_cmd.register(parser.add_subparsers(dest="command"), cli.HelpFormatter)
+    wan_cmd.register(parser.add_subparsers(dest="command"), HelpFormatter)
     (wan,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     (sub,) = (a for a in wan.choices["wan"]._actions if isinstance(a, argparse._SubParsersAction))
     helps += [sub.choices[name].format_help() for name in ("set", "show")]

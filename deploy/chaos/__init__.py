@@ -1,0 +1,1 @@
+"""`isthmus chaos`: the fault-injection suite, its scenarios and its hostile callers."""

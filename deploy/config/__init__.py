@@ -1,0 +1,1 @@
+"""The job config: its typed sections (a TOML file plus overrides) and their checks."""

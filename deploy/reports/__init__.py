@@ -1,0 +1,1 @@
+"""A finished run, read back: its summary, plots, and several runs compared."""

@@ -1,0 +1,1 @@
+"""Who a job trusts: the job token, mutual TLS beyond loopback, checkpoint signing."""
