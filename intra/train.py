@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from math import prod
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,26 @@ def _axis_size(mesh: DeviceMesh, axis: MeshAxis) -> int:
     return mesh.size() if axis is MeshAxis.DP and mesh.ndim == 1 else 1
 
 
+def _resolved_parallel(
+    parallel: ParallelConfig | None, mixed_precision: bool, device_type: str
+) -> ParallelConfig:
+    """``parallel`` (default ``ParallelConfig()``) with the ``mixed_precision``
+    shorthand applied; mixed precision only on CUDA."""
+    parallel = parallel if parallel is not None else ParallelConfig()
+    if mixed_precision:
+        parallel = replace(parallel, mixed_precision=True)
+    if parallel.mixed_precision and device_type != "cuda":
+        raise ValueError("mixed_precision needs device_type='cuda' (bf16 on CPU is slow)")
+    return parallel
+
+
+def _rank_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device: the current CUDA device, or the mesh's device type."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 class Trainer:
     """Owns the site's parallelized model parts, their AdamW and the step.
 
@@ -102,18 +122,11 @@ class Trainer:
         sync: GradientSync | None = None,
         mixed_precision: bool = False,
     ) -> None:
-        parallel = parallel if parallel is not None else ParallelConfig()
-        if mixed_precision:
-            parallel = replace(parallel, mixed_precision=True)
-        if parallel.mixed_precision and mesh.device_type != "cuda":
-            raise ValueError("mixed_precision needs device_type='cuda' (bf16 on CPU is slow)")
+        parallel = _resolved_parallel(parallel, mixed_precision, mesh.device_type)
         self.config, self.sync, self.mesh, self.parallel = config, sync, mesh, parallel
         self.step_in_progress = 0
         """The step whose backward runs (the sync hooks name their rounds by it)."""
-        if mesh.device_type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device(mesh.device_type)
+        self.device = _rank_device(mesh)
         self.pp, self.dp, self.cp, self.tp = (_axis_size(mesh, a) for a in MeshAxis)
         self.coordinate = (
             mesh_coordinate(mesh) if mesh.mesh_dim_names else (0, mesh.get_local_rank(), 0, 0)
@@ -128,30 +141,10 @@ class Trainer:
             self.model_parts = [split_stage(model, s, num_stages) for s in self.stages]
         else:
             num_stages, self.stages, self.model_parts = 1, [0], [model]
-        # One expert mesh for all of this rank's stages: each mesh is new process groups.
-        experts = (
-            expert_parallel_mesh(mesh, parallel.expert_parallel)
-            if parallel.expert_parallel > 1
-            else None
-        )
-        self.groups = [
-            g
-            for part in self.model_parts
-            for g in parallelize(part, mesh, parallel, expert_mesh=experts)
-        ]
+        self.groups = self._parallelize_parts()
         self.model = self.model_parts[0] if self.pp == 1 else None
         self._is_first, self._is_last = 0 in self.stages, num_stages - 1 in self.stages
-        self.schedule = None
-        if self.pp > 1:
-            self.schedule = build_schedule(
-                self.model_parts,
-                self.stages,
-                num_stages,
-                schedule=parallel.schedule,
-                microbatches=parallel.num_microbatches(self.pp),
-                group=mesh[MeshAxis.PP.value].get_group(),
-                device=self.device,
-            )
+        self.schedule = self._pipeline_schedule(num_stages) if self.pp > 1 else None
         self._moe_layers = [
             m for part in self.model_parts for m in part.modules() if isinstance(m, MoEFeedForward)
         ]
@@ -177,6 +170,34 @@ class Trainer:
         if sync is not None and not parallel.offload:
             for i, group in enumerate(self.groups):
                 group.set_all_reduce_hook(_hook(self, sync, i))
+
+    def _parallelize_parts(self) -> list[FSDPModule]:
+        """Parallelize each of this rank's model parts in place; returns their FSDP
+        groups, in the order ``GradientSync.start`` numbers them."""
+        parallel = self.parallel
+        # One expert mesh for all of this rank's stages: each mesh is new process groups.
+        experts = (
+            expert_parallel_mesh(self.mesh, parallel.expert_parallel)
+            if parallel.expert_parallel > 1
+            else None
+        )
+        return [
+            g
+            for part in self.model_parts
+            for g in parallelize(part, self.mesh, parallel, expert_mesh=experts)
+        ]
+
+    def _pipeline_schedule(self, num_stages: int) -> Any:  # build_schedule's, unannotated
+        """The pipeline schedule over this rank's (parallelized) stages, ``pp > 1``."""
+        return build_schedule(
+            self.model_parts,
+            self.stages,
+            num_stages,
+            schedule=self.parallel.schedule,
+            microbatches=self.parallel.num_microbatches(self.pp),
+            group=self.mesh[MeshAxis.PP.value].get_group(),
+            device=self.device,
+        )
 
     def set_accumulate(self, micro_batches: int) -> None:
         """Sums this many micro-batches per step from the next step on (the sites'
@@ -256,15 +277,7 @@ class Trainer:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         loss = self._forward_backward(*self._local(inputs, targets))
-        sync_s, synced = 0.0, None
-        if self.sync is not None:
-            self._sync_device()
-            t_sync = time.perf_counter()
-            flats = self._start_offloaded(self.sync, step_index) if self._offloaded else []
-            synced = self.sync.finish(step_index)
-            if flats and synced.committed:
-                self._apply_offloaded(flats)
-            sync_s = time.perf_counter() - t_sync
+        sync_s, synced = self._sync_across_sites(step_index)
         lr = self.config.lr_at(step_index)
         grad_norm = 0.0
         if synced is None or synced.committed:
@@ -272,19 +285,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-        # Only last-stage ranks hold a loss; the sum over the site counts each dp
-        # replica's loss tp times.
-        # Mixture of experts: each layer's load-balancing loss, load ratio and dropped
-        # share, summed with their count in the same all-reduce (a middle pipeline
-        # stage has layers, the last the loss): the site's mean over every layer and
-        # rank comes free.
-        moe = [m.last_stats for m in self._moe_layers if m.last_stats is not None]
-        moe_sum = torch.stack(moe).sum(0).to(loss.device) if moe else loss.new_zeros(3)
-        site = torch.cat(
-            [loss.float().reshape(1), moe_sum.float(), loss.new_full((1,), float(len(moe)))]
-        )
-        dist.all_reduce(site, op=dist.ReduceOp.SUM)
-        site_loss, aux_sum, load_sum, dropped_sum, moe_count = site.tolist()
+        site_loss, aux_sum, load_sum, dropped_sum, moe_count = self._site_sums(loss)
         loss_value = site_loss / (self.dp * self.cp * self.tp)
         self._sync_device()
         total = time.perf_counter() - t0
@@ -305,6 +306,37 @@ class Trainer:
             moe_load_ratio=load_sum / moe_count if moe_count else None,
             moe_dropped=dropped_sum / moe_count if moe_count else None,
         )
+
+    def _sync_across_sites(self, step_index: int) -> tuple[float, SyncResult | None]:
+        """Wait for the cross-site sync of this step's gradients (started by the hooks,
+        or here when they are offloaded); returns (its seconds, its result), (0, None)
+        without a sync."""
+        if self.sync is None:
+            return 0.0, None
+        self._sync_device()
+        t_sync = time.perf_counter()
+        flats = self._start_offloaded(self.sync, step_index) if self._offloaded else []
+        synced = self.sync.finish(step_index)
+        if flats and synced.committed:
+            self._apply_offloaded(flats)
+        return time.perf_counter() - t_sync, synced
+
+    def _site_sums(self, loss: torch.Tensor) -> list[float]:
+        """One all-reduce over the site: [loss, MoE aux loss, load ratio, dropped share,
+        MoE layer count], each summed over the site's ranks."""
+        # Only last-stage ranks hold a loss; the sum over the site counts each dp
+        # replica's loss tp times.
+        # Mixture of experts: each layer's load-balancing loss, load ratio and dropped
+        # share, summed with their count in the same all-reduce (a middle pipeline
+        # stage has layers, the last the loss): the site's mean over every layer and
+        # rank comes free.
+        moe = [m.last_stats for m in self._moe_layers if m.last_stats is not None]
+        moe_sum = torch.stack(moe).sum(0).to(loss.device) if moe else loss.new_zeros(3)
+        site = torch.cat(
+            [loss.float().reshape(1), moe_sum.float(), loss.new_full((1,), float(len(moe)))]
+        )
+        dist.all_reduce(site, op=dist.ReduceOp.SUM)
+        return site.tolist()
 
     def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         grads = [p.grad for p in params if p.grad is not None]
