@@ -53,7 +53,8 @@ from isthmus.deploy.rank.startup import (
     set_up,
 )
 from isthmus.inter.data import NonFiniteGradient, QuorumLost, StepOutcome, SyncStats
-from isthmus.intra.checkpoint import CheckpointError, describe_os_error
+from isthmus.intra.checkpoint import CheckpointError
+from isthmus.intra.checkpoint_failures import describe_os_error
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.train import StepStats, SyncResult
 

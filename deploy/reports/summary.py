@@ -265,7 +265,7 @@ def _write(path: Path, text: str) -> None:
     try:
         path.write_text(text)
     except OSError as exc:
-        from isthmus.intra.checkpoint import describe_os_error  # torch: only when it failed
+        from isthmus.intra.checkpoint_failures import describe_os_error  # torch: when it failed
 
         raise RuntimeError(describe_os_error(exc, path)) from None
 

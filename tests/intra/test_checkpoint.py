@@ -18,6 +18,7 @@ from dist_helpers import init_gloo, random_corpus, shutdown, spawn
 from helpers import fake_checkpoint
 
 from isthmus.intra import checkpoint
+from isthmus.intra.checkpoint_failures import FileNamingFileSystem, describe_os_error
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
@@ -334,7 +335,7 @@ def test_a_short_write_inside_torch_save_names_its_errno_and_its_file(
     with small_tmpfs(tmp_path / "disk", "1m") as disk:
         filler = fill(disk) if full == "before" else None
         target = disk / "__0_0.distcp"
-        naming = checkpoint._FileNamingFileSystem()
+        naming = FileNamingFileSystem()
         with pytest.raises(OSError) as caught, naming.create_stream(target, "wb") as stream:
             torch.save(torch.zeros(1 << 20), stream)  # 4 MB
         if filler is not None:
@@ -346,13 +347,11 @@ def test_a_short_write_inside_torch_save_names_its_errno_and_its_file(
     assert error.filename == str(target)
     if full == "while writing":  # what torch raised is kept as the cause
         assert "unexpected pos" in str(error.__cause__), repr(error.__cause__)
-    assert checkpoint.describe_os_error(error) == (
-        f"no space left on device (ENOSPC) writing {target}"
-    )
+    assert describe_os_error(error) == (f"no space left on device (ENOSPC) writing {target}")
 
 
 def test_a_runtime_error_without_an_os_error_under_it_passes_unchanged(tmp_path: Path) -> None:
-    naming = checkpoint._FileNamingFileSystem()
+    naming = FileNamingFileSystem()
     with (
         pytest.raises(RuntimeError, match="not a disk"),
         naming.create_stream(tmp_path / "x", "wb"),
