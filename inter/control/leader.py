@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from concurrent import futures
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -39,6 +40,27 @@ def has_quorum(alive: Iterable[str], site_names: list[str], *, tie_break: bool =
     total = len(site_names)
     half_with_first = 2 * len(alive) == total and site_names[0] in alive
     return 2 * len(alive) > total or (tie_break and half_with_first)
+
+
+_Vote = tuple[bool, frozenset[str]]
+"""A site's vote on a step: ok, and the sites it suspects."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class _Change:
+    """A new generation the leader proposes for a step."""
+
+    members: list[str]
+    """The current generation's members."""
+    new_members: list[str]
+    """The proposed generation's members."""
+    joiners: list[str] | None
+    """The sites it admits (the step then commits in it); None: it drops failed or
+    silent members and the step is retried."""
+    source: str
+    """The site the joiners copy the state from ("" when none join)."""
+    start: int
+    """The first step of the proposed generation."""
 
 
 class Leader:
@@ -93,7 +115,7 @@ class Leader:
     def evaluate(self, key: Key) -> None:
         """As leader, decide (step, generation) if its votes or the suspects allow."""
         st, b = self.state, self.ballots
-        step, generation = key
+        generation = key[1]
         with st.cond:
             if self._busy_locked(key):
                 return
@@ -107,78 +129,107 @@ class Leader:
         with st.cond:
             if self._busy_locked(key):
                 return
-            members = st.members
-            votes = b.site_votes.get(key, {})
-            suspects = set(st.suspects_locked())
-            for _, theirs in votes.values():
-                suspects |= theirs
-            suspects.discard(st.site)
-            alive = [m for m in members if m not in suspects]
-            mine = b.rank_votes.get(key, {})
-            own_ok = len(mine) == st.ranks and all(mine.values())
-            if len(mine) == st.ranks:
-                votes = {**votes, st.site: (own_ok, frozenset())}
-            all_ok = all(m in votes and votes[m][0] for m in members)
-            # Decide a retry once every member still heard from has voted: a dead
-            # member is then dropped in one go instead of after a retry with it.
-            failed = (any(not ok for ok, _ in votes.values()) or len(alive) < len(members)) and all(
-                m in votes for m in alive
-            )
-            fresh = st.clock() - st.failure_timeout_s
-            last_seen = st.last_seen
-            joiners = [j for j in b.joiners if last_seen.get(j, 0.0) > fresh]
-            if all_ok and not joiners:
-                b.decide_locked(
-                    key,
-                    pb.Decision(
-                        step=step,
-                        verdict=pb.VERDICT_COMMIT,
-                        generation=generation,
-                        sites=b.sites_of_locked(members),
-                    ),
-                )
+            change = self._commit_or_plan_locked(key)
+            if change is None:
                 return
-            if all_ok:
-                new_members, source, start = self._ordered(members + joiners), st.site, step + 1
-            elif failed:
-                if not self._quorum_ok_locked(key, alive):
-                    return
-                new_members, source, start = alive, "", step
-            else:
-                return  # waiting for votes
             self._deciding.add(key)
-            sites = b.sites_of_locked(new_members)
+            sites = b.sites_of_locked(change.new_members)
             new_gen = max(generation, self._highest_generation) + 1
         try:
-            answers = self._propose_all(new_gen, sites, start, source)
-            if not self._accepted_by_quorum(answers, new_gen):
-                return
-            with st.cond:
-                if not self._adopt_own_locked(new_gen, sites, start, source):
-                    return
-                if all_ok:
-                    decision = pb.Decision(
-                        step=step,
-                        verdict=pb.VERDICT_COMMIT,
-                        generation=new_gen,
-                        sites=sites,
-                        state_source=source,
-                        state_step=step,
-                        reason=f"admits {', '.join(joiners)}",
-                    )
-                else:
-                    gone = sorted(set(members) - set(new_members))
-                    decision = pb.Decision(
-                        step=step,
-                        verdict=pb.VERDICT_RETRY,
-                        generation=new_gen,
-                        sites=sites,
-                        reason=f"without {', '.join(gone)}" if gone else "a round failed",
-                    )
-                b.decide_locked(key, decision)
+            self._reconfigure(key, change, sites, new_gen)
         finally:
             with st.cond:
                 self._deciding.discard(key)
+
+    def _tally_locked(self, key: Key, members: list[str]) -> tuple[dict[str, _Vote], list[str]]:
+        """The votes on ``key`` (this site's own once all its ranks voted) and the
+        members not suspected by this site nor by any voter."""
+        st, b = self.state, self.ballots
+        votes = b.site_votes.get(key, {})
+        suspects = set(st.suspects_locked())
+        for _, theirs in votes.values():
+            suspects |= theirs
+        suspects.discard(st.site)
+        alive = [m for m in members if m not in suspects]
+        mine = b.rank_votes.get(key, {})
+        own_ok = len(mine) == st.ranks and all(mine.values())
+        if len(mine) == st.ranks:
+            votes = {**votes, st.site: (own_ok, frozenset())}
+        return votes, alive
+
+    def _commit_or_plan_locked(self, key: Key) -> _Change | None:
+        """Decide COMMIT when every member voted ok and nobody asks to join; else the
+        new generation to propose (joiners admitted, or failed members dropped), or
+        None while votes are missing or a quorum is not reached."""
+        st, b = self.state, self.ballots
+        step, generation = key
+        members = st.members
+        votes, alive = self._tally_locked(key, members)
+        all_ok = all(m in votes and votes[m][0] for m in members)
+        # Decide a retry once every member still heard from has voted: a dead
+        # member is then dropped in one go instead of after a retry with it.
+        failed = (any(not ok for ok, _ in votes.values()) or len(alive) < len(members)) and all(
+            m in votes for m in alive
+        )
+        fresh = st.clock() - st.failure_timeout_s
+        last_seen = st.last_seen
+        joiners = [j for j in b.joiners if last_seen.get(j, 0.0) > fresh]
+        if all_ok and not joiners:
+            b.decide_locked(
+                key,
+                pb.Decision(
+                    step=step,
+                    verdict=pb.VERDICT_COMMIT,
+                    generation=generation,
+                    sites=b.sites_of_locked(members),
+                ),
+            )
+            return None
+        if all_ok:
+            new_members = self._ordered(members + joiners)
+            return _Change(
+                members=members,
+                new_members=new_members,
+                joiners=joiners,
+                source=st.site,
+                start=step + 1,
+            )
+        if failed and self._quorum_ok_locked(key, alive):
+            return _Change(members=members, new_members=alive, joiners=None, source="", start=step)
+        return None  # waiting for votes, or for a quorum
+
+    def _reconfigure(
+        self, key: Key, change: _Change, sites: list[pb.SiteInfo], new_gen: int
+    ) -> None:
+        """Propose ``new_gen``; once a quorum accepted it and this site adopted it,
+        decide ``key``: COMMIT admitting the joiners, or RETRY without the dropped."""
+        step = key[0]
+        answers = self._propose_all(new_gen, sites, change.start, change.source)
+        if not self._accepted_by_quorum(answers, new_gen):
+            return
+        with self.state.cond:
+            if not self._adopt_own_locked(new_gen, sites, change.start, change.source):
+                return
+            if change.joiners is not None:
+                decision = pb.Decision(
+                    step=step,
+                    verdict=pb.VERDICT_COMMIT,
+                    generation=new_gen,
+                    sites=sites,
+                    state_source=change.source,
+                    state_step=step,
+                    reason=f"admits {', '.join(change.joiners)}",
+                )
+            else:
+                gone = sorted(set(change.members) - set(change.new_members))
+                decision = pb.Decision(
+                    step=step,
+                    verdict=pb.VERDICT_RETRY,
+                    generation=new_gen,
+                    sites=sites,
+                    reason=f"without {', '.join(gone)}" if gone else "a round failed",
+                )
+            self.ballots.decide_locked(key, decision)
 
     def _adopt_own_locked(
         self, generation: int, sites: list[pb.SiteInfo], start: int, source: str
