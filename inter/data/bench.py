@@ -19,9 +19,14 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # imported at run time in the lane's process, after its environment
+    from isthmus.inter.data.allreduce import CrossSiteAllReduce
+    from isthmus.inter.data.lane import LaneServer
+    from isthmus.inter.data.lane_peer import LanePeer
 
 __all__ = [
     "BenchCase",
@@ -88,13 +93,47 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
     its slice on "go", report."""
     os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (gRPC reads lowercase)
     torch.set_num_threads(1)
+    from isthmus.inter.data.gradient_sync import LaneGradientSync
+
+    c = BenchCase(**case)
+    server, peers, ar = _open_lane(index, c, conn)
+    sync = None
+    try:
+        device = _lane_device(c, index, rank)
+        tensor = _lane_slice(c, index, rank, device)
+        load = _Load(device, c.load_ms / c.groups) if c.load_ms else None
+        # Warm-up: opens every connection (through the proxies) before the clock runs.
+        warm = torch.ones(c.chunk_bytes // 4 * c.sites, device=device)
+        ar.allreduce([warm], step=0, group=0, average=True)
+        conn.send("ready")
+        conn.recv()  # "go": every site starts together
+        # As training does: one sync object for every step (closing it closes ``ar``).
+        sync = LaneGradientSync(ar, rounds_in_flight=c.in_flight)
+        conn.send(_median_report(ar, sync, c, tensor, load))
+        conn.recv()  # "done": nobody stops its server while a peer may still pull
+    except BaseException as exc:  # noqa: BLE001 (reported to the parent as one line)
+        with contextlib.suppress(Exception):
+            conn.send({"error": f"site {index} rank {rank}: {type(exc).__name__}: {exc}"})
+    finally:
+        if sync is not None:
+            sync.close()  # closes ar too
+        else:
+            ar.close()
+        for peer in peers.values():
+            peer.close()
+        server.stop(0)
+
+
+def _open_lane(
+    index: int, c: BenchCase, conn: Any
+) -> tuple[LaneServer, dict[int, LanePeer], CrossSiteAllReduce]:
+    """Start the lane's server, send its address to the parent, receive the peers'
+    (address, proxy) and connect: returns (server, peers by site, all-reduce)."""
     from isthmus.inter.data.allreduce import CrossSiteAllReduce
     from isthmus.inter.data.codec import make_codec
-    from isthmus.inter.data.gradient_sync import LaneGradientSync
     from isthmus.inter.data.lane import LaneServer
     from isthmus.inter.data.lane_peer import LanePeer
 
-    c = BenchCase(**case)
     codec = make_codec(c.codec)
     server = LaneServer(
         site_index=index, num_sites=c.sites, codec=codec.name, chunk_bytes=c.chunk_bytes
@@ -115,62 +154,56 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
         timeout_s=c.timeout_s,
         workers=c.workers,
     )
-    sync = None
-    try:
-        device = torch.device("cpu")
-        if c.device == "cuda":
-            device = torch.device("cuda", (index * c.lanes + rank) % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        # Gradient-like values: zero-mean, small, every site and slice different.
-        n = int(c.mib * MIB) // 4
-        lo, hi = n * rank // c.lanes, n * (rank + 1) // c.lanes
-        g = torch.Generator(device=device).manual_seed(index * 1000 + rank)
-        tensor = torch.randn(hi - lo, generator=g, device=device) * 1e-3
-        load = _Load(device, c.load_ms / c.groups) if c.load_ms else None
-        # Warm-up: opens every connection (through the proxies) before the clock runs.
-        warm = torch.ones(c.chunk_bytes // 4 * c.sites, device=device)
-        ar.allreduce([warm], step=0, group=0, average=True)
-        conn.send("ready")
-        conn.recv()  # "go": every site starts together
-        runs = []
-        # As training does: one sync object for every step (closing it closes ``ar``).
-        sync = LaneGradientSync(ar, rounds_in_flight=c.in_flight)
-        for step in range(1, c.repeats + 1):
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            stats, compute_s, sync_s = _timed_step(ar, sync, c, tensor, load, step)
-            runs.append(
-                (time.perf_counter() - t0, time.process_time() - cpu0, stats, compute_s, sync_s)
-            )
-        wall, cpu, stats, compute_s, sync_s = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-        host = tensor.cpu().numpy()
-        digest = hashlib.sha256(host.tobytes()).hexdigest()[:16]
-        conn.send(
-            {
-                "wall_s": wall,
-                "cpu_s": cpu,
-                "compute_s": compute_s,
-                "exposed_s": max(0.0, wall - compute_s),
-                "sync_s": sync_s,
-                "bytes_sent": stats.bytes_sent,
-                "raw_bytes": stats.raw_bytes,
-                "corrupt_chunks": stats.corrupt_chunks,
-                "encode_s": getattr(stats, "encode_s", 0.0),
-                "decode_s": getattr(stats, "decode_s", 0.0),
-                "digest": digest,
-            }
+    return server, peers, ar
+
+
+def _lane_device(c: BenchCase, index: int, rank: int) -> torch.device:
+    """The CPU, or with ``c.device == "cuda"`` lane ``rank`` of site ``index``'s GPU
+    (made current)."""
+    if c.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", (index * c.lanes + rank) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _lane_slice(c: BenchCase, index: int, rank: int, device: torch.device) -> torch.Tensor:
+    """This lane's slice of the site's tensor: gradient-like values (zero-mean, small),
+    every site and slice different."""
+    n = int(c.mib * MIB) // 4
+    lo, hi = n * rank // c.lanes, n * (rank + 1) // c.lanes
+    g = torch.Generator(device=device).manual_seed(index * 1000 + rank)
+    return torch.randn(hi - lo, generator=g, device=device) * 1e-3
+
+
+def _median_report(
+    ar: Any, sync: Any, c: BenchCase, tensor: torch.Tensor, load: _Load | None
+) -> dict[str, Any]:
+    """Run ``c.repeats`` timed steps; the figures of the step of median wall time, and
+    the digest of the tensor after the last."""
+    runs = []
+    for step in range(1, c.repeats + 1):
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        stats, compute_s, sync_s = _timed_step(ar, sync, c, tensor, load, step)
+        runs.append(
+            (time.perf_counter() - t0, time.process_time() - cpu0, stats, compute_s, sync_s)
         )
-        conn.recv()  # "done": nobody stops its server while a peer may still pull
-    except BaseException as exc:  # noqa: BLE001 (reported to the parent as one line)
-        with contextlib.suppress(Exception):
-            conn.send({"error": f"site {index} rank {rank}: {type(exc).__name__}: {exc}"})
-    finally:
-        if sync is not None:
-            sync.close()  # closes ar too
-        else:
-            ar.close()
-        for peer in peers.values():
-            peer.close()
-        server.stop(0)
+    wall, cpu, stats, compute_s, sync_s = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    host = tensor.cpu().numpy()
+    digest = hashlib.sha256(host.tobytes()).hexdigest()[:16]
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "compute_s": compute_s,
+        "exposed_s": max(0.0, wall - compute_s),
+        "sync_s": sync_s,
+        "bytes_sent": stats.bytes_sent,
+        "raw_bytes": stats.raw_bytes,
+        "corrupt_chunks": stats.corrupt_chunks,
+        "encode_s": getattr(stats, "encode_s", 0.0),
+        "decode_s": getattr(stats, "decode_s", 0.0),
+        "digest": digest,
+    }
 
 
 class _Load:
