@@ -6,9 +6,9 @@ streams, validates every message field by field and deposits the valid ones in a
 marked there instead, and the round pulls it again with ``ResendChunk``; what a lane
 hands only to a site of its rounds (a chunk asked for again, a bulk ticket) goes through
 :mod:`isthmus.inter.data.lane_handoff`, a round given up and a pull of the training state
-through :mod:`isthmus.inter.data.lane_requests`. It also owns the
-limits both sides share (:func:`max_payload_bytes`, :func:`channel_options`,
-:func:`~isthmus.inter.data.chunk_size.chunk_bytes_for_link`). The sending side,
+through :mod:`isthmus.inter.data.lane_requests`. The limits both sides
+share and the checks of a received chunk are :mod:`isthmus.inter.data.chunk_checks`
+(re-exported here: :func:`max_payload_bytes`, :func:`channel_options`). The sending side,
 :class:`~isthmus.inter.data.lane_peer.LanePeer`, lives in :mod:`isthmus.inter.data.lane_peer`.
 """
 
@@ -26,7 +26,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots
 from isthmus.inter.control.channels import server_options
 from isthmus.inter.data.bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener, Tickets
-from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.chunk_checks import (
+    CRC_MISMATCH,
+    Refused,
+    channel_options,
+    max_payload_bytes,
+    validate_chunk,
+)
 from isthmus.inter.data.lane_handoff import LaneHandoff, holder_of
 from isthmus.inter.data.lane_requests import OFFER_WAIT_S, LaneRequests
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
@@ -41,30 +47,13 @@ __all__ = ["LaneServer", "channel_options", "max_payload_bytes"]
 
 log = logging.getLogger(__name__)
 
-_HEADROOM = 64 * 1024
 _GENERATIONS_AHEAD = 2
 """Generations past this lane's whose chunks it holds for a moment (see ``take``)."""
 _GENERATION_WAIT_S = 10.0  # how long a chunk of a newer generation waits for this lane
-_CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
 ANY_SENDER = object()
 """``LaneServer.take``'s holder when the sender was checked already (mutual TLS)."""
 PASS_METADATA = "isthmus-lane-pass"
 """gRPC metadata key of the ticket a ``PushChunks`` stream presents without TLS (hex)."""
-
-
-def max_payload_bytes(chunk_bytes: int) -> int:
-    """Returns the largest payload accepted for ``chunk_bytes`` of fp32 values.
-
-    zstd's worst case on incompressible input is a little above the input
-    (ZSTD_compressBound is about n + n/256 + 64); allow that and some slack.
-    """
-    return chunk_bytes + chunk_bytes // 128 + 1024
-
-
-def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    """gRPC message size limits for a lane of ``chunk_bytes`` chunks (server and clients)."""
-    limit = max_payload_bytes(chunk_bytes) + _HEADROOM
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
 RESERVED_THREADS = 8
@@ -74,12 +63,6 @@ PULL_STATE_WAITS = 2
 ``offer_wait_s`` on a handler thread, and a joining rank pulls from its own coordinate
 once at a time. 40 held ones once took every thread of a lane: its rounds, ``OpenBulk``
 and health froze for 50 s (issue 33, row 3)."""
-
-
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class LaneServer(lane_pb2_grpc.LaneServicer):
@@ -297,70 +280,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         Also for chunks pulled with ``ResendChunk``, which bypass the server.
         """
         try:
-            self._validate(req)
-        except _Refused as exc:
+            validate_chunk(req, self._members, self.codec, self.chunk_bytes)
+        except Refused as exc:
             return str(exc)
         return None
-
-    def _validate(self, req: Chunk) -> None:
-        members = self._members  # one consistent view for the whole check
-        generation, num_sites = members.generation, members.num_sites
-        per = self.chunk_bytes // 4
-        limit = max_payload_bytes(self.chunk_bytes)
-        known = getattr(req, "payload_crc", None)  # a protobuf message (tests) has none
-        crc = known if known is not None else crc32(req.payload)
-        pre, bad = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT
-        kinds = (lane_pb2.CHUNK_KIND_CONTRIBUTION, lane_pb2.CHUNK_KIND_RESULT)
-        # Cheap field checks first; the CRC last, on a message that is otherwise sound.
-        checks = (
-            (
-                req.generation == generation,
-                pre,
-                f"generation {req.generation} != receiver's {generation}",
-            ),
-            (
-                req.codec == self.codec,
-                pre,
-                f"codec {req.codec[:64]!r} != receiver's {self.codec!r}",
-            ),
-            (
-                req.from_site < num_sites and req.from_site != members.site_index,
-                bad,
-                f"from_site {req.from_site} is not a peer of site {members.site_index} "
-                f"among {num_sites} sites",
-            ),
-            (req.kind in kinds, bad, f"chunk kind {req.kind} is not CONTRIBUTION or RESULT"),
-            (
-                req.chunk_index < req.num_chunks,
-                bad,
-                f"chunk_index {req.chunk_index} >= num_chunks {req.num_chunks}",
-            ),
-            (
-                0 < req.num_elements <= min(per, req.total_elements),
-                bad,
-                f"num_elements {req.num_elements} outside [1, {min(per, req.total_elements)}]",
-            ),
-            (
-                req.num_chunks == -(-req.total_elements // per),
-                bad,
-                f"num_chunks {req.num_chunks} does not match total_elements "
-                f"{req.total_elements} in chunks of {per}",
-            ),
-            (
-                len(req.payload) <= limit,
-                bad,
-                f"payload of {len(req.payload)} bytes exceeds {limit}",
-            ),
-            (
-                crc == req.crc32,
-                bad,
-                f"{_CRC_MISMATCH} on chunk {req.chunk_index}: payload has "
-                f"{crc:#010x}, header says {req.crc32:#010x}",
-            ),
-        )
-        for ok, code, why in checks:
-            if not ok:
-                raise _Refused(code, why)
 
     def take(
         self, req: Chunk, holder: str | None | object = ANY_SENDER, peer: str = ""
@@ -382,18 +305,18 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             if req.generation > self.generation + _GENERATIONS_AHEAD:
                 # Held, it would hold a handler thread for nothing: no sender runs that
                 # far ahead of the membership this rank knows.
-                raise _Refused(
+                raise Refused(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"generation {req.generation} is ahead of this lane's {self.generation}",
                 )
             if req.generation > self.generation:
                 self._await_generation(req.generation, _GENERATION_WAIT_S)
             try:
-                self._validate(req)
+                validate_chunk(req, self._members, self.codec, self.chunk_bytes)
                 self._check_holder(req.from_site, holder, peer)
                 why = self.mailbox.deposit(key, req)
-            except _Refused as exc:
-                if not str(exc).startswith(_CRC_MISMATCH):
+            except Refused as exc:
+                if not str(exc).startswith(CRC_MISMATCH):
                     raise
                 self._check_holder(req.from_site, holder, peer)
                 log.warning("site %d: %s from site %d", self.site_index, exc, req.from_site)
@@ -403,23 +326,23 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                         self.corruptions += 1
                     return CORRUPT, None, str(exc)
             if why == "duplicate":
-                raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"duplicate chunk {key}")
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"duplicate chunk {key}")
             if why == "stale":
-                raise _Refused(
+                raise Refused(
                     grpc.StatusCode.FAILED_PRECONDITION, f"chunk {key} belongs to a finished step"
                 )
             if why == "ahead":
-                raise _Refused(
+                raise Refused(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"chunk {key} is for a step {self.mailbox.max_ahead} or more past the live one",
                 )
             if why == "full":
-                raise _Refused(
+                raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"chunk {key}: the mailbox holds its budget of "
                     f"{self.mailbox.max_bytes} bytes of chunks no round has taken",
                 )
-        except _Refused as exc:
+        except Refused as exc:
             msg = (
                 f"site {self.site_index} refused chunk from site {req.from_site} "
                 f"(step {req.step} group {req.group}): {exc}"
@@ -449,7 +372,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         else:
             return
         self.refusals.note(peer or "a caller", why)
-        raise _Refused(grpc.StatusCode.PERMISSION_DENIED, why)
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED, why)
 
     def PushChunks(  # noqa: N802 (gRPC method name)
         self,

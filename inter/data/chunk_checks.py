@@ -1,0 +1,102 @@
+"""What a lane accepts: the size limits both sides of a lane share, and the field-by-
+field checks of a received chunk (invariant 4), for chunks that came over gRPC, the
+bulk port or a ``ResendChunk`` pull alike (inter/data/lane.py judges with them)."""
+
+from __future__ import annotations
+
+import grpc
+
+from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.round_types import Members
+from isthmus.inter.data.wire import Chunk
+from isthmus.proto import lane_pb2
+
+__all__ = ["CRC_MISMATCH", "Refused", "channel_options", "max_payload_bytes", "validate_chunk"]
+
+_HEADROOM = 64 * 1024
+CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
+
+
+def max_payload_bytes(chunk_bytes: int) -> int:
+    """Returns the largest payload accepted for ``chunk_bytes`` of fp32 values.
+
+    zstd's worst case on incompressible input is a little above the input
+    (ZSTD_compressBound is about n + n/256 + 64); allow that and some slack.
+    """
+    return chunk_bytes + chunk_bytes // 128 + 1024
+
+
+def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """gRPC message size limits for a lane of ``chunk_bytes`` chunks (server and clients)."""
+    limit = max_payload_bytes(chunk_bytes) + _HEADROOM
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+class Refused(Exception):
+    """A received chunk or call refused: the gRPC status and the one-line reason."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def validate_chunk(req: Chunk, members: Members, codec: str, chunk_bytes: int) -> None:
+    """Raises :class:`Refused` saying why ``req`` is not a sound chunk for a lane of
+    ``members`` that takes ``codec`` in chunks of ``chunk_bytes``: the cheap field
+    checks first, the CRC last, on a message that is otherwise sound."""
+    generation, num_sites = members.generation, members.num_sites
+    per = chunk_bytes // 4
+    limit = max_payload_bytes(chunk_bytes)
+    known = getattr(req, "payload_crc", None)  # a protobuf message (tests) has none
+    crc = known if known is not None else crc32(req.payload)
+    pre, bad = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT
+    kinds = (lane_pb2.CHUNK_KIND_CONTRIBUTION, lane_pb2.CHUNK_KIND_RESULT)
+    checks = (
+        (
+            req.generation == generation,
+            pre,
+            f"generation {req.generation} != receiver's {generation}",
+        ),
+        (
+            req.codec == codec,
+            pre,
+            f"codec {req.codec[:64]!r} != receiver's {codec!r}",
+        ),
+        (
+            req.from_site < num_sites and req.from_site != members.site_index,
+            bad,
+            f"from_site {req.from_site} is not a peer of site {members.site_index} "
+            f"among {num_sites} sites",
+        ),
+        (req.kind in kinds, bad, f"chunk kind {req.kind} is not CONTRIBUTION or RESULT"),
+        (
+            req.chunk_index < req.num_chunks,
+            bad,
+            f"chunk_index {req.chunk_index} >= num_chunks {req.num_chunks}",
+        ),
+        (
+            0 < req.num_elements <= min(per, req.total_elements),
+            bad,
+            f"num_elements {req.num_elements} outside [1, {min(per, req.total_elements)}]",
+        ),
+        (
+            req.num_chunks == -(-req.total_elements // per),
+            bad,
+            f"num_chunks {req.num_chunks} does not match total_elements "
+            f"{req.total_elements} in chunks of {per}",
+        ),
+        (
+            len(req.payload) <= limit,
+            bad,
+            f"payload of {len(req.payload)} bytes exceeds {limit}",
+        ),
+        (
+            crc == req.crc32,
+            bad,
+            f"{CRC_MISMATCH} on chunk {req.chunk_index}: payload has "
+            f"{crc:#010x}, header says {req.crc32:#010x}",
+        ),
+    )
+    for ok, code, why in checks:
+        if not ok:
+            raise Refused(code, why)
