@@ -45,12 +45,11 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.config.job import JobConfig, load_config
 from isthmus.deploy.rank.checkpointing import restore, save_due, save_if_due
-from isthmus.deploy.rank.program import (
+from isthmus.deploy.rank.loop import (
     LoopState,
-    _digest_if_due,
-    _lane_outcome,
-    _site_traffic,
-    step_line,
+    lane_outcome,
+    record_step,
+    site_traffic,
     tear_down,
 )
 from isthmus.deploy.rank.startup import (
@@ -323,17 +322,23 @@ class Context:
             return Outcome(step, committed=False, rejoined=True, next_step=self._next)
         progress = self._progress
         assert progress is not None
-        self._record_step(
+        traffic = site_traffic(synced.stats if synced is not None else None)
+        site_loss = torch.tensor([float(loss)], dtype=torch.float64)
+        dist.all_reduce(site_loss)
+        record_step(
             parts,
             progress,
             step,
             synced,
-            loss=loss,
+            traffic,
+            loss=float(site_loss) / self.world_size,
             grad_norm=grad_norm,
+            lr=shaped.optimizer.param_groups[0].get("lr", 0.0),
             compute_s=compute_s,
             sync_s=sync_s,
-            tokens=tokens,
-            metrics=metrics,
+            tokens=tokens * self.world_size,
+            mfu=0.0,
+            more={k: float(v) for k, v in metrics.items()},
         )
         if synced is not None and synced.offer_state is not None:
             assert cross is not None
@@ -379,53 +384,7 @@ class Context:
                 and save_due(parts.config, step + 1)
             ):
                 synced = outer.finish()  # a checkpoint holds no round in flight
-        return _lane_outcome(synced), grad_norm
-
-    def _record_step(
-        self,
-        parts: RankParts,
-        progress: LoopState,
-        step: int,
-        synced: StepOutcome | None,
-        *,
-        loss: torch.Tensor | float,
-        grad_norm: float,
-        compute_s: float,
-        sync_s: float,
-        tokens: int,
-        metrics: dict[str, float],
-    ) -> None:
-        """The step's digest when due, and its line in the metrics (``loss``, the site's
-        mean; ``tokens``, this rank's)."""
-
-        round_stats = synced.stats if synced is not None else None
-        traffic = _site_traffic(round_stats)
-        site_loss = torch.tensor([float(loss)], dtype=torch.float64)
-        dist.all_reduce(site_loss)
-        digest_started = time.perf_counter()
-        progress.digest = _digest_if_due(parts, progress, step, synced is not None)
-        last = parts.config.job.steps - 1
-        parts.metrics.record(
-            step_line(
-                parts,
-                progress,
-                round_stats,
-                traffic,
-                step=step,
-                loss=float(site_loss) / self.world_size,
-                grad_norm=grad_norm,
-                lr=parts.trainer.optimizer.param_groups[0].get("lr", 0.0),
-                compute_s=compute_s,
-                sync_s=sync_s,
-                tokens=tokens * self.world_size,
-                mfu=0.0,
-                digest_s=time.perf_counter() - digest_started if progress.digest else 0.0,
-                more={k: float(v) for k, v in metrics.items()},
-            ),
-            digest=progress.digest,
-            finished=step == last,
-        )
-        progress.reported_last = step == last
+        return lane_outcome(synced), grad_norm
 
     def _sync_step(self, shaped: _ScriptModel, step: int):
         """The step's cross-site gradient average (per-step sync): FSDP2's hooks started

@@ -18,7 +18,9 @@ writes one metrics line per step; every rank writes its result at the end.
 
 `run` is the rank's three phases: `set_up` (deploy/rank/startup.py) builds it all,
 `train` is the step loop, `tear_down` reports the final digest, writes the rank's
-result and closes what setup opened.
+result and closes what setup opened (both deploy/rank/loop.py). This module is the
+process around them: a script run instead of the loop, the rank's death with its
+launcher, and its one error line.
 """
 
 from __future__ import annotations
@@ -32,33 +34,25 @@ import logging
 import os
 import signal
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import torch
-import torch.distributed as dist
 
 from isthmus.deploy.config.job import JobConfig, load_config
-from isthmus.deploy.rank.checkpointing import save_due, save_if_due
 from isthmus.deploy.rank.contract import SCRIPT_ENV
+from isthmus.deploy.rank.loop import tear_down, train
 from isthmus.deploy.rank.reporting import DivergenceError
 from isthmus.deploy.rank.startup import (
-    FaultInjection,
     RankEnv,
-    RankParts,
     build_trainer,
     script_ended,
     set_up,
 )
-from isthmus.inter.data import NonFiniteGradient, QuorumLost, StepOutcome, SyncStats
+from isthmus.inter.data import NonFiniteGradient, QuorumLost
 from isthmus.intra.checkpoint import CheckpointError
 from isthmus.intra.checkpoint_failures import describe_os_error
-from isthmus.intra.digest import shard_digest as intra_shard_digest
-from isthmus.intra.train import StepStats, SyncResult
 
-__all__ = ["LoopState", "RankEnv", "build_trainer", "main", "run", "tear_down", "train"]
+__all__ = ["RankEnv", "build_trainer", "main", "run"]
 
 log = logging.getLogger("isthmus.rank")
 
@@ -75,293 +69,6 @@ def run(env: RankEnv, config: JobConfig) -> None:
     parts = set_up(env, config)
     progress = train(parts, env.faults)
     tear_down(parts, progress)
-
-
-@dataclass(slots=True)
-class LoopState:
-    """Where the step loop is."""
-
-    step: int
-    """The next step to train."""
-    synced: int
-    """The last step that ended with replicas equal across sites."""
-    started: float
-    """``time.perf_counter()`` when the loop began."""
-    digest: str = ""
-    """The site's parameter digest after the last step run, when one was due."""
-    reported_last: bool = False
-    """The job's last step was trained and reported here."""
-
-
-def train(parts: RankParts, faults: FaultInjection) -> LoopState:
-    """Trains from ``parts.start`` to the job's last step; returns where it ended.
-
-    Per-step sync: every step's gradients cross (in the trainer's hook). DiLoCo: the
-    outer optimizer's rounds, started every H steps, land ``delay`` steps later. A
-    step whose sync finds that the job went on without this site pulls the live state
-    and goes on from where the job is.
-    """
-    config = parts.config
-    progress = LoopState(step=parts.start, synced=parts.start - 1, started=time.perf_counter())
-    plan = parts.plan
-    while progress.step < config.job.steps:
-        step = progress.step
-        if plan is not None:
-            plan.before_step(step)  # a ramp may resize this step's batch
-        # Micro-batches, global batch: what this step trains (a decision applies next).
-        batch = plan.record() if plan is not None else {}
-        inputs, targets = parts.batches.batch(step)
-        stats, synced = _step(parts, step, inputs, targets)
-        if synced is not None and synced.rejoin is not None:
-            # The job went on without this site while it was cut off: nothing of this
-            # step's sync was applied; take the live state and go on from where the job is.
-            assert parts.cross is not None
-            progress.step = parts.cross.rejoin(parts.trainer, synced.rejoin)
-            progress.synced = progress.step - 1
-            continue
-        _report_step(parts, faults, progress, step, stats, synced, batch)
-        _offer_and_save(parts, step, synced)
-        progress.step += 1
-    return progress
-
-
-def _report_step(
-    parts: RankParts,
-    faults: FaultInjection,
-    progress: LoopState,
-    step: int,
-    stats: StepStats,
-    synced: StepOutcome | None,
-    batch: dict[str, float],
-) -> None:
-    """After a step that committed: the injected slowdown, the batch plan's measures,
-    the digest when due, the held-out loss when due, and the step's line in the metrics."""
-    outer, plan, last = parts.outer, parts.plan, parts.config.job.steps - 1
-    slowed = faults.pace(step, stats.compute_s, stats.sync_s)
-    crosses = synced is not None
-    round_stats = synced.stats if synced is not None else None
-    traffic = _site_traffic(round_stats)
-    if plan is not None:
-        plan.after_step(
-            step,
-            # The site's own work, slowdown and all; the wait for other sites is not.
-            compute_s=stats.compute_s + slowed,
-            site_sq_norm=float(traffic[4]),
-            global_sq_norm=stats.grad_norm**2,
-        )
-    digest_started = time.perf_counter()
-    progress.digest = _digest_if_due(parts, progress, step, crosses)
-    # Steady-state throughput leaves digests out (summary.py): a check, not training.
-    digest_s = time.perf_counter() - digest_started if progress.digest else 0.0
-    # The held-out loss, of the model the sites share (equal everywhere).
-    held_out = parts.held_out
-    val = held_out.measure(parts.trainer, outer) if held_out.due(step) else None
-    parts.metrics.record(
-        step_line(
-            parts,
-            progress,
-            round_stats,
-            traffic,
-            step=step,
-            loss=stats.loss,
-            grad_norm=stats.grad_norm,
-            lr=stats.lr,
-            compute_s=stats.compute_s,
-            sync_s=stats.sync_s,
-            tokens=stats.site_tokens,
-            mfu=stats.mfu,
-            digest_s=digest_s,
-            more={
-                **batch,
-                **({"val_loss": val[0], "eval_s": val[1]} if val else {}),
-                **stats.moe_metrics(),
-            },
-        ),
-        digest=progress.digest,
-        finished=step == last,
-    )
-    progress.reported_last = step == last
-
-
-def _offer_and_save(parts: RankParts, step: int, synced: StepOutcome | None) -> None:
-    """Offer the state after ``step`` to a site the commit admitted, if this one is its
-    source; then save a checkpoint when one is due."""
-    env, config, sync, outer, plan = parts.env, parts.config, parts.sync, parts.outer, parts.plan
-    if synced is not None and synced.offer_state is not None:
-        assert parts.cross is not None
-        parts.cross.offer_state(parts.trainer, synced.offer_state, step + 1)
-    save_if_due(
-        parts.trainer,
-        sync,
-        config,
-        env.run_dir,
-        env.site,
-        step + 1,
-        parts.key,
-        outer,
-        plan,
-    )
-
-
-def step_line(
-    parts: RankParts,
-    progress: LoopState,
-    round_stats: SyncStats | None,
-    traffic: torch.Tensor,
-    *,
-    step: int,
-    loss: float,
-    grad_norm: float,
-    lr: float,
-    compute_s: float,
-    sync_s: float,
-    tokens: int,
-    mfu: float,
-    digest_s: float,
-    more: dict,
-) -> dict:
-    """A step's metrics line (metrics.jsonl, TensorBoard, the coordinator's progress):
-    the built-in trainer's and a script's (deploy/api.py) alike. ``tokens`` are the
-    site's; ``traffic`` is ``_site_traffic``'s; ``more`` adds keys."""
-    outer = parts.outer
-    live_sites, generation = _membership_now(parts, round_stats)
-    return {
-        "site": parts.env.site,
-        "step": step,
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "lr": lr,
-        "compute_s": compute_s,
-        "sync_s": sync_s,
-        "tokens": tokens,
-        "mfu": mfu,
-        "bytes_sent": int(traffic[0]),
-        "raw_bytes": int(traffic[1]),
-        "corrupt_chunks": int(traffic[2]),
-        "nonfinite_chunks": int(traffic[3]),
-        "elapsed_s": time.perf_counter() - progress.started,
-        # What the optimizer step waited for the cross-site sync (the part
-        # not hidden behind backward), and how long the rounds ran.
-        "exposed_sync_s": round_stats.wait_s if round_stats else 0.0,
-        "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
-        "digest_s": digest_s,
-        **more,
-        "live_sites": live_sites,
-        "generation": generation,
-        "retries": round_stats.retries if round_stats else 0,
-        "outer_steps": outer.outer_steps if outer is not None else 0,
-    }
-
-
-def _step(
-    parts: RankParts, step: int, inputs: torch.Tensor, targets: torch.Tensor
-) -> tuple[StepStats, StepOutcome | None]:
-    """Trains ``step`` (and, in the outer modes, runs its outer step).
-
-    Returns:
-        The step's stats, and how its cross-site sync ended: the step's own (per-step
-        sync), the outer round's that landed after it (outer modes), or None when
-        nothing crossed. A sync that did not commit (rejoin) applied nothing.
-    """
-    stats = parts.trainer.step(step, inputs, targets)
-    outer = parts.outer
-    if outer is None:
-        return stats, _lane_outcome(stats.sync)
-    t_outer = time.perf_counter()
-    landed = outer.step(step)
-    if (
-        (landed is None or landed.committed)
-        and outer.in_flight
-        and save_due(parts.config, step + 1)
-    ):
-        landed = outer.finish()  # a checkpoint holds no round in flight
-    stats.sync_s = time.perf_counter() - t_outer
-    return stats, _lane_outcome(landed)
-
-
-def _lane_outcome(result: SyncResult | None) -> StepOutcome | None:
-    """The lane's outcome behind intra's ``SyncResult`` (a job's sync is the lane's)."""
-    assert result is None or isinstance(result, StepOutcome), result
-    return result
-
-
-def _membership_now(parts: RankParts, round_stats: SyncStats | None) -> tuple[int, int]:
-    """The live sites and the generation after a step: its round's, or (a step that
-    did not cross, in DiLoCo) the rank's membership now; (1, 0) for one site."""
-    if round_stats is not None:
-        return round_stats.sites, round_stats.generation
-    if parts.cross is not None:
-        membership = parts.cross.link.membership  # the one sync.membership holds, never None
-        return len(membership.sites), membership.generation
-    return 1, 0
-
-
-def _site_traffic(rs: SyncStats | None) -> torch.Tensor:
-    """Site totals of what crossed the WAN this step (every rank has its own lane):
-    bytes sent, raw bytes, corrupt and non-finite chunks, and the squared norm of the
-    site's own mean gradient when it was measured (its ranks' shards add up to it;
-    a tensor-parallel replica of a norm weight counts tp times). A collective of the
-    site."""
-    traffic = torch.tensor(
-        [rs.bytes_sent, rs.raw_bytes, rs.corrupt_chunks, rs.nonfinite_chunks, rs.local_sq_norm]
-        if rs
-        else [0, 0, 0, 0, 0],
-        dtype=torch.float64,
-    )
-    dist.all_reduce(traffic)
-    return traffic
-
-
-def _digest_if_due(parts: RankParts, progress: LoopState, step: int, crosses: bool) -> str:
-    """The site's digest after ``step`` when one is due, else "" (every rank joins the
-    digest's gather; sites compare them, invariant 1).
-
-    Replicas are equal only after a step that synced (every step, or one where a
-    DiLoCo round landed: then with a delay only the anchors are, until the last step):
-    digest the first of those at or past each multiple of ``run.digest_every``.
-    """
-    config, outer = parts.config, parts.outer
-    last = config.job.steps - 1
-    every = config.run.digest_every
-    due = step == last or (every and (step + 1) // every > (progress.synced + 1) // every)
-    if not (parts.sync is None or crosses):
-        return ""
-    progress.synced = step
-    if due and outer is not None and not outer.replicas_equal_on_landing and step != last:
-        return outer.anchor_digest()  # parameters differ by local progress
-    if due:
-        return parts.trainer.parameter_digest()
-    return ""
-
-
-def tear_down(parts: RankParts, progress: LoopState) -> None:
-    """After the last step: the final digest if this site did not report it, the rank's
-    result file, and the lane, coordinator channel and process group closed."""
-    env, config, trainer, metrics = parts.env, parts.config, parts.trainer, parts.metrics
-    digest = progress.digest
-    if not progress.reported_last:
-        # This site joined (or rejoined) with the state after the last step: admitted at
-        # the job's last commit (in DiLoCo, its last round). Nothing was left to train;
-        # the other sites still wait for its final digest.
-        digest = trainer.parameter_digest()
-        metrics.report_final_digest(config.job.steps, digest)
-    train_s = time.perf_counter() - progress.started
-    metrics.close()
-    shard_digest = intra_shard_digest(trainer.model_parts)
-    result = {
-        "site": env.site,
-        "rank": env.rank,
-        "digest": digest,
-        "shard_digest": shard_digest,
-        "train_s": train_s,
-        "steps": config.job.steps,
-        **metrics.totals,
-    }
-    (parts.site_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    if parts.cross is not None:
-        parts.cross.close()
-    dist.destroy_process_group()
 
 
 class ScriptError(Exception):
