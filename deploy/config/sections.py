@@ -1,6 +1,6 @@
 """The sections of a job config, each a typed dataclass whose fields are documented
 where they are defined (`isthmus config` prints these docs). Loading and precedence
-live in config.py, the checks of the values in validation.py."""
+live in job.py, the checks of the values in validation.py."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ Writes, next to the run's files (or to --out):
     report.txt       the summary in words
 
 With several runs, `isthmus report RUN_A RUN_B ...` overlays them instead
-(report_compare.py).
+(compare.py).
 """
 
 from __future__ import annotations
