@@ -139,7 +139,7 @@ def test_a_hung_survivor_fails_its_scenario_within_one_budget(tmp_path, monkeypa
     import sys
     import time
 
-    from isthmus.deploy.chaos.suite import suite as chaos
+    from isthmus.deploy.chaos import suite as chaos
 
     monkeypatch.setattr(chaos, "SITE_TIMEOUT_S", 2.0)
     scenario = next(s for s in SCENARIOS if s.name == "kill")
