@@ -44,10 +44,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.config.job import JobConfig, load_config
-from isthmus.deploy.rank.checkpointing import restore, save_due, save_if_due
+from isthmus.deploy.rank.checkpointing import restore, save_if_due
 from isthmus.deploy.rank.loop import (
     LoopState,
     lane_outcome,
+    outer_step,
     record_step,
     site_traffic,
     tear_down,
@@ -377,13 +378,7 @@ class Context:
             shaped.optimizer.step()
         shaped.optimizer.zero_grad(set_to_none=True)
         if outer is not None:
-            synced = outer.step(step)
-            if (
-                (synced is None or synced.committed)
-                and outer.in_flight
-                and save_due(parts.config, step + 1)
-            ):
-                synced = outer.finish()  # a checkpoint holds no round in flight
+            return outer_step(parts, step), grad_norm
         return lane_outcome(synced), grad_norm
 
     def _sync_step(self, shaped: _ScriptModel, step: int):

@@ -161,47 +161,10 @@ def record_step(
     # Steady-state throughput leaves digests out (summary.py): a check, not training.
     digest_s = time.perf_counter() - digest_started if progress.digest else 0.0
     last = parts.config.job.steps - 1
-    line = _step_line(
-        parts,
-        progress,
-        synced.stats if synced is not None else None,
-        traffic,
-        step=step,
-        loss=loss,
-        grad_norm=grad_norm,
-        lr=lr,
-        compute_s=compute_s,
-        sync_s=sync_s,
-        tokens=tokens,
-        mfu=mfu,
-        digest_s=digest_s,
-        more=more,
-    )
-    parts.metrics.record(line, digest=progress.digest, finished=step == last)
-    progress.reported_last = step == last
-
-
-def _step_line(
-    parts: RankParts,
-    progress: LoopState,
-    round_stats: SyncStats | None,
-    traffic: torch.Tensor,
-    *,
-    step: int,
-    loss: float,
-    grad_norm: float,
-    lr: float,
-    compute_s: float,
-    sync_s: float,
-    tokens: int,
-    mfu: float,
-    digest_s: float,
-    more: dict,
-) -> dict:
-    """A step's metrics line, as ``record_step`` writes it."""
     outer = parts.outer
+    round_stats = synced.stats if synced is not None else None
     live_sites, generation = _membership_now(parts, round_stats)
-    return {
+    line = {
         "site": parts.env.site,
         "step": step,
         "loss": loss,
@@ -227,6 +190,8 @@ def _step_line(
         "retries": round_stats.retries if round_stats else 0,
         "outer_steps": outer.outer_steps if outer is not None else 0,
     }
+    parts.metrics.record(line, digest=progress.digest, finished=step == last)
+    progress.reported_last = step == last
 
 
 def _step(
@@ -244,6 +209,17 @@ def _step(
     if outer is None:
         return stats, lane_outcome(stats.sync)
     t_outer = time.perf_counter()
+    landed = outer_step(parts, step)
+    stats.sync_s = time.perf_counter() - t_outer
+    return stats, landed
+
+
+def outer_step(parts: RankParts, step: int) -> StepOutcome | None:
+    """The outer modes' step after the site's own ``step`` (DiLoCo, streaming): the
+    round due now starts, the one due lands; before a checkpoint, a round still in
+    flight lands too (a checkpoint holds none). None when nothing crossed."""
+    outer = parts.outer
+    assert outer is not None
     landed = outer.step(step)
     if (
         (landed is None or landed.committed)
@@ -251,8 +227,7 @@ def _step(
         and save_due(parts.config, step + 1)
     ):
         landed = outer.finish()  # a checkpoint holds no round in flight
-    stats.sync_s = time.perf_counter() - t_outer
-    return stats, lane_outcome(landed)
+    return lane_outcome(landed)
 
 
 def lane_outcome(result: SyncResult | None) -> StepOutcome | None:
