@@ -1,5 +1,5 @@
 """A rank's setup: where it sits, what it was told, and everything it builds before
-its first step (deploy/rank/program.py runs the steps and the teardown).
+its first step (deploy/rank/loop.py runs the steps and the teardown).
 
 `set_up` joins the site's torch.distributed world, builds the mesh, model and FSDP2
 trainer and, for a multi-site job, opens the rank's lane, registers it with the
