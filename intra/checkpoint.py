@@ -57,6 +57,7 @@ from .state import (
     load_rank_state,
     named_parameters,
 )
+from .tied import checkpoint_name
 from .train import Trainer
 
 log = logging.getLogger("isthmus.checkpoint")
@@ -94,15 +95,37 @@ def _rank_prefix(rank: int) -> str:
     return f"rank{rank}/"
 
 
+def _saved_names(trainer: Trainer) -> dict[str, str]:
+    """This rank's parameter names -> their names in a checkpoint: the same, but for
+    the head's copy of a weight tied across pipeline stages, which is saved (once, DCP
+    drops the equal duplicate) and loaded as the embedding (intra/tied.py)."""
+    return {fqn: checkpoint_name(trainer.tied, fqn, p) for fqn, p in named_parameters(trainer)}
+
+
 def _sharded_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Parameters and AdamW state with their DTensor placements (shared, not copied)."""
+    """Parameters and AdamW state with their DTensor placements (shared, not copied),
+    under their checkpoint names."""
     ensure_optimizer_state(trainer)
+    saved = _saved_names(trainer)
     out: dict[str, torch.Tensor] = {}
     for fqn, p in named_parameters(trainer):
-        out[f"model/{fqn}"] = p.detach()
+        out[f"model/{saved[fqn]}"] = p.detach()
         state = trainer.optimizer.state[p]
         for key in OPTIM_KEYS:
-            out[f"optim/{fqn}/{key}"] = state[key]
+            out[f"optim/{saved[fqn]}/{key}"] = state[key]
+    return out
+
+
+def _rank_names(trainer: Trainer, entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``entries`` under this rank's parameter names (``_saved_names`` undone)."""
+    renamed = {saved: fqn for fqn, saved in _saved_names(trainer).items() if saved != fqn}
+    out = {}
+    for name, t in entries.items():
+        kind, _, rest = name.partition("/")
+        for saved, fqn in renamed.items():
+            if kind in ("model", "optim") and (rest == saved or rest.startswith(saved + "/")):
+                name = f"{kind}/{fqn}{rest[len(saved) :]}"
+        out[name] = t
     return out
 
 
@@ -397,7 +420,7 @@ def load(
         )
         for name, t in targets.items()
     }
-    return load_rank_state(trainer, local)
+    return load_rank_state(trainer, _rank_names(trainer, local))
 
 
 def full_parameters(path: Path, key: bytes | None = None) -> dict[str, torch.Tensor]:

@@ -214,11 +214,6 @@ class ParallelConfig:
                 f"ModelConfig.n_kv_heads={model.kv_heads} must be divisible by "
                 f"ParallelLayout.tp={tp} (each tp rank holds whole key/value heads)"
             )
-        if model.tie_embeddings and layout.pp > 1:
-            raise ValueError(
-                "a head tied to the embedding (tie_word_embeddings) is not supported with "
-                f"pp={layout.pp}: the two live on different pipeline stages"
-            )
         if model.n_experts and self.sequence_parallel and tp > 1:
             raise ValueError(
                 f"ParallelConfig.sequence_parallel is not supported with ModelConfig.n_experts="

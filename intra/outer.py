@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .tied import EMBEDDING, HEAD_COPY
 from .train import GradientSync, SyncResult, Trainer
 
 __all__ = ["OuterConfig", "OuterOptimizer", "fragment_of", "outer_groups"]
@@ -142,6 +143,24 @@ def outer_groups(trainer: Trainer) -> list[list[tuple[str, torch.Tensor]]]:
     return [g for g in groups if sum(t.numel() for _, t in g) > 0]
 
 
+def _tied_slice(
+    trainer: Trainer, groups: list[list[tuple[str, torch.Tensor]]]
+) -> tuple[int, int, int] | None:
+    """Where this rank's copy of a weight tied across pipeline stages sits in its flat
+    outer group: ``(group index, offset, elements)``; None without one."""
+    tied = getattr(trainer, "tied", None)
+    if tied is None:
+        return None
+    name = HEAD_COPY if tied.is_head else EMBEDDING
+    for i, group in enumerate(groups):
+        offset = 0
+        for fqn, t in group:
+            if fqn == name:
+                return i, offset, t.numel()
+            offset += t.numel()
+    return None  # an empty local shard (dp wider than the vocabulary): nothing to average
+
+
 def fragment_of(group: list[tuple[str, torch.Tensor]], fragments: int) -> int:
     """The fragment a group of :func:`outer_groups` belongs to: block i's is i mod P;
     the parameters outside ``layers`` go with the last fragment (synced at the H
@@ -209,6 +228,9 @@ class OuterOptimizer:
         self.groups = outer_groups(trainer)
         self.fragment = [fragment_of(g, config.fragments) for g in self.groups]
         self.anchor = [_flat(g) for g in self.groups]
+        self._tied = _tied_slice(trainer, self.groups)
+        """With a head tied across pipeline stages: (group, offset, count) of this rank's
+        copy of the tied weight in its flat group, or None."""
         self.momentum = [torch.zeros_like(a) for a in self.anchor]
         self.outer_steps = 0
         """Rounds applied by this optimizer (since it was built or loaded): outer steps
@@ -313,6 +335,7 @@ class OuterOptimizer:
         if not result.committed:
             return result
         self._round = None
+        self._average_tied_copies(r)
         lr, mu, alpha = self.lr_at(r.step), self.config.momentum, self.config.alpha
         taken: Sequence[torch.Tensor | None] = r.taken or [None] * len(r.groups)
         for i, delta, own in zip(r.groups, r.deltas, taken, strict=True):
@@ -334,6 +357,19 @@ class OuterOptimizer:
                 self._write(group, anchor)
         self.outer_steps += 1
         return result
+
+    def _average_tied_copies(self, r: _Round) -> None:
+        """Make the two copies of a weight tied across pipeline stages take one mean
+        outer gradient (a collective of the first and last stage's ranks, which land
+        the round of their parts outside ``layers`` at the same step): a lossy codec
+        rounds the copies' rows in other chunks, so their means may differ by a few
+        ulps, and the copies would drift apart."""
+        if self._tied is None or self._trainer.tied is None:
+            return
+        group, offset, count = self._tied
+        if group in r.groups:
+            delta = r.deltas[r.groups.index(group)]
+            self._trainer.tied.average(delta[offset : offset + count])
 
     def lr_at(self, step: int) -> float:
         """The outer learning rate of a round taken after ``step`` (``OuterConfig.lr_ramp``:

@@ -38,6 +38,7 @@ from .model import Transformer, flops_per_token
 from .moe import MoEFeedForward
 from .parallel import context_shard, expert_parallel_mesh, group_parameters, parallelize
 from .pipeline import build_schedule, rank_stages, split_stage
+from .tied import TiedEmbedding, tied_embedding
 from .topology import mesh_coordinate
 from .train_types import GradientSync, StepStats, SyncResult, TrainConfig
 
@@ -142,6 +143,10 @@ class Trainer:
         else:
             num_stages, self.stages, self.model_parts = 1, [0], [model]
         self.groups = self._parallelize_parts()
+        self.tied: TiedEmbedding | None = tied_embedding(self.model_parts, mesh, self.device)
+        """With a head tied to the embedding and ``pp > 1``: this rank's copy of the tied
+        weight (first or last stage), whose gradient is summed with its partner's before
+        each optimizer step (intra/tied.py); None otherwise."""
         self.model = self.model_parts[0] if self.pp == 1 else None
         self._is_first, self._is_last = 0 in self.stages, num_stages - 1 in self.stages
         self.schedule = self._pipeline_schedule(num_stages) if self.pp > 1 else None
@@ -281,6 +286,8 @@ class Trainer:
         lr = self.config.lr_at(step_index)
         grad_norm = 0.0
         if synced is None or synced.committed:
+            if self.tied is not None:  # after the sync: each copy's mean over the sites
+                self.tied.sum_gradients()
             grad_norm = self._clip()
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -363,7 +370,11 @@ class Trainer:
 
     def _clip(self) -> float:
         """Global gradient norm over the site (all stages), then clip by it."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        params = [p for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        # The head's copy of a tied weight holds the same gradient as the embedding's:
+        # the norm counts that weight once (both copies are still clipped below).
+        head_copy = self.tied.weight if self.tied is not None and self.tied.is_head else None
         # Each rank adds the squares of its local shards, weighted by 1/(copies
         # of that shard inside the stage's dp*tp ranks) -- a norm weight without
         # sequence parallelism, say, is replicated over tp -- so one sum over the
@@ -374,7 +385,9 @@ class Trainer:
         # layouts give equal norms.
         stage_ranks = self.dp * self.cp * self.tp
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
+        for p, g in zip(params, grads, strict=True):
+            if p is head_copy:
+                continue
             copies = stage_ranks
             if isinstance(g, DTensor):
                 mesh = g.device_mesh

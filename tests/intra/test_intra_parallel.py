@@ -34,7 +34,8 @@ MOE_MODEL = replace(preset("moe-tiny"), n_layers=4, aux_loss_coef=0.0)
 # What the Llama, Qwen2 and Mistral families add (intra/hf_layout.py): grouped-query
 # attention (2 key/value heads for 4 query heads), q/k/v biases, a head tied to the
 # embedding, Llama 3's rotary scaling (its three frequency bands all present at this
-# size). A tied head is refused with pp > 1, so pipelines run it untied.
+# size). With pp > 1 the tied weight has a copy on the first and on the last stage
+# (intra/tied.py), compared with the one process's one weight.
 GQA_MODEL = replace(
     MODEL,
     n_kv_heads=2,
@@ -44,12 +45,9 @@ GQA_MODEL = replace(
         factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=128
     ),
 )
-MODELS = {
-    "dense": MODEL,
-    "moe": MOE_MODEL,
-    "gqa": GQA_MODEL,
-    "gqa-untied": replace(GQA_MODEL, tie_embeddings=False),
-}
+MODELS = {"dense": MODEL, "moe": MOE_MODEL, "gqa": GQA_MODEL}
+# Steps taken after the compared one by a layout whose tied weight has two copies.
+TIED_STEPS = 2
 # Clip so large that it never scales: the recorded gradients are the raw ones.
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=1, total_steps=10, grad_clip=1e6)
 
@@ -99,8 +97,10 @@ def _one_layout(rank: int, layout: dict, parallel: dict, model: str = "dense") -
         for part in trainer.model_parts
         for name, p in part.named_parameters()
     }
+    tied = _train_tied_copy(trainer, data, sync) if trainer.tied is not None else None
     dist.barrier()
     return {
+        "tied": tied,
         "loss": stats.loss,
         "eval_loss": eval_loss,
         "grad_norm": stats.grad_norm,
@@ -108,6 +108,24 @@ def _one_layout(rank: int, layout: dict, parallel: dict, model: str = "dense") -
         "hooks_ok": hooks_ok,
         "groups": len(trainer.groups),
         "coordinate": trainer.coordinate,
+    }
+
+
+def _train_tied_copy(
+    trainer: Trainer, data: ShardedBatches, sync: RecordingSync
+) -> dict[str, torch.Tensor]:
+    """A few more steps, then this rank's copy of the tied weight and its AdamW state,
+    whole (first or last stage: the test compares the two)."""
+    for step in range(1, 1 + TIED_STEPS):
+        sync.shards.clear()  # a new step: each group's hook fires once more
+        trainer.step(step, *data.batch(step))
+    assert trainer.tied is not None
+    weight = trainer.tied.weight
+    state = trainer.optimizer.state[weight]
+    return {
+        "weight": weight.full_tensor(),
+        "exp_avg": state["exp_avg"].full_tensor(),
+        "exp_avg_sq": state["exp_avg_sq"].full_tensor(),
     }
 
 
@@ -152,6 +170,9 @@ def _check_layout(ranks: list[dict], layout: dict, model: str = "dense") -> None
         assert r["loss"] == ranks[0]["loss"] and r["grad_norm"] == ranks[0]["grad_norm"]
         assert r["eval_loss"] == ranks[0]["eval_loss"], r["coordinate"]
         for name, g in r["grads"].items():
+            if name == "output.weight" and MODELS[model].tie_embeddings:
+                # The head's copy of the tied weight: bitwise the embedding's gradient.
+                name = "tok_embeddings.weight"
             if name in merged:  # dp/tp replicas of a stage gathered the same tensor
                 assert torch.equal(merged[name], g), name
             merged[name] = g
@@ -203,10 +224,12 @@ LAYOUTS_4 = {
     # Grouped-query attention, q/k/v biases, tied head: FSDP with tp, cp and pp.
     "gqa-tp2xdp2": ({"dp": 2, "tp": 2}, {}, "gqa"),
     "gqa-cp2xtp2-sp": ({"cp": 2, "tp": 2}, {"sequence_parallel": True}, "gqa"),
-    "gqa-pp2xcp2-1f1b": (
-        {"pp": 2, "cp": 2},
-        {"schedule": "1f1b", "microbatches": 2},
-        "gqa-untied",
+    # The tied weight on the first and the last stage, sharded by FSDP or by tp.
+    "gqa-pp2xdp2-1f1b": ({"pp": 2, "dp": 2}, {"schedule": "1f1b", "microbatches": 2}, "gqa"),
+    "gqa-pp2xtp2-interleaved-sp": (
+        {"pp": 2, "tp": 2},
+        {"schedule": "interleaved_1f1b", "sequence_parallel": True},
+        "gqa",
     ),
 }
 
@@ -223,6 +246,22 @@ def four_rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, lis
 def test_layout_4_ranks_matches_one_process(four_rank_results: dict, case: str) -> None:
     layout, _, *model = LAYOUTS_4[case]
     _check_layout(four_rank_results[case], layout, *model)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["gqa-pp2xdp2-1f1b", "gqa-pp2xtp2-interleaved-sp"])
+def test_tied_copies_stay_bitwise_equal_over_steps(four_rank_results: dict, case: str) -> None:
+    # The first stage's embedding and the last stage's head, at each dp/tp coordinate,
+    # after 1 + TIED_STEPS optimizer steps: one weight and one AdamW state, bit for bit,
+    # and moved from where both started.
+    start = build_model(GQA_MODEL, SEED).tok_embeddings.weight.detach()
+    copies = {r["coordinate"]: r["tied"] for r in four_rank_results[case]}
+    for (pp, *rest), mine in copies.items():
+        if pp == 0:
+            theirs = copies[(1, *rest)]
+            for key, value in mine.items():
+                assert torch.equal(value, theirs[key]), (rest, key)
+            assert not torch.equal(mine["weight"], start)
 
 
 @pytest.mark.slow
