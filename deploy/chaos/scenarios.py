@@ -12,7 +12,8 @@ class Fault:
     """One fault: what, where, and at which step of the job (read from its metrics)."""
 
     kind: str
-    """kill, restart, partition, corrupt, slow, flood or forge."""
+    """kill, restart, partition, corrupt, slow, flood, forge or lane-threads (the lane's
+    codec threads shut down mid-round, at the round of step ``at_step``)."""
     site: str = ""
     """The site killed, restarted or slowed."""
     link: tuple[str, str] = ("site0", "site1")
@@ -160,5 +161,17 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect_generations=False,
         settings=("train.accumulate=3", "train.balance_every=4"),
         expect_rebalance=True,
+    ),
+    Scenario(
+        name="lane-threads",
+        description="at step 4, site1's rank loses its lane's codec threads in the middle "
+        "of a round (shut down after its first tasks): the round fails in one line, new "
+        "threads take over, the step is tried again; nobody leaves",
+        sites=2,
+        steps=14,
+        faults=(Fault(kind="lane-threads", site="site1", at_step=4),),
+        survivors=("site0", "site1"),
+        quick=True,
+        expect_generations=False,
     ),
 )

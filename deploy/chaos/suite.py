@@ -35,6 +35,7 @@ from isthmus.deploy.chaos.hostile_calls import flood, forge, missed_forgeries
 from isthmus.deploy.chaos.scenarios import SCENARIOS, Fault, Scenario
 from isthmus.deploy.config.job import load_config
 from isthmus.deploy.launch.local import slow_env
+from isthmus.deploy.rank.faults import LANE_THREADS_LOST_ENV
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.security import SiteSecurity
 from isthmus.sim import Corrupt, Flap, LinkSpec, RelayServer
@@ -217,6 +218,8 @@ def run_scenario(
             for fault in scenario.faults:
                 if fault.kind == "slow" and fault.site == name:
                     env.update(slow_env(fault.rate, fault.at_step))
+                if fault.kind == "lane-threads" and fault.site == name:
+                    env[LANE_THREADS_LOST_ENV] = str(fault.at_step)
             sites[name] = _Site(name, argv, env, work / name)
         for fault in scenario.faults:
             if fault.kind == "corrupt":
@@ -355,6 +358,11 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         for f in scenario.faults
     ):
         result.why = "the lane's streams were never turned away (nothing in its rank's log)"
+    elif any(
+        f.kind == "lane-threads" and "new threads take over" not in _rank0_log(run_dir, f.site)
+        for f in scenario.faults
+    ):
+        result.why = "the lane never lost its codec threads mid-round (nothing in its rank's log)"
     elif scenario.expect_rebalance and not (moved and all(moved)):
         result.why = f"the slowed site kept its micro-batches: {result.micro_batches}"
     elif forged and result.generations > 1:

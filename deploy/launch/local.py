@@ -143,7 +143,7 @@ class LocalJob:
     topology: Topology | None = None
     slow: dict[str, tuple[float, int]] = field(default_factory=dict)
     """Site -> (factor, first step): its ranks compute that many times slower from that
-    step on (``--slow``; deploy/rank_setup.FaultInjection)."""
+    step on (``--slow``; deploy/rank/faults.py)."""
     run_dir: Path = field(init=False)
     temporary_run_dir: bool = field(init=False, default=False)
     _sites: list[SiteRanks] = field(init=False, default_factory=list)
@@ -324,7 +324,7 @@ class LocalJob:
 
 
 def slow_env(factor: float, from_step: int) -> dict[str, str]:
-    """The environment that slows a site's ranks (deploy/rank_setup.FaultInjection)."""
+    """The environment that slows a site's ranks (deploy/rank/faults.py)."""
     return {"ISTHMUS_SLOWDOWN": str(factor), "ISTHMUS_SLOW_FROM_STEP": str(from_step)}
 
 

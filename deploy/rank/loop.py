@@ -13,10 +13,8 @@ import torch
 import torch.distributed as dist
 
 from isthmus.deploy.rank.checkpointing import save_due, save_if_due
-from isthmus.deploy.rank.startup import (
-    FaultInjection,
-    RankParts,
-)
+from isthmus.deploy.rank.faults import FaultInjection
+from isthmus.deploy.rank.startup import RankParts
 from isthmus.inter.data import StepOutcome, SyncStats
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.train import StepStats, SyncResult
@@ -56,6 +54,7 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
         # Micro-batches, global batch: what this step trains (a decision applies next).
         batch = plan.record() if plan is not None else {}
         inputs, targets = parts.batches.batch(step)
+        faults.before_step(step, parts.sync)
         stats, synced = _step(parts, step, inputs, targets)
         if synced is not None and synced.rejoin is not None:
             # The job went on without this site while it was cut off: nothing of this

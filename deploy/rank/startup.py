@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +28,7 @@ from isthmus.deploy.rank.contract import STORE_ENV
 from isthmus.deploy.rank.corpus import load_corpus
 from isthmus.deploy.rank.cross_site import CrossSite, shard_layout
 from isthmus.deploy.rank.evaluation import HeldOutLoss
+from isthmus.deploy.rank.faults import FaultInjection
 from isthmus.deploy.rank.reporting import StepReporter
 from isthmus.deploy.security.trust import checkpoint_key, site_security
 from isthmus.inter.data import LaneGradientSync
@@ -56,40 +56,6 @@ def script_ended() -> None:
     """Run the hooks :func:`at_script_end` registered, once each."""
     while _SCRIPT_END:
         _SCRIPT_END.pop(0)()
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class FaultInjection:
-    """What `isthmus chaos` asks of a rank (deploy/chaos/suite.py), read once at start from
-    ISTHMUS_SLOWDOWN and ISTHMUS_STEP_FLOOR_S."""
-
-    slowdown: float = 1.0
-    """Each step's compute takes this many times longer (a site F times slower)."""
-    slow_from_step: int = 0
-    """The slowdown starts at this step (a site that slows while the job runs)."""
-    step_floor_s: float = 0.0
-    """No step is shorter than this, seconds, so a job still runs when a restarted or
-    cut-off site comes back, whatever the hardware."""
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str]) -> FaultInjection:
-        return cls(
-            slowdown=float(env.get("ISTHMUS_SLOWDOWN", "1")),
-            slow_from_step=int(env.get("ISTHMUS_SLOW_FROM_STEP", "0")),
-            step_floor_s=float(env.get("ISTHMUS_STEP_FLOOR_S", "0")),
-        )
-
-    def pace(self, step: int, compute_s: float, sync_s: float) -> float:
-        """Sleeps after ``step``, which computed ``compute_s`` and synced ``sync_s``
-        seconds. Returns the seconds of slowdown (the site's work made longer: what a
-        balancer must see), not the floor's."""
-        slowed = 0.0
-        if self.slowdown > 1 and step >= self.slow_from_step:
-            slowed = (self.slowdown - 1) * compute_s
-            time.sleep(slowed)
-        if self.step_floor_s > 0:
-            time.sleep(max(0.0, self.step_floor_s - compute_s - sync_s))
-        return slowed
 
 
 @dataclass(kw_only=True, slots=True)

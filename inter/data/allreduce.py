@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent import futures
 
@@ -105,6 +106,7 @@ class CrossSiteAllReduce:
         self.timeout_s = timeout_s
         self.workers = workers
         self.pool = self._new_pool()
+        self._pool_lock = threading.Lock()  # rounds of several groups fail at once
         self.abort = AbortSignal()
         """Set to fail the running rounds at once: a member site fell silent, so
         waiting for it until the deadline is pointless."""
@@ -243,8 +245,11 @@ class CrossSiteAllReduce:
             if pipeline.pool_lost
             else f"has {stuck} thread(s) stuck in the failed round"
         )
-        log.warning("lane codec pool %s (%s); new threads take over", why, exc)
-        old, self.pool = self.pool, self._new_pool()
+        with self._pool_lock:
+            if pipeline.pool is not self.pool:
+                return  # another round of the step (its other groups) renewed it already
+            log.warning("lane codec pool %s (%s); new threads take over", why, exc)
+            old, self.pool = self.pool, self._new_pool()
         old.shutdown(wait=False, cancel_futures=True)
 
     def _new_pool(self) -> futures.ThreadPoolExecutor:

@@ -69,6 +69,14 @@ _RESULT = lane_pb2.CHUNK_KIND_RESULT
 _POLL_S = 0.05  # how often the waiting router looks for failed tasks and sends
 
 
+def _settle(tasks: list[futures.Future], deadline: float) -> None:
+    """Waits until ``deadline`` for ``tasks`` to end. A task cancelled in its queue by
+    ``shutdown(cancel_futures=True)`` is ``done()``, but ``futures.wait`` alone never
+    counts it: a round whose pool another round shut down would wait out its deadline."""
+    while (left := [task for task in tasks if not task.done()]) and time.monotonic() < deadline:
+        futures.wait(left, timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
 class RoundPipeline:
     """Runs one round over ``flat`` in place (see the module docstring).
 
@@ -177,7 +185,7 @@ class RoundPipeline:
         finally:
             if not ok:
                 self._failed.set()  # tasks still queued skip; running ones finish
-                futures.wait(self._tasks, timeout=max(0.0, self.deadline - time.monotonic()))
+                _settle(self._tasks, self.deadline)
             for rnd in self._rounds.values():
                 rnd.end()
         self._wait_acks()
@@ -234,6 +242,11 @@ class RoundPipeline:
             self._raise_failures()
             remaining = self.deadline - time.monotonic()
             _, running = futures.wait(self._tasks, timeout=min(_POLL_S, max(0.0, remaining)))
+            if any(task.cancelled() for task in running):
+                # Its pool was shut down under it (another round's renewal, _renew_pool_if_lost):
+                # a task cancelled in its queue never runs and futures.wait never counts it.
+                self.pool_lost = True
+                raise CrossSiteError(f"{self.where}: the lane's codec threads are gone")
             if not running:
                 self._raise_failures()
                 return

@@ -78,3 +78,41 @@ def test_a_pool_shut_down_under_the_lane_fails_one_round_then_heals() -> None:
         assert "codec threads are gone" in str(res[0])
         assert isinstance(res[1], CrossSiteError), res  # told at once, or timed out
         _heals(ars, 3)
+
+
+@pytest.mark.timeout(60)
+def test_threads_lost_under_two_groups_fail_both_rounds_at_once_then_heal() -> None:
+    """The chaos `lane-threads` fault (deploy/rank/faults.py): the pool is shut down
+    after the step's first tasks, its queued tasks cancelled, while two groups' rounds
+    use it. Both rounds fail in one line at both sites long before the 20 s deadline (a
+    task cancelled in its queue once held the other group's round to its deadline), and
+    the step's retry runs on one new pool."""
+    import time
+
+    from isthmus.deploy.rank.faults import _PoolLostMidRound
+
+    with sites(2, "int8", timeout_s=20.0, chunk_bytes=16 * 1024) as ars:
+        _heals(ars, 1)
+        ars[1].pool = _PoolLostMidRound(ars[1].workers, step=2)
+        lost = ars[1].pool
+        data = inputs(2, [200_000, 200_000], seed=2)
+        started = time.monotonic()
+
+        def site(s: int) -> list[object]:
+            def group(g: int) -> object:
+                try:
+                    return ars[s].allreduce([data[s][g]], 2, g, True)
+                except CrossSiteError as exc:
+                    ars[s].abort.set(f"group {g} failed")  # as LaneGradientSync does
+                    return exc
+
+            return run_all([lambda g=g: group(g) for g in range(2)])
+
+        res = run_all([lambda s=s: site(s) for s in range(2)], timeout=40)
+        assert time.monotonic() - started < 8.0, "a round waited out its deadline"
+        assert all(isinstance(r, CrossSiteError) for both in res for r in both), res
+        assert any("codec threads are gone" in str(r) for r in res[1]), res[1]
+        assert ars[1].pool is not lost
+        for ar in ars:
+            ar.abort.clear()
+        _heals(ars, 3)

@@ -1,0 +1,91 @@
+"""What `isthmus chaos` (deploy/chaos/suite.py) and `isthmus local --slow` ask of a
+rank, read once at start from its environment: a slower site, a floor under each
+step's time, and a lane that loses its codec threads in the middle of a round."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the chaos suite reads this module's names without importing torch
+    from isthmus.inter.data import LaneGradientSync
+
+__all__ = ["LANE_THREADS_LOST_ENV", "FaultInjection"]
+
+LANE_THREADS_LOST_ENV = "ISTHMUS_LANE_THREADS_LOST_AT_STEP"
+"""The step whose cross-site round loses the lane's codec threads (chaos `lane-threads`)."""
+
+LOST_AFTER_TASKS = 2
+"""Tasks the round hands its codec threads before they are shut down: past its start,
+before its end (a round has a task per chunk and part, many more than two)."""
+
+log = logging.getLogger("isthmus.rank")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FaultInjection:
+    """The faults asked of this rank; none by default."""
+
+    slowdown: float = 1.0
+    """Each step's compute takes this many times longer (a site F times slower)."""
+    slow_from_step: int = 0
+    """The slowdown starts at this step (a site that slows while the job runs)."""
+    step_floor_s: float = 0.0
+    """No step is shorter than this, seconds, so a job still runs when a restarted or
+    cut-off site comes back, whatever the hardware."""
+    lane_threads_lost_at: int = -1
+    """The first cross-site round at or after this step loses the lane's codec threads
+    after its first tasks (-1: never)."""
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> FaultInjection:
+        return cls(
+            slowdown=float(env.get("ISTHMUS_SLOWDOWN", "1")),
+            slow_from_step=int(env.get("ISTHMUS_SLOW_FROM_STEP", "0")),
+            step_floor_s=float(env.get("ISTHMUS_STEP_FLOOR_S", "0")),
+            lane_threads_lost_at=int(env.get(LANE_THREADS_LOST_ENV, "-1")),
+        )
+
+    def before_step(self, step: int, sync: LaneGradientSync | None) -> None:
+        """At the step asked for, swap the lane's codec threads for a pool that shuts
+        itself down after its first tasks: the round in flight then loses them, as it
+        would to a crashed native library or an interpreter shutting down."""
+        if step != self.lane_threads_lost_at or sync is None:
+            return
+        allreduce = sync.allreduce
+        old, allreduce.pool = allreduce.pool, _PoolLostMidRound(allreduce.workers, step)
+        old.shutdown(wait=False)
+
+    def pace(self, step: int, compute_s: float, sync_s: float) -> float:
+        """Sleeps after ``step``, which computed ``compute_s`` and synced ``sync_s``
+        seconds. Returns the seconds of slowdown (the site's work made longer: what a
+        balancer must see), not the floor's."""
+        slowed = 0.0
+        if self.slowdown > 1 and step >= self.slow_from_step:
+            slowed = (self.slowdown - 1) * compute_s
+            time.sleep(slowed)
+        if self.step_floor_s > 0:
+            time.sleep(max(0.0, self.step_floor_s - compute_s - sync_s))
+        return slowed
+
+
+class _PoolLostMidRound(futures.ThreadPoolExecutor):
+    """Codec threads that are shut down (running tasks finish, queued ones are
+    cancelled, later ones refused) once ``LOST_AFTER_TASKS`` tasks were handed to them."""
+
+    def __init__(self, workers: int, step: int) -> None:
+        super().__init__(workers, thread_name_prefix="lane-codec")
+        self._step, self._tasks = step, 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        task = super().submit(fn, *args, **kwargs)
+        self._tasks += 1
+        if self._tasks == LOST_AFTER_TASKS:
+            log.warning("chaos: the lane's codec threads are shut down mid-round (step %d)",
+                        self._step)  # fmt: skip
+            self.shutdown(wait=False, cancel_futures=True)
+        return task
