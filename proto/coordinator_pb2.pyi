@@ -171,6 +171,22 @@ class RegisterRankResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AbortJobRequest(_message.Message):
+    __slots__ = ("site", "rank", "rank_key", "reason")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    rank: int
+    rank_key: str
+    reason: str
+    def __init__(self, site: _Optional[str] = ..., rank: _Optional[int] = ..., rank_key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class JoinRequest(_message.Message):
     __slots__ = ("site", "fingerprint", "ready", "generation", "incarnation")
     SITE_FIELD_NUMBER: _ClassVar[int]
@@ -186,16 +202,18 @@ class JoinRequest(_message.Message):
     def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., fingerprint: _Optional[_Union[JobFingerprint, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("site", "ready", "generation", "incarnation")
+    __slots__ = ("site", "ready", "generation", "incarnation", "aborted")
     SITE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
     site: SiteInfo
     ready: bool
     generation: int
     incarnation: str
-    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    aborted: str
+    def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ..., incarnation: _Optional[str] = ..., aborted: _Optional[str] = ...) -> None: ...
 
 class GetMembershipRequest(_message.Message):
     __slots__ = ("known_generation", "wait_ms", "rank_key")
@@ -244,7 +262,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., generation: _Optional[int] = ..., confirm_digest: _Optional[bool] = ..., confirm_step: _Optional[int] = ..., confirm_generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready", "proposed_members")
+    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready", "proposed_members", "aborted")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +270,7 @@ class HeartbeatResponse(_message.Message):
     SITE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
     generation: int
     member: bool
     incarnation: str
@@ -259,7 +278,8 @@ class HeartbeatResponse(_message.Message):
     site: SiteInfo
     ready: bool
     proposed_members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ...) -> None: ...
+    aborted: str
+    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ..., aborted: _Optional[str] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
     __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key")

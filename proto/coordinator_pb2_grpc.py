@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=isthmus_dot_proto_dot_coordinator__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.AbortJob = channel.unary_unary(
+                '/isthmus.v1.Coordinator/AbortJob',
+                request_serializer=isthmus_dot_proto_dot_coordinator__pb2.AbortJobRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_coordinator__pb2.AbortJobResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -156,6 +161,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortJob(self, request, context):
+        """A local rank's script raised (site-local): the job stops at every site. The
+        site's peers learn it from this site's answers to their heartbeats and joins
+        (HeartbeatResponse.aborted), at its own address, never from a claim sent to them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +217,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.ProposeRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_coordinator__pb2.ProposeResponse.SerializeToString,
+            ),
+            'AbortJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortJob,
+                    request_deserializer=isthmus_dot_proto_dot_coordinator__pb2.AbortJobRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_coordinator__pb2.AbortJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +467,33 @@ class Coordinator:
             '/isthmus.v1.Coordinator/Propose',
             isthmus_dot_proto_dot_coordinator__pb2.ProposeRequest.SerializeToString,
             isthmus_dot_proto_dot_coordinator__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Coordinator/AbortJob',
+            isthmus_dot_proto_dot_coordinator__pb2.AbortJobRequest.SerializeToString,
+            isthmus_dot_proto_dot_coordinator__pb2.AbortJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -98,6 +98,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             if coordinator.error:
                 print(f"error: {coordinator.error}", file=sys.stderr)
                 return EXIT_FAILED
+            if coordinator.aborted:  # a script raised, here or at a peer
+                if coordinator.aborted_here:
+                    coordinator.tell_peers_of_abort()
+                print(
+                    f"error: the job stopped at every site: {coordinator.aborted}", file=sys.stderr
+                )
+                return EXIT_FAILED
     finally:
         coordinator.stop()
     return 0

@@ -3,7 +3,8 @@
 It serves the site's coordinator at the address the job config gives it
 (`cluster.coordinators.SITE`), starts the site's ranks, waits for the peer sites
 with a visible countdown, trains, then waits for every peer's final parameter
-digest so it can say whether the replicas ended identical, and exits.
+digest so it can say whether the replicas ended identical, and exits. A script that
+raises in a rank of any site stops every site (inter/control/abort.py).
 """
 
 from __future__ import annotations
@@ -117,8 +118,15 @@ class SiteJob:
             while not self._ranks.done():
                 if self.coordinator.error:
                     raise LaunchError(self.coordinator.error)
+                aborted = self.coordinator.aborted
+                if aborted and not self.coordinator.aborted_here:
+                    raise LaunchError(f"the job stopped at every site: {aborted}")
                 failed = self._ranks.failed()
                 if failed is not None:
+                    if self.coordinator.aborted_here:
+                        # The script raised here: stay until the peers heard it (their
+                        # next heartbeat), so they stop too rather than fail over.
+                        self.coordinator.tell_peers_of_abort()
                     raise LaunchError(SiteRanks.describe_failure(failed))
                 if self.coordinator.generation == 0 and time.monotonic() - last_status > 5:
                     waiting = [

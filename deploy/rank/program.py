@@ -20,7 +20,8 @@ writes one metrics line per step; every rank writes its result at the end.
 `train` is the step loop, `tear_down` reports the final digest, writes the rank's
 result and closes what setup opened (both deploy/rank/loop.py). This module is the
 process around them: a script run instead of the loop, the rank's death with its
-launcher, and its one error line.
+launcher, its one error line, and a script's error told to the site's coordinator,
+which stops the job at every site.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -46,6 +48,7 @@ from isthmus.deploy.rank.startup import (
     RankEnv,
     build_trainer,
     script_ended,
+    security_of,
     set_up,
 )
 from isthmus.inter.data import NonFiniteGradient, QuorumLost
@@ -60,8 +63,22 @@ RESERVE_BYTES = 64 << 10
 """Disk space a rank holds back, in a file beside its log, for its last words: on a
 full disk its error line would not reach the log, where the launcher reads it, and
 the job would stop with an empty reason (issue 33, row 12)."""
+ABORT_CALL_S = 5.0
+"""Deadline of the rank's call that tells its coordinator the script raised."""
+JOB_FAILURES = (DivergenceError, QuorumLost, NonFiniteGradient, CheckpointError)
+"""How isthmus itself stops a rank, in one line: raised inside a script's ``ctx.step``
+too, where they are not the script's errors (they never abort the job)."""
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 """Failures of the rank's storage, reported in one line rather than as a traceback."""
+
+
+TERMINATED = threading.Event()
+"""Set when the launcher stopped this rank (SIGTERM)."""
+
+
+def _terminate(*_: object) -> None:
+    TERMINATED.set()
+    sys.exit(143)
 
 
 def run(env: RankEnv, config: JobConfig) -> None:
@@ -72,7 +89,34 @@ def run(env: RankEnv, config: JobConfig) -> None:
 
 
 class ScriptError(Exception):
-    """The user's script raised: its traceback is in the rank's log, its last line here."""
+    """The user's script raised: its traceback is in the rank's log, its last line here.
+
+    ``aborts_job`` is False when the script's call into the site's torch.distributed
+    world failed (a site-mate died, by a signal or otherwise): that is the site's loss,
+    which failover handles, not the script's error."""
+
+    def __init__(self, message: str, *, aborts_job: bool = True) -> None:
+        super().__init__(message)
+        self.aborts_job = aborts_job
+
+
+def in_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) came out of torch.distributed: a
+    collective whose peer rank is gone fails with a plain RuntimeError from gloo
+    ("Connection closed by peer"), named only by where it was raised."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__name__ in ("DistError", "DistBackendError", "DistNetworkError"):
+            return True
+        tb = current.__traceback__
+        while tb is not None:
+            if f"{os.sep}torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
+                return True
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def run_script(argv: list[str]) -> None:
@@ -89,12 +133,40 @@ def run_script(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            raise ScriptError(f"{argv[0]} exited with {exc.code}") from None
+            # Stopped by its launcher (SIGTERM): the site's end, not the script's error.
+            stopped = TERMINATED.is_set()
+            raise ScriptError(f"{argv[0]} exited with {exc.code}", aborts_job=not stopped) from None
+    except (*JOB_FAILURES, grpc.RpcError):
+        raise  # isthmus's own, from inside ctx.step: said in one line, never an abort
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            raise  # the rank's storage failed, not the script
         traceback.print_exc()
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        raise ScriptError(f"{argv[0]}: {last}") from None
+        raise ScriptError(f"{argv[0]}: {last}", aborts_job=not in_collective(exc)) from None
     script_ended()
+
+
+def abort_job(env: RankEnv, config: JobConfig, error: ScriptError) -> None:
+    """The script raised: tell the site's coordinator, which stops the job at every site
+    (inter/control/abort.py). A rank killed by a signal never gets here: losing a rank
+    or a site is failover's, and the job goes on. Best effort: a coordinator that cannot
+    be told leaves this site's failure to the other sites' failover."""
+    if not env.coordinator:
+        return
+    from isthmus.inter.control.coordinator_client import CoordinatorClient
+
+    try:
+        client = CoordinatorClient.connect(env.coordinator, security_of(env, config))
+    except (OSError, ValueError) as exc:  # its certificate or token cannot be read now
+        log.warning("could not tell the coordinator the script raised: %s", exc)
+        return
+    try:
+        client.abort_job(site=env.site, rank=env.rank, reason=str(error), timeout_s=ABORT_CALL_S)
+    except grpc.RpcError as exc:
+        log.warning("could not tell the coordinator the script raised: %s", exc.details())
+    finally:
+        client.close()
 
 
 def die_with_launcher() -> None:
@@ -150,7 +222,7 @@ def main() -> int:
         format=f"%(asctime)s %(levelname)s [{env.site}/{env.rank}] %(name)s: %(message)s",
     )
     # The launcher stops ranks with SIGTERM; exit quietly rather than with a traceback.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _terminate)
     # `kill -USR1` prints every thread's stack to the rank's log: how a stuck rank is read.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     last_words = LastWords(env)
@@ -161,10 +233,12 @@ def main() -> int:
         else:
             run(env, config)
     except ScriptError as exc:
+        if exc.aborts_job:
+            abort_job(env, config, exc)
         return last_words.say(str(exc))
     except grpc.RpcError as exc:
         return last_words.say(str(exc.details()))
-    except (DivergenceError, QuorumLost, NonFiniteGradient, CheckpointError) as exc:
+    except JOB_FAILURES as exc:
         return last_words.say(str(exc))
     except OSError as exc:
         if exc.errno not in DISK_ERRNOS:

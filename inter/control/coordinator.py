@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, RePolls, WaitSlots, pool_size
 from isthmus.inter.control import rank_keys as handouts
+from isthmus.inter.control.abort import abort_problem
 from isthmus.inter.control.admission import MAX_FIELD_CHARS, Admission
 from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
 from isthmus.inter.control.failover import Failover
@@ -232,6 +233,28 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         for channel in self._channels:
             channel.close()
 
+    @property
+    def aborted(self) -> str | None:
+        """ "SITE rank R: LINE" once a script raised here or at a peer (the job stops at
+        every site), else None."""
+        return self.state.abort.line
+
+    @property
+    def aborted_here(self) -> bool:
+        """The job's abort came from one of this site's ranks."""
+        return self.state.abort.here
+
+    def tell_peers_of_abort(self) -> list[str]:
+        """After a local script's error, keeps answering until every peer heard from
+        lately has asked and heard of it (in its next heartbeat or join), at most
+        ``failure_timeout_s`` (a peer silent that long is taken for dead anyway);
+        returns the peers that did not hear it."""
+        st, s = self.state, self.settings
+        with st.cond:
+            now = st.clock()
+            live = [p for p, seen in st.last_seen.items() if now - seen <= s.failure_timeout_s]
+        return st.abort.wait_told(live, s.failure_timeout_s)
+
     def live_members(self) -> list[str]:
         """Members of the current generation (every site before the first)."""
         return self.state.members or list(self.site_names)
@@ -336,6 +359,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 ready=st.local_ready_locked(),
                 generation=st.generation if news else 0,
                 incarnation=st.incarnations.mine,
+                aborted=st.abort.answer_for(request.site.name),
             )
 
     def GetMembership(self, request, context):  # noqa: N802
@@ -393,6 +417,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 site=st.own_info_locked(),
                 ready=st.local_ready_locked(),
                 proposed_members=self.failover.leader.proposing.get(request.confirm_generation, []),
+                aborted=st.abort.answer_for(request.site),
             )
 
     def CommitStep(self, request, context):  # noqa: N802
@@ -410,6 +435,24 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def Propose(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.leader, "Propose")
         return self.failover.propose(request, context)
+
+    def AbortJob(self, request, context):  # noqa: N802
+        refuse_unless_named(self.security, context, self.where, request.site, "AbortJob")
+        if request.site != self.site or request.rank >= self.ranks:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {request.rank} of site {request.site[:64]!r} is not one of "
+                f"{self.site}'s {self.ranks} ranks",
+            )
+        problem = abort_problem(request.reason)
+        if problem is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if not self.rank_keys.speaks_for(request.rank, request.rank_key):
+            why = f"an abort for rank {request.rank} without its key"
+            self.refusals.note(context.peer(), why)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.where}: {why}")
+        self.state.abort.raise_here(request.rank, request.reason)
+        return pb.AbortJobResponse()
 
     def ReportProgress(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "ReportProgress")

@@ -4,7 +4,8 @@ A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
 registers its lane and its key (``RegisterRank``), waits for the job's membership
 (``GetMembership``), votes on each step (``CommitStep``, through
 :class:`~isthmus.inter.data.membership.SiteMembership`), watches for silent members
-and, on rank 0, reports each step's progress (``ReportProgress``).
+and, on rank 0, reports each step's progress (``ReportProgress``); a rank whose script
+raised says so (``AbortJob``), which stops the job at every site.
 :class:`CoordinatorClient` builds those protobuf messages, so its callers pass plain
 values and get plain values back. The rank's key
 (:data:`~isthmus.inter.control.rank_keys.RANK_KEY`) goes with every registration, vote
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from isthmus.inter.control.abort import MAX_REASON_CHARS
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.rank_keys import RANK_KEY
 from isthmus.inter.security import SiteSecurity
@@ -330,6 +332,24 @@ class CoordinatorClient:
             rank_key=self.rank_key,
         )
         return self.stub.ReportProgress(request, timeout=timeout_s).divergence
+
+    def abort_job(self, *, site: str, rank: int, reason: str, timeout_s: float) -> None:
+        """Says that this rank's script raised: the job stops at every site (the site's
+        coordinator tells its peers, inter/control/abort.py).
+
+        Args:
+            site: this site's name.
+            rank: this rank in the site's world.
+            reason: the traceback's last line; cut to what the coordinator takes.
+            timeout_s: deadline of the call, seconds.
+
+        Raises:
+            grpc.RpcError: the coordinator refused the call or did not answer in time.
+        """
+        line = "".join(c if c.isprintable() else " " for c in " ".join(reason.split()))
+        reason = line[:MAX_REASON_CHARS] or "the script failed"
+        request = pb.AbortJobRequest(site=site, rank=rank, rank_key=self.rank_key, reason=reason)
+        self.stub.AbortJob(request, timeout=timeout_s)
 
     def close(self) -> None:
         """Closes the channel (calls in flight are cancelled)."""

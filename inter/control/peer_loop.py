@@ -4,7 +4,8 @@ Before the membership exists it joins every peer (with the job fingerprint) unti
 all are present and ready; a site joining a running job (restarted, or left out while
 cut off) keeps asking until the leader admits it. Afterwards it sends heartbeats:
 this site's step, latest digest and generation; a peer's answer tells a left-out
-site that the job went on without it.
+site that the job went on without it, and any site that a script raised at the peer
+(inter/control/abort.py).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class PeerLoop:
                 with st.cond:
                     st.heard_from_locked(name)
                 site_up.labels(site, name).set(1)
+                if reply is not None:  # None: an answer that did not parse
+                    st.abort.learn(name, reply.aborted)
                 self.check_left_out(name, reply)
                 self.settle_claims(name, reply, doubted)
             except grpc.RpcError as exc:
@@ -186,6 +189,7 @@ class PeerLoop:
                     return
                 log.debug("[%s] join %s: %s (will retry)", s.site, name, exc.code().name)
                 continue
+            st.abort.learn(name, response.aborted)  # a script raised there: the job stops
             problem = self.admission.site_problem(
                 response.site, response.ready, response.incarnation
             )

@@ -193,6 +193,18 @@ class RankKeys:
             known = self._keys.get(rank)
         return known is not None and hmac.compare_digest(known.encode(), key.encode())
 
+    def speaks_for(self, rank: int, key: str) -> bool:
+        """Whether ``key`` is ``rank``'s: the one it registered with, or, before it
+        registered, the one its launcher handed it (a script may raise before it joins)."""
+        if self.is_rank(rank, key):
+            return True
+        handed = self._handed
+        return (
+            handed is not None
+            and rank < len(handed)
+            and hmac.compare_digest(handed[rank].encode(), key.encode())
+        )
+
     def is_any_rank(self, key: str) -> bool:
         """Whether ``key`` is the key of some registered rank of the site."""
         digest = _digest(key)

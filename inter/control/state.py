@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
+from isthmus.inter.control.abort import JobAbort
 from isthmus.inter.control.incarnations import Incarnations
 from isthmus.inter.control.join_claims import JoinClaims
 from isthmus.inter.control.replicas import ReplicaDigests
@@ -124,6 +125,8 @@ class CoordinatorState:
         """Every site's parameter digests (its own lock)."""
         self.join_claims = JoinClaims()
         """What joins in each peer's name claimed, until the peer's own answer settles it."""
+        self.abort = JobAbort(site, self.peers, clock)
+        """A script's error that stops the job at every site (its own lock)."""
         self.membership_news = Broadcast()
         """Published (under ``cond``) when what a ``GetMembership`` long poll waits for
         may have changed: the generation, joining, the error, a stop, the suspects."""

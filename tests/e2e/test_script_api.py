@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,30 @@ def test_isthmus_site_runs_the_script_at_each_site(tmp_path):
     s0 = json.loads((run_dir / "sites" / "site0" / "summary.json").read_text())
     assert set(s0["digests"]) == {"site0", "site1"} and len(set(s0["digests"].values())) == 1
     assert "replicas            identical" in out0
+
+
+@pytest.mark.timeout(400)
+def test_a_script_that_raises_at_one_site_stops_every_isthmus_site(tmp_path):
+    """site1's script raises: site1 tells its coordinator, site0 hears it in its next
+    heartbeat and stops too, with the same line, instead of going on without site1."""
+    from test_site import write_job
+
+    script = tmp_path / "raises.py"
+    script.write_text(textwrap.dedent(RAISES))
+    job, run_dir = write_job(tmp_path), tmp_path / "run"
+    common = ["--config", job, "--steps", "4", "--run-dir", str(run_dir), "--script", str(script)]
+    first = subprocess.Popen(
+        [*ISTHMUS, "site", *common, "--site", "site0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    second = run_cli("site", *common, "--site", "site1", timeout=300)
+    ended = time.monotonic()
+    out0, err0 = first.communicate(timeout=120)
+    line = "raises.py: ValueError: bad batch at step 1"
+    assert_one_line_error(second, "site1 rank 1 exited", line)
+    site0 = subprocess.CompletedProcess(first.args, first.returncode, out0, err0)
+    assert_one_line_error(site0, "the job stopped at every site: site1 rank 1:", line)
+    # A heartbeat (failover.heartbeat_s = 1) after site1's end, not sync.timeout_s (120).
+    assert time.monotonic() - ended < 30
