@@ -5,6 +5,7 @@ tiny and random, built from a local config."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from isthmus.intra import checkpoint
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.model import build_model
+from isthmus.intra.pipeline import split_stage
 
 # A Qwen2 with all that the families add but rope scaling (tests/intra/test_hf_layout.py
 # has that): grouped-query attention, q/k/v biases, a tied head. Byte vocabulary, so
@@ -39,7 +41,8 @@ QWEN2 = {
 # fp32. Logits of one set of weights through transformers and isthmus: bitwise equal
 # (tests/intra/test_hf_layout.py), bound 1e-5. The job's first loss against
 # transformers' on the same batch: the job ran tp=2, whose row-parallel matmuls add
-# their halves in another order, a few ulps of the loss (~5.5): bound 1e-5 relative.
+# their halves in another order, and pp=2, whose micro-batches average the batch in
+# two halves, a few ulps of the loss (~5.5): bound 1e-5 relative.
 LOGITS_TOL = {"atol": 1e-5, "rtol": 0.0}
 LOSS_TOL = {"atol": 0.0, "rtol": 1e-5}
 
@@ -61,10 +64,12 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(32, 127)) * 1000)
     run = tmp_path / "run"
-    # The smallest job that shards a checkpoint: one site of tp=2, one step, saved.
+    # The smallest job that shards a checkpoint by tp and by pipeline stage (the tied
+    # head's copy on the last, intra/tied.py): one site of pp=2 x tp=2, one step, saved.
     job = [
-        "--sites", "1", "--ranks-per-site", "2", "--steps", "1", "--run-dir", str(run),
-        "--set", "topology.tp=2", "--set", f"model.init_from={tmp_path / 'start'}",
+        "--sites", "1", "--ranks-per-site", "4", "--steps", "1", "--run-dir", str(run),
+        "--set", "topology.tp=2", "--set", "topology.pp=2",
+        "--set", f"model.init_from={tmp_path / 'start'}",
         "--set", "train.seq_len=32", "--set", "train.batch_size=2",
         "--set", "data.source=path", "--set", f"data.path={corpus}",
         "--set", "checkpoint.every=1", "--quiet",
@@ -94,7 +99,8 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert type(theirs).__name__ == "Qwen2ForCausalLM"
     # isthmus's model on the checkpoint: its whole parameters, gathered from the tp
-    # shards, are the job's (the digest the run reported of its final weights).
+    # shards and the stages, are the job's (the digest the run reported of its final
+    # weights: with pp, sha256 over each stage's digest, the tied weight in both).
     ours = build_model(config.resolved_model(), seed=1)
     saved = checkpoint.full_parameters(
         run / "checkpoints" / "site0" / "step-00000001", checkpoint_key(config)
@@ -104,7 +110,8 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
             p.copy_(saved.pop(name))
     assert not saved
     summary = json.loads((run / "summary.json").read_text())
-    assert parameter_digest(ours) == summary["digests"]["site0"]
+    stages = "".join(parameter_digest(split_stage(ours, s, 2)) for s in range(2))
+    assert hashlib.sha256(stages.encode()).hexdigest() == summary["digests"]["site0"]
     with torch.no_grad():
         logits = ours(inputs)
         torch.testing.assert_close(theirs(inputs).logits, logits, **LOGITS_TOL)
@@ -132,8 +139,6 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
             [],
             ["model_type 'gpt2' is not supported", "llama, qwen2, mistral", "hidden_size"],
         ),
-        # A tied head on another pipeline stage than the embedding.
-        ({}, ["--set", "topology.pp=2"], ["tie_word_embeddings", "pp=2"]),
         # Whole key/value heads per tp rank: 2 of them cannot split 4 ways.
         ({}, ["--set", "topology.tp=4"], ["n_kv_heads=2", "tp=4"]),
         ({"max_position_embeddings": 16}, [], ["train.seq_len=32 exceeds the 16 positions"]),

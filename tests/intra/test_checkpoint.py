@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from isthmus.intra.checkpoint_failures import FileNamingFileSystem, describe_os_
 from isthmus.intra.data import ShardedBatches
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
-from isthmus.intra.model_config import preset
+from isthmus.intra.model_config import ModelConfig, preset
 from isthmus.intra.state import rank_state, state_digest
 from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
@@ -31,8 +32,16 @@ SEED, SEQ, BATCH = 11, 16, 2
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=10)
 
 
-def _trainer(layout: ParallelLayout) -> tuple[Trainer, ShardedBatches]:
-    trainer = Trainer(build_model(preset("tiny"), SEED), build_site_mesh(layout), CONFIG)
+# A head tied to the embedding: with pp=2 each end stage holds a copy of that weight
+# (intra/tied.py), and the checkpoint holds it once.
+TIED = replace(preset("tiny"), tie_embeddings=True)
+
+
+def _trainer(
+    layout: ParallelLayout, model: ModelConfig | None = None
+) -> tuple[Trainer, ShardedBatches]:
+    model = model or preset("tiny")
+    trainer = Trainer(build_model(model, SEED), build_site_mesh(layout), CONFIG)
     data = ShardedBatches(
         random_corpus(),
         seq_len=SEQ,
@@ -49,16 +58,16 @@ def _residual(rank: int) -> dict[str, torch.Tensor]:
     return {"codec/g0/c0": torch.full((5,), float(rank) + 0.5)}
 
 
-def _roundtrip_one(rank: int, root: Path, layout_kw: dict) -> dict[str, Any]:
+def _roundtrip_one(rank: int, root: Path, layout_kw: dict, model: ModelConfig) -> dict[str, Any]:
     layout = ParallelLayout(**layout_kw)
-    a, data = _trainer(layout)
+    a, data = _trainer(layout, model)
     for step in range(3):
         a.step(step, *data.batch(step))
         checkpoint.save(a, root, step + 1, _residual(rank), keep=2)
     at_3 = state_digest(rank_state(a, 3, _residual(rank)))
     for step in range(3, 5):
         a.step(step, *data.batch(step))
-    b, _ = _trainer(layout)
+    b, _ = _trainer(layout, model)
     path = checkpoint.latest(root)
     next_step, extra = checkpoint.load(b, path)
     out = {
@@ -77,15 +86,15 @@ def _roundtrip_one(rank: int, root: Path, layout_kw: dict) -> dict[str, Any]:
 
 def _roundtrip_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]:
     init_gloo(rank, world, store)
-    layouts = {"dp2": {"dp": 2}, "pp2": {"pp": 2}}
-    out = {name: _roundtrip_one(rank, Path(root) / name, kw) for name, kw in layouts.items()}
+    layouts = {"dp2": ({"dp": 2}, preset("tiny")), "pp2-tied": ({"pp": 2}, TIED)}
+    out = {name: _roundtrip_one(rank, Path(root) / name, *case) for name, case in layouts.items()}
     shutdown()
     return out
 
 
 def test_save_latest_load_resumes_bitwise_and_keeps_the_newest(tmp_path: Path) -> None:
     results = spawn(_roundtrip_worker, 2, tmp_path, 2, str(tmp_path / "store"), str(tmp_path))
-    for layout in ("dp2", "pp2"):
+    for layout in ("dp2", "pp2-tied"):
         for rank in results:
             r = rank[layout]
             assert r["path"] == "step-00000003"
@@ -95,6 +104,9 @@ def test_save_latest_load_resumes_bitwise_and_keeps_the_newest(tmp_path: Path) -
             assert r["digests"][0] == r["digests"][1]
         manifest = json.loads((tmp_path / layout / "step-00000003" / "manifest.json").read_text())
         assert manifest["next_step"] == 3 and manifest["world_size"] == 2
+    # One logical weight: the tied model's parameters by their one-process names.
+    saved = checkpoint.full_parameters(tmp_path / "pp2-tied" / "step-00000003")
+    assert sorted(saved) == sorted(n for n, _ in build_model(TIED, SEED).named_parameters())
 
 
 # -- verified by content ------------------------------------------------------------
