@@ -35,6 +35,7 @@ from isthmus.inter.control.failover import Failover
 from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.inter.control.peer_loop import PeerLoop
 from isthmus.inter.control.rank_keys import RankKeys
+from isthmus.inter.control.rank_liveness import RankLiveness
 from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.state import CoordinatorState
 from isthmus.inter.control.witness import WitnessLink
@@ -122,6 +123,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}  # filled by start()
         self._channels: list[grpc.Channel] = []
         self.witness = WitnessLink.of(s, self.security, on_answer=st.wake, clock=clock)
+        # A rank silent as long as a peer site that is suspected is dead (ten beats of
+        # its membership watcher by default): inter/control/rank_liveness.py.
+        self.rank_liveness = RankLiveness(s.ranks, s.failure_timeout_s, clock)
         self.failover = Failover(
             s,
             st,
@@ -130,6 +134,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             refusals=self.refusals,
             long_polls=self.long_polls,
             witness=self.witness,
+            rank_liveness=self.rank_liveness,
         )
         self.admission = Admission(
             s, st, refusals=self.refusals, add_joiner=self.failover.add_joiner_locked
@@ -333,9 +338,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.where}: {refused.why}")
         if refused is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused.why)
+        self.rank_liveness.registered(request.rank)
         if address:
             with self.state.cond:
                 self.state.register_lane_locked(request.rank, address)
+                if self.state.local_ready_locked():
+                    self.rank_liveness.left_for = None  # every rank is back
         return pb.RegisterRankResponse()
 
     def Join(self, request, context):  # noqa: N802
@@ -366,13 +374,16 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         st = self.state
         # A registered rank's polls (with its key) wait in the ranks' share, unpaced;
         # anyone else's share the two slots of their host, and are paced.
-        if request.rank_key and self.rank_keys.is_any_rank(request.rank_key):
+        rank = self.rank_keys.rank_of(request.rank_key) if request.rank_key else None
+        if rank is not None:
             polls = self.long_polls.wait(
                 context, f"{self.site}'s ranks", 2 * self.ranks, paced=False
             )
         else:
             polls = self.long_polls.wait(context, "GetMembership", 2)
-        with polls as may_wait:
+        # A rank's watcher polls without pause: its beat (inter/control/rank_liveness.py).
+        watcher = request.known_generation > 0
+        with self.rank_liveness.polling(rank, watcher=watcher), polls as may_wait:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
             st.await_membership(request.known_generation, st.clock() + wait_s)
         with st.cond:

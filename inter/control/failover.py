@@ -38,6 +38,7 @@ from isthmus.inter.control.admission import malformed_proposal, unconfirmed_prop
 from isthmus.inter.control.ballots import Ballots
 from isthmus.inter.control.leader import Leader, has_quorum
 from isthmus.inter.control.rank_keys import RankKeys
+from isthmus.inter.control.rank_liveness import RankLiveness
 from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.state import Adoption, CoordinatorState, Key
 from isthmus.inter.control.witness import WitnessLink
@@ -69,6 +70,8 @@ class Failover:
         refusals: where refused votes are reported, once per caller.
         long_polls: the slots a vote waits for its decision in.
         witness: the job's witness, if it has one.
+        rank_liveness: whether this site's ranks are alive; one that dies makes the site
+            leave the job (:meth:`_watch_ranks`).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class Failover:
         refusals: RefusalLog,
         long_polls: WaitSlots,
         witness: WitnessLink | None = None,
+        rank_liveness: RankLiveness | None = None,
     ) -> None:
         self.settings = settings
         self.state = state
@@ -89,6 +93,9 @@ class Failover:
         self._refusals = refusals
         self._long_polls = long_polls
         self.ballots = Ballots(self.state)
+        self.rank_liveness = rank_liveness or RankLiveness(
+            settings.ranks, settings.failure_timeout_s, state.clock
+        )
         self.leader = Leader(
             self.state,
             self.ballots,
@@ -326,6 +333,9 @@ class Failover:
                     rejoin = b.readmitted_locked(key)
                     if rejoin is not None:
                         return rejoin
+                    left = self._left_locked(key)
+                    if left is not None:
+                        return left
                     found = b.answer_locked(key, sites_known)
                     if found is not None:
                         return found
@@ -357,12 +367,44 @@ class Failover:
                     st.membership_news.publish()  # wake ranks long-polling GetMembership
                     st.cond.notify_all()
                 ready = b.voted_locked(st.ranks)
+            self._watch_ranks()
             settled = set(ready)
             for key in ready:
                 try:
                     self._settle(key)
                 except Exception:  # never let the loop die; the next pass tries again
                     log.exception("[%s] settling step %d failed", st.site, key[0])
+
+    def _watch_ranks(self) -> None:
+        """A rank of this site fell silent while the site runs: the site leaves the job
+        (``state.lose_ranks_locked``), so its peers go on without it at their next
+        heartbeat instead of waiting for the dead rank's vote until sync.timeout_s."""
+        st, live = self.state, self.rank_liveness
+        silent = live.silent()
+        if not silent:
+            return
+        with st.cond:
+            if not st.running or st.finished or st.stopped.is_set():
+                return
+            ranks = ", ".join(map(str, silent))
+            live.left_for = f"rank {ranks} of {st.site} silent for over {live.silence_s:g}s"
+            live.forget()
+            st.lose_ranks_locked(live.left_for)
+
+    def _left_locked(self, key: Key) -> pb.Decision | None:
+        """STOP for a vote of a rank that outlived the site's dead rank, while the site is
+        out: its process group died with that rank, and its site comes back only once
+        every rank started anew and registered again. A key every rank voted on was sent
+        to the leader already and waits for the leader's decision."""
+        why, b = self.rank_liveness.left_for, self.ballots
+        if why is None or key in b.decisions or len(b.rank_votes.get(key, ())) >= self.state.ranks:
+            return None
+        return pb.Decision(
+            step=key[0],
+            verdict=pb.VERDICT_STOP,
+            generation=key[1],
+            reason=f"{why}: {self.settings.site} left the job; start its ranks again to rejoin",
+        )
 
     def _settle(self, key: Key) -> None:
         st, b = self.state, self.ballots

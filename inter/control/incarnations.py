@@ -31,6 +31,11 @@ class Incarnations:
             )
         return None
 
+    def renew(self) -> None:
+        """This site starts anew in the same process (its ranks died and start again):
+        its peers take the earlier incarnation for dead, as after a restart."""
+        self.mine = secrets.token_hex(8)
+
     def get(self, site: str) -> str | None:
         return self._known.get(site)
 

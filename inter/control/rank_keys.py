@@ -115,11 +115,11 @@ class RankKeys:
         self.site = site
         self._handed = tuple(handed) if handed is not None else None
         self._keys: dict[int, str] = {}
-        self._digests: set[bytes] = set()
-        """sha256 of every registered key: :meth:`is_any_rank` answers every membership
-        poll of every rank, so it looks the key up instead of comparing it with each
-        rank's (N compares a poll, N polls a second: O(N²) at 4,096 ranks). Looking up
-        the key's digest, not the key, leaks nothing of a key through timing."""
+        self._digests: dict[bytes, int] = {}
+        """sha256 of every registered key -> its rank: :meth:`is_any_rank` answers every
+        membership poll of every rank, so it looks the key up instead of comparing it
+        with each rank's (N compares a poll, N polls a second: O(N²) at 4,096 ranks).
+        Looking up the key's digest, not the key, leaks nothing of a key through timing."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -185,7 +185,7 @@ class RankKeys:
 
     def _record_locked(self, rank: int, key: str) -> None:
         self._keys[rank] = key  # a rank's key never changes once registered
-        self._digests.add(_digest(key))
+        self._digests[_digest(key)] = rank
 
     def is_rank(self, rank: int, key: str) -> bool:
         """Whether ``key`` is the one ``rank`` registered with."""
@@ -207,9 +207,13 @@ class RankKeys:
 
     def is_any_rank(self, key: str) -> bool:
         """Whether ``key`` is the key of some registered rank of the site."""
+        return self.rank_of(key) is not None
+
+    def rank_of(self, key: str) -> int | None:
+        """The registered rank whose key ``key`` is, or None."""
         digest = _digest(key)
         with self._lock:
-            return digest in self._digests
+            return self._digests.get(digest)
 
 
 def _digest(key: str) -> bytes:

@@ -308,6 +308,17 @@ class CoordinatorState:
         self._form_first_generation_locked()
         self.cond.notify_all()
 
+    def lose_ranks_locked(self, reason: str) -> None:
+        """A rank of this site died (``reason``) while this coordinator lives: the site's
+        torch.distributed world died with it, so the site leaves the job and comes back
+        as a restarted one would: a new incarnation (its peers take the old one for dead
+        at their next heartbeat), no lanes until every rank registered again, and left
+        out until a leader admits it with a live peer's state. Wakes every vote."""
+        self._lanes = [None] * self.ranks
+        self.incarnations.renew()
+        self.exclude_locked(reason)
+        self.decision_news.publish_all()
+
     def admit_locked(self, info: pb.SiteInfo) -> bool:
         """A peer said it is ready (before the job runs, or to a joining site); kept
         only once: the first SiteInfo stands (a new generation brings newer ones).

@@ -1,0 +1,103 @@
+"""Whether a site's own ranks are alive: a rank that stops beating is declared dead.
+
+A coordinator hears each site peer's heartbeats, but a rank of its own site that dies
+while the coordinator lives (a node lost under a launcher that does not take the site
+down: ``srun`` without ``--kill-on-bad-exit``) left the job waiting for the dead
+rank's vote until ``sync.timeout_s + failover.quorum_wait_s``. Every rank already
+beats: its membership watcher (inter/data/membership.py, ``SiteMembership._watch``), a
+thread of its own, long-polls ``GetMembership`` with the rank's key without pause
+(each poll held up to a second, the next sent as soon as it is answered) while the
+rank's main thread computes, saves a checkpoint or collects garbage. So a rank with a
+poll in flight is alive, and one with none in flight for longer than ``silence_s``
+(the failover section's ``failure_timeout_s``: the silence that makes a peer site a
+suspect makes a rank dead, ten missed beats by default) is not.
+
+A rank is watched from its first watcher poll (``known_generation`` > 0, sent once
+its site runs) until it registers again; a test's or a tool's rank that registers
+and votes but runs no watcher is never declared dead. What the coordinator does with
+a dead rank is the failover loop's (inter/control/failover.py): the site leaves the
+job until all its ranks are back (docs/reliability.md, "A rank that dies while its
+coordinator lives").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["RankLiveness"]
+
+
+@dataclass(slots=True)
+class _Rank:
+    watched: bool = False
+    """It sent a watcher poll since it last registered."""
+    calls: int = 0
+    """Its polls in flight now."""
+    last: float = 0.0
+    """When a poll of it last arrived or ended (on the clock)."""
+
+
+class RankLiveness:
+    """When each local rank was last heard from (thread-safe; its own lock, so the
+    ranks' polls never wait on the state's condition for it).
+
+    Args:
+        ranks: the site's rank count.
+        silence_s: a watched rank with no poll in flight for longer than this is dead.
+        clock: seconds, monotonic (the coordinator's clock).
+    """
+
+    def __init__(self, ranks: int, silence_s: float, clock: Callable[[], float]) -> None:
+        if silence_s <= 0:
+            raise ValueError(f"silence_s must be > 0, got {silence_s}")
+        self.silence_s = silence_s
+        self._clock = clock
+        self._ranks = [_Rank() for _ in range(ranks)]
+        self._lock = threading.Lock()
+        self.left_for: str | None = None
+        """Why the site left the job (its ranks were declared dead), until every rank
+        registered again; set and cleared by the failover loop and RegisterRank under
+        the state's condition."""
+
+    def registered(self, rank: int) -> None:
+        """``rank`` registered (again): a new process, not watched until it polls."""
+        with self._lock:
+            self._ranks[rank] = _Rank()
+
+    @contextlib.contextmanager
+    def polling(self, rank: int | None, *, watcher: bool) -> Iterator[None]:
+        """A poll of ``rank`` (None: not a rank's) is in flight inside the block;
+        ``watcher``: it is the watcher's (the rank is watched from now on)."""
+        if rank is None:
+            yield
+            return
+        with self._lock:
+            beat = self._ranks[rank]
+            beat.watched = beat.watched or watcher
+            beat.calls += 1
+            beat.last = self._clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                beat.calls -= 1
+                beat.last = self._clock()
+
+    def silent(self) -> list[int]:
+        """The watched ranks with no poll in flight for longer than ``silence_s``."""
+        now = self._clock()
+        with self._lock:
+            return [
+                rank
+                for rank, beat in enumerate(self._ranks)
+                if beat.watched and beat.calls == 0 and now - beat.last > self.silence_s
+            ]
+
+    def forget(self) -> None:
+        """Watch no rank until it polls again (the site left: its ranks start anew)."""
+        with self._lock:
+            for beat in self._ranks:
+                beat.watched = False
