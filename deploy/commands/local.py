@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isthmus.deploy.commands.arguments import (
@@ -73,22 +74,41 @@ def add_script_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs="*", help=argparse.SUPPRESS)
 
 
-def use_script(args: argparse.Namespace) -> None:
-    """Hands ``--script`` to the ranks (they inherit the launcher's environment);
-    refuses a missing script, or arguments without one, before anything starts."""
+def use_script(args: argparse.Namespace, config: JobConfig) -> None:
+    """Hands ``--script`` to the ranks (they inherit the launcher's environment) and pins
+    it in the job: its sha256 and arguments (``run.script_sha256``, ``run.script_args``)
+    are part of the fingerprint, so sites running other scripts are refused at join.
+    Refuses a missing script, arguments without one, or a script other than the one the
+    config pins, before anything starts."""
+    import hashlib
     import json
     import os
 
     from isthmus.deploy.rank.contract import SCRIPT_ENV
 
+    run = config.run
     if args.script is None:
         if args.script_args:
             raise ConfigError(f"unexpected arguments {args.script_args} (no --script)")
+        if run.script_sha256 or run.script_args:
+            raise ConfigError("run.script_sha256 and run.script_args pin a script: add --script")
         os.environ.pop(SCRIPT_ENV, None)  # the built-in trainer, whatever the shell had
         return
     path = os.path.abspath(args.script)
-    if not os.path.isfile(path):
-        raise ConfigError(f"--script {args.script}: no such file")
+    try:
+        sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        raise ConfigError(f"--script {args.script}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"--script {args.script}: {exc.strerror or exc}") from None
+    given = json.dumps(list(args.script_args))
+    for key, pinned, ours in (
+        ("script_sha256", run.script_sha256, sha),
+        ("script_args", run.script_args, given),
+    ):
+        if pinned and pinned != ours:
+            raise ConfigError(f"run.{key}: the job pins {pinned}, but --script gives {ours}")
+    run.script_sha256, run.script_args = sha, given
     os.environ[SCRIPT_ENV] = json.dumps([path, *args.script_args])
 
 
@@ -97,9 +117,9 @@ def cmd_local(args: argparse.Namespace) -> int:
     from isthmus.deploy.launch.quickstart import plan_hint
     from isthmus.deploy.rank.checkpointing import resolve_resume
 
-    use_script(args)
     notes: list[str] = []
     config, topology, slow = resolve_local_job(args, notes)
+    use_script(args, config)
     if notes:
         print("isthmus local fitted this host: " + "; ".join(notes), file=sys.stderr)
     hint = plan_hint(config)

@@ -29,8 +29,8 @@ def cmd_site(args: argparse.Namespace) -> int:
     from isthmus.deploy.launch.site import SiteJob
     from isthmus.deploy.rank.checkpointing import resolve_resume
 
-    use_script(args)
     config = config_from_args(args)
+    use_script(args, config)
     coordinator = config.cluster.coordinators.get(args.site, "127.0.0.1:0")
     check_exposure(config, args.site, _host(coordinator), sys.stderr)
     resolve_resume(config, [args.site], resume=args.resume)

@@ -283,6 +283,12 @@ class JobConfig:
             del out["data.vocab_size"]  # unused; model.vocab_size says what the model has
         for key, value in dataclasses.asdict(self.resolved_model()).items():
             out[f"model.{key}"] = str(value)
+        # The user's script by content and arguments (filled in from --script by the
+        # launcher: deploy/commands/local.py), not by where each site keeps it; none
+        # for the built-in trainer, whose fingerprint stays as it was.
+        if self.run.script_sha256:
+            out["run.script_sha256"] = self.run.script_sha256
+            out["run.script_args"] = self.run.script_args
         return out
 
 

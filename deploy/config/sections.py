@@ -315,6 +315,14 @@ class RunSection:
     """Run more CPU ranks on this host than max(8, 4 x its cores) (`--oversubscribe`
     sets it); off, such a job is refused before it starts (deploy/config/host_check.py,
     ``host_problem``, says why those numbers)."""
+    script_sha256: str = ""
+    """sha256 of the `--script` file's bytes, filled in by the launcher (set here, it
+    pins the script: a --script that hashes otherwise is refused). Part of the job
+    fingerprint with script_args: sites running other scripts are refused at join.
+    Empty = the built-in trainer."""
+    script_args: str = ""
+    """The script's arguments (after `--`) as a JSON list, filled in by the launcher
+    with script_sha256 (set here, it pins them too)."""
 
 
 @dataclass(kw_only=True, slots=True)

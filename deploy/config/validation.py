@@ -258,6 +258,11 @@ def _check_wan(config: JobConfig) -> None:
 
 def _check_run(config: JobConfig) -> None:
     """run.* but run.log_level (checked last, in `validate`)."""
+    sha = config.run.script_sha256
+    _require(
+        not sha or (len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)),
+        f"run.script_sha256 must be empty or 64 lowercase hex digits, got {sha!r}",
+    )
     _require(
         config.run.digest_every >= 0,
         f"run.digest_every must be >= 0, got {config.run.digest_every}",

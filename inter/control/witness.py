@@ -35,7 +35,7 @@ from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["HOST_KEYS", "WitnessLink", "WitnessServer"]
+__all__ = ["HOST_KEYS", "SCRIPT_KEYS", "WitnessLink", "WitnessServer"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ HOST_KEYS = frozenset({"sync.chunk_bytes"})
 ``topology.device = "auto"`` a site with GPUs sends larger chunks than the link alone
 asks for (deploy/config/job.py), and the witness, which moves no chunks, typically runs
 on a host without them. Sites still compare these keys with each other."""
+SCRIPT_KEYS = frozenset({"run.script_sha256", "run.script_args"})
+"""The user's script, which each site's launcher pins from its ``--script``; the witness
+runs none (``isthmus witness`` takes no script), so it leaves them out too."""
+UNSEEN_KEYS = HOST_KEYS | SCRIPT_KEYS
+"""Fingerprint keys the witness does not compare."""
 
 
 class WitnessServer(pb_grpc.WitnessServicer):
@@ -70,7 +75,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.site_names = list(site_names)
-        self.fingerprint = {k: v for k, v in fingerprint.items() if k not in HOST_KEYS}
+        self.fingerprint = {k: v for k, v in fingerprint.items() if k not in UNSEEN_KEYS}
         self.failure_timeout_s = failure_timeout_s
         self.security = security or INSECURE
         self.where = "witness"
@@ -102,7 +107,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {site[:64]!r}")
         problem = fingerprint_problem(
             self.fingerprint,
-            {k: v for k, v in fingerprint.fields.items() if k not in HOST_KEYS},
+            {k: v for k, v in fingerprint.fields.items() if k not in UNSEEN_KEYS},
             self.where,
             site,
             values=self.security.require_token or self.security.require_tls,

@@ -174,6 +174,32 @@ def test_isthmus_site_runs_the_script_at_each_site(tmp_path):
     assert "replicas            identical" in out0
 
 
+@pytest.mark.timeout(300)
+def test_isthmus_sites_running_other_scripts_are_refused_at_join(tmp_path):
+    """The script is in the job fingerprint (its bytes' sha256 and its arguments), so a
+    site running another one is refused in one line naming the key (the same script at
+    both sites trains: test_isthmus_site_runs_the_script_at_each_site)."""
+    from test_site import write_job
+
+    job, run_dir = write_job(tmp_path), tmp_path / "run"
+    other = tmp_path / "convnet.py"
+    other.write_bytes((EXAMPLES / "convnet.py").read_bytes() + b"# edited at site1\n")
+    common = ["--config", job, "--steps", "3", "--run-dir", str(run_dir)]
+    first = subprocess.Popen(
+        [*ISTHMUS, "site", *common, "--site", "site0", "--script", str(EXAMPLES / "convnet.py")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        second = run_cli("site", *common, "--site", "site1", "--script", str(other), timeout=120)
+        assert_one_line_error(second, "fingerprint differs", "run.script_sha256=")
+        assert "run.script_args" not in second.stderr  # the same (no) arguments
+    finally:
+        first.terminate()
+        first.communicate(timeout=30)
+
+
 @pytest.mark.timeout(400)
 def test_a_script_that_raises_at_one_site_stops_every_isthmus_site(tmp_path):
     """site1's script raises: site1 tells its coordinator, site0 hears it in its next
