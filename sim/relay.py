@@ -44,6 +44,7 @@ from .control import ControlServer
 from .impairments import Impairment
 from .link import DirectionPipe, LinkSpec
 from .pump import Connection
+from .pump_process import RemoteDirection
 
 CALL_TIMEOUT_S = 30.0
 
@@ -62,20 +63,37 @@ def proxy_channel_options(address: tuple[str, int]) -> list[tuple[str, Any]]:
     return [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", f"http://{address[0]}:{address[1]}")]
 
 
+Direction = DirectionPipe | RemoteDirection
+"""One direction of a link: pumped by a thread of the relay, or by a process of its own."""
+
+
 class Link:
     """Two directions between sites a and b, and the listeners that feed them.
 
     Public methods are thread-safe: they run on the relay's loop and wait for it.
     """
 
-    def __init__(self, name: str, spec: LinkSpec, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: LinkSpec,
+        loop: asyncio.AbstractEventLoop,
+        processes: bool = False,
+    ) -> None:
         self.name = name
         self._spec = spec
         self._loop = loop
-        self._pipes = {
-            "a": DirectionPipe(spec.a_to_b, "a_to_b"),
-            "b": DirectionPipe(spec.b_to_a, "b_to_a"),
-        }
+        self._pipes: dict[str, Direction]
+        if processes:  # each direction pumped by a process of its own (sim/pump_process.py)
+            remote: dict[str, RemoteDirection] = {}
+            remote["a"] = RemoteDirection(spec.a_to_b, "a_to_b", lambda c: remote["b"].fail(c))
+            remote["b"] = RemoteDirection(spec.b_to_a, "b_to_a", lambda c: remote["a"].fail(c))
+            self._pipes = dict(remote)
+        else:
+            self._pipes = {
+                "a": DirectionPipe(spec.a_to_b, "a_to_b"),
+                "b": DirectionPipe(spec.b_to_a, "b_to_a"),
+            }
         self._pipes["a"].reverse, self._pipes["b"].reverse = self._pipes["b"], self._pipes["a"]
         self._listening: list[socket.socket] = []
         self.listeners: list[dict[str, Any]] = []
@@ -249,8 +267,8 @@ class Link:
         self,
         client: socket.socket,
         far: socket.socket,
-        out: DirectionPipe,
-        back: DirectionPipe,
+        out: Direction,
+        back: Direction,
         first: bytes = b"",
     ) -> None:
         """Hand a connected pair to the two directions' pumps; they own it from now."""
@@ -292,8 +310,8 @@ class Link:
     async def _handle(
         self,
         client: socket.socket,
-        out: DirectionPipe,
-        back: DirectionPipe,
+        out: Direction,
+        back: Direction,
         target: tuple[str, int] | None,
     ) -> None:
         out.connections += 1
@@ -359,7 +377,10 @@ class RelayServer:
     Use as a context manager, or call `start()` and `close()`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, processes: bool = False) -> None:
+        self.processes = processes
+        """Each link direction's bytes moved by a process of its own (sim/pump_process.py),
+        not a thread of this one: for links past ~15 Gbit/s loaded both ways at once."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._links: dict[str, Link] = {}
@@ -401,7 +422,7 @@ class RelayServer:
             if name in self._links:
                 raise ValueError(f"link name {name!r} is already used")
             assert self._loop is not None
-            link = self._links[name] = Link(name, spec, self._loop)
+            link = self._links[name] = Link(name, spec, self._loop, self.processes)
         link.update(spec)  # installs the impairments on the loop
         return link
 

@@ -17,8 +17,20 @@ from isthmus.sim import DirectionSpec, LinkSpec, RelayServer, proxy_channel_opti
 MBIT = 1e6
 
 
+@pytest.fixture(params=[False, True], ids=["threads", "processes"])
+def either_relay(request):
+    """A test twice: each link direction pumped by a thread of the relay, and by a
+    process of its own (`RelayServer(processes=True)`, sim/pump_process.py). The rate
+    tests hold the thread mode to +-10 % only: with two more processes a direction,
+    a 2-core machine's load moved processes-mode rates by 25 %; benchmarks measure that
+    mode's rates (docs/benchmarks.md), test_wan_cli.py its rate limit, loosely."""
+    with RelayServer(processes=request.param) as r:
+        yield r
+
+
 @pytest.mark.timeout(60)
-def test_ping_pong_rtt(relay) -> None:
+def test_ping_pong_rtt(either_relay) -> None:
+    relay = either_relay
     spec = LinkSpec.symmetric(latency_s=0.010, bandwidth_bps=200 * MBIT)
     echo = Server(serve_echo)
     try:
@@ -79,7 +91,8 @@ def test_bandwidth_shared_by_connections(relay) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_stalled_receiver_bounds_bytes_in_flight(relay) -> None:
+def test_stalled_receiver_bounds_bytes_in_flight(either_relay) -> None:
+    relay = either_relay
     spec = LinkSpec.symmetric(latency_s=0.010, bandwidth_bps=50 * MBIT, queue_bytes=64 << 10)
     stalled = threading.Event()
 
@@ -134,7 +147,8 @@ def test_live_bandwidth_update(relay) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_half_close_delivers_data_then_eof(relay) -> None:
+def test_half_close_delivers_data_then_eof(either_relay) -> None:
+    relay = either_relay
     echo = Server(serve_echo)
     try:
         link = relay.add_link("ab", LinkSpec.symmetric(latency_s=0.005, bandwidth_bps=50 * MBIT))
@@ -153,7 +167,9 @@ def test_half_close_delivers_data_then_eof(relay) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_target_reset_closes_client(relay) -> None:
+def test_target_reset_closes_client(either_relay) -> None:
+    relay = either_relay
+
     def reset(conn: socket.socket) -> None:
         conn.recv(16)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
@@ -187,7 +203,8 @@ def _proxy_request(address, request: bytes) -> bytes:
 
 
 @pytest.mark.timeout(60)
-def test_connect_proxy_refuses_non_loopback(relay) -> None:
+def test_connect_proxy_refuses_non_loopback(either_relay) -> None:
+    relay = either_relay
     link = relay.add_link("ab", LinkSpec.symmetric(latency_s=0.005))
     address = link.add_proxy()
     for target in (b"192.0.2.1:443", b"example.com:80", b"[2001:db8::1]:80"):
@@ -202,7 +219,8 @@ def test_connect_proxy_refuses_non_loopback(relay) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_grpc_through_connect_proxy(relay, monkeypatch) -> None:
+def test_grpc_through_connect_proxy(either_relay, monkeypatch) -> None:
+    relay = either_relay
     # no_proxy / no_grpc_proxy would silently bypass even the channel option (see relay.py).
     for name in ("no_proxy", "NO_PROXY", "no_grpc_proxy", "NO_GRPC_PROXY"):
         monkeypatch.delenv(name, raising=False)
@@ -276,3 +294,40 @@ def test_spec_validation() -> None:
     assert DirectionSpec(latency_s=0.01, bandwidth_bps=8e6, queue_bytes=0).inflight_limit_bytes == (
         10_000
     )
+
+
+@pytest.mark.timeout(30)
+def test_link_reset_resets_both_sides_of_every_connection(either_relay) -> None:
+    relay = either_relay
+    """`Link.reset()` (the chaos suite's partition: open connections notice at once):
+    the client and the server both get RST, and the link carries new connections."""
+    server_saw: list[str] = []
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while data := conn.recv(1024):
+                    conn.sendall(data)
+                server_saw.append("eof")
+            except ConnectionResetError:
+                server_saw.append("reset")
+
+    server = Server(serve)
+    try:
+        link = relay.add_link("ab", LinkSpec.symmetric(latency_s=0.002))
+        address = link.add_forward(*server.address)
+        with connect(address) as s:
+            s.sendall(b"hi")
+            assert s.recv(16) == b"hi"
+            link.reset()
+            with pytest.raises(ConnectionResetError):
+                s.recv(16)
+        deadline = time.monotonic() + 5
+        while not server_saw and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server_saw == ["reset"]
+        with connect(address) as s:
+            s.sendall(b"again")
+            assert s.recv(16) == b"again"
+    finally:
+        server.close()

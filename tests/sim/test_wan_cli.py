@@ -33,7 +33,8 @@ def _topology(tmp_path: Path, text: str) -> str:
 
 
 @pytest.mark.timeout(20)
-def test_set_changes_a_running_link(tmp_path) -> None:
+@pytest.mark.parametrize("mode", [[], ["--processes"]], ids=["threads", "processes"])
+def test_set_changes_a_running_link(tmp_path, mode) -> None:
     topology = _topology(
         tmp_path,
         'sites = ["a", "b"]\n[links."a-b"]\nlatency_ms = 5\nbandwidth_mbit = 40\n',
@@ -42,7 +43,7 @@ def test_set_changes_a_running_link(tmp_path) -> None:
     server = Server(sink)
     target = f"127.0.0.1:{server.address[1]}"
     up = subprocess.Popen(
-        [*WAN, "up", topology, "--control", "127.0.0.1:0", "--forward", f"a:b={target}"],
+        [*WAN, "up", topology, "--control", "127.0.0.1:0", "--forward", f"a:b={target}", *mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
