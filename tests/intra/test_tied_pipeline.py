@@ -6,8 +6,9 @@ The sync quantizes each 100 values of a shard to a scale of their own, as the in
 codec does per chunk: the first stage's copy of the tied weight starts its flat group,
 the last stage's sits behind the final norm's 64 values, so the two copies' rows fall
 in other chunks and round apart. Per-step sync sums the copies' gradients after the
-rounding, the outer modes average the copies' outer gradients after it: either way both
-copies stay bitwise equal, and so do the sites.
+rounding (with FSDP2's CPU offload too, on the host gradients), the outer modes
+average the copies' outer gradients after it: either way both copies stay bitwise
+equal, and so do the sites.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SEED, SEQ, BATCH, STEPS = 3, 16, 2, 4
 MODEL = replace(preset("tiny"), tie_embeddings=True)
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=1, total_steps=STEPS)
 PIPELINE = ParallelConfig(schedule="1f1b", microbatches=2)
+MODES = ("step", "step-offload", "diloco")
 CHUNK = 100  # not a divisor of the norm's 64 values: the copies' rows chunk apart
 
 
@@ -72,8 +74,10 @@ def _site_rank(site: int, rank: int, tmp: str, mode: str) -> dict[str, Any]:
     sync = ChunkRoundingSync(cross, 2)
     mesh = build_site_mesh(ParallelLayout(pp=2))
     model = build_model(MODEL, SEED)
-    step_sync = sync if mode == "step" else None
-    trainer = Trainer(model, mesh, CONFIG, parallel=PIPELINE, sync=step_sync)
+    step_sync = sync if mode != "diloco" else None
+    # With offload the sync and the copies' sum run on host gradients after backward.
+    parallel = replace(PIPELINE, offload=mode == "step-offload")
+    trainer = Trainer(model, mesh, CONFIG, parallel=parallel, sync=step_sync)
     outer = None
     if mode == "diloco":
         outer = OuterOptimizer(trainer, sync, OuterConfig(inner_steps=2), total_steps=STEPS)
@@ -91,14 +95,14 @@ def _site_rank(site: int, rank: int, tmp: str, mode: str) -> dict[str, Any]:
 
 def _worker(index: int, tmp: str) -> dict[str, dict[str, Any]]:
     site, rank = divmod(index, 2)
-    return {mode: _site_rank(site, rank, tmp, mode) for mode in ("step", "diloco")}
+    return {mode: _site_rank(site, rank, tmp, mode) for mode in MODES}
 
 
 @pytest.mark.timeout(120)
 def test_tied_copies_and_sites_stay_bitwise_equal_under_a_rounding_sync(tmp_path: Path) -> None:
     ranks = spawn(_worker, 4, tmp_path, str(tmp_path))
     start = build_model(MODEL, SEED).tok_embeddings.weight.detach()
-    for mode in ("step", "diloco"):
+    for mode in MODES:
         (first0, last0), (first1, last1) = (
             [r[mode] for r in ranks[:2]],
             [r[mode] for r in ranks[2:]],
