@@ -11,7 +11,9 @@ Gradient placement, per step:
 2. ``GradientSync.finish(step)`` waits until every shard has been overwritten, in
    place, with the average over all sites, and says whether the step committed (or
    raises): a step that did not commit applies nothing;
-3. the gradient norm is clipped -- after the sync, so every site computes the
+3. with a head tied to the embedding and ``pp > 1``, the first and the last stage's
+   copies of the tied weight get the sum of their gradients (intra/tied.py);
+4. the gradient norm is clipped -- after the sync, so every site computes the
    same norm -- and the sharded AdamW steps.
 """
 
