@@ -81,6 +81,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         port=int(port or 0),
         join_timeout_s=config.sync.timeout_s,
         metrics_port=None if config.run.metrics_port < 0 else config.run.metrics_port,
+        # The job's failover section, as `isthmus site` and `isthmus local` build theirs.
+        **config.coordinator_options(),
     )
     coordinator = Coordinator(
         settings,

@@ -53,6 +53,7 @@ _LOOP_S = 0.05  # how often pending votes are forwarded and re-evaluated
 _FORWARD_WAIT_MS = 500  # long poll of one SiteVote
 MAX_STEP = 1 << 40  # steps beyond this are refused as nonsense
 MAX_HOST_BALLOTS = 256  # ranks one CommitHostStep speaks for (a host has 8 or so)
+_RANK_CHECK_S = 0.25  # how often the ranks' silence is checked (each check walks them all)
 
 
 class Failover:
@@ -108,6 +109,7 @@ class Failover:
         self.vote_window = settings.vote_window
         self.first_step = settings.first_step
         self._suspects: list[str] = []  # as the loop last saw them (it wakes waiters on a change)
+        self._ranks_checked = float("-inf")  # when the ranks' silence was last checked
         self._thread = threading.Thread(
             target=self._run, name=f"failover-{settings.site}", daemon=True
         )
@@ -380,6 +382,10 @@ class Failover:
         (``state.lose_ranks_locked``), so its peers go on without it at their next
         heartbeat instead of waiting for the dead rank's vote until sync.timeout_s."""
         st, live = self.state, self.rank_liveness
+        now = st.clock()
+        if now - self._ranks_checked < _RANK_CHECK_S:
+            return
+        self._ranks_checked = now
         silent = live.silent()
         if not silent:
             return
