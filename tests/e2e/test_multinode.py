@@ -56,8 +56,12 @@ class MultiNodeSite:
     logs: Path
     processes: list[subprocess.Popen] = field(default_factory=list)
 
+    @property
+    def secret(self) -> Path:
+        return self.config.with_name("rank-secret-site1")
+
     def start(self) -> None:
-        secret = self.config.with_name("rank-secret-site1")
+        secret = self.secret
         secret.touch(mode=0o600)
         secret.write_text(os.urandom(32).hex())
         first = self.net.exec_prefix
@@ -67,6 +71,11 @@ class MultiNodeSite:
              "--listen", f"0.0.0.0:{COORDINATOR_PORT}", "--rank-secret-file", str(secret)],
             {},
         )  # fmt: skip
+        self.start_ranks()
+
+    def start_ranks(self) -> None:
+        """One rank per node, as srun starts them (the coordinator already runs)."""
+        secret, first = self.secret, self.net.exec_prefix
         hosts = [(first, self.net.address), *((n.exec_prefix, n.address) for n in self.net.nodes)]
         for rank, (prefix, address) in enumerate(hosts):
             env = {
@@ -91,6 +100,16 @@ class MultiNodeSite:
     @property
     def ranks(self) -> list[subprocess.Popen]:
         return self.processes[1:]
+
+    def restart_ranks(self) -> None:
+        """The nodes are back: what is left of the ranks ends, all start again, and
+        the coordinator that outlived them stays."""
+        for p in self.ranks:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        del self.processes[1:]
+        self.start_ranks()
 
     def failed(self) -> bool:
         """A rank died: kill what is left of the site, as srun and the trap would."""
@@ -228,3 +247,38 @@ def test_a_node_lost_then_back_the_site_rejoins(wan, tmp_path, job_dir):
     # The restarted site1's metrics begin after the loss: it pulled site0's state.
     steps1 = [r["step"] for r in _records(tmp_path / "run" / "sites" / "site1" / "metrics.jsonl")]
     assert steps1 and steps1[0] > lost_at and steps1 == list(range(steps1[0], 60)), steps1
+
+
+def test_a_node_lost_while_its_coordinator_lives_the_job_goes_on_at_once(wan, tmp_path, job_dir):
+    """SIGKILL the second node's rank and leave site1's coordinator up (srun without
+    --kill-on-bad-exit): the coordinator notices its rank's silence
+    (failover.failure_timeout_s, inter/control/rank_liveness.py) and site1 leaves, so
+    site0 trains on alone after seconds, not after sync.timeout_s +
+    failover.quorum_wait_s (540 s here) as before. The ranks started again rejoin
+    under the same coordinator with site0's state; all four end identical."""
+    site0, site1 = start_job(wan, tmp_path, job_dir, steps=60, pace_s=0.4)
+    metrics = tmp_path / "run" / "sites" / "site0" / "metrics.jsonl"
+    try:
+        wait_until(lambda: len(_records(metrics)) >= 4, "step 4", site0, site1)
+        site1.ranks[1].kill()  # node 2 is lost
+        wait_until(
+            lambda: sum(r.get("live_sites") == 1 for r in _records(metrics)) >= 2,
+            "site0 step alone", site0, site1,
+        )  # fmt: skip
+        assert site1.processes[0].poll() is None, site1.tail()  # the coordinator lives
+        site1.restart_ranks()
+        finish(site0, site1, tmp_path)
+    finally:
+        site0.kill()
+        site1.kill()
+    records = _records(metrics)
+    assert [r["step"] for r in records] == list(range(60)), "site0 skipped or repeated a step"
+    first = next(i for i, r in enumerate(records) if r.get("live_sites") == 1)
+    # site0's wall time from the last step with site1 to its first step alone: the
+    # dead rank's silence (2 s), its last poll (<= 1 s), a heartbeat (0.25 s), the
+    # step run again alone (0.4 s), and a loaded 2-core machine's slack: 2.3 s seen.
+    waited = records[first]["elapsed_s"] - records[first - 1]["elapsed_s"]
+    assert waited < 10.0, (waited, records[first - 1 : first + 1])
+    assert records[-1]["live_sites"] == 2, records[-1]  # rejoined
+    steps1 = [r["step"] for r in _records(tmp_path / "run" / "sites" / "site1" / "metrics.jsonl")]
+    assert steps1 and steps1[0] > first and steps1 == list(range(steps1[0], 60)), steps1
