@@ -107,6 +107,7 @@ class _ScriptModel:
         self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.sync = None  # the outer optimizer checks that the model does not sync itself
         self.step_in_progress = 0
+        self.tied = None  # one model part: no head tied across pipeline stages (intra/tied.py)
         # Only the outer learning rate's ramp reads it (OuterOptimizer.lr_at).
         self.config = TrainConfig(total_steps=steps, warmup_steps=0)
 

@@ -22,6 +22,8 @@ loading stage reads it into its copy), and the gradient norm counts it once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -106,7 +108,7 @@ class TiedEmbedding:
 
 
 def tied_embedding(
-    parts: list[nn.Module], mesh: DeviceMesh, device: torch.device
+    parts: Sequence[nn.Module], mesh: DeviceMesh, device: torch.device
 ) -> TiedEmbedding | None:
     """This rank's share of a head tied across stages, or None: no tie, ``pp == 1``
     (the head then is the embedding's very parameter), or a middle stage's rank.

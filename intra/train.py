@@ -373,7 +373,7 @@ class Trainer:
     def _clip(self) -> float:
         """Global gradient norm over the site (all stages), then clip by it."""
         params = [p for p in self.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [cast(torch.Tensor, p.grad) for p in params]
         # The head's copy of a tied weight holds the same gradient as the embedding's:
         # the norm counts that weight once (both copies are still clipped below).
         head_copy = self.tied.weight if self.tied is not None and self.tied.is_head else None

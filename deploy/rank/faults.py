@@ -81,7 +81,7 @@ class _PoolLostMidRound(futures.ThreadPoolExecutor):
         super().__init__(workers, thread_name_prefix="lane-codec")
         self._step, self._tasks = step, 0
 
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+    def submit(self, fn, /, *args, **kwargs):
         task = super().submit(fn, *args, **kwargs)
         self._tasks += 1
         if self._tasks == LOST_AFTER_TASKS:
