@@ -53,6 +53,11 @@ class PlanInput:
 
     params: float
     """Trained parameters N."""
+    active_params: float = 0.0
+    """Parameters a token passes through, when fewer than ``params`` (a mixture of
+    experts routes each token to ``top_k`` of its experts); 0 = all of them. Shown only:
+    the compute comes from ``flops_per_token``, the bytes on the wire from ``params``
+    (every expert's gradient crosses)."""
     flops_per_token: float = 0.0
     """Training FLOPs per token (forward + backward); 0 = 6 · params. Pass the model's
     own count (attention included) to read `mfu` the way a run reports it."""

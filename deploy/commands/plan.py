@@ -274,8 +274,13 @@ def _describe(p: PlanInput) -> list[tuple[str, str]]:
     return [
         (
             "model",
-            f"{p.params / 1e9:,.{1 if p.params >= 1e10 else 2}f}B parameters, "
-            f"{p.rounds} rounds (FSDP groups) per step",
+            f"{p.params / 1e9:,.{1 if p.params >= 1e10 else 2}f}B parameters"
+            + (
+                f" ({p.active_params / 1e9:,.2f}B active a token)"
+                if 0 < p.active_params < p.params
+                else ""
+            )
+            + f", {p.rounds} rounds (FSDP groups) per step",
         ),
         ("sites", f"{p.sites} x {p.devices_per_site} devices at {p.mfu:.0%} MFU"),
         (

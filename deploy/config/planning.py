@@ -47,8 +47,8 @@ def preset_input(
     rounds = cfg.n_layers + 1  # one FSDP group per block, plus the root's own
     values: dict[str, Any] = {  # PlanInput's fields, floats and ints
         "params": float(model.num_params()),
+        "active_params": float(model.num_params(active=True)),
         "flops_per_token": model.flops_per_token(seq_len),
-        "tokens_per_step": float(seq_len),
         "rounds": rounds,
         "overlap": (rounds - 1) / rounds,
         "chunk_bytes": float(config.chunk_bytes),
@@ -60,6 +60,10 @@ def preset_input(
         "mfu": 0.4,
     }
     values.update({k: v for k, v in fields.items() if v is not None})
+    if "tokens_per_step" not in values:
+        # The batch `isthmus local` trains: train.batch_size sequences a device.
+        sequences = config.train.batch_size * values["devices_per_site"] * values["sites"]
+        values["tokens_per_step"] = float(sequences * seq_len)
     return PlanInput(**values)
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 from helpers import assert_one_line_error, run_cli
 
+from isthmus.deploy.config.job import load_config
 from isthmus.sim.plan import (
     PlanInput,
     bandwidth_for_efficiency,
@@ -189,6 +190,25 @@ def test_plan_cli_gives_the_curve_of_a_preset_against_the_per_gpu_batch():
     # 1.03B fp32 gradients as int8 cross at 10 Gbit/s in ~0.82 s, whatever the batch.
     assert curve[0]["wire_s"] == pytest.approx(1.03e9 * 8 / 10e9, rel=0.01)
     assert run_cli("plan", "--preset", "tiny", "--batch", "2,x", timeout=60).returncode == 2
+
+
+@pytest.mark.timeout(60)
+def test_plan_cli_models_a_mixture_of_experts_at_the_batch_isthmus_local_trains():
+    """Issue 36: compute by the parameters a token passes through, bytes by all of them
+    (every expert's gradient crosses); without --batch, the preset's own batch
+    (train.batch_size sequences a device), not one sequence for the whole job."""
+    args = ("plan", "--preset", "moe-125m", "--gbit", "10", "--rtt-ms", "10", "--sites", "2")
+    result = run_cli(*args, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "0.37B parameters (0.11B active a token)" in result.stdout
+    data = json.loads(run_cli(*args, "--json", timeout=60).stdout)["inputs"]
+    batch = load_config(overrides=["model.preset=moe-125m"]).train.batch_size
+    assert data["tokens_per_step"] == batch * 2048 * 1 * 2  # x seq x devices x sites
+    assert 6 * data["active_params"] < data["flops_per_token"] < 6 * data["params"]
+    assert data["params"] > 3 * data["active_params"]
+    dense = json.loads(run_cli("plan", "--preset", "125m", "--json", timeout=60).stdout)["inputs"]
+    assert "active a token" not in run_cli("plan", "--preset", "125m", timeout=60).stdout
+    assert dense["active_params"] == dense["params"]
 
 
 @pytest.mark.timeout(60)
