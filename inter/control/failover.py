@@ -341,11 +341,11 @@ class Failover:
                     found = b.answer_locked(key, sites_known)
                     if found is not None:
                         return found
-                    left = deadline - st.clock()
-                    if left <= 0 or st.stopped.is_set():
+                    remaining = deadline - st.clock()
+                    if remaining <= 0 or st.stopped.is_set():
                         return pb.Decision(step=key[0], verdict=pb.VERDICT_PENDING)
                     decided = b.decision_event_locked(key)
-                decided.wait(left)
+                decided.wait(remaining)
 
     # -- the loop: forward this site's votes, re-evaluate as leader --------------------------
 
