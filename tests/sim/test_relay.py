@@ -10,6 +10,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from measured import assert_rate
 from sockets import Server, Sink, connect, send_timed, serve_echo
 
 from isthmus.sim import DirectionSpec, LinkSpec, RelayServer, proxy_channel_options
@@ -58,9 +59,12 @@ def test_throughput_matches_bandwidth(relay) -> None:
     try:
         link = relay.add_link("ab", spec)
         with connect(link.add_forward(*server.address)) as s:
-            goodput = send_timed(s, sink, 24 << 20, spec.a_to_b.latency_s)
-        assert goodput == pytest.approx(200 * MBIT, rel=0.10)
-        assert link.stats()["a_to_b"]["bytes_delivered"] == 24 << 20
+            # Never above 200 Mbit/s + 10 %, and within 10 % on one of a few attempts
+            # (tests/sim/measured.py: a starved machine only ever slows a link down).
+            rates = assert_rate(
+                lambda: send_timed(s, sink, 24 << 20, spec.a_to_b.latency_s), 200 * MBIT, 0.10
+            )
+        assert link.stats()["a_to_b"]["bytes_delivered"] == len(rates) * (24 << 20)
         assert link.stats()["a_to_b"]["connections"] == 1
     finally:
         server.close()
@@ -73,19 +77,21 @@ def test_bandwidth_shared_by_connections(relay) -> None:
     server = Server(sink)
     try:
         address = relay.add_link("ab", spec).add_forward(*server.address)
-        socks = [connect(address) for _ in range(2)]
-        t0 = time.monotonic()
-        senders = [
-            threading.Thread(target=s.sendall, args=(b"x" * (6 << 20),), daemon=True) for s in socks
-        ]
-        for t in senders:
-            t.start()
-        t1 = sink.wait_for(12 << 20)
-        goodput = (12 << 20) * 8 / (t1 - t0 - 0.005)
-        # Two connections share one direction's 100 Mbit/s rather than getting it each.
-        assert goodput == pytest.approx(100 * MBIT, rel=0.10)
-        for s in socks:
-            s.close()
+
+        def two_connections() -> float:
+            socks = [connect(address) for _ in range(2)]
+            start = sink.received
+            t0 = time.monotonic()
+            for s in socks:
+                threading.Thread(target=s.sendall, args=(b"x" * (6 << 20),), daemon=True).start()
+            t1 = sink.wait_for(start + (12 << 20))
+            for s in socks:
+                s.close()
+            return (12 << 20) * 8 / (t1 - t0 - 0.005)
+
+        # Two connections share one direction's 100 Mbit/s rather than getting it each
+        # (never above it + 10 %; within 10 % on one of a few attempts: measured.py).
+        assert_rate(two_connections, 100 * MBIT, 0.10)
     finally:
         server.close()
 
@@ -136,11 +142,11 @@ def test_live_bandwidth_update(relay) -> None:
     try:
         link = relay.add_link("ab", slow)
         with connect(link.add_forward(*server.address)) as s:
-            before = send_timed(s, sink, 4 << 20, 0.005)
-            link.update(fast)  # same live connection, same listener
-            after = send_timed(s, sink, 16 << 20, 0.005)
-        assert before == pytest.approx(40 * MBIT, rel=0.10)
-        assert after == pytest.approx(160 * MBIT, rel=0.10)
+            # Each rate within 10 % (never above it; reached on one of a few attempts:
+            # measured.py), on the same live connection through the same listener.
+            assert_rate(lambda: send_timed(s, sink, 4 << 20, 0.005), 40 * MBIT, 0.10)
+            link.update(fast)
+            assert_rate(lambda: send_timed(s, sink, 16 << 20, 0.005), 160 * MBIT, 0.10)
         assert link.spec == fast
     finally:
         server.close()
