@@ -8,9 +8,9 @@ delivered faster than its link, or faster than light), while one short of it may
 the machine's. Hence, for every helper here:
 
 - the hard bound (a rate's ceiling, a delay's floor) is asserted on EVERY attempt;
-- the reachable bound (a rate's floor, a delay's ceiling) on the BEST of up to
-  `attempts` attempts, which stop at the first one within tolerance: a starved attempt
-  is measured again, an emulator that can never reach its spec fails every attempt.
+- the tolerance band around the spec on the best of up to `attempts` attempts, which
+  stop at the first one within it: a starved attempt is measured again, an emulator
+  that can never reach its spec fails every attempt.
 
 On a quiet machine the first attempt passes and a test takes as long as one
 measurement. Tolerances are the callers' and are not widened here.
@@ -71,35 +71,36 @@ def assert_delay(
     spec_s: float,
     tolerance_s: float,
     *,
-    floor_s: float | None = None,
+    hard_floor_s: float | None = None,
     attempts: int = ATTEMPTS,
     what: str = "delay",
 ) -> list[float]:
-    """Assert a delay within `tolerance_s` of its spec: at least `floor_s` on every
-    attempt, at most `spec_s + tolerance_s` on the best of up to `attempts` (see the
-    module's docstring for why).
+    """Assert a delay within `tolerance_s` of its spec on the best of up to `attempts`,
+    and at least `hard_floor_s` on every one (see the module's docstring for why).
 
     Args:
         measure: runs one measurement and returns its delay in seconds.
         spec_s: the spec's delay, in seconds.
         tolerance_s: the tolerance either side, in seconds.
-        floor_s: the least delay any attempt may show (default `spec_s - tolerance_s`).
+        hard_floor_s: the least delay any attempt may show (default `spec_s -
+            tolerance_s`); `-math.inf` where load can shorten the measure too (a
+            difference of two delays), and the caller checks the floor on raw delays.
         attempts: how many measurements at most.
         what: names the measurement in a failure's message.
 
     Returns:
-        the delays measured, in order; the last one is within bounds.
+        the delays measured, in order; the last one is within tolerance.
     """
-    floor = spec_s - tolerance_s if floor_s is None else floor_s
-    ceiling = spec_s + tolerance_s
+    low, high = spec_s - tolerance_s, spec_s + tolerance_s
+    hard_floor = low if hard_floor_s is None else hard_floor_s
     return _best_of(
         measure,
-        ok=lambda d: d <= ceiling,
-        bad=lambda d: d < floor,
+        ok=lambda d: low <= d <= high,
+        bad=lambda d: d < hard_floor,
         attempts=attempts,
         describe=lambda delays: (
             f"{what}: spec {spec_s * 1e3:g} ms, bounds "
-            f"[{floor * 1e3:g}, {ceiling * 1e3:g}], measured "
+            f"[{low * 1e3:g}, {high * 1e3:g}], measured "
             + ", ".join(f"{d * 1e3:.3f}" for d in delays)
         ),
     )

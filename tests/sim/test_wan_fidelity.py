@@ -23,6 +23,7 @@ import threading
 import time
 
 import pytest
+from measured import assert_delay, assert_rate
 
 from isthmus.sim import Corrupt, LinkSpec
 from isthmus.sim.clock import PUMP_NICE
@@ -140,22 +141,30 @@ def test_rtt_within_5_percent_or_0_2_ms(relay, servers, rtt_ms: float) -> None:
     # real WAN adds just the same. Paired, a burst of load hits both alike. Not
     # paired: the client's wake-up after blocking a whole round trip in recv (direct,
     # it blocks microseconds), 0.1-0.2 ms of what remains at 10 ms.
-    medians, fastest = [], math.inf
+    fastest = math.inf
+
+    def window() -> float:
+        """The median of a window's pings through the link, less the endpoints'."""
+        nonlocal fastest
+        through, endpoints = _pings([linked, direct], 15 if rtt_ms < 5 else 8, spec.rtt_s)
+        fastest = min(fastest, *through)
+        return statistics.median(a - b for a, b in zip(through, endpoints, strict=True))
+
+    # The issue's bound on what the emulator adds, on a window's median: other jobs on
+    # the machine delay single pings by milliseconds and, once in about ten runs while
+    # other sessions' tests ran, most of a window's pings by ~0.5 ms (at a load of 12,
+    # whole windows by 2-10 ms), so one of a few windows must meet it
+    # (tests/sim/measured.py). Load can take this difference below the spec as well
+    # (the direct pings delayed): the hard floor is checked on the raw pings below.
     with _connect(address) as linked, _connect(servers["echo"]) as direct:
-        for _ in range(2):
-            through, endpoints = _pings([linked, direct], 15 if rtt_ms < 5 else 8, spec.rtt_s)
-            excess = [a - b for a, b in zip(through, endpoints, strict=True)]
-            medians.append(statistics.median(excess))
-            fastest = min(fastest, *through)
-    print(
-        f"RTT spec {rtt_ms} ms: fastest {fastest * 1e3:.3f} ms, less the endpoints' "
-        f"median {' and '.join(f'{m * 1e3:.3f}' for m in medians)} ms"
-    )
-    # The issue's bound on what the emulator adds, on the median of the better of two
-    # windows: other jobs on the machine delay single pings by milliseconds and, once
-    # in about ten runs while other sessions' tests ran, most of a window's pings by
-    # ~0.5 ms; load only ever adds, so a window that meets the bound is the emulator's.
-    assert min(medians) == pytest.approx(spec.rtt_s, abs=max(0.05 * spec.rtt_s, 0.2e-3))
+        assert_delay(
+            window,
+            spec.rtt_s,
+            max(0.05 * spec.rtt_s, 0.2e-3),
+            hard_floor_s=-math.inf,
+            what=f"RTT less the endpoints' at {rtt_ms} ms",
+        )
+    print(f"RTT spec {rtt_ms} ms: fastest {fastest * 1e3:.3f} ms")
     assert fastest >= spec.rtt_s - 20e-6  # never faster than light (timer: us)
 
 
@@ -165,9 +174,13 @@ def test_rtt_within_5_percent_or_0_2_ms(relay, servers, rtt_ms: float) -> None:
 def test_long_rtt_within_5_percent(relay, servers, rtt_ms: float) -> None:
     spec = LinkSpec.symmetric(latency_s=rtt_ms / 2e3, bandwidth_bps=10 * GBIT)
     with _connect(relay.add_link("ab", spec).add_forward(*servers["echo"])) as s:
-        median = statistics.median(_pings([s], 7, 0.0)[0])
-    print(f"RTT spec {rtt_ms} ms: median {median * 1e3:.3f} ms")
-    assert median == pytest.approx(spec.rtt_s, rel=0.05)
+        # Never 5 % faster; within 5 % in one of a few windows (tests/sim/measured.py).
+        assert_delay(
+            lambda: statistics.median(_pings([s], 7, 0.0)[0]),
+            spec.rtt_s,
+            0.05 * spec.rtt_s,
+            what=f"RTT at {rtt_ms} ms",
+        )
 
 
 @pytest.mark.slow
@@ -182,16 +195,20 @@ def test_5_gbit_within_10_percent(relay, servers, rtt_ms: float) -> None:
     direct = _rate(servers["sink"], 0.3)
     if direct < 10 * GBIT:
         pytest.skip(f"the machine is busy: {direct / GBIT:.1f} Gbit/s without the emulator")
-    # Best of five 0.4 s runs. The sender, sink and relay need about 1.5 of the 2
-    # cores; other jobs on the machine take some runs down by 10-30 %, never up, so
-    # the best run is what the emulator carries and the cap is checked on every run.
-    rates = [_rate(address, 0.4) for _ in range(5)]
-    print(
-        f"5 Gbit/s at {rtt_ms} ms: {', '.join(f'{r / GBIT:.2f}' for r in rates)} Gbit/s "
-        f"(direct {direct / GBIT:.1f})"
+    # Up to eight 0.4 s runs (tests/sim/measured.py). The sender, sink and relay need
+    # about 1.5 of the 2 cores; other jobs on the machine take some runs down by
+    # 10-40 %, never up, and come and go within seconds, so the first run within 10 %
+    # is what the emulator carries, and every run is held under the spec + 3 % (timing
+    # noise).
+    print(f"5 Gbit/s at {rtt_ms} ms: direct {direct / GBIT:.1f} Gbit/s")
+    assert_rate(
+        lambda: _rate(address, 0.4),
+        5 * GBIT,
+        0.10,
+        ceiling_bps=5 * GBIT * 1.03,
+        attempts=8,
+        what=f"5 Gbit/s at {rtt_ms} ms",
     )
-    assert max(rates) == pytest.approx(5 * GBIT, rel=0.10)
-    assert max(rates) < 5 * GBIT * 1.03  # never faster than the spec (+ timing noise)
 
 
 @pytest.mark.timeout(60)
