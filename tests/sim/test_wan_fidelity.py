@@ -191,8 +191,13 @@ def test_5_gbit_within_10_percent(relay, servers, rtt_ms: float) -> None:
     address = relay.add_link("ab", spec).add_forward(*servers["sink"])
     # What this machine carries now without the emulator (one hop instead of two):
     # 14-30 Gbit/s on an idle 2-core VM. Below 10, other jobs hold the cores and no
-    # relay could pass 5 through two hops; that says nothing of the emulator.
-    direct = _rate(servers["sink"], 0.3)
+    # relay could pass 5 through two hops; that says nothing of the emulator. Load only
+    # lowers this too, so the best of a few probes, stopping at the first above 10.
+    direct = 0.0
+    for _ in range(3):
+        direct = max(direct, _rate(servers["sink"], 0.3))
+        if direct >= 10 * GBIT:
+            break
     if direct < 10 * GBIT:
         pytest.skip(f"the machine is busy: {direct / GBIT:.1f} Gbit/s without the emulator")
     # Up to eight 0.4 s runs (tests/sim/measured.py). The sender, sink and relay need
