@@ -110,8 +110,7 @@ class RemoteDirection:
         self._reader = threading.Thread(target=self._read, name=f"isthmus-remote-{name}")
         self._reader.daemon = True
         self._reader.start()
-        self.update(spec)
-        self._ask("stats")  # the child is up: no byte waits for its interpreter to start
+        self.update(spec)  # answered: the child is up, no byte waits for it to start
 
     @property
     def reverse(self) -> RemoteDirection | None:
@@ -139,6 +138,10 @@ class RemoteDirection:
         self._tell(("update", spec, back))
         if self._reverse is not None:  # its impairments read this direction's latency
             self._reverse._tell(("back", spec))
+        # Answered once the child took the spec (it reads its messages in order): bytes
+        # sent after this call meet the new spec, and an impairment's at_s counts from
+        # before the call returns, as with a thread.
+        self._ask("stats")
 
     def reset_connections(self) -> None:
         self._tell(("reset",))

@@ -48,6 +48,22 @@ def serve_echo(conn: socket.socket) -> None:
             conn.sendall(data)
 
 
+def echo_noting_the_end(saw: list[str]):
+    """A ``Server`` handler that echoes, then appends "eof" (an orderly end) or "reset"
+    (RST) to ``saw``: how a test tells which end the relay gave the server."""
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while data := conn.recv(1024):
+                    conn.sendall(data)
+                saw.append("eof")
+            except ConnectionResetError:
+                saw.append("reset")
+
+    return serve
+
+
 class Sink:
     """Counts bytes received on each connection and when they arrived."""
 

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 from measured import assert_delay, assert_rate
-from sockets import Server, Sink, connect, serve_echo
+from sockets import Server, Sink, connect, echo_noting_the_end, serve_echo
 
 from isthmus.sim import (
     Corrupt,
@@ -267,17 +267,7 @@ def either_relay(request):
 def test_reset_at_a_time_resets_both_sides(either_relay) -> None:
     relay = either_relay
     server_saw: list[str] = []
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            try:
-                while data := conn.recv(1024):
-                    conn.sendall(data)
-                server_saw.append("eof")
-            except ConnectionResetError:
-                server_saw.append("reset")
-
-    server = Server(serve)
+    server = Server(echo_noting_the_end(server_saw))
     try:
         link = relay.add_link("ab", LinkSpec.symmetric(latency_s=0.005))
         address = link.add_forward(*server.address)

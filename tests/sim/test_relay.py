@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 import pytest
 from measured import assert_rate
-from sockets import Server, Sink, connect, send_timed, serve_echo
+from sockets import Server, Sink, connect, echo_noting_the_end, send_timed, serve_echo
 
 from isthmus.sim import DirectionSpec, LinkSpec, RelayServer, proxy_channel_options
 
@@ -308,17 +308,7 @@ def test_link_reset_resets_both_sides_of_every_connection(either_relay) -> None:
     """`Link.reset()` (the chaos suite's partition: open connections notice at once):
     the client and the server both get RST, and the link carries new connections."""
     server_saw: list[str] = []
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            try:
-                while data := conn.recv(1024):
-                    conn.sendall(data)
-                server_saw.append("eof")
-            except ConnectionResetError:
-                server_saw.append("reset")
-
-    server = Server(serve)
+    server = Server(echo_noting_the_end(server_saw))
     try:
         link = relay.add_link("ab", LinkSpec.symmetric(latency_s=0.002))
         address = link.add_forward(*server.address)
