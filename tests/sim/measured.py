@@ -12,6 +12,10 @@ the machine's. Hence, for every helper here:
   stop at the first one within it: a starved attempt is measured again, an emulator
   that can never reach its spec fails every attempt.
 
+A measure that load can move both ways (one delay less another, as the paired RTT
+test's) gives up its hard bound here (`hard_floor_s=-math.inf`), and its caller checks
+that bound on the raw delays instead.
+
 On a quiet machine the first attempt passes and a test takes as long as one
 measurement. Tolerances are the callers' and are not widened here.
 """
@@ -125,4 +129,4 @@ def _best_of(
         )
         if ok(values[-1]):
             return values
-    raise AssertionError(f"short of the spec in all {attempts} attempts: {describe(values)}")
+    raise AssertionError(f"outside the tolerance in all {attempts} attempts: {describe(values)}")
