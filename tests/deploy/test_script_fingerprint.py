@@ -6,6 +6,7 @@ what the witness compares, are as they were."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import grpc
 import pytest
@@ -24,8 +25,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(autouse=True)
-def _restore_script_env(monkeypatch):
-    monkeypatch.delenv(SCRIPT_ENV, raising=False)  # use_script sets it; put it back after
+def _restore_script_env():
+    # use_script sets it in this process's environment, which later tests' launchers
+    # hand their ranks (monkeypatch.delenv of an unset name would restore nothing).
+    before = os.environ.pop(SCRIPT_ENV, None)
+    yield
+    os.environ.pop(SCRIPT_ENV, None)
+    if before is not None:
+        os.environ[SCRIPT_ENV] = before
 
 
 def pinned(script, *args: str) -> dict[str, str]:
