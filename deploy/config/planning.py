@@ -4,6 +4,7 @@ quick start's choice of sync mode (deploy/launch/quickstart.py) read the same nu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from isthmus.deploy.config.job import ConfigError, load_config
@@ -60,11 +61,12 @@ def preset_input(
         "mfu": 0.4,
     }
     values.update({k: v for k, v in fields.items() if v is not None})
-    if "tokens_per_step" not in values:
-        # The batch `isthmus local` trains: train.batch_size sequences a device.
-        sequences = config.train.batch_size * values["devices_per_site"] * values["sites"]
-        values["tokens_per_step"] = float(sequences * seq_len)
-    return PlanInput(**values)
+    if "tokens_per_step" in values:
+        return PlanInput(**values)
+    # The batch `isthmus local` trains: train.batch_size sequences a device.
+    inputs = PlanInput(**values, tokens_per_step=float(seq_len))
+    sequences = config.train.batch_size * inputs.devices_per_site * inputs.sites
+    return replace(inputs, tokens_per_step=float(sequences * seq_len))
 
 
 def codec_ratio(spec: str) -> float:

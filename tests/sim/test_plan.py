@@ -10,6 +10,7 @@ import pytest
 from helpers import assert_one_line_error, run_cli
 
 from isthmus.deploy.config.job import load_config
+from isthmus.deploy.config.planning import preset_input
 from isthmus.sim.plan import (
     PlanInput,
     bandwidth_for_efficiency,
@@ -197,18 +198,16 @@ def test_plan_cli_models_a_mixture_of_experts_at_the_batch_isthmus_local_trains(
     """Issue 36: compute by the parameters a token passes through, bytes by all of them
     (every expert's gradient crosses); without --batch, the preset's own batch
     (train.batch_size sequences a device), not one sequence for the whole job."""
-    args = ("plan", "--preset", "moe-125m", "--gbit", "10", "--rtt-ms", "10", "--sites", "2")
-    result = run_cli(*args, timeout=60)
+    result = run_cli("plan", "--preset", "moe-125m", "--gbit", "10", "--sites", "2", timeout=60)
     assert result.returncode == 0, result.stderr
     assert "0.37B parameters (0.11B active a token)" in result.stdout
-    data = json.loads(run_cli(*args, "--json", timeout=60).stdout)["inputs"]
+    moe = preset_input("moe-125m", seq_len=2048, bandwidth_bps=10e9, rtt_s=0.01, sites=2)
     batch = load_config(overrides=["model.preset=moe-125m"]).train.batch_size
-    assert data["tokens_per_step"] == batch * 2048 * 1 * 2  # x seq x devices x sites
-    assert 6 * data["active_params"] < data["flops_per_token"] < 6 * data["params"]
-    assert data["params"] > 3 * data["active_params"]
-    dense = json.loads(run_cli("plan", "--preset", "125m", "--json", timeout=60).stdout)["inputs"]
-    assert "active a token" not in run_cli("plan", "--preset", "125m", timeout=60).stdout
-    assert dense["active_params"] == dense["params"]
+    assert moe.tokens_per_step == batch * 2048 * 1 * 2  # x seq x devices x sites
+    assert 6 * moe.active_params < moe.flops_per_token < 6 * moe.params
+    assert moe.params > 3 * moe.active_params
+    dense = preset_input("125m", seq_len=2048, bandwidth_bps=10e9, rtt_s=0.01)
+    assert dense.active_params == dense.params
 
 
 @pytest.mark.timeout(60)
