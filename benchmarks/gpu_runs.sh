@@ -32,6 +32,8 @@
 #                                          # cp = SITE_GPUS inside each, 125m at 32k
 #                                          # tokens, int8 over 1000 km at 10 Gbit/s
 #   bash benchmarks/gpu_runs.sh ep-sites  # the same with moe-125m, ep = SITE_GPUS
+#   bash benchmarks/gpu_runs.sh dense-sites  # ep-sites' job with the dense 125m (equal
+#                                          # active parameters): issue 36's baseline
 #   bash benchmarks/gpu_runs.sh slow      # issue 15: sites of SIZES GPUs (default 2,2),
 #                                          # site1 2x slower from step 8 of 24, the split
 #                                          # kept and re-balanced every 4 steps; 1b,
@@ -165,15 +167,18 @@ case "${1:-}" in
       tail -12 "$out/moe_$preset.log" | tee "$out/moe_$preset.txt"
     done
     ;;
-  cp-sites|ep-sites)
+  cp-sites|ep-sites|dense-sites)
     # Per-step int8 sync over 1000 km at 10 Gbit/s (the issue-11 headline's link);
     # eager (parallel.compile=false): the comparison is one site against two.
     if [ "$1" = cp-sites ]; then
       shape=(--preset 125m --seq "${SEQ:-32768}" --batches "${BATCHES:-1}"
              --set "topology.cp=$site_gpus")
-    else
+    elif [ "$1" = ep-sites ]; then
       shape=(--preset moe-125m --seq 2048 --batches "${BATCHES:-16}"
              --set "topology.ep=$site_gpus" --set parallel.activation_checkpoint=true)
+    else
+      shape=(--preset 125m --seq 2048 --batches "${BATCHES:-16}"
+             --set parallel.activation_checkpoint=true)
     fi
     python3 benchmarks/scaling_curve.py --out "${RUNS:-/tmp/isthmus-runs}/$1" \
       --json "$out/$1.json" "${shape[@]}" --sites 2 --ranks-per-site "$site_gpus" \
@@ -223,7 +228,7 @@ print(sys.argv[2], round(s['steady_tokens_per_s']), 'tokens/s')" \
     done | tee "$out/pair_$preset.txt"
     ;;
   *)
-    echo "usage: $0 sync|sites|headline|raw|modes|loss|longctx|moe|cp-sites|ep-sites|unequal|pair" >&2
+    echo "usage: $0 sync|sites|headline|raw|modes|loss|longctx|moe|cp-sites|ep-sites|dense-sites|unequal|slow|pair" >&2
     exit 2
     ;;
 esac

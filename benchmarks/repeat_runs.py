@@ -9,6 +9,8 @@ slowest step, retries, refused (non-finite) and corrupt chunks, the log lines th
 mention NaN or a timeout, and whether the replicas ended identical. ``--one-site``
 also runs the job once with one site, for the loss of the first steps next to the
 two sites' (the issue asked whether the loss jump at steps 0-4 is the sync's).
+With it, each run's scaling efficiency against that one site and their median
+are printed too (issue 32's headline is a median of 3).
 
     python3 benchmarks/repeat_runs.py --out /tmp/repeat --repeats 10 \\
         --preset 1b --seq 2048 --batch 64 --codec int8 --steps 24 --warmup 6 \\
@@ -25,6 +27,7 @@ import argparse
 import json
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -169,6 +172,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(args.out / f"run{i}"))
     print_table(rows)
     multi = [r for r in rows if r["run"] != "one-site"]
+    one_tps = rows[0]["steady_tokens_per_s"] if args.one_site else None
+    if one_tps:  # scaling efficiency of each run against the one site, and their median
+        for r in multi:
+            r["efficiency"] = (r["steady_tokens_per_s"] or 0.0) / (args.sites * one_tps)
+        effs = sorted(r["efficiency"] for r in multi)
+        print(
+            f"one site {one_tps:,.0f} tokens/s; scaling efficiency "
+            + ", ".join(f"{e:.1%}" for e in (r["efficiency"] for r in multi))
+            + f"; median {statistics.median(effs):.1%}"
+        )
     clean = [
         r
         for r in multi
