@@ -20,11 +20,13 @@ Semantic versioning: the names in ``__all__`` and their documented behaviour are
 API (docs/api.md); anything else here may change.
 
 Underneath, the script's model goes through the machinery the built-in trainer uses:
-the site's world and mesh (``rank_setup.join_site``), the rank's lane and membership
+the site's world and mesh (``startup.join_site``), the rank's lane and membership
 (``CrossSite``), the gradient sync (``LaneGradientSync``) or the outer optimizer of
-DiLoCo and streaming (``rank_setup.outer_optimizer``), checkpoints
-(``checkpointing.restore``/``save_if_due``), the per-step digest, metrics and teardown
-of ``deploy/rank/program.py``.
+DiLoCo and streaming (``startup.outer_optimizer``), checkpoint restore
+(``checkpointing.restore``). The built-in trainer is a user of this Context's loop:
+``steps`` and the end of ``step`` (a rejoin followed, or the step recorded, its state
+offered to a site admitted, a checkpoint saved when due) are ``StepLoop``'s
+(deploy/rank/loop.py), which the built-in loop runs through too, as is ``finish``.
 """
 
 from __future__ import annotations
@@ -44,15 +46,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.config.job import JobConfig, load_config
-from isthmus.deploy.rank.checkpointing import restore, save_if_due
-from isthmus.deploy.rank.loop import (
-    LoopState,
-    lane_outcome,
-    outer_step,
-    record_step,
-    site_traffic,
-    tear_down,
-)
+from isthmus.deploy.rank.checkpointing import restore
+from isthmus.deploy.rank.loop import StepLine, StepLoop, lane_outcome, outer_step
 from isthmus.deploy.rank.startup import (
     RankEnv,
     RankParts,
@@ -167,11 +162,7 @@ class Context:
         self._security = security_of(env, config)
         self._cross = join_job(env, config, self._security)
         self.start_step = 0
-        self._parts: RankParts | None = None
-        self._progress: LoopState | None = None
-        self._next = 0
-        self._flat: list[torch.Tensor] | None = None
-        self._finished = False
+        self._loop: StepLoop | None = None
 
     # --- where this rank's data comes from ---------------------------------------
 
@@ -223,7 +214,7 @@ class Context:
         Returns:
             The first step to train (also ``start_step``).
         """
-        if self._parts is not None:
+        if self._loop is not None:
             raise RuntimeError("attach() was called already: one model per job")
 
         config, env, cross = self.config, self._env, self._cross
@@ -245,7 +236,7 @@ class Context:
         if cross is not None:
             start = cross.catch_up(shaped) or start  # type: ignore[arg-type]
         dist.barrier()
-        self._parts = RankParts(
+        parts = RankParts(
             env=env,
             config=config,
             trainer=shaped,  # type: ignore[arg-type]
@@ -260,10 +251,8 @@ class Context:
             start=start,
             plan=user,  # type: ignore[arg-type]
         )
-        self._user = user
-        self.start_step = self._next = start
-        self._progress = LoopState(step=start, synced=start - 1, started=time.perf_counter())
-        self._step_started = time.perf_counter()
+        self._loop = StepLoop(parts)
+        self.start_step = start
         return start
 
     @staticmethod
@@ -278,15 +267,7 @@ class Context:
     def steps(self) -> Iterator[int]:
         """The steps to train, from ``start_step`` to ``config.job.steps - 1``; after a
         rejoin it continues where the job is. Call :meth:`step` once per step."""
-        parts = self._require()
-        while self._next < parts.config.job.steps:
-            before = self._next
-            self._step_started = time.perf_counter()
-            assert isinstance(parts.trainer, _ScriptModel)
-            parts.trainer.step_in_progress = before
-            yield before
-            if self._next == before:
-                raise RuntimeError(f"step {before}: call ctx.step() once per step")
+        yield from self._require().steps()
 
     def step(
         self,
@@ -308,57 +289,30 @@ class Context:
             The step's outcome: ``committed`` is False when nothing was applied (the
             site had to rejoin the job, which ``steps`` then follows).
         """
-        parts = self._require()
-        shaped, cross, config = parts.trainer, parts.cross, parts.config
+        loop = self._require()
+        shaped = loop.parts.trainer
         assert isinstance(shaped, _ScriptModel)
-        step = self._next
-        compute_s = time.perf_counter() - self._step_started
+        step = loop.next_step
+        compute_s = time.perf_counter() - loop.step_started
         t_sync = time.perf_counter()
-        synced, grad_norm = self._apply_gradients(parts, shaped, step, grad_clip)
+        synced, grad_norm = self._apply_gradients(loop.parts, shaped, step, grad_clip)
         sync_s = time.perf_counter() - t_sync
-        if synced is not None and synced.rejoin is not None:
-            assert cross is not None
-            self._next = cross.rejoin(shaped, synced.rejoin)
-            assert self._progress is not None
-            self._progress.step, self._progress.synced = self._next, self._next - 1
-            return Outcome(step, committed=False, rejoined=True, next_step=self._next)
-        progress = self._progress
-        assert progress is not None
-        traffic = site_traffic(synced.stats if synced is not None else None)
-        site_loss = torch.tensor([float(loss)], dtype=torch.float64)
-        dist.all_reduce(site_loss)
-        record_step(
-            parts,
-            progress,
-            step,
-            synced,
-            traffic,
-            loss=float(site_loss) / self.world_size,
-            grad_norm=grad_norm,
-            lr=shaped.optimizer.param_groups[0].get("lr", 0.0),
-            compute_s=compute_s,
-            sync_s=sync_s,
-            tokens=tokens * self.world_size,
-            mfu=0.0,
-            more={k: float(v) for k, v in metrics.items()},
-        )
-        if synced is not None and synced.offer_state is not None:
-            assert cross is not None
-            cross.offer_state(shaped, synced.offer_state, step + 1)
-        env = self._env
-        save_if_due(
-            shaped,
-            parts.sync,
-            config,
-            env.run_dir,
-            env.site,
-            step + 1,
-            parts.key,
-            parts.outer,
-            self._user,
-        )
-        self._next = progress.step = step + 1
-        return Outcome(step, committed=True, next_step=self._next)
+
+        def measured(traffic: torch.Tensor) -> StepLine:
+            site_loss = torch.tensor([float(loss)], dtype=torch.float64)
+            dist.all_reduce(site_loss)
+            return StepLine(
+                loss=float(site_loss) / self.world_size,
+                grad_norm=grad_norm,
+                lr=shaped.optimizer.param_groups[0].get("lr", 0.0),
+                compute_s=compute_s,
+                sync_s=sync_s,
+                tokens=tokens * self.world_size,
+                more={k: float(v) for k, v in metrics.items()},
+            )
+
+        committed = loop.end_step(synced, measured)
+        return Outcome(step, committed=committed, rejoined=not committed, next_step=loop.next_step)
 
     def _apply_gradients(
         self, parts: RankParts, shaped: _ScriptModel, step: int, grad_clip: float | None
@@ -369,7 +323,7 @@ class Context:
         outer = parts.outer
         synced = None
         if parts.sync is not None and outer is None:
-            synced = self._sync_step(shaped, step)
+            synced = self._sync_step(parts, shaped, step)
         elif not shaped.groups and self.world_size > 1:
             _site_mean(shaped.model)  # a plain model: the site's ranks average here
         grad_norm = 0.0
@@ -382,10 +336,11 @@ class Context:
             return outer_step(parts, step), grad_norm
         return lane_outcome(synced), grad_norm
 
-    def _sync_step(self, shaped: _ScriptModel, step: int):
+    @staticmethod
+    def _sync_step(parts: RankParts, shaped: _ScriptModel, step: int):
         """The step's cross-site gradient average (per-step sync): FSDP2's hooks started
         it during backward; a plain model's gradients go now, as one flat tensor."""
-        sync = self._parts.sync  # type: ignore[union-attr]
+        sync = parts.sync
         assert sync is not None
         flat = None
         if not shaped.groups:
@@ -404,18 +359,12 @@ class Context:
     def finish(self) -> None:
         """After the last step: the final digest, the rank's result, and the lane,
         coordinator channel and process group closed (what the launcher waits for)."""
-        if self._finished:
-            return
+        self._require().finish()
 
-        parts = self._require()
-        assert self._progress is not None
-        self._finished = True
-        tear_down(parts, self._progress)
-
-    def _require(self) -> RankParts:
-        if self._parts is None:
+    def _require(self) -> StepLoop:
+        if self._loop is None:
             raise RuntimeError("call ctx.attach(model, optimizer) first")
-        return self._parts
+        return self._loop
 
 
 def _clip(model: nn.Module, max_norm: float) -> float:
@@ -459,5 +408,5 @@ def init() -> Context:
 
 def close_current() -> None:
     """Tears the rank down if the script returned without :meth:`Context.finish`."""
-    if _current is not None and _current._parts is not None:
+    if _current is not None and _current._loop is not None:
         _current.finish()

@@ -1,13 +1,24 @@
-"""The rank's step loop and its end: each step trained, synced across sites, recorded
-(digest, metrics line) and checkpointed; then the final digest, the rank's result and
-everything setup opened closed. The script API (deploy/api.py) records its steps and
-ends its rank with the same functions, so a script's metrics read like the trainer's."""
+"""The rank's steps, for the built-in trainer and a user's script alike.
+
+`StepLoop` owns which step comes next (`steps`) and how a step ends (`end_step`): a
+step whose sync found the job gone on without this site takes the live state and goes
+on from where the job is; any other is recorded (the digest when due, the metrics line),
+its state offered to a site the commit admitted, and a checkpoint saved when due. Then
+`finish`: the final digest, the rank's result and everything setup opened closed.
+
+It has two users, so the two cannot drift: `train` below, the built-in trainer's loop
+(its gradient path, pipeline and tensor parallel included, stays in intra's `Trainer`),
+and the script API's `Context` (deploy/api.py), whose `steps` are these and whose
+`step` applies the script's gradients, then ends the step here.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -36,19 +47,147 @@ class LoopState:
     """The job's last step was trained and reported here."""
 
 
-def train(parts: RankParts, faults: FaultInjection) -> LoopState:
-    """Trains from ``parts.start`` to the job's last step; returns where it ended.
+@dataclass(kw_only=True, slots=True)
+class StepLine:
+    """A committed step's measures, as its trainer took them: the part of its metrics
+    line that the step loop does not know itself."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    compute_s: float
+    sync_s: float
+    tokens: int
+    """The site's tokens this step."""
+    mfu: float = 0.0
+    more: dict[str, float] = field(default_factory=dict)
+    """More keys of the line (the batch plan's, the held-out loss, a script's own)."""
+
+
+class StepLoop:
+    """The steps a rank trains and each step's end (see the module docstring)."""
+
+    def __init__(self, parts: RankParts) -> None:
+        self.parts = parts
+        self.progress = LoopState(
+            step=parts.start, synced=parts.start - 1, started=time.perf_counter()
+        )
+        self.step_started = self.progress.started
+        """``time.perf_counter()`` when the step in progress was handed out."""
+        self._ended = True
+        self._finished = False
+
+    @property
+    def next_step(self) -> int:
+        """The step to train next (after a rejoin, the job's)."""
+        return self.progress.step
+
+    def steps(self) -> Iterator[int]:
+        """The steps to train, from ``parts.start`` to the job's last; after a rejoin
+        it goes on where the job is. Each must end with :meth:`end_step`."""
+        last = self.parts.config.job.steps
+        while self.progress.step < last:
+            step = self.progress.step
+            self.step_started = time.perf_counter()
+            # A script's FSDP2 hooks tag the rounds they start with it (the built-in
+            # Trainer sets its own again in its step).
+            self.parts.trainer.step_in_progress = step
+            self._ended = False
+            yield step
+            if not self._ended:
+                raise RuntimeError(f"step {step}: call ctx.step() once per step")
+
+    def end_step(
+        self, synced: StepOutcome | None, line: Callable[[torch.Tensor], StepLine]
+    ) -> bool:
+        """Ends the step in progress, whose cross-site sync ended as ``synced`` (None:
+        nothing crossed).
+
+        Args:
+            synced: the step's sync outcome, or the outer round's that landed after it.
+            line: the step's measures, given the site's totals of what crossed
+                (``_site_traffic``); called only for a step that committed, at every
+                rank of the site, so it may run collectives of the site.
+
+        Returns:
+            True when the step was applied and recorded; False when the job went on
+            without this site: nothing of the step was applied, the live state was
+            pulled and :meth:`steps` goes on at :attr:`next_step`.
+        """
+        parts, progress = self.parts, self.progress
+        step = progress.step
+        self._ended = True
+        if synced is not None and synced.rejoin is not None:
+            assert parts.cross is not None
+            progress.step = parts.cross.rejoin(parts.trainer, synced.rejoin)
+            progress.synced = progress.step - 1
+            return False
+        traffic = _site_traffic(synced.stats if synced is not None else None)
+        _record(parts, progress, step, synced, traffic, line(traffic))
+        if synced is not None and synced.offer_state is not None:
+            # This site is the source of one the commit admitted: the state after step.
+            assert parts.cross is not None
+            parts.cross.offer_state(parts.trainer, synced.offer_state, step + 1)
+        env = parts.env
+        save_if_due(
+            parts.trainer,
+            parts.sync,
+            parts.config,
+            env.run_dir,
+            env.site,
+            step + 1,
+            parts.key,
+            parts.outer,
+            parts.plan,
+        )
+        progress.step = step + 1
+        return True
+
+    def finish(self) -> None:
+        """After the last step (once; later calls do nothing): the final digest if this
+        site did not report it, the rank's result file, and the lane, coordinator
+        channel and process group closed."""
+        if self._finished:
+            return
+        self._finished = True
+        parts, progress = self.parts, self.progress
+        env, config, trainer, metrics = parts.env, parts.config, parts.trainer, parts.metrics
+        digest = progress.digest
+        if not progress.reported_last:
+            # This site joined (or rejoined) with the state after the last step: admitted
+            # at the job's last commit (in DiLoCo, its last round). Nothing was left to
+            # train; the other sites still wait for its final digest.
+            digest = trainer.parameter_digest()
+            metrics.report_final_digest(config.job.steps, digest)
+        train_s = time.perf_counter() - progress.started
+        metrics.close()
+        shard_digest = intra_shard_digest(trainer.model_parts)
+        result = {
+            "site": env.site,
+            "rank": env.rank,
+            "digest": digest,
+            "shard_digest": shard_digest,
+            "train_s": train_s,
+            "steps": config.job.steps,
+            **metrics.totals,
+        }
+        (parts.site_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+        if parts.cross is not None:
+            parts.cross.close()
+        dist.destroy_process_group()
+
+
+def train(loop: StepLoop, faults: FaultInjection) -> None:
+    """The built-in trainer's loop: each step's batch (as the batch plan sizes it) and
+    injected faults, the ``Trainer``'s step, then the step's end through ``loop``.
 
     Per-step sync: every step's gradients cross (in the trainer's hook). DiLoCo: the
-    outer optimizer's rounds, started every H steps, land ``delay`` steps later. A
-    step whose sync finds that the job went on without this site pulls the live state
-    and goes on from where the job is.
+    outer optimizer's rounds, started every H steps, land ``delay`` steps later.
     """
-    config = parts.config
-    progress = LoopState(step=parts.start, synced=parts.start - 1, started=time.perf_counter())
+    parts = loop.parts
     plan = parts.plan
-    while progress.step < config.job.steps:
-        step = progress.step
+    for step in loop.steps():
         if plan is not None:
             plan.before_step(step)  # a ramp may resize this step's batch
         # Micro-batches, global batch: what this step trains (a decision applies next).
@@ -56,33 +195,20 @@ def train(parts: RankParts, faults: FaultInjection) -> LoopState:
         inputs, targets = parts.batches.batch(step)
         faults.before_step(step, parts.sync)
         stats, synced = _step(parts, step, inputs, targets)
-        if synced is not None and synced.rejoin is not None:
-            # The job went on without this site while it was cut off: nothing of this
-            # step's sync was applied; take the live state and go on from where the job is.
-            assert parts.cross is not None
-            progress.step = parts.cross.rejoin(parts.trainer, synced.rejoin)
-            progress.synced = progress.step - 1
-            continue
-        _report_step(parts, faults, progress, step, stats, synced, batch)
-        _offer_and_save(parts, step, synced)
-        progress.step += 1
-    return progress
+        loop.end_step(synced, partial(_step_line, parts, faults, stats, batch))
 
 
-def _report_step(
+def _step_line(
     parts: RankParts,
     faults: FaultInjection,
-    progress: LoopState,
-    step: int,
     stats: StepStats,
-    synced: StepOutcome | None,
     batch: dict[str, float],
-) -> None:
-    """After a step that committed: the injected slowdown, the batch plan's measures,
-    the held-out loss when due, then the digest when due and the step's line."""
-    outer, plan = parts.outer, parts.plan
+    traffic: torch.Tensor,
+) -> StepLine:
+    """A built-in step that committed: the injected slowdown, the batch plan's measures,
+    the held-out loss when due, and what its metrics line says of them."""
+    step, outer, plan = stats.step, parts.outer, parts.plan
     slowed = faults.pace(step, stats.compute_s, stats.sync_s)
-    traffic = site_traffic(synced.stats if synced is not None else None)
     if plan is not None:
         plan.after_step(
             step,
@@ -94,12 +220,7 @@ def _report_step(
     # The held-out loss, of the model the sites share (equal everywhere).
     held_out = parts.held_out
     val = held_out.measure(parts.trainer, outer) if held_out.due(step) else None
-    record_step(
-        parts,
-        progress,
-        step,
-        synced,
-        traffic,
+    return StepLine(
         loss=stats.loss,
         grad_norm=stats.grad_norm,
         lr=stats.lr,
@@ -115,46 +236,16 @@ def _report_step(
     )
 
 
-def _offer_and_save(parts: RankParts, step: int, synced: StepOutcome | None) -> None:
-    """Offer the state after ``step`` to a site the commit admitted, if this one is its
-    source; then save a checkpoint when one is due."""
-    env, config, sync, outer, plan = parts.env, parts.config, parts.sync, parts.outer, parts.plan
-    if synced is not None and synced.offer_state is not None:
-        assert parts.cross is not None
-        parts.cross.offer_state(parts.trainer, synced.offer_state, step + 1)
-    save_if_due(
-        parts.trainer,
-        sync,
-        config,
-        env.run_dir,
-        env.site,
-        step + 1,
-        parts.key,
-        outer,
-        plan,
-    )
-
-
-def record_step(
+def _record(
     parts: RankParts,
     progress: LoopState,
     step: int,
     synced: StepOutcome | None,
     traffic: torch.Tensor,
-    *,
-    loss: float,
-    grad_norm: float,
-    lr: float,
-    compute_s: float,
-    sync_s: float,
-    tokens: int,
-    mfu: float,
-    more: dict,
+    measured: StepLine,
 ) -> None:
     """A committed step's digest when due and its line in the metrics (metrics.jsonl,
-    TensorBoard, the coordinator's progress): the built-in trainer's and a script's
-    (deploy/api.py) alike. ``tokens`` are the site's; ``traffic`` is ``site_traffic``'s;
-    ``more`` adds keys."""
+    TensorBoard, the coordinator's progress); ``traffic`` is ``_site_traffic``'s."""
     digest_started = time.perf_counter()
     progress.digest = _digest_if_due(parts, progress, step, synced is not None)
     # Steady-state throughput leaves digests out (summary.py): a check, not training.
@@ -166,13 +257,13 @@ def record_step(
     line = {
         "site": parts.env.site,
         "step": step,
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "lr": lr,
-        "compute_s": compute_s,
-        "sync_s": sync_s,
-        "tokens": tokens,
-        "mfu": mfu,
+        "loss": measured.loss,
+        "grad_norm": measured.grad_norm,
+        "lr": measured.lr,
+        "compute_s": measured.compute_s,
+        "sync_s": measured.sync_s,
+        "tokens": measured.tokens,
+        "mfu": measured.mfu,
         "bytes_sent": int(traffic[0]),
         "raw_bytes": int(traffic[1]),
         "corrupt_chunks": int(traffic[2]),
@@ -183,7 +274,7 @@ def record_step(
         "exposed_sync_s": round_stats.wait_s if round_stats else 0.0,
         "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
         "digest_s": digest_s,
-        **more,
+        **measured.more,
         "live_sites": live_sites,
         "generation": generation,
         "retries": round_stats.retries if round_stats else 0,
@@ -246,7 +337,7 @@ def _membership_now(parts: RankParts, round_stats: SyncStats | None) -> tuple[in
     return 1, 0
 
 
-def site_traffic(rs: SyncStats | None) -> torch.Tensor:
+def _site_traffic(rs: SyncStats | None) -> torch.Tensor:
     """Site totals of what crossed the WAN this step (every rank has its own lane):
     bytes sent, raw bytes, corrupt and non-finite chunks, and the squared norm of the
     site's own mean gradient when it was measured (its ranks' shards add up to it;
@@ -282,33 +373,3 @@ def _digest_if_due(parts: RankParts, progress: LoopState, step: int, crosses: bo
     if due:
         return parts.trainer.parameter_digest()
     return ""
-
-
-def tear_down(parts: RankParts, progress: LoopState) -> None:
-    """After the last step: the final digest if this site did not report it, the rank's
-    result file, and the lane, coordinator channel and process group closed."""
-    env, config, trainer, metrics = parts.env, parts.config, parts.trainer, parts.metrics
-    digest = progress.digest
-    if not progress.reported_last:
-        # This site joined (or rejoined) with the state after the last step: admitted at
-        # the job's last commit (in DiLoCo, its last round). Nothing was left to train;
-        # the other sites still wait for its final digest.
-        digest = trainer.parameter_digest()
-        metrics.report_final_digest(config.job.steps, digest)
-    train_s = time.perf_counter() - progress.started
-    metrics.close()
-    shard_digest = intra_shard_digest(trainer.model_parts)
-    result = {
-        "site": env.site,
-        "rank": env.rank,
-        "digest": digest,
-        "shard_digest": shard_digest,
-        "train_s": train_s,
-        "steps": config.job.steps,
-        **metrics.totals,
-    }
-    (parts.site_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    if parts.cross is not None:
-        parts.cross.close()
-    dist.destroy_process_group()

@@ -17,9 +17,10 @@ coordinate in every other site) and hands the trainer a LaneGradientSync. Rank 0
 writes one metrics line per step; every rank writes its result at the end.
 
 `run` is the rank's three phases: `set_up` (deploy/rank/startup.py) builds it all,
-`train` is the step loop, `tear_down` reports the final digest, writes the rank's
-result and closes what setup opened (both deploy/rank/loop.py). This module is the
-process around them: a script run instead of the loop, the rank's death with its
+`train` is the built-in trainer's loop through a `StepLoop`, the steps and each step's
+end that the script API's `Context` runs too, and `StepLoop.finish` reports the final
+digest, writes the rank's result and closes what setup opened (both
+deploy/rank/loop.py). This module is the process around them: a script run instead of the loop, the rank's death with its
 launcher, its one error line, and a script's error told to the site's coordinator,
 which stops the job at every site.
 """
@@ -42,7 +43,7 @@ import grpc
 
 from isthmus.deploy.config.job import JobConfig, load_config
 from isthmus.deploy.rank.contract import SCRIPT_ENV
-from isthmus.deploy.rank.loop import tear_down, train
+from isthmus.deploy.rank.loop import StepLoop, train
 from isthmus.deploy.rank.reporting import DivergenceError
 from isthmus.deploy.rank.startup import (
     RankEnv,
@@ -83,9 +84,9 @@ def _terminate(*_: object) -> None:
 
 def run(env: RankEnv, config: JobConfig) -> None:
     """One rank's life: setup, the step loop, teardown."""
-    parts = set_up(env, config)
-    progress = train(parts, env.faults)
-    tear_down(parts, progress)
+    loop = StepLoop(set_up(env, config))
+    train(loop, env.faults)
+    loop.finish()
 
 
 class ScriptError(Exception):

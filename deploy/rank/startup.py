@@ -1,5 +1,6 @@
 """A rank's setup: where it sits, what it was told, and everything it builds before
-its first step (deploy/rank/loop.py runs the steps and the teardown).
+its first step (the steps, their ends and the teardown are deploy/rank/loop.py's
+`StepLoop`, for the built-in trainer and a script's `api.Context` alike).
 
 `set_up` joins the site's torch.distributed world, builds the mesh, model and FSDP2
 trainer and, for a multi-site job, opens the rank's lane, registers it with the
@@ -95,7 +96,9 @@ class RankEnv:
 
 @dataclass(kw_only=True, slots=True)
 class RankParts:
-    """What `set_up` built: everything the step loop and the teardown use."""
+    """What a rank built: everything its `StepLoop` uses. `set_up` builds it for the
+    built-in trainer; a script's ``api.Context.attach`` builds one around the script's
+    model (no batches, no held-out loss: those are the script's)."""
 
     env: RankEnv
     config: JobConfig
