@@ -298,20 +298,18 @@ class Context:
         synced, grad_norm = self._apply_gradients(loop.parts, shaped, step, grad_clip)
         sync_s = time.perf_counter() - t_sync
 
-        def measured(traffic: torch.Tensor) -> StepLine:
+        def measured(traffic: torch.Tensor, slowed: float) -> StepLine:
             site_loss = torch.tensor([float(loss)], dtype=torch.float64)
             dist.all_reduce(site_loss)
             return StepLine(
                 loss=float(site_loss) / self.world_size,
                 grad_norm=grad_norm,
                 lr=shaped.optimizer.param_groups[0].get("lr", 0.0),
-                compute_s=compute_s,
-                sync_s=sync_s,
                 tokens=tokens * self.world_size,
                 more={k: float(v) for k, v in metrics.items()},
             )
 
-        committed = loop.end_step(synced, measured)
+        committed = loop.end_step(synced, compute_s, sync_s, measured)
         return Outcome(step, committed=committed, rejoined=not committed, next_step=loop.next_step)
 
     def _apply_gradients(

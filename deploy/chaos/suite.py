@@ -170,11 +170,13 @@ def run_scenario(
     work: Path,
     out: TextIO | None = None,
     overrides: tuple[str, ...] = (),
+    script: Path | None = None,
 ) -> ScenarioResult:
     """Runs one scenario in ``work`` (kept for inspection); returns its result.
 
     ``overrides`` are ``KEY=VALUE`` settings given to every site (``--set``), e.g.
-    ``sync.mode=diloco`` to run the scenario in another sync mode.
+    ``sync.mode=diloco`` to run the scenario in another sync mode. ``script``: every
+    rank runs it (``--script``, deploy/api.py) instead of the built-in trainer.
     """
     work.mkdir(parents=True, exist_ok=True)
     names = [f"site{i}" for i in range(scenario.sites)]
@@ -209,6 +211,7 @@ def run_scenario(
         for name in names:
             argv = [sys.executable, "-m", "isthmus.deploy.cli", "site", "--config", str(job)]
             argv += ["--site", name, "--run-dir", str(run_dir), "--quiet"]
+            argv += ["--script", str(script)] if script is not None else []
             for peer, url in proxies[name].items():
                 argv += ["--set", f"cluster.proxies.{peer}={url}"]
             for setting in overrides:

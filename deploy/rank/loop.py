@@ -2,9 +2,11 @@
 
 `StepLoop` owns which step comes next (`steps`) and how a step ends (`end_step`): a
 step whose sync found the job gone on without this site takes the live state and goes
-on from where the job is; any other is recorded (the digest when due, the metrics line),
-its state offered to a site the commit admitted, and a checkpoint saved when due. Then
-`finish`: the final digest, the rank's result and everything setup opened closed.
+on from where the job is; any other is paced as the rank's fault injection asks (a
+slower site, a floor under each step: `isthmus local --slow`, `isthmus chaos`), recorded
+(the digest when due, the metrics line), its state offered to a site the commit
+admitted, and a checkpoint saved when due. Then `finish`: the final digest, the rank's
+result and everything setup opened closed.
 
 It has two users, so the two cannot drift: `train` below, the built-in trainer's loop
 (its gradient path, pipeline and tensor parallel included, stays in intra's `Trainer`),
@@ -24,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from isthmus.deploy.rank.checkpointing import save_due, save_if_due
-from isthmus.deploy.rank.faults import FaultInjection
 from isthmus.deploy.rank.startup import RankParts
 from isthmus.inter.data import StepOutcome, SyncStats
 from isthmus.intra.digest import shard_digest as intra_shard_digest
@@ -55,8 +56,6 @@ class StepLine:
     loss: float
     grad_norm: float
     lr: float
-    compute_s: float
-    sync_s: float
     tokens: int
     """The site's tokens this step."""
     mfu: float = 0.0
@@ -85,29 +84,38 @@ class StepLoop:
     def steps(self) -> Iterator[int]:
         """The steps to train, from ``parts.start`` to the job's last; after a rejoin
         it goes on where the job is. Each must end with :meth:`end_step`."""
-        last = self.parts.config.job.steps
+        parts = self.parts
+        last = parts.config.job.steps
         while self.progress.step < last:
             step = self.progress.step
             self.step_started = time.perf_counter()
             # A script's FSDP2 hooks tag the rounds they start with it (the built-in
             # Trainer sets its own again in its step).
-            self.parts.trainer.step_in_progress = step
+            parts.trainer.step_in_progress = step
+            parts.env.faults.before_step(step, parts.sync)
             self._ended = False
             yield step
             if not self._ended:
                 raise RuntimeError(f"step {step}: call ctx.step() once per step")
 
     def end_step(
-        self, synced: StepOutcome | None, line: Callable[[torch.Tensor], StepLine]
+        self,
+        synced: StepOutcome | None,
+        compute_s: float,
+        sync_s: float,
+        line: Callable[[torch.Tensor, float], StepLine],
     ) -> bool:
         """Ends the step in progress, whose cross-site sync ended as ``synced`` (None:
         nothing crossed).
 
         Args:
             synced: the step's sync outcome, or the outer round's that landed after it.
-            line: the step's measures, given the site's totals of what crossed
-                (``_site_traffic``); called only for a step that committed, at every
-                rank of the site, so it may run collectives of the site.
+            compute_s: the step's seconds of compute (an injected slowdown scales it).
+            sync_s: its seconds waiting for the sync (an injected floor counts it).
+            line: the step's other measures, given the site's totals of what crossed
+                (``_site_traffic``) and the seconds of slowdown injected; called only
+                for a step that committed, at every rank of the site, so it may run
+                collectives of the site.
 
         Returns:
             True when the step was applied and recorded; False when the job went on
@@ -122,8 +130,10 @@ class StepLoop:
             progress.step = parts.cross.rejoin(parts.trainer, synced.rejoin)
             progress.synced = progress.step - 1
             return False
+        slowed = parts.env.faults.pace(step, compute_s, sync_s)
         traffic = _site_traffic(synced.stats if synced is not None else None)
-        _record(parts, progress, step, synced, traffic, line(traffic))
+        measured = line(traffic, slowed)
+        _record(parts, progress, step, synced, traffic, compute_s, sync_s, measured)
         if synced is not None and synced.offer_state is not None:
             # This site is the source of one the commit admitted: the state after step.
             assert parts.cross is not None
@@ -178,9 +188,9 @@ class StepLoop:
         dist.destroy_process_group()
 
 
-def train(loop: StepLoop, faults: FaultInjection) -> None:
-    """The built-in trainer's loop: each step's batch (as the batch plan sizes it) and
-    injected faults, the ``Trainer``'s step, then the step's end through ``loop``.
+def train(loop: StepLoop) -> None:
+    """The built-in trainer's loop: each step's batch (as the batch plan sizes it), the
+    ``Trainer``'s step, then the step's end through ``loop``.
 
     Per-step sync: every step's gradients cross (in the trainer's hook). DiLoCo: the
     outer optimizer's rounds, started every H steps, land ``delay`` steps later.
@@ -193,22 +203,21 @@ def train(loop: StepLoop, faults: FaultInjection) -> None:
         # Micro-batches, global batch: what this step trains (a decision applies next).
         batch = plan.record() if plan is not None else {}
         inputs, targets = parts.batches.batch(step)
-        faults.before_step(step, parts.sync)
         stats, synced = _step(parts, step, inputs, targets)
-        loop.end_step(synced, partial(_step_line, parts, faults, stats, batch))
+        line = partial(_step_line, parts, stats, batch)
+        loop.end_step(synced, stats.compute_s, stats.sync_s, line)
 
 
 def _step_line(
     parts: RankParts,
-    faults: FaultInjection,
     stats: StepStats,
     batch: dict[str, float],
     traffic: torch.Tensor,
+    slowed: float,
 ) -> StepLine:
-    """A built-in step that committed: the injected slowdown, the batch plan's measures,
-    the held-out loss when due, and what its metrics line says of them."""
+    """A built-in step that committed: the batch plan's measures, the held-out loss
+    when due, and what its metrics line says of them."""
     step, outer, plan = stats.step, parts.outer, parts.plan
-    slowed = faults.pace(step, stats.compute_s, stats.sync_s)
     if plan is not None:
         plan.after_step(
             step,
@@ -224,8 +233,6 @@ def _step_line(
         loss=stats.loss,
         grad_norm=stats.grad_norm,
         lr=stats.lr,
-        compute_s=stats.compute_s,
-        sync_s=stats.sync_s,
         tokens=stats.site_tokens,
         mfu=stats.mfu,
         more={
@@ -242,6 +249,8 @@ def _record(
     step: int,
     synced: StepOutcome | None,
     traffic: torch.Tensor,
+    compute_s: float,
+    sync_s: float,
     measured: StepLine,
 ) -> None:
     """A committed step's digest when due and its line in the metrics (metrics.jsonl,
@@ -260,8 +269,8 @@ def _record(
         "loss": measured.loss,
         "grad_norm": measured.grad_norm,
         "lr": measured.lr,
-        "compute_s": measured.compute_s,
-        "sync_s": measured.sync_s,
+        "compute_s": compute_s,
+        "sync_s": sync_s,
         "tokens": measured.tokens,
         "mfu": measured.mfu,
         "bytes_sent": int(traffic[0]),

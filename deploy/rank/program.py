@@ -85,7 +85,7 @@ def _terminate(*_: object) -> None:
 def run(env: RankEnv, config: JobConfig) -> None:
     """One rank's life: setup, the step loop, teardown."""
     loop = StepLoop(set_up(env, config))
-    train(loop, env.faults)
+    train(loop)
     loop.finish()
 
 
