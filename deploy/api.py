@@ -280,9 +280,10 @@ class Context:
         """Ends the step after ``loss.backward()``: its gradients are averaged across
         sites (``sync.mode = "step"``) and the optimizer steps once they committed, or
         the site steps alone and the outer round of DiLoCo/streaming runs when due. Then
-        the gradients are cleared, the step's metrics written (``loss``, the site's mean,
-        and ``tokens``, this rank's, plus any more numbers) and a checkpoint saved when
-        due. ``grad_clip``: the gradients' global norm is clipped to it after the sync
+        the gradients are cleared and the step ends as the built-in trainer's do
+        (``StepLoop.end_step``): paced as ``--slow`` asks, its metrics written
+        (``loss``, the site's mean, and ``tokens``, this rank's, plus any more numbers),
+        the state offered to a site it admitted and a checkpoint saved when due. ``grad_clip``: the gradients' global norm is clipped to it after the sync
         (so every site clips alike) and reported as ``grad_norm``.
 
         Returns:
