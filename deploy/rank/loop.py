@@ -85,8 +85,8 @@ class StepLoop:
         """The steps to train, from ``parts.start`` to the job's last; after a rejoin
         it goes on where the job is. Each must end with :meth:`end_step`."""
         parts = self.parts
-        last = parts.config.job.steps
-        while self.progress.step < last:
+        total = parts.config.job.steps
+        while self.progress.step < total:
             step = self.progress.step
             self.step_started = time.perf_counter()
             # A script's FSDP2 hooks tag the rounds they start with it (the built-in
