@@ -147,8 +147,8 @@ def test_a_one_site_job_outlasts_the_join_timeout_and_reports_its_progress(tmp_p
     run_dir = tmp_path / "run"
     result = run_cli(
         "local", "--sites", "1", "--ranks-per-site", "1", "--steps", "16",
-        "--set", "model.preset=tiny", "--set", "sync.timeout_s=5", "--run-dir", str(run_dir),
-        env={**os.environ, "ISTHMUS_STEP_FLOOR_S": "0.5"},  # 8 s of steps: past the 5 s
+        "--set", "model.preset=tiny", "--set", "sync.timeout_s=2", "--run-dir", str(run_dir),
+        env={**os.environ, "ISTHMUS_STEP_FLOOR_S": "0.25"},  # 4 s of steps: past the 2 s
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
