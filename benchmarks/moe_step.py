@@ -179,6 +179,9 @@ def one_case(args: argparse.Namespace, name: str, impl: str | None) -> dict:
 def run_rank(rank: int, args: argparse.Namespace, store: str) -> None:
     """One rank: every case in turn; rank 0 prints the table and writes the JSON."""
     if args.device == "cuda":
+        # build_site_mesh picks the rank's GPU from LOCAL_RANK (torchrun's), which
+        # mp.spawn does not set: without it every rank would take GPU 0.
+        os.environ["LOCAL_RANK"] = str(rank)
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
