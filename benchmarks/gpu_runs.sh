@@ -73,7 +73,7 @@ case "${1:-}" in
   sites)
     common=(--steps 8 --quiet --set model.preset=1b --set train.seq_len=2048
             --set train.batch_size=8 --set sync.codec=int8 --set wan.bandwidth_mbit=10000
-            --set topology.device=cuda)
+            --set topology.device=cuda --set sync.mode=step)
     python3 -m isthmus.deploy.cli local --sites 1 --ranks-per-site "$site_gpus" \
       "${common[@]}" --run-dir /tmp/one-site | tee "$out/one_site.txt"
     cp /tmp/one-site/summary.json "$out/one_site.json"
