@@ -57,6 +57,7 @@ class Shape:
             "--set", f"wan.bandwidth_mbit={self.bandwidth_mbit}",
             "--set", f"wan.latency_ms={self.latency_ms}",
             "--set", "train.warmup_steps=1",
+            "--set", "sync.mode=step",  # what the plan models; on GPUs the quick start would fit it
         ]  # fmt: skip
 
 

@@ -65,6 +65,7 @@ def run_once(
         cmd = [sys.executable, "-m", "isthmus.deploy.cli", "local", "--quiet"]
         cmd += ["--run-dir", str(where), "--sites", sites, "--ranks-per-site", ranks]
         cmd += ["--steps", str(args.steps), "--set", f"run.steady_after={args.warmup}"]
+        cmd += ["--set", "sync.mode=step"]  # named: the GPU quick start would fit it
         cmd += [a for o in args.overrides for a in ("--set", o)]
         cmd += list(extra)
         started = time.monotonic()
