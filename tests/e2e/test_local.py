@@ -33,6 +33,12 @@ SUMMARY_KEYS = {
 }
 
 
+ONE_EVAL_BATCH = ("--set", "run.eval_batches=1")
+"""For jobs whose tests read no held-out loss: the measurement after the last step still
+runs, on one batch instead of 16 (16 cost each site seconds of forward passes on 2
+cores, in every run)."""
+
+
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -102,6 +108,7 @@ def test_two_sites_match_one_site_over_the_same_global_batch(tmp_path):
     near-zero gradients; over 6 steps the loss agrees to well under 1e-4 relative.
     """
     common = ["--steps", "6", "--set", "model.preset=tiny", "--set", "train.seq_len=64"]
+    common += ONE_EVAL_BATCH
     two, one = tmp_path / "two", tmp_path / "one"
     r2 = run_cli("local", *common, "--sites", "2", "--ranks-per-site", "1", "--run-dir", str(two))
     assert r2.returncode == 0, r2.stderr[-3000:]
@@ -124,6 +131,7 @@ def test_offloaded_sites_train_bit_for_bit_like_sites_on_the_device(tmp_path, mo
         *("--steps", "4", "--set", "model.preset=tiny", "--set", "train.seq_len=64"),
         *("--set", "sync.codec=raw", "--sites", "2", "--ranks-per-site", "2"),
         *("--set", f"sync.mode={mode}", "--set", "sync.inner_steps=2"),
+        *ONE_EVAL_BATCH,
     ]
     runs = {}
     for name, offload in (("device", "false"), ("offload", "true")):
@@ -148,6 +156,7 @@ def test_a_one_site_job_outlasts_the_join_timeout_and_reports_its_progress(tmp_p
     result = run_cli(
         "local", "--sites", "1", "--ranks-per-site", "1", "--steps", "16",
         "--set", "model.preset=tiny", "--set", "sync.timeout_s=2", "--run-dir", str(run_dir),
+        *ONE_EVAL_BATCH,
         env={**os.environ, "ISTHMUS_STEP_FLOOR_S": "0.25"},  # 4 s of steps: past the 2 s
         timeout=120,
     )  # fmt: skip
@@ -175,6 +184,7 @@ def test_three_sites_stay_identical(tmp_path):
         "sync.codec=raw",
         "--set",
         "sync.chunk_bytes=65536",
+        *ONE_EVAL_BATCH,
         "--run-dir",
         str(run_dir),
     )
@@ -206,7 +216,7 @@ def test_two_sites_of_four_model_parallel_ranks_stay_identical(tmp_path, layout)
         "local",
         *("--ranks-per-site", "4", "--steps", "3", "--run-dir", str(run_dir)),
         *sets,
-        *("--set", "train.seq_len=32"),
+        *("--set", "train.seq_len=32", *ONE_EVAL_BATCH),
         timeout=380,
     )
     assert result.returncode == 0, result.stderr[-3000:]
