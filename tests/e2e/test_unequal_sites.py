@@ -14,6 +14,9 @@ from isthmus.deploy.chaos.suite import SCENARIOS, run_scenario
 pytestmark = pytest.mark.slow
 
 TINY = ("--set", "model.preset=tiny", "--set", "train.batch_size=2", "--set", "train.seq_len=64")
+ONE_EVAL_BATCH = ("--set", "run.eval_batches=1")
+"""For runs whose held-out loss no test compares: measured after the last step on one
+batch instead of 16 (16 cost each site seconds of forward passes on 2 cores)."""
 
 
 def _run(run_dir: Path, sizes: str, *extra: str, steps: int = 5) -> dict:
@@ -64,7 +67,7 @@ def test_sites_of_four_and_two_ranks_train_like_one_site_of_six(tmp_path):
 def test_sites_of_two_and_one_ranks_end_bitwise_equal(tmp_path, setting):
     """The outer modes (packed parameter shards) and offload (packed host gradients,
     here through the lossy int8 codec) pair ranks by elements too."""
-    summary = _run(tmp_path / "run", "2,1", *setting, steps=4)
+    summary = _run(tmp_path / "run", "2,1", *setting, *ONE_EVAL_BATCH, steps=4)
     assert len(set(summary["digests"].values())) == 1, summary["digests"]
     assert summary["cross_site_bytes"] > 0
 
@@ -110,7 +113,9 @@ def test_sites_that_accumulate_two_and_one_micro_batches_train_like_one_site_of_
         assert a == pytest.approx(b, rel=1e-5), (step, uneven, even)
     assert split["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
     # And a smaller site that makes up in micro-batches: equal shares, no weighting.
-    both = _run(tmp_path / "sizes", "2,1", "--set", "train.accumulate=[1, 2]", steps=3)
+    both = _run(
+        tmp_path / "sizes", "2,1", "--set", "train.accumulate=[1, 2]", *ONE_EVAL_BATCH, steps=3
+    )
     assert len(set(both["digests"].values())) == 1, both["digests"]
 
 
@@ -144,7 +149,7 @@ def test_a_site_that_slows_hands_micro_batches_over_and_the_job_trains_like_one_
         "local", "--sites", "1", "--ranks-per-site", "1", "--steps", str(scenario.steps),
         "--quiet", "--run-dir", str(one), "--set", "model.preset=tiny",
         "--set", "train.batch_size=4", "--set", "train.seq_len=64",
-        "--set", "train.accumulate=6", timeout=400,
+        "--set", "train.accumulate=6", *ONE_EVAL_BATCH, timeout=400,
     )  # fmt: skip
     assert result_one.returncode == 0, result_one.stderr[-3000:]
     alone = _losses(one)
