@@ -178,26 +178,44 @@ def test_isthmus_site_runs_the_script_at_each_site(tmp_path):
 def test_isthmus_sites_running_other_scripts_are_refused_at_join(tmp_path):
     """The script is in the job fingerprint (its bytes' sha256 and its arguments), so a
     site running another one is refused in one line naming the key (the same script at
-    both sites trains: test_isthmus_site_runs_the_script_at_each_site)."""
+    both sites trains: test_isthmus_site_runs_the_script_at_each_site).
+
+    Which of the two is refused is whichever asked to join first: each site's
+    coordinator joins the other's as soon as it is up, and the one that hears a join
+    refuses it and goes on waiting for a site that runs its own script (one site cannot
+    stop another's job)."""
     from test_site import write_job
 
     job, run_dir = write_job(tmp_path), tmp_path / "run"
     other = tmp_path / "convnet.py"
     other.write_bytes((EXAMPLES / "convnet.py").read_bytes() + b"# edited at site1\n")
     common = ["--config", job, "--steps", "3", "--run-dir", str(run_dir)]
-    first = subprocess.Popen(
-        [*ISTHMUS, "site", *common, "--site", "site0", "--script", str(EXAMPLES / "convnet.py")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    scripts = {"site0": EXAMPLES / "convnet.py", "site1": other}
+    sites = {
+        name: subprocess.Popen(
+            [*ISTHMUS, "site", *common, "--site", name, "--script", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, script in scripts.items()
+    }
     try:
-        second = run_cli("site", *common, "--site", "site1", "--script", str(other), timeout=120)
-        assert_one_line_error(second, "fingerprint differs", "run.script_sha256=")
-        assert "run.script_args" not in second.stderr  # the same (no) arguments
+        deadline = time.monotonic() + 120
+        while all(p.poll() is None for p in sites.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        refused = [p for p in sites.values() if p.poll() is not None]
+        assert refused, "neither site was refused within 120 s"
+        for site in refused:  # both, when each heard the other's join at once
+            out, err = site.communicate(timeout=30)
+            result = subprocess.CompletedProcess(site.args, site.returncode, out, err)
+            assert_one_line_error(result, "fingerprint differs", "run.script_sha256=")
+            assert "run.script_args" not in err  # the same (no) arguments
     finally:
-        first.terminate()
-        first.communicate(timeout=30)
+        for p in sites.values():
+            if p.poll() is None:
+                p.terminate()
+            p.communicate(timeout=30)
 
 
 @pytest.mark.timeout(400)
