@@ -95,7 +95,11 @@ def test_a_polling_flood_is_paced_and_the_ranks_still_commit(caplog):
         def flood_thread():
             for _ in range(3):
                 try:
-                    poll(stub, generation, 30_000)
+                    # A short wait: a poll that finds a hold free is kept until then. With
+                    # 30 s, the holds freed once by news (a late heartbeat on a loaded
+                    # machine makes a peer suspect, which answers every poll) let each
+                    # thread wait 3 x 30 s and the test ran past its 90 s.
+                    poll(stub, generation, 3_000)
                 except grpc.RpcError as exc:
                     codes.append(exc.code())
 
