@@ -128,6 +128,43 @@ def model_of(shape: Shape) -> tuple[float, int]:
     return float(model.num_params()), cfg.n_layers + 1  # FSDP groups = layers + root
 
 
+def plan_input(
+    shape: Shape,
+    params: float,
+    rounds: int,
+    measured: dict,
+    compute_s: float,
+    round_overhead_s: float,
+) -> PlanInput:
+    """The planning model's input for ``shape``'s run: the compute and per-round
+    overhead the calibration runs measured, the codec ratio and chunk of the run."""
+    tokens = measured["tokens_per_step"]
+    # Effective FLOP/s of one process, from the single-site calibration run.
+    flops_per_device = 6 * params * (tokens / shape.sites) / (shape.ranks * compute_s)
+    return PlanInput(
+        params=params,
+        tokens_per_step=tokens,
+        sites=shape.sites,
+        devices_per_site=shape.ranks,
+        peak_flops=flops_per_device,
+        mfu=1.0,
+        gradient_bytes_per_param=4.0,
+        codec_ratio=measured["ratio"],
+        # All ranks of a site share the site's link.
+        bandwidth_bps=shape.bandwidth_mbit * 1e6,
+        rtt_s=2 * shape.latency_ms / 1000,
+        rounds=rounds,
+        chunk_bytes=measured["chunk_bytes"],
+        round_overhead_s=round_overhead_s,
+        codec_bytes_per_s=codec_speed(shape.codec),
+        # Each group's round starts when its gradients exist: with equal groups
+        # all but the first group's share of backward is there to hide behind.
+        overlap=(rounds - 1) / rounds,
+        # Two cores, busy with compute: see PlanInput.shared_cpu.
+        shared_cpu=True,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,31 +195,7 @@ def main() -> int:
                 overhead_cache[key] = max(0.0, measured["sync_s"]) / rounds
             measured = run(shape, args.steps, workdir)
             compute_s = compute_cache[key]
-            tokens = measured["tokens_per_step"]
-            # Effective FLOP/s of one process, from the single-site calibration run.
-            flops_per_device = 6 * params * (tokens / shape.sites) / (shape.ranks * compute_s)
-            inputs = PlanInput(
-                params=params,
-                tokens_per_step=tokens,
-                sites=shape.sites,
-                devices_per_site=shape.ranks,
-                peak_flops=flops_per_device,
-                mfu=1.0,
-                gradient_bytes_per_param=4.0,
-                codec_ratio=measured["ratio"],
-                # All ranks of a site share the site's link.
-                bandwidth_bps=shape.bandwidth_mbit * 1e6,
-                rtt_s=2 * shape.latency_ms / 1000,
-                rounds=rounds,
-                chunk_bytes=measured["chunk_bytes"],
-                round_overhead_s=overhead_cache[key],
-                codec_bytes_per_s=codec_speed(shape.codec),
-                # Each group's round starts when its gradients exist: with equal groups
-                # all but the first group's share of backward is there to hide behind.
-                overlap=(rounds - 1) / rounds,
-                # Two cores, busy with compute: see PlanInput.shared_cpu.
-                shared_cpu=True,
-            )
+            inputs = plan_input(shape, params, rounds, measured, compute_s, overhead_cache[key])
             plan = predict(inputs)
             error = plan.step_s / measured["step_s"] - 1
             rows.append(

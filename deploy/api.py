@@ -283,8 +283,9 @@ class Context:
         the gradients are cleared and the step ends as the built-in trainer's do
         (``StepLoop.end_step``): paced as ``--slow`` asks, its metrics written
         (``loss``, the site's mean, and ``tokens``, this rank's, plus any more numbers),
-        the state offered to a site it admitted and a checkpoint saved when due. ``grad_clip``: the gradients' global norm is clipped to it after the sync
-        (so every site clips alike) and reported as ``grad_norm``.
+        the state offered to a site it admitted and a checkpoint saved when due.
+        ``grad_clip``: the gradients' global norm is clipped to it after the sync (so
+        every site clips alike) and reported as ``grad_norm``.
 
         Returns:
             The step's outcome: ``committed`` is False when nothing was applied (the

@@ -38,7 +38,7 @@ from isthmus.deploy.launch.local import slow_env
 from isthmus.deploy.rank.faults import LANE_THREADS_LOST_ENV
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.security import SiteSecurity
-from isthmus.sim import Corrupt, Flap, LinkSpec, RelayServer
+from isthmus.sim import Corrupt, Flap, Link, LinkSpec, RelayServer
 
 __all__ = ["SCENARIOS", "Fault", "Scenario", "run_scenario", "run_suite"]
 
@@ -196,18 +196,7 @@ def run_scenario(
             argv += ["--listen", witness, *(a for o in overrides for a in ("--set", o))]
             helpers.append(_Site("witness", argv, dict(os.environ), work / "witness"))
             helpers[0].start()
-        links = {}
-        proxies: dict[str, dict[str, str]] = {n: {} for n in names}
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                link = relay.add_link(
-                    f"{a}-{b}", LinkSpec.symmetric(latency_s=0.005, bandwidth_bps=1e9)
-                )
-                links[(a, b)] = link
-                host, port = link.add_proxy(initiator="a")
-                proxies[a][b] = f"http://{host}:{port}"
-                host, port = link.add_proxy(initiator="b")
-                proxies[b][a] = f"http://{host}:{port}"
+        links, proxies = _emulated_links(relay, names)
         for name in names:
             argv = [sys.executable, "-m", "isthmus.deploy.cli", "site", "--config", str(job)]
             argv += ["--site", name, "--run-dir", str(run_dir), "--quiet"]
@@ -216,14 +205,7 @@ def run_scenario(
                 argv += ["--set", f"cluster.proxies.{peer}={url}"]
             for setting in overrides:
                 argv += ["--set", setting]
-            env = {**os.environ, "no_grpc_proxy": "none.invalid", "PYTHONUNBUFFERED": "1"}
-            env["ISTHMUS_STEP_FLOOR_S"] = str(scenario.pace_s)
-            for fault in scenario.faults:
-                if fault.kind == "slow" and fault.site == name:
-                    env.update(slow_env(fault.rate, fault.at_step))
-                if fault.kind == "lane-threads" and fault.site == name:
-                    env[LANE_THREADS_LOST_ENV] = str(fault.at_step)
-            sites[name] = _Site(name, argv, env, work / name)
+            sites[name] = _Site(name, argv, _site_env(scenario, name), work / name)
         for fault in scenario.faults:
             if fault.kind == "corrupt":
                 # Gradient chunks, not the coordinators' small messages: chunks carry
@@ -248,6 +230,38 @@ def run_scenario(
         for site in [*sites.values(), *helpers]:
             site.kill()
         relay.close()
+
+
+def _emulated_links(
+    relay: RelayServer, names: list[str]
+) -> tuple[dict[tuple[str, str], Link], dict[str, dict[str, str]]]:
+    """A link between every two sites (1000 km is not the point here: 5 ms, 1 Gbit/s),
+    and each site's CONNECT proxy URL to each peer."""
+    links: dict[tuple[str, str], Link] = {}
+    proxies: dict[str, dict[str, str]] = {n: {} for n in names}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            link = relay.add_link(
+                f"{a}-{b}", LinkSpec.symmetric(latency_s=0.005, bandwidth_bps=1e9)
+            )
+            links[(a, b)] = link
+            host, port = link.add_proxy(initiator="a")
+            proxies[a][b] = f"http://{host}:{port}"
+            host, port = link.add_proxy(initiator="b")
+            proxies[b][a] = f"http://{host}:{port}"
+    return links, proxies
+
+
+def _site_env(scenario: Scenario, name: str) -> dict[str, str]:
+    """A site's environment: the scenario's step floor and the faults its ranks inject."""
+    env = {**os.environ, "no_grpc_proxy": "none.invalid", "PYTHONUNBUFFERED": "1"}
+    env["ISTHMUS_STEP_FLOOR_S"] = str(scenario.pace_s)
+    for fault in scenario.faults:
+        if fault.kind == "slow" and fault.site == name:
+            env.update(slow_env(fault.rate, fault.at_step))
+        if fault.kind == "lane-threads" and fault.site == name:
+            env[LANE_THREADS_LOST_ENV] = str(fault.at_step)
+    return env
 
 
 def _progress(run_dir: Path, names: list[str]) -> int:

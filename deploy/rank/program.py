@@ -20,9 +20,9 @@ writes one metrics line per step; every rank writes its result at the end.
 `train` is the built-in trainer's loop through a `StepLoop`, the steps and each step's
 end that the script API's `Context` runs too, and `StepLoop.finish` reports the final
 digest, writes the rank's result and closes what setup opened (both
-deploy/rank/loop.py). This module is the process around them: a script run instead of the loop, the rank's death with its
-launcher, its one error line, and a script's error told to the site's coordinator,
-which stops the job at every site.
+deploy/rank/loop.py). This module is the process around them: a script run instead of
+the loop, the rank's death with its launcher, its one error line, and a script's error
+told to the site's coordinator, which stops the job at every site.
 """
 
 from __future__ import annotations

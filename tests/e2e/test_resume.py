@@ -173,15 +173,18 @@ def test_a_resumed_job_repeats_the_losses_of_one_that_never_stopped(
     # The resumed run saved step 6 again at both sites.
     assert (ckpt / "site1" / "step-00000006" / "manifest.json").is_file()
     assert (ckpt / "site0" / "step-00000006" / "manifest.json").is_file()
-    if "train.batch_schedule=ramp" in layout:
-        # The run below (a forged manifest at site1, which then loads site0's step 6) is
-        # dense's: the same one rank per site and tiny model, the ramp adds nothing to it.
-        return
+    # A forged manifest at site1, which then loads site0's step 6: not under the ramp,
+    # which has dense's one rank per site and tiny model and adds nothing to it.
+    if "train.batch_schedule=ramp" not in layout:
+        _resume_past_a_forged_manifest(run_dir, common)
 
-    # Issue 33, row 10: one byte of a weight file of site1's newest checkpoint changed
-    # and the manifest's SHA-256 of it rewritten to match (sizes unchanged). The manifest
-    # is signed with the user's job token, so site1 refuses its copy and loads site0's.
-    # (A changed byte alone is refused for its hash: tests/intra/test_checkpoint.py.)
+
+def _resume_past_a_forged_manifest(run_dir: Path, common: list[str]) -> None:
+    """Issue 33, row 10: one byte of a weight file of site1's newest checkpoint changed
+    and the manifest's SHA-256 of it rewritten to match (sizes unchanged). The manifest
+    is signed with the user's job token, so site1 refuses its copy and loads site0's.
+    (A changed byte alone is refused for its hash: tests/intra/test_checkpoint.py.)"""
+    ckpt = run_dir / "checkpoints"
     newest = ckpt / "site1" / "step-00000006"
     weights = sorted(newest.glob("*.distcp"))[0]
     data = bytearray(weights.read_bytes())
