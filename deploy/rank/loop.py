@@ -223,7 +223,7 @@ def _step_line(
             step,
             # The site's own work, slowdown and all; the wait for other sites is not.
             compute_s=stats.compute_s + slowed,
-            site_sq_norm=float(traffic[4]),
+            site_sq_norm=float(traffic[5]),
             global_sq_norm=stats.grad_norm**2,
         )
     # The held-out loss, of the model the sites share (equal everywhere).
@@ -277,6 +277,7 @@ def _record(
         "raw_bytes": int(traffic[1]),
         "corrupt_chunks": int(traffic[2]),
         "nonfinite_chunks": int(traffic[3]),
+        "stalled_flows": int(traffic[4]),
         "elapsed_s": time.perf_counter() - progress.started,
         # What the optimizer step waited for the cross-site sync (the part
         # not hidden behind backward), and how long the rounds ran.
@@ -348,14 +349,18 @@ def _membership_now(parts: RankParts, round_stats: SyncStats | None) -> tuple[in
 
 def _site_traffic(rs: SyncStats | None) -> torch.Tensor:
     """Site totals of what crossed the WAN this step (every rank has its own lane):
-    bytes sent, raw bytes, corrupt and non-finite chunks, and the squared norm of the
+    bytes sent, raw bytes, corrupt and non-finite chunks, stalled bulk connections
+    (their frames sent again on new ones), and the squared norm of the
     site's own mean gradient when it was measured (its ranks' shards add up to it;
     a tensor-parallel replica of a norm weight counts tp times). A collective of the
     site."""
     traffic = torch.tensor(
-        [rs.bytes_sent, rs.raw_bytes, rs.corrupt_chunks, rs.nonfinite_chunks, rs.local_sq_norm]
+        [
+            *(rs.bytes_sent, rs.raw_bytes, rs.corrupt_chunks, rs.nonfinite_chunks),
+            *(rs.stalled_flows, rs.local_sq_norm),
+        ]
         if rs
-        else [0, 0, 0, 0, 0],
+        else [0] * 6,
         dtype=torch.float64,
     )
     dist.all_reduce(traffic)

@@ -53,6 +53,7 @@ class StepReporter:
             "raw_bytes": 0,
             "corrupt_chunks": 0,
             "nonfinite_chunks": 0,
+            "stalled_flows": 0,
         }
         self._coordinator = (
             CoordinatorClient.connect(coordinator, security)

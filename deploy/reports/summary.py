@@ -68,6 +68,7 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "raw_bytes": sum(r["raw_bytes"] for r in rows),
                 "corrupt_chunks": sum(r.get("corrupt_chunks", 0) for r in rows),
                 "nonfinite_chunks": sum(r.get("nonfinite_chunks", 0) for r in rows),
+                "stalled_flows": sum(r.get("stalled_flows", 0) for r in rows),
                 "elapsed_s": max(r["elapsed_s"] for r in rows),
                 # The slowest site's wait bounds the job's step.
                 "exposed_sync_s": max(r.get("exposed_sync_s", r["sync_s"]) for r in rows),
@@ -233,6 +234,7 @@ def _summary(config: JobConfig, steps: list[dict], results: dict[str, list[dict]
         "compression_ratio": raw / sent if sent else 1.0,
         "corrupt_chunks": sum(r["corrupt_chunks"] for r in steps),
         "nonfinite_chunks": sum(r.get("nonfinite_chunks", 0) for r in steps),
+        "stalled_flows": sum(r.get("stalled_flows", 0) for r in steps),
         # Steady state: the steps after run.steady_after (steady_state()); "mfu" too.
         "steady_after": config.run.steady_after,
         "mfu": 0.0,

@@ -200,6 +200,7 @@ def _median_report(
         "bytes_sent": stats.bytes_sent,
         "raw_bytes": stats.raw_bytes,
         "corrupt_chunks": stats.corrupt_chunks,
+        "stalled_flows": getattr(stats, "stalled_flows", 0),
         "encode_s": getattr(stats, "encode_s", 0.0),
         "decode_s": getattr(stats, "decode_s", 0.0),
         "digest": digest,
@@ -349,6 +350,7 @@ def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]
             len({r["digest"] for r in reports[k :: case.lanes]}) == 1 for k in range(case.lanes)
         ),
         "corrupt_chunks": sum(r["corrupt_chunks"] for r in reports),
+        "stalled_flows": sum(r["stalled_flows"] for r in reports),
         # With groups and load: the slowest lane's compute, and how long its step
         # waited for the sync after the compute was done.
         "compute_s": max(r["compute_s"] for r in reports),

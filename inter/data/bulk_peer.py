@@ -8,11 +8,15 @@ connections, with the interface of :class:`~isthmus.inter.data.lane_peer.PeerRou
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+import select
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import grpc
@@ -37,6 +41,30 @@ from isthmus.inter.data.bulk import (
 from isthmus.inter.data.wire import Frame
 
 __all__ = ["BulkConnection", "BulkPeerRound"]
+
+log = logging.getLogger(__name__)
+
+STALL_FLOOR_S = 3.0
+"""Seconds a frame's acknowledgement may be late past what its size at the
+connection's measured rate predicts (a few round trips of any real link, and a
+receiver's hiccup on a loaded host), before the connection counts as stalled."""
+RATE_SLACK = 4.0
+"""A frame may take this many times as long as the connection's measured rate says."""
+FIRST_RATE_BPS = 32e6
+"""Bytes a second assumed of a connection that has not yet had a frame acknowledged
+(with the slack: 16 MiB in 2 s, past the floor; a 256 Mbit/s flow's worth)."""
+MAX_BACKOFF = 8
+"""A connection that stalls again at once waits up to this many times longer (a
+whole link gone dark for a while is not many stalls)."""
+
+
+class _Sent(NamedTuple):
+    """A frame on the wire of a connection, not yet acknowledged."""
+
+    rnd: BulkPeerRound
+    frame: Frame
+    at: float
+    """When it was handed to the socket (time.monotonic())."""
 
 
 def _dial(host: str, port: int, proxy: str | None, timeout: float) -> socket.socket:
@@ -74,6 +102,14 @@ class BulkConnection:
     acknowledgement to the round that sent the frame. A broken connection fails
     the rounds with frames in flight; the next round dials again.
 
+    Every frame in flight has a deadline from its size and the rate the connection
+    measured on the frames acknowledged before it (:meth:`_due_locked`). A connection
+    whose oldest frame misses it is stalled (a flow black-holed on the way, a peer
+    that stopped reading): it is closed, its frames in flight go first on a new
+    connection (a new flow), and the rounds go on. The peer's lane stores a chunk at
+    most once and acknowledges an exact copy of one it has (``Mailbox.deposit``), so
+    a frame that did arrive on the stalled connection is not summed twice.
+
     Args:
         host: the peer lane's host.
         open_bulk: asks the peer's lane for (port, ticket) over gRPC, with a timeout
@@ -92,10 +128,15 @@ class BulkConnection:
         self._host, self._open_bulk, self._proxy, self._name = host, open_bulk, proxy, name
         self._cond = threading.Condition()
         self._queue: deque[tuple[BulkPeerRound, Frame]] = deque()
-        self._inflight: deque[tuple[BulkPeerRound, Frame]] = deque()
+        self._inflight: deque[_Sent] = deque()
         self._sock: socket.socket | None = None
         self._closed = False
         self._dial_lock = threading.Lock()
+        self._last_ack = 0.0  # when the peer last acknowledged a frame here
+        self._rate = 0.0  # bytes a second of acknowledged frames (smoothed); 0: none yet
+        self._backoff = 1  # doubles with each stall in a row, back to 1 on an ack
+        self.stalls = 0
+        """Times this connection stalled and its frames went again on a new one."""
 
     def put(self, rnd: BulkPeerRound, frame: Frame) -> None:
         with self._cond:
@@ -183,8 +224,12 @@ class BulkConnection:
                     self._fail(BulkError("the peer closed the idle connection"), sock)
                     return
                 with self._cond:
+                    # Checked again under the lock: a stall may have moved the frames in
+                    # flight back to the queue and handed it to a new connection.
+                    if self._closed or self._sock is not sock or not self._queue:
+                        return
                     rnd, frame = self._queue.popleft()
-                    self._inflight.append((rnd, frame))
+                    self._inflight.append(_Sent(rnd, frame, time.monotonic()))
                 send_all(sock, frame_parts(frame))  # one sendmsg: nothing joined
         except OSError as exc:
             # The peer may have refused a frame and closed: its reason is what the
@@ -194,25 +239,105 @@ class BulkConnection:
 
     def _read_acks(self, sock: socket.socket) -> None:
         status = bytearray(1)
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
         try:
-            while True:
+            while self._await_ack(sock, poller):
                 read_exact(sock, memoryview(status))
                 if status[0] == REFUSED:
                     raise read_refusal(sock, status[0])
                 if status[0] not in (ACCEPTED, CORRUPT, RESEND):
                     raise BulkError(f"unknown acknowledgement {status[0]}")
+                now = time.monotonic()
                 with self._cond:
+                    if self._sock is not sock:
+                        return  # stalled and replaced: its frames went again elsewhere
                     item = self._inflight.popleft() if self._inflight else None
-                    if item is not None and status[0] == RESEND:
-                        # Sent next; every frame already in flight is acknowledged
-                        # before it, so the in-flight order stays the ack order.
-                        self._queue.appendleft(item)
-                        self._cond.notify_all()
+                    if item is not None:
+                        self._measure_locked(item, now)
+                        if status[0] == RESEND:
+                            # Sent next; every frame already in flight is acknowledged
+                            # before it, so the in-flight order stays the ack order.
+                            self._queue.appendleft((item.rnd, item.frame))
+                            self._cond.notify_all()
                 if item is None:
                     raise BulkError("acknowledgement for a frame never sent")
-                item[0].acknowledged(status[0])
+                item.rnd.acknowledged(status[0])
         except (OSError, BulkError, BulkRefused) as exc:
             self._fail(exc, sock)
+
+    def _await_ack(self, sock: socket.socket, poller: select.poll) -> bool:
+        """Waits until an acknowledgement can be read (True), or until the oldest frame
+        in flight misses its deadline: then the connection is given up as stalled and
+        its frames go again on a new one (False; so does a connection replaced)."""
+        while True:
+            with self._cond:
+                if self._sock is not sock:
+                    return False
+                due = self._due_locked()
+            now = time.monotonic()
+            if now >= due:
+                self._stalled(sock, now)
+                return False
+            # Waking at least every half second: a frame sent meanwhile sets a deadline.
+            if poller.poll(math.ceil(min(due - now, 0.5) * 1000)):
+                return True
+
+    def _due_locked(self) -> float:
+        """When the oldest frame in flight is overdue: from when it could begin to be
+        taken (sent, and the frame before it acknowledged), its size at the measured
+        rate with :data:`RATE_SLACK`, plus :data:`STALL_FLOOR_S`; inf with none."""
+        if not self._inflight:
+            return math.inf
+        oldest = self._inflight[0]
+        rate = self._rate or FIRST_RATE_BPS
+        size = oldest.frame.payload_bytes + len(oldest.frame.header)
+        expected = RATE_SLACK * size / rate + STALL_FLOOR_S
+        return max(oldest.at, self._last_ack) + expected * self._backoff
+
+    def _measure_locked(self, item: _Sent, now: float) -> None:
+        """Folds an acknowledged frame into the connection's rate."""
+        began = max(item.at, self._last_ack)
+        if now > began:
+            sample = (item.frame.payload_bytes + len(item.frame.header)) / (now - began)
+            self._rate = sample if not self._rate else 0.7 * self._rate + 0.3 * sample
+        self._last_ack, self._backoff = now, 1
+
+    def _stalled(self, sock: socket.socket, now: float) -> None:
+        """The oldest frame missed its deadline: the frames in flight go first on a new
+        connection, this one is closed, and the rounds are told (``stalls``)."""
+        with self._cond:
+            if self._sock is not sock or not self._inflight:
+                return
+            began = max(self._inflight[0].at, self._last_ack)
+            allowed = self._due_locked() - began
+            items = list(self._inflight)
+            self._inflight.clear()
+            # First in flight goes first again, ahead of what was still queued.
+            self._queue.extendleft((i.rnd, i.frame) for i in reversed(items))
+            self._sock = None
+            self._backoff = min(self._backoff * 2, MAX_BACKOFF)
+            self.stalls += 1
+            redial = None if self._closed else self._queue[0][0].deadline
+            self._cond.notify_all()
+        log.warning(
+            "bulk connection %s stalled: a %.2f MB frame unacknowledged after %.1fs (its "
+            "deadline: %.1fs at %.0f MB/s); its %d frame(s) in flight go again on a new "
+            "connection",
+            self._name,
+            items[0].frame.payload_bytes / 1e6,
+            now - began,
+            allowed,
+            (self._rate or FIRST_RATE_BPS) / 1e6,
+            len(items),
+        )
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes this connection's sender thread
+        sock.close()
+        for rnd in {id(i.rnd): i.rnd for i in items}.values():
+            rnd.stalled()
+        if redial is not None:
+            self._ensure(redial)
 
     def _fail(
         self, exc: BaseException, sock: socket.socket | None, queued_too: bool = False
@@ -223,7 +348,7 @@ class BulkConnection:
         with self._cond:
             if sock is not None and self._sock is not sock:
                 return  # an older connection's late news
-            failed = {id(r): r for r, _ in self._inflight}
+            failed = {id(i.rnd): i.rnd for i in self._inflight}
             if queued_too:
                 failed.update((id(r), r) for r, _ in self._queue)
             self._inflight.clear()
@@ -277,6 +402,8 @@ class BulkPeerRound:
         self.sent = 0
         self.resent = 0
         """Frames the peer received damaged and asked for again."""
+        self.stalls = 0
+        """Connections that stalled with this round's frames in flight (sent again)."""
 
     def send(self, frame: Frame) -> None:
         """Queues one chunk; connections take turns. Thread-safe."""
@@ -303,6 +430,11 @@ class BulkPeerRound:
             else:
                 self._taken += 1
             self._cond.notify_all()
+
+    def stalled(self) -> None:
+        """A connection stalled with frames of this round in flight; they go again."""
+        with self._cond:
+            self.stalls += 1
 
     def failed(self, exc: BaseException) -> None:
         with self._cond:

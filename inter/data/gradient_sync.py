@@ -463,11 +463,14 @@ def _add_round(stats: SyncStats, rs: RoundStats) -> None:
         setattr(stats, name, getattr(stats, name) + getattr(rs, name))
 
 
-_STEP_STATS = ("bytes_sent", "bytes_received", "raw_bytes", "corrupt_chunks", "nonfinite_chunks")
+_STEP_STATS = (
+    *("bytes_sent", "bytes_received", "raw_bytes"),
+    *("corrupt_chunks", "nonfinite_chunks", "stalled_flows"),
+)
 """The RoundStats of a step's rounds that add up to its SyncStats."""
 
 _SUMMED_STATS = (
     *("bytes_sent", "bytes_received", "raw_bytes", "tensor_bytes"),
-    *("num_chunks", "corrupt_chunks", "nonfinite_chunks"),
+    *("num_chunks", "corrupt_chunks", "nonfinite_chunks", "stalled_flows"),
 )
 """The RoundStats of a group's pieces that add up to the group's."""

@@ -320,11 +320,15 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                     raise
                 self._check_holder(req.from_site, holder, peer)
                 log.warning("site %d: %s from site %d", self.site_index, exc, req.from_site)
-                why = self.mailbox.mark_corrupt(key)
+                why = self.mailbox.mark_corrupt(key, req.crc32)
                 if why is None:
                     with self._lock:
                         self.corruptions += 1
                     return CORRUPT, None, str(exc)
+            if why == "again":
+                # Sent again after a connection stalled (inter/data/bulk_peer.py): the
+                # first copy stands, and the sender hears that this one arrived.
+                return ACCEPTED, None, ""
             if why == "duplicate":
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"duplicate chunk {key}")
             if why == "stale":

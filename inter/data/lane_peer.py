@@ -119,6 +119,8 @@ class PeerRound:
         self.sent = 0
         self.resent = 0
         """Always 0 here: a damaged chunk is pulled again by the receiver instead."""
+        self.stalls = 0
+        """Always 0 here: a stalled stream meets the round's deadline (bulk only)."""
 
     def send(self, frame: Frame) -> None:
         """Queues one chunk (serialized here, the payload's one copy); connections take

@@ -57,8 +57,12 @@ MAX_REASON = 512
 class Mailbox:
     """Thread-safe store of received chunks keyed by :data:`MailboxKey`.
 
-    Keeps the keys ever deposited for the live steps so a replayed chunk is refused
-    even after it was taken, and a step floor so chunks of finished rounds are refused.
+    Keeps the keys ever deposited for the live steps, with the payload checksum each
+    first copy declared, so a chunk is stored at most once: another payload under a
+    key already seen is refused even after it was taken, and an exact copy (same key,
+    same declared checksum: a sender sending again what a stalled connection may have
+    delivered) is acknowledged and dropped. A step floor refuses chunks of finished
+    rounds.
     Once a round has set the floor, chunks of steps ``max_ahead`` or more past it are
     refused; and the payload bytes waiting never exceed ``max_bytes``.
 
@@ -75,7 +79,7 @@ class Mailbox:
         self.max_bytes, self.max_ahead = max_bytes, max_ahead
         self._cond = threading.Condition()
         self._items: dict[MailboxKey, Chunk | None] = {}
-        self._seen: set[MailboxKey] = set()
+        self._seen: dict[MailboxKey, int] = {}  # key -> its first copy's declared crc32
         self._corrupt: set[MailboxKey] = set()  # marked, not yet replaced by a resend
         self._floor = 0
         self._live = False  # a round set the floor (after a clear, none has yet)
@@ -87,13 +91,16 @@ class Mailbox:
         the lane puts what their lanes hand back (inter/data/lane_handoff.py)."""
 
     def deposit(self, key: MailboxKey, item: Chunk) -> str | None:
-        """Stores ``item``; returns None, or why it was refused: "duplicate", "stale",
+        """Stores ``item``; returns None, "again" (an exact copy of a chunk this key
+        already had: nothing stored, the sender may be told it arrived), or why it was
+        refused: "duplicate" (another payload under a key already seen), "stale",
         "ahead" (a step too far past the live one) or "full" (over the byte budget)."""
-        return self._admit(key, item)
+        return self._admit(key, item, item.crc32)
 
-    def mark_corrupt(self, key: MailboxKey) -> str | None:
-        """Leaves a :data:`CORRUPT` marker for ``key``; same refusals as ``deposit``."""
-        return self._admit(key, CORRUPT)
+    def mark_corrupt(self, key: MailboxKey, crc32: int | None = None) -> str | None:
+        """Leaves a :data:`CORRUPT` marker for ``key``, whose copy declared ``crc32``
+        (None: unknown, never "again"); same answers as ``deposit``."""
+        return self._admit(key, CORRUPT, crc32)
 
     def _outside_locked(self, step: int) -> str | None:
         """ "stale" or "ahead" when ``step`` is outside the live window, else None."""
@@ -103,17 +110,17 @@ class Mailbox:
             return "ahead"
         return None
 
-    def _admit(self, key: MailboxKey, item: Chunk | None) -> str | None:
+    def _admit(self, key: MailboxKey, item: Chunk | None, crc32: int | None) -> str | None:
         with self._cond:
             outside = self._outside_locked(key[0])
             if outside is not None:
                 return outside
             if key in self._seen:
-                return "duplicate"
+                return "again" if crc32 is not None and self._seen[key] == crc32 else "duplicate"
             size = _size(item)
             if self.max_bytes is not None and self._bytes + size > self.max_bytes:
                 return "full"
-            self._seen.add(key)
+            self._seen[key] = -1 if crc32 is None else crc32
             if item is CORRUPT:
                 self._corrupt.add(key)
             self._items[key] = item
@@ -201,7 +208,7 @@ class Mailbox:
             stale = [k for k in self._items if k[0] < step]
             for key in stale:
                 self._bytes -= _size(self._items.pop(key))
-            self._seen = {k for k in self._seen if k[0] >= step}
+            self._seen = {k: v for k, v in self._seen.items() if k[0] >= step}
             self._corrupt = {k for k in self._corrupt if k[0] >= step}
             self._aborts = {k: v for k, v in self._aborts.items() if k[0] >= step}
             return len(stale)

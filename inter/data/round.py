@@ -274,6 +274,8 @@ class RoundPipeline:
                 raise CrossSiteError(f"{self.where}: site {s} took {took} of {rnd.sent} chunks")
             if rnd.resent:  # damaged on the way (bulk frames): sent again, never summed
                 self._count(corrupt_chunks=rnd.resent)
+            if rnd.stalls:  # connections given up past a frame's deadline (bulk_peer.py)
+                self._count(stalled_flows=rnd.stalls)
 
     # -- tasks (pool threads) ------------------------------------------------------
 

@@ -127,6 +127,9 @@ class RoundStats:
     """Chunks that arrived failing a checksum and were pulled or sent again."""
     nonfinite_chunks: int = 0
     """Chunks that decoded to NaN or Inf: refused before summing, pulled again."""
+    stalled_flows: int = 0
+    """Bulk connections that missed a frame's deadline with this round's frames in
+    flight: closed, and the frames sent again on new ones."""
     wall_s: float = 0.0
     encode_s: float = 0.0
     """Seconds spent encoding, summed over the pool's threads."""

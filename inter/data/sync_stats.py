@@ -31,6 +31,9 @@ class SyncStats:
     """Chunks that arrived failing their checksum and were pulled again."""
     nonfinite_chunks: int = 0
     """Chunks that decoded to NaN or Inf, refused before summing and pulled again."""
+    stalled_flows: int = 0
+    """Bulk connections given up past a frame's deadline, their frames sent again on
+    new ones (``RoundStats.stalled_flows``)."""
     retries: int = 0
     """Times the step's rounds ran again in a new generation (a site failed or left)."""
     generation: int = 0

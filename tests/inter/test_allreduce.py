@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from helpers import raw_chunk
@@ -222,19 +223,35 @@ class _Asker:
         self.got.append((frame, nonce))
 
 
+def _other_payload() -> lane_pb2.PushChunksRequest:
+    """The same chunk key as ``_request()``, with other (sound) bytes."""
+    other = _request()
+    other.payload = np.full(10, 2.0, np.float32).tobytes()
+    other.crc32 = crc32(other.payload)
+    return other
+
+
 @pytest.mark.timeout(20)
-def test_server_refuses_duplicate_and_stale(lone_server) -> None:
+def test_server_stores_a_chunk_once_and_refuses_another_payload_and_stale(lone_server) -> None:
     server, stub = lone_server
+    key = (3, 0, lane_pb2.CHUNK_KIND_CONTRIBUTION, 0, 1)
     assert stub.PushChunks(iter([_request()]), timeout=5).accepted == 1
+    # An exact copy (what a sender sends again after a stalled connection) is
+    # acknowledged and dropped: the mailbox still holds one chunk.
+    assert stub.PushChunks(iter([_request()]), timeout=5).accepted == 1
+    assert len(server.mailbox) == 1
+    # Other bytes under a key already seen are refused: the first copy stands.
     with pytest.raises(grpc.RpcError) as info:
-        stub.PushChunks(iter([_request()]), timeout=5)
+        stub.PushChunks(iter([_other_payload()]), timeout=5)
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "duplicate" in info.value.details()
     assert len(server.mailbox) == 1
-    # Taken chunks stay known: a replay after take() is still refused.
-    server.mailbox.take((3, 0, lane_pb2.CHUNK_KIND_CONTRIBUTION, 0, 1), timeout=1)
+    assert server.mailbox.take(key, timeout=1).crc32 == _request().crc32
+    # Taken chunks stay known: after take() a copy is not stored again, and another
+    # payload is still refused.
+    assert stub.PushChunks(iter([_request()]), timeout=5).accepted == 1
     with pytest.raises(grpc.RpcError):
-        stub.PushChunks(iter([_request()]), timeout=5)
+        stub.PushChunks(iter([_other_payload()]), timeout=5)
     assert len(server.mailbox) == 0
     server.mailbox.discard_before(4)
     with pytest.raises(grpc.RpcError) as info:

@@ -86,12 +86,15 @@ def chunk_streams(draw):
 
 def expected_push(lane: Lane, chunks):
     """What the lane should do with `chunks`, chunk by chunk: the oracle checks each
-    with the lane's own validation and a copy of its mailbox's replay guard and step
-    window (its byte budget is unbounded here)."""
+    with the lane's own validation and a copy of its mailbox's replay guard (an exact
+    copy of a chunk seen, by its declared crc32, is acknowledged and not stored; other
+    bytes under a seen key are refused) and step window (its byte budget is unbounded
+    here). Returns the keys added, marked corrupt, acknowledged again, and whether the
+    stream is accepted."""
     m = lane.server.mailbox
     with m._cond:
-        seen, floor, live = set(m._seen), m._floor, m._live
-    added, corrupt = [], []
+        seen, floor, live = dict(m._seen), m._floor, m._live
+    added, corrupt, again = [], [], []
     for req in chunks:
         why = lane.server.check(req)
         key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
@@ -100,19 +103,22 @@ def expected_push(lane: Lane, chunks):
             or req.from_site != 1  # the stream's pass was granted to site 1 only
             or key[0] < floor
             or (live and key[0] >= floor + m.max_ahead)  # too far past the live step
-            or key in seen
+            or seen.get(key, req.crc32) != req.crc32
         ):
-            return added, corrupt, False
-        seen.add(key)
+            return added, corrupt, again, False
+        if key in seen:
+            again.append(key)
+            continue
+        seen[key] = req.crc32
         (added if why is None else corrupt).append(key)
-    return added, corrupt, True
+    return added, corrupt, again, True
 
 
 @settings(max_examples=1000, **SETTINGS)
 @given(chunks=chunk_streams())
 def test_push_chunks_streams(fuzz_lane, chunks):
     count("PushChunks")
-    added, corrupt, ok = expected_push(fuzz_lane, chunks)
+    added, corrupt, again, ok = expected_push(fuzz_lane, chunks)
     (items, seen, marked, _), outbox, corruptions, offer, *_ = fuzz_lane.state()
     start = time.monotonic()
     try:
@@ -132,7 +138,7 @@ def test_push_chunks_streams(fuzz_lane, chunks):
         clear_refusal("PushChunks", status, reply, any(c.ByteSize() > LANE_LIMIT for c in chunks))
     assert (status == grpc.StatusCode.OK) == ok, f"{status.name}: {reply}"
     if ok:
-        assert (reply.accepted, reply.corrupt) == (len(added), len(corrupt))
+        assert (reply.accepted, reply.corrupt) == (len(added) + len(again), len(corrupt))
     # Chunks before a refused one were deposited (a round's stream deposits as it
     # goes); the refused chunk and everything after it changed nothing.
     (items2, seen2, marked2, _), outbox2, corruptions2, offer2, *_ = fuzz_lane.state()

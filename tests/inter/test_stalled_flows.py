@@ -1,0 +1,153 @@
+"""A bulk connection whose frames miss their deadline is given up and its frames go on
+a new connection (inter/data/bulk_peer.py; issue 32, item 2): real lanes on loopback,
+the receiving lane held in its ``take`` as a peer that stops reading, or an ack that
+never comes back, would hold it.
+
+The deadlines here are the module's own rule with a shorter floor (``STALL_FLOOR_S``),
+so each test takes seconds instead of the default's several.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers import raw_chunk, wait_until
+
+from isthmus.inter.data import bulk_peer
+from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.wire import Frame
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture()
+def lane():
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1)
+    yield server
+    server.stop(0)
+
+
+def connection(server: LaneServer) -> BulkConnection:
+    """A bulk connection of site 1 to ``server``, admitted by tickets the lane grants
+    to site 1 (how a ticket travels is tests/inter/test_sender_bound_chunks.py's)."""
+    return BulkConnection(
+        "127.0.0.1",
+        lambda timeout: (server.bulk_port, server.tickets.issue("1")),
+        proxy=None,
+        name="site1-to-site0",
+    )
+
+
+def frames(n: int) -> list[Frame]:
+    return [
+        Frame.from_message(raw_chunk(step=0, group=g).SerializeToString())  # a chunk a group
+        for g in range(n)
+    ]
+
+
+def hold_takes(monkeypatch, lane: LaneServer, hold: dict[int, float], after: bool) -> dict:
+    """The lane's ``take`` sleeps ``hold[k]`` seconds on its k-th call (0-based), before
+    it stores the chunk (a peer that stopped reading) or after it (the chunk is stored,
+    its acknowledgement late: lost on the way back, as far as the sender can tell)."""
+    calls = {"n": 0, "done": 0}
+    lock = threading.Lock()
+    original = LaneServer.take
+
+    def take(self, req, holder=None, peer=""):
+        with lock:
+            k = calls["n"]
+            calls["n"] += 1
+        if not after:
+            time.sleep(hold.get(k, 0.0))
+        answer = original(self, req, holder, peer)
+        if after:
+            time.sleep(hold.get(k, 0.0))
+        with lock:
+            calls["done"] += 1
+        return answer
+
+    monkeypatch.setattr(LaneServer, "take", take)
+    return calls
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["peer-stops-reading", "ack-lost"])
+def test_a_stalled_connection_sends_its_frames_again_on_a_new_one(
+    monkeypatch, lane: LaneServer, after: bool
+) -> None:
+    monkeypatch.setattr(bulk_peer, "STALL_FLOOR_S", 0.5)
+    calls = hold_takes(monkeypatch, lane, {0: 4.0}, after)
+    conn = connection(lane)
+    try:
+        start = time.monotonic()
+        rnd = BulkPeerRound([conn], deadline=start + 30)
+        for f in frames(3):
+            rnd.send(f)
+        rnd.end()
+        assert rnd.wait(10) == 3
+        took = time.monotonic() - start
+        # The first frame's deadline (0.5 s past its size at the first rate) passed,
+        # its connection was closed and the three frames went on a new one: well
+        # before the held take returns (4 s), let alone TCP_USER_TIMEOUT (30 s).
+        assert took < 3.5, took
+        assert conn.stalls == 1 and rnd.stalls == 1
+        assert rnd.resent == 0
+        # The held take returns on a connection nobody reads: every chunk is stored
+        # once, whichever copy came first.
+        wait_until(lambda: calls["done"] == calls["n"] >= 4, "the held take returned")
+        # At least the held copy and the three on the new connection (the old one may
+        # still read what it had buffered before its ack fails).
+        stored = lane.mailbox.keys()
+        assert sorted(group for _, group, *_ in stored) == [0, 1, 2]
+    finally:
+        conn.close()
+
+
+def test_a_slow_connection_that_keeps_acknowledging_is_not_stalled(
+    monkeypatch, lane: LaneServer
+) -> None:
+    """Ten frames a fifth of a second apart take 2 s, past the floor of 1.5 s: each
+    deadline counts from the acknowledgement before it, so none is missed."""
+    monkeypatch.setattr(bulk_peer, "STALL_FLOOR_S", 1.5)
+    hold_takes(monkeypatch, lane, dict.fromkeys(range(10), 0.2), after=False)
+    conn = connection(lane)
+    try:
+        start = time.monotonic()
+        rnd = BulkPeerRound([conn], deadline=start + 30)
+        for f in frames(10):
+            rnd.send(f)
+        rnd.end()
+        assert rnd.wait(20) == 10
+        assert time.monotonic() - start >= 2.0
+        assert conn.stalls == 0 and rnd.stalls == 0
+        assert len(lane.mailbox) == 10
+    finally:
+        conn.close()
+
+
+def test_the_deadline_follows_the_measured_rate(monkeypatch) -> None:
+    """A frame's deadline: from when it could begin to be taken, its size at the
+    measured rate (first: ``FIRST_RATE_BPS``) times the slack, plus the floor; a
+    stall in a row doubles it, an acknowledgement puts it back."""
+    conn = BulkConnection("127.0.0.1", lambda timeout: (0, b""), proxy=None, name="t")
+    frame = frames(1)[0]
+    size = frame.payload_bytes + len(frame.header)
+    rnd = BulkPeerRound([conn], deadline=time.monotonic() + 30)
+    with conn._cond:
+        assert conn._due_locked() == float("inf")  # nothing in flight
+        conn._inflight.append(bulk_peer._Sent(rnd, frame, 100.0))
+        first = bulk_peer.RATE_SLACK * size / bulk_peer.FIRST_RATE_BPS + bulk_peer.STALL_FLOOR_S
+        assert conn._due_locked() == pytest.approx(100.0 + first)
+        # Acknowledged after 1 s: the rate is what that frame moved in it.
+        conn._measure_locked(conn._inflight.popleft(), 101.0)
+        assert conn._rate == pytest.approx(size / 1.0)
+        conn._inflight.append(bulk_peer._Sent(rnd, frame, 100.5))  # sent before that ack
+        want = 101.0 + bulk_peer.RATE_SLACK * 1.0 + bulk_peer.STALL_FLOOR_S
+        assert conn._due_locked() == pytest.approx(want)
+        conn._backoff = 2
+        assert conn._due_locked() == pytest.approx(101.0 + 2 * (want - 101.0))
+        conn._measure_locked(conn._inflight.popleft(), 102.0)
+        assert conn._backoff == 1
+    conn.close()
