@@ -1,7 +1,17 @@
 """WAN simulator: emulated long-haul links, their impairments and topologies."""
 
 from .control import ControlServer, control_request
-from .impairments import KINDS, Corrupt, Flap, Impairment, Jitter, Loss, Reset, Slice
+from .impairments import (
+    KINDS,
+    Corrupt,
+    Flap,
+    FlowStall,
+    Impairment,
+    Jitter,
+    Loss,
+    Reset,
+    Slice,
+)
 from .link import DirectionPipe
 from .relay import Link, RelayServer, is_loopback, proxy_channel_options
 from .spec import DirectionSpec, LinkSpec
@@ -14,6 +24,7 @@ __all__ = [
     "DirectionPipe",
     "DirectionSpec",
     "Flap",
+    "FlowStall",
     "Impairment",
     "Jitter",
     "Link",

@@ -15,8 +15,9 @@ flow's shaper lets its last bit out. Flows share the link's bandwidth as before.
 
 Each piece then passes the direction's impairments in order (`sim/impairments/`): they
 may move its time on the wire (jitter), hold it back on its connection (loss stalls, a
-flap), change its bytes (corruption), split its delivery (slicing) or reset its
-connection. No impairment drops bytes while both ends are alive.
+flap, a stall of that one flow), change its bytes (corruption), split its delivery
+(slicing) or reset its connection. No impairment drops bytes while both ends are alive.
+A piece knows its connection (`Piece.flow`, numbered by the pump).
 
 The bytes themselves are moved by the direction's `Pump` (`sim/pump.py`), a thread of
 its own; this class is the bookkeeping it asks, safe to call from any thread. Times
@@ -225,29 +226,34 @@ class DirectionPipe:
             room = min(limit, self._spec.inflight_limit_bytes - self._inflight)
             return (room if room >= min(limit, self._spec.inflight_limit_bytes) // 4 else 0), nxt
 
-    def admit(self, data: bytes | None, size: int, now: float, flow_done: float = 0.0) -> Piece:
+    def admit(
+        self, data: bytes | None, size: int, now: float, flow_done: float = 0.0, flow: int = -1
+    ) -> Piece:
         """Put `size` bytes on the wire behind those before them; return the piece with
         its times (and bytes, if an impairment changed them).
 
         `flow_done` is when the piece's last bit leaves its flow's shaper (a per-flow
         cap, `charge_flow`): it arrives no sooner than that plus the latency. The
         shaper holds the flow's next piece back instead of reserving the link's clock
-        ahead, so a capped flow leaves no idle gap on the link for the others."""
+        ahead, so a capped flow leaves no idle gap on the link for the others. `flow`
+        is the connection's serial on this direction (`Stream.flow`; -1 = none)."""
         with self._lock:
             spec = self._spec
             self._next_free = max(now, self._next_free) + spec.serialization_s(size)
             # off the wire at the far end
             arrival = max(self._next_free, flow_done) + spec.latency_s
-            piece = self._impaired(Piece(data=data, size=size, wire_at=arrival, at=0.0), now)
+            piece = Piece(data=data, size=size, wire_at=arrival, at=0.0, flow=flow)
+            piece = self._impaired(piece, now)
             self._inflight += size
             heapq.heappush(self._on_wire, (piece.wire_at, size))
             return piece
 
-    def eof(self, now: float) -> Piece:
-        """The piece that carries a sender's EOF: after the bytes before it."""
+    def eof(self, now: float, flow: int = -1) -> Piece:
+        """The piece that carries a sender's EOF on connection `flow`: after the bytes
+        before it."""
         with self._lock:
             at = max(now, self._next_free) + self._spec.latency_s
-            return self._impaired(Piece(data=b"", wire_at=at, at=0.0), now)
+            return self._impaired(Piece(data=b"", wire_at=at, at=0.0, flow=flow), now)
 
     def due_reset(self, now: float) -> tuple[bool, float | None]:
         """Whether a `Reset.at_s` time has passed (each counts once), and the next one."""

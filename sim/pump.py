@@ -50,8 +50,8 @@ INTAKE_PIECES = 4
 RECV_WINDOW_BYTES = 256 * 1024
 """Bytes per connection that may have crossed the link but wait for a slow receiver.
 Like a TCP receive window it lets a stalled receiver (or a stalled stream: a loss, a
-flap) hold its own data without holding the link's shared in-flight budget, which is
-released when bytes leave the wire."""
+flap, a `flow_stall`) hold its own data without holding the link's shared in-flight
+budget, which is released when bytes leave the wire."""
 _SPLICE = os.SPLICE_F_NONBLOCK | os.SPLICE_F_MOVE
 _IN, _OUT = select.POLLIN | select.POLLHUP | select.POLLERR, select.POLLOUT
 _JOIN_S = 10.0
@@ -72,6 +72,7 @@ class Pump:
         self._closed = self._reset_all = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._pool: list[KernelPipe] = []
+        self._flows = 0  # streams taken on so far: the next one's `Stream.flow`
 
     def add(self, conn: Connection, src: socket.socket, dst: socket.socket, first: bytes) -> None:
         """Carry `src` -> `dst` (both non-blocking) until EOF or failure."""
@@ -161,9 +162,11 @@ class Pump:
         by_fd: dict[int, tuple[Stream, int]],
         now: float,
     ) -> None:
-        """Start a stream for each new connection; admit the bytes already read."""
+        """Start a stream for each new connection, numbered in the order they came
+        (`Stream.flow`, the one place flows are numbered); admit the bytes already read."""
         for conn, src, dst, first in incoming:
-            s = Stream(conn, src, dst)
+            s = Stream(conn, src, dst, self._flows)
+            self._flows += 1
             streams.append(s)
             by_fd[s.sfd], by_fd[s.dfd] = (s, 0), (s, 1)
             if first:
@@ -344,7 +347,7 @@ class Pump:
                 return
             if n == 0:
                 s.eof_read = True
-                piece = pipe.eof(now)
+                piece = pipe.eof(now, s.flow)
                 s.last = max(piece.at, s.last)
                 chunk = Chunk(s.last)
                 chunk.eof = True
@@ -380,7 +383,7 @@ class Pump:
     ) -> None:
         pipe = self._pipe
         s.flow_free = pipe.charge_flow(s.flow_free, n, now)
-        piece = pipe.admit(data, n, now, s.flow_free)
+        piece = pipe.admit(data, n, now, s.flow_free, s.flow)
         s.last = max(piece.at, s.last)
         chunk = Chunk(s.last, n, held)
         if data is not None:

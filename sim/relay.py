@@ -202,7 +202,8 @@ class Link:
         """Counters per direction ("a_to_b", "b_to_a"): bytes_delivered, connections
         (accepted from that direction's initiator), inflight_bytes (now), and what the
         impairments did (lost_segments, stalls, stalled_s, flaps, held_bytes,
-        corrupted_bytes, slices, resets), each present once it is non-zero."""
+        stalled_flows, flow_held_bytes, corrupted_bytes, slices, resets), each present
+        once it is non-zero."""
         return {"a_to_b": self._pipes["a"].stats(), "b_to_a": self._pipes["b"].stats()}
 
     def carry_connection(

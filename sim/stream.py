@@ -123,11 +123,14 @@ class Stream:
     __slots__ = (
         "conn", "src", "dst", "sfd", "dfd", "chunks", "tail", "unwritten", "last",
         "eof_read", "done", "readable", "blocked_out", "masks", "listening_since",
-        "flow_free",
+        "flow_free", "flow",
     )  # fmt: skip
 
-    def __init__(self, conn: Connection, src: socket.socket, dst: socket.socket) -> None:
+    def __init__(self, conn: Connection, src: socket.socket, dst: socket.socket, flow: int) -> None:
         self.conn, self.src, self.dst = conn, src, dst
+        # The connection's serial on the direction (0, 1, ... in the order the pump
+        # took them on); every piece it admits carries it (`Piece.flow`).
+        self.flow = flow
         self.sfd, self.dfd = src.fileno(), dst.fileno()
         self.chunks: deque[Chunk] = deque()
         self.tail: KernelPipe | None = None

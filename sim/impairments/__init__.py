@@ -14,13 +14,14 @@ from typing import Any
 from .base import Impairment, Piece, State
 from .corrupt import Corrupt
 from .flap import Flap
+from .flow_stall import FlowStall
 from .jitter import Jitter
 from .loss import Loss
 from .reset import Reset
 from .slice import Slice
 
 KINDS: dict[str, type[Impairment]] = {
-    cls.kind: cls for cls in (Jitter, Loss, Flap, Reset, Corrupt, Slice)
+    cls.kind: cls for cls in (Jitter, Loss, Flap, FlowStall, Reset, Corrupt, Slice)
 }
 """Impairment classes by their `kind` name."""
 
@@ -28,6 +29,7 @@ __all__ = [
     "KINDS",
     "Corrupt",
     "Flap",
+    "FlowStall",
     "Impairment",
     "Jitter",
     "Loss",

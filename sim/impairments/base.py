@@ -3,8 +3,10 @@
 An impairment is a frozen dataclass of parameters (the spec, comparable and printable)
 whose methods act on a `Piece` with a `State` that the direction's pipe keeps for it:
 a `random.Random` seeded from the link's seed, the time it was installed, a position in
-the direction's byte stream and the direction's counters. Replacing a direction's
-impairments starts fresh states; changing only its bandwidth or latency keeps them.
+the direction's byte stream and the direction's counters. A piece knows its connection
+(`Piece.flow`), for the impairments that act on one connection only (`flow_stall`).
+Replacing a direction's impairments starts fresh states; changing only its bandwidth or
+latency keeps them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class Piece:
     slice_gap_s: float = 0.0
     size: int = -1
     """Bytes in the piece; -1 = len(data)."""
+    flow: int = -1
+    """The connection it belongs to: the index of its stream in the order the
+    direction's pump took them on (`Stream.flow`, from 0); -1 = none (the crossing of
+    a CONNECT or SYN). Only impairments that act per connection read it."""
 
     def __post_init__(self) -> None:
         if self.size < 0:

@@ -1,0 +1,68 @@
+"""Flow stall: one connection of the direction goes dark while the others carry on.
+
+A long-haul link sometimes black-holes a single TCP flow (its ECMP path dies, a
+middlebox loses that connection's state) while the link's other flows are untouched;
+`flap` darkens the whole direction instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Impairment, Piece, State, check_number
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FlowStall(Impairment):
+    """The first `count` connections that carry bytes `at_s` or more after the
+    impairment is installed go dark for `duration_s` each, counted from the arrival
+    time of the piece that picked them.
+
+    A picked connection's bytes (and its EOF) are held, none lost, and arrive together
+    when its dark period ends, as with `flap`; the direction's other connections keep
+    their rate, since only the arrival (`Piece.at`) is held, not the link's in-flight
+    budget (`Piece.wire_at`). A held connection stops being read once it holds its
+    receive window, so its sender feels backpressure. Times are arrivals at the far
+    end, as for `flap`. Pieces with no connection (`Piece.flow` < 0: the crossing of a
+    CONNECT or SYN) are never held. Counters: `stalled_flows` (connections picked),
+    `flow_held_bytes` (their bytes held; distinct from flap's `held_bytes`).
+    """
+
+    kind = "flow_stall"
+    count: int = 1
+    """How many connections to pick, >= 1; later ones are left alone."""
+    at_s: float = 0.0
+    """Connections carrying bytes from this many seconds after installation on are
+    candidates, seconds."""
+    duration_s: float
+    """How long each picked connection stays dark, seconds."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"flow_stall.count must be an integer >= 1, got {self.count!r}")
+        check_number("flow_stall.at_s", self.at_s)
+        check_number("flow_stall.duration_s", self.duration_s)
+
+    def start(self, state: State, loop_time: float) -> None:
+        # flow -> end of its dark period; at most `count` entries.
+        state.extra["dark_until"] = {}
+
+    def apply(self, piece: Piece, state: State, now: float) -> None:
+        if piece.flow < 0:
+            return
+        dark_until: dict[int, float] = state.extra["dark_until"]
+        until = dark_until.get(piece.flow)
+        if until is None:
+            # A picking piece carries bytes (an EOF alone does not make a flow a
+            # candidate) and arrives at or after at_s.
+            if (
+                len(dark_until) >= self.count
+                or piece.size == 0
+                or piece.at < state.installed_at + self.at_s
+            ):
+                return
+            until = dark_until[piece.flow] = piece.at + self.duration_s
+            state.counters["stalled_flows"] += 1
+        if piece.at < until:
+            piece.at = until
+            state.counters["flow_held_bytes"] += piece.size
