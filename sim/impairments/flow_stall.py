@@ -14,9 +14,9 @@ from .base import Impairment, Piece, State, check_number
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FlowStall(Impairment):
-    """The first `count` connections that carry bytes `at_s` or more after the
-    impairment is installed go dark for `duration_s` each, counted from the arrival
-    time of the piece that picked them.
+    """The first `count` connections that carry `min_bytes` or more `at_s` or more
+    after the impairment is installed go dark for `duration_s` each, counted from the
+    arrival time of the piece that picked them.
 
     A picked connection's bytes (and its EOF) are held, none lost, and arrive together
     when its dark period ends, as with `flap`; the direction's other connections keep
@@ -36,16 +36,24 @@ class FlowStall(Impairment):
     candidates, seconds."""
     duration_s: float
     """How long each picked connection stays dark, seconds."""
+    min_bytes: int = 1
+    """Bytes a connection carries from `at_s` on before it is picked (the piece that
+    reaches this many is the first held): a bulk flow's frames, where a channel's
+    keepalive pings and small calls would otherwise be picked first."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"flow_stall.count must be an integer >= 1, got {self.count!r}")
+        for name in ("count", "min_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"flow_stall.{name} must be an integer >= 1, got {value!r}")
         check_number("flow_stall.at_s", self.at_s)
         check_number("flow_stall.duration_s", self.duration_s)
 
     def start(self, state: State, loop_time: float) -> None:
         # flow -> end of its dark period; at most `count` entries.
         state.extra["dark_until"] = {}
+        # flow -> bytes carried from at_s on, while it is not yet picked.
+        state.extra["carried"] = {}
 
     def apply(self, piece: Piece, state: State, now: float) -> None:
         if piece.flow < 0:
@@ -61,6 +69,11 @@ class FlowStall(Impairment):
                 or piece.at < state.installed_at + self.at_s
             ):
                 return
+            if self.min_bytes > 1:
+                carried: dict[int, int] = state.extra["carried"]
+                carried[piece.flow] = carried.get(piece.flow, 0) + piece.size
+                if carried[piece.flow] < self.min_bytes:
+                    return
             until = dark_until[piece.flow] = piece.at + self.duration_s
             state.counters["stalled_flows"] += 1
         if piece.at < until:

@@ -1,10 +1,11 @@
 """A bulk connection whose frames miss their deadline is given up and its frames go on
 a new connection (inter/data/bulk_peer.py; issue 32, item 2): real lanes on loopback,
 the receiving lane held in its ``take`` as a peer that stops reading, or an ack that
-never comes back, would hold it.
+never comes back, would hold it; and two sites across the WAN emulator whose link
+black-holes one flow each way in the middle of a round (``flow_stall``).
 
-The deadlines here are the module's own rule with a shorter floor (``STALL_FLOOR_S``),
-so each test takes seconds instead of the default's several.
+The loopback tests use the module's own rule with a shorter floor (``STALL_FLOOR_S``),
+so each takes seconds instead of the default's several; the emulated one the defaults.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import threading
 import time
 
 import pytest
+import torch
 from helpers import raw_chunk, wait_until
+from lanes import inputs, run_all, same_bits, two_sites_over
 
 from isthmus.inter.data import bulk_peer
 from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.wire import Frame
+from isthmus.sim import LinkSpec
+from isthmus.sim.impairments.flow_stall import FlowStall
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,3 +156,41 @@ def test_the_deadline_follows_the_measured_rate(monkeypatch) -> None:
         conn._measure_locked(conn._inflight.popleft(), 102.0)
         assert conn._backoff == 1
     conn.close()
+
+
+def test_a_round_across_a_link_that_black_holes_a_flow_each_way_goes_on_exact(
+    monkeypatch,
+) -> None:
+    """Two sites, four bulk connections each way over an emulated 400 Mbit/s link; once
+    the connections are up, the link holds the first flow each way that carries 64 KiB
+    (a bulk flow, not a gRPC channel's pings) for 60 s (an ECMP path gone). The round ends exact and identical at both sites
+    within the default deadlines (3 s past a frame's expected time, a redial), where
+    without them it would wait the stall out, or fail at its 60 s timeout."""
+    monkeypatch.setenv("no_grpc_proxy", "none.invalid")
+    spec = LinkSpec.symmetric(latency_s=0.001, bandwidth_bps=400e6)
+    with two_sites_over(spec, chunk_bytes=256 * 1024, connections=4, timeout_s=60) as (
+        ars,
+        _servers,
+        link,
+    ):
+        warm = inputs(2, [1 << 18], seed=1)  # every connection dialled before the stall
+        res = run_all([lambda s=s: ars[s].allreduce(warm[s], 0, 0, False) for s in range(2)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        stall = (FlowStall(count=1, duration_s=60.0, min_bytes=1 << 16),)
+        link.set_impairments(a_to_b=stall, b_to_a=stall)
+        data = inputs(2, [1 << 20], seed=7)  # 4 MiB a site: 16 chunks, 8 each way
+        want = data[0][0] + data[1][0]
+        start = time.monotonic()
+        res = run_all(
+            [lambda s=s: ars[s].allreduce(data[s], 1, 0, False) for s in range(2)], timeout=50
+        )
+        took = time.monotonic() - start
+        assert not any(isinstance(r, BaseException) for r in res), res
+        assert same_bits(data[0][0], want) and same_bits(data[1][0], want)
+        stats = link.stats()
+        assert stats["a_to_b"]["stalled_flows"] == stats["b_to_a"]["stalled_flows"] == 1
+        # The held flows were lanes' bulk connections (the round's only traffic): each
+        # site's round saw its own stall and went on.
+        assert sum(r.stalled_flows for r in res) >= 1, res
+        assert took < 25, took
+        assert torch.isfinite(want).all()

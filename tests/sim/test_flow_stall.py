@@ -204,6 +204,8 @@ def test_flow_stall_spec_is_validated_naming_the_field() -> None:
         ({"kind": "flow_stall", "duration_s": 1, "count": -2}, "flow_stall.count"),
         ({"kind": "flow_stall", "duration_s": 1, "count": True}, "flow_stall.count"),
         ({"kind": "flow_stall", "duration_s": 1, "count": 1.0}, "flow_stall.count"),
+        ({"kind": "flow_stall", "duration_s": 1, "min_bytes": 0}, "flow_stall.min_bytes"),
+        ({"kind": "flow_stall", "duration_s": 1, "min_bytes": 1.5}, "flow_stall.min_bytes"),
         ({"kind": "flow_stall", "duration_s": 1, "at_s": -0.1}, "flow_stall.at_s"),
         ({"kind": "flow_stall", "duration_s": -1}, "flow_stall.duration_s"),
         ({"kind": "flow_stall", "duration_s": float("inf")}, "flow_stall.duration_s"),
@@ -212,7 +214,7 @@ def test_flow_stall_spec_is_validated_naming_the_field() -> None:
     ):
         with pytest.raises(ValueError, match=needle):
             make(table)
-    table = {"kind": "flow_stall", "count": 1, "at_s": 0.5, "duration_s": 60}
+    table = {"kind": "flow_stall", "count": 1, "at_s": 0.5, "duration_s": 60, "min_bytes": 1}
     stall = make(table)
     assert stall == FlowStall(count=1, at_s=0.5, duration_s=60)
     assert list(stall.to_dict().items()) == list(table.items())  # the file's order too
@@ -258,6 +260,27 @@ def test_flow_stall_picks_count_flows_after_at_s_each_dark_from_its_pick() -> No
     assert at(2, 11.4) == 11.4  # count reached: later flows flow
     assert at(0, 11.8) == 11.8  # after its dark period
     assert state.counters == {"stalled_flows": 2, "flow_held_bytes": 300}
+
+
+def test_flow_stall_picks_a_flow_once_it_carried_min_bytes() -> None:
+    """A channel's small messages (a 17-byte ping) never pick it; the bulk flow whose
+    bytes reach ``min_bytes`` is picked by the piece that reaches it."""
+    stall = FlowStall(duration_s=1.0, min_bytes=1000)
+    state = _state()
+    stall.start(state, 10.0)
+
+    def at(flow: int, t: float, size: int) -> float:
+        piece = Piece(data=None, size=size, wire_at=t, at=t, flow=flow)
+        stall.apply(piece, state, t)
+        return piece.at
+
+    assert at(0, 10.1, 17) == 10.1  # a ping
+    assert at(1, 10.2, 600) == 10.2  # 600 of 1000
+    assert at(0, 10.3, 17) == 10.3
+    assert at(1, 10.4, 600) == pytest.approx(11.4)  # 1200: picked, held from here
+    assert at(1, 10.5, 10) == pytest.approx(11.4)
+    assert at(0, 10.6, 5000) == 10.6  # count reached: flow 0 is left alone
+    assert state.counters == {"stalled_flows": 1, "flow_held_bytes": 610}
 
 
 def test_every_impairment_takes_a_piece_with_no_flow() -> None:
