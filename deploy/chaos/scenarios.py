@@ -12,12 +12,14 @@ class Fault:
     """One fault: what, where, and at which step of the job (read from its metrics)."""
 
     kind: str
-    """kill, restart, partition, corrupt, slow, flood, forge or lane-threads (the lane's
-    codec threads shut down mid-round, at the round of step ``at_step``)."""
+    """kill, restart, partition, corrupt, slow, flood, forge, lane-threads (the lane's
+    codec threads shut down mid-round, at the round of step ``at_step``) or stall-flow
+    (the link holds the first bulk flow each way for ``duration_s``: a flow black-holed
+    on the way, while the link's others carry on)."""
     site: str = ""
     """The site killed, restarted or slowed."""
     link: tuple[str, str] = ("site0", "site1")
-    """The link partitioned or corrupted."""
+    """The link partitioned, corrupted or with a flow stalled."""
     at_step: int = 0
     """Inject once the job has completed this many steps (0 = from the start)."""
     duration_s: float = 0.0
@@ -161,6 +163,18 @@ SCENARIOS: tuple[Scenario, ...] = (
         expect_generations=False,
         settings=("train.accumulate=3", "train.balance_every=4"),
         expect_rebalance=True,
+    ),
+    Scenario(
+        name="stall-flow",
+        description="at step 4, the link black-holes one bulk flow each way for 60 s (a "
+        "dead ECMP path): each lane leaves its stalled connection past a frame's deadline "
+        "and sends its frames on a new one; no step is retried, nobody leaves",
+        sites=2,
+        steps=14,
+        faults=(Fault(kind="stall-flow", link=("site0", "site1"), at_step=4, duration_s=60.0),),
+        survivors=("site0", "site1"),
+        quick=True,
+        expect_generations=False,
     ),
     Scenario(
         name="lane-threads",

@@ -38,7 +38,7 @@ from isthmus.deploy.launch.local import slow_env
 from isthmus.deploy.rank.faults import LANE_THREADS_LOST_ENV
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.security import SiteSecurity
-from isthmus.sim import Corrupt, Flap, Link, LinkSpec, RelayServer
+from isthmus.sim import Corrupt, Flap, FlowStall, Link, LinkSpec, RelayServer
 
 __all__ = ["SCENARIOS", "Fault", "Scenario", "run_scenario", "run_suite"]
 
@@ -126,6 +126,8 @@ class ScenarioResult:
     retries: int = 0
     min_live_sites: int = 0
     corrupt_chunks: int = 0
+    stalled_flows: int = 0
+    """Bulk connections the survivors left past a frame's deadline (metrics.jsonl)."""
     rejoined: list[str] = field(default_factory=list)
     micro_batches: dict[str, list[int]] = field(default_factory=dict)
     """Each survivor's micro-batches per rank, step by step (train.accumulate, balanced)."""
@@ -285,7 +287,7 @@ def _inject(
     out: TextIO | None,
     credentials: SiteSecurity | None,
 ) -> None:
-    kinds = ("kill", "restart", "partition", "flood", "forge")
+    kinds = ("kill", "restart", "partition", "flood", "forge", "stall-flow")
     pending = [f for f in scenario.faults if f.kind in kinds]
     deadline = time.monotonic() + SITE_TIMEOUT_S
     survivors = [sites[n] for n in scenario.survivors]
@@ -306,6 +308,10 @@ def _inject(
                 dark = (Flap(duration_s=fault.duration_s),)
                 links[fault.link].set_impairments(dark, dark)
                 links[fault.link].reset()  # open connections notice at once
+            elif fault.kind == "stall-flow":
+                # A bulk flow's frames (64 KiB), not a gRPC channel's pings and votes.
+                stall = (FlowStall(count=1, duration_s=fault.duration_s, min_bytes=1 << 16),)
+                links[fault.link].set_impairments(stall, stall)
             elif fault.kind == "flood":
                 threading.Thread(
                     target=flood,
@@ -349,6 +355,7 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         lives = [r.get("live_sites", scenario.sites) for r in records]
         result.min_live_sites = min([*lives, result.min_live_sites or scenario.sites])
         result.corrupt_chunks += sum(r.get("corrupt_chunks", 0) for r in records)
+        result.stalled_flows += sum(r.get("stalled_flows", 0) for r in records)
         result.micro_batches[name] = [r.get("micro_batches", 1) for r in records]
         steps = [r.get("step", 0) for r in records]
         if steps and steps != list(range(steps[0], steps[0] + len(steps))) or steps[:1] > [0]:
@@ -364,6 +371,10 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         result.why = "the membership never changed"
     elif any(f.kind == "corrupt" for f in scenario.faults) and result.corrupt_chunks == 0:
         result.why = "no corrupt chunk was counted"
+    elif any(f.kind == "stall-flow" for f in scenario.faults) and not result.stalled_flows:
+        result.why = "no stalled flow was counted (metrics.jsonl's stalled_flows)"
+    elif any(f.kind == "stall-flow" for f in scenario.faults) and result.retries:
+        result.why = f"a stalled flow cost {result.retries} retried step(s): it was waited out"
     elif any(
         f.kind == "flood" and "slots busy" not in sites[f.site].text() for f in scenario.faults
     ):
@@ -429,7 +440,7 @@ def run_suite(
     root = keep or Path(tempfile.mkdtemp(prefix="isthmus-chaos-"))
     results = []
     print(f"{'scenario':<14} {'result':<6} {'wall s':>7} {'gens':>4} {'retries':>7} "
-          f"{'min live':>8} {'corrupt':>7}  rejoined", file=out)  # fmt: skip
+          f"{'min live':>8} {'corrupt':>7} {'stalled':>7}  rejoined", file=out)  # fmt: skip
     for name, why in unfit.items():
         print(f"{name:<14} {'skip':<6}  with these settings: {why}", file=out)
     chosen = [s for s in chosen if s.name not in unfit]
@@ -440,7 +451,7 @@ def run_suite(
             results.append(r)
             print(
                 f"{r.name:<14} {'ok' if r.ok else 'FAIL':<6} {r.wall_s:7.1f} {r.generations:4d} "
-                f"{r.retries:7d} {r.min_live_sites:8d} {r.corrupt_chunks:7d}  "
+                f"{r.retries:7d} {r.min_live_sites:8d} {r.corrupt_chunks:7d} {r.stalled_flows:7d}  "
                 f"{','.join(r.rejoined) or '-'}",
                 file=out,
                 flush=True,
