@@ -53,6 +53,18 @@ def frames(n: int) -> list[Frame]:
     ]
 
 
+def send_round(conn: BulkConnection, n: int, wait_s: float) -> tuple[BulkPeerRound, float]:
+    """``n`` frames in one round over ``conn``, every one taken within ``wait_s``: the
+    round and how long it took."""
+    start = time.monotonic()
+    rnd = BulkPeerRound([conn], deadline=start + 30)
+    for f in frames(n):
+        rnd.send(f)
+    rnd.end()
+    assert rnd.wait(wait_s) == n
+    return rnd, time.monotonic() - start
+
+
 def hold_takes(monkeypatch, lane: LaneServer, hold: dict[int, float], after: bool) -> dict:
     """The lane's ``take`` sleeps ``hold[k]`` seconds on its k-th call (0-based), before
     it stores the chunk (a peer that stopped reading) or after it (the chunk is stored,
@@ -86,13 +98,7 @@ def test_a_stalled_connection_sends_its_frames_again_on_a_new_one(
     calls = hold_takes(monkeypatch, lane, {0: 4.0}, after)
     conn = connection(lane)
     try:
-        start = time.monotonic()
-        rnd = BulkPeerRound([conn], deadline=start + 30)
-        for f in frames(3):
-            rnd.send(f)
-        rnd.end()
-        assert rnd.wait(10) == 3
-        took = time.monotonic() - start
+        rnd, took = send_round(conn, 3, wait_s=10)
         # The first frame's deadline (0.5 s past its size at the first rate) passed,
         # its connection was closed and the three frames went on a new one: well
         # before the held take returns (4 s), let alone TCP_USER_TIMEOUT (30 s).
@@ -119,13 +125,8 @@ def test_a_slow_connection_that_keeps_acknowledging_is_not_stalled(
     hold_takes(monkeypatch, lane, dict.fromkeys(range(10), 0.2), after=False)
     conn = connection(lane)
     try:
-        start = time.monotonic()
-        rnd = BulkPeerRound([conn], deadline=start + 30)
-        for f in frames(10):
-            rnd.send(f)
-        rnd.end()
-        assert rnd.wait(20) == 10
-        assert time.monotonic() - start >= 2.0
+        rnd, took = send_round(conn, 10, wait_s=20)
+        assert took >= 2.0
         assert conn.stalls == 0 and rnd.stalls == 0
         assert len(lane.mailbox) == 10
     finally:
