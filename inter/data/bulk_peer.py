@@ -334,8 +334,7 @@ class BulkConnection:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)  # wakes this connection's sender thread
         sock.close()
-        for rnd in {id(i.rnd): i.rnd for i in items}.values():
-            rnd.stalled()
+        items[0].rnd.stalled()  # counted once, by the round whose frame missed it
         if redial is not None:
             self._ensure(redial)
 
@@ -403,7 +402,8 @@ class BulkPeerRound:
         self.resent = 0
         """Frames the peer received damaged and asked for again."""
         self.stalls = 0
-        """Connections that stalled with this round's frames in flight (sent again)."""
+        """Connections that stalled on a frame of this round (the oldest in flight, past
+        its deadline); that frame and those behind it went again on a new connection."""
 
     def send(self, frame: Frame) -> None:
         """Queues one chunk; connections take turns. Thread-safe."""
@@ -432,7 +432,7 @@ class BulkPeerRound:
             self._cond.notify_all()
 
     def stalled(self) -> None:
-        """A connection stalled with frames of this round in flight; they go again."""
+        """A connection stalled on a frame of this round; its frames go again."""
         with self._cond:
             self.stalls += 1
 

@@ -128,8 +128,8 @@ class RoundStats:
     nonfinite_chunks: int = 0
     """Chunks that decoded to NaN or Inf: refused before summing, pulled again."""
     stalled_flows: int = 0
-    """Bulk connections that missed a frame's deadline with this round's frames in
-    flight: closed, and the frames sent again on new ones."""
+    """Bulk connections that missed the deadline of one of this round's frames: closed,
+    and their frames in flight sent again on new ones (each stall counted once)."""
     wall_s: float = 0.0
     encode_s: float = 0.0
     """Seconds spent encoding, summed over the pool's threads."""
