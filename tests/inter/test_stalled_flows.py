@@ -27,6 +27,10 @@ from isthmus.sim.impairments.flow_stall import FlowStall
 
 pytestmark = pytest.mark.timeout(60)
 
+HOLD_S = 8.0
+"""How long the receiving lane holds the first chunk: far past the shortened deadline
+(0.5 s), so a round that ends sooner than this ended through the stall."""
+
 
 @pytest.fixture()
 def lane():
@@ -95,19 +99,19 @@ def test_a_stalled_connection_sends_its_frames_again_on_a_new_one(
     monkeypatch, lane: LaneServer, after: bool
 ) -> None:
     monkeypatch.setattr(bulk_peer, "STALL_FLOOR_S", 0.5)
-    calls = hold_takes(monkeypatch, lane, {0: 4.0}, after)
+    calls = hold_takes(monkeypatch, lane, {0: HOLD_S}, after)
     conn = connection(lane)
     try:
         rnd, took = send_round(conn, 3, wait_s=10)
         # The first frame's deadline (0.5 s past its size at the first rate) passed,
         # its connection was closed and the three frames went on a new one: well
-        # before the held take returns (4 s), let alone TCP_USER_TIMEOUT (30 s).
-        assert took < 3.5, took
+        # before the held take returns (8 s), let alone TCP_USER_TIMEOUT (30 s).
+        assert took < HOLD_S - 2, took
         assert conn.stalls == 1 and rnd.stalls == 1
         assert rnd.resent == 0
         # The held take returns on a connection nobody reads: every chunk is stored
         # once, whichever copy came first.
-        wait_until(lambda: calls["done"] == calls["n"] >= 4, "the held take returned")
+        wait_until(lambda: calls["done"] == calls["n"] >= 4, "the held take returned", HOLD_S + 10)
         # At least the held copy and the three on the new connection (the old one may
         # still read what it had buffered before its ack fails).
         stored = lane.mailbox.keys()
@@ -119,16 +123,16 @@ def test_a_stalled_connection_sends_its_frames_again_on_a_new_one(
 def test_a_slow_connection_that_keeps_acknowledging_is_not_stalled(
     monkeypatch, lane: LaneServer
 ) -> None:
-    """Ten frames a fifth of a second apart take 2 s, past the floor of 1.5 s: each
+    """Fifteen frames a fifth of a second apart take 3 s, past the floor of 2.5 s: each
     deadline counts from the acknowledgement before it, so none is missed."""
-    monkeypatch.setattr(bulk_peer, "STALL_FLOOR_S", 1.5)
-    hold_takes(monkeypatch, lane, dict.fromkeys(range(10), 0.2), after=False)
+    monkeypatch.setattr(bulk_peer, "STALL_FLOOR_S", 2.5)
+    hold_takes(monkeypatch, lane, dict.fromkeys(range(15), 0.2), after=False)
     conn = connection(lane)
     try:
-        rnd, took = send_round(conn, 10, wait_s=20)
-        assert took >= 2.0
+        rnd, took = send_round(conn, 15, wait_s=30)
+        assert took >= 3.0
         assert conn.stalls == 0 and rnd.stalls == 0
-        assert len(lane.mailbox) == 10
+        assert len(lane.mailbox) == 15
     finally:
         conn.close()
 
