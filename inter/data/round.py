@@ -272,10 +272,8 @@ class RoundPipeline:
                     raise CrossSiteError(f"{self.where}: {describe(s, exc)}") from exc
             if took != rnd.sent:
                 raise CrossSiteError(f"{self.where}: site {s} took {took} of {rnd.sent} chunks")
-            if rnd.resent:  # damaged on the way (bulk frames): sent again, never summed
-                self._count(corrupt_chunks=rnd.resent)
-            if rnd.stalls:  # connections given up past a frame's deadline (bulk_peer.py)
-                self._count(stalled_flows=rnd.stalls)
+            # Frames damaged on the way (sent again), connections left past a deadline.
+            self._count(corrupt_chunks=rnd.resent, stalled_flows=rnd.stalls)
 
     # -- tasks (pool threads) ------------------------------------------------------
 
