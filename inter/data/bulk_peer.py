@@ -3,6 +3,8 @@
 A :class:`BulkConnection` is one TCP connection to a peer lane's bulk port, shared by
 that peer's rounds; a :class:`BulkPeerRound` is one round's chunks over a peer's
 connections, with the interface of :class:`~isthmus.inter.data.lane_peer.PeerRound`.
+Every frame in flight has a deadline from its size and the connection's measured rate;
+a connection that misses one is left for a new one (docs/wire.md, "Deadlines per frame").
 """
 
 from __future__ import annotations
