@@ -20,7 +20,7 @@ import pytest
 from measured import assert_delay
 from sockets import Server, connect
 
-from isthmus.sim import FlowStall, LinkSpec, RelayServer, impairments
+from isthmus.sim import FlowStall, LinkSpec, impairments
 from isthmus.sim.impairments import Piece, State
 from isthmus.sim.topology import apply_changes, parse_topology, spec_to_table
 
@@ -37,13 +37,6 @@ UNSTALLED_BOUND_S = DARK_S / 2
 STALL_TOLERANCE_S = 0.3
 PAYLOAD_BYTES = 512 << 10
 STALLED_PAYLOAD_BYTES = 1 << 20  # past its receive window: its sender feels backpressure
-
-
-@pytest.fixture(params=[False, True], ids=["threads", "processes"])
-def either_relay(request):
-    """A relay whose directions are pumped by its threads, or by processes of their own."""
-    with RelayServer(processes=request.param) as r:
-        yield r
 
 
 class Received:

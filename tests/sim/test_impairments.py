@@ -255,14 +255,6 @@ def test_corruption_flips_rate_times_bytes_reproducibly() -> None:
     assert received[0] != received[2]
 
 
-@pytest.fixture(params=[False, True], ids=["threads", "processes"])
-def either_relay(request):
-    """A relay whose directions are pumped by its threads, or by processes of their own
-    (then the direction that resets must have the other direction's process reset too)."""
-    with RelayServer(processes=request.param) as r:
-        yield r
-
-
 @pytest.mark.timeout(20)
 def test_reset_at_a_time_resets_both_sides(either_relay) -> None:
     relay = either_relay

@@ -18,17 +18,6 @@ from isthmus.sim import DirectionSpec, LinkSpec, RelayServer, proxy_channel_opti
 MBIT = 1e6
 
 
-@pytest.fixture(params=[False, True], ids=["threads", "processes"])
-def either_relay(request):
-    """A test twice: each link direction pumped by a thread of the relay, and by a
-    process of its own (`RelayServer(processes=True)`, sim/pump_process.py). The rate
-    tests hold the thread mode to +-10 % only: with two more processes a direction,
-    a 2-core machine's load moved processes-mode rates by 25 %; benchmarks measure that
-    mode's rates (docs/benchmarks.md), test_wan_cli.py its rate limit, loosely."""
-    with RelayServer(processes=request.param) as r:
-        yield r
-
-
 @pytest.mark.timeout(60)
 def test_ping_pong_rtt(either_relay) -> None:
     relay = either_relay
