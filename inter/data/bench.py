@@ -200,7 +200,7 @@ def _median_report(
         "bytes_sent": stats.bytes_sent,
         "raw_bytes": stats.raw_bytes,
         "corrupt_chunks": stats.corrupt_chunks,
-        "stalled_flows": getattr(stats, "stalled_flows", 0),
+        "stalled_flows": stats.stalled_flows,
         "encode_s": getattr(stats, "encode_s", 0.0),
         "decode_s": getattr(stats, "decode_s", 0.0),
         "digest": digest,
