@@ -126,6 +126,7 @@ def run_case(
     warmup: int,
     *,
     host_ranks: int = 1,
+    calls: str = "call",
     code: Path | None = None,
     code_name: str = "new",
 ) -> dict:
@@ -148,7 +149,8 @@ def run_case(
             _line(p, f"coordinator {n}")
         t0 = time.monotonic()
         clients = [
-            _spawn("--serve-ranks", n, addresses[n], str(ranks), str(host_ranks)) for n in names
+            _spawn("--serve-ranks", n, addresses[n], str(ranks), str(host_ranks), calls)
+            for n in names
         ]
         procs += clients
         for n, p in zip(names, clients, strict=True):
@@ -195,6 +197,7 @@ def run_case(
     row = {
         "code": code_name,
         "host_ranks": host_ranks,
+        "calls": calls,
         "sites": sites,
         "ranks_per_site": ranks,
         "steps": steps,
@@ -241,7 +244,7 @@ def run_case(
 
 
 HEADER = (
-    f"{'code':>8} {'host':>4} "
+    f"{'code':>8} {'host':>4} {'calls':>6} "
     f"{'sites':>5} {'ranks/site':>10} {'steps/s':>7} {'decision p50':>12} {'p99':>8} "
     f"{'first':>6} "
     f"{'votes sent':>10} {'leader cpu':>10} {'other cpu':>9} {'leader cores':>12} "
@@ -250,7 +253,10 @@ HEADER = (
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['code'][:8]:>8} {r['host_ranks']:>4} {r['sites']:>5} {r['ranks_per_site']:>10}"
+    head = (
+        f"{r['code'][:8]:>8} {r['host_ranks']:>4} {r.get('calls', 'call'):>6} "
+        f"{r['sites']:>5} {r['ranks_per_site']:>10}"
+    )
     if "failed" in r:
         return f"{head}  did not keep up: {r['failed']}"
     return (
@@ -273,6 +279,11 @@ def _counts(text: str, flag: str, low: int) -> list[int]:
     return values
 
 
+def _ways(hosts: list[int], calls: list[str]) -> list[tuple[int, str]]:
+    """Every (ranks a voter speaks for, how it votes) to run, in that order."""
+    return [(h, how) for h in hosts for how in calls]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -288,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks one agent votes and watches for, comma-separated (1: each rank itself)",
     )
     p.add_argument(
+        "--calls",
+        default="call",
+        help="how voters vote, comma-separated: call (a CommitStep/CommitHostStep call a "
+        "vote) or stream (each voter's votes on one HostSession stream)",
+    )
+    p.add_argument(
         "--compare-rev",
         metavar="REV",
         help="run each configuration with REV's coordinators first (per rank only)",
@@ -295,15 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--quick", action="store_true", help="2 sites x 16 ranks, 3 steps")
     p.add_argument("--serve-coordinator", nargs=3, help=argparse.SUPPRESS)
-    p.add_argument("--serve-ranks", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--serve-ranks", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_coordinator:
         site, names, ranks = args.serve_coordinator
         serve_coordinator(site, names.split(","), int(ranks))
         return 0
     if args.serve_ranks:
-        site, address, ranks, host_ranks = args.serve_ranks
-        serve_ranks(site, address, int(ranks), int(host_ranks))
+        site, address, ranks, host_ranks, calls = args.serve_ranks
+        serve_ranks(site, address, int(ranks), int(host_ranks), calls)
         return 0
     try:
         ranks = _counts(args.ranks, "--ranks", 1)
@@ -311,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         hosts = _counts(args.host_ranks, "--host-ranks", 1)
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
+    calls = [c.strip() for c in args.calls.split(",") if c.strip()]
+    if not calls or set(calls) - {"call", "stream"}:
+        p.error(f"--calls takes call and/or stream, got {args.calls!r}")
     if args.steps < 1 or args.warmup < 0 or args.rate <= 0:
         p.error("--steps must be >= 1, --warmup >= 0 and --rate > 0")
     if args.quick:
@@ -328,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in sites:
             for r in ranks:
                 for name, code in codes:
-                    # An older coordinator knows no CommitHostStep: it runs per rank only.
-                    for h in hosts if code is None else [1]:
+                    # An older coordinator may know neither CommitHostStep nor
+                    # HostSession: it runs per rank, a call a vote, only.
+                    for h, how in _ways(hosts, calls) if code is None else [(1, "call")]:
                         row = run_case(
                             s,
                             r,
@@ -337,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.rate,
                             args.warmup,
                             host_ranks=h,
+                            calls=how,
                             code=code,
                             code_name=name,
                         )

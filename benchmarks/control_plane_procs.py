@@ -7,6 +7,7 @@ with ``--serve-coordinator`` or ``--serve-ranks``, which call into here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -83,7 +84,9 @@ class SimulatedRanks:
     ``RANKS_PER_CHANNEL`` ranks; with ``host_ranks`` > 1, one agent per host of that
     many ranks votes and watches for them."""
 
-    def __init__(self, site: str, address: str, ranks: int, host_ranks: int = 1) -> None:
+    def __init__(
+        self, site: str, address: str, ranks: int, host_ranks: int = 1, calls: str = "call"
+    ) -> None:
         import grpc
 
         from isthmus.inter.control.channels import MESSAGE_LIMITS
@@ -91,6 +94,8 @@ class SimulatedRanks:
         from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
         self.site, self.ranks, self.host_ranks = site, ranks, host_ranks
+        self.streams: dict[int, object] | None = {} if calls == "stream" else None
+        """With ``calls="stream"``: each voter's open HostSession, by its first rank."""
         count = max(1, -(-ranks // RANKS_PER_CHANNEL))
         self.channels = [
             grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS) for _ in range(count)
@@ -174,7 +179,7 @@ class SimulatedRanks:
 
         from isthmus.proto import coordinator_pb2 as pb
 
-        if self.host_ranks > 1:
+        if self.host_ranks > 1 or self.streams is not None:
             ballots = [
                 pb.RankBallot(rank=r, ok=True, rank_key=self.keys[r])
                 for r in range(rank, min(self.ranks, rank + self.host_ranks))
@@ -188,6 +193,8 @@ class SimulatedRanks:
                 sites_known=True,
             )
             call = self.stub(rank).CommitHostStep
+            if self.streams is not None:
+                call = functools.partial(self.on_stream, rank)
         else:
             request = pb.CommitStepRequest(
                 site=self.site,
@@ -232,6 +239,22 @@ class SimulatedRanks:
                 timeout=RPC_SLACK_S,
             )
 
+    async def on_stream(self, rank: int, request, timeout: float):
+        """``request`` on the HostSession of the voter whose first rank is ``rank``
+        (opened at its first vote, again after an error), as inter/control/host_session.py
+        sends it."""
+        assert self.streams is not None
+        stream = self.streams.get(rank)
+        if stream is None:
+            stream = self.streams[rank] = self.stub(rank).HostSession()
+        try:
+            await stream.write(request)
+            return await asyncio.wait_for(stream.read(), timeout)
+        except BaseException:
+            self.streams.pop(rank, None)
+            stream.cancel()
+            raise
+
     async def step(self, step: int, at: float) -> StepTimes:
         """Every rank votes on ``step`` from ``at`` (CLOCK_MONOTONIC) on."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
@@ -248,14 +271,16 @@ class SimulatedRanks:
         self.stop.set()
         for task in self.watchers:
             task.cancel()
+        for stream in (self.streams or {}).values():
+            stream.cancel()
         await asyncio.gather(*self.watchers, return_exceptions=True)
         for channel in self.channels:
             await channel.close()
 
 
-async def _ranks_main(site: str, address: str, ranks: int, host_ranks: int) -> None:
+async def _ranks_main(site: str, address: str, ranks: int, host_ranks: int, calls: str) -> None:
     """The client process: joins, says "ready", then runs "step N AT" lines from stdin."""
-    sim = SimulatedRanks(site, address, ranks, host_ranks)
+    sim = SimulatedRanks(site, address, ranks, host_ranks, calls)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -269,8 +294,8 @@ async def _ranks_main(site: str, address: str, ranks: int, host_ranks: int) -> N
     await sim.close()
 
 
-def serve_ranks(site: str, address: str, ranks: int, host_ranks: int) -> None:
-    asyncio.run(_ranks_main(site, address, ranks, host_ranks))
+def serve_ranks(site: str, address: str, ranks: int, host_ranks: int, calls: str) -> None:
+    asyncio.run(_ranks_main(site, address, ranks, host_ranks, calls))
 
 
 # -- the driver -------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health
@@ -192,10 +192,17 @@ class WaitSlots:
         self._held: dict[str, int] = {}  # caller -> slots it holds
         self._lock = threading.Lock()
 
-    def _take(self, caller: str, share: int) -> str | None:
-        """Takes a slot for ``caller``; returns why not, or None."""
+    @property
+    def free(self) -> int:
+        """Slots free now."""
         with self._lock:
-            if self._held.get(caller, 0) >= share:
+            return self.slots - sum(self._held.values())
+
+    def _take(self, caller: str, share: int | None) -> str | None:
+        """Takes a slot for ``caller`` (holding at most ``share``: None, any number);
+        returns why not, or None."""
+        with self._lock:
+            if share is not None and self._held.get(caller, 0) >= share:
                 return f"{caller} holds its {share} {self.what} slots"
             if not self._free.acquire(blocking=False):
                 return f"all {self.slots} {self.what} slots busy"
@@ -255,15 +262,9 @@ class WaitSlots:
                 certificate or its ticket); "" for anyone.
             share: slots one caller may hold at once (default: all).
         """
-        busy: str | None
-        if share is None:
-            acquired = self._free.acquire(blocking=False)
-            busy = None if acquired else f"all {self.slots} {self.what} slots busy"
-            release: Callable[[], None] = self._free.release
-        else:
-            who = caller or "a caller"
-            busy = self._take(who, share)
-            release = functools.partial(self._give, who)
+        who = caller or "a caller"
+        busy = self._take(who, share)
+        release = functools.partial(self._give, who)
         if busy is not None:
             self.refusals.note(context.peer(), busy)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, busy)

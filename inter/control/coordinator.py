@@ -118,6 +118,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         waiters = 2 * s.ranks + 2 * len(s.site_names) + 2
         self.repolls = RePolls()
         self.long_polls = WaitSlots(waiters, "long poll", self.refusals, self.repolls)
+        # A host agent's HostSession holds a thread while open: one a rank at most.
+        self.host_sessions = WaitSlots(s.ranks, "host session", self.refusals)
         # grpc.health.v1: SERVING while the site trains, NOT_SERVING once it drains.
         self.health = BoundedHealth(self.refusals)
         self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}  # filled by start()
@@ -142,7 +144,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self._peer_loop = PeerLoop(
             s, st, stubs=self._stubs, admission=self.admission, metrics=self.metrics
         )
-        self._server = self._bind(waiters + self.repolls.holds)
+        self._server = self._bind(waiters + s.ranks + self.repolls.holds)
         self._joiner = threading.Thread(
             target=self._peer_loop.run, name=f"join-{s.site}", daemon=True
         )
@@ -438,6 +440,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def CommitHostStep(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "CommitHostStep")
         return self.failover.commit_host_step(request, context)
+
+    def HostSession(self, request_iterator, context):  # noqa: N802
+        self.host_sessions.hold_for_stream(context)
+        for request in request_iterator:  # each vote checked as CommitHostStep checks it
+            refuse_unless_named(self.security, context, self.where, request.site, "HostSession")
+            yield self.failover.commit_host_step(request, context)
 
     def SiteVote(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "SiteVote")

@@ -1,6 +1,7 @@
 """The control-plane load benchmark (benchmarks/control_plane.py): `--quick` runs end to
 end, real coordinators and simulated ranks (each rank voting itself, and agents voting
-for hosts of 4 ranks), and writes its rows as JSON."""
+for hosts of 4 ranks; a call a vote and one HostSession stream a voter), and writes its
+rows as JSON."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ SCRIPT = ROOT / "benchmarks" / "control_plane.py"
 def test_quick_mode_commits_every_step_at_every_rank(tmp_path):
     out = tmp_path / "control_plane.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--host-ranks", "1,4", "--json", str(out)],
+        [
+            *(sys.executable, str(SCRIPT), "--quick", "--host-ranks", "1,4"),
+            *("--calls", "call,stream", "--json", str(out)),
+        ],
         capture_output=True,
         text=True,
         timeout=55,
@@ -26,7 +30,8 @@ def test_quick_mode_commits_every_step_at_every_rank(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [row["host_ranks"] for row in rows] == [1, 4]
+    ways = [(row["host_ranks"], row["calls"]) for row in rows]
+    assert ways == [(1, "call"), (1, "stream"), (4, "call"), (4, "stream")]
     for row in rows:
         assert "failed" not in row, row
         # 2 sites x 16 ranks x 3 measured steps, every one a COMMIT; nothing resent.
@@ -36,9 +41,10 @@ def test_quick_mode_commits_every_step_at_every_rank(tmp_path):
     assert "decision p50" in result.stdout
 
 
-def test_bad_flags_are_one_line_errors():
+@pytest.mark.parametrize("flags", [["--ranks", "x"], ["--calls", "carrier-pigeon"]])
+def test_bad_flags_are_one_line_errors(flags):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--ranks", "x"], capture_output=True, text=True, timeout=30
+        [sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "--ranks" in result.stderr.splitlines()[-1]
+    assert flags[0] in result.stderr.splitlines()[-1]

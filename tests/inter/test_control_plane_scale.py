@@ -18,6 +18,7 @@ import pytest
 from helpers import register_rank, wait_until
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
+from isthmus.inter.control.host_session import HostSession
 from isthmus.inter.control.rank_keys import RankKeys
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -106,7 +107,7 @@ def test_only_the_last_rank_s_vote_wakes_the_waiters(site):
 def test_a_watcher_that_knows_the_generation_is_not_sent_the_lanes_again(site):
     coord, stub = site
     key = coord.rank_keys.handed(3)
-    first = stub.GetMembership(pb.GetMembershipRequest(known_generation=0, rank_key=key), timeout=5)
+    first = stub.GetMembership(pb.GetMembershipRequest(known_generation=0, rank_key=key), 5)
     assert first.generation == 1
     assert [len(info.lane_addresses) for info in first.sites] == [RANKS]
     again = stub.GetMembership(
@@ -114,7 +115,7 @@ def test_a_watcher_that_knows_the_generation_is_not_sent_the_lanes_again(site):
     )
     assert again.generation == 1 and list(again.sites) == [] and list(again.suspects) == []
     # Anyone else (no key, no generation) still reads the whole membership.
-    stranger = stub.GetMembership(pb.GetMembershipRequest(), timeout=5)
+    stranger = stub.GetMembership(pb.GetMembershipRequest(), 5)
     assert [info.name for info in stranger.sites] == ["site0"]
 
 
@@ -216,3 +217,112 @@ def test_a_host_vote_with_one_bad_ballot_is_refused_whole(site, ranks, keys, cod
         assert coord.failover.ballots.rank_votes == {}  # not even the good ballots
     # The same ranks' own votes still count.
     assert _host_vote(coord, stub, range(RANKS), wait_ms=5_000).verdict == pb.VERDICT_COMMIT
+
+
+# -- a host agent's votes on one stream (HostSession) ------------------------------------
+
+
+def _ballots(coord: Coordinator, ranks, *, step: int, wait_ms: int, **keys):
+    return pb.CommitHostStepRequest(
+        site="site0",
+        step=step,
+        generation=1,
+        ballots=[
+            pb.RankBallot(rank=r, ok=True, rank_key=keys.get(f"key{r}", coord.rank_keys.handed(r)))
+            for r in ranks
+        ],
+        wait_ms=wait_ms,
+        sites_known=True,
+    )
+
+
+def _two_hosts_vote(coord: Coordinator, hosts, step: int) -> list[pb.Decision]:
+    """Both hosts of the site vote on ``step`` at once (each waits for the other's)."""
+    halves = [range(RANKS // 2), range(RANKS // 2, RANKS)]
+    answers: list = [None, None]
+
+    def vote(i: int) -> None:
+        answers[i] = hosts[i].vote(_ballots(coord, halves[i], step=step, wait_ms=5_000))
+
+    threads = [threading.Thread(target=vote, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    return answers
+
+
+def test_a_host_session_carries_every_step_s_votes_on_one_stream(site):
+    coord, stub = site
+    with HostSession(stub) as first, HostSession(stub) as second:
+        for step in range(3):
+            answers = _two_hosts_vote(coord, [first, second], step)
+            assert [a.verdict for a in answers] == [pb.VERDICT_COMMIT] * 2
+            assert [a.step for a in answers] == [step, step]
+            assert [list(a.sites) for a in answers] == [[], []]  # sites_known: lean
+        # A wait that passes without a decision is PENDING; the same stream goes on.
+        pending = first.vote(_ballots(coord, range(RANKS // 2), step=3, wait_ms=50))
+        assert pending.verdict == pb.VERDICT_PENDING
+        assert first.unary_votes == second.unary_votes == 0
+        assert coord.host_sessions.free == RANKS - 2  # two sessions open
+    assert coord.failover.committed_steps == 3
+    wait_until(lambda: coord.host_sessions.free == RANKS, "the sessions closed")
+
+
+def test_a_bad_ballot_ends_the_session_and_records_nothing(site):
+    coord, stub = site
+    with HostSession(stub) as host:
+        bad = _ballots(coord, [0, 1, 2], step=0, wait_ms=0, key2="f" * 32)
+        with pytest.raises(grpc.RpcError) as refused:
+            host.vote(bad)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert host.unary_votes == 0  # refused for what it says, not retried by a call
+        with coord.state.cond:
+            assert coord.failover.ballots.rank_votes == {}
+        # The next vote opens another stream and counts.
+        good = host.vote(_ballots(coord, range(RANKS), step=0, wait_ms=5_000))
+        assert good.verdict == pb.VERDICT_COMMIT and host.unary_votes == 0
+
+
+def test_without_a_session_slot_a_host_votes_by_call(site):
+    coord, stub = site
+    # Strangers' streams that never send a vote hold every slot (one a rank).
+    idle = threading.Event()
+    squatters = [stub.HostSession(iter(idle.wait, True)) for _ in range(RANKS)]
+    try:
+        wait_until(lambda: coord.host_sessions.free == 0, "every slot held")
+        with HostSession(stub) as host:
+            decision = host.vote(_ballots(coord, range(RANKS), step=0, wait_ms=5_000))
+            assert decision.verdict == pb.VERDICT_COMMIT and host.unary_votes == 1
+            # A slot freed: the next vote goes on a stream again.
+            squatters.pop().cancel()
+            wait_until(lambda: coord.host_sessions.free == 1, "a slot freed")
+            decision = host.vote(_ballots(coord, range(RANKS), step=1, wait_ms=5_000))
+            assert decision.verdict == pb.VERDICT_COMMIT and host.unary_votes == 1
+    finally:
+        for call in squatters:
+            call.cancel()
+    assert coord.failover.committed_steps == 2
+
+
+def test_a_coordinator_that_stops_ends_its_sessions(site):
+    coord, stub = site
+    host = HostSession(stub, rpc_slack_s=2.0)
+    ended: list = []
+
+    def vote() -> None:
+        try:
+            ended.append(host.vote(_ballots(coord, range(RANKS // 2), step=0, wait_ms=30_000)))
+        except (grpc.RpcError, TimeoutError) as exc:
+            ended.append(exc)
+
+    waiting = threading.Thread(target=vote, daemon=True)
+    waiting.start()
+    wait_until(lambda: coord.host_sessions.free == RANKS - 1, "the session open")
+    coord.stop(grace_s=0)
+    waiting.join(10)
+    host.close()
+    # The vote ended with the coordinator (its wait answered PENDING, or the stream
+    # cancelled), not when its 30 s passed.
+    assert not waiting.is_alive() and len(ended) == 1
+    assert not isinstance(ended[0], pb.Decision) or ended[0].verdict == pb.VERDICT_PENDING
