@@ -445,7 +445,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.host_sessions.hold_for_stream(context)
         for request in request_iterator:  # each vote checked as CommitHostStep checks it
             refuse_unless_named(self.security, context, self.where, request.site, "HostSession")
-            yield self.failover.commit_host_step(request, context)
+            yield self.failover.commit_host_step(request, context, in_session=True)
 
     def SiteVote(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "SiteVote")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 
 import grpc
 
@@ -174,8 +175,15 @@ class Failover:
             key, request.wait_ms, context, rank, paced=False, sites_known=request.sites_known
         )
 
-    def commit_host_step(self, request: pb.CommitHostStepRequest, context: grpc.ServicerContext):
-        """The votes of several ranks of one host; one long poll for their decision."""
+    def commit_host_step(
+        self,
+        request: pb.CommitHostStepRequest,
+        context: grpc.ServicerContext,
+        *,
+        in_session: bool = False,
+    ):
+        """The votes of several ranks of one host; one long poll for their decision
+        (``in_session``: a HostSession's, whose slot bounds its waits already)."""
         ranks = [b.rank for b in request.ballots]
         if not 1 <= len(ranks) <= MAX_HOST_BALLOTS or len(set(ranks)) != len(ranks):
             context.abort(
@@ -186,7 +194,13 @@ class Failover:
         key = self._record_votes(request, request.ballots, context)
         host = f"{self.settings.site} host of rank {min(ranks)}"
         return self._await(
-            key, request.wait_ms, context, host, paced=False, sites_known=request.sites_known
+            key,
+            request.wait_ms,
+            context,
+            host,
+            paced=False,
+            sites_known=request.sites_known,
+            slot=not in_session,
         )
 
     def _record_votes(
@@ -318,13 +332,18 @@ class Failover:
         *,
         paced: bool,
         sites_known: bool = False,
+        slot: bool = True,
     ) -> pb.Decision:
-        # ``caller`` holds two slots at most: a vote and an early vote (inter/bounds.py).
+        # ``caller`` holds two slots at most: a vote and an early vote (inter/bounds.py);
+        # a vote on a HostSession waits on the session's own slot (``slot`` False).
         # It waits for its key's decision alone, not on the state's condition: each
         # rank's vote is a waiting thread, and a wake-up of all of them per transition
         # grew with the ranks (inter/control/wakeups.py).
         st, b = self.state, self.ballots
-        with self._long_polls.wait(context, caller, 2, paced=paced) as may_wait:
+        waits = (
+            self._long_polls.wait(context, caller, 2, paced=paced) if slot else nullcontext(True)
+        )
+        with waits as may_wait:
             deadline = st.clock() + (min(wait_ms, 30_000) / 1000.0 if may_wait else 0.0)
             while True:
                 with st.cond:

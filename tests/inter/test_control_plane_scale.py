@@ -305,6 +305,31 @@ def test_without_a_session_slot_a_host_votes_by_call(site):
     assert coord.failover.committed_steps == 2
 
 
+def test_a_session_s_wait_holds_its_session_slot_only(site):
+    coord, stub = site
+    answers: list = []
+    with HostSession(stub) as host:
+        waiting = threading.Thread(
+            target=lambda: answers.append(
+                host.vote(_ballots(coord, range(RANKS // 2), step=0, wait_ms=10_000))
+            )
+        )
+        waiting.start()
+
+        def half_voted() -> bool:
+            with coord.state.cond:
+                return len(coord.failover.ballots.rank_votes.get((0, 1), {})) == RANKS // 2
+
+        wait_until(half_voted, "the session's ballots recorded")
+        # Its wait is bounded by the session's slot: no long poll slot is taken.
+        assert coord.long_polls.free == coord.long_polls.slots
+        assert coord.host_sessions.free == RANKS - 1
+        decision = _host_vote(coord, stub, range(RANKS // 2, RANKS), wait_ms=5_000)
+        waiting.join(10)
+    assert decision.verdict == pb.VERDICT_COMMIT
+    assert [a.verdict for a in answers] == [pb.VERDICT_COMMIT]
+
+
 def test_a_coordinator_that_stops_ends_its_sessions(site):
     coord, stub = site
     host = HostSession(stub, rpc_slack_s=2.0)
