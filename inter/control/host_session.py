@@ -70,12 +70,17 @@ class HostSession:
         self.stub = stub
         self.rpc_slack_s = rpc_slack_s
         self._stream: _Stream | None = None
+        self._lock = threading.Lock()  # one vote on the stream at a time: answers come in order
+        self._closed = False  # close() was called since the stream opened
         self.unary_votes = 0
         """Votes that went by CommitHostStep (no session slot, or a broken stream)."""
 
-    def vote(self, request: pb.CommitHostStepRequest) -> pb.Decision:
+    def vote(
+        self, request: pb.CommitHostStepRequest, timeout_s: float | None = None
+    ) -> pb.Decision:
         """Sends the host's ballots on ``request.step`` and returns the answer (PENDING
-        when ``request.wait_ms`` passed without a decision: send it again).
+        when ``request.wait_ms`` passed without a decision: send it again); no answer in
+        ``timeout_s`` (default: the wait and ``rpc_slack_s``) breaks the stream.
 
         Raises:
             grpc.RpcError: the coordinator refused the vote (INVALID_ARGUMENT,
@@ -83,35 +88,49 @@ class HostSession:
                 neither the stream nor ``CommitHostStep`` got an answer.
             TimeoutError: the stream took longer than the wait and its slack.
         """
-        timeout_s = request.wait_ms / 1000 + self.rpc_slack_s
+        if timeout_s is None:
+            timeout_s = request.wait_ms / 1000 + self.rpc_slack_s
+        with self._lock:
+            return self._vote(request, timeout_s)
+
+    def _vote(self, request: pb.CommitHostStepRequest, timeout_s: float) -> pb.Decision:
         if self._stream is None:
+            self._closed = False
             self._stream = _Stream(self.stub)
         stream = self._stream
         stream.requests.put(request)
         try:
             answer = stream.answers.get(timeout=timeout_s)
         except queue.Empty:
-            self.close()
+            self._drop()
             raise TimeoutError(f"no answer on the host session within {timeout_s:.1f}s") from None
         if isinstance(answer, pb.Decision):
             return answer
-        self.close()
-        if isinstance(answer, grpc.RpcError) and answer.code() not in (
-            grpc.StatusCode.RESOURCE_EXHAUSTED,  # no session slot free
-            grpc.StatusCode.UNAVAILABLE,  # the stream broke
-            grpc.StatusCode.CANCELLED,
+        self._drop()
+        if isinstance(answer, grpc.RpcError) and (
+            self._closed
+            or answer.code()
+            not in (
+                grpc.StatusCode.RESOURCE_EXHAUSTED,  # no session slot free
+                grpc.StatusCode.UNAVAILABLE,  # the stream broke
+                grpc.StatusCode.CANCELLED,  # the coordinator stopping
+            )
         ):
-            raise answer  # refused for what it says: the unary call would be refused too
+            raise answer  # refused for what it says (a call would be too), or closed here
         log.debug("host session unavailable (%s); voting by CommitHostStep", answer)
         self.unary_votes += 1
         return self.stub.CommitHostStep(request, timeout=timeout_s)
 
     def close(self) -> None:
-        """Ends the stream (the coordinator frees its session's thread); the next vote
-        opens another."""
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        """Ends the stream (the coordinator frees its session's thread) and any vote
+        waiting on it: that vote raises CANCELLED; a later vote opens another stream."""
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
 
     def __enter__(self) -> HostSession:
         return self

@@ -237,6 +237,8 @@ class SiteMembership:
                     raise QuorumLost(f"vote on step {step} refused: {exc.details()}") from exc
                 time.sleep(0.2)
                 continue
+            except TimeoutError:  # the vote's stream went silent; the next vote opens another
+                continue
             if decision.verdict != Verdict.PENDING:
                 return decision
         raise QuorumLost(

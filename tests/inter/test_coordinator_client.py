@@ -10,7 +10,7 @@ from coordinators import FP, coordinator, stop_all
 from helpers import wait_until
 
 from isthmus.inter.control.coordinator import Coordinator
-from isthmus.inter.control.coordinator_client import CoordinatorClient, Progress
+from isthmus.inter.control.coordinator_client import CoordinatorClient, Progress, Verdict
 
 pytestmark = pytest.mark.timeout(60)
 D1, D2 = "a" * 64, "b" * 64
@@ -113,3 +113,30 @@ def test_a_membership_that_never_comes_times_out():
     finally:
         client.close()
         stop_all([coord])
+
+
+def test_a_rank_s_waiting_votes_go_on_its_vote_stream_and_a_vote_ahead_by_call():
+    coords = two_sites()
+    clients = [rank0(c, f"127.0.0.1:{3100 + i}") for i, c in enumerate(coords)]
+    try:
+        generation = min(client.wait_membership(20).generation for client in clients)
+        vote = {"rank": 0, "generation": generation, "ok": True, "timeout_s": 10}
+        # site1 votes ahead (no wait, a call); site0 waits for the decision on its stream.
+        ahead = clients[1].commit_step(site="site1", step=0, wait_ms=0, **vote)
+        assert ahead.verdict == Verdict.PENDING
+        assert coords[1].host_sessions.free == coords[1].host_sessions.slots
+        decision = clients[0].commit_step(site="site0", step=0, wait_ms=5_000, **vote)
+        assert decision.verdict == Verdict.COMMIT and decision.step == 0
+        assert coords[0].host_sessions.free == coords[0].host_sessions.slots - 1  # open
+        # The same stream carries the next step's vote; closing the client ends it.
+        clients[1].commit_step(site="site1", step=1, wait_ms=0, **vote)
+        again = clients[0].commit_step(site="site0", step=1, wait_ms=5_000, **vote)
+        assert again.verdict == Verdict.COMMIT and again.step == 1
+        assert coords[0].host_sessions.free == coords[0].host_sessions.slots - 1
+        clients[0].close()
+        sessions = coords[0].host_sessions
+        wait_until(lambda: sessions.free == sessions.slots, "the vote stream closed")
+    finally:
+        for client in clients:
+            client.close()
+        stop_all(coords)
