@@ -2,8 +2,10 @@
 
 A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
 registers its lane and its key (``RegisterRank``), waits for the job's membership
-(``GetMembership``), votes on each step (``CommitStep``, through
-:class:`~isthmus.inter.data.membership.SiteMembership`), watches for silent members
+(``GetMembership``), votes on each step (through
+:class:`~isthmus.inter.data.membership.SiteMembership`: a vote that waits as a message
+on the rank's one ``HostSession`` stream, a vote ahead as a ``CommitStep`` call),
+watches for silent members
 and, on rank 0, reports each step's progress (``ReportProgress``); a rank whose script
 raised says so (``AbortJob``), which stops the job at every site.
 :class:`CoordinatorClient` builds those protobuf messages, so its callers pass plain
