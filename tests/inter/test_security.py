@@ -22,7 +22,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import assert_one_line_error, raw_chunk, run_cli, wait_until
+from helpers import assert_one_line_error, raw_chunk, run_cli
 
 from isthmus.deploy.commands.certs import write_certs
 from isthmus.deploy.config.job import ConfigError, load_config
@@ -255,6 +255,11 @@ def test_coordinator_registers_no_rank_for_an_unauthenticated_peer(
     with open_channel(clients(job_dir, rogue_dir)[kind], coordinator.address) as channel:
         refused = refusal(lambda: register(channel))
     assert refused.code() == code, refused.details()
+    with open_channel(clients(job_dir, rogue_dir)[kind], coordinator.address) as channel:
+        votes = cpb_grpc.CoordinatorStub(channel).HostSession(
+            iter([cpb.CommitHostStepRequest()]), timeout=5
+        )
+        assert refusal(lambda: list(votes)).code() == code  # a stream is gated like a call
     assert coordinator.state.lanes == [None]  # nothing registered
     if why is not None:
         line = next(r.getMessage() for r in caplog.records if why in r.getMessage())
@@ -280,36 +285,13 @@ def test_a_certificate_speaks_only_for_the_site_it_names(coordinator, job_dir, c
             )
         )
         assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+        votes = cpb.CommitHostStepRequest(site="site0", step=0, generation=1)
+        refused = refusal(lambda: list(stub.HostSession(iter([votes]), timeout=5)))
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED  # on a stream too
         stub.Heartbeat(cpb.HeartbeatRequest(site="site1"), timeout=5)  # as itself: fine
     assert coordinator.state.lanes == [None]
     line = next(r.getMessage() for r in caplog.records if "does not name" in r.getMessage())
     assert PEER.search(line) and "RegisterRank" in line, line
-
-
-def test_a_vote_stream_is_gated_like_every_call(coordinator, job_dir, rogue_dir):
-    """HostSession, a stream of votes, needs TLS and the token like a call; a site's
-    certificate votes only as that site on it; nothing of a refused stream counts."""
-    request = cpb.CommitHostStepRequest(
-        site="site0",
-        step=0,
-        generation=1,
-        ballots=[cpb.RankBallot(rank=0, ok=True, rank_key="a" * 32)],
-        wait_ms=0,
-    )
-    no_token = clients(job_dir, job_dir)["no_token"]
-    with no_token.channel(coordinator.address) as channel:
-        stream = cpb_grpc.CoordinatorStub(channel).HostSession(iter([request]), timeout=5)
-        refused = refusal(lambda: list(stream))
-    assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
-    with peer_channel(coordinator.address, security=full(job_dir, "site1")) as channel:
-        stream = cpb_grpc.CoordinatorStub(channel).HostSession(iter([request]), timeout=5)
-        refused = refusal(lambda: list(stream))
-    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "does not name site 'site0'" in refused.details()
-    with coordinator.state.cond:
-        assert coordinator.failover.ballots.rank_votes == {}
-    sessions = coordinator.host_sessions
-    wait_until(lambda: sessions.free == sessions.slots, "the refused streams' slots given back")
 
 
 def test_health_checks_need_tls_but_no_token(coordinator, job_dir):
