@@ -16,7 +16,8 @@ With ``--host-ranks K`` (K > 1) the ranks of each host of K ranks are spoken for
 agent, as a per-host agent would: one ``CommitHostStep`` a host a step carrying its
 ranks' K ballots, and one membership watcher a host (a 10 s long poll). The coordinator then sees what it
 would from such agents; the hop from a rank to its agent (on the host) is a function
-call here. ``--host-ranks 1`` (the default) is what ranks do today.
+call here. ``--host-ranks 1 --calls stream`` is what a job's ranks do today (each its own
+vote stream, its own watch); ``--calls call`` (the default) is how they voted before.
 
 ``--compare-rev REV`` runs each configuration twice, first with the coordinators of
 git revision REV (extracted with ``git archive``; its ``inter/`` and ``proto/`` are
