@@ -60,7 +60,11 @@ def poll(stub, generation: int, wait_ms: int):
 
 
 def test_a_polling_flood_is_paced_and_the_ranks_still_commit(caplog):
-    coords = start_sites(2)
+    # Slow heartbeats and a long failure timeout: with the test's fast ones, a beat made
+    # late by the flood on a loaded machine made the peer a suspect, and a suspect answers
+    # every poll at once, in its slot and unpaced: the flood then cycled through two free
+    # slots, nothing was held or refused, and the test failed (CI, 2026-12-01).
+    coords = start_sites(2, heartbeat_s=0.5, failure_timeout_s=30.0, rpc_timeout_s=5.0)
     site0 = coords[0]
     channel = grpc.insecure_channel(site0.address)
     stub = pb_grpc.CoordinatorStub(channel)
@@ -91,8 +95,13 @@ def test_a_polling_flood_is_paced_and_the_ranks_still_commit(caplog):
         # A flooder of more threads than there are holds finds them taken: refused at
         # once, before any state is read.
         codes = []
+        # More threads than the holds and the flooder's two slots together, released at
+        # once, so some find every hold taken however the scheduler orders them.
+        threads_n = site0.repolls.holds + 2 + 4
+        start_together = threading.Barrier(threads_n)
 
         def flood_thread():
+            start_together.wait(30)
             for _ in range(3):
                 try:
                     # A short wait: a poll that finds a hold free is kept until then. With
@@ -103,7 +112,7 @@ def test_a_polling_flood_is_paced_and_the_ranks_still_commit(caplog):
                 except grpc.RpcError as exc:
                     codes.append(exc.code())
 
-        threads = [threading.Thread(target=flood_thread) for _ in range(site0.repolls.holds + 4)]
+        threads = [threading.Thread(target=flood_thread) for _ in range(threads_n)]
         for t in threads:
             t.start()
         # Meanwhile the ranks vote and the job commits, in its own slots, and a rank's
