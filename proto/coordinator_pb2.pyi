@@ -216,14 +216,16 @@ class JoinResponse(_message.Message):
     def __init__(self, site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., generation: _Optional[int] = ..., incarnation: _Optional[str] = ..., aborted: _Optional[str] = ...) -> None: ...
 
 class GetMembershipRequest(_message.Message):
-    __slots__ = ("known_generation", "wait_ms", "rank_key")
+    __slots__ = ("known_generation", "wait_ms", "rank_key", "vouched_rank_keys")
     KNOWN_GENERATION_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_KEY_FIELD_NUMBER: _ClassVar[int]
+    VOUCHED_RANK_KEYS_FIELD_NUMBER: _ClassVar[int]
     known_generation: int
     wait_ms: int
     rank_key: str
-    def __init__(self, known_generation: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank_key: _Optional[str] = ...) -> None: ...
+    vouched_rank_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, known_generation: _Optional[int] = ..., wait_ms: _Optional[int] = ..., rank_key: _Optional[str] = ..., vouched_rank_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetMembershipResponse(_message.Message):
     __slots__ = ("generation", "sites", "start_step", "state_source", "suspects")

@@ -311,6 +311,11 @@ class RunSection:
     """Steps left out of the summary's steady-state figures (steady tokens/s, MFU,
     exposed sync per step): the first steps compile kernels and warm up allocators and
     links. With fewer steps than this + 1, only the first step is left out."""
+    host_agent: bool = True
+    """A launcher that starts several ranks of a site on its host (`isthmus local`,
+    `isthmus site`) runs one agent beside them: their votes reach the coordinator as one
+    message a step and their watches as one poll (inter/control/host_agent.py). Off:
+    each rank votes and watches on its own (what ranks started by srun do)."""
     oversubscribe: bool = False
     """Run more CPU ranks on this host than max(8, 4 x its cores) (`--oversubscribe`
     sets it); off, such a job is refused before it starts (deploy/config/host_check.py,

@@ -168,7 +168,8 @@ class LocalJob:
             self._start_coordinators(proxies)
             self._start_ranks(proxies)
             self._wait()
-            summary = summarize(self.config, self.run_dir)
+            agents = {s.site: s.agent.stats() for s in self._sites if s.agent is not None}
+            summary = summarize(self.config, self.run_dir, host_agents=agents)
             if len(set(summary["digests"].values())) != 1:
                 raise LaunchError(f"sites ended with different parameters: {summary['digests']}")
             return summary

@@ -8,7 +8,8 @@ torch's TCPStore has no authentication, and anyone on the machine could set, get
 delete its keys (issue 33, row 11); it stays only where a site's ranks span hosts
 (deploy/slurm/site-multinode.sbatch: env:// with MASTER_ADDR), behind the cluster's
 network. Each rank gets the key its site's coordinator drew for it
-(inter/control/rank_keys.py). Ranks die with the launcher even if it is killed: each
+(inter/control/rank_keys.py). The ranks' host agent (``run.host_agent``:
+inter/control/host_agent.py) listens on a socket in the same folder. Ranks die with the launcher even if it is killed: each
 asks Linux for PR_SET_PDEATHSIG itself (a preexec_fn would fork, and gRPC's threads in
 the launcher make fork noisy).
 """
@@ -26,7 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isthmus.deploy.config.job import JobConfig
-from isthmus.deploy.rank.contract import STORE_ENV
+from isthmus.deploy.rank.contract import AGENT_ENV, STORE_ENV
+from isthmus.deploy.security.trust import site_security
+from isthmus.inter.control.channels import peer_channel
+from isthmus.inter.control.host_agent import HostAgent
 from isthmus.inter.control.rank_keys import KEY_ENV, handout
 
 TERMINATE_GRACE_S = 5.0
@@ -150,6 +154,8 @@ class SiteRanks:
         self.ranks: list[RankProcess] = []
         self.store_dir: Path | None = None
         """The 0700 folder of the ranks' FileStore while they run."""
+        self.agent: HostAgent | None = None
+        """The ranks' host agent while they run (``run.host_agent``)."""
 
     def start(self) -> None:
         """Start the site's ranks; they meet in a FileStore in a fresh 0700 folder
@@ -157,7 +163,19 @@ class SiteRanks:
         which may be a network filesystem where file locks are slow or absent."""
         world = self.config.ranks_of(self.site)
         self.store_dir = Path(tempfile.mkdtemp(prefix=f"isthmus-store-{self.site}-"))
+        if self.config.run.host_agent and world > 1 and len(self.config.site_names) > 1:
+            self.agent = self._start_agent(world, self.store_dir)
         self._spawn(world)
+
+    def _start_agent(self, world: int, store_dir: Path) -> HostAgent:
+        """The ranks' agent at their coordinator, with their credentials, on a socket in
+        the 0700 store folder: no other user of this machine can reach it."""
+        security = site_security(self.config, self.site, self.run_token)
+        self._agent_channel = peer_channel(self.coordinator, security=security)
+        agent = HostAgent(
+            self._agent_channel, site=self.site, ranks=world, listen=f"unix:{store_dir}/agent"
+        )
+        return agent.start()
 
     def _spawn(self, world: int) -> None:
         # The coordinator in this process drew one key per rank: only the process
@@ -186,6 +204,7 @@ class SiteRanks:
                 # name none, so lanes really cross the emulated link.
                 "no_grpc_proxy": "none.invalid",
                 "ISTHMUS_LAUNCHER_PID": str(os.getpid()),
+                **({AGENT_ENV: self.agent.address} if self.agent is not None else {}),
                 **self.extra_env,
             }
             log_path = self.run_dir / "logs" / f"{self.site}-rank{rank}.log"
@@ -252,6 +271,10 @@ class SiteRanks:
                 r.process.kill()
                 r.process.wait()
         self.ranks.clear()
+        if self.agent is not None:
+            self.agent.stop()
+            self._agent_channel.close()
+            self.agent = None
         if self.store_dir is not None:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None

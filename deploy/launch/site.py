@@ -99,7 +99,13 @@ class SiteJob:
             )
             self._ranks.start()
             self._train()
-            summary = summarize(self.config, self.run_dir, sites=[self.site])
+            agent = self._ranks.agent
+            summary = summarize(
+                self.config,
+                self.run_dir,
+                sites=[self.site],
+                host_agents={self.site: agent.stats()} if agent is not None else None,
+            )
             summary["digests"] = self._final_digests(summary["digests"][self.site])
             path = self.run_dir / "sites" / self.site / "summary.json"
             path.write_text(json.dumps(summary, indent=2) + "\n")

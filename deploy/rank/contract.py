@@ -10,3 +10,7 @@ STORE_ENV = "ISTHMUS_STORE"
 SCRIPT_ENV = "ISTHMUS_SCRIPT"
 """JSON ``[path, arg, ...]``: the launcher's ``--script``, which every rank runs
 (deploy/api.py); the ranks inherit it from the launcher's environment."""
+
+AGENT_ENV = "ISTHMUS_HOST_AGENT"
+"""Where the ranks' host agent listens ("unix:/path"; inter/control/host_agent.py): their
+votes and watches go there. Unset: each rank votes and watches at its coordinator."""

@@ -72,9 +72,11 @@ class CrossSite:
         proxies: dict[str, str],
         config: JobConfig,
         security: SiteSecurity | None,
+        host_agent: str = "",
     ) -> CrossSite:
-        """Opens the rank's cross-site sync: the lane, the join, the gradient sync."""
-        client = CoordinatorClient.connect(coordinator, security)
+        """Opens the rank's cross-site sync: the lane, the join, the gradient sync (its
+        votes and watches through ``host_agent`` when there is one)."""
+        client = CoordinatorClient.connect(coordinator, security, agent=host_agent)
         try:
             link = open_rank_sync(
                 sync_settings(config, site, rank, world_size, proxies, security), client

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from isthmus.deploy.batch.plan import BatchPlan
 from isthmus.deploy.config.job import JobConfig
 from isthmus.deploy.rank.checkpointing import restore
-from isthmus.deploy.rank.contract import STORE_ENV
+from isthmus.deploy.rank.contract import AGENT_ENV, STORE_ENV
 from isthmus.deploy.rank.corpus import load_corpus
 from isthmus.deploy.rank.cross_site import CrossSite, shard_layout
 from isthmus.deploy.rank.evaluation import HeldOutLoss
@@ -69,6 +69,8 @@ class RankEnv:
     run_dir: Path
     coordinator: str
     proxies: dict[str, str]
+    host_agent: str = ""
+    """Where the host's agent listens (:data:`AGENT_ENV`); "" for none."""
     faults: FaultInjection = field(default_factory=FaultInjection)
 
     @classmethod
@@ -90,6 +92,7 @@ class RankEnv:
             run_dir=Path(env["ISTHMUS_RUN_DIR"]),
             coordinator=env.get("ISTHMUS_COORDINATOR", ""),
             proxies=json.loads(env.get("ISTHMUS_PROXIES", "{}")),
+            host_agent=env.get(AGENT_ENV, ""),
             faults=FaultInjection.from_environ(env),
         )
 
@@ -170,6 +173,7 @@ def join_job(env: RankEnv, config: JobConfig, security: SiteSecurity | None) -> 
             rank=env.rank,
             world_size=env.world_size,
             coordinator=env.coordinator,
+            host_agent=env.host_agent,
             # A rank that srun started (site-multinode.sbatch) has no launcher of ours to
             # name the emulated links: it takes the job file's, as its coordinator does.
             proxies=env.proxies

@@ -154,7 +154,12 @@ def steady_state(steps: list[dict], skip: int) -> dict:
     }
 
 
-def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) -> dict:
+def summarize(
+    config: JobConfig,
+    run_dir: Path,
+    sites: list[str] | None = None,
+    host_agents: dict[str, dict[str, int]] | None = None,
+) -> dict:
     """Write the run's metrics.jsonl and summary.json; returns the summary.
 
     Args:
@@ -162,6 +167,8 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
         run_dir: the run directory the ranks wrote to.
         sites: summarise only these sites (one `isthmus site`); files then go to
             run_dir/sites/SITE/ instead of run_dir/.
+        host_agents: per site with one, what its ranks' host agent carried
+            (``HostAgent.stats``), kept in the summary as ``host_agents``.
     Raises:
         RuntimeError: when a rank's result is missing, ranks of a site disagree, or a
             file cannot be written (naming the errno and the file).
@@ -173,6 +180,8 @@ def summarize(config: JobConfig, run_dir: Path, sites: list[str] | None = None) 
     if not sites:  # one site's own metrics.jsonl already is its record
         _write(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in steps))
     summary = _summary(config, steps, _rank_results(config, run_dir, names))
+    if host_agents:
+        summary["host_agents"] = host_agents
     _write(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -35,7 +35,7 @@ from isthmus.inter.control.failover import Failover
 from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.inter.control.peer_loop import PeerLoop
 from isthmus.inter.control.rank_keys import RankKeys
-from isthmus.inter.control.rank_liveness import RankLiveness
+from isthmus.inter.control.rank_liveness import RankLiveness, beating_ranks
 from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.state import CoordinatorState
 from isthmus.inter.control.witness import WitnessLink
@@ -383,9 +383,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
         else:
             polls = self.long_polls.wait(context, "GetMembership", 2)
-        # A rank's watcher polls without pause: its beat (inter/control/rank_liveness.py).
+        # A rank's watcher polls without pause: its beat (inter/control/rank_liveness.py);
+        # a host agent's poll beats for every rank whose watch it holds.
         watcher = request.known_generation > 0
-        with self.rank_liveness.polling(rank, watcher=watcher), polls as may_wait:
+        try:
+            beating = beating_ranks(rank, request.vouched_rank_keys, self.rank_keys.rank_of)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with self.rank_liveness.polling(beating, watcher=watcher), polls as may_wait:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
             st.await_membership(request.known_generation, st.clock() + wait_s)
         with st.cond:

@@ -1,6 +1,7 @@
 """A rank's typed client of its own site's coordinator: the calls deploy makes.
 
-A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
+A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"), its
+votes and watches through its host's agent when it has one (inter/control/host_agent.py): it
 registers its lane and its key (``RegisterRank``), waits for the job's membership
 (``GetMembership``), votes on each step (through
 :class:`~isthmus.inter.data.membership.SiteMembership`: a vote that waits as a message
@@ -20,6 +21,7 @@ when the coordinator refuses it or does not answer in time.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,6 +45,8 @@ __all__ = [
     "SiteInfo",
     "Verdict",
 ]
+
+log = logging.getLogger("isthmus.coordinator_client")
 
 SiteInfo = pb.SiteInfo
 """A member site as the coordinator names it: ``name``, ``index``, ``lane_addresses``
@@ -152,20 +156,54 @@ class CoordinatorClient:
             reports; the process's own :data:`RANK_KEY` unless a test plays a rank.
     """
 
-    def __init__(self, channel: grpc.Channel, *, rank_key: str = RANK_KEY) -> None:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        *,
+        rank_key: str = RANK_KEY,
+        agent: grpc.Channel | None = None,
+    ) -> None:
         self.channel = channel
         self.stub = pb_grpc.CoordinatorStub(channel)
         self.rank_key = rank_key
         self._session = HostSession(self.stub)
-        """Where this rank's waiting votes go: one open stream (a host of one rank)."""
+        """Where this rank's waiting votes go without an agent: one open stream."""
+        self._agent_channel = agent
+        self._agent = pb_grpc.CoordinatorStub(agent) if agent is not None else None
+        """The host agent's stub (inter/control/host_agent.py): votes and watches."""
+        self.agent_misses = 0
+        """Calls meant for the agent that went to the coordinator (it was unreachable)."""
 
     @classmethod
     def connect(
-        cls, address: str, security: SiteSecurity | None = None, *, rank_key: str = RANK_KEY
+        cls,
+        address: str,
+        security: SiteSecurity | None = None,
+        *,
+        rank_key: str = RANK_KEY,
+        agent: str = "",
     ) -> CoordinatorClient:
         """A client of the coordinator at ``address`` ("host:port"), with mutual TLS and
-        the job token as ``security`` says (None = plaintext)."""
-        return cls(peer_channel(address, security=security), rank_key=rank_key)
+        the job token as ``security`` says (None = plaintext); ``agent``: where this
+        host's agent listens ("unix:/path"; "" for none)."""
+        agent_channel = grpc.insecure_channel(agent) if agent else None
+        return cls(peer_channel(address, security=security), rank_key=rank_key, agent=agent_channel)
+
+    def _via_agent(self, call: Callable[[pb_grpc.CoordinatorStub], object]):
+        """``call`` on the agent's stub; None when there is no agent or it is unreachable
+        (UNAVAILABLE: the agent never says that of the coordinator), for the caller to
+        make the call at the coordinator instead."""
+        if self._agent is None:
+            return None
+        try:
+            return call(self._agent)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                raise
+            if not self.agent_misses:
+                log.warning("host agent unreachable (%s): calling the coordinator", exc.details())
+            self.agent_misses += 1
+            return None
 
     def register_rank(
         self,
@@ -259,11 +297,13 @@ class CoordinatorClient:
         The rank runs in ``generation`` and has its sites: a COMMIT that keeps it comes
         without ``sites`` (``sites_known``); any other decision names them.
 
-        A vote that waits goes as a message on this rank's ``HostSession`` (a host of one
-        rank: inter/control/host_session.py), which costs the coordinator a fraction of
-        a call (at 2 x 256 ranks on 2 cores: the step's decision 317 -> 130 ms, p50); one
-        that does not wait (``wait_ms`` 0: a vote ahead, from another thread while the
-        session may hold a waiting vote) is a ``CommitStep`` call.
+        A vote that waits goes to the host's agent when the rank has one (its ballot
+        joins the host's others in one message: inter/control/host_agent.py), else as a
+        message on this rank's ``HostSession`` (a host of one rank:
+        inter/control/host_session.py), which costs the coordinator a fraction of a call
+        (at 2 x 256 ranks on 2 cores: the step's decision 317 -> 130 ms, p50); one that
+        does not wait (``wait_ms`` 0: a vote ahead, from another thread while the session
+        may hold a waiting vote) is a ``CommitStep`` call.
 
         Raises:
             grpc.RpcError: INVALID_ARGUMENT or FAILED_PRECONDITION when the vote is
@@ -272,6 +312,23 @@ class CoordinatorClient:
             TimeoutError: the session gave no answer in ``timeout_s``.
         """
         if wait_ms > 0:
+            via_agent = self._via_agent(
+                lambda stub: stub.CommitStep(
+                    pb.CommitStepRequest(
+                        site=site,
+                        rank=rank,
+                        step=step,
+                        generation=generation,
+                        ok=ok,
+                        wait_ms=wait_ms,
+                        rank_key=self.rank_key,
+                        sites_known=True,
+                    ),
+                    timeout=timeout_s,
+                )
+            )
+            if via_agent is not None:
+                return via_agent
             ballot = pb.RankBallot(rank=rank, ok=ok, rank_key=self.rank_key)
             return self._session.vote(
                 pb.CommitHostStepRequest(
@@ -311,15 +368,19 @@ class CoordinatorClient:
         poll at once, and this raises ``grpc.FutureCancelledError`` (how a watcher that
         is closing stops without waiting out the poll).
         """
-        call = self.stub.GetMembership.future(
-            pb.GetMembershipRequest(
-                known_generation=known_generation, wait_ms=wait_ms, rank_key=self.rank_key
-            ),
-            timeout=timeout_s,
+        request = pb.GetMembershipRequest(
+            known_generation=known_generation, wait_ms=wait_ms, rank_key=self.rank_key
         )
-        if on_call is not None:
-            on_call(call)
-        reply = call.result()
+
+        def poll(stub: pb_grpc.CoordinatorStub) -> pb.GetMembershipResponse:
+            call = stub.GetMembership.future(request, timeout=timeout_s)
+            if on_call is not None:
+                on_call(call)
+            return call.result()
+
+        reply = self._via_agent(poll)
+        if reply is None:
+            reply = poll(self.stub)
         return MembershipNow(reply.generation, tuple(reply.sites), tuple(reply.suspects))
 
     def report_progress(self, progress: Progress, *, timeout_s: float) -> str:
@@ -377,6 +438,8 @@ class CoordinatorClient:
         self.stub.AbortJob(request, timeout=timeout_s)
 
     def close(self) -> None:
-        """Closes the vote stream and the channel (calls in flight are cancelled)."""
+        """Closes the vote stream and the channels (calls in flight are cancelled)."""
         self._session.close()
         self.channel.close()
+        if self._agent_channel is not None:
+            self._agent_channel.close()

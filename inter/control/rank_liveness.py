@@ -12,6 +12,10 @@ poll in flight is alive, and one with none in flight for longer than ``silence_s
 (the failover section's ``failure_timeout_s``: the silence that makes a peer site a
 suspect makes a rank dead, ten missed beats by default) is not.
 
+A host agent (inter/control/host_agent.py) holds the watches of its host's ranks and
+polls for all of them at once, naming in each poll the ranks whose watches it holds
+(``vouched_rank_keys``): each counts as that rank's poll in flight.
+
 A rank is watched from its first watcher poll (``known_generation`` > 0, sent once
 its site runs) until it registers again; a test's or a tool's rank that registers
 and votes but runs no watcher is never declared dead. What the coordinator does with
@@ -24,10 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RankLiveness"]
+__all__ = ["RankLiveness", "beating_ranks"]
+
+
+MAX_VOUCHED = 256
+"""Ranks one poll may vouch for: a host's, as many as one ``CommitHostStep`` votes for."""
 
 
 @dataclass(slots=True)
@@ -68,23 +76,28 @@ class RankLiveness:
             self._ranks[rank] = _Rank()
 
     @contextlib.contextmanager
-    def polling(self, rank: int | None, *, watcher: bool) -> Iterator[None]:
-        """A poll of ``rank`` (None: not a rank's) is in flight inside the block;
-        ``watcher``: it is the watcher's (the rank is watched from now on)."""
-        if rank is None:
+    def polling(self, ranks: Collection[int], *, watcher: bool) -> Iterator[None]:
+        """A poll of each of ``ranks`` is in flight inside the block (a rank's own, or its
+        host agent's for it: inter/control/host_agent.py); ``watcher``: it is the
+        watcher's (the ranks are watched from now on)."""
+        if not ranks:
             yield
             return
         with self._lock:
-            beat = self._ranks[rank]
-            beat.watched = beat.watched or watcher
-            beat.calls += 1
-            beat.last = self._clock()
+            beats = [self._ranks[rank] for rank in ranks]
+            now = self._clock()
+            for beat in beats:
+                beat.watched = beat.watched or watcher
+                beat.calls += 1
+                beat.last = now
         try:
             yield
         finally:
             with self._lock:
-                beat.calls -= 1
-                beat.last = self._clock()
+                now = self._clock()
+                for beat in beats:
+                    beat.calls -= 1
+                    beat.last = now
 
     def silent(self) -> list[int]:
         """The watched ranks with no poll in flight for longer than ``silence_s``."""
@@ -101,3 +114,23 @@ class RankLiveness:
         with self._lock:
             for beat in self._ranks:
                 beat.watched = False
+
+
+def beating_ranks(
+    own: int | None, vouched_keys: Sequence[str], rank_of: Callable[[str], int | None]
+) -> set[int]:
+    """The ranks one ``GetMembership`` poll beats for: the caller's own (``own``, from its
+    key; None for a caller that is no rank) and those whose keys it vouches for.
+
+    Raises:
+        ValueError: a poll that is no registered rank's vouches, or vouches for more
+            keys than a host agent holds (``MAX_VOUCHED``).
+    """
+    if not vouched_keys:
+        return set() if own is None else {own}
+    if own is None or len(vouched_keys) > MAX_VOUCHED:
+        raise ValueError(
+            f"a poll vouches for at most {MAX_VOUCHED} ranks, and only with a rank's own key"
+        )
+    vouched = {rank_of(key) for key in vouched_keys}
+    return {own} | {rank for rank in vouched if rank is not None}

@@ -78,6 +78,13 @@ def test_default_job_trains_two_sites_to_identical_replicas(tmp_path):
     assert summary["steady_steps"] == 20 - summary["steady_after"]
     assert len(losses(run_dir)) == 20
     assert (run_dir / "config.toml").read_text().startswith("[job]")
+    # Each site's two ranks voted and watched through their host agent: one message to
+    # the coordinator for both ranks' votes on a step, and one poll for their watches.
+    for site in ("site0", "site1"):
+        agent = summary["host_agents"][site]
+        assert agent["ranks"] == 2 and agent["votes"] >= 2 * 20, agent
+        assert agent["vote_messages"] <= agent["votes"] * 3 // 4, agent
+        assert 0 < agent["watch_polls"] < agent["watches"], agent
 
     # The progress line and the summary a user sees.
     assert "step 20/20" in result.stderr and "tok/s" in result.stderr

@@ -1,0 +1,225 @@
+"""A host agent (inter/control/host_agent.py) between a site's ranks and their
+coordinator: real coordinators on loopback, the agent on a Unix socket, the ranks played
+by real ``CoordinatorClient``s on threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from coordinators import rank_key, start_sites, stop_all
+from helpers import register_rank, wait_until
+
+from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
+from isthmus.inter.control.coordinator_client import CoordinatorClient, Verdict
+from isthmus.inter.control.host_agent import HostAgent
+from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+FP = {"job.seed": "0"}
+RANKS = 4
+
+
+@pytest.fixture
+def site(tmp_path):
+    """A one-site job of RANKS registered ranks, its host agent, and a client per rank."""
+    coord = Coordinator(
+        CoordinatorSettings(
+            site="site0", site_names=["site0"], ranks=RANKS, fingerprint=FP, failure_timeout_s=1.5
+        )
+    )
+    coord.start()
+    channel = grpc.insecure_channel(coord.address)
+    agent = HostAgent(channel, site="site0", ranks=RANKS, listen=f"unix:{tmp_path}/agent.sock")
+    clients = []
+    try:
+        for rank in range(RANKS):
+            key = coord.rank_keys.handed(rank)
+            register_rank(coord.address, "site0", FP, key=key, rank=rank, world_size=RANKS)
+        coord.wait_ready(10)
+        agent.start()
+        for rank in range(RANKS):
+            clients.append(
+                CoordinatorClient.connect(
+                    coord.address, rank_key=coord.rank_keys.handed(rank), agent=agent.address
+                )
+            )
+        yield coord, agent, clients
+    finally:
+        for client in clients:
+            client.close()
+        agent.stop()
+        channel.close()
+        coord.stop(grace_s=0)
+
+
+def vote(client: CoordinatorClient, rank: int, step: int = 0, wait_ms: int = 3_000):
+    return client.commit_step(
+        site="site0", rank=rank, step=step, generation=1, ok=True, wait_ms=wait_ms, timeout_s=10
+    )
+
+
+def all_vote(clients, ranks, **kw) -> dict[int, object]:
+    """Each of ``ranks`` votes on its own thread; its decision, or the error it raised."""
+    out: dict[int, object] = {}
+
+    def one(rank: int) -> None:
+        try:
+            out[rank] = vote(clients[rank], rank, **kw)
+        except grpc.RpcError as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return out
+
+
+def test_a_hosts_votes_reach_the_coordinator_in_one_message(site):
+    coord, agent, clients = site
+    decisions = all_vote(clients, range(RANKS))
+    assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
+    assert agent.batches == 1
+    assert all(c.agent_misses == 0 for c in clients)
+    # The next step likewise: the agent's session is reused.
+    decisions = all_vote(clients, range(RANKS), step=1)
+    assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
+    assert agent.batches == 2
+
+
+def test_a_late_rank_goes_in_a_batch_of_its_own_and_the_step_waits_for_it(site):
+    coord, agent, clients = site
+    early: dict[int, object] = {}
+    thread = threading.Thread(target=lambda: early.update(all_vote(clients, range(RANKS - 1))))
+    thread.start()
+    wait_until(lambda: agent.batches == 1, "the early ranks' ballots were never sent")
+    time.sleep(0.3)
+    assert not early  # no decision without the last rank's vote
+    late = vote(clients[RANKS - 1], RANKS - 1)
+    thread.join(10)
+    assert late.verdict == Verdict.COMMIT
+    assert {d.verdict for d in early.values()} == {Verdict.COMMIT}
+    assert agent.batches == 2
+
+
+def test_one_ranks_refused_ballot_is_its_own_refusal(site):
+    coord, agent, clients = site
+    impostor = CoordinatorClient.connect(coord.address, rank_key="0" * 64, agent=agent.address)
+    try:
+        out = all_vote(clients, range(RANKS - 1), wait_ms=800)
+        bad: list[grpc.RpcError] = []
+        threading.Thread(target=lambda: None).start()
+        try:
+            vote(impostor, RANKS - 1, wait_ms=800)
+        except grpc.RpcError as exc:
+            bad.append(exc)
+    finally:
+        impostor.close()
+    # The others' ballots counted; with one missing, their decision is still pending.
+    assert {d.verdict for d in out.values()} == {Verdict.PENDING}
+    assert bad and bad[0].code() == grpc.StatusCode.PERMISSION_DENIED
+    # Voting again with their key, together, the ranks commit.
+    decisions = all_vote(clients, range(RANKS))
+    assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
+
+
+def test_a_batch_with_one_bad_ballot_is_retried_ballot_by_ballot(site):
+    coord, agent, clients = site
+    clients[RANKS - 1].rank_key = "0" * 64  # this rank's key is wrong from now on
+    out = all_vote(clients, range(RANKS), wait_ms=800)
+    assert out[RANKS - 1].code() == grpc.StatusCode.PERMISSION_DENIED
+    assert {out[r].verdict for r in range(RANKS - 1)} == {Verdict.PENDING}
+    assert agent.batches == 1 + RANKS  # the batch, then each ballot alone
+
+
+def watch_loop(client: CoordinatorClient, stop: threading.Event, replies: list) -> None:
+    while not stop.is_set():
+        replies.append(client.membership_now(known_generation=1, wait_ms=1_000, timeout_s=10))
+
+
+def test_watches_through_the_agent_vouch_for_their_ranks_until_one_stops(site):
+    coord, agent, clients = site
+    stops = [threading.Event() for _ in range(RANKS)]
+    replies: list[list] = [[] for _ in range(RANKS)]
+    threads = [
+        threading.Thread(target=watch_loop, args=(clients[r], stops[r], replies[r]))
+        for r in range(RANKS)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        # Past the failure timeout: every rank watched (only through the agent) and alive.
+        time.sleep(3.0)
+        assert coord.rank_liveness.silent() == []
+        assert all(beat.watched for beat in coord.rank_liveness._ranks)  # noqa: SLF001
+        assert all(c.agent_misses == 0 for c in clients)
+        assert all(r and r[-1].generation == 1 and not r[-1].sites for r in replies)
+        # Rank 2's watch stops (as when its process dies): the agent stops vouching for
+        # it, and the coordinator declares it dead, and only it.
+        stops[2].set()
+        wait_until(lambda: coord.rank_liveness.silent() == [2], "rank 2 never silent", 15)
+    finally:
+        for s in stops:
+            s.set()
+        for t in threads:
+            t.join(5)
+
+
+def test_a_suspect_reaches_a_watch_through_the_agent_at_once(tmp_path):
+    coords = start_sites(2)
+    site0 = coords[0]
+    channel = grpc.insecure_channel(site0.address)
+    agent = HostAgent(channel, site="site0", ranks=1, listen=f"unix:{tmp_path}/a.sock").start()
+    client = CoordinatorClient.connect(site0.address, rank_key=rank_key(site0), agent=agent.address)
+    try:
+        generation = site0.generation
+        first = client.membership_now(known_generation=generation, wait_ms=1_000, timeout_s=10)
+        assert first.generation == generation and not first.suspects
+        coords[1].stop(grace_s=0)  # site1 falls silent
+        start = time.monotonic()
+        while True:  # watch as a rank does, until the news comes
+            now = client.membership_now(known_generation=generation, wait_ms=5_000, timeout_s=10)
+            if now.suspects or now.generation != generation:
+                break
+            assert time.monotonic() - start < 15
+        assert "site1" in now.suspects or now.generation > generation
+        assert time.monotonic() - start < 5.0  # not a watch's whole 5 s wait after it
+        assert client.agent_misses == 0
+    finally:
+        client.close()
+        agent.stop()
+        channel.close()
+        stop_all(coords)
+
+
+def test_a_rank_whose_agent_is_gone_votes_and_watches_at_the_coordinator(site):
+    coord, agent, clients = site
+    agent.stop()
+    out = all_vote(clients, range(RANKS))
+    assert {d.verdict for d in out.values()} == {Verdict.COMMIT}
+    now = clients[0].membership_now(known_generation=0, wait_ms=0, timeout_s=5)
+    assert now.generation == 1
+    assert all(c.agent_misses >= 1 for c in clients)
+
+
+def test_only_a_ranks_poll_may_vouch_and_for_a_hosts_worth(site):
+    coord, agent, clients = site
+    with grpc.insecure_channel(coord.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        keys = [coord.rank_keys.handed(r) for r in range(RANKS)]
+        for request in (
+            pb.GetMembershipRequest(known_generation=1, vouched_rank_keys=keys),  # no key
+            pb.GetMembershipRequest(
+                known_generation=1, rank_key=keys[0], vouched_rank_keys=keys * 100
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetMembership(request, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not any(beat.watched for beat in coord.rank_liveness._ranks)  # noqa: SLF001
