@@ -16,7 +16,10 @@ With ``--host-ranks K`` (K > 1) the ranks of each host of K ranks are spoken for
 agent, as a per-host agent would: one ``CommitHostStep`` a host a step carrying its
 ranks' K ballots, and one membership watcher a host (a 10 s long poll). The coordinator then sees what it
 would from such agents; the hop from a rank to its agent (on the host) is a function
-call here. ``--host-ranks 1 --calls stream`` is what a job's ranks do today (each its own
+call here. ``--calls agent`` runs the real agent instead (inter/control/host_agent.py, one
+a host of ``--host-ranks`` ranks, threads of the ranks' process), which every simulated
+rank votes and watches through: what a job's ranks do when a launcher starts several on a
+host. ``--host-ranks 1 --calls stream`` is what ranks without an agent do (each its own
 vote stream, its own watch); ``--calls call`` (the default) is how they voted before.
 
 ``--compare-rev REV`` runs each configuration twice, first with the coordinators of
@@ -281,8 +284,9 @@ def _counts(text: str, flag: str, low: int) -> list[int]:
 
 
 def _ways(hosts: list[int], calls: list[str]) -> list[tuple[int, str]]:
-    """Every (ranks a voter speaks for, how it votes) to run, in that order."""
-    return [(h, how) for h in hosts for how in calls]
+    """Every (ranks a voter speaks for, how it votes) to run, in that order; an agent
+    for one rank is left out (a rank without one votes on its own stream)."""
+    return [(h, how) for h in hosts for how in calls if not (how == "agent" and h == 1)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         "--calls",
         default="call",
         help="how voters vote, comma-separated: call (a CommitStep/CommitHostStep call a "
-        "vote) or stream (each voter's votes on one HostSession stream)",
+        "vote), stream (each voter's votes on one HostSession stream) or agent (a real "
+        "HostAgent a host of --host-ranks ranks, each rank voting and watching through it)",
     )
     p.add_argument(
         "--compare-rev",
@@ -330,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         p.error(str(exc))
     calls = [c.strip() for c in args.calls.split(",") if c.strip()]
-    if not calls or set(calls) - {"call", "stream"}:
-        p.error(f"--calls takes call and/or stream, got {args.calls!r}")
+    if not calls or set(calls) - {"call", "stream", "agent"}:
+        p.error(f"--calls takes call, stream and/or agent, got {args.calls!r}")
     if args.steps < 1 or args.warmup < 0 or args.rate <= 0:
         p.error("--steps must be >= 1, --warmup >= 0 and --rate > 0")
     if args.quick:

@@ -96,6 +96,13 @@ class SimulatedRanks:
         self.site, self.ranks, self.host_ranks = site, ranks, host_ranks
         self.streams: dict[int, object] | None = {} if calls == "stream" else None
         """With ``calls="stream"``: each voter's open HostSession, by its first rank."""
+        self.agents = self._start_agents(address) if calls == "agent" else []
+        """With ``calls="agent"``: a real HostAgent per host (inter/control/host_agent.py),
+        which each rank votes and watches through, as a job's ranks do."""
+        self.agent_stubs = [
+            pb_grpc.CoordinatorStub(grpc.aio.insecure_channel(agent.address))
+            for agent in self.agents
+        ]
         count = max(1, -(-ranks // RANKS_PER_CHANNEL))
         self.channels = [
             grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS) for _ in range(count)
@@ -108,6 +115,32 @@ class SimulatedRanks:
 
     def stub(self, rank: int):
         return self.stubs[rank // RANKS_PER_CHANNEL]
+
+    def _start_agents(self, address: str) -> list:
+        """One HostAgent a host, on a Unix socket, with a channel of its own to the
+        coordinator (threads of this process, where a job runs each on its host)."""
+        import tempfile
+
+        import grpc
+
+        from isthmus.inter.control.host_agent import HostAgent
+
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="isthmus-agents-")
+        return [
+            HostAgent(
+                grpc.insecure_channel(address),
+                site=self.site,
+                ranks=min(self.host_ranks, self.ranks - first),
+                listen=f"unix:{self._socket_dir.name}/{first}",
+            ).start()
+            for first in range(0, self.ranks, self.host_ranks)
+        ]
+
+    def watch_stub(self, rank: int):
+        """Where ``rank``'s watch and votes go: its host's agent, or the coordinator."""
+        if self.agents:
+            return self.agent_stubs[rank // self.host_ranks]
+        return self.stub(rank)
 
     async def join(self) -> None:
         """Every rank registers, then waits for the membership; the watchers start."""
@@ -145,8 +178,9 @@ class SimulatedRanks:
         await asyncio.gather(*(register(r) for r in range(self.ranks)))
         generations = await asyncio.gather(*(membership(r) for r in range(self.ranks)))
         self.generation = max(generations)
-        # A host's agent watches once for its ranks (under the first one's key).
-        watching = range(0, self.ranks, self.host_ranks)
+        # A host's agent watches once for its ranks (under the first one's key); a real
+        # agent is watched by each rank, as a job's ranks do.
+        watching = range(0, self.ranks, 1 if self.agents else self.host_ranks)
         self.watchers = [asyncio.create_task(self.watch(r)) for r in watching]
 
     async def watch(self, rank: int) -> None:
@@ -155,10 +189,10 @@ class SimulatedRanks:
 
         from isthmus.proto import coordinator_pb2 as pb
 
-        wait_ms = WATCH_WAIT_MS if self.host_ranks == 1 else HOST_WATCH_WAIT_MS
+        wait_ms = WATCH_WAIT_MS if self.host_ranks == 1 or self.agents else HOST_WATCH_WAIT_MS
         while not self.stop.is_set():
             try:
-                reply = await self.stub(rank).GetMembership(
+                reply = await self.watch_stub(rank).GetMembership(
                     pb.GetMembershipRequest(
                         known_generation=self.generation,
                         wait_ms=wait_ms,
@@ -179,7 +213,7 @@ class SimulatedRanks:
 
         from isthmus.proto import coordinator_pb2 as pb
 
-        if self.host_ranks > 1 or self.streams is not None:
+        if not self.agents and (self.host_ranks > 1 or self.streams is not None):
             ballots = [
                 pb.RankBallot(rank=r, ok=True, rank_key=self.keys[r])
                 for r in range(rank, min(self.ranks, rank + self.host_ranks))
@@ -206,7 +240,7 @@ class SimulatedRanks:
                 rank_key=self.keys[rank],
                 sites_known=True,
             )
-            call = self.stub(rank).CommitStep
+            call = self.watch_stub(rank).CommitStep
         sent = time.monotonic()
         times.first_vote = min(times.first_vote or sent, sent)
         times.last_vote = max(times.last_vote, sent)
@@ -229,7 +263,8 @@ class SimulatedRanks:
         times.first_seen = min(times.first_seen or seen, seen)
         times.last_seen = max(times.last_seen, seen)
         name = pb.Verdict.Name(decision.verdict).removeprefix("VERDICT_")
-        ranks = min(self.host_ranks, self.ranks - rank)  # the ranks this answer is for
+        # The ranks this answer is for (through a real agent each rank has its own).
+        ranks = 1 if self.agents else min(self.host_ranks, self.ranks - rank)
         times.verdicts[name] = times.verdicts.get(name, 0) + ranks
         if rank == 0 and decision.verdict == pb.VERDICT_COMMIT:
             await self.stub(0).ReportProgress(
@@ -259,7 +294,7 @@ class SimulatedRanks:
         """Every rank votes on ``step`` from ``at`` (CLOCK_MONOTONIC) on."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         times = StepTimes(step)
-        voters = range(0, self.ranks, self.host_ranks)
+        voters = range(0, self.ranks, 1 if self.agents else self.host_ranks)
         votes = asyncio.gather(*(self.vote(r, step, times) for r in voters))
         try:
             await asyncio.wait_for(votes, STEP_TIMEOUT_S)
@@ -276,6 +311,8 @@ class SimulatedRanks:
         await asyncio.gather(*self.watchers, return_exceptions=True)
         for channel in self.channels:
             await channel.close()
+        for agent in self.agents:
+            agent.stop()
 
 
 async def _ranks_main(site: str, address: str, ranks: int, host_ranks: int, calls: str) -> None:

@@ -1,14 +1,14 @@
 """A rank's typed client of its own site's coordinator: the calls deploy makes.
 
-A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"), its
-votes and watches through its host's agent when it has one (inter/control/host_agent.py): it
+A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
 registers its lane and its key (``RegisterRank``), waits for the job's membership
 (``GetMembership``), votes on each step (through
-:class:`~isthmus.inter.data.membership.SiteMembership`: a vote that waits as a message
-on the rank's one ``HostSession`` stream, a vote ahead as a ``CommitStep`` call),
-watches for silent members
-and, on rank 0, reports each step's progress (``ReportProgress``); a rank whose script
-raised says so (``AbortJob``), which stops the job at every site.
+:class:`~isthmus.inter.data.membership.SiteMembership`: a vote that waits through its
+host's agent when it has one, inter/control/host_agent.py, else as a message on the
+rank's one ``HostSession`` stream; a vote ahead as a ``CommitStep`` call), watches for
+silent members (through the agent too) and, on rank 0, reports each step's progress
+(``ReportProgress``); a rank whose script raised says so (``AbortJob``), which stops the
+job at every site.
 :class:`CoordinatorClient` builds those protobuf messages, so its callers pass plain
 values and get plain values back. The rank's key
 (:data:`~isthmus.inter.control.rank_keys.RANK_KEY`) goes with every registration, vote
@@ -311,36 +311,6 @@ class CoordinatorClient:
                 other codes when the coordinator did not answer.
             TimeoutError: the session gave no answer in ``timeout_s``.
         """
-        if wait_ms > 0:
-            via_agent = self._via_agent(
-                lambda stub: stub.CommitStep(
-                    pb.CommitStepRequest(
-                        site=site,
-                        rank=rank,
-                        step=step,
-                        generation=generation,
-                        ok=ok,
-                        wait_ms=wait_ms,
-                        rank_key=self.rank_key,
-                        sites_known=True,
-                    ),
-                    timeout=timeout_s,
-                )
-            )
-            if via_agent is not None:
-                return via_agent
-            ballot = pb.RankBallot(rank=rank, ok=ok, rank_key=self.rank_key)
-            return self._session.vote(
-                pb.CommitHostStepRequest(
-                    site=site,
-                    step=step,
-                    generation=generation,
-                    ballots=[ballot],
-                    wait_ms=wait_ms,
-                    sites_known=True,
-                ),
-                timeout_s,
-            )
         request = pb.CommitStepRequest(
             site=site,
             rank=rank,
@@ -351,7 +321,23 @@ class CoordinatorClient:
             rank_key=self.rank_key,
             sites_known=True,
         )
-        return self.stub.CommitStep(request, timeout=timeout_s)
+        if wait_ms == 0:
+            return self.stub.CommitStep(request, timeout=timeout_s)
+        via_agent = self._via_agent(lambda stub: stub.CommitStep(request, timeout=timeout_s))
+        if via_agent is not None:
+            return via_agent
+        ballot = pb.RankBallot(rank=rank, ok=ok, rank_key=self.rank_key)
+        return self._session.vote(
+            pb.CommitHostStepRequest(
+                site=site,
+                step=step,
+                generation=generation,
+                ballots=[ballot],
+                wait_ms=wait_ms,
+                sites_known=True,
+            ),
+            timeout_s,
+        )
 
     def membership_now(
         self,

@@ -57,6 +57,10 @@ _WATCH_WAIT_MS = 1_000
 _RPC_SLACK_S = 5.0
 
 
+_Status = tuple[grpc.StatusCode, str]
+"""An upstream refusal or failure, handed to a rank as its call's status."""
+
+
 @dataclass
 class _Ballots:
     """The host's ballots on one (step, generation), gathered until sent."""
@@ -64,22 +68,8 @@ class _Ballots:
     ballots: dict[int, pb.RankBallot] = field(default_factory=dict)
     wait_ms: int = 0
     sent: bool = False
-    outcome: dict[int, pb.Decision | grpc.RpcError | Exception] = field(default_factory=dict)
+    outcome: dict[int, pb.Decision | _Status] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
-
-
-class _Refusal(grpc.RpcError):
-    """An upstream answer handed to a rank as its own status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class HostAgent(pb_grpc.CoordinatorServicer):
@@ -130,7 +120,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         self._news = threading.Condition()
         self._heard: dict[str, float] = {}  # rank key -> when its watch last reached us
         self._stopped = threading.Event()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * ranks + 4))
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=3 * ranks + 4))
         pb_grpc.add_CoordinatorServicer_to_server(self, self._server)
         port = self._server.add_insecure_port(listen)
         if port == 0:
@@ -197,10 +187,8 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "the host's vote got no answer in time"
             )
-        if isinstance(outcome, grpc.RpcError):
-            context.abort(outcome.code(), outcome.details())
-        if isinstance(outcome, Exception):  # the session went silent: the rank votes again
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.site} host agent: {outcome}")
+        if isinstance(outcome, tuple):
+            context.abort(*outcome)
         return outcome
 
     @staticmethod
@@ -222,11 +210,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         try:
             ballots = list(batch.ballots.values())
             outcome = self._vote(session, request, ballots, batch.wait_ms)
-            if (
-                isinstance(outcome, grpc.RpcError)
-                and outcome.code() in _REFUSED
-                and len(ballots) > 1
-            ):
+            if isinstance(outcome, tuple) and outcome[0] in _REFUSED and len(ballots) > 1:
                 for ballot in ballots:  # whose ballot was refused: each on its own
                     batch.outcome[ballot.rank] = self._vote(
                         session, request, [ballot], batch.wait_ms
@@ -253,9 +237,9 @@ class HostAgent(pb_grpc.CoordinatorServicer):
                 )
             )
         except grpc.RpcError as exc:
-            return _Refusal(exc.code(), exc.details() or "")
-        except TimeoutError as exc:
-            return exc
+            return exc.code(), exc.details() or ""
+        except TimeoutError as exc:  # the session went silent: the rank votes again
+            return grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.site} host agent: {exc}"
 
     def _session(self) -> HostSession:
         with self._lock:
