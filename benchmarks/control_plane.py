@@ -212,7 +212,7 @@ def run_case(
     latencies, sent, first = [], [], []
     verdicts: dict[str, int] = {}
     errors: dict[str, int] = {}
-    repolls = 0
+    repolls = messages = 0
     for measured in rows:
         last_vote = max(s["last_vote"] for s in measured["sites"])
         latencies.append(1000 * (max(s["last_seen"] for s in measured["sites"]) - last_vote))
@@ -222,6 +222,7 @@ def run_case(
             for name, count in s["errors"].items():
                 errors[name] = errors.get(name, 0) + count
             repolls += s["repolls"]
+            messages += s.get("messages", 0)
             for name, count in s["verdicts"].items():
                 verdicts[name] = verdicts.get(name, 0) + count
     coord_cpu = [c / steps for c in cpu[:sites]]
@@ -244,6 +245,13 @@ def run_case(
         "verdicts": verdicts,
         "vote_errors": errors,
         "vote_repolls": repolls,
+        # Real agents only: vote messages they sent per host and step (1 when a host's
+        # ballots all went in one).
+        **(
+            {"agent_messages_per_host_step": messages / steps / (sites * -(-ranks // host_ranks))}
+            if calls == "agent"
+            else {}
+        ),
     }
 
 

@@ -77,6 +77,8 @@ class StepTimes:
     errors: dict[str, int] = field(default_factory=dict)
     """Votes that failed (deadline, overload) and were sent again, as a rank does."""
     timed_out: bool = False
+    messages: int = 0
+    """With real agents: the vote messages they sent the coordinator for this step."""
 
 
 class SimulatedRanks:
@@ -294,12 +296,14 @@ class SimulatedRanks:
         """Every rank votes on ``step`` from ``at`` (CLOCK_MONOTONIC) on."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         times = StepTimes(step)
+        sent_before = sum(agent.batches for agent in self.agents)
         voters = range(0, self.ranks, 1 if self.agents else self.host_ranks)
         votes = asyncio.gather(*(self.vote(r, step, times) for r in voters))
         try:
             await asyncio.wait_for(votes, STEP_TIMEOUT_S)
         except TimeoutError:
             times.timed_out = True
+        times.messages = sum(agent.batches for agent in self.agents) - sent_before
         return times
 
     async def close(self) -> None:

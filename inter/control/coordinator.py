@@ -390,7 +390,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             beating = beating_ranks(rank, request.vouched_rank_keys, self.rank_keys.rank_of)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        with self.rank_liveness.polling(beating, watcher=watcher), polls as may_wait:
+        beat = self.rank_liveness.polling(beating, watcher=watcher, ended_by=context.add_callback)
+        with beat, polls as may_wait:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
             st.await_membership(request.known_generation, st.clock() + wait_s)
         with st.cond:

@@ -17,11 +17,12 @@ send it the two calls that scale with them:
   does not wait (a vote ahead) is passed through as a call.
 - **``GetMembership``, a rank's watch.** The agent keeps one long poll open at the
   coordinator and answers the ranks' polls from it, as the coordinator would (at once
-  on a newer generation, a suspect or an error; else when the wait ends). Each of its
-  polls names the ranks it heard from within ``vouch_s`` (``vouched_rank_keys``): the
-  coordinator counts a poll in flight for each (inter/control/rank_liveness.py), so a
-  rank that dies stops being vouched for and is declared dead as before, ``vouch_s``
-  later.
+  on a newer generation, a suspect or an error; else when the wait ends). Its poll
+  names the ranks it heard from within ``vouch_s`` (``vouched_rank_keys``): the
+  coordinator counts a poll in flight for each (inter/control/rank_liveness.py). The
+  poll is held up to 10 s and sent again, naming them, as soon as those ranks change,
+  so a rank that dies is vouched for no more than ``vouch_s`` and half a second after
+  its last watch, and is declared dead as before, that much later.
 
 Everything else a rank calls (registration, reports, a first membership) goes to the
 coordinator itself, and a rank that cannot reach its agent falls back to the
@@ -52,8 +53,14 @@ _REFUSED = (
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.FAILED_PRECONDITION,
 )
-_WATCH_WAIT_MS = 1_000
-"""How long the agent's own poll may be held: a rank's watch waits as long."""
+_RANK_WAIT_MS = 5_000
+"""The longest a rank's watch is held here (a rank's own ask for 1 s)."""
+_AGENT_WAIT_MS = 10_000
+"""How long the agent's own poll may be held: it is answered at once on news like a
+rank's, so a longer wait costs nothing but the polls it saves (a 1 s poll a host is
+2,048 calls a second at 16k ranks, what each rank's own watch cost at 2 x 1,024)."""
+_RECHECK_S = 0.5
+"""How often the agent checks, while its poll waits, whether its ranks changed."""
 _RPC_SLACK_S = 5.0
 
 
@@ -81,6 +88,10 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         ranks: how many of the site's ranks run on this host (and use this agent).
         listen: where the ranks reach the agent ("unix:/path" or "127.0.0.1:0").
         linger_s: how long the first ballot of a step waits for the host's others.
+            Waiting costs the step nothing: its decision waits for every rank's vote
+            anyway (a site votes once all its ranks did), so this only bounds how late
+            a rank may be and still share the message (on a loaded host the votes of
+            one step spread over more than 50 ms, and took three messages a host).
         vouch_s: a rank heard from this recently is vouched for in the agent's polls.
     """
 
@@ -91,7 +102,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         site: str,
         ranks: int,
         listen: str,
-        linger_s: float = 0.05,
+        linger_s: float = 0.25,
         vouch_s: float = 2.0,
     ) -> None:
         if ranks < 1 or linger_s < 0 or vouch_s <= 0:
@@ -155,7 +166,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         for session in sessions:  # a vote waiting on one ends now (CANCELLED)
             session.close()
         self._server.stop(grace=0.5).wait()
-        self._watcher.join(_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S)
+        self._watcher.join(_RECHECK_S + _RPC_SLACK_S)
 
     # -- votes -------------------------------------------------------------------------
 
@@ -258,7 +269,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             # A rank's first membership, or no rank's poll: the coordinator's to answer.
             return self._pass(self._stub.GetMembership, request, context)
         known = request.known_generation
-        deadline = time.monotonic() + min(request.wait_ms, _WATCH_WAIT_MS * 5) / 1000
+        deadline = time.monotonic() + min(request.wait_ms, _RANK_WAIT_MS) / 1000
         with self._news:
             self.watches += 1
             self._heard[request.rank_key] = float("inf")  # in flight: vouched for
@@ -291,6 +302,26 @@ class HostAgent(pb_grpc.CoordinatorServicer):
                 del self._heard[key]
             return sorted(self._heard)
 
+    def _poll(self, known: int, keys: list[str]) -> pb.GetMembershipResponse:
+        """One long poll at the coordinator, vouching for ``keys``; cancelled as soon as
+        the ranks to vouch for are others (one fell silent, or one more watches), so a
+        dead rank is vouched for no longer than ``vouch_s`` and a recheck after it."""
+        call = self._stub.GetMembership.future(
+            pb.GetMembershipRequest(
+                known_generation=known,
+                wait_ms=_AGENT_WAIT_MS if known else 0,
+                rank_key=keys[0],
+                vouched_rank_keys=keys,
+            ),
+            timeout=_AGENT_WAIT_MS / 1000 + _RPC_SLACK_S,
+        )
+        while True:
+            try:
+                return call.result(timeout=_RECHECK_S)
+            except grpc.FutureTimeoutError:
+                if self._stopped.is_set() or self._vouched() != keys:
+                    call.cancel()
+
     def _watch(self) -> None:
         # One long poll at a time for the host, with the keys of the ranks it speaks for.
         known = 0
@@ -302,15 +333,9 @@ class HostAgent(pb_grpc.CoordinatorServicer):
                 continue
             self.polls += 1
             try:
-                reply = self._stub.GetMembership(
-                    pb.GetMembershipRequest(
-                        known_generation=known,
-                        wait_ms=_WATCH_WAIT_MS if known else 0,
-                        rank_key=keys[0],
-                        vouched_rank_keys=keys,
-                    ),
-                    timeout=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S,
-                )
+                reply = self._poll(known, keys)
+            except grpc.FutureCancelledError:
+                continue  # the ranks it vouches for changed: ask again, naming them
             except grpc.RpcError as exc:
                 refused = exc.code() in _REFUSED
                 with self._news:

@@ -76,10 +76,19 @@ class RankLiveness:
             self._ranks[rank] = _Rank()
 
     @contextlib.contextmanager
-    def polling(self, ranks: Collection[int], *, watcher: bool) -> Iterator[None]:
+    def polling(
+        self,
+        ranks: Collection[int],
+        *,
+        watcher: bool,
+        ended_by: Callable[[Callable[[], None]], object] | None = None,
+    ) -> Iterator[None]:
         """A poll of each of ``ranks`` is in flight inside the block (a rank's own, or its
         host agent's for it: inter/control/host_agent.py); ``watcher``: it is the
-        watcher's (the ranks are watched from now on)."""
+        watcher's (the ranks are watched from now on). ``ended_by`` (the call's
+        ``add_callback``) ends the beat when the call ends before the block does: an
+        agent cancels its poll when a rank it vouched for falls silent, and the handler
+        waits on until its deadline."""
         if not ranks:
             yield
             return
@@ -90,14 +99,25 @@ class RankLiveness:
                 beat.watched = beat.watched or watcher
                 beat.calls += 1
                 beat.last = now
-        try:
-            yield
-        finally:
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
             with self._lock:
+                if ended:
+                    return
+                ended = True
                 now = self._clock()
                 for beat in beats:
                     beat.calls -= 1
                     beat.last = now
+
+        if ended_by is not None:
+            ended_by(end)
+        try:
+            yield
+        finally:
+            end()
 
     def silent(self) -> list[int]:
         """The watched ranks with no poll in flight for longer than ``silence_s``."""

@@ -161,6 +161,9 @@ def test_watches_through_the_agent_vouch_for_their_ranks_until_one_stops(site):
         assert all(beat.watched for beat in live._ranks), live._ranks  # noqa: SLF001
         assert all(c.agent_misses == 0 for c in clients)
         assert all(r and r[-1].generation == 1 and not r[-1].sites for r in replies)
+        # The ranks' ~12 watches in one poll held 10 s (sent again as each rank joined).
+        stats = agent.stats()
+        assert stats["watches"] >= 2 * RANKS and stats["watch_polls"] <= 2 + RANKS, stats
         # Rank 2's watch stops (as when its process dies): the agent stops vouching for
         # it, and the coordinator declares it dead, and only it (the site then leaves
         # the job and watches no rank until they register again: what stays is why).
