@@ -3,6 +3,7 @@
     isthmus local         every site of a job on this machine, over emulated links
     isthmus site          one site of a job: its coordinator and its ranks
     isthmus coordinator   one site's coordinator, alone
+    isthmus host-agent    the agent of one node's ranks of a site (for ranks srun starts)
     isthmus config        print the resolved job config with every key documented
     isthmus report        plot a finished run, or compare several
     isthmus chaos         the fault-injection suite: kill, restart, partition, corrupt
@@ -15,7 +16,8 @@
     isthmus data          tokenize local text/jsonl/parquet files into token shards once
     isthmus export        write a checkpoint in the Hugging Face layout (safetensors)
 
-Each command is a module, deploy/commands/NAME.py (the table COMMANDS below); what
+Each command is a module, deploy/commands/NAME.py (the table COMMANDS below; a dash in
+a command's name is an underscore in its module's); what
 they share (the config flags, the help formatter) is deploy/commands/arguments.py, so
 this module only dispatches: no command imports it.
 
@@ -54,6 +56,7 @@ COMMANDS = (
     "local",
     "site",
     "coordinator",
+    "host-agent",
     "config",
     "report",
     "chaos",
@@ -76,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        module = importlib.import_module(f"isthmus.deploy.commands.{name}")
+        module = importlib.import_module(f"isthmus.deploy.commands.{name.replace('-', '_')}")
         module.register(sub, HelpFormatter)
         assert name in sub.choices, f"{module.__name__} did not register `isthmus {name}`"
     return parser

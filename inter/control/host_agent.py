@@ -85,7 +85,8 @@ class HostAgent(pb_grpc.CoordinatorServicer):
     Args:
         channel: a channel to the site's coordinator (TLS and token as the ranks' own).
         site: the site's name.
-        ranks: how many of the site's ranks run on this host (and use this agent).
+        ranks: how many of the site's ranks run on this host (and use this agent), at
+            most: a step's ballots are sent once every rank watching here voted.
         listen: where the ranks reach the agent ("unix:/path" or "127.0.0.1:0").
         linger_s: how long the first ballot of a step waits for the host's others.
             Waiting costs the step nothing: its decision waits for every rank's vote
@@ -128,6 +129,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         # The watch: the coordinator's latest answer, and who asked for it.
         self._membership = pb.GetMembershipResponse()
         self._membership_error: grpc.RpcError | None = None
+        self._seen = False  # the agent's poll was answered once: it answers watches itself
         self._news = threading.Condition()
         self._heard: dict[str, float] = {}  # rank key -> when its watch last reached us
         self._stopped = threading.Event()
@@ -183,10 +185,11 @@ class HostAgent(pb_grpc.CoordinatorServicer):
                 batch = self._open[key] = _Ballots(wait_ms=request.wait_ms)
             batch.ballots[request.rank] = ballot
             batch.wait_ms = min(batch.wait_ms, request.wait_ms)
-            if len(batch.ballots) >= self.ranks:
+            expected = self._expected()
+            if len(batch.ballots) >= expected:
                 self._lock.notify_all()
             if first:  # this call sends the host's ballots, once the others are in
-                self._lock.wait_for(lambda: len(batch.ballots) >= self.ranks, self.linger_s)
+                self._lock.wait_for(lambda: len(batch.ballots) >= expected, self.linger_s)
                 del self._open[key]
                 batch.sent = True
         if first:
@@ -201,6 +204,14 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         if isinstance(outcome, tuple):
             context.abort(*outcome)
         return outcome
+
+    def _expected(self) -> int:
+        """Ballots a step's batch waits for: one from each rank watching through this
+        agent (every rank watches before it votes), at most ``ranks``; all ``ranks``
+        before any watches. A rank of the host that died is not waited for, and an
+        agent told too many ranks (srun's layout guessed) never lingers for them."""
+        watching = len(self._vouched())
+        return min(self.ranks, watching) if watching else self.ranks
 
     @staticmethod
     def _pass(call, request, context):
@@ -274,6 +285,14 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             self.watches += 1
             self._heard[request.rank_key] = float("inf")  # in flight: vouched for
             self._news.notify_all()  # the first watch starts the agent's poll
+            seen = self._seen
+        if not seen:  # no answer of the agent's own yet: the coordinator's, as it stands
+            try:
+                return self._pass(self._stub.GetMembership, request, context)
+            finally:
+                with self._news:
+                    self._heard[request.rank_key] = time.monotonic()
+        with self._news:
             try:
                 while not self._answer_now(known) and not self._stopped.is_set():
                     left = deadline - time.monotonic()
@@ -354,6 +373,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
                     del self._membership.suspects[:]
                     self._membership.suspects.extend(reply.suspects)
                 self._membership_error = None
+                self._seen = True
                 self._news.notify_all()
             known = reply.generation
             if reply.suspects or not known:

@@ -229,3 +229,29 @@ def test_only_a_ranks_poll_may_vouch_and_for_a_hosts_worth(site):
                 stub.GetMembership(request, timeout=5)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert not any(beat.watched for beat in coord.rank_liveness._ranks)  # noqa: SLF001
+
+
+def test_a_step_waits_for_the_ranks_that_watch_here_not_for_the_count_it_was_told(site, tmp_path):
+    coord, _, _ = site
+    with grpc.insecure_channel(coord.address) as channel:
+        # Told 8 ranks, with a linger that would outlast the test: 4 watch through it.
+        agent = HostAgent(
+            channel, site="site0", ranks=8, listen=f"unix:{tmp_path}/told8", linger_s=60
+        ).start()
+        clients = [
+            CoordinatorClient.connect(
+                coord.address, rank_key=coord.rank_keys.handed(r), agent=agent.address
+            )
+            for r in range(RANKS)
+        ]
+        try:
+            for client in clients:
+                client.membership_now(known_generation=1, wait_ms=0, timeout_s=10)
+            start = time.monotonic()
+            decisions = all_vote(clients, range(RANKS))
+            assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
+            assert time.monotonic() - start < 10 and agent.batches == 1
+        finally:
+            for client in clients:
+                client.close()
+            agent.stop()
