@@ -362,3 +362,8 @@ def test_two_sites_as_two_slurm_jobs_of_site_multinode_sbatch(cluster, link, tmp
         )
     cluster.wait(jobs, tmp_path)
     assert_identical_replicas(tmp_path, link, ranks=2)
+    # Each site's node ran an agent (a step of its own), and the ranks reached it.
+    for site in ("site0", "site1"):
+        out = (tmp_path / f"{site}.out").read_text()
+        assert f"host agent of {site} listening on unix:" in out, out[-3000:]
+        assert "host agent unreachable" not in out, out[-3000:]
