@@ -209,10 +209,34 @@ def run_case(
     }
     if failed or not rows:
         return {**row, "failed": failed or "no step measured", "join_s": join_s}
+    return {
+        **row,
+        **_figures(rows, cpu, sites, steps, elapsed),
+        "join_s": join_s,
+        # Real agents only: vote messages they sent per host and step (1 when a host's
+        # ballots all went in one).
+        **(
+            {
+                "agent_messages_per_host_step": _messages(rows)
+                / steps
+                / (sites * -(-ranks // host_ranks))
+            }
+            if calls == "agent"
+            else {}
+        ),
+    }
+
+
+def _messages(rows: list[dict]) -> int:
+    return sum(s.get("messages", 0) for measured in rows for s in measured["sites"])
+
+
+def _figures(rows: list[dict], cpu: list[float], sites: int, steps: int, elapsed: float) -> dict:
+    """The measured steps' latencies, CPU and verdicts, as the table's row holds them."""
     latencies, sent, first = [], [], []
     verdicts: dict[str, int] = {}
     errors: dict[str, int] = {}
-    repolls = messages = 0
+    repolls = 0
     for measured in rows:
         last_vote = max(s["last_vote"] for s in measured["sites"])
         latencies.append(1000 * (max(s["last_seen"] for s in measured["sites"]) - last_vote))
@@ -222,14 +246,11 @@ def run_case(
             for name, count in s["errors"].items():
                 errors[name] = errors.get(name, 0) + count
             repolls += s["repolls"]
-            messages += s.get("messages", 0)
             for name, count in s["verdicts"].items():
                 verdicts[name] = verdicts.get(name, 0) + count
     coord_cpu = [c / steps for c in cpu[:sites]]
     return {
-        **row,
         "steps_per_s": steps / elapsed,
-        "join_s": join_s,
         "decision_ms_p50": percentile(latencies, 0.5),
         "decision_ms_p99": percentile(latencies, 0.99),
         "decision_ms": latencies,
@@ -245,13 +266,6 @@ def run_case(
         "verdicts": verdicts,
         "vote_errors": errors,
         "vote_repolls": repolls,
-        # Real agents only: vote messages they sent per host and step (1 when a host's
-        # ballots all went in one).
-        **(
-            {"agent_messages_per_host_step": messages / steps / (sites * -(-ranks // host_ranks))}
-            if calls == "agent"
-            else {}
-        ),
     }
 
 
