@@ -6,7 +6,10 @@ program starts (inter/control/host_agent.py).
 node: the template runs this command once a node, and hands the ranks its socket in
 ``ISTHMUS_HOST_AGENT``. It makes ``--socket-dir`` itself, 0700, and refuses one that
 exists (another user could have made it to read the ranks' keys), so only the job's
-user reaches the socket. A rank that cannot reach it calls its coordinator.
+user reaches the socket. A rank that cannot reach it calls its coordinator. It exits
+by itself, removing the folder, once its node's ranks stopped watching or its
+coordinator went away (``--exit-after-s``): a scheduler that ends the job kills what is
+left of the step soon after its SIGTERM, and the folder would stay behind.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 from isthmus.deploy.commands.arguments import add_config_arguments, config_from_args
@@ -41,6 +45,31 @@ def make_socket_dir(path: Path) -> None:
     except OSError as exc:
         raise ConfigError(f"--socket-dir {path}: {exc.strerror or exc}") from exc
     os.chmod(path, 0o700)  # whatever the umask
+
+
+class _Lost:
+    """How long the channel to the coordinator has been down, once it was up."""
+
+    def __init__(self, channel) -> None:
+        import grpc
+
+        self._up = grpc.ChannelConnectivity.READY
+        self._was_up = False
+        self._down_since: float | None = None
+        channel.subscribe(self._on_state, try_to_connect=True)
+
+    def _on_state(self, state) -> None:
+        if state is self._up:
+            self._was_up, self._down_since = True, None
+        elif self._was_up and self._down_since is None:
+            # A connection the coordinator closed goes IDLE, one that cannot be made
+            # TRANSIENT_FAILURE: either way the agent's calls are not answered. While
+            # its ranks run, its streams and polls keep the channel from idling.
+            self._down_since = time.monotonic()
+
+    def for_s(self) -> float:
+        since = self._down_since
+        return 0.0 if since is None else time.monotonic() - since
 
 
 def cmd_host_agent(args: argparse.Namespace) -> int:
@@ -72,15 +101,25 @@ def cmd_host_agent(args: argparse.Namespace) -> int:
         print(f"host agent of {args.site} listening on {agent.address}", flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        lost = _Lost(channel)
         while not stop.wait(0.5):
-            pass
+            # The coordinator gone (the job ended, or its node with it): so is the agent's
+            # use, and ending now removes its folder before a scheduler kills the step.
+            if lost.for_s() > args.exit_after_s:
+                print(f"host agent of {args.site}: coordinator unreachable, exiting", flush=True)
+                break
+            if agent.idle_for() > args.exit_after_s:  # the node's ranks ended
+                print(f"host agent of {args.site}: no rank watches any more, exiting", flush=True)
+                break
     finally:
+        # The folder first: a scheduler may kill what is left of the step soon after its
+        # SIGTERM, and a folder left behind would be refused by the next agent named so.
+        shutil.rmtree(socket_dir, ignore_errors=True)
         if agent is not None:
             agent.stop()
             print(f"host agent of {args.site}: {agent.stats()}", flush=True)
         if channel is not None:
             channel.close()
-        shutil.rmtree(socket_dir, ignore_errors=True)
     return 0
 
 
@@ -109,5 +148,12 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )
     parser.add_argument(
         "--socket-dir", required=True, metavar="DIR", help="a folder to make for the socket"
+    )
+    parser.add_argument(
+        "--exit-after-s",
+        type=float,
+        default=5.0,
+        help="exit once the coordinator has been unreachable, or no rank has watched through "
+        "the agent, for this long (after both were there)",
     )
     parser.set_defaults(func=cmd_host_agent)

@@ -130,6 +130,8 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         self._membership = pb.GetMembershipResponse()
         self._membership_error: grpc.RpcError | None = None
         self._seen = False  # the agent's poll was answered once: it answers watches itself
+        self._watching = 0  # ranks' watches in flight here
+        self._last_watch: float | None = None  # when one last ended
         self._news = threading.Condition()
         self._heard: dict[str, float] = {}  # rank key -> when its watch last reached us
         self._stopped = threading.Event()
@@ -142,6 +144,14 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
         )
         self._watcher = threading.Thread(target=self._watch, name="host-agent-watch", daemon=True)
+
+    def idle_for(self) -> float:
+        """Seconds since the last watch of a rank here ended, none being in flight (0
+        before any rank watched): how long the host has had no rank of the site."""
+        with self._news:
+            if self._watching or self._last_watch is None:
+                return 0.0
+            return time.monotonic() - self._last_watch
 
     def stats(self) -> dict[str, int]:
         """What the agent carried so far: the ranks' calls and the coordinator's."""
@@ -283,6 +293,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         deadline = time.monotonic() + min(request.wait_ms, _RANK_WAIT_MS) / 1000
         with self._news:
             self.watches += 1
+            self._watching += 1
             self._heard[request.rank_key] = float("inf")  # in flight: vouched for
             self._news.notify_all()  # the first watch starts the agent's poll
             seen = self._seen
@@ -290,8 +301,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             try:
                 return self._pass(self._stub.GetMembership, request, context)
             finally:
-                with self._news:
-                    self._heard[request.rank_key] = time.monotonic()
+                self._watch_ended(request.rank_key)
         with self._news:
             try:
                 while not self._answer_now(known) and not self._stopped.is_set():
@@ -300,7 +310,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
                         break
                     self._news.wait(left)
             finally:
-                self._heard[request.rank_key] = time.monotonic()
+                self._watch_ended(request.rank_key)
             error, now = self._membership_error, self._membership
         if error is not None:  # a refusal (FAILED_PRECONDITION: the job failed)
             context.abort(error.code(), error.details() or "")
@@ -309,6 +319,12 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         if known == now.generation:
             del reply.sites[:]  # the rank has them
         return reply
+
+    def _watch_ended(self, key: str) -> None:
+        with self._news:  # re-entrant: a Condition over an RLock
+            now = time.monotonic()
+            self._heard[key] = self._last_watch = now
+            self._watching -= 1
 
     def _answer_now(self, known: int) -> bool:
         now = self._membership

@@ -111,3 +111,47 @@ def test_a_socket_dir_that_exists_is_refused_in_one_line(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --socket-dir") and "exists" in last
     assert (planted / "agent").read_text() == "someone else's"  # nothing of it changed
+
+
+def test_the_agent_exits_and_cleans_up_once_its_ranks_are_gone(tmp_path):
+    """Under a scheduler the step's SIGTERM may come with a SIGKILL soon after: the agent
+    leaves on its own once no rank watches through it, its folder removed."""
+    job = tmp_path / "job.toml"
+    job.write_text("[topology]\nsites = 1\nranks_per_site = 1\n")
+    coord = Coordinator(
+        CoordinatorSettings(site="site0", site_names=["site0"], ranks=1, fingerprint=FP)
+    )
+    coord.start()
+    socket_dir = tmp_path / "agent-dir"
+    agent = None
+    try:
+        register_rank(coord.address, "site0", FP, key=coord.rank_keys.handed(0))
+        coord.wait_ready(10)
+        agent = subprocess.Popen(
+            [
+                *ISTHMUS,
+                *("host-agent", "--config", str(job), "--site", "site0"),
+                *("--coordinator", coord.address, "--socket-dir", str(socket_dir)),
+                *("--exit-after-s", "1"),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        address = agent.stdout.readline().rsplit(" ", 1)[1].strip()
+        client = CoordinatorClient.connect(
+            coord.address, rank_key=coord.rank_keys.handed(0), agent=address
+        )
+        try:
+            for _ in range(2):
+                now = client.membership_now(known_generation=1, wait_ms=500, timeout_s=10)
+                assert now.generation == 1
+        finally:
+            client.close()
+        out, _ = agent.communicate(timeout=30)  # no signal: it ends by itself
+        assert agent.returncode == 0
+        assert "no rank watches any more, exiting" in out
+        assert not socket_dir.exists()
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+        coord.stop(grace_s=0)

@@ -342,6 +342,9 @@ def test_two_sites_as_two_slurm_jobs_of_site_multinode_sbatch(cluster, link, tmp
         "[security]", "require_tls = true", "require_token = true", f'certs_dir = "{job_dir}"',
     ]  # fmt: skip
     job = write_job(tmp_path, link, coordinator_ports, *settings)
+    # Where each site's node agent makes its socket's folder (the template's default is a
+    # fresh name under /tmp; a socket's path must stay under 108 bytes).
+    agent_dirs = {s: Path(f"/tmp/isthmus-test-agent-{os.getpid()}-{s}") for s in ("site0", "site1")}
     jobs = []
     for i, site in enumerate(("site0", "site1")):
         out = tmp_path / f"{site}.out"
@@ -356,14 +359,16 @@ def test_two_sites_as_two_slurm_jobs_of_site_multinode_sbatch(cluster, link, tmp
                 f"--output={out}",
                 f"--export=ALL,ISTHMUS_SITE={site},ISTHMUS_JOB={job},"
                 f"ISTHMUS_COORDINATOR_PORT={coordinator_ports[i]},"
-                f"ISTHMUS_MASTER_PORT={master_ports[i]}",
+                f"ISTHMUS_MASTER_PORT={master_ports[i]},ISTHMUS_AGENT_DIR={agent_dirs[site]}",
                 env=job_env(),
             )
         )
     cluster.wait(jobs, tmp_path)
     assert_identical_replicas(tmp_path, link, ranks=2)
-    # Each site's node ran an agent (a step of its own), and the ranks reached it.
+    # Each site's node ran an agent (a step of its own), the ranks reached it, and it
+    # removed its folder when the job ended.
     for site in ("site0", "site1"):
         out = (tmp_path / f"{site}.out").read_text()
-        assert f"host agent of {site} listening on unix:" in out, out[-3000:]
+        assert f"host agent of {site} listening on unix:{agent_dirs[site]}/" in out, out[-3000:]
         assert "host agent unreachable" not in out, out[-3000:]
+        assert not agent_dirs[site].exists(), out[-3000:]
