@@ -74,7 +74,6 @@ class _Ballots:
 
     ballots: dict[int, pb.RankBallot] = field(default_factory=dict)
     wait_ms: int = 0
-    sent: bool = False
     outcome: dict[int, pb.Decision | _Status] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -112,7 +111,6 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             )
         self.site, self.ranks = site, ranks
         self.linger_s, self.vouch_s = linger_s, vouch_s
-        self._channel = channel
         self._stub = pb_grpc.CoordinatorStub(channel)
         self._lock = threading.Condition()
         self._open: dict[tuple[int, int, bool], _Ballots] = {}
@@ -201,7 +199,6 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             if first:  # this call sends the host's ballots, once the others are in
                 self._lock.wait_for(lambda: len(batch.ballots) >= expected, self.linger_s)
                 del self._open[key]
-                batch.sent = True
         if first:
             self._send(request, batch)
         remaining = context.time_remaining()
