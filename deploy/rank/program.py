@@ -226,6 +226,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _terminate)
     # `kill -USR1` prints every thread's stack to the rank's log: how a stuck rank is read.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A crash in native code (SIGSEGV, SIGABRT) leaves every thread's Python stack in the
+    # log rather than only the exit code -11.
+    faulthandler.enable(all_threads=True)
     last_words = LastWords(env)
     script = os.environ.get(SCRIPT_ENV)
     try:
