@@ -29,6 +29,7 @@ non-zero, without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import importlib
 import os
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # `kill -USR1` prints every thread's stack (coordinators, relays) to stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A crash in native code (gRPC's, torch's) prints every thread's stack, not only
+    # "Segmentation fault".
+    with contextlib.suppress(OSError, ValueError, RuntimeError):  # stderr with no file
+        faulthandler.enable(all_threads=True)
     try:
         return args.func(args)
     except ConfigError as exc:

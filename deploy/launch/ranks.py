@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -237,7 +238,10 @@ class SiteRanks:
         (issue 33, row 12: the job stopped with an empty reason): then say that, naming
         the errno and the log.
         """
-        head = f"{failed.site} rank {failed.rank} exited with code {failed.process.returncode}"
+        code = failed.process.returncode
+        head = f"{failed.site} rank {failed.rank} exited with code {code}"
+        if code is not None and code < 0:
+            head += f" ({_signal_name(-code)})"
         try:
             lines = failed.log_path.read_text(errors="replace").strip().splitlines()
             disk = os.statvfs(failed.log_path.parent)
@@ -249,7 +253,11 @@ class SiteRanks:
                 f"{head}: no space left on device (ENOSPC) writing {failed.log_path}: the "
                 "disk of the run folder is full, and the rank's log could not take its error"
             )
-        last = errors[-1][len("error:") :].strip() if errors else (lines[-1] if lines else "")
+        crash = _native_crash(lines)
+        if errors:
+            last = errors[-1][len("error:") :].strip()
+        else:
+            last = crash or (lines[-1] if lines else "")
         return f"{head}: {last} (log: {failed.log_path})"
 
     def describe(self) -> list[dict]:
@@ -278,3 +286,26 @@ class SiteRanks:
         if self.store_dir is not None:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _native_crash(lines: list[str]) -> str | None:
+    """faulthandler's report of a crash in native code (the rank enables it), cut to one
+    line: the error and the crashing thread's innermost Python frame. The log's last
+    line would be some other thread's outermost frame."""
+    fatal = next(
+        (i for i, line in enumerate(lines) if line.startswith("Fatal Python error:")), None
+    )
+    if fatal is None:
+        return None
+    # With every thread's stack, the others come first and the crashing one is last.
+    rest = lines[fatal + 1 :]
+    current = next((i for i, line in enumerate(rest) if line.startswith("Current thread")), -1)
+    frame = next((f.strip() for f in rest[current + 1 :] if f.strip().startswith("File ")), "")
+    return lines[fatal] + (f", in {frame}" if frame else "")

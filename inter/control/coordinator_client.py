@@ -32,7 +32,7 @@ from isthmus.inter.control.abort import MAX_REASON_CHARS
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.host_session import HostSession
 from isthmus.inter.control.rank_keys import RANK_KEY
-from isthmus.inter.security import SiteSecurity
+from isthmus.inter.security import ClosableChannel, SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -186,7 +186,7 @@ class CoordinatorClient:
         """A client of the coordinator at ``address`` ("host:port"), with mutual TLS and
         the job token as ``security`` says (None = plaintext); ``agent``: where this
         host's agent listens ("unix:/path"; "" for none)."""
-        agent_channel = grpc.insecure_channel(agent) if agent else None
+        agent_channel = ClosableChannel(grpc.insecure_channel(agent)) if agent else None
         return cls(peer_channel(address, security=security), rank_key=rank_key, agent=agent_channel)
 
     def _via_agent(self, call: Callable[[pb_grpc.CoordinatorStub], object]):

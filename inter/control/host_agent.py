@@ -252,6 +252,8 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             batch.done.set()
 
     def _vote(self, session: HostSession, request, ballots, wait_ms: int):
+        if self._stopped.is_set():  # its channel closes next: the rank votes elsewhere
+            return grpc.StatusCode.UNAVAILABLE, f"{self.site} host agent stopped"
         with self._lock:
             self.batches += 1
         try:

@@ -93,18 +93,35 @@ RAISES = """
 """
 
 
+# A crash in native code (a CUDA extension's bug, say): the rank dies of SIGSEGV.
+CRASHES = RAISES.replace(
+    'raise ValueError(f"bad batch at step {step}")', "__import__('ctypes').string_at(0)"
+)
+
+
 @pytest.mark.timeout(300)
-def test_a_script_that_raises_in_one_rank_ends_the_job_with_its_last_line(tmp_path):
-    script = tmp_path / "raises.py"
-    script.write_text(textwrap.dedent(RAISES))
+@pytest.mark.parametrize("how", ["raises", "crashes"])
+def test_a_script_that_fails_in_one_rank_ends_the_job_with_its_last_line(tmp_path, how):
+    script = tmp_path / f"{how}.py"
+    script.write_text(textwrap.dedent(RAISES if how == "raises" else CRASHES))
     result = run_script(tmp_path / "run", script, steps=4, timeout=300)
     assert result.returncode != 0
-    assert_one_line_error(
-        result, "site1 rank 1 exited", "raises.py: ValueError: bad batch at step 1"
-    )
-    # The rank's log holds the whole traceback.
     log = (tmp_path / "run" / "logs" / "site1-rank1.log").read_text()
-    assert "Traceback" in log and 'raise ValueError(f"bad batch' in log
+    if how == "raises":
+        assert_one_line_error(
+            result, "site1 rank 1 exited", "raises.py: ValueError: bad batch at step 1"
+        )
+        # The rank's log holds the whole traceback.
+        assert "Traceback" in log and 'raise ValueError(f"bad batch' in log
+        return
+    # The signal by name, and the crashing thread's innermost frame from faulthandler's
+    # report (the rank turns it on), not the last line of some other thread's stack.
+    assert_one_line_error(
+        result,
+        "site1 rank 1 exited with code -11 (SIGSEGV): Fatal Python error: Segmentation fault",
+        "ctypes",
+    )
+    assert "Current thread" in log and "crashes.py" in log
 
 
 COUNTS = """
