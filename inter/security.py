@@ -298,9 +298,8 @@ class ClosableChannel(grpc.Channel):
     def __enter__(self) -> ClosableChannel:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self.close()
-        return False
 
 
 INSECURE = SiteSecurity()

@@ -42,10 +42,9 @@ PRELUDE = """
 """
 
 AFTER_CLOSE = """
-    channel = security.channel(f"127.0.0.1:{port}")
-    stub = pb_grpc.CoordinatorStub(channel)
-    assert call(stub).code() is grpc.StatusCode.UNIMPLEMENTED
-    channel.close()
+    with security.channel(f"127.0.0.1:{port}") as channel:  # closed at the block's end
+        stub = pb_grpc.CoordinatorStub(channel)
+        assert call(stub).code() is grpc.StatusCode.UNIMPLEMENTED
     # A method first called after the close: gRPC registers it then (the crash).
     exc = call(stub, "CommitStep", pb.CommitStepRequest())
     assert isinstance(exc, ClosedChannelError), exc
