@@ -243,7 +243,7 @@ class CrossSiteAllReduce:
         why = (
             "was shut down"
             if pipeline.pool_lost
-            else f"has {stuck} thread(s) stuck in the failed round"
+            else f"has {len(stuck)} thread(s) stuck in the failed round ({'; '.join(stuck)})"
         )
         with self._pool_lock:
             if pipeline.pool is not self.pool:

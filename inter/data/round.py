@@ -8,10 +8,9 @@ contribution is in, sums them in site order and sends the encoded result. A chun
 arrived corrupt is pulled again from its sender (``ResendChunk``) and never summed.
 
 Bytes are copied as little as the design allows (issue 11 measured ~10 copies of every
-chunk per hop before): the encoded values go straight into the outgoing message
-(:func:`~isthmus.inter.data.wire.encode_chunk`), a received payload is a view of the bytes
-grpcio handed over, the sum is written where the round's tensor lies, and a ``raw``
-result is copied once, from the message into the tensor.
+chunk per hop before): encoded values go straight into the outgoing message
+(``wire.encode_chunk``), a received payload is a view of the bytes handed over, the sum
+is written into the round's tensor, a ``raw`` result is copied once, from the message.
 
 A round is handed what it uses — a frozen :class:`RoundView` of the membership and
 settings, the lane's mailbox and outbox, the peers, the pool and one
@@ -59,6 +58,7 @@ from isthmus.inter.data.round_types import (
     PeerAborted,
     RoundStats,
     RoundView,
+    RunningTasks,
     describe,
 )
 
@@ -70,9 +70,8 @@ _POLL_S = 0.05  # how often the waiting router looks for failed tasks and sends
 
 
 def _settle(tasks: list[futures.Future], deadline: float) -> None:
-    """Waits until ``deadline`` for ``tasks`` to end. A task cancelled in its queue by
-    ``shutdown(cancel_futures=True)`` is ``done()``, but ``futures.wait`` alone never
-    counts it: a round whose pool another round shut down would wait out its deadline."""
+    """Waits until ``deadline`` for ``tasks`` to end. A task that ``shutdown(cancel_futures
+    =True)`` cancelled is ``done()``, which ``futures.wait`` alone never counts."""
     while (left := [task for task in tasks if not task.done()]) and time.monotonic() < deadline:
         futures.wait(left, timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
 
@@ -130,6 +129,7 @@ class RoundPipeline:
         self._lock = threading.Lock()  # parts and stats, shared by the pool's tasks
         self._parts: dict[int, dict[int, np.ndarray | torch.Tensor]] = {}
         self._tasks: list[futures.Future] = []
+        self._running = RunningTasks()
         self._errors: list[BaseException] = []
         self._failed = threading.Event()
         self._rounds: dict[int, PeerRound | BulkPeerRound] = {}
@@ -197,22 +197,22 @@ class RoundPipeline:
             self.pool_lost = True
             raise CrossSiteError(f"{self.where}: the lane's codec threads are gone") from exc
 
-    def stuck(self) -> int:
-        """How many of the round's tasks are still running (after it failed: threads
-        that hang, which the lane's next rounds must not wait behind)."""
-        return sum(1 for task in self._tasks if task.running())
+    def stuck(self) -> list[str]:
+        """Where the round's running tasks are (after it failed: threads that hang)."""
+        return self._running.where()
 
     def _guard(self, fn: Callable[..., None], *args: object) -> None:
         if self._failed.is_set():
             return
         try:
-            if self.device is None:
-                fn(*args)
-            else:
-                stream = lane_stream(self.device)
-                with torch.cuda.stream(stream):
+            with self._running.track(fn.__name__):
+                if self.device is None:
                     fn(*args)
-                stream.synchronize()  # the task's results are in place when it ends
+                else:
+                    stream = lane_stream(self.device)
+                    with torch.cuda.stream(stream):
+                        fn(*args)
+                    stream.synchronize()  # the task's results are in place when it ends
         except BaseException as exc:
             with self._lock:
                 self._errors.append(exc)

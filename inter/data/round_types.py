@@ -4,8 +4,13 @@ round's view of it, its statistics, the flag that aborts it, and the errors it r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import threading
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 
@@ -21,6 +26,7 @@ __all__ = [
     "PeerAborted",
     "RoundStats",
     "RoundView",
+    "RunningTasks",
 ]
 
 
@@ -144,3 +150,43 @@ def describe(site: int, exc: BaseException) -> str:
         kind = "timed out" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
         return f"sending to site {site} {kind}: {code.name}: {exc.details()}"
     return f"sending to site {site} failed: {exc}"
+
+
+class RunningTasks:
+    """The round's tasks running now, by thread: where a task that hangs is stuck.
+
+    A failed round's warning names the innermost frames of each thread still in one
+    (CI once saw two codec threads per site stuck in a first round, and nothing said
+    where)."""
+
+    _FRAMES = 3
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[int, str] = {}
+
+    @contextlib.contextmanager
+    def track(self, name: str) -> Iterator[None]:
+        ident = threading.get_ident()
+        with self._lock:
+            self._running[ident] = name
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.pop(ident, None)
+
+    def where(self) -> list[str]:
+        """One line per running task: its name and its thread's innermost frames."""
+        frames = sys._current_frames()
+        with self._lock:
+            running = dict(self._running)
+        lines = []
+        for ident, name in running.items():
+            frame = frames.get(ident)
+            stack = traceback.extract_stack(frame)[-self._FRAMES :] if frame else []
+            at = " < ".join(
+                f"{s.name} ({Path(s.filename).name}:{s.lineno})" for s in reversed(stack)
+            )
+            lines.append(f"{name}: {at or 'ended'}")
+        return lines
