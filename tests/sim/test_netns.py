@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT
+from measured import assert_rate
 
 from isthmus.sim import LinkSpec, control_request
 from isthmus.sim.netns import job_resources, require_tools, teardown
@@ -309,6 +310,16 @@ def test_cli_up_serves_control_and_a_1_ms_link() -> None:
             # link would cost them too, so not the emulator's error.
             own = probe("127.0.0.1", 0)
             got = probe(address, 64 << 20)
+            bulks = [got["bulk_s"]]
+
+            def rate() -> float:  # the probe above first, then new ones
+                bulk_s = bulks.pop() if bulks else probe(address, 64 << 20)["bulk_s"]
+                return (64 << 20) * 8 / (bulk_s - 1e-3)
+
+            # One 64 MiB probe at the end of a CI run once carried 885 Mbit/s while other
+            # jobs held the cores: the best of a few meets the spec (tests/sim/measured.py),
+            # and none may pass it by more than 10 %.
+            assert_rate(rate, 1e9, 0.10, attempts=4, what="1 Gbit/s netns link")
         finally:
             for s in servers:
                 s.kill()
@@ -320,8 +331,6 @@ def test_cli_up_serves_control_and_a_1_ms_link() -> None:
         added = got["rtt_min_s"] - own["rtt_min_s"]
         assert added == pytest.approx(1e-3, abs=0.2e-3), (got, own)
         assert got["rtt_s"] < 2e-3, got
-        mbit = (64 << 20) * 8 / (got["bulk_s"] - 1e-3) / 1e6
-        assert mbit == pytest.approx(1000, rel=0.10), got
 
         link = control_request(control, "GET", "/links")["site0-site1"]
         assert link["stats"]["a_to_b"]["bytes_delivered"] >= 64 << 20
