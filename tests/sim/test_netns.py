@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -272,6 +273,19 @@ def test_cli_down_cleans_up_after_a_crash() -> None:
     nothing_left(job)
 
 
+def _assert_1_gbit(bulk_s: Callable[[], float], first_s: float) -> None:
+    """A 1 ms, 1 Gbit/s link's rate from 64 MiB probes (``first_s`` one already made):
+    one probe at the end of a CI run once carried 885 Mbit/s while other jobs held the
+    cores, so the best of a few meets the spec (tests/sim/measured.py), and none may
+    pass it by more than 10 %."""
+    times = [first_s]
+
+    def rate() -> float:
+        return (64 << 20) * 8 / ((times.pop() if times else bulk_s()) - 1e-3)
+
+    assert_rate(rate, 1e9, 0.10, attempts=4, what="1 Gbit/s netns link")
+
+
 @pytest.mark.timeout(120)
 def test_cli_up_serves_control_and_a_1_ms_link() -> None:
     job = job_name("g")
@@ -310,16 +324,7 @@ def test_cli_up_serves_control_and_a_1_ms_link() -> None:
             # link would cost them too, so not the emulator's error.
             own = probe("127.0.0.1", 0)
             got = probe(address, 64 << 20)
-            bulks = [got["bulk_s"]]
-
-            def rate() -> float:  # the probe above first, then new ones
-                bulk_s = bulks.pop() if bulks else probe(address, 64 << 20)["bulk_s"]
-                return (64 << 20) * 8 / (bulk_s - 1e-3)
-
-            # One 64 MiB probe at the end of a CI run once carried 885 Mbit/s while other
-            # jobs held the cores: the best of a few meets the spec (tests/sim/measured.py),
-            # and none may pass it by more than 10 %.
-            assert_rate(rate, 1e9, 0.10, attempts=4, what="1 Gbit/s netns link")
+            _assert_1_gbit(lambda: probe(address, 64 << 20)["bulk_s"], got["bulk_s"])
         finally:
             for s in servers:
                 s.kill()
