@@ -4,10 +4,14 @@ parameters, for each preset and each MoE implementation, in one run (issue 36).
 Every device of the host is one rank (dp = devices; a mixture of experts splits its
 experts over all of them, ep = devices); on CPU, one rank. ``--impl loop,grouped`` runs
 issue 17's path (counts read to the host in every layer, the experts one after another)
-and the device-side grouped GEMM path in the same processes, one after the other:
+and the device-side grouped GEMM path in the same processes, one after the other.
+``--capacity-factor 0,1.25`` runs each MoE path dropless and with that capacity; with a
+capacity and ep > 1, ``grouped`` exchanges static slots (no host read) and
+``host-splits`` the kept copies alone (one host read a layer):
 
     python benchmarks/moe_step.py --json runs/moe_step.json               # every GPU
     python benchmarks/moe_step.py --impl loop,grouped --nproc 1           # one GPU
+    python benchmarks/moe_step.py --impl host-splits,grouped --capacity-factor 0,1.25
     python benchmarks/moe_step.py --device cpu --preset moe-tiny --steps 2   # smoke
 
 MFU uses ``Transformer.flops_per_token`` (6N + 12 L d T, N the active parameters) and
@@ -55,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=0, help="ranks (0: every GPU, or 1 on CPU)")
     p.add_argument("--batch", type=int, default=0, help="sequences per rank (0: 8 GPU, 2 CPU)")
     p.add_argument("--seq", type=int, default=0, help="tokens per sequence (0: 2048 GPU, 64 CPU)")
-    p.add_argument("--capacity-factor", type=float, default=0.0, help="MoE presets; 0 dropless")
+    p.add_argument(
+        "--capacity-factor", default="0", help="comma-separated, for MoE presets; 0 dropless"
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -65,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown := [i for i in impls if i not in MOE_IMPLS]:
         p.error(f"--impl {','.join(unknown)}: choose from {list(MOE_IMPLS)}")
     args.impls = impls
+    try:
+        args.capacity_factors = [float(f) for f in args.capacity_factor.split(",")]
+    except ValueError:
+        p.error(f"--capacity-factor {args.capacity_factor}: comma-separated numbers >= 0")
+    if any(not 0 <= f < float("inf") for f in args.capacity_factors):
+        p.error(f"--capacity-factor {args.capacity_factor}: comma-separated numbers >= 0")
     args.presets = args.preset.split(",")
     for name in args.presets:
         try:
@@ -101,14 +113,14 @@ def counting_host_reads() -> Iterator[list[int]]:
             setattr(torch.Tensor, name, fn)
 
 
-def one_case(args: argparse.Namespace, name: str, impl: str | None) -> dict:
-    """Build, warm up and time one preset (one MoE path) on this rank's site."""
+def one_case(args: argparse.Namespace, name: str, impl: str | None, factor: float) -> dict:
+    """Build, warm up and time one preset (one MoE path, one capacity factor) on this
+    rank's site."""
     cfg = preset(name)
     cfg.max_seq_len = max(cfg.max_seq_len, args.seq)
     world = dist.get_world_size()
     moe = bool(cfg.n_experts)
-    if moe:
-        cfg.capacity_factor = args.capacity_factor
+    cfg.capacity_factor = factor if moe else 0.0
     layout = ParallelLayout(dp=world)
     parallel = ParallelConfig(
         compile=args.compile,
@@ -148,6 +160,7 @@ def one_case(args: argparse.Namespace, name: str, impl: str | None) -> dict:
     result = {
         "preset": name,
         "impl": impl if moe else None,
+        "capacity_factor": cfg.capacity_factor if moe else None,
         "dp": world,
         "ep": world if moe else 1,
         "active_params": cfg.num_params - cfg.inactive_params,
@@ -192,11 +205,12 @@ def run_rank(rank: int, args: argparse.Namespace, store: str) -> None:
         world_size=args.nproc,
     )
     cases = [
-        (name, impl)
+        (name, impl, factor)
         for name in args.presets
+        for factor in (args.capacity_factors if preset(name).n_experts else [0.0])
         for impl in (args.impls if preset(name).n_experts else [None])
     ]
-    results = [one_case(args, name, impl) for name, impl in cases]
+    results = [one_case(args, *case) for case in cases]
     if rank == 0:
         device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         report = {
@@ -204,7 +218,7 @@ def run_rank(rank: int, args: argparse.Namespace, store: str) -> None:
             "nproc": args.nproc,
             "batch_per_rank": args.batch,
             "seq_len": args.seq,
-            "capacity_factor": args.capacity_factor,
+            "capacity_factors": args.capacity_factors,
             "compile": args.compile,
             "torch": torch.__version__,
             "results": results,
@@ -222,12 +236,11 @@ def print_table(report: dict) -> None:
     dense = next((r for r in results if r["impl"] is None), None)
     print(
         f"moe_step: {report['nproc']} x {report['device']}, batch {report['batch_per_rank']} x "
-        f"{report['seq_len']} per rank, capacity_factor {report['capacity_factor']}, "
-        f"compile {report['compile']}, torch {report['torch']}"
+        f"{report['seq_len']} per rank, compile {report['compile']}, torch {report['torch']}"
     )
     header = (
-        f"{'preset':<10} {'impl':<8} {'layout':<11} {'step ms':>9} {'tokens/s':>11} "
-        f"{'MFU':>7} {'step/dense':>10} {'MFU/dense':>9} {'host reads':>10}"
+        f"{'preset':<10} {'impl':<11} {'capacity':>8} {'layout':<11} {'step ms':>9} "
+        f"{'tokens/s':>11} {'MFU':>7} {'step/dense':>10} {'MFU/dense':>9} {'host reads':>10}"
     )
     print(header)
     for r in results:
@@ -235,10 +248,12 @@ def print_table(report: dict) -> None:
         versus = ("", "")
         if dense is not None:
             versus = (f"{r['step_s'] / dense['step_s']:.2f}x", f"{r['mfu'] / dense['mfu']:.2f}x")
+        factor = r["capacity_factor"]
+        capacity = "-" if factor is None else f"{factor:g}" if factor else "dropless"
         print(
-            f"{r['preset']:<10} {r['impl'] or '-':<8} {layout:<11} {r['step_s'] * 1e3:>9.1f} "
-            f"{r['tokens_per_s']:>11,.0f} {100 * r['mfu']:>6.1f}% {versus[0]:>10} "
-            f"{versus[1]:>9} {r['host_reads_per_step']:>10}"
+            f"{r['preset']:<10} {r['impl'] or '-':<11} {capacity:>8} {layout:<11} "
+            f"{r['step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>11,.0f} {100 * r['mfu']:>6.1f}% "
+            f"{versus[0]:>10} {versus[1]:>9} {r['host_reads_per_step']:>10}"
         )
 
 

@@ -7,7 +7,8 @@ the batch is split over ranks). ``capacity_factor`` > 0 bounds each expert's sha
 rank's copies instead (intra/moe_dispatch.py says which are dropped); the result then
 depends on each rank's tokens. The experts' weights are stacked ``[n_experts, ...]``
 parameters, so FSDP2 shards them like any other. How tokens reach the experts, on the
-device and as grouped matmuls: intra/moe_dispatch.py.
+device and as grouped matmuls: intra/moe_dispatch.py; across expert-parallel ranks with
+a capacity, in static slots: intra/moe_static.py.
 
 The load-balancing loss is Switch Transformer's (Fedus et al. 2021, eq. 4):
 ``n_experts * sum_i f_i * P_i``, ``f_i`` the share of routed slots expert ``i`` got and
@@ -40,6 +41,7 @@ from .moe_dispatch import (
     swiglu_grouped,
     swiglu_loop,
 )
+from .moe_static import run_expert_parallel_static
 
 __all__ = ["ExpertShard", "GroupedExperts", "MoEFeedForward", "Routing", "set_moe_impl"]
 
@@ -152,7 +154,8 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(d, e, bias=False)
         self.experts = GroupedExperts(e, d, f)
         self.impl = moe_impl_from_env()
-        """``grouped`` or ``loop`` (``MOE_IMPLS``; ``set_moe_impl`` changes a model's)."""
+        """``grouped``, ``host-splits`` or ``loop`` (``MOE_IMPLS``; ``set_moe_impl``
+        changes a model's)."""
         self.aux_scale = 1.0
         """The aux loss's weight in one backward: 1, or 1 / micro-batches in a pipeline
         (each micro-batch's loss is divided by their count). Set by the trainer."""
@@ -193,7 +196,13 @@ class MoEFeedForward(nn.Module):
             results = self._exchanged_loop(copies, plan.counts, self.expert_shard)
         elif self.expert_shard is not None:
             run = lambda rows, offsets, counts: self.experts(rows, offsets, counts)  # noqa: E731
-            results = run_expert_parallel(copies, plan.counts, self.expert_shard, run)
+            if limit is not None and self.impl == "grouped":
+                # A capacity fixes every split: static slots, no host read.
+                results = run_expert_parallel_static(
+                    copies, plan.counts, limit, self.expert_shard, run
+                )
+            else:
+                results = run_expert_parallel(copies, plan.counts, self.expert_shard, run)
         elif self.impl == "loop":
             results = self.experts(copies, counts=plan.counts.tolist())
         else:

@@ -6,7 +6,8 @@ maximum back to the host), and the experts run as three grouped matmuls
 (``torch._grouped_mm``, each expert's rows ending at a device-side offset, the cumsum
 of the counts). Without expert parallelism a layer's forward and backward then never
 wait for the device. With it, ``all_to_all_single`` needs its split sizes as host
-lists: they come back in one ``.tolist()`` of one small tensor per layer.
+lists: they come back in one ``.tolist()`` of one small tensor per layer, unless a
+capacity is set (intra/moe_static.py: static slots, no host read).
 
 ``torch._grouped_mm`` leaves the rows past its last offset unwritten (pytorch#154557),
 in the output and in the input's gradient; with a capacity the dropped copies sit
@@ -40,10 +41,13 @@ __all__ = [
     "swiglu_loop",
 ]
 
-MOE_IMPLS = ("grouped", "loop")
-"""``grouped``: the device-side dispatch above (the default). ``loop``: issue 17's
-path, kept to measure against: counts read to the host in every layer, the experts
-run one after another, several host reads per expert-parallel layer."""
+MOE_IMPLS = ("grouped", "host-splits", "loop")
+"""``grouped``: the device-side dispatch above (the default); under expert parallelism
+with a capacity, intra/moe_static.py's static slots. ``host-splits``: ``grouped``, but
+an expert-parallel layer with a capacity reads its split sizes to the host as a
+dropless one does (the path before static slots), kept to measure against. ``loop``:
+issue 17's path, also kept to measure against: counts read to the host in every layer,
+the experts run one after another, several host reads per expert-parallel layer."""
 
 IMPL_ENV = "ISTHMUS_MOE_IMPL"
 

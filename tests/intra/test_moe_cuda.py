@@ -1,7 +1,9 @@
 """The mixture-of-experts grouped GEMM path on a CUDA GPU in bf16 (intra/moe_dispatch.py):
 against the per-expert loop, without a host synchronization, with empty experts and
-with dropped copies over a caching allocator full of NaN. Runs where a GPU is (the GPU
-host); the same paths on CPU: tests/intra/test_moe_dispatch.py."""
+with dropped copies over a caching allocator full of NaN; and expert parallelism's
+static slots (intra/moe_static.py) over NCCL, one rank per GPU, without a host
+synchronization. Runs where a GPU is (the GPU host); the same paths on CPU:
+tests/intra/test_moe_dispatch.py and tests/intra/test_moe_parallel.py."""
 
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
+from dist_helpers import spawn
+from torch import nn
 
 from isthmus.intra.model_config import preset
 from isthmus.intra.moe import MoEFeedForward
-from isthmus.intra.moe_dispatch import grouped_mm_usable
+from isthmus.intra.moe_dispatch import ExpertShard, grouped_mm_usable
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -112,3 +117,69 @@ def test_dropped_copies_never_read_the_allocators_leftovers():
         got = _run(layer)
         assert all(torch.isfinite(t).all() for t in got.values())
         _close(got, want)
+
+
+def _expert_parallel_layer(impl: str, shard: ExpertShard) -> MoEFeedForward:
+    """``_layer``'s layer with a capacity, holding this rank's slice of the experts."""
+    layer = _layer(impl, factor=1.0)
+    local_n = CFG.n_experts // shard.size
+    mine = slice(shard.rank * local_n, (shard.rank + 1) * local_n)
+    layer.expert_shard = shard
+    for name, param in list(layer.experts.named_parameters()):
+        layer.experts.register_parameter(name, nn.Parameter(param.detach()[mine].clone()))
+    return layer
+
+
+def _static_slots_rank(rank: int, world: int, store: str) -> dict:
+    """One rank on its own GPU: a forward and backward through static slots under the
+    sync debug mode's "error", the host-split path's under it too (it must raise), then
+    the latter's numbers without it, to compare."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        device_id=torch.device("cuda", rank),
+    )
+    shard = ExpertShard(dist.group.WORLD, rank, world)
+    layers = {impl: _expert_parallel_layer(impl, shard) for impl in ("grouped", "host-splits")}
+    inputs = _inputs(seed=10 + rank)
+    for layer in layers.values():
+        _run(layer, inputs=inputs)  # first use: NCCL's communicator, cuBLAS handles
+        layer.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    raised = ""
+    try:
+        static = _run(layers["grouped"], inputs=inputs)
+        try:
+            _run(layers["host-splits"], inputs=inputs)
+        except RuntimeError as exc:  # every rank raises at the same host read
+            raised = str(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    layers["host-splits"].zero_grad()
+    counted = _run(layers["host-splits"], inputs=inputs)
+    dropped = layers["grouped"].last_stats
+    dist.barrier()
+    dist.destroy_process_group()
+    on_host = lambda d: {k: v.float().cpu() for k, v in d.items()}  # noqa: E731
+    return {
+        "raised": raised,
+        "static": on_host(static),
+        "counted": on_host(counted),
+        "dropped": None if dropped is None else dropped[2].item(),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_expert_parallel_static_slots_never_synchronize(world, tmp_path):
+    """ep 2 over two GPUs (ep 1, an exchange with itself, where one GPU is all)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    ranks = spawn(_static_slots_rank, world, tmp_path, world, str(tmp_path / "store"))
+    for r in ranks:
+        assert "synchroniz" in r["raised"], r["raised"]
+        assert r["dropped"] is not None and r["dropped"] > 0
+        _close(r["static"], r["counted"])

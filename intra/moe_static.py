@@ -1,0 +1,90 @@
+"""Expert parallelism with a capacity and no host read: every expert gets static slots.
+
+Dropless, the all-to-all that sends each kept copy to its expert's rank needs its split
+sizes on the host, and reading them waits for the device once a layer (~80 ms of a
+212 ms step at ep 2 on 2x H200, docs/benchmarks.md). With ``capacity_factor`` > 0 an
+expert keeps at most ``limit`` of a rank's copies (intra/moe_dispatch.capacity), a
+number known from shapes. So each rank sends every expert exactly ``limit`` rows: its
+kept copies, best first, then zero rows. Every rank then sends each peer, and receives
+from each, ``local_n * limit`` rows, known everywhere without asking. The arrivals come
+sender-major, then expert, then slot; a transpose makes them expert-major, and the
+experts run on ``size * limit`` rows each, at offsets fixed by the shapes.
+
+The padded rows are zero on the way in and masked on the way out, as the dropped
+copies are (intra/moe.py): they add nothing to any output or gradient. They still
+cost: each rank sends, and its experts compute, ``n_experts * limit`` rows, about
+``capacity_factor * tokens * top_k``, where the dropless path moves the copies alone
+(``tokens * top_k``).
+
+Every rank of the expert group must route as many tokens, so that all share one
+``limit`` (the trainer's batches all have one shape): a rank with another count sends
+another number of rows, and the exchange fails or hangs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .moe_dispatch import ExpertShard, RunExperts, exchange_rows
+
+__all__ = ["run_expert_parallel_static", "slot_sources"]
+
+
+def slot_sources(
+    counts: torch.Tensor, limit: int, n_copies: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of ``n_experts * limit`` slots (expert-major) takes its copy from.
+
+    Args:
+        counts: kept copies per expert (at most ``limit``), whose copies lie together
+            in expert order (``plan_dispatch``'s ``order``).
+        limit: slots per expert.
+        n_copies: how many copies there are, the kept and the dropped.
+
+    Returns:
+        Each slot's copy index, and ``[slots, 1]``: which slots hold a copy. An empty
+        slot's index is another copy's (or the last): its row is masked.
+    """
+    place = torch.arange(limit, device=counts.device)
+    filled = place < counts.unsqueeze(1)
+    starts = counts.cumsum(0) - counts
+    index = (starts.unsqueeze(1) + place).clamp(max=n_copies - 1)
+    return index.view(-1), filled.view(-1, 1)
+
+
+def run_expert_parallel_static(
+    copies: torch.Tensor, counts: torch.Tensor, limit: int, shard: ExpertShard, run: RunExperts
+) -> torch.Tensor:
+    """``run_expert_parallel`` for a capacity, each expert's rows padded to ``limit``
+    per sender, so that both all-to-alls have equal splits and nothing is read back.
+
+    Args:
+        copies: ``[copies, dim]`` in expert order, the kept copies first.
+        counts: kept copies per expert (int64, on the device), each at most ``limit``.
+        limit: the capacity, the same on every rank of ``shard``.
+        shard: this rank's place among the ranks that split the experts.
+        run: this rank's experts.
+
+    Returns:
+        ``[copies, dim]``: each kept copy's expert output, in ``copies``' order; the
+        dropped copies (at the end) come back zero. Gradients flow back through both
+        exchanges.
+    """
+    size, dim = shard.size, copies.shape[1]
+    local_n = counts.numel() // size
+    index, filled = slot_sources(counts, limit, copies.shape[0])
+    empty = ~filled
+    # Rank r's experts own slots r * local_n * limit onwards: equal splits.
+    send = copies.index_select(0, index).masked_fill(empty, 0.0)
+    splits = [local_n * limit] * size
+    received = exchange_rows(send, splits, splits, shard.group)
+    # [sender, expert, slot] -> [expert, sender, slot]: each expert's rows together.
+    rows = received.view(size, local_n, limit, dim).transpose(0, 1).reshape(-1, dim)
+    per_expert = size * limit
+    ends = torch.arange(1, local_n + 1, device=copies.device, dtype=torch.int32) * per_expert
+    y = run(rows, ends, [per_expert] * local_n)
+    results = y.view(local_n, size, limit, dim).transpose(0, 1).reshape(-1, dim)
+    back = exchange_rows(results, splits, splits, shard.group).masked_fill(empty, 0.0)
+    # Back to the copies' order; an empty slot adds its masked zero to the copy its
+    # index names, which leaves that copy's value as it is.
+    return torch.zeros_like(copies).index_add(0, index, back)
