@@ -134,16 +134,40 @@ class CodecChain:
             data = self.tensor.encode(chunk, key, decoded_out=decoded_out)
         else:
             data = self.tensor.encode(chunk, key)
-        if require_finite and not self.tensor.finite(data, chunk.numel()):
-            raise NonFiniteEncoding(
-                f"the {self.tensor.name} stage encoded {chunk.numel()} values to a payload "
-                "holding NaN or Inf"
-            )
+        if require_finite:
+            self._require_finite(data, chunk.numel())
         if decoded_out is not None and not isinstance(self.tensor, Int8Stage):
             self._decode_into(data, decoded_out)
         for stage in self.byte_stages:
             data = stage.encode(data)
         return data
+
+    def keep_own(self, chunk: torch.Tensor, key: str, decoded_out: torch.Tensor) -> bool:
+        """A site's own part of a chunk it sums: ``decoded_out`` := decode(encode(chunk))
+        and the residual moved on, as :meth:`encode` would, but with no payload on the
+        host where the stage can skip it (int8's fused GPU kernel: no copy, no wait).
+
+        Returns:
+            True if the payload was checked finite (it was made on the host), False if
+            it was not made: the caller must check ``decoded_out`` (or what it sums into).
+        Raises:
+            NonFiniteEncoding: a payload made on the host holds NaN or Inf.
+        """
+        if not self.byte_stages and isinstance(self.tensor, Int8Stage):
+            data = self.tensor.encode(chunk, key, decoded_out=decoded_out, host=False)
+            if len(data) == 0:
+                return False
+            # Off the fused path (no Triton, a CPU chunk) the payload is on the host anyway.
+            self._require_finite(data, chunk.numel())
+            return True
+        self.encode(chunk, key, require_finite=True, decoded_out=decoded_out)
+        return True
+
+    def _require_finite(self, data: bytes | memoryview, n: int) -> None:
+        if not self.tensor.finite(data, n):
+            raise NonFiniteEncoding(
+                f"the {self.tensor.name} stage encoded {n} values to a payload holding NaN or Inf"
+            )
 
     def _decode_into(self, data: bytes | memoryview, out: torch.Tensor) -> None:
         """``out`` := the tensor stage's decode of ``data`` (no copy where ``data`` is a

@@ -26,14 +26,13 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 import torch
 
 from isthmus.inter.data.codec import CodecError, NonFiniteEncoding, crc32
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
 from isthmus.inter.data.round_device import finite, lane_stream, sum_parts
-from isthmus.inter.data.round_pull import pull_intact, tell_peers_abort
+from isthmus.inter.data.round_pull import pull_intact, tell_peers_abort, wait_acks
 from isthmus.inter.data.wire import Chunk, Frame
 from isthmus.proto import lane_pb2
 
@@ -51,6 +50,7 @@ __all__ = [
 ]
 
 from isthmus.inter.data.round_types import (
+    POLL_S,
     AbortSignal,
     CrossSiteError,
     EncodingFault,
@@ -59,21 +59,16 @@ from isthmus.inter.data.round_types import (
     RoundStats,
     RoundView,
     RunningTasks,
+    contribution_fault,
     describe,
+    settle,
+    sum_fault,
 )
 
 log = logging.getLogger("isthmus.round")
 
 _CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
 _RESULT = lane_pb2.CHUNK_KIND_RESULT
-_POLL_S = 0.05  # how often the waiting router looks for failed tasks and sends
-
-
-def _settle(tasks: list[futures.Future], deadline: float) -> None:
-    """Waits until ``deadline`` for ``tasks`` to end. A task that ``shutdown(cancel_futures
-    =True)`` cancelled is ``done()``, which ``futures.wait`` alone never counts."""
-    while (left := [task for task in tasks if not task.done()]) and time.monotonic() < deadline:
-        futures.wait(left, timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 class RoundPipeline:
@@ -166,7 +161,7 @@ class RoundPipeline:
                         f"{self.where}: timed out after {view.timeout_s:.1f}s waiting for "
                         f"{len(pending)} chunk(s) from site(s) {missing}"
                     )
-                found = self.mailbox.take_any(pending, min(_POLL_S, remaining))
+                found = self.mailbox.take_any(pending, min(POLL_S, remaining))
                 if found is None:
                     continue
                 key, req = found
@@ -185,7 +180,7 @@ class RoundPipeline:
         finally:
             if not ok:
                 self._failed.set()  # tasks still queued skip; running ones finish
-                _settle(self._tasks, self.deadline)
+                settle(self._tasks, self.deadline)
             for rnd in self._rounds.values():
                 rnd.end()
         self._wait_acks()
@@ -241,7 +236,7 @@ class RoundPipeline:
         while True:
             self._raise_failures()
             remaining = self.deadline - time.monotonic()
-            _, running = futures.wait(self._tasks, timeout=min(_POLL_S, max(0.0, remaining)))
+            _, running = futures.wait(self._tasks, timeout=min(POLL_S, max(0.0, remaining)))
             if any(task.cancelled() for task in running):
                 # Its pool was shut down under it (another round's renewal, _renew_pool_if_lost):
                 # a task cancelled in its queue never runs and futures.wait never counts it.
@@ -254,24 +249,9 @@ class RoundPipeline:
                 raise CrossSiteError(f"{self.where}: encode/decode did not finish in time")
 
     def _wait_acks(self) -> None:
-        # Return only once every peer took our chunks, so no peer is left waiting for
-        # bytes of a site that already moved on.
+        # Only once every peer took our chunks: no peer waits for a site that moved on.
         for s, rnd in self._rounds.items():
-            while True:
-                self._raise_failures()  # an abort ends the wait for a silent peer
-                left = self.deadline - time.monotonic()
-                try:
-                    took = rnd.wait(max(0.0, min(_POLL_S * 4, left)))
-                    break
-                except TimeoutError as exc:
-                    if left <= _POLL_S * 4:
-                        raise CrossSiteError(
-                            f"{self.where}: site {s} did not acknowledge in time"
-                        ) from exc
-                except (grpc.RpcError, OSError) as exc:  # OSError: a bulk connection broke
-                    raise CrossSiteError(f"{self.where}: {describe(s, exc)}") from exc
-            if took != rnd.sent:
-                raise CrossSiteError(f"{self.where}: site {s} took {took} of {rnd.sent} chunks")
+            wait_acks(s, rnd, self.deadline, self._raise_failures, self.where)
             # Frames damaged on the way (sent again), connections left past a deadline.
             self._count(corrupt_chunks=rnd.resent, stalled_flows=rnd.stalls)
 
@@ -347,31 +327,17 @@ class RoundPipeline:
 
     def _contribute(self, c: int, owner: int) -> None:
         lo, hi = self._bounds(c)
-        me = self.view.site_index
-        if owner == me and not self.codec.lossy:
-            # Lossless: decode(encode(x)) is x, so skip both.
-            self._check_own(c, lo, hi)
-            self._add_part(c, owner, self._own(lo, hi))
+        if owner == self.view.site_index:
+            self._contribute_own(c, lo, hi)
             return
         # Error-feedback state is per lane (this object), group and chunk. The payload
         # is checked, not the gradient before it: one pass over the encoded bytes (for
         # int8 its scales alone) covers both the gradient and the encode.
-        # Our own part goes through the codec too, so a lossy codec treats every site
-        # alike; the encode leaves its decoded values, with no decode.
-        own = self._like(hi - lo) if owner == me else None
         try:
-            payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}", own)
+            payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}")
         except NonFiniteEncoding as exc:
             self._check_own(c, lo, hi)
-            self._count(nonfinite_chunks=1)
-            raise EncodingFault(
-                f"{self.where}: chunk {c} (elements {lo}..{hi}) is finite, but its "
-                f"contribution came out of the {self.codec.name} encode non-finite ({exc}); "
-                "not sent"
-            ) from exc
-        if own is not None:
-            self._add_part(c, owner, own if self.host is None else own.numpy())
-            return
+            raise self._encode_fault(c, lo, hi, exc) from exc
         frame = self._frame(_CONTRIBUTION, c, payload)
         self.outbox.put(
             (self.step, self.group, _CONTRIBUTION, c), frame, {owner: self.peers[owner]}
@@ -379,10 +345,36 @@ class RoundPipeline:
         self._rounds[owner].send(frame)
         self._count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
 
-    def _check_own(self, c: int, lo: int, hi: int) -> None:
-        """Raises NonFiniteGradient if this site's own values of chunk ``c`` are not
-        finite: summed in, they would turn every site's weights to NaN at once (issue 14)."""
-        if not finite(self._own(lo, hi)):
+    def _contribute_own(self, c: int, lo: int, hi: int) -> None:
+        me = self.view.site_index
+        if not self.codec.lossy:
+            # Lossless: decode(encode(x)) is x, so skip both.
+            self._check_own(c, lo, hi)
+            self._add_part(c, me, self._own(lo, hi))
+            return
+        # Our own part goes through the codec too, so a lossy codec treats every site
+        # alike; the encode leaves its decoded values, with no decode, and on a GPU no
+        # payload on the host (nothing is sent): a NaN in it shows in the sum (_reduce).
+        own = self._like(hi - lo)
+        t0 = time.perf_counter()
+        try:
+            self.codec.keep_own(self.flat[lo:hi], f"g{self.group}/c{c}", own)
+        except NonFiniteEncoding as exc:
+            self._check_own(c, lo, hi)
+            raise self._encode_fault(c, lo, hi, exc) from exc
+        finally:
+            self._count(encode_s=time.perf_counter() - t0)
+        self._add_part(c, me, own if self.host is None else own.numpy())
+
+    def _encode_fault(self, c: int, lo: int, hi: int, exc: NonFiniteEncoding) -> EncodingFault:
+        self._count(nonfinite_chunks=1)
+        return contribution_fault(self.where, c, lo, hi, self.codec.name, exc)
+
+    def _check_own(self, c: int, lo: int, hi: int, own: object = None) -> None:
+        """Raises NonFiniteGradient if this site's own values of chunk ``c`` (or its
+        decoded part ``own``) are not finite: summed in, they would turn every site's
+        weights to NaN at once (issue 14)."""
+        if not finite(self._own(lo, hi) if own is None else own):  # type: ignore[arg-type]
             raise NonFiniteGradient(
                 f"{self.where}: this site's gradient holds NaN or Inf (chunk {c}, elements "
                 f"{lo}..{hi}); refused before it left the site"
@@ -440,6 +432,15 @@ class RoundPipeline:
 
     def _add_part(self, c: int, site: int, values: np.ndarray | torch.Tensor) -> None:
         if self.device is not None:
+            with self._lock:  # the last part is summed on the stream that made it
+                parts = self._parts[c]
+                last = len(parts) + 1 == self.view.num_sites
+                if last:
+                    parts[site] = values
+                    del self._parts[c]
+            if last:
+                self._reduce(c, parts)
+                return
             # Another thread may sum it on its own stream: the values must be complete.
             # (A CUDA event for that stream to wait on measured no faster, 2026-11-29.)
             torch.cuda.current_stream(self.device).synchronize()
@@ -465,12 +466,11 @@ class RoundPipeline:
                 summed, f"g{self.group}/r{c}", summed if self.codec.lossy else None
             )
         except NonFiniteEncoding as exc:
+            if self.codec.lossy:  # our own part was not checked as it was kept
+                self._check_own(c, lo, hi, parts[self.view.site_index])
             self._count(nonfinite_chunks=1)
             cause = "overflowed" if not finite(summed) else "is finite, but its encode is not"
-            raise EncodingFault(
-                f"{self.where}: the sum of chunk {c} (elements {lo}..{hi}) {cause} "
-                f"({self.codec.name}: {exc}); the result is not sent"
-            ) from exc
+            raise sum_fault(self.where, c, lo, hi, cause, self.codec.name, exc) from exc
         frame = self._frame(_RESULT, c, payload)
         self.outbox.put((self.step, self.group, _RESULT, c), frame, self.peers)
         for rnd in self._rounds.values():

@@ -20,14 +20,15 @@ import grpc
 
 from isthmus.inter.data.lane_handoff import Handoffs
 from isthmus.inter.data.mailbox import MailboxKey
-from isthmus.inter.data.round_types import CrossSiteError, RoundView, describe
+from isthmus.inter.data.round_types import POLL_S, CrossSiteError, RoundView, describe
 from isthmus.inter.data.wire import Chunk
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
-    from isthmus.inter.data.lane_peer import LanePeer
+    from isthmus.inter.data.bulk_peer import BulkPeerRound
+    from isthmus.inter.data.lane_peer import LanePeer, PeerRound
 
-__all__ = ["pull_intact", "tell_peers_abort"]
+__all__ = ["pull_intact", "tell_peers_abort", "wait_acks"]
 
 log = logging.getLogger("isthmus.round")
 
@@ -107,3 +108,32 @@ def pull_intact(
             raise CrossSiteError(f"{where}: pulled chunk {c}: {problem}")
         on_corrupt()  # corrupt again on the way back: ask again
     return None
+
+
+def wait_acks(
+    site: int,
+    rnd: PeerRound | BulkPeerRound,
+    deadline: float,
+    raise_failures: Callable[[], None],
+    where: str,
+) -> None:
+    """Waits until ``site`` acknowledged every chunk the round sent it, calling
+    ``raise_failures`` between waits (an abort ends the wait for a silent peer).
+
+    Raises:
+        CrossSiteError: the deadline passed, the connection broke, or the peer took
+            fewer chunks than were sent.
+    """
+    while True:
+        raise_failures()
+        left = deadline - time.monotonic()
+        try:
+            took = rnd.wait(max(0.0, min(POLL_S * 4, left)))
+            break
+        except TimeoutError as exc:
+            if left <= POLL_S * 4:
+                raise CrossSiteError(f"{where}: site {site} did not acknowledge in time") from exc
+        except (grpc.RpcError, OSError) as exc:  # OSError: a bulk connection broke
+            raise CrossSiteError(f"{where}: {describe(site, exc)}") from exc
+    if took != rnd.sent:
+        raise CrossSiteError(f"{where}: site {site} took {took} of {rnd.sent} chunks")

@@ -8,8 +8,10 @@ import contextlib
 import dataclasses
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -17,6 +19,7 @@ import grpc
 from isthmus.inter.data.codec import CodecChain
 
 __all__ = [
+    "POLL_S",
     "describe",
     "AbortSignal",
     "CrossSiteError",
@@ -27,7 +30,14 @@ __all__ = [
     "RoundStats",
     "RoundView",
     "RunningTasks",
+    "contribution_fault",
+    "settle",
+    "sum_fault",
 ]
+
+
+POLL_S = 0.05
+"""How often a waiting round looks for failed tasks, aborts and acknowledgements."""
 
 
 class CrossSiteError(RuntimeError):
@@ -42,6 +52,33 @@ class CrossSiteError(RuntimeError):
 class EncodingFault(CrossSiteError):
     """A finite chunk came out of this site's encode as NaN or Inf: a bug, caught
     before the chunk left; the round fails, and running the step again may help."""
+
+
+def contribution_fault(
+    where: str, c: int, lo: int, hi: int, codec: str, why: object
+) -> EncodingFault:
+    """The error of a finite chunk whose contribution came out of the encode non-finite."""
+    return EncodingFault(
+        f"{where}: chunk {c} (elements {lo}..{hi}) is finite, but its contribution came "
+        f"out of the {codec} encode non-finite ({why}); not sent"
+    )
+
+
+def sum_fault(
+    where: str, c: int, lo: int, hi: int, cause: str, codec: str, why: object
+) -> EncodingFault:
+    """The error of a chunk's sum that overflowed, or whose encode is not finite."""
+    return EncodingFault(
+        f"{where}: the sum of chunk {c} (elements {lo}..{hi}) {cause} ({codec}: {why}); "
+        "the result is not sent"
+    )
+
+
+def settle(tasks: list[futures.Future], deadline: float) -> None:
+    """Waits until ``deadline`` for ``tasks`` to end. A task that ``shutdown(cancel_futures
+    =True)`` cancelled is ``done()``, which ``futures.wait`` alone never counts."""
+    while (left := [task for task in tasks if not task.done()]) and time.monotonic() < deadline:
+        futures.wait(left, timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 class PeerAborted(CrossSiteError):

@@ -85,3 +85,63 @@ def test_fused_int8_equals_the_torch_code_bit_for_bit() -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
         done.stdout[-2000:] + done.stderr[-4000:]
     )
+
+
+_ROUNDS = textwrap.dedent(
+    """
+    import os, torch
+    from lanes import inputs, run_all, same_bits, sites
+    from isthmus.inter.data.round import NonFiniteGradient, PeerAborted
+
+    def rounds(fused):
+        os.environ["ISTHMUS_FUSED"] = fused
+        with sites(2, "int8") as ars:
+            out = []
+            for step in range(3):  # error feedback carries across steps
+                data = inputs(2, [5000], seed=step)
+                res = run_all([lambda s=s: ars[s].allreduce(data[s], step, 0, True)
+                               for s in range(2)])
+                assert not any(isinstance(r, BaseException) for r in res), res
+                out.append([d[0] for d in data])
+            return out
+
+    # A site keeps its own part of the chunks it sums with no payload made on the host
+    # (the fused path); the torch path makes and checks one. Same bits either way.
+    fused, torch_code = rounds("1"), rounds("0")
+    for step in range(3):
+        for s in range(2):
+            assert same_bits(fused[step][s], fused[step][0]), (step, s)
+            assert same_bits(fused[step][s], torch_code[step][s]), (step, s)
+
+    # A non-finite value of this site's gradient is refused before anything of it
+    # leaves, in a chunk the site sums (the own part, checked in the sum) and in one it
+    # sends (checked on the payload's scales) alike.
+    os.environ["ISTHMUS_FUSED"] = "1"
+    for chunk in range(5):
+        with sites(2, "int8", timeout_s=5.0) as ars:
+            data = inputs(2, [5000], seed=9)
+            data[0][0][chunk * 1024 + 7] = float("nan") if chunk % 2 else float("inf")
+            res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False)
+                           for s in range(2)])
+            assert isinstance(res[0], NonFiniteGradient), (chunk, res)
+            assert "this site's gradient holds NaN or Inf (chunk %d" % chunk in str(res[0])
+            assert isinstance(res[1], PeerAborted), (chunk, res)
+    print("ok")
+    """
+)
+
+
+def test_rounds_keep_their_own_part_on_the_fused_path_with_the_same_bits() -> None:
+    """A round's own part of a chunk it sums: under the fused kernels no payload is
+    copied to the host (round.py ``_contribute_own``, ``CodecChain.keep_own``); the
+    results are the torch code's bit for bit, and a NaN or Inf there still stops the
+    site before anything leaves (caught in the sum)."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    done = subprocess.run(
+        [sys.executable, "-c", _ROUNDS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
+        done.stdout[-2000:] + done.stderr[-4000:]
+    )

@@ -26,12 +26,12 @@ class _HangsWhenArmed(Int8Stage):
             threading.Event(),
         )
 
-    def encode(self, chunk, key=None, decoded_out=None):
+    def encode(self, chunk, key=None, decoded_out=None, host=True):
         if self.armed.is_set():
             self.armed.clear()
             self.hung.set()
             self.release.wait(60)
-        return super().encode(chunk, key, decoded_out=decoded_out)
+        return super().encode(chunk, key, decoded_out=decoded_out, host=host)
 
 
 def _round(ars, data, step):

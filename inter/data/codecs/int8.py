@@ -108,6 +108,7 @@ class Int8Stage:
         chunk: torch.Tensor,
         key: str | None = None,
         decoded_out: torch.Tensor | None = None,
+        host: bool = True,
     ) -> bytes | memoryview:
         """Quantizes on the chunk's device (on a GPU one fused kernel where Triton is,
         else the same torch code as on the CPU; then one copy of the payload to the
@@ -118,6 +119,9 @@ class Int8Stage:
             key: error-feedback state key (lane, group, chunk); None = no feedback.
             decoded_out: if given (``chunk``'s shape and device, may be ``chunk``),
                 receives what :meth:`decode` of the payload returns, with no decode.
+            host: False skips the payload's copy to the host (and its wait) on the
+                fused GPU path, for a part that never leaves its site; ``b""`` is
+                returned there, and the caller checks ``decoded_out`` itself.
         Returns:
             The fp32 scales followed by the int8 values.
         """
@@ -127,7 +131,7 @@ class Int8Stage:
         if n == 0:
             return b""
         if self.fused and int8_kernels.usable(x):
-            return self._encode_fused(x, key, decoded_out)
+            return self._encode_fused(x, key, decoded_out, host)
         x = self._with_residual(x, key)
         scales, q = blockwise_levels(x, self.levels)
         if key is not None:  # measured against what decode produces: fp32(q) x scale
@@ -146,7 +150,7 @@ class Int8Stage:
         return self._checked(to_host_view(payload), n, key)
 
     def _encode_fused(
-        self, x: torch.Tensor, key: str | None, decoded_out: torch.Tensor | None
+        self, x: torch.Tensor, key: str | None, decoded_out: torch.Tensor | None, host: bool
     ) -> bytes | memoryview:
         """:meth:`encode` as one kernel: the residual is read and rewritten in place."""
         residual = self._residual(x, key)
@@ -159,6 +163,8 @@ class Int8Stage:
         if key is not None and fresh is not None:
             with self._lock:
                 self._residuals[key] = fresh
+        if not host and decoded_out is not None:
+            return b""
         self._before_host_copy()
         return self._checked(to_host_view(payload), x.numel(), key)
 

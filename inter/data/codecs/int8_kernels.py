@@ -24,6 +24,7 @@ which is how the tests check them on a machine without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -33,6 +34,7 @@ __all__ = ["dequantize", "quantize", "usable"]
 
 _BLOCK = 1024  # int8.BLOCK: one scale per block, one kernel program per block
 _lock = threading.Lock()
+_interpret_lock = threading.Lock()
 _kernels: tuple | None = None
 _decided = False
 
@@ -121,6 +123,13 @@ def _build() -> tuple:
     return quantize_kernel, dequantize_kernel
 
 
+def _launching() -> contextlib.AbstractContextManager:
+    """Nothing on a GPU; under the interpreter, the one lock its launches take: it
+    patches the language's globals while a kernel runs, so two threads' kernels (a
+    round's pool) would break each other."""
+    return _interpret_lock if _interpreting() else contextlib.nullcontext()
+
+
 def _launch_options() -> dict:
     # The interpreter runs numpy (IEEE, nothing fused) and knows no compile options.
     return {} if _interpreting() else {"enable_fp_fusion": False}
@@ -151,22 +160,23 @@ def quantize(
     n = x.numel()
     blocks = -(-n // _BLOCK)
     head = 4 * blocks
-    kernel[(blocks,)](
-        x,
-        residual if residual is not None else x,
-        new_residual if new_residual is not None else x,
-        decoded if decoded is not None else x,
-        payload[:head].view(torch.float32),
-        payload[head:].view(torch.int8),
-        n,
-        float(levels),
-        smallest,
-        HAS_RESIDUAL=residual is not None,
-        KEEP_RESIDUAL=new_residual is not None,
-        KEEP_DECODED=decoded is not None,
-        BLOCK=_BLOCK,
-        **_launch_options(),
-    )
+    with _launching():
+        kernel[(blocks,)](
+            x,
+            residual if residual is not None else x,
+            new_residual if new_residual is not None else x,
+            decoded if decoded is not None else x,
+            payload[:head].view(torch.float32),
+            payload[head:].view(torch.int8),
+            n,
+            float(levels),
+            smallest,
+            HAS_RESIDUAL=residual is not None,
+            KEEP_RESIDUAL=new_residual is not None,
+            KEEP_DECODED=decoded is not None,
+            BLOCK=_BLOCK,
+            **_launch_options(),
+        )
 
 
 def dequantize(payload: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
@@ -174,12 +184,13 @@ def dequantize(payload: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor
     kernel = _load()[1]  # type: ignore[index]
     blocks = -(-n // _BLOCK)
     head = 4 * blocks
-    kernel[(blocks,)](
-        payload[:head].view(torch.float32),
-        payload[head:].view(torch.int8),
-        out,
-        n,
-        BLOCK=_BLOCK,
-        **_launch_options(),
-    )
+    with _launching():
+        kernel[(blocks,)](
+            payload[:head].view(torch.float32),
+            payload[head:].view(torch.int8),
+            out,
+            n,
+            BLOCK=_BLOCK,
+            **_launch_options(),
+        )
     return out
