@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .checkpoint_failures import FileNamingFileSystem, dcp_failure, describe_os_error
+from .checkpoint_errors import CheckpointError, describe_os_error
+from .checkpoint_failures import FileNamingFileSystem, dcp_failure
 from .state import (
     EXTRA,
     NEXT_STEP,
@@ -68,10 +69,6 @@ MANIFEST = "manifest.json"
 PARTIAL = ".partial"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _READ_BYTES = 8 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or does not fit this trainer."""
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -19,16 +19,9 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 
+from .checkpoint_errors import describe_os_error
 
-def describe_os_error(exc: OSError, path: Path | str | None = None) -> str:
-    """One line for a failed file operation: what, the errno's name and the path, e.g.
-    ``no space left on device (ENOSPC) writing /run/x.distcp``. A failed ``write()``
-    carries no file name: ``path`` then says which file it was."""
-    what = (exc.strerror or str(exc)).strip()
-    what = what[:1].lower() + what[1:]
-    name = errno.errorcode.get(exc.errno or 0)
-    where = exc.filename if exc.filename is not None else path
-    return f"{what}{f' ({name})' if name else ''}" + (f" writing {where}" if where else "")
+__all__ = ["FileNamingFileSystem", "dcp_failure", "describe_os_error"]
 
 
 class FileNamingFileSystem(FileSystem):

@@ -23,12 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from .layout import PipelineSchedule
 from .model import Transformer
@@ -113,6 +107,15 @@ def build_schedule(
         The schedule; call ``step(inputs)`` on the first stage's rank,
         ``step(target=..., losses=[])`` on the last's, ``step()`` elsewhere.
     """
+    # Here, not at the top: only pp > 1 builds a schedule. The package costs ~20 ms, and
+    # imports torch._dynamo (~0.5 s) in a process whose DTensors have not yet.
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
     pipeline_stages = [
         PipelineStage(part, index, num_stages, device, group=group)
         for part, index in zip(parts, stages, strict=True)
