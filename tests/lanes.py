@@ -112,18 +112,32 @@ def inputs(num_sites: int, sizes: list[int], seed: int = 0) -> list[list[torch.T
 
 @contextlib.contextmanager
 def two_sites_over(
-    spec: object, chunk_bytes: int, connections: int, timeout_s: float
+    spec: object,
+    chunk_bytes: int,
+    connections: int,
+    timeout_s: float,
+    security: Callable[[int], object] | None = None,
+    transport: str = "auto",
 ) -> Iterator[tuple[list[CrossSiteAllReduce], list[LaneServer], object]]:
     """Two raw sites whose lanes cross one emulated link of ``spec`` (a ``LinkSpec``):
     yields their all-reduces, lane servers and the link (for its stats). The caller
-    names no gRPC proxy exception (``no_grpc_proxy``), so lanes cross the link."""
+    names no gRPC proxy exception (``no_grpc_proxy``), so lanes cross the link.
+    ``security(site)`` gives a site's ``SiteSecurity`` (mutual TLS: chunks go on
+    ``PushChunks`` streams)."""
     from isthmus.sim import RelayServer
 
+    secure = security or (lambda site: None)
     with RelayServer() as relay:
         link = relay.add_link("site0-site1", spec)
         proxies = {0: link.add_proxy(initiator="a"), 1: link.add_proxy(initiator="b")}
         servers = [
-            LaneServer(site_index=i, num_sites=2, codec="raw", chunk_bytes=chunk_bytes)
+            LaneServer(
+                site_index=i,
+                num_sites=2,
+                codec="raw",
+                chunk_bytes=chunk_bytes,
+                security=secure(i),  # type: ignore[arg-type]
+            )
             for i in range(2)
         ]
         peers = [
@@ -132,6 +146,8 @@ def two_sites_over(
                 chunk_bytes=chunk_bytes,
                 proxy="http://{}:{}".format(*proxies[i]),
                 connections=connections,
+                security=secure(i),  # type: ignore[arg-type]
+                transport=transport,
             )
             for i in range(2)
         ]

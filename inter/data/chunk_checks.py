@@ -11,7 +11,17 @@ from isthmus.inter.data.round_types import Members
 from isthmus.inter.data.wire import Chunk
 from isthmus.proto import lane_pb2
 
-__all__ = ["CRC_MISMATCH", "Refused", "channel_options", "max_payload_bytes", "validate_chunk"]
+__all__ = [
+    "CRC_MISMATCH",
+    "STREAM_PING_S",
+    "STREAM_PING_TIMEOUT_S",
+    "Refused",
+    "channel_options",
+    "max_payload_bytes",
+    "stream_keepalive",
+    "stream_ping_policy",
+    "validate_chunk",
+]
 
 _HEADROOM = 64 * 1024
 CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
@@ -30,6 +40,41 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
     """gRPC message size limits for a lane of ``chunk_bytes`` chunks (server and clients)."""
     limit = max_payload_bytes(chunk_bytes) + _HEADROOM
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+STREAM_PING_S = 2.0
+"""How often a lane's channel pings its peer while a call is open (gRPC keepalive)."""
+STREAM_PING_TIMEOUT_S = 10.0
+"""How long a ping's answer may take before the channel's connection is taken for
+dead, and every stream on it fails UNAVAILABLE. A ping waits behind what the
+connection's socket buffers hold (~4-16 MB: 0.3-1.3 s at 100 Mbit/s), so this is
+generous for any link a round crosses, and far below ``sync.timeout_s``."""
+
+
+def stream_keepalive() -> list[tuple[str, int]]:
+    """A lane client's keepalive: a ``PushChunks`` stream has no acknowledgement before
+    its end, so a connection the network black-holed (one flow of a long link) is only
+    noticed by pings that go unanswered. Pings also while no data is sent (a flow
+    stalled in the sending direction sends none), none on an idle channel."""
+    return [
+        ("grpc.keepalive_time_ms", int(STREAM_PING_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(STREAM_PING_TIMEOUT_S * 1000)),
+        ("grpc.http2.max_pings_without_data", 0),
+        # gRPC's client sends a ping without data received since the last one only
+        # every 5 minutes by default: what a stalled flow looks like from its end.
+        ("grpc.http2.min_time_between_pings_ms", int(STREAM_PING_S * 1000)),
+        ("grpc.keepalive_permit_without_calls", 0),
+    ]
+
+
+def stream_ping_policy() -> list[tuple[str, int]]:
+    """A lane server's side of :func:`stream_keepalive`: pings as often as a client
+    sends them are welcome (gRPC's default answers a ping more often than every 5
+    minutes without data with GOAWAY after two strikes)."""
+    return [
+        ("grpc.http2.min_ping_interval_without_data_ms", int(STREAM_PING_S * 1000) // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 class Refused(Exception):

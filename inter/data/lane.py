@@ -31,6 +31,7 @@ from isthmus.inter.data.chunk_checks import (
     Refused,
     channel_options,
     max_payload_bytes,
+    stream_ping_policy,
     validate_chunk,
 )
 from isthmus.inter.data.lane_handoff import LaneHandoff, holder_of
@@ -127,7 +128,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.where = f"lane of site {site_index}"
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lane-rx"),
-            options=server_options(channel_options(chunk_bytes)),
+            options=server_options([*channel_options(chunk_bytes), *stream_ping_policy()]),
             interceptors=[
                 *(security or INSECURE).server_interceptors(f"lane of site {site_index}"),
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT

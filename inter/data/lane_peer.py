@@ -1,10 +1,10 @@
 """The sending side of a lane: one client per peer site.
 
 A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.data.lane.LaneServer`,
-on its bulk TCP port (:mod:`isthmus.inter.data.bulk`, the default without TLS) or on gRPC:
-per round and per connection, one client-streaming ``PushChunks`` fed from a queue,
-so encoding (the callers) and sending overlap. A :class:`PeerRound` is one round's
-worth of those streams (:class:`~isthmus.inter.data.bulk.BulkPeerRound` on bulk). :meth:`LanePeer.fetch` asks for one chunk
+on its bulk TCP port (:mod:`isthmus.inter.data.bulk`, the default without TLS) or on gRPC
+``PushChunks`` streams (:mod:`isthmus.inter.data.push_round`). A round's worth of either
+is a :class:`~isthmus.inter.data.push_round.PeerRound` or a
+:class:`~isthmus.inter.data.bulk_peer.BulkPeerRound`. :meth:`LanePeer.fetch` asks for one chunk
 again (``ResendChunk``) when the copy that arrived failed its checksum; the peer hands it
 to this rank's own lane (:mod:`isthmus.inter.data.lane_handoff`), as it grants the
 tickets that admit this rank's chunks to its bulk port (or its ``PushChunks`` streams).
@@ -15,15 +15,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
 
 import grpc
 
 from isthmus.inter.data.bulk import TICKET_TTL_S, BulkRefused
 from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
+from isthmus.inter.data.chunk_checks import stream_keepalive
 from isthmus.inter.data.lane import PASS_METADATA, channel_options
 from isthmus.inter.data.lane_handoff import Handoffs
+from isthmus.inter.data.push_round import PeerRound
 from isthmus.inter.data.wire import Frame, encode_delivery
 from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -34,151 +34,12 @@ __all__ = ["TRANSPORTS", "LanePeer", "PeerRound"]
 
 TRANSPORTS = ("auto", "bulk", "grpc")
 
-_POLL_S = 0.1  # how often a waiting stream looks at its call and deadline
 _PUSH = "/isthmus.v1.Lane/PushChunks"
 _RESEND = "/isthmus.v1.Lane/ResendChunk"
 _DELIVER = "/isthmus.v1.Lane/DeliverChunk"
 Home = tuple[int, Handoffs]
 """This rank's site index and its lane's :class:`Handoffs`: what a peer's hand-offs
 (tickets granted, chunks delivered) are matched against."""
-
-
-_END = object()  # end-of-stream marker
-
-
-class _Stream:
-    """One round's ``PushChunks`` call on one connection, fed from a queue.
-
-    grpcio pulls the request iterator on a thread of its own, so encoding (the
-    callers of :meth:`put`) and sending overlap with no sender thread of ours, and
-    several rounds' streams share a connection as HTTP/2 streams.
-    """
-
-    def __init__(
-        self, call: grpc.StreamUnaryMultiCallable, deadline: float, metadata: tuple = ()
-    ) -> None:
-        self._items: deque = deque()
-        self._cond = threading.Condition()
-        self._deadline = deadline
-        self._closed = False
-        # wait_for_ready: a peer still starting is waited for, up to the deadline.
-        self.future = call.future(
-            self._frames(),
-            timeout=max(0.001, deadline - time.monotonic()),
-            wait_for_ready=True,
-            metadata=metadata or None,
-        )
-
-    def put(self, item: object) -> None:
-        with self._cond:
-            self._items.append(item)
-            self._cond.notify()
-
-    def close(self) -> None:
-        """Ends the stream once queued frames are out."""
-        self.put(_END)
-
-    def _frames(self) -> Iterator[bytes]:
-        while True:
-            with self._cond:
-                while not self._items:
-                    left = self._deadline - time.monotonic()
-                    if left <= 0 or self.future_done():
-                        return  # the call's own deadline fails it; nothing more to send
-                    self._cond.wait(min(_POLL_S, left))
-                item = self._items.popleft()
-            if item is _END:
-                return
-            yield item
-
-    def future_done(self) -> bool:
-        fut = getattr(self, "future", None)
-        return fut is not None and fut.done()
-
-
-class PeerRound:
-    """The chunks sent to one peer in one round, spread over the peer's connections.
-
-    Each connection gets its own stream for the round, opened with the first chunk
-    for it; rounds are independent, so several can be in flight at once.
-    """
-
-    def __init__(
-        self,
-        calls: list[grpc.StreamUnaryMultiCallable],
-        deadline: float,
-        metadata: Callable[[float], tuple] | None = None,
-    ) -> None:
-        self._calls = calls
-        self._deadline = deadline
-        self._metadata = metadata  # the stream's pass, without TLS (LanePeer._pass)
-        self._streams: list[_Stream | None] = [None] * len(calls)
-        self._next = 0
-        self._ended = False
-        self._lock = threading.Lock()  # encode/decode pool threads send concurrently
-        self.sent = 0
-        self.resent = 0
-        """Always 0 here: a damaged chunk is pulled again by the receiver instead."""
-        self.stalls = 0
-        """Always 0 here: a stalled stream meets the round's deadline (bulk only)."""
-
-    def send(self, frame: Frame) -> None:
-        """Queues one chunk (serialized here, the payload's one copy); connections take
-        turns. Thread-safe.
-
-        A chunk sent after :meth:`end` (a failing round's stragglers) is dropped.
-        """
-        with self._lock:
-            if self._ended:
-                return
-            i = self._next
-            self._next = (i + 1) % len(self._calls)
-            self.sent += 1
-            stream = self._streams[i]
-            if stream is None:
-                metadata = self._metadata(self._deadline) if self._metadata else ()
-                stream = self._streams[i] = _Stream(self._calls[i], self._deadline, metadata)
-        stream.put(frame.joined())
-
-    def end(self) -> None:
-        """Closes the round's streams once queued chunks are out (idempotent)."""
-        with self._lock:
-            ended, self._ended = self._ended, True
-        if not ended:
-            for stream in self._streams:
-                if stream is not None:
-                    stream.close()
-
-    def _futures(self) -> list[grpc.Future]:
-        with self._lock:
-            return [s.future for s in self._streams if s is not None]
-
-    def failure(self) -> BaseException | None:
-        """Returns the first stream's error so far, without waiting."""
-        for fut in self._futures():
-            if fut.done() and fut.exception() is not None:
-                return fut.exception()
-        return None
-
-    def wait(self, timeout: float) -> int:
-        """Waits for every stream's answer; returns chunks the peer took.
-
-        A chunk is taken when it was accepted or marked corrupt (the peer pulls
-        those again with ``ResendChunk``).
-
-        Raises:
-            grpc.RpcError: a stream was refused or failed.
-            TimeoutError: no answer within ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        total = 0
-        for fut in self._futures():
-            try:
-                reply = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.FutureTimeoutError as exc:
-                raise TimeoutError("no answer from the peer in time") from exc
-            total += reply.accepted + reply.corrupt
-        return total
 
 
 class LanePeer:
@@ -213,7 +74,7 @@ class LanePeer:
         self._lock = threading.Lock()  # the resend turn and the AbortRound calls
         self._fetches = 0
         self._aborting: set[grpc.Future] = set()  # AbortRound calls in flight
-        base: list[tuple[str, int | str]] = [*channel_options(chunk_bytes)]
+        base: list[tuple[str, int | str]] = [*channel_options(chunk_bytes), *stream_keepalive()]
         # Without an explicit proxy, ignore http_proxy/grpc_proxy from the environment.
         base += [("grpc.http_proxy", proxy)] if proxy else [("grpc.enable_http_proxy", 0)]
         security = security or INSECURE
@@ -380,7 +241,7 @@ class LanePeer:
             self._home = home
         if self._bulk:
             return BulkPeerRound(self._bulk, deadline)
-        return PeerRound(self._push, deadline, self._stream_pass)
+        return PeerRound(self._push, deadline, self._stream_pass, name=f"to {self.address}")
 
     def close(self) -> None:
         """Closes the bulk connections and the channels (open streams are cancelled)."""

@@ -20,8 +20,10 @@ from lanes import inputs, run_all, same_bits, two_sites_over
 
 from isthmus.inter.data import bulk_peer
 from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
+from isthmus.inter.data.chunk_checks import STREAM_PING_S, STREAM_PING_TIMEOUT_S
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.wire import Frame
+from isthmus.inter.security import SiteSecurity
 from isthmus.sim import LinkSpec
 from isthmus.sim.impairments.flow_stall import FlowStall
 
@@ -163,17 +165,14 @@ def test_the_deadline_follows_the_measured_rate(monkeypatch) -> None:
     conn.close()
 
 
-def test_a_round_across_a_link_that_black_holes_a_flow_each_way_goes_on_exact(
-    monkeypatch,
-) -> None:
-    """Two sites, four bulk connections each way over an emulated 400 Mbit/s link; once
+def _round_across_a_stalled_flow(monkeypatch, **over) -> tuple[list, torch.Tensor, float, dict]:
+    """Two sites, four connections each way over an emulated 400 Mbit/s link; once
     the connections are up, the link holds the first flow each way that carries 64 KiB
-    (a bulk flow, not a gRPC channel's pings) for 60 s (an ECMP path gone). The round ends exact and identical at both sites
-    within the default deadlines (3 s past a frame's expected time, a redial), where
-    without them it would wait the stall out, or fail at its 60 s timeout."""
+    (a lane's flow, not a gRPC channel's pings) for 60 s (an ECMP path gone). Returns
+    the round's results, the exact sum, its seconds and the link's stats."""
     monkeypatch.setenv("no_grpc_proxy", "none.invalid")
     spec = LinkSpec.symmetric(latency_s=0.001, bandwidth_bps=400e6)
-    with two_sites_over(spec, chunk_bytes=256 * 1024, connections=4, timeout_s=60) as (
+    with two_sites_over(spec, chunk_bytes=256 * 1024, connections=4, timeout_s=60, **over) as (
         ars,
         _servers,
         link,
@@ -192,10 +191,38 @@ def test_a_round_across_a_link_that_black_holes_a_flow_each_way_goes_on_exact(
         took = time.monotonic() - start
         assert not any(isinstance(r, BaseException) for r in res), res
         assert same_bits(data[0][0], want) and same_bits(data[1][0], want)
-        stats = link.stats()
-        assert stats["a_to_b"]["stalled_flows"] == stats["b_to_a"]["stalled_flows"] == 1
-        # The held flows were lanes' bulk connections (the round's only traffic): each
-        # site's round saw its own stall and went on.
-        assert sum(r.stalled_flows for r in res) >= 1, res
-        assert took < 25, took
         assert torch.isfinite(want).all()
+        return res, want, took, link.stats()
+
+
+def test_a_round_across_a_link_that_black_holes_a_flow_each_way_goes_on_exact(
+    monkeypatch,
+) -> None:
+    """On the bulk port: the round ends exact and identical at both sites within the
+    default deadlines (3 s past a frame's expected time, a redial), where without them
+    it would wait the stall out, or fail at its 60 s timeout."""
+    res, _want, took, stats = _round_across_a_stalled_flow(monkeypatch)
+    assert stats["a_to_b"]["stalled_flows"] == stats["b_to_a"]["stalled_flows"] == 1
+    # The held flows were lanes' bulk connections (the round's only traffic): each
+    # site's round saw its own stall and went on.
+    assert sum(r.stalled_flows for r in res) >= 1, res
+    assert took < 25, took
+
+
+def test_under_mutual_tls_a_stream_whose_connection_went_dark_goes_again(
+    job_dir, monkeypatch
+) -> None:
+    """Under mutual TLS chunks travel on ``PushChunks`` streams, acknowledged only as a
+    whole: the held connection is noticed by its keepalive pings going unanswered
+    (``STREAM_PING_TIMEOUT_S``), gRPC fails its streams UNAVAILABLE and dials again, and
+    each such stream is opened again with every frame it carried (push_round.py). The
+    round ends exact and identical at both sites and counts the stall, where before it
+    failed at its 60 s timeout and the step was retried."""
+
+    def security(site: int) -> SiteSecurity:
+        return SiteSecurity.load(job_dir, f"site{site}", require_tls=True, require_token=True)
+
+    res, _want, took, stats = _round_across_a_stalled_flow(monkeypatch, security=security)
+    assert stats["a_to_b"]["stalled_flows"] == stats["b_to_a"]["stalled_flows"] == 1
+    assert sum(r.stalled_flows for r in res) >= 1, res
+    assert took < STREAM_PING_S + STREAM_PING_TIMEOUT_S + 15, took
