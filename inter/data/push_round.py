@@ -181,7 +181,7 @@ class PeerRound:
                     again.close()
                 log.warning(
                     "%s connection %d: lost (%s); its stream of %d chunk(s) goes again",
-                    self._name, i, stream.future.exception().details(),  # type: ignore[union-attr]
+                    self._name, i, stream.future.exception().details(),
                     len(stream.frames),
                 )  # fmt: skip
             return [s for s in self._streams if s is not None]
