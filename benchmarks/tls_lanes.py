@@ -1,0 +1,154 @@
+"""Two sites' lanes under mutual TLS on loopback: the `PushChunks` path's own rate.
+
+    python3 benchmarks/tls_lanes.py [--mib 256] [--codec raw,int8] [--connections 2]
+        [--rounds 5] [--json out.json]
+
+Both sites run in this process (a thread each, as tests/lanes.py wires them), with the
+job's certificates made in a temporary folder, so only public API is used and the same
+script measures an older tree (`PYTHONPATH=<shim>`, as benchmarks/lanes_side_by_side.sh
+shims one). GB/s is fp32 tensor a site a second, the median of the rounds after a
+warm-up; "cpu s/GB" is the process's CPU per GB of one site's tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from isthmus.deploy.commands.certs import write_certs
+from isthmus.inter.data.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.codec import make_codec
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.security import SiteSecurity
+
+
+def _both(fns: list) -> list:
+    out: list = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 (reported in the table)
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def run_case(codec: str, mib: int, connections: int, rounds: int, certs: str) -> dict:
+    """Median GB/s and CPU s/GB of ``rounds`` all-reduces of ``mib`` MiB a site."""
+    chunk = 4 << 20
+    security = [
+        SiteSecurity.load(certs, f"site{i}", require_tls=True, require_token=True) for i in range(2)
+    ]
+    servers = [
+        LaneServer(
+            site_index=i,
+            num_sites=2,
+            codec=make_codec(codec).name,
+            chunk_bytes=chunk,
+            security=security[i],
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    peers = [
+        LanePeer(
+            servers[1 - i].address,
+            chunk_bytes=chunk,
+            connections=connections,
+            security=security[i],
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    ars = [
+        CrossSiteAllReduce(
+            site_index=i,
+            num_sites=2,
+            server=servers[i],
+            peers={1 - i: peers[i]},
+            codec=make_codec(codec),
+            chunk_bytes=chunk,
+            timeout_s=120,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    n = mib * (1 << 20) // 4
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(n, generator=g) * 1e-3 for _ in range(2)]
+    walls, cpus = [], []
+    try:
+        for step in range(rounds + 1):  # the first round dials and warms up
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            res = _both(
+                [lambda s=s, k=step: ars[s].allreduce([data[s]], k, 0, True) for s in (0, 1)]
+            )
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            bad = [r for r in res if isinstance(r, BaseException)]
+            if bad:
+                raise RuntimeError(f"{codec}: {bad[0]}")
+            if step:
+                walls.append(wall)
+                cpus.append(cpu)
+    finally:
+        for ar in ars:
+            ar.close()
+        for peer in peers:
+            peer.close()
+        for server in servers:
+            server.stop(0)
+    gb = n * 4 / 1e9
+    wall = statistics.median(walls)
+    return {
+        "codec": codec,
+        "mib": mib,
+        "connections": connections,
+        "rounds": rounds,
+        "gb_s": gb / wall,
+        "cpu_s_per_gb": statistics.median(cpus) / gb,
+        "identical": bool(torch.equal(data[0].view(torch.int32), data[1].view(torch.int32))),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="tensor a site, MiB")
+    ap.add_argument("--codec", default="raw,int8", help="codec specs, comma-separated")
+    ap.add_argument("--connections", type=int, default=2, help="TCP connections a peer")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after a warm-up)")
+    ap.add_argument("--json", default="", help="where the results go")
+    args = ap.parse_args(argv)
+    if args.mib < 1 or args.connections < 1 or args.rounds < 1:
+        ap.error("--mib, --connections and --rounds must be >= 1")
+    os.environ.setdefault("no_grpc_proxy", "127.0.0.1")  # loopback, never a proxy
+    rows = []
+    with tempfile.TemporaryDirectory() as certs:
+        write_certs(certs, ["site0", "site1"])
+        for codec in args.codec.split(","):
+            rows.append(run_case(codec, args.mib, args.connections, args.rounds, certs))
+    print("codec        MiB  conns  GB/s  cpu s/GB  same")
+    for r in rows:
+        print(
+            f"{r['codec']:<10} {r['mib']:>5} {r['connections']:>6} {r['gb_s']:>5.2f} "
+            f"{r['cpu_s_per_gb']:>9.2f}  {'yes' if r['identical'] else 'NO'}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": rows, "argv": sys.argv[1:]}, f, indent=1)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
