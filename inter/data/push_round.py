@@ -48,19 +48,22 @@ class _Stream:
     """
 
     def __init__(
-        self, call: grpc.StreamUnaryMultiCallable, deadline: float, metadata: tuple = ()
+        self,
+        call: grpc.StreamUnaryMultiCallable,
+        deadline: float,
+        metadata: tuple = (),
+        wait_for_ready: bool = True,
     ) -> None:
         self._items: deque = deque()
         self._cond = threading.Condition()
         self._deadline = deadline
         self.frames: list[Frame] = []
         self.closed = False
-        # wait_for_ready: a peer still starting (or a connection being dialled again)
-        # is waited for, up to the deadline.
+        # wait_for_ready: a peer still starting is waited for, up to the deadline.
         self.future = call.future(
             self._frames(),
             timeout=max(0.001, deadline - time.monotonic()),
-            wait_for_ready=True,
+            wait_for_ready=wait_for_ready,
             metadata=metadata or None,
         )
 
@@ -134,9 +137,10 @@ class PeerRound:
         self.stalls = 0
         """Streams opened again because their connection was lost."""
 
-    def _open_locked(self, i: int) -> _Stream:
+    def _open_locked(self, i: int, wait_for_ready: bool = True) -> _Stream:
         metadata = self._metadata(self._deadline) if self._metadata else ()
-        stream = self._streams[i] = _Stream(self._calls[i], self._deadline, metadata)
+        stream = _Stream(self._calls[i], self._deadline, metadata, wait_for_ready)
+        self._streams[i] = stream
         return stream
 
     def send(self, frame: Frame) -> None:
@@ -174,7 +178,10 @@ class PeerRound:
                     continue  # its error stands: the round fails
                 self._reopens[i] += 1
                 self.stalls += 1
-                again = self._open_locked(i)
+                # Not waiting for ready: a peer that went away fails it at once (its
+                # connection refused), not at the round's deadline; a new connection
+                # to a live one is dialled all the same.
+                again = self._open_locked(i, wait_for_ready=False)
                 for frame in stream.frames:
                     again.put(frame)
                 if stream.closed:

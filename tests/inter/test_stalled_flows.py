@@ -22,6 +22,7 @@ from isthmus.inter.data import bulk_peer
 from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
 from isthmus.inter.data.chunk_checks import STREAM_PING_S, STREAM_PING_TIMEOUT_S
 from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.round_types import CrossSiteError
 from isthmus.inter.data.wire import Frame
 from isthmus.inter.security import SiteSecurity
 from isthmus.sim import LinkSpec
@@ -226,3 +227,30 @@ def test_under_mutual_tls_a_stream_whose_connection_went_dark_goes_again(
     assert stats["a_to_b"]["stalled_flows"] == stats["b_to_a"]["stalled_flows"] == 1
     assert sum(r.stalled_flows for r in res) >= 1, res
     assert took < STREAM_PING_S + STREAM_PING_TIMEOUT_S + 15, took
+
+
+def test_under_mutual_tls_a_peer_whose_lane_goes_away_fails_the_round_at_once(
+    job_dir, monkeypatch
+) -> None:
+    """The other side of opening a lost stream again: when the peer's lane is gone
+    (its process died), the stream opened again does not wait for the peer to come
+    back (no wait-for-ready), so the round fails within seconds, naming the site,
+    not at its 60 s deadline."""
+    monkeypatch.setenv("no_grpc_proxy", "none.invalid")
+
+    def security(site: int) -> SiteSecurity:
+        return SiteSecurity.load(job_dir, f"site{site}", require_tls=True, require_token=True)
+
+    spec = LinkSpec.symmetric(latency_s=0.001, bandwidth_bps=400e6)
+    with two_sites_over(
+        spec, chunk_bytes=256 * 1024, connections=2, timeout_s=60, security=security
+    ) as (ars, servers, _link):
+        warm = inputs(2, [1 << 18], seed=1)  # connections up, as in a running job
+        res = run_all([lambda s=s: ars[s].allreduce(warm[s], 0, 0, False) for s in range(2)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        # Site 1 never starts step 1: its lane stops while site 0's chunks are on the way.
+        threading.Timer(1.0, servers[1].stop, args=(0,)).start()
+        start = time.monotonic()
+        with pytest.raises(CrossSiteError, match="sending to site 1 failed: UNAVAILABLE"):
+            ars[0].allreduce(inputs(2, [1 << 22], seed=2)[0], 1, 0, False)
+        assert time.monotonic() - start < 15
