@@ -130,38 +130,44 @@ class CodecChain:
                 bit for bit: int8 and int4 write them as they quantize, other stages
                 decode. A round keeps decode(result) without a copy to the device and back.
         """
+        data = self._encode_values(chunk, key, require_finite, decoded_out)
+        for stage in self.byte_stages:
+            data = stage.encode(data)
+        return data
+
+    def keep_own(self, chunk: torch.Tensor, key: str, decoded_out: torch.Tensor) -> None:
+        """A site's own part of a chunk it sums: ``decoded_out`` := decode(encode(chunk))
+        and the residual moved on, as :meth:`encode` does, but for a part that is never
+        sent: no byte stage runs (they are lossless), and on int8's fused GPU path no
+        payload reaches the host either (no copy, no wait) and nothing is checked there:
+        the caller checks what it sums ``decoded_out`` into.
+
+        Raises:
+            NonFiniteEncoding: a payload made on the host holds NaN or Inf.
+        """
+        self._encode_values(chunk, key, True, decoded_out, host=False)
+
+    def _encode_values(
+        self,
+        chunk: torch.Tensor,
+        key: str | None,
+        require_finite: bool,
+        decoded_out: torch.Tensor | None,
+        host: bool = True,
+    ) -> bytes | memoryview:
+        """The tensor stage's payload (and ``decoded_out``); ``host=False`` lets int8's
+        fused kernel keep it on the device, returning ``b""``."""
         if decoded_out is not None and isinstance(self.tensor, Int8Stage):
-            data = self.tensor.encode(chunk, key, decoded_out=decoded_out)
+            data = self.tensor.encode(chunk, key, decoded_out=decoded_out, host=host)
+            if not host and len(data) == 0:
+                return data  # kept on the device: nothing on the host to check
         else:
             data = self.tensor.encode(chunk, key)
         if require_finite:
             self._require_finite(data, chunk.numel())
         if decoded_out is not None and not isinstance(self.tensor, Int8Stage):
             self._decode_into(data, decoded_out)
-        for stage in self.byte_stages:
-            data = stage.encode(data)
         return data
-
-    def keep_own(self, chunk: torch.Tensor, key: str, decoded_out: torch.Tensor) -> bool:
-        """A site's own part of a chunk it sums: ``decoded_out`` := decode(encode(chunk))
-        and the residual moved on, as :meth:`encode` would, but with no payload on the
-        host where the stage can skip it (int8's fused GPU kernel: no copy, no wait).
-
-        Returns:
-            True if the payload was checked finite (it was made on the host), False if
-            it was not made: the caller must check ``decoded_out`` (or what it sums into).
-        Raises:
-            NonFiniteEncoding: a payload made on the host holds NaN or Inf.
-        """
-        if not self.byte_stages and isinstance(self.tensor, Int8Stage):
-            data = self.tensor.encode(chunk, key, decoded_out=decoded_out, host=False)
-            if len(data) == 0:
-                return False
-            # Off the fused path (no Triton, a CPU chunk) the payload is on the host anyway.
-            self._require_finite(data, chunk.numel())
-            return True
-        self.encode(chunk, key, require_finite=True, decoded_out=decoded_out)
-        return True
 
     def _require_finite(self, data: bytes | memoryview, n: int) -> None:
         if not self.tensor.finite(data, n):

@@ -352,9 +352,8 @@ class RoundPipeline:
             self._check_own(c, lo, hi)
             self._add_part(c, me, self._own(lo, hi))
             return
-        # Our own part goes through the codec too, so a lossy codec treats every site
-        # alike; the encode leaves its decoded values, with no decode, and on a GPU no
-        # payload on the host (nothing is sent): a NaN in it shows in the sum (_reduce).
+        # A lossy codec treats our part as any site's (CodecChain.keep_own: nothing is
+        # sent, so on a GPU no payload reaches the host; a NaN shows in the sum).
         own = self._like(hi - lo)
         t0 = time.perf_counter()
         try:
@@ -370,11 +369,12 @@ class RoundPipeline:
         self._count(nonfinite_chunks=1)
         return contribution_fault(self.where, c, lo, hi, self.codec.name, exc)
 
-    def _check_own(self, c: int, lo: int, hi: int, own: object = None) -> None:
-        """Raises NonFiniteGradient if this site's own values of chunk ``c`` (or its
-        decoded part ``own``) are not finite: summed in, they would turn every site's
-        weights to NaN at once (issue 14)."""
-        if not finite(self._own(lo, hi) if own is None else own):  # type: ignore[arg-type]
+    def _check_own(
+        self, c: int, lo: int, hi: int, own: np.ndarray | torch.Tensor | None = None
+    ) -> None:
+        """Raises NonFiniteGradient if this site's values of chunk ``c`` (or its decoded
+        part ``own``) are not finite: summed in, every site's weights turn NaN (issue 14)."""
+        if not finite(self._own(lo, hi) if own is None else own):
             raise NonFiniteGradient(
                 f"{self.where}: this site's gradient holds NaN or Inf (chunk {c}, elements "
                 f"{lo}..{hi}); refused before it left the site"
