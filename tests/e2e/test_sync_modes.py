@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, assert_one_line_error, run_cli
+from helpers import ROOT, assert_one_line_error, load_benchmark, run_cli
 
 TINY = ["--set", "model.preset=tiny", "--set", "train.seq_len=64", "--ranks-per-site", "2"]
 
@@ -306,13 +306,7 @@ def test_the_sync_mode_is_part_of_the_job_fingerprint():
 
 
 def test_the_modes_benchmark_reads_every_mode_and_refuses_a_bad_one():
-    import importlib.util
-
-    path = ROOT / "benchmarks" / "sync_modes.py"
-    spec = importlib.util.spec_from_file_location("sync_modes_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("sync_modes")
     settings, steps = bench.mode_run("streaming:100:4:3@50", 400)
     assert steps == 50 and settings == [
         "--set", "sync.mode=streaming", "--set", "sync.inner_steps=100",

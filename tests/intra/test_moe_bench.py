@@ -4,11 +4,11 @@ two CPU ranks timing expert parallelism's static slots against the host-split pa
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from isthmus.intra.model_config import preset
 
@@ -16,11 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_step.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("moe_step_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("moe_step")
 
 
 @pytest.mark.timeout(120)

@@ -7,14 +7,13 @@ tests/intra/test_intra_parallel.py (moe-ep4 and the others)."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import init_gloo, shutdown, spawn
+from helpers import load_benchmark
 from torch import nn
 
 from isthmus.intra.model_config import preset
@@ -28,16 +27,11 @@ CFG = replace(preset("moe-tiny"), n_experts=4, top_k=2)
 UNEVEN, EVEN = (12, 20), (16, 16)
 # 16 tokens: each expert keeps 6 of a rank's copies (of 8 on average), or all 16.
 TIGHT, LOOSE = 0.75, 2.0
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_step.py"
 
 
 def _counting_host_reads():
     """benchmarks/moe_step.py's ``host reads`` counter (``Tensor.tolist``, ``.item``)."""
-    spec = importlib.util.spec_from_file_location("moe_step_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench.counting_host_reads()
+    return load_benchmark("moe_step").counting_host_reads()
 
 
 def _layer(factor: float, impl: str) -> MoEFeedForward:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "offload.py"
 
@@ -52,12 +53,7 @@ def test_the_offload_benchmark_refuses_a_malformed_case():
 def test_a_failed_case_names_the_workers_own_error_not_only_torchruns_summary(tmp_path):
     """A worker that dies keeps its cause in the row: here a real torchrun whose worker
     aborts (SIGABRT, as a C++ `terminate` does), with the whole output beside the JSON."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("offload_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("offload")
     worker = tmp_path / "aborts.py"
     worker.write_text(
         "import os, sys\n"
