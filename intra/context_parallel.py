@@ -21,11 +21,12 @@ for one layer at a time, which the ring avoids.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 __all__ = ["ContextShard", "local_positions"]
 
@@ -70,9 +71,6 @@ class ContextShard:
     rank: int
     size: int
 
-    def __post_init__(self) -> None:
-        _gather_runs_eagerly_under_compile()
-
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's ``local_len`` tokens."""
         return local_positions(local_len, self.rank, self.size, device)
@@ -88,10 +86,12 @@ class ContextShard:
         index = self.positions(seq // self.size, tokens.device)
         return tokens.index_select(1, index)
 
+    # A collective inside a compiled block: torch.compile runs it eagerly between the
+    # block's compiled pieces rather than tracing a process group.
+    @torch.compiler.disable
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every cp rank's ``[batch, heads, local_seq, head_dim]`` along the sequence,
-        in global order (chunk 0, 1, ..., 2*cp - 1). Run eagerly under ``torch.compile``
-        (``_gather_runs_eagerly_under_compile``)."""
+        in global order (chunk 0, 1, ..., 2*cp - 1)."""
         gathered = _GatherSequence.apply(x, self.group, self.rank, self.size)
         return gathered.index_select(2, _global_order(x.shape[2], self.size, x.device))
 
@@ -103,10 +103,6 @@ class ContextShard:
         flash and memory-efficient kernels take that without a mask in memory, and the
         work of the two chunks sums to ``2*cp + 1`` blocks on every rank.
         """
-        # Here, not at the top: torch.nn.attention.bias imports torch._dynamo (~0.5 s), which
-        # a model without context parallelism need not (FSDP2's DTensors import it anyway).
-        from torch.nn.attention.bias import causal_lower_right
-
         keys, values = self.gather(k), self.gather(v)
         # Grouped-query attention: gather the n_kv_heads, let the kernel share them.
         gqa = k.shape[1] != q.shape[1]
@@ -124,20 +120,6 @@ class ContextShard:
                 )
             )
         return torch.cat(outs, dim=2)
-
-
-@cache
-def _gather_runs_eagerly_under_compile() -> None:
-    """Make ``ContextShard.gather`` run eagerly under ``torch.compile``: a collective
-    inside a compiled block then runs between the block's compiled pieces rather than
-    tracing a process group.
-
-    What ``@torch.compiler.disable`` on the method would do, applied when the first
-    ``ContextShard`` is made (``cp > 1``; nothing calls ``gather`` before) instead of when
-    this module is imported: ``torch.compiler.disable`` imports torch._dynamo (~0.5 s),
-    and importing the model should not.
-    """
-    ContextShard.gather = torch.compiler.disable(ContextShard.gather)  # type: ignore[method-assign]
 
 
 @lru_cache(maxsize=8)

@@ -16,18 +16,15 @@ global index (``"0"``, ``"1"``, ...): parameter names are the same as with a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .context_parallel import ContextShard
 from .model_config import ModelConfig
 from .moe import MoEFeedForward
-
-if TYPE_CHECKING:
-    from .context_parallel import ContextShard
 
 
 class RMSNorm(nn.Module):
