@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from isthmus.inter.data import bulk_peer
+from isthmus.inter.data import flow_clock
 from isthmus.inter.data.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.codec import make_codec
 from isthmus.inter.data.lane import LaneServer
@@ -110,9 +110,9 @@ def one_round(ars: list[CrossSiteAllReduce], tensors: list[torch.Tensor], step: 
 
 def run(args: argparse.Namespace, case: str) -> dict:
     """One case on a fresh pair of sites: ``clean``, ``deadlines`` or ``no deadlines``."""
-    floor = bulk_peer.STALL_FLOOR_S
+    floor = flow_clock.STALL_FLOOR_S
     # "no deadlines": never due, the connection waits as it did before them.
-    bulk_peer.STALL_FLOOR_S = math.inf if case == "no deadlines" else args.floor_s
+    flow_clock.STALL_FLOOR_S = math.inf if case == "no deadlines" else args.floor_s
     try:
         with two_sites(args) as (ars, link):
             g = torch.Generator().manual_seed(0)
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace, case: str) -> dict:
             stats = link.stats()
             row["link_stalled_flows"] = sum(d.get("stalled_flows", 0) for d in stats.values())
     finally:
-        bulk_peer.STALL_FLOOR_S = floor
+        flow_clock.STALL_FLOOR_S = floor
     return {"case": case, **row}
 
 
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--floor-s",
         type=float,
-        default=bulk_peer.STALL_FLOOR_S,
-        help="the deadlines' floor past a frame's expected time (bulk_peer.STALL_FLOOR_S)",
+        default=flow_clock.STALL_FLOOR_S,
+        help="the deadlines' floor past a frame's expected time (flow_clock.STALL_FLOOR_S)",
     )
     parser.add_argument("--json", default="", help="where the results go")
     args = parser.parse_args(argv)

@@ -31,6 +31,7 @@ def sites(
     connections: int = 1,
     chunk_bytes: int = CHUNK,
     transport: str = "auto",
+    max_workers: int = 32,
 ) -> Iterator[list[CrossSiteAllReduce]]:
     servers = [
         LaneServer(
@@ -39,6 +40,7 @@ def sites(
             codec=make_codec(codec).name,
             generation=7,
             chunk_bytes=chunk_bytes,
+            max_workers=max_workers,
         )
         for i in range(n)
     ]

@@ -1,10 +1,10 @@
 """The sending side of the bulk transport (protocol in :mod:`isthmus.inter.data.bulk`).
 
 A :class:`BulkConnection` is one TCP connection to a peer lane's bulk port, shared by
-that peer's rounds; a :class:`BulkPeerRound` is one round's chunks over a peer's
-connections, with the interface of :class:`~isthmus.inter.data.lane_peer.PeerRound`.
-Every frame in flight has a deadline from its size and the connection's measured rate;
-a connection that misses one is left for a new one (docs/wire.md, "Deadlines per frame").
+that peer's rounds (each a :class:`~isthmus.inter.data.peer_round.PeerRound`). Every
+frame in flight has a deadline from its size and the connection's measured rate
+(:class:`~isthmus.inter.data.flow_clock.FlowClock`); a connection that misses one is
+left for a new one (docs/wire.md, "Deadlines per frame").
 """
 
 from __future__ import annotations
@@ -40,30 +40,19 @@ from isthmus.inter.data.bulk import (
     send_all,
     tune,
 )
+from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, FlowClock
+from isthmus.inter.data.peer_round import PeerRound
 from isthmus.inter.data.wire import Frame
 
-__all__ = ["BulkConnection", "BulkPeerRound"]
+__all__ = ["BulkConnection"]
 
 log = logging.getLogger(__name__)
-
-STALL_FLOOR_S = 3.0
-"""Seconds a frame's acknowledgement may be late past what its size at the
-connection's measured rate predicts (a few round trips of any real link, and a
-receiver's hiccup on a loaded host), before the connection counts as stalled."""
-RATE_SLACK = 4.0
-"""A frame may take this many times as long as the connection's measured rate says."""
-FIRST_RATE_BPS = 32e6
-"""Bytes a second assumed of a connection that has not yet had a frame acknowledged
-(with the slack: 16 MiB in 2 s, past the floor; a 256 Mbit/s flow's worth)."""
-MAX_BACKOFF = 8
-"""A connection that stalls again at once waits up to this many times longer (a
-whole link gone dark for a while is not many stalls)."""
 
 
 class _Sent(NamedTuple):
     """A frame on the wire of a connection, not yet acknowledged."""
 
-    rnd: BulkPeerRound
+    rnd: PeerRound
     frame: Frame
     at: float
     """When it was handed to the socket (time.monotonic())."""
@@ -129,18 +118,16 @@ class BulkConnection:
     ) -> None:
         self._host, self._open_bulk, self._proxy, self._name = host, open_bulk, proxy, name
         self._cond = threading.Condition()
-        self._queue: deque[tuple[BulkPeerRound, Frame]] = deque()
+        self._queue: deque[tuple[PeerRound, Frame]] = deque()
         self._inflight: deque[_Sent] = deque()
         self._sock: socket.socket | None = None
         self._closed = False
         self._dial_lock = threading.Lock()
-        self._last_ack = 0.0  # when the peer last acknowledged a frame here
-        self._rate = 0.0  # bytes a second of acknowledged frames (smoothed); 0: none yet
-        self._backoff = 1  # doubles with each stall in a row, back to 1 on an ack
+        self._clock = FlowClock()
         self.stalls = 0
         """Times this connection stalled and its frames went again on a new one."""
 
-    def put(self, rnd: BulkPeerRound, frame: Frame) -> None:
+    def put(self, rnd: PeerRound, frame: Frame) -> None:
         with self._cond:
             if self._closed:
                 raise BulkError("connection closed")
@@ -286,24 +273,16 @@ class BulkConnection:
                 return True
 
     def _due_locked(self) -> float:
-        """When the oldest frame in flight is overdue: from when it could begin to be
-        taken (sent, and the frame before it acknowledged), its size at the measured
-        rate with :data:`RATE_SLACK`, plus :data:`STALL_FLOOR_S`; inf with none."""
-        if not self._inflight:
+        """When the oldest frame in flight is overdue (:meth:`FlowClock.due`)."""
+        oldest = self._inflight[0] if self._inflight else None
+        if oldest is None:
             return math.inf
-        oldest = self._inflight[0]
-        rate = self._rate or FIRST_RATE_BPS
-        size = oldest.frame.payload_bytes + len(oldest.frame.header)
-        expected = RATE_SLACK * size / rate + STALL_FLOOR_S
-        return max(oldest.at, self._last_ack) + expected * self._backoff
+        return self._clock.due(oldest.at, oldest.frame.payload_bytes + len(oldest.frame.header))
 
     def _measure_locked(self, item: _Sent, now: float) -> None:
         """Folds an acknowledged frame into the connection's rate."""
-        began = max(item.at, self._last_ack)
-        if now > began:
-            sample = (item.frame.payload_bytes + len(item.frame.header)) / (now - began)
-            self._rate = sample if not self._rate else 0.7 * self._rate + 0.3 * sample
-        self._last_ack, self._backoff = now, 1
+        size = item.frame.payload_bytes + len(item.frame.header)
+        self._clock.acknowledged(item.at, size, now)
 
     def _stalled(self, sock: socket.socket, now: float) -> None:
         """The oldest frame missed its deadline: the frames in flight go first on a new
@@ -311,14 +290,14 @@ class BulkConnection:
         with self._cond:
             if self._sock is not sock or not self._inflight:
                 return
-            began = max(self._inflight[0].at, self._last_ack)
+            began = self._clock.began(self._inflight[0].at)
             allowed = self._due_locked() - began
             items = list(self._inflight)
             self._inflight.clear()
             # First in flight goes first again, ahead of what was still queued.
             self._queue.extendleft((i.rnd, i.frame) for i in reversed(items))
             self._sock = None
-            self._backoff = min(self._backoff * 2, MAX_BACKOFF)
+            self._clock.stalled()
             self.stalls += 1
             redial = None if self._closed else self._queue[0][0].deadline
             self._cond.notify_all()
@@ -330,7 +309,7 @@ class BulkConnection:
             items[0].frame.payload_bytes / 1e6,
             now - began,
             allowed,
-            (self._rate or FIRST_RATE_BPS) / 1e6,
+            (self._clock.rate or FIRST_RATE_BPS) / 1e6,
             len(items),
         )
         with contextlib.suppress(OSError):
@@ -386,82 +365,3 @@ def _peer_closed(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
-
-
-class BulkPeerRound:
-    """One round's chunks to one peer over its bulk connections (same interface as
-    :class:`~isthmus.inter.data.lane_peer.PeerRound`)."""
-
-    def __init__(self, conns: list[BulkConnection], deadline: float) -> None:
-        self._conns = conns
-        self.deadline = deadline
-        self._cond = threading.Condition()
-        self._next = 0
-        self._ended = False
-        self._error: BaseException | None = None
-        self._taken = 0
-        self.sent = 0
-        self.resent = 0
-        """Frames the peer received damaged and asked for again."""
-        self.stalls = 0
-        """Connections that stalled on a frame of this round (the oldest in flight, past
-        its deadline); that frame and those behind it went again on a new connection."""
-
-    def send(self, frame: Frame) -> None:
-        """Queues one chunk; connections take turns. Thread-safe."""
-        with self._cond:
-            if self._ended or self._error is not None:
-                return
-            conn = self._conns[self._next]
-            self._next = (self._next + 1) % len(self._conns)
-            self.sent += 1
-        try:
-            conn.put(self, frame)
-        except BulkError as exc:
-            self.failed(exc)
-
-    def end(self) -> None:
-        """No more chunks in this round (later ones are dropped)."""
-        with self._cond:
-            self._ended = True
-
-    def acknowledged(self, status: int) -> None:
-        with self._cond:
-            if status == RESEND:
-                self.resent += 1  # the same frame goes again; one more ack to come
-            else:
-                self._taken += 1
-            self._cond.notify_all()
-
-    def stalled(self) -> None:
-        """A connection stalled on a frame of this round; its frames go again."""
-        with self._cond:
-            self.stalls += 1
-
-    def failed(self, exc: BaseException) -> None:
-        with self._cond:
-            if self._error is None:
-                self._error = exc
-            self._cond.notify_all()
-
-    def failure(self) -> BaseException | None:
-        with self._cond:
-            return self._error
-
-    def wait(self, timeout: float) -> int:
-        """Waits until the peer acknowledged every chunk; returns how many it took.
-
-        Raises:
-            BulkRefused: the peer refused a chunk; BulkError: the connection broke.
-            TimeoutError: not all acknowledged within ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._error is None and self._taken < self.sent:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self._taken} of {self.sent} chunks acknowledged")
-                self._cond.wait(left)
-            if self._error is not None:
-                raise self._error
-            return self._taken

@@ -2,9 +2,9 @@
 
 A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.data.lane.LaneServer`,
 on its bulk TCP port (:mod:`isthmus.inter.data.bulk`, the default without TLS) or on gRPC
-``PushChunks`` streams (:mod:`isthmus.inter.data.push_round`). A round's worth of either
-is a :class:`~isthmus.inter.data.push_round.PeerRound` or a
-:class:`~isthmus.inter.data.bulk_peer.BulkPeerRound`. :meth:`LanePeer.fetch` asks for one chunk
+``PushChunks`` calls, one a chunk (:mod:`isthmus.inter.data.push_round`). A round's worth
+of either is a :class:`~isthmus.inter.data.peer_round.PeerRound` over the peer's
+connections. :meth:`LanePeer.fetch` asks for one chunk
 again (``ResendChunk``) when the copy that arrived failed its checksum; the peer hands it
 to this rank's own lane (:mod:`isthmus.inter.data.lane_handoff`), as it grants the
 tickets that admit this rank's chunks to its bulk port (or its ``PushChunks`` streams).
@@ -12,6 +12,7 @@ tickets that admit this rank's chunks to its bulk port (or its ``PushChunks`` st
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -19,11 +20,12 @@ import time
 import grpc
 
 from isthmus.inter.data.bulk import TICKET_TTL_S, BulkRefused
-from isthmus.inter.data.bulk_peer import BulkConnection, BulkPeerRound
+from isthmus.inter.data.bulk_peer import BulkConnection
 from isthmus.inter.data.chunk_checks import stream_keepalive
 from isthmus.inter.data.lane import PASS_METADATA, channel_options
 from isthmus.inter.data.lane_handoff import Handoffs
-from isthmus.inter.data.push_round import PeerRound
+from isthmus.inter.data.peer_round import Connection, PeerRound
+from isthmus.inter.data.push_round import StreamConnection
 from isthmus.inter.data.wire import Frame, encode_delivery
 from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -33,8 +35,9 @@ log = logging.getLogger(__name__)
 __all__ = ["TRANSPORTS", "LanePeer", "PeerRound"]
 
 TRANSPORTS = ("auto", "bulk", "grpc")
+RETIRE_S = 10.0
+"""Seconds a channel left after a stall stays open for calls begun on it before."""
 
-_PUSH = "/isthmus.v1.Lane/PushChunks"
 _RESEND = "/isthmus.v1.Lane/ResendChunk"
 _DELIVER = "/isthmus.v1.Lane/DeliverChunk"
 Home = tuple[int, Handoffs]
@@ -78,41 +81,12 @@ class LanePeer:
         # Without an explicit proxy, ignore http_proxy/grpc_proxy from the environment.
         base += [("grpc.http_proxy", proxy)] if proxy else [("grpc.enable_http_proxy", 0)]
         security = security or INSECURE
-        self._channels = [
-            # A local subchannel pool and a distinct arg give each channel its own TCP
-            # connection; identical channels would share one.
-            security.channel(
-                address, [*base, ("grpc.use_local_subchannel_pool", 1), ("grpc.channel_id", i)]
-            )
-            for i in range(connections)
-        ]
-        # The bulk calls take and give bytes (inter/data/wire.py), not protobuf objects.
-        self._push = [
-            ch.stream_unary(
-                _PUSH,
-                request_serializer=None,
-                response_deserializer=lane_pb2.PushChunksResponse.FromString,
-            )
-            for ch in self._channels
-        ]
-        self._resend = [
-            ch.unary_unary(
-                _RESEND,
-                request_serializer=lane_pb2.ResendChunkRequest.SerializeToString,
-                response_deserializer=lane_pb2.ResendChunkResponse.FromString,
-            )
-            for ch in self._channels
-        ]
-        self._deliver = [
-            ch.unary_unary(
-                _DELIVER,
-                request_serializer=None,  # already bytes (encode_delivery)
-                response_deserializer=lane_pb2.DeliverChunkResponse.FromString,
-            )
-            for ch in self._channels
-        ]
-        self._home: Home | None = None  # told by each round (begin_round)
         self._security = security
+        self._base = base
+        self._ids = itertools.count()
+        self._channels = [self._dial() for _ in range(connections)]
+        self._retired: list[grpc.Channel] = []  # left after a stall, closed soon (_renew)
+        self._home: Home | None = None  # told by each round (begin_round)
         self._pass: tuple[bytes, float] | None = None  # a PushChunks pass and when it came
         if transport == "auto":
             transport = "grpc" if security.require_tls else "bulk"
@@ -122,6 +96,42 @@ class LanePeer:
             BulkConnection(host, self._open_bulk, proxy, name=f"{address}-{i}")
             for i in range(connections if transport == "bulk" else 0)
         ]
+        self._streams = [
+            StreamConnection(ch, self._renew, self._stream_pass, name=f"{address}-{i}")
+            for i, ch in enumerate(self._channels if transport == "grpc" else ())
+        ]
+
+    def _dial(self) -> grpc.Channel:
+        # A local subchannel pool and a distinct arg give each channel its own TCP
+        # connection; identical channels would share one.
+        extra = [("grpc.use_local_subchannel_pool", 1), ("grpc.channel_id", next(self._ids))]
+        return self._security.channel(self.address, [*self._base, *extra])
+
+    def _renew(self, old: grpc.Channel) -> grpc.Channel:
+        """A new channel (a new TCP connection) in ``old``'s place: a connection that
+        stalled (push_round.py) carries none of this peer's calls from now on. ``old``
+        is closed :data:`RETIRE_S` later, so that a call another thread just began on
+        it (a ``ResendChunk``) is not cancelled under it; the chunks that were in flight
+        on it went again already."""
+        new = self._dial()
+        with self._lock:
+            self._channels = [new if ch is old else ch for ch in self._channels]
+            self._retired.append(old)
+        timer = threading.Timer(RETIRE_S, self._close_retired, args=(old,))
+        timer.daemon = True
+        timer.start()
+        return new
+
+    def _close_retired(self, old: grpc.Channel) -> None:
+        with self._lock:
+            if old not in self._retired:
+                return  # closed with the peer
+            self._retired.remove(old)
+        old.close()
+
+    def _channel(self, turn: int) -> grpc.Channel:
+        with self._lock:
+            return self._channels[turn % len(self._channels)]
 
     def _open_bulk(self, timeout: float) -> tuple[int, bytes]:
         """A ticket to the peer lane's bulk port: ``OpenBulk`` asks, and the peer grants
@@ -132,7 +142,7 @@ class LanePeer:
             )
         me, handoffs = self._home
         nonce = handoffs.expect(("ticket",))
-        reply = lane_pb2_grpc.LaneStub(self._channels[0]).OpenBulk(
+        reply = lane_pb2_grpc.LaneStub(self._channel(0)).OpenBulk(
             lane_pb2.OpenBulkRequest(from_site=me, nonce=nonce),
             timeout=timeout,
             wait_for_ready=True,
@@ -183,8 +193,12 @@ class LanePeer:
         """
         # Connections take turns so a resend does not queue behind one busy stream.
         with self._lock:
-            call = self._resend[self._fetches % len(self._resend)]
-            self._fetches += 1
+            turn, self._fetches = self._fetches, self._fetches + 1
+        call = self._channel(turn).unary_unary(
+            _RESEND,
+            request_serializer=lane_pb2.ResendChunkRequest.SerializeToString,
+            response_deserializer=lane_pb2.ResendChunkResponse.FromString,
+        )
         call(request, timeout=max(0.001, timeout))
 
     def deliver(self, frame: Frame | bytes, nonce: bytes, timeout: float) -> None:
@@ -195,8 +209,12 @@ class LanePeer:
             grpc.RpcError: PERMISSION_DENIED if the peer's lane did not ask for it.
         """
         with self._lock:
-            call = self._deliver[self._fetches % len(self._deliver)]
-            self._fetches += 1
+            turn, self._fetches = self._fetches, self._fetches + 1
+        call = self._channel(turn).unary_unary(
+            _DELIVER,
+            request_serializer=None,  # already bytes (encode_delivery)
+            response_deserializer=lane_pb2.DeliverChunkResponse.FromString,
+        )
         message = frame.joined() if isinstance(frame, Frame) else frame
         call(encode_delivery(message, nonce), timeout=max(0.001, timeout))
 
@@ -227,9 +245,9 @@ class LanePeer:
     @property
     def stub(self) -> lane_pb2_grpc.LaneStub:
         """A stub on the first connection, for one-off calls (``PullState``)."""
-        return lane_pb2_grpc.LaneStub(self._channels[0])
+        return lane_pb2_grpc.LaneStub(self._channel(0))
 
-    def begin_round(self, deadline: float, home: Home | None = None) -> PeerRound | BulkPeerRound:
+    def begin_round(self, deadline: float, home: Home | None = None) -> PeerRound:
         """Opens a round whose chunks must be taken by ``deadline`` (time.monotonic()).
 
         Args:
@@ -239,13 +257,17 @@ class LanePeer:
         """
         if home is not None:
             self._home = home
-        if self._bulk:
-            return BulkPeerRound(self._bulk, deadline)
-        return PeerRound(self._push, deadline, self._stream_pass, name=f"to {self.address}")
+        conns: list[Connection] = [*self._bulk] if self._bulk else [*self._streams]
+        return PeerRound(conns, deadline)
 
     def close(self) -> None:
-        """Closes the bulk connections and the channels (open streams are cancelled)."""
+        """Closes the connections and the channels (calls in flight are cancelled)."""
         for conn in self._bulk:
             conn.close()
-        for channel in self._channels:
+        for stream in self._streams:
+            stream.close()
+        with self._lock:
+            channels = [*self._channels, *self._retired]
+            self._retired.clear()
+        for channel in channels:
             channel.close()

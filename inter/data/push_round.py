@@ -1,226 +1,303 @@
-"""A round's chunks to one peer on gRPC ``PushChunks`` streams (mutual TLS, or
-``transport = "grpc"``), and what happens when a connection under them is lost.
+"""A round's chunks to one peer as one-chunk gRPC ``PushChunks`` calls (mutual TLS, or
+``transport = "grpc"``), each acknowledged and each with a deadline of its own.
 
-Per round and per connection, one client-streaming ``PushChunks`` call is fed from a
-queue, so encoding (the callers) and sending overlap. A stream is acknowledged only as a
-whole, at its end, so a connection that the network black-holed (one flow of a long
-link, an ECMP path gone) is noticed by the channel's keepalive pings going unanswered
-(``chunk_checks.stream_keepalive``): gRPC then fails every stream on it UNAVAILABLE and
-dials a new connection. Such a stream is opened again on the new connection with every
-frame it carried, first; the receiving lane stores a chunk at most once and
-acknowledges an exact copy of one it has (``Mailbox.deposit``), so a frame that did
-arrive is not summed twice. The round goes on, counting ``stalls``, instead of failing
-at ``sync.timeout_s`` and being retried. (On the bulk port each frame has a deadline of
-its own: ``bulk_peer.py``.)
+A :class:`StreamConnection` is one gRPC connection (a channel of its own) to a peer's
+lane, shared by that peer's rounds (each a
+:class:`~isthmus.inter.data.peer_round.PeerRound`). Each chunk is one call, answered
+when the peer's lane has stored it; :data:`CALLS_PER_CONNECTION` are in flight at once
+(the next on the wire while the last one's answer comes back), the rest queue in order.
+The oldest call in flight has a deadline from its size and the connection's measured
+rate (:class:`~isthmus.inter.data.flow_clock.FlowClock`, the bulk port's rule). A
+connection that misses one is stalled (a flow black-holed on the way, a peer that stopped
+reading while its connection still answers pings): a new channel is dialled in its
+place (a new flow, its own path through the network), its calls in flight go first on
+it, and the rounds go on, counting ``stalls``. A connection lost under its calls
+(UNAVAILABLE: a reset, keepalive pings unanswered, ``chunk_checks.stream_keepalive``;
+or CANCELLED by the peer's lane as it stops)
+sends them again the same way, without waiting for the peer to be ready, so a peer whose
+lane went away fails its rounds within a second or so. The receiving lane stores a chunk
+at most once and acknowledges an exact copy of one it has (``Mailbox.deposit``), so a
+chunk that did arrive before its connection was left is not summed twice.
+
+Where streams acknowledged as a whole left a flow that stalled while carrying little (a
+small round) unnoticed (its keepalive pings were answered), a chunk's own answer is
+what is waited for here.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
+from isthmus.inter.data.bulk import ACCEPTED
+from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, FlowClock
+from isthmus.inter.data.peer_round import PeerRound
 from isthmus.inter.data.wire import Frame
+from isthmus.inter.security import ClosedChannelError
+from isthmus.proto import lane_pb2
+
+__all__ = ["CALLS_PER_CONNECTION", "MAX_LOSSES", "StreamConnection"]
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_REOPENS", "PeerRound"]
+PUSH = "/isthmus.v1.Lane/PushChunks"
+CALLS_PER_CONNECTION = 2
+"""One-chunk calls in flight on one connection at once. A chunk is about one
+bandwidth-delay product (chunk_size.py), so two keep the flow busy while an answer comes
+back; more would share the connection and end every chunk late."""
+MAX_LOSSES = 4
+"""Times in a row a connection may be lost (UNAVAILABLE) before the rounds with chunks on
+it fail: a link that keeps losing connections, or a peer that is gone, is down."""
+BUSY_RETRY_S = 0.05
+"""How long a chunk the peer had no stream slot for waits before it goes again."""
+_BUSY = "PushChunks stream slots"  # in the details of the lane's slot refusal (WaitSlots)
 
-MAX_REOPENS = 4
-"""How often one connection's stream of a round is opened again after its connection
-was lost; past it the round fails (a link that keeps losing connections is down)."""
 
-_POLL_S = 0.1  # how often a waiting stream looks at its call and deadline
-_END = object()  # end-of-stream marker
+@dataclass(slots=True)
+class _Call:
+    """A chunk on the wire of a connection, not yet answered."""
+
+    rnd: PeerRound
+    frame: Frame
+    at: float
+    """When the call was made (time.monotonic())."""
+    generation: int
+    """The connection's generation it went out on (a new one after each stall or loss)."""
+    future: grpc.Future | None = None  # held: grpc cancels a call whose future is collected
+
+    @property
+    def size(self) -> int:
+        return self.frame.payload_bytes + len(self.frame.header)
 
 
-class _Stream:
-    """One round's ``PushChunks`` call on one connection, fed from a queue.
+def _one(frame: Frame) -> Iterator[bytes]:
+    yield frame.joined()  # the payload's one copy, on gRPC's sending thread
 
-    grpcio pulls the request iterator on a thread of its own, so encoding (the
-    callers of :meth:`put`) and sending overlap with no sender thread of ours, and
-    several rounds' streams share a connection as HTTP/2 streams. Every frame put is
-    kept (``frames``) until the round ends: a stream opened again sends them all.
+
+class StreamConnection:
+    """One gRPC connection to a peer's lane carrying one-chunk ``PushChunks`` calls.
+
+    A sender thread makes the calls (a call's pass may take an RPC of its own, which
+    must not run on gRPC's callback threads) and watches the oldest one's deadline;
+    answers arrive on gRPC's threads.
+
+    Args:
+        channel: the connection's first channel.
+        renew: gives up a channel and returns a new one, on a new TCP connection (the
+            lane peer's, which also makes its other calls on it).
+        metadata: the pass a call presents before a round's deadline (without TLS: a
+            ticket, ``LanePeer._stream_pass``; with TLS, none).
+        name: for the thread and the log.
     """
 
     def __init__(
         self,
-        call: grpc.StreamUnaryMultiCallable,
-        deadline: float,
-        metadata: tuple = (),
-        wait_for_ready: bool = True,
+        channel: grpc.Channel,
+        renew: Callable[[grpc.Channel], grpc.Channel],
+        metadata: Callable[[float], tuple],
+        name: str,
     ) -> None:
-        self._items: deque = deque()
+        self._renew, self._metadata, self._name = renew, metadata, name
+        self._channel = channel
+        self._push = self._callable(channel)
         self._cond = threading.Condition()
-        self._deadline = deadline
-        self.frames: list[Frame] = []
-        self.closed = False
-        # wait_for_ready: a peer still starting is waited for, up to the deadline.
-        self.future = call.future(
-            self._frames(),
-            timeout=max(0.001, deadline - time.monotonic()),
-            wait_for_ready=wait_for_ready,
-            metadata=metadata or None,
+        self._queue: deque[tuple[PeerRound, Frame]] = deque()
+        self._inflight: dict[int, _Call] = {}  # by key, oldest first
+        self._keys = 0
+        self._generation = 0
+        self._clock = FlowClock()
+        self._losses = 0  # losses in a row; an answer puts it back to 0
+        self._wait_for_ready = True  # a peer still starting is waited for; not after a loss
+        self._not_before = 0.0  # a chunk the peer was too busy for waits until then
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.stalls = 0
+        """Times this connection stalled and its calls went again on a new one."""
+
+    @staticmethod
+    def _callable(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
+        # The frames are bytes already (inter/data/wire.py), not protobuf objects.
+        return channel.stream_unary(
+            PUSH,
+            request_serializer=None,
+            response_deserializer=lane_pb2.PushChunksResponse.FromString,
         )
 
-    def put(self, frame: Frame) -> None:
+    def put(self, rnd: PeerRound, frame: Frame) -> None:
+        """Queues ``frame`` of ``rnd``. Raises ConnectionError once closed."""
         with self._cond:
-            self.frames.append(frame)
-            self._items.append(frame)
-            self._cond.notify()
+            if self._closed:
+                raise ConnectionError(f"connection {self._name} closed")
+            self._queue.append((rnd, frame))
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"push-{self._name}", daemon=True
+                )
+                self._thread.start()
 
     def close(self) -> None:
-        """Ends the stream once queued frames are out."""
+        """Stops the sender; calls in flight end with the channel (the lane peer's)."""
         with self._cond:
-            self.closed = True
-            self._items.append(_END)
-            self._cond.notify()
+            self._closed = True
+            self._cond.notify_all()
 
-    def _frames(self) -> Iterator[bytes]:
+    # -- the sender thread ---------------------------------------------------------
+
+    def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._items:
-                    left = self._deadline - time.monotonic()
-                    if left <= 0 or self.future_done():
-                        return  # the call's own deadline fails it; nothing more to send
-                    self._cond.wait(min(_POLL_S, left))
-                item = self._items.popleft()
-            if item is _END:
-                return
-            yield item.joined()  # the payload's one copy, on gRPC's sending thread
+                item = self._next_locked()
+                if item is None:
+                    return
+            if isinstance(item, list):
+                self._stalled(item)
+            else:
+                self._call(*item)
 
-    def future_done(self) -> bool:
-        fut = getattr(self, "future", None)
-        return fut is not None and fut.done()
-
-    def lost_connection(self) -> bool:
-        """Whether the call failed because its connection was lost (UNAVAILABLE: a
-        keepalive ping unanswered, a reset); not a refusal or the round's deadline."""
-        if not self.future_done() or self.future.cancelled():
-            return False
-        exc = self.future.exception()
-        return isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE
-
-
-class PeerRound:
-    """The chunks sent to one peer in one round, spread over the peer's connections.
-
-    Each connection gets its own stream for the round, opened with the first chunk
-    for it; rounds are independent, so several can be in flight at once. A stream
-    whose connection was lost is opened again (module docstring), up to
-    :data:`MAX_REOPENS` times a connection.
-    """
-
-    def __init__(
-        self,
-        calls: list[grpc.StreamUnaryMultiCallable],
-        deadline: float,
-        metadata: Callable[[float], tuple] | None = None,
-        name: str = "peer",
-    ) -> None:
-        self._calls = calls
-        self._deadline = deadline
-        self._metadata = metadata  # the stream's pass, without TLS (LanePeer._pass)
-        self._name = name
-        self._streams: list[_Stream | None] = [None] * len(calls)
-        self._reopens = [0] * len(calls)
-        self._next = 0
-        self._ended = False
-        self._lock = threading.Lock()  # encode/decode pool threads send concurrently
-        self.sent = 0
-        self.resent = 0
-        """Always 0 here: a damaged chunk is pulled again by the receiver instead."""
-        self.stalls = 0
-        """Streams opened again because their connection was lost."""
-
-    def _open_locked(self, i: int, wait_for_ready: bool = True) -> _Stream:
-        metadata = self._metadata(self._deadline) if self._metadata else ()
-        stream = _Stream(self._calls[i], self._deadline, metadata, wait_for_ready)
-        self._streams[i] = stream
-        return stream
-
-    def send(self, frame: Frame) -> None:
-        """Queues one chunk (joined on gRPC's thread as it goes out); connections take
-        turns. Thread-safe.
-
-        A chunk sent after :meth:`end` (a failing round's stragglers) is dropped.
-        """
-        with self._lock:
-            if self._ended:
-                return
-            i = self._next
-            self._next = (i + 1) % len(self._calls)
-            self.sent += 1
-            stream = self._streams[i] or self._open_locked(i)
-            stream.put(frame)  # under the lock: a stream opened again takes every frame
-
-    def end(self) -> None:
-        """Closes the round's streams once queued chunks are out (idempotent)."""
-        with self._lock:
-            ended, self._ended = self._ended, True
-            streams = list(self._streams)
-        if not ended:
-            for stream in streams:
-                if stream is not None:
-                    stream.close()
-
-    def _current(self) -> list[_Stream]:
-        """The round's streams, each whose connection was lost opened again first."""
-        with self._lock:
-            for i, stream in enumerate(self._streams):
-                if stream is None or not stream.lost_connection():
-                    continue
-                if self._reopens[i] >= MAX_REOPENS or time.monotonic() >= self._deadline:
-                    continue  # its error stands: the round fails
-                self._reopens[i] += 1
-                self.stalls += 1
-                # Not waiting for ready: a peer that went away fails it at once (its
-                # connection refused), not at the round's deadline; a new connection
-                # to a live one is dialled all the same.
-                again = self._open_locked(i, wait_for_ready=False)
-                for frame in stream.frames:
-                    again.put(frame)
-                if stream.closed:
-                    again.close()
-                log.warning(
-                    "%s connection %d: lost (%s); its stream of %d chunk(s) goes again",
-                    self._name, i, stream.future.exception().details(),
-                    len(stream.frames),
-                )  # fmt: skip
-            return [s for s in self._streams if s is not None]
-
-    def failure(self) -> BaseException | None:
-        """Returns the first stream's error so far, without waiting."""
-        for stream in self._current():
-            fut = stream.future
-            if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                return fut.exception()
+    def _next_locked(self) -> tuple[PeerRound, Frame] | list[_Call] | None:
+        """Waits for a chunk to call with, or for the oldest call's deadline to pass
+        (then the calls in flight, taken out of it); None once closed."""
+        while not self._closed:
+            now = time.monotonic()
+            # No deadline before the connection's first answer: a peer still starting
+            # is waited for (wait-for-ready), up to its round's deadline.
+            oldest = next(iter(self._inflight.values()), None) if self._clock.last_ack else None
+            due = self._clock.due(oldest.at, oldest.size) if oldest else math.inf
+            if now >= due:
+                return self._take_inflight_locked()
+            if self._queue and len(self._inflight) < CALLS_PER_CONNECTION:
+                if now >= self._not_before:
+                    return self._queue.popleft()
+                due = min(due, self._not_before)
+            # Waking at least every half second: cheap, and a missed notify costs little.
+            self._cond.wait(min(due - now, 0.5))
         return None
 
-    def wait(self, timeout: float) -> int:
-        """Waits for every stream's answer; returns chunks the peer took.
+    def _take_inflight_locked(self) -> list[_Call]:
+        """The calls in flight, put first in the queue again on a new generation."""
+        calls = list(self._inflight.values())
+        self._inflight.clear()
+        self._queue.extendleft((c.rnd, c.frame) for c in reversed(calls))
+        self._generation += 1
+        return calls
 
-        A chunk is taken when it was accepted or marked corrupt (the peer pulls
-        those again with ``ResendChunk``).
+    def _call(self, rnd: PeerRound, frame: Frame) -> None:
+        if rnd.failure() is not None:
+            return  # a failed round's chunks still queued: nobody waits for them
+        with self._cond:
+            key, self._keys = self._keys, self._keys + 1
+            call = _Call(rnd, frame, time.monotonic(), self._generation)
+            self._inflight[key] = call  # counted in flight before the call is made
+            push, ready = self._push, self._wait_for_ready
+        try:
+            metadata = self._metadata(rnd.deadline)
+            future = push.future(
+                _one(frame),
+                timeout=max(0.001, rnd.deadline - time.monotonic()),
+                wait_for_ready=ready,
+                metadata=metadata or None,
+            )
+        except grpc.RpcError as exc:  # no pass for the call (the peer refused one)
+            with self._cond:
+                self._inflight.pop(key, None)
+                self._cond.notify_all()
+            rnd.failed(exc)
+            return
+        call.future = future
+        future.add_done_callback(functools.partial(self._answered, key))
 
-        Raises:
-            grpc.RpcError: a stream was refused or failed.
-            TimeoutError: no answer within ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        total = 0
-        for stream in self._current():
-            try:
-                reply = stream.future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.FutureTimeoutError as exc:
-                raise TimeoutError("no answer from the peer in time") from exc
-            except grpc.RpcError:
-                if stream.lost_connection() and self.failure() is None:
-                    raise TimeoutError("a stream goes again on a new connection") from None
-                raise
-            total += reply.accepted + reply.corrupt
-        return total
+    def _stalled(self, calls: list[_Call]) -> None:
+        """The oldest call missed its deadline: a new channel, the calls in flight
+        first on it (queued by :meth:`_take_inflight_locked`), the old one closed."""
+        oldest = calls[0]
+        with self._cond:
+            began = self._clock.began(oldest.at)
+            allowed = self._clock.allowed(oldest.size)
+            self._clock.stalled()
+            self.stalls += 1
+            old = self._channel
+        log.warning(
+            "connection %s stalled: a %.2f MB chunk unanswered after %.1fs (its deadline: "
+            "%.1fs at %.0f MB/s); its %d chunk(s) in flight go again on a new connection",
+            self._name, oldest.frame.payload_bytes / 1e6, time.monotonic() - began,
+            allowed, (self._clock.rate or FIRST_RATE_BPS) / 1e6, len(calls),
+        )  # fmt: skip
+        self._new_channel(old)
+        oldest.rnd.stalled()  # counted once, by the round whose chunk missed it
+
+    def _new_channel(self, old: grpc.Channel) -> None:
+        new = self._renew(old)  # the old one's calls end as they may, unheeded
+        with self._cond:
+            if self._channel is old:
+                self._channel, self._push = new, self._callable(new)
+            self._cond.notify_all()
+
+    # -- answers (gRPC's threads) --------------------------------------------------
+
+    def _answered(self, key: int, future: grpc.Future) -> None:
+        now = time.monotonic()
+        with self._cond:
+            call = self._inflight.pop(key, None)
+            self._cond.notify_all()
+            if call is None:
+                return  # stalled: it went again on a new connection
+            if not future.cancelled() and future.exception() is None:
+                self._clock.acknowledged(call.at, call.size, now)
+                self._losses, self._wait_for_ready = 0, True
+                reply = future.result()
+                answer: tuple | None = (ACCEPTED, reply.accepted + reply.corrupt)
+            else:
+                answer = self._failed_locked(call, future, now)
+        if answer is None:
+            return
+        if isinstance(answer[0], BaseException):
+            for rnd in answer[1]:
+                rnd.failed(answer[0])
+        else:
+            call.rnd.acknowledged(*answer)
+
+    def _failed_locked(self, call: _Call, future: grpc.Future, now: float) -> tuple | None:
+        """What a failed call means: None when its chunk goes again, else the error and
+        the rounds it fails."""
+        exc = future.exception() if not future.cancelled() else None
+        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.CANCELLED
+        details = (exc.details() if isinstance(exc, grpc.Call) else "") or ""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _BUSY in details:
+            self._queue.appendleft((call.rnd, call.frame))  # the peer's slots were busy
+            self._not_before = now + BUSY_RETRY_S
+            return None
+        # Lost: the connection broke, or the peer's lane cancelled the call (it is
+        # stopping: a lane that went away fails the calls made again at once). A call
+        # of this side's own (the peer closed, ClosedChannelError) ends the round.
+        lost = code == grpc.StatusCode.UNAVAILABLE or (
+            code == grpc.StatusCode.CANCELLED
+            and isinstance(exc, grpc.Call)
+            and not isinstance(exc, ClosedChannelError)
+        )
+        if not lost or now >= call.rnd.deadline:
+            return exc or grpc.FutureCancelledError(), [call.rnd]
+        if call.generation == self._generation:  # the first news of this loss
+            self._generation += 1
+            self._losses += 1
+            self._wait_for_ready = False  # a peer that went away fails the next at once
+            self._not_before = now + BUSY_RETRY_S * self._losses
+            if self._losses > MAX_LOSSES:
+                self._losses = 0  # a later round tries afresh (the peer may be back)
+                rounds = {id(c.rnd): c.rnd for c in self._inflight.values()}
+                rounds.update((id(r), r) for r, _ in self._queue)
+                rounds[id(call.rnd)] = call.rnd
+                self._queue = deque(i for i in self._queue if id(i[0]) not in rounds)
+                return exc, list(rounds.values())
+            log.warning("connection %s lost (%s); its chunks go again", self._name, details)
+            call.rnd.stalled()
+        self._queue.appendleft((call.rnd, call.frame))
+        return None

@@ -37,8 +37,8 @@ from isthmus.inter.data.wire import Chunk, Frame
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
-    from isthmus.inter.data.bulk_peer import BulkPeerRound
-    from isthmus.inter.data.lane_peer import LanePeer, PeerRound
+    from isthmus.inter.data.lane_peer import LanePeer
+    from isthmus.inter.data.peer_round import PeerRound
 
 __all__ = [
     "AbortSignal",
@@ -127,7 +127,7 @@ class RoundPipeline:
         self._running = RunningTasks()
         self._errors: list[BaseException] = []
         self._failed = threading.Event()
-        self._rounds: dict[int, PeerRound | BulkPeerRound] = {}
+        self._rounds: dict[int, PeerRound] = {}
         self.pool_lost = False
         """The pool refused a task: it was shut down (its owner makes a new one)."""
 

@@ -25,8 +25,8 @@ from isthmus.inter.data.wire import Chunk
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
-    from isthmus.inter.data.bulk_peer import BulkPeerRound
-    from isthmus.inter.data.lane_peer import LanePeer, PeerRound
+    from isthmus.inter.data.lane_peer import LanePeer
+    from isthmus.inter.data.peer_round import PeerRound
 
 __all__ = ["pull_intact", "tell_peers_abort", "wait_acks"]
 
@@ -112,7 +112,7 @@ def pull_intact(
 
 def wait_acks(
     site: int,
-    rnd: PeerRound | BulkPeerRound,
+    rnd: PeerRound,
     deadline: float,
     raise_failures: Callable[[], None],
     where: str,

@@ -19,6 +19,7 @@ from isthmus.deploy.chaos.suite import (
     run_scenario,
     unfit_scenarios,
 )
+from isthmus.deploy.commands.certs import write_certs
 
 QUICK = [s for s in SCENARIOS if s.quick]
 
@@ -73,6 +74,27 @@ def test_forged_calls_are_found_out_in_streaming_mode(tmp_path):
     scenario = next(s for s in SCENARIOS if s.name == "forge")
     result = run_scenario(scenario, tmp_path, overrides=OUTER_MODES["streaming"])
     assert result.ok, result.why
+    assert len(set(result.digests.values())) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_under_mutual_tls_a_stalled_flow_costs_no_retry(tmp_path):
+    """stall-flow with mutual TLS, where chunks are ``PushChunks`` calls: each held
+    connection's oldest call misses its deadline and its chunks go on a new one; no
+    step is retried and the replicas end equal (before, the tiny model's small rounds
+    never noticed the stall and every one failed at its timeout)."""
+    certs = tmp_path / "certs"
+    write_certs(certs, ["site0", "site1"])
+    tls = (
+        f"security.certs_dir={certs}",
+        "security.require_tls=true",
+        "security.require_token=true",
+    )
+    scenario = next(s for s in SCENARIOS if s.name == "stall-flow")
+    result = run_scenario(scenario, tmp_path / "run", overrides=tls)
+    assert result.ok, result.why
+    assert result.stalled_flows >= 1 and result.retries == 0
     assert len(set(result.digests.values())) == 1
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from lanes import inputs, run_all, same_bits, sites, two_sites_over
 
-from isthmus.inter.data.bulk_peer import BulkPeerRound
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.codecs.int8 import BLOCK
-from isthmus.inter.data.lane_peer import LanePeer, PeerRound
+from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.peer_round import PeerRound
 from isthmus.inter.data.round_types import NonFiniteGradient, PeerAborted
 from isthmus.inter.data.wire import Frame
 from isthmus.proto import lane_pb2
@@ -41,15 +41,14 @@ def corrupt_every(monkeypatch: pytest.MonkeyPatch):
     sent = {"n": 0, "every": 0}
     counter = itertools.count(1)
     lock = threading.Lock()
-    for cls in (PeerRound, BulkPeerRound):  # either transport
 
-        def send(self, frame: Frame, original=cls.send) -> None:
-            with lock:
-                hit = sent["every"] and next(counter) % sent["every"] == 0
-                sent["n"] += bool(hit)
-            original(self, Frame.from_message(_flipped(frame.joined())) if hit else frame)
+    def send(self, frame: Frame, original=PeerRound.send) -> None:  # either transport
+        with lock:
+            hit = sent["every"] and next(counter) % sent["every"] == 0
+            sent["n"] += bool(hit)
+        original(self, Frame.from_message(_flipped(frame.joined())) if hit else frame)
 
-        monkeypatch.setattr(cls, "send", send)
+    monkeypatch.setattr(PeerRound, "send", send)
     return sent
 
 
@@ -142,22 +141,21 @@ def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
     seen: set[tuple] = set()
     forged = {"n": 0}
     lock = threading.Lock()
-    for cls in (PeerRound, BulkPeerRound):
 
-        def send(self, frame: Frame, original=cls.send) -> None:
-            chunk = lane_pb2.PushChunksRequest.FromString(frame.joined())
-            key = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
-            with lock:
-                first = key not in seen
-                seen.add(key)
-                forged["n"] += first
-            if first:
-                chunk.payload = _forged(chunk.codec, chunk.num_elements)
-                chunk.crc32 = crc32(chunk.payload)
-                frame = Frame.from_message(chunk.SerializeToString())
-            original(self, frame)
+    def send(self, frame: Frame, original=PeerRound.send) -> None:
+        chunk = lane_pb2.PushChunksRequest.FromString(frame.joined())
+        key = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
+        with lock:
+            first = key not in seen
+            seen.add(key)
+            forged["n"] += first
+        if first:
+            chunk.payload = _forged(chunk.codec, chunk.num_elements)
+            chunk.crc32 = crc32(chunk.payload)
+            frame = Frame.from_message(chunk.SerializeToString())
+        original(self, frame)
 
-        monkeypatch.setattr(cls, "send", send)
+    monkeypatch.setattr(PeerRound, "send", send)
     return forged
 
 

@@ -12,8 +12,10 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import wait_until
+from lanes import CHUNK, inputs, run_all, sites
 
 from isthmus.inter.data.lane import PASS_METADATA, PULL_STATE_WAITS, RESERVED_THREADS, LaneServer
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -104,3 +106,19 @@ def test_one_site_holds_only_its_share_of_the_streams():
     finally:
         release.set()
         server.stop(0)
+
+
+@pytest.mark.timeout(30)
+def test_one_chunk_calls_the_peer_has_no_slot_for_go_again_later() -> None:
+    """On gRPC each chunk is a ``PushChunks`` call of its own (push_round.py), two in
+    flight a connection: a lane with one stream slot refuses the calls past it
+    (RESOURCE_EXHAUSTED, its threads busy), and those go again 50 ms later instead of
+    failing the round."""
+    with sites(2, connections=3, transport="grpc", max_workers=RESERVED_THREADS + 1) as ars:
+        data = inputs(2, [40 * CHUNK // 4], seed=4)  # 40 chunks, 20 each way
+        want = data[0][0] + data[1][0]
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
+        busy = sum(ar.server.refusals.count for ar in ars)
+        assert busy > 0  # calls were turned away (and went again)
