@@ -3,8 +3,9 @@
 
 A :class:`StreamConnection` is one gRPC connection (a channel of its own) to a peer's
 lane, shared by that peer's rounds (each a
-:class:`~isthmus.inter.data.peer_round.PeerRound`). Each chunk is one call, answered
-when the peer's lane has stored it; :data:`CALLS_PER_CONNECTION` are in flight at once
+:class:`~isthmus.inter.data.peer_round.PeerRound`). Each chunk is one call (or several
+small ones of a round queued behind each other, up to :data:`BATCH_BYTES`), answered
+when the peer's lane has stored them; :data:`CALLS_PER_CONNECTION` are in flight at once
 (the next on the wire while the last one's answer comes back), the rest queue in order.
 The oldest call in flight has a deadline from its size and the connection's measured
 rate (:class:`~isthmus.inter.data.flow_clock.FlowClock`, the bulk port's rule). A
@@ -56,6 +57,9 @@ back; more would share the connection and end every chunk late."""
 MAX_LOSSES = 4
 """Times in a row a connection may be lost (UNAVAILABLE) before the rounds with chunks on
 it fail: a link that keeps losing connections, or a peer that is gone, is down."""
+BATCH_BYTES = 4 << 20
+"""Payload bytes of one call at most when chunks of one round queue behind each other
+(small chunks: a short link's bandwidth-delay product, chunk_size.py)."""
 BUSY_RETRY_S = 0.05
 """How long a chunk the peer had no stream slot for waits before it goes again."""
 _BUSY = "PushChunks stream slots"  # in the details of the lane's slot refusal (WaitSlots)
@@ -66,7 +70,7 @@ class _Call:
     """A chunk on the wire of a connection, not yet answered."""
 
     rnd: PeerRound
-    frame: Frame
+    frames: list[Frame]
     at: float
     """When the call was made (time.monotonic())."""
     generation: int
@@ -75,11 +79,12 @@ class _Call:
 
     @property
     def size(self) -> int:
-        return self.frame.payload_bytes + len(self.frame.header)
+        return sum(f.payload_bytes + len(f.header) for f in self.frames)
 
 
-def _one(frame: Frame) -> Iterator[bytes]:
-    yield frame.joined()  # the payload's one copy, on gRPC's sending thread
+def _joined(frames: list[Frame]) -> Iterator[bytes]:
+    for frame in frames:
+        yield frame.joined()  # the payload's one copy, on gRPC's sending thread
 
 
 class StreamConnection:
@@ -163,8 +168,8 @@ class StreamConnection:
             else:
                 self._call(*item)
 
-    def _next_locked(self) -> tuple[PeerRound, Frame] | list[_Call] | None:
-        """Waits for a chunk to call with, or for the oldest call's deadline to pass
+    def _next_locked(self) -> tuple[PeerRound, list[Frame]] | list[_Call] | None:
+        """Waits for chunks to call with, or for the oldest call's deadline to pass
         (then the calls in flight, taken out of it); None once closed."""
         while not self._closed:
             now = time.monotonic()
@@ -176,7 +181,7 @@ class StreamConnection:
                 return self._take_inflight_locked()
             if self._queue and len(self._inflight) < CALLS_PER_CONNECTION:
                 if now >= self._not_before:
-                    return self._queue.popleft()
+                    return self._batch_locked()
                 due = min(due, self._not_before)
             # Waking at least every half second: cheap, and a missed notify costs little.
             self._cond.wait(min(due - now, 0.5))
@@ -186,22 +191,36 @@ class StreamConnection:
         """The calls in flight, put first in the queue again on a new generation."""
         calls = list(self._inflight.values())
         self._inflight.clear()
-        self._queue.extendleft((c.rnd, c.frame) for c in reversed(calls))
+        self._queue.extendleft((c.rnd, f) for c in reversed(calls) for f in reversed(c.frames))
         self._generation += 1
         return calls
 
-    def _call(self, rnd: PeerRound, frame: Frame) -> None:
+    def _batch_locked(self) -> tuple[PeerRound, list[Frame]]:
+        """The queue's first chunk and those of its round right behind it, up to
+        :data:`BATCH_BYTES`: one call for several small chunks (a call costs a handler
+        thread's turn at the peer and a few hundred microseconds here)."""
+        rnd, frame = self._queue.popleft()
+        frames, size = [frame], frame.payload_bytes
+        while self._queue and self._queue[0][0] is rnd:
+            nxt = self._queue[0][1]
+            if size + nxt.payload_bytes > BATCH_BYTES:
+                break
+            frames.append(self._queue.popleft()[1])
+            size += nxt.payload_bytes
+        return rnd, frames
+
+    def _call(self, rnd: PeerRound, frames: list[Frame]) -> None:
         if rnd.failure() is not None:
             return  # a failed round's chunks still queued: nobody waits for them
         with self._cond:
             key, self._keys = self._keys, self._keys + 1
-            call = _Call(rnd, frame, time.monotonic(), self._generation)
+            call = _Call(rnd, frames, time.monotonic(), self._generation)
             self._inflight[key] = call  # counted in flight before the call is made
             push, ready = self._push, self._wait_for_ready
         try:
             metadata = self._metadata(rnd.deadline)
             future = push.future(
-                _one(frame),
+                _joined(frames),
                 timeout=max(0.001, rnd.deadline - time.monotonic()),
                 wait_for_ready=ready,
                 metadata=metadata or None,
@@ -226,9 +245,9 @@ class StreamConnection:
             self.stalls += 1
             old = self._channel
         log.warning(
-            "connection %s stalled: a %.2f MB chunk unanswered after %.1fs (its deadline: "
+            "connection %s stalled: a call of %.2f MB unanswered after %.1fs (its deadline: "
             "%.1fs at %.0f MB/s); its %d chunk(s) in flight go again on a new connection",
-            self._name, oldest.frame.payload_bytes / 1e6, time.monotonic() - began,
+            self._name, oldest.size / 1e6, time.monotonic() - began,
             allowed, (self._clock.rate or FIRST_RATE_BPS) / 1e6, len(calls),
         )  # fmt: skip
         self._new_channel(old)
@@ -272,7 +291,7 @@ class StreamConnection:
         code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.CANCELLED
         details = (exc.details() if isinstance(exc, grpc.Call) else "") or ""
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _BUSY in details:
-            self._queue.appendleft((call.rnd, call.frame))  # the peer's slots were busy
+            self._requeue_locked(call)  # the peer's slots were busy
             self._not_before = now + BUSY_RETRY_S
             return None
         # Lost: the connection broke, or the peer's lane cancelled the call (it is
@@ -299,5 +318,9 @@ class StreamConnection:
                 return exc, list(rounds.values())
             log.warning("connection %s lost (%s); its chunks go again", self._name, details)
             call.rnd.stalled()
-        self._queue.appendleft((call.rnd, call.frame))
+        self._requeue_locked(call)
         return None
+
+    def _requeue_locked(self, call: _Call) -> None:
+        """``call``'s chunks first in the queue again."""
+        self._queue.extendleft((call.rnd, f) for f in reversed(call.frames))
