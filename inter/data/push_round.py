@@ -4,7 +4,7 @@
 A :class:`StreamConnection` is one gRPC connection (a channel of its own) to a peer's
 lane, shared by that peer's rounds (each a
 :class:`~isthmus.inter.data.peer_round.PeerRound`). Each chunk is one call (or several
-small ones of a round queued behind each other, up to :data:`BATCH_BYTES`), answered
+of a round queued behind each other, up to :data:`BATCH_BYTES`), answered
 when the peer's lane has stored them; :data:`CALLS_PER_CONNECTION` are in flight at once
 (the next on the wire while the last one's answer comes back), the rest queue in order.
 The oldest call in flight has a deadline from its size and the connection's measured
@@ -57,9 +57,10 @@ back; more would share the connection and end every chunk late."""
 MAX_LOSSES = 4
 """Times in a row a connection may be lost (UNAVAILABLE) before the rounds with chunks on
 it fail: a link that keeps losing connections, or a peer that is gone, is down."""
-BATCH_BYTES = 4 << 20
-"""Payload bytes of one call at most when chunks of one round queue behind each other
-(small chunks: a short link's bandwidth-delay product, chunk_size.py)."""
+BATCH_BYTES = 16 << 20
+"""Payload bytes of one call at most when chunks of one round queue behind each other:
+fewer calls (each costs a thread at both ends and a stream), while the peer still stores
+each chunk as it arrives."""
 BUSY_RETRY_S = 0.05
 """How long a chunk the peer had no stream slot for waits before it goes again."""
 _BUSY = "PushChunks stream slots"  # in the details of the lane's slot refusal (WaitSlots)
@@ -182,7 +183,7 @@ class StreamConnection:
             if self._queue and len(self._inflight) < CALLS_PER_CONNECTION:
                 if now >= self._not_before:
                     return self._batch_locked()
-                due = min(due, self._not_before)
+                due = min(due, self._not_before)  # in the future: no busy wait
             # Waking at least every half second: cheap, and a missed notify costs little.
             self._cond.wait(min(due - now, 0.5))
         return None
@@ -197,8 +198,7 @@ class StreamConnection:
 
     def _batch_locked(self) -> tuple[PeerRound, list[Frame]]:
         """The queue's first chunk and those of its round right behind it, up to
-        :data:`BATCH_BYTES`: one call for several small chunks (a call costs a handler
-        thread's turn at the peer and a few hundred microseconds here)."""
+        :data:`BATCH_BYTES`, for one call."""
         rnd, frame = self._queue.popleft()
         frames, size = [frame], frame.payload_bytes
         while self._queue and self._queue[0][0] is rnd:
