@@ -1,7 +1,8 @@
 """Multi-process helpers for tests on real gloo process groups, and two gradient syncs
 (intra.train.GradientSync) for the training step's tests.
 
-Each worker is a spawned process with one thread; results come back through
+Each worker is a process with one thread, forked from a forkserver that has imported
+torch and the training code once (``context``); results come back through
 ``torch.save`` files.
 """
 
@@ -13,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +28,68 @@ from isthmus.intra.data import Corpus
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "numpy",
+    "pytest",
+    "isthmus.intra.checkpoint",
+    "isthmus.intra.moe_dispatch",
+    "isthmus.intra.outer",
+    "isthmus.intra.state",
+    "isthmus.intra.train",
+    "helpers",
+    "dist_helpers",
+]
+"""What the forkserver imports before it forks the first worker. A spawned worker
+imported torch and these modules itself, 3-4 s of CPU each on the 2-core CI machine,
+every worker of every test; a forked one has them. Importing them starts no thread
+and no process group, and torch's intra-op pool starts on a first parallel op, never
+at import: the forkserver stays one thread, which is what makes forking it safe."""
+
+_context: BaseContext | None = None
+
+
+def context() -> BaseContext:
+    """The multiprocessing context of the tests' workers: a forkserver (one per pytest
+    process, started at its first worker) that has imported ``PRELOAD``. A worker still
+    unpickles its function as a spawned one does (the test module is imported again in
+    it, from the same ``sys.path`` and working directory)."""
+    global _context
+    if _context is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _context = ctx
+    return _context
+
 
 def random_corpus() -> Corpus:
     rng = np.random.default_rng(0)
     return Corpus(tokens=rng.integers(0, 256, 20000, dtype=np.uint8), name="random")
 
 
-def _entry(fn: Callable[..., Any], rank: int, out: str, args: tuple) -> None:
+def _in_test_env(fn: Callable[..., Any], env: dict[str, str], args: tuple) -> None:
+    # The forkserver's environment is the one it started with (in whichever test that
+    # was); a spawned worker had the environment of its own test: ISTHMUS_HOME, a
+    # monkeypatched variable.
+    os.environ.clear()
+    os.environ.update(env)
     torch.set_num_threads(1)
+    fn(*args)
+
+
+def process(fn: Callable[..., Any], *args: Any) -> BaseProcess:
+    """A daemon worker (not started yet) that runs ``fn(*args)`` with one intra-op
+    thread and the environment the test has now, forked from ``context()``."""
+    return context().Process(target=_in_test_env, args=(fn, dict(os.environ), args), daemon=True)
+
+
+def _entry(fn: Callable[..., Any], rank: int, out: str, args: tuple) -> None:
     torch.save(fn(rank, *args), out)
     # The result is on disk. Leave without the interpreter's teardown: process groups
     # still referenced by meshes and DTensors are then destroyed in no particular order,
@@ -46,16 +103,12 @@ def _entry(fn: Callable[..., Any], rank: int, out: str, args: tuple) -> None:
 def spawn(
     fn: Callable[..., Any], nprocs: int, tmp_path: Path, *args: Any, timeout: float = 90
 ) -> list[Any]:
-    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes; return their results.
+    """Run ``fn(rank, *args)`` in ``nprocs`` worker processes; return their results.
 
     Workers still running ``timeout`` seconds after the start are killed (a hang fails).
     """
-    ctx = mp.get_context("spawn")
     outs = [tmp_path / f"{fn.__name__}-{r}.pt" for r in range(nprocs)]
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, str(outs[r]), args), daemon=True)
-        for r in range(nprocs)
-    ]
+    procs = [process(_entry, fn, r, str(outs[r]), args) for r in range(nprocs)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

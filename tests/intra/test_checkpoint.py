@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from dist_helpers import init_gloo, random_corpus, shutdown, spawn
+from dist_helpers import init_gloo, process, random_corpus, shutdown, spawn
 from helpers import fake_checkpoint
 
 from isthmus.intra import checkpoint
@@ -173,7 +172,6 @@ def test_a_changed_byte_or_a_foreign_key_is_refused_naming_the_file(tmp_path: Pa
 
 
 def _crash_worker(rank: int, world: int, store: str, root: str, record: str) -> None:
-    torch.set_num_threads(1)
     init_gloo(rank, world, store)
     trainer, data = _trainer(ParallelLayout(dp=2))
     for step in range(2):
@@ -215,9 +213,8 @@ def _load_worker(rank: int, world: int, store: str, root: str) -> dict[str, Any]
 @pytest.mark.timeout(180)
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path: Path) -> None:
     root, record = tmp_path / "ckpt", str(tmp_path / "digest-")
-    ctx = mp.get_context("spawn")
     args = (2, str(tmp_path / "store"), str(root), record)
-    procs = [ctx.Process(target=_crash_worker, args=(r, *args), daemon=True) for r in range(2)]
+    procs = [process(_crash_worker, r, *args) for r in range(2)]
     for p in procs:
         p.start()
     partial = root / "step-00000004.partial"
