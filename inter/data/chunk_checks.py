@@ -16,6 +16,7 @@ __all__ = [
     "STREAM_PING_S",
     "STREAM_PING_TIMEOUT_S",
     "Refused",
+    "STREAM_WINDOW_BYTES",
     "channel_options",
     "max_payload_bytes",
     "stream_keepalive",
@@ -36,10 +37,23 @@ def max_payload_bytes(chunk_bytes: int) -> int:
     return chunk_bytes + chunk_bytes // 128 + 1024
 
 
+STREAM_WINDOW_BYTES = 32 << 20
+"""What a lane's gRPC stream may have in flight before its receiver reads it (HTTP/2's
+per-stream window, ``grpc.http2.lookahead_bytes``; gRPC's default is 64 KiB). Each
+``PushChunks`` call is a new stream of up to half this (push_round.py); at the default
+window one H200 host moved 0.40 GB/s of raw fp32 under TLS, at this one 0.44, level with
+the streams a round held open (0.45-0.47) (docs/benchmarks.md, 2026-12-03)."""
+
+
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    """gRPC message size limits for a lane of ``chunk_bytes`` chunks (server and clients)."""
+    """gRPC message size limits and stream window for a lane of ``chunk_bytes`` chunks
+    (server and clients)."""
     limit = max_payload_bytes(chunk_bytes) + _HEADROOM
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+    ]
 
 
 STREAM_PING_S = 2.0

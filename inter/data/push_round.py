@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import grpc
 
 from isthmus.inter.data.bulk import ACCEPTED
+from isthmus.inter.data.chunk_checks import STREAM_WINDOW_BYTES
 from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, FlowClock
 from isthmus.inter.data.peer_round import PeerRound
 from isthmus.inter.data.wire import Frame
@@ -57,10 +58,11 @@ back; more would share the connection and end every chunk late."""
 MAX_LOSSES = 4
 """Times in a row a connection may be lost (UNAVAILABLE) before the rounds with chunks on
 it fail: a link that keeps losing connections, or a peer that is gone, is down."""
-BATCH_BYTES = 16 << 20
-"""Payload bytes of one call at most when chunks of one round queue behind each other:
-fewer calls (each costs a thread at both ends and a stream), while the peer still stores
-each chunk as it arrives."""
+BATCH_BYTES = STREAM_WINDOW_BYTES // 2
+"""Payload bytes of one call at most when chunks of one round queue behind each other
+(16 MiB): fewer calls (each a stream and a thread at both ends), while the peer still
+stores each chunk as it arrives; half a stream's window, so a call's bytes are on the
+wire before its answer is waited for."""
 BUSY_RETRY_S = 0.05
 """How long a chunk the peer had no stream slot for waits before it goes again."""
 _BUSY = "PushChunks stream slots"  # in the details of the lane's slot refusal (WaitSlots)
