@@ -127,8 +127,6 @@ class StreamConnection:
         self._not_before = 0.0  # a chunk the peer was too busy for waits until then
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.stalls = 0
-        """Times this connection stalled and its calls went again on a new one."""
 
     @staticmethod
     def _callable(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
@@ -238,13 +236,13 @@ class StreamConnection:
 
     def _stalled(self, calls: list[_Call]) -> None:
         """The oldest call missed its deadline: a new channel, the calls in flight
-        first on it (queued by :meth:`_take_inflight_locked`), the old one closed."""
+        first on it (queued by :meth:`_take_inflight_locked`); the lane peer closes the
+        old one a little later (``LanePeer._renew``)."""
         oldest = calls[0]
         with self._cond:
             began = self._clock.began(oldest.at)
             allowed = self._clock.allowed(oldest.size)
             self._clock.stalled()
-            self.stalls += 1
             old = self._channel
         log.warning(
             "connection %s stalled: a call of %.2f MB unanswered after %.1fs (its deadline: "
