@@ -35,31 +35,32 @@ one connection, for as many rounds as the lane lives:
 
 The listener (server side) is here; the sending side is :mod:`isthmus.inter.data.bulk_peer`.
 
-Payloads cross in the clear: a lane with mutual TLS refuses ``OpenBulk`` and its
-peers send on ``PushChunks`` inside TLS. Every read is bounded (frame length, hello
+A lane with mutual TLS runs all of this inside TLS 1.3 (:mod:`isthmus.inter.data.bulk_stream`):
+the connection's first bytes are the handshake, both sides present a certificate of
+the job CA, and the ticket's holder must be a site the client's certificate names.
+Without TLS payloads cross in the clear. Every read is bounded (frame length, hello
 size, timeouts), so a silent or hostile peer costs one thread, never the job.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable
 
 import grpc
-import numpy as np
 
 from isthmus.inter.bounds import RefusalLog
-from isthmus.inter.data import wirecore
+from isthmus.inter.data.bulk_stream import PlainStream, Stream, TlsStream, empty, shut, tune
 from isthmus.inter.data.codecs.base import crc32 as crc32c
 from isthmus.inter.data.wire import Chunk, Frame, WireError, parse_header
-from isthmus.inter.data.wirecore import recv_payload
+from isthmus.inter.data.wirecore import FrameClosed
 
 __all__ = [
     "BulkError",
@@ -119,52 +120,12 @@ class BulkRefused(grpc.RpcError):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-USER_TIMEOUT_S = 30.0
-"""A bulk connection whose sent bytes go unacknowledged this long is dropped by the
-kernel (``TCP_USER_TIMEOUT``), and one idle that long is probed (keepalive): a peer
-that vanished (a host down, a cable cut) fails the connection, not a thread forever."""
-
-
-def tune(sock: socket.socket) -> None:
-    # Buffer sizes are left to the kernel: setting SO_RCVBUF turns its autotuning off
-    # and is capped by net.core.rmem_max (often 208 KiB), which would cap a long link
-    # at rmem_max / RTT (0.2 MiB over 10 ms: 170 Mbit/s per connection).
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(USER_TIMEOUT_S * 1000))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, int(USER_TIMEOUT_S))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-
-
-def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    """Writes ``parts`` in order with scatter-gather ``sendmsg``: no joined copy."""
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = sock.sendmsg(views)
-        while n:
-            if n >= len(views[0]):
-                n -= len(views.pop(0))
-            else:
-                views[0] = views[0][n:]
-                n = 0
-
-
-def _empty(size: int) -> memoryview:
-    """``size`` writable bytes, not zeroed: every byte is received before it is read.
-    (Pinned memory here, for a CUDA round to copy from without a staging copy, was
-    measured slower: 1.4-1.5 GB/s of raw CUDA rounds against 1.7-1.8, 2026-11-29.)"""
-    array = np.empty(size, dtype=np.uint8)
-    # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12.
-    return memoryview(array).cast("B")  # type: ignore[arg-type]
-
-
-def read_exact(sock: socket.socket, buf: memoryview) -> None:
-    """Fills ``buf`` from ``sock``; raises BulkError if the peer closes first."""
+def read_exact(stream: Stream, buf: memoryview, timeout: float | None = None) -> None:
+    """Fills ``buf`` from ``stream``; raises BulkError if the peer closes first,
+    TimeoutError after ``timeout`` s without a byte (None: never)."""
     try:
-        wirecore.read_exact(sock, buf)
-    except wirecore.FrameClosed as exc:
+        stream.read_exact(buf, timeout)
+    except FrameClosed as exc:
         raise BulkError(str(exc)) from None
 
 
@@ -234,6 +195,10 @@ class BulkListener:
         max_frame: the largest payload accepted, in bytes.
         where: who listens, for log lines.
         tickets: the lane's tickets (granted by ``OpenBulk``); default a new set.
+        tls: the listener's TLS context (``bulk_stream.server_context``): every
+            connection then runs the framing inside mutual TLS; None: plain TCP.
+        vouch: with TLS, whether a certificate's DNS names vouch for a ticket's
+            holder (a site's name); a connection whose do not is refused.
     """
 
     def __init__(
@@ -244,8 +209,12 @@ class BulkListener:
         where: str,
         refusals: RefusalLog | None = None,
         tickets: Tickets | None = None,
+        tls: ssl.SSLContext | None = None,
+        vouch: Callable[[str, frozenset[str]], bool] | None = None,
     ) -> None:
         self.tickets = tickets or Tickets()
+        self._tls = tls
+        self._vouch = vouch if tls is not None else None
         self.refusals = refusals or RefusalLog(where)
         """Connections turned away, logged once per caller and reason a minute."""
         self._waiting: dict[socket.socket, str] = {}  # no ticket yet, oldest first
@@ -267,6 +236,8 @@ class BulkListener:
         while not self._stopped.is_set():
             try:
                 conn, addr = self._sock.accept()
+                if self._tls is not None:  # no I/O yet: the handshake is the thread's
+                    conn = TlsStream.wrap(conn, self._tls, server_side=True)
             except OSError as exc:
                 if self._stopped.is_set():
                     return  # closed by stop()
@@ -289,8 +260,7 @@ class BulkListener:
                 self.refusals.note(
                     who, f"bulk connection closed: {MAX_UNTICKETED} newer ones wait for a ticket"
                 )
-                with contextlib.suppress(OSError):
-                    oldest.shutdown(socket.SHUT_RDWR)  # its thread ends and closes it
+                shut(oldest)  # its thread ends and closes it
             threading.Thread(
                 target=self._handle, args=(conn, addr), name="lane-bulk-rx", daemon=True
             ).start()
@@ -298,12 +268,17 @@ class BulkListener:
     def _handle(self, conn: socket.socket, addr: tuple) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         ticketed = False
+        stream: Stream = PlainStream(conn)
         try:
             try:
                 tune(conn)
-                conn.settimeout(HELLO_TIMEOUT_S)
+                if self._tls is not None:
+                    tls = self._handshake(conn, peer)
+                    if tls is None:
+                        return
+                    stream = tls
                 hello = bytearray(len(MAGIC) + TICKET_BYTES)
-                read_exact(conn, memoryview(hello))
+                read_exact(stream, memoryview(hello), HELLO_TIMEOUT_S)
             finally:
                 with self._lock:
                     self._waiting.pop(conn, None)
@@ -312,26 +287,32 @@ class BulkListener:
             if hello[: len(MAGIC)] == _MAGIC_V1:
                 why = "bulk framing version 1; this lane speaks version 2: upgrade that site"
                 self.refusals.note(peer, f"bulk connection refused: {why}")
-                self._refuse(conn, grpc.StatusCode.FAILED_PRECONDITION, why)
+                self._refuse(stream, grpc.StatusCode.FAILED_PRECONDITION, why)
                 return
             if holder is None:
                 self.refusals.note(peer, "bulk connection refused: no valid ticket")
-                self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "no valid bulk ticket")
+                self._refuse(stream, grpc.StatusCode.UNAUTHENTICATED, "no valid bulk ticket")
+                return
+            if self._vouch is not None and not self._vouch(holder, stream.peer_names):
+                # A ticket is the site's; under TLS its certificate must say so too.
+                why = f"a ticket of site {holder[:64]!r} on a certificate that does not name it"
+                self.refusals.note(peer, f"bulk connection refused: {why}")
+                self._refuse(stream, grpc.StatusCode.PERMISSION_DENIED, why)
                 return
             ticketed = self._ticketed.acquire(blocking=False)
             if not ticketed:
                 why = f"{MAX_CONNECTIONS} bulk connections are open already"
                 self.refusals.note(peer, f"bulk connection refused: {why}")
-                self._refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                self._refuse(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
                 return
-            conn.sendall(bytes([OK]))
+            stream.send(bytes([OK]))
             head = bytearray(_HEAD.size)
             while not self._stopped.is_set():
-                conn.settimeout(None)  # rounds may be minutes apart; the lane's stop closes it
-                read_exact(conn, memoryview(head)[:1])
-                conn.settimeout(FRAME_STALL_S)  # a frame begun comes on, or is given up
-                read_exact(conn, memoryview(head)[1:])
-                if not self._frame(conn, head, peer, holder):
+                # Rounds may be minutes apart (the lane's stop closes the connection);
+                # a frame begun comes on, or is given up.
+                read_exact(stream, memoryview(head)[:1], None)
+                read_exact(stream, memoryview(head)[1:], FRAME_STALL_S)
+                if not self._frame(stream, head, peer, holder):
                     return
         except TimeoutError:
             why = (
@@ -348,16 +329,26 @@ class BulkListener:
             with self._lock:
                 self._conns.discard(conn)
                 self._waiting.pop(conn, None)
-            conn.close()
+            stream.close()
 
-    def _frame(self, conn: socket.socket, head: bytearray, peer: str, holder: str) -> bool:
+    def _handshake(self, conn: socket.socket, peer: str) -> TlsStream | None:
+        """Mutual TLS on an accepted connection; None (logged once per peer) when the
+        peer's certificate, or its lack of one, is refused."""
+        assert isinstance(conn, ssl.SSLSocket)
+        try:
+            return TlsStream.handshake(conn, HELLO_TIMEOUT_S)
+        except ssl.SSLError as exc:
+            self.refusals.note(peer, f"bulk connection refused: TLS handshake failed: {exc}")
+            return None
+
+    def _frame(self, stream: Stream, head: bytearray, peer: str, holder: str) -> bool:
         """Reads the frame whose record head is ``head`` and answers it; False once the
         connection was refused (and is to be closed)."""
         header_size, payload_size, header_crc, head_crc = _HEAD.unpack(head)
         if crc32c(memoryview(head)[:12]) != head_crc:
             why = "a frame's record head failed its checksum: frame boundaries lost"
             log.warning("%s: bulk connection from %s: %s", self._where, peer, why)
-            self._refuse(conn, grpc.StatusCode.DATA_LOSS, why)
+            self._refuse(stream, grpc.StatusCode.DATA_LOSS, why)
             return False
         if header_size > MAX_HEADER or payload_size > self._max_frame:
             why = (
@@ -365,47 +356,41 @@ class BulkListener:
                 f"{MAX_HEADER} + {self._max_frame}"
             )
             log.warning("%s: bulk frame from %s refused: %s", self._where, peer, why)
-            self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, why)
+            self._refuse(stream, grpc.StatusCode.INVALID_ARGUMENT, why)
             return False
         header = bytearray(header_size)
-        read_exact(conn, memoryview(header))
-        payload = _empty(payload_size)
+        read_exact(stream, memoryview(header), FRAME_STALL_S)
+        payload = empty(payload_size)
         if crc32c(header) != header_crc:
-            recv_payload(conn, payload, FRAME_STALL_S, f32=False)  # frame boundary kept
+            stream.recv_payload(payload, FRAME_STALL_S, f32=False)  # frame boundary kept
             with self._lock:
                 self.corrupt_frames += 1
             log.warning("%s: a bulk frame from %s failed its checksum", self._where, peer)
-            conn.sendall(bytes([RESEND]))
+            stream.send(bytes([RESEND]))
             return True
         try:
             chunk = parse_header(bytes(header))
         except WireError as exc:
             msg = f"malformed isthmus.v1.PushChunksRequest: {exc}"
             log.warning("%s: bulk frame from %s refused: %s", self._where, peer, msg)
-            self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, msg)
+            self._refuse(stream, grpc.StatusCode.INVALID_ARGUMENT, msg)
             return False
-        crc, finite = recv_payload(conn, payload, FRAME_STALL_S, f32=chunk.codec == "raw")
+        crc, finite = stream.recv_payload(payload, FRAME_STALL_S, f32=chunk.codec == "raw")
         chunk.payload, chunk.payload_crc, chunk.payload_finite = payload.toreadonly(), crc, finite
         status, code, why = self._accept(chunk, peer, holder)
         if status == REFUSED:
-            self._refuse(conn, code or grpc.StatusCode.INVALID_ARGUMENT, why)
+            self._refuse(stream, code or grpc.StatusCode.INVALID_ARGUMENT, why)
             return False
-        conn.sendall(bytes([status]))
+        stream.send(bytes([status]))
         return True
 
     @staticmethod
-    def _refuse(conn: socket.socket, code: grpc.StatusCode, why: str) -> None:
-        """Sends the refusal, then closes without a reset: a close with unread data
-        would send RST, and the peer could lose the refusal with the connection."""
+    def _refuse(stream: Stream, code: grpc.StatusCode, why: str) -> None:
+        """Sends the refusal, then closes without a reset (``Stream.refuse``)."""
         reason = why.encode("utf-8", errors="replace")[:1024]
-        with contextlib.suppress(OSError):
-            conn.sendall(bytes([REFUSED]) + _REFUSAL.pack(code.value[0], len(reason)) + reason)
-            conn.shutdown(socket.SHUT_WR)
-            conn.settimeout(LINGER_S)
-            deadline = time.monotonic() + LINGER_S
-            sink = bytearray(1 << 16)
-            while time.monotonic() < deadline and conn.recv_into(sink):
-                pass  # what the peer still had in flight, until it closes too
+        stream.refuse(
+            bytes([REFUSED]) + _REFUSAL.pack(code.value[0], len(reason)) + reason, LINGER_S
+        )
 
     def drop_connections(self) -> None:
         """Closes every open connection; the listener stays, and peers dial again."""
@@ -421,9 +406,9 @@ class BulkListener:
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
+            # Shut, not closed: its thread wakes and closes it (a descriptor closed under
+            # a thread still reading it could be another connection's a moment later).
+            shut(conn)
 
 
 def record_head(header: bytes, payload_bytes: int) -> bytes:
@@ -443,15 +428,15 @@ def frame_bytes(message: bytes) -> bytes:
     return b"".join(frame_parts(Frame.from_message(message)))
 
 
-def read_refusal(sock: socket.socket, status: int) -> BulkRefused:
+def read_refusal(stream: Stream, status: int) -> BulkRefused:
     if status != REFUSED:
         return BulkRefused(grpc.StatusCode.INTERNAL, f"unknown bulk status {status}")
     head = bytearray(_REFUSAL.size)
     try:
-        read_exact(sock, memoryview(head))
+        read_exact(stream, memoryview(head), LINGER_S)
         code, size = _REFUSAL.unpack(head)
         reason = bytearray(size)
-        read_exact(sock, memoryview(reason))
+        read_exact(stream, memoryview(reason), LINGER_S)
     except (OSError, BulkError):
         return BulkRefused(grpc.StatusCode.UNAVAILABLE, "refused (reason cut off)")
     return BulkRefused(_CODES.get(code, grpc.StatusCode.UNKNOWN), reason.decode(errors="replace"))

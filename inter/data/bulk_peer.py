@@ -9,11 +9,10 @@ left for a new one (docs/wire.md, "Deadlines per frame").
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import select
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -37,9 +36,8 @@ from isthmus.inter.data.bulk import (
     frame_parts,
     read_exact,
     read_refusal,
-    send_all,
-    tune,
 )
+from isthmus.inter.data.bulk_stream import PlainStream, Stream, TlsStream, tune
 from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, FlowClock
 from isthmus.inter.data.peer_round import PeerRound
 from isthmus.inter.data.wire import Frame
@@ -107,6 +105,7 @@ class BulkConnection:
             (the ticket is granted to this rank's own lane: ``LanePeer._open_bulk``).
         proxy: HTTP CONNECT proxy URL (the WAN emulator), or None.
         name: for thread names.
+        tls: the TLS context to dial with (``bulk_stream.client_context``), or None.
     """
 
     def __init__(
@@ -115,12 +114,14 @@ class BulkConnection:
         open_bulk: Callable[[float], tuple[int, bytes]],
         proxy: str | None,
         name: str,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._host, self._open_bulk, self._proxy, self._name = host, open_bulk, proxy, name
+        self._tls = tls
         self._cond = threading.Condition()
         self._queue: deque[tuple[PeerRound, Frame]] = deque()
         self._inflight: deque[_Sent] = deque()
-        self._sock: socket.socket | None = None
+        self._sock: Stream | None = None
         self._closed = False
         self._dial_lock = threading.Lock()
         self._clock = FlowClock()
@@ -148,7 +149,7 @@ class BulkConnection:
                 target=self._run, args=(deadline,), name=f"bulk-tx-{self._name}", daemon=True
             ).start()
 
-    def _connect(self, deadline: float) -> socket.socket:
+    def _connect(self, deadline: float) -> Stream:
         # Like gRPC's wait_for_ready: a peer still starting is retried until the deadline.
         delay = 0.05
         while True:
@@ -170,18 +171,22 @@ class BulkConnection:
             # Short: UNAVAILABLE also means the peer's round with this site has not
             # begun yet, and its ticket follows within moments of that.
             delay = min(delay * 2, 0.25)
+        stream: Stream = PlainStream(sock)
         try:
             tune(sock)
-            sock.settimeout(HELLO_TIMEOUT_S)
-            sock.sendall(MAGIC + ticket)
+            if self._tls is not None:
+                tls = TlsStream.wrap(sock, self._tls, server_side=False)
+                stream = TlsStream.handshake(tls, HELLO_TIMEOUT_S)
+            stream.send(MAGIC + ticket)
             answer = bytearray(1)
-            read_exact(sock, memoryview(answer))
+            read_exact(stream, memoryview(answer), HELLO_TIMEOUT_S)
             if answer[0] != OK:
-                raise read_refusal(sock, answer[0])
-            sock.settimeout(None)
-            return sock
+                raise read_refusal(stream, answer[0])
+            if isinstance(stream, PlainStream):
+                sock.settimeout(None)
+            return stream
         except BaseException:
-            sock.close()
+            stream.close()
             raise
 
     def _run(self, deadline: float) -> None:
@@ -209,7 +214,7 @@ class BulkConnection:
                     idle = not self._inflight
                 # A connection that sat idle may have been closed by the peer (a lane
                 # restart, a middlebox): find out before a frame is lost in it.
-                if idle and _peer_closed(sock):
+                if idle and sock.idle_closed():
                     self._fail(BulkError("the peer closed the idle connection"), sock)
                     return
                 with self._cond:
@@ -219,19 +224,17 @@ class BulkConnection:
                         return
                     rnd, frame = self._queue.popleft()
                     self._inflight.append(_Sent(rnd, frame, time.monotonic()))
-                send_all(sock, frame_parts(frame))  # one sendmsg: nothing joined
+                sock.send_parts(frame_parts(frame))  # from where the payload lies
         except OSError as exc:
             # The peer may have refused a frame and closed: its reason is what the
             # rounds should hear, so the reader gets a moment to read it first.
             reader.join(timeout=LINGER_S)
             self._fail(BulkError(f"sending failed: {exc}"), sock)
 
-    def _read_acks(self, sock: socket.socket) -> None:
+    def _read_acks(self, sock: Stream) -> None:
         status = bytearray(1)
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
         try:
-            while self._await_ack(sock, poller):
+            while self._await_ack(sock):
                 read_exact(sock, memoryview(status))
                 if status[0] == REFUSED:
                     raise read_refusal(sock, status[0])
@@ -255,7 +258,7 @@ class BulkConnection:
         except (OSError, BulkError, BulkRefused) as exc:
             self._fail(exc, sock)
 
-    def _await_ack(self, sock: socket.socket, poller: select.poll) -> bool:
+    def _await_ack(self, sock: Stream) -> bool:
         """Waits until an acknowledgement can be read (True), or until the oldest frame
         in flight misses its deadline: then the connection is given up as stalled and
         its frames go again on a new one (False; so does a connection replaced)."""
@@ -269,7 +272,7 @@ class BulkConnection:
                 self._stalled(sock, now)
                 return False
             # Waking at least every half second: a frame sent meanwhile sets a deadline.
-            if poller.poll(math.ceil(min(due - now, 0.5) * 1000)):
+            if sock.wait_readable(min(due - now, 0.5)):
                 return True
 
     def _due_locked(self) -> float:
@@ -284,7 +287,7 @@ class BulkConnection:
         size = item.frame.payload_bytes + len(item.frame.header)
         self._clock.acknowledged(item.at, size, now)
 
-    def _stalled(self, sock: socket.socket, now: float) -> None:
+    def _stalled(self, sock: Stream, now: float) -> None:
         """The oldest frame missed its deadline: the frames in flight go first on a new
         connection, this one is closed, and the rounds are told (``stalls``)."""
         with self._cond:
@@ -312,16 +315,13 @@ class BulkConnection:
             (self._clock.rate or FIRST_RATE_BPS) / 1e6,
             len(items),
         )
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)  # wakes this connection's sender thread
+        sock.shutdown()  # wakes this connection's sender thread
         sock.close()
         items[0].rnd.stalled()  # counted once, by the round whose frame missed it
         if redial is not None:
             self._ensure(redial)
 
-    def _fail(
-        self, exc: BaseException, sock: socket.socket | None, queued_too: bool = False
-    ) -> None:
+    def _fail(self, exc: BaseException, sock: Stream | None, queued_too: bool = False) -> None:
         """The connection is gone: rounds with frames in flight on it fail (those may
         or may not have arrived), and so do their queued frames; other rounds' queued
         frames were never sent and go out on a new connection."""
@@ -336,7 +336,7 @@ class BulkConnection:
             old, self._sock = self._sock, None
             redial = self._queue[0][0].deadline if self._queue and not self._closed else None
             self._cond.notify_all()
-        if isinstance(old, socket.socket):
+        if isinstance(old, PlainStream | TlsStream):
             old.close()
         for rnd in failed.values():
             rnd.failed(exc)
@@ -348,20 +348,9 @@ class BulkConnection:
             self._closed = True
             sock, self._sock = self._sock, None
             self._cond.notify_all()
-        if isinstance(sock, socket.socket):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        if isinstance(sock, PlainStream | TlsStream):
+            sock.shutdown()
             sock.close()
 
 
-_PENDING: socket.socket = object()  # type: ignore[assignment]  # dialling
-
-
-def _peer_closed(sock: socket.socket) -> bool:
-    """Whether the peer closed ``sock`` (a look at the receive queue, consuming nothing)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
+_PENDING: Stream = object()  # type: ignore[assignment]  # dialling

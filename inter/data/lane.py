@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots
 from isthmus.inter.control.channels import server_options
 from isthmus.inter.data.bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener, Tickets
+from isthmus.inter.data.bulk_stream import server_context
 from isthmus.inter.data.chunk_checks import (
     CRC_MISMATCH,
     Refused,
@@ -82,7 +83,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             streams nobody ends (issue 14, row 7) never take the threads of
             ``ResendChunk``, ``PullState``, ``OpenBulk`` and health checks.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
-        bulk: also take chunks on a plain TCP port (inter/data/bulk.py); never with TLS.
+        bulk: also take chunks on a TCP port of their own (inter/data/bulk.py), inside
+            mutual TLS when the security requires TLS.
         mailbox_bytes: payload bytes received chunks may hold while they wait for their
             round (``Mailbox``); None: unbounded. Give it room for two steps of this
             lane's traffic.
@@ -155,7 +157,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             raise OSError(f"could not bind lane server to {host}:{port}")
         self._address = f"{host}:{bound}"
         self._bulk: BulkListener | None = None
-        if bulk and not (security or INSECURE).require_tls:
+        if bulk:
             self._bulk = BulkListener(
                 host,
                 self._take_bulk,
@@ -163,6 +165,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 where=f"lane of site {site_index}",
                 refusals=self.refusals,
                 tickets=self.tickets,
+                tls=server_context(self.security),
+                vouch=self._vouches,
             )
         self._server.start()
         log.info("[site %d] lane server listening on %s", site_index, self._address)
@@ -356,6 +360,12 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 log.warning(msg)
             return REFUSED, exc.code, msg
         return ACCEPTED, None, ""
+
+    def _vouches(self, holder: str, names: frozenset[str]) -> bool:
+        """Whether a TLS certificate naming ``names`` may carry chunks on a ticket granted
+        to ``holder``: only if it names that site, where the membership names sites
+        (as :meth:`refuse_unless_sender` checks a gRPC call)."""
+        return self._members.site_names is None or holder in names
 
     def _take_bulk(
         self, req: Chunk, peer: str, holder: str

@@ -160,11 +160,13 @@ class LaneHandoff:
         """Grants a ticket to the lane of ``request.from_site`` that asked for it."""
         server = self._server
         members = server.members
-        if server.security.require_tls:
+        if server.security.require_tls and not server.bulk_port:
+            # Under TLS a ticket is only for the bulk port: a PushChunks call is vouched
+            # for by its certificate, and needs no pass.
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"lane of site {members.site_index} takes chunks on PushChunks only "
-                "(mutual TLS is on)",
+                "(mutual TLS is on and it has no bulk port)",
             )
         site = request.from_site
         if site >= members.num_sites or site == members.site_index:
@@ -172,6 +174,7 @@ class LaneHandoff:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"from_site {site} is not another member of {members.num_sites} sites",
             )
+        server.refuse_unless_sender(context, site, "OpenBulk")
         if len(request.nonce) != NONCE_BYTES:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

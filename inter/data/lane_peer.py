@@ -21,6 +21,7 @@ import grpc
 
 from isthmus.inter.data.bulk import TICKET_TTL_S, BulkRefused
 from isthmus.inter.data.bulk_peer import BulkConnection
+from isthmus.inter.data.bulk_stream import client_context
 from isthmus.inter.data.chunk_checks import stream_keepalive
 from isthmus.inter.data.lane import PASS_METADATA, channel_options
 from isthmus.inter.data.lane_handoff import Handoffs
@@ -54,9 +55,9 @@ class LanePeer:
         proxy: optional HTTP CONNECT proxy URL (e.g. the WAN emulator).
         connections: parallel TCP connections; a round spreads its chunks over them.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
-        transport: "bulk" (chunks on the lane's plain TCP port, inter/data/bulk.py), "grpc"
-            (``PushChunks`` streams) or "auto": bulk unless mutual TLS is on, since bulk
-            payloads cross in the clear.
+        transport: "bulk" (chunks on the lane's bulk port, inter/data/bulk.py, inside
+            mutual TLS when the security requires it), "grpc" (``PushChunks`` calls) or
+            "auto" (bulk).
     """
 
     def __init__(
@@ -89,11 +90,12 @@ class LanePeer:
         self._home: Home | None = None  # told by each round (begin_round)
         self._pass: tuple[bytes, float] | None = None  # a PushChunks pass and when it came
         if transport == "auto":
-            transport = "grpc" if security.require_tls else "bulk"
+            transport = "bulk"
         self.transport = transport
         host = address.rsplit(":", 1)[0].strip("[]")
+        tls = client_context(security)
         self._bulk = [
-            BulkConnection(host, self._open_bulk, proxy, name=f"{address}-{i}")
+            BulkConnection(host, self._open_bulk, proxy, name=f"{address}-{i}", tls=tls)
             for i in range(connections if transport == "bulk" else 0)
         ]
         self._streams = [

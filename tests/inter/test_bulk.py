@@ -181,17 +181,23 @@ def test_open_bulk_needs_the_token(job_dir) -> None:
         server.stop(0)
 
 
-def test_with_tls_chunks_stay_on_grpc(job_dir) -> None:
+def test_with_tls_chunks_go_on_the_bulk_port_inside_tls_unless_there_is_none(job_dir) -> None:
+    """Under mutual TLS a peer sends on the bulk port (inside TLS: test_bulk_tls.py); a
+    lane started without one refuses a ticket by name, since PushChunks calls need none
+    (their certificate vouches for them)."""
     tls = SiteSecurity.load(job_dir, "site0", require_tls=True, require_token=True)
-    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1, security=tls)
+    server = LaneServer(
+        site_index=0, num_sites=2, codec="raw", generation=1, security=tls, bulk=False
+    )
     peer_security = SiteSecurity.load(job_dir, "site1", require_tls=True, require_token=True)
     peer = LanePeer(server.address, security=peer_security)
     try:
-        assert peer.transport == "grpc"
+        assert peer.transport == "bulk"
+        assert server.bulk_port == 0
         with peer_security.channel(server.address) as channel, pytest.raises(grpc.RpcError) as info:
             lane_pb2_grpc.LaneStub(channel).OpenBulk(lane_pb2.OpenBulkRequest(), timeout=5)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "mutual TLS" in info.value.details()
+        assert "mutual TLS is on and it has no bulk port" in info.value.details()
     finally:
         peer.close()
         server.stop(0)

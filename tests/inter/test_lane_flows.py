@@ -11,7 +11,7 @@ from lanes import inputs, run_all, two_sites_over
 
 from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.deploy.launch.local import link_spec
-from isthmus.inter.data import bulk
+from isthmus.inter.data import bulk_stream
 from isthmus.inter.data.chunk_size import connections_for_link, tcp_receive_window
 from isthmus.sim import LinkSpec
 
@@ -90,5 +90,5 @@ def test_a_round_over_a_capped_link_opens_the_sized_connections_and_is_exact(
         assert len(conns) == n
         for conn in conns:
             timeout = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
-            assert timeout == int(bulk.USER_TIMEOUT_S * 1000)
+            assert timeout == int(bulk_stream.USER_TIMEOUT_S * 1000)
             assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1

@@ -140,7 +140,9 @@ def test_lane_refuses_unauthenticated_peers_and_keeps_its_mailbox(
 
 
 def test_lane_peer_sends_with_tls_and_token(lane, job_dir):
-    peer = LanePeer(lane.address, security=full(job_dir, "site1"), connections=2)
+    # gRPC's PushChunks here (a bare peer, no round to hand a bulk ticket to); the bulk
+    # port inside TLS is tests/inter/test_bulk_tls.py's.
+    peer = LanePeer(lane.address, security=full(job_dir, "site1"), connections=2, transport="grpc")
     try:
         round_ = peer.begin_round(deadline=10**9)
         round_.send(Frame.from_message(chunk().SerializeToString()))
@@ -356,7 +358,10 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
             site_index=0, num_sites=2, codec="raw", generation=1, security=full(job_dir, "site0")
         )
         peer = LanePeer(
-            lane.address, proxy=proxies["site1"]["site0"], security=full(job_dir, "site1")
+            lane.address,
+            proxy=proxies["site1"]["site0"],
+            security=full(job_dir, "site1"),
+            transport="grpc",  # a bare peer: no round to hand a bulk ticket to
         )
         round_ = peer.begin_round(deadline=10**9)
         round_.send(Frame.from_message(chunk().SerializeToString()))

@@ -213,29 +213,36 @@ def test_a_round_across_a_link_that_black_holes_a_flow_each_way_goes_on_exact(
     assert took < 25, took
 
 
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
 @pytest.mark.parametrize("floats", [1 << 20, 1 << 17], ids=["4MiB", "512KiB"])
 def test_under_mutual_tls_a_chunk_whose_connection_went_dark_goes_again(
-    job_dir, monkeypatch, floats: int
+    job_dir, monkeypatch, floats: int, transport: str
 ) -> None:
-    """Under mutual TLS each chunk is a ``PushChunks`` call of its own, answered once
-    stored, with the bulk port's deadline (push_round.py): the held connection's oldest
-    call misses it, a new connection is dialled and the chunks in flight go on it. The
-    round ends exact and identical at both sites and counts the stall, where before it
-    failed at its 60 s timeout and the step was retried. So does a small round (two
-    chunks each way, what the chaos suite's tiny model sends): there a stream
-    acknowledged as a whole went unnoticed, its keepalive pings answered."""
+    """Under mutual TLS, on the bulk port inside TLS (bulk_stream.py) and on gRPC, where
+    each chunk is a ``PushChunks`` call of its own answered once stored, with the bulk
+    port's deadline (push_round.py): the held connection's oldest frame or call misses
+    it, a new connection is dialled and the chunks in flight go on it. The round ends
+    exact and identical at both sites and counts the stall, where before it failed at
+    its 60 s timeout and the step was retried. So does a small round (two chunks each
+    way, what the chaos suite's tiny model sends): there a gRPC stream acknowledged as
+    a whole went unnoticed, its keepalive pings answered."""
 
     def security(site: int) -> SiteSecurity:
         return SiteSecurity.load(job_dir, f"site{site}", require_tls=True, require_token=True)
 
-    res, _want, took, stats = _round_across_a_stalled_flow(monkeypatch, floats, security=security)
+    res, _want, took, stats = _round_across_a_stalled_flow(
+        monkeypatch, floats, security=security, transport=transport
+    )
     assert stats["a_to_b"]["stalled_flows"] == stats["b_to_a"]["stalled_flows"] == 1
     assert sum(r.stalled_flows for r in res) >= 1, res
     assert took < 15, took  # the default deadlines: 3 s past a chunk's expected time
 
 
+@pytest.mark.parametrize(
+    ("transport", "failure"), [("bulk", "connection closed by the peer"), ("grpc", "UNAVAILABLE")]
+)
 def test_under_mutual_tls_a_peer_whose_lane_goes_away_fails_the_round_at_once(
-    job_dir, monkeypatch
+    job_dir, monkeypatch, transport: str, failure: str
 ) -> None:
     """The other side of sending a lost connection's chunks again: when the peer's lane
     is gone (its process died) while chunks are on the way, the calls made again do not
@@ -249,7 +256,12 @@ def test_under_mutual_tls_a_peer_whose_lane_goes_away_fails_the_round_at_once(
     # 40 Mbit/s: site 0's 8 MiB for site 1 take ~1.7 s, so the lane stops under them.
     spec = LinkSpec.symmetric(latency_s=0.001, bandwidth_bps=40e6)
     with two_sites_over(
-        spec, chunk_bytes=256 * 1024, connections=2, timeout_s=60, security=security
+        spec,
+        chunk_bytes=256 * 1024,
+        connections=2,
+        timeout_s=60,
+        security=security,
+        transport=transport,
     ) as (ars, servers, _link):
         warm = inputs(2, [1 << 16], seed=1)  # connections up, as in a running job
         res = run_all([lambda s=s: ars[s].allreduce(warm[s], 0, 0, False) for s in range(2)])
@@ -257,6 +269,6 @@ def test_under_mutual_tls_a_peer_whose_lane_goes_away_fails_the_round_at_once(
         # Site 1 never starts step 1: its lane stops while site 0's chunks are on the way.
         threading.Timer(0.5, servers[1].stop, args=(0,)).start()
         start = time.monotonic()
-        with pytest.raises(CrossSiteError, match="sending to site 1 failed: UNAVAILABLE"):
+        with pytest.raises(CrossSiteError, match=f"sending to site 1 failed: {failure}"):
             ars[0].allreduce(inputs(2, [1 << 22], seed=2)[0], 1, 0, False)
         assert time.monotonic() - start < 15

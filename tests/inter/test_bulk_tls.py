@@ -1,0 +1,240 @@
+"""The bulk port inside mutual TLS (inter/data/bulk_stream.py) against real lanes.
+
+What a round moves (exact sums, and no payload byte in the clear on the wire), and who
+gets nothing: a plaintext client, a certificate of another CA, a job certificate that
+does not name the site its ticket was granted to. Each refusal leaves the mailbox empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import struct
+import threading
+
+import grpc
+import pytest
+import torch
+from helpers import raw_chunk
+from lanes import run_all
+
+from isthmus.deploy.commands.certs import write_certs
+from isthmus.inter.data.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.bulk import ACCEPTED, MAGIC, OK, REFUSED, frame_bytes
+from isthmus.inter.data.bulk_stream import TlsStream, client_context
+from isthmus.inter.data.codec import make_codec
+from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.round_types import Members
+from isthmus.inter.security import SiteSecurity
+
+pytestmark = pytest.mark.timeout(90)
+
+SITES = ("site0", "site1", "site2")
+PATTERN = bytes(range(7, 71))  # 64 bytes no TLS record would carry by chance
+
+
+@pytest.fixture(scope="module")
+def three_site_certs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bulk-tls-certs")
+    write_certs(out, list(SITES))
+    return out
+
+
+def security(folder, site: str) -> SiteSecurity:
+    return SiteSecurity.load(folder, site, require_tls=True)
+
+
+@pytest.fixture()
+def lane(three_site_certs):
+    """Site 0's lane of a three-site job, under mutual TLS, its sites named."""
+    server = LaneServer(
+        site_index=0,
+        num_sites=3,
+        codec="raw",
+        generation=1,
+        security=security(three_site_certs, "site0"),
+    )
+    server.set_members(Members(1, 0, 3, site_names=SITES))
+    yield server
+    server.stop(0)
+
+
+def dial(lane: LaneServer, context: ssl.SSLContext) -> TlsStream:
+    sock = socket.create_connection(("127.0.0.1", lane.bulk_port), timeout=5)
+    return TlsStream.handshake(TlsStream.wrap(sock, context, server_side=False), 5)
+
+
+def reply(stream: TlsStream) -> tuple[int, int | None, str]:
+    status = bytearray(1)
+    stream.read_exact(memoryview(status), 5)
+    if status[0] != REFUSED:
+        return status[0], None, ""
+    head = bytearray(3)
+    stream.read_exact(memoryview(head), 5)
+    code, size = struct.unpack("<BH", head)
+    reason = bytearray(size)
+    stream.read_exact(memoryview(reason), 5)
+    return status[0], code, reason.decode()
+
+
+def test_a_ticket_on_a_certificate_that_names_its_site_admits_chunks_and_no_other(
+    lane, three_site_certs
+) -> None:
+    """A ticket granted to site2, presented inside TLS by site2's certificate, admits a
+    chunk in site2's name; the same kind of ticket presented by site1's certificate (a
+    site of the job, but not the ticket's) is refused before any chunk is read."""
+    stream = dial(lane, client_context(security(three_site_certs, "site1")))
+    try:
+        stream.send(MAGIC + lane.tickets.issue("site2"))
+        status, code, why = reply(stream)
+        assert (status, code) == (REFUSED, grpc.StatusCode.PERMISSION_DENIED.value[0])
+        assert "does not name it" in why
+    finally:
+        stream.close()
+    assert len(lane.mailbox) == 0
+
+    stream = dial(lane, client_context(security(three_site_certs, "site2")))
+    try:
+        stream.send(MAGIC + lane.tickets.issue("site2"))
+        assert reply(stream)[0] == OK
+        stream.send_parts([frame_bytes(raw_chunk(from_site=2).SerializeToString()), b""])
+        assert reply(stream)[0] == ACCEPTED
+    finally:
+        stream.close()
+    assert len(lane.mailbox) == 1
+
+
+def test_a_plaintext_client_with_a_live_ticket_gets_nothing(lane, caplog) -> None:
+    """The connection's first bytes must be a TLS handshake: a plaintext hello, even
+    with a ticket the lane granted, is never answered OK and nothing is stored; the
+    refusal is logged with the peer's address."""
+    caplog.set_level(logging.INFO)
+    answer = b""
+    # The listener drops the connection at the first byte that is no handshake.
+    with (
+        socket.create_connection(("127.0.0.1", lane.bulk_port), timeout=5) as sock,
+        contextlib.suppress(ConnectionResetError, BrokenPipeError),
+    ):
+        sock.sendall(MAGIC + lane.tickets.issue("site1"))
+        sock.sendall(frame_bytes(raw_chunk(from_site=1).SerializeToString()))
+        while chunk := sock.recv(4096):
+            answer += chunk
+    assert bytes([OK]) not in answer[:1]
+    assert len(lane.mailbox) == 0
+    assert "TLS handshake failed" in caplog.text
+
+
+def test_a_certificate_of_another_ca_is_refused_both_ways(lane, tmp_path) -> None:
+    """A site of another job (its own CA): the listener's certificate fails the client's
+    check, and the client's would fail the listener's; no chunk is read."""
+    write_certs(tmp_path, ["site1"])
+    with pytest.raises(ssl.SSLError):
+        dial(lane, client_context(security(tmp_path, "site1")))
+    assert len(lane.mailbox) == 0
+
+
+class _RecordingProxy:
+    """An HTTP CONNECT proxy on loopback that keeps every byte clients sent through it."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.sent = bytearray()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._tunnel, args=(client,), daemon=True).start()
+
+    def _tunnel(self, client: socket.socket) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += client.recv(1024)
+        host, port = request.split()[1].decode().rsplit(":", 1)
+        far = socket.create_connection((host, int(port)))
+        client.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+        threading.Thread(target=self._pump, args=(far, client, False), daemon=True).start()
+        self._pump(client, far, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, keep: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if keep:
+                    with self._lock:
+                        self.sent += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])
+def test_a_round_on_the_bulk_port_inside_tls_is_exact_and_nothing_crosses_in_the_clear(
+    job_dir, monkeypatch, tls: bool
+) -> None:
+    """Two sites sum a tensor whose bytes repeat a known pattern, through a proxy that
+    keeps what it carried. Under TLS the sum is exact at both sites and the pattern is
+    nowhere on the wire; without TLS (the control: the proxy does see payloads) it is."""
+    monkeypatch.setenv("no_grpc_proxy", "none.invalid")
+    proxy = _RecordingProxy()
+    secure = [security(job_dir, f"site{i}") if tls else None for i in range(2)]
+    servers = [
+        LaneServer(site_index=i, num_sites=2, codec="raw", chunk_bytes=1 << 16, security=secure[i])
+        for i in range(2)
+    ]
+    peers = [
+        LanePeer(
+            servers[1 - i].address,
+            chunk_bytes=1 << 16,
+            proxy=proxy.url,
+            connections=2,
+            security=secure[i],
+        )
+        for i in range(2)
+    ]
+    ars = [
+        CrossSiteAllReduce(
+            site_index=i,
+            num_sites=2,
+            server=servers[i],
+            peers={1 - i: peers[i]},
+            codec=make_codec("raw"),
+            chunk_bytes=1 << 16,
+            timeout_s=30,
+        )
+        for i in range(2)
+    ]
+    try:
+        assert all(p.transport == "bulk" for p in peers)
+        pattern = torch.frombuffer(bytearray(PATTERN * 4096), dtype=torch.float32)
+        data = [[pattern.clone()], [torch.zeros_like(pattern)]]
+        want = pattern.clone()
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
+        with proxy._lock:
+            wire = bytes(proxy.sent)
+        assert len(wire) > pattern.numel() * 4  # the payload went through the proxy
+        assert (PATTERN in wire) is not tls
+    finally:
+        for ar in ars:
+            ar.close()
+        for p in peers:
+            p.close()
+        for s in servers:
+            s.stop(0)
+        proxy.close()
