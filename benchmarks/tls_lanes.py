@@ -1,7 +1,11 @@
-"""Two sites' lanes under mutual TLS on loopback: the `PushChunks` path's own rate.
+"""Two sites' lanes under mutual TLS on loopback: each transport's own rate.
 
     python3 benchmarks/tls_lanes.py [--mib 256] [--codec raw,int8] [--connections 2]
-        [--rounds 5] [--json out.json]
+        [--transport auto,grpc] [--plain] [--rounds 5] [--json out.json]
+
+``--transport``: ``auto`` (the tree's default under TLS: the bulk port inside TLS since
+2026-12-03, ``PushChunks`` calls before), ``bulk`` or ``grpc``; ``--plain`` adds the
+bulk port without TLS, for scale.
 
 Both sites run in this process (a thread each, as tests/lanes.py wires them), with the
 job's certificates made in a temporary folder, so only public API is used and the same
@@ -48,11 +52,13 @@ def _both(fns: list) -> list:
     return out
 
 
-def run_case(codec: str, mib: int, connections: int, rounds: int, certs: str) -> dict:
+def run_case(
+    codec: str, mib: int, connections: int, rounds: int, certs: str, transport: str, tls: bool
+) -> dict:
     """Median GB/s and CPU s/GB of ``rounds`` all-reduces of ``mib`` MiB a site."""
     chunk = 4 << 20
     security = [
-        SiteSecurity.load(certs, f"site{i}", require_tls=True, require_token=True) for i in range(2)
+        SiteSecurity.load(certs, f"site{i}", require_tls=tls, require_token=True) for i in range(2)
     ]
     servers = [
         LaneServer(
@@ -70,6 +76,7 @@ def run_case(codec: str, mib: int, connections: int, rounds: int, certs: str) ->
             chunk_bytes=chunk,
             connections=connections,
             security=security[i],
+            transport=transport,
         )  # fmt: skip
         for i in range(2)
     ]
@@ -113,6 +120,8 @@ def run_case(codec: str, mib: int, connections: int, rounds: int, certs: str) ->
     wall = statistics.median(walls)
     return {
         "codec": codec,
+        "transport": transport,
+        "tls": tls,
         "mib": mib,
         "connections": connections,
         "rounds": rounds,
@@ -127,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=256, help="tensor a site, MiB")
     ap.add_argument("--codec", default="raw,int8", help="codec specs, comma-separated")
     ap.add_argument("--connections", type=int, default=2, help="TCP connections a peer")
+    ap.add_argument("--transport", default="auto,grpc", help="auto, bulk, grpc; comma-separated")
+    ap.add_argument("--plain", action="store_true", help="also the bulk port without TLS")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after a warm-up)")
     ap.add_argument("--json", default="", help="where the results go")
     args = ap.parse_args(argv)
@@ -136,12 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as certs:
         write_certs(certs, ["site0", "site1"])
+        cases = [(t, True) for t in args.transport.split(",")]
+        cases += [("bulk", False)] if args.plain else []
         for codec in args.codec.split(","):
-            rows.append(run_case(codec, args.mib, args.connections, args.rounds, certs))
-    print("codec        MiB  conns  GB/s  cpu s/GB  same")
+            for transport, tls in cases:
+                rows.append(
+                    run_case(codec, args.mib, args.connections, args.rounds, certs, transport, tls)
+                )
+    print("codec      transport  tls    MiB  conns  GB/s  cpu s/GB  same")
     for r in rows:
         print(
-            f"{r['codec']:<10} {r['mib']:>5} {r['connections']:>6} {r['gb_s']:>5.2f} "
+            f"{r['codec']:<10} {r['transport']:<9} {'yes' if r['tls'] else 'no':<4} "
+            f"{r['mib']:>5} {r['connections']:>6} {r['gb_s']:>5.2f} "
             f"{r['cpu_s_per_gb']:>9.2f}  {'yes' if r['identical'] else 'NO'}"
         )
     if args.json:

@@ -101,9 +101,7 @@ class JobConfig:
         """The cross-site chunk size in use: sync.chunk_bytes, or sized from the link."""
         if self.sync.chunk_bytes:
             return self.sync.chunk_bytes
-        bulk = self.sync.transport == "bulk" or (
-            self.sync.transport == "auto" and not self.security.require_tls
-        )
+        bulk = self.sync.transport != "grpc"  # TLS or not: the bulk port runs inside it
         return sync_chunk_bytes(
             self.wan.bandwidth_mbit * 1e6,
             2 * self.one_way_latency_s,

@@ -231,8 +231,9 @@ class SyncSection:
     bandwidth / wan.per_flow_mbit, or the bandwidth-delay product over one connection's
     TCP window, at least 2 (inter/data/chunk_size.py, ``connections_for_link``)."""
     transport: str = "auto"
-    """How chunks travel: "bulk" (the lanes' plain TCP port, fastest), "grpc"
-    (PushChunks streams) or "auto" (bulk unless mutual TLS is on; see docs/security.md)."""
+    """How chunks travel: "bulk" (the lanes' own TCP port, inside mutual TLS when
+    security.require_tls is on; fastest), "grpc" (PushChunks calls) or "auto" (bulk;
+    see docs/wire.md)."""
     rounds_in_flight: int = 4
     """FSDP groups whose cross-site rounds may run at once, overlapping each other and
     backward; 1 runs them one after another."""

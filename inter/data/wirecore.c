@@ -11,6 +11,7 @@
  * Built on first use by isthmus/inter/data/wirecore.py with the system's C
  * compiler; the Python fallback there computes the same results.
  */
+#include <dlfcn.h>
 #include <errno.h>
 #include <poll.h>
 #include <stddef.h>
@@ -219,3 +220,79 @@ long wc_recv_frame(int fd, uint8_t *dst, size_t n, int stall_ms, int check_f32,
 
 /* 1 if every one of the n fp32 values at p is finite: one read pass, no temporary. */
 int wc_all_finite(const uint8_t *p, size_t n) { return !any_nonfinite(p, n); }
+
+/* The same receive inside TLS: the payload decrypted by the OpenSSL that Python's ssl
+ * module already loaded (found by wirecore.py, opened with RTLD_NOLOAD so that it is
+ * that very library and never another), one TLS record per SSL_read_ex, each
+ * checksummed while it is in the cache, the GIL dropped for the whole frame.  Through
+ * Python every record (16 KiB) took the GIL back: 256 hand-offs a 4 MiB chunk, which
+ * on a 16-core host capped a TLS lane at a quarter of the plain one. */
+typedef int (*ssl_read_ex_fn)(void *, void *, size_t, size_t *);
+typedef int (*ssl_int_fn)(const void *, int);
+typedef int (*ssl_fd_fn)(const void *);
+typedef void (*err_clear_fn)(void);
+static ssl_read_ex_fn ssl_read_ex;
+static ssl_int_fn ssl_get_error;
+static ssl_fd_fn ssl_get_fd;
+static err_clear_fn err_clear;
+
+/* 0 once the four functions are bound from the two (already loaded) libraries. */
+int wc_ssl_bind(const char *libssl, const char *libcrypto) {
+    void *s = dlopen(libssl, RTLD_NOW | RTLD_NOLOAD);
+    void *c = dlopen(libcrypto, RTLD_NOW | RTLD_NOLOAD);
+    if (!s || !c) return -1;
+    ssl_read_ex = (ssl_read_ex_fn)dlsym(s, "SSL_read_ex");
+    ssl_get_error = (ssl_int_fn)dlsym(s, "SSL_get_error");
+    ssl_get_fd = (ssl_fd_fn)dlsym(s, "SSL_get_fd");
+    err_clear = (err_clear_fn)dlsym(c, "ERR_clear_error");
+    return ssl_read_ex && ssl_get_error && ssl_get_fd && err_clear ? 0 : -2;
+}
+
+/* The descriptor an SSL object reads (wirecore.py checks it against the socket's). */
+int wc_ssl_fd(const void *ssl) { return ssl_get_fd ? ssl_get_fd(ssl) : -1; }
+
+/* wc_recv_frame's contract, reading through ssl (on the non-blocking fd under it).
+ * Returns n; 0 if the peer closed first; -ETIMEDOUT on a stall; -EPROTO on a TLS
+ * error; -errno otherwise. */
+long wc_ssl_recv_frame(void *ssl, int fd, uint8_t *dst, size_t n, int stall_ms,
+                       int check_f32, uint32_t *crc_out, int *nonfinite_out) {
+    size_t got = 0, checked = 0;
+    uint32_t crc = 0;
+    int nonfinite = 0;
+    if (!ssl_read_ex) return -ENOSYS;
+    while (got < n) {
+        size_t r = 0;
+        err_clear();
+        int ok = ssl_read_ex(ssl, dst + got, n - got, &r);
+        if (!ok) {
+            int e = ssl_get_error(ssl, ok);
+            if (e == 2 || e == 3) { /* SSL_ERROR_WANT_READ, _WANT_WRITE */
+                struct pollfd pfd = {fd, e == 2 ? POLLIN : POLLOUT, 0};
+                int ready = poll(&pfd, 1, stall_ms);
+                if (ready == 0) return -ETIMEDOUT;
+                if (ready < 0 && errno != EINTR) return -errno;
+                continue;
+            }
+            int sys = errno;
+            err_clear();
+            if (e == 6) return 0; /* SSL_ERROR_ZERO_RETURN: the peer's close_notify */
+            if (e == 5) return sys ? -sys : 0; /* SSL_ERROR_SYSCALL: EOF or a socket error */
+            /* OpenSSL 3 reports an EOF without close_notify as a TLS error: a peer
+             * gone mid-frame is "closed", as on plain TCP; anything else a protocol
+             * error. */
+            char byte;
+            if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return 0;
+            return -EPROTO;
+        }
+        crc = wc_crc32c(crc, dst + got, r);
+        got += r;
+        if (check_f32 && !nonfinite) {
+            size_t upto = got & ~(size_t)3;
+            nonfinite = any_nonfinite(dst + checked, (upto - checked) / 4);
+            checked = upto;
+        }
+    }
+    *crc_out = crc;
+    *nonfinite_out = nonfinite;
+    return (long)n;
+}

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("wirecore.c")
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE"]
+_LIBS = ["-ldl"]  # dlopen, for the OpenSSL that Python's ssl loaded (glibc < 2.34)
 
 
 class FrameClosed(ConnectionError):
@@ -59,7 +61,8 @@ def _home() -> Path:
 
 def library_path() -> Path:
     """Where this source version's library is (or would be) built."""
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    flags = " ".join(_FLAGS + _LIBS).encode()
+    digest = hashlib.sha256(_SOURCE.read_bytes() + flags).hexdigest()[:16]
     return _home() / "native" / f"wirecore-{digest}-{sys.platform}.so"
 
 
@@ -83,7 +86,10 @@ def _build(target: Path) -> None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), *_LIBS],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if done.returncode != 0:
             raise OSError(f"{cc} failed: {done.stderr.strip()[-400:]}")
@@ -146,6 +152,21 @@ def _open() -> ctypes.CDLL | None:
     ]
     lib.wc_all_finite.restype = ctypes.c_int
     lib.wc_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.wc_ssl_bind.restype = ctypes.c_int
+    lib.wc_ssl_bind.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    lib.wc_ssl_fd.restype = ctypes.c_int
+    lib.wc_ssl_fd.argtypes = [ctypes.c_void_p]
+    lib.wc_ssl_recv_frame.restype = ctypes.c_long
+    lib.wc_ssl_recv_frame.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_uint32),
+        ctypes.POINTER(ctypes.c_int),
+    ]
     return lib
 
 
@@ -172,6 +193,93 @@ def recv_payload(
         return _recv_python(sock, buf, stall_s), None
     crc, nonfinite = ctypes.c_uint32(), ctypes.c_int()
     got = lib.wc_recv_frame(
+        sock.fileno(),
+        _address(buf),
+        len(buf),
+        max(1, int(stall_s * 1000)),
+        int(f32),
+        ctypes.byref(crc),
+        ctypes.byref(nonfinite),
+    )
+    if got == 0:
+        raise FrameClosed("connection closed by the peer")
+    if got < 0:
+        if -got == errno.ETIMEDOUT:
+            raise TimeoutError(f"no byte of the frame for {stall_s:.0f}s")
+        raise OSError(-got, os.strerror(-got))
+    return crc.value, (not nonfinite.value) if f32 else None
+
+
+_ssl_state: bool | None = None  # whether wc_ssl_bind found this process's OpenSSL
+
+
+def _ssl_bound(lib: ctypes.CDLL) -> bool:
+    """Binds the C TLS receive to the OpenSSL that Python's ssl module loaded (its
+    libssl and libcrypto, as /proc/self/maps lists them); False where it cannot."""
+    global _ssl_state
+    if _ssl_state is None:
+        with _lock:
+            if _ssl_state is None:
+                _ssl_state = _bind_ssl(lib)
+    return _ssl_state
+
+
+def _bind_ssl(lib: ctypes.CDLL) -> bool:
+    import ssl  # noqa: F401 (loads the libraries looked for)
+    import sysconfig
+
+    # CPython's PySSLSocket begins with PyObject_HEAD, the weakref to its socket, then
+    # the SSL pointer (Modules/_ssl.c, 3.10-3.13); a free-threaded build's head differs.
+    if not (3, 10) <= sys.version_info[:2] <= (3, 13) or sysconfig.get_config_var(
+        "Py_GIL_DISABLED"
+    ):
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if ".so" in line}
+    except OSError:
+        return False
+    libssl = sorted(p for p in paths if os.path.basename(p).startswith("libssl.so"))
+    libcrypto = sorted(p for p in paths if os.path.basename(p).startswith("libcrypto.so"))
+    if len(libssl) != 1 or len(libcrypto) != 1:  # none (a static build), or two: unsure
+        return False
+    return lib.wc_ssl_bind(libssl[0].encode(), libcrypto[0].encode()) == 0
+
+
+def _ssl_pointer(lib: ctypes.CDLL, sock: ssl.SSLSocket) -> int | None:
+    """The SSL pointer of ``sock``'s TLS object, checked: it must read ``sock``'s own
+    descriptor (``SSL_get_fd``), else None and the Python path is used."""
+    obj = getattr(sock, "_sslobj", None)
+    if obj is None or not _ssl_bound(lib):
+        return None
+    word = ctypes.sizeof(ctypes.c_void_p)
+    pointer = ctypes.c_void_p.from_address(id(obj) + 3 * word).value
+    if not pointer or lib.wc_ssl_fd(pointer) != sock.fileno():
+        return None
+    return pointer
+
+
+def ssl_recv_payload(
+    sock: ssl.SSLSocket, buf: memoryview, stall_s: float, f32: bool
+) -> tuple[int, bool | None] | None:
+    """:func:`recv_payload` through ``sock``'s TLS, in C without the GIL; None where
+    the C path is not available (then the caller reads in Python). The caller is the
+    only thread using ``sock`` for the call's length (``TlsStream``'s lock).
+
+    Raises:
+        FrameClosed, TimeoutError, OSError: as :func:`recv_payload`.
+    """
+    lib = load()
+    if lib is None:
+        return None
+    pointer = _ssl_pointer(lib, sock)
+    if pointer is None:
+        return None
+    if not len(buf):
+        return 0, True if f32 else None
+    crc, nonfinite = ctypes.c_uint32(), ctypes.c_int()
+    got = lib.wc_ssl_recv_frame(
+        pointer,
         sock.fileno(),
         _address(buf),
         len(buf),

@@ -79,17 +79,20 @@ def test_forged_calls_are_found_out_in_streaming_mode(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_under_mutual_tls_a_stalled_flow_costs_no_retry(tmp_path):
-    """stall-flow with mutual TLS, where chunks are ``PushChunks`` calls: each held
-    connection's oldest call misses its deadline and its chunks go on a new one; no
-    step is retried and the replicas end equal (before, the tiny model's small rounds
-    never noticed the stall and every one failed at its timeout)."""
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
+def test_under_mutual_tls_a_stalled_flow_costs_no_retry(tmp_path, transport):
+    """stall-flow with mutual TLS, on the bulk port inside TLS (the default) and on
+    ``PushChunks`` calls: each held connection's oldest frame or call misses its
+    deadline and its chunks go on a new one; no step is retried and the replicas end
+    equal (before, the tiny model's small rounds on gRPC streams never noticed the
+    stall and every one failed at its timeout)."""
     certs = tmp_path / "certs"
     write_certs(certs, ["site0", "site1"])
     tls = (
         f"security.certs_dir={certs}",
         "security.require_tls=true",
         "security.require_token=true",
+        f"sync.transport={transport}",
     )
     scenario = next(s for s in SCENARIOS if s.name == "stall-flow")
     result = run_scenario(scenario, tmp_path / "run", overrides=tls)

@@ -21,13 +21,15 @@ from helpers import raw_chunk
 from lanes import run_all
 
 from isthmus.deploy.commands.certs import write_certs
+from isthmus.inter.data import wirecore
 from isthmus.inter.data.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.bulk import ACCEPTED, MAGIC, OK, REFUSED, frame_bytes
-from isthmus.inter.data.bulk_stream import TlsStream, client_context
-from isthmus.inter.data.codec import make_codec
+from isthmus.inter.data.bulk_stream import TlsStream, client_context, server_context
+from isthmus.inter.data.codec import crc32, make_codec
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.round_types import Members
+from isthmus.inter.data.wirecore import FrameClosed
 from isthmus.inter.security import SiteSecurity
 
 pytestmark = pytest.mark.timeout(90)
@@ -238,3 +240,62 @@ def test_a_round_on_the_bulk_port_inside_tls_is_exact_and_nothing_crosses_in_the
         for s in servers:
             s.stop(0)
         proxy.close()
+
+
+def _stream_pair(folder) -> tuple[TlsStream, TlsStream]:
+    """A listener-side and a client-side TLS stream of one loopback connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    out: dict[str, TlsStream] = {}
+
+    def accept() -> None:
+        conn, _ = listener.accept()
+        tls = TlsStream.wrap(conn, server_context(security(folder, "site0")), server_side=True)
+        out["server"] = TlsStream.handshake(tls, 5)
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    sock = socket.create_connection(listener.getsockname(), timeout=5)
+    client = TlsStream.handshake(
+        TlsStream.wrap(sock, client_context(security(folder, "site1")), server_side=False), 5
+    )
+    thread.join(5)
+    listener.close()
+    return out["server"], client
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_payload_read_inside_tls_is_checksummed_and_checked_for_nan(
+    three_site_certs, monkeypatch, native: bool
+) -> None:
+    """The listener reads a payload through TLS in C, record by record, checksumming
+    each as it is decrypted (wirecore.ssl_recv_payload); where that path is not there,
+    in Python. Both give the payload's CRC-32C, whether every fp32 word is finite, and
+    FrameClosed when the peer closes mid-payload."""
+    if native:
+        lib = wirecore.load()
+        if lib is None:
+            pytest.skip("no C compiler: the Python path is the one in use")
+        assert wirecore._ssl_bound(lib), "this process's OpenSSL was not found"
+    else:
+        monkeypatch.setattr(wirecore, "ssl_recv_payload", lambda *a: None)
+    server, client = _stream_pair(three_site_certs)
+    try:
+        values = torch.randn(1 << 20)  # 4 MiB: 256 TLS records
+        for bad in (False, True):
+            if bad:
+                values[123_457] = float("nan")
+            payload = values.numpy().tobytes()
+            sender = threading.Thread(target=client.send_parts, args=([b"", payload],))
+            sender.start()
+            buf = memoryview(bytearray(len(payload)))
+            crc, finite = server.recv_payload(buf, 5, f32=True)
+            sender.join(5)
+            assert bytes(buf) == payload
+            assert crc == crc32(payload) and finite is (not bad)
+        client.send_parts([b"", b"\x01" * 1000])
+        client.close()
+        with pytest.raises(FrameClosed):
+            server.recv_payload(memoryview(bytearray(4096)), 5, f32=False)
+    finally:
+        server.close()
+        client.close()

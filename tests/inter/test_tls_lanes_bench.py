@@ -20,13 +20,19 @@ def test_the_tls_lanes_benchmark_prints_its_table_and_writes_json(tmp_path) -> N
     out = tmp_path / "tls.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "tls_lanes.py"), "--mib", "2",
-         "--rounds", "1", "--codec", "raw,int8", "--json", str(out)],
+         "--rounds", "1", "--codec", "raw,int8", "--plain", "--json", str(out)],
         capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "GB/s" in done.stdout and "raw" in done.stdout and "int8" in done.stdout
     rows = json.loads(out.read_text())["results"]
-    assert [r["codec"] for r in rows] == ["raw", "int8"]
+    # Each codec on the default (the bulk port inside TLS), on gRPC, and without TLS.
+    cases = [(r["codec"], r["transport"], r["tls"]) for r in rows]
+    assert cases == [
+        (codec, transport, tls)
+        for codec in ("raw", "int8")
+        for transport, tls in (("auto", True), ("grpc", True), ("bulk", False))
+    ]
     assert all(r["identical"] and r["gb_s"] > 0 and r["cpu_s_per_gb"] > 0 for r in rows)
 
 
