@@ -140,8 +140,7 @@ def test_lane_refuses_unauthenticated_peers_and_keeps_its_mailbox(
 
 
 def test_lane_peer_sends_with_tls_and_token(lane, job_dir):
-    # gRPC's PushChunks here (a bare peer, no round to hand a bulk ticket to); the bulk
-    # port inside TLS is tests/inter/test_bulk_tls.py's.
+    # A bare peer has no round to take a bulk ticket: PushChunks (bulk: test_bulk_tls.py).
     peer = LanePeer(lane.address, security=full(job_dir, "site1"), connections=2, transport="grpc")
     try:
         round_ = peer.begin_round(deadline=10**9)
@@ -357,12 +356,8 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
         lane = LaneServer(
             site_index=0, num_sites=2, codec="raw", generation=1, security=full(job_dir, "site0")
         )
-        peer = LanePeer(
-            lane.address,
-            proxy=proxies["site1"]["site0"],
-            security=full(job_dir, "site1"),
-            transport="grpc",  # a bare peer: no round to hand a bulk ticket to
-        )
+        site1, proxy = full(job_dir, "site1"), proxies["site1"]["site0"]  # PushChunks, as above
+        peer = LanePeer(lane.address, proxy=proxy, security=site1, transport="grpc")
         round_ = peer.begin_round(deadline=10**9)
         round_.send(Frame.from_message(chunk().SerializeToString()))
         round_.end()
