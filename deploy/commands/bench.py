@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
 import os
 import platform
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -119,6 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "past ~15 Gbit/s loaded both ways: one relay process moves ~34 Gbit/s summed)",
     )
     add("--workers", type=int, default=0, help="encode/decode threads per lane; 0 = auto")
+    add(
+        "--tls",
+        action="store_true",
+        help="lanes run mutual TLS, as a secure job's (certificates made for the run)",
+    )
     add(
         "--lanes",
         type=int,
@@ -245,6 +252,25 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
         gbits = sorted({c.gbit for c in cases})
         print(bench.format_throughput(out["codec_throughput"], gbits), flush=True)
         print(flush=True)
+    certs = tempfile.TemporaryDirectory(prefix="isthmus-bench-certs-") if args.tls else None
+    if certs is not None:
+        from isthmus.deploy.commands.certs import write_certs
+
+        write_certs(certs.name, [f"site{i}" for i in range(max(c.sites for c in cases))])
+        cases = [dataclasses.replace(c, certs_dir=certs.name) for c in cases]
+    try:
+        _run_cases(args, cases, out)
+    finally:
+        if certs is not None:
+            certs.cleanup()
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _run_cases(args: argparse.Namespace, cases: list, out: dict) -> None:
+    from isthmus.inter.data import bench
+
     for case in cases:
         links = functools.partial(
             emulated_links,
@@ -253,15 +279,14 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
         )
         result = bench.run_case(case, direct_links if args.direct else links)
         result["direct"] = bool(args.direct)
+        result["tls"] = bool(case.certs_dir)
+        result.pop("certs_dir", None)  # a temporary folder, gone with the run
         out["cases"].append(result)
         # One line per case as it finishes: a full grid takes a while.
         header, line = bench.format_results([result]).splitlines()
         if len(out["cases"]) == 1:
             print(header)
         print(line, flush=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {args.json}", file=sys.stderr)
-    return 0
 
 
 def register(

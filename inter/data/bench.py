@@ -79,6 +79,9 @@ class BenchCase:
     of the sync hid behind it (``exposed_s``)."""
     repeats: int = 1
     """Timed steps; the figures are those of the step of median wall time."""
+    certs_dir: str = ""
+    """A job's certificates (`isthmus certs`, sites site0..): the lanes run mutual TLS
+    (chunks on the bulk port inside TLS), as a secure job's do; empty = plaintext."""
 
 
 def link_bound_s(case: BenchCase) -> float:
@@ -133,15 +136,23 @@ def _open_lane(
     from isthmus.inter.data.codec import make_codec
     from isthmus.inter.data.lane import LaneServer
     from isthmus.inter.data.lane_peer import LanePeer
+    from isthmus.inter.security import SiteSecurity
 
     codec = make_codec(c.codec)
+    tls = SiteSecurity.load(c.certs_dir, f"site{index}", require_tls=True) if c.certs_dir else None
     server = LaneServer(
-        site_index=index, num_sites=c.sites, codec=codec.name, chunk_bytes=c.chunk_bytes
+        site_index=index,
+        num_sites=c.sites,
+        codec=codec.name,
+        chunk_bytes=c.chunk_bytes,
+        security=tls,
     )
     conn.send(server.address)
     peers_info: dict[int, tuple[str, str | None]] = conn.recv()
     peers = {
-        j: LanePeer(addr, chunk_bytes=c.chunk_bytes, proxy=proxy, connections=c.connections)
+        j: LanePeer(
+            addr, chunk_bytes=c.chunk_bytes, proxy=proxy, connections=c.connections, security=tls
+        )
         for j, (addr, proxy) in peers_info.items()
     }
     ar = CrossSiteAllReduce(

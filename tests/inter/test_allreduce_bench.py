@@ -93,3 +93,15 @@ def test_several_lanes_per_site_split_the_tensor_and_agree(tmp_path: Path) -> No
     # Lane 0 and lane 1 hold different halves; each half's bits agree across sites.
     assert details[0]["digest"] == details[2]["digest"] != details[1]["digest"]
     assert sum(d["raw_bytes"] for d in details) > 0
+
+
+@pytest.mark.timeout(180)
+def test_with_tls_the_lanes_run_mutual_tls_and_agree(tmp_path: Path) -> None:
+    """`--tls`: certificates are made for the run and every lane runs mutual TLS (chunks
+    on the bulk port inside TLS); the sites still end identical, the JSON says so, and
+    no certificate folder is left behind."""
+    out = tmp_path / "bench.json"
+    result = _script("--quick", "--tls", "--codec", "raw", "--no-throughput", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["tls"] is True and case["identical"] and "certs_dir" not in case
