@@ -237,7 +237,11 @@ class BulkListener:
             try:
                 conn, addr = self._sock.accept()
                 if self._tls is not None:  # no I/O yet: the handshake is the thread's
-                    conn = TlsStream.wrap(conn, self._tls, server_side=True)
+                    try:
+                        conn = TlsStream.wrap(conn, self._tls, server_side=True)
+                    except BaseException:
+                        conn.close()
+                        raise
             except OSError as exc:
                 if self._stopped.is_set():
                     return  # closed by stop()
