@@ -227,7 +227,7 @@ def run_scenario(
         # for another); else with the user's job token, which the sites run with.
         credentials = site_security(config, "site0") if config.security.require_tls else None
         _inject(scenario, sites, links, coordinators, fingerprint, run_dir, out, credentials)
-        return _judge(scenario, sites, run_dir, started)
+        return _judge(scenario, sites, run_dir, started, tls=config.security.require_tls)
     finally:
         for site in [*sites.values(), *helpers]:
             site.kill()
@@ -331,7 +331,7 @@ def _inject(
         time.sleep(0.1)
 
 
-def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> ScenarioResult:
+def _judge(scenario: Scenario, sites, run_dir: Path, started: float, tls: bool) -> ScenarioResult:
     result = ScenarioResult(scenario.name, ok=False, wall_s=0.0)
     # One budget with the injection's wait (_inject), not a second one after it.
     deadline = started + SITE_TIMEOUT_S
@@ -361,6 +361,7 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         if steps and steps != list(range(steps[0], steps[0] + len(steps))) or steps[:1] > [0]:
             result.rejoined.append(name)  # its steps jump: it pulled a live peer's state
     forged = [f for f in scenario.faults if f.kind == "forge"]
+    corrupted = any(f.kind == "corrupt" for f in scenario.faults)
     slowed = [f.site for f in scenario.faults if f.kind == "slow"]
     moved = [
         result.micro_batches.get(n, [0])[-1] < result.micro_batches.get(n, [0])[0] for n in slowed
@@ -369,8 +370,11 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float) -> Scenario
         result.why = f"survivors' digests differ: {result.digests}"
     elif scenario.expect_generations and result.generations < 2:
         result.why = "the membership never changed"
-    elif any(f.kind == "corrupt" for f in scenario.faults) and result.corrupt_chunks == 0:
+    elif corrupted and not tls and not result.corrupt_chunks:
         result.why = "no corrupt chunk was counted"
+    elif corrupted and tls and (not result.stalled_flows or result.retries):
+        # Under TLS a flipped bit ends its connection (MAC): lanes leave it, send again.
+        result.why = f"under TLS {result.stalled_flows} connections left, {result.retries} retries"
     elif any(f.kind == "stall-flow" for f in scenario.faults) and not result.stalled_flows:
         result.why = "no stalled flow was counted (metrics.jsonl's stalled_flows)"
     elif any(f.kind == "stall-flow" for f in scenario.faults) and result.retries:

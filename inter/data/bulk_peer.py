@@ -38,7 +38,7 @@ from isthmus.inter.data.bulk import (
     read_refusal,
 )
 from isthmus.inter.data.bulk_stream import PlainStream, Stream, TlsStream, tune
-from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, FlowClock
+from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, LOSS_REDIAL_S, MAX_LOSSES, FlowClock
 from isthmus.inter.data.peer_round import PeerRound
 from isthmus.inter.data.wire import Frame
 
@@ -125,6 +125,8 @@ class BulkConnection:
         self._closed = False
         self._dial_lock = threading.Lock()
         self._clock = FlowClock()
+        self._losses = 0  # connections lost in a row under frames (reset by an ack)
+        self._lost_to: BaseException | None = None  # why the connection redialled was lost
         self.stalls = 0
         """Times this connection stalled and its frames went again on a new one."""
 
@@ -193,9 +195,16 @@ class BulkConnection:
         try:
             sock = self._connect(deadline)
         except BaseException as exc:  # noqa: BLE001 (handed to the rounds waiting)
+            with self._cond:
+                lost, self._lost_to = self._lost_to, None
+            if lost is not None:  # a redial after a loss: say what was lost
+                exc = BulkError(
+                    f"connection lost ({lost}) and no new one within {LOSS_REDIAL_S:g}s: {exc}"
+                )
             self._fail(exc, None, queued_too=True)  # nothing can be sent
             return
         with self._cond:
+            self._lost_to = None
             if self._closed:
                 sock.close()
                 return
@@ -229,7 +238,7 @@ class BulkConnection:
             # The peer may have refused a frame and closed: its reason is what the
             # rounds should hear, so the reader gets a moment to read it first.
             reader.join(timeout=LINGER_S)
-            self._fail(BulkError(f"sending failed: {exc}"), sock)
+            self._lost(BulkError(f"sending failed: {exc}"), sock)
 
     def _read_acks(self, sock: Stream) -> None:
         status = bytearray(1)
@@ -246,6 +255,7 @@ class BulkConnection:
                         return  # stalled and replaced: its frames went again elsewhere
                     item = self._inflight.popleft() if self._inflight else None
                     if item is not None:
+                        self._losses = 0
                         self._measure_locked(item, now)
                         if status[0] == RESEND:
                             # Sent next; every frame already in flight is acknowledged
@@ -255,8 +265,10 @@ class BulkConnection:
                 if item is None:
                     raise BulkError("acknowledgement for a frame never sent")
                 item.rnd.acknowledged(status[0])
-        except (OSError, BulkError, BulkRefused) as exc:
-            self._fail(exc, sock)
+        except BulkRefused as exc:
+            self._fail(exc, sock)  # the peer said no: its reason goes to the rounds
+        except (OSError, BulkError) as exc:
+            self._lost(exc, sock)
 
     def _await_ack(self, sock: Stream) -> bool:
         """Waits until an acknowledgement can be read (True), or until the oldest frame
@@ -320,6 +332,40 @@ class BulkConnection:
         items[0].rnd.stalled()  # counted once, by the round whose frame missed it
         if redial is not None:
             self._ensure(redial)
+
+    def _lost(self, exc: BaseException, sock: Stream) -> None:
+        """The connection broke under frames in flight (a reset; under TLS a record
+        that failed its MAC, which the peer answers by closing): they go first on a new
+        connection, as a stalled one's do (the peer stores a chunk at most once), and
+        the rounds go on. The redial must succeed within :data:`LOSS_REDIAL_S` (a peer
+        that went away fails its rounds then, not at their deadline), and past
+        :data:`MAX_LOSSES` losses in a row the rounds fail (:meth:`_fail`)."""
+        with self._cond:
+            if self._sock is not sock:
+                return  # an older connection's late news
+            resend = None
+            if not self._closed and self._inflight and self._losses < MAX_LOSSES:
+                self._losses += 1
+                resend = list(self._inflight)
+                self._inflight.clear()
+                self._queue.extendleft((i.rnd, i.frame) for i in reversed(resend))
+                self._sock = None
+                self._lost_to = exc
+                redial = min(self._queue[0][0].deadline, time.monotonic() + LOSS_REDIAL_S)
+                self._cond.notify_all()
+        if resend is None:
+            self._fail(exc, sock)
+            return
+        log.warning(
+            "bulk connection %s lost (%s); its %d frame(s) in flight go again on a new connection",
+            self._name,
+            exc,
+            len(resend),
+        )
+        sock.shutdown()  # wakes this connection's other thread
+        sock.close()
+        resend[0].rnd.stalled()  # counted with the stalls: a flow left, the round went on
+        self._ensure(redial)
 
     def _fail(self, exc: BaseException, sock: Stream | None, queued_too: bool = False) -> None:
         """The connection is gone: rounds with frames in flight on it fail (those may

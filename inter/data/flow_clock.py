@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["FIRST_RATE_BPS", "MAX_BACKOFF", "RATE_SLACK", "STALL_FLOOR_S", "FlowClock"]
+__all__ = [
+    "FIRST_RATE_BPS",
+    "LOSS_REDIAL_S",
+    "MAX_BACKOFF",
+    "MAX_LOSSES",
+    "RATE_SLACK",
+    "STALL_FLOOR_S",
+    "FlowClock",
+]
 
 STALL_FLOOR_S = 3.0
 """Seconds a frame's acknowledgement may be late past what its size at the
@@ -28,6 +36,13 @@ FIRST_RATE_BPS = 32e6
 MAX_BACKOFF = 8
 """A connection that stalls again at once waits up to this many times longer (a
 whole link gone dark for a while is not many stalls)."""
+MAX_LOSSES = 4
+"""Times in a row a connection may be lost (a reset, a TLS record that failed its MAC)
+before the rounds with chunks on it fail: a link that keeps losing connections, or a
+peer that is gone, is down."""
+LOSS_REDIAL_S = 3.0
+"""How long a connection lost under its frames may take to come back before the rounds
+waiting on it fail: a live peer answers a redial at once, one that went away never."""
 
 
 class FlowClock:

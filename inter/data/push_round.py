@@ -40,7 +40,7 @@ import grpc
 
 from isthmus.inter.data.bulk import ACCEPTED
 from isthmus.inter.data.chunk_checks import STREAM_WINDOW_BYTES
-from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, FlowClock
+from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, MAX_LOSSES, FlowClock
 from isthmus.inter.data.peer_round import PeerRound
 from isthmus.inter.data.wire import Frame
 from isthmus.inter.security import ClosedChannelError
@@ -55,9 +55,6 @@ CALLS_PER_CONNECTION = 2
 """One-chunk calls in flight on one connection at once. A chunk is about one
 bandwidth-delay product (chunk_size.py), so two keep the flow busy while an answer comes
 back; more would share the connection and end every chunk late."""
-MAX_LOSSES = 4
-"""Times in a row a connection may be lost (UNAVAILABLE) before the rounds with chunks on
-it fail: a link that keeps losing connections, or a peer that is gone, is down."""
 BATCH_BYTES = STREAM_WINDOW_BYTES // 2
 """Payload bytes of one call at most when chunks of one round queue behind each other
 (16 MiB): fewer calls (each a stream and a thread at both ends), while the peer still

@@ -177,7 +177,7 @@ def test_a_hung_survivor_fails_its_scenario_within_one_budget(tmp_path, monkeypa
             assert time.monotonic() < deadline, "the stand-in site never started"
             time.sleep(0.05)
         started = time.monotonic() - 2.0  # as if the injection had spent the budget
-        result = chaos._judge(scenario, {"site0": hung}, tmp_path / "run", started)
+        result = chaos._judge(scenario, {"site0": hung}, tmp_path / "run", started, tls=False)
         waited = time.monotonic() - started - 2.0
     finally:
         hung.kill()
