@@ -88,8 +88,9 @@ class BulkConnection:
     """One bulk connection to a peer's lane, shared by that peer's rounds.
 
     A sender thread writes queued frames in order; a reader thread matches each
-    acknowledgement to the round that sent the frame. A broken connection fails
-    the rounds with frames in flight; the next round dials again.
+    acknowledgement to the round that sent the frame. A connection refused by the
+    peer fails the rounds with frames in flight; one lost under them (a reset, a TLS
+    record that failed its MAC) sends them again on a new one (:meth:`_lost`).
 
     Every frame in flight has a deadline from its size and the rate the connection
     measured on the frames acknowledged before it (:meth:`_due_locked`). A connection
