@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import crc32c as _crc32c
@@ -191,9 +192,17 @@ def recv_payload(
         return 0, True if f32 else None
     if lib is None:
         return _recv_python(sock, buf, stall_s), None
+    return _receive(lib.wc_recv_frame, (sock.fileno(),), buf, stall_s, f32)
+
+
+def _receive(
+    receive: Callable[..., int], head: tuple, buf: memoryview, stall_s: float, f32: bool
+) -> tuple[int, bool | None]:
+    """Calls a C receive (``head`` its first arguments, then wc_recv_frame's contract)
+    and turns its result into (CRC, finite) or the exception it stands for."""
     crc, nonfinite = ctypes.c_uint32(), ctypes.c_int()
-    got = lib.wc_recv_frame(
-        sock.fileno(),
+    got = receive(
+        *head,
         _address(buf),
         len(buf),
         max(1, int(stall_s * 1000)),
@@ -277,24 +286,7 @@ def ssl_recv_payload(
         return None
     if not len(buf):
         return 0, True if f32 else None
-    crc, nonfinite = ctypes.c_uint32(), ctypes.c_int()
-    got = lib.wc_ssl_recv_frame(
-        pointer,
-        sock.fileno(),
-        _address(buf),
-        len(buf),
-        max(1, int(stall_s * 1000)),
-        int(f32),
-        ctypes.byref(crc),
-        ctypes.byref(nonfinite),
-    )
-    if got == 0:
-        raise FrameClosed("connection closed by the peer")
-    if got < 0:
-        if -got == errno.ETIMEDOUT:
-            raise TimeoutError(f"no byte of the frame for {stall_s:.0f}s")
-        raise OSError(-got, os.strerror(-got))
-    return crc.value, (not nonfinite.value) if f32 else None
+    return _receive(lib.wc_ssl_recv_frame, (pointer, sock.fileno()), buf, stall_s, f32)
 
 
 def all_finite(values: np.ndarray) -> bool:
