@@ -308,15 +308,10 @@ class BulkConnection:
                 return
             began = self._clock.began(self._inflight[0].at)
             allowed = self._due_locked() - began
-            items = list(self._inflight)
-            self._inflight.clear()
-            # First in flight goes first again, ahead of what was still queued.
-            self._queue.extendleft((i.rnd, i.frame) for i in reversed(items))
-            self._sock = None
+            items = self._requeue_inflight_locked()
             self._clock.stalled()
             self.stalls += 1
             redial = None if self._closed else self._queue[0][0].deadline
-            self._cond.notify_all()
         log.warning(
             "bulk connection %s stalled: a %.2f MB frame unacknowledged after %.1fs (its "
             "deadline: %.1fs at %.0f MB/s); its %d frame(s) in flight go again on a new "
@@ -328,9 +323,24 @@ class BulkConnection:
             (self._clock.rate or FIRST_RATE_BPS) / 1e6,
             len(items),
         )
-        sock.shutdown()  # wakes this connection's sender thread
+        self._leave(sock, items, redial)
+
+    def _requeue_inflight_locked(self) -> list[_Sent]:
+        """Takes the frames in flight back to the front of the queue, first in flight
+        first, ahead of what was still queued, and drops the connection; returns them."""
+        items = list(self._inflight)
+        self._inflight.clear()
+        self._queue.extendleft((i.rnd, i.frame) for i in reversed(items))
+        self._sock = None
+        self._cond.notify_all()
+        return items
+
+    def _leave(self, sock: Stream, items: list[_Sent], redial: float | None) -> None:
+        """Closes a connection left with ``items`` in flight (requeued), counts it with
+        the round whose frame was first, and dials a new one by ``redial``."""
+        sock.shutdown()  # wakes this connection's other thread
         sock.close()
-        items[0].rnd.stalled()  # counted once, by the round whose frame missed it
+        items[0].rnd.stalled()  # counted once: a flow left, the round went on
         if redial is not None:
             self._ensure(redial)
 
@@ -347,13 +357,9 @@ class BulkConnection:
             resend = None
             if not self._closed and self._inflight and self._losses < MAX_LOSSES:
                 self._losses += 1
-                resend = list(self._inflight)
-                self._inflight.clear()
-                self._queue.extendleft((i.rnd, i.frame) for i in reversed(resend))
-                self._sock = None
+                resend = self._requeue_inflight_locked()
                 self._lost_to = exc
                 redial = min(self._queue[0][0].deadline, time.monotonic() + LOSS_REDIAL_S)
-                self._cond.notify_all()
         if resend is None:
             self._fail(exc, sock)
             return
@@ -363,10 +369,7 @@ class BulkConnection:
             exc,
             len(resend),
         )
-        sock.shutdown()  # wakes this connection's other thread
-        sock.close()
-        resend[0].rnd.stalled()  # counted with the stalls: a flow left, the round went on
-        self._ensure(redial)
+        self._leave(sock, resend, redial)
 
     def _fail(self, exc: BaseException, sock: Stream | None, queued_too: bool = False) -> None:
         """The connection is gone: rounds with frames in flight on it fail (those may
