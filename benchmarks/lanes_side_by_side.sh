@@ -11,9 +11,11 @@
 # where there are enough). Chunks are 4 MiB for CPU tensors and 16 MiB for CUDA ones,
 # as training sizes them on the bulk port. The table's "cpu s/GB" column is the
 # process CPU time per GB of tensor. Tables go to stdout, JSON to $OUT.
-# MIB (256), CODECS (raw,int8), REPEATS (2), CONNECTIONS (2) and ROUNDS (3: timed
-# rounds per run, the median shown; the first one also pays for first-use allocations,
-# e.g. the pinned memory a CUDA lane's payloads then reuse) override the defaults.
+# MIB (256), CODECS (raw,int8), REPEATS (2), CONNECTIONS (2), ROUNDS (3: timed rounds
+# per run, the median shown) and WARMUP (2: untimed full-size rounds first, since a
+# lane's first two pay for allocations that later ones reuse, e.g. the pinned memory of
+# a CUDA lane's payloads) override the defaults. An old tree without `--warmup` (before
+# 2026-12-03) runs WARMUP more timed rounds instead, and its median is of those.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 old=${1:?usage: $0 OLD_TREE [LANES...]}
@@ -31,13 +33,18 @@ for device in ${DEVICES:-cpu}; do
   common=(--direct --sites 2 --rtt-ms 1 --gbit 10 --mib "${MIB:-256}" --chunk-kib "$chunk"
           --codec "${CODECS:-raw,int8}" --connections "${CONNECTIONS:-2}" --no-throughput
           --device "$device" --repeats "${ROUNDS:-3}")
+  warm=(--warmup "${WARMUP:-2}")
+  old_warm=("${warm[@]}")
+  if ! grep -q -- '"--warmup"' "$old/deploy/commands/bench.py"; then
+    old_warm=(--repeats "$(( ${ROUNDS:-3} + ${WARMUP:-2} ))") # the last --repeats wins
+  fi
   for r in $(seq "${REPEATS:-2}"); do
     for n in "${lanes[@]}"; do
       echo "== old, $device, $n lane(s) per site, repeat $r"
       PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" python3 benchmarks/allreduce.py \
-        "${common[@]}" --lanes "$n" --json "$out/old-$device-lanes$n-r$r.json"
+        "${common[@]}" "${old_warm[@]}" --lanes "$n" --json "$out/old-$device-lanes$n-r$r.json"
       echo "== new, $device, $n lane(s) per site, repeat $r"
-      python3 benchmarks/allreduce.py "${common[@]}" --lanes "$n" \
+      python3 benchmarks/allreduce.py "${common[@]}" "${warm[@]}" --lanes "$n" \
         --json "$out/new-$device-lanes$n-r$r.json"
     done
   done

@@ -157,6 +157,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "then how long the step waited for the sync after its compute",
     )
     add("--repeats", type=int, default=1, help="timed steps per case; the median is shown")
+    add(
+        "--warmup",
+        type=int,
+        default=2,
+        help="full-size untimed steps first, as training's steady state follows its first "
+        "steps (a lane's first two pay first-use allocations; 0 times them)",
+    )
     add("--timeout-s", type=float, default=600.0, help="limit on one all-reduce")
     add(
         "--direct",
@@ -197,6 +204,8 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
         raise ConfigError(f"--lanes must be in 1..64, got {args.lanes}")
     if args.groups < 1 or args.in_flight < 1 or args.repeats < 1 or args.load_ms < 0:
         raise ConfigError("--groups, --in-flight and --repeats must be >= 1, --load-ms >= 0")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
     if args.device == "cuda":
         import torch
 
@@ -225,6 +234,7 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             in_flight=args.in_flight,
             load_ms=args.load_ms,
             repeats=args.repeats,
+            warmup=args.warmup,
         )
         for s in sites
         for rtt in rtts

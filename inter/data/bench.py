@@ -79,6 +79,12 @@ class BenchCase:
     of the sync hid behind it (``exposed_s``)."""
     repeats: int = 1
     """Timed steps; the figures are those of the step of median wall time."""
+    warmup: int = 2
+    """Full-size steps before the timed ones, as training has run them before its
+    steady state: a lane's first two steps pay first-use allocations that later steps
+    reuse (a CUDA lane's page-locked payload memory, which the outbox keeps a step
+    back; on 1x H200 a CUDA int8 lane moved 2.7 GB/s in its first three steps, 8.0 in
+    the next three: docs/benchmarks.md, "Warm lanes")."""
     certs_dir: str = ""
     """A job's certificates (`isthmus certs`, sites site0..): the lanes run mutual TLS
     (chunks on the bulk port inside TLS), as a secure job's do; empty = plaintext."""
@@ -190,10 +196,12 @@ def _lane_slice(c: BenchCase, index: int, rank: int, device: torch.device) -> to
 def _median_report(
     ar: Any, sync: Any, c: BenchCase, tensor: torch.Tensor, load: _Load | None
 ) -> dict[str, Any]:
-    """Run ``c.repeats`` timed steps; the figures of the step of median wall time, and
-    the digest of the tensor after the last."""
+    """Run ``c.warmup`` untimed steps, then ``c.repeats`` timed ones; the figures of the
+    step of median wall time, and the digest of the tensor after the last."""
+    for step in range(1, c.warmup + 1):
+        _timed_step(ar, sync, c, tensor, load, step)
     runs = []
-    for step in range(1, c.repeats + 1):
+    for step in range(c.warmup + 1, c.warmup + c.repeats + 1):
         cpu0, t0 = time.process_time(), time.perf_counter()
         stats, compute_s, sync_s = _timed_step(ar, sync, c, tensor, load, step)
         runs.append(

@@ -41,6 +41,7 @@ def test_link_bound() -> None:
         (["--codec", "lz4"], "--codec"),
         (["--gbit", "x"], "--gbit"),
         (["--lanes", "0"], "--lanes"),
+        (["--warmup", "-1"], "--warmup"),
     ],
 )
 def test_bad_flags_are_one_line_errors(
@@ -105,3 +106,29 @@ def test_with_tls_the_lanes_run_mutual_tls_and_agree(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     (case,) = json.loads(out.read_text())["cases"]
     assert case["tls"] is True and case["identical"] and "certs_dir" not in case
+
+
+@pytest.mark.timeout(180)
+def test_warmup_steps_are_full_rounds_left_out_of_the_timing(tmp_path: Path) -> None:
+    """`--warmup 2 --repeats 1` runs the same three full-size rounds as `--warmup 0
+    --repeats 3` (int8's error feedback makes every step change the bits, so the final
+    digests match only if the warm-up rounds really ran), and reports one timed step."""
+    digests = {}
+    for warmup, repeats in ((0, 3), (2, 1)):
+        out = tmp_path / f"w{warmup}.json"
+        result = _script(
+            "--quick", "--codec", "int8", "--no-throughput", "--warmup", str(warmup),
+            "--repeats", str(repeats), "--json", str(out),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        (case,) = json.loads(out.read_text())["cases"]
+        assert case["identical"] and (case["warmup"], case["repeats"]) == (warmup, repeats)
+        digests[warmup] = case["sites_detail"][0]["digest"]
+    assert digests[0] == digests[2]
+    short = tmp_path / "short.json"
+    result = _script(
+        "--quick", "--codec", "int8", "--no-throughput", "--warmup", "0", "--json", str(short)
+    )
+    assert result.returncode == 0, result.stderr
+    (case,) = json.loads(short.read_text())["cases"]
+    assert case["sites_detail"][0]["digest"] != digests[0]  # one step leaves other bits
