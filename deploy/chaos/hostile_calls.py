@@ -219,7 +219,8 @@ def missed_forgeries(log: str, victims_log: str, lane_log: str) -> str:
     # Refused chunk by chunk, or (no pass, another site's certificate) with their stream.
     if not any(s in lane_log for s in ("without a ticket or pass granted to", streams)):
         return "the chunks in the victim's name were never refused (nothing in the lane's log)"
-    if "that the site did not ask for" not in lane_log and certificate not in lane_log:
+    asked = ("that the site did not ask for", "met so far asked for", certificate)
+    if not any(s in lane_log for s in asked):
         return "the resends and bulk tickets asked in the victim's name were never checked"
     if "does not propose generation" not in victims_log:
         return "the Propose in the leader's name was never checked with the leader"

@@ -191,16 +191,34 @@ class LaneHandoff:
         grant = lane_pb2.GrantBulkRequest(
             nonce=request.nonce, ticket=ticket, port=server.bulk_port, from_site=members.site_index
         )
-        failure: grpc.RpcError | None = None
+        failures: list[grpc.RpcError] = []
         for peer in lanes:  # one of them made the nonce (a few lanes between unequal sites)
             try:
                 peer.grant_bulk(grant, _budget(context))
                 return lane_pb2.OpenBulkResponse(port=server.bulk_port)
             except grpc.RpcError as exc:
-                failure = exc
+                failures.append(exc)
         server.tickets.cancel(ticket)
-        assert failure is not None
-        self._refused_or_failed(context, failure, f"OpenBulk in site {site}'s name")
+        what = f"OpenBulk in site {site}'s name"
+        if all(_code(exc) == grpc.StatusCode.PERMISSION_DENIED for exc in failures):
+            # No lane this rank's rounds met made the nonce: a forged call, or one from a
+            # lane of that site whose round with this rank has not begun yet (between
+            # sites of unequal sizes a rank meets a site's lanes one round at a time).
+            # The asker dials again, as before any round with its site; a forger gets
+            # nothing either way. Between unequal sites the line shows once a run.
+            self._server.refusals.note(
+                context.peer(),
+                f"{what} that none of the site's {len(lanes)} lane(s) met so far asked for "
+                "(told to dial again: a lane whose round has not begun, or a forged call)",
+            )
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: none of the {len(lanes)} lane(s) of site {site} that the rounds of "
+                f"site {members.site_index}'s lane met asked for it (yet)",
+            )
+        # A lane that could not be reached may be the one that asked.
+        unreached = next(e for e in failures if _code(e) != grpc.StatusCode.PERMISSION_DENIED)
+        self._refused_or_failed(context, unreached, what)
         return lane_pb2.OpenBulkResponse()  # not reached: aborted
 
     def _refused_or_failed(
@@ -208,7 +226,7 @@ class LaneHandoff:
     ) -> None:
         """The asking site's lane would not take the hand-off: it never asked, so the
         call was forged (logged once per caller, counted); or it could not be reached."""
-        code = exc.code() if hasattr(exc, "code") else None
+        code = _code(exc)
         if code == grpc.StatusCode.PERMISSION_DENIED:
             self._server.refusals.note(context.peer(), f"{what} that the site did not ask for")
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{what}: the site did not ask")
@@ -250,6 +268,10 @@ class LaneHandoff:
             grpc.StatusCode.PERMISSION_DENIED,
             f"lane of site {self._server.site_index} did not ask for it",
         )
+
+
+def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
+    return exc.code() if hasattr(exc, "code") else None
 
 
 def _budget(context: grpc.ServicerContext) -> float:

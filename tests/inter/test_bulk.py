@@ -17,6 +17,7 @@ import torch
 from helpers import raw_chunk, wait_until
 from lanes import inputs, run_all, sites
 
+from isthmus.inter.data.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.bulk import (
     ACCEPTED,
     MAGIC,
@@ -26,7 +27,7 @@ from isthmus.inter.data.bulk import (
     frame_bytes,
     record_head,
 )
-from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.codec import crc32, make_codec
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.round_types import Members
@@ -349,3 +350,69 @@ def test_a_peer_of_the_first_framing_is_told_to_upgrade(lane) -> None:
         assert (status, code) == (REFUSED, grpc.StatusCode.FAILED_PRECONDITION.value[0])
         assert "bulk framing version 1" in why and closed(sock)
     assert len(lane.mailbox) == 0
+
+
+def test_a_lane_not_met_yet_gets_its_ticket_once_its_round_begins() -> None:
+    """Sites of unequal sizes: site 1's one lane pairs with both of site 0's, one round
+    at a time. Site 0's second lane may ask for a bulk ticket before site 1's round with
+    it has begun; site 1's lane then knows only the first lane, which refuses the grant
+    (it made no such nonce). That used to fail the second lane's round at once
+    (PERMISSION_DENIED, a retried step; 56 s of one in a loaded test run); the asker is
+    now told to dial again and its round goes through once site 1 meets it."""
+    chunk = 4096
+    servers = [
+        LaneServer(site_index=s, num_sites=2, codec="raw", generation=7, chunk_bytes=chunk)
+        for s in (0, 0, 1)
+    ]  # site 0's lanes a and b, site 1's lane c
+    a, b, c = servers
+    peers = {
+        "a->c": LanePeer(c.address, chunk_bytes=chunk),
+        "b->c": LanePeer(c.address, chunk_bytes=chunk),
+        "c->a": LanePeer(a.address, chunk_bytes=chunk),
+        "c->b": LanePeer(b.address, chunk_bytes=chunk),
+    }
+    ars = {
+        name: CrossSiteAllReduce(
+            site_index=server.site_index,
+            num_sites=2,
+            server=server,
+            peers={1 - server.site_index: peers[f"{name}->{'a' if name == 'c' else 'c'}"]},
+            codec=make_codec("raw"),
+            chunk_bytes=chunk,
+            timeout_s=20,
+            generation=7,
+        )  # fmt: skip
+        for name, server in zip("abc", servers, strict=True)
+    }
+    try:
+        first = [torch.full((5000,), 1.0), torch.full((5000,), 2.0)]  # a's and c's
+        run_all([
+            lambda: ars["a"].allreduce([first[0]], step=0, group=0, average=False),
+            lambda: ars["c"].allreduce([first[1]], step=0, group=0, average=False),
+        ])  # fmt: skip
+        assert torch.equal(first[0], torch.full((5000,), 3.0))
+        second = [torch.full((5000,), 10.0), torch.full((5000,), 20.0)]  # b's and c's
+        refusals = a.refusals.count
+
+        def c_meets_b_late() -> object:
+            # b's round asks c for a ticket meanwhile: c has met only a.
+            # (c grants it to a, the one lane it met, and a refuses it: not its nonce)
+            wait_until(lambda: a.refusals.count > refusals, "b asked c for a ticket")
+            return ars["c"].allreduce(
+                [second[1]], step=0, group=1, average=False, peers={0: peers["c->b"]}
+            )
+
+        results = run_all([
+            lambda: ars["b"].allreduce([second[0]], step=0, group=1, average=False),
+            c_meets_b_late,
+        ])  # fmt: skip
+        assert not any(isinstance(r, BaseException) for r in results), results
+        assert torch.equal(second[0], torch.full((5000,), 30.0))
+        assert torch.equal(second[1], torch.full((5000,), 30.0))
+    finally:
+        for ar in ars.values():
+            ar.close()
+        for peer in peers.values():
+            peer.close()
+        for server in servers:
+            server.stop(0)
