@@ -121,6 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "past ~15 Gbit/s loaded both ways: one relay process moves ~34 Gbit/s summed)",
     )
     add("--workers", type=int, default=0, help="encode/decode threads per lane; 0 = auto")
+    _add_step_arguments(parser)
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of each case's lanes and steps (``add_arguments``'s second half)."""
+    add = parser.add_argument
     add(
         "--tls",
         action="store_true",
