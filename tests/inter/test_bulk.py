@@ -371,17 +371,19 @@ def test_a_lane_not_met_yet_gets_its_ticket_once_its_round_begins() -> None:
         "c->a": LanePeer(a.address, chunk_bytes=chunk),
         "c->b": LanePeer(b.address, chunk_bytes=chunk),
     }
+    # Each all-reduce's configured peer; c's round with b names b's lane instead.
+    default_peer = {"a": peers["a->c"], "b": peers["b->c"], "c": peers["c->a"]}
     ars = {
         name: CrossSiteAllReduce(
             site_index=server.site_index,
             num_sites=2,
             server=server,
-            peers={1 - server.site_index: peers[f"{name}->{'a' if name == 'c' else 'c'}"]},
+            peers={1 - server.site_index: default_peer[name]},
             codec=make_codec("raw"),
             chunk_bytes=chunk,
             timeout_s=20,
             generation=7,
-        )  # fmt: skip
+        )
         for name, server in zip("abc", servers, strict=True)
     }
     try:
