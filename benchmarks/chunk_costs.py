@@ -29,22 +29,17 @@ import torch
 
 from isthmus.inter.data.bulk_stream import empty
 from isthmus.inter.data.codec import crc32, make_codec
-from isthmus.inter.data.round_device import lane_stream, sum_parts
+from isthmus.inter.data.round_device import on_lane_stream, sum_parts
 
 MIB = 1 << 20
 
 
-def _on_stream(device: torch.device | None, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` on this thread's lane stream, synchronized, as a round's task runs."""
-    if device is None:
-        return fn
+def _on_stream(buffer: torch.Tensor, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` as a round's task runs: on a GPU on this thread's lane stream, waited for."""
 
     def run() -> object:
-        stream = lane_stream(device)
-        with torch.cuda.stream(stream):
-            out = fn()
-        stream.synchronize()
-        return out
+        with on_lane_stream(buffer):
+            return fn()
 
     return run
 
@@ -98,8 +93,13 @@ def _steps(device: torch.device | None, mib: float, codec_name: str) -> dict:
     payload = codec.encode(grad, None)
     payload_bytes = bytes(payload)
     other = torch.randn(n, device=dev)
-    out = torch.empty(n, device=dev)
+    local = threading.local()  # each thread sums into its own buffer, as chunks do
     keys = iter(range(1 << 30))
+
+    def out() -> torch.Tensor:
+        if not hasattr(local, "out"):
+            local.out = torch.empty(n, device=dev)
+        return local.out
 
     def encode() -> object:
         return codec.encode(grad, f"k{next(keys) % 64}", require_finite=True)
@@ -111,8 +111,8 @@ def _steps(device: torch.device | None, mib: float, codec_name: str) -> dict:
 
     def summed(part: object) -> torch.Tensor:
         if device is None:  # a CPU round sums numpy arrays
-            return torch.from_numpy(sum_parts({0: grad.numpy(), 1: part}, out.numpy(), 2, False))
-        return sum_parts({0: grad, 1: part}, out, 2, False)
+            return torch.from_numpy(sum_parts({0: grad.numpy(), 1: part}, out().numpy(), 2, False))
+        return sum_parts({0: grad, 1: part}, out(), 2, False)
 
     def reduce() -> object:
         total = summed(other if device is not None else other.numpy())
@@ -127,12 +127,12 @@ def _steps(device: torch.device | None, mib: float, codec_name: str) -> dict:
         "payload_bytes": len(payload_bytes),
         "close": close,
         "steps": {
-            "encode+host copy": _on_stream(device, encode),
+            "encode+host copy": _on_stream(grad, encode),
             "crc32c": lambda: crc32(payload_bytes),
             "socket (loopback)": sock,
-            "to device+decode": _on_stream(device, decode),
-            "sum+encode result": _on_stream(device, reduce),
-            "decode+sum+encode": _on_stream(device, decode_reduce),
+            "to device+decode": _on_stream(grad, decode),
+            "sum+encode result": _on_stream(grad, reduce),
+            "decode+sum+encode": _on_stream(grad, decode_reduce),
         },
     }
 
