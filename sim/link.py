@@ -4,7 +4,8 @@ A `DirectionPipe` is shared by every connection that crosses one direction of a 
 because a link's bandwidth is shared. It keeps a serialization clock (each piece leaves
 at `max(now, next_free) + len * 8 / bandwidth` and reaches the far end `latency_s`
 later) and bounds the bytes in flight (read from a sender, not yet off the wire) by
-`bandwidth * delay + queue_bytes`, so a sender feels the bandwidth-delay product as TCP
+`bandwidth * delay` plus the queue (`queue_bytes`, at least `MIN_QUEUE_S` of the rate:
+`DirectionSpec.queue_limit_bytes`), so a sender feels the bandwidth-delay product as TCP
 backpressure instead of filling an unbounded buffer.
 
 A direction may also cap each connection (`DirectionSpec.per_flow_bps`, as public

@@ -17,6 +17,16 @@ FIBER_S_PER_KM = 4.9e-6
 
 DEFAULT_QUEUE_BYTES = 256 * 1024
 
+MIN_QUEUE_S = 2e-3
+"""The least queue a bandwidth-limited direction keeps, in seconds of its rate (a
+`queue_bytes` below it counts as this). The pump that feeds the wire is a Python loop
+that tops it up only when it runs; under load it runs a millisecond or more late. With a
+queue shallower than that, the wire sits idle while the pump catches up (256 KiB is 0.2
+ms at 10 Gbit/s): one lane across 10 Gbit/s moved 86 % of the link with 256 KiB and 99 %
+with this floor, 4 lanes across 25 Gbit/s 83 % and 94 % (docs/benchmarks.md, "The
+emulator's queue"). Routers on long-haul links hold tens of ms, so no real link is
+shallower than this floor."""
+
 UNLIMITED_WINDOW_BYTES = 16 * 1024 * 1024
 """In-flight bound (plus `queue_bytes`) of a link without a bandwidth limit, whose
 bandwidth-delay product is infinite: still finite so that memory stays bounded."""
@@ -81,13 +91,21 @@ class DirectionSpec:
         return self.per_flow_bps != 0 and not math.isinf(self.per_flow_bps)
 
     @property
+    def queue_limit_bytes(self) -> int:
+        """The queue the direction keeps: `queue_bytes`, and at least `MIN_QUEUE_S` of
+        its rate."""
+        if self.unlimited:
+            return self.queue_bytes
+        return max(self.queue_bytes, int(self.bandwidth_bps * MIN_QUEUE_S / 8))
+
+    @property
     def inflight_limit_bytes(self) -> int:
         """Bytes that may be in flight: bandwidth x (latency + the most that the
-        impairments add on the wire) plus queue."""
+        impairments add on the wire) plus the queue (`queue_limit_bytes`)."""
         if self.unlimited:
             return UNLIMITED_WINDOW_BYTES + self.queue_bytes
         delay_s = self.latency_s + sum(i.max_delay_s() for i in self.impairments)
-        return int(self.bandwidth_bps * delay_s / 8) + self.queue_bytes
+        return int(self.bandwidth_bps * delay_s / 8) + self.queue_limit_bytes
 
     def serialization_s(self, nbytes: int) -> float:
         """Seconds that `nbytes` occupy the wire."""

@@ -47,18 +47,27 @@ def emulated_links(
     bandwidth_bps: float,
     per_flow_bps: float = 0.0,
     processes: bool = False,
+    queue_bytes: int | None = None,
 ) -> Iterator[dict[tuple[int, int], str]]:
     """One emulated link per pair of sites (each TCP flow held to ``per_flow_bps``, 0 =
-    no cap; each direction pumped by a process of its own with ``processes``); yields
-    {(i, j): proxy URL i dials j by}."""
+    no cap; each direction pumped by a process of its own with ``processes``; a router
+    queue of ``queue_bytes``, None = the emulator's default); yields {(i, j): proxy URL
+    i dials j by}."""
     from isthmus.sim import LinkSpec, RelayServer
+    from isthmus.sim.spec import DEFAULT_QUEUE_BYTES
+
+    if queue_bytes is None:
+        queue_bytes = DEFAULT_QUEUE_BYTES
 
     # gRPC skips a proxy for hosts in no_proxy; name none so lanes cross the link.
     os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (gRPC reads lowercase)
     relay = RelayServer(processes=processes).start()
     try:
         spec = LinkSpec.symmetric(
-            latency_s=rtt_s / 2, bandwidth_bps=bandwidth_bps, per_flow_bps=per_flow_bps
+            latency_s=rtt_s / 2,
+            bandwidth_bps=bandwidth_bps,
+            per_flow_bps=per_flow_bps,
+            queue_bytes=queue_bytes,
         )
         proxies: dict[tuple[int, int], str] = {}
         for i in range(num_sites):
@@ -119,6 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the emulator pumps each link direction in a process of its own (for links "
         "past ~15 Gbit/s loaded both ways: one relay process moves ~34 Gbit/s summed)",
+    )
+    add(
+        "--queue-kib",
+        type=int,
+        default=-1,
+        help="the emulated link's router queue beyond its bandwidth-delay product, KiB "
+        "(-1 = the emulator's default, as `wan.queue_kib` of a topology)",
     )
     add("--workers", type=int, default=0, help="encode/decode threads per lane; 0 = auto")
     _add_step_arguments(parser)
@@ -206,6 +222,8 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
         raise ConfigError(f"--connections must be in 0..16, got {args.connections}")
     if args.per_flow_mbit < 0:
         raise ConfigError(f"--per-flow-mbit must be >= 0, got {args.per_flow_mbit}")
+    if args.queue_kib < -1:
+        raise ConfigError(f"--queue-kib must be >= 0 (-1 = default), got {args.queue_kib}")
     if not 1 <= args.lanes <= 64:
         raise ConfigError(f"--lanes must be in 1..64, got {args.lanes}")
     if args.groups < 1 or args.in_flight < 1 or args.repeats < 1 or args.load_ms < 0:
@@ -292,6 +310,7 @@ def _run_cases(args: argparse.Namespace, cases: list, out: dict) -> None:
             emulated_links,
             per_flow_bps=args.per_flow_mbit * 1e6,
             processes=args.relay_processes,
+            queue_bytes=None if args.queue_kib < 0 else args.queue_kib * 1024,
         )
         result = bench.run_case(case, direct_links if args.direct else links)
         result["direct"] = bool(args.direct)

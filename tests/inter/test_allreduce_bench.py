@@ -42,6 +42,7 @@ def test_link_bound() -> None:
         (["--gbit", "x"], "--gbit"),
         (["--lanes", "0"], "--lanes"),
         (["--warmup", "-1"], "--warmup"),
+        (["--queue-kib", "-2"], "--queue-kib"),
     ],
 )
 def test_bad_flags_are_one_line_errors(

@@ -286,9 +286,14 @@ def test_spec_validation() -> None:
         LinkSpec.from_distance(-3, 1e9)
     spec = LinkSpec.from_distance(1000, 1e9)
     assert spec.rtt_s == pytest.approx(2 * 1000 * 4.9e-6)
-    assert DirectionSpec(latency_s=0.01, bandwidth_bps=8e6, queue_bytes=0).inflight_limit_bytes == (
-        10_000
-    )
+    # 10 ms of 1 MB/s, and the queue: never under 2 ms of the rate (MIN_QUEUE_S) ...
+    shallow = DirectionSpec(latency_s=0.01, bandwidth_bps=8e6, queue_bytes=0)
+    assert shallow.queue_limit_bytes == 2_000
+    assert shallow.inflight_limit_bytes == 10_000 + 2_000
+    # ... a deeper one as asked, and an unlimited direction's as asked too
+    deep = DirectionSpec(latency_s=0.01, bandwidth_bps=8e6, queue_bytes=5_000)
+    assert deep.inflight_limit_bytes == 10_000 + 5_000
+    assert DirectionSpec(latency_s=0.01, queue_bytes=0).queue_limit_bytes == 0
 
 
 @pytest.mark.timeout(30)
