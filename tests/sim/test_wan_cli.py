@@ -80,6 +80,9 @@ def test_set_changes_a_running_link(tmp_path, mode) -> None:
         assert link["spec"]["a_to_b"]["bandwidth_mbit"] == 160  # the refusals changed nothing
         assert link["stats"]["a_to_b"]["bytes_delivered"] == 20 << 20
         assert "a -> b" in _wan("show", "--control", control).stdout
+        # A queue shallower than 2 ms of the rate is shown as the one the link keeps.
+        fast = _wan("set", "--control", control, "a-b", "bandwidth_mbit=25000")
+        assert "queue 6104 KiB (2 ms of the rate; 256 asked)" in fast.stdout, fast.stdout
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(10)
