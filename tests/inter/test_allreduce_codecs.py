@@ -88,19 +88,24 @@ def test_chunk_size_follows_the_bandwidth_delay_product() -> None:
     assert chunk_bytes_for_link(1e9, 0.0001) == 256 * 1024  # 12.5 KB BDP: the floor
     assert chunk_bytes_for_link(1e9, 0.010) == 1024 * 1024  # 1.25 MB BDP
     assert chunk_bytes_for_link(10e9, 0.050) == 4 * 1024 * 1024  # 62.5 MB: the ceiling
+    assert chunk_bytes_for_link(10e9, 0.050, 16 << 20) == 16 << 20  # the bulk port's
     with pytest.raises(ValueError):
         chunk_bytes_for_link(0, 0.01)
 
 
 def test_cuda_chunks_on_the_bulk_port_are_larger() -> None:
-    """The job's auto chunk: the link's on CPU and on gRPC (its message limit), at
-    least 16 MiB for CUDA tensors on the bulk port; a chosen size always wins."""
-    link = ["wan.distance_km=1000", "wan.bandwidth_mbit=10000"]
+    """The job's auto chunk: the link's BDP, up to 16 MiB on the bulk port and 4 MiB on
+    gRPC (its message limit), at least 16 MiB for CUDA tensors on the bulk port; a
+    chosen size always wins."""
+    link = ["wan.distance_km=1000", "wan.bandwidth_mbit=10000"]  # BDP 12.25 MB
     cpu = load_config(overrides=[*link, "topology.device=cpu"]).chunk_bytes
     cuda = load_config(overrides=[*link, "topology.device=cuda"]).chunk_bytes
     grpc = load_config(overrides=[*link, "topology.device=cuda", "sync.transport=grpc"])
+    cpu_grpc = load_config(overrides=[*link, "topology.device=cpu", "sync.transport=grpc"])
     chosen = load_config(overrides=[*link, "topology.device=cuda", "sync.chunk_bytes=65536"])
-    assert cpu == 4 << 20
+    fast = ["wan.distance_km=1000", "wan.bandwidth_mbit=25000", "topology.device=cpu"]
+    assert cpu == 8 << 20
+    assert load_config(overrides=fast).chunk_bytes == 16 << 20  # 30.6 MB: the ceiling
     assert cuda == CUDA_BULK_CHUNK_BYTES == 16 << 20
-    assert grpc.chunk_bytes == 4 << 20
+    assert grpc.chunk_bytes == cpu_grpc.chunk_bytes == 4 << 20
     assert chosen.chunk_bytes == 65536

@@ -184,7 +184,7 @@ def test_plan_cli_gives_the_curve_of_a_preset_against_the_per_gpu_batch():
     data = json.loads(run_cli(*args, "--json", timeout=60).stdout)
     assert data["inputs"]["codec_ratio"] == 4.0 and data["inputs"]["rounds"] == 21
     # The chunk isthmus local picks for a 10 Gbit/s, 10 ms link.
-    assert data["inputs"]["chunk_bytes"] == 4 << 20
+    assert data["inputs"]["chunk_bytes"] == 8 << 20  # its 12.5 MB BDP, on the bulk port
     curve = data["curve"]
     assert [row["batch"] for row in curve] == [4, 16, 64]
     assert curve[0]["scaling_efficiency"] < curve[-1]["scaling_efficiency"]
