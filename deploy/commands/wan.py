@@ -29,7 +29,7 @@ from isthmus.sim import (
     load_topology,
 )
 from isthmus.sim.control import DEFAULT_ADDRESS, parse_address
-from isthmus.sim.spec import MIN_QUEUE_S
+from isthmus.sim.spec import MIN_QUEUE_S, DirectionSpec
 from isthmus.sim.topology import spec_to_table
 
 if sys.version_info >= (3, 11):
@@ -276,13 +276,18 @@ def _request(address: str, method: str, path: str, body: dict[str, Any] | None =
 def _summary(table: dict[str, Any]) -> str:
     bandwidth = table["bandwidth_mbit"]
     queue = table["queue_kib"]
-    floor = bandwidth * 1e6 * MIN_QUEUE_S / 8 / 1024  # what a limited link keeps at least
+    kept = (
+        DirectionSpec(  # the rule the link applies (at least MIN_QUEUE_S of the rate)
+            latency_s=0.0, bandwidth_bps=bandwidth * 1e6, queue_bytes=round(queue * 1024)
+        ).queue_limit_bytes
+        / 1024
+    )
     parts = [
         f"{table['latency_ms']:.3g} ms",
         f"{bandwidth:g} Mbit/s" if bandwidth else "unlimited",
         f"queue {queue:g} KiB"
-        if queue >= floor
-        else f"queue {floor:.0f} KiB ({MIN_QUEUE_S * 1e3:g} ms of the rate; {queue:g} asked)",
+        if kept <= queue
+        else f"queue {kept:.0f} KiB ({MIN_QUEUE_S * 1e3:g} ms of the rate; {queue:g} asked)",
     ]
     if table.get("per_flow_mbit"):
         parts.insert(2, f"{table['per_flow_mbit']:g} Mbit/s per flow")
