@@ -37,8 +37,8 @@ _DEFAULT_RMEM_MAX = 6 << 20  # Linux's default tcp_rmem maximum
 def chunk_bytes_for_link(
     bandwidth_bps: float, rtt_s: float, most_bytes: int = MAX_CHUNK_BYTES
 ) -> int:
-    """Chunk size for a link: its bandwidth-delay product, clamped to 256 KiB-4 MiB
-    (``most_bytes``).
+    """Chunk size for a link: its bandwidth-delay product, clamped to 256 KiB up to
+    ``most_bytes`` (4 MiB unless the caller says).
 
     A chunk about one BDP keeps a window's worth of data in one message: smaller
     chunks pay gRPC's per-message cost (python gRPC wants 256 KiB-4 MiB messages),
