@@ -13,7 +13,8 @@ parameter digest after the last step.
 
 A site is slowed with ISTHMUS_SLOWDOWN=F in its environment: each of its ranks sleeps
 (F - 1) x its compute time after every step; ISTHMUS_STEP_FLOOR_S=T makes no step
-shorter than T seconds (deploy/rank/program.py).
+shorter than T seconds until a site the job lost is back (deploy/rank/faults.py,
+StepFloor).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the chaos suite reads this module's names without importing torch
     from isthmus.inter.data import LaneGradientSync
 
-__all__ = ["LANE_THREADS_LOST_ENV", "FaultInjection"]
+__all__ = ["LANE_THREADS_LOST_ENV", "FaultInjection", "StepFloor"]
 
 LANE_THREADS_LOST_ENV = "ISTHMUS_LANE_THREADS_LOST_AT_STEP"
 """The step whose cross-site round loses the lane's codec threads (chaos `lane-threads`)."""
@@ -36,7 +36,7 @@ class FaultInjection:
     """The slowdown starts at this step (a site that slows while the job runs)."""
     step_floor_s: float = 0.0
     """No step is shorter than this, seconds, so a job still runs when a restarted or
-    cut-off site comes back, whatever the hardware."""
+    cut-off site comes back, whatever the hardware; until it is back (`StepFloor`)."""
     lane_threads_lost_at: int = -1
     """The first cross-site round at or after this step loses the lane's codec threads
     after its first tasks (-1: never)."""
@@ -60,17 +60,47 @@ class FaultInjection:
         old, allreduce.pool = allreduce.pool, _PoolLostMidRound(allreduce.workers, step)
         old.shutdown(wait=False)
 
-    def pace(self, step: int, compute_s: float, sync_s: float) -> float:
+    def pace(self, step: int, compute_s: float, sync_s: float, *, floor: bool = True) -> float:
         """Sleeps after ``step``, which computed ``compute_s`` and synced ``sync_s``
-        seconds. Returns the seconds of slowdown (the site's work made longer: what a
-        balancer must see), not the floor's."""
+        seconds, and up to the step floor when ``floor``. Returns the seconds of
+        slowdown (the site's work made longer: what a balancer must see), not the
+        floor's."""
         slowed = 0.0
         if self.slowdown > 1 and step >= self.slow_from_step:
             slowed = (self.slowdown - 1) * compute_s
             time.sleep(slowed)
-        if self.step_floor_s > 0:
+        if floor and self.step_floor_s > 0:
             time.sleep(max(0.0, self.step_floor_s - compute_s - sync_s))
         return slowed
+
+
+class StepFloor:
+    """Whether the step floor still holds at a rank of a job of ``sites`` sites.
+
+    The floor keeps a job running until a site it lost is back; the steps after that
+    have nothing to wait for, and paced they were most of the time of the chaos
+    scenarios and of the suite's fault tests (60 steps at 0.3 s where a dozen needed
+    it). It lifts once this rank has seen the job short of a site and whole again, or
+    came back itself: it rejoined, or it started past step 0 with the job's state (a
+    restarted site's; a resumed job's too, whose floor has nothing left to wait for).
+    """
+
+    def __init__(self, sites: int, start_step: int) -> None:
+        self.sites = sites
+        self.holds = start_step == 0
+        self._short = False
+
+    def after_step(self, live_sites: int) -> bool:
+        """Notes the live sites a committed step saw; returns whether the floor holds."""
+        if live_sites < self.sites:
+            self._short = True
+        elif self._short:
+            self.holds = False
+        return self.holds
+
+    def rejoined(self) -> None:
+        """This rank took the live state and went on with the job."""
+        self.holds = False
 
 
 class _PoolLostMidRound(futures.ThreadPoolExecutor):

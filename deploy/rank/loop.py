@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from isthmus.deploy.rank.checkpointing import save_due, save_if_due
+from isthmus.deploy.rank.faults import StepFloor
 from isthmus.deploy.rank.startup import RankParts
 from isthmus.inter.data import StepOutcome, SyncStats
 from isthmus.intra.digest import shard_digest as intra_shard_digest
@@ -75,6 +76,7 @@ class StepLoop:
         """``time.perf_counter()`` when the step in progress was handed out."""
         self._ended = True
         self._finished = False
+        self._floor = StepFloor(parts.config.topology.sites, parts.start)
 
     @property
     def next_step(self) -> int:
@@ -129,8 +131,11 @@ class StepLoop:
             assert parts.cross is not None
             progress.step = parts.cross.rejoin(parts.trainer, synced.rejoin)
             progress.synced = progress.step - 1
+            self._floor.rejoined()
             return False
-        slowed = parts.env.faults.pace(step, compute_s, sync_s)
+        live_sites, _ = _membership_now(parts, synced.stats if synced is not None else None)
+        floor = self._floor.after_step(live_sites)
+        slowed = parts.env.faults.pace(step, compute_s, sync_s, floor=floor)
         traffic = _site_traffic(synced.stats if synced is not None else None)
         measured = line(traffic, slowed)
         _record(parts, progress, step, synced, traffic, compute_s, sync_s, measured)
