@@ -127,6 +127,7 @@ class BulkConnection:
         self._dial_lock = threading.Lock()
         self._clock = FlowClock()
         self._losses = 0  # connections lost in a row under frames (reset by an ack)
+        self._bytes_put = 0
         self._lost_to: BaseException | None = None  # why the connection redialled was lost
         self.stalls = 0
         """Times this connection stalled and its frames went again on a new one."""
@@ -136,8 +137,17 @@ class BulkConnection:
             if self._closed:
                 raise BulkError("connection closed")
             self._queue.append((rnd, frame))
+            self._bytes_put += frame.payload_bytes
             self._cond.notify_all()
         self._ensure(rnd.deadline)
+
+    def load(self) -> tuple[int, int]:
+        """Payload bytes queued or in flight here, not yet acknowledged, and payload
+        bytes ever queued here (:meth:`PeerRound.send` picks the least loaded)."""
+        with self._cond:
+            queued = sum(frame.payload_bytes for _, frame in self._queue)
+            backlog = queued + sum(sent.frame.payload_bytes for sent in self._inflight)
+            return backlog, self._bytes_put
 
     def _ensure(self, deadline: float) -> None:
         """Dials (once) if there is no live connection; runs on the caller's thread."""

@@ -1,6 +1,7 @@
 """One round's chunks to one peer, over that peer's connections (either transport).
 
-A round hands each chunk to one of the peer's connections in turn; a connection is a
+A round hands each chunk to the peer's connection with the fewest bytes not yet
+acknowledged (the peer's rounds share its connections); a connection is a
 bulk port's (:class:`~isthmus.inter.data.bulk_peer.BulkConnection`) or one carrying
 one-chunk ``PushChunks`` calls (:class:`~isthmus.inter.data.push_round.StreamConnection`).
 Either sends its frames with deadlines of their own and tells the round what became of
@@ -24,6 +25,14 @@ class Connection(Protocol):
     def put(self, rnd: PeerRound, frame: Frame) -> None:
         """Queues ``frame`` of ``rnd``; raises ConnectionError once closed."""
 
+    def load(self) -> tuple[int, int]:
+        """Payload bytes queued or in flight on it, not yet acknowledged, and payload
+        bytes ever queued on it."""
+
+
+def _load(conn: Connection) -> tuple[int, int]:
+    return conn.load()
+
 
 class PeerRound:
     """One round's chunks to one peer over its connections.
@@ -37,7 +46,6 @@ class PeerRound:
         self._conns = conns
         self.deadline = deadline
         self._cond = threading.Condition()
-        self._next = 0
         self._ended = False
         self._error: BaseException | None = None
         self._taken = 0
@@ -51,16 +59,24 @@ class PeerRound:
         on a new connection."""
 
     def send(self, frame: Frame) -> None:
-        """Queues one chunk; connections take turns. Thread-safe.
+        """Queues one chunk on the least loaded connection: the fewest bytes not yet
+        acknowledged, then the fewest ever queued (so idle connections take turns, in
+        this round and across the peer's rounds). Thread-safe.
+
+        The peer's rounds share its connections, and a connection held to a per-flow
+        cap carries no more than its share: each round taking them in turn from the
+        first (as before) put one frame more on the first in every round whose frames
+        did not divide evenly (a 256 MiB group of 16 MiB chunks: 16 frames a direction,
+        4 of them on the first of 5 connections, which held the link to 80 %).
 
         A chunk sent after :meth:`end` (a failing round's stragglers) is dropped.
         """
         with self._cond:
             if self._ended or self._error is not None:
                 return
-            conn = self._conns[self._next]
-            self._next = (self._next + 1) % len(self._conns)
             self.sent += 1
+        # Outside the round's lock: a connection tells its rounds under its own lock.
+        conn = min(self._conns, key=_load)
         try:
             conn.put(self, frame)
         except ConnectionError as exc:

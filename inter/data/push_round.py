@@ -123,6 +123,7 @@ class StreamConnection:
         self._wait_for_ready = True  # a peer still starting is waited for; not after a loss
         self._not_before = 0.0  # a chunk the peer was too busy for waits until then
         self._closed = False
+        self._bytes_put = 0
         self._thread: threading.Thread | None = None
 
     @staticmethod
@@ -140,12 +141,23 @@ class StreamConnection:
             if self._closed:
                 raise ConnectionError(f"connection {self._name} closed")
             self._queue.append((rnd, frame))
+            self._bytes_put += frame.payload_bytes
             self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"push-{self._name}", daemon=True
                 )
                 self._thread.start()
+
+    def load(self) -> tuple[int, int]:
+        """Payload bytes queued or in calls not yet answered, and payload bytes ever
+        queued here (:meth:`PeerRound.send` picks the least loaded)."""
+        with self._cond:
+            queued = sum(frame.payload_bytes for _, frame in self._queue)
+            backlog = queued + sum(
+                f.payload_bytes for c in self._inflight.values() for f in c.frames
+            )
+            return backlog, self._bytes_put
 
     def close(self) -> None:
         """Stops the sender; calls in flight end with the channel (the lane peer's)."""
