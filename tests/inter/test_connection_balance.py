@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from helpers import raw_chunk
+from helpers import raw_chunk, wait_until
 
 from isthmus.inter.data.bulk_peer import BulkConnection
 from isthmus.inter.data.codec import crc32, make_codec
@@ -83,10 +83,13 @@ def test_rounds_one_after_another_spread_their_frames_over_every_connection(
     seen = count_takes(monkeypatch)
     conns = connections(lane, 3)
     try:
-        for group in range(3):  # three rounds of 4 frames, each taken before the next
+        for step in range(3):  # three rounds of 4 frames, each frame taken before the next
             rnd = PeerRound(conns, deadline=time.monotonic() + 30)
-            for c in range(4):
-                rnd.send(frame(group, c, 256))
+            for group in range(4):
+                rnd.send(frame(step, group, 256))
+                # Every connection idle again: the pick is by bytes ever queued alone,
+                # whatever the order the acknowledgements came back in.
+                wait_until(lambda: all(c.load()[0] == 0 for c in conns), "the frame taken", 20)
             rnd.end()
             assert rnd.wait(20) == 4
         # 12 frames over 3 connections: 4 each (in turn from the first: 6, 3, 3).
