@@ -221,6 +221,56 @@ long wc_recv_frame(int fd, uint8_t *dst, size_t n, int stall_ms, int check_f32,
 /* 1 if every one of the n fp32 values at p is finite: one read pass, no temporary. */
 int wc_all_finite(const uint8_t *p, size_t n) { return !any_nonfinite(p, n); }
 
+/* The owner's sum of one fp32 chunk (below), a block of values at a time: 96 KiB of each
+ * part and of the result stay in the cache while the block is added, checked and
+ * checksummed, and a block is four runs of the CRC's three interleaved 8 KiB lanes. */
+#define SUM_BLOCK ((size_t)3 * LANE)
+
+VECTOR_CLONES static void add_two(float *restrict o, const float *restrict a,
+                                  const float *restrict b, size_t n) {
+    for (size_t i = 0; i < n; i++) o[i] = a[i] + b[i];
+}
+
+VECTOR_CLONES static void add_into(float *restrict o, const float *restrict b, size_t n) {
+    for (size_t i = 0; i < n; i++) o[i] = o[i] + b[i];
+}
+
+VECTOR_CLONES static void divide_into(float *o, float d, size_t n) {
+    for (size_t i = 0; i < n; i++) o[i] = o[i] / d;
+}
+
+/* out[i] = ((parts[0][i] + parts[1][i]) + parts[2][i] + ...) / divisor, the adds in site
+ * order and IEEE fp32 (no FMA, no reassociation: the same bits as numpy's np.add and
+ * np.divide, which every site's replica depends on); divisor 0 divides by nothing.
+ * out may be the memory of parts[0] or parts[1], never of a later part.
+ * One pass instead of four: part `own` (-1: none) is checked for NaN/Inf before its block
+ * is added (it may be out's memory), and the result's block is checked and folded into
+ * its CRC-32C while it is in the cache.
+ * Returns 0 with *crc_out set; 1 if part own holds NaN/Inf; 2 if the result does (its
+ * parts being finite: an overflow).  Either stops the sum there. */
+int wc_sum_f32(float *out, const float *const *parts, int nparts, int own, float divisor,
+               size_t n, uint32_t *crc_out) {
+    uint32_t crc = 0;
+    for (size_t lo = 0; lo < n; lo += SUM_BLOCK) {
+        size_t m = n - lo < SUM_BLOCK ? n - lo : SUM_BLOCK;
+        float *o = out + lo;
+        if (own >= 0 && any_nonfinite((const uint8_t *)(parts[own] + lo), m)) return 1;
+        if (parts[0] == out) {
+            add_into(o, parts[1] + lo, m);
+        } else if (parts[1] == out) {
+            add_into(o, parts[0] + lo, m); /* a + b is b + a, bit for bit, when finite */
+        } else {
+            add_two(o, parts[0] + lo, parts[1] + lo, m);
+        }
+        for (int s = 2; s < nparts; s++) add_into(o, parts[s] + lo, m);
+        if (divisor != 0.0f) divide_into(o, divisor, m);
+        if (any_nonfinite((const uint8_t *)o, m)) return 2;
+        crc = wc_crc32c(crc, (const uint8_t *)o, 4 * m);
+    }
+    *crc_out = crc;
+    return 0;
+}
+
 /* The same receive inside TLS: the payload decrypted by the OpenSSL that Python's ssl
  * module already loaded (found by wirecore.py, opened with RTLD_NOLOAD so that it is
  * that very library and never another), one TLS record per SSL_read_ex, each

@@ -42,7 +42,9 @@ __all__ = [
     "library_path",
     "load",
     "read_exact",
+    "one_pass_sums",
     "recv_payload",
+    "sum_checked",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,16 @@ def _open() -> ctypes.CDLL | None:
     ]
     lib.wc_all_finite.restype = ctypes.c_int
     lib.wc_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.wc_sum_f32.restype = ctypes.c_int
+    lib.wc_sum_f32.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_uint32),
+    ]
     lib.wc_ssl_bind.restype = ctypes.c_int
     lib.wc_ssl_bind.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     lib.wc_ssl_fd.restype = ctypes.c_int
@@ -296,6 +308,52 @@ def all_finite(values: np.ndarray) -> bool:
     if lib is None or values.dtype != np.float32 or not values.flags.c_contiguous:
         return bool(np.isfinite(values).all())
     return bool(lib.wc_all_finite(values.ctypes.data, values.size))
+
+
+SUM_OK, SUM_OWN_NONFINITE, SUM_OVERFLOW = 0, 1, 2
+"""What :func:`sum_checked` found: the sum and its CRC, a NaN or Inf in the owner's
+own part (nothing summed past it), or a result that is not finite although its parts
+are (an overflow)."""
+
+
+def one_pass_sums() -> bool:
+    """Whether :func:`sum_checked` sums here (the C library is loaded, on a
+    little-endian host: a raw payload is then the fp32 values' own bytes)."""
+    return sys.byteorder == "little" and load() is not None
+
+
+def sum_checked(
+    parts: list[np.ndarray], out: np.ndarray, own: int, divisor: float
+) -> tuple[int, int] | None:
+    """The owner's reduction of one chunk in one pass over memory, in C: ``out`` =
+    ``((parts[0] + parts[1]) + parts[2] ...) / divisor`` in that order (fp32, the bits
+    numpy's adds give), with ``parts[own]`` checked for NaN/Inf before it is added, and
+    the result checked and checksummed as it is written. ``divisor`` 0 divides by
+    nothing; ``own`` -1 checks no part. ``out`` may share memory with ``parts[0]`` or
+    ``parts[1]`` (exactly), not with a later part.
+
+    Returns:
+        ``(status, crc)``: ``SUM_OK`` with the CRC-32C of ``out``'s bytes, or
+        ``SUM_OWN_NONFINITE`` / ``SUM_OVERFLOW`` (``out`` then holds a partial sum,
+        crc 0). None where the C library is not loaded or the arrays are not contiguous
+        fp32 of one length: the caller sums, checks and checksums on its own.
+    """
+    lib = load()
+    if lib is None or len(parts) < 2 or sys.byteorder != "little":
+        return None
+    n = out.size
+    for a in (out, *parts):
+        aligned = a.ctypes.data % 4 == 0
+        if a.dtype != np.float32 or a.size != n or not a.flags.c_contiguous or not aligned:
+            return None
+    if not out.flags.writeable:
+        return None
+    pointers = (ctypes.c_void_p * len(parts))(*(a.ctypes.data for a in parts))
+    crc = ctypes.c_uint32(0)
+    status = lib.wc_sum_f32(
+        out.ctypes.data, pointers, len(parts), own, divisor, n, ctypes.byref(crc)
+    )
+    return status, (crc.value if status == SUM_OK else 0)
 
 
 def read_exact(sock: socket.socket, buf: memoryview) -> None:
