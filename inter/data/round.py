@@ -19,7 +19,6 @@ settings, the lane's mailbox and outbox, the peers, the pool and one
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -32,10 +31,9 @@ import torch
 from isthmus.inter.data.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
 from isthmus.inter.data.round_device import lane_stream
 from isthmus.inter.data.round_pull import tell_peers_abort, wait_acks
-from isthmus.inter.data.round_tasks import ChunkTasks
+from isthmus.inter.data.round_tasks import CONTRIBUTION, RESULT, ChunkTasks
 from isthmus.inter.data.wire import Chunk
 from isthmus.inter.data.wirecore import one_pass_sums
-from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
     from isthmus.inter.data.lane_peer import LanePeer
@@ -62,11 +60,6 @@ from isthmus.inter.data.round_types import (
     describe,
     settle,
 )
-
-log = logging.getLogger("isthmus.round")
-
-_CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
-_RESULT = lane_pb2.CHUNK_KIND_RESULT
 
 
 class RoundPipeline(ChunkTasks):
@@ -149,9 +142,9 @@ class RoundPipeline(ChunkTasks):
                 owner = view.owner(c, step, group)
                 if owner == view.site_index:
                     self._parts[c] = {}
-                    pending.update((step, group, _CONTRIBUTION, c, s) for s in self.peers)
+                    pending.update((step, group, CONTRIBUTION, c, s) for s in self.peers)
                 else:
-                    pending.add((step, group, _RESULT, c, owner))
+                    pending.add((step, group, RESULT, c, owner))
                 self._submit(self._contribute, c, owner)
             while pending:
                 self._raise_failures()

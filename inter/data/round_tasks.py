@@ -24,14 +24,14 @@ from isthmus.inter.data.mailbox import Mailbox, MailboxKey, Outbox
 from isthmus.inter.data.round_device import finite, sum_parts, sum_raw_host
 from isthmus.inter.data.round_pull import pull_intact
 from isthmus.inter.data.wire import Chunk, Frame
-from isthmus.inter.data.wirecore import SUM_OVERFLOW, SUM_OWN_NONFINITE
+from isthmus.inter.data.wirecore import SUM_OVERFLOW, SUM_OWN_NONFINITE, crc_of_finite
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
     from isthmus.inter.data.lane_peer import LanePeer
     from isthmus.inter.data.peer_round import PeerRound
 
-__all__ = ["ChunkTasks"]
+__all__ = ["CONTRIBUTION", "RESULT", "ChunkTasks"]
 
 from isthmus.inter.data.round_types import (
     CrossSiteError,
@@ -45,8 +45,8 @@ from isthmus.inter.data.round_types import (
 
 log = logging.getLogger("isthmus.round")
 
-_CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
-_RESULT = lane_pb2.CHUNK_KIND_RESULT
+CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
+RESULT = lane_pb2.CHUNK_KIND_RESULT
 
 
 class ChunkTasks:
@@ -153,6 +153,9 @@ class ChunkTasks:
         if owner == self.view.site_index:
             self._contribute_own(c, lo, hi)
             return
+        if self.one_pass:  # raw: the chunk's own bytes, checked and checksummed at once
+            self._contribute_raw(c, lo, hi, owner)
+            return
         # Error-feedback state is per lane (this object), group and chunk. The payload
         # is checked, not the gradient before it: one pass over the encoded bytes (for
         # int8 its scales alone) covers both the gradient and the encode.
@@ -161,10 +164,29 @@ class ChunkTasks:
         except NonFiniteEncoding as exc:
             self._check_own(c, lo, hi)
             raise self._encode_fault(c, lo, hi, exc) from exc
-        frame = self._frame(_CONTRIBUTION, c, payload)
-        self.outbox.put(
-            (self.step, self.group, _CONTRIBUTION, c), frame, {owner: self.peers[owner]}
-        )
+        self._send_contribution(c, lo, hi, owner, payload)
+
+    def _contribute_raw(self, c: int, lo: int, hi: int, owner: int) -> None:
+        assert self.host is not None
+        t0 = time.perf_counter()
+        crc = crc_of_finite(self.host[lo:hi])
+        self._count(encode_s=time.perf_counter() - t0)
+        if crc is None:  # the raw encode is the values themselves: ours are not finite
+            self._count(nonfinite_chunks=1)
+            raise self._own_fault(c, lo, hi)
+        self._send_contribution(c, lo, hi, owner, memoryview(self.host[lo:hi]).cast("B"), crc)
+
+    def _send_contribution(
+        self,
+        c: int,
+        lo: int,
+        hi: int,
+        owner: int,
+        payload: bytes | memoryview,
+        crc: int | None = None,
+    ) -> None:
+        frame = self._frame(CONTRIBUTION, c, payload, crc)
+        self.outbox.put((self.step, self.group, CONTRIBUTION, c), frame, {owner: self.peers[owner]})
         self._rounds[owner].send(frame)
         self._count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
 
@@ -232,7 +254,7 @@ class ChunkTasks:
                     "refused before summing"
                 )
         self._count(bytes_received=len(req.payload))
-        if kind == _RESULT:
+        if kind == RESULT:
             self._store(lo, hi, values)
         else:
             self._add_part(c, sender, values)
@@ -328,8 +350,8 @@ class ChunkTasks:
     def _send_result(
         self, c: int, lo: int, hi: int, payload: bytes | memoryview, crc: int | None = None
     ) -> None:
-        frame = self._frame(_RESULT, c, payload, crc)
-        self.outbox.put((self.step, self.group, _RESULT, c), frame, self.peers)
+        frame = self._frame(RESULT, c, payload, crc)
+        self.outbox.put((self.step, self.group, RESULT, c), frame, self.peers)
         for rnd in self._rounds.values():
             rnd.send(frame)
         n = len(self._rounds)

@@ -39,6 +39,7 @@ __all__ = [
     "BACKEND",
     "FrameClosed",
     "all_finite",
+    "crc_of_finite",
     "library_path",
     "load",
     "read_exact",
@@ -155,6 +156,8 @@ def _open() -> ctypes.CDLL | None:
     ]
     lib.wc_all_finite.restype = ctypes.c_int
     lib.wc_all_finite.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.wc_crc32c_f32.restype = ctypes.c_int
+    lib.wc_crc32c_f32.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]
     lib.wc_sum_f32.restype = ctypes.c_int
     lib.wc_sum_f32.argtypes = [
         ctypes.c_void_p,
@@ -320,6 +323,19 @@ def one_pass_sums() -> bool:
     """Whether :func:`sum_checked` sums here (the C library is loaded, on a
     little-endian host: a raw payload is then the fp32 values' own bytes)."""
     return sys.byteorder == "little" and load() is not None
+
+
+def crc_of_finite(values: np.ndarray) -> int | None:
+    """The CRC-32C of a contiguous fp32 array's bytes, or None if it holds NaN or Inf:
+    one pass in C where two were (the raw encode's check and the frame's checksum).
+    Falls back to those two passes where the C library is not loaded."""
+    lib = load()
+    if lib is None or values.dtype != np.float32 or not values.flags.c_contiguous:
+        return _crc32c.crc32c(memoryview(values).cast("B")) if all_finite(values) else None
+    crc = ctypes.c_uint32(0)
+    if lib.wc_crc32c_f32(values.ctypes.data, values.size, ctypes.byref(crc)):
+        return None
+    return crc.value
 
 
 def sum_checked(

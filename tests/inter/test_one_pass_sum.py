@@ -1,9 +1,10 @@
-"""The owner's one-pass sum of a raw CPU chunk (wirecore.c ``wc_sum_f32``).
+"""The one-pass work on a raw CPU chunk's bytes (wirecore.c ``wc_sum_f32``, ``wc_crc32c_f32``).
 
-It replaces four passes (the own part's finite check, numpy's adds and divide, the
+The owner's sum replaces four passes (the own part's finite check, numpy's adds and divide, the
 result's finite check, its CRC-32C), so it must give exactly what they gave: the same
 bits in the same site order, the same CRC, and the same refusals (a NaN or Inf in this
-site's own part; a sum that overflows).
+site's own part; a sum that overflows). A sender's checksum with its NaN/Inf check
+replaces two.
 """
 
 from __future__ import annotations
@@ -85,11 +86,26 @@ def test_a_sum_that_overflows_is_told_apart_from_a_nonfinite_part() -> None:
     assert status == wirecore.SUM_OVERFLOW
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_a_senders_checksum_is_its_bytes_crc_and_refuses_nan_and_inf(n) -> None:
+    values = _parts(1, n, seed=n)[0]
+    assert wirecore.crc_of_finite(values) == crc32c.crc32c(values.tobytes())
+    for where in {0, n // 2, n - 1}:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            broken = values.copy()
+            broken[where] = bad
+            assert wirecore.crc_of_finite(broken) is None
+
+
 def test_without_the_library_the_caller_is_told_to_sum_on_its_own(monkeypatch) -> None:
     monkeypatch.setattr(wirecore, "load", lambda: None)
     parts = _parts(2, 100, seed=1)
     assert sum_raw_host(parts, parts[0], 0, 2, True) is None
     assert not wirecore.one_pass_sums()
+    # The sender's two passes, in Python.
+    assert wirecore.crc_of_finite(parts[1]) == crc32c.crc32c(parts[1].tobytes())
+    parts[1][7] = float("nan")
+    assert wirecore.crc_of_finite(parts[1]) is None
 
 
 # --- in rounds between real lanes on loopback ---------------------------------------
