@@ -174,7 +174,7 @@ class ChunkTasks:
         if crc is None:  # the raw encode is the values themselves: ours are not finite
             self._count(nonfinite_chunks=1)
             raise self._own_fault(c, lo, hi)
-        self._send_contribution(c, lo, hi, owner, memoryview(self.host[lo:hi]).cast("B"), crc)
+        self._send_contribution(c, lo, hi, owner, self.host[lo:hi].data.cast("B"), crc)
 
     def _send_contribution(
         self,
@@ -344,7 +344,7 @@ class ChunkTasks:
         if status == SUM_OVERFLOW:
             self._count(nonfinite_chunks=1)
             raise sum_fault(self.where, c, lo, hi, "overflowed", self.codec.name, "not finite")
-        self._send_result(c, lo, hi, memoryview(out).cast("B"), crc)
+        self._send_result(c, lo, hi, out.data.cast("B"), crc)
         return True
 
     def _send_result(

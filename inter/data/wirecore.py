@@ -331,7 +331,7 @@ def crc_of_finite(values: np.ndarray) -> int | None:
     Falls back to those two passes where the C library is not loaded."""
     lib = load()
     if lib is None or values.dtype != np.float32 or not values.flags.c_contiguous:
-        return _crc32c.crc32c(memoryview(values).cast("B")) if all_finite(values) else None
+        return _crc32c.crc32c(values.tobytes()) if all_finite(values) else None
     crc = ctypes.c_uint32(0)
     if lib.wc_crc32c_f32(values.ctypes.data, values.size, ctypes.byref(crc)):
         return None
