@@ -5,7 +5,8 @@
 #
 # OLD_TREE is a copy of the package folders to compare with (e.g. `git archive COMMIT
 # inter intra sim deploy proto | tar -x -C /tmp/old`); it is imported as `isthmus`
-# through a shim, as benchmarks/lanes_side_by_side.sh does. The flags go to both trees
+# through a shim, as benchmarks/lanes_side_by_side.sh does (a namespace package: a
+# subpackage the old tree lacks comes from the installed tree). The flags go to both trees
 # unchanged (the old tree must know each of them). PAIRS (default 2) old/new pairs run,
 # old first; each prints its table row, and writes $OUT/NAME-old-N.json and
 # $OUT/NAME-new-N.json (OUT defaults to side-by-side-results). Compare the pairs of one
