@@ -114,6 +114,13 @@ class CodecChain:
         """Whether decode(encode(x)) may differ from x."""
         return self.tensor.lossy
 
+    @property
+    def plain_fp32(self) -> bool:
+        """Whether a payload is the values' own fp32 bytes (the raw stage alone), so that
+        a lane may check, sum and checksum it in one pass without the stages
+        (``round_tasks``: wirecore's ``sum_checked`` and ``crc_of_finite``)."""
+        return isinstance(self.tensor, Fp32Stage) and not self.byte_stages
+
     def encode(
         self,
         chunk: torch.Tensor,

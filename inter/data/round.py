@@ -109,7 +109,7 @@ class RoundPipeline(ChunkTasks):
         self.host = None if flat.is_cuda else flat.numpy()
         # A raw CPU chunk's owner sums, checks its own part and the result, and
         # checksums the result in one pass in C (round_device.sum_raw_host).
-        self.one_pass = self.host is not None and self.codec.name == "raw" and one_pass_sums()
+        self.one_pass = self.host is not None and self.codec.plain_fp32 and one_pass_sums()
         self.per = view.chunk_bytes // 4
         self.total = flat.numel()
         self.num_chunks = -(-self.total // self.per)

@@ -16,7 +16,8 @@ import torch
 from lanes import inputs, run_all, same_bits, sites
 
 from isthmus.inter.data import round as round_module
-from isthmus.inter.data import wirecore
+from isthmus.inter.data import round_tasks, wirecore
+from isthmus.inter.data.codec import make_codec
 from isthmus.inter.data.round_device import sum_parts, sum_raw_host
 from isthmus.inter.data.round_types import EncodingFault, NonFiniteGradient, PeerAborted
 
@@ -114,9 +115,18 @@ def test_without_the_library_the_caller_is_told_to_sum_on_its_own(monkeypatch) -
 @pytest.mark.parametrize("num_sites", [2, 3])
 def test_a_raw_round_ends_with_the_bits_of_the_passes_it_replaced(monkeypatch, num_sites) -> None:
     sizes = [9000, 1, 4097]
-    results = {}
+    results, calls = {}, {"sum": 0, "crc": 0}
+    for name, key in (("sum_raw_host", "sum"), ("crc_of_finite", "crc")):
+        real = getattr(round_tasks, name)
+
+        def counted(*args, real=real, key=key):
+            calls[key] += 1
+            return real(*args)
+
+        monkeypatch.setattr(round_tasks, name, counted)
     for one_pass in (True, False):
         monkeypatch.setattr(round_module, "one_pass_sums", lambda one_pass=one_pass: one_pass)
+        calls.update(sum=0, crc=0)
         data = inputs(num_sites, sizes, seed=5)
         with sites(num_sites, "raw") as ars:
             run_all(
@@ -125,7 +135,18 @@ def test_a_raw_round_ends_with_the_bits_of_the_passes_it_replaced(monkeypatch, n
         for s in range(1, num_sites):
             assert all(same_bits(a, b) for a, b in zip(data[0], data[s], strict=True))
         results[one_pass] = data[0]
+        # 13,098 values in chunks of 1,024: 13 chunks, each summed once by its owner
+        # and sent to it by every other site.
+        assert calls == (
+            {"sum": 13, "crc": 13 * (num_sites - 1)} if one_pass else {"sum": 0, "crc": 0}
+        )
     assert all(same_bits(a, b) for a, b in zip(results[True], results[False], strict=True))
+
+
+def test_only_the_raw_stage_alone_takes_the_one_pass() -> None:
+    assert make_codec("raw").plain_fp32
+    for spec in ("raw+zstd:1", "raw+shuffle+zstd:1", "bf16", "int8"):
+        assert not make_codec(spec).plain_fp32, spec
 
 
 @pytest.mark.parametrize("element", [4321, 3321], ids=["owned-chunk", "sent-chunk"])
