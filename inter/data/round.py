@@ -107,8 +107,8 @@ class RoundPipeline(ChunkTasks):
         # whose queued backward would hold every copy back).
         self.device = flat.device if flat.is_cuda else None
         self.host = None if flat.is_cuda else flat.numpy()
-        # A raw CPU chunk's owner sums, checks its own part and the result, and
-        # checksums the result in one pass in C (round_device.sum_raw_host).
+        # A raw CPU chunk's bytes are checked and checksummed in one C pass each:
+        # its sender's (wirecore.crc_of_finite) and its owner's sum (sum_raw_host).
         self.one_pass = self.host is not None and self.codec.plain_fp32 and one_pass_sums()
         self.per = view.chunk_bytes // 4
         self.total = flat.numel()
