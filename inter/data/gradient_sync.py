@@ -36,6 +36,7 @@ from isthmus.inter.data.shard_map import (
     pieces,
     scatter_piece,
 )
+from isthmus.inter.data.sync_buffers import GroupBuffers
 from isthmus.inter.data.sync_stats import StepOutcome, SyncStats
 
 __all__ = ["SHARE_GROUP", "LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
@@ -92,9 +93,7 @@ class LaneGradientSync:
         )
         self._position: ShardPosition | None = None
         self._shapes: dict[int, GroupShape] = {}
-        self._host_slots: dict[tuple[int, int], tuple[int, torch.Tensor, futures.Future]] = {}
-        """A CPU group's buffer by (group, step parity), with the step that last used it
-        and its round: reused two steps later (:meth:`_staging`)."""
+        self._buffers = GroupBuffers()
         self._site_units: dict[str, int] = {}
         self.measure_norms = False
         """Sum the squares of each round's input (``SyncStats.local_sq_norm``): one more
@@ -141,44 +140,14 @@ class LaneGradientSync:
         # A copy on the stream the hook runs on, so it is ordered after the
         # reduce-scatter that produced the shard; the event tells the worker thread
         # (another stream) when it is complete. On CPU the copy is synchronous.
-        buffer = self._staging(step, group, shard)
+        buffer = self._buffers.copy_of(step, group, shard)
         ready = None
         if buffer.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
         future = self._worker.submit(self._run, step, group, buffer, ready)
         self._pending.append(_Pending(group, shard, buffer, future))
-        if not buffer.is_cuda:
-            self._host_slots[(group, step % 2)] = (step, buffer, future)
-
-    def _staging(self, step: int, group: int, shard: torch.Tensor) -> torch.Tensor:
-        """The fp32 copy of ``shard`` that the round reads and writes (the shard itself
-        changes only when the step commits).
-
-        A CPU group reuses the buffer it had two steps before. A new one costs more than
-        the copy: its pages are faulted in and zeroed by the kernel (8 groups of 256 MiB
-        spent 1.1 of a 1.8 s step there, docs/benchmarks.md). Two steps, not one: a
-        raw chunk is sent from the buffer itself, and the outbox keeps the previous
-        step's chunks for a peer that asks again (its round can end after this site's),
-        so a buffer is free once a step of every site's has begun after it. Only a
-        buffer whose round succeeded is reused: a failed round's threads may still write
-        into its buffer. CUDA buffers come from torch's caching allocator as they are.
-        """
-        flat = shard.detach().reshape(-1)
-        if flat.is_cuda:
-            return flat.to(torch.float32, copy=True)
-        last = self._host_slots.get((group, step % 2))
-        if last is not None:
-            last_step, buffer, round_ = last
-            if (
-                last_step <= step - 2
-                and buffer.numel() == flat.numel()
-                and round_.done()
-                and not round_.cancelled()
-                and round_.exception() is None
-            ):
-                return buffer.copy_(flat)
-        return flat.to(torch.float32, copy=True)
+        self._buffers.started(step, group, buffer, future)
 
     def share(self, step: int, values: torch.Tensor) -> None:
         """Adds a small round to ``step``'s sync: ``values`` (fp32, on the CPU) summed

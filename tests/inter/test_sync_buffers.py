@@ -1,4 +1,4 @@
-"""A CPU group's round buffer is reused two steps later (LaneGradientSync._staging).
+"""A CPU group's round buffer is reused two steps later (inter/data/sync_buffers.py).
 
 A new buffer a step cost more than its copy (the kernel faults in and zeroes its pages:
 8 groups of 256 MiB spent 1.1 of a 1.8 s step there). Reuse must not change a result,
