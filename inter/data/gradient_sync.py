@@ -412,7 +412,10 @@ class LaneGradientSync:
         generation's ``adopt`` cleared the abort signal)."""
         restarted = []
         for p in pending:
-            buffer = p.shard.detach().reshape(-1).to(torch.float32, copy=True)
+            if p.shared:
+                buffer = p.shard.detach().reshape(-1).to(torch.float32, copy=True)
+            else:  # a new buffer (the failed round's may still be written), kept for reuse
+                buffer = self._buffers.copy_of(step, p.group, p.shard)
             ready = None
             if buffer.is_cuda:
                 # As in start(): the copy is queued on this thread's stream, and the
@@ -422,6 +425,8 @@ class LaneGradientSync:
                 ready.record()
             future = self._worker.submit(self._run, step, p.group, buffer, ready, shared=p.shared)
             restarted.append(_Pending(p.group, p.shard, buffer, future, p.shared))
+            if not p.shared:
+                self._buffers.started(step, p.group, buffer, future)
         return restarted
 
     def _follow(self, decision: Decision, step: int) -> Decision | None:

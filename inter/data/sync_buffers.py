@@ -29,7 +29,8 @@ class GroupBuffers:
         self._slots: dict[tuple[int, int], tuple[int, torch.Tensor, futures.Future]] = {}
 
     def copy_of(self, step: int, group: int, shard: torch.Tensor) -> torch.Tensor:
-        """``shard`` as a flat fp32 buffer of its own (on the caller's stream on a GPU)."""
+        """``shard`` as a flat fp32 buffer of its own (on the caller's stream on a GPU);
+        never one a round of this step or the last had (a RETRY asks again in its step)."""
         flat = shard.detach().reshape(-1)
         if flat.is_cuda:
             return flat.to(torch.float32, copy=True)

@@ -80,3 +80,35 @@ def test_a_failed_rounds_buffer_is_not_handed_out_again() -> None:
             sync.close()
     assert seen[(2, 0)] != seen[(0, 0)]  # step 0's round failed: a new buffer
     assert seen[(3, 0)] == seen[(1, 0)]  # step 1's succeeded: reused
+
+
+@pytest.mark.timeout(90)
+def test_a_retried_rounds_buffer_is_the_one_reused_two_steps_later() -> None:
+    from memberships import joined_sites
+
+    with joined_sites(3, decision_timeout_s=20.0, lane_timeout_s=2.0) as (syncs, coords):
+        seen: list[dict[tuple[int, int], int]] = [{}, {}]
+        for s in range(2):
+            _recording(syncs[s].allreduce, seen[s])
+        # site2 is gone before step 4's round: the survivors' first try fails, and the
+        # step is retried without it, in a new buffer (the failed round's may be written).
+        coords[2].stop(grace_s=0)
+        syncs[2].allreduce.server.stop(0)
+        grads = {step: inputs(2, [6000], seed=step) for step in (4, 5, 6)}
+        tries: list[list[int]] = [[], []]
+
+        def site(s: int) -> None:
+            for step in (4, 5, 6):
+                syncs[s].start(step, 0, grads[step][s][0])
+                outcome = syncs[s].finish(step)
+                assert outcome.committed, outcome
+                if step == 4:
+                    assert outcome.stats.retries >= 1
+                    tries[s].append(seen[s][(4, 0)])  # the round that committed
+
+        res = run_all([lambda s=s: site(s) for s in range(2)], timeout=80)
+        assert res == [None, None], res
+        for s in range(2):
+            assert seen[s][(6, 0)] == tries[s][0]  # the retried round's buffer, not the failed
+            want = (grads[6][0][0] + grads[6][1][0]) / 2
+            assert same_bits(grads[6][s][0], want)
