@@ -27,7 +27,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -95,13 +95,17 @@ def forge(
     victims_coordinator: str | None = None,
     ranks: int = 1,
     credentials: SiteSecurity | None = None,
+    progress: Callable[[], int] | None = None,
 ) -> dict[str, int]:
     """Sends the forged calls to the coordinator at ``target`` (site0's, the leader's)
     for ``duration_s``, each claiming to come from ``victim``, and to
     ``victims_coordinator`` a Propose in the leader's name in the job's own order;
-    ``step`` is about where the job is; ``credentials``: the caller's (site0's, in a job
-    with TLS), else the user's job token. Returns how many calls of each kind were
-    answered without an error (those must have changed nothing that matters)."""
+    ``step`` is about where the job is; ``progress``, where given, reads where it is now
+    before each volley (else the forger counts a step a volley, on its own clock, and in
+    a job whose digests fall only every few steps its claims could miss them all);
+    ``credentials``: the caller's (site0's, in a job with TLS), else the user's job
+    token. Returns how many calls of each kind were answered without an error (those
+    must have changed nothing that matters)."""
     answered = {
         "heartbeat": 0,
         "join": 0,
@@ -113,6 +117,7 @@ def forge(
         "chunk": 0,
     }
     deadline = time.monotonic() + duration_s
+    first = step
     with (
         _channel(target, credentials) as channel,
         _channel(victims_coordinator or target, credentials) as other,
@@ -121,6 +126,8 @@ def forge(
         lane = _lane_of(stub, target)
         lane_channel = _channel(lane, credentials) if lane else None
         while time.monotonic() < deadline:
+            if progress is not None:
+                step = max(first, progress())
             generation = _generation(stub)
             calls = list(_calls(stub, fingerprint, step, generation, victim, ranks))
             if lane_channel is not None:

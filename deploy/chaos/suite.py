@@ -326,6 +326,7 @@ def _inject(
                     kwargs={
                         "victims_coordinator": coordinators["site1"],
                         "credentials": credentials,
+                        "progress": lambda: _progress(run_dir, list(sites)),
                     },
                     daemon=True,
                 ).start()
