@@ -9,14 +9,19 @@ delete its keys (issue 33, row 11); it stays only where a site's ranks span host
 (deploy/slurm/site-multinode.sbatch: env:// with MASTER_ADDR), behind the cluster's
 network. Each rank gets the key its site's coordinator drew for it
 (inter/control/rank_keys.py). The ranks' host agent (``run.host_agent``:
-inter/control/host_agent.py) listens on a socket in the same folder. Ranks die with the launcher even if it is killed: each
-asks Linux for PR_SET_PDEATHSIG itself (a preexec_fn would fork, and gRPC's threads in
-the launcher make fork noisy).
+inter/control/host_agent.py) listens on a socket in the same folder.
+
+A rank is forked from the launcher's zygote, which did the rank's imports once for
+every rank this launcher starts (deploy/launch/zygote.py; ``ISTHMUS_FORK_RANKS=0``
+starts each as an interpreter of its own). Ranks die with the launcher even if it is
+killed: the zygote and each rank ask Linux for PR_SET_PDEATHSIG themselves (a
+preexec_fn would fork the launcher, whose gRPC threads make fork unsafe).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -28,13 +33,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.launch.zygote import ForkedRank, ZygoteError, shared_zygote
 from isthmus.deploy.rank.contract import AGENT_ENV, STORE_ENV
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.host_agent import HostAgent
 from isthmus.inter.control.rank_keys import KEY_ENV, handout
 
+log = logging.getLogger(__name__)
+
 TERMINATE_GRACE_S = 5.0
+RANK_ONLY_ENV = frozenset({KEY_ENV, "RANK", "LOCAL_RANK", "ISTHMUS_LAUNCHER_PID"})
+"""Environment of one rank that its zygote (shared by all the launcher's ranks) is not
+given: the rank's key above all."""
 
 
 class LaunchError(RuntimeError):
@@ -105,7 +116,7 @@ FULL_BELOW = 1 << 20
 class RankProcess:
     site: str
     rank: int
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedRank
     log_path: Path
 
 
@@ -209,15 +220,7 @@ class SiteRanks:
                 **self.extra_env,
             }
             log_path = self.run_dir / "logs" / f"{self.site}-rank{rank}.log"
-            with log_path.open("w") as log_file:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "isthmus.deploy.rank.program"],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                )
-            self.ranks.append(RankProcess(self.site, rank, process, log_path))
+            self.ranks.append(RankProcess(self.site, rank, _start_rank(env, log_path), log_path))
 
     def failed(self) -> RankProcess | None:
         """The rank that failed first, if any failed: the one whose log was written last
@@ -262,7 +265,14 @@ class SiteRanks:
 
     def describe(self) -> list[dict]:
         return [
-            {"site": r.site, "rank": r.rank, "pid": r.process.pid, "log": str(r.log_path)}
+            {
+                "site": r.site,
+                "rank": r.rank,
+                "pid": r.process.pid,
+                # The zygote that forked the rank, or this launcher that started it.
+                "parent_pid": getattr(r.process, "parent", os.getpid()),
+                "log": str(r.log_path),
+            }
             for r in self.ranks
         ]
 
@@ -286,6 +296,26 @@ class SiteRanks:
         if self.store_dir is not None:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
+
+
+def _start_rank(env: dict[str, str], log_path: Path) -> subprocess.Popen | ForkedRank:
+    """One rank process: forked from this launcher's zygote (its imports done once for
+    all the ranks it starts), or an interpreter of its own where there is none
+    (deploy/launch/zygote.py)."""
+    zygote = shared_zygote({k: v for k, v in env.items() if k not in RANK_ONLY_ENV})
+    if zygote is not None:
+        try:
+            return zygote.start(env, log_path)
+        except ZygoteError as exc:
+            log.warning("%s; this rank starts as an interpreter of its own", exc)
+    with log_path.open("w") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "isthmus.deploy.rank.program"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _signal_name(number: int) -> str:

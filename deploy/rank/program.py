@@ -48,6 +48,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
@@ -65,7 +66,7 @@ from isthmus.deploy.rank.startup import (
 from isthmus.inter.data import NonFiniteGradient, QuorumLost
 from isthmus.intra.checkpoint_errors import CheckpointError, describe_os_error
 
-__all__ = ["RankEnv", "build_trainer", "main", "run"]
+__all__ = ["RankEnv", "build_trainer", "main", "run", "run_as_process"]
 
 log = logging.getLogger("isthmus.rank")
 
@@ -264,9 +265,10 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    gc.freeze()  # what the imports made (see gc.disable above)
-    gc.enable()
+def run_as_process() -> NoReturn:
+    """The rank as a process: ``main``, then out at once. Run as ``python -m
+    isthmus.deploy.rank.program`` or in a child of the launcher's zygote
+    (deploy/launch/zygote.py)."""
     code = main()
     # Everything the rank owes is written and closed (its result file, metrics, lanes,
     # process group). Python's own teardown of torch, gloo and gRPC state took ~2 s
@@ -275,3 +277,9 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    gc.freeze()  # what the imports made (see gc.disable above)
+    gc.enable()
+    run_as_process()

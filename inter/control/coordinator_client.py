@@ -11,7 +11,7 @@ silent members (through the agent too) and, on rank 0, reports each step's progr
 job at every site.
 :class:`CoordinatorClient` builds those protobuf messages, so its callers pass plain
 values and get plain values back. The rank's key
-(:data:`~isthmus.inter.control.rank_keys.RANK_KEY`) goes with every registration, vote
+(:func:`~isthmus.inter.control.rank_keys.process_key`) goes with every registration, vote
 and report: the coordinator counts a vote and takes a site's digest only from its own
 ranks.
 
@@ -31,7 +31,7 @@ import grpc
 from isthmus.inter.control.abort import MAX_REASON_CHARS
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.host_session import HostSession
-from isthmus.inter.control.rank_keys import RANK_KEY
+from isthmus.inter.control.rank_keys import process_key
 from isthmus.inter.security import ClosableChannel, SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -153,19 +153,19 @@ class CoordinatorClient:
     Args:
         channel: a channel to the coordinator (:meth:`connect` opens one).
         rank_key: the key this process registers its rank with and sends with its
-            reports; the process's own :data:`RANK_KEY` unless a test plays a rank.
+            reports; None: the process's own (:func:`process_key`); a test may play a rank.
     """
 
     def __init__(
         self,
         channel: grpc.Channel,
         *,
-        rank_key: str = RANK_KEY,
+        rank_key: str | None = None,
         agent: grpc.Channel | None = None,
     ) -> None:
         self.channel = channel
         self.stub = pb_grpc.CoordinatorStub(channel)
-        self.rank_key = rank_key
+        self.rank_key = rank_key if rank_key is not None else process_key()
         self._session = HostSession(self.stub)
         """Where this rank's waiting votes go without an agent: one open stream."""
         self._agent_channel = agent
@@ -180,7 +180,7 @@ class CoordinatorClient:
         address: str,
         security: SiteSecurity | None = None,
         *,
-        rank_key: str = RANK_KEY,
+        rank_key: str | None = None,
         agent: str = "",
     ) -> CoordinatorClient:
         """A client of the coordinator at ``address`` ("host:port"), with mutual TLS and

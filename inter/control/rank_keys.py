@@ -23,6 +23,7 @@ The key never leaves the site: ranks reach their own coordinator only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -34,13 +35,13 @@ from pathlib import Path
 
 __all__ = [
     "KEY_ENV",
-    "RANK_KEY",
     "SECRET_FILE_ENV",
     "KeyRefusal",
     "RankKeys",
     "derived_key",
     "handout",
     "own_key",
+    "process_key",
     "publish",
     "read_secret",
     "withdraw",
@@ -88,8 +89,12 @@ def own_key(env: Mapping[str, str] = os.environ) -> str:
     return secrets.token_hex(16)
 
 
-RANK_KEY = own_key()
-"""This process's key, sent with its rank's calls to its own coordinator."""
+@functools.cache
+def process_key() -> str:
+    """This process's key, sent with its rank's calls to its own coordinator. Read on
+    first use, not at import: a rank forked from its launcher's zygote
+    (deploy/launch/zygote.py) is handed its environment after the imports."""
+    return own_key()
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,11 @@ def test_default_job_trains_two_sites_to_identical_replicas(tmp_path):
     assert summary["steady_steps"] == 20 - summary["steady_after"]
     assert len(losses(run_dir)) == 20
     assert (run_dir / "config.toml").read_text().startswith("[job]")
+    # The four ranks were forked from one zygote, which imported them once.
+    job = json.loads((run_dir / "job.json").read_text())
+    parents = {r["parent_pid"] for r in job["ranks"]}
+    assert len(job["ranks"]) == 4 and len(parents) == 1, job["ranks"]
+    assert parents != {job["launcher_pid"]}
     # Each site's two ranks voted and watched through their host agent: one message to
     # the coordinator for both ranks' votes on a step, and one poll for their watches.
     for site in ("site0", "site1"):
@@ -325,3 +330,26 @@ def test_a_dying_rank_fails_the_job_with_one_line_and_no_orphans(tmp_path):
     # Either the killed rank is named, or a peer that lost it reports first.
     assert "exited with code" in errors[0], errors[0]
     assert_nothing_left(job)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ranks_started_as_interpreters_of_their_own_train_like_forked_ones(tmp_path):
+    """``ISTHMUS_FORK_RANKS=0``: each rank is ``python -m isthmus.deploy.rank.program``
+    of its own, a child of the launcher; the losses and the replicas are bit for bit
+    those of ranks forked from the zygote (the default)."""
+    common = ["--steps", "4", "--set", "model.preset=tiny", "--set", "train.seq_len=64"]
+    runs = {}
+    for how, fork in (("forked", "1"), ("own", "0")):
+        run_dir = tmp_path / how
+        env = {**os.environ, "ISTHMUS_FORK_RANKS": fork}
+        result = run_cli("local", *common, "--run-dir", str(run_dir), timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        job = json.loads((run_dir / "job.json").read_text())
+        runs[how] = (read_summary(run_dir)["digests"], losses(run_dir), job)
+    own_job = runs["own"][2]
+    assert {r["parent_pid"] for r in own_job["ranks"]} == {own_job["launcher_pid"]}
+    assert {r["parent_pid"] for r in runs["forked"][2]["ranks"]} != {
+        runs["forked"][2]["launcher_pid"]
+    }
+    assert runs["own"][:2] == runs["forked"][:2]

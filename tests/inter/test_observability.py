@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import register_rank, wait_until
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
-from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
+from isthmus.inter.control.rank_keys import RankKeys, process_key
 from isthmus.inter.security import TOKEN_HEADER
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -37,14 +37,14 @@ def scrape(address: str) -> dict[str, float]:
 def report(coord: Coordinator, **fields) -> pb.ReportProgressResponse:
     with grpc.insecure_channel(coord.address) as channel:
         return pb_grpc.CoordinatorStub(channel).ReportProgress(
-            pb.ReportProgressRequest(site=coord.site, rank_key=RANK_KEY, **fields), timeout=5
+            pb.ReportProgressRequest(site=coord.site, rank_key=process_key(), **fields), timeout=5
         )
 
 
 def register_ranks(coords: list[Coordinator]) -> None:
-    """This test process as rank 0 of each site (its votes and reports carry RANK_KEY)."""
+    """This test process as rank 0 of each site (its votes and reports carry process_key())."""
     for c in coords:
-        register_rank(c.address, c.site, FP, key=RANK_KEY)
+        register_rank(c.address, c.site, FP, key=process_key())
 
 
 def health_status(address: str, service: str = "") -> int:
@@ -68,7 +68,7 @@ def pair():
                 heartbeat_s=0.1,
                 metrics_port=0,
             ),
-            rank_keys=RankKeys(name, [RANK_KEY]),  # this process plays rank 0 (StepReporter)
+            rank_keys=RankKeys(name, [process_key()]),  # this process plays rank 0 (StepReporter)
         )
         for name in ("site0", "site1")
     ]

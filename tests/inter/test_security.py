@@ -29,7 +29,7 @@ from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
-from isthmus.inter.control.rank_keys import RANK_KEY, RankKeys
+from isthmus.inter.control.rank_keys import RankKeys, process_key
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.round_types import Members
@@ -227,7 +227,7 @@ def coordinator(job_dir) -> Coordinator:
         ),
         peers={"site1": "127.0.0.1:9"},  # never answers; this test talks to site0 only
         security=full(job_dir, "site0"),
-        rank_keys=RankKeys("site0", [RANK_KEY]),  # this process plays rank 0
+        rank_keys=RankKeys("site0", [process_key()]),  # this process plays rank 0
     )
     coord.start()
     yield coord
@@ -242,7 +242,7 @@ def register(channel: grpc.Channel) -> None:
             world_size=1,
             lane_address="127.0.0.1:1234",
             fingerprint=cpb.JobFingerprint(fields={"job.name": "t"}),
-            rank_key=RANK_KEY,
+            rank_key=process_key(),
         ),
         timeout=5,
     )
@@ -330,7 +330,7 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
                         join_timeout_s=30,
                     ),
                     security=full(job_dir, site),
-                    rank_keys=RankKeys(site, [RANK_KEY]),  # this process plays rank 0
+                    rank_keys=RankKeys(site, [process_key()]),  # this process plays rank 0
                 )
             )
         for c in coords:
@@ -344,7 +344,7 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
                         world_size=1,
                         lane_address="127.0.0.1:1",
                         fingerprint=cpb.JobFingerprint(fields={"job.name": "t"}),
-                        rank_key=RANK_KEY,
+                        rank_key=process_key(),
                     ),
                     timeout=5,
                 )

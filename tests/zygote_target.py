@@ -1,0 +1,26 @@
+"""What the zygote tests' children run (tests/deploy/test_zygote.py): told by their
+environment what to do, as a rank is told by its own."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def main() -> None:
+    mode = os.environ.get("TARGET_MODE", "")
+    print(
+        f"say={os.environ.get('TARGET_SAY', '')} cwd={os.getcwd()} ppid={os.getppid()} "
+        f"launcher={os.environ.get('ISTHMUS_LAUNCHER_PID', '')} "
+        f"leaked={os.environ.get('ONLY_THE_ZYGOTE', '')}",
+        flush=True,
+    )
+    if mode == "import":
+        module = __import__(os.environ["TARGET_IMPORT"])
+        print(f"imported={module.VALUE}", flush=True)
+    if mode == "sleep":
+        time.sleep(3600)
+    if mode == "raise":
+        raise ValueError("the target raised")
+    sys.exit(int(os.environ.get("TARGET_CODE", "0")))
