@@ -22,6 +22,7 @@ from isthmus.deploy.config.host_check import HostFacts, host_problem
 from isthmus.deploy.config.job import ConfigError, JobConfig
 from isthmus.deploy.launch.progress import Progress
 from isthmus.deploy.launch.ranks import LaunchError, SiteRanks, prepare_run_dir
+from isthmus.deploy.launch.zygote import prestart
 from isthmus.deploy.reports.summary import summarize
 from isthmus.deploy.security.trust import checkpoint_key, site_security
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
@@ -151,6 +152,7 @@ class LocalJob:
     _wan: RelayServer | None = field(init=False, default=None)
     _token: str | None = field(init=False, default=None)
     _token_file: Path | None = field(init=False, default=None)
+    _proxies: dict[str, dict[str, str]] = field(init=False, default_factory=dict)
 
     def run(self) -> dict:
         """Run the job to completion; returns the summary (also in run_dir/summary.json).
@@ -159,6 +161,7 @@ class LocalJob:
             LaunchError: a rank failed, a site was refused, or replicas diverged.
             ConfigError: a setting this launcher cannot honour.
         """
+        prestart(self._threads())  # the ranks' imports, beside this launcher's own work
         check_supported(self.config, gpus_needed(self.config), self.config.site_ranks)
         checkpoint_key(self.config)  # a ConfigError now, not in every rank after start
         try:
@@ -246,9 +249,13 @@ class LocalJob:
             )
             coordinator.start()
 
+    def _threads(self) -> int:
+        """OMP threads a rank: this host's cores shared by every site's ranks."""
+        return max(1, (os.cpu_count() or 1) // sum(self.config.site_ranks))
+
     def _start_ranks(self, proxies: dict[str, dict[str, str]]) -> None:
         sizes = self.config.site_ranks
-        threads = max(1, (os.cpu_count() or 1) // sum(sizes))
+        threads = self._threads()
         firsts = first_gpus(sizes, host_gpus(self.config), self.config.run.share_gpus)
         for i, coordinator in enumerate(self._coordinators):
             site = SiteRanks(
@@ -266,7 +273,13 @@ class LocalJob:
             )
             self._sites.append(site)
             site.start()
-        # What this run started and where, for operators and for the teardown tests.
+        self._proxies = proxies
+
+    def _write_job(self) -> None:
+        """What this run started and where, for operators and for the teardown tests;
+        written once every site's ranks are started (forked ranks start in the
+        background: deploy/launch/ranks.py)."""
+        proxies = self._proxies
         job = {
             "launcher_pid": os.getpid(),
             "coordinators": {c.site: c.address for c in self._coordinators},
@@ -284,9 +297,13 @@ class LocalJob:
 
     def _wait(self) -> None:
         progress = Progress(self.config, self.run_dir, self.out, enabled=self.progress)
+        written = False
         try:
             while True:
                 self._raise_if_failed()
+                if not written and all(site.started for site in self._sites):
+                    self._write_job()
+                    written = True
                 progress.update()
                 if all(site.done() for site in self._sites):
                     return

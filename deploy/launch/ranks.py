@@ -28,12 +28,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from isthmus.deploy.config.job import JobConfig
-from isthmus.deploy.launch.zygote import ForkedRank, ZygoteError, shared_zygote
+from isthmus.deploy.launch.zygote import (
+    READY_S,
+    ForkedRank,
+    ZygoteError,
+    fork_ranks,
+    shared_zygote,
+)
 from isthmus.deploy.rank.contract import AGENT_ENV, STORE_ENV
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.channels import peer_channel
@@ -168,16 +175,35 @@ class SiteRanks:
         """The 0700 folder of the ranks' FileStore while they run."""
         self.agent: HostAgent | None = None
         """The ranks' host agent while they run (``run.host_agent``)."""
+        self._spawner: threading.Thread | None = None
+        self._spawn_error: BaseException | None = None
+        self._closing = threading.Event()
 
     def start(self) -> None:
         """Start the site's ranks; they meet in a FileStore in a fresh 0700 folder
         (mkdtemp makes it so), on this host's disk rather than in the run folder,
-        which may be a network filesystem where file locks are slow or absent."""
+        which may be a network filesystem where file locks are slow or absent.
+
+        Ranks forked from the zygote start in the background (the first waits for the
+        zygote's imports, seconds): the launcher's progress line and its countdown to
+        the join timeout go on meanwhile. :attr:`started` says when all are."""
         world = self.config.ranks_of(self.site)
         self.store_dir = Path(tempfile.mkdtemp(prefix=f"isthmus-store-{self.site}-"))
         if self.config.run.host_agent and world > 1 and len(self.config.site_names) > 1:
             self.agent = self._start_agent(world, self.store_dir)
-        self._spawn(world)
+        envs = self._rank_envs(world)
+        if not fork_ranks():
+            self._spawn(envs)
+            return
+        self._spawner = threading.Thread(
+            target=self._spawn, args=(envs,), name=f"{self.site}-ranks", daemon=True
+        )
+        self._spawner.start()
+
+    @property
+    def started(self) -> bool:
+        """Every rank is started (or could not be: :meth:`failed` raises then)."""
+        return self._spawner is None or not self._spawner.is_alive()
 
     def _start_agent(self, world: int, store_dir: Path) -> HostAgent:
         """The ranks' agent at their coordinator, with their credentials, on a socket in
@@ -189,12 +215,13 @@ class SiteRanks:
         )
         return agent.start()
 
-    def _spawn(self, world: int) -> None:
+    def _rank_envs(self, world: int) -> list[dict[str, str]]:
         # The coordinator in this process drew one key per rank: only the process
         # started here as rank r may register as it (inter/control/rank_keys.py).
         keys = handout(self.coordinator)
         store_dir = self.store_dir
         assert store_dir is not None  # start() made it
+        envs = []
         for rank in range(world):
             env = {
                 **{k: v for k, v in os.environ.items() if k != KEY_ENV},
@@ -219,19 +246,42 @@ class SiteRanks:
                 **({AGENT_ENV: self.agent.address} if self.agent is not None else {}),
                 **self.extra_env,
             }
-            log_path = self.run_dir / "logs" / f"{self.site}-rank{rank}.log"
-            self.ranks.append(RankProcess(self.site, rank, _start_rank(env, log_path), log_path))
+            envs.append(env)
+        return envs
+
+    def _spawn(self, envs: list[dict[str, str]]) -> None:
+        try:
+            for rank, env in enumerate(envs):
+                if self._closing.is_set():
+                    return
+                log_path = self.run_dir / "logs" / f"{self.site}-rank{rank}.log"
+                process = _start_rank(env, log_path)
+                self.ranks.append(RankProcess(self.site, rank, process, log_path))
+        except Exception as exc:  # (raised in the launcher's thread by failed())
+            if self._spawner is None:
+                raise
+            self._spawn_error = exc
 
     def failed(self) -> RankProcess | None:
         """The rank that failed first, if any failed: the one whose log was written last
         the earliest. When one rank raises, the site's others fail in their next
         collective a moment later, often before the launcher looks; the first is the
-        cause, the rest "connection reset by peer"."""
+        cause, the rest "connection reset by peer".
+
+        Raises:
+            LaunchError: a rank could not be started at all.
+        """
+        if self._spawn_error is not None:
+            raise LaunchError(f"{self.site}: its ranks could not start: {self._spawn_error}")
         failed = [r for r in self.ranks if r.process.poll() not in (None, 0)]
         return min(failed, key=_log_written, default=None)
 
     def done(self) -> bool:
-        return bool(self.ranks) and all(r.process.poll() == 0 for r in self.ranks)
+        return (
+            self.started
+            and len(self.ranks) == self.config.ranks_of(self.site)
+            and all(r.process.poll() == 0 for r in self.ranks)
+        )
 
     @staticmethod
     def describe_failure(failed: RankProcess) -> str:
@@ -264,6 +314,7 @@ class SiteRanks:
         return f"{head}: {last} (log: {failed.log_path})"
 
     def describe(self) -> list[dict]:
+        """The ranks started so far (all of them once :attr:`started`)."""
         return [
             {
                 "site": r.site,
@@ -278,6 +329,9 @@ class SiteRanks:
 
     def close(self) -> None:
         """Terminate what still runs, then kill what ignores it (idempotent)."""
+        self._closing.set()
+        if self._spawner is not None:  # a rank it is forking now is then ended below
+            self._spawner.join(timeout=READY_S)
         for r in self.ranks:
             if r.process.poll() is None:
                 r.process.terminate()

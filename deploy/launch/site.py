@@ -21,6 +21,7 @@ from isthmus.deploy.config.job import ConfigError, JobConfig
 from isthmus.deploy.launch.local import check_supported
 from isthmus.deploy.launch.progress import Progress
 from isthmus.deploy.launch.ranks import LaunchError, SiteRanks, config_path, prepare_run_dir
+from isthmus.deploy.launch.zygote import prestart
 from isthmus.deploy.reports.summary import summarize
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
@@ -82,6 +83,8 @@ class SiteJob:
             LaunchError: a rank failed, a peer refused the job, or replicas differ.
             ConfigError: a setting this launcher cannot honour.
         """
+        threads = max(1, (os.cpu_count() or 1) // self.config.ranks_of(self.site))
+        prestart(threads)  # the ranks' imports, beside this launcher's own work below
         check_supported(self.config, self.config.ranks_of(self.site))
         self.coordinator = coordinator_for(self.config, self.site)
         os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/launch/ranks.py)
@@ -94,7 +97,7 @@ class SiteJob:
                 self.run_dir,
                 self.coordinator.address,
                 {s: u for s, u in self.config.cluster.proxies.items() if s != self.site and u},
-                threads=max(1, (os.cpu_count() or 1) // self.config.ranks_of(self.site)),
+                threads=threads,
                 config_file=config_path(self.run_dir, self.site),
             )
             self._ranks.start()

@@ -46,7 +46,7 @@ import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["ForkedRank", "Zygote", "ZygoteError", "fork_ranks", "shared_zygote"]
+__all__ = ["ForkedRank", "Zygote", "ZygoteError", "fork_ranks", "prestart", "shared_zygote"]
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,18 @@ def shared_zygote(env: Mapping[str, str]) -> Zygote | None:
             log.warning("ranks start as interpreters of their own: %s", exc)
             return None
         return _shared
+
+
+def prestart(threads: int) -> None:
+    """Starts this launcher's zygote now, in the background, so that its imports overlap
+    the launcher's own work before the first rank (checking the host, loading the
+    corpus, starting coordinators); ``threads``: the ranks' OMP threads, which the
+    zygote's math libraries read as they load."""
+    if fork_ranks():
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        threading.Thread(
+            target=shared_zygote, args=(env,), name="zygote-prestart", daemon=True
+        ).start()
 
 
 # -- the zygote process ---------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import pid_alive
 
 from isthmus.deploy.launch import zygote as zygote_module
 from isthmus.deploy.launch.zygote import Zygote, ZygoteError, shared_zygote
@@ -33,19 +34,9 @@ def zygote():
 
 def _gone(pid: int, within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        # A zombie (not yet reaped by its parent) is gone for every purpose here.
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                return True
-        except OSError:
-            return True
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return False
+    return not pid_alive(pid)
 
 
 def test_a_child_runs_with_the_rank_s_env_cwd_and_log_and_its_code_is_told(zygote, tmp_path):

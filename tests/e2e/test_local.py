@@ -284,7 +284,8 @@ def start_job(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
 
 def assert_nothing_left(job: dict) -> None:
     deadline = time.monotonic() + 10
-    pids = [r["pid"] for r in job["ranks"]]
+    # The ranks, and the zygote they were forked from (deploy/launch/zygote.py).
+    pids = [r["pid"] for r in job["ranks"]] + [r["parent_pid"] for r in job["ranks"]]
     while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in pids if pid_alive(pid)], "orphan rank processes"
