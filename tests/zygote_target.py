@@ -19,6 +19,10 @@ def main() -> None:
     if mode == "import":
         module = __import__(os.environ["TARGET_IMPORT"])
         print(f"imported={module.VALUE}", flush=True)
+    if mode == "burn":  # CPU time, for the accounting test
+        until = time.process_time() + float(os.environ.get("TARGET_BURN_S", "0.5"))
+        while time.process_time() < until:
+            pass
     if mode == "sleep":
         time.sleep(3600)
     if mode == "raise":

@@ -29,6 +29,7 @@ launcher whose zygote could not start (it says why, once, and goes on without on
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -192,16 +193,16 @@ class Zygote:
         return self._ranks[pid]
 
     def close(self) -> None:
-        """Ends the zygote (the ranks it forked die with it)."""
-        self._closed.set()
+        """Ends the zygote (the ranks it forked die with it) and waits for it."""
         with contextlib.suppress(OSError):
             if self.process.stdin is not None:
-                self.process.stdin.close()
+                self.process.stdin.close()  # it exits at the end of its requests
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self._closed.set()  # (its keeper thread ends only now: see _popen_kept)
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -248,6 +249,9 @@ def shared_zygote(env: Mapping[str, str]) -> Zygote | None:
             _shared_failed = True
             log.warning("ranks start as interpreters of their own: %s", exc)
             return None
+        # Ended and waited for as the launcher exits, rather than killed with it: then
+        # its own CPU time and its ranks' count in the launcher's (``time``, rusage).
+        atexit.register(_shared.close)
         return _shared
 
 

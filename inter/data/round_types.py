@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import sys
 import threading
 import time
@@ -13,6 +14,7 @@ import traceback
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
+from types import FrameType
 
 import grpc
 
@@ -189,6 +191,22 @@ def describe(site: int, exc: BaseException) -> str:
     return f"sending to site {site} failed: {exc}"
 
 
+def _current_frames() -> dict[int, FrameType]:
+    """``sys._current_frames()`` with the cyclic collector off. CPython 3.11 builds its
+    dict under the runtime's lock of thread states; a collection that the dict's
+    allocation starts there can run a gRPC object's finalizer, which waits for a gRPC
+    thread that needs that very lock to take the GIL. The suite's main thread hung there
+    for good once (CI, 2026-12-05: ``_PyThread_CurrentFrames`` > ``gc_collect_main`` >
+    cygrpc > ``pthread_cond_timedwait``)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class RunningTasks:
     """The round's tasks running now, by thread: where a task that hangs is stuck.
 
@@ -215,7 +233,7 @@ class RunningTasks:
 
     def where(self) -> list[str]:
         """One line per running task: its name and its thread's innermost frames."""
-        frames = sys._current_frames()
+        frames = _current_frames()
         with self._lock:
             running = dict(self._running)
         lines = []

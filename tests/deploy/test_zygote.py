@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -184,3 +185,26 @@ def test_ctrl_c_and_stack_requests_are_for_the_children_not_the_zygote(zygote, t
     ranks[1].send_signal(signal.SIGINT)  # Python's KeyboardInterrupt
     assert ranks[1].wait(timeout=10) != 0
     assert "KeyboardInterrupt" in (tmp_path / "r1.log").read_text()
+
+
+def test_the_launcher_waits_for_its_zygote_so_the_ranks_cpu_is_counted(tmp_path):
+    """The shared zygote is ended and waited for as its launcher exits: the CPU time of
+    the ranks it reaped then reaches whoever waits for the launcher (``time``, a
+    benchmark's rusage). Killed with the launcher instead, it took that time along."""
+    launcher = textwrap.dedent(
+        f"""
+        import functools, os
+        from isthmus.deploy.launch import zygote
+        zygote.Zygote = functools.partial(
+            zygote.Zygote, preload=("json",), entry="zygote_target:main"
+        )
+        env = {{**os.environ, "TARGET_MODE": "burn", "TARGET_BURN_S": "1.0"}}
+        rank = zygote.shared_zygote(env).start(env, {str(tmp_path / "r.log")!r})
+        assert rank.wait(timeout=60) == 0
+        """
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", launcher], env=_env(), check=True, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert cpu >= 0.9, cpu
