@@ -4,6 +4,7 @@ environment what to do, as a rank is told by its own."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -23,8 +24,9 @@ def main() -> None:
         until = time.process_time() + float(os.environ.get("TARGET_BURN_S", "0.5"))
         while time.process_time() < until:
             pass
-    if mode == "sleep":
-        time.sleep(3600)
+    if mode == "sleep":  # until a signal ends it (the tests send one, or its parent dies)
+        while True:
+            signal.pause()
     if mode == "raise":
         raise ValueError("the target raised")
     sys.exit(int(os.environ.get("TARGET_CODE", "0")))

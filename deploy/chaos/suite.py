@@ -211,8 +211,7 @@ def run_scenario(
             sites[name] = _Site(name, argv, _site_env(scenario, name), work / name)
         for fault in scenario.faults:
             if fault.kind == "corrupt":
-                # Gradient chunks, not the coordinators' small messages: chunks carry
-                # a crc32, control messages rely on TCP's checksum (or TLS's MAC).
+                # 16 KiB+ pieces: gradient chunks (crc32), not control messages (TCP's, TLS's).
                 impairment = (Corrupt(per_piece=fault.rate, min_piece_bytes=16384),)
                 links[fault.link].set_impairments(impairment, impairment)
         for site in sites.values():
