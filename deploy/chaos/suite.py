@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.chaos.hostile_calls import flood, forge, missed_forgeries
+from isthmus.deploy.chaos.ports import free_ports
 from isthmus.deploy.chaos.scenarios import SCENARIOS, Fault, Scenario
 from isthmus.deploy.config.job import load_config
 from isthmus.deploy.launch.local import slow_env
@@ -47,17 +47,6 @@ SITE_TIMEOUT_S = 360.0
 """A scenario whose survivors have not all exited this long after its start fails,
 naming the first one and its log's tail: within the tests' 400 s limit, which
 would show only thread stacks (a scenario takes 10-60 s on 2 cores)."""
-
-
-def free_ports(n: int) -> list[int]:
-    """n ports free on 127.0.0.1 right now (the OS picks them)."""
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _records(path: Path) -> list[dict]:

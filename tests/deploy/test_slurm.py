@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from isthmus.deploy.chaos.suite import free_ports
+from isthmus.deploy.chaos.ports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

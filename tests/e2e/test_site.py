@@ -10,7 +10,7 @@ import grpc
 import pytest
 from helpers import ISTHMUS, ROOT, assert_one_line_error, run_cli
 
-from isthmus.deploy.chaos.suite import free_ports
+from isthmus.deploy.chaos.ports import free_ports
 from isthmus.deploy.config.job import JobConfig, load_config
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
