@@ -163,14 +163,15 @@ class BulkConnection:
             ).start()
 
     def _connect(self, deadline: float) -> Stream:
-        # Like gRPC's wait_for_ready: a peer still starting is retried until the deadline.
-        delay = 0.05
+        # Like gRPC's wait_for_ready: a peer still starting is retried until the deadline,
+        # and so, a few times, is a connection closed before the peer's answer (a lane
+        # dropping its connections, a middlebox): a peer that refuses says why instead.
+        delay, closed_in_hello = 0.05, 0
         while True:
             left = deadline - time.monotonic()
             try:
                 port, ticket = self._open_bulk(max(0.001, min(left, 10.0)))
                 sock = _dial(self._host, port, self._proxy, max(0.001, min(left, 10.0)))
-                break
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -180,10 +181,20 @@ class BulkConnection:
             except OSError:
                 if left <= delay:
                     raise
+            else:
+                try:
+                    return self._hello(sock, ticket)
+                except _CLOSED_IN_HELLO:
+                    closed_in_hello += 1
+                    if closed_in_hello > MAX_HELLO_CLOSES or left <= delay:
+                        raise
             time.sleep(delay)
             # Short: UNAVAILABLE also means the peer's round with this site has not
             # begun yet, and its ticket follows within moments of that.
             delay = min(delay * 2, 0.25)
+
+    def _hello(self, sock: socket.socket, ticket: bytes) -> Stream:
+        """TLS (if on), the ticket, and the peer's answer on a dialled socket."""
         stream: Stream = PlainStream(sock)
         try:
             tune(sock)
@@ -412,5 +423,15 @@ class BulkConnection:
             sock.shutdown()
             sock.close()
 
+
+_CLOSED_IN_HELLO = (ConnectionError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
+"""How a connection closed by the peer (or on the way) before its answer ends: a reset,
+a broken pipe, an EOF in the TLS handshake or before the answer byte (FrameClosed).
+A certificate refused ends in another ssl.SSLError, and is not dialled again."""
+
+MAX_HELLO_CLOSES = 3
+"""Connections closed in their hello in a row before a dial gives up: one dropped is
+dialled again, a peer that closes every one fails the rounds at once, not at their
+deadline."""
 
 _PENDING: Stream = object()  # type: ignore[assignment]  # dialling

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import raw_chunk, wait_until
 from lanes import inputs, run_all, same_bits, two_sites_over
+from sockets import Server
 
 from isthmus.inter.data import bulk_peer, flow_clock
 from isthmus.inter.data.bulk_peer import BulkConnection
@@ -166,6 +167,52 @@ def test_the_deadline_follows_the_measured_rate(monkeypatch) -> None:
     conn.close()
 
 
+def closing_in_hello():
+    """A listener that takes each connection and closes it before any answer (a lane
+    dropping its connections while one is being opened)."""
+    return Server(lambda conn: conn.close())
+
+
+def test_a_connection_closed_before_its_answer_is_dialled_again(lane) -> None:
+    """The first connection is closed in its hello; the second, to the lane itself,
+    carries the round (before: the round failed, "connection closed by the peer")."""
+    hole, dials = closing_in_hello(), []
+
+    def open_bulk(timeout: float) -> tuple[int, bytes]:
+        dials.append(timeout)
+        port = hole.address[1] if len(dials) == 1 else lane.bulk_port
+        return port, lane.tickets.issue("1")
+
+    conn = BulkConnection("127.0.0.1", open_bulk, proxy=None, name="site1-to-site0")
+    try:
+        rnd, _took = send_round(conn, 3, wait_s=20)
+        assert rnd.failure() is None and len(dials) == 2
+    finally:
+        conn.close()
+        hole.close()
+
+
+def test_a_peer_that_closes_every_hello_fails_the_round_long_before_its_deadline() -> None:
+    hole = closing_in_hello()
+    conn = BulkConnection(
+        "127.0.0.1", lambda timeout: (hole.address[1], b"t" * 32), proxy=None, name="t"
+    )
+    start = time.monotonic()
+    rnd = PeerRound([conn], deadline=start + 30)
+    try:
+        for f in frames(2):
+            rnd.send(f)
+        rnd.end()
+        with pytest.raises(ConnectionError, match="closed by the peer|reset by peer"):
+            rnd.wait(25)
+        # MAX_HELLO_CLOSES + 1 dials, 0.05 + 0.1 + 0.2 s apart.
+        assert len(hole.conns) == bulk_peer.MAX_HELLO_CLOSES + 1
+        assert time.monotonic() - start < 5
+    finally:
+        conn.close()
+        hole.close()
+
+
 def _round_across_a_stalled_flow(
     monkeypatch, floats: int = 1 << 20, **over
 ) -> tuple[list, torch.Tensor, float, dict]:
@@ -188,6 +235,22 @@ def _round_across_a_stalled_flow(
         link.set_impairments(a_to_b=stall, b_to_a=stall)
         res, want, took = _exact_round(ars, floats, seed=7)  # 4 MiB a site: 8 chunks each way
         return res, want, took, link.stats()
+
+
+def drop_after_first_chunk_of_step(listener, step: int) -> None:
+    """``listener`` drops every connection (from another thread) once it has stored the
+    first chunk of ``step``, before that chunk's acknowledgement goes back."""
+    accept, dropped = listener._accept, threading.Event()
+
+    def accept_then_drop(chunk, peer, holder):
+        answer = accept(chunk, peer, holder)
+        if chunk.step == step and not dropped.is_set():
+            dropped.set()
+            threading.Thread(target=listener.drop_connections).start()
+            time.sleep(0.05)  # the drop lands before this chunk is acknowledged
+        return answer
+
+    listener._accept = accept_then_drop
 
 
 def _exact_round(ars: list, floats: int, seed: int) -> tuple[list, torch.Tensor, float]:
@@ -299,7 +362,9 @@ def test_a_bulk_connection_lost_under_its_frames_sends_them_again_and_the_round_
     def security(site: int) -> SiteSecurity | None:
         return SiteSecurity.load(job_dir, f"site{site}", require_tls=True) if tls else None
 
-    # 40 Mbit/s: 4 MiB a site take ~1 s each way, so the drop lands under frames.
+    # 40 Mbit/s: 4 MiB a site take ~1 s each way: after the first of 16 chunks, more are
+    # on the connections when they drop (a timer could fire before the round began, on
+    # a busy machine, or in a second connection's TLS handshake).
     spec = LinkSpec.symmetric(latency_s=0.001, bandwidth_bps=40e6)
     with two_sites_over(
         spec, chunk_bytes=256 * 1024, connections=2, timeout_s=60, security=security
@@ -307,7 +372,7 @@ def test_a_bulk_connection_lost_under_its_frames_sends_them_again_and_the_round_
         warm = inputs(2, [1 << 16], seed=1)  # connections up, as in a running job
         res = run_all([lambda s=s: ars[s].allreduce(warm[s], 0, 0, False) for s in range(2)])
         assert not any(isinstance(r, BaseException) for r in res), res
-        threading.Timer(0.4, servers[1]._bulk.drop_connections).start()
+        drop_after_first_chunk_of_step(servers[1]._bulk, step=1)
         res, _want, took = _exact_round(ars, 1 << 20, seed=3)
         assert res[0].stalled_flows >= 1, res  # site 0's connections to site 1 were left
         assert took < 15, took
