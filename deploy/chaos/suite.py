@@ -147,6 +147,9 @@ def _job_file(scenario: Scenario, work: Path, ports: list[int], witness: str) ->
         *([f'witness = "{witness}"'] if witness else []),
         "[run]",
         "digest_every = 2",
+        # One held-out batch, not 16: no verdict reads the loss, and 16 forward passes
+        # of 8 windows cost a 14-step job as much as ten of its steps.
+        "eval_batches = 1",
         "tensorboard = false",
         "metrics_port = -1",
         "[cluster]",

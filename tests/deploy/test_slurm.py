@@ -263,6 +263,7 @@ def write_job(tmp_path: Path, link: Link, ports: list[int], *extra: str) -> Path
                 'preset = "tiny"',
                 "[run]",
                 'log_level = "info"',  # the ranks' timeline, should a job fail
+                "eval_batches = 1",  # no test here reads the held-out loss
                 # Six processes importing torch at once on a loaded 2-core machine took
                 # 110 s to reach their coordinators (the default joining deadline is 120).
                 "[sync]",

@@ -155,6 +155,7 @@ def start_job(
                 "[sync]", "timeout_s = 240",
                 "[failover]", "failure_timeout_s = 2.0", "heartbeat_s = 0.25",
                 "[run]", "digest_every = 2", "tensorboard = false", "metrics_port = -1",
+                "eval_batches = 1",  # no test here reads the held-out loss
                 # Beyond loopback: mutual TLS and the job token (docs/security.md).
                 "[security]", "require_tls = true", "require_token = true",
                 f'certs_dir = "{job_dir}"',
