@@ -238,16 +238,16 @@ def _round_across_a_stalled_flow(
 
 
 def drop_after_first_chunk_of_step(listener, step: int) -> None:
-    """``listener`` drops every connection (from another thread) once it has stored the
-    first chunk of ``step``, before that chunk's acknowledgement goes back."""
+    """``listener`` drops every connection once it has stored the first chunk of
+    ``step``, before that chunk's acknowledgement goes back: the drop shuts the
+    connections (this one too) from the thread that is about to acknowledge it."""
     accept, dropped = listener._accept, threading.Event()
 
     def accept_then_drop(chunk, peer, holder):
         answer = accept(chunk, peer, holder)
         if chunk.step == step and not dropped.is_set():
             dropped.set()
-            threading.Thread(target=listener.drop_connections).start()
-            time.sleep(0.05)  # the drop lands before this chunk is acknowledged
+            listener.drop_connections()
         return answer
 
     listener._accept = accept_then_drop
