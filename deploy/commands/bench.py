@@ -45,14 +45,16 @@ def emulated_links(
     num_sites: int,
     rtt_s: float,
     bandwidth_bps: float,
+    links_per_pair: int = 1,
+    *,
     per_flow_bps: float = 0.0,
     processes: bool = False,
     queue_bytes: int | None = None,
-) -> Iterator[dict[tuple[int, int], str]]:
-    """One emulated link per pair of sites (each TCP flow held to ``per_flow_bps``, 0 =
-    no cap; each direction pumped by a process of its own with ``processes``; a router
-    queue of ``queue_bytes``, None = the emulator's default); yields {(i, j): proxy URL
-    i dials j by}."""
+) -> Iterator[dict[tuple[int, int], list[str]]]:
+    """``links_per_pair`` emulated links between each pair of sites (each TCP flow held
+    to ``per_flow_bps``, 0 = no cap; each direction pumped by a process of its own with
+    ``processes``; a router queue of ``queue_bytes``, None = the emulator's default);
+    yields {(i, j): the proxy URLs i dials j by, one per link}."""
     from isthmus.sim import LinkSpec, RelayServer
     from isthmus.sim.spec import DEFAULT_QUEUE_BYTES
 
@@ -69,14 +71,15 @@ def emulated_links(
             per_flow_bps=per_flow_bps,
             queue_bytes=queue_bytes,
         )
-        proxies: dict[tuple[int, int], str] = {}
+        proxies: dict[tuple[int, int], list[str]] = {}
         for i in range(num_sites):
             for j in range(i + 1, num_sites):
-                link = relay.add_link(f"site{i}-site{j}", spec)
-                host, port = link.add_proxy(initiator="a")
-                proxies[(i, j)] = f"http://{host}:{port}"
-                host, port = link.add_proxy(initiator="b")
-                proxies[(j, i)] = f"http://{host}:{port}"
+                for k in range(links_per_pair):
+                    link = relay.add_link(f"site{i}-site{j}" + (f"-{k}" if k else ""), spec)
+                    host, port = link.add_proxy(initiator="a")
+                    proxies.setdefault((i, j), []).append(f"http://{host}:{port}")
+                    host, port = link.add_proxy(initiator="b")
+                    proxies.setdefault((j, i), []).append(f"http://{host}:{port}")
         yield proxies
     finally:
         relay.close()
@@ -84,8 +87,8 @@ def emulated_links(
 
 @contextlib.contextmanager
 def direct_links(
-    num_sites: int, rtt_s: float, bandwidth_bps: float
-) -> Iterator[dict[tuple[int, int], str]]:
+    num_sites: int, rtt_s: float, bandwidth_bps: float, links_per_pair: int = 1
+) -> Iterator[dict[tuple[int, int], list[str]]]:
     """No emulator: lanes dial each other on loopback, so a case measures the lanes'
     own limit (CPU, gRPC, codec) rather than a link's; RTT and bandwidth are unused."""
     yield {}
@@ -154,6 +157,14 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="ranks (lanes, processes) per site, each all-reducing an equal slice of the "
         "site's tensor over the site's shared links",
+    )
+    add(
+        "--links",
+        type=int,
+        default=1,
+        help="emulated links between each pair of sites, each of --gbit; lane k crosses "
+        "link k mod LINKS, as each host of a site has an uplink of its own (must divide "
+        "--lanes)",
     )
     add(
         "--device",
@@ -226,6 +237,10 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
         raise ConfigError(f"--queue-kib must be >= 0 (-1 = default), got {args.queue_kib}")
     if not 1 <= args.lanes <= 64:
         raise ConfigError(f"--lanes must be in 1..64, got {args.lanes}")
+    if args.links < 1 or args.lanes % args.links:
+        raise ConfigError(f"--links must divide --lanes ({args.lanes}), got {args.links}")
+    if args.links > 1 and args.direct:
+        raise ConfigError("--links needs emulated links: drop --direct or --links")
     if args.groups < 1 or args.in_flight < 1 or args.repeats < 1 or args.load_ms < 0:
         raise ConfigError("--groups, --in-flight and --repeats must be >= 1, --load-ms >= 0")
     if args.warmup < 0:
@@ -253,6 +268,7 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             workers=args.workers or None,
             timeout_s=args.timeout_s,
             lanes=args.lanes,
+            links=args.links,
             device=args.device,
             groups=args.groups,
             in_flight=args.in_flight,

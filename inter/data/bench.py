@@ -38,8 +38,11 @@ __all__ = [
     "run_case",
 ]
 
-# (num_sites, rtt_s, bandwidth_bps) -> {(i, j): proxy URL site i dials site j through}
-LinkFactory = Callable[[int, float, float], AbstractContextManager[dict[tuple[int, int], str]]]
+# (num_sites, rtt_s, bandwidth_bps, links_per_pair) -> {(i, j): the proxy URLs site i
+# dials site j through, one per parallel link}; {} = lanes dial each other directly.
+LinkFactory = Callable[
+    [int, float, float, int], AbstractContextManager[dict[tuple[int, int], list[str]]]
+]
 MIB = 1 << 20
 
 
@@ -63,6 +66,10 @@ class BenchCase:
     """Ranks per site, each with its own lane and process, all-reducing an equal slice
     of the site's tensor with the same rank of every other site (docs/design.md: the shard
     after the site's reduce-scatter). All of a site's lanes share its links."""
+    links: int = 1
+    """Emulated links between each pair of sites, each of ``gbit``; lane k crosses link
+    k mod ``links``, as the hosts of a site of several each have an uplink of their own
+    (1 = every lane of a site shares one link)."""
     device: str = "cpu"
     """``cuda``: each lane's slice lives on a GPU of its own (lane k of site i on GPU
     (i x lanes + k) mod count), so rounds decode, sum and encode there as in training."""
@@ -91,10 +98,11 @@ class BenchCase:
 
 
 def link_bound_s(case: BenchCase) -> float:
-    """The ideal uncompressed all-reduce on the case's link: 2(S-1)/S x bytes / bw + RTT."""
+    """The ideal uncompressed all-reduce on the case's links: 2(S-1)/S x bytes / (bw x
+    links) + RTT."""
     tensor_bytes = int(case.mib * MIB) // 4 * 4
     share = 2 * (case.sites - 1) / case.sites
-    return share * tensor_bytes * 8 / (case.gbit * 1e9) + case.rtt_ms / 1000
+    return share * tensor_bytes * 8 / (case.gbit * 1e9 * case.links) + case.rtt_ms / 1000
 
 
 def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
@@ -303,7 +311,7 @@ def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
     spec = dataclasses.asdict(case)
     pipes, procs = [], []
     wait_s = case.timeout_s + 60
-    with links(case.sites, case.rtt_ms / 1000, case.gbit * 1e9) as proxies:
+    with links(case.sites, case.rtt_ms / 1000, case.gbit * 1e9, case.links) as proxies:
         try:
             lanes = [(i, r) for i in range(case.sites) for r in range(case.lanes)]
             for i, r in lanes:
@@ -317,10 +325,12 @@ def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
                 for k, (lane, p) in enumerate(zip(lanes, pipes, strict=True))
             }
             for (i, r), pipe in zip(lanes, pipes, strict=True):
-                # A lane pairs with the same rank of every other site, through the
-                # site pair's one link.
+                # A lane pairs with the same rank of every other site, through link
+                # r mod links of the pair (the pair's one link by default).
                 peers = {
-                    j: (addresses[(j, r)], proxies.get((i, j))) for j in range(case.sites) if j != i
+                    j: (addresses[(j, r)], _proxy(proxies, i, j, r))
+                    for j in range(case.sites)
+                    if j != i
                 }
                 pipe.send(peers)
             for i, pipe in enumerate(pipes):
@@ -337,6 +347,12 @@ def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
                     proc.kill()
                     proc.join()
     return _summarize(case, reports)
+
+
+def _proxy(proxies: dict[tuple[int, int], list[str]], i: int, j: int, lane: int) -> str | None:
+    """The proxy lane ``lane`` of site ``i`` dials site ``j`` by; None = directly."""
+    urls = proxies.get((i, j))
+    return urls[lane % len(urls)] if urls else None
 
 
 def _recv(pipe: Any, index: int, timeout: float) -> Any:
@@ -374,7 +390,7 @@ def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]
         # waited for the sync after the compute was done.
         "compute_s": max(r["compute_s"] for r in reports),
         "exposed_s": max(r["exposed_s"] for r in reports),
-        # Bytes a site put on its link (all its lanes) against what the link carries
+        # Bytes a site put on its links (all its lanes) against what the links carry
         # in the time the slowest lane's rounds ran.
         "link_utilization": _link_utilization(case, reports),
         "sites_detail": reports,
@@ -387,7 +403,8 @@ def _link_utilization(case: BenchCase, reports: list[dict[str, Any]]) -> float:
         for i in range(case.sites)
     ]
     busy = max(r["sync_s"] or r["wall_s"] for r in reports)
-    return max(per_site) * 8 / (case.gbit * 1e9) / busy if busy > 0 else 0.0
+    capacity_bps = case.gbit * 1e9 * case.links
+    return max(per_site) * 8 / capacity_bps / busy if busy > 0 else 0.0
 
 
 def codec_throughput(spec: str, mib: float = 4.0, repeat: int = 3) -> dict[str, Any]:
@@ -451,14 +468,14 @@ def format_throughput(rows: list[dict[str, Any]], gbits: list[float]) -> str:
 def format_results(rows: list[dict[str, Any]]) -> str:
     """The results table, one line per case."""
     head = (
-        f"{'sites':>5}{'lanes':>6}{'rtt ms':>8}{'Gbit/s':>7}{'MiB':>6}  {'codec':<22}{'chunk KiB':>10}"
+        f"{'sites':>5}{'lanes':>6}{'links':>6}{'rtt ms':>8}{'Gbit/s':>7}{'MiB':>6}  {'codec':<22}{'chunk KiB':>10}"
         f"{'wall s':>8}{'goodput MB/s':>13}{'bound s':>8}{'effic.':>7}{'ratio':>7}"
         f"{'cpu s/GB':>9}{'link':>6}{'exposed':>8}{'same':>5}"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r['sites']:>5}{r.get('lanes', 1):>6}{r['rtt_ms']:>8g}{r['gbit']:>7g}{r['mib']:>6g}  {r['codec']:<22}"
+            f"{r['sites']:>5}{r.get('lanes', 1):>6}{r.get('links', 1):>6}{r['rtt_ms']:>8g}{r['gbit']:>7g}{r['mib']:>6g}  {r['codec']:<22}"
             f"{r['chunk_bytes'] // 1024:>10}{r['wall_s']:>8.2f}{r['goodput_mb_s']:>13.1f}"
             f"{r['link_bound_s']:>8.2f}{r['efficiency']:>7.2f}{r['compression_ratio']:>7.2f}"
             f"{r['cpu_s_per_gb']:>9.2f}{r.get('link_utilization', 0):>6.2f}"

@@ -43,6 +43,8 @@ def test_link_bound() -> None:
         (["--lanes", "0"], "--lanes"),
         (["--warmup", "-1"], "--warmup"),
         (["--queue-kib", "-2"], "--queue-kib"),
+        (["--lanes", "2", "--links", "3"], "--links"),
+        (["--lanes", "2", "--links", "2", "--direct"], "--links"),
     ],
 )
 def test_bad_flags_are_one_line_errors(
@@ -95,6 +97,31 @@ def test_several_lanes_per_site_split_the_tensor_and_agree(tmp_path: Path) -> No
     # Lane 0 and lane 1 hold different halves; each half's bits agree across sites.
     assert details[0]["digest"] == details[2]["digest"] != details[1]["digest"]
     assert sum(d["raw_bytes"] for d in details) > 0
+
+
+@pytest.mark.timeout(180)
+def test_lanes_over_several_links_move_more_than_one_link_carries(tmp_path: Path) -> None:
+    """2 sites x 2 lanes over 2 links of 20 Mbit/s (`--links 2`): lane k crosses link k,
+    so a site's bytes arrive faster than one link could carry them, and every half still
+    ends identical at both sites."""
+    out = tmp_path / "bench.json"
+    result = _script(
+        "--sites", "2", "--rtt-ms", "1", "--gbit", "0.02", "--mib", "4", "--codec", "raw",
+        "--lanes", "2", "--links", "2", "--warmup", "0", "--no-throughput",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["links"] == 2 and case["identical"]
+    details = case["sites_detail"]
+    site_bytes = max(details[0]["bytes_sent"] + details[1]["bytes_sent"],
+                     details[2]["bytes_sent"] + details[3]["bytes_sent"])  # fmt: skip
+    one_link_s = site_bytes * 8 / 20e6  # the emulator holds one link to 20 Mbit/s
+    assert one_link_s > 1.5
+    assert case["wall_s"] < 0.75 * one_link_s, (case["wall_s"], one_link_s)
+    # The bound and the utilization count both links.
+    assert case["link_bound_s"] == pytest.approx(4 * 2**20 * 8 / 40e6 + 0.001)
+    assert 0.5 < case["link_utilization"] <= 1.05
 
 
 @pytest.mark.timeout(180)
