@@ -160,3 +160,41 @@ def test_warmup_steps_are_full_rounds_left_out_of_the_timing(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     (case,) = json.loads(short.read_text())["cases"]
     assert case["sites_detail"][0]["digest"] != digests[0]  # one step leaves other bits
+
+
+@pytest.mark.timeout(60)
+def test_host_cpu_counts_a_busy_core_over_a_case_rounds(tmp_path: Path) -> None:
+    """benchmarks/host_cpu.py samples /proc/stat while a process spins on one core, and
+    `annotate` averages the samples of a case's last rounds into its JSON."""
+    import time
+
+    samples = tmp_path / "cpu.txt"
+    sampler = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "host_cpu.py"), "sample", str(samples)]
+    )
+    try:
+        start = time.time()
+        spin = "import time\nt = time.time()\nwhile time.time() - t < 2.5: pass"
+        subprocess.run([sys.executable, "-c", spin], check=True, timeout=30)
+        end = time.time()
+    finally:
+        sampler.kill()
+        sampler.wait()
+    # A case whose 5 rounds of 0.3 s ended 0.7 s before its processes did.
+    detail = {"sync_s": 1.5, "wall_s": 1.5, "bytes_sent": 10**9}
+    case = {
+        "cases": [
+            {
+                "warmup": 2, "repeats": 3, "wall_s": 0.3, "lanes": 1, "links": 1,
+                "sites": 2, "connections": 2, "link_utilization": 0.5,
+                "goodput_mb_s": 1000.0, "cpu_s_per_gb": 1.0, "identical": True,
+                "sites_detail": [detail, detail],
+            }
+        ]
+    }  # fmt: skip
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps(case))
+    line = load_benchmark("host_cpu").annotate(str(path), str(samples), start, end)
+    busy = json.loads(path.read_text())["cases"][0]["host_busy_cores_rounds"]
+    assert busy is not None and busy >= 0.8, (busy, samples.read_text())
+    assert "a site sends 5.3 Gbit/s" in line and f"host busy {busy:.1f} cores" in line
