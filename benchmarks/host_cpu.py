@@ -50,16 +50,13 @@ def annotate(case_path: str, cpu_path: str, start: float, end: float) -> str:
     case["host_busy_cores_rounds"] = sum(busy) / len(busy) if busy else None
     with open(case_path, "w") as f:
         json.dump(data, f, indent=2)
-    details, lanes = case["sites_detail"], case["lanes"]
-    rounds_s = max(d["sync_s"] or d["wall_s"] for d in details)
-    site_bytes = max(
-        sum(d["bytes_sent"] for d in details[i * lanes : (i + 1) * lanes])
-        for i in range(case["sites"])
-    )
+    # The share of the links is a site's bytes over what its links carry while the
+    # rounds ran (inter/data/bench.py), so this is the rate a site sent at.
+    sent_gbit = case["link_utilization"] * case["gbit"] * case["links"]
     host = case["host_busy_cores_rounds"]
     return (
         f"   {case['lanes']} lanes, {case['links']} links, {case['connections']} connections: "
-        f"a site sends {site_bytes * 8 / 1e9 / rounds_s:.1f} Gbit/s "
+        f"a site sends {sent_gbit:.1f} Gbit/s "
         f"({case['link_utilization']:.0%} of its links), "
         f"{case['goodput_mb_s'] / 1e3:.2f} GB/s of tensor, {case['cpu_s_per_gb']:.2f} CPU-s/GB, "
         f"host busy {'?' if host is None else f'{host:.1f}'} cores, identical {case['identical']}"

@@ -181,12 +181,12 @@ def test_host_cpu_counts_a_busy_core_over_a_case_rounds(tmp_path: Path) -> None:
         sampler.kill()
         sampler.wait()
     # A case whose 5 rounds of 0.3 s ended 0.7 s before its processes did.
-    detail = {"sync_s": 1.5, "wall_s": 1.5, "bytes_sent": 10**9}
+    detail = {"sync_s": 1.5, "wall_s": 1.5, "bytes_sent": 10**9}  # 5.33 Gbit/s
     case = {
         "cases": [
             {
                 "warmup": 2, "repeats": 3, "wall_s": 0.3, "lanes": 1, "links": 1,
-                "sites": 2, "connections": 2, "link_utilization": 0.5,
+                "sites": 2, "connections": 2, "gbit": 10.66, "link_utilization": 0.5,
                 "goodput_mb_s": 1000.0, "cpu_s_per_gb": 1.0, "identical": True,
                 "sites_detail": [detail, detail],
             }
