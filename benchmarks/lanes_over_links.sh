@@ -41,6 +41,8 @@ for r in $(seq "${REPEATS:-3}"); do
   run "4lanes-2links-$r" "${wan[@]}" --lanes 4 --links 2
 done
 run 4lanes-1link "${wan[@]}" --lanes 4 --links 1
+# One lane a link with 3 connections: at most 3 x FLOW_MBIT a link (15 of 25 Gbit/s by
+# default), so this case shows the per-flow cap holding, not the lanes' limit.
 run 2lanes-2links-3conn "${wan[@]}" --lanes 2 --links 2 --connections 3
 run 2lanes-1link "${wan[@]}" --lanes 2 --links 1
 if [ "${CUDA:-1}" != 0 ] && nvidia-smi -L >/dev/null 2>&1; then
