@@ -3,7 +3,8 @@
 :func:`run_case` starts one spawned process per site; each runs a real
 :class:`~isthmus.inter.data.lane.LaneServer`, :class:`~isthmus.inter.data.lane_peer.LanePeer`\\ s
 and a :class:`~isthmus.inter.data.allreduce.CrossSiteAllReduce`, warms its connections up,
-then all-reduces one tensor when the parent says go. The links come from a factory the
+then all-reduces one tensor a step, every lane beginning each step when the parent says
+go (as a site's ranks begin a step's sync together in training). The links come from a factory the
 caller passes in (``inter`` does not import the WAN emulator; ``deploy`` wires it), so
 the same code can measure real links. :func:`codec_throughput` measures each codec
 on one core, to tell when the CPU and not the link is the limit.
@@ -85,7 +86,8 @@ class BenchCase:
     backward does before a group's gradients are ready. The figures then say how much
     of the sync hid behind it (``exposed_s``)."""
     repeats: int = 1
-    """Timed steps; the figures are those of the step of median wall time."""
+    """Timed steps, each begun by every lane together; the figures are those of the
+    step whose slowest lane took the median time."""
     warmup: int = 2
     """Full-size steps before the timed ones, as training has run them before its
     steady state: a lane's first two steps pay first-use allocations that later steps
@@ -122,11 +124,14 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
         # Warm-up: opens every connection (through the proxies) before the clock runs.
         warm = torch.ones(c.chunk_bytes // 4 * c.sites, device=device)
         ar.allreduce([warm], step=0, group=0, average=True)
-        conn.send("ready")
-        conn.recv()  # "go": every site starts together
+
+        def barrier() -> None:
+            conn.send("ready")
+            conn.recv()  # "go": every lane of every site starts the step together
+
         # As training does: one sync object for every step (closing it closes ``ar``).
         sync = LaneGradientSync(ar, rounds_in_flight=c.in_flight)
-        conn.send(_median_report(ar, sync, c, tensor, load))
+        conn.send(_median_report(ar, sync, c, tensor, load, barrier))
         conn.recv()  # "done": nobody stops its server while a peer may still pull
     except BaseException as exc:  # noqa: BLE001 (reported to the parent as one line)
         with contextlib.suppress(Exception):
@@ -202,36 +207,46 @@ def _lane_slice(c: BenchCase, index: int, rank: int, device: torch.device) -> to
 
 
 def _median_report(
-    ar: Any, sync: Any, c: BenchCase, tensor: torch.Tensor, load: _Load | None
+    ar: Any,
+    sync: Any,
+    c: BenchCase,
+    tensor: torch.Tensor,
+    load: _Load | None,
+    barrier: Callable[[], None],
 ) -> dict[str, Any]:
-    """Run ``c.warmup`` untimed steps, then ``c.repeats`` timed ones; the figures of the
-    step of median wall time, and the digest of the tensor after the last."""
+    """Run ``c.warmup`` untimed steps, then ``c.repeats`` timed ones, each begun when
+    every lane is ready (``barrier``), as a site's ranks begin a step's sync together
+    in training; this lane's figures of its step of median wall time, every timed
+    step's in ``steps``, and the digest of the tensor after the last."""
     for step in range(1, c.warmup + 1):
+        barrier()
         _timed_step(ar, sync, c, tensor, load, step)
     runs = []
     for step in range(c.warmup + 1, c.warmup + c.repeats + 1):
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        barrier()
+        began, cpu0, t0 = time.monotonic(), time.process_time(), time.perf_counter()
         stats, compute_s, sync_s = _timed_step(ar, sync, c, tensor, load, step)
+        wall = time.perf_counter() - t0
         runs.append(
-            (time.perf_counter() - t0, time.process_time() - cpu0, stats, compute_s, sync_s)
+            {
+                "began": began,  # CLOCK_MONOTONIC: one clock for every process of the host
+                "wall_s": wall,
+                "cpu_s": time.process_time() - cpu0,
+                "compute_s": compute_s,
+                "exposed_s": max(0.0, wall - compute_s),
+                "sync_s": sync_s,
+                "bytes_sent": stats.bytes_sent,
+                "raw_bytes": stats.raw_bytes,
+                "corrupt_chunks": stats.corrupt_chunks,
+                "stalled_flows": stats.stalled_flows,
+                "encode_s": getattr(stats, "encode_s", 0.0),
+                "decode_s": getattr(stats, "decode_s", 0.0),
+            }
         )
-    wall, cpu, stats, compute_s, sync_s = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
     host = tensor.cpu().numpy()
     digest = hashlib.sha256(host.tobytes()).hexdigest()[:16]
-    return {
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "compute_s": compute_s,
-        "exposed_s": max(0.0, wall - compute_s),
-        "sync_s": sync_s,
-        "bytes_sent": stats.bytes_sent,
-        "raw_bytes": stats.raw_bytes,
-        "corrupt_chunks": stats.corrupt_chunks,
-        "stalled_flows": stats.stalled_flows,
-        "encode_s": getattr(stats, "encode_s", 0.0),
-        "decode_s": getattr(stats, "decode_s", 0.0),
-        "digest": digest,
-    }
+    return {**median, "digest": digest, "steps": runs}
 
 
 class _Load:
@@ -333,10 +348,11 @@ def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
                     if j != i
                 }
                 pipe.send(peers)
-            for i, pipe in enumerate(pipes):
-                _recv(pipe, i, wait_s)  # "ready"
-            for pipe in pipes:
-                pipe.send("go")
+            for _ in range(case.warmup + case.repeats):
+                for i, pipe in enumerate(pipes):
+                    _recv(pipe, i, wait_s)  # "ready"
+                for pipe in pipes:
+                    pipe.send("go")
             reports = [_recv(p, i, wait_s) for i, p in enumerate(pipes)]
             for pipe in pipes:
                 pipe.send("done")
@@ -365,12 +381,20 @@ def _recv(pipe: Any, index: int, timeout: float) -> Any:
 
 
 def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The case's figures from its lanes' reports, all of one timed step: the step whose
+    slowest lane took the median time. Every lane begins a step together, so the slowest
+    lane's time is the step's, as it is for a site in training; the medians of lanes
+    taken one by one could come from different steps."""
     tensor_bytes = int(case.mib * MIB) // 4 * 4
-    wall = max(r["wall_s"] for r in reports)
-    sent = sum(r["bytes_sent"] for r in reports)
-    raw = sum(r["raw_bytes"] for r in reports)
+    timed = len(reports[0]["steps"])
+    step_walls = [max(r["steps"][k]["wall_s"] for r in reports) for k in range(timed)]
+    median = sorted(range(timed), key=step_walls.__getitem__)[timed // 2]
+    lanes = [r["steps"][median] for r in reports]
+    wall = step_walls[median]
+    sent = sum(s["bytes_sent"] for s in lanes)
+    raw = sum(s["raw_bytes"] for s in lanes)
     bound = link_bound_s(case)
-    cpu = sum(r["cpu_s"] for r in reports) / case.sites  # per site, all its lanes
+    cpu = sum(s["cpu_s"] for s in lanes) / case.sites  # per site, all its lanes
     return {
         **dataclasses.asdict(case),
         "tensor_bytes": tensor_bytes,
@@ -384,25 +408,27 @@ def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]
         "identical": all(
             len({r["digest"] for r in reports[k :: case.lanes]}) == 1 for k in range(case.lanes)
         ),
-        "corrupt_chunks": sum(r["corrupt_chunks"] for r in reports),
-        "stalled_flows": sum(r["stalled_flows"] for r in reports),
+        "corrupt_chunks": sum(s["corrupt_chunks"] for s in lanes),
+        "stalled_flows": sum(s["stalled_flows"] for s in lanes),
         # With groups and load: the slowest lane's compute, and how long its step
         # waited for the sync after the compute was done.
-        "compute_s": max(r["compute_s"] for r in reports),
-        "exposed_s": max(r["exposed_s"] for r in reports),
+        "compute_s": max(s["compute_s"] for s in lanes),
+        "exposed_s": max(s["exposed_s"] for s in lanes),
         # Bytes a site put on its links (all its lanes) against what the links carry
         # in the time the slowest lane's rounds ran.
-        "link_utilization": _link_utilization(case, reports),
+        "link_utilization": _link_utilization(case, lanes),
+        "step_walls_s": step_walls,
         "sites_detail": reports,
     }
 
 
-def _link_utilization(case: BenchCase, reports: list[dict[str, Any]]) -> float:
+def _link_utilization(case: BenchCase, lanes: list[dict[str, Any]]) -> float:
+    """``lanes``: one step's figures of every lane, site by site."""
     per_site = [
-        sum(r["bytes_sent"] for r in reports[i * case.lanes : (i + 1) * case.lanes])
+        sum(s["bytes_sent"] for s in lanes[i * case.lanes : (i + 1) * case.lanes])
         for i in range(case.sites)
     ]
-    busy = max(r["sync_s"] or r["wall_s"] for r in reports)
+    busy = max(s["sync_s"] or s["wall_s"] for s in lanes)
     capacity_bps = case.gbit * 1e9 * case.links
     return max(per_site) * 8 / capacity_bps / busy if busy > 0 else 0.0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, load_benchmark
 
+from isthmus.inter.data import bench
 from isthmus.inter.data.bench import BenchCase, link_bound_s
 
 SCRIPT = ROOT / "benchmarks" / "allreduce.py"
@@ -122,6 +124,73 @@ def test_lanes_over_several_links_move_more_than_one_link_carries(tmp_path: Path
     # The bound and the utilization count both links.
     assert case["link_bound_s"] == pytest.approx(4 * 2**20 * 8 / 40e6 + 0.001)
     assert 0.5 < case["link_utilization"] <= 1.05
+
+
+@contextlib.contextmanager
+def _links_of_falling_rate(num_sites: int, rtt_s: float, bandwidth_bps: float, links: int):
+    """Like the benchmark's emulated links, but link k of a pair runs at 1 / 4**k of
+    ``bandwidth_bps``: lanes that cross different links take steps of different lengths."""
+    from isthmus.sim import LinkSpec, RelayServer
+
+    relay = RelayServer().start()
+    try:
+        proxies: dict[tuple[int, int], list[str]] = {}
+        for k in range(links):
+            rate = bandwidth_bps / 4**k
+            link = relay.add_link(
+                f"l{k}", LinkSpec.symmetric(latency_s=rtt_s / 2, bandwidth_bps=rate)
+            )
+            for i, j, side in ((0, 1, "a"), (1, 0, "b")):
+                host, port = link.add_proxy(initiator=side)
+                proxies.setdefault((i, j), []).append(f"http://{host}:{port}")
+        yield proxies
+    finally:
+        relay.close()
+
+
+@pytest.mark.timeout(120)
+def test_every_lane_begins_each_step_together_and_the_slowest_times_it() -> None:
+    """2 sites x 2 lanes, lane 0 over a link 4x faster than lane 1's. Each timed step
+    begins on every lane within a few ms (as a site's ranks begin a step together in
+    training), so the fast lane cannot run ahead into its next step and share out the
+    time; the case's time is its median step's slowest lane."""
+    case = BenchCase(
+        sites=2, rtt_ms=1, gbit=0.04, mib=2, codec="raw", chunk_bytes=256 << 10,
+        connections=2, lanes=2, links=2, warmup=1, repeats=3,
+    )  # fmt: skip
+    result = bench.run_case(case, _links_of_falling_rate)
+    assert result["identical"]
+    lanes = result["sites_detail"]
+    slow_s = min(s["wall_s"] for s in lanes[1]["steps"])  # 1 MiB at 10 Mbit/s: ~0.84 s
+    fast_s = max(s["wall_s"] for s in lanes[0]["steps"])
+    assert fast_s < 0.6 * slow_s, (fast_s, slow_s)
+    for k in range(case.repeats):
+        began = [lane["steps"][k]["began"] for lane in lanes]
+        # Without the barrier, the fast lane began step k about k x 0.6 s early.
+        assert max(began) - min(began) < 0.1 * slow_s, (k, began)
+    walls = result["step_walls_s"]
+    assert walls == [max(lane["steps"][k]["wall_s"] for lane in lanes) for k in range(3)]
+    assert result["wall_s"] == sorted(walls)[1]
+
+
+def test_a_case_is_timed_by_one_step_not_by_each_lane_median() -> None:
+    """Lanes whose own median steps are different steps: the case takes the step whose
+    slowest lane is the median, and reads its bytes and time from that one step."""
+    case = BenchCase(sites=2, rtt_ms=0, gbit=1, mib=8, codec="raw", chunk_bytes=1 << 20, repeats=3)
+
+    def step(wall: float) -> dict[str, float]:
+        return {
+            "wall_s": wall, "sync_s": wall, "cpu_s": 0.1, "compute_s": 0.0,
+            "exposed_s": wall, "bytes_sent": 2**23, "raw_bytes": 2**23,
+            "corrupt_chunks": 0, "stalled_flows": 0,
+        }  # fmt: skip
+
+    walls = ([0.2, 0.1, 0.1], [0.1, 0.2, 0.1])  # each lane's median is 0.1 s
+    reports = [{"digest": "d", "steps": [step(w) for w in ws]} for ws in walls]
+    result = bench._summarize(case, reports)
+    assert result["step_walls_s"] == [0.2, 0.2, 0.1]
+    assert result["wall_s"] == 0.2  # the median step; each lane's own median said 0.1
+    assert result["link_utilization"] == pytest.approx(2**23 * 8 / 1e9 / 0.2)
 
 
 @pytest.mark.timeout(180)
