@@ -54,12 +54,16 @@ def annotate(case_path: str, cpu_path: str, start: float, end: float) -> str:
     # rounds ran (inter/data/bench.py), so this is the rate a site sent at.
     sent_gbit = case["link_utilization"] * case["gbit"] * case["links"]
     host = case["host_busy_cores_rounds"]
+    # Every lane's CPU time in the timed step over its wall time: how much of the host
+    # the lanes of all sites took, apart from the emulator's pumps.
+    lanes = case["cpu_s_per_gb"] * case["tensor_bytes"] / 1e9 * case["sites"] / case["wall_s"]
     return (
         f"   {case['lanes']} lanes, {case['links']} links, {case['connections']} connections: "
         f"a site sends {sent_gbit:.1f} Gbit/s "
         f"({case['link_utilization']:.0%} of its links), "
         f"{case['goodput_mb_s'] / 1e3:.2f} GB/s of tensor, {case['cpu_s_per_gb']:.2f} CPU-s/GB, "
-        f"host busy {'?' if host is None else f'{host:.1f}'} cores, identical {case['identical']}"
+        f"host busy {'?' if host is None else f'{host:.1f}'} cores (lanes {lanes:.1f}), "
+        f"identical {case['identical']}"
     )
 
 

@@ -257,6 +257,7 @@ def test_host_cpu_counts_a_busy_core_over_a_case_rounds(tmp_path: Path) -> None:
                 "warmup": 2, "repeats": 3, "wall_s": 0.3, "lanes": 1, "links": 1,
                 "sites": 2, "connections": 2, "gbit": 10.66, "link_utilization": 0.5,
                 "goodput_mb_s": 1000.0, "cpu_s_per_gb": 1.0, "identical": True,
+                "tensor_bytes": 3 * 10**8,
                 "sites_detail": [detail, detail],
             }
         ]
@@ -267,3 +268,5 @@ def test_host_cpu_counts_a_busy_core_over_a_case_rounds(tmp_path: Path) -> None:
     busy = json.loads(path.read_text())["cases"][0]["host_busy_cores_rounds"]
     assert busy is not None and busy >= 0.8, (busy, samples.read_text())
     assert "a site sends 5.3 Gbit/s" in line and f"host busy {busy:.1f} cores" in line
+    # 1 CPU-s per GB x 0.3 GB x 2 sites in a step of 0.3 s: the lanes took 2 cores.
+    assert "(lanes 2.0)" in line
