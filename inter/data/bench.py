@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import multiprocessing
 import os
@@ -117,6 +118,12 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
     torch.set_num_threads(1)
     from isthmus.inter.data.gradient_sync import LaneGradientSync
 
+    # As the rank program does once its imports are in (deploy/rank/program.py): their
+    # objects leave the cyclic collector's sight. Otherwise a full collection here walks
+    # torch's ~180k objects, 0.1-0.3 s on the 2-core VM with the GIL held, in whichever
+    # step it falls.
+    gc.freeze()
+    collector = _CollectorClock()
     c = BenchCase(**case)
     server, peers, ar = _open_lane(index, c, conn)
     sync = None
@@ -134,7 +141,7 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
 
         # As training does: one sync object for every step (closing it closes ``ar``).
         sync = LaneGradientSync(ar, rounds_in_flight=c.in_flight)
-        conn.send(_median_report(ar, sync, c, tensor, load, barrier))
+        conn.send(_median_report(ar, sync, c, tensor, load, barrier, collector))
         conn.recv()  # "done": nobody stops its server while a peer may still pull
     except BaseException as exc:  # noqa: BLE001 (reported to the parent as one line)
         with contextlib.suppress(Exception):
@@ -216,6 +223,7 @@ def _median_report(
     tensor: torch.Tensor,
     load: _Load | None,
     barrier: Callable[[], None],
+    collector: _CollectorClock,
 ) -> dict[str, Any]:
     """Run ``c.warmup`` untimed steps, then ``c.repeats`` timed ones, each begun when
     every lane is ready (``barrier``), as a site's ranks begin a step's sync together
@@ -228,6 +236,7 @@ def _median_report(
     for step in range(c.warmup + 1, c.warmup + c.repeats + 1):
         barrier()
         began, cpu0, t0 = time.monotonic(), time.process_time(), time.perf_counter()
+        gc0 = collector.total_s
         stats, compute_s, sync_s = _timed_step(ar, sync, c, tensor, load, step)
         wall = time.perf_counter() - t0
         runs.append(
@@ -235,6 +244,7 @@ def _median_report(
                 "began": began,  # CLOCK_MONOTONIC: one clock for every process of the host
                 "wall_s": wall,
                 "cpu_s": time.process_time() - cpu0,
+                "gc_s": collector.total_s - gc0,  # of the wall time, in the collector
                 "compute_s": compute_s,
                 "exposed_s": max(0.0, wall - compute_s),
                 "sync_s": sync_s,
@@ -249,7 +259,24 @@ def _median_report(
     median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
     host = tensor.cpu().numpy()
     digest = hashlib.sha256(host.tobytes()).hexdigest()[:16]
-    return {**median, "digest": digest, "steps": runs}
+    return {**median, "digest": digest, "steps": runs, "gc_frozen": gc.get_freeze_count()}
+
+
+class _CollectorClock:
+    """Seconds this process has spent in the cyclic garbage collector, which holds the
+    GIL throughout (``gc.callbacks``): a step's share tells a slow step that was a
+    collection from one that was the wire."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._began = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._began
 
 
 class _Load:

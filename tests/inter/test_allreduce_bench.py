@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import subprocess
 import sys
@@ -168,9 +169,25 @@ def test_every_lane_begins_each_step_together_and_the_slowest_times_it() -> None
         began = [lane["steps"][k]["began"] for lane in lanes]
         # Without the barrier, the fast lane began step k about k x 0.6 s early.
         assert max(began) - min(began) < 0.1 * slow_s, (k, began)
+    # Each lane's process froze its imports' objects out of the collector, as a rank
+    # does, and says how long each step spent in it.
+    assert all(lane["gc_frozen"] > 10_000 for lane in lanes)
+    assert all(0 <= s["gc_s"] < s["wall_s"] for lane in lanes for s in lane["steps"])
     walls = result["step_walls_s"]
     assert walls == [max(lane["steps"][k]["wall_s"] for lane in lanes) for k in range(3)]
     assert result["wall_s"] == sorted(walls)[1]
+
+
+def test_the_collector_clock_counts_a_collection() -> None:
+    clock = bench._CollectorClock()
+    try:
+        for _ in range(20_000):
+            a: list = []
+            a.append(a)  # a cycle: only the collector frees it
+        gc.collect()
+        assert clock.total_s > 0
+    finally:
+        gc.callbacks.remove(clock._note)
 
 
 def test_a_case_is_timed_by_one_step_not_by_each_lane_median() -> None:

@@ -10,7 +10,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from measured import assert_rate
+from measured import assert_delay, assert_rate
 from sockets import Server, Sink, connect, echo_noting_the_end, send_timed, serve_echo
 
 from isthmus.sim import DirectionSpec, LinkSpec, RelayServer, proxy_channel_options
@@ -26,16 +26,23 @@ def test_ping_pong_rtt(either_relay) -> None:
     try:
         address = relay.add_link("ab", spec).add_forward(*echo.address)
         with connect(address) as s:
-            rtts = []
-            for i in range(25):
-                t0 = time.monotonic()
-                s.sendall(b"ping")
-                assert s.recv(16) == b"ping"
-                if i >= 5:  # warm-up: connection to the target, first scheduling
-                    rtts.append(time.monotonic() - t0)
-        # 10%, a loose bound here: tests/sim/test_wan_fidelity.py holds the tighter one.
-        assert statistics.median(rtts) == pytest.approx(spec.rtt_s, rel=0.10)
-        assert min(rtts) >= spec.rtt_s * 0.99  # never faster than light
+
+            def median_rtt() -> float:
+                rtts = []
+                for i in range(25):
+                    t0 = time.monotonic()
+                    s.sendall(b"ping")
+                    assert s.recv(16) == b"ping"
+                    if i >= 5:  # warm-up: connection to the target, first scheduling
+                        rtts.append(time.monotonic() - t0)
+                assert min(rtts) >= spec.rtt_s * 0.99  # never faster than light, any attempt
+                return statistics.median(rtts)
+
+            # 10%, a loose bound here (tests/sim/test_wan_fidelity.py holds the issue's
+            # tighter one), on the best of a few attempts: the fresh-clone suite once read
+            # a median of 24.3 ms for 20 ms on the 2-core machine while other work held
+            # its cores, and load only ever lengthens a round trip (tests/sim/measured.py).
+            assert_delay(median_rtt, spec.rtt_s, 0.10 * spec.rtt_s, what="median RTT")
     finally:
         echo.close()
 
