@@ -133,8 +133,7 @@ def forge(
             # Made as they are sent, the digest claims first: the lane calls import the
             # data plane (torch) in the first volley. Built before any call, they held the
             # first claims back to step 9-17 of a 30-step job on a loaded 2-core machine
-            # (from step 4); sent first, they land at step 3-4. The fresh-clone suite once
-            # failed with no claim checked with site1 before the job ended.
+            # (from step 4); sent first, they land at step 3-4.
             calls = itertools.chain(
                 _calls(stub, fingerprint, step, generation, victim, ranks),
                 _lane_calls(lane_channel, fingerprint, step, generation, victim)

@@ -37,6 +37,9 @@ class ReplicaDigests:
         self._by_site: dict[str, dict[int, str]] = {}
         self._confirmed: set[tuple[str, int]] = set()
         self._doubted: dict[str, set[int]] = {}
+        self._belied: dict[str, dict[int, set[str]]] = {}
+        """Claims a later claim for the same (site, step) replaced before the site was
+        asked: a site computes one digest a step, so all but one of them are forged."""
         self.divergence: str | None = None
         self.forged = 0
         """Claims a peer belied when asked (each one logged)."""
@@ -79,7 +82,14 @@ class ReplicaDigests:
         with self._lock:
             if (site, step) in self._confirmed:
                 return None  # the peer itself said what it has
+            before = self._by_site.get(site, {}).get(step)
             self._store_locked(site, step, digest, live)
+            if before is not None and before != digest and step in self._by_site[site]:
+                # Two claims for one step: one is forged, even where the real one came
+                # second and matches this site's (it once hid every forged claim of a
+                # chaos run). The site settles which when asked.
+                self._belied.setdefault(site, {}).setdefault(step, set()).add(before)
+                self._doubted.setdefault(site, set()).add(step)
             mine = self._by_site.get(self.site, {}).get(step)
             if mine is not None and mine != digest:
                 self._doubted.setdefault(site, set()).add(step)
@@ -98,17 +108,19 @@ class ReplicaDigests:
         with self._lock:
             self._doubted.get(site, set()).discard(step)
             claimed = self._by_site.get(site, {}).get(step)
+            replaced = self._belied.get(site, {}).pop(step, set())
             if not digest:  # it no longer has that step: nothing to settle it with
                 self._by_site.get(site, {}).pop(step, None)
                 log.warning("%s could not confirm its digest after step %d", site, step)
                 return self.divergence
-            if claimed is not None and claimed != digest:
-                self.forged += 1
+            belied = sorted(d for d in replaced | {claimed} if d is not None and d != digest)
+            if belied:
+                self.forged += len(belied)
                 log.warning(
                     "a heartbeat claiming to be %s said %s after step %d; %s itself says "
                     "%s: the claim is dropped",
                     site,
-                    claimed[:16],
+                    ", ".join(d[:16] for d in belied),
                     step,
                     site,
                     digest[:16],
@@ -131,6 +143,7 @@ class ReplicaDigests:
             del digests[old]
             self._confirmed.discard((site, old))
             self._doubted.get(site, set()).discard(old)
+            self._belied.get(site, {}).pop(old, None)
 
     def _diverge_locked(self, step: int, site: str, digest: str, other: str, theirs: str) -> None:
         if self.divergence:

@@ -246,7 +246,8 @@ class Sites:
 
 def coordinator_state(c: Coordinator):
     """Everything a coordinator handler may change (not last_seen/peer_steps: the
-    peers' heartbeats keep writing those)."""
+    peers' heartbeats keep writing those; nor the peers' claimed digests: the peer loop
+    settles a doubted claim with its site at its own heartbeat, whenever that comes)."""
     f = c.failover
     with c.state.cond:
         return {
@@ -261,7 +262,7 @@ def coordinator_state(c: Coordinator):
             "decisions": {k: d.SerializeToString() for k, d in f.ballots.decisions.items()},
             "joiners": {n: i.SerializeToString() for n, i in f.ballots.joiners.items()},
             "failover": (sorted(f.restarted), f.committed_steps, f.ballots.rejoin),
-            "replicas": (c.replicas.latest(), c.replicas.divergence),
+            "replicas": (c.replicas.latest().get(c.site), c.replicas.divergence),
             "metrics": [
                 c.metrics.registry.get_sample_value(name, {"site": c.site})
                 for name in (

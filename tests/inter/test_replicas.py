@@ -26,6 +26,24 @@ def test_a_claim_the_peer_belies_is_dropped_and_a_confirmed_one_diverges():
     assert replicas.agree_at(6, ["site0", "site1"]) is False
 
 
+def test_a_forged_claim_replaced_by_the_real_one_is_still_found_out():
+    """A forged claim for a step ahead, then the peer's real heartbeat for it before this
+    site gets there: the real one matches this site's own digest, but two claims for one
+    step mean one was forged. The peer, asked, says which; nothing diverges."""
+    replicas = ReplicaDigests("site0")
+    replicas.claim("site1", 5, B, live=3)  # forged, ahead
+    replicas.claim("site1", 5, A, live=4)  # site1's own heartbeat
+    assert replicas.doubted("site1") == 5
+    assert replicas.record("site0", 5, A) is None
+    assert replicas.agree_at(5, ["site0", "site1"]) is None  # settled first
+    assert replicas.confirm("site1", 5, A) is None
+    assert replicas.forged == 1 and replicas.divergence is None
+    assert replicas.agree_at(5, ["site0", "site1"]) is True
+    replicas.claim("site1", 7, A, live=6)  # the same claim twice is not two claims
+    replicas.claim("site1", 7, A, live=6)
+    assert replicas.doubted("site1") is None
+
+
 def test_a_claim_the_peer_cannot_confirm_is_dropped_without_a_divergence():
     replicas = ReplicaDigests("site0")
     replicas.record("site0", 4, A)
