@@ -19,6 +19,9 @@ so an honest one far ahead is taken once this site comes within reach."""
 AHEAD_KEEP = 4
 """Digests kept per site for steps past this site's own: claims ahead never evict
 the ones this site can compare now."""
+BELIED_KEEP = 4
+"""Replaced claims kept per (site, step) until the site is asked: enough to name the
+forgery, and a flood of claims for one step holds no more."""
 
 
 class ReplicaDigests:
@@ -88,7 +91,9 @@ class ReplicaDigests:
                 # Two claims for one step: one is forged, even where the real one came
                 # second and matches this site's (it once hid every forged claim of a
                 # chaos run). The site settles which when asked.
-                self._belied.setdefault(site, {}).setdefault(step, set()).add(before)
+                replaced = self._belied.setdefault(site, {}).setdefault(step, set())
+                if len(replaced) < BELIED_KEEP:
+                    replaced.add(before)
                 self._doubted.setdefault(site, set()).add(step)
             mine = self._by_site.get(self.site, {}).get(step)
             if mine is not None and mine != digest:

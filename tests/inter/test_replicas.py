@@ -42,6 +42,12 @@ def test_a_forged_claim_replaced_by_the_real_one_is_still_found_out():
     replicas.claim("site1", 7, A, live=6)  # the same claim twice is not two claims
     replicas.claim("site1", 7, A, live=6)
     assert replicas.doubted("site1") is None
+    for k in range(100):  # a flood of claims for one step keeps only a few of them
+        replicas.claim("site1", 9, f"{k:064x}", live=8)
+    replicas.claim("site1", 9, A, live=8)
+    assert replicas.doubted("site1") == 9
+    replicas.confirm("site1", 9, A)
+    assert replicas.forged == 1 + 4 and replicas.doubted("site1") is None
 
 
 def test_a_claim_the_peer_cannot_confirm_is_dropped_without_a_divergence():
