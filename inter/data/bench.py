@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from isthmus.inter.data.codec_speed import codec_throughput, format_throughput
+from isthmus.inter.data.codec_speed import MIB, codec_throughput, format_throughput
 
 if TYPE_CHECKING:  # imported at run time in the lane's process, after its environment
     from isthmus.inter.data.allreduce import CrossSiteAllReduce
@@ -48,7 +48,6 @@ __all__ = [
 LinkFactory = Callable[
     [int, float, float, int], AbstractContextManager[dict[tuple[int, int], list[str]]]
 ]
-MIB = 1 << 20
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -438,8 +437,9 @@ def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]
         "identical": all(
             len({r["digest"] for r in reports[k :: case.lanes]}) == 1 for k in range(case.lanes)
         ),
-        "corrupt_chunks": sum(s["corrupt_chunks"] for s in lanes),
-        "stalled_flows": sum(s["stalled_flows"] for s in lanes),
+        # Faults count over every timed step, not the median one only.
+        "corrupt_chunks": sum(s["corrupt_chunks"] for r in reports for s in r["steps"]),
+        "stalled_flows": sum(s["stalled_flows"] for r in reports for s in r["steps"]),
         # With groups and load: the slowest lane's compute, and how long its step
         # waited for the sync after the compute was done.
         "compute_s": max(s["compute_s"] for s in lanes),

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["codec_throughput", "format_throughput"]
+__all__ = ["MIB", "codec_throughput", "format_throughput"]
 
 MIB = 1 << 20
 
