@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from isthmus.deploy.config.job import JobConfig
@@ -82,19 +82,26 @@ def dump_toml(config: JobConfig) -> str:
     return "\n".join(lines)
 
 
-def config_path(run_dir: Path, site: str | None) -> Path:
+def config_path(run_dir: Path, site: str | None, node: int | None = None) -> Path:
     """Where the ranks read the resolved config: one file per site for `isthmus site`
-    (sites may differ in how they reach each other), one for the whole local job."""
-    return run_dir / (f"config-{site}.toml" if site else "config.toml")
+    (sites may differ in how they reach each other), one per node of a site on several
+    (each node advertises its own address), one for the whole local job."""
+    if site is None:
+        return run_dir / "config.toml"
+    return run_dir / (f"config-{site}.toml" if node is None else f"config-{site}-node{node}.toml")
 
 
-def prepare_run_dir(config: JobConfig, site: str | None = None) -> tuple[Path, bool]:
+def prepare_run_dir(
+    config: JobConfig, site: str | None = None, node: int | None = None
+) -> tuple[Path, bool]:
     """Create (or clean) the run directory and write the resolved config into it.
 
     Args:
         config: the job config.
         site: for one site of a job (`isthmus site`): clean only that site's files,
             so sites started from different shells may share a run directory.
+        node: for one node of a site on several: write that node's config, and clean
+            nothing unless it is node 0 (the others' ranks may share the folder).
     Returns:
         The directory and whether it is a temporary one the caller should remove.
     """
@@ -104,19 +111,37 @@ def prepare_run_dir(config: JobConfig, site: str | None = None) -> tuple[Path, b
     else:
         run_dir, temporary = Path(tempfile.mkdtemp(prefix="isthmus-run-")), True
     stale = (f"sites/{site}",) if site else ("metrics.jsonl", "summary.json", "sites")
-    for name in stale:
+    for name in stale if not node else ():
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
     (run_dir / "logs").mkdir(exist_ok=True)
-    config_path(run_dir, site).write_text(dump_toml(config))
+    config_path(run_dir, site, node).write_text(dump_toml(config))
     return run_dir, temporary
 
 
 FULL_BELOW = 1 << 20
 """A disk with less free space than this could not take a rank's last line."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeSlice:
+    """The ranks of a site that one node starts when the site spans several nodes
+    (``isthmus site --nodes N --node-rank K``): they meet the other nodes' ranks in
+    torch's env:// rendezvous at ``master``, not in a FileStore of this host."""
+
+    first: int
+    """The site rank of this node's first rank."""
+    count: int
+    """How many ranks this node starts."""
+    master: str
+    """host:port of the site's rendezvous (its first node)."""
+    keys: tuple[str, ...]
+    """Every rank's registration key, derived from the site secret (rank_keys.py)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """More environment for this node's ranks (GLOO_SOCKET_IFNAME)."""
 
 
 @dataclass
@@ -148,6 +173,7 @@ class SiteRanks:
         config_file: the resolved config the ranks read (see `config_path`).
         extra_env: more environment for every rank (fault injection: ``isthmus local
             --slow``).
+        node: this node's share of a site on several nodes (None: every rank here).
     """
 
     def __init__(
@@ -163,8 +189,10 @@ class SiteRanks:
         config_file: Path | None = None,
         run_token: str | None = None,
         extra_env: dict[str, str] | None = None,
+        node: NodeSlice | None = None,
     ) -> None:
         self.config, self.site, self.run_dir = config, site, run_dir
+        self.node = node
         self.extra_env = dict(extra_env or {})
         self.coordinator, self.proxies = coordinator, proxies
         self.first_device, self.threads = first_device, threads
@@ -188,9 +216,13 @@ class SiteRanks:
         zygote's imports, seconds): the launcher's progress line and its countdown to
         the join timeout go on meanwhile. :attr:`started` says when all are."""
         world = self.config.ranks_of(self.site)
+        # The folder is this launcher's own (mkdtemp: 0700, a name nobody predicted):
+        # the agent's socket in it is out of other users' reach (issue 59).
         self.store_dir = Path(tempfile.mkdtemp(prefix=f"isthmus-store-{self.site}-"))
-        if self.config.run.host_agent and world > 1 and len(self.config.site_names) > 1:
-            self.agent = self._start_agent(world, self.store_dir)
+        here = self.local_ranks
+        several = here > 1 or self.node is not None
+        if self.config.run.host_agent and several and len(self.config.site_names) > 1:
+            self.agent = self._start_agent(here, self.store_dir)
         envs = self._rank_envs(world)
         if not fork_ranks():
             self._spawn(envs)
@@ -201,36 +233,49 @@ class SiteRanks:
         self._spawner.start()
 
     @property
+    def local_ranks(self) -> int:
+        """How many ranks this launcher starts: the site's, or its node's share."""
+        return self.node.count if self.node is not None else self.config.ranks_of(self.site)
+
+    @property
     def started(self) -> bool:
         """Every rank is started (or could not be: :meth:`failed` raises then)."""
         return self._spawner is None or not self._spawner.is_alive()
 
-    def _start_agent(self, world: int, store_dir: Path) -> HostAgent:
+    def _start_agent(self, ranks: int, store_dir: Path) -> HostAgent:
         """The ranks' agent at their coordinator, with their credentials, on a socket in
         the 0700 store folder: no other user of this machine can reach it."""
         security = site_security(self.config, self.site, self.run_token)
         self._agent_channel = peer_channel(self.coordinator, security=security)
         agent = HostAgent(
-            self._agent_channel, site=self.site, ranks=world, listen=f"unix:{store_dir}/agent"
+            self._agent_channel, site=self.site, ranks=ranks, listen=f"unix:{store_dir}/agent"
         )
         return agent.start()
 
     def _rank_envs(self, world: int) -> list[dict[str, str]]:
         # The coordinator in this process drew one key per rank: only the process
         # started here as rank r may register as it (inter/control/rank_keys.py).
-        keys = handout(self.coordinator)
+        node = self.node
+        keys = node.keys if node is not None else handout(self.coordinator)
         store_dir = self.store_dir
         assert store_dir is not None  # start() made it
+        first = node.first if node is not None else 0
+        if node is None:  # every rank on this host: a FileStore in the 0700 folder
+            meet = {STORE_ENV: str(store_dir / "store")}
+        else:
+            host, _, port = node.master.rpartition(":")
+            meet = {"MASTER_ADDR": host, "MASTER_PORT": port, **node.env}
         envs = []
-        for rank in range(world):
+        for local in range(self.local_ranks):
+            rank = first + local
             env = {
-                **{k: v for k, v in os.environ.items() if k != KEY_ENV},
+                **{k: v for k, v in os.environ.items() if k not in (KEY_ENV, STORE_ENV)},
                 **({KEY_ENV: keys[rank]} if keys is not None and rank < len(keys) else {}),
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(self.first_device + rank),
-                "LOCAL_WORLD_SIZE": str(world),
-                STORE_ENV: str(store_dir / "store"),
+                "LOCAL_RANK": str(self.first_device + local),
+                "LOCAL_WORLD_SIZE": str(self.local_ranks),
+                **meet,
                 "OMP_NUM_THREADS": str(self.threads),
                 "ISTHMUS_CONFIG": str(self.config_file),
                 "ISTHMUS_SITE": self.site,
@@ -251,9 +296,10 @@ class SiteRanks:
 
     def _spawn(self, envs: list[dict[str, str]]) -> None:
         try:
-            for rank, env in enumerate(envs):
+            for env in envs:
                 if self._closing.is_set():
                     return
+                rank = int(env["RANK"])
                 log_path = self.run_dir / "logs" / f"{self.site}-rank{rank}.log"
                 process = _start_rank(env, log_path)
                 self.ranks.append(RankProcess(self.site, rank, process, log_path))
@@ -279,7 +325,7 @@ class SiteRanks:
     def done(self) -> bool:
         return (
             self.started
-            and len(self.ranks) == self.config.ranks_of(self.site)
+            and len(self.ranks) == self.local_ranks
             and all(r.process.poll() == 0 for r in self.ranks)
         )
 

@@ -5,6 +5,11 @@ It serves the site's coordinator at the address the job config gives it
 with a visible countdown, trains, then waits for every peer's final parameter
 digest so it can say whether the replicas ended identical, and exits. A script that
 raises in a rank of any site stops every site (inter/control/abort.py).
+
+A site on several nodes runs one launcher a node (``--nodes N --node-rank K``), as
+torchrun runs one a node: node 0 serves the coordinator, and every node starts its
+share of the ranks and its own host agent; the ranks meet in torch's env://
+rendezvous at the first node (:class:`NodePlace`).
 """
 
 from __future__ import annotations
@@ -20,17 +25,91 @@ from typing import TextIO
 from isthmus.deploy.config.job import ConfigError, JobConfig
 from isthmus.deploy.launch.local import check_supported
 from isthmus.deploy.launch.progress import Progress
-from isthmus.deploy.launch.ranks import LaunchError, SiteRanks, config_path, prepare_run_dir
+from isthmus.deploy.launch.ranks import (
+    LaunchError,
+    NodeSlice,
+    SiteRanks,
+    config_path,
+    prepare_run_dir,
+)
 from isthmus.deploy.launch.zygote import prestart
 from isthmus.deploy.reports.summary import summarize
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
+from isthmus.inter.control.rank_keys import RankKeys, derived_key
 
 PEER_DIGEST_WAIT_S = 30.0
+MASTER_PORT = 29500
+"""torchrun's default port for the env:// rendezvous of a site on several nodes."""
 
 
-def coordinator_for(config: JobConfig, site: str) -> Coordinator:
-    """The site's coordinator, bound where `cluster.coordinators` says peers find it."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodePlace:
+    """Where this launcher sits in its site: one node of ``nodes``.
+
+    Node 0 serves the site's coordinator (at ``listen``, else where
+    ``cluster.coordinators`` says); the other nodes' ranks and agents reach it at
+    ``master_addr`` on the coordinator's port.
+    """
+
+    nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    """The first node's address as the site's other nodes reach it."""
+    master_port: int = MASTER_PORT
+    """The port of the ranks' env:// rendezvous on the first node."""
+    listen: str = ""
+    """HOST:PORT the coordinator binds (node 0); "" for cluster.coordinators.SITE."""
+    rank_secret: bytes | None = None
+    """The site secret every node derives its ranks' keys from (rank_keys.py)."""
+    gloo_ifname: str = ""
+    """The interface the ranks' gloo traffic takes ("" : gloo's own choice)."""
+
+    def check(self, config: JobConfig, site: str) -> None:
+        """Raises ConfigError naming the flag when the place cannot hold the site."""
+        ranks = config.ranks_of(site) if site in config.site_names else 0
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
+        if not 0 <= self.node_rank < self.nodes:
+            raise ConfigError(f"--node-rank must be in [0, {self.nodes}), got {self.node_rank}")
+        if self.nodes == 1:
+            return
+        if ranks % self.nodes:
+            raise ConfigError(
+                f"{site} has {ranks} ranks, which {self.nodes} nodes cannot share evenly: "
+                "set topology.ranks_per_site to a multiple of --nodes"
+            )
+        if not self.master_addr:
+            raise ConfigError("--nodes > 1 needs --master-addr, the first node's address")
+        if self.rank_secret is None:
+            raise ConfigError(
+                "--nodes > 1 needs --rank-secret-file: each node derives its ranks' keys "
+                "from the site secret, so only the job's ranks can register"
+            )
+
+    def coordinator_port(self, config: JobConfig, site: str) -> str:
+        address = self.listen or config.cluster.coordinators.get(site, "127.0.0.1:0")
+        return address.rpartition(":")[2]
+
+    def slice(self, config: JobConfig, site: str) -> NodeSlice | None:
+        """This node's ranks, or None for a site on one node."""
+        if self.nodes == 1:
+            return None
+        assert self.rank_secret is not None  # check() said so
+        ranks = config.ranks_of(site)
+        count = ranks // self.nodes
+        return NodeSlice(
+            first=self.node_rank * count,
+            count=count,
+            master=f"{self.master_addr}:{self.master_port}",
+            keys=tuple(derived_key(self.rank_secret, site, r) for r in range(ranks)),
+            env={"GLOO_SOCKET_IFNAME": self.gloo_ifname} if self.gloo_ifname else {},
+        )
+
+
+def coordinator_for(config: JobConfig, site: str, place: NodePlace | None = None) -> Coordinator:
+    """The site's coordinator, bound where `cluster.coordinators` says peers find it
+    (or where ``place.listen`` says)."""
     if site not in config.site_names:
         raise ConfigError(f"--site {site!r} is not one of {config.site_names}")
     addresses = config.cluster.coordinators
@@ -40,9 +119,15 @@ def coordinator_for(config: JobConfig, site: str) -> Coordinator:
             f"cluster.coordinators has no address for {missing}; set e.g. "
             f"--set cluster.coordinators.{missing[0]}=HOST:PORT"
         )
-    host, _, port = addresses.get(site, "127.0.0.1:0").rpartition(":")
+    place = place or NodePlace()
+    bind = place.listen or addresses.get(site, "127.0.0.1:0")
+    host, _, port = bind.rpartition(":")
     if not port.isdigit():
-        raise ConfigError(f"cluster.coordinators.{site} must be HOST:PORT, got {addresses[site]!r}")
+        what = "--listen" if place.listen else f"cluster.coordinators.{site}"
+        raise ConfigError(f"{what} must be HOST:PORT, got {bind!r}")
+    keys = None
+    if place.rank_secret is not None:
+        keys = RankKeys.derive(site, config.ranks_of(site), place.rank_secret)
     settings = CoordinatorSettings(
         site=site,
         site_names=tuple(config.site_names),
@@ -60,6 +145,7 @@ def coordinator_for(config: JobConfig, site: str) -> Coordinator:
         peers={s: a for s, a in addresses.items() if s != site},
         proxies={s: u for s, u in config.cluster.proxies.items() if s != site and u},
         security=site_security(config, site),
+        **({"rank_keys": keys} if keys is not None else {}),
     )
 
 
@@ -71,6 +157,7 @@ class SiteJob:
     site: str
     out: TextIO = sys.stderr
     progress: bool = True
+    place: NodePlace = field(default_factory=NodePlace)
     run_dir: Path = field(init=False)
     temporary_run_dir: bool = field(init=False, default=False)
     coordinator: Coordinator | None = field(init=False, default=None)
@@ -83,24 +170,44 @@ class SiteJob:
             LaunchError: a rank failed, a peer refused the job, or replicas differ.
             ConfigError: a setting this launcher cannot honour.
         """
-        threads = max(1, (os.cpu_count() or 1) // self.config.ranks_of(self.site))
+        place = self.place
+        place.check(self.config, self.site)
+        node = place.slice(self.config, self.site)
+        here = node.count if node is not None else self.config.ranks_of(self.site)
+        threads = max(1, (os.cpu_count() or 1) // here)
         prestart(threads)  # the ranks' imports, beside this launcher's own work below
-        check_supported(self.config, self.config.ranks_of(self.site))
-        self.coordinator = coordinator_for(self.config, self.site)
+        check_supported(self.config, here)
+        head = place.node_rank == 0
+        if head:
+            self.coordinator = coordinator_for(self.config, self.site, place)
         os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (see deploy/launch/ranks.py)
-        self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config, self.site)
+        node_index = place.node_rank if node is not None else None
+        self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config, self.site, node_index)
         try:
-            self.coordinator.start()
+            if self.coordinator is not None:
+                self.coordinator.start()
+            # Ranks of a site on several nodes all dial the first node, the head's
+            # own included: one address that every node's TLS and routes agree on.
+            if node is not None:
+                coordinator = (
+                    f"{place.master_addr}:{place.coordinator_port(self.config, self.site)}"
+                )
+            else:
+                assert self.coordinator is not None
+                coordinator = self.coordinator.address
             self._ranks = SiteRanks(
                 self.config,
                 self.site,
                 self.run_dir,
-                self.coordinator.address,
+                coordinator,
                 {s: u for s, u in self.config.cluster.proxies.items() if s != self.site and u},
                 threads=threads,
-                config_file=config_path(self.run_dir, self.site),
+                config_file=config_path(self.run_dir, self.site, node_index),
+                node=node,
             )
             self._ranks.start()
+            if not head:
+                return self._follow()
             self._train()
             agent = self._ranks.agent
             summary = summarize(
@@ -108,6 +215,8 @@ class SiteJob:
                 self.run_dir,
                 sites=[self.site],
                 host_agents={self.site: agent.stats()} if agent is not None else None,
+                # Without a run folder the nodes share, the head reads its own ranks'.
+                missing_ok=node is not None,
             )
             summary["digests"] = self._final_digests(summary["digests"][self.site])
             path = self.run_dir / "sites" / self.site / "summary.json"
@@ -115,6 +224,18 @@ class SiteJob:
             return summary
         finally:
             self.close()
+
+    def _follow(self) -> dict:
+        """A node other than the first: its ranks to their end, or the first to fail.
+        Returns what this node ran (the site's summary is the first node's)."""
+        assert self._ranks is not None
+        while not self._ranks.done():
+            failed = self._ranks.failed()
+            if failed is not None:
+                raise LaunchError(SiteRanks.describe_failure(failed))
+            time.sleep(0.2)
+        ranks = [r.rank for r in self._ranks.ranks]
+        return {"site": self.site, "node": self.place.node_rank, "ranks": ranks}
 
     def _train(self) -> None:
         assert self.coordinator is not None and self._ranks is not None

@@ -159,6 +159,7 @@ def summarize(
     run_dir: Path,
     sites: list[str] | None = None,
     host_agents: dict[str, dict[str, int]] | None = None,
+    missing_ok: bool = False,
 ) -> dict:
     """Write the run's metrics.jsonl and summary.json; returns the summary.
 
@@ -169,6 +170,8 @@ def summarize(
             run_dir/sites/SITE/ instead of run_dir/.
         host_agents: per site with one, what its ranks' host agent carried
             (``HostAgent.stats``), kept in the summary as ``host_agents``.
+        missing_ok: summarise the ranks whose results are there (a site on several
+            nodes without a shared run folder); rank 0's must be.
     Raises:
         RuntimeError: when a rank's result is missing, ranks of a site disagree, or a
             file cannot be written (naming the errno and the file).
@@ -179,19 +182,24 @@ def summarize(
     steps = merge_steps(per_site)
     if not sites:  # one site's own metrics.jsonl already is its record
         _write(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in steps))
-    summary = _summary(config, steps, _rank_results(config, run_dir, names))
+    summary = _summary(config, steps, _rank_results(config, run_dir, names, missing_ok))
     if host_agents:
         summary["host_agents"] = host_agents
     _write(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _rank_results(config: JobConfig, run_dir: Path, names: list[str]) -> dict[str, list[dict]]:
-    """Each site's ranks' results (rank{N}.json), in rank order; a missing one raises."""
+def _rank_results(
+    config: JobConfig, run_dir: Path, names: list[str], missing_ok: bool = False
+) -> dict[str, list[dict]]:
+    """Each site's ranks' results (rank{N}.json), in rank order; a missing one raises
+    (but for rank 0's, only without ``missing_ok``)."""
     results: dict[str, list[dict]] = {}
     for site in names:
         for rank in range(config.ranks_of(site)):
             path = run_dir / "sites" / site / f"rank{rank}.json"
+            if rank and missing_ok and not path.exists():
+                continue
             if not path.exists():
                 raise RuntimeError(f"{site} rank {rank} wrote no result ({path})")
             results.setdefault(site, []).append(json.loads(path.read_text()))
