@@ -1,19 +1,20 @@
 """Cluster templates: Slurm scripts pass shellcheck, Kubernetes manifests pass a
-schema check, the Dockerfile passes hadolint, and the job config they carry loads."""
+schema check and their StatefulSet's arguments name what its volumes hold, the Dockerfile
+passes hadolint. Their pods run in tests/deploy/test_k8s_pods.py."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import tomllib
 import yaml
 from helpers import ROOT
+from kubelet import expand, only
 
-from isthmus.deploy.commands.certs import write_certs
-from isthmus.deploy.config.job import load_config
-from isthmus.deploy.security.exposure import check_exposure
+from isthmus.deploy.cli import build_parser
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,31 +51,34 @@ def test_kubernetes_manifests_pass_the_schema_check(site, tmp_path):
     assert kinds == {"ConfigMap", "Secret", "Service", "StatefulSet"}
 
 
-def test_the_configmap_job_loads_and_the_statefulset_runs_it(tmp_path):
-    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "site.yaml").read_text()))
-    job = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["job.toml"]
-    path = tmp_path / "job.toml"
-    path.write_text(job)
-    assert tomllib.loads(job)["cluster"]["lane_port_base"] == 7100
-    certs = tmp_path / "tls"  # what the Secret mounts at /etc/isthmus/tls
-    write_certs(certs, ["site0", "site1"])
-    overrides = ["cluster.advertise_host=isthmus-site0.example.net"]
-    assert tomllib.loads(job)["security"]["certs_dir"] == "/etc/isthmus/tls"
-    config = load_config(path, [*overrides, f"security.certs_dir={certs}"])
-    assert config.topology.ranks_per_site == 8
-    # Lanes on every interface: the template turns on mutual TLS and the token, so the
-    # site starts (docs/security.md), from the files the Secret holds.
-    check_exposure(config, "site0", "0.0.0.0")
-    secret = next(d for d in docs if d["kind"] == "Secret")["stringData"]
-    assert set(secret) == {"ca.crt", "SITE_NAME.crt", "SITE_NAME.key", "token"}
-    assert {"ca.crt", "site0.crt", "site0.key", "token"} <= {p.name for p in certs.iterdir()}
-    stateful = next(d for d in docs if d["kind"] == "StatefulSet")
-    command = stateful["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:2] == ["isthmus", "site"]
-    service_ports = {
-        p["port"] for p in next(d for d in docs if d["kind"] == "Service")["spec"]["ports"]
-    }
-    assert set(range(7100, 7108)) <= service_ports  # one lane port per rank
+def test_the_statefulsets_arguments_name_what_its_volumes_hold():
+    """The job in the ConfigMap, the rank secret and the certificates in the Secret, the
+    node count and the first pod's name as the StatefulSet makes them. That the shipped
+    job loads with exactly these arguments, and that the pods train, is run on the pods
+    themselves by tests/deploy/test_k8s_pods.py (as root)."""
+    rendered = (ROOT / "deploy" / "k8s" / "site.yaml").read_text().replace("SITE_NAME", "site0")
+    docs = list(yaml.safe_load_all(rendered))
+    statefulset = only(docs, "StatefulSet")
+    container = statefulset["spec"]["template"]["spec"]["containers"][0]
+    env = {"NODE_RANK": "1", "POD_IP": "10.0.0.7"}  # what the downward API gives pod 1
+    argv = [expand(a, env) for a in (*container["command"], *container["args"])]
+    assert argv[0] == "isthmus"
+    args = build_parser().parse_args(argv[1:])
+    assert (args.node_rank, args.advertise_host) == (1, "10.0.0.7")
+    mounts = {m["name"]: Path(m["mountPath"]) for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in statefulset["spec"]["template"]["spec"]["volumes"]}
+    config = only(docs, "ConfigMap", volumes["job"]["configMap"]["name"])["data"]
+    assert Path(args.config).parent == mounts["job"] and Path(args.config).name in config
+    secret = only(docs, "Secret", volumes["tls"]["secret"]["secretName"])["stringData"]
+    assert Path(args.rank_secret_file).parent == mounts["tls"]
+    assert Path(args.rank_secret_file).name in secret
+    job = tomllib.loads(config[Path(args.config).name])
+    assert Path(job["security"]["certs_dir"]) == mounts["tls"]
+    assert {"ca.crt", "site0.crt", "site0.key", "token"} <= set(secret)
+    spec = statefulset["spec"]
+    assert args.nodes == spec["replicas"]
+    assert args.master_addr == f"{statefulset['metadata']['name']}-0.{spec['serviceName']}"
+    assert job["topology"]["ranks_per_site"] % args.nodes == 0
 
 
 def test_dockerfile_passes_hadolint():
