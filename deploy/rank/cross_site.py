@@ -20,6 +20,7 @@ import torch
 
 from isthmus.deploy.batch.plan import BatchPlan
 from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.rank.contract import AGENT_ENV
 from isthmus.deploy.rank.extras import extra_state, load_extra_state
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Decision, SiteInfo
 from isthmus.inter.data import (
@@ -75,8 +76,13 @@ class CrossSite:
         host_agent: str = "",
     ) -> CrossSite:
         """Opens the rank's cross-site sync: the lane, the join, the gradient sync (its
-        votes and watches through ``host_agent`` when there is one)."""
-        client = CoordinatorClient.connect(coordinator, security, agent=host_agent)
+        votes and watches through ``host_agent`` when there is one: checked to be this
+        user's, and waited for as long as the join may take, inter/control/agent_socket.py)."""
+        if not host_agent:
+            log.info("no host agent (%s unset): votes and watches go to the coordinator", AGENT_ENV)
+        client = CoordinatorClient.connect(
+            coordinator, security, agent=host_agent, agent_wait_s=config.sync.timeout_s
+        )
         try:
             link = open_rank_sync(
                 sync_settings(config, site, rank, world_size, proxies, security), client

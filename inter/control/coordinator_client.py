@@ -21,7 +21,6 @@ when the coordinator refuses it or does not answer in time.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,10 +28,11 @@ from dataclasses import dataclass
 import grpc
 
 from isthmus.inter.control.abort import MAX_REASON_CHARS
+from isthmus.inter.control.agent_socket import AgentLink
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.host_session import HostSession
 from isthmus.inter.control.rank_keys import process_key
-from isthmus.inter.security import ClosableChannel, SiteSecurity
+from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -45,8 +45,6 @@ __all__ = [
     "SiteInfo",
     "Verdict",
 ]
-
-log = logging.getLogger("isthmus.coordinator_client")
 
 SiteInfo = pb.SiteInfo
 """A member site as the coordinator names it: ``name``, ``index``, ``lane_addresses``
@@ -154,6 +152,7 @@ class CoordinatorClient:
         channel: a channel to the coordinator (:meth:`connect` opens one).
         rank_key: the key this process registers its rank with and sends with its
             reports; None: the process's own (:func:`process_key`); a test may play a rank.
+        agent: the way to this host's agent (:meth:`connect` opens one); None: none.
     """
 
     def __init__(
@@ -161,16 +160,16 @@ class CoordinatorClient:
         channel: grpc.Channel,
         *,
         rank_key: str | None = None,
-        agent: grpc.Channel | None = None,
+        agent: AgentLink | None = None,
     ) -> None:
         self.channel = channel
         self.stub = pb_grpc.CoordinatorStub(channel)
         self.rank_key = rank_key if rank_key is not None else process_key()
         self._session = HostSession(self.stub)
         """Where this rank's waiting votes go without an agent: one open stream."""
-        self._agent_channel = agent
-        self._agent = pb_grpc.CoordinatorStub(agent) if agent is not None else None
-        """The host agent's stub (inter/control/host_agent.py): votes and watches."""
+        self.agent = agent
+        """The way to this host's agent (inter/control/host_agent.py), for votes and
+        watches, once it is checked (inter/control/agent_socket.py); None: no agent."""
         self.agent_misses = 0
         """Calls meant for the agent that went to the coordinator (it was unreachable)."""
 
@@ -182,26 +181,36 @@ class CoordinatorClient:
         *,
         rank_key: str | None = None,
         agent: str = "",
+        agent_wait_s: float = 0.0,
     ) -> CoordinatorClient:
         """A client of the coordinator at ``address`` ("host:port"), with mutual TLS and
-        the job token as ``security`` says (None = plaintext); ``agent``: where this
-        host's agent listens ("unix:/path"; "" for none)."""
-        agent_channel = ClosableChannel(grpc.insecure_channel(agent)) if agent else None
-        return cls(peer_channel(address, security=security), rank_key=rank_key, agent=agent_channel)
+        the job token as ``security`` says (None = plaintext).
+
+        Args:
+            agent: where this host's agent listens ("unix:/path"; "" for none). It is
+                used only once it is checked to be this user's own and safe from being
+                swapped (inter/control/agent_socket.py); else the calls go to the
+                coordinator, and the rank's log says why in one line.
+            agent_wait_s: how long to wait, in the background, for an agent not up yet
+                (the rank's own start-up deadline); 0: look once.
+        """
+        link = AgentLink(agent, wait_s=agent_wait_s) if agent else None
+        return cls(peer_channel(address, security=security), rank_key=rank_key, agent=link)
 
     def _via_agent(self, call: Callable[[pb_grpc.CoordinatorStub], object]):
         """``call`` on the agent's stub; None when there is no agent or it is unreachable
         (UNAVAILABLE: the agent never says that of the coordinator), for the caller to
-        make the call at the coordinator instead."""
-        if self._agent is None:
+        make the call at the coordinator instead. An agent not checked yet, or refused,
+        is no agent (inter/control/agent_socket.py)."""
+        stub = self.agent.stub if self.agent is not None else None
+        if stub is None:
             return None
         try:
-            return call(self._agent)
+            return call(stub)
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.UNAVAILABLE:
                 raise
-            if not self.agent_misses:
-                log.warning("host agent unreachable (%s): calling the coordinator", exc.details())
+            self.agent.unreachable(exc.details())
             self.agent_misses += 1
             return None
 
@@ -427,5 +436,5 @@ class CoordinatorClient:
         """Closes the vote stream and the channels (calls in flight are cancelled)."""
         self._session.close()
         self.channel.close()
-        if self._agent_channel is not None:
-            self._agent_channel.close()
+        if self.agent is not None:
+            self.agent.close()
