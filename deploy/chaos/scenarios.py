@@ -13,9 +13,12 @@ class Fault:
 
     kind: str
     """kill, restart, partition, corrupt, slow, flood, forge, lane-threads (the lane's
-    codec threads shut down mid-round, at the round of step ``at_step``) or stall-flow
+    codec threads shut down mid-round, at the round of step ``at_step``), stall-flow
     (the link holds the first bulk flow each way for ``duration_s``: a flow black-holed
-    on the way, while the link's others carry on)."""
+    on the way, while the link's others carry on), node-silent (the second node of a
+    site on two is frozen for ``duration_s``, SIGSTOP to all its processes: open
+    connections stay open, nothing is answered, no reset is sent) or agent-kill (the
+    second node's host agent stops serving while its ranks run on)."""
     site: str = ""
     """The site killed, restarted or slowed."""
     link: tuple[str, str] = ("site0", "site1")
@@ -52,6 +55,9 @@ class Scenario:
     expect_rebalance: bool = False
     """The slowed site must end with fewer micro-batches per step than it began with
     (train.balance_every moved them to the others)."""
+    two_nodes: tuple[str, ...] = ()
+    """Sites run as two node launchers (`isthmus site --nodes 2`, one rank each, as
+    deploy/slurm and deploy/k8s run a site); every site then has two ranks."""
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -187,5 +193,33 @@ SCENARIOS: tuple[Scenario, ...] = (
         survivors=("site0", "site1"),
         quick=True,
         expect_generations=False,
+    ),
+    Scenario(
+        name="node-silent",
+        description="site1 on two nodes; at step 4 its second node goes silent for 6 s "
+        "(frozen: no reset, no answer): its rank is declared dead, site1 leaves the job and "
+        "site0 goes on; site1's node launchers end, are started again (as a scheduler "
+        "restarts them) once the node is back, and site1 rejoins with site0's state",
+        sites=2,
+        # Paced at 0.3 s: site0 alone holds 36 s for site1 to be found silent (~3 s),
+        # thawed (6 s), restarted and admitted (its imports: ~10-20 s on 2 loaded cores).
+        steps=120,
+        faults=(Fault(kind="node-silent", site="site1", at_step=4, duration_s=6.0),),
+        survivors=("site0", "site1"),
+        pace_s=0.3,
+        quick=True,
+        two_nodes=("site1",),
+    ),
+    Scenario(
+        name="agent-kill",
+        description="site1 on two nodes; at step 4 its second node's host agent stops: the "
+        "node's rank votes and watches at the coordinator itself; nobody leaves",
+        sites=2,
+        steps=14,
+        faults=(Fault(kind="agent-kill", site="site1", at_step=4),),
+        survivors=("site0", "site1"),
+        expect_generations=False,
+        quick=True,
+        two_nodes=("site1",),
     ),
 )

@@ -34,8 +34,10 @@ from typing import TextIO
 from isthmus.deploy.chaos.hostile_calls import flood, forge, missed_forgeries
 from isthmus.deploy.chaos.ports import free_ports
 from isthmus.deploy.chaos.scenarios import SCENARIOS, Fault, Scenario
+from isthmus.deploy.chaos.sites import NODE1, SiteProcess, node_argvs, site_processes
 from isthmus.deploy.config.job import load_config
 from isthmus.deploy.launch.local import slow_env
+from isthmus.deploy.launch.ranks import AGENT_STOP_SIGNAL
 from isthmus.deploy.rank.faults import LANE_THREADS_LOST_ENV
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.security import SiteSecurity
@@ -65,47 +67,6 @@ def _records(path: Path) -> list[dict]:
 
 
 @dataclass
-class _Site:
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
-    process: subprocess.Popen | None = None
-    starts: int = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        log = self.log.with_suffix(f".{self.starts}.log")
-        with log.open("w") as out:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,  # one process group: the site and its ranks
-            )
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-
-    def text(self) -> str:
-        """Everything its latest start logged."""
-        try:
-            return self.log.with_suffix(f".{self.starts}.log").read_text()
-        except OSError:
-            return ""
-
-    def tail(self, chars: int = 1500) -> str:
-        log = self.log.with_suffix(f".{self.starts}.log")
-        try:
-            return log.read_text()[-chars:]
-        except OSError:
-            return ""
-
-
-@dataclass
 class ScenarioResult:
     name: str
     ok: bool
@@ -131,7 +92,7 @@ def _job_file(scenario: Scenario, work: Path, ports: list[int], witness: str) ->
         f"steps = {scenario.steps}",
         "[topology]",
         f"sites = {scenario.sites}",
-        "ranks_per_site = 1",
+        f"ranks_per_site = {2 if scenario.two_nodes else 1}",
         "[model]",
         'preset = "tiny"',
         "[train]",
@@ -183,13 +144,13 @@ def run_scenario(
     run_dir = work / "run"
     started = time.monotonic()
     relay = RelayServer().start()
-    sites: dict[str, _Site] = {}
-    helpers: list[_Site] = []
+    sites: dict[str, SiteProcess] = {}
+    helpers: list[SiteProcess] = []
     try:
         if witness:
             argv = [sys.executable, "-m", "isthmus.deploy.cli", "witness", "--config", str(job)]
             argv += ["--listen", witness, *(a for o in overrides for a in ("--set", o))]
-            helpers.append(_Site("witness", argv, dict(os.environ), work / "witness"))
+            helpers.append(SiteProcess("witness", argv, dict(os.environ), work / "witness"))
             helpers[0].start()
         links, proxies = _emulated_links(relay, names)
         for name in names:
@@ -200,7 +161,13 @@ def run_scenario(
                 argv += ["--set", f"cluster.proxies.{peer}={url}"]
             for setting in overrides:
                 argv += ["--set", setting]
-            sites[name] = _Site(name, argv, _site_env(scenario, name), work / name)
+            env = _site_env(scenario, name)
+            if name not in scenario.two_nodes:
+                sites[name] = SiteProcess(name, argv, env, work / name)
+                continue
+            for node, node_argv in enumerate(node_argvs(argv, work / f"{name}-secret")):
+                key = name if node == 0 else f"{name}{NODE1}"
+                sites[key] = SiteProcess(key, node_argv, env, work / key.replace("/", "-"))
         for fault in scenario.faults:
             if fault.kind == "corrupt":
                 # 16 KiB+ pieces: gradient chunks (crc32), not control messages (TCP's, TLS's).
@@ -279,14 +246,29 @@ def _inject(
     out: TextIO | None,
     credentials: SiteSecurity | None,
 ) -> None:
-    kinds = ("kill", "restart", "partition", "flood", "forge", "stall-flow")
-    pending = [f for f in scenario.faults if f.kind in kinds]
+    kinds = ("kill", "restart", "partition", "flood", "forge", "stall-flow", "node-silent")
+    pending = [f for f in scenario.faults if f.kind in (*kinds, "agent-kill")]
     deadline = time.monotonic() + SITE_TIMEOUT_S
     survivors = [sites[n] for n in scenario.survivors]
+    names = [n for n in sites if NODE1 not in n]
+    restart_when_down: list[str] = []
     while time.monotonic() < deadline:
-        if all(s.process is not None and s.process.poll() is not None for s in survivors):
+        for name in [n for n in restart_when_down if sites[n].process.poll() is not None]:
+            restart_when_down.remove(name)
+            if sites[name].process.returncode == 0:  # never left: _judge says so
+                continue
+            # The site left the job and its first node's launcher ended: what is left of
+            # it ends too, and it is started again (srun's --kill-on-bad-exit and a
+            # requeue; a StatefulSet restarting its pods).
+            for site in site_processes(sites, name):
+                site.kill()
+            for site in site_processes(sites, name):
+                site.start()
+        if not restart_when_down and all(
+            s.process is not None and s.process.poll() is not None for s in survivors
+        ):
             return
-        done = _progress(run_dir, list(sites))
+        done = _progress(run_dir, names)
         for fault in [f for f in pending if done >= f.at_step]:
             pending.remove(fault)
             if out is not None:
@@ -296,6 +278,16 @@ def _inject(
                 if fault.kind == "restart":
                     time.sleep(fault.duration_s)
                     sites[fault.site].start()
+            elif fault.kind == "node-silent":
+                node = sites[f"{fault.site}{NODE1}"]
+                node.signal_group(signal.SIGSTOP)
+                time.sleep(fault.duration_s)
+                node.signal_group(signal.SIGCONT)
+                restart_when_down.append(fault.site)
+            elif fault.kind == "agent-kill":
+                node = sites[f"{fault.site}{NODE1}"]
+                assert node.process is not None
+                node.process.send_signal(AGENT_STOP_SIGNAL)  # the launcher, not its ranks
             elif fault.kind == "partition":
                 dark = (Flap(duration_s=fault.duration_s),)
                 links[fault.link].set_impairments(dark, dark)
@@ -328,7 +320,8 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float, tls: bool) 
     result = ScenarioResult(scenario.name, ok=False, wall_s=0.0)
     # One budget with the injection's wait (_inject), not a second one after it.
     deadline = started + SITE_TIMEOUT_S
-    for name in scenario.survivors:
+    launchers = [key for name in scenario.survivors for key in (name, f"{name}{NODE1}")]
+    for name in [key for key in launchers if key in sites]:
         process = sites[name].process
         try:
             code = process.wait(max(1.0, deadline - time.monotonic()))
@@ -388,6 +381,15 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float, tls: bool) 
         for f in scenario.faults
     ):
         result.why = "the lane never lost its codec threads mid-round (nothing in its rank's log)"
+    elif any(
+        f.kind == "agent-kill"
+        and not (
+            "host agent stopped" in sites[f"{f.site}{NODE1}"].text()
+            and "calling the coordinator" in _rank_log(run_dir, f.site, 1)
+        )
+        for f in scenario.faults
+    ):
+        result.why = "the second node's agent never stopped, or its rank never went around it"
     elif scenario.expect_rebalance and not (moved and all(moved)):
         result.why = f"the slowed site kept its micro-batches: {result.micro_batches}"
     elif forged and result.generations > 1:
@@ -406,8 +408,12 @@ def _judge(scenario: Scenario, sites, run_dir: Path, started: float, tls: bool) 
 
 
 def _rank0_log(run_dir: Path, site: str) -> str:
+    return _rank_log(run_dir, site, 0)
+
+
+def _rank_log(run_dir: Path, site: str, rank: int) -> str:
     try:
-        return (run_dir / "logs" / f"{site}-rank0.log").read_text(errors="replace")
+        return (run_dir / "logs" / f"{site}-rank{rank}.log").read_text(errors="replace")
     except OSError:
         return ""
 

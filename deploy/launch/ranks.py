@@ -50,6 +50,9 @@ from isthmus.inter.control.rank_keys import KEY_ENV, handout
 log = logging.getLogger(__name__)
 
 TERMINATE_GRACE_S = 5.0
+AGENT_STOP_SIGNAL = signal.SIGUSR2
+"""Stops a launcher's host agent while its ranks run on through the coordinator
+(`isthmus chaos`'s agent-kill; an operator who suspects the agent)."""
 RANK_ONLY_ENV = frozenset({KEY_ENV, "RANK", "LOCAL_RANK", "ISTHMUS_LAUNCHER_PID"})
 """Environment of one rank that its zygote (shared by all the launcher's ranks) is not
 given: the rank's key above all."""
@@ -223,6 +226,8 @@ class SiteRanks:
         several = here > 1 or self.node is not None
         if self.config.run.host_agent and several and len(self.config.site_names) > 1:
             self.agent = self._start_agent(here, self.store_dir)
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(AGENT_STOP_SIGNAL, self._stop_agent_on_signal)
         envs = self._rank_envs(world)
         if not fork_ranks():
             self._spawn(envs)
@@ -251,6 +256,19 @@ class SiteRanks:
             self._agent_channel, site=self.site, ranks=ranks, listen=f"unix:{store_dir}/agent"
         )
         return agent.start()
+
+    def _stop_agent_on_signal(self, *_) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+        print(
+            f"{self.site}: host agent stopped ({AGENT_STOP_SIGNAL.name}): its ranks call the "
+            "coordinator themselves",
+            file=sys.stderr,
+            flush=True,
+        )
+        # Its server's grace and its watcher's join take seconds: not in a handler.
+        threading.Thread(target=agent.stop, name="agent-stop", daemon=True).start()
 
     def _rank_envs(self, world: int) -> list[dict[str, str]]:
         # The coordinator in this process drew one key per rank: only the process

@@ -393,6 +393,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         beat = self.rank_liveness.polling(beating, watcher=watcher, ended_by=context.add_callback)
         with beat, polls as may_wait:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
+            if beating:
+                # A poll in flight is a beat only while its caller can be there: a node
+                # frozen or cut off without a reset leaves its agent's poll open here,
+                # and a 10 s hold vouched for its ranks that long (issue 59). Held at
+                # most half the silence, a silent caller is found within 1.5 x of it.
+                wait_s = min(wait_s, self.rank_liveness.silence_s / 2)
             st.await_membership(request.known_generation, st.clock() + wait_s)
         with st.cond:
             if st.error is not None:

@@ -34,8 +34,10 @@ def test_survivors_finish_with_identical_replicas(scenario, tmp_path):
     assert len(set(result.digests.values())) == 1
     if scenario.name == "kill":
         assert result.min_live_sites == 1  # site0 trained on alone
-    if scenario.name in ("kill-restart", "partition"):
+    if scenario.name in ("kill-restart", "partition", "node-silent"):
         assert result.rejoined == ["site1"]  # it pulled site0's state and came back
+    if scenario.name == "node-silent":
+        assert result.min_live_sites == 1  # found silent: site0 trained on without it
 
 
 OUTER_MODES = {
@@ -168,7 +170,7 @@ def test_a_hung_survivor_fails_its_scenario_within_one_budget(tmp_path, monkeypa
 
     monkeypatch.setattr(chaos, "SITE_TIMEOUT_S", 2.0)
     scenario = next(s for s in SCENARIOS if s.name == "kill")
-    hung = chaos._Site("site0", [sys.executable, "-c", "import time; print('stuck', flush=True); time.sleep(600)"],
+    hung = chaos.SiteProcess("site0", [sys.executable, "-c", "import time; print('stuck', flush=True); time.sleep(600)"],
                        {}, tmp_path / "site0")  # fmt: skip
     hung.start()
     try:

@@ -17,6 +17,7 @@ from helpers import register_rank, wait_until
 from isthmus.inter.control.coordinator import Coordinator
 from isthmus.inter.control.coordinator_client import CoordinatorClient
 from isthmus.proto import coordinator_pb2 as pb
+from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -183,4 +184,32 @@ def test_a_rank_that_stops_beating_makes_its_site_leave_then_rejoin():
     finally:
         for w in watchers.values():
             w.kill()
+        stop_all(coords)
+
+
+def test_a_frozen_agents_open_poll_vouches_for_its_ranks_no_longer_than_the_silence():
+    """A node frozen or cut off without a reset (issue 59: `isthmus chaos`'s node-silent)
+    leaves its host agent's long poll open at the coordinator: nothing ends it, and a
+    poll in flight is a beat. The coordinator holds such a poll half the silence at
+    most, so the node's ranks are found dead within 1.5 x the silence, not after the
+    agent's 10 s ask."""
+    coords = start()
+    site1 = coords[1]
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(site1.address))
+    keys = [site1.rank_keys.handed(r) for r in range(site1.ranks)]
+    ask = pb.GetMembershipRequest(
+        known_generation=site1.generation, wait_ms=10_000, rank_key=keys[0], vouched_rank_keys=keys
+    )
+    try:
+        # The agent's last poll before its node froze: answered (no news) after the hold.
+        sent = time.monotonic()
+        # Held (not dropped: a dropped future ends its call), never cancelled or followed.
+        poll = stub.GetMembership.future(ask, timeout=30)
+        wait_until(lambda: site1.rank_liveness.left_for is not None, "never declared dead", 20)
+        declared_s = time.monotonic() - sent
+        assert poll.done()  # answered after half the silence, not the 10 s it asked
+        # Half the silence held, then the silence: 1.2 s here, far from the 10 s asked.
+        assert SILENCE_S < declared_s < 1.5 * SILENCE_S + 2.0, declared_s
+        assert "of site1 silent" in site1.rank_liveness.left_for, site1.rank_liveness.left_for
+    finally:
         stop_all(coords)
