@@ -145,7 +145,7 @@ def coordinator_for(config: JobConfig, site: str, place: NodePlace | None = None
         peers={s: a for s, a in addresses.items() if s != site},
         proxies={s: u for s, u in config.cluster.proxies.items() if s != site and u},
         security=site_security(config, site),
-        **({"rank_keys": keys} if keys is not None else {}),
+        rank_keys=keys,
     )
 
 

@@ -202,15 +202,16 @@ class CoordinatorClient:
         (UNAVAILABLE: the agent never says that of the coordinator), for the caller to
         make the call at the coordinator instead. An agent not checked yet, or refused,
         is no agent (inter/control/agent_socket.py)."""
-        stub = self.agent.stub if self.agent is not None else None
-        if stub is None:
+        agent = self.agent
+        stub = agent.stub if agent is not None else None
+        if agent is None or stub is None:
             return None
         try:
             return call(stub)
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.UNAVAILABLE:
                 raise
-            self.agent.unreachable(exc.details())
+            agent.unreachable(exc.details())
             self.agent_misses += 1
             return None
 
