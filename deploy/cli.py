@@ -3,7 +3,6 @@
     isthmus local         every site of a job on this machine, over emulated links
     isthmus site          one site of a job: its coordinator and its ranks
     isthmus coordinator   one site's coordinator, alone
-    isthmus host-agent    the agent of one node's ranks of a site (for ranks srun starts)
     isthmus config        print the resolved job config with every key documented
     isthmus report        plot a finished run, or compare several
     isthmus chaos         the fault-injection suite: kill, restart, partition, corrupt
@@ -57,7 +56,6 @@ COMMANDS = (
     "local",
     "site",
     "coordinator",
-    "host-agent",
     "config",
     "report",
     "chaos",

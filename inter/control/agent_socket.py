@@ -24,7 +24,7 @@ a loopback port, or take an abstract socket's name once it is free. Without
 made it, in a folder no one else may write.
 
 A socket not there yet (no folder, no socket, or nothing listening) is not refused: the
-agent may be starting (``isthmus host-agent`` makes its folder itself). :class:`AgentLink`
+agent may be starting (its launcher makes the folder before the ranks). :class:`AgentLink`
 waits for it in the background for as long as the rank's own start-up may take, the rank
 calling the coordinator meanwhile.
 """
