@@ -253,13 +253,17 @@ def _inject(
     names = [n for n in sites if NODE1 not in n]
     restart_when_down: list[str] = []
     while time.monotonic() < deadline:
-        for name in [n for n in restart_when_down if sites[n].process.poll() is not None]:
-            restart_when_down.remove(name)
-            if sites[name].process.returncode == 0:  # never left: _judge says so
+        for name in list(restart_when_down):
+            codes = [s.process.poll() for s in site_processes(sites, name)]
+            if all(code == 0 for code in codes):  # never left: _judge says so
+                restart_when_down.remove(name)
+            if not any(code not in (None, 0) for code in codes):
                 continue
-            # The site left the job and its first node's launcher ended: what is left of
-            # it ends too, and it is started again (srun's --kill-on-bad-exit and a
-            # requeue; a StatefulSet restarting its pods).
+            # The site left the job and one of its launchers failed: the rest of it is
+            # ended and all started again, as srun's --kill-on-bad-exit ends the job's
+            # step and a requeue starts it again (its first node's launcher can outlive
+            # the site's leaving, its rank held in a collective with the lost node's).
+            restart_when_down.remove(name)
             for site in site_processes(sites, name):
                 site.kill()
             for site in site_processes(sites, name):
