@@ -20,7 +20,9 @@ Slurm of its own; munged's socket is a file, shared by every namespace.
 Names resolve on every node as the job's programs need them (`ip netns exec`
 bind-mounts /etc/netns/NS/hosts on /etc/hosts): a site's first node at its address on
 the link (where the other site reaches its coordinator), the other nodes at their
-LAN address. Everything is removed by `stop`, after a failure too.
+LAN address. `unplug` takes a node off both its networks at once (its links down,
+no reset sent) and `plug` puts it back. Everything is removed by `stop`, after a
+failure too.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from helpers import ROOT
 
 from isthmus.deploy.chaos.ports import free_ports
 from isthmus.sim import LinkSpec
-from isthmus.sim.netns import LOCK_PATH, SiteNet
+from isthmus.sim.netns import LAN_IFNAME, LOCK_PATH, SiteNet
 from isthmus.sim.transparent import TransparentWan
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
@@ -62,7 +64,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={folder}/munge/socket
+# cred_expire: a requeued job waits this long plus 1 s before it starts again (120 s).
+AuthInfo=socket={folder}/munge/socket,cred_expire=15
 StateSaveLocation={folder}/state
 SlurmctldPidFile={folder}/slurmctld.pid
 SlurmctldLogFile={folder}/slurmctld.log
@@ -80,6 +83,9 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
+# A node that stops answering is DOWN after 10 s (default 300) and its jobs requeued
+# (JobRequeue=1, the default); it is back in service once its slurmd answers again.
+SlurmdTimeout=10
 ReturnToService=2
 SlurmdParameters=config_overrides
 {nodes}
@@ -230,7 +236,7 @@ class SlurmCluster:
             "munged", ["munged", "-F", "--force", f"--socket={munge}/socket", f"--key-file={key}",
             f"--log-file={munge}/log", f"--pid-file={munge}/pid", f"--seed-file={munge}/seed"],
         )  # fmt: skip
-        self._wait_for(lambda: (munge / "socket").exists(), "munged's socket")
+        self.wait_for(lambda: (munge / "socket").exists(), "munged's socket")
         self._daemon("slurmctld", ["slurmctld", "-D", "-f", str(conf)])
         for node in self.nodes:
             # The node's own host name and /etc/hosts, for slurmd and every step it
@@ -247,7 +253,24 @@ class SlurmCluster:
                  "unshare", "--uts", "--mount", "--", "sh", "-c", start],
             )  # fmt: skip
         names = {n.name for n in self.nodes}
-        self._wait_for(lambda: self.idle_nodes() == names, "idle nodes")
+        self.wait_for(lambda: self.idle_nodes() == names, "idle nodes")
+
+    def unplug(self, node: Node) -> None:
+        """Take the node off both its networks at once (its LAN and the management
+        bridge), as a pulled cable does: its links go down, nothing sends a reset."""
+        self._set_links(node, "down")
+
+    def plug(self, node: Node) -> None:
+        """Put the node back on its networks."""
+        self._set_links(node, "up")
+
+    def _set_links(self, node: Node, state: str) -> None:
+        k = self.nodes.index(node)
+        site = self.wan.site(node.site)
+        if node.namespace != site.namespace:  # its port on the LAN bridge of the site's first node
+            port = f"{LAN_IFNAME}p{[n.namespace for n in site.nodes].index(node.namespace) + 1}"
+            _run("ip", "netns", "exec", site.namespace, "ip", "link", "set", port, state)
+        _run("ip", "link", "set", f"{self.job}m{k}", state)
 
     def idle_nodes(self) -> set[str]:
         """The nodes slurmctld sees idle."""
@@ -260,12 +283,17 @@ class SlurmCluster:
                 subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
             )
 
-    def _wait_for(self, ready: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    def wait_for(
+        self, ready: Callable[[], bool], what: str, timeout: float = 30, jobs: Path | None = None
+    ) -> None:
+        """Poll ``ready`` until it holds; fail with the daemons' logs (and those of the
+        jobs run in the folder ``jobs``) if a daemon died or ``timeout`` seconds passed."""
         deadline = time.monotonic() + timeout
         while not ready():
             dead = [d.args for d in self.daemons if d.poll() is not None]
             if dead or time.monotonic() > deadline:
-                raise AssertionError(f"no {what} ({dead or 'timeout'}):\n{self.logs()}")
+                report = self.job_logs(jobs) if jobs is not None else ""
+                raise AssertionError(f"no {what} ({dead or 'timeout'}):\n{self.logs()}{report}")
             time.sleep(0.2)
 
     def run(self, *argv: str) -> str:
@@ -316,12 +344,18 @@ class SlurmCluster:
                 self.run("scancel", *jobs)
                 break
             time.sleep(0.5)
+        assert all(s == ("COMPLETED", "0:0") for s in states.values()), (
+            f"{states}\n{self.job_logs(folder)}"
+        )
+
+    @staticmethod
+    def job_logs(folder: Path) -> str:
+        """The tails of the outputs of the jobs run in ``folder`` and of their ranks' logs."""
         logs = sorted(folder.glob("*.out")) + sorted(folder.glob("runs/*/logs/*.log"))
-        report = "\n".join(
+        return "\n".join(
             f"--- {path.relative_to(folder)} ---\n{path.read_text(errors='replace')[-4000:]}"
             for path in logs
         )
-        assert all(s == ("COMPLETED", "0:0") for s in states.values()), f"{states}\n{report}"
 
     def stop(self) -> None:
         """Cancel what is left, let slurmd end its jobs, stop every daemon, and remove
