@@ -112,6 +112,14 @@ def cmd_site(args: argparse.Namespace) -> int:
         args.overrides = [*args.overrides, f"cluster.advertise_host={advertised}"]
     config = config_from_args(args)
     use_script(args, config)
+    if args.listen and ":" not in args.listen:  # a host: on the port peers dial
+        named = config.cluster.coordinators.get(args.site, "")
+        if not named.rpartition(":")[2].isdigit():
+            raise ConfigError(
+                f"--listen {args.listen} names no port, and cluster.coordinators has none "
+                f"for {args.site}: give --listen HOST:PORT"
+            )
+        args.listen = f"{args.listen}:{named.rpartition(':')[2]}"
     place = _place(args)
     place.check(config, args.site)
     coordinator = place.listen or config.cluster.coordinators.get(args.site, "127.0.0.1:0")
@@ -170,9 +178,10 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     node.add_argument(
         "--listen",
         default=None,
-        metavar="HOST:PORT",
+        metavar="HOST[:PORT]",
         help="where the coordinator binds (default: cluster.coordinators.SITE), e.g. "
-        "0.0.0.0:7070 where peers reach it under a name of a load balancer",
+        "0.0.0.0 where peers reach it under another name; without a port, the one "
+        "cluster.coordinators.SITE gives",
     )
     node.add_argument(
         "--advertise-host",

@@ -1,8 +1,10 @@
 """A site across hosts: site1's two ranks on two network namespaces standing for two
 nodes, site0 in a third, the sites joined by the emulated WAN in transparent mode.
 
-site1 is started as deploy/slurm/site-multinode.sbatch starts a site, with `ip netns
-exec` in place of srun: `isthmus coordinator` and rank 0 on its first node, rank 1 on
+site1's ranks are started by a program other than ours (srun or torchrun straight onto
+the rank program, beside `isthmus coordinator --rank-secret-file`; the templates run
+`isthmus site --nodes` instead: tests/deploy/test_slurm.py), with `ip netns exec` in
+place of that program: `isthmus coordinator` and rank 0 on its first node, rank 1 on
 the second, torch's env:// rendezvous at the first node's LAN address (gloo over the
 site's LAN bridge, never the WAN), each rank's lane advertised at its own node's
 address. site0 is `isthmus site` in its namespace. Every cross-site byte, the second

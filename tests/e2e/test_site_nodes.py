@@ -54,6 +54,8 @@ def node_args(job: str, secret: str, node: int, master_port: int, run_dir) -> li
         "site", "--config", job, "--site", "site1", "--nodes", "2", "--node-rank", str(node),
         "--master-addr", "127.0.0.1", "--master-port", str(master_port),
         "--rank-secret-file", secret, "--run-dir", str(run_dir), "--quiet",
+        # A host alone: the coordinator binds it on the port cluster.coordinators names.
+        "--listen", "127.0.0.1",
     ]  # fmt: skip
 
 
