@@ -155,12 +155,15 @@ class SiteSecurity:
         Returns:
             The bound port; 0 when binding failed (as gRPC's own add_*_port).
         """
-        if not self.require_tls:
-            return server.add_insecure_port(address)
-        credentials = grpc.ssl_server_credentials(
-            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
-        )
-        return server.add_secure_port(address, credentials)
+        try:
+            if not self.require_tls:
+                return server.add_insecure_port(address)
+            credentials = grpc.ssl_server_credentials(
+                [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
+            )
+            return server.add_secure_port(address, credentials)
+        except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+            return 0
 
     def server_interceptors(self, where: str) -> list[grpc.ServerInterceptor]:
         """Interceptors for ``grpc.server(interceptors=...)``; none when all is off.

@@ -14,8 +14,28 @@ peer's channel reconnects by itself when it next calls)."""
 
 
 def server_options(options: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """Every isthmus gRPC server's options: ``options`` plus the idle-connection limit."""
-    return [*options, ("grpc.max_connection_idle_ms", IDLE_CLOSE_MS)]
+    """Every isthmus gRPC server's options: ``options`` plus the idle-connection limit,
+    and no ``SO_REUSEPORT``: gRPC sets it by default, and a second server then binds a
+    live coordinator's port beside it (issue 63) and takes half its connections."""
+    return [*options, ("grpc.max_connection_idle_ms", IDLE_CLOSE_MS), ("grpc.so_reuseport", 0)]
+
+
+def bind_failure(address: str) -> str:
+    """Why ``address`` ("host:port") cannot be bound, in words ("address already in
+    use"), for the one line a server that gRPC could not bind raises: gRPC itself says
+    only that the port is 0."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host.strip("[]") or "0.0.0.0", int(port)))
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+    except ValueError:
+        return f"not a host:port: {address!r}"
+    return "gRPC refused it"
 
 
 MESSAGE_LIMITS = [

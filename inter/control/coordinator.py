@@ -30,7 +30,12 @@ from isthmus.inter.bounds import BoundedHealth, RefusalLog, RePolls, WaitSlots, 
 from isthmus.inter.control import rank_keys as handouts
 from isthmus.inter.control.abort import abort_problem
 from isthmus.inter.control.admission import MAX_FIELD_CHARS, Admission
-from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
+from isthmus.inter.control.channels import (
+    MESSAGE_LIMITS,
+    bind_failure,
+    peer_channel,
+    server_options,
+)
 from isthmus.inter.control.failover import Failover
 from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.inter.control.peer_loop import PeerLoop
@@ -166,7 +171,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         bound = self.security.add_port(server, f"{s.host}:{s.port}")
         if bound == 0:
-            raise OSError(f"coordinator for {s.site} could not bind {s.host}:{s.port}")
+            where = f"{s.host}:{s.port}"
+            raise OSError(f"coordinator for {s.site} could not bind {where}: {bind_failure(where)}")
         self.address = self.state.address = f"{s.host}:{bound}"
         if self.rank_keys.bound:  # for the launcher of this site's ranks, in this process
             handouts.publish(self.address, self.rank_keys)

@@ -28,7 +28,12 @@ from concurrent import futures
 
 import grpc
 
-from isthmus.inter.control.channels import MESSAGE_LIMITS, peer_channel, server_options
+from isthmus.inter.control.channels import (
+    MESSAGE_LIMITS,
+    bind_failure,
+    peer_channel,
+    server_options,
+)
 from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
@@ -91,6 +96,9 @@ class WitnessServer(pb_grpc.WitnessServicer):
         )
         pb_grpc.add_WitnessServicer_to_server(self, self._server)
         bound = self.security.add_port(self._server, f"{host}:{port}")
+        if bound == 0:
+            where = f"{host}:{port}"
+            raise OSError(f"witness could not bind {where}: {bind_failure(where)}")
         self.address = f"{host}:{bound}"
 
     def start(self) -> WitnessServer:

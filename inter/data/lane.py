@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots
-from isthmus.inter.control.channels import server_options
+from isthmus.inter.control.channels import bind_failure, server_options
 from isthmus.inter.data.bulk import ACCEPTED, CORRUPT, REFUSED, BulkListener, Tickets
 from isthmus.inter.data.bulk_stream import server_context
 from isthmus.inter.data.chunk_checks import (
@@ -154,7 +154,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         bound = (security or INSECURE).add_port(self._server, f"{host}:{port}")
         if bound == 0:
-            raise OSError(f"could not bind lane server to {host}:{port}")
+            where = f"{host}:{port}"
+            raise OSError(f"could not bind lane server to {where}: {bind_failure(where)}")
         self._address = f"{host}:{bound}"
         self._bulk: BulkListener | None = None
         if bulk:
