@@ -167,6 +167,8 @@ class CoordinatorClient:
         self.rank_key = rank_key if rank_key is not None else process_key()
         self._session = HostSession(self.stub)
         """Where this rank's waiting votes go without an agent: one open stream."""
+        self._agent_session: HostSession | None = None
+        """Where they go through its agent: a stream there (opened at the first)."""
         self.agent = agent
         """The way to this host's agent (inter/control/host_agent.py), for votes and
         watches, once it is checked (inter/control/agent_socket.py); None: no agent."""
@@ -307,9 +309,10 @@ class CoordinatorClient:
         The rank runs in ``generation`` and has its sites: a COMMIT that keeps it comes
         without ``sites`` (``sites_known``); any other decision names them.
 
-        A vote that waits goes to the host's agent when the rank has one (its ballot
-        joins the host's others in one message: inter/control/host_agent.py), else as a
-        message on this rank's ``HostSession`` (a host of one rank:
+        A vote that waits goes to the host's agent when the rank has one, as a message on
+        the rank's ``HostSession`` to it (its ballot joins the host's others in one
+        message: inter/control/host_agent.py), else as a message on this rank's
+        ``HostSession`` to the coordinator (a host of one rank:
         inter/control/host_session.py), which costs the coordinator a fraction of a call
         (at 2 x 256 ranks on 2 cores: the step's decision 317 -> 130 ms, p50); one that
         does not wait (``wait_ms`` 0: a vote ahead, from another thread while the session
@@ -333,21 +336,26 @@ class CoordinatorClient:
         )
         if wait_ms == 0:
             return self.stub.CommitStep(request, timeout=timeout_s)
-        via_agent = self._via_agent(lambda stub: stub.CommitStep(request, timeout=timeout_s))
+        ballot = pb.RankBallot(rank=rank, ok=ok, rank_key=self.rank_key)
+        votes = pb.CommitHostStepRequest(
+            site=site,
+            step=step,
+            generation=generation,
+            ballots=[ballot],
+            wait_ms=wait_ms,
+            sites_known=True,
+        )
+        via_agent = self._via_agent(lambda stub: self._agent_votes(stub).vote(votes, timeout_s))
         if via_agent is not None:
             return via_agent
-        ballot = pb.RankBallot(rank=rank, ok=ok, rank_key=self.rank_key)
-        return self._session.vote(
-            pb.CommitHostStepRequest(
-                site=site,
-                step=step,
-                generation=generation,
-                ballots=[ballot],
-                wait_ms=wait_ms,
-                sites_known=True,
-            ),
-            timeout_s,
-        )
+        return self._session.vote(votes, timeout_s)
+
+    def _agent_votes(self, stub: pb_grpc.CoordinatorStub) -> HostSession:
+        """This rank's stream of waiting votes to its agent: a message there costs the
+        agent a third of a call (docs/benchmarks.md, "Real host agents, a process each")."""
+        if self._agent_session is None or self._agent_session.stub is not stub:
+            self._agent_session = HostSession(stub)
+        return self._agent_session
 
     def membership_now(
         self,
@@ -436,6 +444,8 @@ class CoordinatorClient:
     def close(self) -> None:
         """Closes the vote stream and the channels (calls in flight are cancelled)."""
         self._session.close()
+        if self._agent_session is not None:
+            self._agent_session.close()
         self.channel.close()
         if self.agent is not None:
             self.agent.close()

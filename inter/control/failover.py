@@ -39,7 +39,7 @@ from isthmus.inter.control.admission import malformed_proposal, unconfirmed_prop
 from isthmus.inter.control.ballots import Ballots
 from isthmus.inter.control.leader import Leader, has_quorum
 from isthmus.inter.control.rank_keys import RankKeys
-from isthmus.inter.control.rank_liveness import RankLiveness
+from isthmus.inter.control.rank_liveness import CHECK_S, RankLiveness
 from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.state import Adoption, CoordinatorState, Key
 from isthmus.inter.control.witness import WitnessLink
@@ -54,7 +54,6 @@ _LOOP_S = 0.05  # how often pending votes are forwarded and re-evaluated
 _FORWARD_WAIT_MS = 500  # long poll of one SiteVote
 MAX_STEP = 1 << 40  # steps beyond this are refused as nonsense
 MAX_HOST_BALLOTS = 256  # ranks one CommitHostStep speaks for (a host has 8 or so)
-_RANK_CHECK_S = 0.25  # how often the ranks' silence is checked (each check walks them all)
 
 
 class Failover:
@@ -402,7 +401,7 @@ class Failover:
         heartbeat instead of waiting for the dead rank's vote until sync.timeout_s."""
         st, live = self.state, self.rank_liveness
         now = st.clock()
-        if now - self._ranks_checked < _RANK_CHECK_S:
+        if now - self._ranks_checked < CHECK_S:
             return
         self._ranks_checked = now
         silent = live.silent()

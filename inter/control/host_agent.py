@@ -1,28 +1,37 @@
 """One agent per host for a site's ranks there: their votes in one message, their
 watches in one poll.
 
-Per rank, a site of 1,024 ranks costs its coordinator 1,024 vote messages a step and
-about 2,048 watch calls a second (each rank's 1 s long poll, answered and sent again);
-at 2 x 1,024 ranks that kept the job under one step a second on 16 cores
-(docs/benchmarks.md, "The control plane at scale"). A launcher that starts a host's
-ranks (deploy/launch/ranks.py) runs a :class:`HostAgent` beside them, on a Unix socket
-in the ranks' own 0700 folder (no other user of the machine can reach it), and the ranks
-send it the two calls that scale with them:
+Per rank, a site of 1,024 ranks costs its coordinator 1,024 vote messages a step and a
+watch call a rank every few seconds; at 2 x 1,024 ranks that kept the job under one step a
+second on 16 cores (docs/benchmarks.md, "The control plane at scale"). A launcher that
+starts a host's ranks (deploy/launch/ranks.py) runs a :class:`HostAgent` beside them, on
+a Unix socket in the ranks' own 0700 folder (no other user of the machine can reach it),
+and the ranks send it the two calls that scale with them:
 
 - **``CommitStep``, a vote that waits.** The agent gathers the host's ballots on one
   (step, generation): the first one in waits until every rank of the host voted or
-  ``linger_s`` passed, then sends them all as one message on a :class:`HostSession`
-  and hands each rank the decision. A refusal of several ballots is retried ballot by
-  ballot, so one rank's bad key or stale generation is that rank's alone. A vote that
-  does not wait (a vote ahead) is passed through as a call.
+  ``linger_s`` passed, then they go as one message on a :class:`HostSession` and each
+  rank gets the decision. A refusal of several ballots is retried ballot by ballot, so
+  one rank's bad key or stale generation is that rank's alone. A vote that does not
+  wait (a vote ahead) is passed through as a call.
 - **``GetMembership``, a rank's watch.** The agent keeps one long poll open at the
   coordinator and answers the ranks' polls from it, as the coordinator would (at once
   on a newer generation, a suspect or an error; else when the wait ends). Its poll
-  names the ranks it heard from within ``vouch_s`` (``vouched_rank_keys``): the
+  names the ranks it hears from (``vouched_rank_keys``, inter/control/vouches.py): the
   coordinator counts a poll in flight for each (inter/control/rank_liveness.py). The
-  poll is held up to 10 s and sent again, naming them, as soon as those ranks change,
-  so a rank that dies is vouched for no more than ``vouch_s`` and half a second after
-  its last watch, and is declared dead as before, that much later.
+  poll is held up to 10 s and sent again, naming them, as soon as those ranks change:
+  a rank whose watch arrives for the first time at once, one that stopped watching
+  ``vouch_s`` of the agent's own time after its last watch ended (an agent that was
+  starved of CPU does not take its own lateness for its ranks' silence).
+
+The agent runs on one event loop (``grpc.aio``, a thread of its own): a rank's vote or
+watch held here is a coroutine, not a thread, and news wakes only the calls it answers.
+The thread-per-call agent before it cost ~13 ms of CPU a host a step (8 ranks' votes
+and 1 s watches, each a pool thread woken through one condition, and a poll re-checked
+twice a second), and 256 of them on 2 cores could not decide a step of 2 x 1,024 ranks
+in 60 s (docs/benchmarks.md, "Real host agents, a process each"). Its calls upstream go
+on the ``channel`` it is handed (TLS and token as the ranks' own): the poll as a future,
+a step's ballots on a pool of two threads.
 
 Everything else a rank calls (registration, reports, a first membership) goes to the
 coordinator itself, and a rank that cannot reach its agent falls back to the
@@ -32,15 +41,19 @@ only one.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
 
 from isthmus.inter.control.host_session import HostSession
+from isthmus.inter.control.vouches import Vouches
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -48,20 +61,25 @@ __all__ = ["HostAgent"]
 
 log = logging.getLogger("isthmus.host_agent")
 
+_SERVICE = "isthmus.v1.Coordinator"
 _REFUSED = (
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.FAILED_PRECONDITION,
 )
 _RANK_WAIT_MS = 5_000
-"""The longest a rank's watch is held here (a rank's own ask for 1 s)."""
+"""The longest a rank's watch is held here (a rank asks for 5 s: inter/data/membership.py)."""
 _AGENT_WAIT_MS = 10_000
 """How long the agent's own poll may be held: it is answered at once on news like a
-rank's, so a longer wait costs nothing but the polls it saves (a 1 s poll a host is
-2,048 calls a second at 16k ranks, what each rank's own watch cost at 2 x 1,024)."""
-_RECHECK_S = 0.5
-"""How often the agent checks, while its poll waits, whether its ranks changed."""
+rank's, so a longer wait costs nothing but the polls it saves (the coordinator holds a
+poll that vouches half its silence at most)."""
+_PACE_S = 0.25
+"""After an answer that would come at once again (a suspect, no generation, an error):
+the pause before the next poll."""
 _RPC_SLACK_S = 5.0
+_VOTE_THREADS = 2
+"""Threads that send a host's ballots (one batch on each at a time): a step's batch, and
+one of a late rank or of the step after it."""
 
 
 _Status = tuple[grpc.StatusCode, str]
@@ -72,13 +90,16 @@ _Status = tuple[grpc.StatusCode, str]
 class _Ballots:
     """The host's ballots on one (step, generation), gathered until sent."""
 
+    request: pb.CommitStepRequest | pb.CommitHostStepRequest
+    """The first ballot's call: the site, step, generation and ``sites_known`` of all."""
+    outcome: asyncio.Future
+    """rank -> its decision or status, once the coordinator answered."""
     ballots: dict[int, pb.RankBallot] = field(default_factory=dict)
     wait_ms: int = 0
-    outcome: dict[int, pb.Decision | _Status] = field(default_factory=dict)
-    done: threading.Event = field(default_factory=threading.Event)
+    linger: asyncio.TimerHandle | None = None
 
 
-class HostAgent(pb_grpc.CoordinatorServicer):
+class HostAgent:
     """Votes and watches of one host's ranks of ``site``, at its coordinator.
 
     Args:
@@ -92,7 +113,9 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             anyway (a site votes once all its ranks did), so this only bounds how late
             a rank may be and still share the message (on a loaded host the votes of
             one step spread over more than 50 ms, and took three messages a host).
-        vouch_s: a rank heard from this recently is vouched for in the agent's polls.
+        vouch_s: a rank heard from this recently (of the agent's own time) is vouched
+            for in the agent's polls (inter/control/vouches.py).
+        clock: seconds, monotonic: what the agent's own time is measured on.
     """
 
     def __init__(
@@ -104,6 +127,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         listen: str,
         linger_s: float = 0.25,
         vouch_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ranks < 1 or linger_s < 0 or vouch_s <= 0:
             raise ValueError(
@@ -111,11 +135,11 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             )
         self.site, self.ranks = site, ranks
         self.linger_s, self.vouch_s = linger_s, vouch_s
+        self.address = listen
+        """Where the ranks reach the agent (a port bound to 0 is named once started)."""
+        self._listen = listen
         self._stub = pb_grpc.CoordinatorStub(channel)
-        self._lock = threading.Condition()
-        self._open: dict[tuple[int, int, bool], _Ballots] = {}
-        self._sessions: list[HostSession] = []  # free ones; one per batch in flight
-        self._opened: list[HostSession] = []  # every one, for stop()
+        self._clock = clock
         self.batches = 0
         """Messages of ballots sent to the coordinator."""
         self.votes = 0
@@ -124,32 +148,42 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         """Watch polls the ranks sent here."""
         self.polls = 0
         """Polls the agent sent the coordinator for them."""
-        # The watch: the coordinator's latest answer, and who asked for it.
+        self.rank_streams = 0
+        """Vote streams the ranks opened here (each rank keeps one)."""
+        # Everything below but the sessions is the event loop's alone.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"host-agent-{site}", daemon=True
+        )
+        self._server: grpc.aio.Server | None = None
+        self._stopped = False
+        self._open: dict[tuple[int, int, bool], _Ballots] = {}
+        self._senders = futures.ThreadPoolExecutor(_VOTE_THREADS, thread_name_prefix="host-vote")
+        self._lock = threading.Lock()  # the sessions, shared by the sending threads
+        self._sessions: list[HostSession] = []  # free ones; one per batch in flight
+        self._opened: list[HostSession] = []  # every one, for stop()
+        # The watch: the coordinator's latest answer, and whom the agent vouches for.
+        self._vouches = Vouches(vouch_s, clock)
         self._membership = pb.GetMembershipResponse()
         self._membership_error: grpc.RpcError | None = None
         self._seen = False  # the agent's poll was answered once: it answers watches itself
-        self._watching = 0  # ranks' watches in flight here
-        self._last_watch: float | None = None  # when one last ended
-        self._news = threading.Condition()
-        self._heard: dict[str, float] = {}  # rank key -> when its watch last reached us
-        self._stopped = threading.Event()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=3 * ranks + 4))
-        pb_grpc.add_CoordinatorServicer_to_server(self, self._server)
-        port = self._server.add_insecure_port(listen)
-        if port == 0:
-            raise OSError(f"host agent of {site}: cannot listen on {listen}")
-        self.address = (
-            listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
-        )
-        self._watcher = threading.Thread(target=self._watch, name="host-agent-watch", daemon=True)
+        self._news = asyncio.Event()  # set (and replaced) on each answer of the agent's poll
+        self._watching = 0  # ranks' watches held here now
+        self._last_watch: float | None = None  # when a rank's watch last ended
+        self._known = 0  # the generation the agent's poll knows
+        self._poll: grpc.Future | None = None
+        self._poll_keys: list[str] = []
+        self._pacing: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_due: float | None = None
 
     def idle_for(self) -> float:
         """Seconds since the last watch of a rank here ended, none being in flight (0
         before any rank watched): how long the host has had no rank of the site."""
-        with self._news:
-            if self._watching or self._last_watch is None:
-                return 0.0
-            return time.monotonic() - self._last_watch
+        last = self._last_watch
+        if self._watching or last is None:
+            return 0.0
+        return max(0.0, self._clock() - last)
 
     def stats(self) -> dict[str, int]:
         """What the agent carried so far: the ranks' calls and the coordinator's."""
@@ -159,57 +193,184 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             "vote_messages": self.batches,
             "watches": self.watches,
             "watch_polls": self.polls,
+            "rank_streams": self.rank_streams,
         }
 
     def start(self) -> HostAgent:
-        self._server.start()
-        self._watcher.start()
+        """Listens and serves, from a thread of its own.
+
+        Raises:
+            OSError: ``listen`` cannot be bound.
+        """
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(30)
+        except BaseException:
+            self._end_loop()
+            raise
         return self
+
+    async def _serve(self) -> None:
+        handlers = {
+            "CommitStep": grpc.unary_unary_rpc_method_handler(
+                self.CommitStep,
+                request_deserializer=pb.CommitStepRequest.FromString,
+                response_serializer=pb.Decision.SerializeToString,
+            ),
+            "CommitHostStep": grpc.unary_unary_rpc_method_handler(
+                self.CommitHostStep,
+                request_deserializer=pb.CommitHostStepRequest.FromString,
+                response_serializer=pb.Decision.SerializeToString,
+            ),
+            "HostSession": grpc.stream_stream_rpc_method_handler(
+                self.HostSession,
+                request_deserializer=pb.CommitHostStepRequest.FromString,
+                response_serializer=pb.Decision.SerializeToString,
+            ),
+            "GetMembership": grpc.unary_unary_rpc_method_handler(
+                self.GetMembership,
+                request_deserializer=pb.GetMembershipRequest.FromString,
+                response_serializer=pb.GetMembershipResponse.SerializeToString,
+            ),
+        }
+        # A rank holds two calls here at most (a vote, a watch); a third each is slack.
+        server = grpc.aio.server(
+            handlers=[grpc.method_handlers_generic_handler(_SERVICE, handlers)],
+            maximum_concurrent_rpcs=3 * self.ranks + 4,
+        )
+        try:
+            port = server.add_insecure_port(self._listen)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise OSError(f"host agent of {self.site}: cannot listen on {self._listen}")
+        if not self._listen.startswith("unix:"):
+            self.address = f"{self._listen.rsplit(':', 1)[0]}:{port}"
+        await server.start()
+        self._server = server
 
     def stop(self) -> None:
         """Stops serving (ranks fall back to the coordinator) and ends its streams."""
-        self._stopped.set()
-        with self._news:
-            self._news.notify_all()
         with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
             sessions, self._sessions, self._opened = self._opened, [], []
         for session in sessions:  # a vote waiting on one ends now (CANCELLED)
             session.close()
-        self._server.stop(grace=0.5).wait()
-        self._watcher.join(_RECHECK_S + _RPC_SLACK_S)
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+            except (TimeoutError, futures.TimeoutError):
+                log.warning("%s host agent: its server did not stop within 10 s", self.site)
+        self._end_loop()
+        self._senders.shutdown(wait=False, cancel_futures=True)
+
+    async def _shutdown(self) -> None:
+        self._publish()  # the watches held here end now
+        for timer in (self._pacing, self._expiry):
+            if timer is not None:
+                timer.cancel()
+        if self._poll is not None:
+            self._poll.cancel()
+        if self._server is not None:
+            await self._server.stop(0.5)
+
+    def _end_loop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    def _soon(self, callback: Callable[..., object], *args: object) -> None:
+        """``callback(*args)`` on the event loop, from any thread (none once it closed)."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: the agent stopped
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    async def _upstream(self, call: grpc.Future):
+        """The answer of ``call`` (a gRPC future of the sync channel), awaited; the call is
+        cancelled when the rank's call that waits on it is."""
+        done = self._loop.create_future()
+
+        def settle(_: object) -> None:
+            if not done.done():
+                done.set_result(None)
+
+        call.add_done_callback(lambda _: self._soon(settle, None))
+        try:
+            await done
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        return call.result()
+
+    async def _pass(self, method, request, context: grpc.aio.ServicerContext):
+        """``request`` to the coordinator as it came; its refusal is the rank's."""
+        try:
+            return await self._upstream(method.future(request, timeout=context.time_remaining()))
+        except grpc.RpcError as exc:
+            # Never UNAVAILABLE from here: that code tells a rank its agent is gone.
+            code = exc.code()
+            code = (
+                grpc.StatusCode.DEADLINE_EXCEEDED if code is grpc.StatusCode.UNAVAILABLE else code
+            )
+            await context.abort(code, exc.details() or "")
 
     # -- votes -------------------------------------------------------------------------
 
-    def CommitStep(self, request, context):  # noqa: N802
+    async def CommitStep(self, request, context):  # noqa: N802
         if request.wait_ms == 0:  # a vote ahead: nothing waits on it, pass it through
-            return self._pass(self._stub.CommitStep, request, context)
-        key = (request.step, request.generation, request.sites_known)
+            return await self._pass(self._stub.CommitStep, request, context)
         ballot = pb.RankBallot(rank=request.rank, ok=request.ok, rank_key=request.rank_key)
-        with self._lock:
-            self.votes += 1
-            batch = self._open.get(key)
-            first = batch is None
-            if first:
-                batch = self._open[key] = _Ballots(wait_ms=request.wait_ms)
-            batch.ballots[request.rank] = ballot
-            batch.wait_ms = min(batch.wait_ms, request.wait_ms)
-            expected = self._expected()
-            if len(batch.ballots) >= expected:
-                self._lock.notify_all()
-            if first:  # this call sends the host's ballots, once the others are in
-                self._lock.wait_for(lambda: len(batch.ballots) >= expected, self.linger_s)
-                del self._open[key]
-        if first:
-            self._send(request, batch)
-        remaining = context.time_remaining()
-        batch.done.wait(None if remaining is None else max(0.0, remaining))
-        outcome = batch.outcome.get(request.rank)
-        if outcome is None:
-            context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "the host's vote got no answer in time"
+        return await self._answer(await self._cast(request, [ballot]), context)
+
+    async def CommitHostStep(self, request, context):  # noqa: N802
+        if request.wait_ms == 0 or not request.ballots:  # the coordinator's to answer
+            return await self._pass(self._stub.CommitHostStep, request, context)
+        return await self._answer(await self._cast(request, request.ballots), context)
+
+    async def HostSession(self, requests, context):  # noqa: N802
+        # A rank's own stream of waiting votes (inter/control/coordinator_client.py):
+        # a vote is a message on it, a fraction of a call's cost here. Answered in order,
+        # each as CommitHostStep would be; a refusal ends the stream with its status.
+        self.rank_streams += 1
+        async for request in requests:
+            if request.wait_ms == 0 or not request.ballots:
+                yield await self._pass(self._stub.CommitHostStep, request, context)
+            else:
+                yield await self._answer(await self._cast(request, request.ballots), context)
+
+    async def _cast(self, request, ballots) -> pb.Decision | _Status:
+        """``ballots`` of ``request``'s (step, generation) join the host's batch; the
+        outcome of the batch for them (one, or the first refusal among theirs)."""
+        key = (request.step, request.generation, request.sites_known)
+        self.votes += len(ballots)
+        batch = self._open.get(key)
+        if batch is None:
+            batch = self._open[key] = _Ballots(request, self._loop.create_future())
+            batch.wait_ms = request.wait_ms
+            batch.linger = self._loop.call_later(self.linger_s, self._seal, key, batch)
+        for ballot in ballots:
+            batch.ballots[ballot.rank] = ballot
+        batch.wait_ms = min(batch.wait_ms, request.wait_ms)
+        if len(batch.ballots) >= self._expected():
+            self._seal(key, batch)
+        # The rank's deadline cancels this wait (gRPC cancels the call), not the batch's.
+        outcomes = await asyncio.shield(batch.outcome)
+        mine = [outcomes.get(ballot.rank) for ballot in ballots]
+        refused = [o for o in mine if not isinstance(o, pb.Decision)]
+        if refused:
+            return refused[0] or (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the host's vote got no answer in time",
             )
+        return mine[0]
+
+    @staticmethod
+    async def _answer(outcome: pb.Decision | _Status, context) -> pb.Decision:
         if isinstance(outcome, tuple):
-            context.abort(*outcome)
+            await context.abort(*outcome)
         return outcome
 
     def _expected(self) -> int:
@@ -217,44 +378,51 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         agent (every rank watches before it votes), at most ``ranks``; all ``ranks``
         before any watches. A rank of the host that died is not waited for, and an
         agent told too many ranks (srun's layout guessed) never lingers for them."""
-        watching = len(self._vouched())
+        watching = len(self._vouches)
         return min(self.ranks, watching) if watching else self.ranks
 
-    @staticmethod
-    def _pass(call, request, context):
-        """``request`` to the coordinator as it came; its refusal is the rank's."""
-        try:
-            return call(request, timeout=context.time_remaining())
-        except grpc.RpcError as exc:
-            # Never UNAVAILABLE from here: that code tells a rank its agent is gone.
-            code = exc.code()
-            code = (
-                grpc.StatusCode.DEADLINE_EXCEEDED if code is grpc.StatusCode.UNAVAILABLE else code
-            )
-            context.abort(code, exc.details() or "")
+    def _seal(self, key: tuple[int, int, bool], batch: _Ballots) -> None:
+        """No more ballots join ``batch``: it goes to the coordinator."""
+        if self._open.get(key) is not batch:
+            return  # sealed already (full, then its linger ran out)
+        del self._open[key]
+        if batch.linger is not None:
+            batch.linger.cancel()
+        ballots = list(batch.ballots.values())
+        sent = self._senders.submit(self._send, batch.request, ballots, batch.wait_ms)
+        sent.add_done_callback(lambda done: self._soon(self._answered, batch, done))
 
-    def _send(self, request, batch: _Ballots) -> None:
-        """Sends ``batch`` (all its ballots at once; one by one if that was refused)."""
+    @staticmethod
+    def _answered(batch: _Ballots, sent: futures.Future) -> None:
+        if not batch.outcome.done():
+            if sent.cancelled():  # the agent stopped before it was sent
+                status = (grpc.StatusCode.UNAVAILABLE, "host agent stopped")
+                batch.outcome.set_result(dict.fromkeys(batch.ballots, status))
+            else:
+                batch.outcome.set_result(sent.result())
+
+    def _send(self, request, ballots: list[pb.RankBallot], wait_ms: int) -> dict:
+        """``ballots`` (all at once; one by one if that was refused) -> each rank's
+        outcome. On a sending thread."""
         session = self._session()
         try:
-            ballots = list(batch.ballots.values())
-            outcome = self._vote(session, request, ballots, batch.wait_ms)
+            outcome = self._vote(session, request, ballots, wait_ms)
             if isinstance(outcome, tuple) and outcome[0] in _REFUSED and len(ballots) > 1:
-                for ballot in ballots:  # whose ballot was refused: each on its own
-                    batch.outcome[ballot.rank] = self._vote(
-                        session, request, [ballot], batch.wait_ms
-                    )
-            else:
-                batch.outcome.update((b.rank, outcome) for b in ballots)
+                # Whose ballot was refused: each on its own.
+                return {b.rank: self._vote(session, request, [b], wait_ms) for b in ballots}
+            return {b.rank: outcome for b in ballots}
         finally:
             with self._lock:
-                self._sessions.append(session)
-            batch.done.set()
+                kept = not self._stopped
+                if kept:
+                    self._sessions.append(session)
+            if not kept:
+                session.close()
 
     def _vote(self, session: HostSession, request, ballots, wait_ms: int):
-        if self._stopped.is_set():  # its channel closes next: the rank votes elsewhere
-            return grpc.StatusCode.UNAVAILABLE, f"{self.site} host agent stopped"
         with self._lock:
+            if self._stopped:  # its channel closes next: the rank votes elsewhere
+                return grpc.StatusCode.UNAVAILABLE, f"{self.site} host agent stopped"
             self.batches += 1
         try:
             return session.vote(
@@ -279,68 +447,93 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             # Less slack than the ranks' calls have: a silent stream is the agent's to
             # notice, so the rank gets an answer (and votes again) before its deadline.
             session = HostSession(self._stub, rpc_slack_s=_RPC_SLACK_S / 2)
-            self._opened.append(session)
+            if not self._stopped:
+                self._opened.append(session)
             return session
 
     # -- watches -----------------------------------------------------------------------
 
-    def GetMembership(self, request, context):  # noqa: N802
+    async def GetMembership(self, request, context):  # noqa: N802
         if request.known_generation == 0 or not request.rank_key:
             # A rank's first membership, or no rank's poll: the coordinator's to answer.
-            return self._pass(self._stub.GetMembership, request, context)
+            return await self._pass(self._stub.GetMembership, request, context)
         known = request.known_generation
-        deadline = time.monotonic() + min(request.wait_ms, _RANK_WAIT_MS) / 1000
-        with self._news:
-            self.watches += 1
-            self._watching += 1
-            self._heard[request.rank_key] = float("inf")  # in flight: vouched for
-            self._news.notify_all()  # the first watch starts the agent's poll
-            seen = self._seen
-        if not seen:  # no answer of the agent's own yet: the coordinator's, as it stands
-            try:
-                return self._pass(self._stub.GetMembership, request, context)
-            finally:
-                self._watch_ended(request.rank_key)
-        with self._news:
-            try:
-                while not self._answer_now(known) and not self._stopped.is_set():
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not context.is_active():
-                        break
-                    self._news.wait(left)
-            finally:
-                self._watch_ended(request.rank_key)
-            error, now = self._membership_error, self._membership
-        if error is not None:  # a refusal (FAILED_PRECONDITION: the job failed)
-            context.abort(error.code(), error.details() or "")
+        deadline = self._loop.time() + min(request.wait_ms, _RANK_WAIT_MS) / 1000
+        self.watches += 1
+        self._watching += 1
+        if self._vouches.hold(request.rank_key):
+            self._repoll()  # a rank new here: the coordinator hears of it at once
+        try:
+            while not self._stopped and not (self._seen and self._answer_now(known)):
+                left = deadline - self._loop.time()
+                if left <= 0:
+                    break
+                news = self._news
+                try:
+                    await asyncio.wait_for(news.wait(), left)
+                except TimeoutError:
+                    break
+        finally:  # answered, or cancelled: the rank's process ended, or its call did
+            self._vouches.release(request.rank_key)
+            self._watching -= 1
+            self._last_watch = self._clock()
+            self._arm_expiry()
+        if not self._seen:  # no answer of the agent's own in time: the coordinator's
+            return await self._pass(self._stub.GetMembership, request, context)
+        if self._membership_error is not None:  # a refusal (FAILED_PRECONDITION: job failed)
+            error = self._membership_error
+            await context.abort(error.code(), error.details() or "")
         reply = pb.GetMembershipResponse()
-        reply.CopyFrom(now)
-        if known == now.generation:
+        reply.CopyFrom(self._membership)
+        if known == reply.generation:
             del reply.sites[:]  # the rank has them
         return reply
-
-    def _watch_ended(self, key: str) -> None:
-        with self._news:  # re-entrant: a Condition over an RLock
-            now = time.monotonic()
-            self._heard[key] = self._last_watch = now
-            self._watching -= 1
 
     def _answer_now(self, known: int) -> bool:
         now = self._membership
         return self._membership_error is not None or now.generation > known or bool(now.suspects)
 
-    def _vouched(self) -> list[str]:
-        cutoff = time.monotonic() - self.vouch_s
-        with self._news:
-            for key in [k for k, at in self._heard.items() if at < cutoff]:
-                del self._heard[key]
-            return sorted(self._heard)
+    def _publish(self) -> None:
+        """Wakes the watches held here: the agent's poll was answered."""
+        news, self._news = self._news, asyncio.Event()
+        news.set()
 
-    def _poll(self, known: int, keys: list[str]) -> pb.GetMembershipResponse:
-        """One long poll at the coordinator, vouching for ``keys``; cancelled as soon as
-        the ranks to vouch for are others (one fell silent, or one more watches), so a
-        dead rank is vouched for no longer than ``vouch_s`` and a recheck after it."""
-        call = self._stub.GetMembership.future(
+    def _arm_expiry(self) -> None:
+        """The timer of the next check of the ranks vouched for (:meth:`_expire`)."""
+        due = self._vouches.next_check()
+        if due == self._expiry_due:
+            return
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self._expiry_due = due
+        if due is not None and not self._stopped:
+            delay = max(0.0, due - self._vouches.time.now())
+            self._expiry = self._loop.call_later(delay, self._expire, due)
+
+    def _expire(self, due: float) -> None:
+        self._expiry, self._expiry_due = None, None
+        if self._vouches.check(due):
+            self._repoll()  # a rank fell silent: the poll names it no more
+        self._arm_expiry()
+
+    def _repoll(self) -> None:
+        """Sends the agent's poll when none is in flight, or cancels the one in flight
+        when it names other ranks than those to vouch for now (its end sends the next)."""
+        if self._stopped or self._pacing is not None:
+            return
+        keys = self._vouches.keys()
+        if self._poll is not None:
+            # A poll that knows no generation is answered at once: the next names them.
+            if self._known and keys != self._poll_keys:
+                self._poll.cancel()
+            return
+        if not keys:  # no rank watches: the next watch sends it
+            return
+        self.polls += 1
+        known = self._known
+        self._poll_keys = keys
+        self._poll = poll = self._stub.GetMembership.future(
             pb.GetMembershipRequest(
                 known_generation=known,
                 wait_ms=_AGENT_WAIT_MS if known else 0,
@@ -349,47 +542,49 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             ),
             timeout=_AGENT_WAIT_MS / 1000 + _RPC_SLACK_S,
         )
-        while True:
-            try:
-                return call.result(timeout=_RECHECK_S)
-            except grpc.FutureTimeoutError:
-                if self._stopped.is_set() or self._vouched() != keys:
-                    call.cancel()
+        poll.add_done_callback(lambda _: self._soon(self._polled, poll))
 
-    def _watch(self) -> None:
-        # One long poll at a time for the host, with the keys of the ranks it speaks for.
-        known = 0
-        while not self._stopped.is_set():
-            keys = self._vouched()
-            if not keys:  # no rank watches: wait for one
-                with self._news:
-                    self._news.wait(self.vouch_s)
-                continue
-            self.polls += 1
-            try:
-                reply = self._poll(known, keys)
-            except grpc.FutureCancelledError:
-                continue  # the ranks it vouches for changed: ask again, naming them
-            except grpc.RpcError as exc:
-                refused = exc.code() in _REFUSED
-                with self._news:
-                    self._membership_error = exc if refused else None
-                    self._news.notify_all()
-                if not refused:
-                    log.debug("%s host agent: membership poll failed: %s", self.site, exc)
-                self._stopped.wait(0.25)
-                continue
-            with self._news:
-                if reply.generation != known or reply.sites:
-                    if not reply.sites and reply.generation == self._membership.generation:
-                        reply.sites.extend(self._membership.sites)
-                    self._membership = reply
-                else:
-                    del self._membership.suspects[:]
-                    self._membership.suspects.extend(reply.suspects)
-                self._membership_error = None
+    def _polled(self, poll: grpc.Future) -> None:
+        """The agent's poll ended: its answer is the host's, and the next one goes."""
+        if poll is not self._poll:
+            return
+        self._poll = None
+        if self._stopped:
+            return
+        if poll.cancelled():  # the ranks it vouches for changed: ask again, naming them
+            self._repoll()
+            return
+        try:
+            reply = poll.result()
+        except grpc.RpcError as exc:
+            refused = exc.code() in _REFUSED
+            self._membership_error = exc if refused else None
+            if refused:
                 self._seen = True
-                self._news.notify_all()
-            known = reply.generation
-            if reply.suspects or not known:
-                self._stopped.wait(0.25)  # answered at once and would be again: pace it
+                self._publish()
+            else:
+                log.debug("%s host agent: membership poll failed: %s", self.site, exc)
+            self._pace()
+            return
+        if reply.generation != self._known or reply.sites:
+            if not reply.sites and reply.generation == self._membership.generation:
+                reply.sites.extend(self._membership.sites)
+            self._membership = reply
+        else:
+            del self._membership.suspects[:]
+            self._membership.suspects.extend(reply.suspects)
+        self._membership_error = None
+        self._seen = True
+        self._publish()
+        self._known = reply.generation
+        if reply.suspects or not self._known:
+            self._pace()  # answered at once and would be again: pace it
+        else:
+            self._repoll()
+
+    def _pace(self) -> None:
+        def resume() -> None:
+            self._pacing = None
+            self._repoll()
+
+        self._pacing = self._loop.call_later(_PACE_S, resume)

@@ -16,6 +16,15 @@ A host agent (inter/control/host_agent.py) holds the watches of its host's ranks
 polls for all of them at once, naming in each poll the ranks whose watches it holds
 (``vouched_rank_keys``): each counts as that rank's poll in flight.
 
+Silence is measured on the coordinator's own time (inter/control/vouches.py,
+``OwnTime``): the check of the ranks' silence runs every ``check_s``, and one that runs
+late (a coordinator starved of CPU, or whose failover loop waited on a peer) counts the
+lateness as time it was away, not as its ranks' silence, and declares no one until it
+has looked again on time: the polls that waited in its sockets meanwhile count first. A
+host agent measures its vouching the same way, so neither a late agent nor a late
+coordinator is taken for a dead rank; a rank whose agent goes on polling without it,
+or whose agent falls silent with it (a node lost), is.
+
 A rank is watched from its first watcher poll (``known_generation`` > 0, sent once
 its site runs) until it registers again; a test's or a tool's rank that registers
 and votes but runs no watcher is never declared dead. What the coordinator does with
@@ -31,7 +40,13 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RankLiveness", "beating_ranks"]
+from isthmus.inter.control.vouches import OwnTime
+
+__all__ = ["CHECK_S", "RankLiveness", "beating_ranks"]
+
+CHECK_S = 0.25
+"""How often the ranks' silence is checked (each check walks the ranks with no poll in
+flight); a check more than ``vouches.LATE_S`` later than that was late."""
 
 
 MAX_VOUCHED = 256
@@ -45,7 +60,7 @@ class _Rank:
     calls: int = 0
     """Its polls in flight now."""
     last: float = 0.0
-    """When a poll of it last arrived or ended (on the clock)."""
+    """When a poll of it last arrived or ended (on the coordinator's own time)."""
 
 
 class RankLiveness:
@@ -54,16 +69,28 @@ class RankLiveness:
 
     Args:
         ranks: the site's rank count.
-        silence_s: a watched rank with no poll in flight for longer than this is dead.
+        silence_s: a watched rank with no poll in flight for longer than this (of the
+            coordinator's own time) is dead.
         clock: seconds, monotonic (the coordinator's clock).
+        check_s: how often :meth:`silent` is called.
     """
 
-    def __init__(self, ranks: int, silence_s: float, clock: Callable[[], float]) -> None:
-        if silence_s <= 0:
-            raise ValueError(f"silence_s must be > 0, got {silence_s}")
+    def __init__(
+        self,
+        ranks: int,
+        silence_s: float,
+        clock: Callable[[], float],
+        check_s: float = CHECK_S,
+    ) -> None:
+        if silence_s <= 0 or check_s <= 0:
+            raise ValueError(f"silence_s and check_s must be > 0, got {silence_s}, {check_s}")
         self.silence_s = silence_s
-        self._clock = clock
+        self.check_s = check_s
+        self.time = OwnTime(clock)
+        """The coordinator's own time: its clock less the time its checks ran late."""
         self._ranks = [_Rank() for _ in range(ranks)]
+        self._quiet: set[int] = set()  # watched ranks with no poll in flight
+        self._checked: float | None = None  # own time of the last check
         self._lock = threading.Lock()
         self.left_for: str | None = None
         """Why the site left the job (its ranks were declared dead), until every rank
@@ -74,6 +101,7 @@ class RankLiveness:
         """``rank`` registered (again): a new process, not watched until it polls."""
         with self._lock:
             self._ranks[rank] = _Rank()
+            self._quiet.discard(rank)
 
     @contextlib.contextmanager
     def polling(
@@ -94,11 +122,12 @@ class RankLiveness:
             return
         with self._lock:
             beats = [self._ranks[rank] for rank in ranks]
-            now = self._clock()
-            for beat in beats:
+            now = self.time.now()
+            for rank, beat in zip(ranks, beats, strict=True):
                 beat.watched = beat.watched or watcher
                 beat.calls += 1
                 beat.last = now
+                self._quiet.discard(rank)
         ended = False
 
         def end() -> None:
@@ -107,10 +136,12 @@ class RankLiveness:
                 if ended:
                     return
                 ended = True
-                now = self._clock()
-                for beat in beats:
+                now = self.time.now()
+                for rank, beat in zip(ranks, beats, strict=True):
                     beat.calls -= 1
                     beat.last = now
+                    if beat.calls == 0 and beat.watched and self._ranks[rank] is beat:
+                        self._quiet.add(rank)
 
         if ended_by is not None:
             ended_by(end)
@@ -120,20 +151,28 @@ class RankLiveness:
             end()
 
     def silent(self) -> list[int]:
-        """The watched ranks with no poll in flight for longer than ``silence_s``."""
-        now = self._clock()
+        """The watched ranks with no poll in flight for longer than ``silence_s`` of the
+        coordinator's own time; none when this check itself runs late (more than
+        ``LATE_S`` after ``check_s``): its lateness is the coordinator's, and the polls
+        that waited meanwhile are counted before anyone is judged."""
         with self._lock:
-            return [
+            checked, self._checked = self._checked, self.time.now()
+            if checked is not None and not self.time.on_time(checked + self.check_s):
+                self._checked = self.time.now()
+                return []
+            now = self._checked
+            return sorted(
                 rank
-                for rank, beat in enumerate(self._ranks)
-                if beat.watched and beat.calls == 0 and now - beat.last > self.silence_s
-            ]
+                for rank in self._quiet
+                if self._ranks[rank].calls == 0 and now - self._ranks[rank].last > self.silence_s
+            )
 
     def forget(self) -> None:
         """Watch no rank until it polls again (the site left: its ranks start anew)."""
         with self._lock:
             for beat in self._ranks:
                 beat.watched = False
+            self._quiet.clear()
 
 
 def beating_ranks(

@@ -40,7 +40,12 @@ log = logging.getLogger(__name__)
 
 _VOTE_WAIT_MS = 2_000
 _RPC_SLACK_S = 5.0
-_WATCH_WAIT_MS = 1_000
+_WATCH_WAIT_MS = 5_000
+"""A watch is answered at once on news (a suspect, a generation), so its wait is only
+how often it asks again: a rank killed mid-watch ends it at once (its connection
+closes), and the coordinator holds a watch half its silence at most (5 s of the 10 s
+default). At 1 s a site's watches were 1,024 calls a second at 1,024 ranks, most of what
+voting per rank cost (docs/benchmarks.md, "Real host agents, a process each")."""
 
 
 class QuorumLost(RuntimeError):

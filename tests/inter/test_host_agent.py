@@ -1,6 +1,7 @@
 """A host agent (inter/control/host_agent.py) between a site's ranks and their
 coordinator: real coordinators on loopback, the agent on a Unix socket, the ranks played
-by real ``CoordinatorClient``s on threads."""
+by real ``CoordinatorClient``s on threads. Its lateness is injected (its event loop
+stalled, as a host starved of CPU stalls it), never waited for."""
 
 from __future__ import annotations
 
@@ -87,10 +88,12 @@ def test_a_hosts_votes_reach_the_coordinator_in_one_message(site):
     assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
     assert agent.batches == 1
     assert all(c.agent_misses == 0 for c in clients)
-    # The next step likewise: the agent's session is reused.
+    # The next step likewise: the agent's session is reused, and each rank's vote is a
+    # message on the one stream it keeps to the agent (a third of a call's cost there).
     decisions = all_vote(clients, range(RANKS), step=1)
     assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
     assert agent.batches == 2
+    assert agent.stats()["votes"] == 2 * RANKS and agent.stats()["rank_streams"] == RANKS
 
 
 def test_a_late_rank_goes_in_a_batch_of_its_own_and_the_step_waits_for_it(site):
@@ -153,6 +156,7 @@ def test_watches_through_the_agent_vouch_for_their_ranks_until_one_stops(site):
     ]
     for t in threads:
         t.start()
+    started = time.monotonic()
     try:
         # Past the failure timeout (three 1 s watches each): every rank watched, only
         # through the agent, and alive.
@@ -162,9 +166,11 @@ def test_watches_through_the_agent_vouch_for_their_ranks_until_one_stops(site):
         assert all(beat.watched for beat in live._ranks), live._ranks  # noqa: SLF001
         assert all(c.agent_misses == 0 for c in clients)
         assert all(r and r[-1].generation == 1 and not r[-1].sites for r in replies)
-        # The ranks' ~12 watches in one poll held 10 s (sent again as each rank joined).
-        stats = agent.stats()
-        assert stats["watches"] >= 2 * RANKS and stats["watch_polls"] <= 2 + RANKS, stats
+        # The ranks' ~12 watches in one poll (sent again as each rank joined), held as
+        # long as the coordinator holds a poll that vouches: half the silence (1.5 s).
+        stats, held_s = agent.stats(), coord.rank_liveness.silence_s / 2
+        polls = 2 + RANKS + (time.monotonic() - started) / held_s
+        assert stats["watches"] >= 2 * RANKS and stats["watch_polls"] <= polls, stats
         # Rank 2's watch stops (as when its process dies): the agent stops vouching for
         # it, and the coordinator declares it dead, and only it (the site then leaves
         # the job and watches no rank until they register again: what stays is why).
@@ -176,6 +182,65 @@ def test_watches_through_the_agent_vouch_for_their_ranks_until_one_stops(site):
             s.set()
         for t in threads:
             t.join(5)
+
+
+def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
+    """The agent's host starves it (its event loop stalls for three times ``vouch_s``)
+    right after its ranks' watches ended; their next watches wait in its socket. When
+    it runs again, the check of their silence is late: it was the agent that was away,
+    not the ranks, so none is dropped from its poll, and once their watches are read
+    they are held as before. (An agent that judged by the wall clock dropped both, sent
+    its poll again without them, and their coordinator went on counting their silence.)"""
+    coord = Coordinator(
+        CoordinatorSettings(
+            site="site0", site_names=["site0"], ranks=2, fingerprint=FP, failure_timeout_s=60
+        )
+    )
+    coord.start()
+    channel = grpc.insecure_channel(coord.address)
+    agent = HostAgent(channel, site="site0", ranks=2, listen=f"unix:{tmp_path}/a", vouch_s=0.5)
+    clients = []
+    try:
+        for rank in range(2):
+            key = coord.rank_keys.handed(rank)
+            register_rank(coord.address, "site0", FP, key=key, rank=rank, world_size=2)
+        coord.wait_ready(10)
+        agent.start()
+        clients = [
+            CoordinatorClient.connect(
+                coord.address, rank_key=coord.rank_keys.handed(r), agent=agent.address
+            )
+            for r in range(2)
+        ]
+        keys = sorted(coord.rank_keys.handed(r) for r in range(2))
+        for client in clients:  # a watch each, answered at once: both vouched for
+            client.membership_now(known_generation=1, wait_ms=0, timeout_s=10)
+        wait_until(lambda: agent._poll_keys == keys, "the agent never vouched for both")  # noqa: SLF001
+        polls = agent.stats()["watch_polls"]
+        # Both watches ended just now; the agent stalls (a fault injected into its loop).
+        agent._loop.call_soon_threadsafe(time.sleep, 1.5)  # noqa: SLF001
+        out: list = []
+        watchers = [
+            threading.Thread(
+                target=lambda c=c: out.append(
+                    c.membership_now(known_generation=1, wait_ms=300, timeout_s=10)
+                )
+            )
+            for c in clients
+        ]
+        for t in watchers:
+            t.start()
+        for t in watchers:
+            t.join(15)
+        assert len(out) == 2 and all(c.agent_misses == 0 for c in clients)
+        assert agent.stats()["watch_polls"] == polls, agent.stats()
+        assert agent._poll_keys == keys  # noqa: SLF001
+    finally:
+        for client in clients:
+            client.close()
+        agent.stop()
+        channel.close()
+        coord.stop(grace_s=0)
 
 
 def test_a_suspect_reaches_a_watch_through_the_agent_at_once(tmp_path):
