@@ -34,6 +34,8 @@ import importlib
 import os
 import signal
 import sys
+import threading
+import time
 
 # gRPC's C core logs connection errors (a peer that already left, a proxy's 502)
 # straight to stderr; every failure that matters reaches the user as our own one-line
@@ -84,14 +86,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TEARDOWN_S = 30.0
+"""How long a launcher's teardown may take after the first SIGINT or SIGTERM."""
+AGAIN_S = 5.0
+"""How long it may take after a further one (Ctrl-C again; a process group's signal
+and `timeout`'s both)."""
+
+
+class Interrupts:
+    """SIGINT and SIGTERM: the first unwinds the command like Ctrl-C (its teardown
+    stops what it started); later ones do not raise again, which cut the teardown short
+    and left a coordinator's server half stopped, up for minutes and holding its ports
+    (issue 63). Whatever the teardown does, the process is gone ``TEARDOWN_S`` after
+    the first signal and ``AGAIN_S`` after any later one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._deadline = float("inf")
+        self._lock = threading.Lock()
+
+    def __call__(self, signum: int, frame: object) -> None:
+        with self._lock:
+            self.count += 1
+            first = self.count == 1
+            self._deadline = min(
+                self._deadline, time.monotonic() + (TEARDOWN_S if first else AGAIN_S)
+            )
+        if first:
+            threading.Thread(target=self._exit_by_deadline, name="teardown", daemon=True).start()
+            raise KeyboardInterrupt
+        print(f"\nstopping (exits within {AGAIN_S:g} s)", file=sys.stderr, flush=True)
+
+    def _exit_by_deadline(self) -> None:
+        while (left := self._deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5))
+        print("\nteardown did not end in time: exiting now", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the launcher's teardown runs either way. Ctrl-C
     # works even when started from a script's background job (shells start those with
     # SIGINT ignored, and Python would then never raise KeyboardInterrupt).
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupts = Interrupts()
+    signal.signal(signal.SIGTERM, interrupts)
+    signal.signal(signal.SIGINT, interrupts)
     # `kill -USR1` prints every thread's stack (coordinators, relays) to stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # A crash in native code (gRPC's, torch's) prints every thread's stack, not only

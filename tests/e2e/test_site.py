@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import stat
 import subprocess
 
 import grpc
 import pytest
-from helpers import ISTHMUS, ROOT, assert_one_line_error, run_cli
+from helpers import ISTHMUS, ROOT, assert_one_line_error, run_cli, wait_until
 
 from isthmus.deploy.chaos.ports import free_ports
+from isthmus.deploy.cli import TEARDOWN_S
 from isthmus.deploy.config.job import JobConfig, load_config
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
@@ -160,3 +164,57 @@ def test_the_readme_quick_start_runs_as_written(tmp_path):
     finally:
         wan.terminate()
         wan.wait(10)
+
+
+def test_a_site_signalled_twice_while_its_ranks_die_exits_and_frees_its_port(tmp_path):
+    """Issue 63: SIGTERM to a site's process group (its ranks die) under `timeout`,
+    which hands its launcher a second SIGTERM a moment later, once cut the launcher's
+    teardown short: it stayed up for minutes ("cannot schedule new futures after
+    shutdown", then "joining again" forever), holding its coordinator's port. It now
+    exits within the teardown's bound (deploy/cli.py, Interrupts), the port free."""
+    job = write_job(tmp_path)
+    run_dir = tmp_path / "run"
+    sites = [
+        subprocess.Popen(
+            [
+                "timeout",
+                "600",
+                *ISTHMUS,
+                "site",
+                "--config",
+                job,
+                "--site",
+                site,
+                "--run-dir",
+                str(run_dir),
+                "--steps",
+                "5000",
+                "--quiet",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group, as a shell's job
+        )  # fmt: skip
+        for site in ("site0", "site1")
+    ]
+    try:
+        metrics = run_dir / "sites" / "site1" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and metrics.read_text().strip(), "no step", 240)
+        site1 = sites[1]
+        os.killpg(site1.pid, signal.SIGTERM)  # timeout passes it on to the launcher again
+        _, err = site1.communicate(timeout=TEARDOWN_S + 15)  # timeout waits for it
+        assert "interrupted; everything this run started has been stopped" in err, err[-2000:]
+        assert "cannot schedule new futures" not in err, err[-2000:]
+        host, _, port = load_config(job).cluster.coordinators["site1"].rpartition(":")
+        with socket.socket() as probe:
+            # As a server binds (gRPC's too): connections in TIME_WAIT do not hold the
+            # port, a listening process would.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, int(port)))
+            probe.listen()
+    finally:
+        for process in sites:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
