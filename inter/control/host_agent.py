@@ -42,7 +42,6 @@ only one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -52,21 +51,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from isthmus.inter.control.host_session import HostSession
+from isthmus.inter.control.agent_upstream import REFUSED, Outcome, Upstream
 from isthmus.inter.control.vouches import Vouches
 from isthmus.proto import coordinator_pb2 as pb
-from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["HostAgent"]
 
 log = logging.getLogger("isthmus.host_agent")
 
 _SERVICE = "isthmus.v1.Coordinator"
-_REFUSED = (
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.FAILED_PRECONDITION,
-)
 _RANK_WAIT_MS = 5_000
 """The longest a rank's watch is held here (a rank asks for 5 s: inter/data/membership.py)."""
 _AGENT_WAIT_MS = 10_000
@@ -77,13 +70,6 @@ _PACE_S = 0.25
 """After an answer that would come at once again (a suspect, no generation, an error):
 the pause before the next poll."""
 _RPC_SLACK_S = 5.0
-_VOTE_THREADS = 2
-"""Threads that send a host's ballots (one batch on each at a time): a step's batch, and
-one of a late rank or of the step after it."""
-
-
-_Status = tuple[grpc.StatusCode, str]
-"""An upstream refusal or failure, handed to a rank as its call's status."""
 
 
 @dataclass
@@ -138,10 +124,7 @@ class HostAgent:
         self.address = listen
         """Where the ranks reach the agent (a port bound to 0 is named once started)."""
         self._listen = listen
-        self._stub = pb_grpc.CoordinatorStub(channel)
         self._clock = clock
-        self.batches = 0
-        """Messages of ballots sent to the coordinator."""
         self.votes = 0
         """Votes the ranks sent here (each answered by the decision of a batch)."""
         self.watches = 0
@@ -155,13 +138,13 @@ class HostAgent:
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"host-agent-{site}", daemon=True
         )
+        self._upstream = Upstream(channel, self._loop, rpc_slack_s=_RPC_SLACK_S / 2)
+        self._stub = self._upstream.stub
         self._server: grpc.aio.Server | None = None
         self._stopped = False
+        self._stopping = threading.Lock()
         self._open: dict[tuple[int, int, bool], _Ballots] = {}
-        self._senders = futures.ThreadPoolExecutor(_VOTE_THREADS, thread_name_prefix="host-vote")
-        self._lock = threading.Lock()  # the sessions, shared by the sending threads
-        self._sessions: list[HostSession] = []  # free ones; one per batch in flight
-        self._opened: list[HostSession] = []  # every one, for stop()
+        self._sending: set[asyncio.Task] = set()  # batches on their way to the coordinator
         # The watch: the coordinator's latest answer, and whom the agent vouches for.
         self._vouches = Vouches(vouch_s, clock)
         self._membership = pb.GetMembershipResponse()
@@ -184,6 +167,11 @@ class HostAgent:
         if self._watching or last is None:
             return 0.0
         return max(0.0, self._clock() - last)
+
+    @property
+    def batches(self) -> int:
+        """Messages of ballots sent to the coordinator."""
+        return self._upstream.messages
 
     def stats(self) -> dict[str, int]:
         """What the agent carried so far: the ranks' calls and the coordinator's."""
@@ -251,20 +239,17 @@ class HostAgent:
 
     def stop(self) -> None:
         """Stops serving (ranks fall back to the coordinator) and ends its streams."""
-        with self._lock:
+        with self._stopping:
             if self._stopped:
                 return
             self._stopped = True
-            sessions, self._sessions, self._opened = self._opened, [], []
-        for session in sessions:  # a vote waiting on one ends now (CANCELLED)
-            session.close()
+        self._upstream.close()  # a vote waiting on the coordinator ends now (CANCELLED)
         if self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
             except (TimeoutError, futures.TimeoutError):
                 log.warning("%s host agent: its server did not stop within 10 s", self.site)
         self._end_loop()
-        self._senders.shutdown(wait=False, cancel_futures=True)
 
     async def _shutdown(self) -> None:
         self._publish()  # the watches held here end now
@@ -275,6 +260,7 @@ class HostAgent:
             self._poll.cancel()
         if self._server is not None:
             await self._server.stop(0.5)
+        await self._loop.shutdown_asyncgens()  # the ranks' vote streams, closed here
 
     def _end_loop(self) -> None:
         if self._thread.is_alive():
@@ -283,32 +269,12 @@ class HostAgent:
         if not self._loop.is_running():
             self._loop.close()
 
-    def _soon(self, callback: Callable[..., object], *args: object) -> None:
-        """``callback(*args)`` on the event loop, from any thread (none once it closed)."""
-        with contextlib.suppress(RuntimeError):  # the loop closed: the agent stopped
-            self._loop.call_soon_threadsafe(callback, *args)
-
-    async def _upstream(self, call: grpc.Future):
-        """The answer of ``call`` (a gRPC future of the sync channel), awaited; the call is
-        cancelled when the rank's call that waits on it is."""
-        done = self._loop.create_future()
-
-        def settle(_: object) -> None:
-            if not done.done():
-                done.set_result(None)
-
-        call.add_done_callback(lambda _: self._soon(settle, None))
-        try:
-            await done
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        return call.result()
-
     async def _pass(self, method, request, context: grpc.aio.ServicerContext):
         """``request`` to the coordinator as it came; its refusal is the rank's."""
         try:
-            return await self._upstream(method.future(request, timeout=context.time_remaining()))
+            return await self._upstream.answer(
+                method.future(request, timeout=context.time_remaining())
+            )
         except grpc.RpcError as exc:
             # Never UNAVAILABLE from here: that code tells a rank its agent is gone.
             code = exc.code()
@@ -341,7 +307,7 @@ class HostAgent:
             else:
                 yield await self._answer(await self._cast(request, request.ballots), context)
 
-    async def _cast(self, request, ballots) -> pb.Decision | _Status:
+    async def _cast(self, request, ballots) -> Outcome:
         """``ballots`` of ``request``'s (step, generation) join the host's batch; the
         outcome of the batch for them (one, or the first refusal among theirs)."""
         key = (request.step, request.generation, request.sites_known)
@@ -368,7 +334,7 @@ class HostAgent:
         return mine[0]
 
     @staticmethod
-    async def _answer(outcome: pb.Decision | _Status, context) -> pb.Decision:
+    async def _answer(outcome: Outcome, context) -> pb.Decision:
         if isinstance(outcome, tuple):
             await context.abort(*outcome)
         return outcome
@@ -388,68 +354,18 @@ class HostAgent:
         del self._open[key]
         if batch.linger is not None:
             batch.linger.cancel()
+        task = self._loop.create_task(self._send(batch))
+        self._sending.add(task)  # held: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: _Ballots) -> None:
         ballots = list(batch.ballots.values())
-        sent = self._senders.submit(self._send, batch.request, ballots, batch.wait_ms)
-        sent.add_done_callback(lambda done: self._soon(self._answered, batch, done))
-
-    @staticmethod
-    def _answered(batch: _Ballots, sent: futures.Future) -> None:
+        try:
+            outcome = await self._upstream.votes(batch.request, ballots, batch.wait_ms)
+        except asyncio.CancelledError:  # the agent stopped: its ranks vote elsewhere
+            outcome = dict.fromkeys(batch.ballots, Upstream.stopped())
         if not batch.outcome.done():
-            if sent.cancelled():  # the agent stopped before it was sent
-                status = (grpc.StatusCode.UNAVAILABLE, "host agent stopped")
-                batch.outcome.set_result(dict.fromkeys(batch.ballots, status))
-            else:
-                batch.outcome.set_result(sent.result())
-
-    def _send(self, request, ballots: list[pb.RankBallot], wait_ms: int) -> dict:
-        """``ballots`` (all at once; one by one if that was refused) -> each rank's
-        outcome. On a sending thread."""
-        session = self._session()
-        try:
-            outcome = self._vote(session, request, ballots, wait_ms)
-            if isinstance(outcome, tuple) and outcome[0] in _REFUSED and len(ballots) > 1:
-                # Whose ballot was refused: each on its own.
-                return {b.rank: self._vote(session, request, [b], wait_ms) for b in ballots}
-            return {b.rank: outcome for b in ballots}
-        finally:
-            with self._lock:
-                kept = not self._stopped
-                if kept:
-                    self._sessions.append(session)
-            if not kept:
-                session.close()
-
-    def _vote(self, session: HostSession, request, ballots, wait_ms: int):
-        with self._lock:
-            if self._stopped:  # its channel closes next: the rank votes elsewhere
-                return grpc.StatusCode.UNAVAILABLE, f"{self.site} host agent stopped"
-            self.batches += 1
-        try:
-            return session.vote(
-                pb.CommitHostStepRequest(
-                    site=request.site,
-                    step=request.step,
-                    generation=request.generation,
-                    ballots=ballots,
-                    wait_ms=wait_ms,
-                    sites_known=request.sites_known,
-                )
-            )
-        except grpc.RpcError as exc:
-            return exc.code(), exc.details() or ""
-        except TimeoutError as exc:  # the session went silent: the rank votes again
-            return grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.site} host agent: {exc}"
-
-    def _session(self) -> HostSession:
-        with self._lock:
-            if self._sessions:
-                return self._sessions.pop()
-            # Less slack than the ranks' calls have: a silent stream is the agent's to
-            # notice, so the rank gets an answer (and votes again) before its deadline.
-            session = HostSession(self._stub, rpc_slack_s=_RPC_SLACK_S / 2)
-            if not self._stopped:
-                self._opened.append(session)
-            return session
+            batch.outcome.set_result(outcome)
 
     # -- watches -----------------------------------------------------------------------
 
@@ -542,7 +458,7 @@ class HostAgent:
             ),
             timeout=_AGENT_WAIT_MS / 1000 + _RPC_SLACK_S,
         )
-        poll.add_done_callback(lambda _: self._soon(self._polled, poll))
+        poll.add_done_callback(lambda _: self._upstream.soon(self._polled, poll))
 
     def _polled(self, poll: grpc.Future) -> None:
         """The agent's poll ended: its answer is the host's, and the next one goes."""
@@ -557,7 +473,7 @@ class HostAgent:
         try:
             reply = poll.result()
         except grpc.RpcError as exc:
-            refused = exc.code() in _REFUSED
+            refused = exc.code() in REFUSED
             self._membership_error = exc if refused else None
             if refused:
                 self._seen = True
