@@ -189,6 +189,8 @@ def read_config(path: Path | str) -> dict[str, Any]:
         raise HFLayoutError(f"{path} not found") from None
     except (OSError, ValueError) as exc:
         raise HFLayoutError(f"{path} is not readable JSON: {exc}") from None
+    except RecursionError:  # json's parser recurses once a level (issue 63)
+        raise HFLayoutError(f"{path} is not a config: its JSON nests too deep") from None
     if not isinstance(data, dict):
         raise HFLayoutError(f"{path} is not a JSON object")
     return data
@@ -349,7 +351,17 @@ def _header(path: Path) -> dict[str, Any]:
             table = json.loads(f.read(size))
     except (OSError, ValueError, struct.error) as exc:
         raise HFLayoutError(f"{path} is not a readable safetensors file: {exc}") from None
+    except RecursionError:  # json's parser recurses once a level (issue 63)
+        raise HFLayoutError(
+            f"{path} is not a safetensors file: its header nests too deep"
+        ) from None
+    if not isinstance(table, dict):
+        raise HFLayoutError(f"{path} is not a safetensors file: its header is not a JSON object")
     table.pop("__metadata__", None)
+    for name, entry in table.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+            raise HFLayoutError(f"{path}: tensor {name[:80]!r} has no shape (a list of ints)")
     return table
 
 

@@ -126,6 +126,8 @@ def _file_facts(path: str, mtime_ns: int, size: int) -> tuple[int, str]:
         value = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not JSON ({exc})") from None
+    except RecursionError:  # json's parser recurses once a level (issue 63)
+        raise ValueError(f"{path} is not a tokenizer: its JSON nests too deep") from None
     try:
         vocab = json_vocab_size(value)
     except ValueError as exc:
@@ -234,10 +236,14 @@ class TextTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         """``text``'s token ids, uint16 (no special tokens added)."""
+        return self.encode_pieces(text_pieces(text))
+
+    def encode_pieces(self, pieces: Sequence[str]) -> np.ndarray:
+        """The token ids of ``pieces``, each encoded on its own (together, on all cores),
+        one after another: ``encode(text)`` is ``encode_pieces(text_pieces(text))``."""
         import numpy as np
 
-        pieces = text_pieces(text)
-        encodings = self._tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
+        encodings = self._tokenizer.encode_batch_fast(list(pieces), add_special_tokens=False)
         parts = [np.asarray(e.ids, dtype=np.uint16) for e in encodings]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 

@@ -137,3 +137,33 @@ def test_a_preset_shape_exports_as_a_config_transformers_reads(
     tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, **LOGITS_TOL)
+
+
+@pytest.mark.parametrize(
+    ("header", "why"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nests too deep"),  # issue 63: RecursionError
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"model.embed_tokens.weight": {"dtype": "F32"}}', "has no shape"),
+        (b'{"x": 7}', "has no shape"),
+    ],
+)
+def test_a_malformed_safetensors_header_is_named_with_its_file(
+    tmp_path: Path, header: bytes, why: str
+) -> None:
+    hf_model("llama", tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(len(header).to_bytes(8, "little") + header)
+    cfg = hf_layout.model_config(json.loads((tmp_path / "config.json").read_text()))
+    with pytest.raises(hf_layout.HFLayoutError) as info:
+        hf_layout.check_weights(tmp_path, cfg)
+    assert str(weights) in str(info.value) and why in str(info.value), info.value
+    assert "\n" not in str(info.value)
+
+
+def test_a_config_json_nested_too_deep_is_named_with_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(hf_layout.HFLayoutError, match="nests too deep") as info:
+        hf_layout.read_config(path)
+    assert str(path) in str(info.value)
