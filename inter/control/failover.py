@@ -243,6 +243,9 @@ class Failover:
             self._refuse_if_too_far_locked(request.step, context)
             for ballot in ballots:
                 self.ballots.vote_rank_locked(key, ballot.rank, ballot.ok)
+        # A vote is a beat (inter/control/rank_liveness.py): a late agent's ranks that
+        # still vote through it are not its silence.
+        self.rank_liveness.voted([ballot.rank for ballot in ballots])
         return key
 
     def site_vote(self, request: pb.SiteVoteRequest, context: grpc.ServicerContext):

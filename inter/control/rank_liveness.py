@@ -14,7 +14,9 @@ suspect makes a rank dead, ten missed beats by default) is not.
 
 A host agent (inter/control/host_agent.py) holds the watches of its host's ranks and
 polls for all of them at once, naming in each poll the ranks whose watches it holds
-(``vouched_rank_keys``): each counts as that rank's poll in flight.
+(``vouched_rank_keys``): each counts as that rank's poll in flight. A rank's vote, its
+own or in its agent's batch, is a beat too: an agent late to poll again that still
+sends its ranks' votes keeps them alive.
 
 Silence is measured on the coordinator's own time (inter/control/vouches.py,
 ``OwnTime``): the check of the ranks' silence runs every ``check_s``, and one that runs
@@ -149,6 +151,18 @@ class RankLiveness:
             yield
         finally:
             end()
+
+    def voted(self, ranks: Collection[int]) -> None:
+        """A vote of each of ``ranks`` came now (its own, or in its host agent's batch):
+        as good a beat as a poll. An agent late to poll again (its host starved of CPU)
+        that still sends its ranks' votes does not have them declared dead; a rank that
+        neither votes nor is vouched for is."""
+        with self._lock:
+            now = self.time.now()
+            for rank in ranks:
+                beat = self._ranks[rank]
+                if beat.watched and beat.calls == 0:
+                    beat.last = max(beat.last, now)
 
     def silent(self) -> list[int]:
         """The watched ranks with no poll in flight for longer than ``silence_s`` of the

@@ -115,3 +115,19 @@ def test_ranks_are_found_silent_after_the_silence_when_the_coordinator_keeps_tim
     assert _check_every(clock, live, SILENCE_S - CHECK_S) == []
     assert _check_every(clock, live, 2 * CHECK_S) == [0]
     held.__exit__(None, None, None)
+
+
+def test_a_rank_whose_agent_is_late_to_poll_but_sends_its_votes_is_alive():
+    """The agent's poll ended and it is late to send the next (starved), but the host's
+    ballots still come, a batch a step: each is its ranks' beat. A rank of the host that
+    neither votes nor is vouched for is declared dead after the silence."""
+    clock = ManualClock()
+    live = RankLiveness(3, SILENCE_S, clock)
+    with live.polling([0, 1, 2], watcher=True):  # the agent's last poll, for all three
+        pass
+    for _ in range(round(2 * SILENCE_S)):  # a step a second, ranks 0 and 1 voting
+        live.voted([0, 1])
+        found = _check_every(clock, live, 1.0)
+        if found:
+            break
+    assert found == [2], found
