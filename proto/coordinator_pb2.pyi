@@ -23,7 +23,7 @@ VERDICT_REJOIN: Verdict
 VERDICT_STOP: Verdict
 
 class Decision(_message.Message):
-    __slots__ = ("step", "verdict", "generation", "sites", "reason", "state_source", "state_step")
+    __slots__ = ("step", "verdict", "generation", "sites", "reason", "state_source", "state_step", "admitted")
     STEP_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class Decision(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     STATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     STATE_STEP_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     step: int
     verdict: Verdict
     generation: int
@@ -38,7 +39,8 @@ class Decision(_message.Message):
     reason: str
     state_source: str
     state_step: int
-    def __init__(self, step: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., reason: _Optional[str] = ..., state_source: _Optional[str] = ..., state_step: _Optional[int] = ...) -> None: ...
+    admitted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, str]] = ..., generation: _Optional[int] = ..., sites: _Optional[_Iterable[_Union[SiteInfo, _Mapping]]] = ..., reason: _Optional[str] = ..., state_source: _Optional[str] = ..., state_step: _Optional[int] = ..., admitted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
     __slots__ = ("site", "rank", "step", "generation", "ok", "wait_ms", "rank_key", "sites_known")
@@ -264,7 +266,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., generation: _Optional[int] = ..., confirm_digest: _Optional[bool] = ..., confirm_step: _Optional[int] = ..., confirm_generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready", "proposed_members", "aborted")
+    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready", "proposed_members", "aborted", "step", "finished")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +275,8 @@ class HeartbeatResponse(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     generation: int
     member: bool
     incarnation: str
@@ -281,7 +285,9 @@ class HeartbeatResponse(_message.Message):
     ready: bool
     proposed_members: _containers.RepeatedScalarFieldContainer[str]
     aborted: str
-    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ..., aborted: _Optional[str] = ...) -> None: ...
+    step: int
+    finished: bool
+    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ..., aborted: _Optional[str] = ..., step: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
     __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key")

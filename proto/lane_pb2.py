@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18isthmus/proto/lane.proto\x12\nisthmus.v1\"\x82\x02\n\x11PushChunksRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05group\x18\x03 \x01(\r\x12#\n\x04kind\x18\x04 \x01(\x0e\x32\x15.isthmus.v1.ChunkKind\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x12\n\nnum_chunks\x18\x06 \x01(\r\x12\x11\n\tfrom_site\x18\x07 \x01(\r\x12\x16\n\x0etotal_elements\x18\x08 \x01(\x04\x12\x14\n\x0cnum_elements\x18\t \x01(\r\x12\r\n\x05\x63odec\x18\n \x01(\t\x12\x0f\n\x07payload\x18\x0b \x01(\x0c\x12\r\n\x05\x63rc32\x18\x0c \x01(\r\"7\n\x12PushChunksResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07\x63orrupt\x18\x02 \x01(\r\"\xa1\x01\n\x12ResendChunkRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05group\x18\x03 \x01(\r\x12#\n\x04kind\x18\x04 \x01(\x0e\x32\x15.isthmus.v1.ChunkKind\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x11\n\tfrom_site\x18\x06 \x01(\r\x12\r\n\x05nonce\x18\x07 \x01(\x0c\"\"\n\x13ResendChunkResponseJ\x04\x08\x01\x10\x02R\x05\x63hunk\"R\n\x13\x44\x65liverChunkRequest\x12,\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1d.isthmus.v1.PushChunksRequest\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"\x16\n\x14\x44\x65liverChunkResponse\"B\n\x10PullStateRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\"z\n\nStatePiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"3\n\x0fOpenBulkRequest\x12\x11\n\tfrom_site\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"0\n\x10OpenBulkResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"R\n\x10GrantBulkRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x11\n\tfrom_site\x18\x04 \x01(\r\"\x13\n\x11GrantBulkResponse\"g\n\x11\x41\x62ortRoundRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05group\x18\x03 \x01(\r\x12\x11\n\tfrom_site\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x14\n\x12\x41\x62ortRoundResponse*[\n\tChunkKind\x12\x1a\n\x16\x43HUNK_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43HUNK_KIND_CONTRIBUTION\x10\x01\x12\x15\n\x11\x43HUNK_KIND_RESULT\x10\x02\x32\x9b\x04\n\x04Lane\x12M\n\nPushChunks\x12\x1d.isthmus.v1.PushChunksRequest\x1a\x1e.isthmus.v1.PushChunksResponse(\x01\x12N\n\x0bResendChunk\x12\x1e.isthmus.v1.ResendChunkRequest\x1a\x1f.isthmus.v1.ResendChunkResponse\x12Q\n\x0c\x44\x65liverChunk\x12\x1f.isthmus.v1.DeliverChunkRequest\x1a .isthmus.v1.DeliverChunkResponse\x12\x43\n\tPullState\x12\x1c.isthmus.v1.PullStateRequest\x1a\x16.isthmus.v1.StatePiece0\x01\x12\x45\n\x08OpenBulk\x12\x1b.isthmus.v1.OpenBulkRequest\x1a\x1c.isthmus.v1.OpenBulkResponse\x12H\n\tGrantBulk\x12\x1c.isthmus.v1.GrantBulkRequest\x1a\x1d.isthmus.v1.GrantBulkResponse\x12K\n\nAbortRound\x12\x1d.isthmus.v1.AbortRoundRequest\x1a\x1e.isthmus.v1.AbortRoundResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18isthmus/proto/lane.proto\x12\nisthmus.v1\"\x82\x02\n\x11PushChunksRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05group\x18\x03 \x01(\r\x12#\n\x04kind\x18\x04 \x01(\x0e\x32\x15.isthmus.v1.ChunkKind\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x12\n\nnum_chunks\x18\x06 \x01(\r\x12\x11\n\tfrom_site\x18\x07 \x01(\r\x12\x16\n\x0etotal_elements\x18\x08 \x01(\x04\x12\x14\n\x0cnum_elements\x18\t \x01(\r\x12\r\n\x05\x63odec\x18\n \x01(\t\x12\x0f\n\x07payload\x18\x0b \x01(\x0c\x12\r\n\x05\x63rc32\x18\x0c \x01(\r\"7\n\x12PushChunksResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0f\n\x07\x63orrupt\x18\x02 \x01(\r\"\xa1\x01\n\x12ResendChunkRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05group\x18\x03 \x01(\r\x12#\n\x04kind\x18\x04 \x01(\x0e\x32\x15.isthmus.v1.ChunkKind\x12\x13\n\x0b\x63hunk_index\x18\x05 \x01(\r\x12\x11\n\tfrom_site\x18\x06 \x01(\r\x12\r\n\x05nonce\x18\x07 \x01(\x0c\"\"\n\x13ResendChunkResponseJ\x04\x08\x01\x10\x02R\x05\x63hunk\"R\n\x13\x44\x65liverChunkRequest\x12,\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1d.isthmus.v1.PushChunksRequest\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"\x16\n\x14\x44\x65liverChunkResponse\"r\n\x10PullStateRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\x11\n\tfrom_rank\x18\x05 \x01(\r\x12\r\n\x05nonce\x18\x06 \x01(\x0c\"c\n\x12\x43onfirmPullRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0e\n\x06source\x18\x05 \x01(\t\"\x15\n\x13\x43onfirmPullResponse\"z\n\nStatePiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"3\n\x0fOpenBulkRequest\x12\x11\n\tfrom_site\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"0\n\x10OpenBulkResponse\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"R\n\x10GrantBulkRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x11\n\tfrom_site\x18\x04 \x01(\r\"\x13\n\x11GrantBulkResponse\"g\n\x11\x41\x62ortRoundRequest\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05group\x18\x03 \x01(\r\x12\x11\n\tfrom_site\x18\x04 \x01(\r\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x14\n\x12\x41\x62ortRoundResponse*[\n\tChunkKind\x12\x1a\n\x16\x43HUNK_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43HUNK_KIND_CONTRIBUTION\x10\x01\x12\x15\n\x11\x43HUNK_KIND_RESULT\x10\x02\x32\xeb\x04\n\x04Lane\x12M\n\nPushChunks\x12\x1d.isthmus.v1.PushChunksRequest\x1a\x1e.isthmus.v1.PushChunksResponse(\x01\x12N\n\x0bResendChunk\x12\x1e.isthmus.v1.ResendChunkRequest\x1a\x1f.isthmus.v1.ResendChunkResponse\x12Q\n\x0c\x44\x65liverChunk\x12\x1f.isthmus.v1.DeliverChunkRequest\x1a .isthmus.v1.DeliverChunkResponse\x12\x43\n\tPullState\x12\x1c.isthmus.v1.PullStateRequest\x1a\x16.isthmus.v1.StatePiece0\x01\x12N\n\x0b\x43onfirmPull\x12\x1e.isthmus.v1.ConfirmPullRequest\x1a\x1f.isthmus.v1.ConfirmPullResponse\x12\x45\n\x08OpenBulk\x12\x1b.isthmus.v1.OpenBulkRequest\x1a\x1c.isthmus.v1.OpenBulkResponse\x12H\n\tGrantBulk\x12\x1c.isthmus.v1.GrantBulkRequest\x1a\x1d.isthmus.v1.GrantBulkResponse\x12K\n\nAbortRound\x12\x1d.isthmus.v1.AbortRoundRequest\x1a\x1e.isthmus.v1.AbortRoundResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'isthmus.proto.lane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHUNKKIND']._serialized_start=1193
-  _globals['_CHUNKKIND']._serialized_end=1284
+  _globals['_CHUNKKIND']._serialized_start=1365
+  _globals['_CHUNKKIND']._serialized_end=1456
   _globals['_PUSHCHUNKSREQUEST']._serialized_start=41
   _globals['_PUSHCHUNKSREQUEST']._serialized_end=299
   _globals['_PUSHCHUNKSRESPONSE']._serialized_start=301
@@ -46,21 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELIVERCHUNKRESPONSE']._serialized_start=642
   _globals['_DELIVERCHUNKRESPONSE']._serialized_end=664
   _globals['_PULLSTATEREQUEST']._serialized_start=666
-  _globals['_PULLSTATEREQUEST']._serialized_end=732
-  _globals['_STATEPIECE']._serialized_start=734
-  _globals['_STATEPIECE']._serialized_end=856
-  _globals['_OPENBULKREQUEST']._serialized_start=858
-  _globals['_OPENBULKREQUEST']._serialized_end=909
-  _globals['_OPENBULKRESPONSE']._serialized_start=911
-  _globals['_OPENBULKRESPONSE']._serialized_end=959
-  _globals['_GRANTBULKREQUEST']._serialized_start=961
-  _globals['_GRANTBULKREQUEST']._serialized_end=1043
-  _globals['_GRANTBULKRESPONSE']._serialized_start=1045
-  _globals['_GRANTBULKRESPONSE']._serialized_end=1064
-  _globals['_ABORTROUNDREQUEST']._serialized_start=1066
-  _globals['_ABORTROUNDREQUEST']._serialized_end=1169
-  _globals['_ABORTROUNDRESPONSE']._serialized_start=1171
-  _globals['_ABORTROUNDRESPONSE']._serialized_end=1191
-  _globals['_LANE']._serialized_start=1287
-  _globals['_LANE']._serialized_end=1826
+  _globals['_PULLSTATEREQUEST']._serialized_end=780
+  _globals['_CONFIRMPULLREQUEST']._serialized_start=782
+  _globals['_CONFIRMPULLREQUEST']._serialized_end=881
+  _globals['_CONFIRMPULLRESPONSE']._serialized_start=883
+  _globals['_CONFIRMPULLRESPONSE']._serialized_end=904
+  _globals['_STATEPIECE']._serialized_start=906
+  _globals['_STATEPIECE']._serialized_end=1028
+  _globals['_OPENBULKREQUEST']._serialized_start=1030
+  _globals['_OPENBULKREQUEST']._serialized_end=1081
+  _globals['_OPENBULKRESPONSE']._serialized_start=1083
+  _globals['_OPENBULKRESPONSE']._serialized_end=1131
+  _globals['_GRANTBULKREQUEST']._serialized_start=1133
+  _globals['_GRANTBULKREQUEST']._serialized_end=1215
+  _globals['_GRANTBULKRESPONSE']._serialized_start=1217
+  _globals['_GRANTBULKRESPONSE']._serialized_end=1236
+  _globals['_ABORTROUNDREQUEST']._serialized_start=1238
+  _globals['_ABORTROUNDREQUEST']._serialized_end=1341
+  _globals['_ABORTROUNDRESPONSE']._serialized_start=1343
+  _globals['_ABORTROUNDRESPONSE']._serialized_end=1363
+  _globals['_LANE']._serialized_start=1459
+  _globals['_LANE']._serialized_end=2078
 # @@protoc_insertion_point(module_scope)

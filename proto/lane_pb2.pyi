@@ -87,14 +87,38 @@ class DeliverChunkResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PullStateRequest(_message.Message):
-    __slots__ = ("generation", "step", "rank")
+    __slots__ = ("generation", "step", "rank", "site", "from_rank", "nonce")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    FROM_RANK_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     generation: int
     step: int
     rank: int
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    site: str
+    from_rank: int
+    nonce: bytes
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., site: _Optional[str] = ..., from_rank: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ConfirmPullRequest(_message.Message):
+    __slots__ = ("nonce", "generation", "step", "rank", "source")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    generation: int
+    step: int
+    rank: int
+    source: str
+    def __init__(self, nonce: _Optional[bytes] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+
+class ConfirmPullResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StatePiece(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "crc32")

@@ -54,6 +54,11 @@ class LaneStub:
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.PullStateRequest.SerializeToString,
                 response_deserializer=isthmus_dot_proto_dot_lane__pb2.StatePiece.FromString,
                 _registered_method=True)
+        self.ConfirmPull = channel.unary_unary(
+                '/isthmus.v1.Lane/ConfirmPull',
+                request_serializer=isthmus_dot_proto_dot_lane__pb2.ConfirmPullRequest.SerializeToString,
+                response_deserializer=isthmus_dot_proto_dot_lane__pb2.ConfirmPullResponse.FromString,
+                _registered_method=True)
         self.OpenBulk = channel.unary_unary(
                 '/isthmus.v1.Lane/OpenBulk',
                 request_serializer=isthmus_dot_proto_dot_lane__pb2.OpenBulkRequest.SerializeToString,
@@ -103,7 +108,18 @@ class LaneServicer:
 
     def PullState(self, request, context):
         """A joining site's rank pulls the training state of the rank at its mesh
-        coordinate, as named tensors in pieces (never pickle).
+        coordinate, as named tensors in pieces (never pickle). Served once to each rank
+        of a site the commit admitted, and only after that rank's own lane, at the address
+        the commit names, confirmed the request's nonce (ConfirmPull); dropped after the
+        pulls or a deadline (issue 63).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConfirmPull(self, request, context):
+        """The serving lane asks the joining rank's lane whether it made a PullState
+        request's nonce; PERMISSION_DENIED when it did not (the pull was forged).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,6 +179,11 @@ def add_LaneServicer_to_server(servicer, server):
                     servicer.PullState,
                     request_deserializer=isthmus_dot_proto_dot_lane__pb2.PullStateRequest.FromString,
                     response_serializer=isthmus_dot_proto_dot_lane__pb2.StatePiece.SerializeToString,
+            ),
+            'ConfirmPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmPull,
+                    request_deserializer=isthmus_dot_proto_dot_lane__pb2.ConfirmPullRequest.FromString,
+                    response_serializer=isthmus_dot_proto_dot_lane__pb2.ConfirmPullResponse.SerializeToString,
             ),
             'OpenBulk': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenBulk,
@@ -288,6 +309,33 @@ class Lane:
             '/isthmus.v1.Lane/PullState',
             isthmus_dot_proto_dot_lane__pb2.PullStateRequest.SerializeToString,
             isthmus_dot_proto_dot_lane__pb2.StatePiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isthmus.v1.Lane/ConfirmPull',
+            isthmus_dot_proto_dot_lane__pb2.ConfirmPullRequest.SerializeToString,
+            isthmus_dot_proto_dot_lane__pb2.ConfirmPullResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,6 @@ import os
 import threading
 import time
 
-import grpc
 from helpers import register_rank, wait_until
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
@@ -57,13 +56,15 @@ def rank_key(coord: Coordinator) -> str:
 
 
 def register(coord: Coordinator, lane: str) -> None:
-    register_rank(coord.address, coord.site, FP, key=rank_key(coord), lane=lane)
+    register_rank(
+        coord.address, coord.site, FP, key=rank_key(coord), lane=lane, security=coord.security
+    )
 
 
 def vote(coord: Coordinator, step: int, generation: int, ok: bool = True, wait_s: float = 15):
     """What a rank does: vote, then ask again until the decision is not PENDING."""
     deadline = time.monotonic() + wait_s
-    with grpc.insecure_channel(coord.address) as channel:
+    with coord.security.channel(coord.address) as channel:  # its token, if it has one
         stub = pb_grpc.CoordinatorStub(channel)
         request = pb.CommitStepRequest(
             site=coord.site,
@@ -115,10 +116,11 @@ def retry_until(coords, step, generation, members, ok):
     raise AssertionError(f"never retried with {members} alone")
 
 
-def restart_site1(address: str, site0: Coordinator, lane: str) -> Coordinator:
-    """A new site1 coordinator at ``address`` (its old one stopped), one rank registered."""
+def restart_site1(address: str, site0: Coordinator, lane: str, **options) -> Coordinator:
+    """A new site1 coordinator at ``address`` (its old one stopped), one rank registered;
+    ``options`` as :func:`coordinator`'s."""
     host, port = address.rsplit(":", 1)
-    again = coordinator("site1", ["site0", "site1"], host=host, port=int(port))
+    again = coordinator("site1", ["site0", "site1"], host=host, port=int(port), **options)
     again.set_peers({"site0": site0.address})
     again.start()
     register(again, lane=lane)

@@ -4,6 +4,8 @@ manglers, the check that a refusal explains itself, and the lane they fuzz."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import torch
 from google.protobuf import message_factory
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.lane import PASS_METADATA, LaneServer, channel_options
+from isthmus.inter.data.state_transfer import Admitted
 from isthmus.proto import lane_pb2
 
 FP = {"job.seed": "0"}
@@ -226,15 +229,23 @@ class _Denied(grpc.RpcError):
 
 
 class Lane:
-    """A real LaneServer on loopback in a known state: a state on offer for PullState, a
-    sent chunk in the outbox for ResendChunk, and the mailbox past step FLOOR."""
+    """A real LaneServer on loopback in a known state: a state on offer for PullState to
+    site1's rank 0 (whose "lane" confirms one nonce, random per run, that no fuzzed pull
+    carries), a sent chunk in the outbox for ResendChunk, and the mailbox past step
+    FLOOR."""
 
     def __init__(self) -> None:
         self.server = LaneServer(
             site_index=0, num_sites=3, codec="raw", generation=LANE_GEN, chunk_bytes=CHUNK_BYTES
         )
-        self.server.offer_wait_s = 0.05
-        self.server.offers.offer(LANE_GEN, 11, offered_state())
+        self.pull_nonce = os.urandom(32)
+
+        def confirm(site: str, rank: int, request, timeout: float) -> None:
+            if request.nonce != self.pull_nonce:
+                raise _Denied()
+
+        admitted = Admitted(source="site0", ranks=1, rank=0, joiners={"site1": 1}, confirm=confirm)
+        self.server.offers.offer(LANE_GEN, 11, offered_state(), admitted, ttl_s=600)
         self.sent = chunk(step=5, kind=lane_pb2.CHUNK_KIND_RESULT, from_site=0, payload=b"abc")
         self.asker = AskingLane()
         self.server.outbox.put(
@@ -261,8 +272,8 @@ class Lane:
                 set(m._corrupt),
                 m._floor,
             )
-        with s.offers._cond:
-            offer = s.offers._offer and (s.offers._offer[:2], id(s.offers._offer[2]))
+        offer = s.offers.current
+        offer = offer and (offer.generation, offer.step, id(offer.state), sorted(offer.waiting))
         return mailbox, len(s.outbox), s.corruptions, offer, s.generation, s.site_index
 
     def assert_healthy(self) -> None:
@@ -282,13 +293,11 @@ class Lane:
         )
         assert reply.ListFields() == []  # the chunk went to the asking site's lane
         assert self.asker.got[-1] == self.sent.SerializeToString()
-        pieces = list(
-            self.rpc("PullState", "unary_stream")(
-                lane_pb2.PullStateRequest(generation=LANE_GEN, step=11).SerializeToString(),
-                timeout=5,
-            )
+        pull = lane_pb2.PullStateRequest(
+            generation=LANE_GEN, step=11, site="site1", nonce=self.pull_nonce
         )
-        assert len(pieces) == 3
+        pieces = list(self.rpc("PullState", "unary_stream")(pull.SerializeToString(), timeout=5))
+        assert len(pieces) == 3  # the state is still on offer, and goes to site1 only
 
     def close(self) -> None:
         self.channel.close()

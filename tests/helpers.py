@@ -16,6 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from isthmus.inter.security import SiteSecurity
 
 ISTHMUS = [sys.executable, "-m", "isthmus.deploy.cli"]
 ROOT = Path(__file__).resolve().parents[1]  # the repository: tests/ sits at its top
@@ -189,14 +193,15 @@ def register_rank(
     lane: str = "127.0.0.1:1",
     rank: int = 0,
     world_size: int = 1,
+    security: SiteSecurity | None = None,
 ) -> None:
-    """What a rank does first: register its lane and its key at its site's coordinator."""
-    import grpc
-
+    """What a rank does first: register its lane and its key at its site's coordinator
+    (over ``security``'s channel: its token, its TLS; plaintext without)."""
+    from isthmus.inter.security import INSECURE
     from isthmus.proto import coordinator_pb2 as pb
     from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with (security or INSECURE).channel(address) as channel:
         pb_grpc.CoordinatorStub(channel).RegisterRank(
             pb.RegisterRankRequest(
                 site=site,

@@ -186,7 +186,13 @@ class CrossSite:
         """After a step whose commit admitted a site and named this one as the source
         of its state (``StepOutcome.offer_state``): offer the state, for ``PullState``."""
         state = rank_state(trainer, next_step, extra=extra_state(self.sync, self.outer, self.plan))
-        self.link.offer_state(decision.generation, decision.state_step, state)
+        self.link.offer_state(
+            decision.generation,
+            decision.state_step,
+            state,
+            sites=list(decision.sites),
+            admitted=list(decision.admitted),
+        )
 
     def close(self) -> None:
         self.link.close()

@@ -433,7 +433,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
             )
         with st.cond:
-            st.peer_progress_locked(request.site, request.step, request.finished)
+            # A claim about request.site, not its word: "finished" is asked of the site
+            # itself (the peer loop) before a joining site gives up (issue 63).
+            st.heartbeat_locked(request.site, request.finished, context.peer())
         self.metrics.site_up.labels(self.site, request.site).set(1)
         refused = st.replicas.claim(request.site, request.digest_step, request.digest, live=st.step)
         if refused is not None:  # the heartbeat counts; its digest does not
@@ -449,6 +451,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 ready=st.local_ready_locked(),
                 proposed_members=self.failover.leader.proposing.get(request.confirm_generation, []),
                 aborted=st.abort.answer_for(request.site),
+                step=st.step,
+                finished=st.finished,
             )
 
     def CommitStep(self, request, context):  # noqa: N802

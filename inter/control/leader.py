@@ -219,6 +219,8 @@ class Leader:
                     state_source=change.source,
                     state_step=step,
                     reason=f"admits {', '.join(change.joiners)}",
+                    # The source's lanes serve its state to these sites' ranks only.
+                    admitted=change.joiners,
                 )
             else:
                 gone = sorted(set(change.members) - set(change.new_members))

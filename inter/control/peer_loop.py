@@ -6,6 +6,12 @@ cut off) keeps asking until the leader admits it. Afterwards it sends heartbeats
 this site's step, latest digest and generation; a peer's answer tells a left-out
 site that the job went on without it, and any site that a script raised at the peer
 (inter/control/abort.py).
+
+What a peer's answer says of itself (its step, whether it ran its last step) is what
+this site believes of it. A heartbeat *in* a peer's name says the same, but anyone with
+the job token can send one: "site0 finished" once made a restarting site1 give up for
+good while site0 trained on alone (issue 63). A joining site told so asks the named
+site itself before it gives up.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class PeerLoop:
         self.stubs = stubs
         self.admission = admission
         self.metrics = metrics
+        self._asked: dict[str, float] = {}  # peer -> when a claim was last asked of it
 
     def run(self) -> None:
         st, stubs = self.state, self.stubs
@@ -95,6 +102,7 @@ class PeerLoop:
                 site_up.labels(site, name).set(1)
                 if reply is not None:  # None: an answer that did not parse
                     st.abort.learn(name, reply.aborted)
+                    self.learn_progress(name, reply)
                 self.check_left_out(name, reply)
                 self.settle_claims(name, reply, doubted)
             except grpc.RpcError as exc:
@@ -104,6 +112,38 @@ class PeerLoop:
                 members = st.members
                 if not st.stopped.is_set() and (name in members or not members):
                     log.warning("[%s] heartbeat to %s failed: %s", site, name, exc.code().name)
+
+    def learn_progress(self, name: str, reply: pb.HeartbeatResponse) -> None:
+        """``name``'s own step and whether it finished, as it answered at its address;
+        a heartbeat in its name that said it finished, and it says not, was forged."""
+        st = self.state
+        with st.cond:
+            belied = st.peer_progress_locked(name, reply.step, reply.finished)
+        if belied is not None:
+            log.warning(
+                "[%s] a heartbeat from %s said %s ran its last step; %s itself says it runs "
+                "step %d: the claim is dropped",
+                st.site,
+                belied,
+                name,
+                name,
+                reply.step,
+            )
+
+    def check_finished(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
+        """Asks each peer that a heartbeat in its name said finished whether it did
+        (its answer settles it: ``learn_progress``), at most once a heartbeat period
+        while it does not answer."""
+        now = self.state.clock()
+        ask = {
+            name: stubs[name]
+            for name in sorted(self.state.finished_claims)
+            if name in stubs and now - self._asked.get(name, -1e9) >= self.settings.heartbeat_s
+        }
+        for name in ask:
+            self._asked[name] = now
+        if ask:
+            self.heartbeat_round(ask)
 
     def settle_claims(self, name: str, reply: pb.HeartbeatResponse, doubted: int | None) -> None:
         """What ``name`` answered at its own address settles what calls claiming to be
@@ -151,8 +191,11 @@ class PeerLoop:
         if joined and not pending:
             self.heartbeat_round(stubs)
             return
+        if st.joining:
+            self.check_finished(stubs)
         if st.joining and st.finished_peers:
             # Admission happens at a step boundary; after the last step there is none.
+            # Only a peer's own answer says it finished (check_finished asked it).
             st.fail(
                 f"the job finished ({', '.join(sorted(st.finished_peers))} ran its last "
                 f"step) before {s.site} could be admitted"
@@ -164,9 +207,17 @@ class PeerLoop:
             with st.cond:
                 absent = [n for n in stubs if n not in st.ready_sites]
                 local = sum(1 for lane in st.lanes if lane)
+            unsettled = sorted(st.finished_claims)
+            said = (
+                f"; heartbeats said {', '.join(unsettled)} ran the last step, which "
+                "did not answer to confirm it"
+                if unsettled
+                else ""
+            )
             st.fail(
                 f"timed out after {s.join_timeout_s:.0f}s joining the job: "
-                f"{local}/{s.ranks} local ranks registered; sites not ready: {absent or 'none'}"
+                f"{local}/{s.ranks} local ranks registered; sites not ready: "
+                f"{absent or 'none'}{said}"
             )
             return
         request = pb.JoinRequest(

@@ -119,6 +119,7 @@ class CoordinatorState:
         self._digest: tuple[int, str] = (0, "")
         self._peer_steps: dict[str, int] = {}
         self._finished_peers: set[str] = set()
+        self._finished_claims: dict[str, str] = {}
         self.incarnations = Incarnations()
         """This process's id and the peers' (guarded by ``cond``)."""
         self.replicas = ReplicaDigests(site)
@@ -228,13 +229,20 @@ class CoordinatorState:
 
     @property
     def peer_steps(self) -> Mapping[str, int]:
-        """The step each peer's heartbeats last said it runs, read-only."""
+        """The step each peer last said it runs, in its own answer, read-only."""
         return MappingProxyType(self._peer_steps)
 
     @property
     def finished_peers(self) -> frozenset[str]:
-        """Peers whose heartbeats said they ran their last step."""
+        """Peers that said, in their own answer at their configured address, that they
+        ran their last step."""
         return frozenset(self._finished_peers)
+
+    @property
+    def finished_claims(self) -> frozenset[str]:
+        """Peers that a heartbeat in their name said finished, not yet asked: anyone with
+        the token can send one (issue 63: one stopped a restarting site for good)."""
+        return frozenset(self._finished_claims)
 
     def seconds_since_start(self) -> float:
         """How long ago the coordinator started (0 before it did)."""
@@ -379,13 +387,27 @@ class CoordinatorState:
         noticed by time, and the failover loop wakes the waiters when the suspects change."""
         self._last_seen[name] = self.clock()
 
-    def peer_progress_locked(self, name: str, step: int, finished: bool) -> None:
-        """Peer ``name``'s heartbeat said it runs ``step`` (and whether it finished)."""
+    def heartbeat_locked(self, name: str, finished: bool, caller: str) -> None:
+        """A heartbeat in peer ``name``'s name arrived from ``caller``. It counts as hearing
+        from ``name`` (docs/security.md says what that leaves open); what it says of the
+        peer's progress is a claim: "finished" is kept to be asked of ``name`` itself
+        (``peer_progress_locked`` settles it), and its step is not taken."""
+        self._last_seen[name] = self.clock()
+        if finished and name in self.peers and name not in self._finished_peers:
+            self._finished_claims[name] = caller[:128]  # one a peer: the latest caller
+        self.cond.notify_all()  # a peer's news: waiters re-check
+
+    def peer_progress_locked(self, name: str, step: int, finished: bool) -> str | None:
+        """Peer ``name``'s own answer, at its configured address: it runs ``step`` (and
+        whether it finished). Settles a claim that it finished; returns the caller of a
+        claim its answer belies, else None."""
         self._last_seen[name] = self.clock()
         self._peer_steps[name] = step
+        claimed = self._finished_claims.pop(name, None)
         if finished:
             self._finished_peers.add(name)
         self.cond.notify_all()  # a peer's progress: waiters re-check
+        return claimed if claimed is not None and not finished else None
 
     def report_progress_locked(
         self, step: int, finished: bool, digest_step: int, digest: str

@@ -36,7 +36,7 @@ from isthmus.inter.data.chunk_checks import (
     validate_chunk,
 )
 from isthmus.inter.data.lane_handoff import LaneHandoff, holder_of
-from isthmus.inter.data.lane_requests import OFFER_WAIT_S, LaneRequests
+from isthmus.inter.data.lane_requests import PULL_STATE_SHARE, LaneRequests
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
 from isthmus.inter.data.round_types import Members
 from isthmus.inter.data.state_transfer import StateOffers
@@ -60,11 +60,12 @@ PASS_METADATA = "isthmus-lane-pass"
 
 RESERVED_THREADS = 8
 """A lane's handler threads that ``PushChunks`` streams may never take."""
-PULL_STATE_WAITS = 2
-"""``PullState`` calls a lane serves at once: each may wait for its state up to
-``offer_wait_s`` on a handler thread, and a joining rank pulls from its own coordinate
-once at a time. 40 held ones once took every thread of a lane: its rounds, ``OpenBulk``
-and health froze for 50 s (issue 33, row 3)."""
+PULL_STATE_SLOTS = 2 * PULL_STATE_SHARE
+"""``PullState`` calls a lane serves at once, each asking site its share
+(``PULL_STATE_SHARE``), and only a site the commit admitted, for its check with the
+joining rank's lane and its stream: a pull never waits for a state (issue 63). 40 calls
+held waiting once took every thread of a lane: its rounds, ``OpenBulk`` and health froze
+for 50 s (issue 33, row 3)."""
 
 
 class LaneServer(lane_pb2_grpc.LaneServicer):
@@ -117,11 +118,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.mailbox = Mailbox(max_bytes=mailbox_bytes, max_ahead=steps_ahead)
         self.outbox = Outbox()
         self.offers = StateOffers()
-        """The training state this rank offers a joining site (``PullState``)."""
+        """The training state this rank offers the sites a commit admitted (``PullState``)."""
         self.rank = 0
         """This lane's rank in its site; a joiner pulls only from its own coordinate."""
-        self.offer_wait_s = OFFER_WAIT_S
-        """How long ``PullState`` waits for the state of the step it names."""
         self.corruptions = 0
         """Chunks received with a payload that failed its crc32 (each pulled again)."""
         self._lock = threading.Condition()
@@ -147,8 +146,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         streams = max(1, max_workers - RESERVED_THREADS)
         self._streams = WaitSlots(streams, "PushChunks stream", self.refusals)
         # Taken from the reserved threads: the rest still answer at once.
-        self.pulls = WaitSlots(PULL_STATE_WAITS, "PullState", self.refusals)
-        """Joining ranks waiting in PullState (inter/data/lane_requests.py)."""
+        self.pulls = WaitSlots(PULL_STATE_SLOTS, "PullState", self.refusals)
+        """Joining ranks pulling the state, each site its share (inter/data/lane_requests.py)."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -216,6 +215,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                     request_deserializer=lane_pb2.PullStateRequest.FromString,
                     response_serializer=lane_pb2.StatePiece.SerializeToString,
                 ),
+                "ConfirmPull": unary_unary(
+                    self.handoff.confirm_pull,
+                    request_deserializer=lane_pb2.ConfirmPullRequest.FromString,
+                    response_serializer=lane_pb2.ConfirmPullResponse.SerializeToString,
+                ),
             },
         )
 
@@ -276,6 +280,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     def stop(self, grace: float | None = 1.0) -> None:
         """Stops accepting streams; open ones get ``grace`` seconds to finish."""
         self.health.enter_graceful_shutdown()  # NOT_SERVING for every service
+        self.offers.clear()
         if self._bulk is not None:
             self._bulk.stop()
         self._server.stop(grace).wait(timeout=(grace or 0) + 5)

@@ -18,6 +18,11 @@ stranger never sees a nonce (it goes to the sender's real address only), so it c
 neither ask in a site's name and receive, nor hand a site something it did not ask
 for. The address a hand-off goes to is the one this lane's rounds talk to
 (``Outbox.peers_of``), through the configured proxy as every push goes.
+
+A joining rank's pull of the training state (``PullState``) is answered with the state
+itself, so its nonce works the other way round: the serving lane asks the joining
+rank's lane, at the address the admitting commit names, whether it made the pull's
+nonce (``ConfirmPull``) before it sends a byte (issue 63).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from isthmus.inter.data.wire import Chunk, Delivery, Frame
+from isthmus.inter.security import refuse_unless_named
 from isthmus.proto import lane_pb2
 
 if TYPE_CHECKING:
@@ -88,6 +94,17 @@ class Handoffs:
             self._waiting[nonce] = (found[0], found[1], item)
             self._cond.notify_all()
             return True
+
+    def made(self, nonce: bytes, what: object) -> bool:
+        """Whether ``nonce`` is one of ours, made for ``what`` (and not forgotten)."""
+        with self._cond:
+            found = self._waiting.get(nonce)
+            return found is not None and found[0] == what
+
+    def forget(self, nonce: bytes) -> None:
+        """Forgets ``nonce`` (what it was made for is done)."""
+        with self._cond:
+            self._waiting.pop(nonce, None)
 
     def collect(self, nonce: bytes, timeout: float) -> object:
         """What came back for ``nonce`` within ``timeout`` seconds (forgets the nonce),
@@ -262,12 +279,40 @@ class LaneHandoff:
             self._unasked(context, f"GrantBulk from site {request.from_site}")
         return lane_pb2.GrantBulkResponse()
 
+    # -- a pull of the training state, confirmed by the pulling rank's lane --------------
+
+    def expect_pull(self, generation: int, step: int, rank: int, source: str) -> bytes:
+        """A nonce for this rank's pull of the state after ``step`` in ``generation``
+        from rank ``rank`` of site ``source``: valid until :meth:`forget`."""
+        return self._server.mailbox.handoffs.expect(_pull(generation, step, rank, source))
+
+    def forget(self, nonce: bytes) -> None:
+        """The pull ``nonce`` was made for is over (pulled, or given up)."""
+        self._server.mailbox.handoffs.forget(nonce)
+
+    def confirm_pull(
+        self, request: lane_pb2.ConfirmPullRequest, context: grpc.ServicerContext
+    ) -> lane_pb2.ConfirmPullResponse:
+        """Answers a serving lane that asks whether this rank's lane made a pull's nonce
+        (``ConfirmPull``); PERMISSION_DENIED when it did not."""
+        server = self._server
+        refuse_unless_named(server.security, context, server.where, request.source, "ConfirmPull")
+        what = _pull(request.generation, request.step, request.rank, request.source)
+        if not server.mailbox.handoffs.made(request.nonce, what):
+            self._unasked(context, f"ConfirmPull of the state after step {request.step}")
+        return lane_pb2.ConfirmPullResponse()
+
     def _unasked(self, context: grpc.ServicerContext, what: str) -> None:
         self._server.refusals.note(context.peer(), f"{what} for a nonce this lane did not make")
         context.abort(
             grpc.StatusCode.PERMISSION_DENIED,
             f"lane of site {self._server.site_index} did not ask for it",
         )
+
+
+def _pull(generation: int, step: int, rank: int, source: str) -> tuple[object, ...]:
+    """What a pull's nonce is made for (compared when its serving lane asks)."""
+    return ("pull", generation, step, rank, source)
 
 
 def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,8 +29,9 @@ from isthmus.inter.data.lane import RESERVED_THREADS, LaneServer
 from isthmus.inter.data.lane_peer import TRANSPORTS, LanePeer
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD
 from isthmus.inter.data.membership import Generation, SiteMembership
-from isthmus.inter.data.state_transfer import pull_state
+from isthmus.inter.data.state_transfer import Admitted, pull_state
 from isthmus.inter.security import SiteSecurity
+from isthmus.proto import lane_pb2
 
 __all__ = ["RankSync", "RankSyncSettings", "open_rank_sync"]
 
@@ -156,22 +157,67 @@ class RankSync:
         self, source: SiteInfo, *, generation: int, step: int, rank: int
     ) -> dict[str, torch.Tensor]:
         """The training state after ``step`` that ``rank`` of site ``source`` offers,
-        pulled over that rank's lane (``PullState``)."""
+        pulled over that rank's lane (``PullState``); that lane checks the pull with this
+        rank's lane, which made its nonce (``ConfirmPull``)."""
         peer = _open_peer(self.settings, source, rank)
+        nonce = self.lane.handoff.expect_pull(generation, step, rank, source.name)
         try:
             return pull_state(
                 peer.stub,
                 generation=generation,
                 step=step,
                 rank=rank,
+                site=self.settings.site,
+                from_rank=self.settings.rank,
+                nonce=nonce,
                 timeout_s=self.settings.timeout_s,
             )
         finally:
+            self.lane.handoff.forget(nonce)
             peer.close()
 
-    def offer_state(self, generation: int, step: int, state: Mapping[str, torch.Tensor]) -> None:
-        """Offers the state after ``step`` to a site admitted in ``generation``."""
-        self.lane.offers.offer(generation, step, state)
+    def offer_state(
+        self,
+        generation: int,
+        step: int,
+        state: Mapping[str, torch.Tensor],
+        *,
+        sites: Sequence[SiteInfo],
+        admitted: Sequence[str],
+    ) -> None:
+        """Offers the state after ``step`` to the ranks of the sites ``admitted`` in
+        ``generation`` (whose lanes ``sites`` names), each once, for twice the sync
+        timeout at most (a joining rank's pull gives up after one)."""
+        infos = {info.name: info for info in sites}
+        joiners = {name: len(infos[name].lane_addresses) for name in admitted if name in infos}
+        if not joiners:
+            log.warning(
+                "[%s/%d] the commit after step %d names no admitted site: the state is "
+                "offered to no one",
+                self.settings.site,
+                self.settings.rank,
+                step,
+            )
+
+        def confirm(
+            site: str, rank: int, request: lane_pb2.ConfirmPullRequest, timeout: float
+        ) -> None:
+            peer = _open_peer(self.settings, infos[site], rank)
+            try:
+                peer.stub.ConfirmPull(request, timeout=timeout)
+            finally:
+                peer.close()
+
+        admitted_sites = Admitted(
+            source=self.settings.site,
+            ranks=self.settings.world_size,
+            rank=self.settings.rank,
+            joiners=joiners,
+            confirm=confirm,
+        )
+        self.lane.offers.offer(
+            generation, step, state, admitted_sites, ttl_s=2 * self.settings.timeout_s
+        )
 
     def close(self) -> None:
         """Stops the rounds, the membership's watcher, the peers' channels and the lane

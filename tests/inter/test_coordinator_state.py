@@ -229,6 +229,26 @@ def test_commit_moves_the_next_step_forward_only():
     assert state.committed_steps == 5
 
 
+def test_a_heartbeat_saying_a_peer_finished_is_a_claim_until_the_peer_answers():
+    """Issue 63: a heartbeat in site0's name said it finished; only site0's own answer
+    (the peer loop's heartbeat to it) says whether it did."""
+    state = running()
+    with state.cond:
+        state.heartbeat_locked("site0", True, "ipv4:10.0.0.9:4242")
+        state.heartbeat_locked("nobody", True, "ipv4:10.0.0.9:4242")  # no peer: not kept
+    assert state.finished_claims == {"site0"} and state.finished_peers == frozenset()
+    assert state.peer_steps == {}  # the heartbeat's step is not taken either
+    with state.cond:
+        belied = state.peer_progress_locked("site0", 141, False)
+    assert belied == "ipv4:10.0.0.9:4242"  # site0 runs step 141: the claim was forged
+    assert state.finished_claims == frozenset() and state.finished_peers == frozenset()
+    assert state.peer_steps == {"site0": 141}
+    with state.cond:
+        state.heartbeat_locked("site0", True, "ipv4:127.0.0.1:5000")
+        assert state.peer_progress_locked("site0", 300, True) is None  # it did finish
+    assert state.finished_peers == {"site0"} and state.finished_claims == frozenset()
+
+
 def test_the_first_error_stands():
     state = make_state()
     state.fail("site0 refused the join")

@@ -12,6 +12,8 @@ from coordinators import (
     Coordinator,
     names,
     rank_key,
+    restart_site1,
+    retry_until,
     start_sites,
     stop_all,
     vote,
@@ -19,6 +21,8 @@ from coordinators import (
 )
 from helpers import wait_until
 
+from isthmus.inter.control.coordinator import CoordinatorError
+from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -231,5 +235,72 @@ def test_a_propose_in_the_leaders_name_that_it_did_not_send_is_refused():
         assert coords[1].generation == 1
         decisions = vote_all(coords, 1, 1)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
+    finally:
+        stop_all(coords)
+
+
+TOKEN = "t0ken-of-this-job-" + "x" * 16
+"""The job token every coordinator requires: the forger below holds it too."""
+
+
+def _site1_restarted_and_joining(security: SiteSecurity) -> tuple[list[Coordinator], int]:
+    """Two sites with the job token; site1 dies after step 0, site0 goes on alone and
+    commits step 1, and site1 comes back (a new process) and asks to be admitted."""
+    coords = start_sites(2, security=security)
+    assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
+    address = coords[1].address
+    coords[1].stop(grace_s=0)
+    generation = retry_until(coords[:1], 1, 1, ["site0"], ok={"site0": False})
+    assert vote(coords[0], 1, generation).verdict == pb.VERDICT_COMMIT
+    again = coords[1] = restart_site1(address, coords[0], "127.0.0.1:2999", security=security)
+    wait_until(lambda: again.joining, "site1 never learned that the job runs")
+    return coords, generation
+
+
+def test_a_forged_finished_heartbeat_does_not_stop_a_restarting_site():
+    """Issue 63, high: Heartbeat(site="site0", finished=True) from a token holder to the
+    restarted site1 was believed, and site1 exited "the job finished (site0 ran its last
+    step) before site1 could be admitted" while site0 trained on alone. site1 now asks
+    site0 itself, which says it has not finished: the claim is dropped, site1 admitted."""
+    security = SiteSecurity(require_token=True, token=TOKEN)
+    coords, generation = _site1_restarted_and_joining(security)
+    again = coords[1]
+    try:
+        forged = pb.HeartbeatRequest(site="site0", step=300, finished=True, generation=generation)
+        with security.channel(again.address) as channel:
+            pb_grpc.CoordinatorStub(channel).Heartbeat(forged, timeout=5)
+        wait_until(lambda: "site1" in coords[0].failover.ballots.joiners, "site1 never joined")
+        admit = vote(coords[0], 2, generation)
+        assert admit.verdict == pb.VERDICT_COMMIT and names(admit) == ["site0", "site1"]
+        # Before: CoordinatorError "the job finished (site0 ran its last step) ...".
+        assert [s.name for s in again.wait_ready(10)] == ["site0", "site1"]
+        assert again.start_step == 3 and again.error is None
+        assert list(admit.admitted) == ["site1"] and admit.state_source == "site0"
+        # site1 asked site0 at its configured address, and site0's answer belied it.
+        wait_until(lambda: not again.state.finished_claims, "site1 never asked site0")
+        assert again.state.finished_peers == frozenset()
+        assert again.state.peer_steps["site0"] == coords[0].step  # site0's own word
+    finally:
+        stop_all(coords)
+
+
+def test_a_site_that_did_finish_still_stops_a_joiner_after_saying_so_itself():
+    """The claim is asked, not ignored: when site0 really ran its last step, its own
+    heartbeat tells the joining site1, which asks site0 and gives up with the reason
+    (there is no step boundary left to admit it at)."""
+    security = SiteSecurity(require_token=True, token=TOKEN)
+    coords, _ = _site1_restarted_and_joining(security)
+    again = coords[1]
+    try:
+        with security.channel(coords[0].address) as channel:
+            pb_grpc.CoordinatorStub(channel).ReportProgress(
+                pb.ReportProgressRequest(
+                    site="site0", step=2, finished=True, rank_key=rank_key(coords[0])
+                ),
+                timeout=5,
+            )
+        with pytest.raises(CoordinatorError, match=r"the job finished \(site0 ran its last step\)"):
+            again.wait_ready(10)
+        assert again.state.finished_peers == {"site0"}
     finally:
         stop_all(coords)

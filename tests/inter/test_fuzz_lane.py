@@ -167,6 +167,7 @@ def check_lane(lane: Lane, method: str, data: bytes, kind: str) -> None:
             "AbortRound": lane_pb2.AbortRoundResponse,
             "DeliverChunk": lane_pb2.DeliverChunkResponse,
             "GrantBulk": lane_pb2.GrantBulkResponse,
+            "ConfirmPull": lane_pb2.ConfirmPullResponse,
         }.get(method, lane_pb2.ResendChunkResponse)
         for r in replies:
             reply_type.FromString(r)
@@ -204,11 +205,25 @@ VALID_GRANT = st.builds(
     port=st.integers(0, 65535),
     from_site=st.integers(0, 3),
 )
+# The lane made no pull's nonce: every check of one is refused (PERMISSION_DENIED).
+VALID_CONFIRM = st.builds(
+    lane_pb2.ConfirmPullRequest,
+    nonce=st.binary(max_size=40),
+    generation=st.integers(LANE_GEN - 1, LANE_GEN + 1),
+    step=st.integers(10, 12),
+    rank=st.integers(0, 1),
+    source=st.sampled_from(["site0", "site1", ""]),
+)
+# The offer is for site1's rank 0, whose lane confirms none of these nonces: each pull
+# must be refused, and hold nothing once it is.
 VALID_PULL = st.builds(
     lane_pb2.PullStateRequest,
     generation=st.integers(LANE_GEN - 1, LANE_GEN + 1),
     step=st.integers(10, 12),
     rank=st.integers(0, 1),
+    site=st.sampled_from(["site1", "site2", ""]),
+    from_rank=st.integers(0, 1),
+    nonce=st.binary(min_size=31, max_size=33),
 )
 
 
@@ -249,6 +264,13 @@ def test_pull_state(fuzz_lane, request):
     check_lane(fuzz_lane, "PullState", request.SerializeToString(), "unary_stream")
 
 
+@settings(max_examples=200, **SETTINGS)
+@given(request=requests(VALID_CONFIRM, lane_pb2.ConfirmPullRequest.DESCRIPTOR))
+def test_confirm_pull(fuzz_lane, request):
+    count("ConfirmPull")
+    check_lane(fuzz_lane, "ConfirmPull", request.SerializeToString(), "unary_unary")
+
+
 @settings(max_examples=700, **SETTINGS)
 @given(
     data=st.data(),
@@ -261,6 +283,7 @@ def test_pull_state(fuzz_lane, request):
             "AbortRound",
             "DeliverChunk",
             "GrantBulk",
+            "ConfirmPull",
         ]
     ),  # fmt: skip
 )
@@ -285,6 +308,7 @@ def test_raw_bytes_to_every_lane_handler(fuzz_lane, data, method):
         "DeliverChunk": VALID_DELIVER,
         "GrantBulk": VALID_GRANT,
         "PullState": VALID_PULL,
+        "ConfirmPull": VALID_CONFIRM,
         "OpenBulk": st.just(lane_pb2.OpenBulkRequest()),  # a ticket, never a state change
     }[method]
     payload = data.draw(raw_bytes(valid))
