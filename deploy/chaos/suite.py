@@ -254,7 +254,7 @@ def _inject(
     restart_when_down: list[str] = []
     while time.monotonic() < deadline:
         for name in list(restart_when_down):
-            codes = [s.process.poll() for s in site_processes(sites, name)]
+            codes = [s.process.poll() if s.process else None for s in site_processes(sites, name)]
             if all(code == 0 for code in codes):  # never left: _judge says so
                 restart_when_down.remove(name)
             if not any(code not in (None, 0) for code in codes):
