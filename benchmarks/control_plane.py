@@ -3,32 +3,43 @@
 Each site's coordinator (inter/control/coordinator.py) is a real gRPC server on
 loopback in its own process, so its CPU time is its own; site0's is the failover
 leader (every other site votes there). Each site's ranks are simulated by one client
-process (grpc.aio, many ranks per event loop) that does per rank what deploy/rank/program.py
+process (many ranks per event loop) that does per rank what deploy/rank/program.py
 does through inter/control/coordinator_client.py and inter/data/membership.py:
 
-- once: ``RegisterRank`` (lane address, key), then ``GetMembership`` until generation 1;
-- always: the membership watcher, a ``GetMembership`` long poll (1 s) after another;
-- per step: ``CommitStep`` (a long poll of 2 s, asked again while PENDING; ``sites_known``
-  as inter/control/coordinator_client.py sends it), and on rank 0 ``ReportProgress``
-  once the step committed.
+- once: ``RegisterRank`` (lane address, key), then ``GetMembership`` until generation 1
+  (grpc.aio);
+- always: the membership watcher, a ``GetMembership`` long poll (5 s, spread over 75-100 %
+  of it) after another;
+- per step: a vote that waits (2 s, asked again while PENDING; ``sites_known`` as
+  inter/control/coordinator_client.py sends it), and on rank 0 ``ReportProgress`` once
+  the step committed.
 
-With ``--host-ranks K`` (K > 1) the ranks of each host of K ranks are spoken for by one
-agent, as a per-host agent would: one ``CommitHostStep`` a host a step carrying its
-ranks' K ballots, and one membership watcher a host (a 10 s long poll). The coordinator then sees what it
-would from such agents; the hop from a rank to its agent (on the host) is a function
-call here. ``--calls agent`` runs the real agent instead (inter/control/host_agent.py, one
-a host of ``--host-ranks`` ranks, threads of the ranks' process), which every simulated
-rank votes and watches through: what a job's ranks do when a launcher starts several on a
-host. ``--host-ranks 1 --calls stream`` is what ranks without an agent do (each its own
-vote stream, its own watch); ``--calls call`` (the default) is how they voted before.
+The watches and votes, the calls that repeat, go over benchmarks/h2_client.py: the same
+HTTP/2 frames and protobuf bytes as a gRPC client's, at a tenth of grpc.aio's CPU, so
+that thousands of simulated ranks do not take the cores from what is measured (a real
+rank runs on its own). Their CPU is measured apart (``clients cpu``).
 
-``--compare-rev REV`` runs each configuration twice, first with the coordinators of
-git revision REV (extracted with ``git archive``; its ``inter/`` and ``proto/`` are
-imported as ``isthmus.inter`` and ``isthmus.proto``), then with this tree's: old and new
-in one run, on the same machine minutes apart.
+``--calls agent`` runs real host agents (inter/control/host_agent.py): one a host of
+``--host-ranks`` ranks, each in a process of its own as a node's launcher runs it
+(forked from one process per site that imported gRPC and the agent once), on a Unix
+socket; every simulated rank votes (a message on its own ``HostSession`` stream to the
+agent) and watches through its host's agent, as a job's ranks do. Their CPU is measured
+apart too (``agents cpu``). Without agents, ``--host-ranks 1 --calls stream`` is what ranks
+do (each its own vote stream, its own watch), ``--calls call`` how they voted before;
+``--host-ranks K`` with ``call``/``stream`` simulates an agent a host of K ranks in the
+ranks' process (one ``CommitHostStep`` a host a step, one 10 s watch a host).
+
+``--compare-rev REV`` runs each configuration twice, first with the coordinators and
+agents of git revision REV (extracted with ``git archive``; its ``inter/`` and
+``proto/`` are imported as ``isthmus.inter`` and ``isthmus.proto``; ``--compare-code``
+hands an extracted copy where there is no git history), its simulated ranks voting and
+watching as that revision's did (a call a vote through an agent, a 1 s watch), then with
+this tree's: old and new in one run, on the same machine minutes apart.
 
 Steps start on a fixed clock (``--rate`` steps/s); a step that takes longer than its
-period delays the next one, and the table's ``steps/s`` says what was reached.
+period delays the next one, and the table's ``steps/s`` says what was reached. The
+coordinators declare a rank dead after ``--failure-timeout-s`` (the job's 10 s) of
+silence; ``dead`` counts the ranks they did (none of the simulated ranks dies).
 
 Reported per (sites, ranks per site):
 
@@ -40,17 +51,16 @@ Reported per (sites, ranks per site):
   other coordinator (each its own process: /proc/PID/stat, user + system, every thread);
   ``leader cores``: the leader's CPU seconds per wall second (equal to its CPU per step
   when the steps keep to 1 step/s);
-- ``clients cpu``: CPU seconds per step of all simulated ranks together, apart from the
-  coordinators': on one machine they compete with them for its cores, which a real
-  site's hosts do not.
+- ``agents cpu``: CPU seconds per step of all host agents' processes together;
+- ``clients cpu``: CPU seconds per step of all simulated ranks together: on one machine
+  they compete with the rest for its cores, which a real site's hosts do not.
 
 Run::
 
-    python benchmarks/control_plane.py --ranks 256,1024,4096 --sites 2,3 --steps 20 \\
-        --json runs/control_plane.json
-    python benchmarks/control_plane.py --ranks 1024 --sites 2 --host-ranks 1,8 \\
-        --compare-rev HEAD~5  # old coordinators (per rank only), new per rank and per host
-    python benchmarks/control_plane.py --quick   # 2 sites x 16 ranks, 3 steps: a smoke test
+    python3 benchmarks/control_plane.py --ranks 256,1024 --sites 2 --host-ranks 8 \\
+        --calls agent --compare-rev HEAD~5 --json runs/agents.json  # old and new agents
+    python3 benchmarks/control_plane.py --ranks 1024 --sites 2 --host-ranks 1 --calls stream
+    python3 benchmarks/control_plane.py --quick   # 2 sites x 16 ranks, 3 steps: a smoke test
 
 Timestamps of different processes are compared on CLOCK_MONOTONIC (``time.monotonic``),
 which one machine shares among its processes.
@@ -68,7 +78,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from control_plane_procs import STEP_TIMEOUT_S, serve_coordinator, serve_ranks
+from control_plane_procs import STEP_TIMEOUT_S, serve_agents, serve_coordinator, serve_ranks
 
 
 def cpu_seconds(pid: int) -> float:
@@ -133,16 +143,27 @@ def run_case(
     calls: str = "call",
     code: Path | None = None,
     code_name: str = "new",
+    failure_timeout_s: float = 10.0,
 ) -> dict:
-    """One configuration: start the coordinators (of ``code``, else this tree's) and the
-    ranks, run ``warmup`` + ``steps`` steps at ``rate`` steps/s, stop everything;
-    returns the row of the table."""
+    """One configuration: start the coordinators (and with ``calls="agent"`` the host
+    agents, a process each; both of ``code``, else this tree's) and the ranks, run
+    ``warmup`` + ``steps`` steps at ``rate`` steps/s, stop everything; returns the row
+    of the table."""
     names = [f"site{i}" for i in range(sites)]
     procs: list[subprocess.Popen] = []
+    coords: list[subprocess.Popen] = []
+    agents: list[subprocess.Popen] = []
+    agent_pids: list[int] = []
     join_s = 0.0
+    folder = tempfile.TemporaryDirectory(prefix="isthmus-agents-")
     try:
         coords = [
-            _spawn("--serve-coordinator", n, ",".join(names), str(ranks), code=code) for n in names
+            _spawn(
+                "--serve-coordinator",
+                *(n, ",".join(names), str(ranks), str(failure_timeout_s)),
+                code=code,
+            )
+            for n in names
         ]
         procs += coords
         addresses = {n: _line(p, f"coordinator {n}") for n, p in zip(names, coords, strict=True)}
@@ -152,8 +173,28 @@ def run_case(
         for n, p in zip(names, coords, strict=True):
             _line(p, f"coordinator {n}")
         t0 = time.monotonic()
+        folders = {n: Path(folder.name) / n for n in names}
+        if calls == "agent":
+            for n in names:
+                folders[n].mkdir(mode=0o700)
+            agents = [
+                _spawn(
+                    "--serve-agents",
+                    *(n, addresses[n], str(ranks), str(host_ranks), str(folders[n])),
+                    code=code,
+                )
+                for n in names
+            ]
+            procs += agents
+            for n, p in zip(names, agents, strict=True):
+                agent_pids += json.loads(_line(p, f"agents of {n}"))["pids"]
         clients = [
-            _spawn("--serve-ranks", n, addresses[n], str(ranks), str(host_ranks), calls)
+            _spawn(
+                "--serve-ranks",
+                *(n, addresses[n], str(ranks), str(host_ranks), calls, str(folders[n])),
+                # An older revision's ranks: as its rank client votes and watches.
+                *(["--old-ranks"] if code is not None else []),
+            )
             for n in names
         ]
         procs += clients
@@ -164,12 +205,13 @@ def run_case(
         period = 1.0 / rate
         rows: list[dict] = []
         at = time.monotonic() + 0.2
+        watched = [*(p.pid for p in coords), *agent_pids, *(p.pid for p in clients)]
         cpu0: list[float] = []
         measured_from = 0.0
         failed = ""
         for step in range(warmup + steps):
             if step == warmup:
-                cpu0 = [cpu_seconds(p.pid) for p in procs]
+                cpu0 = [cpu_seconds(pid) for pid in watched]
                 measured_from = at
             for p in clients:
                 assert p.stdin is not None
@@ -182,22 +224,11 @@ def run_case(
                 rows.append({"start": at, "sites": seen})
             at = max(at + period, time.monotonic() + 0.01)
         elapsed = at - measured_from  # when the next step would start
-        now = [cpu_seconds(p.pid) for p in procs] if cpu0 else cpu0
+        now = [cpu_seconds(pid) for pid in watched] if cpu0 else cpu0
         cpu = [b - a for a, b in zip(cpu0, now, strict=True)]
     finally:
-        for p in procs:
-            if p.stdin is not None and p.poll() is None:
-                try:
-                    p.stdin.write("stop\n")
-                    p.stdin.close()
-                except OSError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        ends = _stop(procs)
+        folder.cleanup()
     row = {
         "code": code_name,
         "host_ranks": host_ranks,
@@ -206,32 +237,56 @@ def run_case(
         "ranks_per_site": ranks,
         "steps": steps,
         "target_steps_per_s": rate,
+        "failure_timeout_s": failure_timeout_s,
+        # Ranks a coordinator's failover loop found silent, and so declared dead: none
+        # of the simulated ranks dies, so any is declared wrongly.
+        "declared_dead": sum(len(ends[p.pid].get("declared_dead", ())) for p in coords),
     }
+    hosts = sites * -(-ranks // host_ranks)
+    if calls == "agent":
+        # What the agents carried, over the whole run (warm-up steps included).
+        totals: dict[str, int] = {}
+        for p in agents:
+            for name, value in ends[p.pid].items():
+                totals[name] = totals.get(name, 0) + value
+        row["agents"] = totals
+        row["agent_messages_per_host_step"] = totals.get("vote_messages", 0) / (
+            hosts * (len(rows) + warmup)
+        )
     if failed or not rows:
         return {**row, "failed": failed or "no step measured", "join_s": join_s}
-    return {
-        **row,
-        **_figures(rows, cpu, sites, steps, elapsed),
-        "join_s": join_s,
-        # Real agents only: vote messages they sent per host and step (1 when a host's
-        # ballots all went in one).
-        **(
-            {
-                "agent_messages_per_host_step": _messages(rows)
-                / steps
-                / (sites * -(-ranks // host_ranks))
-            }
-            if calls == "agent"
-            else {}
-        ),
-    }
+    figures = _figures(rows, cpu, sites, len(agent_pids), steps, elapsed)
+    if agent_pids:
+        figures["agent_cpu_ms_per_host_step"] = 1000 * figures["agents_cpu_s_per_step"] / hosts
+    return {**row, **figures, "join_s": join_s}
 
 
-def _messages(rows: list[dict]) -> int:
-    return sum(s.get("messages", 0) for measured in rows for s in measured["sites"])
+def _stop(procs: list[subprocess.Popen]) -> dict[int, dict]:
+    """Tells each process to stop and waits for it; the last JSON object each printed
+    (a coordinator: the ranks it declared dead; the agents: their stats), by pid."""
+    for p in procs:
+        if p.stdin is not None and p.poll() is None:
+            try:
+                p.stdin.write("stop\n")
+                p.stdin.close()
+            except OSError:
+                pass
+        p.stdin = None  # closed: communicate() would flush it
+    ends: dict[int, dict] = {}
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        last = [line for line in (out or "").splitlines() if line.startswith("{")]
+        ends[p.pid] = json.loads(last[-1]) if last else {}
+    return ends
 
 
-def _figures(rows: list[dict], cpu: list[float], sites: int, steps: int, elapsed: float) -> dict:
+def _figures(
+    rows: list[dict], cpu: list[float], sites: int, agents: int, steps: int, elapsed: float
+) -> dict:
     """The measured steps' latencies, CPU and verdicts, as the table's row holds them."""
     latencies, sent, first = [], [], []
     verdicts: dict[str, int] = {}
@@ -261,8 +316,10 @@ def _figures(rows: list[dict], cpu: list[float], sites: int, steps: int, elapsed
         "leader_cpu_s_per_step": coord_cpu[0],
         "other_cpu_s_per_step": max(coord_cpu[1:]),
         "coordinator_cpu_s_per_step": coord_cpu,
-        "clients_cpu_s_per_step": sum(cpu[sites:]) / steps,
-        "clients_cores": sum(cpu[sites:]) / elapsed,
+        "agents_cpu_s_per_step": sum(cpu[sites : sites + agents]) / steps,
+        "agents_cores": sum(cpu[sites : sites + agents]) / elapsed,
+        "clients_cpu_s_per_step": sum(cpu[sites + agents :]) / steps,
+        "clients_cores": sum(cpu[sites + agents :]) / elapsed,
         "verdicts": verdicts,
         "vote_errors": errors,
         "vote_repolls": repolls,
@@ -274,7 +331,7 @@ HEADER = (
     f"{'sites':>5} {'ranks/site':>10} {'steps/s':>7} {'decision p50':>12} {'p99':>8} "
     f"{'first':>6} "
     f"{'votes sent':>10} {'leader cpu':>10} {'other cpu':>9} {'leader cores':>12} "
-    f"{'clients cpu':>11}"
+    f"{'agents cpu':>10} {'clients cpu':>11} {'dead':>4}"
 )
 
 
@@ -284,14 +341,15 @@ def format_row(r: dict) -> str:
         f"{r['sites']:>5} {r['ranks_per_site']:>10}"
     )
     if "failed" in r:
-        return f"{head}  did not keep up: {r['failed']}"
+        return f"{head}  did not keep up: {r['failed']} ({r['declared_dead']} declared dead)"
     return (
         f"{head} {r['steps_per_s']:>7.2f} "
         f"{r['decision_ms_p50']:>9.1f} ms {r['decision_ms_p99']:>5.1f} ms "
         f"{r['first_answer_ms_p50']:>6.1f} "
         f"{r['votes_sent_ms_p50']:>7.0f} ms {r['leader_cpu_s_per_step']:>8.3f} s "
         f"{r['other_cpu_s_per_step']:>7.3f} s {r['leader_cores']:>12.2f} "
-        f"{r['clients_cpu_s_per_step']:>9.3f} s"
+        f"{r['agents_cpu_s_per_step']:>8.3f} s {r['clients_cpu_s_per_step']:>9.3f} s "
+        f"{r['declared_dead']:>4}"
     )
 
 
@@ -337,18 +395,38 @@ def main(argv: list[str] | None = None) -> int:
         metavar="REV",
         help="run each configuration with REV's coordinators first (per rank only)",
     )
+    p.add_argument(
+        "--compare-code",
+        type=Path,
+        metavar="DIR",
+        help="with --compare-rev: REV's code extracted already (a folder holding its isthmus "
+        "package, as extract_rev makes it), for a machine without the git history",
+    )
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--quick", action="store_true", help="2 sites x 16 ranks, 3 steps")
-    p.add_argument("--serve-coordinator", nargs=3, help=argparse.SUPPRESS)
-    p.add_argument("--serve-ranks", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--failure-timeout-s",
+        type=float,
+        default=10.0,
+        help="the coordinators' failover.failure_timeout_s (the job's default: 10): a rank "
+        "silent this long is declared dead",
+    )
+    p.add_argument("--serve-coordinator", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--serve-agents", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--serve-ranks", nargs=6, help=argparse.SUPPRESS)
+    p.add_argument("--old-ranks", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_coordinator:
-        site, names, ranks = args.serve_coordinator
-        serve_coordinator(site, names.split(","), int(ranks))
+        site, names, ranks, failure_timeout_s = args.serve_coordinator
+        serve_coordinator(site, names.split(","), int(ranks), float(failure_timeout_s))
+        return 0
+    if args.serve_agents:
+        site, address, ranks, host_ranks, folder = args.serve_agents
+        serve_agents(site, address, int(ranks), int(host_ranks), folder)
         return 0
     if args.serve_ranks:
-        site, address, ranks, host_ranks, calls = args.serve_ranks
-        serve_ranks(site, address, int(ranks), int(host_ranks), calls)
+        site, address, ranks, host_ranks, calls, folder = args.serve_ranks
+        serve_ranks(site, address, int(ranks), int(host_ranks), calls, folder, args.old_ranks)
         return 0
     try:
         ranks = _counts(args.ranks, "--ranks", 1)
@@ -365,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         ranks, sites, args.steps, args.warmup = [16], [2], 3, 1
     with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:
         codes: list[tuple[str, Path | None]] = [("new", None)]
-        if args.compare_rev:
+        if args.compare_rev and args.compare_code:
+            codes.insert(0, (args.compare_rev, args.compare_code))
+        elif args.compare_rev:
             try:
                 old = extract_rev(args.compare_rev, Path(tmp))
             except subprocess.CalledProcessError:
@@ -376,9 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in sites:
             for r in ranks:
                 for name, code in codes:
-                    # An older coordinator may know neither CommitHostStep nor
-                    # HostSession: it runs per rank, a call a vote, only.
-                    for h, how in _ways(hosts, calls) if code is None else [(1, "call")]:
+                    # REV must know every way asked for (agents: since 2026-12-02).
+                    for h, how in _ways(hosts, calls):
                         row = run_case(
                             s,
                             r,
@@ -389,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                             calls=how,
                             code=code,
                             code_name=name,
+                            failure_timeout_s=args.failure_timeout_s,
                         )
                         results.append(row)
                         print(format_row(row), flush=True)

@@ -1,14 +1,16 @@
-"""The processes of benchmarks/control_plane.py: one site's coordinator, and a
-process of simulated ranks (or per-host agents) that register, heartbeat, long poll and
-vote per step as real ranks do. The benchmark spawns this folder's control_plane.py
-with ``--serve-coordinator`` or ``--serve-ranks``, which call into here.
+"""The processes of benchmarks/control_plane.py: one site's coordinator, a site's real
+host agents (a process each), and a process of simulated ranks (or simulated per-host
+agents) that register, long poll and vote per step as real ranks do. The benchmark
+spawns this folder's control_plane.py with ``--serve-coordinator``, ``--serve-agents``
+or ``--serve-ranks``, which call into here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
+import os
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,7 +19,10 @@ SECRET = b"control-plane-benchmark-secret!!"
 """The site secret the simulated ranks derive their keys from (rank_keys.derived_key)."""
 FINGERPRINT = {"job.seed": "0", "bench": "control_plane"}
 VOTE_WAIT_MS = 2_000  # inter/data/membership.py _VOTE_WAIT_MS
-WATCH_WAIT_MS = 1_000  # inter/data/membership.py _WATCH_WAIT_MS
+WATCH_WAIT_MS = 5_000  # inter/data/membership.py _WATCH_WAIT_MS
+OLD_WATCH_WAIT_MS = 1_000
+"""What a rank's watch asked before 2026-12-07: the ranks of an older revision's run
+(``old_ranks``) watch so, and vote through their agent with a ``CommitStep`` call each."""
 HOST_WATCH_WAIT_MS = 10_000
 """An agent's watch: answered at once on news (a suspect, a generation) like a rank's,
 so a longer wait costs nothing but the polls it saves; a rank's 1 s polls, in phase with
@@ -32,7 +37,7 @@ RANKS_PER_CHANNEL = 8
 # -- a coordinator process ----------------------------------------------------------------
 
 
-def serve_coordinator(site: str, names: list[str], ranks: int) -> None:
+def serve_coordinator(site: str, names: list[str], ranks: int, failure_timeout_s: float) -> None:
     """Runs one site's coordinator: prints its address, reads the peers' addresses
     (one JSON line), starts, and serves until stdin closes or says "stop"."""
     from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
@@ -45,10 +50,11 @@ def serve_coordinator(site: str, names: list[str], ranks: int) -> None:
         fingerprint=FINGERPRINT,
         join_timeout_s=600.0,
         heartbeat_s=1.0,
-        failure_timeout_s=30.0,  # a loaded 2-core machine must not look like a dead site
+        failure_timeout_s=failure_timeout_s,
         rpc_timeout_s=10.0,
     )
     coordinator = Coordinator(settings, rank_keys=RankKeys.derive(site, ranks, SECRET))
+    declared = _record_declared_dead(coordinator)
     print(coordinator.address, flush=True)
     peers = json.loads(sys.stdin.readline())
     coordinator.set_peers({name: address for name, address in peers.items() if name != site})
@@ -57,7 +63,100 @@ def serve_coordinator(site: str, names: list[str], ranks: int) -> None:
     for line in sys.stdin:
         if line.strip() == "stop":
             break
+    print(json.dumps({"declared_dead": sorted(declared)}), flush=True)
     coordinator.stop(grace_s=0.5)
+
+
+def _record_declared_dead(coordinator) -> set[int]:
+    """The ranks the coordinator's failover loop found silent (and so declared dead:
+    inter/control/failover.py ``_watch_ranks``), gathered as it finds them."""
+    declared: set[int] = set()
+    liveness = coordinator.failover.rank_liveness
+    silent = liveness.silent
+
+    def recorded() -> list[int]:
+        found = silent()
+        declared.update(found)
+        return found
+
+    liveness.silent = recorded
+    return declared
+
+
+# -- host agents, a process each -------------------------------------------------------------
+
+
+def serve_agents(site: str, address: str, ranks: int, host_ranks: int, folder: str) -> None:
+    """Runs one real HostAgent per host of ``host_ranks`` ranks, each in a process of its
+    own as a node's launcher runs it (deploy/launch/ranks.py), listening on
+    ``unix:FOLDER/FIRST`` (FIRST: the host's first rank). The processes are forked from
+    this one once it imported gRPC and the agent (no gRPC object made yet: forking is
+    safe), as the launcher's zygote forks ranks. Prints their pids as one JSON line once
+    every agent listens; on "stop" (or stdin closed) stops them and prints their stats
+    summed (one JSON line)."""
+    import signal
+
+    from isthmus.inter.control.channels import peer_channel
+    from isthmus.inter.control.host_agent import HostAgent
+
+    children: list[tuple[int, int]] = []  # (pid, read end of its pipe)
+    for first in range(0, ranks, host_ranks):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the agent's process
+            os.close(read)
+            for _, other in children:
+                os.close(other)
+            code = 1
+            try:
+                _agent_process(
+                    HostAgent,
+                    peer_channel(address),
+                    site=site,
+                    ranks=min(host_ranks, ranks - first),
+                    listen=f"unix:{folder}/{first}",
+                    out=write,
+                )
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        children.append((pid, read))
+    streams = [os.fdopen(read) for _, read in children]
+    for (pid, _), stream in zip(children, streams, strict=True):
+        if stream.readline().strip() != "up":
+            raise RuntimeError(f"host agent {pid} of {site} did not start")
+    print(json.dumps({"pids": [pid for pid, _ in children]}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "stop":
+            break
+    for pid, _ in children:
+        os.kill(pid, signal.SIGTERM)
+    totals: dict[str, int] = {}
+    for stream in streams:
+        line = stream.readline()
+        for name, value in (json.loads(line) if line else {}).items():
+            totals[name] = totals.get(name, 0) + value
+    for pid, _ in children:
+        os.waitpid(pid, 0)
+    print(json.dumps(totals), flush=True)
+
+
+def _agent_process(agent_type, channel, *, site: str, ranks: int, listen: str, out: int) -> None:
+    """One agent's process: serves until SIGTERM, then writes its stats to ``out``."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with its parent
+    # Blocked before any thread starts (they inherit the mask): only sigwait takes it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    agent = agent_type(channel, site=site, ranks=ranks, listen=listen).start()
+    os.write(out, b"up\n")
+    signal.sigwait({signal.SIGTERM})
+    agent.stop()
+    stats = {k: v for k, v in agent.stats().items() if isinstance(v, int)}
+    os.write(out, (json.dumps(stats) + "\n").encode())
+    channel.close()
 
 
 # -- a process of simulated ranks -----------------------------------------------------------
@@ -77,17 +176,30 @@ class StepTimes:
     errors: dict[str, int] = field(default_factory=dict)
     """Votes that failed (deadline, overload) and were sent again, as a rank does."""
     timed_out: bool = False
-    messages: int = 0
-    """With real agents: the vote messages they sent the coordinator for this step."""
+
+
+_METHOD = "/isthmus.v1.Coordinator/"
 
 
 class SimulatedRanks:
-    """``ranks`` ranks of ``site`` in one event loop, over one channel per
-    ``RANKS_PER_CHANNEL`` ranks; with ``host_ranks`` > 1, one agent per host of that
-    many ranks votes and watches for them."""
+    """``ranks`` ranks of ``site`` in one event loop, over one connection per
+    ``RANKS_PER_CHANNEL`` ranks (a host's); with ``host_ranks`` > 1 and no real agents,
+    one simulated agent per host of that many ranks votes and watches for them.
+
+    A rank registers and learns its first membership over grpc.aio, as often as a real
+    one (once); its watches and votes, the calls that repeat, go over the bare client of
+    benchmarks/h2_client.py: the same bytes on the wire at a tenth of grpc.aio's CPU, so
+    that thousands of them leave the cores to what the benchmark measures."""
 
     def __init__(
-        self, site: str, address: str, ranks: int, host_ranks: int = 1, calls: str = "call"
+        self,
+        site: str,
+        address: str,
+        ranks: int,
+        host_ranks: int = 1,
+        calls: str = "call",
+        agents: str = "",
+        old_ranks: bool = False,
     ) -> None:
         import grpc
 
@@ -95,16 +207,18 @@ class SimulatedRanks:
         from isthmus.inter.control.rank_keys import derived_key
         from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-        self.site, self.ranks, self.host_ranks = site, ranks, host_ranks
-        self.streams: dict[int, object] | None = {} if calls == "stream" else None
-        """With ``calls="stream"``: each voter's open HostSession, by its first rank."""
-        self.agents = self._start_agents(address) if calls == "agent" else []
-        """With ``calls="agent"``: a real HostAgent per host (inter/control/host_agent.py),
-        which each rank votes and watches through, as a job's ranks do."""
-        self.agent_stubs = [
-            pb_grpc.CoordinatorStub(grpc.aio.insecure_channel(agent.address))
-            for agent in self.agents
-        ]
+        self.site, self.address, self.ranks, self.host_ranks = site, address, ranks, host_ranks
+        self.calls, self.old_ranks = calls, old_ranks
+        self.agents_dir = agents if calls == "agent" else ""
+        """With ``calls="agent"``: the folder where each host's real HostAgent (a process
+        of its own, :func:`serve_agents`) listens, which each rank votes and watches
+        through, as a job's ranks do."""
+        self.wires: list = []
+        """One bare connection a host (to its agent) or a channel's worth of ranks (to
+        the coordinator), opened in :meth:`join`."""
+        self.streams: dict[int, object] = {}
+        """Each voter's open HostSession, by its first rank (with ``calls="agent"``: each
+        rank's, at its agent)."""
         count = max(1, -(-ranks // RANKS_PER_CHANNEL))
         self.channels = [
             grpc.aio.insecure_channel(address, options=MESSAGE_LIMITS) for _ in range(count)
@@ -118,34 +232,15 @@ class SimulatedRanks:
     def stub(self, rank: int):
         return self.stubs[rank // RANKS_PER_CHANNEL]
 
-    def _start_agents(self, address: str) -> list:
-        """One HostAgent a host, on a Unix socket, with a channel of its own to the
-        coordinator (threads of this process, where a job runs each on its host)."""
-        import tempfile
-
-        import grpc
-
-        from isthmus.inter.control.host_agent import HostAgent
-
-        self._socket_dir = tempfile.TemporaryDirectory(prefix="isthmus-agents-")
-        return [
-            HostAgent(
-                grpc.insecure_channel(address),
-                site=self.site,
-                ranks=min(self.host_ranks, self.ranks - first),
-                listen=f"unix:{self._socket_dir.name}/{first}",
-            ).start()
-            for first in range(0, self.ranks, self.host_ranks)
-        ]
-
-    def watch_stub(self, rank: int):
-        """Where ``rank``'s watch and votes go: its host's agent, or the coordinator."""
-        if self.agents:
-            return self.agent_stubs[rank // self.host_ranks]
-        return self.stub(rank)
+    def wire(self, rank: int):
+        """Where ``rank``'s watches and votes go: its host's agent, or the coordinator."""
+        per = self.host_ranks if self.agents_dir else RANKS_PER_CHANNEL
+        return self.wires[rank // per]
 
     async def join(self) -> None:
         """Every rank registers, then waits for the membership; the watchers start."""
+        from h2_client import H2Channel
+
         from isthmus.proto import coordinator_pb2 as pb
 
         gate = asyncio.Semaphore(256)
@@ -180,46 +275,82 @@ class SimulatedRanks:
         await asyncio.gather(*(register(r) for r in range(self.ranks)))
         generations = await asyncio.gather(*(membership(r) for r in range(self.ranks)))
         self.generation = max(generations)
+        if self.agents_dir:
+            where = [f"unix:{self.agents_dir}/{f}" for f in range(0, self.ranks, self.host_ranks)]
+        else:
+            where = [self.address] * len(self.channels)
+        self.wires = [await H2Channel.connect(address) for address in where]
         # A host's agent watches once for its ranks (under the first one's key); a real
         # agent is watched by each rank, as a job's ranks do.
-        watching = range(0, self.ranks, 1 if self.agents else self.host_ranks)
+        watching = range(0, self.ranks, 1 if self.agents_dir else self.host_ranks)
         self.watchers = [asyncio.create_task(self.watch(r)) for r in watching]
 
     async def watch(self, rank: int) -> None:
         """The membership watcher of inter/data/membership.py: long poll after long poll."""
-        import grpc
+        from h2_client import H2CallError
 
         from isthmus.proto import coordinator_pb2 as pb
 
-        wait_ms = WATCH_WAIT_MS if self.host_ranks == 1 or self.agents else HOST_WATCH_WAIT_MS
+        wait_ms = OLD_WATCH_WAIT_MS if self.old_ranks else WATCH_WAIT_MS
+        if self.host_ranks > 1 and not self.agents_dir:
+            wait_ms = HOST_WATCH_WAIT_MS
+        spread = not self.old_ranks and (self.host_ranks == 1 or self.agents_dir)
         while not self.stop.is_set():
+            # As SiteMembership._watch asks: a wait spread over 75-100 % of it.
+            ask = int(wait_ms * random.uniform(0.75, 1.0)) if spread else wait_ms
+            request = pb.GetMembershipRequest(
+                known_generation=self.generation, wait_ms=ask, rank_key=self.keys[rank]
+            ).SerializeToString()
             try:
-                reply = await self.watch_stub(rank).GetMembership(
-                    pb.GetMembershipRequest(
-                        known_generation=self.generation,
-                        wait_ms=wait_ms,
-                        rank_key=self.keys[rank],
-                    ),
-                    timeout=wait_ms / 1000 + RPC_SLACK_S,
+                answer = await self.wire(rank).unary(
+                    _METHOD + "GetMembership", request, wait_ms / 1000 + RPC_SLACK_S
                 )
-            except grpc.aio.AioRpcError:
+            except (H2CallError, TimeoutError):
                 await asyncio.sleep(0.25)
                 continue
+            reply = pb.GetMembershipResponse.FromString(answer)
             if reply.suspects or reply.generation != self.generation:
                 await asyncio.sleep(0.25)
 
     async def vote(self, rank: int, step: int, times: StepTimes) -> None:
         """One rank's vote on ``step``, asked again while PENDING (SiteMembership.vote);
-        with hosts, the vote of the host whose first rank is ``rank``, for its ranks."""
-        import grpc
+        with simulated agents, the vote of the host whose first rank is ``rank``."""
+        from h2_client import H2CallError
 
         from isthmus.proto import coordinator_pb2 as pb
 
-        if not self.agents and (self.host_ranks > 1 or self.streams is not None):
-            ballots = [
-                pb.RankBallot(rank=r, ok=True, rank_key=self.keys[r])
-                for r in range(rank, min(self.ranks, rank + self.host_ranks))
-            ]
+        last = min(self.ranks, rank + (1 if self.agents_dir else self.host_ranks))
+        ballots = [pb.RankBallot(rank=r, ok=True, rank_key=self.keys[r]) for r in range(rank, last)]
+        if self.calls == "call" or (self.agents_dir and self.old_ranks):
+            # A call a vote: CommitStep of a rank, CommitHostStep of a simulated agent.
+            method = "CommitHostStep" if len(ballots) > 1 else ""
+            request = (
+                pb.CommitHostStepRequest(
+                    site=self.site,
+                    step=step,
+                    generation=self.generation,
+                    ballots=ballots,
+                    wait_ms=VOTE_WAIT_MS,
+                    sites_known=True,
+                )
+                if method
+                else pb.CommitStepRequest(
+                    site=self.site,
+                    rank=rank,
+                    step=step,
+                    generation=self.generation,
+                    ok=True,
+                    wait_ms=VOTE_WAIT_MS,
+                    rank_key=self.keys[rank],
+                    sites_known=True,
+                )
+            ).SerializeToString()
+            path = _METHOD + (method or "CommitStep")
+
+            async def call() -> bytes:
+                return await self.wire(rank).unary(path, request, VOTE_WAIT_MS / 1000 + RPC_SLACK_S)
+
+        else:  # a message on the voter's HostSession (at its agent or its coordinator)
             request = pb.CommitHostStepRequest(
                 site=self.site,
                 step=step,
@@ -227,35 +358,20 @@ class SimulatedRanks:
                 ballots=ballots,
                 wait_ms=VOTE_WAIT_MS,
                 sites_known=True,
-            )
-            call = self.stub(rank).CommitHostStep
-            if self.streams is not None:
-                call = functools.partial(self.on_stream, rank)
-        else:
-            request = pb.CommitStepRequest(
-                site=self.site,
-                rank=rank,
-                step=step,
-                generation=self.generation,
-                ok=True,
-                wait_ms=VOTE_WAIT_MS,
-                rank_key=self.keys[rank],
-                sites_known=True,
-            )
-            call = self.watch_stub(rank).CommitStep
+            ).SerializeToString()
+
+            async def call() -> bytes:
+                return await self.on_stream(rank, request, VOTE_WAIT_MS / 1000 + RPC_SLACK_S)
+
         sent = time.monotonic()
         times.first_vote = min(times.first_vote or sent, sent)
         times.last_vote = max(times.last_vote, sent)
         while True:
             try:
-                decision = await call(request, timeout=VOTE_WAIT_MS / 1000 + RPC_SLACK_S)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in (
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                ):
-                    raise
-                times.errors[exc.code().name] = times.errors.get(exc.code().name, 0) + 1
+                decision = pb.Decision.FromString(await call())
+            except (H2CallError, TimeoutError) as exc:
+                name = type(exc).__name__
+                times.errors[name] = times.errors.get(name, 0) + 1
                 await asyncio.sleep(0.2)
                 continue
             if decision.verdict != pb.VERDICT_PENDING:
@@ -265,9 +381,7 @@ class SimulatedRanks:
         times.first_seen = min(times.first_seen or seen, seen)
         times.last_seen = max(times.last_seen, seen)
         name = pb.Verdict.Name(decision.verdict).removeprefix("VERDICT_")
-        # The ranks this answer is for (through a real agent each rank has its own).
-        ranks = 1 if self.agents else min(self.host_ranks, self.ranks - rank)
-        times.verdicts[name] = times.verdicts.get(name, 0) + ranks
+        times.verdicts[name] = times.verdicts.get(name, 0) + len(ballots)
         if rank == 0 and decision.verdict == pb.VERDICT_COMMIT:
             await self.stub(0).ReportProgress(
                 pb.ReportProgressRequest(
@@ -276,17 +390,16 @@ class SimulatedRanks:
                 timeout=RPC_SLACK_S,
             )
 
-    async def on_stream(self, rank: int, request, timeout: float):
+    async def on_stream(self, rank: int, request: bytes, timeout: float) -> bytes:
         """``request`` on the HostSession of the voter whose first rank is ``rank``
         (opened at its first vote, again after an error), as inter/control/host_session.py
         sends it."""
-        assert self.streams is not None
         stream = self.streams.get(rank)
         if stream is None:
-            stream = self.streams[rank] = self.stub(rank).HostSession()
+            stream = self.streams[rank] = self.wire(rank).stream(_METHOD + "HostSession")
         try:
-            await stream.write(request)
-            return await asyncio.wait_for(stream.read(), timeout)
+            stream.send(request)
+            return await asyncio.wait_for(stream.recv(), timeout)
         except BaseException:
             self.streams.pop(rank, None)
             stream.cancel()
@@ -296,32 +409,32 @@ class SimulatedRanks:
         """Every rank votes on ``step`` from ``at`` (CLOCK_MONOTONIC) on."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         times = StepTimes(step)
-        sent_before = sum(agent.batches for agent in self.agents)
-        voters = range(0, self.ranks, 1 if self.agents else self.host_ranks)
+        voters = range(0, self.ranks, 1 if self.agents_dir else self.host_ranks)
         votes = asyncio.gather(*(self.vote(r, step, times) for r in voters))
         try:
             await asyncio.wait_for(votes, STEP_TIMEOUT_S)
         except TimeoutError:
             times.timed_out = True
-        times.messages = sum(agent.batches for agent in self.agents) - sent_before
         return times
 
     async def close(self) -> None:
         self.stop.set()
         for task in self.watchers:
             task.cancel()
-        for stream in (self.streams or {}).values():
+        for stream in self.streams.values():
             stream.cancel()
         await asyncio.gather(*self.watchers, return_exceptions=True)
+        for wire in self.wires:
+            wire.close()
         for channel in self.channels:
             await channel.close()
-        for agent in self.agents:
-            agent.stop()
 
 
-async def _ranks_main(site: str, address: str, ranks: int, host_ranks: int, calls: str) -> None:
+async def _ranks_main(
+    site: str, address: str, ranks: int, host_ranks: int, calls: str, agents: str, old: bool
+) -> None:
     """The client process: joins, says "ready", then runs "step N AT" lines from stdin."""
-    sim = SimulatedRanks(site, address, ranks, host_ranks, calls)
+    sim = SimulatedRanks(site, address, ranks, host_ranks, calls, agents, old)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -335,8 +448,16 @@ async def _ranks_main(site: str, address: str, ranks: int, host_ranks: int, call
     await sim.close()
 
 
-def serve_ranks(site: str, address: str, ranks: int, host_ranks: int, calls: str) -> None:
-    asyncio.run(_ranks_main(site, address, ranks, host_ranks, calls))
+def serve_ranks(
+    site: str,
+    address: str,
+    ranks: int,
+    host_ranks: int,
+    calls: str,
+    agents: str = "",
+    old_ranks: bool = False,
+) -> None:
+    asyncio.run(_ranks_main(site, address, ranks, host_ranks, calls, agents, old_ranks))
 
 
 # -- the driver -------------------------------------------------------------------------------

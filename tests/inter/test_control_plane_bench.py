@@ -1,7 +1,7 @@
 """The control-plane load benchmark (benchmarks/control_plane.py): `--quick` runs end to
 end, real coordinators and simulated ranks (each rank voting itself, and agents voting
-for hosts of 4 ranks; a call a vote and one HostSession stream a voter; real host agents
-that each rank votes and watches through), and writes its rows as JSON."""
+for hosts of 4 ranks; a call a vote and one HostSession stream a voter; real host agents,
+a process each, that each rank votes and watches through), and writes its rows as JSON."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ def test_quick_mode_commits_every_step_at_every_rank(tmp_path):
         assert row["verdicts"] == {"COMMIT": 2 * 16 * 3} and row["vote_errors"] == {}
         assert 0 < row["decision_ms_p50"] <= row["decision_ms_p99"]
         assert len(row["coordinator_cpu_s_per_step"]) == 2
+        assert row["declared_dead"] == 0
+    agents = rows[-1]
+    # 8 agent processes (2 sites x 4 hosts) carried every vote of the run, the warm-up's
+    # included, a host's ballots in about one message a step; their CPU is their own.
+    assert agents["agents"]["votes"] == 2 * 16 * 4, agents["agents"]
+    assert 0 < agents["agent_messages_per_host_step"] < 2 and agents["agents_cpu_s_per_step"] > 0
     assert "decision p50" in result.stdout
 
 
