@@ -188,15 +188,18 @@ class WaitSlots:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.slots, self.what, self.refusals, self.repolls = slots, what, refusals, repolls
-        self._free = threading.BoundedSemaphore(slots)
+        self._used = 0  # slots held now
         self._held: dict[str, int] = {}  # caller -> slots it holds
+        # One lock, taken once a call each way: a semaphore behind it took a second lock
+        # (its condition's), and 1,024 ranks' watches, answered together, queued on both
+        # (docs/benchmarks.md, "Real host agents, a process each").
         self._lock = threading.Lock()
 
     @property
     def free(self) -> int:
         """Slots free now."""
         with self._lock:
-            return self.slots - sum(self._held.values())
+            return self.slots - self._used
 
     def _take(self, caller: str, share: int | None) -> str | None:
         """Takes a slot for ``caller`` (holding at most ``share``: None, any number);
@@ -204,8 +207,9 @@ class WaitSlots:
         with self._lock:
             if share is not None and self._held.get(caller, 0) >= share:
                 return f"{caller} holds its {share} {self.what} slots"
-            if not self._free.acquire(blocking=False):
+            if self._used >= self.slots:
                 return f"all {self.slots} {self.what} slots busy"
+            self._used += 1
             self._held[caller] = self._held.get(caller, 0) + 1
             return None
 
@@ -214,7 +218,7 @@ class WaitSlots:
             left = self._held.pop(caller) - 1
             if left:
                 self._held[caller] = left
-        self._free.release()
+            self._used -= 1
 
     @contextlib.contextmanager
     def wait(

@@ -16,6 +16,7 @@ fails then), so a dead site costs the failure timeout, not the round's.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -281,7 +282,9 @@ class SiteMembership:
             try:
                 reply = self.client.membership_now(
                     known_generation=self.generation,
-                    wait_ms=_WATCH_WAIT_MS,
+                    # Spread: a site's ranks start together, and watches that asked the
+                    # same wait came back together for good, 1,024 at once.
+                    wait_ms=int(_WATCH_WAIT_MS * random.uniform(0.75, 1.0)),
                     timeout_s=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S,
                     on_call=self._hold_poll,
                 )
