@@ -121,6 +121,18 @@ class Node:
         """The command prefix that runs a program in the node's network namespace."""
         return ["ip", "netns", "exec", self.namespace]
 
+    def as_node(self, command: str) -> list[str]:
+        """The argv that runs the shell ``command`` as the node's slurmd and the job
+        steps it starts run: in the node's network namespace, with its own host name
+        and /etc/hosts. Not `ip netns exec`: it mounts a sysfs of its own, without the
+        cgroup folders slurmd looks for at start even when it uses none."""
+        hosts = Path("/etc/netns") / self.namespace / "hosts"
+        return [
+            "nsenter", f"--net=/run/netns/{self.namespace}", "--",
+            "unshare", "--uts", "--mount", "--",
+            "sh", "-c", f"hostname {self.name} && mount --bind {hosts} /etc/hosts && {command}",
+        ]  # fmt: skip
+
 
 def _run(*argv: str) -> str:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
@@ -239,19 +251,10 @@ class SlurmCluster:
         self.wait_for(lambda: (munge / "socket").exists(), "munged's socket")
         self._daemon("slurmctld", ["slurmctld", "-D", "-f", str(conf)])
         for node in self.nodes:
-            # The node's own host name and /etc/hosts, for slurmd and every step it
-            # starts. Not `ip netns exec`: it mounts a sysfs of its own, without the
-            # cgroup folders slurmd looks for at start even when it uses none.
-            hosts = Path("/etc/netns") / node.namespace / "hosts"
-            start = (
-                f"hostname {node.name} && mount --bind {hosts} /etc/hosts && "
-                f"exec slurmd -D -N {node.name} -f {conf}"
-            )
+            # The node's own host name and /etc/hosts, for slurmd and every step it starts.
             self._daemon(
-                f"slurmd-{node.name}",
-                ["nsenter", f"--net=/run/netns/{node.namespace}", "--",
-                 "unshare", "--uts", "--mount", "--", "sh", "-c", start],
-            )  # fmt: skip
+                f"slurmd-{node.name}", node.as_node(f"exec slurmd -D -N {node.name} -f {conf}")
+            )
         names = {n.name for n in self.nodes}
         self.wait_for(lambda: self.idle_nodes() == names, "idle nodes")
 
