@@ -37,16 +37,19 @@ the job CA is per job, so that is the boundary.
 from __future__ import annotations
 
 import collections
+import functools
 import hmac
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.aio
 
 __all__ = [
     "HEALTH_PREFIX",
@@ -54,6 +57,7 @@ __all__ = [
     "TLS_NAME",
     "TOKEN_HEADER",
     "SiteSecurity",
+    "aio_twin",
 ]
 
 log = logging.getLogger(__name__)
@@ -191,7 +195,36 @@ class SiteSecurity:
         channel = ClosableChannel(channel)
         if self.token:
             channel = grpc.intercept_channel(channel, _TokenAttacher(self.token))
+        _AIO_TWINS[channel] = functools.partial(self.aio_channel, address, tuple(options))
         return channel
+
+    def aio_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()):
+        """A ``grpc.aio`` channel to ``address`` as :meth:`channel` opens one (mutual TLS
+        when required, the token on every call). Open it on the event loop that uses it."""
+        options = list(options)
+        interceptors = _aio_token(self.token) if self.token else None
+        if self.require_tls:
+            options.append(("grpc.ssl_target_name_override", TLS_NAME))
+            credentials = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+            return grpc.aio.secure_channel(
+                address, credentials, options=options, interceptors=interceptors
+            )
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+_AIO_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each channel :meth:`SiteSecurity.channel` made -> how to open its grpc.aio twin."""
+
+
+def aio_twin(channel: grpc.Channel) -> Callable[[], grpc.aio.Channel] | None:
+    """How to open, on an event loop, a ``grpc.aio`` channel like ``channel`` (same
+    address, options, TLS and token), when :meth:`SiteSecurity.channel` made it (as
+    ``inter/control/channels.peer_channel`` does); None for any other channel.
+
+    A host agent (inter/control/host_agent.py) is handed its launcher's channel and
+    calls its coordinator from an event loop: on the twin its calls wait on no thread.
+    """
+    return _AIO_TWINS.get(channel)
 
 
 class ClosedChannelError(grpc.RpcError, grpc.Call, grpc.Future):
@@ -457,3 +490,36 @@ class _TokenAttacher(
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return continuation(self._details(client_call_details), request_iterator)
+
+
+class _AioToken:
+    """:class:`_TokenAttacher` for a grpc.aio channel (a host agent's calls: unary ones
+    and its vote streams). grpc.aio files an interceptor under the first kind of call it
+    intercepts, so each kind is an interceptor of its own (:func:`_aio_token`)."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = (TOKEN_HEADER, token)
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
+        return grpc.aio.ClientCallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+        )
+
+
+class _AioUnaryToken(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _AioStreamToken(_AioToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+def _aio_token(token: str) -> list:
+    return [_AioUnaryToken(token), _AioStreamToken(token)]

@@ -2,11 +2,21 @@
 event loop.
 
 The agent is handed the channel its launcher made (deploy/launch/ranks.py: TLS and the job
-token as the ranks' own), a synchronous gRPC channel. Its calls there are few: a host's
-ballots once a step, on a :class:`HostSession` stream (one per batch in flight, from a
-pool of two sending threads, since a synchronous stream blocks its caller), one long poll
-every few seconds, and what it passes through (a vote ahead, a first membership) as
-futures. Each is awaited on the agent's loop, whose thread never blocks on one.
+token as the ranks' own). Its calls there are few: a host's ballots once a step, on a
+``HostSession`` stream (one per batch in flight), one long poll every few seconds, and
+what it passes through (a vote ahead, a first membership). :func:`upstream` gives the
+agent one face for them, two ways:
+
+- :class:`LoopUpstream`, when the channel has a ``grpc.aio`` twin (one that
+  ``SiteSecurity.channel`` made, as the launcher's is: ``inter/security.py``,
+  ``aio_twin``): the calls are coroutines of the agent's own loop, and no thread waits
+  on one. A synchronous channel's waits cost the agent a reading thread a stream (which
+  wakes ten times a second while it waits, in gRPC's own loop), a sending thread, a
+  spinning thread a channel, and a thread switch each way a message: at 8 ranks and 1
+  step a second, a quarter of the agent's CPU (docs/benchmarks.md, "Real host agents,
+  a process each").
+- :class:`ThreadUpstream`, for any other channel (a test's plain one): the sessions of
+  inter/control/host_session.py on two sending threads, the rest as futures.
 """
 
 from __future__ import annotations
@@ -16,14 +26,17 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
+import grpc.aio
 
 from isthmus.inter.control.host_session import HostSession
+from isthmus.inter.security import aio_twin
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["REFUSED", "Outcome", "Upstream"]
+__all__ = ["REFUSED", "LoopUpstream", "Outcome", "ThreadUpstream", "upstream"]
 
 REFUSED = (
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -31,24 +44,194 @@ REFUSED = (
     grpc.StatusCode.FAILED_PRECONDITION,
 )
 """Codes that refuse a vote for what it says: a batch refused so is sent ballot by ballot."""
+_ELSEWHERE = (
+    grpc.StatusCode.RESOURCE_EXHAUSTED,  # no session slot free at the coordinator
+    grpc.StatusCode.UNAVAILABLE,  # the stream broke
+    grpc.StatusCode.CANCELLED,  # the coordinator stopping
+)
+"""A session's end that sends its vote by ``CommitHostStep`` instead (HostSession's rule)."""
 _SENDERS = 2
 """Threads that send a host's ballots (one batch on each at a time): a step's batch, and
 one of a late rank or of the step after it."""
 
 Outcome = pb.Decision | tuple[grpc.StatusCode, str]
 """A rank's answer: the decision, or the status its call ends with."""
+STOPPED: tuple[grpc.StatusCode, str] = (grpc.StatusCode.UNAVAILABLE, "host agent stopped")
+"""What a rank's vote ends with once the agent stopped (it votes elsewhere)."""
 
 
-class Upstream:
-    """The agent's side of its coordinator, on ``channel`` (synchronous).
+def upstream(channel, loop: asyncio.AbstractEventLoop, *, rpc_slack_s: float):
+    """The agent's way to its coordinator on ``channel``: on the loop when it has a
+    grpc.aio twin, else by threads. Make it on ``loop`` (a twin's channel binds to it).
 
     Args:
-        channel: the channel to the site's coordinator.
-        loop: the agent's event loop, where every call is awaited.
         rpc_slack_s: how long past a vote's wait its answer may take before its stream
             counts as broken (less than the ranks' own slack: a silent stream is the
             agent's to notice, so a rank hears of it, and votes again, before its deadline).
     """
+    twin = aio_twin(channel)
+    if twin is not None:
+        return LoopUpstream(twin(), rpc_slack_s=rpc_slack_s)
+    return ThreadUpstream(channel, loop, rpc_slack_s=rpc_slack_s)
+
+
+class _Batches:
+    """What both ways share: a batch refused for what it says goes ballot by ballot."""
+
+    messages = 0
+    """Messages of ballots sent."""
+    closed = False
+
+    async def votes(
+        self, request, ballots: Sequence[pb.RankBallot], wait_ms: int
+    ) -> dict[int, Outcome]:
+        """``ballots`` on ``request``'s (step, generation), all in one message (one by one
+        if that was refused, so one rank's bad key is its refusal alone): each rank's
+        outcome."""
+        outcome = await self._vote(request, ballots, wait_ms)
+        if isinstance(outcome, tuple) and outcome[0] in REFUSED and len(ballots) > 1:
+            return {b.rank: await self._vote(request, [b], wait_ms) for b in ballots}
+        return {b.rank: outcome for b in ballots}
+
+    async def _vote(self, request, ballots, wait_ms: int) -> Outcome:
+        if self.closed:  # the channel closes next: the rank votes elsewhere
+            return STOPPED
+        self.messages += 1
+        message = pb.CommitHostStepRequest(
+            site=request.site,
+            step=request.step,
+            generation=request.generation,
+            ballots=ballots,
+            wait_ms=wait_ms,
+            sites_known=request.sites_known,
+        )
+        try:
+            return await self._send(message)
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or ""
+        except TimeoutError as exc:  # the session went silent: the rank votes again
+            return grpc.StatusCode.DEADLINE_EXCEEDED, f"host agent: {exc}"
+
+    async def _send(self, message: pb.CommitHostStepRequest) -> pb.Decision:
+        raise NotImplementedError
+
+
+class LoopUpstream(_Batches):
+    """The agent's calls as coroutines of its loop, on a ``grpc.aio`` channel."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, rpc_slack_s: float) -> None:
+        self._channel = channel
+        self.stub = pb_grpc.CoordinatorStub(channel)
+        self._rpc_slack_s = rpc_slack_s
+        self._free: list[_Stream] = []  # one per batch in flight
+        self._opened: set[_Stream] = set()
+
+    async def call(self, method: str, request, timeout_s: float | None):
+        """``request`` to the coordinator's ``method``; its answer.
+
+        Raises:
+            grpc.RpcError: refused, or no answer in time.
+        """
+        return await getattr(self.stub, method)(request, timeout=timeout_s)
+
+    def poll(self, request: pb.GetMembershipRequest, timeout_s: float, done: Callable) -> Any:
+        """The agent's long poll, running; ``done(poll)`` on the loop once it ended. The
+        poll has ``cancel()``, ``cancelled()`` and ``result()``."""
+        task = asyncio.get_running_loop().create_task(
+            self.call("GetMembership", request, timeout_s)
+        )
+        task.add_done_callback(done)
+        return task
+
+    async def _send(self, message: pb.CommitHostStepRequest) -> pb.Decision:
+        stream = self._free.pop() if self._free else _Stream(self.stub)
+        self._opened.add(stream)
+        try:
+            answer = await stream.vote(message, message.wait_ms / 1000 + self._rpc_slack_s)
+        except BaseException:
+            self._opened.discard(stream)
+            stream.cancel()
+            raise
+        if answer is None:  # the stream ended: its vote goes as a call (HostSession's rule)
+            self._opened.discard(stream)
+            return await self.call(
+                "CommitHostStep", message, message.wait_ms / 1000 + self._rpc_slack_s
+            )
+        if not self.closed:
+            self._free.append(stream)
+        return answer
+
+    async def aclose(self) -> None:
+        """Ends the streams (a vote waiting on one ends now) and the channel."""
+        self.closed = True
+        for stream in [*self._opened, *self._free]:
+            stream.cancel()
+        self._opened.clear()
+        self._free.clear()
+        await self._channel.close()
+
+    def close(self) -> None:
+        """Nothing to do off the loop (:meth:`aclose` ends it there)."""
+        self.closed = True
+
+
+class _Stream:
+    """One ``HostSession`` of a :class:`LoopUpstream`: a vote at a time, answered in order."""
+
+    def __init__(self, stub: pb_grpc.CoordinatorStub) -> None:
+        self._stub = stub
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def vote(self, message: pb.CommitHostStepRequest, timeout_s: float):
+        """The decision; None when the stream ended for a reason that sends the vote by a
+        call instead (as HostSession's: no session slot, broken, the coordinator stopping).
+
+        Raises:
+            grpc.RpcError: the vote was refused (the stream ended with that status).
+            TimeoutError: no answer within ``timeout_s`` (the stream is dropped).
+        """
+        if self._call is None:
+            self._call = self._stub.HostSession()
+        call = self._call
+        try:
+            await call.write(message)
+            answer = await asyncio.wait_for(call.read(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer on the host session within {timeout_s:.1f}s") from None
+        except grpc.aio.AioRpcError as exc:
+            answer, code = None, exc.code()
+            if code not in _ELSEWHERE:
+                raise
+        if answer is grpc.aio.EOF or answer is None:
+            self._call = None
+            code = await call.code()
+            if code not in _ELSEWHERE:
+                raise _Ended(code, await call.details())
+            return None
+        return answer
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+class _Ended(grpc.RpcError):
+    """A session that ended with a refusal: its status, as a call's error names it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details or ""
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class ThreadUpstream(_Batches):
+    """The agent's calls on a synchronous channel: futures, and sessions on threads."""
 
     def __init__(
         self, channel: grpc.Channel, loop: asyncio.AbstractEventLoop, *, rpc_slack_s: float
@@ -60,102 +243,66 @@ class Upstream:
         self._lock = threading.Lock()  # the sessions, shared by the sending threads
         self._free: list[HostSession] = []  # one per batch in flight
         self._opened: list[HostSession] = []  # every one, for close()
-        self._closed = False
-        self.messages = 0
-        """Messages of ballots sent."""
 
-    def soon(self, callback: Callable[..., object], *args: object) -> None:
+    def _soon(self, callback: Callable[..., object], *args: object) -> None:
         """``callback(*args)`` on the loop, from any thread (none once it closed)."""
         with contextlib.suppress(RuntimeError):  # the loop closed: the agent stopped
             self._loop.call_soon_threadsafe(callback, *args)
 
-    async def answer(self, call: grpc.Future):
-        """The answer of ``call`` (a future of the channel), awaited; the call is
-        cancelled when the rank's call that waits on it is.
-
-        Raises:
-            grpc.RpcError: the coordinator refused it, or it got no answer.
-        """
+    async def _answer(self, call: grpc.Future):
         done = self._loop.create_future()
 
         def settle() -> None:
             if not done.done():
                 done.set_result(None)
 
-        call.add_done_callback(lambda _: self.soon(settle))
+        call.add_done_callback(lambda _: self._soon(settle))
         try:
             await done
         except asyncio.CancelledError:
-            call.cancel()
+            call.cancel()  # the rank's call that waits on it ended
             raise
         return call.result()
 
-    async def votes(
-        self, request, ballots: Sequence[pb.RankBallot], wait_ms: int
-    ) -> dict[int, Outcome]:
-        """``ballots`` on ``request``'s (step, generation), all in one message (one by one
-        if that was refused, so one rank's bad key is its refusal alone): each rank's
-        outcome."""
-        sent = self._loop.run_in_executor(self._senders, self._send, request, ballots, wait_ms)
-        try:
-            return await sent
-        except RuntimeError:  # the agent stopped: no thread sends any more
-            return dict.fromkeys((b.rank for b in ballots), self.stopped())
+    async def call(self, method: str, request, timeout_s: float | None):
+        """As :meth:`LoopUpstream.call`."""
+        return await self._answer(getattr(self.stub, method).future(request, timeout=timeout_s))
 
-    def _send(self, request, ballots: Sequence[pb.RankBallot], wait_ms: int) -> dict:
-        session = self._session()
+    def poll(self, request: pb.GetMembershipRequest, timeout_s: float, done: Callable) -> Any:
+        """As :meth:`LoopUpstream.poll` (a gRPC future)."""
+        future = self.stub.GetMembership.future(request, timeout=timeout_s)
+        future.add_done_callback(lambda _: self._soon(done, future))
+        return future
+
+    async def _send(self, message: pb.CommitHostStepRequest) -> pb.Decision:
         try:
-            outcome = self._vote(session, request, ballots, wait_ms)
-            if isinstance(outcome, tuple) and outcome[0] in REFUSED and len(ballots) > 1:
-                return {b.rank: self._vote(session, request, [b], wait_ms) for b in ballots}
-            return {b.rank: outcome for b in ballots}
+            return await self._loop.run_in_executor(self._senders, self._on_thread, message)
+        except RuntimeError:  # the agent stopped: no thread sends any more
+            raise _Ended(*STOPPED) from None
+
+    def _on_thread(self, message: pb.CommitHostStepRequest) -> pb.Decision:
+        with self._lock:
+            session = self._free.pop() if self._free else None
+            if session is None:
+                session = HostSession(self.stub, rpc_slack_s=self._rpc_slack_s)
+                self._opened.append(session)
+        try:
+            return session.vote(message)
         finally:
             with self._lock:
-                kept = not self._closed
+                kept = not self.closed
                 if kept:
                     self._free.append(session)
             if not kept:
                 session.close()
 
-    def _vote(self, session: HostSession, request, ballots, wait_ms: int) -> Outcome:
-        with self._lock:
-            if self._closed:  # its channel closes next: the rank votes elsewhere
-                return self.stopped()
-            self.messages += 1
-        try:
-            return session.vote(
-                pb.CommitHostStepRequest(
-                    site=request.site,
-                    step=request.step,
-                    generation=request.generation,
-                    ballots=ballots,
-                    wait_ms=wait_ms,
-                    sites_known=request.sites_known,
-                )
-            )
-        except grpc.RpcError as exc:
-            return exc.code(), exc.details() or ""
-        except TimeoutError as exc:  # the session went silent: the rank votes again
-            return grpc.StatusCode.DEADLINE_EXCEEDED, f"host agent: {exc}"
-
-    def _session(self) -> HostSession:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            session = HostSession(self.stub, rpc_slack_s=self._rpc_slack_s)
-            if not self._closed:
-                self._opened.append(session)
-            return session
-
-    @staticmethod
-    def stopped() -> tuple[grpc.StatusCode, str]:
-        """What a rank's vote ends with once the agent stopped (it votes elsewhere)."""
-        return grpc.StatusCode.UNAVAILABLE, "host agent stopped"
+    async def aclose(self) -> None:
+        """Nothing left on the loop (:meth:`close` ended the streams)."""
 
     def close(self) -> None:
         """Ends the streams (a vote waiting on one ends now, CANCELLED) and the threads."""
         with self._lock:
-            self._closed = True
+            self.closed = True
             sessions, self._free, self._opened = self._opened, [], []
         for session in sessions:
             session.close()

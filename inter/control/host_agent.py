@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from isthmus.inter.control.agent_upstream import REFUSED, Outcome, Upstream
+from isthmus.inter.control.agent_upstream import REFUSED, STOPPED, Outcome, upstream
 from isthmus.inter.control.vouches import Vouches
 from isthmus.proto import coordinator_pb2 as pb
 
@@ -138,8 +138,8 @@ class HostAgent:
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"host-agent-{site}", daemon=True
         )
-        self._upstream = Upstream(channel, self._loop, rpc_slack_s=_RPC_SLACK_S / 2)
-        self._stub = self._upstream.stub
+        self._channel = channel
+        self._upstream = None  # made on the loop (start): a grpc.aio twin binds to it
         self._server: grpc.aio.Server | None = None
         self._stopped = False
         self._stopping = threading.Lock()
@@ -154,7 +154,7 @@ class HostAgent:
         self._watching = 0  # ranks' watches held here now
         self._last_watch: float | None = None  # when a rank's watch last ended
         self._known = 0  # the generation the agent's poll knows
-        self._poll: grpc.Future | None = None
+        self._poll = None  # the agent's poll in flight (its upstream's: cancel, cancelled, result)
         self._poll_keys: list[str] = []
         self._pacing: asyncio.TimerHandle | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -171,7 +171,7 @@ class HostAgent:
     @property
     def batches(self) -> int:
         """Messages of ballots sent to the coordinator."""
-        return self._upstream.messages
+        return self._upstream.messages if self._upstream is not None else 0
 
     def stats(self) -> dict[str, int]:
         """What the agent carried so far: the ranks' calls and the coordinator's."""
@@ -199,6 +199,7 @@ class HostAgent:
         return self
 
     async def _serve(self) -> None:
+        self._upstream = upstream(self._channel, self._loop, rpc_slack_s=_RPC_SLACK_S / 2)
         handlers = {
             "CommitStep": grpc.unary_unary_rpc_method_handler(
                 self.CommitStep,
@@ -243,7 +244,8 @@ class HostAgent:
             if self._stopped:
                 return
             self._stopped = True
-        self._upstream.close()  # a vote waiting on the coordinator ends now (CANCELLED)
+        if self._upstream is not None:
+            self._upstream.close()  # a vote waiting on the coordinator ends now
         if self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
@@ -258,6 +260,8 @@ class HostAgent:
                 timer.cancel()
         if self._poll is not None:
             self._poll.cancel()
+        if self._upstream is not None:
+            await self._upstream.aclose()
         if self._server is not None:
             await self._server.stop(0.5)
         await self._loop.shutdown_asyncgens()  # the ranks' vote streams, closed here
@@ -269,12 +273,10 @@ class HostAgent:
         if not self._loop.is_running():
             self._loop.close()
 
-    async def _pass(self, method, request, context: grpc.aio.ServicerContext):
+    async def _pass(self, method: str, request, context: grpc.aio.ServicerContext):
         """``request`` to the coordinator as it came; its refusal is the rank's."""
         try:
-            return await self._upstream.answer(
-                method.future(request, timeout=context.time_remaining())
-            )
+            return await self._upstream.call(method, request, context.time_remaining())
         except grpc.RpcError as exc:
             # Never UNAVAILABLE from here: that code tells a rank its agent is gone.
             code = exc.code()
@@ -287,13 +289,13 @@ class HostAgent:
 
     async def CommitStep(self, request, context):  # noqa: N802
         if request.wait_ms == 0:  # a vote ahead: nothing waits on it, pass it through
-            return await self._pass(self._stub.CommitStep, request, context)
+            return await self._pass("CommitStep", request, context)
         ballot = pb.RankBallot(rank=request.rank, ok=request.ok, rank_key=request.rank_key)
         return await self._answer(await self._cast(request, [ballot]), context)
 
     async def CommitHostStep(self, request, context):  # noqa: N802
         if request.wait_ms == 0 or not request.ballots:  # the coordinator's to answer
-            return await self._pass(self._stub.CommitHostStep, request, context)
+            return await self._pass("CommitHostStep", request, context)
         return await self._answer(await self._cast(request, request.ballots), context)
 
     async def HostSession(self, requests, context):  # noqa: N802
@@ -303,7 +305,7 @@ class HostAgent:
         self.rank_streams += 1
         async for request in requests:
             if request.wait_ms == 0 or not request.ballots:
-                yield await self._pass(self._stub.CommitHostStep, request, context)
+                yield await self._pass("CommitHostStep", request, context)
             else:
                 yield await self._answer(await self._cast(request, request.ballots), context)
 
@@ -363,7 +365,7 @@ class HostAgent:
         try:
             outcome = await self._upstream.votes(batch.request, ballots, batch.wait_ms)
         except asyncio.CancelledError:  # the agent stopped: its ranks vote elsewhere
-            outcome = dict.fromkeys(batch.ballots, Upstream.stopped())
+            outcome = dict.fromkeys(batch.ballots, STOPPED)
         if not batch.outcome.done():
             batch.outcome.set_result(outcome)
 
@@ -372,7 +374,7 @@ class HostAgent:
     async def GetMembership(self, request, context):  # noqa: N802
         if request.known_generation == 0 or not request.rank_key:
             # A rank's first membership, or no rank's poll: the coordinator's to answer.
-            return await self._pass(self._stub.GetMembership, request, context)
+            return await self._pass("GetMembership", request, context)
         known = request.known_generation
         deadline = self._loop.time() + min(request.wait_ms, _RANK_WAIT_MS) / 1000
         self.watches += 1
@@ -395,7 +397,7 @@ class HostAgent:
             self._last_watch = self._clock()
             self._arm_expiry()
         if not self._seen:  # no answer of the agent's own in time: the coordinator's
-            return await self._pass(self._stub.GetMembership, request, context)
+            return await self._pass("GetMembership", request, context)
         if self._membership_error is not None:  # a refusal (FAILED_PRECONDITION: job failed)
             error = self._membership_error
             await context.abort(error.code(), error.details() or "")
@@ -449,18 +451,18 @@ class HostAgent:
         self.polls += 1
         known = self._known
         self._poll_keys = keys
-        self._poll = poll = self._stub.GetMembership.future(
+        self._poll = self._upstream.poll(
             pb.GetMembershipRequest(
                 known_generation=known,
                 wait_ms=_AGENT_WAIT_MS if known else 0,
                 rank_key=keys[0],
                 vouched_rank_keys=keys,
             ),
-            timeout=_AGENT_WAIT_MS / 1000 + _RPC_SLACK_S,
+            _AGENT_WAIT_MS / 1000 + _RPC_SLACK_S,
+            self._polled,
         )
-        poll.add_done_callback(lambda _: self._upstream.soon(self._polled, poll))
 
-    def _polled(self, poll: grpc.Future) -> None:
+    def _polled(self, poll) -> None:
         """The agent's poll ended: its answer is the host's, and the next one goes."""
         if poll is not self._poll:
             return

@@ -13,9 +13,13 @@ import pytest
 from coordinators import rank_key, start_sites, stop_all
 from helpers import register_rank, wait_until
 
+from isthmus.deploy.commands.certs import write_certs
+from isthmus.inter.control.agent_upstream import LoopUpstream, ThreadUpstream
+from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Verdict
 from isthmus.inter.control.host_agent import HostAgent
+from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
@@ -84,6 +88,7 @@ def all_vote(clients, ranks, **kw) -> dict[int, object]:
 
 def test_a_hosts_votes_reach_the_coordinator_in_one_message(site):
     coord, agent, clients = site
+    assert isinstance(agent._upstream, ThreadUpstream)  # noqa: SLF001 (a plain channel)
     decisions = all_vote(clients, range(RANKS))
     assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
     assert agent.batches == 1
@@ -321,3 +326,56 @@ def test_a_step_waits_for_the_ranks_that_watch_here_not_for_the_count_it_was_tol
             for client in clients:
                 client.close()
             agent.stop()
+
+
+def test_an_agent_on_its_launchers_channel_calls_the_coordinator_from_its_loop(tmp_path):
+    """The launcher hands its agent the ranks' own channel (mutual TLS and the job token,
+    ``peer_channel``): the agent calls the coordinator on that channel's grpc.aio twin,
+    from its event loop, and its ranks' votes and watches go through as on any other."""
+    write_certs(tmp_path / "certs", ["site0"])
+    security = SiteSecurity.load(tmp_path / "certs", "site0", require_tls=True, require_token=True)
+    coord = Coordinator(
+        CoordinatorSettings(site="site0", site_names=["site0"], ranks=2, fingerprint=FP),
+        security=security,
+    )
+    coord.start()
+    channel = peer_channel(coord.address, security=security)
+    agent = HostAgent(channel, site="site0", ranks=2, listen=f"unix:{tmp_path}/a")
+    clients = []
+    try:
+        for rank in range(2):
+            client = CoordinatorClient.connect(
+                coord.address, security, rank_key=coord.rank_keys.handed(rank)
+            )
+            client.register_rank(
+                site="site0", rank=rank, world_size=2, lane_address=f"127.0.0.1:{3000 + rank}",
+                fingerprint=FP,
+                timeout_s=10,
+            )  # fmt: skip
+            client.close()
+        coord.wait_ready(10)
+        agent.start()
+        assert isinstance(agent._upstream, LoopUpstream)  # noqa: SLF001
+        clients = [
+            CoordinatorClient.connect(
+                coord.address, security, rank_key=coord.rank_keys.handed(r), agent=agent.address
+            )
+            for r in range(2)
+        ]
+        for client in clients:
+            now = client.membership_now(known_generation=1, wait_ms=0, timeout_s=10)
+            assert now.generation == 1
+        wait_until(lambda: agent.stats()["watch_polls"] >= 2, "the agent never polled")
+        for step in range(3):
+            decisions = all_vote(clients, range(2), step=step)
+            assert {getattr(d, "verdict", None) for d in decisions.values()} == {Verdict.COMMIT}, [
+                (d.code(), d.details()) for d in decisions.values() if not hasattr(d, "verdict")
+            ]
+        assert agent.batches == 3 and agent.stats()["rank_streams"] == 2
+        assert all(c.agent_misses == 0 for c in clients)
+    finally:
+        for client in clients:
+            client.close()
+        agent.stop()
+        channel.close()
+        coord.stop(grace_s=0)
