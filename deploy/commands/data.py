@@ -7,10 +7,17 @@ each shard's tokens, the total, the tokenizer's sha256 (a job whose data.tokeniz
 otherwise is refused, deploy/rank/corpus.py), and each source file's sha256 and size. The
 tokenizer.json is copied in, so a job can name it from the folder.
 
-Reading: a ``.txt`` file is one document; a ``.jsonl`` file one document a line (its
-``--text-field``); both with the standard library. Only ``.parquet`` goes through the
-``datasets`` library (it brings pyarrow, ~265 MB installed: the ``isthmus[data]``
-extra, never a runtime dependency), local files only, offline, streamed (no arrow cache).
+Reading (``data_read.py``): a ``.txt`` file is one document; a ``.jsonl`` file one
+document a line (its ``--text-field``); both with the standard library. Only ``.parquet``
+goes through the ``datasets`` library (it brings pyarrow, ~265 MB installed: the
+``isthmus[data]`` extra, never a runtime dependency), local files only, offline, streamed
+(no arrow cache).
+
+Memory does not grow with the input: a document arrives as a stream of text chunks, is
+cut into the pieces ``TextTokenizer.encode`` cuts it into (``text_pieces``: about
+``PIECE_CHARS`` characters, after a newline), and is encoded ``BATCH_BYTES`` of pieces at
+a time, so the tokens are those of encoding the whole document at once and the peak stays
+under ``PEAK_BYTES`` above the interpreter's (docs/data.md, "Memory").
 
 The folder is written under a temporary name beside ``--out`` and renamed into place
 when complete, so a prepare killed midway leaves no ``--out``; bad input is refused in
@@ -28,25 +35,34 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
+from isthmus.deploy.commands.data_read import DATASETS_HINT, FORMATS, documents
 from isthmus.deploy.config.job import ConfigError
 from isthmus.intra.data import PREPARED_FORMAT, PREPARED_VERSION
+from isthmus.intra.tokenizer import PIECE_CHARS, text_pieces
 
 if TYPE_CHECKING:
     from isthmus.intra.tokenizer import TextTokenizer
 
-__all__ = ["FORMATS", "prepare", "register"]
+__all__ = ["BATCH_BYTES", "FORMATS", "PEAK_BYTES", "prepare", "register"]
 
-FORMATS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
-"""File suffix -> how its documents are read."""
 DEFAULT_SHARD_TOKENS = 1 << 28
 """A shard holds at most this many tokens (512 MiB of uint16)."""
-DATASETS_HINT = "pip install 'isthmus[data]'"
+BATCH_BYTES = 1 << 20
+"""Pieces are encoded together until they hold this many bytes of UTF-8: 16 pieces of
+ASCII, one for each of 16 cores. The tokenizer holds ~120 bytes of memory a token while it
+encodes them, and a byte is at most one token: ~120 MiB."""
+PEAK_BYTES = 256 << 20
+"""What a prepare holds at most above the interpreter with its libraries and the tokenizer
+loaded, whatever its input's size or the host's cores: a batch being encoded (~120 MiB), a
+block read and decoded, a jsonl line of at most ``LINE_BYTES`` parsed. Twice the batch,
+for the allocator's slack (tests/deploy/test_data_prepare.py measures it; docs/data.md,
+"Memory"; docs/benchmarks.md has the figure for a 300 MB file)."""
 
 
 def prepare(
@@ -59,8 +75,12 @@ def prepare(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     force: bool = False,
     progress: bool = True,
+    batch_bytes: int = BATCH_BYTES,
 ) -> dict:
     """Tokenize ``sources`` into the folder ``out``; returns its manifest.
+
+    ``batch_bytes`` (tests make it small) sets how much text is encoded at a time; the
+    tokens do not depend on it.
 
     Raises:
         ConfigError: a missing or unreadable source, an unknown format, a bad record, no
@@ -91,8 +111,9 @@ def prepare(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.preparing."))
     try:
+        bar = _Bar(sources, progress)
         manifest = _write(
-            sources, tok, tmp, text_field, eos_id, eos, shard_tokens, _Bar(sources, progress)
+            sources, tok, tmp, text_field, eos_id, eos, shard_tokens, batch_bytes, bar
         )
         (tmp / "tokenizer.json").write_text(tok.json)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -127,26 +148,25 @@ def _write(
     eos_id: int | None,
     eos: str | None,
     shard_tokens: int,
+    batch_bytes: int,
     bar: _Bar,
 ) -> dict:
     shards = _Shards(folder, shard_tokens)
     records = []
-    documents = 0
+    documents_in = 0
     try:
         for src in sources:
             digest = hashlib.sha256()
             docs = 0
-            for text in _documents(src, text_field, digest, bar, folder / ".hf-cache"):
-                ids = tok.encode(text)
-                if eos_id is not None:
-                    ids = np.append(ids, np.uint16(eos_id))
-                shards.add(ids)
-                docs += 1
-                bar.tokens = shards.total
+            for chunks in documents(src, text_field, digest, bar, folder / ".hf-cache"):
+                if _encode(tok, chunks, shards, bar, batch_bytes):
+                    if eos_id is not None:
+                        shards.add(np.array([eos_id], dtype=np.uint16))
+                    docs += 1
             if FORMATS[src.suffix.lower()] == "parquet":
                 _hash_file(src, digest)
             bar.file_done(src)
-            documents += docs
+            documents_in += docs
             records.append(
                 {
                     "path": str(src.resolve()),
@@ -170,7 +190,7 @@ def _write(
         "version": PREPARED_VERSION,
         "dtype": "uint16",
         "tokens": shards.total,
-        "documents": documents,
+        "documents": documents_in,
         "shards": shards.entries,
         "tokenizer": {"sha256": tok.sha256, "ids": tok.vocab_size, "file": "tokenizer.json"},
         "eos": None if eos is None else {"token": eos, "id": eos_id},
@@ -180,81 +200,45 @@ def _write(
     }
 
 
-def _documents(
-    src: Path, text_field: str, digest: hashlib._Hash, bar: _Bar, hf_cache: Path
-) -> Iterator[str]:
-    kind = FORMATS[src.suffix.lower()]
-    try:
-        if kind == "text":
-            raw = src.read_bytes()
-            digest.update(raw)
-            bar.advance(len(raw))
-            if raw:
-                yield raw.decode("utf-8", errors="replace")
-        elif kind == "jsonl":
-            with open(src, "rb") as f:
-                yield from _jsonl(src, f, text_field, digest, bar)
-        else:
-            yield from _parquet(src, text_field, hf_cache)
-    except OSError as exc:
-        raise ConfigError(f"input {src}: {exc.strerror or exc}") from None
+def _encode(
+    tok: TextTokenizer, chunks: Iterable[str], shards: _Shards, bar: _Bar, batch_bytes: int
+) -> bool:
+    """Encode one document, given as text chunks, onto ``shards``, ``batch_bytes`` of pieces
+    at a time; False when it holds no text."""
+    batch: list[str] = []
+    size = 0
+    text = False
+    for piece in _pieces(chunks):
+        text = True
+        batch.append(piece)
+        size += len(piece) if piece.isascii() else len(piece.encode("utf-8", "surrogatepass"))
+        if size >= batch_bytes:
+            shards.add(tok.encode_pieces(batch))
+            bar.tokens = shards.total
+            batch, size = [], 0
+    if batch:
+        shards.add(tok.encode_pieces(batch))
+        bar.tokens = shards.total
+    return text
 
 
-def _jsonl(
-    src: Path, f: BinaryIO, text_field: str, digest: hashlib._Hash, bar: _Bar
-) -> Iterator[str]:
-    for number, line in enumerate(f, 1):
-        digest.update(line)
-        bar.advance(len(line))
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            raise ConfigError(f"input {src}, line {number}: not JSON") from None
-        text = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise ConfigError(
-                f"input {src}, line {number}: no string field {text_field!r} "
-                "(--text-field names it)"
-            )
-        if text:
-            yield text
-
-
-def _parquet(src: Path, text_field: str, hf_cache: Path) -> Iterator[str]:
-    os.environ["HF_DATASETS_OFFLINE"] = "1"  # local files only: never the hub
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(
-            f"input {src}: parquet needs the datasets package: {DATASETS_HINT}"
-        ) from None
-    datasets.disable_progress_bars()  # ours is on stderr already
-    try:
-        rows = datasets.load_dataset(
-            # The lock files datasets keeps go in the folder being written, not ~/.cache.
-            "parquet",
-            data_files=[str(src)],
-            split="train",
-            streaming=True,
-            cache_dir=str(hf_cache),
-        )
-        if text_field not in (rows.column_names or [text_field]):
-            raise ConfigError(
-                f"input {src}: no column {text_field!r} (it has {rows.column_names}; "
-                "--text-field names it)"
-            )
-        for number, row in enumerate(rows):
-            text = row.get(text_field)
-            if not isinstance(text, str):
-                raise ConfigError(f"input {src}, row {number}: {text_field!r} is not a string")
-            if text:
-                yield text
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - pyarrow and datasets raise many kinds
-        raise ConfigError(f"input {src}: cannot read it as parquet ({exc})") from None
+def _pieces(chunks: Iterable[str], size: int = PIECE_CHARS) -> Iterator[str]:
+    """The pieces ``text_pieces`` cuts the chunks' text into, without the text whole: a
+    piece is cut only once more than ``size`` characters follow its start (its window is
+    then the same), and the rest by ``text_pieces`` itself."""
+    text = ""
+    for chunk in chunks:
+        text += chunk
+        start = 0
+        while len(text) - start > size:
+            end = start + size
+            newline = text.rfind("\n", start, end)
+            if newline > start:  # as text_pieces: cut after the window's last newline
+                end = newline + 1
+            yield text[start:end]
+            start = end
+        text = text[start:]
+    yield from text_pieces(text, size)
 
 
 def _hash_file(src: Path, digest: hashlib._Hash) -> None:
