@@ -8,30 +8,32 @@ starts a host's ranks (deploy/launch/ranks.py) runs a :class:`HostAgent` beside 
 a Unix socket in the ranks' own 0700 folder (no other user of the machine can reach it),
 and the ranks send it the two calls that scale with them:
 
-- **``CommitStep``, a vote that waits.** The agent gathers the host's ballots on one
-  (step, generation): the first one in waits until every rank of the host voted or
-  ``linger_s`` passed, then they go as one message on a :class:`HostSession` and each
-  rank gets the decision. A refusal of several ballots is retried ballot by ballot, so
-  one rank's bad key or stale generation is that rank's alone. A vote that does not
-  wait (a vote ahead) is passed through as a call.
+- **A vote that waits**, a message on the rank's own ``HostSession`` stream to the
+  agent (``CommitStep`` and ``CommitHostStep`` calls are taken too). The agent gathers
+  the host's ballots on one (step, generation): the first one in waits until every rank
+  of the host voted or ``linger_s`` passed, then they go as one message on a
+  ``HostSession`` of the agent's and each rank gets the decision. A refusal of several
+  ballots is retried ballot by ballot, so one rank's bad key or stale generation is that
+  rank's alone. A vote that does not wait (a vote ahead) is passed through as a call.
 - **``GetMembership``, a rank's watch.** The agent keeps one long poll open at the
   coordinator and answers the ranks' polls from it, as the coordinator would (at once
   on a newer generation, a suspect or an error; else when the wait ends). Its poll
   names the ranks it hears from (``vouched_rank_keys``, inter/control/vouches.py): the
   coordinator counts a poll in flight for each (inter/control/rank_liveness.py). The
-  poll is held up to 10 s and sent again, naming them, as soon as those ranks change:
+  poll is held as long as the coordinator holds it (half the silence at most) and sent
+  again, naming them, as soon as those ranks change:
   a rank whose watch arrives for the first time at once, one that stopped watching
   ``vouch_s`` of the agent's own time after its last watch ended (an agent that was
   starved of CPU does not take its own lateness for its ranks' silence).
 
 The agent runs on one event loop (``grpc.aio``, a thread of its own): a rank's vote or
 watch held here is a coroutine, not a thread, and news wakes only the calls it answers.
-The thread-per-call agent before it cost ~13 ms of CPU a host a step (8 ranks' votes
+The thread-per-call agent before it cost 12-16 ms of CPU a host a step (8 ranks' votes
 and 1 s watches, each a pool thread woken through one condition, and a poll re-checked
 twice a second), and 256 of them on 2 cores could not decide a step of 2 x 1,024 ranks
-in 60 s (docs/benchmarks.md, "Real host agents, a process each"). Its calls upstream go
-on the ``channel`` it is handed (TLS and token as the ranks' own): the poll as a future,
-a step's ballots on a pool of two threads.
+in 60 s (docs/benchmarks.md, "Real host agents, a process each"). It calls its
+coordinator from the same loop, on the grpc.aio twin of the channel it is handed (TLS and
+token as the ranks' own: inter/control/agent_upstream.py).
 
 Everything else a rank calls (registration, reports, a first membership) goes to the
 coordinator itself, and a rank that cannot reach its agent falls back to the
