@@ -50,10 +50,18 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
-from isthmus.inter.control.agent_upstream import REFUSED, STOPPED, Outcome, upstream
+from isthmus.inter.control.agent_upstream import (
+    REFUSED,
+    STOPPED,
+    LoopUpstream,
+    Outcome,
+    ThreadUpstream,
+    upstream,
+)
 from isthmus.inter.control.vouches import Vouches
 from isthmus.proto import coordinator_pb2 as pb
 
@@ -141,7 +149,8 @@ class HostAgent:
             target=self._loop.run_forever, name=f"host-agent-{site}", daemon=True
         )
         self._channel = channel
-        self._upstream = None  # made on the loop (start): a grpc.aio twin binds to it
+        self._upstream: LoopUpstream | ThreadUpstream | None = None
+        """The way to the coordinator, made on the loop (start): a grpc.aio twin binds to it."""
         self._server: grpc.aio.Server | None = None
         self._stopped = False
         self._stopping = threading.Lock()
@@ -156,7 +165,7 @@ class HostAgent:
         self._watching = 0  # ranks' watches held here now
         self._last_watch: float | None = None  # when a rank's watch last ended
         self._known = 0  # the generation the agent's poll knows
-        self._poll = None  # the agent's poll in flight (its upstream's: cancel, cancelled, result)
+        self._poll: Any = None  # the agent's poll in flight (cancel, cancelled, result)
         self._poll_keys: list[str] = []
         self._pacing: asyncio.TimerHandle | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -169,6 +178,11 @@ class HostAgent:
         if self._watching or last is None:
             return 0.0
         return max(0.0, self._clock() - last)
+
+    @property
+    def _up(self) -> LoopUpstream | ThreadUpstream:
+        assert self._upstream is not None, "start() makes it"
+        return self._upstream
 
     @property
     def batches(self) -> int:
@@ -278,7 +292,7 @@ class HostAgent:
     async def _pass(self, method: str, request, context: grpc.aio.ServicerContext):
         """``request`` to the coordinator as it came; its refusal is the rank's."""
         try:
-            return await self._upstream.call(method, request, context.time_remaining())
+            return await self._up.call(method, request, context.time_remaining())
         except grpc.RpcError as exc:
             # Never UNAVAILABLE from here: that code tells a rank its agent is gone.
             code = exc.code()
@@ -340,7 +354,8 @@ class HostAgent:
     @staticmethod
     async def _answer(outcome: Outcome, context) -> pb.Decision:
         if isinstance(outcome, tuple):
-            await context.abort(*outcome)
+            await context.abort(*outcome)  # raises
+        assert isinstance(outcome, pb.Decision)
         return outcome
 
     def _expected(self) -> int:
@@ -365,7 +380,7 @@ class HostAgent:
     async def _send(self, batch: _Ballots) -> None:
         ballots = list(batch.ballots.values())
         try:
-            outcome = await self._upstream.votes(batch.request, ballots, batch.wait_ms)
+            outcome = await self._up.votes(batch.request, ballots, batch.wait_ms)
         except asyncio.CancelledError:  # the agent stopped: its ranks vote elsewhere
             outcome = dict.fromkeys(batch.ballots, STOPPED)
         if not batch.outcome.done():
@@ -453,7 +468,7 @@ class HostAgent:
         self.polls += 1
         known = self._known
         self._poll_keys = keys
-        self._poll = self._upstream.poll(
+        self._poll = self._up.poll(
             pb.GetMembershipRequest(
                 known_generation=known,
                 wait_ms=_AGENT_WAIT_MS if known else 0,

@@ -120,3 +120,31 @@ def test_bad_settings_are_refused_before_anything_opens(change, message):
         RankSyncSettings(
             **{**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)}, **change}
         )
+
+
+@pytest.mark.timeout(60)
+def test_the_watchers_waits_are_spread_so_a_sites_watches_come_apart(monkeypatch):
+    """A site's ranks start together; watches that all asked the same wait were answered
+    together, and sent again together, for good (1,024 at once at 1,024 ranks). Each asks
+    75-100 % of the wait instead."""
+    from isthmus.inter.data import membership as membership_module
+
+    monkeypatch.setattr(membership_module, "_WATCH_WAIT_MS", 200)
+    asked: list[int] = []
+    real = CoordinatorClient.membership_now
+
+    def membership_now(self, *, known_generation, wait_ms, timeout_s, on_call=None):
+        asked.append(wait_ms)
+        return real(
+            self,
+            known_generation=known_generation,
+            wait_ms=wait_ms,
+            timeout_s=timeout_s,
+            on_call=on_call,
+        )
+
+    monkeypatch.setattr(CoordinatorClient, "membership_now", membership_now)
+    with opened_sites(2, decision_timeout_s=10.0):
+        wait_until(lambda: len(asked) >= 12, "the watchers never asked again", 20.0)
+    assert all(150 <= ms <= 200 for ms in asked), asked
+    assert len(set(asked)) > len(asked) // 2, asked  # spread, not one wait for all
