@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -266,6 +267,24 @@ class SlurmCluster:
     def plug(self, node: Node) -> None:
         """Put the node back on its networks."""
         self._set_links(node, "up")
+
+    def end_jobs_on(self, node: Node) -> int:
+        """SIGKILL every process of the node's jobs (all in its network namespace but
+        its slurmd and what started it), as a node that crashed and came back holds none:
+        a node back from a partition still runs the old steps of a job Slurm requeued
+        under the same id, and slurmd's cleanup of those raced the requeued job's start
+        there. Returns how many it ended."""
+        keep = {"slurmd", "nsenter", "unshare", "sh"}
+        ended = 0
+        for pid in _run("ip", "netns", "pids", node.namespace).split():
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+                if name not in keep:
+                    os.kill(int(pid), signal.SIGKILL)
+                    ended += 1
+            except (OSError, ValueError):
+                continue  # gone already
+        return ended
 
     def _set_links(self, node: Node, state: str) -> None:
         k = self.nodes.index(node)
