@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from isthmus.deploy.config.job import JobConfig, load_config
+from isthmus.deploy.config.job import ConfigError, JobConfig, load_config
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -83,6 +83,17 @@ def config_from_args(
         "run.oversubscribe": True if getattr(args, "oversubscribe", False) else None,
     }
     return load_config(args.config, args.overrides, flags, fit=fit)
+
+
+def read_rank_secret(path: str) -> bytes:
+    """``--rank-secret-file``'s bytes (inter/control/rank_keys.py); ConfigError naming
+    the flag when the file is missing, too short or readable by others."""
+    from isthmus.inter.control.rank_keys import read_secret
+
+    try:
+        return read_secret(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--rank-secret-file: {exc}") from exc
 
 
 def add_insecure_flag(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from isthmus.deploy.commands.arguments import (
     add_config_arguments,
     add_insecure_flag,
     config_from_args,
+    read_rank_secret,
 )
 from isthmus.deploy.config.job import ConfigError
 from isthmus.deploy.security.exposure import check_exposure
@@ -56,14 +57,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"no coordinator address for {missing}: use --peer SITE=HOST:PORT or cluster.coordinators"
         )
-    from isthmus.inter.control.rank_keys import RankKeys, read_secret
+    from isthmus.inter.control.rank_keys import RankKeys
 
     ranks = config.ranks_of(args.site)
     if args.rank_secret_file:
-        try:
-            keys = RankKeys.derive(args.site, ranks, read_secret(args.rank_secret_file))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--rank-secret-file: {exc}") from exc
+        keys = RankKeys.derive(args.site, ranks, read_rank_secret(args.rank_secret_file))
     else:
         keys = RankKeys.first_come(args.site)
         print(

@@ -13,16 +13,21 @@ import os
 import socket
 import struct
 import sys
+from typing import TYPE_CHECKING
 
 from isthmus.deploy.commands.arguments import (
     add_config_arguments,
     add_job_flags,
     config_from_args,
+    read_rank_secret,
     run_job,
 )
 from isthmus.deploy.commands.local import add_script_flag, use_script
 from isthmus.deploy.config.job import ConfigError
 from isthmus.deploy.security.exposure import check_exposure
+
+if TYPE_CHECKING:
+    from isthmus.deploy.launch.site import NodePlace
 
 __all__ = ["register"]
 
@@ -75,16 +80,10 @@ def _advertise(args: argparse.Namespace) -> str:
     return route_source(_host(peers[0]))
 
 
-def _place(args: argparse.Namespace):
+def _place(args: argparse.Namespace) -> NodePlace:
     from isthmus.deploy.launch.site import NodePlace
-    from isthmus.inter.control.rank_keys import read_secret
 
-    secret = None
-    if args.rank_secret_file:
-        try:
-            secret = read_secret(args.rank_secret_file)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--rank-secret-file: {exc}") from exc
+    secret = read_rank_secret(args.rank_secret_file) if args.rank_secret_file else None
     if args.listen and not args.listen.rpartition(":")[2].isdigit():
         raise ConfigError(f"--listen must be HOST:PORT, got {args.listen!r}")
     gloo = ""
