@@ -1,4 +1,4 @@
-"""Hostile callers for the chaos suite: the ``flood`` and ``forge`` scenarios (issue 14).
+"""Hostile callers for the chaos suite: ``flood``, ``forge`` and ``forge-rejoin`` (issues 14, 63).
 
 ``flood`` holds health watches and long polls open at a coordinator (rows 6-7: they
 once froze the job). ``forge`` is what a process on the same machine that holds the job token sends a
@@ -19,16 +19,21 @@ refused or found out, and the job must finish with equal digests:
    OpenBulk in site1's name (a ticket would let it send chunks as site1), and chunks
    in site1's name, NaN and finite with a valid checksum, for the coming steps (row 8:
    each once cost the job a retried step). All are refused; the lane logs each caller.
+
+``forge_rejoin`` runs while site1 restarts (issue 63, rows 1-2): "site0 finished" in
+site0's name to site1, and pulls of the state offered to site1 in its name.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,7 +42,7 @@ from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["flood", "forge", "missed_forgeries"]
+__all__ = ["flood", "forge", "forge_rejoin", "missed_forgeries", "missed_rejoin_forgeries"]
 
 
 def _channel(address: str, credentials: SiteSecurity | None = None) -> grpc.Channel:
@@ -314,3 +319,82 @@ def _calls(stub, fingerprint, step: int, generation: int, victim: str, ranks: in
             timeout=2,
         ),
     )
+
+
+def forge_rejoin(
+    target: str,
+    victims_coordinator: str,
+    duration_s: float,
+    record: Path,
+    *,
+    credentials: SiteSecurity | None = None,
+    progress: Callable[[], int] | None = None,
+) -> None:
+    """Issue 63, rows 1-2, while site1 restarts and rejoins: heartbeats in site0's name
+    telling site1's coordinator "site0 ran its last step" (one once made a restarting
+    site1 give up for good), and, as fast as they are answered, pulls of the state
+    offered to site1 from site0's rank-0 lane in site1's name, for the steps around the
+    job's. Neither may work: site1 asks site0, and the lane serves the state only to
+    the pull site1's own lane confirms. How many pieces the forger was served goes to
+    ``record`` (JSON) after every pull, for the judge."""
+    from isthmus.inter.data.lane_handoff import NONCE_BYTES
+    from isthmus.proto import lane_pb2, lane_pb2_grpc
+
+    tally = {"finished": 0, "pulls": 0, "pieces": 0}
+    deadline = time.monotonic() + duration_s
+    with (
+        _channel(target, credentials) as channel,
+        _channel(victims_coordinator, credentials) as other,
+    ):
+        stub, victims = pb_grpc.CoordinatorStub(channel), pb_grpc.CoordinatorStub(other)
+        lane_address = _lane_of(stub, target)
+        lane_channel = _channel(lane_address, credentials) if lane_address else None
+        lane = lane_pb2_grpc.LaneStub(lane_channel) if lane_channel else None
+        last_claim = 0.0
+        while time.monotonic() < deadline:
+            step = progress() if progress is not None else 0
+            generation = _generation(stub)
+            if time.monotonic() - last_claim >= 0.3:
+                last_claim = time.monotonic()
+                said = pb.HeartbeatRequest(
+                    site="site0", step=step, generation=generation, finished=True
+                )
+                try:
+                    victims.Heartbeat(said, timeout=2)
+                    tally["finished"] += 1
+                except grpc.RpcError:
+                    pass  # site1 is down or starting: it is told again
+            for near in range(max(0, step - 2), step + 3) if lane is not None else ():
+                ask = lane_pb2.PullStateRequest(
+                    generation=generation,
+                    step=near,
+                    rank=0,
+                    site="site1",
+                    from_rank=0,
+                    nonce=secrets.token_bytes(NONCE_BYTES),
+                )
+                tally["pulls"] += 1
+                try:
+                    for _ in lane.PullState(ask, timeout=2):  # type: ignore[union-attr]
+                        tally["pieces"] += 1
+                except grpc.RpcError:
+                    pass  # not offered, or refused: what must happen
+            record.write_text(json.dumps(tally))
+            time.sleep(0.05)
+        if lane_channel is not None:
+            lane_channel.close()
+
+
+def missed_rejoin_forgeries(victims_log: str, record: Path) -> str:
+    """Why the forger of ``forge_rejoin`` was believed or served, or ""."""
+    try:
+        tally = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return "the forger of the rejoin never ran"
+    if tally["pieces"]:
+        return f"a pull in site1's name was served {tally['pieces']} piece(s) of the state"
+    if not tally["finished"]:
+        return "no forged 'site0 finished' heartbeat reached site1"
+    if "site0 itself says it runs step" not in victims_log:
+        return "the forged 'site0 finished' claims were never checked with site0"
+    return ""

@@ -12,7 +12,8 @@ class Fault:
     """One fault: what, where, and at which step of the job (read from its metrics)."""
 
     kind: str
-    """kill, restart, partition, corrupt, slow, flood, forge, lane-threads (the lane's
+    """kill, restart, partition, corrupt, slow, flood, forge, forge-rejoin (calls in
+    another site's name while site1 restarts), lane-threads (the lane's
     codec threads shut down mid-round, at the round of step ``at_step``), stall-flow
     (the link holds the first bulk flow each way for ``duration_s``: a flow black-holed
     on the way, while the link's others carry on), node-silent (the second node of a
@@ -146,6 +147,22 @@ SCENARIOS: tuple[Scenario, ...] = (
         survivors=("site0", "site1"),
         quick=True,
         expect_generations=False,
+        pace_s=0.3,
+    ),
+    Scenario(
+        name="forge-rejoin",
+        description="SIGKILL site1 at step 4 and start it again while a token holder tells "
+        "it, in site0's name, that site0 ran its last step, and pulls the state offered to "
+        "site1 from site0's lane in site1's name (issue 63, rows 1-2): site1 asks site0, "
+        "rejoins, and the forger is served nothing",
+        sites=2,
+        steps=60,
+        faults=(
+            Fault(kind="restart", site="site1", at_step=4, duration_s=1.0),
+            Fault(kind="forge-rejoin", site="site0", at_step=4, duration_s=15.0),
+        ),
+        survivors=("site0", "site1"),
+        quick=True,
         pace_s=0.3,
     ),
     Scenario(

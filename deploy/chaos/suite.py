@@ -22,16 +22,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
-from isthmus.deploy.chaos.hostile_calls import flood, forge, missed_forgeries
+from isthmus.deploy.chaos.hostile_calls import flood, forge, forge_rejoin
+from isthmus.deploy.chaos.judge import FORGER_RECORD, ScenarioResult, judge, metrics_records
 from isthmus.deploy.chaos.ports import free_ports
 from isthmus.deploy.chaos.scenarios import SCENARIOS, Fault, Scenario
 from isthmus.deploy.chaos.sites import NODE1, SiteProcess, node_argvs, site_processes
@@ -49,39 +49,6 @@ SITE_TIMEOUT_S = 360.0
 """A scenario whose survivors have not all exited this long after its start fails,
 naming the first one and its log's tail: within the tests' 400 s limit, which
 would show only thread stacks (a scenario takes 10-60 s on 2 cores)."""
-
-
-def _records(path: Path) -> list[dict]:
-    """A metrics.jsonl's lines; one being written (not yet whole) is skipped."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
-
-
-@dataclass
-class ScenarioResult:
-    name: str
-    ok: bool
-    wall_s: float
-    why: str = ""
-    digests: dict[str, str] = field(default_factory=dict)
-    generations: int = 1
-    retries: int = 0
-    min_live_sites: int = 0
-    corrupt_chunks: int = 0
-    stalled_flows: int = 0
-    """Bulk connections the survivors left past a frame's deadline (metrics.jsonl)."""
-    rejoined: list[str] = field(default_factory=list)
-    micro_batches: dict[str, list[int]] = field(default_factory=dict)
-    """Each survivor's micro-batches per rank, step by step (train.accumulate, balanced)."""
 
 
 def _job_file(scenario: Scenario, work: Path, ports: list[int], witness: str) -> Path:
@@ -186,7 +153,11 @@ def run_scenario(
         # for another); else with the user's job token, which the sites run with.
         credentials = site_security(config, "site0") if config.security.require_tls else None
         _inject(scenario, sites, links, coordinators, fingerprint, run_dir, out, credentials)
-        return _judge(scenario, sites, run_dir, started, tls=config.security.require_tls)
+        # One budget with the injection's wait (_inject), not a second one after it.
+        deadline = started + SITE_TIMEOUT_S
+        result = judge(scenario, sites, run_dir, deadline, tls=config.security.require_tls)
+        result.wall_s = time.monotonic() - started
+        return result
     finally:
         for site in [*sites.values(), *helpers]:
             site.kill()
@@ -229,7 +200,8 @@ def _progress(run_dir: Path, names: list[str]) -> int:
     """Steps completed by the furthest site."""
     return max(
         (
-            (_records(run_dir / "sites" / n / "metrics.jsonl") or [{}])[-1].get("step", -1) + 1
+            (metrics_records(run_dir / "sites" / n / "metrics.jsonl") or [{}])[-1].get("step", -1)
+            + 1
             for n in names
         ),
         default=0,
@@ -246,8 +218,8 @@ def _inject(
     out: TextIO | None,
     credentials: SiteSecurity | None,
 ) -> None:
-    kinds = ("kill", "restart", "partition", "flood", "forge", "stall-flow", "node-silent")
-    pending = [f for f in scenario.faults if f.kind in (*kinds, "agent-kill")]
+    kinds = ("kill", "restart", "partition", "flood", "forge", "forge-rejoin", "stall-flow")
+    pending = [f for f in scenario.faults if f.kind in (*kinds, "node-silent", "agent-kill")]
     deadline = time.monotonic() + SITE_TIMEOUT_S
     survivors = [sites[n] for n in scenario.survivors]
     names = [n for n in sites if NODE1 not in n]
@@ -255,7 +227,7 @@ def _inject(
     while time.monotonic() < deadline:
         for name in list(restart_when_down):
             codes = [s.process.poll() if s.process else None for s in site_processes(sites, name)]
-            if all(code == 0 for code in codes):  # never left: _judge says so
+            if all(code == 0 for code in codes):  # never left: the judge says so
                 restart_when_down.remove(name)
             if not any(code not in (None, 0) for code in codes):
                 continue
@@ -306,6 +278,17 @@ def _inject(
                     args=(coordinators[fault.site], fault.duration_s, credentials),
                     daemon=True,
                 ).start()
+            elif fault.kind == "forge-rejoin":
+                threading.Thread(
+                    target=forge_rejoin,
+                    args=(coordinators[fault.site], coordinators["site1"], fault.duration_s),
+                    kwargs={
+                        "record": run_dir / FORGER_RECORD,
+                        "credentials": credentials,
+                        "progress": lambda: _progress(run_dir, list(sites)),
+                    },
+                    daemon=True,
+                ).start()
             elif fault.kind == "forge":
                 threading.Thread(
                     target=forge,
@@ -318,108 +301,6 @@ def _inject(
                     daemon=True,
                 ).start()
         time.sleep(0.1)
-
-
-def _judge(scenario: Scenario, sites, run_dir: Path, started: float, tls: bool) -> ScenarioResult:
-    result = ScenarioResult(scenario.name, ok=False, wall_s=0.0)
-    # One budget with the injection's wait (_inject), not a second one after it.
-    deadline = started + SITE_TIMEOUT_S
-    launchers = [key for name in scenario.survivors for key in (name, f"{name}{NODE1}")]
-    for name in [key for key in launchers if key in sites]:
-        process = sites[name].process
-        try:
-            code = process.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            code = None
-        if code != 0:
-            result.why = f"{name} exited with {code}: ...{sites[name].tail()}"
-            result.wall_s = time.monotonic() - started
-            return result
-    result.wall_s = time.monotonic() - started
-    for name in scenario.survivors:
-        summary = json.loads((run_dir / "sites" / name / "summary.json").read_text())
-        result.digests[name] = summary["digests"][name]
-        records = _records(run_dir / "sites" / name / "metrics.jsonl")
-        result.generations = max([result.generations] + [r.get("generation", 1) for r in records])
-        result.retries += sum(r.get("retries", 0) for r in records)
-        lives = [r.get("live_sites", scenario.sites) for r in records]
-        result.min_live_sites = min([*lives, result.min_live_sites or scenario.sites])
-        result.corrupt_chunks += sum(r.get("corrupt_chunks", 0) for r in records)
-        result.stalled_flows += sum(r.get("stalled_flows", 0) for r in records)
-        result.micro_batches[name] = [r.get("micro_batches", 1) for r in records]
-        steps = [r.get("step", 0) for r in records]
-        if steps and steps != list(range(steps[0], steps[0] + len(steps))) or steps[:1] > [0]:
-            result.rejoined.append(name)  # its steps jump: it pulled a live peer's state
-    forged = [f for f in scenario.faults if f.kind == "forge"]
-    corrupted = any(f.kind == "corrupt" for f in scenario.faults)
-    slowed = [f.site for f in scenario.faults if f.kind == "slow"]
-    moved = [
-        result.micro_batches.get(n, [0])[-1] < result.micro_batches.get(n, [0])[0] for n in slowed
-    ]
-    if len(set(result.digests.values())) != 1:
-        result.why = f"survivors' digests differ: {result.digests}"
-    elif scenario.expect_generations and result.generations < 2:
-        result.why = "the membership never changed"
-    elif corrupted and not tls and not result.corrupt_chunks:
-        result.why = "no corrupt chunk was counted"
-    elif corrupted and tls and (not result.stalled_flows or result.retries):
-        # Under TLS a flipped bit ends its connection (MAC): lanes leave it, send again.
-        result.why = f"under TLS {result.stalled_flows} connections left, {result.retries} retries"
-    elif any(f.kind == "stall-flow" for f in scenario.faults) and not result.stalled_flows:
-        result.why = "no stalled flow was counted (metrics.jsonl's stalled_flows)"
-    elif any(f.kind == "stall-flow" for f in scenario.faults) and result.retries:
-        result.why = f"a stalled flow cost {result.retries} retried step(s): it was waited out"
-    elif any(
-        f.kind == "flood" and "slots busy" not in sites[f.site].text() for f in scenario.faults
-    ):
-        result.why = "the flood was never turned away (no 'slots busy' in the site's log)"
-    elif any(
-        # Turned away for want of a slot, or before one: no pass granted to a peer site,
-        # or (with TLS) a certificate that names no peer of the flooded site.
-        f.kind == "flood" and ": PushChunks stream " not in _rank0_log(run_dir, f.site)
-        for f in scenario.faults
-    ):
-        result.why = "the lane's streams were never turned away (nothing in its rank's log)"
-    elif any(
-        f.kind == "lane-threads" and "new threads take over" not in _rank0_log(run_dir, f.site)
-        for f in scenario.faults
-    ):
-        result.why = "the lane never lost its codec threads mid-round (nothing in its rank's log)"
-    elif any(
-        f.kind == "agent-kill"
-        and not (
-            "host agent stopped" in sites[f"{f.site}{NODE1}"].text()
-            and "calling the coordinator" in _rank_log(run_dir, f.site, 1)
-        )
-        for f in scenario.faults
-    ):
-        result.why = "the second node's agent never stopped, or its rank never went around it"
-    elif scenario.expect_rebalance and not (moved and all(moved)):
-        result.why = f"the slowed site kept its micro-batches: {result.micro_batches}"
-    elif forged and result.generations > 1:
-        result.why = "a forged call changed the membership"
-    elif forged and (
-        why := missed_forgeries(
-            sites[forged[0].site].text(),
-            sites["site1"].text(),
-            _rank0_log(run_dir, forged[0].site),
-        )
-    ):
-        result.why = why
-    else:
-        result.ok = True
-    return result
-
-
-def _rank0_log(run_dir: Path, site: str) -> str:
-    return _rank_log(run_dir, site, 0)
-
-
-def _rank_log(run_dir: Path, site: str, rank: int) -> str:
-    try:
-        return (run_dir / "logs" / f"{site}-rank{rank}.log").read_text(errors="replace")
-    except OSError:
-        return ""
 
 
 def run_suite(

@@ -34,7 +34,7 @@ def test_survivors_finish_with_identical_replicas(scenario, tmp_path):
     assert len(set(result.digests.values())) == 1
     if scenario.name == "kill":
         assert result.min_live_sites == 1  # site0 trained on alone
-    if scenario.name in ("kill-restart", "partition", "node-silent"):
+    if scenario.name in ("kill-restart", "forge-rejoin", "partition", "node-silent"):
         assert result.rejoined == ["site1"]  # it pulled site0's state and came back
     if scenario.name == "node-silent":
         assert result.min_live_sites == 1  # found silent: site0 trained on without it
@@ -159,18 +159,18 @@ def test_repeat_must_be_at_least_one(tmp_path):
     assert_one_line_error(result, "--repeat must be >= 1, got 0")
 
 
-def test_a_hung_survivor_fails_its_scenario_within_one_budget(tmp_path, monkeypatch):
+def test_a_hung_survivor_fails_its_scenario_within_one_budget(tmp_path):
     """The injection's wait and the judge's share SITE_TIMEOUT_S from the scenario's
-    start: a site that never exits fails the scenario, with its log's tail, before a
-    test's own timeout (which would show only thread stacks)."""
+    start: a site that never exits fails the scenario, with its log's tail, once the
+    budget is spent, before a test's own timeout (which would show only thread stacks)."""
     import sys
     import time
 
-    from isthmus.deploy.chaos import suite as chaos
+    from isthmus.deploy.chaos.judge import judge
+    from isthmus.deploy.chaos.sites import SiteProcess
 
-    monkeypatch.setattr(chaos, "SITE_TIMEOUT_S", 2.0)
     scenario = next(s for s in SCENARIOS if s.name == "kill")
-    hung = chaos.SiteProcess("site0", [sys.executable, "-c", "import time; print('stuck', flush=True); time.sleep(600)"],
+    hung = SiteProcess("site0", [sys.executable, "-c", "import time; print('stuck', flush=True); time.sleep(600)"],
                        {}, tmp_path / "site0")  # fmt: skip
     hung.start()
     try:
@@ -178,14 +178,14 @@ def test_a_hung_survivor_fails_its_scenario_within_one_budget(tmp_path, monkeypa
         while "stuck" not in hung.text():  # up and logging: its tail is in the reason
             assert time.monotonic() < deadline, "the stand-in site never started"
             time.sleep(0.05)
-        started = time.monotonic() - 2.0  # as if the injection had spent the budget
-        result = chaos._judge(scenario, {"site0": hung}, tmp_path / "run", started, tls=False)
-        waited = time.monotonic() - started - 2.0
+        spent = time.monotonic()  # as if the injection had spent the budget
+        result = judge(scenario, {"site0": hung}, tmp_path / "run", spent, tls=False)
+        waited = time.monotonic() - spent
     finally:
         hung.kill()
     assert not result.ok and result.why.startswith("site0 exited with None"), result.why
     assert "stuck" in result.why
-    assert waited < 1.5, waited  # the judge's 1 s floor, not a budget of its own
+    assert waited < 30, waited  # the judge's 1 s floor, not a budget of its own (360 s)
 
 
 def test_repeated_runs_are_counted_per_scenario():

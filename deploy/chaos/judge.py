@@ -1,0 +1,190 @@
+"""The chaos suite's judge: did a scenario's survivors finish with identical replicas,
+and did each of its faults leave the mark it must (deploy/chaos/suite.py runs them)?
+
+A fault that must be seen (a corrupt chunk counted, a flood turned away, a forged call
+found out) is read from what the sites wrote: their metrics, their launchers' output and
+their ranks' logs, as an operator would read them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from isthmus.deploy.chaos.hostile_calls import missed_forgeries, missed_rejoin_forgeries
+from isthmus.deploy.chaos.scenarios import Scenario
+from isthmus.deploy.chaos.sites import NODE1, SiteProcess
+
+__all__ = ["FORGER_RECORD", "ScenarioResult", "judge", "metrics_records"]
+
+FORGER_RECORD = "forger.json"
+"""What ``forge-rejoin``'s caller was answered, in the run folder, for the judge."""
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    ok: bool
+    wall_s: float
+    why: str = ""
+    digests: dict[str, str] = field(default_factory=dict)
+    generations: int = 1
+    retries: int = 0
+    min_live_sites: int = 0
+    corrupt_chunks: int = 0
+    stalled_flows: int = 0
+    """Bulk connections the survivors left past a frame's deadline (metrics.jsonl)."""
+    rejoined: list[str] = field(default_factory=list)
+    micro_batches: dict[str, list[int]] = field(default_factory=dict)
+    """Each survivor's micro-batches per rank, step by step (train.accumulate, balanced)."""
+
+
+def metrics_records(path: Path) -> list[dict]:
+    """A metrics.jsonl's lines; one being written (not yet whole) is skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def judge(
+    scenario: Scenario,
+    sites: Mapping[str, SiteProcess],
+    run_dir: Path,
+    deadline: float,
+    tls: bool,
+) -> ScenarioResult:
+    """Waits (until ``deadline``, monotonic) for the survivors' launchers to exit 0,
+    then reads what they wrote. ``wall_s`` is left for the caller to fill."""
+    result = ScenarioResult(scenario.name, ok=False, wall_s=0.0)
+    launchers = [key for name in scenario.survivors for key in (name, f"{name}{NODE1}")]
+    for name in [key for key in launchers if key in sites]:
+        process = sites[name].process
+        assert process is not None
+        try:
+            code = process.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 0:
+            result.why = f"{name} exited with {code}: ...{sites[name].tail()}"
+            return result
+    for name in scenario.survivors:
+        summary = json.loads((run_dir / "sites" / name / "summary.json").read_text())
+        result.digests[name] = summary["digests"][name]
+        _read_metrics(
+            scenario, result, name, metrics_records(run_dir / "sites" / name / "metrics.jsonl")
+        )
+    if len(set(result.digests.values())) != 1:
+        result.why = f"survivors' digests differ: {result.digests}"
+    elif scenario.expect_generations and result.generations < 2:
+        result.why = "the membership never changed"
+    else:
+        marks = _Marks(scenario, result, sites, run_dir, tls)
+        result.why = next((why for fault in scenario.faults if (why := marks.missed(fault))), "")
+        if not result.why and scenario.expect_rebalance:
+            result.why = marks.rebalance()
+    result.ok = not result.why
+    return result
+
+
+def _read_metrics(
+    scenario: Scenario, result: ScenarioResult, name: str, records: list[dict]
+) -> None:
+    result.generations = max([result.generations] + [r.get("generation", 1) for r in records])
+    result.retries += sum(r.get("retries", 0) for r in records)
+    lives = [r.get("live_sites", scenario.sites) for r in records]
+    result.min_live_sites = min([*lives, result.min_live_sites or scenario.sites])
+    result.corrupt_chunks += sum(r.get("corrupt_chunks", 0) for r in records)
+    result.stalled_flows += sum(r.get("stalled_flows", 0) for r in records)
+    result.micro_batches[name] = [r.get("micro_batches", 1) for r in records]
+    steps = [r.get("step", 0) for r in records]
+    if steps and steps != list(range(steps[0], steps[0] + len(steps))) or steps[:1] > [0]:
+        result.rejoined.append(name)  # its steps jump: it pulled a live peer's state
+
+
+@dataclass
+class _Marks:
+    """The mark each kind of fault must leave; ``missed`` says why one is missing."""
+
+    scenario: Scenario
+    result: ScenarioResult
+    sites: Mapping[str, SiteProcess]
+    run_dir: Path
+    tls: bool
+
+    def missed(self, fault) -> str:
+        check: Callable[..., str] | None = getattr(self, "_" + fault.kind.replace("-", "_"), None)
+        return check(fault) if check is not None else ""
+
+    def rank_log(self, site: str, rank: int = 0) -> str:
+        try:
+            return (self.run_dir / "logs" / f"{site}-rank{rank}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def rebalance(self) -> str:
+        slowed = [f.site for f in self.scenario.faults if f.kind == "slow"]
+        batches = self.result.micro_batches
+        moved = [batches.get(n, [0])[-1] < batches.get(n, [0])[0] for n in slowed]
+        if moved and all(moved):
+            return ""
+        return f"the slowed site kept its micro-batches: {batches}"
+
+    def _corrupt(self, fault) -> str:
+        result = self.result
+        if not self.tls:
+            return "" if result.corrupt_chunks else "no corrupt chunk was counted"
+        # Under TLS a flipped bit ends its connection (MAC): lanes leave it, send again.
+        if not result.stalled_flows or result.retries:
+            return f"under TLS {result.stalled_flows} connections left, {result.retries} retries"
+        return ""
+
+    def _stall_flow(self, fault) -> str:
+        if not self.result.stalled_flows:
+            return "no stalled flow was counted (metrics.jsonl's stalled_flows)"
+        if self.result.retries:
+            return f"a stalled flow cost {self.result.retries} retried step(s): it was waited out"
+        return ""
+
+    def _flood(self, fault) -> str:
+        if "slots busy" not in self.sites[fault.site].text():
+            return "the flood was never turned away (no 'slots busy' in the site's log)"
+        # Turned away for want of a slot, or before one: no pass granted to a peer site,
+        # or (with TLS) a certificate that names no peer of the flooded site.
+        if ": PushChunks stream " not in self.rank_log(fault.site):
+            return "the lane's streams were never turned away (nothing in its rank's log)"
+        return ""
+
+    def _lane_threads(self, fault) -> str:
+        if "new threads take over" not in self.rank_log(fault.site):
+            return "the lane never lost its codec threads mid-round (nothing in its rank's log)"
+        return ""
+
+    def _agent_kill(self, fault) -> str:
+        if "host agent stopped" in self.sites[f"{fault.site}{NODE1}"].text() and (
+            "calling the coordinator" in self.rank_log(fault.site, 1)
+        ):
+            return ""
+        return "the second node's agent never stopped, or its rank never went around it"
+
+    def _forge(self, fault) -> str:
+        if self.result.generations > 1:
+            return "a forged call changed the membership"
+        victims = self.sites["site1"].text()
+        return missed_forgeries(self.sites[fault.site].text(), victims, self.rank_log(fault.site))
+
+    def _forge_rejoin(self, fault) -> str:
+        if "site1" not in self.result.rejoined:
+            return "site1 never rejoined (its steps never jumped to site0's)"
+        return missed_rejoin_forgeries(self.sites["site1"].text(), self.run_dir / FORGER_RECORD)
