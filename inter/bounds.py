@@ -13,9 +13,10 @@ froze for as long as they stayed open, silently. So waiting is rationed:
 * :class:`BoundedHealth` — grpc.health.v1 with at most a few ``Watch`` streams open;
   ``Check`` is never limited.
 * :class:`RefusalLog` — each refusal logged with the caller's address, once per caller
-  and reason per minute, with how many there were: a stall is never silent, a flood
-  never floods the log. A caller is its host (a flood opens connection after
-  connection, each with its own port).
+  and kind of refusal a minute, at most ``lines`` lines a minute in all, and a summary
+  line of the refusals it did not log: a stall is never silent, a flood never floods
+  the log. A caller is its host (a flood opens connection after connection, each with
+  its own port), and a kind is the reason without its numbers and quoted names.
 * Per caller (issue 33, row 9: a flood of re-polls took steps/s from 1.28 to 0.62 on
   two cores, the refused polls answered at once and asked again in a tight loop): a
   caller — what it claims to be (a site, a rank) at its host — holds at most ``share``
@@ -32,10 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
+import itertools
 import logging
+import os
+import re
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health
@@ -56,8 +62,8 @@ HEALTH_WATCHES = 2
 """Health ``Watch`` streams a server keeps open at once (probes use ``Check``)."""
 _ANSWER_AT_ONCE = 4
 """Threads a server keeps for calls that answer without waiting."""
-_LOG_EVERY_S = 60.0
 _MAX_CALLERS = 1024  # callers remembered (the oldest forgotten first)
+_VARIABLE = re.compile(r"\d+|'[^']*'|\"[^\"]*\"")  # numbers and quoted names
 
 
 def peer_host(peer: str) -> str:
@@ -66,6 +72,9 @@ def peer_host(peer: str) -> str:
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6") and ":" in rest:
         return rest.rsplit(":", 1)[0]
+    host, colon, port = peer.rpartition(":")
+    if colon and port.isdigit() and kind not in ("unix", "unix-abstract"):
+        return host  # "127.0.0.1:5555", as a socket's address is often written
     return peer
 
 
@@ -76,36 +85,144 @@ def pool_size(waiters: int) -> int:
 
 
 class RefusalLog:
-    """Logs a refusal once per (caller host, reason) per minute, with the caller's
-    address and how many such refusals there were.
+    """Logs refusals with the caller's address, boundedly, and counts them all.
+
+    A refusal is logged once per (caller host, kind) per ``window_s``, with how many of
+    that kind the host had so far, and at most ``lines`` refusals are logged per window
+    in all; the rest are counted, and when the window ends (at the next refusal, or on
+    a thread every log of the process shares) one line says how many were not logged,
+    from how many hosts, and which host sent the most. The kind is ``reason`` with its
+    numbers and quoted names left out; the line carries ``reason`` and ``detail`` whole,
+    so ``detail`` is the place for an exception's text or a name a caller chose.
 
     Args:
         where: names the server in each line, e.g. "coordinator of site0".
+        lines: refusals logged per window, at most, over all hosts and kinds.
+        window_s: the window, seconds (60: "a minute" above).
+        clock: monotonic seconds (a test moves it).
     """
 
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # last logged, count
+    def __init__(
+        self,
+        where: str,
+        *,
+        lines: int = 20,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lines < 1 or window_s <= 0:
+            raise ValueError(f"lines must be >= 1 and window_s > 0; got {lines}, {window_s}")
+        self.where, self.lines, self.window_s = where, lines, window_s
+        self._clock = clock
         self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str], tuple[float | None, int]] = {}  # logged last, how many
+        self._began: float | None = None  # when this window began (None: no window)
+        self._logged = 0  # refusals logged in this window
+        self._unlogged: dict[str, int] = {}  # host -> refusals not logged in this window
+        self._overflow = 0  # of those, from hosts past the first _MAX_CALLERS
         self.count = 0
         """Refusals so far (logged or not)."""
 
-    def note(self, peer: str, reason: str) -> None:
-        now = time.monotonic()
+    def note(self, peer: str, reason: str, detail: str = "") -> None:
+        """Counts a refusal, and logs it unless the bounds above say otherwise.
+
+        Args:
+            peer: the caller's address (``context.peer()``, or "HOST:PORT").
+            reason: what was refused and why, in words that stay the same for the
+                same refusal (numbers and quoted names may vary).
+            detail: what varies beyond that (an exception's text), logged but not
+                part of the kind.
+        """
+        now = self._clock()
+        host = peer_host(peer)
+        key = (host, _VARIABLE.sub("#", reason))
         with self._lock:
             self.count += 1
-            key = (peer_host(peer), reason)
-            last, times = self._seen.get(key, (-_LOG_EVERY_S, 0))
+            summary = self._roll_locked(now)
+            if self._began is None:
+                self._began = now
+                _SUMMARIES.due(self, self.window_s)
+            last, times = self._seen.pop(key, (None, 0))
             times += 1
-            if now - last < _LOG_EVERY_S:
-                self._seen[key] = (last, times)
-                return
-            self._seen[key] = (now, times)
-            if len(self._seen) > _MAX_CALLERS:  # callers come and go: forget the oldest
-                for stale in sorted(self._seen, key=lambda k: self._seen[k][0])[:512]:
-                    del self._seen[stale]
-        suffix = f" ({times} from {key[0]} so far)" if times > 1 else ""
-        log.warning("%s: %s from %s%s", self.where, reason, peer, suffix)
+            loud = (last is None or now - last >= self.window_s) and self._logged < self.lines
+            self._seen[key] = (now if loud else last, times)  # most recently seen last
+            while len(self._seen) > _MAX_CALLERS:
+                del self._seen[next(iter(self._seen))]
+            if loud:
+                self._logged += 1
+            elif host in self._unlogged or len(self._unlogged) < _MAX_CALLERS:
+                self._unlogged[host] = self._unlogged.get(host, 0) + 1
+            else:
+                self._overflow += 1
+        if summary:
+            log.warning("%s", summary)
+        if loud:
+            said = f"{reason}: {detail}" if detail else reason
+            suffix = f" ({times} from {host} so far)" if times > 1 else ""
+            log.warning("%s: %s from %s%s", self.where, said, peer, suffix)
+
+    def flush(self) -> None:
+        """Writes the summary of a window that has ended, if it has one."""
+        with self._lock:
+            summary = self._roll_locked(self._clock())
+        if summary:
+            log.warning("%s", summary)
+
+    def _roll_locked(self, now: float) -> str:
+        """Ends the window if ``window_s`` has passed; returns its summary ("": none)."""
+        if self._began is None or now - self._began < self.window_s:
+            return ""
+        took, by_host, overflow = now - self._began, self._unlogged, self._overflow
+        self._began, self._logged, self._unlogged, self._overflow = None, 0, {}, 0
+        if not by_host:
+            return ""
+        unlogged = sum(by_host.values()) + overflow
+        hosts = f"{len(by_host)}{'+' if overflow else ''} host(s)"
+        host, most = max(by_host.items(), key=lambda kv: kv[1])
+        return (
+            f"{self.where}: {unlogged} refusal(s) from {hosts} not logged in the last "
+            f"{took:.0f} s (most from {host}: {most})"
+        )
+
+
+class _Summaries:
+    """One thread for every :class:`RefusalLog` of the process: writes a log's summary
+    when its window ends, though no refusal comes after to write it. The thread starts
+    at the first window and sleeps while no window is open."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, weakref.ref[RefusalLog]]] = []  # a heap
+        self._order = itertools.count()  # ties broken by order, never by the weakref
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=self._forget_thread)
+
+    def _forget_thread(self) -> None:  # a forked child has the heap but not the thread
+        self._cond, self._thread = threading.Condition(), None
+
+    def due(self, refusals: RefusalLog, after_s: float) -> None:
+        """``refusals.flush()`` runs ``after_s`` seconds from now (a little later)."""
+        with self._cond:
+            at = time.monotonic() + after_s + 0.05  # just past the window's end
+            heapq.heappush(self._due, (at, next(self._order), weakref.ref(refusals)))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="refusal-summaries", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._cond.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                refusals = heapq.heappop(self._due)[2]()
+            if refusals is not None:
+                refusals.flush()
+
+
+_SUMMARIES = _Summaries()
 
 
 class RePolls:

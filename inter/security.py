@@ -20,9 +20,10 @@ Where refusals are seen (docs/design.md invariant 6: an unauthenticated peer get
   ``context.peer()`` like a token refusal.
 * **Token refusals** (missing or wrong ``x-isthmus-token``) are answered
   UNAUTHENTICATED by the interceptor before the handler runs, so the call changes no
-  state, and logged at WARNING with the peer's address and the method (at most once
-  per peer host, reason and method every ``LOG_EVERY_S``; the rest at DEBUG, so a
-  misconfigured peer retrying every 200 ms cannot flood the log).
+  state, and logged at WARNING with the peer's address and the method by the server's
+  :class:`~isthmus.inter.bounds.RefusalLog` (once per peer host and reason a minute,
+  a bounded number of lines in all, then a summary of the rest), so a misconfigured
+  peer retrying every 200 ms, or a stranger's flood, cannot flood the log.
 * **Health checks** (``/grpc.health.v1.Health/``) need no token: probes (Kubernetes,
   load balancers) cannot send one and the answer says nothing but SERVING. They are
   still behind TLS when TLS is on, like everything on the port.
@@ -41,7 +42,6 @@ import functools
 import hmac
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +50,8 @@ from typing import Any
 
 import grpc
 import grpc.aio
+
+from isthmus.inter.bounds import RefusalLog
 
 __all__ = [
     "HEALTH_PREFIX",
@@ -69,7 +71,6 @@ TOKEN_HEADER = "x-isthmus-token"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 """Methods exempt from the token (still behind TLS when it is on)."""
 MIN_TOKEN_CHARS = 16
-LOG_EVERY_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,13 +170,17 @@ class SiteSecurity:
         except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
             return 0
 
-    def server_interceptors(self, where: str) -> list[grpc.ServerInterceptor]:
+    def server_interceptors(
+        self, where: str, refusals: RefusalLog | None = None
+    ) -> list[grpc.ServerInterceptor]:
         """Interceptors for ``grpc.server(interceptors=...)``; none when all is off.
 
         Args:
             where: who is refusing, for the log line ("coordinator site0", "lane site1/0").
+            refusals: where refused calls are logged and counted (default: a log of
+                the interceptor's own, named ``where``).
         """
-        return [_Gate(self, where)] if self.enabled else []
+        return [_Gate(self, refusals or RefusalLog(where))] if self.enabled else []
 
     # -- clients --------------------------------------------------------------------
 
@@ -369,12 +374,10 @@ class _Refusal(Exception):
 class _Gate(grpc.ServerInterceptor):
     """Checks every call before its handler runs; refuses with UNAUTHENTICATED."""
 
-    def __init__(self, security: SiteSecurity, where: str) -> None:
+    def __init__(self, security: SiteSecurity, refusals: RefusalLog) -> None:
         self._security = security
         self._token = (security.token or "").encode()
-        self._where = where
-        self._lock = threading.Lock()
-        self._logged: dict[tuple[str, str, str], float] = {}
+        self._refusals = refusals
 
     def intercept_service(
         self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails
@@ -400,26 +403,9 @@ class _Gate(grpc.ServerInterceptor):
                 why = "wrong job token"
         if why is None:
             return
-        peer = context.peer()
-        self._log(peer, why, method)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{self._where} refused the call: {why}")
-
-    def _log(self, peer: str, why: str, method: str) -> None:
-        host = peer.rsplit(":", 1)[0]  # the client's port changes with every connection
-        now = time.monotonic()
-        with self._lock:
-            last = self._logged.get((host, why, method))
-            loud = last is None or now - last >= LOG_EVERY_S
-            if loud:
-                self._logged[(host, why, method)] = now
-        log.log(
-            logging.WARNING if loud else logging.DEBUG,
-            "%s refused %s from %s: %s",
-            self._where,
-            method,
-            peer,
-            why,
-        )
+        self._refusals.note(context.peer(), f"call refused ({why})", method)
+        where = self._refusals.where
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{where} refused the call: {why}")
 
 
 def _wrap(handler: grpc.RpcMethodHandler, check: Callable) -> grpc.RpcMethodHandler:

@@ -342,7 +342,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         refused = self.rank_keys.register(request.rank, request.rank_key)
         if refused is not None and refused.stranger:
             # Not the process the launcher started as this rank: nothing recorded.
-            self.refusals.note(context.peer(), f"RegisterRank: {refused.why}")
+            self.refusals.note(context.peer(), "RegisterRank from a stranger", refused.why)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.where}: {refused.why}")
         if refused is not None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused.why)
@@ -439,7 +439,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.metrics.site_up.labels(self.site, request.site).set(1)
         refused = st.replicas.claim(request.site, request.digest_step, request.digest, live=st.step)
         if refused is not None:  # the heartbeat counts; its digest does not
-            self.refusals.note(context.peer(), f"Heartbeat in {request.site}'s name: {refused}")
+            # The site's name is the caller's to choose: the detail, not the kind.
+            said = f"in {request.site[:64]!r}'s name: {refused}"
+            self.refusals.note(context.peer(), "Heartbeat digest refused", said)
         digest = st.replicas.own(request.confirm_step) if request.confirm_digest else ""
         with st.cond:
             return pb.HeartbeatResponse(

@@ -45,7 +45,6 @@ size, timeouts), so a silent or hostile peer costs one thread, never the job.
 from __future__ import annotations
 
 import hmac
-import logging
 import os
 import socket
 import ssl
@@ -71,7 +70,6 @@ __all__ = [
     "record_head",
 ]
 
-log = logging.getLogger(__name__)
 
 MAGIC = b"ISTHBLK2"  # the second version of the framing (header and payload apart)
 TICKET_BYTES = 32
@@ -223,7 +221,6 @@ class BulkListener:
         """Frames that failed the record's checksum (each sent again by the peer)."""
         self._accept = accept
         self._max_frame = max_frame
-        self._where = where
         self._sock = socket.create_server((host, 0), backlog=64)
         self.port = self._sock.getsockname()[1]
         self._stopped = threading.Event()
@@ -247,7 +244,7 @@ class BulkListener:
                     return  # closed by stop()
                 # Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): the listener
                 # lives on; connections that end free what it needs.
-                self.refusals.note("the listener", f"accept failed: {exc}")
+                self.refusals.note("the listener", "accept failed", str(exc))
                 self._stopped.wait(0.1)
                 continue
             with self._lock:
@@ -259,7 +256,7 @@ class BulkListener:
                 if len(self._waiting) >= MAX_UNTICKETED:
                     oldest = next(iter(self._waiting))
                     who = self._waiting.pop(oldest)
-                self._waiting[conn] = f"{addr[0]}:{addr[1]}"
+                self._waiting[conn] = _peer(addr)
             if oldest is not None:
                 self.refusals.note(
                     who, f"bulk connection closed: {MAX_UNTICKETED} newer ones wait for a ticket"
@@ -270,7 +267,7 @@ class BulkListener:
             ).start()
 
     def _handle(self, conn: socket.socket, addr: tuple) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
+        peer = _peer(addr)
         ticketed = False
         stream: Stream = PlainStream(conn)
         try:
@@ -342,7 +339,10 @@ class BulkListener:
         try:
             return TlsStream.handshake(conn, HELLO_TIMEOUT_S)
         except ssl.SSLError as exc:
-            self.refusals.note(peer, f"bulk connection refused: TLS handshake failed: {exc}")
+            # The kind is the SSL reason (no certificate, unknown CA, not TLS at all...);
+            # the message, which names a line of CPython's _ssl.c, is the detail.
+            why = f"bulk connection refused: TLS handshake failed ({exc.reason})"
+            self.refusals.note(peer, why, str(exc))
             return None
 
     def _frame(self, stream: Stream, head: bytearray, peer: str, holder: str) -> bool:
@@ -351,7 +351,7 @@ class BulkListener:
         header_size, payload_size, header_crc, head_crc = _HEAD.unpack(head)
         if crc32c(memoryview(head)[:12]) != head_crc:
             why = "a frame's record head failed its checksum: frame boundaries lost"
-            log.warning("%s: bulk connection from %s: %s", self._where, peer, why)
+            self.refusals.note(peer, f"bulk connection refused: {why}")
             self._refuse(stream, grpc.StatusCode.DATA_LOSS, why)
             return False
         if header_size > MAX_HEADER or payload_size > self._max_frame:
@@ -359,7 +359,7 @@ class BulkListener:
                 f"frame of {header_size} + {payload_size} bytes exceeds "
                 f"{MAX_HEADER} + {self._max_frame}"
             )
-            log.warning("%s: bulk frame from %s refused: %s", self._where, peer, why)
+            self.refusals.note(peer, f"bulk frame refused: {why}")
             self._refuse(stream, grpc.StatusCode.INVALID_ARGUMENT, why)
             return False
         header = bytearray(header_size)
@@ -369,14 +369,14 @@ class BulkListener:
             stream.recv_payload(payload, FRAME_STALL_S, f32=False)  # frame boundary kept
             with self._lock:
                 self.corrupt_frames += 1
-            log.warning("%s: a bulk frame from %s failed its checksum", self._where, peer)
+            self.refusals.note(peer, "bulk frame failed its checksum (sent again)")
             stream.send(bytes([RESEND]))
             return True
         try:
             chunk = parse_header(bytes(header))
         except WireError as exc:
             msg = f"malformed isthmus.v1.PushChunksRequest: {exc}"
-            log.warning("%s: bulk frame from %s refused: %s", self._where, peer, msg)
+            self.refusals.note(peer, "bulk frame refused: malformed PushChunksRequest", str(exc))
             self._refuse(stream, grpc.StatusCode.INVALID_ARGUMENT, msg)
             return False
         crc, finite = stream.recv_payload(payload, FRAME_STALL_S, f32=chunk.codec == "raw")
@@ -413,6 +413,13 @@ class BulkListener:
             # Shut, not closed: its thread wakes and closes it (a descriptor closed under
             # a thread still reading it could be another connection's a moment later).
             shut(conn)
+
+
+def _peer(addr: tuple) -> str:
+    """A socket's peer address as gRPC writes one ("ipv4:10.0.0.1:5555",
+    "ipv6:[::1]:5555"), so that refusals from one host are one caller's."""
+    host, port = addr[0], addr[1]
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
 def record_head(header: bytes, payload_bytes: int) -> bytes:
