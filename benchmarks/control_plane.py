@@ -22,8 +22,9 @@ rank runs on its own). Their CPU is measured apart (``clients cpu``).
 ``--calls agent`` runs real host agents (inter/control/host_agent.py): one a host of
 ``--host-ranks`` ranks, each in a process of its own as a node's launcher runs it
 (forked from one process per site that imported gRPC and the agent once), on a Unix
-socket; every simulated rank votes (a message on its own ``HostSession`` stream to the
-agent) and watches through its host's agent, as a job's ranks do. Their CPU is measured
+socket; every simulated rank votes and watches through its host's agent, in frames on
+its own connection there (inter/control/agent_wire.py), opened and checked by the rank's
+own ``AgentConnection``, as a job's ranks do. Their CPU is measured
 apart too (``agents cpu``). Without agents, ``--host-ranks 1 --calls stream`` is what ranks
 do (each its own vote stream, its own watch), ``--calls call`` how they voted before;
 ``--host-ranks K`` with ``call``/``stream`` simulates an agent a host of K ranks in the
@@ -32,9 +33,10 @@ ranks' process (one ``CommitHostStep`` a host a step, one 10 s watch a host).
 ``--compare-rev REV`` runs each configuration twice, first with the coordinators and
 agents of git revision REV (extracted with ``git archive``; its ``inter/`` and
 ``proto/`` are imported as ``isthmus.inter`` and ``isthmus.proto``; ``--compare-code``
-hands an extracted copy where there is no git history), its simulated ranks voting and
-watching as that revision's did (a call a vote through an agent, a 1 s watch), then with
-this tree's: old and new in one run, on the same machine minutes apart.
+hands an extracted copy where there is no git history), then with this tree's: old and
+new in one run, on the same machine minutes apart. REV's agents must speak gRPC to their
+ranks (before the framed hop, 2026-12-07): its simulated ranks vote on a ``HostSession``
+stream to their agent, one a host, and watch 5 s, as its ranks did.
 
 Steps start on a fixed clock (``--rate`` steps/s); a step that takes longer than its
 period delays the next one, and the table's ``steps/s`` says what was reached. The

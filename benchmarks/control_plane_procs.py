@@ -20,9 +20,6 @@ SECRET = b"control-plane-benchmark-secret!!"
 FINGERPRINT = {"job.seed": "0", "bench": "control_plane"}
 VOTE_WAIT_MS = 2_000  # inter/data/membership.py _VOTE_WAIT_MS
 WATCH_WAIT_MS = 5_000  # inter/data/membership.py _WATCH_WAIT_MS
-OLD_WATCH_WAIT_MS = 1_000
-"""What a rank's watch asked before 2026-12-07: the ranks of an older revision's run
-(``old_ranks``) watch so, and vote through their agent with a ``CommitStep`` call each."""
 HOST_WATCH_WAIT_MS = 10_000
 """An agent's watch: answered at once on news (a suspect, a generation) like a rank's,
 so a longer wait costs nothing but the polls it saves; a rank's 1 s polls, in phase with
@@ -181,15 +178,74 @@ class StepTimes:
 _METHOD = "/isthmus.v1.Coordinator/"
 
 
+class AgentWire:
+    """A simulated rank's connection to its host agent: the rank's own
+    ``AgentConnection``, opened and checked as a rank's client opens it
+    (inter/control/agent_socket.py, ``connect_agent``), its frames read by the event loop
+    instead of a waiting thread (thousands of ranks share one process here)."""
+
+    def __init__(self, address: str) -> None:
+        from isthmus.inter.control.agent_socket import connect_agent
+
+        self.connection = connect_agent(address)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.connection.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        import grpc
+
+        from isthmus.inter.control.agent_wire import StatusError
+
+        for kind, rid, payload in self.connection.receive():
+            waiting = self._waiting.pop(rid, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result((kind, payload))
+        if self.connection.broken:
+            self._loop.remove_reader(self.connection.fileno())
+            for waiting in self._waiting.values():
+                if not waiting.done():
+                    waiting.set_exception(
+                        StatusError(grpc.StatusCode.UNAVAILABLE, self.connection.broken)
+                    )
+
+    async def call(self, kind: int, request: bytes, timeout_s: float) -> bytes:
+        """``request`` (a frame of ``kind``) to the agent; its answer's payload.
+
+        Raises:
+            StatusError: the agent's refusal, or the connection broke.
+            TimeoutError: no answer in ``timeout_s``.
+        """
+        from isthmus.inter.control.agent_wire import Kind, status_error
+
+        rid = self.connection.send(kind, request)
+        answer = self._waiting[rid] = self._loop.create_future()
+        try:
+            kind, payload = await asyncio.wait_for(answer, timeout_s)
+        finally:
+            self._waiting.pop(rid, None)
+        if kind == Kind.ERROR:
+            raise status_error(payload)
+        return payload
+
+    def close(self) -> None:
+        if not self.connection.broken:
+            self._loop.remove_reader(self.connection.fileno())
+        self.connection.close()
+
+
 class SimulatedRanks:
     """``ranks`` ranks of ``site`` in one event loop, over one connection per
     ``RANKS_PER_CHANNEL`` ranks (a host's); with ``host_ranks`` > 1 and no real agents,
     one simulated agent per host of that many ranks votes and watches for them.
 
     A rank registers and learns its first membership over grpc.aio, as often as a real
-    one (once); its watches and votes, the calls that repeat, go over the bare client of
-    benchmarks/h2_client.py: the same bytes on the wire at a tenth of grpc.aio's CPU, so
-    that thousands of them leave the cores to what the benchmark measures."""
+    one (once); its watches and votes, the calls that repeat, go to its real agent on its
+    own connection there (:class:`AgentWire`, as a rank's client sends them), or over the
+    bare client of benchmarks/h2_client.py to the coordinator (and, with ``old_ranks``, to
+    an older revision's agent, which spoke gRPC): the same bytes on the wire at a tenth of
+    grpc.aio's CPU, so that thousands of them leave the cores to what the benchmark
+    measures."""
 
     def __init__(
         self,
@@ -215,7 +271,8 @@ class SimulatedRanks:
         through, as a job's ranks do."""
         self.wires: list = []
         """One bare connection a host (to its agent) or a channel's worth of ranks (to
-        the coordinator), opened in :meth:`join`."""
+        the coordinator), opened in :meth:`join`; with a real agent, one
+        :class:`AgentWire` a rank."""
         self.streams: dict[int, object] = {}
         """Each voter's open HostSession, by its first rank (with ``calls="agent"``: each
         rank's, at its agent)."""
@@ -232,8 +289,16 @@ class SimulatedRanks:
     def stub(self, rank: int):
         return self.stubs[rank // RANKS_PER_CHANNEL]
 
+    @property
+    def framed(self) -> bool:
+        """Whether the ranks speak to real agents in frames (this tree's agents)."""
+        return bool(self.agents_dir) and not self.old_ranks
+
     def wire(self, rank: int):
-        """Where ``rank``'s watches and votes go: its host's agent, or the coordinator."""
+        """Where ``rank``'s watches and votes go: its own connection to its agent, its
+        host's to an older agent, or its channel's to the coordinator."""
+        if self.framed:
+            return self.wires[rank]
         per = self.host_ranks if self.agents_dir else RANKS_PER_CHANNEL
         return self.wires[rank // per]
 
@@ -275,11 +340,16 @@ class SimulatedRanks:
         await asyncio.gather(*(register(r) for r in range(self.ranks)))
         generations = await asyncio.gather(*(membership(r) for r in range(self.ranks)))
         self.generation = max(generations)
-        if self.agents_dir:
-            where = [f"unix:{self.agents_dir}/{f}" for f in range(0, self.ranks, self.host_ranks)]
+        if self.framed:
+            first = [r - r % self.host_ranks for r in range(self.ranks)]
+            self.wires = [AgentWire(f"unix:{self.agents_dir}/{f}") for f in first]
         else:
-            where = [self.address] * len(self.channels)
-        self.wires = [await H2Channel.connect(address) for address in where]
+            if self.agents_dir:
+                hosts = range(0, self.ranks, self.host_ranks)
+                where = [f"unix:{self.agents_dir}/{f}" for f in hosts]
+            else:
+                where = [self.address] * len(self.channels)
+            self.wires = [await H2Channel.connect(address) for address in where]
         # A host's agent watches once for its ranks (under the first one's key); a real
         # agent is watched by each rank, as a job's ranks do.
         watching = range(0, self.ranks, 1 if self.agents_dir else self.host_ranks)
@@ -289,23 +359,28 @@ class SimulatedRanks:
         """The membership watcher of inter/data/membership.py: long poll after long poll."""
         from h2_client import H2CallError
 
+        from isthmus.inter.control.agent_wire import Kind, StatusError
         from isthmus.proto import coordinator_pb2 as pb
 
-        wait_ms = OLD_WATCH_WAIT_MS if self.old_ranks else WATCH_WAIT_MS
+        wait_ms = WATCH_WAIT_MS
         if self.host_ranks > 1 and not self.agents_dir:
             wait_ms = HOST_WATCH_WAIT_MS
-        spread = not self.old_ranks and (self.host_ranks == 1 or self.agents_dir)
+        spread = self.host_ranks == 1 or self.agents_dir
         while not self.stop.is_set():
             # As SiteMembership._watch asks: a wait spread over 75-100 % of it.
             ask = int(wait_ms * random.uniform(0.75, 1.0)) if spread else wait_ms
             request = pb.GetMembershipRequest(
                 known_generation=self.generation, wait_ms=ask, rank_key=self.keys[rank]
             ).SerializeToString()
+            timeout_s = wait_ms / 1000 + RPC_SLACK_S
             try:
-                answer = await self.wire(rank).unary(
-                    _METHOD + "GetMembership", request, wait_ms / 1000 + RPC_SLACK_S
-                )
-            except (H2CallError, TimeoutError):
+                if self.framed:
+                    answer = await self.wire(rank).call(Kind.WATCH, request, timeout_s)
+                else:
+                    answer = await self.wire(rank).unary(
+                        _METHOD + "GetMembership", request, timeout_s
+                    )
+            except (H2CallError, StatusError, TimeoutError):
                 await asyncio.sleep(0.25)
                 continue
             reply = pb.GetMembershipResponse.FromString(answer)
@@ -317,11 +392,12 @@ class SimulatedRanks:
         with simulated agents, the vote of the host whose first rank is ``rank``."""
         from h2_client import H2CallError
 
+        from isthmus.inter.control.agent_wire import Kind, StatusError
         from isthmus.proto import coordinator_pb2 as pb
 
         last = min(self.ranks, rank + (1 if self.agents_dir else self.host_ranks))
         ballots = [pb.RankBallot(rank=r, ok=True, rank_key=self.keys[r]) for r in range(rank, last)]
-        if self.calls == "call" or (self.agents_dir and self.old_ranks):
+        if self.calls == "call":
             # A call a vote: CommitStep of a rank, CommitHostStep of a simulated agent.
             method = "CommitHostStep" if len(ballots) > 1 else ""
             request = (
@@ -350,7 +426,7 @@ class SimulatedRanks:
             async def call() -> bytes:
                 return await self.wire(rank).unary(path, request, VOTE_WAIT_MS / 1000 + RPC_SLACK_S)
 
-        else:  # a message on the voter's HostSession (at its agent or its coordinator)
+        else:  # a frame to its agent, or a message on the voter's HostSession
             request = pb.CommitHostStepRequest(
                 site=self.site,
                 step=step,
@@ -361,7 +437,10 @@ class SimulatedRanks:
             ).SerializeToString()
 
             async def call() -> bytes:
-                return await self.on_stream(rank, request, VOTE_WAIT_MS / 1000 + RPC_SLACK_S)
+                timeout_s = VOTE_WAIT_MS / 1000 + RPC_SLACK_S
+                if self.framed:
+                    return await self.wire(rank).call(Kind.VOTE, request, timeout_s)
+                return await self.on_stream(rank, request, timeout_s)
 
         sent = time.monotonic()
         times.first_vote = min(times.first_vote or sent, sent)
@@ -369,7 +448,7 @@ class SimulatedRanks:
         while True:
             try:
                 decision = pb.Decision.FromString(await call())
-            except (H2CallError, TimeoutError) as exc:
+            except (H2CallError, StatusError, TimeoutError) as exc:
                 name = type(exc).__name__
                 times.errors[name] = times.errors.get(name, 0) + 1
                 await asyncio.sleep(0.2)

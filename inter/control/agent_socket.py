@@ -10,11 +10,12 @@ So a rank uses an agent only when
 1. the process that listens on the socket runs as the rank's own user: the kernel's
    credentials of a connection to it (``SO_PEERCRED``, what the listener was at
    ``listen``), which no file's owner or mode can fake; and
-2. no one else can put another socket in its place later, when gRPC dials the path again
-   on a reconnect: the socket is the user's, its folder is the user's and writable by no
-   one else, and every folder above it is root's or the user's and writable by others
-   only if sticky (as ``/tmp``, where no one may rename another's entry). Symbolic links
-   on the way count as folders above: root's or the user's.
+2. no one else can put another socket in its place: the socket is the user's, its
+   folder is the user's and writable by no one else, and every folder above it is root's
+   or the user's and writable by others only if sticky (as ``/tmp``, where no one may
+   rename another's entry). Symbolic links on the way count as folders above: root's or
+   the user's. The connection a rank then keeps (:class:`AgentConnection`) is checked
+   itself too, as is every one it opens again after its agent went away.
 
 An agent refused is refused for good: the rank says why in one line and calls its
 coordinator itself, which is always correct (an agent is a fast path, never the only
@@ -27,25 +28,45 @@ A socket not there yet (no folder, no socket, or nothing listening) is not refus
 agent may be starting (its launcher makes the folder before the ranks). :class:`AgentLink`
 waits for it in the background for as long as the rank's own start-up may take, the rank
 calling the coordinator meanwhile.
+
+A rank speaks to its agent in the frames of inter/control/agent_wire.py on one connection
+(:class:`AgentConnection`), from whichever of its threads waits: no thread of its own
+reads it, so an answer costs the rank a ``recv`` and no thread hand-off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
+import select
 import socket
 import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
-from isthmus.inter.security import ClosableChannel
-from isthmus.proto import coordinator_pb2_grpc as pb_grpc
+from isthmus.inter.control.agent_wire import (
+    FrameError,
+    Frames,
+    Kind,
+    StatusError,
+    frame,
+    status_error,
+)
 
-__all__ = ["AgentLink", "AgentNotUp", "AgentRefused", "check_agent_socket"]
+__all__ = [
+    "AgentConnection",
+    "AgentLink",
+    "AgentNotUp",
+    "AgentRefused",
+    "connect_agent",
+]
 
 log = logging.getLogger("isthmus.coordinator_client")
 
@@ -54,6 +75,12 @@ _PROBE_TIMEOUT_S = 2.0
 _FIRST_PAUSE_S, _MAX_PAUSE_S = 0.02, 0.5
 """How often a rank looks for an agent that is not up yet: soon, then twice a second."""
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_SEND_TIMEOUT_S = 5.0
+"""How long a frame may wait for room in the socket: an agent that reads nothing for
+that long is gone."""
+_REOPEN_S = 0.5
+"""After the connection broke: how often another is tried (a call meanwhile goes to
+the coordinator)."""
 
 
 class AgentRefused(Exception):
@@ -77,20 +104,13 @@ def _socket_path(address: str) -> Path:
     return Path(os.path.abspath(path))
 
 
-def _listener_uid(path: Path) -> int | None:
-    """The user of the process listening on the socket at ``path``; None when nothing
-    does (or it cannot be reached: the checks of the files decide then)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(_PROBE_TIMEOUT_S)
-        try:
-            probe.connect(str(path))
-        except OSError:  # not there, nothing listening, a full backlog (timed out), ...
-            return None
-        if not hasattr(socket, "SO_PEERCRED"):
-            return os.lstat(path).st_uid  # bind made it as the listener (module docstring)
-        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        return uid
+def _peer_uid(sock: socket.socket, path: Path) -> int:
+    """The user of the process at the other end of ``sock`` (module docstring, 1)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return os.lstat(path).st_uid
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
 
 
 def _check_folders(address: str, folder: Path, ours: int) -> None:
@@ -119,9 +139,10 @@ def _check_folders(address: str, folder: Path, ours: int) -> None:
             )
 
 
-def check_agent_socket(address: str) -> None:
-    """Checks that the host agent at ``address`` ("unix:PATH") is served by this user and
-    cannot be swapped by another (the module docstring says why and how).
+def connect_agent(address: str) -> AgentConnection:
+    """A connection to the host agent at ``address`` ("unix:PATH"), once it is checked to
+    be served by this user and safe from being swapped by another (the module docstring
+    says why and how). Nothing is sent on it before.
 
     Raises:
         AgentRefused: it is not to be trusted (its message says why, in one line).
@@ -129,31 +150,224 @@ def check_agent_socket(address: str) -> None:
     """
     path = _socket_path(address)
     ours = os.geteuid()  # the user that SO_PEERCRED reports, and that owns what one makes
-    uid = _listener_uid(path)
-    if uid is not None and uid != ours:
-        raise AgentRefused(f"host agent at {address} is served by uid {uid}, not ours ({ours})")
-    _check_folders(address, path.parent, ours)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise AgentNotUp(f"{path} does not exist yet") from None
-    if not stat.S_ISSOCK(st.st_mode):
-        raise AgentRefused(f"host agent at {address}: {path} is not a socket")
-    if st.st_uid != ours:
-        raise AgentRefused(
-            f"host agent at {address}: {path} is owned by uid {st.st_uid}, not ours ({ours})"
-        )
-    if uid is None:
+        connection: AgentConnection | None = AgentConnection(path)  # checks its listener
+    except OSError:  # not there, nothing listening, a full backlog (timed out), ...
+        connection = None
+    try:
+        _check_folders(address, path.parent, ours)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise AgentNotUp(f"{path} does not exist yet") from None
+        if not stat.S_ISSOCK(st.st_mode):
+            raise AgentRefused(f"host agent at {address}: {path} is not a socket")
+        if st.st_uid != ours:
+            raise AgentRefused(
+                f"host agent at {address}: {path} is owned by uid {st.st_uid}, not ours ({ours})"
+            )
+    except BaseException:
+        if connection is not None:
+            connection.close()
+        raise
+    if connection is None:
         raise AgentNotUp(f"nothing listens on {path}")
+    return connection
+
+
+class _Request:
+    """One request of a rank in flight: its answer once read, and a way to end it."""
+
+    def __init__(self, connection: AgentConnection, rid: int) -> None:
+        self._connection, self.rid = connection, rid
+        self.answer: tuple[int, bytes] | None = None
+        self.cancelled = False
+
+    def cancel(self) -> bool:
+        """Ends the request now (a watch: the agent answers it CANCELLED at once)."""
+        if self.answer is None and not self.cancelled:
+            self.cancelled = True
+            # A broken connection: the waiting thread hears that.
+            with contextlib.suppress(StatusError):
+                self._connection.send(Kind.CANCEL, b"", rid=self.rid)
+        return True
+
+
+class AgentConnection:
+    """A rank's one connection to its agent, checked to be served by the rank's own user
+    (``SO_PEERCRED`` of this very connection): frames of inter/control/agent_wire.py.
+
+    Any number of threads may :meth:`call` at once, each waiting for its own answer:
+    the one that finds no other reading reads, and hands the frames it reads for the
+    others to them. :meth:`send` and :meth:`receive` are the same connection for an
+    event loop (a benchmark's many simulated ranks in one process).
+
+    Raises:
+        AgentRefused: the listener runs as another user.
+        OSError: nothing to connect to.
+    """
+
+    def __init__(self, path: Path) -> None:
+        address = f"unix:{path}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_PROBE_TIMEOUT_S)
+            sock.connect(str(path))
+            uid, ours = _peer_uid(sock, path), os.geteuid()
+            if uid != ours:
+                raise AgentRefused(
+                    f"host agent at {address} is served by uid {uid}, not ours ({ours})"
+                )
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._frames = Frames()
+        self._ids = itertools.count(1)
+        self._sending = threading.Lock()
+        self._room = select.poll()  # used under _sending only
+        self._room.register(sock, select.POLLOUT)
+        self._readable = select.poll()  # used by the one reading thread only
+        self._readable.register(sock, select.POLLIN)
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting: dict[int, _Request] = {}
+        self._reading = False
+        self.broken = ""
+        """Why the connection is no more ("" while it is open)."""
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def send(self, kind: Kind, payload: bytes, *, rid: int = 0) -> int:
+        """Sends one frame (a new request id unless ``rid``); returns its id.
+
+        Raises:
+            StatusError: UNAVAILABLE, the connection is broken.
+        """
+        rid = rid or next(self._ids) & 0xFFFFFFFF or next(self._ids)
+        data = memoryview(frame(kind, rid, payload))
+        with self._sending:
+            while data and not self.broken:
+                try:
+                    data = data[self._sock.send(data) :]
+                except BlockingIOError:
+                    if not self._room.poll(_SEND_TIMEOUT_S * 1000):
+                        self._break(f"no room to send for {_SEND_TIMEOUT_S:g}s")
+                except OSError as exc:
+                    self._break(str(exc))
+        if self.broken:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, self.broken)
+        return rid
+
+    def receive(self) -> list[tuple[int, int, bytes]]:
+        """The frames whole now, without waiting: (kind, request id, payload); none once
+        the connection is broken (:attr:`broken` says why)."""
+        try:
+            data = self._sock.recv(1 << 18)
+        except BlockingIOError:
+            return []
+        except OSError as exc:
+            data, why = b"", str(exc)
+        else:
+            why = "the agent closed the connection"
+        if not data:
+            partial = (
+                f" ({self._frames.partial} bytes of a frame unread)" if self._frames.partial else ""
+            )
+            self._break(why + partial)
+            return []
+        try:
+            return self._frames.feed(data)
+        except FrameError as exc:
+            self._break(str(exc))
+            return []
+
+    def call(
+        self,
+        kind: Kind,
+        payload: bytes,
+        timeout_s: float,
+        on_call: Callable[[_Request], None] | None = None,
+    ) -> tuple[int, bytes]:
+        """Sends a request and waits for its answer: (kind, payload), never an ERROR.
+
+        ``on_call`` is handed the request before it is waited on: its ``cancel()`` ends
+        it at once, and this raises ``grpc.FutureCancelledError``.
+
+        Raises:
+            StatusError: the agent's refusal; DEADLINE_EXCEEDED after ``timeout_s``;
+                UNAVAILABLE when the connection broke.
+        """
+        deadline = time.monotonic() + timeout_s
+        request = _Request(self, 0)
+        with self._cond:
+            request.rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
+            self._waiting[request.rid] = request
+        try:
+            self.send(kind, payload, rid=request.rid)
+            if on_call is not None:
+                on_call(request)
+            self._wait(request, deadline)
+        except StatusError:
+            if request.cancelled:
+                raise grpc.FutureCancelledError() from None
+            raise
+        finally:
+            with self._cond:
+                self._waiting.pop(request.rid, None)
+        assert request.answer is not None
+        answer_kind, answer = request.answer
+        if answer_kind == Kind.ERROR:
+            if request.cancelled:
+                raise grpc.FutureCancelledError()
+            raise status_error(answer)
+        return answer_kind, answer
+
+    def _wait(self, request: _Request, deadline: float) -> None:
+        with self._cond:
+            while request.answer is None:
+                if self.broken:
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE, self.broken)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "the host agent's answer")
+                if self._reading:  # another thread reads: it hands this one its answer
+                    self._cond.wait(left)
+                    continue
+                self._reading = True
+                self._cond.release()
+                try:
+                    frames = self.receive() if self._readable.poll(left * 1000) else []
+                finally:
+                    self._cond.acquire()
+                    self._reading = False
+                for kind, rid, payload in frames:
+                    waiting = self._waiting.get(rid)
+                    if waiting is not None:  # else answered after its caller gave up
+                        waiting.answer = (kind, payload)
+                self._cond.notify_all()
+
+    def _break(self, why: str) -> None:
+        if not self.broken:
+            self.broken = why or "broken"
+
+    def close(self) -> None:
+        """Closes the connection: the agent forgets this rank at once."""
+        self._break("closed")
+        with contextlib.suppress(OSError):  # shutdown wakes a thread waiting to read
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
 
 
 class AgentLink:
-    """A rank's way to its host agent: a channel once the agent is checked
-    (:func:`check_agent_socket`), none while it is not up or after it was refused.
+    """A rank's way to its host agent: a connection once the agent is checked
+    (:func:`connect_agent`), none while it is not up or after it was refused.
 
     The agent is checked at once; one not up yet is waited for in the background for
     ``wait_s`` (the rank's own start-up deadline), the rank calling its coordinator
-    meanwhile. The rank's log gets at most one line about its agent, the first of:
+    meanwhile. A connection that broke is opened again, checked again, at most every
+    half second. The rank's log gets at most one line about its agent, the first of:
     refused (why), not up within ``wait_s``, unreachable after it was up
     (:meth:`unreachable`).
 
@@ -165,8 +379,9 @@ class AgentLink:
     def __init__(self, address: str, *, wait_s: float = 0.0) -> None:
         self.address = address
         self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.CoordinatorStub | None = None
+        self._connection: AgentConnection | None = None
+        self._checked = False  # the agent was checked and taken: it is used from now on
+        self._retry_at = 0.0
         self._said = False
         self._closed = threading.Event()
         self._waiter: threading.Thread | None = None
@@ -187,22 +402,47 @@ class AgentLink:
             self._waiter.start()
 
     @property
-    def stub(self) -> pb_grpc.CoordinatorStub | None:
-        """The agent's stub once it was checked; None before, or for good if refused."""
-        return self._stub
+    def checked(self) -> bool:
+        """Whether the agent was checked and taken (for good once it was)."""
+        return self._checked
+
+    def connection(self) -> AgentConnection | None:
+        """The connection to the agent; None when it was never checked, or refused.
+
+        Raises:
+            StatusError: UNAVAILABLE, the agent was up and cannot be reached now.
+        """
+        if not self._checked:
+            return None
+        with self._lock:
+            connection = self._connection
+            if connection is not None and not connection.broken:
+                return connection
+            why = connection.broken if connection is not None else "not connected"
+            if self._closed.is_set() or time.monotonic() < self._retry_at:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, why)
+            self._retry_at = time.monotonic() + _REOPEN_S
+            try:
+                self._connection = connect_agent(self.address)
+            except (AgentNotUp, AgentRefused, OSError) as exc:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{why}; again: {exc}") from None
+            if connection is not None:
+                connection.close()
+            return self._connection
 
     def _look(self) -> None:
-        """Checks the agent once and opens its channel if it passes (a refusal is said
-        in the log). Raises :class:`AgentNotUp` when it is not up yet."""
+        """Checks the agent once and connects if it passes (a refusal is said in the
+        log). Raises :class:`AgentNotUp` when it is not up yet."""
         try:
-            check_agent_socket(self.address)
+            connection = connect_agent(self.address)
         except AgentRefused as exc:
             self._say(f"{exc}: calling the coordinator directly")
             return
         with self._lock:
-            if not self._closed.is_set():
-                self._channel = ClosableChannel(grpc.insecure_channel(self.address))
-                self._stub = pb_grpc.CoordinatorStub(self._channel)
+            if self._closed.is_set():
+                connection.close()
+                return
+            self._connection, self._checked = connection, True
 
     def _wait(self, deadline: float, wait_s: float) -> None:
         """Looks for the agent, sooner first, until it is up or refused or ``deadline``."""
@@ -233,11 +473,11 @@ class AgentLink:
         self._say(f"host agent at {self.address} unreachable ({details}): calling the coordinator")
 
     def close(self) -> None:
-        """Stops waiting and closes the channel (calls in flight are cancelled)."""
+        """Stops waiting and closes the connection (requests in flight end UNAVAILABLE)."""
         self._closed.set()
         if self._waiter is not None and self._waiter is not threading.current_thread():
             self._waiter.join(_PROBE_TIMEOUT_S + 1)
         with self._lock:
-            channel, self._channel, self._stub = self._channel, None, None
-        if channel is not None:
-            channel.close()
+            connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()

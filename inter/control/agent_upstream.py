@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from isthmus.inter.control.agent_wire import StatusError
 from isthmus.inter.control.host_session import HostSession
 from isthmus.inter.security import aio_twin
 from isthmus.proto import coordinator_pb2 as pb
@@ -206,7 +207,7 @@ class _Stream:
             self._call = None
             code = await call.code()
             if code not in _ELSEWHERE:
-                raise _Ended(code, await call.details())
+                raise StatusError(code, await call.details())
             return None
         return answer
 
@@ -214,20 +215,6 @@ class _Stream:
         if self._call is not None:
             self._call.cancel()
             self._call = None
-
-
-class _Ended(grpc.RpcError):
-    """A session that ended with a refusal: its status, as a call's error names it."""
-
-    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details = code, details or ""
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class ThreadUpstream(_Batches):
@@ -278,7 +265,7 @@ class ThreadUpstream(_Batches):
         try:
             return await self._loop.run_in_executor(self._senders, self._on_thread, message)
         except RuntimeError:  # the agent stopped: no thread sends any more
-            raise _Ended(*STOPPED) from None
+            raise StatusError(*STOPPED) from None
 
     def _on_thread(self, message: pb.CommitHostStepRequest) -> pb.Decision:
         with self._lock:

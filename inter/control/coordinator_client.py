@@ -4,8 +4,9 @@ A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
 registers its lane and its key (``RegisterRank``), waits for the job's membership
 (``GetMembership``), votes on each step (through
 :class:`~isthmus.inter.data.membership.SiteMembership`: a vote that waits through its
-host's agent when it has one, inter/control/host_agent.py, else as a message on the
-rank's one ``HostSession`` stream; a vote ahead as a ``CommitStep`` call), watches for
+host's agent when it has one, inter/control/host_agent.py, as a frame on the rank's one
+connection there, inter/control/agent_wire.py; else as a message on the rank's one
+``HostSession`` stream; a vote ahead as a ``CommitStep`` call), watches for
 silent members (through the agent too) and, on rank 0, reports each step's progress
 (``ReportProgress``); a rank whose script raised says so (``AbortJob``), which stops the
 job at every site.
@@ -29,6 +30,7 @@ import grpc
 
 from isthmus.inter.control.abort import MAX_REASON_CHARS
 from isthmus.inter.control.agent_socket import AgentLink
+from isthmus.inter.control.agent_wire import Kind, StatusError
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.host_session import HostSession
 from isthmus.inter.control.rank_keys import process_key
@@ -167,8 +169,6 @@ class CoordinatorClient:
         self.rank_key = rank_key if rank_key is not None else process_key()
         self._session = HostSession(self.stub)
         """Where this rank's waiting votes go without an agent: one open stream."""
-        self._agent_session: HostSession | None = None
-        """Where they go through its agent: a stream there (opened at the first)."""
         self.agent = agent
         """The way to this host's agent (inter/control/host_agent.py), for votes and
         watches, once it is checked (inter/control/agent_socket.py); None: no agent."""
@@ -199,18 +199,22 @@ class CoordinatorClient:
         link = AgentLink(agent, wait_s=agent_wait_s) if agent else None
         return cls(peer_channel(address, security=security), rank_key=rank_key, agent=link)
 
-    def _via_agent(self, call: Callable[[pb_grpc.CoordinatorStub], object]):
-        """``call`` on the agent's stub; None when there is no agent or it is unreachable
-        (UNAVAILABLE: the agent never says that of the coordinator), for the caller to
-        make the call at the coordinator instead. An agent not checked yet, or refused,
-        is no agent (inter/control/agent_socket.py)."""
+    def _via_agent(
+        self, kind: Kind, request, timeout_s: float, on_call: Callable | None = None
+    ) -> bytes | None:
+        """``request`` to the agent, the answer's payload; None when there is no agent or
+        it is unreachable (UNAVAILABLE: the agent never says that of the coordinator),
+        for the caller to ask the coordinator instead. An agent not checked yet, or
+        refused, is no agent (inter/control/agent_socket.py)."""
         agent = self.agent
-        stub = agent.stub if agent is not None else None
-        if agent is None or stub is None:
+        if agent is None:
             return None
         try:
-            return call(stub)
-        except grpc.RpcError as exc:
+            connection = agent.connection()
+            if connection is None:
+                return None
+            return connection.call(kind, request.SerializeToString(), timeout_s, on_call)[1]
+        except StatusError as exc:
             if exc.code() is not grpc.StatusCode.UNAVAILABLE:
                 raise
             agent.unreachable(exc.details())
@@ -309,9 +313,9 @@ class CoordinatorClient:
         The rank runs in ``generation`` and has its sites: a COMMIT that keeps it comes
         without ``sites`` (``sites_known``); any other decision names them.
 
-        A vote that waits goes to the host's agent when the rank has one, as a message on
-        the rank's ``HostSession`` to it (its ballot joins the host's others in one
-        message: inter/control/host_agent.py), else as a message on this rank's
+        A vote that waits goes to the host's agent when the rank has one, as a frame on the
+        rank's connection there (its ballot joins the host's others in one message:
+        inter/control/host_agent.py), else as a message on this rank's
         ``HostSession`` to the coordinator (a host of one rank:
         inter/control/host_session.py), which costs the coordinator a fraction of a call
         (at 2 x 256 ranks on 2 cores: the step's decision 317 -> 130 ms, p50); one that
@@ -345,17 +349,10 @@ class CoordinatorClient:
             wait_ms=wait_ms,
             sites_known=True,
         )
-        via_agent = self._via_agent(lambda stub: self._agent_votes(stub).vote(votes, timeout_s))
+        via_agent = self._via_agent(Kind.VOTE, votes, timeout_s)
         if via_agent is not None:
-            return via_agent
+            return pb.Decision.FromString(via_agent)
         return self._session.vote(votes, timeout_s)
-
-    def _agent_votes(self, stub: pb_grpc.CoordinatorStub) -> HostSession:
-        """This rank's stream of waiting votes to its agent: a message there costs the
-        agent a third of a call (docs/benchmarks.md, "Real host agents, a process each")."""
-        if self._agent_session is None or self._agent_session.stub is not stub:
-            self._agent_session = HostSession(stub)
-        return self._agent_session
 
     def membership_now(
         self,
@@ -370,21 +367,22 @@ class CoordinatorClient:
 
         ``on_call`` is handed the call before it is waited on: its ``cancel()`` ends the
         poll at once, and this raises ``grpc.FutureCancelledError`` (how a watcher that
-        is closing stops without waiting out the poll).
+        is closing stops without waiting out the poll). A first membership
+        (``known_generation`` 0) is the coordinator's to answer, never the agent's.
         """
         request = pb.GetMembershipRequest(
             known_generation=known_generation, wait_ms=wait_ms, rank_key=self.rank_key
         )
-
-        def poll(stub: pb_grpc.CoordinatorStub) -> pb.GetMembershipResponse:
-            call = stub.GetMembership.future(request, timeout=timeout_s)
+        via_agent = None
+        if known_generation:
+            via_agent = self._via_agent(Kind.WATCH, request, timeout_s, on_call)
+        if via_agent is not None:
+            reply = pb.GetMembershipResponse.FromString(via_agent)
+        else:
+            call = self.stub.GetMembership.future(request, timeout=timeout_s)
             if on_call is not None:
                 on_call(call)
-            return call.result()
-
-        reply = self._via_agent(poll)
-        if reply is None:
-            reply = poll(self.stub)
+            reply = call.result()
         return MembershipNow(reply.generation, tuple(reply.sites), tuple(reply.suspects))
 
     def report_progress(self, progress: Progress, *, timeout_s: float) -> str:
@@ -444,8 +442,6 @@ class CoordinatorClient:
     def close(self) -> None:
         """Closes the vote stream and the channels (calls in flight are cancelled)."""
         self._session.close()
-        if self._agent_session is not None:
-            self._agent_session.close()
         self.channel.close()
         if self.agent is not None:
             self.agent.close()

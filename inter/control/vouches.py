@@ -17,16 +17,39 @@ was away, drops no one, and looks again ``late_s`` later, once what waited in it
 sockets was read; only a check on time drops a rank. A rank's own lateness is not
 excused: a watcher that sends its next watch ``vouch_s`` late (of the agent's time) is
 dropped, and its coordinator still waits ``failure_timeout_s`` before it declares it dead.
+A rank whose connection to the agent closed (its process ended) is forgotten at once.
 
-Not thread-safe: the agent uses it from its event loop alone.
+:class:`AgentPoll` is that poll: it names the ranks vouched for, is held as long as the
+coordinator holds it, and is sent again as soon as they change.
+
+Not thread-safe: the agent uses both from its event loop alone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["LATE_S", "OwnTime", "Vouches"]
+import grpc
+
+from isthmus.inter.control.agent_upstream import REFUSED
+from isthmus.proto import coordinator_pb2 as pb
+
+__all__ = ["LATE_S", "AgentPoll", "OwnTime", "Vouches"]
+
+log = logging.getLogger("isthmus.host_agent")
+
+_AGENT_WAIT_MS = 10_000
+"""How long the agent's own poll may be held: it is answered at once on news like a
+rank's, so a longer wait costs nothing but the polls it saves (the coordinator holds a
+poll that vouches half its silence at most)."""
+_PACE_S = 0.25
+"""After an answer that would come at once again (a suspect, no generation, an error):
+the pause before the next poll."""
+_RPC_SLACK_S = 5.0
 
 LATE_S = 0.25
 """A check this much later than due was not on time: its owner was away (starved of CPU,
@@ -99,6 +122,13 @@ class Vouches:
         self._held.pop(key, None)
         self._ended[key] = self.time.now()
 
+    def forget(self, key: str) -> bool:
+        """``key``'s rank is gone (its connection closed): it is vouched for no more, now
+        (none of its watches held). True when it was."""
+        if self._held.get(key):
+            return False
+        return self._ended.pop(key, None) is not None
+
     def keys(self) -> list[str]:
         """The keys vouched for, sorted (as a poll names them)."""
         return sorted([*self._held, *self._ended])
@@ -125,3 +155,145 @@ class Vouches:
         for key in gone:
             del self._ended[key]
         return bool(gone)
+
+
+class AgentPoll:
+    """A host agent's one long poll at its coordinator, naming the ranks ``vouches``
+    vouches for: sent when a rank is new or gone (:meth:`changed`), held as long as the
+    coordinator holds it, and its answer, the host's membership, handed to ``on_news``.
+
+    Args:
+        vouches: whom the poll vouches for.
+        loop: the agent's event loop (its timers).
+        send: starts a poll, ``send(request, timeout_s, done)``: one with ``cancel()``,
+            ``cancelled()`` and ``result()``, and ``done(poll)`` on the loop once it ended
+            (``poll`` of inter/control/agent_upstream.py).
+        on_news: called on each answer (and refusal) of the coordinator.
+        site: the site's name, for the log.
+    """
+
+    def __init__(
+        self,
+        vouches: Vouches,
+        loop: asyncio.AbstractEventLoop,
+        send: Callable[[pb.GetMembershipRequest, float, Callable], Any],
+        on_news: Callable[[], None],
+        site: str,
+    ) -> None:
+        self._vouches, self._loop, self._send, self._on_news = vouches, loop, send, on_news
+        self.site = site
+        self.membership = pb.GetMembershipResponse()
+        """The coordinator's latest answer (its sites kept from the last that named them)."""
+        self.error: grpc.RpcError | None = None
+        """The coordinator's refusal of the last poll (FAILED_PRECONDITION: the job failed)."""
+        self.seen = False
+        """The poll was answered once: the agent answers its ranks' watches itself."""
+        self.polls = 0
+        self.keys: list[str] = []
+        """The keys the poll in flight (or the last) names."""
+        self._known = 0
+        self._poll: Any = None
+        self._pacing: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_due: float | None = None
+        self._stopped = False
+
+    def close(self) -> None:
+        """Ends the poll in flight and the timers."""
+        self._stopped = True
+        for timer in (self._pacing, self._expiry):
+            if timer is not None:
+                timer.cancel()
+        if self._poll is not None:
+            self._poll.cancel()
+
+    def arm_expiry(self) -> None:
+        """The timer of the next check of the ranks vouched for (:meth:`_expire`)."""
+        due = self._vouches.next_check()
+        if due == self._expiry_due:
+            return
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self._expiry_due = due
+        if due is not None and not self._stopped:
+            delay = max(0.0, due - self._vouches.time.now())
+            self._expiry = self._loop.call_later(delay, self._expire, due)
+
+    def _expire(self, due: float) -> None:
+        self._expiry, self._expiry_due = None, None
+        if self._vouches.check(due):
+            self.changed()  # a rank fell silent: the poll names it no more
+        self.arm_expiry()
+
+    def changed(self) -> None:
+        """Sends the agent's poll when none is in flight, or cancels the one in flight
+        when it names other ranks than those to vouch for now (its end sends the next)."""
+        if self._stopped or self._pacing is not None:
+            return
+        keys = self._vouches.keys()
+        if self._poll is not None:
+            # A poll that knows no generation is answered at once: the next names them.
+            if self._known and keys != self.keys:
+                self._poll.cancel()
+            return
+        if not keys:  # no rank watches: the next watch sends it
+            return
+        self.polls += 1
+        known = self._known
+        self.keys = keys
+        self._poll = self._send(
+            pb.GetMembershipRequest(
+                known_generation=known,
+                wait_ms=_AGENT_WAIT_MS if known else 0,
+                rank_key=keys[0],
+                vouched_rank_keys=keys,
+            ),
+            _AGENT_WAIT_MS / 1000 + _RPC_SLACK_S,
+            self._polled,
+        )
+
+    def _polled(self, poll) -> None:
+        """The agent's poll ended: its answer is the host's, and the next one goes."""
+        if poll is not self._poll:
+            return
+        self._poll = None
+        if self._stopped:
+            return
+        if poll.cancelled():  # the ranks it vouches for changed: ask again, naming them
+            self.changed()
+            return
+        try:
+            reply = poll.result()
+        except grpc.RpcError as exc:
+            refused = exc.code() in REFUSED
+            self.error = exc if refused else None
+            if refused:
+                self.seen = True
+                self._on_news()
+            else:
+                log.debug("%s host agent: membership poll failed: %s", self.site, exc)
+            self._pace()
+            return
+        if reply.generation != self._known or reply.sites:
+            if not reply.sites and reply.generation == self.membership.generation:
+                reply.sites.extend(self.membership.sites)
+            self.membership = reply
+        else:
+            del self.membership.suspects[:]
+            self.membership.suspects.extend(reply.suspects)
+        self.error = None
+        self.seen = True
+        self._on_news()
+        self._known = reply.generation
+        if reply.suspects or not self._known:
+            self._pace()  # answered at once and would be again: pace it
+        else:
+            self.changed()
+
+    def _pace(self) -> None:
+        def resume() -> None:
+            self._pacing = None
+            self.changed()
+
+        self._pacing = self._loop.call_later(_PACE_S, resume)

@@ -169,7 +169,7 @@ def test_an_agent_served_by_another_user_gets_nothing(coord, tmp_path, caplog, f
             assert vote(client, 1).verdict == Verdict.COMMIT
     finally:
         got = squatter.stop()
-    assert got == 0  # no vote, no key, not even gRPC's preface
+    assert got == 0  # no vote, no key, not a byte
     assert agent_lines(caplog) == [
         f"host agent at {address} is served by uid {NOBODY}, not ours (0): "
         "calling the coordinator directly"
@@ -230,11 +230,11 @@ def test_an_agent_slow_to_start_is_waited_for_then_used(coord, tmp_path, caplog)
     folder = shared / "agent-dir"  # made by the agent, after the rank started
     address = f"unix:{folder}/agent"
     with caplog.at_level(logging.DEBUG, LOGGER), rank(coord, address, agent_wait_s=30) as client:
-        assert client.agent is not None and client.agent.stub is None
+        assert client.agent is not None and not client.agent.checked
         assert vote(client, 0).verdict == Verdict.COMMIT  # meanwhile, at the coordinator
         folder.mkdir(mode=0o700)
         with host_agent(coord, folder) as agent:
-            wait_until(lambda: client.agent.stub is not None, "the rank never took its agent")
+            wait_until(lambda: client.agent.checked, "the rank never took its agent")
             assert vote(client, 1).verdict == Verdict.COMMIT
             assert agent.votes == 1 and agent.batches == 1
         assert client.agent_misses == 0

@@ -98,7 +98,7 @@ def test_a_hosts_votes_reach_the_coordinator_in_one_message(site):
     decisions = all_vote(clients, range(RANKS), step=1)
     assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
     assert agent.batches == 2
-    assert agent.stats()["votes"] == 2 * RANKS and agent.stats()["rank_streams"] == RANKS
+    assert agent.stats()["votes"] == 2 * RANKS and agent.stats()["rank_connections"] == RANKS
 
 
 def test_a_late_rank_goes_in_a_batch_of_its_own_and_the_step_waits_for_it(site):
@@ -220,7 +220,7 @@ def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
         keys = sorted(coord.rank_keys.handed(r) for r in range(2))
         for client in clients:  # a watch each, answered at once: both vouched for
             client.membership_now(known_generation=1, wait_ms=0, timeout_s=10)
-        wait_until(lambda: agent._poll_keys == keys, "the agent never vouched for both")  # noqa: SLF001
+        wait_until(lambda: agent._poll.keys == keys, "the agent never vouched for both")  # noqa: SLF001
         polls = agent.stats()["watch_polls"]
         # Both watches ended just now; the agent stalls (a fault injected into its loop).
         agent._loop.call_soon_threadsafe(time.sleep, 1.5)  # noqa: SLF001
@@ -239,7 +239,7 @@ def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
             t.join(15)
         assert len(out) == 2 and all(c.agent_misses == 0 for c in clients)
         assert agent.stats()["watch_polls"] == polls, agent.stats()
-        assert agent._poll_keys == keys  # noqa: SLF001
+        assert agent._poll.keys == keys  # noqa: SLF001
     finally:
         for client in clients:
             client.close()
@@ -371,7 +371,7 @@ def test_an_agent_on_its_launchers_channel_calls_the_coordinator_from_its_loop(t
             assert {getattr(d, "verdict", None) for d in decisions.values()} == {Verdict.COMMIT}, [
                 (d.code(), d.details()) for d in decisions.values() if not hasattr(d, "verdict")
             ]
-        assert agent.batches == 3 and agent.stats()["rank_streams"] == 2
+        assert agent.batches == 3 and agent.stats()["rank_connections"] == 2
         assert all(c.agent_misses == 0 for c in clients)
     finally:
         for client in clients:
