@@ -163,7 +163,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             ),
             options=server_options(MESSAGE_LIMITS),
             interceptors=[
-                *self.security.server_interceptors(self.where),
+                *self.security.server_interceptors(self.where, self.refusals),
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
             ],
         )

@@ -127,11 +127,13 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self._members = members  # replaced whole by set_members, never mutated
         self.security = security or INSECURE
         self.where = f"lane of site {site_index}"
+        self.refusals = RefusalLog(self.where)
+        """Every refusal of this lane, the token gate's too: one bounded log, one count."""
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lane-rx"),
             options=server_options([*channel_options(chunk_bytes), *stream_ping_policy()]),
             interceptors=[
-                *(security or INSECURE).server_interceptors(f"lane of site {site_index}"),
+                *self.security.server_interceptors(self.where, self.refusals),
                 MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
             ],
         )
@@ -141,7 +143,6 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.requests = LaneRequests(self)
         self._server.add_generic_rpc_handlers((self._handlers(),))
         # grpc.health.v1, like every isthmus server: SERVING until stop().
-        self.refusals = RefusalLog(f"lane of site {site_index}")
         self.health = BoundedHealth(self.refusals)
         streams = max(1, max_workers - RESERVED_THREADS)
         self._streams = WaitSlots(streams, "PushChunks stream", self.refusals)
