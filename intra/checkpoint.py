@@ -60,6 +60,7 @@ from .state import (
 )
 from .tied import checkpoint_name
 from .train import Trainer
+from .user_files import DECODE_ERRORS, decode_problem
 
 log = logging.getLogger("isthmus.checkpoint")
 
@@ -290,8 +291,8 @@ def check_complete(path: Path) -> str | None:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
         return f"no {MANIFEST}"
-    except (OSError, ValueError) as exc:
-        return f"unreadable {MANIFEST}: {exc}"
+    except DECODE_ERRORS as exc:
+        return f"unreadable {MANIFEST}: {decode_problem(exc)}"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         return (

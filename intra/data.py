@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .user_files import DECODE_ERRORS, decode_problem
+
 if TYPE_CHECKING:
     import torch
 
@@ -163,10 +165,17 @@ def from_path(path: str | Path, *, dtype: str = "uint8", max_bytes: int | None =
             (f for f in p.rglob("*") if f.is_file()), key=lambda f: f.relative_to(p).as_posix()
         )
         tokens = _read_files(files, cap)
-    elif p.suffix == ".npy":
-        tokens = np.load(p, mmap_mode="r").reshape(-1)
-    elif p.suffix == ".bin":
-        tokens = np.memmap(p, dtype=np.dtype(dtype), mode="r")
+    elif p.suffix in (".npy", ".bin"):
+        try:
+            tokens = (
+                np.load(p, mmap_mode="r").reshape(-1)
+                if p.suffix == ".npy"
+                else np.memmap(p, dtype=np.dtype(dtype), mode="r")
+            )
+        except DECODE_ERRORS as exc:  # not an .npy, pickled objects, empty, cut short
+            raise ValueError(
+                f"corpus {str(p)!r} is not {dtype} tokens: {decode_problem(exc)}"
+            ) from None
     else:
         tokens = _read_files([p], cap)
     if tokens.shape[0] < 2:
@@ -189,8 +198,8 @@ def read_manifest(folder: str | Path) -> dict:
         raise ValueError(
             f"{str(folder)!r} has no manifest.json: not a folder `isthmus data prepare` wrote"
         ) from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read it ({exc})") from None
+    except DECODE_ERRORS as exc:
+        raise ValueError(f"{path}: cannot read it ({decode_problem(exc)})") from None
     if not isinstance(manifest, dict) or (manifest.get("format"), manifest.get("version")) != (
         PREPARED_FORMAT,
         PREPARED_VERSION,
@@ -210,18 +219,33 @@ def prepared_corpus(folder: str | Path) -> tuple[Corpus, dict]:
             the manifest's (a folder copied in part, or changed since).
     """
     manifest = read_manifest(folder)
-    dtype = np.dtype(manifest["dtype"])
+    try:
+        dtype = np.dtype(manifest["dtype"])
+        entries = [(Path(folder) / e["file"], int(e["tokens"])) for e in manifest["shards"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{Path(folder) / 'manifest.json'} does not list its shards: "
+            f"{f'no {exc}' if isinstance(exc, KeyError) else decode_problem(exc)}; "
+            "prepare the data again"
+        ) from None
+    if not entries or dtype not in (np.uint8, np.uint16):
+        raise ValueError(
+            f"{Path(folder) / 'manifest.json'} lists {len(entries)} shards of {dtype}: "
+            "one or more of uint8 or uint16 tokens are needed"
+        )
     shards = []
-    for entry in manifest["shards"]:
-        path = Path(folder) / entry["file"]
+    for path, count in entries:
         size = path.stat().st_size if path.is_file() else -1
-        if size != entry["tokens"] * dtype.itemsize:
+        if size != count * dtype.itemsize:
             found = "is missing" if size < 0 else f"holds {size} bytes"
             raise ValueError(
-                f"shard {path} {found}, the manifest says {entry['tokens']} {dtype} tokens; "
+                f"shard {path} {found}, the manifest says {count} {dtype} tokens; "
                 "copy the whole folder or prepare it again"
             )
-        shards.append(np.memmap(path, dtype=dtype, mode="r"))
+        try:
+            shards.append(np.memmap(path, dtype=dtype, mode="r"))
+        except DECODE_ERRORS as exc:  # an empty shard cannot be mapped
+            raise ValueError(f"shard {path}: {decode_problem(exc)}") from None
     tokens = shards[0] if len(shards) == 1 else ShardedTokens(shards)
     return Corpus(tokens=tokens, name=f"prepared:{folder}"), manifest
 

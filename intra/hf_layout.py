@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .model_config import Llama3RopeScaling, ModelConfig
+from .user_files import decode_problem
 
 if TYPE_CHECKING:
     import torch
@@ -409,7 +410,8 @@ def load_weights(model: Transformer, folder: Path | str) -> None:
 
     Raises:
         HFLayoutError: the folder does not fit the model (see ``check_weights``);
-            ``model`` is then unchanged.
+            ``model`` is then unchanged. Or a file's data does not read (cut short,
+            say): the message names the file.
     """
     import torch
 
@@ -423,11 +425,17 @@ def load_weights(model: Transformer, folder: Path | str) -> None:
         for path in _weight_files(folder):
             # One tensor at a time from the memory-mapped file: a rank never holds a
             # second copy of the model.
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
-                    ours = from_hf_name(name)
-                    if ours in params:  # a tied head's lm_head.weight is the embedding
-                        params[ours].copy_(f.get_tensor(name))
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+                        ours = from_hf_name(name)
+                        if ours in params:  # a tied head's lm_head.weight is the embedding
+                            params[ours].copy_(f.get_tensor(name))
+            except Exception as exc:  # noqa: BLE001 - SafetensorError is a bare Exception
+                # The header was checked; the data may still be cut short or mistyped.
+                raise HFLayoutError(
+                    f"{path} is not a readable safetensors file: {decode_problem(exc)}"
+                ) from None
 
 
 def save_weights(named: Iterable[tuple[str, torch.Tensor]], folder: Path | str) -> Path:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .user_files import DECODE_ERRORS, decode_problem
+
 if TYPE_CHECKING:  # numpy and data.py load only where text is encoded
     import numpy as np
 
@@ -121,7 +123,10 @@ def json_vocab_size(value: dict) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _file_facts(path: str, mtime_ns: int, size: int) -> tuple[int, str]:
-    text = Path(path).read_bytes()
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: {decode_problem(exc)}") from None
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -186,7 +191,11 @@ class TextTokenizer:
 
     def __init__(self, json_text: str) -> None:
         tokenizers = _tokenizers()
-        self.vocab_size = json_vocab_size(json.loads(json_text))
+        try:
+            value = json.loads(json_text)
+        except RecursionError:  # json's parser recurses once a level (issue 63)
+            raise ValueError("it is not a tokenizer: its JSON nests too deep") from None
+        self.vocab_size = json_vocab_size(value)
         try:
             self._tokenizer = tokenizers.Tokenizer.from_str(json_text)
         except Exception as exc:  # noqa: BLE001 - the library raises its own Exception
@@ -201,8 +210,8 @@ class TextTokenizer:
             raise ValueError(f"no tokenizer file {str(p)!r}")
         try:
             return cls(p.read_text())
-        except ValueError as exc:
-            raise ValueError(f"{p}: {exc}") from None
+        except DECODE_ERRORS as exc:  # not UTF-8, not JSON, not a tokenizer, unreadable
+            raise ValueError(f"{p}: {decode_problem(exc)}") from None
 
     @classmethod
     def train(cls, texts: Sequence[str], vocab_size: int) -> TextTokenizer:

@@ -41,6 +41,7 @@ from isthmus.inter.data import CODEC_FORMAT, connections_for_link, sync_chunk_by
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset
 from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
+from isthmus.intra.user_files import DECODE_ERRORS, decode_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -302,7 +303,7 @@ def _coerce_per_site(where: str, raw: Any) -> int | list[int]:
             text = f"[{text}]"
         try:
             raw = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, RecursionError):  # a string, refused below
             raw = text
     if isinstance(raw, list) and raw and all(type(n) is int for n in raw):
         return list(raw)
@@ -320,7 +321,7 @@ def _coerce(section: str, key: str, raw: Any, expected: Any) -> Any:
         text = raw.strip()
         try:
             raw = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, RecursionError):  # a string, refused below
             raw = text
     if kind is bool:
         if isinstance(raw, bool):
@@ -407,8 +408,10 @@ def load_config(
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except DECODE_ERRORS as exc:  # not UTF-8, not TOML, nested too deep, a folder
+            raise ConfigError(
+                f"config file {path} is not valid TOML: {decode_problem(exc)}"
+            ) from None
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")

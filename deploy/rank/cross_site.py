@@ -24,6 +24,7 @@ from isthmus.deploy.rank.contract import AGENT_ENV
 from isthmus.deploy.rank.extras import extra_state, load_extra_state
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Decision, SiteInfo
 from isthmus.inter.data import (
+    ExpectedState,
     Generation,
     GroupShape,
     LaneGradientSync,
@@ -35,11 +36,25 @@ from isthmus.inter.data import (
 from isthmus.inter.security import SiteSecurity
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.parallel import group_parameters, sharded_rows
-from isthmus.intra.reshard import reshard_state, source_shards
-from isthmus.intra.state import load_rank_state, rank_state
+from isthmus.intra.reshard import chunk_rows, reshard_state, source_shards
+from isthmus.intra.state import (
+    EXTRA,
+    expected_layout,
+    load_rank_state,
+    named_parameters,
+    rank_state,
+)
 from isthmus.intra.train import Trainer
 
 log = logging.getLogger("isthmus.rank")
+
+EXTRA_COPIES = 4
+"""Copies of the model shard, at fp32 or wider, that a state's ``extra/`` entries may
+take: the outer optimizer's anchor and momentum, and the codec's error-feedback
+residuals of the rank's contributions and of the results it reduced, each at most the
+source's shard as padded for its reduce-scatter."""
+EXTRA_SLACK = 1 << 20
+"""Bytes beyond those for the batch split and the noise scale's few scalars."""
 
 
 @dataclass
@@ -136,7 +151,7 @@ class CrossSite:
         own, theirs = self.config.ranks_of(self.site), len(info.lane_addresses)
         t0 = time.perf_counter()
         if theirs == own:
-            state = self._pull_rank(info, generation, state_step, self.rank)
+            state = self._pull_rank(info, generation, state_step, self.rank, expected_pull(trainer))
             next_step, extra = load_rank_state(trainer, state)
             load_extra_state(extra, self.sync, self.outer, self.plan)
         else:
@@ -160,10 +175,18 @@ class CrossSite:
         return next_step
 
     def _pull_rank(
-        self, info: SiteInfo, generation: int, state_step: int, rank: int
+        self,
+        info: SiteInfo,
+        generation: int,
+        state_step: int,
+        rank: int,
+        expected: ExpectedState,
     ) -> dict[str, torch.Tensor]:
-        """The state after ``state_step`` that ``rank`` of site ``info`` offers."""
-        return self.link.pull_state(info, generation=generation, step=state_step, rank=rank)
+        """The state after ``state_step`` that ``rank`` of site ``info`` offers; a piece
+        not ``expected`` is refused before it is allocated, and the trainer is unchanged."""
+        return self.link.pull_state(
+            info, generation=generation, step=state_step, rank=rank, expected=expected
+        )
 
     def _pull_resharded(
         self, trainer: Trainer, info: SiteInfo, generation: int, state_step: int
@@ -176,7 +199,13 @@ class CrossSite:
         ranks = len(info.lane_addresses)
         width = position.width(ranks)
         sources = {
-            j: self._pull_rank(info, generation, state_step, position.rank_of(ranks, j))
+            j: self._pull_rank(
+                info,
+                generation,
+                state_step,
+                position.rank_of(ranks, j),
+                expected_pull(trainer, source_width=width, shard=j),
+            )
             for j in source_shards(trainer, width)
         }
         groups = [[name for name, _ in g] for g in self.outer.groups] if self.outer else []
@@ -197,6 +226,44 @@ class CrossSite:
     def close(self) -> None:
         self.link.close()
         self.coordinator.close()
+
+
+def expected_pull(
+    trainer: Trainer, *, source_width: int | None = None, shard: int = 0
+) -> ExpectedState:
+    """What this rank may pull from its peer at a live site, read off its own model and
+    optimizer: the source does not set its memory (issue 63).
+
+    Args:
+        trainer: this rank's trainer (fresh or trained; nothing of it changes).
+        source_width: the source site's shard ranks when its size differs (its rank
+            holds shard ``shard`` of each parameter's rows); None: this rank's own rows.
+        shard: the source rank's shard index, with ``source_width``.
+
+    Returns:
+        Each ``model/``, ``optim/``, ``rng/`` and ``meta/`` tensor by name, dtype and
+        shape; ``extra/`` entries open, within :data:`EXTRA_COPIES` of the shard.
+    """
+    layout = expected_layout(trainer)
+    rows: dict[int, tuple[int, int, int, int]] = {}
+    for part in trainer.model_parts:
+        rows |= sharded_rows(part)
+    shard_bytes = 0  # of the source's shard, padded, at fp32 or wider
+    for fqn, p in named_parameters(trainer):
+        shape, dtype = layout[f"model/{fqn}"]
+        padded = p.numel()  # not sharded by FSDP: every rank holds it whole
+        if id(p) in rows:
+            n, row_elems, _, own_width = rows[id(p)]
+            padded = -(-n // (source_width or own_width)) * row_elems
+            if source_width is not None:
+                lo, hi = chunk_rows(n, source_width, shard)
+                shape = (hi - lo, *shape[1:])
+        for name in (f"model/{fqn}", f"optim/{fqn}/exp_avg", f"optim/{fqn}/exp_avg_sq"):
+            layout[name] = (shape, dtype)
+        shard_bytes += padded * max(4, p.element_size())
+    return ExpectedState(
+        tensors=layout, open_prefix=EXTRA, open_bytes=EXTRA_COPIES * shard_bytes + EXTRA_SLACK
+    )
 
 
 def shard_layout(

@@ -8,6 +8,7 @@ configured job token, else the user's, which outlives a run.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isthmus.deploy.config.validation import ConfigError
@@ -53,7 +54,18 @@ def site_security(
             require_token=sec.require_token,
         )
     except ValueError as exc:
-        raise ConfigError(f"security: {exc}") from None
+        raise ConfigError(f"security: {_with_token_file(exc, config)}") from None
+
+
+def _with_token_file(exc: ValueError, config: JobConfig) -> str:
+    """``exc``'s line, naming the token file when it is about that file's content (the
+    check of a token's characters knows no path; issue 63)."""
+    sec = config.security
+    path = Path(sec.token_file) if sec.token_file else Path(sec.certs_dir) / "token"
+    message = str(exc)
+    if sec.require_token and "job token" in message and str(path) not in message:
+        return f"{path}: {message}"
+    return message
 
 
 def checkpoint_key(config: JobConfig) -> bytes | None:
@@ -71,7 +83,7 @@ def checkpoint_key(config: JobConfig) -> bytes | None:
                 sec.certs_dir, "", token_file=sec.token_file or None, require_token=True
             ).token
         except ValueError as exc:
-            raise ConfigError(f"security: {exc}") from None
+            raise ConfigError(f"security: {_with_token_file(exc, config)}") from None
         return token.encode() if token else None
     return None if sec.insecure else _user_token().encode()
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from isthmus.inter.data.rank_sync import RankSync, RankSyncSettings, open_rank_sync
     from isthmus.inter.data.round_types import NonFiniteGradient
     from isthmus.inter.data.shard_map import GroupShape, ShardPosition
+    from isthmus.inter.data.state_transfer import ExpectedState
     from isthmus.inter.data.sync_stats import StepOutcome, SyncStats
 
 _EXPORTS: dict[str, tuple[str, str]] = {
@@ -36,6 +37,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "SyncStats": ("sync_stats", "SyncStats"),
     "QuorumLost": ("membership", "QuorumLost"),
     "NonFiniteGradient": ("round_types", "NonFiniteGradient"),
+    # What a joining rank expects to pull (it bounds what the source may make it allocate).
+    "ExpectedState": ("state_transfer", "ExpectedState"),
     # Where a rank's shards sit, for sites of different sizes.
     "GroupShape": ("shard_map", "GroupShape"),
     "ShardPosition": ("shard_map", "ShardPosition"),
@@ -51,6 +54,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "CODEC_FORMAT",
+    "ExpectedState",
     "Generation",
     "GroupShape",
     "INT8_BLOCK",

@@ -29,7 +29,7 @@ from isthmus.inter.data.lane import RESERVED_THREADS, LaneServer
 from isthmus.inter.data.lane_peer import TRANSPORTS, LanePeer
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD
 from isthmus.inter.data.membership import Generation, SiteMembership
-from isthmus.inter.data.state_transfer import Admitted, pull_state
+from isthmus.inter.data.state_transfer import Admitted, ExpectedState, pull_state
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import lane_pb2
 
@@ -154,11 +154,19 @@ class RankSync:
         self.membership.adopt(generation)
 
     def pull_state(
-        self, source: SiteInfo, *, generation: int, step: int, rank: int
+        self,
+        source: SiteInfo,
+        *,
+        generation: int,
+        step: int,
+        rank: int,
+        expected: ExpectedState,
     ) -> dict[str, torch.Tensor]:
         """The training state after ``step`` that ``rank`` of site ``source`` offers,
         pulled over that rank's lane (``PullState``); that lane checks the pull with this
-        rank's lane, which made its nonce (``ConfirmPull``)."""
+        rank's lane, which made its nonce (``ConfirmPull``). A piece that claims a
+        tensor, dtype or shape not ``expected`` is refused before it is allocated
+        (StateTransferError)."""
         peer = _open_peer(self.settings, source, rank)
         nonce = self.lane.handoff.expect_pull(generation, step, rank, source.name)
         try:
@@ -171,6 +179,7 @@ class RankSync:
                 from_rank=self.settings.rank,
                 nonce=nonce,
                 timeout_s=self.settings.timeout_s,
+                expected=expected,
             )
         finally:
             self.lane.handoff.forget(nonce)

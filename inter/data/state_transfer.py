@@ -14,6 +14,10 @@ pulls it once: the serving lane asks that rank's own lane, at the address the co
 names, whether it made the request's nonce (``ConfirmPull``, inter/data/lane_requests.py),
 and under TLS the caller's certificate must name the site. The offer is dropped once
 every rank it waits for has pulled it, or at its deadline.
+
+The puller, not the source, sets what a pull may allocate (:class:`ExpectedState`): it
+built the same model and optimizer, so it knows each tensor's name, dtype and shape, and
+a piece that claims anything else is refused before its tensor is allocated.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ __all__ = [
     "PIECE_BYTES",
     "Admitted",
     "Confirm",
+    "ExpectedState",
     "Offer",
     "StateOffers",
     "StateTransferError",
@@ -53,6 +58,66 @@ DTYPES = {
 
 class StateTransferError(RuntimeError):
     """A pulled state was refused: bad piece, missing bytes, or the peer failed."""
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ExpectedState:
+    """What a pulling rank expects, known before it asks: the first piece of each tensor
+    is checked against it before the tensor is allocated, so the source does not set the
+    puller's memory (issue 63: one 4-byte piece claiming ``shape=[2**32]`` made the
+    joiner allocate 16 GiB at once, under a cap of 1 TiB).
+    """
+
+    tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    """Name -> (shape, dtype) of each tensor expected as it is (``intra.state``'s
+    ``expected_layout`` form)."""
+    open_prefix: str | None = None
+    """Names under this prefix may take any dtype and shape (what the puller cannot
+    know exactly: the codec residuals the source's lane made); None: no name is open,
+    "": every name is (a bare byte cap)."""
+    open_bytes: int = 0
+    """Bytes all tensors under ``open_prefix`` may take together."""
+
+    @property
+    def max_total_bytes(self) -> int:
+        """The most a pull of this state may allocate."""
+        return sum(_nbytes(shape, dtype) for shape, dtype in self.tensors.values()) + (
+            self.open_bytes if self.open_prefix is not None else 0
+        )
+
+    def is_open(self, name: str) -> bool:
+        """Whether ``name`` is under the open prefix (any dtype and shape)."""
+        return (
+            self.open_prefix is not None
+            and name not in self.tensors
+            and name.startswith(self.open_prefix)
+        )
+
+    def refusal(self, piece: lane_pb2.StatePiece) -> str | None:
+        """Why the first piece of a tensor claims one this rank does not expect, or None
+        (the piece's own fields were checked already)."""
+        name = piece.name[:80]
+        if self.is_open(piece.name):
+            return None
+        want = self.tensors.get(piece.name)
+        if want is None:
+            return f"{name!r} claimed ({piece.total_bytes} bytes): this rank holds no such tensor"
+        shape, dtype = want
+        claimed = (tuple(int(d) for d in piece.shape), DTYPES[piece.dtype])
+        if claimed != (shape, dtype):
+            return (
+                f"{name}: claimed {_dtype_name(claimed[1])} {list(claimed[0])[:MAX_DIMS]} "
+                f"({piece.total_bytes} bytes), expected {str(dtype).removeprefix('torch.')} "
+                f"{list(shape)} ({_nbytes(shape, dtype)} bytes)"
+            )
+        return None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -97,7 +162,9 @@ class _Assembly:
         self.filled = 0
 
 
-def _check(piece: lane_pb2.StatePiece, current: _Assembly | None, limit: int) -> str | None:
+def _check(
+    piece: lane_pb2.StatePiece, current: _Assembly | None, expected: ExpectedState, limit: int
+) -> str | None:
     if not 0 < len(piece.name) <= MAX_NAME_CHARS:
         return f"tensor name of {len(piece.name)} characters"
     if piece.dtype not in DTYPES:
@@ -110,13 +177,18 @@ def _check(piece: lane_pb2.StatePiece, current: _Assembly | None, limit: int) ->
     itemsize = torch.empty((), dtype=DTYPES[piece.dtype]).element_size()
     if numel * itemsize != piece.total_bytes:
         return f"{piece.name}: {piece.total_bytes} bytes for shape {list(piece.shape)[:8]}"
+    if current is None and (refused := expected.refusal(piece)) is not None:
+        return refused
     if piece.total_bytes > limit:
-        return f"{piece.name}: a tensor of {piece.total_bytes} bytes; state larger than {limit}"
+        return (
+            f"{piece.name[:80]}: a tensor of {piece.total_bytes} bytes claimed, larger than "
+            f"the {limit} bytes of this rank's whole state"
+        )
     if crc32(piece.data) != piece.crc32:
         return f"{piece.name}: crc32 mismatch at offset {piece.offset}"
-    expected = current.filled if current is not None else 0
-    if piece.offset != expected or piece.offset + len(piece.data) > piece.total_bytes:
-        return f"{piece.name}: piece at offset {piece.offset}, expected {expected}"
+    at = current.filled if current is not None else 0
+    if piece.offset != at or piece.offset + len(piece.data) > piece.total_bytes:
+        return f"{piece.name}: piece at offset {piece.offset}, expected {at}"
     if not piece.data and piece.total_bytes:
         return f"{piece.name}: empty piece"
     if current is not None and (
@@ -127,17 +199,21 @@ def _check(piece: lane_pb2.StatePiece, current: _Assembly | None, limit: int) ->
 
 
 def assemble(
-    stream: Iterator[lane_pb2.StatePiece], max_total_bytes: int
+    stream: Iterator[lane_pb2.StatePiece], expected: ExpectedState
 ) -> dict[str, torch.Tensor]:
-    """Builds the named tensors of a piece stream, refusing anything malformed.
+    """Builds the named tensors of a piece stream, refusing anything malformed or not
+    ``expected``, before it allocates the tensor the refused piece begins.
 
     Raises:
-        StateTransferError: a piece failed a check, or a tensor was left incomplete.
+        StateTransferError: a piece failed a check, claimed a tensor, dtype or shape
+            not expected, took the state past ``expected.max_total_bytes`` or its open
+            names past ``expected.open_bytes``, or a tensor was left incomplete.
     """
+    limit = expected.max_total_bytes
     out: dict[str, torch.Tensor] = {}
     name: str | None = None
     current: _Assembly | None = None
-    total = 0
+    total = opened = 0
 
     def finish() -> None:
         assert name is not None and current is not None
@@ -157,13 +233,24 @@ def assemble(
             if piece.name in out:
                 raise StateTransferError(f"{piece.name[:64]}: sent twice")
             name, current = piece.name, None
-        problem = _check(piece, current, max_total_bytes)
+        problem = _check(piece, current, expected, limit)
         if problem is not None:
             raise StateTransferError(problem)
-        if current is None:
+        if current is None:  # the tensor's first piece: bound it, then allocate it
             total += piece.total_bytes
-            if total > max_total_bytes:
-                raise StateTransferError(f"state larger than {max_total_bytes} bytes")
+            if total > limit:
+                raise StateTransferError(
+                    f"{piece.name[:80]}: {piece.total_bytes} bytes take the state to {total}, "
+                    f"beyond the {limit} this rank's own state takes"
+                )
+            if expected.is_open(piece.name):
+                opened += piece.total_bytes
+                if opened > expected.open_bytes:
+                    raise StateTransferError(
+                        f"{piece.name[:80]}: {piece.total_bytes} bytes take the entries under "
+                        f"{expected.open_prefix!r} to {opened}, beyond the "
+                        f"{expected.open_bytes} this rank allows them"
+                    )
             current = _Assembly(piece)
         current.buffer[piece.offset : piece.offset + len(piece.data)] = piece.data
         current.filled += len(piece.data)
@@ -375,7 +462,7 @@ def pull_state(
     from_rank: int,
     nonce: bytes,
     timeout_s: float,
-    max_total_bytes: int = 1 << 40,
+    expected: ExpectedState,
 ) -> dict[str, torch.Tensor]:
     """Pulls the state after ``step`` from the serving rank's lane.
 
@@ -390,9 +477,12 @@ def pull_state(
         nonce: what this rank's lane made for this pull (``LaneHandoff.expect_pull``):
             the serving lane asks that lane to confirm it before it sends anything.
         timeout_s: deadline of the whole stream.
-        max_total_bytes: refuse a state larger than this.
+        expected: the tensors this rank holds (it built the same model and optimizer);
+            a piece claiming another name, dtype or shape, or more bytes, is refused
+            before it is allocated.
     Raises:
-        StateTransferError: the peer refused, failed or sent a malformed piece.
+        StateTransferError: the peer refused, failed, or sent a malformed or unexpected
+            piece (the message names the piece, what it claimed and what was expected).
     """
     request = lane_pb2.PullStateRequest(
         generation=generation, step=step, rank=rank, site=site, from_rank=from_rank, nonce=nonce
@@ -403,7 +493,13 @@ def pull_state(
             stream = stub.PullState(
                 request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True
             )
-            return assemble(stream, max_total_bytes)
+            try:
+                return assemble(stream, expected)
+            except StateTransferError as exc:
+                stream.cancel()  # the source stops sending what was refused
+                raise StateTransferError(
+                    f"refused the state after step {step} from rank {rank}: {exc}"
+                ) from None
         except grpc.RpcError as exc:
             # UNAVAILABLE: the serving rank is not in this generation yet (it moves
             # there when it lands the step that admitted this site), or has not offered

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 import torch
 from helpers import wait_until
 
+from isthmus.inter.data import state_transfer
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_requests import PULL_STATE_SHARE
 from isthmus.inter.data.round_types import Members
@@ -19,6 +22,7 @@ from isthmus.inter.data.state_transfer import (
     PIECE_BYTES,
     Admitted,
     Confirm,
+    ExpectedState,
     StateTransferError,
     assemble,
     pieces,
@@ -43,6 +47,16 @@ def sample_state() -> dict[str, torch.Tensor]:
     }
 
 
+def layout_of(state: dict[str, torch.Tensor], **kw) -> ExpectedState:
+    """What a joiner holding tensors like ``state``'s expects (``expected_pull``'s form)."""
+    return ExpectedState(tensors={n: (tuple(t.shape), t.dtype) for n, t in state.items()}, **kw)
+
+
+def cap(max_bytes: int) -> ExpectedState:
+    """Any name, dtype and shape, ``max_bytes`` in all."""
+    return ExpectedState(tensors={}, open_prefix="", open_bytes=max_bytes)
+
+
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
@@ -55,7 +69,8 @@ def test_pieces_reassemble_bit_for_bit():
     stream = list(pieces(state))
     assert len([p for p in stream if p.name == "model/w"]) == -(-300 * 1000 * 4 // PIECE_BYTES)
     assert all(len(p.data) <= PIECE_BYTES for p in stream)
-    assert_same(assemble(iter(stream), 1 << 30), state)
+    assert_same(assemble(iter(stream), cap(1 << 30)), state)
+    assert_same(assemble(iter(stream), layout_of(state)), state)
 
 
 def tamper(stream, index, **fields):
@@ -84,16 +99,16 @@ def tamper(stream, index, **fields):
 def test_a_malformed_piece_is_refused(change, why):
     stream = tamper(list(pieces(sample_state())), 0, **change)
     with pytest.raises(StateTransferError, match=why):
-        assemble(iter(stream), 1 << 30)
+        assemble(iter(stream), cap(1 << 30))
 
 
 def test_a_truncated_tensor_or_an_oversized_state_is_refused():
     stream = list(pieces(sample_state()))
     cut = [p for i, p in enumerate(stream) if not (p.name == "model/w" and i == 5)]
     with pytest.raises(StateTransferError, match="model/w"):
-        assemble(iter(cut), 1 << 30)
+        assemble(iter(cut), cap(1 << 30))
     with pytest.raises(StateTransferError, match="larger than"):
-        assemble(iter(stream), 1_000_000)
+        assemble(iter(stream), cap(1_000_000))
 
 
 TOKEN = "t0ken-of-this-job-" + "x" * 16
@@ -157,6 +172,7 @@ class Job:
                 from_rank=1,
                 nonce=nonce,
                 timeout_s=timeout_s,
+                expected=layout_of(sample_state()),
             )
         finally:
             self.joiner.handoff.forget(nonce)
@@ -299,3 +315,135 @@ def test_calls_in_another_sites_name_never_hold_the_admitted_sites_pull_slots(jo
         stuck.set()
         for call in held:
             call.cancel()
+
+
+def piece(name: str, shape: list[int], data: bytes, dtype: str = "float32") -> lane_pb2.StatePiece:
+    """One piece as a source may forge it: ``data`` the first bytes of a tensor of
+    ``shape``, its fields consistent, so only what the joiner expects can refuse it."""
+    size = torch.empty((), dtype=state_transfer.DTYPES[dtype]).element_size()
+    total = size
+    for d in shape:
+        total *= d
+    return lane_pb2.StatePiece(
+        name=name,
+        dtype=dtype,
+        shape=shape,
+        offset=0,
+        total_bytes=total,
+        data=data,
+        crc32=state_transfer.crc32(data),
+    )
+
+
+JOINER = {
+    "model/w": torch.zeros(300, 1000),
+    "model/b": torch.zeros(7, dtype=torch.bfloat16),
+    "rng/cpu": torch.get_rng_state(),
+    "meta/next_step": torch.tensor(0, dtype=torch.int64),
+}
+"""What the joining rank holds: its own model, built as the source's (``expected_pull``)."""
+EXPECTED = layout_of(JOINER, open_prefix="extra/", open_bytes=1 << 16)
+
+FORGED = {
+    # Issue 63: one 4-byte piece claiming shape [2**32] made the joiner allocate 16 GiB.
+    "a 4-byte piece claiming 16 GiB": (
+        [piece("model/w", [1 << 32], b"\0" * 4)],
+        "model/w: claimed float32 [4294967296] (17179869184 bytes), "
+        "expected float32 [300, 1000] (1200000 bytes)",
+    ),
+    "a name the joiner does not hold": (
+        [piece("model/evil", [1 << 28], b"\0" * 4)],
+        "'model/evil' claimed (1073741824 bytes): this rank holds no such tensor",
+    ),
+    "another dtype of the same size": (
+        [piece("model/b", [7], b"\0" * 14, dtype="float16")],
+        "model/b: claimed float16 [7] (14 bytes), expected bfloat16 [7] (14 bytes)",
+    ),
+    "open entries past their allowance": (
+        [piece("extra/codec/g0/c0", [1 << 14], b"\0" * (1 << 16))]
+        + [piece("extra/codec/g0/c1", [8], b"\0" * 32)],
+        "extra/codec/g0/c1: 32 bytes take the entries under 'extra/' to 65568, beyond the "
+        "65536 this rank allows them",
+    ),
+    "a total past the joiner's whole state": (
+        [piece("extra/pad", [1 << 28], b"\0" * 4)],
+        "extra/pad: a tensor of 1073741824 bytes claimed, larger than the "
+        f"{EXPECTED.max_total_bytes} bytes of this rank's whole state",
+    ),
+}
+
+
+class ForgingLane(lane_pb2_grpc.LaneServicer):
+    """A live site's lane that answers a pull with forged pieces."""
+
+    def __init__(self, stream: list[lane_pb2.StatePiece]) -> None:
+        self.stream = stream
+
+    def PullState(self, request, context):  # noqa: N802 (gRPC's name)
+        yield from self.stream
+
+
+@pytest.fixture
+def allocations(monkeypatch) -> list[int]:
+    """The bytes of each tensor the joiner allocates while pulling; one of more than
+    64 MiB fails the test before it is made (without the check before allocation,
+    the forged pieces here would take GiBs)."""
+    made: list[int] = []
+
+    class Recorded(state_transfer._Assembly):
+        def __init__(self, p: lane_pb2.StatePiece) -> None:
+            made.append(p.total_bytes)
+            assert p.total_bytes <= 64 << 20, f"allocated {p.total_bytes} bytes for {p.name}"
+            super().__init__(p)
+
+    monkeypatch.setattr(state_transfer, "_Assembly", Recorded)
+    return made
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_a_forged_piece_is_refused_before_the_joiner_allocates_it(case, allocations):
+    """Issue 63: the source, not the joiner, set the joiner's memory (a cap of 1 TiB).
+    Now each piece is checked against what the joiner itself holds, before its tensor
+    is allocated: over a real gRPC stream on loopback, a forged piece is refused in one
+    line naming it, what it claimed and what was expected."""
+    stream, why = FORGED[case]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    lane_pb2_grpc.add_LaneServicer_to_server(ForgingLane(stream), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    try:
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+            pytest.raises(StateTransferError) as refused,
+        ):
+            pull_state(
+                lane_pb2_grpc.LaneStub(channel),
+                generation=3,
+                step=11,
+                rank=1,
+                site="site1",
+                from_rank=1,
+                nonce=os.urandom(32),
+                timeout_s=10.0,
+                expected=EXPECTED,
+            )
+    finally:
+        server.stop(grace=0)
+    message = str(refused.value)
+    assert message.startswith("refused the state after step 11 from rank 1: "), message
+    assert why in message and "\n" not in message, message
+    assert sum(allocations) <= 1 << 16, allocations  # at most the open entries' allowance
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grown < 256 << 10, f"the joiner's peak memory grew by {grown} KiB"
+
+
+def test_a_source_of_another_size_is_held_to_its_own_shard(allocations):
+    """A source whose rows differ (a site of another size) is checked against the shape
+    the joiner computed for that source shard, not its own."""
+    state = {"model/w": torch.ones(150, 1000), "meta/next_step": torch.tensor(4)}
+    expected = layout_of(state)
+    assert_same(assemble(iter(list(pieces(state))), expected), state)
+    with pytest.raises(StateTransferError, match=r"claimed float32 \[300, 1000\]"):
+        assemble(iter(list(pieces(dict(state, **{"model/w": torch.ones(300, 1000)})))), expected)
+    assert max(allocations) <= 150 * 1000 * 4
