@@ -337,7 +337,6 @@ def forge_rejoin(
     job's. Neither may work: site1 asks site0, and the lane serves the state only to
     the pull site1's own lane confirms. How many pieces the forger was served goes to
     ``record`` (JSON) after every pull, for the judge."""
-    from isthmus.inter.data.lane_handoff import NONCE_BYTES
     from isthmus.proto import lane_pb2, lane_pb2_grpc
 
     tally = {"finished": 0, "pulls": 0, "pieces": 0}
@@ -371,7 +370,7 @@ def forge_rejoin(
                     rank=0,
                     site="site1",
                     from_rank=0,
-                    nonce=secrets.token_bytes(NONCE_BYTES),
+                    nonce=secrets.token_bytes(32),  # a nonce's size: only its maker knows it
                 )
                 tally["pulls"] += 1
                 try:
