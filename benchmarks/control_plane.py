@@ -89,10 +89,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _spawn(*args: str, code: Path | None = None) -> subprocess.Popen:
+def _spawn(*args: str, code: Path | None = None, **extra: str) -> subprocess.Popen:
     """This script in a child process; ``code``: a folder whose ``isthmus`` package it
-    imports instead of this tree's (:func:`extract_rev`)."""
-    env = dict(os.environ)
+    imports instead of this tree's (:func:`extract_rev`); ``extra``: environment
+    variables set for it alone."""
+    env = {**os.environ, **extra}
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
@@ -103,6 +104,13 @@ def _spawn(*args: str, code: Path | None = None) -> subprocess.Popen:
         bufsize=1,
         env=env,
     )
+
+
+def _agents_env() -> dict[str, str]:
+    """``AGENTS_GRPC_EXPERIMENTS``, when set, is the agents' processes' alone
+    ``GRPC_EXPERIMENTS`` (gRPC's C-core experiments, read when gRPC starts)."""
+    value = os.environ.get("AGENTS_GRPC_EXPERIMENTS")
+    return {"GRPC_EXPERIMENTS": value} if value is not None else {}
 
 
 def extract_rev(rev: str, into: Path) -> Path:
@@ -184,6 +192,7 @@ def run_case(
                     "--serve-agents",
                     *(n, addresses[n], str(ranks), str(host_ranks), str(folders[n])),
                     code=code,
+                    **_agents_env(),
                 )
                 for n in names
             ]

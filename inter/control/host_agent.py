@@ -26,12 +26,11 @@ a rank (inter/control/agent_wire.py):
   agent that was starved of CPU does not take its own lateness for its ranks' silence).
 
 The agent runs on one event loop, a thread of its own: a rank's vote or watch held here
-is an entry in a table, answered by a callback (no coroutine, no thread), and news wakes
-only the watches it answers. It calls its coordinator from the same loop, on the
-grpc.aio twin of the channel it is handed (TLS and token as the ranks' own:
-inter/control/agent_upstream.py). The gRPC server it ran for its ranks before cost it
-~100 µs and two thread hand-offs a message, and 256 agents of 8 ranks were more than 2
-cores could carry (docs/benchmarks.md, "Real host agents, a process each").
+is a table entry answered by a callback, and news wakes only the watches it answers. It
+calls its coordinator from the same loop, on the grpc.aio twin of the channel it is
+handed (inter/control/agent_upstream.py). The gRPC server it ran for its ranks before
+cost ~100 µs and two thread hand-offs a message (docs/benchmarks.md, "Real host agents,
+a process each").
 
 Everything else a rank calls (registration, reports, a first membership, a vote ahead)
 goes to the coordinator itself, and a rank that cannot reach its agent falls back to the
@@ -109,10 +108,8 @@ class HostAgent:
         listen: where the ranks reach the agent ("unix:/path", or "127.0.0.1:0", which
             no rank takes: inter/control/agent_socket.py).
         linger_s: how long the first ballot of a step waits for the host's others.
-            Waiting costs the step nothing: its decision waits for every rank's vote
-            anyway (a site votes once all its ranks did), so this only bounds how late
-            a rank may be and still share the message (on a loaded host the votes of
-            one step spread over more than 50 ms, and took three messages a host).
+            Waiting costs the step nothing (its decision waits for every rank's vote
+            anyway): this bounds how late a rank may be and still share the message.
         vouch_s: a rank heard from this recently (of the agent's own time) is vouched
             for in the agent's polls (inter/control/vouches.py).
         clock: seconds, monotonic: what the agent's own time is measured on.
@@ -255,10 +252,14 @@ class HostAgent:
                     os.unlink(self._listen.removeprefix("unix:").removeprefix("//"))
         for wire in list(self._wires):
             wire.abort()
-        for task in self._tasks:
-            task.cancel()
         if self._upstream is not None:
             await self._upstream.aclose()
+        # Every task left ends before the loop stops (the closed channel's calls' own
+        # too, else asyncio reports them destroyed while pending).
+        left = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     def _end_loop(self) -> None:
         if self._thread.is_alive():
@@ -298,9 +299,8 @@ class HostAgent:
         if self._stopped:
             return
         for batch in self._open.values():
-            for _, _, ranks in (v for v in batch.voters if v[0] is wire):
-                for rank in ranks:
-                    batch.ballots.pop(rank, None)
+            gone = [rank for v in batch.voters if v[0] is wire for rank in v[2]]
+            batch.ballots = {r: b for r, b in batch.ballots.items() if r not in gone}
             batch.voters = [v for v in batch.voters if v[0] is not wire]
         others = set().union(*(w.keys for w in self._wires))
         if any([self._vouches.forget(key) for key in wire.keys - others]):
