@@ -332,7 +332,7 @@ def forge_rejoin(
 ) -> None:
     """Issue 63, rows 1-2, while site1 restarts and rejoins: heartbeats in site0's name
     telling site1's coordinator "site0 ran its last step" (one once made a restarting
-    site1 give up for good), and, as fast as they are answered, pulls of the state
+    site1 give up for good), and, ten times a second, pulls of the state
     offered to site1 from site0's rank-0 lane in site1's name, for the steps around the
     job's. Neither may work: site1 asks site0, and the lane serves the state only to
     the pull site1's own lane confirms. How many pieces the forger was served goes to
@@ -379,7 +379,7 @@ def forge_rejoin(
                 except grpc.RpcError:
                     pass  # not offered, or refused: what must happen
             record.write_text(json.dumps(tally))
-            time.sleep(0.05)
+            time.sleep(0.1)
         if lane_channel is not None:
             lane_channel.close()
 
