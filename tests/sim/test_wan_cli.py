@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ISTHMUS, assert_one_line_error, port_is_free
+from measured import HostLag
 from sockets import Server, Sink, connect, send_timed
 
 WAN = [sys.executable, "-m", "isthmus.deploy.commands.wan"]
@@ -32,7 +33,7 @@ def _topology(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(60)  # a deadline: 17 s at a load of 10, ~4 s idle
 @pytest.mark.parametrize("mode", [[], ["--processes"]], ids=["threads", "processes"])
 def test_set_changes_a_running_link(tmp_path, mode) -> None:
     topology = _topology(
@@ -59,17 +60,25 @@ def test_set_changes_a_running_link(tmp_path, mode) -> None:
         assert any(line.startswith("proxy   http://127.0.0.1:") for line in lines)
         host, port = forward.split(":")
         with connect((host, int(port))) as s:
-            before = send_timed(s, sink, 4 << 20, 0.005)
+            with HostLag() as lag_before:
+                before = send_timed(s, sink, 4 << 20, 0.005)
             changed = _wan("set", "--control", control, "a-b", "bandwidth_mbit=160")
             assert changed.returncode == 0, changed.stderr
             assert "160 Mbit/s" in changed.stdout
-            after = send_timed(s, sink, 16 << 20, 0.005)
-        print(f"wan set: 40 -> {before / MBIT:.1f} Mbit/s, 160 -> {after / MBIT:.1f} Mbit/s")
+            with HostLag() as lag_after:
+                after = send_timed(s, sink, 16 << 20, 0.005)
+        lags = f"host lag {lag_before.late_s * 1e3:.2f}, {lag_after.late_s * 1e3:.2f} ms"
+        print(f"wan set: 40 -> {before / MBIT:.1f}, 160 -> {after / MBIT:.1f} Mbit/s; {lags}")
         # The link's fidelity is test_relay's (in one process, +-10 %); here, through
-        # the CLI: the cap holds before and after, and the raise took effect. A lower
-        # bound this tight failed when the machine was busy (32.5 of 40 Mbit/s).
-        assert 0.5 * 40 * MBIT < before < 1.10 * 40 * MBIT
-        assert 2 * before < after < 1.10 * 160 * MBIT
+        # the CLI: the cap holds before and after whatever the load (a cap not applied
+        # passes it). The lower bounds only on a quiet host (tests/sim/measured.py):
+        # other jobs took `before` to 32.5 and, at a load of 10, 16 of 40 Mbit/s, and
+        # `after` with it; the raise then shows in the spec the link reports below.
+        assert before < 1.10 * 40 * MBIT and after < 1.10 * 160 * MBIT
+        if not lag_before.busy:
+            assert before > 0.5 * 40 * MBIT, lags
+        if not (lag_before.busy or lag_after.busy):
+            assert after > 2 * before, lags
 
         refused = _wan("set", "--control", control, "a-b", "a_to_b.bandwidth_mbit=-1")
         assert_one_line_error(refused, "links.a-b.a_to_b.bandwidth_mbit")
@@ -91,7 +100,7 @@ def test_set_changes_a_running_link(tmp_path, mode) -> None:
     assert port_is_free(int(port))
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(60)  # a deadline: 17 s at a load of 10, ~4 s idle
 def test_bad_input_fails_with_one_line(tmp_path) -> None:
     bad = _topology(tmp_path, 'sites = ["a", "b"]\n[links."a-b"]\nlatency_ms = 5\nbandwith = 1\n')
     assert_one_line_error(_wan("up", bad), "unknown key 'bandwith'", "topology.toml")

@@ -1,6 +1,8 @@
 """The emulator at line rate: RTT within max(5 %, 0.2 ms) of the spec down to 0.5 ms,
-5 Gbit/s within 10 %, bytes in flight bounded at that rate, and spliced and copied
-pieces (an impairment that reads the bytes comes and goes) kept in order.
+5 Gbit/s never exceeded and within 10 % where the host carries 1.5x it (less where it
+is busy: the test measures what it carries), bytes in flight bounded at that rate, and
+spliced and copied pieces (an impairment that reads the bytes comes and goes) kept in
+order. The tight 5 Gbit/s figure on a quiet machine is benchmarks/wan_throughput.py's.
 
 The sink and the echo server run in a child process, so that the test's own threads
 share the GIL only with the relay's pumps, as a program behind `isthmus wan up` would
@@ -23,7 +25,7 @@ import threading
 import time
 
 import pytest
-from measured import assert_delay, assert_rate
+from measured import assert_delay
 
 from isthmus.sim import Corrupt, LinkSpec
 from isthmus.sim.clock import PUMP_NICE
@@ -199,31 +201,34 @@ def test_5_gbit_within_10_percent(relay, servers, rtt_ms: float, queue_bytes: in
         latency_s=rtt_ms / 2e3, bandwidth_bps=5 * GBIT, queue_bytes=queue_bytes
     )
     address = relay.add_link("ab", spec).add_forward(*servers["sink"])
-    # What this machine carries now without the emulator (one hop instead of two):
-    # 14-30 Gbit/s on an idle 2-core VM. Below 10, other jobs hold the cores and no
-    # relay could pass 5 through two hops; that says nothing of the emulator. Load only
-    # lowers this too, so the best of a few probes, stopping at the first above 10.
-    direct = 0.0
-    for _ in range(3):
-        direct = max(direct, _rate(servers["sink"], 0.3))
-        if direct >= 10 * GBIT:
+    # What this machine carries now through the same relay, the same hops and the same
+    # sink, on a link with the same latency and no rate limit: 8-10 Gbit/s on an idle
+    # 2-core VM, 4-6 at a load of 10 (other jobs hold the cores). Shaping costs the
+    # pumps some of it (pacing, the busy stretch before each release), so the spec is
+    # owed only where the host carries 1.5x it unshaped, and otherwise two thirds of
+    # what it carries; load changes within seconds, so the lesser of a probe before and
+    # one after each attempt. Never above the spec + 3 % (timing noise) on any attempt,
+    # whatever the load: a shaper that lets more through is wrong on any machine.
+    free = relay.add_link(
+        "free",
+        LinkSpec.symmetric(
+            latency_s=spec.a_to_b.latency_s, bandwidth_bps=100 * GBIT, queue_bytes=queue_bytes
+        ),
+    ).add_forward(*servers["sink"])
+    ceiling = 5 * GBIT * 1.03
+    seen: list[str] = []
+    for _ in range(8):
+        before = _rate(free, 0.2)
+        rate = _rate(address, 0.4)
+        capacity = min(before, _rate(free, 0.2))
+        floor = 0.90 * min(5 * GBIT, capacity / 1.5)
+        seen.append(f"{rate / GBIT:.2f} (floor {floor / GBIT:.2f} of {capacity / GBIT:.1f})")
+        print(f"5 Gbit/s at {rtt_ms} ms: " + ", ".join(seen))
+        assert rate <= ceiling, f"over the spec, which load cannot explain: {seen}"
+        if rate >= floor:
             break
-    if direct < 10 * GBIT:
-        pytest.skip(f"the machine is busy: {direct / GBIT:.1f} Gbit/s without the emulator")
-    # Up to eight 0.4 s runs (tests/sim/measured.py). The sender, sink and relay need
-    # about 1.5 of the 2 cores; other jobs on the machine take some runs down by
-    # 10-40 %, never up, and come and go within seconds, so the first run within 10 %
-    # is what the emulator carries, and every run is held under the spec + 3 % (timing
-    # noise).
-    print(f"5 Gbit/s at {rtt_ms} ms: direct {direct / GBIT:.1f} Gbit/s")
-    assert_rate(
-        lambda: _rate(address, 0.4),
-        5 * GBIT,
-        0.10,
-        ceiling_bps=5 * GBIT * 1.03,
-        attempts=8,
-        what=f"5 Gbit/s at {rtt_ms} ms",
-    )
+    else:
+        pytest.fail(f"5 Gbit/s at {rtt_ms} ms short of what this host carries: {seen}")
 
 
 @pytest.mark.timeout(60)
