@@ -1,4 +1,4 @@
-"""Whether a rank may trust the host agent it was pointed at, and its channel if so.
+"""Whether a rank may trust the host agent it was pointed at, and its connection if so.
 
 A rank sends its host agent (inter/control/host_agent.py) its votes and watches with its
 rank key, and takes the agent's answers for the coordinator's: whoever serves the socket

@@ -39,7 +39,12 @@ def site(tmp_path):
     )
     coord.start()
     channel = grpc.insecure_channel(coord.address)
-    agent = HostAgent(channel, site="site0", ranks=RANKS, listen=f"unix:{tmp_path}/agent.sock")
+    # A linger far past the spread of the test's votes: on a loaded machine the four
+    # threads' votes came more than the default 250 ms apart, in two batches. A batch
+    # full of the host's votes goes at once, whatever the linger.
+    agent = HostAgent(
+        channel, site="site0", ranks=RANKS, listen=f"unix:{tmp_path}/agent.sock", linger_s=3
+    )
     clients = []
     try:
         for rank in range(RANKS):
@@ -107,6 +112,7 @@ def test_a_late_rank_goes_in_a_batch_of_its_own_and_the_step_waits_for_it(site):
     thread = threading.Thread(target=lambda: early.update(all_vote(clients, range(RANKS - 1))))
     thread.start()
     wait_until(lambda: agent.batches == 1, "the early ranks' ballots were never sent")
+    agent.linger_s = 0.05  # the late rank's batch of one goes well within their wait
     time.sleep(0.3)
     assert not early  # no decision without the last rank's vote
     late = vote(clients[RANKS - 1], RANKS - 1)
