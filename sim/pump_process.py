@@ -40,6 +40,10 @@ __all__ = ["RemoteDirection"]
 _HEAD = struct.Struct("!I")
 _MAX_FDS = 2
 _REPLY_TIMEOUT_S = 10.0
+_START_TIMEOUT_S = 60.0
+"""How long the child's first answer may take: a one-time wait for a new interpreter to
+start and import the emulator, which took over 10 s on a 2-core machine at load 42 (and
+the link failed at `add_link`). Every later answer has `_REPLY_TIMEOUT_S`."""
 
 
 def _send(sock: socket.socket, message: tuple, fds: list[int] | None = None) -> None:
@@ -107,6 +111,7 @@ class RemoteDirection:
         self._replies: dict[int, Any] = {}
         self._replied = threading.Condition()
         self._closed = False
+        self._up = False  # the child answered once: it started
         self._reader = threading.Thread(target=self._read, name=f"isthmus-remote-{name}")
         self._reader.daemon = True
         self._reader.start()
@@ -196,8 +201,10 @@ class RemoteDirection:
         ident = next(self._ids)
         with self._replied:
             self._tell(("ask", ident, what))
-            if not self._replied.wait_for(lambda: ident in self._replies, _REPLY_TIMEOUT_S):
+            within_s = _REPLY_TIMEOUT_S if self._up else _START_TIMEOUT_S
+            if not self._replied.wait_for(lambda: ident in self._replies, within_s):
                 raise RuntimeError(f"direction {self.name}: its pump process did not answer")
+            self._up = True
             return self._replies.pop(ident)
 
     def _read(self) -> None:

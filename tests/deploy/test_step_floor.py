@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+import isthmus.deploy.rank.faults as faults_module
 from isthmus.deploy.rank.faults import FaultInjection, StepFloor
 
 
@@ -29,11 +32,22 @@ def test_a_rank_that_came_back_has_no_floor():
     assert cut_off.after_step(2) is False
 
 
-def test_pace_sleeps_up_to_the_floor_only_when_asked():
+def test_pace_sleeps_up_to_the_floor_only_when_asked(monkeypatch):
+    # What pace asks to sleep is recorded, so the floor's absence is told apart by what
+    # was asked, not by a wall time that a loaded machine stretches.
+    naps: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        naps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(faults_module.time, "sleep", sleep)
     faults = FaultInjection(step_floor_s=0.6)
     started = time.perf_counter()
     assert faults.pace(3, compute_s=0.1, sync_s=0.0) == 0.0
-    assert time.perf_counter() - started >= 0.5  # the floor less the step's own 0.1 s
-    started = time.perf_counter()
+    assert naps == [pytest.approx(0.5)]  # the floor less the step's own 0.1 s
+    assert time.perf_counter() - started >= 0.5  # load only lengthens a sleep
+    naps.clear()
     faults.pace(4, compute_s=0.1, sync_s=0.0, floor=False)
-    assert time.perf_counter() - started < 0.3
+    assert sum(naps) == 0.0  # no floor: nothing slept (a floor applied anyway asks 0.5 s)

@@ -283,10 +283,10 @@ def test_a_lane_holds_only_the_live_steps_within_its_budget() -> None:
         ahead = 3 + server.mailbox.max_ahead
         assert push(step=ahead) == grpc.StatusCode.FAILED_PRECONDITION
         assert push(step=10**6) == grpc.StatusCode.FAILED_PRECONDITION
-        # A sender three generations ahead is refused at once, not held for seconds.
-        t0 = time.monotonic()
+        # A sender three generations ahead is refused at once, not held for seconds: held,
+        # it would wait up to 10 s for the generation and the push's 5 s deadline would
+        # end it first (DEADLINE_EXCEEDED), so the code alone tells them apart.
         assert push(generation=10) == grpc.StatusCode.FAILED_PRECONDITION
-        assert time.monotonic() - t0 < 2.0
         assert [push(step=3, group=i) for i in range(3)] == [grpc.StatusCode.OK] * 3
         # Full: refused, and nothing of it kept (the same key is taken once room is made).
         assert push(step=4) == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -324,7 +324,9 @@ def test_peer_that_never_runs_its_round() -> None:
         never = r"site 0 step 0 group 0: (timed out .* \[1\]|.*no round with site 0 yet)"
         with pytest.raises(CrossSiteError, match=never):
             ars[0].allreduce([torch.ones(3000)], 0, 0, average=False)
-        assert time.monotonic() - t0 < 3.0
+        # Within its 1 s timeout: a loaded machine adds seconds, a timeout not applied
+        # waits the default 60 s (or forever). 10 s keeps both apart.
+        assert time.monotonic() - t0 < 10.0
 
 
 @pytest.mark.timeout(20)
@@ -348,7 +350,9 @@ def test_peer_that_never_answers_tcp() -> None:
         t0 = time.monotonic()
         with pytest.raises(CrossSiteError, match="site 0 step 0 group 0"):
             ar.allreduce([torch.ones(5000)], 0, 0, average=False)
-        assert time.monotonic() - t0 < 3.0
+        # Within its 1 s timeout: a loaded machine adds seconds, a timeout not applied
+        # waits the default 60 s (or forever). 10 s keeps both apart.
+        assert time.monotonic() - t0 < 10.0
     finally:
         peer.close()
         server.stop(0)
@@ -359,14 +363,22 @@ def test_peer_that_never_answers_tcp() -> None:
 def test_generation_mismatch_fails_fast() -> None:
     with sites(2, timeout_s=5.0) as ars:
         ars[1].server.set_members(Members(8, 1, 2))
+        ended: dict[int, float] = {}
+
+        def site(s: int) -> object:
+            try:
+                return ars[s].allreduce([torch.ones(3000)], 0, 0, False)
+            finally:
+                ended[s] = time.monotonic()
+
         t0 = time.monotonic()
-        res = run_all(
-            [lambda s=s: ars[s].allreduce([torch.ones(3000)], 0, 0, False) for s in range(2)]
-        )
+        res = run_all([lambda s=s: site(s) for s in range(2)])
         assert isinstance(res[0], CrossSiteError) and "FAILED_PRECONDITION" in str(res[0])
         assert "generation 7 != receiver's 8" in str(res[0])
         assert isinstance(res[1], CrossSiteError)
-        assert time.monotonic() - t0 < 8.0
+        # Site 0 is refused by the receiver, not timed out: well under half its 5 s
+        # timeout, which a loaded machine does not reach and a missed refusal waits.
+        assert ended[0] - t0 < 2.5, ended[0] - t0
 
 
 def test_the_lane_server_holds_the_ranks_one_membership() -> None:

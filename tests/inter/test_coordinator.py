@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import grpc
 import pytest
@@ -229,14 +228,14 @@ def test_floods_of_long_polls_and_health_watches_leave_threads_for_training():
                 refused.append(exc)
         assert len(refused) == 18
         assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-        # What training needs still answers at once: a heartbeat, a health check.
-        t0 = time.monotonic()
+        # What training needs still answers: a heartbeat, a health check. Their 5 s
+        # deadlines are the check (no wall time of a loaded machine): starved of handler
+        # threads, they would wait for the polls held 30 s and the watches, and fail.
         reply = stub.Heartbeat(pb.HeartbeatRequest(site="site1", digest_step=0), timeout=5)
         assert reply.generation == 1
         assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == (
             health_pb2.HealthCheckResponse.SERVING
         )
-        assert time.monotonic() - t0 < 2.0
         assert coords[0].refusals.count >= 18 + 40 - waiting
     finally:
         for w in watches:

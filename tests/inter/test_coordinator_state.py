@@ -320,11 +320,11 @@ def test_each_transition_wakes_a_thread_waiting_on_the_condition(transition):
     thread = threading.Thread(target=waiter, daemon=True)
     thread.start()
     assert waiting.wait(5.0)
-    started = time.monotonic()
     change()
     thread.join(6.0)
+    # wait() says True only when notified, False once its 5 s ran out: a transition that
+    # forgot to notify fails here whatever the machine's load, with no clock to read.
     assert woken == [True], f"{transition} did not wake the waiter"
-    assert time.monotonic() - started < 2.0
 
 
 def test_a_stale_adoption_changes_nothing_that_waiters_would_see():

@@ -449,4 +449,6 @@ def test_a_long_poll_asking_for_longer_than_the_cap_is_still_refused_at_once(sit
     """Validation comes before any wait: an invalid vote with the longest wait."""
     request = pb.CommitStepRequest(site="site9", rank=0, step=1, generation=1, wait_ms=2**32 - 1)
     status, _, took = sites.call(0, "CommitStep", request.SerializeToString())
-    assert status == grpc.StatusCode.INVALID_ARGUMENT and took < 1.0
+    # A vote held first would end at the call's 5 s deadline (DEADLINE_EXCEEDED, not this
+    # code), or later at the 30 s cap; half the deadline leaves a loaded machine slack.
+    assert status == grpc.StatusCode.INVALID_ARGUMENT and took < DEADLINE_S / 2, (status, took)

@@ -211,8 +211,11 @@ def test_a_live_job_serves_health_and_metrics_that_match_metrics_jsonl(tmp_path)
         assert line["step"] == step - 1
         assert values['isthmus_loss{site="site0"}'] == line["loss"]
         assert values['isthmus_cross_site_seconds{site="site0"}'] == pytest.approx(line["sync_s"])
-        # The gauge is the exposed sync: the step's wait, which LaneGradientSync measures too.
-        assert line["exposed_sync_s"] == pytest.approx(line["sync_s"], abs=0.05)
+        # The gauge is the exposed sync: the step's wait, which LaneGradientSync measures
+        # too, inside the trainer's timing of finish(): nested, so never longer and never
+        # zero (a wait left unmeasured). How much shorter is up to the scheduler on a
+        # loaded machine (a fixed 0.05 s was), so not asserted.
+        assert 0 < line["exposed_sync_s"] <= line["sync_s"], line
         assert line["sync_busy_s"] > 0
         assert values['isthmus_compression_ratio{site="site0"}'] == pytest.approx(
             line["raw_bytes"] / line["bytes_sent"]

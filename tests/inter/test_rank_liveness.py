@@ -209,7 +209,9 @@ def test_a_frozen_agents_open_poll_vouches_for_its_ranks_no_longer_than_the_sile
         declared_s = time.monotonic() - sent
         assert poll.done()  # answered after half the silence, not the 10 s it asked
         # Half the silence held, then the silence: 1.2 s here, far from the 10 s asked.
-        assert SILENCE_S < declared_s < 1.5 * SILENCE_S + 2.0, declared_s
+        # Dead after its silence, never before (load only delays it); held the whole 10 s
+        # it would be declared after 10.8 s: half of that leaves a loaded machine slack.
+        assert SILENCE_S < declared_s < 5.0, declared_s
         assert "of site1 silent" in site1.rank_liveness.left_for, site1.rank_liveness.left_for
     finally:
         stop_all(coords)

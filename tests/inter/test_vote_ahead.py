@@ -34,9 +34,10 @@ def test_a_round_voted_ahead_commits_before_the_other_site_lands_it(ahead):
             with pytest.raises(QuorumLost, match="no decision on step 4"):
                 syncs[1].finish(4)
             return
-        started = time.monotonic()
+        # Committed is the check: without site0's vote cast ahead there is no decision, and
+        # the landing fails after its 3 s (as the branch above asserts), with no clock.
         landed = syncs[1].finish(4)
-        assert landed.committed and time.monotonic() - started < 2.0
+        assert landed.committed
         assert landed.stats.sites == 2
         assert torch.equal(shards[1][0], want)
         # site0 lands later and finds the same decision.
@@ -103,5 +104,6 @@ def test_closing_a_membership_ends_its_watchers_long_poll_at_once(monkeypatch):
         wait_until(lambda: poll() is not None and not poll().done(), "the watcher never polled")
         started = time.monotonic()
         membership.close()
-        assert time.monotonic() - started < 5.0
+        # Cancelled, not waited out: half the 30 s poll a broken close would wait.
+        assert time.monotonic() - started < 15.0
         assert not membership._watcher.is_alive()
