@@ -18,7 +18,13 @@ from isthmus.inter.data.bench import BenchCase, link_bound_s
 SCRIPT = ROOT / "benchmarks" / "allreduce.py"
 
 
-def _script(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+# Each run of the benchmark starts a process per lane and emulated links; on a loaded
+# 2-core machine one took 150+ s (30-60 s quiet). Deadlines here only catch a hang: they
+# are wide enough that load never decides a test (the figures live in docs/benchmarks.md).
+SCRIPT_DEADLINE_S = 300
+
+
+def _script(*args: str, timeout: float = SCRIPT_DEADLINE_S) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         capture_output=True,
@@ -67,7 +73,7 @@ def test_bad_flags_are_one_line_errors(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(SCRIPT_DEADLINE_S + 60)
 def test_quick_grid_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = _script("--quick", "--json", str(out))
@@ -84,7 +90,7 @@ def test_quick_grid_writes_json(tmp_path: Path) -> None:
     assert ratios["raw"] == pytest.approx(1.0) and ratios["int8+zstd:1"] > 3.5
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(SCRIPT_DEADLINE_S + 60)
 def test_several_lanes_per_site_split_the_tensor_and_agree(tmp_path: Path) -> None:
     """2 sites x 2 lanes: each lane all-reduces its half with the same rank of the other
     site over the pair's one link; every half ends identical at both sites."""
@@ -102,7 +108,7 @@ def test_several_lanes_per_site_split_the_tensor_and_agree(tmp_path: Path) -> No
     assert sum(d["raw_bytes"] for d in details) > 0
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(SCRIPT_DEADLINE_S + 60)
 def test_lanes_over_several_links_move_more_than_one_link_carries(tmp_path: Path) -> None:
     """2 sites x 2 lanes over 2 links of 20 Mbit/s (`--links 2`): lane k crosses link k,
     so a site's bytes arrive faster than one link could carry them, and every half still
@@ -159,7 +165,7 @@ def _links_of_falling_rate(num_sites: int, rtt_s: float, bandwidth_bps: float, l
         relay.close()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(SCRIPT_DEADLINE_S + 60)
 def test_every_lane_begins_each_step_together_and_the_slowest_times_it() -> None:
     """2 sites x 2 lanes, lane 0 over a link 4x faster than lane 1's. Each timed step
     begins on every lane within a few ms (as a site's ranks begin a step together in
@@ -223,7 +229,7 @@ def test_a_case_is_timed_by_one_step_not_by_each_lane_median() -> None:
     assert result["link_utilization"] == pytest.approx(2**23 * 8 / 1e9 / 0.2)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(SCRIPT_DEADLINE_S + 60)
 def test_with_tls_the_lanes_run_mutual_tls_and_agree(tmp_path: Path) -> None:
     """`--tls`: certificates are made for the run and every lane runs mutual TLS (chunks
     on the bulk port inside TLS); the sites still end identical, the JSON says so, and
@@ -235,7 +241,7 @@ def test_with_tls_the_lanes_run_mutual_tls_and_agree(tmp_path: Path) -> None:
     assert case["tls"] is True and case["identical"] and "certs_dir" not in case
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(3 * SCRIPT_DEADLINE_S + 60)  # three runs of the script
 def test_warmup_steps_are_full_rounds_left_out_of_the_timing(tmp_path: Path) -> None:
     """`--warmup 2 --repeats 1` runs the same three full-size rounds as `--warmup 0
     --repeats 3` (int8's error feedback makes every step change the bits, so the final
