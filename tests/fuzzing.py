@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.lane import PASS_METADATA, LaneServer, channel_options
-from isthmus.inter.data.state_transfer import Admitted
+from isthmus.inter.data.state_offers import Admitted
 from isthmus.proto import lane_pb2
 
 FP = {"job.seed": "0"}

@@ -39,7 +39,7 @@ from isthmus.inter.data.lane_handoff import LaneHandoff, holder_of
 from isthmus.inter.data.lane_requests import PULL_STATE_SHARE, LaneRequests
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
 from isthmus.inter.data.round_types import Members
-from isthmus.inter.data.state_transfer import StateOffers
+from isthmus.inter.data.state_offers import StateOffers
 from isthmus.inter.data.wire import Chunk, ChunkWire, DeliverWire
 from isthmus.inter.malformed import MalformedRequests
 from isthmus.inter.security import INSECURE, TLS_NAME, SiteSecurity, refuse_unless_named

@@ -29,7 +29,8 @@ from isthmus.inter.data.lane import RESERVED_THREADS, LaneServer
 from isthmus.inter.data.lane_peer import TRANSPORTS, LanePeer
 from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD
 from isthmus.inter.data.membership import Generation, SiteMembership
-from isthmus.inter.data.state_transfer import Admitted, ExpectedState, pull_state
+from isthmus.inter.data.state_offers import Admitted
+from isthmus.inter.data.state_transfer import ExpectedState, pull_state
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import lane_pb2
 

@@ -18,10 +18,9 @@ from isthmus.inter.data import state_transfer
 from isthmus.inter.data.lane import LaneServer
 from isthmus.inter.data.lane_requests import PULL_STATE_SHARE
 from isthmus.inter.data.round_types import Members
+from isthmus.inter.data.state_offers import Admitted, Confirm
 from isthmus.inter.data.state_transfer import (
     PIECE_BYTES,
-    Admitted,
-    Confirm,
     ExpectedState,
     StateTransferError,
     assemble,
