@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from isthmus.inter.closable import ClosedChannelError
 from isthmus.inter.data.bulk import ACCEPTED
 from isthmus.inter.data.chunk_checks import STREAM_WINDOW_BYTES
 from isthmus.inter.data.flow_clock import FIRST_RATE_BPS, MAX_LOSSES, FlowClock
 from isthmus.inter.data.peer_round import PeerRound
 from isthmus.inter.data.wire import Frame
-from isthmus.inter.security import ClosedChannelError
 from isthmus.proto import lane_pb2
 
 __all__ = ["CALLS_PER_CONNECTION", "MAX_LOSSES", "StreamConnection"]

@@ -42,7 +42,7 @@ RULES = (
             "isthmus.inter.data",
             *(
                 f"isthmus.inter.{shared}"
-                for shared in ("security", "bounds", "malformed", "metrics")
+                for shared in ("security", "closable", "bounds", "malformed", "metrics")
             ),
             *(
                 f"isthmus.inter.control.{m}"

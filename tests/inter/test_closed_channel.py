@@ -20,7 +20,8 @@ PRELUDE = """
 
     import grpc
 
-    from isthmus.inter.security import ClosedChannelError, SiteSecurity
+    from isthmus.inter.closable import ClosedChannelError
+    from isthmus.inter.security import SiteSecurity
     from isthmus.proto import coordinator_pb2 as pb
     from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
