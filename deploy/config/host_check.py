@@ -1,13 +1,16 @@
 """What one host can run: the launchers' check that a job fits this machine (its cores,
-memory and GPUs) before any process starts (``host_problem``, run by deploy/launch/local.py).
+memory, GPUs and open files) before any process starts (``host_problem``, run by deploy/launch/local.py).
 The rules are pure functions of ``HostFacts``, so tests give them any host."""
 
 from __future__ import annotations
 
 import math
 import os
+import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from isthmus.inter.data import descriptors_needed
 
 if TYPE_CHECKING:
     from isthmus.deploy.config.job import JobConfig
@@ -47,6 +50,8 @@ class HostFacts:
     """CUDA devices, when the job runs on CUDA."""
     gpu_memory_bytes: int = 0
     """Memory of the smallest of them."""
+    open_files: int = 1 << 20
+    """The hard limit on a process's open files (RLIMIT_NOFILE), which ranks inherit."""
 
     @classmethod
     def here(cls, cuda: bool) -> HostFacts:
@@ -63,7 +68,14 @@ class HostFacts:
             gpus = torch.cuda.device_count()
             sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(gpus)]
             gpu_memory = min(sizes, default=0)
-        return cls(cores=cores, memory_bytes=memory, gpus=gpus, gpu_memory_bytes=gpu_memory)
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        return cls(
+            cores=cores,
+            memory_bytes=memory,
+            gpus=gpus,
+            gpu_memory_bytes=gpu_memory,
+            open_files=1 << 20 if hard == resource.RLIM_INFINITY else hard,
+        )
 
 
 def _gib(n: float) -> str:
@@ -76,7 +88,8 @@ def host_problem(
     """Why this host cannot run these sites of the job, or None.
 
     Only clearly absurd sizes are refused (a typo's extra zeros): more CPU ranks than
-    ``CPU_RANKS_PER_CORE`` a core unless ``run.oversubscribe``, and sizes whose lower
+    ``CPU_RANKS_PER_CORE`` a core unless ``run.oversubscribe``, more sites and
+    connections than the host's hard limit on open files lets a lane hold, and sizes whose lower
     bound of memory (never an estimate that could be high) exceeds what the host or a
     GPU has, --oversubscribe or not. Too few GPUs for the ranks are ``gpu_shortage``'s
     (deploy/launch/local.py).
@@ -97,6 +110,14 @@ def host_problem(
             f"max({CPU_RANKS_FLOOR}, {CPU_RANKS_PER_CORE} x cores) = {limit}, which would "
             "starve each other; use fewer ranks (--ranks-per-site, --sites), or pass "
             "--oversubscribe (run.oversubscribe=true) to run them anyway"
+        )
+    files = descriptors_needed(config.topology.sites - 1, config.lane_connections)
+    if files > host.open_files:
+        return (
+            f"each rank may hold {files} open files ({config.topology.sites} sites x "
+            f"{config.lane_connections} sync.connections: its lane's connections to and "
+            f"from every other site) and this host's hard limit is {host.open_files}: raise "
+            "it (ulimit -Hn, LimitNOFILE=, a container's nofile) or use fewer sync.connections"
         )
     model, t, tr = config.resolved_model(), config.topology, config.train
     state = STATE_BYTES_PER_PARAM * model.num_params

@@ -14,7 +14,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from isthmus.inter.data.chunk_size import connections_for_link, sync_chunk_bytes
+    from isthmus.inter.data.chunk_size import (
+        connections_for_link,
+        descriptors_needed,
+        sync_chunk_bytes,
+    )
     from isthmus.inter.data.codec import crc32, make_codec
     from isthmus.inter.data.codec_spec import CODEC_FORMAT, parse_codec_spec
     from isthmus.inter.data.codecs.int8 import BLOCK as INT8_BLOCK
@@ -49,6 +53,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "CODEC_FORMAT": ("codec_spec", "CODEC_FORMAT"),
     "INT8_BLOCK": ("codecs.int8", "BLOCK"),
     "connections_for_link": ("chunk_size", "connections_for_link"),
+    "descriptors_needed": ("chunk_size", "descriptors_needed"),
     "sync_chunk_bytes": ("chunk_size", "sync_chunk_bytes"),
 }
 
@@ -68,6 +73,7 @@ __all__ = [
     "SyncStats",
     "connections_for_link",
     "crc32",
+    "descriptors_needed",
     "make_codec",
     "open_rank_sync",
     "parse_codec_spec",

@@ -51,12 +51,14 @@ import ssl
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import grpc
 
 from isthmus.inter.bounds import RefusalLog
 from isthmus.inter.data.bulk_stream import PlainStream, Stream, TlsStream, empty, shut, tune
+from isthmus.inter.data.chunk_size import PER_SITE_CONNECTIONS
 from isthmus.inter.data.codecs.base import crc32 as crc32c
 from isthmus.inter.data.wire import Chunk, Frame, WireError, parse_header
 from isthmus.inter.data.wirecore import FrameClosed
@@ -85,10 +87,6 @@ oldest of them. 600 such connections once took 516 threads, and the listener die
 descriptors ran out (issue 33, row 5). A real peer presents its ticket within
 milliseconds of connecting, so it is never the oldest for long; a flood only
 replaces itself."""
-MAX_CONNECTIONS = 64
-"""Connections with a ticket, at once: a peer lane opens ``sync.connections`` (2-16,
-sized from the link by default), so 64 serve 4 to 32 peers; more are refused
-(RESOURCE_EXHAUSTED)."""
 LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
 OK, ACCEPTED, CORRUPT, REFUSED, RESEND = 0, 1, 2, 3, 4
 _MAGIC_V1 = b"ISTHBULK"  # one message with one checksum over all of it; refused by name
@@ -216,7 +214,7 @@ class BulkListener:
         self.refusals = refusals or RefusalLog(where)
         """Connections turned away, logged once per caller and reason a minute."""
         self._waiting: dict[socket.socket, str] = {}  # no ticket yet, oldest first
-        self._ticketed = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._held: Counter[str] = Counter()  # ticketed connections open, per site
         self.corrupt_frames = 0
         """Frames that failed the record's checksum (each sent again by the peer)."""
         self._accept = accept
@@ -268,7 +266,7 @@ class BulkListener:
 
     def _handle(self, conn: socket.socket, addr: tuple) -> None:
         peer = _peer(addr)
-        ticketed = False
+        held: str | None = None  # the site whose connection this is, once counted
         stream: Stream = PlainStream(conn)
         try:
             try:
@@ -300,12 +298,15 @@ class BulkListener:
                 self.refusals.note(peer, f"bulk connection refused: {why}")
                 self._refuse(stream, grpc.StatusCode.PERMISSION_DENIED, why)
                 return
-            ticketed = self._ticketed.acquire(blocking=False)
-            if not ticketed:
-                why = f"{MAX_CONNECTIONS} bulk connections are open already"
+            if not self._hold(holder):
+                why = (
+                    f"site {holder[:64]!r} holds {PER_SITE_CONNECTIONS} bulk connections "
+                    "already (twice the most sync.connections opens)"
+                )
                 self.refusals.note(peer, f"bulk connection refused: {why}")
                 self._refuse(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
                 return
+            held = holder
             stream.send(bytes([OK]))
             head = bytearray(_HEAD.size)
             while not self._stopped.is_set():
@@ -318,19 +319,27 @@ class BulkListener:
         except TimeoutError:
             why = (
                 f"a frame stalled {FRAME_STALL_S:.0f}s"
-                if ticketed
+                if held
                 else f"no ticket within {HELLO_TIMEOUT_S:.0f}s"
             )
             self.refusals.note(peer, f"bulk connection closed: {why}")
         except (OSError, BulkError):
             pass  # the peer went away or the lane stops; its rounds see it on their side
         finally:
-            if ticketed:
-                self._ticketed.release()
             with self._lock:
+                if held is not None:
+                    self._held[held] -= 1
                 self._conns.discard(conn)
                 self._waiting.pop(conn, None)
             stream.close()
+
+    def _hold(self, holder: str) -> bool:
+        """Counts one more connection of ``holder``; False if it holds its most."""
+        with self._lock:
+            if self._held[holder] >= PER_SITE_CONNECTIONS:
+                return False
+            self._held[holder] += 1
+            return True
 
     def _handshake(self, conn: socket.socket, peer: str) -> TlsStream | None:
         """Mutual TLS on an accepted connection; None (logged once per peer) when the

@@ -1,10 +1,12 @@
-"""How a lane cuts its transfers for a link: the chunk size, and how many TCP
-connections per peer. Without torch or gRPC: the job config resolves both in the CLI
-before any process imports torch."""
+"""How a lane cuts its transfers for a link: the chunk size, how many TCP connections
+per peer, and the bounds that follow from them (the connections a lane admits from each
+site, the descriptors a rank needs). Without torch or gRPC: the job config resolves them
+in the CLI before any process imports torch."""
 
 from __future__ import annotations
 
 import math
+import resource
 from pathlib import Path
 
 __all__ = [
@@ -14,8 +16,11 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "UNEQUAL_CUDA_CHUNK_BYTES",
     "MAX_CONNECTIONS",
+    "PER_SITE_CONNECTIONS",
     "chunk_bytes_for_link",
     "connections_for_link",
+    "descriptors_needed",
+    "raise_descriptor_limit",
     "sync_chunk_bytes",
     "tcp_receive_window",
 ]
@@ -30,7 +35,17 @@ limit (see :func:`sync_chunk_bytes`)."""
 UNEQUAL_CUDA_CHUNK_BYTES = 64 << 20
 """The least chunk of a CUDA tensor when sites differ in rank count."""
 MAX_CONNECTIONS = 16
-"""Connections per peer lane at most (a lane's bulk port admits 64 in all)."""
+"""Connections per peer lane at most (``sync.connections``)."""
+PER_SITE_CONNECTIONS = 2 * MAX_CONNECTIONS
+"""Bulk connections a lane admits from one site at once: a peer opens at most
+MAX_CONNECTIONS (sized from the link, and from its own host's TCP window, by default)
+and dials again one it left stalled while the old one's frame times out, so twice the
+most any valid job opens. The bound is per site, not per lane: a fixed 64 for the whole
+lane once deadlocked 6 sites x 16 connections at step 0 (issue 61), and one site could
+take the others' share; a lane's total follows from its job's sites."""
+DESCRIPTORS_BESIDES_LANES = 512
+"""Descriptors a rank holds apart from its lane's connections: libraries, gloo's and
+gRPC's sockets, logs, the checkpoint being written (a 2 x 2 CPU job's rank holds ~150)."""
 _DEFAULT_RMEM_MAX = 6 << 20  # Linux's default tcp_rmem maximum
 
 
@@ -127,3 +142,26 @@ def connections_for_link(
     by_cap = math.ceil(bandwidth_bps / per_flow_bps) if per_flow_bps else 1
     by_window = math.ceil(bandwidth_bps / 8 * rtt_s / window)
     return max(2, min(MAX_CONNECTIONS, max(by_cap, by_window)))
+
+
+def descriptors_needed(peers: int, connections: int) -> int:
+    """File descriptors one rank may hold in a job of ``peers`` other sites: its
+    ``connections`` to each, the PER_SITE_CONNECTIONS each may open to it, and the rest
+    (DESCRIPTORS_BESIDES_LANES)."""
+    return peers * (connections + PER_SITE_CONNECTIONS) + DESCRIPTORS_BESIDES_LANES
+
+
+def raise_descriptor_limit(needed: int) -> None:
+    """Raises this process's soft limit on open files to ``needed`` when it is lower
+    (the hard limit allowing): a lane out of descriptors refuses its peers' connections
+    in the middle of a round. Raises OSError naming both figures when it cannot."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise OSError(
+            f"this rank may need {needed} open files (its lane's connections to and from "
+            f"every other site) and the hard limit is {hard}: raise it (ulimit -Hn, "
+            "LimitNOFILE=, a container's nofile), or use fewer sync.connections"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))

@@ -22,6 +22,7 @@ import torch
 
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Membership, SiteInfo
 from isthmus.inter.data.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.chunk_size import descriptors_needed, raise_descriptor_limit
 from isthmus.inter.data.codec import make_codec
 from isthmus.inter.data.codec_spec import parse_codec_spec
 from isthmus.inter.data.gradient_sync import LaneGradientSync
@@ -246,10 +247,14 @@ def open_rank_sync(settings: RankSyncSettings, client: CoordinatorClient) -> Ran
         The open sync, in the generation the job starts or goes on in.
     Raises:
         ValueError: bad settings (nothing is opened then).
+        OSError: the host's limit on open files is below what the job's lanes may hold.
         TimeoutError: no membership within ``settings.timeout_s`` (what was opened is
             closed again).
     """
     codec = make_codec(settings.codec)
+    raise_descriptor_limit(
+        descriptors_needed(len(settings.job_sites) - 1, settings.lane_connections)
+    )
     with contextlib.ExitStack() as undo:
         lane = _open_lane(settings, codec.name)
         undo.callback(lane.stop, 0)

@@ -279,12 +279,11 @@ def test_a_flood_of_connections_without_tickets_stays_bounded_and_rounds_go_on()
 def test_a_stalled_frame_and_too_many_connections_are_cut_off(lane, monkeypatch) -> None:
     """Issue 33, row 4: 400 frames begun and left open after a ticket held 450 MB and
     400 threads of one rank. A frame whose bytes stop for FRAME_STALL_S is given up,
-    and connections past MAX_CONNECTIONS are refused."""
+    and a site's connections past PER_SITE_CONNECTIONS are refused."""
     from isthmus.inter.data import bulk
 
     monkeypatch.setattr(bulk, "FRAME_STALL_S", 1.0)
-    monkeypatch.setattr(bulk, "MAX_CONNECTIONS", 2)
-    lane._bulk._ticketed = __import__("threading").BoundedSemaphore(2)  # made at start
+    monkeypatch.setattr(bulk, "PER_SITE_CONNECTIONS", 2)
     port, tk = ticket(lane)
     stalled = connect(port, MAGIC + tk)
     assert stalled.recv(1) == bytes([OK])
@@ -297,13 +296,49 @@ def test_a_stalled_frame_and_too_many_connections_are_cut_off(lane, monkeypatch)
     third = connect(port, MAGIC + tk)
     status, code, why = read_reply(third)
     assert status == REFUSED and code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], why
-    assert "2 bulk connections are open already" in why
+    assert "site '1' holds 2 bulk connections already" in why
     stalled.settimeout(10)
     assert closed(stalled)  # given up after a second without bytes
     second.sendall(frame(msg))  # the one idle between frames was left alone
     assert read_reply(second)[0] == ACCEPTED
-    for s in (stalled, second, third):
+    port, tk = ticket(lane)  # the stalled one's place is free again
+    fourth = connect(port, MAGIC + tk)
+    assert fourth.recv(1) == bytes([OK])
+    for s in (stalled, second, third, fourth):
         s.close()
+
+
+@pytest.mark.timeout(60)
+def test_six_sites_of_sixteen_connections_fit_and_no_site_takes_another_s_share() -> None:
+    """Issue 61: a fixed 64 connections per lane deadlocked ``--sites 6 --set
+    sync.connections=16`` at step 0 (5 peers x 16 = 80 refused past 64, retried for
+    ever). The bound is per site: every peer's most fits, a site past twice the most
+    is refused, and that refusal costs the other sites nothing."""
+    from isthmus.inter.data.chunk_size import PER_SITE_CONNECTIONS
+    from isthmus.inter.data.chunk_size import MAX_CONNECTIONS
+
+    server = LaneServer(site_index=0, num_sites=6, codec="raw", generation=1)
+    opened: list[socket.socket] = []
+    try:
+        for site in range(1, 6):
+            for _ in range(MAX_CONNECTIONS):
+                opened.append(connect(server.bulk_port, MAGIC + server.tickets.issue(str(site))))
+        assert all(s.recv(1) == bytes([OK]) for s in opened)  # 80 at once
+        for _ in range(PER_SITE_CONNECTIONS - MAX_CONNECTIONS):  # a stalled flow's redials
+            opened.append(connect(server.bulk_port, MAGIC + server.tickets.issue("1")))
+            assert opened[-1].recv(1) == bytes([OK])
+        opened.append(connect(server.bulk_port, MAGIC + server.tickets.issue("1")))
+        status, code, why = read_reply(opened[-1])
+        assert status == REFUSED and code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], why
+        assert f"site '1' holds {PER_SITE_CONNECTIONS} bulk connections already" in why
+        opened.append(connect(server.bulk_port, MAGIC + server.tickets.issue("2")))
+        assert opened[-1].recv(1) == bytes([OK])  # site 2 still has its share
+        opened[-1].sendall(frame(raw_chunk(from_site=2).SerializeToString()))
+        assert read_reply(opened[-1])[0] == ACCEPTED
+    finally:
+        for s in opened:
+            s.close()
+        server.stop(0)
 
 
 _EMFILE_SCRIPT = r"""

@@ -4,6 +4,7 @@ link; the bulk sockets' dead-peer timeouts (issue 32, item 2)."""
 from __future__ import annotations
 
 import socket
+import subprocess
 
 import pytest
 import torch
@@ -92,3 +93,45 @@ def test_a_round_over_a_capped_link_opens_the_sized_connections_and_is_exact(
             timeout = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
             assert timeout == int(bulk_stream.USER_TIMEOUT_S * 1000)
             assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+
+
+def test_a_job_its_hosts_cannot_hold_the_connections_of_is_refused_before_start(tmp_path):
+    """Issue 61: 6 sites x 16 connections may take 752 open files a rank (its 16 to each
+    of 5 peers, 32 from each, the rest). Under a hard limit of 700, `isthmus local`
+    refuses it in one line before any process starts; a rank under a soft limit of 256
+    raises its own to 752 when the hard limit lets it, and names both when not."""
+    import resource
+    import sys
+
+    from helpers import assert_one_line_error, run_cli
+
+    from isthmus.inter.data.chunk_size import descriptors_needed
+
+    assert descriptors_needed(5, 16) == 752
+
+    def limit(n: int):
+        return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    job = ["--sites", "6", "--ranks-per-site", "1", "--set", "sync.connections=16"]
+    run = tmp_path / "run"
+    refused = run_cli("local", "--run-dir", str(run), *job, timeout=60, preexec_fn=limit(700))
+    assert_one_line_error(
+        refused, "each rank may hold 752 open files", "hard limit is 700", "ulimit -Hn"
+    )
+    assert not (run / "sites").exists()  # nothing started
+    # The same check, given the room, passes; the rank raises its own soft limit.
+    script = (
+        "import resource\n"
+        "from isthmus.inter.data.chunk_size import raise_descriptor_limit\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024))\n"
+        "raise_descriptor_limit(752)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 700))\n"
+        "raise_descriptor_limit(752)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["752"], done.stdout + done.stderr
+    assert "OSError: this rank may need 752 open files" in done.stderr
+    assert "the hard limit is 700" in done.stderr
