@@ -63,7 +63,7 @@ from isthmus.deploy.rank.startup import (
     security_of,
     set_up,
 )
-from isthmus.inter.data import NonFiniteGradient, QuorumLost
+from isthmus.inter.data import ModelMismatch, NonFiniteGradient, QuorumLost
 from isthmus.intra.checkpoint_errors import CheckpointError, describe_os_error
 
 __all__ = ["RankEnv", "build_trainer", "main", "run", "run_as_process"]
@@ -76,7 +76,7 @@ full disk its error line would not reach the log, where the launcher reads it, a
 the job would stop with an empty reason (issue 33, row 12)."""
 ABORT_CALL_S = 5.0
 """Deadline of the rank's call that tells its coordinator the script raised."""
-JOB_FAILURES = (DivergenceError, QuorumLost, NonFiniteGradient, CheckpointError)
+JOB_FAILURES = (DivergenceError, QuorumLost, NonFiniteGradient, CheckpointError, ModelMismatch)
 """How isthmus itself stops a rank, in one line: raised inside a script's ``ctx.step``
 too, where they are not the script's errors (they never abort the job)."""
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
@@ -158,9 +158,9 @@ def run_script(argv: list[str]) -> None:
     script_ended()
 
 
-def abort_job(env: RankEnv, config: JobConfig, error: ScriptError) -> None:
-    """The script raised: tell the site's coordinator, which stops the job at every site
-    (inter/control/abort.py). A rank killed by a signal never gets here: losing a rank
+def abort_job(env: RankEnv, config: JobConfig, error: Exception) -> None:
+    """The script raised, or the sites' models differ: tell the site's coordinator, which
+    stops the job at every site (inter/control/abort.py). A rank killed by a signal never gets here: losing a rank
     or a site is failover's, and the job goes on. Best effort: a coordinator that cannot
     be told leaves this site's failure to the other sites' failover."""
     if not env.coordinator:
@@ -170,12 +170,12 @@ def abort_job(env: RankEnv, config: JobConfig, error: ScriptError) -> None:
     try:
         client = CoordinatorClient.connect(env.coordinator, security_of(env, config))
     except (OSError, ValueError) as exc:  # its certificate or token cannot be read now
-        log.warning("could not tell the coordinator the script raised: %s", exc)
+        log.warning("could not tell the coordinator to stop the job: %s", exc)
         return
     try:
         client.abort_job(site=env.site, rank=env.rank, reason=str(error), timeout_s=ABORT_CALL_S)
     except grpc.RpcError as exc:
-        log.warning("could not tell the coordinator the script raised: %s", exc.details())
+        log.warning("could not tell the coordinator to stop the job: %s", exc.details())
     finally:
         client.close()
 
@@ -252,6 +252,11 @@ def main() -> int:
         return last_words.say(str(exc))
     except grpc.RpcError as exc:
         return last_words.say(str(exc.details()))
+    except ModelMismatch as exc:
+        # No site can go on (the other sees the same): the job stops everywhere, at
+        # once, with this line, rather than dropping one site and training on alone.
+        abort_job(env, config, exc)
+        return last_words.say(str(exc))
     except JOB_FAILURES as exc:
         return last_words.say(str(exc))
     except OSError as exc:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from isthmus.inter.data.gradient_sync import LaneGradientSync
     from isthmus.inter.data.membership import Generation, QuorumLost
     from isthmus.inter.data.rank_sync import RankSync, RankSyncSettings, open_rank_sync
-    from isthmus.inter.data.round_types import NonFiniteGradient
+    from isthmus.inter.data.round_types import ModelMismatch, NonFiniteGradient
     from isthmus.inter.data.shard_map import GroupShape, ShardPosition
     from isthmus.inter.data.state_transfer import ExpectedState
     from isthmus.inter.data.sync_stats import StepOutcome, SyncStats
@@ -40,6 +40,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "StepOutcome": ("sync_stats", "StepOutcome"),
     "SyncStats": ("sync_stats", "SyncStats"),
     "QuorumLost": ("membership", "QuorumLost"),
+    "ModelMismatch": ("round_types", "ModelMismatch"),
     "NonFiniteGradient": ("round_types", "NonFiniteGradient"),
     # What a joining rank expects to pull (it bounds what the source may make it allocate).
     "ExpectedState": ("state_transfer", "ExpectedState"),
@@ -64,6 +65,7 @@ __all__ = [
     "GroupShape",
     "INT8_BLOCK",
     "LaneGradientSync",
+    "ModelMismatch",
     "NonFiniteGradient",
     "QuorumLost",
     "RankSync",

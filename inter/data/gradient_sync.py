@@ -26,7 +26,7 @@ from isthmus.inter.control.coordinator_client import Decision, Verdict
 from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.membership import Generation, QuorumLost, SiteMembership
-from isthmus.inter.data.round import NonFiniteGradient
+from isthmus.inter.data.round import ModelMismatch, NonFiniteGradient
 from isthmus.inter.data.round_device import on_lane_stream
 from isthmus.inter.data.shard_map import (
     MAX_PIECES,
@@ -42,6 +42,9 @@ from isthmus.inter.data.sync_stats import StepOutcome, SyncStats
 __all__ = ["SHARE_GROUP", "LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
 
 log = logging.getLogger(__name__)
+
+NOT_RETRIED = (NonFiniteGradient, ModelMismatch)
+"""Round failures that running the step again cannot mend: raised, never voted on."""
 
 SHARE_GROUP = (1 << 32) - 1
 """The wire group of a step's shared round (:meth:`LaneGradientSync.share`): past any
@@ -306,6 +309,7 @@ class LaneGradientSync:
             CrossSiteError: (without a membership) a round failed or timed out; no
                 shard is changed then.
             NonFiniteGradient: this site's gradient holds NaN or Inf; nothing was sent.
+            ModelMismatch: a peer site's gradient has another size: its model differs.
             QuorumLost: this site may not go on.
         """
         if self._pending and step != self._step:
@@ -317,7 +321,7 @@ class LaneGradientSync:
         try:
             while True:
                 failure = self._collect(pending, step, stats)
-                if isinstance(failure, NonFiniteGradient):
+                if isinstance(failure, NOT_RETRIED):
                     raise failure  # the same gradient again would fail again: stop here
                 if self.membership is None:
                     if failure is not None:
@@ -392,7 +396,8 @@ class LaneGradientSync:
                 self.allreduce.abort.set("the step's time ran out")
                 continue
             except CrossSiteError as exc:
-                failure = failure or exc
+                if failure is None or isinstance(exc, NOT_RETRIED):
+                    failure = exc  # one that no retry mends wins over the others
                 if exc.stats is not None:  # a failed round's refusals count too
                     _add_round(stats, exc.stats)
                 continue

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AbortSignal",
     "CrossSiteError",
+    "ModelMismatch",
     "NonFiniteGradient",
     "RoundPipeline",
     "RoundStats",
@@ -52,6 +53,7 @@ from isthmus.inter.data.round_types import (
     POLL_S,
     AbortSignal,
     CrossSiteError,
+    ModelMismatch,
     NonFiniteGradient,
     PeerAborted,
     RoundStats,

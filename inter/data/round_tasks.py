@@ -36,6 +36,7 @@ __all__ = ["CONTRIBUTION", "RESULT", "ChunkTasks"]
 from isthmus.inter.data.round_types import (
     CrossSiteError,
     EncodingFault,
+    ModelMismatch,
     NonFiniteGradient,
     RoundStats,
     RoundView,
@@ -233,10 +234,19 @@ class ChunkTasks:
         kind, c, sender = key[2], key[3], key[4]
         lo, hi = self._bounds(c)
         if (req.num_elements, req.total_elements) != (hi - lo, self.total):
-            raise CrossSiteError(
-                f"{self.where}: site {sender} sent chunk {c} of {req.num_elements}/"
-                f"{req.total_elements} elements, expected {hi - lo}/{self.total}"
-            )
+            # Asked again of the sender itself: a forged chunk that got into the
+            # mailbox first must not end the job, the sender's own copy does.
+            again = self._pull(key)
+            if again is None:
+                return  # the round failed meanwhile
+            if (again.num_elements, again.total_elements) != (hi - lo, self.total):
+                raise ModelMismatch(
+                    f"site {sender}'s model differs from this site's: its gradient of "
+                    f"group {key[1]} holds {again.total_elements:,} values, this rank's "
+                    f"{self.total:,}; every site must build the same model (the same "
+                    "code and sizes, seeded with the job's seed)"
+                )
+            req = again
         values = self._finite_decoded(c, sender, req)
         if values is None:
             # Refused before it is summed, and asked for again: a forged chunk that got

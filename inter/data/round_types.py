@@ -27,6 +27,7 @@ __all__ = [
     "CrossSiteError",
     "EncodingFault",
     "Members",
+    "ModelMismatch",
     "NonFiniteGradient",
     "PeerAborted",
     "RoundStats",
@@ -90,6 +91,13 @@ class PeerAborted(CrossSiteError):
 class NonFiniteGradient(CrossSiteError):
     """This site's own gradient holds NaN or Inf: running the step again cannot help,
     and sending it would spread it to every site."""
+
+
+class ModelMismatch(CrossSiteError):
+    """A peer site's own chunk (asked again of the sender itself) holds another number
+    of elements than this rank's gradient: the sites train different models, and
+    running the step again cannot help. Before this, such a job retried its first step
+    for ever with nothing on the console (issue 60)."""
 
 
 class AbortSignal:

@@ -260,3 +260,36 @@ def test_a_script_that_raises_at_one_site_stops_every_isthmus_site(tmp_path):
     assert_one_line_error(site0, "the job stopped at every site: site1 rank 1:", line)
     # A heartbeat (failover.heartbeat_s = 1) after site1's end, not sync.timeout_s (120).
     assert time.monotonic() - ended < 30
+
+
+DIFFERENT_MODELS = """
+    import torch
+    from isthmus.deploy import api
+
+    ctx = api.init()
+    torch.manual_seed(0)
+    width = 4 if ctx.site == "site0" else 6  # a model built from a site's own setting
+    model = torch.nn.Linear(width, 1)
+    ctx.attach(model, torch.optim.AdamW(model.parameters()))
+    for step in ctx.steps():
+        model(torch.ones(2, width)).pow(2).mean().backward()
+        ctx.step(loss=0.0, tokens=2)
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_sites_that_build_different_models_stop_with_one_line(tmp_path):
+    """Issue 60: a model of 5 parameters at site0 and 7 at site1 retried step 0 for
+    ever, the console saying only "joining sites..." and the cause ("sent 7 elements,
+    expected 5") in rank logs ten times a second. Each site asks the other's chunk
+    again of the sender itself (a forged one must not end the job); the sender's own of
+    another size stops the job at every site in one line."""
+    script = tmp_path / "different.py"
+    script.write_text(textwrap.dedent(DIFFERENT_MODELS))
+    result = run_script(tmp_path / "run", script, steps=3, timeout=280)
+    assert_one_line_error(
+        result, "model differs from this site's", "every site must build the same model"
+    )
+    error = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
+    assert "holds 7 values, this rank's 5" in error or "holds 5 values, this rank's 7" in error

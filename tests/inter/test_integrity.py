@@ -19,7 +19,7 @@ from isthmus.inter.data.codec import crc32
 from isthmus.inter.data.codecs.int8 import BLOCK
 from isthmus.inter.data.lane_peer import LanePeer
 from isthmus.inter.data.peer_round import PeerRound
-from isthmus.inter.data.round_types import NonFiniteGradient, PeerAborted
+from isthmus.inter.data.round_types import ModelMismatch, NonFiniteGradient, PeerAborted
 from isthmus.inter.data.wire import Frame
 from isthmus.proto import lane_pb2
 
@@ -235,3 +235,52 @@ def test_relay_corruption_is_caught_and_the_result_stays_exact(
         # Every chunk a flip landed in was counted and pulled again.
         assert 0 < corrupt <= flipped
         print(f"flipped bytes {flipped}, corrupt chunks pulled again {corrupt}")
+
+
+# --- a peer's gradient of another size (issue 60) -----------------------------------
+
+
+def test_a_forged_chunk_of_another_size_is_pulled_again_not_taken_for_another_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first copy of every chunk claims a gradient of two values more: the
+    receiver asks the sender itself, whose copy has the right size, and the round ends
+    exact. A forged chunk must not stop the job as a model mismatch would."""
+    seen: set[tuple] = set()
+    forged = {"n": 0}
+    lock = threading.Lock()
+
+    def send(self, frame: Frame, original=PeerRound.send) -> None:
+        chunk = lane_pb2.PushChunksRequest.FromString(frame.joined())
+        key = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
+        with lock:
+            first = key not in seen
+            seen.add(key)
+            forged["n"] += first
+        if first:
+            chunk.total_elements += 2  # a gradient of two values more
+            frame = Frame.from_message(chunk.SerializeToString())
+        original(self, frame)
+
+    monkeypatch.setattr(PeerRound, "send", send)
+    with sites(2, "raw") as ars:
+        data = inputs(2, [3000], seed=4)
+        want = data[0][0] + data[1][0]
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
+        assert not any(isinstance(r, BaseException) for r in res), res
+        assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
+        assert forged["n"] > 0
+
+
+def test_sites_whose_gradients_differ_in_size_fail_with_model_mismatch() -> None:
+    """5 values at site 0, 7 at site 1: never retried (GradientSync raises it), named
+    with both sizes; the site that heard of it first from the other's abort gets that."""
+    with sites(2, "raw", timeout_s=30.0) as ars:
+        data = [[torch.ones(5)], [torch.ones(7)]]
+        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
+        mismatched = [r for r in res if isinstance(r, ModelMismatch)]
+        assert mismatched, res
+        assert all(isinstance(r, (ModelMismatch, PeerAborted)) for r in res), res
+        said = str(mismatched[0])
+        assert "model differs from this site's" in said
+        assert "holds 7 values, this rank's 5" in said or "holds 5 values, this rank's 7" in said
