@@ -69,10 +69,13 @@ class Progress:
         total = self.config.job.steps
         filled = int(20 * n / total)
         bar = "#" * filled + "." * (20 - filled)
-        line = (
-            f"[{bar}] step {n}/{total}  loss {last['loss']:.4f}  {tokens_per_s:,.0f} tok/s  "
-            f"MFU {last['mfu']:.1%}"
-        )
+        line = f"[{bar}] step {n}/{total}  loss {last['loss']:.4f}"
+        # A script's steps may count no tokens, and its model's FLOPs are unknown: what
+        # is not measured is left out, not shown as 0.
+        if self._tokens:
+            line += f"  {tokens_per_s:,.0f} tok/s"
+        if last["mfu"]:
+            line += f"  MFU {last['mfu']:.1%}"
         if self._val is not None:
             line += f"  held-out {self._val:.4f}"
         if len(self.sites) > 1 or self.config.topology.sites > 1:

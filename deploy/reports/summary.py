@@ -36,9 +36,10 @@ class JsonlTail:
 
 def _token_mean(rows: list[dict]) -> float:
     """The sites' losses averaged over their tokens: the loss of the global batch."""
-    if len({r["tokens"] for r in rows}) == 1:
+    tokens = sum(r["tokens"] for r in rows)
+    if len({r["tokens"] for r in rows}) == 1 or not tokens:  # (a script may count none)
         return sum(r["loss"] for r in rows) / len(rows)
-    return sum(r["loss"] * r["tokens"] for r in rows) / sum(r["tokens"] for r in rows)
+    return sum(r["loss"] * r["tokens"] for r in rows) / tokens
 
 
 def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
@@ -261,7 +262,7 @@ def _summary(config: JobConfig, steps: list[dict], results: dict[str, list[dict]
         # DiLoCo: the times the sites synced (0 in per-step sync, which syncs every step);
         # Streaming DiLoCo: the fragments' rounds.
         "outer_steps": steps[-1].get("outer_steps", 0) if steps else 0,
-        "bytes_per_token": sent / sum(r["tokens"] for r in steps) if steps else 0.0,
+        "bytes_per_token": sent / tokens if (tokens := sum(r["tokens"] for r in steps)) else 0.0,
         "preset": config.model.preset,
         "batch_size": config.train.batch_size,
         "seq_len": config.train.seq_len,
@@ -304,9 +305,14 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
     rows = [
         ("steps", f"{summary['steps']}"),
         ("loss", f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}"),
-        ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+        (
+            "tokens/s",
+            f"{summary['tokens_per_s']:,.0f}"
+            if summary.get("tokens") != 0
+            else "- (no step counted its tokens: ctx.step(tokens=...))",
+        ),
     ]
-    if steady and steady < summary["steps"]:
+    if steady and steady < summary["steps"] and summary.get("tokens") != 0:
         rows.append(
             (
                 "steady tokens/s",
@@ -314,10 +320,9 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
                 f"(last {steady} steps, {summary['steady_step_s']:.3f} s/step)",
             )
         )
-    rows += [
-        ("MFU", f"{summary['mfu']:.1%}"),
-        ("compute", f"{summary['compute_s']:.2f} s"),
-    ]
+    if summary["mfu"]:  # unknown (a script's model, a device of no known peak): left out
+        rows.append(("MFU", f"{summary['mfu']:.1%}"))
+    rows.append(("compute", f"{summary['compute_s']:.2f} s"))
     if summary["sites"] > 1:
         hidden = summary.get("overlap")
         rows += [

@@ -293,3 +293,37 @@ def test_sites_that_build_different_models_stop_with_one_line(tmp_path):
     )
     error = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
     assert "holds 7 values, this rank's 5" in error or "holds 5 values, this rank's 7" in error
+
+
+NO_TOKENS = """
+    import torch
+    from isthmus.deploy import api
+
+    ctx = api.init()
+    torch.manual_seed(ctx.config.job.seed)
+    model = torch.nn.Linear(4, 1)
+    ctx.attach(model, torch.optim.AdamW(model.parameters()))
+    for step in ctx.steps():
+        model(torch.ones(2, 4)).pow(2).mean().backward()
+        ctx.step()  # no loss, no tokens: both documented as optional
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_script_that_counts_no_tokens_gets_a_summary_not_a_traceback(tmp_path):
+    """Issue 60: `ctx.step()` without `tokens=` (documented default 0) trained, then the
+    launcher's summary died of ZeroDivisionError. What was not measured (tokens/s, MFU of
+    a model whose FLOPs isthmus does not know) is left out or said, never shown as 0."""
+    script = tmp_path / "no_tokens.py"
+    script.write_text(textwrap.dedent(NO_TOKENS))
+    result = run_script(tmp_path / "run", script, steps=3, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "tokens/s            - (no step counted its tokens: ctx.step(tokens=...))" in (
+        result.stdout
+    )
+    assert "MFU" not in result.stdout + result.stderr and "tok/s" not in result.stderr
+    assert "replicas            identical" in result.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["tokens"] == 0 and summary["bytes_per_token"] == 0.0

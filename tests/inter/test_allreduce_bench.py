@@ -179,15 +179,18 @@ def test_every_lane_begins_each_step_together_and_the_slowest_times_it() -> None
     assert result["identical"]
     lanes = result["sites_detail"]
     slow_s = min(s["wall_s"] for s in lanes[1]["steps"])  # 1 MiB at 10 Mbit/s: ~0.84 s
-    fast_s = max(s["wall_s"] for s in lanes[0]["steps"])
-    # The links differ (4x in rate); load stretches both lanes' steps, so loosely.
-    assert fast_s < 0.75 * slow_s, (fast_s, slow_s)
+    fast_s = sorted(s["wall_s"] for s in lanes[0]["steps"])[case.repeats // 2]
+    # The links differ 4x in rate (0.21 s against 0.84 s quiet); a loaded host
+    # stretches the fast lane's CPU-bound step towards the slow one's (0.76 against
+    # 0.84 once beside two busy loops), so only their order is held here.
+    assert fast_s < slow_s, (fast_s, slow_s)
     for k in range(case.repeats):
         began = [lane["steps"][k]["began"] for lane in lanes]
         # Without the barrier, the fast lane began step k about k x (slow - fast) early
-        # (0.6 s a step on a quiet machine); together, within a wake-up's delay. Half a
-        # step's difference scales with whatever load made of both.
-        assert max(began) - min(began) < 0.5 * (slow_s - fast_s), (k, began, fast_s, slow_s)
+        # (0.6 s a step on a quiet machine); together, within a wake-up's delay. A
+        # quarter of the slow step is past the one and short of the other, and load
+        # stretches it with the wake-ups.
+        assert max(began) - min(began) < 0.25 * slow_s, (k, began, fast_s, slow_s)
     # Each lane's process froze its imports' objects out of the collector, as a rank
     # does, and says how long each step spent in it.
     assert all(lane["gc_frozen"] > 10_000 for lane in lanes)
