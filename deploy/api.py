@@ -105,9 +105,60 @@ class _ScriptModel:
         self.tied = None  # one model part: no head tied across pipeline stages (intra/tied.py)
         # Only the outer learning rate's ramp reads it (OuterOptimizer.lr_at).
         self.config = TrainConfig(total_steps=steps, warmup_steps=0)
+        _check_optimizer(model, optimizer)
+        self.stepping = False
+        """True while ``Context.step`` steps the optimizer: any other step is refused."""
+        optimizer.register_step_pre_hook(self._refuse_own_steps)
+
+    def _refuse_own_steps(self, *_: object) -> None:
+        if not self.stepping:
+            raise RuntimeError(
+                "the script called optimizer.step() itself: ctx.step() steps the optimizer "
+                "once the sites' gradients are averaged; remove the script's own call"
+            )
+
+    def step_optimizer(self) -> None:
+        self.stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self.stepping = False
 
     def parameter_digest(self) -> str:
         return parameter_digest(self.model_parts)
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuses, in one line, an optimizer whose state checkpoints and state transfers
+    cannot hold (they carry Adam's ``exp_avg``, ``exp_avg_sq`` and ``step``), or whose
+    parameters are not the model's: found at attach, not at the first checkpoint
+    (``KeyError: 'exp_avg'``) or as "replicas differ" at the end (issue 60)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(
+            f"ctx.attach: isthmus checkpoints and moves Adam and AdamW state (exp_avg, "
+            f"exp_avg_sq, step); got {type(optimizer).__name__}: use torch.optim.AdamW "
+            "or torch.optim.Adam"
+        )
+    if any(group.get("amsgrad") for group in optimizer.param_groups):
+        raise ValueError(
+            "ctx.attach: amsgrad=True keeps max_exp_avg_sq, which isthmus's checkpoints "
+            "do not hold; use amsgrad=False"
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trained = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    missing = [name for key, name in trained.items() if key not in held]
+    if missing:
+        raise ValueError(
+            f"ctx.attach: the optimizer does not hold the model's parameter {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + ": make it with model.parameters() after the model is built (and sharded)"
+        )
+    foreign = held - {id(p) for p in model.parameters()}
+    if foreign:
+        raise ValueError(
+            f"ctx.attach: the optimizer holds {len(foreign)} tensor(s) that are not "
+            "parameters of the attached model: make it with model.parameters() of this model"
+        )
 
 
 class _UserState:
@@ -207,7 +258,12 @@ class Context:
         Args:
             model: this rank's model, on ``device``, identical at every rank at start
                 (seed it with ``config.job.seed``).
-            optimizer: its Adam or AdamW (their state is what checkpoints hold).
+            optimizer: its Adam or AdamW (their state is what checkpoints hold), over
+                the model's trainable parameters; ``step`` steps it (a call of its
+                own ``step()`` is refused).
+
+        Raises:
+            ValueError: another optimizer, or one over other parameters (one line).
             state: the script's own tensors to checkpoint and restore with the model
                 (loaded in place on resume), e.g. a data position.
 
@@ -330,7 +386,7 @@ class Context:
         if synced is None or synced.committed:
             if grad_clip is not None:
                 grad_norm = _clip(shaped.model, grad_clip)
-            shaped.optimizer.step()
+            shaped.step_optimizer()
         shaped.optimizer.zero_grad(set_to_none=True)
         if outer is not None:
             return outer_step(parts, step), grad_norm

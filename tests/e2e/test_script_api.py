@@ -327,3 +327,57 @@ def test_a_script_that_counts_no_tokens_gets_a_summary_not_a_traceback(tmp_path)
     assert "replicas            identical" in result.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["tokens"] == 0 and summary["bytes_per_token"] == 0.0
+
+
+OPTIMIZERS = """
+    import torch
+    from isthmus.deploy import api
+
+    ctx = api.init()
+    torch.manual_seed(ctx.config.job.seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    optimizer = OPTIMIZER
+    ctx.attach(model, optimizer)
+    for step in ctx.steps():
+        model(torch.ones(2, 4)).pow(2).mean().backward()
+        OWN_STEP
+        ctx.step(tokens=2)
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("optimizer", "own_step", "said"),
+    [
+        (
+            "torch.optim.SGD(model.parameters(), lr=0.1)",
+            "",
+            "ValueError: ctx.attach: isthmus checkpoints and moves Adam and AdamW state "
+            "(exp_avg, exp_avg_sq, step); got SGD",
+        ),
+        (
+            "torch.optim.AdamW(model[0].parameters())",
+            "",
+            "ValueError: ctx.attach: the optimizer does not hold the model's parameter "
+            "'1.weight' (and 1 more)",
+        ),
+        (
+            "torch.optim.AdamW(model.parameters())",
+            "optimizer.step()",
+            "RuntimeError: the script called optimizer.step() itself",
+        ),
+    ],
+    ids=["sgd", "another-module", "own-step"],
+)
+def test_an_optimizer_isthmus_cannot_sync_is_refused_in_one_line(
+    tmp_path, optimizer, own_step, said
+):
+    """Issue 60: SGD was accepted, then `KeyError: 'exp_avg'` at the first checkpoint;
+    an optimizer over part of the model, or the script's own `opt.step()` beside
+    `ctx.step`, ended as "replicas differ" or nothing at all."""
+    script = tmp_path / "optimizer.py"
+    body = OPTIMIZERS.replace("OPTIMIZER", optimizer).replace("OWN_STEP", own_step or "pass")
+    script.write_text(textwrap.dedent(body))
+    result = run_script(tmp_path / "run", script, steps=3, timeout=280)
+    assert_one_line_error(result, said)
