@@ -64,7 +64,7 @@ from isthmus.inter.control.agent_wire import Kind, RankWire
 from isthmus.inter.control.vouches import AgentPoll, Vouches
 from isthmus.proto import coordinator_pb2 as pb
 
-__all__ = ["HostAgent"]
+__all__ = ["HostAgent", "quiet_closed_loop_events"]
 
 log = logging.getLogger("isthmus.host_agent")
 
@@ -143,6 +143,7 @@ class HostAgent:
         """Connections the ranks opened here (each rank keeps one)."""
         # Everything below is the event loop's alone.
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(quiet_closed_loop_events)
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"host-agent-{site}", daemon=True
         )
@@ -447,3 +448,17 @@ class HostAgent:
         self._encoded.clear()
         for watch in [w for w in self._held if self._answer_now(w.request.known_generation)]:
             self._end_watch(watch)
+
+
+def quiet_closed_loop_events(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: grpc.aio's one completion queue per process hands
+    each loop its calls' events, and an event of a call made on another agent's loop
+    (one launcher runs an agent per site) that stopped meanwhile fails with "Event
+    loop is closed". That loop's calls are over, so this is no fault; asyncio printed
+    it with a traceback under the job's one error line. Everything else as asyncio
+    reports it."""
+    exc = context.get("exception")
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        log.debug("host agent: an event for a stopped agent's loop: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
