@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Context", "Outcome", "init"]
 
+SCRIPT_PREFIX = "script/"
+"""The script's own numbers (``ctx.step(**more)``) in metrics lines and TensorBoard."""
 USER_PREFIX = "user/"
 """The script's own state in a checkpoint (and in a state transfer), beside the rank's."""
 
@@ -364,7 +366,7 @@ class Context:
                 grad_norm=grad_norm,
                 lr=shaped.optimizer.param_groups[0].get("lr", 0.0),
                 tokens=tokens * self.world_size,
-                more={k: float(v) for k, v in metrics.items()},
+                more={SCRIPT_PREFIX + k: float(v) for k, v in metrics.items()},
             )
 
         committed = loop.end_step(synced, compute_s, sync_s, measured)

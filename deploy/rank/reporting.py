@@ -186,5 +186,7 @@ def write_scalars(board, line: dict) -> None:
         # Share of the rounds hidden behind compute (summary.overlap, per step).
         exposed = line.get("exposed_sync_s", line["sync_s"])
         scalars["time/sync_overlap"] = min(1.0, max(0.0, 1 - exposed / line["sync_busy_s"]))
+    # A script's own numbers (ctx.step(accuracy=...)), under the names it wrote.
+    scalars.update({k: v for k, v in line.items() if k.startswith("script/")})
     for name, value in scalars.items():
         board.add_scalar(name, value, step)

@@ -81,9 +81,23 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "eval_s": max(r.get("eval_s", 0.0) for r in rows),
                 **_held_out(rows),
                 **_batch(rows),
+                **_script(rows),
             }
         )
     return merged
+
+
+def _script(rows: list[dict]) -> dict:
+    """A script's own numbers (``ctx.step(accuracy=...)``, ``script/`` keys), averaged
+    over the sites that wrote them, and each site's."""
+    keys = sorted({k for r in rows for k in r if k.startswith("script/")})
+    out: dict = {}
+    for key in keys:
+        by_site = {r["site"]: r[key] for r in rows if key in r}
+        out[key] = sum(by_site.values()) / len(by_site)
+        if len(rows) > 1:
+            out[f"{key}_by_site"] = by_site
+    return out
 
 
 def _batch(rows: list[dict]) -> dict:

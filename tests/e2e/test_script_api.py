@@ -305,7 +305,7 @@ NO_TOKENS = """
     ctx.attach(model, torch.optim.AdamW(model.parameters()))
     for step in ctx.steps():
         model(torch.ones(2, 4)).pow(2).mean().backward()
-        ctx.step()  # no loss, no tokens: both documented as optional
+        ctx.step(accuracy=float(step))  # no loss, no tokens: both optional
     ctx.finish()
 """
 
@@ -314,7 +314,8 @@ NO_TOKENS = """
 def test_a_script_that_counts_no_tokens_gets_a_summary_not_a_traceback(tmp_path):
     """Issue 60: `ctx.step()` without `tokens=` (documented default 0) trained, then the
     launcher's summary died of ZeroDivisionError. What was not measured (tokens/s, MFU of
-    a model whose FLOPs isthmus does not know) is left out or said, never shown as 0."""
+    a model whose FLOPs isthmus does not know) is left out or said, never shown as 0; the
+    script's own numbers are in the job's metrics and TensorBoard."""
     script = tmp_path / "no_tokens.py"
     script.write_text(textwrap.dedent(NO_TOKENS))
     result = run_script(tmp_path / "run", script, steps=3, timeout=280)
@@ -327,6 +328,16 @@ def test_a_script_that_counts_no_tokens_gets_a_summary_not_a_traceback(tmp_path)
     assert "replicas            identical" in result.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["tokens"] == 0 and summary["bytes_per_token"] == 0.0
+    # The script's own numbers reach the merged metrics.jsonl and TensorBoard (they
+    # reached only each site's file).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["script/accuracy"] for line in lines] == [0.0, 1.0, 2.0]
+    assert lines[2]["script/accuracy_by_site"] == {"site0": 2.0, "site1": 2.0}
+    board = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "site1"))
+    board.Reload()
+    assert [e.value for e in board.Scalars("script/accuracy")] == [0.0, 1.0, 2.0]
 
 
 OPTIMIZERS = """
