@@ -293,6 +293,8 @@ class Context:
         start = restore(shaped, sync, config, env.run_dir, env.site, key, outer, user)  # type: ignore[arg-type]
         if cross is not None:
             start = cross.catch_up(shaped) or start  # type: ignore[arg-type]
+            if start == 0:  # a fresh job: every site must start from the same parameters
+                metrics.report_initial_digest(shaped.parameter_digest())
         dist.barrier()
         parts = RankParts(
             env=env,

@@ -252,8 +252,8 @@ def main() -> int:
         return last_words.say(str(exc))
     except grpc.RpcError as exc:
         return last_words.say(str(exc.details()))
-    except ModelMismatch as exc:
-        # No site can go on (the other sees the same): the job stops everywhere, at
+    except (ModelMismatch, DivergenceError) as exc:
+        # No site can go on (the others see the same): the job stops everywhere, at
         # once, with this line, rather than dropping one site and training on alone.
         abort_job(env, config, exc)
         return last_words.say(str(exc))

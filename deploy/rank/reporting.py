@@ -99,6 +99,14 @@ class StepReporter:
         )
         self._report(progress)
 
+    def report_initial_digest(self, digest: str) -> None:
+        """The parameters a job starts from (after 0 steps): the coordinators compare
+        them across sites as any step's, so a site that built or seeded its model
+        otherwise stops the job within a few heartbeats, not at its end."""
+        if self._coordinator is None:
+            return
+        self._report(Progress(site=self.site, step=0, digest=digest, digest_step=0))
+
     def report_final_digest(self, steps: int, digest: str) -> None:
         """For a site that joined with the state after the job's last step (admitted at
         its last commit: nothing left to train): give the coordinator the final digest

@@ -156,6 +156,10 @@ class ReplicaDigests:
         self.divergence = (
             f"replicas differ after step {step}: {site} has {digest[:16]}, "
             f"{other} has {theirs[:16]}"
+            if step
+            else f"the sites start from different parameters: {site} has {digest[:16]}, "
+            f"{other} has {theirs[:16]}; every site must build the same model from the "
+            "same seed (e.g. torch.manual_seed(ctx.config.job.seed) before building it)"
         )
         log.error(self.divergence)
 

@@ -392,3 +392,39 @@ def test_an_optimizer_isthmus_cannot_sync_is_refused_in_one_line(
     script.write_text(textwrap.dedent(body))
     result = run_script(tmp_path / "run", script, steps=3, timeout=280)
     assert_one_line_error(result, said)
+
+
+SEEDED_PER_SITE = """
+    import time
+    import torch
+    from isthmus.deploy import api
+
+    ctx = api.init()
+    torch.manual_seed(ctx.config.job.seed + ctx.site_index)  # each site its own init
+    model = torch.nn.Linear(4, 1)
+    ctx.attach(model, torch.optim.AdamW(model.parameters()))
+    for step in ctx.steps():
+        model(torch.ones(2, 4)).pow(2).mean().backward()
+        ctx.step(tokens=2)
+        time.sleep(0.1)
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_sites_that_start_from_different_parameters_stop_early_in_one_line(tmp_path):
+    """Issue 60: a script that seeded each site's model on its own trained to the end
+    and only then heard "sites ended with different parameters". The parameters a
+    job starts from are compared across sites as any step's digest: the job stops at
+    every site within a few heartbeats, naming the cause and the fix."""
+    script = tmp_path / "seeded.py"
+    script.write_text(textwrap.dedent(SEEDED_PER_SITE))
+    run_dir = tmp_path / "run"
+    result = run_script(run_dir, script, steps=200, timeout=280)
+    assert_one_line_error(
+        result,
+        "the sites start from different parameters",
+        "torch.manual_seed(ctx.config.job.seed) before building it",
+    )
+    lines = (run_dir / "sites" / "site0" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) < 200  # stopped, not trained to the end
