@@ -314,8 +314,7 @@ def test_six_sites_of_sixteen_connections_fit_and_no_site_takes_another_s_share(
     sync.connections=16`` at step 0 (5 peers x 16 = 80 refused past 64, retried for
     ever). The bound is per site: every peer's most fits, a site past twice the most
     is refused, and that refusal costs the other sites nothing."""
-    from isthmus.inter.data.chunk_size import PER_SITE_CONNECTIONS
-    from isthmus.inter.data.chunk_size import MAX_CONNECTIONS
+    from isthmus.inter.data.chunk_size import MAX_CONNECTIONS, PER_SITE_CONNECTIONS
 
     server = LaneServer(site_index=0, num_sites=6, codec="raw", generation=1)
     opened: list[socket.socket] = []
