@@ -25,27 +25,28 @@ lands ``delay`` steps late is mixed with the local parameters, ``alpha``·local 
 (1-``alpha``)·new anchor, instead of the eager merge.
 
 The outer step works on this rank's local shards only, in groups that follow the
-model's blocks (each block's parameters, then the parameters outside ``layers``), the
+model's blocks (each block's parameters, then the parameters outside them), the
 same at every site for the rank at one mesh coordinate: the peer it exchanges with.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from .tied import EMBEDDING, HEAD_COPY
+from .outer_groups import fragment_of, outer_groups, tied_slice
 from .train import GradientSync, SyncResult, Trainer
 
-__all__ = ["OuterConfig", "OuterOptimizer", "fragment_of", "outer_groups"]
+__all__ = ["OuterConfig", "OuterOptimizer"]
 
 PREFIX = "outer/"
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -112,65 +113,6 @@ class OuterConfig:
         return self.inner_steps // self.fragments
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
-def outer_groups(trainer: Trainer) -> list[list[tuple[str, torch.Tensor]]]:
-    """This rank's local parameter shards in sync groups: each block, then the rest.
-
-    Model part by model part (pipeline stages in order), each entry of ``layers`` in
-    index order, then the part's parameters outside ``layers`` (embedding, final norm,
-    head). Groups without elements on this rank are left out; the rank at the same
-    coordinate of every site holds the same shards, so its groups are the same.
-    """
-    groups: list[list[tuple[str, torch.Tensor]]] = []
-    for part in trainer.model_parts:
-        # A model of another shape (a user's script, deploy/api.py) is one group.
-        blocks = getattr(part, "layers", None)
-        layers = dict(blocks.items()) if isinstance(blocks, nn.ModuleDict) else {}
-        for key, block in layers.items():
-            groups.append(
-                [(f"layers.{key}.{fqn}", _local(p)) for fqn, p in block.named_parameters()]
-            )
-        groups.append(
-            [
-                (fqn, _local(p))
-                for fqn, p in part.named_parameters()
-                if not fqn.startswith("layers.")
-            ]
-        )
-    return [g for g in groups if sum(t.numel() for _, t in g) > 0]
-
-
-def _tied_slice(
-    trainer: Trainer, groups: list[list[tuple[str, torch.Tensor]]]
-) -> tuple[int, int, int] | None:
-    """Where this rank's copy of a weight tied across pipeline stages sits in its flat
-    outer group: ``(group index, offset, elements)``; None without one."""
-    tied = getattr(trainer, "tied", None)
-    if tied is None:
-        return None
-    name = HEAD_COPY if tied.is_head else EMBEDDING
-    for i, group in enumerate(groups):
-        offset = 0
-        for fqn, t in group:
-            if fqn == name:
-                return i, offset, t.numel()
-            offset += t.numel()
-    return None  # an empty local shard (dp wider than the vocabulary): nothing to average
-
-
-def fragment_of(group: list[tuple[str, torch.Tensor]], fragments: int) -> int:
-    """The fragment a group of :func:`outer_groups` belongs to: block i's is i mod P;
-    the parameters outside ``layers`` go with the last fragment (synced at the H
-    boundaries, like DiLoCo's one round)."""
-    name = group[0][0]
-    if name.startswith("layers."):
-        return int(name.split(".", 2)[1]) % fragments
-    return fragments - 1
-
-
 def _flat(group: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for _, t in group])
 
@@ -227,8 +169,19 @@ class OuterOptimizer:
         self._trainer = trainer
         self.groups = outer_groups(trainer)
         self.fragment = [fragment_of(g, config.fragments) for g in self.groups]
+        filled = len(set(self.fragment))
+        if config.fragments > 1 and filled < config.fragments:
+            blocks = sum(g.block is not None for g in self.groups)
+            log.warning(
+                "streaming: %d fragments asked for, and the model's %d repeated block(s) "
+                "fill %d of them: the others send nothing (give the model a list of "
+                "blocks, or fewer sync.fragments)",
+                config.fragments,
+                blocks,
+                filled,
+            )
         self.anchor = [_flat(g) for g in self.groups]
-        self._tied = _tied_slice(trainer, self.groups)
+        self._tied = tied_slice(trainer, self.groups)
         """With a head tied across pipeline stages: (group, offset, count) of this rank's
         copy of the tied weight in its flat group, or None."""
         self.momentum = [torch.zeros_like(a) for a in self.anchor]
@@ -355,7 +308,8 @@ class OuterOptimizer:
                 self._write(group, local.mul_(alpha).add_(anchor, alpha=1 - alpha))
             else:
                 self._write(group, anchor)
-        self.outer_steps += 1
+        if r.groups:  # a fragment with no groups here moved nothing: not a round
+            self.outer_steps += 1
         return result
 
     def _average_tied_copies(self, r: _Round) -> None:

@@ -76,6 +76,27 @@ def test_preset_through_the_api_in_streaming_mode(tmp_path):
     assert any((run_dir / "tensorboard" / "site0").iterdir())
 
 
+@pytest.mark.timeout(400)
+def test_hf_llama_streams_its_decoder_layers_as_fragments(tmp_path):
+    """Issue 60: Streaming DiLoCo took fragments only from a top-level ``layers``, so a
+    Hugging Face model (blocks in ``model.layers``) was one group: silently DiLoCo, its
+    bytes crossing once per H while the summary counted "fragment rounds". Its two
+    decoder layers are now the two fragments: with H = 4 a round every 2 steps, each
+    moving bytes (8 steps: after steps 1, 3, 5 and 7)."""
+    pytest.importorskip("transformers")
+    run_dir = tmp_path / "run"
+    config = EXAMPLES / "tiny_llama" / "config.json"
+    streaming = ["--set", "sync.mode=streaming", "--set", "sync.inner_steps=4",
+                 "--set", "sync.fragments=2"]  # fmt: skip
+    result = run_script(run_dir, EXAMPLES / "hf_llama.py", *streaming, "--", str(config), steps=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = assert_identical_replicas(run_dir, 8)
+    moved = [line["step"] for line in lines if line["cross_site_bytes"] > 0]
+    assert len(moved) >= 4, moved  # one group: bytes after steps 3 and 7 only
+    assert lines[-1]["outer_steps"] == 4
+    assert "Streaming DiLoCo: 4 fragment rounds" in result.stdout
+
+
 RAISES = """
     import torch
     from isthmus.deploy import api

@@ -26,7 +26,8 @@ from isthmus.intra.digest import parameter_digest
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import preset
-from isthmus.intra.outer import OuterConfig, OuterOptimizer, fragment_of, outer_groups
+from isthmus.intra.outer import OuterConfig, OuterOptimizer
+from isthmus.intra.outer_groups import fragment_of, outer_groups
 from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
@@ -412,3 +413,56 @@ def test_outer_config_refuses_bad_values() -> None:
     ):
         with pytest.raises(ValueError, match=needle):
             OuterConfig(**kwargs)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(4, 4)
+        self.mlp = torch.nn.Linear(4, 4)
+
+
+class _HfLike(torch.nn.Module):
+    """As Hugging Face nests them: ``model.layers`` (Llama), beside an embedding and a
+    head, and a short list of norms that is not the blocks."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(10, 4)
+        self.model.layers = torch.nn.ModuleList(_Block() for _ in range(blocks))
+        self.model.norms = torch.nn.ModuleList(torch.nn.LayerNorm(4) for _ in range(2))
+        self.lm_head = torch.nn.Linear(4, 10)
+
+
+class _Parts:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_parts = [model]
+
+
+def test_fragments_follow_a_users_blocks_at_any_depth() -> None:
+    """Issue 60: Streaming DiLoCo took fragments only from a top-level ``layers``
+    ModuleDict, so any Hugging Face model (``model.layers``, ``transformer.h``) or
+    ``nn.Sequential`` was one group, silently DiLoCo. The blocks are found where they
+    are; the rest goes with the last fragment."""
+    from isthmus.intra.outer_groups import repeated_blocks
+
+    hf = _HfLike(blocks=4)
+    where, blocks = repeated_blocks(hf)
+    assert where == "model.layers" and [k for k, _ in blocks] == ["0", "1", "2", "3"]
+    groups = outer_groups(_Parts(hf))  # type: ignore[arg-type]
+    assert [g.block for g in groups] == [0, 1, 2, 3, None]
+    assert groups[1][0][0] == "model.layers.1.attn.weight"
+    rest = {name for name, _ in groups[-1]}
+    assert "model.embed_tokens.weight" in rest and "lm_head.weight" in rest
+    assert "model.norms.0.weight" in rest  # two LayerNorms hold fewer parameters
+    assert [fragment_of(g, 2) for g in groups] == [0, 1, 0, 1, 1]
+    # Every parameter in exactly one group.
+    named = [name for g in groups for name, _ in g]
+    assert sorted(named) == sorted(n for n, _ in hf.named_parameters())
+    # An nn.Sequential of blocks is its own list of blocks.
+    seq = torch.nn.Sequential(_Block(), _Block(), _Block())
+    assert [g.block for g in outer_groups(_Parts(seq))] == [0, 1, 2]  # type: ignore[arg-type]
+    # A model without a list of blocks is one group (OuterOptimizer warns past 1 fragment).
+    flat = torch.nn.Linear(4, 4)
+    assert [g.block for g in outer_groups(_Parts(flat))] == [None]  # type: ignore[arg-type]
