@@ -402,14 +402,22 @@ class Context:
         it during backward; a plain model's gradients go now, as one flat tensor."""
         sync = parts.sync
         assert sync is not None
-        flat = None
+        flat = piece = None
         if not shaped.groups:
             _site_mean(shaped.model)
             grads = [p.grad for p in shaped.model.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1).float() for g in grads])
-            sync.start(step, 0, flat)
+            # Sites of one size: each rank carries its slice of the site's mean across
+            # (to the same rank at every site), so the gradient crosses once per site,
+            # not once per rank; sites of other sizes pair their ranks otherwise.
+            world = dist.get_world_size()
+            if world > 1 and len(set(parts.config.site_ranks)) == 1:
+                flat, piece = _slices(flat, world)
+            sync.start(step, 0, flat if piece is None else piece)
         synced = sync.finish(step)
         if flat is not None and synced.committed:
+            if piece is not None:
+                dist.all_gather(list(flat.chunk(dist.get_world_size())), piece.clone())
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -433,6 +441,15 @@ def _clip(model: nn.Module, max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _slices(flat: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flat`` padded with zeros to ``world`` equal slices, and this rank's slice (a
+    view: what the round averages in place lands in the padded tensor)."""
+    n = -(-flat.numel() // world)
+    padded = torch.zeros(n * world, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat
+    return padded, padded[dist.get_rank() * n : (dist.get_rank() + 1) * n]
 
 
 def _site_mean(model: nn.Module) -> None:

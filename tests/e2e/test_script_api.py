@@ -53,6 +53,22 @@ def test_convnet_syncs_every_step_to_identical_replicas(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_an_unsharded_model_crosses_once_per_site_not_once_per_rank(tmp_path):
+    """Issue 60, item 4: every rank of a site sent the whole gradient of a plain model,
+    so a site of 2 ranks moved twice the bytes of a site of 1. The site's mean is cut
+    into one slice a rank, each carried to the same rank of the other site."""
+    sent = {}
+    for ranks in (1, 2):
+        run_dir = tmp_path / f"r{ranks}"
+        result = run_script(run_dir, EXAMPLES / "convnet.py", "--ranks-per-site", str(ranks),
+                            "--set", "sync.codec=raw")  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        sent[ranks] = assert_identical_replicas(run_dir, 4)[-1]["cross_site_bytes"]
+    # Raw values and the same framing per chunk: within a few headers of each other.
+    assert abs(sent[2] - sent[1]) < 0.05 * sent[1], sent
+
+
+@pytest.mark.timeout(400)
 def test_hf_llama_sharded_with_fsdp2_to_identical_replicas(tmp_path):
     """transformers' LlamaForCausalLM from a local config.json, FSDP2 inside each site:
     its groups' reduce-scatter outputs cross from the all-reduce hook."""
@@ -313,7 +329,8 @@ def test_sites_that_build_different_models_stop_with_one_line(tmp_path):
         result, "model differs from this site's", "every site must build the same model"
     )
     error = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
-    assert "holds 7 values, this rank's 5" in error or "holds 5 values, this rank's 7" in error
+    # Each of a site's 2 ranks carries its slice of the site's gradient: 4 and 3 values.
+    assert "holds 4 values, this rank's 3" in error or "holds 3 values, this rank's 4" in error
 
 
 NO_TOKENS = """
