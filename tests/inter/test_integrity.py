@@ -133,11 +133,10 @@ def _forged(codec: str, n: int) -> bytes:
     return np.full(blocks, 1e38, np.float32).tobytes() + np.full(n, 127, np.int8).tobytes()
 
 
-@pytest.fixture()
-def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
-    """The first copy of every chunk put on the wire carries NaN of the right size and a
-    matching crc32 (a forged chunk that got into the mailbox before the real one, which
-    the mailbox then refuses as a duplicate); the sender's outbox keeps the real one."""
+def forge_first_copies(monkeypatch: pytest.MonkeyPatch, forge) -> dict[str, int]:
+    """The first copy of every chunk put on the wire is ``forge(chunk)``'s (a forged
+    chunk that got into the mailbox before the real one, which the mailbox then refuses
+    as a duplicate); the sender's outbox keeps the real one. Counts the forged ones."""
     seen: set[tuple] = set()
     forged = {"n": 0}
     lock = threading.Lock()
@@ -150,13 +149,23 @@ def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
             seen.add(key)
             forged["n"] += first
         if first:
-            chunk.payload = _forged(chunk.codec, chunk.num_elements)
-            chunk.crc32 = crc32(chunk.payload)
+            forge(chunk)
             frame = Frame.from_message(chunk.SerializeToString())
         original(self, frame)
 
     monkeypatch.setattr(PeerRound, "send", send)
     return forged
+
+
+@pytest.fixture()
+def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
+    """The first copy of every chunk carries NaN of the right size and a matching crc32."""
+
+    def nan(chunk) -> None:
+        chunk.payload = _forged(chunk.codec, chunk.num_elements)
+        chunk.crc32 = crc32(chunk.payload)
+
+    return forge_first_copies(monkeypatch, nan)
 
 
 @pytest.mark.parametrize(
@@ -246,23 +255,11 @@ def test_a_forged_chunk_of_another_size_is_pulled_again_not_taken_for_another_mo
     """The first copy of every chunk claims a gradient of two values more: the
     receiver asks the sender itself, whose copy has the right size, and the round ends
     exact. A forged chunk must not stop the job as a model mismatch would."""
-    seen: set[tuple] = set()
-    forged = {"n": 0}
-    lock = threading.Lock()
 
-    def send(self, frame: Frame, original=PeerRound.send) -> None:
-        chunk = lane_pb2.PushChunksRequest.FromString(frame.joined())
-        key = (chunk.step, chunk.group, chunk.kind, chunk.chunk_index, chunk.from_site)
-        with lock:
-            first = key not in seen
-            seen.add(key)
-            forged["n"] += first
-        if first:
-            chunk.total_elements += 2  # a gradient of two values more
-            frame = Frame.from_message(chunk.SerializeToString())
-        original(self, frame)
+    def bigger(chunk) -> None:
+        chunk.total_elements += 2  # a gradient of two values more
 
-    monkeypatch.setattr(PeerRound, "send", send)
+    forged = forge_first_copies(monkeypatch, bigger)
     with sites(2, "raw") as ars:
         data = inputs(2, [3000], seed=4)
         want = data[0][0] + data[1][0]
