@@ -406,13 +406,17 @@ class Context:
         if not shaped.groups:
             _site_mean(shaped.model)
             grads = [p.grad for p in shaped.model.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1).float() for g in grads])
             # Sites of one size: each rank carries its slice of the site's mean across
             # (to the same rank at every site), so the gradient crosses once per site,
-            # not once per rank; sites of other sizes pair their ranks otherwise.
-            world = dist.get_world_size()
-            if world > 1 and len(set(parts.config.site_ranks)) == 1:
-                flat, piece = _slices(flat, world)
+            # not once per rank; sites of other sizes pair their ranks otherwise. The
+            # flat tensor is built padded to equal slices; a slice is a view of it.
+            world, rank = dist.get_world_size(), dist.get_rank()
+            sliced = world > 1 and len(set(parts.config.site_ranks)) == 1
+            total = sum(g.numel() for g in grads)
+            n = -(-total // world) if sliced else total
+            pad = grads[0].new_zeros(n * world - total if sliced else 0, dtype=torch.float32)
+            flat = torch.cat([*(g.reshape(-1).float() for g in grads), pad])
+            piece = flat[rank * n : (rank + 1) * n] if sliced else None
             sync.start(step, 0, flat if piece is None else piece)
         synced = sync.finish(step)
         if flat is not None and synced.committed:
@@ -441,15 +445,6 @@ def _clip(model: nn.Module, max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def _slices(flat: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flat`` padded with zeros to ``world`` equal slices, and this rank's slice (a
-    view: what the round averages in place lands in the padded tensor)."""
-    n = -(-flat.numel() // world)
-    padded = torch.zeros(n * world, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    return padded, padded[dist.get_rank() * n : (dist.get_rank() + 1) * n]
 
 
 def _site_mean(model: nn.Module) -> None:
