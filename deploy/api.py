@@ -31,6 +31,7 @@ offered to a site admitted, a checkpoint saved when due) are ``StepLoop``'s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -59,7 +60,8 @@ from isthmus.deploy.rank.startup import (
     security_of,
 )
 from isthmus.deploy.security.trust import checkpoint_key
-from isthmus.intra.digest import parameter_digest
+from isthmus.inter.control.replicas import MAX_LAYOUT_CHARS
+from isthmus.intra.digest import model_layout, parameter_digest
 from isthmus.intra.train import TrainConfig
 
 if TYPE_CHECKING:
@@ -294,7 +296,10 @@ class Context:
         if cross is not None:
             start = cross.catch_up(shaped) or start  # type: ignore[arg-type]
             if start == 0:  # a fresh job: every site must start from the same parameters
-                metrics.report_initial_digest(shaped.parameter_digest())
+                digest, layout = shaped.parameter_digest(), model_layout(shaped.model_parts)
+                if len(layout) > MAX_LAYOUT_CHARS:
+                    layout = ""  # compared by digest alone
+                metrics.check_start(digest, layout, wait_s=config.sync.timeout_s)
         dist.barrier()
         parts = RankParts(
             env=env,
@@ -461,6 +466,23 @@ def _site_mean(model: nn.Module) -> None:
 _current: Context | None = None
 
 
+@contextlib.contextmanager
+def _rngs_kept() -> Iterator[None]:
+    """Python's, numpy's and torch's (CPU) RNG states as they were before the block: a
+    model built after ``init()`` draws what it would have drawn before it, at every rank."""
+    import random
+
+    import numpy
+
+    kept = random.getstate(), numpy.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(kept[0])
+        numpy.random.set_state(kept[1])
+        torch.set_rng_state(kept[2])
+
+
 def init() -> Context:
     """This rank's context: joins its site's world and, in a job of several sites, the
     job (its lane and membership). Call once, first, in a script that ``isthmus local
@@ -473,7 +495,8 @@ def init() -> Context:
             "isthmus.deploy.api.init(): not started by isthmus (run the script with "
             "`isthmus local --script PATH`)"
         )
-    _current = Context(RankEnv.from_environ(), load_config(Path(os.environ["ISTHMUS_CONFIG"])))
+    with _rngs_kept():  # joining draws ports and keys: the script's RNGs stay as seeded
+        _current = Context(RankEnv.from_environ(), load_config(Path(os.environ["ISTHMUS_CONFIG"])))
     at_script_end(close_current)
     return _current
 

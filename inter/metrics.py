@@ -16,7 +16,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 
-from isthmus.inter.control.replicas import ReplicaDigests
+from isthmus.inter.control.replicas import MAX_LAYOUT_CHARS, ReplicaDigests
 
 
 class _MetricsServer(ThreadingMixIn, WSGIServer):
@@ -34,6 +34,10 @@ def report_problem(report, site: str) -> str | None:
         return f"progress for site {report.site[:64]!r} sent to the coordinator of {site}"
     if not ReplicaDigests.valid(report.digest):
         return "digest must be 64 lowercase hex digits"
+    if report.model_layout and (report.digest_step != 0 or not report.digest):
+        return "model_layout comes only with a digest after 0 steps"
+    if len(report.model_layout) > MAX_LAYOUT_CHARS:
+        return f"model_layout is longer than {MAX_LAYOUT_CHARS:,} characters"
     for name in ("step_s", "compute_s", "cross_site_s", "sync_busy_s", "mfu"):
         value = getattr(report, name)
         if not (math.isfinite(value) and value >= 0):  # counters refuse negative amounts

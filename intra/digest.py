@@ -61,3 +61,14 @@ def _hash_parameters(parts: Sequence[nn.Module], view: Callable[[torch.Tensor], 
             h.update(f"{name}:{tuple(t.shape)}\n".encode())
             h.update(t.numpy().tobytes())
     return h
+
+
+def model_layout(parts: Sequence[nn.Module]) -> str:
+    """One line per parameter, "name shape dtype" (full shapes of sharded ones), in
+    ``named_parameters()`` order: what sites compare before step 0, so that models that
+    differ are named by their first differing parameter, not by digests alone."""
+    return "\n".join(
+        f"{name} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+        for part in parts
+        for name, p in part.named_parameters()
+    )

@@ -266,7 +266,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., generation: _Optional[int] = ..., confirm_digest: _Optional[bool] = ..., confirm_step: _Optional[int] = ..., confirm_generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready", "proposed_members", "aborted", "step", "finished")
+    __slots__ = ("generation", "member", "incarnation", "confirmed_digest", "site", "ready", "proposed_members", "aborted", "step", "finished", "model_layout")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class HeartbeatResponse(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     member: bool
     incarnation: str
@@ -287,10 +288,11 @@ class HeartbeatResponse(_message.Message):
     aborted: str
     step: int
     finished: bool
-    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ..., aborted: _Optional[str] = ..., step: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+    model_layout: str
+    def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ..., aborted: _Optional[str] = ..., step: _Optional[int] = ..., finished: _Optional[bool] = ..., model_layout: _Optional[str] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key")
+    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key", "model_layout")
     SITE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +308,7 @@ class ReportProgressRequest(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SYNC_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     RANK_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
     loss: float
@@ -321,13 +324,16 @@ class ReportProgressRequest(_message.Message):
     finished: bool
     sync_busy_s: float
     rank_key: str
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ..., rank_key: _Optional[str] = ...) -> None: ...
+    model_layout: str
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ..., rank_key: _Optional[str] = ..., model_layout: _Optional[str] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
-    __slots__ = ("divergence",)
+    __slots__ = ("divergence", "agreed")
     DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    AGREED_FIELD_NUMBER: _ClassVar[int]
     divergence: str
-    def __init__(self, divergence: _Optional[str] = ...) -> None: ...
+    agreed: bool
+    def __init__(self, divergence: _Optional[str] = ..., agreed: _Optional[bool] = ...) -> None: ...
 
 class WitnessPingRequest(_message.Message):
     __slots__ = ("site", "fingerprint")

@@ -130,6 +130,23 @@ def in_collective(exc: BaseException) -> bool:
     return False
 
 
+def seed_rngs(seed: int) -> None:
+    """Seeds Python's, numpy's and torch's RNGs with the job's seed, alike at every rank
+    of every site, before the user's script runs: a script that never seeds builds the
+    same model everywhere (on separate hosts too, not only where ranks fork from one
+    process), and one that seeds does so after this, so its own seed stands. Not
+    offset by rank: the model is drawn from these RNGs and must be equal at every rank;
+    what differs between ranks is their data (``ctx.data_shard()``)."""
+    import random
+
+    import numpy
+    import torch
+
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def run_script(argv: list[str]) -> None:
     """Runs the user's script (``--script PATH ARGS``) as this rank, as torchrun would:
     ``__main__``, ``sys.argv`` its own; it trains through ``isthmus.deploy.api``. What
@@ -243,6 +260,7 @@ def main() -> int:
     script = os.environ.get(SCRIPT_ENV)
     try:
         if script:
+            seed_rngs(config.job.seed)
             run_script(json.loads(script))
         else:
             run(env, config)

@@ -16,6 +16,9 @@ from isthmus.inter.security import SiteSecurity
 
 log = logging.getLogger(__name__)
 REPORT_TIMEOUT_S = 5.0
+START_POLL_S = 0.1
+"""How often a rank asks whether every site reported its starting parameters: peers'
+digests come with heartbeats (1 s apart by default), so this adds no heartbeat's wait."""
 
 
 class DivergenceError(RuntimeError):
@@ -99,13 +102,38 @@ class StepReporter:
         )
         self._report(progress)
 
-    def report_initial_digest(self, digest: str) -> None:
-        """The parameters a job starts from (after 0 steps): the coordinators compare
-        them across sites as any step's, so a site that built or seeded its model
-        otherwise stops the job within a few heartbeats, not at its end."""
+    def check_start(self, digest: str, layout: str, *, wait_s: float) -> None:
+        """Before step 0 of a fresh job: the parameters this site starts from (their
+        digest, and their names, shapes and dtypes), compared across sites as any step's
+        digest; waits until every member site reported the same. A site that built or
+        seeded its model otherwise stops the job at every site before it trains, in one
+        line naming the first differing parameter when the models differ (issue 60).
+
+        Raises:
+            DivergenceError: the sites start from different parameters.
+        """
         if self._coordinator is None:
             return
-        self._report(Progress(site=self.site, step=0, digest=digest, digest_step=0))
+        start = Progress(site=self.site, step=0, digest=digest, model_layout=layout)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                divergence, agreed = self._coordinator.report(start, timeout_s=REPORT_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                log.warning("start check with the coordinator failed: %s", exc.code().name)
+                return  # the digests of later steps are still compared
+            if divergence:
+                raise DivergenceError(divergence)
+            if agreed:
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "the other sites' starting parameters were not heard of within %.0f s; "
+                    "training goes on, and their digests are compared at later steps",
+                    wait_s,
+                )
+                return
+            time.sleep(START_POLL_S)
 
     def report_final_digest(self, steps: int, digest: str) -> None:
         """For a site that joined with the state after the job's last step (admitted at

@@ -443,8 +443,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             said = f"in {request.site[:64]!r}'s name: {refused}"
             self.refusals.note(context.peer(), "Heartbeat digest refused", said)
         digest = st.replicas.own(request.confirm_step) if request.confirm_digest else ""
+        start = request.confirm_digest and request.confirm_step == 0
+        layout = st.replicas.own_layout() if start else ""
         with st.cond:
             return pb.HeartbeatResponse(
+                model_layout=layout,
                 generation=st.generation,
                 member=request.site in st.members,
                 incarnation=st.incarnations.mine,
@@ -512,7 +515,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             st.report_progress_locked(
                 request.step, request.finished, request.digest_step, request.digest
             )
-        divergence = st.replicas.record(self.site, request.digest_step, request.digest)
+        replicas = st.replicas
+        divergence = replicas.record(
+            self.site, request.digest_step, request.digest, request.model_layout
+        )
         if divergence:
             self.metrics.replicas_identical.labels(self.site).set(0)
-        return pb.ReportProgressResponse(divergence=divergence or "")
+        # A script's rank waits on this before step 0 (deploy/api.py): that every
+        # member starts from these parameters, or the divergence naming why not.
+        agreed = bool(request.digest) and request.digest_step == 0
+        agreed = agreed and replicas.agree_at(0, st.members) is True
+        return pb.ReportProgressResponse(divergence=divergence or "", agreed=agreed)

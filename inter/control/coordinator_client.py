@@ -129,6 +129,8 @@ class Progress:
             none was computed this step.
         digest_step: the step count ``digest`` is of; 0 without a digest.
         finished: this was the job's last step.
+        model_layout: with a digest after 0 steps, one line per parameter, "name
+            shape dtype" (:func:`isthmus.intra.digest.model_layout`).
     """
 
     site: str
@@ -145,6 +147,7 @@ class Progress:
     digest: str = ""
     digest_step: int = 0
     finished: bool = False
+    model_layout: str = ""
 
 
 class CoordinatorClient:
@@ -402,6 +405,12 @@ class CoordinatorClient:
                 when the key is not one of the site's registered ranks', or the call
                 failed or timed out.
         """
+        return self.report(progress, timeout_s=timeout_s)[0]
+
+    def report(self, progress: Progress, *, timeout_s: float) -> tuple[str, bool]:
+        """:meth:`report_progress`, answering also whether every member site reported
+        the same digest after 0 steps (``progress.digest_step == 0``), so the sites
+        start from the same parameters: ``(divergence, agreed)``."""
         request = pb.ReportProgressRequest(
             site=progress.site,
             step=progress.step,
@@ -418,8 +427,10 @@ class CoordinatorClient:
             digest_step=progress.digest_step,
             finished=progress.finished,
             rank_key=self.rank_key,
+            model_layout=progress.model_layout,
         )
-        return self.stub.ReportProgress(request, timeout=timeout_s).divergence
+        reply = self.stub.ReportProgress(request, timeout=timeout_s)
+        return reply.divergence, reply.agreed
 
     def abort_job(self, *, site: str, rank: int, reason: str, timeout_s: float) -> None:
         """Says that this rank's script raised: the job stops at every site (the site's

@@ -152,7 +152,10 @@ class PeerLoop:
         st = self.state
         if reply is None:
             return
-        if doubted is not None and st.replicas.confirm(name, doubted, reply.confirmed_digest):
+        confirmed = reply.confirmed_digest
+        if doubted is not None and st.replicas.confirm(
+            name, doubted, confirmed, reply.model_layout
+        ):
             self.metrics.replicas_identical.labels(st.site).set(0)
         with st.cond:
             self.admission.on_answer(name, reply)

@@ -19,6 +19,9 @@ so an honest one far ahead is taken once this site comes within reach."""
 AHEAD_KEEP = 4
 """Digests kept per site for steps past this site's own: claims ahead never evict
 the ones this site can compare now."""
+MAX_LAYOUT_CHARS = 1 << 20
+"""A model layout longer than this is not sent (a model of ~15,000 parameters): the
+start is then compared by digest alone."""
 BELIED_KEEP = 4
 """Replaced claims kept per (site, step) until the site is asked: enough to name the
 forgery, and a flood of claims for one step holds no more."""
@@ -43,6 +46,9 @@ class ReplicaDigests:
         self._belied: dict[str, dict[int, set[str]]] = {}
         """Claims a later claim for the same (site, step) replaced before the site was
         asked: a site computes one digest a step, so all but one of them are forged."""
+        self._layouts: dict[str, str] = {}
+        """site -> its model's layout (``model_layout``), this site's from its ranks and a
+        peer's only from its own answer: what names the parameter when starts differ."""
         self.divergence: str | None = None
         self.forged = 0
         """Claims a peer belied when asked (each one logged)."""
@@ -51,11 +57,14 @@ class ReplicaDigests:
     def valid(digest: str) -> bool:
         return digest == "" or bool(DIGEST.match(digest))
 
-    def record(self, site: str, step: int, digest: str) -> str | None:
-        """Stores this site's own digest; returns the divergence message, if any."""
+    def record(self, site: str, step: int, digest: str, layout: str = "") -> str | None:
+        """Stores this site's own digest (with its model's layout after 0 steps);
+        returns the divergence message, if any."""
         if not digest:
             return self.divergence
         with self._lock:
+            if layout and step == 0:
+                self._layouts[site] = layout
             self._store_locked(site, step, digest)
             for other, digests in self._by_site.items():
                 theirs = digests.get(step)
@@ -106,11 +115,14 @@ class ReplicaDigests:
             steps = self._doubted.get(site)
             return min(steps) if steps else None
 
-    def confirm(self, site: str, step: int, digest: str) -> str | None:
-        """What ``site`` answered, asked at its own address, for its digest at ``step``.
+    def confirm(self, site: str, step: int, digest: str, layout: str = "") -> str | None:
+        """What ``site`` answered, asked at its own address, for its digest at ``step``
+        (and after 0 steps, its model's layout).
 
         Returns the divergence message if its digest really differs from this site's."""
         with self._lock:
+            if layout and step == 0:
+                self._layouts[site] = layout
             self._doubted.get(site, set()).discard(step)
             claimed = self._by_site.get(site, {}).get(step)
             replaced = self._belied.get(site, {}).pop(step, set())
@@ -153,15 +165,30 @@ class ReplicaDigests:
     def _diverge_locked(self, step: int, site: str, digest: str, other: str, theirs: str) -> None:
         if self.divergence:
             return
-        self.divergence = (
-            f"replicas differ after step {step}: {site} has {digest[:16]}, "
-            f"{other} has {theirs[:16]}"
-            if step
-            else f"the sites start from different parameters: {site} has {digest[:16]}, "
-            f"{other} has {theirs[:16]}; every site must build the same model from the "
-            "same seed (e.g. torch.manual_seed(ctx.config.job.seed) before building it)"
-        )
+        built = layout_difference(site, self._layouts.get(site), other, self._layouts.get(other))
+        if step:
+            self.divergence = (
+                f"replicas differ after step {step}: {site} has {digest[:16]}, "
+                f"{other} has {theirs[:16]}"
+            )
+        elif built:
+            self.divergence = (
+                f"the sites build different models: {built}; every site must build the "
+                "same model (the same code and sizes)"
+            )
+        else:
+            self.divergence = (
+                f"the sites start from different parameters: {site} has {digest[:16]}, "
+                f"{other} has {theirs[:16]}; every site must build the same model from the "
+                "same seed (isthmus seeds torch with the job's seed before the script "
+                "runs: a script that seeds it again must seed alike at every site)"
+            )
         log.error(self.divergence)
+
+    def own_layout(self) -> str:
+        """This site's model layout as its ranks reported it; "" if none."""
+        with self._lock:
+            return self._layouts.get(self.site, "")
 
     def own(self, step: int) -> str:
         """This site's digest after ``step`` steps, or "" if it has none."""
@@ -182,3 +209,24 @@ class ReplicaDigests:
         if any(d is None for d in found) or waiting:
             return None
         return len(set(found)) == 1
+
+
+def layout_difference(site: str, mine: str | None, other: str, theirs: str | None) -> str:
+    """The first parameter whose name, shape or dtype differs between two model layouts
+    (lines of "name shape dtype"), in words; "" when they match or one is unknown."""
+    if not mine or not theirs or mine == theirs:
+        return ""
+    a, b = mine.splitlines(), theirs.splitlines()
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x == y:
+            continue
+        (xn, _, xs), (yn, _, ys) = x.partition(" "), y.partition(" ")
+        if xn == yn:
+            return f"parameter {xn!r} is {xs} at {site} and {ys} at {other}"
+        return f"parameter {i} is {xn!r} ({xs}) at {site} and {yn!r} ({ys}) at {other}"
+    longer, more, fewer = (site, a, b) if len(a) > len(b) else (other, b, a)
+    extra = more[len(fewer)].partition(" ")[0]
+    return (
+        f"{site} has {len(a)} parameters and {other} {len(b)}; the first only {longer} "
+        f"has is {extra!r}"
+    )

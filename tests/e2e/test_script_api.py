@@ -316,21 +316,26 @@ DIFFERENT_MODELS = """
 
 
 @pytest.mark.timeout(300)
-def test_sites_that_build_different_models_stop_with_one_line(tmp_path):
+def test_sites_that_build_different_models_stop_before_step_0_naming_the_parameter(tmp_path):
     """Issue 60: a model of 5 parameters at site0 and 7 at site1 retried step 0 for
     ever, the console saying only "joining sites..." and the cause ("sent 7 elements,
-    expected 5") in rank logs ten times a second. Each site asks the other's chunk
-    again of the sender itself (a forged one must not end the job); the sender's own of
-    another size stops the job at every site in one line."""
+    expected 5") in rank logs ten times a second. At attach every site reports its
+    starting parameters (digest, names, shapes, dtypes) and waits until all agree: the
+    job stops at every site before step 0, in one line naming the parameter."""
     script = tmp_path / "different.py"
     script.write_text(textwrap.dedent(DIFFERENT_MODELS))
-    result = run_script(tmp_path / "run", script, steps=3, timeout=280)
+    run_dir = tmp_path / "run"
+    result = run_script(run_dir, script, steps=3, timeout=280)
     assert_one_line_error(
-        result, "model differs from this site's", "every site must build the same model"
+        result, "the sites build different models", "every site must build the same model"
     )
     error = next(line for line in result.stderr.splitlines() if line.startswith("error:"))
-    # Each of a site's 2 ranks carries its slice of the site's gradient: 4 and 3 values.
-    assert "holds 4 values, this rank's 3" in error or "holds 3 values, this rank's 4" in error
+    assert (
+        "parameter 'weight' is (1, 4) float32 at site0 and (1, 6) float32 at site1" in error
+        or "parameter 'weight' is (1, 6) float32 at site1 and (1, 4) float32 at site0" in error
+    ), error
+    for site in ("site0", "site1"):  # no step trained anywhere
+        assert (run_dir / "sites" / site / "metrics.jsonl").read_text() == ""
 
 
 NO_TOKENS = """
@@ -462,7 +467,42 @@ def test_sites_that_start_from_different_parameters_stop_early_in_one_line(tmp_p
     assert_one_line_error(
         result,
         "the sites start from different parameters",
-        "torch.manual_seed(ctx.config.job.seed) before building it",
+        "every site must build the same model from the same seed",
     )
-    lines = (run_dir / "sites" / "site0" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) < 200  # stopped, not trained to the end
+    for site in ("site0", "site1"):  # stopped before step 0, not at the end
+        assert (run_dir / "sites" / site / "metrics.jsonl").read_text() == ""
+
+
+UNSEEDED = """
+    import random
+    import numpy
+    import torch
+    from isthmus.deploy import api
+
+    seed = api.init().config.job.seed
+    # Seeded by isthmus before the script ran, alike at every rank of every site: on
+    # separate hosts too, where ranks do not fork from one process.
+    expected = (random.Random(seed).random(), numpy.random.RandomState(seed).rand())
+    assert (random.random(), numpy.random.rand()) == expected
+    assert torch.initial_seed() == seed
+    ctx = api.init()
+    model = torch.nn.Linear(4, 1)
+    ctx.attach(model, torch.optim.AdamW(model.parameters()))
+    for step in ctx.steps():
+        model(torch.ones(2, 4)).pow(2).mean().backward()
+        ctx.step(tokens=2)
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_script_that_never_seeds_starts_alike_everywhere(tmp_path):
+    """Issue 60: with no seed at all a job passed under `isthmus local` only because its
+    ranks fork from one process. Every rank's Python, numpy and torch RNGs are seeded
+    with the job's seed before the script runs."""
+    script = tmp_path / "unseeded.py"
+    script.write_text(textwrap.dedent(UNSEEDED))
+    run_dir = tmp_path / "run"
+    result = run_script(run_dir, script, "--set", "job.seed=7", steps=3, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas            identical" in result.stdout

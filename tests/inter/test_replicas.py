@@ -3,7 +3,7 @@ own digest is doubted until the peer, asked at its own address, confirms or beli
 
 from __future__ import annotations
 
-from isthmus.inter.control.replicas import ReplicaDigests
+from isthmus.inter.control.replicas import ReplicaDigests, layout_difference
 
 A, B = "a" * 64, "b" * 64
 
@@ -87,3 +87,37 @@ def test_claims_far_ahead_are_refused_and_never_evict_the_digests_in_reach():
     # An honest peer ahead is taken once this site comes within reach.
     assert replicas.claim("site1", 200, A, live=120) is not None
     assert replicas.claim("site1", 200, A, live=150) is None
+
+
+def test_sites_whose_models_differ_are_told_the_first_differing_parameter():
+    """Issue 60: a different model on each site hung with "sent 241 elements, expected
+    161" in rank logs. Its start is compared by digest, and a peer's layout taken only
+    from its own answer names the parameter; a claimed layout is never read."""
+    mine = "0.weight (8, 4) float32\n0.bias (8,) float32\n1.weight (1, 8) float32"
+    theirs = mine.replace("(8, 4)", "(16, 4)")
+    replicas = ReplicaDigests("site0")
+    replicas.record("site0", 0, A, mine)
+    replicas.claim("site1", 0, B)
+    assert replicas.own_layout() == mine
+    said = replicas.confirm("site1", 0, B, theirs)
+    assert said == (
+        "the sites build different models: parameter '0.weight' is (8, 4) float32 at "
+        "site0 and (16, 4) float32 at site1; every site must build the same model (the "
+        "same code and sizes)"
+    )
+    # The same model from another seed: the layouts agree, so the seed is the cause.
+    replicas = ReplicaDigests("site0")
+    replicas.record("site0", 0, A, mine)
+    replicas.claim("site1", 0, B)
+    assert "the sites start from different parameters" in replicas.confirm("site1", 0, B, mine)
+    # Another dtype, another name, one parameter more: each named.
+    assert layout_difference(
+        "a", mine, "b", mine.replace("0.bias (8,) float32", "0.bias (8,) bfloat16")
+    ) == ("parameter '0.bias' is (8,) float32 at a and (8,) bfloat16 at b")
+    assert layout_difference("a", mine, "b", mine.replace("0.bias", "0.b")) == (
+        "parameter 1 is '0.bias' ((8,) float32) at a and '0.b' ((8,) float32) at b"
+    )
+    assert layout_difference("a", mine, "b", mine + "\n2.weight (1,) float32") == (
+        "a has 3 parameters and b 4; the first only b has is '2.weight'"
+    )
+    assert layout_difference("a", mine, "b", "") == ""  # unknown: the digests speak
