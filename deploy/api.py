@@ -67,7 +67,7 @@ from isthmus.intra.train import TrainConfig
 if TYPE_CHECKING:
     from isthmus.inter.data import StepOutcome
 
-__all__ = ["Context", "Outcome", "init"]
+__all__ = ["Context", "Outcome", "init", "load_parameters"]
 
 SCRIPT_PREFIX = "script/"
 """The script's own numbers (``ctx.step(**more)``) in metrics lines and TensorBoard."""
@@ -461,6 +461,37 @@ def _site_mean(model: nn.Module) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad)
             p.grad.div_(world)
+
+
+@torch.no_grad()
+def load_parameters(source: str | Path, model: nn.Module) -> None:
+    """Loads what ``isthmus export RUN --to safetensors DIR`` wrote (``DIR`` or its
+    ``model.safetensors``) into ``model``, a plain module (load before ``fully_shard``):
+    a script's trained model, back in the script's own module, outside any job.
+
+    Raises:
+        ValueError: no such file, or parameters whose names or shapes differ from the
+            module's (the first one named); the module is left as it was then.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(source)
+    path = path / "model.safetensors" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"load_parameters: {path} not found (isthmus export --to safetensors)")
+    saved = load_file(str(path))
+    found = {name: tuple(t.shape) for name, t in saved.items()}
+    wanted = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if found != wanted:
+        differ = [n for n in wanted if found.get(n) != wanted[n]]
+        name = (differ or [n for n in found if n not in wanted])[0]
+        raise ValueError(
+            f"load_parameters: {path} does not hold this module's parameters (first "
+            f"difference: {name!r}, {found.get(name, 'absent')} saved, "
+            f"{wanted.get(name, 'absent')} in the module)"
+        )
+    for name, p in model.named_parameters():
+        p.copy_(saved[name])
 
 
 _current: Context | None = None

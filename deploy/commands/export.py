@@ -1,6 +1,8 @@
 """`isthmus export RUN_OR_CHECKPOINT --to hf DIR`: a checkpoint's weights in the Hugging
 Face layout (config.json and model.safetensors), for ``transformers`` and everything
 else that reads it; ``model.init_from = DIR`` trains on from it (docs/models.md).
+`--to safetensors DIR`: the parameters under their own names (DIR/model.safetensors),
+the way out of a script's run (``isthmus.deploy.api.load_parameters`` reads it back).
 
 A run folder exports its newest checkpoint complete at any site (replicas are
 identical: the step `isthmus local --resume` would take); a checkpoint folder
@@ -14,18 +16,20 @@ only once all of that succeeded (into a temporary folder, then renamed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from isthmus.deploy.commands.arguments import add_set_argument
 from isthmus.deploy.config.job import ConfigError, JobConfig, load_config
 from isthmus.deploy.security.trust import checkpoint_key
 
-__all__ = ["export_hf", "register"]
+__all__ = ["export_hf", "export_safetensors", "register"]
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "safetensors")
 
 
 def _find_config(path: Path, given: str | None, overrides: list[str]) -> tuple[JobConfig, Path]:
@@ -55,7 +59,10 @@ def _checkpoint(path: Path, config: JobConfig, run_dir: Path) -> Path:
     for site in config.site_names:
         newest |= checkpoint.complete_steps(site_root(config, run_dir, site), warn=False)
     if not newest:
-        raise ConfigError(f"{path} holds no complete checkpoint (checkpoint.every > 0 saves them)")
+        raise ConfigError(
+            f"{path} holds no complete checkpoint (a run with --run-dir saves one after its "
+            "last step; checkpoint.every > 0 saves them on the way)"
+        )
     return newest[max(newest)]
 
 
@@ -76,8 +83,14 @@ def export_hf(source: Path, out: Path, config: JobConfig, run_dir: Path) -> tupl
     from isthmus.intra import checkpoint, hf_layout
     from isthmus.intra.model import Transformer
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} already exists and is not an empty folder")
+    _require_empty(out)
+    if config.run.script_sha256:
+        raise ConfigError(
+            f"{source} is the run of a script: its parameters carry the script's own "
+            "names, not isthmus's model's; `--to safetensors DIR` writes them as they are, "
+            "and isthmus.deploy.api.load_parameters(DIR, model) loads them into the "
+            "script's module (a transformers model then has save_pretrained)"
+        )
     cfg = config.resolved_model()
     model = config.model
     base_path = model.hf_config or (
@@ -105,18 +118,64 @@ def export_hf(source: Path, out: Path, config: JobConfig, run_dir: Path) -> tupl
             f"checkpoint {path} does not hold this job's model (first difference: "
             f"{differ[0]}); give the job's config with --config"
         )
+    with _staged(out) as staging:
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        hf_layout.save_weights(params.items(), staging)
+    return path, sum(t.numel() for t in params.values())
+
+
+def export_safetensors(
+    source: Path, out: Path, config: JobConfig, run_dir: Path
+) -> tuple[Path, int]:
+    """Write ``out/model.safetensors``: the checkpoint's full parameters under their own
+    names (a script's module's, or isthmus's model's).
+
+    Returns:
+        The checkpoint exported and its parameter count.
+
+    Raises:
+        ConfigError: no checkpoint, one that fails verification, or an ``out`` that holds
+            files already; nothing is written then.
+    """
+    from isthmus.intra import checkpoint, hf_layout
+
+    _require_empty(out)
+    try:
+        hf_layout.require_safetensors()
+    except ValueError as exc:
+        raise ConfigError(f"export: {exc}") from None
+    from safetensors.torch import save_file
+
+    path = _checkpoint(source, config, run_dir)
+    try:
+        params = checkpoint.full_parameters(path, checkpoint_key(config))
+    except checkpoint.CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in params.items()}
+    with _staged(out) as staging:
+        save_file(tensors, str(staging / hf_layout.WEIGHTS), metadata={"format": "pt"})
+    return path, sum(t.numel() for t in params.values())
+
+
+def _require_empty(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} already exists and is not an empty folder")
+
+
+@contextlib.contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A temporary folder beside ``out``, renamed to it once the block wrote it all:
+    ``out`` never holds half an export."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        hf_layout.save_weights(params.items(), staging)
+        yield staging
         if out.exists():
-            out.rmdir()  # empty (checked above)
+            out.rmdir()  # empty (checked before)
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return path, sum(t.numel() for t in params.values())
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -124,8 +183,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not source.exists():
         raise ConfigError(f"{source} not found: give a run's --run-dir or a checkpoint folder")
     config, run_dir = _find_config(source, args.config, args.overrides)
-    path, count = export_hf(source, Path(args.to_dir), config, run_dir)
-    print(f"wrote {args.to_dir}/config.json and model.safetensors: {count:,} parameters of {path}")
+    if args.format == "hf":
+        path, count = export_hf(source, Path(args.to_dir), config, run_dir)
+        wrote = "config.json and model.safetensors"
+    else:
+        path, count = export_safetensors(source, Path(args.to_dir), config, run_dir)
+        wrote = "model.safetensors"
+    print(f"wrote {args.to_dir}/{wrote}: {count:,} parameters of {path}")
     return 0
 
 
@@ -145,7 +209,8 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )
     parser.add_argument(
         "--to", nargs=2, metavar=("FORMAT", "DIR"), required=True,
-        help="the layout (hf) and the folder to write (new, or empty)",
+        help="the layout (hf, or safetensors: the parameters under their own names, "
+        "a script's run's way out) and the folder to write (new, or empty)",
     )  # fmt: skip
     parser.add_argument(
         "--config", default=None, metavar="TOML",
@@ -156,7 +221,8 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    fmt, args.to_dir = args.to
+    args.format, args.to_dir = args.to
+    fmt = args.format
     if fmt not in FORMATS:
         raise ConfigError(f"--to {fmt}: the formats are {', '.join(FORMATS)}")
     return cmd_export(args)

@@ -266,7 +266,7 @@ class JobConfig:
         out["sync.codec_format"] = str(CODEC_FORMAT)
         out["model.preset"] = self.model.preset
         # How often and where a site saves may differ; the step every site starts at may not.
-        for key in ("every", "dir", "keep"):
+        for key in ("every", "dir", "keep", "final"):
             del out[f"checkpoint.{key}"]
         # Whether links need TLS or a token, never where the secrets are or what they are.
         out["security.require_tls"] = str(self.security.require_tls)

@@ -339,6 +339,9 @@ class CheckpointSection:
     """Checkpoints of site SITE go to DIR/SITE; empty = RUN_DIR/checkpoints/SITE."""
     keep: int = 2
     """Complete checkpoints kept per site (the newest); 0 = keep all."""
+    final: bool = True
+    """Also save after the job's last step when the run is kept (``run.run_dir`` or
+    ``checkpoint.dir`` set): the trained model, for `isthmus export` and `--resume`."""
     resume_step: int = -1
     """Start from the checkpoint after this many steps (complete at every site); -1 =
     from scratch. --resume sets it to the newest step complete at every site. Part of

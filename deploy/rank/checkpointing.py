@@ -166,9 +166,14 @@ def restore(
 
 
 def save_due(config: JobConfig, next_step: int) -> bool:
-    """Whether a checkpoint is saved after ``next_step`` steps (``checkpoint.every``)."""
-    every = config.checkpoint.every
-    return bool(every) and next_step % every == 0
+    """Whether a checkpoint is saved after ``next_step`` steps: every
+    ``checkpoint.every``, and after the last step of a run that is kept
+    (``checkpoint.final``), so that it keeps its trained model."""
+    ck = config.checkpoint
+    if ck.every and next_step % ck.every == 0:
+        return True
+    kept = bool(config.run.run_dir or ck.dir)
+    return ck.final and kept and next_step == config.job.steps
 
 
 def save_if_due(

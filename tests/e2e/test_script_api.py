@@ -11,7 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ISTHMUS, ROOT, assert_one_line_error, run_cli
+
+from isthmus.deploy import api
+from isthmus.intra.digest import parameter_digest
 
 pytestmark = pytest.mark.slow
 
@@ -496,13 +500,32 @@ UNSEEDED = """
 
 
 @pytest.mark.timeout(300)
-def test_a_script_that_never_seeds_starts_alike_everywhere(tmp_path):
+def test_an_unseeded_script_starts_alike_and_its_kept_run_exports_the_final_model(tmp_path):
     """Issue 60: with no seed at all a job passed under `isthmus local` only because its
-    ranks fork from one process. Every rank's Python, numpy and torch RNGs are seeded
-    with the job's seed before the script runs."""
+    ranks fork from one process; every rank's Python, numpy and torch RNGs are now
+    seeded with the job's seed before the script runs. And a script's run had no way
+    out ("give the job's config with --config", wrong advice; "holds no complete
+    checkpoint" with the default config): a kept run saves after its last step, and
+    `--to safetensors` writes the script's own names for `api.load_parameters`."""
     script = tmp_path / "unseeded.py"
     script.write_text(textwrap.dedent(UNSEEDED))
     run_dir = tmp_path / "run"
     result = run_script(run_dir, script, "--set", "job.seed=7", steps=3, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "replicas            identical" in result.stdout
+
+    assert_one_line_error(
+        run_cli("export", str(run_dir), "--to", "hf", str(tmp_path / "hf")),
+        "is the run of a script",
+        "--to safetensors DIR",
+    )
+    out = tmp_path / "exported"
+    exported = run_cli("export", str(run_dir), "--to", "safetensors", str(out))
+    assert exported.returncode == 0, exported.stderr
+    assert "step-00000003" in exported.stdout
+    model = torch.nn.Linear(4, 1)
+    api.load_parameters(out, model)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert parameter_digest(model) == summary["digests"]["site0"] == summary["digests"]["site1"]
+    with pytest.raises(ValueError, match=r"first difference: 'weight', \(1, 4\) saved, \(1, 5\)"):
+        api.load_parameters(out / "model.safetensors", torch.nn.Linear(5, 1))
