@@ -106,6 +106,10 @@ class _ScriptModel:
         self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.sync = None  # the outer optimizer checks that the model does not sync itself
         self.step_in_progress = 0
+        self.started_groups: set[tuple[int, int]] = set()
+        """(step, group) whose cross-site round FSDP2's hook started this step."""
+        self.backward_twice = False
+        """A group's hook ran twice in one step: backward without ``ctx.no_sync()``."""
         self.tied = None  # one model part: no head tied across pipeline stages (intra/tied.py)
         # Only the outer learning rate's ramp reads it (OuterOptimizer.lr_at).
         self.config = TrainConfig(total_steps=steps, warmup_steps=0)
@@ -323,9 +327,32 @@ class Context:
     @staticmethod
     def _hook(shaped: _ScriptModel, sync, group: int):
         def hook(shard: torch.Tensor) -> None:
+            started = shaped.started_groups
+            if (shaped.step_in_progress, group) in started:
+                # A second backward of the step: said from ctx.step, the script's own
+                # frame (raised here, inside FSDP's hook, it would read as a collective's
+                # failure and leave the other sites waiting).
+                shaped.backward_twice = True
+                return
+            started.add((shaped.step_in_progress, group))
             sync.start(shaped.step_in_progress, group, shard)
 
         return hook
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside the block add to the gradients
+        without syncing them (an FSDP2 module's reduce-scatter waits too); run every
+        micro-batch's but the last inside it, then ``step``. A plain module needs it not
+        (its gradients are averaged at ``step``), and takes it alike."""
+        groups = self._require().parts.trainer.groups  # type: ignore[union-attr]
+        for group in groups:
+            group.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for group in groups:
+                group.set_requires_gradient_sync(True, recurse=False)
 
     # --- the loop ------------------------------------------------------------------
 
@@ -359,6 +386,12 @@ class Context:
         loop = self._require()
         shaped = loop.parts.trainer
         assert isinstance(shaped, _ScriptModel)
+        if shaped.backward_twice:
+            raise RuntimeError(
+                "ctx.step: the model's gradients were synced by more than one backward "
+                "this step; accumulate micro-batches with `with ctx.no_sync():` around "
+                "every backward but the last"
+            )
         step = loop.next_step
         compute_s = time.perf_counter() - loop.step_started
         t_sync = time.perf_counter()
@@ -376,6 +409,7 @@ class Context:
                 more={SCRIPT_PREFIX + k: float(v) for k, v in metrics.items()},
             )
 
+        shaped.started_groups.clear()  # the next backward, a retried step's too, syncs anew
         committed = loop.end_step(synced, compute_s, sync_s, measured)
         return Outcome(step, committed=committed, rejoined=not committed, next_step=loop.next_step)
 

@@ -4,6 +4,7 @@ script's own state), two sites over emulated links."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import textwrap
@@ -529,3 +530,64 @@ def test_an_unseeded_script_starts_alike_and_its_kept_run_exports_the_final_mode
     assert parameter_digest(model) == summary["digests"]["site0"] == summary["digests"]["site1"]
     with pytest.raises(ValueError, match=r"first difference: 'weight', \(1, 4\) saved, \(1, 5\)"):
         api.load_parameters(out / "model.safetensors", torch.nn.Linear(5, 1))
+
+
+ACCUMULATING = """
+    import contextlib
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from isthmus.deploy import api
+
+    ctx = api.init()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    for layer in model:
+        fully_shard(layer, mesh=ctx.mesh["dp"])
+    fully_shard(model, mesh=ctx.mesh["dp"])
+    ctx.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    index, count = ctx.data_shard()
+    for step in ctx.steps():
+        total = 0.0
+        for micro in range(3):
+            x = torch.full((2, 4), float(step + micro + index))
+            last = micro == 2
+            with contextlib.nullcontext() if last or NO_SYNC_OFF else ctx.no_sync():
+                loss = model(x).pow(2).mean() / 3
+                loss.backward()
+            total += loss.item()
+        ctx.step(loss=total, tokens=6)
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no-sync", "forgotten"])
+def test_gradient_accumulation_with_fsdp2_is_one_documented_call(tmp_path, no_sync):
+    """Issue 60: accumulating micro-batches under FSDP2 ended in `ValueError: group 2
+    already started in step 0`, and the way that works was in no doc. `ctx.no_sync()`
+    around every backward but the last; forgetting it is said in one line naming it."""
+    script = tmp_path / "accumulate.py"
+    script.write_text(textwrap.dedent(ACCUMULATING).replace("NO_SYNC_OFF", str(not no_sync)))
+    run_dir = tmp_path / "run"
+    result = run_script(run_dir, script, steps=3, timeout=280)
+    if no_sync:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert_identical_replicas(run_dir, 3)
+        # The job's model is one process's that steps on the mean over the 4 ranks of
+        # each rank's 3 accumulated micro-batches (the final checkpoint, exported).
+        out = tmp_path / "exported"
+        assert run_cli("export", str(run_dir), "--to", "safetensors", str(out)).returncode == 0
+        torch.manual_seed(0)  # the job's seed, as every rank was seeded
+        ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(3):
+            for index, micro in itertools.product(range(4), range(3)):
+                x = torch.full((2, 4), float(step + micro + index))
+                (ref(x).pow(2).mean() / 3 / 4).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        trained = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        api.load_parameters(out, trained)
+        for mine, theirs in zip(trained.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    else:
+        assert_one_line_error(result, "with ctx.no_sync():", "every backward but the last")
