@@ -340,6 +340,17 @@ class Context:
         return hook
 
     @contextlib.contextmanager
+    def shared_model(self) -> Iterator[None]:
+        """Evaluation on the model the sites share: inside the block the model holds it
+        (in DiLoCo and streaming, the outer model of the last outer step, equal at every
+        site while their local parameters drift apart; per-step sync's model is always
+        shared), and its own parameters are put back bit for bit after. Evaluate under
+        ``torch.no_grad()``, between ``step`` calls; every rank of the site takes part."""
+        outer = self._require().parts.outer
+        with outer.shared_model() if outer is not None else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside the block add to the gradients
         without syncing them (an FSDP2 module's reduce-scatter waits too); run every

@@ -591,3 +591,51 @@ def test_gradient_accumulation_with_fsdp2_is_one_documented_call(tmp_path, no_sy
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     else:
         assert_one_line_error(result, "with ctx.no_sync():", "every backward but the last")
+
+
+EVALUATING = """
+    import torch
+    from isthmus.deploy import api
+
+    ctx = api.init()
+    model = torch.nn.Linear(4, 1)
+    ctx.attach(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    probe = torch.ones(1, 4)
+    for step in ctx.steps():
+        with torch.no_grad():
+            local = model(probe).item()
+            with ctx.shared_model():
+                shared = model(probe).item()
+            assert model(probe).item() == local  # put back bit for bit
+        target = 10.0 if ctx.site_index else -10.0  # each site its own data
+        loss = (model(probe) - target).pow(2).mean()
+        loss.backward()
+        ctx.step(loss=loss.item(), tokens=2, shared=shared, local=local)
+    ctx.finish()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_evaluation_on_the_shared_model_in_diloco(tmp_path):
+    """Issue 60: no evaluation hook on the shared (outer) model. Inside
+    `ctx.shared_model()` a DiLoCo site's model is the one every site shares: equal at
+    every site at every step, while the local models drift apart between rounds."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(textwrap.dedent(EVALUATING))
+    run_dir = tmp_path / "run"
+    result = run_script(
+        run_dir, script, "--set", "sync.mode=diloco", "--set", "sync.inner_steps=3", steps=6
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(6))
+    for line in lines:
+        shared, local = line["script/shared_by_site"], line["script/local_by_site"]
+        assert shared["site0"] == shared["site1"], line
+        if line["step"] % 3:  # inside a cycle: each site stepped on its own data
+            assert local["site0"] != local["site1"], line
+    # The shared model moves only at outer steps (after steps 2 and 5).
+    changes = [
+        b["step"] for a, b in itertools.pairwise(lines) if a["script/shared"] != b["script/shared"]
+    ]
+    assert changes == [3], changes
