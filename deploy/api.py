@@ -61,6 +61,7 @@ from isthmus.deploy.rank.startup import (
 )
 from isthmus.deploy.security.trust import checkpoint_key
 from isthmus.inter.control.replicas import MAX_LAYOUT_CHARS
+from isthmus.inter.metrics import script_metrics_problem
 from isthmus.intra.digest import model_layout, parameter_digest
 from isthmus.intra.train import TrainConfig
 
@@ -356,7 +357,7 @@ class Context:
         without syncing them (an FSDP2 module's reduce-scatter waits too); run every
         micro-batch's but the last inside it, then ``step``. A plain module needs it not
         (its gradients are averaged at ``step``), and takes it alike."""
-        groups = self._require().parts.trainer.groups  # type: ignore[union-attr]
+        groups = self._require().parts.trainer.groups
         for group in groups:
             group.set_requires_gradient_sync(False, recurse=False)
         try:
@@ -397,6 +398,9 @@ class Context:
         loop = self._require()
         shaped = loop.parts.trainer
         assert isinstance(shaped, _ScriptModel)
+        problem = script_metrics_problem(dict.fromkeys(metrics, 0.0))  # names and count
+        if problem is not None:
+            raise ValueError(f"ctx.step: {problem}")
         if shaped.backward_twice:
             raise RuntimeError(
                 "ctx.step: the model's gradients were synced by more than one backward "

@@ -9,8 +9,10 @@ same numbers as the site's metrics.jsonl.
 from __future__ import annotations
 
 import math
+import re
 import socket
 import threading
+from collections.abc import Mapping
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -42,6 +44,24 @@ def report_problem(report, site: str) -> str | None:
         value = getattr(report, name)
         if not (math.isfinite(value) and value >= 0):  # counters refuse negative amounts
             return f"{name} must be a finite number >= 0, got {value!r}"
+    return script_metrics_problem(report.script_metrics)
+
+
+MAX_SCRIPT_METRICS = 32
+"""A script's own numbers a step may report: each is a Prometheus series for as long as
+the coordinator runs, so their count is bounded."""
+SCRIPT_METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def script_metrics_problem(metrics: Mapping[str, float]) -> str | None:
+    """Why a script's own metrics of one step cannot be reported, or None."""
+    if len(metrics) > MAX_SCRIPT_METRICS:
+        return f"{len(metrics)} script metrics in one step; at most {MAX_SCRIPT_METRICS}"
+    for name, value in metrics.items():
+        if not SCRIPT_METRIC_NAME.match(name):
+            return f"script metric {name[:80]!r}: a name is [A-Za-z_][A-Za-z0-9_]*, at most 64 long"
+        if not math.isfinite(value):
+            return f"script metric {name!r} must be finite, got {value!r}"
     return None
 
 
@@ -89,6 +109,9 @@ class SiteMetrics:
             "isthmus_replicas_identical", "1 while every site's parameter digest agrees, else 0"
         )
         self.replicas_identical.labels(site).set(1)
+        self.script_metric = gauge(
+            "isthmus_script_metric", "A script's own number of its last step", ("name",)
+        )
         self._server: WSGIServer | None = None
 
     def record_step(self, report) -> None:  # a ReportProgressRequest
@@ -107,6 +130,8 @@ class SiteMetrics:
         self.tokens_total.labels(s).inc(report.tokens)
         self.cross_site_bytes_total.labels(s).inc(report.cross_site_bytes)
         self.cross_site_seconds_total.labels(s).inc(report.cross_site_s)
+        for name, value in report.script_metrics.items():
+            self.script_metric.labels(s, name).set(value)
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve /metrics over HTTP; returns the bound port."""

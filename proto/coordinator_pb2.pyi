@@ -292,7 +292,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ..., aborted: _Optional[str] = ..., step: _Optional[int] = ..., finished: _Optional[bool] = ..., model_layout: _Optional[str] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key", "model_layout")
+    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key", "model_layout", "script_metrics")
+    class ScriptMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SITE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +316,7 @@ class ReportProgressRequest(_message.Message):
     SYNC_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     RANK_KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SCRIPT_METRICS_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
     loss: float
@@ -325,7 +333,8 @@ class ReportProgressRequest(_message.Message):
     sync_busy_s: float
     rank_key: str
     model_layout: str
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ..., rank_key: _Optional[str] = ..., model_layout: _Optional[str] = ...) -> None: ...
+    script_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ..., rank_key: _Optional[str] = ..., model_layout: _Optional[str] = ..., script_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ("divergence", "agreed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -98,6 +99,12 @@ class StepReporter:
             sync_busy_s=line.get("sync_busy_s", 0.0),
             digest=digest,
             digest_step=line["step"] + 1 if digest else 0,
+            # Prometheus takes finite numbers only; metrics.jsonl keeps every one.
+            script_metrics={
+                k.removeprefix("script/"): v
+                for k, v in line.items()
+                if k.startswith("script/") and math.isfinite(v)
+            },
             finished=finished,
         )
         self._report(progress)

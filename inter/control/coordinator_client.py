@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -131,6 +131,7 @@ class Progress:
         finished: this was the job's last step.
         model_layout: with a digest after 0 steps, one line per parameter, "name
             shape dtype" (:func:`isthmus.intra.digest.model_layout`).
+        script_metrics: a script's own numbers of the step, by name.
     """
 
     site: str
@@ -148,6 +149,7 @@ class Progress:
     digest_step: int = 0
     finished: bool = False
     model_layout: str = ""
+    script_metrics: dict[str, float] = field(default_factory=dict)
 
 
 class CoordinatorClient:
@@ -428,6 +430,7 @@ class CoordinatorClient:
             finished=progress.finished,
             rank_key=self.rank_key,
             model_layout=progress.model_layout,
+            script_metrics=progress.script_metrics,
         )
         reply = self.stub.ReportProgress(request, timeout=timeout_s)
         return reply.divergence, reply.agreed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import urllib.request
 from pathlib import Path
 
@@ -56,8 +57,8 @@ def health_status(address: str, service: str = "") -> int:
         )
 
 
-@pytest.fixture
-def pair():
+def pair_of_coordinators() -> list[Coordinator]:
+    """Two started coordinators, site0 and site1, each other's peers."""
     coords = [
         Coordinator(
             CoordinatorSettings(
@@ -76,6 +77,12 @@ def pair():
     coords[1].set_peers({"site0": coords[0].address})
     for c in coords:
         c.start()
+    return coords
+
+
+@pytest.fixture
+def pair():
+    coords = pair_of_coordinators()
     yield coords
     for c in coords:
         c.stop()
@@ -105,9 +112,10 @@ def test_prometheus_values_match_the_reported_step(pair):
     }
     register_ranks(pair)
     report(pair[0], **line)
-    report(pair[0], **{**line, "step": 8})
+    report(pair[0], **{**line, "step": 8}, script_metrics={"accuracy": 0.75})
     values = scrape(pair[0].metrics_address)
     label = '{site="site0"}'
+    assert values['isthmus_script_metric{name="accuracy",site="site0"}'] == 0.75
     assert values[f"isthmus_step{label}"] == 8
     assert values[f"isthmus_loss{label}"] == 3.25
     assert values[f"isthmus_cross_site_seconds{label}"] == pytest.approx(0.1)
@@ -159,8 +167,50 @@ def test_malformed_reports_are_refused_and_change_nothing(pair):
         pb_grpc.CoordinatorStub(channel).ReportProgress(
             pb.ReportProgressRequest(site="site1", step=3), timeout=5
         )
+    register_ranks(pair)
+    for bad in ({"bad name": 1.0}, {"x": math.nan}, {f"m{i}": 0.0 for i in range(33)}):
+        with pytest.raises(grpc.RpcError) as info:
+            report(pair[0], step=3, script_metrics=bad)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:  # a layout only with a starting digest
+        report(pair[0], step=3, digest=D1, digest_step=3, model_layout="w (1,) float32")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert pair[0].step == 0
     assert json.dumps(pair[0].replicas.latest()) == "{}"
+    assert not any("isthmus_script_metric" in k for k in scrape(pair[0].metrics_address))
+
+
+def test_sites_agree_on_their_start_or_name_the_parameter_that_differs(pair):
+    """Issue 60: before step 0 each site's ranks report the digest and layout of the
+    parameters they start from and wait for `agreed`; a peer's layout comes from its
+    own heartbeat answer, and the divergence names the parameter."""
+    register_ranks(pair)
+    for c in pair:
+        c.wait_ready(10)
+    layout = "0.weight (8, 4) float32\n0.bias (8,) float32"
+    start = {"step": 0, "digest": D1, "digest_step": 0, "model_layout": layout}
+    assert not report(pair[0], **start).agreed  # site1 has not said yet
+    report(pair[1], **start)
+    wait_until(lambda: report(pair[0], **start).agreed, "the sites never agreed on the start")
+
+    other = pair_of_coordinators()
+    try:
+        register_ranks(other)
+        for c in other:
+            c.wait_ready(10)
+        report(other[0], **start)
+        theirs = {**start, "digest": D2, "model_layout": layout.replace("(8,)", "(16,)")}
+        report(other[1], **theirs)
+        said = lambda: report(other[0], **start).divergence  # noqa: E731
+        wait_until(said, "the different start was never found")
+        assert said().startswith(
+            "the sites build different models: parameter '0.bias' is (8,) float32 at site0 "
+            "and (16,) float32 at site1"
+        ), said()
+        assert not report(other[0], **start).agreed
+    finally:
+        for c in other:
+            c.stop()
 
 
 @pytest.mark.slow
