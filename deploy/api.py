@@ -42,13 +42,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from isthmus.deploy.config.job import JobConfig, load_config
 from isthmus.deploy.rank.checkpointing import restore
 from isthmus.deploy.rank.loop import StepLine, StepLoop, lane_outcome, outer_step
+from isthmus.deploy.rank.script_model import (
+    ScriptModel,
+    UserState,
+    clip_gradients,
+    load_parameters,
+    script_device,
+    site_mean,
+)
 from isthmus.deploy.rank.startup import (
     RankEnv,
     RankParts,
@@ -62,8 +67,7 @@ from isthmus.deploy.rank.startup import (
 from isthmus.deploy.security.trust import checkpoint_key
 from isthmus.inter.control.replicas import MAX_LAYOUT_CHARS
 from isthmus.inter.metrics import script_metrics_problem
-from isthmus.intra.digest import model_layout, parameter_digest
-from isthmus.intra.train import TrainConfig
+from isthmus.intra.digest import model_layout
 
 if TYPE_CHECKING:
     from isthmus.inter.data import StepOutcome
@@ -72,8 +76,6 @@ __all__ = ["Context", "Outcome", "init", "load_parameters"]
 
 SCRIPT_PREFIX = "script/"
 """The script's own numbers (``ctx.step(**more)``) in metrics lines and TensorBoard."""
-USER_PREFIX = "user/"
-"""The script's own state in a checkpoint (and in a state transfer), beside the rank's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,107 +92,6 @@ class Outcome:
     and ``Context.steps`` continues at ``next_step``."""
     next_step: int = 0
     """The step ``Context.steps`` yields next."""
-
-
-class _ScriptModel:
-    """The script's model and optimizer, shaped as the built-in ``Trainer`` is where the
-    rank's machinery reads one (state and checkpoints, state transfer, outer optimizer,
-    digests): one model part, its FSDP groups, the site's mesh."""
-
-    def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, steps: int
-    ) -> None:
-        self.model, self.model_parts, self.optimizer, self.mesh = model, [model], optimizer, mesh
-        self.device = _device(mesh.device_type)
-        self.pp, self.dp, self.cp, self.tp = 1, mesh.size(), 1, 1
-        self.coordinate = (0, mesh.get_local_rank(), 0, 0)
-        self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        self.sync = None  # the outer optimizer checks that the model does not sync itself
-        self.step_in_progress = 0
-        self.started_groups: set[tuple[int, int]] = set()
-        """(step, group) whose cross-site round FSDP2's hook started this step."""
-        self.backward_twice = False
-        """A group's hook ran twice in one step: backward without ``ctx.no_sync()``."""
-        self.tied = None  # one model part: no head tied across pipeline stages (intra/tied.py)
-        # Only the outer learning rate's ramp reads it (OuterOptimizer.lr_at).
-        self.config = TrainConfig(total_steps=steps, warmup_steps=0)
-        _check_optimizer(model, optimizer)
-        self.stepping = False
-        """True while ``Context.step`` steps the optimizer: any other step is refused."""
-        optimizer.register_step_pre_hook(self._refuse_own_steps)
-
-    def _refuse_own_steps(self, *_: object) -> None:
-        if not self.stepping:
-            raise RuntimeError(
-                "the script called optimizer.step() itself: ctx.step() steps the optimizer "
-                "once the sites' gradients are averaged; remove the script's own call"
-            )
-
-    def step_optimizer(self) -> None:
-        self.stepping = True
-        try:
-            self.optimizer.step()
-        finally:
-            self.stepping = False
-
-    def parameter_digest(self) -> str:
-        return parameter_digest(self.model_parts)
-
-
-def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuses, in one line, an optimizer whose state checkpoints and state transfers
-    cannot hold (they carry Adam's ``exp_avg``, ``exp_avg_sq`` and ``step``), or whose
-    parameters are not the model's: found at attach, not at the first checkpoint
-    (``KeyError: 'exp_avg'``) or as "replicas differ" at the end (issue 60)."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(
-            f"ctx.attach: isthmus checkpoints and moves Adam and AdamW state (exp_avg, "
-            f"exp_avg_sq, step); got {type(optimizer).__name__}: use torch.optim.AdamW "
-            "or torch.optim.Adam"
-        )
-    if any(group.get("amsgrad") for group in optimizer.param_groups):
-        raise ValueError(
-            "ctx.attach: amsgrad=True keeps max_exp_avg_sq, which isthmus's checkpoints "
-            "do not hold; use amsgrad=False"
-        )
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    trained = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-    missing = [name for key, name in trained.items() if key not in held]
-    if missing:
-        raise ValueError(
-            f"ctx.attach: the optimizer does not hold the model's parameter {missing[0]!r}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + ": make it with model.parameters() after the model is built (and sharded)"
-        )
-    foreign = held - {id(p) for p in model.parameters()}
-    if foreign:
-        raise ValueError(
-            f"ctx.attach: the optimizer holds {len(foreign)} tensor(s) that are not "
-            "parameters of the attached model: make it with model.parameters() of this model"
-        )
-
-
-class _UserState:
-    """The script's own tensors, carried in checkpoints and state transfers as the
-    rank's extra entries (where the built-in trainer's batch plan goes)."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.tensors = dict(tensors)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {USER_PREFIX + k: v for k, v in self.tensors.items()}
-
-    def load_state(self, extra: Mapping[str, torch.Tensor]) -> None:
-        for key, value in extra.items():
-            if key.startswith(USER_PREFIX) and key[len(USER_PREFIX) :] in self.tensors:
-                with torch.no_grad():
-                    self.tensors[key[len(USER_PREFIX) :]].copy_(value)
-
-
-def _device(device_type: str) -> torch.device:
-    if device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device_type)
 
 
 class Context:
@@ -218,7 +119,7 @@ class Context:
         self.sites = list(config.site_names)
         self.site_index = self.sites.index(env.site)
         self.mesh, _ = join_site(env, config)
-        self.device = _device(self.mesh.device_type)
+        self.device = script_device(self.mesh.device_type)
         self._security = security_of(env, config)
         self._cross = join_job(env, config, self._security)
         self.start_step = 0
@@ -283,14 +184,14 @@ class Context:
             raise RuntimeError("attach() was called already: one model per job")
 
         config, env, cross = self.config, self._env, self._cross
-        shaped = _ScriptModel(model, optimizer, self.mesh["dp"], config.job.steps)
+        shaped = ScriptModel(model, optimizer, self.mesh["dp"], config.job.steps)
         if cross is not None and config.sync.mode == "step" and shaped.groups:
             # FSDP2 hands each group's reduce-scatter output over during backward, as
             # it does to the built-in trainer: the cross-site rounds overlap backward.
             for i, group in enumerate(shaped.groups):
                 group.set_all_reduce_hook(self._hook(shaped, cross.sync, i))
         outer = outer_optimizer(config, shaped, cross)  # type: ignore[arg-type]
-        user = _UserState(state or {})
+        user = UserState(state or {})
         if cross is not None:
             cross.sync.set_site_units(dict(zip(self.sites, config.site_units(), strict=True)))
             cross.plan = user  # type: ignore[assignment]
@@ -326,7 +227,7 @@ class Context:
         return start
 
     @staticmethod
-    def _hook(shaped: _ScriptModel, sync, group: int):
+    def _hook(shaped: ScriptModel, sync, group: int):
         def hook(shard: torch.Tensor) -> None:
             started = shaped.started_groups
             if (shaped.step_in_progress, group) in started:
@@ -397,7 +298,7 @@ class Context:
         """
         loop = self._require()
         shaped = loop.parts.trainer
-        assert isinstance(shaped, _ScriptModel)
+        assert isinstance(shaped, ScriptModel)
         problem = script_metrics_problem(dict.fromkeys(metrics, 0.0))  # names and count
         if problem is not None:
             raise ValueError(f"ctx.step: {problem}")
@@ -429,7 +330,7 @@ class Context:
         return Outcome(step, committed=committed, rejoined=not committed, next_step=loop.next_step)
 
     def _apply_gradients(
-        self, parts: RankParts, shaped: _ScriptModel, step: int, grad_clip: float | None
+        self, parts: RankParts, shaped: ScriptModel, step: int, grad_clip: float | None
     ) -> tuple[StepOutcome | None, float]:
         """The step's sync (per-step, or DiLoCo's outer round when due) and optimizer
         step: what the sync decided, and the gradients' norm (0 unless clipped)."""
@@ -439,11 +340,11 @@ class Context:
         if parts.sync is not None and outer is None:
             synced = self._sync_step(parts, shaped, step)
         elif not shaped.groups and self.world_size > 1:
-            _site_mean(shaped.model)  # a plain model: the site's ranks average here
+            site_mean(shaped.model)  # a plain model: the site's ranks average here
         grad_norm = 0.0
         if synced is None or synced.committed:
             if grad_clip is not None:
-                grad_norm = _clip(shaped.model, grad_clip)
+                grad_norm = clip_gradients(shaped.model, grad_clip)
             shaped.step_optimizer()
         shaped.optimizer.zero_grad(set_to_none=True)
         if outer is not None:
@@ -451,14 +352,14 @@ class Context:
         return lane_outcome(synced), grad_norm
 
     @staticmethod
-    def _sync_step(parts: RankParts, shaped: _ScriptModel, step: int):
+    def _sync_step(parts: RankParts, shaped: ScriptModel, step: int):
         """The step's cross-site gradient average (per-step sync): FSDP2's hooks started
         it during backward; a plain model's gradients go now, as one flat tensor."""
         sync = parts.sync
         assert sync is not None
         flat = piece = None
         if not shaped.groups:
-            _site_mean(shaped.model)
+            site_mean(shaped.model)
             grads = [p.grad for p in shaped.model.parameters() if p.grad is not None]
             # Sites of one size: each rank carries its slice of the site's mean across
             # (to the same rank at every site), so the gradient crosses once per site,
@@ -491,56 +392,6 @@ class Context:
         if self._loop is None:
             raise RuntimeError("call ctx.attach(model, optimizer) first")
         return self._loop
-
-
-def _clip(model: nn.Module, max_norm: float) -> float:
-    """Clips the gradients' global norm (over the site's shards: FSDP2's are DTensors)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def _site_mean(model: nn.Module) -> None:
-    """Averages a plain (unsharded) model's gradients over the site's ranks."""
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad.div_(world)
-
-
-@torch.no_grad()
-def load_parameters(source: str | Path, model: nn.Module) -> None:
-    """Loads what ``isthmus export RUN --to safetensors DIR`` wrote (``DIR`` or its
-    ``model.safetensors``) into ``model``, a plain module (load before ``fully_shard``):
-    a script's trained model, back in the script's own module, outside any job.
-
-    Raises:
-        ValueError: no such file, or parameters whose names or shapes differ from the
-            module's (the first one named); the module is left as it was then.
-    """
-    from safetensors.torch import load_file
-
-    path = Path(source)
-    path = path / "model.safetensors" if path.is_dir() else path
-    if not path.is_file():
-        raise ValueError(f"load_parameters: {path} not found (isthmus export --to safetensors)")
-    saved = load_file(str(path))
-    found = {name: tuple(t.shape) for name, t in saved.items()}
-    wanted = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    if found != wanted:
-        differ = [n for n in wanted if found.get(n) != wanted[n]]
-        name = (differ or [n for n in found if n not in wanted])[0]
-        raise ValueError(
-            f"load_parameters: {path} does not hold this module's parameters (first "
-            f"difference: {name!r}, {found.get(name, 'absent')} saved, "
-            f"{wanted.get(name, 'absent')} in the module)"
-        )
-    for name, p in model.named_parameters():
-        p.copy_(saved[name])
 
 
 _current: Context | None = None
