@@ -426,8 +426,13 @@ OPTIMIZERS = """
             "optimizer.step()",
             "RuntimeError: the script called optimizer.step() itself",
         ),
+        (  # a metric Prometheus cannot name: refused before anything is reported
+            "torch.optim.AdamW(model.parameters())",
+            'ctx.step(tokens=2, **{"held out": 1.0})',
+            "ValueError: ctx.step: script metric 'held out': a name is [A-Za-z_][A-Za-z0-9_]*",
+        ),
     ],
-    ids=["sgd", "another-module", "own-step"],
+    ids=["sgd", "another-module", "own-step", "bad-metric-name"],
 )
 def test_an_optimizer_isthmus_cannot_sync_is_refused_in_one_line(
     tmp_path, optimizer, own_step, said
