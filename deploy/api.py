@@ -229,15 +229,14 @@ class Context:
     @staticmethod
     def _hook(shaped: ScriptModel, sync, group: int):
         def hook(shard: torch.Tensor) -> None:
-            started = shaped.started_groups
-            if (shaped.step_in_progress, group) in started:
+            step = shaped.step_in_progress
+            if sync.started(step, group):
                 # A second backward of the step: said from ctx.step, the script's own
                 # frame (raised here, inside FSDP's hook, it would read as a collective's
                 # failure and leave the other sites waiting).
                 shaped.backward_twice = True
                 return
-            started.add((shaped.step_in_progress, group))
-            sync.start(shaped.step_in_progress, group, shard)
+            sync.start(step, group, shard)
 
         return hook
 
@@ -325,7 +324,6 @@ class Context:
                 more={SCRIPT_PREFIX + k: float(v) for k, v in metrics.items()},
             )
 
-        shaped.started_groups.clear()  # the next backward, a retried step's too, syncs anew
         committed = loop.end_step(synced, compute_s, sync_s, measured)
         return Outcome(step, committed=committed, rejoined=not committed, next_step=loop.next_step)
 

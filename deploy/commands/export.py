@@ -80,7 +80,7 @@ def export_hf(source: Path, out: Path, config: JobConfig, run_dir: Path) -> tupl
     """
     import torch
 
-    from isthmus.intra import checkpoint, hf_layout
+    from isthmus.intra import hf_layout
     from isthmus.intra.model import Transformer
 
     _require_empty(out)
@@ -102,11 +102,7 @@ def export_hf(source: Path, out: Path, config: JobConfig, run_dir: Path) -> tupl
         hf = hf_layout.hf_config(cfg, base)
     except ValueError as exc:
         raise ConfigError(f"export: {exc}") from None
-    path = _checkpoint(source, config, run_dir)
-    try:
-        params = checkpoint.full_parameters(path, checkpoint_key(config))
-    except checkpoint.CheckpointError as exc:
-        raise ConfigError(str(exc)) from None
+    path, params = _parameters(source, config, run_dir)
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
     found = {n: tuple(t.shape) for n, t in params.items()}
@@ -137,7 +133,7 @@ def export_safetensors(
         ConfigError: no checkpoint, one that fails verification, or an ``out`` that holds
             files already; nothing is written then.
     """
-    from isthmus.intra import checkpoint, hf_layout
+    from isthmus.intra import hf_layout
 
     _require_empty(out)
     try:
@@ -146,15 +142,23 @@ def export_safetensors(
         raise ConfigError(f"export: {exc}") from None
     from safetensors.torch import save_file
 
-    path = _checkpoint(source, config, run_dir)
-    try:
-        params = checkpoint.full_parameters(path, checkpoint_key(config))
-    except checkpoint.CheckpointError as exc:
-        raise ConfigError(str(exc)) from None
+    path, params = _parameters(source, config, run_dir)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in params.items()}
     with _staged(out) as staging:
         save_file(tensors, str(staging / hf_layout.WEIGHTS), metadata={"format": "pt"})
     return path, sum(t.numel() for t in params.values())
+
+
+def _parameters(source: Path, config: JobConfig, run_dir: Path):
+    """The checkpoint of ``source`` (see ``_checkpoint``) and its full parameters by
+    name, verified first; a failed verification is one ConfigError line."""
+    from isthmus.intra import checkpoint
+
+    path = _checkpoint(source, config, run_dir)
+    try:
+        return path, checkpoint.full_parameters(path, checkpoint_key(config))
+    except checkpoint.CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _require_empty(out: Path) -> None:

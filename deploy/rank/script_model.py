@@ -48,8 +48,6 @@ class ScriptModel:
         self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.sync = None  # the outer optimizer checks that the model does not sync itself
         self.step_in_progress = 0
-        self.started_groups: set[tuple[int, int]] = set()
-        """(step, group) whose cross-site round FSDP2's hook started this step."""
         self.backward_twice = False
         """A group's hook ran twice in one step: backward without ``ctx.no_sync()``."""
         self.tied = None  # one model part: no head tied across pipeline stages (intra/tied.py)

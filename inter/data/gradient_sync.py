@@ -127,6 +127,10 @@ class LaneGradientSync:
             raise RuntimeError(f"set_layout() during step {self._step}")
         self._position, self._shapes = position, dict(shapes)
 
+    def started(self, step: int, group: int) -> bool:
+        """Whether ``group``'s round of ``step`` started and is not finished yet."""
+        return step == self._step and any(p.group == group for p in self._pending)
+
     def start(self, step: int, group: int, shard: torch.Tensor) -> None:
         """Starts the cross-site round of one FSDP group.
 
@@ -137,7 +141,7 @@ class LaneGradientSync:
         """
         if self._pending and step != self._step:
             raise RuntimeError(f"step {step} started while step {self._step} is unfinished")
-        if any(p.group == group for p in self._pending):
+        if self.started(step, group):
             raise ValueError(f"group {group} already started in step {step}")
         self._step = step
         # A copy on the stream the hook runs on, so it is ordered after the
