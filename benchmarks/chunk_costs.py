@@ -27,9 +27,9 @@ from concurrent import futures
 import numpy as np
 import torch
 
-from isthmus.inter.data.bulk_stream import empty
-from isthmus.inter.data.codec import crc32, make_codec
-from isthmus.inter.data.round_device import on_lane_stream, sum_parts
+from isthmus.inter.data.codecs.chain import crc32, make_codec
+from isthmus.inter.data.round.device import on_lane_stream, sum_parts
+from isthmus.inter.data.transport.bulk_stream import empty
 
 MIB = 1 << 20
 

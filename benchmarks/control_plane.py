@@ -4,7 +4,7 @@ Each site's coordinator (inter/control/coordinator.py) is a real gRPC server on
 loopback in its own process, so its CPU time is its own; site0's is the failover
 leader (every other site votes there). Each site's ranks are simulated by one client
 process (many ranks per event loop) that does per rank what deploy/rank/program.py
-does through inter/control/coordinator_client.py and inter/data/membership.py:
+does through inter/control/coordinator_client.py and inter/data/sync/membership.py:
 
 - once: ``RegisterRank`` (lane address, key), then ``GetMembership`` until generation 1
   (grpc.aio);

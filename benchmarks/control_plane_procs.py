@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 SECRET = b"control-plane-benchmark-secret!!"
 """The site secret the simulated ranks derive their keys from (rank_keys.derived_key)."""
 FINGERPRINT = {"job.seed": "0", "bench": "control_plane"}
-VOTE_WAIT_MS = 2_000  # inter/data/membership.py _VOTE_WAIT_MS
-WATCH_WAIT_MS = 5_000  # inter/data/membership.py _WATCH_WAIT_MS
+VOTE_WAIT_MS = 2_000  # inter/data/sync/membership.py _VOTE_WAIT_MS
+WATCH_WAIT_MS = 5_000  # inter/data/sync/membership.py _WATCH_WAIT_MS
 HOST_WATCH_WAIT_MS = 10_000
 """An agent's watch: answered at once on news (a suspect, a generation) like a rank's,
 so a longer wait costs nothing but the polls it saves; a rank's 1 s polls, in phase with
@@ -356,7 +356,7 @@ class SimulatedRanks:
         self.watchers = [asyncio.create_task(self.watch(r)) for r in watching]
 
     async def watch(self, rank: int) -> None:
-        """The membership watcher of inter/data/membership.py: long poll after long poll."""
+        """The membership watcher of inter/data/sync/membership.py: long poll after long poll."""
         from h2_client import H2CallError
 
         from isthmus.inter.control.agent_wire import Kind, StatusError

@@ -106,7 +106,7 @@ def codec_speed(spec: str) -> float:
     """Raw bytes/s one core encodes and decodes with `spec`, on gradient-like data."""
     import torch
 
-    from isthmus.inter.data.codec import make_codec
+    from isthmus.inter.data.codecs.chain import make_codec
 
     if spec == "raw":
         return float("inf")  # a copy: never the limit here

@@ -125,10 +125,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def cross_site(args: argparse.Namespace):
     """This rank's `CrossSiteAllReduce` with the same rank of the other site."""
-    from isthmus.inter.data.allreduce import CrossSiteAllReduce
-    from isthmus.inter.data.codec import make_codec
-    from isthmus.inter.data.lane import LaneServer
-    from isthmus.inter.data.lane_peer import LanePeer
+    from isthmus.inter.data.codecs.chain import make_codec
+    from isthmus.inter.data.lane.peer import LanePeer
+    from isthmus.inter.data.lane.server import LaneServer
+    from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
 
     site, chunk = args.site, int(args.chunk_mib * MIB)
     codec = make_codec(args.codec)

@@ -4,7 +4,7 @@ frames' deadlines and without: prints a table, writes JSON (issue 32, item 2).
 Two sites in this process (real lanes, real relay), ``--connections`` bulk connections
 each way over one emulated link. After a warm-up round has dialled every connection, the
 link holds the first bulk flow each way (``flow_stall``, for ``--stall-s``) and one round
-of ``--mib`` MiB a site runs: with the deadlines (``inter/data/bulk_peer.py``: the stalled
+of ``--mib`` MiB a site runs: with the deadlines (``inter/data/transport/bulk_peer.py``: the stalled
 connection is left and its frames go on a new one) and with them switched off (the round
 waits for the flow, as before them, or fails at ``--timeout-s``). A round on the clean
 link is the reference. Every round must end exact and identical at both sites.
@@ -28,11 +28,11 @@ from collections.abc import Iterator
 
 import torch
 
-from isthmus.inter.data import flow_clock
-from isthmus.inter.data.allreduce import CrossSiteAllReduce
-from isthmus.inter.data.codec import make_codec
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.codecs.chain import make_codec
+from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.transport import flow_clock
 from isthmus.sim import LinkSpec, RelayServer
 from isthmus.sim.impairments.flow_stall import FlowStall
 

@@ -28,10 +28,10 @@ import time
 import torch
 
 from isthmus.deploy.commands.certs import write_certs
-from isthmus.inter.data.allreduce import CrossSiteAllReduce
-from isthmus.inter.data.codec import make_codec
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.codecs.chain import make_codec
+from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
 from isthmus.inter.security import SiteSecurity
 
 

@@ -224,7 +224,7 @@ def sharded_rows(module: nn.Module) -> dict[int, tuple[int, int, int, int]]:
     dimension before FSDP sharding (after tensor parallelism), the elements per row,
     and this rank's chunk of them (torch.chunk's rule) among how many.
 
-    Sites of different sizes pair their ranks by these (inter/data/shard_map.py). It
+    Sites of different sizes pair their ranks by these (inter/data/sync/shard_map.py). It
     reads FSDP2's own record of each parameter, so it follows whatever it padded.
     """
     out: dict[int, tuple[int, int, int, int]] = {}

@@ -128,7 +128,7 @@ class LaneServicer:
     def OpenBulk(self, request, context):
         """A sending site asks for a ticket to the lane's bulk port: plain TCP carrying
         the same PushChunksRequest messages, length-prefixed, with no gRPC framing or
-        copies on the way (inter/data/bulk.py). The ticket is not in the answer: the lane
+        copies on the way (inter/data/transport/bulk.py). The ticket is not in the answer: the lane
         grants it to the asking site's own lane, at the address its rounds know, in a
         GrantBulk call that carries the request's nonce, so only that site holds it. The
         ticket admits one bulk connection, whose chunks must all come from that site

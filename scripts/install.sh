@@ -55,8 +55,8 @@ fi
 # the test suite starts many. A source changed later is compiled again in memory.
 "$python" -m compileall -q -j 0 -x '/\.' . >/dev/null ||
   echo "note: could not byte-compile the package (it runs, a little slower to start)" >&2
-# The lanes' receive path in C (inter/data/wirecore.c), built now rather than by the
+# The lanes' receive path in C (inter/data/transport/wirecore.c), built now rather than by the
 # first rank; without a C compiler the lanes use the same path in Python.
-"$python" -m isthmus.inter.data.wirecore >&2 ||
+"$python" -m isthmus.inter.data.transport.wirecore >&2 ||
   echo "note: no C compiler: the lanes receive through Python (slower, same results)" >&2
 echo "isthmus installed: $(command -v isthmus || echo "$python -m isthmus.deploy.cli")" >&2

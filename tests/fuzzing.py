@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
-from isthmus.inter.data.codec import crc32
-from isthmus.inter.data.lane import PASS_METADATA, LaneServer, channel_options
-from isthmus.inter.data.state_offers import Admitted
+from isthmus.inter.data.codecs.chain import crc32
+from isthmus.inter.data.lane.server import PASS_METADATA, LaneServer, channel_options
+from isthmus.inter.data.state.offers import Admitted
 from isthmus.proto import lane_pb2
 
 FP = {"job.seed": "0"}

@@ -162,7 +162,7 @@ def raw_chunk(**overrides: object):
     """A sound one-chunk PushChunksRequest of ten fp32 ones (raw codec); fields overridable."""
     import torch
 
-    from isthmus.inter.data.codec import crc32, make_codec
+    from isthmus.inter.data.codecs.chain import crc32, make_codec
     from isthmus.proto import lane_pb2
 
     payload = bytes(make_codec("raw").encode(torch.ones(10)))

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from isthmus.inter.data.allreduce import CrossSiteAllReduce
-from isthmus.inter.data.codec import make_codec
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
+from isthmus.inter.data.codecs.chain import make_codec
+from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
 
 CHUNK = 4096  # bytes: 1024 fp32 per chunk, small so odd tensor sizes straddle chunks
 

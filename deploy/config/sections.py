@@ -229,7 +229,7 @@ class SyncSection:
     connections: int = 0
     """TCP connections per peer lane (bulk or gRPC), 1..16; 0 = as many as fill the link:
     bandwidth / wan.per_flow_mbit, or the bandwidth-delay product over one connection's
-    TCP window, at least 2 (inter/data/chunk_size.py, ``connections_for_link``)."""
+    TCP window, at least 2 (inter/data/transport/chunk_size.py, ``connections_for_link``)."""
     transport: str = "auto"
     """How chunks travel: "bulk" (the lanes' own TCP port, inside mutual TLS when
     security.require_tls is on; fastest), "grpc" (PushChunks calls) or "auto" (bulk;

@@ -2,7 +2,7 @@
 
 What the rest of isthmus uses of it is named here, and deploy imports nothing else
 (tests/deploy/test_layers.py): a rank opens its cross-site sync with one call,
-:func:`open_rank_sync` (inter/data/rank_sync.py), and its trainer calls the
+:func:`open_rank_sync` (inter/data/sync/rank.py), and its trainer calls the
 :class:`LaneGradientSync` that comes with it; the job's config checks its codec and
 sizes its chunks with the helpers below. The names load on first use, so a command
 that only reads the config does not import torch.
@@ -14,48 +14,48 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from isthmus.inter.data.chunk_size import (
+    from isthmus.inter.data.codecs.chain import crc32, make_codec
+    from isthmus.inter.data.codecs.int8 import BLOCK as INT8_BLOCK
+    from isthmus.inter.data.codecs.spec import CODEC_FORMAT, parse_codec_spec
+    from isthmus.inter.data.round.context import ModelMismatch, NonFiniteGradient
+    from isthmus.inter.data.state.transfer import ExpectedState
+    from isthmus.inter.data.sync.gradient import LaneGradientSync
+    from isthmus.inter.data.sync.membership import Generation, QuorumLost
+    from isthmus.inter.data.sync.rank import RankSync, RankSyncSettings, open_rank_sync
+    from isthmus.inter.data.sync.shard_map import GroupShape, ShardPosition
+    from isthmus.inter.data.sync.stats import StepOutcome, SyncStats
+    from isthmus.inter.data.transport.chunk_size import (
         connections_for_link,
         descriptors_needed,
         sync_chunk_bytes,
     )
-    from isthmus.inter.data.codec import crc32, make_codec
-    from isthmus.inter.data.codec_spec import CODEC_FORMAT, parse_codec_spec
-    from isthmus.inter.data.codecs.int8 import BLOCK as INT8_BLOCK
-    from isthmus.inter.data.gradient_sync import LaneGradientSync
-    from isthmus.inter.data.membership import Generation, QuorumLost
-    from isthmus.inter.data.rank_sync import RankSync, RankSyncSettings, open_rank_sync
-    from isthmus.inter.data.round_types import ModelMismatch, NonFiniteGradient
-    from isthmus.inter.data.shard_map import GroupShape, ShardPosition
-    from isthmus.inter.data.state_transfer import ExpectedState
-    from isthmus.inter.data.sync_stats import StepOutcome, SyncStats
 
 _EXPORTS: dict[str, tuple[str, str]] = {
     # A rank's cross-site sync and what a step's outcome carries.
-    "open_rank_sync": ("rank_sync", "open_rank_sync"),
-    "RankSync": ("rank_sync", "RankSync"),
-    "RankSyncSettings": ("rank_sync", "RankSyncSettings"),
-    "Generation": ("membership", "Generation"),
-    "LaneGradientSync": ("gradient_sync", "LaneGradientSync"),
-    "StepOutcome": ("sync_stats", "StepOutcome"),
-    "SyncStats": ("sync_stats", "SyncStats"),
-    "QuorumLost": ("membership", "QuorumLost"),
-    "ModelMismatch": ("round_types", "ModelMismatch"),
-    "NonFiniteGradient": ("round_types", "NonFiniteGradient"),
+    "open_rank_sync": ("sync.rank", "open_rank_sync"),
+    "RankSync": ("sync.rank", "RankSync"),
+    "RankSyncSettings": ("sync.rank", "RankSyncSettings"),
+    "Generation": ("sync.membership", "Generation"),
+    "LaneGradientSync": ("sync.gradient", "LaneGradientSync"),
+    "StepOutcome": ("sync.stats", "StepOutcome"),
+    "SyncStats": ("sync.stats", "SyncStats"),
+    "QuorumLost": ("sync.membership", "QuorumLost"),
+    "ModelMismatch": ("round.context", "ModelMismatch"),
+    "NonFiniteGradient": ("round.context", "NonFiniteGradient"),
     # What a joining rank expects to pull (it bounds what the source may make it allocate).
-    "ExpectedState": ("state_transfer", "ExpectedState"),
+    "ExpectedState": ("state.transfer", "ExpectedState"),
     # Where a rank's shards sit, for sites of different sizes.
-    "GroupShape": ("shard_map", "GroupShape"),
-    "ShardPosition": ("shard_map", "ShardPosition"),
+    "GroupShape": ("sync.shard_map", "GroupShape"),
+    "ShardPosition": ("sync.shard_map", "ShardPosition"),
     # Codecs and chunk sizes, for the job's config, its plan and its checks.
-    "make_codec": ("codec", "make_codec"),
-    "crc32": ("codec", "crc32"),
-    "parse_codec_spec": ("codec_spec", "parse_codec_spec"),
-    "CODEC_FORMAT": ("codec_spec", "CODEC_FORMAT"),
+    "make_codec": ("codecs.chain", "make_codec"),
+    "crc32": ("codecs.chain", "crc32"),
+    "parse_codec_spec": ("codecs.spec", "parse_codec_spec"),
+    "CODEC_FORMAT": ("codecs.spec", "CODEC_FORMAT"),
     "INT8_BLOCK": ("codecs.int8", "BLOCK"),
-    "connections_for_link": ("chunk_size", "connections_for_link"),
-    "descriptors_needed": ("chunk_size", "descriptors_needed"),
-    "sync_chunk_bytes": ("chunk_size", "sync_chunk_bytes"),
+    "connections_for_link": ("transport.chunk_size", "connections_for_link"),
+    "descriptors_needed": ("transport.chunk_size", "descriptors_needed"),
+    "sync_chunk_bytes": ("transport.chunk_size", "sync_chunk_bytes"),
 }
 
 __all__ = [

@@ -1,13 +1,13 @@
 """The cross-site all-reduce benchmark: one process per lane, lanes over given links.
 
 :func:`run_case` starts one spawned process per site; each runs a real
-:class:`~isthmus.inter.data.lane.LaneServer`, :class:`~isthmus.inter.data.lane_peer.LanePeer`\\ s
-and a :class:`~isthmus.inter.data.allreduce.CrossSiteAllReduce`, warms its connections up,
+:class:`~isthmus.inter.data.lane.server.LaneServer`, :class:`~isthmus.inter.data.lane.peer.LanePeer`\\ s
+and a :class:`~isthmus.inter.data.round.allreduce.CrossSiteAllReduce`, warms its connections up,
 then all-reduces one tensor a step, every lane beginning each step when the parent says
 go (as a site's ranks begin a step's sync together in training). The links come from a factory the
 caller passes in (``inter`` does not import the WAN emulator; ``deploy`` wires it), so
 the same code can measure real links. Each codec's speed on one core, which tells when
-the CPU and not the link is the limit, comes from :mod:`~isthmus.inter.data.codec_speed`
+the CPU and not the link is the limit, comes from :mod:`~isthmus.inter.data.codecs.speed`
 (re-exported here: the benchmark is the data plane's one program that ``deploy`` imports).
 """
 
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from isthmus.inter.data.codec_speed import MIB, codec_throughput, format_throughput
+from isthmus.inter.data.codecs.speed import MIB, codec_throughput, format_throughput
 
 if TYPE_CHECKING:  # imported at run time in the lane's process, after its environment
-    from isthmus.inter.data.allreduce import CrossSiteAllReduce
-    from isthmus.inter.data.lane import LaneServer
-    from isthmus.inter.data.lane_peer import LanePeer
+    from isthmus.inter.data.lane.peer import LanePeer
+    from isthmus.inter.data.lane.server import LaneServer
+    from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
 
 __all__ = [
     "BenchCase",
@@ -79,7 +79,7 @@ class BenchCase:
     (i x lanes + k) mod count), so rounds decode, sum and encode there as in training."""
     groups: int = 1
     """Split each slice into this many groups, started one after another through
-    :class:`~isthmus.inter.data.gradient_sync.LaneGradientSync` as backward starts FSDP
+    :class:`~isthmus.inter.data.sync.gradient.LaneGradientSync` as backward starts FSDP
     groups (1 = one plain all-reduce)."""
     in_flight: int = 4
     """Rounds in flight (``sync.rounds_in_flight``) when ``groups`` > 1."""
@@ -115,7 +115,7 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
     its slice on "go", report."""
     os.environ["no_grpc_proxy"] = "none.invalid"  # noqa: SIM112 (gRPC reads lowercase)
     torch.set_num_threads(1)
-    from isthmus.inter.data.gradient_sync import LaneGradientSync
+    from isthmus.inter.data.sync.gradient import LaneGradientSync
 
     # As the rank program does once its imports are in (deploy/rank/program.py): their
     # objects leave the cyclic collector's sight. Otherwise a full collection here walks
@@ -160,10 +160,10 @@ def _open_lane(
 ) -> tuple[LaneServer, dict[int, LanePeer], CrossSiteAllReduce]:
     """Start the lane's server, send its address to the parent, receive the peers'
     (address, proxy) and connect: returns (server, peers by site, all-reduce)."""
-    from isthmus.inter.data.allreduce import CrossSiteAllReduce
-    from isthmus.inter.data.codec import make_codec
-    from isthmus.inter.data.lane import LaneServer
-    from isthmus.inter.data.lane_peer import LanePeer
+    from isthmus.inter.data.codecs.chain import make_codec
+    from isthmus.inter.data.lane.peer import LanePeer
+    from isthmus.inter.data.lane.server import LaneServer
+    from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
     from isthmus.inter.security import SiteSecurity
 
     codec = make_codec(c.codec)

@@ -181,8 +181,8 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
         "inter/__init__.py": "",
         "inter/security.py": "from isthmus.proto import lane_pb2\nfrom isthmus.intra import train\n",
         "inter/data/__init__.py": '__all__ = ["open_rank_sync"]\n',
-        "inter/data/lane.py": "from isthmus.inter.control import coordinator_client\n",
-        "inter/data/round.py": "from isthmus.inter.control.failover import Failover\n",
+        "inter/data/lane/server.py": "from isthmus.inter.control import coordinator_client\n",
+        "inter/data/round/pipeline.py": "from isthmus.inter.control.failover import Failover\n",
         "inter/control/__init__.py": "",
         "inter/control/coordinator.py": (
             "from typing import TYPE_CHECKING\n"
@@ -200,7 +200,7 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
             "    from .coordinator import Coordinator\n"
         ),
         "inter/control/lane_pb2.py": "from isthmus.deploy import cli\n",  # generated: skipped
-        "deploy/__init__.py": "from isthmus.inter.data.lane import LaneServer\n",
+        "deploy/__init__.py": "from isthmus.inter.data.lane.server import LaneServer\n",
         "deploy/rank/program.py": (
             "from isthmus.inter.data import bench, open_rank_sync\n"
             "from isthmus.inter.data import lane\n"
@@ -213,13 +213,13 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
     found = violations(tmp_path)
     where = [line.split("  (")[0] for line in found]
     assert where == [
-        "deploy/__init__.py:1: from isthmus.inter.data.lane import LaneServer",
+        "deploy/__init__.py:1: from isthmus.inter.data.lane.server import LaneServer",
         "deploy/rank/program.py:2: from isthmus.inter.data import lane",
         "inter/control/coordinator.py:4: from ..data.lane import LaneServer",
         "inter/control/coordinator.py:6: from isthmus.inter import data",
         "inter/control/coordinator.py:8: importlib.import_module(f'isthmus.inter.data.{name}')",
         "inter/control/failover.py:3: from .coordinator import Coordinator",
-        "inter/data/round.py:1: from isthmus.inter.control.failover import Failover",
+        "inter/data/round/pipeline.py:1: from isthmus.inter.control.failover import Failover",
         "inter/security.py:2: from isthmus.intra import train",
         "sim/__init__.py:2: import isthmus.deploy.cli",
     ], "\n".join(found)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fuzzing import COUNTS, Lane
 
-from isthmus.inter.data import lane as lane_module
+from isthmus.inter.data.lane import server as lane_module
 
 
 @pytest.fixture

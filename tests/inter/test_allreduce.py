@@ -13,13 +13,13 @@ import torch
 from helpers import raw_chunk
 from lanes import CHUNK, inputs, run_all, sites
 
-from isthmus.inter.data.allreduce import CrossSiteAllReduce, CrossSiteError
-from isthmus.inter.data.codec import crc32, make_codec
-from isthmus.inter.data.gradient_sync import LaneGradientSync
-from isthmus.inter.data.lane import PASS_METADATA, LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.inter.data.mailbox import CORRUPT, Mailbox
-from isthmus.inter.data.round_types import Members
+from isthmus.inter.data.codecs.chain import crc32, make_codec
+from isthmus.inter.data.lane.mailbox import CORRUPT, Mailbox
+from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.lane.server import PASS_METADATA, LaneServer
+from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, CrossSiteError
+from isthmus.inter.data.round.context import Members
+from isthmus.inter.data.sync.gradient import LaneGradientSync
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 SIZES = [[1000, 3, 2500], [17], [1024], [5, 4096, 1]]  # incl. < one chunk, exact chunk

@@ -7,8 +7,8 @@ import torch
 from lanes import inputs, run_all, same_bits, sites
 
 from isthmus.deploy.config.job import load_config
-from isthmus.inter.data.chunk_size import CUDA_BULK_CHUNK_BYTES, chunk_bytes_for_link
-from isthmus.inter.data.gradient_sync import LaneGradientSync
+from isthmus.inter.data.sync.gradient import LaneGradientSync
+from isthmus.inter.data.transport.chunk_size import CUDA_BULK_CHUNK_BYTES, chunk_bytes_for_link
 
 pytestmark = pytest.mark.timeout(60)
 

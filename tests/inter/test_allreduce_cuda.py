@@ -20,8 +20,9 @@ import pytest
 import torch
 from lanes import inputs, run_all, same_bits, sites
 
-from isthmus.inter.data.codecs import Int8Stage, int8_kernels
-from isthmus.inter.data.gradient_sync import LaneGradientSync
+from isthmus.inter.data.codecs import int8_kernels
+from isthmus.inter.data.codecs.int8 import Int8Stage
+from isthmus.inter.data.sync.gradient import LaneGradientSync
 
 pytestmark = [
     pytest.mark.timeout(120),

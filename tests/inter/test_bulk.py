@@ -1,4 +1,4 @@
-"""The bulk transport (inter/data/bulk.py) against real lanes on loopback.
+"""The bulk transport (inter/data/transport/bulk.py) against real lanes on loopback.
 
 Who may connect (a ticket granted to a site's own lane, used once), what a
 hostile or broken connection gets (a refusal with a reason, the connection closed, the
@@ -17,8 +17,12 @@ import torch
 from helpers import raw_chunk, wait_until
 from lanes import inputs, run_all, sites
 
-from isthmus.inter.data.allreduce import CrossSiteAllReduce
-from isthmus.inter.data.bulk import (
+from isthmus.inter.data.codecs.chain import crc32, make_codec
+from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.round.context import Members
+from isthmus.inter.data.transport.bulk import (
     ACCEPTED,
     MAGIC,
     OK,
@@ -27,10 +31,6 @@ from isthmus.inter.data.bulk import (
     frame_bytes,
     record_head,
 )
-from isthmus.inter.data.codec import crc32, make_codec
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.inter.data.round_types import Members
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
@@ -248,7 +248,7 @@ def test_a_flood_of_connections_without_tickets_stays_bounded_and_rounds_go_on()
     a real peer presents its ticket at once, so the sites' rounds go on meanwhile."""
     import threading
 
-    from isthmus.inter.data.bulk import MAX_UNTICKETED
+    from isthmus.inter.data.transport.bulk import MAX_UNTICKETED
 
     with sites(2, "raw", transport="bulk") as ars:
         port = ars[0].server._bulk.port
@@ -280,7 +280,7 @@ def test_a_stalled_frame_and_too_many_connections_are_cut_off(lane, monkeypatch)
     """Issue 33, row 4: 400 frames begun and left open after a ticket held 450 MB and
     400 threads of one rank. A frame whose bytes stop for FRAME_STALL_S is given up,
     and a site's connections past PER_SITE_CONNECTIONS are refused."""
-    from isthmus.inter.data import bulk
+    from isthmus.inter.data.transport import bulk
 
     monkeypatch.setattr(bulk, "FRAME_STALL_S", 1.0)
     monkeypatch.setattr(bulk, "PER_SITE_CONNECTIONS", 2)
@@ -314,7 +314,7 @@ def test_six_sites_of_sixteen_connections_fit_and_no_site_takes_another_s_share(
     sync.connections=16`` at step 0 (5 peers x 16 = 80 refused past 64, retried for
     ever). The bound is per site: every peer's most fits, a site past twice the most
     is refused, and that refusal costs the other sites nothing."""
-    from isthmus.inter.data.chunk_size import MAX_CONNECTIONS, PER_SITE_CONNECTIONS
+    from isthmus.inter.data.transport.chunk_size import MAX_CONNECTIONS, PER_SITE_CONNECTIONS
 
     server = LaneServer(site_index=0, num_sites=6, codec="raw", generation=1)
     opened: list[socket.socket] = []
@@ -342,7 +342,7 @@ def test_six_sites_of_sixteen_connections_fit_and_no_site_takes_another_s_share(
 
 _EMFILE_SCRIPT = r"""
 import resource, socket, sys, time
-from isthmus.inter.data.bulk import BulkListener, MAGIC, REFUSED
+from isthmus.inter.data.transport.bulk import BulkListener, MAGIC, REFUSED
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
 listener = BulkListener("127.0.0.1", lambda frame, peer, holder: (0, None, ""), 1 << 20, "test")
 held = []

@@ -1,4 +1,4 @@
-"""The bulk port inside mutual TLS (inter/data/bulk_stream.py) against real lanes.
+"""The bulk port inside mutual TLS (inter/data/transport/bulk_stream.py) against real lanes.
 
 What a round moves (exact sums, and no payload byte in the clear on the wire), and who
 gets nothing: a plaintext client, a certificate of another CA, a job certificate that
@@ -21,15 +21,15 @@ from helpers import raw_chunk, wait_until
 from lanes import run_all
 
 from isthmus.deploy.commands.certs import write_certs
-from isthmus.inter.data import wirecore
-from isthmus.inter.data.allreduce import CrossSiteAllReduce
-from isthmus.inter.data.bulk import ACCEPTED, MAGIC, OK, REFUSED, frame_bytes
-from isthmus.inter.data.bulk_stream import TlsStream, client_context, server_context
-from isthmus.inter.data.codec import crc32, make_codec
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.inter.data.round_types import Members
-from isthmus.inter.data.wirecore import FrameClosed
+from isthmus.inter.data.codecs.chain import crc32, make_codec
+from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.round.context import Members
+from isthmus.inter.data.transport import wirecore
+from isthmus.inter.data.transport.bulk import ACCEPTED, MAGIC, OK, REFUSED, frame_bytes
+from isthmus.inter.data.transport.bulk_stream import TlsStream, client_context, server_context
+from isthmus.inter.data.transport.wirecore import FrameClosed
 from isthmus.inter.security import SiteSecurity
 
 pytestmark = pytest.mark.timeout(90)

@@ -6,8 +6,9 @@ import pytest
 import torch
 import zstandard
 
-from isthmus.inter.data.codec import CodecError, crc32, make_codec
-from isthmus.inter.data.codecs import Fp32Stage, ZstdStage
+from isthmus.inter.data.codecs.chain import CodecError, crc32, make_codec
+from isthmus.inter.data.codecs.fp32 import Fp32Stage
+from isthmus.inter.data.codecs.zstd import ZstdStage
 
 pytestmark = pytest.mark.timeout(30)
 

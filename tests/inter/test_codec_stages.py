@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from isthmus.inter.data.codec import CodecError, make_codec
-from isthmus.inter.data.codecs import Int4Stage, Int8Stage, ShuffleStage
-from isthmus.inter.data.codecs.int8 import BLOCK
+from isthmus.inter.data.codecs.chain import CodecError, make_codec
+from isthmus.inter.data.codecs.int4 import Int4Stage
+from isthmus.inter.data.codecs.int8 import BLOCK, Int8Stage
+from isthmus.inter.data.codecs.shuffle import ShuffleStage
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -227,7 +228,7 @@ def test_a_site_with_another_payload_layout_is_refused_at_join() -> None:
     fail every chunk's size check, so the fingerprint names the layout's version."""
     from isthmus.deploy.config.job import load_config
     from isthmus.inter.control.fingerprint import fingerprint_problem
-    from isthmus.inter.data.codec_spec import CODEC_FORMAT
+    from isthmus.inter.data.codecs.spec import CODEC_FORMAT
 
     ours = load_config(None, ["sync.codec=int8"]).fingerprint()
     assert ours["sync.codec_format"] == str(CODEC_FORMAT)

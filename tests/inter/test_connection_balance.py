@@ -1,5 +1,5 @@
 """A peer's rounds share its connections, and each chunk goes on the least loaded one
-(inter/data/peer_round.py, ``PeerRound.send``): real bulk connections to a real lane on
+(inter/data/transport/peer_round.py, ``PeerRound.send``): real bulk connections to a real lane on
 loopback, each connection told apart at the lane by its address.
 
 Before, each round took the connections in turn from the first, so a round of 4 frames
@@ -18,11 +18,11 @@ import pytest
 import torch
 from helpers import raw_chunk, wait_until
 
-from isthmus.inter.data.bulk_peer import BulkConnection
-from isthmus.inter.data.codec import crc32, make_codec
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.peer_round import PeerRound
-from isthmus.inter.data.wire import Frame
+from isthmus.inter.data.codecs.chain import crc32, make_codec
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.transport.bulk_peer import BulkConnection
+from isthmus.inter.data.transport.peer_round import PeerRound
+from isthmus.inter.data.transport.wire import Frame
 
 pytestmark = pytest.mark.timeout(60)
 

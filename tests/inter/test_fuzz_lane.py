@@ -30,9 +30,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isthmus.inter.data.codec import crc32
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.mailbox import MAX_STEPS_AHEAD
+from isthmus.inter.data.codecs.chain import crc32
+from isthmus.inter.data.lane.mailbox import MAX_STEPS_AHEAD
+from isthmus.inter.data.lane.server import LaneServer
 from isthmus.proto import lane_pb2
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("report_counts")]
@@ -345,7 +345,7 @@ def test_streams_nobody_ends_never_take_the_threads_of_resends_and_health():
     once, and ResendChunk and health checks are still answered."""
     from threading import Event
 
-    from isthmus.inter.data.lane import PASS_METADATA, RESERVED_THREADS
+    from isthmus.inter.data.lane.server import PASS_METADATA, RESERVED_THREADS
     from isthmus.proto import lane_pb2_grpc
 
     server = LaneServer(site_index=0, num_sites=2, codec="raw", max_workers=RESERVED_THREADS + 2)

@@ -18,7 +18,8 @@ pytest.importorskip("triton", reason="the kernels are Triton's; the --dev instal
 _CHECK = textwrap.dedent(
     """
     import numpy as np, torch
-    from isthmus.inter.data.codecs import Int8Stage, int8_kernels
+    from isthmus.inter.data.codecs import int8_kernels
+    from isthmus.inter.data.codecs.int8 import Int8Stage
     from isthmus.inter.data.codecs.int8 import BLOCK
 
     assert int8_kernels.usable(torch.empty(1)), "the interpreter should run the kernels"
@@ -91,7 +92,7 @@ _ROUNDS = textwrap.dedent(
     """
     import os, torch
     from lanes import inputs, run_all, same_bits, sites
-    from isthmus.inter.data.round import NonFiniteGradient, PeerAborted
+    from isthmus.inter.data.round.pipeline import NonFiniteGradient, PeerAborted
 
     def rounds(fused):
         os.environ["ISTHMUS_FUSED"] = fused

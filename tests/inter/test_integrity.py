@@ -15,12 +15,12 @@ import pytest
 import torch
 from lanes import inputs, run_all, same_bits, sites, two_sites_over
 
-from isthmus.inter.data.codec import crc32
+from isthmus.inter.data.codecs.chain import crc32
 from isthmus.inter.data.codecs.int8 import BLOCK
-from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.inter.data.peer_round import PeerRound
-from isthmus.inter.data.round_types import ModelMismatch, NonFiniteGradient, PeerAborted
-from isthmus.inter.data.wire import Frame
+from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.round.context import ModelMismatch, NonFiniteGradient, PeerAborted
+from isthmus.inter.data.transport.peer_round import PeerRound
+from isthmus.inter.data.transport.wire import Frame
 from isthmus.proto import lane_pb2
 
 pytestmark = pytest.mark.timeout(60)

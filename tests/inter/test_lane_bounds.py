@@ -17,7 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import wait_until
 from lanes import CHUNK, inputs, run_all, sites
 
-from isthmus.inter.data.lane import PASS_METADATA, PULL_STATE_SLOTS, RESERVED_THREADS, LaneServer
+from isthmus.inter.data.lane.server import (
+    PASS_METADATA,
+    PULL_STATE_SLOTS,
+    RESERVED_THREADS,
+    LaneServer,
+)
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 

@@ -12,8 +12,8 @@ from lanes import inputs, run_all, two_sites_over
 
 from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.deploy.launch.local import link_spec
-from isthmus.inter.data import bulk_stream
-from isthmus.inter.data.chunk_size import connections_for_link, tcp_receive_window
+from isthmus.inter.data.transport import bulk_stream
+from isthmus.inter.data.transport.chunk_size import connections_for_link, tcp_receive_window
 from isthmus.sim import LinkSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,7 +43,7 @@ def test_the_window_is_read_from_the_kernel(tmp_path) -> None:
 
 
 def test_a_job_sizes_its_connections_from_wan_and_a_chosen_count_wins(monkeypatch) -> None:
-    from isthmus.inter.data import chunk_size
+    from isthmus.inter.data.transport import chunk_size
 
     monkeypatch.setattr(chunk_size, "tcp_receive_window", lambda: 16 << 20)  # any host's
     link = ["wan.distance_km=1000", "wan.bandwidth_mbit=25000", "wan.per_flow_mbit=5000"]
@@ -105,7 +105,7 @@ def test_a_job_its_hosts_cannot_hold_the_connections_of_is_refused_before_start(
 
     from helpers import assert_one_line_error, run_cli
 
-    from isthmus.inter.data.chunk_size import descriptors_needed
+    from isthmus.inter.data.transport.chunk_size import descriptors_needed
 
     assert descriptors_needed(5, 16) == 752
 
@@ -122,7 +122,7 @@ def test_a_job_its_hosts_cannot_hold_the_connections_of_is_refused_before_start(
     # The same check, given the room, passes; the rank raises its own soft limit.
     script = (
         "import resource\n"
-        "from isthmus.inter.data.chunk_size import raise_descriptor_limit\n"
+        "from isthmus.inter.data.transport.chunk_size import raise_descriptor_limit\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024))\n"
         "raise_descriptor_limit(752)\n"
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"

@@ -10,8 +10,8 @@ import threading
 import pytest
 from lanes import inputs, run_all, same_bits, sites
 
-from isthmus.inter.data.codecs import Int8Stage
-from isthmus.inter.data.round_types import CrossSiteError
+from isthmus.inter.data.codecs.int8 import Int8Stage
+from isthmus.inter.data.round.context import CrossSiteError
 
 
 class _HangsWhenArmed(Int8Stage):

@@ -23,8 +23,8 @@ import torch
 from lanes import inputs, run_all, sites
 from memberships import joined_sites
 
-from isthmus.inter.data.mailbox import MAX_ABORTS, Mailbox
-from isthmus.inter.data.round_types import CrossSiteError, EncodingFault, PeerAborted
+from isthmus.inter.data.lane.mailbox import MAX_ABORTS, Mailbox
+from isthmus.inter.data.round.context import CrossSiteError, EncodingFault, PeerAborted
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 # Long enough that a site waiting for the deadline fails the time checks below.

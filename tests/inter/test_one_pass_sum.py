@@ -15,11 +15,12 @@ import pytest
 import torch
 from lanes import inputs, run_all, same_bits, sites
 
-from isthmus.inter.data import round as round_module
-from isthmus.inter.data import round_tasks, wirecore
-from isthmus.inter.data.codec import make_codec
-from isthmus.inter.data.round_device import sum_parts, sum_raw_host
-from isthmus.inter.data.round_types import EncodingFault, NonFiniteGradient, PeerAborted
+from isthmus.inter.data.codecs.chain import make_codec
+from isthmus.inter.data.round import pipeline as round_module
+from isthmus.inter.data.round import tasks as round_tasks
+from isthmus.inter.data.round.context import EncodingFault, NonFiniteGradient, PeerAborted
+from isthmus.inter.data.round.device import sum_parts, sum_raw_host
+from isthmus.inter.data.transport import wirecore
 
 pytestmark = pytest.mark.timeout(120)
 

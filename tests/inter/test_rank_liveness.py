@@ -1,7 +1,7 @@
 """A rank that dies while its site's coordinator lives (inter/control/rank_liveness.py):
 real coordinators on loopback, ranks played by the test. Each rank beats as a real
 one does: a watcher thread long-polls GetMembership with the rank's key without pause
-(inter/data/membership.py); a rank dies by stopping it (its poll cancelled, as when
+(inter/data/sync/membership.py); a rank dies by stopping it (its poll cancelled, as when
 the process is killed). site0 has one rank, site1 two."""
 
 from __future__ import annotations

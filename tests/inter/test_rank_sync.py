@@ -1,4 +1,4 @@
-"""A rank's cross-site sync opened with one call (inter/data/rank_sync.py), as deploy opens
+"""A rank's cross-site sync opened with one call (inter/data/sync/rank.py), as deploy opens
 it: real coordinators, real lanes on loopback. Opened, each rank's lane is in the
 joined generation at its place; one ``adopt`` moves lane, peers and rounds to another;
 the membership's watcher reports a silent site through its callback; an open that the
@@ -19,7 +19,7 @@ from memberships import opened_sites, settings
 
 from isthmus.inter.control.coordinator_client import CoordinatorClient
 from isthmus.inter.data import Generation, RankSyncSettings, open_rank_sync
-from isthmus.inter.data.round_types import Members
+from isthmus.inter.data.round.context import Members
 
 
 @pytest.mark.timeout(60)
@@ -127,7 +127,7 @@ def test_the_watchers_waits_are_spread_so_a_sites_watches_come_apart(monkeypatch
     """A site's ranks start together; watches that all asked the same wait were answered
     together, and sent again together, for good (1,024 at once at 1,024 ranks). Each asks
     75-100 % of the wait instead."""
-    from isthmus.inter.data import membership as membership_module
+    from isthmus.inter.data.sync import membership as membership_module
 
     monkeypatch.setattr(membership_module, "_WATCH_WAIT_MS", 200)
     asked: list[int] = []

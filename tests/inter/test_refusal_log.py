@@ -26,9 +26,9 @@ import pytest
 from helpers import ManualClock, wait_until
 
 from isthmus.inter.bounds import RefusalLog, peer_host
-from isthmus.inter.data.bulk import ACCEPTED, BulkListener
-from isthmus.inter.data.bulk_stream import server_context
-from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.transport.bulk import ACCEPTED, BulkListener
+from isthmus.inter.data.transport.bulk_stream import server_context
 from isthmus.inter.security import SiteSecurity
 
 pytestmark = pytest.mark.timeout(120)

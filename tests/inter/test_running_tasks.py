@@ -1,4 +1,4 @@
-"""RunningTasks (inter/data/round_types.py): where a failed round's threads hang."""
+"""RunningTasks (inter/data/round/context.py): where a failed round's threads hang."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from isthmus.inter.data.round_types import RunningTasks, _current_frames
+from isthmus.inter.data.round.context import RunningTasks, _current_frames
 
 
 @pytest.fixture

@@ -30,10 +30,10 @@ from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.rank_keys import RankKeys, process_key
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.lane_peer import LanePeer
-from isthmus.inter.data.round_types import Members
-from isthmus.inter.data.wire import Frame
+from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.context import Members
+from isthmus.inter.data.transport.wire import Frame
 from isthmus.inter.security import TLS_NAME, SiteSecurity
 from isthmus.proto import coordinator_pb2 as cpb
 from isthmus.proto import coordinator_pb2_grpc as cpb_grpc

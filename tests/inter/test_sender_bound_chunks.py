@@ -20,9 +20,9 @@ import torch
 from helpers import raw_chunk
 from lanes import inputs, run_all, sites
 
-from isthmus.inter.data.bulk import MAGIC, OK, REFUSED, frame_bytes
-from isthmus.inter.data.codec import crc32
-from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.codecs.chain import crc32
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.transport.bulk import MAGIC, OK, REFUSED, frame_bytes
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from coordinators import coordinator, stop_all
 from helpers import assert_one_line_error, run_cli
 
 from isthmus.inter.control.witness import WitnessServer
-from isthmus.inter.data.lane import LaneServer
+from isthmus.inter.data.lane.server import LaneServer
 
 pytestmark = pytest.mark.timeout(60)
 

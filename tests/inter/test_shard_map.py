@@ -1,4 +1,4 @@
-"""Pairing ranks of sites of different sizes by element ranges (inter/data/shard_map.py):
+"""Pairing ranks of sites of different sizes by element ranges (inter/data/sync/shard_map.py):
 built against FSDP2's own sharding rule (torch.chunk), element by element."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from isthmus.inter.data.shard_map import GroupShape, ShardPosition, pieces, shard_rows
+from isthmus.inter.data.sync.shard_map import GroupShape, ShardPosition, pieces, shard_rows
 
 
 def _flat(tensors: list[torch.Tensor], width: int, index: int, padded: bool) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """A bulk connection whose frames miss their deadline is given up and its frames go on
-a new connection (inter/data/bulk_peer.py; issue 32, item 2): real lanes on loopback,
+a new connection (inter/data/transport/bulk_peer.py; issue 32, item 2): real lanes on loopback,
 the receiving lane held in its ``take`` as a peer that stops reading, or an ack that
 never comes back, would hold it; and two sites across the WAN emulator whose link
 black-holes one flow each way in the middle of a round (``flow_stall``).
@@ -19,12 +19,12 @@ from helpers import raw_chunk, wait_until
 from lanes import inputs, run_all, same_bits, two_sites_over
 from sockets import Server
 
-from isthmus.inter.data import bulk_peer, flow_clock
-from isthmus.inter.data.bulk_peer import BulkConnection
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.peer_round import PeerRound
-from isthmus.inter.data.round_types import CrossSiteError
-from isthmus.inter.data.wire import Frame
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.context import CrossSiteError
+from isthmus.inter.data.transport import bulk_peer, flow_clock
+from isthmus.inter.data.transport.bulk_peer import BulkConnection
+from isthmus.inter.data.transport.peer_round import PeerRound
+from isthmus.inter.data.transport.wire import Frame
 from isthmus.inter.security import SiteSecurity
 from isthmus.sim import LinkSpec
 from isthmus.sim.impairments.flow_stall import FlowStall

@@ -14,12 +14,12 @@ import pytest
 import torch
 from helpers import wait_until
 
-from isthmus.inter.data import state_transfer
-from isthmus.inter.data.lane import LaneServer
-from isthmus.inter.data.lane_requests import PULL_STATE_SHARE
-from isthmus.inter.data.round_types import Members
-from isthmus.inter.data.state_offers import Admitted, Confirm
-from isthmus.inter.data.state_transfer import (
+from isthmus.inter.data.lane.requests import PULL_STATE_SHARE
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.context import Members
+from isthmus.inter.data.state import transfer as state_transfer
+from isthmus.inter.data.state.offers import Admitted, Confirm
+from isthmus.inter.data.state.transfer import (
     PIECE_BYTES,
     ExpectedState,
     StateTransferError,

@@ -1,4 +1,4 @@
-"""A CPU group's round buffer is reused two steps later (inter/data/sync_buffers.py).
+"""A CPU group's round buffer is reused two steps later (inter/data/sync/buffers.py).
 
 A new buffer a step cost more than its copy (the kernel faults in and zeroes its pages:
 8 groups of 256 MiB spent 1.1 of a 1.8 s step there). Reuse must not change a result,
@@ -12,8 +12,8 @@ import pytest
 import torch
 from lanes import inputs, run_all, same_bits, sites
 
-from isthmus.inter.data.gradient_sync import LaneGradientSync
-from isthmus.inter.data.round_types import CrossSiteError
+from isthmus.inter.data.round.context import CrossSiteError
+from isthmus.inter.data.sync.gradient import LaneGradientSync
 
 pytestmark = pytest.mark.timeout(60)
 

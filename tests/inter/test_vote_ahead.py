@@ -13,9 +13,9 @@ from helpers import wait_until
 from lanes import inputs, run_all, sites
 from memberships import joined_sites
 
-import isthmus.inter.data.membership as membership_module
-from isthmus.inter.data.gradient_sync import LaneGradientSync
-from isthmus.inter.data.membership import QuorumLost, SiteMembership
+import isthmus.inter.data.sync.membership as membership_module
+from isthmus.inter.data.sync.gradient import LaneGradientSync
+from isthmus.inter.data.sync.membership import QuorumLost, SiteMembership
 
 
 @pytest.mark.timeout(60)
@@ -62,7 +62,7 @@ def test_an_early_vote_that_breaks_is_logged_and_the_round_still_lands(monkeypat
         raise ValueError(f"broken early vote {step}")
 
     monkeypatch.setattr(SiteMembership, "vote_ahead", broken)
-    caplog.set_level("WARNING", logger="isthmus.inter.data.gradient_sync")
+    caplog.set_level("WARNING", logger="isthmus.inter.data.sync.gradient")
     with joined_sites(decision_timeout_s=5.0) as (syncs, _):
         shards = inputs(2, [3000], seed=6)
         want = (shards[0][0] + shards[1][0]) / 2

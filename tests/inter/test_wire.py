@@ -1,4 +1,4 @@
-"""The lane's hand-written wire form against protobuf itself (inter/data/wire.py).
+"""The lane's hand-written wire form against protobuf itself (inter/data/transport/wire.py).
 
 What the lanes write must parse as the ``PushChunksRequest`` of proto/lane.proto with
 any protobuf library, and what they read must mean what protobuf says it means, or be
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isthmus.inter.data.wire import (
+from isthmus.inter.data.transport.wire import (
     DeliverWire,
     WireError,
     encode_chunk,

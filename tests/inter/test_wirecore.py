@@ -1,4 +1,4 @@
-"""The C receive path (inter/data/wirecore.c) against Python's, on real sockets.
+"""The C receive path (inter/data/transport/wirecore.c) against Python's, on real sockets.
 
 Both backends must give the same CRC-32C, the same finite verdicts and the same errors
 (a peer that closes mid-frame, one that stalls); the library is built only into a
@@ -15,7 +15,7 @@ import crc32c
 import numpy as np
 import pytest
 
-from isthmus.inter.data import wirecore
+from isthmus.inter.data.transport import wirecore
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from isthmus.inter.data.codecs.base import check_chunk, check_size, from_le, to_device, to_host_view
-from isthmus.inter.data.wirecore import all_finite
+from isthmus.inter.data.transport.wirecore import all_finite
 
 __all__ = ["Fp32Stage"]
 

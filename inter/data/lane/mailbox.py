@@ -1,0 +1,305 @@
+"""Where chunks wait: received ones until a round takes them, sent ones until no peer
+can ask for them again.
+
+Owns :data:`MailboxKey`, :class:`Mailbox` (refuses replays, chunks of finished steps,
+chunks of steps too far ahead, and chunks past its byte budget: whoever sends, it holds
+at most a live window of steps in bounded memory; holds a marker for a chunk that
+failed its checksum until it is pulled again; notes the rounds a peer gave up, so
+that this site's part of them fails at once instead of waiting out its deadline)
+and :class:`Outbox` (the chunks this site sent, for ``ResendChunk``, and the peer lanes
+this site's rounds talk to, the only addresses a chunk or a bulk ticket is handed to:
+:mod:`isthmus.inter.data.lane.handoff`). No gRPC here;
+:mod:`isthmus.inter.data.lane.server` fills them, the all-reduce empties them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from isthmus.inter.data.lane.handoff import Handoffs
+from isthmus.inter.data.transport.wire import Chunk, Frame
+
+if TYPE_CHECKING:
+    from isthmus.inter.data.lane.handoff import HandoffPeer
+    from isthmus.proto import lane_pb2
+
+__all__ = [
+    "CORRUPT",
+    "MAX_ABORTS",
+    "MAX_REASON",
+    "MAX_STEPS_AHEAD",
+    "Mailbox",
+    "MailboxKey",
+    "Outbox",
+    "OutboxKey",
+]
+
+# (step, group, kind, chunk_index, from_site)
+MailboxKey = tuple[int, int, "lane_pb2.ChunkKind", int, int]
+# (step, group, kind, chunk_index)
+OutboxKey = tuple[int, int, "lane_pb2.ChunkKind", int]
+CORRUPT = None
+"""What ``take_any`` returns in place of a chunk whose payload failed its checksum."""
+MAX_STEPS_AHEAD = 4
+"""Steps past the live one whose chunks are taken. Every step's rounds need every
+site, so a peer's rounds run at most a step or two ahead of ours; 1,500 chunks for
+far-future steps once took a rank from 0.65 to 2.2 GB, never released (issue 14)."""
+MAX_ABORTS = 1024
+"""Given-up rounds noted at once: a step has at most a few hundred groups' rounds, and
+only the live window of steps is kept."""
+MAX_REASON = 512
+"""Characters of a peer's reason kept for the log."""
+
+
+class Mailbox:
+    """Thread-safe store of received chunks keyed by :data:`MailboxKey`.
+
+    Keeps the keys ever deposited for the live steps, with the payload checksum each
+    first copy declared, so a chunk is stored at most once: another payload under a
+    key already seen is refused even after it was taken, and an exact copy (same key,
+    same declared checksum: a sender sending again what a stalled connection may have
+    delivered) is acknowledged and dropped. A step floor refuses chunks of finished
+    rounds.
+    Once a round has set the floor, chunks of steps ``max_ahead`` or more past it are
+    refused; and the payload bytes waiting never exceed ``max_bytes``.
+
+    Args:
+        max_bytes: payload bytes that may wait at once; None: unbounded.
+        max_ahead: steps past the floor whose chunks are taken.
+    """
+
+    def __init__(self, max_bytes: int | None = None, max_ahead: int = MAX_STEPS_AHEAD) -> None:
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        if max_ahead < 1:
+            raise ValueError(f"max_ahead must be >= 1, got {max_ahead}")
+        self.max_bytes, self.max_ahead = max_bytes, max_ahead
+        self._cond = threading.Condition()
+        self._items: dict[MailboxKey, Chunk | None] = {}
+        self._seen: dict[MailboxKey, int] = {}  # key -> its first copy's declared crc32
+        self._corrupt: set[MailboxKey] = set()  # marked, not yet replaced by a resend
+        self._floor = 0
+        self._live = False  # a round set the floor (after a clear, none has yet)
+        self._bytes = 0
+        # (step, group) -> (site, why): rounds a peer gave up in this generation.
+        self._aborts: dict[tuple[int, int], tuple[int, str]] = {}
+        self.handoffs = Handoffs()
+        """Nonces of what this rank asked of peers (chunks again, bulk tickets), where
+        the lane puts what their lanes hand back (inter/data/lane/handoff.py)."""
+
+    def deposit(self, key: MailboxKey, item: Chunk) -> str | None:
+        """Stores ``item``; returns None, "again" (an exact copy of a chunk this key
+        already had: nothing stored, the sender may be told it arrived), or why it was
+        refused: "duplicate" (another payload under a key already seen), "stale",
+        "ahead" (a step too far past the live one) or "full" (over the byte budget)."""
+        return self._admit(key, item, item.crc32)
+
+    def mark_corrupt(self, key: MailboxKey, crc32: int | None = None) -> str | None:
+        """Leaves a :data:`CORRUPT` marker for ``key``, whose copy declared ``crc32``
+        (None: unknown, never "again"); same answers as ``deposit``."""
+        return self._admit(key, CORRUPT, crc32)
+
+    def _outside_locked(self, step: int) -> str | None:
+        """ "stale" or "ahead" when ``step`` is outside the live window, else None."""
+        if step < self._floor:
+            return "stale"
+        if self._live and step >= self._floor + self.max_ahead:
+            return "ahead"
+        return None
+
+    def _admit(self, key: MailboxKey, item: Chunk | None, crc32: int | None) -> str | None:
+        with self._cond:
+            outside = self._outside_locked(key[0])
+            if outside is not None:
+                return outside
+            if key in self._seen:
+                return "again" if crc32 is not None and self._seen[key] == crc32 else "duplicate"
+            size = _size(item)
+            if self.max_bytes is not None and self._bytes + size > self.max_bytes:
+                return "full"
+            self._seen[key] = -1 if crc32 is None else crc32
+            if item is CORRUPT:
+                self._corrupt.add(key)
+            self._items[key] = item
+            self._bytes += size
+            self._cond.notify_all()
+            return None
+
+    def note_abort(self, step: int, group: int, site: int, reason: str) -> str | None:
+        """Notes that ``site`` gave up round (step, group): :meth:`aborted` tells the
+        round, which then fails at once. Returns None, or why the note was refused:
+        "stale" (a finished step), "ahead" (a step too far past the live one) or "full"
+        (:data:`MAX_ABORTS` rounds noted). The first site's note stands."""
+        with self._cond:
+            outside = self._outside_locked(step)
+            if outside is not None:
+                return outside
+            if (step, group) in self._aborts:
+                return None
+            if len(self._aborts) >= MAX_ABORTS:
+                return "full"
+            self._aborts[(step, group)] = (site, reason[:MAX_REASON])
+            self._cond.notify_all()
+            return None
+
+    def aborted(self, step: int, group: int) -> tuple[int, str] | None:
+        """The site that gave up round (step, group) and why, or None."""
+        with self._cond:
+            return self._aborts.get((step, group))
+
+    def redeposit(self, key: MailboxKey, item: Chunk) -> bool:
+        """Stores the resent copy of a chunk marked corrupt; False if none was marked."""
+        with self._cond:
+            if key not in self._corrupt or key[0] < self._floor:
+                return False
+            self._corrupt.discard(key)
+            # A pulled copy the round asked for: taken even over the budget.
+            self._bytes += _size(item) - _size(self._items.get(key))
+            self._items[key] = item
+            self._cond.notify_all()
+            return True
+
+    def take(self, key: MailboxKey, timeout: float) -> Chunk | None:
+        """Waits up to ``timeout`` seconds for ``key``, removes and returns it
+        (:data:`CORRUPT` for a chunk that failed its checksum).
+
+        Raises:
+            TimeoutError: nothing arrived under ``key`` in time.
+        """
+        found = self.take_any((key,), timeout)
+        if found is None:
+            raise TimeoutError(f"no chunk {key} within {timeout:.3f}s")
+        return found[1]
+
+    def take_any(
+        self, keys: Iterable[MailboxKey], timeout: float
+    ) -> tuple[MailboxKey, Chunk | None] | None:
+        """Waits up to ``timeout`` seconds for any of ``keys``; removes and returns it.
+
+        The item is :data:`CORRUPT` for a chunk that failed its checksum: the caller
+        pulls it again and it comes back through :meth:`redeposit`.
+        """
+        wanted = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while True:
+                for key in self._items:  # the mailbox is usually the smaller side
+                    if key in wanted:
+                        item = self._items.pop(key)
+                        self._bytes -= _size(item)
+                        return key, item
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def discard_before(self, step: int) -> int:
+        """Drops everything of steps before ``step`` and refuses them from now on.
+
+        Returns:
+            The number of unclaimed chunks dropped.
+        """
+        with self._cond:
+            self._floor = max(self._floor, step)
+            self._live = True
+            stale = [k for k in self._items if k[0] < step]
+            for key in stale:
+                self._bytes -= _size(self._items.pop(key))
+            self._seen = {k: v for k, v in self._seen.items() if k[0] >= step}
+            self._corrupt = {k for k in self._corrupt if k[0] >= step}
+            self._aborts = {k: v for k, v in self._aborts.items() if k[0] >= step}
+            return len(stale)
+
+    def clear(self) -> None:
+        """Forgets everything (a new membership generation starts over)."""
+        with self._cond:
+            self._items.clear()
+            self._seen.clear()
+            self._corrupt.clear()
+            self._aborts.clear()
+            self._floor, self._live, self._bytes = 0, False, 0
+
+    def keys(self) -> list[MailboxKey]:
+        """Returns a snapshot of the keys waiting to be taken."""
+        with self._cond:
+            return list(self._items)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    @property
+    def floor(self) -> int:
+        """The live step: chunks of earlier steps are refused."""
+        with self._cond:
+            return self._floor
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Payload bytes of the chunks waiting to be taken."""
+        with self._cond:
+            return self._bytes
+
+
+def _size(item: Chunk | None) -> int:
+    return len(item.payload) if item is not None else 0
+
+
+class Outbox:
+    """Thread-safe store of the chunks this site sent, by :data:`OutboxKey`, and of the
+    peer lanes this site's rounds talk to.
+
+    A receiver may ask for a chunk again after this site's round returned (its copy
+    failed the checksum), so chunks stay until :meth:`discard_before` drops their step.
+    A chunk asked for again goes to the lane it was first sent to, never to the caller.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[OutboxKey, tuple[Frame | bytes, dict[int, HandoffPeer]]] = {}
+        self._peers: dict[int, dict[str, HandoffPeer]] = {}  # site -> address -> lane
+
+    def meet(self, peers: Mapping[int, HandoffPeer]) -> None:
+        """Notes the lanes a round of this generation talks to, by site index."""
+        with self._lock:
+            for site, peer in peers.items():
+                self._peers.setdefault(site, {})[peer.address] = peer
+
+    def peers_of(self, site: int) -> list[HandoffPeer]:
+        """The lanes of ``site`` this site's rounds talked to in this generation."""
+        with self._lock:
+            return list(self._peers.get(site, {}).values())
+
+    def put(
+        self, key: OutboxKey, item: Frame | bytes, recipients: Mapping[int, HandoffPeer]
+    ) -> None:
+        """Keeps ``item`` (the chunk as sent, or its serialized ``PushChunksRequest``) for the
+        sites in ``recipients``, each with the lane it was sent to."""
+        with self._lock:
+            self._items[key] = (item, dict(recipients))
+
+    def get(self, key: OutboxKey, site: int) -> tuple[Frame | bytes, HandoffPeer] | None:
+        """The chunk and the lane it went to, if it was sent to ``site``; else None."""
+        with self._lock:
+            found = self._items.get(key)
+        if found is None or site not in found[1]:
+            return None
+        return found[0], found[1][site]
+
+    def discard_before(self, step: int) -> None:
+        """Drops the chunks of steps before ``step``."""
+        with self._lock:
+            self._items = {k: v for k, v in self._items.items() if k[0] >= step}
+
+    def clear(self) -> None:
+        """Forgets everything (a new membership generation starts over)."""
+        with self._lock:
+            self._items.clear()
+            self._peers.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)

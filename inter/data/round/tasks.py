@@ -1,0 +1,389 @@
+"""The per-chunk tasks of a cross-site round, run on the lane's pool threads.
+
+:class:`ChunkTasks` is the half of :class:`~isthmus.inter.data.round.pipeline.RoundPipeline`
+that touches values: a task encodes and sends a contribution, checks and decodes a
+received chunk, or, once a chunk's contributions are all in, sums them in site order
+and sends the result (a raw CPU chunk's owner in one pass over memory, in C:
+``round_device.sum_raw_host``). The router in round.py owns the round's state and
+hands chunks to these tasks; nothing here waits on the mailbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+import torch
+
+from isthmus.inter.data.codecs.chain import CodecChain, CodecError, NonFiniteEncoding, crc32
+from isthmus.inter.data.lane.mailbox import Mailbox, MailboxKey, Outbox
+from isthmus.inter.data.round.device import finite, sum_parts, sum_raw_host
+from isthmus.inter.data.round.pull import pull_intact
+from isthmus.inter.data.transport.wire import Chunk, Frame
+from isthmus.inter.data.transport.wirecore import SUM_OVERFLOW, SUM_OWN_NONFINITE, crc_of_finite
+from isthmus.proto import lane_pb2
+
+if TYPE_CHECKING:
+    from isthmus.inter.data.lane.peer import LanePeer
+    from isthmus.inter.data.transport.peer_round import PeerRound
+
+__all__ = ["CONTRIBUTION", "RESULT", "ChunkTasks"]
+
+from isthmus.inter.data.round.context import (
+    CrossSiteError,
+    EncodingFault,
+    ModelMismatch,
+    NonFiniteGradient,
+    RoundStats,
+    RoundView,
+    contribution_fault,
+    sum_fault,
+)
+
+log = logging.getLogger("isthmus.round")
+
+CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
+RESULT = lane_pb2.CHUNK_KIND_RESULT
+
+
+class ChunkTasks:
+    """The tasks of one round; :class:`~isthmus.inter.data.round.pipeline.RoundPipeline` sets
+    the state they read (its constructor documents each attribute)."""
+
+    view: RoundView
+    mailbox: Mailbox
+    outbox: Outbox
+    check: Callable[[Chunk], str | None]
+    peers: dict[int, LanePeer]
+    codec: CodecChain
+    flat: torch.Tensor
+    host: np.ndarray | None
+    device: torch.device | None
+    step: int
+    group: int
+    average: bool
+    stats: RoundStats
+    per: int
+    total: int
+    num_chunks: int
+    where: str
+    deadline: float
+    one_pass: bool
+    _lock: threading.Lock
+    _parts: dict[int, dict[int, np.ndarray | torch.Tensor]]
+    _rounds: dict[int, PeerRound]
+    _failed: threading.Event
+
+    def _bounds(self, c: int) -> tuple[int, int]:
+        return c * self.per, min(self.total, (c + 1) * self.per)
+
+    def _count(self, **deltas: float) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
+
+    def _encode(
+        self, values: torch.Tensor, key: str, decoded: torch.Tensor | None = None
+    ) -> bytes | memoryview:
+        """``values`` encoded (and, into ``decoded``, what the payload decodes to);
+        raises NonFiniteEncoding rather than return a payload that decodes to NaN or
+        Inf (nothing non-finite ever leaves: invariant 8)."""
+        t0 = time.perf_counter()
+        try:
+            return self.codec.encode(values, key, require_finite=True, decoded_out=decoded)
+        finally:
+            self._count(encode_s=time.perf_counter() - t0)
+
+    def _decode(self, payload: bytes | memoryview, n: int) -> np.ndarray | torch.Tensor:
+        """Host values (a CPU round) or values on the round's GPU."""
+        t0 = time.perf_counter()
+        values: np.ndarray | torch.Tensor
+        if self.device is None:
+            values = self.codec.decode_array(payload, n)
+        else:
+            values = self.codec.decode_device(payload, n, self.device)
+        self._count(decode_s=time.perf_counter() - t0)
+        return values
+
+    def _frame(
+        self, kind: lane_pb2.ChunkKind, c: int, payload: bytes | memoryview, crc: int | None = None
+    ) -> Frame:
+        """The chunk to send, from where its payload lies: the round's tensor, or the
+        codec's output (a CUDA chunk's in pinned memory of its own, see
+        ``codecs.base.to_host_view``). Nothing writes there before every peer took it.
+        ``crc``: the payload's CRC-32C where it is already known."""
+        lo, hi = self._bounds(c)
+        header = lane_pb2.PushChunksRequest(
+            generation=self.view.generation,
+            step=self.step,
+            group=self.group,
+            kind=kind,
+            chunk_index=c,
+            num_chunks=self.num_chunks,
+            from_site=self.view.site_index,
+            total_elements=self.total,
+            num_elements=hi - lo,
+            codec=self.codec.name,
+            crc32=crc32(payload) if crc is None else crc,
+        )
+        return Frame(header.SerializeToString(), memoryview(payload).cast("B"))
+
+    def _like(self, n: int) -> torch.Tensor:
+        """A new fp32 tensor of ``n`` values where the round's values live."""
+        return torch.empty(n, dtype=torch.float32, device=self.device or "cpu")
+
+    def _own(self, lo: int, hi: int) -> np.ndarray | torch.Tensor:
+        """Our own values of [lo, hi), where they lie (a view, no copy)."""
+        return self.host[lo:hi] if self.host is not None else self.flat[lo:hi]
+
+    def _store(self, lo: int, hi: int, values: np.ndarray | torch.Tensor) -> None:
+        """Writes final values into [lo, hi) of the round's tensor."""
+        if self.host is not None:
+            np.copyto(self.host[lo:hi], values)
+            return
+        assert isinstance(values, torch.Tensor)  # a CUDA round decodes onto its GPU
+        if values.data_ptr() != self.flat[lo:hi].data_ptr():
+            self.flat[lo:hi].copy_(values)
+
+    def _contribute(self, c: int, owner: int) -> None:
+        lo, hi = self._bounds(c)
+        if owner == self.view.site_index:
+            self._contribute_own(c, lo, hi)
+            return
+        if self.one_pass:  # raw: the chunk's own bytes, checked and checksummed at once
+            self._contribute_raw(c, lo, hi, owner)
+            return
+        # Error-feedback state is per lane (this object), group and chunk. The payload
+        # is checked, not the gradient before it: one pass over the encoded bytes (for
+        # int8 its scales alone) covers both the gradient and the encode.
+        try:
+            payload = self._encode(self.flat[lo:hi], f"g{self.group}/c{c}")
+        except NonFiniteEncoding as exc:
+            self._check_own(c, lo, hi)
+            raise self._encode_fault(c, lo, hi, exc) from exc
+        self._send_contribution(c, lo, hi, owner, payload)
+
+    def _contribute_raw(self, c: int, lo: int, hi: int, owner: int) -> None:
+        assert self.host is not None
+        t0 = time.perf_counter()
+        crc = crc_of_finite(self.host[lo:hi])
+        self._count(encode_s=time.perf_counter() - t0)
+        if crc is None:  # the raw encode is the values themselves: ours are not finite
+            self._count(nonfinite_chunks=1)
+            raise self._own_fault(c, lo, hi)
+        self._send_contribution(c, lo, hi, owner, self.host[lo:hi].data.cast("B"), crc)
+
+    def _send_contribution(
+        self,
+        c: int,
+        lo: int,
+        hi: int,
+        owner: int,
+        payload: bytes | memoryview,
+        crc: int | None = None,
+    ) -> None:
+        frame = self._frame(CONTRIBUTION, c, payload, crc)
+        self.outbox.put((self.step, self.group, CONTRIBUTION, c), frame, {owner: self.peers[owner]})
+        self._rounds[owner].send(frame)
+        self._count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
+
+    def _contribute_own(self, c: int, lo: int, hi: int) -> None:
+        me = self.view.site_index
+        if not self.codec.lossy:
+            # Lossless: decode(encode(x)) is x, so skip both. One pass checks it later.
+            if not self.one_pass:
+                self._check_own(c, lo, hi)
+            self._add_part(c, me, self._own(lo, hi))
+            return
+        # A lossy codec treats our part as any site's (CodecChain.keep_own: nothing is
+        # sent, so on a GPU no payload reaches the host; a NaN shows in the sum).
+        own = self._like(hi - lo)
+        t0 = time.perf_counter()
+        try:
+            self.codec.keep_own(self.flat[lo:hi], f"g{self.group}/c{c}", own)
+        except NonFiniteEncoding as exc:
+            self._check_own(c, lo, hi)
+            raise self._encode_fault(c, lo, hi, exc) from exc
+        finally:
+            self._count(encode_s=time.perf_counter() - t0)
+        self._add_part(c, me, own if self.host is None else own.numpy())
+
+    def _encode_fault(self, c: int, lo: int, hi: int, exc: NonFiniteEncoding) -> EncodingFault:
+        self._count(nonfinite_chunks=1)
+        return contribution_fault(self.where, c, lo, hi, self.codec.name, exc)
+
+    def _check_own(
+        self, c: int, lo: int, hi: int, own: np.ndarray | torch.Tensor | None = None
+    ) -> None:
+        """Raises NonFiniteGradient if this site's values of chunk ``c`` (or its decoded
+        part ``own``) are not finite: summed in, every site's weights turn NaN (issue 14)."""
+        if not finite(self._own(lo, hi) if own is None else own):
+            raise self._own_fault(c, lo, hi)
+
+    def _own_fault(self, c: int, lo: int, hi: int) -> NonFiniteGradient:
+        return NonFiniteGradient(
+            f"{self.where}: this site's gradient holds NaN or Inf (chunk {c}, elements "
+            f"{lo}..{hi}); refused before it left the site"
+        )
+
+    def _receive(self, key: MailboxKey, req: Chunk) -> None:
+        kind, c, sender = key[2], key[3], key[4]
+        lo, hi = self._bounds(c)
+        if (req.num_elements, req.total_elements) != (hi - lo, self.total):
+            # Asked again of the sender itself: a forged chunk that got into the
+            # mailbox first must not end the job, the sender's own copy does.
+            again = self._pull(key)
+            if again is None:
+                return  # the round failed meanwhile
+            if (again.num_elements, again.total_elements) != (hi - lo, self.total):
+                raise ModelMismatch(
+                    f"site {sender}'s model differs from this site's: its gradient of "
+                    f"group {key[1]} holds {again.total_elements:,} values, this rank's "
+                    f"{self.total:,}; every site must build the same model (the same "
+                    "code and sizes, seeded with the job's seed)"
+                )
+            req = again
+        values = self._finite_decoded(c, sender, req)
+        if values is None:
+            # Refused before it is summed, and asked for again: a forged chunk that got
+            # into the mailbox first is replaced by the sender's own copy.
+            self._count(nonfinite_chunks=1)
+            log.warning("%s: chunk %d from site %d holds NaN or Inf; pulling it again",
+                        self.where, c, sender)  # fmt: skip
+            again = self._pull(key)
+            if again is None:
+                return  # the round failed meanwhile
+            values = self._finite_decoded(c, sender, again)
+            if values is None:
+                raise CrossSiteError(
+                    f"{self.where}: site {sender} sent NaN or Inf in chunk {c} twice; "
+                    "refused before summing"
+                )
+        self._count(bytes_received=len(req.payload))
+        if kind == RESULT:
+            self._store(lo, hi, values)
+        else:
+            self._add_part(c, sender, values)
+
+    def _finite_decoded(self, c: int, sender: int, req: Chunk) -> np.ndarray | torch.Tensor | None:
+        """``req`` decoded, or None if it holds NaN or Inf. Known before any decode where
+        the payload says it (a raw one from a bulk connection, checked as it arrived by
+        wirecore; int8's scales), else checked on the values (on a GPU, a reduction and
+        a wait for it)."""
+        checked = getattr(req, "payload_finite", None)
+        if checked is None:
+            checked = self.codec.payload_finite(req.payload, req.num_elements)
+        if checked is False:
+            return None
+        values = self._decoded(c, sender, req)
+        return values if checked or finite(values) else None
+
+    def _decoded(self, c: int, sender: int, req: Chunk) -> np.ndarray | torch.Tensor:
+        lo, hi = self._bounds(c)
+        try:
+            return self._decode(req.payload, hi - lo)
+        except CodecError as exc:
+            raise CrossSiteError(f"{self.where}: chunk {c} from site {sender}: {exc}") from exc
+
+    def _add_part(self, c: int, site: int, values: np.ndarray | torch.Tensor) -> None:
+        if self.device is not None:
+            with self._lock:  # the last part is summed on the stream that made it
+                parts = self._parts[c]
+                last = len(parts) + 1 == self.view.num_sites
+                if last:
+                    parts[site] = values
+                    del self._parts[c]
+            if last:
+                self._reduce(c, parts)
+                return
+            # Another thread may sum it on its own stream: the values must be complete.
+            # (A CUDA event for that stream to wait on measured no faster, 2026-11-29.)
+            torch.cuda.current_stream(self.device).synchronize()
+        with self._lock:
+            parts = self._parts[c]
+            parts[site] = values
+            if len(parts) < self.view.num_sites:
+                return
+            del self._parts[c]
+        self._reduce(c, parts)
+
+    def _reduce(self, c: int, parts: dict[int, np.ndarray | torch.Tensor]) -> None:
+        lo, hi = self._bounds(c)
+        sites = self.view.num_sites
+        if self.one_pass and self._reduce_raw(c, lo, hi, parts):
+            return
+        if self.host is not None:  # a CPU round decodes to numpy
+            summed = torch.from_numpy(sum_parts(parts, self.host[lo:hi], sites, self.average))
+        else:  # a CUDA round: the parts are tensors on self.device
+            summed = sum_parts(parts, self.flat[lo:hi], sites, self.average)
+        # Every site, the owner too, keeps decode(result): a lossy encode leaves it in
+        # place of the sum as it quantizes.
+        try:
+            payload = self._encode(
+                summed, f"g{self.group}/r{c}", summed if self.codec.lossy else None
+            )
+        except NonFiniteEncoding as exc:
+            if self.codec.lossy:  # our own part was not checked as it was kept
+                self._check_own(c, lo, hi, parts[self.view.site_index])
+            self._count(nonfinite_chunks=1)
+            cause = "overflowed" if not finite(summed) else "is finite, but its encode is not"
+            raise sum_fault(self.where, c, lo, hi, cause, self.codec.name, exc) from exc
+        self._send_result(c, lo, hi, payload)
+
+    def _reduce_raw(
+        self, c: int, lo: int, hi: int, parts: dict[int, np.ndarray | torch.Tensor]
+    ) -> bool:
+        """A raw CPU chunk's sum, checks and checksum in one pass; False where the C
+        library declined (the caller's passes then do it)."""
+        assert self.host is not None
+        out, me = self.host[lo:hi], self.view.site_index
+        t0 = time.perf_counter()
+        host = cast("dict[int, np.ndarray]", parts)
+        done = sum_raw_host(host, out, me, self.view.num_sites, self.average)
+        self._count(encode_s=time.perf_counter() - t0)
+        if done is None:
+            self._check_own(c, lo, hi, host[me])  # not checked as it came in
+            return False
+        status, crc = done
+        if status == SUM_OWN_NONFINITE:
+            raise self._own_fault(c, lo, hi)
+        if status == SUM_OVERFLOW:
+            self._count(nonfinite_chunks=1)
+            raise sum_fault(self.where, c, lo, hi, "overflowed", self.codec.name, "not finite")
+        self._send_result(c, lo, hi, out.data.cast("B"), crc)
+        return True
+
+    def _send_result(
+        self, c: int, lo: int, hi: int, payload: bytes | memoryview, crc: int | None = None
+    ) -> None:
+        frame = self._frame(RESULT, c, payload, crc)
+        self.outbox.put((self.step, self.group, RESULT, c), frame, self.peers)
+        for rnd in self._rounds.values():
+            rnd.send(frame)
+        n = len(self._rounds)
+        self._count(bytes_sent=n * len(payload), raw_bytes=n * (hi - lo) * 4)
+
+    def _refetch(self, key: MailboxKey) -> None:
+        chunk = self._pull(key)
+        if chunk is not None:
+            self.mailbox.redeposit(key, chunk)
+
+    def _pull(self, key: MailboxKey) -> Chunk | None:
+        """The chunk ``key`` asked again of its sender until it comes intact; None if
+        the round failed meanwhile (:func:`~isthmus.inter.data.round.pull.pull_intact`)."""
+        return pull_intact(
+            key,
+            peer=self.peers[key[4]],
+            handoffs=self.mailbox.handoffs,
+            check=self.check,
+            generation=self.view.generation,
+            site_index=self.view.site_index,
+            deadline=self.deadline,
+            failed=self._failed,
+            where=self.where,
+            on_corrupt=lambda: self._count(corrupt_chunks=1),
+        )
