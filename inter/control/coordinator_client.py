@@ -3,7 +3,7 @@
 A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
 registers its lane and its key (``RegisterRank``), waits for the job's membership
 (``GetMembership``), votes on each step (through
-:class:`~isthmus.inter.data.membership.SiteMembership`: a vote that waits through its
+:class:`~isthmus.inter.data.sync.membership.SiteMembership`: a vote that waits through its
 host's agent when it has one, inter/control/host_agent.py, as a frame on the rank's one
 connection there, inter/control/agent_wire.py; else as a message on the rank's one
 ``HostSession`` stream; a vote ahead as a ``CommitStep`` call), watches for

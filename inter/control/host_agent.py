@@ -69,7 +69,7 @@ __all__ = ["HostAgent", "quiet_closed_loop_events"]
 log = logging.getLogger("isthmus.host_agent")
 
 _RANK_WAIT_MS = 5_000
-"""The longest a rank's watch is held here (a rank asks for 5 s: inter/data/membership.py)."""
+"""The longest a rank's watch is held here (a rank asks for 5 s: inter/data/sync/membership.py)."""
 _RPC_SLACK_S = 5.0
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 

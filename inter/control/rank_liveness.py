@@ -4,7 +4,7 @@ A coordinator hears each site peer's heartbeats, but a rank of its own site that
 while the coordinator lives (a node lost under a launcher that does not take the site
 down: ``srun`` without ``--kill-on-bad-exit``) left the job waiting for the dead
 rank's vote until ``sync.timeout_s + failover.quorum_wait_s``. Every rank already
-beats: its membership watcher (inter/data/membership.py, ``SiteMembership._watch``), a
+beats: its membership watcher (inter/data/sync/membership.py, ``SiteMembership._watch``), a
 thread of its own, long-polls ``GetMembership`` with the rank's key without pause
 (each poll held up to a second, the next sent as soon as it is answered) while the
 rank's main thread computes, saves a checkpoint or collects garbage. So a rank with a
