@@ -49,14 +49,12 @@ then
   echo "installing torch==2.13.0" >&2
   "$python" -m pip install --quiet torch==2.13.0
 fi
+# Builds wirecore's C extension too (setup.py; without a C compiler the lanes use the same
+# path in Python, and say so in their log).
 "$python" -m pip install --quiet -e ".${extra}"
 # Byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set (the CI machines set it)
 # every process compiles again each module it imports, ~0.3-0.5 s a rank, and a job or
 # the test suite starts many. A source changed later is compiled again in memory.
 "$python" -m compileall -q -j 0 -x '/\.' . >/dev/null ||
   echo "note: could not byte-compile the package (it runs, a little slower to start)" >&2
-# The lanes' receive path in C (inter/data/transport/wirecore.c), built now rather than by the
-# first rank; without a C compiler the lanes use the same path in Python.
-"$python" -m isthmus.inter.data.transport.wirecore >&2 ||
-  echo "note: no C compiler: the lanes receive through Python (slower, same results)" >&2
 echo "isthmus installed: $(command -v isthmus || echo "$python -m isthmus.deploy.cli")" >&2

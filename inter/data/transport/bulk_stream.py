@@ -252,17 +252,9 @@ class TlsStream:
                 got += n
 
     def recv_payload(self, buf: memoryview, stall_s: float, f32: bool) -> tuple[int, bool | None]:
-        """Fills ``buf`` and checksums it (and checks fp32 words for NaN/Inf): in C,
-        record by record as each is decrypted, the GIL dropped for the whole payload
-        (:func:`wirecore.ssl_recv_payload`); where that is not available, in Python,
-        the checksum a second pass. The C path holds the lock throughout: only the
-        listener, a connection's one user, reads payloads."""
-        with self._lock:
-            if self._closed:
-                raise OSError("bulk connection closed")
-            done = wirecore.ssl_recv_payload(self.sock, buf, stall_s, f32)
-        if done is not None:
-            return done
+        """Fills ``buf``, then checksums it (and checks fp32 words for NaN/Inf). Python's
+        ``ssl`` decrypts one 16 KiB record a call, each taking the GIL back: no C path
+        here, since ``ssl`` offers C code no hold of its TLS object."""
         self.read_exact(buf, stall_s)
         crc = crc32c(buf)
         if not f32:

@@ -1,17 +1,18 @@
-/* isthmus wirecore: a lane's per-byte receive work in one call, outside the GIL.
+/* isthmus wirecore: a lane's per-byte work in one call, outside the GIL (the extension
+ * module isthmus.inter.data.transport._wirecore, built at install by setup.py).
  *
  * Why: a chunk received in Python crosses memory three times after the kernel
  * hands it over (the copy out of the socket, its CRC-32C, its finite check), and
  * each of those Python calls takes the GIL back, which on a GPU host waits behind
  * the training loop's kernel launches.  Here the payload is read in pieces of at
  * most PIECE bytes, and each piece is checksummed (and, for fp32 payloads,
- * checked for NaN/Inf) while it is still in the cache; the caller (ctypes) drops
- * the GIL for the whole frame.
- *
- * Built on first use by isthmus/inter/data/transport/wirecore.py with the system's C
- * compiler; the Python fallback there computes the same results.
+ * checked for NaN/Inf) while it is still in the cache, the GIL dropped for the
+ * whole frame.  wirecore.py computes the same results in Python where this module
+ * was not built.
  */
-#include <dlfcn.h>
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* first: it sets the feature macros (poll, recv) */
+
 #include <errno.h>
 #include <poll.h>
 #include <stddef.h>
@@ -23,7 +24,6 @@
 #define PIECE (256 * 1024)
 
 static uint32_t table[8][256];
-static int table_ready = 0;
 
 static void make_table(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -33,12 +33,10 @@ static void make_table(void) {
     }
     for (uint32_t i = 0; i < 256; i++)
         for (int t = 1; t < 8; t++) table[t][i] = (table[t - 1][i] >> 8) ^ table[0][table[t - 1][i] & 0xff];
-    table_ready = 1;
 }
 
 /* Slicing-by-8: the portable path (no SSE 4.2 / ARMv8 CRC instructions). */
 static uint32_t crc_soft(uint32_t crc, const uint8_t *p, size_t n) {
-    if (!table_ready) make_table();
     while (n && ((uintptr_t)p & 7)) { crc = (crc >> 8) ^ table[0][(crc ^ *p++) & 0xff]; n--; }
     while (n >= 8) {
         uint64_t w;
@@ -148,15 +146,18 @@ static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) { return crc_so
 static int have_hw(void) { return 0; }
 #endif
 
-static int hw = -1;
+static int hw;
+
+/* The tables, made once when the module is imported (before any call can run). */
+static void crc_init(void) {
+    make_table();
+    shift_table(shift1, LANE);
+    shift_table(shift2, 2 * LANE);
+    hw = have_hw();
+}
 
 /* CRC-32C of n bytes, continuing from a previous value (0 to start). */
-uint32_t wc_crc32c(uint32_t value, const uint8_t *p, size_t n) {
-    if (hw < 0) {
-        shift_table(shift1, LANE);
-        shift_table(shift2, 2 * LANE);
-        hw = have_hw();
-    }
+static uint32_t wc_crc32c(uint32_t value, const uint8_t *p, size_t n) {
     uint32_t crc = ~value;
     crc = hw ? crc_hw(crc, p, n) : crc_soft(crc, p, n);
     return ~crc;
@@ -185,8 +186,8 @@ VECTOR_CLONES static int any_nonfinite(const uint8_t *p, size_t words) {
  * fp32 word is NaN/Inf).  A non-blocking fd (Python's socket with a timeout) is
  * polled, at most stall_ms between two pieces.
  * Returns n; 0 if the peer closed first; -ETIMEDOUT on a stall; -errno otherwise. */
-long wc_recv_frame(int fd, uint8_t *dst, size_t n, int stall_ms, int check_f32,
-                   uint32_t *crc_out, int *nonfinite_out) {
+static long wc_recv_frame(int fd, uint8_t *dst, size_t n, int stall_ms, int check_f32,
+                          uint32_t *crc_out, int *nonfinite_out) {
     size_t got = 0, checked = 0;
     uint32_t crc = 0;
     int nonfinite = 0;
@@ -218,13 +219,10 @@ long wc_recv_frame(int fd, uint8_t *dst, size_t n, int stall_ms, int check_f32,
     return (long)n;
 }
 
-/* 1 if every one of the n fp32 values at p is finite: one read pass, no temporary. */
-int wc_all_finite(const uint8_t *p, size_t n) { return !any_nonfinite(p, n); }
-
 /* The CRC-32C (from 0) of n fp32 values at p, each piece checked for NaN/Inf while it is
  * in the cache: what a raw chunk's sender needs of its bytes, in one pass instead of two.
  * Returns 0 with *crc_out set, or 1 if a value is NaN or +-Inf. */
-int wc_crc32c_f32(const uint8_t *p, size_t n, uint32_t *crc_out) {
+static int wc_crc32c_f32(const uint8_t *p, size_t n, uint32_t *crc_out) {
     uint32_t crc = 0;
     for (size_t lo = 0; lo < n; lo += 3 * LANE) {
         size_t m = n - lo < 3 * LANE ? n - lo : 3 * LANE;
@@ -262,8 +260,8 @@ VECTOR_CLONES static void divide_into(float *o, float d, size_t n) {
  * its CRC-32C while it is in the cache.
  * Returns 0 with *crc_out set; 1 if part own holds NaN/Inf; 2 if the result does (its
  * parts being finite: an overflow).  Either stops the sum there. */
-int wc_sum_f32(float *out, const float *const *parts, int nparts, int own, float divisor,
-               size_t n, uint32_t *crc_out) {
+static int wc_sum_f32(float *out, const float *const *parts, int nparts, int own, float divisor,
+                      size_t n, uint32_t *crc_out) {
     uint32_t crc = 0;
     for (size_t lo = 0; lo < n; lo += SUM_BLOCK) {
         size_t m = n - lo < SUM_BLOCK ? n - lo : SUM_BLOCK;
@@ -285,78 +283,104 @@ int wc_sum_f32(float *out, const float *const *parts, int nparts, int own, float
     return 0;
 }
 
-/* The same receive inside TLS: the payload decrypted by the OpenSSL that Python's ssl
- * module already loaded (found by wirecore.py, opened with RTLD_NOLOAD so that it is
- * that very library and never another), one TLS record per SSL_read_ex, each
- * checksummed while it is in the cache, the GIL dropped for the whole frame.  Through
- * Python every record (16 KiB) took the GIL back: 256 hand-offs a 4 MiB chunk, which
- * on a 16-core host capped a TLS lane at a quarter of the plain one. */
-typedef int (*ssl_read_ex_fn)(void *, void *, size_t, size_t *);
-typedef int (*ssl_int_fn)(const void *, int);
-typedef int (*ssl_fd_fn)(const void *);
-typedef void (*err_clear_fn)(void);
-static ssl_read_ex_fn ssl_read_ex;
-static ssl_int_fn ssl_get_error;
-static ssl_fd_fn ssl_get_fd;
-static err_clear_fn err_clear;
+/* --- the module's functions (wirecore.py holds their contracts), each one call with the
+ * GIL dropped; buffers come through the buffer protocol, C-contiguous. */
 
-/* 0 once the four functions are bound from the two (already loaded) libraries. */
-int wc_ssl_bind(const char *libssl, const char *libcrypto) {
-    void *s = dlopen(libssl, RTLD_NOW | RTLD_NOLOAD);
-    void *c = dlopen(libcrypto, RTLD_NOW | RTLD_NOLOAD);
-    if (!s || !c) return -1;
-    ssl_read_ex = (ssl_read_ex_fn)dlsym(s, "SSL_read_ex");
-    ssl_get_error = (ssl_int_fn)dlsym(s, "SSL_get_error");
-    ssl_get_fd = (ssl_fd_fn)dlsym(s, "SSL_get_fd");
-    err_clear = (err_clear_fn)dlsym(c, "ERR_clear_error");
-    return ssl_read_ex && ssl_get_error && ssl_get_fd && err_clear ? 0 : -2;
-}
-
-/* The descriptor an SSL object reads (wirecore.py checks it against the socket's). */
-int wc_ssl_fd(const void *ssl) { return ssl_get_fd ? ssl_get_fd(ssl) : -1; }
-
-/* wc_recv_frame's contract, reading through ssl (on the non-blocking fd under it).
- * Returns n; 0 if the peer closed first; -ETIMEDOUT on a stall; -EPROTO on a TLS
- * error; -errno otherwise. */
-long wc_ssl_recv_frame(void *ssl, int fd, uint8_t *dst, size_t n, int stall_ms,
-                       int check_f32, uint32_t *crc_out, int *nonfinite_out) {
-    size_t got = 0, checked = 0;
+static PyObject *recv_frame(PyObject *self, PyObject *args) {
+    int fd, stall_ms, check_f32;
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "iw*ip", &fd, &buf, &stall_ms, &check_f32)) return NULL;
     uint32_t crc = 0;
     int nonfinite = 0;
-    if (!ssl_read_ex) return -ENOSYS;
-    while (got < n) {
-        size_t r = 0;
-        err_clear();
-        int ok = ssl_read_ex(ssl, dst + got, n - got, &r);
-        if (!ok) {
-            int e = ssl_get_error(ssl, ok);
-            if (e == 2 || e == 3) { /* SSL_ERROR_WANT_READ, _WANT_WRITE */
-                struct pollfd pfd = {fd, e == 2 ? POLLIN : POLLOUT, 0};
-                int ready = poll(&pfd, 1, stall_ms);
-                if (ready == 0) return -ETIMEDOUT;
-                if (ready < 0 && errno != EINTR) return -errno;
-                continue;
-            }
-            int sys = errno;
-            err_clear();
-            if (e == 6) return 0; /* SSL_ERROR_ZERO_RETURN: the peer's close_notify */
-            if (e == 5) return sys ? -sys : 0; /* SSL_ERROR_SYSCALL: EOF or a socket error */
-            /* OpenSSL 3 reports an EOF without close_notify as a TLS error: a peer
-             * gone mid-frame is "closed", as on plain TCP; anything else a protocol
-             * error. */
-            char byte;
-            if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return 0;
-            return -EPROTO;
-        }
-        crc = wc_crc32c(crc, dst + got, r);
-        got += r;
-        if (check_f32 && !nonfinite) {
-            size_t upto = got & ~(size_t)3;
-            nonfinite = any_nonfinite(dst + checked, (upto - checked) / 4);
-            checked = upto;
+    long got;
+    Py_BEGIN_ALLOW_THREADS
+    got = wc_recv_frame(fd, buf.buf, (size_t)buf.len, stall_ms, check_f32, &crc, &nonfinite);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return Py_BuildValue("lki", got, (unsigned long)crc, nonfinite);
+}
+
+static PyObject *all_finite(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = any_nonfinite(buf.buf, (size_t)buf.len / 4);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return PyBool_FromLong(!bad);
+}
+
+static PyObject *crc32c_f32(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
+    uint32_t crc = 0;
+    int bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = wc_crc32c_f32(buf.buf, (size_t)buf.len / 4, &crc);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    if (bad) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLong(crc);
+}
+
+static PyObject *sum_f32(PyObject *self, PyObject *args) {
+    Py_buffer out;
+    PyObject *seq, *result = NULL;
+    int own;
+    float divisor;
+    if (!PyArg_ParseTuple(args, "w*Oif", &out, &seq, &own, &divisor)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "parts must be a sequence");
+    Py_ssize_t k = fast ? PySequence_Fast_GET_SIZE(fast) : 0, held = 0;
+    Py_buffer *views = fast ? PyMem_Calloc((size_t)k + 1, sizeof *views) : NULL;
+    const float **parts = views ? PyMem_Calloc((size_t)k + 1, sizeof *parts) : NULL;
+    if (!parts) {
+        if (fast) PyErr_NoMemory();
+        goto done;
+    }
+    if (k < 2 || k > INT_MAX || own >= k) {
+        PyErr_SetString(PyExc_ValueError, "two parts or more, own one of them or -1");
+        goto done;
+    }
+    for (; held < k; held++) {
+        Py_buffer *v = &views[held];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, held), v, PyBUF_SIMPLE) < 0) goto done;
+        parts[held] = v->buf;
+        if (v->len != out.len) {
+            held++;
+            PyErr_SetString(PyExc_ValueError, "every part must be as long as out");
+            goto done;
         }
     }
-    *crc_out = crc;
-    *nonfinite_out = nonfinite;
-    return (long)n;
+    uint32_t crc = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = wc_sum_f32(out.buf, parts, (int)k, own, divisor, (size_t)out.len / 4, &crc);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("ik", status, (unsigned long)crc);
+done:
+    while (held > 0) PyBuffer_Release(&views[--held]);
+    PyMem_Free(parts);
+    PyMem_Free(views);
+    Py_XDECREF(fast);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"recv_frame", recv_frame, METH_VARARGS,
+     "recv_frame(fd, buf, stall_ms, check_f32) -> (result, crc, nonfinite)"},
+    {"all_finite", all_finite, METH_VARARGS, "all_finite(fp32 buffer) -> bool"},
+    {"crc32c_f32", crc32c_f32, METH_VARARGS, "crc32c_f32(fp32 buffer) -> int | None"},
+    {"sum_f32", sum_f32, METH_VARARGS,
+     "sum_f32(out, parts, own, divisor) -> (status, crc)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_wirecore", .m_size = -1, .m_methods = methods};
+
+PyMODINIT_FUNC PyInit__wirecore(void) {
+    crc_init();
+    return PyModule_Create(&module);
 }
