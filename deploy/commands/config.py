@@ -6,7 +6,8 @@ import argparse
 import dataclasses
 
 from isthmus.deploy.commands.arguments import add_config_arguments, config_from_args
-from isthmus.deploy.config.sections import SECTION_TYPES, field_docs
+from isthmus.deploy.config.job import SECTION_TYPES
+from isthmus.deploy.config.sections import field_docs
 
 __all__ = ["register"]
 

@@ -19,28 +19,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from isthmus.deploy.config.hf_model import hf_model_config
-from isthmus.deploy.config.sections import (
-    SECTION_TYPES,
+from isthmus.deploy.config.model import resolved_model
+from isthmus.deploy.config.run_sections import (
     CheckpointSection,
     ClusterSection,
-    DataSection,
     FailoverSection,
-    JobSection,
-    ModelSection,
-    ParallelSection,
     RunSection,
     SecuritySection,
     SyncSection,
-    TopologySection,
-    TrainSection,
     WanSection,
 )
-from isthmus.deploy.config.validation import ConfigError, validate
+from isthmus.deploy.config.sections import (
+    ConfigError,
+    DataSection,
+    JobSection,
+    ModelSection,
+    ParallelSection,
+    TopologySection,
+    TrainSection,
+)
+from isthmus.deploy.config.validation import check_eval_batch, check_layout, check_train
 from isthmus.inter.data import CODEC_FORMAT, connections_for_link, sync_chunk_bytes
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
-from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig, preset
-from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
+from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig
 from isthmus.intra.user_files import DECODE_ERRORS, decode_problem
 
 if sys.version_info >= (3, 11):
@@ -93,9 +94,32 @@ class JobConfig:
             "witness": self.failover.witness or None,
         }
 
+    def check(self) -> None:
+        """Check every section's values, then the checks that span sections (in the
+        order a fix is found: the tokenizer first, for the model's vocabulary comes
+        from it); raise ConfigError naming the key."""
+        t, tr, par = self.topology, self.train, self.parallel
+        self.data.check_tokenizer()
+        self.job.check()
+        t.check()
+        tr.check()
+        check_train(t, tr, par, self.sync)
+        par.check()
+        model = self.resolved_model()  # its own errors name their model.* key
+        check_layout(t, tr, par, model)
+        self.data.check()
+        self.sync.check(layers=model.n_layers)
+        self.failover.check(sites=t.sites)
+        self.wan.check()
+        self.run.check()
+        check_eval_batch(t, par, self.run)
+        self.checkpoint.check(steps=self.job.steps)
+        self.cluster.check(t)
+        self.security.check()
+
     @property
     def site_names(self) -> list[str]:
-        return [f"site{i}" for i in range(self.topology.sites)]
+        return self.topology.site_names
 
     @property
     def chunk_bytes(self) -> int:
@@ -137,67 +161,16 @@ class JobConfig:
 
     @property
     def one_way_latency_s(self) -> float:
-        if self.wan.latency_ms >= 0:
-            return self.wan.latency_ms / 1000.0
-        return self.wan.distance_km * 4.9e-6
+        return self.wan.one_way_latency_s
 
     def resolved_model(self) -> ModelConfig:
-        """The preset with this config's overrides; max_seq_len covers train.seq_len and
-        vocab_size the tokenizer's ids (256 bytes, data.vocab_size for a bpe trained here,
-        a file's ids padded to a multiple of 64, read from its JSON).
-
-        Raises:
-            ConfigError: an unknown preset, a shape the model refuses, or an unreadable
-                tokenizer file.
-        """
-        try:
-            vocab = self._model_vocab()
-        except ValueError as exc:
-            raise ConfigError(f"data.tokenizer: {exc}") from None
-        if self.model.hf_config or self.model.init_from:
-            return hf_model_config(self.model, seq_len=self.train.seq_len, vocab=vocab)
-        try:
-            cfg = preset(self.model.preset)
-            cfg.vocab_size = vocab
-            if self.model.dim:
-                cfg.dim = self.model.dim
-                # Keep the SwiGLU hidden size at ~8/3 dim, rounded up to a multiple of 8.
-                cfg.ffn_hidden = -(-int(8 * cfg.dim / 3) // 8) * 8
-            if self.model.n_layers:
-                cfg.n_layers = self.model.n_layers
-            if self.model.n_heads:
-                cfg.n_heads = self.model.n_heads
-            if self.model.capacity_factor and not cfg.n_experts:
-                raise ValueError(
-                    f"capacity_factor={self.model.capacity_factor} needs a mixture of "
-                    f"experts (a moe-* preset), got {self.model.preset!r}"
-                )
-            cfg.capacity_factor = self.model.capacity_factor
-            cfg.max_seq_len = max(cfg.max_seq_len, self.train.seq_len)
-            cfg.__post_init__()  # re-validate after the overrides
-        except ValueError as exc:
-            raise ConfigError(f"model: {exc}") from None
-        return cfg
-
-    def _model_vocab(self) -> int:
-        """The model's vocabulary, from data.tokenizer (``resolved_model``)."""
-        if self.data.tokenizer == "bytes":
-            # Token ids already (.bin/.npy): data.vocab_size says how many there are.
-            pretokenized = self.data.source == "path" and Path(self.data.path).suffix in (
-                ".bin",
-                ".npy",
-            )
-            return self.data.vocab_size if pretokenized else BYTE_VOCAB
-        if self.data.tokenizer == "bpe":
-            return self.data.vocab_size
-        return file_vocab_size(self.data.tokenizer)
+        """The model this job trains (deploy/config/model.py). Raises ConfigError."""
+        return resolved_model(self.model, self.data, seq_len=self.train.seq_len)
 
     @property
     def site_ranks(self) -> list[int]:
-        """Each site's rank count, by site index (topology.ranks_per_site: one number
-        for all, or one per site)."""
-        ranks = self.topology.ranks_per_site
-        return list(ranks) if isinstance(ranks, list) else [ranks] * self.topology.sites
+        """Each site's rank count, by site index."""
+        return self.topology.site_ranks
 
     def ranks_of(self, site: str) -> int:
         """The rank count of ``site``."""
@@ -212,8 +185,7 @@ class JobConfig:
 
     def site_dp(self) -> list[int]:
         """Each site's data-parallel width."""
-        t = self.topology
-        return [n // (t.pp * t.cp * t.tp) for n in self.site_ranks]
+        return self.topology.site_dp()
 
     @property
     def site_accumulate(self) -> list[int]:
@@ -228,20 +200,7 @@ class JobConfig:
 
     def parallel_config(self, *, cuda: bool) -> ParallelConfig:
         """The site's parallelism choices for intra's Trainer."""
-        p = self.parallel
-        return ParallelConfig(
-            schedule=p.schedule,
-            microbatches=p.microbatches or None,
-            stages_per_rank=p.stages_per_rank or None,
-            sequence_parallel=p.sequence_parallel,
-            activation_checkpoint=p.activation_checkpoint,
-            # Compiled blocks reach ~49% MFU at the 1b preset on an H100 against ~32%
-            # eager (benchmarks/site_step.py), so CUDA compiles unless told not to.
-            compile=cuda if p.compile == "auto" else p.compile == "true",
-            mixed_precision=cuda if p.mixed_precision == "auto" else p.mixed_precision == "true",
-            offload=p.offload,
-            expert_parallel=self.topology.ep,
-        )
+        return self.parallel.config(cuda=cuda, expert_parallel=self.topology.ep)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -291,6 +250,10 @@ class JobConfig:
         return out
 
 
+SECTION_TYPES: dict[str, type] = {
+    f.name: type(getattr(JobConfig(), f.name)) for f in dataclasses.fields(JobConfig)
+}
+"""Each section's name and its class, in the order `isthmus config` prints them."""
 PER_SITE = ("topology.ranks_per_site", "train.accumulate")
 """Keys that take one integer for every site or a list of one per site."""
 
@@ -431,7 +394,7 @@ def load_config(
     if fit is not None:
         fit(config, given)
     _normalize_switches(config)
-    validate(config)
+    config.check()
     return config
 
 

@@ -1,16 +1,38 @@
 """The sections of a job config, each a typed dataclass whose fields are documented
-where they are defined (`isthmus config` prints these docs). Loading and precedence
-live in job.py, the checks of the values in validation.py."""
+where they are defined (`isthmus config` prints these docs) and whose ``check`` refuses
+its own bad values; this module holds what a site trains, run_sections.py how the sites
+run and reach each other. Loading and precedence live in job.py, the checks that span
+sections in validation.py."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
+
+from isthmus.intra.layout import ParallelConfig
+from isthmus.intra.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
 
 KIB = 1024
 MIB = 1024 * KIB
+SHA256_RULE = "empty or 64 lowercase hex digits"
+
+
+class ConfigError(ValueError):
+    """A user's configuration is wrong; the message says what and where."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def is_sha256(text: str) -> bool:
+    """Empty, or a sha256 as 64 lowercase hex digits."""
+    return not text or (len(text) == 64 and all(c in "0123456789abcdef" for c in text))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -21,6 +43,9 @@ class JobSection:
     """Seed for model initialisation and data sampling; identical on every site."""
     steps: int = 20
     """Optimizer steps to run."""
+
+    def check(self) -> None:
+        require(self.steps >= 1, f"job.steps must be >= 1, got {self.steps}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,6 +70,58 @@ class TopologySection:
     """"cpu" (gloo), "cuda" (NCCL), or "auto": cuda where the host has a GPU, else cpu.
     `isthmus local` and `isthmus site` refuse a host with fewer GPUs than the ranks
     they start (with run.share_gpus: than the largest site's), naming the ways out."""
+
+    @property
+    def site_names(self) -> list[str]:
+        return [f"site{i}" for i in range(self.sites)]
+
+    @property
+    def site_ranks(self) -> list[int]:
+        """Each site's rank count, by site index (one number for all, or one per site)."""
+        ranks = self.ranks_per_site
+        return list(ranks) if isinstance(ranks, list) else [ranks] * self.sites
+
+    def site_dp(self) -> list[int]:
+        """Each site's data-parallel width."""
+        return [n // (self.pp * self.cp * self.tp) for n in self.site_ranks]
+
+    def check(self) -> None:
+        """The sites, their sizes and each site's layout."""
+        require(1 <= self.sites <= 64, f"topology.sites must be in 1..64, got {self.sites}")
+        per_site = isinstance(self.ranks_per_site, list)
+        sizes = (
+            self.ranks_per_site if isinstance(self.ranks_per_site, list) else [self.ranks_per_site]
+        )
+        require(
+            not per_site or len(sizes) == self.sites,
+            f"topology.ranks_per_site names {len(sizes)} site sizes {sizes} for "
+            f"topology.sites={self.sites}: give one per site, or one number for all",
+        )
+        require(
+            all(n >= 1 for n in sizes),
+            f"topology.ranks_per_site must be >= 1, got {self.ranks_per_site}",
+        )
+        pp, cp, tp = self.pp, self.cp, self.tp
+        require(
+            pp >= 1 and tp >= 1 and cp >= 1,
+            f"topology.pp, topology.cp and topology.tp must be >= 1, got {pp}, {cp}, {tp}",
+        )
+        for n in sizes:
+            require(
+                n % (pp * cp * tp) == 0,
+                f"layout does not divide the ranks: topology.ranks_per_site={n} "
+                f"is not divisible by pp*cp*tp={pp}*{cp}*{tp}={pp * cp * tp} "
+                "(sites may differ in dp only: pp, cp and tp are the same at every site)",
+            )
+        require(
+            len(set(sizes)) == 1 or self.ep == 1,
+            f"topology.ep={self.ep} needs sites of one size, got topology.ranks_per_site={sizes}: "
+            "expert-parallel sites of different sizes are not supported yet",
+        )
+        require(
+            self.device in ("auto", "cpu", "cuda"),
+            f"topology.device must be auto, cpu or cuda, got {self.device!r}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -124,6 +201,34 @@ class TrainSection:
     lr_reference_dp: int = 4
     """The data-parallel width (sites x dp) at which train.lr was tuned; unset, the preset's."""
 
+    def check(self) -> None:
+        """The train.* values alone (deploy/config/validation.py checks them against
+        the sites, the pipeline and the sync mode)."""
+        require(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
+        accumulate = self.accumulate if isinstance(self.accumulate, list) else [self.accumulate]
+        require(
+            all(m >= 1 for m in accumulate), f"train.accumulate must be >= 1, got {self.accumulate}"
+        )
+        require(
+            self.balance_every >= 0, f"train.balance_every must be >= 0, got {self.balance_every}"
+        )
+        require(
+            self.batch_schedule in ("fixed", "ramp", "noise"),
+            f"train.batch_schedule must be fixed, ramp or noise, got {self.batch_schedule!r}",
+        )
+        require(self.seq_len >= 2, f"train.seq_len must be >= 2, got {self.seq_len}")
+        require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        require(
+            self.lr_scaling in ("sqrt", "linear", "none"),
+            f"train.lr_scaling must be sqrt, linear or none, got {self.lr_scaling!r}",
+        )
+        require(
+            self.lr_reference_dp >= 1,
+            f"train.lr_reference_dp must be >= 1, got {self.lr_reference_dp}",
+        )
+
 
 @dataclass(kw_only=True, slots=True)
 class ParallelSection:
@@ -145,6 +250,32 @@ class ParallelSection:
     offload: bool = False
     """FSDP2 CPU offload: sharded parameters, gradients and AdamW state in host memory,
     the optimizer stepping on the CPU (for a model that does not fit the devices)."""
+
+    def check(self) -> None:
+        """The auto/true/false switches (validation.py checks the layout)."""
+        for key in ("compile", "mixed_precision"):
+            require(
+                getattr(self, key) in ("auto", "true", "false"),
+                f"parallel.{key} must be auto, true or false, got {getattr(self, key)!r}",
+            )
+
+    def config(self, *, cuda: bool, expert_parallel: int) -> ParallelConfig:
+        """The site's parallelism choices for intra's Trainer."""
+        return ParallelConfig(
+            schedule=self.schedule,
+            microbatches=self.microbatches or None,
+            stages_per_rank=self.stages_per_rank or None,
+            sequence_parallel=self.sequence_parallel,
+            activation_checkpoint=self.activation_checkpoint,
+            # Compiled blocks reach ~49% MFU at the 1b preset on an H100 against ~32%
+            # eager (benchmarks/site_step.py), so CUDA compiles unless told not to.
+            compile=cuda if self.compile == "auto" else self.compile == "true",
+            mixed_precision=cuda
+            if self.mixed_precision == "auto"
+            else self.mixed_precision == "true",
+            offload=self.offload,
+            expert_parallel=expert_parallel,
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -183,222 +314,75 @@ class DataSection:
     between runs (keyed by a hash of the corpus and the settings); empty = $XDG_CACHE_HOME/isthmus, else
     ~/.cache/isthmus. May differ per site."""
 
+    @property
+    def pretokenized(self) -> bool:
+        """A .bin/.npy corpus: token ids already."""
+        return self.source == "path" and Path(self.path).suffix in (".bin", ".npy")
 
-@dataclass(kw_only=True, slots=True)
-class SyncSection:
-    mode: str = "step"
-    """How the sites combine their work: "step" averages the gradient across sites every
-    step; "diloco" lets each site take inner_steps steps alone, then averages how far
-    the parameters moved (the outer gradient) and applies it with outer_lr and
-    outer_momentum (DiLoCo); "streaming" does the same for one of `fragments` strided
-    groups of blocks at a time, every inner_steps/fragments steps (Streaming DiLoCo;
-    docs/sync-modes.md)."""
-    inner_steps: int = 50
-    """diloco, streaming: H, the steps each site trains alone between outer steps (the
-    job's last step always ends with one, of every fragment)."""
-    outer_lr: float = 0.7
-    """diloco, streaming: learning rate of the outer Nesterov SGD (DiLoCo's default)."""
-    outer_momentum: float = 0.9
-    """diloco, streaming: Nesterov momentum of the outer SGD; 0 = none."""
-    outer_lr_ramp: float = 1.0
-    """diloco, streaming: the outer learning rate at the end of the inner learning
-    rate's cosine, as a multiple of outer_lr; in between it rises as the inner one
-    decays (docs/sync-modes.md). 1 = outer_lr throughout."""
-    outer_delay: int = 0
-    """diloco, streaming: inner steps an outer all-reduce runs behind, in
-    0..inner_steps/fragments-1: the sites train on while it crosses and its average
-    lands that many steps later, merged with the progress made meanwhile (diloco: added
-    under it; streaming: mixed by fragment_alpha). 0 = each outer step waits for it."""
-    fragments: int = 2
-    """streaming: P, fragments of the blocks (block i in fragment i mod P), synced one at
-    a time, fragment k at (k+1)*inner_steps/fragments steps into each inner_steps; must
-    divide inner_steps and be at most the model's layers."""
-    fragment_alpha: float = 0.5
-    """streaming: a fragment landing outer_delay steps late becomes
-    fragment_alpha*local + (1-fragment_alpha)*average (Streaming DiLoCo's mixing;
-    0 = the average only). Unused without a delay."""
-    codec: str = "raw+shuffle+zstd:1"
-    """Cross-site codec chain TENSOR[+shuffle][+zstd[:LEVEL[:THREADS]]]; TENSOR is raw
-    (fp32, lossless), bf16, int8 or int4 (a scale per 1024 values, error feedback; int4
-    packs two values per byte, for DiLoCo's outer gradients). Examples:
-    "raw", "bf16+shuffle+zstd:3", "int8+zstd:1"."""
-    chunk_bytes: int = 0
-    """Raw bytes per chunk of the cross-site all-reduce; 0 = the link's bandwidth-delay
-    product (from wan.*), clamped to 256 KiB - 4 MiB, and at least 16 MiB for CUDA
-    tensors on the bulk transport (fewer, larger chunks: fewer kernel launches)."""
-    connections: int = 0
-    """TCP connections per peer lane (bulk or gRPC), 1..16; 0 = as many as fill the link:
-    bandwidth / wan.per_flow_mbit, or the bandwidth-delay product over one connection's
-    TCP window, at least 2 (inter/data/transport/chunk_size.py, ``connections_for_link``)."""
-    transport: str = "auto"
-    """How chunks travel: "bulk" (the lanes' own TCP port, inside mutual TLS when
-    security.require_tls is on; fastest), "grpc" (PushChunks calls) or "auto" (bulk;
-    see docs/wire.md)."""
-    rounds_in_flight: int = 4
-    """FSDP groups whose cross-site rounds may run at once, overlapping each other and
-    backward; 1 runs them one after another."""
-    workers: int = 0
-    """Encode/decode threads per lane; 0 = min(4, cores)."""
-    timeout_s: float = 120.0
-    """Deadline for one cross-site round and for joining; a silent peer fails the step."""
+    def check(self) -> None:
+        """data.* but the tokenizer's keys (``check_tokenizer``, run first)."""
+        require(
+            self.source in ("stdlib", "path", "prepared"),
+            f"data.source must be stdlib, path or prepared, got {self.source!r}",
+        )
+        require(
+            self.source == "stdlib" or bool(self.path),
+            f"data.source = {self.source!r} needs data.path",
+        )
+        require(
+            self.source != "prepared" or self.tokenizer not in ("bytes", "bpe"),
+            'data.source = "prepared" needs data.tokenizer = the tokenizer.json it was prepared '
+            f"with (e.g. {Path(self.path) / 'tokenizer.json'})",
+        )
+        require(self.max_bytes >= 1024, f"data.max_bytes must be >= 1024, got {self.max_bytes}")
+        require(
+            0 <= self.val_fraction <= 0.5,
+            f"data.val_fraction must be in [0, 0.5], got {self.val_fraction}",
+        )
 
-
-@dataclass(kw_only=True, slots=True)
-class FailoverSection:
-    min_sites: int = 1
-    """Never train with fewer live sites than this; below it the job stops."""
-    failure_timeout_s: float = 10.0
-    """A site not heard from (coordinator heartbeats) for this long is taken for dead:
-    the others finish the step's rounds without it and carry on."""
-    heartbeat_s: float = 1.0
-    """Period of the heartbeats between coordinators."""
-    quorum_wait_s: float = 300.0
-    """How long a site cut off from a quorum waits for the link to heal (then it
-    pulls the state and rejoins) before it stops with a message saying why."""
-    witness: str = ""
-    """host:port of the job's witness (`isthmus witness`, at a third place): a side
-    holding exactly half the sites goes on only with its grant, so two sites survive
-    the loss of either. Empty = none: an even split goes on on the side with site0."""
-
-
-@dataclass(kw_only=True, slots=True)
-class WanSection:
-    distance_km: float = 1000.0
-    """Emulated fiber distance between every pair of sites; ~4.9 us per km one way."""
-    latency_ms: float = -1.0
-    """One-way latency; negative derives it from distance_km."""
-    bandwidth_mbit: float = 1000.0
-    """Link bandwidth in Mbit/s, each direction."""
-    per_flow_mbit: float = 0.0
-    """Most Mbit/s one TCP connection gets, each direction (public clouds cap a flow:
-    AWS at 5 Gbit/s); 0 = no cap. `isthmus local` emulates it, and the lanes open enough
-    connections to fill the link (sync.connections = 0)."""
-    queue_kib: int = 1024
-    """Buffering beyond the bandwidth-delay product, KiB."""
+    def check_tokenizer(self) -> None:
+        """data.tokenizer and the keys that go with it."""
+        require(
+            MIN_BPE_VOCAB <= self.vocab_size <= MAX_VOCAB,
+            f"data.vocab_size must be in {MIN_BPE_VOCAB}..{MAX_VOCAB} (ids fit uint16), got "
+            f"{self.vocab_size}",
+        )
+        sha, kind = self.tokenizer_sha256, self.tokenizer
+        require(is_sha256(sha), f"data.tokenizer_sha256 must be {SHA256_RULE}, got {sha!r}")
+        if kind == "bytes":
+            require(
+                not sha,
+                'data.tokenizer_sha256 pins a BPE tokenizer; data.tokenizer = "bytes" has none '
+                "(leave it empty)",
+            )
+            return
+        require(
+            not self.pretokenized,
+            f"data.tokenizer = {kind!r} is for text, and data.path {self.path!r} holds token "
+            'ids already (.bin/.npy): leave data.tokenizer = "bytes"',
+        )
+        if kind != "bpe":
+            require(
+                Path(kind).is_file(),
+                f'data.tokenizer must be "bytes", "bpe" or the path of a tokenizer.json; '
+                f"{kind!r} is neither (no such file)",
+            )
+            try:
+                file_facts(kind)
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"data.tokenizer: {exc}") from None
+        if self.source == "prepared":
+            return  # token ids already: the file is only hashed, never run
+        try:
+            require_tokenizers()
+        except ValueError as exc:
+            raise ConfigError(f"data.tokenizer = {kind!r}: {exc}") from None
 
 
 EVAL_BATCH = 8
 """Windows per held-out batch (deploy/rank/evaluation.py). Not train.batch_size: the held-out
 set would change with the layout, and runs of other per-rank batches would be measured
 on other text."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RunSection:
-    run_dir: str = ""
-    """Where the resolved config, metrics.jsonl, summary.json and logs go; empty = a temp dir."""
-    log_level: str = "warning"
-    """Log level of the rank processes: debug, info, warning, error."""
-    digest_every: int = 10
-    """Compare parameter digests across sites every this many steps (and after the
-    last); 0 = only after the last. Each digest gathers the full parameters."""
-    metrics_port: int = 0
-    """Prometheus /metrics port of each coordinator; 0 = any free port, -1 = none."""
-    tensorboard: bool = True
-    """Write TensorBoard event files to RUN_DIR/tensorboard/SITE (needs tensorboard)."""
-    eval_every: int = 50
-    """Measure the held-out loss every this many steps and after the last (in
-    metrics.jsonl, TensorBoard, the progress line and summary.json as val_loss); 0 =
-    only after the last. The outer modes measure the sites' shared model (the anchors)."""
-    eval_batches: int = 16
-    """Held-out batches per measurement (EVAL_BATCH = 8 windows of train.seq_len each,
-    whatever the per-rank batch, so layouts compare), the same ones every time and at
-    every site; 0 = no held-out loss."""
-    share_gpus: bool = False
-    """`isthmus local` only: sites take turns on this host's GPUs. A site whose ranks
-    would run past the last GPU starts again at GPU 0, so one GPU runs two one-rank
-    sites. The sites then share compute: for loss and correctness, not for speed."""
-    steady_after: int = 2
-    """Steps left out of the summary's steady-state figures (steady tokens/s, MFU,
-    exposed sync per step): the first steps compile kernels and warm up allocators and
-    links. With fewer steps than this + 1, only the first step is left out."""
-    host_agent: bool = True
-    """A launcher that starts several ranks of a site on its host (`isthmus local`,
-    `isthmus site`) runs one agent beside them: their votes reach the coordinator as one
-    message a step and their watches as one poll (inter/control/host_agent.py). Off:
-    each rank votes and watches on its own (what ranks started by srun do)."""
-    oversubscribe: bool = False
-    """Run more CPU ranks on this host than max(8, 4 x its cores) (`--oversubscribe`
-    sets it); off, such a job is refused before it starts (deploy/config/host_check.py,
-    ``host_problem``, says why those numbers)."""
-    script_sha256: str = ""
-    """sha256 of the `--script` file's bytes, filled in by the launcher (set here, it
-    pins the script: a --script that hashes otherwise is refused). Part of the job
-    fingerprint with script_args: sites running other scripts are refused at join.
-    Empty = the built-in trainer."""
-    script_args: str = ""
-    """The script's arguments (after `--`) as a JSON list, filled in by the launcher
-    with script_sha256 (set here, it pins them too)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class CheckpointSection:
-    every: int = 0
-    """Save a checkpoint of every site after each this many steps; 0 = never."""
-    dir: str = ""
-    """Checkpoints of site SITE go to DIR/SITE; empty = RUN_DIR/checkpoints/SITE."""
-    keep: int = 2
-    """Complete checkpoints kept per site (the newest); 0 = keep all."""
-    final: bool = True
-    """Also save after the job's last step when the run is kept (``run.run_dir`` or
-    ``checkpoint.dir`` set): the trained model, for `isthmus export` and `--resume`."""
-    resume_step: int = -1
-    """Start from the checkpoint after this many steps (complete at every site); -1 =
-    from scratch. --resume sets it to the newest step complete at every site. Part of
-    the job fingerprint: every site must start at the same step."""
-
-
-@dataclass(kw_only=True, slots=True)
-class ClusterSection:
-    coordinators: dict[str, str] = field(default_factory=dict)
-    """Site name -> host:port of its coordinator, for `isthmus site` (ignored by `local`).
-    Set one with --set cluster.coordinators.site0=10.0.0.5:7070."""
-    proxies: dict[str, str] = field(default_factory=dict)
-    """Peer site -> HTTP CONNECT proxy URL this site reaches it through (an emulated
-    link from `isthmus wan up`); empty = direct."""
-    lane_host: str = "127.0.0.1"
-    """Address this site's lanes bind (0.0.0.0 for every interface)."""
-    lane_port_base: int = 0
-    """Rank r's lane listens on lane_port_base + r (so a firewall or a Service can
-    name the ports); 0 = any free port."""
-    advertise_host: str = ""
-    """Address peers use to reach this site's lanes (behind NAT or a load balancer);
-    empty = lane_host."""
-
-
-@dataclass(kw_only=True, slots=True)
-class SecuritySection:
-    certs_dir: str = ""
-    """Folder written by `isthmus certs`: ca.crt, SITE.crt and SITE.key of this site,
-    token. Needed when require_tls or require_token is on (docs/security.md)."""
-    token_file: str = ""
-    """File holding the job token; empty = CERTS_DIR/token."""
-    require_tls: bool = False
-    """Coordinators and lanes serve only mutual TLS and dial with it: a peer without a
-    certificate signed by the job CA is refused in the handshake."""
-    require_token: bool = False
-    """Every call must carry the job token (health checks excepted); a refused call is
-    logged with the peer's address."""
-    insecure: bool = False
-    """Let a site listen beyond loopback without require_tls and require_token (a
-    warning every start); off, such a site refuses to start (`--insecure` sets it)."""
-
-
-SECTION_TYPES = {
-    "job": JobSection,
-    "topology": TopologySection,
-    "model": ModelSection,
-    "parallel": ParallelSection,
-    "train": TrainSection,
-    "data": DataSection,
-    "sync": SyncSection,
-    "failover": FailoverSection,
-    "wan": WanSection,
-    "run": RunSection,
-    "checkpoint": CheckpointSection,
-    "cluster": ClusterSection,
-    "security": SecuritySection,
-}
 
 
 def field_docs(section_type: type) -> dict[str, str]:
