@@ -36,6 +36,7 @@ from collections.abc import Callable
 import grpc
 
 from isthmus.inter.bounds import RefusalLog
+from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.inter.control.incarnations import Incarnations
 from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.state import CoordinatorState
@@ -77,6 +78,8 @@ class Admission:
         state: the membership and what the site knows of its peers.
         refusals: where a join its site belies is reported, once per caller.
         add_joiner: admits a site at the next commit (called with ``state.cond`` held).
+        tell_values: a refused join is told the job's values of the keys that differ;
+            without the job token or TLS anyone can call: only the keys (the log has both).
     """
 
     def __init__(
@@ -86,15 +89,44 @@ class Admission:
         *,
         refusals: RefusalLog,
         add_joiner: Callable[[pb.SiteInfo], None],
+        tell_values: bool,
     ) -> None:
         self.settings = settings
         self.state = state
         self._refusals = refusals
         self._add_joiner = add_joiner
+        self._tell_values = tell_values
 
     def site_problem(self, info: pb.SiteInfo, ready: bool, incarnation: str = "") -> str | None:
         """:func:`site_problem` with this coordinator's settings."""
         return site_problem(self.settings, info, ready, incarnation)
+
+    def answer_join(
+        self, request: pb.JoinRequest, context: grpc.ServicerContext
+    ) -> pb.JoinResponse:
+        """A peer's ``Join``: refused when the site or its fingerprint is not this job's,
+        else noted (``on_join``) and answered with this site's own SiteInfo."""
+        s, st, who = self.settings, self.state, request.site.name[:64] or "a peer"
+        problem = answer = self.site_problem(request.site, request.ready, request.incarnation)
+        theirs = dict(request.fingerprint.fields)
+        if problem is None and (problem := fingerprint_problem(s.fingerprint, theirs, s.site, who)):
+            answer = fingerprint_problem(
+                s.fingerprint, theirs, s.site, who, values=self._tell_values
+            )
+        if problem is not None:
+            log.warning("[%s] refused join from %s: %s", s.site, context.peer(), problem)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, answer or problem)
+        with st.cond:
+            # Not even "heard from": anyone can send a join in a site's name; the
+            # site's answers to this site's own calls say whether it is alive.
+            news = self.on_join(request, context.peer())
+            return pb.JoinResponse(
+                site=st.own_info_locked(),
+                ready=st.local_ready_locked(),
+                generation=st.generation if news else 0,
+                incarnation=st.incarnations.mine,
+                aborted=st.abort.answer_for(request.site.name),
+            )
 
     def _settle_claims_locked(self, name: str, info: pb.SiteInfo, incarnation: str) -> None:
         """``name``'s own answer: every claim it contradicts is a forged join."""

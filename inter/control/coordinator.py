@@ -1,16 +1,12 @@
 """The control plane of one site: rank registration, joining peer sites, membership.
 
-One `Coordinator` runs per site. The site's ranks register their lane addresses
-with it (site-local traffic). It joins every peer site's coordinator with the job
-fingerprint; a peer whose fingerprint differs is refused with a message naming
-every differing key, and both sides report it. Once every site is present and
-ready, the membership gets generation 1 and ranks learn their peers' lanes from a
-long-polling `GetMembership`. Heartbeats then record when each peer was last heard.
-Everything the coordinator knows lives in `self.state` (inter/control/state.py),
-changed only by its named transitions; the handlers here, the failover loop, the peer
-loop and the admission rule call them. Each of those helpers is handed the few things
-it uses (the frozen settings, the peers' stubs, the state), never the coordinator.
-
+One `Coordinator` runs per site. The site's ranks register their lane addresses with it;
+it joins every peer site's coordinator with the job fingerprint (a peer whose fingerprint
+differs is refused with a message naming every differing key, and both sides report it).
+Once every site is present and ready, the membership gets generation 1, which ranks learn
+from a long-polling `GetMembership`. Everything the coordinator knows lives in
+`self.state` (inter/control/state.py), changed only by its named transitions; each helper
+(failover, peer loop, admission) is handed the few things it uses, never the coordinator.
 Every RPC carries a deadline and every wait a timeout (docs/design.md invariant 5).
 """
 
@@ -21,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
+from operator import attrgetter
 from typing import Any
 
 import grpc
@@ -63,7 +60,18 @@ class CoordinatorError(RuntimeError):
 
 def _view(name: str, doc: str) -> Any:
     """A read-only attribute of the coordinator that reads ``state.<name>``."""
-    return property(lambda self: getattr(self.state, name), doc=doc)
+    return property(lambda self: attrgetter(name)(self.state), doc=doc)
+
+
+def _handled_by(method: str, who: str, helper: str, handle: str) -> Any:
+    """The RPC handler ``method``, for a caller named ``request.<who>``, answered by
+    ``self.<helper>.<handle>``."""
+
+    def handler(self: Coordinator, request: Any, context: grpc.ServicerContext) -> Any:
+        refuse_unless_named(self.security, context, self.where, attrgetter(who)(request), method)
+        return getattr(getattr(self, helper), handle)(request, context)
+
+    return handler
 
 
 class Coordinator(pb_grpc.CoordinatorServicer):
@@ -72,15 +80,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     Args:
         settings: the site, the job's sites, the fingerprint, where to bind, the
             timeouts and the failover settings (inter/control/settings.py).
-        peers: peer site name -> coordinator address, for every other site; may
-            instead be given by `set_peers` before `start` (the address of a server
-            bound to port 0 is known only once it is constructed).
+        peers: peer site name -> coordinator address, for every other site; or given by
+            `set_peers` before `start` (a server bound to port 0 knows its address late).
         proxies: peer site name -> HTTP CONNECT proxy URL of the link to it (optional).
-        security: mutual TLS and the job token for this server and the channels to
-            peers (`isthmus.inter.security`); None = plaintext, no token.
-        rank_keys: which key each local rank registers with; by default one random
-            key per rank, which the site's launcher in this process hands its ranks
-            (inter/control/rank_keys.py).
+        security: mutual TLS and the job token; None = plaintext, no token.
+        rank_keys: which key each local rank registers with; by default one random key
+            per rank, which the site's launcher in this process hands its ranks.
         clock: what every time of the control plane is read from (seconds, monotonic).
     """
 
@@ -114,11 +119,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.where = s.where
         self.metrics = SiteMetrics(s.site)
         self.metrics_address: str | None = None
-        # Long polls (GetMembership, CommitStep, SiteVote) wait on a slot each; a call
-        # without one answers at once (inter/bounds.py). Each caller holds its share
-        # only (a rank two, a peer site's votes two, the site's ranks' membership polls
-        # two a rank, anyone else's two a host), and one answered at once too often is
-        # paced unless it proved a rank's key (inter/bounds.py, issue 33 row 9).
+        # Long polls wait on a slot each, or answer at once; each caller holds its share
+        # (two a rank, a peer site, a host), and one answered at once too often is paced
+        # unless it proved a rank's key (inter/bounds.py, issue 33 row 9).
         self.refusals = RefusalLog(self.where)
         waiters = 2 * s.ranks + 2 * len(s.site_names) + 2
         self.repolls = RePolls()
@@ -144,10 +147,20 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             rank_liveness=self.rank_liveness,
         )
         self.admission = Admission(
-            s, st, refusals=self.refusals, add_joiner=self.failover.add_joiner_locked
+            s,
+            st,
+            refusals=self.refusals,
+            add_joiner=self.failover.ballots.add_joiner_locked,
+            tell_values=self.security.require_token or self.security.require_tls,
         )
         self._peer_loop = PeerLoop(
-            s, st, stubs=self._stubs, admission=self.admission, metrics=self.metrics
+            s,
+            st,
+            stubs=self._stubs,
+            admission=self.admission,
+            metrics=self.metrics,
+            refusals=self.refusals,
+            proposing=self.failover.leader.proposing,
         )
         self._server = self._bind(waiters + s.ranks + self.repolls.holds)
         self._joiner = threading.Thread(
@@ -213,11 +226,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def set_serving(self, serving: bool) -> None:
         """Answer grpc.health.v1 checks (whole server and the Coordinator service)."""
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        answer = health_pb2.HealthCheckResponse
+        status = answer.SERVING if serving else answer.NOT_SERVING
         for service in ("", "isthmus.v1.Coordinator"):
             self.health.set(service, status)
 
@@ -245,17 +255,6 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         handouts.withdraw(self.address)
         for channel in self._channels:
             channel.close()
-
-    @property
-    def aborted(self) -> str | None:
-        """ "SITE rank R: LINE" once a script raised here or at a peer (the job stops at
-        every site), else None."""
-        return self.state.abort.line
-
-    @property
-    def aborted_here(self) -> bool:
-        """The job's abort came from one of this site's ranks."""
-        return self.state.abort.here
 
     def tell_peers_of_abort(self) -> list[str]:
         """After a local script's error, keeps answering until every peer heard from
@@ -294,6 +293,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     digest = _view("digest", "This site's latest parameter digest and its step.")
     replicas = _view("replicas", "Every site's parameter digests (ReplicaDigests).")
     incarnations = _view("incarnations", "This process's id and the peers' (Incarnations).")
+    aborted = _view("abort.line", '"SITE rank R: LINE" once a script raised here or at a peer.')
+    aborted_here = _view("abort.here", "The job's abort came from a rank of this site.")
 
     def wait_ready(self, timeout_s: float) -> list[pb.SiteInfo]:
         """Block until the membership exists; returns the sites in index order.
@@ -309,21 +310,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 raise CoordinatorError(st.error)
             return st.infos_locked(st.members)
 
-    def _check_fingerprint(
-        self, theirs: pb.JobFingerprint, who: str, *, to_caller: bool = False
-    ) -> str | None:
-        # Without the job token or TLS anyone can call: what goes back to the caller
-        # names the keys that differ, not this job's values (the log here has them).
-        values = not to_caller or self.security.require_token or self.security.require_tls
-        return fingerprint_problem(
-            self.settings.fingerprint, dict(theirs.fields), self.site, who, values=values
-        )
-
     # -- RPC handlers ---------------------------------------------------------------
 
     def RegisterRank(self, request, context):  # noqa: N802 (gRPC method name)
         refuse_unless_named(self.security, context, self.where, request.site, "RegisterRank")
-        problem = self._check_fingerprint(request.fingerprint, f"rank {request.rank}")
+        theirs, who = dict(request.fingerprint.fields), f"rank {request.rank}"
+        problem = fingerprint_problem(self.settings.fingerprint, theirs, self.site, who)
         if problem is None and request.site != self.site:
             problem = (
                 f"rank registered for site {request.site[:64]!r} at the coordinator of {self.site}"
@@ -354,41 +346,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     self.rank_liveness.left_for = None  # every rank is back
         return pb.RegisterRankResponse()
 
-    def Join(self, request, context):  # noqa: N802
-        refuse_unless_named(self.security, context, self.where, request.site.name, "Join")
-        who = request.site.name[:64] or "a peer"
-        problem = answer = self.admission.site_problem(
-            request.site, request.ready, request.incarnation
-        )
-        if problem is None and (problem := self._check_fingerprint(request.fingerprint, who)):
-            answer = self._check_fingerprint(request.fingerprint, who, to_caller=True)
-        if problem is not None:
-            log.warning("[%s] refused join from %s: %s", self.site, context.peer(), problem)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, answer or problem)
-        st = self.state
-        with st.cond:
-            # Not even "heard from": anyone can send a join in a site's name; the
-            # site's answers to this site's own calls say whether it is alive.
-            news = self.admission.on_join(request, context.peer())
-            return pb.JoinResponse(
-                site=st.own_info_locked(),
-                ready=st.local_ready_locked(),
-                generation=st.generation if news else 0,
-                incarnation=st.incarnations.mine,
-                aborted=st.abort.answer_for(request.site.name),
-            )
-
     def GetMembership(self, request, context):  # noqa: N802
         st = self.state
         # A registered rank's polls (with its key) wait in the ranks' share, unpaced;
         # anyone else's share the two slots of their host, and are paced.
         rank = self.rank_keys.rank_of(request.rank_key) if request.rank_key else None
-        if rank is not None:
-            polls = self.long_polls.wait(
-                context, f"{self.site}'s ranks", 2 * self.ranks, paced=False
-            )
-        else:
-            polls = self.long_polls.wait(context, "GetMembership", 2)
+        share = (
+            (f"{self.site}'s ranks", 2 * self.ranks) if rank is not None else ("GetMembership", 2)
+        )
+        polls = self.long_polls.wait(context, *share, paced=rank is None)
         # A rank's watcher polls without pause: its beat (inter/control/rank_liveness.py);
         # a host agent's poll beats for every rank whose watch it holds.
         watcher = request.known_generation > 0
@@ -423,64 +389,18 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 suspects=st.suspects_locked(),
             )
 
-    def Heartbeat(self, request, context):  # noqa: N802
-        refuse_unless_named(self.security, context, self.where, request.site, "Heartbeat")
-        if request.site not in self.peers:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
-        st = self.state
-        if not st.replicas.valid(request.digest):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
-            )
-        with st.cond:
-            # A claim about request.site, not its word: "finished" is asked of the site
-            # itself (the peer loop) before a joining site gives up (issue 63).
-            st.heartbeat_locked(request.site, request.finished, context.peer())
-        self.metrics.site_up.labels(self.site, request.site).set(1)
-        refused = st.replicas.claim(request.site, request.digest_step, request.digest, live=st.step)
-        if refused is not None:  # the heartbeat counts; its digest does not
-            # The site's name is the caller's to choose: the detail, not the kind.
-            said = f"in {request.site[:64]!r}'s name: {refused}"
-            self.refusals.note(context.peer(), "Heartbeat digest refused", said)
-        digest = st.replicas.own(request.confirm_step) if request.confirm_digest else ""
-        start = request.confirm_digest and request.confirm_step == 0
-        layout = st.replicas.own_layout() if start else ""
-        with st.cond:
-            return pb.HeartbeatResponse(
-                model_layout=layout,
-                generation=st.generation,
-                member=request.site in st.members,
-                incarnation=st.incarnations.mine,
-                confirmed_digest=digest,
-                site=st.own_info_locked(),
-                ready=st.local_ready_locked(),
-                proposed_members=self.failover.leader.proposing.get(request.confirm_generation, []),
-                aborted=st.abort.answer_for(request.site),
-                step=st.step,
-                finished=st.finished,
-            )
-
-    def CommitStep(self, request, context):  # noqa: N802
-        refuse_unless_named(self.security, context, self.where, request.site, "CommitStep")
-        return self.failover.commit_step(request, context)
-
-    def CommitHostStep(self, request, context):  # noqa: N802
-        refuse_unless_named(self.security, context, self.where, request.site, "CommitHostStep")
-        return self.failover.commit_host_step(request, context)
+    Join = _handled_by("Join", "site.name", "admission", "answer_join")
+    Heartbeat = _handled_by("Heartbeat", "site", "_peer_loop", "answer_heartbeat")
+    CommitStep = _handled_by("CommitStep", "site", "failover", "commit_step")
+    CommitHostStep = _handled_by("CommitHostStep", "site", "failover", "commit_host_step")
+    SiteVote = _handled_by("SiteVote", "site", "failover", "site_vote")
+    Propose = _handled_by("Propose", "leader", "failover", "propose")
 
     def HostSession(self, request_iterator, context):  # noqa: N802
         self.host_sessions.hold_for_stream(context)
         for request in request_iterator:  # each vote checked as CommitHostStep checks it
             refuse_unless_named(self.security, context, self.where, request.site, "HostSession")
             yield self.failover.commit_host_step(request, context, in_session=True)
-
-    def SiteVote(self, request, context):  # noqa: N802
-        refuse_unless_named(self.security, context, self.where, request.site, "SiteVote")
-        return self.failover.site_vote(request, context)
-
-    def Propose(self, request, context):  # noqa: N802
-        refuse_unless_named(self.security, context, self.where, request.leader, "Propose")
-        return self.failover.propose(request, context)
 
     def AbortJob(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "AbortJob")

@@ -56,23 +56,20 @@ MAX_STEP = 1 << 40  # steps beyond this are refused as nonsense
 MAX_HOST_BALLOTS = 256  # ranks one CommitHostStep speaks for (a host has 8 or so)
 
 
+def _check_range(request, context: grpc.ServicerContext) -> None:
+    if request.step > MAX_STEP or request.generation == 0:
+        why = f"step {request.step} / generation {request.generation} out of range"
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+
+
 class Failover:
     """The voting and membership-change logic of one site's coordinator.
 
-    The membership lives in ``state`` (inter/control/state.py), the votes and decisions
-    in :attr:`ballots`; decisions only the leader takes are :attr:`leader`'s. All of it
-    is guarded by the state's condition variable.
-
-    Args:
-        settings: the coordinator's settings (quorum, vote window, first step, timeouts).
-        state: the membership, shared with the coordinator's handlers and the peer loop.
-        stubs: each peer's coordinator stub, by site name (filled once the site starts).
-        rank_keys: which key each local rank votes with.
-        refusals: where refused votes are reported, once per caller.
-        long_polls: the slots a vote waits for its decision in.
-        witness: the job's witness, if it has one.
-        rank_liveness: whether this site's ranks are alive; one that dies makes the site
-            leave the job (:meth:`_watch_ranks`).
+    The membership lives in ``state``, the votes and decisions in :attr:`ballots`;
+    decisions only the leader takes are :attr:`leader`'s. ``stubs`` (each peer's, by
+    name) is filled once the site starts; ``long_polls`` are the slots a vote waits for
+    its decision in; a rank that ``rank_liveness`` finds dead makes the site leave the
+    job (:meth:`_watch_ranks`).
     """
 
     def __init__(
@@ -84,8 +81,8 @@ class Failover:
         rank_keys: RankKeys,
         refusals: RefusalLog,
         long_polls: WaitSlots,
-        witness: WitnessLink | None = None,
-        rank_liveness: RankLiveness | None = None,
+        witness: WitnessLink | None,
+        rank_liveness: RankLiveness,
     ) -> None:
         self.settings = settings
         self.state = state
@@ -94,9 +91,7 @@ class Failover:
         self._refusals = refusals
         self._long_polls = long_polls
         self.ballots = Ballots(self.state)
-        self.rank_liveness = rank_liveness or RankLiveness(
-            settings.ranks, settings.failure_timeout_s, state.clock
-        )
+        self.rank_liveness = rank_liveness
         self.leader = Leader(
             self.state,
             self.ballots,
@@ -106,34 +101,11 @@ class Failover:
             min_sites=settings.min_sites,
             quorum_wait_s=settings.quorum_wait_s,
         )
-        self.vote_window = settings.vote_window
-        self.first_step = settings.first_step
         self._suspects: list[str] = []  # as the loop last saw them (it wakes waiters on a change)
         self._ranks_checked = float("-inf")  # when the ranks' silence was last checked
         self._thread = threading.Thread(
             target=self._run, name=f"failover-{settings.site}", daemon=True
         )
-
-    # -- views (call with the state's condition held) -----------------------------------------
-
-    def suspects_locked(self) -> list[str]:
-        """Members other than this site not heard from within the failure timeout."""
-        return self.state.suspects_locked()
-
-    @property
-    def committed_steps(self) -> int:
-        """Steps this site has committed: the next step it runs."""
-        return self.state.committed_steps
-
-    @property
-    def restarted(self) -> frozenset[str]:
-        """Members seen joining afresh: their earlier incarnation is dead."""
-        return self.state.restarted
-
-    @property
-    def proposing(self) -> dict[int, list[str]]:
-        """generation -> members, while this site proposes it (asked by the members)."""
-        return self.leader.proposing
 
     def _leader_locked(self, exclude: Iterable[str] = ()) -> str:
         gone = set(self.state.suspects_locked()) | set(exclude)
@@ -142,10 +114,10 @@ class Failover:
 
     def _refuse_if_too_far_locked(self, step: int, context: grpc.ServicerContext) -> None:
         """Refuses (and logs) a vote for a step too far past the one this site runs."""
-        st = self.state
-        runs = max(st.committed_steps, st.start_step, self.first_step)
-        if step > runs + self.vote_window:
-            far = f"a vote for step {step}, more than {self.vote_window} steps past step {runs}"
+        st, window = self.state, self.settings.vote_window
+        runs = max(st.committed_steps, st.start_step, self.settings.first_step)
+        if step > runs + window:
+            far = f"a vote for step {step}, more than {window} steps past step {runs}"
             self._refusals.note(context.peer(), far)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.settings.where}: {far}")
 
@@ -158,10 +130,6 @@ class Failover:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def add_joiner_locked(self, info: pb.SiteInfo) -> None:
-        """A site outside the membership asked to join; admitted at the next commit."""
-        self.ballots.add_joiner_locked(info)
-
     # -- handlers ------------------------------------------------------------------------
 
     def commit_step(self, request: pb.CommitStepRequest, context: grpc.ServicerContext):
@@ -170,9 +138,7 @@ class Failover:
         key = self._record_votes(request, [ballot], context)
         # The vote proved its rank's key: its polls are never paced.
         rank = f"{self.settings.site} rank {request.rank}"
-        return self._await(
-            key, request.wait_ms, context, rank, paced=False, sites_known=request.sites_known
-        )
+        return self._await(key, request.wait_ms, context, rank, sites_known=request.sites_known)
 
     def commit_host_step(
         self,
@@ -192,15 +158,8 @@ class Failover:
             )
         key = self._record_votes(request, request.ballots, context)
         host = f"{self.settings.site} host of rank {min(ranks)}"
-        return self._await(
-            key,
-            request.wait_ms,
-            context,
-            host,
-            paced=False,
-            sites_known=request.sites_known,
-            slot=not in_session,
-        )
+        known, slot = request.sites_known, not in_session
+        return self._await(key, request.wait_ms, context, host, sites_known=known, slot=slot)
 
     def _record_votes(
         self,
@@ -222,11 +181,7 @@ class Failover:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"rank {ballot.rank} is not one of {s.site}'s {s.ranks} ranks",
                 )
-        if request.step > MAX_STEP or request.generation == 0:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"step {request.step} / generation {request.generation} out of range",
-            )
+        _check_range(request, context)
         for ballot in ballots:
             if not self._rank_keys.is_rank(ballot.rank, ballot.rank_key):
                 why = f"a vote for rank {ballot.rank} without the key it registered with"
@@ -253,11 +208,7 @@ class Failover:
         s = self.settings
         if request.site not in s.peers:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {request.site[:64]!r}")
-        if request.step > MAX_STEP or request.generation == 0:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"step {request.step} / generation {request.generation} out of range",
-            )
+        _check_range(request, context)
         unknown = [n[:64] for n in request.suspects if n not in s.site_names]
         if unknown:
             context.abort(
@@ -332,7 +283,7 @@ class Failover:
         context: grpc.ServicerContext,
         caller: str,
         *,
-        paced: bool,
+        paced: bool = False,
         sites_known: bool = False,
         slot: bool = True,
     ) -> pb.Decision:

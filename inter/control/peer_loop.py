@@ -1,4 +1,5 @@
-"""The coordinator's thread that talks to peer sites: joining, then heartbeats.
+"""The coordinator's thread that talks to peer sites: joining, then heartbeats (and the
+answer to theirs).
 
 Before the membership exists it joins every peer (with the job fingerprint) until
 all are present and ready; a site joining a running job (restarted, or left out while
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from isthmus.inter.bounds import RefusalLog
 from isthmus.inter.control.admission import Admission
 from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.state import CoordinatorState
@@ -43,6 +45,8 @@ class PeerLoop:
         stubs: each peer's coordinator stub, by site name (filled once the site starts).
         admission: the rule that admits a site from its own answers.
         metrics: where each peer's reachability is recorded.
+        refusals: where a heartbeat's refused digest is reported, once per caller.
+        proposing: generation -> members, while this site proposes it (the leader's).
     """
 
     def __init__(
@@ -53,12 +57,15 @@ class PeerLoop:
         stubs: Mapping[str, pb_grpc.CoordinatorStub],
         admission: Admission,
         metrics: SiteMetrics,
+        refusals: RefusalLog,
+        proposing: Mapping[int, list[str]],
     ) -> None:
         self.settings = settings
         self.state = state
         self.stubs = stubs
         self.admission = admission
         self.metrics = metrics
+        self._refusals, self._proposing = refusals, proposing
         self._asked: dict[str, float] = {}  # peer -> when a claim was last asked of it
 
     def run(self) -> None:
@@ -112,6 +119,45 @@ class PeerLoop:
                 members = st.members
                 if not st.stopped.is_set() and (name in members or not members):
                     log.warning("[%s] heartbeat to %s failed: %s", site, name, exc.code().name)
+
+    def answer_heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        """A peer's heartbeat: it counts as hearing from the peer; what it says of the
+        peer's progress and digest is a claim."""
+        st, site = self.state, request.site
+        if site not in self.settings.peers:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown site {site[:64]!r}")
+        if not st.replicas.valid(request.digest):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "digest must be 64 lowercase hex digits"
+            )
+        with st.cond:
+            # "finished" is asked of the site itself before a joining site gives up (issue 63).
+            st.heartbeat_locked(site, request.finished, context.peer())
+        self.metrics.site_up.labels(st.site, site).set(1)
+        refused = st.replicas.claim(site, request.digest_step, request.digest, live=st.step)
+        if refused is not None:  # the heartbeat counts; its digest does not
+            # The site's name is the caller's to choose: the detail, not the kind.
+            said = f"in {site[:64]!r}'s name: {refused}"
+            self._refusals.note(context.peer(), "Heartbeat digest refused", said)
+        digest = st.replicas.own(request.confirm_step) if request.confirm_digest else ""
+        start = request.confirm_digest and request.confirm_step == 0
+        layout = st.replicas.own_layout() if start else ""
+        with st.cond:
+            return pb.HeartbeatResponse(
+                model_layout=layout,
+                generation=st.generation,
+                member=site in st.members,
+                incarnation=st.incarnations.mine,
+                confirmed_digest=digest,
+                site=st.own_info_locked(),
+                ready=st.local_ready_locked(),
+                proposed_members=self._proposing.get(request.confirm_generation, []),
+                aborted=st.abort.answer_for(site),
+                step=st.step,
+                finished=st.finished,
+            )
 
     def learn_progress(self, name: str, reply: pb.HeartbeatResponse) -> None:
         """``name``'s own step and whether it finished, as it answered at its address;

@@ -1,27 +1,19 @@
 """The state a site's coordinator shares among its pieces, changed by named transitions.
 
-The coordinator's RPC handlers (inter/control/coordinator.py), its failover loop
-(failover.py), the leader's decisions (leader.py), the peer loop (peer_loop.py) and the
-admission rule (admission.py) all read and change one membership: its generation and
-members, whether this site is joining or was left out, which peers said they are
-ready, who is suspected dead and which steps committed; and what the site knows of its
-peers and itself: their incarnations, the replica digests, what joins claimed, who
-asked to join, and the steps and digests reported. :class:`CoordinatorState` owns it,
-and every change is one of its transitions (``admit``, ``exclude``, ``suspect``,
-``commit``, ``adopt_generation``, ...), so each can be tested on its own
-(tests/inter/test_coordinator_state.py) and a reader finds in one file what moves the
-membership (the partition scenario once deadlocked in code that wrote it from four
-modules). The votes and decisions per (step, generation) that failover and the leader
-share are :class:`~isthmus.inter.control.ballots.Ballots`'s, under the same lock.
+The RPC handlers (coordinator.py), the failover loop, the leader, the peer loop and the
+admission rule all read and change one membership, and what the site knows of its peers
+and of itself. :class:`CoordinatorState` owns it, and every change is one of its named
+transitions, so each can be tested on its own (tests/inter/test_coordinator_state.py) and
+a reader finds in one file what moves the membership (the partition scenario once
+deadlocked in code that wrote it from four modules). The votes and decisions per (step,
+generation) are :class:`~isthmus.inter.control.ballots.Ballots`'s, under the same lock.
 
-Locking: one condition variable, ``CoordinatorState.cond`` (re-entrant), guards all of
-it. A method whose name ends in ``_locked`` must be called with it held; every other
-method takes it itself. A property reads one field without the lock (a single read is
-atomic); a caller that needs several fields to agree holds ``cond`` around them. Every
-transition wakes the threads waiting on ``cond`` (the failover loop, ``wait_ready``),
-which re-check what they wait for; only ``heard_from_locked``, a timestamp, wakes nobody.
-The ranks' long polls wait for their own news instead (inter/control/wakeups.py): a
-membership watcher for :attr:`CoordinatorState.membership_news`, a vote for the
+Locking: one re-entrant condition, ``CoordinatorState.cond``, guards all of it. A
+``_locked`` method must be called with it held; every other takes it itself. A view reads
+one field without it (a single read is atomic); a caller that needs several fields to
+agree holds ``cond``. Every transition but ``heard_from_locked`` (a timestamp) wakes the
+waiters on ``cond``. The ranks' long polls wait for their own news instead
+(inter/control/wakeups.py): :attr:`CoordinatorState.membership_news`, and a vote for the
 decision on its key (``Ballots.decision_event_locked``).
 """
 
@@ -33,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
+from typing import Any, Generic, TypeVar
 
 from isthmus.inter.control.abort import JobAbort
 from isthmus.inter.control.incarnations import Incarnations
@@ -48,6 +41,21 @@ failover_log = logging.getLogger("isthmus.inter.control.failover")
 
 Key = tuple[int, int]
 """(step, generation): what a vote and a decision are about."""
+T = TypeVar("T")
+
+
+class _Read(Generic[T]):
+    """A read-only view of the field ``_<name>`` (through ``copy``, for what is mutable)."""
+
+    def __init__(self, copy: Callable[[Any], T] | None = None) -> None:
+        self._copy = copy
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._field = "_" + name
+
+    def __get__(self, obj: object, owner: type | None = None) -> T:
+        value = getattr(obj, self._field)
+        return value if self._copy is None else self._copy(value)
 
 
 class Adoption(enum.Enum):
@@ -68,8 +76,7 @@ class CoordinatorState:
         site_names: every site of the job, in index order.
         ranks: ranks of this site (each registers one lane address).
         failure_timeout_s: a member not heard from for this long is suspected dead.
-        clock: what every time in here is read from (seconds, monotonic); a test hands
-            one it moves instead of waiting for time to pass.
+        clock: what every time in here is read from (seconds, monotonic).
     """
 
     def __init__(
@@ -101,21 +108,16 @@ class CoordinatorState:
         """Set when the site leaves: loops end, long polls answer at once."""
         self.started_at: float | None = None
         self._error: str | None = None
-        self._generation = 0
+        self._generation = self._start_step = self._committed_steps = self._step = 0
         self._members: list[str] = []
-        self._start_step = 0
         self._state_source = ""
-        self._joining = False
-        self._excluded = False
+        self._joining = self._excluded = self._finished = False
         self._lanes: list[str | None] = [None] * ranks
         self._ready_sites: dict[str, pb.SiteInfo] = {}
         self._told_ready: set[str] = set()
         self._last_seen: dict[str, float] = {}
         self._restarted: set[str] = set()
-        self._committed_steps = 0
         self._asked_to_join: set[str] = set()
-        self._step = 0
-        self._finished = False
         self._digest: tuple[int, str] = (0, "")
         self._peer_steps: dict[str, int] = {}
         self._finished_peers: set[str] = set()
@@ -135,114 +137,55 @@ class CoordinatorState:
         """Published (under ``cond``) per (step, generation) decided, for the votes
         waiting on it (``Ballots``); every key on a stop or a readmission."""
 
-    # -- views ------------------------------------------------------------------------
+    # -- views (read-only, a copy of what is mutable) --------------------------------------
 
-    @property
-    def error(self) -> str | None:
-        """Why the job cannot go on, or None."""
-        return self._error
-
-    @property
-    def generation(self) -> int:
-        """The membership generation (0 until every site is present and ready)."""
-        return self._generation
-
-    @property
-    def members(self) -> list[str]:
-        """The sites of the current generation, in index order (a copy)."""
-        return list(self._members)
-
-    @property
-    def start_step(self) -> int:
-        """For a site joining a running job: the step it starts at."""
-        return self._start_step
-
-    @property
-    def state_source(self) -> str:
-        """For a site joining a running job: the member it pulls the state from."""
-        return self._state_source
-
-    @property
-    def joining(self) -> bool:
-        """True while this site asks a running job to admit it (restarted or left out)."""
-        return self._joining
-
-    @property
-    def excluded(self) -> bool:
-        """True when the job went on without this site (it was cut off without quorum)."""
-        return self._excluded
+    error: _Read[str | None] = _Read()
+    """Why the job cannot go on, or None."""
+    generation: _Read[int] = _Read()
+    """The membership generation (0 until every site is present and ready)."""
+    members: _Read[list[str]] = _Read(list)
+    """The sites of the current generation, in index order."""
+    start_step: _Read[int] = _Read()
+    """For a site joining a running job: the step it starts at."""
+    state_source: _Read[str] = _Read()
+    """For a site joining a running job: the member it pulls the state from."""
+    joining: _Read[bool] = _Read()
+    """True while this site asks a running job to admit it (restarted or left out)."""
+    excluded: _Read[bool] = _Read()
+    """True when the job went on without this site (it was cut off without quorum)."""
+    lanes: _Read[list[str | None]] = _Read(list)
+    """The lane address each local rank registered (None: not yet)."""
+    ready_sites: _Read[Mapping[str, pb.SiteInfo]] = _Read(MappingProxyType)
+    """Peers that said they are ready, with their SiteInfo."""
+    told_ready: _Read[frozenset[str]] = _Read(frozenset)
+    """Peers this site told, in a join, that it is ready."""
+    last_seen: _Read[Mapping[str, float]] = _Read(MappingProxyType)
+    """When each peer was last heard from (on :attr:`clock`)."""
+    restarted: _Read[frozenset[str]] = _Read(frozenset)
+    """Members seen joining afresh: their earlier incarnation is dead."""
+    committed_steps: _Read[int] = _Read()
+    """Steps this site has committed: the next step it runs."""
+    asked_to_join: _Read[frozenset[str]] = _Read(frozenset)
+    """Sites whose join of the running job awaits their answer at their own address."""
+    step: _Read[int] = _Read()
+    """The step this site's ranks last reported."""
+    finished: _Read[bool] = _Read()
+    """This site's ranks ran their last step."""
+    digest: _Read[tuple[int, str]] = _Read()
+    """This site's latest parameter digest and its step, as its rank 0 reported it."""
+    peer_steps: _Read[Mapping[str, int]] = _Read(MappingProxyType)
+    """The step each peer last said it runs, in its own answer."""
+    finished_peers: _Read[frozenset[str]] = _Read(frozenset)
+    """Peers that said, in their own answer at their configured address, that they
+    ran their last step."""
+    finished_claims: _Read[frozenset[str]] = _Read(frozenset)
+    """Peers that a heartbeat in their name said finished, not yet asked: anyone with
+    the token can send one (issue 63: one stopped a restarting site for good)."""
 
     @property
     def running(self) -> bool:
         """A member of a running job: a generation exists and this site is in it."""
         return self._generation > 0 and not self._joining
-
-    @property
-    def lanes(self) -> list[str | None]:
-        """The lane address each local rank registered (None: not yet), a copy."""
-        return list(self._lanes)
-
-    @property
-    def ready_sites(self) -> Mapping[str, pb.SiteInfo]:
-        """Peers that said they are ready, with their SiteInfo (read-only)."""
-        return MappingProxyType(self._ready_sites)
-
-    @property
-    def told_ready(self) -> frozenset[str]:
-        """Peers this site told, in a join, that it is ready."""
-        return frozenset(self._told_ready)
-
-    @property
-    def last_seen(self) -> Mapping[str, float]:
-        """When each peer was last heard from (on :attr:`clock`), read-only."""
-        return MappingProxyType(self._last_seen)
-
-    @property
-    def restarted(self) -> frozenset[str]:
-        """Members seen joining afresh: their earlier incarnation is dead."""
-        return frozenset(self._restarted)
-
-    @property
-    def committed_steps(self) -> int:
-        """Steps this site has committed: the next step it runs."""
-        return self._committed_steps
-
-    @property
-    def asked_to_join(self) -> frozenset[str]:
-        """Sites whose join of the running job awaits their answer at their own address."""
-        return frozenset(self._asked_to_join)
-
-    @property
-    def step(self) -> int:
-        """The step this site's ranks last reported."""
-        return self._step
-
-    @property
-    def finished(self) -> bool:
-        """This site's ranks ran their last step."""
-        return self._finished
-
-    @property
-    def digest(self) -> tuple[int, str]:
-        """This site's latest parameter digest and its step, as its rank 0 reported it."""
-        return self._digest
-
-    @property
-    def peer_steps(self) -> Mapping[str, int]:
-        """The step each peer last said it runs, in its own answer, read-only."""
-        return MappingProxyType(self._peer_steps)
-
-    @property
-    def finished_peers(self) -> frozenset[str]:
-        """Peers that said, in their own answer at their configured address, that they
-        ran their last step."""
-        return frozenset(self._finished_peers)
-
-    @property
-    def finished_claims(self) -> frozenset[str]:
-        """Peers that a heartbeat in their name said finished, not yet asked: anyone with
-        the token can send one (issue 63: one stopped a restarting site for good)."""
-        return frozenset(self._finished_claims)
 
     def seconds_since_start(self) -> float:
         """How long ago the coordinator started (0 before it did)."""
@@ -284,10 +227,9 @@ class CoordinatorState:
         ]
 
     def await_membership(self, known_generation: int, deadline: float) -> None:
-        """Waits until ``deadline`` (on :attr:`clock`) for what a ``GetMembership`` long poll
-        waits for: a generation past ``known_generation``, an error, a stop, and for a
-        caller that knows a generation, a member fallen silent (the failover loop
-        publishes :attr:`membership_news` when the suspects change)."""
+        """Waits until ``deadline`` (on :attr:`clock`) for a generation past
+        ``known_generation``, an error, a stop, or (for a caller that knows a generation)
+        a member fallen silent: what a ``GetMembership`` long poll waits for."""
         while True:
             with self.cond:
                 if (
@@ -317,11 +259,9 @@ class CoordinatorState:
         self.cond.notify_all()
 
     def lose_ranks_locked(self, reason: str) -> None:
-        """A rank of this site died (``reason``) while this coordinator lives: the site's
-        torch.distributed world died with it, so the site leaves the job and comes back
-        as a restarted one would: a new incarnation (its peers take the old one for dead
-        at their next heartbeat), no lanes until every rank registered again, and left
-        out until a leader admits it with a live peer's state. Wakes every vote."""
+        """A rank of this site died (``reason``), and the site's torch.distributed world
+        with it: the site comes back as a restarted one would (a new incarnation, no lanes
+        until every rank registered again, left out until a leader admits it)."""
         self._lanes = [None] * self.ranks
         self.incarnations.renew()
         self.exclude_locked(reason)
@@ -365,9 +305,8 @@ class CoordinatorState:
         return True
 
     def exclude_locked(self, reason: str) -> bool:
-        """The job went on without this site (``reason`` says how this site learned it):
-        it is left out and asks to be admitted again. The one place that sets
-        ``excluded`` and ``joining``; idempotent. Returns whether it was news."""
+        """The job went on without this site (``reason``): it is left out and asks to be
+        admitted again (idempotent). Returns whether it was news."""
         news = not self._excluded
         if news:
             log.warning("[%s] %s: joining again", self.site, reason)
@@ -383,8 +322,8 @@ class CoordinatorState:
         self.cond.notify_all()
 
     def heard_from_locked(self, name: str) -> None:
-        """A call from, or an answer of, peer ``name`` arrived. Wakes nobody: silence is
-        noticed by time, and the failover loop wakes the waiters when the suspects change."""
+        """A call from, or an answer of, peer ``name`` arrived (wakes nobody: silence is
+        noticed by time, by the failover loop)."""
         self._last_seen[name] = self.clock()
 
     def heartbeat_locked(self, name: str, finished: bool, caller: str) -> None:

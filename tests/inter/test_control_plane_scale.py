@@ -196,7 +196,7 @@ def test_one_call_votes_for_a_host_s_ranks(site):
     assert first.verdict == pb.VERDICT_PENDING
     decision = _host_vote(coord, stub, range(RANKS // 2, RANKS), wait_ms=5_000)
     assert decision.verdict == pb.VERDICT_COMMIT and decision.step == 0
-    assert coord.failover.committed_steps == 1
+    assert coord.state.committed_steps == 1
 
 
 @pytest.mark.parametrize(
@@ -265,7 +265,7 @@ def test_a_host_session_carries_every_step_s_votes_on_one_stream(site):
         assert pending.verdict == pb.VERDICT_PENDING
         assert first.unary_votes == second.unary_votes == 0
         assert coord.host_sessions.free == RANKS - 2  # two sessions open
-    assert coord.failover.committed_steps == 3
+    assert coord.state.committed_steps == 3
     wait_until(lambda: coord.host_sessions.free == RANKS, "the sessions closed")
 
 
@@ -302,7 +302,7 @@ def test_without_a_session_slot_a_host_votes_by_call(site):
     finally:
         for call in squatters:
             call.cancel()
-    assert coord.failover.committed_steps == 2
+    assert coord.state.committed_steps == 2
 
 
 def test_a_session_s_wait_holds_its_session_slot_only(site):

@@ -53,7 +53,7 @@ def test_every_site_ok_commits_the_step_everywhere():
         decisions = vote_all(coords, step=0, generation=1)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}
         assert {d.generation for d in decisions.values()} == {1}
-        assert all(c.failover.committed_steps == 1 for c in coords)
+        assert all(c.state.committed_steps == 1 for c in coords)
     finally:
         stop_all(coords)
 
@@ -65,7 +65,7 @@ def test_a_failed_round_is_retried_by_the_same_members_in_a_new_generation():
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_RETRY}
         assert {d.generation for d in decisions.values()} == {2}
         assert all(names(d) == ["site0", "site1"] for d in decisions.values())
-        assert all(c.failover.committed_steps == 0 for c in coords)  # nothing applied
+        assert all(c.state.committed_steps == 0 for c in coords)  # nothing applied
         again = vote_all(coords, step=0, generation=2)
         assert {d.verdict for d in again.values()} == {pb.VERDICT_COMMIT}
     finally:
@@ -110,13 +110,13 @@ def test_a_commit_given_out_before_the_leader_died_stands():
             )
         decisions = vote_all([coords[0], coords[2]], step=0, generation=1)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}
-        assert coords[2].failover.committed_steps == 1
-        assert coords[1].failover.committed_steps == 0
+        assert coords[2].state.committed_steps == 1
+        assert coords[1].state.committed_steps == 0
         coords[0].stop(grace_s=0)
         decision = vote(coords[1], 0, 1)  # site1 asks; site0 is gone; site1 is next
         assert decision.verdict == pb.VERDICT_COMMIT, decision
         assert names(decision) == ["site1", "site2"] and decision.generation > 1
-        assert coords[1].failover.committed_steps == 1
+        assert coords[1].state.committed_steps == 1
     finally:
         stop_all(coords)
 
@@ -160,7 +160,7 @@ def test_a_site_restarted_before_the_first_commit_is_taken_for_dead_and_admitted
         wait_until(lambda: coords[0].incarnations.get("site1") == mine, "restart never seen")
         with coords[0].state.cond:
             assert "site1" in coords[0].state.restarted  # suspected for it, not for silence
-            assert coords[0].failover.suspects_locked() == ["site1"]
+            assert coords[0].state.suspects_locked() == ["site1"]
         generation = retry_until(coords[:1], 4, 1, ["site0"], ok={"site0": True})
         admit = vote(coords[0], 4, generation)
         assert admit.verdict == pb.VERDICT_COMMIT
@@ -204,7 +204,7 @@ def test_a_site_admitted_back_pulls_the_state_though_its_old_vote_was_settled_me
             leader="site0", generation=3, sites=sites, start_step=21, state_source="site0"
         )
         with coords[0].state.cond:  # site0 proposes it (site1 asks site0 before adopting it)
-            coords[0].failover.proposing[3] = ["site0", "site1"]
+            coords[0].failover.leader.proposing[3] = ["site0", "site1"]
         with grpc.insecure_channel(site1.address) as channel:
             assert pb_grpc.CoordinatorStub(channel).Propose(admit, timeout=5).accepted
         site1.failover._settle((4, 1))  # what its loop does with the old vote

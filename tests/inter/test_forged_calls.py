@@ -50,8 +50,8 @@ def test_a_late_copy_of_a_members_first_join_does_not_pass_for_a_restart():
             answer = pb_grpc.CoordinatorStub(channel).Join(late, timeout=5)
         assert answer.generation == 0  # not news: site1 is a member as it is
         with coords[0].state.cond:
-            assert coords[0].failover.suspects_locked() == []
-            assert "site1" not in coords[0].failover.restarted
+            assert coords[0].state.suspects_locked() == []
+            assert "site1" not in coords[0].state.restarted
         decisions = vote_all(coords, 1, 1)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
         assert all(names(d) == ["site0", "site1"] for d in decisions.values())
@@ -86,7 +86,7 @@ def test_a_forged_restart_is_belied_by_the_site_itself_and_changes_nothing():
         # site1 has answered for itself: its answer belied the join's claim.
         wait_until(lambda: coords[0].refusals.count >= 1, "site1 never answered for itself")
         with coords[0].state.cond:
-            assert coords[0].failover.suspects_locked() == []
+            assert coords[0].state.suspects_locked() == []
             assert coords[0].failover.ballots.joiners == {}
             assert coords[0].incarnations.get("site1") == coords[1].incarnations.mine
             lanes = list(coords[0].state.infos_locked(["site1"])[0].lane_addresses)

@@ -168,7 +168,7 @@ def test_a_rank_that_stops_beating_makes_its_site_leave_then_rejoin():
         assert retry.verdict == pb.VERDICT_RETRY, retry
         assert [i.name for i in retry.sites] == ["site0"] and retry.generation == 2, retry
         assert retry_at - killed_at < POLL_S + SILENCE_S + 3.0, retry_at - killed_at
-        assert site0.failover.committed_steps == 1
+        assert site0.state.committed_steps == 1
         # site1's ranks start again: registered, it is admitted back with site0's state.
         watchers.pop(("site1", 0)).kill()
         register_all(site1, port=2020)
