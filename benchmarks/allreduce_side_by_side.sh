@@ -10,7 +10,7 @@
 # unchanged (the old tree must know each of them). PAIRS (default 2) old/new pairs run,
 # old first; each prints its table row, and writes $OUT/NAME-old-N.json and
 # $OUT/NAME-new-N.json (OUT defaults to side-by-side-results). Compare the pairs of one
-# run: single rounds on a shared host vary by up to 13 points (docs/benchmarks.md).
+# run: single rounds on a shared host vary by up to 13 points (docs/benchmarks/lanes.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 old=${1:?usage: $0 OLD_TREE NAME [ALLREDUCE FLAGS...]}

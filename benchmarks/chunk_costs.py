@@ -7,7 +7,7 @@ threads at once (its throughput when the lane's pool runs it concurrently), so t
 that bounds a lane shows without a profiler. ``--retain N`` keeps each thread's last N results alive, as a
 lane's outbox keeps a step's payloads; every thread makes its first N before the clock
 starts, so the table is of warm steps (a lane's first steps also pay for allocating
-what it keeps: docs/benchmarks.md, "Warm lanes"). Prints a table, writes JSON:
+what it keeps: docs/benchmarks/lanes.md, "Warm lanes"). Prints a table, writes JSON:
 
     python3 benchmarks/chunk_costs.py --device cuda --mib 16 --threads 1,4,8 --json costs.json
 """

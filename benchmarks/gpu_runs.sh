@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements recorded in docs/benchmarks.md, in two parts that each fit
+# The GPU measurements recorded in docs/benchmarks/, in two parts that each fit
 # one 10-minute device call on a 4-GPU host (8 GPUs: set SITE_GPUS=4).
 #   bash benchmarks/gpu_runs.sh sync    # issue 4: cross-site all-reduce acceptance
 #                                        # issue 3: one 4-GPU site at the 1b preset

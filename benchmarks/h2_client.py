@@ -3,7 +3,7 @@
 The benchmark simulates thousands of ranks in a few processes on the same cores as the
 coordinators and host agents it measures. Through grpc.aio a simulated rank's call cost
 its process ~150-250 us of CPU (gRPC's completion queues, a poller thread handing every
-event to the event loop: docs/benchmarks.md, "Real host agents, a process each"), so
+event to the event loop: docs/benchmarks/control-plane.md, "Real host agents, a process each"), so
 2 x 1,024 ranks took a third of the 2 cores and their own fan-out set the decision's
 latency. A real rank pays that on its own core. Here a call is a few frames written to
 and parsed from the socket by the event loop itself: the same bytes on the wire (HTTP/2,

@@ -309,7 +309,7 @@ class WaitSlots:
         self._held: dict[str, int] = {}  # caller -> slots it holds
         # One lock, taken once a call each way: a semaphore behind it took a second lock
         # (its condition's), and 1,024 ranks' watches, answered together, queued on both
-        # (docs/benchmarks.md, "Real host agents, a process each").
+        # (docs/benchmarks/control-plane.md, "Real host agents, a process each").
         self._lock = threading.Lock()
 
     @property

@@ -210,12 +210,12 @@ _CPU_TRAINING = TrainingDefaults(
 PRESET_TRAINING: dict[str, TrainingDefaults] = {
     "tiny": _CPU_TRAINING,
     "small": _CPU_TRAINING,
-    # docs/benchmarks.md, "Learning rate per preset": one H100, 300 steps of 16 x 2048
+    # docs/benchmarks/training-quality.md, "Learning rate per preset": one H100, 300 steps of 16 x 2048
     # tokens, lr 3e-4 / 6e-4 / 1.2e-3 / 3e-3 -> held-out 1.184 / 1.139 / 1.303 / 1.802;
     # GPT-3's 125M used 6e-4 too (Brown et al. 2020, Table 2.1).
     "125m": TrainingDefaults(
         lr=6e-4, reference_dp=1, warmup_steps=30, batch_size=16, seq_len=2048,
-        source="GPU sweep (docs/benchmarks.md); GPT-3 Table 2.1, 125M",
+        source="GPU sweep (docs/benchmarks/training-quality.md); GPT-3 Table 2.1, 125M",
     ),
     # Not swept: GPT-3's 350M (Table 2.1).
     "350m": TrainingDefaults(
@@ -226,21 +226,21 @@ PRESET_TRAINING: dict[str, TrainingDefaults] = {
     # 2.234 / 2.436 (GPT-3's 1.3B: 2e-4); the issue's first try, 3e-3, trailed 3e-4.
     "1b": TrainingDefaults(
         lr=1.5e-4, reference_dp=1, warmup_steps=15, batch_size=8, seq_len=2048,
-        source="GPU sweep (docs/benchmarks.md); GPT-3 Table 2.1, 1.3B",
+        source="GPU sweep (docs/benchmarks/training-quality.md); GPT-3 Table 2.1, 1.3B",
     ),
-    # docs/benchmarks.md, "Learning rate of the MoE presets": one H200, eager, 300 steps
+    # docs/benchmarks/training-quality.md, "Learning rate of the MoE presets": one H200, eager, 300 steps
     # of 16 x 2048 tokens, lr 3e-4 / 6e-4 / 1.2e-3 -> held-out 1.076 / 1.141 / 1.315,
     # and in a second call 7.5e-5 / 1.5e-4 / 3e-4 -> 1.300 / 1.102 / 1.068: 3e-4 is the
     # best on both sides, half the dense 125m's 6e-4.
     "moe-125m": TrainingDefaults(
         lr=3e-4, reference_dp=1, warmup_steps=30, batch_size=16, seq_len=2048,
-        source="GPU sweep (docs/benchmarks.md)",
+        source="GPU sweep (docs/benchmarks/training-quality.md)",
     ),
     # One H200, eager, 150 steps of 8 x 2048 tokens: 1.5e-4 / 3e-4 / 6e-4 -> held-out
     # 2.138 / 2.091 / 2.285; GPT-3's 350M used 3e-4 too.
     "moe-350m": TrainingDefaults(
         lr=3e-4, reference_dp=1, warmup_steps=15, batch_size=8, seq_len=2048,
-        source="GPU sweep (docs/benchmarks.md); GPT-3 Table 2.1, 350M",
+        source="GPU sweep (docs/benchmarks/training-quality.md); GPT-3 Table 2.1, 350M",
     ),
 }  # fmt: skip
 # The CPU mixture-of-experts presets train like the dense ones (the CPU default job).

@@ -2,7 +2,7 @@
 
 Dropless, the all-to-all that sends each kept copy to its expert's rank needs its split
 sizes on the host, and reading them waits for the device once a layer (~80 ms of a
-212 ms step at ep 2 on 2x H200, docs/benchmarks.md). With ``capacity_factor`` > 0 an
+212 ms step at ep 2 on 2x H200, docs/benchmarks/one-site.md). With ``capacity_factor`` > 0 an
 expert keeps at most ``limit`` of a rank's copies (intra/moe_dispatch.capacity), a
 number known from shapes. So each rank sends every expert exactly ``limit`` rows: its
 kept copies, best first, then zero rows. Every rank then sends each peer, and receives

@@ -3,7 +3,7 @@
 A relay's pump threads share one interpreter lock: one process moves ~30 Gbit/s in
 one direction, but a link loaded both ways at once (an all-reduce: each site sends
 as much as it receives) tops out near 34 Gbit/s summed, under the 50 that a 25
-Gbit/s link carries then (docs/benchmarks.md). Here each direction's `DirectionPipe`
+Gbit/s link carries then (docs/benchmarks/wan-emulator.md). Here each direction's `DirectionPipe`
 and `Pump` run unchanged in a child process, so the two directions of a link (and
 the links) no longer share a lock.
 

@@ -23,7 +23,7 @@ MIN_QUEUE_S = 2e-3
 that tops it up only when it runs; under load it runs a millisecond or more late. With a
 queue shallower than that, the wire sits idle while the pump catches up (256 KiB is 0.2
 ms at 10 Gbit/s): one lane across 10 Gbit/s moved 86 % of the link with 256 KiB and 99 %
-with this floor, 4 lanes across 25 Gbit/s 82 % and 92 % (docs/benchmarks.md, "The
+with this floor, 4 lanes across 25 Gbit/s 82 % and 92 % (docs/benchmarks/wan-emulator.md, "The
 emulator's queue"). Routers on long-haul links hold tens of ms, so no real link is
 shallower than this floor."""
 

@@ -62,7 +62,7 @@ PEAK_BYTES = 256 << 20
 loaded, whatever its input's size or the host's cores: a batch being encoded (~120 MiB), a
 block read and decoded, a jsonl line of at most ``LINE_BYTES`` parsed. Twice the batch,
 for the allocator's slack (tests/deploy/test_data_prepare.py measures it; docs/data.md,
-"Memory"; docs/benchmarks.md has the figure for a 300 MB file)."""
+"Memory"; docs/benchmarks/launch.md has the figure for a 300 MB file)."""
 
 
 def prepare(

@@ -13,7 +13,7 @@ agent one face for them, two ways:
   on one. A synchronous channel's waits cost the agent a reading thread a stream (which
   wakes ten times a second while it waits, in gRPC's own loop), a sending thread, a
   spinning thread a channel, and a thread switch each way a message: at 8 ranks and 1
-  step a second, a quarter of the agent's CPU (docs/benchmarks.md, "Real host agents,
+  step a second, a quarter of the agent's CPU (docs/benchmarks/control-plane.md, "Real host agents,
   a process each").
 - :class:`ThreadUpstream`, for any other channel (a test's plain one): the sessions of
   inter/control/host_session.py on two sending threads, the rest as futures.

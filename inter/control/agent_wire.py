@@ -5,7 +5,7 @@ A rank sends its agent (inter/control/host_agent.py) a vote a step and a watch e
 seconds, and each is answered once. Over gRPC each such message cost the agent ~100 µs of
 Python and C-core work and two thread hand-offs (its poller's, the loop's), and 256
 agents of 8 ranks, with the decision's fan-out to 2,048 ranks, were more than 2 cores
-could carry (docs/benchmarks.md, "Real host agents, a process each"). A frame here costs a
+could carry (docs/benchmarks/control-plane.md, "Real host agents, a process each"). A frame here costs a
 ``write`` and a ``recv``, and the agent learns that a rank is gone the moment its socket
 closes. The messages are the coordinator's own (``isthmus.v1``), so nothing but the
 framing is new:

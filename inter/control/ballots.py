@@ -43,7 +43,7 @@ class Ballots:
         only once every local rank has voted on ``key``: before that nothing anyone waits
         for has changed (:meth:`voted_locked`). Waking on every vote, when the ranks'
         long polls waited on the condition too, was N x 2N wake-ups a step: 11 CPU
-        seconds a step at 1,024 ranks (docs/benchmarks.md, "The control plane at scale").
+        seconds a step at 1,024 ranks (docs/benchmarks/control-plane.md, "The control plane at scale").
         """
         votes = self.rank_votes.setdefault(key, {})
         votes[rank] = votes.get(rank, True) and ok
@@ -104,7 +104,7 @@ class Ballots:
         """The decision on ``key`` as a voter of ``key``'s generation gets it: without the
         sites when it says it has them and the decision keeps its generation (a COMMIT
         that admits no one). Every site's lanes in every rank's answer made a step's
-        answers O(sites x ranks²) bytes (docs/benchmarks.md, "The control plane at scale")."""
+        answers O(sites x ranks²) bytes (docs/benchmarks/control-plane.md, "The control plane at scale")."""
         found = self.decisions.get(key)
         if found is None or not sites_known:
             return found

@@ -3,7 +3,7 @@ watches in one poll.
 
 Per rank, a site of 1,024 ranks costs its coordinator 1,024 vote messages a step and a
 watch call a rank every few seconds; at 2 x 1,024 ranks that kept the job under one step a
-second on 16 cores (docs/benchmarks.md, "The control plane at scale"). A launcher that
+second on 16 cores (docs/benchmarks/control-plane.md, "The control plane at scale"). A launcher that
 starts a host's ranks (deploy/launch/ranks.py) runs a :class:`HostAgent` beside them, on
 a Unix socket in the ranks' own 0700 folder (no other user of the machine can reach it),
 and the ranks send it the two requests that scale with them, as frames on one connection
@@ -29,7 +29,7 @@ The agent runs on one event loop, a thread of its own: a rank's vote or watch he
 is a table entry answered by a callback, and news wakes only the watches it answers. It
 calls its coordinator from the same loop, on the grpc.aio twin of the channel it is
 handed (inter/control/agent_upstream.py). The gRPC server it ran for its ranks before
-cost ~100 µs and two thread hand-offs a message (docs/benchmarks.md, "Real host agents,
+cost ~100 µs and two thread hand-offs a message (docs/benchmarks/control-plane.md, "Real host agents,
 a process each").
 
 Everything else a rank calls (registration, reports, a first membership, a vote ahead)

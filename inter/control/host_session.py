@@ -3,7 +3,7 @@
 A site of 1,024 ranks votes with 128 ``CommitHostStep`` calls a step (one a host of 8),
 all in one burst when the step's rounds end; each unary call costs the coordinator
 ~0.3-0.8 ms of Python gRPC (a fresh HTTP/2 stream, a hand-off to a pool thread), so the
-burst, read one call after another, set the step's decision latency (docs/benchmarks.md,
+burst, read one call after another, set the step's decision latency (docs/benchmarks/control-plane.md,
 "The control plane at scale"). On an open stream a vote is a message: the coordinator's
 thread for the session is already waiting for it.
 

@@ -5,7 +5,7 @@ membership watcher's ``GetMembership``), each a thread of the gRPC server. Waiti
 the state's one condition (``CoordinatorState.cond``) woke all 2N of them on every
 transition and heartbeat, and each re-took the lock in turn to find nothing new: a
 thundering herd whose cost grew with N per notification and filled the GIL at 1,024
-ranks (docs/benchmarks.md, "The control plane at scale"). Here a vote waits for the
+ranks (docs/benchmarks/control-plane.md, "The control plane at scale"). Here a vote waits for the
 decision on its own (step, generation) and a watcher for a change of the membership;
 the few other waiters (the failover loop, ``wait_ready``) keep the condition.
 

@@ -96,7 +96,7 @@ class BenchCase:
     steady state: a lane's first two steps pay first-use allocations that later steps
     reuse (a CUDA lane's page-locked payload memory, which the outbox keeps a step
     back; on 1x H200 a CUDA int8 lane moved 3.15 GB/s timed from its first step, 8.10
-    after two warm-up steps: docs/benchmarks.md, "Warm lanes")."""
+    after two warm-up steps: docs/benchmarks/lanes.md, "Warm lanes")."""
     certs_dir: str = ""
     """A job's certificates (`isthmus certs`, sites site0..): the lanes run mutual TLS
     (chunks on the bulk port inside TLS), as a secure job's do; empty = plaintext."""

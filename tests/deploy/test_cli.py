@@ -62,7 +62,7 @@ def test_each_preset_trains_with_its_own_defaults_unless_the_job_says(tmp_path):
     # A 1b job does not take the CPU presets' 3e-3 (issue 16: it trained worse).
     assert load_config(None, ["model.preset=1b"]).train.lr == 1.5e-4
     # The GPU MoE presets carry their own sweep's rate, not their dense twin's
-    # (docs/benchmarks.md, "Learning rate of the MoE presets").
+    # (docs/benchmarks/training-quality.md, "Learning rate of the MoE presets").
     assert load_config(None, ["model.preset=moe-125m"]).train.lr == 3e-4
     assert load_config(None, ["model.preset=moe-350m"]).train.warmup_steps == 15
     # What the job names wins, from --set and from a file, key by key.

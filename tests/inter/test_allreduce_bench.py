@@ -20,7 +20,7 @@ SCRIPT = ROOT / "benchmarks" / "allreduce.py"
 
 # Each run of the benchmark starts a process per lane and emulated links; on a loaded
 # 2-core machine one took 150+ s (30-60 s quiet). Deadlines here only catch a hang: they
-# are wide enough that load never decides a test (the figures live in docs/benchmarks.md).
+# are wide enough that load never decides a test (the figures live in docs/benchmarks/lanes.md).
 SCRIPT_DEADLINE_S = 300
 
 

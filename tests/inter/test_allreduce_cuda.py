@@ -1,6 +1,6 @@
 """The cross-site all-reduce of CUDA tensors: decoded, summed and encoded on the GPU.
 
-Runs where a GPU is (the GPU host; see docs/benchmarks.md for the run that passed);
+Runs where a GPU is (the GPU host; see docs/benchmarks/scaling.md for the run that passed);
 the same rounds on CPU tensors are covered by test_allreduce.py. Checks that every
 site ends with the same bits, that they equal the sum a CPU round of the same inputs
 produces: bit for bit for raw and bf16, whose encoding is exact or a plain cast, and
@@ -176,7 +176,7 @@ def test_rounds_of_a_1b_gradient_under_load_stay_finite_and_exact() -> None:
     few int8 steps of the true mean (a read of foreign memory lands far outside).
 
     ISTHMUS_STRESS_GROUPS (default 4) and ISTHMUS_STRESS_ROUNDS (20) size it; the run
-    in docs/benchmarks.md used 20 groups, the 1b model's layers on one GPU.
+    in docs/benchmarks/scaling.md used 20 groups, the 1b model's layers on one GPU.
     """
     groups = int(os.environ.get("ISTHMUS_STRESS_GROUPS", "4"))
     rounds = int(os.environ.get("ISTHMUS_STRESS_ROUNDS", "20"))

@@ -1,5 +1,5 @@
 """What keeps a coordinator's cost per step linear in its site's rank count
-(docs/benchmarks.md, "The control plane at scale"; benchmarks/control_plane.py).
+(docs/benchmarks/control-plane.md, "The control plane at scale"; benchmarks/control_plane.py).
 
 Real coordinators on loopback, one site of several ranks played by the test: a rank's
 vote wakes the coordinator's waiters only when it is the site's last (each rank keeps

@@ -21,6 +21,6 @@ def either_relay(request):
     that resets then has the other direction's process reset too). test_relay.py's rate
     tests hold the thread mode to +-10 % only: with two more processes a direction, a
     2-core machine's load moved processes-mode rates by 25 %; benchmarks measure that
-    mode's rates (docs/benchmarks.md), test_wan_cli.py its rate limit, loosely."""
+    mode's rates (docs/benchmarks/wan-emulator.md), test_wan_cli.py its rate limit, loosely."""
     with RelayServer(processes=request.param) as r:
         yield r

@@ -12,7 +12,7 @@ Quantization"). One scale per chunk -- a chunk holds up to the link's bandwidth-
 product, ~262k values at 1 Gbit/s over 1000 km -- let the largest gradient of a
 quarter of the model set everyone's step: values under 1/254 of it rounded to zero,
 and per-step sync with int8 trailed raw by 16 % in held-out loss on the CPU quality
-table (docs/benchmarks.md, "Every codec against one site"). The scales cost 4 bytes
+table (docs/benchmarks/training-quality.md, "Every codec against one site"). The scales cost 4 bytes
 per 1024 values (0.4 %).
 """
 

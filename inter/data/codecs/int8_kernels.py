@@ -5,7 +5,7 @@ The same codec in torch operations costs a CUDA chunk about a dozen launches to 
 values, the new residual, the scales' and values' copies into the payload) and four to
 decode; each launch holds the GIL that the training loop's own launches need, and a
 py-spy profile of a CUDA int8 lane put 41 % of its busy time in the encode
-(docs/benchmarks.md, "The byte path with fewer passes"). Here the encode is one kernel
+(docs/benchmarks/lanes.md, "The byte path with fewer passes"). Here the encode is one kernel
 that reads the chunk and its residual once and writes the payload, the new residual
 and, when asked, the decoded values; the decode is one kernel.
 

@@ -16,7 +16,7 @@ class GroupBuffers:
 
     A new host buffer costs more than the copy into it: the kernel faults its pages in
     and zeroes them (8 groups of 256 MiB spent 1.1 of a 1.8 s step there,
-    docs/benchmarks.md, "A CPU round's bytes in fewer passes"). Two steps, not one: a raw
+    docs/benchmarks/lanes.md, "A CPU round's bytes in fewer passes"). Two steps, not one: a raw
     chunk is sent from the buffer itself, and the outbox keeps the previous step's chunks
     for a peer that asks again (its round can end after this site's), so a buffer is free
     once every site began a step after it. Only a buffer whose round succeeded is reused:

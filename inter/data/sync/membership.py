@@ -46,7 +46,7 @@ _WATCH_WAIT_MS = 5_000
 how often it asks again: a rank killed mid-watch ends it at once (its connection
 closes), and the coordinator holds a watch half its silence at most (5 s of the 10 s
 default). At 1 s a site's watches were 1,024 calls a second at 1,024 ranks, most of what
-voting per rank cost (docs/benchmarks.md, "Real host agents, a process each")."""
+voting per rank cost (docs/benchmarks/control-plane.md, "Real host agents, a process each")."""
 
 
 class QuorumLost(RuntimeError):

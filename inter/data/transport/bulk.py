@@ -3,7 +3,7 @@
 Why: python gRPC copies every received message about three times while it holds the
 GIL (slice by slice into a bytearray, then into bytes) and once more on send; on a
 16-core GPU host one lane topped out near 0.5 GB/s of tensor however little else it
-did (docs/benchmarks.md, issue 11). Here a received chunk is read with ``recv_into``
+did (docs/benchmarks/lanes.md). Here a received chunk is read with ``recv_into``
 straight into the buffer the round then sums from, and sent with one scatter-gather
 ``sendmsg``; both release the GIL for the whole copy.
 

@@ -7,7 +7,7 @@ that holds no GIL, :mod:`isthmus.inter.data.transport.wirecore`) or on a :class:
 offer the same few calls, so the listener and the sending side do not care which.
 
 Why TLS here and not gRPC's: a lane inside gRPC's TLS moved ~0.5 GB/s of tensor on a
-GPU host, the bulk port 3.2 (docs/benchmarks.md); gRPC copies each message several
+GPU host, the bulk port 3.2 (docs/benchmarks/lanes.md); gRPC copies each message several
 times under the GIL, while ``SSLSocket.send`` and ``recv_into`` encrypt and decrypt
 with the GIL released, straight from and into the round's buffers.
 

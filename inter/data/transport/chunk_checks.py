@@ -42,7 +42,7 @@ STREAM_WINDOW_BYTES = 32 << 20
 per-stream window, ``grpc.http2.lookahead_bytes``; gRPC's default is 64 KiB). Each
 ``PushChunks`` call is a new stream of up to half this (push_round.py); at the default
 window one H200 host moved 0.40 GB/s of raw fp32 under TLS, at this one 0.44, level with
-the streams a round held open (0.45-0.47) (docs/benchmarks.md, 2026-12-03)."""
+the streams a round held open (0.45-0.47) (docs/benchmarks/lanes.md, "Under mutual TLS: a chunk a call")."""
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:

@@ -86,7 +86,7 @@ def sync_chunk_bytes(
     Per chunk a lane pays a frame, an acknowledgement and a hand-over between its
     threads. At 25 Gbit/s a 4 MiB chunk crosses in 1.3 ms, and one lane of CPU tensors
     filled 78-79 % of an emulated 1000 km link with 4 MiB chunks and 83-88 % with 16 MiB
-    ones (1x H200, docs/benchmarks.md, "The emulator's queue").
+    ones (1x H200, docs/benchmarks/wan-emulator.md, "The emulator's queue").
 
     A CUDA chunk costs a dozen kernel launches, each under the GIL that the lane's
     threads share, and gRPC's message limit does not apply to the bulk port: at 4 MiB
@@ -94,7 +94,7 @@ def sync_chunk_bytes(
     lanes took 1.92 s at 4 MiB, 1.05 s at 16 MiB). A rank of the smaller site carries
     as many more bytes as its site has fewer ranks, in one process: 1b on 2 + 1 H100s
     went from 74.8 % to 94.4 % of the sites' standalone sum at 64 MiB
-    (docs/benchmarks.md, "Sites of different sizes").
+    (docs/benchmarks/unequal-sites.md, "Sites of different sizes").
     """
     size = chunk_bytes_for_link(
         bandwidth_bps, rtt_s, BULK_MAX_CHUNK_BYTES if bulk else MAX_CHUNK_BYTES
