@@ -1,37 +1,24 @@
 """Whether a rank may trust the host agent it was pointed at, and its connection if so.
 
-A rank sends its host agent (inter/control/host_agent.py) its votes and watches with its
-rank key, and takes the agent's answers for the coordinator's: whoever serves the socket
-named in ``ISTHMUS_HOST_AGENT`` can vote and vouch in the rank's name and answer its
-commits and membership questions. The name is a path, and a path belongs to whoever
-made it first or can swap it (issue 59: a folder under ``/tmp`` of a predictable name).
-So a rank uses an agent only when
+Whoever serves the socket named in ``ISTHMUS_HOST_AGENT`` can vote and vouch in the rank's
+name and answer its commits and membership questions, and a path belongs to whoever made it
+first or can swap it (issue 59: a folder under ``/tmp`` of a predictable name). So a rank
+uses an agent only when
 
 1. the process that listens on the socket runs as the rank's own user: the kernel's
-   credentials of a connection to it (``SO_PEERCRED``, what the listener was at
-   ``listen``), which no file's owner or mode can fake; and
-2. no one else can put another socket in its place: the socket is the user's, its
-   folder is the user's and writable by no one else, and every folder above it is root's
-   or the user's and writable by others only if sticky (as ``/tmp``, where no one may
-   rename another's entry). Symbolic links on the way count as folders above: root's or
-   the user's. The connection a rank then keeps (:class:`AgentConnection`) is checked
-   itself too, as is every one it opens again after its agent went away.
+   credentials of a connection to it (``SO_PEERCRED``), which no file's owner or mode can
+   fake (without ``SO_PEERCRED``, not Linux, the socket file's owner stands for it); and
+2. no one else can put another socket in its place: the socket and its folder are the
+   user's, the folder writable by no one else, and every folder above it (and every link
+   on the way) root's or the user's, writable by others only if sticky (as ``/tmp``).
 
-An agent refused is refused for good: the rank says why in one line and calls its
-coordinator itself, which is always correct (an agent is a fast path, never the only
-one). An address that is not a Unix socket path is refused: any local user may listen on
-a loopback port, or take an abstract socket's name once it is free. Without
-``SO_PEERCRED`` (not Linux) the socket file's owner stands for the listener's: ``bind``
-made it, in a folder no one else may write.
-
-A socket not there yet (no folder, no socket, or nothing listening) is not refused: the
-agent may be starting (its launcher makes the folder before the ranks). :class:`AgentLink`
-waits for it in the background for as long as the rank's own start-up may take, the rank
-calling the coordinator meanwhile.
-
-A rank speaks to its agent in the frames of inter/control/agent_wire.py on one connection
-(:class:`AgentConnection`), from whichever of its threads waits: no thread of its own
-reads it, so an answer costs the rank a ``recv`` and no thread hand-off.
+Every connection a rank opens is checked, again after its agent went away too. An agent
+refused is refused for good: the rank says why in one line and calls its coordinator (an
+agent is a fast path, never the only one). An address that is not a Unix socket path is
+refused: any local user may listen on a loopback port, or take a free abstract name. A
+socket not there yet is not refused: :class:`AgentLink` waits for it in the background for
+as long as the rank's start-up may take, the rank calling the coordinator meanwhile.
+Whichever of the rank's threads waits reads the connection: no thread hand-off.
 """
 
 from __future__ import annotations
@@ -60,27 +47,15 @@ from isthmus.inter.control.agent_wire import (
     status_error,
 )
 
-__all__ = [
-    "AgentConnection",
-    "AgentLink",
-    "AgentNotUp",
-    "AgentRefused",
-    "connect_agent",
-]
+__all__ = ["AgentConnection", "AgentLink", "AgentNotUp", "AgentRefused", "connect_agent"]
 
 log = logging.getLogger("isthmus.coordinator_client")
 
-_PROBE_TIMEOUT_S = 2.0
-"""How long the connection that asks who listens may take (a full backlog blocks it)."""
-_FIRST_PAUSE_S, _MAX_PAUSE_S = 0.02, 0.5
-"""How often a rank looks for an agent that is not up yet: soon, then twice a second."""
+_PROBE_TIMEOUT_S = 2.0  # the connection that asks who listens (a full backlog blocks it)
+_FIRST_PAUSE_S, _MAX_PAUSE_S = 0.02, 0.5  # looking for an agent not up yet: soon, then 2/s
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
-_SEND_TIMEOUT_S = 5.0
-"""How long a frame may wait for room in the socket: an agent that reads nothing for
-that long is gone."""
-_REOPEN_S = 0.5
-"""After the connection broke: how often another is tried (a call meanwhile goes to
-the coordinator)."""
+_SEND_TIMEOUT_S = 5.0  # an agent that leaves no room to send a frame for that long is gone
+_REOPEN_S = 0.5  # after the connection broke: how often another is tried
 
 
 class AgentRefused(Exception):
@@ -93,15 +68,12 @@ class AgentNotUp(Exception):
 
 def _socket_path(address: str) -> Path:
     """The file of a "unix:PATH" or "unix:///PATH" address."""
-    if address.startswith("unix://"):
-        path = address[len("unix://") :]
-    elif address.startswith("unix:"):
-        path = address[len("unix:") :]
-    else:
-        raise AgentRefused(
-            f"host agent at {address} is not a Unix socket (who serves it cannot be checked)"
-        )
-    return Path(os.path.abspath(path))
+    for scheme in ("unix://", "unix:"):
+        if address.startswith(scheme):
+            return Path(os.path.abspath(address[len(scheme) :]))
+    raise AgentRefused(
+        f"host agent at {address} is not a Unix socket (who serves it cannot be checked)"
+    )
 
 
 def _peer_uid(sock: socket.socket, path: Path) -> int:
@@ -140,9 +112,8 @@ def _check_folders(address: str, folder: Path, ours: int) -> None:
 
 
 def connect_agent(address: str) -> AgentConnection:
-    """A connection to the host agent at ``address`` ("unix:PATH"), once it is checked to
-    be served by this user and safe from being swapped by another (the module docstring
-    says why and how). Nothing is sent on it before.
+    """A connection to the host agent at ``address`` ("unix:PATH"), once it is checked as
+    the module docstring says (nothing is sent on it before).
 
     Raises:
         AgentRefused: it is not to be trusted (its message says why, in one line).
@@ -197,9 +168,8 @@ class AgentConnection:
     """A rank's one connection to its agent, checked to be served by the rank's own user
     (``SO_PEERCRED`` of this very connection): frames of inter/control/agent_wire.py.
 
-    Any number of threads may :meth:`call` at once, each waiting for its own answer:
-    the one that finds no other reading reads, and hands the frames it reads for the
-    others to them. :meth:`send` and :meth:`receive` are the same connection for an
+    Any number of threads may :meth:`call` at once: the one that finds no other reading
+    reads, and hands the others their answers. :meth:`send` and :meth:`receive` serve an
     event loop (a benchmark's many simulated ranks in one process).
 
     Raises:
@@ -291,9 +261,8 @@ class AgentConnection:
         on_call: Callable[[_Request], None] | None = None,
     ) -> tuple[int, bytes]:
         """Sends a request and waits for its answer: (kind, payload), never an ERROR.
-
-        ``on_call`` is handed the request before it is waited on: its ``cancel()`` ends
-        it at once, and this raises ``grpc.FutureCancelledError``.
+        ``on_call`` is handed the request first: its ``cancel()`` ends it at once, and
+        this raises ``grpc.FutureCancelledError``.
 
         Raises:
             StatusError: the agent's refusal; DEADLINE_EXCEEDED after ``timeout_s``;
@@ -364,12 +333,10 @@ class AgentLink:
     """A rank's way to its host agent: a connection once the agent is checked
     (:func:`connect_agent`), none while it is not up or after it was refused.
 
-    The agent is checked at once; one not up yet is waited for in the background for
-    ``wait_s`` (the rank's own start-up deadline), the rank calling its coordinator
-    meanwhile. A connection that broke is opened again, checked again, at most every
-    half second. The rank's log gets at most one line about its agent, the first of:
-    refused (why), not up within ``wait_s``, unreachable after it was up
-    (:meth:`unreachable`).
+    One not up yet is waited for in the background for ``wait_s`` (the rank's start-up
+    deadline); a connection that broke is opened (and checked) again at most every half
+    second. The rank's log gets one line about its agent at most, the first of: refused
+    (why), not up within ``wait_s``, unreachable after it was up (:meth:`unreachable`).
 
     Args:
         address: where the agent listens ("unix:PATH").
@@ -431,8 +398,7 @@ class AgentLink:
             return self._connection
 
     def _look(self) -> None:
-        """Checks the agent once and connects if it passes (a refusal is said in the
-        log). Raises :class:`AgentNotUp` when it is not up yet."""
+        """Checks the agent once and connects if it passes; raises :class:`AgentNotUp`."""
         try:
             connection = connect_agent(self.address)
         except AgentRefused as exc:

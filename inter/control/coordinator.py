@@ -379,7 +379,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 return pb.GetMembershipResponse(generation=0)
             # A caller that knows this generation has its sites: each rank's watcher asks
             # once a second, and every site's lanes in each answer made the site's polls
-            # O(ranks²) bytes a second (docs/benchmarks/control-plane.md, "The control plane at scale").
+            # O(ranks²) bytes a second (docs/benchmarks/control-plane.md, "The control
+            # plane at scale").
             known = request.known_generation == st.generation
             return pb.GetMembershipResponse(
                 generation=st.generation,

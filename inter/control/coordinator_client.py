@@ -1,30 +1,21 @@
 """A rank's typed client of its own site's coordinator: the calls deploy makes.
 
-A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
-registers its lane and its key (``RegisterRank``), waits for the job's membership
-(``GetMembership``), votes on each step (through
-:class:`~isthmus.inter.data.sync.membership.SiteMembership`: a vote that waits through its
-host's agent when it has one, inter/control/host_agent.py, as a frame on the rank's one
-connection there, inter/control/agent_wire.py; else as a message on the rank's one
-``HostSession`` stream; a vote ahead as a ``CommitStep`` call), watches for
-silent members (through the agent too) and, on rank 0, reports each step's progress
-(``ReportProgress``); a rank whose script raised says so (``AbortJob``), which stops the
-job at every site.
-:class:`CoordinatorClient` builds those protobuf messages, so its callers pass plain
-values and get plain values back. The rank's key
-(:func:`~isthmus.inter.control.rank_keys.process_key`) goes with every registration, vote
-and report: the coordinator counts a vote and takes a site's digest only from its own
-ranks.
-
-Every call has a deadline (docs/design.md invariant 5) and raises ``grpc.RpcError``
-when the coordinator refuses it or does not answer in time.
+A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it registers
+its lane and its key, waits for the job's membership, votes on each step and watches for
+silent members (through its host's agent when it has one, inter/control/host_agent.py),
+on rank 0 reports each step's progress, and says when its script raised (which stops the
+job at every site). :class:`CoordinatorClient` builds the protobuf messages: its callers
+pass and get plain values. The rank's key (:func:`~isthmus.inter.control.rank_keys.process_key`)
+goes with every registration, vote and report: the coordinator counts a vote and takes a
+site's digest only from its own ranks. Every call has a deadline (docs/design.md
+invariant 5) and raises ``grpc.RpcError`` when refused or not answered in time.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 
@@ -238,9 +229,7 @@ class CoordinatorClient:
     ) -> None:
         """Registers this rank's lane and key: what a rank does first.
 
-        Waits for the coordinator to come up (``wait_for_ready``), at most
-        ``timeout_s``. From then on the coordinator counts this rank's votes and takes
-        the site's digest only with this client's key.
+        Waits for the coordinator to come up (``wait_for_ready``), at most ``timeout_s``.
 
         Args:
             site: this site's name.
@@ -318,14 +307,11 @@ class CoordinatorClient:
         The rank runs in ``generation`` and has its sites: a COMMIT that keeps it comes
         without ``sites`` (``sites_known``); any other decision names them.
 
-        A vote that waits goes to the host's agent when the rank has one, as a frame on the
-        rank's connection there (its ballot joins the host's others in one message:
-        inter/control/host_agent.py), else as a message on this rank's
-        ``HostSession`` to the coordinator (a host of one rank:
-        inter/control/host_session.py), which costs the coordinator a fraction of a call
-        (at 2 x 256 ranks on 2 cores: the step's decision 317 -> 130 ms, p50); one that
-        does not wait (``wait_ms`` 0: a vote ahead, from another thread while the session
-        may hold a waiting vote) is a ``CommitStep`` call.
+        A vote that waits goes to the host's agent when the rank has one (its ballot joins
+        the host's others in one message), else on this rank's ``HostSession`` stream (at
+        2 x 256 ranks on 2 cores: the step's decision 317 -> 130 ms, p50, against a call);
+        one that does not wait (``wait_ms`` 0: a vote ahead, from another thread while the
+        session may hold a waiting vote) is a ``CommitStep`` call.
 
         Raises:
             grpc.RpcError: INVALID_ARGUMENT or FAILED_PRECONDITION when the vote is
@@ -413,25 +399,7 @@ class CoordinatorClient:
         """:meth:`report_progress`, answering also whether every member site reported
         the same digest after 0 steps (``progress.digest_step == 0``), so the sites
         start from the same parameters: ``(divergence, agreed)``."""
-        request = pb.ReportProgressRequest(
-            site=progress.site,
-            step=progress.step,
-            loss=progress.loss,
-            step_s=progress.step_s,
-            compute_s=progress.compute_s,
-            cross_site_s=progress.cross_site_s,
-            tokens=progress.tokens,
-            cross_site_bytes=progress.cross_site_bytes,
-            raw_bytes=progress.raw_bytes,
-            mfu=progress.mfu,
-            sync_busy_s=progress.sync_busy_s,
-            digest=progress.digest,
-            digest_step=progress.digest_step,
-            finished=progress.finished,
-            rank_key=self.rank_key,
-            model_layout=progress.model_layout,
-            script_metrics=progress.script_metrics,
-        )
+        request = pb.ReportProgressRequest(**asdict(progress), rank_key=self.rank_key)
         reply = self.stub.ReportProgress(request, timeout=timeout_s)
         return reply.divergence, reply.agreed
 

@@ -3,39 +3,28 @@ watches in one poll.
 
 Per rank, a site of 1,024 ranks costs its coordinator 1,024 vote messages a step and a
 watch call a rank every few seconds; at 2 x 1,024 ranks that kept the job under one step a
-second on 16 cores (docs/benchmarks/control-plane.md, "The control plane at scale"). A launcher that
-starts a host's ranks (deploy/launch/ranks.py) runs a :class:`HostAgent` beside them, on
-a Unix socket in the ranks' own 0700 folder (no other user of the machine can reach it),
-and the ranks send it the two requests that scale with them, as frames on one connection
-a rank (inter/control/agent_wire.py):
+second on 16 cores (docs/benchmarks/control-plane.md, "The control plane at scale"). A
+launcher that starts a host's ranks (deploy/launch/ranks.py) runs a :class:`HostAgent`
+beside them, on a Unix socket in the ranks' own 0700 folder, and the ranks send it the two
+requests that scale with them, as frames on one connection a rank (agent_wire.py):
 
-- **A vote that waits** (a ``CommitHostStepRequest``). The agent gathers the host's
-  ballots on one (step, generation): the first one in waits until every rank of the host
-  voted or ``linger_s`` passed, then they go as one message on a ``HostSession`` of the
-  agent's and each rank gets the decision. A refusal of several ballots is retried
+- **A vote that waits**: the first ballot of a (step, generation) waits until every rank of
+  the host voted or ``linger_s`` passed; then they go as one message on the agent's
+  ``HostSession`` and each rank gets the decision. A refusal of several ballots is retried
   ballot by ballot, so one rank's bad key or stale generation is that rank's alone.
-- **A watch** (a ``GetMembershipRequest``). The agent keeps one long poll open at the
-  coordinator and answers the ranks' watches from it, as the coordinator would (at once
-  on a newer generation, a suspect or an error; else when the wait ends). Its poll
-  names the ranks it hears from (``vouched_rank_keys``, inter/control/vouches.py): the
-  coordinator counts a poll in flight for each (inter/control/rank_liveness.py). The
-  poll is held as long as the coordinator holds it (half the silence at most) and sent
-  again, naming them, as soon as those ranks change: a rank whose watch arrives for the
-  first time at once, one whose connection closed (its process ended) at once, one that
-  stopped watching ``vouch_s`` of the agent's own time after its last watch ended (an
-  agent that was starved of CPU does not take its own lateness for its ranks' silence).
+- **A watch**: the agent keeps one long poll open at the coordinator and answers the
+  ranks' watches from it, as the coordinator would. Its poll names the ranks it vouches
+  for (inter/control/vouches.py) and is sent again as soon as they change: a rank new
+  here, one whose connection closed, one that stopped watching ``vouch_s`` of the agent's
+  own time after its last watch ended (an agent starved of CPU does not take its own
+  lateness for its ranks' silence).
 
-The agent runs on one event loop, a thread of its own: a rank's vote or watch held here
-is a table entry answered by a callback, and news wakes only the watches it answers. It
-calls its coordinator from the same loop, on the grpc.aio twin of the channel it is
-handed (inter/control/agent_upstream.py). The gRPC server it ran for its ranks before
-cost ~100 µs and two thread hand-offs a message (docs/benchmarks/control-plane.md, "Real host agents,
-a process each").
-
-Everything else a rank calls (registration, reports, a first membership, a vote ahead)
-goes to the coordinator itself, and a rank that cannot reach its agent falls back to the
-coordinator too (inter/control/coordinator_client.py): an agent is a fast path, never the
-only one.
+The agent runs on one event loop, a thread of its own, and calls its coordinator from it
+on the grpc.aio twin of its channel (inter/control/agent_upstream.py): the gRPC server it
+ran for its ranks before cost ~100 µs and two thread hand-offs a message
+(docs/benchmarks/control-plane.md, "Real host agents, a process each"). Everything else a
+rank calls goes to the coordinator itself, as does a rank that cannot reach its agent: an
+agent is a fast path, never the only one.
 """
 
 from __future__ import annotations
@@ -71,7 +60,7 @@ log = logging.getLogger("isthmus.host_agent")
 _RANK_WAIT_MS = 5_000
 """The longest a rank's watch is held here (a rank asks for 5 s: inter/data/sync/membership.py)."""
 _RPC_SLACK_S = 5.0
-_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_INVALID, _LATE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @dataclass(eq=False)
@@ -358,10 +347,7 @@ class HostAgent:
             mine: list[Outcome | None] = [outcome.get(rank) for rank in ranks]
             refused = [o for o in mine if not isinstance(o, pb.Decision)]
             if refused:
-                code, details = refused[0] or (
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    "the host's vote got no answer in time",
-                )
+                code, details = refused[0] or (_LATE, "the host's vote got no answer in time")
                 wire.error(rid, code, details)  # UNAVAILABLE: the rank votes elsewhere
                 continue
             decision = mine[0]
@@ -432,10 +418,8 @@ class HostAgent:
         except grpc.RpcError as exc:
             # Never UNAVAILABLE from here: that code tells a rank its agent is gone.
             code = exc.code()
-            code = (
-                grpc.StatusCode.DEADLINE_EXCEEDED if code is grpc.StatusCode.UNAVAILABLE else code
-            )
-            watch.wire.error(watch.rid, code, exc.details() or "")
+            late = code is grpc.StatusCode.UNAVAILABLE
+            watch.wire.error(watch.rid, _LATE if late else code, exc.details() or "")
             return
         watch.wire.send(Kind.MEMBERSHIP, watch.rid, reply.SerializeToString())
 
