@@ -197,7 +197,7 @@ class Context:
             cross.plan = user  # type: ignore[assignment]
         site_dir, metrics = open_metrics(env, config, self._security, alone=cross is None)
         sync = cross.sync if cross is not None else None
-        key = checkpoint_key(config)
+        key = checkpoint_key(config.security, config.checkpoint)
         start = restore(shaped, sync, config, env.run_dir, env.site, key, outer, user)  # type: ignore[arg-type]
         if cross is not None:
             start = cross.catch_up(shaped) or start  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ from isthmus.inter.data import INT8_BLOCK as BLOCK
 from isthmus.intra.flops import scaled_lr
 
 if TYPE_CHECKING:
-    from isthmus.deploy.config.job import JobConfig
+    from isthmus.deploy.config.sections import TopologySection, TrainSection
     from isthmus.inter.data import LaneGradientSync
     from isthmus.intra.data import ShardedBatches
     from isthmus.intra.train import Trainer
@@ -77,7 +77,8 @@ class BatchPlan:
     committed step (before its state is offered or saved).
 
     Args:
-        config: the job's (train.batch_schedule, balance_every, accumulate, lr).
+        train: the job's (batch_schedule, balance_every, accumulate, lr).
+        topology: the job's sites.
         site: this site's index among the job's configured sites.
         dp_index: this rank's replica in its site.
         rank: this rank in its site (rank 0 shares and hands the sum on).
@@ -88,7 +89,8 @@ class BatchPlan:
     def __init__(
         self,
         *,
-        config: JobConfig,
+        train: TrainSection,
+        topology: TopologySection,
         site: int,
         dp_index: int,
         rank: int,
@@ -96,11 +98,12 @@ class BatchPlan:
         batches: ShardedBatches,
         sync: LaneGradientSync | None,
     ) -> None:
-        train = config.train
-        self.sites = list(config.site_names)
+        self.sites = topology.site_names
         self.site, self.dp_index, self.rank = site, dp_index, rank
         self.trainer, self.batches, self.sync = trainer, batches, sync
-        self.split = BatchSplit(tuple(config.site_accumulate), tuple(config.site_dp()))
+        self.split = BatchSplit(
+            tuple(train.site_accumulate(topology.sites)), tuple(topology.site_dp())
+        )
         self.configured = self.split.accumulate
         """train.accumulate: the sites' shares of a resized batch until they are measured."""
         self.full = self.split.total

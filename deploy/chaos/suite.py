@@ -151,7 +151,9 @@ def run_scenario(
         fingerprint = config.fingerprint()
         # With TLS, hostile calls come with site0's certificate (a site of the job speaking
         # for another); else with the user's job token, which the sites run with.
-        credentials = site_security(config, "site0") if config.security.require_tls else None
+        credentials = (
+            site_security(config.security, "site0") if config.security.require_tls else None
+        )
         _inject(scenario, sites, links, coordinators, fingerprint, run_dir, out, credentials)
         # One budget with the injection's wait (_inject), not a second one after it.
         deadline = started + SITE_TIMEOUT_S

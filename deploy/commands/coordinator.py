@@ -47,7 +47,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     host, _, port = listen.rpartition(":")
     if not port.isdigit():
         raise ConfigError(f"--listen must be HOST:PORT, got {listen!r}")
-    check_exposure(config, args.site, host, sys.stderr)  # its lanes too: it is the site's
+    check_exposure(
+        config.security, config.cluster, args.site, host, sys.stderr
+    )  # its lanes too: it is the site's
     peers = {s: a for s, a in config.cluster.coordinators.items() if s != args.site}
     peers.update(_pairs(args.peer, "--peer"))
     proxies = {s: u for s, u in config.cluster.proxies.items() if s != args.site and u}
@@ -86,7 +88,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         settings,
         peers=peers,
         proxies=proxies,
-        security=site_security(config, args.site),
+        security=site_security(config.security, args.site),
         rank_keys=keys,
     )
     coordinator.start()

@@ -156,7 +156,9 @@ def _parameters(source: Path, config: JobConfig, run_dir: Path):
 
     path = _checkpoint(source, config, run_dir)
     try:
-        return path, checkpoint.full_parameters(path, checkpoint_key(config))
+        return path, checkpoint.full_parameters(
+            path, checkpoint_key(config.security, config.checkpoint)
+        )
     except checkpoint.CheckpointError as exc:
         raise ConfigError(str(exc)) from None
 

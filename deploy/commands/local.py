@@ -126,7 +126,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     if hint:
         print(hint, file=sys.stderr)
     for site in config.site_names:  # coordinators on loopback; lanes on cluster.lane_host
-        check_exposure(config, site, "127.0.0.1", sys.stderr)
+        check_exposure(config.security, config.cluster, site, "127.0.0.1", sys.stderr)
     resolve_resume(config, config.site_names, resume=args.resume)
     job = LocalJob(config, out=sys.stderr, progress=not args.quiet, topology=topology, slow=slow)
     return run_job(job, "summary:")

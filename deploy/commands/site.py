@@ -122,7 +122,7 @@ def cmd_site(args: argparse.Namespace) -> int:
     place = _place(args)
     place.check(config, args.site)
     coordinator = place.listen or config.cluster.coordinators.get(args.site, "127.0.0.1:0")
-    check_exposure(config, args.site, _host(coordinator), sys.stderr)
+    check_exposure(config.security, config.cluster, args.site, _host(coordinator), sys.stderr)
     if place.node_rank == 0:
         resolve_resume(config, [args.site], resume=args.resume)
     job = SiteJob(config, args.site, out=sys.stderr, progress=not args.quiet, place=place)

@@ -47,7 +47,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
         failure_timeout_s=config.failover.failure_timeout_s,
         host=host,
         port=int(port),
-        security=site_security(config, "witness", default_token=False),
+        security=site_security(config.security, "witness", default_token=False),
     ).start()
     print(f"witness of {', '.join(config.site_names)} listening on {witness.address}", flush=True)
     stop = threading.Event()

@@ -190,8 +190,7 @@ class JobConfig:
     @property
     def site_accumulate(self) -> list[int]:
         """Each site's micro-batches per rank per step (train.accumulate)."""
-        m = self.train.accumulate
-        return list(m) if isinstance(m, list) else [m] * self.topology.sites
+        return self.train.site_accumulate(self.topology.sites)
 
     def site_units(self) -> list[int]:
         """Each site's micro-batches per step over its replicas (accumulate x dp): its

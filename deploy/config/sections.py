@@ -201,6 +201,11 @@ class TrainSection:
     lr_reference_dp: int = 4
     """The data-parallel width (sites x dp) at which train.lr was tuned; unset, the preset's."""
 
+    def site_accumulate(self, sites: int) -> list[int]:
+        """Each site's micro-batches per rank per step."""
+        m = self.accumulate
+        return list(m) if isinstance(m, list) else [m] * sites
+
     def check(self) -> None:
         """The train.* values alone (deploy/config/validation.py checks them against
         the sites, the pipeline and the sync mode)."""

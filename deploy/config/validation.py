@@ -67,8 +67,7 @@ def _check_batch_schedule(
     schedule = tr.batch_schedule
     if schedule == "fixed":
         return
-    accumulate = tr.accumulate if isinstance(tr.accumulate, list) else [tr.accumulate] * t.sites
-    dp = t.site_dp()
+    accumulate, dp = tr.site_accumulate(t.sites), t.site_dp()
     least = sum(dp)
     full = sum(m * d for m, d in zip(accumulate, dp, strict=True))
     require(

@@ -163,7 +163,9 @@ class LocalJob:
         """
         prestart(self._threads())  # the ranks' imports, beside this launcher's own work
         check_supported(self.config, gpus_needed(self.config), self.config.site_ranks)
-        checkpoint_key(self.config)  # a ConfigError now, not in every rank after start
+        checkpoint_key(
+            self.config.security, self.config.checkpoint
+        )  # a ConfigError now, not in every rank after start
         try:
             self._make_job_token()
             self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)
@@ -238,7 +240,7 @@ class LocalJob:
                         metrics_port=None if config.run.metrics_port < 0 else 0,
                         **config.coordinator_options(),
                     ),
-                    security=site_security(config, site, self._token),
+                    security=site_security(config.security, site, self._token),
                 )
             )
         addresses = {c.site: c.address for c in self._coordinators}
@@ -296,7 +298,13 @@ class LocalJob:
     # -- monitoring ---------------------------------------------------------------
 
     def _wait(self) -> None:
-        progress = Progress(self.config, self.run_dir, self.out, enabled=self.progress)
+        progress = Progress(
+            self.config.topology,
+            self.config.job.steps,
+            self.run_dir,
+            self.out,
+            enabled=self.progress,
+        )
         written = False
         try:
             while True:

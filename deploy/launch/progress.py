@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TextIO
 
-from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.config.sections import TopologySection
 from isthmus.deploy.reports.summary import JsonlTail, merge_steps
 
 
@@ -19,14 +19,16 @@ class Progress:
 
     def __init__(
         self,
-        config: JobConfig,
+        topology: TopologySection,
+        steps: int,
         run_dir: Path,
         out: TextIO,
         enabled: bool = True,
         sites: list[str] | None = None,
     ) -> None:
-        self.config, self.run_dir, self.out, self.enabled = config, run_dir, out, enabled
-        self.sites = sites or config.site_names
+        self.topology, self.steps = topology, steps
+        self.run_dir, self.out, self.enabled = run_dir, out, enabled
+        self.sites = sites or topology.site_names
         # Each update reads only new lines: a long run's files are not re-read.
         self._tails = {s: JsonlTail(run_dir / "sites" / s / "metrics.jsonl") for s in self.sites}
         self._rows: dict[str, list[dict]] = {s: [] for s in self.sites}
@@ -35,14 +37,14 @@ class Progress:
         self._val: float | None = None  # the latest held-out loss
         self.tty = enabled and out.isatty()
         self.shown = -1
-        self.every = max(1, config.job.steps // 10)
+        self.every = max(1, steps // 10)
         self.width = 0
         if enabled:
-            t = config.topology
+            t = topology
             who = "isthmus local" if sites is None else f"isthmus site {', '.join(self.sites)}"
             self._emit(
                 f"{who}: {t.sites} site(s) x {t.ranks_per_site} rank(s), "
-                f"{config.job.steps} steps; starting ranks and joining sites...",
+                f"{steps} steps; starting ranks and joining sites...",
                 final=not self.tty,
             )
 
@@ -62,11 +64,11 @@ class Progress:
         last = new[-1]
         for r in new:
             self._val = r.get("val_loss", self._val)
-        if not self.tty and n % self.every and n != self.config.job.steps:
+        if not self.tty and n % self.every and n != self.steps:
             return
         self.shown = n - 1
         tokens_per_s = self._tokens / max(last["elapsed_s"], 1e-9)
-        total = self.config.job.steps
+        total = self.steps
         filled = int(20 * n / total)
         bar = "#" * filled + "." * (20 - filled)
         line = f"[{bar}] step {n}/{total}  loss {last['loss']:.4f}"
@@ -78,7 +80,7 @@ class Progress:
             line += f"  MFU {last['mfu']:.1%}"
         if self._val is not None:
             line += f"  held-out {self._val:.4f}"
-        if len(self.sites) > 1 or self.config.topology.sites > 1:
+        if len(self.sites) > 1 or self.topology.sites > 1:
             # How long the step's rounds ran, and how much of that the step waited for.
             line += (
                 f"  cross-site {last['sync_busy_s']:.3f} s/step"

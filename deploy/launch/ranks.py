@@ -250,7 +250,7 @@ class SiteRanks:
     def _start_agent(self, ranks: int, store_dir: Path) -> HostAgent:
         """The ranks' agent at their coordinator, with their credentials, on a socket in
         the 0700 store folder: no other user of this machine can reach it."""
-        security = site_security(self.config, self.site, self.run_token)
+        security = site_security(self.config.security, self.site, self.run_token)
         self._agent_channel = peer_channel(self.coordinator, security=security)
         agent = HostAgent(
             self._agent_channel, site=self.site, ranks=ranks, listen=f"unix:{store_dir}/agent"

@@ -144,7 +144,7 @@ def coordinator_for(config: JobConfig, site: str, place: NodePlace | None = None
         settings,
         peers={s: a for s, a in addresses.items() if s != site},
         proxies={s: u for s, u in config.cluster.proxies.items() if s != site and u},
-        security=site_security(config, site),
+        security=site_security(config.security, site),
         rank_keys=keys,
     )
 
@@ -239,8 +239,14 @@ class SiteJob:
 
     def _train(self) -> None:
         assert self.coordinator is not None and self._ranks is not None
+        c = self.config
         progress = Progress(
-            self.config, self.run_dir, self.out, enabled=self.progress, sites=[self.site]
+            c.topology,
+            c.job.steps,
+            self.run_dir,
+            self.out,
+            enabled=self.progress,
+            sites=[self.site],
         )
         deadline = time.monotonic() + self.config.sync.timeout_s
         last_status = 0.0

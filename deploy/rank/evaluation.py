@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 
-from isthmus.deploy.config.job import JobConfig
-from isthmus.deploy.config.sections import EVAL_BATCH
+from isthmus.deploy.config.run_sections import RunSection
+from isthmus.deploy.config.sections import EVAL_BATCH, JobSection
 from isthmus.intra.data import Corpus, ShardedBatches, Split
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.train import Trainer
@@ -31,15 +31,17 @@ class HeldOutLoss:
     """When to measure the held-out loss, and the measurement (a collective of the site:
     every rank calls it at the same steps)."""
 
-    def __init__(self, corpus: Corpus, split: Split, config: JobConfig) -> None:
-        self.batches_per_eval = config.run.eval_batches if split.held_out else 0
-        self.every, self.last = config.run.eval_every, config.job.steps - 1
+    def __init__(
+        self, corpus: Corpus, split: Split, run: RunSection, job: JobSection, *, seq_len: int
+    ) -> None:
+        self.batches_per_eval = run.eval_batches if split.held_out else 0
+        self.every, self.last = run.eval_every, job.steps - 1
         self.batches = (
             ShardedBatches(
                 corpus,
-                seq_len=config.train.seq_len,
+                seq_len=seq_len,
                 batch_size=EVAL_BATCH,
-                seed=config.job.seed + EVAL_SEED_OFFSET,
+                seed=job.seed + EVAL_SEED_OFFSET,
                 spans=split.held_out,
             )
             if self.batches_per_eval

@@ -160,7 +160,7 @@ def join_site(env: RankEnv, config: JobConfig) -> tuple[DeviceMesh, tuple[int, i
 
 def security_of(env: RankEnv, config: JobConfig) -> SiteSecurity | None:
     """A rank uses its site's certificate, and its launcher's token for the run if any."""
-    return site_security(config, env.site, os.environ.get("ISTHMUS_RUN_TOKEN"))
+    return site_security(config.security, env.site, os.environ.get("ISTHMUS_RUN_TOKEN"))
 
 
 def join_job(env: RankEnv, config: JobConfig, security: SiteSecurity | None) -> CrossSite | None:
@@ -210,7 +210,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         # Each site's gradient counts by the micro-batches it processed.
         cross.sync.set_site_units(dict(zip(sites, units, strict=True)))
     corpus, split = load_corpus(config)
-    held_out = HeldOutLoss(corpus, split, config)
+    held_out = HeldOutLoss(corpus, split, config.run, config.job, seq_len=config.train.seq_len)
     # Shards are numbered site-major, so the union over sites and dp ranks is the
     # global batch that one site with all their dp ranks would see (ShardedBatches);
     # the tp and pp ranks of one replica read the same batch.
@@ -226,7 +226,8 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     )
     # The global batch's size over time and its split between the sites.
     plan = BatchPlan(
-        config=config,
+        train=config.train,
+        topology=config.topology,
         site=site_index,
         dp_index=dp_i,
         rank=env.rank,
@@ -239,7 +240,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     site_dir, metrics = open_metrics(env, config, security, alone=cross is None)
     # Manifests are signed and checked with the job's token, or the user's (never with a
     # launcher's token for one run: the next run's would differ).
-    key = checkpoint_key(config)
+    key = checkpoint_key(config.security, config.checkpoint)
     # 0 unless resuming
     start = restore(trainer, sync, config, env.run_dir, env.site, key, outer=outer, plan=plan)
     if cross is not None:

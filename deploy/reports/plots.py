@@ -26,7 +26,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from isthmus.deploy.config.job import ConfigError, JobConfig
+from isthmus.deploy.config.job import SECTION_TYPES, ConfigError
 from isthmus.deploy.reports.summary import human_bytes, read_jsonl
 
 if sys.version_info >= (3, 11):
@@ -91,7 +91,7 @@ def run_setting(config: dict[str, dict], section: str, key: str) -> Any:
     """SECTION.KEY of a run's config (read_run_config), or today's default where the
     run's config lacks it."""
     value = config.get(section, {}).get(key)
-    return getattr(getattr(JobConfig(), section), key) if value is None else value
+    return getattr(SECTION_TYPES[section](), key) if value is None else value
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from isthmus.deploy.config.job import ConfigError, JobConfig
+from isthmus.deploy.config.run_sections import ClusterSection, SecuritySection
+from isthmus.deploy.config.sections import ConfigError
 from isthmus.sim.connect import is_loopback as loopback_literal
 
 __all__ = ["check_exposure", "exposed_listeners", "is_loopback"]
@@ -25,23 +26,26 @@ def is_loopback(host: str) -> bool:
     return loopback_literal(host.strip() or "127.0.0.1")
 
 
-def exposed_listeners(config: JobConfig, site: str, coordinator_host: str) -> list[str]:
+def exposed_listeners(cluster: ClusterSection, site: str, coordinator_host: str) -> list[str]:
     """What of ``site`` would listen beyond loopback, in words naming the setting."""
     out = []
     if not is_loopback(coordinator_host):
         out.append(f"its coordinator on {coordinator_host} (cluster.coordinators.{site}/--listen)")
-    if not is_loopback(config.cluster.lane_host):
-        out.append(f"its lanes on {config.cluster.lane_host} (cluster.lane_host)")
+    if not is_loopback(cluster.lane_host):
+        out.append(f"its lanes on {cluster.lane_host} (cluster.lane_host)")
     return out
 
 
 def check_exposure(
-    config: JobConfig, site: str, coordinator_host: str, warn_to: TextIO | None = None
+    sec: SecuritySection,
+    cluster: ClusterSection,
+    site: str,
+    coordinator_host: str,
+    warn_to: TextIO | None = None,
 ) -> None:
     """Refuse (ConfigError) a site exposed without mutual TLS and the job token, unless
     ``security.insecure`` (``--insecure``); then print a warning to ``warn_to``."""
-    exposed = exposed_listeners(config, site, coordinator_host)
-    sec = config.security
+    exposed = exposed_listeners(cluster, site, coordinator_host)
     if not exposed and sec.insecure and not sec.require_token and warn_to is not None:
         print(
             f"warning: --insecure: {site} runs without a job token: anyone on this machine "

@@ -11,23 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.config.validation import ConfigError
+from isthmus.deploy.config.sections import ConfigError
 from isthmus.deploy.security.token import SecretError, job_token
 from isthmus.inter.security import SiteSecurity
 
 if TYPE_CHECKING:
-    from isthmus.deploy.config.job import JobConfig
+    from isthmus.deploy.config.run_sections import CheckpointSection, SecuritySection
 
 __all__ = ["checkpoint_key", "site_security"]
 
 
 def site_security(
-    config: JobConfig, site: str, run_token: str | None = None, *, default_token: bool = True
+    sec: SecuritySection, site: str, run_token: str | None = None, *, default_token: bool = True
 ) -> SiteSecurity | None:
     """The site's credentials for its servers and channels; None when all is off.
 
     Args:
-        config: the job.
+        sec: the job's [security] section.
         site: the site.
         run_token: a token the launcher made for this run (``isthmus local``, handed
             to its ranks as ISTHMUS_RUN_TOKEN).
@@ -38,7 +38,6 @@ def site_security(
         ConfigError: a file the [security] switches need is missing (named), or the
             user's job token cannot be made or trusted.
     """
-    sec = config.security
     if not (sec.require_tls or sec.require_token):
         if run_token:
             return SiteSecurity(require_token=True, token=run_token)
@@ -54,13 +53,12 @@ def site_security(
             require_token=sec.require_token,
         )
     except ValueError as exc:
-        raise ConfigError(f"security: {_with_token_file(exc, config)}") from None
+        raise ConfigError(f"security: {_with_token_file(exc, sec)}") from None
 
 
-def _with_token_file(exc: ValueError, config: JobConfig) -> str:
+def _with_token_file(exc: ValueError, sec: SecuritySection) -> str:
     """``exc``'s line, naming the token file when it is about that file's content (the
     check of a token's characters knows no path; issue 63)."""
-    sec = config.security
     path = Path(sec.token_file) if sec.token_file else Path(sec.certs_dir) / "token"
     message = str(exc)
     if sec.require_token and "job token" in message and str(path) not in message:
@@ -68,14 +66,13 @@ def _with_token_file(exc: ValueError, config: JobConfig) -> str:
     return message
 
 
-def checkpoint_key(config: JobConfig) -> bytes | None:
+def checkpoint_key(sec: SecuritySection, checkpoint: CheckpointSection) -> bytes | None:
     """What signs checkpoint manifests and what ``--resume`` checks them with: the
     configured job token, else the user's job token (it outlives a run, unlike
     ``isthmus local``'s run token); None with ``security.insecure`` and no token, and
     for a job that neither saves nor resumes (it needs no home folder to keep the
     user's token in)."""
-    sec = config.security
-    if config.checkpoint.every <= 0 and config.checkpoint.resume_step < 0:
+    if checkpoint.every <= 0 and checkpoint.resume_step < 0:
         return None
     if sec.require_token:
         try:
@@ -83,7 +80,7 @@ def checkpoint_key(config: JobConfig) -> bytes | None:
                 sec.certs_dir, "", token_file=sec.token_file or None, require_token=True
             ).token
         except ValueError as exc:
-            raise ConfigError(f"security: {_with_token_file(exc, config)}") from None
+            raise ConfigError(f"security: {_with_token_file(exc, sec)}") from None
         return token.encode() if token else None
     return None if sec.insecure else _user_token().encode()
 

@@ -103,7 +103,8 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
     # weights: with pp, sha256 over each stage's digest, the tied weight in both).
     ours = build_model(config.resolved_model(), seed=1)
     saved = checkpoint.full_parameters(
-        run / "checkpoints" / "site0" / "step-00000001", checkpoint_key(config)
+        run / "checkpoints" / "site0" / "step-00000001",
+        checkpoint_key(config.security, config.checkpoint),
     )
     with torch.no_grad():
         for name, p in ours.named_parameters():

@@ -49,9 +49,10 @@ def test_exposure_rules(job_dir):
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost", ""))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "site0.example.net"))
     exposed = load_config(overrides=["cluster.lane_host=0.0.0.0", "cluster.advertise_host=h"])
-    check_exposure(load_config(), "site0", "127.0.0.1")  # all on loopback: nothing needed
+    default = load_config()
+    check_exposure(default.security, default.cluster, "site0", "127.0.0.1")  # all on loopback
     with pytest.raises(ConfigError, match="security.require_tls and security.require_token"):
-        check_exposure(exposed, "site0", "127.0.0.1")
+        check_exposure(exposed.security, exposed.cluster, "site0", "127.0.0.1")
     secured = load_config(
         overrides=[
             "cluster.lane_host=0.0.0.0",
@@ -61,7 +62,7 @@ def test_exposure_rules(job_dir):
             f"security.certs_dir={job_dir}",
         ]
     )
-    check_exposure(secured, "site0", "0.0.0.0")
+    check_exposure(secured.security, secured.cluster, "site0", "0.0.0.0")
     token_only = load_config(
         overrides=[
             "cluster.lane_host=0.0.0.0",
@@ -71,4 +72,4 @@ def test_exposure_rules(job_dir):
         ]
     )
     with pytest.raises(ConfigError, match="without security.require_tls:"):
-        check_exposure(token_only, "site0", "127.0.0.1")
+        check_exposure(token_only.security, token_only.cluster, "site0", "127.0.0.1")

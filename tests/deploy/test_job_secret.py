@@ -100,23 +100,30 @@ def test_a_token_or_folder_another_user_made_first_is_refused(tmp_path):
 
 def test_a_job_without_a_security_section_runs_with_the_users_token(isthmus_home):
     config = load_config(None, ["checkpoint.every=2"])
-    security = site_security(config, "site0")
+    security = site_security(config.security, "site0")
     assert security is not None and security.require_token
     assert security.token == job_token()
-    assert checkpoint_key(config) == job_token().encode()
+    assert checkpoint_key(config.security, config.checkpoint) == job_token().encode()
     # A job that neither saves nor resumes needs no key (nor a home folder for it).
-    assert checkpoint_key(load_config(None, [])) is None
+    unsaved = load_config(None, [])
+    assert checkpoint_key(unsaved.security, unsaved.checkpoint) is None
     # A launcher's run token is used for calls; the checkpoint key stays the user's.
-    assert site_security(config, "site0", "r" * 43).token == "r" * 43
+    assert site_security(config.security, "site0", "r" * 43).token == "r" * 43
     # --insecure: no token at all, and unsigned checkpoints.
     insecure = load_config(None, ["security.insecure=true", "checkpoint.every=2"])
-    assert site_security(insecure, "site0") is None and checkpoint_key(insecure) is None
+    assert (
+        site_security(insecure.security, "site0") is None
+        and checkpoint_key(insecure.security, insecure.checkpoint) is None
+    )
     # The witness never falls back to it (sites of `isthmus local` call it with run tokens).
-    assert site_security(config, "witness", default_token=False) is None
+    assert site_security(config.security, "witness", default_token=False) is None
 
 
 def test_the_configured_token_signs_checkpoints(job_dir):
     config = load_config(
         None, [f"security.certs_dir={job_dir}", "security.require_token=true", "checkpoint.every=2"]
     )
-    assert checkpoint_key(config) == (job_dir / "token").read_text().strip().encode()
+    assert (
+        checkpoint_key(config.security, config.checkpoint)
+        == (job_dir / "token").read_text().strip().encode()
+    )

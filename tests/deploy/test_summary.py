@@ -101,7 +101,7 @@ def test_progress_ends_on_the_last_step_written_after_its_last_update(tmp_path):
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(line(path.parent.name, 0, elapsed=1, exposed=0, busy=0)) + "\n")
     out = io.StringIO()
-    progress = Progress(config, tmp_path, out)
+    progress = Progress(config.topology, config.job.steps, tmp_path, out)
     progress.update()
     for path in paths:
         with path.open("a") as f:
@@ -124,7 +124,7 @@ def test_progress_line_and_summary_show_the_sync_and_what_of_it_was_exposed(tmp_
             )
         )
     out = io.StringIO()
-    progress = Progress(config, tmp_path, out)
+    progress = Progress(config.topology, config.job.steps, tmp_path, out)
     progress.update()
     assert "step 2/2" in out.getvalue()
     assert "cross-site 0.074 s/step  exposed 0.020 s/step" in out.getvalue()
@@ -167,7 +167,7 @@ def test_the_held_out_set_does_not_change_with_the_layout():
     for overrides in (["train.batch_size=8"], ["train.batch_size=16", "topology.sites=1"]):
         config = load_config(None, ["model.preset=tiny", "data.max_bytes=1000000", *overrides])
         corpus, split = load_corpus(config)
-        held_out = HeldOutLoss(corpus, split, config)
+        held_out = HeldOutLoss(corpus, split, config.run, config.job, seq_len=config.train.seq_len)
         windows.append([held_out.batches.batch(i)[0] for i in range(held_out.batches_per_eval)])
     assert len(windows[0]) == len(windows[1]) == 16
     assert all(torch.equal(a, b) for a, b in zip(*windows, strict=True))

@@ -96,7 +96,7 @@ def _token(tmp: Path, data: bytes) -> tuple[Path, Callable[[], object]]:
     path = tmp / "job.token"
     path.write_bytes(data)
     config = load_config(None, ["security.require_token=true", f"security.token_file={path}"])
-    return path, lambda: site_security(config, "site0")
+    return path, lambda: site_security(config.security, "site0")
 
 
 CASES: dict[str, Callable[[Path], tuple[Path, Callable[[], object]]]] = {

@@ -392,9 +392,9 @@ def test_fingerprint_says_whether_security_is_on_but_holds_no_secret(job_dir):
     token = (job_dir / "token").read_text().strip()
     text = json.dumps(fingerprint)
     assert token not in text and str(job_dir) not in text
-    assert site_security(config, "site1").cert == (job_dir / "site1.crt").read_bytes()
+    assert site_security(config.security, "site1").cert == (job_dir / "site1.crt").read_bytes()
     # Without a [security] section: the user's job token, no TLS (tests/deploy/test_job_secret.py).
-    default = site_security(load_config(), "site0")
+    default = site_security(load_config().security, "site0")
     assert default is not None and default.require_token and not default.require_tls
 
 
@@ -420,7 +420,7 @@ def test_a_site_without_its_certificate_is_named(job_dir):
         overrides=[f"security.certs_dir={job_dir}", "security.require_tls=true", "topology.sites=3"]
     )
     with pytest.raises(ConfigError, match=re.escape(str(job_dir / "site2.crt"))):
-        site_security(config, "site2")
+        site_security(config.security, "site2")
 
 
 # -- isthmus certs ----------------------------------------------------------------------
