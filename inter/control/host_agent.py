@@ -43,12 +43,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from isthmus.inter.control.agent_upstream import (
-    LoopUpstream,
-    Outcome,
-    ThreadUpstream,
-    upstream,
-)
+from isthmus.inter.control.agent_upstream import LoopUpstream, Outcome, upstream
 from isthmus.inter.control.agent_wire import Kind, RankWire
 from isthmus.inter.control.vouches import AgentPoll, Vouches
 from isthmus.proto import coordinator_pb2 as pb
@@ -90,7 +85,8 @@ class HostAgent:
     """Votes and watches of one host's ranks of ``site``, at its coordinator.
 
     Args:
-        channel: a channel to the site's coordinator (TLS and token as the ranks' own).
+        channel: a channel to the site's coordinator (TLS and token as the ranks' own)
+            that ``peer_channel`` made: the agent calls on its grpc.aio twin.
         site: the site's name.
         ranks: how many of the site's ranks run on this host (and use this agent), at
             most: a step's ballots are sent once every rank watching here voted.
@@ -137,7 +133,7 @@ class HostAgent:
             target=self._loop.run_forever, name=f"host-agent-{site}", daemon=True
         )
         self._channel = channel
-        self._upstream: LoopUpstream | ThreadUpstream | None = None
+        self._upstream: LoopUpstream | None = None
         """The way to the coordinator, made on the loop (start): a grpc.aio twin binds to it."""
         self._server: asyncio.AbstractServer | None = None
         self._wires: set[RankWire] = set()  # the ranks' connections
@@ -158,7 +154,7 @@ class HostAgent:
         self._encoded: dict[bool, bytes] = {}  # the membership as sent, with sites or without
 
     @property
-    def _up(self) -> LoopUpstream | ThreadUpstream:
+    def _up(self) -> LoopUpstream:
         assert self._upstream is not None, "start() makes it"
         return self._upstream
 
@@ -193,7 +189,7 @@ class HostAgent:
         return self
 
     async def _serve(self) -> None:
-        self._upstream = upstream(self._channel, self._loop, rpc_slack_s=_RPC_SLACK_S / 2)
+        self._upstream = upstream(self._channel, rpc_slack_s=_RPC_SLACK_S / 2)
 
         def wire() -> RankWire:
             self.rank_connections += 1

@@ -14,10 +14,10 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from helpers import register_rank, wait_until
 
+from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Verdict
 from isthmus.inter.control.host_agent import HostAgent
@@ -58,7 +58,7 @@ def rank(coord: Coordinator, agent: str, **kw) -> Iterator[CoordinatorClient]:
 @contextlib.contextmanager
 def host_agent(coord: Coordinator, folder: Path) -> Iterator[HostAgent]:
     """The site's real agent, listening at ``folder``/agent."""
-    with grpc.insecure_channel(coord.address) as channel:
+    with peer_channel(coord.address) as channel:
         agent = HostAgent(channel, site="site0", ranks=1, listen=f"unix:{folder}/agent")
         agent.start()
         try:
@@ -208,7 +208,7 @@ def test_an_agent_whose_socket_others_could_swap_is_refused(
 
 
 def test_an_agent_on_a_tcp_port_is_refused(coord, caplog):
-    with grpc.insecure_channel(coord.address) as channel:
+    with peer_channel(coord.address) as channel:
         agent = HostAgent(channel, site="site0", ranks=1, listen="127.0.0.1:0").start()
         try:
             with caplog.at_level(logging.WARNING, LOGGER), rank(coord, agent.address) as client:

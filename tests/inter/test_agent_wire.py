@@ -15,6 +15,7 @@ from helpers import register_rank, wait_until
 
 from isthmus.inter.control.agent_socket import AgentConnection, connect_agent
 from isthmus.inter.control.agent_wire import HEADER, FrameError, Frames, Kind, StatusError, frame
+from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.host_agent import HostAgent
 from isthmus.proto import coordinator_pb2 as pb
@@ -60,7 +61,7 @@ def site(tmp_path):
         )
     )
     coord.start()
-    channel = grpc.insecure_channel(coord.address)
+    channel = peer_channel(coord.address)
     agent = HostAgent(channel, site="site0", ranks=2, listen=f"unix:{tmp_path}/a", vouch_s=30)
     try:
         for rank in range(2):

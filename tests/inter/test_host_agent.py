@@ -14,7 +14,7 @@ from coordinators import rank_key, start_sites, stop_all
 from helpers import register_rank, wait_until
 
 from isthmus.deploy.commands.certs import write_certs
-from isthmus.inter.control.agent_upstream import LoopUpstream, ThreadUpstream
+from isthmus.inter.control.agent_upstream import LoopUpstream
 from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Verdict
@@ -38,7 +38,7 @@ def site(tmp_path):
         )
     )
     coord.start()
-    channel = grpc.insecure_channel(coord.address)
+    channel = peer_channel(coord.address)
     # A linger far past the spread of the test's votes: on a loaded machine the four
     # threads' votes came more than the default 250 ms apart, in two batches. A batch
     # full of the host's votes goes at once, whatever the linger.
@@ -93,7 +93,6 @@ def all_vote(clients, ranks, **kw) -> dict[int, object]:
 
 def test_a_hosts_votes_reach_the_coordinator_in_one_message(site):
     coord, agent, clients = site
-    assert isinstance(agent._upstream, ThreadUpstream)  # noqa: SLF001 (a plain channel)
     decisions = all_vote(clients, range(RANKS))
     assert {d.verdict for d in decisions.values()} == {Verdict.COMMIT}
     assert agent.batches == 1
@@ -208,7 +207,7 @@ def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
         )
     )
     coord.start()
-    channel = grpc.insecure_channel(coord.address)
+    channel = peer_channel(coord.address)
     agent = HostAgent(channel, site="site0", ranks=2, listen=f"unix:{tmp_path}/a", vouch_s=0.5)
     clients = []
     try:
@@ -257,7 +256,7 @@ def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
 def test_a_suspect_reaches_a_watch_through_the_agent_at_once(tmp_path):
     coords = start_sites(2)
     site0 = coords[0]
-    channel = grpc.insecure_channel(site0.address)
+    channel = peer_channel(site0.address)
     agent = HostAgent(channel, site="site0", ranks=1, listen=f"unix:{tmp_path}/a.sock").start()
     client = CoordinatorClient.connect(site0.address, rank_key=rank_key(site0), agent=agent.address)
     try:
@@ -310,7 +309,7 @@ def test_only_a_ranks_poll_may_vouch_and_for_a_hosts_worth(site):
 
 def test_a_step_waits_for_the_ranks_that_watch_here_not_for_the_count_it_was_told(site, tmp_path):
     coord, _, _ = site
-    with grpc.insecure_channel(coord.address) as channel:
+    with peer_channel(coord.address) as channel:
         # Told 8 ranks, with a linger that would outlast the test: 4 watch through it.
         agent = HostAgent(
             channel, site="site0", ranks=8, listen=f"unix:{tmp_path}/told8", linger_s=60
@@ -416,3 +415,11 @@ def test_an_event_for_a_stopped_agents_loop_is_no_traceback_on_the_console(caplo
         loop.close()
     reported = [r for r in caplog.records if r.name == "asyncio"]
     assert len(reported) == 1 and str(reported[0].exc_info[1]) == "a real fault", caplog.text
+
+
+def test_an_agent_takes_only_a_channel_with_a_grpc_aio_twin(tmp_path):
+    """Its calls wait on its loop, on the twin that ``peer_channel`` registers."""
+    with grpc.insecure_channel("127.0.0.1:1") as channel:
+        agent = HostAgent(channel, site="site0", ranks=1, listen=f"unix:{tmp_path}/a")
+        with pytest.raises(ValueError, match="peer_channel"):
+            agent.start()
