@@ -44,16 +44,16 @@ class FrameClosed(ConnectionError):
     """The peer closed the connection in the middle of a payload."""
 
 
-def _import() -> ModuleType | None:
+def _import() -> tuple[ModuleType | None, str]:
     if os.environ.get("ISTHMUS_NATIVE", "1") == "0":
-        return None
+        return None, "ISTHMUS_NATIVE=0"
     try:
-        return importlib.import_module(f"{__package__}._wirecore")
-    except ImportError:
-        return None
+        return importlib.import_module(f"{__package__}._wirecore"), ""
+    except ImportError as exc:  # not built (no C compiler at install), or not loadable
+        return None, str(exc)
 
 
-_native = _import()
+_native, _why_not = _import()
 _told = False
 
 
@@ -63,8 +63,9 @@ def load() -> ModuleType | None:
     if _native is None and not _told:
         _told = True
         log.warning(
-            "wirecore: the C extension is not built (or ISTHMUS_NATIVE=0): "
-            "the lanes check their bytes in Python (same results, slower)"
+            "wirecore: no C extension (%s): the lanes check their bytes in Python "
+            "(same results, slower)",
+            _why_not,
         )
     return _native
 
