@@ -7,7 +7,7 @@ Writes, under a temporary folder in --dir, a text file of the standard library's
 sources (4.7 MB) repeated to about --text-mb MB and a one-line jsonl of the same text to
 about --jsonl-mb MB, trains a byte-level BPE of --vocab tokens on their first 4 MB, and
 prepares each, after a 5-byte file: the interpreter, numpy, tokenizers and the tokenizer,
-the baseline the bound (deploy/commands/data.py, PEAK_BYTES) is above. Each run's peak RSS is read by a
+the baseline the bound (intra/corpus/prepare.py, PEAK_BYTES) is above. Each run's peak RSS is read by a
 small process that starts it (os.wait4), as tests/deploy/test_data_prepare.py reads it.
 Prints one row per input; --json writes them.
 """
@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from isthmus.deploy.commands.data import PEAK_BYTES
-from isthmus.intra.tokenizer import TextTokenizer
+from isthmus.intra.corpus.prepare import PEAK_BYTES
+from isthmus.intra.corpus.tokenizer import TextTokenizer
 
 MEASURE = """
 import os, subprocess, sys

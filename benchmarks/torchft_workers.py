@@ -92,7 +92,8 @@ def torchft_worker(args: argparse.Namespace) -> None:
 
     from isthmus.deploy.config.job import load_config
     from isthmus.deploy.rank.program import build_trainer
-    from isthmus.intra.data import ShardedBatches, stdlib_corpus
+    from isthmus.intra.corpus.batches import ShardedBatches
+    from isthmus.intra.corpus.tokens import stdlib_corpus
     from isthmus.intra.layout import ParallelLayout
     from isthmus.intra.topology import build_site_mesh
 

@@ -137,10 +137,12 @@ class Context:
     def token_batches(self):
         """The job's token data (``[data]`` of the job, the built-in presets' corpus), as
         this rank's shard: ``.batch(step)`` gives ``(inputs, targets)``, resumable."""
-        from isthmus.deploy.rank.corpus import load_corpus
-        from isthmus.intra.data import ShardedBatches
+        from isthmus.intra.corpus.batches import ShardedBatches
+        from isthmus.intra.corpus.cache import load_corpus
 
-        corpus, split = load_corpus(self.config)
+        c = self.config
+        vocab = c.resolved_model().vocab_size
+        corpus, split = load_corpus(c.data, seq_len=c.train.seq_len, vocab=vocab)
         index, count = self.data_shard()
         return ShardedBatches(
             corpus,

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 # `isthmus.intra.layout` and `.model_config` are plain data the CLI reads without
 # torch, and the rest would cost a few seconds of torch imports per process.
 _HOMES = {
-    "Corpus": "data",
-    "ShardedBatches": "data",
-    "from_path": "data",
-    "stdlib_corpus": "data",
+    "Corpus": "corpus.tokens",
+    "ShardedBatches": "corpus.batches",
+    "from_path": "corpus.tokens",
+    "stdlib_corpus": "corpus.tokens",
     "parameter_digest": "digest",
     "PEAK_FLOPS": "flops",
     "device_peak_flops": "flops",
@@ -36,7 +36,8 @@ _HOMES = {
 }
 
 if TYPE_CHECKING:
-    from .data import Corpus, ShardedBatches, from_path, stdlib_corpus
+    from .corpus.batches import ShardedBatches
+    from .corpus.tokens import Corpus, from_path, stdlib_corpus
     from .digest import parameter_digest
     from .flops import PEAK_FLOPS, device_peak_flops, mfu, scaled_lr
     from .layout import MeshAxis, ParallelConfig, ParallelLayout, PipelineSchedule

@@ -1,6 +1,7 @@
 """Why a file a user handed isthmus did not decode, in words, for the one line that names
 the file (issue 63: a safetensors header nested 100,000 deep stopped a job with a bare
-``maximum recursion depth exceeded``, naming no file).
+``maximum recursion depth exceeded``, naming no file), and ConfigError, what a job's
+settings, files and data raise when they are wrong.
 
 Each reader of a user's file (the job config, a prepared data folder, a corpus, a
 tokenizer, a checkpoint's manifest, a model's weights) catches :data:`DECODE_ERRORS` and
@@ -11,7 +12,12 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["DECODE_ERRORS", "decode_problem"]
+__all__ = ["DECODE_ERRORS", "ConfigError", "decode_problem"]
+
+
+class ConfigError(ValueError):
+    """A user's configuration is wrong; the message says what and where."""
+
 
 DECODE_ERRORS = (OSError, ValueError, RecursionError, EOFError, struct.error)
 """What decoding a file raises when the file is wrong: unreadable (OSError); not UTF-8,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from isthmus.intra.data import Corpus
+from isthmus.intra.corpus.tokens import Corpus
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 

@@ -237,3 +237,11 @@ def fake_checkpoint(root: Path, step: int, *, manifest: bool = True) -> Path:
             json.dumps({"format": checkpoint.FORMAT, "next_step": step, "files": files})
         )
     return path
+
+
+def job_corpus(config):
+    """The corpus and split of a job's [data] section, as its ranks load them."""
+    from isthmus.intra.corpus.cache import load_corpus
+
+    vocab = config.resolved_model().vocab_size
+    return load_corpus(config.data, seq_len=config.train.seq_len, vocab=vocab)

@@ -1,7 +1,7 @@
 """How each step's global batch is split between the sites, so they finish together.
 
 The global batch is ``U`` micro-batches of ``train.batch_size`` sequences, numbered
-site-major (``intra.data.ShardedBatches``): site ``s`` takes ``m_s`` micro-batches on
+site-major (``intra.corpus.batches.ShardedBatches``): site ``s`` takes ``m_s`` micro-batches on
 each of its ``dp_s`` replicas, its units ``u_s = m_s * dp_s``, and ``sum(u_s) = U``.
 Each site's gradient counts by its units (``LaneGradientSync.set_site_units``), so a
 step's mean is over the same windows of tokens whatever the split: only who computes

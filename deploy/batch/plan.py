@@ -42,7 +42,7 @@ from isthmus.intra.flops import scaled_lr
 if TYPE_CHECKING:
     from isthmus.deploy.config.sections import TopologySection, TrainSection
     from isthmus.inter.data import LaneGradientSync
-    from isthmus.intra.data import ShardedBatches
+    from isthmus.intra.corpus.batches import ShardedBatches
     from isthmus.intra.train import Trainer
 
 __all__ = ["BatchPlan", "SPLIT_KEY"]

@@ -145,9 +145,9 @@ def run_scenario(
         coordinators = {n: f"127.0.0.1:{p}" for n, p in zip(names, ports, strict=True)}
         config = load_config(job, list(overrides))
         if config.data.tokenizer != "bytes":  # the sites' fingerprints carry its hash
-            from isthmus.deploy.rank.corpus import pin_tokenizer
+            from isthmus.intra.corpus.cache import pin_tokenizer
 
-            pin_tokenizer(config)
+            pin_tokenizer(config.data, seq_len=config.train.seq_len)
         fingerprint = config.fingerprint()
         # With TLS, hostile calls come with site0's certificate (a site of the job speaking
         # for another); else with the user's job token, which the sites run with.

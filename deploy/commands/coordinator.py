@@ -39,9 +39,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if args.site not in config.site_names:
         raise ConfigError(f"--site {args.site!r} is not one of {config.site_names}")
     if config.data.tokenizer != "bytes":  # the fingerprint carries the tokenizer's hash
-        from isthmus.deploy.rank.corpus import pin_tokenizer
+        from isthmus.intra.corpus.cache import pin_tokenizer
 
-        pin_tokenizer(config)
+        pin_tokenizer(config.data, seq_len=config.train.seq_len)
     # The job config's cluster section, then the flags on top of it.
     listen = args.listen or config.cluster.coordinators.get(args.site, "127.0.0.1:0")
     host, _, port = listen.rpartition(":")

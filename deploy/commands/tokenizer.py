@@ -19,15 +19,15 @@ __all__ = ["register"]
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from isthmus.deploy.rank.corpus import trained_tokenizer, write_atomically
-    from isthmus.intra.tokenizer import json_vocab_size, tokenizer_sha256
+    from isthmus.intra.corpus.cache import trained_tokenizer, write_atomically
+    from isthmus.intra.corpus.tokenizer import json_vocab_size, tokenizer_sha256
 
     flags = {"data.tokenizer": "bpe", "data.vocab_size": args.vocab_size}
     config = load_config(args.config, args.overrides, flags)
     out = Path(args.out)
     if out.exists() and not args.force:
         raise ConfigError(f"--out {out} exists; pass --force to replace it")
-    json_text = trained_tokenizer(config)
+    json_text = trained_tokenizer(config.data, seq_len=config.train.seq_len)
     try:
         write_atomically(out, json_text.encode())
     except OSError as exc:

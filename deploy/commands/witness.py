@@ -25,9 +25,9 @@ def cmd_witness(args: argparse.Namespace) -> int:
     flags = {"security.insecure": True if args.insecure else None}
     config = load_config(args.config, args.overrides, flags)
     if config.data.tokenizer != "bytes":  # the fingerprint carries the tokenizer's hash
-        from isthmus.deploy.rank.corpus import pin_tokenizer
+        from isthmus.intra.corpus.cache import pin_tokenizer
 
-        pin_tokenizer(config)
+        pin_tokenizer(config.data, seq_len=config.train.seq_len)
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--listen must be HOST:PORT, got {args.listen!r}")

@@ -232,7 +232,7 @@ class JobConfig:
         # Whether the job has a witness, not where each site reaches it.
         out["failover.witness"] = str(bool(self.failover.witness))
         # The tokenizer by kind and content (data.tokenizer_sha256, filled in by the
-        # launcher: deploy/rank/corpus.py), not by where each site keeps its file or cache.
+        # launcher: intra/corpus/cache.py), not by where each site keeps its file or cache.
         kind = self.data.tokenizer
         out["data.tokenizer"] = kind if kind in ("bytes", "bpe") else "file"
         del out["data.cache_dir"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from isthmus.deploy.config.sections import ConfigError, DataSection, ModelSection
 from isthmus.intra import hf_layout
+from isthmus.intra.corpus.tokenizer import BYTE_VOCAB, file_vocab_size
 from isthmus.intra.model_config import ModelConfig, preset
-from isthmus.intra.tokenizer import BYTE_VOCAB, file_vocab_size
 
 __all__ = ["hf_model_config", "resolved_model"]
 

@@ -12,16 +12,18 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from isthmus.intra.corpus.tokenizer import (
+    MAX_VOCAB,
+    MIN_BPE_VOCAB,
+    file_facts,
+    require_tokenizers,
+)
 from isthmus.intra.layout import ParallelConfig
-from isthmus.intra.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
+from isthmus.intra.user_files import ConfigError
 
 KIB = 1024
 MIB = 1024 * KIB
 SHA256_RULE = "empty or 64 lowercase hex digits"
-
-
-class ConfigError(ValueError):
-    """A user's configuration is wrong; the message says what and where."""
 
 
 def require(ok: bool, message: str) -> None:
@@ -296,7 +298,7 @@ class DataSection:
     """Cap on the corpus bytes loaded into memory."""
     val_fraction: float = 0.01
     """Share of the corpus held out for the validation loss, never trained on: blocks
-    spread evenly over it (intra/data.py split_corpus; docs/data.md, "Held-out
+    spread evenly over it (intra/corpus/batches.py split_corpus; docs/data.md, "Held-out
     loss"). 0 = none (then no held-out loss is measured)."""
     tokenizer: str = "bytes"
     """How text becomes tokens: "bytes" (vocabulary 256), "bpe" (a byte-level BPE of

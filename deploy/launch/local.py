@@ -116,7 +116,7 @@ def check_supported(config: JobConfig, needed: int, site_ranks: list[int] | None
     rank starts, and fills in data.tokenizer_sha256 for the fingerprint and the ranks:
     it comes last, after the checks that cost nothing.
     """
-    from isthmus.deploy.rank.corpus import load_corpus  # imports torch: not for a bad --set
+    from isthmus.intra.corpus.cache import load_corpus  # imports torch: not for a bad --set
 
     cuda = config.device_type == "cuda"
     host = HostFacts.here(cuda)
@@ -125,7 +125,10 @@ def check_supported(config: JobConfig, needed: int, site_ranks: list[int] | None
     )
     if problem:
         raise ConfigError(problem)
-    load_corpus(config)  # a corpus that cannot be read or split
+    vocab = config.resolved_model().vocab_size
+    load_corpus(
+        config.data, seq_len=config.train.seq_len, vocab=vocab
+    )  # a corpus that cannot be read or split
 
 
 @dataclass

@@ -17,7 +17,8 @@ from contextlib import nullcontext
 
 from isthmus.deploy.config.run_sections import RunSection
 from isthmus.deploy.config.sections import EVAL_BATCH, JobSection
-from isthmus.intra.data import Corpus, ShardedBatches, Split
+from isthmus.intra.corpus.batches import ShardedBatches, Split
+from isthmus.intra.corpus.tokens import Corpus
 from isthmus.intra.outer import OuterOptimizer
 from isthmus.intra.train import Trainer
 

@@ -26,7 +26,6 @@ from isthmus.deploy.batch.plan import BatchPlan
 from isthmus.deploy.config.job import JobConfig
 from isthmus.deploy.rank.checkpointing import restore
 from isthmus.deploy.rank.contract import AGENT_ENV, STORE_ENV
-from isthmus.deploy.rank.corpus import load_corpus
 from isthmus.deploy.rank.cross_site import CrossSite, shard_layout
 from isthmus.deploy.rank.evaluation import HeldOutLoss
 from isthmus.deploy.rank.faults import FaultInjection
@@ -34,7 +33,8 @@ from isthmus.deploy.rank.reporting import StepReporter
 from isthmus.deploy.security.trust import checkpoint_key, site_security
 from isthmus.inter.data import LaneGradientSync
 from isthmus.inter.security import SiteSecurity
-from isthmus.intra.data import ShardedBatches
+from isthmus.intra.corpus.batches import ShardedBatches
+from isthmus.intra.corpus.cache import load_corpus
 from isthmus.intra.flops import scaled_lr
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
@@ -209,7 +209,8 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     if cross is not None:
         # Each site's gradient counts by the micro-batches it processed.
         cross.sync.set_site_units(dict(zip(sites, units, strict=True)))
-    corpus, split = load_corpus(config)
+    vocab, seq_len = config.resolved_model().vocab_size, config.train.seq_len
+    corpus, split = load_corpus(config.data, seq_len=seq_len, vocab=vocab)
     held_out = HeldOutLoss(corpus, split, config.run, config.job, seq_len=config.train.seq_len)
     # Shards are numbered site-major, so the union over sites and dp ranks is the
     # global batch that one site with all their dp ranks would see (ShardedBatches);

@@ -1,5 +1,5 @@
 """The default corpus (the standard library's bytes) is walked once per install and read
-from data.cache_dir after that (deploy/rank/corpus.py): every rank and launcher loads it."""
+from data.cache_dir after that (intra/corpus/cache.py): every rank and launcher loads it."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import subprocess
 import sys
 
 import numpy as np
+from helpers import job_corpus
 
-import isthmus.deploy.rank.corpus as corpus_module
+import isthmus.intra.corpus.cache as corpus_module
 from isthmus.deploy.config.job import load_config
-from isthmus.deploy.rank.corpus import load_corpus
-from isthmus.intra.data import stdlib_corpus
+from isthmus.intra.corpus.tokens import stdlib_corpus
 
 
 def test_the_stdlib_corpus_is_walked_once_then_read_from_the_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     job = [f"data.cache_dir={cache}", "data.max_bytes=200000"]
-    first, split = load_corpus(load_config(None, job))
+    first, split = job_corpus(load_config(None, job))
     walked = stdlib_corpus(200_000)
     assert np.array_equal(first.tokens, walked.tokens) and first.name == walked.name
     assert [p.name[:7] for p in cache.iterdir()] == ["stdlib-"]  # one entry, no temp files
@@ -26,12 +26,12 @@ def test_the_stdlib_corpus_is_walked_once_then_read_from_the_cache(tmp_path, mon
         raise AssertionError("walked the standard library again")
 
     monkeypatch.setattr(corpus_module, "stdlib_corpus", no_walk)
-    again, split_again = load_corpus(load_config(None, job))
+    again, split_again = job_corpus(load_config(None, job))
     assert np.array_equal(again.tokens, walked.tokens) and again.name == walked.name
     assert split_again == split
     # Another cap is another entry, never the first one's bytes.
     monkeypatch.undo()
-    shorter, _ = load_corpus(load_config(None, [f"data.cache_dir={cache}", "data.max_bytes=2000"]))
+    shorter, _ = job_corpus(load_config(None, [f"data.cache_dir={cache}", "data.max_bytes=2000"]))
     assert np.array_equal(shorter.tokens, walked.tokens[:2000])
     assert len(list(cache.iterdir())) == 2
 
@@ -41,7 +41,7 @@ def test_a_cache_folder_that_cannot_be_written_costs_the_walk_not_the_job(tmp_pa
     blocked.write_text("not a folder")
     job = [f"data.cache_dir={blocked / 'cache'}", "data.max_bytes=5000"]
     for _ in range(2):
-        loaded, _split = load_corpus(load_config(None, job))
+        loaded, _split = job_corpus(load_config(None, job))
         assert np.array_equal(loaded.tokens, stdlib_corpus(5000).tokens)
 
 
@@ -50,8 +50,9 @@ def test_a_launcher_loads_the_corpus_without_importing_torch(tmp_path):
     on a small machine) would hold every rank back."""
     code = (
         "import sys; from isthmus.deploy.config.job import load_config; "
-        "from isthmus.deploy.rank.corpus import load_corpus; import isthmus.deploy.launch.local; "
-        "load_corpus(load_config(None, sys.argv[1:])); print('torch' in sys.modules)"
+        "from isthmus.intra.corpus.cache import load_corpus; import isthmus.deploy.launch.local; "
+        "c = load_config(None, sys.argv[1:]); load_corpus(c.data, seq_len=c.train.seq_len, "
+        "vocab=c.resolved_model().vocab_size); print('torch' in sys.modules)"
     )
     args = [f"data.cache_dir={tmp_path / 'cache'}", "data.max_bytes=5000"]
     done = subprocess.run(

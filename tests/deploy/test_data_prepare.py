@@ -14,13 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ISTHMUS, assert_one_line_error, run_cli
+from helpers import ISTHMUS, assert_one_line_error, job_corpus, run_cli
 
-from isthmus.deploy.commands import data_read
-from isthmus.deploy.commands.data import PEAK_BYTES, prepare
 from isthmus.deploy.config.job import ConfigError, load_config
-from isthmus.deploy.rank.corpus import load_corpus
-from isthmus.intra.tokenizer import TextTokenizer
+from isthmus.intra.corpus import documents
+from isthmus.intra.corpus.prepare import PEAK_BYTES, prepare
+from isthmus.intra.corpus.tokenizer import TextTokenizer
 
 DOCS = ["def add(a, b):\n    return a + b\n", "héllo wörld", "x = [1, 2, 3]\n" * 40]
 
@@ -119,13 +118,13 @@ def test_a_job_on_it_holds_out_validation_and_refuses_another_tokenizer(
         "train.seq_len=16",
     ]
     config = load_config(None, job)
-    corpus, split = load_corpus(config)
+    corpus, split = job_corpus(config)
     assert len(corpus) == manifest["tokens"] and split.held_out
     assert config.data.tokenizer_sha256 == tok.sha256  # pinned: part of the fingerprint
     other = tmp_path / "other.json"
     other.write_text(TextTokenizer.train(["abc abd " * 20], 260).json)
     with pytest.raises(ConfigError, match=r"was prepared with tokenizer sha256 .* use the"):
-        load_corpus(load_config(None, [*job[:2], f"data.tokenizer={other}", job[3]]))
+        job_corpus(load_config(None, [*job[:2], f"data.tokenizer={other}", job[3]]))
     with pytest.raises(ConfigError, match="needs data.tokenizer = the tokenizer.json"):
         load_config(None, job[:2])
 
@@ -180,8 +179,8 @@ def test_streamed_documents_are_the_tokens_of_whole_ones(tmp_path, tokenizer, mo
     )
     sources = [tmp_path / "a.txt", tmp_path / "b.jsonl"]
     whole = prepare(sources, path, tmp_path / "whole", eos="x", progress=False)
-    monkeypatch.setattr(data_read, "READ_BYTES", 1021)
-    monkeypatch.setattr(data_read, "LINE_BYTES", 4000)
+    monkeypatch.setattr(documents, "READ_BYTES", 1021)
+    monkeypatch.setattr(documents, "LINE_BYTES", 4000)
     streamed = prepare(sources, path, tmp_path / "out", eos="x", progress=False, batch_bytes=3000)
     for out, manifest in [(tmp_path / "whole", whole), (tmp_path / "out", streamed)]:
         tokens = np.fromfile(out / "shard-00000.bin", dtype=np.uint16)
@@ -226,8 +225,8 @@ LONG = "x" * 5_000
 def test_a_long_line_is_refused_as_a_short_one_is(tmp_path, tokenizer, monkeypatch, line, words):
     (tmp_path / "a.jsonl").write_bytes(line.encode())
     errors = []
-    for line_bytes in (data_read.LINE_BYTES, 1000):  # parsed whole, then streamed
-        monkeypatch.setattr(data_read, "LINE_BYTES", line_bytes)
+    for line_bytes in (documents.LINE_BYTES, 1000):  # parsed whole, then streamed
+        monkeypatch.setattr(documents, "LINE_BYTES", line_bytes)
         with pytest.raises(ConfigError) as caught:
             prepare([tmp_path / "a.jsonl"], tokenizer[0], tmp_path / "out", progress=False)
         errors.append(str(caught.value))
@@ -236,7 +235,7 @@ def test_a_long_line_is_refused_as_a_short_one_is(tmp_path, tokenizer, monkeypat
 
 
 def test_a_long_line_holds_its_text_once_and_little_else(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.setattr(data_read, "LINE_BYTES", 1000)
+    monkeypatch.setattr(documents, "LINE_BYTES", 1000)
     for name, record, words in [
         ("twice", {"text": LONG, "t": "b"}, "line 1: the field 'text' twice in a long line"),
         ("numbers", {"text": "a", "n": list(range(1000))}, "line 1: over .* MiB of JSON outside"),

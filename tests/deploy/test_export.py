@@ -13,14 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers  # the dev extra installs it; never a runtime dependency
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, job_corpus, run_cli
 
 from isthmus.deploy.config.job import load_config
 from isthmus.deploy.launch.ranks import dump_toml
-from isthmus.deploy.rank.corpus import load_corpus
 from isthmus.deploy.security.trust import checkpoint_key
 from isthmus.intra import checkpoint
-from isthmus.intra.data import ShardedBatches
+from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.model import build_model
 from isthmus.intra.pipeline import split_stage
@@ -79,7 +78,7 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
 
     # init_from: the job's first loss is transformers' on the job's first batch.
     config = load_config(run / "config.toml")
-    data, split = load_corpus(config)
+    data, split = job_corpus(config)
     batches = ShardedBatches(data, seq_len=32, batch_size=2, seed=0, spans=split.train)
     inputs, targets = batches.batch(0)
     with torch.no_grad():

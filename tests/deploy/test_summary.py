@@ -158,15 +158,15 @@ def test_the_held_out_set_does_not_change_with_the_layout():
     """One rank with batch 16 and two ranks with batch 8 (or two sites of one) must be
     measured on the same held-out text, or their held-out losses do not compare."""
     import torch
+    from helpers import job_corpus
 
     from isthmus.deploy.config.job import load_config
-    from isthmus.deploy.rank.corpus import load_corpus
     from isthmus.deploy.rank.evaluation import HeldOutLoss
 
     windows = []
     for overrides in (["train.batch_size=8"], ["train.batch_size=16", "topology.sites=1"]):
         config = load_config(None, ["model.preset=tiny", "data.max_bytes=1000000", *overrides])
-        corpus, split = load_corpus(config)
+        corpus, split = job_corpus(config)
         held_out = HeldOutLoss(corpus, split, config.run, config.job, seq_len=config.train.seq_len)
         windows.append([held_out.batches.batch(i)[0] for i in range(held_out.batches_per_eval)])
     assert len(windows[0]) == len(windows[1]) == 16

@@ -23,10 +23,15 @@ from isthmus.deploy.config.job import load_config
 from isthmus.deploy.config.validation import ConfigError
 from isthmus.deploy.security.trust import site_security
 from isthmus.intra import hf_layout
-from isthmus.intra.data import PREPARED_FORMAT, PREPARED_VERSION, from_path, prepared_corpus
+from isthmus.intra.corpus.tokenizer import TextTokenizer, file_facts
+from isthmus.intra.corpus.tokens import (
+    PREPARED_FORMAT,
+    PREPARED_VERSION,
+    from_path,
+    prepared_corpus,
+)
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import preset
-from isthmus.intra.tokenizer import TextTokenizer, file_facts
 
 pytestmark = pytest.mark.timeout(120)
 

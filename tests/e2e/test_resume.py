@@ -16,7 +16,7 @@ from helpers import fake_checkpoint, run_cli
 
 from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.deploy.rank.checkpointing import common_step, resolve_resume, site_root
-from isthmus.intra.tokenizer import TextTokenizer
+from isthmus.intra.corpus.tokenizer import TextTokenizer
 
 
 def test_checkpoint_settings_stay_out_of_the_fingerprint_but_the_start_step_does_not() -> None:
@@ -80,7 +80,7 @@ def _site_lines(run_dir: Path, site: str) -> list[dict]:
 
 def _prepared_data(tmp_path: Path) -> tuple[str, ...]:
     """`isthmus data prepare` run on a stdlib source file with a BPE trained here, in
-    small shards (training windows cross their borders, intra/data.py ShardedTokens);
+    small shards (training windows cross their borders, intra/corpus/tokens.py ShardedTokens);
     returns the settings that train on them."""
     source = Path(sysconfig.get_paths()["stdlib"]) / "json" / "encoder.py"
     text = tmp_path / "encoder.txt"

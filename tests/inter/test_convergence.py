@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from lanes import run_all, sites
 
-from isthmus.intra.data import ShardedBatches, stdlib_corpus
+from isthmus.intra.corpus.batches import ShardedBatches
+from isthmus.intra.corpus.tokens import stdlib_corpus
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import preset
 

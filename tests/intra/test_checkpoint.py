@@ -19,7 +19,7 @@ from helpers import fake_checkpoint
 
 from isthmus.intra import checkpoint
 from isthmus.intra.checkpoint_failures import FileNamingFileSystem, describe_os_error
-from isthmus.intra.data import ShardedBatches
+from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import ModelConfig, preset

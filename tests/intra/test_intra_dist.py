@@ -24,7 +24,7 @@ from dist_helpers import (
     spawn,
 )
 
-from isthmus.intra.data import ShardedBatches
+from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model import build_model

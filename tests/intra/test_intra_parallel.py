@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_helpers import RecordingSync, init_gloo, random_corpus, shutdown, spawn
 
-from isthmus.intra.data import ShardedBatches
+from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import Llama3RopeScaling, preset

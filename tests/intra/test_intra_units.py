@@ -9,15 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from isthmus.intra.data import (
-    HELD_OUT_BLOCKS,
-    Corpus,
-    ShardedBatches,
-    Split,
-    from_path,
-    split_corpus,
-    stdlib_corpus,
-)
+from isthmus.intra.corpus.batches import HELD_OUT_BLOCKS, ShardedBatches, Split, split_corpus
+from isthmus.intra.corpus.tokens import Corpus, from_path, stdlib_corpus
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.flops import PEAK_FLOPS, device_peak_flops, mfu, scaled_lr
 from isthmus.intra.layout import MeshAxis, ParallelConfig, ParallelLayout

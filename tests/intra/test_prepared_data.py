@@ -10,19 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from isthmus.intra.data import (
+from isthmus.intra.corpus.batches import ShardedBatches, split_corpus
+from isthmus.intra.corpus.tokens import (
     PREPARED_FORMAT,
     PREPARED_VERSION,
     Corpus,
-    ShardedBatches,
     ShardedTokens,
     prepared_corpus,
-    split_corpus,
 )
 
 
 def _write_folder(folder: Path, tokens: np.ndarray, sizes: list[int]) -> None:
-    """The layout deploy/commands/data.py writes: uint16 .bin shards and a manifest naming them."""
+    """The layout intra/corpus/prepare.py writes: uint16 .bin shards and a manifest naming them."""
     folder.mkdir()
     shards, start = [], 0
     for k, size in enumerate(sizes):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from dist_helpers import init_gloo, random_corpus, shutdown, spawn
 
-from isthmus.intra.data import ShardedBatches
+from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.digest import shard_digest
 from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model

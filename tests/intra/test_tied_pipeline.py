@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from dist_helpers import COLLECTIVE_TIMEOUT, SyncDone, init_gloo, random_corpus, shutdown, spawn
 
-from isthmus.intra.data import ShardedBatches
+from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import preset

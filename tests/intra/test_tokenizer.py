@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ISTHMUS, assert_one_line_error, run_cli
+from helpers import ISTHMUS, assert_one_line_error, job_corpus, run_cli
 
 from isthmus.deploy.config.job import ConfigError, load_config
-from isthmus.deploy.rank.corpus import load_corpus, pin_tokenizer
 from isthmus.inter.control.fingerprint import fingerprint_problem
-from isthmus.intra.data import ShardedBatches, stdlib_corpus
-from isthmus.intra.tokenizer import (
+from isthmus.intra.corpus.batches import ShardedBatches
+from isthmus.intra.corpus.cache import pin_tokenizer
+from isthmus.intra.corpus.tokenizer import (
     TextTokenizer,
     decode_text,
     file_vocab_size,
@@ -27,6 +27,7 @@ from isthmus.intra.tokenizer import (
     text_pieces,
     tokenizer_sha256,
 )
+from isthmus.intra.corpus.tokens import stdlib_corpus
 
 pytest.importorskip("tokenizers")
 pytestmark = pytest.mark.timeout(120)
@@ -64,7 +65,7 @@ def test_training_is_deterministic_across_processes(tmp_path, stdlib_text):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(stdlib_text)
     code = (
-        "import sys; from pathlib import Path; from isthmus.intra.tokenizer import "
+        "import sys; from pathlib import Path; from isthmus.intra.corpus.tokenizer import "
         "TextTokenizer, decode_text; text = decode_text(Path(sys.argv[1]).read_bytes()); "
         "Path(sys.argv[2]).write_text(TextTokenizer.train([text[:90000], text[90000:]], 700).json)"
     )
@@ -120,7 +121,7 @@ def test_no_held_out_byte_reaches_the_trainer_or_a_training_window(tmp_path, mar
         "data.val_fraction=0.5",
     )
     config = load_config(None, job)
-    corpus, split = load_corpus(config)
+    corpus, split = job_corpus(config)
     raw = marked.read_bytes()
     byte_split = split_text(len(raw), 0.5, SEQ)
     # The trainer saw exactly the training spans' text, and no marker.
@@ -141,7 +142,7 @@ def test_no_held_out_byte_reaches_the_trainer_or_a_training_window(tmp_path, mar
     # The control: trained on everything, the marker is in the vocabulary.
     seen.clear()
     everything = load_config(None, [*job[:-1], "data.val_fraction=0"])
-    load_corpus(everything)
+    job_corpus(everything)
     assert any("zyzz" in text for text in seen)
     vocab = json.loads(config_json(tmp_path / "cache", everything.data.tokenizer_sha256))
     assert [t for t in vocab["model"]["vocab"] if "zyzz" in t]
@@ -160,7 +161,7 @@ def test_token_split_matches_the_byte_split_and_the_cache_is_reused(tmp_path, mo
     cache = tmp_path / "cache"
     job = settings(cache, "data.tokenizer=bpe", "data.vocab_size=600", "data.max_bytes=300000")
     config = load_config(None, job)
-    corpus, split = load_corpus(config)
+    corpus, split = job_corpus(config)
     raw = stdlib_corpus(300_000).tokens.tobytes()
     byte_split = split_text(len(raw), 0.01, SEQ)
     assert len(split.held_out) == len(byte_split.held_out) == 6
@@ -179,7 +180,7 @@ def test_token_split_matches_the_byte_split_and_the_cache_is_reused(tmp_path, mo
     # Again: from the cache, neither trained nor encoded, the same tokens; no temp files.
     monkeypatch.setattr(TextTokenizer, "train", None)
     monkeypatch.setattr(TextTokenizer, "encode", None)
-    again, split_again = load_corpus(load_config(None, job))
+    again, split_again = job_corpus(load_config(None, job))
     assert split_again == split and np.array_equal(again.tokens, corpus.tokens)
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]
 
@@ -189,11 +190,12 @@ def test_byte_runs_and_cache_hits_never_import_tokenizers(tmp_path):
     that finds the trained BPE and the encoded corpus in the cache."""
     cache = tmp_path / "cache"
     job = settings(cache, "data.tokenizer=bpe", "data.vocab_size=300", "data.max_bytes=200000")
-    load_corpus(load_config(None, job))
+    job_corpus(load_config(None, job))
     code = (
         "import sys; from isthmus.deploy.config.job import load_config; "
-        "from isthmus.deploy.rank.corpus import load_corpus; "
-        "load_corpus(load_config(None, sys.argv[1:])); print('tokenizers' in sys.modules)"
+        "from isthmus.intra.corpus.cache import load_corpus; "
+        "c = load_config(None, sys.argv[1:]); load_corpus(c.data, seq_len=c.train.seq_len, "
+        "vocab=c.resolved_model().vocab_size); print('tokenizers' in sys.modules)"
     )
     for args in ([], job):
         result = subprocess.run(
@@ -223,7 +225,7 @@ def test_the_tokenizer_is_part_of_the_fingerprint(tmp_path, stdlib_text):
     for name, path in (("a", a), ("b", b), ("moved", moved)):
         config = load_config(None, [f"data.tokenizer={path}", "model.preset=tiny"])
         assert config.resolved_model().vocab_size == file_vocab_size(path) == 320  # 300 -> x64
-        pin_tokenizer(config)
+        pin_tokenizer(config.data, seq_len=config.train.seq_len)
         prints[name] = config.fingerprint()
     assert prints["a"]["data.tokenizer"] == "file"
     assert prints["a"] == prints["moved"]  # where a site keeps the file does not matter
@@ -239,7 +241,7 @@ def test_the_tokenizer_is_part_of_the_fingerprint(tmp_path, stdlib_text):
     # A pinned hash that is not the tokenizer's is refused.
     pinned = load_config(None, [f"data.tokenizer={b}", f"data.tokenizer_sha256={'0' * 64}"])
     with pytest.raises(ConfigError, match="data.tokenizer_sha256: the job pins 0000"):
-        pin_tokenizer(pinned)
+        pin_tokenizer(pinned.data, seq_len=pinned.train.seq_len)
 
 
 def test_a_site_with_another_tokenizer_file_is_refused_at_join(tmp_path, stdlib_text):
@@ -284,7 +286,7 @@ def test_the_tokenizer_command_writes_what_a_bpe_job_trains(tmp_path):
     job = load_config(
         None, settings(cache, "data.max_bytes=200000", "data.tokenizer=bpe", "data.vocab_size=400")
     )
-    pin_tokenizer(job)
+    pin_tokenizer(job.data, seq_len=job.train.seq_len)
     assert job.data.tokenizer_sha256 == sha
     assert load_config(None, [f"data.tokenizer={out}"]).resolved_model().vocab_size == 448
     again = run_cli("tokenizer", "--out", str(out), *common, timeout=60)
@@ -368,10 +370,10 @@ def test_a_pretokenized_corpus_sizes_the_model_by_data_vocab_size(tmp_path):
     common = ["--set", "data.source=path", "--set", f"data.path={path}"]
     config = load_config(None, [arg for arg in common if arg != "--set"])
     assert config.resolved_model().vocab_size == 4096
-    load_corpus(config)  # ids 0..999 fit
+    job_corpus(config)  # ids 0..999 fit
     small = load_config(None, [*(a for a in common if a != "--set"), "data.vocab_size=512"])
     with pytest.raises(ConfigError, match="holds token id 999.*data.vocab_size to at least 1000"):
-        load_corpus(small)
+        job_corpus(small)
     run_dir = tmp_path / "run"
     # One rank a site, one held-out batch: what is tested is the embedding's size, which
     # neither changes (the held-out loss is not read; 16 batches cost seconds a site).

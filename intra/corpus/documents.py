@@ -25,10 +25,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from isthmus.deploy.config.job import ConfigError
+from ..user_files import ConfigError
 
 if TYPE_CHECKING:
-    from isthmus.deploy.commands.data import _Bar
+    from .prepare import _Bar
 
 __all__ = ["DATASETS_HINT", "FORMATS", "LINE_BYTES", "READ_BYTES", "documents"]
 

@@ -2,7 +2,7 @@
 
 With a BPE tokenizer (data.tokenizer = "bpe" or a tokenizer.json) a text corpus is cut
 into held-out and training spans in bytes, the BPE is trained on the training spans
-only, and each span is encoded on its own (intra/tokenizer.py). Training a 4096-token
+only, and each span is encoded on its own (tokenizer.py). Training a 4096-token
 BPE on the 31.5 MB standard library takes ~13 s and encoding it ~22 s on a 2-core
 machine, and every rank loads the corpus: both results are cached in data.cache_dir,
 keyed by the sha256 of the corpus bytes and the settings, each file written under a
@@ -30,22 +30,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from isthmus.deploy.config.job import ConfigError, JobConfig
-from isthmus.deploy.config.sections import DataSection
-from isthmus.intra.data import (
-    Corpus,
-    Split,
-    from_path,
-    prepared_corpus,
-    split_corpus,
-    stdlib_corpus,
-    stdlib_name,
-    stdlib_root,
-)
-from isthmus.intra.tokenizer import (
+from ..user_files import ConfigError
+from .batches import Split, split_corpus
+from .tokenizer import (
     RECIPE,
     TextTokenizer,
     decode_text,
@@ -54,6 +45,7 @@ from isthmus.intra.tokenizer import (
     split_text,
     tokenizer_sha256,
 )
+from .tokens import Corpus, from_path, prepared_corpus, stdlib_corpus, stdlib_name, stdlib_root
 
 __all__ = [
     "default_cache_dir",
@@ -64,26 +56,39 @@ __all__ = [
 ]
 
 
-def load_corpus(config: JobConfig) -> tuple[Corpus, Split]:
+class DataSection(Protocol):
+    """The job's [data] section (deploy/config/sections.py documents each key)."""
+
+    source: str
+    path: str
+    max_bytes: int
+    val_fraction: float
+    tokenizer: str
+    vocab_size: int
+    tokenizer_sha256: str
+    cache_dir: str
+
+
+def load_corpus(d: DataSection, *, seq_len: int, vocab: int) -> tuple[Corpus, Split]:
     """The corpus every rank of the job reads, and which of its tokens train and which
-    are held out (data.val_fraction): the same on every machine for the same config.
-    With a BPE tokenizer it fills in data.tokenizer_sha256 when empty.
+    are held out (data.val_fraction, windows of ``seq_len``): the same on every machine
+    for the same config. With a BPE tokenizer it fills in data.tokenizer_sha256 when
+    empty. ``vocab``: the model's, which a corpus of token ids must fit.
 
     Raises:
         ConfigError: the corpus cannot be read or is too short to split, or the
             tokenizer is not the one data.tokenizer_sha256 pins (the message says which
             setting to change).
     """
-    d = config.data
     try:
         if d.source == "prepared":
-            return _prepared(config)
+            return _prepared(d, seq_len)
         raw = _raw_corpus(d)
         if d.tokenizer == "bytes":
-            _check_ids(raw, config.resolved_model().vocab_size)
-            loaded = raw, split_corpus(len(raw), d.val_fraction, config.train.seq_len)
+            _check_ids(raw, vocab)
+            loaded = raw, split_corpus(len(raw), d.val_fraction, seq_len)
         else:
-            loaded = _tokenized(config, raw)
+            loaded = _tokenized(d, seq_len, raw)
         _keep_stdlib(d, raw)
         return loaded
     except ConfigError:
@@ -92,10 +97,9 @@ def load_corpus(config: JobConfig) -> tuple[Corpus, Split]:
         raise ConfigError(f"data: {exc}") from None
 
 
-def _prepared(config: JobConfig) -> tuple[Corpus, Split]:
+def _prepared(d: DataSection, seq_len: int) -> tuple[Corpus, Split]:
     """A folder of `isthmus data prepare`, refused when it was tokenized by another
     tokenizer than data.tokenizer (its ids would mean other text)."""
-    d = config.data
     corpus, manifest = prepared_corpus(d.path)
     sha = file_facts(d.tokenizer)[1]
     theirs = manifest["tokenizer"]["sha256"]
@@ -106,7 +110,7 @@ def _prepared(config: JobConfig) -> tuple[Corpus, Split]:
             f"was prepared with ({Path(d.path) / 'tokenizer.json'}) or prepare it again"
         )
     _pin(d, sha)
-    return corpus, split_corpus(len(corpus), d.val_fraction, config.train.seq_len)
+    return corpus, split_corpus(len(corpus), d.val_fraction, seq_len)
 
 
 def _check_ids(corpus: Corpus, vocab: int) -> None:
@@ -123,7 +127,7 @@ def _check_ids(corpus: Corpus, vocab: int) -> None:
         )
 
 
-def pin_tokenizer(config: JobConfig) -> None:
+def pin_tokenizer(d: DataSection, *, seq_len: int) -> None:
     """Fill in data.tokenizer_sha256 (a no-op with bytes), for a process that builds the
     job fingerprint without loading the corpus: a standalone coordinator, the witness. A
     tokenizer file is only hashed; a bpe is trained, or found in the cache.
@@ -131,12 +135,11 @@ def pin_tokenizer(config: JobConfig) -> None:
     Raises:
         ConfigError: as ``load_corpus``.
     """
-    d = config.data
     if d.tokenizer == "bytes":
         return
     try:
         if d.tokenizer == "bpe":
-            json_text = trained_tokenizer(config)
+            json_text = trained_tokenizer(d, seq_len=seq_len)
         else:
             json_text = Path(d.tokenizer).read_text()
     except ConfigError:
@@ -146,17 +149,16 @@ def pin_tokenizer(config: JobConfig) -> None:
     _pin(d, tokenizer_sha256(json_text))
 
 
-def trained_tokenizer(config: JobConfig) -> str:
+def trained_tokenizer(d: DataSection, *, seq_len: int) -> str:
     """The tokenizer.json of the BPE the config's data.vocab_size trains on the training
     split of its corpus (from the cache when it is there); data.tokenizer is not read.
 
     Raises:
         ConfigError: the corpus cannot be read or split, or the cache cannot be written.
     """
-    d = config.data
     try:
         raw = _raw_corpus(d)  # refuses data.source = "prepared": token ids, not text
-        byte_split = split_text(len(raw), d.val_fraction, config.train.seq_len)
+        byte_split = split_text(len(raw), d.val_fraction, seq_len)
         return _bpe_json(d, raw, byte_split, _corpus_sha256(raw))
     except ConfigError:
         raise
@@ -219,8 +221,7 @@ def _key(**parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _tokenized(config: JobConfig, raw: Corpus) -> tuple[Corpus, Split]:
-    d, seq_len = config.data, config.train.seq_len
+def _tokenized(d: DataSection, seq_len: int, raw: Corpus) -> tuple[Corpus, Split]:
     byte_split = split_text(len(raw), d.val_fraction, seq_len)
     corpus_sha = _corpus_sha256(raw)
     if d.tokenizer == "bpe":

@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .user_files import DECODE_ERRORS, decode_problem
+from ..user_files import DECODE_ERRORS, decode_problem
 
-if TYPE_CHECKING:  # numpy and data.py load only where text is encoded
+if TYPE_CHECKING:  # numpy and batches.py load only where text is encoded
     import numpy as np
 
-    from isthmus.intra.data import Split
+    from .batches import Split
 
 __all__ = [
     "BYTES_PER_TOKEN_BOUND",
@@ -268,7 +268,7 @@ def split_text(n_bytes: int, fraction: float, seq_len: int) -> Split:
     Raises:
         ValueError: as ``split_corpus``.
     """
-    from isthmus.intra.data import split_corpus
+    from .batches import split_corpus
 
     return split_corpus(n_bytes, fraction, seq_len, bytes_per_token=BYTES_PER_TOKEN_BOUND)
 
@@ -292,7 +292,7 @@ def encode_spans(
     """
     import numpy as np
 
-    from isthmus.intra.data import Split
+    from .batches import Split
 
     spans = sorted(byte_split.train + byte_split.held_out)
     assert spans and spans[0][0] == 0 and spans[-1][1] == len(raw), "spans must cover the corpus"
