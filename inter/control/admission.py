@@ -1,31 +1,22 @@
 """Who is admitted to a running job, and with which lanes: the rule in one place.
 
-A join can come from anyone who reaches a coordinator's port, so a running job takes
-nothing from it on its word. A member that joins from generation 0 in another process
-than the job knows (another incarnation) *claims* to have restarted; the same process
-joining from generation 0 is a late copy of a join it sent before the job began (a
-slow server, a retried call) and changes nothing. A claimed restart, and any site
-asking to join a running job, is settled by the site itself: the peer loop's next
-heartbeat to it, at the address the job configured, answers with its incarnation,
-its lanes and whether its ranks are ready, and the site is admitted with those
-(issue 14, row 2: a forged join once dropped the live site and admitted the caller's
-lanes, which then pulled the training state). A *first* join, before the job runs, is
-settled the same way (issue 33, row 2: a join in site1's name, sent before site1
-started, once made site0 form generation 1 with fake lanes and push gradient chunks
-to them): the join only makes this site join the named site at its configured address
-(through the link's proxy, as every call to a peer), and the site is admitted with the
-lanes and incarnation of *that* answer. The join's handler itself calls nobody, so two
-sites that start at once and join each other never wait on each other. What a join
-claimed is kept (:class:`JoinClaims`) until the site answers; a claim its answer
-contradicts is logged once per caller with a count. :class:`Admission` is handed what it
-uses (the settings, the state, the peers' stubs, the refusal log, how to add a joiner);
-call its ``on_join`` and ``on_answer`` with the state's condition (``state.cond``) held:
-what they change goes through the state's transitions (inter/control/state.py).
+A join can come from anyone who reaches a coordinator's port, so a job takes nothing from
+it on its word. A member that joins from generation 0 in another process (another
+incarnation) *claims* to have restarted; the same process joining from generation 0 is a
+late copy of an earlier join and changes nothing. A claimed restart, a site asking to join
+a running job, and a *first* join before the job runs are all settled by the site itself:
+this site asks it at the address the job configured (the peer loop's heartbeat or join,
+through the link's proxy), and admits it with the incarnation, lanes and readiness of that
+answer (issue 14, row 2: a forged join once dropped the live site and admitted the caller's
+lanes; issue 33, row 2: a join in site1's name before site1 started once formed generation
+1 with fake lanes). The join's handler calls nobody, so two sites that start at once never
+wait on each other. What a join claimed is kept (:class:`JoinClaims`) until the site
+answers; a claim its answer contradicts is logged once per caller with a count. Call
+``on_join`` and ``on_answer`` with ``state.cond`` held.
 
-A new membership generation is believed the same way: a ``Propose`` is adopted only
-if the site it names as leader, asked at its own address, says it is proposing that
-generation with those members (a forged Propose in the leader's name, in the job's
-order, once stopped a job).
+A new generation is believed the same way: a ``Propose`` is adopted only if its leader,
+asked at its own address, says it proposes that generation with those members (a forged
+Propose in the leader's name once stopped a job).
 """
 
 from __future__ import annotations

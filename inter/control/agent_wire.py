@@ -1,23 +1,21 @@
 """The hop between a rank and its host agent: protobuf messages in length-prefixed frames
 on one Unix socket connection a rank, kept open.
 
-A rank sends its agent (inter/control/host_agent.py) a vote a step and a watch every few
-seconds, and each is answered once. Over gRPC each such message cost the agent ~100 µs of
-Python and C-core work and two thread hand-offs (its poller's, the loop's), and 256
-agents of 8 ranks, with the decision's fan-out to 2,048 ranks, were more than 2 cores
-could carry (docs/benchmarks/control-plane.md, "Real host agents, a process each"). A frame here costs a
-``write`` and a ``recv``, and the agent learns that a rank is gone the moment its socket
-closes. The messages are the coordinator's own (``isthmus.v1``), so nothing but the
-framing is new:
+Over gRPC each vote or watch a rank sent its agent cost the agent ~100 µs of Python and
+C-core work and two thread hand-offs, and 256 agents of 8 ranks, with the decision's
+fan-out to 2,048 ranks, were more than 2 cores could carry (docs/benchmarks/control-plane.md,
+"Real host agents, a process each"). A frame here costs a ``write`` and a ``recv``, and the
+agent learns that a rank is gone the moment its socket closes. The messages are the
+coordinator's own (``isthmus.v1``); only the framing is new:
 
     payload length (u32, big-endian) | kind (u8) | request id (u32) | payload
 
-A rank's request and the agent's answer carry the same id; a rank may have several in
-flight (a vote from its training thread, a watch from its watcher). A length over
-``MAX_PAYLOAD`` is refused as soon as its header is read, before anything is buffered for
-it, and the connection is dropped. :class:`Frames` cuts frames out of a byte stream for
-both ends; :class:`RankWire` is the agent's end of a connection (an asyncio protocol);
-the rank's end is :class:`~isthmus.inter.control.agent_socket.AgentConnection`.
+A request and its answer carry the same id; a rank may have several in flight (a vote
+from its training thread, a watch from its watcher). A length over ``MAX_PAYLOAD`` is
+refused as soon as its header is read, before anything is buffered, and the connection is
+dropped. :class:`Frames` cuts frames out of a byte stream for both ends; :class:`RankWire`
+is the agent's end (an asyncio protocol), the rank's is
+:class:`~isthmus.inter.control.agent_socket.AgentConnection`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The votes and decisions of a site's coordinator, per (step, generation).
-
-:class:`Ballots` holds the local ranks' votes, the member sites' votes (at the leader),
-the decisions, and the sites waiting to be admitted; the failover loop
-(inter/control/failover.py) and the leader (leader.py) share it. Like the membership it
-is guarded by ``CoordinatorState.cond`` (inter/control/state.py), whose locking rules it
-follows: every method is ``_locked``.
-"""
+"""The votes and decisions of a site's coordinator, per (step, generation), shared by the
+failover loop and the leader, and guarded by ``CoordinatorState.cond`` like the state."""
 
 from __future__ import annotations
 
@@ -37,14 +31,10 @@ class Ballots:
         """A COMMIT without its sites, per key, for the voters that have them."""
 
     def vote_rank_locked(self, key: Key, rank: int, ok: bool) -> None:
-        """Local ``rank``'s vote; a "not ok" stands once cast.
-
-        Wakes the condition's waiters (the failover loop, which forwards the site's vote)
-        only once every local rank has voted on ``key``: before that nothing anyone waits
-        for has changed (:meth:`voted_locked`). Waking on every vote, when the ranks'
-        long polls waited on the condition too, was N x 2N wake-ups a step: 11 CPU
-        seconds a step at 1,024 ranks (docs/benchmarks/control-plane.md, "The control plane at scale").
-        """
+        """Local ``rank``'s vote; a "not ok" stands once cast. Wakes the failover loop
+        only once every local rank voted on ``key``: waking on every vote was N x 2N
+        wake-ups a step, 11 CPU seconds a step at 1,024 ranks
+        (docs/benchmarks/control-plane.md, "The control plane at scale")."""
         votes = self.rank_votes.setdefault(key, {})
         votes[rank] = votes.get(rank, True) and ok
         if len(votes) >= self.state.ranks:
@@ -103,8 +93,9 @@ class Ballots:
     def answer_locked(self, key: Key, sites_known: bool) -> pb.Decision | None:
         """The decision on ``key`` as a voter of ``key``'s generation gets it: without the
         sites when it says it has them and the decision keeps its generation (a COMMIT
-        that admits no one). Every site's lanes in every rank's answer made a step's
-        answers O(sites x ranks²) bytes (docs/benchmarks/control-plane.md, "The control plane at scale")."""
+        that admits no one): every site's lanes in every rank's answer made a step's
+        answers O(sites x ranks²) bytes (docs/benchmarks/control-plane.md, "The control
+        plane at scale")."""
         found = self.decisions.get(key)
         if found is None or not sites_known:
             return found

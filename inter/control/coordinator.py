@@ -101,13 +101,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     ) -> None:
         self.settings = s = settings
         self.site, self.site_names, self.ranks = s.site, list(s.site_names), s.ranks
-        self.state = st = CoordinatorState(
-            site=s.site,
-            site_names=s.site_names,
-            ranks=s.ranks,
-            failure_timeout_s=s.failure_timeout_s,
-            clock=clock,
-        )
+        self.state = st = CoordinatorState(s, clock)
         """Everything this site knows and its transitions, shared with its helpers."""
         self.peers: dict[str, str] = {}
         self.proxies: dict[str, str | None] = {}

@@ -232,13 +232,9 @@ class CoordinatorClient:
         Waits for the coordinator to come up (``wait_for_ready``), at most ``timeout_s``.
 
         Args:
-            site: this site's name.
-            rank: this rank in the site's torch.distributed world.
-            world_size: ranks in that world.
             lane_address: "host:port" peers reach this rank's lane at; "" in a job of
                 one site (no lanes: only the key is registered).
             fingerprint: the job fingerprint (``JobConfig.fingerprint()``).
-            timeout_s: deadline of the call, seconds.
 
         Raises:
             grpc.RpcError: FAILED_PRECONDITION when the coordinator refuses the rank
@@ -262,11 +258,7 @@ class CoordinatorClient:
     def wait_membership(self, timeout_s: float) -> Membership:
         """Waits until every site of the job is ready and returns the membership.
 
-        Asks by long poll (each call held up to 5 s, with a 15 s deadline) until the
-        generation is > 0.
-
-        Args:
-            timeout_s: how long to wait for the membership, seconds.
+        Asks by long poll (each call held up to 5 s, with a 15 s deadline).
 
         Raises:
             TimeoutError: no membership after ``timeout_s``.
@@ -380,10 +372,6 @@ class CoordinatorClient:
         """Reports one step (with this client's key) to the coordinator, which feeds
         Prometheus and compares the digest with the other sites'.
 
-        Args:
-            progress: what the site did this step.
-            timeout_s: deadline of the call, seconds.
-
         Returns:
             Why the sites' replicas differ when a peer reported another digest for a
             step this site digested too, else "".
@@ -407,11 +395,7 @@ class CoordinatorClient:
         """Says that this rank's script raised: the job stops at every site (the site's
         coordinator tells its peers, inter/control/abort.py).
 
-        Args:
-            site: this site's name.
-            rank: this rank in the site's world.
-            reason: the traceback's last line; cut to what the coordinator takes.
-            timeout_s: deadline of the call, seconds.
+        ``reason`` is the traceback's last line, cut to what the coordinator takes.
 
         Raises:
             grpc.RpcError: the coordinator refused the call or did not answer in time.

@@ -1,19 +1,16 @@
 """A per-host agent's votes on one open stream (``HostSession``) instead of a call each.
 
-A site of 1,024 ranks votes with 128 ``CommitHostStep`` calls a step (one a host of 8),
-all in one burst when the step's rounds end; each unary call costs the coordinator
-~0.3-0.8 ms of Python gRPC (a fresh HTTP/2 stream, a hand-off to a pool thread), so the
-burst, read one call after another, set the step's decision latency (docs/benchmarks/control-plane.md,
-"The control plane at scale"). On an open stream a vote is a message: the coordinator's
-thread for the session is already waiting for it.
+A site of 1,024 ranks votes with 128 ``CommitHostStep`` calls a step (one a host of 8), in
+one burst when the step's rounds end; each unary call costs the coordinator ~0.3-0.8 ms of
+Python gRPC (a fresh HTTP/2 stream, a hand-off to a pool thread), so the burst set the
+step's decision latency (docs/benchmarks/control-plane.md, "The control plane at scale").
+On an open stream a vote is a message to a thread already waiting for it.
 
-:class:`HostSession` keeps one stream to the site's coordinator and sends a host's
-votes on it, one outstanding at a time, each answered by the decision as
-``CommitHostStep`` would answer it. When the coordinator has no session slot free
-(RESOURCE_EXHAUSTED: each session holds one of its handler threads, and there are no
-more than the site has ranks) or the stream breaks, the vote goes by ``CommitHostStep``
-instead and the next vote opens a new stream: a session is a fast path, never the only
-one.
+:class:`HostSession` keeps one stream and sends a host's votes on it, one outstanding at a
+time, each answered as ``CommitHostStep`` would. When the coordinator has no session slot
+free (RESOURCE_EXHAUSTED: each holds one of its handler threads, at most one a rank) or
+the stream breaks, the vote goes by ``CommitHostStep`` and the next one opens a new
+stream: a session is a fast path, never the only one.
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 joiners, stop without quorum, and take over from a leader that fell silent.
 
 A :class:`Leader` runs only at the leader (the lowest-index member still heard from);
-:class:`~isthmus.inter.control.failover.Failover` holds one and calls it (see that
-module's docstring for the protocol). It is given what it uses: the membership
-(:class:`~isthmus.inter.control.state.CoordinatorState`, whose condition guards
-everything here too), the step votes and decisions it shares with failover
-(:class:`~isthmus.inter.control.ballots.Ballots`), the peers' stubs and the witness.
+:class:`~isthmus.inter.control.failover.Failover` holds one and calls it (that module's
+docstring says the protocol). The state's condition guards everything here too.
 """
 
 from __future__ import annotations

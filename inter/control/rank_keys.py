@@ -1,24 +1,20 @@
 """Which process speaks for each rank of a site: a key its launcher handed it.
 
-The job token (inter/security.py) says that a caller belongs to the job, not which
-rank it is, and without it anyone on the machine can call a coordinator. Each rank
-therefore registers with a key (``RegisterRank``), and from then on the coordinator
-counts a vote (``CommitStep``) only with the key of the rank it names, and takes the
-site's own digest (``ReportProgress``) only with a key of one of its ranks.
+The job token (inter/security.py) says that a caller belongs to the job, not which rank it
+is, and without it anyone on the machine can call a coordinator. Each rank therefore
+registers with a key, and from then on the coordinator counts a vote only with the key of
+the rank it names, and takes the site's own digest only with a key of one of its ranks.
 
-Which key a rank may register with is decided before the rank starts (issue 33,
-row 6: a stranger that registered rank 0 first once stopped the site). A coordinator
-draws one random key per rank (:meth:`RankKeys.draw`); the launcher of the site's
-ranks (deploy/launch/ranks.py ``SiteRanks``), which runs in the coordinator's process, finds
-them with :func:`handout` by the coordinator's address and hands each rank its own in
-the environment (:data:`KEY_ENV`). Ranks that another launcher starts on several hosts
-(Slurm's ``srun``) derive theirs from a site secret in a 0600 file
-(:data:`SECRET_FILE_ENV`, :func:`derived_key`), which ``isthmus coordinator
---rank-secret-file`` reads too. A registration with any other key is refused and
-changes nothing. Only a coordinator built with :meth:`RankKeys.first_come` (``isthmus
-coordinator`` without a secret file, for ranks no launcher of ours starts) keeps the
-old rule: the first process to register a rank owns it for the coordinator's life.
-The key never leaves the site: ranks reach their own coordinator only.
+Which key a rank may register with is decided before the rank starts (issue 33, row 6: a
+stranger that registered rank 0 first once stopped the site). A coordinator draws one
+random key per rank (:meth:`RankKeys.draw`); the launcher of the site's ranks
+(deploy/launch/ranks.py), in the coordinator's process, finds them with :func:`handout` by
+the coordinator's address and hands each rank its own in the environment (:data:`KEY_ENV`).
+Ranks that another launcher starts (Slurm's ``srun``) derive theirs from a site secret in a
+0600 file (:data:`SECRET_FILE_ENV`, :func:`derived_key`), which ``isthmus coordinator
+--rank-secret-file`` reads too. Any other key is refused and changes nothing. Only
+:meth:`RankKeys.first_come` (``isthmus coordinator`` without a secret file) keeps the old
+rule: the first process to register a rank owns it. The key never leaves the site.
 """
 
 from __future__ import annotations
@@ -165,9 +161,7 @@ class RankKeys:
             )
         if self._handed is not None:
             # Constant-time: the key is compared with the secret handed to the rank.
-            if rank >= len(self._handed) or not hmac.compare_digest(
-                self._handed[rank].encode(), key.encode()
-            ):
+            if rank >= len(self._handed) or not _same(self._handed[rank], key):
                 return KeyRefusal(
                     f"rank {rank} of {self.site} registers with the key its launcher "
                     "handed it, not this one",
@@ -180,7 +174,7 @@ class RankKeys:
             known = self._keys.get(rank, key)
             if rank not in self._keys:
                 self._record_locked(rank, key)
-        if not hmac.compare_digest(known.encode(), key.encode()):
+        if not _same(known, key):
             return KeyRefusal(
                 f"rank {rank} of {self.site} is already registered by another process "
                 "(a second launch of the same site?)",
@@ -196,18 +190,14 @@ class RankKeys:
         """Whether ``key`` is the one ``rank`` registered with."""
         with self._lock:
             known = self._keys.get(rank)
-        return known is not None and hmac.compare_digest(known.encode(), key.encode())
+        return known is not None and _same(known, key)
 
     def speaks_for(self, rank: int, key: str) -> bool:
         """Whether ``key`` is ``rank``'s: the one it registered with, or, before it
         registered, the one its launcher handed it (a script may raise before it joins)."""
-        if self.is_rank(rank, key):
-            return True
         handed = self._handed
-        return (
-            handed is not None
-            and rank < len(handed)
-            and hmac.compare_digest(handed[rank].encode(), key.encode())
+        return self.is_rank(rank, key) or (
+            handed is not None and rank < len(handed) and _same(handed[rank], key)
         )
 
     def is_any_rank(self, key: str) -> bool:
@@ -219,6 +209,10 @@ class RankKeys:
         digest = _digest(key)
         with self._lock:
             return self._digests.get(digest)
+
+
+def _same(known: str, key: str) -> bool:
+    return hmac.compare_digest(known.encode(), key.encode())  # in constant time
 
 
 def _digest(key: str) -> bytes:

@@ -1,38 +1,27 @@
 """Whether a site's own ranks are alive: a rank that stops beating is declared dead.
 
-A coordinator hears each site peer's heartbeats, but a rank of its own site that dies
-while the coordinator lives (a node lost under a launcher that does not take the site
-down: ``srun`` without ``--kill-on-bad-exit``) left the job waiting for the dead
-rank's vote until ``sync.timeout_s + failover.quorum_wait_s``. Every rank already
-beats: its membership watcher (inter/data/sync/membership.py, ``SiteMembership._watch``), a
-thread of its own, long-polls ``GetMembership`` with the rank's key without pause
-(each poll held up to a second, the next sent as soon as it is answered) while the
-rank's main thread computes, saves a checkpoint or collects garbage. So a rank with a
-poll in flight is alive, and one with none in flight for longer than ``silence_s``
-(the failover section's ``failure_timeout_s``: the silence that makes a peer site a
-suspect makes a rank dead, ten missed beats by default) is not.
-
-A host agent (inter/control/host_agent.py) holds the watches of its host's ranks and
-polls for all of them at once, naming in each poll the ranks whose watches it holds
-(``vouched_rank_keys``): each counts as that rank's poll in flight. A rank's vote, its
-own or in its agent's batch, is a beat too: an agent late to poll again that still
-sends its ranks' votes keeps them alive.
+A rank of a site that dies while its coordinator lives (a node lost under ``srun``
+without ``--kill-on-bad-exit``) left the job waiting for its vote until
+``sync.timeout_s + failover.quorum_wait_s``. Every rank already beats: its membership
+watcher (inter/data/sync/membership.py), a thread of its own, long-polls
+``GetMembership`` with the rank's key without pause while the main thread computes,
+saves or collects garbage. So a rank with a poll in flight is alive, and one with none in
+flight for longer than ``silence_s`` (``failure_timeout_s``: what makes a peer site a
+suspect makes a rank dead) is not. A host agent's poll names the ranks whose watches it
+holds (``vouched_rank_keys``): each counts as that rank's poll in flight. A rank's vote,
+its own or in its agent's batch, is a beat too.
 
 Silence is measured on the coordinator's own time (inter/control/vouches.py,
-``OwnTime``): the check of the ranks' silence runs every ``check_s``, and one that runs
-late (a coordinator starved of CPU, or whose failover loop waited on a peer) counts the
-lateness as time it was away, not as its ranks' silence, and declares no one until it
-has looked again on time: the polls that waited in its sockets meanwhile count first. A
-host agent measures its vouching the same way, so neither a late agent nor a late
-coordinator is taken for a dead rank; a rank whose agent goes on polling without it,
-or whose agent falls silent with it (a node lost), is.
+``OwnTime``): a check of the ranks' silence that runs late (a coordinator starved of
+CPU, or whose failover loop waited on a peer) counts the lateness as time it was away
+and declares no one until it has looked again on time, so neither a late agent nor a
+late coordinator is taken for a dead rank; a rank whose agent polls without it, or falls
+silent with it (a node lost), is.
 
-A rank is watched from its first watcher poll (``known_generation`` > 0, sent once
-its site runs) until it registers again; a test's or a tool's rank that registers
-and votes but runs no watcher is never declared dead. What the coordinator does with
-a dead rank is the failover loop's (inter/control/failover.py): the site leaves the
-job until all its ranks are back (docs/reliability.md, "A rank that dies while its
-coordinator lives").
+A rank is watched from its first watcher poll (``known_generation`` > 0) until it
+registers again: a test's or a tool's rank that runs no watcher is never declared dead.
+The failover loop makes the site leave the job until all its ranks are back
+(docs/reliability.md, "A rank that dies while its coordinator lives").
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from isthmus.inter.control.abort import JobAbort
 from isthmus.inter.control.incarnations import Incarnations
 from isthmus.inter.control.join_claims import JoinClaims
 from isthmus.inter.control.replicas import ReplicaDigests
+from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.wakeups import Broadcast, KeyedWakeups
 from isthmus.proto import coordinator_pb2 as pb
 
@@ -71,35 +72,17 @@ class Adoption(enum.Enum):
 class CoordinatorState:
     """The membership of one site's coordinator and the transitions that change it.
 
-    Args:
-        site: this site's name; must be in ``site_names``.
-        site_names: every site of the job, in index order.
-        ranks: ranks of this site (each registers one lane address).
-        failure_timeout_s: a member not heard from for this long is suspected dead.
-        clock: what every time in here is read from (seconds, monotonic).
+    ``settings`` names the site, the job's sites, the site's ranks (each registers one lane
+    address) and ``failure_timeout_s`` (a member not heard from for that long is suspected
+    dead); ``clock`` is what every time in here is read from (seconds, monotonic).
     """
 
     def __init__(
-        self,
-        *,
-        site: str,
-        site_names: Sequence[str],
-        ranks: int,
-        failure_timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        self, settings: CoordinatorSettings, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        if site not in site_names:
-            raise ValueError(f"site {site!r} is not one of the job's sites {list(site_names)}")
-        if ranks < 1:
-            raise ValueError(f"ranks must be >= 1, got {ranks}")
-        if failure_timeout_s <= 0:
-            raise ValueError(f"failure_timeout_s must be > 0, got {failure_timeout_s}")
-        self.site = site
-        self.site_names = list(site_names)
-        self.index = self.site_names.index(site)
-        self.ranks = ranks
-        self.peers = frozenset(self.site_names) - {site}
-        self.failure_timeout_s = failure_timeout_s
+        self.site, self.site_names = settings.site, list(settings.site_names)
+        self.index, self.ranks, self.peers = settings.index, settings.ranks, settings.peers
+        self.failure_timeout_s = settings.failure_timeout_s
         self.clock = clock
         self.address = ""
         """Where this site's coordinator listens: set once, when its server is bound."""
@@ -112,7 +95,7 @@ class CoordinatorState:
         self._members: list[str] = []
         self._state_source = ""
         self._joining = self._excluded = self._finished = False
-        self._lanes: list[str | None] = [None] * ranks
+        self._lanes: list[str | None] = [None] * self.ranks
         self._ready_sites: dict[str, pb.SiteInfo] = {}
         self._told_ready: set[str] = set()
         self._last_seen: dict[str, float] = {}
@@ -124,11 +107,11 @@ class CoordinatorState:
         self._finished_claims: dict[str, str] = {}
         self.incarnations = Incarnations()
         """This process's id and the peers' (guarded by ``cond``)."""
-        self.replicas = ReplicaDigests(site)
+        self.replicas = ReplicaDigests(self.site)
         """Every site's parameter digests (its own lock)."""
         self.join_claims = JoinClaims()
         """What joins in each peer's name claimed, until the peer's own answer settles it."""
-        self.abort = JobAbort(site, self.peers, clock)
+        self.abort = JobAbort(self.site, self.peers, clock)
         """A script's error that stops the job at every site (its own lock)."""
         self.membership_news = Broadcast()
         """Published (under ``cond``) when what a ``GetMembership`` long poll waits for

@@ -1,28 +1,23 @@
 """Which ranks a host agent vouches for, on a deadline measured against its own lag.
 
-A host agent (inter/control/host_agent.py) holds its ranks' watches and names, in its one
-poll at the coordinator, the ranks it hears from (``vouched_rank_keys``): each counts as
-that rank's poll in flight (inter/control/rank_liveness.py), and a rank it stops naming
-is declared dead ``failure_timeout_s`` later. A rank is heard from while a watch of its
-is held here, and for ``vouch_s`` after the last one ended: time for its watcher to send
-the next. A rank whose process ended (its watch cancelled as its socket closed) is not
-heard from again, and is dropped ``vouch_s`` after.
+A host agent (inter/control/host_agent.py) names, in its one poll at the coordinator, the
+ranks it hears from (``vouched_rank_keys``): each counts as that rank's poll in flight
+(inter/control/rank_liveness.py), and a rank it stops naming is declared dead
+``failure_timeout_s`` later. A rank is heard from while a watch of its is held here, and
+for ``vouch_s`` after the last one ended: time for its watcher to send the next.
 
 That time is the agent's to measure, and an agent starved of CPU measured it wrongly:
 2 x 1,024 ranks' agents on 2 cores (issue 59) ran their timers seconds late while the
-ranks' next watches sat unread in their sockets, dropped live ranks, and 6 were
-declared dead. So the deadline runs on the agent's own time (:class:`OwnTime`): a check
-that runs later than ``late_s`` after it was due counts the lateness as time the agent
-was away, drops no one, and looks again ``late_s`` later, once what waited in its
-sockets was read; only a check on time drops a rank. A rank's own lateness is not
-excused: a watcher that sends its next watch ``vouch_s`` late (of the agent's time) is
-dropped, and its coordinator still waits ``failure_timeout_s`` before it declares it dead.
-A rank whose connection to the agent closed (its process ended) is forgotten at once.
+ranks' next watches sat unread in their sockets, dropped live ranks, and 6 were declared
+dead. So the deadline runs on the agent's own time (:class:`OwnTime`): a check later than
+``late_s`` after it was due counts the lateness as time the agent was away, drops no one,
+and looks again ``late_s`` later, once what waited in its sockets was read. A rank's own
+lateness is not excused (a watcher ``vouch_s`` late of the agent's time is dropped), and
+a rank whose connection to the agent closed (its process ended) is forgotten at once.
 
 :class:`AgentPoll` is that poll: it names the ranks vouched for, is held as long as the
-coordinator holds it, and is sent again as soon as they change.
-
-Not thread-safe: the agent uses both from its event loop alone.
+coordinator holds it, and is sent again as soon as they change. Not thread-safe: the
+agent uses both from its event loop alone.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """Wake a coordinator's long polls only with the news each one waits for.
 
-A coordinator holds two long polls per rank of its site (a ``CommitStep`` vote and a
-membership watcher's ``GetMembership``), each a thread of the gRPC server. Waiting on
-the state's one condition (``CoordinatorState.cond``) woke all 2N of them on every
-transition and heartbeat, and each re-took the lock in turn to find nothing new: a
-thundering herd whose cost grew with N per notification and filled the GIL at 1,024
-ranks (docs/benchmarks/control-plane.md, "The control plane at scale"). Here a vote waits for the
-decision on its own (step, generation) and a watcher for a change of the membership;
-the few other waiters (the failover loop, ``wait_ready``) keep the condition.
+A coordinator holds two long polls per rank of its site (a vote and a membership
+watcher's poll), each a thread of the gRPC server. Waiting on the state's one condition
+woke all 2N of them on every transition and heartbeat, each re-taking the lock to find
+nothing new: a herd that filled the GIL at 1,024 ranks (docs/benchmarks/control-plane.md,
+"The control plane at scale"). Here a vote waits for the decision on its own (step,
+generation) and a watcher for a change of the membership; the few other waiters (the
+failover loop, ``wait_ready``) keep the condition.
 
-Both are used with the state's condition held when the news is published, and the
-waiter takes its :class:`threading.Event` under that condition before releasing it:
-news published after the check sets the event it holds, so none is lost.
+Both are published with the state's condition held, and a waiter takes its
+:class:`threading.Event` under that condition before releasing it: news published after
+its check sets the event it holds, so none is lost.
 """
 
 from __future__ import annotations

@@ -172,32 +172,22 @@ class WitnessLink:
     grants, on its own thread, so that a witness that does not answer never holds up
     the coordinator. ``granted`` answers from what the witness last said.
 
-    Args:
-        address: the witness's host:port.
-        site, fingerprint: who asks, with the job's fingerprint.
-        heartbeat_s: how often it pings; an answer older than two periods is stale.
-        rpc_timeout_s: deadline of each call to the witness.
-        security: mutual TLS and the job token (None = neither).
-        on_answer: called when a grant's answer arrives (the leader re-evaluates).
-        clock: what an answer's age is measured on (seconds, monotonic).
+    It pings every ``settings.heartbeat_s`` (an answer older than two periods is stale);
+    ``on_answer`` is called when a grant's answer arrives (the leader re-evaluates).
     """
 
     def __init__(
         self,
-        address: str,
+        settings: CoordinatorSettings,
+        security: SiteSecurity,
         *,
-        site: str,
-        fingerprint: Mapping[str, str],
-        heartbeat_s: float,
-        rpc_timeout_s: float,
-        security: SiteSecurity | None = None,
-        on_answer: Callable[[], None] = lambda: None,
+        on_answer: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.address, self.site = address, site
-        self._fingerprint = pb.JobFingerprint(fields=dict(fingerprint))
-        self._heartbeat_s, self._rpc_timeout_s = heartbeat_s, rpc_timeout_s
-        self._channel = peer_channel(address, security=security or INSECURE)
+        self.address, self.site = settings.witness or "", settings.site
+        self._fingerprint = pb.JobFingerprint(fields=dict(settings.fingerprint))
+        self._heartbeat_s, self._rpc_timeout_s = settings.heartbeat_s, settings.rpc_timeout_s
+        self._channel = peer_channel(self.address, security=security)
         self._stub = pb_grpc.WitnessStub(self._channel)
         self._on_answer = on_answer
         self._clock = clock
@@ -207,7 +197,7 @@ class WitnessLink:
         self._stopped = threading.Event()
         self._wake = threading.Event()
         self._said: dict[str, str] = {}  # the last warning of each kind, logged when it changes
-        self._thread = threading.Thread(target=self._run, name=f"witness-{site}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"witness-{self.site}", daemon=True)
 
     @classmethod
     def of(
@@ -219,17 +209,8 @@ class WitnessLink:
         clock: Callable[[], float] = time.monotonic,
     ) -> WitnessLink | None:
         """The link of a coordinator with ``settings`` (None: the job has no witness)."""
-        if not settings.witness:
-            return None
-        return cls(
-            settings.witness,
-            site=settings.site,
-            fingerprint=settings.fingerprint,
-            heartbeat_s=settings.heartbeat_s,
-            rpc_timeout_s=settings.rpc_timeout_s,
-            security=security,
-            on_answer=on_answer,
-            clock=clock,
+        return (
+            cls(settings, security, on_answer=on_answer, clock=clock) if settings.witness else None
         )
 
     def start(self) -> WitnessLink:

@@ -17,6 +17,7 @@ import pytest
 from helpers import ManualClock
 
 from isthmus.inter.control.ballots import Ballots
+from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.control.state import Adoption, CoordinatorState
 from isthmus.proto import coordinator_pb2 as pb
 
@@ -28,9 +29,14 @@ NAMES = ["site0", "site1", "site2"]
 def make_state(
     site: str = "site1", *, ranks: int = 1, failure_timeout_s: float = 10.0, clock=time.monotonic
 ):
-    return CoordinatorState(
-        site=site, site_names=NAMES, ranks=ranks, failure_timeout_s=failure_timeout_s, clock=clock
+    settings = CoordinatorSettings(
+        site=site,
+        site_names=NAMES,
+        ranks=ranks,
+        fingerprint={},
+        failure_timeout_s=failure_timeout_s,
     )
+    return CoordinatorState(settings, clock)
 
 
 def info(name: str, lane: str | None = None) -> pb.SiteInfo:
