@@ -16,9 +16,8 @@ Commit protocol, so a crash at any point leaves the previous checkpoint usable:
    named by ``protect``: the newest one complete at every site, deploy/rank/checkpointing.py).
 
 A save that fails (a full disk: issue 33, row 12) removes its ``.partial`` folder and
-raises a CheckpointError naming the errno and the file; every save first removes the
-leftovers of saves that died (``.partial``, ``.stale-*``), so a restart frees their
-space before it writes.
+raises a CheckpointError naming the errno and the file; every save first removes what
+saves that died left (``.partial``, ``.stale-*``), so a restart frees it before it writes.
 
 ``latest`` accepts a folder only if its manifest is present and every file it
 lists has the recorded size; ``.partial`` folders never count. ``load`` first checks

@@ -52,14 +52,8 @@ T = TypeVar("T")
 
 
 def proxy_channel_options(address: tuple[str, int]) -> list[tuple[str, Any]]:
-    """gRPC channel options that route a channel through a proxy listener.
-
-    Args:
-        address: (host, port) returned by `Link.add_proxy`.
-
-    Returns:
-        Options for `grpc.insecure_channel(target, options=...)`.
-    """
+    """gRPC channel options that route a channel through the proxy listener at
+    ``address`` (what `Link.add_proxy` returned)."""
     return [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", f"http://{address[0]}:{address[1]}")]
 
 
@@ -120,17 +114,9 @@ class Link:
     def add_forward(
         self, target_host: str, target_port: int, initiator: str = "a"
     ) -> tuple[str, int]:
-        """Listen on 127.0.0.1 and forward every connection to one loopback target.
-
-        Args:
-            target_host: loopback host of the target server.
-            target_port: its port.
-            initiator: site of the connecting clients, "a" or "b": their bytes travel
-                that site's outbound direction, the answers the other.
-
-        Returns:
-            (host, port) the listener is bound to.
-        """
+        """Listen on 127.0.0.1 and forward every connection to one loopback target;
+        returns the listener's (host, port). ``initiator``: the site of the connecting
+        clients, "a" or "b" (their bytes travel its outbound direction)."""
         if not is_loopback(target_host):
             raise ValueError(f"target_host must be a loopback address, got {target_host!r}")
         address = self._call(self._listen(initiator, (target_host, int(target_port))))
@@ -138,15 +124,8 @@ class Link:
         return address
 
     def add_proxy(self, initiator: str = "a", port: int = 0) -> tuple[str, int]:
-        """Listen on 127.0.0.1 as an HTTP CONNECT proxy to loopback targets.
-
-        Args:
-            initiator: site of the connecting clients, "a" or "b".
-            port: port to listen on; 0 lets the OS pick.
-
-        Returns:
-            (host, port) the listener is bound to.
-        """
+        """Listen on 127.0.0.1 (``port``; 0 lets the OS pick) as an HTTP CONNECT proxy to
+        loopback targets for clients of site ``initiator``; returns (host, port)."""
         address = self._call(self._listen(initiator, None, port))
         self.note_listener("proxy", initiator, address, None)
         return address
@@ -166,7 +145,6 @@ class Link:
         """
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
-
         if self._closed or self._loop.is_closed():
             raise RuntimeError(f"link {self.name!r}: relay is closed")
         self._spec = spec
@@ -178,12 +156,8 @@ class Link:
         a_to_b: tuple[Impairment, ...] | None = None,
         b_to_a: tuple[Impairment, ...] | None = None,
     ) -> None:
-        """Replace the impairments of one or both directions (None keeps a direction's).
-
-        Args:
-            a_to_b: the new chain for bytes sent by a; () removes them all.
-            b_to_a: the new chain for bytes sent by b.
-        """
+        """Replace the impairments of bytes sent by a (``a_to_b``) and by b; None keeps a
+        direction's, () removes them all."""
         a, b = self._spec.a_to_b, self._spec.b_to_a
         self.update(
             LinkSpec(
@@ -194,7 +168,6 @@ class Link:
 
     def reset(self) -> None:
         """Reset every connection on the link now: both sides get RST."""
-
         for pipe in self._pipes.values():
             pipe.reset_connections()
 
@@ -214,12 +187,8 @@ class Link:
         For listeners that learn the target from the kernel and check it themselves
         (`isthmus.sim.transparent`): `target` may be any IPv4 address, so never pass one
         a client chose freely. The far side is connected after the request crosses the
-        link; either side failing resets both. Returns at once; the link owns `client`.
-
-        Args:
-            client: the accepted socket of the initiator's side.
-            target: (IPv4 address, port) to connect to.
-            initiator: site of the client, "a" or "b".
+        link; either side failing resets both. Returns at once; the link owns `client`
+        (the accepted socket of site ``initiator``'s side).
         """
         if initiator not in self._pipes:
             client.close()
@@ -390,11 +359,7 @@ class RelayServer:
         self._controls: list[ControlServer] = []
 
     def start(self) -> RelayServer:
-        """Start the loop thread (idempotent).
-
-        Returns:
-            self.
-        """
+        """Start the loop thread (idempotent); returns self."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("relay server is closed")
@@ -407,15 +372,8 @@ class RelayServer:
         return self
 
     def add_link(self, name: str, spec: LinkSpec) -> Link:
-        """Create a link with no listeners yet.
-
-        Args:
-            name: unique name, e.g. "siteA-siteB".
-            spec: the link's impairments.
-
-        Returns:
-            The link; add listeners with `add_forward` / `add_proxy`.
-        """
+        """A new link called ``name`` (unique, e.g. "siteA-siteB") with no listeners yet:
+        add them with `add_forward` / `add_proxy`."""
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
         self.start()
@@ -437,15 +395,9 @@ class RelayServer:
             return dict(self._links)
 
     def serve_control(self, host: str = "127.0.0.1", port: int = 0) -> ControlServer:
-        """Serve the HTTP/JSON control endpoint (`GET /links`, `POST /links/NAME`).
-
-        Args:
-            host: a loopback address: whoever reaches it can change the links.
-            port: 0 lets the OS pick.
-
-        Returns:
-            The server (its `address`); it stops with `close()` of this relay.
-        """
+        """Serve the HTTP/JSON control endpoint (`GET /links`, `POST /links/NAME`) on
+        ``host`` (loopback: whoever reaches it can change the links); it stops with
+        `close()` of this relay."""
         server = ControlServer(self, host, port)
         with self._lock:
             self._controls.append(server)
