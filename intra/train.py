@@ -44,14 +44,7 @@ from .tied import TiedEmbedding, tied_embedding
 from .topology import mesh_coordinate
 from .train_types import GradientSync, StepStats, SyncResult, TrainConfig
 
-__all__ = [
-    "GradientSync",
-    "StepStats",
-    "SyncResult",
-    "TrainConfig",
-    "Trainer",
-    "mesh_pp_group",
-]
+__all__ = ["GradientSync", "StepStats", "SyncResult", "TrainConfig", "Trainer", "mesh_pp_group"]
 
 
 def _round_bits(x: float, bits: int) -> float:
@@ -100,19 +93,18 @@ class Trainer:
     """Owns the site's parallelized model parts, their AdamW and the step.
 
     Args:
-        model: the whole unsharded model from ``build_model`` (parallelized in
-            place; with ``pp > 1`` only this rank's stages are kept).
-        mesh: the site mesh from ``build_site_mesh``; its device type is used.
-        config: optimizer and schedule.
-        parallel: TP/PP/FSDP techniques; ``None`` means ``ParallelConfig()``.
+        model: the whole unsharded model from ``build_model`` (parallelized in place;
+            with ``pp > 1`` only this rank's stages are kept).
+        mesh: the site mesh from ``build_site_mesh``; ``config``: optimizer and schedule.
+        parallel: TP/PP/FSDP techniques; ``None`` means ``ParallelConfig()`` (with
+            ``mixed_precision`` as a shorthand for ``parallel.mixed_precision=True``).
         sync: the cross-site gradient sync; ``None`` for a single site (no hook).
-        mixed_precision: shorthand for ``parallel.mixed_precision=True``.
 
     Attributes:
         model_parts: this rank's model parts (one, or its pipeline stages).
         model: ``model_parts[0]`` when ``pp == 1`` (the whole model), else ``None``.
         groups: the FSDP groups, indexed as ``GradientSync.start`` numbers them.
-        coordinate: this rank's ``(pp, dp, tp)``.
+        coordinate: this rank's ``(pp, dp, cp, tp)``.
     """
 
     def __init__(
@@ -127,8 +119,7 @@ class Trainer:
     ) -> None:
         parallel = _resolved_parallel(parallel, mixed_precision, mesh.device_type)
         self.config, self.sync, self.mesh, self.parallel = config, sync, mesh, parallel
-        self.step_in_progress = 0
-        """The step whose backward runs (the sync hooks name their rounds by it)."""
+        self.step_in_progress = 0  # the step whose backward runs (the sync hooks name rounds by it)
         self.device = _rank_device(mesh)
         self.pp, self.dp, self.cp, self.tp = (_axis_size(mesh, a) for a in MeshAxis)
         self.coordinate = (
@@ -147,8 +138,7 @@ class Trainer:
         self.groups = self._parallelize_parts()
         self.tied: TiedEmbedding | None = tied_embedding(self.model_parts, mesh, self.device)
         """With a head tied to the embedding and ``pp > 1``: this rank's copy of the tied
-        weight (first or last stage), whose gradient is summed with its partner's before
-        each optimizer step (intra/tied.py); None otherwise."""
+        weight, its gradient summed with its partner's before each step (intra/tied.py)."""
         self.model = self.model_parts[0] if self.pp == 1 else None
         self._is_first, self._is_last = 0 in self.stages, num_stages - 1 in self.stages
         self.schedule = self._pipeline_schedule(num_stages) if self.pp > 1 else None
@@ -250,27 +240,25 @@ class Trainer:
                 loss.backward()
                 total += loss.detach()
             return total
+        return self._scheduled(self.schedule.step, inputs, targets)
+
+    def _scheduled(
+        self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """The pipeline schedule's ``run`` (step or eval) over the micro-batches; this
+        rank's loss, 0 off the last stage."""
         args = (inputs,) if self._is_first else ()
         losses: list[torch.Tensor] = []
-        kwargs = {"target": targets, "losses": losses} if self._is_last else {}
-        self.schedule.step(*args, **kwargs)
+        run(*args, **({"target": targets, "losses": losses} if self._is_last else {}))
         if not self._is_last:
-            return torch.zeros((), device=self.device)
+            return torch.zeros((), device=self.device, dtype=torch.float32)
         # Each micro-batch loss is already divided by the count (MicrobatchLoss).
         return torch.stack([x.detach().float() for x in losses]).sum()
 
     def step(self, step_index: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepStats:
-        """One optimizer step on this rank's batch.
-
-        Every rank of a dp replica (its tp and pp ranks) gets the same batch.
-
-        Args:
-            step_index: the global step (drives the LR schedule).
-            inputs: int64 ``[batch, seq]`` token ids.
-            targets: int64 ``[batch, seq]`` next-token ids.
-
-        Returns:
-            The step's stats.
+        """One optimizer step on this rank's batch: int64 ``[batch, seq]`` token ids and
+        next-token ids, the same at every rank of a dp replica (its tp and pp ranks);
+        ``step_index`` (the global step) drives the LR schedule.
 
         Raises:
             Whatever ``sync.finish()`` raises; the optimizer has then not stepped (nor
@@ -333,12 +321,9 @@ class Trainer:
     def _site_sums(self, loss: torch.Tensor) -> list[float]:
         """One all-reduce over the site: [loss, MoE aux loss, load ratio, dropped share,
         MoE layer count], each summed over the site's ranks."""
-        # Only last-stage ranks hold a loss; the sum over the site counts each dp
-        # replica's loss tp times.
-        # Mixture of experts: each layer's load-balancing loss, load ratio and dropped
-        # share, summed with their count in the same all-reduce (a middle pipeline
-        # stage has layers, the last the loss): the site's mean over every layer and
-        # rank comes free.
+        # Only last-stage ranks hold a loss (the site's sum counts each replica's tp
+        # times). Each MoE layer's stats go with their count in the same all-reduce (a
+        # middle stage has layers, the last the loss): the site's mean comes free.
         moe = [m.last_stats for m in self._moe_layers if m.last_stats is not None]
         moe_sum = torch.stack(moe).sum(0).to(loss.device) if moe else loss.new_zeros(3)
         site = torch.cat(
@@ -407,19 +392,15 @@ class Trainer:
             by = _round_bits(norm, 16) if self.config.portable_clip else norm
             coef = clip / (by + 1e-6)
             if coef < 1.0:
-                local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-                torch._foreach_mul_(local, coef)
+                torch._foreach_mul_(self._local_grads(params), coef)
         return norm
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """The model's mean cross-entropy on one batch, no update (a collective).
-
-        Every rank of a dp replica passes the same batch (FSDP's forward gathers the
-        parameters on every dp rank); with pipeline stages the forward-only schedule
-        runs the micro-batches and the last stage shares the loss with the others. Every
-        rank of the site returns the same value when every replica has the same batch.
-        """
+        """The model's mean cross-entropy on one batch, no update (a collective): every
+        rank of a dp replica passes the same batch (FSDP's forward gathers the parameters
+        on every dp rank), and every rank of the site returns the same value when every
+        replica has the same batch (the last pipeline stage shares its loss)."""
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         try:
@@ -450,22 +431,13 @@ class Trainer:
             assert self.model is not None
             logits = self.model(inputs)
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        args = (inputs,) if self._is_first else ()
-        losses: list[torch.Tensor] = []
-        kwargs = {"target": targets, "losses": losses} if self._is_last else {}
-        self.schedule.eval(*args, **kwargs)
-        loss = torch.zeros((), device=self.device, dtype=torch.float32)
-        if self._is_last:  # each micro-batch loss is already divided by the count
-            loss = torch.stack([x.detach().float() for x in losses]).sum()
+        loss = self._scheduled(self.schedule.eval, inputs, targets)
         dist.all_reduce(loss, group=mesh_pp_group(self.mesh))  # only the last stage's is not 0
         return loss
 
     def parameter_digest(self) -> str:
-        """sha256 of the site's full parameters (a collective over the whole site).
-
-        Equal to ``digest.parameter_digest(model)`` of the unsplit model when
-        ``pp == 1``; with pipeline stages, a digest over the stages' digests.
-        """
+        """sha256 of the site's full parameters (a collective over the whole site): that of
+        the unsplit model when ``pp == 1``, else a digest over the stages' digests."""
         from .digest import parameter_digest
 
         return parameter_digest(
