@@ -118,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
     barrier()
     dist.destroy_process_group()
     if cross is not None:
-        for peer in cross.peers.values():
+        for peer in cross.membership.peers().values():
             peer.close()
         cross.server.stop(grace=1.0)
 
@@ -128,7 +128,7 @@ def cross_site(args: argparse.Namespace):
     from isthmus.inter.data.codecs.chain import make_codec
     from isthmus.inter.data.lane.peer import LanePeer
     from isthmus.inter.data.lane.server import LaneServer
-    from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
+    from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, FixedMembership
 
     site, chunk = args.site, int(args.chunk_mib * MIB)
     codec = make_codec(args.codec)
@@ -147,10 +147,7 @@ def cross_site(args: argparse.Namespace):
         connections=args.connections,
     )
     return CrossSiteAllReduce(
-        site_index=site,
-        num_sites=2,
-        server=server,
-        peers={1 - site: peer},
+        membership=FixedMembership(server, {1 - site: peer}),
         codec=codec,
         chunk_bytes=chunk,
         timeout_s=args.timeout_s,

@@ -16,7 +16,6 @@ link is the reference. Every round must end exact and identical at both sites.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -24,61 +23,19 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-from isthmus.inter.data.codecs.chain import make_codec
-from isthmus.inter.data.lane.peer import LanePeer
-from isthmus.inter.data.lane.server import LaneServer
 from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.transport import flow_clock
-from isthmus.sim import LinkSpec, RelayServer
+from isthmus.sim import LinkSpec
 from isthmus.sim.impairments.flow_stall import FlowStall
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from lanes import two_sites_over  # noqa: E402 (tests/, put on sys.path above)
+
 CHUNK = 1 << 20
-
-
-@contextlib.contextmanager
-def two_sites(args: argparse.Namespace) -> Iterator[tuple[list[CrossSiteAllReduce], object]]:
-    """Two sites' lanes and all-reduces across one emulated link; yields them and the link."""
-    spec = LinkSpec.symmetric(latency_s=args.rtt_ms / 2000, bandwidth_bps=args.gbit * 1e9)
-    with RelayServer() as relay:
-        link = relay.add_link("site0-site1", spec)
-        proxies = {0: link.add_proxy(initiator="a"), 1: link.add_proxy(initiator="b")}
-        servers = [
-            LaneServer(site_index=i, num_sites=2, codec="raw", chunk_bytes=CHUNK) for i in range(2)
-        ]
-        peers = [
-            LanePeer(
-                servers[1 - i].address,
-                chunk_bytes=CHUNK,
-                proxy="http://{}:{}".format(*proxies[i]),
-                connections=args.connections,
-            )
-            for i in range(2)
-        ]
-        ars = [
-            CrossSiteAllReduce(
-                site_index=i,
-                num_sites=2,
-                server=servers[i],
-                peers={1 - i: peers[i]},
-                codec=make_codec("raw"),
-                chunk_bytes=CHUNK,
-                timeout_s=args.timeout_s,
-            )
-            for i in range(2)
-        ]
-        try:
-            yield ars, link
-        finally:
-            for ar in ars:
-                ar.close()
-            for peer in peers:
-                peer.close()
-            for server in servers:
-                server.stop(0)
 
 
 def one_round(ars: list[CrossSiteAllReduce], tensors: list[torch.Tensor], step: int) -> dict:
@@ -114,7 +71,8 @@ def run(args: argparse.Namespace, case: str) -> dict:
     # "no deadlines": never due, the connection waits as it did before them.
     flow_clock.STALL_FLOOR_S = math.inf if case == "no deadlines" else args.floor_s
     try:
-        with two_sites(args) as (ars, link):
+        spec = LinkSpec.symmetric(latency_s=args.rtt_ms / 2000, bandwidth_bps=args.gbit * 1e9)
+        with two_sites_over(spec, CHUNK, args.connections, args.timeout_s) as (ars, _, link):
             g = torch.Generator().manual_seed(0)
             warm = [torch.randn(4 * CHUNK // 4, generator=g) for _ in range(2)]
             assert one_round(ars, warm, 0)["exact"], "the warm-up round failed"

@@ -7,10 +7,8 @@
 2026-12-03, ``PushChunks`` calls before), ``bulk`` or ``grpc``; ``--plain`` adds the
 bulk port without TLS, for scale.
 
-Both sites run in this process (a thread each, as tests/lanes.py wires them), with the
-job's certificates made in a temporary folder, so only public API is used and the same
-script measures an older tree (`PYTHONPATH=<shim>`, as benchmarks/lanes_side_by_side.sh
-shims one). GB/s is fp32 tensor a site a second, the median of the rounds after a
+Both sites run in this process (a thread each, wired by tests/lanes.py's ``lane_pair``),
+with the job's certificates made in a temporary folder. GB/s is fp32 tensor a site a second, the median of the rounds after a
 warm-up; "cpu s/GB" is the process's CPU per GB of one site's tensor.
 """
 
@@ -22,85 +20,42 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
+from pathlib import Path
 
 import torch
 
 from isthmus.deploy.commands.certs import write_certs
-from isthmus.inter.data.codecs.chain import make_codec
-from isthmus.inter.data.lane.peer import LanePeer
-from isthmus.inter.data.lane.server import LaneServer
-from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
 from isthmus.inter.security import SiteSecurity
 
-
-def _both(fns: list) -> list:
-    out: list = [None, None]
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 (reported in the table)
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from lanes import lane_pair, run_all  # noqa: E402 (tests/, put on sys.path above)
 
 
 def run_case(
     codec: str, mib: int, connections: int, rounds: int, certs: str, transport: str, tls: bool
 ) -> dict:
     """Median GB/s and CPU s/GB of ``rounds`` all-reduces of ``mib`` MiB a site."""
-    chunk = 4 << 20
     security = [
         SiteSecurity.load(certs, f"site{i}", require_tls=tls, require_token=True) for i in range(2)
-    ]
-    servers = [
-        LaneServer(
-            site_index=i,
-            num_sites=2,
-            codec=make_codec(codec).name,
-            chunk_bytes=chunk,
-            security=security[i],
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    peers = [
-        LanePeer(
-            servers[1 - i].address,
-            chunk_bytes=chunk,
-            connections=connections,
-            security=security[i],
-            transport=transport,
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    ars = [
-        CrossSiteAllReduce(
-            site_index=i,
-            num_sites=2,
-            server=servers[i],
-            peers={1 - i: peers[i]},
-            codec=make_codec(codec),
-            chunk_bytes=chunk,
-            timeout_s=120,
-        )  # fmt: skip
-        for i in range(2)
     ]
     n = mib * (1 << 20) // 4
     g = torch.Generator().manual_seed(0)
     data = [torch.randn(n, generator=g) * 1e-3 for _ in range(2)]
     walls, cpus = [], []
-    try:
+    with lane_pair(
+        codec=codec,
+        timeout_s=120,
+        connections=connections,
+        chunk_bytes=4 << 20,
+        transport=transport,
+        security=security.__getitem__,
+    ) as ars:
         for step in range(rounds + 1):  # the first round dials and warms up
             cpu0, t0 = time.process_time(), time.perf_counter()
-            res = _both(
-                [lambda s=s, k=step: ars[s].allreduce([data[s]], k, 0, True) for s in (0, 1)]
+            res = run_all(
+                [lambda s=s, k=step: ars[s].allreduce([data[s]], k, 0, True) for s in (0, 1)],
+                timeout=600,
             )
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             bad = [r for r in res if isinstance(r, BaseException)]
@@ -109,13 +64,6 @@ def run_case(
             if step:
                 walls.append(wall)
                 cpus.append(cpu)
-    finally:
-        for ar in ars:
-            ar.close()
-        for peer in peers:
-            peer.close()
-        for server in servers:
-            server.stop(0)
     gb = n * 4 / 1e9
     wall = statistics.median(walls)
     return {

@@ -1,10 +1,10 @@
 """Cross-site all-reduces over real gRPC lanes on loopback, one thread per site.
 
-What the all-reduce tests share (tests/inter/test_allreduce.py, test_allreduce_codecs.py,
-test_allreduce_cuda.py, test_bulk.py, test_convergence.py, test_integrity.py): ``sites``
-wires n sites' lane servers, peers and all-reduces together (``two_sites_over``: across an
-emulated link); ``run_all`` runs one
-callable per site, each in its own thread; ``inputs`` draws every site's tensors.
+What the all-reduce tests and the lane benchmarks share (tests/inter/test_allreduce.py,
+test_bulk.py, test_integrity.py, benchmarks/tls_lanes.py, ...): ``lane_pair`` wires n
+sites' lane servers, peers and all-reduces together (``two_sites_over``: across an
+emulated link); ``run_all`` runs one callable per site, each in its own thread;
+``inputs`` draws every site's tensors.
 """
 
 from __future__ import annotations
@@ -18,21 +18,27 @@ import torch
 from isthmus.inter.data.codecs.chain import make_codec
 from isthmus.inter.data.lane.peer import LanePeer
 from isthmus.inter.data.lane.server import LaneServer
-from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, FixedMembership
+from isthmus.inter.security import SiteSecurity
 
 CHUNK = 4096  # bytes: 1024 fp32 per chunk, small so odd tensor sizes straddle chunks
 
 
 @contextlib.contextmanager
-def sites(
-    n: int,
+def lane_pair(
+    n: int = 2,
     codec: str = "raw",
     timeout_s: float = 10.0,
     connections: int = 1,
     chunk_bytes: int = CHUNK,
     transport: str = "auto",
     max_workers: int = 32,
+    security: Callable[[int], SiteSecurity | None] = lambda site: None,
+    proxy: Callable[[int], str | None] = lambda site: None,
 ) -> Iterator[list[CrossSiteAllReduce]]:
+    """Two sites (or ``n``), one lane each, in generation 7: yields each site's
+    all-reduce (``ar.server`` its lane, ``ar.membership.peers()`` its clients of the
+    other sites' lanes, through ``proxy(site)`` and under ``security(site)``)."""
     servers = [
         LaneServer(
             site_index=i,
@@ -41,32 +47,30 @@ def sites(
             generation=7,
             chunk_bytes=chunk_bytes,
             max_workers=max_workers,
+            security=security(i),
         )
-        for i in range(n)
-    ]
-    peers = [
-        {
-            j: LanePeer(
-                servers[j].address,
-                chunk_bytes=chunk_bytes,
-                connections=connections,
-                transport=transport,
-            )
-            for j in range(n)
-            if j != i
-        }
         for i in range(n)
     ]
     ars = [
         CrossSiteAllReduce(
-            site_index=i,
-            num_sites=n,
-            server=servers[i],
-            peers=peers[i],
+            membership=FixedMembership(
+                servers[i],
+                {
+                    j: LanePeer(
+                        servers[j].address,
+                        chunk_bytes=chunk_bytes,
+                        proxy=proxy(i),
+                        connections=connections,
+                        security=security(i),
+                        transport=transport,
+                    )
+                    for j in range(n)
+                    if j != i
+                },
+            ),
             codec=make_codec(codec),
             chunk_bytes=chunk_bytes,
             timeout_s=timeout_s,
-            generation=7,
         )
         for i in range(n)
     ]
@@ -75,8 +79,8 @@ def sites(
     finally:
         for ar in ars:
             ar.close()
-        for p in peers:
-            for peer in p.values():
+        for ar in ars:
+            for peer in ar.membership.peers().values():
                 peer.close()
         for s in servers:
             s.stop(0)
@@ -118,59 +122,24 @@ def two_sites_over(
     chunk_bytes: int,
     connections: int,
     timeout_s: float,
-    security: Callable[[int], object] | None = None,
+    security: Callable[[int], SiteSecurity | None] = lambda site: None,
     transport: str = "auto",
 ) -> Iterator[tuple[list[CrossSiteAllReduce], list[LaneServer], object]]:
-    """Two raw sites whose lanes cross one emulated link of ``spec`` (a ``LinkSpec``):
-    yields their all-reduces, lane servers and the link (for its stats). The caller
-    names no gRPC proxy exception (``no_grpc_proxy``), so lanes cross the link.
-    ``security(site)`` gives a site's ``SiteSecurity`` (mutual TLS: chunks go on
-    ``PushChunks`` streams)."""
+    """Two raw sites (``lane_pair``) whose lanes cross one emulated link of ``spec`` (a
+    ``LinkSpec``): yields their all-reduces, lane servers and the link (for its stats).
+    The caller names no gRPC proxy exception (``no_grpc_proxy``), so lanes cross the
+    link."""
     from isthmus.sim import RelayServer
 
-    secure = security or (lambda site: None)
     with RelayServer() as relay:
         link = relay.add_link("site0-site1", spec)
-        proxies = {0: link.add_proxy(initiator="a"), 1: link.add_proxy(initiator="b")}
-        servers = [
-            LaneServer(
-                site_index=i,
-                num_sites=2,
-                codec="raw",
-                chunk_bytes=chunk_bytes,
-                security=secure(i),  # type: ignore[arg-type]
-            )
-            for i in range(2)
-        ]
-        peers = [
-            LanePeer(
-                servers[1 - i].address,
-                chunk_bytes=chunk_bytes,
-                proxy="http://{}:{}".format(*proxies[i]),
-                connections=connections,
-                security=secure(i),  # type: ignore[arg-type]
-                transport=transport,
-            )
-            for i in range(2)
-        ]
-        ars = [
-            CrossSiteAllReduce(
-                site_index=i,
-                num_sites=2,
-                server=servers[i],
-                peers={1 - i: peers[i]},
-                codec=make_codec("raw"),
-                chunk_bytes=chunk_bytes,
-                timeout_s=timeout_s,
-            )
-            for i in range(2)
-        ]
-        try:
-            yield ars, servers, link
-        finally:
-            for ar in ars:
-                ar.close()
-            for peer in peers:
-                peer.close()
-            for server in servers:
-                server.stop(0)
+        proxies = [link.add_proxy(initiator=side) for side in "ab"]
+        with lane_pair(
+            chunk_bytes=chunk_bytes,
+            connections=connections,
+            timeout_s=timeout_s,
+            transport=transport,
+            security=security,
+            proxy=lambda site: "http://{}:{}".format(*proxies[site]),
+        ) as ars:
+            yield ars, [ar.server for ar in ars], link

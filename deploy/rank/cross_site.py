@@ -126,7 +126,7 @@ class CrossSite:
 
     def rejoin(self, trainer: Trainer, decision: Decision) -> int:
         """The job went on without this site: move to its generation and pull its state."""
-        self.link.adopt(Generation.of(decision))
+        self.link.membership.adopt(Generation.of(decision))
         return self._pull(
             trainer,
             decision.generation,

@@ -1,14 +1,12 @@
 """The cross-site all-reduce benchmark: one process per lane, lanes over given links.
 
-:func:`run_case` starts one spawned process per site; each runs a real
-:class:`~isthmus.inter.data.lane.server.LaneServer`, :class:`~isthmus.inter.data.lane.peer.LanePeer`\\ s
-and a :class:`~isthmus.inter.data.round.allreduce.CrossSiteAllReduce`, warms its connections up,
-then all-reduces one tensor a step, every lane beginning each step when the parent says
-go (as a site's ranks begin a step's sync together in training). The links come from a factory the
-caller passes in (``inter`` does not import the WAN emulator; ``deploy`` wires it), so
-the same code can measure real links. Each codec's speed on one core, which tells when
-the CPU and not the link is the limit, comes from :mod:`~isthmus.inter.data.codecs.speed`
-(re-exported here: the benchmark is the data plane's one program that ``deploy`` imports).
+:func:`run_case` starts one spawned process per lane; each runs a real lane server, its
+peers and a :class:`~isthmus.inter.data.round.allreduce.CrossSiteAllReduce`, warms its
+connections up, then all-reduces one tensor a step, every lane beginning each step when
+the parent says go (as a site's ranks begin a step's sync together in training). The links
+come from a factory the caller passes in (``inter`` does not import the WAN emulator), so
+the same code can measure real links. Each codec's speed on one core comes from
+:mod:`~isthmus.inter.data.codecs.speed` (re-exported: ``deploy`` imports this module).
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ import torch
 from isthmus.inter.data.codecs.speed import MIB, codec_throughput, format_throughput
 
 if TYPE_CHECKING:  # imported at run time in the lane's process, after its environment
-    from isthmus.inter.data.lane.peer import LanePeer
-    from isthmus.inter.data.lane.server import LaneServer
     from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
 
 __all__ = [
@@ -68,12 +64,10 @@ class BenchCase:
     timeout_s: float = 600.0
     lanes: int = 1
     """Ranks per site, each with its own lane and process, all-reducing an equal slice
-    of the site's tensor with the same rank of every other site (docs/design.md: the shard
-    after the site's reduce-scatter). All of a site's lanes share its links."""
+    of the site's tensor with the same rank of every other site, over the site's links."""
     links: int = 1
-    """Emulated links between each pair of sites, each of ``gbit``; lane k crosses link
-    k mod ``links``, as the hosts of a site of several each have an uplink of their own
-    (1 = every lane of a site shares one link)."""
+    """Emulated links of ``gbit`` between each pair of sites; lane k crosses link k mod
+    ``links``, as the hosts of a site of several each have an uplink of their own."""
     device: str = "cpu"
     """``cuda``: each lane's slice lives on a GPU of its own (lane k of site i on GPU
     (i x lanes + k) mod count), so rounds decode, sum and encode there as in training."""
@@ -84,19 +78,16 @@ class BenchCase:
     in_flight: int = 4
     """Rounds in flight (``sync.rounds_in_flight``) when ``groups`` > 1."""
     load_ms: float = 0.0
-    """Compute per step, in ms, spread over the groups: before each group starts, the
-    lane's process does its share of matrix products (on its GPU, or its CPU), as
-    backward does before a group's gradients are ready. The figures then say how much
-    of the sync hid behind it (``exposed_s``)."""
+    """Compute per step, in ms: before each group starts, its share of matrix products
+    (as backward's before a group's gradients are ready); ``exposed_s`` then says how
+    much of the sync did not hide behind it."""
     repeats: int = 1
     """Timed steps, each begun by every lane together; the figures are those of the
     step whose slowest lane took the median time."""
     warmup: int = 2
-    """Full-size steps before the timed ones, as training has run them before its
-    steady state: a lane's first two steps pay first-use allocations that later steps
-    reuse (a CUDA lane's page-locked payload memory, which the outbox keeps a step
-    back; on 1x H200 a CUDA int8 lane moved 3.15 GB/s timed from its first step, 8.10
-    after two warm-up steps: docs/benchmarks/lanes.md, "Warm lanes")."""
+    """Full-size steps before the timed ones: a lane's first two pay first-use
+    allocations (on 1x H200 a CUDA int8 lane moved 3.15 GB/s timed from its first step,
+    8.10 after two warm-up steps: docs/benchmarks/lanes.md, "Warm lanes")."""
     certs_dir: str = ""
     """A job's certificates (`isthmus certs`, sites site0..): the lanes run mutual TLS
     (chunks on the bulk port inside TLS), as a secure job's do; empty = plaintext."""
@@ -117,14 +108,12 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
     torch.set_num_threads(1)
     from isthmus.inter.data.sync.gradient import LaneGradientSync
 
-    # As the rank program does once its imports are in (deploy/rank/program.py): their
-    # objects leave the cyclic collector's sight. Otherwise a full collection here walks
-    # torch's ~180k objects, 0.1-0.3 s on the 2-core VM with the GIL held, in whichever
-    # step it falls.
+    # As the rank program does (deploy/rank/program.py): else a full collection walks
+    # torch's ~180k objects, 0.1-0.3 s on the 2-core VM with the GIL held, in some step.
     gc.freeze()
     collector = _CollectorClock()
     c = BenchCase(**case)
-    server, peers, ar = _open_lane(index, c, conn)
+    ar = _open_lane(index, c, conn)
     sync = None
     try:
         device = _lane_device(c, index, rank)
@@ -150,20 +139,18 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
             sync.close()  # closes ar too
         else:
             ar.close()
-        for peer in peers.values():
+        for peer in ar.membership.peers().values():
             peer.close()
-        server.stop(0)
+        ar.server.stop(0)
 
 
-def _open_lane(
-    index: int, c: BenchCase, conn: Any
-) -> tuple[LaneServer, dict[int, LanePeer], CrossSiteAllReduce]:
+def _open_lane(index: int, c: BenchCase, conn: Any) -> CrossSiteAllReduce:
     """Start the lane's server, send its address to the parent, receive the peers'
-    (address, proxy) and connect: returns (server, peers by site, all-reduce)."""
+    (address, proxy) and connect: returns the all-reduce over them."""
     from isthmus.inter.data.codecs.chain import make_codec
     from isthmus.inter.data.lane.peer import LanePeer
     from isthmus.inter.data.lane.server import LaneServer
-    from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
+    from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, FixedMembership
     from isthmus.inter.security import SiteSecurity
 
     codec = make_codec(c.codec)
@@ -183,17 +170,13 @@ def _open_lane(
         )
         for j, (addr, proxy) in peers_info.items()
     }
-    ar = CrossSiteAllReduce(
-        site_index=index,
-        num_sites=c.sites,
-        server=server,
-        peers=peers,
+    return CrossSiteAllReduce(
+        membership=FixedMembership(server, peers),
         codec=codec,
         chunk_bytes=c.chunk_bytes,
         timeout_s=c.timeout_s,
         workers=c.workers,
     )
-    return server, peers, ar
 
 
 def _lane_device(c: BenchCase, index: int, rank: int) -> torch.device:
@@ -225,9 +208,8 @@ def _median_report(
     collector: _CollectorClock,
 ) -> dict[str, Any]:
     """Run ``c.warmup`` untimed steps, then ``c.repeats`` timed ones, each begun when
-    every lane is ready (``barrier``), as a site's ranks begin a step's sync together
-    in training; this lane's figures of its step of median wall time, every timed
-    step's in ``steps``, and the digest of the tensor after the last."""
+    every lane is ready (``barrier``): this lane's figures of its step of median wall
+    time, every timed step's in ``steps``, and the digest of the tensor after the last."""
     for step in range(1, c.warmup + 1):
         barrier()
         _timed_step(ar, sync, c, tensor, load, step)
@@ -262,9 +244,8 @@ def _median_report(
 
 
 class _CollectorClock:
-    """Seconds this process has spent in the cyclic garbage collector, which holds the
-    GIL throughout (``gc.callbacks``): a step's share tells a slow step that was a
-    collection from one that was the wire."""
+    """Seconds this process has spent in the cyclic garbage collector (``gc.callbacks``):
+    a step's share tells a slow step that was a collection from one that was the wire."""
 
     def __init__(self) -> None:
         self.total_s = 0.0
@@ -279,9 +260,8 @@ class _CollectorClock:
 
 
 class _Load:
-    """Matrix products standing in for backward: ``ms`` of them per call, queued on
-    the GPU's current stream (the CPU runs ahead, as training's does) or run on the
-    CPU (blocking)."""
+    """Matrix products standing in for backward: ``ms`` of them per call, queued on the
+    GPU's current stream (the CPU runs ahead, as training's does) or run on the CPU."""
 
     def __init__(self, device: torch.device, ms: float) -> None:
         self.device, self.ms = device, ms
@@ -315,11 +295,10 @@ def _timed_step(
 ) -> tuple[Any, float, float]:
     """The measured all-reduce: one plain round, or ``c.groups`` rounds started as
     backward would start them. Returns (stats, compute seconds, sync seconds)."""
+    t0 = time.perf_counter()
     if c.groups == 1 and load is None:
-        t0 = time.perf_counter()
         stats = ar.allreduce([tensor], step=step, group=0, average=True)
         return stats, 0.0, time.perf_counter() - t0
-    t0 = time.perf_counter()
     began = done = None
     if tensor.is_cuda:
         began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -339,18 +318,10 @@ def _timed_step(
 
 
 def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
-    """Runs one case, one process per lane (``case.lanes`` per site).
-
-    Args:
-        case: the grid point; ``chunk_bytes`` must already be resolved (> 0).
-        links: makes the emulated (or real) links between the sites.
-    Returns:
-        The case's parameters and figures: ``wall_s`` (slowest site), ``goodput_mb_s``,
-        ``link_bound_s``, ``efficiency``, ``compression_ratio``, ``cpu_s_per_gb``,
-        ``identical`` (every site ended with the same bits), ``corrupt_chunks``.
-    Raises:
-        RuntimeError: a site failed or timed out; the message names it.
-    """
+    """Runs one case (``chunk_bytes`` resolved, > 0), one process per lane, over the
+    links ``links`` makes: the case's parameters and figures (``wall_s`` of the slowest
+    site, ``goodput_mb_s``, ``efficiency``, ``identical``: every site ended with the same
+    bits, ...). Raises RuntimeError naming a site that failed or timed out."""
     ctx = multiprocessing.get_context("spawn")
     spec = dataclasses.asdict(case)
     pipes, procs = [], []
@@ -410,10 +381,8 @@ def _recv(pipe: Any, index: int, timeout: float) -> Any:
 
 
 def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """The case's figures from its lanes' reports, all of one timed step: the step whose
-    slowest lane took the median time. Every lane begins a step together, so the slowest
-    lane's time is the step's, as it is for a site in training; the medians of lanes
-    taken one by one could come from different steps."""
+    """The case's figures from its lanes' reports, all of the timed step whose slowest
+    lane (whose time is the step's, as a site's in training) took the median time."""
     tensor_bytes = int(case.mib * MIB) // 4 * 4
     timed = len(reports[0]["steps"])
     step_walls = [max(r["steps"][k]["wall_s"] for r in reports) for k in range(timed)]
@@ -440,12 +409,10 @@ def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]
         # Faults count over every timed step, not the median one only.
         "corrupt_chunks": sum(s["corrupt_chunks"] for r in reports for s in r["steps"]),
         "stalled_flows": sum(s["stalled_flows"] for r in reports for s in r["steps"]),
-        # With groups and load: the slowest lane's compute, and how long its step
-        # waited for the sync after the compute was done.
+        # With groups and load: the slowest lane's compute, and its wait for the sync after.
         "compute_s": max(s["compute_s"] for s in lanes),
         "exposed_s": max(s["exposed_s"] for s in lanes),
-        # Bytes a site put on its links (all its lanes) against what the links carry
-        # in the time the slowest lane's rounds ran.
+        # A site's bytes against what its links carry while the slowest lane's rounds ran.
         "link_utilization": _link_utilization(case, lanes),
         "step_walls_s": step_walls,
         "sites_detail": reports,

@@ -11,13 +11,17 @@ import numpy as np
 import pytest
 import torch
 from helpers import raw_chunk
-from lanes import CHUNK, inputs, run_all, sites
+from lanes import CHUNK, inputs, lane_pair, run_all
 
 from isthmus.inter.data.codecs.chain import crc32, make_codec
 from isthmus.inter.data.lane.mailbox import CORRUPT, Mailbox
 from isthmus.inter.data.lane.peer import LanePeer
 from isthmus.inter.data.lane.server import PASS_METADATA, LaneServer
-from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, CrossSiteError
+from isthmus.inter.data.round.allreduce import (
+    CrossSiteAllReduce,
+    CrossSiteError,
+    FixedMembership,
+)
 from isthmus.inter.data.round.context import Members
 from isthmus.inter.data.sync.gradient import LaneGradientSync
 from isthmus.proto import lane_pb2, lane_pb2_grpc
@@ -33,7 +37,7 @@ SIZES = [[1000, 3, 2500], [17], [1024], [5, 4096, 1]]  # incl. < one chunk, exac
 def test_allreduce_is_exact_and_identical(
     num_sites: int, codec: str, average: bool, transport: str
 ) -> None:
-    with sites(num_sites, codec, transport=transport) as ars:
+    with lane_pair(num_sites, codec, transport=transport) as ars:
         for step, sizes in enumerate(SIZES):
             data = inputs(num_sites, sizes, seed=step)
             # Reference in the owner's fixed site order, in float32.
@@ -62,7 +66,7 @@ def test_allreduce_is_exact_and_identical(
 
 @pytest.mark.timeout(30)
 def test_multiple_connections_and_groups() -> None:
-    with sites(3, "zstd:1", connections=3) as ars:
+    with lane_pair(3, "zstd:1", connections=3) as ars:
         for group in range(3):
             data = inputs(3, [3000, 7], seed=group)
             want = [data[0][k] + data[1][k] + data[2][k] for k in range(2)]
@@ -75,21 +79,10 @@ def test_multiple_connections_and_groups() -> None:
 
 @pytest.mark.timeout(10)
 def test_single_site_is_a_no_op() -> None:
-    server = LaneServer(site_index=0, num_sites=1, codec="raw", chunk_bytes=CHUNK)
-    try:
-        ar = CrossSiteAllReduce(
-            site_index=0,
-            num_sites=1,
-            server=server,
-            peers={},
-            codec=make_codec("raw"),
-            chunk_bytes=CHUNK,
-        )
+    with lane_pair(1) as (ar,):
         x = torch.arange(10.0)
         stats = ar.allreduce([x], 0, 0, average=True)
         assert torch.equal(x, torch.arange(10.0)) and stats.bytes_sent == 0
-    finally:
-        server.stop(0)
 
 
 # --- the server refuses bad input and keeps its state --------------------------------
@@ -317,7 +310,7 @@ def test_mailbox_take_times_out_and_discards() -> None:
 
 @pytest.mark.timeout(20)
 def test_peer_that_never_runs_its_round() -> None:
-    with sites(2, timeout_s=1.0) as ars:
+    with lane_pair(2, timeout_s=1.0) as ars:
         t0 = time.monotonic()
         # Timed out waiting for site 1, or for the bulk ticket site 1 grants only once
         # its own round with site 0 has begun.
@@ -339,10 +332,7 @@ def test_peer_that_never_answers_tcp() -> None:
     peer = LanePeer(f"127.0.0.1:{hole.getsockname()[1]}", chunk_bytes=CHUNK)
     try:
         ar = CrossSiteAllReduce(
-            site_index=0,
-            num_sites=2,
-            server=server,
-            peers={1: peer},
+            membership=FixedMembership(server, {1: peer}),
             codec=make_codec("raw"),
             chunk_bytes=CHUNK,
             timeout_s=1.0,
@@ -361,7 +351,7 @@ def test_peer_that_never_answers_tcp() -> None:
 
 @pytest.mark.timeout(20)
 def test_generation_mismatch_fails_fast() -> None:
-    with sites(2, timeout_s=5.0) as ars:
+    with lane_pair(2, timeout_s=5.0) as ars:
         ars[1].server.set_members(Members(8, 1, 2))
         ended: dict[int, float] = {}
 
@@ -382,19 +372,15 @@ def test_generation_mismatch_fails_fast() -> None:
 
 
 def test_the_lane_server_holds_the_ranks_one_membership() -> None:
-    """One copy of the membership on a rank: the all-reduce and its rounds read the
-    lane server's, so moving it there moves them, and a bad one is refused whole."""
-    with sites(2) as ars:
+    """One copy of the membership on a rank: the all-reduce's rounds read the lane
+    server's (through the rank's membership), so moving it there moves them, and a bad
+    one is refused whole."""
+    with lane_pair(2) as ars:
         ar, server = ars[0], ars[0].server
-        assert ar.members is server.members
-        server.set_members(Members(9, 0, 2, ("a", "b")))
-        assert (ar.generation, ar.site_index, ar.num_sites) == (9, 0, 2)
-        assert ar.view().generation == 9
-        ar.reconfigure(Members(10, 1, 2, ("b", "a")), {0: ar.peers[1]})
-        assert server.members == Members(10, 1, 2, ("b", "a")) and ar.site_index == 1
-        with pytest.raises(ValueError, match=r"peers must cover sites \[1\]"):
-            ar.reconfigure(Members(11, 0, 2), {0: ar.peers[0]})
-        assert server.generation == 10  # refused before anything moved
+        assert ar.membership.members is server.members
+        server.set_members(Members(9, 1, 2, ("b", "a")))
+        view = ar.view()
+        assert (view.generation, view.site_index, view.num_sites) == (9, 1, 2)
     with pytest.raises(ValueError, match=r"site_index must be in \[0, 2\), got 2"):
         Members(1, 2, 2)
     with pytest.raises(ValueError, match="1 site names for 2 sites"):
@@ -406,7 +392,7 @@ def test_the_lane_server_holds_the_ranks_one_membership() -> None:
 
 @pytest.mark.timeout(30)
 def test_gradient_sync_averages_groups() -> None:
-    with sites(2, "zstd:1") as ars:
+    with lane_pair(2, "zstd:1") as ars:
         syncs = [LaneGradientSync(ar) for ar in ars]
         shards = inputs(2, [2100, 9], seed=3)
         want = [(shards[0][g] + shards[1][g]) / 2 for g in range(2)]
@@ -431,7 +417,7 @@ def test_gradient_sync_averages_groups() -> None:
 
 @pytest.mark.timeout(30)
 def test_gradient_sync_failure_leaves_shards_alone() -> None:
-    with sites(2, timeout_s=1.0) as ars:
+    with lane_pair(2, timeout_s=1.0) as ars:
         # One round at a time, so group 1's starts after group 0's failed.
         sync = LaneGradientSync(ars[0], rounds_in_flight=1)
         ran: list[int] = []
@@ -456,7 +442,7 @@ def test_gradient_sync_failure_leaves_shards_alone() -> None:
             # skipped instead of waiting out a timeout of its own.
             assert ran == [0]
             assert torch.equal(shard, torch.ones(100))
-            assert not ars[0].abort.is_set()  # cleared for the next step
+            assert not ars[0].membership.abort.is_set()  # cleared for the next step
         finally:
             sync.close()
 
@@ -469,7 +455,7 @@ def test_a_shared_round_sums_each_sites_slot_to_the_same_bits_everywhere() -> No
     another's crosses to within fp32 rounding instead of rounding to zero."""
     from isthmus.inter.data.codecs.int8 import BLOCK
 
-    with sites(3, "int8") as ars:
+    with lane_pair(3, "int8") as ars:
         syncs = [LaneGradientSync(ar) for ar in ars]
         slots = [0.0123, 250.5, 0.0]  # site 2 reports nothing (as a site just rejoined)
         shared = [torch.zeros(3 * BLOCK) for _ in range(3)]
@@ -501,7 +487,7 @@ def test_a_shared_round_sums_each_sites_slot_to_the_same_bits_everywhere() -> No
 
 
 def test_share_takes_only_a_host_fp32_tensor() -> None:
-    with sites(2) as ars:
+    with lane_pair(2) as ars:
         sync = LaneGradientSync(ars[0])
         try:
             with pytest.raises(ValueError, match="CPU fp32 tensor"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lanes import inputs, run_all, same_bits, sites
+from lanes import inputs, lane_pair, run_all, same_bits
 
 from isthmus.deploy.config.job import load_config
 from isthmus.inter.data.sync.gradient import LaneGradientSync
@@ -23,7 +23,7 @@ def _reference(data: list[list[torch.Tensor]], k: int, average: bool) -> torch.T
 @pytest.mark.parametrize("num_sites", [2, 3])
 @pytest.mark.parametrize("codec", ["raw+shuffle+zstd:1", "zstd:1:2"])
 def test_lossless_chains_are_exact(num_sites: int, codec: str) -> None:
-    with sites(num_sites, codec, connections=2) as ars:
+    with lane_pair(num_sites, codec, connections=2) as ars:
         data = inputs(num_sites, [5000, 3], seed=1)
         want = [_reference(data, k, True) for k in range(2)]
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 2, 1, True) for s in range(num_sites)])
@@ -36,7 +36,7 @@ def test_lossless_chains_are_exact(num_sites: int, codec: str) -> None:
     "codec", ["bf16", "bf16+shuffle+zstd:1", "int8", "int8+zstd:1", "int4", "int4+zstd:1"]
 )
 def test_lossy_chains_give_every_site_the_same_bits(num_sites: int, codec: str) -> None:
-    with sites(num_sites, codec) as ars:
+    with lane_pair(num_sites, codec) as ars:
         for step in range(3):
             data = inputs(num_sites, [5000, 7], seed=step)
             want = [_reference(data, k, True) for k in range(2)]
@@ -63,7 +63,7 @@ def test_lossy_chains_give_every_site_the_same_bits(num_sites: int, codec: str) 
 
 
 def test_gradient_sync_exposes_codec_state() -> None:
-    with sites(2, "int8") as ars:
+    with lane_pair(2, "int8") as ars:
         syncs = [LaneGradientSync(ar) for ar in ars]
         shards = inputs(2, [3000], seed=3)
 

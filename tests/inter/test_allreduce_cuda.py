@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from lanes import inputs, run_all, same_bits, sites
+from lanes import inputs, lane_pair, run_all, same_bits
 
 from isthmus.inter.data.codecs import int8_kernels
 from isthmus.inter.data.codecs.int8 import Int8Stage
@@ -35,7 +35,7 @@ pytestmark = [
 def test_cuda_rounds_match_cpu_rounds_bit_for_bit(codec: str, num_sites: int) -> None:
     results = {}
     for device in ("cpu", "cuda"):
-        with sites(num_sites, codec, chunk_bytes=64 * 1024) as ars:
+        with lane_pair(num_sites, codec, chunk_bytes=64 * 1024) as ars:
             out = []
             for step in range(3):  # error feedback carries across steps
                 data = inputs(num_sites, [300_001], seed=step)
@@ -183,7 +183,7 @@ def test_rounds_of_a_1b_gradient_under_load_stay_finite_and_exact() -> None:
     count = torch.cuda.device_count()
     devices = [torch.device("cuda", s % count) for s in range(2)]
     n = LAYER_1B
-    with sites(2, "int8", timeout_s=120.0, chunk_bytes=16 << 20) as ars:
+    with lane_pair(2, "int8", timeout_s=120.0, chunk_bytes=16 << 20) as ars:
         syncs = [LaneGradientSync(ar, rounds_in_flight=4) for ar in ars]
         shards = [[torch.empty(n, device=d) for _ in range(groups)] for d in devices]
         loads = [_backward_like(d, 1500.0 / groups) for d in devices]

@@ -15,12 +15,12 @@ import grpc
 import pytest
 import torch
 from helpers import raw_chunk, wait_until
-from lanes import inputs, run_all, sites
+from lanes import inputs, lane_pair, run_all
 
 from isthmus.inter.data.codecs.chain import crc32, make_codec
 from isthmus.inter.data.lane.peer import LanePeer
 from isthmus.inter.data.lane.server import LaneServer
-from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
+from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, FixedMembership
 from isthmus.inter.data.round.context import Members
 from isthmus.inter.data.transport.bulk import (
     ACCEPTED,
@@ -205,7 +205,7 @@ def test_with_tls_chunks_go_on_the_bulk_port_inside_tls_unless_there_is_none(job
 
 
 def test_rounds_go_on_after_the_peer_drops_the_connection() -> None:
-    with sites(2, "raw", transport="bulk") as ars:
+    with lane_pair(2, "raw", transport="bulk") as ars:
         for step in range(3):
             data = inputs(2, [5000], seed=step)
             want = data[0][0] + data[1][0]
@@ -250,7 +250,7 @@ def test_a_flood_of_connections_without_tickets_stays_bounded_and_rounds_go_on()
 
     from isthmus.inter.data.transport.bulk import MAX_UNTICKETED
 
-    with sites(2, "raw", transport="bulk") as ars:
+    with lane_pair(2, "raw", transport="bulk") as ars:
         port = ars[0].server._bulk.port
         threads = threading.active_count()
         flood = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(100)]
@@ -409,14 +409,10 @@ def test_a_lane_not_met_yet_gets_its_ticket_once_its_round_begins() -> None:
     default_peer = {"a": peers["a->c"], "b": peers["b->c"], "c": peers["c->a"]}
     ars = {
         name: CrossSiteAllReduce(
-            site_index=server.site_index,
-            num_sites=2,
-            server=server,
-            peers={1 - server.site_index: default_peer[name]},
+            membership=FixedMembership(server, {1 - server.site_index: default_peer[name]}),
             codec=make_codec("raw"),
             chunk_bytes=chunk,
             timeout_s=20,
-            generation=7,
         )
         for name, server in zip("abc", servers, strict=True)
     }

@@ -18,13 +18,11 @@ import grpc
 import pytest
 import torch
 from helpers import raw_chunk, wait_until
-from lanes import run_all
+from lanes import lane_pair, run_all
 
 from isthmus.deploy.commands.certs import write_certs
-from isthmus.inter.data.codecs.chain import crc32, make_codec
-from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.data.codecs.chain import crc32
 from isthmus.inter.data.lane.server import LaneServer
-from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
 from isthmus.inter.data.round.context import Members
 from isthmus.inter.data.transport import wirecore
 from isthmus.inter.data.transport.bulk import ACCEPTED, MAGIC, OK, REFUSED, frame_bytes
@@ -195,51 +193,26 @@ def test_a_round_on_the_bulk_port_inside_tls_is_exact_and_nothing_crosses_in_the
     monkeypatch.setenv("no_grpc_proxy", "none.invalid")
     proxy = _RecordingProxy()
     secure = [security(job_dir, f"site{i}") if tls else None for i in range(2)]
-    servers = [
-        LaneServer(site_index=i, num_sites=2, codec="raw", chunk_bytes=1 << 16, security=secure[i])
-        for i in range(2)
-    ]
-    peers = [
-        LanePeer(
-            servers[1 - i].address,
-            chunk_bytes=1 << 16,
-            proxy=proxy.url,
-            connections=2,
-            security=secure[i],
-        )
-        for i in range(2)
-    ]
-    ars = [
-        CrossSiteAllReduce(
-            site_index=i,
-            num_sites=2,
-            server=servers[i],
-            peers={1 - i: peers[i]},
-            codec=make_codec("raw"),
-            chunk_bytes=1 << 16,
-            timeout_s=30,
-        )
-        for i in range(2)
-    ]
     try:
-        assert all(p.transport == "bulk" for p in peers)
-        pattern = torch.frombuffer(bytearray(PATTERN * 4096), dtype=torch.float32)
-        data = [[pattern.clone()], [torch.zeros_like(pattern)]]
-        want = pattern.clone()
-        res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
-        assert not any(isinstance(r, BaseException) for r in res), res
-        assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
+        with lane_pair(
+            timeout_s=30,
+            connections=2,
+            chunk_bytes=1 << 16,
+            security=secure.__getitem__,
+            proxy=lambda site: proxy.url,
+        ) as ars:
+            assert all(p.transport == "bulk" for a in ars for p in a.membership.peers().values())
+            pattern = torch.frombuffer(bytearray(PATTERN * 4096), dtype=torch.float32)
+            data = [[pattern.clone()], [torch.zeros_like(pattern)]]
+            want = pattern.clone()
+            res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
+            assert not any(isinstance(r, BaseException) for r in res), res
+            assert torch.equal(data[0][0], want) and torch.equal(data[1][0], want)
         with proxy._lock:
             wire = bytes(proxy.sent)
         assert len(wire) > pattern.numel() * 4  # the payload went through the proxy
         assert (PATTERN in wire) is not tls
     finally:
-        for ar in ars:
-            ar.close()
-        for p in peers:
-            p.close()
-        for s in servers:
-            s.stop(0)
         proxy.close()
 
 

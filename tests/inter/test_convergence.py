@@ -14,7 +14,7 @@ import hashlib
 import pytest
 import torch
 import torch.nn.functional as F
-from lanes import run_all, sites
+from lanes import lane_pair, run_all
 
 from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.corpus.tokens import stdlib_corpus
@@ -33,7 +33,7 @@ def _train(codec: str, corpus) -> tuple[float, list[str]]:
         ShardedBatches(corpus, seq_len=64, batch_size=8, seed=0, shard_index=s, num_shards=2)
         for s in range(2)
     ]
-    with sites(2, codec, timeout_s=30.0, chunk_bytes=64 * 1024) as ars:
+    with lane_pair(2, codec, timeout_s=30.0, chunk_bytes=64 * 1024) as ars:
 
         def site(s: int) -> None:
             for step in range(STEPS):

@@ -91,12 +91,12 @@ def test_fused_int8_equals_the_torch_code_bit_for_bit() -> None:
 _ROUNDS = textwrap.dedent(
     """
     import os, torch
-    from lanes import inputs, run_all, same_bits, sites
+    from lanes import inputs, run_all, same_bits, lane_pair
     from isthmus.inter.data.round.pipeline import NonFiniteGradient, PeerAborted
 
     def rounds(fused):
         os.environ["ISTHMUS_FUSED"] = fused
-        with sites(2, "int8") as ars:
+        with lane_pair(2, "int8") as ars:
             out = []
             for step in range(3):  # error feedback carries across steps
                 data = inputs(2, [5000], seed=step)
@@ -119,7 +119,7 @@ _ROUNDS = textwrap.dedent(
     # sends (checked on the payload's scales) alike.
     os.environ["ISTHMUS_FUSED"] = "1"
     for chunk in range(5):
-        with sites(2, "int8", timeout_s=5.0) as ars:
+        with lane_pair(2, "int8", timeout_s=5.0) as ars:
             data = inputs(2, [5000], seed=9)
             data[0][0][chunk * 1024 + 7] = float("nan") if chunk % 2 else float("inf")
             res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False)

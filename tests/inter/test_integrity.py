@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from lanes import inputs, run_all, same_bits, sites, two_sites_over
+from lanes import inputs, lane_pair, run_all, same_bits, two_sites_over
 
 from isthmus.inter.data.codecs.chain import crc32
 from isthmus.inter.data.codecs.int8 import BLOCK
@@ -59,7 +59,7 @@ def test_corrupt_chunks_are_pulled_again_and_result_is_exact(
     corrupt_every: dict, num_sites: int, codec: str, transport: str
 ) -> None:
     corrupt_every["every"] = 3
-    with sites(num_sites, codec, transport=transport) as ars:
+    with lane_pair(num_sites, codec, transport=transport) as ars:
         total_corrupt = 0
         for step in range(3):
             data = inputs(num_sites, [7000, 5], seed=step)
@@ -110,7 +110,7 @@ def test_chunk_corrupt_again_on_the_way_back_is_pulled_again(
         original(self, frame, nonce, timeout)
 
     monkeypatch.setattr(LanePeer, "deliver", deliver)
-    with sites(2, "int8+zstd:1") as ars:
+    with lane_pair(2, "int8+zstd:1") as ars:
         data = inputs(2, [9000], seed=5)
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
         assert not any(isinstance(r, BaseException) for r in res), res
@@ -174,7 +174,7 @@ def forge_nan_first(monkeypatch: pytest.MonkeyPatch):
 def test_chunks_of_nan_are_refused_before_summing_and_the_real_ones_pulled(
     forge_nan_first: dict, transport: str, codec: str
 ) -> None:
-    with sites(3, codec, transport=transport) as ars:
+    with lane_pair(3, codec, transport=transport) as ars:
         data = inputs(3, [7000, 5], seed=3)
         want = [data[0][k] + data[1][k] + data[2][k] for k in range(2)]
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(3)])
@@ -192,7 +192,7 @@ def test_chunks_of_nan_are_refused_before_summing_and_the_real_ones_pulled(
 
 
 def test_a_site_whose_gradient_holds_nan_sends_nothing_and_says_so() -> None:
-    with sites(2, "int8+zstd:1", timeout_s=2.0) as ars:
+    with lane_pair(2, "int8+zstd:1", timeout_s=2.0) as ars:
         data = inputs(2, [9000], seed=1)
         data[0][0][4321] = float("inf")
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
@@ -260,7 +260,7 @@ def test_a_forged_chunk_of_another_size_is_pulled_again_not_taken_for_another_mo
         chunk.total_elements += 2  # a gradient of two values more
 
     forged = forge_first_copies(monkeypatch, bigger)
-    with sites(2, "raw") as ars:
+    with lane_pair(2, "raw") as ars:
         data = inputs(2, [3000], seed=4)
         want = data[0][0] + data[1][0]
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
@@ -272,7 +272,7 @@ def test_a_forged_chunk_of_another_size_is_pulled_again_not_taken_for_another_mo
 def test_sites_whose_gradients_differ_in_size_fail_with_model_mismatch() -> None:
     """5 values at site 0, 7 at site 1: never retried (GradientSync raises it), named
     with both sizes; the site that heard of it first from the other's abort gets that."""
-    with sites(2, "raw", timeout_s=30.0) as ars:
+    with lane_pair(2, "raw", timeout_s=30.0) as ars:
         data = [[torch.ones(5)], [torch.ones(7)]]
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
         mismatched = [r for r in res if isinstance(r, ModelMismatch)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import wait_until
-from lanes import CHUNK, inputs, run_all, sites
+from lanes import CHUNK, inputs, lane_pair, run_all
 
 from isthmus.inter.data.lane.server import (
     PASS_METADATA,
@@ -115,7 +115,7 @@ def test_one_chunk_calls_the_peer_has_no_slot_for_go_again_later() -> None:
     flight a connection: a lane with one stream slot refuses the calls past it
     (RESOURCE_EXHAUSTED, its threads busy), and those go again 50 ms later instead of
     failing the round."""
-    with sites(2, connections=3, transport="grpc", max_workers=RESERVED_THREADS + 1) as ars:
+    with lane_pair(2, connections=3, transport="grpc", max_workers=RESERVED_THREADS + 1) as ars:
         data = inputs(2, [40 * CHUNK // 4], seed=4)  # 40 chunks, 20 each way
         want = data[0][0] + data[1][0]
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])

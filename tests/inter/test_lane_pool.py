@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from lanes import inputs, run_all, same_bits, sites
+from lanes import inputs, lane_pair, run_all, same_bits
 
 from isthmus.inter.data.codecs.int8 import Int8Stage
 from isthmus.inter.data.round.context import CrossSiteError
@@ -51,7 +51,7 @@ def _heals(ars, step):
 def test_a_codec_thread_that_hangs_fails_its_round_and_the_retry_gets_new_threads(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with sites(2, "int8", timeout_s=3.0, chunk_bytes=16 * 1024) as ars:
+    with lane_pair(2, "int8", timeout_s=3.0, chunk_bytes=16 * 1024) as ars:
         stage = _HangsWhenArmed()
         ars[0].codec.tensor = stage
         _heals(ars, 1)
@@ -73,7 +73,7 @@ def test_a_codec_thread_that_hangs_fails_its_round_and_the_retry_gets_new_thread
 
 @pytest.mark.timeout(60)
 def test_a_pool_shut_down_under_the_lane_fails_one_round_then_heals() -> None:
-    with sites(2, "int8", timeout_s=3.0, chunk_bytes=16 * 1024) as ars:
+    with lane_pair(2, "int8", timeout_s=3.0, chunk_bytes=16 * 1024) as ars:
         _heals(ars, 1)
         ars[0].pool.shutdown(wait=True)
         res = _round(ars, inputs(2, [40_000], seed=2), 2)
@@ -94,7 +94,7 @@ def test_threads_lost_under_two_groups_fail_both_rounds_at_once_then_heal() -> N
 
     from isthmus.deploy.rank.faults import _PoolLostMidRound
 
-    with sites(2, "int8", timeout_s=20.0, chunk_bytes=16 * 1024) as ars:
+    with lane_pair(2, "int8", timeout_s=20.0, chunk_bytes=16 * 1024) as ars:
         _heals(ars, 1)
         ars[1].pool = _PoolLostMidRound(ars[1].workers, step=2)
         lost = ars[1].pool
@@ -106,7 +106,7 @@ def test_threads_lost_under_two_groups_fail_both_rounds_at_once_then_heal() -> N
                 try:
                     return ars[s].allreduce([data[s][g]], 2, g, True)
                 except CrossSiteError as exc:
-                    ars[s].abort.set(f"group {g} failed")  # as LaneGradientSync does
+                    ars[s].membership.abort.set(f"group {g} failed")  # as LaneGradientSync does
                     return exc
 
             return run_all([lambda g=g: group(g) for g in range(2)])
@@ -117,5 +117,5 @@ def test_threads_lost_under_two_groups_fail_both_rounds_at_once_then_heal() -> N
         assert any("codec threads are gone" in str(r) for r in res[1]), res[1]
         assert ars[1].pool is not lost
         for ar in ars:
-            ar.abort.clear()
+            ar.membership.abort.clear()
         _heals(ars, 3)

@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 import torch
-from lanes import inputs, run_all, sites
+from lanes import inputs, lane_pair, run_all
 from memberships import joined_sites
 
 from isthmus.inter.data.lane.mailbox import MAX_ABORTS, Mailbox
@@ -72,7 +72,7 @@ def _timed(fn):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", ["int8", "raw", "bf16", "int4+zstd:1"])
 def test_a_finite_chunk_that_encodes_to_nan_is_not_sent_and_no_site_waits(codec):
-    with sites(2, codec, timeout_s=TIMEOUT_S) as ars:
+    with lane_pair(2, codec, timeout_s=TIMEOUT_S) as ars:
         # Chunk 2 of step 0 group 0 belongs to site 0: site 1 would send it there.
         _break(ars[1], "g0/c2")
         data = inputs(2, [10 * 1024], seed=3)
@@ -95,7 +95,7 @@ def test_a_finite_chunk_that_encodes_to_nan_is_not_sent_and_no_site_waits(codec)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", ["int8", "raw"])
 def test_a_chunk_refused_twice_fails_the_round_everywhere_at_once_and_is_counted(codec):
-    with sites(2, codec, timeout_s=TIMEOUT_S) as ars:
+    with lane_pair(2, codec, timeout_s=TIMEOUT_S) as ars:
         _break(ars[1], "g0/c2", times=1, hide=True)  # sent; its resend is the same bytes
         data = inputs(2, [10 * 1024], seed=4)
         results = run_all(
@@ -158,7 +158,7 @@ def test_abort_notes_are_bounded_and_follow_the_live_steps():
 
 
 def test_abort_round_is_refused_for_another_generation_or_an_impossible_sender():
-    with sites(2, "raw", timeout_s=TIMEOUT_S) as ars:
+    with lane_pair(2, "raw", timeout_s=TIMEOUT_S) as ars:
         server = ars[0].server
         with grpc.insecure_channel(server.address) as channel:
             stub = lane_pb2_grpc.LaneStub(channel)

@@ -13,7 +13,7 @@ import crc32c
 import numpy as np
 import pytest
 import torch
-from lanes import inputs, run_all, same_bits, sites
+from lanes import inputs, lane_pair, run_all, same_bits
 
 from isthmus.inter.data.codecs.chain import make_codec
 from isthmus.inter.data.round import pipeline as round_module
@@ -129,7 +129,7 @@ def test_a_raw_round_ends_with_the_bits_of_the_passes_it_replaced(monkeypatch, n
         monkeypatch.setattr(round_module, "one_pass_sums", lambda one_pass=one_pass: one_pass)
         calls.update(sum=0, crc=0)
         data = inputs(num_sites, sizes, seed=5)
-        with sites(num_sites, "raw") as ars:
+        with lane_pair(num_sites, "raw") as ars:
             run_all(
                 [lambda s=s, d=data: ars[s].allreduce(d[s], 0, 0, True) for s in range(num_sites)]
             )
@@ -152,7 +152,7 @@ def test_only_the_raw_stage_alone_takes_the_one_pass() -> None:
 
 @pytest.mark.parametrize("element", [4321, 3321], ids=["owned-chunk", "sent-chunk"])
 def test_a_raw_round_refuses_this_sites_nan_whichever_site_sums_it(element) -> None:
-    with sites(2, "raw", timeout_s=2.0) as ars:
+    with lane_pair(2, "raw", timeout_s=2.0) as ars:
         data = inputs(2, [9000], seed=1)
         data[0][0][element] = float("nan")  # chunk 4 is site 0's to sum, chunk 3 site 1's
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])
@@ -162,7 +162,7 @@ def test_a_raw_round_refuses_this_sites_nan_whichever_site_sums_it(element) -> N
 
 
 def test_a_raw_round_whose_sum_overflows_sends_no_result() -> None:
-    with sites(2, "raw", timeout_s=2.0) as ars:
+    with lane_pair(2, "raw", timeout_s=2.0) as ars:
         data = inputs(2, [9000], seed=1)
         data[0][0][4321] = data[1][0][4321] = 3e38  # chunk 4: site 0 sums it
         res = run_all([lambda s=s: ars[s].allreduce(data[s], 0, 0, False) for s in range(2)])

@@ -1,8 +1,8 @@
 """A rank's cross-site sync opened with one call (inter/data/sync/rank.py), as deploy opens
 it: real coordinators, real lanes on loopback. Opened, each rank's lane is in the
-joined generation at its place; one ``adopt`` moves lane, peers and rounds to another;
-the membership's watcher reports a silent site through its callback; an open that the
-coordinator refuses leaves nothing listening; close ends everything it started."""
+joined generation at its place; the membership's one ``adopt`` moves lane, peers and
+rounds to another; its watcher raises the rank's abort signal for a silent site; an open
+that the coordinator refuses leaves nothing listening; close ends everything it started."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_an_opened_rank_is_in_the_joined_generation_and_adopts_the_next_in_one_c
         # moves its lane (the chunks it takes), its place and its peers.
         swapped = Generation(joined.number + 1, tuple(reversed(joined.sites)))
         for rank_sync in opened:
-            rank_sync.adopt(swapped)
+            rank_sync.membership.adopt(swapped)
         assert [r.lane.members.site_index for r in opened] == [1, 0]
         assert all(r.membership.generation == swapped.number for r in opened)
         data = inputs(2, [5000], seed=3)
@@ -53,7 +53,7 @@ def test_an_opened_rank_is_in_the_joined_generation_and_adopts_the_next_in_one_c
         # A generation without this site is refused in one line, and changes nothing.
         alone = Generation(swapped.number + 1, (swapped.sites[0],))
         with pytest.raises(ValueError, match="site0 is not a member of generation"):
-            opened[0].adopt(alone)
+            opened[0].membership.adopt(alone)
         assert opened[0].lane.members.generation == swapped.number
         assert opened[0].membership.current == swapped
 
@@ -61,7 +61,7 @@ def test_an_opened_rank_is_in_the_joined_generation_and_adopts_the_next_in_one_c
 @pytest.mark.timeout(60)
 def test_the_watcher_reports_a_silent_site_to_the_rounds_abort_signal():
     with opened_sites(2, decision_timeout_s=10.0) as (opened, coords):
-        abort = opened[0].sync.allreduce.abort
+        abort = opened[0].membership.abort
         assert not abort.is_set()
         coords[1].stop(grace_s=0)  # site1 falls silent; site0's coordinator notices
         wait_until(abort.is_set, "the watcher reported site1", 15.0)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import raw_chunk
-from lanes import inputs, run_all, sites
+from lanes import inputs, lane_pair, run_all
 
 from isthmus.inter.data.codecs.chain import crc32
 from isthmus.inter.data.lane.server import LaneServer
@@ -36,7 +36,7 @@ def _round(ars, data, step: int) -> list:
 
 @pytest.mark.parametrize("transport", ["bulk", "grpc"])
 def test_resend_chunk_in_a_sites_name_hands_the_caller_no_bytes(transport) -> None:
-    with sites(2, "raw", transport=transport) as ars:
+    with lane_pair(2, "raw", transport=transport) as ars:
         data = inputs(2, [20 * 1024], seed=1)
         want = data[0][0] + data[1][0]
         stats = _round(ars, data, 0)
@@ -97,7 +97,7 @@ def _injected(kind: str, step: int, c: int, total: int) -> lane_pb2.PushChunksRe
 @pytest.mark.parametrize("kind", ["nan", "finite"])
 def test_chunks_injected_in_a_peers_name_are_refused_and_cost_no_retry(kind, transport) -> None:
     total = 10 * 1024
-    with sites(2, "raw", transport=transport) as ars:
+    with lane_pair(2, "raw", transport=transport) as ars:
         server = ars[0].server
         before = server.refusals.count
         with grpc.insecure_channel(server.address) as channel:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lanes import inputs, run_all, same_bits, sites
+from lanes import inputs, lane_pair, run_all, same_bits
 
 from isthmus.inter.data.round.context import CrossSiteError
 from isthmus.inter.data.sync.gradient import LaneGradientSync
@@ -33,7 +33,7 @@ def _recording(ar, seen: dict[tuple[int, int], int], fail: set[tuple[int, int]] 
 
 def test_a_groups_buffer_comes_back_two_steps_later_and_every_step_is_exact() -> None:
     steps, sizes = 6, [2100, 9, 4097]
-    with sites(2, "raw") as ars:
+    with lane_pair(2, "raw") as ars:
         syncs = [LaneGradientSync(ar, rounds_in_flight=2) for ar in ars]
         seen: list[dict[tuple[int, int], int]] = [{}, {}]
         for s in range(2):
@@ -64,7 +64,7 @@ def test_a_groups_buffer_comes_back_two_steps_later_and_every_step_is_exact() ->
 
 
 def test_a_failed_rounds_buffer_is_not_handed_out_again() -> None:
-    with sites(1, "raw") as ars:
+    with lane_pair(1, "raw") as ars:
         sync = LaneGradientSync(ars[0], rounds_in_flight=1)
         seen: dict[tuple[int, int], int] = {}
         _recording(ars[0], seen, fail={(0, 0)})

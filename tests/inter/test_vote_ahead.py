@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from helpers import wait_until
-from lanes import inputs, run_all, sites
+from lanes import inputs, lane_pair, run_all
 from memberships import joined_sites
 
 import isthmus.inter.data.sync.membership as membership_module
@@ -82,7 +82,7 @@ def test_an_early_vote_that_breaks_is_logged_and_the_round_still_lands(monkeypat
 
 @pytest.mark.timeout(30)
 def test_vote_ahead_needs_the_steps_rounds_started():
-    with sites(2) as ars:
+    with lane_pair(2) as ars:
         sync = LaneGradientSync(ars[0])
         try:
             with pytest.raises(RuntimeError, match=r"vote_ahead\(3\) without rounds of step 3"):

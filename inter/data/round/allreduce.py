@@ -8,16 +8,18 @@ sums them in site-index order, encodes the sum once and sends those same bytes
 So all sites hold bitwise-identical values whatever the codec. The round itself is
 :class:`~isthmus.inter.data.round.pipeline.RoundPipeline`; this module owns the lane's settings,
 its encode/decode pool, its codec state and the statistics. The membership it runs
-under is the lane server's (:attr:`LaneServer.members`, the one copy on a rank).
+under is read from the rank's one owner of it (:class:`RankMembership`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 from concurrent import futures
+from typing import Protocol
 
 import torch
 
@@ -33,7 +35,14 @@ from isthmus.inter.data.round.pipeline import (
     RoundView,
 )
 
-__all__ = ["CrossSiteAllReduce", "CrossSiteError", "RoundStats", "default_workers"]
+__all__ = [
+    "CrossSiteAllReduce",
+    "CrossSiteError",
+    "FixedMembership",
+    "RankMembership",
+    "RoundStats",
+    "default_workers",
+]
 
 log = logging.getLogger("isthmus.round")
 
@@ -43,51 +52,62 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+class RankMembership(Protocol):
+    """What a rank's rounds read their membership from, its one owner on the rank:
+    :class:`~isthmus.inter.data.sync.membership.SiteMembership` (which alone moves it to
+    another generation) or, for an all-reduce used alone, a :class:`FixedMembership`."""
+
+    @property
+    def lane(self) -> LaneServer: ...
+    @property
+    def abort(self) -> AbortSignal: ...
+    @property
+    def members(self) -> Members: ...
+    def peers(self) -> dict[int, LanePeer]:
+        """The lane of the same rank of every other member site, by site index."""
+        ...
+
+
+@dataclasses.dataclass(eq=False)
+class FixedMembership:
+    """A membership that never moves, for an all-reduce used alone (tests, the lane
+    benchmark): the one its lane was built with, and a lane client of every other site."""
+
+    lane: LaneServer
+    lanes: dict[int, LanePeer]
+    abort: AbortSignal = dataclasses.field(default_factory=AbortSignal)
+
+    @property
+    def members(self) -> Members:
+        return self.lane.members
+
+    def peers(self) -> dict[int, LanePeer]:
+        return self.lanes
+
+
 class CrossSiteAllReduce:
     """All-reduces flat fp32 buffers with the same rank of every other site (or the
     ranks a round names, between sites of different sizes).
 
-    The membership its rounds run under is the lane server's. A rank's all-reduce is
-    built without one and moved to each generation by
-    :meth:`~isthmus.inter.data.sync.membership.SiteMembership.adopt` (through
-    :meth:`reconfigure`; inter/data/sync/rank.py wires it); one used alone (tests, the
-    lane benchmark) is given a fixed membership here.
-
     Args:
-        server: this rank's lane server (receives from every peer); it keeps the
-            membership (``site_index``, ``num_sites``, ``generation`` are set on it).
-        codec: the job's codec; must match the server's and every peer's.
-        chunk_bytes: chunk size in bytes (a multiple of 4, equal to the server's).
+        membership: the rank's membership (its lane receives from every peer); each
+            round runs under the one it holds when the round starts.
+        codec: the job's codec; must match the lane's and every peer's.
+        chunk_bytes: chunk size in bytes (a multiple of 4, equal to the lane's).
         timeout_s: limit on one whole round, from call to last acknowledgement.
         workers: encode/decode threads (default :func:`default_workers`).
-        site_index, num_sites, peers, generation: a fixed membership, for an
-            all-reduce used alone: this site's index, the live sites, the lane client
-            of every other site by index and the generation stamped on every chunk.
-            Without them the server's membership stands, with no peers, until
-            :meth:`reconfigure`.
     """
 
     def __init__(
         self,
         *,
-        server: LaneServer,
+        membership: RankMembership,
         codec: CodecChain,
         chunk_bytes: int = 1 << 20,
         timeout_s: float = 60.0,
         workers: int | None = None,
-        site_index: int | None = None,
-        num_sites: int | None = None,
-        peers: dict[int, LanePeer] | None = None,
-        generation: int = 0,
     ) -> None:
-        members = None
-        if site_index is not None or num_sites is not None or peers is not None:
-            if site_index is None or num_sites is None or peers is None:
-                raise ValueError("a fixed membership needs site_index, num_sites and peers")
-            members = Members(generation, site_index, num_sites, server.members.site_names)
-            expected = set(range(num_sites)) - {site_index}
-            if set(peers) != expected:
-                raise ValueError(f"peers must cover sites {sorted(expected)}, got {sorted(peers)}")
+        server = membership.lane
         if chunk_bytes != server.chunk_bytes:
             raise ValueError(f"chunk_bytes {chunk_bytes} != server's {server.chunk_bytes}")
         if codec.name != server.codec:
@@ -97,50 +117,18 @@ class CrossSiteAllReduce:
         workers = default_workers() if workers is None else workers
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        self.membership = membership
         self.server = server
-        if members is not None and members != server.members:
-            server.set_members(members)  # moving clears the mailbox: only when it differs
-        self.peers: dict[int, LanePeer] = peers if peers is not None else {}
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.workers = workers
         self.pool = self._new_pool()
         self._pool_lock = threading.Lock()  # rounds of several groups fail at once
-        self.abort = AbortSignal()
-        """Set to fail the running rounds at once: a member site fell silent, so
-        waiting for it until the deadline is pointless."""
-
-    @property
-    def members(self) -> Members:
-        """The membership rounds run under (the lane server's)."""
-        return self.server.members
-
-    @property
-    def site_index(self) -> int:
-        return self.server.members.site_index
-
-    @property
-    def num_sites(self) -> int:
-        return self.server.members.num_sites
-
-    @property
-    def generation(self) -> int:
-        return self.server.members.generation
-
-    def reconfigure(self, members: Members, peers: dict[int, LanePeer]) -> None:
-        """Moves to a new membership (between rounds): the lane server and the codec
-        state stay; the peers, this site's position and the generation change."""
-        expected = set(range(members.num_sites)) - {members.site_index}
-        if set(peers) != expected:
-            raise ValueError(f"peers must cover sites {sorted(expected)}, got {sorted(peers)}")
-        self.peers = peers
-        self.server.set_members(members)
-        self.abort.clear()
 
     def view(self) -> RoundView:
         """The membership and settings a round starting now runs under."""
-        members = self.server.members
+        members = self.membership.members
         return RoundView(
             site_index=members.site_index,
             num_sites=members.num_sites,
@@ -195,19 +183,20 @@ class CrossSiteAllReduce:
         else:
             flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
         stats.tensor_bytes = flat.numel() * 4
-        if self.num_sites > 1 and flat.numel() > 0:
+        view = self.view()
+        if view.num_sites > 1 and flat.numel() > 0:
             self.server.mailbox.discard_before(step)
             # A peer may still pull chunks of the previous step (its round can finish
             # after ours), so those stay; older ones go.
             self.server.outbox.discard_before(step - 1)
             pipeline = RoundPipeline(
-                view=self.view(),
+                view=view,
                 mailbox=self.server.mailbox,
                 outbox=self.server.outbox,
                 check=self.server.check,
-                peers=dict(self.peers if peers is None else peers),
+                peers=dict(self.membership.peers() if peers is None else peers),
                 pool=self.pool,
-                abort=self.abort,
+                abort=self.membership.abort,
                 flat=flat,
                 step=step,
                 group=group,

@@ -64,13 +64,14 @@ class _Pending:
 class LaneGradientSync:
     """Averages each FSDP group's gradient shard over all sites.
 
+    The membership is the all-reduce's. A :class:`SiteMembership` votes: ``finish``
+    votes on the step and follows the decision (commit, run the rounds again without a
+    failed site, rejoin, or stop). A fixed one does not: a failed round just raises.
+
     Args:
         allreduce: the rank's cross-site all-reduce.
         finish_timeout_s: limit on ``finish``; default one round timeout per group
             plus slack, since each round already bounds itself.
-        membership: the rank's membership client. With it, ``finish`` votes on the
-            step and follows the decision: commit, run the rounds again without a
-            failed site, rejoin, or stop. Without it a failed round just raises.
         rounds_in_flight: groups' rounds that may run at once (1 = one after another).
     """
 
@@ -79,14 +80,15 @@ class LaneGradientSync:
         allreduce: CrossSiteAllReduce,
         *,
         finish_timeout_s: float | None = None,
-        membership: SiteMembership | None = None,
         rounds_in_flight: int = 4,
     ):
         if rounds_in_flight < 1:
             raise ValueError(f"rounds_in_flight must be >= 1, got {rounds_in_flight}")
         self.allreduce = allreduce
         self.finish_timeout_s = finish_timeout_s
-        self.membership = membership
+        self.membership = allreduce.membership
+        """The membership the rounds run under (the rank's one owner of it)."""
+        self._voter = self.membership if isinstance(self.membership, SiteMembership) else None
         self._step: int | None = None  # the step whose rounds are started, until finish
         self._pending: list[_Pending] = []
         # Rounds start in start() order on every site (the executor's queue is FIFO);
@@ -189,7 +191,7 @@ class LaneGradientSync:
         the other sites' drift. A failed round is left to ``finish``, as before."""
         if step != self._step or not self._pending:
             raise RuntimeError(f"vote_ahead({step}) without rounds of step {step} started")
-        membership, rounds = self.membership, [p.future for p in self._pending]
+        membership, rounds = self._voter, [p.future for p in self._pending]
         if membership is None:
             return
         generation = membership.generation  # not the next one, should finish be first
@@ -216,7 +218,7 @@ class LaneGradientSync:
     ) -> tuple[RoundStats, float, float, float]:
         """Runs one group's round; returns its stats, its start and end times and the
         squared norm of its input (0 unless measured)."""
-        abort = self.allreduce.abort
+        abort = self.membership.abort
         if abort.is_set():
             # A failed round leaves peers out of step; later rounds would only time out.
             raise CrossSiteError(f"step {step} group {group} skipped: {abort.reason}")
@@ -238,7 +240,7 @@ class LaneGradientSync:
                 # average=True divides by the live sites: w = units * sites / sum(units).
                 with on_lane_stream(buffer):
                     buffer.mul_(weight)
-            sizes = self.membership.site_ranks() if self.membership is not None else [1]
+            sizes = self._voter.site_ranks() if self._voter is not None else [1]
             if len(set(sizes)) == 1:
                 rs = self.allreduce.allreduce([buffer], step=step, group=group, average=True)
             else:
@@ -251,35 +253,34 @@ class LaneGradientSync:
 
     def _first_ranks(self) -> dict[int, LanePeer] | None:
         """The lane of every other live site's rank 0 (this rank is its site's)."""
-        membership = self.membership
+        membership = self._voter
         if membership is None:
             return None
-        me = self.allreduce.site_index
+        me = membership.members.site_index
         return {s: membership.peer(s, 0) for s in range(len(membership.sites)) if s != me}
 
     def _weight(self) -> float | None:
         """This site's weight in the live sites' mean, None when they count alike."""
-        if self.membership is None or not self._site_units:
+        if self._voter is None or not self._site_units:
             return None
-        names = self.membership.member_names
-        units = [self._site_units[n] for n in names]
+        units = [self._site_units[n] for n in self._voter.member_names]
         if len(set(units)) == 1:
             return None
-        return units[self.allreduce.site_index] * len(units) / sum(units)
+        return units[self.membership.members.site_index] * len(units) / sum(units)
 
     def _run_pieces(
         self, step: int, group: int, buffer: torch.Tensor, sizes: list[int]
     ) -> RoundStats:
         """One group's round between sites of ``sizes`` ranks: each piece with the
         ranks that hold it (the buffer is already weighted by the site's tokens)."""
-        position, membership = self._position, self.membership
+        position, membership = self._position, self._voter
         assert membership is not None
         if position is None:
             raise CrossSiteError(f"sites of {sizes} ranks, but no shard layout was set")
         shape = self._shapes.get(group)
         if shape is None:
             raise CrossSiteError(f"step {step}: group {group} has no shape in the shard layout")
-        me, widths = self.allreduce.site_index, [position.width(n) for n in sizes]
+        me, widths = membership.members.site_index, [position.width(n) for n in sizes]
         total = RoundStats()
         for piece in pieces(shape, widths, me, position.shard_index):
             peers = {
@@ -327,24 +328,25 @@ class LaneGradientSync:
                 failure = self._collect(pending, step, stats)
                 if isinstance(failure, NOT_RETRIED):
                     raise failure  # the same gradient again would fail again: stop here
-                if self.membership is None:
+                voter = self._voter
+                if voter is None:
                     if failure is not None:
                         raise failure
                     break
                 if failure is not None:
                     log.warning("[step %d] %s", step, failure)
-                decision = self.membership.vote(step, failure is None)
+                decision = voter.vote(step, failure is None)
                 if decision.verdict == Verdict.COMMIT:
                     if failure is not None:
                         # Only possible if this rank's vote was lost: never apply a half round.
                         raise QuorumLost(f"step {step} committed while this rank's round failed")
                     # What the step was averaged over, before a commit admits a site.
-                    stats.generation = self.allreduce.generation
-                    stats.sites = self.allreduce.num_sites
+                    now = self.membership.members
+                    stats.generation, stats.sites = now.generation, now.num_sites
                     offer = self._follow(decision, step)
                     break
                 if decision.verdict == Verdict.RETRY:
-                    self.membership.adopt(Generation.of(decision))
+                    voter.adopt(Generation.of(decision))
                     stats.retries += 1
                     pending = self._restart(pending, step)
                     continue
@@ -354,9 +356,9 @@ class LaneGradientSync:
                 raise QuorumLost(decision.reason or f"step {step}: the job stopped")
         finally:
             stats.wait_s = time.perf_counter() - t0
-            if not stats.sites:  # not committed (or no membership): where it stands now
-                stats.generation = self.allreduce.generation
-                stats.sites = self.allreduce.num_sites
+            if not stats.sites:  # not committed (or a fixed membership): where it stands now
+                now = self.membership.members
+                stats.generation, stats.sites = now.generation, now.num_sites
         if rejoin is not None:
             return StepOutcome(stats, rejoin=rejoin)
         # Copy back only once every group succeeded: all or nothing. The rounds
@@ -369,7 +371,7 @@ class LaneGradientSync:
                 p.buffer.record_stream(torch.cuda.current_stream(p.buffer.device))
         log.debug(
             "[site %d step %d] synced %d groups, %d bytes sent, wait %.3fs",
-            self.allreduce.site_index,
+            self.membership.members.site_index,
             step,
             stats.groups,
             stats.bytes_sent,
@@ -397,7 +399,7 @@ class LaneGradientSync:
                 failure = failure or CrossSiteError(
                     f"step {step} group {p.group}: not finished within {timeout:.1f}s"
                 )
-                self.allreduce.abort.set("the step's time ran out")
+                self.membership.abort.set("the step's time ran out")
                 continue
             except CrossSiteError as exc:
                 if failure is None or isinstance(exc, NOT_RETRIED):
@@ -412,8 +414,8 @@ class LaneGradientSync:
         if failure is not None:
             # Let rounds that outlived the deadline end before anything is rerun.
             futures.wait([p.future for p in pending], timeout=self.allreduce.timeout_s)
-            if self.membership is None:
-                self.allreduce.abort.clear()
+            if self._voter is None:
+                self.membership.abort.clear()
         return failure
 
     def _restart(self, pending: list[_Pending], step: int) -> list[_Pending]:
@@ -441,7 +443,7 @@ class LaneGradientSync:
     def _follow(self, decision: Decision, step: int) -> Decision | None:
         """After a COMMIT: move to the generation it names (a site was admitted);
         returns the decision when this site is to offer the joiner its state."""
-        membership = self.membership
+        membership = self._voter
         assert membership is not None
         if decision.generation == membership.generation:
             return None
@@ -469,8 +471,8 @@ class LaneGradientSync:
     def close(self) -> None:
         """Stops the background worker (waits for a running round) and the codec pool."""
         self._worker.shutdown(wait=True)
-        if self.membership is not None:
-            self.membership.close()
+        if self._voter is not None:
+            self._voter.close()
         self.allreduce.close()
 
 

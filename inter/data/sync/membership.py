@@ -2,15 +2,15 @@
 
 A membership is one value, a :class:`Generation` (its number and its member sites);
 :meth:`SiteMembership.adopt` is the one call that moves a rank to another: it opens the
-lanes of the new members, closes those of sites gone and re-points the rank's
-:class:`~isthmus.inter.data.round.allreduce.CrossSiteAllReduce` (and through it the lane
-server, which checks every incoming chunk against the generation).
+lanes of the new members, closes those of sites gone and moves the rank's lane server
+(which checks every incoming chunk against the generation). The rank's
+:class:`~isthmus.inter.data.round.allreduce.CrossSiteAllReduce` reads it from here.
 
 :class:`SiteMembership` talks only to its own site's coordinator (site-local): it
 votes on each step's rounds (``CommitStep``, a long poll answered with the job's
-decision). A watcher thread asks the coordinator which members fell silent and reports
-them through a callback (the rank's abort signal: a round that waits on a silent site
-fails then), so a dead site costs the failure timeout, not the round's.
+decision). A watcher thread asks the coordinator which members fell silent and raises
+the rank's abort signal (a round that waits on a silent site fails then), so a dead
+site costs the failure timeout, not the round's.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from isthmus.inter.control.coordinator_client import (
     Verdict,
 )
 from isthmus.inter.data.lane.peer import LanePeer
-from isthmus.inter.data.round.allreduce import CrossSiteAllReduce
-from isthmus.inter.data.round.context import Members
+from isthmus.inter.data.lane.server import LaneServer
+from isthmus.inter.data.round.context import AbortSignal, Members
 
 __all__ = ["Generation", "QuorumLost", "SiteMembership"]
 
@@ -110,13 +110,10 @@ class SiteMembership:
         client: this rank's client of its site's coordinator.
         site: this site's name.
         rank: this rank.
-        allreduce: the rank's cross-site all-reduce, re-pointed on each new generation.
+        lane: the rank's lane server, moved to each new generation.
         make_peer: builds the lane client of a peer site's rank: ``make_peer(info,
             rank)`` (proxy, TLS, chunk size); this rank's own number at equal sites.
         joined: the generation the rank starts in (adopted here).
-        on_suspect: the watcher's report, with the reason, when a member this rank's
-            rounds may wait on fell silent or was left out of a newer generation
-            (called again, at most every ``watch_s``, while that holds).
         decision_timeout_s: how long a vote may wait for its decision.
         watch_s: how often the watcher asks for silent members.
     """
@@ -127,10 +124,9 @@ class SiteMembership:
         client: CoordinatorClient,
         site: str,
         rank: int,
-        allreduce: CrossSiteAllReduce,
+        lane: LaneServer,
         make_peer: Callable[[SiteInfo, int], LanePeer],
         joined: Generation,
-        on_suspect: Callable[[str], None],
         decision_timeout_s: float = 300.0,
         watch_s: float = 0.25,
     ) -> None:
@@ -138,13 +134,18 @@ class SiteMembership:
         self.client = client
         self.site = site
         self.rank = rank
-        self.allreduce = allreduce
+        self.lane = lane
         self.make_peer = make_peer
-        self.on_suspect = on_suspect
+        self.abort = AbortSignal()
+        """The rank's abort signal: raised to fail the running rounds at once (a round
+        failed, or the watcher found a member they may wait on silent or left out of a
+        newer generation, again at most every ``watch_s`` while that holds); lowered by
+        each new generation."""
         self.decision_timeout_s = decision_timeout_s
         self.watch_s = watch_s
         self._current = joined
         self._peers: dict[tuple[str, str], LanePeer] = {}
+        self._same_rank: dict[int, LanePeer] = {}
         self._peers_lock = threading.Lock()  # rounds of several groups open peers at once
         self._stop = threading.Event()
         self._poll: grpc.Future | None = None  # the watcher's long poll, for close()
@@ -172,6 +173,15 @@ class SiteMembership:
     def member_names(self) -> list[str]:
         return self._current.names
 
+    @property
+    def members(self) -> Members:
+        """The lane's view of the generation the rank is in (rounds run under it)."""
+        return self.lane.members
+
+    def peers(self) -> dict[int, LanePeer]:
+        """The lane of this rank at every other member site, by site index."""
+        return self._same_rank
+
     def adopt(self, generation: Generation) -> None:
         """Moves the rank to ``generation`` (between rounds): the one place it changes.
 
@@ -189,12 +199,13 @@ class SiteMembership:
         # The same rank; a smaller site has no such rank, but between sites of different
         # sizes every round names its own peers (GradientSync's pieces), so this default
         # is never used there.
-        peers = {
+        self._same_rank = {
             i: self.peer(i, self.rank % len(info.lane_addresses))
             for i, info in enumerate(generation.sites)
             if info.name != self.site
         }
-        self.allreduce.reconfigure(members, peers)
+        self.lane.set_members(members)
+        self.abort.clear()
         log.info(
             "[%s/%d] generation %d: %s",
             self.site,
@@ -302,7 +313,7 @@ class SiteMembership:
                 newer = {info.name for info in reply.sites}
                 left = [s for s in self.member_names if s not in newer]
             if silent or left:
-                self.on_suspect(
+                self.abort.set(
                     f"site(s) {', '.join(silent)} fell silent"
                     if silent
                     else f"generation {reply.generation} went on without {', '.join(left)}"

@@ -3,11 +3,11 @@
 It builds the rank's data plane in the order each part needs the one before: the lane
 (listening, so its address can be registered), the join (the lane's address
 registered with the site's coordinator, then the membership the job starts or goes on
-in), the all-reduce over the lane, the membership (which opens the member sites' lanes
-and moves the lane to the joined generation: one write, no placeholder) and the
+in), the membership (which opens the member sites' lanes and moves the lane to the
+joined generation: one write, no placeholder), the all-reduce that reads it and the
 gradient sync the trainer calls. From then on the rank moves between generations by
-one call, :meth:`RankSync.adopt` (the gradient sync makes it itself on a RETRY or a
-commit that admitted a site).
+one call, :meth:`SiteMembership.adopt` (the gradient sync makes it itself on a RETRY
+or a commit that admitted a site).
 """
 
 from __future__ import annotations
@@ -151,10 +151,6 @@ class RankSync:
     sync: LaneGradientSync
     """What the trainer calls (it votes and follows each step's decision)."""
 
-    def adopt(self, generation: Generation) -> None:
-        """Moves the rank to ``generation`` (a job that went on without this site)."""
-        self.membership.adopt(generation)
-
     def pull_state(
         self,
         source: SiteInfo,
@@ -259,29 +255,25 @@ def open_rank_sync(settings: RankSyncSettings, client: CoordinatorClient) -> Ran
         lane = _open_lane(settings, codec.name)
         undo.callback(lane.stop, 0)
         joined = _join(settings, client, lane)
+        membership = SiteMembership(
+            client=client,
+            site=settings.site,
+            rank=settings.rank,
+            lane=lane,
+            make_peer=functools.partial(_open_peer, settings),
+            joined=Generation.of(joined),
+            decision_timeout_s=settings.decision_timeout_s,
+        )
+        undo.callback(membership.close)
         allreduce = CrossSiteAllReduce(
-            server=lane,
+            membership=membership,
             codec=codec,
             chunk_bytes=settings.chunk_bytes,
             timeout_s=settings.timeout_s,
             workers=settings.workers,
         )
         undo.callback(allreduce.close)
-        membership = SiteMembership(
-            client=client,
-            site=settings.site,
-            rank=settings.rank,
-            allreduce=allreduce,
-            make_peer=functools.partial(_open_peer, settings),
-            joined=Generation.of(joined),
-            # A round waiting on a site that fell silent fails at once (then the vote).
-            on_suspect=allreduce.abort.set,
-            decision_timeout_s=settings.decision_timeout_s,
-        )
-        undo.callback(membership.close)
-        sync = LaneGradientSync(
-            allreduce, membership=membership, rounds_in_flight=settings.rounds_in_flight
-        )
+        sync = LaneGradientSync(allreduce, rounds_in_flight=settings.rounds_in_flight)
         undo.pop_all()  # open: RankSync.close ends it from here
     return RankSync(settings, lane, joined, membership, sync)
 
