@@ -5,12 +5,13 @@ during backward; ``finish(step)`` runs before ``optimizer.step()``, waits for ev
 group's round (all of this rank's lane traffic), has the step voted on and returns
 its :class:`StepOutcome`: committed (the shards hold the cross-site mean, after any
 retries among the sites still alive) or rejoin (the job went on without this site;
-nothing was applied). A stop raises :class:`QuorumLost`: the rank ends there. Rounds run on background threads, started in the order
-groups were started, up to ``rounds_in_flight`` at once: each round is pipelined
-chunk by chunk, but its start and its peers' acknowledgements cost round trips that a
-window of rounds hides. Every site starts its rounds in the same order, and results
-are applied only after the step commits, all groups together. A CUDA shard stays on its GPU: the codec casts or quantizes
-it there and only the encoded bytes cross to the host.
+nothing was applied). A stop raises :class:`QuorumLost`: the rank ends there. Rounds
+run on background threads, started in the order groups were started, up to
+``rounds_in_flight`` at once: each round is pipelined chunk by chunk, but its start and
+its peers' acknowledgements cost round trips that a window of rounds hides. Every site
+starts its rounds in the same order, and results are applied only after the step
+commits, all groups together. A CUDA shard stays on its GPU: the codec casts or
+quantizes it there and only the encoded bytes cross to the host.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from concurrent import futures
 
 import torch
 
-from isthmus.inter.control.coordinator_client import Decision, Verdict
-from isthmus.inter.data.lane.peer import LanePeer
+from isthmus.inter.control.coordinator_client import Verdict
 from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
 from isthmus.inter.data.round.device import on_lane_stream
 from isthmus.inter.data.round.pipeline import ModelMismatch, NonFiniteGradient
@@ -146,17 +146,7 @@ class LaneGradientSync:
         if self.started(step, group):
             raise ValueError(f"group {group} already started in step {step}")
         self._step = step
-        # A copy on the stream the hook runs on, so it is ordered after the
-        # reduce-scatter that produced the shard; the event tells the worker thread
-        # (another stream) when it is complete. On CPU the copy is synchronous.
-        buffer = self._buffers.copy_of(step, group, shard)
-        ready = None
-        if buffer.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        future = self._worker.submit(self._run, step, group, buffer, ready)
-        self._pending.append(_Pending(group, shard, buffer, future))
-        self._buffers.started(step, group, buffer, future)
+        self._pending.append(self._launch(step, group, shard))
 
     def share(self, step: int, values: torch.Tensor) -> None:
         """Adds a small round to ``step``'s sync: ``values`` (fp32, on the CPU) summed
@@ -180,9 +170,24 @@ class LaneGradientSync:
         if any(p.shared for p in self._pending):
             raise ValueError(f"a round is already shared in step {step}")
         self._step = step
-        buffer = values.detach().reshape(-1).clone()
-        future = self._worker.submit(self._run, step, SHARE_GROUP, buffer, None, shared=True)
-        self._pending.append(_Pending(SHARE_GROUP, values, buffer, future, shared=True))
+        self._pending.append(self._launch(step, SHARE_GROUP, values, shared=True))
+
+    def _launch(self, step: int, group: int, shard: torch.Tensor, shared: bool = False) -> _Pending:
+        """Submits ``group``'s round on a new copy of ``shard`` (a failed round's may still
+        be written), made on the caller's stream after what wrote the shard; the event
+        tells the round's thread when it is complete (issue 38). On CPU it is at once."""
+        if shared:
+            buffer = shard.detach().reshape(-1).to(torch.float32, copy=True)
+        else:  # kept for reuse
+            buffer = self._buffers.copy_of(step, group, shard)
+        ready = None
+        if buffer.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        future = self._worker.submit(self._run, step, group, buffer, ready, shared=shared)
+        if not shared:
+            self._buffers.started(step, group, buffer, future)
+        return _Pending(group, shard, buffer, future, shared)
 
     def vote_ahead(self, step: int) -> None:
         """Votes "ok" on ``step``'s rounds once they all succeed, on the lane's worker,
@@ -227,15 +232,16 @@ class LaneGradientSync:
                 ready.synchronize()
             t0 = time.monotonic()
             if shared:
+                voter = self._voter
                 rs = self.allreduce.allreduce(
-                    [buffer], step=step, group=group, average=False, peers=self._first_ranks()
+                    [buffer], step, group, False, voter.first_ranks() if voter else None
                 )
                 return rs, t0, time.monotonic(), 0.0
             sq_norm = 0.0
             if self.measure_norms:
                 with on_lane_stream(buffer):
                     sq_norm = float(torch.linalg.vector_norm(buffer, dtype=torch.float64) ** 2)
-            weight = self._weight()
+            weight = self._voter.weight(self._site_units) if self._voter else None
             if weight is not None:
                 # average=True divides by the live sites: w = units * sites / sum(units).
                 with on_lane_stream(buffer):
@@ -250,23 +256,6 @@ class LaneGradientSync:
             # The one abort signal of the rank: the step's other rounds fail at once.
             abort.set(f"step {step} group {group} failed: {exc}")
             raise
-
-    def _first_ranks(self) -> dict[int, LanePeer] | None:
-        """The lane of every other live site's rank 0 (this rank is its site's)."""
-        membership = self._voter
-        if membership is None:
-            return None
-        me = membership.members.site_index
-        return {s: membership.peer(s, 0) for s in range(len(membership.sites)) if s != me}
-
-    def _weight(self) -> float | None:
-        """This site's weight in the live sites' mean, None when they count alike."""
-        if self._voter is None or not self._site_units:
-            return None
-        units = [self._site_units[n] for n in self._voter.member_names]
-        if len(set(units)) == 1:
-            return None
-        return units[self.membership.members.site_index] * len(units) / sum(units)
 
     def _run_pieces(
         self, step: int, group: int, buffer: torch.Tensor, sizes: list[int]
@@ -295,14 +284,13 @@ class LaneGradientSync:
             )
             with on_lane_stream(buffer):
                 scatter_piece(buffer, piece, part)
-            for name in _SUMMED_STATS:
-                setattr(total, name, getattr(total, name) + getattr(rs, name))
+            _add(total, rs, (*_STEP_STATS, "tensor_bytes", "num_chunks"))
         return total
 
     def finish(self, step: int) -> StepOutcome:
         """Waits for every group started in ``step`` and writes the averages into the shards.
 
-        With a membership, the step is voted on and the decision followed: a RETRY
+        With a SiteMembership, the step is voted on and the decision followed: a RETRY
         runs every group's round again, from the untouched shards, among the sites
         still alive; the shards change only on COMMIT (all or nothing).
 
@@ -311,7 +299,7 @@ class LaneGradientSync:
             the step's :class:`SyncStats`.
 
         Raises:
-            CrossSiteError: (without a membership) a round failed or timed out; no
+            CrossSiteError: (a fixed membership) a round failed or timed out; no
                 shard is changed then.
             NonFiniteGradient: this site's gradient holds NaN or Inf; nothing was sent.
             ModelMismatch: a peer site's gradient has another size: its model differs.
@@ -343,7 +331,7 @@ class LaneGradientSync:
                     # What the step was averaged over, before a commit admits a site.
                     now = self.membership.members
                     stats.generation, stats.sites = now.generation, now.num_sites
-                    offer = self._follow(decision, step)
+                    offer = voter.follow(decision, step)
                     break
                 if decision.verdict == Verdict.RETRY:
                     voter.adopt(Generation.of(decision))
@@ -405,12 +393,12 @@ class LaneGradientSync:
                 if failure is None or isinstance(exc, NOT_RETRIED):
                     failure = exc  # one that no retry mends wins over the others
                 if exc.stats is not None:  # a failed round's refusals count too
-                    _add_round(stats, exc.stats)
+                    _add(stats, exc.stats)
                 continue
             first, last = min(first, began), max(last, ended)
             stats.sync_s = last - first
             stats.local_sq_norm += sq_norm
-            _add_round(stats, rs)
+            _add(stats, rs)
         if failure is not None:
             # Let rounds that outlived the deadline end before anything is rerun.
             futures.wait([p.future for p in pending], timeout=self.allreduce.timeout_s)
@@ -421,36 +409,7 @@ class LaneGradientSync:
     def _restart(self, pending: list[_Pending], step: int) -> list[_Pending]:
         """Runs every group's round again from its untouched shard (a RETRY; the new
         generation's ``adopt`` cleared the abort signal)."""
-        restarted = []
-        for p in pending:
-            if p.shared:
-                buffer = p.shard.detach().reshape(-1).to(torch.float32, copy=True)
-            else:  # a new buffer (the failed round's may still be written), kept for reuse
-                buffer = self._buffers.copy_of(step, p.group, p.shard)
-            ready = None
-            if buffer.is_cuda:
-                # As in start(): the copy is queued on this thread's stream, and the
-                # round reads the buffer on its own; without the event it could read
-                # the buffer before the copy wrote it (issue 38).
-                ready = torch.cuda.Event()
-                ready.record()
-            future = self._worker.submit(self._run, step, p.group, buffer, ready, shared=p.shared)
-            restarted.append(_Pending(p.group, p.shard, buffer, future, p.shared))
-            if not p.shared:
-                self._buffers.started(step, p.group, buffer, future)
-        return restarted
-
-    def _follow(self, decision: Decision, step: int) -> Decision | None:
-        """After a COMMIT: move to the generation it names (a site was admitted);
-        returns the decision when this site is to offer the joiner its state."""
-        membership = self._voter
-        assert membership is not None
-        if decision.generation == membership.generation:
-            return None
-        membership.adopt(Generation.of(decision))
-        if decision.state_source == membership.site and decision.state_step == step:
-            return decision
-        return None
+        return [self._launch(step, p.group, p.shard, p.shared) for p in pending]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The lane's codec state (error-feedback residuals), to save with training state.
@@ -476,20 +435,15 @@ class LaneGradientSync:
         self.allreduce.close()
 
 
-def _add_round(stats: SyncStats, rs: RoundStats) -> None:
-    """Adds what one round moved and refused to the step's stats."""
-    for name in _STEP_STATS:
-        setattr(stats, name, getattr(stats, name) + getattr(rs, name))
-
-
 _STEP_STATS = (
     *("bytes_sent", "bytes_received", "raw_bytes"),
     *("corrupt_chunks", "nonfinite_chunks", "stalled_flows"),
 )
-"""The RoundStats of a step's rounds that add up to its SyncStats."""
+"""The RoundStats of a step's rounds that add up to its SyncStats (with "tensor_bytes"
+and "num_chunks", those of a group's pieces that add up to the group's)."""
 
-_SUMMED_STATS = (
-    *("bytes_sent", "bytes_received", "raw_bytes", "tensor_bytes"),
-    *("num_chunks", "corrupt_chunks", "nonfinite_chunks", "stalled_flows"),
-)
-"""The RoundStats of a group's pieces that add up to the group's."""
+
+def _add(into: object, rs: RoundStats, names: tuple[str, ...] = _STEP_STATS) -> None:
+    """Adds what one round moved and refused to ``into``."""
+    for name in names:
+        setattr(into, name, getattr(into, name) + getattr(rs, name))

@@ -182,6 +182,29 @@ class SiteMembership:
         """The lane of this rank at every other member site, by site index."""
         return self._same_rank
 
+    def first_ranks(self) -> dict[int, LanePeer]:
+        """The lane of every other member site's rank 0 (this rank is its site's)."""
+        me = self.members.site_index
+        return {s: self.peer(s, 0) for s in range(len(self.sites)) if s != me}
+
+    def weight(self, units: dict[str, int]) -> float | None:
+        """This site's weight in the members' mean, by each site's ``units`` (tokens);
+        None when they count alike."""
+        if not units or len({units[n] for n in self.member_names}) == 1:
+            return None
+        shares = [units[n] for n in self.member_names]
+        return shares[self.members.site_index] * len(shares) / sum(shares)
+
+    def follow(self, decision: Decision, step: int) -> Decision | None:
+        """After ``step``'s COMMIT: adopts the generation it names (a site was
+        admitted); returns it when this site is to offer the joiner its state."""
+        if decision.generation == self.generation:
+            return None
+        self.adopt(Generation.of(decision))
+        if decision.state_source == self.site and decision.state_step == step:
+            return decision
+        return None
+
     def adopt(self, generation: Generation) -> None:
         """Moves the rank to ``generation`` (between rounds): the one place it changes.
 
