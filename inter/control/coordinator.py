@@ -126,9 +126,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.health = BoundedHealth(self.refusals)
         self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}  # filled by start()
         self._channels: list[grpc.Channel] = []
-        self.witness = WitnessLink.of(s, self.security, on_answer=st.wake, clock=clock)
-        # A rank silent as long as a peer site that is suspected is dead (ten beats of
-        # its membership watcher by default): inter/control/rank_liveness.py.
+        self.witness = (
+            WitnessLink(s, self.security, on_answer=st.wake, clock=clock) if s.witness else None
+        )
+        # A rank silent as long as a suspected peer site is dead (rank_liveness.py).
         self.rank_liveness = RankLiveness(s.ranks, s.failure_timeout_s, clock)
         self.failover = Failover(
             s,

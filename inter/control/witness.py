@@ -199,20 +199,6 @@ class WitnessLink:
         self._said: dict[str, str] = {}  # the last warning of each kind, logged when it changes
         self._thread = threading.Thread(target=self._run, name=f"witness-{self.site}", daemon=True)
 
-    @classmethod
-    def of(
-        cls,
-        settings: CoordinatorSettings,
-        security: SiteSecurity,
-        *,
-        on_answer: Callable[[], None],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> WitnessLink | None:
-        """The link of a coordinator with ``settings`` (None: the job has no witness)."""
-        return (
-            cls(settings, security, on_answer=on_answer, clock=clock) if settings.witness else None
-        )
-
     def start(self) -> WitnessLink:
         self._thread.start()
         return self
