@@ -94,8 +94,7 @@ class BenchCase:
 
 
 def link_bound_s(case: BenchCase) -> float:
-    """The ideal uncompressed all-reduce on the case's links: 2(S-1)/S x bytes / (bw x
-    links) + RTT."""
+    """The ideal uncompressed all-reduce: 2(S-1)/S x bytes / (bw x links) + RTT."""
     tensor_bytes = int(case.mib * MIB) // 4 * 4
     share = 2 * (case.sites - 1) / case.sites
     return share * tensor_bytes * 8 / (case.gbit * 1e9 * case.links) + case.rtt_ms / 1000
@@ -180,8 +179,7 @@ def _open_lane(index: int, c: BenchCase, conn: Any) -> CrossSiteAllReduce:
 
 
 def _lane_device(c: BenchCase, index: int, rank: int) -> torch.device:
-    """The CPU, or with ``c.device == "cuda"`` lane ``rank`` of site ``index``'s GPU
-    (made current)."""
+    """The CPU, or (``c.device == "cuda"``) lane ``rank`` of site ``index``'s GPU, made current."""
     if c.device != "cuda":
         return torch.device("cpu")
     device = torch.device("cuda", (index * c.lanes + rank) % torch.cuda.device_count())
@@ -238,8 +236,7 @@ def _median_report(
             }
         )
     median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
-    host = tensor.cpu().numpy()
-    digest = hashlib.sha256(host.tobytes()).hexdigest()[:16]
+    digest = hashlib.sha256(tensor.cpu().numpy().tobytes()).hexdigest()[:16]
     return {**median, "digest": digest, "steps": runs, "gc_frozen": gc.get_freeze_count()}
 
 
@@ -271,14 +268,15 @@ class _Load:
         self.b = torch.randn(size, size, device=device, dtype=dtype)
         self.per_product_ms = 0.0
         if device.type == "cuda":
-            for _ in range(3):
-                self.a @ self.b
-            torch.cuda.synchronize(device)
+            self._products(3)  # warm-up
             t0 = time.perf_counter()
-            for _ in range(20):
-                self.a @ self.b
-            torch.cuda.synchronize(device)
+            self._products(20)
             self.per_product_ms = (time.perf_counter() - t0) * 1000 / 20
+
+    def _products(self, count: int) -> None:
+        for _ in range(count):
+            self.a @ self.b
+        torch.cuda.synchronize(self.device)
 
     def __call__(self) -> None:
         if self.device.type == "cuda":
@@ -340,14 +338,9 @@ def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
                 for k, (lane, p) in enumerate(zip(lanes, pipes, strict=True))
             }
             for (i, r), pipe in zip(lanes, pipes, strict=True):
-                # A lane pairs with the same rank of every other site, through link
-                # r mod links of the pair (the pair's one link by default).
-                peers = {
-                    j: (addresses[(j, r)], _proxy(proxies, i, j, r))
-                    for j in range(case.sites)
-                    if j != i
-                }
-                pipe.send(peers)
+                # A lane pairs with the same rank of every other site, via link r mod links.
+                others = [j for j in range(case.sites) if j != i]
+                pipe.send({j: (addresses[(j, r)], _proxy(proxies, i, j, r)) for j in others})
             for _ in range(case.warmup + case.repeats):
                 for i, pipe in enumerate(pipes):
                     _recv(pipe, i, wait_s)  # "ready"
