@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -61,32 +62,19 @@ def site_problem(
     return Incarnations.problem(info.name, incarnation)
 
 
+@dataclass(eq=False, kw_only=True)
 class Admission:
-    """Who of the joins and answers a site's coordinator hears is admitted, and how.
+    """Who of the joins and answers a site's coordinator hears is admitted, and how."""
 
-    Args:
-        settings: the coordinator's settings (the job's sites and their sizes).
-        state: the membership and what the site knows of its peers.
-        refusals: where a join its site belies is reported, once per caller.
-        add_joiner: admits a site at the next commit (called with ``state.cond`` held).
-        tell_values: a refused join is told the job's values of the keys that differ;
-            without the job token or TLS anyone can call: only the keys (the log has both).
-    """
-
-    def __init__(
-        self,
-        settings: CoordinatorSettings,
-        state: CoordinatorState,
-        *,
-        refusals: RefusalLog,
-        add_joiner: Callable[[pb.SiteInfo], None],
-        tell_values: bool,
-    ) -> None:
-        self.settings = settings
-        self.state = state
-        self._refusals = refusals
-        self._add_joiner = add_joiner
-        self._tell_values = tell_values
+    settings: CoordinatorSettings
+    state: CoordinatorState
+    refusals: RefusalLog
+    """Where a join its site belies is reported, once per caller."""
+    add_joiner: Callable[[pb.SiteInfo], None]
+    """Admits a site at the next commit (called with ``state.cond`` held)."""
+    tell_values: bool
+    """A refused join is told the job's values of the keys that differ; without the job
+    token or TLS anyone can call: only the keys (the log has both)."""
 
     def site_problem(self, info: pb.SiteInfo, ready: bool, incarnation: str = "") -> str | None:
         """:func:`site_problem` with this coordinator's settings."""
@@ -102,7 +90,7 @@ class Admission:
         theirs = dict(request.fingerprint.fields)
         if problem is None and (problem := fingerprint_problem(s.fingerprint, theirs, s.site, who)):
             answer = fingerprint_problem(
-                s.fingerprint, theirs, s.site, who, values=self._tell_values
+                s.fingerprint, theirs, s.site, who, values=self.tell_values
             )
         if problem is not None:
             log.warning("[%s] refused join from %s: %s", s.site, context.peer(), problem)
@@ -122,7 +110,7 @@ class Admission:
     def _settle_claims_locked(self, name: str, info: pb.SiteInfo, incarnation: str) -> None:
         """``name``'s own answer: every claim it contradicts is a forged join."""
         for caller in self.state.join_claims.settle(name, info, incarnation):
-            self._refusals.note(
+            self.refusals.note(
                 caller,
                 f"Join in {name}'s name that {name}, asked at its own address, does not "
                 "confirm (other lanes or another process); nothing taken from it",
@@ -186,7 +174,7 @@ class Admission:
         ):
             st.settle_join_locked(name)
             incarnations.learn(name, reply.incarnation, replace=True)
-            self._add_joiner(reply.site)
+            self.add_joiner(reply.site)
 
 
 def unconfirmed_proposal(

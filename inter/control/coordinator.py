@@ -142,15 +142,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             rank_liveness=self.rank_liveness,
         )
         self.admission = Admission(
-            s,
-            st,
+            settings=s,
+            state=st,
             refusals=self.refusals,
             add_joiner=self.failover.ballots.add_joiner_locked,
             tell_values=self.security.require_token or self.security.require_tls,
         )
         self._peer_loop = PeerLoop(
-            s,
-            st,
+            settings=s,
+            state=st,
             stubs=self._stubs,
             admission=self.admission,
             metrics=self.metrics,

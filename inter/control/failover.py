@@ -93,8 +93,8 @@ class Failover:
         self.ballots = Ballots(self.state)
         self.rank_liveness = rank_liveness
         self.leader = Leader(
-            self.state,
-            self.ballots,
+            state=self.state,
+            ballots=self.ballots,
             peer_stub=stubs.__getitem__,
             rpc_timeout_s=settings.rpc_timeout_s,
             witness=witness,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -60,46 +60,32 @@ class _Change:
     """The first step of the proposed generation."""
 
 
+@dataclass(eq=False, kw_only=True)
 class Leader:
-    """Decisions taken at the leader site.
+    """Decisions taken at the leader site; ``state``'s condition guards this object too."""
 
-    Args:
-        state: the site's membership; its condition guards this object's state too.
-        ballots: the votes and decisions per (step, generation), shared with failover.
-        peer_stub: the stub of a peer site's coordinator, by name.
-        rpc_timeout_s: deadline of each Propose.
-        witness: the job's witness, if it has one: a side holding exactly half the
-            sites goes on only with its grant.
-        min_sites: never go on with fewer live sites.
-        quorum_wait_s: how long a leader without quorum waits before it decides STOP.
-    """
-
-    def __init__(
-        self,
-        state: CoordinatorState,
-        ballots: Ballots,
-        *,
-        peer_stub: Callable[[str], pb_grpc.CoordinatorStub],
-        rpc_timeout_s: float,
-        witness: WitnessLink | None,
-        min_sites: int,
-        quorum_wait_s: float,
-    ) -> None:
-        self.state = state
-        self.ballots = ballots
-        self._peer_stub = peer_stub
-        self._rpc_timeout_s = rpc_timeout_s
-        self._witness = witness
-        self.min_sites = min_sites
-        self.quorum_wait_s = quorum_wait_s
-        self._deciding: set[Key] = set()
-        # (generation, since when) it has had no quorum; a new generation starts afresh.
-        self._stuck: tuple[int, float] | None = None
-        # The highest generation any proposal answer named: a retried proposal goes
-        # above it, so a site that accepted a failed attempt is not asked the same number.
-        self._highest_generation = 0
-        self.proposing: dict[int, list[str]] = {}
-        """generation -> members, while this site proposes it (asked by the members)."""
+    state: CoordinatorState
+    ballots: Ballots
+    """The votes and decisions per (step, generation), shared with failover."""
+    peer_stub: Callable[[str], pb_grpc.CoordinatorStub]
+    """The stub of a peer site's coordinator, by name."""
+    rpc_timeout_s: float
+    """Deadline of each Propose."""
+    witness: WitnessLink | None
+    """The job's witness, if it has one: a side holding exactly half the sites goes on
+    only with its grant."""
+    min_sites: int
+    """Never go on with fewer live sites."""
+    quorum_wait_s: float
+    """How long a leader without quorum waits before it decides STOP."""
+    proposing: dict[int, list[str]] = field(default_factory=dict, init=False)
+    """generation -> members, while this site proposes it (asked by the members)."""
+    _deciding: set[Key] = field(default_factory=set, init=False)
+    _stuck: tuple[int, float] | None = field(default=None, init=False)
+    """(generation, since when) it has had no quorum; a new generation starts afresh."""
+    _highest_generation: int = field(default=0, init=False)
+    """The highest generation any proposal answer named: a retried proposal goes above
+    it, so a site that accepted a failed attempt is not asked the same number."""
 
     def _busy_locked(self, key: Key) -> bool:
         """``key`` is decided, being decided, or of a generation this site has left."""
@@ -251,7 +237,7 @@ class Leader:
     def _may_go_on(self, sites: list[str]) -> bool:
         """A quorum of the job's sites; with a witness, exactly half of them only with
         its grant (asked in the background: False until it answers)."""
-        witness = self._witness
+        witness = self.witness
         if has_quorum(sites, self.state.site_names, tie_break=witness is None):
             return True
         return witness is not None and witness.granted(sites)
@@ -311,9 +297,7 @@ class Leader:
             self.proposing[generation] = [info.name for info in sites]
         with futures.ThreadPoolExecutor(len(targets)) as pool:
             calls = {
-                name: pool.submit(
-                    self._peer_stub(name).Propose, request, timeout=self._rpc_timeout_s
-                )
+                name: pool.submit(self.peer_stub(name).Propose, request, timeout=self.rpc_timeout_s)
                 for name in targets
             }
             for name, call in calls.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -35,38 +36,24 @@ __all__ = ["PeerLoop"]
 log = logging.getLogger("isthmus.inter.control.coordinator")
 
 
+@dataclass(eq=False, kw_only=True)
 class PeerLoop:
     """Joins and heartbeats a site's peers (run on its own thread); what the peers
-    answer moves the membership through ``state``'s transitions.
+    answer moves the membership through ``state``'s transitions."""
 
-    Args:
-        settings: the coordinator's settings (site, fingerprint, periods, timeouts).
-        state: the membership and what the site knows of its peers and itself.
-        stubs: each peer's coordinator stub, by site name (filled once the site starts).
-        admission: the rule that admits a site from its own answers.
-        metrics: where each peer's reachability is recorded.
-        refusals: where a heartbeat's refused digest is reported, once per caller.
-        proposing: generation -> members, while this site proposes it (the leader's).
-    """
-
-    def __init__(
-        self,
-        settings: CoordinatorSettings,
-        state: CoordinatorState,
-        *,
-        stubs: Mapping[str, pb_grpc.CoordinatorStub],
-        admission: Admission,
-        metrics: SiteMetrics,
-        refusals: RefusalLog,
-        proposing: Mapping[int, list[str]],
-    ) -> None:
-        self.settings = settings
-        self.state = state
-        self.stubs = stubs
-        self.admission = admission
-        self.metrics = metrics
-        self._refusals, self._proposing = refusals, proposing
-        self._asked: dict[str, float] = {}  # peer -> when a claim was last asked of it
+    settings: CoordinatorSettings
+    state: CoordinatorState
+    stubs: Mapping[str, pb_grpc.CoordinatorStub]
+    """Each peer's coordinator stub, by site name (filled once the site starts)."""
+    admission: Admission
+    metrics: SiteMetrics
+    """Where each peer's reachability is recorded."""
+    refusals: RefusalLog
+    """Where a heartbeat's refused digest is reported, once per caller."""
+    proposing: Mapping[int, list[str]]
+    """generation -> members, while this site proposes it (the leader's)."""
+    _asked: dict[str, float] = field(default_factory=dict, init=False)
+    """Peer -> when a claim was last asked of it."""
 
     def run(self) -> None:
         st, stubs = self.state, self.stubs
@@ -140,7 +127,7 @@ class PeerLoop:
         if refused is not None:  # the heartbeat counts; its digest does not
             # The site's name is the caller's to choose: the detail, not the kind.
             said = f"in {site[:64]!r}'s name: {refused}"
-            self._refusals.note(context.peer(), "Heartbeat digest refused", said)
+            self.refusals.note(context.peer(), "Heartbeat digest refused", said)
         digest = st.replicas.own(request.confirm_step) if request.confirm_digest else ""
         start = request.confirm_digest and request.confirm_step == 0
         layout = st.replicas.own_layout() if start else ""
@@ -153,7 +140,7 @@ class PeerLoop:
                 confirmed_digest=digest,
                 site=st.own_info_locked(),
                 ready=st.local_ready_locked(),
-                proposed_members=self._proposing.get(request.confirm_generation, []),
+                proposed_members=self.proposing.get(request.confirm_generation, []),
                 aborted=st.abort.answer_for(site),
                 step=st.step,
                 finished=st.finished,
