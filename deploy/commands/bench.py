@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isthmus.deploy.config.job import ConfigError
-from isthmus.deploy.config.validation import MAX_SYNC_CHUNK_BYTES
+from isthmus.deploy.config.run_sections import MAX_SYNC_CHUNK_BYTES
 from isthmus.inter.data import connections_for_link, parse_codec_spec, sync_chunk_bytes
 
 if TYPE_CHECKING:

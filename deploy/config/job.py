@@ -1,17 +1,15 @@
 """Typed job configuration: a TOML file plus command-line overrides.
 
-Precedence, lowest first: the defaults written below < the TOML file
-(`--config job.toml`) < `--set section.key=value` overrides < the named flags
-(`--sites`, `--ranks-per-site`, `--steps`, `--run-dir`). One rule, applied in
-`load_config`. Unknown sections or keys fail loudly, naming the known ones.
-
-Every field is documented where it is defined; `isthmus config` prints the
-resolved configuration with these docs.
+Precedence, lowest first: the sections' defaults (sections.py, run_sections.py, each
+field documented there) < the TOML file (`--config job.toml`) < `--set section.key=value`
+overrides < the named flags (`--sites`, `--ranks-per-site`, `--steps`, `--run-dir`). One
+rule, applied in `load_config`. Unknown sections or keys fail loudly, naming the known ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -95,9 +93,8 @@ class JobConfig:
         }
 
     def check(self) -> None:
-        """Check every section's values, then the checks that span sections (in the
-        order a fix is found: the tokenizer first, for the model's vocabulary comes
-        from it); raise ConfigError naming the key."""
+        """Each section's checks and those that span sections (validation.py), the
+        tokenizer's first: the model's vocabulary comes from it. Raises ConfigError."""
         t, tr, par = self.topology, self.train, self.parallel
         self.data.check_tokenizer()
         self.job.check()
@@ -183,10 +180,6 @@ class JobConfig:
         ranks = self.ranks_of(site) if site is not None else self.site_ranks[0]
         return ParallelLayout.for_ranks(ranks, pp=t.pp, tp=t.tp, cp=t.cp)
 
-    def site_dp(self) -> list[int]:
-        """Each site's data-parallel width."""
-        return self.topology.site_dp()
-
     @property
     def site_accumulate(self) -> list[int]:
         """Each site's micro-batches per rank per step (train.accumulate)."""
@@ -195,7 +188,7 @@ class JobConfig:
     def site_units(self) -> list[int]:
         """Each site's micro-batches per step over its replicas (accumulate x dp): its
         share of the global batch, and the weight of its gradient."""
-        return [m * dp for m, dp in zip(self.site_accumulate, self.site_dp(), strict=True)]
+        return [m * dp for m, dp in zip(self.site_accumulate, self.topology.site_dp(), strict=True)]
 
     def parallel_config(self, *, cuda: bool) -> ParallelConfig:
         """The site's parallelism choices for intra's Trainer."""
@@ -203,6 +196,20 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        """This config as TOML that `load_config` reads back to the same values."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if isinstance(value, dict):
+                    text = "{" + ", ".join(f"{k} = {_string(v)}" for k, v in value.items()) + "}"
+                else:
+                    text = _string(value) if isinstance(value, (bool, str)) else repr(value)
+                lines.append(f"{key} = {text}")
+            lines.append("")
+        return "\n".join(lines)
 
     def fingerprint(self) -> dict[str, str]:
         """The keys every site of one job must agree on, flattened to strings.
@@ -253,6 +260,12 @@ SECTION_TYPES: dict[str, type] = {
     f.name: type(getattr(JobConfig(), f.name)) for f in dataclasses.fields(JobConfig)
 }
 """Each section's name and its class, in the order `isthmus config` prints them."""
+
+
+def _string(value: str | bool) -> str:
+    return json.dumps(value, ensure_ascii=False)  # a TOML basic string, or true/false
+
+
 PER_SITE = ("topology.ranks_per_site", "train.accumulate")
 """Keys that take one integer for every site or a list of one per site."""
 

@@ -12,7 +12,10 @@ from isthmus.deploy.config.sections import (
     SHA256_RULE,
     ConfigError,
     TopologySection,
+    at_least,
     is_sha256,
+    one_of,
+    positive,
     require,
 )
 from isthmus.inter.data import parse_codec_spec
@@ -105,15 +108,14 @@ class SyncSection:
             1 <= self.rounds_in_flight <= 64,
             f"sync.rounds_in_flight must be in 1..64, got {self.rounds_in_flight}",
         )
-        require(self.timeout_s > 0, f"sync.timeout_s must be > 0, got {self.timeout_s}")
+        positive("sync", self, "timeout_s")
         require(
             self.mode in SYNC_MODES,
             f"sync.mode must be one of {', '.join(SYNC_MODES)}, got {self.mode!r}",
         )
         inner = self.inner_steps
-        require(inner >= 1, f"sync.inner_steps must be >= 1, got {inner}")
-        require(self.outer_lr > 0, f"sync.outer_lr must be > 0, got {self.outer_lr}")
-        require(self.outer_lr_ramp > 0, f"sync.outer_lr_ramp must be > 0, got {self.outer_lr_ramp}")
+        at_least("sync", self, inner_steps=1)
+        positive("sync", self, "outer_lr", "outer_lr_ramp")
         require(
             0 <= self.outer_momentum < 1,
             f"sync.outer_momentum must be in [0, 1), got {self.outer_momentum}",
@@ -164,10 +166,7 @@ class FailoverSection:
             f"failover.heartbeat_s must be > 0 and below failover.failure_timeout_s, got "
             f"{self.heartbeat_s} and {self.failure_timeout_s}",
         )
-        require(
-            self.quorum_wait_s >= 0,
-            f"failover.quorum_wait_s must be >= 0, got {self.quorum_wait_s}",
-        )
+        at_least("failover", self, quorum_wait_s=0)
         host, _, port = self.witness.rpartition(":")
         require(
             not self.witness or (bool(host) and port.isdigit()),
@@ -195,11 +194,9 @@ class WanSection:
         return self.latency_ms / 1000.0 if self.latency_ms >= 0 else self.distance_km * 4.9e-6
 
     def check(self) -> None:
-        require(self.distance_km >= 0, f"wan.distance_km must be >= 0, got {self.distance_km}")
-        require(
-            self.bandwidth_mbit > 0, f"wan.bandwidth_mbit must be > 0, got {self.bandwidth_mbit}"
-        )
-        require(self.queue_kib >= 0, f"wan.queue_kib must be >= 0, got {self.queue_kib}")
+        at_least("wan", self, distance_km=0)
+        positive("wan", self, "bandwidth_mbit")
+        at_least("wan", self, queue_kib=0)
         require(
             self.per_flow_mbit >= 0,
             f"wan.per_flow_mbit must be >= 0 (0 = no cap), got {self.per_flow_mbit}",
@@ -257,8 +254,7 @@ class RunSection:
         """run.* (validation.py checks the held-out batch against the pipeline)."""
         sha = self.script_sha256
         require(is_sha256(sha), f"run.script_sha256 must be {SHA256_RULE}, got {sha!r}")
-        require(self.digest_every >= 0, f"run.digest_every must be >= 0, got {self.digest_every}")
-        require(self.steady_after >= 0, f"run.steady_after must be >= 0, got {self.steady_after}")
+        at_least("run", self, digest_every=0, steady_after=0)
         require(
             self.eval_every >= 0 and self.eval_batches >= 0,
             f"run.eval_every and run.eval_batches must be >= 0, got {self.eval_every} "
@@ -268,10 +264,7 @@ class RunSection:
             -1 <= self.metrics_port <= 65535,
             f"run.metrics_port must be -1 (none), 0 (any) or a port, got {self.metrics_port}",
         )
-        require(
-            self.log_level in ("debug", "info", "warning", "error"),
-            f"run.log_level must be debug, info, warning or error, got {self.log_level!r}",
-        )
+        one_of("run", self, "log_level", "debug", "info", "warning", "error")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -32,6 +32,26 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def at_least(section: str, values: object, **lows: float) -> None:
+    """Refuse a key of ``values`` below its bound, naming SECTION.KEY."""
+    for key, low in lows.items():
+        value = getattr(values, key)
+        require(value >= low, f"{section}.{key} must be >= {low}, got {value}")
+
+
+def positive(section: str, values: object, *keys: str) -> None:
+    """Refuse a key of ``values`` at or below 0, naming SECTION.KEY."""
+    for key in keys:
+        value = getattr(values, key)
+        require(value > 0, f"{section}.{key} must be > 0, got {value}")
+
+
+def one_of(section: str, values: object, key: str, *choices: str) -> None:
+    """Refuse a key of ``values`` that is none of ``choices``, naming them."""
+    value, words = getattr(values, key), f"{', '.join(choices[:-1])} or {choices[-1]}"
+    require(value in choices, f"{section}.{key} must be {words}, got {value!r}")
+
+
 def is_sha256(text: str) -> bool:
     """Empty, or a sha256 as 64 lowercase hex digits."""
     return not text or (len(text) == 64 and all(c in "0123456789abcdef" for c in text))
@@ -47,7 +67,7 @@ class JobSection:
     """Optimizer steps to run."""
 
     def check(self) -> None:
-        require(self.steps >= 1, f"job.steps must be >= 1, got {self.steps}")
+        at_least("job", self, steps=1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,12 +110,9 @@ class TopologySection:
     def check(self) -> None:
         """The sites, their sizes and each site's layout."""
         require(1 <= self.sites <= 64, f"topology.sites must be in 1..64, got {self.sites}")
-        per_site = isinstance(self.ranks_per_site, list)
-        sizes = (
-            self.ranks_per_site if isinstance(self.ranks_per_site, list) else [self.ranks_per_site]
-        )
+        sizes = self.site_ranks
         require(
-            not per_site or len(sizes) == self.sites,
+            not isinstance(self.ranks_per_site, list) or len(sizes) == self.sites,
             f"topology.ranks_per_site names {len(sizes)} site sizes {sizes} for "
             f"topology.sites={self.sites}: give one per site, or one number for all",
         )
@@ -120,10 +137,7 @@ class TopologySection:
             f"topology.ep={self.ep} needs sites of one size, got topology.ranks_per_site={sizes}: "
             "expert-parallel sites of different sizes are not supported yet",
         )
-        require(
-            self.device in ("auto", "cpu", "cuda"),
-            f"topology.device must be auto, cpu or cuda, got {self.device!r}",
-        )
+        one_of("topology", self, "device", "auto", "cpu", "cuda")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -211,30 +225,18 @@ class TrainSection:
     def check(self) -> None:
         """The train.* values alone (deploy/config/validation.py checks them against
         the sites, the pipeline and the sync mode)."""
-        require(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
-        accumulate = self.accumulate if isinstance(self.accumulate, list) else [self.accumulate]
+        at_least("train", self, batch_size=1)
         require(
-            all(m >= 1 for m in accumulate), f"train.accumulate must be >= 1, got {self.accumulate}"
+            min(self.site_accumulate(1)) >= 1,
+            f"train.accumulate must be >= 1, got {self.accumulate}",
         )
-        require(
-            self.balance_every >= 0, f"train.balance_every must be >= 0, got {self.balance_every}"
-        )
-        require(
-            self.batch_schedule in ("fixed", "ramp", "noise"),
-            f"train.batch_schedule must be fixed, ramp or noise, got {self.batch_schedule!r}",
-        )
-        require(self.seq_len >= 2, f"train.seq_len must be >= 2, got {self.seq_len}")
-        require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
-        require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
-        require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
-        require(
-            self.lr_scaling in ("sqrt", "linear", "none"),
-            f"train.lr_scaling must be sqrt, linear or none, got {self.lr_scaling!r}",
-        )
-        require(
-            self.lr_reference_dp >= 1,
-            f"train.lr_reference_dp must be >= 1, got {self.lr_reference_dp}",
-        )
+        at_least("train", self, balance_every=0)
+        one_of("train", self, "batch_schedule", "fixed", "ramp", "noise")
+        at_least("train", self, seq_len=2)
+        positive("train", self, "lr")
+        at_least("train", self, warmup_steps=0, grad_clip=0)
+        one_of("train", self, "lr_scaling", "sqrt", "linear", "none")
+        at_least("train", self, lr_reference_dp=1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -261,10 +263,7 @@ class ParallelSection:
     def check(self) -> None:
         """The auto/true/false switches (validation.py checks the layout)."""
         for key in ("compile", "mixed_precision"):
-            require(
-                getattr(self, key) in ("auto", "true", "false"),
-                f"parallel.{key} must be auto, true or false, got {getattr(self, key)!r}",
-            )
+            one_of("parallel", self, key, "auto", "true", "false")
 
     def config(self, *, cuda: bool, expert_parallel: int) -> ParallelConfig:
         """The site's parallelism choices for intra's Trainer."""
@@ -328,10 +327,7 @@ class DataSection:
 
     def check(self) -> None:
         """data.* but the tokenizer's keys (``check_tokenizer``, run first)."""
-        require(
-            self.source in ("stdlib", "path", "prepared"),
-            f"data.source must be stdlib, path or prepared, got {self.source!r}",
-        )
+        one_of("data", self, "source", "stdlib", "path", "prepared")
         require(
             self.source == "stdlib" or bool(self.path),
             f"data.source = {self.source!r} needs data.path",
@@ -341,7 +337,7 @@ class DataSection:
             'data.source = "prepared" needs data.tokenizer = the tokenizer.json it was prepared '
             f"with (e.g. {Path(self.path) / 'tokenizer.json'})",
         )
-        require(self.max_bytes >= 1024, f"data.max_bytes must be >= 1024, got {self.max_bytes}")
+        at_least("data", self, max_bytes=1024)
         require(
             0 <= self.val_fraction <= 0.5,
             f"data.val_fraction must be in [0, 0.5], got {self.val_fraction}",

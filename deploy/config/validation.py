@@ -6,12 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.config.run_sections import (
-    MAX_SYNC_CHUNK_BYTES,
-    SYNC_MODES,
-    RunSection,
-    SyncSection,
-)
+from isthmus.deploy.config.run_sections import RunSection, SyncSection
 from isthmus.deploy.config.sections import (
     EVAL_BATCH,
     ConfigError,
@@ -25,14 +20,7 @@ from isthmus.intra.layout import ParallelLayout
 if TYPE_CHECKING:
     from isthmus.intra.model_config import ModelConfig
 
-__all__ = [
-    "MAX_SYNC_CHUNK_BYTES",
-    "SYNC_MODES",
-    "ConfigError",
-    "check_eval_batch",
-    "check_layout",
-    "check_train",
-]
+__all__ = ["check_eval_batch", "check_layout", "check_train"]
 
 
 def check_train(

@@ -125,10 +125,8 @@ def check_supported(config: JobConfig, needed: int, site_ranks: list[int] | None
     )
     if problem:
         raise ConfigError(problem)
-    vocab = config.resolved_model().vocab_size
-    load_corpus(
-        config.data, seq_len=config.train.seq_len, vocab=vocab
-    )  # a corpus that cannot be read or split
+    # A corpus that cannot be read or split:
+    load_corpus(config.data, seq_len=config.train.seq_len, vocab=config.resolved_model().vocab_size)
 
 
 @dataclass
@@ -166,9 +164,8 @@ class LocalJob:
         """
         prestart(self._threads())  # the ranks' imports, beside this launcher's own work
         check_supported(self.config, gpus_needed(self.config), self.config.site_ranks)
-        checkpoint_key(
-            self.config.security, self.config.checkpoint
-        )  # a ConfigError now, not in every rank after start
+        c = self.config
+        checkpoint_key(c.security, c.checkpoint)  # a ConfigError now, not in every rank after start
         try:
             self._make_job_token()
             self.run_dir, self.temporary_run_dir = prepare_run_dir(self.config)
@@ -301,13 +298,8 @@ class LocalJob:
     # -- monitoring ---------------------------------------------------------------
 
     def _wait(self) -> None:
-        progress = Progress(
-            self.config.topology,
-            self.config.job.steps,
-            self.run_dir,
-            self.out,
-            enabled=self.progress,
-        )
+        steps, out = self.config.job.steps, self.out
+        progress = Progress(self.config.topology, steps, self.run_dir, out, enabled=self.progress)
         written = False
         try:
             while True:

@@ -62,29 +62,6 @@ class LaunchError(RuntimeError):
     """The job failed; the message says where and why, in one line."""
 
 
-def _toml_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def dump_toml(config: JobConfig) -> str:
-    """Render a config as TOML that `load_config` reads back to the same values."""
-    lines: list[str] = []
-    for section, values in config.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = _toml_string(value)
-            elif isinstance(value, dict):
-                text = "{" + ", ".join(f"{k} = {_toml_string(v)}" for k, v in value.items()) + "}"
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)
-
-
 def config_path(run_dir: Path, site: str | None, node: int | None = None) -> Path:
     """Where the ranks read the resolved config: one file per site for `isthmus site`
     (sites may differ in how they reach each other), one per node of a site on several
@@ -121,7 +98,7 @@ def prepare_run_dir(
         elif path.exists():
             path.unlink()
     (run_dir / "logs").mkdir(exist_ok=True)
-    config_path(run_dir, site, node).write_text(dump_toml(config))
+    config_path(run_dir, site, node).write_text(config.to_toml())
     return run_dir, temporary
 
 

@@ -239,14 +239,9 @@ class SiteJob:
 
     def _train(self) -> None:
         assert self.coordinator is not None and self._ranks is not None
-        c = self.config
+        topology, steps = self.config.topology, self.config.job.steps
         progress = Progress(
-            c.topology,
-            c.job.steps,
-            self.run_dir,
-            self.out,
-            enabled=self.progress,
-            sites=[self.site],
+            topology, steps, self.run_dir, self.out, enabled=self.progress, sites=[self.site]
         )
         deadline = time.monotonic() + self.config.sync.timeout_s
         last_status = 0.0

@@ -13,10 +13,6 @@ bytes are kept there too (``_keep_stdlib``), so no rank walks the standard libra
 
 The tokenizer's sha256 is part of the job fingerprint (data.tokenizer_sha256): loading
 fills it in, or refuses a tokenizer whose hash differs from the one the job pins.
-
-A prepared folder (data.source = "prepared", `isthmus data prepare`) is token ids
-already: it is memory-mapped, its manifest's tokenizer sha256 must be data.tokenizer's,
-and its split is cut in tokens (data.val_fraction), as for a .bin token file.
 """
 
 from __future__ import annotations

@@ -21,14 +21,11 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 from ..user_files import ConfigError
-
-if TYPE_CHECKING:
-    from .prepare import _Bar
 
 __all__ = ["DATASETS_HINT", "FORMATS", "LINE_BYTES", "READ_BYTES", "documents"]
 
@@ -59,7 +56,11 @@ _BOM = codecs.BOM_UTF8
 
 
 def documents(
-    src: Path, text_field: str, digest: hashlib._Hash, bar: _Bar, hf_cache: Path
+    src: Path,
+    text_field: str,
+    digest: hashlib._Hash,
+    advance: Callable[[int], None],
+    hf_cache: Path,
 ) -> Iterator[Iterable[str]]:
     """``src``'s documents in order, each as its text in chunks (a chunk of a text file or a
     long jsonl line holds about ``READ_BYTES`` characters at most). A document is consumed before
@@ -74,7 +75,7 @@ def documents(
         return
     try:
         with open(src, "rb") as f:
-            reader = _Reader(f, digest, bar)
+            reader = _Reader(f, digest, advance)
             if kind == "text":
                 yield _guarded(src, _text(reader))
             else:
@@ -94,8 +95,8 @@ def _guarded(src: Path, chunks: Iterator[str]) -> Iterator[str]:
 class _Reader:
     """A file's bytes, ``READ_BYTES`` at a time, hashed and counted on the bar as read."""
 
-    def __init__(self, f: BinaryIO, digest: hashlib._Hash, bar: _Bar) -> None:
-        self.f, self.digest, self.bar = f, digest, bar
+    def __init__(self, f: BinaryIO, digest: hashlib._Hash, advance: Callable[[int], None]) -> None:
+        self.f, self.digest, self.advance = f, digest, advance
         self.buf = b""
         self.pos = 0
 
@@ -103,7 +104,7 @@ class _Reader:
         """Read the next block after what is unconsumed; False at the end of the file."""
         block = self.f.read(READ_BYTES)
         self.digest.update(block)
-        self.bar.advance(len(block))
+        self.advance(len(block))
         if not block:
             return False
         self.buf = self.buf[self.pos :] + block

@@ -1,28 +1,17 @@
 """`isthmus data prepare` (deploy/commands/data.py): local text, jsonl and parquet files
-to token shards once.
+(read by documents.py) to token shards once.
 
 Every document is encoded with the tokenizer.json (optionally followed by an
-end-of-document token) and appended to uint16 ``.bin`` shards -- the raw token files
-tokens.py already memory-maps -- beside a manifest.json: the format version, each
-shard's tokens, the total, the tokenizer's sha256 (a job whose data.tokenizer hashes
-otherwise is refused, cache.py), and each source file's sha256 and size. The
-tokenizer.json is copied in, so a job can name it from the folder.
-
-Reading (documents.py): a ``.txt`` file is one document; a ``.jsonl`` file one
-document a line (its ``--text-field``); both with the standard library. Only ``.parquet``
-goes through the ``datasets`` library (it brings pyarrow, ~265 MB installed: the
-``isthmus[data]`` extra, never a runtime dependency), local files only, offline, streamed
-(no arrow cache).
-
-Memory does not grow with the input: a document arrives as a stream of text chunks, is
-cut into the pieces ``TextTokenizer.encode`` cuts it into (``text_pieces``: about
-``PIECE_CHARS`` characters, after a newline), and is encoded ``BATCH_BYTES`` of pieces at
-a time, so the tokens are those of encoding the whole document at once and the peak stays
-under ``PEAK_BYTES`` above the interpreter's (docs/data.md, "Memory").
+end-of-document token) and appended to uint16 ``.bin`` shards, the raw token files
+tokens.py memory-maps, beside a manifest.json: the format version, each shard's tokens,
+the tokenizer's sha256 (cache.py refuses a job whose data.tokenizer hashes otherwise),
+each source file's sha256 and size. The tokenizer.json is copied in, so a job can name it
+from the folder. A document is encoded ``BATCH_BYTES`` of pieces at a time, in the pieces
+``TextTokenizer.encode`` cuts (``text_pieces``), so the tokens are those of the whole
+document and memory stays under ``PEAK_BYTES`` (docs/data.md, "Memory").
 
 The folder is written under a temporary name beside ``--out`` and renamed into place
-when complete, so a prepare killed midway leaves no ``--out``; bad input is refused in
-one line before that rename, leaving nothing.
+when complete: a prepare killed midway, or refusing bad input, leaves no ``--out``.
 """
 
 from __future__ import annotations
@@ -158,7 +147,7 @@ def _write(
         for src in sources:
             digest = hashlib.sha256()
             docs = 0
-            for chunks in documents(src, text_field, digest, bar, folder / ".hf-cache"):
+            for chunks in documents(src, text_field, digest, bar.advance, folder / ".hf-cache"):
                 if _encode(tok, chunks, shards, bar, batch_bytes):
                     if eos_id is not None:
                         shards.add(np.array([eos_id], dtype=np.uint16))

@@ -73,11 +73,10 @@ def test_each_preset_trains_with_its_own_defaults_unless_the_job_says(tmp_path):
     t = load_config(path).train
     assert (t.warmup_steps, t.lr, t.seq_len) == (7, 6e-4, 2048)
     # The resolved config a launcher writes for its ranks reads back the same.
-    from isthmus.deploy.launch.ranks import dump_toml
 
     config = load_config(None, ["model.preset=125m"])
     written = tmp_path / "resolved.toml"
-    written.write_text(dump_toml(config))
+    written.write_text(config.to_toml())
     assert load_config(written).train == config.train
 
 
@@ -315,7 +314,7 @@ def test_a_cp_or_ep_layout_that_does_not_fit_is_refused_naming_the_numbers(sets,
 def test_sites_of_different_sizes_are_one_list_and_part_of_the_fingerprint(tmp_path):
     cfg = load_config(None, ["topology.ranks_per_site=[4, 2]"])
     assert cfg.site_ranks == [4, 2] and cfg.ranks_of("site1") == 2
-    assert cfg.site_dp() == [4, 2] and cfg.site_layout("site1").dp == 2
+    assert cfg.topology.site_dp() == [4, 2] and cfg.site_layout("site1").dp == 2
     assert cfg.fingerprint()["topology.ranks_per_site"] == "[4, 2]"
     swapped = load_config(None, [], flags={"topology.ranks_per_site": "2,4"})
     assert swapped.fingerprint()["topology.ranks_per_site"] == "[2, 4]"

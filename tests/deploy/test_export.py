@@ -16,7 +16,6 @@ import transformers  # the dev extra installs it; never a runtime dependency
 from helpers import assert_one_line_error, job_corpus, run_cli
 
 from isthmus.deploy.config.job import load_config
-from isthmus.deploy.launch.ranks import dump_toml
 from isthmus.deploy.security.trust import checkpoint_key
 from isthmus.intra import checkpoint
 from isthmus.intra.corpus.batches import ShardedBatches
@@ -122,7 +121,7 @@ def test_train_from_hf_weights_then_export_them_back(tmp_path: Path) -> None:
     assert_one_line_error(run_cli("export", str(run), "--to", "hf", str(out)), "not an empty")
     empty = tmp_path / "empty-run"
     empty.mkdir()
-    (empty / "config.toml").write_text(dump_toml(config))
+    (empty / "config.toml").write_text(config.to_toml())
     missing = tmp_path / "never"
     assert_one_line_error(
         run_cli("export", str(empty), "--to", "hf", str(missing)), "holds no complete checkpoint"

@@ -19,8 +19,7 @@ import torch
 from helpers import assert_one_line_error, fake_checkpoint, run_cli
 
 from isthmus.deploy.commands.arguments import read_rank_secret
-from isthmus.deploy.config.job import load_config
-from isthmus.deploy.config.validation import ConfigError
+from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.deploy.security.trust import site_security
 from isthmus.intra import hf_layout
 from isthmus.intra.corpus.tokenizer import TextTokenizer, file_facts

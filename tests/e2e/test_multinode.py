@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 
 from isthmus.deploy.config.job import load_config
-from isthmus.deploy.launch.ranks import dump_toml
 from isthmus.sim import LinkSpec
 from isthmus.sim.netns import LAN_IFNAME, SiteNet, require_tools
 from isthmus.sim.transparent import TransparentWan
@@ -172,7 +171,7 @@ def start_job(
     logs.mkdir()
     # The template's one resolved config for site1's coordinator and ranks.
     config = tmp_path / "config-site1.toml"
-    config.write_text(dump_toml(load_config(job, [f"cluster.advertise_host={site1.address}"])))
+    config.write_text(load_config(job, [f"cluster.advertise_host={site1.address}"]).to_toml())
     site1_procs = MultiNodeSite(site1, config, run_dir, logs)
     env = {**os.environ, "no_grpc_proxy": "none.invalid", "ISTHMUS_STEP_FLOOR_S": str(pace_s)}
     site1_procs.start()
