@@ -43,14 +43,6 @@ from .tokenizer import (
 )
 from .tokens import Corpus, from_path, prepared_corpus, stdlib_corpus, stdlib_name, stdlib_root
 
-__all__ = [
-    "default_cache_dir",
-    "load_corpus",
-    "pin_tokenizer",
-    "trained_tokenizer",
-    "write_atomically",
-]
-
 
 class DataSection(Protocol):
     """The job's [data] section (deploy/config/sections.py documents each key)."""

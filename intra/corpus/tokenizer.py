@@ -30,24 +30,6 @@ if TYPE_CHECKING:  # numpy and batches.py load only where text is encoded
 
     from .batches import Split
 
-__all__ = [
-    "BYTES_PER_TOKEN_BOUND",
-    "BYTE_VOCAB",
-    "INSTALL_HINT",
-    "MAX_VOCAB",
-    "MIN_BPE_VOCAB",
-    "RECIPE",
-    "TextTokenizer",
-    "decode_text",
-    "encode_spans",
-    "file_facts",
-    "file_vocab_size",
-    "json_vocab_size",
-    "require_tokenizers",
-    "split_text",
-    "text_pieces",
-    "tokenizer_sha256",
-]
 
 BYTE_VOCAB = 256
 MIN_BPE_VOCAB = BYTE_VOCAB + 1
