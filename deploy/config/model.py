@@ -57,18 +57,11 @@ def resolved_model(model: ModelSection, data: DataSection, *, seq_len: int) -> M
 
 
 def hf_model_config(model: ModelSection, *, seq_len: int, vocab: int) -> ModelConfig:
-    """The config.json's shape as it is, checked against the job.
-
-    Args:
-        model: the job's [model] section; ``hf_config`` or ``init_from`` is set.
-        seq_len: train.seq_len, which may not exceed the config's positions.
-        vocab: the tokenizer's ids, which the config's vocabulary must hold.
-
-    Raises:
-        ConfigError: one line naming the key: a config.json isthmus cannot build (its
-            family, a field, a feature), size overrides beside it, weights that do not
-            fit it (init_from, read from the files' headers), or a tokenizer or
-            sequence length it cannot take.
+    """The config.json's shape as it is (``model.hf_config`` or ``init_from`` is set),
+    checked against the job: ``seq_len`` may not exceed its positions, its vocabulary
+    must hold the tokenizer's ``vocab`` ids. Raises ConfigError, one line naming the key:
+    a config.json isthmus cannot build (its family, a field, a feature), size overrides
+    beside it, or weights that do not fit it (init_from, read from the files' headers).
     """
     for key in ("dim", "n_layers", "n_heads"):
         if getattr(model, key):

@@ -68,9 +68,6 @@ def split_corpus(
             tokenizer's training): ``n_tokens`` is then its bytes, and a block holds two
             windows at this many bytes a token.
 
-    Returns:
-        The split.
-
     Raises:
         ValueError: on a fraction outside [0, 0.5], or a corpus too short to split.
     """

@@ -102,13 +102,8 @@ def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     """The standard library's ``*.py`` files as bytes, sorted by relative path.
 
     ``site-packages`` is excluded so the corpus does not depend on what is
-    installed. The same Python version gives the same bytes on every machine.
-
-    Args:
-        max_bytes: cap on the bytes loaded (the last file is truncated).
-
-    Returns:
-        The corpus.
+    installed. The same Python version gives the same bytes on every machine. At most
+    ``max_bytes`` are loaded (the last file is truncated).
     """
     if max_bytes < 2:
         raise ValueError(f"max_bytes must be >= 2, got {max_bytes}")
@@ -129,9 +124,6 @@ def from_path(path: str | Path, *, dtype: str = "uint8", max_bytes: int | None =
             whose files (recursively, sorted by relative path) are read as bytes.
         dtype: element type of a ``.bin`` file: ``"uint8"`` or ``"uint16"``.
         max_bytes: cap on the bytes read from text files (``None``: no cap).
-
-    Returns:
-        The corpus.
 
     Raises:
         ValueError: on a missing path, an unsupported dtype or an empty corpus.
