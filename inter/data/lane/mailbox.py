@@ -1,29 +1,20 @@
-"""Where chunks wait: received ones until a round takes them, sent ones until no peer
-can ask for them again.
-
-Owns :data:`MailboxKey`, :class:`Mailbox` (refuses replays, chunks of finished steps,
-chunks of steps too far ahead, and chunks past its byte budget: whoever sends, it holds
-at most a live window of steps in bounded memory; holds a marker for a chunk that
-failed its checksum until it is pulled again; notes the rounds a peer gave up, so
-that this site's part of them fails at once instead of waiting out its deadline)
-and :class:`Outbox` (the chunks this site sent, for ``ResendChunk``, and the peer lanes
-this site's rounds talk to, the only addresses a chunk or a bulk ticket is handed to:
-:mod:`isthmus.inter.data.lane.handoff`). No gRPC here;
-:mod:`isthmus.inter.data.lane.server` fills them, the all-reduce empties them.
+"""Where chunks wait: received ones until a round takes them (:class:`Mailbox`, in bounded
+memory whoever sends), sent ones until no peer can ask for them again (:class:`Outbox`),
+and what peers hand back for a nonce this rank made (:class:`Handoffs`). No gRPC here:
+:mod:`isthmus.inter.data.lane.server` fills them, the rounds empty them.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from isthmus.inter.data.lane.handoff import Handoffs
 from isthmus.inter.data.transport.wire import Chunk, Frame
 
 if TYPE_CHECKING:
-    from isthmus.inter.data.lane.handoff import HandoffPeer
     from isthmus.proto import lane_pb2
 
 __all__ = [
@@ -31,6 +22,9 @@ __all__ = [
     "MAX_ABORTS",
     "MAX_REASON",
     "MAX_STEPS_AHEAD",
+    "NONCE_BYTES",
+    "HandoffPeer",
+    "Handoffs",
     "Mailbox",
     "MailboxKey",
     "Outbox",
@@ -55,7 +49,8 @@ MAX_REASON = 512
 
 
 class Mailbox:
-    """Thread-safe store of received chunks keyed by :data:`MailboxKey`.
+    """Thread-safe store of received chunks keyed by :data:`MailboxKey`; it also notes
+    the rounds a peer gave up, so that this site's part of them fails at once.
 
     Keeps the keys ever deposited for the live steps, with the payload checksum each
     first copy declared, so a chunk is stored at most once: another payload under a
@@ -246,6 +241,84 @@ class Mailbox:
 
 def _size(item: Chunk | None) -> int:
     return len(item.payload) if item is not None else 0
+
+
+NONCE_BYTES = 32
+MAX_WAITING = 256
+"""Nonces a lane keeps at once: a round pulls a few chunks again, a peer's bulk
+connections ask for a few tickets; the oldest go first."""
+NONCE_TTL_S = 120.0  # a nonce older than this is forgotten: nothing answers that late
+
+
+class HandoffPeer(Protocol):
+    """The calls a lane makes to a peer's lane to hand something over (``LanePeer``)."""
+
+    address: str
+
+    def deliver(self, frame: Frame | bytes, nonce: bytes, timeout: float) -> None: ...
+
+    def grant_bulk(self, request: lane_pb2.GrantBulkRequest, timeout: float) -> None: ...
+
+
+class Handoffs:
+    """Nonces this rank made for what it asked of peers, and what came back for them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        # nonce -> (what was asked, when, what came back or None)
+        self._waiting: dict[bytes, tuple[object, float, object]] = {}
+
+    def expect(self, what: object) -> bytes:
+        """A new nonce for a request of ``what`` (compared with what comes back)."""
+        nonce = os.urandom(NONCE_BYTES)
+        now = time.monotonic()
+        with self._cond:
+            for old in [n for n, v in self._waiting.items() if now - v[1] > NONCE_TTL_S]:
+                del self._waiting[old]
+            while len(self._waiting) >= MAX_WAITING:
+                del self._waiting[next(iter(self._waiting))]
+            self._waiting[nonce] = (what, now, None)
+        return nonce
+
+    def deliver(self, nonce: bytes, what: object, item: object) -> bool:
+        """Takes ``item`` if ``nonce`` is one of ours, asked for ``what`` and not yet
+        answered; False otherwise (nothing changes)."""
+        with self._cond:
+            found = self._waiting.get(nonce)
+            if found is None or found[0] != what or found[2] is not None:
+                return False
+            self._waiting[nonce] = (found[0], found[1], item)
+            self._cond.notify_all()
+            return True
+
+    def made(self, nonce: bytes, what: object) -> bool:
+        """Whether ``nonce`` is one of ours, made for ``what`` (and not forgotten)."""
+        with self._cond:
+            found = self._waiting.get(nonce)
+            return found is not None and found[0] == what
+
+    def forget(self, nonce: bytes) -> None:
+        """Forgets ``nonce`` (what it was made for is done)."""
+        with self._cond:
+            self._waiting.pop(nonce, None)
+
+    def collect(self, nonce: bytes, timeout: float) -> object:
+        """What came back for ``nonce`` within ``timeout`` seconds (forgets the nonce),
+        or None."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                found = self._waiting.get(nonce)
+                if found is None:
+                    return None
+                if found[2] is not None or time.monotonic() >= deadline:
+                    del self._waiting[nonce]
+                    return found[2]
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._waiting)
 
 
 class Outbox:

@@ -1,13 +1,8 @@
-"""The sending side of a lane: one client per peer site.
-
-A :class:`LanePeer` sends to one peer site's :class:`~isthmus.inter.data.lane.server.LaneServer`,
-on its bulk TCP port (:mod:`isthmus.inter.data.transport.bulk`, the default without TLS) or on gRPC
-``PushChunks`` calls, one a chunk (:mod:`isthmus.inter.data.transport.push`). A round's worth
-of either is a :class:`~isthmus.inter.data.transport.peer_round.PeerRound` over the peer's
-connections. :meth:`LanePeer.fetch` asks for one chunk
-again (``ResendChunk``) when the copy that arrived failed its checksum; the peer hands it
-to this rank's own lane (:mod:`isthmus.inter.data.lane.handoff`), as it grants the
-tickets that admit this rank's chunks to its bulk port (or its ``PushChunks`` streams).
+"""The sending side of a lane: a :class:`LanePeer` sends to one peer site's lane, on its
+bulk TCP port (:mod:`isthmus.inter.data.transport.bulk`) or on gRPC ``PushChunks`` calls
+(:mod:`isthmus.inter.data.transport.push`), a round's worth as one ``PeerRound``. What
+it asks of the peer (a chunk again, a ticket) comes back to this rank's own lane
+(:mod:`isthmus.inter.data.lane.handoff`).
 """
 
 from __future__ import annotations
@@ -19,12 +14,12 @@ import time
 
 import grpc
 
-from isthmus.inter.data.lane.handoff import Handoffs
-from isthmus.inter.data.lane.server import PASS_METADATA, channel_options
+from isthmus.inter.data.lane.gate import PASS_METADATA
+from isthmus.inter.data.lane.mailbox import Handoffs
 from isthmus.inter.data.transport.bulk import TICKET_TTL_S, BulkRefused
 from isthmus.inter.data.transport.bulk_peer import BulkConnection
 from isthmus.inter.data.transport.bulk_stream import client_context
-from isthmus.inter.data.transport.chunk_checks import stream_keepalive
+from isthmus.inter.data.transport.chunk_checks import channel_options, stream_keepalive
 from isthmus.inter.data.transport.peer_round import Connection, PeerRound
 from isthmus.inter.data.transport.push import StreamConnection
 from isthmus.inter.data.transport.wire import Frame, encode_delivery
@@ -183,20 +178,21 @@ class LanePeer:
                 self._pass = held
         return ((PASS_METADATA, held[0].hex()),)
 
+    def _turn(self) -> grpc.Channel:
+        """The next connection: they take turns, so that a resend does not queue behind
+        one busy stream."""
+        with self._lock:
+            turn, self._fetches = self._fetches, self._fetches + 1
+        return self._channel(turn)
+
     def fetch(self, request: lane_pb2.ResendChunkRequest, timeout: float) -> None:
         """Asks the peer for one chunk again (``ResendChunk``); the peer hands it to
         this rank's lane (``DeliverChunk``) with ``request.nonce`` before it answers.
 
-        Args:
-            request: which chunk, who asks, and the nonce the chunk comes back with.
-            timeout: deadline of the call in seconds.
         Raises:
             grpc.RpcError: the peer refused, has no such chunk or did not answer.
         """
-        # Connections take turns so a resend does not queue behind one busy stream.
-        with self._lock:
-            turn, self._fetches = self._fetches, self._fetches + 1
-        call = self._channel(turn).unary_unary(
+        call = self._turn().unary_unary(
             _RESEND,
             request_serializer=lane_pb2.ResendChunkRequest.SerializeToString,
             response_deserializer=lane_pb2.ResendChunkResponse.FromString,
@@ -210,9 +206,7 @@ class LanePeer:
         Raises:
             grpc.RpcError: PERMISSION_DENIED if the peer's lane did not ask for it.
         """
-        with self._lock:
-            turn, self._fetches = self._fetches, self._fetches + 1
-        call = self._channel(turn).unary_unary(
+        call = self._turn().unary_unary(
             _DELIVER,
             request_serializer=None,  # already bytes (encode_delivery)
             response_deserializer=lane_pb2.DeliverChunkResponse.FromString,

@@ -1,15 +1,8 @@
-"""Lanes: the gRPC data plane between the ranks at one mesh coordinate of every site.
-
-This module owns the receiving side: a :class:`LaneServer` receives ``PushChunks``
-streams, validates every message field by field and deposits the valid ones in a
-:class:`~isthmus.inter.data.lane.mailbox.Mailbox`; a chunk whose payload fails its crc32 is
-marked there instead, and the round pulls it again with ``ResendChunk``; what a lane
-hands only to a site of its rounds (a chunk asked for again, a bulk ticket) goes through
-:mod:`isthmus.inter.data.lane.handoff`, a round given up and a pull of the training state
-through :mod:`isthmus.inter.data.lane.requests`. The limits both sides
-share and the checks of a received chunk are :mod:`isthmus.inter.data.transport.chunk_checks`
-(re-exported here: :func:`max_payload_bytes`, :func:`channel_options`). The sending side,
-:class:`~isthmus.inter.data.lane.peer.LanePeer`, lives in :mod:`isthmus.inter.data.lane.peer`.
+"""The receiving side of a lane: a :class:`LaneServer` takes ``PushChunks`` streams and
+a bulk port's chunks, judges each (:mod:`isthmus.inter.data.transport.chunk_checks`, and
+whose name it carries: :mod:`.gate`) and deposits the sound ones in its ``Mailbox``; a
+chunk whose only fault is its crc32 is marked there, and the round pulls it again. Its
+other calls go to :mod:`.handoff` and :mod:`.requests`, each handed what it uses.
 """
 
 from __future__ import annotations
@@ -19,13 +12,15 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, WaitSlots
 from isthmus.inter.control.channels import bind_failure, server_options
-from isthmus.inter.data.lane.handoff import LaneHandoff, holder_of
+from isthmus.inter.data.lane.gate import ANY_SENDER, PASS_METADATA, LaneGate
+from isthmus.inter.data.lane.handoff import LaneHandoff
 from isthmus.inter.data.lane.mailbox import MAX_STEPS_AHEAD, Mailbox, Outbox
 from isthmus.inter.data.lane.requests import PULL_STATE_SHARE, LaneRequests
 from isthmus.inter.data.round.context import Members
@@ -42,21 +37,28 @@ from isthmus.inter.data.transport.chunk_checks import (
 )
 from isthmus.inter.data.transport.wire import Chunk, ChunkWire, DeliverWire
 from isthmus.inter.malformed import MalformedRequests
-from isthmus.inter.security import INSECURE, TLS_NAME, SiteSecurity, refuse_unless_named
+from isthmus.inter.security import INSECURE, SiteSecurity
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
-__all__ = ["LaneServer", "channel_options", "max_payload_bytes"]
+__all__ = ["ANY_SENDER", "PASS_METADATA", "LaneServer", "channel_options", "max_payload_bytes"]
 
 log = logging.getLogger(__name__)
 
 _GENERATIONS_AHEAD = 2
 """Generations past this lane's whose chunks it holds for a moment (see ``take``)."""
 _GENERATION_WAIT_S = 10.0  # how long a chunk of a newer generation waits for this lane
-ANY_SENDER = object()
-"""``LaneServer.take``'s holder when the sender was checked already (mutual TLS)."""
-PASS_METADATA = "isthmus-lane-pass"
-"""gRPC metadata key of the ticket a ``PushChunks`` stream presents without TLS (hex)."""
-
+_MAILBOX_REFUSALS = {  # Mailbox.deposit's answers, as the sender hears them
+    "duplicate": (grpc.StatusCode.ALREADY_EXISTS, "duplicate chunk {key}"),
+    "stale": (grpc.StatusCode.FAILED_PRECONDITION, "chunk {key} belongs to a finished step"),
+    "ahead": (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "chunk {key} is for a step {ahead} or more past the live one",
+    ),
+    "full": (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "chunk {key}: the mailbox holds its budget of {bytes} bytes of chunks no round has taken",
+    ),
+}
 
 RESERVED_THREADS = 8
 """A lane's handler threads that ``PushChunks`` streams may never take."""
@@ -77,14 +79,14 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         codec: codec name every sender must use (``Codec.name``).
         generation: current membership generation.
         chunk_bytes: the job's chunk size; bounds payloads and messages.
-        host: interface to bind; port 0 lets the OS pick.
-        port: port to bind (0 = ephemeral).
+        host: interface to bind.
+        port: port to bind (0: the OS picks one).
         max_workers: handler threads; each open stream holds one for its round. All
             but :data:`RESERVED_THREADS` may hold ``PushChunks`` streams, so that
             streams nobody ends (issue 14, row 7) never take the threads of
             ``ResendChunk``, ``PullState``, ``OpenBulk`` and health checks.
         security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
-        bulk: also take chunks on a TCP port of their own (inter/data/transport/bulk.py), inside
+        bulk: also take chunks on a TCP port of their own (transport/bulk.py), inside
             mutual TLS when the security requires TLS.
         mailbox_bytes: payload bytes received chunks may hold while they wait for their
             round (``Mailbox``); None: unbounded. Give it room for two steps of this
@@ -113,8 +115,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         members = Members(generation, site_index, num_sites)  # checks the index
         if chunk_bytes < 4 or chunk_bytes % 4:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4, got {chunk_bytes}")
-        self.codec = codec
-        self.chunk_bytes = chunk_bytes
+        self.codec, self.chunk_bytes = codec, chunk_bytes
         self.mailbox = Mailbox(max_bytes=mailbox_bytes, max_ahead=steps_ahead)
         self.outbox = Outbox()
         self.offers = StateOffers()
@@ -139,9 +140,13 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         )
         self.tickets = Tickets()
         """Bulk tickets (and PushChunks passes) granted, each bound to a site."""
-        self.handoff = LaneHandoff(self)
-        self.requests = LaneRequests(self)
-        self._server.add_generic_rpc_handlers((self._handlers(),))
+        self.gate = LaneGate(
+            security=self.security,
+            where=self.where,
+            refusals=self.refusals,
+            tickets=self.tickets,
+            members=lambda: self._members,
+        )
         # grpc.health.v1, like every isthmus server: SERVING until stop().
         self.health = BoundedHealth(self.refusals)
         streams = max(1, max_workers - RESERVED_THREADS)
@@ -152,75 +157,72 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        bound = (security or INSECURE).add_port(self._server, f"{host}:{port}")
-        if bound == 0:
-            where = f"{host}:{port}"
-            raise OSError(f"could not bind lane server to {where}: {bind_failure(where)}")
-        self._address = f"{host}:{bound}"
-        self._bulk: BulkListener | None = None
-        if bulk:
-            self._bulk = BulkListener(
-                host,
-                self._take_bulk,
-                max_frame=max_payload_bytes(chunk_bytes),
-                where=f"lane of site {site_index}",
-                refusals=self.refusals,
-                tickets=self.tickets,
-                tls=server_context(self.security),
-                vouch=self._vouches,
-            )
+        self._address, self._bulk = self._listen(host, port, bulk)
+        self.handoff = LaneHandoff(
+            gate=self.gate,
+            outbox=self.outbox,
+            handoffs=self.mailbox.handoffs,
+            tickets=self.tickets,
+            bulk_port=self.bulk_port,
+        )
+        self.requests = LaneRequests(
+            gate=self.gate,
+            mailbox=self.mailbox,
+            offers=self.offers,
+            pulls=self.pulls,
+            rank=lambda: self.rank,
+        )
+        self._server.add_generic_rpc_handlers((self._handlers(),))
         self._server.start()
         log.info("[site %d] lane server listening on %s", site_index, self._address)
 
+    def _listen(self, host: str, port: int, bulk: bool) -> tuple[str, BulkListener | None]:
+        """Binds the gRPC port and opens the bulk one (``bulk``): the address peers dial
+        and the listener, which takes chunks at once."""
+        bound = self.security.add_port(self._server, f"{host}:{port}")
+        if bound == 0:
+            where = f"{host}:{port}"
+            raise OSError(f"could not bind lane server to {where}: {bind_failure(where)}")
+        if not bulk:
+            return f"{host}:{bound}", None
+        listener = BulkListener(
+            host,
+            lambda req, peer, holder: self.take(req, holder, peer),
+            max_frame=max_payload_bytes(self.chunk_bytes),
+            where=self.where,
+            refusals=self.refusals,
+            tickets=self.tickets,
+            tls=server_context(self.security),
+            vouch=self.gate.vouches,
+        )
+        return f"{host}:{bound}", listener
+
     def _handlers(self) -> grpc.GenericRpcHandler:
-        """The Lane service with the bulk messages read and written by `inter/data/transport/wire.py`:
-        a chunk's payload reaches the handler as a view, not a protobuf copy, and a
-        resend goes out as the bytes first sent. PullState is plain protobuf."""
-        stream_unary = grpc.stream_unary_rpc_method_handler
-        unary_unary = grpc.unary_unary_rpc_method_handler
+        """The Lane service with the bulk messages read and written by
+        :mod:`isthmus.inter.data.transport.wire`: a chunk's payload reaches the handler as
+        a view, not a protobuf copy, and a resend goes out as the bytes first sent."""
+        unary, pb, h, r = grpc.unary_unary_rpc_method_handler, lane_pb2, self.handoff, self.requests
+        calls: dict[str, tuple[Any, ...]] = {  # name: (kind, handler, request, response)
+            "PushChunks": (grpc.stream_unary_rpc_method_handler, self.PushChunks, ChunkWire,
+                           pb.PushChunksResponse),
+            "ResendChunk": (unary, h.resend, pb.ResendChunkRequest, pb.ResendChunkResponse),
+            "DeliverChunk": (unary, h.take_delivery, DeliverWire, pb.DeliverChunkResponse),
+            "GrantBulk": (unary, h.take_grant, pb.GrantBulkRequest, pb.GrantBulkResponse),
+            "OpenBulk": (unary, h.open_bulk, pb.OpenBulkRequest, pb.OpenBulkResponse),
+            "AbortRound": (unary, r.abort_round, pb.AbortRoundRequest, pb.AbortRoundResponse),
+            "PullState": (grpc.unary_stream_rpc_method_handler, r.pull_state,
+                          pb.PullStateRequest, pb.StatePiece),
+            "ConfirmPull": (unary, h.confirm_pull, pb.ConfirmPullRequest, pb.ConfirmPullResponse),
+        }  # fmt: skip
         return grpc.method_handlers_generic_handler(
             "isthmus.v1.Lane",
             {
-                "PushChunks": stream_unary(
-                    self.PushChunks,
-                    request_deserializer=ChunkWire.FromString,
-                    response_serializer=lane_pb2.PushChunksResponse.SerializeToString,
-                ),
-                "ResendChunk": unary_unary(
-                    self.handoff.resend,
-                    request_deserializer=lane_pb2.ResendChunkRequest.FromString,
-                    response_serializer=lane_pb2.ResendChunkResponse.SerializeToString,
-                ),
-                "DeliverChunk": unary_unary(
-                    self.handoff.take_delivery,
-                    request_deserializer=DeliverWire.FromString,
-                    response_serializer=lane_pb2.DeliverChunkResponse.SerializeToString,
-                ),
-                "GrantBulk": unary_unary(
-                    self.handoff.take_grant,
-                    request_deserializer=lane_pb2.GrantBulkRequest.FromString,
-                    response_serializer=lane_pb2.GrantBulkResponse.SerializeToString,
-                ),
-                "OpenBulk": unary_unary(
-                    self.handoff.open_bulk,
-                    request_deserializer=lane_pb2.OpenBulkRequest.FromString,
-                    response_serializer=lane_pb2.OpenBulkResponse.SerializeToString,
-                ),
-                "AbortRound": unary_unary(
-                    self.requests.abort_round,
-                    request_deserializer=lane_pb2.AbortRoundRequest.FromString,
-                    response_serializer=lane_pb2.AbortRoundResponse.SerializeToString,
-                ),
-                "PullState": grpc.unary_stream_rpc_method_handler(
-                    self.requests.pull_state,
-                    request_deserializer=lane_pb2.PullStateRequest.FromString,
-                    response_serializer=lane_pb2.StatePiece.SerializeToString,
-                ),
-                "ConfirmPull": unary_unary(
-                    self.handoff.confirm_pull,
-                    request_deserializer=lane_pb2.ConfirmPullRequest.FromString,
-                    response_serializer=lane_pb2.ConfirmPullResponse.SerializeToString,
-                ),
+                name: kind(
+                    handler,
+                    request_deserializer=request.FromString,
+                    response_serializer=response.SerializeToString,
+                )
+                for name, (kind, handler, request, response) in calls.items()
             },
         )
 
@@ -325,12 +327,12 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 self._await_generation(req.generation, _GENERATION_WAIT_S)
             try:
                 validate_chunk(req, self._members, self.codec, self.chunk_bytes)
-                self._check_holder(req.from_site, holder, peer)
+                self.gate.check_holder(req.from_site, holder, peer)
                 why = self.mailbox.deposit(key, req)
             except Refused as exc:
                 if not str(exc).startswith(CRC_MISMATCH):
                     raise
-                self._check_holder(req.from_site, holder, peer)
+                self.gate.check_holder(req.from_site, holder, peer)
                 log.warning("site %d: %s from site %d", self.site_index, exc, req.from_site)
                 why = self.mailbox.mark_corrupt(key, req.crc32)
                 if why is None:
@@ -341,23 +343,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 # Sent again after a connection stalled (inter/data/transport/bulk_peer.py): the
                 # first copy stands, and the sender hears that this one arrived.
                 return ACCEPTED, None, ""
-            if why == "duplicate":
-                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"duplicate chunk {key}")
-            if why == "stale":
-                raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"chunk {key} belongs to a finished step"
-                )
-            if why == "ahead":
-                raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"chunk {key} is for a step {self.mailbox.max_ahead} or more past the live one",
-                )
-            if why == "full":
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"chunk {key}: the mailbox holds its budget of "
-                    f"{self.mailbox.max_bytes} bytes of chunks no round has taken",
-                )
+            if why is not None:
+                code, text = _MAILBOX_REFUSALS[why]
+                box = self.mailbox
+                raise Refused(code, text.format(key=key, ahead=box.max_ahead, bytes=box.max_bytes))
         except Refused as exc:
             msg = (
                 f"site {self.site_index} refused chunk from site {req.from_site} "
@@ -367,34 +356,6 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
                 log.warning(msg)
             return REFUSED, exc.code, msg
         return ACCEPTED, None, ""
-
-    def _vouches(self, holder: str, names: frozenset[str]) -> bool:
-        """Whether a TLS certificate naming ``names`` may carry chunks on a ticket granted
-        to ``holder``: only if it names that site, where the membership names sites
-        (as :meth:`refuse_unless_sender` checks a gRPC call)."""
-        return self._members.site_names is None or holder in names
-
-    def _take_bulk(
-        self, req: Chunk, peer: str, holder: str
-    ) -> tuple[int, grpc.StatusCode | None, str]:
-        """A bulk connection's chunk (its header parsed by the listener), judged like a
-        gRPC one; taken only from the site the connection's ticket was granted to."""
-        return self.take(req, holder, peer)
-
-    def _check_holder(self, from_site: int, holder: str | None | object, peer: str) -> None:
-        """Refuses a chunk "from ``from_site``" unless the ticket or pass it came with
-        was granted to that site: an injected chunk is refused before it can take the
-        real one's place in the mailbox (issue 33, row 8). Logged once per caller."""
-        if holder is ANY_SENDER:
-            return
-        if holder is None:
-            why = f"chunk in site {from_site}'s name without a ticket or pass granted to it"
-        elif holder != holder_of(self._members.site_names, from_site):
-            why = f"chunk in site {from_site}'s name on a ticket granted to {holder}"
-        else:
-            return
-        self.refusals.note(peer or "a caller", why)
-        raise Refused(grpc.StatusCode.PERMISSION_DENIED, why)
 
     def PushChunks(  # noqa: N802 (gRPC method name)
         self,
@@ -410,67 +371,20 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         fault aborts the stream, and the refused chunk changes nothing.
         """
         tls = self.security.require_tls
-        holder = ANY_SENDER if tls else self._pass_holder(context)
+        holder = ANY_SENDER if tls else self.gate.pass_holder(context)
         # Each peer site may hold its share of the streams, so one that holds streams
         # open (a token holder with a ticket, another site's certificate) cannot take
         # every peer's (issue 33); a stream no peer site holds is not worth a thread.
-        caller = self._stream_holder(context, holder)
+        caller = self.gate.stream_holder(context, holder)
         share = max(1, self._streams.slots // max(1, self._members.num_sites - 1))
         self._streams.hold_for_stream(context, caller, share)  # or RESOURCE_EXHAUSTED
         accepted = corrupt = 0
         for req in request_iterator:
             if tls:
-                self.refuse_unless_sender(context, req.from_site, "PushChunks")
+                self.gate.refuse_unless_sender(context, req.from_site, "PushChunks")
             status, code, msg = self.take(req, holder, context.peer())
             if status == REFUSED:
                 context.abort(code, msg)  # raises; nothing of this chunk was stored
             accepted += status == ACCEPTED
             corrupt += status == CORRUPT
         return lane_pb2.PushChunksResponse(accepted=accepted, corrupt=corrupt)
-
-    def _stream_holder(self, context: grpc.ServicerContext, holder: str | None | object) -> str:
-        """The peer site a ``PushChunks`` stream comes from: its certificate's (TLS) or
-        its pass's; refused (PERMISSION_DENIED, logged) when that is no peer of this
-        lane: no pass, or this very site (it never sends its own lane a chunk)."""
-        members = self._members
-        own = holder_of(members.site_names, members.site_index)
-        if holder is ANY_SENDER:
-            names = context.auth_context().get("x509_subject_alternative_name", [])
-            named = {n.decode("utf-8", "replace") for n in names}
-            peers = named - {own, TLS_NAME}
-            if members.site_names is not None:
-                peers &= set(members.site_names)
-            found = min(peers) if peers else None
-            why = f"PushChunks stream whose certificate names no peer site of {own}"
-        elif holder is None:
-            found, why = None, "PushChunks stream without a ticket or pass granted to a peer"
-        else:
-            found = holder if holder != own else None
-            why = f"PushChunks stream on a pass granted to {own} itself"
-        if found is None:
-            self.refusals.note(context.peer(), why)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
-        return f"site {found}"
-
-    def _pass_holder(self, context: grpc.ServicerContext) -> str | None:
-        """The site a stream's pass (a ticket in its metadata) was granted to, or None."""
-        for key, value in context.invocation_metadata() or ():
-            if key == PASS_METADATA and isinstance(value, str) and len(value) <= 128:
-                try:
-                    return self.tickets.holder(bytes.fromhex(value))
-                except ValueError:
-                    return None
-        return None
-
-    def refuse_unless_sender(
-        self, context: grpc.ServicerContext, from_site: int, method: str
-    ) -> None:
-        """With mutual TLS, a call for site ``from_site`` (a chunk it sends, a chunk sent
-        to it) only from a certificate naming that member: another site of the job
-        cannot push chunks in its name or pull what was sent to it (issue 14, row 9).
-        Called per chunk: without TLS it returns before anything else."""
-        if not self.security.require_tls:
-            return
-        names = self._members.site_names
-        if names is not None and from_site < len(names):
-            refuse_unless_named(self.security, context, self.where, names[from_site], method)

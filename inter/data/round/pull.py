@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import grpc
 
-from isthmus.inter.data.lane.handoff import Handoffs
-from isthmus.inter.data.lane.mailbox import MailboxKey
+from isthmus.inter.data.lane.mailbox import Handoffs, MailboxKey
 from isthmus.inter.data.round.context import POLL_S, CrossSiteError, RoundView, describe
 from isthmus.inter.data.transport.wire import Chunk
 from isthmus.proto import lane_pb2
