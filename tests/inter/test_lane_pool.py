@@ -64,7 +64,7 @@ def test_a_codec_thread_that_hangs_fails_its_round_and_the_retry_gets_new_thread
             assert ars[0].pool is not old, "the stuck threads' pool was kept"
             assert "stuck in the failed round" in caplog.text
             # Where: the task, then its thread's innermost frames (the hung encode's wait).
-            assert "_contribute: wait (threading.py:" in caplog.text, caplog.text
+            assert "contribute: wait (threading.py:" in caplog.text, caplog.text
             assert "encode (test_lane_pool.py:" in caplog.text, caplog.text
             _heals(ars, 3)  # the retry of the step, on new threads
         finally:

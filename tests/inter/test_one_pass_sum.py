@@ -16,7 +16,6 @@ import torch
 from lanes import inputs, lane_pair, run_all, same_bits
 
 from isthmus.inter.data.codecs.chain import make_codec
-from isthmus.inter.data.round import pipeline as round_module
 from isthmus.inter.data.round import tasks as round_tasks
 from isthmus.inter.data.round.context import EncodingFault, NonFiniteGradient, PeerAborted
 from isthmus.inter.data.round.device import sum_parts, sum_raw_host
@@ -126,7 +125,7 @@ def test_a_raw_round_ends_with_the_bits_of_the_passes_it_replaced(monkeypatch, n
 
         monkeypatch.setattr(round_tasks, name, counted)
     for one_pass in (True, False):
-        monkeypatch.setattr(round_module, "one_pass_sums", lambda one_pass=one_pass: one_pass)
+        monkeypatch.setattr(round_tasks, "one_pass_sums", lambda one_pass=one_pass: one_pass)
         calls.update(sum=0, crc=0)
         data = inputs(num_sites, sizes, seed=5)
         with lane_pair(num_sites, "raw") as ars:

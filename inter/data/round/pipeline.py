@@ -25,15 +25,26 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from isthmus.inter.data.lane.mailbox import CORRUPT, Mailbox, MailboxKey, Outbox
+from isthmus.inter.data.round.context import (
+    POLL_S,
+    AbortSignal,
+    CrossSiteError,
+    ModelMismatch,
+    NonFiniteGradient,
+    PeerAborted,
+    RoundStats,
+    RoundView,
+    RunningTasks,
+    describe,
+    settle,
+)
 from isthmus.inter.data.round.device import lane_stream
 from isthmus.inter.data.round.pull import tell_peers_abort, wait_acks
 from isthmus.inter.data.round.tasks import CONTRIBUTION, RESULT, ChunkTasks
 from isthmus.inter.data.transport.wire import Chunk
-from isthmus.inter.data.transport.wirecore import one_pass_sums
 
 if TYPE_CHECKING:
     from isthmus.inter.data.lane.peer import LanePeer
@@ -49,23 +60,10 @@ __all__ = [
     "RoundView",
 ]
 
-from isthmus.inter.data.round.context import (
-    POLL_S,
-    AbortSignal,
-    CrossSiteError,
-    ModelMismatch,
-    NonFiniteGradient,
-    PeerAborted,
-    RoundStats,
-    RoundView,
-    RunningTasks,
-    describe,
-    settle,
-)
 
-
-class RoundPipeline(ChunkTasks):
-    """Runs one round over ``flat`` in place (see the module docstring).
+class RoundPipeline:
+    """Runs one round over ``flat`` in place (see the module docstring); its
+    :class:`ChunkTasks` touch the values, on ``pool``'s threads.
 
     Args:
         view: membership and settings of the round.
@@ -98,31 +96,33 @@ class RoundPipeline(ChunkTasks):
         average: bool,
         stats: RoundStats,
     ) -> None:
-        self.view, self.mailbox, self.outbox, self.check = view, mailbox, outbox, check
+        self.view, self.mailbox, self.outbox = view, mailbox, outbox
         self.peers, self.pool, self.abort = peers, pool, abort
-        self.flat, self.step, self.group = flat, step, group
-        self.average, self.stats = average, stats
-        self.codec = view.codec
-        # A CPU tensor is read and written through numpy (no torch dispatch per chunk).
-        # A CUDA one stays on its GPU: received bytes are decoded, summed and encoded
-        # there, on a stream of each pool thread's own (never the training's stream,
-        # whose queued backward would hold every copy back).
-        self.device = flat.device if flat.is_cuda else None
-        self.host = None if flat.is_cuda else flat.numpy()
-        # A raw CPU chunk's bytes are checked and checksummed in one C pass each:
-        # its sender's (wirecore.crc_of_finite) and its owner's sum (sum_raw_host).
-        self.one_pass = self.host is not None and self.codec.plain_fp32 and one_pass_sums()
-        self.per = view.chunk_bytes // 4
-        self.total = flat.numel()
-        self.num_chunks = -(-self.total // self.per)
+        self.step, self.group = step, group
         self.where = f"site {view.site_index} step {step} group {group}"
         self.deadline = time.monotonic() + view.timeout_s
-        self._lock = threading.Lock()  # parts and stats, shared by the pool's tasks
-        self._parts: dict[int, dict[int, np.ndarray | torch.Tensor]] = {}
+        self._failed = threading.Event()
+        self.tasks = ChunkTasks(
+            view=view,
+            flat=flat,
+            step=step,
+            group=group,
+            average=average,
+            stats=stats,
+            outbox=outbox,
+            peers=peers,
+            handoffs=mailbox.handoffs,
+            check=check,
+            send=lambda site, frame: self._rounds[site].send(frame),
+            failed=self._failed,
+            where=self.where,
+            deadline=self.deadline,
+        )
+        self.num_chunks = self.tasks.num_chunks
+        self._lock = threading.Lock()  # the tasks' errors
         self._tasks: list[futures.Future] = []
         self._running = RunningTasks()
         self._errors: list[BaseException] = []
-        self._failed = threading.Event()
         self._rounds: dict[int, PeerRound] = {}
         self.pool_lost = False
         """The pool refused a task: it was shut down (its owner makes a new one)."""
@@ -143,11 +143,10 @@ class RoundPipeline(ChunkTasks):
             for c in range(self.num_chunks):
                 owner = view.owner(c, step, group)
                 if owner == view.site_index:
-                    self._parts[c] = {}
                     pending.update((step, group, CONTRIBUTION, c, s) for s in self.peers)
                 else:
                     pending.add((step, group, RESULT, c, owner))
-                self._submit(self._contribute, c, owner)
+                self._submit(self.tasks.contribute, c, owner)
             while pending:
                 self._raise_failures()
                 remaining = self.deadline - time.monotonic()
@@ -162,11 +161,11 @@ class RoundPipeline(ChunkTasks):
                     continue
                 key, req = found
                 if req is CORRUPT:  # stays pending until the pulled copy arrives
-                    self._count(corrupt_chunks=1)
+                    self.tasks.count(corrupt_chunks=1)
                     self._submit(self._refetch, key)
                     continue
                 pending.discard(key)
-                self._submit(self._receive, key, req)
+                self._submit(self.tasks.receive, key, req)
             self._wait_tasks()
             ok = True
         except CrossSiteError as exc:
@@ -180,6 +179,11 @@ class RoundPipeline(ChunkTasks):
             for rnd in self._rounds.values():
                 rnd.end()
         self._wait_acks()
+
+    def _refetch(self, key: MailboxKey) -> None:
+        chunk = self.tasks.pull(key)
+        if chunk is not None:
+            self.mailbox.redeposit(key, chunk)
 
     def _submit(self, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -197,10 +201,10 @@ class RoundPipeline(ChunkTasks):
             return
         try:
             with self._running.track(fn.__name__):
-                if self.device is None:
+                if self.tasks.device is None:
                     fn(*args)
                 else:
-                    stream = lane_stream(self.device)
+                    stream = lane_stream(self.tasks.device)
                     with torch.cuda.stream(stream):
                         fn(*args)
                     stream.synchronize()  # the task's results are in place when it ends
@@ -249,4 +253,4 @@ class RoundPipeline(ChunkTasks):
         for s, rnd in self._rounds.items():
             wait_acks(s, rnd, self.deadline, self._raise_failures, self.where)
             # Frames damaged on the way (sent again), connections left past a deadline.
-            self._count(corrupt_chunks=rnd.resent, stalled_flows=rnd.stalls)
+            self.tasks.count(corrupt_chunks=rnd.resent, stalled_flows=rnd.stalls)

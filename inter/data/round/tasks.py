@@ -1,15 +1,16 @@
 """The per-chunk tasks of a cross-site round, run on the lane's pool threads.
 
-:class:`ChunkTasks` is the half of :class:`~isthmus.inter.data.round.pipeline.RoundPipeline`
-that touches values: a task encodes and sends a contribution, checks and decodes a
+:class:`ChunkTasks` is what a :class:`~isthmus.inter.data.round.pipeline.RoundPipeline`
+holds to touch values: a task encodes and sends a contribution, checks and decodes a
 received chunk, or, once a chunk's contributions are all in, sums them in site order
 and sends the result (a raw CPU chunk's owner in one pass over memory, in C:
-``round_device.sum_raw_host``). The router in round.py owns the round's state and
-hands chunks to these tasks; nothing here waits on the mailbox.
+``device.sum_raw_host``). The pipeline's router owns the round's waiting and hands
+chunks to these tasks; nothing here waits on the mailbox.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -19,20 +20,8 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from isthmus.inter.data.codecs.chain import CodecChain, CodecError, NonFiniteEncoding, crc32
-from isthmus.inter.data.lane.mailbox import Mailbox, MailboxKey, Outbox
-from isthmus.inter.data.round.device import finite, sum_parts, sum_raw_host
-from isthmus.inter.data.round.pull import pull_intact
-from isthmus.inter.data.transport.wire import Chunk, Frame
-from isthmus.inter.data.transport.wirecore import SUM_OVERFLOW, SUM_OWN_NONFINITE, crc_of_finite
-from isthmus.proto import lane_pb2
-
-if TYPE_CHECKING:
-    from isthmus.inter.data.lane.peer import LanePeer
-    from isthmus.inter.data.transport.peer_round import PeerRound
-
-__all__ = ["CONTRIBUTION", "RESULT", "ChunkTasks"]
-
+from isthmus.inter.data.codecs.chain import CodecError, NonFiniteEncoding, crc32
+from isthmus.inter.data.lane.mailbox import Handoffs, MailboxKey, Outbox
 from isthmus.inter.data.round.context import (
     CrossSiteError,
     EncodingFault,
@@ -43,6 +32,21 @@ from isthmus.inter.data.round.context import (
     contribution_fault,
     sum_fault,
 )
+from isthmus.inter.data.round.device import finite, sum_parts, sum_raw_host
+from isthmus.inter.data.round.pull import pull_intact
+from isthmus.inter.data.transport.wire import Chunk, Frame
+from isthmus.inter.data.transport.wirecore import (
+    SUM_OVERFLOW,
+    SUM_OWN_NONFINITE,
+    crc_of_finite,
+    one_pass_sums,
+)
+from isthmus.proto import lane_pb2
+
+if TYPE_CHECKING:
+    from isthmus.inter.data.lane.peer import LanePeer
+
+__all__ = ["CONTRIBUTION", "RESULT", "ChunkTasks"]
 
 log = logging.getLogger("isthmus.round")
 
@@ -50,38 +54,59 @@ CONTRIBUTION = lane_pb2.CHUNK_KIND_CONTRIBUTION
 RESULT = lane_pb2.CHUNK_KIND_RESULT
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class ChunkTasks:
-    """The tasks of one round; :class:`~isthmus.inter.data.round.pipeline.RoundPipeline` sets
-    the state they read (its constructor documents each attribute)."""
+    """The tasks of one round over ``flat`` in place: :meth:`contribute`, :meth:`receive`
+    and :meth:`pull`, run on the pool's threads by the
+    :class:`~isthmus.inter.data.round.pipeline.RoundPipeline` that holds them (its
+    docstring tells the fields it shares with them)."""
 
     view: RoundView
-    mailbox: Mailbox
-    outbox: Outbox
-    check: Callable[[Chunk], str | None]
-    peers: dict[int, LanePeer]
-    codec: CodecChain
     flat: torch.Tensor
-    host: np.ndarray | None
-    device: torch.device | None
     step: int
     group: int
     average: bool
     stats: RoundStats
-    per: int
-    total: int
-    num_chunks: int
+    outbox: Outbox
+    peers: dict[int, LanePeer]
+    check: Callable[[Chunk], str | None]
+    handoffs: Handoffs
+    """This rank's nonces, where a chunk pulled again is handed back."""
+    send: Callable[[int, Frame], None]
+    """Sends a frame to a peer site on the round's connection to it."""
+    failed: threading.Event
+    """Set once the round failed: a pull stops asking."""
     where: str
     deadline: float
-    one_pass: bool
-    _lock: threading.Lock
-    _parts: dict[int, dict[int, np.ndarray | torch.Tensor]]
-    _rounds: dict[int, PeerRound]
-    _failed: threading.Event
+    """The round's, by ``time.monotonic``."""
+
+    def __post_init__(self) -> None:
+        view, flat, self.codec = self.view, self.flat, self.view.codec
+        # A CPU tensor is read and written through numpy (no torch dispatch per chunk).
+        # A CUDA one stays on its GPU: received bytes are decoded, summed and encoded
+        # there, on a stream of each pool thread's own (never the training's stream,
+        # whose queued backward would hold every copy back).
+        self.device = flat.device if flat.is_cuda else None
+        self.host = None if flat.is_cuda else flat.numpy()
+        # A raw CPU chunk's bytes are checked and checksummed in one C pass each:
+        # its sender's (wirecore.crc_of_finite) and its owner's sum (sum_raw_host).
+        self.one_pass = self.host is not None and self.codec.plain_fp32 and one_pass_sums()
+        self.per = view.chunk_bytes // 4
+        self.total = flat.numel()
+        self.num_chunks = -(-self.total // self.per)
+        self._lock = threading.Lock()  # parts and stats, shared by the pool's threads
+        # The chunks this site owns: their parts, by site, until the last is in.
+        self._parts: dict[int, dict[int, np.ndarray | torch.Tensor]] = {
+            c: {}
+            for c in range(self.num_chunks)
+            if view.owner(c, self.step, self.group) == view.site_index
+        }
 
     def _bounds(self, c: int) -> tuple[int, int]:
         return c * self.per, min(self.total, (c + 1) * self.per)
 
-    def _count(self, **deltas: float) -> None:
+    def count(self, **deltas: float) -> None:
+        """Adds ``deltas`` to the round's statistics (any thread)."""
         with self._lock:
             for name, value in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
@@ -96,7 +121,7 @@ class ChunkTasks:
         try:
             return self.codec.encode(values, key, require_finite=True, decoded_out=decoded)
         finally:
-            self._count(encode_s=time.perf_counter() - t0)
+            self.count(encode_s=time.perf_counter() - t0)
 
     def _decode(self, payload: bytes | memoryview, n: int) -> np.ndarray | torch.Tensor:
         """Host values (a CPU round) or values on the round's GPU."""
@@ -106,7 +131,7 @@ class ChunkTasks:
             values = self.codec.decode_array(payload, n)
         else:
             values = self.codec.decode_device(payload, n, self.device)
-        self._count(decode_s=time.perf_counter() - t0)
+        self.count(decode_s=time.perf_counter() - t0)
         return values
 
     def _frame(
@@ -149,7 +174,8 @@ class ChunkTasks:
         if values.data_ptr() != self.flat[lo:hi].data_ptr():
             self.flat[lo:hi].copy_(values)
 
-    def _contribute(self, c: int, owner: int) -> None:
+    def contribute(self, c: int, owner: int) -> None:
+        """Sends this site's part of chunk ``c`` to its ``owner`` (or keeps it, ours)."""
         lo, hi = self._bounds(c)
         if owner == self.view.site_index:
             self._contribute_own(c, lo, hi)
@@ -157,7 +183,7 @@ class ChunkTasks:
         if self.one_pass:  # raw: the chunk's own bytes, checked and checksummed at once
             self._contribute_raw(c, lo, hi, owner)
             return
-        # Error-feedback state is per lane (this object), group and chunk. The payload
+        # Error-feedback state is per lane (its codec), group and chunk. The payload
         # is checked, not the gradient before it: one pass over the encoded bytes (for
         # int8 its scales alone) covers both the gradient and the encode.
         try:
@@ -171,9 +197,9 @@ class ChunkTasks:
         assert self.host is not None
         t0 = time.perf_counter()
         crc = crc_of_finite(self.host[lo:hi])
-        self._count(encode_s=time.perf_counter() - t0)
+        self.count(encode_s=time.perf_counter() - t0)
         if crc is None:  # the raw encode is the values themselves: ours are not finite
-            self._count(nonfinite_chunks=1)
+            self.count(nonfinite_chunks=1)
             raise self._own_fault(c, lo, hi)
         self._send_contribution(c, lo, hi, owner, self.host[lo:hi].data.cast("B"), crc)
 
@@ -188,8 +214,8 @@ class ChunkTasks:
     ) -> None:
         frame = self._frame(CONTRIBUTION, c, payload, crc)
         self.outbox.put((self.step, self.group, CONTRIBUTION, c), frame, {owner: self.peers[owner]})
-        self._rounds[owner].send(frame)
-        self._count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
+        self.send(owner, frame)
+        self.count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
 
     def _contribute_own(self, c: int, lo: int, hi: int) -> None:
         me = self.view.site_index
@@ -209,11 +235,11 @@ class ChunkTasks:
             self._check_own(c, lo, hi)
             raise self._encode_fault(c, lo, hi, exc) from exc
         finally:
-            self._count(encode_s=time.perf_counter() - t0)
+            self.count(encode_s=time.perf_counter() - t0)
         self._add_part(c, me, own if self.host is None else own.numpy())
 
     def _encode_fault(self, c: int, lo: int, hi: int, exc: NonFiniteEncoding) -> EncodingFault:
-        self._count(nonfinite_chunks=1)
+        self.count(nonfinite_chunks=1)
         return contribution_fault(self.where, c, lo, hi, self.codec.name, exc)
 
     def _check_own(
@@ -230,13 +256,14 @@ class ChunkTasks:
             f"{lo}..{hi}); refused before it left the site"
         )
 
-    def _receive(self, key: MailboxKey, req: Chunk) -> None:
+    def receive(self, key: MailboxKey, req: Chunk) -> None:
+        """Checks and decodes a received chunk: a part summed in, or a result stored."""
         kind, c, sender = key[2], key[3], key[4]
         lo, hi = self._bounds(c)
         if (req.num_elements, req.total_elements) != (hi - lo, self.total):
             # Asked again of the sender itself: a forged chunk that got into the
             # mailbox first must not end the job, the sender's own copy does.
-            again = self._pull(key)
+            again = self.pull(key)
             if again is None:
                 return  # the round failed meanwhile
             if (again.num_elements, again.total_elements) != (hi - lo, self.total):
@@ -251,10 +278,10 @@ class ChunkTasks:
         if values is None:
             # Refused before it is summed, and asked for again: a forged chunk that got
             # into the mailbox first is replaced by the sender's own copy.
-            self._count(nonfinite_chunks=1)
+            self.count(nonfinite_chunks=1)
             log.warning("%s: chunk %d from site %d holds NaN or Inf; pulling it again",
                         self.where, c, sender)  # fmt: skip
-            again = self._pull(key)
+            again = self.pull(key)
             if again is None:
                 return  # the round failed meanwhile
             values = self._finite_decoded(c, sender, again)
@@ -263,7 +290,7 @@ class ChunkTasks:
                     f"{self.where}: site {sender} sent NaN or Inf in chunk {c} twice; "
                     "refused before summing"
                 )
-        self._count(bytes_received=len(req.payload))
+        self.count(bytes_received=len(req.payload))
         if kind == RESULT:
             self._store(lo, hi, values)
         else:
@@ -329,7 +356,7 @@ class ChunkTasks:
         except NonFiniteEncoding as exc:
             if self.codec.lossy:  # our own part was not checked as it was kept
                 self._check_own(c, lo, hi, parts[self.view.site_index])
-            self._count(nonfinite_chunks=1)
+            self.count(nonfinite_chunks=1)
             cause = "overflowed" if not finite(summed) else "is finite, but its encode is not"
             raise sum_fault(self.where, c, lo, hi, cause, self.codec.name, exc) from exc
         self._send_result(c, lo, hi, payload)
@@ -344,7 +371,7 @@ class ChunkTasks:
         t0 = time.perf_counter()
         host = cast("dict[int, np.ndarray]", parts)
         done = sum_raw_host(host, out, me, self.view.num_sites, self.average)
-        self._count(encode_s=time.perf_counter() - t0)
+        self.count(encode_s=time.perf_counter() - t0)
         if done is None:
             self._check_own(c, lo, hi, host[me])  # not checked as it came in
             return False
@@ -352,7 +379,7 @@ class ChunkTasks:
         if status == SUM_OWN_NONFINITE:
             raise self._own_fault(c, lo, hi)
         if status == SUM_OVERFLOW:
-            self._count(nonfinite_chunks=1)
+            self.count(nonfinite_chunks=1)
             raise sum_fault(self.where, c, lo, hi, "overflowed", self.codec.name, "not finite")
         self._send_result(c, lo, hi, out.data.cast("B"), crc)
         return True
@@ -362,28 +389,23 @@ class ChunkTasks:
     ) -> None:
         frame = self._frame(RESULT, c, payload, crc)
         self.outbox.put((self.step, self.group, RESULT, c), frame, self.peers)
-        for rnd in self._rounds.values():
-            rnd.send(frame)
-        n = len(self._rounds)
-        self._count(bytes_sent=n * len(payload), raw_bytes=n * (hi - lo) * 4)
+        for site in self.peers:
+            self.send(site, frame)
+        n = len(self.peers)
+        self.count(bytes_sent=n * len(payload), raw_bytes=n * (hi - lo) * 4)
 
-    def _refetch(self, key: MailboxKey) -> None:
-        chunk = self._pull(key)
-        if chunk is not None:
-            self.mailbox.redeposit(key, chunk)
-
-    def _pull(self, key: MailboxKey) -> Chunk | None:
+    def pull(self, key: MailboxKey) -> Chunk | None:
         """The chunk ``key`` asked again of its sender until it comes intact; None if
         the round failed meanwhile (:func:`~isthmus.inter.data.round.pull.pull_intact`)."""
         return pull_intact(
             key,
             peer=self.peers[key[4]],
-            handoffs=self.mailbox.handoffs,
+            handoffs=self.handoffs,
             check=self.check,
             generation=self.view.generation,
             site_index=self.view.site_index,
             deadline=self.deadline,
-            failed=self._failed,
+            failed=self.failed,
             where=self.where,
-            on_corrupt=lambda: self._count(corrupt_chunks=1),
+            on_corrupt=lambda: self.count(corrupt_chunks=1),
         )
