@@ -1,28 +1,20 @@
 """What a lane hands only to a site of its rounds, at the address its rounds know.
 
-Without TLS nothing binds a gRPC caller to a site's name, and an answer goes to
-whoever called (issue 33). Two things a lane gives out are therefore never put in an
-answer:
-
-* a chunk asked for again (``ResendChunk``): the lane hands it to the asking site's own
-  lane in a ``DeliverChunk`` call (rows 7: twenty live gradient chunks once went to a
-  caller in site1's name);
-* a ticket to its bulk port (``OpenBulk``): granted to the asking site's own lane in a
-  ``GrantBulk`` call, and bound to that site, so that a chunk on a connection is taken
-  only from the site the ticket was granted to (row 8: chunks injected in a peer's name
-  each cost the job a retried step).
-
-Each request carries a nonce the asking lane made (``mailbox.Handoffs``); the hand-off
-carries it back, and the asking lane takes only what answers a nonce of its own. A
-stranger never sees a nonce (it goes to the sender's real address only), so it can
-neither ask in a site's name and receive, nor hand a site something it did not ask
-for. The address a hand-off goes to is the one this lane's rounds talk to
+Without TLS nothing binds a gRPC caller to a site's name, and an answer goes to whoever
+called (issue 33). So a chunk asked for again (``ResendChunk``) goes to the asking site's
+own lane in a ``DeliverChunk`` call (row 7: twenty live gradient chunks once went to a
+caller in site1's name), and a ticket to the bulk port (``OpenBulk``) is granted to that
+lane in a ``GrantBulk`` call, bound to its site (row 8: chunks injected in a peer's name
+each cost the job a retried step). Each request carries a nonce the asking lane made
+(``mailbox.Handoffs``), and that lane takes only what answers a nonce of its own: a
+stranger never sees one, so it can neither ask in a site's name and receive, nor hand a
+site what it did not ask for. A hand-off goes to the address this lane's rounds talk to
 (``Outbox.peers_of``), through the configured proxy as every push goes.
 
-A joining rank's pull of the training state (``PullState``) is answered with the state
-itself, so its nonce works the other way round: the serving lane asks the joining
-rank's lane, at the address the admitting commit names, whether it made the pull's
-nonce (``ConfirmPull``) before it sends a byte (issue 63).
+A joining rank's pull of the state (``PullState``) is answered with the state itself, so
+its nonce works the other way round: the serving lane asks the joining rank's lane, at
+the address the admitting commit names, whether it made the nonce (``ConfirmPull``)
+before it sends a byte (issue 63).
 """
 
 from __future__ import annotations
