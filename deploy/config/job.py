@@ -270,16 +270,19 @@ PER_SITE = ("topology.ranks_per_site", "train.accumulate")
 """Keys that take one integer for every site or a list of one per site."""
 
 
+def _toml_value(text: str) -> Any:
+    """A command-line value as TOML reads it, else the string (refused by the caller)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except (tomllib.TOMLDecodeError, RecursionError):
+        return text
+
+
 def _coerce_per_site(where: str, raw: Any) -> int | list[int]:
     """An integer, or a list of them (TOML `[4, 2]`, or `4,2` from the command line)."""
     if isinstance(raw, str):
         text = raw.strip()
-        if "," in text and not text.startswith("["):
-            text = f"[{text}]"
-        try:
-            raw = tomllib.loads(f"v = {text}")["v"]
-        except (tomllib.TOMLDecodeError, RecursionError):  # a string, refused below
-            raw = text
+        raw = _toml_value(f"[{text}]" if "," in text and not text.startswith("[") else text)
     if isinstance(raw, list) and raw and all(type(n) is int for n in raw):
         return list(raw)
     if type(raw) is int:
@@ -293,11 +296,7 @@ def _coerce(section: str, key: str, raw: Any, expected: Any) -> Any:
         return _coerce_per_site(where, raw)
     kind = type(expected)
     if isinstance(raw, str) and kind is not str:
-        text = raw.strip()
-        try:
-            raw = tomllib.loads(f"v = {text}")["v"]
-        except (tomllib.TOMLDecodeError, RecursionError):  # a string, refused below
-            raw = text
+        raw = _toml_value(raw.strip())
     if kind is bool:
         if isinstance(raw, bool):
             return raw

@@ -15,14 +15,10 @@ __all__ = ["hf_model_config", "resolved_model"]
 
 
 def resolved_model(model: ModelSection, data: DataSection, *, seq_len: int) -> ModelConfig:
-    """The preset with the section's overrides; max_seq_len covers train.seq_len and
-    vocab_size the tokenizer's ids (256 bytes, data.vocab_size for a bpe trained here
-    or a pre-tokenized corpus, a file's ids padded to a multiple of 64, read from its JSON).
-
-    Raises:
-        ConfigError: an unknown preset, a shape the model refuses, or an unreadable
-            tokenizer file.
-    """
+    """The preset with the section's overrides, or the config.json's shape; max_seq_len
+    covers train.seq_len and vocab_size the tokenizer's ids (256 bytes, data.vocab_size for
+    a bpe or token ids, a file's ids padded to a multiple of 64). Raises ConfigError: an
+    unknown preset, a shape the model refuses, an unreadable tokenizer file."""
     try:
         if data.tokenizer == "bytes":
             vocab = data.vocab_size if data.pretokenized else BYTE_VOCAB

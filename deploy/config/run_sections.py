@@ -194,9 +194,8 @@ class WanSection:
         return self.latency_ms / 1000.0 if self.latency_ms >= 0 else self.distance_km * 4.9e-6
 
     def check(self) -> None:
-        at_least("wan", self, distance_km=0)
         positive("wan", self, "bandwidth_mbit")
-        at_least("wan", self, queue_kib=0)
+        at_least("wan", self, distance_km=0, queue_kib=0)
         require(
             self.per_flow_mbit >= 0,
             f"wan.per_flow_mbit must be >= 0 (0 = no cap), got {self.per_flow_mbit}",

@@ -1,6 +1,6 @@
 """The checks of a job config that span its sections; each section checks its own
-values (``check`` in sections.py and run_sections.py). ``JobConfig.check`` runs them
-all once every source is applied; each refusal is a ConfigError naming the key."""
+values (``check`` in sections.py and run_sections.py). The job's ``check`` (job.py) runs
+them all once every source is applied; each refusal is a ConfigError naming the key."""
 
 from __future__ import annotations
 

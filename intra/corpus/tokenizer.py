@@ -6,11 +6,9 @@ sha256 -- is read from the JSON alone: the CLI and the job fingerprint never imp
 ``tokenizers``, and a run with bytes never does. Training and encoding need it (the
 ``isthmus[bpe]`` extra); a corpus is cut into held-out and training spans *before* it
 is tokenized (``split_text``), and each span is encoded on its own (``encode_spans``),
-so no held-out byte reaches the BPE trainer or a training window.
-
-Text is the corpus's bytes decoded as UTF-8, a byte that is not UTF-8 read as U+FFFD;
-the BPE trained here is byte-level (GPT-2's pre-tokenizer and decoder, all 256 bytes in
-its alphabet), so every text encodes and decodes back to itself.
+so no held-out byte reaches the BPE trainer or a training window. The BPE trained here
+is byte-level (GPT-2's pre-tokenizer and decoder, all 256 bytes in its alphabet), so
+every text (``decode_text``) encodes and decodes back to itself.
 """
 
 from __future__ import annotations
