@@ -22,12 +22,16 @@ from isthmus.inter.data.transport.bulk import Tickets
 from isthmus.inter.data.transport.chunk_checks import Refused
 from isthmus.inter.security import TLS_NAME, SiteSecurity, refuse_unless_named
 
-__all__ = ["ANY_SENDER", "PASS_METADATA", "LaneGate", "holder_of"]
+__all__ = ["ANY_SENDER", "PASS_METADATA", "LaneGate", "code_of", "holder_of"]
 
 ANY_SENDER = object()
 """``LaneServer.take``'s holder when the sender was checked already (mutual TLS)."""
 PASS_METADATA = "isthmus-lane-pass"
 """gRPC metadata key of the ticket a ``PushChunks`` stream presents without TLS (hex)."""
+
+
+def code_of(exc: grpc.RpcError) -> grpc.StatusCode | None:
+    return exc.code() if hasattr(exc, "code") else None
 
 
 def holder_of(site_names: tuple[str, ...] | None, site: int) -> str:
@@ -121,7 +125,7 @@ class LaneGate:
         check), which failed with ``exc``: PERMISSION_DENIED (``denied``) when that lane
         did not ask, so the call was forged (``noted``, once per caller); else
         UNAVAILABLE (``unreached``, with the failure's code and details)."""
-        code = exc.code() if hasattr(exc, "code") else None
+        code = code_of(exc)
         if code == grpc.StatusCode.PERMISSION_DENIED:
             self.refusals.note(context.peer(), noted)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)

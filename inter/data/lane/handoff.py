@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from isthmus.inter.data.lane.gate import LaneGate, holder_of
+from isthmus.inter.data.lane.gate import LaneGate, code_of, holder_of
 from isthmus.inter.data.lane.mailbox import Handoffs, Outbox
 from isthmus.proto import lane_pb2
 
@@ -114,7 +114,7 @@ class LaneHandoff:
                 failures.append(exc)
         self.tickets.cancel(ticket)
         what = f"OpenBulk in site {site}'s name"
-        if all(_code(exc) == grpc.StatusCode.PERMISSION_DENIED for exc in failures):
+        if all(code_of(exc) == grpc.StatusCode.PERMISSION_DENIED for exc in failures):
             # No lane this rank's rounds met made the nonce: a forged call, or one from a
             # lane of that site whose round with this rank has not begun yet (between
             # sites of unequal sizes a rank meets a site's lanes one round at a time).
@@ -131,7 +131,7 @@ class LaneHandoff:
                 f"site {members.site_index}'s lane met asked for it (yet)",
             )
         # A lane that could not be reached may be the one that asked.
-        unreached = next(e for e in failures if _code(e) != grpc.StatusCode.PERMISSION_DENIED)
+        unreached = next(e for e in failures if code_of(e) != grpc.StatusCode.PERMISSION_DENIED)
         self._refused_or_failed(context, unreached, what)
         return lane_pb2.OpenBulkResponse()  # not reached: aborted
 
@@ -204,10 +204,6 @@ class LaneHandoff:
 def _pull(generation: int, step: int, rank: int, source: str) -> tuple[object, ...]:
     """What a pull's nonce is made for (compared when its serving lane asks)."""
     return ("pull", generation, step, rank, source)
-
-
-def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
-    return exc.code() if hasattr(exc, "code") else None
 
 
 def budget(context: grpc.ServicerContext) -> float:
