@@ -134,13 +134,19 @@ class ChunkTasks:
         self.count(decode_s=time.perf_counter() - t0)
         return values
 
-    def _frame(
-        self, kind: lane_pb2.ChunkKind, c: int, payload: bytes | memoryview, crc: int | None = None
-    ) -> Frame:
-        """The chunk to send, from where its payload lies: the round's tensor, or the
-        codec's output (a CUDA chunk's in pinned memory of its own, see
-        ``codecs.base.to_host_view``). Nothing writes there before every peer took it.
-        ``crc``: the payload's CRC-32C where it is already known."""
+    def _send_chunk(
+        self,
+        kind: lane_pb2.ChunkKind,
+        c: int,
+        payload: bytes | memoryview,
+        to: dict[int, LanePeer],
+        crc: int | None = None,
+    ) -> None:
+        """Sends chunk ``c`` to the sites of ``to`` (and keeps it in the outbox for a
+        resend) from where its payload lies: the round's tensor, or the codec's output
+        (a CUDA chunk's in pinned memory of its own, see ``codecs.base.to_host_view``).
+        Nothing writes there before every peer took it. ``crc``: the payload's CRC-32C
+        where it is already known."""
         lo, hi = self._bounds(c)
         header = lane_pb2.PushChunksRequest(
             generation=self.view.generation,
@@ -155,7 +161,11 @@ class ChunkTasks:
             codec=self.codec.name,
             crc32=crc32(payload) if crc is None else crc,
         )
-        return Frame(header.SerializeToString(), memoryview(payload).cast("B"))
+        frame = Frame(header.SerializeToString(), memoryview(payload).cast("B"))
+        self.outbox.put((self.step, self.group, kind, c), frame, to)
+        for site in to:
+            self.send(site, frame)
+        self.count(bytes_sent=len(to) * len(payload), raw_bytes=len(to) * (hi - lo) * 4)
 
     def _like(self, n: int) -> torch.Tensor:
         """A new fp32 tensor of ``n`` values where the round's values live."""
@@ -191,7 +201,7 @@ class ChunkTasks:
         except NonFiniteEncoding as exc:
             self._check_own(c, lo, hi)
             raise self._encode_fault(c, lo, hi, exc) from exc
-        self._send_contribution(c, lo, hi, owner, payload)
+        self._send_chunk(CONTRIBUTION, c, payload, {owner: self.peers[owner]})
 
     def _contribute_raw(self, c: int, lo: int, hi: int, owner: int) -> None:
         assert self.host is not None
@@ -201,21 +211,8 @@ class ChunkTasks:
         if crc is None:  # the raw encode is the values themselves: ours are not finite
             self.count(nonfinite_chunks=1)
             raise self._own_fault(c, lo, hi)
-        self._send_contribution(c, lo, hi, owner, self.host[lo:hi].data.cast("B"), crc)
-
-    def _send_contribution(
-        self,
-        c: int,
-        lo: int,
-        hi: int,
-        owner: int,
-        payload: bytes | memoryview,
-        crc: int | None = None,
-    ) -> None:
-        frame = self._frame(CONTRIBUTION, c, payload, crc)
-        self.outbox.put((self.step, self.group, CONTRIBUTION, c), frame, {owner: self.peers[owner]})
-        self.send(owner, frame)
-        self.count(bytes_sent=len(payload), raw_bytes=(hi - lo) * 4)
+        payload = self.host[lo:hi].data.cast("B")
+        self._send_chunk(CONTRIBUTION, c, payload, {owner: self.peers[owner]}, crc)
 
     def _contribute_own(self, c: int, lo: int, hi: int) -> None:
         me = self.view.site_index
@@ -359,7 +356,7 @@ class ChunkTasks:
             self.count(nonfinite_chunks=1)
             cause = "overflowed" if not finite(summed) else "is finite, but its encode is not"
             raise sum_fault(self.where, c, lo, hi, cause, self.codec.name, exc) from exc
-        self._send_result(c, lo, hi, payload)
+        self._send_chunk(RESULT, c, payload, self.peers)
 
     def _reduce_raw(
         self, c: int, lo: int, hi: int, parts: dict[int, np.ndarray | torch.Tensor]
@@ -381,18 +378,8 @@ class ChunkTasks:
         if status == SUM_OVERFLOW:
             self.count(nonfinite_chunks=1)
             raise sum_fault(self.where, c, lo, hi, "overflowed", self.codec.name, "not finite")
-        self._send_result(c, lo, hi, out.data.cast("B"), crc)
+        self._send_chunk(RESULT, c, out.data.cast("B"), self.peers, crc)
         return True
-
-    def _send_result(
-        self, c: int, lo: int, hi: int, payload: bytes | memoryview, crc: int | None = None
-    ) -> None:
-        frame = self._frame(RESULT, c, payload, crc)
-        self.outbox.put((self.step, self.group, RESULT, c), frame, self.peers)
-        for site in self.peers:
-            self.send(site, frame)
-        n = len(self.peers)
-        self.count(bytes_sent=n * len(payload), raw_bytes=n * (hi - lo) * 4)
 
     def pull(self, key: MailboxKey) -> Chunk | None:
         """The chunk ``key`` asked again of its sender until it comes intact; None if
