@@ -17,6 +17,7 @@ import torch
 
 __all__ = [
     "ByteStage",
+    "CastStage",
     "CodecError",
     "NonFiniteEncoding",
     "TensorStage",
@@ -189,6 +190,23 @@ class TensorStage(Protocol):
         sums and results never pass through host fp32). Same values, bit for bit, as
         :meth:`decode` (one IEEE operation per element either way); raises CodecError."""
         ...
+
+
+class CastStage:
+    """What a stage that sends each value as one ``wire`` element shares."""
+
+    name: str
+    width: int
+    wire: torch.dtype
+
+    def encoded_size(self, num_elements: int) -> int:
+        return self.width * num_elements
+
+    def decode_device(
+        self, payload: bytes | memoryview, num_elements: int, device: torch.device
+    ) -> torch.Tensor:
+        check_size(self.name, payload, self.encoded_size(num_elements), num_elements)
+        return to_device(payload, device).view(self.wire).to(torch.float32)
 
 
 class ByteStage(Protocol):

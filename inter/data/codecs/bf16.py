@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from isthmus.inter.data.codecs.base import check_chunk, check_size, from_le, to_device, to_host_view
+from isthmus.inter.data.codecs.base import CastStage, check_chunk, check_size, from_le, to_host_view
 
 __all__ = ["Bf16Stage"]
 
@@ -13,41 +13,27 @@ _EXPONENT = np.uint16(0x7F80)
 """A bf16's exponent bits: all set is Inf or NaN."""
 
 
-class Bf16Stage:
+class Bf16Stage(CastStage):
     """fp32 → bf16 on the chunk's device, so a GPU copies half the bytes to the host."""
 
     name = "bf16"
     width = 2
     lossy = True
-
-    def encoded_size(self, num_elements: int) -> int:
-        """See :meth:`TensorStage.encoded_size`."""
-        return 2 * num_elements
+    wire = torch.bfloat16  # widening it back is exact
 
     def encode(self, chunk: torch.Tensor, key: str | None = None) -> memoryview:
-        """See :meth:`TensorStage.encode`."""
         return to_host_view(check_chunk(chunk).to(torch.bfloat16))
 
     def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
-        """See :meth:`TensorStage.finite`: no value with every exponent bit set."""
+        # No value with every exponent bit set.
         exponent = from_le(payload, np.uint16) & _EXPONENT
         return not bool((exponent == _EXPONENT).any())
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
-        """See :meth:`TensorStage.decode`."""
         return torch.from_numpy(self.decode_array(payload, num_elements))
 
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
-        """See :meth:`TensorStage.decode_array` (a new array)."""
-        expected = self.encoded_size(num_elements)
-        check_size("bf16", payload, expected, num_elements)
+        check_size("bf16", payload, self.encoded_size(num_elements), num_elements)
         # bf16 is the top half of fp32: widening is exact and needs no rounding.
         bits = from_le(payload, np.uint16).astype(np.uint32) << 16
         return bits.view(np.float32)
-
-    def decode_device(
-        self, payload: bytes | memoryview, num_elements: int, device: torch.device
-    ) -> torch.Tensor:
-        """See :meth:`TensorStage.decode_device` (widening is exact)."""
-        check_size("bf16", payload, self.encoded_size(num_elements), num_elements)
-        return to_device(payload, device).view(torch.bfloat16).to(torch.float32)

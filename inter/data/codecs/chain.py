@@ -1,21 +1,12 @@
-"""Codec chains: turn a 1-D fp32 chunk into bytes for the wire, and back.
+"""Codec chains: a 1-D fp32 chunk into bytes for the wire, and back (docs/wire.md).
 
-A chain is one *tensor stage* (``raw`` fp32, ``bf16``, ``int8`` with error feedback)
-followed by optional *byte stages* (``shuffle``, then ``zstd[:LEVEL[:THREADS]]``),
-written as a spec joined by ``+``: ``"raw"``, ``"bf16+shuffle+zstd:3"``,
-``"int8+zstd:1"``. A spec without a tensor stage means fp32 (``"zstd:1"`` is
-``"raw+zstd:1"``). :func:`make_codec` builds it from :func:`~isthmus.inter.data.codecs.spec.parse_codec_spec`
-(the one parser, torch-free for the CLI); the stages live in
-:mod:`isthmus.inter.data.codecs`, one per module.
-
-Encoding runs on the chunk's device (a CUDA chunk is cast or quantized there and
-only the smaller result is copied to the host); decoding yields CPU tensors.
+Encoding runs on the chunk's device (only the smaller result is copied to the host);
+decoding yields CPU tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -37,7 +28,6 @@ from isthmus.inter.data.codecs.zstd import ZstdStage
 
 __all__ = [
     "ALLOWED_SPECS",
-    "Codec",
     "CodecChain",
     "CodecError",
     "NonFiniteEncoding",
@@ -53,51 +43,8 @@ _TENSOR_STAGES: dict[str, Callable[[], TensorStage]] = {
 }
 
 
-@runtime_checkable
-class Codec(Protocol):
-    """Encodes a 1-D fp32 tensor to bytes and decodes it back."""
-
-    name: str
-
-    def encode(
-        self,
-        chunk: torch.Tensor,
-        key: str | None = None,
-        *,
-        require_finite: bool = False,
-        decoded_out: torch.Tensor | None = None,
-    ) -> bytes | memoryview:
-        """Encodes one chunk.
-
-        Args:
-            chunk: 1-D float32 tensor, CPU or CUDA.
-            key: names the chunk's error-feedback state (lossy stages with feedback).
-            require_finite: raise NonFiniteEncoding instead of returning a payload
-                that decodes to NaN or Inf (checked on the tensor stage's bytes).
-            decoded_out: if given, receives what a decode of the payload returns.
-        Returns:
-            The payload: bytes, or (``raw`` and ``bf16`` without byte stages) a
-            read-only view of the chunk's memory (valid until the chunk changes) or
-            of pinned memory the view alone holds (a CUDA chunk's).
-        """
-        ...
-
-    def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
-        """Decodes one payload.
-
-        Args:
-            payload: bytes produced by ``encode`` of a codec with the same name.
-            num_elements: number of values the payload must decode to.
-        Returns:
-            A new writable 1-D float32 CPU tensor of ``num_elements`` values.
-        Raises:
-            CodecError: the payload does not decode to exactly ``num_elements`` values.
-        """
-        ...
-
-
 class CodecChain:
-    """A tensor stage followed by byte stages; see the module docstring.
+    """A tensor stage followed by byte stages.
 
     Args:
         tensor: the first stage.
@@ -129,13 +76,20 @@ class CodecChain:
         require_finite: bool = False,
         decoded_out: torch.Tensor | None = None,
     ) -> bytes | memoryview:
-        """See :meth:`Codec.encode`.
+        """Encodes one chunk.
 
         Args:
+            chunk: 1-D float32 tensor, CPU or CUDA.
+            key: names the chunk's error-feedback state (lossy stages with feedback).
+            require_finite: raise NonFiniteEncoding instead of returning a payload
+                that decodes to NaN or Inf (checked on the tensor stage's bytes).
             decoded_out: if given (1-D fp32, ``chunk``'s size and device, may be
-                ``chunk`` itself), receives the values a decode of the payload gives,
-                bit for bit: int8 and int4 write them as they quantize, other stages
-                decode. A round keeps decode(result) without a copy to the device and back.
+                ``chunk`` itself), receives what a decode of the payload gives, bit for
+                bit, without a copy to the device and back.
+        Returns:
+            The payload: bytes, or (``raw`` and ``bf16`` without byte stages) a
+            read-only view of the chunk's memory (valid until the chunk changes) or
+            of pinned memory the view alone holds (a CUDA chunk's).
         """
         data = self._encode_values(chunk, key, require_finite, decoded_out)
         for stage in self.byte_stages:
@@ -208,7 +162,8 @@ class CodecChain:
         return self.tensor.finite(payload, num_elements)
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
-        """See :meth:`Codec.decode`."""
+        """A new writable 1-D float32 CPU tensor of ``num_elements`` values; raises
+        CodecError where ``payload`` does not decode to exactly that many."""
         return self.tensor.decode(self._unwrap(payload, num_elements), num_elements)
 
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:

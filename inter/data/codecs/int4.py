@@ -5,13 +5,8 @@ of quality: they are averaged over H steps and feed an outer optimizer that, wit
 error feedback, sees every rounding error again at its next round. This stage is
 int8's (:mod:`.int8`) at half the bytes: symmetric levels -7..7 of an fp32 scale per
 block of ``BLOCK`` values (all scales first), the rounding error kept as the next
-residual. A value is stored as its level +
-8, so a byte holds element 2i in its low nibble and 2i+1 in its high one; an odd
-chunk pads its last byte with a zero (level 0).
-
-One implementation serves CPU and CUDA tensors (torch operations on the chunk's
-device, then one copy of the payload to the host), so the tests on CPU run the code
-a GPU runs.
+residual. One implementation serves CPU and CUDA tensors, so the tests on CPU run
+the code a GPU runs.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from isthmus.inter.data.codecs.base import check_size, from_le, to_device
+from isthmus.inter.data.codecs.base import check_size, from_le
 from isthmus.inter.data.codecs.int8 import Int8Stage, block_scales, expand_scales, scale_bytes
 
 __all__ = ["Int4Stage"]
@@ -30,11 +25,7 @@ _OFFSET = 8  # stored nibble = level + 8, so 1..15 (0 never written, decoded as 
 
 
 class Int4Stage(Int8Stage):
-    """Symmetric 4-bit (-7..7) with an fp32 scale per ``BLOCK`` values and error feedback.
-
-    Args:
-        error_feedback: keep per-key residuals (``encode`` with a ``key``).
-    """
+    """Symmetric 4-bit (-7..7) with an fp32 scale per ``BLOCK`` values and error feedback."""
 
     name = "int4"
     width = 1  # a byte at a time for the shuffle stage (which then does nothing)
@@ -44,7 +35,7 @@ class Int4Stage(Int8Stage):
     fused = False  # the kernels write int8's format; this one packs nibbles in torch
 
     def encoded_size(self, num_elements: int) -> int:
-        """See :meth:`TensorStage.encoded_size`: the scales, then half a byte each."""
+        # The scales, then half a byte each.
         return scale_bytes(num_elements) + (num_elements + 1) // 2
 
     @staticmethod
@@ -66,7 +57,6 @@ class Int4Stage(Int8Stage):
         torch.mul(levels.to(torch.float32) - _OFFSET, expand_scales(scales, n), out=out)
 
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
-        """See :meth:`TensorStage.decode_array` (a new array)."""
         check_size("int4", payload, self.encoded_size(num_elements), num_elements)
         packed = from_le(payload[scale_bytes(num_elements) :], np.uint8)
         levels = np.empty(2 * packed.size, dtype=np.float32)
@@ -75,15 +65,3 @@ class Int4Stage(Int8Stage):
         levels = levels[:num_elements]
         levels -= _OFFSET
         return levels * expand_scales(block_scales(payload, num_elements), num_elements)
-
-    def decode_device(
-        self, payload: bytes | memoryview, num_elements: int, device: torch.device
-    ) -> torch.Tensor:
-        """See :meth:`TensorStage.decode_device`: fp32(q) x scale, as on the host."""
-        check_size("int4", payload, self.encoded_size(num_elements), num_elements)
-        raw = to_device(payload, device)
-        head = scale_bytes(num_elements)
-        scales = raw[:head].view(torch.float32)  # the wire is little-endian
-        packed = raw[head:]
-        levels = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:num_elements]
-        return (levels.to(torch.float32) - _OFFSET) * expand_scales(scales, num_elements)

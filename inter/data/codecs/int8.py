@@ -100,7 +100,7 @@ class Int8Stage:
         self._lock = threading.Lock()  # pool threads encode different keys concurrently
 
     def encoded_size(self, num_elements: int) -> int:
-        """See :meth:`TensorStage.encoded_size`: the scales, then a byte a value."""
+        # The scales, then a byte a value.
         return scale_bytes(num_elements) + num_elements
 
     def encode(
@@ -111,11 +111,9 @@ class Int8Stage:
         host: bool = True,
     ) -> bytes | memoryview:
         """Quantizes on the chunk's device (on a GPU one fused kernel where Triton is,
-        else the same torch code as on the CPU; then one copy of the payload to the
-        host, the only wait); see :meth:`TensorStage.encode`.
+        else the same torch code as on the CPU), then one copy to the host.
 
         Args:
-            chunk: 1-D fp32 tensor (CPU or CUDA).
             key: error-feedback state key (lane, group, chunk); None = no feedback.
             decoded_out: if given (``chunk``'s shape and device, may be ``chunk``),
                 receives what :meth:`decode` of the payload returns, with no decode.
@@ -198,8 +196,7 @@ class Int8Stage:
         )
 
     def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
-        """See :meth:`TensorStage.finite`: the integers are finite by construction, so
-        the block scales say it (a non-finite block keeps a non-finite scale), and the
+        """The integers are finite by construction, so the block scales say it (a non-finite block keeps a non-finite scale), and the
         largest of them times the largest integer the wire holds must stay within fp32:
         a forged finite scale of 1e38 would decode to Inf. Exact for a payload from
         anywhere, so a received chunk is checked here, not after its decode."""
@@ -243,11 +240,9 @@ class Int8Stage:
                 self._residuals.pop(key, None)
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:
-        """See :meth:`TensorStage.decode`."""
         return torch.from_numpy(self.decode_array(payload, num_elements))
 
     def decode_array(self, payload: bytes | memoryview, num_elements: int) -> np.ndarray:
-        """See :meth:`TensorStage.decode_array` (a new array)."""
         check_size("int8", payload, self.encoded_size(num_elements), num_elements)
         head = scale_bytes(num_elements)
         q = from_le(payload[head:], np.int8)
@@ -258,16 +253,15 @@ class Int8Stage:
     def decode_device(
         self, payload: bytes | memoryview, num_elements: int, device: torch.device
     ) -> torch.Tensor:
-        """See :meth:`TensorStage.decode_device`: fp32(q) x scale, as on the host (one
-        kernel where Triton is)."""
-        check_size("int8", payload, self.encoded_size(num_elements), num_elements)
+        """As on the host, on ``device`` (one kernel where Triton is)."""
+        check_size(self.name, payload, self.encoded_size(num_elements), num_elements)
         raw = to_device(payload, device)
+        out = torch.empty(num_elements, dtype=torch.float32, device=raw.device)
         if self.fused and int8_kernels.usable(raw):
-            out = torch.empty(num_elements, dtype=torch.float32, device=raw.device)
             return int8_kernels.dequantize(raw, num_elements, out)
-        head = scale_bytes(num_elements)
-        scales = raw[:head].view(torch.float32)  # the wire is little-endian
-        return raw[head:].view(torch.int8).to(torch.float32) * expand_scales(scales, num_elements)
+        scales = raw[: scale_bytes(num_elements)].view(torch.float32)  # the wire is little-endian
+        self._unpack_into(raw, scales, num_elements, out)
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Returns a copy of the residuals by key (CPU tensors, for a checkpoint)."""
