@@ -1,5 +1,31 @@
 """The `isthmus` subcommands, one module each; deploy/cli.py dispatches to them.
 
-A command module defines ``add_parser(subparsers)`` and the function it runs; the
-arguments several commands share live in ``arguments.py``.
+A command module defines ``register(sub, formatter)``, which adds its parser, and the
+functions it runs; the arguments several commands share live in ``arguments.py``. This
+module stays light: `python -m isthmus.deploy.commands.wan` imports it without torch.
 """
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    formatter: type[argparse.HelpFormatter],
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
+    """Add `name`, run by ``func``, whose docstring says it: its first paragraph is the
+    command's line in `isthmus --help`, the rest its description."""
+    assert func.__doc__, f"{func.__name__} has no docstring for `{name} --help`"
+    help, _, description = func.__doc__.partition("\n\n")
+    parser = sub.add_parser(
+        name,
+        help=" ".join(help.split()),
+        description=" ".join(description.split()),
+        formatter_class=formatter,
+    )
+    parser.set_defaults(func=func)
+    return parser

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.config.job import ConfigError
 from isthmus.deploy.config.run_sections import MAX_SYNC_CHUNK_BYTES
 from isthmus.inter.data import connections_for_link, parse_codec_spec, sync_chunk_bytes
@@ -285,7 +286,13 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
 
 
 def cmd_bench_allreduce(args: argparse.Namespace) -> int:
-    """Runs the grid; prints the tables; writes the JSON."""
+    """the cross-site all-reduce, one process per site, over emulated links
+
+    Time the cross-site all-reduce for every point of a grid (sites x RTT x bandwidth x
+    tensor size x codec), one process per site, lanes through the WAN emulator. Efficiency
+    = (2(S-1)/S x tensor bytes / bandwidth + RTT) / wall time: above 1 means the codec
+    beats an ideal uncompressed all-reduce. The per-core codec speeds and the cores each
+    link speed needs come first."""
     from isthmus.inter.data import bench
 
     cases = cases_from_args(args)
@@ -340,14 +347,7 @@ def _run_cases(args: argparse.Namespace, cases: list, out: dict) -> None:
         print(line, flush=True)
 
 
-def register(
-    sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter] | None = None
-) -> None:
-    """Add `isthmus bench allreduce` to the CLI."""
-    if formatter is None:
-        from isthmus.deploy.commands.arguments import HelpFormatter
-
-        formatter = HelpFormatter
+def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     parser = sub.add_parser(
         "bench",
         help="benchmark the data plane",
@@ -355,15 +355,4 @@ def register(
         formatter_class=formatter,
     )
     kinds = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    allreduce = kinds.add_parser(
-        "allreduce",
-        help="the cross-site all-reduce, one process per site, over emulated links",
-        description="Time the cross-site all-reduce for every point of a grid (sites x "
-        "RTT x bandwidth x tensor size x codec), one process per site, lanes through "
-        "the WAN emulator. Efficiency = (2(S-1)/S x tensor bytes / bandwidth + RTT) / "
-        "wall time: above 1 means the codec beats an ideal uncompressed all-reduce. "
-        "The per-core codec speeds and the cores each link speed needs come first.",
-        formatter_class=formatter,
-    )
-    add_arguments(allreduce)
-    allreduce.set_defaults(func=cmd_bench_allreduce)
+    add_arguments(add_command(kinds, formatter, "allreduce", cmd_bench_allreduce))

@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.inter.security import TLS_NAME
 
@@ -178,6 +179,12 @@ def write_certs(
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
+    """create a job CA, a certificate per site and a job token
+
+    Create the files for mutual TLS between sites and the job token (docs/security.md):
+    ca.crt and ca.key, SITE.crt and SITE.key for every site, and token. Keys and token are
+    written mode 0600. Existing files are not replaced without --force. Prints the
+    [security] lines for the job config."""
     if args.sites and args.config:
         raise ConfigError("give --sites or --config, not both")
     if args.sites:
@@ -200,16 +207,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus certs` to the CLI."""
-    parser = sub.add_parser(
-        "certs",
-        help="create a job CA, a certificate per site and a job token",
-        description="Create the files for mutual TLS between sites and the job token "
-        "(docs/security.md): ca.crt and ca.key, SITE.crt and SITE.key for every site, and "
-        "token. Keys and token are written mode 0600. Existing files are not replaced "
-        "without --force. Prints the [security] lines for the job config.",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "certs", cmd_certs)
     parser.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
     parser.add_argument(
         "--sites",
@@ -229,4 +227,3 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         help="extra DNS name or IP address for every site certificate (repeatable)",
     )
     parser.add_argument("--force", action="store_true", help="replace existing files")
-    parser.set_defaults(func=cmd_certs)

@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.config.job import ConfigError
 
 __all__ = ["register"]
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    """run the fault-injection suite: kill, restart, partition, corrupt, slow
+
+    Run real jobs (one `isthmus site` process per site over emulated links) while injecting
+    faults; each scenario passes when every surviving site finishes with the same parameter
+    digest. Prints a table and writes chaos.json (docs/reliability.md)."""
     from isthmus.deploy.chaos.suite import run_suite
 
     try:
@@ -27,16 +33,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus chaos` to the CLI."""
-    parser = sub.add_parser(
-        "chaos",
-        help="run the fault-injection suite: kill, restart, partition, corrupt, slow",
-        description="Run real jobs (one `isthmus site` process per site over emulated "
-        "links) while injecting faults; each scenario passes when every surviving site "
-        "finishes with the same parameter digest. Prints a table and writes chaos.json "
-        "(docs/reliability.md).",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "chaos", cmd_chaos)
     parser.add_argument("--quick", action="store_true", help="only the quick subset CI runs")
     parser.add_argument(
         "--only", nargs="+", metavar="NAME", default=None, help="run only these scenarios"
@@ -58,4 +55,3 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         metavar="KEY=VALUE",
         help="a setting for every site of every scenario, e.g. sync.mode=diloco",
     )
-    parser.set_defaults(func=cmd_chaos)

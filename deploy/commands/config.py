@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.commands.arguments import add_config_arguments, config_from_args
 from isthmus.deploy.config.job import SECTION_TYPES
 from isthmus.deploy.config.sections import field_docs
@@ -13,6 +14,10 @@ __all__ = ["register"]
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    """print the resolved job config, every key documented
+
+    Print the job config that the given file and overrides resolve to, as TOML with each
+    key's meaning."""
     config = config_from_args(args)
     for section, section_type in SECTION_TYPES.items():
         docs = field_docs(section_type)
@@ -32,13 +37,5 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus config` to the CLI."""
-    parser = sub.add_parser(
-        "config",
-        help="print the resolved job config, every key documented",
-        description="Print the job config that the given file and overrides resolve "
-        "to, as TOML with each key's meaning.",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "config", cmd_config)
     add_config_arguments(parser, common_flags=True)
-    parser.set_defaults(func=cmd_config)

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.commands.arguments import (
     EXIT_FAILED,
     add_config_arguments,
@@ -33,6 +34,11 @@ __all__ = ["register"]
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    """run one site's coordinator alone
+
+    Serve one site's coordinator: its ranks register with it, and it joins the peer sites'
+    coordinators with the job fingerprint. Exits non-zero with one line when a peer refuses
+    the job."""
     from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 
     config = config_from_args(args)
@@ -123,15 +129,7 @@ def _pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus coordinator` to the CLI."""
-    parser = sub.add_parser(
-        "coordinator",
-        help="run one site's coordinator alone",
-        description="Serve one site's coordinator: its ranks register with it, and it "
-        "joins the peer sites' coordinators with the job fingerprint. Exits non-zero "
-        "with one line when a peer refuses the job.",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "coordinator", cmd_coordinator)
     add_config_arguments(parser, common_flags=False)
     parser.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
     parser.add_argument(
@@ -157,4 +155,3 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         "derive their registration keys from it (default: ranks register first come)",
     )
     add_insecure_flag(parser)
-    parser.set_defaults(func=cmd_coordinator)

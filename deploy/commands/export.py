@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.commands.arguments import add_set_argument
 from isthmus.deploy.config.job import ConfigError, JobConfig, load_config
 from isthmus.deploy.security.trust import checkpoint_key
@@ -200,16 +201,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus export` to the CLI."""
-    parser = sub.add_parser(
-        "export",
-        help="write a checkpoint in the Hugging Face layout (config.json, model.safetensors)",
-        description="Write a run's newest checkpoint (or the checkpoint folder given) as "
-        "a Hugging Face model folder: config.json and model.safetensors, loadable by "
-        "transformers' AutoModelForCausalLM.from_pretrained and by model.init_from. "
-        "Needs the isthmus[hf] extra (safetensors).",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "export", _dispatch)
     parser.add_argument(
         "source", metavar="RUN_OR_CHECKPOINT", help="a run's --run-dir or a step-NNNNNNNN folder"
     )
@@ -223,10 +215,15 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         help="the job's config (default: the config.toml in or above RUN_OR_CHECKPOINT)",
     )  # fmt: skip
     add_set_argument(parser, help="override a key of the job's config (repeatable)")
-    parser.set_defaults(func=_dispatch)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    """write a checkpoint in the Hugging Face layout (config.json, model.safetensors)
+
+    Write a run's newest checkpoint (or the checkpoint folder given) as a Hugging Face model
+    folder: config.json and model.safetensors, loadable by transformers'
+    AutoModelForCausalLM.from_pretrained and by model.init_from. Needs the isthmus[hf] extra
+    (safetensors)."""
     args.format, args.to_dir = args.to
     fmt = args.format
     if fmt not in FORMATS:

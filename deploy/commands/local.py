@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.commands.arguments import (
     add_config_arguments,
     add_job_flags,
@@ -113,6 +114,12 @@ def use_script(args: argparse.Namespace, config: JobConfig) -> None:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
+    """run every site of a job on this machine over emulated links
+
+    Run a whole job on this machine: one coordinator and one torch.distributed world per
+    site, ranks as processes (gloo on CPU, NCCL on GPUs), the sites joined by emulated
+    long-haul links (default 1000 km, 1 Gbit/s). Prints progress, then a summary; --run-dir
+    keeps the files."""
     from isthmus.deploy.launch.local import LocalJob
     from isthmus.deploy.launch.quickstart import plan_hint
     from isthmus.deploy.rank.checkpointing import resolve_resume
@@ -133,16 +140,7 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus local` to the CLI."""
-    parser = sub.add_parser(
-        "local",
-        help="run every site of a job on this machine over emulated links",
-        description="Run a whole job on this machine: one coordinator and one "
-        "torch.distributed world per site, ranks as processes (gloo on CPU, NCCL on "
-        "GPUs), the sites joined by emulated long-haul links (default 1000 km, "
-        "1 Gbit/s). Prints progress, then a summary; --run-dir keeps the files.",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "local", cmd_local)
     add_config_arguments(parser, common_flags=True)
     parser.add_argument(
         "--topology",
@@ -166,4 +164,3 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         resume_help="start every site from the newest checkpoint step complete at all of "
         "them (needs --run-dir or checkpoint.dir; docs/checkpoints.md)",
     )
-    parser.set_defaults(func=cmd_local)

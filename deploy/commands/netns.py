@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from isthmus.deploy.commands import add_command
 from isthmus.sim import LinkSpec
 from isthmus.sim.control import DEFAULT_ADDRESS, parse_address
 from isthmus.sim.netns import DEFAULT_POOL, NetnsError, teardown
@@ -35,14 +36,7 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         formatter_class=formatter,
     )
     actions = netns.add_subparsers(dest="netns_command", metavar="{up,down}", required=True)
-    up = actions.add_parser(
-        "up",
-        help="create the namespaces and links; run until Ctrl-C, then remove them",
-        description="Create one namespace per site and one emulated link per pair of "
-        "sites, print how to run a program in each site, and serve until Ctrl-C or "
-        "SIGTERM; then remove the namespaces, veths and iptables rules.",
-        formatter_class=formatter,
-    )
+    up = add_command(actions, formatter, "up", cmd_up)
     up.add_argument("--sites", type=int, default=2, help="number of sites")
     up.add_argument(
         "--distance-km", type=float, default=1000.0, help="fiber distance (~4.9 us per km one way)"
@@ -67,19 +61,16 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         metavar="HOST:PORT",
         help="serve the control endpoint of `isthmus wan show/set` here (0: any port)",
     )
-    up.set_defaults(func=cmd_up)
-    down = actions.add_parser(
-        "down",
-        help="remove a job's namespaces, veths and iptables rules (after a crash)",
-        description="Remove everything `netns up --job NAME` creates; stops processes "
-        "still running inside its namespaces. Safe to run when nothing is left.",
-        formatter_class=formatter,
-    )
+    down = add_command(actions, formatter, "down", cmd_down)
     down.add_argument("--job", default=DEFAULT_JOB, help="job name given to `up`")
-    down.set_defaults(func=cmd_down)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """create the namespaces and links; run until Ctrl-C, then remove them
+
+    Create one namespace per site and one emulated link per pair of sites, print how to run
+    a program in each site, and serve until Ctrl-C or SIGTERM; then remove the namespaces,
+    veths and iptables rules."""
     try:
         control = parse_address(args.control)
         spec = LinkSpec.from_distance(
@@ -120,6 +111,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    """remove a job's namespaces, veths and iptables rules (after a crash)
+
+    Remove everything `netns up --job NAME` creates; stops processes still running inside
+    its namespaces. Safe to run when nothing is left."""
     try:
         removed = teardown(args.job)
     except (NetnsError, ValueError) as e:

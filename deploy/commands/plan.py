@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.config.job import ConfigError
 from isthmus.deploy.config.planning import codec_ratio, preset_input
 from isthmus.sim.plan import (
@@ -31,19 +32,7 @@ NEMO_EFFICIENCY = 0.96  # NVIDIA NeMo's published two-site figure for Nemotron-4
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus plan` to the CLI."""
-    parser = sub.add_parser(
-        "plan",
-        help="predict step time and scaling efficiency at any size",
-        description="Predict a multi-site job's step time, cross-site time, exposed sync "
-        "and scaling efficiency from model size, tokens per step, devices x peak x MFU, "
-        "sites, link bandwidth and RTT, codec and overlap (the model is in sim/plan.py). "
-        "The defaults are Nemotron-4 340B over two sites 1000 km apart, printed next to "
-        "the bandwidth NeMo's 96% needs; --preset NAME plans one of isthmus' models "
-        "as `isthmus local` trains it, --batch 4,8,16 the efficiency curve against the "
-        "per-device batch.",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "plan", cmd_plan)
     add = parser.add_argument
     _add_job_flags(add)
     _add_link_flags(add)
@@ -55,7 +44,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         help="efficiency to solve bandwidth for",
     )
     add("--json", action="store_true", help="print JSON instead of a table")
-    parser.set_defaults(func=cmd_plan)
 
 
 def _add_job_flags(add: Callable[..., argparse.Action]) -> None:
@@ -213,6 +201,14 @@ def build_input(args: argparse.Namespace) -> tuple[PlanInput, list[int]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """predict step time and scaling efficiency at any size
+
+    Predict a multi-site job's step time, cross-site time, exposed sync and scaling
+    efficiency from model size, tokens per step, devices x peak x MFU, sites, link bandwidth
+    and RTT, codec and overlap (the model is in sim/plan.py). The defaults are Nemotron-4
+    340B over two sites 1000 km apart, printed next to the bandwidth NeMo's 96% needs;
+    --preset NAME plans one of isthmus' models as `isthmus local` trains it, --batch 4,8,16
+    the efficiency curve against the per-device batch."""
     try:
         inputs, batches = build_input(args)
         plan = predict(inputs)

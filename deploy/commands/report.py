@@ -6,12 +6,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.config.job import ConfigError
 
 __all__ = ["register"]
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """plot a finished run, or compare several
+
+    One RUN_DIR: write PNG plots of a finished run (loss; step time stacked into compute,
+    intra-site and cross-site; WAN goodput against link capacity) and a short text summary,
+    from the files of its --run-dir. Several: overlay them (held-out and training loss
+    against tokens and against wall seconds, bytes across sites against tokens) and write
+    compare.txt, a table with one row per run and each run's held-out loss relative to the
+    first."""
     from isthmus.deploy.reports.compare import write_comparison
     from isthmus.deploy.reports.plots import write_report
 
@@ -31,18 +40,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus report` to the CLI."""
-    parser = sub.add_parser(
-        "report",
-        help="plot a finished run, or compare several",
-        description="One RUN_DIR: write PNG plots of a finished run (loss; step time "
-        "stacked into compute, intra-site and cross-site; WAN goodput against link "
-        "capacity) and a short text summary, from the files of its --run-dir. Several: "
-        "overlay them (held-out and training loss against tokens and against wall "
-        "seconds, bytes across sites against tokens) and write compare.txt, a table "
-        "with one row per run and each run's held-out loss relative to the first.",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "report", cmd_report)
     parser.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="finished runs' --run-dir; the first "
         "is the baseline of a comparison"
@@ -59,4 +57,3 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         help="names of the compared runs, in order (default: the sync mode, codec, sites x "
         "ranks, ... where the runs differ)",
     )
-    parser.set_defaults(func=cmd_report)

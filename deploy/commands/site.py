@@ -15,6 +15,7 @@ import struct
 import sys
 from typing import TYPE_CHECKING
 
+from isthmus.deploy.commands import add_command
 from isthmus.deploy.commands.arguments import (
     add_config_arguments,
     add_job_flags,
@@ -103,6 +104,14 @@ def _place(args: argparse.Namespace) -> NodePlace:
 
 
 def cmd_site(args: argparse.Namespace) -> int:
+    """run one site of a job (or one node of it): its coordinator and its ranks
+
+    Run one site of a multi-site job on this machine: serve its coordinator at
+    cluster.coordinators.SITE, start its ranks, wait for the peer sites (with a countdown),
+    train, and exit once every site's final parameter digest is known. Every site needs
+    cluster.coordinators for all sites; cluster.proxies routes a peer through an emulated
+    link (isthmus wan up). A site on several nodes runs this once a node, as torchrun is
+    run: --nodes, --node-rank, --master-addr and --rank-secret-file (docs/clusters.md)."""
     from isthmus.deploy.launch.site import SiteJob
     from isthmus.deploy.rank.checkpointing import resolve_resume
 
@@ -134,19 +143,7 @@ def cmd_site(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus site` to the CLI."""
-    parser = sub.add_parser(
-        "site",
-        help="run one site of a job (or one node of it): its coordinator and its ranks",
-        description="Run one site of a multi-site job on this machine: serve its "
-        "coordinator at cluster.coordinators.SITE, start its ranks, wait for the peer "
-        "sites (with a countdown), train, and exit once every site's final parameter "
-        "digest is known. Every site needs cluster.coordinators for all sites; "
-        "cluster.proxies routes a peer through an emulated link (isthmus wan up). "
-        "A site on several nodes runs this once a node, as torchrun is run: --nodes, "
-        "--node-rank, --master-addr and --rank-secret-file (docs/clusters.md).",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "site", cmd_site)
     add_config_arguments(parser, common_flags=True)
     parser.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
     add_script_flag(parser)
@@ -196,4 +193,3 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         help="a file of >= 16 random bytes only its owner reads, the same on every node: "
         "each node derives its ranks' registration keys from it (needed with --nodes > 1)",
     )
-    parser.set_defaults(func=cmd_site)

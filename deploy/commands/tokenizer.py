@@ -19,6 +19,13 @@ __all__ = ["register"]
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
+    """train the job's BPE tokenizer once and write it as a tokenizer.json
+
+    Train a byte-level BPE on the training split of the job's corpus (data.source,
+    data.path, data.max_bytes; never on held-out text), exactly as a job with
+    data.tokenizer=bpe does (and through the same cache, data.cache_dir), and write it as a
+    tokenizers tokenizer.json. Give the file to every site with --set data.tokenizer=FILE.
+    Prints its sha256 (data.tokenizer_sha256)."""
     from isthmus.intra.corpus.cache import trained_tokenizer, write_atomically
     from isthmus.intra.corpus.tokenizer import json_vocab_size, tokenizer_sha256
 
@@ -45,19 +52,10 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus tokenizer` to the CLI."""
+    from isthmus.deploy.commands import add_command
     from isthmus.deploy.commands.arguments import add_config_arguments
 
-    parser = sub.add_parser(
-        "tokenizer",
-        help="train the job's BPE tokenizer once and write it as a tokenizer.json",
-        description="Train a byte-level BPE on the training split of the job's corpus "
-        "(data.source, data.path, data.max_bytes; never on held-out text), exactly as a "
-        "job with data.tokenizer=bpe does (and through the same cache, data.cache_dir), "
-        "and write it as a tokenizers tokenizer.json. Give the file to every site with "
-        "--set data.tokenizer=FILE. Prints its sha256 (data.tokenizer_sha256).",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "tokenizer", cmd_tokenizer)
     add_config_arguments(parser, common_flags=False)
     parser.add_argument("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
     parser.add_argument(
@@ -68,4 +66,3 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         help="tokens, the 256 bytes included, 257..65536 (default: data.vocab_size, 4096)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
-    parser.set_defaults(func=cmd_tokenizer)

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from isthmus.deploy.commands import add_command
 from isthmus.sim import (
     RelayServer,
     Topology,
@@ -55,12 +56,8 @@ def _error(message: str) -> ValueError:
 def register(
     sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter] | None = None
 ) -> None:
-    """Add `isthmus wan` (up, show, set) to the CLI.
-
-    Args:
-        sub: the `isthmus` parser's subparsers.
-        formatter: the help formatter; default `isthmus.deploy.cli.HelpFormatter`.
-    """
+    """Add `isthmus wan` (up, show, set, netns) to the CLI; ``formatter`` by default
+    `isthmus`'s own."""
     if formatter is None:
         from isthmus.deploy.commands.arguments import HelpFormatter
 
@@ -83,16 +80,7 @@ def register(
 
 
 def _add_up(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """`isthmus wan up`: run the links of a topology file."""
-    up = wsub.add_parser(
-        "up",
-        help="run the links of a topology file in the foreground",
-        description="Run one emulated link per pair of sites of TOPOLOGY, until Ctrl-C or "
-        "SIGTERM. Prints, for each direction, the HTTP CONNECT proxy URL to route through "
-        "(gRPC: channel option grpc.http_proxy, and env no_grpc_proxy=none.invalid), each "
-        "--forward's address, and the control address for `isthmus wan show/set`.",
-        formatter_class=formatter,
-    )
+    up = add_command(wsub, formatter, "up", cmd_up)
     up.add_argument("topology", metavar="TOPOLOGY", help="topology file (TOML, see docs/wan.md)")
     up.add_argument(
         "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP + " (0: any)"
@@ -120,45 +108,31 @@ def _add_up(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         "(links past ~15 Gbit/s loaded both ways, or many fast links: one process moves "
         "~30-50 Gbit/s summed)",
     )
-    up.set_defaults(func=cmd_up)
 
 
 def _add_show(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """`isthmus wan show`: the links' specs and counters."""
-    show = wsub.add_parser(
-        "show",
-        help="print the links' specs and counters",
-        description="Print each link's spec per direction, what its impairments did so "
-        "far (lost segments, stalls, corrupted bytes, ...) and its listeners.",
-        formatter_class=formatter,
-    )
+    show = add_command(wsub, formatter, "show", cmd_show)
     show.add_argument("link", nargs="?", default=None, metavar="LINK", help="one link (a-b)")
     show.add_argument("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP)
     show.add_argument("--json", action="store_true", help="print the endpoint's JSON")
-    show.set_defaults(func=cmd_show)
 
 
 def _add_set(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """`isthmus wan set`: change a live link."""
-    change = wsub.add_parser(
-        "set",
-        help="change a live link",
-        description="Change a running link at once, for bytes sent afterwards. Keys are "
-        "those of a link in a topology file: distance_km, latency_ms, bandwidth_mbit, "
-        "per_flow_mbit, queue_kib, seed, impairments (a TOML list, e.g. "
-        "'impairments=[{kind=\"loss\", rate=0.001}]'); prefix a_to_b. or b_to_a. to change "
-        "one direction only. Nothing changes if any key or value is wrong.",
-        formatter_class=formatter,
-    )
+    change = add_command(wsub, formatter, "set", cmd_set)
     change.add_argument("link", metavar="LINK", help="the link to change (a-b)")
     change.add_argument("changes", nargs="+", metavar="KEY=VALUE", help="what to change")
     change.add_argument(
         "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP
     )
-    change.set_defaults(func=cmd_set)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """run the links of a topology file in the foreground
+
+    Run one emulated link per pair of sites of TOPOLOGY, until Ctrl-C or SIGTERM. Prints,
+    for each direction, the HTTP CONNECT proxy URL to route through (gRPC: channel option
+    grpc.http_proxy, and env no_grpc_proxy=none.invalid), each --forward's address, and the
+    control address for `isthmus wan show/set`."""
     topology = _load(args.topology)
     forwards = [_parse_forward(text, topology) for text in args.forward]
     host, port = _address(args.control, "--control")
@@ -198,6 +172,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """print the links' specs and counters
+
+    Print each link's spec per direction, what its impairments did so far (lost segments,
+    stalls, corrupted bytes, ...) and its listeners."""
     path = "/links" if args.link is None else f"/links/{args.link}"
     answer = _request(args.control, "GET", path)
     links = answer if args.link is None else {args.link: answer}
@@ -210,6 +188,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_set(args: argparse.Namespace) -> int:
+    """change a live link
+
+    Change a running link at once, for bytes sent afterwards. Keys are those of a link in a
+    topology file: distance_km, latency_ms, bandwidth_mbit, per_flow_mbit, queue_kib, seed,
+    impairments (a TOML list, e.g. 'impairments=[{kind="loss", rate=0.001}]'); prefix
+    a_to_b. or b_to_a. to change one direction only. Nothing changes if any key or value is
+    wrong."""
     changes: dict[str, Any] = {}
     for text in args.changes:
         key, sep, raw = text.partition("=")

@@ -20,6 +20,13 @@ __all__ = ["register"]
 
 
 def cmd_witness(args: argparse.Namespace) -> int:
+    """run the job's witness, which breaks even splits of its sites
+
+    Serve the job's witness (docs/reliability.md, 'A witness for two sites'): a side holding
+    exactly half the sites goes on only with its grant, so two sites survive the loss of
+    either. Run it at a third place and name it in every site's failover.witness. With
+    mutual TLS it uses the certificate named 'witness' (isthmus certs --sites
+    site0,site1,witness). Stops on SIGTERM or Ctrl-C."""
     from isthmus.inter.control.witness import WitnessServer
 
     flags = {"security.insecure": True if args.insecure else None}
@@ -61,19 +68,10 @@ def cmd_witness(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus witness` to the CLI."""
+    from isthmus.deploy.commands import add_command
     from isthmus.deploy.commands.arguments import add_config_arguments
 
-    parser = sub.add_parser(
-        "witness",
-        help="run the job's witness, which breaks even splits of its sites",
-        description="Serve the job's witness (docs/reliability.md, 'A witness for two "
-        "sites'): a side holding exactly half the sites goes on only with its grant, so two "
-        "sites survive the loss of either. Run it at a third place and name it in every "
-        "site's failover.witness. With mutual TLS it uses the certificate named 'witness' "
-        "(isthmus certs --sites site0,site1,witness). Stops on SIGTERM or Ctrl-C.",
-        formatter_class=formatter,
-    )
+    parser = add_command(sub, formatter, "witness", cmd_witness)
     add_config_arguments(parser, common_flags=False)
     parser.add_argument(
         "--listen", required=True, metavar="HOST:PORT", help="where to serve (port 0: any)"
@@ -83,4 +81,3 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         action="store_true",
         help="serve beyond loopback without mutual TLS and the job token (warned)",
     )
-    parser.set_defaults(func=cmd_witness)
