@@ -1,22 +1,9 @@
 """Hugging Face's layout of the Llama, Qwen2 and Mistral families, and isthmus's.
 
-Pure functions between the two: a ``config.json`` dict to a ``ModelConfig`` and back,
-and parameter names each way. The weights need no reshaping: isthmus's rotary layout
-is Hugging Face's (``rotate_half``: a head's first half pairs with its second; see
-intra/model.py), so q and k load as they are, with no permutation (the logits tests in
-tests/intra/test_hf_layout.py check it). Reading and writing ``model.safetensors`` is
-at the end; only those functions import torch and ``safetensors`` (the ``isthmus[hf]``
-extra), so the job config can read a config.json before any process imports torch.
-
-    isthmus                              Hugging Face
-    tok_embeddings.weight                model.embed_tokens.weight
-    layers.N.attention_norm.weight       model.layers.N.input_layernorm.weight
-    layers.N.attention.wq.{weight,bias}  model.layers.N.self_attn.q_proj.{weight,bias}
-    layers.N.attention.wk / wv / wo      ... self_attn.k_proj / v_proj / o_proj
-    layers.N.ffn_norm.weight             model.layers.N.post_attention_layernorm.weight
-    layers.N.feed_forward.w1 / w3 / w2   ... mlp.gate_proj / up_proj / down_proj
-    norm.weight                          model.norm.weight
-    output.weight                        lm_head.weight (absent when tied)
+Pure functions between the two: a config.json to a ``ModelConfig`` and back, and
+parameter names each way (``_BLOCK``, ``_ENDS``). The weights need no reshaping: the
+rotary layouts are the same (docs/models.md). Only the safetensors functions at the
+end import torch, so the job config can read a config.json before torch is imported.
 """
 
 from __future__ import annotations
@@ -122,17 +109,8 @@ def _window(hf: Mapping[str, Any], family: str) -> int | None:
 
 def model_config(hf: Mapping[str, Any]) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face config.json of the Llama, Qwen2 or Mistral
-    family.
-
-    A sliding attention window (Mistral) sets ``max_seq_len`` to the window: attention
-    over sequences no longer than it is full causal attention, so the model is exact
-    there and longer sequences are refused.
-
-    Args:
-        hf: the parsed config.json.
-
-    Returns:
-        The shape; ``vocab_size`` is the config's.
+    family. A sliding attention window (Mistral) sets ``max_seq_len`` to the window:
+    attention over sequences no longer than it is full causal attention.
 
     Raises:
         HFLayoutError: another family (naming it and the fields it needs), a missing
@@ -284,7 +262,7 @@ def _translate(name: str, pattern: re.Pattern, table: Mapping[str, str], prefix:
 
 
 def to_hf_name(name: str) -> str:
-    """isthmus's parameter name -> Hugging Face's (the table in the module doc)."""
+    """isthmus's parameter name -> Hugging Face's."""
     if name in _ENDS:
         return _ENDS[name]
     return _translate(name, _OURS, _BLOCK, "model.layers.")

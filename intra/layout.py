@@ -1,11 +1,6 @@
-"""What a site's parallelism is, as validated settings: the ``ParallelLayout`` (how
-many ranks on each of the pp, dp and tp axes) and the ``ParallelConfig`` (schedule,
-micro-batches, sequence parallel, checkpointing, compile, mixed precision).
-
-Plain data without torch, so that the job config, the CLI and the planning model can
-check a layout before any process imports torch (seconds on a small machine);
-``topology.py`` builds the device mesh from a layout and ``parallel.py`` applies a
-config to a model.
+"""A site's parallelism as validated settings: ``ParallelLayout`` (ranks per axis) and
+``ParallelConfig`` (the techniques). Plain data without torch, so that the job config,
+the CLI and the planning model check a layout before any process imports torch.
 """
 
 from __future__ import annotations
@@ -54,11 +49,7 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for axis in MeshAxis:
-            value = getattr(self, axis.value)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"ParallelLayout.{axis.value} must be an integer >= 1, got {value!r}"
-                )
+            _check_count(f"ParallelLayout.{axis.value}", getattr(self, axis.value))
 
     @property
     def world_size(self) -> int:
@@ -67,23 +58,10 @@ class ParallelLayout:
 
     @classmethod
     def for_ranks(cls, ranks: int, pp: int = 1, tp: int = 1, cp: int = 1) -> ParallelLayout:
-        """Derive ``dp`` from the site's rank count and the model-parallel sizes.
-
-        Args:
-            ranks: ranks in the site.
-            pp: pipeline-parallel size.
-            tp: tensor-parallel size.
-            cp: context-parallel size.
-
-        Returns:
-            The layout with ``dp = ranks // (pp * cp * tp)``.
-
-        Raises:
-            ValueError: if a size is not a positive integer or ``pp * cp * tp`` does not
-                divide ``ranks``.
-        """
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-            raise ValueError(f"ranks_per_site must be an integer >= 1, got {ranks!r}")
+        """The layout of a site of ``ranks`` ranks: ``dp = ranks // (pp * cp * tp)``;
+        ValueError if a size is not a positive integer or ``pp * cp * tp`` does not
+        divide ``ranks``."""
+        _check_count("ranks_per_site", ranks)
         probe = cls(pp=pp, tp=tp, cp=cp)  # validates pp, tp and cp
         model_ranks = probe.pp * probe.cp * probe.tp
         if ranks % model_ranks:
@@ -141,15 +119,10 @@ class ParallelConfig:
             raise ValueError(
                 f"ParallelConfig.schedule must be one of {allowed}, got {self.schedule!r}"
             )
-        ep = self.expert_parallel
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-            raise ValueError(f"ParallelConfig.expert_parallel must be an integer >= 1, got {ep!r}")
+        _check_count("ParallelConfig.expert_parallel", self.expert_parallel)
         for name in ("microbatches", "stages_per_rank"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+            if getattr(self, name) is not None:
+                _check_count(f"ParallelConfig.{name}", getattr(self, name))
         interleaved = self.schedule == PipelineSchedule.INTERLEAVED_1F1B
         if self.stages_per_rank is not None:
             if interleaved and self.stages_per_rank < 2:
@@ -182,17 +155,8 @@ class ParallelConfig:
     def check(
         self, layout: ParallelLayout, model: ModelConfig, *, batch_size: int, seq_len: int
     ) -> None:
-        """Check this config against a layout, a model shape and the per-rank batch.
-
-        Args:
-            layout: the site's pp × dp × cp × tp.
-            model: the model shape.
-            batch_size: sequences per dp rank per step.
-            seq_len: tokens per sequence.
-
-        Raises:
-            ValueError: naming the field that does not fit.
-        """
+        """Check this config against a layout, a model shape and the per-rank batch
+        (sequences per dp rank); ValueError names the field that does not fit."""
         self._check_model_split(layout, model)
         self._check_sequence_split(layout, seq_len)
         if self.mixed_precision and not _cuda_available():
@@ -273,6 +237,11 @@ class ParallelConfig:
                     f"ParallelConfig.microbatches={micro} must be a multiple of "
                     f"max(1, microbatches // pp)={rounds} for interleaved_1f1b"
                 )
+
+
+def _check_count(label: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
 
 
 def _cuda_available() -> bool:

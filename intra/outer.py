@@ -1,32 +1,8 @@
 """DiLoCo's outer optimizer: sites train alone for H steps, then average how far they moved.
 
-Per-step sync (``Trainer(sync=...)``) averages every gradient across sites, so the WAN
-carries the whole gradient every step. DiLoCo (Douillard et al. 2023, arXiv 2311.08105)
-lets each site take H ordinary steps with its own inner optimizer (AdamW here, any
-pp x dp x tp inside the site) on its own data, and only then crosses the WAN once: the
-*outer gradient* -- the parameters at the last sync (the anchor) minus the current ones,
-in fp32 -- is averaged over the sites through the same ``GradientSync`` seam and codecs
-as a gradient, and an outer SGD with Nesterov momentum moves the anchor by it. Every site
-then continues from the new anchor, so the replicas are bitwise equal after every outer
-step: the averaged outer gradient is (the all-reduce's invariant), and so are the
-anchors and the momentum that start equal and take the same updates.
-
-With ``delay`` D > 0 (overlapped or "eager" DiLoCo) a round runs behind the next D inner
-steps and lands as the new anchor plus the progress the site made meanwhile: the link
-costs nothing while a round is shorter than D steps of compute. The anchors are then
-equal whenever a round lands, the parameters at the end (the last round lands at once).
-
-With ``fragments`` P > 1 (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512)
-the blocks are dealt into P strided fragments (block i in fragment i mod P), and
-fragment k takes its outer step every H steps at its own offset, (k+1)·H/P steps into
-each H: the link carries 1/P of the model at a time, P times as often, so a round is P
-times shorter and hides behind fewer inner steps. With ``alpha`` set, a round that
-lands ``delay`` steps late is mixed with the local parameters, ``alpha``·local +
-(1-``alpha``)·new anchor, instead of the eager merge.
-
-The outer step works on this rank's local shards only, in groups that follow the
-model's blocks (each block's parameters, then the parameters outside them), the
-same at every site for the rank at one mesh coordinate: the peer it exchanges with.
+docs/sync-modes.md says the modes (DiLoCo, its delay and merges, Streaming DiLoCo's
+fragments). The outer step works on this rank's local shards, in groups that follow the
+model's blocks, the same at every site for the rank at one mesh coordinate: its peer.
 """
 
 from __future__ import annotations
@@ -140,19 +116,10 @@ class OuterOptimizer:
 
     Args:
         trainer: the rank's trainer, built *without* a sync (its steps stay in the site).
-        sync: the cross-site average of one flat fp32 tensor per group (the lane's
-            ``LaneGradientSync`` in a job).
+        sync: the cross-site average of one flat fp32 tensor per group.
         config: H, outer learning rate and momentum, delay, fragments and merge.
-        total_steps: the job's steps; the last one always ends with an outer step of
-            every fragment that waits for its all-reduce, so a job ends with equal
-            replicas.
-
-    Every rank of a site starts a round at the same steps, also a rank whose shards hold
-    nothing of the fragment due (its round is empty but still voted on), so the site's
-    collectives (digests) line up.
-
-    Memory: two fp32 copies of the rank's shards (anchor and momentum), as in DiLoCo,
-    plus the round in flight (one fragment's) and, for the eager merge, a copy of it.
+        total_steps: the job's steps; the last one ends with a waited outer step of
+            every fragment, so a job ends with equal replicas.
     """
 
     def __init__(
