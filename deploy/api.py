@@ -165,22 +165,11 @@ class Context:
     ) -> int:
         """Makes ``model`` (plain, or sharded with FSDP2's ``fully_shard`` over
         ``mesh["dp"]``) train as one replica across sites in the job's ``sync.mode``,
-        and restores a checkpoint (``--resume``) or a running job's state.
-
-        Args:
-            model: this rank's model, on ``device``, identical at every rank at start
-                (seed it with ``config.job.seed``).
-            optimizer: its Adam or AdamW (their state is what checkpoints hold), over
-                the model's trainable parameters; ``step`` steps it (a call of its
-                own ``step()`` is refused).
-
-        Raises:
-            ValueError: another optimizer, or one over other parameters (one line).
-            state: the script's own tensors to checkpoint and restore with the model
-                (loaded in place on resume), e.g. a data position.
-
-        Returns:
-            The first step to train (also ``start_step``).
+        and restores a checkpoint (``--resume``) or a running job's state; returns the
+        first step to train (also ``start_step``). ``model`` must be identical at every
+        rank at start (seed it with ``config.job.seed``); ``optimizer`` is its Adam or
+        AdamW over its trainable parameters (ValueError otherwise), stepped by ``step``
+        only; ``state`` holds the script's own tensors to checkpoint and restore in place.
         """
         if self._loop is not None:
             raise RuntimeError("attach() was called already: one model per job")
@@ -291,12 +280,9 @@ class Context:
         (``loss``, the site's mean, and ``tokens``, this rank's, plus any more numbers),
         the state offered to a site it admitted and a checkpoint saved when due.
         ``grad_clip``: the gradients' global norm is clipped to it after the sync (so
-        every site clips alike) and reported as ``grad_norm``.
-
-        Returns:
-            The step's outcome: ``committed`` is False when nothing was applied (the
-            site had to rejoin the job, which ``steps`` then follows).
-        """
+        every site clips alike) and reported as ``grad_norm``. The outcome's
+        ``committed`` is False when nothing was applied (the site had to rejoin the job,
+        which ``steps`` then follows)."""
         loop = self._require()
         shaped = loop.parts.trainer
         assert isinstance(shaped, ScriptModel)

@@ -187,11 +187,8 @@ def _free_subnets(pool: str, count: int) -> list[ipaddress.IPv4Network]:
 
 
 def job_resources(job: str) -> dict[str, list[str]]:
-    """What exists of `job` now: namespaces, root-side veths and iptables rules (as `-S` lines).
-
-    Returns:
-        {"namespaces": [...], "veths": [...], "rules": [...]}, each possibly empty.
-    """
+    """What exists of `job` now: {"namespaces", "veths" (root side), "rules" (as `-S`
+    lines)}, each possibly empty."""
     _check_job(job)
     namespaces = [
         line.split()[0]
@@ -237,11 +234,8 @@ def teardown(job: str) -> dict[str, list[str]]:
     """Remove every namespace, veth and iptables rule of `job` (idempotent).
 
     Processes still running inside the job's namespaces are stopped first (SIGTERM,
-    then SIGKILL), since a namespace outlives its name while a process holds it.
-
-    Returns:
-        What was removed, as `job_resources` lists it.
-    """
+    then SIGKILL), since a namespace outlives its name while a process holds it. Returns
+    what was removed, as `job_resources` lists it."""
     require_tools()
     found = job_resources(job)
     for rule in found["rules"]:
@@ -271,21 +265,9 @@ def create_sites(
     """Create one namespace and veth per site, isolated by filter rules; no TCP path yet.
 
     Call `redirect_tcp` next, with the ports of the relay listeners, and `teardown`
-    when done. On failure everything of the job created so far is removed.
-
-    Args:
-        job: short job name, 1-8 characters of [a-z0-9]; part of every name created.
-        sites: number of sites, 1 to 100.
-        pool: IPv4 network the sites' /24s are taken from.
-        nodes: nodes per site (default one each); a site of more gets a LAN /24 and a
-            namespace per further node.
-
-    Returns:
-        The sites, in order.
-
-    Raises:
-        NetnsError: not root, a tool is missing, the job exists, or a command failed.
-    """
+    when done. On failure everything of the job created so far is removed. `job` (1-8
+    of [a-z0-9]) is part of every name created; the sites' /24s come from `pool`; a site
+    of more than one node (`nodes`) gets a LAN /24 and a namespace per further node."""
     _check_job(job)
     if isinstance(sites, bool) or not isinstance(sites, int) or not 1 <= sites <= _MAX_SITES:
         raise ValueError(f"sites must be an int in [1, {_MAX_SITES}], got {sites!r}")
@@ -397,13 +379,7 @@ def _create_lan(
 
 
 def redirect_tcp(job: str, site: SiteNet, port: int) -> None:
-    """Send every TCP connection leaving `site` to the relay listener at `site.gateway:port`.
-
-    Args:
-        job: the job the site belongs to.
-        site: the site, from `create_sites`.
-        port: the listener's port (bound on `site.gateway`).
-    """
+    """Send every TCP connection leaving `site` to the relay listener at `site.gateway:port`."""
     _check_job(job)
     tag = _comment(job)
     _run(

@@ -137,21 +137,8 @@ class LinkSpec:
         impairments: tuple[Impairment, ...] = (),
         seed: int = 0,
     ) -> LinkSpec:
-        """A link with the same spec both ways.
-
-        Args:
-            latency_s: one-way delay, seconds.
-            bandwidth_bps: bits per second each way; 0 or inf = unlimited.
-            per_flow_bps: most bits per second of one connection each way; 0 or
-                inf = no cap.
-            queue_bytes: buffering beyond the bandwidth-delay product, bytes.
-            impairments: chained in each direction (each direction draws its own
-                random numbers: the pipe mixes the direction's name into the seed).
-            seed: seeds the impairments.
-
-        Returns:
-            The link spec.
-        """
+        """A link with the same spec both ways (each direction still draws its own
+        random numbers: the pipe mixes the direction's name into the seed)."""
         d = DirectionSpec(
             latency_s=latency_s,
             bandwidth_bps=bandwidth_bps,
@@ -171,17 +158,8 @@ class LinkSpec:
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
         per_flow_bps: float = 0.0,
     ) -> LinkSpec:
-        """A symmetric link over `km` of fiber (~4.9 us per km one way).
-
-        Args:
-            km: fiber route length, kilometres (longer than the great-circle distance).
-            bandwidth_bps: bits per second each way; 0 or inf = unlimited.
-            queue_bytes: buffering beyond the bandwidth-delay product, bytes.
-            per_flow_bps: most bits per second of one connection each way; 0 = no cap.
-
-        Returns:
-            The link spec.
-        """
+        """A symmetric link over `km` of fiber route (~4.9 us per km one way; longer than
+        the great-circle distance)."""
         if not isinstance(km, (int, float)) or not (math.isfinite(km) and km >= 0):
             raise ValueError(f"km must be a finite number >= 0, got {km!r}")
         return cls.symmetric(

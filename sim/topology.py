@@ -103,12 +103,7 @@ class Topology:
 
 
 def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology file.
-
-    Raises:
-        ValueError: a missing or malformed file, an unknown key, a bad value; the
-            message names the file and the key.
-    """
+    """Read and validate a topology file; ValueError names the file and the key."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -147,20 +142,9 @@ def parse_topology(data: dict[str, Any]) -> Topology:
 def topology_links(
     topology: Topology, site_names: list[str] | None = None
 ) -> dict[tuple[str, str], LinkSpec]:
-    """The link spec of every pair of sites, for a launcher that names its own sites.
-
-    Args:
-        topology: the parsed file.
-        site_names: the launcher's site names (e.g. site0, site1, ...). The same names
-            as the file's are matched by name; otherwise the file's sites are taken in
-            order (its first site is `site_names[0]`). None = the file's names.
-
-    Returns:
-        {(a, b): spec} for each pair a before b in `site_names`, oriented a -> b.
-
-    Raises:
-        ValueError: the file names a different number of sites.
-    """
+    """{(a, b): spec} for each pair a before b in `site_names` (None: the file's), oriented
+    a -> b. Names the file has too are matched by name; otherwise the file's sites are
+    taken in order. ValueError when the file names a different number of sites."""
     names = list(topology.sites) if site_names is None else list(site_names)
     if len(names) != len(topology.sites):
         raise ValueError(
@@ -193,17 +177,9 @@ def spec_to_table(spec: LinkSpec) -> dict[str, dict[str, Any]]:
 
 
 def apply_changes(spec: LinkSpec, changes: dict[str, Any], where: str = "changes") -> LinkSpec:
-    """A new spec: `spec` with topology-file keys changed.
-
-    Args:
-        spec: the link's spec now.
-        changes: keys of a link's table (both directions), and/or "a_to_b" / "b_to_a"
-            tables with a direction's keys, e.g. {"bandwidth_mbit": 50}.
-        where: what to name in errors.
-
-    Raises:
-        ValueError: an unknown key or a bad value; nothing is changed.
-    """
+    """A new spec: `spec` with topology-file keys changed: a link's keys (both directions)
+    and/or "a_to_b" / "b_to_a" tables of a direction's, e.g. {"bandwidth_mbit": 50}.
+    ValueError, naming `where`, on an unknown key or a bad value."""
     _known(changes, (*DIRECTION_KEYS, *DIRECTIONS), where)
     now = spec_to_table(spec)
     new = {}

@@ -38,11 +38,8 @@ _START_TIMEOUT_S = 10.0
 
 
 def original_destination(sock: socket.socket) -> tuple[str, int]:
-    """The (address, port) a REDIRECTed IPv4 connection was addressed to.
-
-    Raises:
-        OSError: `sock` was not redirected by netfilter (ENOENT) or is not IPv4.
-    """
+    """The (address, port) a REDIRECTed IPv4 connection was addressed to; OSError when
+    `sock` was not redirected by netfilter (ENOENT) or is not IPv4."""
     raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)  # struct sockaddr_in
     port, packed = struct.unpack_from("!2xH4s", raw)
     return socket.inet_ntoa(packed), port
@@ -56,12 +53,8 @@ def _reset(sock: socket.socket) -> None:
 
 class TransparentRelay:
     """One listener per site, on the site's gateway, for its REDIRECTed connections.
-
-    Args:
-        sites: the job's sites (`isthmus.sim.netns.create_sites`).
-        links: (source site, destination site) -> (link, initiator) for every ordered
-            pair of distinct sites; the initiator names the source's end ("a" or "b").
-    """
+    `links`: (source, destination) -> (link, the source's end "a" or "b") for every
+    ordered pair of distinct sites."""
 
     def __init__(
         self, sites: list[SiteNet], links: dict[tuple[str, str], tuple[Link, str]]
@@ -80,11 +73,7 @@ class TransparentRelay:
         """Connections reset because their destination is not another site of the job."""
 
     def start(self) -> dict[str, int]:
-        """Bind the listeners and start accepting in a daemon thread.
-
-        Returns:
-            Site -> listener port.
-        """
+        """Bind the listeners and start accepting in a daemon thread; site -> port."""
         for site in self._sites:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self._listeners.append(sock)
@@ -154,19 +143,10 @@ class TransparentWan:
     """A job's sites in namespaces, every pair joined by one emulated link.
 
     Use as a context manager; `close()` (idempotent) removes the namespaces, veths and
-    rules, also after an exception or Ctrl-C inside the `with`.
-
-    Args:
-        job: short job name, 1-8 characters of [a-z0-9]; part of every name created.
-        sites: number of sites.
-        spec: the spec of every link (a = the lower-numbered site).
-        pool: IPv4 network the sites' /24s are taken from.
-        control: (loopback host, port) to serve the control endpoint on, as `isthmus
-            wan up` does (`isthmus wan show/set`; port 0 = any); None = none. Its
-            address is `control_address` once started.
-        nodes: nodes per site (default one each): a site of more spans namespaces on a
-            LAN of its own (`isthmus.sim.netns.create_sites`), all behind its one link.
-    """
+    rules, also after an exception or Ctrl-C inside the `with`. `spec` is every link's
+    (a = the lower-numbered site); `control` (loopback host, port 0 = any) serves the
+    endpoint of `isthmus wan show/set`, at `control_address` once started; `job`,
+    `pool` and `nodes` are as `isthmus.sim.netns.create_sites` takes them."""
 
     def __init__(
         self,
@@ -196,11 +176,7 @@ class TransparentWan:
         """"host:port" of the control endpoint, when one was asked for."""
 
     def start(self) -> TransparentWan:
-        """Create everything; on failure remove what was created and raise.
-
-        Raises:
-            NetnsError: not root, a tool missing, the job exists, or a command failed.
-        """
+        """Create everything; on failure remove what was created and raise."""
         try:
             self.sites = create_sites(self.job, self._count, pool=self._pool, nodes=self._nodes)
             self._created = True

@@ -48,22 +48,9 @@ __all__ = [
 
 
 def round_units(units: float, multiple: int) -> int:
-    """``units`` rounded to the nearest multiple of ``multiple``, and at least one multiple.
-
-    A tie (exactly half way) rounds up. Plain IEEE double arithmetic, so every site gets
-    the same answer from the same bits.
-
-    Args:
-        units: the wished-for global batch in units; finite and >= 0.
-        multiple: the granularity, >= 1 (e.g. the sum of the sites' dp widths, so each
-            replica keeps a whole number of micro-batches).
-
-    Returns:
-        A positive multiple of ``multiple``.
-
-    Raises:
-        ValueError: on ``multiple < 1`` or ``units`` negative or not finite.
-    """
+    """``units`` rounded to the nearest multiple of ``multiple`` (a tie rounds up), and at
+    least one multiple. Plain IEEE double arithmetic, so every site gets the same answer
+    from the same bits."""
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")
     if not math.isfinite(units) or units < 0:
@@ -150,26 +137,12 @@ def noise_estimates(
 
     which avoids the cancellation in ``1/b - 1/B``.
 
-    Args:
-        sites: each site's ``(b_s, |G_s|²)``: the examples its mean gradient is over
-            and that mean's squared L2 norm, in any order (the sums are correctly rounded).
-            The example is the caller's choice, sequences or tokens: the estimators
-            are homogeneous in the batch sizes, so counting tokens (sequences x
-            seq_len) gives the same ``|G|²`` and ``S`` and noise scale seq_len times
-            those in sequences. Use one unit throughout, and the same for the
-            controller's ``examples_per_unit``.
-        big_batch: ``B``, the examples of the global mean: the sum of the ``b_s``, or
-            more when a site's norm is missing (left out of ``sites``, its examples
-            still in the mean; the others' estimates stay unbiased).
-        big_sq_norm: ``|G_B|²``, the squared norm of the global mean gradient.
-
-    Returns:
-        ``(|G|², S)``, either possibly negative on one step (noise), or ``None`` when no
-        site is smaller than ``B`` or a norm (or the result) is not finite.
-
-    Raises:
-        ValueError: on no sites, a batch not finite and > 0, a site's batch larger than
-            ``big_batch``, or a negative squared norm.
+    ``sites`` holds each site's ``(b_s, |G_s|²)`` in any order (the sums are correctly
+    rounded). The example may be sequences or tokens: the estimators are homogeneous in
+    the batch sizes, so use one unit throughout, the controller's ``examples_per_unit``
+    too. ``big_batch`` exceeds the sum of the ``b_s`` when a site's norm is missing (its
+    examples are still in the mean; the others' estimates stay unbiased). ``None`` when
+    no site is smaller than ``B`` or a norm (or the result) is not finite.
     """
     if not sites:
         raise ValueError("need at least one site's (batch, squared norm)")
@@ -212,12 +185,9 @@ class NoiseScale:
     - a non-positive *averaged* ``|G|²`` or ``S`` (noise still dominates):
       :attr:`value` is ``None``, as it is before ``min_updates`` updates.
 
-    Args:
-        decay: weight of the past in each average, in [0, 1); 0.99 remembers about the
-            last 100 steps, enough to average out the per-step noise while the noise
-            scale itself drifts slowly over a run.
-        min_updates: updates before :attr:`value` reports anything (>= 1), so an early,
-            still noisy average does not grow the batch irreversibly.
+    ``decay`` 0.99 remembers about the last 100 steps, enough to average out the per-step
+    noise while the noise scale drifts slowly; ``min_updates`` keeps an early, still noisy
+    average from growing the batch irreversibly.
     """
 
     def __init__(self, *, decay: float = 0.99, min_updates: int = 20) -> None:
@@ -238,12 +208,8 @@ class NoiseScale:
     def update(
         self, sites: Sequence[tuple[float, float]], big_batch: float, big_sq_norm: float
     ) -> bool:
-        """Adds one step; arguments as :func:`noise_estimates`.
-
-        Returns:
-            Whether the step contributed; False (and :attr:`skipped` counts it) when
-            :func:`noise_estimates` gives none.
-        """
+        """Adds one step (arguments as :func:`noise_estimates`); False, counted in
+        :attr:`skipped`, when it gives no estimate."""
         estimates = noise_estimates(sites, big_batch, big_sq_norm)
         if estimates is None:
             self.skipped += 1
@@ -376,17 +342,8 @@ class NoiseScaleController:
         return min(self.highest, max(self.lowest, units))
 
     def units_for(self, noise_scale: float | None, current_units: int) -> int:
-        """The global batch for the next steps.
-
-        Args:
-            noise_scale: :attr:`NoiseScale.value`; ``None`` (or anything not a positive
-                finite number) keeps ``current_units``.
-            current_units: the global batch in use, in units (>= 1).
-
-        Returns:
-            ``U``, a multiple of ``multiple`` in the bounds; ``current_units`` (rounded up
-            to a multiple, clamped) unless the noise scale asks for a larger batch.
-        """
+        """The global batch for the next steps: ``current_units`` (rounded up to a
+        multiple, clamped) unless ``noise_scale`` (:attr:`NoiseScale.value`) asks for more."""
         if current_units < 1:
             raise ValueError(f"current_units must be >= 1, got {current_units}")
         m = self.multiple
@@ -411,11 +368,7 @@ def lr_for_units(base_lr: float, units: int, reference_units: int, rule: str = "
     ``"none"``), which scales with the data-parallel width at a fixed per-rank batch:
     units (micro-batches of ``train.batch_size``) are the same kind of count, and equal
     ``dp_total`` when every rank takes one micro-batch. So ``reference_units`` is
-    ``train.lr_reference_dp`` for a run configured that way.
-
-    Raises:
-        ValueError: on an unknown rule or a count < 1.
-    """
+    ``train.lr_reference_dp`` for a run configured that way."""
     if units < 1 or reference_units < 1:
         raise ValueError(f"units and reference_units must be >= 1, got {units}, {reference_units}")
     return scaled_lr(base_lr, units, rule=rule, reference_dp=reference_units)

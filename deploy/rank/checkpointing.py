@@ -65,16 +65,9 @@ def common_step(config: JobConfig, run_dir: Path) -> int | None:
 
 
 def resolve_resume(config: JobConfig, sites: list[str], *, resume: bool) -> None:
-    """Set ``config.checkpoint.resume_step`` for ``--resume``, or check the one given.
-
-    Args:
-        config: the job config; changed in place.
-        sites: the sites this launcher starts (all for `local`, one for `site`).
-        resume: ``--resume`` was given: take the newest step complete at any of them.
-
-    Raises:
-        ConfigError: no complete checkpoint, a missing one, or nothing left to train.
-    """
+    """Set ``config.checkpoint.resume_step`` for ``--resume`` (the newest step complete
+    at any of ``sites``, those this launcher starts), or check the one given; ConfigError
+    on no complete checkpoint, a missing one, or nothing left to train."""
     wanted = config.checkpoint.resume_step
     if not resume and wanted < 0:
         return
@@ -115,17 +108,8 @@ def restore(
 
     The site's own checkpoint of that step if every file matches its manifest, or else
     the first other site's that does (replicas are identical; see the module docstring).
-
-    Args:
-        trainer: the rank's fresh trainer.
-        sync: the rank's ``LaneGradientSync`` (gets its codec residuals back), or None.
-        key: the job token: the manifest must be signed with it; None checks no signature.
-        outer: the DiLoCo outer optimizer (gets its anchor and momentum back), or None.
-        plan: gets the global batch's size and split back, or None.
-
-    Returns:
-        The step to start at: 0 without a resume step.
-    """
+    ``sync``, ``outer`` and ``plan``, where given, get their state back; with ``key`` the
+    manifest must be signed with it. Returns the step to start at (0 without one)."""
     step = config.checkpoint.resume_step
     if step < 0:
         return 0
@@ -188,11 +172,8 @@ def save_if_due(
     plan: BatchPlan | None = None,
 ) -> Path | None:
     """Save after ``next_step`` steps when ``checkpoint.every`` divides it (a collective);
-    the manifest is signed with ``key`` (the job token) when given.
-
-    Returns:
-        The committed checkpoint folder, or None when none was due.
-    """
+    the manifest is signed with ``key`` (the job token) when given. Returns the
+    committed checkpoint folder, or None when none was due."""
     if not save_due(config, next_step):
         return None
     extra = extra_state(sync, outer, plan)

@@ -124,11 +124,8 @@ def _held_out(rows: list[dict]) -> dict:
 
 
 def overlap(exposed_s: float, busy_s: float) -> float | None:
-    """Share of the cross-site sync hidden behind compute: 1 - exposed / busy.
-
-    Returns:
-        0..1, or None when nothing was synchronised (one site).
-    """
+    """Share of the cross-site sync hidden behind compute, 1 - exposed / busy; None when
+    nothing was synchronised (one site)."""
     if busy_s <= 0:
         return None
     return min(1.0, max(0.0, 1.0 - exposed_s / busy_s))
@@ -141,14 +138,7 @@ def steady_state(steps: list[dict], skip: int) -> dict:
     figures a run is compared by (benchmarks/scaling_curve.py) leave them out. The
     wall time is from the end of the last skipped step to the end of the run, less
     the time spent on parameter digests and held-out losses (checks, not training).
-
-    Args:
-        steps: the merged per-step records (merge_steps).
-        skip: steps to leave out; with too few steps, only the first one is.
-    Returns:
-        steady_steps, steady_tokens_per_s, steady_step_s, mfu, exposed_sync_s_per_step,
-        sync_busy_s_per_step and compute_s_per_step; empty without steps.
-    """
+    With too few steps only the first is left out; without steps the dict is empty."""
     if not steps:
         return {}
     if skip >= len(steps):
@@ -178,19 +168,10 @@ def summarize(
 ) -> dict:
     """Write the run's metrics.jsonl and summary.json; returns the summary.
 
-    Args:
-        config: the job config.
-        run_dir: the run directory the ranks wrote to.
-        sites: summarise only these sites (one `isthmus site`); files then go to
-            run_dir/sites/SITE/ instead of run_dir/.
-        host_agents: per site with one, what its ranks' host agent carried
-            (``HostAgent.stats``), kept in the summary as ``host_agents``.
-        missing_ok: summarise the ranks whose results are there (a site on several
-            nodes without a shared run folder); rank 0's must be.
-    Raises:
-        RuntimeError: when a rank's result is missing, ranks of a site disagree, or a
-            file cannot be written (naming the errno and the file).
-    """
+    ``sites`` (one `isthmus site`) writes under run_dir/sites/SITE/ instead.
+    ``missing_ok`` summarises the ranks whose results are there (a site on several nodes
+    without a shared run folder); rank 0's must be. RuntimeError when a rank's result is
+    missing, ranks of a site disagree, or a file cannot be written."""
     names = sites or config.site_names
     out_dir = run_dir / "sites" / names[0] if sites else run_dir
     per_site = {site: read_jsonl(run_dir / "sites" / site / "metrics.jsonl") for site in names}
