@@ -14,24 +14,21 @@ from torch.distributed.tensor import DTensor
 _M = TypeVar("_M", bound=nn.Module)  # so a list of Transformers is accepted (list is invariant)
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @torch.no_grad()
 def parameter_digest(model: _M | list[_M], pp_group: dist.ProcessGroup | None = None) -> str:
-    """sha256 over the full parameters, in ``named_parameters()`` order.
-
-    Each parameter contributes its name and shape, then its values as fp32,
-    contiguous, CPU bytes. Sharded (DTensor) parameters are gathered with
-    ``full_tensor()``, so this is a collective: every rank of the site must call it.
+    """sha256 over the full parameters, in ``named_parameters()`` order: a collective
+    of the site (DTensors are gathered with ``full_tensor()``).
 
     Args:
-        model: a plain or sharded module, or this rank's model parts (pipeline
-            stages) in order.
-        pp_group: with pipeline stages, the pp process group: each stage hashes
-            its own parameters and the result is sha256 over the stages' digests
-            in pp-rank order (so it differs from the unsplit model's digest, but
-            is equal for equal weights under the same layout).
-
-    Returns:
-        The hex digest.
+        model: a plain or sharded module, or this rank's model parts in order.
+        pp_group: with pipeline stages, the pp process group: the result is sha256
+            over the stages' digests in pp-rank order (equal for equal weights under
+            the same layout, not to the unsplit model's digest).
     """
     parts = model if isinstance(model, list) else [model]
     h = _hash_parameters(parts, lambda p: p.full_tensor() if isinstance(p, DTensor) else p)
@@ -47,9 +44,7 @@ def parameter_digest(model: _M | list[_M], pp_group: dist.ProcessGroup | None = 
 def shard_digest(parts: Sequence[nn.Module]) -> str:
     """sha256 of this rank's own parameter shards over its stages (no communication):
     equal at equal mesh coordinates of sites that hold the same parameters."""
-    return _hash_parameters(
-        parts, lambda p: p.to_local() if isinstance(p, DTensor) else p
-    ).hexdigest()
+    return _hash_parameters(parts, local_shard).hexdigest()
 
 
 def _hash_parameters(parts: Sequence[nn.Module], view: Callable[[torch.Tensor], torch.Tensor]):

@@ -10,16 +10,12 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from .digest import local_shard
 from .tied import EMBEDDING, HEAD_COPY
 from .train import Trainer
 
 __all__ = ["OuterGroup", "fragment_of", "outer_groups", "repeated_blocks", "tied_slice"]
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 class OuterGroup(list[tuple[str, torch.Tensor]]):
@@ -74,14 +70,18 @@ def outer_groups(trainer: Trainer) -> list[OuterGroup]:
         inside: set[str] = set()
         for position, (key, block) in enumerate(blocks):
             prefix = f"{where}.{key}." if where else f"{key}."
-            group = OuterGroup((prefix + fqn, _local(p)) for fqn, p in block.named_parameters())
+            group = OuterGroup(
+                (prefix + fqn, local_shard(p)) for fqn, p in block.named_parameters()
+            )
             # The built-in model's keys are its global layer numbers (pipeline stages
             # hold slices of them); a user's blocks count from 0.
             group.block = int(key) if where == "layers" and key.isdigit() else position
             inside.update(name for name, _ in group)
             groups.append(group)
         groups.append(
-            OuterGroup((fqn, _local(p)) for fqn, p in part.named_parameters() if fqn not in inside)
+            OuterGroup(
+                (fqn, local_shard(p)) for fqn, p in part.named_parameters() if fqn not in inside
+            )
         )
     return [g for g in groups if sum(t.numel() for _, t in g) > 0]
 

@@ -1,18 +1,8 @@
-"""A rank's full training state as named tensors: what a rejoining site copies from a
-live peer and what a checkpoint holds for one rank.
-
-Names (the same at every site for the rank at one mesh coordinate, whose local
-shards then have identical shapes):
-
-    model/<fqn>            this rank's local shard of each parameter (``DTensor.to_local()``)
-    optim/<fqn>/<key>      AdamW state of that parameter: ``exp_avg``, ``exp_avg_sq``
-                           (local shards) and ``step`` (a scalar)
-    rng/cpu                ``torch.get_rng_state()``
-    rng/cuda               ``torch.cuda.get_rng_state()`` of the rank's device, on CUDA
-    meta/next_step         int64 scalar: the steps completed, i.e. the next step to run
-    extra/<name>           whatever the caller adds (the codec's error-feedback residuals)
-
-The data position needs no entry: batches are drawn from ``(seed, step)`` alone.
+"""A rank's full training state as named tensors (``model/``, ``optim/``, ``rng/``,
+``meta/next_step``, ``extra/``; docs/checkpoints.md): what a rejoining site copies from a
+live peer and what a checkpoint holds for one rank. The names are the same at every site
+for the rank at one mesh coordinate. The data position needs no entry: batches are drawn
+from ``(seed, step)`` alone.
 """
 
 from __future__ import annotations
@@ -24,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .digest import local_shard
 from .train import Trainer
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -35,16 +26,9 @@ class StateError(ValueError):
     """A state does not fit this rank's trainer; the message names the first problem."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def named_parameters(trainer: Trainer) -> list[tuple[str, nn.Parameter]]:
-    """This rank's parameters by fully qualified name, over all its model parts.
-
-    Pipeline stages keep the whole model's names (``layers.7...``), so names are
-    unique across parts.
-    """
+    """This rank's parameters by fully qualified name, over all its model parts
+    (pipeline stages keep the whole model's names, so they are unique)."""
     out = [(fqn, p) for part in trainer.model_parts for fqn, p in part.named_parameters()]
     assert len({fqn for fqn, _ in out}) == len(out), "parameter names repeat across model parts"
     return out
@@ -59,7 +43,7 @@ def expected_layout(trainer: Trainer) -> dict[str, tuple[tuple[int, ...], torch.
     """Name -> (shape, dtype) of every non-extra entry of this rank's state."""
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for fqn, p in named_parameters(trainer):
-        local = _local(p)
+        local = local_shard(p)
         shape, dtype = tuple(local.shape), local.dtype
         out[f"model/{fqn}"] = (shape, dtype)
         out[f"optim/{fqn}/exp_avg"] = (shape, dtype)
@@ -91,32 +75,22 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 def rank_state(
     trainer: Trainer, next_step: int, extra: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """This rank's training state: CPU, contiguous, detached copies (see the module doc).
-
-    Call between steps. The copies share nothing with the trainer, so they may be
-    served (or written) while training goes on.
-
-    Args:
-        trainer: the rank's trainer.
-        next_step: steps completed (the step the state resumes at).
-        extra: more named tensors, stored as ``extra/<name>``.
-
-    Returns:
-        Name -> tensor.
-    """
+    """This rank's training state, ``next_step`` the step it resumes at and ``extra``
+    stored as ``extra/<name>``: CPU copies that share nothing with the trainer, so they
+    may be served (or written) while training goes on. Call between steps."""
     if next_step < 0:
         raise ValueError(f"next_step must be >= 0, got {next_step}")
     out: dict[str, torch.Tensor] = {}
     for fqn, p in named_parameters(trainer):
-        out[f"model/{fqn}"] = _copy(_local(p))
+        out[f"model/{fqn}"] = _copy(local_shard(p))
         state = trainer.optimizer.state.get(p)
         for key in OPTIM_KEYS:
             if state:
-                value = _copy(_local(state[key]))
+                value = _copy(local_shard(state[key]))
             elif key == "step":  # not stepped yet: what AdamW would start from
                 value = torch.tensor(0.0, dtype=_step_dtype())
             else:
-                value = torch.zeros_like(_copy(_local(p)))
+                value = torch.zeros_like(_copy(local_shard(p)))
             out[f"optim/{fqn}/{key}"] = value
     out["rng/cpu"] = torch.get_rng_state()
     if trainer.device.type == "cuda":
@@ -160,29 +134,20 @@ def check_state(trainer: Trainer, state: Mapping[str, torch.Tensor]) -> None:
 def load_rank_state(
     trainer: Trainer, state: Mapping[str, torch.Tensor]
 ) -> tuple[int, dict[str, torch.Tensor]]:
-    """Copy a state from ``rank_state`` (of the same mesh coordinate) into ``trainer``.
-
-    Everything is validated before anything is written: on a StateError the
-    trainer is unchanged.
-
-    Args:
-        trainer: the rank's trainer (fresh or trained).
-        state: name -> tensor, on any device.
+    """Copy a state from ``rank_state`` (of the same mesh coordinate) into ``trainer``;
+    all is checked before anything is written, so on a StateError it is unchanged.
 
     Returns:
         ``(next_step, extra)``: the step to run next and the ``extra/`` entries
         without their prefix.
-
-    Raises:
-        StateError: a missing or unexpected name, or a wrong dtype or shape.
     """
     check_state(trainer, state)
     ensure_optimizer_state(trainer)
     for fqn, p in named_parameters(trainer):
-        _local(p).copy_(state[f"model/{fqn}"])
+        local_shard(p).copy_(state[f"model/{fqn}"])
         opt = trainer.optimizer.state[p]
         for key in OPTIM_KEYS:
-            _local(opt[key]).copy_(state[f"optim/{fqn}/{key}"])
+            local_shard(opt[key]).copy_(state[f"optim/{fqn}/{key}"])
     torch.set_rng_state(state["rng/cpu"].cpu())
     if trainer.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng/cuda"].cpu(), trainer.device)

@@ -1,23 +1,6 @@
-"""A head tied to the embedding across pipeline stages: two copies of one weight.
-
-With ``tie_embeddings`` and ``pp > 1`` the embedding sits on the first stage and the
-head on the last, on different ranks. As Megatron-LM does with its "embedding group",
-each of the two stages keeps its own copy of the tied weight (``tok_embeddings.weight``
-on the first, ``output.weight`` on the last), equal from the start (both are the
-seed's one weight, ``build_model``), and before every optimizer step the two copies'
-gradients are summed over a process group of two ranks: the first and the last stage's
-ranks at the same dp, cp and tp coordinate. Both then hold the gradient the unsplit
-model's one weight gets (lookup's plus head's), and AdamW, which is elementwise, moves
-both copies the same way: they stay bitwise equal.
-
-The copies are sharded alike: tensor parallelism splits both by vocabulary rows
-(``Shard(0)``: the embedding rowwise, the head colwise) and FSDP2 both over the same
-dp (x cp) mesh, so each rank's local shard of one holds the same rows as its partner's
-of the other.
-
-Outside the trainer the copy on the last stage is not a weight of its own: checkpoints
-name it ``tok_embeddings.weight`` (DCP writes the two identical copies once, and a
-loading stage reads it into its copy), and the gradient norm counts it once.
+"""A head tied to the embedding across pipeline stages: two copies of one weight, kept
+bitwise equal by summing their gradients over the end stages' ranks (docs/one-site.md,
+"A tied head across pipeline stages").
 """
 
 from __future__ import annotations
@@ -28,18 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
+from .digest import local_shard
 from .layout import MeshAxis
 
 EMBEDDING = "tok_embeddings.weight"
 """The tied weight's name on the first stage, and its one name in checkpoints."""
 HEAD_COPY = "output.weight"
 """Its copy's name on the last stage."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
@@ -63,14 +42,9 @@ def embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
 
 
 class TiedEmbedding:
-    """This rank's copy of a weight tied across pipeline stages, and its partner group.
-
-    Args:
-        weight: the copy this rank holds (the embedding's or the head's parameter).
-        group: the two-rank group of the first and the last stage.
-        is_head: whether this rank holds the head's copy (the last stage).
-        device: where the group's collectives run (the rank's device).
-    """
+    """This rank's copy of a weight tied across pipeline stages (the head's on the last
+    stage, ``is_head``), and the two-rank group of the first and the last stage, whose
+    collectives run on ``device``."""
 
     def __init__(
         self, weight: nn.Parameter, group: dist.ProcessGroup, *, is_head: bool, device: torch.device
@@ -84,7 +58,9 @@ class TiedEmbedding:
         (each copy's gradient is then the mean over the sites, the same at every site,
         so their sum is too) and before the gradient is clipped."""
         grad = self.weight.grad
-        local = _local(grad) if grad is not None else torch.zeros_like(_local(self.weight))
+        local = (
+            local_shard(grad) if grad is not None else torch.zeros_like(local_shard(self.weight))
+        )
         # An offloaded gradient lives in host memory; NCCL reduces device tensors only.
         buf = local if local.device.type == self.device.type else local.to(self.device)
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
@@ -113,12 +89,8 @@ def tied_embedding(
     """This rank's share of a head tied across stages, or None: no tie, ``pp == 1``
     (the head then is the embedding's very parameter), or a middle stage's rank.
 
-    A collective over the site whenever the model is tied and ``pp > 1``.
-
-    Args:
-        parts: this rank's model parts (pipeline stages), already parallelized.
-        mesh: the site mesh from ``build_site_mesh``.
-        device: this rank's device.
+    A collective over the site whenever the model is tied and ``pp > 1``; ``parts`` are
+    already parallelized.
     """
     cfg = getattr(parts[0], "cfg", None)
     names = mesh.mesh_dim_names or ()

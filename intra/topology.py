@@ -1,9 +1,4 @@
-"""The site's parallel layout and its named device mesh.
-
-One validated ``ParallelLayout`` object says how a site's ranks are split into
-pipeline (``pp``), data (``dp``) and tensor (``tp``) parallel axes; nothing about
-the topology lives in module globals.
-"""
+"""The site's named device mesh, from its ``ParallelLayout``."""
 
 from __future__ import annotations
 
@@ -24,21 +19,10 @@ def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceM
     ranks only, never another site's (docs/design.md: no communicator spans sites).
     On ``cuda`` the rank's device is ``LOCAL_RANK``.
 
-    Ranks are laid out row-major, ``tp`` innermost: rank ``r`` sits at
-    ``pp = r // (dp*cp*tp)``, ``dp = r // (cp*tp) % dp``, ``cp = r // tp % cp``,
-    ``tp = r % tp``, so a TP group is ``tp`` consecutive ranks (one NVLink island on a
-    GPU host) and a CP group the next-nearest. Size-1 axes are kept, so ``mesh["dp"]``
-    etc. always exist.
-
-    Args:
-        layout: the validated layout; its ``world_size`` must equal the process group's.
-        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
-
-    Returns:
-        The mesh.
-
-    Raises:
-        ValueError: on an unknown device type or a world-size mismatch.
+    Ranks are laid out row-major, ``tp`` innermost, so a TP group is ``tp`` consecutive
+    ranks (one NVLink island on a GPU host) and a CP group the next-nearest. Size-1 axes
+    are kept, so ``mesh["dp"]`` etc. always exist. ValueError on an unknown device type
+    (``cpu``: gloo, ``cuda``: NCCL) or a world size other than the layout's.
     """
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
@@ -62,12 +46,8 @@ def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceM
 
 
 def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, int, int, int]:
-    """This rank's ``(pp, dp, cp, tp)`` coordinate in a mesh from ``build_site_mesh``.
-
-    Cross-site lanes pair ranks by this coordinate: the rank at ``(p, d, c, t)`` in one
-    site averages its gradient shards with the rank at ``(p, d, c, t)`` in every other
-    site (the layouts of all sites are equal, enforced by the job fingerprint).
-    """
+    """This rank's ``(pp, dp, cp, tp)`` coordinate in a mesh from ``build_site_mesh``:
+    cross-site lanes pair the ranks at one coordinate (all sites' layouts are equal)."""
     coord = mesh.get_coordinate()
     assert coord is not None, "this rank is not part of the mesh"
     names = mesh.mesh_dim_names or ()
