@@ -80,15 +80,8 @@ def parse_connect(header: bytes) -> tuple[str, int]:
 
 async def read_connect(sock: socket.socket) -> tuple[tuple[str, int], bytes]:
     """Read a CONNECT request head from a non-blocking socket (within
-    `HEADER_TIMEOUT_S`).
-
-    Returns:
-        The target, and any bytes the client sent after the head (to carry first).
-
-    Raises:
-        HttpError: a bad, oversized or forbidden request.
-        OSError: the client went away (or timed out) before the head was complete.
-    """
+    `HEADER_TIMEOUT_S`): the target, and any bytes the client sent after the head (to
+    carry first). HttpError on a bad, oversized or forbidden request."""
     loop = asyncio.get_running_loop()
     head = b""
     deadline = loop.time() + HEADER_TIMEOUT_S
@@ -139,11 +132,8 @@ def listening_socket(port: int = 0) -> socket.socket:
 
 
 async def open_target(host: str, port: int) -> socket.socket:
-    """Connect to a loopback target with small socket buffers (set before the handshake).
-
-    Returns:
-        The connected, non-blocking socket.
-    """
+    """Connect to a loopback target, non-blocking, with small socket buffers (set before
+    the handshake)."""
     assert is_loopback(host), host  # callers check; this is the last line of defence
     candidates = ["127.0.0.1", "::1"] if host.lower() == "localhost" else [host]
     loop = asyncio.get_running_loop()

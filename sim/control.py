@@ -47,13 +47,8 @@ def describe(link: Link) -> dict[str, Any]:
 
 
 class ControlServer:
-    """Serves the control endpoint of a `RelayServer` on a daemon thread.
-
-    Args:
-        relay: the links to show and change.
-        host: a loopback address (anyone who reaches it can change the links).
-        port: 0 lets the OS pick.
-    """
+    """Serves the control endpoint of a `RelayServer` on a daemon thread, on a loopback
+    `host` (anyone who reaches it can change the links)."""
 
     def __init__(self, relay: RelayServer, host: str = "127.0.0.1", port: int = 0) -> None:
         if not is_loopback(host):
@@ -142,18 +137,8 @@ class _Handler(BaseHTTPRequestHandler):
 def control_request(
     address: str, method: str, path: str, body: dict[str, Any] | None = None
 ) -> Any:
-    """Call a control endpoint and return its JSON answer.
-
-    Args:
-        address: "host:port" of the endpoint.
-        method: "GET" or "POST".
-        path: e.g. "/links" or "/links/east-west".
-        body: the JSON object to POST.
-
-    Raises:
-        ValueError: the endpoint refused the request (its one-line reason).
-        OSError: nothing answers at `address`.
-    """
+    """Call a control endpoint ("host:port") and return its JSON answer; ValueError with
+    its one-line reason when it refused the request, OSError when nothing answers."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"a control address is HOST:PORT, got {address!r}")

@@ -65,12 +65,8 @@ class DirectionPipe:
     """One direction of a link, shared by all connections crossing it.
 
     Its methods are thread-safe. The pump thread that moves the bytes starts with the
-    first connection; `close()` stops it.
-
-    Args:
-        spec: what the direction imposes.
-        name: "a_to_b" or "b_to_a"; mixed into the impairments' seeds.
-    """
+    first connection; `close()` stops it. `name` ("a_to_b" or "b_to_a") is mixed into
+    the impairments' seeds."""
 
     def __init__(self, spec: DirectionSpec, name: str = "a_to_b") -> None:
         self.name = name
@@ -137,14 +133,8 @@ class DirectionPipe:
         self, conn: Connection, src: socket.socket, dst: socket.socket, first: bytes = b""
     ) -> None:
         """Move bytes from `src` to `dst` across this direction until EOF (then shut
-        `dst`'s write side down, after the data), on the pump thread.
-
-        Args:
-            conn: the connection both sockets belong to; it closes them.
-            src: the sending side (non-blocking).
-            dst: the receiving side (non-blocking).
-            first: bytes already read from `src` (after a CONNECT head), sent first.
-        """
+        `dst`'s write side down, after the data), on the pump thread. `conn` closes both
+        sockets; `first` is what was read from `src` after a CONNECT head."""
         self.pump.add(conn, src, dst, first)
 
     def close(self) -> None:
@@ -195,16 +185,8 @@ class DirectionPipe:
         may send while `free_at <= now`, each piece moves it on by its time at the cap,
         and an idle flow's credit is one piece (`flow_piece_limit`), which also absorbs
         the pump's late wake-ups. The piece may cross the link no sooner than
-        the returned time (its last bit leaves the flow's shaper then).
-
-        Args:
-            free_at: the flow's time before this piece (0.0 for a new flow).
-            size: bytes of the piece.
-            now: when it was read.
-
-        Returns:
-            The flow's new `free_at`; 0.0 when the direction has no cap.
-        """
+        the returned time (its last bit leaves the flow's shaper then). A new flow's
+        `free_at` is 0.0, as is the result when the direction has no cap."""
         spec = self._spec
         if not spec.flow_capped:
             return 0.0

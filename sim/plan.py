@@ -233,14 +233,9 @@ def predict(p: PlanInput) -> Plan:
 
 
 def bandwidth_for_efficiency(p: PlanInput, efficiency: float) -> float:
-    """The cross-site bandwidth (bits/s per site) at which `p` reaches `efficiency`.
-
-    Returns:
-        Bits per second; 0.0 for a single site (nothing crosses), math.inf when no
-        bandwidth reaches the target (latency or codec CPU bound).
-    Raises:
-        ValueError: efficiency outside (0, 1].
-    """
+    """The cross-site bandwidth (bits/s per site) at which `p` reaches `efficiency`: 0.0
+    for a single site (nothing crosses), math.inf when no bandwidth reaches the target
+    (latency or codec CPU bound)."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     if p.sites == 1:
@@ -265,11 +260,7 @@ def scaling_curve(p: PlanInput, batches: list[int], seq_len: int) -> list[Plan]:
     """Predictions of `p` at each per-device batch (sequences of `seq_len` tokens).
 
     Each site's devices are data-parallel ranks, so a site trains batch x seq_len x
-    devices_per_site tokens per step: compute grows with the batch, the sync does not.
-
-    Raises:
-        ValueError: a batch or seq_len below 1.
-    """
+    devices_per_site tokens per step: compute grows with the batch, the sync does not."""
     if seq_len < 1 or any(b < 1 for b in batches):
         raise ValueError(f"batches and seq_len must be >= 1, got {batches} x {seq_len}")
     return [

@@ -58,11 +58,7 @@ _JOIN_S = 10.0
 
 
 class Pump:
-    """Moves one direction's bytes on a thread of its own, started by the first `add`.
-
-    Args:
-        pipe: the direction: its spec, clock and counters.
-    """
+    """Moves one direction's bytes on a thread of its own, started by the first `add`."""
 
     def __init__(self, pipe: DirectionPipe) -> None:
         self._pipe = pipe

@@ -76,13 +76,8 @@ def _receive(sock: socket.socket) -> tuple[tuple, list[int]] | None:
 
 class RemoteDirection:
     """A `DirectionPipe` whose bytes a child process moves; what `Link` asks of a
-    direction, with the same names.
-
-    Args:
-        spec: what the direction imposes.
-        name: "a_to_b" or "b_to_a".
-        on_failed: called (from a reader thread) with a connection the child failed,
-            so that the link fails it in its other direction too.
+    direction, with the same names. ``on_failed`` is called (from a reader thread) with
+    a connection the child failed, so that the link fails it in its other direction too.
     """
 
     def __init__(

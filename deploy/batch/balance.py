@@ -108,19 +108,12 @@ def _measured(seconds: Sequence[float]) -> list[int]:
 def best_split(seconds: Sequence[float], split: BatchSplit, gain: float = GAIN) -> BatchSplit:
     """The split that minimizes the slowest site's compute, the global batch held.
 
-    Args:
-        seconds: each site's seconds per micro-batch on one replica; 0 (or anything not
-            a positive finite number) for a site that did not report, which keeps its
-            micro-batches (a dead site, one that just rejoined).
-        split: the split in use.
-        gain: keep ``split`` unless the best one's predicted step (the largest
-            ``m_s * seconds_s``) is shorter than ``split``'s by more than this fraction.
-
-    Returns:
-        The new split (``split`` itself when nothing better enough exists). Every site
-        computes it from the same bits, so it must not depend on anything else: the
-        search is exact (a table over the units), and ties go to the split with the
-        fewest micro-batches moved, then to the earlier site keeping fewer.
+    ``seconds``: each site's per micro-batch on one replica; a site without a positive
+    finite figure (dead, or just rejoined) keeps its micro-batches. ``split`` stays unless
+    the best one's predicted step (the largest ``m_s * seconds_s``) is shorter by more
+    than ``gain``. Every site computes it from the same bits, so it must not depend on
+    anything else: the search is exact (a table over the units), and ties go to the split
+    with the fewest micro-batches moved, then to the earlier site keeping fewer.
     """
     if len(seconds) != len(split.accumulate):
         raise ValueError(f"{len(seconds)} timings for {len(split.accumulate)} sites")
@@ -156,9 +149,6 @@ def resized(
     proportion to ``shares`` (default ``split.accumulate``; pass the configured
     ``train.accumulate``, so rounding at one size does not carry into the next), as if
     a replica took one in ``1 / share`` seconds. Deterministic, like :func:`best_split`.
-
-    Raises:
-        ValueError: ``total`` is below one micro-batch per replica.
     """
     if total < sum(split.dp):
         raise ValueError(f"a global batch of {total} gives a replica of {split.dp} none")

@@ -74,17 +74,8 @@ class BatchPlan:
     """One rank's part in sizing and splitting the global batch (module docstring).
 
     Call :meth:`before_step` before reading a step's batch, :meth:`after_step` after a
-    committed step (before its state is offered or saved).
-
-    Args:
-        train: the job's (batch_schedule, balance_every, accumulate, lr).
-        topology: the job's sites.
-        site: this site's index among the job's configured sites.
-        dp_index: this rank's replica in its site.
-        rank: this rank in its site (rank 0 shares and hands the sum on).
-        trainer, batches: what a split or a size applies to.
-        sync: the rank's cross-site sync, None in a job of one site.
-    """
+    committed step (before its state is offered or saved). ``site`` is this site's
+    index among the configured ones; the site's rank 0 shares and hands the sum on."""
 
     def __init__(
         self,

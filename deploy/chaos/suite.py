@@ -361,10 +361,7 @@ def unfit_scenarios(
     """The chosen scenarios whose own settings the job's ``overrides`` cannot take
     (slow-balance re-balances per-step sync's micro-batches, so no outer mode runs it),
     each with the configuration's one-line refusal: the suite skips them, saying why.
-
-    Raises:
-        ValueError: one is unfit and was ``named`` (``--only``): asked for, refused.
-    """
+    ValueError when one was ``named`` (``--only``)."""
     unfit = {}
     for scenario in chosen:
         try:

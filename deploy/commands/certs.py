@@ -59,16 +59,9 @@ def _san(names: Sequence[str]):
 def make_certs(
     sites: Sequence[str], *, days: int = 365, hosts: Sequence[str] = (), job: str = "isthmus"
 ) -> dict[str, bytes]:
-    """Create a job CA, a certificate per site and a token, in memory.
-
-    Args:
-        sites: site names; each gets SITE.crt and SITE.key.
-        days: validity of every certificate, from now.
-        hosts: extra DNS names or IP addresses for every site certificate.
-        job: job name, written into the CA's common name.
-    Returns:
-        File name -> content: ca.crt, ca.key, SITE.crt, SITE.key per site, token.
-    """
+    """Create a job CA, a certificate per site and a token, in memory: file name ->
+    content (ca.crt, ca.key, SITE.crt and SITE.key per site, token). ``hosts`` are extra
+    names for every site certificate; ``job`` goes into the CA's common name."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -147,13 +140,8 @@ def write_certs(
     force: bool = False,
     job: str = "isthmus",
 ) -> list[Path]:
-    """Create the files of `make_certs` in ``out``; keys and token mode 0600.
-
-    Raises:
-        ConfigError: a file exists already (and not ``force``), or bad arguments.
-    Returns:
-        The paths written, CA first.
-    """
+    """Create the files of `make_certs` in ``out``, keys and token mode 0600; returns the
+    paths written, CA first."""
     try:
         files = make_certs(sites, days=days, hosts=hosts, job=job)
     except ValueError as exc:

@@ -69,16 +69,9 @@ def _checkpoint(path: Path, config: JobConfig, run_dir: Path) -> Path:
 
 def export_hf(source: Path, out: Path, config: JobConfig, run_dir: Path) -> tuple[Path, int]:
     """Write ``out/config.json`` and ``out/model.safetensors`` from the checkpoint of
-    ``source`` (see the module doc).
-
-    Returns:
-        The checkpoint exported and its parameter count.
-
-    Raises:
-        ConfigError: no checkpoint, one that fails verification or does not hold this
-            job's model, a model with no Hugging Face layout, or an ``out`` that holds
-            files already; nothing is written then.
-    """
+    ``source`` (see the module doc); returns the checkpoint and its parameter count.
+    ConfigError, with nothing written, when the checkpoint is missing, fails verification
+    or holds another model, the model has no Hugging Face layout, or ``out`` has files."""
     import torch
 
     from isthmus.intra import hf_layout
@@ -125,15 +118,7 @@ def export_safetensors(
     source: Path, out: Path, config: JobConfig, run_dir: Path
 ) -> tuple[Path, int]:
     """Write ``out/model.safetensors``: the checkpoint's full parameters under their own
-    names (a script's module's, or isthmus's model's).
-
-    Returns:
-        The checkpoint exported and its parameter count.
-
-    Raises:
-        ConfigError: no checkpoint, one that fails verification, or an ``out`` that holds
-            files already; nothing is written then.
-    """
+    names (a script's module's, or isthmus's model's); as :func:`export_hf` otherwise."""
     from isthmus.intra import hf_layout
 
     _require_empty(out)

@@ -35,11 +35,7 @@ def resolve_local_job(
     checked as a launch checks them, before anything starts (also what the README's
     examples are tested with, tests/deploy/test_readme.py). Settings the job left
     unset are fitted to this host (deploy/launch/quickstart.py); what was chosen is appended
-    to ``notes``.
-
-    Raises:
-        ConfigError: anything the launch would refuse in one line.
-    """
+    to ``notes``."""
     from isthmus.deploy.launch.local import host_gpus, parse_slow
     from isthmus.deploy.launch.quickstart import fit_to_host
 

@@ -41,11 +41,7 @@ def _host(address: str) -> str:
 
 def route_source(host: str) -> str:
     """This machine's address on its route to ``host``: what a peer that reaches
-    ``host`` reaches this node at too (a UDP socket's connect sends nothing).
-
-    Raises:
-        ConfigError: no route, or a name that does not resolve.
-    """
+    ``host`` reaches this node at too (a UDP socket's connect sends nothing)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((host, 9))

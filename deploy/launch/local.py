@@ -104,13 +104,8 @@ def host_gpus(config: JobConfig) -> int:
 
 def check_supported(config: JobConfig, needed: int, site_ranks: list[int] | None = None) -> None:
     """Refuse, in one line, what this release or this host cannot run (before anything
-    is made: no run folder, no process).
-
-    Args:
-        config: the validated job config.
-        needed: GPUs the ranks need on CUDA (``gpus_needed``; a site's ranks).
-        site_ranks: the ranks of each site started on this host; None: one site of
-            ``needed`` ranks (`isthmus site`).
+    is made: no run folder, no process). ``site_ranks``: the ranks of each site started
+    on this host; None: one site of ``needed`` ranks (`isthmus site`).
 
     Loading the corpus also trains and encodes a BPE tokenizer into the cache before any
     rank starts, and fills in data.tokenizer_sha256 for the fingerprint and the ranks:
@@ -131,13 +126,7 @@ def check_supported(config: JobConfig, needed: int, site_ranks: list[int] | None
 
 @dataclass
 class LocalJob:
-    """One run of every site of a job on this machine.
-
-    Args:
-        config: the validated job config.
-        out: where the progress line goes.
-        progress: show the progress line.
-    """
+    """One run of every site of a job on this machine."""
 
     config: JobConfig
     out: TextIO = sys.stderr
@@ -157,11 +146,7 @@ class LocalJob:
 
     def run(self) -> dict:
         """Run the job to completion; returns the summary (also in run_dir/summary.json).
-
-        Raises:
-            LaunchError: a rank failed, a site was refused, or replicas diverged.
-            ConfigError: a setting this launcher cannot honour.
-        """
+        LaunchError when a rank failed, a site was refused, or replicas diverged."""
         prestart(self._threads())  # the ranks' imports, beside this launcher's own work
         check_supported(self.config, gpus_needed(self.config), self.config.site_ranks)
         c = self.config
@@ -350,11 +335,7 @@ def slow_env(factor: float, from_step: int) -> dict[str, str]:
 
 
 def parse_slow(specs: list[str], sites: list[str]) -> dict[str, tuple[float, int]]:
-    """``SITE=FACTOR[@STEP]`` options (``isthmus local --slow``), checked.
-
-    Raises:
-        ConfigError: a malformed spec, an unknown site or a factor below 1.
-    """
+    """``SITE=FACTOR[@STEP]`` options (``isthmus local --slow``), checked."""
     out: dict[str, tuple[float, int]] = {}
     for spec in specs:
         site, _, rest = spec.partition("=")

@@ -165,11 +165,7 @@ class SiteJob:
 
     def run(self) -> dict:
         """Train this site to the end; returns its summary with every site's digest.
-
-        Raises:
-            LaunchError: a rank failed, a peer refused the job, or replicas differ.
-            ConfigError: a setting this launcher cannot honour.
-        """
+        LaunchError when a rank failed, a peer refused the job, or replicas differ."""
         place = self.place
         place.check(self.config, self.site)
         node = place.slice(self.config, self.site)

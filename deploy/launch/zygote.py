@@ -113,13 +113,8 @@ class ForkedRank:
 
 
 class Zygote:
-    """The launcher's end of one zygote process (see the module docstring).
-
-    Args:
-        env: the zygote's environment (the ranks get their own, per request).
-        preload: modules the zygote imports before it forks.
-        entry: ``module:function`` a child runs; it must end the process itself.
-    """
+    """The launcher's end of one zygote process (see the module docstring). ``entry``
+    (``module:function``), which a child runs, must end the process itself."""
 
     def __init__(
         self,

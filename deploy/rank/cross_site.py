@@ -108,11 +108,8 @@ class CrossSite:
         return cls(site, rank, config, link, client)
 
     def catch_up(self, trainer: Trainer) -> int | None:
-        """For a site joining a running job: pull and load the live state.
-
-        Returns:
-            The step to continue from, or None when the job starts here (step 0).
-        """
+        """For a site joining a running job: pull and load the live state; the step to
+        continue from, or None when the job starts here (step 0)."""
         joined = self.link.joined
         if not joined.state_source or joined.state_source == self.site:
             return None
@@ -232,18 +229,9 @@ def expected_pull(
     trainer: Trainer, *, source_width: int | None = None, shard: int = 0
 ) -> ExpectedState:
     """What this rank may pull from its peer at a live site, read off its own model and
-    optimizer: the source does not set its memory (issue 63).
-
-    Args:
-        trainer: this rank's trainer (fresh or trained; nothing of it changes).
-        source_width: the source site's shard ranks when its size differs (its rank
-            holds shard ``shard`` of each parameter's rows); None: this rank's own rows.
-        shard: the source rank's shard index, with ``source_width``.
-
-    Returns:
-        Each ``model/``, ``optim/``, ``rng/`` and ``meta/`` tensor by name, dtype and
-        shape; ``extra/`` entries open, within :data:`EXTRA_COPIES` of the shard.
-    """
+    optimizer: the source does not set its memory (issue 63). ``source_width``: the
+    source site's shard ranks when its size differs (its rank holds shard ``shard`` of
+    each parameter's rows). ``extra/`` entries stay open, within :data:`EXTRA_COPIES`."""
     layout = expected_layout(trainer)
     rows: dict[int, tuple[int, int, int, int]] = {}
     for part in trainer.model_parts:

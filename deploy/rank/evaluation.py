@@ -56,13 +56,9 @@ class HeldOutLoss:
         return step == self.last or bool(self.every and (step + 1) % self.every == 0)
 
     def measure(self, trainer: Trainer, outer: OuterOptimizer | None = None) -> tuple[float, float]:
-        """The mean loss over the held-out batches, and the seconds it took.
-
-        Args:
-            trainer: the rank's trainer.
-            outer: in the outer modes, the optimizer whose anchors (the shared model)
-                are measured in place of the local parameters, which are put back.
-        """
+        """The mean loss over the held-out batches, and the seconds it took. With
+        ``outer`` (the outer modes) its anchors, the shared model, are measured in place
+        of the local parameters, which are put back."""
         assert self.batches is not None, "no held-out split or no batches asked for"
         started = time.perf_counter()
         with outer.shared_model() if outer is not None else nullcontext():

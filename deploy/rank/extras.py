@@ -43,15 +43,9 @@ def load_extra_state(
     plan: BatchPlan | None = None,
 ) -> None:
     """Give the sync its codec residuals, the outer optimizer its state and the
-    batch plan its size and split.
-
-    Args:
-        extra: the entries :func:`extra_state` made (a missing kind starts afresh).
-        sync: gets the ``codec/`` entries; None when they must not be used (they
-            belong to another site's lane, or the job has one site).
-        outer: gets the ``outer/`` entries (equal at every site), or None.
-        plan: gets the ``batch/`` split and its measurements (equal at every site), or None.
-    """
+    batch plan its size and split (a kind missing from ``extra`` starts afresh). ``sync``
+    is None when the ``codec/`` entries must not be used: they belong to another site's
+    lane, or the job has one site."""
     if sync is not None:
         sync.load_state_dict({k[len(CODEC) :]: v for k, v in extra.items() if k.startswith(CODEC)})
     if outer is not None:

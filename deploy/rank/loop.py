@@ -108,22 +108,12 @@ class StepLoop:
         line: Callable[[torch.Tensor, float], StepLine],
     ) -> bool:
         """Ends the step in progress, whose cross-site sync ended as ``synced`` (None:
-        nothing crossed).
-
-        Args:
-            synced: the step's sync outcome, or the outer round's that landed after it.
-            compute_s: the step's seconds of compute (an injected slowdown scales it).
-            sync_s: its seconds waiting for the sync (an injected floor counts it).
-            line: the step's other measures, given the site's totals of what crossed
-                (``_site_traffic``) and the seconds of slowdown injected; called only
-                for a step that committed, at every rank of the site, so it may run
-                collectives of the site.
-
-        Returns:
-            True when the step was applied and recorded; False when the job went on
-            without this site: nothing of the step was applied, the live state was
-            pulled and :meth:`steps` goes on at :attr:`next_step`.
-        """
+        nothing crossed). ``line`` gives the step's other measures from the site's
+        totals of what crossed and the seconds of slowdown injected; it is called only
+        for a committed step, at every rank of the site, so it may run the site's
+        collectives. False when the job went on without this site: nothing of the step
+        was applied, the live state was pulled and :meth:`steps` goes on at
+        :attr:`next_step`."""
         parts, progress = self.parts, self.progress
         step = progress.step
         self._ended = True
@@ -302,13 +292,9 @@ def _record(
 def _step(
     parts: RankParts, step: int, inputs: torch.Tensor, targets: torch.Tensor
 ) -> tuple[StepStats, StepOutcome | None]:
-    """Trains ``step`` (and, in the outer modes, runs its outer step).
-
-    Returns:
-        The step's stats, and how its cross-site sync ended: the step's own (per-step
-        sync), the outer round's that landed after it (outer modes), or None when
-        nothing crossed. A sync that did not commit (rejoin) applied nothing.
-    """
+    """Trains ``step`` (and, in the outer modes, runs its outer step): its stats, and how
+    its cross-site sync ended: the step's own (per-step sync), the outer round's that
+    landed after it (outer modes), or None when nothing crossed."""
     stats = parts.trainer.step(step, inputs, targets)
     outer = parts.outer
     if outer is None:

@@ -27,15 +27,8 @@ class DivergenceError(RuntimeError):
 
 
 class StepReporter:
-    """Rank 0's per-step metrics file, the run's totals, and coordinator reports.
-
-    Args:
-        site: this site's name.
-        metrics_path: metrics.jsonl to write, or None on ranks other than 0.
-        coordinator: host:port of the site's coordinator, or "" for none.
-        tensorboard_dir: where rank 0 writes TensorBoard event files, or None.
-        security: the site's TLS and token for the coordinator channel; None = off.
-    """
+    """Rank 0's per-step metrics file, the run's totals, and coordinator reports
+    (``metrics_path`` None on other ranks, ``coordinator`` "" for none)."""
 
     def __init__(
         self,
@@ -67,13 +60,8 @@ class StepReporter:
         self.started = time.perf_counter()
 
     def record(self, line: dict, *, digest: str = "", finished: bool = False) -> None:
-        """Write one step's line and report it; raises DivergenceError if sites differ.
-
-        Args:
-            line: the step's metrics (see deploy/rank/program.py for the keys).
-            digest: the site's full parameter digest after this step, if computed.
-            finished: this was the last step.
-        """
+        """Write one step's line and report it (with the site's parameter digest, if
+        computed); raises DivergenceError if sites differ."""
         for key in self.totals:
             self.totals[key] += line.get(key, 0)
         if self.file is None:
@@ -114,11 +102,7 @@ class StepReporter:
         digest, and their names, shapes and dtypes), compared across sites as any step's
         digest; waits until every member site reported the same. A site that built or
         seeded its model otherwise stops the job at every site before it trains, in one
-        line naming the first differing parameter when the models differ (issue 60).
-
-        Raises:
-            DivergenceError: the sites start from different parameters.
-        """
+        line naming the first differing parameter when the models differ (issue 60)."""
         if self._coordinator is None:
             return
         start = Progress(site=self.site, step=0, digest=digest, model_layout=layout)

@@ -137,11 +137,8 @@ def load_parameters(source: str | Path, model: nn.Module) -> None:
     """Loads what ``isthmus export RUN --to safetensors DIR`` wrote (``DIR`` or its
     ``model.safetensors``) into ``model``, a plain module (load before ``fully_shard``):
     a script's trained model, back in the script's own module, outside any job.
-
-    Raises:
-        ValueError: no such file, or parameters whose names or shapes differ from the
-            module's (the first one named); the module is left as it was then.
-    """
+    ValueError, the module left as it was, on no such file or parameters whose names or
+    shapes differ from the module's (the first one named)."""
     from safetensors.torch import load_file
 
     path = Path(source)

@@ -125,11 +125,8 @@ class RankParts:
 
 def join_site(env: RankEnv, config: JobConfig) -> tuple[DeviceMesh, tuple[int, int, int, int]]:
     """Joins the site's torch.distributed world and builds its mesh (the first thing
-    every rank does, the built-in trainer's and a user's script's alike).
-
-    Returns:
-        The site mesh and this rank's ``(pp, dp, cp, tp)`` coordinate in it.
-    """
+    every rank does, the built-in trainer's and a user's script's alike); returns it and
+    this rank's ``(pp, dp, cp, tp)`` coordinate in it."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dev = config.device_type
     layout = config.site_layout(env.site)

@@ -69,11 +69,7 @@ class ComparedRun:
 
 
 def load_compared(run_dir: Path) -> ComparedRun:
-    """Read one finished run (a `isthmus local` or `isthmus site` --run-dir).
-
-    Raises:
-        ConfigError: the folder does not exist, holds no run, or the run did not finish.
-    """
+    """Read one finished run (a `isthmus local` or `isthmus site` --run-dir)."""
     steps, summary, _ = load_run(run_dir)  # its errors are the one-run report's
     config_file = run_dir / "config.toml"
     train_s = summary.get("train_s", 0.0)
@@ -227,16 +223,9 @@ def compare_table(runs: list[ComparedRun], labels: list[str]) -> str:
 def write_comparison(
     run_dirs: list[Path], out_dir: Path | None = None, labels: list[str] | None = None
 ) -> list[Path]:
-    """Overlay the runs' curves and write compare.txt; returns the written paths.
-
-    Args:
-        run_dirs: finished runs' folders, the first the baseline.
-        out_dir: where the files go (default ./isthmus-compare).
-        labels: one per run, in order (default: default_labels).
-    Raises:
-        ConfigError: a run missing, unfinished or given twice; labels that do not fit.
-            Nothing is written then.
-    """
+    """Overlay the runs' curves (the first the baseline) and write compare.txt; returns
+    the written paths. Nothing is written when a run is missing, unfinished or given
+    twice, or the labels do not fit."""
     check_runs(run_dirs, labels)
     runs = [load_compared(run_dir) for run_dir in run_dirs]
     labels = labels or default_labels(runs)

@@ -47,11 +47,8 @@ def job_token(home: Path | None = None) -> str:
 
     Two sites that start at once both call this: the file appears complete or not at
     all (written under a private name, then linked into place, which fails if another
-    process got there first), so both read the same token.
-
-    Raises:
-        SecretError: the folder or file is not the user's alone, or cannot be made.
-    """
+    process got there first), so both read the same token. SecretError when the folder
+    or file is not the user's alone, or cannot be made."""
     folder = home if home is not None else secrets_home()
     _private_folder(folder)
     path = folder / TOKEN_NAME

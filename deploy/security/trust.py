@@ -25,18 +25,10 @@ def site_security(
     sec: SecuritySection, site: str, run_token: str | None = None, *, default_token: bool = True
 ) -> SiteSecurity | None:
     """The site's credentials for its servers and channels; None when all is off.
-
-    Args:
-        sec: the job's [security] section.
-        site: the site.
-        run_token: a token the launcher made for this run (``isthmus local``, handed
-            to its ranks as ISTHMUS_RUN_TOKEN).
-        default_token: fall back to the user's job token (the witness does not: the
-            sites that call it may each run with a run token of their own).
-
-    Raises:
-        ConfigError: a file the [security] switches need is missing (named), or the
-            user's job token cannot be made or trusted.
+    ``run_token``: one the launcher made for this run (``isthmus local``, handed to its
+    ranks as ISTHMUS_RUN_TOKEN). ``default_token`` falls back to the user's job token
+    (the witness does not: the sites that call it may each have a run token of their
+    own). ConfigError names a missing file, or a job token that cannot be made or trusted.
     """
     if not (sec.require_tls or sec.require_token):
         if run_token:

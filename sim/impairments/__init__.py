@@ -42,18 +42,8 @@ __all__ = [
 
 
 def impairment_from_dict(table: dict[str, Any], where: str = "impairment") -> Impairment:
-    """Build an impairment from `{kind = "...", param = value, ...}`.
-
-    Args:
-        table: the kind and its parameters, as written in a topology file.
-        where: where the table was found, to name in errors.
-
-    Returns:
-        The impairment.
-
-    Raises:
-        ValueError: an unknown kind or key, or a bad value; the message names it.
-    """
+    """Build an impairment from a topology file's `{kind = "...", param = value, ...}`;
+    ValueError, naming `where`, on an unknown kind or key, or a bad value."""
     if not isinstance(table, dict):
         raise ValueError(f'{where} must be a table like {{kind = "jitter", ms = 2}}, got {table!r}')
     params = dict(table)
