@@ -1,16 +1,8 @@
-"""A Llama-style decoder over a byte-level vocabulary.
+"""A Llama-style decoder (docs/models.md); the rotary layout is Hugging Face's.
 
-RMSNorm, rotary position embeddings, causal attention through
-``F.scaled_dot_product_attention``, a SwiGLU MLP and an output head. What the Llama,
-Qwen2 and Mistral families add is optional in ``ModelConfig``: grouped-query attention
-(``n_kv_heads``), q/k/v biases, a head tied to the embedding, Llama 3's rotary scaling.
-The rotary layout is Hugging Face's (``rotate_half``: the head's first half pairs with
-its second), so their weights load without permuting q and k (intra/hf_layout.py).
-Layers live in ``Transformer.layers``, an ``nn.ModuleDict`` keyed by the layer's
-global index (``"0"``, ``"1"``, ...): parameter names are the same as with a
-``ModuleList``, and a pipeline stage that keeps only some layers keeps their names
-(torchtitan's habit). A stage without the embedding or the head has them set to
-``None``; ``forward`` then takes or returns hidden states.
+Layers live in ``Transformer.layers``, an ``nn.ModuleDict`` keyed by the layer's global
+index: parameter names are a ``ModuleList``'s, and a pipeline stage that keeps only some
+layers keeps their names (torchtitan's habit).
 """
 
 from __future__ import annotations
@@ -221,15 +213,10 @@ class Transformer(nn.Module):
         return n - (self.cfg.inactive_params if active else 0)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: ``6 N + 12 L d T`` (PaLM appendix B).
-
-        Call it on the whole (unsplit, unsharded) model, e.g. one built on the
-        meta device: a pipeline stage or a TP shard counts only its own part.
-
-        ``N`` excludes the input embedding (a lookup, not a matmul) and, in a mixture of
-        experts, the experts a token is not routed to; the second term is attention's
-        score and value matmuls at sequence length ``T``.
-        """
+        """Training FLOPs per token: ``6 N + 12 L d T`` (PaLM appendix B), ``N`` without
+        the input embedding (a lookup) and the experts a token is not routed to; the
+        second term is attention's matmuls. Call it on the whole model (meta is fine):
+        a pipeline stage or a TP shard counts only its own part."""
         t = self.cfg.max_seq_len if seq_len is None else seq_len
         return flops_per_token(self.cfg, self.num_params(exclude_embedding=True, active=True), t)
 
@@ -240,20 +227,9 @@ def flops_per_token(cfg: ModelConfig, params_without_embedding: int, seq_len: in
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """Build the model on CPU with weights drawn from ``seed``.
-
-    Every rank of every site calls this with the job's seed, so all start from
-    identical weights without any broadcast. The module is constructed on the meta
-    device and then materialized, so the global RNG is left untouched and large
-    presets do not pay for a throwaway default init.
-
-    Args:
-        cfg: model shape.
-        seed: the job's seed.
-
-    Returns:
-        The fp32 model on CPU.
-    """
+    """The fp32 model on CPU with weights drawn from ``seed``: every rank of every site
+    starts from identical weights without any broadcast. Built on the meta device, so
+    the global RNG is left untouched and large presets skip a throwaway default init."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")

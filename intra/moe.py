@@ -1,21 +1,11 @@
-"""Mixture of experts: a top-k routed SwiGLU feed-forward, dropless by default.
+"""Mixture of experts: a top-k routed SwiGLU feed-forward, dropless by default
+(docs/one-site.md, "Mixture of experts and expert parallelism").
 
-A router scores every token against ``n_experts`` experts; each token goes to its
-``top_k`` best, weighted by their renormalized softmax scores, and every expert computes
-every token sent to it (dropless: no token dropped, so the result does not depend on how
-the batch is split over ranks). ``capacity_factor`` > 0 bounds each expert's share of a
-rank's copies instead (intra/moe_dispatch.py says which are dropped); the result then
-depends on each rank's tokens. The experts' weights are stacked ``[n_experts, ...]``
-parameters, so FSDP2 shards them like any other. How tokens reach the experts, on the
-device and as grouped matmuls: intra/moe_dispatch.py; across expert-parallel ranks with
-a capacity, in static slots: intra/moe_static.py.
-
-The load-balancing loss is Switch Transformer's (Fedus et al. 2021, eq. 4):
-``n_experts * sum_i f_i * P_i``, ``f_i`` the share of routed slots expert ``i`` got and
-``P_i`` its mean router probability, 1 when routing is uniform. It is computed on the
-rank's own tokens and joins the gradient without changing the reported loss: the
-layer's output carries it into backward (Megatron's aux-loss scaler does the same), so
-it works inside pipeline stages, where no stage but the last sees the loss.
+Each token goes to its ``top_k`` best experts, weighted by their renormalized softmax
+scores. The load-balancing loss is Switch Transformer's (Fedus et al. 2021, eq. 4),
+``n_experts * sum_i f_i * P_i``; the layer's output carries it into backward (as
+Megatron's aux-loss scaler does), so it works inside pipeline stages, where no stage but
+the last sees the loss.
 """
 
 from __future__ import annotations
@@ -72,9 +62,6 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.scale, None
-
-
-EXPERT_KERNELS = ("auto", "grouped_mm", "loop")
 
 
 class GroupedExperts(nn.Module):

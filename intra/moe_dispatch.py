@@ -1,13 +1,9 @@
 """How a mixture-of-experts layer (intra/moe.py) moves tokens to its experts and back.
 
-Everything here runs on the tokens' device: the routed copies are put in expert order
-by ``argsort``, counted per expert by ``scatter_add`` (``bincount`` on CUDA reads its
-maximum back to the host), and the experts run as three grouped matmuls
-(``torch._grouped_mm``, each expert's rows ending at a device-side offset, the cumsum
-of the counts). Without expert parallelism a layer's forward and backward then never
-wait for the device. With it, ``all_to_all_single`` needs its split sizes as host
-lists: they come back in one ``.tolist()`` of one small tensor per layer, unless a
-capacity is set (intra/moe_static.py: static slots, no host read).
+Everything here runs on the tokens' device (docs/one-site.md says how). Counts come
+from ``scatter_add``: ``bincount`` on CUDA reads its maximum back to the host. Under
+expert parallelism ``all_to_all_single`` needs its split sizes on the host: one
+``.tolist()`` per layer, unless a capacity is set (intra/moe_static.py).
 
 ``torch._grouped_mm`` leaves the rows past its last offset unwritten (pytorch#154557),
 in the output and in the input's gradient; with a capacity the dropped copies sit

@@ -11,10 +11,8 @@ sender-major, then expert, then slot; a transpose makes them expert-major, and t
 experts run on ``size * limit`` rows each, at offsets fixed by the shapes.
 
 The padded rows are zero on the way in and masked on the way out, as the dropped
-copies are (intra/moe.py): they add nothing to any output or gradient. They still
-cost: each rank sends, and its experts compute, ``n_experts * limit`` rows, about
-``capacity_factor * tokens * top_k``, where the dropless path moves the copies alone
-(``tokens * top_k``).
+copies are: they add nothing to any output or gradient, but cost ``n_experts * limit``
+rows where the dropless path moves ``tokens * top_k``.
 
 Every rank of the expert group must route as many tokens, so that all share one
 ``limit`` (the trainer's batches all have one shape): a rank with another count sends

@@ -1,4 +1,4 @@
-"""How one site parallelizes the model: the validated ``ParallelConfig`` and ``parallelize``.
+"""How one site parallelizes a model part: ``parallelize``.
 
 Order of application on each model part (torchtitan's order): tensor parallelism
 (DTensor plans over ``tp``), activation checkpointing, ``torch.compile`` per
@@ -123,29 +123,19 @@ def parallelize(
     expert_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
     """Apply TP, context parallelism, activation checkpointing, compile and FSDP2 to
-    one model part, in place.
-
-    Args:
-        model: a ``Transformer`` or one pipeline stage of it, on CPU in fp32.
-        mesh: the site mesh from ``build_site_mesh``.
-        config: the techniques to apply.
-        expert_mesh: with expert parallelism, the site's ``expert_parallel_mesh`` (made
-            once per site and shared by its pipeline stages; made here if not given).
-
-    Returns:
-        The part's FSDP groups (see ``apply_fsdp``).
-    """
+    one model part (CPU, fp32), in place; returns its FSDP groups (``apply_fsdp``).
+    ``expert_mesh``: the site's ``expert_parallel_mesh``, shared by its pipeline stages
+    (made here if not given)."""
     names = mesh.mesh_dim_names or ()
     if MeshAxis.TP.value in names and mesh[MeshAxis.TP.value].size() > 1:
         apply_tp(model, mesh[MeshAxis.TP.value], sequence_parallel=config.sequence_parallel)
     context = context_shard(mesh)
     if context is not None:
         model.context = context
-        for block in model.layers.values():
-            assert isinstance(block, Block)
-            block.attention.context = context
     for block in model.layers.values():
         assert isinstance(block, Block)  # what Transformer.layers holds
+        if context is not None:
+            block.attention.context = context
         block.checkpoint = config.activation_checkpoint
         if config.compile:
             # Per block, not the whole model: FSDP2 hooks stay outside the graph
