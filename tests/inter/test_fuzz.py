@@ -261,7 +261,7 @@ def coordinator_state(c: Coordinator):
             "site_votes": {k: dict(v) for k, v in f.ballots.site_votes.items()},
             "decisions": {k: d.SerializeToString() for k, d in f.ballots.decisions.items()},
             "joiners": {n: i.SerializeToString() for n, i in f.ballots.joiners.items()},
-            "failover": (sorted(f.restarted), f.committed_steps, f.ballots.rejoin),
+            "failover": (sorted(c.state.restarted), c.state.committed_steps, f.ballots.rejoin),
             "replicas": (c.replicas.latest().get(c.site), c.replicas.divergence),
             "metrics": [
                 c.metrics.registry.get_sample_value(name, {"site": c.site})
