@@ -1,24 +1,9 @@
-"""The `isthmus` command line.
-
-    isthmus local         every site of a job on this machine, over emulated links
-    isthmus site          one site of a job: its coordinator and its ranks
-    isthmus coordinator   one site's coordinator, alone
-    isthmus config        print the resolved job config with every key documented
-    isthmus report        plot a finished run, or compare several
-    isthmus chaos         the fault-injection suite: kill, restart, partition, corrupt
-    isthmus plan          predict step time and scaling efficiency at any size
-    isthmus bench         benchmark the data plane
-    isthmus wan           emulate WAN links standalone; show or change them live
-    isthmus certs         create a job CA, a certificate per site and a job token
-    isthmus witness       the job's witness, which breaks even splits of its sites
-    isthmus tokenizer     train the job's BPE tokenizer once, as a tokenizer.json
-    isthmus data          tokenize local text/jsonl/parquet files into token shards once
-    isthmus export        write a checkpoint in the Hugging Face layout (safetensors)
+"""The `isthmus` command line (`isthmus --help` lists the commands).
 
 Each command is a module, deploy/commands/NAME.py (the table COMMANDS below; a dash in
-a command's name is an underscore in its module's); what
-they share (the config flags, the help formatter) is deploy/commands/arguments.py, so
-this module only dispatches: no command imports it.
+a command's name is an underscore in its module's); what they share (the config flags,
+the help formatter) is deploy/commands/arguments.py, so this module only dispatches: no
+command imports it.
 
 Errors a user can fix (a bad key, a layout that does not divide the ranks, a site
 with a different job fingerprint) print one line starting with "error:" and exit

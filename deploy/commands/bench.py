@@ -1,10 +1,7 @@
 """`isthmus bench allreduce`: the cross-site all-reduce over emulated links.
 
-The grid (sites x RTT x bandwidth x tensor size x codec) runs case by case; each case
-starts one process per site (`isthmus.inter.data.bench`) whose lanes cross the WAN
-emulator (`isthmus.sim.RelayServer`, an HTTP CONNECT proxy per direction, as
-`isthmus local` wires them). Prints the per-core codec speeds, then one line per
-case, and writes everything as JSON.
+Each case of the grid starts one process per site (`isthmus.inter.data.bench`) whose
+lanes cross the WAN emulator (`isthmus.sim.RelayServer`), as `isthmus local` wires them.
 """
 
 from __future__ import annotations

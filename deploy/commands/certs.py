@@ -1,11 +1,8 @@
 """`isthmus certs`: a job CA, one certificate per site, and the job token.
 
-Writes, into one folder: ca.crt and ca.key (the job CA; the key never leaves this
-folder), SITE.crt and SITE.key for every site (signed by the CA, usable as server and
-client: the same certificate serves a site's coordinator and lanes and dials its
-peers), and token (random, 256 bits). Keys and the token are written mode 0600.
-Every site certificate names the site (CN and a DNS name), the name
-``isthmus.inter.security.TLS_NAME`` that channels check, and any --host given.
+The CA key never leaves the output folder. A site certificate serves as server and
+client (its coordinator and lanes, and dialing its peers) and names the site (CN and a
+DNS name), ``isthmus.inter.security.TLS_NAME`` that channels check, and any --host.
 EC P-256 keys: fast to make and to handshake with.
 """
 

@@ -1,8 +1,5 @@
 """`isthmus coordinator`: one site's coordinator, alone (inter/control/coordinator.py).
 
-Its ranks register with it, and it joins the peer sites' coordinators with the job
-fingerprint; it exits non-zero with one line when a peer refuses the job.
-
 Its ranks are started by someone else (Slurm's ``srun`` in
 deploy/slurm/site-multinode.sbatch), so no launcher of ours hands them their keys:
 with ``--rank-secret-file`` (a 0600 file of random bytes the ranks can read, named to

@@ -1,9 +1,4 @@
-"""`isthmus local`: every site of a job on this machine, over emulated links.
-
-One coordinator and one torch.distributed world per site, ranks as processes, the
-sites joined by emulated long-haul links (deploy/launch/local.py); prints progress, then the
-run's summary.
-"""
+"""`isthmus local`: every site of a job on this machine (deploy/launch/local.py)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""`isthmus wan netns`: sites as network namespaces joined by emulated links.
-
-    isthmus wan netns up --sites 2 [--distance-km 1000] [--bandwidth-mbit 1000] [--job NAME]
-    isthmus wan netns down --job NAME
-
-`up` runs until Ctrl-C or SIGTERM and then removes everything it created; `down`
-removes what a crashed `up` left. Both need root and iptables (docs/transparent.md).
-Also runnable alone: `python3 -m isthmus.deploy.commands.netns up --sites 2`.
+"""`isthmus wan netns`: sites as network namespaces joined by emulated links
+(docs/transparent.md). Also runnable alone: `python3 -m isthmus.deploy.commands.netns up`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""`isthmus plan`: predict step time and scaling efficiency with the planning model.
-
-Two starting points: by default Nemotron-4 340B over two sites 1000 km apart (NeMo's
-published scenario); with `--preset NAME` one of isthmus' own model presets, as
-`isthmus local` would train it (its FLOPs per token, one FSDP group per layer plus the
-root, the chunk size the link gets), so a prediction can be set next to a run.
-`--batch 4,8,16` prints the scaling-efficiency curve against the per-device batch.
-"""
+"""`isthmus plan`: predict step time and scaling efficiency with the planning model
+(sim/plan.py), from Nemotron-4 340B over two sites (NeMo's published scenario) or, with
+`--preset NAME`, one of isthmus' own models as `isthmus local` would train it."""
 
 from __future__ import annotations
 

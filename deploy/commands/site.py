@@ -1,9 +1,5 @@
-"""`isthmus site`: one site of a job, its coordinator and its ranks, as operators run it.
-
-Each site is started on its own (deploy/launch/site.py); it waits for its peers, trains, and
-exits once every site's final parameter digest is known. A site on several nodes runs it
-once a node (``--nodes``, ``--node-rank``, ``--master-addr``), as torchrun is run.
-"""
+"""`isthmus site`: one site of a job, its coordinator and its ranks, as operators run it
+(deploy/launch/site.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """`isthmus tokenizer`: train the job's BPE once and write it as a tokenizer.json.
 
-The same training as a job with data.tokenizer = "bpe" (the training split of the job's
-corpus, never its held-out text; through the same cache): hand the file to every site
-with ``--set data.tokenizer=FILE`` and no site trains, or pin its sha256
-(data.tokenizer_sha256). Train it with the job's config (--config), so it sees the
-job's training split: the split depends on data.* and train.seq_len.
+Train it with the job's config (--config), so it sees the job's training split: the
+split depends on data.* and train.seq_len. With the file at every site no site trains.
 """
 
 from __future__ import annotations

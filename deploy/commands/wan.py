@@ -1,16 +1,9 @@
 """`isthmus wan`: run emulated links standalone, and show or change them while they run.
 
-    isthmus wan up TOPOLOGY [--control HOST:PORT] [--forward SITE_A:SITE_B=HOST:PORT ...]
-    isthmus wan show [--control HOST:PORT] [--json] [LINK]
-    isthmus wan set [--control HOST:PORT] LINK key=value ...
-    isthmus wan netns up [--control HOST:PORT] ...   (docs/transparent.md)
-
-`up` serves one link per pair of sites of a topology file (`isthmus.sim.topology`) in
-the foreground, with an HTTP CONNECT proxy per direction, optional plain TCP forwards,
-and a control endpoint (`isthmus.sim.control`) that `show` and `set` talk to. Ctrl-C or
-SIGTERM closes every listener and connection. Bad input prints one `error:` line and
-changes nothing. `netns up` (transparent mode, `isthmus.deploy.commands.netns`) serves the
-same control endpoint for its links "site0-site1", ...
+`up` serves a topology file's links (`isthmus.sim.topology`) with a control endpoint
+(`isthmus.sim.control`) that `show` and `set` talk to, as does `netns up` (transparent
+mode, `isthmus.deploy.commands.netns`) for its links "site0-site1", ... Bad input prints
+one `error:` line and changes nothing.
 """
 
 from __future__ import annotations

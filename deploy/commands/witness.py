@@ -1,9 +1,5 @@
-"""`isthmus witness`: the job's witness, a coordinator-only process at a third place.
-
-It breaks even splits of the job's sites (inter/control/witness.py): with it, two sites
-survive the loss of either, and a partition still lets only one side go on. Every
-site names it in ``failover.witness``. It holds no training state and needs no GPU.
-"""
+"""`isthmus witness`: the job's witness, a coordinator-only process at a third place
+(inter/control/witness.py). It holds no training state and needs no GPU."""
 
 from __future__ import annotations
 
