@@ -26,15 +26,8 @@ PEAK_FLOPS: dict[str, float] = {
 
 
 def device_peak_flops(device: torch.device | str | None = None) -> float:
-    """Peak dense bf16 FLOP/s of one device (fp32 placeholder per CPU process).
-
-    Args:
-        device: a CUDA device (its name picks the table entry); ``None`` or a CPU
-            device gives the CPU placeholder.
-
-    Returns:
-        FLOP/s. An unknown GPU falls back to the H100 figure (MFU is then only indicative).
-    """
+    """Peak dense bf16 FLOP/s of one CUDA device, by its name (an unknown GPU: the H100
+    figure, so MFU is only indicative); the CPU placeholder for ``None`` or a CPU."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda":
         return PEAK_FLOPS["cpu"]
@@ -46,19 +39,9 @@ def device_peak_flops(device: torch.device | str | None = None) -> float:
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, num_devices: int) -> float:
-    """Model FLOPs utilization, a fraction in [0, 1] for sane inputs.
-
-    Args:
-        tokens_per_s: tokens the devices process together per second (the site's
-            global batch tokens / step time; tp and pp ranks share tokens, so do not
-            count them once per rank).
-        flops_per_token: training FLOPs per token of the whole model.
-        peak_flops: peak FLOP/s of one device.
-        num_devices: devices that produced ``tokens_per_s``.
-
-    Returns:
-        achieved FLOP/s ÷ (num_devices × peak_flops).
-    """
+    """Model FLOPs utilization: achieved FLOP/s ÷ (num_devices × peak_flops), where
+    ``tokens_per_s`` are the tokens the devices process together (tp and pp ranks share
+    tokens, so do not count them once per rank)."""
     if peak_flops <= 0 or num_devices < 1:
         raise ValueError(
             f"need peak_flops > 0 and num_devices >= 1, got {peak_flops}, {num_devices}"
@@ -70,23 +53,10 @@ LR_RULES = ("sqrt", "linear", "none")
 
 
 def scaled_lr(base_lr: float, dp_total: int, rule: str = "sqrt", reference_dp: int = 1) -> float:
-    """Learning rate for a run whose data-parallel width is ``dp_total`` = sites × dp.
-
-    The batch grows with the data-parallel width (the per-rank batch is fixed), so
-    the step size grows with it:
-
-    - ``"linear"``: ``base_lr * dp_total / reference_dp`` (Goyal et al. 2017, for SGD);
-    - ``"sqrt"``: ``base_lr * sqrt(dp_total / reference_dp)`` (the usual rule for
-      Adam, whose update is normalized by the gradient's scale: Malladi et al. 2022);
-    - ``"none"``: ``base_lr`` whatever the width.
-
-    ``base_lr`` is the rate tuned at ``reference_dp`` replicas. A site that joins or
-    leaves changes ``dp_total``; use the configured width (not the live one) so
-    every site applies the same update.
-
-    Raises:
-        ValueError: on an unknown rule or a width < 1.
-    """
+    """Learning rate for a run whose data-parallel width is ``dp_total`` = sites × dp,
+    ``base_lr`` tuned at ``reference_dp``: ``linear`` (Goyal et al. 2017, for SGD),
+    ``sqrt`` (for Adam: Malladi et al. 2022) or ``none``. Pass the configured width, not
+    the live one, so every site applies the same update."""
     if rule not in LR_RULES:
         raise ValueError(f"lr scaling rule must be one of {list(LR_RULES)}, got {rule!r}")
     if dp_total < 1 or reference_dp < 1:

@@ -30,11 +30,7 @@ from .model import Transformer
 
 def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:
     """Layer indices of each stage: contiguous, sizes differing by at most one
-    (earlier stages take the remainder; the last also runs the head).
-
-    Raises:
-        ValueError: if there are fewer layers than stages.
-    """
+    (earlier stages take the remainder; the last also runs the head)."""
     if n_layers < num_stages:
         raise ValueError(f"{n_layers} layers cannot fill {num_stages} pipeline stages")
     base, extra = divmod(n_layers, num_stages)
@@ -52,12 +48,8 @@ def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
 
 
 def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
-    """A ``Transformer`` holding only ``stage``'s part of ``model``.
-
-    The stage shares ``model``'s submodules (no copy); it keeps the global layer
-    names (``layers.7.attention.wq.weight``), so its parameters are named as in
-    the whole model.
-    """
+    """A ``Transformer`` holding only ``stage``'s part of ``model``, sharing its
+    submodules and keeping their global names."""
     layers = stage_layers(model.cfg.n_layers, num_stages)[stage]
     with torch.device("meta"):
         part = Transformer(model.cfg)
@@ -92,20 +84,9 @@ def build_schedule(
     group: dist.ProcessGroup,
     device: torch.device,
 ):
-    """Wrap this rank's stage modules in ``PipelineStage``s and a schedule.
-
-    Args:
-        parts: this rank's stage modules (already parallelized), one per entry of ``stages``.
-        stages: their stage indices.
-        num_stages: stages in the whole pipeline.
-        schedule: a ``PipelineSchedule`` value.
-        microbatches: micro-batches per step.
-        group: the pp process group.
-        device: this rank's device.
-
-    Returns:
-        The schedule; call ``step(inputs)`` on the first stage's rank,
-        ``step(target=..., losses=[])`` on the last's, ``step()`` elsewhere.
+    """Wrap this rank's stage modules (parallelized, one per index in ``stages``) in
+    ``PipelineStage``s and a schedule over the pp ``group``: call ``step(inputs)`` on the
+    first stage's rank, ``step(target=..., losses=[])`` on the last's, ``step()`` elsewhere.
     """
     # Here, not at the top: only pp > 1 builds a schedule. The package costs ~20 ms, and
     # imports torch._dynamo (~0.5 s) in a process whose DTensors have not yet.

@@ -4,10 +4,8 @@ A site that rejoins copies the state of a live site (invariant 3). When the two 
 have different data-parallel widths, the rank at one coordinate holds other rows of
 each tensor (FSDP2 chunks the first dimension over ``dp x cp`` shard ranks, torch.chunk's
 rule), so a joining rank takes, from each source rank whose rows overlap its own, the
-rows it holds, and stacks them in order (see ``intra.state`` for the names).
-
-The outer optimizer's anchor and momentum are flat per sync group (each parameter's
-local rows, packed): they are cut the same way, parameter by parameter.
+rows it holds, and stacks them in order. The outer optimizer's flat anchor and momentum
+of a group are cut the same way, parameter by parameter.
 """
 
 from __future__ import annotations
@@ -68,22 +66,11 @@ def reshard_state(
     source_width: int,
     outer_groups: Sequence[Sequence[str]] = (),
 ) -> dict[str, torch.Tensor]:
-    """This rank's state from the states of a site of ``source_width`` shard ranks.
-
-    Args:
-        trainer: the rank's trainer (for its parameters' rows).
-        sources: shard index -> that rank's ``rank_state``; at least those
-            :func:`source_shards` names.
-        source_width: the source site's ``dp x cp``.
-        outer_groups: each outer sync group's parameter names, in order (the outer
-            modes' anchor and momentum are cut by them); empty otherwise.
-
-    Returns:
-        A state :func:`intra.state.load_rank_state` takes. Codec residuals are left
-        out: they belong to the source's lanes, whose rounds were cut otherwise.
-
-    Raises:
-        StateError: a source named by :func:`source_shards` is missing, or an entry is.
+    """This rank's state from ``sources`` (shard index -> ``rank_state``, at least those
+    :func:`source_shards` names) of a site of ``source_width`` (dp x cp) shard ranks;
+    ``outer_groups``: each outer sync group's parameter names, in order. Codec residuals
+    are left out: they belong to the source's lanes, whose rounds were cut otherwise.
+    StateError where a source or an entry is missing.
     """
     missing = [j for j in source_shards(trainer, source_width) if j not in sources]
     if missing:
@@ -91,14 +78,18 @@ def reshard_state(
     rows = _rows(trainer)
     first = sources[min(sources)]
 
-    def gather(name: str, fqn: str) -> torch.Tensor:
-        n, _, index, width = rows[fqn]
+    def gather(name: str, fqn: str, group: Sequence[str] | None = None) -> torch.Tensor:
+        n, row_elems, index, width = rows[fqn]
         pieces = []
         for j in sorted(sources):
             if name not in sources[j]:
                 raise StateError(f"source shard {j} lacks {name!r}")
             lo, hi = chunk_rows(n, source_width, j)
-            pieces.append((sources[j][name], lo, hi))
+            t = sources[j][name]
+            if group is not None:  # the parameter's rows in the group's packed flat
+                offset = _offset(rows, group, fqn, source_width, j)
+                t = t[offset : offset + (hi - lo) * row_elems].view(hi - lo, row_elems)
+            pieces.append((t, lo, hi))
         return _cut(pieces, *chunk_rows(n, width, index))
 
     out: dict[str, torch.Tensor] = {}
@@ -113,18 +104,7 @@ def reshard_state(
     for i, group in enumerate(outer_groups):
         for kind in ("anchor", "momentum"):
             name = f"{OUTER}{kind}/{i}"
-            per_param = []
-            for fqn in group:
-                n, row_elems, index, width = rows[fqn]
-                pieces = []
-                for j in sorted(sources):
-                    if name not in sources[j]:
-                        raise StateError(f"source shard {j} lacks {name!r}")
-                    flat, offset = sources[j][name], _offset(rows, group, fqn, source_width, j)
-                    lo, hi = chunk_rows(n, source_width, j)
-                    held = flat[offset : offset + (hi - lo) * row_elems].view(hi - lo, row_elems)
-                    pieces.append((held, lo, hi))
-                per_param.append(_cut(pieces, *chunk_rows(n, width, index)).reshape(-1))
+            per_param = [gather(name, fqn, group).reshape(-1) for fqn in group]
             out[name] = torch.cat(per_param) if per_param else torch.zeros(0)
     return out
 
