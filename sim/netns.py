@@ -1,28 +1,13 @@
 """Per-site network namespaces whose TCP reaches other sites only through the relay.
 
-For transparent mode (`isthmus.sim.transparent`): each site of a job gets a network
-namespace `isthmus-<job>-<site>` with one veth interface (`isthmus0`) into the root
-namespace, on a private /24 of its own (the site at `.2`, the root side at `.1`).
-The namespace routes the other sites' /24s (nothing else) through the root side,
-where iptables, tagged with the comment `isthmus:<job>`:
-
-- nat PREROUTING: every TCP connection entering from the veth is REDIRECTed to that
-  site's relay listener, which reads the original destination (SO_ORIGINAL_DST);
-- filter INPUT: from the veth, only the relay port and replies to connections the
-  root namespace opened (the relay's, to the far site) are accepted, all else dropped;
-- filter FORWARD: nothing is forwarded to or from the veth, whatever `ip_forward` says.
-
-IPv6 is off on both ends of each veth, so no link-local address bypasses the rules.
-
-A site may span several nodes (`create_sites(..., nodes=[2, 1])`): its namespace is
-the first node, and each further node is a namespace `isthmus-<job>-<site>-n<k>` on a
-LAN of the site's own (a bridge `lan0` in the first node, a veth from it to `lan0` in each
-further node, on a /24 of its own, the first node at `.1`). The first node forwards the others'
-traffic to and from the site's veth, so the further nodes' TCP to other sites takes
-the same redirect, and every other site (and the root namespace, whose relay dials
-them) routes the LAN through the site.
-Everything a job creates is found again by name (namespaces and veths) and comment
-(rules), so `teardown(job)` needs no state and also cleans up after a crash.
+For transparent mode (`isthmus.sim.transparent`; docs/transparent.md, "How it works",
+gives the namespaces, addresses and iptables rules). A site may span several nodes
+(`create_sites(..., nodes=[2, 1])`): its namespace is the first node, and each further
+node is a namespace `isthmus-<job>-<site>-n<k>` on a LAN /24 of the site's own (a bridge
+`lan0` in the first node), which forwards the others' traffic through the site's veth,
+so it takes the same redirect. Everything a job creates is found again by name
+(namespaces and veths) and comment (rules), so `teardown(job)` needs no state and also
+cleans up after a crash.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""Topology files: the sites of a job and the emulated link between each pair (TOML).
-
-    sites = ["east", "west"]        # names: letters, digits, "_" and "."
-    seed = 7                        # optional; seeds every link's impairments
-
-    [defaults]                      # optional; fills every pair not in [links]
-    distance_km = 1000              # or latency_ms (one way); ~4.9 us per km of fiber
-    bandwidth_mbit = 1000           # each direction; 0 = unlimited
-    per_flow_mbit = 5000            # optional; most one TCP flow carries; 0 = no cap
-    queue_kib = 256                 # buffering beyond the bandwidth-delay product
-    impairments = [{kind = "jitter", ms = 1}]
-
-    [links."east-west"]             # a = east, b = west; same keys as [defaults]
-    bandwidth_mbit = 400
-    [links."east-west".b_to_a]      # one direction's overrides (also a_to_b)
-    bandwidth_mbit = 100
-
-Precedence, lowest first: [defaults] < the link's table < its direction's table; a
-layer that sets distance_km or latency_ms replaces the other. Unknown keys fail,
-naming the key and the keys allowed there. The same keys, as `key=value` or
-`a_to_b.key=value`, change a live link (`apply_changes`, `isthmus wan set`).
+"""Topology files: the sites of a job and the emulated link between each pair (TOML;
+docs/wan.md, "Topology files", gives the keys and their precedence). The same keys, as
+`key=value` or `a_to_b.key=value`, change a live link (`apply_changes`, `isthmus wan set`).
 """
 
 from __future__ import annotations

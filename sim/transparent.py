@@ -1,20 +1,12 @@
-"""Transparent mode: unmodified TCP programs in per-site namespaces, joined by the relay.
+"""Transparent mode: unmodified TCP programs in per-site namespaces, joined by the relay
+(docs/transparent.md).
 
 `isthmus.sim.netns` gives each site a network namespace whose outgoing TCP the root
 namespace REDIRECTs to that site's listener here. A listener reads the connection's
-original destination (`SO_ORIGINAL_DST`), checks that it is the address of another
-site of the same job (anything else is reset: the relay never reaches past the
-job's namespaces), and hands the connection to the `Link` between the two sites,
-which carries it through that direction's pipe like any forwarded connection.
-
-`TransparentWan` is the whole thing in one object: namespaces, links, listeners,
-rules, and a teardown that runs however it ends.
-
-A program sees its `connect()` complete at once (the root namespace answers the
-handshake); the far side sees the connection one link latency later, and every byte
-takes the link's time, so a request still costs a round trip. The server sees the
-connection come from its own site's gateway address (the relay's end), not from the
-client's address.
+original destination (`SO_ORIGINAL_DST`); another site of the same job gets the
+connection through the `Link` between the two, anything else is reset: the relay
+never reaches past the job's namespaces. `TransparentWan` is the whole thing in one
+object, with a teardown that runs however it ends.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""`isthmus local` fits the host it runs on: what a quick start on GPUs chooses.
-
-The defaults (2 sites x 2 ranks, the small preset, per-step sync over a 1 Gbit/s
-link) suit a CPU laptop and a 4-GPU host. On other GPU hosts, the settings the job
-left to their defaults are fitted before anything starts, and each choice is printed:
-
-* ranks: the sites share the host's GPUs out evenly, one rank each (2 sites x 1 GPU on
-  2 GPUs, 2 x 4 on 8), or, with fewer GPUs than sites, take turns on them
-  (``run.share_gpus``);
-* model: a preset worth a GPU (125m) instead of the CPU-sized one;
-* sync mode: when the planning model (sim/plan.py) says per-step sync would keep under
-  half of the sites' throughput on the link, Streaming DiLoCo, which sends a fragment
-  of the model every few steps instead of every gradient.
+"""`isthmus local` fits the host it runs on: what a quick start on GPUs chooses (the
+README says what: the sites share out the GPUs, a model worth a GPU, Streaming DiLoCo
+where the planning model says per-step sync would keep under half the throughput).
 
 A setting the job names (file, ``--set`` or flag) is never changed, and what it cannot
 run is refused as before (deploy/launch/local.py, ``gpu_shortage``). Only `isthmus local` fits:

@@ -1,21 +1,7 @@
-"""`isthmus report RUN_DIR`: plots and a short text summary of a finished run.
-
-Writes, next to the run's files (or to --out):
-    loss.png         training loss per step (the mean over sites, and each site)
-    step_time.png    each step's time stacked: compute, intra-site communication,
-                     cross-site wait
-    wan_goodput.png  cross-site goodput per step (wire bits per second the lanes
-                     were busy) against the link's capacity
-    loss_vs_cost.png training loss against tokens trained and against bytes sent
-                     across sites (what sync modes and codecs trade)
-    batch.png        the global batch per step (and the gradient noise scale when it
-                     is estimated) next to the loss, and each site's micro-batches:
-                     only for a run whose batch changed (train.batch_schedule,
-                     train.balance_every)
-    report.txt       the summary in words
-
-With several runs, `isthmus report RUN_A RUN_B ...` overlays them instead
-(compare.py).
+"""`isthmus report RUN_DIR`: plots and a short text summary of a finished run, next to its
+files (or in --out): loss.png, step_time.png, wan_goodput.png, loss_vs_cost.png,
+batch.png (only for a run whose batch changed) and report.txt. Several runs are
+overlaid instead (compare.py).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""The user's job token: made once, kept 0600, read by every site and rank the user starts.
+"""The user's job token: made once, kept 0600, read by every site and rank the user starts
+(docs/security.md says who requires it and what it signs).
 
-Loopback is every local user's: a port on 127.0.0.1 takes calls from anyone on the
-machine (issue 33: a stranger stopped the two-shell quick start with one forged call).
-So a job whose ``[security]`` section asks for nothing still runs with a token, and
-its checkpoints are signed with it:
-
-* ``isthmus site`` (and ``isthmus coordinator``, and the ranks either starts) require
-  this token on every call. Sites of one user on one machine read the same file, so
-  the two-shell quick start needs nothing from its user.
-* ``isthmus local`` keeps its per-run token for calls (deploy/launch/local.py), and signs its
-  checkpoints with this one, which outlives the run, so ``--resume`` can check them.
-
-The file is ``$ISTHMUS_HOME/job-token`` (default ``~/.isthmus``), in a 0700 folder.
-A folder or file that another user owns or can open is refused, never used: someone
-who could read it could speak for the job, and someone who wrote it first would know
-it. ``--insecure`` (``security.insecure``) runs without it, with a warning every start;
-``security.require_token`` with ``isthmus certs``' token replaces it (sites of one job
-run by different users, or on several hosts).
+Loopback is every local user's (issue 33: a stranger stopped the two-shell quick start
+with one forged call), so a job whose ``[security]`` asks for nothing still runs with
+this token. A folder or file that another user owns or can open is refused, never used:
+someone who could read it could speak for the job, and someone who wrote it first would
+know it.
 """
 
 from __future__ import annotations
