@@ -1,21 +1,6 @@
-"""Context parallelism: every sequence split over a replica's ``cp`` ranks.
-
-Causal attention does more work late in a sequence than early, so a rank does not take
-one contiguous piece: the sequence is cut into ``2 * cp`` equal chunks and rank ``r``
-holds chunks ``r`` and ``2*cp - 1 - r`` (one from each end), which gives every rank the
-same attention work (the load-balanced layout of Megatron's and torchtitan's CP).
-
-Attention gathers the keys and values of all ``cp`` ranks (an all-gather along the
-sequence; the backward sums each rank's key and value gradients back to their owner)
-and each local chunk attends to the keys up to its own end, causally aligned to the
-end of that span -- no mask in memory, so flash attention still applies. Each rank's
-loss is the mean over its own tokens; the ranks hold equal token counts, so FSDP2's
-average over ``dp × cp`` is the gradient of the mean over the whole sequence. Everything else -- embedding, norms,
-MLP, head -- is per token and runs on the local chunks unchanged.
-
-Gathering K and V whole (instead of passing them round a ring) keeps one collective per
-layer and exact softmax arithmetic; each rank holds the whole sequence's keys and values
-for one layer at a time, which the ring avoids.
+"""Context parallelism: every sequence split over a replica's ``cp`` ranks, two chunks
+each, one from each end, and keys and values all-gathered (docs/one-site.md, "Context
+parallelism", says the layout and why).
 """
 
 from __future__ import annotations

@@ -202,16 +202,8 @@ class CodecChain:
 
 
 def make_codec(spec: str) -> CodecChain:
-    """Builds a codec chain from its spec.
-
-    Args:
-        spec: e.g. "raw", "bf16", "int8", "bf16+shuffle+zstd:3", "int8+zstd:1".
-    Returns:
-        The chain; its ``name`` is the canonical spec ("zstd" becomes "raw+zstd:1")
-        that every site must agree on (zstd threads are not part of it).
-    Raises:
-        ValueError: unknown spec; the message lists the allowed forms.
-    """
+    """The chain of ``spec`` (:func:`parse_codec_spec`); its ``name`` is the canonical
+    spec every site must agree on."""
     parsed = parse_codec_spec(spec)
     tensor: TensorStage = _TENSOR_STAGES[parsed.tensor]()
     stages: list[ByteStage] = []

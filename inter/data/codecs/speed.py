@@ -15,15 +15,9 @@ MIB = 1 << 20
 
 
 def codec_throughput(spec: str, mib: float = 4.0, repeat: int = 3) -> dict[str, Any]:
-    """Encode and decode speed of one codec on one core (this thread, 1 torch thread).
-
-    Args:
-        spec: codec spec.
-        mib: size of the test chunk (gradient-like fp32 values).
-        repeat: best of this many runs.
-    Returns:
-        ``encode_mb_s`` and ``decode_mb_s`` (fp32 MB per second) and ``ratio``.
-    """
+    """Encode and decode speed of one codec on one core (1 torch thread) in fp32 MB per
+    second, best of ``repeat`` runs over ``mib`` MiB of gradient-like values, and its
+    ``ratio``."""
     from isthmus.inter.data.codecs.chain import make_codec
 
     codec = make_codec(spec)
@@ -52,11 +46,8 @@ def codec_throughput(spec: str, mib: float = 4.0, repeat: int = 3) -> dict[str, 
 
 
 def format_throughput(rows: list[dict[str, Any]], gbits: list[float]) -> str:
-    """A table of per-core codec speed and the cores each link speed needs.
-
-    At line rate a site encodes and decodes ``bandwidth x ratio`` of fp32 per second;
-    ``cores@XG`` is that divided by the per-core speeds.
-    """
+    """A table of per-core codec speed and the cores each link speed needs (at line rate
+    a site encodes and decodes ``bandwidth x ratio`` of fp32 per second)."""
     head = f"{'codec':<22}{'enc MB/s/core':>14}{'dec MB/s/core':>14}{'ratio':>7}"
     head += "".join(f"{f'cores@{g:g}G':>11}" for g in gbits)
     lines = [head]
