@@ -127,13 +127,13 @@ class HostAgent:
         self.rank_connections = 0
         """Connections the ranks opened here (each rank keeps one)."""
         # Everything below is the event loop's alone.
-        self._loop = asyncio.new_event_loop()
-        self._loop.set_exception_handler(quiet_closed_loop_events)
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(quiet_closed_loop_events)
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"host-agent-{site}", daemon=True
+            target=self.loop.run_forever, name=f"host-agent-{site}", daemon=True
         )
         self._channel = channel
-        self._upstream: LoopUpstream | None = None
+        self.upstream: LoopUpstream | None = None
         """The way to the coordinator, made on the loop (start): a grpc.aio twin binds to it."""
         self._server: asyncio.AbstractServer | None = None
         self._wires: set[RankWire] = set()  # the ranks' connections
@@ -144,9 +144,9 @@ class HostAgent:
         # The watch: the coordinator's latest answer, and whom the agent vouches for.
         self._vouches = Vouches(vouch_s, clock)
         self._held: set[_Watch] = set()  # the ranks' watches held here now
-        self._poll = AgentPoll(
+        self.poll = AgentPoll(
             self._vouches,
-            self._loop,
+            self.loop,
             lambda request, timeout_s, done: self._up.poll(request, timeout_s, done),
             self._publish,
             site,
@@ -155,13 +155,13 @@ class HostAgent:
 
     @property
     def _up(self) -> LoopUpstream:
-        assert self._upstream is not None, "start() makes it"
-        return self._upstream
+        assert self.upstream is not None, "start() makes it"
+        return self.upstream
 
     @property
     def batches(self) -> int:
         """Messages of ballots sent to the coordinator."""
-        return self._upstream.messages if self._upstream is not None else 0
+        return self.upstream.messages if self.upstream is not None else 0
 
     def stats(self) -> dict[str, int]:
         """What the agent carried so far: the ranks' requests and the coordinator's."""
@@ -170,7 +170,7 @@ class HostAgent:
             "votes": self.votes,
             "vote_messages": self.batches,
             "watches": self.watches,
-            "watch_polls": self._poll.polls,
+            "watch_polls": self.poll.polls,
             "rank_connections": self.rank_connections,
         }
 
@@ -182,14 +182,14 @@ class HostAgent:
         """
         self._thread.start()
         try:
-            asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(30)
+            asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(30)
         except BaseException:
             self._end_loop()
             raise
         return self
 
     async def _serve(self) -> None:
-        self._upstream = upstream(self._channel, rpc_slack_s=_RPC_SLACK_S / 2)
+        self.upstream = upstream(self._channel, rpc_slack_s=_RPC_SLACK_S / 2)
 
         def wire() -> RankWire:
             self.rank_connections += 1
@@ -200,10 +200,10 @@ class HostAgent:
         try:
             if self._listen.startswith("unix:"):
                 path = self._listen.removeprefix("unix:").removeprefix("//")
-                self._server = await self._loop.create_unix_server(wire, path)
+                self._server = await self.loop.create_unix_server(wire, path)
             else:
                 host, _, port = self._listen.rpartition(":")
-                self._server = await self._loop.create_server(wire, host, int(port))
+                self._server = await self.loop.create_server(wire, host, int(port))
                 bound = self._server.sockets[0].getsockname()[1]
                 self.address = f"{host}:{bound}"
         except (OSError, ValueError) as exc:
@@ -217,17 +217,17 @@ class HostAgent:
             if self._stopped:
                 return
             self._stopped = True
-        if self._upstream is not None:
-            self._upstream.close()  # a vote waiting on the coordinator ends now
+        if self.upstream is not None:
+            self.upstream.close()  # a vote waiting on the coordinator ends now
         if self._thread.is_alive():
             try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(10)
             except (TimeoutError, futures.TimeoutError):
                 log.warning("%s host agent: it did not stop within 10 s", self.site)
         self._end_loop()
 
     async def _shutdown(self) -> None:
-        self._poll.close()
+        self.poll.close()
         for watch in self._held:
             if watch.timer is not None:
                 watch.timer.cancel()
@@ -238,8 +238,8 @@ class HostAgent:
                     os.unlink(self._listen.removeprefix("unix:").removeprefix("//"))
         for wire in list(self._wires):
             wire.abort()
-        if self._upstream is not None:
-            await self._upstream.aclose()
+        if self.upstream is not None:
+            await self.upstream.aclose()
         # Every task left ends before the loop stops (the closed channel's calls' own
         # too, else asyncio reports them destroyed while pending).
         left = asyncio.all_tasks() - {asyncio.current_task()}
@@ -249,13 +249,13 @@ class HostAgent:
 
     def _end_loop(self) -> None:
         if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5)
-        if not self._loop.is_running():
-            self._loop.close()
+        if not self.loop.is_running():
+            self.loop.close()
 
     def _spawn(self, call: Coroutine[Any, Any, None]) -> None:
-        task = self._loop.create_task(call)
+        task = self.loop.create_task(call)
         self._tasks.add(task)  # held: the loop keeps only a weak reference to a task
         task.add_done_callback(self._tasks.discard)
 
@@ -290,8 +290,8 @@ class HostAgent:
             batch.voters = [v for v in batch.voters if v[0] is not wire]
         others = set().union(*(w.keys for w in self._wires))
         if any([self._vouches.forget(key) for key in wire.keys - others]):
-            self._poll.changed()
-            self._poll.arm_expiry()
+            self.poll.changed()
+            self.poll.arm_expiry()
         for key, batch in list(self._open.items()):  # a batch it was last in goes now
             if len(batch.ballots) >= self._expected() or not batch.ballots:
                 self._seal(key, batch)
@@ -310,7 +310,7 @@ class HostAgent:
         batch = self._open.get(key)
         if batch is None:
             batch = self._open[key] = _Ballots(request, request.wait_ms)
-            batch.linger = self._loop.call_later(self.linger_s, self._seal, key, batch)
+            batch.linger = self.loop.call_later(self.linger_s, self._seal, key, batch)
         for ballot in request.ballots:
             batch.ballots[ballot.rank] = ballot
         batch.voters.append((wire, rid, [ballot.rank for ballot in request.ballots]))
@@ -364,12 +364,12 @@ class HostAgent:
         watch = wire.held[rid] = _Watch(wire, rid, request)
         self.watches += 1
         if self._vouches.hold(request.rank_key):
-            self._poll.changed()  # a rank new here: the coordinator hears of it at once
-        if self._poll.seen and self._answer_now(request.known_generation):
+            self.poll.changed()  # a rank new here: the coordinator hears of it at once
+        if self.poll.seen and self._answer_now(request.known_generation):
             self._end_watch(watch)
             return
         wait_s = max(0, min(request.wait_ms, _RANK_WAIT_MS)) / 1000
-        watch.timer = self._loop.call_later(wait_s, self._end_watch, watch)
+        watch.timer = self.loop.call_later(wait_s, self._end_watch, watch)
         self._held.add(watch)
 
     def _end_watch(self, watch: _Watch, *, cancelled: bool = False, lost: bool = False) -> None:
@@ -382,18 +382,18 @@ class HostAgent:
         if watch.timer is not None:
             watch.timer.cancel()
         self._vouches.release(watch.request.rank_key)
-        self._poll.arm_expiry()
+        self.poll.arm_expiry()
         if lost:
             return
         if cancelled:
             wire.error(rid, grpc.StatusCode.CANCELLED, "the rank cancelled its watch")
-        elif not self._poll.seen:  # no answer of the agent's own yet: the coordinator's
+        elif not self.poll.seen:  # no answer of the agent's own yet: the coordinator's
             self._spawn(self._pass(watch))
-        elif self._poll.error is not None:  # a refusal (FAILED_PRECONDITION: job failed)
-            error = self._poll.error
+        elif self.poll.error is not None:  # a refusal (FAILED_PRECONDITION: job failed)
+            error = self.poll.error
             wire.error(rid, error.code(), error.details() or "")
         else:
-            membership = self._poll.membership
+            membership = self.poll.membership
             unchanged = watch.request.known_generation == membership.generation
             if unchanged not in self._encoded:
                 reply = membership
@@ -420,8 +420,8 @@ class HostAgent:
         watch.wire.send(Kind.MEMBERSHIP, watch.rid, reply.SerializeToString())
 
     def _answer_now(self, known: int) -> bool:
-        now = self._poll.membership
-        return self._poll.error is not None or now.generation > known or bool(now.suspects)
+        now = self.poll.membership
+        return self.poll.error is not None or now.generation > known or bool(now.suspects)
 
     def _publish(self) -> None:
         """The agent's poll was answered: the watches its answer is news to end now."""

@@ -170,6 +170,11 @@ class RankLiveness:
                 if self._ranks[rank].calls == 0 and now - self._ranks[rank].last > self.silence_s
             )
 
+    def watched(self) -> list[int]:
+        """The ranks that sent a watcher poll since they last registered."""
+        with self._lock:
+            return [rank for rank, beat in enumerate(self._ranks) if beat.watched]
+
     def forget(self) -> None:
         """Watch no rank until it polls again (the site left: its ranks start anew)."""
         with self._lock:

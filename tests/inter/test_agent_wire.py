@@ -149,7 +149,7 @@ def test_a_rank_gone_mid_vote_is_vouched_for_no_more_at_once(site):
     try:
         for rank, connection in enumerate(live):
             watch(connection, keys[rank], 5_000)  # held there: both vouched for
-        wait_until(lambda: agent._poll.keys == sorted(keys), "the agent never named both")  # noqa: SLF001
+        wait_until(lambda: agent.poll.keys == sorted(keys), "the agent never named both")
         ballot = pb.RankBallot(rank=1, ok=True, rank_key=keys[1])
         vote = pb.CommitHostStepRequest(
             site="site0", step=0, generation=1, ballots=[ballot], wait_ms=3_000, sites_known=True
@@ -157,7 +157,7 @@ def test_a_rank_gone_mid_vote_is_vouched_for_no_more_at_once(site):
         live[1].send(Kind.VOTE, vote.SerializeToString())
         wait_until(lambda: agent.votes == 1, "the vote never reached the agent")
         live[1].close()  # rank 1's process ends
-        wait_until(lambda: agent._poll.keys == [keys[0]], "rank 1 still vouched for", 5)  # noqa: SLF001
+        wait_until(lambda: agent.poll.keys == [keys[0]], "rank 1 still vouched for", 5)
         assert agent.batches == 0  # its ballot was withdrawn, never sent
         liveness = coord.rank_liveness
         wait_until(lambda: liveness.left_for is not None, "rank 1 never declared dead", 15)

@@ -159,7 +159,7 @@ def test_a_damaged_frame_is_sent_again_and_only_the_intact_copy_is_taken(lane) -
         assert read_reply(sock)[0] == OK
         sock.sendall(bytes(damaged))
         assert read_reply(sock)[0] == RESEND
-        assert len(lane.mailbox) == 0 and lane._bulk.corrupt_frames == 1
+        assert len(lane.mailbox) == 0 and lane.bulk.corrupt_frames == 1
         sock.sendall(frame(msg))
         assert read_reply(sock)[0] == ACCEPTED
     assert lane.mailbox.keys() == [(0, 0, 1, 0, 1)]
@@ -220,7 +220,7 @@ def test_rounds_go_on_after_the_peer_drops_the_connection() -> None:
             # The receiving side drops every bulk connection between steps: the next
             # round dials again with a fresh ticket.
             for a in ars:
-                a.server._bulk.drop_connections()
+                a.server.bulk.drop_connections()
 
 
 def test_chunks_that_came_before_the_rank_took_its_place_survive_it():
@@ -251,7 +251,7 @@ def test_a_flood_of_connections_without_tickets_stays_bounded_and_rounds_go_on()
     from isthmus.inter.data.transport.bulk import MAX_UNTICKETED
 
     with lane_pair(2, "raw", transport="bulk") as ars:
-        port = ars[0].server._bulk.port
+        port = ars[0].server.bulk.port
         threads = threading.active_count()
         flood = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(100)]
         try:

@@ -173,7 +173,7 @@ def test_watches_through_the_agent_vouch_for_their_ranks_until_one_stops(site):
         wait_until(lambda: all(len(r) >= 3 for r in replies), "the watches never went on", 20)
         live = coord.rank_liveness
         assert live.left_for is None, (live.left_for, agent.stats())
-        assert all(beat.watched for beat in live._ranks), live._ranks  # noqa: SLF001
+        assert live.watched() == list(range(RANKS)), live.watched()
         assert all(c.agent_misses == 0 for c in clients)
         assert all(r and r[-1].generation == 1 and not r[-1].sites for r in replies)
         # The ranks' ~12 watches in one poll (sent again as each rank joined), held as
@@ -225,10 +225,10 @@ def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
         keys = sorted(coord.rank_keys.handed(r) for r in range(2))
         for client in clients:  # a watch each, answered at once: both vouched for
             client.membership_now(known_generation=1, wait_ms=0, timeout_s=10)
-        wait_until(lambda: agent._poll.keys == keys, "the agent never vouched for both")  # noqa: SLF001
+        wait_until(lambda: agent.poll.keys == keys, "the agent never vouched for both")
         polls = agent.stats()["watch_polls"]
         # Both watches ended just now; the agent stalls (a fault injected into its loop).
-        agent._loop.call_soon_threadsafe(time.sleep, 1.5)  # noqa: SLF001
+        agent.loop.call_soon_threadsafe(time.sleep, 1.5)
         out: list = []
         watchers = [
             threading.Thread(
@@ -244,7 +244,7 @@ def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
             t.join(15)
         assert len(out) == 2 and all(c.agent_misses == 0 for c in clients)
         assert agent.stats()["watch_polls"] == polls, agent.stats()
-        assert agent._poll.keys == keys  # noqa: SLF001
+        assert agent.poll.keys == keys
     finally:
         for client in clients:
             client.close()
@@ -304,7 +304,7 @@ def test_only_a_ranks_poll_may_vouch_and_for_a_hosts_worth(site):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.GetMembership(request, timeout=5)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert not any(beat.watched for beat in coord.rank_liveness._ranks)  # noqa: SLF001
+        assert coord.rank_liveness.watched() == []
 
 
 def test_a_step_waits_for_the_ranks_that_watch_here_not_for_the_count_it_was_told(site, tmp_path):
@@ -360,7 +360,7 @@ def test_an_agent_on_its_launchers_channel_calls_the_coordinator_from_its_loop(t
             client.close()
         coord.wait_ready(10)
         agent.start()
-        assert isinstance(agent._upstream, LoopUpstream)  # noqa: SLF001
+        assert isinstance(agent.upstream, LoopUpstream)
         clients = [
             CoordinatorClient.connect(
                 coord.address, security, rank_key=coord.rank_keys.handed(r), agent=agent.address

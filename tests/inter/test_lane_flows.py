@@ -87,7 +87,7 @@ def test_a_round_over_a_capped_link_opens_the_sized_connections_and_is_exact(
         assert stats["a_to_b"]["connections"] >= n
         assert stats["b_to_a"]["connections"] >= n
         # The listener's side of every bulk connection drops a vanished peer.
-        conns = list(servers[0]._bulk._conns)
+        conns = list(servers[0].bulk.conns)
         assert len(conns) == n
         for conn in conns:
             timeout = conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)

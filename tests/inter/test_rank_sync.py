@@ -75,7 +75,7 @@ def test_close_ends_the_watcher_and_the_lane():
         port = int(rank_sync.lane.address.rsplit(":", 1)[1])
         assert listening_on(port)
         rank_sync.close()
-        assert not rank_sync.membership._watcher.is_alive()
+        assert not rank_sync.membership.watcher.is_alive()
         wait_until(lambda: not listening_on(port), "the lane stopped listening", 5.0)
 
 

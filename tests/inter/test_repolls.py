@@ -41,18 +41,25 @@ def test_a_caller_is_answered_at_once_for_a_burst_then_at_its_rate():
 
 def test_only_a_few_polls_are_held_at_once():
     repolls = RePolls(hold_s=5.0, holds=1)
-    held = threading.Thread(target=repolls.hold)
-    held.start()
-    # The one hold is taken.
-    wait_until(lambda: repolls._holding._value == 0, "never held")  # noqa: SLF001
-    start = time.monotonic()
-    assert repolls.hold() is False  # none free: the caller is refused, not held
-    # Refused at once, not after a hold of its own: half the 5 s hold a broken path waits
-    # leaves a loaded machine seconds of slack and still tells the two apart.
-    assert time.monotonic() - start < repolls.hold_s / 2
+    answers: list[tuple[bool, float]] = []
+
+    def hold() -> None:
+        start = time.monotonic()
+        held = repolls.hold()
+        answers.append((held, time.monotonic() - start))
+
+    callers = [threading.Thread(target=hold) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    # One takes the one hold; the other, none free, is refused, not held. Refused at
+    # once, not after a hold of its own: half the 5 s hold a broken path waits leaves a
+    # loaded machine seconds of slack and still tells the two apart.
+    wait_until(lambda: answers, "neither caller was answered")
+    assert answers[0][0] is False and answers[0][1] < repolls.hold_s / 2, answers
     repolls.release_all()
-    held.join(5)
-    assert not held.is_alive()
+    for caller in callers:
+        caller.join(5)
+    assert [held for held, _ in answers] == [False, True]
 
 
 def poll(stub, generation: int, wait_ms: int):

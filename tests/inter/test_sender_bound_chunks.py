@@ -129,14 +129,14 @@ def test_chunks_injected_in_a_peers_name_are_refused_and_cost_no_retry(kind, tra
         # Now site 0 knows site 1's lane: a ticket asked in its name goes there, is
         # refused by it (it made no such nonce), and the caller gets nothing: told, as a
         # lane not met yet would be, that no lane it met asked (it may dial again).
-        live = len(server.tickets._live)
+        live = len(server.tickets.live)
         with grpc.insecure_channel(server.address) as channel:
             ask = lane_pb2.OpenBulkRequest(from_site=1, nonce=os.urandom(32))
             with pytest.raises(grpc.RpcError) as refused:
                 lane_pb2_grpc.LaneStub(channel).OpenBulk(ask, timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "none of the 1 lane(s) of site 1" in refused.value.details()
-        assert len(server.tickets._live) == live  # the ticket it made was cancelled
+        assert len(server.tickets.live) == live  # the ticket it made was cancelled
         assert server.refusals.count >= before + 2 * (total // 1024) + 1
         # The next step, with injections between the rounds, is exact again.
         with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError):

@@ -141,30 +141,25 @@ def test_a_slow_connection_that_keeps_acknowledging_is_not_stalled(
         conn.close()
 
 
-def test_the_deadline_follows_the_measured_rate(monkeypatch) -> None:
+def test_the_deadline_follows_the_measured_rate() -> None:
     """A frame's deadline: from when it could begin to be taken, its size at the
     measured rate (first: ``FIRST_RATE_BPS``) times the slack, plus the floor; a
     stall in a row doubles it, an acknowledgement puts it back."""
-    conn = BulkConnection("127.0.0.1", lambda timeout: (0, b""), proxy=None, name="t")
+    clock = flow_clock.FlowClock()
     frame = frames(1)[0]
     size = frame.payload_bytes + len(frame.header)
-    rnd = PeerRound([conn], deadline=time.monotonic() + 30)
-    with conn._cond:
-        assert conn._due_locked() == float("inf")  # nothing in flight
-        conn._inflight.append(bulk_peer._Sent(rnd, frame, 100.0))
-        first = flow_clock.RATE_SLACK * size / flow_clock.FIRST_RATE_BPS + flow_clock.STALL_FLOOR_S
-        assert conn._due_locked() == pytest.approx(100.0 + first)
-        # Acknowledged after 1 s: the rate is what that frame moved in it.
-        conn._measure_locked(conn._inflight.popleft(), 101.0)
-        assert conn._clock.rate == pytest.approx(size / 1.0)
-        conn._inflight.append(bulk_peer._Sent(rnd, frame, 100.5))  # sent before that ack
-        want = 101.0 + flow_clock.RATE_SLACK * 1.0 + flow_clock.STALL_FLOOR_S
-        assert conn._due_locked() == pytest.approx(want)
-        conn._clock.backoff = 2
-        assert conn._due_locked() == pytest.approx(101.0 + 2 * (want - 101.0))
-        conn._measure_locked(conn._inflight.popleft(), 102.0)
-        assert conn._clock.backoff == 1
-    conn.close()
+    assert clock.due(None, size) == float("inf")  # nothing in flight
+    first = flow_clock.RATE_SLACK * size / flow_clock.FIRST_RATE_BPS + flow_clock.STALL_FLOOR_S
+    assert clock.due(100.0, size) == pytest.approx(100.0 + first)
+    # Acknowledged after 1 s: the rate is what that frame moved in it.
+    clock.acknowledged(100.0, size, 101.0)
+    assert clock.rate == pytest.approx(size / 1.0)
+    want = 101.0 + flow_clock.RATE_SLACK * 1.0 + flow_clock.STALL_FLOOR_S
+    assert clock.due(100.5, size) == pytest.approx(want)  # sent before that ack
+    clock.stalled()
+    assert clock.due(100.5, size) == pytest.approx(101.0 + 2 * (want - 101.0))
+    clock.acknowledged(100.5, size, 102.0)
+    assert clock.backoff == 1
 
 
 def closing_in_hello():
@@ -372,7 +367,7 @@ def test_a_bulk_connection_lost_under_its_frames_sends_them_again_and_the_round_
         warm = inputs(2, [1 << 16], seed=1)  # connections up, as in a running job
         res = run_all([lambda s=s: ars[s].allreduce(warm[s], 0, 0, False) for s in range(2)])
         assert not any(isinstance(r, BaseException) for r in res), res
-        drop_after_first_chunk_of_step(servers[1]._bulk, step=1)
+        drop_after_first_chunk_of_step(servers[1].bulk, step=1)
         res, _want, took = _exact_round(ars, 1 << 20, seed=3)
         assert res[0].stalled_flows >= 1, res  # site 0's connections to site 1 were left
         assert took < 15, took

@@ -100,10 +100,10 @@ def test_closing_a_membership_ends_its_watchers_long_poll_at_once(monkeypatch):
         membership = syncs[0].membership
         assert membership is not None
         # The watcher is in its 30 s poll: the call is out and unanswered.
-        poll = lambda: membership._poll  # noqa: E731, SLF001 (the call close() cancels)
+        poll = lambda: membership.poll  # noqa: E731 (the call close() cancels)
         wait_until(lambda: poll() is not None and not poll().done(), "the watcher never polled")
         started = time.monotonic()
         membership.close()
         # Cancelled, not waited out: half the 30 s poll a broken close would wait.
         assert time.monotonic() - started < 15.0
-        assert not membership._watcher.is_alive()
+        assert not membership.watcher.is_alive()

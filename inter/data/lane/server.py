@@ -157,7 +157,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._address, self._bulk = self._listen(host, port, bulk)
+        self._address, self.bulk = self._listen(host, port, bulk)
         self.handoff = LaneHandoff(
             gate=self.gate,
             outbox=self.outbox,
@@ -240,7 +240,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     @property
     def bulk_port(self) -> int:
         """The bulk listener's TCP port; 0 without one."""
-        return self._bulk.port if self._bulk is not None else 0
+        return self.bulk.port if self.bulk is not None else 0
 
     @property
     def generation(self) -> int:
@@ -284,8 +284,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         """Stops accepting streams; open ones get ``grace`` seconds to finish."""
         self.health.enter_graceful_shutdown()  # NOT_SERVING for every service
         self.offers.clear()
-        if self._bulk is not None:
-            self._bulk.stop()
+        if self.bulk is not None:
+            self.bulk.stop()
         self._server.stop(grace).wait(timeout=(grace or 0) + 5)
 
     def check(self, req: Chunk) -> str | None:

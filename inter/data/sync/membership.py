@@ -148,11 +148,11 @@ class SiteMembership:
         self._same_rank: dict[int, LanePeer] = {}
         self._peers_lock = threading.Lock()  # rounds of several groups open peers at once
         self._stop = threading.Event()
-        self._poll: grpc.Future | None = None  # the watcher's long poll, for close()
+        self.poll: grpc.Future | None = None  # the watcher's long poll, for close()
         self._poll_lock = threading.Lock()
         self.adopt(joined)
-        self._watcher = threading.Thread(target=self._watch, name="membership-watch", daemon=True)
-        self._watcher.start()
+        self.watcher = threading.Thread(target=self._watch, name="membership-watch", daemon=True)
+        self.watcher.start()
 
     @property
     def current(self) -> Generation:
@@ -348,7 +348,7 @@ class SiteMembership:
 
     def _hold_poll(self, call: grpc.Future) -> None:
         with self._poll_lock:
-            self._poll = call
+            self.poll = call
             if self._stop.is_set():
                 call.cancel()
 
@@ -357,9 +357,9 @@ class SiteMembership:
         self._stop.set()
         # End the long poll now: waiting it out cost every rank up to 1 s at the end of a job.
         with self._poll_lock:
-            if self._poll is not None:
-                self._poll.cancel()
-        self._watcher.join(timeout=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S)
+            if self.poll is not None:
+                self.poll.cancel()
+        self.watcher.join(timeout=_WATCH_WAIT_MS / 1000 + _RPC_SLACK_S)
         with self._peers_lock:
             for peer in self._peers.values():
                 peer.close()

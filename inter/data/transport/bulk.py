@@ -143,7 +143,7 @@ class Tickets:
 
     def __init__(self, ttl_s: float = TICKET_TTL_S, limit: int = 256) -> None:
         self._lock = threading.Lock()
-        self._live: dict[bytes, tuple[float, str]] = {}
+        self.live: dict[bytes, tuple[float, str]] = {}
         self._ttl = ttl_s
         self._limit = limit
 
@@ -152,17 +152,17 @@ class Tickets:
         ticket = os.urandom(TICKET_BYTES)
         now = time.monotonic()
         with self._lock:
-            self._live = {t: v for t, v in self._live.items() if v[0] > now}
-            if len(self._live) >= self._limit:  # bounded: the oldest go first
-                for t in sorted(self._live, key=self._live.__getitem__)[: len(self._live) // 2]:
-                    del self._live[t]
-            self._live[ticket] = (now + self._ttl, holder)
+            self.live = {t: v for t, v in self.live.items() if v[0] > now}
+            if len(self.live) >= self._limit:  # bounded: the oldest go first
+                for t in sorted(self.live, key=self.live.__getitem__)[: len(self.live) // 2]:
+                    del self.live[t]
+            self.live[ticket] = (now + self._ttl, holder)
         return ticket
 
     def cancel(self, ticket: bytes) -> None:
         """Forgets a ticket nobody took."""
         with self._lock:
-            self._live.pop(ticket, None)
+            self.live.pop(ticket, None)
 
     def redeem(self, ticket: bytes) -> str | None:
         """The holder of a live ticket, once (compared in constant time); else None."""
@@ -175,10 +175,10 @@ class Tickets:
     def _find(self, ticket: bytes, use: bool) -> str | None:
         now = time.monotonic()
         with self._lock:
-            for t, (expiry, holder) in list(self._live.items()):
+            for t, (expiry, holder) in list(self.live.items()):
                 if hmac.compare_digest(t, ticket):
                     if use or expiry <= now:
-                        del self._live[t]
+                        del self.live[t]
                     return holder if expiry > now else None
         return None
 
@@ -230,7 +230,7 @@ class BulkListener:
         self.port = self._sock.getsockname()[1]
         self._stopped = threading.Event()
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self.conns: set[socket.socket] = set()  # open now, under _lock
         self._thread = threading.Thread(target=self._serve, name="lane-bulk", daemon=True)
         self._thread.start()
 
@@ -256,7 +256,7 @@ class BulkListener:
                 if self._stopped.is_set():
                     conn.close()
                     return
-                self._conns.add(conn)
+                self.conns.add(conn)
                 oldest = None
                 if len(self._waiting) >= MAX_UNTICKETED:
                     oldest = next(iter(self._waiting))
@@ -336,7 +336,7 @@ class BulkListener:
             with self._lock:
                 if held is not None:
                     self._held[held] -= 1
-                self._conns.discard(conn)
+                self.conns.discard(conn)
                 self._waiting.pop(conn, None)
             stream.close()
 
@@ -424,7 +424,7 @@ class BulkListener:
 
     def _close_connections(self) -> None:
         with self._lock:
-            conns, self._conns = list(self._conns), set()
+            conns, self.conns = list(self.conns), set()
         for conn in conns:
             # Shut, not closed: its thread wakes and closes it (a descriptor closed under
             # a thread still reading it could be another connection's a moment later).
