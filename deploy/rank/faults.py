@@ -57,7 +57,7 @@ class FaultInjection:
         if step != self.lane_threads_lost_at or sync is None:
             return
         allreduce = sync.allreduce
-        old, allreduce.pool = allreduce.pool, _PoolLostMidRound(allreduce.workers, step)
+        old, allreduce.pool = allreduce.pool, PoolLostMidRound(allreduce.workers, step)
         old.shutdown(wait=False)
 
     def pace(self, step: int, compute_s: float, sync_s: float, *, floor: bool = True) -> float:
@@ -103,7 +103,7 @@ class StepFloor:
         self.holds = False
 
 
-class _PoolLostMidRound(futures.ThreadPoolExecutor):
+class PoolLostMidRound(futures.ThreadPoolExecutor):
     """Codec threads that are shut down (running tasks finish, queued ones are
     cancelled, later ones refused) once ``LOST_AFTER_TASKS`` tasks were handed to them."""
 

@@ -92,11 +92,11 @@ def test_threads_lost_under_two_groups_fail_both_rounds_at_once_then_heal() -> N
     the step's retry runs on one new pool."""
     import time
 
-    from isthmus.deploy.rank.faults import _PoolLostMidRound
+    from isthmus.deploy.rank.faults import PoolLostMidRound
 
     with lane_pair(2, "int8", timeout_s=20.0, chunk_bytes=16 * 1024) as ars:
         _heals(ars, 1)
-        ars[1].pool = _PoolLostMidRound(ars[1].workers, step=2)
+        ars[1].pool = PoolLostMidRound(ars[1].workers, step=2)
         lost = ars[1].pool
         data = inputs(2, [200_000, 200_000], seed=2)
         started = time.monotonic()
