@@ -8,11 +8,8 @@ later) and bounds the bytes in flight (read from a sender, not yet off the wire)
 `DirectionSpec.queue_limit_bytes`), so a sender feels the bandwidth-delay product as TCP
 backpressure instead of filling an unbounded buffer.
 
-A direction may also cap each connection (`DirectionSpec.per_flow_bps`, as public
-clouds cap one TCP flow): every stream keeps a token bucket (`charge_flow`), the pump
-reads no more from a flow whose bucket is empty (its sender feels the cap as
-backpressure, as behind a cloud's shaper) and each piece arrives no sooner than its
-flow's shaper lets its last bit out. Flows share the link's bandwidth as before.
+A direction may also cap each connection (`DirectionSpec.per_flow_bps`; docs/wan.md,
+"Topology files", says how its token bucket, `charge_flow`, holds a flow back).
 
 Each piece then passes the direction's impairments in order (`sim/impairments/`): they
 may move its time on the wire (jitter), hold it back on its connection (loss stalls, a

@@ -18,9 +18,9 @@ def add_command(
     func: Callable[[argparse.Namespace], int],
 ) -> argparse.ArgumentParser:
     """Add `name`, run by ``func``, whose docstring says it: its first paragraph is the
-    command's line in `isthmus --help`, the rest its description."""
-    assert func.__doc__, f"{func.__name__} has no docstring for `{name} --help`"
-    help, _, description = func.__doc__.partition("\n\n")
+    command's line in `isthmus --help`, the rest its description (both empty under
+    ``python -OO``, which drops docstrings)."""
+    help, _, description = (func.__doc__ or "").partition("\n\n")
     parser = sub.add_parser(
         name,
         help=" ".join(help.split()),
