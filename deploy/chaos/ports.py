@@ -22,7 +22,7 @@ LOWEST_PORT = 10000
 """Below this, ports belong to well-known and registered services."""
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def ephemeral_range() -> tuple[int, int]:
     try:
         low, high = (int(word) for word in EPHEMERAL_RANGE_FILE.read_text().split())
     except (OSError, ValueError):
@@ -43,7 +43,7 @@ def _is_free(port: int) -> bool:
 def free_ports(n: int) -> list[int]:
     """n distinct ports, free on every address right now and outside the kernel's
     ephemeral range where it has room below it (see the module's docstring)."""
-    low, _ = _ephemeral_range()
+    low, _ = ephemeral_range()
     if low - LOWEST_PORT < 1000:  # a range moved down this far leaves no room
         return _kernel_picked(n)
     ports: list[int] = []

@@ -10,7 +10,7 @@ from isthmus.deploy.chaos.ports import free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
-    low, _ = ports._ephemeral_range()
+    low, _ = ports.ephemeral_range()
     chosen = free_ports(8)
     assert len(set(chosen)) == 8
     assert all(ports.LOWEST_PORT <= p < low for p in chosen)
@@ -27,7 +27,7 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
 
 
 def test_a_port_something_listens_on_is_passed_over(monkeypatch):
-    low, _ = ports._ephemeral_range()
+    low, _ = ports.ephemeral_range()
     held = socket.socket()
     held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     port = free_ports(1)[0]
@@ -46,6 +46,6 @@ def test_a_port_something_listens_on_is_passed_over(monkeypatch):
 
 
 def test_a_range_with_no_room_below_falls_back_to_the_kernels_choice(monkeypatch):
-    monkeypatch.setattr(ports, "_ephemeral_range", lambda: (ports.LOWEST_PORT + 10, 60999))
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (ports.LOWEST_PORT + 10, 60999))
     chosen = free_ports(2)
     assert len(set(chosen)) == 2 and all(p > 0 for p in chosen)
