@@ -270,3 +270,22 @@ def test_a_payload_read_inside_tls_is_checksummed_and_checked_for_nan(
     finally:
         server.close()
         client.close()
+
+
+def test_a_tls_payload_that_stalls_times_out_and_a_close_wakes_its_reader(
+    three_site_certs,
+) -> None:
+    """The listener holds the connection's lock for a whole payload: a peer that stops
+    mid-payload still ends the read after ``stall_s`` (TimeoutError), and closing the
+    connection from another thread wakes a read that waits (OSError)."""
+    server, client = _stream_pair(three_site_certs)
+    try:
+        client.send_parts([b"", b"\x02" * 1000])
+        with pytest.raises(TimeoutError):
+            server.recv_payload(memoryview(bytearray(4096)), 0.3, f32=False)
+        threading.Timer(0.3, server.close).start()
+        with pytest.raises(OSError):
+            server.recv_payload(memoryview(bytearray(4096)), 30, f32=False)
+    finally:
+        server.close()
+        client.close()
