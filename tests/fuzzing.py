@@ -265,13 +265,8 @@ class Lane:
 
     def state(self):
         s, m = self.server, self.server.mailbox
-        with m._cond:
-            mailbox = (
-                {k: id(v) for k, v in m._items.items()},
-                set(m._seen),
-                set(m._corrupt),
-                m._floor,
-            )
+        items, seen, corrupt, floor, _ = m.snapshot()
+        mailbox = ({k: id(v) for k, v in items.items()}, set(seen), corrupt, floor)
         offer = s.offers.current
         offer = offer and (offer.generation, offer.step, id(offer.state), sorted(offer.waiting))
         return mailbox, len(s.outbox), s.corruptions, offer, s.generation, s.site_index

@@ -148,7 +148,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             add_joiner=self.failover.ballots.add_joiner_locked,
             tell_values=self.security.require_token or self.security.require_tls,
         )
-        self._peer_loop = PeerLoop(
+        self.peer_loop = PeerLoop(
             settings=s,
             state=st,
             stubs=self._stubs,
@@ -159,7 +159,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         )
         self._server = self._bind(waiters + s.ranks + self.repolls.holds)
         self._joiner = threading.Thread(
-            target=self._peer_loop.run, name=f"join-{s.site}", daemon=True
+            target=self.peer_loop.run, name=f"join-{s.site}", daemon=True
         )
 
     def _bind(self, workers: int) -> grpc.Server:
@@ -386,7 +386,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
 
     Join = _handled_by("Join", "site.name", "admission", "answer_join")
-    Heartbeat = _handled_by("Heartbeat", "site", "_peer_loop", "answer_heartbeat")
+    Heartbeat = _handled_by("Heartbeat", "site", "peer_loop", "answer_heartbeat")
     CommitStep = _handled_by("CommitStep", "site", "failover", "commit_step")
     CommitHostStep = _handled_by("CommitHostStep", "site", "failover", "commit_host_step")
     SiteVote = _handled_by("SiteVote", "site", "failover", "site_vote")

@@ -345,7 +345,7 @@ class Failover:
             settled = set(ready)
             for key in ready:
                 try:
-                    self._settle(key)
+                    self.settle(key)
                 except Exception:  # never let the loop die; the next pass tries again
                     log.exception("[%s] settling step %d failed", st.site, key[0])
 
@@ -384,7 +384,7 @@ class Failover:
             reason=f"{why}: {self.settings.site} left the job; start its ranks again to rejoin",
         )
 
-    def _settle(self, key: Key) -> None:
+    def settle(self, key: Key) -> None:
         st, b = self.state, self.ballots
         with st.cond:
             if key[1] != st.generation:

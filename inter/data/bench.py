@@ -110,7 +110,7 @@ def _site_main(index: int, rank: int, case: dict[str, Any], conn: Any) -> None:
     # As the rank program does (deploy/rank/program.py): else a full collection walks
     # torch's ~180k objects, 0.1-0.3 s on the 2-core VM with the GIL held, in some step.
     gc.freeze()
-    collector = _CollectorClock()
+    collector = CollectorClock()
     c = BenchCase(**case)
     ar = _open_lane(index, c, conn)
     sync = None
@@ -203,7 +203,7 @@ def _median_report(
     tensor: torch.Tensor,
     load: _Load | None,
     barrier: Callable[[], None],
-    collector: _CollectorClock,
+    collector: CollectorClock,
 ) -> dict[str, Any]:
     """Run ``c.warmup`` untimed steps, then ``c.repeats`` timed ones, each begun when
     every lane is ready (``barrier``): this lane's figures of its step of median wall
@@ -240,16 +240,16 @@ def _median_report(
     return {**median, "digest": digest, "steps": runs, "gc_frozen": gc.get_freeze_count()}
 
 
-class _CollectorClock:
+class CollectorClock:
     """Seconds this process has spent in the cyclic garbage collector (``gc.callbacks``):
     a step's share tells a slow step that was a collection from one that was the wire."""
 
     def __init__(self) -> None:
         self.total_s = 0.0
         self._began = 0.0
-        gc.callbacks.append(self._note)
+        gc.callbacks.append(self.note)
 
-    def _note(self, phase: str, info: dict[str, int]) -> None:
+    def note(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
         else:
@@ -355,7 +355,7 @@ def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-    return _summarize(case, reports)
+    return summarize(case, reports)
 
 
 def _proxy(proxies: dict[tuple[int, int], list[str]], i: int, j: int, lane: int) -> str | None:
@@ -373,7 +373,7 @@ def _recv(pipe: Any, index: int, timeout: float) -> Any:
     return msg
 
 
-def _summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(case: BenchCase, reports: list[dict[str, Any]]) -> dict[str, Any]:
     """The case's figures from its lanes' reports, all of the timed step whose slowest
     lane (whose time is the step's, as a site's in training) took the median time."""
     tensor_bytes = int(case.mib * MIB) // 4 * 4

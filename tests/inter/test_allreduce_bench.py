@@ -201,7 +201,7 @@ def test_every_lane_begins_each_step_together_and_the_slowest_times_it() -> None
 
 
 def test_the_collector_clock_counts_a_collection() -> None:
-    clock = bench._CollectorClock()
+    clock = bench.CollectorClock()
     try:
         for _ in range(20_000):
             a: list = []
@@ -209,7 +209,7 @@ def test_the_collector_clock_counts_a_collection() -> None:
         gc.collect()
         assert clock.total_s > 0
     finally:
-        gc.callbacks.remove(clock._note)
+        gc.callbacks.remove(clock.note)
 
 
 def test_a_case_is_timed_by_one_step_not_by_each_lane_median() -> None:
@@ -226,7 +226,7 @@ def test_a_case_is_timed_by_one_step_not_by_each_lane_median() -> None:
 
     walls = ([0.2, 0.1, 0.1], [0.1, 0.2, 0.1])  # each lane's median is 0.1 s
     reports = [{"digest": "d", "steps": [step(w) for w in ws]} for ws in walls]
-    result = bench._summarize(case, reports)
+    result = bench.summarize(case, reports)
     assert result["step_walls_s"] == [0.2, 0.2, 0.1]
     assert result["wall_s"] == 0.2  # the median step; each lane's own median said 0.1
     assert result["link_utilization"] == pytest.approx(2**23 * 8 / 1e9 / 0.2)

@@ -207,7 +207,7 @@ def test_a_site_admitted_back_pulls_the_state_though_its_old_vote_was_settled_me
             coords[0].failover.leader.proposing[3] = ["site0", "site1"]
         with grpc.insecure_channel(site1.address) as channel:
             assert pb_grpc.CoordinatorStub(channel).Propose(admit, timeout=5).accepted
-        site1.failover._settle((4, 1))  # what its loop does with the old vote
+        site1.failover.settle((4, 1))  # what its loop does with the old vote
         decision = vote(site1, 4, 1, wait_s=5)
         assert decision.verdict == pb.VERDICT_REJOIN, decision
         assert decision.generation == 3 and decision.state_source == "site0"

@@ -92,8 +92,7 @@ def expected_push(lane: Lane, chunks):
     here). Returns the keys added, marked corrupt, acknowledged again, and whether the
     stream is accepted."""
     m = lane.server.mailbox
-    with m._cond:
-        seen, floor, live = dict(m._seen), m._floor, m._live
+    _, seen, _, floor, live = m.snapshot()
     added, corrupt, again = [], [], []
     for req in chunks:
         why = lane.server.check(req)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from isthmus.inter.data.round.context import RunningTasks, _current_frames
+from isthmus.inter.data.round.context import RunningTasks, current_frames
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_the_frames_are_read_with_no_collection_under_the_thread_lock(collection
     sys._current_frames()
     assert collections, "the threshold of 1 should start a collection here"
     collections.clear()
-    frames = _current_frames()
+    frames = current_frames()
     assert collections == []
     assert threading.get_ident() in frames
     assert gc.isenabled()

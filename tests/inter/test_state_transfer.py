@@ -391,13 +391,13 @@ def allocations(monkeypatch) -> list[int]:
     the forged pieces here would take GiBs)."""
     made: list[int] = []
 
-    class Recorded(state_transfer._Assembly):
+    class Recorded(state_transfer.Assembly):
         def __init__(self, p: lane_pb2.StatePiece) -> None:
             made.append(p.total_bytes)
             assert p.total_bytes <= 64 << 20, f"allocated {p.total_bytes} bytes for {p.name}"
             super().__init__(p)
 
-    monkeypatch.setattr(state_transfer, "_Assembly", Recorded)
+    monkeypatch.setattr(state_transfer, "Assembly", Recorded)
     return made
 
 

@@ -226,6 +226,12 @@ class Mailbox:
         with self._cond:
             return len(self._items)
 
+    def snapshot(self) -> tuple[dict, dict[MailboxKey, int], set[MailboxKey], int, bool]:
+        """One consistent copy of its items, replay guard (key: the first copy's declared
+        crc32), corrupt keys, floor, and whether a round set that floor."""
+        with self._cond:
+            return dict(self._items), dict(self._seen), set(self._corrupt), self._floor, self._live
+
     @property
     def floor(self) -> int:
         """The live step: chunks of earlier steps are refused."""

@@ -199,7 +199,7 @@ def describe(site: int, exc: BaseException) -> str:
     return f"sending to site {site} failed: {exc}"
 
 
-def _current_frames() -> dict[int, FrameType]:
+def current_frames() -> dict[int, FrameType]:
     """``sys._current_frames()`` with the cyclic collector off. CPython 3.11 builds its
     dict under the runtime's lock of thread states; a collection that the dict's
     allocation starts there can run a gRPC object's finalizer, which waits for a gRPC
@@ -241,7 +241,7 @@ class RunningTasks:
 
     def where(self) -> list[str]:
         """One line per running task: its name and its thread's innermost frames."""
-        frames = _current_frames()
+        frames = current_frames()
         with self._lock:
             running = dict(self._running)
         lines = []

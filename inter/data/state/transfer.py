@@ -147,7 +147,7 @@ def pieces(state: Mapping[str, torch.Tensor]) -> Iterator[lane_pb2.StatePiece]:
                 break
 
 
-class _Assembly:
+class Assembly:
     """One tensor being put together from its pieces."""
 
     def __init__(self, piece: lane_pb2.StatePiece) -> None:
@@ -158,7 +158,7 @@ class _Assembly:
 
 
 def _check(
-    piece: lane_pb2.StatePiece, current: _Assembly | None, expected: ExpectedState, limit: int
+    piece: lane_pb2.StatePiece, current: Assembly | None, expected: ExpectedState, limit: int
 ) -> str | None:
     if not 0 < len(piece.name) <= MAX_NAME_CHARS:
         return f"tensor name of {len(piece.name)} characters"
@@ -207,7 +207,7 @@ def assemble(
     limit = expected.max_total_bytes
     out: dict[str, torch.Tensor] = {}
     name: str | None = None
-    current: _Assembly | None = None
+    current: Assembly | None = None
     total = opened = 0
 
     def finish() -> None:
@@ -246,7 +246,7 @@ def assemble(
                         f"{expected.open_prefix!r} to {opened}, beyond the "
                         f"{expected.open_bytes} this rank allows them"
                     )
-            current = _Assembly(piece)
+            current = Assembly(piece)
         current.buffer[piece.offset : piece.offset + len(piece.data)] = piece.data
         current.filled += len(piece.data)
     if current is not None:
