@@ -1,11 +1,8 @@
 """The bulk transport: a lane's chunks on plain TCP, beside its gRPC service.
 
-Why: python gRPC copies every received message about three times while it holds the
-GIL (slice by slice into a bytearray, then into bytes) and once more on send; on a
-16-core GPU host one lane topped out near 0.5 GB/s of tensor however little else it
-did (docs/benchmarks/lanes.md). Here a received chunk is read with ``recv_into``
-straight into the buffer the round then sums from, and sent with one scatter-gather
-``sendmsg``; both release the GIL for the whole copy.
+Why: python gRPC copies a received message about three times under the GIL, which held
+one lane near 0.5 GB/s (docs/benchmarks/lanes.md); here a chunk is read with ``recv_into``
+straight into the round's buffer and sent with one ``sendmsg``, the GIL released for both.
 
 The messages are the same ``PushChunksRequest`` encodings as on gRPC
 (:mod:`isthmus.inter.data.transport.wire`), validated by the same code (``LaneServer.accept``). On
@@ -33,13 +30,9 @@ one connection, for as many rounds as the lane lives:
   stream ends. A record head that fails its own checksum is refused (DATA_LOSS):
   the frame boundaries are lost.
 
-The listener (server side) is here; the sending side is :mod:`isthmus.inter.data.transport.bulk_peer`.
-
-A lane with mutual TLS runs all of this inside TLS 1.3 (:mod:`isthmus.inter.data.transport.bulk_stream`):
-the connection's first bytes are the handshake, both sides present a certificate of
-the job CA, and the ticket's holder must be a site the client's certificate names.
-Without TLS payloads cross in the clear. Every read is bounded (frame length, hello
-size, timeouts), so a silent or hostile peer costs one thread, never the job.
+The sending side is :mod:`.bulk_peer`. With mutual TLS all of this runs inside TLS 1.3
+(:mod:`.bulk_stream`, docs/wire.md). Every read is bounded (frame length, hello size,
+timeouts), so a silent or hostile peer costs one thread, never the job.
 """
 
 from __future__ import annotations
@@ -85,15 +78,12 @@ TICKET_BYTES = 32
 TICKET_TTL_S = 60.0
 HELLO_TIMEOUT_S = 10.0  # a connection that does not present its ticket in time is closed
 FRAME_STALL_S = 30.0
-"""A frame whose bytes stop coming for this long is given up and its connection closed:
-400 frames begun and left open once held 450 MB and 400 threads of one rank (issue 33,
-row 4). Between frames a connection may idle: rounds can be minutes apart."""
+"""A frame whose bytes stop for this long closes its connection (400 frames left open once
+held 450 MB and 400 threads); between frames a connection may idle for minutes."""
 MAX_UNTICKETED = 16
-"""Connections that have not yet presented a ticket, at once: the next one closes the
-oldest of them. 600 such connections once took 516 threads, and the listener died when
-descriptors ran out (issue 33, row 5). A real peer presents its ticket within
-milliseconds of connecting, so it is never the oldest for long; a flood only
-replaces itself."""
+"""Connections without a ticket yet, at once; the next closes the oldest (600 once took 516
+threads and the listener's descriptors). A real peer presents its ticket within
+milliseconds, so a flood only replaces itself."""
 LINGER_S = 2.0  # how long a refusing server reads on so its refusal is not reset away
 OK, ACCEPTED, CORRUPT, REFUSED, RESEND = 0, 1, 2, 3, 4
 _MAGIC_V1 = b"ISTHBULK"  # one message with one checksum over all of it; refused by name
@@ -191,17 +181,10 @@ Accept = Callable[[Chunk, str, str], tuple[int, grpc.StatusCode | None, str]]
 class BulkListener:
     """The server side: a listening socket and a thread per connection.
 
-    Args:
-        host: interface to bind (the lane's).
-        accept: judges and stores one chunk (``LaneServer.take``), told the site the
-            connection's ticket was granted to.
-        max_frame: the largest payload accepted, in bytes.
-        where: who listens, for log lines.
-        tickets: the lane's tickets (granted by ``OpenBulk``); default a new set.
-        tls: the listener's TLS context (``bulk_stream.server_context``): every
-            connection then runs the framing inside mutual TLS; None: plain TCP.
-        vouch: with TLS, whether a certificate's DNS names vouch for a ticket's
-            holder (a site's name); a connection whose do not is refused.
+    ``accept`` judges and stores one chunk (``LaneServer.take``), told the site the
+    connection's ticket was granted to; ``tls`` (``bulk_stream.server_context``) runs every
+    connection inside mutual TLS, where with ``vouch`` a certificate's DNS names must name
+    the ticket's holder; None is plain TCP.
     """
 
     def __init__(
@@ -218,12 +201,10 @@ class BulkListener:
         self.tickets = tickets or Tickets()
         self._tls = tls
         self._vouch = vouch if tls is not None else None
-        self.refusals = refusals or RefusalLog(where)
-        """Connections turned away, logged once per caller and reason a minute."""
+        self.refusals = refusals or RefusalLog(where)  # once per caller and reason a minute
         self._waiting: dict[socket.socket, str] = {}  # no ticket yet, oldest first
         self._held: Counter[str] = Counter()  # ticketed connections open, per site
-        self.corrupt_frames = 0
-        """Frames that failed the record's checksum (each sent again by the peer)."""
+        self.corrupt_frames = 0  # frames that failed the record's checksum (each sent again)
         self._accept = accept
         self._max_frame = max_frame
         self._sock = socket.create_server((host, 0), backlog=64)
