@@ -16,7 +16,10 @@ side has two: one writes frames, one reads their acknowledgements. So a TlsStrea
 socket is non-blocking and every TLS call runs under the stream's lock, which is
 never held while waiting: a thread whose call would block releases it and polls
 the socket. A sender stuck on a full send buffer thus never keeps the reader from
-an acknowledgement, nor from noticing a stalled flow.
+an acknowledgement, nor from noticing a stalled flow. One exception: the listener's
+payload read (:meth:`TlsStream.recv_payload`) keeps the lock through its waits, since
+the listener's thread is the connection's only user there; ``close`` shuts the
+socket first, which ends such a wait.
 """
 
 from __future__ import annotations
@@ -252,12 +255,9 @@ class TlsStream:
                 got += n
 
     def recv_payload(self, buf: memoryview, stall_s: float, f32: bool) -> tuple[int, bool | None]:
-        """Fills ``buf``, then checksums it (and checks fp32 words for NaN/Inf). Python's
-        ``ssl`` decrypts one 16 KiB record a call, each taking the GIL back: no C path
-        here, since ``ssl`` offers C code no hold of its TLS object. The lock is taken
-        once for the payload, not once a record (a raw TLS lane moved 0.50-0.55 GB/s so
-        against 0.42-0.43 on a 16-core H100): only the listener, a connection's one
-        user, reads payloads."""
+        """Fills ``buf``, then checksums it (and checks fp32 words for NaN/Inf), in Python:
+        ``ssl`` offers C code no hold of its TLS object. The lock once a payload, not once
+        a 16 KiB record: 0.50-0.55 GB/s against 0.42-0.43 on a 16-core H100."""
         view = memoryview(buf).cast("B")
         got, size = 0, len(view)
         with self._lock:
