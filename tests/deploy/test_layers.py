@@ -15,15 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from helpers import ROOT
-
-# Where each folder lives in the import namespace (pyproject's [tool.setuptools.package-dir]).
-PACKAGES = {
-    "proto": "isthmus.proto",
-    "intra": "isthmus.intra",
-    "inter": "isthmus.inter",
-    "sim": "isthmus.sim",
-    "deploy": "isthmus.deploy",
-}
+from sources import PACKAGES, package_modules, write_tree
 
 # (the importing package, what of ours it may import, what it must not even so); a
 # module obeys every rule whose package holds it (inter/control: both inter's and its own).
@@ -67,17 +59,6 @@ COORDINATOR = "isthmus.inter.control.coordinator"
 
 def _under(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
-
-
-def _modules(root: Path) -> Iterator[tuple[Path, str, bool]]:
-    """Each source file with its module name and whether it is a package's __init__."""
-    for folder, package in PACKAGES.items():
-        for path in sorted((root / folder).rglob("*.py")):
-            if "_pb2" in path.name:  # generated (proto/generate.py), never edited
-                continue
-            parts = path.relative_to(root / folder).with_suffix("").parts
-            is_package = parts[-1] == "__init__"
-            yield path, ".".join((package, *parts[: -1 if is_package else None])), is_package
 
 
 def _resolve(name: str, level: int, module: str, is_package: bool) -> str:
@@ -156,21 +137,15 @@ def _broken_rule(module: str, name: str, exports: set[str]) -> str | None:
 def violations(root: Path) -> list[str]:
     """One line per import that breaks a rule: file, line, the statement, and the rule."""
     found, exports = set(), data_plane_exports(root)
-    for path, module, is_package in _modules(root):
+    for path, module, is_package in package_modules(root):
         for line, name, statement in imports(path.read_text(), module, is_package):
             if _under(name, "isthmus") and (why := _broken_rule(module, name, exports)):
                 found.add((str(path.relative_to(root)), line, f"{statement}  ({why})"))
     return [f"{path}:{line}: {text}" for path, line, text in sorted(found)]
 
 
-def _write(root: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-
-
 def test_every_layer_imports_only_what_the_layout_allows() -> None:
-    scanned = {module.split(".")[1] for _, module, _ in _modules(ROOT)}
+    scanned = {module.split(".")[1] for _, module, _ in package_modules(ROOT)}
     assert scanned == set(PACKAGES), scanned  # a moved folder must not pass by vanishing
     found = violations(ROOT)
     assert not found, "imports against docs/design.md's Layout:\n" + "\n".join(found)
@@ -213,7 +188,7 @@ def test_the_check_sees_imports_wherever_they_stand(tmp_path: Path) -> None:
             "import isthmus.inter.data\n"
         ),
     }
-    _write(tmp_path, files)
+    write_tree(tmp_path, files)
     found = violations(tmp_path)
     where = [line.split("  (")[0] for line in found]
     assert where == [
@@ -255,7 +230,7 @@ def _part(module: str) -> str | None:
 def deploy_parts(root: Path) -> dict[str, dict[str, str]]:
     """Each deploy part's imports of the other parts: {part: {imported part: where}}."""
     graph: dict[str, dict[str, str]] = {}
-    for path, module, is_package in _modules(root):
+    for path, module, is_package in package_modules(root):
         if (part := _part(module)) is None:
             continue
         graph.setdefault(part, {})
@@ -330,7 +305,7 @@ def test_the_cycle_check_sees_a_cycle_and_an_import_of_the_cli(tmp_path: Path) -
         "deploy/launch/__init__.py": "",
         "deploy/launch/local.py": "from isthmus.deploy.config.job import JobConfig\n",
     }
-    _write(tmp_path, files)
+    write_tree(tmp_path, files)
     found = deploy_cycles(tmp_path)
     assert [line.split("  (")[0] for line in found] == [
         "deploy/commands/local.py:1: from isthmus.deploy.cli import EXIT_USAGE",
@@ -356,7 +331,7 @@ KNOWN_CYCLES = {
 def module_graph(root: Path) -> dict[str, dict[str, str]]:
     """Each module's imports of our modules: {module: {imported module: where}}. A name
     that is no module (``from isthmus.inter.data import crc32``) is its package's."""
-    found = {module: (path, is_package) for path, module, is_package in _modules(root)}
+    found = {module: (path, is_package) for path, module, is_package in package_modules(root)}
     graph: dict[str, dict[str, str]] = {}
     for module, (path, is_package) in found.items():
         edges = graph.setdefault(module, {})
@@ -422,7 +397,7 @@ def test_the_cycle_check_sees_cycles_wherever_their_imports_stand(tmp_path: Path
         "sim/b.py": "from isthmus.sim.c import C\nimport isthmus.proto.lane_pb2\n",
         "sim/c.py": "import importlib\nimportlib.import_module('isthmus.deploy')\n",
     }
-    _write(tmp_path, files)
+    write_tree(tmp_path, files)
     found = module_cycles(tmp_path)
     assert found == {
         frozenset({"isthmus.inter.data.lane.server", "isthmus.inter.data.lane.helper"}): [
@@ -439,104 +414,3 @@ def test_the_cycle_check_sees_cycles_wherever_their_imports_stand(tmp_path: Path
             "inter/data/sync/rank.py:1: from isthmus.inter.data import crc32",
         ],
     }, found
-
-
-# Sizes (issue 64): no module over 450 lines and a new one at most 400, no function or
-# method over 80. The modules and functions below were larger when the rule came; each
-# is to be cut, and its entry then removed: the lists only shrink.
-MODULE_LINES, NEW_MODULE_LINES, FUNCTION_LINES = 450, 400, 80
-KNOWN_LARGE_MODULES = {
-    "deploy/api.py",
-    "deploy/config/job.py",
-    "deploy/config/sections.py",
-    "deploy/launch/ranks.py",
-    "inter/bounds.py",
-    "inter/control/agent_socket.py",
-    "inter/control/coordinator.py",
-    "inter/control/coordinator_client.py",
-    "inter/control/failover.py",
-    "inter/control/host_agent.py",
-    "inter/control/state.py",
-    "inter/data/bench.py",
-    "inter/data/sync/gradient.py",
-    "inter/data/transport/bulk.py",
-    "inter/data/transport/bulk_peer.py",
-    "intra/checkpoint.py",
-    "intra/hf_layout.py",
-    "intra/train.py",
-    "sim/pump.py",
-    "sim/relay.py",
-}
-KNOWN_LONG_FUNCTIONS = {
-    "deploy/chaos/suite.py:_inject",
-    "deploy/commands/coordinator.py:cmd_coordinator",
-    "inter/control/peer_loop.py:PeerLoop.join_round",
-    "inter/data/round/allreduce.py:CrossSiteAllReduce.allreduce",
-}
-
-
-def _functions(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, int]]:
-    """Each function and method, by its qualified name, with its length in lines."""
-    for node in ast.iter_child_nodes(tree):
-        name = f"{prefix}{getattr(node, 'name', '')}"
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield name, node.end_lineno - node.lineno + 1  # type: ignore[operator]
-        yield from _functions(node, f"{name}." if isinstance(node, ast.ClassDef) else prefix)
-
-
-def size_breaches(root: Path, large: set[str], long: set[str]) -> list[str]:
-    """One line per module or function over its size that its list does not name, and per
-    entry of a list that no longer needs to be there."""
-    found, seen = [], set()
-    for path, _, _ in _modules(root):
-        where, source = str(path.relative_to(root)), path.read_text()
-        lines = len(source.splitlines())
-        limit = MODULE_LINES if where in large else NEW_MODULE_LINES
-        if where in large and lines > NEW_MODULE_LINES:
-            seen.add(where)
-        if lines > limit:
-            found.append(f"{where}: {lines} lines (at most {limit})")
-        for function, length in _functions(ast.parse(source)):
-            if f"{where}:{function}" in long and length > FUNCTION_LINES:
-                seen.add(f"{where}:{function}")
-            elif length > FUNCTION_LINES:
-                found.append(f"{where}:{function}: {length} lines (at most {FUNCTION_LINES})")
-    found += [f"{entry}: within its limit now, or gone" for entry in sorted((large | long) - seen)]
-    return found
-
-
-def test_no_module_or_function_is_over_its_size() -> None:
-    found = size_breaches(ROOT, KNOWN_LARGE_MODULES, KNOWN_LONG_FUNCTIONS)
-    assert not found, "split it, or remove the entry (the lists only shrink):\n" + "\n".join(found)
-
-
-def test_the_size_check_sees_long_modules_and_functions_and_stale_entries(
-    tmp_path: Path,
-) -> None:
-    long_body = "def f():\n" + "    x = 1\n" * 80  # 81 lines
-    method = "class C:\n    def g(self):\n" + "        x = 1\n" * 80
-    files = {
-        "proto/__init__.py": "",
-        "intra/new.py": "x = 1\n" * 401,
-        "intra/old.py": "x = 1\n" * 420,
-        "intra/shrunk.py": "x = 1\n" * 400,
-        "inter/big.py": "x = 1\n" * 451,
-        "inter/lane_pb2.py": "x = 1\n" * 900,  # generated: skipped
-        "sim/f.py": long_body,
-        "sim/known.py": long_body + method,
-        "deploy/short.py": "def f():\n    pass\n",
-    }
-    _write(tmp_path, files)
-    found = size_breaches(
-        tmp_path,
-        {"intra/old.py", "intra/shrunk.py", "inter/big.py"},
-        {"sim/known.py:f", "deploy/short.py:f"},
-    )
-    assert sorted(found) == [
-        "deploy/short.py:f: within its limit now, or gone",
-        "inter/big.py: 451 lines (at most 450)",
-        "intra/new.py: 401 lines (at most 400)",
-        "intra/shrunk.py: within its limit now, or gone",
-        "sim/f.py:f: 81 lines (at most 80)",
-        "sim/known.py:C.g: 81 lines (at most 80)",
-    ], found
