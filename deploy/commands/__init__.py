@@ -29,3 +29,18 @@ def add_command(
     )
     parser.set_defaults(func=func)
     return parser
+
+
+def add_group(
+    sub: argparse._SubParsersAction,
+    formatter: type[argparse.HelpFormatter],
+    name: str,
+    said_by: Callable,
+    dest: str,
+    metavar: str = "COMMAND",
+) -> argparse._SubParsersAction:
+    """Add `name`, a command of subcommands that ``said_by``'s docstring says (as
+    `add_command`'s ``func``'s); returns the action its subcommands join."""
+    parser = add_command(sub, formatter, name, said_by)
+    parser.set_defaults(func=None)  # its subcommand's, which a subparser's default sets
+    return parser.add_subparsers(dest=dest, metavar=metavar, required=True)

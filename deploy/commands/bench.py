@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isthmus.deploy.commands import add_command
+from isthmus.deploy.commands import add_command, add_group
 from isthmus.deploy.config.job import ConfigError
 from isthmus.deploy.config.run_sections import MAX_SYNC_CHUNK_BYTES
 from isthmus.inter.data import connections_for_link, parse_codec_spec, sync_chunk_bytes
@@ -345,11 +345,8 @@ def _run_cases(args: argparse.Namespace, cases: list, out: dict) -> None:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    parser = sub.add_parser(
-        "bench",
-        help="benchmark the data plane",
-        description="Benchmarks of isthmus's data plane over emulated links.",
-        formatter_class=formatter,
-    )
-    kinds = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    """benchmark the data plane
+
+    Benchmarks of isthmus's data plane over emulated links."""
+    kinds = add_group(sub, formatter, "bench", register, "bench", "BENCHMARK")
     add_arguments(add_command(kinds, formatter, "allreduce", cmd_bench_allreduce))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from isthmus.deploy.commands import add_group
 from isthmus.intra.corpus.prepare import DEFAULT_SHARD_TOKENS, prepare
 
 __all__ = ["register"]
@@ -35,14 +36,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `isthmus data prepare` to the CLI."""
-    parser = sub.add_parser(
-        "data",
-        help="turn local text/jsonl/parquet files into token shards once",
-        description="Work on training data before a job (docs/data.md).",
-        formatter_class=formatter,
-    )
-    actions = parser.add_subparsers(dest="data_action", required=True, metavar="ACTION")
+    """turn local text/jsonl/parquet files into token shards once
+
+    Work on training data before a job (docs/data.md)."""
+    actions = add_group(sub, formatter, "data", register, "data_action", "ACTION")
     prep = actions.add_parser(
         "prepare",
         help="tokenize local files into a folder of token shards and a manifest",

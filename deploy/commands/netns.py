@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from isthmus.deploy.commands import add_command
+from isthmus.deploy.commands import add_command, add_group
 from isthmus.sim import LinkSpec
 from isthmus.sim.control import DEFAULT_ADDRESS, parse_address
 from isthmus.sim.netns import DEFAULT_POOL, NetnsError, teardown
@@ -20,16 +20,11 @@ DEFAULT_JOB = "wan"
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """Add `netns up` and `netns down` under `sub` (the subcommands of `isthmus wan`)."""
-    netns = sub.add_parser(
-        "netns",
-        help="sites as network namespaces; any TCP program crosses the emulated link",
-        description="Transparent mode: each site is a network namespace, and every TCP "
-        "connection from one site to another's address crosses the emulated link. "
-        "Needs root and iptables.",
-        formatter_class=formatter,
-    )
-    actions = netns.add_subparsers(dest="netns_command", metavar="{up,down}", required=True)
+    """sites as network namespaces; any TCP program crosses the emulated link
+
+    Transparent mode: each site is a network namespace, and every TCP connection from one
+    site to another's address crosses the emulated link. Needs root and iptables."""
+    actions = add_group(sub, formatter, "netns", register, "netns_command", "{up,down}")
     up = add_command(actions, formatter, "up", cmd_up)
     up.add_argument("--sites", type=int, default=2, help="number of sites")
     up.add_argument(

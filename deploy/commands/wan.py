@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from isthmus.deploy.commands import add_command
+from isthmus.deploy.commands import add_command, add_group
 from isthmus.sim import (
     RelayServer,
     Topology,
@@ -49,21 +49,16 @@ def _error(message: str) -> ValueError:
 def register(
     sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter] | None = None
 ) -> None:
-    """Add `isthmus wan` (up, show, set, netns) to the CLI; ``formatter`` by default
-    `isthmus`'s own."""
+    """emulate WAN links standalone; show or change them live
+
+    Emulate the links of a topology file (sites, and latency, bandwidth, queue and
+    impairments per pair and direction) for any TCP program, and show or change them while
+    they run. See docs/wan.md."""
     if formatter is None:
         from isthmus.deploy.commands.arguments import HelpFormatter
 
         formatter = HelpFormatter
-    wan = sub.add_parser(
-        "wan",
-        help="emulate WAN links standalone; show or change them live",
-        description="Emulate the links of a topology file (sites, and latency, bandwidth, "
-        "queue and impairments per pair and direction) for any TCP program, and show "
-        "or change them while they run. See docs/wan.md.",
-        formatter_class=formatter,
-    )
-    wsub = wan.add_subparsers(dest="wan_command", metavar="COMMAND", required=True)
+    wsub = add_group(sub, formatter, "wan", register, "wan_command")
     from isthmus.deploy.commands import netns as netns_cmd
 
     netns_cmd.register(wsub, formatter)  # `netns up` serves the control endpoint too
