@@ -94,12 +94,7 @@ class RefusalLog:
     from how many hosts, and which host sent the most. The kind is ``reason`` with its
     numbers and quoted names left out; the line carries ``reason`` and ``detail`` whole,
     so ``detail`` is the place for an exception's text or a name a caller chose.
-
-    Args:
-        where: names the server in each line, e.g. "coordinator of site0".
-        lines: refusals logged per window, at most, over all hosts and kinds.
-        window_s: the window, seconds (60: "a minute" above).
-        clock: monotonic seconds (a test moves it).
+    ``where`` names the server in each line ("coordinator of site0").
     """
 
     def __init__(
@@ -120,19 +115,12 @@ class RefusalLog:
         self._logged = 0  # refusals logged in this window
         self._unlogged: dict[str, int] = {}  # host -> refusals not logged in this window
         self._overflow = 0  # of those, from hosts past the first _MAX_CALLERS
-        self.count = 0
-        """Refusals so far (logged or not)."""
+        self.count = 0  # refusals so far, logged or not
 
     def note(self, peer: str, reason: str, detail: str = "") -> None:
-        """Counts a refusal, and logs it unless the bounds above say otherwise.
-
-        Args:
-            peer: the caller's address (``context.peer()``, or "HOST:PORT").
-            reason: what was refused and why, in words that stay the same for the
-                same refusal (numbers and quoted names may vary).
-            detail: what varies beyond that (an exception's text), logged but not
-                part of the kind.
-        """
+        """Counts a refusal from ``peer`` (``context.peer()``, or "HOST:PORT"), and logs it
+        unless the bounds above say otherwise. ``reason`` stays the same words for the
+        same refusal (numbers and quoted names may vary)."""
         now = self._clock()
         host = peer_host(peer)
         key = (host, _VARIABLE.sub("#", reason))
@@ -232,14 +220,8 @@ class RePolls:
     (a token bucket); a poll beyond that is held ``hold_s`` before its answer, so a
     client that asks again as soon as it is answered asks ``1 / hold_s`` times a
     second instead of as fast as the CPU goes. At most ``holds`` polls are held at
-    once (each holds a thread); one that finds none free is refused at once.
-
-    Args:
-        per_s: answered-at-once polls a second per caller, once the burst is spent.
-        burst: answered-at-once polls a caller may send in a row.
-        hold_s: how long a poll past the rate is held, seconds.
-        holds: polls held at once (threads the server keeps for it: see ``pool_size``).
-        clock: monotonic seconds (a test moves it).
+    once (each holds a thread the server keeps: ``pool_size``); one that finds none free
+    is refused at once.
     """
 
     def __init__(
@@ -290,14 +272,9 @@ class RePolls:
 
 
 class WaitSlots:
-    """At most ``slots`` calls wait at once (see the module docstring).
-
-    Args:
-        slots: calls that may wait at once.
-        what: what a slot is for, in the refusal's log line ("long polls").
-        refusals: where a call turned away is logged.
-        repolls: paces the callers answered at once (None: they are not paced).
-    """
+    """At most ``slots`` calls wait at once (see the module docstring); ``what`` names a
+    slot in the refusal's log line ("long polls"), and ``repolls`` (if any) paces the
+    callers answered at once."""
 
     def __init__(
         self, slots: int, what: str, refusals: RefusalLog, repolls: RePolls | None = None
@@ -314,7 +291,6 @@ class WaitSlots:
 
     @property
     def free(self) -> int:
-        """Slots free now."""
         with self._lock:
             return self.slots - self._used
 
@@ -346,15 +322,9 @@ class WaitSlots:
         *,
         paced: bool = True,
     ) -> Iterator[bool]:
-        """Yields True with a slot held for the block, or False (answer at once).
-
-        Args:
-            context: the call's context (its peer is the caller's host).
-            caller: what the call claims to be ("site0 rank 1", "site1's vote"); the
-                caller is that at its host.
-            share: slots one caller may hold at once (default: all).
-            paced: whether ``repolls`` paces the caller (not a rank that proved its key).
-        """
+        """Yields True with a slot held for the block, or False (answer at once). The
+        caller is what the call claims to be ("site0 rank 1") at its host, holding at
+        most ``share`` slots; ``paced``: ``repolls`` paces it (not a rank that proved its key)."""
         peer = context.peer()
         who = f"{caller or 'a caller'} at {peer_host(peer)}"
         busy = self._take(who, self.slots if share is None else share)
@@ -375,14 +345,8 @@ class WaitSlots:
     def hold_for_stream(
         self, context: grpc.ServicerContext, caller: str = "", share: int | None = None
     ) -> None:
-        """Takes a slot until the call ends, or refuses it with RESOURCE_EXHAUSTED.
-
-        Args:
-            context: the call's context.
-            caller: who holds the stream, as the server knows it (a site named by its
-                certificate or its ticket); "" for anyone.
-            share: slots one caller may hold at once (default: all).
-        """
+        """Takes a slot until the call ends, or refuses it with RESOURCE_EXHAUSTED;
+        ``caller`` is who holds the stream as the server knows it ("" for anyone)."""
         who = caller or "a caller"
         busy = self._take(who, share)
         release = functools.partial(self._give, who)
@@ -393,11 +357,7 @@ class WaitSlots:
 
 
 class BoundedHealth(health.HealthServicer):
-    """grpc.health.v1 with at most :data:`HEALTH_WATCHES` ``Watch`` streams open.
-
-    Args:
-        refusals: where a watch turned away is logged.
-    """
+    """grpc.health.v1 with at most :data:`HEALTH_WATCHES` ``Watch`` streams open."""
 
     def __init__(self, refusals: RefusalLog) -> None:
         super().__init__()

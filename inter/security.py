@@ -75,16 +75,9 @@ MIN_TOKEN_CHARS = 16
 
 @dataclass(frozen=True, slots=True)
 class SiteSecurity:
-    """One site's credentials and what its servers require.
-
-    Args:
-        require_tls: serve only mutual TLS and dial with it (needs ca, cert, key).
-        require_token: refuse calls without the job token (needs token).
-        ca: PEM of the job CA certificate: the only issuer trusted, both directions.
-        cert: PEM of this site's certificate (signed by the CA).
-        key: PEM of this site's private key.
-        token: the job token, attached to every outgoing call when set.
-    """
+    """One site's credentials (PEM; the job CA is the only issuer trusted, both ways) and
+    what its servers require: mutual TLS (``ca``, ``cert``, ``key``), the job token (which
+    every outgoing call carries when set)."""
 
     require_tls: bool = False
     require_token: bool = False
@@ -114,14 +107,8 @@ class SiteSecurity:
         require_tls: bool = False,
         require_token: bool = False,
     ) -> SiteSecurity:
-        """Read the files `isthmus certs` wrote: ca.crt, SITE.crt, SITE.key, token.
-
-        Only what a switch needs is read: the certificates for TLS, the token for the
-        token (from ``token_file``, default CERTS_DIR/token).
-
-        Raises:
-            ValueError: a needed file is missing or unreadable (the message names it).
-        """
+        """Read the files `isthmus certs` wrote: ca.crt, SITE.crt, SITE.key, token (default
+        CERTS_DIR/token), only those a switch needs; ``ValueError`` names one unreadable."""
         folder = Path(certs_dir)
 
         def read(path: Path) -> bytes:
@@ -130,8 +117,7 @@ class SiteSecurity:
             except OSError as exc:
                 raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
 
-        ca = cert = key = None
-        token = None
+        ca = cert = key = token = None
         if require_tls:
             ca, cert, key = (
                 read(folder / name) for name in ("ca.crt", f"{site}.crt", f"{site}.key")
@@ -139,27 +125,15 @@ class SiteSecurity:
         if require_token:
             path = Path(token_file) if token_file else folder / "token"
             token = read(path).decode("ascii", errors="replace").strip()
-        return cls(
-            require_tls=require_tls,
-            require_token=require_token,
-            ca=ca,
-            cert=cert,
-            key=key,
-            token=token,
-        )
+        return cls(require_tls, require_token, ca, cert, key, token)
 
     @property
     def enabled(self) -> bool:
         return self.require_tls or self.require_token
 
-    # -- servers --------------------------------------------------------------------
-
     def add_port(self, server: grpc.Server, address: str) -> int:
-        """Bind ``address`` on ``server``: mutual TLS when required, else plaintext.
-
-        Returns:
-            The bound port; 0 when binding failed (as gRPC's own add_*_port).
-        """
+        """Bind ``address`` on ``server`` (mutual TLS when required, else plaintext); the
+        bound port, 0 when binding failed (as gRPC's own add_*_port)."""
         try:
             if not self.require_tls:
                 return server.add_insecure_port(address)
@@ -174,15 +148,8 @@ class SiteSecurity:
         self, where: str, refusals: RefusalLog | None = None
     ) -> list[grpc.ServerInterceptor]:
         """Interceptors for ``grpc.server(interceptors=...)``; none when all is off.
-
-        Args:
-            where: who is refusing, for the log line ("coordinator site0", "lane site1/0").
-            refusals: where refused calls are logged and counted (default: a log of
-                the interceptor's own, named ``where``).
-        """
+        ``where`` names who refuses in the log line ("coordinator site0")."""
         return [_Gate(self, refusals or RefusalLog(where))] if self.enabled else []
-
-    # -- clients --------------------------------------------------------------------
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A channel to ``address``: mutual TLS when required, the token on every call.
@@ -190,10 +157,8 @@ class SiteSecurity:
         Works through an HTTP CONNECT proxy (``grpc.http_proxy`` in ``options``): TLS
         runs inside the tunnel, end to end between the two sites.
         """
-        options = list(options)
-        if self.require_tls:
-            options.append(("grpc.ssl_target_name_override", TLS_NAME))
-            credentials = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+        options, credentials = self._dial(options)
+        if credentials is not None:
             channel = grpc.secure_channel(address, credentials, options=options)
         else:
             channel = grpc.insecure_channel(address, options=options)
@@ -203,14 +168,19 @@ class SiteSecurity:
         _AIO_TWINS[channel] = functools.partial(self.aio_channel, address, tuple(options))
         return channel
 
+    def _dial(self, options: Sequence[tuple[str, Any]]) -> tuple[list, Any]:
+        """A channel's options and its TLS credentials (None: plaintext)."""
+        if not self.require_tls:
+            return list(options), None
+        tls = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+        return [*options, ("grpc.ssl_target_name_override", TLS_NAME)], tls
+
     def aio_channel(self, address: str, options: Sequence[tuple[str, Any]] = ()):
         """A ``grpc.aio`` channel to ``address`` as :meth:`channel` opens one (mutual TLS
         when required, the token on every call). Open it on the event loop that uses it."""
-        options = list(options)
+        options, credentials = self._dial(options)
         interceptors = _aio_token(self.token) if self.token else None
-        if self.require_tls:
-            options.append(("grpc.ssl_target_name_override", TLS_NAME))
-            credentials = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+        if credentials is not None:
             return grpc.aio.secure_channel(
                 address, credentials, options=options, interceptors=interceptors
             )
@@ -254,10 +224,6 @@ def refuse_unless_named(
     why = f"its certificate does not name site {claimed[:64]!r}"
     log.warning("%s refused %s from %s: %s", where, method, context.peer(), why)
     context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{where}: {why}")
-
-
-class _Refusal(Exception):
-    pass
 
 
 class _Gate(grpc.ServerInterceptor):
@@ -345,13 +311,9 @@ class _TokenAttacher(
 
     def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
         metadata = [*(details.metadata or ()), self._entry]
+        d = details
         return _CallDetails(
-            details.method,
-            details.timeout,
-            metadata,
-            details.credentials,
-            details.wait_for_ready,
-            details.compression,
+            d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression
         )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
@@ -377,12 +339,9 @@ class _AioToken:
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
+        d = details
         return grpc.aio.ClientCallDetails(
-            details.method,
-            details.timeout,
-            metadata,
-            details.credentials,
-            details.wait_for_ready,
+            d.method, d.timeout, metadata, d.credentials, d.wait_for_ready
         )
 
 

@@ -197,22 +197,13 @@ def register_rank(
 ) -> None:
     """What a rank does first: register its lane and its key at its site's coordinator
     (over ``security``'s channel: its token, its TLS; plaintext without)."""
+    from isthmus.inter.control.coordinator_client import CoordinatorClient
     from isthmus.inter.security import INSECURE
-    from isthmus.proto import coordinator_pb2 as pb
-    from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 
     with (security or INSECURE).channel(address) as channel:
-        pb_grpc.CoordinatorStub(channel).RegisterRank(
-            pb.RegisterRankRequest(
-                site=site,
-                rank=rank,
-                world_size=world_size,
-                lane_address=lane,
-                fingerprint=pb.JobFingerprint(fields=fingerprint),
-                rank_key=key,
-            ),
-            timeout=5,
-        )
+        client = CoordinatorClient(channel, rank_key=key)
+        where = {"site": site, "rank": rank, "world_size": world_size, "lane_address": lane}
+        client.register_rank(**where, fingerprint=fingerprint, timeout_s=5)
 
 
 def fake_checkpoint(root: Path, step: int, *, manifest: bool = True) -> Path:

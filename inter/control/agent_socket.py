@@ -38,14 +38,8 @@ from pathlib import Path
 
 import grpc
 
-from isthmus.inter.control.agent_wire import (
-    FrameError,
-    Frames,
-    Kind,
-    StatusError,
-    frame,
-    status_error,
-)
+from isthmus.inter.control import agent_wire
+from isthmus.inter.control.agent_wire import FrameError, Frames, Kind, StatusError
 
 __all__ = ["AgentConnection", "AgentLink", "AgentNotUp", "AgentRefused", "connect_agent"]
 
@@ -67,7 +61,6 @@ class AgentNotUp(Exception):
 
 
 def _socket_path(address: str) -> Path:
-    """The file of a "unix:PATH" or "unix:///PATH" address."""
     for scheme in ("unix://", "unix:"):
         if address.startswith(scheme):
             return Path(os.path.abspath(address[len(scheme) :]))
@@ -113,12 +106,8 @@ def _check_folders(address: str, folder: Path, ours: int) -> None:
 
 def connect_agent(address: str) -> AgentConnection:
     """A connection to the host agent at ``address`` ("unix:PATH"), once it is checked as
-    the module docstring says (nothing is sent on it before).
-
-    Raises:
-        AgentRefused: it is not to be trusted (its message says why, in one line).
-        AgentNotUp: the folder or the socket is not there yet, or nothing listens on it.
-    """
+    the module docstring says (nothing is sent on it before). Raises :class:`AgentRefused`
+    (why, in one line) or :class:`AgentNotUp` (not there yet, or nothing listens)."""
     path = _socket_path(address)
     ours = os.geteuid()  # the user that SO_PEERCRED reports, and that owns what one makes
     try:
@@ -171,10 +160,6 @@ class AgentConnection:
     Any number of threads may :meth:`call` at once: the one that finds no other reading
     reads, and hands the others their answers. :meth:`send` and :meth:`receive` serve an
     event loop (a benchmark's many simulated ranks in one process).
-
-    Raises:
-        AgentRefused: the listener runs as another user.
-        OSError: nothing to connect to.
     """
 
     def __init__(self, path: Path) -> None:
@@ -209,14 +194,14 @@ class AgentConnection:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def send(self, kind: Kind, payload: bytes, *, rid: int = 0) -> int:
-        """Sends one frame (a new request id unless ``rid``); returns its id.
+    def _next_id(self) -> int:
+        return next(self._ids) & 0xFFFFFFFF or next(self._ids)
 
-        Raises:
-            StatusError: UNAVAILABLE, the connection is broken.
-        """
-        rid = rid or next(self._ids) & 0xFFFFFFFF or next(self._ids)
-        data = memoryview(frame(kind, rid, payload))
+    def send(self, kind: Kind, payload: bytes, *, rid: int = 0) -> int:
+        """Sends one frame (a new request id unless ``rid``); returns its id. Raises
+        ``StatusError`` UNAVAILABLE when the connection is broken."""
+        rid = rid or self._next_id()
+        data = memoryview(agent_wire.frame(kind, rid, payload))
         with self._sending:
             while data and not self.broken:
                 try:
@@ -260,18 +245,14 @@ class AgentConnection:
         timeout_s: float,
         on_call: Callable[[_Request], None] | None = None,
     ) -> tuple[int, bytes]:
-        """Sends a request and waits for its answer: (kind, payload), never an ERROR.
+        """Sends a request and waits for its answer: (kind, payload), never an ERROR (the
+        agent's refusal raises ``StatusError``, as do a deadline and a broken connection).
         ``on_call`` is handed the request first: its ``cancel()`` ends it at once, and
-        this raises ``grpc.FutureCancelledError``.
-
-        Raises:
-            StatusError: the agent's refusal; DEADLINE_EXCEEDED after ``timeout_s``;
-                UNAVAILABLE when the connection broke.
-        """
+        this raises ``grpc.FutureCancelledError``."""
         deadline = time.monotonic() + timeout_s
         request = _Request(self, 0)
         with self._cond:
-            request.rid = next(self._ids) & 0xFFFFFFFF or next(self._ids)
+            request.rid = self._next_id()
             self._waiting[request.rid] = request
         try:
             self.send(kind, payload, rid=request.rid)
@@ -290,7 +271,7 @@ class AgentConnection:
         if answer_kind == Kind.ERROR:
             if request.cancelled:
                 raise grpc.FutureCancelledError()
-            raise status_error(answer)
+            raise agent_wire.status_error(answer)
         return answer_kind, answer
 
     def _wait(self, request: _Request, deadline: float) -> None:
@@ -336,11 +317,7 @@ class AgentLink:
     One not up yet is waited for in the background for ``wait_s`` (the rank's start-up
     deadline); a connection that broke is opened (and checked) again at most every half
     second. The rank's log gets one line about its agent at most, the first of: refused
-    (why), not up within ``wait_s``, unreachable after it was up (:meth:`unreachable`).
-
-    Args:
-        address: where the agent listens ("unix:PATH").
-        wait_s: how long to wait for an agent that is not up yet; 0: look once.
+    (why), not up within ``wait_s`` (0: look once), unreachable after it was up.
     """
 
     def __init__(self, address: str, *, wait_s: float = 0.0) -> None:
@@ -360,11 +337,9 @@ class AgentLink:
                     f"host agent at {address} not up ({exc}): calling the coordinator directly"
                 )
                 return
+            args = (time.monotonic() + wait_s, wait_s)
             self._waiter = threading.Thread(
-                target=self._wait,
-                args=(time.monotonic() + wait_s, wait_s),
-                name="host-agent-wait",
-                daemon=True,
+                target=self._wait, args=args, name="host-agent-wait", daemon=True
             )
             self._waiter.start()
 
@@ -375,10 +350,7 @@ class AgentLink:
 
     def connection(self) -> AgentConnection | None:
         """The connection to the agent; None when it was never checked, or refused.
-
-        Raises:
-            StatusError: UNAVAILABLE, the agent was up and cannot be reached now.
-        """
+        Raises ``StatusError`` UNAVAILABLE when it was up and cannot be reached now."""
         if not self._checked:
             return None
         with self._lock:

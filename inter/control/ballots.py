@@ -4,7 +4,7 @@ failover loop and the leader, and guarded by ``CoordinatorState.cond`` like the 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from isthmus.inter.control.state import Adoption, CoordinatorState, Key, failover_log
 from isthmus.proto import coordinator_pb2 as pb
@@ -131,19 +131,13 @@ class Ballots:
         )
         self.state.cond.notify_all()
 
-    def adopt_locked(
-        self,
-        generation: int,
-        sites: Sequence[pb.SiteInfo],
-        *,
-        start_step: int,
-        state_source: str,
-        leader: str,
-    ) -> Adoption:
-        """:meth:`CoordinatorState.adopt_generation_locked`, then: the new members are no
-        longer joiners, and a site admitted back hands its waiting ranks a REJOIN."""
+    def adopt_locked(self, proposal: pb.ProposeRequest) -> Adoption:
+        """:meth:`CoordinatorState.adopt_generation_locked` of ``proposal`` (a Propose's, or
+        a decision's with the same news), then: the new members are no longer joiners,
+        and a site admitted back hands its waiting ranks a REJOIN."""
+        p, sites, start_step = proposal, proposal.sites, proposal.start_step
         outcome = self.state.adopt_generation_locked(
-            generation, sites, start_step=start_step, state_source=state_source, leader=leader
+            p.generation, sites, start_step=start_step, state_source=p.state_source, leader=p.leader
         )
         if outcome is Adoption.STALE:
             return outcome
@@ -154,11 +148,11 @@ class Ballots:
             self.rejoin = pb.Decision(
                 step=start_step,
                 verdict=pb.VERDICT_REJOIN,
-                generation=generation,
+                generation=p.generation,
                 sites=sites,
-                state_source=state_source,
+                state_source=p.state_source,
                 state_step=max(0, start_step - 1),
-                reason=f"admitted again by {leader} at step {start_step}",
+                reason=f"admitted again by {p.leader} at step {start_step}",
             )
             self.state.decision_news.publish_all()
         return outcome

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent import futures
+
 import grpc
 
 from isthmus.inter.security import INSECURE, SiteSecurity
@@ -53,3 +55,18 @@ def peer_channel(
     if proxy:
         options.append(("grpc.http_proxy", proxy))
     return (security or INSECURE).channel(address, options)
+
+
+def control_server(workers: int, name: str, interceptors: list) -> grpc.Server:
+    """A control-plane gRPC server: ``workers`` handler threads named ``name``-N."""
+    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+    return grpc.server(pool, options=server_options(MESSAGE_LIMITS), interceptors=interceptors)
+
+
+def add_port(server: grpc.Server, security: SiteSecurity, address: str, who: str) -> int:
+    """Binds ``address`` on ``server`` as ``security`` says; the port, or an ``OSError``
+    that says why ``who`` could not bind it."""
+    bound = security.add_port(server, address)
+    if bound == 0:
+        raise OSError(f"{who} could not bind {address}: {bind_failure(address)}")
+    return bound

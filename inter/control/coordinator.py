@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent import futures
 from operator import attrgetter
 from typing import Any
 
@@ -24,15 +23,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from isthmus.inter.bounds import BoundedHealth, RefusalLog, RePolls, WaitSlots, pool_size
+from isthmus.inter.control import channels
 from isthmus.inter.control import rank_keys as handouts
 from isthmus.inter.control.abort import abort_problem
 from isthmus.inter.control.admission import MAX_FIELD_CHARS, Admission
-from isthmus.inter.control.channels import (
-    MESSAGE_LIMITS,
-    bind_failure,
-    peer_channel,
-    server_options,
-)
 from isthmus.inter.control.failover import Failover
 from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.inter.control.peer_loop import PeerLoop
@@ -77,16 +71,10 @@ def _handled_by(method: str, who: str, helper: str, handle: str) -> Any:
 class Coordinator(pb_grpc.CoordinatorServicer):
     """One site's coordinator: a gRPC server plus a thread that joins the peers.
 
-    Args:
-        settings: the site, the job's sites, the fingerprint, where to bind, the
-            timeouts and the failover settings (inter/control/settings.py).
-        peers: peer site name -> coordinator address, for every other site; or given by
-            `set_peers` before `start` (a server bound to port 0 knows its address late).
-        proxies: peer site name -> HTTP CONNECT proxy URL of the link to it (optional).
-        security: mutual TLS and the job token; None = plaintext, no token.
-        rank_keys: which key each local rank registers with; by default one random key
-            per rank, which the site's launcher in this process hands its ranks.
-        clock: what every time of the control plane is read from (seconds, monotonic).
+    ``peers`` (site -> coordinator address) may come later by `set_peers`, before `start`
+    (a server bound to port 0 knows its address late); ``proxies`` name each link's HTTP
+    CONNECT proxy. ``rank_keys`` by default draws one random key per rank, which the
+    site's launcher in this process hands its ranks. Every time is read from ``clock``.
     """
 
     def __init__(
@@ -108,14 +96,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if peers is not None:
             self.set_peers(peers, proxies)
         self.rank_keys = rank_keys or RankKeys.draw(s.site, s.ranks)
-        """Which process speaks for each local rank (the key its launcher handed it)."""
         self.security = security or INSECURE
         self.where = s.where
         self.metrics = SiteMetrics(s.site)
         self.metrics_address: str | None = None
         # Long polls wait on a slot each, or answer at once; each caller holds its share
-        # (two a rank, a peer site, a host), and one answered at once too often is paced
-        # unless it proved a rank's key (inter/bounds.py, issue 33 row 9).
+        # (two a rank, a peer site, a host), paced unless it proved a rank's key.
         self.refusals = RefusalLog(self.where)
         waiters = 2 * s.ranks + 2 * len(s.site_names) + 2
         self.repolls = RePolls()
@@ -132,15 +118,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # A rank silent as long as a suspected peer site is dead (rank_liveness.py).
         self.rank_liveness = RankLiveness(s.ranks, s.failure_timeout_s, clock)
         self.failover = Failover(
-            s,
-            st,
-            stubs=self._stubs,
-            rank_keys=self.rank_keys,
-            refusals=self.refusals,
-            long_polls=self.long_polls,
-            witness=self.witness,
-            rank_liveness=self.rank_liveness,
-        )
+            s, st, stubs=self._stubs, rank_keys=self.rank_keys, refusals=self.refusals,
+            long_polls=self.long_polls, witness=self.witness, rank_liveness=self.rank_liveness,
+        )  # fmt: skip
         self.admission = Admission(
             settings=s,
             state=st,
@@ -165,28 +145,19 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def _bind(self, workers: int) -> grpc.Server:
         """The gRPC server, bound where the settings say (`address` tells where)."""
         s = self.settings
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=pool_size(workers), thread_name_prefix=f"coord-{s.site}"
-            ),
-            options=server_options(MESSAGE_LIMITS),
-            interceptors=[
-                *self.security.server_interceptors(self.where, self.refusals),
-                MalformedRequests(),  # bytes that do not parse: INVALID_ARGUMENT
-            ],
+        interceptors = self.security.server_interceptors(self.where, self.refusals)
+        # MalformedRequests: bytes that do not parse are INVALID_ARGUMENT.
+        server = channels.control_server(
+            pool_size(workers), f"coord-{s.site}", [*interceptors, MalformedRequests()]
         )
         pb_grpc.add_CoordinatorServicer_to_server(self, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        bound = self.security.add_port(server, f"{s.host}:{s.port}")
-        if bound == 0:
-            where = f"{s.host}:{s.port}"
-            raise OSError(f"coordinator for {s.site} could not bind {where}: {bind_failure(where)}")
+        where = f"coordinator for {s.site}"
+        bound = channels.add_port(server, self.security, f"{s.host}:{s.port}", where)
         self.address = self.state.address = f"{s.host}:{bound}"
         if self.rank_keys.bound:  # for the launcher of this site's ranks, in this process
             handouts.publish(self.address, self.rank_keys)
         return server
-
-    # -- lifecycle ---------------------------------------------------------------
 
     def set_peers(
         self, peers: Mapping[str, str], proxies: Mapping[str, str | None] | None = None
@@ -209,7 +180,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.metrics_address = f"{host}:{self.metrics.serve(host, metrics_port)}"
         self.state.mark_started()
         for name, address in self.peers.items():
-            channel = peer_channel(address, self.proxies.get(name), self.security)
+            channel = channels.peer_channel(address, self.proxies.get(name), self.security)
             self._channels.append(channel)
             self._stubs[name] = pb_grpc.CoordinatorStub(channel)
         self._joiner.start()
@@ -305,8 +276,6 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 raise CoordinatorError(st.error)
             return st.infos_locked(st.members)
 
-    # -- RPC handlers ---------------------------------------------------------------
-
     def RegisterRank(self, request, context):  # noqa: N802 (gRPC method name)
         refuse_unless_named(self.security, context, self.where, request.site, "RegisterRank")
         theirs, who = dict(request.fingerprint.fields), f"rank {request.rank}"
@@ -316,10 +285,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 f"rank registered for site {request.site[:64]!r} at the coordinator of {self.site}"
             )
         if problem is None and (request.world_size != self.ranks or request.rank >= self.ranks):
-            problem = (
-                f"rank {request.rank} of world size {request.world_size} does not fit "
-                f"site {self.site} with {self.ranks} ranks"
-            )
+            size = f"rank {request.rank} of world size {request.world_size}"
+            problem = f"{size} does not fit site {self.site} with {self.ranks} ranks"
         # The ranks of a job of one site run no lanes: they register only their keys.
         address = request.lane_address
         if problem is None and (len(address) > MAX_FIELD_CHARS or (self.peers and not address)):

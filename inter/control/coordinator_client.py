@@ -4,8 +4,8 @@ A rank speaks to its site's coordinator only (docs/design.md, "Coordinator"): it
 its lane and its key, waits for the job's membership, votes on each step and watches for
 silent members (through its host's agent when it has one, inter/control/host_agent.py),
 on rank 0 reports each step's progress, and says when its script raised (which stops the
-job at every site). :class:`CoordinatorClient` builds the protobuf messages: its callers
-pass and get plain values. The rank's key (:func:`~isthmus.inter.control.rank_keys.process_key`)
+job at every site). :class:`CoordinatorClient` builds the protobuf messages, but for a
+report (:data:`Progress`). The rank's key (:func:`~isthmus.inter.control.rank_keys.process_key`)
 goes with every registration, vote and report: the coordinator counts a vote and takes a
 site's digest only from its own ranks. Every call has a deadline (docs/design.md
 invariant 5) and raises ``grpc.RpcError`` when refused or not answered in time.
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -65,16 +66,9 @@ _MEMBERSHIP_RPC_TIMEOUT_S = 15.0
 
 @dataclass(frozen=True, slots=True)
 class Membership:
-    """The job's membership as a rank first learns it (``GetMembershipResponse``).
-
-    Attributes:
-        generation: the membership generation, > 0.
-        sites: the member sites, ordered by index.
-        start_step: the first step this site trains in the generation; > 0 when it
-            joins a running job and pulls the state after ``start_step - 1``.
-        state_source: the site whose ranks serve that state; "" when the job starts
-            here (or the source is this site).
-    """
+    """The job's membership as a rank first learns it (``GetMembershipResponse``):
+    ``start_step`` > 0 when the site joins a running job and pulls the state after
+    ``start_step - 1`` from ``state_source``'s ranks ("" when the job starts here)."""
 
     generation: int
     sites: tuple[SiteInfo, ...]
@@ -84,74 +78,22 @@ class Membership:
 
 @dataclass(frozen=True, slots=True)
 class MembershipNow:
-    """The job's membership as the coordinator sees it now (a watch's answer).
-
-    Attributes:
-        generation: the coordinator's generation (0 before the job starts).
-        sites: its member sites, ordered by index.
-        suspects: members the coordinator has not heard from within the failure timeout.
-    """
+    """The job's membership as the coordinator sees it now (a watch's answer): generation
+    0 before the job starts; ``suspects`` not heard from within the failure timeout."""
 
     generation: int
     sites: tuple[SiteInfo, ...]
     suspects: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Progress:
-    """One step's report of a site to its coordinator (``ReportProgressRequest``).
-
-    Fields left out are 0 (or "" / False), as a report of a site that trained no step
-    leaves them.
-
-    Attributes:
-        site: this site's name.
-        step: steps completed, this one included.
-        loss: the step's mean training loss over the site's ranks.
-        step_s: wall seconds of the step.
-        compute_s: seconds of it spent computing.
-        cross_site_s: seconds the step waited on the cross-site sync.
-        tokens: tokens the site trained on this step.
-        cross_site_bytes: bytes the site's lanes sent across sites, after the codec.
-        raw_bytes: the same bytes before the codec.
-        mfu: model FLOPs utilisation of the step, 0..1 (0 when unknown).
-        sync_busy_s: seconds the lanes were busy with the step's rounds.
-        digest: sha256 hex of the full parameters after ``digest_step`` steps; "" when
-            none was computed this step.
-        digest_step: the step count ``digest`` is of; 0 without a digest.
-        finished: this was the job's last step.
-        model_layout: with a digest after 0 steps, one line per parameter, "name
-            shape dtype" (:func:`isthmus.intra.digest.model_layout`).
-        script_metrics: a script's own numbers of the step, by name.
-    """
-
-    site: str
-    step: int
-    loss: float = 0.0
-    step_s: float = 0.0
-    compute_s: float = 0.0
-    cross_site_s: float = 0.0
-    tokens: int = 0
-    cross_site_bytes: int = 0
-    raw_bytes: int = 0
-    mfu: float = 0.0
-    sync_busy_s: float = 0.0
-    digest: str = ""
-    digest_step: int = 0
-    finished: bool = False
-    model_layout: str = ""
-    script_metrics: dict[str, float] = field(default_factory=dict)
+Progress = pb.ReportProgressRequest
+"""One step's report of a site to its coordinator, its fields named as in
+proto/coordinator.proto (those left out are 0, "" or False); the client adds the key."""
 
 
 class CoordinatorClient:
-    """One rank's calls to its site's coordinator, over one channel.
-
-    Args:
-        channel: a channel to the coordinator (:meth:`connect` opens one).
-        rank_key: the key this process registers its rank with and sends with its
-            reports; None: the process's own (:func:`process_key`); a test may play a rank.
-        agent: the way to this host's agent (:meth:`connect` opens one); None: none.
-    """
+    """One rank's calls to its site's coordinator, over one channel. ``rank_key`` None:
+    the process's own (:func:`process_key`); a test may play a rank."""
 
     def __init__(
         self,
@@ -166,8 +108,7 @@ class CoordinatorClient:
         self._session = HostSession(self.stub)
         """Where this rank's waiting votes go without an agent: one open stream."""
         self.agent = agent
-        """The way to this host's agent (inter/control/host_agent.py), for votes and
-        watches, once it is checked (inter/control/agent_socket.py); None: no agent."""
+        """The way to this host's agent for votes and watches, once it is checked."""
         self.agent_misses = 0
         """Calls meant for the agent that went to the coordinator (it was unreachable)."""
 
@@ -227,14 +168,8 @@ class CoordinatorClient:
         fingerprint: Mapping[str, str],
         timeout_s: float,
     ) -> None:
-        """Registers this rank's lane and key: what a rank does first.
-
-        Waits for the coordinator to come up (``wait_for_ready``), at most ``timeout_s``.
-
-        Args:
-            lane_address: "host:port" peers reach this rank's lane at; "" in a job of
-                one site (no lanes: only the key is registered).
-            fingerprint: the job fingerprint (``JobConfig.fingerprint()``).
+        """Registers this rank's lane ("" in a job of one site) and key: what a rank does
+        first. Waits for the coordinator to come up, at most ``timeout_s``.
 
         Raises:
             grpc.RpcError: FAILED_PRECONDITION when the coordinator refuses the rank
@@ -311,27 +246,17 @@ class CoordinatorClient:
                 other codes when the coordinator did not answer.
             TimeoutError: the session gave no answer in ``timeout_s``.
         """
-        request = pb.CommitStepRequest(
-            site=site,
-            rank=rank,
-            step=step,
-            generation=generation,
-            ok=ok,
-            wait_ms=wait_ms,
-            rank_key=self.rank_key,
-            sites_known=True,
-        )
+        ballot: dict[str, Any] = {"rank": rank, "ok": ok, "rank_key": self.rank_key}
+        on: dict[str, Any] = {
+            "site": site,
+            "step": step,
+            "generation": generation,
+            "wait_ms": wait_ms,
+        }
         if wait_ms == 0:
+            request = pb.CommitStepRequest(**on, **ballot, sites_known=True)
             return self.stub.CommitStep(request, timeout=timeout_s)
-        ballot = pb.RankBallot(rank=rank, ok=ok, rank_key=self.rank_key)
-        votes = pb.CommitHostStepRequest(
-            site=site,
-            step=step,
-            generation=generation,
-            ballots=[ballot],
-            wait_ms=wait_ms,
-            sites_known=True,
-        )
+        votes = pb.CommitHostStepRequest(**on, ballots=[pb.RankBallot(**ballot)], sites_known=True)
         via_agent = self._via_agent(Kind.VOTE, votes, timeout_s)
         if via_agent is not None:
             return pb.Decision.FromString(via_agent)
@@ -387,7 +312,8 @@ class CoordinatorClient:
         """:meth:`report_progress`, answering also whether every member site reported
         the same digest after 0 steps (``progress.digest_step == 0``), so the sites
         start from the same parameters: ``(divergence, agreed)``."""
-        request = pb.ReportProgressRequest(**asdict(progress), rank_key=self.rank_key)
+        request = pb.ReportProgressRequest(rank_key=self.rank_key)
+        request.MergeFrom(progress)
         reply = self.stub.ReportProgress(request, timeout=timeout_s)
         return reply.divergence, reply.agreed
 

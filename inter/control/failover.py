@@ -1,9 +1,9 @@
 """Step commit, failover and admission: the coordinator's part of docs/design.md invariants 2 and 3.
 
-Every step, each rank votes on its cross-site rounds at its own coordinator
-(``CommitStep``, site-local). Once every local rank has voted, the site votes at the
-*leader* -- the lowest-index member it has not lost touch with -- with ``SiteVote``
-(one WAN call per site per step). The leader alone decides, per (step, generation):
+Each rank votes on its step's rounds at its own coordinator (``CommitStep``); once all
+have, the site votes at the *leader*, the lowest-index member it has not lost touch with
+(``SiteVote``: one WAN call per site per step). The leader alone decides, per (step,
+generation):
 
 * COMMIT when every member voted ok: each site applies the update (invariant 2: an
   update is applied once or not at all). A COMMIT may carry the next generation when
@@ -14,15 +14,13 @@ Every step, each rank votes on its cross-site rounds at its own coordinator
   every member runs the step's rounds again in it, untouched shards and all.
 * STOP when no quorum can be formed for ``quorum_wait_s``.
 
-Quorum: more than half of the job's sites, or exactly half including the job's first
-site (so a 2-site job split in two goes on on one side only). If the leader itself
-falls silent, the next member in index order takes over: it proposes g+1 and asks
-every member which steps it committed, so a COMMIT the old leader handed out before
-dying is honoured rather than contradicted.
+Quorum: more than half of the job's sites, or exactly half including the first site
+(a 2-site job split in two goes on on one side only). If the leader falls silent, the
+next member in index order proposes g+1 and asks every member which steps it committed,
+so a COMMIT the old leader handed out before dying is honoured.
 
-A site that learns from a heartbeat that the job moved on without it (a partition
-healed after the other side went on) joins again and is admitted like a restarted
-site: its ranks get REJOIN and pull the state.
+A site that learns from a heartbeat that the job moved on without it joins again and is
+admitted like a restarted site: its ranks get REJOIN and pull the state.
 """
 
 from __future__ import annotations
@@ -56,6 +54,10 @@ MAX_STEP = 1 << 40  # steps beyond this are refused as nonsense
 MAX_HOST_BALLOTS = 256  # ranks one CommitHostStep speaks for (a host has 8 or so)
 
 
+def _pending(step: int, reason: str = "") -> pb.Decision:
+    return pb.Decision(step=step, verdict=pb.VERDICT_PENDING, reason=reason)
+
+
 def _check_range(request, context: grpc.ServicerContext) -> None:
     if request.step > MAX_STEP or request.generation == 0:
         why = f"step {request.step} / generation {request.generation} out of range"
@@ -63,14 +65,9 @@ def _check_range(request, context: grpc.ServicerContext) -> None:
 
 
 class Failover:
-    """The voting and membership-change logic of one site's coordinator.
-
-    The membership lives in ``state``, the votes and decisions in :attr:`ballots`;
-    decisions only the leader takes are :attr:`leader`'s. ``stubs`` (each peer's, by
-    name) is filled once the site starts; ``long_polls`` are the slots a vote waits for
-    its decision in; a rank that ``rank_liveness`` finds dead makes the site leave the
-    job (:meth:`_watch_ranks`).
-    """
+    """The voting and membership-change logic of one site's coordinator: the membership
+    lives in ``state``, the votes and decisions in :attr:`ballots`, the leader's decisions
+    in :attr:`leader`. ``stubs`` is filled once the site starts."""
 
     def __init__(
         self,
@@ -84,16 +81,12 @@ class Failover:
         witness: WitnessLink | None,
         rank_liveness: RankLiveness,
     ) -> None:
-        self.settings = settings
-        self.state = state
-        self.stubs = stubs
-        self._rank_keys = rank_keys
-        self._refusals = refusals
-        self._long_polls = long_polls
-        self.ballots = Ballots(self.state)
+        self.settings, self.state, self.stubs = settings, state, stubs
+        self._rank_keys, self._refusals, self._long_polls = rank_keys, refusals, long_polls
+        self.ballots = Ballots(state)
         self.rank_liveness = rank_liveness
         self.leader = Leader(
-            state=self.state,
+            state=state,
             ballots=self.ballots,
             peer_stub=stubs.__getitem__,
             rpc_timeout_s=settings.rpc_timeout_s,
@@ -113,7 +106,6 @@ class Failover:
         return alive[0] if alive else self.state.site
 
     def _refuse_if_too_far_locked(self, step: int, context: grpc.ServicerContext) -> None:
-        """Refuses (and logs) a vote for a step too far past the one this site runs."""
         st, window = self.state, self.settings.vote_window
         runs = max(st.committed_steps, st.start_step, self.settings.first_step)
         if step > runs + window:
@@ -121,16 +113,12 @@ class Failover:
             self._refusals.note(context.peer(), far)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.settings.where}: {far}")
 
-    # -- lifecycle -----------------------------------------------------------------------
-
     def start(self) -> None:
         self._thread.start()
 
     def join(self, timeout: float) -> None:
         if self._thread.is_alive():
             self._thread.join(timeout)
-
-    # -- handlers ------------------------------------------------------------------------
 
     def commit_step(self, request: pb.CommitStepRequest, context: grpc.ServicerContext):
         """A local rank's vote; long poll for the decision on (step, generation)."""
@@ -167,19 +155,15 @@ class Failover:
         ballots: Sequence[pb.RankBallot],
         context: grpc.ServicerContext,
     ) -> Key:
-        """Checks the ballots of local ranks on (step, generation), each with its rank's
-        key, and records them all or refuses the call with none recorded."""
-        s = self.settings
+        """Records all the ballots, each with its rank's key, or refuses the call with none."""
+        s, invalid = self.settings, grpc.StatusCode.INVALID_ARGUMENT
         if request.site != s.site:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"vote for site {request.site[:64]!r} sent to the coordinator of {s.site}",
-            )
+            why = f"vote for site {request.site[:64]!r} sent to the coordinator of {s.site}"
+            context.abort(invalid, why)
         for ballot in ballots:
             if ballot.rank >= s.ranks:
                 context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"rank {ballot.rank} is not one of {s.site}'s {s.ranks} ranks",
+                    invalid, f"rank {ballot.rank} is not one of {s.site}'s {s.ranks} ranks"
                 )
         _check_range(request, context)
         for ballot in ballots:
@@ -222,11 +206,8 @@ class Failover:
                 # Checked before the stored decisions: one of an older generation may
                 # name the voter and would send it back into a generation the job has
                 # left. It hears that it was left out from its heartbeats, and joins.
-                return pb.Decision(
-                    step=request.step,
-                    verdict=pb.VERDICT_PENDING,
-                    reason=f"{request.site} is not a member of generation {st.generation}",
-                )
+                why = f"{request.site} is not a member of generation {st.generation}"
+                return _pending(request.step, why)
             found = b.decisions.get(key)
             if found is not None:
                 return found
@@ -237,11 +218,8 @@ class Failover:
                     return b.decisions[(request.step, st.generation)]
                 return b.retry_locked(request.step, "generation moved on")
             if request.generation > st.generation or self._leader_locked() != s.site:
-                return pb.Decision(
-                    step=request.step,
-                    verdict=pb.VERDICT_PENDING,
-                    reason=f"{s.site} is not the leader of generation {request.generation}",
-                )
+                why = f"{s.site} is not the leader of generation {request.generation}"
+                return _pending(request.step, why)
             self._refuse_if_too_far_locked(request.step, context)
             # A "not ok" stands once cast (Ballots.vote_site_locked says why).
             b.vote_site_locked(key, request.site, request.ok, request.suspects)
@@ -249,7 +227,6 @@ class Failover:
         return self._await(key, request.wait_ms, context, f"{request.site}'s vote", paced=True)
 
     def propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext):
-        """Adopt a higher generation proposed by its leader."""
         s, st = self.settings, self.state
         problem = malformed_proposal(s, request, MAX_STEP)
         if problem is not None:
@@ -261,20 +238,12 @@ class Failover:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{s.where}: {why}")
         with st.cond:
             st.heard_from_locked(request.leader)
-            adopted = self.ballots.adopt_locked(
-                request.generation,
-                list(request.sites),
-                start_step=request.start_step,
-                state_source=request.state_source,
-                leader=request.leader,
-            )
+            adopted = self.ballots.adopt_locked(request)
             return pb.ProposeResponse(
                 accepted=adopted is not Adoption.STALE,
                 generation=st.generation,
                 committed_steps=st.committed_steps,
             )
-
-    # -- waiting for a decision -----------------------------------------------------------
 
     def _await(
         self,
@@ -287,11 +256,9 @@ class Failover:
         sites_known: bool = False,
         slot: bool = True,
     ) -> pb.Decision:
-        # ``caller`` holds two slots at most: a vote and an early vote (inter/bounds.py);
-        # a vote on a HostSession waits on the session's own slot (``slot`` False).
-        # It waits for its key's decision alone, not on the state's condition: each
-        # rank's vote is a waiting thread, and a wake-up of all of them per transition
-        # grew with the ranks (inter/control/wakeups.py).
+        # ``caller`` holds two slots at most: a vote and an early vote (inter/bounds.py); a
+        # HostSession's vote waits on the session's slot. It waits on its key's event, not
+        # the state's condition: a wake-up of every voter per transition grew with the ranks.
         st, b = self.state, self.ballots
         waits = (
             self._long_polls.wait(context, caller, 2, paced=paced) if slot else nullcontext(True)
@@ -300,10 +267,8 @@ class Failover:
             deadline = st.clock() + (min(wait_ms, 30_000) / 1000.0 if may_wait else 0.0)
             while True:
                 with st.cond:
-                    # A rank that voted in a generation older than the one this site was
-                    # admitted back in must pull the state, whatever else was decided for
-                    # its key meanwhile (a RETRY there would rerun a step the job has left
-                    # behind, and wait for votes no other site will ever send).
+                    # A vote older than this site's readmission pulls the state, whatever
+                    # else was decided for its key (a RETRY would rerun a step left behind).
                     rejoin = b.readmitted_locked(key)
                     if rejoin is not None:
                         return rejoin
@@ -315,21 +280,18 @@ class Failover:
                         return found
                     remaining = deadline - st.clock()
                     if remaining <= 0 or st.stopped.is_set():
-                        return pb.Decision(step=key[0], verdict=pb.VERDICT_PENDING)
+                        return _pending(key[0])
                     decided = b.decision_event_locked(key)
                 decided.wait(remaining)
-
-    # -- the loop: forward this site's votes, re-evaluate as leader --------------------------
 
     def _run(self) -> None:
         st, b = self.state, self.ballots
         settled: set[Key] = set()  # keys settled at least once (a new one goes at once)
         while not st.stopped.is_set():
             with st.cond:
-                # Woken at once by a site's last vote (or any other news), else every
-                # _LOOP_S. A key whose votes completed while this loop was settling
-                # another is not waited for: its notification came before this wait,
-                # and waiting out the tick cost up to 50 ms of every step's decision.
+                # Woken by a site's last vote (or other news), else every _LOOP_S. A key
+                # completed while settling another is not waited for: its notification
+                # came before this wait, and the tick cost up to 50 ms a step.
                 fresh = st.generation and set(b.voted_locked(st.ranks)) - settled
                 if not fresh:
                     st.cond.wait(_LOOP_S)
@@ -350,9 +312,8 @@ class Failover:
                     log.exception("[%s] settling step %d failed", st.site, key[0])
 
     def _watch_ranks(self) -> None:
-        """A rank of this site fell silent while the site runs: the site leaves the job
-        (``state.lose_ranks_locked``), so its peers go on without it at their next
-        heartbeat instead of waiting for the dead rank's vote until sync.timeout_s."""
+        """A rank of this site fell silent while it runs: the site leaves the job, so its
+        peers go on without it instead of waiting for the rank's vote until sync.timeout_s."""
         st, live = self.state, self.rank_liveness
         now = st.clock()
         if now - self._ranks_checked < CHECK_S:
@@ -370,10 +331,9 @@ class Failover:
             st.lose_ranks_locked(live.left_for)
 
     def _left_locked(self, key: Key) -> pb.Decision | None:
-        """STOP for a vote of a rank that outlived the site's dead rank, while the site is
-        out: its process group died with that rank, and its site comes back only once
-        every rank started anew and registered again. A key every rank voted on was sent
-        to the leader already and waits for the leader's decision."""
+        """STOP for a vote of a rank that outlived the site's dead rank while the site is
+        out (its process group died with it; every rank must start anew). A key every
+        rank voted on went to the leader already and waits for its decision."""
         why, b = self.rank_liveness.left_for, self.ballots
         if why is None or key in b.decisions or len(b.rank_votes.get(key, ())) >= self.state.ranks:
             return None
@@ -388,9 +348,8 @@ class Failover:
         st, b = self.state, self.ballots
         with st.cond:
             if key[1] != st.generation:
-                # Ranks voted in a generation this site has left: they run it again --
-                # unless the site was admitted back since, when they pull the state
-                # instead (_await hands them the REJOIN).
+                # Votes of a generation this site left run again, unless the site was
+                # admitted back since (_await hands them the REJOIN).
                 readmitted = b.readmitted_locked(key) is not None
                 if key not in b.decisions and st.site in st.members and not readmitted:
                     b.decide_locked(key, b.retry_locked(key[0], "generation moved on"))
@@ -403,8 +362,7 @@ class Failover:
             self.leader.evaluate(key)
             return
         with st.cond:
-            # The leader is silent when it is among the suspects; the next member in
-            # line (maybe this site) takes over.
+            # A suspect leader is silent: the next member in line (maybe this one) leads.
             if leader in suspects:
                 leader = self._leader_locked()
         request = pb.SiteVoteRequest(
@@ -431,20 +389,18 @@ class Failover:
             return
         going_on = decision.verdict in (pb.VERDICT_COMMIT, pb.VERDICT_RETRY)
         if going_on and st.site not in [info.name for info in decision.sites]:
-            # The job went on without this site (it was taken for dead): ask to be
-            # admitted again; the ranks keep waiting and get REJOIN then.
+            # The job went on without this site: ask to be admitted again; the ranks
+            # keep waiting and get REJOIN then.
             with st.cond:
                 st.exclude_locked(f"step {key[0]} went on without this site")
             return
         with st.cond:
             if going_on and decision.generation > st.generation:
                 # The Propose may still be on its way; the decision carries the same news.
-                b.adopt_locked(
-                    decision.generation,
-                    list(decision.sites),
-                    start_step=key[0] + 1 if decision.verdict == pb.VERDICT_COMMIT else key[0],
-                    state_source=decision.state_source,
-                    leader=leader,
-                )
+                news = pb.ProposeRequest(leader=leader, generation=decision.generation)
+                news.start_step = key[0] + 1 if decision.verdict == pb.VERDICT_COMMIT else key[0]
+                news.state_source = decision.state_source
+                news.sites.extend(decision.sites)
+                b.adopt_locked(news)
             if key not in b.decisions:
                 b.decide_locked(key, decision)

@@ -19,12 +19,11 @@ requests that scale with them, as frames on one connection a rank (agent_wire.py
   own time after its last watch ended (an agent starved of CPU does not take its own
   lateness for its ranks' silence).
 
-The agent runs on one event loop, a thread of its own, and calls its coordinator from it
-on the grpc.aio twin of its channel (inter/control/agent_upstream.py): the gRPC server it
-ran for its ranks before cost ~100 µs and two thread hand-offs a message
-(docs/benchmarks/control-plane.md, "Real host agents, a process each"). Everything else a
-rank calls goes to the coordinator itself, as does a rank that cannot reach its agent: an
-agent is a fast path, never the only one.
+The agent runs on one event loop, a thread of its own, and calls its coordinator on the
+grpc.aio twin of its channel (agent_upstream.py): a gRPC server for its ranks cost ~100 µs
+and two thread hand-offs a message (docs/benchmarks/control-plane.md). Everything else a
+rank calls goes to the coordinator, as does a rank that cannot reach its agent: an agent
+is a fast path, never the only one.
 """
 
 from __future__ import annotations
@@ -85,19 +84,14 @@ class HostAgent:
     """Votes and watches of one host's ranks of ``site``, at its coordinator.
 
     Args:
-        channel: a channel to the site's coordinator (TLS and token as the ranks' own)
-            that ``peer_channel`` made: the agent calls on its grpc.aio twin.
-        site: the site's name.
-        ranks: how many of the site's ranks run on this host (and use this agent), at
-            most: a step's ballots are sent once every rank watching here voted.
-        listen: where the ranks reach the agent ("unix:/path", or "127.0.0.1:0", which
-            no rank takes: inter/control/agent_socket.py).
-        linger_s: how long the first ballot of a step waits for the host's others.
-            Waiting costs the step nothing (its decision waits for every rank's vote
-            anyway): this bounds how late a rank may be and still share the message.
-        vouch_s: a rank heard from this recently (of the agent's own time) is vouched
-            for in the agent's polls (inter/control/vouches.py).
-        clock: seconds, monotonic: what the agent's own time is measured on.
+        channel: a channel to the site's coordinator that ``peer_channel`` made (TLS and
+            token as the ranks' own): the agent calls on its grpc.aio twin.
+        ranks: how many of the site's ranks run on this host, at most.
+        listen: "unix:/path", or "127.0.0.1:0", which no rank takes (agent_socket.py).
+        linger_s: how long the first ballot of a step waits for the host's others. It
+            costs the step nothing (its decision waits for every rank's vote anyway).
+        vouch_s: a rank heard from this recently (of the agent's own time, on ``clock``)
+            is vouched for in the agent's polls.
     """
 
     def __init__(
@@ -120,12 +114,7 @@ class HostAgent:
         self.address = listen
         """Where the ranks reach the agent (a port bound to 0 is named once started)."""
         self._listen = listen
-        self.votes = 0
-        """Votes the ranks sent here (each answered by the decision of a batch)."""
-        self.watches = 0
-        """Watches the ranks sent here."""
-        self.rank_connections = 0
-        """Connections the ranks opened here (each rank keeps one)."""
+        self.votes = self.watches = self.rank_connections = 0  # what the ranks sent here
         # Everything below is the event loop's alone.
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(quiet_closed_loop_events)
@@ -133,8 +122,7 @@ class HostAgent:
             target=self.loop.run_forever, name=f"host-agent-{site}", daemon=True
         )
         self._channel = channel
-        self.upstream: LoopUpstream | None = None
-        """The way to the coordinator, made on the loop (start): a grpc.aio twin binds to it."""
+        self.upstream: LoopUpstream | None = None  # made on the loop: grpc.aio binds to it
         self._server: asyncio.AbstractServer | None = None
         self._wires: set[RankWire] = set()  # the ranks' connections
         self._stopped = False
@@ -160,7 +148,6 @@ class HostAgent:
 
     @property
     def batches(self) -> int:
-        """Messages of ballots sent to the coordinator."""
         return self.upstream.messages if self.upstream is not None else 0
 
     def stats(self) -> dict[str, int]:
@@ -175,11 +162,7 @@ class HostAgent:
         }
 
     def start(self) -> HostAgent:
-        """Listens and serves, from a thread of its own.
-
-        Raises:
-            OSError: ``listen`` cannot be bound.
-        """
+        """Listens and serves, from a thread of its own (``OSError`` if it cannot bind)."""
         self._thread.start()
         try:
             asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(30)
@@ -259,8 +242,6 @@ class HostAgent:
         self._tasks.add(task)  # held: the loop keeps only a weak reference to a task
         task.add_done_callback(self._tasks.discard)
 
-    # -- a rank's connection ---------------------------------------------------------------
-
     def _on_frame(self, wire: RankWire, kind: int, rid: int, payload: bytes) -> None:
         try:
             if kind == Kind.VOTE:
@@ -296,8 +277,6 @@ class HostAgent:
             if len(batch.ballots) >= self._expected() or not batch.ballots:
                 self._seal(key, batch)
 
-    # -- votes -----------------------------------------------------------------------------
-
     def _vote(self, wire: RankWire, rid: int, request: pb.CommitHostStepRequest) -> None:
         """A rank's ballots join the host's batch on their (step, generation); the rank is
         answered when the batch is."""
@@ -319,10 +298,9 @@ class HostAgent:
             self._seal(key, batch)
 
     def _expected(self) -> int:
-        """Ballots a step's batch waits for: one from each rank watching through this
-        agent (every rank watches before it votes), at most ``ranks``; all ``ranks``
-        before any watches. A rank of the host that died is not waited for, and an
-        agent told too many ranks (srun's layout guessed) never lingers for them."""
+        """Ballots a step's batch waits for: one from each rank watching here (every rank
+        watches before it votes), at most ``ranks``; all ``ranks`` before any watches. A
+        dead rank is not waited for, nor ranks an agent was told of too many (srun's)."""
         watching = len(self._vouches)
         return min(self.ranks, watching) if watching else self.ranks
 
@@ -351,8 +329,6 @@ class HostAgent:
             if id(decision) not in encoded:
                 encoded[id(decision)] = decision.SerializeToString()
             wire.send(Kind.DECISION, rid, encoded[id(decision)])
-
-    # -- watches ---------------------------------------------------------------------------
 
     def _watch(self, wire: RankWire, rid: int, request: pb.GetMembershipRequest) -> None:
         """A rank's watch: answered at once on news, else held until some comes or its
@@ -431,12 +407,9 @@ class HostAgent:
 
 
 def quiet_closed_loop_events(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """The loop's exception handler: grpc.aio's one completion queue per process hands
-    each loop its calls' events, and an event of a call made on another agent's loop
-    (one launcher runs an agent per site) that stopped meanwhile fails with "Event
-    loop is closed". That loop's calls are over, so this is no fault; asyncio printed
-    it with a traceback under the job's one error line. Everything else as asyncio
-    reports it."""
+    """The loop's exception handler: grpc.aio's one completion queue per process hands each
+    loop its calls' events, and one of a call made on another agent's loop that stopped
+    meanwhile fails with "Event loop is closed". That loop's calls are over: no fault."""
     exc = context.get("exception")
     if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
         log.debug("host agent: an event for a stopped agent's loop: %s", context.get("message"))

@@ -97,8 +97,7 @@ class Leader:
 
     def evaluate(self, key: Key) -> None:
         """As leader, decide (step, generation) if its votes or the suspects allow."""
-        st, b = self.state, self.ballots
-        generation = key[1]
+        st = self.state
         with st.cond:
             if self._busy_locked(key):
                 return
@@ -116,10 +115,9 @@ class Leader:
             if change is None:
                 return
             self._deciding.add(key)
-            sites = b.sites_of_locked(change.new_members)
-            new_gen = max(generation, self._highest_generation) + 1
+            proposal = self._proposal_locked(key, change.new_members, change.start, change.source)
         try:
-            self._reconfigure(key, change, sites, new_gen)
+            self._reconfigure(key, change, proposal)
         finally:
             with st.cond:
                 self._deciding.discard(key)
@@ -181,55 +179,51 @@ class Leader:
             return _Change(members=members, new_members=alive, joiners=None, source="", start=step)
         return None  # waiting for votes, or for a quorum
 
-    def _reconfigure(
-        self, key: Key, change: _Change, sites: list[pb.SiteInfo], new_gen: int
-    ) -> None:
-        """Propose ``new_gen``; once a quorum accepted it and this site adopted it,
-        decide ``key``: COMMIT admitting the joiners, or RETRY without the dropped."""
-        step = key[0]
-        answers = self._propose_all(new_gen, sites, change.start, change.source)
-        if not self._accepted_by_quorum(answers, new_gen):
+    def _proposal_locked(
+        self, key: Key, members: list[str], start: int, source: str
+    ) -> pb.ProposeRequest:
+        """The generation after ``key``'s (and ``_highest_generation``), of ``members``."""
+        return pb.ProposeRequest(
+            leader=self.state.site,
+            generation=max(key[1], self._highest_generation) + 1,
+            sites=self.ballots.sites_of_locked(members),
+            start_step=start,
+            state_source=source,
+        )
+
+    def _reconfigure(self, key: Key, change: _Change, proposal: pb.ProposeRequest) -> None:
+        """Propose; once a quorum accepted it and this site adopted it, decide ``key``:
+        COMMIT admitting the joiners, or RETRY without the dropped."""
+        answers = self._propose_all(proposal)
+        if not self._accepted_by_quorum(answers, proposal.generation):
             return
         with self.state.cond:
-            if not self._adopt_own_locked(new_gen, sites, change.start, change.source):
+            if not self._adopt_own_locked(proposal):
                 return
+            decision = pb.Decision(step=key[0], generation=proposal.generation)
+            decision.sites.extend(proposal.sites)
             if change.joiners is not None:
-                decision = pb.Decision(
-                    step=step,
-                    verdict=pb.VERDICT_COMMIT,
-                    generation=new_gen,
-                    sites=sites,
-                    state_source=change.source,
-                    state_step=step,
-                    reason=f"admits {', '.join(change.joiners)}",
-                    # The source's lanes serve its state to these sites' ranks only.
-                    admitted=change.joiners,
-                )
+                decision.verdict = pb.VERDICT_COMMIT
+                decision.state_source, decision.state_step = change.source, key[0]
+                decision.reason = f"admits {', '.join(change.joiners)}"
+                # The source's lanes serve its state to these sites' ranks only.
+                decision.admitted.extend(change.joiners)
             else:
                 gone = sorted(set(change.members) - set(change.new_members))
-                decision = pb.Decision(
-                    step=step,
-                    verdict=pb.VERDICT_RETRY,
-                    generation=new_gen,
-                    sites=sites,
-                    reason=f"without {', '.join(gone)}" if gone else "a round failed",
-                )
+                decision.verdict = pb.VERDICT_RETRY
+                decision.reason = f"without {', '.join(gone)}" if gone else "a round failed"
             self.ballots.decide_locked(key, decision)
 
-    def _adopt_own_locked(
-        self, generation: int, sites: list[pb.SiteInfo], start: int, source: str
-    ) -> bool:
+    def _adopt_own_locked(self, proposal: pb.ProposeRequest) -> bool:
         """Adopt the generation this site proposed and a quorum accepted. False when this
         site moved past it meanwhile (another leader's proposal): generations only move
         forward, and a decision in the one it left would contradict the newer one."""
-        adopted = self.ballots.adopt_locked(
-            generation, sites, start_step=start, state_source=source, leader=self.state.site
-        )
+        adopted = self.ballots.adopt_locked(proposal)
         if adopted is Adoption.STALE:
             log.warning(
                 "[%s] generation %d accepted, but this site is at %d already: no decision",
                 self.state.site,
-                generation,
+                proposal.generation,
                 self.state.generation,
             )
         return adopted is not Adoption.STALE
@@ -275,26 +269,17 @@ class Leader:
             )
         return False
 
-    def _propose_all(
-        self, generation: int, sites: list[pb.SiteInfo], start: int, source: str
-    ) -> dict[str, pb.ProposeResponse]:
+    def _propose_all(self, request: pb.ProposeRequest) -> dict[str, pb.ProposeResponse]:
         """Propose to every other member in parallel; returns the answers received."""
-        st = self.state
-        request = pb.ProposeRequest(
-            leader=st.site,
-            generation=generation,
-            sites=sites,
-            start_step=start,
-            state_source=source,
-        )
-        targets = [info.name for info in sites if info.name != st.site]
+        st, generation = self.state, request.generation
+        targets = [info.name for info in request.sites if info.name != st.site]
         answers: dict[str, pb.ProposeResponse] = {}
         if not targets:
             return answers
         # Each member asks this site, at its own address, whether it proposes this
         # (failover.propose): a Propose in its name from anyone else is refused.
         with st.cond:
-            self.proposing[generation] = [info.name for info in sites]
+            self.proposing[generation] = [info.name for info in request.sites]
         with futures.ThreadPoolExecutor(len(targets)) as pool:
             calls = {
                 name: pool.submit(self.peer_stub(name).Propose, request, timeout=self.rpc_timeout_s)
@@ -328,8 +313,7 @@ class Leader:
     def takeover(self, key: Key, leader: str) -> None:
         """The leader fell silent and this site is next: form generation g+1 and decide
         the pending step so that any COMMIT the old leader gave out stands."""
-        st, b = self.state, self.ballots
-        step, generation = key
+        st, b, step = self.state, self.ballots, key[0]
         with st.cond:
             if self._busy_locked(key):
                 return
@@ -338,30 +322,24 @@ class Leader:
             if not self._quorum_ok_locked(key, alive):
                 return
             self._deciding.add(key)
-            sites = b.sites_of_locked(alive)
-            new_gen = max(generation, self._highest_generation) + 1
+            proposal = self._proposal_locked(key, alive, step, "")
         try:
             log.warning("[%s] leader %s is silent; taking over", st.site, leader)
-            answers = self._propose_all(new_gen, sites, step, "")
-            if not self._accepted_by_quorum(answers, new_gen):
+            answers = self._propose_all(proposal)
+            if not self._accepted_by_quorum(answers, proposal.generation):
                 return
             with st.cond:
                 committed = max(
                     [st.committed_steps] + [a.committed_steps for a in answers.values()]
                 )
-                if not self._adopt_own_locked(new_gen, sites, step, ""):
+                if not self._adopt_own_locked(proposal):
                     return
                 verdict = pb.VERDICT_COMMIT if committed > step else pb.VERDICT_RETRY
-                b.decide_locked(
-                    key,
-                    pb.Decision(
-                        step=step,
-                        verdict=verdict,
-                        generation=new_gen,
-                        sites=sites,
-                        reason=f"{leader} fell silent",
-                    ),
-                )
+                why = f"{leader} fell silent"
+                decision = pb.Decision(step=step, verdict=verdict, reason=why)
+                decision.generation = proposal.generation
+                decision.sites.extend(proposal.sites)
+                b.decide_locked(key, decision)
         finally:
             with st.cond:
                 self._deciding.discard(key)

@@ -1,12 +1,11 @@
 """The state a site's coordinator shares among its pieces, changed by named transitions.
 
-The RPC handlers (coordinator.py), the failover loop, the leader, the peer loop and the
-admission rule all read and change one membership, and what the site knows of its peers
-and of itself. :class:`CoordinatorState` owns it, and every change is one of its named
-transitions, so each can be tested on its own (tests/inter/test_coordinator_state.py) and
-a reader finds in one file what moves the membership (the partition scenario once
-deadlocked in code that wrote it from four modules). The votes and decisions per (step,
-generation) are :class:`~isthmus.inter.control.ballots.Ballots`'s, under the same lock.
+The RPC handlers, the failover loop, the leader, the peer loop and the admission rule all
+read and change one membership, and what the site knows of its peers and of itself.
+:class:`CoordinatorState` owns it, and every change is one of its named transitions, so
+each can be tested on its own and a reader finds in one file what moves the membership
+(the partition scenario once deadlocked in code that wrote it from four modules). The
+votes and decisions are :class:`~isthmus.inter.control.ballots.Ballots`'s, under the same lock.
 
 Locking: one re-entrant condition, ``CoordinatorState.cond``, guards all of it. A
 ``_locked`` method must be called with it held; every other takes it itself. A view reads
@@ -70,12 +69,8 @@ class Adoption(enum.Enum):
 
 
 class CoordinatorState:
-    """The membership of one site's coordinator and the transitions that change it.
-
-    ``settings`` names the site, the job's sites, the site's ranks (each registers one lane
-    address) and ``failure_timeout_s`` (a member not heard from for that long is suspected
-    dead); ``clock`` is what every time in here is read from (seconds, monotonic).
-    """
+    """The membership of one site's coordinator and the transitions that change it; every
+    time in here is read from ``clock`` (seconds, monotonic)."""
 
     def __init__(
         self, settings: CoordinatorSettings, clock: Callable[[], float] = time.monotonic
@@ -120,8 +115,7 @@ class CoordinatorState:
         """Published (under ``cond``) per (step, generation) decided, for the votes
         waiting on it (``Ballots``); every key on a stop or a readmission."""
 
-    # -- views (read-only, a copy of what is mutable) --------------------------------------
-
+    # Views: read-only, a copy of what is mutable.
     error: _Read[str | None] = _Read()
     """Why the job cannot go on, or None."""
     generation: _Read[int] = _Read()
@@ -159,8 +153,7 @@ class CoordinatorState:
     peer_steps: _Read[Mapping[str, int]] = _Read(MappingProxyType)
     """The step each peer last said it runs, in its own answer."""
     finished_peers: _Read[frozenset[str]] = _Read(frozenset)
-    """Peers that said, in their own answer at their configured address, that they
-    ran their last step."""
+    """Peers that said in their own answer (at their address) that they ran their last step."""
     finished_claims: _Read[frozenset[str]] = _Read(frozenset)
     """Peers that a heartbeat in their name said finished, not yet asked: anyone with
     the token can send one (issue 63: one stopped a restarting site for good)."""
@@ -228,8 +221,6 @@ class CoordinatorState:
                 news = self.membership_news.event()
             news.wait(left)
 
-    # -- transitions ----------------------------------------------------------------------
-
     def mark_started(self) -> None:
         """The coordinator started: silence is counted from now, and the join timeout."""
         with self.cond:
@@ -242,18 +233,16 @@ class CoordinatorState:
         self.cond.notify_all()
 
     def lose_ranks_locked(self, reason: str) -> None:
-        """A rank of this site died (``reason``), and the site's torch.distributed world
-        with it: the site comes back as a restarted one would (a new incarnation, no lanes
-        until every rank registered again, left out until a leader admits it)."""
+        """A rank of this site died, and its torch.distributed world with it: the site comes
+        back as a restarted one would (a new incarnation, no lanes, left out until admitted)."""
         self._lanes = [None] * self.ranks
         self.incarnations.renew()
         self.exclude_locked(reason)
         self.decision_news.publish_all()
 
     def admit_locked(self, info: pb.SiteInfo) -> bool:
-        """A peer said it is ready (before the job runs, or to a joining site); kept
-        only once: the first SiteInfo stands (a new generation brings newer ones).
-        Returns whether it was news. The last ready peer may form generation 1."""
+        """A peer said it is ready; the first SiteInfo stands (a new generation brings newer
+        ones). Returns whether it was news. The last ready peer may form generation 1."""
         if info.name not in self.peers:
             raise ValueError(f"{info.name[:64]!r} is not a peer of {self.site}")
         news = info.name not in self._ready_sites
@@ -269,9 +258,8 @@ class CoordinatorState:
         self.cond.notify_all()
 
     def doubt_locked(self, name: str) -> None:
-        """A call in peer ``name``'s name said it is ready: that is settled with ``name``
-        itself, at its configured address. This site joins it again (the peer loop joins
-        every peer it has not told it is ready) and admits the SiteInfo of its answer."""
+        """A call in peer ``name``'s name said it is ready: settled with ``name`` itself, at
+        its address. This site joins it again and admits the SiteInfo of its answer."""
         if name in self.peers and name not in self._ready_sites:
             self._told_ready.discard(name)
             self.cond.notify_all()
@@ -310,10 +298,9 @@ class CoordinatorState:
         self._last_seen[name] = self.clock()
 
     def heartbeat_locked(self, name: str, finished: bool, caller: str) -> None:
-        """A heartbeat in peer ``name``'s name arrived from ``caller``. It counts as hearing
-        from ``name`` (docs/security.md says what that leaves open); what it says of the
-        peer's progress is a claim: "finished" is kept to be asked of ``name`` itself
-        (``peer_progress_locked`` settles it), and its step is not taken."""
+        """A heartbeat in peer ``name``'s name from ``caller`` counts as hearing from it
+        (docs/security.md); its progress is a claim: "finished" is kept to be asked of
+        ``name`` itself (``peer_progress_locked`` settles it), and its step is not taken."""
         self._last_seen[name] = self.clock()
         if finished and name in self.peers and name not in self._finished_peers:
             self._finished_claims[name] = caller[:128]  # one a peer: the latest caller

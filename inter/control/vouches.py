@@ -52,20 +52,15 @@ stopped); half a second later than the 0.25 s tick that judged ranks before."""
 
 
 class OwnTime:
-    """The time its owner was there to see: ``clock`` less the time its checks ran late.
-
-    Args:
-        clock: seconds, monotonic (a test hands one it moves).
-        late_s: a check later than this is late; its lateness is time away.
-    """
+    """The time its owner was there to see: ``clock`` less the time its checks ran late
+    (a check later than ``late_s`` is late; its lateness is time away)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, late_s: float = LATE_S) -> None:
         if late_s <= 0:
             raise ValueError(f"late_s must be > 0, got {late_s}")
         self._clock = clock
         self.late_s = late_s
-        self.away_s = 0.0
-        """Seconds its checks ran late, summed: the owner could not have seen anything then."""
+        self.away_s = 0.0  # seconds its checks ran late, summed
 
     def now(self) -> float:
         return self._clock() - self.away_s
@@ -82,13 +77,7 @@ class OwnTime:
 
 class Vouches:
     """The rank keys a host's agent vouches for: those with a watch held, and those
-    whose last watch ended less than ``vouch_s`` of the agent's own time ago.
-
-    Args:
-        vouch_s: how long after a rank's last watch ended it is still vouched for.
-        clock: seconds, monotonic.
-        late_s: a check later than this is the agent's lateness (:class:`OwnTime`).
-    """
+    whose last watch ended less than ``vouch_s`` of the agent's own time ago."""
 
     def __init__(
         self, vouch_s: float, clock: Callable[[], float] = time.monotonic, late_s: float = LATE_S
@@ -155,16 +144,10 @@ class Vouches:
 class AgentPoll:
     """A host agent's one long poll at its coordinator, naming the ranks ``vouches``
     vouches for: sent when a rank is new or gone (:meth:`changed`), held as long as the
-    coordinator holds it, and its answer, the host's membership, handed to ``on_news``.
-
-    Args:
-        vouches: whom the poll vouches for.
-        loop: the agent's event loop (its timers).
-        send: starts a poll, ``send(request, timeout_s, done)``: one with ``cancel()``,
-            ``cancelled()`` and ``result()``, and ``done(poll)`` on the loop once it ended
-            (``poll`` of inter/control/agent_upstream.py).
-        on_news: called on each answer (and refusal) of the coordinator.
-        site: the site's name, for the log.
+    coordinator holds it, and its answer, the host's membership (or a refusal), handed
+    to ``on_news``. ``send(request, timeout_s, done)`` starts a poll that has ``cancel()``,
+    ``cancelled()`` and ``result()``, and calls ``done(poll)`` on ``loop`` once it ended
+    (agent_upstream.py's ``poll``).
     """
 
     def __init__(
@@ -179,13 +162,10 @@ class AgentPoll:
         self.site = site
         self.membership = pb.GetMembershipResponse()
         """The coordinator's latest answer (its sites kept from the last that named them)."""
-        self.error: grpc.RpcError | None = None
-        """The coordinator's refusal of the last poll (FAILED_PRECONDITION: the job failed)."""
-        self.seen = False
-        """The poll was answered once: the agent answers its ranks' watches itself."""
+        self.error: grpc.RpcError | None = None  # a refusal of the last poll (job failed)
+        self.seen = False  # answered once: the agent answers its ranks' watches itself
         self.polls = 0
-        self.keys: list[str] = []
-        """The keys the poll in flight (or the last) names."""
+        self.keys: list[str] = []  # those the poll in flight (or the last) names
         self._known = 0
         self._poll: Any = None
         self._pacing: asyncio.TimerHandle | None = None
@@ -235,18 +215,11 @@ class AgentPoll:
         if not keys:  # no rank watches: the next watch sends it
             return
         self.polls += 1
-        known = self._known
-        self.keys = keys
-        self._poll = self._send(
-            pb.GetMembershipRequest(
-                known_generation=known,
-                wait_ms=_AGENT_WAIT_MS if known else 0,
-                rank_key=keys[0],
-                vouched_rank_keys=keys,
-            ),
-            _AGENT_WAIT_MS / 1000 + _RPC_SLACK_S,
-            self._polled,
-        )
+        known, self.keys = self._known, keys
+        wait_ms = _AGENT_WAIT_MS if known else 0
+        request = pb.GetMembershipRequest(known_generation=known, wait_ms=wait_ms, rank_key=keys[0])
+        request.vouched_rank_keys.extend(keys)
+        self._poll = self._send(request, _AGENT_WAIT_MS / 1000 + _RPC_SLACK_S, self._polled)
 
     def _polled(self, poll) -> None:
         """The agent's poll ended: its answer is the host's, and the next one goes."""

@@ -24,16 +24,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent import futures
 
 import grpc
 
-from isthmus.inter.control.channels import (
-    MESSAGE_LIMITS,
-    bind_failure,
-    peer_channel,
-    server_options,
-)
+from isthmus.inter.control.channels import add_port, control_server, peer_channel
 from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.inter.control.settings import CoordinatorSettings
 from isthmus.inter.security import INSECURE, SiteSecurity, refuse_unless_named
@@ -57,16 +51,8 @@ UNSEEN_KEYS = HOST_KEYS | SCRIPT_KEYS
 
 
 class WitnessServer(pb_grpc.WitnessServicer):
-    """The witness process's gRPC server.
-
-    Args:
-        site_names: the job's sites, in index order.
-        fingerprint: the job fingerprint every caller must match.
-        failure_timeout_s: a site not heard from for this long is taken for dead.
-        host, port: where to listen (port 0 picks one; see ``address``).
-        security: mutual TLS and the job token (None = neither).
-        clock: what silence is measured on (seconds, monotonic).
-    """
+    """The witness process's gRPC server: every caller must match ``fingerprint``; a site
+    not heard from for ``failure_timeout_s`` (on ``clock``) is taken for dead."""
 
     def __init__(
         self,
@@ -89,16 +75,10 @@ class WitnessServer(pb_grpc.WitnessServicer):
         self._clock = clock
         self._started = clock()
         self._lock = threading.Lock()
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="witness"),
-            options=server_options(MESSAGE_LIMITS),
-            interceptors=self.security.server_interceptors(self.where),
-        )
+        interceptors = self.security.server_interceptors(self.where)
+        self._server = control_server(8, "witness", interceptors)
         pb_grpc.add_WitnessServicer_to_server(self, self._server)
-        bound = self.security.add_port(self._server, f"{host}:{port}")
-        if bound == 0:
-            where = f"{host}:{port}"
-            raise OSError(f"witness could not bind {where}: {bind_failure(where)}")
+        bound = add_port(self._server, self.security, f"{host}:{port}", "witness")
         self.address = f"{host}:{bound}"
 
     def start(self) -> WitnessServer:
@@ -170,10 +150,8 @@ class WitnessServer(pb_grpc.WitnessServicer):
 class WitnessLink:
     """A coordinator's line to the witness: pings it every ``heartbeat_s`` and asks for
     grants, on its own thread, so that a witness that does not answer never holds up
-    the coordinator. ``granted`` answers from what the witness last said.
-
-    It pings every ``settings.heartbeat_s`` (an answer older than two periods is stale);
-    ``on_answer`` is called when a grant's answer arrives (the leader re-evaluates).
+    the coordinator. ``granted`` answers from what the witness last said (stale after two
+    periods); ``on_answer`` is called when a grant's answer arrives (the leader re-evaluates).
     """
 
     def __init__(

@@ -391,7 +391,13 @@ def test_a_site_admitted_back_hands_older_votes_a_rejoin_and_drops_its_joiners()
         ballots.add_joiner_locked(info("site2"))
         state.exclude_locked("cut off")
         outcome = ballots.adopt_locked(
-            4, [info(n) for n in NAMES], start_step=21, state_source="site1", leader="site1"
+            pb.ProposeRequest(
+                generation=4,
+                sites=[info(n) for n in NAMES],
+                start_step=21,
+                state_source="site1",
+                leader="site1",
+            )
         )
         assert outcome is Adoption.READMITTED
         rejoin = ballots.readmitted_locked((20, 1))
@@ -407,7 +413,7 @@ def test_a_stale_adoption_keeps_the_joiners_waiting():
     with state.cond:
         ballots.add_joiner_locked(info("site2"))
         outcome = ballots.adopt_locked(
-            1, [info(n) for n in NAMES], start_step=0, state_source="", leader="site0"
+            pb.ProposeRequest(generation=1, sites=[info(n) for n in NAMES], leader="site0")
         )
     assert outcome is Adoption.STALE
     assert list(ballots.joiners) == ["site2"]
