@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
+import struct
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -20,12 +21,14 @@ __all__ = [
     "FAST_BUFFER_BYTES",
     "SOCKET_BUFFER_BYTES",
     "HttpError",
+    "close_with_rst",
     "is_loopback",
     "listening_socket",
     "open_target",
     "parse_connect",
     "read_connect",
     "refuse",
+    "reset_on_close",
     "set_nodelay",
     "tune",
 ]
@@ -110,6 +113,17 @@ def tune(sock: socket.socket, nbytes: int = SOCKET_BUFFER_BYTES) -> None:
     """Give `sock` the relay's small buffers (`SOCKET_BUFFER_BYTES` unless told)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+
+
+def reset_on_close(sock: socket.socket) -> None:
+    """Linger 0: the socket's last close sends RST, as behind a failing middlebox."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def close_with_rst(sock: socket.socket) -> None:
+    reset_on_close(sock)
+    sock.close()
 
 
 def set_nodelay(sock: socket.socket) -> None:

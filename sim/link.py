@@ -8,14 +8,12 @@ later) and bounds the bytes in flight (read from a sender, not yet off the wire)
 `DirectionSpec.queue_limit_bytes`), so a sender feels the bandwidth-delay product as TCP
 backpressure instead of filling an unbounded buffer.
 
-A direction may also cap each connection (`DirectionSpec.per_flow_bps`; docs/wan.md,
-"Topology files", says how its token bucket, `charge_flow`, holds a flow back).
-
-Each piece then passes the direction's impairments in order (`sim/impairments/`): they
-may move its time on the wire (jitter), hold it back on its connection (loss stalls, a
-flap, a stall of that one flow), change its bytes (corruption), split its delivery
-(slicing) or reset its connection. No impairment drops bytes while both ends are alive.
-A piece knows its connection (`Piece.flow`, numbered by the pump).
+A direction may also cap each connection (`DirectionSpec.per_flow_bps`, a token bucket:
+`charge_flow`). Each piece then passes the direction's impairments in order
+(`sim/impairments/`): they may move its time on the wire (jitter), hold it back on its
+connection (loss stalls, a flap, a stall of that one flow), change its bytes
+(corruption), split its delivery (slicing) or reset its connection. No impairment drops
+bytes while both ends are alive.
 
 The bytes themselves are moved by the direction's `Pump` (`sim/pump.py`), a thread of
 its own; this class is the bookkeeping it asks, safe to call from any thread. Times
@@ -34,14 +32,8 @@ from collections import Counter
 
 from .connect import FAST_BUFFER_BYTES, SOCKET_BUFFER_BYTES
 from .impairments import Impairment, Piece, State
-from .pump import RECV_WINDOW_BYTES, Connection, Pump  # noqa: F401 (re-exported)
-from .spec import (  # noqa: F401 (re-exported: the specs lived here before spec.py)
-    DEFAULT_QUEUE_BYTES,
-    FIBER_S_PER_KM,
-    UNLIMITED_WINDOW_BYTES,
-    DirectionSpec,
-    LinkSpec,
-)
+from .pump import Connection, Pump
+from .spec import DirectionSpec
 
 PIECE_BYTES = 64 * 1024
 """Smallest bound on a piece read from a socket at once; a fast link reads up to
@@ -59,16 +51,12 @@ BUFFER_WIRE_S = 1e-3
 
 
 class DirectionPipe:
-    """One direction of a link, shared by all connections crossing it.
-
-    Its methods are thread-safe. The pump thread that moves the bytes starts with the
-    first connection; `close()` stops it. `name` ("a_to_b" or "b_to_a") is mixed into
-    the impairments' seeds."""
+    """One direction of a link, shared by all connections crossing it; thread-safe.
+    `name` ("a_to_b" or "b_to_a") is mixed into the impairments' seeds."""
 
     def __init__(self, spec: DirectionSpec, name: str = "a_to_b") -> None:
         self.name = name
-        self.reverse: DirectionPipe | None = None
-        """The link's other direction, for the round-trip time; None = symmetric."""
+        self.reverse: DirectionPipe | None = None  # for the round-trip time; None = symmetric
         self._spec = spec
         self._lock = threading.Lock()
         self._inflight = 0
@@ -77,12 +65,9 @@ class DirectionPipe:
         self._chain: list[tuple[Impairment, State]] | None = None
         self._touches_bytes = False
         self._resets_at: list[float] = []  # Reset.at_s times not yet passed
-        self.counters: Counter[str] = Counter()
-        """What the impairments did (lost_segments, corrupted_bytes, resets, ...)."""
-        self.bytes_delivered = 0
-        """Bytes written to receivers (counter; the pump adds to it)."""
-        self.connections = 0
-        """Connections whose initiator sends on this direction (counter)."""
+        self.counters: Counter[str] = Counter()  # what the impairments did
+        self.bytes_delivered = 0  # written to receivers (by the pump)
+        self.connections = 0  # whose initiator sends on this direction
         self.pump = Pump(self)
 
     @property
@@ -112,10 +97,7 @@ class DirectionPipe:
 
     def update(self, spec: DirectionSpec) -> None:
         """Apply `spec` to bytes entering after this call; bytes in flight keep their times.
-
-        New impairments (or a new seed) start afresh: new random streams, and their
-        `at_s` times count from now. Otherwise the running impairments keep their state.
-        """
+        New impairments (or a new seed) start afresh: new random streams, `at_s` from now."""
         with self._lock:
             old, self._spec = self._spec, spec
             if self._chain is None or (old.impairments, old.seed) != (spec.impairments, spec.seed):
@@ -123,7 +105,6 @@ class DirectionPipe:
         self.pump.wake()  # a larger bound may admit waiting senders
 
     def reset_connections(self) -> None:
-        """Reset every connection carrying bytes on this direction (both sides get RST)."""
         self.pump.reset_all()
 
     def carry(
@@ -135,7 +116,6 @@ class DirectionPipe:
         self.pump.add(conn, src, dst, first)
 
     def close(self) -> None:
-        """Stop the pump and close the connections it carries (idempotent)."""
         self.pump.close()
 
     async def cross(self) -> None:
@@ -176,14 +156,11 @@ class DirectionPipe:
         return min(limit, max(PIECE_BYTES, int(spec.per_flow_bps * FLOW_PIECE_WIRE_S / 8)))
 
     def charge_flow(self, free_at: float, size: int, now: float) -> float:
-        """A flow's token bucket after it sent `size` bytes at `now`.
-
-        The bucket is kept as the time `free_at` when it is next non-negative: a flow
-        may send while `free_at <= now`, each piece moves it on by its time at the cap,
-        and an idle flow's credit is one piece (`flow_piece_limit`), which also absorbs
-        the pump's late wake-ups. The piece may cross the link no sooner than
-        the returned time (its last bit leaves the flow's shaper then). A new flow's
-        `free_at` is 0.0, as is the result when the direction has no cap."""
+        """A flow's token bucket after it sent `size` bytes at `now`, kept as the time
+        `free_at` when it is next non-negative: a flow may send while `free_at <= now`,
+        each piece moves it on by its time at the cap, and an idle flow's credit is one
+        piece (`flow_piece_limit`), which also absorbs the pump's late wake-ups. The piece
+        crosses the link no sooner than the returned time. 0.0: a new flow, or no cap."""
         spec = self._spec
         if not spec.flow_capped:
             return 0.0
@@ -243,7 +220,6 @@ class DirectionPipe:
             return bool(passed), min(self._resets_at, default=None)
 
     def count(self, key: str, n: int = 1) -> None:
-        """Add to one of the direction's counters."""
         with self._lock:
             self.counters[key] += n
 

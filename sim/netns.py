@@ -32,6 +32,7 @@ __all__ = [
     "SiteNet",
     "create_sites",
     "job_resources",
+    "netns_exec",
     "redirect_tcp",
     "require_tools",
     "teardown",
@@ -55,41 +56,37 @@ class NetnsError(RuntimeError):
     """Setting up or tearing down namespaces failed; the message says which command and why."""
 
 
+def netns_exec(namespace: str) -> list[str]:
+    """The command prefix that runs a program in network namespace ``namespace``."""
+    return ["ip", "netns", "exec", namespace]
+
+
 @dataclass(frozen=True, slots=True)
 class NodeNet:
     """A further node of a multi-node site: a namespace of its own on the site's LAN."""
 
     site: str
-    namespace: str
-    """Network namespace name, `isthmus-<job>-<site>-n<k>`."""
-    address: str
-    """The node's IPv4 address on the site's LAN (on `lan0`)."""
+    namespace: str  # `isthmus-<job>-<site>-n<k>`
+    address: str  # on the site's LAN (`lan0`)
 
     @property
     def exec_prefix(self) -> list[str]:
-        """The command prefix that runs a program on this node."""
-        return ["ip", "netns", "exec", self.namespace]
+        return netns_exec(self.namespace)
 
 
 @dataclass(frozen=True, slots=True)
 class SiteNet:
     """One site's namespace and its addresses."""
 
-    site: str
-    """Site name, "site0", "site1", ... (as `isthmus local` names them)."""
-    namespace: str
-    """Network namespace name, `isthmus-<job>-<site>`."""
-    address: str
-    """The site's IPv4 address inside its namespace (on `isthmus0`)."""
-    gateway: str
-    """The root namespace's end of the veth; the site's relay listener binds here."""
-    veth: str
-    """Name of the root namespace's end of the veth."""
+    site: str  # "site0", "site1", ... (as `isthmus local` names them)
+    namespace: str  # `isthmus-<job>-<site>`
+    address: str  # inside its namespace (on `isthmus0`)
+    gateway: str  # the root namespace's end of the veth; the site's relay listener binds here
+    veth: str  # the name of the root namespace's end of the veth
     lan_address: str = ""
     """A multi-node site's first node on its LAN (`lan0`): where the other nodes reach
     it (MASTER_ADDR, the coordinator); empty for a site of one node."""
-    nodes: tuple[NodeNet, ...] = ()
-    """The site's further nodes (none for a site of one node)."""
+    nodes: tuple[NodeNet, ...] = ()  # the site's further nodes
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -98,8 +95,7 @@ class SiteNet:
 
     @property
     def exec_prefix(self) -> list[str]:
-        """The command prefix that runs a program inside this site's namespace."""
-        return ["ip", "netns", "exec", self.namespace]
+        return netns_exec(self.namespace)
 
 
 def require_tools() -> None:
@@ -240,7 +236,7 @@ def teardown(job: str) -> dict[str, list[str]]:
 def _disable_ipv6(interface: str, namespace: str | None = None) -> None:
     # Without IPv6 there is no link-local address for a program to bypass the rules with.
     path = f"/proc/sys/net/ipv6/conf/{interface}/disable_ipv6"
-    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    prefix = netns_exec(namespace) if namespace else []
     _run(*prefix, "sh", "-c", f"[ ! -e {path} ] || echo 1 > {path}")
 
 
@@ -302,7 +298,7 @@ def _create_site(
         ),
     )
     ns, peer = site.namespace, f"ip-{job}-{index}"
-    in_ns = ("ip", "netns", "exec", ns)
+    in_ns = netns_exec(ns)
     _run("ip", "netns", "add", ns)
     _run("ip", "link", "add", site.veth, "type", "veth", "peer", "name", peer)
     # Filter rules before any address exists: nothing crosses the root namespace
@@ -337,7 +333,7 @@ def _create_lan(
     site: SiteNet, lan: ipaddress.IPv4Network, all_nets: list[ipaddress.IPv4Network]
 ) -> None:
     """The site's LAN: a bridge `lan0` in the first node, a veth from it to each further node."""
-    first = ("ip", "netns", "exec", site.namespace)
+    first = site.exec_prefix
     # The relay in the root namespace dials the further nodes through the site's veth.
     _run("ip", "route", "add", str(lan), "via", site.address, "dev", site.veth)
     _run(*first, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")  # this netns only
@@ -346,7 +342,7 @@ def _create_lan(
     _run(*first, "ip", "addr", "add", f"{site.lan_address}/24", "dev", LAN_IFNAME)
     _run(*first, "ip", "link", "set", LAN_IFNAME, "up")
     for k, node in enumerate(site.nodes, start=1):
-        in_node = ("ip", "netns", "exec", node.namespace)
+        in_node = node.exec_prefix
         port = f"{LAN_IFNAME}p{k}"  # the bridge's port to node k
         _run("ip", "netns", "add", node.namespace)
         # Both ends are made inside the namespaces: nothing of the LAN is in the root's.

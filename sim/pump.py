@@ -2,22 +2,18 @@
 to receivers, each piece released at its time from a precise clock.
 
 One `Pump` per `DirectionPipe`, serving every connection that crosses the direction
-(its bandwidth is shared, so one thread keeps its clock). Per connection a stream:
-read a piece from the sender once the link admits it (the in-flight bound), ask the
-pipe for its times (serialization, latency, impairments), hold it, write it to the
-receiver when due. A direction with a per-flow cap also holds back each stream whose
-token bucket is empty (`DirectionPipe.charge_flow`) until it refills. Waiting is a
-`poll` over the sockets, a wake-up eventfd and a timerfd armed at the next release
+(its bandwidth is shared, so one thread keeps its clock). Per connection a stream
+(`sim/stream.py`): read a piece from the sender once the link admits it (the in-flight
+bound; a per-flow cap's token bucket too), ask the pipe for its times (serialization,
+latency, impairments), hold it, write it to the receiver when due. Waiting is a `poll`
+over the sockets, a wake-up eventfd and a timerfd armed at the next release
 (`sim/clock.py`), not an event loop's millisecond ticks.
 
 The bytes stay in the kernel: `os.splice` moves them from the sender's socket into a
-pipe (the delay line; a chain of pipes, since one holds a few MiB at most) and from the
-pipe to the receiver's socket, unless an impairment must read or change them
-(`Impairment.touches_bytes`: corruption), in which case that direction reads them
-into Python and writes them back. Both kinds may alternate on one stream when the
-impairments change; their order is kept.
-
-The per-connection state (sockets, delay line, pipes) is in `sim/stream.py`.
+chain of pipes (the delay line; one pipe holds a few MiB at most) and on to the
+receiver's socket, unless an impairment must read or change them (corruption), in which
+case that direction reads them into Python; both kinds may alternate on one stream,
+their order kept.
 
 Threads, not processes: `splice`, `poll` and `send` release the GIL and the Python
 work is a few microseconds per piece of up to 1 MiB, so the two pumps of a link, its
@@ -35,7 +31,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .clock import Timer, precise_thread, spin_for
+from .clock import Timer, precise_thread
 from .stream import Chunk, Connection, KernelPipe, Stream, arrival, unread
 
 if TYPE_CHECKING:
@@ -43,15 +39,12 @@ if TYPE_CHECKING:
 
 __all__ = ["RECV_WINDOW_BYTES", "Connection", "Pump"]
 
-POOL_PIPES = 32
-"""Empty pipes a pump keeps for reuse."""
-INTAKE_PIECES = 4
-"""Most pieces read from one sender per wake-up."""
+POOL_PIPES = 32  # empty pipes a pump keeps for reuse
+INTAKE_PIECES = 4  # most pieces read from one sender per wake-up
 RECV_WINDOW_BYTES = 256 * 1024
-"""Bytes per connection that may have crossed the link but wait for a slow receiver.
-Like a TCP receive window it lets a stalled receiver (or a stalled stream: a loss, a
-flap, a `flow_stall`) hold its own data without holding the link's shared in-flight
-budget, which is released when bytes leave the wire."""
+"""Bytes per connection that may have crossed the link but wait for a slow receiver: like
+a TCP receive window, it lets a stalled receiver or stream (a loss, a flap, a `flow_stall`)
+hold its own data, not the link's shared in-flight budget (freed as bytes leave the wire)."""
 _SPLICE = os.SPLICE_F_NONBLOCK | os.SPLICE_F_MOVE
 _IN, _OUT = select.POLLIN | select.POLLHUP | select.POLLERR, select.POLLOUT
 _JOIN_S = 10.0
@@ -94,7 +87,6 @@ class Pump:
             os.eventfd_write(self._wake_fd, 1)
 
     def reset_all(self) -> None:
-        """Reset every connection the pump carries now."""
         with self._lock:
             self._reset_all = True
         self.wake()
@@ -145,19 +137,13 @@ class Pump:
                 wake_at, precise = self._listen(poller, streams, now, wake_at, precise)
                 if next_reset is not None and next_reset < wake_at:
                     wake_at, precise = next_reset, False
-                events = self._wait(poller, timer, wake_at, precise)
+                events = timer.wait(poller, wake_at, precise)
         finally:
             for s in streams:
                 self._drop(s, poller, by_fd)
             timer.close()
 
-    def _accept(
-        self,
-        incoming: list[tuple[Connection, socket.socket, socket.socket, bytes]],
-        streams: list[Stream],
-        by_fd: dict[int, tuple[Stream, int]],
-        now: float,
-    ) -> None:
+    def _accept(self, incoming: list, streams: list[Stream], by_fd: dict, now: float) -> None:
         """Start a stream for each new connection, numbered in the order they came
         (`Stream.flow`, the one place flows are numbered); admit the bytes already read."""
         for conn, src, dst, first in incoming:
@@ -168,9 +154,7 @@ class Pump:
             if first:
                 self._admit(s, first, None, len(first), now)
 
-    def _note_events(
-        self, events: list[tuple[int, int]], timer: Timer, by_fd: dict[int, tuple[Stream, int]]
-    ) -> None:
+    def _note_events(self, events: list[tuple[int, int]], timer: Timer, by_fd: dict) -> None:
         """Clear the wake-up and timer fds; mark the streams whose sockets are ready."""
         for fd, _ in events:
             if fd == self._wake_fd:
@@ -211,15 +195,12 @@ class Pump:
             if not s.blocked_out and not s.conn.failed:
                 due = self._deliver(s, now)
                 if due < wake_at:
-                    # A stream holding one piece waits on it (a request, a
-                    # ping): release it to the microsecond. A stream holding
-                    # many is a bulk flow, whose rate does not care.
+                    # A stream holding one piece waits on it (a request, a ping): release
+                    # it to the microsecond. One holding many is a bulk flow.
                     wake_at, precise = due, len(s.chunks) == 1
         return wake_at, precise
 
-    def _retire(
-        self, streams: list[Stream], poller: select.poll, by_fd: dict[int, tuple[Stream, int]]
-    ) -> None:
+    def _retire(self, streams: list[Stream], poller: select.poll, by_fd: dict) -> None:
         """Drop the finished and failed streams; rotate the rest (who reads first)."""
         for s in [s for s in streams if s.done or s.conn.failed]:
             streams.remove(s)
@@ -247,30 +228,6 @@ class Pump:
             self._register(poller, s, 0, _IN if reading and room > 0 else 0)
             self._register(poller, s, 1, _OUT if s.blocked_out else 0)
         return wake_at, precise
-
-    def _wait(
-        self, poller: select.poll, timer: Timer, wake_at: float, precise: bool
-    ) -> list[tuple[int, int]]:
-        """Poll until an fd is ready or `wake_at`: a timer (~10-40 us late), then, if
-        `precise`, a busy poll for the last 50-300 us (`spin_for`), so that a release
-        is microseconds late, not a scheduler tick."""
-        if wake_at == math.inf:
-            return poller.poll()
-        delay = wake_at - time.monotonic()
-        spin = spin_for(delay) if precise else 0.0
-        if delay > spin:
-            if timer.fd is not None:
-                timer.arm(wake_at - spin)
-                events = poller.poll()
-            else:
-                events = poller.poll(max(0, int((delay - spin) * 1000)))
-            if any(fd != timer.fd for fd, _ in events):
-                return events
-            timer.clear()
-        while True:
-            events = poller.poll(0)  # releases the GIL for the other threads
-            if events or time.monotonic() >= wake_at:
-                return events
 
     @staticmethod
     def _register(poller: select.poll, s: Stream, side: int, mask: int) -> None:
@@ -343,8 +300,7 @@ class Pump:
                 return
             if n == 0:
                 s.eof_read = True
-                piece = pipe.eof(now, s.flow)
-                s.last = max(piece.at, s.last)
+                s.last = max(pipe.eof(now, s.flow).at, s.last)
                 chunk = Chunk(s.last)
                 chunk.eof = True
                 s.chunks.append(chunk)

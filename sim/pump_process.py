@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .connect import reset_on_close
 from .link import DirectionPipe
 from .spec import DirectionSpec
 from .stream import Connection
@@ -77,14 +78,10 @@ def _receive(sock: socket.socket) -> tuple[tuple, list[int]] | None:
 class RemoteDirection:
     """A `DirectionPipe` whose bytes a child process moves; what `Link` asks of a
     direction, with the same names. ``on_failed`` is called (from a reader thread) with
-    a connection the child failed, so that the link fails it in its other direction too.
-    """
+    a connection the child failed, so that the link fails it in its other direction too."""
 
     def __init__(
-        self,
-        spec: DirectionSpec,
-        name: str,
-        on_failed: Callable[[Connection], None],
+        self, spec: DirectionSpec, name: str, on_failed: Callable[[Connection], None]
     ) -> None:
         self.name = name
         # The parent's own bookkeeping: the spec, the SYN's crossing (`cross`) and the
@@ -215,15 +212,12 @@ class RemoteDirection:
                 with self._replied:
                     self._replies[ident] = rest[0]
                     self._replied.notify_all()
-            elif kind == "failed":
+            elif kind in ("failed", "done"):
                 conn = self._carried.pop(ident, None)
                 if conn is not None:
                     self._ident_of.pop(conn, None)
-                    self._on_failed(conn)
-            elif kind == "done":
-                conn = self._carried.pop(ident, None)
-                if conn is not None:
-                    self._ident_of.pop(conn, None)
+                    if kind == "failed":
+                        self._on_failed(conn)
 
 
 class _ChildConnection(Connection):
@@ -237,9 +231,8 @@ class _ChildConnection(Connection):
         self._told = False
 
     def fail(self, *, quiet: bool = False) -> None:
-        for sock in self.socks:  # linger 0 on the socket itself: the last close sends RST
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        for sock in self.socks:  # on the socket itself: the last close sends RST
+            reset_on_close(sock)
         if not quiet and not self._told:
             self._told = True
             self._tell(("failed", self._ident))

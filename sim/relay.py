@@ -3,18 +3,15 @@
 `RelayServer` runs an asyncio loop in a daemon thread; each `Link` owns the two
 `DirectionPipe`s of one pair of sites and any number of listeners on 127.0.0.1:
 forwards (every connection goes to one fixed target) and HTTP CONNECT proxies (the
-client names a loopback target). Only loopback targets are ever connected to. This
-module owns the links, their listeners and the relay's loop; the CONNECT handshake
-and the socket set-up are in `isthmus.sim.connect`.
+client names a loopback target; only loopback targets are ever connected to). The
+CONNECT handshake and the socket set-up are in `isthmus.sim.connect`.
 
-gRPC through a proxy listener (checked with grpcio 1.84): pass the channel option
-`("grpc.http_proxy", "http://127.0.0.1:PORT")` (see `proxy_channel_options`). gRPC
-then tunnels targets written `127.0.0.1:N`, `localhost:N` or `ipv4:127.0.0.1:N`
-through the proxy; the option beats the `http_proxy`/`https_proxy`/`grpc_proxy`
-environment variables. But the `no_grpc_proxy` / `no_proxy` environment variables
-(the first one set wins) silently bypass even the channel option for hosts they
-list, and many machines set `no_proxy=localhost,127.0.0.1`: unset them, or set
-`no_grpc_proxy` to a name that matches nothing, e.g. `no_grpc_proxy=none.invalid`.
+gRPC through a proxy listener (grpcio 1.84): the channel option `("grpc.http_proxy",
+"http://127.0.0.1:PORT")` (`proxy_channel_options`) tunnels targets written `127.0.0.1:N`,
+`localhost:N` or `ipv4:127.0.0.1:N` and beats the `http_proxy`/`https_proxy`/`grpc_proxy`
+variables; but `no_grpc_proxy` / `no_proxy` (the first set wins) silently bypass it for
+hosts they list, and many machines set `no_proxy=localhost,127.0.0.1`: unset them, or set
+`no_grpc_proxy=none.invalid` (a name that matches nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import socket
-import struct
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -32,6 +28,7 @@ from .connect import (
     ESTABLISHED,
     SOCKET_BUFFER_BYTES,
     HttpError,
+    close_with_rst,
     is_loopback,
     listening_socket,
     open_target,
@@ -42,12 +39,12 @@ from .connect import (
 )
 from .control import ControlServer
 from .impairments import Impairment
-from .link import DirectionPipe, LinkSpec
+from .link import DirectionPipe
 from .pump import Connection
 from .pump_process import RemoteDirection
+from .spec import LinkSpec
 
 CALL_TIMEOUT_S = 30.0
-
 T = TypeVar("T")
 
 
@@ -57,22 +54,15 @@ def proxy_channel_options(address: tuple[str, int]) -> list[tuple[str, Any]]:
     return [("grpc.enable_http_proxy", 1), ("grpc.http_proxy", f"http://{address[0]}:{address[1]}")]
 
 
-Direction = DirectionPipe | RemoteDirection
-"""One direction of a link: pumped by a thread of the relay, or by a process of its own."""
+Direction = DirectionPipe | RemoteDirection  # pumped by a thread of the relay, or a process
 
 
 class Link:
-    """Two directions between sites a and b, and the listeners that feed them.
-
-    Public methods are thread-safe: they run on the relay's loop and wait for it.
-    """
+    """Two directions between sites a and b, and the listeners that feed them. Public
+    methods are thread-safe: they run on the relay's loop and wait for it."""
 
     def __init__(
-        self,
-        name: str,
-        spec: LinkSpec,
-        loop: asyncio.AbstractEventLoop,
-        processes: bool = False,
+        self, name: str, spec: LinkSpec, loop: asyncio.AbstractEventLoop, processes: bool = False
     ) -> None:
         self.name = name
         self._spec = spec
@@ -95,10 +85,8 @@ class Link:
         ("a" or "b"), address ("HOST:PORT") and, for a forward, target ("HOST:PORT")."""
         self._handlers: set[asyncio.Task[None]] = set()  # accept loops and handshakes
         self._closed = False
-        self.targets_connected = 0
-        """Outbound connections the relay opened to targets (counter)."""
-        self.proxy_refused = 0
-        """CONNECT requests answered 400/403 without connecting anywhere (counter)."""
+        self.targets_connected = 0  # outbound connections the relay opened to targets
+        self.proxy_refused = 0  # CONNECT requests answered 400/403, connecting nowhere
 
     @property
     def spec(self) -> LinkSpec:
@@ -115,8 +103,7 @@ class Link:
         self, target_host: str, target_port: int, initiator: str = "a"
     ) -> tuple[str, int]:
         """Listen on 127.0.0.1 and forward every connection to one loopback target;
-        returns the listener's (host, port). ``initiator``: the site of the connecting
-        clients, "a" or "b" (their bytes travel its outbound direction)."""
+        returns (host, port). ``initiator``: the connecting clients' site, "a" or "b"."""
         if not is_loopback(target_host):
             raise ValueError(f"target_host must be a loopback address, got {target_host!r}")
         address = self._call(self._listen(initiator, (target_host, int(target_port))))
@@ -133,16 +120,13 @@ class Link:
     def note_listener(
         self, kind: str, initiator: str, address: tuple[str, int], target: str | None
     ) -> None:
-        """List a listener that feeds the link (shown by the control endpoint)."""
         entry = {"kind": kind, "initiator": initiator, "address": f"{address[0]}:{address[1]}"}
         self.listeners.append(entry if target is None else {**entry, "target": target})
 
     def update(self, spec: LinkSpec) -> None:
-        """Change both directions of the live link; applies to bytes sent afterwards.
-
-        A direction whose impairments (or seed) change restarts them: fresh random
-        streams, `at_s` counted from now. Otherwise they keep running.
-        """
+        """Change both directions of the live link, for bytes sent afterwards. A direction
+        whose impairments (or seed) change restarts them: fresh random streams, `at_s`
+        counted from now."""
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
         if self._closed or self._loop.is_closed():
@@ -182,14 +166,10 @@ class Link:
     def carry_connection(
         self, client: socket.socket, target: tuple[str, int], initiator: str = "a"
     ) -> None:
-        """Carry a connection accepted outside the relay to `target`, across the link.
-
-        For listeners that learn the target from the kernel and check it themselves
-        (`isthmus.sim.transparent`): `target` may be any IPv4 address, so never pass one
-        a client chose freely. The far side is connected after the request crosses the
-        link; either side failing resets both. Returns at once; the link owns `client`
-        (the accepted socket of site ``initiator``'s side).
-        """
+        """Carry a connection accepted outside the relay (by `isthmus.sim.transparent`,
+        which checks the target itself: it may be any IPv4 address, so never pass one a
+        client chose freely) to `target`, across the link; either side failing resets
+        both. Returns at once; the link owns `client`, site ``initiator``'s socket."""
         if initiator not in self._pipes:
             client.close()
             raise ValueError(f"initiator must be 'a' or 'b', got {initiator!r}")
@@ -210,7 +190,7 @@ class Link:
                 self._carry(client, far, out, back)
                 return
             except (OSError, asyncio.TimeoutError):
-                _close_with_rst(client)  # a refused target: reset the client
+                close_with_rst(client)  # a refused target: reset the client
             except asyncio.CancelledError:
                 client.close()  # close(): end normally, as on_accept does
             if far is not None:
@@ -234,12 +214,7 @@ class Link:
             self._handlers.discard(task)
 
     def _carry(
-        self,
-        client: socket.socket,
-        far: socket.socket,
-        out: Direction,
-        back: Direction,
-        first: bytes = b"",
+        self, client: socket.socket, far: socket.socket, out: Direction, back: Direction, first=b""
     ) -> None:
         """Hand a connected pair to the two directions' pumps; they own it from now."""
         size = max(out.socket_buffer_bytes(), back.socket_buffer_bytes())
@@ -256,8 +231,7 @@ class Link:
     ) -> tuple[str, int]:
         if initiator not in self._pipes:
             raise ValueError(f"initiator must be 'a' or 'b', got {initiator!r}")
-        out = self._pipes[initiator]
-        back = self._pipes["b" if initiator == "a" else "a"]
+        out, back = self._pipes[initiator], self._pipes["b" if initiator == "a" else "a"]
         sock = listening_socket(port)
         sock.setblocking(False)
         self._listening.append(sock)
@@ -278,11 +252,7 @@ class Link:
         return host, port
 
     async def _handle(
-        self,
-        client: socket.socket,
-        out: Direction,
-        back: Direction,
-        target: tuple[str, int] | None,
+        self, client: socket.socket, out: Direction, back: Direction, target: tuple[str, int] | None
     ) -> None:
         out.connections += 1
         far: socket.socket | None = None
@@ -318,7 +288,7 @@ class Link:
             failed = False  # the relay is closing: close both quietly
         for sock in (client, far):
             if sock is not None:
-                _close_with_rst(sock) if failed else sock.close()
+                close_with_rst(sock) if failed else sock.close()
 
     async def _close(self) -> None:
         self._closed = True
@@ -333,24 +303,14 @@ class Link:
             pipe.close()
 
 
-def _close_with_rst(sock: socket.socket) -> None:
-    """Close at once, sending RST (linger 0), so the peer sees a reset as it would
-    behind a failing middlebox, not an orderly end."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
-
-
 class RelayServer:
-    """Runs links on an asyncio loop in a daemon thread, for synchronous callers.
-
-    Use as a context manager, or call `start()` and `close()`.
-    """
+    """Runs links on an asyncio loop in a daemon thread, for synchronous callers: a
+    context manager, or `start()` and `close()`."""
 
     def __init__(self, processes: bool = False) -> None:
+        # Each direction pumped by a process of its own (sim/pump_process.py), not a
+        # thread of this one: for links past ~15 Gbit/s loaded both ways at once.
         self.processes = processes
-        """Each link direction's bytes moved by a process of its own (sim/pump_process.py),
-        not a thread of this one: for links past ~15 Gbit/s loaded both ways at once."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._links: dict[str, Link] = {}
@@ -386,7 +346,6 @@ class RelayServer:
         return link
 
     def link(self, name: str) -> Link:
-        """The link called `name`."""
         return self._links[name]
 
     def links(self) -> dict[str, Link]:
@@ -395,9 +354,8 @@ class RelayServer:
             return dict(self._links)
 
     def serve_control(self, host: str = "127.0.0.1", port: int = 0) -> ControlServer:
-        """Serve the HTTP/JSON control endpoint (`GET /links`, `POST /links/NAME`) on
-        ``host`` (loopback: whoever reaches it can change the links); it stops with
-        `close()` of this relay."""
+        """Serve the HTTP/JSON control endpoint (`GET /links`, `POST /links/NAME`) until
+        `close()`, on ``host`` (loopback: whoever reaches it can change the links)."""
         server = ControlServer(self, host, port)
         with self._lock:
             self._controls.append(server)

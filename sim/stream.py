@@ -18,6 +18,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from .connect import close_with_rst
+
 if TYPE_CHECKING:
     from .pump import Pump
 
@@ -61,10 +63,7 @@ class Connection:
             if self._carriers != 0:
                 return
         for sock in self.socks:
-            if self.failed:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            sock.close()
+            close_with_rst(sock) if self.failed else sock.close()
 
 
 class KernelPipe:

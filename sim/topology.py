@@ -54,12 +54,9 @@ class TopologyLink:
 class Topology:
     """Sites and exactly one link per pair of them."""
 
-    sites: tuple[str, ...]
-    """Site names, in the file's order."""
-    links: tuple[TopologyLink, ...]
-    """One per unordered pair of sites."""
-    seed: int = 0
-    """The file's seed (each link's own seed is derived from it unless set)."""
+    sites: tuple[str, ...]  # in the file's order
+    links: tuple[TopologyLink, ...]  # one per unordered pair of sites
+    seed: int = 0  # the file's (each link's own seed is derived from it unless set)
 
     def __post_init__(self) -> None:
         _check_sites(self.sites)
@@ -264,9 +261,8 @@ def _table(value: Any, where: str) -> dict[str, Any]:
 
 
 def _number(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
-    if value < 0:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0:
         raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
     return float(value)
 

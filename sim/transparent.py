@@ -12,15 +12,14 @@ object, with a teardown that runs however it ends.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import struct
 import threading
 
-from .connect import tune
-from .link import LinkSpec
+from .connect import close_with_rst, tune
 from .netns import DEFAULT_POOL, SiteNet, create_sites, redirect_tcp, teardown
 from .relay import Link, RelayServer
+from .spec import LinkSpec
 
 __all__ = ["TransparentRelay", "TransparentWan", "original_destination"]
 
@@ -37,12 +36,6 @@ def original_destination(sock: socket.socket) -> tuple[str, int]:
     return socket.inet_ntoa(packed), port
 
 
-def _reset(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
-
-
 class TransparentRelay:
     """One listener per site, on the site's gateway, for its REDIRECTed connections.
     `links`: (source, destination) -> (link, the source's end "a" or "b") for every
@@ -57,12 +50,9 @@ class TransparentRelay:
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._listeners: list[socket.socket] = []
-        self.ports: dict[str, int] = {}
-        """Site -> the port its listener is bound to (on the site's gateway)."""
-        self.relayed = 0
-        """Connections handed to a link (counter)."""
-        self.refused = 0
-        """Connections reset because their destination is not another site of the job."""
+        self.ports: dict[str, int] = {}  # site -> its listener's port (on its gateway)
+        self.relayed = 0  # connections handed to a link
+        self.refused = 0  # connections reset: their destination is not another site of the job
 
     def start(self) -> dict[str, int]:
         """Bind the listeners and start accepting in a daemon thread; site -> port."""
@@ -100,7 +90,7 @@ class TransparentRelay:
         dest = self._by_address.get(host)
         if peer not in site.addresses or dest is None or dest == site.site:
             self.refused += 1
-            _reset(client)
+            close_with_rst(client)
             return
         link, initiator = self._links[(site.site, dest)]
         self.relayed += 1
@@ -132,9 +122,8 @@ class TransparentRelay:
 
 
 class TransparentWan:
-    """A job's sites in namespaces, every pair joined by one emulated link.
-
-    Use as a context manager; `close()` (idempotent) removes the namespaces, veths and
+    """A job's sites in namespaces, every pair joined by one emulated link. Use as a
+    context manager; `close()` (idempotent) removes the namespaces, veths and
     rules, also after an exception or Ctrl-C inside the `with`. `spec` is every link's
     (a = the lower-numbered site); `control` (loopback host, port 0 = any) serves the
     endpoint of `isthmus wan show/set`, at `control_address` once started; `job`,
@@ -158,14 +147,12 @@ class TransparentWan:
         self._pool = pool
         self.sites: list[SiteNet] = []
         self.relay = RelayServer()
-        self.links: dict[str, Link] = {}
-        """"siteI-siteJ" (I < J) -> the link between them."""
+        self.links: dict[str, Link] = {}  # "siteI-siteJ" (I < J) -> the link between them
         self._transparent: TransparentRelay | None = None
         self._created = False
         self._control = control
         self._nodes = nodes
-        self.control_address: str | None = None
-        """"host:port" of the control endpoint, when one was asked for."""
+        self.control_address: str | None = None  # "host:port", when one was asked for
 
     def start(self) -> TransparentWan:
         """Create everything; on failure remove what was created and raise."""
