@@ -52,13 +52,10 @@ class BenchCase:
 
     sites: int
     rtt_ms: float
-    gbit: float
-    """Link bandwidth per direction, Gbit/s."""
-    mib: float
-    """Tensor size per site, MiB of fp32."""
+    gbit: float  # link bandwidth per direction
+    mib: float  # tensor size per site, MiB of fp32
     codec: str
-    chunk_bytes: int
-    """Chunk size; 0 derives it from the link (``chunk_bytes_for_link``)."""
+    chunk_bytes: int  # 0 derives it from the link (``chunk_bytes_for_link``)
     connections: int = 4
     workers: int | None = None
     timeout_s: float = 600.0
@@ -75,8 +72,7 @@ class BenchCase:
     """Split each slice into this many groups, started one after another through
     :class:`~isthmus.inter.data.sync.gradient.LaneGradientSync` as backward starts FSDP
     groups (1 = one plain all-reduce)."""
-    in_flight: int = 4
-    """Rounds in flight (``sync.rounds_in_flight``) when ``groups`` > 1."""
+    in_flight: int = 4  # ``sync.rounds_in_flight`` when ``groups`` > 1
     load_ms: float = 0.0
     """Compute per step, in ms: before each group starts, its share of matrix products
     (as backward's before a group's gradients are ready); ``exposed_s`` then says how
@@ -227,10 +223,7 @@ def _median_report(
                 "compute_s": compute_s,
                 "exposed_s": max(0.0, wall - compute_s),
                 "sync_s": sync_s,
-                "bytes_sent": stats.bytes_sent,
-                "raw_bytes": stats.raw_bytes,
-                "corrupt_chunks": stats.corrupt_chunks,
-                "stalled_flows": stats.stalled_flows,
+                **{k: getattr(stats, k) for k in _REPORTED},
                 "encode_s": getattr(stats, "encode_s", 0.0),
                 "decode_s": getattr(stats, "decode_s", 0.0),
             }
@@ -238,6 +231,9 @@ def _median_report(
     median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
     digest = hashlib.sha256(tensor.cpu().numpy().tobytes()).hexdigest()[:16]
     return {**median, "digest": digest, "steps": runs, "gc_frozen": gc.get_freeze_count()}
+
+
+_REPORTED = ("bytes_sent", "raw_bytes", "corrupt_chunks", "stalled_flows")
 
 
 class CollectorClock:

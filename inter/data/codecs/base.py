@@ -44,7 +44,7 @@ class NonFiniteEncoding(ValueError):
 
 
 def crc32(payload: bytes | bytearray | memoryview) -> int:
-    """Returns the CRC-32C (Castagnoli) of ``payload`` as an unsigned 32-bit int.
+    """The CRC-32C (Castagnoli) of ``payload`` as an unsigned 32-bit int.
 
     CRC-32C because CPUs compute it in hardware (SSE 4.2, ARMv8): ~20 GB/s against
     ~3 GB/s for zlib's CRC-32, which cost a lane more than copying its bytes. The
@@ -74,9 +74,7 @@ def check_size(stage: str, payload: bytes | memoryview, expected: int, num_eleme
 
 def _pinned_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
     # cudaHostAlloc is slow, so each thread keeps one growing pinned buffer per dtype.
-    cache = getattr(_pinned, "buffers", None)
-    if cache is None:
-        cache = _pinned.buffers = {}
+    cache = _pinned.__dict__.setdefault("buffers", {})  # this thread's
     buf = cache.get(dtype)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(max(numel, 1 << 20), dtype=dtype, pin_memory=True)
@@ -85,16 +83,9 @@ def _pinned_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 def to_host_bytes(t: torch.Tensor) -> bytes:
-    """Copies a 1-D tensor's elements to little-endian host bytes.
-
-    A CUDA tensor is copied into pinned memory first (a blocking copy on the current
-    stream, so the bytes are complete when it returns); ``tobytes`` then copies out.
-
-    Args:
-        t: 1-D tensor of a 1-, 2- or 4-byte dtype on any device.
-    Returns:
-        The elements' bytes, little-endian.
-    """
+    """A 1-D tensor's elements (a 1-, 2- or 4-byte dtype, any device) as little-endian
+    host bytes. A CUDA tensor is copied into pinned memory first (a blocking copy on
+    the current stream, so the bytes are complete when it returns)."""
     array = _host_tensor(t).view(_AS_INT[t.element_size()]).numpy()
     # Only a big-endian host pays for a byte swap; the wire is little-endian.
     return (array if sys.byteorder == "little" else array.byteswap()).tobytes()
@@ -119,9 +110,6 @@ def to_host_view(t: torch.Tensor) -> memoryview:
     A CPU tensor's own memory is returned as a read-only view: valid while the tensor
     is unchanged. A CUDA tensor is copied into pinned memory that the view alone holds
     (blocking): valid as long as the view is kept.
-
-    Args:
-        t: 1-D tensor of a 1-, 2- or 4-byte dtype on any device.
     """
     if sys.byteorder != "little":
         return memoryview(to_host_bytes(t))
@@ -153,20 +141,15 @@ class TensorStage(Protocol):
     """Turns fp32 values into bytes and back; the first stage of every chain."""
 
     name: str
-    width: int
-    """Bytes per element on the wire (what byte-shuffle groups by)."""
+    width: int  # bytes per element on the wire (what byte-shuffle groups by)
     lossy: bool
 
-    def encoded_size(self, num_elements: int) -> int:
-        """Exact payload size for ``num_elements`` values."""
-        ...
+    def encoded_size(self, num_elements: int) -> int: ...
 
     def encode(self, chunk: torch.Tensor, key: str | None) -> bytes | memoryview:
         """Encodes a 1-D fp32 chunk on its device; ``key`` names error-feedback state.
-
         May return a view of ``chunk``'s memory (valid until the chunk changes) or of
-        pinned memory of its own (:func:`to_host_view`).
-        """
+        pinned memory of its own (:func:`to_host_view`)."""
         ...
 
     def decode(self, payload: bytes | memoryview, num_elements: int) -> torch.Tensor:

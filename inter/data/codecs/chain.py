@@ -26,14 +26,7 @@ from isthmus.inter.data.codecs.shuffle import ShuffleStage
 from isthmus.inter.data.codecs.spec import ALLOWED_SPECS, parse_codec_spec
 from isthmus.inter.data.codecs.zstd import ZstdStage
 
-__all__ = [
-    "ALLOWED_SPECS",
-    "CodecChain",
-    "CodecError",
-    "NonFiniteEncoding",
-    "crc32",
-    "make_codec",
-]
+__all__ = ["ALLOWED_SPECS", "CodecChain", "CodecError", "NonFiniteEncoding", "crc32", "make_codec"]
 
 _TENSOR_STAGES: dict[str, Callable[[], TensorStage]] = {
     "raw": Fp32Stage,
@@ -76,20 +69,15 @@ class CodecChain:
         require_finite: bool = False,
         decoded_out: torch.Tensor | None = None,
     ) -> bytes | memoryview:
-        """Encodes one chunk.
+        """Encodes one 1-D fp32 chunk, CPU or CUDA; ``key`` names its error-feedback
+        state. ``require_finite``: raise NonFiniteEncoding rather than return a payload
+        that decodes to NaN or Inf (checked on the tensor stage's bytes). ``decoded_out``
+        (``chunk``'s size and device, may be ``chunk`` itself) receives what a decode of
+        the payload gives, bit for bit, without a copy to the device and back.
 
-        Args:
-            chunk: 1-D float32 tensor, CPU or CUDA.
-            key: names the chunk's error-feedback state (lossy stages with feedback).
-            require_finite: raise NonFiniteEncoding instead of returning a payload
-                that decodes to NaN or Inf (checked on the tensor stage's bytes).
-            decoded_out: if given (1-D fp32, ``chunk``'s size and device, may be
-                ``chunk`` itself), receives what a decode of the payload gives, bit for
-                bit, without a copy to the device and back.
-        Returns:
-            The payload: bytes, or (``raw`` and ``bf16`` without byte stages) a
-            read-only view of the chunk's memory (valid until the chunk changes) or
-            of pinned memory the view alone holds (a CUDA chunk's).
+        The payload is bytes, or (``raw`` and ``bf16`` without byte stages) a read-only
+        view of the chunk's memory (valid until the chunk changes) or of pinned memory
+        the view alone holds (a CUDA chunk's).
         """
         data = self._encode_values(chunk, key, require_finite, decoded_out)
         for stage in self.byte_stages:
@@ -101,10 +89,8 @@ class CodecChain:
         and the residual moved on, as :meth:`encode` does, but for a part that is never
         sent: no byte stage runs (they are lossless), and on int8's fused GPU path no
         payload reaches the host either (no copy, no wait) and nothing is checked there:
-        the caller checks what it sums ``decoded_out`` into.
-
-        Raises:
-            NonFiniteEncoding: a payload made on the host holds NaN or Inf.
+        the caller checks what it sums ``decoded_out`` into. NonFiniteEncoding if a
+        payload made on the host holds NaN or Inf.
         """
         self._encode_values(chunk, key, True, decoded_out, host=False)
 

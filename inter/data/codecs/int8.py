@@ -47,13 +47,10 @@ def scale_bytes(num_elements: int) -> int:
 
 
 def blockwise_levels(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantizes ``x`` to integers in [-levels, levels] with one scale per block.
-
-    Returns:
-        ``(scales, q)``: fp32 scales ``[blocks]`` and the integers as fp32
-        ``[blocks, BLOCK]`` (the last block zero-padded). A non-finite block keeps a
-        non-finite scale (clamp keeps NaN): the caller sends the chunk as NaN.
-    """
+    """Quantizes ``x`` to integers in [-levels, levels] with one scale per block:
+    ``(scales, q)``, fp32 scales ``[blocks]`` and the integers as fp32 ``[blocks, BLOCK]``
+    (the last block zero-padded). A non-finite block keeps a non-finite scale (clamp
+    keeps NaN): the caller sends the chunk as NaN."""
     n = x.numel()
     blocks = _blocks(n)
     # Chunks are mostly whole blocks: pad (a copy) only the short last one.
@@ -78,11 +75,7 @@ def expand_scales(scales: np.ndarray | torch.Tensor, num_elements: int):
 
 class Int8Stage:
     """Symmetric int8 (-127..127) with an fp32 scale per ``BLOCK`` values and error
-    feedback.
-
-    Args:
-        error_feedback: keep per-key residuals (``encode`` with a ``key``).
-    """
+    feedback (per-key residuals, for ``encode`` with a ``key``)."""
 
     name = "int8"
     width = 1
@@ -110,18 +103,13 @@ class Int8Stage:
         decoded_out: torch.Tensor | None = None,
         host: bool = True,
     ) -> bytes | memoryview:
-        """Quantizes on the chunk's device (on a GPU one fused kernel where Triton is,
-        else the same torch code as on the CPU), then one copy to the host.
-
-        Args:
-            key: error-feedback state key (lane, group, chunk); None = no feedback.
-            decoded_out: if given (``chunk``'s shape and device, may be ``chunk``),
-                receives what :meth:`decode` of the payload returns, with no decode.
-            host: False skips the payload's copy to the host (and its wait) on the
-                fused GPU path, for a part that never leaves its site; ``b""`` is
-                returned there, and the caller checks ``decoded_out`` itself.
-        Returns:
-            The fp32 scales followed by the int8 values.
+        """The fp32 scales followed by the int8 values, quantized on the chunk's device
+        (on a GPU one fused kernel where Triton is, else the same torch code as on the
+        CPU), then one copy to the host. ``key``: error-feedback state (lane, group,
+        chunk); None = no feedback. ``decoded_out`` receives what :meth:`decode` of the
+        payload returns, with no decode. ``host=False`` skips the payload's copy to the
+        host (and its wait) on the fused GPU path, for a part that never leaves its
+        site; ``b""`` is returned there, and the caller checks ``decoded_out`` itself.
         """
         key = key if self.error_feedback else None
         x = check_chunk(chunk)
@@ -130,7 +118,8 @@ class Int8Stage:
             return b""
         if self.fused and int8_kernels.usable(x):
             return self._encode_fused(x, key, decoded_out, host)
-        x = self._with_residual(x, key)
+        residual = self._residual(x, key)  # what earlier roundings lost
+        x = x if residual is None else x + residual
         scales, q = blockwise_levels(x, self.levels)
         if key is not None:  # measured against what decode produces: fp32(q) x scale
             decoded = (q * scales[:, None]).view(-1)[:n]
@@ -206,13 +195,8 @@ class Int8Stage:
         # fp32 x a power of two is exact in float64; fp32(q x s) <= FP32_MAX when q x s is.
         return scales.size == 0 or float(np.abs(scales).max()) * self.wire_max <= _FP32_MAX
 
-    def _with_residual(self, x: torch.Tensor, key: str | None) -> torch.Tensor:
-        """``x`` plus the residual kept under ``key`` (what earlier roundings lost)."""
-        residual = self._residual(x, key)
-        return x if residual is None else x + residual
-
     def _residual(self, x: torch.Tensor, key: str | None) -> torch.Tensor | None:
-        """The residual kept under ``key``, on ``x``'s device, or None."""
+        """The residual kept under ``key``, moved to ``x``'s device, or None."""
         if key is None:
             return None
         with self._lock:
@@ -264,7 +248,7 @@ class Int8Stage:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Returns a copy of the residuals by key (CPU tensors, for a checkpoint)."""
+        """A copy of the residuals by key (CPU tensors, for a checkpoint)."""
         with self._lock:
             return {k: v.detach().to("cpu", copy=True) for k, v in self._residuals.items()}
 

@@ -140,18 +140,11 @@ def quantize(
     levels: int,
     smallest: float,
 ) -> None:
-    """Writes the int8 payload of ``x`` (+ ``residual``) into ``payload``: the fp32
-    scales of its blocks, then a byte per value. Queued on the current stream.
-
-    Args:
-        x: 1-D fp32 values, contiguous.
-        residual: what earlier roundings lost (same shape), or None.
-        new_residual: where this rounding's loss goes (may be ``residual``), or None.
-        decoded: where fp32(q) x scale goes (may be ``x``), or None.
-        payload: uint8, ``4 * blocks + n`` bytes, on ``x``'s device.
-        levels: the largest magnitude of a quantized value.
-        smallest: the least scale (a block of zeros divides by it).
-    """
+    """Writes the int8 payload of ``x`` (+ ``residual``) into ``payload`` (uint8,
+    ``4 * blocks + n`` bytes, on ``x``'s device): the fp32 scales of its blocks, then a
+    byte per value. Queued on the current stream. This rounding's loss goes to
+    ``new_residual`` (may be ``residual``), fp32(q) x scale to ``decoded`` (may be ``x``);
+    ``smallest`` is the least scale (a block of zeros divides by it)."""
     kernel = _load()[0]  # type: ignore[index]
     n = x.numel()
     blocks = -(-n // _BLOCK)

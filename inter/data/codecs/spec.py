@@ -28,11 +28,9 @@ TENSOR_STAGES = {"raw": "raw", "fp32": "raw", "bf16": "bf16", "int8": "int8", "i
 class CodecSpec:
     """One chain: a tensor stage, then optionally shuffle, then optionally zstd."""
 
-    tensor: str
-    """``raw``, ``bf16``, ``int8`` or ``int4``."""
+    tensor: str  # ``raw``, ``bf16``, ``int8`` or ``int4``
     shuffle: bool = False
-    zstd_level: int | None = None
-    """zstd's level, or None without zstd."""
+    zstd_level: int | None = None  # zstd's level, or None without zstd
     zstd_threads: int = 0
     """zstd worker threads; not part of :attr:`name` (speed, not the bytes' meaning)."""
 

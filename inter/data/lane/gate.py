@@ -50,8 +50,7 @@ class LaneGate:
     where: str
     """The lane, for log lines and refusals ("lane of site 0")."""
     refusals: RefusalLog
-    tickets: Tickets
-    """The bulk tickets and passes the lane granted, each bound to a site."""
+    tickets: Tickets  # the bulk tickets and passes the lane granted, each bound to a site
     members: Callable[[], Members]
     """The membership the lane holds now (it changes with the generation)."""
 

@@ -57,13 +57,9 @@ class Mailbox:
     key already seen is refused even after it was taken, and an exact copy (same key,
     same declared checksum: a sender sending again what a stalled connection may have
     delivered) is acknowledged and dropped. A step floor refuses chunks of finished
-    rounds.
-    Once a round has set the floor, chunks of steps ``max_ahead`` or more past it are
-    refused; and the payload bytes waiting never exceed ``max_bytes``.
-
-    Args:
-        max_bytes: payload bytes that may wait at once; None: unbounded.
-        max_ahead: steps past the floor whose chunks are taken.
+    rounds. Once a round has set the floor, chunks of steps ``max_ahead`` or more past
+    it are refused; and the payload bytes waiting never exceed ``max_bytes`` (None:
+    unbounded).
     """
 
     def __init__(self, max_bytes: int | None = None, max_ahead: int = MAX_STEPS_AHEAD) -> None:
@@ -159,11 +155,7 @@ class Mailbox:
 
     def take(self, key: MailboxKey, timeout: float) -> Chunk | None:
         """Waits up to ``timeout`` seconds for ``key``, removes and returns it
-        (:data:`CORRUPT` for a chunk that failed its checksum).
-
-        Raises:
-            TimeoutError: nothing arrived under ``key`` in time.
-        """
+        (:data:`CORRUPT` for a chunk that failed its checksum); TimeoutError if none came."""
         found = self.take_any((key,), timeout)
         if found is None:
             raise TimeoutError(f"no chunk {key} within {timeout:.3f}s")
@@ -172,11 +164,9 @@ class Mailbox:
     def take_any(
         self, keys: Iterable[MailboxKey], timeout: float
     ) -> tuple[MailboxKey, Chunk | None] | None:
-        """Waits up to ``timeout`` seconds for any of ``keys``; removes and returns it.
-
-        The item is :data:`CORRUPT` for a chunk that failed its checksum: the caller
-        pulls it again and it comes back through :meth:`redeposit`.
-        """
+        """Waits up to ``timeout`` seconds for any of ``keys``; removes and returns it
+        (:data:`CORRUPT` for a chunk that failed its checksum: the caller pulls it again
+        and it comes back through :meth:`redeposit`)."""
         wanted = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
@@ -192,11 +182,8 @@ class Mailbox:
                 self._cond.wait(remaining)
 
     def discard_before(self, step: int) -> int:
-        """Drops everything of steps before ``step`` and refuses them from now on.
-
-        Returns:
-            The number of unclaimed chunks dropped.
-        """
+        """Drops everything of steps before ``step`` (returns how many unclaimed chunks)
+        and refuses them from now on."""
         with self._cond:
             self._floor = max(self._floor, step)
             self._live = True
@@ -218,7 +205,6 @@ class Mailbox:
             self._floor, self._live, self._bytes = 0, False, 0
 
     def keys(self) -> list[MailboxKey]:
-        """Returns a snapshot of the keys waiting to be taken."""
         with self._cond:
             return list(self._items)
 
@@ -304,7 +290,6 @@ class Handoffs:
             return found is not None and found[0] == what
 
     def forget(self, nonce: bytes) -> None:
-        """Forgets ``nonce`` (what it was made for is done)."""
         with self._cond:
             self._waiting.pop(nonce, None)
 
@@ -369,7 +354,6 @@ class Outbox:
         return found[0], found[1][site]
 
     def discard_before(self, step: int) -> None:
-        """Drops the chunks of steps before ``step``."""
         with self._lock:
             self._items = {k: v for k, v in self._items.items() if k[0] >= step}
 

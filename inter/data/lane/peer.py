@@ -34,7 +34,6 @@ TRANSPORTS = ("auto", "bulk", "grpc")
 RETIRE_S = 10.0
 """Seconds a channel left after a stall stays open for calls begun on it before."""
 
-_RESEND = "/isthmus.v1.Lane/ResendChunk"
 _DELIVER = "/isthmus.v1.Lane/DeliverChunk"
 Home = tuple[int, Handoffs]
 """This rank's site index and its lane's :class:`Handoffs`: what a peer's hand-offs
@@ -42,17 +41,11 @@ Home = tuple[int, Handoffs]
 
 
 class LanePeer:
-    """Client of one peer site's lane.
-
-    Args:
-        address: the peer's "host:port".
-        chunk_bytes: the job's chunk size (sets the message size limits).
-        proxy: optional HTTP CONNECT proxy URL (e.g. the WAN emulator).
-        connections: parallel TCP connections; a round spreads its chunks over them.
-        security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
-        transport: "bulk" (chunks on the lane's bulk port, inter/data/transport/bulk.py, inside
-            mutual TLS when the security requires it), "grpc" (``PushChunks`` calls) or
-            "auto" (bulk).
+    """Client of one peer site's lane at ``address`` ("host:port"), through ``proxy``
+    (HTTP CONNECT: the WAN emulator) if given. A round spreads its chunks over
+    ``connections`` parallel TCP connections. ``transport``: "bulk" (the lane's bulk
+    port, inter/data/transport/bulk.py, inside mutual TLS when ``security`` requires
+    it), "grpc" (``PushChunks`` calls) or "auto" (bulk).
     """
 
     def __init__(
@@ -106,7 +99,7 @@ class LanePeer:
 
     def _renew(self, old: grpc.Channel) -> grpc.Channel:
         """A new channel (a new TCP connection) in ``old``'s place: a connection that
-        stalled (push_round.py) carries none of this peer's calls from now on. ``old``
+        stalled (push.py) carries none of this peer's calls from now on. ``old``
         is closed :data:`RETIRE_S` later, so that a call another thread just began on
         it (a ``ResendChunk``) is not cancelled under it; the chunks that were in flight
         on it went again already."""
@@ -187,25 +180,13 @@ class LanePeer:
 
     def fetch(self, request: lane_pb2.ResendChunkRequest, timeout: float) -> None:
         """Asks the peer for one chunk again (``ResendChunk``); the peer hands it to
-        this rank's lane (``DeliverChunk``) with ``request.nonce`` before it answers.
-
-        Raises:
-            grpc.RpcError: the peer refused, has no such chunk or did not answer.
-        """
-        call = self._turn().unary_unary(
-            _RESEND,
-            request_serializer=lane_pb2.ResendChunkRequest.SerializeToString,
-            response_deserializer=lane_pb2.ResendChunkResponse.FromString,
-        )
-        call(request, timeout=max(0.001, timeout))
+        this rank's lane (``DeliverChunk``) with ``request.nonce`` before it answers;
+        grpc.RpcError if the peer refused, has no such chunk or did not answer."""
+        lane_pb2_grpc.LaneStub(self._turn()).ResendChunk(request, timeout=max(0.001, timeout))
 
     def deliver(self, frame: Frame | bytes, nonce: bytes, timeout: float) -> None:
         """Hands a chunk this site sent to the peer's lane again (``DeliverChunk``),
-        for its round's request ``nonce``.
-
-        Raises:
-            grpc.RpcError: PERMISSION_DENIED if the peer's lane did not ask for it.
-        """
+        for its round's request ``nonce`` (PERMISSION_DENIED if it did not ask)."""
         call = self._turn().unary_unary(
             _DELIVER,
             request_serializer=None,  # already bytes (encode_delivery)
@@ -215,11 +196,8 @@ class LanePeer:
         call(encode_delivery(message, nonce), timeout=max(0.001, timeout))
 
     def grant_bulk(self, request: lane_pb2.GrantBulkRequest, timeout: float) -> None:
-        """Hands the peer's lane the ticket it asked for (``GrantBulk``).
-
-        Raises:
-            grpc.RpcError: PERMISSION_DENIED if the peer's lane did not ask for it.
-        """
+        """Hands the peer's lane the ticket it asked for (``GrantBulk``; PERMISSION_DENIED
+        if it did not ask)."""
         self.stub.GrantBulk(request, timeout=max(0.001, timeout))
 
     def abort_round(self, request: lane_pb2.AbortRoundRequest, timeout: float) -> None:
@@ -245,12 +223,8 @@ class LanePeer:
 
     def begin_round(self, deadline: float, home: Home | None = None) -> PeerRound:
         """Opens a round whose chunks must be taken by ``deadline`` (time.monotonic()).
-
-        Args:
-            deadline: when the round's chunks must have been taken.
-            home: this rank's site index and lane hand-offs, where the peer grants the
-                tickets that admit this site's chunks (``OpenBulk``).
-        """
+        ``home``: this rank's site index and lane hand-offs, where the peer grants the
+        tickets that admit this site's chunks (``OpenBulk``)."""
         if home is not None:
             self._home = home
         conns: list[Connection] = [*self._bulk] if self._bulk else [*self._streams]

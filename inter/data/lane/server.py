@@ -73,27 +73,15 @@ for 50 s (issue 33, row 3)."""
 class LaneServer(lane_pb2_grpc.LaneServicer):
     """The receiving side of one rank's lane.
 
-    Args:
-        site_index: this site's index in the membership's site list.
-        num_sites: number of sites in the membership.
-        codec: codec name every sender must use (``Codec.name``).
-        generation: current membership generation.
-        chunk_bytes: the job's chunk size; bounds payloads and messages.
-        host: interface to bind.
-        port: port to bind (0: the OS picks one).
-        max_workers: handler threads; each open stream holds one for its round. All
-            but :data:`RESERVED_THREADS` may hold ``PushChunks`` streams, so that
-            streams nobody ends (issue 14, row 7) never take the threads of
-            ``ResendChunk``, ``PullState``, ``OpenBulk`` and health checks.
-        security: mutual TLS and the job token (`isthmus.inter.security`); None = off.
-        bulk: also take chunks on a TCP port of their own (transport/bulk.py), inside
-            mutual TLS when the security requires TLS.
-        mailbox_bytes: payload bytes received chunks may hold while they wait for their
-            round (``Mailbox``); None: unbounded. Give it room for two steps of this
-            lane's traffic.
-        steps_ahead: how far past the live round a chunk's step may be
-            (``Mailbox.max_ahead``): a few steps, times the steps between rounds when
-            the job syncs only every so many steps (DiLoCo).
+    ``codec`` is the name every sender must use; ``chunk_bytes`` bounds payloads and
+    messages. Each open stream holds one of ``max_workers`` handler threads for its
+    round; all but :data:`RESERVED_THREADS` may hold ``PushChunks`` streams, so that
+    streams nobody ends (issue 14, row 7) never take the threads of ``ResendChunk``,
+    ``PullState``, ``OpenBulk`` and health checks. ``bulk``: also take chunks on a TCP
+    port of their own (transport/bulk.py), inside mutual TLS when ``security`` requires
+    it. ``mailbox_bytes`` (None: unbounded) wants room for two steps of this lane's
+    traffic; ``steps_ahead`` (``Mailbox.max_ahead``) is a few steps, times the steps
+    between rounds when the job syncs only every so many steps (DiLoCo).
     """
 
     def __init__(
@@ -140,13 +128,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         )
         self.tickets = Tickets()
         """Bulk tickets (and PushChunks passes) granted, each bound to a site."""
-        self.gate = LaneGate(
-            security=self.security,
-            where=self.where,
-            refusals=self.refusals,
-            tickets=self.tickets,
-            members=lambda: self._members,
-        )
+        self.gate = LaneGate(security=self.security, where=self.where, refusals=self.refusals,
+                             tickets=self.tickets, members=lambda: self._members)  # fmt: skip
         # grpc.health.v1, like every isthmus server: SERVING until stop().
         self.health = BoundedHealth(self.refusals)
         streams = max(1, max_workers - RESERVED_THREADS)
@@ -158,20 +141,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._address, self.bulk = self._listen(host, port, bulk)
-        self.handoff = LaneHandoff(
-            gate=self.gate,
-            outbox=self.outbox,
-            handoffs=self.mailbox.handoffs,
-            tickets=self.tickets,
-            bulk_port=self.bulk_port,
-        )
-        self.requests = LaneRequests(
-            gate=self.gate,
-            mailbox=self.mailbox,
-            offers=self.offers,
-            pulls=self.pulls,
-            rank=lambda: self.rank,
-        )
+        self.handoff = LaneHandoff(gate=self.gate, outbox=self.outbox, tickets=self.tickets,
+                                   handoffs=self.mailbox.handoffs, bulk_port=self.bulk_port)  # fmt: skip
+        self.requests = LaneRequests(gate=self.gate, mailbox=self.mailbox, offers=self.offers,
+                                     pulls=self.pulls, rank=lambda: self.rank)  # fmt: skip
         self._server.add_generic_rpc_handlers((self._handlers(),))
         self._server.start()
         log.info("[site %d] lane server listening on %s", site_index, self._address)
@@ -244,12 +217,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
 
     @property
     def generation(self) -> int:
-        """The membership generation accepted chunks must carry."""
         return self._members.generation
 
     @property
     def site_index(self) -> int:
-        """This site's position among the members."""
         return self._members.site_index
 
     def set_members(self, members: Members) -> None:
@@ -289,10 +260,8 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self._server.stop(grace).wait(timeout=(grace or 0) + 5)
 
     def check(self, req: Chunk) -> str | None:
-        """Returns why ``req`` is not a sound chunk for this lane, or None.
-
-        Also for chunks pulled with ``ResendChunk``, which bypass the server.
-        """
+        """Why ``req`` is not a sound chunk for this lane, or None (also for chunks pulled
+        with ``ResendChunk``, which bypass the server)."""
         try:
             validate_chunk(req, self._members, self.codec, self.chunk_bytes)
         except Refused as exc:
@@ -309,10 +278,9 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         one's place, and so is one that failed its checksum (it would mark the real one
         corrupt). :data:`ANY_SENDER`: the sender was checked already (mutual TLS).
 
-        Returns:
-            ``(ACCEPTED, None, "")``; ``(CORRUPT, None, why)`` for a chunk whose only
-            fault is its checksum (marked: the round pulls it again); or
-            ``(REFUSED, code, message)``, and then nothing of the chunk was stored.
+        Returns ``(ACCEPTED, None, "")``; ``(CORRUPT, None, why)`` for a chunk whose only
+        fault is its checksum (marked: the round pulls it again); or ``(REFUSED, code,
+        message)``, and then nothing of the chunk was stored.
         """
         key = (req.step, req.group, req.kind, req.chunk_index, req.from_site)
         try:
@@ -358,9 +326,7 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         return ACCEPTED, None, ""
 
     def PushChunks(  # noqa: N802 (gRPC method name)
-        self,
-        request_iterator: Iterator[Chunk],
-        context: grpc.ServicerContext,
+        self, request_iterator: Iterator[Chunk], context: grpc.ServicerContext
     ) -> lane_pb2.PushChunksResponse:
         """Validates and deposits each chunk of the stream; aborts on the first bad one.
 

@@ -87,15 +87,9 @@ class FixedMembership:
 
 class CrossSiteAllReduce:
     """All-reduces flat fp32 buffers with the same rank of every other site (or the
-    ranks a round names, between sites of different sizes).
-
-    Args:
-        membership: the rank's membership (its lane receives from every peer); each
-            round runs under the one it holds when the round starts.
-        codec: the job's codec; must match the lane's and every peer's.
-        chunk_bytes: chunk size in bytes (a multiple of 4, equal to the lane's).
-        timeout_s: limit on one whole round, from call to last acknowledgement.
-        workers: encode/decode threads (default :func:`default_workers`).
+    ranks a round names, between sites of different sizes). Each round runs under the
+    membership held when it starts; ``codec`` and ``chunk_bytes`` must match the lane's,
+    and ``timeout_s`` bounds a whole round, from call to last acknowledgement.
     """
 
     def __init__(
@@ -128,14 +122,9 @@ class CrossSiteAllReduce:
 
     def view(self) -> RoundView:
         """The membership and settings a round starting now runs under."""
-        members = self.membership.members
+        m = self.membership.members
         return RoundView(
-            site_index=members.site_index,
-            num_sites=members.num_sites,
-            generation=members.generation,
-            codec=self.codec,
-            chunk_bytes=self.chunk_bytes,
-            timeout_s=self.timeout_s,
+            m.site_index, m.num_sites, m.generation, self.codec, self.chunk_bytes, self.timeout_s
         )
 
     def allreduce(
@@ -148,23 +137,15 @@ class CrossSiteAllReduce:
     ) -> RoundStats:
         """Sums (or averages) ``tensors`` over all sites, in place.
 
-        Args:
-            tensors: tensors of any shape and dtype on one device (CPU or CUDA);
-                every site passes the same shapes in the same order. Values travel
-                as fp32, encoded on that device.
-            step: training step; with ``group`` it names the round on the wire.
-            group: FSDP group (bucket) index within the step.
-            average: divide the sum by ``num_sites``.
-            peers: the lane of each other site for this round, when it is not the
-                same rank's (sites of different sizes pair ranks by the elements they
-                hold: inter/data/sync/shard_map.py); default the configured peers.
-        Returns:
-            The round's statistics.
-        Raises:
-            CrossSiteError: a peer timed out, refused a chunk or sent an invalid one.
-                A single contiguous fp32 tensor is reduced in place and may then be
-                left partly reduced (LaneGradientSync hands in a copy of the shard);
-                several tensors are left as they were.
+        ``tensors``, on one device, have the same shapes in the same order on every
+        site; values travel as fp32, encoded on that device. (step, group) names the
+        round on the wire. ``peers``: each other site's lane for this round when it is
+        not the same rank's (sites of different sizes: inter/data/sync/shard_map.py).
+
+        Raises CrossSiteError when a peer timed out, refused a chunk or sent an invalid
+        one: a single contiguous fp32 tensor, reduced in place, may then be left partly
+        reduced (LaneGradientSync hands in a copy of the shard); several tensors are
+        left as they were.
         """
         start = time.perf_counter()
         stats = RoundStats()

@@ -132,8 +132,7 @@ class Members:
     """
 
     generation: int
-    site_index: int
-    """This site's position among the members."""
+    site_index: int  # this site's position among the members
     num_sites: int
     site_names: tuple[str, ...] | None = None
     """The members' names in order; with mutual TLS a chunk "from site i" is taken only
@@ -167,27 +166,20 @@ class RoundView:
 class RoundStats:
     """What one ``allreduce`` call moved and how long it took."""
 
-    bytes_sent: int = 0
-    """Payload bytes this site sent (after encoding)."""
-    bytes_received: int = 0
-    """Payload bytes this site received and used."""
-    raw_bytes: int = 0
-    """fp32 bytes of the chunks this site sent, before encoding."""
-    tensor_bytes: int = 0
-    """fp32 bytes of the whole round's buffer."""
+    bytes_sent: int = 0  # payload bytes this site sent (after encoding)
+    bytes_received: int = 0  # payload bytes this site received and used
+    raw_bytes: int = 0  # fp32 bytes of the chunks this site sent, before encoding
+    tensor_bytes: int = 0  # fp32 bytes of the whole round's buffer
     num_chunks: int = 0
-    corrupt_chunks: int = 0
-    """Chunks that arrived failing a checksum and were pulled or sent again."""
+    corrupt_chunks: int = 0  # chunks that arrived failing a checksum and were pulled or sent again
     nonfinite_chunks: int = 0
     """Chunks that decoded to NaN or Inf: refused before summing, pulled again."""
     stalled_flows: int = 0
     """Bulk connections that missed the deadline of one of this round's frames: closed,
     and their frames in flight sent again on new ones (each stall counted once)."""
     wall_s: float = 0.0
-    encode_s: float = 0.0
-    """Seconds spent encoding, summed over the pool's threads."""
-    decode_s: float = 0.0
-    """Seconds spent decoding, summed over the pool's threads."""
+    encode_s: float = 0.0  # seconds spent encoding, summed over the pool's threads
+    decode_s: float = 0.0  # seconds spent decoding, summed over the pool's threads
 
 
 def describe(site: int, exc: BaseException) -> str:

@@ -28,9 +28,7 @@ def lane_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's own CUDA stream on ``device`` (made once), of high priority: its
     kernels are small and a round waits on each, so the GPU should schedule them
     between backward's, not after the queue of them (NCCL's streams do the same)."""
-    streams = getattr(_streams, "by_device", None)
-    if streams is None:
-        streams = _streams.by_device = {}
+    streams = _streams.__dict__.setdefault("by_device", {})  # this thread's
     stream = streams.get(device)
     if stream is None:
         stream = streams[device] = torch.cuda.Stream(device, priority=_PRIORITY)
@@ -46,9 +44,7 @@ def divisor(device: torch.device, sites: int) -> torch.Tensor:
     every use; made on a round's thread it was a blocking copy on the default stream,
     queued behind all of backward's kernels, and every round waited for the GPU.
     """
-    divisors = getattr(_streams, "divisors", None)
-    if divisors is None:
-        divisors = _streams.divisors = {}
+    divisors = _streams.__dict__.setdefault("divisors", {})
     t = divisors.get((device, sites))
     if t is None:
         t = divisors[(device, sites)] = torch.full(
@@ -128,11 +124,9 @@ def sum_raw_host(
     (:func:`~isthmus.inter.data.transport.wirecore.sum_checked`): the same bits, with part
     ``own`` (-1: none) checked for NaN/Inf as it is added and the result checked and
     checksummed as it is written, which a raw chunk's owner otherwise does in three
-    more passes (issue 32, "fewer passes over each byte").
-
-    Returns:
-        ``(status, crc)`` as ``sum_checked`` does, or None where the C library is not
-        loaded: the caller then sums with :func:`sum_parts` and checks on its own.
+    more passes (issue 32, "fewer passes over each byte"). ``(status, crc)`` as
+    ``sum_checked`` returns, or None where the C library is not loaded: the caller then
+    sums with :func:`sum_parts` and checks on its own.
     """
     host = [parts[s] for s in range(sites)]
     for s, part in enumerate(host):

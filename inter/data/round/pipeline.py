@@ -8,13 +8,10 @@ contribution is in, sums them in site order and sends the encoded result. A chun
 arrived corrupt is pulled again from its sender (``ResendChunk``) and never summed.
 
 Bytes are copied as little as the design allows (issue 11 measured ~10 copies of every
-chunk per hop before): encoded values go straight into the outgoing message
-(``wire.encode_chunk``), a received payload is a view of the bytes handed over, the sum
-is written into the round's tensor, a ``raw`` result is copied once, from the message.
-
-A round is handed what it uses — a frozen :class:`RoundView` of the membership and
-settings, the lane's mailbox and outbox, the peers, the pool and one
-:class:`AbortSignal` — never the all-reduce that made it.
+chunk per hop before): encoded values go straight into the outgoing message, a received
+payload is a view of the bytes handed over, the sum is written into the round's tensor.
+A round is handed what it uses (a frozen :class:`RoundView`, the lane's mailbox and
+outbox, the peers, the pool, one :class:`AbortSignal`), never the all-reduce that made it.
 """
 
 from __future__ import annotations
@@ -41,7 +38,7 @@ from isthmus.inter.data.round.context import (
     describe,
     settle,
 )
-from isthmus.inter.data.round.device import lane_stream
+from isthmus.inter.data.round.device import on_lane_stream
 from isthmus.inter.data.round.pull import tell_peers_abort, wait_acks
 from isthmus.inter.data.round.tasks import CONTRIBUTION, RESULT, ChunkTasks
 from isthmus.inter.data.transport.wire import Chunk
@@ -63,21 +60,9 @@ __all__ = [
 
 class RoundPipeline:
     """Runs one round over ``flat`` in place (see the module docstring); its
-    :class:`ChunkTasks` touch the values, on ``pool``'s threads.
-
-    Args:
-        view: membership and settings of the round.
-        mailbox: where this lane's server deposits received chunks.
-        outbox: where sent chunks wait for a resend request.
-        check: validates a pulled chunk (``LaneServer.check``).
-        peers: site index -> lane client, for every other site of ``view``.
-        pool: the encode/decode threads.
-        abort: fails the round at once when set.
-        flat: contiguous 1-D fp32 tensor (CPU or CUDA), reduced in place.
-        step: training step; with ``group`` it names the round on the wire.
-        group: FSDP group (bucket) index within the step.
-        average: divide the sum by the number of sites.
-        stats: filled in as the round runs.
+    :class:`ChunkTasks` touch the values, on ``pool``'s threads. ``check`` validates a
+    pulled chunk (``LaneServer.check``); ``peers`` maps every other site of ``view`` to
+    its lane client; (step, group) names the round on the wire.
     """
 
     def __init__(
@@ -200,14 +185,9 @@ class RoundPipeline:
         if self._failed.is_set():
             return
         try:
-            with self._running.track(fn.__name__):
-                if self.tasks.device is None:
-                    fn(*args)
-                else:
-                    stream = lane_stream(self.tasks.device)
-                    with torch.cuda.stream(stream):
-                        fn(*args)
-                    stream.synchronize()  # the task's results are in place when it ends
+            # On a GPU the task's results are in place when it ends.
+            with self._running.track(fn.__name__), on_lane_stream(self.tasks.flat):
+                fn(*args)
         except BaseException as exc:
             with self._lock:
                 self._errors.append(exc)

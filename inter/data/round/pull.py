@@ -5,7 +5,7 @@ A receiver that got a chunk damaged on the way (its checksum failed) or one that
 decodes to NaN pulls it from the sender: ``ResendChunk`` names the chunk and a nonce,
 and the sender hands the chunk to this lane (``DeliverChunk``, with the nonce) before
 it answers, so the copy comes from the lane the chunk was first sent to, never from
-the caller. Kept apart from round.py, whose pipeline only calls it.
+the caller. Kept apart from pipeline.py, which only calls it.
 """
 
 from __future__ import annotations
@@ -70,12 +70,9 @@ def pull_intact(
     on_corrupt: Callable[[], None],
 ) -> Chunk | None:
     """The chunk ``key`` from ``peer`` (its sender), asked again until it passes
-    ``check``; None if ``failed`` is set meanwhile.
-
-    Raises:
-        CrossSiteError: the deadline passed, the sender failed the call, or the chunk
-            came back wrong other than by its checksum.
-    """
+    ``check``; None if ``failed`` is set meanwhile. CrossSiteError when the deadline
+    passed, the sender failed the call, or the chunk came back wrong other than by its
+    checksum."""
     step, group, kind, c, sender = key
     while not failed.is_set():
         ask = lane_pb2.ResendChunkRequest(
@@ -118,11 +115,8 @@ def wait_acks(
 ) -> None:
     """Waits until ``site`` acknowledged every chunk the round sent it, calling
     ``raise_failures`` between waits (an abort ends the wait for a silent peer).
-
-    Raises:
-        CrossSiteError: the deadline passed, the connection broke, or the peer took
-            fewer chunks than were sent.
-    """
+    CrossSiteError when the deadline passed, the connection broke, or the peer took
+    fewer chunks than were sent."""
     while True:
         raise_failures()
         left = deadline - time.monotonic()

@@ -70,15 +70,12 @@ class ChunkTasks:
     outbox: Outbox
     peers: dict[int, LanePeer]
     check: Callable[[Chunk], str | None]
-    handoffs: Handoffs
-    """This rank's nonces, where a chunk pulled again is handed back."""
+    handoffs: Handoffs  # this rank's nonces, where a chunk pulled again is handed back
     send: Callable[[int, Frame], None]
     """Sends a frame to a peer site on the round's connection to it."""
-    failed: threading.Event
-    """Set once the round failed: a pull stops asking."""
+    failed: threading.Event  # set once the round failed: a pull stops asking
     where: str
-    deadline: float
-    """The round's, by ``time.monotonic``."""
+    deadline: float  # the round's, by ``time.monotonic``
 
     def __post_init__(self) -> None:
         view, flat, self.codec = self.view, self.flat, self.view.codec

@@ -31,16 +31,11 @@ _GONE_KEPT = 8  # (generation, step) of offers dropped, remembered to say so
 class Admitted:
     """Who may pull an offered state: the sites a commit admitted, one pull a rank."""
 
-    source: str
-    """This site's name (the joiner's lane checks that it asked this site)."""
-    ranks: int
-    """This site's rank count."""
-    rank: int
-    """The offering rank."""
-    joiners: Mapping[str, int]
-    """Each site the commit admitted, with its rank count."""
-    confirm: Confirm
-    """How a pull's nonce is checked with the asking rank's own lane."""
+    source: str  # this site's name (the joiner's lane checks that it asked this site)
+    ranks: int  # this site's rank count
+    rank: int  # the offering rank
+    joiners: Mapping[str, int]  # each site the commit admitted, with its rank count
+    confirm: Confirm  # how a pull's nonce is checked with the asking rank's own lane
 
     def pullers(self) -> set[tuple[str, int]]:
         """The (site, rank) pairs the offer waits for. Between sites of one size, a
@@ -81,10 +76,8 @@ class Offer:
     step: int
     state: dict[str, torch.Tensor]
     admitted: Admitted
-    deadline: float
-    """When the offer is dropped, pulled or not (on the offers' clock)."""
-    waiting: set[tuple[str, int]]
-    """The (site, rank) pairs that have not pulled it yet."""
+    deadline: float  # when the offer is dropped, pulled or not (on the offers' clock)
+    waiting: set[tuple[str, int]]  # the (site, rank) pairs that have not pulled it yet
     serving: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     """The pairs being served now (a second pull of one is refused meanwhile)."""
 

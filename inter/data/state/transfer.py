@@ -1,9 +1,8 @@
 """Training state between sites as named tensors in pieces (docs/design.md invariant 3).
 
-A rank of a live site *offers* its state after a step
-(:class:`~isthmus.inter.data.state.offers.StateOffers`, held by its
-:class:`~isthmus.inter.data.lane.server.LaneServer`); the rank at the same mesh coordinate of
-a joining site *pulls* it with ``PullState`` (:func:`pull_state`). Nothing is pickled:
+A rank of a live site *offers* its state after a step (:class:`.offers.StateOffers`,
+held by its lane server); the rank at the same mesh coordinate of a joining site
+*pulls* it with ``PullState`` (:func:`pull_state`). Nothing is pickled:
 each tensor travels as its dtype name, shape and raw little-endian bytes, in pieces
 of at most :data:`PIECE_BYTES`, each with a crc32; the receiver checks every field
 before it builds a tensor.
@@ -33,13 +32,7 @@ import torch
 from isthmus.inter.data.codecs.chain import crc32
 from isthmus.proto import lane_pb2, lane_pb2_grpc
 
-__all__ = [
-    "PIECE_BYTES",
-    "ExpectedState",
-    "StateTransferError",
-    "pieces",
-    "pull_state",
-]
+__all__ = ["PIECE_BYTES", "ExpectedState", "StateTransferError", "pieces", "pull_state"]
 
 PIECE_BYTES = 1 << 20
 MAX_NAME_CHARS = 512
@@ -77,8 +70,7 @@ class ExpectedState:
     """Names under this prefix may take any dtype and shape (what the puller cannot
     know exactly: the codec residuals the source's lane made); None: no name is open,
     "": every name is (a bare byte cap)."""
-    open_bytes: int = 0
-    """Bytes all tensors under ``open_prefix`` may take together."""
+    open_bytes: int = 0  # bytes all tensors under ``open_prefix`` may take together
 
     @property
     def max_total_bytes(self) -> int:
@@ -166,11 +158,7 @@ def _check(
         return f"{piece.name}: dtype {piece.dtype[:32]!r} is not one of {sorted(DTYPES)}"
     if len(piece.shape) > MAX_DIMS:
         return f"{piece.name}: {len(piece.shape)} dimensions (max {MAX_DIMS})"
-    numel = 1
-    for d in piece.shape:
-        numel *= d
-    itemsize = torch.empty((), dtype=DTYPES[piece.dtype]).element_size()
-    if numel * itemsize != piece.total_bytes:
+    if _nbytes(tuple(piece.shape), DTYPES[piece.dtype]) != piece.total_bytes:
         return f"{piece.name}: {piece.total_bytes} bytes for shape {list(piece.shape)[:8]}"
     if current is None and (refused := expected.refusal(piece)) is not None:
         return refused
@@ -197,12 +185,9 @@ def assemble(
     stream: Iterator[lane_pb2.StatePiece], expected: ExpectedState
 ) -> dict[str, torch.Tensor]:
     """Builds the named tensors of a piece stream, refusing anything malformed or not
-    ``expected``, before it allocates the tensor the refused piece begins.
-
-    Raises:
-        StateTransferError: a piece failed a check, claimed a tensor, dtype or shape
-            not expected, took the state past ``expected.max_total_bytes`` or its open
-            names past ``expected.open_bytes``, or a tensor was left incomplete.
+    ``expected``, before it allocates the tensor the refused piece begins: a piece that
+    fails a check or takes the state past ``expected.max_total_bytes`` (its open names
+    past ``expected.open_bytes``), or a tensor left incomplete, is a StateTransferError.
     """
     limit = expected.max_total_bytes
     out: dict[str, torch.Tensor] = {}
@@ -272,25 +257,15 @@ def pull_state(
     timeout_s: float,
     expected: ExpectedState,
 ) -> dict[str, torch.Tensor]:
-    """Pulls the state after ``step`` from the serving rank's lane.
+    """Pulls the state after ``step`` from the serving rank's lane (``stub``: its proxy
+    and TLS already set), as ``from_rank`` of joining ``site``, admitted in
+    ``generation``. ``rank`` is the serving rank (this rank's own number between sites
+    of one size; the ranks holding its rows otherwise). ``nonce`` is what this rank's
+    lane made for this pull (``LaneHandoff.expect_pull``): the serving lane asks that
+    lane to confirm it before it sends anything. ``timeout_s`` bounds the whole stream.
 
-    Args:
-        stub: a stub on the serving rank's lane (its proxy and TLS already set).
-        generation: the generation this site was admitted in.
-        step: the step whose state is wanted.
-        rank: the serving rank (this rank's own number between sites of one size; the
-            ranks holding its rows otherwise), which the lane checks.
-        site: this (joining) site's name.
-        from_rank: this rank, in its site.
-        nonce: what this rank's lane made for this pull (``LaneHandoff.expect_pull``):
-            the serving lane asks that lane to confirm it before it sends anything.
-        timeout_s: deadline of the whole stream.
-        expected: the tensors this rank holds (it built the same model and optimizer);
-            a piece claiming another name, dtype or shape, or more bytes, is refused
-            before it is allocated.
-    Raises:
-        StateTransferError: the peer refused, failed, or sent a malformed or unexpected
-            piece (the message names the piece, what it claimed and what was expected).
+    Raises StateTransferError when the peer refused, failed, or sent a malformed or
+    unexpected piece (the message names the piece, what it claimed and what was expected).
     """
     request = lane_pb2.PullStateRequest(
         generation=generation, step=step, rank=rank, site=site, from_rank=from_rank, nonce=nonce

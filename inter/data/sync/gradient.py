@@ -2,16 +2,13 @@
 
 ``start(step, group, shard)`` runs inside FSDP2's all-reduce hook, once per FSDP group
 during backward; ``finish(step)`` runs before ``optimizer.step()``, waits for every
-group's round (all of this rank's lane traffic), has the step voted on and returns
-its :class:`StepOutcome`: committed (the shards hold the cross-site mean, after any
-retries among the sites still alive) or rejoin (the job went on without this site;
-nothing was applied). A stop raises :class:`QuorumLost`: the rank ends there. Rounds
-run on background threads, started in the order groups were started, up to
-``rounds_in_flight`` at once: each round is pipelined chunk by chunk, but its start and
-its peers' acknowledgements cost round trips that a window of rounds hides. Every site
-starts its rounds in the same order, and results are applied only after the step
-commits, all groups together. A CUDA shard stays on its GPU: the codec casts or
-quantizes it there and only the encoded bytes cross to the host.
+group's round, has the step voted on and returns its :class:`StepOutcome`: committed
+(the shards hold the cross-site mean, after any retries among the sites still alive) or
+rejoin (the job went on without this site; nothing applied). A stop raises
+:class:`QuorumLost`. Rounds run on background threads in the order groups were started,
+up to ``rounds_in_flight`` at once: a window of rounds hides the round trips of each
+one's start and acknowledgements. Results are applied only after the step commits, all
+groups together. A CUDA shard stays on its GPU: only the encoded bytes cross to the host.
 """
 
 from __future__ import annotations
@@ -27,16 +24,10 @@ from isthmus.inter.control.coordinator_client import Verdict
 from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, CrossSiteError, RoundStats
 from isthmus.inter.data.round.device import on_lane_stream
 from isthmus.inter.data.round.pipeline import ModelMismatch, NonFiniteGradient
+from isthmus.inter.data.sync import shard_map
 from isthmus.inter.data.sync.buffers import GroupBuffers
 from isthmus.inter.data.sync.membership import Generation, QuorumLost, SiteMembership
-from isthmus.inter.data.sync.shard_map import (
-    MAX_PIECES,
-    GroupShape,
-    ShardPosition,
-    gather_piece,
-    pieces,
-    scatter_piece,
-)
+from isthmus.inter.data.sync.shard_map import MAX_PIECES, GroupShape, ShardPosition
 from isthmus.inter.data.sync.stats import StepOutcome, SyncStats
 
 __all__ = ["SHARE_GROUP", "LaneGradientSync", "QuorumLost", "StepOutcome", "SyncStats"]
@@ -67,12 +58,8 @@ class LaneGradientSync:
     The membership is the all-reduce's. A :class:`SiteMembership` votes: ``finish``
     votes on the step and follows the decision (commit, run the rounds again without a
     failed site, rejoin, or stop). A fixed one does not: a failed round just raises.
-
-    Args:
-        allreduce: the rank's cross-site all-reduce.
-        finish_timeout_s: limit on ``finish``; default one round timeout per group
-            plus slack, since each round already bounds itself.
-        rounds_in_flight: groups' rounds that may run at once (1 = one after another).
+    ``finish_timeout_s`` defaults to one round timeout per group plus slack, since each
+    round already bounds itself.
     """
 
     def __init__(
@@ -134,13 +121,8 @@ class LaneGradientSync:
         return step == self._step and any(p.group == group for p in self._pending)
 
     def start(self, step: int, group: int, shard: torch.Tensor) -> None:
-        """Starts the cross-site round of one FSDP group.
-
-        Args:
-            step: training step; every site uses the same number (it names the round).
-            group: FSDP group index within the step.
-            shard: the site-averaged flat gradient shard; updated in place by ``finish``.
-        """
+        """Starts the cross-site round of one FSDP group. ``step`` names the round on every
+        site; ``shard`` (site-averaged, flat) is updated in place by ``finish``."""
         if self._pending and step != self._step:
             raise RuntimeError(f"step {step} started while step {self._step} is unfinished")
         if self.started(step, group):
@@ -155,12 +137,7 @@ class LaneGradientSync:
         the round runs between those ranks, unweighted, with the job's codec, so every
         site holds the same bits of the sum (a site's caller spreads what it must not
         lose to rounding: deploy/batch/balance.py). A RETRY sums again over the sites still
-        alive; a site that died adds nothing.
-
-        Raises:
-            ValueError: ``values`` is not a CPU fp32 tensor, or a round is already
-                shared in this step.
-        """
+        alive; a site that died adds nothing."""
         if values.dtype != torch.float32 or values.is_cuda:
             raise ValueError(
                 f"share() takes a CPU fp32 tensor, got {values.dtype} on {values.device}"
@@ -271,19 +248,19 @@ class LaneGradientSync:
             raise CrossSiteError(f"step {step}: group {group} has no shape in the shard layout")
         me, widths = membership.members.site_index, [position.width(n) for n in sizes]
         total = RoundStats()
-        for piece in pieces(shape, widths, me, position.shard_index):
+        for piece in shard_map.pieces(shape, widths, me, position.shard_index):
             peers = {
                 s: membership.peer(s, position.rank_of(sizes[s], piece.holders[s]))
                 for s in range(len(sizes))
                 if s != me
             }
             with on_lane_stream(buffer):
-                part = gather_piece(buffer, piece)
+                part = shard_map.gather_piece(buffer, piece)
             rs = self.allreduce.allreduce(
                 [part], step=step, group=group * MAX_PIECES + piece.key, average=True, peers=peers
             )
             with on_lane_stream(buffer):
-                scatter_piece(buffer, piece, part)
+                shard_map.scatter_piece(buffer, piece, part)
             _add(total, rs, (*_STEP_STATS, "tensor_bytes", "num_chunks"))
         return total
 
@@ -294,16 +271,9 @@ class LaneGradientSync:
         runs every group's round again, from the untouched shards, among the sites
         still alive; the shards change only on COMMIT (all or nothing).
 
-        Returns:
-            Committed (the shards hold the mean) or rejoin (nothing applied), with
-            the step's :class:`SyncStats`.
-
-        Raises:
-            CrossSiteError: (a fixed membership) a round failed or timed out; no
-                shard is changed then.
-            NonFiniteGradient: this site's gradient holds NaN or Inf; nothing was sent.
-            ModelMismatch: a peer site's gradient has another size: its model differs.
-            QuorumLost: this site may not go on.
+        Raises CrossSiteError (a fixed membership: a round failed, no shard changed),
+        NonFiniteGradient (NaN or Inf here; nothing was sent), ModelMismatch (a peer's
+        gradient has another size) or QuorumLost (this site may not go on).
         """
         if self._pending and step != self._step:
             raise RuntimeError(f"finish({step}) while step {self._step}'s rounds run")
@@ -336,7 +306,8 @@ class LaneGradientSync:
                 if decision.verdict == Verdict.RETRY:
                     voter.adopt(Generation.of(decision))
                     stats.retries += 1
-                    pending = self._restart(pending, step)
+                    # From the untouched shards; the new generation cleared the abort.
+                    pending = [self._launch(step, p.group, p.shard, p.shared) for p in pending]
                     continue
                 if decision.verdict == Verdict.REJOIN:
                     rejoin = decision
@@ -357,13 +328,10 @@ class LaneGradientSync:
                 # The buffer was made on the hook's stream and is dropped now, while
                 # this stream's copy may still be queued: keep its memory until then.
                 p.buffer.record_stream(torch.cuda.current_stream(p.buffer.device))
+        here = self.membership.members.site_index
         log.debug(
             "[site %d step %d] synced %d groups, %d bytes sent, wait %.3fs",
-            self.membership.members.site_index,
-            step,
-            stats.groups,
-            stats.bytes_sent,
-            stats.wait_s,
+            *(here, step, stats.groups, stats.bytes_sent, stats.wait_s),
         )
         return StepOutcome(stats, offer_state=offer)
 
@@ -406,17 +374,9 @@ class LaneGradientSync:
                 self.membership.abort.clear()
         return failure
 
-    def _restart(self, pending: list[_Pending], step: int) -> list[_Pending]:
-        """Runs every group's round again from its untouched shard (a RETRY; the new
-        generation's ``adopt`` cleared the abort signal)."""
-        return [self._launch(step, p.group, p.shard, p.shared) for p in pending]
-
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The lane's codec state (error-feedback residuals), to save with training state.
-
-        Returns:
-            Residuals by key; empty for stateless codecs. Call between steps.
-        """
+        """The lane's codec state (error-feedback residuals; empty for stateless codecs),
+        to save with training state. Call between steps."""
         if self._pending:
             raise RuntimeError(f"state_dict() during step {self._step}; call it between steps")
         return self.allreduce.state_dict()

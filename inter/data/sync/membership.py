@@ -64,12 +64,9 @@ class _NamesGeneration(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    """One generation of the job's membership, as a rank adopts it whole.
-
-    Attributes:
-        number: the generation, > 0 (every chunk of its rounds carries it).
-        sites: the member sites ordered by index, each with its ranks' lane addresses.
-    """
+    """One generation of the job's membership, as a rank adopts it whole: its number
+    (> 0; every chunk of its rounds carries it) and the member sites by index, each with
+    its ranks' lane addresses."""
 
     number: int
     sites: tuple[SiteInfo, ...]
@@ -92,11 +89,8 @@ class Generation:
         return [info.name for info in self.sites]
 
     def members(self, site: str) -> Members:
-        """The lane server's view of this generation from member ``site``.
-
-        Raises:
-            ValueError: ``site`` is not a member.
-        """
+        """The lane server's view of this generation from member ``site`` (ValueError if
+        not a member)."""
         names = self.names
         if site not in names:
             raise ValueError(f"{site} is not a member of generation {self.number}: {names}")
@@ -104,19 +98,10 @@ class Generation:
 
 
 class SiteMembership:
-    """One rank's membership client.
-
-    Args:
-        client: this rank's client of its site's coordinator.
-        site: this site's name.
-        rank: this rank.
-        lane: the rank's lane server, moved to each new generation.
-        make_peer: builds the lane client of a peer site's rank: ``make_peer(info,
-            rank)`` (proxy, TLS, chunk size); this rank's own number at equal sites.
-        joined: the generation the rank starts in (adopted here).
-        decision_timeout_s: how long a vote may wait for its decision.
-        watch_s: how often the watcher asks for silent members.
-    """
+    """One rank's membership client. ``lane`` is moved to each new generation;
+    ``make_peer(info, rank)`` builds the lane client of a peer site's rank (proxy, TLS,
+    chunk size); ``joined`` is adopted here; the watcher asks for silent members every
+    ``watch_s``."""
 
     def __init__(
         self,
@@ -156,17 +141,14 @@ class SiteMembership:
 
     @property
     def current(self) -> Generation:
-        """The generation the rank is in."""
         return self._current
 
     @property
     def generation(self) -> int:
-        """The number of the generation the rank is in."""
         return self._current.number
 
     @property
     def sites(self) -> tuple[SiteInfo, ...]:
-        """The member sites of the generation the rank is in, by index."""
         return self._current.sites
 
     @property
@@ -207,10 +189,7 @@ class SiteMembership:
 
     def adopt(self, generation: Generation) -> None:
         """Moves the rank to ``generation`` (between rounds): the one place it changes.
-
-        Raises:
-            ValueError: this site is not a member (nothing changes then).
-        """
+        ValueError if this site is not a member (nothing changes then)."""
         members = generation.members(self.site)
         # The lanes of other ranks (sites of different sizes) are opened on first use;
         # those of sites or addresses no longer members close here.
@@ -229,13 +208,8 @@ class SiteMembership:
         }
         self.lane.set_members(members)
         self.abort.clear()
-        log.info(
-            "[%s/%d] generation %d: %s",
-            self.site,
-            self.rank,
-            generation.number,
-            ", ".join(generation.names),
-        )
+        names = ", ".join(generation.names)
+        log.info("[%s/%d] generation %d: %s", self.site, self.rank, generation.number, names)
 
     def site_ranks(self) -> list[int]:
         """Each member site's rank count, by site index (sites may differ in size)."""
@@ -253,10 +227,7 @@ class SiteMembership:
 
     def vote(self, step: int, ok: bool) -> Decision:
         """Votes on ``step``'s rounds; returns the job's decision (never PENDING).
-
-        Raises:
-            QuorumLost: no decision within ``decision_timeout_s``.
-        """
+        QuorumLost if none came within ``decision_timeout_s``."""
         deadline = time.monotonic() + self.decision_timeout_s
         while time.monotonic() < deadline:
             try:

@@ -48,49 +48,34 @@ class RankSyncSettings:
     """What one rank's cross-site sync is opened with (deploy builds it from the job)."""
 
     site: str
-    """This site's name."""
-    rank: int
-    """This rank in its site: it pairs with the same rank of every other site."""
-    world_size: int
-    """The ranks of this site."""
-    job_sites: tuple[str, ...]
-    """Every site of the job, in the job's order (the lane's first generation)."""
+    rank: int  # this rank in its site: it pairs with the same rank of every other site
+    world_size: int  # the ranks of this site
+    job_sites: tuple[str, ...]  # in the job's order (the lane's first generation)
     fingerprint: Mapping[str, str]
     """The job's fingerprint, which the coordinator checks when the lane registers."""
-    codec: str
-    """The codec spec (inter/data/codecs/spec.py), e.g. "int8+zstd:1"."""
-    chunk_bytes: int
-    """Bytes of fp32 values per chunk, a multiple of 4."""
-    timeout_s: float
-    """Limit on one round, and on waiting for the job's membership at the start."""
-    decision_timeout_s: float
-    """How long a step's vote may wait for the job's decision."""
+    codec: str  # a codec spec (inter/data/codecs/spec.py), e.g. "int8+zstd:1"
+    chunk_bytes: int  # bytes of fp32 values per chunk, a multiple of 4
+    timeout_s: float  # limit on one round, and on waiting for the job's membership at the start
+    decision_timeout_s: float  # how long a step's vote may wait for the job's decision
     rounds_in_flight: int = 4
-    """Groups' rounds that may run at once."""
-    workers: int | None = None
-    """Encode/decode threads of the lane; None: a few (allreduce.default_workers)."""
+    workers: int | None = None  # codec threads; None: allreduce.default_workers
     steps_between_rounds: int = 1
     """Training steps from one round to the next (DiLoCo's inner steps): a lane holds
     chunks a few rounds ahead, not a few steps."""
     lane_host: str = "127.0.0.1"
-    """The interface the lane binds."""
-    lane_port: int = 0
-    """The port the lane binds; 0: one the OS picks."""
+    lane_port: int = 0  # 0: one the OS picks
     advertise_host: str = ""
     """The host the other sites reach the lane at; "": ``lane_host``."""
-    lane_connections: int = 1
-    """TCP connections to each peer lane."""
-    transport: str = "auto"
-    """How chunks travel (inter/data/lane/peer.py's TRANSPORTS)."""
-    mailbox_bytes: int | None = None
-    """Payload bytes the lane's mailbox may hold; None: unbounded."""
+    lane_connections: int = 1  # TCP connections to each peer lane
+    transport: str = "auto"  # inter/data/lane/peer.py's TRANSPORTS
+    mailbox_bytes: int | None = None  # None: unbounded
     proxies: Mapping[str, str] = field(default_factory=dict)
     """The proxy to each other site's lanes, by site name (an emulated link)."""
-    security: SiteSecurity | None = None
-    """Mutual TLS and the job token; None: plaintext."""
+    security: SiteSecurity | None = None  # mutual TLS and the job token; None: plaintext
 
     def __post_init__(self) -> None:
         # Refused here, before a lane listens or the coordinator hears of this rank.
+        at_least_one = ("rounds_in_flight", "workers", "steps_between_rounds", "lane_connections")
         checks = (
             (self.site in self.job_sites, f"site {self.site!r} is not one of {self.job_sites}"),
             (0 <= self.rank < self.world_size, f"rank {self.rank} not in [0, {self.world_size})"),
@@ -98,26 +83,13 @@ class RankSyncSettings:
                 self.chunk_bytes >= 4 and self.chunk_bytes % 4 == 0,
                 f"chunk_bytes must be a positive multiple of 4, got {self.chunk_bytes}",
             ),
-            (self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}"),
-            (
-                self.decision_timeout_s > 0,
-                f"decision_timeout_s must be > 0, got {self.decision_timeout_s}",
+            *(
+                (getattr(self, n) > 0, f"{n} must be > 0, got {getattr(self, n)}")
+                for n in ("timeout_s", "decision_timeout_s")
             ),
-            (
-                self.rounds_in_flight >= 1,
-                f"rounds_in_flight must be >= 1, got {self.rounds_in_flight}",
-            ),
-            (
-                self.workers is None or self.workers >= 1,
-                f"workers must be >= 1, got {self.workers}",
-            ),
-            (
-                self.steps_between_rounds >= 1,
-                f"steps_between_rounds must be >= 1, got {self.steps_between_rounds}",
-            ),
-            (
-                self.lane_connections >= 1,
-                f"lane_connections must be >= 1, got {self.lane_connections}",
+            *(  # only workers may be None
+                (v is None or v >= 1, f"{n} must be >= 1, got {v}")
+                for n, v in ((n, getattr(self, n)) for n in at_least_one)
             ),
             (
                 self.transport in TRANSPORTS,
@@ -148,17 +120,10 @@ class RankSync:
     joined: Membership
     """The membership this rank first learned (a running job's names the state to pull)."""
     membership: SiteMembership
-    sync: LaneGradientSync
-    """What the trainer calls (it votes and follows each step's decision)."""
+    sync: LaneGradientSync  # what the trainer calls (it votes and follows each step's decision)
 
     def pull_state(
-        self,
-        source: SiteInfo,
-        *,
-        generation: int,
-        step: int,
-        rank: int,
-        expected: ExpectedState,
+        self, source: SiteInfo, *, generation: int, step: int, rank: int, expected: ExpectedState
     ) -> dict[str, torch.Tensor]:
         """The training state after ``step`` that ``rank`` of site ``source`` offers,
         pulled over that rank's lane (``PullState``); that lane checks the pull with this
@@ -197,13 +162,12 @@ class RankSync:
         timeout at most (a joining rank's pull gives up after one)."""
         infos = {info.name: info for info in sites}
         joiners = {name: len(infos[name].lane_addresses) for name in admitted if name in infos}
+        me = self.settings
         if not joiners:
             log.warning(
                 "[%s/%d] the commit after step %d names no admitted site: the state is "
                 "offered to no one",
-                self.settings.site,
-                self.settings.rank,
-                step,
+                *(me.site, me.rank, step),
             )
 
         def confirm(
@@ -216,15 +180,9 @@ class RankSync:
                 peer.close()
 
         admitted_sites = Admitted(
-            source=self.settings.site,
-            ranks=self.settings.world_size,
-            rank=self.settings.rank,
-            joiners=joiners,
-            confirm=confirm,
+            source=me.site, ranks=me.world_size, rank=me.rank, joiners=joiners, confirm=confirm
         )
-        self.lane.offers.offer(
-            generation, step, state, admitted_sites, ttl_s=2 * self.settings.timeout_s
-        )
+        self.lane.offers.offer(generation, step, state, admitted_sites, ttl_s=2 * me.timeout_s)
 
     def close(self) -> None:
         """Stops the rounds, the membership's watcher, the peers' channels and the lane
@@ -234,18 +192,12 @@ class RankSync:
 
 
 def open_rank_sync(settings: RankSyncSettings, client: CoordinatorClient) -> RankSync:
-    """Opens the rank's cross-site sync (see the module docstring).
+    """Opens the rank's cross-site sync (see the module docstring), in the generation
+    the job starts or goes on in; ``client`` stays the caller's to close.
 
-    Args:
-        settings: the rank's place and the job's sync settings.
-        client: this rank's client of its site's coordinator (the caller closes it).
-    Returns:
-        The open sync, in the generation the job starts or goes on in.
-    Raises:
-        ValueError: bad settings (nothing is opened then).
-        OSError: the host's limit on open files is below what the job's lanes may hold.
-        TimeoutError: no membership within ``settings.timeout_s`` (what was opened is
-            closed again).
+    Raises ValueError (bad settings: nothing is opened), OSError (the host's limit on
+    open files is below what the job's lanes may hold) or TimeoutError (no membership
+    within ``settings.timeout_s``: what was opened is closed again).
     """
     codec = make_codec(settings.codec)
     raise_descriptor_limit(

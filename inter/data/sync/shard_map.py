@@ -18,6 +18,7 @@ for element, and every site ends with the same values, whatever its size.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,18 +40,13 @@ MAX_PIECES = 4096
 
 @dataclass(frozen=True, slots=True)
 class GroupShape:
-    """What one group's flat buffer holds: its tensors, in order, by their rows.
+    """What one group's flat buffer holds: its tensors, in order, by their rows."""
 
-    Attributes:
-        rows: each tensor's size along the sharded (first) dimension, before sharding.
-        row_elems: elements per row of each tensor.
-        padded: each tensor's slice is padded to ``ceil(rows / W)`` rows, as in FSDP2's
-            reduce-scatter output; otherwise slices are packed (local shards).
-    """
-
-    rows: tuple[int, ...]
+    rows: tuple[int, ...]  # each tensor's size along the sharded (first) dimension
     row_elems: tuple[int, ...]
     padded: bool
+    """Each tensor's slice is padded to ``ceil(rows / W)`` rows, as in FSDP2's
+    reduce-scatter output; otherwise slices are packed (local shards)."""
 
     def __post_init__(self) -> None:
         if len(self.rows) != len(self.row_elems):
@@ -60,11 +56,15 @@ class GroupShape:
 
     def flat_size(self, width: int, index: int) -> int:
         """Elements of the flat buffer of shard rank ``index`` of ``width``."""
-        total = 0
+        return sum(self.slices(width, index))
+
+    def slices(self, width: int, index: int) -> list[int]:
+        """Elements of each tensor's slice in that buffer, in order."""
+        sizes = []
         for n, e in zip(self.rows, self.row_elems, strict=True):
             start, end = shard_rows(n, width, index)
-            total += (_chunk(n, width) if self.padded else end - start) * e
-        return total
+            sizes.append((_chunk(n, width) if self.padded else end - start) * e)
+        return sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,18 +90,12 @@ class ShardPosition:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """One round of a group between sites of different sizes.
+    """One round of a group between sites of different sizes."""
 
-    Attributes:
-        key: the piece's index among the group's pieces, the same at every site.
-        holders: the shard index holding the piece at each member site, by site index.
-        runs: ``(offset, length)`` of the piece's elements in this rank's flat
-            buffer, in the piece's order.
-    """
-
-    key: int
-    holders: tuple[int, ...]
+    key: int  # its index among the group's pieces, the same at every site
+    holders: tuple[int, ...]  # the shard index holding it at each member site
     runs: tuple[tuple[int, int], ...]
+    """``(offset, length)`` of its elements in this rank's flat buffer, in its order."""
 
     @property
     def numel(self) -> int:
@@ -122,18 +116,9 @@ def shard_rows(n: int, width: int, index: int) -> tuple[int, int]:
 
 
 def pieces(shape: GroupShape, widths: Sequence[int], me: int, shard: int) -> list[Piece]:
-    """The pieces of a group that shard rank ``shard`` of site ``me`` holds.
-
-    Args:
-        shape: the group's tensors (the same at every site).
-        widths: the shard ranks of each member site, by site index.
-        me: this site's index in ``widths``.
-        shard: this rank's shard index at its site.
-
-    Returns:
-        This rank's pieces, in key order; together they cover every element it holds
-        (never padding).
-    """
+    """The pieces of a group that shard rank ``shard`` of site ``me`` holds, in key
+    order; together they cover every element it holds (never padding). ``widths``: the
+    shard ranks of each member site, by site index."""
     if not 0 <= me < len(widths) or not 0 <= shard < widths[me]:
         raise ValueError(f"site {me} shard {shard} outside widths {list(widths)}")
     # (holders, tensor, first row, last row) of every cut, in tensor and row order.
@@ -147,11 +132,7 @@ def pieces(shape: GroupShape, widths: Sequence[int], me: int, shard: int) -> lis
     if len(keys) > MAX_PIECES:
         raise ValueError(f"{len(keys)} pieces in one group, more than {MAX_PIECES}")
     # Where each tensor's slice starts in this rank's flat buffer.
-    offsets, at = [], 0
-    for n, e in zip(shape.rows, shape.row_elems, strict=True):
-        offsets.append(at)
-        start, end = shard_rows(n, widths[me], shard)
-        at += (_chunk(n, widths[me]) if shape.padded else end - start) * e
+    offsets = list(itertools.accumulate(shape.slices(widths[me], shard), initial=0))
     runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for holders, t, a, b in cuts:
         if holders[me] != shard:

@@ -21,14 +21,11 @@ class SyncStats:
     sync_s: float = 0.0
     """Seconds from the first round's start to the last round's end (rounds overlap
     each other and backward)."""
-    wait_s: float = 0.0
-    """Seconds ``finish`` blocked the training loop."""
+    wait_s: float = 0.0  # seconds ``finish`` blocked the training loop
     bytes_sent: int = 0
     bytes_received: int = 0
-    raw_bytes: int = 0
-    """fp32 bytes of what was sent, before encoding."""
-    corrupt_chunks: int = 0
-    """Chunks that arrived failing their checksum and were pulled again."""
+    raw_bytes: int = 0  # fp32 bytes of what was sent, before encoding
+    corrupt_chunks: int = 0  # chunks that arrived failing their checksum and were pulled again
     nonfinite_chunks: int = 0
     """Chunks that decoded to NaN or Inf, refused before summing and pulled again."""
     stalled_flows: int = 0
@@ -36,10 +33,8 @@ class SyncStats:
     new ones (``RoundStats.stalled_flows``)."""
     retries: int = 0
     """Times the step's rounds ran again in a new generation (a site failed or left)."""
-    generation: int = 0
-    """The membership generation the step committed in."""
-    sites: int = 0
-    """Live sites the step was averaged over."""
+    generation: int = 0  # the membership generation the step committed in
+    sites: int = 0  # live sites the step was averaged over
     local_sq_norm: float = 0.0
     """The squared L2 norm of what this rank handed in, before the sites' mean (its
     shards of the site's own mean gradient); measured only when

@@ -63,14 +63,7 @@ from isthmus.inter.data.transport.chunk_size import PER_SITE_CONNECTIONS
 from isthmus.inter.data.transport.wire import Chunk, Frame, WireError, parse_header
 from isthmus.inter.data.transport.wirecore import FrameClosed
 
-__all__ = [
-    "BulkError",
-    "BulkListener",
-    "BulkRefused",
-    "Tickets",
-    "frame_bytes",
-    "record_head",
-]
+__all__ = ["BulkError", "BulkListener", "BulkRefused", "Tickets", "frame_bytes", "record_head"]
 
 
 MAGIC = b"ISTHBLK2"  # the second version of the framing (header and payload apart)

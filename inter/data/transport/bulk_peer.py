@@ -57,8 +57,7 @@ class _Sent(NamedTuple):
 
     rnd: PeerRound
     frame: Frame
-    at: float
-    """When it was handed to the socket (time.monotonic())."""
+    at: float  # when it was handed to the socket (time.monotonic())
 
 
 def _dial(host: str, port: int, proxy: str | None, timeout: float) -> socket.socket:
@@ -105,13 +104,9 @@ class BulkConnection:
     most once and acknowledges an exact copy of one it has (``Mailbox.deposit``), so
     a frame that did arrive on the stalled connection is not summed twice.
 
-    Args:
-        host: the peer lane's host.
-        open_bulk: asks the peer's lane for (port, ticket) over gRPC, with a timeout
-            (the ticket is granted to this rank's own lane: ``LanePeer._open_bulk``).
-        proxy: HTTP CONNECT proxy URL (the WAN emulator), or None.
-        name: for thread names.
-        tls: the TLS context to dial with (``bulk_stream.client_context``), or None.
+    ``open_bulk(timeout)`` asks the peer's lane for (port, ticket) over gRPC (the
+    ticket is granted to this rank's own lane: ``LanePeer._open_bulk``); ``proxy`` is an
+    HTTP CONNECT proxy URL (the WAN emulator); ``tls`` is ``bulk_stream.client_context``.
     """
 
     def __init__(
@@ -283,7 +278,8 @@ class BulkConnection:
                     item = self._inflight.popleft() if self._inflight else None
                     if item is not None:
                         self._losses = 0
-                        self._measure_locked(item, now)
+                        size = item.frame.payload_bytes + len(item.frame.header)
+                        self._clock.acknowledged(item.at, size, now)  # the measured rate
                         if status[0] == RESEND:
                             # Sent next; every frame already in flight is acknowledged
                             # before it, so the in-flight order stays the ack order.
@@ -320,11 +316,6 @@ class BulkConnection:
         if oldest is None:
             return math.inf
         return self._clock.due(oldest.at, oldest.frame.payload_bytes + len(oldest.frame.header))
-
-    def _measure_locked(self, item: _Sent, now: float) -> None:
-        """Folds an acknowledged frame into the connection's rate."""
-        size = item.frame.payload_bytes + len(item.frame.header)
-        self._clock.acknowledged(item.at, size, now)
 
     def _stalled(self, sock: Stream, now: float) -> None:
         """The oldest frame missed its deadline: the frames in flight go first on a new

@@ -1,10 +1,9 @@
 """One bulk connection's bytes: plain TCP, or the same framing inside mutual TLS.
 
-The bulk protocol (:mod:`isthmus.inter.data.transport.bulk`) runs on a :class:`PlainStream` (a
-TCP socket: scatter-gather ``sendmsg``, and payloads read and checksummed in one C call
-that holds no GIL, :mod:`isthmus.inter.data.transport.wirecore`) or on a :class:`TlsStream`
-(Python's ``ssl``, TLS 1.3, both sides presenting a certificate of the job CA). Both
-offer the same few calls, so the listener and the sending side do not care which.
+The bulk protocol (:mod:`.bulk`) runs on a :class:`PlainStream` (a TCP socket:
+scatter-gather ``sendmsg``, payloads read and checksummed in one C call that holds no
+GIL, :mod:`.wirecore`) or on a :class:`TlsStream` (Python's ``ssl``, TLS 1.3, both sides
+presenting a certificate of the job CA), which offer the same few calls.
 
 Why TLS here and not gRPC's: a lane inside gRPC's TLS moved ~0.5 GB/s of tensor on a
 GPU host, the bulk port 3.2 (docs/benchmarks/lanes.md); gRPC copies each message several
@@ -266,11 +265,11 @@ class TlsStream:
                     raise OSError("bulk connection closed")
                 try:
                     n = self.sock.recv_into(view[got:], size - got)
-                except ssl.SSLWantReadError:
-                    self._wait(select.POLLIN, time.monotonic() + stall_s)
-                    continue
-                except ssl.SSLWantWriteError:
-                    self._wait(select.POLLOUT, time.monotonic() + stall_s)
+                except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as exc:
+                    read = isinstance(exc, ssl.SSLWantReadError)
+                    self._wait(
+                        select.POLLIN if read else select.POLLOUT, time.monotonic() + stall_s
+                    )
                     continue
                 if n == 0:
                     raise FrameClosed("connection closed by the peer")
@@ -382,19 +381,15 @@ def _context(ca: bytes, cert: bytes, key: bytes, server_side: bool) -> ssl.SSLCo
     return context
 
 
-def server_context(security: SiteSecurity) -> ssl.SSLContext | None:
-    """The bulk listener's TLS context (client certificates of the job CA required),
-    or None when the site's security has no TLS."""
+def server_context(security: SiteSecurity, server_side: bool = True) -> ssl.SSLContext | None:
+    """The bulk listener's TLS context (client certificates of the job CA required), or
+    with ``server_side`` False the sending side's (presents the site's certificate,
+    checks the listener's against the job CA and :data:`TLS_NAME`); None without TLS."""
     if not security.require_tls:
         return None
     assert security.ca and security.cert and security.key  # SiteSecurity checks
-    return _context(security.ca, security.cert, security.key, True)
+    return _context(security.ca, security.cert, security.key, server_side)
 
 
 def client_context(security: SiteSecurity) -> ssl.SSLContext | None:
-    """The sending side's TLS context (presents the site's certificate, checks the
-    listener's against the job CA and :data:`TLS_NAME`), or None without TLS."""
-    if not security.require_tls:
-        return None
-    assert security.ca and security.cert and security.key
-    return _context(security.ca, security.cert, security.key, False)
+    return server_context(security, server_side=False)

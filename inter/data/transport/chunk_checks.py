@@ -24,23 +24,20 @@ __all__ = [
     "validate_chunk",
 ]
 
-_HEADROOM = 64 * 1024
-CRC_MISMATCH = "crc32 mismatch"  # protobuf framing and metadata on top of the payload
+_HEADROOM = 64 * 1024  # protobuf framing and metadata on top of the payload
+CRC_MISMATCH = "crc32 mismatch"
 
 
 def max_payload_bytes(chunk_bytes: int) -> int:
-    """Returns the largest payload accepted for ``chunk_bytes`` of fp32 values.
-
-    zstd's worst case on incompressible input is a little above the input
-    (ZSTD_compressBound is about n + n/256 + 64); allow that and some slack.
-    """
+    """The largest payload accepted for ``chunk_bytes`` of fp32 values: zstd's worst
+    case on incompressible input (ZSTD_compressBound, about n + n/256 + 64) and slack."""
     return chunk_bytes + chunk_bytes // 128 + 1024
 
 
 STREAM_WINDOW_BYTES = 32 << 20
 """What a lane's gRPC stream may have in flight before its receiver reads it (HTTP/2's
 per-stream window, ``grpc.http2.lookahead_bytes``; gRPC's default is 64 KiB). Each
-``PushChunks`` call is a new stream of up to half this (push_round.py); at the default
+``PushChunks`` call is a new stream of up to half this (push.py); at the default
 window one H200 host moved 0.40 GB/s of raw fp32 under TLS, at this one 0.44, level with
 the streams a round held open (0.45-0.47) (docs/benchmarks/lanes.md, "Under mutual TLS: a chunk a call")."""
 
@@ -116,11 +113,7 @@ def validate_chunk(req: Chunk, members: Members, codec: str, chunk_bytes: int) -
             pre,
             f"generation {req.generation} != receiver's {generation}",
         ),
-        (
-            req.codec == codec,
-            pre,
-            f"codec {req.codec[:64]!r} != receiver's {codec!r}",
-        ),
+        (req.codec == codec, pre, f"codec {req.codec[:64]!r} != receiver's {codec!r}"),
         (
             req.from_site < num_sites and req.from_site != members.site_index,
             bad,
@@ -144,11 +137,7 @@ def validate_chunk(req: Chunk, members: Members, codec: str, chunk_bytes: int) -
             f"num_chunks {req.num_chunks} does not match total_elements "
             f"{req.total_elements} in chunks of {per}",
         ),
-        (
-            len(req.payload) <= limit,
-            bad,
-            f"payload of {len(req.payload)} bytes exceeds {limit}",
-        ),
+        (len(req.payload) <= limit, bad, f"payload of {len(req.payload)} bytes exceeds {limit}"),
         (
             crc == req.crc32,
             bad,

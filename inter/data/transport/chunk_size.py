@@ -58,14 +58,8 @@ def chunk_bytes_for_link(
     A chunk about one BDP keeps a window's worth of data in one message: smaller
     chunks pay gRPC's per-message cost (python gRPC wants 256 KiB-4 MiB messages),
     larger ones delay the owner's first reduction and hold more memory per stream.
-
-    Args:
-        bandwidth_bps: link bandwidth in bits per second, one direction.
-        rtt_s: round-trip time in seconds.
-        most_bytes: the ceiling (the bulk port, without gRPC's limit, passes
-            :data:`BULK_MAX_CHUNK_BYTES`).
-    Returns:
-        A power of two in bytes, the largest not above the BDP, within the clamp.
+    Returns the largest power of two not above the BDP, within the clamp (the bulk port,
+    without gRPC's limit, passes :data:`BULK_MAX_CHUNK_BYTES`).
     """
     if bandwidth_bps <= 0 or rtt_s < 0:
         raise ValueError(f"need bandwidth > 0 and rtt >= 0, got {bandwidth_bps}, {rtt_s}")
@@ -126,12 +120,7 @@ def connections_for_link(
     cap each flow (public clouds do: AWS holds one flow to 5 Gbit/s); so as many as the
     larger of bandwidth / per-flow cap and bandwidth-delay product / window, at least 2
     (a connection that waits for its acknowledgements leaves the other sending).
-
-    Args:
-        bandwidth_bps: link bandwidth in bits per second, one direction.
-        rtt_s: round-trip time in seconds.
-        per_flow_bps: most bits per second of one connection; 0 = no cap.
-        window_bytes: one connection's window; 0 = :func:`tcp_receive_window`.
+    ``per_flow_bps`` 0: no cap; ``window_bytes`` 0: :func:`tcp_receive_window`.
     """
     if bandwidth_bps <= 0 or rtt_s < 0 or per_flow_bps < 0:
         raise ValueError(

@@ -7,7 +7,7 @@ its kernel still acknowledges segments. Neither ends the connection in time
 from its size and the rate the connection measured on the frames acknowledged before
 it (docs/wire.md, "Deadlines per frame"). The bulk port's connections
 (``bulk_peer.py``) and the one-chunk ``PushChunks`` calls under mutual TLS
-(``push_round.py``) keep one :class:`FlowClock` per connection.
+(``push.py``) keep one :class:`FlowClock` per connection.
 """
 
 from __future__ import annotations
@@ -53,12 +53,9 @@ class FlowClock:
     """
 
     def __init__(self) -> None:
-        self.last_ack = 0.0
-        """When the peer last acknowledged a frame here (time.monotonic())."""
-        self.rate = 0.0
-        """Bytes a second of acknowledged frames (smoothed); 0: none yet."""
-        self.backoff = 1
-        """Doubles with each stall in a row, back to 1 on an acknowledgement."""
+        self.last_ack = 0.0  # when the peer last acknowledged a frame here
+        self.rate = 0.0  # bytes a second of acknowledged frames (smoothed); 0: none yet
+        self.backoff = 1  # doubles with each stall in a row, back to 1 on an ack
 
     def began(self, sent_at: float) -> float:
         """When a frame sent at ``sent_at`` could begin to be taken: sent, and the

@@ -35,12 +35,8 @@ def _load(conn: Connection) -> tuple[int, int]:
 
 
 class PeerRound:
-    """One round's chunks to one peer over its connections.
-
-    Args:
-        conns: the peer's connections, shared by its rounds.
-        deadline: when the round's chunks must have been taken (time.monotonic()).
-    """
+    """One round's chunks to one peer over its connections (shared by the peer's
+    rounds); ``deadline`` (time.monotonic()) is when they must have been taken."""
 
     def __init__(self, conns: list[Connection], deadline: float) -> None:
         self._conns = conns
@@ -113,12 +109,8 @@ class PeerRound:
 
     def wait(self, timeout: float) -> int:
         """Waits until the peer acknowledged every chunk; returns how many it took.
-
-        Raises:
-            grpc.RpcError: the peer refused a chunk (``BulkRefused`` on the bulk port).
-            ConnectionError: a connection broke (``BulkError``).
-            TimeoutError: not all acknowledged within ``timeout``.
-        """
+        Raises grpc.RpcError (the peer refused a chunk: ``BulkRefused`` on the bulk
+        port), ConnectionError (a connection broke) or TimeoutError."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._error is None and self._taken < self.sent:

@@ -2,10 +2,9 @@
 ``transport = "grpc"``), each acknowledged and each with a deadline of its own.
 
 A :class:`StreamConnection` is one gRPC connection (a channel of its own) to a peer's
-lane, shared by that peer's rounds (each a
-:class:`~isthmus.inter.data.transport.peer_round.PeerRound`). Each chunk is one call (or several
-of a round queued behind each other, up to :data:`BATCH_BYTES`), answered
-when the peer's lane has stored them; :data:`CALLS_PER_CONNECTION` are in flight at once
+lane, shared by that peer's rounds (each a :class:`.peer_round.PeerRound`). Each chunk is
+one call (or several of a round queued behind each other, up to :data:`BATCH_BYTES`),
+answered when the peer's lane has stored them; :data:`CALLS_PER_CONNECTION` are in flight at once
 (the next on the wire while the last one's answer comes back), the rest queue in order.
 The oldest call in flight has a deadline from its size and the connection's measured
 rate (:class:`~isthmus.inter.data.transport.flow_clock.FlowClock`, the bulk port's rule). A
@@ -13,16 +12,14 @@ connection that misses one is stalled (a flow black-holed on the way, a peer tha
 reading while its connection still answers pings): a new channel is dialled in its
 place (a new flow, its own path through the network), its calls in flight go first on
 it, and the rounds go on, counting ``stalls``. A connection lost under its calls
-(UNAVAILABLE: a reset, keepalive pings unanswered, ``chunk_checks.stream_keepalive``;
-or CANCELLED by the peer's lane as it stops)
-sends them again the same way, without waiting for the peer to be ready, so a peer whose
+(UNAVAILABLE: a reset, keepalive pings unanswered; or CANCELLED by the peer's lane as it
+stops) sends them again the same way, without waiting for the peer to be ready, so a peer whose
 lane went away fails its rounds within a second or so. The receiving lane stores a chunk
 at most once and acknowledges an exact copy of one it has (``Mailbox.deposit``), so a
 chunk that did arrive before its connection was left is not summed twice.
 
-Where streams acknowledged as a whole left a flow that stalled while carrying little (a
-small round) unnoticed (its keepalive pings were answered), a chunk's own answer is
-what is waited for here.
+A chunk's own answer is waited for: streams acknowledged as a whole left a flow that
+stalled while carrying little (a small round) unnoticed, its keepalive pings answered.
 """
 
 from __future__ import annotations
@@ -71,8 +68,7 @@ class _Call:
 
     rnd: PeerRound
     frames: list[Frame]
-    at: float
-    """When the call was made (time.monotonic())."""
+    at: float  # when the call was made (time.monotonic())
     generation: int
     """The connection's generation it went out on (a new one after each stall or loss)."""
     future: grpc.Future | None = None  # held: grpc cancels a call whose future is collected
@@ -92,15 +88,10 @@ class StreamConnection:
 
     A sender thread makes the calls (a call's pass may take an RPC of its own, which
     must not run on gRPC's callback threads) and watches the oldest one's deadline;
-    answers arrive on gRPC's threads.
-
-    Args:
-        channel: the connection's first channel.
-        renew: gives up a channel and returns a new one, on a new TCP connection (the
-            lane peer's, which also makes its other calls on it).
-        metadata: the pass a call presents before a round's deadline (without TLS: a
-            ticket, ``LanePeer._stream_pass``; with TLS, none).
-        name: for the thread and the log.
+    answers arrive on gRPC's threads. ``renew(old)`` returns a new channel on a new TCP
+    connection (the lane peer's, which also makes its other calls on it);
+    ``metadata(deadline)`` is the pass a call presents (without TLS: a ticket,
+    ``LanePeer._stream_pass``; with TLS, none).
     """
 
     def __init__(
@@ -129,11 +120,8 @@ class StreamConnection:
     @staticmethod
     def _callable(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
         # The frames are bytes already (inter/data/transport/wire.py), not protobuf objects.
-        return channel.stream_unary(
-            PUSH,
-            request_serializer=None,
-            response_deserializer=lane_pb2.PushChunksResponse.FromString,
-        )
+        answer = lane_pb2.PushChunksResponse.FromString
+        return channel.stream_unary(PUSH, request_serializer=None, response_deserializer=answer)
 
     def put(self, rnd: PeerRound, frame: Frame) -> None:
         """Queues ``frame`` of ``rnd``. Raises ConnectionError once closed."""
@@ -331,5 +319,4 @@ class StreamConnection:
         return None
 
     def _requeue_locked(self, call: _Call) -> None:
-        """``call``'s chunks first in the queue again."""
         self._queue.extendleft((call.rnd, f) for f in reversed(call.frames))

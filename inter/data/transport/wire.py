@@ -2,21 +2,16 @@
 
 A lane moves gigabytes per step, and python protobuf copies a ``bytes`` field when it
 parses a message and again each time the field is read; with grpcio's own copies that
-made a 4 MiB chunk cross memory about ten times per hop. This module writes and reads
-``PushChunksRequest`` (and ``DeliverChunkRequest``, a resent chunk) itself:
+made a 4 MiB chunk cross memory about ten times per hop. So this module writes and reads
+``PushChunksRequest`` (and ``DeliverChunkRequest``, a resent chunk) itself: the header
+fields go through protobuf, the payload field is written by hand in one ``bytes.join``
+(:func:`encode_chunk`) and read as a ``memoryview`` of the received bytes, no copy until
+the round decodes it (:func:`parse_chunk`).
 
-* :func:`encode_chunk` serializes the small header fields with protobuf and appends
-  the payload field by hand (tag, length, bytes) in one ``bytes.join``: the encoded
-  values are copied once, straight into the message grpcio sends.
-* :func:`parse_chunk` walks the message's top-level fields, parses everything except
-  the payload with protobuf and hands the payload on as a ``memoryview`` of the bytes
-  grpcio received: no copy until the round decodes it.
-
-The bytes on the wire are an ordinary protobuf encoding of the messages in
-``proto/lane.proto`` (fields may come in any order, the last payload wins, as protobuf
-parsers do), so any protobuf client can talk to a lane and the fuzz tests' messages
-parse the same way. Malformed input raises :class:`WireError`; nothing here trusts a
-length it has not checked against the bytes at hand (docs/design.md, invariant 4).
+The bytes are an ordinary protobuf encoding of ``proto/lane.proto`` (fields in any
+order, the last payload wins), so any protobuf client can talk to a lane. Malformed
+input raises :class:`WireError`; nothing here trusts a length it has not checked
+against the bytes at hand (docs/design.md, invariant 4).
 """
 
 from __future__ import annotations
@@ -89,20 +84,15 @@ class Chunk:
         return _header(self)
 
 
+_HEADER_FIELDS = (
+    *("generation", "step", "group", "kind", "chunk_index", "num_chunks", "from_site"),
+    *("total_elements", "num_elements", "codec", "crc32"),
+)
+"""``PushChunksRequest``'s fields but the payload, as :class:`Chunk` names them too."""
+
+
 def _header(c: Chunk) -> lane_pb2.PushChunksRequest:
-    return lane_pb2.PushChunksRequest(
-        generation=c.generation,
-        step=c.step,
-        group=c.group,
-        kind=c.kind,
-        chunk_index=c.chunk_index,
-        num_chunks=c.num_chunks,
-        from_site=c.from_site,
-        total_elements=c.total_elements,
-        num_elements=c.num_elements,
-        codec=c.codec,
-        crc32=c.crc32,
-    )
+    return lane_pb2.PushChunksRequest(**{f: getattr(c, f) for f in _HEADER_FIELDS})
 
 
 def _varint(value: int) -> bytes:
@@ -135,15 +125,9 @@ def _read_varint(data: memoryview, pos: int, end: int) -> tuple[int, int]:
 def encode_chunk(
     header: lane_pb2.PushChunksRequest, payload: Buffer | list[Buffer] | tuple[Buffer, ...]
 ) -> bytes:
-    """Serializes a chunk: ``header``'s fields, then the payload field.
-
-    Args:
-        header: every field but ``payload`` (a payload set here would be sent twice).
-        payload: one bytes-like object, or a sequence of them (joined, e.g. an int8
-            codec's scale and values), written as field 11 without an extra copy.
-    Returns:
-        The protobuf encoding of the full ``PushChunksRequest``.
-    """
+    """The full ``PushChunksRequest``: ``header``'s fields (its own payload unset, else
+    it would be sent twice), then ``payload``, one bytes-like object or a sequence of
+    them (e.g. an int8 codec's scale and values), written as field 11 without a copy."""
     parts = list(payload) if isinstance(payload, (list, tuple)) else [payload]
     views = [memoryview(p).cast("B") for p in parts]
     size = sum(v.nbytes for v in views)
@@ -183,11 +167,8 @@ class Frame:
 
 def parse_header(data: bytes | memoryview) -> Chunk:
     """Parses the header of a bulk frame: every field of a ``PushChunksRequest`` but
-    the payload, which follows it on the connection (set by the caller).
-
-    Raises:
-        WireError: malformed, or it carries a payload of its own.
-    """
+    the payload, which follows it on the connection (set by the caller). WireError if
+    malformed, or if it carries a payload of its own."""
     chunk = parse_chunk(data)
     if len(chunk.payload):
         raise WireError("a bulk frame's header carries a payload field")
@@ -195,11 +176,8 @@ def parse_header(data: bytes | memoryview) -> Chunk:
 
 
 def parse_chunk(data: bytes | memoryview) -> Chunk:
-    """Parses a ``PushChunksRequest`` with its payload as a view of ``data``.
-
-    Raises:
-        WireError: the bytes are not a well-formed ``PushChunksRequest``.
-    """
+    """Parses a ``PushChunksRequest`` with its payload as a view of ``data``; WireError
+    if it is not a well-formed one."""
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
     if view.format != "B":
         view = view.cast("B")
@@ -238,20 +216,7 @@ def parse_chunk(data: bytes | memoryview) -> Chunk:
         msg = lane_pb2.PushChunksRequest.FromString(head)
     except Exception as exc:  # DecodeError, bad UTF-8 in codec
         raise WireError(f"{type(exc).__name__}: {str(exc)[:200]}") from None
-    return Chunk(
-        generation=msg.generation,
-        step=msg.step,
-        group=msg.group,
-        kind=msg.kind,
-        chunk_index=msg.chunk_index,
-        num_chunks=msg.num_chunks,
-        from_site=msg.from_site,
-        total_elements=msg.total_elements,
-        num_elements=msg.num_elements,
-        codec=msg.codec,
-        payload=payload.toreadonly(),
-        crc32=msg.crc32,
-    )
+    return Chunk(**{f: getattr(msg, f) for f in _HEADER_FIELDS}, payload=payload.toreadonly())
 
 
 def encode_delivery(frame: bytes, nonce: bytes) -> bytes:
@@ -295,26 +260,16 @@ def _parse_delivery(data: bytes) -> Delivery:
 
 
 class ChunkWire:
-    """``PushChunksRequest`` (de)serializers for grpcio: bytes in, :class:`Chunk` out.
-
-    ``DESCRIPTOR`` names the message, so a refusal of malformed bytes
-    (:mod:`isthmus.inter.malformed`) names it too.
-    """
+    """``PushChunksRequest`` (de)serializers for grpcio: bytes in, :class:`Chunk` out
+    (:class:`WireError` if malformed). ``DESCRIPTOR`` names the message, so a refusal of
+    malformed bytes (:mod:`isthmus.inter.malformed`) names it too."""
 
     DESCRIPTOR = lane_pb2.PushChunksRequest.DESCRIPTOR
-
-    @classmethod
-    def FromString(cls, data: bytes) -> Chunk:  # noqa: N802 (protobuf's name)
-        """Parses one received chunk; raises :class:`WireError`."""
-        return parse_chunk(data)
+    FromString = staticmethod(parse_chunk)
 
 
 class DeliverWire:
     """``DeliverChunkRequest`` deserializer for the lane that asked for the chunk."""
 
     DESCRIPTOR = lane_pb2.DeliverChunkRequest.DESCRIPTOR
-
-    @classmethod
-    def FromString(cls, data: bytes) -> Delivery:  # noqa: N802 (protobuf's name)
-        """Parses a delivered chunk; raises :class:`WireError`."""
-        return _parse_delivery(data)
+    FromString = staticmethod(_parse_delivery)

@@ -62,11 +62,9 @@ def load() -> ModuleType | None:
     global _told
     if _native is None and not _told:
         _told = True
-        log.warning(
-            "wirecore: no C extension (%s): the lanes check their bytes in Python "
-            "(same results, slower)",
-            _why_not,
-        )
+        why = _why_not
+        log.warning("wirecore: no C extension (%s): the lanes check their bytes in Python "
+                    "(same results, slower)", why)  # fmt: skip
     return _native
 
 
@@ -74,13 +72,9 @@ def recv_payload(
     sock: socket.socket, buf: memoryview, stall_s: float, f32: bool
 ) -> tuple[int, bool | None]:
     """Fills ``buf`` from ``sock``; returns (CRC-32C of the bytes, whether every fp32
-    word is finite, or None when not asked or not known).
-
-    Raises:
-        FrameClosed: the peer closed before ``buf`` was full.
-        TimeoutError: no byte came for ``stall_s`` seconds.
-        OSError: the connection failed.
-    """
+    word is finite, or None when not asked or not known). Raises FrameClosed (the peer
+    closed before ``buf`` was full), TimeoutError (no byte for ``stall_s`` seconds) or
+    OSError."""
     native = load()
     if not len(buf):
         return 0, True if f32 else None
@@ -144,11 +138,10 @@ def sum_checked(
     nothing; ``own`` -1 checks no part. ``out`` may share memory with ``parts[0]`` or
     ``parts[1]`` (exactly), not with a later part.
 
-    Returns:
-        ``(status, crc)``: ``SUM_OK`` with the CRC-32C of ``out``'s bytes, or
-        ``SUM_OWN_NONFINITE`` / ``SUM_OVERFLOW`` (``out`` then holds a partial sum,
-        crc 0). None where the C extension is not loaded or the arrays are not
-        contiguous fp32 of one length: the caller sums, checks and checksums on its own.
+    Returns ``(SUM_OK, the CRC-32C of out's bytes)``, or ``SUM_OWN_NONFINITE`` /
+    ``SUM_OVERFLOW`` with crc 0 (``out`` then holds a partial sum); None where the C
+    extension is not loaded or the arrays are not contiguous fp32 of one length: the
+    caller sums, checks and checksums on its own.
     """
     native = load()
     if native is None or len(parts) < 2 or sys.byteorder != "little":
