@@ -46,12 +46,10 @@ __all__ = ["flood", "forge", "forge_rejoin", "missed_forgeries", "missed_rejoin_
 
 
 def _channel(address: str, credentials: SiteSecurity | None = None) -> grpc.Channel:
-    """A channel with ``credentials`` (a site's certificate and the job token, in a job
-    with TLS), else carrying the user's job token, which the chaos suite's sites run with
-    (deploy/security/token.py): without it every call below is refused at the gate and
-    nothing behind it is tested. So the caller plays the strongest attacker that is not
-    the site it claims to be, a holder of the token (and of site0's certificate with
-    TLS), and its claims must still be found out."""
+    """A channel with ``credentials`` (site0's certificate and the job token, with TLS),
+    else with the user's job token, which the chaos suite's sites run with: without it
+    every call is refused at the gate and nothing behind it is tested. So the caller is
+    the strongest attacker that is not the site it claims to be."""
     if credentials is not None:
         return credentials.channel(address)
     from isthmus.deploy.security.token import job_token
@@ -105,23 +103,13 @@ def forge(
 ) -> dict[str, int]:
     """Sends the forged calls to the coordinator at ``target`` (site0's, the leader's)
     for ``duration_s``, each claiming to come from ``victim``, and to
-    ``victims_coordinator`` a Propose in the leader's name in the job's own order;
-    ``step`` is about where the job is; ``progress``, where given, reads where it is now
-    before each volley (else the forger counts a step a volley, on its own clock, and in
-    a job whose digests fall only every few steps its claims could miss them all);
-    ``credentials``: the caller's (site0's, in a job with TLS), else the user's job
-    token. Returns how many calls of each kind were answered without an error (those
-    must have changed nothing that matters)."""
-    answered = {
-        "heartbeat": 0,
-        "join": 0,
-        "vote": 0,
-        "propose": 0,
-        "leader's propose": 0,
-        "resend": 0,
-        "open bulk": 0,
-        "chunk": 0,
-    }
+    ``victims_coordinator`` a Propose in the leader's name in the job's own order.
+    ``progress`` reads where the job is before each volley (else the forger counts a step
+    a volley from ``step``, and could miss a job's every few steps' digests). Returns how
+    many calls of each kind were answered without an error (those must have changed
+    nothing that matters)."""
+    kinds = ("heartbeat", "join", "vote", "propose", "leader's propose", "resend", "open bulk")
+    answered = dict.fromkeys((*kinds, "chunk"), 0)
     deadline = time.monotonic() + duration_s
     first = step
     with (
@@ -332,11 +320,10 @@ def forge_rejoin(
 ) -> None:
     """Issue 63, rows 1-2, while site1 restarts and rejoins: heartbeats in site0's name
     telling site1's coordinator "site0 ran its last step" (one once made a restarting
-    site1 give up for good), and, ten times a second, pulls of the state
-    offered to site1 from site0's rank-0 lane in site1's name, for the steps around the
-    job's. Neither may work: site1 asks site0, and the lane serves the state only to
-    the pull site1's own lane confirms. How many pieces the forger was served goes to
-    ``record`` (JSON) after every pull, for the judge."""
+    site1 give up for good), and, ten times a second, pulls of the state offered to site1
+    from site0's rank-0 lane in site1's name. Neither may work: site1 asks site0, and the
+    lane serves the state only to the pull site1's own lane confirms. What the forger was
+    served goes to ``record`` (JSON) after every pull, for the judge."""
     from isthmus.proto import lane_pb2, lane_pb2_grpc
 
     tally = {"finished": 0, "pulls": 0, "pieces": 0}

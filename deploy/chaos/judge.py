@@ -59,11 +59,7 @@ def metrics_records(path: Path) -> list[dict]:
 
 
 def judge(
-    scenario: Scenario,
-    sites: Mapping[str, SiteProcess],
-    run_dir: Path,
-    deadline: float,
-    tls: bool,
+    scenario: Scenario, sites: Mapping[str, SiteProcess], run_dir: Path, deadline: float, tls: bool
 ) -> ScenarioResult:
     """Waits (until ``deadline``, monotonic) for the survivors' launchers to exit 0,
     then reads what they wrote. ``wall_s`` is left for the caller to fill."""

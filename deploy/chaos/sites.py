@@ -53,11 +53,7 @@ class SiteProcess:
             return ""
 
     def tail(self, chars: int = 1500) -> str:
-        log = self.log.with_suffix(f".{self.starts}.log")
-        try:
-            return log.read_text()[-chars:]
-        except OSError:
-            return ""
+        return self.text()[-chars:]
 
 
 NODE1 = "/node1"

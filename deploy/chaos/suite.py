@@ -19,6 +19,7 @@ StepFloor).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
@@ -200,14 +202,8 @@ def _site_env(scenario: Scenario, name: str) -> dict[str, str]:
 
 def _progress(run_dir: Path, names: list[str]) -> int:
     """Steps completed by the furthest site."""
-    return max(
-        (
-            (metrics_records(run_dir / "sites" / n / "metrics.jsonl") or [{}])[-1].get("step", -1)
-            + 1
-            for n in names
-        ),
-        default=0,
-    )
+    last = [(metrics_records(run_dir / "sites" / n / "metrics.jsonl") or [{}])[-1] for n in names]
+    return max((record.get("step", -1) + 1 for record in last), default=0)
 
 
 def _inject(
@@ -225,23 +221,10 @@ def _inject(
     deadline = time.monotonic() + SITE_TIMEOUT_S
     survivors = [sites[n] for n in scenario.survivors]
     names = [n for n in sites if NODE1 not in n]
+    progress = functools.partial(_progress, run_dir, list(sites))
     restart_when_down: list[str] = []
     while time.monotonic() < deadline:
-        for name in list(restart_when_down):
-            codes = [s.process.poll() if s.process else None for s in site_processes(sites, name)]
-            if all(code == 0 for code in codes):  # never left: the judge says so
-                restart_when_down.remove(name)
-            if not any(code not in (None, 0) for code in codes):
-                continue
-            # The site left the job and one of its launchers failed: the rest of it is
-            # ended and all started again, as srun's --kill-on-bad-exit ends the job's
-            # step and a requeue starts it again (its first node's launcher can outlive
-            # the site's leaving, its rank held in a collective with the lost node's).
-            restart_when_down.remove(name)
-            for site in site_processes(sites, name):
-                site.kill()
-            for site in site_processes(sites, name):
-                site.start()
+        _restart_the_failed(sites, restart_when_down)
         if not restart_when_down and all(
             s.process is not None and s.process.poll() is not None for s in survivors
         ):
@@ -275,34 +258,39 @@ def _inject(
                 stall = (FlowStall(count=1, duration_s=fault.duration_s, min_bytes=1 << 16),)
                 links[fault.link].set_impairments(stall, stall)
             elif fault.kind == "flood":
-                threading.Thread(
-                    target=flood,
-                    args=(coordinators[fault.site], fault.duration_s, credentials),
-                    daemon=True,
-                ).start()
+                _in_thread(flood, coordinators[fault.site], fault.duration_s, credentials)
             elif fault.kind == "forge-rejoin":
-                threading.Thread(
-                    target=forge_rejoin,
-                    args=(coordinators[fault.site], coordinators["site1"], fault.duration_s),
-                    kwargs={
-                        "record": run_dir / FORGER_RECORD,
-                        "credentials": credentials,
-                        "progress": lambda: _progress(run_dir, list(sites)),
-                    },
-                    daemon=True,
-                ).start()
+                record = run_dir / FORGER_RECORD
+                _in_thread(forge_rejoin, coordinators[fault.site], coordinators["site1"],
+                           fault.duration_s, record=record, credentials=credentials,
+                           progress=progress)  # fmt: skip
             elif fault.kind == "forge":
-                threading.Thread(
-                    target=forge,
-                    args=(coordinators[fault.site], fingerprint, done, fault.duration_s),
-                    kwargs={
-                        "victims_coordinator": coordinators["site1"],
-                        "credentials": credentials,
-                        "progress": lambda: _progress(run_dir, list(sites)),
-                    },
-                    daemon=True,
-                ).start()
+                _in_thread(forge, coordinators[fault.site], fingerprint, done, fault.duration_s,
+                           victims_coordinator=coordinators["site1"], credentials=credentials,
+                           progress=progress)  # fmt: skip
         time.sleep(0.1)
+
+
+def _in_thread(target: Callable, *args, **kwargs) -> None:
+    threading.Thread(target=target, args=args, kwargs=kwargs, daemon=True).start()
+
+
+def _restart_the_failed(sites: dict[str, SiteProcess], restart_when_down: list[str]) -> None:
+    """A site of ``restart_when_down`` that left the job and one of whose launchers failed
+    is ended and all started again, as srun's --kill-on-bad-exit ends the job's step and a
+    requeue starts it again (its first node's launcher can outlive the site's leaving, its
+    rank held in a collective with the lost node's)."""
+    for name in list(restart_when_down):
+        codes = [s.process.poll() if s.process else None for s in site_processes(sites, name)]
+        if all(code == 0 for code in codes):  # never left: the judge says so
+            restart_when_down.remove(name)
+        if not any(code not in (None, 0) for code in codes):
+            continue
+        restart_when_down.remove(name)
+        for site in site_processes(sites, name):
+            site.kill()
+        for site in site_processes(sites, name):
+            site.start()
 
 
 def run_suite(

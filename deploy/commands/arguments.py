@@ -43,29 +43,24 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool)
     parser.add_argument(
         "--config",
         metavar="TOML",
-        default=None,
         help="job config file (default: built-in defaults, see `isthmus config`)",
     )
     add_set_argument(parser)
     if common_flags:
         defaults = JobConfig()
-        parser.add_argument(
-            "--sites", type=int, default=None, help=f"sites (default {defaults.topology.sites})"
-        )
+        parser.add_argument("--sites", type=int, help=f"sites (default {defaults.topology.sites})")
         parser.add_argument(
             "--ranks-per-site",
             type=str,
-            default=None,
             metavar="N|N,M,...",
             help="ranks per site, or one count per site for sites of different sizes "
             f"(4,2) (default {defaults.topology.ranks_per_site})",
         )
         parser.add_argument(
-            "--steps", type=int, default=None, help=f"training steps (default {defaults.job.steps})"
+            "--steps", type=int, help=f"training steps (default {defaults.job.steps})"
         )
         parser.add_argument(
             "--run-dir",
-            default=None,
             help="keep the resolved config, metrics.jsonl, summary.json and logs here "
             "(default: a temporary folder, removed after a successful run)",
         )

@@ -250,6 +250,8 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             raise ConfigError("--device cuda: no CUDA device is visible")
     if args.workers < 0 or args.timeout_s <= 0:
         raise ConfigError("--workers must be >= 0 and --timeout-s > 0")
+    same = ("timeout_s", "lanes", "links", "device", "groups", "in_flight", "load_ms", "repeats")
+    every_case = {name: getattr(args, name) for name in (*same, "warmup")}
     return [
         bench.BenchCase(
             sites=s,
@@ -264,15 +266,7 @@ def cases_from_args(args: argparse.Namespace) -> list[bench.BenchCase]:
             connections=args.connections
             or connections_for_link(g * 1e9, rtt / 1000, args.per_flow_mbit * 1e6),
             workers=args.workers or None,
-            timeout_s=args.timeout_s,
-            lanes=args.lanes,
-            links=args.links,
-            device=args.device,
-            groups=args.groups,
-            in_flight=args.in_flight,
-            load_ms=args.load_ms,
-            repeats=args.repeats,
-            warmup=args.warmup,
+            **every_case,
         )
         for s in sites
         for rtt in rtts

@@ -35,9 +35,7 @@ def _key_pem(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
 
 
@@ -196,12 +194,11 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     parser.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
     parser.add_argument(
         "--sites",
-        default=None,
         metavar="SITE,SITE",
         help="site names (default: the job config's, site0, site1, ...)",
     )
     parser.add_argument(
-        "-c", "--config", default=None, metavar="TOML", help="take the sites from this job config"
+        "-c", "--config", metavar="TOML", help="take the sites from this job config"
     )
     parser.add_argument("--days", type=int, default=365, help="validity of the certificates")
     parser.add_argument(

@@ -35,11 +35,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     parser = add_command(sub, formatter, "chaos", cmd_chaos)
     parser.add_argument("--quick", action="store_true", help="only the quick subset CI runs")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these scenarios")
     parser.add_argument(
-        "--only", nargs="+", metavar="NAME", default=None, help="run only these scenarios"
-    )
-    parser.add_argument(
-        "--keep", metavar="DIR", default=None, help="keep runs and logs here (default: a temp dir)"
+        "--keep", metavar="DIR", help="keep runs and logs here (default: a temp dir)"
     )
     parser.add_argument(
         "--repeat",

@@ -50,9 +50,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     host, _, port = listen.rpartition(":")
     if not port.isdigit():
         raise ConfigError(f"--listen must be HOST:PORT, got {listen!r}")
-    check_exposure(
-        config.security, config.cluster, args.site, host, sys.stderr
-    )  # its lanes too: it is the site's
+    # Its lanes' exposure too: it is the site's.
+    check_exposure(config.security, config.cluster, args.site, host, sys.stderr)
     peers = {s: a for s, a in config.cluster.coordinators.items() if s != args.site}
     peers.update(_pairs(args.peer, "--peer"))
     proxies = {s: u for s, u in config.cluster.proxies.items() if s != args.site and u}
@@ -62,18 +61,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"no coordinator address for {missing}: use --peer SITE=HOST:PORT or cluster.coordinators"
         )
-    from isthmus.inter.control.rank_keys import RankKeys
-
     ranks = config.ranks_of(args.site)
-    if args.rank_secret_file:
-        keys = RankKeys.derive(args.site, ranks, read_rank_secret(args.rank_secret_file))
-    else:
-        keys = RankKeys.first_come(args.site)
-        print(
-            f"warning: {args.site}'s ranks register first come (no --rank-secret-file): "
-            "another local process could register a rank before it starts",
-            file=sys.stderr,
-        )
+    keys = _rank_keys(args.site, ranks, args.rank_secret_file)
     settings = CoordinatorSettings(
         site=args.site,
         site_names=tuple(config.site_names),
@@ -96,6 +85,24 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     )
     coordinator.start()
     print(f"coordinator {args.site} listening on {coordinator.address}", flush=True)
+    return _serve(coordinator)
+
+
+def _rank_keys(site: str, ranks: int, secret_file: str | None):
+    from isthmus.inter.control.rank_keys import RankKeys
+
+    if secret_file:
+        return RankKeys.derive(site, ranks, read_rank_secret(secret_file))
+    print(
+        f"warning: {site}'s ranks register first come (no --rank-secret-file): "
+        "another local process could register a rank before it starts",
+        file=sys.stderr,
+    )
+    return RankKeys.first_come(site)
+
+
+def _serve(coordinator) -> int:
+    """Until SIGTERM (0), or the coordinator's error or the job's abort (EXIT_FAILED)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -131,7 +138,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     parser.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
     parser.add_argument(
         "--listen",
-        default=None,
         help="HOST:PORT to serve on (default: cluster.coordinators.SITE, else 127.0.0.1:0)",
     )
     parser.add_argument(
@@ -146,7 +152,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )
     parser.add_argument(
         "--rank-secret-file",
-        default=None,
         metavar="PATH",
         help="0600 file of >= 16 random bytes; ranks that read it (ISTHMUS_RANK_SECRET_FILE) "
         "derive their registration keys from it (default: ranks register first come)",

@@ -59,7 +59,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )
     prep.add_argument(
         "--eos",
-        default=None,
         metavar="TOKEN",
         help="a token of the tokenizer appended after every document (default: none)",
     )

@@ -196,7 +196,7 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         "a script's run's way out) and the folder to write (new, or empty)",
     )  # fmt: skip
     parser.add_argument(
-        "--config", default=None, metavar="TOML",
+        "--config", metavar="TOML",
         help="the job's config (default: the config.toml in or above RUN_OR_CHECKPOINT)",
     )  # fmt: skip
     add_set_argument(parser, help="override a key of the job's config (repeatable)")

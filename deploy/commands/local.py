@@ -58,7 +58,6 @@ def add_script_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--script",
         metavar="PATH",
-        default=None,
         help="run this Python script as every rank instead of the built-in trainer, as "
         "torchrun would; it trains through isthmus.deploy.api (docs/api.md). Arguments "
         "for it follow `--`",
@@ -136,7 +135,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     parser.add_argument(
         "--topology",
         metavar="TOML",
-        default=None,
         help="emulate the links of this topology file (docs/wan.md) instead of the uniform "
         "[wan] settings; its sites become site0, site1, ... in the file's order",
     )

@@ -43,71 +43,57 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
 
 def _add_job_flags(add: Callable[..., argparse.Action]) -> None:
     """The model, its batch and the sites' devices."""
-    add("--preset", default=None, help="isthmus model preset (tiny ... 1b) instead of the 340B")
-    add("--params", type=float, default=None, help="trained parameters (default: the model's)")
+    add("--preset", help="isthmus model preset (tiny ... 1b) instead of the 340B")
+    add("--params", type=float, help="trained parameters (default: the model's)")
     add(
         "--tokens-per-step",
         type=float,
-        default=None,
         help="global batch in tokens (default: the 340B's, or --batch x --seq x devices x sites)",
     )
-    add(
-        "--batch",
-        default=None,
-        help="sequences per device per step; a comma list (4,8,16) prints the curve",
-    )
+    add("--batch", help="sequences per device per step; a comma list (4,8,16) prints the curve")
     add("--seq", type=int, default=2048, help="tokens per sequence with --batch")
     add("--sites", type=int, default=2, help="sites, each a data-parallel replica")
     add(
         "--devices-per-site",
         type=int,
-        default=None,
         help="GPUs per site (default 1536 for the 340B, 1 with --preset)",
     )
     add("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (H100 bf16)")
-    add("--mfu", type=float, default=None, help="model FLOPs utilisation inside a site")
+    add("--mfu", type=float, help="model FLOPs utilisation inside a site")
     add(
         "--gradient-bytes",
         type=float,
-        default=None,
         help="bytes per gradient element before the codec (4 fp32, 2 bf16)",
     )
 
 
 def _add_link_flags(add: Callable[..., argparse.Action]) -> None:
     """The codec and the link between sites."""
-    add(
-        "--codec",
-        default=None,
-        help="sync.codec of the job: sets --codec-ratio from its tensor codec",
-    )
-    add("--codec-ratio", type=float, default=None, help="raw bytes / wire bytes of the codec")
+    add("--codec", help="sync.codec of the job: sets --codec-ratio from its tensor codec")
+    add("--codec-ratio", type=float, help="raw bytes / wire bytes of the codec")
     add(
         "--bandwidth-gbit",
         "--gbit",
         dest="bandwidth_gbit",
         type=float,
-        default=None,
         help="per-site link, Gbit/s (default 400 for the 340B, 1 with --preset)",
     )
     add("--distance-km", type=float, default=1000.0, help="fiber distance between sites")
-    add("--rtt-ms", type=float, default=None, help="round-trip time; overrides --distance-km")
+    add("--rtt-ms", type=float, help="round-trip time; overrides --distance-km")
 
 
 def _add_round_flags(add: Callable[..., argparse.Action]) -> None:
     """How the cross-site rounds run: their count, window, chunks, overlap and period."""
-    add("--rounds", type=int, default=None, help="cross-site rounds (FSDP groups) per step")
+    add("--rounds", type=int, help="cross-site rounds (FSDP groups) per step")
     add(
         "--window",
         type=int,
-        default=None,
         help="rounds in flight at once (default 1 for the 340B, sync.rounds_in_flight with --preset)",
     )
-    add("--chunk-mib", type=float, default=None, help="chunk of a round, MiB")
+    add("--chunk-mib", type=float, help="chunk of a round, MiB")
     add(
         "--overlap",
         type=float,
-        default=None,
         help="share of backward that hides sync, 0..1 (default (rounds-1)/rounds with "
         "--preset: each group's round starts when its gradients exist)",
     )

@@ -47,12 +47,10 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )  # fmt: skip
     parser.add_argument(
         "--out",
-        default=None,
         help="folder for the plots (default: RUN_DIR with one run, ./isthmus-compare with several)",
     )
     parser.add_argument(
         "--labels",
-        default=None,
         metavar="A,B,...",
         help="names of the compared runs, in order (default: the sync mode, codec, sites x "
         "ranks, ... where the runs differ)",

@@ -155,7 +155,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )
     node.add_argument(
         "--master-addr",
-        default=None,
         metavar="HOST",
         help="the first node's address as the others reach it (the ranks' env:// "
         "rendezvous and the coordinator)",
@@ -165,7 +164,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )
     node.add_argument(
         "--listen",
-        default=None,
         metavar="HOST[:PORT]",
         help="where the coordinator binds (default: cluster.coordinators.SITE), e.g. "
         "0.0.0.0 where peers reach it under another name; without a port, the one "
@@ -173,14 +171,12 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     )
     node.add_argument(
         "--advertise-host",
-        default=None,
         metavar="HOST|auto",
         help="the address peers reach this node's lanes at (cluster.advertise_host); auto: "
         "this node's address on its route to --master-addr",
     )
     node.add_argument(
         "--rank-secret-file",
-        default=None,
         metavar="PATH",
         help="a file of >= 16 random bytes only its owner reads, the same on every node: "
         "each node derives its ranks' registration keys from it (needed with --nodes > 1)",

@@ -58,7 +58,6 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     parser.add_argument(
         "--vocab-size",
         type=int,
-        default=None,
         metavar="N",
         help="tokens, the 256 bytes included, 257..65536 (default: data.vocab_size, 4096)",
     )

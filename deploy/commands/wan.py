@@ -16,12 +16,7 @@ import time
 from typing import Any
 
 from isthmus.deploy.commands import add_command, add_group
-from isthmus.sim import (
-    RelayServer,
-    Topology,
-    control_request,
-    load_topology,
-)
+from isthmus.sim import RelayServer, Topology, control_request, load_topology
 from isthmus.sim.control import DEFAULT_ADDRESS, parse_address
 from isthmus.sim.spec import MIN_QUEUE_S, DirectionSpec
 from isthmus.sim.topology import spec_to_table
@@ -100,7 +95,7 @@ def _add_up(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
 
 def _add_show(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     show = add_command(wsub, formatter, "show", cmd_show)
-    show.add_argument("link", nargs="?", default=None, metavar="LINK", help="one link (a-b)")
+    show.add_argument("link", nargs="?", metavar="LINK", help="one link (a-b)")
     show.add_argument("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP)
     show.add_argument("--json", action="store_true", help="print the endpoint's JSON")
 
