@@ -30,33 +30,24 @@ if TYPE_CHECKING:
         sync_chunk_bytes,
     )
 
-_EXPORTS: dict[str, tuple[str, str]] = {
+_MODULES = {  # under isthmus.inter.data: the names each exports here
     # A rank's cross-site sync and what a step's outcome carries.
-    "open_rank_sync": ("sync.rank", "open_rank_sync"),
-    "RankSync": ("sync.rank", "RankSync"),
-    "RankSyncSettings": ("sync.rank", "RankSyncSettings"),
-    "Generation": ("sync.membership", "Generation"),
-    "LaneGradientSync": ("sync.gradient", "LaneGradientSync"),
-    "StepOutcome": ("sync.stats", "StepOutcome"),
-    "SyncStats": ("sync.stats", "SyncStats"),
-    "QuorumLost": ("sync.membership", "QuorumLost"),
-    "ModelMismatch": ("round.context", "ModelMismatch"),
-    "NonFiniteGradient": ("round.context", "NonFiniteGradient"),
+    "sync.rank": ("open_rank_sync", "RankSync", "RankSyncSettings"),
+    "sync.membership": ("Generation", "QuorumLost"),
+    "sync.gradient": ("LaneGradientSync",),
+    "sync.stats": ("StepOutcome", "SyncStats"),
+    "round.context": ("ModelMismatch", "NonFiniteGradient"),
     # What a joining rank expects to pull (it bounds what the source may make it allocate).
-    "ExpectedState": ("state.transfer", "ExpectedState"),
+    "state.transfer": ("ExpectedState",),
     # Where a rank's shards sit, for sites of different sizes.
-    "GroupShape": ("sync.shard_map", "GroupShape"),
-    "ShardPosition": ("sync.shard_map", "ShardPosition"),
+    "sync.shard_map": ("GroupShape", "ShardPosition"),
     # Codecs and chunk sizes, for the job's config, its plan and its checks.
-    "make_codec": ("codecs.chain", "make_codec"),
-    "crc32": ("codecs.chain", "crc32"),
-    "parse_codec_spec": ("codecs.spec", "parse_codec_spec"),
-    "CODEC_FORMAT": ("codecs.spec", "CODEC_FORMAT"),
-    "INT8_BLOCK": ("codecs.int8", "BLOCK"),
-    "connections_for_link": ("transport.chunk_size", "connections_for_link"),
-    "descriptors_needed": ("transport.chunk_size", "descriptors_needed"),
-    "sync_chunk_bytes": ("transport.chunk_size", "sync_chunk_bytes"),
+    "codecs.chain": ("make_codec", "crc32"),
+    "codecs.spec": ("parse_codec_spec", "CODEC_FORMAT"),
+    "transport.chunk_size": ("connections_for_link", "descriptors_needed", "sync_chunk_bytes"),
 }
+_EXPORTS = {name: (module, name) for module, names in _MODULES.items() for name in names}
+_EXPORTS["INT8_BLOCK"] = ("codecs.int8", "BLOCK")
 
 __all__ = [
     "CODEC_FORMAT",

@@ -60,33 +60,30 @@ class BenchCase:
     workers: int | None = None
     timeout_s: float = 600.0
     lanes: int = 1
-    """Ranks per site, each with its own lane and process, all-reducing an equal slice
-    of the site's tensor with the same rank of every other site, over the site's links."""
+    """Ranks per site, each a lane and process all-reducing an equal slice of the
+    site's tensor with the same rank of every other site."""
     links: int = 1
     """Emulated links of ``gbit`` between each pair of sites; lane k crosses link k mod
     ``links``, as the hosts of a site of several each have an uplink of their own."""
     device: str = "cpu"
-    """``cuda``: each lane's slice lives on a GPU of its own (lane k of site i on GPU
-    (i x lanes + k) mod count), so rounds decode, sum and encode there as in training."""
+    """``cuda``: lane k of site i on GPU (i x lanes + k) mod count, as in training."""
     groups: int = 1
-    """Split each slice into this many groups, started one after another through
-    :class:`~isthmus.inter.data.sync.gradient.LaneGradientSync` as backward starts FSDP
-    groups (1 = one plain all-reduce)."""
+    """Groups each slice is split in, started one after another through
+    ``LaneGradientSync`` as backward starts FSDP groups (1 = one plain all-reduce)."""
     in_flight: int = 4  # ``sync.rounds_in_flight`` when ``groups`` > 1
     load_ms: float = 0.0
     """Compute per step, in ms: before each group starts, its share of matrix products
     (as backward's before a group's gradients are ready); ``exposed_s`` then says how
     much of the sync did not hide behind it."""
     repeats: int = 1
-    """Timed steps, each begun by every lane together; the figures are those of the
-    step whose slowest lane took the median time."""
+    """Timed steps, each begun by every lane together; the figures are the median's."""
     warmup: int = 2
     """Full-size steps before the timed ones: a lane's first two pay first-use
     allocations (on 1x H200 a CUDA int8 lane moved 3.15 GB/s timed from its first step,
     8.10 after two warm-up steps: docs/benchmarks/lanes.md, "Warm lanes")."""
     certs_dir: str = ""
-    """A job's certificates (`isthmus certs`, sites site0..): the lanes run mutual TLS
-    (chunks on the bulk port inside TLS), as a secure job's do; empty = plaintext."""
+    """A job's certificates (`isthmus certs`, sites site0..): the lanes run mutual TLS,
+    as a secure job's do; empty = plaintext."""
 
 
 def link_bound_s(case: BenchCase) -> float:
@@ -355,7 +352,6 @@ def run_case(case: BenchCase, links: LinkFactory) -> dict[str, Any]:
 
 
 def _proxy(proxies: dict[tuple[int, int], list[str]], i: int, j: int, lane: int) -> str | None:
-    """The proxy lane ``lane`` of site ``i`` dials site ``j`` by; None = directly."""
     urls = proxies.get((i, j))
     return urls[lane % len(urls)] if urls else None
 

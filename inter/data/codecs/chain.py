@@ -174,7 +174,6 @@ class CodecChain:
         return payload
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Error-feedback residuals by key (empty for stages without state)."""
         get = getattr(self.tensor, "state_dict", None)
         return get() if get is not None else {}
 

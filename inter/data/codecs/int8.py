@@ -7,13 +7,10 @@ et al. 2019). Only the decoded values leave the encoder: every site uses them, s
 replicas stay bitwise identical; the residual is this site's own state.
 
 Each block of ``BLOCK`` values has its own fp32 scale (its largest magnitude / 127),
-as in blockwise quantization (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
-Quantization"). One scale per chunk -- a chunk holds up to the link's bandwidth-delay
-product, ~262k values at 1 Gbit/s over 1000 km -- let the largest gradient of a
-quarter of the model set everyone's step: values under 1/254 of it rounded to zero,
-and per-step sync with int8 trailed raw by 16 % in held-out loss on the CPU quality
-table (docs/benchmarks/training-quality.md, "Every codec against one site"). The scales cost 4 bytes
-per 1024 values (0.4 %).
+as in blockwise quantization (Dettmers et al. 2022). One scale per chunk (up to ~262k
+values) let the largest gradient of a quarter of the model set everyone's step: values
+under 1/254 of it rounded to zero, and per-step sync with int8 trailed raw by 16 % in
+held-out loss (docs/benchmarks/training-quality.md). The scales cost 0.4 %.
 """
 
 from __future__ import annotations
@@ -42,7 +39,6 @@ def _blocks(num_elements: int) -> int:
 
 
 def scale_bytes(num_elements: int) -> int:
-    """Bytes of the scales at the head of a payload of ``num_elements`` values."""
     return _SCALE_BYTES * _blocks(num_elements)
 
 
@@ -62,7 +58,6 @@ def blockwise_levels(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.
 
 
 def block_scales(payload: bytes | memoryview, num_elements: int) -> np.ndarray:
-    """The fp32 scales at the head of a payload (a read-only view)."""
     return from_le(payload[: scale_bytes(num_elements)], np.float32)
 
 
@@ -157,14 +152,12 @@ class Int8Stage:
 
     @staticmethod
     def _pack(q: torch.Tensor, out: torch.Tensor) -> None:
-        """Writes the integers ``q`` (as fp32) into the payload's value bytes ``out``."""
         out.view(torch.int8).copy_(q)
 
     @staticmethod
     def _unpack_into(
         payload: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor
     ) -> None:
-        """``out`` := fp32(q) x scale, q read from the payload's value bytes."""
         q = payload[_SCALE_BYTES * scales.numel() :].view(torch.int8)
         torch.mul(q.to(torch.float32), expand_scales(scales, n), out=out)
 
@@ -248,7 +241,6 @@ class Int8Stage:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """A copy of the residuals by key (CPU tensors, for a checkpoint)."""
         with self._lock:
             return {k: v.detach().to("cpu", copy=True) for k, v in self._residuals.items()}
 

@@ -1,9 +1,9 @@
 """The int8 codec's GPU work as two Triton kernels: one quantize, one dequantize.
 
 In torch operations a CUDA chunk costs about a dozen launches to encode and four to
-decode, each holding the GIL the training loop's launches need: a CUDA int8 lane spent
-41 % of its busy time in the encode (docs/benchmarks/lanes.md, "The byte path with fewer
-passes"). Here the encode is one kernel that reads the chunk and its residual once.
+decode, each holding the GIL the training loop's launches need (a CUDA int8 lane spent
+41 % of its busy time in the encode, docs/benchmarks/lanes.md). Here the encode is one
+kernel that reads the chunk and its residual once.
 
 Bit for bit the same payload as the torch code on the CPU, so a CUDA site and a CPU
 site (or the CPU tests) agree exactly: the scale is ``amax / 127`` as an IEEE division

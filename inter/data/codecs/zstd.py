@@ -48,7 +48,6 @@ class ZstdStage:
         return dec
 
     def encode(self, data: bytes | memoryview) -> bytes:
-        """See :meth:`ByteStage.encode`."""
         return self._compressor().compress(data)
 
     def decode(self, data: bytes | memoryview, size: int) -> bytes:

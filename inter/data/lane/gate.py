@@ -81,7 +81,6 @@ class LaneGate:
             )
 
     def refuse_unless_named(self, context: grpc.ServicerContext, site: str, method: str) -> None:
-        """With mutual TLS, a call in ``site``'s name only from a certificate naming it."""
         refuse_unless_named(self.security, context, self.where, site, method)
 
     def refuse_unless_sender(

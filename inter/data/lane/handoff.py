@@ -179,7 +179,6 @@ class LaneHandoff:
         return self.handoffs.expect(_pull(generation, step, rank, source))
 
     def forget(self, nonce: bytes) -> None:
-        """The pull ``nonce`` was made for is over (pulled, or given up)."""
         self.handoffs.forget(nonce)
 
     def confirm_pull(
@@ -202,7 +201,6 @@ class LaneHandoff:
 
 
 def _pull(generation: int, step: int, rank: int, source: str) -> tuple[object, ...]:
-    """What a pull's nonce is made for (compared when its serving lane asks)."""
     return ("pull", generation, step, rank, source)
 
 

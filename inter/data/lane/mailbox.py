@@ -137,7 +137,6 @@ class Mailbox:
             return None
 
     def aborted(self, step: int, group: int) -> tuple[int, str] | None:
-        """The site that gave up round (step, group) and why, or None."""
         with self._cond:
             return self._aborts.get((step, group))
 
@@ -220,13 +219,11 @@ class Mailbox:
 
     @property
     def floor(self) -> int:
-        """The live step: chunks of earlier steps are refused."""
         with self._cond:
             return self._floor
 
     @property
     def waiting_bytes(self) -> int:
-        """Payload bytes of the chunks waiting to be taken."""
         with self._cond:
             return self._bytes
 
@@ -284,7 +281,6 @@ class Handoffs:
             return True
 
     def made(self, nonce: bytes, what: object) -> bool:
-        """Whether ``nonce`` is one of ours, made for ``what`` (and not forgotten)."""
         with self._cond:
             found = self._waiting.get(nonce)
             return found is not None and found[0] == what
@@ -327,13 +323,11 @@ class Outbox:
         self._peers: dict[int, dict[str, HandoffPeer]] = {}  # site -> address -> lane
 
     def meet(self, peers: Mapping[int, HandoffPeer]) -> None:
-        """Notes the lanes a round of this generation talks to, by site index."""
         with self._lock:
             for site, peer in peers.items():
                 self._peers.setdefault(site, {})[peer.address] = peer
 
     def peers_of(self, site: int) -> list[HandoffPeer]:
-        """The lanes of ``site`` this site's rounds talked to in this generation."""
         with self._lock:
             return list(self._peers.get(site, {}).values())
 
@@ -358,7 +352,6 @@ class Outbox:
             self._items = {k: v for k, v in self._items.items() if k[0] >= step}
 
     def clear(self) -> None:
-        """Forgets everything (a new membership generation starts over)."""
         with self._lock:
             self._items.clear()
             self._peers.clear()

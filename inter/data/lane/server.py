@@ -201,7 +201,6 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
 
     @property
     def address(self) -> str:
-        """The "host:port" peers dial."""
         return self._address
 
     @property
@@ -212,7 +211,6 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
 
     @property
     def bulk_port(self) -> int:
-        """The bulk listener's TCP port; 0 without one."""
         return self.bulk.port if self.bulk is not None else 0
 
     @property
@@ -224,14 +222,11 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         return self._members.site_index
 
     def set_members(self, members: Members) -> None:
-        """Moves to a new membership; chunks of an older generation are dropped.
-
-        Within one generation they stay. A peer that learned the membership first may
-        send its first chunks while this rank is still setting up, and the lane takes
-        generation-1 chunks from the start for that. Dropping them when the rank then
-        set its place in the same generation lost a contribution: that round waited out
-        the whole sync timeout, and the job went on only after the retry (a CI run,
-        2026-11-27: step 0 took 121 s)."""
+        """Moves to a new membership; chunks of an older generation are dropped, those of
+        the same one stay: a peer that learned the membership first may send its first
+        chunks while this rank is still setting up (the lane takes generation-1 chunks
+        from the start), and dropping them lost a contribution (a CI run, 2026-11-27:
+        step 0 waited out the sync timeout, 121 s)."""
         with self._lock:
             moved = members.generation != self._members.generation
             self._members = members
@@ -328,14 +323,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
     def PushChunks(  # noqa: N802 (gRPC method name)
         self, request_iterator: Iterator[Chunk], context: grpc.ServicerContext
     ) -> lane_pb2.PushChunksResponse:
-        """Validates and deposits each chunk of the stream; aborts on the first bad one.
-
-        Chunks are deposited one by one as they arrive, not at the end of the stream:
-        a round's stream stays open until the sender's results are out, and those wait
-        for the chunks already sent (holding them back would deadlock). A chunk whose
-        only fault is its crc32 is marked corrupt (the round pulls it again); any other
-        fault aborts the stream, and the refused chunk changes nothing.
-        """
+        """Validates and deposits each chunk of the stream as it arrives (holding them to
+        the stream's end would deadlock: the sender's results wait for them). A chunk
+        whose only fault is its crc32 is marked corrupt (the round pulls it again); any
+        other fault aborts the stream, and the refused chunk changes nothing."""
         tls = self.security.require_tls
         holder = ANY_SENDER if tls else self.gate.pass_holder(context)
         # Each peer site may hold its share of the streams, so one that holds streams

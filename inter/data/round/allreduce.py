@@ -203,10 +203,9 @@ class CrossSiteAllReduce:
 
     def _renew_pool_if_lost(self, pipeline: RoundPipeline, exc: CrossSiteError) -> None:
         """After a failed round: a new pool of codec threads when the old one is shut
-        down or has threads that still hang in the round's tasks (a wait on a GPU that
-        never returns, a blocked codec), so the step's retry does not queue behind
-        them. The old threads are left to finish or hang on their own; what they write
-        lands in the failed round's buffer, which nothing reads."""
+        down or has threads that still hang in the round's tasks (a GPU wait that never
+        returns, a blocked codec), so the step's retry does not queue behind them. What
+        the old threads write lands in the failed round's buffer, which nothing reads."""
         stuck = pipeline.stuck()
         if not pipeline.pool_lost and not stuck:
             return
@@ -237,5 +236,4 @@ class CrossSiteAllReduce:
             raise ValueError(f"codec {self.codec.name!r} keeps no state")
 
     def close(self) -> None:
-        """Stops the encode/decode threads (waits for running tasks)."""
         self.pool.shutdown(wait=True)

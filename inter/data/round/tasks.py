@@ -4,8 +4,7 @@
 holds to touch values: a task encodes and sends a contribution, checks and decodes a
 received chunk, or, once a chunk's contributions are all in, sums them in site order
 and sends the result (a raw CPU chunk's owner in one pass over memory, in C:
-``device.sum_raw_host``). The pipeline's router owns the round's waiting and hands
-chunks to these tasks; nothing here waits on the mailbox.
+``device.sum_raw_host``). Nothing here waits on the mailbox: the pipeline's router does.
 """
 
 from __future__ import annotations
@@ -103,7 +102,6 @@ class ChunkTasks:
         return c * self.per, min(self.total, (c + 1) * self.per)
 
     def count(self, **deltas: float) -> None:
-        """Adds ``deltas`` to the round's statistics (any thread)."""
         with self._lock:
             for name, value in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
@@ -146,18 +144,11 @@ class ChunkTasks:
         where it is already known."""
         lo, hi = self._bounds(c)
         header = lane_pb2.PushChunksRequest(
-            generation=self.view.generation,
-            step=self.step,
-            group=self.group,
-            kind=kind,
-            chunk_index=c,
-            num_chunks=self.num_chunks,
-            from_site=self.view.site_index,
-            total_elements=self.total,
-            num_elements=hi - lo,
-            codec=self.codec.name,
+            generation=self.view.generation, step=self.step, group=self.group, kind=kind,
+            chunk_index=c, num_chunks=self.num_chunks, from_site=self.view.site_index,
+            total_elements=self.total, num_elements=hi - lo, codec=self.codec.name,
             crc32=crc32(payload) if crc is None else crc,
-        )
+        )  # fmt: skip
         frame = Frame(header.SerializeToString(), memoryview(payload).cast("B"))
         self.outbox.put((self.step, self.group, kind, c), frame, to)
         for site in to:
@@ -165,11 +156,9 @@ class ChunkTasks:
         self.count(bytes_sent=len(to) * len(payload), raw_bytes=len(to) * (hi - lo) * 4)
 
     def _like(self, n: int) -> torch.Tensor:
-        """A new fp32 tensor of ``n`` values where the round's values live."""
         return torch.empty(n, dtype=torch.float32, device=self.device or "cpu")
 
     def _own(self, lo: int, hi: int) -> np.ndarray | torch.Tensor:
-        """Our own values of [lo, hi), where they lie (a view, no copy)."""
         return self.host[lo:hi] if self.host is not None else self.flat[lo:hi]
 
     def _store(self, lo: int, hi: int, values: np.ndarray | torch.Tensor) -> None:
@@ -382,14 +371,8 @@ class ChunkTasks:
         """The chunk ``key`` asked again of its sender until it comes intact; None if
         the round failed meanwhile (:func:`~isthmus.inter.data.round.pull.pull_intact`)."""
         return pull_intact(
-            key,
-            peer=self.peers[key[4]],
-            handoffs=self.handoffs,
-            check=self.check,
-            generation=self.view.generation,
-            site_index=self.view.site_index,
-            deadline=self.deadline,
-            failed=self.failed,
-            where=self.where,
+            key, peer=self.peers[key[4]], handoffs=self.handoffs, check=self.check,
+            generation=self.view.generation, site_index=self.view.site_index,
+            deadline=self.deadline, failed=self.failed, where=self.where,
             on_corrupt=lambda: self.count(corrupt_chunks=1),
-        )
+        )  # fmt: skip

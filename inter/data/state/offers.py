@@ -170,12 +170,10 @@ class StateOffers:
                     self._drop_locked()
 
     def expire(self) -> None:
-        """Drops the offer if its deadline passed (its timer calls this)."""
         with self._lock:
             self._expire_locked()
 
     def clear(self) -> None:
-        """Drops the offer (the lane stops)."""
         with self._lock:
             self._drop_locked()
 

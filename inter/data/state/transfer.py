@@ -74,7 +74,6 @@ class ExpectedState:
 
     @property
     def max_total_bytes(self) -> int:
-        """The most a pull of this state may allocate."""
         return sum(_nbytes(shape, dtype) for shape, dtype in self.tensors.values()) + (
             self.open_bytes if self.open_prefix is not None else 0
         )
@@ -240,9 +239,8 @@ def assemble(
 
 
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-"""Answers to a pull that mean "ask again": not offered yet (or the serving rank not in
-the generation yet), the joiner's lane not reachable for the check, or the asking
-site's slots busy."""
+"""Answers to a pull that mean "ask again": not offered yet, the joiner's lane not
+reachable for the check, or the asking site's slots busy."""
 
 
 def pull_state(

@@ -48,6 +48,5 @@ class GroupBuffers:
         return flat.to(torch.float32, copy=True)
 
     def started(self, step: int, group: int, buffer: torch.Tensor, round_: futures.Future) -> None:
-        """Notes the round that ``buffer`` (from :meth:`copy_of`) now serves."""
         if not buffer.is_cuda:
             self._slots[(group, step % 2)] = (step, buffer, round_)

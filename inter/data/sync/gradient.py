@@ -104,20 +104,17 @@ class LaneGradientSync:
 
     @property
     def position(self) -> ShardPosition | None:
-        """This rank's place in its site, when a layout was set (sites of different sizes)."""
         return self._position
 
     def set_layout(self, position: ShardPosition, shapes: dict[int, GroupShape]) -> None:
-        """Where this rank's shards sit: its position and each group's tensors. Needed
-        only when the sites differ in size: a round is then cut into pieces, each
-        exchanged with the ranks that hold its elements (inter/data/sync/shard_map.py), and
-        each site's contribution is weighted by the tokens it processed."""
+        """Where this rank's shards sit, needed only when the sites differ in size: a
+        round is then cut into pieces, each exchanged with the ranks that hold its
+        elements (inter/data/sync/shard_map.py)."""
         if self._pending:
             raise RuntimeError(f"set_layout() during step {self._step}")
         self._position, self._shapes = position, dict(shapes)
 
     def started(self, step: int, group: int) -> bool:
-        """Whether ``group``'s round of ``step`` started and is not finished yet."""
         return step == self._step and any(p.group == group for p in self._pending)
 
     def start(self, step: int, group: int, shard: torch.Tensor) -> None:
@@ -168,9 +165,8 @@ class LaneGradientSync:
 
     def vote_ahead(self, step: int) -> None:
         """Votes "ok" on ``step``'s rounds once they all succeed, on the lane's worker,
-        not waiting for the decision: for rounds whose :meth:`finish` comes steps later
-        (an outer delay), whose vote then finds the decision made instead of waiting for
-        the other sites' drift. A failed round is left to ``finish``, as before."""
+        not waiting for the decision (:meth:`SiteMembership.vote_ahead`: for rounds whose
+        :meth:`finish` comes steps later). A failed round is left to ``finish``."""
         if step != self._step or not self._pending:
             raise RuntimeError(f"vote_ahead({step}) without rounds of step {step} started")
         membership, rounds = self._voter, [p.future for p in self._pending]
@@ -404,6 +400,5 @@ and "num_chunks", those of a group's pieces that add up to the group's)."""
 
 
 def _add(into: object, rs: RoundStats, names: tuple[str, ...] = _STEP_STATS) -> None:
-    """Adds what one round moved and refused to ``into``."""
     for name in names:
         setattr(into, name, getattr(into, name) + getattr(rs, name))

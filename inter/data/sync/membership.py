@@ -3,8 +3,7 @@
 A membership is one value, a :class:`Generation` (its number and its member sites);
 :meth:`SiteMembership.adopt` is the one call that moves a rank to another: it opens the
 lanes of the new members, closes those of sites gone and moves the rank's lane server
-(which checks every incoming chunk against the generation). The rank's
-:class:`~isthmus.inter.data.round.allreduce.CrossSiteAllReduce` reads it from here.
+(which checks every incoming chunk against the generation).
 
 :class:`SiteMembership` talks only to its own site's coordinator (site-local): it
 votes on each step's rounds (``CommitStep``, a long poll answered with the job's
@@ -80,12 +79,10 @@ class Generation:
 
     @classmethod
     def of(cls, source: _NamesGeneration) -> Generation:
-        """The generation a membership, a decision or a watch's answer names."""
         return cls(source.generation, tuple(source.sites))
 
     @property
     def names(self) -> list[str]:
-        """The member sites' names, by index."""
         return [info.name for info in self.sites]
 
     def members(self, site: str) -> Members:
@@ -122,10 +119,8 @@ class SiteMembership:
         self.lane = lane
         self.make_peer = make_peer
         self.abort = AbortSignal()
-        """The rank's abort signal: raised to fail the running rounds at once (a round
-        failed, or the watcher found a member they may wait on silent or left out of a
-        newer generation, again at most every ``watch_s`` while that holds); lowered by
-        each new generation."""
+        """Raised to fail the running rounds at once (a round failed, or the watcher found
+        a member silent or left out of a newer generation); lowered by each generation."""
         self.decision_timeout_s = decision_timeout_s
         self.watch_s = watch_s
         self._current = joined
@@ -212,7 +207,6 @@ class SiteMembership:
         log.info("[%s/%d] generation %d: %s", self.site, self.rank, generation.number, names)
 
     def site_ranks(self) -> list[int]:
-        """Each member site's rank count, by site index (sites may differ in size)."""
         return [len(info.lane_addresses) for info in self.sites]
 
     def peer(self, site_index: int, rank: int) -> LanePeer:
@@ -259,14 +253,9 @@ class SiteMembership:
 
     def vote_ahead(self, step: int, generation: int) -> None:
         """Casts this rank's "ok" on ``step``'s rounds, run in ``generation``, without
-        waiting for the decision.
-
-        For a round that lands steps after it ended (an outer round with a delay): the
-        sites' votes then meet while they train on, and the :meth:`vote` at landing
-        finds the decision made instead of waiting there for the slowest site's vote
-        and the coordinators' round trips. Best effort: that :meth:`vote` votes again
-        (an "ok" counts once), so a vote lost here costs only the wait it would save.
-        """
+        waiting for the decision: for a round that lands steps after it ended (an outer
+        round with a delay), the :meth:`vote` at landing then finds the decision made.
+        Best effort: that :meth:`vote` votes again (an "ok" counts once)."""
         try:
             self.client.commit_step(
                 site=self.site,

@@ -1,13 +1,11 @@
 """One rank's cross-site sync, opened with one call: :func:`open_rank_sync`.
 
 It builds the rank's data plane in the order each part needs the one before: the lane
-(listening, so its address can be registered), the join (the lane's address
-registered with the site's coordinator, then the membership the job starts or goes on
-in), the membership (which opens the member sites' lanes and moves the lane to the
-joined generation: one write, no placeholder), the all-reduce that reads it and the
-gradient sync the trainer calls. From then on the rank moves between generations by
-one call, :meth:`SiteMembership.adopt` (the gradient sync makes it itself on a RETRY
-or a commit that admitted a site).
+(listening, so its address can be registered with the site's coordinator), the join
+(the membership the job starts or goes on in), the membership (which opens the member
+sites' lanes and moves the lane to the joined generation: one write, no placeholder),
+the all-reduce and the gradient sync the trainer calls. From then on the rank moves
+between generations by one call, :meth:`SiteMembership.adopt`.
 """
 
 from __future__ import annotations

@@ -55,7 +55,6 @@ class GroupShape:
             raise ValueError("rows must be >= 0 and row_elems >= 1")
 
     def flat_size(self, width: int, index: int) -> int:
-        """Elements of the flat buffer of shard rank ``index`` of ``width``."""
         return sum(self.slices(width, index))
 
     def slices(self, width: int, index: int) -> list[int]:
@@ -79,7 +78,6 @@ class ShardPosition:
     shard_index: int
 
     def width(self, site_ranks: int) -> int:
-        """Shard ranks (``dp x cp``) of a site of ``site_ranks`` ranks."""
         return site_ranks // (self.pp * self.tp)
 
     def rank_of(self, site_ranks: int, shard: int) -> int:

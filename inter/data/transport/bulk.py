@@ -116,13 +116,10 @@ def read_exact(stream: Stream, buf: memoryview, timeout: float | None = None) ->
 
 
 class Tickets:
-    """Tickets for bulk connections, each bound to the site it was granted to.
-
-    A lane grants a ticket only to the asking site's own lane (``GrantBulk``, at the
-    address its rounds know), so a ticket says which site holds it: a bulk connection
-    is single use and its chunks must come from that site; a ``PushChunks`` stream may
-    present one as a pass until it expires (lanes without TLS or a bulk port).
-    """
+    """Tickets for bulk connections, each bound to the site it was granted to (only that
+    site's own lane is handed one: ``GrantBulk``). A bulk connection redeems one, once,
+    and its chunks must come from that site; a ``PushChunks`` stream may present one as
+    a pass until it expires (lanes without TLS or a bulk port)."""
 
     def __init__(self, ttl_s: float = TICKET_TTL_S, limit: int = 256) -> None:
         self._lock = threading.Lock()
@@ -143,7 +140,6 @@ class Tickets:
         return ticket
 
     def cancel(self, ticket: bytes) -> None:
-        """Forgets a ticket nobody took."""
         with self._lock:
             self.live.pop(ticket, None)
 
@@ -172,13 +168,10 @@ Accept = Callable[[Chunk, str, str], tuple[int, grpc.StatusCode | None, str]]
 
 
 class BulkListener:
-    """The server side: a listening socket and a thread per connection.
-
-    ``accept`` judges and stores one chunk (``LaneServer.take``), told the site the
-    connection's ticket was granted to; ``tls`` (``bulk_stream.server_context``) runs every
-    connection inside mutual TLS, where with ``vouch`` a certificate's DNS names must name
-    the ticket's holder; None is plain TCP.
-    """
+    """The server side: a listening socket and a thread per connection. ``accept`` judges
+    and stores one chunk (``LaneServer.take``); ``tls`` runs every connection inside
+    mutual TLS, where with ``vouch`` a certificate's DNS names must name the ticket's
+    holder."""
 
     def __init__(
         self,
@@ -391,7 +384,6 @@ class BulkListener:
         self._close_connections()
 
     def stop(self) -> None:
-        """Closes the listener and every connection."""
         self._stopped.set()
         self._sock.close()
         self._close_connections()
@@ -419,7 +411,6 @@ def record_head(header: bytes, payload_bytes: int) -> bytes:
 
 
 def frame_parts(frame: Frame) -> list[bytes | memoryview]:
-    """What a connection writes for ``frame``, in order (one ``sendmsg``)."""
     return [record_head(frame.header, frame.payload_bytes), frame.header, frame.payload]
 
 

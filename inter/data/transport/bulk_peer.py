@@ -295,8 +295,8 @@ class BulkConnection:
 
     def _await_ack(self, sock: Stream) -> bool:
         """Waits until an acknowledgement can be read (True), or until the oldest frame
-        in flight misses its deadline: then the connection is given up as stalled and
-        its frames go again on a new one (False; so does a connection replaced)."""
+        in flight misses its deadline (then :meth:`_stalled`) or the connection was
+        replaced (False)."""
         while True:
             with self._cond:
                 if self._sock is not sock:
@@ -333,13 +333,9 @@ class BulkConnection:
             "bulk connection %s stalled: a %.2f MB frame unacknowledged after %.1fs (its "
             "deadline: %.1fs at %.0f MB/s); its %d frame(s) in flight go again on a new "
             "connection",
-            self._name,
-            items[0].frame.payload_bytes / 1e6,
-            now - began,
-            allowed,
-            (self._clock.rate or FIRST_RATE_BPS) / 1e6,
-            len(items),
-        )
+            self._name, items[0].frame.payload_bytes / 1e6, now - began,
+            allowed, (self._clock.rate or FIRST_RATE_BPS) / 1e6, len(items),
+        )  # fmt: skip
         self._leave(sock, items, redial)
 
     def _requeue_inflight_locked(self) -> list[_Sent]:
@@ -380,12 +376,8 @@ class BulkConnection:
         if resend is None:
             self._fail(exc, sock)
             return
-        log.warning(
-            "bulk connection %s lost (%s); its %d frame(s) in flight go again on a new connection",
-            self._name,
-            exc,
-            len(resend),
-        )
+        log.warning("bulk connection %s lost (%s); its %d frame(s) in flight go again on a "
+                    "new connection", self._name, exc, len(resend))  # fmt: skip
         self._leave(sock, resend, redial)
 
     def _fail(self, exc: BaseException, sock: Stream | None, queued_too: bool = False) -> None:
@@ -426,8 +418,7 @@ a broken pipe, an EOF in the TLS handshake or before the answer byte (FrameClose
 A certificate refused ends in another ssl.SSLError, and is not dialled again."""
 
 MAX_HELLO_CLOSES = 3
-"""Connections closed in their hello in a row before a dial gives up: one dropped is
-dialled again, a peer that closes every one fails the rounds at once, not at their
-deadline."""
+"""Connections closed in their hello in a row before a dial gives up (and the rounds
+fail at once, not at their deadline)."""
 
 _PENDING: Stream = object()  # type: ignore[assignment]  # dialling

@@ -97,8 +97,7 @@ class PlainStream:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, data: bytes) -> None:
-        """Writes a few bytes (an acknowledgement, a hello)."""
+    def send(self, data: bytes) -> None:  # a few bytes: an acknowledgement, a hello
         self.sock.sendall(data)
 
     def send_parts(self, parts: list[bytes | memoryview]) -> None:
@@ -115,7 +114,7 @@ class PlainStream:
 
     def read_exact(self, buf: memoryview, timeout: float | None = None) -> None:
         """Fills ``buf``; TimeoutError after ``timeout`` s without a byte (None: never),
-        FrameClosed if the peer closes first."""
+        FrameClosed if the peer closes first (both streams)."""
         self.sock.settimeout(timeout)
         wirecore.read_exact(self.sock, buf)
 
@@ -124,7 +123,6 @@ class PlainStream:
         return wirecore.recv_payload(self.sock, buf, stall_s, f32)
 
     def wait_readable(self, timeout: float) -> bool:
-        """Whether a byte can be read within ``timeout`` seconds."""
         return _poll_in(self.sock.fileno(), timeout)
 
     def idle_closed(self) -> bool:
@@ -154,10 +152,8 @@ class PlainStream:
 
 
 class TlsStream:
-    """A bulk connection inside mutual TLS (module docstring: one lock, no wait held).
-
-    Made by :meth:`handshake` from a connected TCP socket.
-    """
+    """A bulk connection inside mutual TLS (module docstring: one lock, no wait held),
+    made by :meth:`handshake`."""
 
     tls = True
 
@@ -170,9 +166,8 @@ class TlsStream:
 
     @staticmethod
     def wrap(sock: socket.socket, context: ssl.SSLContext, server_side: bool) -> ssl.SSLSocket:
-        """``sock`` as a TLS socket before its handshake (``sock`` is left empty: the TLS
-        socket has its descriptor). The listener is checked against
-        :data:`TLS_NAME`, as gRPC's channels check a server (inter/security.py)."""
+        """``sock`` as a TLS socket before its handshake (which takes its descriptor). The
+        listener is checked against :data:`TLS_NAME`, as gRPC's channels check a server."""
         return context.wrap_socket(
             sock,
             server_side=server_side,
@@ -240,8 +235,6 @@ class TlsStream:
                     self._wait(want, math.inf)
 
     def read_exact(self, buf: memoryview, timeout: float | None = None) -> None:
-        """Fills ``buf``; TimeoutError after ``timeout`` s without a byte (None: never),
-        FrameClosed if the peer closes first."""
         view = memoryview(buf).cast("B")
         got, size = 0, len(view)
         while got < size:

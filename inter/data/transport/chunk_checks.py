@@ -35,11 +35,9 @@ def max_payload_bytes(chunk_bytes: int) -> int:
 
 
 STREAM_WINDOW_BYTES = 32 << 20
-"""What a lane's gRPC stream may have in flight before its receiver reads it (HTTP/2's
-per-stream window, ``grpc.http2.lookahead_bytes``; gRPC's default is 64 KiB). Each
-``PushChunks`` call is a new stream of up to half this (push.py); at the default
-window one H200 host moved 0.40 GB/s of raw fp32 under TLS, at this one 0.44, level with
-the streams a round held open (0.45-0.47) (docs/benchmarks/lanes.md, "Under mutual TLS: a chunk a call")."""
+"""HTTP/2's per-stream window of a lane (gRPC's default is 64 KiB); a ``PushChunks``
+call is a stream of up to half this (push.py). At the default one H200 host moved 0.40
+GB/s of raw fp32 under TLS, at this one 0.44 (docs/benchmarks/lanes.md)."""
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
@@ -56,10 +54,9 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
 STREAM_PING_S = 2.0
 """How often a lane's channel pings its peer while a call is open (gRPC keepalive)."""
 STREAM_PING_TIMEOUT_S = 10.0
-"""How long a ping's answer may take before the channel's connection is taken for
-dead, and every stream on it fails UNAVAILABLE. A ping waits behind what the
-connection's socket buffers hold (~4-16 MB: 0.3-1.3 s at 100 Mbit/s), so this is
-generous for any link a round crosses, and far below ``sync.timeout_s``."""
+"""How long a ping's answer may take before the connection is taken for dead (its
+streams fail UNAVAILABLE): it waits behind the socket buffers (~4-16 MB: 0.3-1.3 s at
+100 Mbit/s), so this is generous for any link, and far below ``sync.timeout_s``."""
 
 
 def stream_keepalive() -> list[tuple[str, int]]:

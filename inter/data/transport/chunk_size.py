@@ -38,11 +38,9 @@ MAX_CONNECTIONS = 16
 """Connections per peer lane at most (``sync.connections``)."""
 PER_SITE_CONNECTIONS = 2 * MAX_CONNECTIONS
 """Bulk connections a lane admits from one site at once: a peer opens at most
-MAX_CONNECTIONS (sized from the link, and from its own host's TCP window, by default)
-and dials again one it left stalled while the old one's frame times out, so twice the
-most any valid job opens. The bound is per site, not per lane: a fixed 64 for the whole
-lane once deadlocked 6 sites x 16 connections at step 0 (issue 61), and one site could
-take the others' share; a lane's total follows from its job's sites."""
+MAX_CONNECTIONS and dials again one it left stalled while the old one's frame times
+out, so twice the most any valid job opens. Per site, not per lane: a fixed 64 for the
+whole lane once deadlocked 6 sites x 16 connections at step 0 (issue 61)."""
 DESCRIPTORS_BESIDES_LANES = 512
 """Descriptors a rank holds apart from its lane's connections: libraries, gloo's and
 gRPC's sockets, logs, the checkpoint being written (a 2 x 2 CPU job's rank holds ~150)."""
@@ -77,15 +75,12 @@ def sync_chunk_bytes(
     :func:`chunk_bytes_for_link`, up to 16 MiB on the bulk port (gRPC's 4 MiB message
     limit does not apply there), and raised for CUDA tensors on the bulk port.
 
-    Per chunk a lane pays a frame, an acknowledgement and a hand-over between its
-    threads. At 25 Gbit/s a 4 MiB chunk crosses in 1.3 ms, and one lane of CPU tensors
-    filled 78-79 % of an emulated 1000 km link with 4 MiB chunks and 83-88 % with 16 MiB
-    ones (1x H200, docs/benchmarks/wan-emulator.md, "The emulator's queue").
-
-    A CUDA chunk costs a dozen kernel launches, each under the GIL that the lane's
-    threads share, and gRPC's message limit does not apply to the bulk port: at 4 MiB
-    the launches, not the link, bounded the sync (issue 11: the 1b gradient over 2
-    lanes took 1.92 s at 4 MiB, 1.05 s at 16 MiB). A rank of the smaller site carries
+    Per chunk a lane pays a frame, an acknowledgement and a hand-over between threads:
+    one lane of CPU tensors filled 78-79 % of an emulated 1000 km link at 25 Gbit/s with
+    4 MiB chunks and 83-88 % with 16 MiB ones (docs/benchmarks/wan-emulator.md). A CUDA
+    chunk costs a dozen kernel launches under the GIL the lane's threads share: at 4 MiB
+    the launches bounded the sync (issue 11: the 1b gradient over 2 lanes took 1.92 s at
+    4 MiB, 1.05 s at 16 MiB). A rank of the smaller site carries
     as many more bytes as its site has fewer ranks, in one process: 1b on 2 + 1 H100s
     went from 74.8 % to 94.4 % of the sites' standalone sum at 64 MiB
     (docs/benchmarks/unequal-sites.md, "Sites of different sizes").

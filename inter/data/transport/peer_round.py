@@ -1,12 +1,9 @@
 """One round's chunks to one peer, over that peer's connections (either transport).
 
-A round hands each chunk to the peer's connection with the fewest bytes not yet
-acknowledged (the peer's rounds share its connections); a connection is a
-bulk port's (:class:`~isthmus.inter.data.transport.bulk_peer.BulkConnection`) or one carrying
-one-chunk ``PushChunks`` calls (:class:`~isthmus.inter.data.transport.push.StreamConnection`).
-Either sends its frames with deadlines of their own and tells the round what became of
-each: acknowledged, damaged and sent again, stalled (gone again on a new connection),
-or failed.
+A round hands each chunk to the peer's connection (shared by the peer's rounds) with the
+fewest bytes not yet acknowledged: a bulk port's (:class:`.bulk_peer.BulkConnection`) or
+one of ``PushChunks`` calls (:class:`.push.StreamConnection`). Either tells the round
+what became of each frame: acknowledged, damaged and sent again, stalled, or failed.
 """
 
 from __future__ import annotations
@@ -79,7 +76,6 @@ class PeerRound:
             self.failed(exc)
 
     def end(self) -> None:
-        """No more chunks in this round (later ones are dropped)."""
         with self._cond:
             self._ended = True
 
@@ -93,7 +89,6 @@ class PeerRound:
             self._cond.notify_all()
 
     def stalled(self) -> None:
-        """A connection stalled on a frame of this round; its frames go again."""
         with self._cond:
             self.stalls += 1
 

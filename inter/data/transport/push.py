@@ -1,22 +1,19 @@
 """A round's chunks to one peer as one-chunk gRPC ``PushChunks`` calls (mutual TLS, or
 ``transport = "grpc"``), each acknowledged and each with a deadline of its own.
 
-A :class:`StreamConnection` is one gRPC connection (a channel of its own) to a peer's
-lane, shared by that peer's rounds (each a :class:`.peer_round.PeerRound`). Each chunk is
-one call (or several of a round queued behind each other, up to :data:`BATCH_BYTES`),
-answered when the peer's lane has stored them; :data:`CALLS_PER_CONNECTION` are in flight at once
-(the next on the wire while the last one's answer comes back), the rest queue in order.
-The oldest call in flight has a deadline from its size and the connection's measured
-rate (:class:`~isthmus.inter.data.transport.flow_clock.FlowClock`, the bulk port's rule). A
-connection that misses one is stalled (a flow black-holed on the way, a peer that stopped
-reading while its connection still answers pings): a new channel is dialled in its
-place (a new flow, its own path through the network), its calls in flight go first on
-it, and the rounds go on, counting ``stalls``. A connection lost under its calls
-(UNAVAILABLE: a reset, keepalive pings unanswered; or CANCELLED by the peer's lane as it
-stops) sends them again the same way, without waiting for the peer to be ready, so a peer whose
-lane went away fails its rounds within a second or so. The receiving lane stores a chunk
-at most once and acknowledges an exact copy of one it has (``Mailbox.deposit``), so a
-chunk that did arrive before its connection was left is not summed twice.
+A :class:`StreamConnection` is one gRPC channel to a peer's lane, shared by that peer's
+rounds. Each chunk is one call (or several of a round queued behind each other, up to
+:data:`BATCH_BYTES`), answered when the peer's lane has stored them; up to
+:data:`CALLS_PER_CONNECTION` are in flight, the rest queue in order. The oldest call has
+a deadline from its size and the connection's measured rate (:class:`.flow_clock.FlowClock`,
+the bulk port's rule); a connection that misses one is stalled (a flow black-holed on the
+way, a peer that stopped reading while its connection still answers pings): a new channel
+takes its place (a new flow), its calls in flight go first on it, and the rounds go on.
+A connection lost under its calls (UNAVAILABLE, or CANCELLED by the peer's lane as it
+stops) sends them again the same way, without wait-for-ready, so a peer whose lane went
+away fails its rounds within a second or so. The receiving lane stores a chunk at most
+once (``Mailbox.deposit``), so one that did arrive before its connection was left is not
+summed twice.
 
 A chunk's own answer is waited for: streams acknowledged as a whole left a flow that
 stalled while carrying little (a small round) unnoticed, its keepalive pings answered.

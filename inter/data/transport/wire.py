@@ -80,7 +80,6 @@ class Chunk:
     finite, checked in the same pass. None: not checked."""
 
     def header(self) -> lane_pb2.PushChunksRequest:
-        """The header fields as a protobuf message (payload left empty)."""
         return _header(self)
 
 
@@ -161,7 +160,6 @@ class Frame:
         return self.payload.nbytes
 
     def joined(self) -> bytes:
-        """The full ``PushChunksRequest`` encoding (one copy of the payload)."""
         return b"".join([self.header, _PAYLOAD_TAG, _varint(self.payload.nbytes), self.payload])
 
 

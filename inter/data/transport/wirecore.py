@@ -7,8 +7,7 @@ instead of three, in one call that holds no GIL, so the training loop's thread i
 made to wait for it. The owner's sum of a raw chunk and a sender's checksum are one
 pass each as well (:func:`sum_checked`, :func:`crc_of_finite`).
 
-The package's build compiles the extension (setup.py), as an optional part: an install
-without a C compiler succeeds, and where the extension is missing, or
+The extension is an optional part of the build (setup.py): where it is missing, or
 ``ISTHMUS_NATIVE=0``, the same results come from Python (``recv_into``, numpy and the
 ``crc32c`` package), which the first call says once in the log.
 """
