@@ -23,7 +23,7 @@ Underneath, the script's model goes through the machinery the built-in trainer u
 the site's world and mesh (``startup.join_site``), the rank's lane and membership
 (``CrossSite``), the gradient sync (``LaneGradientSync``) or the outer optimizer of
 DiLoCo and streaming (``startup.outer_optimizer``), checkpoint restore
-(``checkpointing.restore``). The built-in trainer is a user of this Context's loop:
+(``SiteCheckpoints.restore``). The built-in trainer is a user of this Context's loop:
 ``steps`` and the end of ``step`` (a rejoin followed, or the step recorded, its state
 offered to a site admitted, a checkpoint saved when due) are ``StepLoop``'s
 (deploy/rank/loop.py), which the built-in loop runs through too, as is ``finish``.
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from isthmus.deploy.config.job import JobConfig, load_config
-from isthmus.deploy.rank.checkpointing import restore
+from isthmus.deploy.rank.checkpointing import SiteCheckpoints
 from isthmus.deploy.rank.loop import StepLine, StepLoop, lane_outcome, outer_step
 from isthmus.deploy.rank.script_model import (
     ScriptModel,
@@ -189,7 +189,8 @@ class Context:
         site_dir, metrics = open_metrics(env, config, self._security, alone=cross is None)
         sync = cross.sync if cross is not None else None
         key = checkpoint_key(config.security, config.checkpoint)
-        start = restore(shaped, sync, config, env.run_dir, env.site, key, outer, user)  # type: ignore[arg-type]
+        checkpoints = SiteCheckpoints(config, env.run_dir, env.site, key, sync, outer, user)  # type: ignore[arg-type]
+        start = checkpoints.restore(shaped)  # type: ignore[arg-type]
         if cross is not None:
             start = cross.catch_up(shaped) or start  # type: ignore[arg-type]
             if start == 0:  # a fresh job: every site must start from the same parameters
@@ -209,7 +210,7 @@ class Context:
             held_out=None,  # type: ignore[arg-type]
             metrics=metrics,
             site_dir=site_dir,
-            key=key,
+            checkpoints=checkpoints,
             start=start,
             plan=user,  # type: ignore[arg-type]
         )

@@ -1,25 +1,19 @@
 """Checkpoints of a job: where each site keeps them, which step a resumed job starts
-at, and the two calls the per-rank program makes (restore at start, save after a step).
+at, and a rank's restore at start and save after a step (`SiteCheckpoints`).
 
 Every site of a job must start at the same step. `isthmus local --resume` takes the
-newest step that is complete at *any* site: replicas are identical after every step
-(invariant 1), so a site without that step loads another site's checkpoint of it (its
-codec residuals, which are its own, start from zero then). `isthmus site --resume`
-takes its own site's newest, and `checkpoint.resume_step` is part of the job
-fingerprint, so a peer that would start from another step is refused at join, naming
-both steps.
-
-Retention (``checkpoint.keep``) never prunes the newest step complete at every site
-whose folder this one can see (the sites of one run directory or checkpoint.dir): a
-site killed mid-save, while the other ran on and saved twice more, would otherwise
-leave no step both hold (issue 14).
-
-With a job token the manifests are signed with it and checked before a load.
-"""
+newest step complete at *any* site: replicas are identical after every step (invariant
+1), so a site without it loads another site's checkpoint (its own codec residuals then
+start from zero). `isthmus site --resume` takes its own site's newest;
+`checkpoint.resume_step` is part of the job fingerprint, so a peer that would start
+elsewhere is refused at join. Retention (``checkpoint.keep``) never prunes the newest
+step complete at every site whose folder this one sees: a site killed mid-save would
+otherwise leave no step both hold (issue 14). With a job token the manifests are signed."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +22,7 @@ from isthmus.deploy.rank.extras import CODEC, extra_state, load_extra_state
 
 if TYPE_CHECKING:
     from isthmus.deploy.batch.plan import BatchPlan
+    from isthmus.inter.data import LaneGradientSync
     from isthmus.intra.outer import OuterOptimizer
     from isthmus.intra.train import Trainer
 
@@ -94,61 +89,6 @@ def resolve_resume(config: JobConfig, sites: list[str], *, resume: bool) -> None
     config.checkpoint.resume_step = wanted
 
 
-def restore(
-    trainer: Trainer,
-    sync,
-    config: JobConfig,
-    run_dir: Path,
-    site: str,
-    key: bytes | None = None,
-    outer: OuterOptimizer | None = None,
-    plan: BatchPlan | None = None,
-) -> int:
-    """Load the checkpoint ``checkpoint.resume_step`` names (a collective of the site).
-
-    The site's own checkpoint of that step if every file matches its manifest, or else
-    the first other site's that does (replicas are identical; see the module docstring).
-    ``sync``, ``outer`` and ``plan``, where given, get their state back; with ``key`` the
-    manifest must be signed with it. Returns the step to start at (0 without one)."""
-    step = config.checkpoint.resume_step
-    if step < 0:
-        return 0
-    from isthmus.intra import checkpoint
-
-    # Each load verifies every file first (rank 0 reads them, the site shares the
-    # verdict) and changes nothing when it refuses: so try our copy, then the others'.
-    refusals = []
-    for source in [site, *(s for s in config.site_names if s != site)]:
-        path = checkpoint.step_dir(site_root(config, run_dir, source), step)
-        try:
-            next_step, extra = checkpoint.load(trainer, path, key)
-            break
-        except checkpoint.CheckpointError as exc:
-            refusals.append(exc)
-            log.warning("[%s] not loading %s: %s", site, path, exc)
-    else:
-        raise refusals[0]  # this site's own copy names what is wrong
-    if source != site:
-        # The outer optimizer's state is the same at every site; the codec's is not.
-        load_extra_state(extra, None, outer, plan)
-        log.warning(
-            "[%s step %d] resumed from %s's checkpoint %s (replicas are identical; this "
-            "site's codec residuals start from zero)",
-            site,
-            next_step,
-            source,
-            path,
-        )
-        return next_step
-    load_extra_state(extra, sync, outer, plan)
-    if sync is None and any(k.startswith(CODEC) for k in extra):
-        log.warning(
-            "[%s step %d] checkpoint holds codec state but the job has one site", site, step
-        )
-    log.info("[%s step %d] resumed from %s", site, next_step, path)
-    return next_step
-
-
 def save_due(config: JobConfig, next_step: int) -> bool:
     """Whether a checkpoint is saved after ``next_step`` steps: every
     ``checkpoint.every``, and after the last step of a run that is kept
@@ -160,32 +100,78 @@ def save_due(config: JobConfig, next_step: int) -> bool:
     return ck.final and kept and next_step == config.job.steps
 
 
-def save_if_due(
-    trainer: Trainer,
-    sync,
-    config: JobConfig,
-    run_dir: Path,
-    site: str,
-    next_step: int,
-    key: bytes | None = None,
-    outer: OuterOptimizer | None = None,
-    plan: BatchPlan | None = None,
-) -> Path | None:
-    """Save after ``next_step`` steps when ``checkpoint.every`` divides it (a collective);
-    the manifest is signed with ``key`` (the job token) when given. Returns the
-    committed checkpoint folder, or None when none was due."""
-    if not save_due(config, next_step):
-        return None
-    extra = extra_state(sync, outer, plan)
-    from isthmus.intra import checkpoint
+@dataclass(frozen=True, slots=True)
+class SiteCheckpoints:
+    """A rank's checkpoints: its site's folder (`site_root`), the job token that signs
+    their manifests (None: unsigned), and what they hold beside the trainer's state
+    (extras.py; None where the job has none)."""
 
-    protect = common_step(config, run_dir)  # before this save: the step all sites hold now
-    return checkpoint.save(
-        trainer,
-        site_root(config, run_dir, site),
-        next_step,
-        extra,
-        keep=config.checkpoint.keep or None,
-        protect=protect,
-        key=key,
-    )
+    config: JobConfig
+    run_dir: Path
+    site: str
+    key: bytes | None
+    sync: LaneGradientSync | None
+    outer: OuterOptimizer | None
+    plan: BatchPlan | None
+
+    def restore(self, trainer: Trainer) -> int:
+        """Load the checkpoint ``checkpoint.resume_step`` names (a collective of the site):
+        the site's own if every file matches its manifest, or else the first other site's
+        that does (replicas are identical; see the module docstring). Returns the step to
+        start at (0 without one)."""
+        config, site, step = self.config, self.site, self.config.checkpoint.resume_step
+        if step < 0:
+            return 0
+        from isthmus.intra import checkpoint
+
+        # Each load verifies every file first (rank 0 reads them, the site shares the
+        # verdict) and changes nothing when it refuses: so try our copy, then the others'.
+        refusals = []
+        for source in [site, *(s for s in config.site_names if s != site)]:
+            path = checkpoint.step_dir(site_root(config, self.run_dir, source), step)
+            try:
+                next_step, extra = checkpoint.load(trainer, path, self.key)
+                break
+            except checkpoint.CheckpointError as exc:
+                refusals.append(exc)
+                log.warning("[%s] not loading %s: %s", site, path, exc)
+        else:
+            raise refusals[0]  # this site's own copy names what is wrong
+        if source != site:
+            # The outer optimizer's state is the same at every site; the codec's is not.
+            load_extra_state(extra, None, self.outer, self.plan)
+            log.warning(
+                "[%s step %d] resumed from %s's checkpoint %s (replicas are identical; this "
+                "site's codec residuals start from zero)",
+                site,
+                next_step,
+                source,
+                path,
+            )
+            return next_step
+        load_extra_state(extra, self.sync, self.outer, self.plan)
+        if self.sync is None and any(k.startswith(CODEC) for k in extra):
+            log.warning(
+                "[%s step %d] checkpoint holds codec state but the job has one site", site, step
+            )
+        log.info("[%s step %d] resumed from %s", site, next_step, path)
+        return next_step
+
+    def save_if_due(self, trainer: Trainer, next_step: int) -> Path | None:
+        """Save after ``next_step`` steps when `save_due` (a collective). Returns the
+        committed checkpoint folder, or None when none was due."""
+        if not save_due(self.config, next_step):
+            return None
+        extra = extra_state(self.sync, self.outer, self.plan)
+        from isthmus.intra import checkpoint
+
+        protect = common_step(self.config, self.run_dir)  # the step all sites hold now
+        return checkpoint.save(
+            trainer,
+            site_root(self.config, self.run_dir, self.site),
+            next_step,
+            extra,
+            keep=self.config.checkpoint.keep or None,
+            protect=protect,
+            key=self.key,
+        )

@@ -11,8 +11,7 @@ result and everything setup opened closed.
 It has two users, so the two cannot drift: `train` below, the built-in trainer's loop
 (its gradient path, pipeline and tensor parallel included, stays in intra's `Trainer`),
 and the script API's `Context` (deploy/api.py), whose `steps` are these and whose
-`step` applies the script's gradients, then ends the step here.
-"""
+`step` applies the script's gradients, then ends the step here."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from isthmus.deploy.rank.checkpointing import save_due, save_if_due
+from isthmus.deploy.rank.checkpointing import save_due
 from isthmus.deploy.rank.faults import StepFloor
 from isthmus.deploy.rank.startup import RankParts
 from isthmus.inter.data import StepOutcome, SyncStats
@@ -37,16 +36,11 @@ from isthmus.intra.train import StepStats, SyncResult
 class LoopState:
     """Where the step loop is."""
 
-    step: int
-    """The next step to train."""
-    synced: int
-    """The last step that ended with replicas equal across sites."""
-    started: float
-    """``time.perf_counter()`` when the loop began."""
-    digest: str = ""
-    """The site's parameter digest after the last step run, when one was due."""
-    reported_last: bool = False
-    """The job's last step was trained and reported here."""
+    step: int  # the next step to train
+    synced: int  # the last step that ended with replicas equal across sites
+    started: float  # ``time.perf_counter()`` when the loop began
+    digest: str = ""  # the site's parameter digest after the last step run, when due
+    reported_last: bool = False  # the job's last step was trained and reported here
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,11 +51,10 @@ class StepLine:
     loss: float
     grad_norm: float
     lr: float
-    tokens: int
-    """The site's tokens this step."""
+    tokens: int  # the site's, this step
     mfu: float = 0.0
+    # More keys of the line (the batch plan's, the held-out loss, a script's own).
     more: dict[str, float] = field(default_factory=dict)
-    """More keys of the line (the batch plan's, the held-out loss, a script's own)."""
 
 
 class StepLoop:
@@ -72,8 +65,7 @@ class StepLoop:
         self.progress = LoopState(
             step=parts.start, synced=parts.start - 1, started=time.perf_counter()
         )
-        self.step_started = self.progress.started
-        """``time.perf_counter()`` when the step in progress was handed out."""
+        self.step_started = self.progress.started  # when the step in progress was handed out
         self._ended = True
         self._finished = False
         self._floor = StepFloor(parts.config.topology.sites, parts.start)
@@ -107,13 +99,10 @@ class StepLoop:
         sync_s: float,
         line: Callable[[torch.Tensor, float], StepLine],
     ) -> bool:
-        """Ends the step in progress, whose cross-site sync ended as ``synced`` (None:
-        nothing crossed). ``line`` gives the step's other measures from the site's
-        totals of what crossed and the seconds of slowdown injected; it is called only
-        for a committed step, at every rank of the site, so it may run the site's
-        collectives. False when the job went on without this site: nothing of the step
-        was applied, the live state was pulled and :meth:`steps` goes on at
-        :attr:`next_step`."""
+        """Ends the step in progress, whose sync ended as ``synced`` (None: nothing
+        crossed). ``line`` gives the step's other measures; called only for a committed
+        step, at every rank of the site, it may run the site's collectives. False when
+        the job went on without this site: the live state was pulled instead."""
         parts, progress = self.parts, self.progress
         step = progress.step
         self._ended = True
@@ -133,18 +122,7 @@ class StepLoop:
             # This site is the source of one the commit admitted: the state after step.
             assert parts.cross is not None
             parts.cross.offer_state(parts.trainer, synced.offer_state, step + 1)
-        env = parts.env
-        save_if_due(
-            parts.trainer,
-            parts.sync,
-            parts.config,
-            env.run_dir,
-            env.site,
-            step + 1,
-            parts.key,
-            parts.outer,
-            parts.plan,
-        )
+        parts.checkpoints.save_if_due(parts.trainer, step + 1)
         progress.step = step + 1
         return True
 
@@ -166,12 +144,11 @@ class StepLoop:
             metrics.report_final_digest(config.job.steps, digest)
         train_s = time.perf_counter() - progress.started
         metrics.close()
-        shard_digest = intra_shard_digest(trainer.model_parts)
         result = {
             "site": env.site,
             "rank": env.rank,
             "digest": digest,
-            "shard_digest": shard_digest,
+            "shard_digest": intra_shard_digest(trainer.model_parts),
             "train_s": train_s,
             "steps": config.job.steps,
             **metrics.totals,
@@ -185,11 +162,8 @@ class StepLoop:
 
 def train(loop: StepLoop) -> None:
     """The built-in trainer's loop: each step's batch (as the batch plan sizes it), the
-    ``Trainer``'s step, then the step's end through ``loop``.
-
-    Per-step sync: every step's gradients cross (in the trainer's hook). DiLoCo: the
-    outer optimizer's rounds, started every H steps, land ``delay`` steps later.
-    """
+    ``Trainer``'s step (its gradients cross in its hook; DiLoCo's rounds, started every H
+    steps, land ``delay`` steps later), then the step's end through ``loop``."""
     parts = loop.parts
     plan = parts.plan
     for step in loop.steps():
@@ -339,12 +313,10 @@ def _membership_now(parts: RankParts, round_stats: SyncStats | None) -> tuple[in
 
 
 def _site_traffic(rs: SyncStats | None) -> torch.Tensor:
-    """Site totals of what crossed the WAN this step (every rank has its own lane):
-    bytes sent, raw bytes, corrupt and non-finite chunks, stalled bulk connections
-    (their frames sent again on new ones), and the squared norm of the
-    site's own mean gradient when it was measured (its ranks' shards add up to it;
-    a tensor-parallel replica of a norm weight counts tp times). A collective of the
-    site."""
+    """Site totals of what crossed the WAN this step (a collective; every rank has its own
+    lane): bytes sent, raw bytes, corrupt and non-finite chunks, stalled bulk connections,
+    and the squared norm of the site's own mean gradient when it was measured (its ranks'
+    shards add up to it; a tensor-parallel replica of a norm weight counts tp times)."""
     traffic = torch.tensor(
         [
             *(rs.bytes_sent, rs.raw_bytes, rs.corrupt_chunks, rs.nonfinite_chunks),
@@ -360,12 +332,10 @@ def _site_traffic(rs: SyncStats | None) -> torch.Tensor:
 
 def _digest_if_due(parts: RankParts, progress: LoopState, step: int, crosses: bool) -> str:
     """The site's digest after ``step`` when one is due, else "" (every rank joins the
-    digest's gather; sites compare them, invariant 1).
-
-    Replicas are equal only after a step that synced (every step, or one where a
-    DiLoCo round landed: then with a delay only the anchors are, until the last step):
-    digest the first of those at or past each multiple of ``run.digest_every``.
-    """
+    gather; sites compare them, invariant 1). Replicas are equal only after a step that
+    synced (every step, or one where a DiLoCo round landed: then with a delay only the
+    anchors are, until the last step): digest the first of those at or past each
+    multiple of ``run.digest_every``."""
     config, outer = parts.config, parts.outer
     last = config.job.steps - 1
     every = config.run.digest_every

@@ -6,8 +6,7 @@ its first step (the steps, their ends and the teardown are deploy/rank/loop.py's
 trainer and, for a multi-site job, opens the rank's lane, registers it with the
 site's coordinator and hands the trainer a LaneGradientSync (or the outer optimizer
 one, in the outer modes); then it loads the data, restores a checkpoint or pulls a
-running job's state, and waits for the site's other ranks.
-"""
+running job's state, and waits for the site's other ranks."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from isthmus.deploy.batch.plan import BatchPlan
 from isthmus.deploy.config.job import JobConfig
-from isthmus.deploy.rank.checkpointing import restore
+from isthmus.deploy.rank.checkpointing import SiteCheckpoints
 from isthmus.deploy.rank.contract import AGENT_ENV, STORE_ENV
 from isthmus.deploy.rank.cross_site import CrossSite, shard_layout
 from isthmus.deploy.rank.evaluation import HeldOutLoss
@@ -69,8 +68,7 @@ class RankEnv:
     run_dir: Path
     coordinator: str
     proxies: dict[str, str]
-    host_agent: str = ""
-    """Where the host's agent listens (:data:`AGENT_ENV`); "" for none."""
+    host_agent: str = ""  # where the host's agent listens (:data:`AGENT_ENV`); "" for none
     faults: FaultInjection = field(default_factory=FaultInjection)
 
     @classmethod
@@ -106,21 +104,16 @@ class RankParts:
     env: RankEnv
     config: JobConfig
     trainer: Trainer
-    cross: CrossSite | None
-    """The rank's lane, membership and state offers; None in a job of one site."""
+    cross: CrossSite | None  # lane, membership and state offers; None in a job of one site
     sync: LaneGradientSync | None
-    outer: OuterOptimizer | None
-    """DiLoCo's (or Streaming DiLoCo's) outer optimizer; None with per-step sync."""
+    outer: OuterOptimizer | None  # DiLoCo's (or streaming's); None with per-step sync
     batches: ShardedBatches
     held_out: HeldOutLoss
     metrics: StepReporter
     site_dir: Path
-    key: bytes | None
-    """The job token that signs checkpoint manifests, or None."""
-    start: int
-    """The first step to train: 0, a checkpoint's, or a running job's."""
-    plan: BatchPlan | None = None
-    """The global batch's size over time and its split between the sites."""
+    checkpoints: SiteCheckpoints
+    start: int  # the first step to train: 0, a checkpoint's, or a running job's
+    plan: BatchPlan | None = None  # the global batch's size over time and its split
 
 
 def join_site(env: RankEnv, config: JobConfig) -> tuple[DeviceMesh, tuple[int, int, int, int]]:
@@ -163,9 +156,8 @@ def security_of(env: RankEnv, config: JobConfig) -> SiteSecurity | None:
 def join_job(env: RankEnv, config: JobConfig, security: SiteSecurity | None) -> CrossSite | None:
     """For a job of several sites: opens the rank's lane and joins the job (None for one
     site)."""
-    cross = None
     if len(config.site_names) > 1:
-        cross = CrossSite.start(
+        return CrossSite.start(
             site=env.site,
             rank=env.rank,
             world_size=env.world_size,
@@ -179,7 +171,7 @@ def join_job(env: RankEnv, config: JobConfig, security: SiteSecurity | None) -> 
             config=config,
             security=security,
         )
-    return cross
+    return None
 
 
 def set_up(env: RankEnv, config: JobConfig) -> RankParts:
@@ -239,8 +231,8 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
     # Manifests are signed and checked with the job's token, or the user's (never with a
     # launcher's token for one run: the next run's would differ).
     key = checkpoint_key(config.security, config.checkpoint)
-    # 0 unless resuming
-    start = restore(trainer, sync, config, env.run_dir, env.site, key, outer=outer, plan=plan)
+    checkpoints = SiteCheckpoints(config, env.run_dir, env.site, key, sync, outer, plan)
+    start = checkpoints.restore(trainer)  # 0 unless resuming
     if cross is not None:
         # A site joining a running job starts from a live peer's state (invariant 3).
         start = cross.catch_up(trainer) or start
@@ -256,7 +248,7 @@ def set_up(env: RankEnv, config: JobConfig) -> RankParts:
         held_out=held_out,
         metrics=metrics,
         site_dir=site_dir,
-        key=key,
+        checkpoints=checkpoints,
         start=start,
         plan=plan,
     )
@@ -319,13 +311,10 @@ def build_trainer(
     sync: GradientSync | None = None,
     accumulate: int = 1,
 ) -> Trainer:
-    """The rank's model and trainer as the job config says (also what
-    benchmarks/torchft_workers.py trains with). Per-step sync: ``sync`` averages every
-    gradient across sites, and the learning rate scales with the global dp width. In
-    the outer modes the trainer keeps its steps in the site (``sync`` is not used: the
-    outer optimizer crosses) and its learning rate scales with the site's dp only, the
-    batch its optimizer sees. ``units_total`` is the global batch in micro-batches
-    (sites x dp when every rank takes one); ``accumulate`` this rank's per step."""
+    """The rank's model and trainer as the job config says (benchmarks/torchft_workers.py
+    trains it too). Per-step sync: ``sync`` averages every gradient across sites and the
+    learning rate scales with ``units_total``, the global batch in micro-batches. The
+    outer modes keep the steps in the site: the rate scales with the site's dp only."""
     per_step = config.sync.mode == "step"
     model = build_model(config.resolved_model(), seed=config.job.seed)
     if config.model.init_from:  # every rank reads the whole file, before sharding
