@@ -1,6 +1,6 @@
 """What one host can run: the launchers' check that a job fits this machine (its cores,
-memory, GPUs and open files) before any process starts (``host_problem``, run by deploy/launch/local.py).
-The rules are pure functions of ``HostFacts``, so tests give them any host."""
+memory, GPUs and open files) before any process starts (``host_problem``). The rules are
+pure functions of ``HostFacts``, so tests give them any host."""
 
 from __future__ import annotations
 
@@ -42,16 +42,11 @@ parameter however FSDP2 shards it (mixed precision adds to it, never less)."""
 class HostFacts:
     """What this host offers a job (``HostFacts.here``), so the rules below are pure."""
 
-    cores: int
-    """CPU cores this process may run on (its affinity, e.g. a container's cpuset)."""
+    cores: int  # this process may run on (its affinity, e.g. a container's cpuset)
     memory_bytes: int
-    """Physical memory."""
-    gpus: int = 0
-    """CUDA devices, when the job runs on CUDA."""
-    gpu_memory_bytes: int = 0
-    """Memory of the smallest of them."""
-    open_files: int = 1 << 20
-    """The hard limit on a process's open files (RLIMIT_NOFILE), which ranks inherit."""
+    gpus: int = 0  # CUDA devices, when the job runs on CUDA
+    gpu_memory_bytes: int = 0  # of the smallest of them
+    open_files: int = 1 << 20  # the hard RLIMIT_NOFILE, which ranks inherit
 
     @classmethod
     def here(cls, cuda: bool) -> HostFacts:
@@ -85,23 +80,14 @@ def _gib(n: float) -> str:
 def host_problem(
     config: JobConfig, host: HostFacts, site_ranks: list[int], cuda: bool
 ) -> str | None:
-    """Why this host cannot run these sites of the job, or None.
+    """Why this host cannot run these sites of the job, or None. ``site_ranks``: the ranks
+    of each site this launcher starts here, each site holding a full copy of the state.
 
     Only clearly absurd sizes are refused (a typo's extra zeros): more CPU ranks than
-    ``CPU_RANKS_PER_CORE`` a core unless ``run.oversubscribe``, more sites and
-    connections than the host's hard limit on open files lets a lane hold, and sizes whose lower
-    bound of memory (never an estimate that could be high) exceeds what the host or a
-    GPU has, --oversubscribe or not. Too few GPUs for the ranks are ``gpu_shortage``'s
-    (deploy/launch/local.py).
-
-    Args:
-        config: the validated job config.
-        host: this host (``HostFacts.here``).
-        site_ranks: the ranks of each site this launcher starts here (every site's for
-            `isthmus local`, one for `isthmus site`); each site holds a full copy of
-            the training state.
-        cuda: the ranks run on CUDA (else the CPU).
-    """
+    ``CPU_RANKS_PER_CORE`` a core unless ``run.oversubscribe``, more sites and connections
+    than the host's hard limit on open files lets a lane hold, and sizes whose lower bound
+    of memory (never an estimate that could be high) exceeds what the host or a GPU has.
+    Too few GPUs for the ranks are ``gpu_shortage``'s (deploy/launch/local.py)."""
     ranks, sites = sum(site_ranks), len(site_ranks)
     limit = max(CPU_RANKS_FLOOR, CPU_RANKS_PER_CORE * host.cores)
     if not cuda and ranks > limit and not config.run.oversubscribe:

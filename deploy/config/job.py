@@ -3,15 +3,12 @@
 Precedence, lowest first: the sections' defaults (sections.py, run_sections.py, each
 field documented there) < the TOML file (`--config job.toml`) < `--set section.key=value`
 overrides < the named flags (`--sites`, `--ranks-per-site`, `--steps`, `--run-dir`). One
-rule, applied in `load_config`. Unknown sections or keys fail loudly, naming the known ones.
-"""
+rule, applied in `load_config`. Unknown sections or keys fail loudly, naming the known ones."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,15 +34,10 @@ from isthmus.deploy.config.sections import (
     TrainSection,
 )
 from isthmus.deploy.config.validation import check_eval_batch, check_layout, check_train
+from isthmus.deploy.config.values import coerce, read_toml, toml_string
 from isthmus.inter.data import CODEC_FORMAT, connections_for_link, sync_chunk_bytes
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig
-from isthmus.intra.user_files import DECODE_ERRORS, decode_problem
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10: the same parser, packaged as tomli
-    import tomli as tomllib
 
 
 class CoordinatorOptions(TypedDict):
@@ -170,7 +162,6 @@ class JobConfig:
         return self.topology.site_ranks
 
     def ranks_of(self, site: str) -> int:
-        """The rank count of ``site``."""
         return self.site_ranks[self.site_names.index(site)]
 
     def site_layout(self, site: str | None = None) -> ParallelLayout:
@@ -191,7 +182,6 @@ class JobConfig:
         return [m * dp for m, dp in zip(self.site_accumulate, self.topology.site_dp(), strict=True)]
 
     def parallel_config(self, *, cuda: bool) -> ParallelConfig:
-        """The site's parallelism choices for intra's Trainer."""
         return self.parallel.config(cuda=cuda, expert_parallel=self.topology.ep)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -204,9 +194,10 @@ class JobConfig:
             lines.append(f"[{section}]")
             for key, value in values.items():
                 if isinstance(value, dict):
-                    text = "{" + ", ".join(f"{k} = {_string(v)}" for k, v in value.items()) + "}"
+                    items = (f"{k} = {toml_string(v)}" for k, v in value.items())
+                    text = "{" + ", ".join(items) + "}"
                 else:
-                    text = _string(value) if isinstance(value, (bool, str)) else repr(value)
+                    text = toml_string(value) if isinstance(value, (bool, str)) else repr(value)
                 lines.append(f"{key} = {text}")
             lines.append("")
         return "\n".join(lines)
@@ -215,8 +206,7 @@ class JobConfig:
         """The keys every site of one job must agree on, flattened to strings.
 
         The emulated link (`wan`), where a run writes (`run`) and how sites reach
-        each other (`cluster`) may differ per site.
-        """
+        each other (`cluster`) may differ per site."""
         out = {}
         for section, values in self.to_dict().items():
             if section in ("wan", "run", "model", "cluster", "security"):
@@ -262,59 +252,6 @@ SECTION_TYPES: dict[str, type] = {
 """Each section's name and its class, in the order `isthmus config` prints them."""
 
 
-def _string(value: str | bool) -> str:
-    return json.dumps(value, ensure_ascii=False)  # a TOML basic string, or true/false
-
-
-PER_SITE = ("topology.ranks_per_site", "train.accumulate")
-"""Keys that take one integer for every site or a list of one per site."""
-
-
-def _toml_value(text: str) -> Any:
-    """A command-line value as TOML reads it, else the string (refused by the caller)."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except (tomllib.TOMLDecodeError, RecursionError):
-        return text
-
-
-def _coerce_per_site(where: str, raw: Any) -> int | list[int]:
-    """An integer, or a list of them (TOML `[4, 2]`, or `4,2` from the command line)."""
-    if isinstance(raw, str):
-        text = raw.strip()
-        raw = _toml_value(f"[{text}]" if "," in text and not text.startswith("[") else text)
-    if isinstance(raw, list) and raw and all(type(n) is int for n in raw):
-        return list(raw)
-    if type(raw) is int:
-        return raw
-    raise ConfigError(f"{where} must be an integer or a list of them (one per site), got {raw!r}")
-
-
-def _coerce(section: str, key: str, raw: Any, expected: Any) -> Any:
-    where = f"{section}.{key}"
-    if where in PER_SITE:
-        return _coerce_per_site(where, raw)
-    kind = type(expected)
-    if isinstance(raw, str) and kind is not str:
-        raw = _toml_value(raw.strip())
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return raw.lower() in ("true", "1", "yes")
-    elif kind is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-    elif kind is float:
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-    elif kind is str:
-        return str(raw)
-    raise ConfigError(f"{where} must be {kind.__name__}, got {raw!r}")
-
-
 def _apply(config: JobConfig, section: str, key: str, value: Any, origin: str) -> None:
     section_type = SECTION_TYPES.get(section)
     if section_type is None:
@@ -332,7 +269,7 @@ def _apply(config: JobConfig, section: str, key: str, value: Any, origin: str) -
         raise ConfigError(
             f"unknown config key '{section}.{key}' ({origin}); keys of [{section}]: {', '.join(names)}"
         )
-    setattr(target, key, _coerce(section, key, value, getattr(target, key)))
+    setattr(target, key, coerce(section, key, value, getattr(target, key)))
 
 
 def _apply_mapping(target: Any, section: str, key: str, sub: str, value: Any, origin: str) -> None:
@@ -365,28 +302,15 @@ def load_config(
     """Build and validate a job config (precedence in the module docstring).
 
     Args:
-        path: optional TOML file with [section] tables.
-        overrides: "section.key=value" strings from --set.
         flags: "section.key" -> value from the named flags; None values are skipped.
         fit: changes settings the sources left unset (given the keys they named),
             before validation (`isthmus local` fits the host: deploy/launch/quickstart.py).
-    Returns:
-        The validated JobConfig.
     Raises:
-        ConfigError: unknown keys, wrong types, invalid values; the message names the key.
-    """
+        ConfigError: unknown keys, wrong types, invalid values; the message names the key."""
     config = JobConfig()
     given: set[str] = set()  # section.key the file, --set or flags named
     if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except DECODE_ERRORS as exc:  # not UTF-8, not TOML, nested too deep, a folder
-            raise ConfigError(
-                f"config file {path} is not valid TOML: {decode_problem(exc)}"
-            ) from None
-        for section, values in data.items():
+        for section, values in read_toml(path).items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
             for key, value in values.items():

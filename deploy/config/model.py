@@ -57,8 +57,7 @@ def hf_model_config(model: ModelSection, *, seq_len: int, vocab: int) -> ModelCo
     checked against the job: ``seq_len`` may not exceed its positions, its vocabulary
     must hold the tokenizer's ``vocab`` ids. Raises ConfigError, one line naming the key:
     a config.json isthmus cannot build (its family, a field, a feature), size overrides
-    beside it, or weights that do not fit it (init_from, read from the files' headers).
-    """
+    beside it, or weights that do not fit it (init_from, read from the files' headers)."""
     for key in ("dim", "n_layers", "n_heads"):
         if getattr(model, key):
             raise ConfigError(f"model.{key} does not apply with a config.json (model.hf_config)")

@@ -19,17 +19,8 @@ TENSOR_CODEC_RATIO = {"raw": 1.0, "bf16": 2.0, "int8": 4.0, "int4": 8.0}
 def preset_input(
     name: str, *, seq_len: int, bandwidth_bps: float, rtt_s: float, **fields
 ) -> PlanInput:
-    """A PlanInput for one of isthmus' model presets, trained as `isthmus local` does.
-
-    Args:
-        name: model preset.
-        seq_len: tokens per sequence (attention FLOPs grow with it).
-        bandwidth_bps: per-site link, bits/s.
-        rtt_s: round-trip time.
-        fields: any other PlanInput field.
-    Raises:
-        ConfigError: an unknown preset.
-    """
+    """A PlanInput for one of isthmus' model presets, trained as `isthmus local` does;
+    ``fields``: any other PlanInput field. ConfigError: an unknown preset."""
     import torch
 
     from isthmus.intra.model import Transformer
@@ -70,11 +61,8 @@ def preset_input(
 
 
 def codec_ratio(spec: str) -> float:
-    """Nominal raw / wire bytes of a sync.codec chain on fp32 gradients (zstd counted 1).
-
-    Raises:
-        ConfigError: the chain is not a valid sync.codec.
-    """
+    """Nominal raw / wire bytes of a sync.codec chain on fp32 gradients (zstd counted 1);
+    ConfigError when it is not a valid sync.codec."""
     from isthmus.inter.data import make_codec
 
     try:

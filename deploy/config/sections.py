@@ -12,12 +12,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from isthmus.intra.corpus.tokenizer import (
-    MAX_VOCAB,
-    MIN_BPE_VOCAB,
-    file_facts,
-    require_tokenizers,
-)
+from isthmus.intra.corpus.tokenizer import MAX_VOCAB, MIN_BPE_VOCAB, file_facts, require_tokenizers
 from isthmus.intra.layout import ParallelConfig
 from isthmus.intra.user_files import ConfigError
 
@@ -27,7 +22,6 @@ SHA256_RULE = "empty or 64 lowercase hex digits"
 
 
 def require(ok: bool, message: str) -> None:
-    """Raise ConfigError(message) unless ``ok``."""
     if not ok:
         raise ConfigError(message)
 
@@ -104,11 +98,9 @@ class TopologySection:
         return list(ranks) if isinstance(ranks, list) else [ranks] * self.sites
 
     def site_dp(self) -> list[int]:
-        """Each site's data-parallel width."""
         return [n // (self.pp * self.cp * self.tp) for n in self.site_ranks]
 
     def check(self) -> None:
-        """The sites, their sizes and each site's layout."""
         require(1 <= self.sites <= 64, f"topology.sites must be in 1..64, got {self.sites}")
         sizes = self.site_ranks
         require(
@@ -218,7 +210,6 @@ class TrainSection:
     """The data-parallel width (sites x dp) at which train.lr was tuned; unset, the preset's."""
 
     def site_accumulate(self, sites: int) -> list[int]:
-        """Each site's micro-batches per rank per step."""
         m = self.accumulate
         return list(m) if isinstance(m, list) else [m] * sites
 
@@ -266,7 +257,9 @@ class ParallelSection:
             one_of("parallel", self, key, "auto", "true", "false")
 
     def config(self, *, cuda: bool, expert_parallel: int) -> ParallelConfig:
-        """The site's parallelism choices for intra's Trainer."""
+        def switch(value: str) -> bool:  # "auto" is on with CUDA
+            return cuda if value == "auto" else value == "true"
+
         return ParallelConfig(
             schedule=self.schedule,
             microbatches=self.microbatches or None,
@@ -275,10 +268,8 @@ class ParallelSection:
             activation_checkpoint=self.activation_checkpoint,
             # Compiled blocks reach ~49% MFU at the 1b preset on an H100 against ~32%
             # eager (benchmarks/site_step.py), so CUDA compiles unless told not to.
-            compile=cuda if self.compile == "auto" else self.compile == "true",
-            mixed_precision=cuda
-            if self.mixed_precision == "auto"
-            else self.mixed_precision == "true",
+            compile=switch(self.compile),
+            mixed_precision=switch(self.mixed_precision),
             offload=self.offload,
             expert_parallel=expert_parallel,
         )
