@@ -1,32 +1,15 @@
 """The global batch over time: a linear ramp, the gradient noise scale, and a controller.
 
 The global batch is ``U`` *units*, micro-batches of ``train.batch_size`` sequences
-(deploy/batch/balance.py says how they are split between the sites). This module holds the
-pure functions that choose ``U`` from one step to the next; the machinery that makes
-every site agree on a change lives elsewhere. Every site calls these with the same bits
-(the sums of a sync are bitwise identical everywhere) and must get the same answer, so
-nothing here reads a clock, a random number, a file or the network, and sums that mix
-sites go through :func:`math.fsum`, whose correctly rounded result does not depend on
-the order of its terms.
-
-- :class:`RampSchedule`: ``U`` from a start to an end in equal stages over a number of
-  steps, the step-counted analogue of Megatron-LM's ``--rampup-batch-size``
-  (``megatron/core/num_microbatches_calculator.py``, which counts consumed samples).
-- :class:`NoiseScale`: the simple gradient noise scale ``B_simple = tr(Σ) / |G|²`` of
-  McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"
-  (arXiv:1812.06162), from the unbiased two-batch-size estimators of its Appendix A.1:
-  each site's own mean gradient is the small batch, the synced global mean the big one.
-- :class:`NoiseScaleController`: ``U`` so that the batch is about ``B_simple``, the
-  paper's estimate of the critical batch (past it, a larger batch saves few steps
-  for many more examples). The batch only grows, as in practice (GPT-3's and
-  Megatron's ramps) and in Smith et al. 2018, "Don't Decay the Learning Rate, Increase
-  the Batch Size": the noise scale grows as the loss falls.
-- :func:`lr_for_units`: the learning rate that follows ``U``, by the rules of
-  :func:`isthmus.intra.flops.scaled_lr`.
-
-``U`` must also split into whole micro-batches at every site: :func:`round_units` rounds
-a wish to a multiple of the granularity the caller names (e.g. the sum of the sites' dp
-widths).
+(deploy/batch/balance.py splits them between the sites). These pure functions choose
+``U`` from one step to the next. Every site calls them with the same bits (the sums of a
+sync are bitwise identical everywhere) and must get the same answer, so nothing here
+reads a clock, a random number, a file or the network, and sums that mix sites go
+through :func:`math.fsum`, whose correctly rounded result does not depend on the order
+of its terms. The noise scale is McCandlish et al. 2018, "An Empirical Model of
+Large-Batch Training" (arXiv:1812.06162); the batch only grows, as in GPT-3's and
+Megatron's ramps and in Smith et al. 2018, "Don't Decay the Learning Rate, Increase the
+Batch Size": the noise scale grows as the loss falls.
 """
 
 from __future__ import annotations

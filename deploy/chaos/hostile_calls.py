@@ -1,24 +1,22 @@
 """Hostile callers for the chaos suite: ``flood``, ``forge`` and ``forge-rejoin`` (issues 14, 63).
 
 ``flood`` holds health watches and long polls open at a coordinator (rows 6-7: they
-once froze the job). ``forge`` is what a process on the same machine that holds the job token sends a
-running job (sites started separately on loopback): calls that claim to come from a
-site or a rank they do not come from. Replayed while the job trains, every one must be
-refused or found out, and the job must finish with equal digests:
+once froze the job). ``forge`` is what a process on the machine that holds the job
+token sends a running job: calls claiming to come from a site or a rank they do not
+come from. Every one must be refused or found out, and the job finish with equal digests:
 
 1. a heartbeat in site1's name with a digest site1 does not have (it once stopped
    site0 with "replicas differ");
 2. a join in site1's name "after a restart", naming the forger's lanes (it once
    dropped the live site1 and handed the state to the caller);
-3. votes for site0's rank on the coming steps, without the rank's key (the first
-   vote for a step won, and froze the job);
+3. votes for site0's rank on the coming steps without the rank's key (the first vote
+   for a step won, and froze the job);
 4. a proposal from site1 with the members reordered (it froze the job for good), and
-   one in site0's (the leader's) name in the job's order, sent to site1;
-5. at site0's rank-0 lane (issue 33): ResendChunk in site1's name for chunks of the
-   steps around the job's (row 7: it once handed the caller 20 live gradient chunks),
-   OpenBulk in site1's name (a ticket would let it send chunks as site1), and chunks
-   in site1's name, NaN and finite with a valid checksum, for the coming steps (row 8:
-   each once cost the job a retried step). All are refused; the lane logs each caller.
+   one in the leader's name in the job's order, sent to site1;
+5. at site0's rank-0 lane (issue 33): ResendChunk in site1's name around the job's steps
+   (row 7: it once handed out 20 live gradient chunks), OpenBulk in site1's name, and
+   NaN and finite chunks with a valid checksum for the coming steps (row 8: each once
+   cost a retried step). The lane refuses and logs each.
 
 ``forge_rejoin`` runs while site1 restarts (issue 63, rows 1-2): "site0 finished" in
 site0's name to site1, and pulls of the state offered to site1 in its name.
@@ -26,6 +24,7 @@ site0's name to site1, and pulls of the state offered to site1 in its name.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import secrets
@@ -247,66 +246,35 @@ def _generation(stub: pb_grpc.CoordinatorStub) -> int:
 
 
 def _calls(stub, fingerprint, step: int, generation: int, victim: str, ranks: int):
-    index = int(victim.removeprefix("site"))
     # Digests for every step around the job's: a claim the real site1 has not yet
     # overwritten meets site0's own digest. Every step, not every other one: the chaos
     # jobs digest every 2 steps, but per-step sync's digests fall after odd steps and an
     # outer mode's on the steps its rounds land.
     for near in range(max(2, step - 6), step + 8):
-        yield (
-            "heartbeat",
-            lambda near=near: stub.Heartbeat(
-                pb.HeartbeatRequest(
-                    site=victim,
-                    step=near,
-                    digest=secrets.token_hex(32),
-                    digest_step=near,
-                    generation=generation,
-                ),
-                timeout=2,
-            ),
+        digest = secrets.token_hex(32)
+        beat = pb.HeartbeatRequest(
+            site=victim, step=near, digest=digest, digest_step=near, generation=generation
         )
+        yield "heartbeat", functools.partial(stub.Heartbeat, beat, timeout=2)
+    index, nowhere = int(victim.removeprefix("site")), "127.0.0.1:9"
     forger = pb.SiteInfo(
-        name=victim,
-        index=index,
-        lane_addresses=["127.0.0.1:9"] * ranks,
-        coordinator_address="127.0.0.1:9",
+        name=victim, index=index, lane_addresses=[nowhere] * ranks, coordinator_address=nowhere
     )
-    yield (
-        "join",
-        lambda: stub.Join(
-            pb.JoinRequest(
-                site=forger,
-                fingerprint=pb.JobFingerprint(fields=dict(fingerprint)),
-                ready=True,
-                generation=0,
-                incarnation=secrets.token_hex(8),
-            ),
-            timeout=2,
-        ),
+    fields = pb.JobFingerprint(fields=dict(fingerprint))
+    join = pb.JoinRequest(
+        site=forger, fingerprint=fields, ready=True, generation=0, incarnation=secrets.token_hex(8)
     )
+    yield "join", functools.partial(stub.Join, join, timeout=2)
     for ahead in range(1, 4):
-        yield (
-            "vote",
-            lambda ahead=ahead: stub.CommitStep(
-                pb.CommitStepRequest(
-                    site="site0", rank=0, step=step + ahead, generation=generation, ok=False
-                ),
-                timeout=2,
-            ),
+        vote = pb.CommitStepRequest(
+            site="site0", rank=0, step=step + ahead, generation=generation, ok=False
         )
-    yield (
-        "propose",
-        lambda: stub.Propose(
-            pb.ProposeRequest(
-                leader=victim,
-                generation=generation + 1,
-                sites=[forger, pb.SiteInfo(name="site0", index=0)],
-                start_step=step,
-            ),
-            timeout=2,
-        ),
+        yield "vote", functools.partial(stub.CommitStep, vote, timeout=2)
+    members = [forger, pb.SiteInfo(name="site0", index=0)]
+    proposal = pb.ProposeRequest(
+        leader=victim, generation=generation + 1, sites=members, start_step=step
     )
+    yield "propose", functools.partial(stub.Propose, proposal, timeout=2)
 
 
 def forge_rejoin(

@@ -40,30 +40,23 @@ def add_set_argument(
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool) -> None:
-    parser.add_argument(
-        "--config",
-        metavar="TOML",
-        help="job config file (default: built-in defaults, see `isthmus config`)",
-    )
+    add = parser.add_argument
+    add("--config", metavar="TOML", help="job config file (default: built-in defaults, see "
+        "`isthmus config`)")  # fmt: skip
     add_set_argument(parser)
     if common_flags:
         defaults = JobConfig()
-        parser.add_argument("--sites", type=int, help=f"sites (default {defaults.topology.sites})")
-        parser.add_argument(
+        add("--sites", type=int, help=f"sites (default {defaults.topology.sites})")
+        add(
             "--ranks-per-site",
             type=str,
             metavar="N|N,M,...",
             help="ranks per site, or one count per site for sites of different sizes "
             f"(4,2) (default {defaults.topology.ranks_per_site})",
         )
-        parser.add_argument(
-            "--steps", type=int, help=f"training steps (default {defaults.job.steps})"
-        )
-        parser.add_argument(
-            "--run-dir",
-            help="keep the resolved config, metrics.jsonl, summary.json and logs here "
-            "(default: a temporary folder, removed after a successful run)",
-        )
+        add("--steps", type=int, help=f"training steps (default {defaults.job.steps})")
+        add("--run-dir", help="keep the resolved config, metrics.jsonl, summary.json and logs here "
+            "(default: a temporary folder, removed after a successful run)")  # fmt: skip
 
 
 def config_from_args(
@@ -92,25 +85,20 @@ def read_rank_secret(path: str) -> bytes:
 
 
 def add_insecure_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="let the site listen beyond loopback without mutual TLS and the job token "
-        "(warned on every start); without it such a site refuses to start (docs/security.md)",
-    )
+    parser.add_argument("--insecure", action="store_true", help="let the site listen beyond "
+        "loopback without mutual TLS and the job token (warned on every start); without it such a "
+        "site refuses to start (docs/security.md)")  # fmt: skip
 
 
 def add_job_flags(parser: argparse.ArgumentParser, resume_help: str) -> None:
     """The flags every command that runs a job takes (`local`, `site`)."""
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
-    parser.add_argument("--resume", action="store_true", help=resume_help)
+    add = parser.add_argument
+    add("--quiet", action="store_true", help="no progress line")
+    add("--resume", action="store_true", help=resume_help)
     add_insecure_flag(parser)
-    parser.add_argument(
-        "--oversubscribe",
-        action="store_true",
-        help="run more CPU ranks on this host than max(8, 4 x its cores); without it such "
-        "a job is refused before it starts (run.oversubscribe)",
-    )
+    add("--oversubscribe", action="store_true", help="run more CPU ranks on this host than max(8, "
+        "4 x its cores); without it such a job is refused before it starts "
+        "(run.oversubscribe)")  # fmt: skip
 
 
 def run_job(job: Any, heading: str) -> int:

@@ -191,21 +191,12 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     parser = add_command(sub, formatter, "certs", cmd_certs)
-    parser.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
-    parser.add_argument(
-        "--sites",
-        metavar="SITE,SITE",
-        help="site names (default: the job config's, site0, site1, ...)",
-    )
-    parser.add_argument(
-        "-c", "--config", metavar="TOML", help="take the sites from this job config"
-    )
-    parser.add_argument("--days", type=int, default=365, help="validity of the certificates")
-    parser.add_argument(
-        "--host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="extra DNS name or IP address for every site certificate (repeatable)",
-    )
-    parser.add_argument("--force", action="store_true", help="replace existing files")
+    add = parser.add_argument
+    add("--out", required=True, metavar="DIR", help="folder to write into")
+    add("--sites", metavar="SITE,SITE", help="site names (default: the job config's, site0, site1, "
+        "...)")  # fmt: skip
+    add("-c", "--config", metavar="TOML", help="take the sites from this job config")
+    add("--days", type=int, default=365, help="validity of the certificates")
+    add("--host", action="append", default=[], metavar="NAME", help="extra DNS name or IP address "
+        "for every site certificate (repeatable)")  # fmt: skip
+    add("--force", action="store_true", help="replace existing files")

@@ -34,22 +34,11 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     parser = add_command(sub, formatter, "chaos", cmd_chaos)
-    parser.add_argument("--quick", action="store_true", help="only the quick subset CI runs")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these scenarios")
-    parser.add_argument(
-        "--keep", metavar="DIR", help="keep runs and logs here (default: a temp dir)"
-    )
-    parser.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run the chosen scenarios N times and report how often each passed",
-    )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a setting for every site of every scenario, e.g. sync.mode=diloco",
-    )
+    add = parser.add_argument
+    add("--quick", action="store_true", help="only the quick subset CI runs")
+    add("--only", nargs="+", metavar="NAME", help="run only these scenarios")
+    add("--keep", metavar="DIR", help="keep runs and logs here (default: a temp dir)")
+    add("--repeat", type=int, default=1, metavar="N", help="run the chosen scenarios N times and "
+        "report how often each passed")  # fmt: skip
+    add("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every site "
+        "of every scenario, e.g. sync.mode=diloco")  # fmt: skip

@@ -135,25 +135,14 @@ def _pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     parser = add_command(sub, formatter, "coordinator", cmd_coordinator)
     add_config_arguments(parser, common_flags=False)
-    parser.add_argument("--site", required=True, help="this site's name (site0, site1, ...)")
-    parser.add_argument(
-        "--listen",
-        help="HOST:PORT to serve on (default: cluster.coordinators.SITE, else 127.0.0.1:0)",
-    )
-    parser.add_argument(
-        "--peer", action="append", default=[], metavar="SITE=HOST:PORT", help="a peer coordinator"
-    )
-    parser.add_argument(
-        "--proxy",
-        action="append",
-        default=[],
-        metavar="SITE=URL",
-        help="HTTP CONNECT proxy (emulated link) to reach a peer through",
-    )
-    parser.add_argument(
-        "--rank-secret-file",
-        metavar="PATH",
-        help="0600 file of >= 16 random bytes; ranks that read it (ISTHMUS_RANK_SECRET_FILE) "
-        "derive their registration keys from it (default: ranks register first come)",
-    )
+    add = parser.add_argument
+    add("--site", required=True, help="this site's name (site0, site1, ...)")
+    add("--listen", help="HOST:PORT to serve on (default: cluster.coordinators.SITE, else "
+        "127.0.0.1:0)")  # fmt: skip
+    add("--peer", action="append", default=[], metavar="SITE=HOST:PORT", help="a peer coordinator")
+    add("--proxy", action="append", default=[], metavar="SITE=URL", help="HTTP CONNECT proxy "
+        "(emulated link) to reach a peer through")  # fmt: skip
+    add("--rank-secret-file", metavar="PATH", help="0600 file of >= 16 random bytes; ranks that "
+        "read it (ISTHMUS_RANK_SECRET_FILE) derive their registration keys from it (default: ranks "
+        "register first come)")  # fmt: skip
     add_insecure_flag(parser)

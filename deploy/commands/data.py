@@ -51,24 +51,20 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
         "data.tokenizer=OUT/tokenizer.json.",
         formatter_class=formatter,
     )
-    prep.add_argument("inputs", nargs="+", metavar="FILE", help=".txt, .jsonl or .parquet files")
-    prep.add_argument("--tokenizer", required=True, metavar="FILE", help="a tokenizer.json")
-    prep.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
-    prep.add_argument(
-        "--text-field", default="text", metavar="NAME", help="jsonl/parquet text field"
-    )
-    prep.add_argument(
-        "--eos",
-        metavar="TOKEN",
-        help="a token of the tokenizer appended after every document (default: none)",
-    )
-    prep.add_argument(
+    add = prep.add_argument
+    add("inputs", nargs="+", metavar="FILE", help=".txt, .jsonl or .parquet files")
+    add("--tokenizer", required=True, metavar="FILE", help="a tokenizer.json")
+    add("--out", required=True, metavar="DIR", help="the folder to write")
+    add("--text-field", default="text", metavar="NAME", help="jsonl/parquet text field")
+    add("--eos", metavar="TOKEN", help="a token of the tokenizer appended after every document "
+        "(default: none)")  # fmt: skip
+    add(
         "--shard-tokens",
         type=int,
         default=DEFAULT_SHARD_TOKENS,
         metavar="N",
         help=f"tokens a shard holds at most (default {DEFAULT_SHARD_TOKENS:,})",
     )
-    prep.add_argument("--force", action="store_true", help="replace an existing --out")
-    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    add("--force", action="store_true", help="replace an existing --out")
+    add("--quiet", action="store_true", help="no progress bar")
     prep.set_defaults(func=cmd_data_prepare)

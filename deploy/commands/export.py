@@ -171,6 +171,15 @@ def _staged(out: Path) -> Iterator[Path]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """write a checkpoint in the Hugging Face layout (config.json, model.safetensors)
+
+    Write a run's newest checkpoint (or the checkpoint folder given) as a Hugging Face model
+    folder: config.json and model.safetensors, loadable by transformers'
+    AutoModelForCausalLM.from_pretrained and by model.init_from. Needs the isthmus[hf] extra
+    (safetensors)."""
+    args.format, args.to_dir = args.to
+    if args.format not in FORMATS:
+        raise ConfigError(f"--to {args.format}: the formats are {', '.join(FORMATS)}")
     source = Path(args.source)
     if not source.exists():
         raise ConfigError(f"{source} not found: give a run's --run-dir or a checkpoint folder")
@@ -186,31 +195,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    parser = add_command(sub, formatter, "export", _dispatch)
-    parser.add_argument(
-        "source", metavar="RUN_OR_CHECKPOINT", help="a run's --run-dir or a step-NNNNNNNN folder"
-    )
-    parser.add_argument(
-        "--to", nargs=2, metavar=("FORMAT", "DIR"), required=True,
-        help="the layout (hf, or safetensors: the parameters under their own names, "
-        "a script's run's way out) and the folder to write (new, or empty)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--config", metavar="TOML",
-        help="the job's config (default: the config.toml in or above RUN_OR_CHECKPOINT)",
-    )  # fmt: skip
+    parser = add_command(sub, formatter, "export", cmd_export)
+    add = parser.add_argument
+    add("source", metavar="RUN_OR_CHECKPOINT", help="a run's --run-dir or a step-NNNNNNNN folder")
+    add("--to", nargs=2, metavar=("FORMAT", "DIR"), required=True, help="the layout (hf, or "
+        "safetensors: the parameters under their own names, a script's run's way out) and the "
+        "folder to write (new, or empty)")  # fmt: skip
+    add("--config", metavar="TOML", help="the job's config (default: the config.toml in or above "
+        "RUN_OR_CHECKPOINT)")  # fmt: skip
     add_set_argument(parser, help="override a key of the job's config (repeatable)")
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    """write a checkpoint in the Hugging Face layout (config.json, model.safetensors)
-
-    Write a run's newest checkpoint (or the checkpoint folder given) as a Hugging Face model
-    folder: config.json and model.safetensors, loadable by transformers'
-    AutoModelForCausalLM.from_pretrained and by model.init_from. Needs the isthmus[hf] extra
-    (safetensors)."""
-    args.format, args.to_dir = args.to
-    fmt = args.format
-    if fmt not in FORMATS:
-        raise ConfigError(f"--to {fmt}: the formats are {', '.join(FORMATS)}")
-    return cmd_export(args)

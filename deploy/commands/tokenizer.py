@@ -54,11 +54,8 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
 
     parser = add_command(sub, formatter, "tokenizer", cmd_tokenizer)
     add_config_arguments(parser, common_flags=False)
-    parser.add_argument("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        metavar="N",
-        help="tokens, the 256 bytes included, 257..65536 (default: data.vocab_size, 4096)",
-    )
-    parser.add_argument("--force", action="store_true", help="replace an existing --out")
+    add = parser.add_argument
+    add("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
+    add("--vocab-size", type=int, metavar="N", help="tokens, the 256 bytes included, 257..65536 "
+        "(default: data.vocab_size, 4096)")  # fmt: skip
+    add("--force", action="store_true", help="replace an existing --out")

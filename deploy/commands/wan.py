@@ -64,49 +64,34 @@ def register(
 
 def _add_up(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     up = add_command(wsub, formatter, "up", cmd_up)
-    up.add_argument("topology", metavar="TOPOLOGY", help="topology file (TOML, see docs/wan.md)")
-    up.add_argument(
-        "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP + " (0: any)"
-    )
-    up.add_argument(
-        "--forward",
-        action="append",
-        default=[],
-        metavar="SITE_A:SITE_B=HOST:PORT",
-        help="also listen for plain TCP from SITE_A and forward it to HOST:PORT (a loopback "
-        "server standing for SITE_B) across the link (repeatable)",
-    )
-    up.add_argument(
-        "--proxy-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="first port of the proxies, one per link direction in the file's order "
-        "(so a job config can name them); 0 = any free ports",
-    )
-    up.add_argument(
-        "--processes",
-        action="store_true",
-        help="pump each link direction in a process of its own, not a thread of this one "
-        "(links past ~15 Gbit/s loaded both ways, or many fast links: one process moves "
-        "~30-50 Gbit/s summed)",
-    )
+    add = up.add_argument
+    add("topology", metavar="TOPOLOGY", help="topology file (TOML, see docs/wan.md)")
+    add("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP + " (0: any)")
+    add("--forward", action="append", default=[], metavar="SITE_A:SITE_B=HOST:PORT", help="also "
+        "listen for plain TCP from SITE_A and forward it to HOST:PORT (a loopback server standing "
+        "for SITE_B) across the link (repeatable)")  # fmt: skip
+    add("--proxy-port", type=int, default=0, metavar="PORT", help="first port of the proxies, one "
+        "per link direction in the file's order (so a job config can name them); 0 = any free "
+        "ports")  # fmt: skip
+    add("--processes", action="store_true", help="pump each link direction in a process of its "
+        "own, not a thread of this one (links past ~15 Gbit/s loaded both ways, or many fast "
+        "links: one process moves ~30-50 Gbit/s summed)")  # fmt: skip
 
 
 def _add_show(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     show = add_command(wsub, formatter, "show", cmd_show)
-    show.add_argument("link", nargs="?", metavar="LINK", help="one link (a-b)")
-    show.add_argument("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP)
-    show.add_argument("--json", action="store_true", help="print the endpoint's JSON")
+    add = show.add_argument
+    add("link", nargs="?", metavar="LINK", help="one link (a-b)")
+    add("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP)
+    add("--json", action="store_true", help="print the endpoint's JSON")
 
 
 def _add_set(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     change = add_command(wsub, formatter, "set", cmd_set)
-    change.add_argument("link", metavar="LINK", help="the link to change (a-b)")
-    change.add_argument("changes", nargs="+", metavar="KEY=VALUE", help="what to change")
-    change.add_argument(
-        "--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP
-    )
+    add = change.add_argument
+    add("link", metavar="LINK", help="the link to change (a-b)")
+    add("changes", nargs="+", metavar="KEY=VALUE", help="what to change")
+    add("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -29,11 +29,7 @@ def load_run(run_dir: Path) -> tuple[list[dict], dict, float]:
     summary_path = run_dir / "summary.json"
     config_file = run_dir / "config.toml"
     if not steps:  # one site of an `isthmus site` run
-        sites = (
-            sorted((run_dir / "sites").glob("*/summary.json"))
-            if (run_dir / "sites").is_dir()
-            else []
-        )
+        sites = sorted((run_dir / "sites").glob("*/summary.json"))
         if not sites:
             raise ConfigError(
                 f"{run_dir} holds no metrics.jsonl: is it a finished run's --run-dir?"
