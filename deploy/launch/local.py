@@ -3,8 +3,7 @@
 The launcher owns everything it starts and tears it all down on exit, on error
 and on Ctrl-C: the WAN emulator (one link per pair of sites, an HTTP CONNECT
 proxy per direction so any gRPC channel can be routed across it), one
-coordinator per site, and each site's rank processes (`SiteRanks`).
-"""
+coordinator per site, and each site's rank processes (`SiteRanks`)."""
 
 from __future__ import annotations
 
@@ -73,11 +72,9 @@ def gpus_needed(config: JobConfig) -> int:
 
 
 def gpu_shortage(device: str, have: int, needed: int) -> str | None:
-    """Why ranks that need ``needed`` GPUs cannot start on a host of ``have`` on
-    topology.device ``device`` (as configured), or None. ``auto`` chooses CUDA wherever
-    there is a GPU, so a host with some but too few is refused too, naming the ways
-    out: the device stays as configured because it is part of the job's fingerprint,
-    which every site and the witness compare as written."""
+    """Why ranks that need ``needed`` GPUs cannot start on a host of ``have`` with
+    topology.device ``device``, or None. ``auto`` on a host with some GPUs but too few is
+    refused too: the device is part of the job's fingerprint, compared as written."""
     if device == "cpu" or have >= needed:
         return None
     gpus = "GPU" if needed == 1 else "GPUs"
@@ -103,14 +100,10 @@ def host_gpus(config: JobConfig) -> int:
 
 
 def check_supported(config: JobConfig, needed: int, site_ranks: list[int] | None = None) -> None:
-    """Refuse, in one line, what this release or this host cannot run (before anything
-    is made: no run folder, no process). ``site_ranks``: the ranks of each site started
-    on this host; None: one site of ``needed`` ranks (`isthmus site`).
-
-    Loading the corpus also trains and encodes a BPE tokenizer into the cache before any
-    rank starts, and fills in data.tokenizer_sha256 for the fingerprint and the ranks:
-    it comes last, after the checks that cost nothing.
-    """
+    """Refuse, in one line, what this release or this host cannot run, before anything
+    is made. ``site_ranks``: the ranks of each site started on this host; None: one site
+    of ``needed`` ranks (`isthmus site`). Loading the corpus (which may train a BPE
+    tokenizer and fills in data.tokenizer_sha256) comes last, after the cheap checks."""
     from isthmus.intra.corpus.cache import load_corpus  # imports torch: not for a bad --set
 
     cuda = config.device_type == "cuda"
@@ -132,9 +125,7 @@ class LocalJob:
     out: TextIO = sys.stderr
     progress: bool = True
     topology: Topology | None = None
-    slow: dict[str, tuple[float, int]] = field(default_factory=dict)
-    """Site -> (factor, first step): its ranks compute that many times slower from that
-    step on (``--slow``; deploy/rank/faults.py)."""
+    slow: dict[str, tuple[float, int]] = field(default_factory=dict)  # ``--slow``: parse_slow
     run_dir: Path = field(init=False)
     temporary_run_dir: bool = field(init=False, default=False)
     _sites: list[SiteRanks] = field(init=False, default_factory=list)
@@ -166,15 +157,11 @@ class LocalJob:
         finally:
             self.close()
 
-    # -- setup --------------------------------------------------------------------
-
     def _make_job_token(self) -> None:
-        """A token for this run when the config names none: the ports are on loopback,
-        but every user of the machine reaches loopback (issue 14: one forged call
-        stopped a job). The ranks get it in their environment (ISTHMUS_RUN_TOKEN), not
-        in the run's config, which outlives it; a 0600 file outside the run folder,
-        named in job.json, lets the operator call the coordinators. Checkpoints are not
-        signed with it (the next run's token differs); ``--insecure`` runs without one."""
+        """A token for this run when the config names none: every user of the machine
+        reaches loopback (issue 14). The ranks get it in their environment, not in the
+        run's config, which outlives it; a 0600 file named in job.json lets the operator
+        call the coordinators. ``--insecure`` runs without one."""
         if self.config.security.require_token or self.config.security.insecure:
             return
         self._token = secrets.token_urlsafe(32)
@@ -236,8 +223,7 @@ class LocalJob:
             )
             coordinator.start()
 
-    def _threads(self) -> int:
-        """OMP threads a rank: this host's cores shared by every site's ranks."""
+    def _threads(self) -> int:  # OMP threads a rank: the host's cores over every site's ranks
         return max(1, (os.cpu_count() or 1) // sum(self.config.site_ranks))
 
     def _start_ranks(self, proxies: dict[str, dict[str, str]]) -> None:
@@ -280,8 +266,6 @@ class LocalJob:
         }
         (self.run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
 
-    # -- monitoring ---------------------------------------------------------------
-
     def _wait(self) -> None:
         steps, out = self.config.job.steps, self.out
         progress = Progress(self.config.topology, steps, self.run_dir, out, enabled=self.progress)
@@ -308,8 +292,6 @@ class LocalJob:
             failed = site.failed()
             if failed is not None:
                 raise LaunchError(site.describe_failure(failed))
-
-    # -- teardown -----------------------------------------------------------------
 
     def close(self) -> None:
         """Stop everything this job started (idempotent)."""

@@ -11,11 +11,8 @@ from isthmus.deploy.reports.summary import JsonlTail, merge_steps
 
 
 class Progress:
-    """Re-reads the sites' metrics files and redraws one line.
-
-    On a terminal the line is redrawn in place; otherwise (CI, a pipe) a line is
-    printed every tenth of the run so logs stay short.
-    """
+    """Re-reads the sites' metrics files and redraws one line in place on a terminal;
+    elsewhere (CI, a pipe) prints a line every tenth of the run, so logs stay short."""
 
     def __init__(
         self,

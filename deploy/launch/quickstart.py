@@ -5,8 +5,7 @@ where the planning model says per-step sync would keep under half the throughput
 A setting the job names (file, ``--set`` or flag) is never changed, and what it cannot
 run is refused as before (deploy/launch/local.py, ``gpu_shortage``). Only `isthmus local` fits:
 every site of it starts from this one resolved config, so all of them, and the job's
-fingerprint, see the same values; `isthmus site` runs exactly what its file says.
-"""
+fingerprint, see the same values; `isthmus site` runs exactly what its file says."""
 
 from __future__ import annotations
 

@@ -1,22 +1,18 @@
 """One site's rank processes on this machine, and the run directory they write to.
 
-A site is its own torch.distributed world: the launcher starts one process per rank
-running `isthmus.deploy.rank.program`, and the ranks, all on this host, meet in a
-torch.distributed FileStore in a 0700 folder the launcher makes and removes
-(:data:`STORE_ENV`): only the site's own processes (its user) can read or write it.
-torch's TCPStore has no authentication, and anyone on the machine could set, get and
-delete its keys (issue 33, row 11); it stays only where a site's ranks span hosts
-(deploy/slurm/site-multinode.sbatch: env:// with MASTER_ADDR), behind the cluster's
-network. Each rank gets the key its site's coordinator drew for it
-(inter/control/rank_keys.py). The ranks' host agent (``run.host_agent``:
-inter/control/host_agent.py) listens on a socket in the same folder.
+A site is its own torch.distributed world: one process per rank runs
+`isthmus.deploy.rank.program`, and the ranks, all on this host, meet in a FileStore in a
+0700 folder the launcher makes and removes (:data:`STORE_ENV`), which only the site's user
+can reach; torch's TCPStore has no authentication (issue 33, row 11) and stays only where
+a site's ranks span hosts (deploy/slurm/site-multinode.sbatch), behind the cluster's
+network. Each rank gets the key its coordinator drew for it (inter/control/rank_keys.py);
+their host agent (``run.host_agent``) listens on a socket in the same folder.
 
-A rank is forked from the launcher's zygote, which did the rank's imports once for
-every rank this launcher starts (deploy/launch/zygote.py; ``ISTHMUS_FORK_RANKS=0``
-starts each as an interpreter of its own). Ranks die with the launcher even if it is
-killed: the zygote and each rank ask Linux for PR_SET_PDEATHSIG themselves (a
-preexec_fn would fork the launcher, whose gRPC threads make fork unsafe).
-"""
+A rank is forked from the launcher's zygote, which did the rank's imports once
+(deploy/launch/zygote.py; ``ISTHMUS_FORK_RANKS=0`` starts each as an interpreter of its
+own). Ranks die with the launcher even if it is killed: the zygote and each rank ask
+Linux for PR_SET_PDEATHSIG themselves (a preexec_fn would fork the launcher, whose gRPC
+threads make fork unsafe)."""
 
 from __future__ import annotations
 
@@ -34,13 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from isthmus.deploy.config.job import JobConfig
-from isthmus.deploy.launch.zygote import (
-    READY_S,
-    ForkedRank,
-    ZygoteError,
-    fork_ranks,
-    shared_zygote,
-)
+from isthmus.deploy.launch.zygote import READY_S, ForkedRank, ZygoteError, fork_ranks, shared_zygote
 from isthmus.deploy.rank.contract import AGENT_ENV, STORE_ENV
 from isthmus.deploy.security.trust import site_security
 from isthmus.inter.control.channels import peer_channel
@@ -54,8 +44,7 @@ AGENT_STOP_SIGNAL = signal.SIGUSR2
 """Stops a launcher's host agent while its ranks run on through the coordinator
 (`isthmus chaos`'s agent-kill; an operator who suspects the agent)."""
 RANK_ONLY_ENV = frozenset({KEY_ENV, "RANK", "LOCAL_RANK", "ISTHMUS_LAUNCHER_PID"})
-"""Environment of one rank that its zygote (shared by all the launcher's ranks) is not
-given: the rank's key above all."""
+"""One rank's environment that its zygote (shared by the launcher's ranks) is not given."""
 
 
 class LaunchError(RuntimeError):
@@ -74,17 +63,10 @@ def config_path(run_dir: Path, site: str | None, node: int | None = None) -> Pat
 def prepare_run_dir(
     config: JobConfig, site: str | None = None, node: int | None = None
 ) -> tuple[Path, bool]:
-    """Create (or clean) the run directory and write the resolved config into it.
-
-    Args:
-        config: the job config.
-        site: for one site of a job (`isthmus site`): clean only that site's files,
-            so sites started from different shells may share a run directory.
-        node: for one node of a site on several: write that node's config, and clean
-            nothing unless it is node 0 (the others' ranks may share the folder).
-    Returns:
-        The directory and whether it is a temporary one the caller should remove.
-    """
+    """Create (or clean) the run directory and write the resolved config into it; returns
+    it and whether it is a temporary one the caller removes. With ``site`` only that
+    site's files are cleaned (sites started from different shells may share the folder);
+    with ``node`` that node's config is written, and only node 0 cleans."""
     if config.run.run_dir:
         run_dir, temporary = Path(config.run.run_dir).resolve(), False
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,16 +94,11 @@ class NodeSlice:
     (``isthmus site --nodes N --node-rank K``): they meet the other nodes' ranks in
     torch's env:// rendezvous at ``master``, not in a FileStore of this host."""
 
-    first: int
-    """The site rank of this node's first rank."""
+    first: int  # the site rank of this node's first rank
     count: int
-    """How many ranks this node starts."""
-    master: str
-    """host:port of the site's rendezvous (its first node)."""
-    keys: tuple[str, ...]
-    """Every rank's registration key, derived from the site secret (rank_keys.py)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """More environment for this node's ranks (GLOO_SOCKET_IFNAME)."""
+    master: str  # host:port of the site's rendezvous (its first node)
+    keys: tuple[str, ...]  # every rank's registration key, from the site secret (rank_keys.py)
+    env: dict[str, str] = field(default_factory=dict)  # for this node's ranks (GLOO_SOCKET_IFNAME)
 
 
 @dataclass
@@ -140,21 +117,9 @@ def _log_written(rank: RankProcess) -> float:
 
 
 class SiteRanks:
-    """Start, watch and stop the rank processes of one site.
-
-    Args:
-        config: the job config (written to run_dir/config.toml for the ranks).
-        site: the site's name.
-        run_dir: where ranks write metrics, results and logs.
-        coordinator: host:port of the site's coordinator.
-        proxies: peer site -> HTTP CONNECT proxy URL of the link to it.
-        first_device: LOCAL_RANK of rank 0 (sites sharing a GPU host take turns).
-        threads: OMP threads per rank.
-        config_file: the resolved config the ranks read (see `config_path`).
-        extra_env: more environment for every rank (fault injection: ``isthmus local
-            --slow``).
-        node: this node's share of a site on several nodes (None: every rank here).
-    """
+    """Start, watch and stop the rank processes of one site. ``proxies``: peer site ->
+    HTTP CONNECT proxy URL; ``first_device``: LOCAL_RANK of rank 0 (sites sharing a GPU
+    host take turns); ``node``: this node's share of a site on several (None: all here)."""
 
     def __init__(
         self,
@@ -179,22 +144,18 @@ class SiteRanks:
         self.config_file = config_file or config_path(run_dir, None)
         self.run_token = run_token
         self.ranks: list[RankProcess] = []
-        self.store_dir: Path | None = None
-        """The 0700 folder of the ranks' FileStore while they run."""
-        self.agent: HostAgent | None = None
-        """The ranks' host agent while they run (``run.host_agent``)."""
+        self.store_dir: Path | None = None  # the 0700 folder of the ranks' FileStore
+        self.agent: HostAgent | None = None  # the ranks' host agent (``run.host_agent``)
         self._spawner: threading.Thread | None = None
         self._spawn_error: BaseException | None = None
         self._closing = threading.Event()
 
     def start(self) -> None:
-        """Start the site's ranks; they meet in a FileStore in a fresh 0700 folder
-        (mkdtemp makes it so), on this host's disk rather than in the run folder,
-        which may be a network filesystem where file locks are slow or absent.
-
-        Ranks forked from the zygote start in the background (the first waits for the
-        zygote's imports, seconds): the launcher's progress line and its countdown to
-        the join timeout go on meanwhile. :attr:`started` says when all are."""
+        """Start the site's ranks; they meet in a FileStore in a fresh 0700 folder on
+        this host's disk, not in the run folder (maybe a network filesystem, where file
+        locks are slow or absent). Forked ranks start in the background (the first waits
+        for the zygote's imports, seconds) while the launcher's progress line goes on;
+        :attr:`started` says when all are."""
         world = self.config.ranks_of(self.site)
         # The folder is this launcher's own (mkdtemp: 0700, a name nobody predicted):
         # the agent's socket in it is out of other users' reach (issue 59).
@@ -251,13 +212,12 @@ class SiteRanks:
         # The coordinator in this process drew one key per rank: only the process
         # started here as rank r may register as it (inter/control/rank_keys.py).
         node = self.node
-        keys = node.keys if node is not None else handout(self.coordinator)
-        store_dir = self.store_dir
-        assert store_dir is not None  # start() made it
-        first = node.first if node is not None else 0
+        assert self.store_dir is not None  # start() made it
         if node is None:  # every rank on this host: a FileStore in the 0700 folder
-            meet = {STORE_ENV: str(store_dir / "store")}
+            first, keys = 0, handout(self.coordinator)
+            meet = {STORE_ENV: str(self.store_dir / "store")}
         else:
+            first, keys = node.first, node.keys
             host, _, port = node.master.rpartition(":")
             meet = {"MASTER_ADDR": host, "MASTER_PORT": port, **node.env}
         envs = []
@@ -304,14 +264,10 @@ class SiteRanks:
             self._spawn_error = exc
 
     def failed(self) -> RankProcess | None:
-        """The rank that failed first, if any failed: the one whose log was written last
-        the earliest. When one rank raises, the site's others fail in their next
-        collective a moment later, often before the launcher looks; the first is the
-        cause, the rest "connection reset by peer".
-
-        Raises:
-            LaunchError: a rank could not be started at all.
-        """
+        """The rank that failed first, if any: the one whose log was written last the
+        earliest (the others fail in their next collective a moment later, often before
+        the launcher looks, with "connection reset by peer"). LaunchError: a rank could
+        not be started at all."""
         if self._spawn_error is not None:
             raise LaunchError(f"{self.site}: its ranks could not start: {self._spawn_error}")
         failed = [r for r in self.ranks if r.process.poll() not in (None, 0)]
@@ -326,12 +282,8 @@ class SiteRanks:
 
     @staticmethod
     def describe_failure(failed: RankProcess) -> str:
-        """One line: which rank, its exit code, its last error line, where its log is.
-
-        A rank whose log holds no error line on a disk that is full could not write it
-        (issue 33, row 12: the job stopped with an empty reason): then say that, naming
-        the errno and the log.
-        """
+        """One line: which rank, its exit code, its last error line, where its log is;
+        or, with no error line on a full disk, that it could not write one (issue 33)."""
         code = failed.process.returncode
         head = f"{failed.site} rank {failed.rank} exited with code {code}"
         if code is not None and code < 0:
@@ -355,7 +307,6 @@ class SiteRanks:
         return f"{head}: {last} (log: {failed.log_path})"
 
     def describe(self) -> list[dict]:
-        """The ranks started so far (all of them once :attr:`started`)."""
         return [
             {
                 "site": r.site,
@@ -394,9 +345,8 @@ class SiteRanks:
 
 
 def _start_rank(env: dict[str, str], log_path: Path) -> subprocess.Popen | ForkedRank:
-    """One rank process: forked from this launcher's zygote (its imports done once for
-    all the ranks it starts), or an interpreter of its own where there is none
-    (deploy/launch/zygote.py)."""
+    """One rank process: forked from this launcher's zygote, or an interpreter of its
+    own where there is none."""
     zygote = shared_zygote({k: v for k, v in env.items() if k not in RANK_ONLY_ENV})
     if zygote is not None:
         try:

@@ -9,8 +9,7 @@ raises in a rank of any site stops every site (inter/control/abort.py).
 A site on several nodes runs one launcher a node (``--nodes N --node-rank K``), as
 torchrun runs one a node: node 0 serves the coordinator, and every node starts its
 share of the ranks and its own host agent; the ranks meet in torch's env://
-rendezvous at the first node (:class:`NodePlace`).
-"""
+rendezvous at the first node (:class:`NodePlace`)."""
 
 from __future__ import annotations
 
@@ -45,25 +44,17 @@ MASTER_PORT = 29500
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodePlace:
-    """Where this launcher sits in its site: one node of ``nodes``.
-
-    Node 0 serves the site's coordinator (at ``listen``, else where
-    ``cluster.coordinators`` says); the other nodes' ranks and agents reach it at
-    ``master_addr`` on the coordinator's port.
-    """
+    """Where this launcher sits in its site: one node of ``nodes``. Node 0 serves the
+    site's coordinator (at ``listen``, else where ``cluster.coordinators`` says); the
+    other nodes' ranks and agents reach it at ``master_addr`` on the coordinator's port."""
 
     nodes: int = 1
     node_rank: int = 0
-    master_addr: str = ""
-    """The first node's address as the site's other nodes reach it."""
-    master_port: int = MASTER_PORT
-    """The port of the ranks' env:// rendezvous on the first node."""
-    listen: str = ""
-    """HOST:PORT the coordinator binds (node 0); "" for cluster.coordinators.SITE."""
-    rank_secret: bytes | None = None
-    """The site secret every node derives its ranks' keys from (rank_keys.py)."""
-    gloo_ifname: str = ""
-    """The interface the ranks' gloo traffic takes ("" : gloo's own choice)."""
+    master_addr: str = ""  # the first node's address as the site's other nodes reach it
+    master_port: int = MASTER_PORT  # of the ranks' env:// rendezvous on the first node
+    listen: str = ""  # HOST:PORT the coordinator binds (node 0); "": cluster.coordinators.SITE
+    rank_secret: bytes | None = None  # every node derives its ranks' keys from it
+    gloo_ifname: str = ""  # the interface the ranks' gloo traffic takes ("": gloo's choice)
 
     def check(self, config: JobConfig, site: str) -> None:
         """Raises ConfigError naming the flag when the place cannot hold the site."""
@@ -125,9 +116,8 @@ def coordinator_for(config: JobConfig, site: str, place: NodePlace | None = None
     if not port.isdigit():
         what = "--listen" if place.listen else f"cluster.coordinators.{site}"
         raise ConfigError(f"{what} must be HOST:PORT, got {bind!r}")
-    keys = None
-    if place.rank_secret is not None:
-        keys = RankKeys.derive(site, config.ranks_of(site), place.rank_secret)
+    secret = place.rank_secret
+    keys = RankKeys.derive(site, config.ranks_of(site), secret) if secret is not None else None
     settings = CoordinatorSettings(
         site=site,
         site_names=tuple(config.site_names),

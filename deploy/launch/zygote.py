@@ -1,31 +1,23 @@
 """Rank processes forked from one warm interpreter, a zygote, instead of each started anew.
 
 A rank's imports (torch, DTensor, gRPC, the training code) cost it ~5 s of CPU on a
-2-core machine before its first line of work, and a launcher that starts several ranks
-(``isthmus local``'s sites, a site of several ranks on one host) paid that once per rank.
-Now the first rank a launcher starts starts a zygote: a fresh interpreter (``python -m
-isthmus.deploy.launch.zygote``, started like any subprocess, since the launcher's own gRPC
-threads make forking the launcher unsafe) that imports the rank program once and then
-forks one child per rank it is asked for. A child moves to the rank's folder, takes the
-rank's environment, points its stdout and stderr at the rank's log and runs the program,
-as ``python -m isthmus.deploy.rank.program`` would (``program.run_as_process``).
+2-core machine, once per rank of a launcher. So the first rank a launcher starts starts
+a zygote: a fresh interpreter (``python -m isthmus.deploy.launch.zygote``; the launcher's
+gRPC threads make forking the launcher unsafe) that imports the rank program once, then
+forks one child per rank asked for. A child moves to the rank's folder, takes its
+environment, points stdout and stderr at its log and runs ``program.run_as_process``.
 
-Ranks die with their launcher as before: the zygote asks Linux for SIGKILL when the
-launcher dies, and each rank for SIGKILL when the zygote dies (PR_SET_PDEATHSIG;
-``ISTHMUS_LAUNCHER_PID`` names the zygote to its ranks, their parent).
-
-The zygote forks from its one Python thread. It waits on its requests in ``select`` and
-reaps its children with ``waitpid`` between them, so it reports each rank's exit code
-within :data:`REAP_S`, as ``Popen.returncode`` would have it (``-9`` for SIGKILL).
+Ranks die with their launcher: the zygote asks Linux for SIGKILL when the launcher dies,
+and each rank when the zygote dies (PR_SET_PDEATHSIG; ``ISTHMUS_LAUNCHER_PID`` names the
+zygote to its ranks). The zygote forks from its one Python thread, waits on requests in
+``select`` and reaps its children with ``waitpid`` between them, reporting each exit code
+within :data:`REAP_S` as ``Popen.returncode`` would (``-9`` for SIGKILL).
 
 The protocol is JSON lines on the zygote's stdin and stdout. Launcher to zygote:
 ``{"cwd", "env", "log"}``, one per rank. Zygote to launcher: ``{"ready": pid}`` once its
 imports are done, ``{"started": pid}`` per request in order, ``{"exit": pid, "code": n}``
-per child.
-
-``ISTHMUS_FORK_RANKS=0`` starts every rank as an interpreter of its own; so does a
-launcher whose zygote could not start (it says why, once, and goes on without one).
-"""
+per child. ``ISTHMUS_FORK_RANKS=0`` starts every rank as an interpreter of its own; so
+does a launcher whose zygote could not start (it says why, once)."""
 
 from __future__ import annotations
 
@@ -72,17 +64,12 @@ def fork_ranks() -> bool:
 
 
 class ForkedRank:
-    """A rank the zygote forked, with the part of ``subprocess.Popen`` the launcher
-    uses: ``pid``, ``returncode``, ``poll``, ``wait``, ``terminate``, ``kill``.
-
-    The zygote, its parent, reaps it and says its exit code; until then a signal goes
-    to ``pid`` (between the reaping and the launcher hearing of it, a few ms, a signal
-    is not sent: ``returncode`` is set first)."""
+    """A rank the zygote forked, with the part of ``subprocess.Popen`` the launcher uses.
+    The zygote reaps it and says its exit code; until then a signal goes to ``pid``."""
 
     def __init__(self, pid: int, parent: int) -> None:
         self.pid = pid
-        self.parent = parent
-        """The zygote's pid."""
+        self.parent = parent  # the zygote's pid
         self.returncode: int | None = None
         self._ended = threading.Event()
 

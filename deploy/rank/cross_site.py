@@ -6,8 +6,7 @@ sync (`open_rank_sync`: the lane, the join, the membership and the `LaneGradient
 the trainer calls). When the site joins a job already under way (it was restarted,
 or left out while cut off), `catch_up` pulls the training state after the job's last
 committed step from the rank at the same mesh coordinate of a live site and loads it;
-`offer_state` is the other side, after a step that admitted a site.
-"""
+`offer_state` is the other side, after a step that admitted a site."""
 
 from __future__ import annotations
 
@@ -64,13 +63,12 @@ class CrossSite:
     site: str
     rank: int
     config: JobConfig
-    link: RankSync
-    """The rank's open cross-site sync: lane, membership, gradient sync."""
+    link: RankSync  # the rank's open cross-site sync: lane, membership, gradient sync
     coordinator: CoordinatorClient
+    # Whose state travels with the rank's (set by the caller): DiLoCo's outer optimizer,
+    # the global batch's size and split.
     outer: OuterOptimizer | None = None
-    """DiLoCo's outer optimizer, whose state travels with the rank's (set by the caller)."""
     plan: BatchPlan | None = None
-    """The global batch's size and split, which travel with the rank's state (set by the caller)."""
 
     @property
     def sync(self) -> LaneGradientSync:
@@ -133,12 +131,7 @@ class CrossSite:
         )
 
     def _pull(
-        self,
-        trainer: Trainer,
-        generation: int,
-        sites: list[SiteInfo],
-        source: str,
-        state_step: int,
+        self, trainer: Trainer, generation: int, sites: list[SiteInfo], source: str, state_step: int
     ) -> int:
         info = next((s for s in sites if s.name == source), None)
         if info is None:
@@ -172,12 +165,7 @@ class CrossSite:
         return next_step
 
     def _pull_rank(
-        self,
-        info: SiteInfo,
-        generation: int,
-        state_step: int,
-        rank: int,
-        expected: ExpectedState,
+        self, info: SiteInfo, generation: int, state_step: int, rank: int, expected: ExpectedState
     ) -> dict[str, torch.Tensor]:
         """The state after ``state_step`` that ``rank`` of site ``info`` offers; a piece
         not ``expected`` is refused before it is allocated, and the trainer is unchanged."""

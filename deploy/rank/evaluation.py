@@ -7,8 +7,7 @@ layouts (one site of 2 ranks, two sites of 1, one rank with twice the batch) com
 so every site measures the same model. The outer modes (DiLoCo, Streaming DiLoCo)
 measure the sites' *shared* model -- the anchors, the parameters as of each fragment's
 last outer step, equal at every site while their local parameters drift apart -- which
-is also the model a job ends with (its last step lands every fragment).
-"""
+is also the model a job ends with (its last step lands every fragment)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ DiLoCo outer optimizer's anchor and momentum, and the sites' split of the batch 
 is balanced.
 
 The same entries travel in a checkpoint (``extra`` of ``intra.checkpoint.save``) and in
-the state a joining site pulls from a live peer (``extra/`` of ``intra.state``).
-"""
+the state a joining site pulls from a live peer (``extra/`` of ``intra.state``)."""
 
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ CODEC = "codec/"
 
 
 def extra_state(
-    sync: LaneGradientSync | None,
-    outer: OuterOptimizer | None,
-    plan: BatchPlan | None = None,
+    sync: LaneGradientSync | None, outer: OuterOptimizer | None, plan: BatchPlan | None = None
 ) -> dict[str, torch.Tensor]:
     """The rank's extra entries: ``codec/...`` residuals, ``outer/...`` state and the
     ``batch/...`` size and split."""

@@ -30,16 +30,12 @@ log = logging.getLogger("isthmus.rank")
 class FaultInjection:
     """The faults asked of this rank; none by default."""
 
-    slowdown: float = 1.0
-    """Each step's compute takes this many times longer (a site F times slower)."""
-    slow_from_step: int = 0
-    """The slowdown starts at this step (a site that slows while the job runs)."""
+    slowdown: float = 1.0  # each step's compute takes this many times longer
+    slow_from_step: int = 0  # the slowdown starts at this step
     step_floor_s: float = 0.0
     """No step is shorter than this, seconds, so a job still runs when a restarted or
     cut-off site comes back, whatever the hardware; until it is back (`StepFloor`)."""
-    lane_threads_lost_at: int = -1
-    """The first cross-site round at or after this step loses the lane's codec threads
-    after its first tasks (-1: never)."""
+    lane_threads_lost_at: int = -1  # first round from this step on loses codec threads; -1: never
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> FaultInjection:
@@ -75,15 +71,10 @@ class FaultInjection:
 
 
 class StepFloor:
-    """Whether the step floor still holds at a rank of a job of ``sites`` sites.
-
-    The floor keeps a job running until a site it lost is back; the steps after that
-    have nothing to wait for, and paced they were most of the time of the chaos
-    scenarios and of the suite's fault tests (60 steps at 0.3 s where a dozen needed
-    it). It lifts once this rank has seen the job short of a site and whole again, or
-    came back itself: it rejoined, or it started past step 0 with the job's state (a
-    restarted site's; a resumed job's too, whose floor has nothing left to wait for).
-    """
+    """Whether the step floor still holds at a rank of a job of ``sites`` sites. The
+    floor keeps a job running until a site it lost is back; paced, the steps after that
+    were most of the chaos scenarios' time. It lifts once this rank has seen the job short
+    of a site and whole again, or came back itself (rejoined, or started past step 0)."""
 
     def __init__(self, sites: int, start_step: int) -> None:
         self.sites = sites

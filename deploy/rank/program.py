@@ -11,19 +11,12 @@ variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) describing th
     ISTHMUS_RUN_DIR      where metrics and results go
     ISTHMUS_SLOWDOWN, ISTHMUS_STEP_FLOOR_S   fault injection (`isthmus chaos`)
 
-It builds the site's mesh, model and FSDP2 trainer; for a multi-site job it starts
-its lane, registers with the coordinator, learns its peers (the rank with the same
-coordinate in every other site) and hands the trainer a LaneGradientSync. Rank 0
-writes one metrics line per step; every rank writes its result at the end.
-
-`run` is the rank's three phases: `set_up` (deploy/rank/startup.py) builds it all,
-`train` is the built-in trainer's loop through a `StepLoop`, the steps and each step's
-end that the script API's `Context` runs too, and `StepLoop.finish` reports the final
-digest, writes the rank's result and closes what setup opened (both
-deploy/rank/loop.py). This module is the process around them: a script run instead of
-the loop, the rank's death with its launcher, its one error line, and a script's error
-told to the site's coordinator, which stops the job at every site.
-"""
+`run` is the rank's three phases: `set_up` (deploy/rank/startup.py) builds the mesh,
+model, trainer and, for a multi-site job, its lane and sync; `train` and
+`StepLoop.finish` (deploy/rank/loop.py) run the steps and the end. This module is the
+process around them: a script run instead of the loop, the rank's death with its
+launcher, its one error line, and a script's error told to the site's coordinator, which
+stops the job at every site."""
 
 from __future__ import annotations
 
@@ -56,13 +49,7 @@ from isthmus.deploy.config.job import JobConfig, load_config
 from isthmus.deploy.rank.contract import SCRIPT_ENV
 from isthmus.deploy.rank.loop import StepLoop, train
 from isthmus.deploy.rank.reporting import DivergenceError
-from isthmus.deploy.rank.startup import (
-    RankEnv,
-    build_trainer,
-    script_ended,
-    security_of,
-    set_up,
-)
+from isthmus.deploy.rank.startup import RankEnv, build_trainer, script_ended, security_of, set_up
 from isthmus.inter.data import ModelMismatch, NonFiniteGradient, QuorumLost
 from isthmus.intra.checkpoint_errors import CheckpointError, describe_os_error
 
@@ -83,8 +70,7 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, err
 """Failures of the rank's storage, reported in one line rather than as a traceback."""
 
 
-TERMINATED = threading.Event()
-"""Set when the launcher stopped this rank (SIGTERM)."""
+TERMINATED = threading.Event()  # the launcher stopped this rank (SIGTERM)
 
 
 def _terminate(*_: object) -> None:
@@ -101,10 +87,8 @@ def run(env: RankEnv, config: JobConfig) -> None:
 
 class ScriptError(Exception):
     """The user's script raised: its traceback is in the rank's log, its last line here.
-
-    ``aborts_job`` is False when the script's call into the site's torch.distributed
-    world failed (a site-mate died, by a signal or otherwise): that is the site's loss,
-    which failover handles, not the script's error."""
+    ``aborts_job`` is False when its call into the site's torch.distributed world failed
+    (a site-mate died): the site's loss, which failover handles, not the script's error."""
 
     def __init__(self, message: str, *, aborts_job: bool = True) -> None:
         super().__init__(message)
@@ -133,10 +117,8 @@ def in_collective(exc: BaseException) -> bool:
 def seed_rngs(seed: int) -> None:
     """Seeds Python's, numpy's and torch's RNGs with the job's seed, alike at every rank
     of every site, before the user's script runs: a script that never seeds builds the
-    same model everywhere (on separate hosts too, not only where ranks fork from one
-    process), and one that seeds does so after this, so its own seed stands. Not
-    offset by rank: the model is drawn from these RNGs and must be equal at every rank;
-    what differs between ranks is their data (``ctx.data_shard()``)."""
+    same model everywhere, and one that seeds does so after this. Not offset by rank:
+    the model must be equal at every rank; their data differs (``ctx.data_shard()``)."""
     import random
 
     import numpy
@@ -177,9 +159,8 @@ def run_script(argv: list[str]) -> None:
 
 def abort_job(env: RankEnv, config: JobConfig, error: Exception) -> None:
     """The script raised, or the sites' models differ: tell the site's coordinator, which
-    stops the job at every site (inter/control/abort.py). A rank killed by a signal never gets here: losing a rank
-    or a site is failover's, and the job goes on. Best effort: a coordinator that cannot
-    be told leaves this site's failure to the other sites' failover."""
+    stops the job at every site (inter/control/abort.py). Best effort: a coordinator that
+    cannot be told leaves this site's failure to the other sites' failover."""
     if not env.coordinator:
         return
     from isthmus.inter.control.coordinator_client import CoordinatorClient

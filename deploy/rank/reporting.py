@@ -41,17 +41,9 @@ class StepReporter:
         self.site = site
         self.file = metrics_path.open("w") if metrics_path else None
         self.board = open_tensorboard(tensorboard_dir) if metrics_path and tensorboard_dir else None
-        self.totals = {
-            "compute_s": 0.0,
-            "sync_s": 0.0,
-            "exposed_sync_s": 0.0,
-            "sync_busy_s": 0.0,
-            "bytes_sent": 0,
-            "raw_bytes": 0,
-            "corrupt_chunks": 0,
-            "nonfinite_chunks": 0,
-            "stalled_flows": 0,
-        }
+        seconds = ("compute_s", "sync_s", "exposed_sync_s", "sync_busy_s")
+        counts = ("bytes_sent", "raw_bytes", "corrupt_chunks", "nonfinite_chunks", "stalled_flows")
+        self.totals = {**dict.fromkeys(seconds, 0.0), **dict.fromkeys(counts, 0)}
         self._coordinator = (
             CoordinatorClient.connect(coordinator, security)
             if coordinator and metrics_path

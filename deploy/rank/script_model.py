@@ -48,14 +48,12 @@ class ScriptModel:
         self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.sync = None  # the outer optimizer checks that the model does not sync itself
         self.step_in_progress = 0
-        self.backward_twice = False
-        """A group's hook ran twice in one step: backward without ``ctx.no_sync()``."""
+        self.backward_twice = False  # a group's hook ran twice in one step (no ``ctx.no_sync()``)
         self.tied = None  # one model part: no head tied across pipeline stages (intra/tied.py)
         # Only the outer learning rate's ramp reads it (OuterOptimizer.lr_at).
         self.config = TrainConfig(total_steps=steps, warmup_steps=0)
         check_optimizer(model, optimizer)
-        self.stepping = False
-        """True while ``Context.step`` steps the optimizer: any other step is refused."""
+        self.stepping = False  # while ``Context.step`` steps the optimizer; others are refused
         optimizer.register_step_pre_hook(self._refuse_own_steps)
 
     def _refuse_own_steps(self, *_: object) -> None:

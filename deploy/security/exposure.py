@@ -6,8 +6,7 @@ its ports vote, propose, heartbeat a false digest or pull the whole training sta
 loopback that is the machine's own users, beyond it the network's. What a site listens
 on: its coordinator (with its metrics) where ``cluster.coordinators.SITE`` or
 ``--listen`` says, and its lanes (with their bulk ports) on ``cluster.lane_host``.
-torch's TCPStore is always on loopback (deploy/launch/ranks.py).
-"""
+torch's TCPStore is always on loopback (deploy/launch/ranks.py)."""
 
 from __future__ import annotations
 
@@ -56,14 +55,8 @@ def check_exposure(
     if not exposed or (sec.require_tls and sec.require_token):
         return
     what = " and ".join(exposed)
-    missing = [
-        name
-        for name, on in (
-            ("security.require_tls", sec.require_tls),
-            ("security.require_token", sec.require_token),
-        )
-        if not on
-    ]
+    wanted = {"security.require_tls": sec.require_tls, "security.require_token": sec.require_token}
+    missing = [name for name, on in wanted.items() if not on]
     if not sec.insecure:
         raise ConfigError(
             f"{site} would serve {what} without {' and '.join(missing)}: anyone who reaches "

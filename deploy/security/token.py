@@ -5,8 +5,7 @@ Loopback is every local user's (issue 33: a stranger stopped the two-shell quick
 with one forged call), so a job whose ``[security]`` asks for nothing still runs with
 this token. A folder or file that another user owns or can open is refused, never used:
 someone who could read it could speak for the job, and someone who wrote it first would
-know it.
-"""
+know it."""
 
 from __future__ import annotations
 
@@ -32,12 +31,10 @@ def secrets_home() -> Path:
 
 
 def job_token(home: Path | None = None) -> str:
-    """The user's job token, made on first use (256 random bits, URL-safe text).
-
-    Two sites that start at once both call this: the file appears complete or not at
-    all (written under a private name, then linked into place, which fails if another
-    process got there first), so both read the same token. SecretError when the folder
-    or file is not the user's alone, or cannot be made."""
+    """The user's job token, made on first use (256 random bits, URL-safe text). Written
+    under a private name, then linked into place (which fails if another process got
+    there first), so two sites starting at once read the same token. SecretError when
+    the folder or file is not the user's alone, or cannot be made."""
     folder = home if home is not None else secrets_home()
     _private_folder(folder)
     path = folder / TOKEN_NAME

@@ -3,8 +3,7 @@
 When the section asks for nothing, calls still carry a token: the launcher's run token,
 else the user's job token (deploy/security/token.py), unless ``security.insecure``.
 Loopback is every local user's (issue 33). Checkpoint manifests are signed with the
-configured job token, else the user's, which outlives a run.
-"""
+configured job token, else the user's, which outlives a run."""
 
 from __future__ import annotations
 
@@ -25,11 +24,9 @@ def site_security(
     sec: SecuritySection, site: str, run_token: str | None = None, *, default_token: bool = True
 ) -> SiteSecurity | None:
     """The site's credentials for its servers and channels; None when all is off.
-    ``run_token``: one the launcher made for this run (``isthmus local``, handed to its
-    ranks as ISTHMUS_RUN_TOKEN). ``default_token`` falls back to the user's job token
-    (the witness does not: the sites that call it may each have a run token of their
-    own). ConfigError names a missing file, or a job token that cannot be made or trusted.
-    """
+    ``run_token``: the launcher's for this run (ISTHMUS_RUN_TOKEN). ``default_token``
+    falls back to the user's job token (not the witness's: its callers may each have a
+    run token). ConfigError names a missing file, or a token that cannot be trusted."""
     if not (sec.require_tls or sec.require_token):
         if run_token:
             return SiteSecurity(require_token=True, token=run_token)
@@ -59,11 +56,9 @@ def _with_token_file(exc: ValueError, sec: SecuritySection) -> str:
 
 
 def checkpoint_key(sec: SecuritySection, checkpoint: CheckpointSection) -> bytes | None:
-    """What signs checkpoint manifests and what ``--resume`` checks them with: the
-    configured job token, else the user's job token (it outlives a run, unlike
-    ``isthmus local``'s run token); None with ``security.insecure`` and no token, and
-    for a job that neither saves nor resumes (it needs no home folder to keep the
-    user's token in)."""
+    """What signs checkpoint manifests and checks them on ``--resume``: the configured job
+    token, else the user's (it outlives a run, unlike a run token); None when insecure
+    with no token, or for a job that neither saves nor resumes."""
     if checkpoint.every <= 0 and checkpoint.resume_step < 0:
         return None
     if sec.require_token:
