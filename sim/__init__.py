@@ -1,17 +1,7 @@
 """WAN simulator: emulated long-haul links, their impairments and topologies."""
 
 from .control import ControlServer, control_request
-from .impairments import (
-    KINDS,
-    Corrupt,
-    Flap,
-    FlowStall,
-    Impairment,
-    Jitter,
-    Loss,
-    Reset,
-    Slice,
-)
+from .impairments import KINDS, Corrupt, Flap, FlowStall, Impairment, Jitter, Loss, Reset, Slice
 from .link import DirectionPipe
 from .relay import Link, RelayServer, is_loopback, proxy_channel_options
 from .spec import DirectionSpec, LinkSpec

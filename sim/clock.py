@@ -10,8 +10,7 @@ timerfd's clock. After a long wait the busy stretch is longer (`spin_for`).
 
 Python 3.13 has `os.timerfd_create`; before it, libc's is called through ctypes.
 Without either, `Timer.fd` is None and the pump falls back to poll's millisecond
-timeouts.
-"""
+timeouts."""
 
 from __future__ import annotations
 

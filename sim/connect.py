@@ -3,8 +3,7 @@
 Owns what the relay says and sets up before it splices bytes: reading and parsing a
 client's CONNECT request head and the answers to it (200, or an error status and
 close), the loopback check that bounds every target, and the sockets themselves:
-small buffers, TCP_NODELAY, the listening socket and the connection to a target.
-"""
+small buffers, TCP_NODELAY, the listening socket and the connection to a target."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@
     POST /links/NAME/reset    reset every connection on the link (RST both sides)
 
 Errors answer 400 (a bad key or value: nothing changed) or 404 (no such link) with
-{"error": "one line"}. `control_request` is the client `isthmus wan` uses.
-"""
+{"error": "one line"}. `control_request` is the client `isthmus wan` uses."""
 
 from __future__ import annotations
 

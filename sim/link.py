@@ -17,8 +17,7 @@ bytes while both ends are alive.
 
 The bytes themselves are moved by the direction's `Pump` (`sim/pump.py`), a thread of
 its own; this class is the bookkeeping it asks, safe to call from any thread. Times
-are `time.monotonic()` seconds.
-"""
+are `time.monotonic()` seconds."""
 
 from __future__ import annotations
 
@@ -187,13 +186,10 @@ class DirectionPipe:
         self, data: bytes | None, size: int, now: float, flow_done: float = 0.0, flow: int = -1
     ) -> Piece:
         """Put `size` bytes on the wire behind those before them; return the piece with
-        its times (and bytes, if an impairment changed them).
-
-        `flow_done` is when the piece's last bit leaves its flow's shaper (a per-flow
-        cap, `charge_flow`): it arrives no sooner than that plus the latency. The
-        shaper holds the flow's next piece back instead of reserving the link's clock
-        ahead, so a capped flow leaves no idle gap on the link for the others. `flow`
-        is the connection's serial on this direction (`Stream.flow`; -1 = none)."""
+        its times (and bytes, if an impairment changed them). It arrives no sooner than
+        `flow_done` (when its last bit leaves its flow's shaper, `charge_flow`) plus the
+        latency: the shaper holds the flow back instead of reserving the link's clock, so
+        a capped flow leaves no idle gap for the others. `flow`: `Stream.flow`, or -1."""
         with self._lock:
             spec = self._spec
             self._next_free = max(now, self._next_free) + spec.serialization_s(size)

@@ -7,8 +7,7 @@ node is a namespace `isthmus-<job>-<site>-n<k>` on a LAN /24 of the site's own (
 `lan0` in the first node), which forwards the others' traffic through the site's veth,
 so it takes the same redirect. Everything a job creates is found again by name
 (namespaces and veths) and comment (rules), so `teardown(job)` needs no state and also
-cleans up after a crash.
-"""
+cleans up after a crash."""
 
 from __future__ import annotations
 
@@ -212,11 +211,9 @@ def _stop_processes(namespace: str) -> int:
 
 
 def teardown(job: str) -> dict[str, list[str]]:
-    """Remove every namespace, veth and iptables rule of `job` (idempotent).
-
-    Processes still running inside the job's namespaces are stopped first (SIGTERM,
-    then SIGKILL), since a namespace outlives its name while a process holds it. Returns
-    what was removed, as `job_resources` lists it."""
+    """Remove every namespace, veth and iptables rule of `job` (idempotent); returns what
+    was removed, as `job_resources` lists it. Processes still inside are stopped first: a
+    namespace outlives its name while a process holds it."""
     require_tools()
     found = job_resources(job)
     for rule in found["rules"]:
@@ -243,12 +240,10 @@ def _disable_ipv6(interface: str, namespace: str | None = None) -> None:
 def create_sites(
     job: str, sites: int, *, pool: str = DEFAULT_POOL, nodes: list[int] | None = None
 ) -> list[SiteNet]:
-    """Create one namespace and veth per site, isolated by filter rules; no TCP path yet.
-
-    Call `redirect_tcp` next, with the ports of the relay listeners, and `teardown`
-    when done. On failure everything of the job created so far is removed. `job` (1-8
-    of [a-z0-9]) is part of every name created; the sites' /24s come from `pool`; a site
-    of more than one node (`nodes`) gets a LAN /24 and a namespace per further node."""
+    """Create one namespace and veth per site, isolated by filter rules; no TCP path yet
+    (`redirect_tcp` next, `teardown` when done; a failure removes what was made). `job`
+    (1-8 of [a-z0-9]) names everything; the /24s come from `pool`; a site of several
+    `nodes` gets a LAN /24 and a namespace per further node."""
     _check_job(job)
     if isinstance(sites, bool) or not isinstance(sites, int) or not 1 <= sites <= _MAX_SITES:
         raise ValueError(f"sites must be an int in [1, {_MAX_SITES}], got {sites!r}")

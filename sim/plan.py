@@ -35,8 +35,7 @@ The exposed time is what the optimizer step waits for (`exposed_sync_s` in a run
 summary.json), the sync time what the rounds took (`sync_busy_s`).
 
 `scaling_curve` gives the efficiency against the per-device batch: the sync does not
-grow with the batch while backward does, so larger batches hide more of it.
-"""
+grow with the batch while backward does, so larger batches hide more of it."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ BACKWARD_SHARE = 2.0 / 3.0
 class PlanInput:
     """One job and its link; every field in SI units unless named otherwise."""
 
-    params: float
-    """Trained parameters N."""
+    params: float  # trained parameters N
     active_params: float = 0.0
     """Parameters a token passes through, when fewer than ``params`` (a mixture of
     experts routes each token to ``top_k`` of its experts); 0 = all of them. Shown only:
@@ -61,41 +59,28 @@ class PlanInput:
     flops_per_token: float = 0.0
     """Training FLOPs per token (forward + backward); 0 = 6 · params. Pass the model's
     own count (attention included) to read `mfu` the way a run reports it."""
-    tokens_per_step: float
-    """Global batch in tokens, over all sites."""
-    sites: int = 2
-    """Sites S, each a full data-parallel replica."""
-    devices_per_site: int = 1
-    """Accelerators (or processes) per site."""
-    peak_flops: float = 989e12
-    """Peak FLOP/s of one device (H100 SXM bf16 dense: 989e12)."""
-    mfu: float = 0.4
-    """Model FLOPs utilisation reached inside a site."""
+    tokens_per_step: float  # global batch in tokens, over all sites
+    sites: int = 2  # sites S, each a full data-parallel replica
+    devices_per_site: int = 1  # accelerators (or processes) per site
+    peak_flops: float = 989e12  # peak FLOP/s of one device (H100 SXM bf16 dense: 989e12)
+    mfu: float = 0.4  # model FLOPs utilisation reached inside a site
     gradient_bytes_per_param: float = 4.0
     """Bytes per gradient element before the codec: 4 for fp32, 2 for bf16."""
     codec_ratio: float = 1.0
     """Raw gradient bytes / bytes on the wire (bf16 2, int8 4, zstd ~1.1 on fp32)."""
-    bandwidth_bps: float = 1e9
-    """Cross-site bandwidth of one site, bits per second, each direction."""
-    rtt_s: float = 0.0098
-    """Round-trip time between sites (1000 km of fiber: 9.8 ms)."""
-    overlap: float = 0.0
-    """Fraction of backward that cross-site traffic hides behind, 0..1."""
+    bandwidth_bps: float = 1e9  # cross-site bandwidth of one site, bits per second, each direction
+    rtt_s: float = 0.0098  # round-trip time between sites (1000 km of fiber: 9.8 ms)
+    overlap: float = 0.0  # fraction of backward that cross-site traffic hides behind, 0..1
     backward_share: float = BACKWARD_SHARE
     """Share of compute_s spent in backward: 2/3 (4 of 6 FLOPs per parameter-token), 3/4
     with activation checkpointing (backward recomputes the forward: 6 of 8)."""
     codec_bytes_per_s: float = math.inf
     """Aggregate encode+decode throughput of a site's lanes, raw bytes/s."""
-    rounds: int = 1
-    """Cross-site rounds per step (FSDP groups)."""
-    window: int = 1
-    """Rounds in flight at once; 1 = one after another."""
-    chunk_bytes: float = 1 << 20
-    """Raw bytes per chunk of a round (sync.chunk_bytes)."""
-    round_overhead_s: float = 0.0
-    """Fixed cost of one round beyond its bytes (RPC set-up, Python)."""
-    step_overhead_s: float = 0.0
-    """Per-step cost that one site pays too (optimizer, logging)."""
+    rounds: int = 1  # cross-site rounds per step (FSDP groups)
+    window: int = 1  # rounds in flight at once; 1 = one after another
+    chunk_bytes: float = 1 << 20  # raw bytes per chunk of a round (sync.chunk_bytes)
+    round_overhead_s: float = 0.0  # fixed cost of one round beyond its bytes (RPC set-up, Python)
+    step_overhead_s: float = 0.0  # per-step cost that one site pays too (optimizer, logging)
     inner_steps: int = 1
     """Steps between cross-site rounds: 1 is per-step sync (``sync.mode = "step"``); H > 1
     is DiLoCo, whose round carries the fp32 outer gradient once per H steps, taken after
@@ -257,10 +242,8 @@ def bandwidth_for_efficiency(p: PlanInput, efficiency: float) -> float:
 
 
 def scaling_curve(p: PlanInput, batches: list[int], seq_len: int) -> list[Plan]:
-    """Predictions of `p` at each per-device batch (sequences of `seq_len` tokens).
-
-    Each site's devices are data-parallel ranks, so a site trains batch x seq_len x
-    devices_per_site tokens per step: compute grows with the batch, the sync does not."""
+    """Predictions of `p` at each per-device batch (sequences of `seq_len` tokens): a site
+    trains batch x seq_len x devices_per_site tokens a step."""
     if seq_len < 1 or any(b < 1 for b in batches):
         raise ValueError(f"batches and seq_len must be >= 1, got {batches} x {seq_len}")
     return [
@@ -270,12 +253,9 @@ def scaling_curve(p: PlanInput, batches: list[int], seq_len: int) -> list[Plan]:
 
 
 def nemotron_340b(*, sites: int = 2, devices_per_site: int = 1536) -> PlanInput:
-    """Nemotron-4 340B as its technical report trained it, split over `sites`.
-
-    Global batch 2304 sequences x 4096 tokens, H100s (989 TFLOP/s bf16 dense) at
-    41% MFU, bf16 gradients across sites. GPUs per site are an assumption: NeMo's
-    multi-datacenter post says "thousands of GPUs" over two sites ~1000 km apart.
-    """
+    """Nemotron-4 340B as its technical report trained it (H100s at 41% MFU), split over
+    `sites`, bf16 gradients across them. GPUs per site are an assumption: NeMo's
+    multi-datacenter post says "thousands of GPUs" over two sites ~1000 km apart."""
     return PlanInput(
         params=340e9,
         tokens_per_step=2304 * 4096,

@@ -17,8 +17,7 @@ their order kept.
 
 Threads, not processes: `splice`, `poll` and `send` release the GIL and the Python
 work is a few microseconds per piece of up to 1 MiB, so the two pumps of a link, its
-listeners and the control endpoint share one process without waiting on each other.
-"""
+listeners and the control endpoint share one process without waiting on each other."""
 
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
 """One direction of a link pumped in a process of its own (`RelayServer(processes=True)`).
 
-A relay's pump threads share one interpreter lock: one process moves ~30 Gbit/s in
-one direction, but a link loaded both ways at once (an all-reduce: each site sends
-as much as it receives) tops out near 34 Gbit/s summed, under the 50 that a 25
-Gbit/s link carries then (docs/benchmarks/wan-emulator.md). Here each direction's `DirectionPipe`
-and `Pump` run unchanged in a child process, so the two directions of a link (and
-the links) no longer share a lock.
+A relay's pump threads share one interpreter lock: a link loaded both ways at once (an
+all-reduce) tops out near 34 Gbit/s summed, under the 50 a 25 Gbit/s link carries then
+(docs/benchmarks/wan-emulator.md). Here each direction's `DirectionPipe` and `Pump` run
+unchanged in a child process, so no two directions share a lock.
 
 The relay still accepts connections and answers CONNECT; it hands each connected pair
-to both directions' children as file descriptors (`socket.send_fds`) and closes its
-own copies. A socket then lives in three processes at most, and what one process does
-to it the kernel does to the socket: a direction that fails its connection sets
-linger 0 and tells the relay, which fails the connection in the other direction's
-child too; the last process to close its copy sends the RST. What the relay asks of
-a direction (a new spec, impairments, a reset, its counters, close) travels as a
-pickled message on the same Unix socket.
-"""
+to both directions' children as file descriptors (`socket.send_fds`) and closes its own
+copies. A direction that fails its connection sets linger 0 and tells the relay, which
+fails it in the other direction's child too; the last process to close a copy sends the
+RST. What the relay asks of a direction (a new spec, a reset, its counters, close)
+travels as a pickled message on the same Unix socket."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ gRPC through a proxy listener (grpcio 1.84): the channel option `("grpc.http_pro
 `localhost:N` or `ipv4:127.0.0.1:N` and beats the `http_proxy`/`https_proxy`/`grpc_proxy`
 variables; but `no_grpc_proxy` / `no_proxy` (the first set wins) silently bypass it for
 hosts they list, and many machines set `no_proxy=localhost,127.0.0.1`: unset them, or set
-`no_grpc_proxy=none.invalid` (a name that matches nothing).
-"""
+`no_grpc_proxy=none.invalid` (a name that matches nothing)."""
 
 from __future__ import annotations
 
@@ -156,11 +155,9 @@ class Link:
             pipe.reset_connections()
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """Counters per direction ("a_to_b", "b_to_a"): bytes_delivered, connections
-        (accepted from that direction's initiator), inflight_bytes (now), and what the
-        impairments did (lost_segments, stalls, stalled_s, flaps, held_bytes,
-        stalled_flows, flow_held_bytes, corrupted_bytes, slices, resets), each present
-        once it is non-zero."""
+        """Counters per direction ("a_to_b", "b_to_a"): bytes_delivered, connections (from
+        that direction's initiator), inflight_bytes (now), and what the impairments did
+        (lost_segments, stalled_flows, resets, ...), each present once it is non-zero."""
         return {"a_to_b": self._pipes["a"].stats(), "b_to_a": self._pipes["b"].stats()}
 
     def carry_connection(

@@ -2,8 +2,7 @@
 
 A `DirectionSpec` is a value (frozen, comparable): latency, bandwidth, queue, the
 chain of impairments and the seed they draw from. `DirectionPipe` (in `link.py`)
-applies one to live bytes; `Link.update` swaps in a new one.
-"""
+applies one to live bytes; `Link.update` swaps in a new one."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ bandwidth-delay product is infinite: still finite so that memory stays bounded."
 class DirectionSpec:
     """The impairments of one direction of a link."""
 
-    latency_s: float
-    """One-way propagation delay, seconds."""
+    latency_s: float  # one-way propagation delay, seconds
     bandwidth_bps: float = 0.0
     """Serialization rate, bits per second; 0 or `math.inf` means unlimited."""
     per_flow_bps: float = 0.0
@@ -53,26 +51,16 @@ class DirectionSpec:
     impairment's index and kind), so a run is reproducible."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.latency_s, (int, float)) or not (
-            math.isfinite(self.latency_s) and self.latency_s >= 0
-        ):
-            raise ValueError(f"latency_s must be a finite number >= 0, got {self.latency_s!r}")
-        if not isinstance(self.bandwidth_bps, (int, float)) or not self.bandwidth_bps >= 0:
-            raise ValueError(
-                f"bandwidth_bps must be >= 0 (0 or inf = unlimited), got {self.bandwidth_bps!r}"
-            )
-        if (
-            isinstance(self.per_flow_bps, bool)
-            or not isinstance(self.per_flow_bps, (int, float))
-            or not self.per_flow_bps >= 0
-        ):
-            raise ValueError(
-                f"per_flow_bps must be >= 0 (0 or inf = no cap), got {self.per_flow_bps!r}"
-            )
-        if isinstance(self.queue_bytes, bool) or not isinstance(self.queue_bytes, int):
-            raise ValueError(f"queue_bytes must be an int >= 0, got {self.queue_bytes!r}")
-        if self.queue_bytes < 0:
-            raise ValueError(f"queue_bytes must be an int >= 0, got {self.queue_bytes!r}")
+        lat, bw, queue = self.latency_s, self.bandwidth_bps, self.queue_bytes
+        flow = self.per_flow_bps
+        if not isinstance(lat, (int, float)) or not (math.isfinite(lat) and lat >= 0):
+            raise ValueError(f"latency_s must be a finite number >= 0, got {lat!r}")
+        if not isinstance(bw, (int, float)) or not bw >= 0:
+            raise ValueError(f"bandwidth_bps must be >= 0 (0 or inf = unlimited), got {bw!r}")
+        if isinstance(flow, bool) or not isinstance(flow, (int, float)) or not flow >= 0:
+            raise ValueError(f"per_flow_bps must be >= 0 (0 or inf = no cap), got {flow!r}")
+        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 0:
+            raise ValueError(f"queue_bytes must be an int >= 0, got {queue!r}")
         if not isinstance(self.impairments, tuple) or not all(
             isinstance(i, Impairment) for i in self.impairments
         ):
@@ -116,10 +104,8 @@ class DirectionSpec:
 class LinkSpec:
     """Both directions of a link between site a and site b."""
 
-    a_to_b: DirectionSpec
-    """Bytes sent by a, received by b."""
+    a_to_b: DirectionSpec  # bytes sent by a, received by b
     b_to_a: DirectionSpec
-    """Bytes sent by b, received by a."""
 
     def __post_init__(self) -> None:
         for name in ("a_to_b", "b_to_a"):

@@ -2,8 +2,7 @@
 delay line (`Stream` of `Chunk`s) and the kernel pipes its spliced bytes wait in.
 
 Used by `isthmus.sim.pump`: the pump thread owns every object here except a
-`Connection`, which the two directions' pumps share.
-"""
+`Connection`, which the two directions' pumps share."""
 
 from __future__ import annotations
 
@@ -144,13 +143,9 @@ class Stream:
 
 
 def arrival(s: Stream, now: float) -> float:
-    """When the bytes waiting in `s.src` reached the relay: the kernel's receive time
-    of the first of them, but no earlier than the pump began to wait for them (bytes
-    left in the socket while the link was full start when it has room), else `now`.
-
-    The pump notices bytes 15-200 us after they arrive (a thread's wake-up, longer
-    after an idle stretch); counting the link's delay from `now` added that to every
-    crossing, so to every round trip twice."""
+    """When the bytes waiting in `s.src` reached the relay: the kernel's receive time of
+    the first, but no earlier than the pump began to wait for them, else `now`. The pump
+    notices bytes 15-200 us late; counting from `now` added that to every crossing."""
     try:
         _, ancillary, _, _ = s.src.recvmsg(1, 64, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except OSError:

@@ -1,7 +1,6 @@
 """Topology files: the sites of a job and the emulated link between each pair (TOML;
 docs/wan.md, "Topology files", gives the keys and their precedence). The same keys, as
-`key=value` or `a_to_b.key=value`, change a live link (`apply_changes`, `isthmus wan set`).
-"""
+`key=value` or `a_to_b.key=value`, change a live link (`apply_changes`, `isthmus wan set`)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ namespace REDIRECTs to that site's listener here. A listener reads the connectio
 original destination (`SO_ORIGINAL_DST`); another site of the same job gets the
 connection through the `Link` between the two, anything else is reset: the relay
 never reaches past the job's namespaces. `TransparentWan` is the whole thing in one
-object, with a teardown that runs however it ends.
-"""
+object, with a teardown that runs however it ends."""
 
 from __future__ import annotations
 
@@ -122,12 +121,10 @@ class TransparentRelay:
 
 
 class TransparentWan:
-    """A job's sites in namespaces, every pair joined by one emulated link. Use as a
-    context manager; `close()` (idempotent) removes the namespaces, veths and
-    rules, also after an exception or Ctrl-C inside the `with`. `spec` is every link's
-    (a = the lower-numbered site); `control` (loopback host, port 0 = any) serves the
-    endpoint of `isthmus wan show/set`, at `control_address` once started; `job`,
-    `pool` and `nodes` are as `isthmus.sim.netns.create_sites` takes them."""
+    """A job's sites in namespaces, every pair joined by one emulated link; a context
+    manager whose `close()` removes the namespaces, veths and rules however it ends.
+    `spec` is every link's (a = the lower-numbered site); `control` (loopback host, port
+    0 = any) serves `isthmus wan show/set`; `job`, `pool`, `nodes`: as `create_sites`."""
 
     def __init__(
         self,

@@ -3,8 +3,7 @@
 Each is a frozen dataclass of parameters with units (see its module); a direction
 applies its chain to every piece of bytes that enters it, with one `random.Random`
 per impairment seeded from the link's seed, so a run is reproducible. Build one from
-a topology-file table with `impairment_from_dict`.
-"""
+a topology-file table with `impairment_from_dict`."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ a `random.Random` seeded from the link's seed, the time it was installed, a posi
 the direction's byte stream and the direction's counters. A piece knows its connection
 (`Piece.flow`), for the impairments that act on one connection only (`flow_stall`).
 Replacing a direction's impairments starts fresh states; changing only its bandwidth or
-latency keeps them.
-"""
+latency keeps them."""
 
 from __future__ import annotations
 
@@ -36,11 +35,9 @@ class Piece:
     (a retransmission stall, a blackout). Kept in order per connection by the pipe."""
     reset: bool = False
     """Reset the connection (both sides get RST) instead of delivering this piece."""
-    slices: list[int] | None = None
-    """Write the data as slices of these sizes, `slice_gap_s` apart."""
+    slices: list[int] | None = None  # write the data as slices of these sizes, `slice_gap_s` apart
     slice_gap_s: float = 0.0
-    size: int = -1
-    """Bytes in the piece; -1 = len(data)."""
+    size: int = -1  # bytes in the piece; -1 = len(data)
     flow: int = -1
     """The connection it belongs to: the index of its stream in the order the
     direction's pump took them on (`Stream.flow`, from 0); -1 = none (the crossing of
@@ -56,17 +53,11 @@ class State:
     """One impairment's mutable state in one direction."""
 
     rng: random.Random
-    installed_at: float
-    """Time (`time.monotonic()`) at which the impairment was installed; `at_s`
-    parameters count from it."""
-    counters: Counter[str]
-    """The direction's counters (shared by its impairments), reported by `Link.stats`."""
-    rtt_s: float = 0.0
-    """The link's round-trip propagation time now (both directions' latency)."""
-    position: int = 0
-    """Bytes of this direction's stream seen so far."""
-    next_event: int = -1
-    """Stream position of the next lost segment / corrupted byte; -1 = not drawn yet."""
+    installed_at: float  # `time.monotonic()`; `at_s` parameters count from it
+    counters: Counter[str]  # the direction's (shared by its impairments): `Link.stats`
+    rtt_s: float = 0.0  # the link's round-trip propagation time now
+    position: int = 0  # bytes of this direction's stream seen so far
+    next_event: int = -1  # position of the next lost segment / corrupted byte; -1: not drawn
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,11 +73,9 @@ def check_number(name: str, value: object, *, low: float = 0.0, high: float = ma
 
 
 def geometric_gap(rng: random.Random, p: float) -> int:
-    """Trials up to and including the next success of probability `p` (>= 1).
-
-    Drawing gaps instead of one coin per byte makes the positions of events in a
-    stream depend only on the seed, not on how the stream was cut into pieces.
-    """
+    """Trials up to and including the next success of probability `p` (>= 1): drawing
+    gaps, not one coin per byte, makes events' stream positions independent of how the
+    stream was cut into pieces."""
     if p >= 1.0:
         return 1
     u = 1.0 - rng.random()  # in (0, 1]

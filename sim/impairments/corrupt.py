@@ -15,13 +15,11 @@ class Corrupt(Impairment):
 
     Which bytes `rate` hits depends only on the seed and the stream position, so a
     run is reproducible however the stream is cut into pieces. Counter:
-    `corrupted_bytes`.
-    """
+    `corrupted_bytes`."""
 
     kind = "corrupt"
     touches_bytes = True
-    rate: float = 0.0
-    """Probability that a byte is corrupted, 0..1 (1e-6 = one byte per MB)."""
+    rate: float = 0.0  # probability that a byte is corrupted, 0..1 (1e-6 = one byte per MB)
     per_piece: float = 0.0
     """Probability that a piece (one read: up to 64 KiB, or 0.5 ms of wire time above
     1 Gbit/s) gets one corrupted byte, 0..1."""

@@ -15,14 +15,11 @@ class Flap(Impairment):
 
     Bytes that would arrive while dark are held, none lost, and arrive together when
     the link comes back; senders feel it as backpressure once the link's in-flight
-    bound is full. Counters: `flaps` (dark periods that held bytes), `held_bytes`.
-    """
+    bound is full. Counters: `flaps` (dark periods that held bytes), `held_bytes`."""
 
     kind = "flap"
-    duration_s: float
-    """How long each dark period lasts, seconds."""
-    at_s: float = 0.0
-    """Start of the first dark period, seconds after the impairment is installed."""
+    duration_s: float  # how long each dark period lasts, seconds
+    at_s: float = 0.0  # start of the first dark period, seconds after the impairment is installed
     every_s: float = 0.0
     """Period of repeated dark periods, seconds; 0 = once. Must exceed duration_s."""
 

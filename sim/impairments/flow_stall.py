@@ -2,8 +2,7 @@
 
 A long-haul link sometimes black-holes a single TCP flow (its ECMP path dies, a
 middlebox loses that connection's state) while the link's other flows are untouched;
-`flap` darkens the whole direction instead.
-"""
+`flap` darkens the whole direction instead."""
 
 from __future__ import annotations
 
@@ -25,17 +24,14 @@ class FlowStall(Impairment):
     receive window, so its sender feels backpressure. Times are arrivals at the far
     end, as for `flap`. Pieces with no connection (`Piece.flow` < 0: the crossing of a
     CONNECT or SYN) are never held. Counters: `stalled_flows` (connections picked),
-    `flow_held_bytes` (their bytes held; distinct from flap's `held_bytes`).
-    """
+    `flow_held_bytes` (their bytes held; distinct from flap's `held_bytes`)."""
 
     kind = "flow_stall"
-    count: int = 1
-    """How many connections to pick, >= 1; later ones are left alone."""
+    count: int = 1  # how many connections to pick, >= 1; later ones are left alone
     at_s: float = 0.0
     """Connections carrying bytes from this many seconds after installation on are
     candidates, seconds."""
-    duration_s: float
-    """How long each picked connection stays dark, seconds."""
+    duration_s: float  # how long each picked connection stays dark, seconds
     min_bytes: int = 1
     """Bytes a connection carries from `at_s` on before it is picked (the piece that
     reaches this many is the first held): a bulk flow's frames, where a channel's

@@ -17,15 +17,13 @@ class Jitter(Impairment):
     The mean one-way delay stays the link's latency (a delay is never made negative:
     a draw below zero total delay is clipped at zero). Pieces of one connection still
     arrive in order, as TCP delivers them: a piece drawn early waits for the one before,
-    so pieces sent back to back see the larger of their delays.
-    """
+    so pieces sent back to back see the larger of their delays."""
 
     kind = "jitter"
     ms: float
     """Spread, milliseconds: the half-width of a uniform draw in [-ms, +ms], or the
     standard deviation of a normal one (clipped to +-3 ms)."""
-    distribution: str = "uniform"
-    """"uniform" or "normal"."""
+    distribution: str = "uniform"  # "uniform" or "normal"
 
     def __post_init__(self) -> None:
         check_number("jitter.ms", self.ms)

@@ -20,24 +20,20 @@ class Loss(Impairment):
     1 Gbit/s) of n bytes is ceil(n / segment_bytes) segments; losses within one piece
     (less than a window) are recovered together, as SACK does. Which segments are lost
     depends only on the seed and the segment count.
-    Counters: `lost_segments`, `stalls`, `stalled_s`.
-    """
+    Counters: `lost_segments`, `stalls`, `stalled_s`."""
 
     kind = "loss"
-    rate: float
-    """Probability that a segment is lost, 0..1."""
-    segment_bytes: int = MSS_BYTES
-    """Segment size, bytes."""
+    rate: float  # probability that a segment is lost, 0..1
+    segment_bytes: int = MSS_BYTES  # segment size, bytes
     delay_ms: float | None = None
     """Retransmission delay per stall, milliseconds; None = the link's RTT (fast
     retransmit). Use e.g. 200 for Linux's minimum retransmission timeout."""
 
     def __post_init__(self) -> None:
         check_number("loss.rate", self.rate, high=1.0)
-        if isinstance(self.segment_bytes, bool) or not isinstance(self.segment_bytes, int):
-            raise ValueError(f"loss.segment_bytes must be an int >= 1, got {self.segment_bytes!r}")
-        if self.segment_bytes < 1:
-            raise ValueError(f"loss.segment_bytes must be an int >= 1, got {self.segment_bytes!r}")
+        size = self.segment_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"loss.segment_bytes must be an int >= 1, got {size!r}")
         if self.delay_ms is not None:
             check_number("loss.delay_ms", self.delay_ms)
 

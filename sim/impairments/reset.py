@@ -15,8 +15,7 @@ class Reset(Impairment):
     The fatal piece and everything after it never arrive: the relay closes both the
     client's and the target's socket with RST, as a failing middlebox would (bytes
     before it may or may not have been read: an RST discards unread data). Counter:
-    `resets` (connections reset).
-    """
+    `resets` (connections reset)."""
 
     kind = "reset"
     rate: float = 0.0

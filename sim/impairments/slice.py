@@ -11,16 +11,13 @@ from .base import Impairment, Piece, State, check_number
 class Slice(Impairment):
     """Delivers each piece as writes of `size_bytes` +- `variation_bytes`, `delay_ms`
     apart (toxiproxy's slicer): framing code must cope with any split. Every byte
-    arrives, in order. Counter: `slices`.
-    """
+    arrives, in order. Counter: `slices`."""
 
     kind = "slice"
-    size_bytes: int = 64
-    """Mean size of a write, bytes."""
+    size_bytes: int = 64  # mean size of a write, bytes
     variation_bytes: int = 0
     """Each write's size is drawn uniformly in size_bytes +- this, bytes (< size_bytes)."""
-    delay_ms: float = 0.0
-    """Pause between two writes, milliseconds."""
+    delay_ms: float = 0.0  # pause between two writes, milliseconds
 
     def __post_init__(self) -> None:
         for name in ("size_bytes", "variation_bytes"):
