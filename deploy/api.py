@@ -19,14 +19,9 @@ emulated links, failover, metrics and report are the job's as always. The script
 Semantic versioning: the names in ``__all__`` and their documented behaviour are the
 API (docs/api.md); anything else here may change.
 
-Underneath, the script's model goes through the machinery the built-in trainer uses:
-the site's world and mesh (``startup.join_site``), the rank's lane and membership
-(``CrossSite``), the gradient sync (``LaneGradientSync``) or the outer optimizer of
-DiLoCo and streaming (``startup.outer_optimizer``), checkpoint restore
-(``SiteCheckpoints.restore``). The built-in trainer is a user of this Context's loop:
-``steps`` and the end of ``step`` (a rejoin followed, or the step recorded, its state
-offered to a site admitted, a checkpoint saved when due) are ``StepLoop``'s
-(deploy/rank/loop.py), which the built-in loop runs through too, as is ``finish``.
+Underneath, the script's model goes through the built-in trainer's machinery
+(deploy/rank/: ``startup``, ``CrossSite``, ``LaneGradientSync`` or the outer optimizer,
+checkpoints), and ``steps``, the end of ``step`` and ``finish`` are its ``StepLoop``'s.
 """
 
 from __future__ import annotations
@@ -83,7 +78,6 @@ class Outcome:
     """How a step ended (``Context.step``)."""
 
     step: int
-    """The step this was."""
     committed: bool
     """Its update was applied at every live site (the optimizer stepped). False: nothing
     of it was applied here (see ``rejoined``)."""
@@ -145,15 +139,10 @@ class Context:
         corpus, split = load_corpus(c.data, seq_len=c.train.seq_len, vocab=vocab)
         index, count = self.data_shard()
         return ShardedBatches(
-            corpus,
-            seq_len=self.config.train.seq_len,
-            batch_size=self.config.train.batch_size,
-            seed=self.config.job.seed,
-            shard_index=index,
-            num_shards=count,
-            units=self.config.site_accumulate[self.site_index],
+            corpus, seq_len=c.train.seq_len, batch_size=c.train.batch_size, seed=c.job.seed,
+            shard_index=index, num_shards=count, units=c.site_accumulate[self.site_index],
             spans=split.train,
-        )
+        )  # fmt: skip
 
     # --- the model ---------------------------------------------------------------
 
@@ -164,16 +153,14 @@ class Context:
         state: Mapping[str, torch.Tensor] | None = None,
     ) -> int:
         """Makes ``model`` (plain, or sharded with FSDP2's ``fully_shard`` over
-        ``mesh["dp"]``) train as one replica across sites in the job's ``sync.mode``,
-        and restores a checkpoint (``--resume``) or a running job's state; returns the
-        first step to train (also ``start_step``). ``model`` must be identical at every
-        rank at start (seed it with ``config.job.seed``); ``optimizer`` is its Adam or
-        AdamW over its trainable parameters (ValueError otherwise), stepped by ``step``
-        only; ``state`` holds the script's own tensors to checkpoint and restore in place.
-        """
+        ``mesh["dp"]``) train as one replica across sites in the job's ``sync.mode``, and
+        restores a checkpoint (``--resume``) or a running job's state; returns the first
+        step to train (also ``start_step``). ``model`` must be identical at every rank at
+        start (seed it with ``config.job.seed``); ``optimizer`` is its Adam or AdamW over
+        its trainable parameters (ValueError otherwise), stepped by ``step`` only;
+        ``state`` holds the script's own tensors to checkpoint and restore in place."""
         if self._loop is not None:
             raise RuntimeError("attach() was called already: one model per job")
-
         config, env, cross = self.config, self._env, self._cross
         shaped = ScriptModel(model, optimizer, self.mesh["dp"], config.job.steps)
         if cross is not None and config.sync.mode == "step" and shaped.groups:
@@ -200,20 +187,10 @@ class Context:
                 metrics.check_start(digest, layout, wait_s=config.sync.timeout_s)
         dist.barrier()
         parts = RankParts(
-            env=env,
-            config=config,
-            trainer=shaped,  # type: ignore[arg-type]
-            cross=cross,
-            sync=sync,
-            outer=outer,
-            batches=None,  # type: ignore[arg-type]
-            held_out=None,  # type: ignore[arg-type]
-            metrics=metrics,
-            site_dir=site_dir,
-            checkpoints=checkpoints,
-            start=start,
-            plan=user,  # type: ignore[arg-type]
-        )
+            env=env, config=config, cross=cross, sync=sync, outer=outer, metrics=metrics,
+            site_dir=site_dir, checkpoints=checkpoints, start=start,
+            trainer=shaped, batches=None, held_out=None, plan=user,  # type: ignore[arg-type]
+        )  # fmt: skip
         self._loop = StepLoop(parts)
         self.start_step = start
         return start
@@ -223,9 +200,8 @@ class Context:
         def hook(shard: torch.Tensor) -> None:
             step = shaped.step_in_progress
             if sync.started(step, group):
-                # A second backward of the step: said from ctx.step, the script's own
-                # frame (raised here, inside FSDP's hook, it would read as a collective's
-                # failure and leave the other sites waiting).
+                # A second backward of the step: said from ctx.step, the script's own frame
+                # (raised in FSDP's hook, it would read as a collective's failure).
                 shaped.backward_twice = True
                 return
             sync.start(step, group, shard)
@@ -234,11 +210,10 @@ class Context:
 
     @contextlib.contextmanager
     def shared_model(self) -> Iterator[None]:
-        """Evaluation on the model the sites share: inside the block the model holds it
-        (in DiLoCo and streaming, the outer model of the last outer step, equal at every
-        site while their local parameters drift apart; per-step sync's model is always
-        shared), and its own parameters are put back bit for bit after. Evaluate under
-        ``torch.no_grad()``, between ``step`` calls; every rank of the site takes part."""
+        """Evaluation on the model the sites share (DiLoCo's and streaming's outer model
+        of the last outer step; per-step sync's model is always shared), its own
+        parameters put back bit for bit after. Evaluate under ``torch.no_grad()``,
+        between ``step`` calls; every rank of the site takes part."""
         outer = self._require().parts.outer
         with outer.shared_model() if outer is not None else contextlib.nullcontext():
             yield
@@ -247,8 +222,7 @@ class Context:
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside the block add to the gradients
         without syncing them (an FSDP2 module's reduce-scatter waits too); run every
-        micro-batch's but the last inside it, then ``step``. A plain module needs it not
-        (its gradients are averaged at ``step``), and takes it alike."""
+        micro-batch's but the last inside it, then ``step``. A plain module takes it too."""
         groups = self._require().parts.trainer.groups
         for group in groups:
             group.set_requires_gradient_sync(False, recurse=False)
@@ -276,14 +250,12 @@ class Context:
         """Ends the step after ``loss.backward()``: its gradients are averaged across
         sites (``sync.mode = "step"``) and the optimizer steps once they committed, or
         the site steps alone and the outer round of DiLoCo/streaming runs when due. Then
-        the gradients are cleared and the step ends as the built-in trainer's do
-        (``StepLoop.end_step``): paced as ``--slow`` asks, its metrics written
-        (``loss``, the site's mean, and ``tokens``, this rank's, plus any more numbers),
-        the state offered to a site it admitted and a checkpoint saved when due.
-        ``grad_clip``: the gradients' global norm is clipped to it after the sync (so
-        every site clips alike) and reported as ``grad_norm``. The outcome's
-        ``committed`` is False when nothing was applied (the site had to rejoin the job,
-        which ``steps`` then follows)."""
+        the gradients are cleared and the step ends as the built-in trainer's do: paced,
+        its metrics written (``loss``, the site's mean, ``tokens``, this rank's, and any
+        more numbers), its state offered to a site admitted, a checkpoint saved when due.
+        ``grad_clip``: the global norm is clipped to it after the sync (so every site
+        clips alike) and reported as ``grad_norm``. ``committed`` is False when nothing
+        was applied (the site had to rejoin the job, which ``steps`` then follows)."""
         loop = self._require()
         shaped = loop.parts.trainer
         assert isinstance(shaped, ScriptModel)
@@ -321,7 +293,6 @@ class Context:
     ) -> tuple[StepOutcome | None, float]:
         """The step's sync (per-step, or DiLoCo's outer round when due) and optimizer
         step: what the sync decided, and the gradients' norm (0 unless clipped)."""
-
         outer = parts.outer
         synced = None
         if parts.sync is not None and outer is None:

@@ -69,6 +69,8 @@ def make_certs(
     start, end = now - CLOCK_SKEW, now + datetime.timedelta(days=days)
 
     ca_key = _new_key()
+    uses = ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment")
+    signs_only = dict.fromkeys((*uses, "key_agreement", "encipher_only", "decipher_only"), False)
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{job} job CA")])
     ca_cert = (
         x509.CertificateBuilder()
@@ -79,20 +81,7 @@ def make_certs(
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(x509.KeyUsage(**signs_only, key_cert_sign=True, crl_sign=True), True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False)
         .sign(ca_key, hashes.SHA256())
     )
