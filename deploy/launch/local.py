@@ -249,9 +249,8 @@ class LocalJob:
         self._proxies = proxies
 
     def _write_job(self) -> None:
-        """What this run started and where, for operators and for the teardown tests;
-        written once every site's ranks are started (forked ranks start in the
-        background: deploy/launch/ranks.py)."""
+        """What this run started and where, for operators and the teardown tests; written
+        once every site's ranks are started (forked ones start in the background)."""
         proxies = self._proxies
         job = {
             "launcher_pid": os.getpid(),

@@ -76,9 +76,8 @@ def plan_hint(config: JobConfig) -> str | None:
 
 
 def step_sync_efficiency(config: JobConfig) -> float | None:
-    """The planning model's scaling efficiency of per-step sync for this job's preset,
-    per-rank batch and link, as `isthmus plan --preset` computes it; None if the
-    preset is not one the planning model knows."""
+    """The planning model's scaling efficiency of per-step sync for this job, as `isthmus
+    plan --preset` computes it; None for a preset the planning model does not know."""
     from isthmus.deploy.config.job import ConfigError
     from isthmus.deploy.config.planning import codec_ratio, preset_input
     from isthmus.sim.plan import predict

@@ -265,9 +265,8 @@ class SiteRanks:
 
     def failed(self) -> RankProcess | None:
         """The rank that failed first, if any: the one whose log was written last the
-        earliest (the others fail in their next collective a moment later, often before
-        the launcher looks, with "connection reset by peer"). LaunchError: a rank could
-        not be started at all."""
+        earliest (the others fail a moment later, with "connection reset by peer").
+        LaunchError: a rank could not be started at all."""
         if self._spawn_error is not None:
             raise LaunchError(f"{self.site}: its ranks could not start: {self._spawn_error}")
         failed = [r for r in self.ranks if r.process.poll() not in (None, 0)]

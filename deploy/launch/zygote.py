@@ -239,9 +239,7 @@ def shared_zygote(env: Mapping[str, str]) -> Zygote | None:
 
 def prestart(threads: int) -> None:
     """Starts this launcher's zygote now, in the background, so that its imports overlap
-    the launcher's own work before the first rank (checking the host, loading the
-    corpus, starting coordinators); ``threads``: the ranks' OMP threads, which the
-    zygote's math libraries read as they load."""
+    the launcher's own work; ``threads``: the ranks' OMP threads, read as libraries load."""
     if fork_ranks():
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         threading.Thread(

@@ -279,9 +279,8 @@ def shard_layout(
 
 
 def mailbox_budget(config: JobConfig) -> int:
-    """Bytes a lane's mailbox may hold: two steps of its traffic at fp32, the widest
-    codec (per step a lane receives at most its shard's contributions and its shard's
-    results), plus 16 chunks of slack."""
+    """Bytes a lane's mailbox may hold: two steps of its traffic (its shard's contributions
+    and results) at fp32, the widest codec, plus 16 chunks of slack."""
     shard = 4 * config.resolved_model().num_params // min(config.site_ranks)
     return 2 * 2 * shard + 16 * config.chunk_bytes
 

@@ -76,8 +76,8 @@ class StepLoop:
         return self.progress.step
 
     def steps(self) -> Iterator[int]:
-        """The steps to train, from ``parts.start`` to the job's last; after a rejoin
-        it goes on where the job is. Each must end with :meth:`end_step`."""
+        """The steps to train, from ``parts.start`` (after a rejoin, from where the job is);
+        each must end with :meth:`end_step`."""
         parts = self.parts
         total = parts.config.job.steps
         while self.progress.step < total:
@@ -127,9 +127,8 @@ class StepLoop:
         return True
 
     def finish(self) -> None:
-        """After the last step (once; later calls do nothing): the final digest if this
-        site did not report it, the rank's result file, and the lane, coordinator
-        channel and process group closed."""
+        """After the last step (once): the final digest if this site did not report it,
+        the rank's result file, and everything setup opened closed."""
         if self._finished:
             return
         self._finished = True
@@ -266,9 +265,8 @@ def _record(
 def _step(
     parts: RankParts, step: int, inputs: torch.Tensor, targets: torch.Tensor
 ) -> tuple[StepStats, StepOutcome | None]:
-    """Trains ``step`` (and, in the outer modes, runs its outer step): its stats, and how
-    its cross-site sync ended: the step's own (per-step sync), the outer round's that
-    landed after it (outer modes), or None when nothing crossed."""
+    """Trains ``step`` (and its outer step): its stats, and how its sync ended (the step's
+    own, the outer round that landed after it, or None when nothing crossed)."""
     stats = parts.trainer.step(step, inputs, targets)
     outer = parts.outer
     if outer is None:

@@ -270,9 +270,8 @@ def main() -> int:
 
 
 def run_as_process() -> NoReturn:
-    """The rank as a process: ``main``, then out at once. Run as ``python -m
-    isthmus.deploy.rank.program`` or in a child of the launcher's zygote
-    (deploy/launch/zygote.py)."""
+    """The rank as a process (``python -m``, or a child of the launcher's zygote): ``main``,
+    then out at once."""
     code = main()
     # Everything the rank owes is written and closed (its result file, metrics, lanes,
     # process group). Python's own teardown of torch, gloo and gRPC state took ~2 s

@@ -117,9 +117,8 @@ class RankParts:
 
 
 def join_site(env: RankEnv, config: JobConfig) -> tuple[DeviceMesh, tuple[int, int, int, int]]:
-    """Joins the site's torch.distributed world and builds its mesh (the first thing
-    every rank does, the built-in trainer's and a user's script's alike); returns it and
-    this rank's ``(pp, dp, cp, tp)`` coordinate in it."""
+    """Joins the site's torch.distributed world (every rank's first act, a script's too)
+    and builds its mesh; returns it and this rank's ``(pp, dp, cp, tp)`` in it."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dev = config.device_type
     layout = config.site_layout(env.site)
@@ -154,8 +153,7 @@ def security_of(env: RankEnv, config: JobConfig) -> SiteSecurity | None:
 
 
 def join_job(env: RankEnv, config: JobConfig, security: SiteSecurity | None) -> CrossSite | None:
-    """For a job of several sites: opens the rank's lane and joins the job (None for one
-    site)."""
+    """Opens the rank's lane and joins the job; None for a job of one site."""
     if len(config.site_names) > 1:
         return CrossSite.start(
             site=env.site,
@@ -175,8 +173,7 @@ def join_job(env: RankEnv, config: JobConfig, security: SiteSecurity | None) -> 
 
 
 def set_up(env: RankEnv, config: JobConfig) -> RankParts:
-    """Builds the rank (see the module docstring); returns once every rank of the site
-    is ready for its first step."""
+    """Builds the rank (module docstring); returns once the site's ranks are all ready."""
     dev = config.device_type
     layout = config.site_layout(env.site)
     mesh, (_, dp_i, _, _) = join_site(env, config)
@@ -276,9 +273,8 @@ def open_metrics(
 def outer_optimizer(
     config: JobConfig, trainer: Trainer, cross: CrossSite | None
 ) -> OuterOptimizer | None:
-    """DiLoCo and Streaming DiLoCo: each site steps alone, an outer optimizer syncs
-    (and travels with the rank's state: ``cross.outer``). None with per-step sync or
-    one site."""
+    """DiLoCo and streaming's outer optimizer (also ``cross.outer``, which carries it in the
+    rank's state); None with per-step sync or one site."""
     streaming = config.sync.mode == "streaming"
     if not (streaming or config.sync.mode == "diloco") or cross is None:
         return None
