@@ -15,7 +15,18 @@ from typing import Any
 
 import grpc
 
-__all__ = ["MalformedRequests"]
+__all__ = ["MalformedRequests", "handler_parts"]
+
+
+def handler_parts(handler: grpc.RpcMethodHandler) -> tuple[Callable, Callable]:
+    """A handler's behaviour, and the factory of a handler of its kind (unary, streams)."""
+    if handler.request_streaming and handler.response_streaming:
+        return handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    if handler.request_streaming:
+        return handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    if handler.response_streaming:
+        return handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    return handler.unary_unary, grpc.unary_unary_rpc_method_handler
 
 
 class _Malformed:
@@ -53,8 +64,8 @@ class MalformedRequests(grpc.ServerInterceptor):
         def refuse(request: _Malformed, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {what}: {request.why}")
 
+        inner, make = handler_parts(handler)
         if handler.request_streaming:
-            inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
             # Declared once: the two branches define it with different parameter names.
             behaviour: Callable[[Any, grpc.ServicerContext], Any]
 
@@ -67,24 +78,13 @@ class MalformedRequests(grpc.ServerInterceptor):
             def behaviour(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 return inner(checked(requests, context), context)
 
-            make = (
-                grpc.stream_stream_rpc_method_handler
-                if handler.response_streaming
-                else grpc.stream_unary_rpc_method_handler
-            )
         else:
-            inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
             def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
                 if isinstance(request, _Malformed):
                     refuse(request, context)  # raises
                 return inner(request, context)
 
-            make = (
-                grpc.unary_stream_rpc_method_handler
-                if handler.response_streaming
-                else grpc.unary_unary_rpc_method_handler
-            )
         return make(
             behaviour,
             request_deserializer=_lenient(handler.request_deserializer),

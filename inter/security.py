@@ -52,6 +52,7 @@ import grpc.aio
 
 from isthmus.inter.bounds import RefusalLog
 from isthmus.inter.closable import ClosableChannel
+from isthmus.inter.malformed import handler_parts
 
 __all__ = [
     "HEALTH_PREFIX",
@@ -265,14 +266,7 @@ class _Gate(grpc.ServerInterceptor):
 
 def _wrap(handler: grpc.RpcMethodHandler, check: Callable) -> grpc.RpcMethodHandler:
     """The same handler with ``check(context)`` run first (it aborts on a refusal)."""
-    if handler.request_streaming and handler.response_streaming:
-        inner, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        inner, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        inner, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-    else:
-        inner, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    inner, make = handler_parts(handler)
 
     def behaviour(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
         check(context)  # raises on refusal: the handler never sees the request

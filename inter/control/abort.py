@@ -37,13 +37,8 @@ def abort_problem(reason: str) -> str | None:
 
 
 class JobAbort:
-    """What one site knows of the job's abort (thread-safe).
-
-    Args:
-        site: this site's name.
-        peers: the other sites of the job.
-        clock: what ``wait_told``'s deadline is read on (seconds, monotonic).
-    """
+    """What one site knows of the job's abort (thread-safe); ``wait_told``'s deadline is
+    read on ``clock``."""
 
     def __init__(self, site: str, peers: Iterable[str], clock: Callable[[], float]) -> None:
         self.site = site

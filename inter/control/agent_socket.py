@@ -12,13 +12,12 @@ uses an agent only when
    user's, the folder writable by no one else, and every folder above it (and every link
    on the way) root's or the user's, writable by others only if sticky (as ``/tmp``).
 
-Every connection a rank opens is checked, again after its agent went away too. An agent
-refused is refused for good: the rank says why in one line and calls its coordinator (an
-agent is a fast path, never the only one). An address that is not a Unix socket path is
-refused: any local user may listen on a loopback port, or take a free abstract name. A
-socket not there yet is not refused: :class:`AgentLink` waits for it in the background for
-as long as the rank's start-up may take, the rank calling the coordinator meanwhile.
-Whichever of the rank's threads waits reads the connection: no thread hand-off.
+Every connection a rank opens is checked. An agent refused is refused for good: the rank
+says why in one line and calls its coordinator. An address that is not a Unix socket path
+is refused: any local user may listen on a loopback port, or take a free abstract name. A
+socket not there yet is waited for in the background (:class:`AgentLink`) for as long as
+the rank's start-up may take, the rank calling the coordinator meanwhile. Whichever of the
+rank's threads waits reads the connection: no thread hand-off.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ _FIRST_PAUSE_S, _MAX_PAUSE_S = 0.02, 0.5  # looking for an agent not up yet: soo
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _SEND_TIMEOUT_S = 5.0  # an agent that leaves no room to send a frame for that long is gone
 _REOPEN_S = 0.5  # after the connection broke: how often another is tried
+_DIRECTLY = ": calling the coordinator directly"
 
 
 class AgentRefused(Exception):
@@ -78,9 +78,12 @@ def _peer_uid(sock: socket.socket, path: Path) -> int:
     return uid
 
 
+def _not_ours(address: str, path: Path, uid: int, ours: int) -> AgentRefused:
+    return AgentRefused(f"host agent at {address}: {path} is owned by uid {uid}, not ours ({ours})")
+
+
 def _check_folders(address: str, folder: Path, ours: int) -> None:
-    """The folder holding the socket, and every one above it, as the module docstring
-    says; raises :class:`AgentNotUp` when the folder is not there yet."""
+    """The socket's folder and every one above it, as the module docstring says."""
     parts = [folder, *folder.parents]
     real = Path(os.path.realpath(folder))
     if real != folder:  # a link on the way: the folders it leads through count too
@@ -92,9 +95,7 @@ def _check_folders(address: str, folder: Path, ours: int) -> None:
             raise AgentNotUp(f"{part} does not exist yet") from None
         own = part in (folder, real)  # the socket's own folder: ours alone
         if st.st_uid != ours and (own or st.st_uid != 0):
-            raise AgentRefused(
-                f"host agent at {address}: {part} is owned by uid {st.st_uid}, not ours ({ours})"
-            )
+            raise _not_ours(address, part, st.st_uid, ours)
         if stat.S_ISLNK(st.st_mode):
             continue  # a link's mode means nothing; its folder and its target are checked
         if st.st_mode & _OTHERS_WRITE and (own or not st.st_mode & stat.S_ISVTX):
@@ -123,9 +124,7 @@ def connect_agent(address: str) -> AgentConnection:
         if not stat.S_ISSOCK(st.st_mode):
             raise AgentRefused(f"host agent at {address}: {path} is not a socket")
         if st.st_uid != ours:
-            raise AgentRefused(
-                f"host agent at {address}: {path} is owned by uid {st.st_uid}, not ours ({ours})"
-            )
+            raise _not_ours(address, path, st.st_uid, ours)
     except BaseException:
         if connection is not None:
             connection.close()
@@ -188,8 +187,7 @@ class AgentConnection:
         self._cond = threading.Condition(threading.Lock())
         self._waiting: dict[int, _Request] = {}
         self._reading = False
-        self.broken = ""
-        """Why the connection is no more ("" while it is open)."""
+        self.broken = ""  # why the connection is no more ("" while it is open)
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -227,10 +225,8 @@ class AgentConnection:
         else:
             why = "the agent closed the connection"
         if not data:
-            partial = (
-                f" ({self._frames.partial} bytes of a frame unread)" if self._frames.partial else ""
-            )
-            self._break(why + partial)
+            partial = self._frames.partial
+            self._break(why + (f" ({partial} bytes of a frame unread)" if partial else ""))
             return []
         try:
             return self._frames.feed(data)
@@ -302,8 +298,7 @@ class AgentConnection:
         if not self.broken:
             self.broken = why or "broken"
 
-    def close(self) -> None:
-        """Closes the connection: the agent forgets this rank at once."""
+    def close(self) -> None:  # the agent forgets this rank at once
         self._break("closed")
         with contextlib.suppress(OSError):  # shutdown wakes a thread waiting to read
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -333,9 +328,7 @@ class AgentLink:
             self._look()
         except AgentNotUp as exc:
             if wait_s <= 0:
-                self._say(
-                    f"host agent at {address} not up ({exc}): calling the coordinator directly"
-                )
+                self._say(f"host agent at {address} not up ({exc}){_DIRECTLY}")
                 return
             args = (time.monotonic() + wait_s, wait_s)
             self._waiter = threading.Thread(
@@ -344,8 +337,7 @@ class AgentLink:
             self._waiter.start()
 
     @property
-    def checked(self) -> bool:
-        """Whether the agent was checked and taken (for good once it was)."""
+    def checked(self) -> bool:  # the agent was checked and taken (for good)
         return self._checked
 
     def connection(self) -> AgentConnection | None:
@@ -374,7 +366,7 @@ class AgentLink:
         try:
             connection = connect_agent(self.address)
         except AgentRefused as exc:
-            self._say(f"{exc}: calling the coordinator directly")
+            self._say(f"{exc}{_DIRECTLY}")
             return
         with self._lock:
             if self._closed.is_set():
@@ -391,10 +383,8 @@ class AgentLink:
                 return
             except AgentNotUp as exc:
                 if time.monotonic() >= deadline:
-                    self._say(
-                        f"host agent at {self.address} not up after {wait_s:g}s, the rank's "
-                        f"start-up ({exc}): calling the coordinator directly"
-                    )
+                    up = f"not up after {wait_s:g}s, the rank's start-up ({exc})"
+                    self._say(f"host agent at {self.address} {up}{_DIRECTLY}")
                     return
             pause = min(2 * pause, _MAX_PAUSE_S, max(deadline - time.monotonic(), 0.0))
 
@@ -406,8 +396,7 @@ class AgentLink:
         log.warning("%s", line)
 
     def unreachable(self, details: str) -> None:
-        """A call to the agent found it unreachable (``UNAVAILABLE``): the caller makes it
-        at the coordinator; the first time, the rank's log says so."""
+        """A call to the agent found it unreachable: the caller makes it at the coordinator."""
         self._say(f"host agent at {self.address} unreachable ({details}): calling the coordinator")
 
     def close(self) -> None:

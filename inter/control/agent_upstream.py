@@ -50,16 +50,9 @@ STOPPED: tuple[grpc.StatusCode, str] = (grpc.StatusCode.UNAVAILABLE, "host agent
 
 def upstream(channel: grpc.Channel, *, rpc_slack_s: float) -> LoopUpstream:
     """The agent's way to its coordinator on ``channel``'s grpc.aio twin; make it on the
-    agent's loop (the twin's channel binds to it).
-
-    Args:
-        rpc_slack_s: how long past a vote's wait its answer may take before its stream
-            counts as broken (less than the ranks' own slack: a silent stream is the
-            agent's to notice, so a rank hears of it, and votes again, before its deadline).
-
-    Raises:
-        ValueError: ``channel`` has no grpc.aio twin (``peer_channel`` did not make it).
-    """
+    agent's loop (the twin's channel binds to it). ``rpc_slack_s``: how long past a vote's
+    wait its answer may take before its stream counts as broken (less than the ranks' own
+    slack, so a rank hears of a silent stream, and votes again, before its deadline)."""
     twin = aio_twin(channel)
     if twin is None:
         raise ValueError("a host agent's channel is one that peer_channel made (a grpc.aio twin)")
@@ -69,8 +62,7 @@ def upstream(channel: grpc.Channel, *, rpc_slack_s: float) -> LoopUpstream:
 class LoopUpstream:
     """The agent's calls as coroutines of its loop, on a ``grpc.aio`` channel."""
 
-    messages = 0
-    """Messages of ballots sent."""
+    messages = 0  # of ballots sent
     closed = False
 
     def __init__(self, channel: grpc.aio.Channel, *, rpc_slack_s: float) -> None:
@@ -111,11 +103,7 @@ class LoopUpstream:
             return grpc.StatusCode.DEADLINE_EXCEEDED, f"host agent: {exc}"
 
     async def call(self, method: str, request, timeout_s: float | None):
-        """``request`` to the coordinator's ``method``; its answer.
-
-        Raises:
-            grpc.RpcError: refused, or no answer in time.
-        """
+        """``request`` to the coordinator's ``method``; its answer (or ``grpc.RpcError``)."""
         return await getattr(self.stub, method)(request, timeout=timeout_s)
 
     def poll(self, request: pb.GetMembershipRequest, timeout_s: float, done: Callable) -> Any:
@@ -168,12 +156,8 @@ class _Stream:
 
     async def vote(self, message: pb.CommitHostStepRequest, timeout_s: float):
         """The decision; None when the stream ended for a reason that sends the vote by a
-        call instead (as HostSession's: no session slot, broken, the coordinator stopping).
-
-        Raises:
-            grpc.RpcError: the vote was refused (the stream ended with that status).
-            TimeoutError: no answer within ``timeout_s`` (the stream is dropped).
-        """
+        call instead (as HostSession's: no session slot, broken, the coordinator stopping);
+        ``grpc.RpcError`` when the vote was refused, ``TimeoutError`` after ``timeout_s``."""
         if self._call is None:
             self._call = self._stub.HostSession()
         call = self._call

@@ -85,7 +85,6 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def frame(kind: int, rid: int, payload: bytes = b"") -> bytes:
-    """One frame of ``payload``."""
     return HEADER.pack(len(payload), kind, rid) + payload
 
 
@@ -101,12 +100,9 @@ def status_error(payload: bytes) -> StatusError:
 
 
 class Frames:
-    """Whole frames out of a byte stream, as its pieces arrive (no I/O of its own).
-
-    Args:
-        limit: the largest payload taken, bytes; a header naming more raises
-            :class:`FrameError` before anything of it is buffered.
-    """
+    """Whole frames out of a byte stream, as its pieces arrive (no I/O of its own); a
+    header naming a payload over ``limit`` bytes raises :class:`FrameError` before
+    anything of it is buffered."""
 
     def __init__(self, limit: int = MAX_PAYLOAD) -> None:
         self.limit = limit
@@ -118,11 +114,7 @@ class Frames:
         return len(self._buffer)
 
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
-        """The frames that ``data`` completes, in order: (kind, request id, payload).
-
-        Raises:
-            FrameError: a header names a payload over ``limit``.
-        """
+        """The frames that ``data`` completes, in order: (kind, request id, payload)."""
         buffer = self._buffer
         buffer += data
         frames, at, size = [], 0, HEADER.size
@@ -148,11 +140,7 @@ class RankWire(asyncio.Protocol):
     ``on_frame(wire, kind, rid, payload)``, and ``on_lost(wire)`` runs once it closed (the
     rank's process ended, or it closed its client). A stream that is no stream of frames
     is dropped, as is a rank that reads none of its answers (its socket's buffer full).
-
-    Attributes:
-        keys: the rank keys seen on this connection (its rank's; the agent forgets them
-            when it closes).
-        held: the agent's own record of what this rank has held there, by request id.
+    ``keys``: the rank keys seen on it; ``held``: what the agent holds of it, by request id.
     """
 
     def __init__(self, on_frame: OnFrame, on_lost: Callable[[RankWire], None]) -> None:
@@ -188,13 +176,11 @@ class RankWire(asyncio.Protocol):
         self.closed = True
         self._on_lost(self)
 
-    def send(self, kind: int, rid: int, payload: bytes) -> None:
-        """Answers request ``rid`` (nothing once the connection closed)."""
+    def send(self, kind: int, rid: int, payload: bytes) -> None:  # not once closed
         if not self.closed and self._transport is not None:
             self._transport.write(frame(kind, rid, payload))
 
     def error(self, rid: int, code: grpc.StatusCode, details: str) -> None:
-        """Ends request ``rid`` with ``code``."""
         self.send(Kind.ERROR, rid, status_payload(code, details))
 
     def abort(self) -> None:

@@ -224,9 +224,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def tell_peers_of_abort(self) -> list[str]:
         """After a local script's error, keeps answering until every peer heard from
-        lately has asked and heard of it (in its next heartbeat or join), at most
-        ``failure_timeout_s`` (a peer silent that long is taken for dead anyway);
-        returns the peers that did not hear it."""
+        lately has heard of it, at most ``failure_timeout_s`` (a peer silent that long is
+        taken for dead anyway); returns the peers that did not hear it."""
         st, s = self.state, self.settings
         with st.cond:
             now = st.clock()
@@ -263,11 +262,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     aborted_here = _view("abort.here", "The job's abort came from a rank of this site.")
 
     def wait_ready(self, timeout_s: float) -> list[pb.SiteInfo]:
-        """Block until the membership exists; returns the sites in index order.
-
-        Raises:
-            CoordinatorError: a refused join, or no membership within the timeout.
-        """
+        """Block until the membership exists; returns the sites in index order
+        (``CoordinatorError``: a refused join, or no membership within the timeout)."""
         st = self.state
         with st.cond:
             if not st.cond.wait_for(lambda: st.generation > 0 or st.error is not None, timeout_s):
@@ -328,10 +324,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         with beat, polls as may_wait:
             wait_s = min(request.wait_ms, MAX_WAIT_MS) / 1000.0 if may_wait else 0.0
             if beating:
-                # A poll in flight is a beat only while its caller can be there: a node
-                # frozen or cut off without a reset leaves its agent's poll open here,
-                # and a 10 s hold vouched for its ranks that long (issue 59). Held at
-                # most half the silence, a silent caller is found within 1.5 x of it.
+                # A poll is a beat only while its caller can be there: a frozen node leaves
+                # its agent's poll open (issue 59). Held at most half the silence, a silent
+                # caller is found within 1.5 x of it.
                 wait_s = min(wait_s, self.rank_liveness.silence_s / 2)
             st.await_membership(request.known_generation, st.clock() + wait_s)
         with st.cond:
@@ -339,10 +334,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, st.error)
             if not st.running:
                 return pb.GetMembershipResponse(generation=0)
-            # A caller that knows this generation has its sites: each rank's watcher asks
-            # once a second, and every site's lanes in each answer made the site's polls
-            # O(ranks²) bytes a second (docs/benchmarks/control-plane.md, "The control
-            # plane at scale").
+            # A caller that knows this generation has its sites: every site's lanes in each
+            # watcher's answer made the polls O(ranks²) bytes a second.
             known = request.known_generation == st.generation
             return pb.GetMembershipResponse(
                 generation=st.generation,
@@ -367,13 +360,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def AbortJob(self, request, context):  # noqa: N802
         refuse_unless_named(self.security, context, self.where, request.site, "AbortJob")
-        if request.site != self.site or request.rank >= self.ranks:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {request.rank} of site {request.site[:64]!r} is not one of "
-                f"{self.site}'s {self.ranks} ranks",
-            )
         problem = abort_problem(request.reason)
+        if request.site != self.site or request.rank >= self.ranks:
+            rank = f"rank {request.rank} of site {request.site[:64]!r}"
+            problem = f"{rank} is not one of {self.site}'s {self.ranks} ranks"
         if problem is not None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if not self.rank_keys.speaks_for(request.rank, request.rank_key):
@@ -398,10 +388,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             st.report_progress_locked(
                 request.step, request.finished, request.digest_step, request.digest
             )
-        replicas = st.replicas
-        divergence = replicas.record(
-            self.site, request.digest_step, request.digest, request.model_layout
-        )
+        replicas, digest = st.replicas, request.digest
+        divergence = replicas.record(self.site, request.digest_step, digest, request.model_layout)
         if divergence:
             self.metrics.replicas_identical.labels(self.site).set(0)
         # A script's rank waits on this before step 0 (deploy/api.py): that every

@@ -123,26 +123,18 @@ class CoordinatorClient:
         agent_wait_s: float = 0.0,
     ) -> CoordinatorClient:
         """A client of the coordinator at ``address`` ("host:port"), with mutual TLS and
-        the job token as ``security`` says (None = plaintext).
-
-        Args:
-            agent: where this host's agent listens ("unix:/path"; "" for none). It is
-                used only once it is checked to be this user's own and safe from being
-                swapped (inter/control/agent_socket.py); else the calls go to the
-                coordinator, and the rank's log says why in one line.
-            agent_wait_s: how long to wait, in the background, for an agent not up yet
-                (the rank's own start-up deadline); 0: look once.
-        """
+        the job token as ``security`` says (None = plaintext). ``agent`` ("unix:/path")
+        is used once it is checked (agent_socket.py), waited for in the background for
+        ``agent_wait_s`` (the rank's start-up deadline; 0: look once)."""
         link = AgentLink(agent, wait_s=agent_wait_s) if agent else None
         return cls(peer_channel(address, security=security), rank_key=rank_key, agent=link)
 
     def _via_agent(
         self, kind: Kind, request, timeout_s: float, on_call: Callable | None = None
     ) -> bytes | None:
-        """``request`` to the agent, the answer's payload; None when there is no agent or
-        it is unreachable (UNAVAILABLE: the agent never says that of the coordinator),
-        for the caller to ask the coordinator instead. An agent not checked yet, or
-        refused, is no agent (inter/control/agent_socket.py)."""
+        """``request`` to the agent, the answer's payload; None when there is no agent (one
+        not checked yet, or refused, is none) or it is unreachable (UNAVAILABLE: the agent
+        never says that of the coordinator), for the caller to ask the coordinator."""
         agent = self.agent
         if agent is None:
             return None
@@ -191,15 +183,9 @@ class CoordinatorClient:
         )
 
     def wait_membership(self, timeout_s: float) -> Membership:
-        """Waits until every site of the job is ready and returns the membership.
-
-        Asks by long poll (each call held up to 5 s, with a 15 s deadline).
-
-        Raises:
-            TimeoutError: no membership after ``timeout_s``.
-            grpc.RpcError: a call failed (FAILED_PRECONDITION once the coordinator
-                gave up on the job, e.g. a peer with another fingerprint).
-        """
+        """Waits, by long poll, until every site of the job is ready and returns the
+        membership; ``TimeoutError`` after ``timeout_s``, ``grpc.RpcError``
+        FAILED_PRECONDITION once the coordinator gave up on the job."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             reply = self.stub.GetMembership(
@@ -238,21 +224,11 @@ class CoordinatorClient:
         the host's others in one message), else on this rank's ``HostSession`` stream (at
         2 x 256 ranks on 2 cores: the step's decision 317 -> 130 ms, p50, against a call);
         one that does not wait (``wait_ms`` 0: a vote ahead, from another thread while the
-        session may hold a waiting vote) is a ``CommitStep`` call.
-
-        Raises:
-            grpc.RpcError: INVALID_ARGUMENT or FAILED_PRECONDITION when the vote is
-                refused (a stale generation, a rank this process does not speak for);
-                other codes when the coordinator did not answer.
-            TimeoutError: the session gave no answer in ``timeout_s``.
+        session may hold a waiting vote) is a ``CommitStep`` call. A refused vote raises
+        ``grpc.RpcError``; a session that gave no answer in ``timeout_s``, ``TimeoutError``.
         """
         ballot: dict[str, Any] = {"rank": rank, "ok": ok, "rank_key": self.rank_key}
-        on: dict[str, Any] = {
-            "site": site,
-            "step": step,
-            "generation": generation,
-            "wait_ms": wait_ms,
-        }
+        on: dict[str, Any] = dict(site=site, step=step, generation=generation, wait_ms=wait_ms)
         if wait_ms == 0:
             request = pb.CommitStepRequest(**on, **ballot, sites_known=True)
             return self.stub.CommitStep(request, timeout=timeout_s)
@@ -295,17 +271,9 @@ class CoordinatorClient:
 
     def report_progress(self, progress: Progress, *, timeout_s: float) -> str:
         """Reports one step (with this client's key) to the coordinator, which feeds
-        Prometheus and compares the digest with the other sites'.
-
-        Returns:
-            Why the sites' replicas differ when a peer reported another digest for a
-            step this site digested too, else "".
-
-        Raises:
-            grpc.RpcError: INVALID_ARGUMENT for a malformed report, PERMISSION_DENIED
-                when the key is not one of the site's registered ranks', or the call
-                failed or timed out.
-        """
+        Prometheus and compares the digest with the other sites'. Returns why the sites'
+        replicas differ when a peer reported another digest for a step this site digested
+        too, else "" (PERMISSION_DENIED when the key is no registered rank's)."""
         return self.report(progress, timeout_s=timeout_s)[0]
 
     def report(self, progress: Progress, *, timeout_s: float) -> tuple[str, bool]:
@@ -319,13 +287,8 @@ class CoordinatorClient:
 
     def abort_job(self, *, site: str, rank: int, reason: str, timeout_s: float) -> None:
         """Says that this rank's script raised: the job stops at every site (the site's
-        coordinator tells its peers, inter/control/abort.py).
-
-        ``reason`` is the traceback's last line, cut to what the coordinator takes.
-
-        Raises:
-            grpc.RpcError: the coordinator refused the call or did not answer in time.
-        """
+        coordinator tells its peers, inter/control/abort.py). ``reason`` is the traceback's
+        last line, cut to what the coordinator takes."""
         line = "".join(c if c.isprintable() else " " for c in " ".join(reason.split()))
         reason = line[:MAX_REASON_CHARS] or "the script failed"
         request = pb.AbortJobRequest(site=site, rank=rank, rank_key=self.rank_key, reason=reason)

@@ -5,13 +5,12 @@ have, the site votes at the *leader*, the lowest-index member it has not lost to
 (``SiteVote``: one WAN call per site per step). The leader alone decides, per (step,
 generation):
 
-* COMMIT when every member voted ok: each site applies the update (invariant 2: an
-  update is applied once or not at all). A COMMIT may carry the next generation when
-  restarted or excluded sites are waiting to be admitted; the leader's ranks then
-  offer their state after the step, and the joiners pull it.
-* RETRY when a member voted not ok or fell silent for ``failure_timeout_s``: the
-  leader proposes generation g+1 with the members still heard from (``Propose``) and
-  every member runs the step's rounds again in it, untouched shards and all.
+* COMMIT when every member voted ok: each site applies the update (invariant 2: once or
+  not at all). A COMMIT may carry the next generation, admitting waiting sites; the
+  leader's ranks then offer their state after the step, and the joiners pull it.
+* RETRY when a member voted not ok or fell silent for ``failure_timeout_s``: the leader
+  proposes generation g+1 with the members still heard from (``Propose``), and every
+  member runs the step's rounds again in it.
 * STOP when no quorum can be formed for ``quorum_wait_s``.
 
 Quorum: more than half of the job's sites, or exactly half including the first site
@@ -182,8 +181,7 @@ class Failover:
             self._refuse_if_too_far_locked(request.step, context)
             for ballot in ballots:
                 self.ballots.vote_rank_locked(key, ballot.rank, ballot.ok)
-        # A vote is a beat (inter/control/rank_liveness.py): a late agent's ranks that
-        # still vote through it are not its silence.
+        # A vote is a beat: a late agent's ranks that still vote through it are not silent.
         self.rank_liveness.voted([ballot.rank for ballot in ballots])
         return key
 
@@ -203,9 +201,8 @@ class Failover:
         with st.cond:
             st.heard_from_locked(request.site)
             if request.site not in st.members:
-                # Checked before the stored decisions: one of an older generation may
-                # name the voter and would send it back into a generation the job has
-                # left. It hears that it was left out from its heartbeats, and joins.
+                # Before the stored decisions: one of an older generation may name the
+                # voter and send it back. It hears it was left out from its heartbeats.
                 why = f"{request.site} is not a member of generation {st.generation}"
                 return _pending(request.step, why)
             found = b.decisions.get(key)
@@ -256,9 +253,8 @@ class Failover:
         sites_known: bool = False,
         slot: bool = True,
     ) -> pb.Decision:
-        # ``caller`` holds two slots at most: a vote and an early vote (inter/bounds.py); a
-        # HostSession's vote waits on the session's slot. It waits on its key's event, not
-        # the state's condition: a wake-up of every voter per transition grew with the ranks.
+        # ``caller`` holds two slots at most (a vote, an early vote), a HostSession's vote its
+        # session's. Each waits on its key's event: waking all per transition grew with ranks.
         st, b = self.state, self.ballots
         waits = (
             self._long_polls.wait(context, caller, 2, paced=paced) if slot else nullcontext(True)
@@ -290,8 +286,7 @@ class Failover:
         while not st.stopped.is_set():
             with st.cond:
                 # Woken by a site's last vote (or other news), else every _LOOP_S. A key
-                # completed while settling another is not waited for: its notification
-                # came before this wait, and the tick cost up to 50 ms a step.
+                # completed while settling another is not waited for (up to 50 ms a step).
                 fresh = st.generation and set(b.voted_locked(st.ranks)) - settled
                 if not fresh:
                     st.cond.wait(_LOOP_S)
@@ -389,8 +384,7 @@ class Failover:
             return
         going_on = decision.verdict in (pb.VERDICT_COMMIT, pb.VERDICT_RETRY)
         if going_on and st.site not in [info.name for info in decision.sites]:
-            # The job went on without this site: ask to be admitted again; the ranks
-            # keep waiting and get REJOIN then.
+            # The job went on without this site: ask to be admitted again (REJOIN then).
             with st.cond:
                 st.exclude_locked(f"step {key[0]} went on without this site")
             return

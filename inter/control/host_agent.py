@@ -1,12 +1,11 @@
 """One agent per host for a site's ranks there: their votes in one message, their
 watches in one poll.
 
-Per rank, a site of 1,024 ranks costs its coordinator 1,024 vote messages a step and a
-watch call a rank every few seconds; at 2 x 1,024 ranks that kept the job under one step a
-second on 16 cores (docs/benchmarks/control-plane.md, "The control plane at scale"). A
-launcher that starts a host's ranks (deploy/launch/ranks.py) runs a :class:`HostAgent`
-beside them, on a Unix socket in the ranks' own 0700 folder, and the ranks send it the two
-requests that scale with them, as frames on one connection a rank (agent_wire.py):
+Per rank, 2 x 1,024 ranks' votes and watches kept the job under one step a second on 16
+cores (docs/benchmarks/control-plane.md). A launcher that starts a host's ranks runs a
+:class:`HostAgent` beside them, on a Unix socket in the ranks' own 0700 folder, and the
+ranks send it the two requests that scale with them, as frames on one connection a rank
+(agent_wire.py):
 
 - **A vote that waits**: the first ballot of a (step, generation) waits until every rank of
   the host voted or ``linger_s`` passed; then they go as one message on the agent's
@@ -14,10 +13,9 @@ requests that scale with them, as frames on one connection a rank (agent_wire.py
   ballot by ballot, so one rank's bad key or stale generation is that rank's alone.
 - **A watch**: the agent keeps one long poll open at the coordinator and answers the
   ranks' watches from it, as the coordinator would. Its poll names the ranks it vouches
-  for (inter/control/vouches.py) and is sent again as soon as they change: a rank new
-  here, one whose connection closed, one that stopped watching ``vouch_s`` of the agent's
-  own time after its last watch ended (an agent starved of CPU does not take its own
-  lateness for its ranks' silence).
+  for (vouches.py) and is sent again as soon as they change: a rank new here, one whose
+  connection closed, one that stopped watching ``vouch_s`` of the agent's own time after
+  its last watch ended.
 
 The agent runs on one event loop, a thread of its own, and calls its coordinator on the
 grpc.aio twin of its channel (agent_upstream.py): a gRPC server for its ranks cost ~100 µs
@@ -51,8 +49,7 @@ __all__ = ["HostAgent", "quiet_closed_loop_events"]
 
 log = logging.getLogger("isthmus.host_agent")
 
-_RANK_WAIT_MS = 5_000
-"""The longest a rank's watch is held here (a rank asks for 5 s: inter/data/sync/membership.py)."""
+_RANK_WAIT_MS = 5_000  # the longest a rank's watch is held here (a rank asks for 5 s)
 _RPC_SLACK_S = 5.0
 _INVALID, _LATE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -71,8 +68,7 @@ class _Watch:
 class _Ballots:
     """The host's ballots on one (step, generation), gathered until sent."""
 
-    request: pb.CommitHostStepRequest
-    """The first vote: the site, step, generation and ``sites_known`` of all."""
+    request: pb.CommitHostStepRequest  # the first vote: the site, step, ... of all
     wait_ms: int
     ballots: dict[int, pb.RankBallot] = field(default_factory=dict)
     voters: list[tuple[RankWire, int, list[int]]] = field(default_factory=list)
@@ -81,17 +77,12 @@ class _Ballots:
 
 
 class HostAgent:
-    """Votes and watches of one host's ranks of ``site``, at its coordinator.
-
-    Args:
-        channel: a channel to the site's coordinator that ``peer_channel`` made (TLS and
-            token as the ranks' own): the agent calls on its grpc.aio twin.
-        ranks: how many of the site's ranks run on this host, at most.
-        listen: "unix:/path", or "127.0.0.1:0", which no rank takes (agent_socket.py).
-        linger_s: how long the first ballot of a step waits for the host's others. It
-            costs the step nothing (its decision waits for every rank's vote anyway).
-        vouch_s: a rank heard from this recently (of the agent's own time, on ``clock``)
-            is vouched for in the agent's polls.
+    """Votes and watches of at most ``ranks`` ranks of ``site`` on one host, at its
+    coordinator, on the grpc.aio twin of ``channel`` (``peer_channel``'s: TLS and token as
+    the ranks' own). ``listen``: "unix:/path", or "127.0.0.1:0", which no rank takes.
+    ``linger_s``: how long the first ballot of a step waits for the host's others (free:
+    the decision waits for every rank's vote anyway). ``vouch_s``: a rank heard from this
+    recently (of the agent's own time, on ``clock``) is vouched for in its polls.
     """
 
     def __init__(
@@ -106,14 +97,11 @@ class HostAgent:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ranks < 1 or linger_s < 0 or vouch_s <= 0:
-            raise ValueError(
-                f"ranks >= 1, linger_s >= 0, vouch_s > 0; got {ranks}, {linger_s}, {vouch_s}"
-            )
+            got = f"got {ranks}, {linger_s}, {vouch_s}"
+            raise ValueError(f"ranks >= 1, linger_s >= 0, vouch_s > 0; {got}")
         self.site, self.ranks = site, ranks
         self.linger_s, self.vouch_s = linger_s, vouch_s
-        self.address = listen
-        """Where the ranks reach the agent (a port bound to 0 is named once started)."""
-        self._listen = listen
+        self.address = self._listen = listen  # a port 0 is named once started
         self.votes = self.watches = self.rank_connections = 0  # what the ranks sent here
         # Everything below is the event loop's alone.
         self.loop = asyncio.new_event_loop()
@@ -133,11 +121,7 @@ class HostAgent:
         self._vouches = Vouches(vouch_s, clock)
         self._held: set[_Watch] = set()  # the ranks' watches held here now
         self.poll = AgentPoll(
-            self._vouches,
-            self.loop,
-            lambda request, timeout_s, done: self._up.poll(request, timeout_s, done),
-            self._publish,
-            site,
+            self._vouches, self.loop, lambda *call: self._up.poll(*call), self._publish, site
         )
         self._encoded: dict[bool, bytes] = {}  # the membership as sent, with sites or without
 
@@ -150,8 +134,7 @@ class HostAgent:
     def batches(self) -> int:
         return self.upstream.messages if self.upstream is not None else 0
 
-    def stats(self) -> dict[str, int]:
-        """What the agent carried so far: the ranks' requests and the coordinator's."""
+    def stats(self) -> dict[str, int]:  # the ranks' requests and the coordinator's
         return {
             "ranks": self.ranks,
             "votes": self.votes,
@@ -223,8 +206,7 @@ class HostAgent:
             wire.abort()
         if self.upstream is not None:
             await self.upstream.aclose()
-        # Every task left ends before the loop stops (the closed channel's calls' own
-        # too, else asyncio reports them destroyed while pending).
+        # Every task left ends before the loop stops, else asyncio reports it destroyed.
         left = asyncio.all_tasks() - {asyncio.current_task()}
         for task in left:
             task.cancel()
@@ -257,9 +239,8 @@ class HostAgent:
             wire.error(rid, _INVALID, f"not a message of kind {kind}")
 
     def _on_lost(self, wire: RankWire) -> None:
-        """A rank's connection closed (its process ended, or it closed its client): its
-        watches end, its ballots not sent yet are withdrawn, and the agent stops vouching
-        for it now, not ``vouch_s`` later: its coordinator counts its silence at once."""
+        """A rank's connection closed: its watches end, its ballots not sent yet are
+        withdrawn, and the agent stops vouching for it now, not ``vouch_s`` later."""
         self._wires.discard(wire)
         for watch in list(wire.held.values()):
             self._end_watch(watch, lost=True)
@@ -278,8 +259,7 @@ class HostAgent:
                 self._seal(key, batch)
 
     def _vote(self, wire: RankWire, rid: int, request: pb.CommitHostStepRequest) -> None:
-        """A rank's ballots join the host's batch on their (step, generation); the rank is
-        answered when the batch is."""
+        """A rank's ballots join the host's batch; the rank is answered when the batch is."""
         if request.wait_ms <= 0 or not request.ballots:  # the coordinator's to answer
             wire.error(rid, _INVALID, "a vote through the host agent has ballots and waits")
             return
@@ -349,8 +329,7 @@ class HostAgent:
         self._held.add(watch)
 
     def _end_watch(self, watch: _Watch, *, cancelled: bool = False, lost: bool = False) -> None:
-        """Answers ``watch`` with what the agent knows (or its end: cancelled by its
-        rank, or its connection gone)."""
+        """Answers ``watch`` with what the agent knows (or its end)."""
         wire, rid = watch.wire, watch.rid
         if wire.held.pop(rid, None) is None:
             return  # ended already

@@ -47,17 +47,13 @@ _Vote = tuple[bool, frozenset[str]]
 class _Change:
     """A new generation the leader proposes for a step."""
 
-    members: list[str]
-    """The current generation's members."""
-    new_members: list[str]
-    """The proposed generation's members."""
+    members: list[str]  # the current generation's
+    new_members: list[str]  # the proposed generation's
     joiners: list[str] | None
     """The sites it admits (the step then commits in it); None: it drops failed or
     silent members and the step is retried."""
-    source: str
-    """The site the joiners copy the state from ("" when none join)."""
-    start: int
-    """The first step of the proposed generation."""
+    source: str  # the site the joiners copy the state from ("" when none join)
+    start: int  # the first step of the proposed generation
 
 
 @dataclass(eq=False, kw_only=True)
@@ -65,19 +61,14 @@ class Leader:
     """Decisions taken at the leader site; ``state``'s condition guards this object too."""
 
     state: CoordinatorState
-    ballots: Ballots
-    """The votes and decisions per (step, generation), shared with failover."""
-    peer_stub: Callable[[str], pb_grpc.CoordinatorStub]
-    """The stub of a peer site's coordinator, by name."""
-    rpc_timeout_s: float
-    """Deadline of each Propose."""
+    ballots: Ballots  # shared with failover
+    peer_stub: Callable[[str], pb_grpc.CoordinatorStub]  # a peer's, by name
+    rpc_timeout_s: float  # deadline of each Propose
     witness: WitnessLink | None
     """The job's witness, if it has one: a side holding exactly half the sites goes on
     only with its grant."""
-    min_sites: int
-    """Never go on with fewer live sites."""
-    quorum_wait_s: float
-    """How long a leader without quorum waits before it decides STOP."""
+    min_sites: int  # never go on with fewer live sites
+    quorum_wait_s: float  # how long a leader without quorum waits before it decides STOP
     proposing: dict[int, list[str]] = field(default_factory=dict, init=False)
     """generation -> members, while this site proposes it (asked by the members)."""
     _deciding: set[Key] = field(default_factory=set, init=False)

@@ -43,17 +43,12 @@ class PeerLoop:
 
     settings: CoordinatorSettings
     state: CoordinatorState
-    stubs: Mapping[str, pb_grpc.CoordinatorStub]
-    """Each peer's coordinator stub, by site name (filled once the site starts)."""
+    stubs: Mapping[str, pb_grpc.CoordinatorStub]  # filled once the site starts
     admission: Admission
     metrics: SiteMetrics
-    """Where each peer's reachability is recorded."""
     refusals: RefusalLog
-    """Where a heartbeat's refused digest is reported, once per caller."""
-    proposing: Mapping[int, list[str]]
-    """generation -> members, while this site proposes it (the leader's)."""
-    _asked: dict[str, float] = field(default_factory=dict, init=False)
-    """Peer -> when a claim was last asked of it."""
+    proposing: Mapping[int, list[str]]  # generation -> members, while the leader proposes it
+    _asked: dict[str, float] = field(default_factory=dict, init=False)  # when a claim was asked
 
     def run(self) -> None:
         st, stubs = self.state, self.stubs
@@ -164,9 +159,8 @@ class PeerLoop:
             )
 
     def check_finished(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
-        """Asks each peer that a heartbeat in its name said finished whether it did
-        (its answer settles it: ``learn_progress``), at most once a heartbeat period
-        while it does not answer."""
+        """Asks each peer that a heartbeat in its name said finished whether it did, at
+        most once a heartbeat period while it does not answer."""
         now = self.state.clock()
         ask = {
             name: stubs[name]
@@ -212,6 +206,24 @@ class PeerLoop:
                     f"(at {st.generation})"
                 )
 
+    def _join_timed_out(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
+        s, st = self.settings, self.state
+        with st.cond:
+            absent = [n for n in stubs if n not in st.ready_sites]
+            local = sum(1 for lane in st.lanes if lane)
+        unsettled = sorted(st.finished_claims)
+        said = (
+            f"; heartbeats said {', '.join(unsettled)} ran the last step, which "
+            "did not answer to confirm it"
+            if unsettled
+            else ""
+        )
+        st.fail(
+            f"timed out after {s.join_timeout_s:.0f}s joining the job: "
+            f"{local}/{s.ranks} local ranks registered; sites not ready: "
+            f"{absent or 'none'}{said}"
+        )
+
     def join_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
         s, st = self.settings, self.state
         if not stubs:  # a job of one site: nobody to join, and its ranks have no lanes
@@ -240,21 +252,7 @@ class PeerLoop:
         if st.excluded:
             self.heartbeat_round(stubs)  # digests and liveness still flow
         elif st.seconds_since_start() > s.join_timeout_s:
-            with st.cond:
-                absent = [n for n in stubs if n not in st.ready_sites]
-                local = sum(1 for lane in st.lanes if lane)
-            unsettled = sorted(st.finished_claims)
-            said = (
-                f"; heartbeats said {', '.join(unsettled)} ran the last step, which "
-                "did not answer to confirm it"
-                if unsettled
-                else ""
-            )
-            st.fail(
-                f"timed out after {s.join_timeout_s:.0f}s joining the job: "
-                f"{local}/{s.ranks} local ranks registered; sites not ready: "
-                f"{absent or 'none'}{said}"
-            )
+            self._join_timed_out(stubs)
             return
         request = pb.JoinRequest(
             site=info,

@@ -57,11 +57,8 @@ def derived_key(secret: bytes, site: str, rank: int) -> str:
 
 
 def read_secret(path: str | Path) -> bytes:
-    """A site secret file's bytes (stripped).
-
-    Raises:
-        ValueError: shorter than 16 bytes, or readable by other users.
-    """
+    """A site secret file's bytes (stripped); ``ValueError`` when shorter than 16 bytes
+    or readable by other users."""
     path = Path(path)
     if path.stat().st_mode & 0o077:
         raise ValueError(f"rank secret file {path} must be readable by its owner only (0600)")
@@ -104,13 +101,9 @@ class KeyRefusal:
 
 
 class RankKeys:
-    """The key each rank of one site registers with (thread-safe).
-
-    Args:
-        site: the site's name.
-        handed: the key handed to each rank, by rank; None: the first key a rank
-            registers with is its key (ranks no launcher of ours starts).
-    """
+    """The key each rank of one site registers with (thread-safe). ``handed``: the key
+    handed to each rank, by rank; None: the first key a rank registers with is its key
+    (ranks no launcher of ours starts)."""
 
     def __init__(self, site: str, handed: Sequence[str] | None = None) -> None:
         self.site = site
@@ -187,7 +180,6 @@ class RankKeys:
         self._digests[_digest(key)] = rank
 
     def is_rank(self, rank: int, key: str) -> bool:
-        """Whether ``key`` is the one ``rank`` registered with."""
         with self._lock:
             known = self._keys.get(rank)
         return known is not None and _same(known, key)
@@ -201,11 +193,9 @@ class RankKeys:
         )
 
     def is_any_rank(self, key: str) -> bool:
-        """Whether ``key`` is the key of some registered rank of the site."""
         return self.rank_of(key) is not None
 
     def rank_of(self, key: str) -> int | None:
-        """The registered rank whose key ``key`` is, or None."""
         digest = _digest(key)
         with self._lock:
             return self._digests.get(digest)

@@ -56,15 +56,9 @@ class _Rank:
 
 class RankLiveness:
     """When each local rank was last heard from (thread-safe; its own lock, so the
-    ranks' polls never wait on the state's condition for it).
-
-    Args:
-        ranks: the site's rank count.
-        silence_s: a watched rank with no poll in flight for longer than this (of the
-            coordinator's own time) is dead.
-        clock: seconds, monotonic (the coordinator's clock).
-        check_s: how often :meth:`silent` is called.
-    """
+    ranks' polls never wait on the state's condition for it). A watched rank with no poll
+    in flight for longer than ``silence_s`` of the coordinator's own time is dead;
+    :meth:`silent` is called every ``check_s``."""
 
     def __init__(
         self,
@@ -77,8 +71,7 @@ class RankLiveness:
             raise ValueError(f"silence_s and check_s must be > 0, got {silence_s}, {check_s}")
         self.silence_s = silence_s
         self.check_s = check_s
-        self.time = OwnTime(clock)
-        """The coordinator's own time: its clock less the time its checks ran late."""
+        self.time = OwnTime(clock)  # the clock less the time its checks ran late
         self._ranks = [_Rank() for _ in range(ranks)]
         self._quiet: set[int] = set()  # watched ranks with no poll in flight
         self._checked: float | None = None  # own time of the last check
@@ -187,12 +180,8 @@ def beating_ranks(
     own: int | None, vouched_keys: Sequence[str], rank_of: Callable[[str], int | None]
 ) -> set[int]:
     """The ranks one ``GetMembership`` poll beats for: the caller's own (``own``, from its
-    key; None for a caller that is no rank) and those whose keys it vouches for.
-
-    Raises:
-        ValueError: a poll that is no registered rank's vouches, or vouches for more
-            keys than a host agent holds (``MAX_VOUCHED``).
-    """
+    key; None for a caller that is no rank) and those whose keys it vouches for;
+    ``ValueError`` when one that is no rank's vouches, or vouches for over ``MAX_VOUCHED``."""
     if not vouched_keys:
         return set() if own is None else {own}
     if own is None or len(vouched_keys) > MAX_VOUCHED:

@@ -50,8 +50,7 @@ class ReplicaDigests:
         """site -> its model's layout (``model_layout``), this site's from its ranks and a
         peer's only from its own answer: what names the parameter when starts differ."""
         self.divergence: str | None = None
-        self.forged = 0
-        """Claims a peer belied when asked (each one logged)."""
+        self.forged = 0  # claims a peer belied when asked (each one logged)
 
     @staticmethod
     def valid(digest: str) -> bool:

@@ -79,11 +79,9 @@ class CoordinatorState:
         self.index, self.ranks, self.peers = settings.index, settings.ranks, settings.peers
         self.failure_timeout_s = settings.failure_timeout_s
         self.clock = clock
-        self.address = ""
-        """Where this site's coordinator listens: set once, when its server is bound."""
+        self.address = ""  # where the coordinator listens, once its server is bound
         self.cond = threading.Condition(threading.RLock())
-        self.stopped = threading.Event()
-        """Set when the site leaves: loops end, long polls answer at once."""
+        self.stopped = threading.Event()  # the site left: loops end, long polls answer
         self.started_at: float | None = None
         self._error: str | None = None
         self._generation = self._start_step = self._committed_steps = self._step = 0
@@ -100,14 +98,10 @@ class CoordinatorState:
         self._peer_steps: dict[str, int] = {}
         self._finished_peers: set[str] = set()
         self._finished_claims: dict[str, str] = {}
-        self.incarnations = Incarnations()
-        """This process's id and the peers' (guarded by ``cond``)."""
-        self.replicas = ReplicaDigests(self.site)
-        """Every site's parameter digests (its own lock)."""
-        self.join_claims = JoinClaims()
-        """What joins in each peer's name claimed, until the peer's own answer settles it."""
-        self.abort = JobAbort(self.site, self.peers, clock)
-        """A script's error that stops the job at every site (its own lock)."""
+        self.incarnations = Incarnations()  # guarded by ``cond``
+        self.replicas = ReplicaDigests(self.site)  # its own lock
+        self.join_claims = JoinClaims()  # until each peer's own answer settles them
+        self.abort = JobAbort(self.site, self.peers, clock)  # its own lock
         self.membership_news = Broadcast()
         """Published (under ``cond``) when what a ``GetMembership`` long poll waits for
         may have changed: the generation, joining, the error, a stop, the suspects."""
@@ -116,20 +110,14 @@ class CoordinatorState:
         waiting on it (``Ballots``); every key on a stop or a readmission."""
 
     # Views: read-only, a copy of what is mutable.
-    error: _Read[str | None] = _Read()
-    """Why the job cannot go on, or None."""
-    generation: _Read[int] = _Read()
-    """The membership generation (0 until every site is present and ready)."""
+    error: _Read[str | None] = _Read()  # why the job cannot go on, or None
+    generation: _Read[int] = _Read()  # 0 until every site is present and ready
     members: _Read[list[str]] = _Read(list)
     """The sites of the current generation, in index order."""
-    start_step: _Read[int] = _Read()
-    """For a site joining a running job: the step it starts at."""
-    state_source: _Read[str] = _Read()
-    """For a site joining a running job: the member it pulls the state from."""
-    joining: _Read[bool] = _Read()
-    """True while this site asks a running job to admit it (restarted or left out)."""
-    excluded: _Read[bool] = _Read()
-    """True when the job went on without this site (it was cut off without quorum)."""
+    start_step: _Read[int] = _Read()  # a joining site's first step,
+    state_source: _Read[str] = _Read()  # and the member it pulls the state from
+    joining: _Read[bool] = _Read()  # this site asks a running job to admit it
+    excluded: _Read[bool] = _Read()  # the job went on without this site
     lanes: _Read[list[str | None]] = _Read(list)
     """The lane address each local rank registered (None: not yet)."""
     ready_sites: _Read[Mapping[str, pb.SiteInfo]] = _Read(MappingProxyType)
@@ -144,12 +132,9 @@ class CoordinatorState:
     """Steps this site has committed: the next step it runs."""
     asked_to_join: _Read[frozenset[str]] = _Read(frozenset)
     """Sites whose join of the running job awaits their answer at their own address."""
-    step: _Read[int] = _Read()
-    """The step this site's ranks last reported."""
-    finished: _Read[bool] = _Read()
-    """This site's ranks ran their last step."""
-    digest: _Read[tuple[int, str]] = _Read()
-    """This site's latest parameter digest and its step, as its rank 0 reported it."""
+    step: _Read[int] = _Read()  # the step this site's ranks last reported
+    finished: _Read[bool] = _Read()  # this site's ranks ran their last step
+    digest: _Read[tuple[int, str]] = _Read()  # (step, digest): rank 0's latest
     peer_steps: _Read[Mapping[str, int]] = _Read(MappingProxyType)
     """The step each peer last said it runs, in its own answer."""
     finished_peers: _Read[frozenset[str]] = _Read(frozenset)
@@ -168,8 +153,7 @@ class CoordinatorState:
         started = self.started_at
         return 0.0 if started is None else self.clock() - started
 
-    def local_ready_locked(self) -> bool:
-        """Every local rank has registered its lane."""
+    def local_ready_locked(self) -> bool:  # every local rank registered its lane
         return all(self._lanes)
 
     def own_info_locked(self) -> pb.SiteInfo:
@@ -192,14 +176,12 @@ class CoordinatorState:
         members that restarted (their old incarnation is gone)."""
         now = self.clock()
         started = self.started_at if self.started_at is not None else now
+        timeout = self.failure_timeout_s
         return [
             m
             for m in self._members
             if m != self.site
-            and (
-                m in self._restarted
-                or now - self._last_seen.get(m, started) > self.failure_timeout_s
-            )
+            and (m in self._restarted or now - self._last_seen.get(m, started) > timeout)
         ]
 
     def await_membership(self, known_generation: int, deadline: float) -> None:
