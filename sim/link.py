@@ -109,9 +109,8 @@ class DirectionPipe:
     def carry(
         self, conn: Connection, src: socket.socket, dst: socket.socket, first: bytes = b""
     ) -> None:
-        """Move bytes from `src` to `dst` across this direction until EOF (then shut
-        `dst`'s write side down, after the data), on the pump thread. `conn` closes both
-        sockets; `first` is what was read from `src` after a CONNECT head."""
+        """Move bytes from `src` to `dst` across this direction until EOF (then shut `dst`'s
+        write side), on the pump thread; `first`: what was read after a CONNECT head."""
         self.pump.add(conn, src, dst, first)
 
     def close(self) -> None:
@@ -144,10 +143,9 @@ class DirectionPipe:
         return max(PIECE_BYTES, min(MAX_PIECE_BYTES, int(spec.bandwidth_bps * PIECE_WIRE_S / 8)))
 
     def flow_piece_limit(self) -> int:
-        """Most bytes to read from one capped flow at once: `piece_limit`, and no more
-        than `FLOW_PIECE_WIRE_S` of the flow's own cap (at least `PIECE_BYTES`), so that
-        a slow flow's pieces are spaced finely. Also the depth of the flow's token
-        bucket: what a flow that was idle may send at once. No cap: `piece_limit`."""
+        """Most bytes to read from one capped flow at once, and its token bucket's depth:
+        `piece_limit`, and no more than `FLOW_PIECE_WIRE_S` of its cap (at least
+        `PIECE_BYTES`), so that a slow flow's pieces are spaced finely."""
         spec = self._spec
         limit = self.piece_limit()
         if not spec.flow_capped:

@@ -141,9 +141,8 @@ class RemoteDirection:
     def carry(
         self, conn: Connection, src: socket.socket, dst: socket.socket, first: bytes = b""
     ) -> None:
-        """Hand the pair to the child, then drop this process's hold on the sockets
-        (`conn.release()`: the link's other direction does the same, and the last
-        one closes this process's copies)."""
+        """Hand the pair to the child, then drop this process's hold on the sockets (the
+        other direction does the same; the last closes this process's copies)."""
         ident = next(self._ids)
         self._carried[ident] = conn
         self._ident_of[conn] = ident

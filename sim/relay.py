@@ -123,9 +123,8 @@ class Link:
         self.listeners.append(entry if target is None else {**entry, "target": target})
 
     def update(self, spec: LinkSpec) -> None:
-        """Change both directions of the live link, for bytes sent afterwards. A direction
-        whose impairments (or seed) change restarts them: fresh random streams, `at_s`
-        counted from now."""
+        """Change both directions of the live link, for bytes sent afterwards; changed
+        impairments (or seed) restart: fresh random streams, `at_s` counted from now."""
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
         if self._closed or self._loop.is_closed():

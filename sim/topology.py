@@ -155,9 +155,8 @@ def spec_to_table(spec: LinkSpec) -> dict[str, dict[str, Any]]:
 
 
 def apply_changes(spec: LinkSpec, changes: dict[str, Any], where: str = "changes") -> LinkSpec:
-    """A new spec: `spec` with topology-file keys changed: a link's keys (both directions)
-    and/or "a_to_b" / "b_to_a" tables of a direction's, e.g. {"bandwidth_mbit": 50}.
-    ValueError, naming `where`, on an unknown key or a bad value."""
+    """`spec` with topology-file keys changed (a link's, or "a_to_b" / "b_to_a" tables),
+    e.g. {"bandwidth_mbit": 50}; ValueError, naming `where`, on a bad key or value."""
     _known(changes, (*DIRECTION_KEYS, *DIRECTIONS), where)
     now = spec_to_table(spec)
     new = {}

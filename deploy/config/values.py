@@ -55,8 +55,7 @@ def _coerce_per_site(where: str, raw: Any) -> int | list[int]:
 
 
 def coerce(section: str, key: str, raw: Any, expected: Any) -> Any:
-    """``raw`` (from TOML or the command line) as the type of ``expected``, the key's value
-    now; ConfigError naming SECTION.KEY when it is none."""
+    """``raw`` as the type of ``expected`` (the key's value now); ConfigError otherwise."""
     where = f"{section}.{key}"
     if where in PER_SITE:
         return _coerce_per_site(where, raw)
