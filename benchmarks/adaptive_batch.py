@@ -18,30 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from itertools import accumulate
 from pathlib import Path
 
+from _common import add_run_arguments, parser, stamped, write_json
 from unequal_sites import run_once
-
-from isthmus.deploy.commands.arguments import add_set_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", required=True, type=Path, help="run directories and results")
+    p = parser(__doc__, "run directories and results")
     p.add_argument("--steps", type=int, default=300, help="steps of the adaptive run")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch")
     p.add_argument("--accumulate", type=int, default=8, help="micro-batches per site at most")
     p.add_argument("--start", type=int, default=2, help="global micro-batches at step 0")
     p.add_argument("--every", type=int, default=5, help="steps between decisions")
-    add_set_argument(p, help="passed to every run (model, seq_len, lr, ...)")
-    p.add_argument("--json", type=Path, default=None, help="default OUT/adaptive_batch.json")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
+    add_run_arguments(p, "adaptive_batch", 1800, "passed to every run (model, seq_len, lr, ...)")
     return p.parse_args(argv)
 
 
@@ -95,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<12} {run['steps']:>6} {run['tokens']:>12,} {shown:>18} {val:>9}")
     _plot(runs, args.out / "adaptive_batch.png")
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": platform.node(),
         "overrides": args.overrides,
         "batch_size": args.batch_size,
         "runs": {
@@ -109,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, run in runs.items()
         },
     }
-    (args.json or args.out / "adaptive_batch.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json or args.out / "adaptive_batch.json", stamped(result))
     return 0
 
 

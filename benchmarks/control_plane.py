@@ -80,6 +80,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import parser
 from control_plane_procs import STEP_TIMEOUT_S, serve_agents, serve_coordinator, serve_ranks
 
 
@@ -381,9 +382,7 @@ def _ways(hosts: list[int], calls: list[str]) -> list[tuple[int, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--ranks", default="256,1024,4096", help="ranks per site, comma-separated")
     p.add_argument("--sites", default="2,3", help="site counts, comma-separated (>= 2)")
     p.add_argument("--steps", type=int, default=20, help="measured steps per configuration")

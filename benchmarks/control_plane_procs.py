@@ -397,18 +397,22 @@ class SimulatedRanks:
 
         last = min(self.ranks, rank + (1 if self.agents_dir else self.host_ranks))
         ballots = [pb.RankBallot(rank=r, ok=True, rank_key=self.keys[r]) for r in range(rank, last)]
+
+        def host_vote() -> bytes:
+            return pb.CommitHostStepRequest(
+                site=self.site,
+                step=step,
+                generation=self.generation,
+                ballots=ballots,
+                wait_ms=VOTE_WAIT_MS,
+                sites_known=True,
+            ).SerializeToString()
+
         if self.calls == "call":
             # A call a vote: CommitStep of a rank, CommitHostStep of a simulated agent.
             method = "CommitHostStep" if len(ballots) > 1 else ""
             request = (
-                pb.CommitHostStepRequest(
-                    site=self.site,
-                    step=step,
-                    generation=self.generation,
-                    ballots=ballots,
-                    wait_ms=VOTE_WAIT_MS,
-                    sites_known=True,
-                )
+                host_vote()
                 if method
                 else pb.CommitStepRequest(
                     site=self.site,
@@ -419,22 +423,15 @@ class SimulatedRanks:
                     wait_ms=VOTE_WAIT_MS,
                     rank_key=self.keys[rank],
                     sites_known=True,
-                )
-            ).SerializeToString()
+                ).SerializeToString()
+            )
             path = _METHOD + (method or "CommitStep")
 
             async def call() -> bytes:
                 return await self.wire(rank).unary(path, request, VOTE_WAIT_MS / 1000 + RPC_SLACK_S)
 
         else:  # a frame to its agent, or a message on the voter's HostSession
-            request = pb.CommitHostStepRequest(
-                site=self.site,
-                step=step,
-                generation=self.generation,
-                ballots=ballots,
-                wait_ms=VOTE_WAIT_MS,
-                sites_known=True,
-            ).SerializeToString()
+            request = host_vote()
 
             async def call() -> bytes:
                 timeout_s = VOTE_WAIT_MS / 1000 + RPC_SLACK_S

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import finish_ranks, parser
 
 from isthmus.intra.flops import device_peak_flops, mfu
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
@@ -48,9 +48,7 @@ from isthmus.intra.train import TrainConfig, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--preset", default="125m,moe-125m", help="comma-separated presets")
     p.add_argument(
         "--impl", default="grouped", help=f"comma-separated MoE paths, of {list(MOE_IMPLS)}"
@@ -211,24 +209,18 @@ def run_rank(rank: int, args: argparse.Namespace, store: str) -> None:
         for impl in (args.impls if preset(name).n_experts else [None])
     ]
     results = [one_case(args, *case) for case in cases]
-    if rank == 0:
-        device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-        report = {
-            "device": device,
-            "nproc": args.nproc,
-            "batch_per_rank": args.batch,
-            "seq_len": args.seq,
-            "capacity_factors": args.capacity_factors,
-            "compile": args.compile,
-            "torch": torch.__version__,
-            "results": results,
-        }
-        print_table(report)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    report = {
+        # The rank's own GPU (rank 0's is GPU 0): asking for another would open it.
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "nproc": args.nproc,
+        "batch_per_rank": args.batch,
+        "seq_len": args.seq,
+        "capacity_factors": args.capacity_factors,
+        "compile": args.compile,
+        "torch": torch.__version__,
+        "results": results,
+    }
+    finish_ranks(report, args.json, print_table)
 
 
 def print_table(report: dict) -> None:

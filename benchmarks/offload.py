@@ -29,14 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import parser
+
 SITE_STEP = Path(__file__).with_name("site_step.py")
 DEFAULT_CASES = ["1b:20", "1b:96"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--case", action="append", default=[], help="PRESET:LAYERS (repeatable)")
     p.add_argument("--gpus", type=int, default=1, help="ranks of the site (devices)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

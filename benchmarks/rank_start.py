@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import write_json
+
 
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -78,18 +80,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(x['cpu_s'] for x in mine):>8.1f}"
         )
     if args.json is not None:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "date": datetime.date.today().isoformat(),
-                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                    "steps": args.steps,
-                    "extra": args.extra,
-                    "runs": runs,
-                },
-                indent=2,
-            )
-            + "\n"
+        write_json(
+            args.json,
+            {
+                "date": datetime.date.today().isoformat(),
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                "steps": args.steps,
+                "extra": args.extra,
+                "runs": runs,
+            },
         )
         print(f"wrote {args.json}")
     return 0

@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from _common import parser, write_json
 from scaling_curve import run_args  # the same `isthmus local` arguments as the curve
 from sync_modes import site_records, tokens_per_s_before_last
 
@@ -42,10 +43,7 @@ _ALARM = re.compile(r"NaN or Inf|timed out|non-finite|gave the round up")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", required=True, type=Path, help="run directories and the JSON go here")
+    p = parser(__doc__, "run directories and the JSON go here")
     p.add_argument("--repeats", type=int, default=10, help="runs of the multi-site job")
     p.add_argument("--sites", type=int, default=2, help="sites of the job")
     p.add_argument("--ranks-per-site", type=int, default=1, help="ranks (GPUs) per site")
@@ -215,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "clean": len(clean),
     }
-    (args.json or args.out / "repeat_runs.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json or args.out / "repeat_runs.json", result)
     return 0 if len(clean) == len(multi) else 1
 
 

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import parser, stamped, write_json
 
 from isthmus.deploy.commands.arguments import add_set_argument
 from isthmus.deploy.config.job import JobConfig, load_config
@@ -33,10 +34,7 @@ from isthmus.sim.plan import PlanInput, predict
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", required=True, type=Path, help="run directories and the JSON go here")
+    p = parser(__doc__, "run directories and the JSON go here")
     p.add_argument("--batches", default="4,8,16", help="per-device batches, comma separated")
     p.add_argument("--sites", type=int, default=2, help="sites of the multi-site runs")
     p.add_argument("--ranks-per-site", type=int, default=2, help="ranks (GPUs) per site")
@@ -249,8 +247,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print_table(rows, args.sites)
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": platform.node(),
         "preset": args.preset,
         "sites": args.sites,
         "ranks_per_site": args.ranks_per_site,
@@ -260,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": args.overrides,
         "rows": rows,
     }
-    (args.json or args.out / "scaling_curve.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json or args.out / "scaling_curve.json", stamped(result))
     return 1 if failed else 0
 
 

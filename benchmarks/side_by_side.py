@@ -35,6 +35,8 @@ import time
 from datetime import date, timedelta
 from pathlib import Path
 
+from _common import parser
+
 from isthmus.sim import LinkSpec
 from isthmus.sim.transparent import TransparentWan
 
@@ -201,7 +203,7 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = parser(__doc__)
     add = p.add_argument
     add("--sizes-mib", type=float, nargs="+", default=[16, 64], help="fp32 tensor sizes, MiB")
     add("--ranks-per-site", type=int, default=1, help="R: rank processes per site")

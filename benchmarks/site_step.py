@@ -23,7 +23,6 @@ device peak from ``isthmus.intra.flops.PEAK_FLOPS``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import finish_ranks, parser
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -54,9 +54,7 @@ ALL_TO_ALL_MARKERS = ("all_to_all", "alltoall", "sendrecv")
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--preset", default="tiny", help="model preset (tiny, small, 125m, 350m, 1b)")
     p.add_argument("--layers", type=int, default=None, help="override the preset's n_layers")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
@@ -237,13 +235,7 @@ def main() -> None:
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, split)
         result |= split | {"split_by_rank": every}
-    if dist.get_rank() == 0:
-        print_table(result)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_ranks(result, args.json, print_table)
 
 
 def print_table(r: dict) -> None:

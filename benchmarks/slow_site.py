@@ -21,20 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
+from _common import add_run_arguments, parser, stamped, write_json
 from unequal_sites import run_once
-
-from isthmus.deploy.commands.arguments import add_set_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--sizes", default="1,1", help="ranks of each site, comma separated")
     p.add_argument("--out", required=True, type=Path, help="run directories and the JSON")
     p.add_argument("--steps", type=int, default=24, help="steps per run")
@@ -43,9 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--factor", type=float, default=2.0, help="how many times slower")
     p.add_argument("--slow-at", type=int, default=8, help="the step it slows at")
     p.add_argument("--balance", type=int, default=4, help="train.balance_every of run two")
-    add_set_argument(p, help="passed to both runs (model, batch, accumulate, link, codec, device)")
-    p.add_argument("--json", type=Path, default=None, help="default OUT/slow_site.json")
-    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    add_run_arguments(
+        p, "slow_site", 900, "passed to both runs (model, batch, accumulate, link, codec, device)"
+    )
     return p.parse_args(argv)
 
 
@@ -130,8 +125,6 @@ def main(argv: list[str] | None = None) -> int:
           f"before, {100 / args.factor:.1f} % with the split kept (an exposed sync, the "
           "same in every step, lifts both)")  # fmt: skip
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": platform.node(),
         "sizes": sizes,
         "steps": args.steps,
         "slow": {"site": args.slow_site, "factor": args.factor, "at_step": args.slow_at},
@@ -140,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "best_possible": best,
         "runs": rows,
     }
-    (args.json or args.out / "slow_site.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json or args.out / "slow_site.json", stamped(result))
     return 0
 
 

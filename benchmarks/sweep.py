@@ -28,13 +28,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _common import parser
+
 from isthmus.deploy.commands.arguments import add_set_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--plan", required=True, type=Path, help="the plan (JSON)")
     p.add_argument("--out", required=True, type=Path, help="run directories and sweep.json")
     p.add_argument("--parallel", type=int, default=4, help="jobs at once")

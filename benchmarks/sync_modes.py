@@ -40,15 +40,14 @@ import sys
 import time
 from pathlib import Path
 
+from _common import parser, write_json
+
 from isthmus.deploy.commands.arguments import add_set_argument
 from isthmus.deploy.reports.summary import merge_steps, steady_state
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", required=True, type=Path, help="run directories and the JSON go here")
+    p = parser(__doc__, "run directories and the JSON go here")
     p.add_argument("--modes", default="step,diloco:20,diloco:50", help="comma separated")
     p.add_argument("--steps", type=int, default=400, help="steps per run")
     p.add_argument("--preset", default="small", help="model preset")
@@ -279,26 +278,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{'-' if final is None else f'{final:.4f}':>10} "
             f"{'-' if final_gap is None else f'{final_gap:+.2%}':>8}"
         )
-    out = args.json or args.out / "sync_modes.json"
-    out.write_text(
-        json.dumps(
-            {
-                "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-                "machine": f"{platform.node()} {platform.machine()}",
-                "date": time.strftime("%Y-%m-%d"),
-                "preset": args.preset,
-                "codec": args.codec,
-                "loss_at_step": common,
-                "loss_baseline": next((m for m, r in rows.items() if r is base), None),
-                "tail": args.tail,
-                "steady_after": args.steady_after,
-                "one_site_tokens_per_s": one_site,
-                "one_site_tokens_per_s_before_last": one_before_last or None,
-                "rows": rows,
-            },
-            indent=2,
-        )
-        + "\n"
+    out = write_json(
+        args.json or args.out / "sync_modes.json",
+        {
+            "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+            "machine": f"{platform.node()} {platform.machine()}",
+            "date": time.strftime("%Y-%m-%d"),
+            "preset": args.preset,
+            "codec": args.codec,
+            "loss_at_step": common,
+            "loss_baseline": next((m for m, r in rows.items() if r is base), None),
+            "tail": args.tail,
+            "steady_after": args.steady_after,
+            "one_site_tokens_per_s": one_site,
+            "one_site_tokens_per_s_before_last": one_before_last or None,
+            "rows": rows,
+        },
     )
     print(f"wrote {out}")
     return 0

@@ -56,6 +56,7 @@ import time
 from datetime import date
 from pathlib import Path
 
+from _common import parser
 from torchft_results import combine, outer_sync_times, print_table, summarize_side
 
 # The worker side, run by this script inside the namespaces (same directory: a script's
@@ -312,7 +313,7 @@ def preflight(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = parser(__doc__)
     add = p.add_argument
     add("--torchft-path", default=DEFAULT_TORCHFT_PATH, help="directory torchft 0.2 is installed in (pip --target)")  # fmt: skip
     add("--steps", type=int, default=100, help="inner steps in all (a multiple of H)")

@@ -21,26 +21,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from isthmus.deploy.commands.arguments import add_set_argument
+from _common import add_run_arguments, parser, stamped, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = parser(__doc__)
     p.add_argument("--sizes", default="2,1", help="ranks of each site, comma separated")
     p.add_argument("--out", required=True, type=Path, help="run directories and the JSON")
     p.add_argument("--steps", type=int, default=12, help="steps per run")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steady state")
-    add_set_argument(p, help="passed to every run (model, batch, link, codec, device)")
-    p.add_argument("--json", type=Path, default=None, help="default OUT/unequal_sites.json")
-    p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    add_run_arguments(
+        p, "unequal_sites", 600, "passed to every run (model, batch, link, codec, device)"
+    )
     return p.parse_args(argv)
 
 
@@ -115,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{job['exposed_sync_s_per_step']:.3f} s/step  replicas equal: {replicas}"
     )
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": platform.node(),
         "sizes": sizes,
         "steps": args.steps,
         "warmup_steps": args.warmup,
@@ -129,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "alone": alone,
         "together": job,
     }
-    (args.json or args.out / "unequal_sites.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json or args.out / "unequal_sites.json", stamped(result))
     return 0
 
 

@@ -123,18 +123,22 @@ def serve(with_grpc: bool) -> None:
 # -- the client side ------------------------------------------------------------------
 
 
+def send_until(s: socket.socket, payload: bytes | memoryview, end: float, stats: struct.Struct):
+    """Sends ``payload`` again and again until monotonic ``end``, then half-closes: the
+    receiver's answer, read whole and unpacked with ``stats``."""
+    while time.monotonic() < end:
+        s.sendall(payload)
+    s.shutdown(socket.SHUT_WR)
+    answer = b""
+    while len(answer) < stats.size and (data := s.recv(stats.size)):
+        answer += data
+    return stats.unpack(answer)
+
+
 def tcp_rate(address: tuple[str, int], seconds: float) -> float:
     """Gbit/s of one connection sending for `seconds`, as its receiver saw it."""
-    payload = b"x" * CHUNK
     with socket.create_connection(address, timeout=60) as s:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
-        answer = b""
-        while len(answer) < STATS.size and (data := s.recv(STATS.size)):
-            answer += data
-    total, ns = STATS.unpack(answer)
+        total, ns = send_until(s, b"x" * CHUNK, time.monotonic() + seconds, STATS)
     return total * 8 / ns if ns else 0.0
 
 

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wan_probe import ping_pong_ms  # the script's folder is on sys.path
+from wan_probe import ping_pong_ms, send_until  # the script's folder is on sys.path
 from wan_up import Emulator
 
 CHUNK = 4 << 20
@@ -130,15 +130,9 @@ def _send_flow(address, via_proxy, target_port, start_at, seconds, results) -> N
         s = open_flow(address, via_proxy, target_port)
         payload = memoryview(bytearray(CHUNK))
         time.sleep(max(0.0, start_at - time.monotonic()))
-        end = start_at + seconds
-        while time.monotonic() < end:
-            s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
-        answer = b""
-        while len(answer) < STATS.size and (data := s.recv(STATS.size)):
-            answer += data
+        stats = send_until(s, payload, start_at + seconds, STATS)
         s.close()
-        results.put(STATS.unpack(answer))
+        results.put(stats)
     except OSError as exc:
         results.put(str(exc))
 

@@ -12,14 +12,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from isthmus.inter.security import SiteSecurity
+    from isthmus.sim.transparent import TransparentWan
 
 ISTHMUS = [sys.executable, "-m", "isthmus.deploy.cli"]
 ROOT = Path(__file__).resolve().parents[1]  # the repository: tests/ sits at its top
@@ -30,12 +32,27 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def load_benchmark(name: str) -> ModuleType:
     """``benchmarks/<name>.py`` as a module (the scripts are no package), to call its
-    functions in-process."""
+    functions in-process. Their folder goes on sys.path, as when one runs: they import
+    each other and benchmarks/_common.py by name."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_benchmark(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python3 benchmarks/<name>.py ARGS...` run to completion, its output captured."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
@@ -70,6 +87,45 @@ def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedP
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def start_coordinator(*args: str) -> tuple[subprocess.Popen, str]:
+    """`isthmus coordinator ARGS...` in the background, once it listens: the process
+    (the caller ends it) and the address it printed."""
+    process = subprocess.Popen(
+        [*ISTHMUS, "coordinator", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = process.stdout.readline()
+        assert "listening on" in line, line + process.stderr.read()
+    except BaseException:
+        process.kill()
+        process.wait(10)
+        raise
+    return process, line.split()[-1]
+
+
+def start_wan_up(topology: str | Path, *args: str) -> tuple[subprocess.Popen, list[str]]:
+    """`isthmus wan up TOPOLOGY --control 127.0.0.1:0 ARGS...` in the background, once
+    ready: the process (the caller ends it) and the lines it printed, stripped."""
+    command = [sys.executable, "-m", "isthmus.deploy.commands.wan", "up", str(topology)]
+    process = subprocess.Popen(
+        [*command, "--control", "127.0.0.1:0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        while not lines or not lines[-1].startswith("ready"):
+            line = process.stdout.readline()
+            assert line, process.stderr.read()
+            lines.append(line.strip())
+    except BaseException:
+        process.kill()
+        process.wait(10)
+        raise
+    return process, lines
+
+
 def _hang_report(args: tuple[str, ...], stderr: str) -> str:
     parts = [f"--- launcher stderr ---\n{stderr[-20000:]}"]
     if "--run-dir" in args:
@@ -89,6 +145,36 @@ def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 10
     while not condition():
         assert time.monotonic() < deadline, f"{what} (not within {timeout_s:g}s)"
         time.sleep(0.01)
+
+
+def in_threads(
+    target: Callable[[Any], object], items: Iterable, timeout_s: float | None = None,
+    daemon: bool = False,
+) -> list[threading.Thread]:  # fmt: skip
+    """Calls ``target(item)`` for every one of ``items`` at once, each on its own thread,
+    and joins each for up to ``timeout_s``; the threads, to see which still run."""
+    threads = [threading.Thread(target=target, args=(item,), daemon=daemon) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return threads
+
+
+@contextlib.contextmanager
+def root_wan(prefix: str, spec, nodes: list[int], needs: str) -> Iterator[TransparentWan]:
+    """Two sites of ``nodes`` nodes each, joined by a TransparentWan of ``spec`` (its
+    names begin ``prefix``). Skipped where not root, ``needs`` saying what needs it."""
+    from isthmus.sim.netns import require_tools
+    from isthmus.sim.transparent import TransparentWan
+
+    if os.geteuid() != 0:
+        import pytest
+
+        pytest.skip(f"{needs} need root (CI is root); not root here")
+    require_tools()  # as root, a missing ip or iptables is a failure that says which
+    with TransparentWan(f"{prefix}{os.getpid() % 100000}", 2, spec, nodes=nodes) as wan:
+        yield wan
 
 
 class ManualClock:
@@ -158,15 +244,15 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
         assert needle in errors[0], errors[0]
 
 
-def raw_chunk(**overrides: object):
-    """A sound one-chunk PushChunksRequest of ten fp32 ones (raw codec); fields overridable."""
+def raw_chunk(values: int = 10, **overrides: object):
+    """A sound one-chunk PushChunksRequest of ``values`` fp32 ones (raw codec); fields
+    overridable, the crc32 that of the payload unless given."""
     import torch
 
     from isthmus.inter.data.codecs.chain import crc32, make_codec
     from isthmus.proto import lane_pb2
 
-    payload = bytes(make_codec("raw").encode(torch.ones(10)))
-    fields = dict(
+    fields: dict[str, object] = dict(
         generation=1,
         step=0,
         group=0,
@@ -174,13 +260,14 @@ def raw_chunk(**overrides: object):
         chunk_index=0,
         num_chunks=1,
         from_site=1,
-        total_elements=10,
-        num_elements=10,
+        total_elements=values,
+        num_elements=values,
         codec="raw",
-        payload=payload,
-        crc32=crc32(payload),
     )
     fields.update(overrides)
+    if "payload" not in fields:
+        fields["payload"] = bytes(make_codec("raw").encode(torch.ones(values)))
+    fields.setdefault("crc32", crc32(fields["payload"]))
     return lane_pb2.PushChunksRequest(**fields)
 
 

@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
-from helpers import ROOT
+from helpers import run_benchmark
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = ROOT / "benchmarks" / "scaling_curve.py"
-
 
 def curve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_benchmark("scaling_curve", *args, timeout=400)
 
 
 @pytest.mark.timeout(420)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, assert_one_line_error, load_benchmark, run_cli
+from helpers import assert_one_line_error, load_benchmark, run_benchmark, run_cli
 
 TINY = ["--set", "model.preset=tiny", "--set", "train.seq_len=64", "--ranks-per-site", "2"]
 
@@ -329,14 +328,12 @@ def test_the_modes_benchmark_compares_loss_with_the_joined_run_and_bytes_with_pe
     """`joined` (every rank in one site) is the loss baseline when present; a short
     per-step run beside it gives the bytes per token and is left out of the loss."""
     out = tmp_path / "modes"
-    cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "sync_modes.py"), "--out", str(out),
+    done = run_benchmark(
+        "sync_modes", "--out", str(out),
         "--steps", "4", "--preset", "tiny", "--modes", "step@2,joined,diloco:2",
         "--set", "train.seq_len=64", "--eval-every", "4", "--eval-batches", "2", "--tail", "2",
-    ]  # fmt: skip
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=280, stdin=subprocess.DEVNULL
-    )
+        timeout=280,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "sync_modes.json").read_text())
     assert result["loss_baseline"] == "joined" and result["loss_at_step"] == 4

@@ -6,27 +6,18 @@ a process each, that each rank votes and watches through), and writes its rows a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import ROOT
-
-SCRIPT = ROOT / "benchmarks" / "control_plane.py"
+from helpers import run_benchmark
 
 
 @pytest.mark.timeout(90)
 def test_quick_mode_commits_every_step_at_every_rank(tmp_path):
     out = tmp_path / "control_plane.json"
-    result = subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT), "--quick", "--host-ranks", "1,4"),
-            *("--calls", "call,stream,agent", "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_benchmark(
+        *("control_plane", "--quick", "--host-ranks", "1,4"),
+        *("--calls", "call,stream,agent", "--json", str(out)),
         timeout=85,
-        stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -50,8 +41,6 @@ def test_quick_mode_commits_every_step_at_every_rank(tmp_path):
 
 @pytest.mark.parametrize("flags", [["--ranks", "x"], ["--calls", "carrier-pigeon"]])
 def test_bad_flags_are_one_line_errors(flags):
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=30
-    )
+    result = run_benchmark("control_plane", *flags, timeout=30)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert flags[0] in result.stderr.splitlines()[-1]

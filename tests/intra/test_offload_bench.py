@@ -3,30 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers import load_benchmark
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "offload.py"
+from helpers import load_benchmark, run_benchmark
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_offload_benchmark_runs_both_ways_and_offload_changes_no_loss(tmp_path):
     out = tmp_path / "offload.json"
-    done = subprocess.run(
-        [
-            *(sys.executable, str(BENCH), "--device", "cpu", "--gpus", "2"),
-            *("--case", "tiny:2", "--seq", "64", "--batch", "2", "--steps", "2"),
-            *("--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
+    done = run_benchmark(
+        *("offload", "--device", "cpu", "--gpus", "2"),
+        *("--case", "tiny:2", "--seq", "64", "--batch", "2", "--steps", "2"),
+        *("--json", str(out)),
         timeout=220,
-        check=False,
     )
     logs = "\n".join(log.read_text()[-4000:] for log in tmp_path.glob("*.log"))
     assert done.returncode == 0, done.stderr[-3000:] + logs
@@ -43,9 +33,7 @@ def test_the_offload_benchmark_runs_both_ways_and_offload_changes_no_loss(tmp_pa
 
 
 def test_the_offload_benchmark_refuses_a_malformed_case():
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--case", "1b"], capture_output=True, text=True, check=False
-    )
+    done = run_benchmark("offload", "--case", "1b", timeout=120)
     assert done.returncode == 2
     assert "expected PRESET:LAYERS" in done.stderr
 

@@ -25,7 +25,7 @@ import threading
 import time
 
 import pytest
-from helpers import wait_until
+from helpers import load_benchmark, wait_until
 from measured import assert_delay
 
 from isthmus.sim import Corrupt, LinkSpec
@@ -33,6 +33,7 @@ from isthmus.sim.clock import PUMP_NICE
 
 GBIT = 1e9
 STATS = struct.Struct("!QQ")  # bytes after the first read, ns from its end to the last
+send_until = load_benchmark("wan_probe").send_until  # the benchmark's sender, as it measures
 
 SERVERS = r"""
 import json, os, socket, struct, sys, threading, time
@@ -120,16 +121,8 @@ def _connect(address) -> socket.socket:
 
 def _rate(address, seconds: float) -> float:
     """bit/s of one connection sending for `seconds`, as its receiver saw it."""
-    block = b"x" * (1 << 20)
     with socket.create_connection(address, timeout=30) as s:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            s.sendall(block)
-        s.shutdown(socket.SHUT_WR)
-        answer = b""
-        while len(answer) < STATS.size and (data := s.recv(STATS.size)):
-            answer += data
-    total, ns = STATS.unpack(answer)
+        total, ns = send_until(s, b"x" * (1 << 20), time.monotonic() + seconds, STATS)
     return total * 8e9 / ns
 
 
