@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.corpus.tokens import Corpus
+from isthmus.intra.layout import ParallelLayout
+from isthmus.intra.model import build_model
+from isthmus.intra.model_config import ModelConfig
+from isthmus.intra.topology import build_site_mesh
+from isthmus.intra.train import TrainConfig, Trainer
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
@@ -71,6 +77,31 @@ def context() -> BaseContext:
 def random_corpus() -> Corpus:
     rng = np.random.default_rng(0)
     return Corpus(tokens=rng.integers(0, 256, 20000, dtype=np.uint8), name="random")
+
+
+def random_batches(
+    seq_len: int, batch_size: int, seed: int, shard_index: int = 0, num_shards: int = 1
+) -> ShardedBatches:
+    """The batches of ``random_corpus``: shard ``shard_index`` of ``num_shards``."""
+    return ShardedBatches(
+        random_corpus(),
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        shard_index=shard_index,
+        num_shards=num_shards,
+    )
+
+
+def site_trainer(
+    model: ModelConfig, layout: ParallelLayout, config: TrainConfig, seq_len: int, batch_size: int,
+    seed: int,
+) -> tuple[Trainer, ShardedBatches]:  # fmt: skip
+    """A Trainer of ``model`` (built from ``seed``) on a site mesh of ``layout``, and
+    its rank's data-parallel shard of ``random_batches``."""
+    trainer = Trainer(build_model(model, seed), build_site_mesh(layout), config)
+    dp_rank = trainer.coordinate[1]
+    return trainer, random_batches(seq_len, batch_size, seed, dp_rank, layout.dp)
 
 
 def _in_test_env(fn: Callable[..., Any], env: dict[str, str], args: tuple) -> None:
@@ -131,6 +162,15 @@ def init_gloo(rank: int, world: int, store: str) -> None:
         world_size=world,
         timeout=COLLECTIVE_TIMEOUT,
     )
+
+
+def site_world(site: int, sites: int, tmp: str) -> dist.ProcessGroup:
+    """Site ``site`` of ``sites`` as its own one-rank torch.distributed world (stores
+    under ``tmp``); returned, the gloo group that joins the sites: the "WAN", a group
+    FSDP never sees."""
+    init_gloo(0, 1, os.path.join(tmp, f"site{site}"))
+    cross_store = dist.FileStore(os.path.join(tmp, "cross"), sites)
+    return dist.ProcessGroupGloo(cross_store, site, sites, COLLECTIVE_TIMEOUT)
 
 
 def shutdown() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import init_gloo, process, random_corpus, shutdown, spawn
+from dist_helpers import init_gloo, process, shutdown, site_trainer, spawn
 from helpers import fake_checkpoint
 
 from isthmus.intra import checkpoint
@@ -24,7 +24,6 @@ from isthmus.intra.layout import ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import ModelConfig, preset
 from isthmus.intra.state import rank_state, state_digest
-from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
 SEED, SEQ, BATCH = 11, 16, 2
@@ -39,17 +38,7 @@ TIED = replace(preset("tiny"), tie_embeddings=True)
 def _trainer(
     layout: ParallelLayout, model: ModelConfig | None = None
 ) -> tuple[Trainer, ShardedBatches]:
-    model = model or preset("tiny")
-    trainer = Trainer(build_model(model, SEED), build_site_mesh(layout), CONFIG)
-    data = ShardedBatches(
-        random_corpus(),
-        seq_len=SEQ,
-        batch_size=BATCH,
-        seed=SEED,
-        shard_index=trainer.coordinate[1],
-        num_shards=layout.dp,
-    )
-    return trainer, data
+    return site_trainer(model or preset("tiny"), layout, CONFIG, SEQ, BATCH, SEED)
 
 
 def _residual(rank: int) -> dict[str, torch.Tensor]:

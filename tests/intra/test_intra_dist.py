@@ -6,25 +6,22 @@ Each worker is a spawned process with one thread; results come back through
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from dist_helpers import (
-    COLLECTIVE_TIMEOUT,
     AveragingSync,
     RecordingSync,
     init_gloo,
-    random_corpus,
+    random_batches,
     shutdown,
+    site_world,
     spawn,
 )
 
-from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.digest import parameter_digest
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model import build_model
@@ -57,14 +54,7 @@ def _dp_worker(rank: int, world: int, store: str, record: bool) -> dict[str, Any
     initial = parameter_digest(model)
     sync = RecordingSync() if record else None
     trainer = Trainer(model, mesh, CONFIG, sync=sync)
-    data = ShardedBatches(
-        random_corpus(),
-        seq_len=SEQ,
-        batch_size=BATCH,
-        seed=SEED,
-        shard_index=rank,
-        num_shards=world,
-    )
+    data = random_batches(SEQ, BATCH, SEED, rank, world)
     result: dict[str, Any] = {"initial": initial, "losses": [], "shard_checks": []}
     for step in range(STEPS):
         if sync is not None:
@@ -103,7 +93,7 @@ def _reference(global_batch: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(
         model.parameters(), lr=CONFIG.lr, betas=CONFIG.betas, weight_decay=CONFIG.weight_decay
     )
-    data = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=global_batch, seed=SEED)
+    data = random_batches(SEQ, global_batch, SEED)
     out: dict[str, Any] = {"losses": []}
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -166,14 +156,7 @@ def _uncommitted_worker(rank: int, world: int, store: str, offload: bool) -> dic
     mesh = build_site_mesh(ParallelLayout(dp=world))
     parallel = ParallelConfig(offload=offload)
     trainer = Trainer(model, mesh, CONFIG, parallel=parallel, sync=sync)
-    data = ShardedBatches(
-        random_corpus(),
-        seq_len=SEQ,
-        batch_size=BATCH,
-        seed=SEED,
-        shard_index=rank,
-        num_shards=world,
-    )
+    data = random_batches(SEQ, BATCH, SEED, rank, world)
     before = parameter_digest(model)
     stats = trainer.step(0, *data.batch(0))
     after = parameter_digest(model)
@@ -210,25 +193,13 @@ def test_a_step_whose_sync_did_not_commit_changes_nothing(tmp_path: Path, offloa
 
 
 def _site_worker(site: int, sites: int, tmp: str) -> dict[str, Any]:
-    # Each site is its own one-rank torch.distributed world; the "WAN" is a
-    # separate gloo group that FSDP never sees.
-    init_gloo(0, 1, os.path.join(tmp, f"site{site}"))
-    cross = dist.ProcessGroupGloo(
-        dist.FileStore(os.path.join(tmp, "cross"), sites), site, sites, COLLECTIVE_TIMEOUT
-    )
+    cross = site_world(site, sites, tmp)
     mesh = build_site_mesh(ParallelLayout(dp=1))
     model = build_model(preset("tiny"), SEED)
     sync = AveragingSync(cross, sites)
     assert isinstance(sync, GradientSync)
     trainer = Trainer(model, mesh, CONFIG, sync=sync)
-    data = ShardedBatches(
-        random_corpus(),
-        seq_len=SEQ,
-        batch_size=BATCH,
-        seed=SEED,
-        shard_index=site,
-        num_shards=sites,
-    )
+    data = random_batches(SEQ, BATCH, SEED, site, sites)
     losses = [trainer.step(s, *data.batch(s)).loss for s in range(STEPS)]
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     digest = parameter_digest(model)
@@ -257,7 +228,7 @@ def _evaluate_worker(rank: int, world: int, store: str) -> float:
     trainer = Trainer(
         build_model(preset("tiny"), SEED), build_site_mesh(ParallelLayout(dp=world)), CONFIG
     )
-    batch = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED).batch(0)
+    batch = random_batches(SEQ, BATCH, SEED).batch(0)
     loss = trainer.evaluate(*batch)  # the same batch on both ranks
     shutdown()
     return loss
@@ -265,9 +236,7 @@ def _evaluate_worker(rank: int, world: int, store: str) -> float:
 
 def test_evaluate_gives_the_unsharded_models_loss_on_every_rank(tmp_path: Path) -> None:
     losses = spawn(_evaluate_worker, 2, tmp_path, 2, str(tmp_path / "store"))
-    inputs, targets = ShardedBatches(
-        random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED
-    ).batch(0)
+    inputs, targets = random_batches(SEQ, BATCH, SEED).batch(0)
     with torch.no_grad():
         logits = build_model(preset("tiny"), SEED)(inputs)
         want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))

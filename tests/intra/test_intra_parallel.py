@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_helpers import RecordingSync, init_gloo, random_corpus, shutdown, spawn
+from dist_helpers import RecordingSync, init_gloo, random_batches, shutdown, spawn
 
 from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
@@ -76,17 +76,10 @@ def _one_layout(rank: int, layout: dict, parallel: dict, model: str = "dense") -
     sync = RecordingSync()
     trainer = Trainer(build_model(MODELS[model], SEED), mesh, CONFIG, parallel=config, sync=sync)
     _, dp_rank, _, _ = trainer.coordinate
-    data = ShardedBatches(
-        random_corpus(),
-        seq_len=SEQ,
-        batch_size=BATCH,
-        seed=SEED,
-        shard_index=dp_rank,
-        num_shards=lay.dp,
-    )
+    data = random_batches(SEQ, BATCH, SEED, dp_rank, lay.dp)
     # The held-out loss's forward (pipeline: the forward-only schedule) on the whole
     # global batch, every rank the same, before the step: the reference's loss.
-    whole = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH * lay.dp, seed=SEED)
+    whole = random_batches(SEQ, BATCH * lay.dp, SEED)
     eval_loss = trainer.evaluate(*whole.batch(0))
     stats = trainer.step(0, *data.batch(0))
     # The hook fired exactly once per FSDP group (RecordingSync asserts no
@@ -144,7 +137,7 @@ def _layout_worker(rank: int, world: int, store: str, layout: dict, parallel: di
 
 def _reference(global_batch: int, model_name: str = "dense") -> dict[str, Any]:
     model = build_model(MODELS[model_name], SEED)
-    data = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=global_batch, seed=SEED)
+    data = random_batches(SEQ, global_batch, SEED)
     x, y = data.batch(0)
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()

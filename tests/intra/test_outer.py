@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import (
-    COLLECTIVE_TIMEOUT,
     AveragingSync,
     RecordingSync,
     init_gloo,
-    random_corpus,
+    random_batches,
     shutdown,
+    site_world,
     spawn,
 )
 
@@ -65,17 +65,20 @@ class VotingAheadSync(AveragingSync):
 def _site(
     site: int, tmp: str, inner: TrainConfig = INNER
 ) -> tuple[Trainer, ShardedBatches, dist.ProcessGroup]:
-    init_gloo(0, 1, os.path.join(tmp, f"site{site}"))
-    cross = dist.ProcessGroupGloo(
-        dist.FileStore(os.path.join(tmp, "cross"), 2), site, 2, COLLECTIVE_TIMEOUT
-    )
+    cross = site_world(site, 2, tmp)
     trainer = Trainer(
         build_model(preset("tiny"), SEED), build_site_mesh(ParallelLayout(dp=1)), inner
     )
-    data = ShardedBatches(
-        random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED, shard_index=site, num_shards=2
-    )
+    data = random_batches(SEQ, BATCH, SEED, site, 2)
     return trainer, data, cross
+
+
+def _leave(trainer: Trainer, **results: Any) -> dict[str, Any]:
+    """A site's last act: ``results`` and its parameters' digest (a collective), then
+    it leaves its groups."""
+    digest = parameter_digest(trainer.model)
+    shutdown()
+    return {**results, "digest": digest}
 
 
 def _flat_params(trainer: Trainer) -> torch.Tensor:
@@ -145,9 +148,7 @@ def _nesterov_worker(site: int, tmp: str, ramp: float = 1.0) -> dict[str, Any]:
         anchor = torch.cat(outer.anchor)
         assert torch.equal(anchor, _flat_params(trainer))
     state = {k: v.clone() for k, v in outer.state_dict().items()}
-    digest = parameter_digest(trainer.model)
-    shutdown()
-    return {"errors": errors, "due": due, "digest": digest, "state": state, "lrs": lrs}
+    return _leave(trainer, errors=errors, due=due, state=state, lrs=lrs)
 
 
 @pytest.mark.timeout(120)
@@ -174,7 +175,7 @@ def _failure_worker(rank: int, tmp: str) -> dict[str, Any]:
     trainer = Trainer(
         build_model(preset("tiny"), SEED), build_site_mesh(ParallelLayout(dp=1)), INNER
     )
-    data = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED)
+    data = random_batches(SEQ, BATCH, SEED)
     out: dict[str, Any] = {}
     try:
         with pytest.raises(ValueError, match="must not sync gradients itself"):
@@ -280,15 +281,9 @@ def _delayed_worker(site: int, tmp: str) -> dict[str, Any]:
                 errors.append(float((_flat_params(trainer) - expected).abs().max()))
             assert torch.allclose(torch.cat(outer.anchor), anchor.detach(), rtol=0, atol=1e-6)
             anchor_digests.append(outer.anchor_digest())
-    digest = parameter_digest(trainer.model)
-    shutdown()
-    return {
-        "landed": landed,
-        "errors": errors,
-        "anchors": anchor_digests,
-        "digest": digest,
-        "voted_ahead": sync.voted_ahead,
-    }
+    return _leave(
+        trainer, landed=landed, errors=errors, anchors=anchor_digests, voted_ahead=sync.voted_ahead
+    )
 
 
 @pytest.mark.timeout(120)
@@ -323,7 +318,7 @@ def _streaming_worker(site: int, tmp: str) -> dict[str, Any]:
     landed, errors, untouched, anchors, started, due = [], [], [], [], None, []
     shared: list[bool] = []
     shared_losses: list[float] = []
-    held_out = ShardedBatches(random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED + 1)
+    held_out = random_batches(SEQ, BATCH, SEED + 1)
     for step in range(10):
         trainer.step(step, *data.batch(step))
         due.append(outer.due_fragments(step))
@@ -359,20 +354,10 @@ def _streaming_worker(site: int, tmp: str) -> dict[str, Any]:
                     errors.append(float((now - expected[k]).abs().max()))
                 else:
                     untouched.append(torch.equal(now, before[k]))
-    digest = parameter_digest(trainer.model)
-    shutdown()
-    return {
-        "landed": landed,
-        "errors": errors,
-        "untouched": untouched,
-        "anchors": anchors,
-        "digest": digest,
-        "due": due,
-        "members": members,
-        "outer_steps": outer.outer_steps,
-        "shared": shared,
-        "shared_losses": shared_losses,
-    }
+    return _leave(
+        trainer, landed=landed, errors=errors, untouched=untouched, anchors=anchors, due=due,
+        members=members, outer_steps=outer.outer_steps, shared=shared, shared_losses=shared_losses,
+    )  # fmt: skip
 
 
 @pytest.mark.timeout(120)

@@ -12,15 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from dist_helpers import init_gloo, random_corpus, shutdown, spawn
+from dist_helpers import init_gloo, shutdown, site_trainer, spawn
 
 from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.digest import shard_digest
 from isthmus.intra.layout import ParallelLayout
-from isthmus.intra.model import build_model
 from isthmus.intra.model_config import preset
 from isthmus.intra.state import StateError, load_rank_state, rank_state, state_digest
-from isthmus.intra.topology import build_site_mesh
 from isthmus.intra.train import TrainConfig, Trainer
 
 SEED, SEQ, BATCH = 3, 16, 2
@@ -30,16 +28,7 @@ LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 
 
 def _trainer(layout: ParallelLayout) -> tuple[Trainer, ShardedBatches]:
-    trainer = Trainer(build_model(MODEL, SEED), build_site_mesh(layout), CONFIG)
-    data = ShardedBatches(
-        random_corpus(),
-        seq_len=SEQ,
-        batch_size=BATCH,
-        seed=SEED,
-        shard_index=trainer.coordinate[1],
-        num_shards=layout.dp,
-    )
-    return trainer, data
+    return site_trainer(MODEL, layout, CONFIG, SEQ, BATCH, SEED)
 
 
 def _optim_empty(trainer: Trainer) -> bool:

@@ -21,9 +21,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import COLLECTIVE_TIMEOUT, SyncDone, init_gloo, random_corpus, shutdown, spawn
+from dist_helpers import COLLECTIVE_TIMEOUT, SyncDone, init_gloo, random_batches, shutdown, spawn
 
-from isthmus.intra.corpus.batches import ShardedBatches
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model import build_model
 from isthmus.intra.model_config import preset
@@ -81,9 +80,7 @@ def _site_rank(site: int, rank: int, tmp: str, mode: str) -> dict[str, Any]:
     outer = None
     if mode == "diloco":
         outer = OuterOptimizer(trainer, sync, OuterConfig(inner_steps=2), total_steps=STEPS)
-    data = ShardedBatches(
-        random_corpus(), seq_len=SEQ, batch_size=BATCH, seed=SEED, shard_index=site, num_shards=2
-    )
+    data = random_batches(SEQ, BATCH, SEED, site, 2)
     for step in range(STEPS):
         trainer.step(step, *data.batch(step))
         if outer is not None:

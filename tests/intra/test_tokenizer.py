@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ISTHMUS, assert_one_line_error, job_corpus, run_cli
+from helpers import assert_one_line_error, job_corpus, run_cli, start_coordinator
 
 from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.inter.control.fingerprint import fingerprint_problem
@@ -247,19 +247,13 @@ def test_the_tokenizer_is_part_of_the_fingerprint(tmp_path, stdlib_text):
 def test_a_site_with_another_tokenizer_file_is_refused_at_join(tmp_path, stdlib_text):
     """Two `isthmus coordinator` processes whose tokenizer files differ."""
     a, b = two_tokenizers(tmp_path, stdlib_text)
-    first = subprocess.Popen(
-        [*ISTHMUS, "coordinator", "--site", "site0", "--peer", "site1=127.0.0.1:1"]
-        + ["--set", f"data.tokenizer={a}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    first, address = start_coordinator(
+        *("--site", "site0", "--peer", "site1=127.0.0.1:1", "--set", f"data.tokenizer={a}")
     )
     try:
-        line = first.stdout.readline()
-        assert "listening on" in line, line + first.stderr.read()
         started = time.monotonic()
         second = run_cli(
-            *("coordinator", "--site", "site1", "--peer", f"site0={line.split()[-1]}"),
+            *("coordinator", "--site", "site1", "--peer", f"site0={address}"),
             *("--set", f"data.tokenizer={b}"),
             timeout=60,
         )
