@@ -1,11 +1,9 @@
-"""`isthmus local` fits the host it runs on: what a quick start on GPUs chooses (the
-README says what: the sites share out the GPUs, a model worth a GPU, Streaming DiLoCo
-where the planning model says per-step sync would keep under half the throughput).
-
-A setting the job names (file, ``--set`` or flag) is never changed, and what it cannot
-run is refused as before (deploy/launch/local.py, ``gpu_shortage``). Only `isthmus local` fits:
-every site of it starts from this one resolved config, so all of them, and the job's
-fingerprint, see the same values; `isthmus site` runs exactly what its file says."""
+"""`isthmus local` fits the host it runs on: on GPUs the sites share out the GPUs, train
+a model worth a GPU, and sync by Streaming DiLoCo where the planning model says per-step
+sync would keep under half the throughput. A setting the job names (file, ``--set`` or
+flag) is never changed, and what the host cannot run is refused (``gpu_shortage``). Only
+`isthmus local` fits: every site of it starts from this one resolved config; `isthmus
+site` runs exactly what its file says."""
 
 from __future__ import annotations
 

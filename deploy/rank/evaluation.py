@@ -1,13 +1,10 @@
 """The held-out loss: what the model scores on text it never trained on.
 
 Measured every ``run.eval_every`` steps and after the last, on the same
-``run.eval_batches`` batches of ``EVAL_BATCH`` windows of the corpus's held-out split
-every time and at every site -- whatever the job's per-rank batch, so runs of other
-layouts (one site of 2 ranks, two sites of 1, one rank with twice the batch) compare. Per-step sync keeps the replicas equal,
-so every site measures the same model. The outer modes (DiLoCo, Streaming DiLoCo)
-measure the sites' *shared* model -- the anchors, the parameters as of each fragment's
-last outer step, equal at every site while their local parameters drift apart -- which
-is also the model a job ends with (its last step lands every fragment)."""
+``run.eval_batches`` batches of ``EVAL_BATCH`` windows of the held-out split every time
+and at every site, whatever the per-rank batch, so runs of other layouts compare. The
+outer modes measure the sites' *shared* model (the anchors, equal at every site while
+their local parameters drift apart), which is also the model a job ends with."""
 
 from __future__ import annotations
 
