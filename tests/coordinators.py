@@ -5,13 +5,18 @@ stopping their coordinator; a partition cuts the emulated link."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import threading
 import time
+from collections.abc import Iterator
 
-from helpers import register_rank, wait_until
+from helpers import in_threads, register_rank, wait_until
 
+from isthmus.inter.control.channels import peer_channel
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
+from isthmus.inter.control.coordinator_client import CoordinatorClient
+from isthmus.inter.control.host_agent import HostAgent
+from isthmus.inter.security import SiteSecurity
 from isthmus.proto import coordinator_pb2 as pb
 from isthmus.proto import coordinator_pb2_grpc as pb_grpc
 from isthmus.sim import LinkSpec, RelayServer
@@ -49,6 +54,17 @@ def start_sites(n: int, proxies=None, **options) -> list[Coordinator]:
     return coords
 
 
+@contextlib.contextmanager
+def running_sites(n: int, proxies=None, **options) -> Iterator[list[Coordinator]]:
+    """start_sites's coordinators, stopped after (stop_all): a site the test puts in
+    the list in place of another (a restart) is the one stopped."""
+    coords = start_sites(n, proxies, **options)
+    try:
+        yield coords
+    finally:
+        stop_all(coords)
+
+
 def rank_key(coord: Coordinator) -> str:
     """The key the test's rank 0 of ``coord``'s site registers and votes with: the one
     the coordinator drew for its launcher to hand that rank (inter/control/rank_keys.py)."""
@@ -59,6 +75,48 @@ def register(coord: Coordinator, lane: str) -> None:
     register_rank(
         coord.address, coord.site, FP, key=rank_key(coord), lane=lane, security=coord.security
     )
+
+
+@contextlib.contextmanager
+def agent_site(
+    listen: str, ranks: int, failure_timeout_s: float = 10.0, with_clients: bool = True,
+    security: SiteSecurity | None = None, **agent_options,
+) -> Iterator[tuple[Coordinator, HostAgent, list[CoordinatorClient]]]:  # fmt: skip
+    """A one-site job of ``ranks`` registered ranks and its host agent on the ranks'
+    channel (``security``'s), started (listening at ``listen``; ``agent_options`` are
+    HostAgent's), and, ``with_clients``, a client per rank that votes and watches
+    through the agent. All stopped after."""
+    settings = CoordinatorSettings(
+        site="site0", site_names=["site0"], ranks=ranks, fingerprint=FP,
+        failure_timeout_s=failure_timeout_s,
+    )  # fmt: skip
+    coord = Coordinator(settings, security=security)
+    coord.start()
+    channel = peer_channel(coord.address, security=security)
+    agent = HostAgent(channel, site="site0", ranks=ranks, listen=listen, **agent_options)
+    clients: list[CoordinatorClient] = []
+    try:
+        for rank in range(ranks):
+            register_rank(
+                coord.address, "site0", FP, key=coord.rank_keys.handed(rank),
+                lane=f"127.0.0.1:{3000 + rank}", rank=rank, world_size=ranks, security=security,
+            )  # fmt: skip
+        coord.wait_ready(10)
+        agent.start()
+        for rank in range(ranks) if with_clients else ():
+            key = coord.rank_keys.handed(rank)
+            clients.append(
+                CoordinatorClient.connect(
+                    coord.address, security, rank_key=key, agent=agent.address
+                )
+            )
+        yield coord, agent, clients
+    finally:
+        for client in clients:
+            client.close()
+        agent.stop()
+        channel.close()
+        coord.stop(grace_s=0)
 
 
 def vote(coord: Coordinator, step: int, generation: int, ok: bool = True, wait_s: float = 15):
@@ -89,11 +147,7 @@ def vote_all(coords, step, generation, ok=None):
     def one(c):
         results[c.site] = vote(c, step, generation, ok.get(c.site, True))
 
-    threads = [threading.Thread(target=one, args=(c,)) for c in coords]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(one, coords, 30)
     return results
 
 
@@ -125,6 +179,19 @@ def restart_site1(address: str, site0: Coordinator, lane: str, **options) -> Coo
     again.start()
     register(again, lane=lane)
     return again
+
+
+def site1_restarted(coords: list[Coordinator], lane: str, **options) -> tuple[Coordinator, int]:
+    """Of two sites, site1 dies after step 0 and site0 commits step 1 alone (in the
+    generation returned); then a new site1 (restart_site1, registering ``lane``) takes
+    its place in ``coords``, and is returned."""
+    assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
+    address = coords[1].address
+    coords[1].stop(grace_s=0)
+    generation = retry_until(coords[:1], 1, 1, ["site0"], ok={"site0": False})
+    assert vote(coords[0], 1, generation).verdict == pb.VERDICT_COMMIT
+    coords[1] = restart_site1(address, coords[0], lane, **options)
+    return coords[1], generation
 
 
 def linked_pair(relay: RelayServer):

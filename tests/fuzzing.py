@@ -11,10 +11,10 @@ import torch
 from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor as FD
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import raw_chunk
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
-from isthmus.inter.data.codecs.chain import crc32
 from isthmus.inter.data.lane.server import PASS_METADATA, LaneServer, channel_options
 from isthmus.inter.data.state.offers import Admitted
 from isthmus.proto import lane_pb2
@@ -300,20 +300,6 @@ class Lane:
 
 
 def chunk(**fields) -> lane_pb2.PushChunksRequest:
-    """A sound one-chunk contribution to the fuzz lane at step FLOOR; fields overridable."""
-    values = dict(
-        generation=LANE_GEN,
-        step=FLOOR,
-        group=0,
-        kind=lane_pb2.CHUNK_KIND_CONTRIBUTION,
-        chunk_index=0,
-        num_chunks=1,
-        from_site=1,
-        total_elements=PER,
-        num_elements=PER,
-        codec="raw",
-        payload=b"",
-    )
-    values.update(fields)
-    values.setdefault("crc32", crc32(values["payload"]))
-    return lane_pb2.PushChunksRequest(**values)
+    """A sound one-chunk contribution to the fuzz lane at step FLOOR, of an empty
+    payload; fields overridable."""
+    return raw_chunk(PER, **{"generation": LANE_GEN, "step": FLOOR, "payload": b"", **fields})

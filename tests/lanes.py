@@ -10,10 +10,10 @@ emulated link); ``run_all`` runs one callable per site, each in its own thread;
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 
 import torch
+from helpers import in_threads
 
 from isthmus.inter.data.codecs.chain import make_codec
 from isthmus.inter.data.lane.peer import LanePeer
@@ -102,12 +102,8 @@ def run_all(fns: list[Callable[[], object]], timeout: float = 25.0) -> list[obje
         except BaseException as exc:  # noqa: BLE001 (handed back to the test)
             out[i] = exc
 
-    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a site hung"
+    threads = in_threads(wrap, range(len(fns)), timeout, daemon=True)
+    assert not any(t.is_alive() for t in threads), "a site hung"
     return out
 
 

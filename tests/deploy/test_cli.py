@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from helpers import ISTHMUS, assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli, start_coordinator
 
 from isthmus.deploy.config.job import ConfigError, load_config
 
@@ -189,16 +189,10 @@ def test_unknown_key_in_a_toml_file_names_the_file(tmp_path):
 
 def test_site_with_a_different_fingerprint_is_refused(tmp_path):
     """Two `isthmus coordinator` processes whose configs differ in the model size."""
-    first = subprocess.Popen(
-        [*ISTHMUS, "coordinator", "--site", "site0", "--peer", "site1=127.0.0.1:1", "--insecure"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    first, address = start_coordinator(
+        "--site", "site0", "--peer", "site1=127.0.0.1:1", "--insecure"
     )
     try:
-        line = first.stdout.readline()
-        assert "listening on" in line, line + first.stderr.read()
-        address = line.split()[-1]
         started = time.monotonic()
         second = run_cli(
             "coordinator",
@@ -223,14 +217,8 @@ def test_site_with_a_different_fingerprint_is_refused(tmp_path):
 
 
 def test_sites_with_different_layouts_are_refused_naming_the_keys_and_values():
-    first = subprocess.Popen(
-        [*ISTHMUS, "coordinator", "--site", "site0", "--peer", "site1=127.0.0.1:1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first, address = start_coordinator("--site", "site0", "--peer", "site1=127.0.0.1:1")
     try:
-        address = first.stdout.readline().split()[-1]
         second = run_cli(
             "coordinator",
             *("--site", "site1", "--peer", f"site0={address}"),

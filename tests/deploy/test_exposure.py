@@ -45,31 +45,24 @@ def test_insecure_runs_an_exposed_coordinator_and_says_so_at_every_start():
     assert "warning: --insecure: site0 serves its coordinator on 0.0.0.0" in err
 
 
+def exposed_with(*security: str):
+    """A job whose lanes listen on every address, with ``security`` settings."""
+    return load_config(
+        overrides=["cluster.lane_host=0.0.0.0", "cluster.advertise_host=h", *security]
+    )
+
+
 def test_exposure_rules(job_dir):
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost", ""))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "site0.example.net"))
-    exposed = load_config(overrides=["cluster.lane_host=0.0.0.0", "cluster.advertise_host=h"])
+    exposed = exposed_with()
     default = load_config()
     check_exposure(default.security, default.cluster, "site0", "127.0.0.1")  # all on loopback
     with pytest.raises(ConfigError, match="security.require_tls and security.require_token"):
         check_exposure(exposed.security, exposed.cluster, "site0", "127.0.0.1")
-    secured = load_config(
-        overrides=[
-            "cluster.lane_host=0.0.0.0",
-            "cluster.advertise_host=h",
-            "security.require_tls=true",
-            "security.require_token=true",
-            f"security.certs_dir={job_dir}",
-        ]
-    )
+    token = ["security.require_token=true", f"security.certs_dir={job_dir}"]
+    secured = exposed_with("security.require_tls=true", *token)
     check_exposure(secured.security, secured.cluster, "site0", "0.0.0.0")
-    token_only = load_config(
-        overrides=[
-            "cluster.lane_host=0.0.0.0",
-            "cluster.advertise_host=h",
-            "security.require_token=true",
-            f"security.certs_dir={job_dir}",
-        ]
-    )
+    token_only = exposed_with(*token)
     with pytest.raises(ConfigError, match="without security.require_tls:"):
         check_exposure(token_only.security, token_only.cluster, "site0", "127.0.0.1")

@@ -6,6 +6,16 @@ import pytest
 from fuzzing import COUNTS, Lane
 
 from isthmus.inter.data.lane import server as lane_module
+from isthmus.inter.data.lane.server import LaneServer
+
+
+@pytest.fixture
+def lane():
+    """Site 0's lane of a two-site job at generation 1, raw codec (a module may have its
+    own ``lane``)."""
+    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1)
+    yield server
+    server.stop(0)
 
 
 @pytest.fixture

@@ -11,12 +11,11 @@ import tracemalloc
 
 import grpc
 import pytest
-from helpers import register_rank, wait_until
+from coordinators import agent_site
+from helpers import wait_until
 
 from isthmus.inter.control.agent_socket import AgentConnection, connect_agent
 from isthmus.inter.control.agent_wire import HEADER, FrameError, Frames, Kind, StatusError, frame
-from isthmus.inter.control.channels import peer_channel
-from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.host_agent import HostAgent
 from isthmus.proto import coordinator_pb2 as pb
 
@@ -55,25 +54,8 @@ def test_a_length_prefix_over_the_limit_is_refused_before_anything_is_held_for_i
 def site(tmp_path):
     """A one-site job of two registered ranks and their host agent (``vouch_s`` 30: a
     rank it stops naming sooner was dropped for its closed connection)."""
-    coord = Coordinator(
-        CoordinatorSettings(
-            site="site0", site_names=["site0"], ranks=2, fingerprint=FP, failure_timeout_s=1.5
-        )
-    )
-    coord.start()
-    channel = peer_channel(coord.address)
-    agent = HostAgent(channel, site="site0", ranks=2, listen=f"unix:{tmp_path}/a", vouch_s=30)
-    try:
-        for rank in range(2):
-            key = coord.rank_keys.handed(rank)
-            register_rank(coord.address, "site0", FP, key=key, rank=rank, world_size=2)
-        coord.wait_ready(10)
-        agent.start()
-        yield coord, agent
-    finally:
-        agent.stop()
-        channel.close()
-        coord.stop(grace_s=0)
+    with agent_site(f"unix:{tmp_path}/a", 2, 1.5, with_clients=False, vouch_s=30) as site:
+        yield site[:2]
 
 
 def watch(connection: AgentConnection, key: str, wait_ms: int) -> int:

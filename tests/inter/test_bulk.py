@@ -37,13 +37,6 @@ from isthmus.proto import lane_pb2, lane_pb2_grpc
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture()
-def lane():
-    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1)
-    yield server
-    server.stop(0)
-
-
 def ticket(server: LaneServer, site: int = 1) -> tuple[int, bytes]:
     """A ticket as the lane grants it to site ``site``'s own lane (``GrantBulk``); how
     it gets there is tests/inter/test_sender_bound_chunks.py's matter."""

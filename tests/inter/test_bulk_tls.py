@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers import raw_chunk, wait_until
 from lanes import lane_pair, run_all
+from sockets import Server
 
 from isthmus.deploy.commands.certs import write_certs
 from isthmus.inter.data.codecs.chain import crc32
@@ -141,19 +142,10 @@ class _RecordingProxy:
     """An HTTP CONNECT proxy on loopback that keeps every byte clients sent through it."""
 
     def __init__(self) -> None:
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.sent = bytearray()
         self._lock = threading.Lock()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._tunnel, args=(client,), daemon=True).start()
+        self._server = Server(self._tunnel)
+        self.url = f"http://127.0.0.1:{self._server.address[1]}"
 
     def _tunnel(self, client: socket.socket) -> None:
         request = b""
@@ -180,7 +172,7 @@ class _RecordingProxy:
                     s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        self._sock.close()
+        self._server.close()
 
 
 @pytest.mark.parametrize("tls", [True, False], ids=["tls", "plain"])

@@ -15,23 +15,14 @@ import threading
 import time
 
 import pytest
-import torch
 from helpers import raw_chunk, wait_until
 
-from isthmus.inter.data.codecs.chain import crc32, make_codec
 from isthmus.inter.data.lane.server import LaneServer
 from isthmus.inter.data.transport.bulk_peer import BulkConnection
 from isthmus.inter.data.transport.peer_round import PeerRound
 from isthmus.inter.data.transport.wire import Frame
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture()
-def lane():
-    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1)
-    yield server
-    server.stop(0)
 
 
 def connections(server: LaneServer, n: int) -> list[BulkConnection]:
@@ -48,16 +39,7 @@ def connections(server: LaneServer, n: int) -> list[BulkConnection]:
 
 def frame(step: int, group: int, values: int) -> Frame:
     """A one-chunk round's chunk of ``values`` fp32 values (a chunk a group)."""
-    payload = bytes(make_codec("raw").encode(torch.ones(values)))
-    req = raw_chunk(
-        step=step,
-        group=group,
-        total_elements=values,
-        num_elements=values,
-        payload=payload,
-        crc32=crc32(payload),
-    )
-    return Frame.from_message(req.SerializeToString())
+    return Frame.from_message(raw_chunk(values, step=step, group=group).SerializeToString())
 
 
 def count_takes(monkeypatch, hold_s: float = 0.0) -> collections.Counter:

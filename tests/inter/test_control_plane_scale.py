@@ -15,7 +15,7 @@ import threading
 
 import grpc
 import pytest
-from helpers import register_rank, wait_until
+from helpers import in_threads, register_rank, wait_until
 
 from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.host_session import HostSession
@@ -244,11 +244,7 @@ def _two_hosts_vote(coord: Coordinator, hosts, step: int) -> list[pb.Decision]:
     def vote(i: int) -> None:
         answers[i] = hosts[i].vote(_ballots(coord, halves[i], step=step, wait_ms=5_000))
 
-    threads = [threading.Thread(target=vote, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
+    in_threads(vote, range(2), 15)
     return answers
 
 

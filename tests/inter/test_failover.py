@@ -18,6 +18,8 @@ from coordinators import (
     rank_key,
     restart_site1,
     retry_until,
+    running_sites,
+    site1_restarted,
     start_sites,
     stop_all,
     vote,
@@ -48,19 +50,15 @@ def test_quorum_is_a_majority_or_half_with_the_first_site():
 
 
 def test_every_site_ok_commits_the_step_everywhere():
-    coords = start_sites(3)
-    try:
+    with running_sites(3) as coords:
         decisions = vote_all(coords, step=0, generation=1)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}
         assert {d.generation for d in decisions.values()} == {1}
         assert all(c.state.committed_steps == 1 for c in coords)
-    finally:
-        stop_all(coords)
 
 
 def test_a_failed_round_is_retried_by_the_same_members_in_a_new_generation():
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         decisions = vote_all(coords, step=0, generation=1, ok={"site1": False})
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_RETRY}
         assert {d.generation for d in decisions.values()} == {2}
@@ -68,40 +66,27 @@ def test_a_failed_round_is_retried_by_the_same_members_in_a_new_generation():
         assert all(c.state.committed_steps == 0 for c in coords)  # nothing applied
         again = vote_all(coords, step=0, generation=2)
         assert {d.verdict for d in again.values()} == {pb.VERDICT_COMMIT}
-    finally:
-        stop_all(coords)
 
 
-def test_a_dead_site_is_dropped_and_the_others_carry_on():
-    coords = start_sites(3)
-    try:
+@pytest.mark.parametrize("dead", [2, 0], ids=["a_dead_site_is_dropped", "the_leader_dies"])
+def test_the_others_carry_on_without_a_dead_site(dead):
+    """A site dies between steps, site2, or the leader (site0, the lowest index): the
+    next site takes over and the two others go on."""
+    with running_sites(3) as coords:
         assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-        coords[2].stop(grace_s=0)  # site2 dies between steps
-        generation = retry_until(coords[:2], 1, 1, ["site0", "site1"], ok={"site0": False})
-        after = vote_all(coords[:2], step=1, generation=generation)
+        coords[dead].stop(grace_s=0)
+        alive = coords[:dead] + coords[dead + 1 :]
+        members = [c.site for c in alive]
+        generation = retry_until(alive, 1, 1, members, ok={members[0]: False})
+        after = vote_all(alive, step=1, generation=generation)
         assert {d.verdict for d in after.values()} == {pb.VERDICT_COMMIT}
-        assert coords[0].live_members() == coords[1].live_members() == ["site0", "site1"]
-    finally:
-        stop_all(coords)
-
-
-def test_when_the_leader_dies_the_next_site_takes_over():
-    coords = start_sites(3)
-    try:
-        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-        coords[0].stop(grace_s=0)  # the leader (lowest index) dies
-        generation = retry_until(coords[1:], 1, 1, ["site1", "site2"], ok={"site1": False})
-        after = vote_all(coords[1:], step=1, generation=generation)
-        assert {d.verdict for d in after.values()} == {pb.VERDICT_COMMIT}
-    finally:
-        stop_all(coords)
+        assert alive[0].live_members() == alive[1].live_members() == members
 
 
 def test_a_commit_given_out_before_the_leader_died_stands():
     """site2 heard COMMIT for step 0 from site0, site1 did not: when site0 dies, site1
     takes over and must not retry a step site2 already applied."""
-    coords = start_sites(3)
-    try:
+    with running_sites(3) as coords:
         # site1's vote reaches the leader, but site1 never hears the answer.
         with grpc.insecure_channel(coords[0].address) as channel:
             pb_grpc.CoordinatorStub(channel).SiteVote(
@@ -117,20 +102,12 @@ def test_a_commit_given_out_before_the_leader_died_stands():
         assert decision.verdict == pb.VERDICT_COMMIT, decision
         assert names(decision) == ["site1", "site2"] and decision.generation > 1
         assert coords[1].state.committed_steps == 1
-    finally:
-        stop_all(coords)
 
 
 def test_a_restarted_site_is_admitted_at_a_commit_with_the_state_source():
-    coords = start_sites(2)
-    try:
-        assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-        address = coords[1].address
-        coords[1].stop(grace_s=0)
-        generation = retry_until(coords[:1], 1, 1, ["site0"], ok={"site0": False})
-        assert vote(coords[0], 1, generation).verdict == pb.VERDICT_COMMIT
+    with running_sites(2) as coords:
         # site1 comes back at the same address, from generation 0.
-        again = coords[1] = restart_site1(address, coords[0], lane="127.0.0.1:2999")
+        again, generation = site1_restarted(coords, lane="127.0.0.1:2999")
         # Its joins reach site0, which asks site1 itself and takes it as a joiner.
         wait_until(lambda: "site1" in coords[0].failover.ballots.joiners, "site1 never joined")
         admit = vote(coords[0], 2, generation)
@@ -141,16 +118,13 @@ def test_a_restarted_site_is_admitted_at_a_commit_with_the_state_source():
         assert [s.name for s in sites] == ["site0", "site1"]
         assert again.start_step == 3 and again.state_source == "site0"
         assert sites[1].lane_addresses == ["127.0.0.1:2999"]
-    finally:
-        stop_all(coords)
 
 
 def test_a_site_restarted_before_the_first_commit_is_taken_for_dead_and_admitted():
     """In DiLoCo the first commit comes only after inner_steps steps; a site restarted
     before it must not pass for a late starter (the other site's round would wait on
     chunks its dead incarnation never sent): its new incarnation gives it away."""
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         before = coords[1].incarnations.mine
         coords[1].stop(grace_s=0)
         again = coords[1] = restart_site1(coords[1].address, coords[0], lane="127.0.0.1:2998")
@@ -166,8 +140,6 @@ def test_a_site_restarted_before_the_first_commit_is_taken_for_dead_and_admitted
         assert admit.verdict == pb.VERDICT_COMMIT
         assert names(admit) == ["site0", "site1"] and admit.state_step == 4
         assert again.wait_ready(10) and again.start_step == 5
-    finally:
-        stop_all(coords)
 
 
 def test_a_site_that_only_answered_joins_is_known_by_its_incarnation():
@@ -192,9 +164,8 @@ def test_a_site_admitted_back_pulls_the_state_though_its_old_vote_was_settled_me
     vote of generation 1. Its failover loop settles that old vote ("generation moved
     on") at about the same moment; the ranks must still get REJOIN and pull the state,
     never a RETRY that reruns step 4 in a generation whose other member left it behind."""
-    coords = start_sites(2)
-    site1 = coords[1]
-    try:
+    with running_sites(2) as coords:
+        site1 = coords[1]
         with pytest.raises(AssertionError, match="no decision"):
             vote(site1, 4, 1, wait_s=1.5)  # the vote stands; nobody else votes on step 4
         with site1.state.cond:
@@ -212,8 +183,6 @@ def test_a_site_admitted_back_pulls_the_state_though_its_old_vote_was_settled_me
         assert decision.verdict == pb.VERDICT_REJOIN, decision
         assert decision.generation == 3 and decision.state_source == "site0"
         assert decision.step == 21 and decision.state_step == 20
-    finally:
-        stop_all(coords)
 
 
 def test_under_a_partition_only_the_quorum_side_goes_on_and_the_other_stops_saying_why():
@@ -255,8 +224,7 @@ def test_under_a_partition_only_the_quorum_side_goes_on_and_the_other_stops_sayi
     ],
 )
 def test_bad_votes_are_refused_and_change_nothing(request_fields, why):
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         fields = {"rank_key": rank_key(coords[0]), **request_fields}
         with (
             grpc.insecure_channel(coords[0].address) as channel,
@@ -268,13 +236,10 @@ def test_bad_votes_are_refused_and_change_nothing(request_fields, why):
         assert why in err.value.details()
         assert coords[0].failover.ballots.rank_votes == {}
         assert coords[0].generation == 1
-    finally:
-        stop_all(coords)
 
 
 def test_a_propose_from_a_stranger_or_with_a_lower_generation_changes_nothing():
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         site0 = coords[0].state.infos_locked(coords[0].members)
         with grpc.insecure_channel(coords[1].address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
@@ -288,14 +253,11 @@ def test_a_propose_from_a_stranger_or_with_a_lower_generation_changes_nothing():
             )
         assert not answer.accepted and answer.generation == 1
         assert coords[1].live_members() == ["site0", "site1"]
-    finally:
-        stop_all(coords)
 
 
 def test_a_propose_that_reorders_the_members_is_refused():
     """Issue 14, row 4: accepted, it froze the job's steps for good, silently."""
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         reordered = list(reversed(coords[0].state.infos_locked(coords[0].members)))
         with (
             grpc.insecure_channel(coords[1].address) as channel,
@@ -307,5 +269,3 @@ def test_a_propose_that_reorders_the_members_is_refused():
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "in the job's order ['site0', 'site1']" in err.value.details()
         assert coords[1].generation == 1 and coords[1].live_members() == ["site0", "site1"]
-    finally:
-        stop_all(coords)

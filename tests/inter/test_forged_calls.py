@@ -5,6 +5,9 @@ loopback (tests/coordinators.py)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import grpc
 import pytest
 from coordinators import (
@@ -12,10 +15,8 @@ from coordinators import (
     Coordinator,
     names,
     rank_key,
-    restart_site1,
-    retry_until,
-    start_sites,
-    stop_all,
+    running_sites,
+    site1_restarted,
     vote,
     vote_all,
 )
@@ -34,8 +35,7 @@ def test_a_late_copy_of_a_members_first_join_does_not_pass_for_a_restart():
     (generation 0) and site0 handled only after the first commit, as a slow server or a
     retried call can, made site0 take the live site1 for restarted. The same
     incarnation is the same process: such a join changes nothing."""
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
         with coords[1].state.cond:
             info = coords[1].state.own_info_locked()
@@ -55,8 +55,6 @@ def test_a_late_copy_of_a_members_first_join_does_not_pass_for_a_restart():
         decisions = vote_all(coords, 1, 1)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
         assert all(names(d) == ["site0", "site1"] for d in decisions.values())
-    finally:
-        stop_all(coords)
 
 
 def _forged_join(site1: Coordinator) -> pb.JoinRequest:
@@ -78,8 +76,7 @@ def test_a_forged_restart_is_belied_by_the_site_itself_and_changes_nothing():
     """Issue 14, row 2: one Join as site1 from generation 0 dropped the live site1 and
     admitted the caller's lanes, which then pulled the training state. site0 now asks
     site1 at its own address, which answers with its real incarnation and lanes."""
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
         with grpc.insecure_channel(coords[0].address) as channel:
             pb_grpc.CoordinatorStub(channel).Join(_forged_join(coords[1]), timeout=5)
@@ -94,17 +91,14 @@ def test_a_forged_restart_is_belied_by_the_site_itself_and_changes_nothing():
         decisions = vote_all(coords, 1, 1)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
         assert all(names(d) == ["site0", "site1"] for d in decisions.values())
-    finally:
-        stop_all(coords)
 
 
 def test_a_forged_digest_is_checked_with_the_site_itself_before_anything_stops():
     """Issue 14, row 1: one Heartbeat(site="site1", digest=...) stopped site0 with
     "replicas differ". A digest that differs is now asked of site1 at its own address;
     a real difference is still a divergence (tests/inter/test_observability.py)."""
-    coords = start_sites(2)
     mine, forged = "a" * 64, "b" * 64
-    try:
+    with running_sites(2) as coords:
         with grpc.insecure_channel(coords[0].address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             report = pb.ReportProgressRequest(
@@ -133,8 +127,6 @@ def test_a_forged_digest_is_checked_with_the_site_itself_before_anything_stops()
             lambda: coords[0].replicas.agree_at(10, ["site0", "site1"]) is True,
             "site1's own digest never arrived",
         )
-    finally:
-        stop_all(coords)
 
 
 def test_digests_claimed_far_ahead_are_refused_and_the_final_one_stays():
@@ -142,37 +134,32 @@ def test_digests_claimed_far_ahead_are_refused_and_the_final_one_stays():
     evicted the real ones; both sites ended "no final digest from ['site1']". Claims
     that far past this site's step are refused (logged once per caller); the real
     final digest is kept."""
-    coords = start_sites(2)
     mine = "a" * 64
-    try:
-        with grpc.insecure_channel(coords[0].address) as channel:
-            stub = pb_grpc.CoordinatorStub(channel)
-            report = pb.ReportProgressRequest(
-                site="site0", step=10, digest=mine, digest_step=10, rank_key=rank_key(coords[0])
+    with running_sites(2) as coords, grpc.insecure_channel(coords[0].address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        report = pb.ReportProgressRequest(
+            site="site0", step=10, digest=mine, digest_step=10, rank_key=rank_key(coords[0])
+        )
+        stub.ReportProgress(report, timeout=5)
+        stub.Heartbeat(
+            pb.HeartbeatRequest(site="site1", step=10, digest=mine, digest_step=10), timeout=5
+        )
+        before = coords[0].refusals.count
+        for step in range(10**9, 10**9 + 16):
+            stub.Heartbeat(  # the heartbeat is answered; its digest is not taken
+                pb.HeartbeatRequest(site="site1", step=step, digest="b" * 64, digest_step=step),
+                timeout=5,
             )
-            stub.ReportProgress(report, timeout=5)
-            stub.Heartbeat(
-                pb.HeartbeatRequest(site="site1", step=10, digest=mine, digest_step=10), timeout=5
-            )
-            before = coords[0].refusals.count
-            for step in range(10**9, 10**9 + 16):
-                stub.Heartbeat(  # the heartbeat is answered; its digest is not taken
-                    pb.HeartbeatRequest(site="site1", step=step, digest="b" * 64, digest_step=step),
-                    timeout=5,
-                )
-            assert coords[0].refusals.count == before + 16
-            assert coords[0].replicas.agree_at(10, ["site0", "site1"]) is True
-            assert coords[0].replicas.latest()["site1"] == (10, mine)
-    finally:
-        stop_all(coords)
+        assert coords[0].refusals.count == before + 16
+        assert coords[0].replicas.agree_at(10, ["site0", "site1"]) is True
+        assert coords[0].replicas.latest()["site1"] == (10, mine)
 
 
 def test_a_not_ok_site_vote_stands_against_a_later_ok_for_the_same_round():
     """Issue 14, row 3: the first vote for a key won, so a forged "ok" sent ahead of a
     failed round could commit it. "Not ok" now stands once cast: at worst a forged
     vote makes the step run again."""
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         with grpc.insecure_channel(coords[0].address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             for ok in (False, True):  # site1's failed round, then a forged "ok"
@@ -181,13 +168,10 @@ def test_a_not_ok_site_vote_stands_against_a_later_ok_for_the_same_round():
                     timeout=5,
                 )
         assert vote(coords[0], 0, 1).verdict == pb.VERDICT_RETRY
-    finally:
-        stop_all(coords)
 
 
 def test_a_rank_is_registered_by_one_process_only():
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         with grpc.insecure_channel(coords[0].address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             request = pb.RegisterRankRequest(
@@ -210,8 +194,6 @@ def test_a_rank_is_registered_by_one_process_only():
                 site="site0", rank=0, step=0, generation=1, ok=True, rank_key=rank_key(coords[0])
             )
             assert pb_grpc.CoordinatorStub(channel).CommitStep(vote0, timeout=5).step == 0
-    finally:
-        stop_all(coords)
 
 
 def test_a_propose_in_the_leaders_name_that_it_did_not_send_is_refused():
@@ -219,8 +201,7 @@ def test_a_propose_in_the_leaders_name_that_it_did_not_send_is_refused():
     leader's name (anyone can read the members from GetMembership) moved site1 to a
     generation nobody else was in, and the job stopped ("no decision on step 4"). A
     member now asks the leader, at its own address, before adopting a generation."""
-    coords = start_sites(2)
-    try:
+    with running_sites(2) as coords:
         assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
         with coords[1].state.cond:
             sites = coords[1].state.infos_locked(coords[1].members)
@@ -235,26 +216,22 @@ def test_a_propose_in_the_leaders_name_that_it_did_not_send_is_refused():
         assert coords[1].generation == 1
         decisions = vote_all(coords, 1, 1)
         assert {d.verdict for d in decisions.values()} == {pb.VERDICT_COMMIT}, decisions
-    finally:
-        stop_all(coords)
 
 
 TOKEN = "t0ken-of-this-job-" + "x" * 16
 """The job token every coordinator requires: the forger below holds it too."""
 
 
-def _site1_restarted_and_joining(security: SiteSecurity) -> tuple[list[Coordinator], int]:
+@contextlib.contextmanager
+def _site1_restarted_and_joining(
+    security: SiteSecurity,
+) -> Iterator[tuple[list[Coordinator], int]]:
     """Two sites with the job token; site1 dies after step 0, site0 goes on alone and
     commits step 1, and site1 comes back (a new process) and asks to be admitted."""
-    coords = start_sites(2, security=security)
-    assert {d.verdict for d in vote_all(coords, 0, 1).values()} == {pb.VERDICT_COMMIT}
-    address = coords[1].address
-    coords[1].stop(grace_s=0)
-    generation = retry_until(coords[:1], 1, 1, ["site0"], ok={"site0": False})
-    assert vote(coords[0], 1, generation).verdict == pb.VERDICT_COMMIT
-    again = coords[1] = restart_site1(address, coords[0], "127.0.0.1:2999", security=security)
-    wait_until(lambda: again.joining, "site1 never learned that the job runs")
-    return coords, generation
+    with running_sites(2, security=security) as coords:
+        again, generation = site1_restarted(coords, "127.0.0.1:2999", security=security)
+        wait_until(lambda: again.joining, "site1 never learned that the job runs")
+        yield coords, generation
 
 
 def test_a_forged_finished_heartbeat_does_not_stop_a_restarting_site():
@@ -263,9 +240,8 @@ def test_a_forged_finished_heartbeat_does_not_stop_a_restarting_site():
     step) before site1 could be admitted" while site0 trained on alone. site1 now asks
     site0 itself, which says it has not finished: the claim is dropped, site1 admitted."""
     security = SiteSecurity(require_token=True, token=TOKEN)
-    coords, generation = _site1_restarted_and_joining(security)
-    again = coords[1]
-    try:
+    with _site1_restarted_and_joining(security) as (coords, generation):
+        again = coords[1]
         forged = pb.HeartbeatRequest(site="site0", step=300, finished=True, generation=generation)
         with security.channel(again.address) as channel:
             pb_grpc.CoordinatorStub(channel).Heartbeat(forged, timeout=5)
@@ -280,8 +256,6 @@ def test_a_forged_finished_heartbeat_does_not_stop_a_restarting_site():
         wait_until(lambda: not again.state.finished_claims, "site1 never asked site0")
         assert again.state.finished_peers == frozenset()
         assert again.state.peer_steps["site0"] == coords[0].step  # site0's own word
-    finally:
-        stop_all(coords)
 
 
 def test_a_site_that_did_finish_still_stops_a_joiner_after_saying_so_itself():
@@ -289,9 +263,8 @@ def test_a_site_that_did_finish_still_stops_a_joiner_after_saying_so_itself():
     heartbeat tells the joining site1, which asks site0 and gives up with the reason
     (there is no step boundary left to admit it at)."""
     security = SiteSecurity(require_token=True, token=TOKEN)
-    coords, _ = _site1_restarted_and_joining(security)
-    again = coords[1]
-    try:
+    with _site1_restarted_and_joining(security) as (coords, _):
+        again = coords[1]
         with security.channel(coords[0].address) as channel:
             pb_grpc.CoordinatorStub(channel).ReportProgress(
                 pb.ReportProgressRequest(
@@ -302,5 +275,3 @@ def test_a_site_that_did_finish_still_stops_a_joiner_after_saying_so_itself():
         with pytest.raises(CoordinatorError, match=r"the job finished \(site0 ran its last step\)"):
             again.wait_ready(10)
         assert again.state.finished_peers == {"site0"}
-    finally:
-        stop_all(coords)

@@ -71,6 +71,14 @@ def site_info(name):
 
 FINGERPRINT = st.just(pb.JobFingerprint(fields=FP))
 DIGEST = st.one_of(st.just(""), st.binary(min_size=32, max_size=32).map(bytes.hex))
+# What a CommitStep and a SiteVote both say: a site's verdict on a step.
+VERDICT = dict(
+    site=st.sampled_from(SITES),
+    step=STEP,
+    generation=SMALL,
+    ok=st.booleans(),
+    wait_ms=st.integers(0, 3),
+)
 VALID = {
     "RegisterRank": st.builds(
         pb.RegisterRankRequest,
@@ -116,23 +124,9 @@ VALID = {
         finished=st.booleans(),
         sync_busy_s=st.floats(0, 10),
     ),
-    "CommitStep": st.builds(
-        pb.CommitStepRequest,
-        site=st.sampled_from(SITES),
-        rank=st.just(0),
-        step=STEP,
-        generation=SMALL,
-        ok=st.booleans(),
-        wait_ms=st.integers(0, 3),
-    ),
+    "CommitStep": st.builds(pb.CommitStepRequest, rank=st.just(0), **VERDICT),
     "SiteVote": st.builds(
-        pb.SiteVoteRequest,
-        site=st.sampled_from(SITES),
-        step=STEP,
-        generation=SMALL,
-        ok=st.booleans(),
-        wait_ms=st.integers(0, 3),
-        suspects=st.lists(st.sampled_from(SITES), max_size=2),
+        pb.SiteVoteRequest, suspects=st.lists(st.sampled_from(SITES), max_size=2), **VERDICT
     ),
     "Propose": st.builds(
         lambda leader, generation, start, source, lanes: pb.ProposeRequest(

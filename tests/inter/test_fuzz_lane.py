@@ -226,48 +226,29 @@ VALID_PULL = st.builds(
 )
 
 
-@settings(max_examples=600, **SETTINGS)
-@given(request=requests(VALID_RESEND, lane_pb2.ResendChunkRequest.DESCRIPTOR))
-def test_resend_chunk(fuzz_lane, request):
-    count("ResendChunk")
-    check_lane(fuzz_lane, "ResendChunk", request.SerializeToString(), "unary_unary")
+def fuzzed_call(method: str, valid, request_type, examples: int, kind: str = "unary_unary"):
+    """The test of one unary lane handler: near-valid and random ``request_type``
+    messages around ``valid``, each checked by check_lane."""
+
+    @settings(max_examples=examples, **SETTINGS)
+    @given(request=requests(valid, request_type.DESCRIPTOR))
+    def test(fuzz_lane, request):
+        count(method)
+        check_lane(fuzz_lane, method, request.SerializeToString(), kind)
+
+    return test
 
 
-@settings(max_examples=300, **SETTINGS)
-@given(request=requests(VALID_ABORT, lane_pb2.AbortRoundRequest.DESCRIPTOR))
-def test_abort_round(fuzz_lane, request):
-    """A given-up round is only noted (for the lane's own round, never run here): the
-    chunks, outbox and offer stay as they were, and a refusal says why in a line."""
-    count("AbortRound")
-    check_lane(fuzz_lane, "AbortRound", request.SerializeToString(), "unary_unary")
-
-
-@settings(max_examples=200, **SETTINGS)
-@given(request=requests(VALID_DELIVER, lane_pb2.DeliverChunkRequest.DESCRIPTOR))
-def test_deliver_chunk(fuzz_lane, request):
-    count("DeliverChunk")
-    check_lane(fuzz_lane, "DeliverChunk", request.SerializeToString(), "unary_unary")
-
-
-@settings(max_examples=200, **SETTINGS)
-@given(request=requests(VALID_GRANT, lane_pb2.GrantBulkRequest.DESCRIPTOR))
-def test_grant_bulk(fuzz_lane, request):
-    count("GrantBulk")
-    check_lane(fuzz_lane, "GrantBulk", request.SerializeToString(), "unary_unary")
-
-
-@settings(max_examples=400, **SETTINGS)
-@given(request=requests(VALID_PULL, lane_pb2.PullStateRequest.DESCRIPTOR))
-def test_pull_state(fuzz_lane, request):
-    count("PullState")
-    check_lane(fuzz_lane, "PullState", request.SerializeToString(), "unary_stream")
-
-
-@settings(max_examples=200, **SETTINGS)
-@given(request=requests(VALID_CONFIRM, lane_pb2.ConfirmPullRequest.DESCRIPTOR))
-def test_confirm_pull(fuzz_lane, request):
-    count("ConfirmPull")
-    check_lane(fuzz_lane, "ConfirmPull", request.SerializeToString(), "unary_unary")
+test_resend_chunk = fuzzed_call("ResendChunk", VALID_RESEND, lane_pb2.ResendChunkRequest, 600)
+# A given-up round is only noted (for the lane's own round, never run here): the chunks,
+# outbox and offer stay as they were, and a refusal says why in a line.
+test_abort_round = fuzzed_call("AbortRound", VALID_ABORT, lane_pb2.AbortRoundRequest, 300)
+test_deliver_chunk = fuzzed_call("DeliverChunk", VALID_DELIVER, lane_pb2.DeliverChunkRequest, 200)
+test_grant_bulk = fuzzed_call("GrantBulk", VALID_GRANT, lane_pb2.GrantBulkRequest, 200)
+test_pull_state = fuzzed_call(
+    "PullState", VALID_PULL, lane_pb2.PullStateRequest, 400, kind="unary_stream"
+)
+test_confirm_pull = fuzzed_call("ConfirmPull", VALID_CONFIRM, lane_pb2.ConfirmPullRequest, 200)
 
 
 @settings(max_examples=700, **SETTINGS)

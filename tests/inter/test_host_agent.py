@@ -10,13 +10,12 @@ import time
 
 import grpc
 import pytest
-from coordinators import rank_key, start_sites, stop_all
-from helpers import register_rank, wait_until
+from coordinators import agent_site, rank_key, start_sites, stop_all
+from helpers import in_threads, wait_until
 
 from isthmus.deploy.commands.certs import write_certs
 from isthmus.inter.control.agent_upstream import LoopUpstream
 from isthmus.inter.control.channels import peer_channel
-from isthmus.inter.control.coordinator import Coordinator, CoordinatorSettings
 from isthmus.inter.control.coordinator_client import CoordinatorClient, Verdict
 from isthmus.inter.control.host_agent import HostAgent
 from isthmus.inter.security import SiteSecurity
@@ -32,39 +31,11 @@ RANKS = 4
 @pytest.fixture
 def site(tmp_path):
     """A one-site job of RANKS registered ranks, its host agent, and a client per rank."""
-    coord = Coordinator(
-        CoordinatorSettings(
-            site="site0", site_names=["site0"], ranks=RANKS, fingerprint=FP, failure_timeout_s=1.5
-        )
-    )
-    coord.start()
-    channel = peer_channel(coord.address)
     # A linger far past the spread of the test's votes: on a loaded machine the four
     # threads' votes came more than the default 250 ms apart, in two batches. A batch
     # full of the host's votes goes at once, whatever the linger.
-    agent = HostAgent(
-        channel, site="site0", ranks=RANKS, listen=f"unix:{tmp_path}/agent.sock", linger_s=3
-    )
-    clients = []
-    try:
-        for rank in range(RANKS):
-            key = coord.rank_keys.handed(rank)
-            register_rank(coord.address, "site0", FP, key=key, rank=rank, world_size=RANKS)
-        coord.wait_ready(10)
-        agent.start()
-        for rank in range(RANKS):
-            clients.append(
-                CoordinatorClient.connect(
-                    coord.address, rank_key=coord.rank_keys.handed(rank), agent=agent.address
-                )
-            )
-        yield coord, agent, clients
-    finally:
-        for client in clients:
-            client.close()
-        agent.stop()
-        channel.close()
-        coord.stop(grace_s=0)
+    with agent_site(f"unix:{tmp_path}/agent.sock", RANKS, 1.5, linger_s=3) as site:
+        yield site
 
 
 def vote(client: CoordinatorClient, rank: int, step: int = 0, wait_ms: int = 3_000):
@@ -83,11 +54,7 @@ def all_vote(clients, ranks, **kw) -> dict[int, object]:
         except grpc.RpcError as exc:
             out[rank] = exc
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    in_threads(one, ranks, 20)
     return out
 
 
@@ -201,27 +168,7 @@ def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
     not the ranks, so none is dropped from its poll, and once their watches are read
     they are held as before. (An agent that judged by the wall clock dropped both, sent
     its poll again without them, and their coordinator went on counting their silence.)"""
-    coord = Coordinator(
-        CoordinatorSettings(
-            site="site0", site_names=["site0"], ranks=2, fingerprint=FP, failure_timeout_s=60
-        )
-    )
-    coord.start()
-    channel = peer_channel(coord.address)
-    agent = HostAgent(channel, site="site0", ranks=2, listen=f"unix:{tmp_path}/a", vouch_s=0.5)
-    clients = []
-    try:
-        for rank in range(2):
-            key = coord.rank_keys.handed(rank)
-            register_rank(coord.address, "site0", FP, key=key, rank=rank, world_size=2)
-        coord.wait_ready(10)
-        agent.start()
-        clients = [
-            CoordinatorClient.connect(
-                coord.address, rank_key=coord.rank_keys.handed(r), agent=agent.address
-            )
-            for r in range(2)
-        ]
+    with agent_site(f"unix:{tmp_path}/a", 2, 60, vouch_s=0.5) as (coord, agent, clients):
         keys = sorted(coord.rank_keys.handed(r) for r in range(2))
         for client in clients:  # a watch each, answered at once: both vouched for
             client.membership_now(known_generation=1, wait_ms=0, timeout_s=10)
@@ -230,27 +177,14 @@ def test_an_agent_that_was_late_keeps_vouching_for_its_live_ranks(tmp_path):
         # Both watches ended just now; the agent stalls (a fault injected into its loop).
         agent.loop.call_soon_threadsafe(time.sleep, 1.5)
         out: list = []
-        watchers = [
-            threading.Thread(
-                target=lambda c=c: out.append(
-                    c.membership_now(known_generation=1, wait_ms=300, timeout_s=10)
-                )
-            )
-            for c in clients
-        ]
-        for t in watchers:
-            t.start()
-        for t in watchers:
-            t.join(15)
+        in_threads(
+            lambda c: out.append(c.membership_now(known_generation=1, wait_ms=300, timeout_s=10)),
+            clients,
+            15,
+        )
         assert len(out) == 2 and all(c.agent_misses == 0 for c in clients)
         assert agent.stats()["watch_polls"] == polls, agent.stats()
         assert agent.poll.keys == keys
-    finally:
-        for client in clients:
-            client.close()
-        agent.stop()
-        channel.close()
-        coord.stop(grace_s=0)
 
 
 def test_a_suspect_reaches_a_watch_through_the_agent_at_once(tmp_path):
@@ -339,34 +273,8 @@ def test_an_agent_on_its_launchers_channel_calls_the_coordinator_from_its_loop(t
     from its event loop, and its ranks' votes and watches go through as on any other."""
     write_certs(tmp_path / "certs", ["site0"])
     security = SiteSecurity.load(tmp_path / "certs", "site0", require_tls=True, require_token=True)
-    coord = Coordinator(
-        CoordinatorSettings(site="site0", site_names=["site0"], ranks=2, fingerprint=FP),
-        security=security,
-    )
-    coord.start()
-    channel = peer_channel(coord.address, security=security)
-    agent = HostAgent(channel, site="site0", ranks=2, listen=f"unix:{tmp_path}/a")
-    clients = []
-    try:
-        for rank in range(2):
-            client = CoordinatorClient.connect(
-                coord.address, security, rank_key=coord.rank_keys.handed(rank)
-            )
-            client.register_rank(
-                site="site0", rank=rank, world_size=2, lane_address=f"127.0.0.1:{3000 + rank}",
-                fingerprint=FP,
-                timeout_s=10,
-            )  # fmt: skip
-            client.close()
-        coord.wait_ready(10)
-        agent.start()
+    with agent_site(f"unix:{tmp_path}/a", 2, security=security) as (coord, agent, clients):
         assert isinstance(agent.upstream, LoopUpstream)
-        clients = [
-            CoordinatorClient.connect(
-                coord.address, security, rank_key=coord.rank_keys.handed(r), agent=agent.address
-            )
-            for r in range(2)
-        ]
         for client in clients:
             now = client.membership_now(known_generation=1, wait_ms=0, timeout_s=10)
             assert now.generation == 1
@@ -378,12 +286,6 @@ def test_an_agent_on_its_launchers_channel_calls_the_coordinator_from_its_loop(t
             ]
         assert agent.batches == 3 and agent.stats()["rank_connections"] == 2
         assert all(c.agent_misses == 0 for c in clients)
-    finally:
-        for client in clients:
-            client.close()
-        agent.stop()
-        channel.close()
-        coord.stop(grace_s=0)
 
 
 def test_an_event_for_a_stopped_agents_loop_is_no_traceback_on_the_console(caplog):

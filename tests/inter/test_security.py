@@ -234,13 +234,14 @@ def coordinator(job_dir) -> Coordinator:
     coord.stop(0)
 
 
-def register(channel: grpc.Channel) -> None:
+def register(channel: grpc.Channel, site: str = "site0", lane: str = "127.0.0.1:1234") -> None:
+    """This process registers as rank 0 of ``site`` over ``channel``."""
     cpb_grpc.CoordinatorStub(channel).RegisterRank(
         cpb.RegisterRankRequest(
-            site="site0",
+            site=site,
             rank=0,
             world_size=1,
-            lane_address="127.0.0.1:1234",
+            lane_address=lane,
             fingerprint=cpb.JobFingerprint(fields={"job.name": "t"}),
             rank_key=process_key(),
         ),
@@ -337,17 +338,7 @@ def test_sites_join_and_lanes_stream_over_tls_through_the_wan_proxy(job_dir, mon
             c.set_peers({o.site: o.address for o in coords if o is not c}, proxies[c.site])
             c.start()
             with peer_channel(c.address, security=full(job_dir, c.site)) as channel:
-                cpb_grpc.CoordinatorStub(channel).RegisterRank(
-                    cpb.RegisterRankRequest(
-                        site=c.site,
-                        rank=0,
-                        world_size=1,
-                        lane_address="127.0.0.1:1",
-                        fingerprint=cpb.JobFingerprint(fields={"job.name": "t"}),
-                        rank_key=process_key(),
-                    ),
-                    timeout=5,
-                )
+                register(channel, c.site, "127.0.0.1:1")
         for c in coords:
             assert [s.name for s in c.wait_ready(30)] == SITES
         joined = link.targets_connected

@@ -36,13 +36,6 @@ HOLD_S = 8.0
 (0.5 s), so a round that ends sooner than this ended through the stall."""
 
 
-@pytest.fixture()
-def lane():
-    server = LaneServer(site_index=0, num_sites=2, codec="raw", generation=1)
-    yield server
-    server.stop(0)
-
-
 def connection(server: LaneServer) -> BulkConnection:
     """A bulk connection of site 1 to ``server``, admitted by tickets the lane grants
     to site 1 (how a ticket travels is tests/inter/test_sender_bound_chunks.py's)."""
