@@ -8,6 +8,10 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
+
+from isthmus.sim import LinkSpec
 
 
 class Server:
@@ -85,6 +89,31 @@ class Sink:
         with self.cond:
             assert self.cond.wait_for(lambda: self.received >= total, timeout), self.received
             return next(t for t, n in self.times if n >= total)
+
+
+@contextlib.contextmanager
+def sink_server() -> Iterator[tuple[Sink, Server]]:
+    """A Server whose connections a Sink reads, closed after."""
+    sink = Sink()
+    server = Server(sink)
+    try:
+        yield sink, server
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def noting_echo_link(relay, latency_s: float) -> Iterator[tuple[Any, tuple, list[str]]]:
+    """A link of ``relay`` (``latency_s`` each way) to an echo server that notes how
+    each connection ended (echo_noting_the_end): the link, the address of its forward
+    and the server's notes. The server closes after."""
+    saw: list[str] = []
+    server = Server(echo_noting_the_end(saw))
+    try:
+        link = relay.add_link("ab", LinkSpec.symmetric(latency_s=latency_s))
+        yield link, link.add_forward(*server.address), saw
+    finally:
+        server.close()
 
 
 def connect(address) -> socket.socket:

@@ -30,11 +30,10 @@ from pathlib import Path
 import pytest
 import tomllib
 import yaml
-from helpers import ROOT
+from helpers import ROOT, root_wan
 from kubelet import Kubelet, Pod, objects, only
 
 from isthmus.sim import LinkSpec
-from isthmus.sim.netns import require_tools
 from isthmus.sim.transparent import TransparentWan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
@@ -156,10 +155,7 @@ def filled(user: Path, site: str, job: str | None) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def wan() -> Iterator[TransparentWan]:
-    if os.geteuid() != 0:
-        pytest.skip("network, mount and UTS namespaces need root (CI is root); not root here")
-    require_tools()  # as root, a missing ip or iptables is a failure that says which
-    with TransparentWan(f"k{os.getpid() % 100000}", 2, SPEC, nodes=[2, 2]) as wan:
+    with root_wan("k", SPEC, [2, 2], "network, mount and UTS namespaces") as wan:
         yield wan
 
 

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import root_wan
 
 from isthmus.deploy.config.job import load_config
 from isthmus.sim import LinkSpec
-from isthmus.sim.netns import LAN_IFNAME, SiteNet, require_tools
+from isthmus.sim.netns import LAN_IFNAME, SiteNet
 from isthmus.sim.transparent import TransparentWan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -134,10 +135,7 @@ class MultiNodeSite:
 
 @pytest.fixture
 def wan() -> Iterator[TransparentWan]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces and iptables need root (CI is root); not root here")
-    require_tools()  # as root, a missing ip or iptables is a failure that says which
-    with TransparentWan(f"m{os.getpid() % 100000}", 2, SPEC, nodes=[1, 2]) as wan:
+    with root_wan("m", SPEC, [1, 2], "network namespaces and iptables") as wan:
         yield wan
 
 

@@ -119,11 +119,7 @@ def assert_rate(
         ok=lambda r: r >= floor,
         bad=lambda r: r > ceiling,
         attempts=attempts,
-        describe=lambda rates: (
-            f"{what}: spec {spec_bps / 1e6:g} Mbit/s, bounds "
-            f"[{floor / 1e6:g}, {ceiling / 1e6:g}], measured "
-            + ", ".join(f"{r / 1e6:.1f}" for r in rates)
-        ),
+        describe=_describe(what, spec_bps, floor, ceiling, ("Mbit/s", 1e-6, ".1f")),
     )
 
 
@@ -160,11 +156,20 @@ def assert_delay(
         ok=lambda d: low <= d <= high,
         bad=lambda d: d < hard_floor,
         attempts=attempts,
-        describe=lambda delays: (
-            f"{what}: spec {spec_s * 1e3:g} ms, bounds "
-            f"[{low * 1e3:g}, {high * 1e3:g}], measured "
-            + ", ".join(f"{d * 1e3:.3f}" for d in delays)
-        ),
+        describe=_describe(what, spec_s, low, high, ("ms", 1e3, ".3f")),
+    )
+
+
+def _describe(
+    what: str, spec: float, low: float, high: float, unit: tuple[str, float, str]
+) -> Callable[[list[float]], str]:
+    """How a failure names the measures: ``unit`` is (name, factor from the measure's
+    SI unit, format of a measured value)."""
+    name, factor, form = unit
+    return lambda values: (
+        f"{what}: spec {spec * factor:g} {name}, bounds "
+        f"[{low * factor:g}, {high * factor:g}], measured "
+        + ", ".join(f"{v * factor:{form}}" for v in values)
     )
 
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error
+from helpers import assert_one_line_error, start_wan_up
 from measured import assert_rate
-from sockets import Server, Sink, connect, send_timed
+from sockets import Server, Sink, connect, send_timed, sink_server
 
 from isthmus.sim import DirectionPipe, DirectionSpec, LinkSpec
 from isthmus.sim.link import PIECE_BYTES
@@ -115,9 +115,7 @@ def test_token_bucket_paces_a_flow_with_one_piece_of_credit() -> None:
 
 @pytest.mark.timeout(60)
 def test_one_flow_held_to_cap_and_many_fill_the_link(relay) -> None:
-    sink = Sink()
-    server = Server(sink)
-    try:
+    with sink_server() as (sink, server):
         link = relay.add_link("ab", _capped())
         address = link.add_forward(*server.address)
         # Each rate under its ceiling on every run, its floor reached on one of a few
@@ -145,8 +143,6 @@ def test_one_flow_held_to_cap_and_many_fill_the_link(relay) -> None:
             ceiling_bps=LINK * 1.10,
             what="8 flows",
         )
-    finally:
-        server.close()
 
 
 @pytest.mark.timeout(60)
@@ -207,23 +203,13 @@ def test_wan_up_and_set_per_flow_mbit(tmp_path: Path) -> None:
     sink = Sink()
     server = Server(sink)
     target = f"127.0.0.1:{server.address[1]}"
-    up = subprocess.Popen(
-        [*WAN, "up", str(topology), "--control", "127.0.0.1:0", "--forward", f"a:b={target}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    up, lines = start_wan_up(topology, "--forward", f"a:b={target}")
 
     def wan(*args: str) -> subprocess.CompletedProcess:
         cmd = [*WAN, *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
 
     try:
-        lines = []
-        while not lines or not lines[-1].startswith("ready"):
-            line = up.stdout.readline()
-            assert line, up.stderr.read()
-            lines.append(line.strip())
         assert any("10 Mbit/s per flow" in line for line in lines), lines
         forward = next(line.split()[1] for line in lines if line.startswith("forward"))
         control = next(line.split()[1] for line in lines if line.startswith("control"))

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 from measured import HostLag, assert_delay, assert_rate
-from sockets import Server, Sink, connect, echo_noting_the_end, serve_echo
+from sockets import Server, connect, noting_echo_link, serve_echo, sink_server
 
 from isthmus.sim import (
     Corrupt,
@@ -160,9 +160,7 @@ def test_window_limited_flow_gets_window_over_rtt(relay) -> None:
 
 @pytest.mark.timeout(60)  # a hang guard: 8 s idle, past 20 at a load of 40
 def test_flap_holds_bytes_for_its_duration(relay) -> None:
-    sink = Sink()
-    server = Server(sink)
-    try:
+    with sink_server() as (sink, server):
         link = relay.add_link("ab", LinkSpec.symmetric(latency_s=0.005, bandwidth_bps=100 * MBIT))
         with connect(link.add_forward(*server.address)) as s, HostLag() as lag:
             link.set_impairments(a_to_b=(Flap(at_s=0.3, duration_s=0.6),))
@@ -185,8 +183,6 @@ def test_flap_holds_bytes_for_its_duration(relay) -> None:
         assert sink.received == sent  # none lost
         stats = link.stats()["a_to_b"]
         assert stats["flaps"] == 1 and stats["held_bytes"] > 0
-    finally:
-        server.close()
 
 
 @pytest.mark.timeout(60)  # a hang guard: 8 s idle, past 20 at a load of 40
@@ -272,11 +268,7 @@ def test_corruption_flips_rate_times_bytes_reproducibly() -> None:
 @pytest.mark.timeout(60)  # a hang guard: 8 s idle, past 20 at a load of 40
 def test_reset_at_a_time_resets_both_sides(either_relay) -> None:
     relay = either_relay
-    server_saw: list[str] = []
-    server = Server(echo_noting_the_end(server_saw))
-    try:
-        link = relay.add_link("ab", LinkSpec.symmetric(latency_s=0.005))
-        address = link.add_forward(*server.address)
+    with noting_echo_link(relay, 0.005) as (link, address, server_saw):
         with connect(address) as s:
             s.sendall(b"hi")
             assert s.recv(16) == b"hi"
@@ -306,8 +298,6 @@ def test_reset_at_a_time_resets_both_sides(either_relay) -> None:
             s.sendall(b"doomed")
             with pytest.raises(ConnectionResetError):
                 s.recv(16)
-    finally:
-        server.close()
 
 
 @pytest.mark.timeout(60)  # a hang guard: 8 s idle, past 20 at a load of 40

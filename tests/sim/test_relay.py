@@ -12,7 +12,7 @@ import grpc
 import pytest
 from helpers import wait_until
 from measured import assert_delay, assert_rate
-from sockets import Server, Sink, connect, echo_noting_the_end, send_timed, serve_echo
+from sockets import Server, connect, noting_echo_link, send_timed, serve_echo, sink_server
 
 from isthmus.sim import DirectionSpec, LinkSpec, RelayServer, proxy_channel_options
 
@@ -51,9 +51,7 @@ def test_ping_pong_rtt(either_relay) -> None:
 @pytest.mark.timeout(60)
 def test_throughput_matches_bandwidth(relay) -> None:
     spec = LinkSpec.symmetric(latency_s=0.010, bandwidth_bps=200 * MBIT)
-    sink = Sink()
-    server = Server(sink)
-    try:
+    with sink_server() as (sink, server):
         link = relay.add_link("ab", spec)
         with connect(link.add_forward(*server.address)) as s:
             # Never above 200 Mbit/s + 10 %, and within 10 % on one of a few attempts
@@ -67,16 +65,12 @@ def test_throughput_matches_bandwidth(relay) -> None:
         wait_until(lambda: link.stats()["a_to_b"]["bytes_delivered"] >= sent, "delivered count")
         assert link.stats()["a_to_b"]["bytes_delivered"] == sent
         assert link.stats()["a_to_b"]["connections"] == 1
-    finally:
-        server.close()
 
 
 @pytest.mark.timeout(60)
 def test_bandwidth_shared_by_connections(relay) -> None:
     spec = LinkSpec.symmetric(latency_s=0.005, bandwidth_bps=100 * MBIT)
-    sink = Sink()
-    server = Server(sink)
-    try:
+    with sink_server() as (sink, server):
         address = relay.add_link("ab", spec).add_forward(*server.address)
 
         def two_connections() -> float:
@@ -93,8 +87,6 @@ def test_bandwidth_shared_by_connections(relay) -> None:
         # Two connections share one direction's 100 Mbit/s rather than getting it each
         # (never above it + 10 %; within 10 % on one of a few attempts: measured.py).
         assert_rate(two_connections, 100 * MBIT, 0.10)
-    finally:
-        server.close()
 
 
 @pytest.mark.timeout(60)
@@ -138,9 +130,7 @@ def test_stalled_receiver_bounds_bytes_in_flight(either_relay) -> None:
 def test_live_bandwidth_update(relay) -> None:
     slow = LinkSpec.symmetric(latency_s=0.005, bandwidth_bps=40 * MBIT)
     fast = LinkSpec.symmetric(latency_s=0.005, bandwidth_bps=160 * MBIT)
-    sink = Sink()
-    server = Server(sink)
-    try:
+    with sink_server() as (sink, server):
         link = relay.add_link("ab", slow)
         with connect(link.add_forward(*server.address)) as s:
             # Each rate within 10 % (never above it; reached on one of a few attempts:
@@ -149,8 +139,6 @@ def test_live_bandwidth_update(relay) -> None:
             link.update(fast)
             assert_rate(lambda: send_timed(s, sink, 16 << 20, 0.005), 160 * MBIT, 0.10)
         assert link.spec == fast
-    finally:
-        server.close()
 
 
 @pytest.mark.timeout(60)
@@ -313,11 +301,7 @@ def test_link_reset_resets_both_sides_of_every_connection(either_relay) -> None:
     relay = either_relay
     """`Link.reset()` (the chaos suite's partition: open connections notice at once):
     the client and the server both get RST, and the link carries new connections."""
-    server_saw: list[str] = []
-    server = Server(echo_noting_the_end(server_saw))
-    try:
-        link = relay.add_link("ab", LinkSpec.symmetric(latency_s=0.002))
-        address = link.add_forward(*server.address)
+    with noting_echo_link(relay, 0.002) as (link, address, server_saw):
         with connect(address) as s:
             s.sendall(b"hi")
             assert s.recv(16) == b"hi"
@@ -331,5 +315,3 @@ def test_link_reset_resets_both_sides_of_every_connection(either_relay) -> None:
         with connect(address) as s:
             s.sendall(b"again")
             assert s.recv(16) == b"again"
-    finally:
-        server.close()

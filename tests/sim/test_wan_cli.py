@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ISTHMUS, assert_one_line_error, port_is_free
+from helpers import ISTHMUS, assert_one_line_error, port_is_free, start_wan_up
 from measured import HostLag
 from sockets import Server, Sink, connect, send_timed
 
@@ -45,18 +45,8 @@ def test_set_changes_a_running_link(tmp_path, mode) -> None:
     sink = Sink()
     server = Server(sink)
     target = f"127.0.0.1:{server.address[1]}"
-    up = subprocess.Popen(
-        [*WAN, "up", topology, "--control", "127.0.0.1:0", "--forward", f"a:b={target}", *mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    up, lines = start_wan_up(topology, "--forward", f"a:b={target}", *mode)
     try:
-        lines = []
-        while not lines or not lines[-1].startswith("ready"):
-            line = up.stdout.readline()
-            assert line, up.stderr.read()
-            lines.append(line.strip())
         forward = next(line.split()[1] for line in lines if line.startswith("forward"))
         control = next(line.split()[1] for line in lines if line.startswith("control"))
         assert any(line.startswith("proxy   http://127.0.0.1:") for line in lines)
