@@ -84,15 +84,11 @@ class Failover:
         self._rank_keys, self._refusals, self._long_polls = rank_keys, refusals, long_polls
         self.ballots = Ballots(state)
         self.rank_liveness = rank_liveness
+        s = settings
         self.leader = Leader(
-            state=state,
-            ballots=self.ballots,
-            peer_stub=stubs.__getitem__,
-            rpc_timeout_s=settings.rpc_timeout_s,
-            witness=witness,
-            min_sites=settings.min_sites,
-            quorum_wait_s=settings.quorum_wait_s,
-        )
+            state=state, ballots=self.ballots, peer_stub=stubs.__getitem__, witness=witness,
+            rpc_timeout_s=s.rpc_timeout_s, min_sites=s.min_sites, quorum_wait_s=s.quorum_wait_s,
+        )  # fmt: skip
         self._suspects: list[str] = []  # as the loop last saw them (it wakes waiters on a change)
         self._ranks_checked = float("-inf")  # when the ranks' silence was last checked
         self._thread = threading.Thread(
