@@ -19,10 +19,9 @@ A save that fails (a full disk: issue 33, row 12) removes its ``.partial`` folde
 raises a CheckpointError naming the errno and the file; every save first removes what
 saves that died left (``.partial``, ``.stale-*``), so a restart frees it before it writes.
 
-``latest`` accepts a folder only if its manifest is present and every file it
-lists has the recorded size; ``.partial`` folders never count. ``load`` first checks
-every file's hash (and the signature, given the key) before torch reads a byte: DCP's
-``.metadata`` is a pickle, and a flipped byte in a weight file would otherwise load
+``latest`` counts a folder only if its manifest lists every file at its recorded size.
+``load`` checks every file's hash (and the signature, given the key) before torch reads
+a byte: DCP's ``.metadata`` is a pickle, and a flipped byte in a weight file would load
 as a silently wrong weight (issue 14: loss NaN at every site from the next step).
 """
 
@@ -45,17 +44,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
 from .checkpoint_errors import CheckpointError, describe_os_error
 from .checkpoint_failures import FileNamingFileSystem, dcp_failure
+from .digest import local_shard
 from .state import (
-    EXTRA,
     NEXT_STEP,
     OPTIM_KEYS,
     ensure_optimizer_state,
     load_rank_state,
     named_parameters,
+    rank_entries,
 )
 from .tied import checkpoint_name
 from .train import Trainer
@@ -72,7 +71,6 @@ _READ_BYTES = 8 << 20
 
 
 def step_dir(root: Path, step: int) -> Path:
-    """Where the checkpoint taken after ``step`` steps lives (committed)."""
     return Path(root) / f"step-{step:08d}"
 
 
@@ -100,8 +98,7 @@ def _saved_names(trainer: Trainer) -> dict[str, str]:
 
 
 def _sharded_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Parameters and AdamW state with their DTensor placements (shared, not copied),
-    under their checkpoint names."""
+    """Parameters and AdamW state as DTensors (shared, not copied), by checkpoint name."""
     ensure_optimizer_state(trainer)
     saved = _saved_names(trainer)
     out: dict[str, torch.Tensor] = {}
@@ -126,15 +123,6 @@ def _rank_names(trainer: Trainer, entries: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def _rank_entries(trainer: Trainer, extra: Mapping[str, torch.Tensor] | None) -> dict:
-    entries = {"rng/cpu": torch.get_rng_state()}
-    if trainer.device.type == "cuda":
-        entries["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
-    for name, t in (extra or {}).items():
-        entries[EXTRA + name] = t.detach().to("cpu", copy=True).contiguous()
-    return entries
-
-
 def save(
     trainer: Trainer,
     root: Path,
@@ -145,22 +133,13 @@ def save(
     protect: int | None = None,
     key: bytes | None = None,
 ) -> Path:
-    """Write and commit the site's checkpoint after ``next_step`` steps (a collective).
+    """Write and commit the site's checkpoint after ``next_step`` steps into the site's
+    shared ``root``; returns the committed folder. A collective of the site's default
+    process group, between steps; a checkpoint of the same step is replaced.
 
-    Every rank of the site's default process group must call it, between steps.
-    An existing checkpoint of the same step is replaced.
-
-    Args:
-        trainer: the rank's trainer.
-        root: the site's checkpoint folder (shared by the site's ranks).
-        next_step: steps completed.
-        extra: this rank's own tensors (e.g. codec residuals), returned by ``load``.
-        keep: committed checkpoints to keep, newest by step; ``None`` keeps all.
-        protect: a step never pruned (the newest complete at every site), or None.
-        key: signs the manifest (HMAC-SHA256), e.g. the job token; None: unsigned.
-
-    Returns:
-        The committed folder, ``root/step-<next_step:08d>``.
+    ``extra``: this rank's own tensors (codec residuals), which ``load`` returns.
+    ``keep``: committed checkpoints kept, newest by step (None: all); ``protect``: a step
+    never pruned; ``key``: signs the manifest (HMAC-SHA256, the job token).
     """
     root = Path(root)
     final = step_dir(root, next_step)
@@ -178,7 +157,7 @@ def save(
     state: dict[str, torch.Tensor] = _sharded_state(trainer)
     state[NEXT_STEP] = torch.tensor(next_step, dtype=torch.int64)
     prefix = _rank_prefix(rank)
-    state.update({prefix + k: v for k, v in _rank_entries(trainer, extra).items()})
+    state.update({prefix + k: v for k, v in rank_entries(trainer, extra).items()})
     started = time.perf_counter()
     try:
         writer = dcp.FileSystemWriter(partial, sync_files=True)
@@ -193,19 +172,14 @@ def save(
         except OSError as exc:
             problem[0] = describe_os_error(exc, partial)
     _raise_if_failed(problem, partial, next_step)
-    log.info(
-        "[rank %d step %d] checkpoint %s written in %.2fs",
-        rank,
-        next_step,
-        final,
-        time.perf_counter() - started,
-    )
+    took = time.perf_counter() - started
+    log.info("[rank %d step %d] checkpoint %s written in %.2fs", rank, next_step, final, took)
     return final
 
 
 def _raise_if_failed(problem: list[str | None], partial: Path, next_step: int) -> None:
-    """Share rank 0's verdict with the site (a collective); on a failure, rank 0 removes
-    the partial folder (a full disk gets its space back) and every rank raises."""
+    """Share rank 0's verdict with the site (a collective); on a failure rank 0 removes
+    the partial folder (a full disk gets its space back), and every rank raises."""
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is None:
         return
@@ -217,7 +191,6 @@ def _raise_if_failed(problem: list[str | None], partial: Path, next_step: int) -
 
 
 def _remove_leftovers(root: Path) -> None:
-    """Remove what saves that died left under ``root`` (``.partial``, ``.stale-*``)."""
     for path in root.iterdir():
         if path.is_dir() and path.name.startswith("step-") and not _STEP_DIR.match(path.name):
             shutil.rmtree(path, ignore_errors=True)
@@ -272,8 +245,6 @@ def _commit(
 
 
 def _prune(root: Path, keep: int | None, protect: int | None = None) -> None:
-    """Delete committed checkpoints beyond the newest ``keep`` (except step ``protect``),
-    and leftovers of saves that died (``.partial``, ``.stale-*``)."""
     committed = sorted(complete_steps(root, warn=False).items())
     doomed = [path for step, path in committed[:-keep] if step != protect] if keep else []
     for path in doomed:
@@ -338,12 +309,8 @@ def verify(path: Path, key: bytes | None = None) -> str | None:
 
 
 def complete_steps(root: Path, *, warn: bool = True) -> dict[int, Path]:
-    """Step -> folder of every complete checkpoint under ``root``.
-
-    Args:
-        root: a site's checkpoint folder (may not exist).
-        warn: log a warning naming each incomplete or partial folder skipped.
-    """
+    """Step -> folder of every complete checkpoint under ``root`` (which may not exist);
+    ``warn`` logs each incomplete or partial folder skipped."""
     root = Path(root)
     out: dict[int, Path] = {}
     if not root.is_dir():
@@ -360,8 +327,7 @@ def complete_steps(root: Path, *, warn: bool = True) -> dict[int, Path]:
 
 
 def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root``; incomplete ones are skipped
-    with a warning naming them."""
+    """The newest complete checkpoint under ``root``; incomplete ones are skipped, named."""
     steps = complete_steps(root)
     return steps[max(steps)] if steps else None
 
@@ -369,17 +335,9 @@ def latest(root: Path) -> Path | None:
 def load(
     trainer: Trainer, path: Path, key: bytes | None = None
 ) -> tuple[int, dict[str, torch.Tensor]]:
-    """Load a checkpoint written by ``save`` with the same site layout (a collective).
-
-    Nothing of the trainer changes until every entry has been read and checked.
-
-    Args:
-        trainer: the rank's trainer (fresh or trained).
-        path: a committed checkpoint folder (``latest(root)``).
-        key: the manifest must be signed with it (the job token); None: not checked.
-
-    Returns:
-        ``(next_step, extra)``: the step to run next and this rank's ``extra``.
+    """Load a checkpoint written by ``save`` with the same site layout (a collective);
+    returns ``(next_step, extra)``. Nothing of the trainer changes until every entry has
+    been read and checked; ``key``: the manifest must be signed with it (None: unchecked).
 
     Raises:
         CheckpointError: incomplete, changed since the save (naming the file), unsigned
@@ -389,34 +347,18 @@ def load(
     # Rank 0 reads every file once; the site's ranks share its verdict.
     verdict = [verify(path, key) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
-    problem = verdict[0]
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    _usable(path, verdict[0])
     manifest = json.loads((path / MANIFEST).read_text())
     mine = {"world_size": dist.get_world_size(), "layout": _layout(trainer)}
     theirs = {k: manifest[k] for k in mine}
     if theirs != mine:
         raise CheckpointError(f"checkpoint {path} was saved by {theirs}, this site is {mine}")
-    reader = dcp.FileSystemReader(path)
     prefix = _rank_prefix(dist.get_rank())
     # Fresh buffers with the trainer's placements: DCP fills this rank's shards.
-    targets: dict[str, torch.Tensor] = {}
-    for name, t in _sharded_state(trainer).items():
-        targets[name] = torch.empty_like(t)
+    targets = {name: torch.empty_like(t) for name, t in _sharded_state(trainer).items()}
     targets[NEXT_STEP] = torch.empty((), dtype=torch.int64)
-    for entry, meta in reader.read_metadata().state_dict_metadata.items():
-        if entry.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
-            targets[entry] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    try:
-        dcp.load(targets, storage_reader=reader)
-    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        raise CheckpointError(f"reading checkpoint {path}: {exc}") from exc
-    local = {
-        name[len(prefix) :] if name.startswith(prefix) else name: (
-            t.to_local() if isinstance(t, DTensor) else t
-        )
-        for name, t in targets.items()
-    }
+    _read(path, targets, prefix)
+    local = {name.removeprefix(prefix): local_shard(t) for name, t in targets.items()}
     return load_rank_state(trainer, _rank_names(trainer, local))
 
 
@@ -425,26 +367,30 @@ def full_parameters(path: Path, key: bytes | None = None) -> dict[str, torch.Ten
     process without a process group (``isthmus export``): DCP reassembles each from
     the shards the site's ranks saved, whatever their tp, fsdp and pp layout.
 
-    Args:
-        path: a committed checkpoint folder.
-        key: the manifest must be signed with it; None: not checked.
-
     Raises:
         CheckpointError: incomplete, changed since the save, or unsigned (``verify``).
     """
     path = Path(path)
-    problem = verify(path, key)
+    _usable(path, verify(path, key))
+    targets: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():  # "assuming ... a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        _read(path, targets, "model/", no_dist=True)
+    return {name[len("model/") :]: t for name, t in targets.items()}
+
+
+def _usable(path: Path, problem: str | None) -> None:
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+
+
+def _read(path: Path, targets: dict[str, torch.Tensor], prefix: str, **kwargs: bool) -> None:
+    """DCP's load of ``targets`` and of every tensor entry under ``prefix``, in place."""
     reader = dcp.FileSystemReader(path)
-    targets: dict[str, torch.Tensor] = {}
     for entry, meta in reader.read_metadata().state_dict_metadata.items():
-        if entry.startswith("model/") and isinstance(meta, TensorStorageMetadata):
+        if entry.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
             targets[entry] = torch.empty(meta.size, dtype=meta.properties.dtype)
     try:
-        with warnings.catch_warnings():  # "assuming ... a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(targets, storage_reader=reader, no_dist=True)
+        dcp.load(targets, storage_reader=reader, **kwargs)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         raise CheckpointError(f"reading checkpoint {path}: {exc}") from exc
-    return {name[len("model/") :]: t for name, t in targets.items()}

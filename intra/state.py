@@ -44,10 +44,8 @@ def expected_layout(trainer: Trainer) -> dict[str, tuple[tuple[int, ...], torch.
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for fqn, p in named_parameters(trainer):
         local = local_shard(p)
-        shape, dtype = tuple(local.shape), local.dtype
-        out[f"model/{fqn}"] = (shape, dtype)
-        out[f"optim/{fqn}/exp_avg"] = (shape, dtype)
-        out[f"optim/{fqn}/exp_avg_sq"] = (shape, dtype)
+        for name in (f"model/{fqn}", f"optim/{fqn}/exp_avg", f"optim/{fqn}/exp_avg_sq"):
+            out[name] = (tuple(local.shape), local.dtype)
         out[f"optim/{fqn}/step"] = ((), _step_dtype())
     out["rng/cpu"] = (tuple(torch.get_rng_state().shape), torch.uint8)
     if trainer.device.type == "cuda":
@@ -92,21 +90,22 @@ def rank_state(
             else:
                 value = torch.zeros_like(_copy(local_shard(p)))
             out[f"optim/{fqn}/{key}"] = value
-    out["rng/cpu"] = torch.get_rng_state()
+    out[NEXT_STEP] = torch.tensor(next_step, dtype=torch.int64)
+    return out | rank_entries(trainer, extra)
+
+
+def rank_entries(trainer: Trainer, extra: Mapping[str, torch.Tensor] | None) -> dict:
+    """The entries of a rank's state that are its own: RNG states, and ``extra`` copied."""
+    out = {"rng/cpu": torch.get_rng_state()}
     if trainer.device.type == "cuda":
         out["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
-    out[NEXT_STEP] = torch.tensor(next_step, dtype=torch.int64)
-    for name, t in (extra or {}).items():
-        out[EXTRA + name] = _copy(t)
-    return out
+    return out | {EXTRA + name: _copy(t) for name, t in (extra or {}).items()}
 
 
 def check_state(trainer: Trainer, state: Mapping[str, torch.Tensor]) -> None:
-    """Raise StateError naming the first entry that does not fit ``trainer``.
-
-    Missing names first (in the trainer's order), then unexpected ones (sorted),
-    then each entry's type, dtype and shape.
-    """
+    """Raise StateError naming the first entry that does not fit ``trainer``: missing
+    names first (in the trainer's order), unexpected ones (sorted), then each entry's
+    type, dtype and shape."""
     layout = expected_layout(trainer)
     for name in layout:
         if name not in state:
@@ -135,12 +134,8 @@ def load_rank_state(
     trainer: Trainer, state: Mapping[str, torch.Tensor]
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """Copy a state from ``rank_state`` (of the same mesh coordinate) into ``trainer``;
-    all is checked before anything is written, so on a StateError it is unchanged.
-
-    Returns:
-        ``(next_step, extra)``: the step to run next and the ``extra/`` entries
-        without their prefix.
-    """
+    returns ``(next_step, extra)``, the ``extra/`` entries without their prefix. All is
+    checked before anything is written, so on a StateError it is unchanged."""
     check_state(trainer, state)
     ensure_optimizer_state(trainer)
     for fqn, p in named_parameters(trainer):

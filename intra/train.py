@@ -1,20 +1,19 @@
 """The training step of one site, and its seam to the cross-site layer.
 
 Gradient placement, per step:
-1. forward/backward (through the pipeline schedule when ``pp > 1``); FSDP2
-   reduce-scatters each group's gradient inside the site, once per step
-   (averaging over the site's ``dp`` ranks; with TP each tp rank reduces its own
-   TP shard) and hands the flat shard to the all-reduce hook, which calls
-   ``GradientSync.start(step, group, shard)`` (with ``parallel.offload`` the
-   gradients are host copies made after the hook, so the trainer starts the sync
-   after backward instead, on each group's host gradients as one flat tensor);
-2. ``GradientSync.finish(step)`` waits until every shard has been overwritten, in
-   place, with the average over all sites, and says whether the step committed (or
-   raises): a step that did not commit applies nothing;
+1. forward/backward (through the pipeline schedule when ``pp > 1``); FSDP2 reduce-scatters
+   each group's gradient inside the site, once per step (averaging over the site's ``dp``
+   ranks; with TP each tp rank reduces its own TP shard) and hands the flat shard to the
+   all-reduce hook, which calls ``GradientSync.start(step, group, shard)`` (with
+   ``parallel.offload`` the gradients are host copies made after the hook, so the trainer
+   starts the sync after backward, on each group's host gradients as one flat tensor);
+2. ``GradientSync.finish(step)`` waits until every shard has been overwritten, in place,
+   with the average over all sites, and says whether the step committed (or raises): a
+   step that did not commit applies nothing;
 3. with a head tied to the embedding and ``pp > 1``, the first and the last stage's
    copies of the tied weight get the sum of their gradients (intra/tied.py);
-4. the gradient norm is clipped -- after the sync, so every site computes the
-   same norm -- and the sharded AdamW steps.
+4. the gradient norm is clipped -- after the sync, so every site computes the same norm
+   -- and the sharded AdamW steps.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from math import prod
 from typing import Any, cast
 
@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from .digest import local_shard, parameter_digest
 from .flops import device_peak_flops, mfu
 from .layout import MeshAxis, ParallelConfig
 from .model import Transformer, flops_per_token
@@ -48,18 +49,8 @@ __all__ = ["GradientSync", "StepStats", "SyncResult", "TrainConfig", "Trainer", 
 
 
 def _round_bits(x: float, bits: int) -> float:
-    """``x`` rounded to ``bits`` significant bits."""
     mantissa, exponent = math.frexp(x)
     return math.ldexp(round(mantissa * (1 << bits)) / (1 << bits), exponent)
-
-
-def _hook(trainer: Trainer, sync: GradientSync, group: int) -> Callable[[torch.Tensor], None]:
-    # A factory, so each hook binds its own group index; the step is the trainer's
-    # step in progress (the hook runs inside its backward).
-    def hook(shard: torch.Tensor) -> None:
-        sync.start(trainer.step_in_progress, group, shard)
-
-    return hook
 
 
 def _axis_size(mesh: DeviceMesh, axis: MeshAxis) -> int:
@@ -72,8 +63,6 @@ def _axis_size(mesh: DeviceMesh, axis: MeshAxis) -> int:
 def _resolved_parallel(
     parallel: ParallelConfig | None, mixed_precision: bool, device_type: str
 ) -> ParallelConfig:
-    """``parallel`` (default ``ParallelConfig()``) with the ``mixed_precision``
-    shorthand applied; mixed precision only on CUDA."""
     parallel = parallel if parallel is not None else ParallelConfig()
     if mixed_precision:
         parallel = replace(parallel, mixed_precision=True)
@@ -83,28 +72,19 @@ def _resolved_parallel(
 
 
 def _rank_device(mesh: DeviceMesh) -> torch.device:
-    """This rank's device: the current CUDA device, or the mesh's device type."""
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
 
 
 class Trainer:
-    """Owns the site's parallelized model parts, their AdamW and the step.
+    """Owns the site's parallelized model parts (``model_parts``: the whole model, or this
+    rank's pipeline stages), their AdamW and the step.
 
-    Args:
-        model: the whole unsharded model from ``build_model`` (parallelized in place;
-            with ``pp > 1`` only this rank's stages are kept).
-        mesh: the site mesh from ``build_site_mesh``; ``config``: optimizer and schedule.
-        parallel: TP/PP/FSDP techniques; ``None`` means ``ParallelConfig()`` (with
-            ``mixed_precision`` as a shorthand for ``parallel.mixed_precision=True``).
-        sync: the cross-site gradient sync; ``None`` for a single site (no hook).
-
-    Attributes:
-        model_parts: this rank's model parts (one, or its pipeline stages).
-        model: ``model_parts[0]`` when ``pp == 1`` (the whole model), else ``None``.
-        groups: the FSDP groups, indexed as ``GradientSync.start`` numbers them.
-        coordinate: this rank's ``(pp, dp, cp, tp)``.
+    ``model`` (from ``build_model``) is parallelized in place; ``parallel=None`` means
+    ``ParallelConfig()``, ``mixed_precision`` a shorthand for its flag; ``sync=None``: a
+    single site, no hook. ``groups`` are the FSDP groups as ``GradientSync.start`` numbers
+    them; ``model`` is the whole model when ``pp == 1``, else ``None``.
     """
 
     def __init__(
@@ -136,9 +116,8 @@ class Trainer:
         else:
             num_stages, self.stages, self.model_parts = 1, [0], [model]
         self.groups = self._parallelize_parts()
+        # A head tied to the embedding with pp > 1: this rank's copy (intra/tied.py).
         self.tied: TiedEmbedding | None = tied_embedding(self.model_parts, mesh, self.device)
-        """With a head tied to the embedding and ``pp > 1``: this rank's copy of the tied
-        weight, its gradient summed with its partner's before each step (intra/tied.py)."""
         self.model = self.model_parts[0] if self.pp == 1 else None
         self._is_first, self._is_last = 0 in self.stages, num_stages - 1 in self.stages
         self.schedule = self._pipeline_schedule(num_stages) if self.pp > 1 else None
@@ -166,26 +145,24 @@ class Trainer:
         self._offloaded = [group_parameters(g) for g in self.groups] if parallel.offload else []
         if sync is not None and not parallel.offload:
             for i, group in enumerate(self.groups):
-                group.set_all_reduce_hook(_hook(self, sync, i))
+                group.set_all_reduce_hook(partial(self._hook, i))
+
+    def _hook(self, group: int, shard: torch.Tensor) -> None:
+        # FSDP group `group`'s all-reduce hook, run inside the backward of step_in_progress.
+        assert self.sync is not None
+        self.sync.start(self.step_in_progress, group, shard)
 
     def _parallelize_parts(self) -> list[FSDPModule]:
-        """Parallelize each of this rank's model parts in place; returns their FSDP
-        groups, in the order ``GradientSync.start`` numbers them."""
-        parallel = self.parallel
+        ep = self.parallel.expert_parallel
         # One expert mesh for all of this rank's stages: each mesh is new process groups.
-        experts = (
-            expert_parallel_mesh(self.mesh, parallel.expert_parallel)
-            if parallel.expert_parallel > 1
-            else None
-        )
+        experts = expert_parallel_mesh(self.mesh, ep) if ep > 1 else None
         return [
             g
             for part in self.model_parts
-            for g in parallelize(part, self.mesh, parallel, expert_mesh=experts)
+            for g in parallelize(part, self.mesh, self.parallel, expert_mesh=experts)
         ]
 
     def _pipeline_schedule(self, num_stages: int) -> Any:  # build_schedule's, unannotated
-        """The pipeline schedule over this rank's (parallelized) stages, ``pp > 1``."""
         return build_schedule(
             self.model_parts,
             self.stages,
@@ -209,7 +186,6 @@ class Trainer:
             layer.aux_scale = 1.0 / micro_batches
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters, over all its model parts."""
         return [p for part in self.model_parts for p in part.parameters()]
 
     def _sync_device(self) -> None:
@@ -218,35 +194,26 @@ class Trainer:
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run forward and backward; return this rank's loss (0 off the last stage)."""
-        if self.schedule is None:
-            assert self.model is not None  # pp == 1: the one part is the whole model
-            m = self.config.accumulate
-            if m == 1:
-                logits = self.model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                loss.backward()
-                return loss.detach()
-            if inputs.shape[0] % m:
-                raise ValueError(
-                    f"a batch of {inputs.shape[0]} does not split into {m} micro-batches"
-                )
-            total = torch.zeros((), device=self.device)
-            for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):
-                # Gradients add up unsharded; the last backward reduce-scatters them
-                # (and its all-reduce hook starts the cross-site sync) once.
+        if self.schedule is not None:
+            return self._scheduled(self.schedule.step, inputs, targets)
+        assert self.model is not None  # pp == 1: the one part is the whole model
+        m = self.config.accumulate
+        if inputs.shape[0] % m:
+            raise ValueError(f"a batch of {inputs.shape[0]} does not split into {m} micro-batches")
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):
+            if m > 1:  # gradients add up unsharded; the last backward reduce-scatters
+                # them (and its all-reduce hook starts the cross-site sync) once.
                 cast(FSDPModule, self.model).set_requires_gradient_sync(i == m - 1)
-                logits = self.model(x)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / m
-                loss.backward()
-                total += loss.detach()
-            return total
-        return self._scheduled(self.schedule.step, inputs, targets)
+            loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten()) / m
+            loss.backward()
+            total += loss.detach()
+        return total
 
     def _scheduled(
         self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor:
-        """The pipeline schedule's ``run`` (step or eval) over the micro-batches; this
-        rank's loss, 0 off the last stage."""
+        """The schedule's ``run`` (step or eval): this rank's loss, 0 off the last stage."""
         args = (inputs,) if self._is_first else ()
         losses: list[torch.Tensor] = []
         run(*args, **({"target": targets, "losses": losses} if self._is_last else {}))
@@ -258,19 +225,13 @@ class Trainer:
     def step(self, step_index: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepStats:
         """One optimizer step on this rank's batch: int64 ``[batch, seq]`` token ids and
         next-token ids, the same at every rank of a dp replica (its tp and pp ranks);
-        ``step_index`` (the global step) drives the LR schedule.
-
-        Raises:
-            Whatever ``sync.finish()`` raises; the optimizer has then not stepped (nor
-            when the sync says the step did not commit: see ``StepStats.committed``).
-        """
+        ``step_index`` (the global step) drives the LR schedule. The optimizer does not
+        step when ``sync.finish()`` raises or says the step did not commit."""
         t0 = time.perf_counter()
         self.step_in_progress = step_index
         # set_to_none is required: with an existing grad FSDP2 accumulates a *copy*
         # of the reduced shard, and the sync's later in-place write would be lost.
         self.optimizer.zero_grad(set_to_none=True)
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
         loss = self._forward_backward(*self._local(inputs, targets))
         sync_s, synced = self._sync_across_sites(step_index)
         lr = self.config.lr_at(step_index)
@@ -305,9 +266,8 @@ class Trainer:
         )
 
     def _sync_across_sites(self, step_index: int) -> tuple[float, SyncResult | None]:
-        """Wait for the cross-site sync of this step's gradients (started by the hooks,
-        or here when they are offloaded); returns (its seconds, its result), (0, None)
-        without a sync."""
+        """(seconds, result) of this step's cross-site sync (started by the hooks, or here
+        when the gradients are offloaded); (0, None) without a sync."""
         if self.sync is None:
             return 0.0, None
         self._sync_device()
@@ -319,11 +279,10 @@ class Trainer:
         return time.perf_counter() - t_sync, synced
 
     def _site_sums(self, loss: torch.Tensor) -> list[float]:
-        """One all-reduce over the site: [loss, MoE aux loss, load ratio, dropped share,
-        MoE layer count], each summed over the site's ranks."""
-        # Only last-stage ranks hold a loss (the site's sum counts each replica's tp
-        # times). Each MoE layer's stats go with their count in the same all-reduce (a
-        # middle stage has layers, the last the loss): the site's mean comes free.
+        """[loss, MoE aux loss, load ratio, dropped share, MoE layer count], each summed
+        over the site's ranks in one all-reduce. Only last-stage ranks hold a loss (the
+        sum counts each replica's tp times); a middle stage has MoE layers, the last the
+        loss, so the stats travel with their count and the site's mean comes free."""
         moe = [m.last_stats for m in self._moe_layers if m.last_stats is not None]
         moe_sum = torch.stack(moe).sum(0).to(loss.device) if moe else loss.new_zeros(3)
         site = torch.cat(
@@ -333,12 +292,11 @@ class Trainer:
         return site.tolist()
 
     def _local_grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        grads = [p.grad for p in params if p.grad is not None]
-        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        return [local_shard(p.grad) for p in params if p.grad is not None]
 
     def _start_offloaded(self, sync: GradientSync, step: int) -> list[torch.Tensor]:
-        """Hand each group's host gradients, as one flat fp32 tensor, to the sync (the
-        hook's place when the gradients are offloaded); the same layout at every site."""
+        """The hooks' work when gradients are offloaded: each group's host gradients, as
+        one flat fp32 tensor (the same layout at every site), to the sync."""
         flats = []
         for i, params in enumerate(self._offloaded):
             local = self._local_grads(params)
@@ -348,7 +306,6 @@ class Trainer:
         return flats
 
     def _apply_offloaded(self, flats: list[torch.Tensor]) -> None:
-        """Write the committed cross-site means back into the host gradients."""
         for params, flat in zip(self._offloaded, flats, strict=True):
             offset = 0
             for g in self._local_grads(params):
@@ -362,14 +319,13 @@ class Trainer:
         # The head's copy of a tied weight holds the same gradient as the embedding's:
         # the norm counts that weight once (both copies are still clipped below).
         head_copy = self.tied.weight if self.tied is not None and self.tied.is_head else None
-        # Each rank adds the squares of its local shards, weighted by 1/(copies
-        # of that shard inside the stage's dp*tp ranks) -- a norm weight without
-        # sequence parallelism, say, is replicated over tp -- so one sum over the
-        # site's ranks counts every element once. Copies are counted from the
-        # Replicate placements (FSDP+TP shards are Shard/_StridedShard, never
-        # Partial after the reduce-scatter) and from the mesh axes the DTensor
-        # does not span. The order of additions is fixed by the layout, so equal
-        # layouts give equal norms.
+        # Each rank adds the squares of its local shards, weighted by 1/(copies of that
+        # shard inside the stage's dp*tp ranks) -- a norm weight without sequence
+        # parallelism, say, is replicated over tp -- so one sum over the site's ranks
+        # counts every element once. Copies are counted from the Replicate placements
+        # (FSDP+TP shards are Shard/_StridedShard, never Partial after the reduce-scatter)
+        # and the mesh axes the DTensor does not span. The order of additions is fixed
+        # by the layout, so equal layouts give equal norms.
         stage_ranks = self.dp * self.cp * self.tp
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p, g in zip(params, grads, strict=True):
@@ -397,12 +353,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """The model's mean cross-entropy on one batch, no update (a collective): every
-        rank of a dp replica passes the same batch (FSDP's forward gathers the parameters
-        on every dp rank), and every rank of the site returns the same value when every
-        replica has the same batch (the last pipeline stage shares its loss)."""
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
+        """The model's mean cross-entropy on one batch, no update (a collective): the same
+        value at every rank of the site when every replica has the same batch (the last
+        pipeline stage shares its loss); a replica's ranks pass the same batch."""
         try:
             loss = self._evaluate(*self._local(inputs, targets))
             if self._context is not None:  # each cp rank's mean over equal token counts
@@ -411,17 +364,17 @@ class Trainer:
             return float(loss.item())
         finally:
             # FSDP keeps the root and the last block gathered after a forward (backward
-            # would need them first). A forward without backward must free them, or the
-            # next forward reuses the gathered copies: stale once the parameters change
-            # (an optimizer step, or the outer modes' anchors swapped out again).
+            # needs them first): free them, or the next forward reuses copies that are
+            # stale once the parameters change (a step, the outer modes' anchor swaps).
             for group in self.groups:
                 group.reshard()
 
     def _local(
         self, inputs: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's tokens of the replica's batch: all of them, or with context
-        parallelism its two chunks of every sequence."""
+        """This rank's tokens of the replica's batch (with cp, its two chunks of each)."""
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
         if self._context is None:
             return inputs, targets
         return self._context.shard(inputs), self._context.shard(targets)
@@ -438,13 +391,10 @@ class Trainer:
     def parameter_digest(self) -> str:
         """sha256 of the site's full parameters (a collective over the whole site): that of
         the unsplit model when ``pp == 1``, else a digest over the stages' digests."""
-        from .digest import parameter_digest
-
         return parameter_digest(
             self.model_parts, pp_group=mesh_pp_group(self.mesh) if self.pp > 1 else None
         )
 
 
 def mesh_pp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The ``pp`` axis's process group."""
     return mesh[MeshAxis.PP.value].get_group()

@@ -119,21 +119,14 @@ class StepStats:
     """What one step did, on this rank."""
 
     step: int
-    loss: float
-    """Mean loss over the site's global batch (averaged over dp ranks)."""
-    grad_norm: float
-    """Global gradient norm before clipping (after the cross-site average)."""
+    loss: float  # mean over the site's global batch (averaged over dp ranks)
+    grad_norm: float  # global, before clipping (after the cross-site average)
     lr: float
-    compute_s: float
-    """Wall time of the step minus ``sync_s`` (includes intra-site communication)."""
-    sync_s: float
-    """Time spent inside ``GradientSync.finish()``."""
-    tokens: int
-    """Tokens in this rank's batch (tp and pp ranks of one dp rank share them)."""
-    site_tokens: int = 0
-    """Tokens the whole site processed this step: ``tokens * dp``."""
-    mfu: float = 0.0
-    """The site's model FLOPs utilization over the whole step (sync included)."""
+    compute_s: float  # the step's wall time minus sync_s (intra-site communication in)
+    sync_s: float  # inside GradientSync.finish()
+    tokens: int  # in this rank's batch (tp and pp ranks of one dp rank share them)
+    site_tokens: int = 0  # the whole site's this step: tokens * dp
+    mfu: float = 0.0  # the site's model FLOPs utilization over the step (sync included)
     sync: SyncResult | None = None
     """What ``GradientSync.finish`` returned (None without a sync). When it did not
     commit, the optimizer did not step and ``grad_norm`` is 0."""
@@ -150,12 +143,8 @@ class StepStats:
 
     def moe_metrics(self) -> dict[str, float]:
         """The mixture-of-experts statistics as metrics.jsonl keys; {} for a dense model."""
-        values = {
-            "moe_aux_loss": self.moe_aux_loss,
-            "moe_load_ratio": self.moe_load_ratio,
-            "moe_dropped": self.moe_dropped,
-        }
-        return {k: v for k, v in values.items() if v is not None}
+        names = ("moe_aux_loss", "moe_load_ratio", "moe_dropped")
+        return {k: v for k in names if (v := getattr(self, k)) is not None}
 
     @property
     def committed(self) -> bool:
