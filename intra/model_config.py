@@ -41,6 +41,10 @@ class Llama3RopeScaling:
             )
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Shape of the decoder."""
@@ -88,7 +92,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len", "vocab_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be an integer >= 1, got {value!r}")
         if self.dim % self.n_heads:
             raise ValueError(
@@ -101,19 +105,14 @@ class ModelConfig:
         for name in ("norm_eps", "rope_theta", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int):
+        if not _is_int(self.n_experts):
             raise ValueError(f"ModelConfig.n_experts must be an integer, got {self.n_experts!r}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(
                 f"ModelConfig.top_k={self.top_k} must be in 1..n_experts={self.n_experts}"
             )
         kv = self.n_kv_heads
-        if (
-            isinstance(kv, bool)
-            or not isinstance(kv, int)
-            or kv < 0
-            or self.n_heads % self.kv_heads
-        ):
+        if not _is_int(kv) or kv < 0 or self.n_heads % self.kv_heads:
             raise ValueError(
                 f"ModelConfig.n_kv_heads={kv!r} must divide n_heads={self.n_heads} (0 = n_heads)"
             )
@@ -166,24 +165,15 @@ PRESETS: dict[str, ModelConfig] = {
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, ffn_hidden=3072, max_seq_len=1024),
     "350m": ModelConfig(dim=1024, n_layers=28, n_heads=16, ffn_hidden=2816, max_seq_len=2048),
     "1b": ModelConfig(dim=2048, n_layers=20, n_heads=16, ffn_hidden=5632, max_seq_len=2048),
-    # Mixture of experts: 8 experts (4 for tiny), top-2, each expert half the dense
-    # preset's MLP, so a token uses as many parameters as in the dense preset of the
-    # same name (the issue's "dense preset of equal active parameters").
-    "moe-tiny": ModelConfig(
-        dim=64, n_layers=2, n_heads=4, ffn_hidden=86, max_seq_len=128, n_experts=4
-    ),
-    "moe-small": ModelConfig(
-        dim=192, n_layers=4, n_heads=6, ffn_hidden=256, max_seq_len=256, n_experts=8
-    ),
-    "moe-125m": ModelConfig(
-        dim=768, n_layers=12, n_heads=12, ffn_hidden=1536, max_seq_len=1024, n_experts=8
-    ),
-    # ~1.09B parameters, ~0.36B of them active: AdamW's fp32 state (16 bytes a
-    # parameter, ~17 GiB) sharded over a 4-GPU host leaves its memory to activations.
-    "moe-350m": ModelConfig(
-        dim=1024, n_layers=28, n_heads=16, ffn_hidden=1408, max_seq_len=2048, n_experts=8
-    ),
 }
+# Mixture of experts: 8 experts (4 for tiny), top-2, each expert half the dense preset's
+# MLP, so a token uses as many parameters as in the dense preset of the same name (the
+# issue's "dense preset of equal active parameters"). moe-350m: ~1.09B parameters, ~0.36B
+# of them active: AdamW's fp32 state (16 bytes a parameter, ~17 GiB) sharded over a 4-GPU
+# host leaves its memory to activations.
+for _name, _experts in (("tiny", 4), ("small", 8), ("125m", 8), ("350m", 8)):
+    _dense = PRESETS[_name]
+    PRESETS[f"moe-{_name}"] = replace(_dense, ffn_hidden=_dense.ffn_hidden // 2, n_experts=_experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,42 +197,36 @@ _CPU_TRAINING = TrainingDefaults(
     source="the CPU default job (2 sites x 2 ranks) every test and CPU benchmark uses",
 )  # fmt: skip
 
+
+def _gpu(lr: float, warmup_steps: int, batch_size: int, source: str) -> TrainingDefaults:
+    return TrainingDefaults(
+        lr=lr, reference_dp=1, warmup_steps=warmup_steps, batch_size=batch_size, seq_len=2048,
+        source=source,
+    )  # fmt: skip
+
+
+_SWEEP = "GPU sweep (docs/benchmarks/training-quality.md)"
 PRESET_TRAINING: dict[str, TrainingDefaults] = {
     "tiny": _CPU_TRAINING,
     "small": _CPU_TRAINING,
     # docs/benchmarks/training-quality.md, "Learning rate per preset": one H100, 300 steps of 16 x 2048
     # tokens, lr 3e-4 / 6e-4 / 1.2e-3 / 3e-3 -> held-out 1.184 / 1.139 / 1.303 / 1.802;
     # GPT-3's 125M used 6e-4 too (Brown et al. 2020, Table 2.1).
-    "125m": TrainingDefaults(
-        lr=6e-4, reference_dp=1, warmup_steps=30, batch_size=16, seq_len=2048,
-        source="GPU sweep (docs/benchmarks/training-quality.md); GPT-3 Table 2.1, 125M",
-    ),
+    "125m": _gpu(6e-4, 30, 16, f"{_SWEEP}; GPT-3 Table 2.1, 125M"),
     # Not swept: GPT-3's 350M (Table 2.1).
-    "350m": TrainingDefaults(
-        lr=3e-4, reference_dp=1, warmup_steps=30, batch_size=8, seq_len=2048,
-        source="GPT-3 Table 2.1, 350M",
-    ),
+    "350m": _gpu(3e-4, 30, 8, "GPT-3 Table 2.1, 350M"),
     # One H100, 150 steps of 8 x 2048 tokens: 1.5e-4 / 3e-4 / 6e-4 -> held-out 2.068 /
     # 2.234 / 2.436 (GPT-3's 1.3B: 2e-4); the issue's first try, 3e-3, trailed 3e-4.
-    "1b": TrainingDefaults(
-        lr=1.5e-4, reference_dp=1, warmup_steps=15, batch_size=8, seq_len=2048,
-        source="GPU sweep (docs/benchmarks/training-quality.md); GPT-3 Table 2.1, 1.3B",
-    ),
+    "1b": _gpu(1.5e-4, 15, 8, f"{_SWEEP}; GPT-3 Table 2.1, 1.3B"),
     # docs/benchmarks/training-quality.md, "Learning rate of the MoE presets": one H200, eager, 300 steps
     # of 16 x 2048 tokens, lr 3e-4 / 6e-4 / 1.2e-3 -> held-out 1.076 / 1.141 / 1.315,
     # and in a second call 7.5e-5 / 1.5e-4 / 3e-4 -> 1.300 / 1.102 / 1.068: 3e-4 is the
     # best on both sides, half the dense 125m's 6e-4.
-    "moe-125m": TrainingDefaults(
-        lr=3e-4, reference_dp=1, warmup_steps=30, batch_size=16, seq_len=2048,
-        source="GPU sweep (docs/benchmarks/training-quality.md)",
-    ),
+    "moe-125m": _gpu(3e-4, 30, 16, _SWEEP),
     # One H200, eager, 150 steps of 8 x 2048 tokens: 1.5e-4 / 3e-4 / 6e-4 -> held-out
     # 2.138 / 2.091 / 2.285; GPT-3's 350M used 3e-4 too.
-    "moe-350m": TrainingDefaults(
-        lr=3e-4, reference_dp=1, warmup_steps=15, batch_size=8, seq_len=2048,
-        source="GPU sweep (docs/benchmarks/training-quality.md); GPT-3 Table 2.1, 350M",
-    ),
-}  # fmt: skip
+    "moe-350m": _gpu(3e-4, 15, 8, f"{_SWEEP}; GPT-3 Table 2.1, 350M"),
+}
 # The CPU mixture-of-experts presets train like the dense ones (the CPU default job).
 for _name in ("tiny", "small"):
     PRESET_TRAINING[f"moe-{_name}"] = PRESET_TRAINING[_name]
