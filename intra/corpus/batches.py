@@ -51,25 +51,16 @@ class Split:
 def split_corpus(
     n_tokens: int, fraction: float, seq_len: int, *, bytes_per_token: int = 1
 ) -> Split:
-    """Hold out about ``fraction`` of a corpus of ``n_tokens`` tokens.
+    """Hold out about ``fraction`` (in [0, 0.5]; 0: nothing) of a corpus of ``n_tokens``.
 
     The corpus is cut into blocks, ``HELD_OUT_BLOCKS`` periods of ``round(1/fraction)``
     blocks each; the middle block of every period is held out (so a corpus ordered by
     source is sampled everywhere, not at one end). A corpus too short for that many
-    blocks of ``2 * (seq_len + 1)`` tokens holds out its middle block, a larger share.
-    The same arguments cut the same split on every machine.
-
-    Args:
-        n_tokens: the corpus length.
-        fraction: the share to hold out, in [0, 0.5]; 0 holds out nothing.
-        seq_len: tokens per training window (a block holds at least two windows).
-        bytes_per_token: 1 for a corpus of tokens. A text corpus is cut in bytes before
-            it is tokenized (``tokenizer.py``, so no held-out byte reaches a
-            tokenizer's training): ``n_tokens`` is then its bytes, and a block holds two
-            windows at this many bytes a token.
-
-    Raises:
-        ValueError: on a fraction outside [0, 0.5], or a corpus too short to split.
+    blocks of ``2 * (seq_len + 1)`` tokens holds out its middle block, a larger share;
+    one too short for three blocks is a ValueError. The same arguments cut the same
+    split on every machine. A text corpus is cut in bytes before it is tokenized
+    (tokenizer.py): ``n_tokens`` is then its bytes, and a block holds two windows at
+    ``bytes_per_token``.
     """
     if not 0 <= fraction <= 0.5:
         raise ValueError(f"the held-out fraction must be in [0, 0.5], got {fraction}")
@@ -101,21 +92,14 @@ def split_corpus(
 class ShardedBatches:
     """Deterministic, stateless batches for one data shard.
 
-    Step ``s`` has a global batch of ``num_shards * batch_size`` windows whose
-    start offsets are drawn from ``(seed, s)``; shard ``k`` takes the ``k``-th
-    contiguous slice of ``batch_size`` windows. So the shards' batches, concatenated
-    in shard order, equal the batch of ``num_shards=1`` with
-    ``batch_size=num_shards*batch_size``: "2 sites x 1 rank" and "1 site x 2 ranks"
-    see the same data. Number shards as ``site_index * dp + dp_rank``.
-
-    With ``spans`` (a ``Split``'s ``train`` or ``held_out``), every window lies inside
-    one span, start offsets uniform over the positions where one fits; without, the
-    whole corpus is one span.
-
-    With ``units > 1`` the shard takes ``units`` consecutive slices from
-    ``shard_index`` on (a rank that accumulates several micro-batches per step; sites
-    of different speeds take different counts), so the global batch stays the same set
-    of windows however it is split.
+    Step ``s`` has a global batch of ``num_shards * batch_size`` windows whose start
+    offsets are drawn from ``(seed, s)``; shard ``k`` (``site_index * dp + dp_rank``)
+    takes the ``k``-th contiguous slice of ``batch_size`` windows, or ``units`` slices
+    from there (a rank that accumulates micro-batches; sites of different speeds take
+    different counts). So "2 sites x 1 rank" and "1 site x 2 ranks" see the same data,
+    and the global batch is the same set of windows however it is split. With ``spans``
+    (a ``Split``'s), every window lies inside one span, its start uniform over where
+    one fits; without, the whole corpus is one span.
     """
 
     def __init__(
@@ -134,11 +118,9 @@ class ShardedBatches:
             raise ValueError(
                 f"seq_len, batch_size and units must be >= 1, got {seq_len}, {batch_size}, {units}"
             )
-        if not 0 <= shard_index <= num_shards - units:
-            raise ValueError(
-                f"shard_index={shard_index} and units={units} must lie in "
-                f"[0, num_shards={num_shards})"
-            )
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.num_shards = num_shards
+        self.resplit(shard_index, units)
         if len(corpus) < seq_len + 1:
             raise ValueError(
                 f"corpus {corpus.name!r} has {len(corpus)} tokens, fewer than seq_len+1={seq_len + 1}"
@@ -156,9 +138,7 @@ class ShardedBatches:
         self._span_starts = np.array([lo for lo, _ in spans], dtype=np.int64)
         self._first_index = np.cumsum(fits) - fits
         self._positions = int(fits.sum())
-        self.corpus, self.seq_len, self.batch_size = corpus, seq_len, batch_size
-        self.seed, self.num_shards = seed, num_shards
-        self.shard_index, self.units = shard_index, units
+        self.corpus = corpus
 
     def resplit(self, shard_index: int, units: int, num_shards: int | None = None) -> None:
         """Takes ``units`` slices from ``shard_index`` on, of a global batch of
@@ -173,7 +153,6 @@ class ShardedBatches:
         self.shard_index, self.units, self.num_shards = shard_index, units, num_shards
 
     def window_starts(self, step: int) -> np.ndarray:
-        """The corpus offsets of the shard's windows at ``step``."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         rng = np.random.default_rng([self.seed, step])
@@ -186,15 +165,8 @@ class ShardedBatches:
         return self._span_starts[span] + (mine - self._first_index[span])
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shard's batch for ``step``.
-
-        Args:
-            step: the training step (the data position).
-
-        Returns:
-            ``(inputs, targets)``, int64 ``[units * batch_size, seq_len]``; targets are
-            inputs shifted by one.
-        """
+        """The shard's ``(inputs, targets)`` for ``step``: int64 ``[units * batch_size,
+        seq_len]``, targets the inputs shifted by one."""
         import torch  # here, not at the top: a launcher loads the corpus without torch
 
         starts = self.window_starts(step)

@@ -61,13 +61,9 @@ def load_corpus(d: DataSection, *, seq_len: int, vocab: int) -> tuple[Corpus, Sp
     """The corpus every rank of the job reads, and which of its tokens train and which
     are held out (data.val_fraction, windows of ``seq_len``): the same on every machine
     for the same config. With a BPE tokenizer it fills in data.tokenizer_sha256 when
-    empty. ``vocab``: the model's, which a corpus of token ids must fit.
-
-    Raises:
-        ConfigError: the corpus cannot be read or is too short to split, or the
-            tokenizer is not the one data.tokenizer_sha256 pins (the message says which
-            setting to change).
-    """
+    empty; a corpus of token ids must fit the model's ``vocab``. ConfigError, naming the
+    setting to change, when the corpus cannot be read or split, or the tokenizer is not
+    the one data.tokenizer_sha256 pins."""
     try:
         if d.source == "prepared":
             return _prepared(d, seq_len)
@@ -118,11 +114,7 @@ def _check_ids(corpus: Corpus, vocab: int) -> None:
 def pin_tokenizer(d: DataSection, *, seq_len: int) -> None:
     """Fill in data.tokenizer_sha256 (a no-op with bytes), for a process that builds the
     job fingerprint without loading the corpus: a standalone coordinator, the witness. A
-    tokenizer file is only hashed; a bpe is trained, or found in the cache.
-
-    Raises:
-        ConfigError: as ``load_corpus``.
-    """
+    tokenizer file is only hashed; a bpe is trained, or found in the cache."""
     if d.tokenizer == "bytes":
         return
     try:
@@ -139,11 +131,7 @@ def pin_tokenizer(d: DataSection, *, seq_len: int) -> None:
 
 def trained_tokenizer(d: DataSection, *, seq_len: int) -> str:
     """The tokenizer.json of the BPE the config's data.vocab_size trains on the training
-    split of its corpus (from the cache when it is there); data.tokenizer is not read.
-
-    Raises:
-        ConfigError: the corpus cannot be read or split, or the cache cannot be written.
-    """
+    split of its corpus (from the cache when it is there); data.tokenizer is not read."""
     try:
         raw = _raw_corpus(d)  # refuses data.source = "prepared": token ids, not text
         byte_split = split_text(len(raw), d.val_fraction, seq_len)
@@ -155,7 +143,6 @@ def trained_tokenizer(d: DataSection, *, seq_len: int) -> str:
 
 
 def default_cache_dir() -> Path:
-    """$XDG_CACHE_HOME/isthmus, else ~/.cache/isthmus."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "isthmus"
 
@@ -204,8 +191,7 @@ def _corpus_sha256(raw: Corpus) -> str:
     return hashlib.sha256(np.ascontiguousarray(raw.tokens).data).hexdigest()
 
 
-def _key(**parts: object) -> str:
-    """A cache entry's name: a hash of everything its content depends on."""
+def _key(**parts: object) -> str:  # a cache entry's name: all its content depends on
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -242,7 +228,6 @@ def _tokenized(d: DataSection, seq_len: int, raw: Corpus) -> tuple[Corpus, Split
 
 
 def _bpe_json(d: DataSection, raw: Corpus, byte_split: Split, corpus_sha: str) -> str:
-    """The BPE trained on the training spans of ``raw``: from the cache, or trained now."""
     cache = _Cache(d)
     name = "bpe-" + _key(
         recipe=RECIPE, corpus=corpus_sha, train=byte_split.train, vocab_size=d.vocab_size
@@ -274,7 +259,6 @@ def _pin(d: DataSection, sha: str) -> None:
 
 
 def _check_windows(split: Split, seq_len: int, byte_split: Split) -> None:
-    """Every held-out block holds a window, and some training span does."""
     for (lo, hi), (blo, bhi) in zip(split.held_out, byte_split.held_out, strict=True):
         if hi - lo < seq_len + 1:
             raise ConfigError(
@@ -291,11 +275,7 @@ def _check_windows(split: Split, seq_len: int, byte_split: Split) -> None:
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Writes ``path`` whole or not at all: a temporary file beside it, fsynced, then
-    renamed over it, so a reader never sees half a file (ranks starting together).
-
-    Raises:
-        OSError: the folder cannot be made or written.
-    """
+    renamed over it, so a reader never sees half a file (ranks starting together)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -336,8 +316,7 @@ class _Cache:
             ) from None
 
     def read_tokens(self, name: str) -> tuple[np.ndarray, Split] | None:
-        """The tokens and their split, or None. The .json is written last: with it
-        present the .npy is whole."""
+        # The .json is written last: with it present the .npy is whole.
         spans = self.read_text(name + ".json")
         if spans is None:
             return None

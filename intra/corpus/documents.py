@@ -62,13 +62,9 @@ def documents(
     advance: Callable[[int], None],
     hf_cache: Path,
 ) -> Iterator[Iterable[str]]:
-    """``src``'s documents in order, each as its text in chunks (a chunk of a text file or a
-    long jsonl line holds about ``READ_BYTES`` characters at most). A document is consumed before
-    the next is asked for; one whose chunks are all empty holds no text.
-
-    Raises:
-        ConfigError: an unreadable file, a bad record (file and line named).
-    """
+    """``src``'s documents in order, each as its text in chunks (of a text file or a long
+    jsonl line: about ``READ_BYTES`` characters at most), each consumed before the next is
+    asked for. ConfigError names the file (and line) of an unreadable file or bad record."""
     kind = FORMATS[src.suffix.lower()]
     if kind == "parquet":
         yield from ((text,) for text in _parquet(src, text_field, hf_cache))
@@ -101,7 +97,7 @@ class _Reader:
         self.pos = 0
 
     def fill(self) -> bool:
-        """Read the next block after what is unconsumed; False at the end of the file."""
+        """Read the next block after what is unconsumed; False at the end."""
         block = self.f.read(READ_BYTES)
         self.digest.update(block)
         self.advance(len(block))
@@ -112,14 +108,13 @@ class _Reader:
         return True
 
     def take(self, end: int) -> bytes:
-        """The unconsumed bytes up to ``end``, consumed."""
         out = self.buf[self.pos : end]
         self.pos = end
         return out
 
     def line(self, limit: int) -> bytes | None:
-        """The next line, with its newline, when it holds at most ``limit`` bytes (b"" at
-        the end of the file); None, with nothing consumed, for a longer one."""
+        """The next line, newline included, of at most ``limit`` bytes (b"" at the end);
+        None, consuming nothing, for a longer one."""
         searched = self.pos
         while True:
             newline = self.buf.find(b"\n", searched)
@@ -230,8 +225,8 @@ def _outside(reader: _Reader, skeleton: bytearray) -> bytes:
 
 
 def _string(reader: _Reader, where: str, keep: int) -> str | None:
-    """Read a string (after its opening quote): its text if it is at most ``keep``
-    characters, else None, once every segment is checked."""
+    """A string's text (read after its opening quote, every segment checked), or None
+    when it is longer than ``keep`` characters."""
     parts, size = [], 0
     for segment in _segments(reader, where):
         size += len(segment)

@@ -47,11 +47,10 @@ BATCH_BYTES = 1 << 20
 ASCII, one for each of 16 cores. The tokenizer holds ~120 bytes of memory a token while it
 encodes them, and a byte is at most one token: ~120 MiB."""
 PEAK_BYTES = 256 << 20
-"""What a prepare holds at most above the interpreter with its libraries and the tokenizer
-loaded, whatever its input's size or the host's cores: a batch being encoded (~120 MiB), a
-block read and decoded, a jsonl line of at most ``LINE_BYTES`` parsed. Twice the batch,
-for the allocator's slack (tests/deploy/test_data_prepare.py measures it; docs/data.md,
-"Memory"; docs/benchmarks/launch.md has the figure for a 300 MB file)."""
+"""What a prepare holds at most above the interpreter, its libraries and the tokenizer,
+whatever its input or the host's cores: a batch being encoded (~120 MiB), a block read
+and decoded, a jsonl line of at most ``LINE_BYTES``; twice the batch, for the allocator's
+slack (tests/deploy/test_data_prepare.py measures it; docs/data.md, "Memory")."""
 
 
 def prepare(
@@ -66,16 +65,10 @@ def prepare(
     progress: bool = True,
     batch_bytes: int = BATCH_BYTES,
 ) -> dict:
-    """Tokenize ``sources`` into the folder ``out``; returns its manifest.
-
-    ``batch_bytes`` (tests make it small) sets how much text is encoded at a time; the
-    tokens do not depend on it.
-
-    Raises:
-        ConfigError: a missing or unreadable source, an unknown format, a bad record, no
-            tokens at all, an unusable tokenizer, or an ``out`` that exists (without
-            ``force``). Nothing is left behind.
-    """
+    """Tokenize ``sources`` into the folder ``out``; returns its manifest. The tokens do
+    not depend on ``batch_bytes`` (tests make it small). ConfigError, leaving nothing
+    behind, on a missing or unreadable source, an unknown format, a bad record, no tokens
+    at all, an unusable tokenizer, or an ``out`` that exists (without ``force``)."""
     from .tokenizer import TextTokenizer
 
     if shard_tokens < 1:
@@ -156,14 +149,8 @@ def _write(
                 _hash_file(src, digest)
             bar.file_done(src)
             documents_in += docs
-            records.append(
-                {
-                    "path": str(src.resolve()),
-                    "sha256": digest.hexdigest(),
-                    "bytes": src.stat().st_size,
-                    "documents": docs,
-                }
-            )
+            record = {"path": str(src.resolve()), "sha256": digest.hexdigest()}
+            records.append(record | {"bytes": src.stat().st_size, "documents": docs})
     finally:
         shards.close()
         bar.finish()
@@ -192,8 +179,8 @@ def _write(
 def _encode(
     tok: TextTokenizer, chunks: Iterable[str], shards: _Shards, bar: _Bar, batch_bytes: int
 ) -> bool:
-    """Encode one document, given as text chunks, onto ``shards``, ``batch_bytes`` of pieces
-    at a time; False when it holds no text."""
+    """Encode one document's text chunks onto ``shards``, ``batch_bytes`` of pieces at a
+    time; False when it holds no text."""
     batch: list[str] = []
     size = 0
     text = False
@@ -280,13 +267,9 @@ class _Bar:
 
     def __init__(self, sources: list[Path], enabled: bool) -> None:
         self.total = sum(s.stat().st_size for s in sources) or 1
-        self.done = 0
-        self.tokens = 0
-        self.enabled = enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.started = time.perf_counter()
-        self._drawn = 0.0
-        self._file_start = 0
+        self.done = self.tokens = self._file_start = 0
+        self.enabled, self.tty = enabled, enabled and sys.stderr.isatty()
+        self.started, self._drawn = time.perf_counter(), 0.0
 
     def advance(self, n: int) -> None:
         self.done += n

@@ -30,19 +30,16 @@ if TYPE_CHECKING:  # numpy and batches.py load only where text is encoded
 
 
 BYTE_VOCAB = 256
-MIN_BPE_VOCAB = BYTE_VOCAB + 1
-"""A trained BPE holds the 256 bytes and at least one merge."""
-MAX_VOCAB = 1 << 16
-"""Token ids are stored as uint16."""
+MIN_BPE_VOCAB = BYTE_VOCAB + 1  # the 256 bytes and at least one merge
+MAX_VOCAB = 1 << 16  # token ids are stored as uint16
 VOCAB_MULTIPLE = 64
 """A tokenizer file's vocabulary is padded to a multiple of this in the model: tensor
 parallel widths divide it and GPU matmuls keep their full speed (the rows above the
 file's ids are never a target)."""
 BYTES_PER_TOKEN_BOUND = 4
-"""How many bytes a token is taken to cover when a text corpus is cut before it is
-tokenized: a block then holds two windows of seq_len+1 tokens at 4 bytes a token (a BPE
-token of code or prose covers 3-4 bytes on average: 3.4 for the standard library at 4096
-tokens). ``encode_spans``'s caller checks that each held-out block still holds one."""
+"""Bytes a token is taken to cover when a text corpus is cut before it is tokenized (a
+BPE token of code or prose covers 3-4 bytes: 3.4 for the standard library at 4096
+tokens); ``encode_spans``'s caller checks that each held-out block still holds a window."""
 PIECE_CHARS = 1 << 16
 """Text is encoded (and trained on) in pieces of about this many characters, cut after a
 newline: ``tokenizers`` encodes a batch of pieces on all cores, and the same cut in
@@ -54,7 +51,6 @@ cache keys carry it, so a change here is a new version of the recipe."""
 
 
 def require_tokenizers() -> None:
-    """Raise ValueError, with the install line, when ``tokenizers`` is not installed."""
     if importlib.util.find_spec("tokenizers") is None:
         raise ValueError(f"a BPE tokenizer needs the tokenizers package: {INSTALL_HINT}")
 
@@ -66,23 +62,18 @@ def _tokenizers() -> Any:
     return tokenizers
 
 
-def canonical_json(text: str | bytes) -> bytes:
-    """A tokenizer.json's content, whatever its spacing and key order."""
-    value = json.loads(text)
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def tokenizer_sha256(text: str | bytes) -> str:
-    """sha256 of a tokenizer.json's canonical bytes (what the job fingerprint carries)."""
-    return hashlib.sha256(canonical_json(text)).hexdigest()
+    """sha256 of a tokenizer.json's content, whatever its spacing and key order (what the
+    job fingerprint carries)."""
+    canonical = json.dumps(
+        json.loads(text), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def json_vocab_size(value: dict) -> int:
-    """Token ids a parsed tokenizer.json uses: its highest id plus one.
-
-    Raises:
-        ValueError: not a tokenizer.json (no model vocabulary) or ids of 65536 or more.
-    """
+    """Token ids a parsed tokenizer.json uses: its highest id plus one (ValueError: no
+    model vocabulary, or ids that do not fit uint16)."""
     model = value.get("model") if isinstance(value, dict) else None
     vocab = model.get("vocab") if isinstance(model, dict) else None
     if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
@@ -121,11 +112,8 @@ def _file_facts(path: str, mtime_ns: int, size: int) -> tuple[int, str]:
 
 
 def file_facts(path: str | Path) -> tuple[int, str]:
-    """A tokenizer file's token ids (highest id + 1) and sha256, read from its JSON alone.
-
-    Raises:
-        ValueError: no such file, not JSON, no vocabulary, or ids that do not fit uint16.
-    """
+    """A tokenizer file's token ids (highest id + 1) and sha256, read from its JSON alone
+    (ValueError: no such file, not JSON, no vocabulary, or ids that do not fit uint16)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"no tokenizer file {str(p)!r}")
@@ -160,14 +148,8 @@ def text_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
 
 
 class TextTokenizer:
-    """A ``tokenizers`` tokenizer (from its tokenizer.json): encodes text to uint16 ids.
-
-    Args:
-        json_text: the tokenizer.json.
-
-    Raises:
-        ValueError: ``tokenizers`` is not installed, or the JSON is not a tokenizer.
-    """
+    """A ``tokenizers`` tokenizer from its tokenizer.json: encodes text to uint16 ids.
+    ValueError when ``tokenizers`` is not installed or the JSON is not a tokenizer."""
 
     def __init__(self, json_text: str) -> None:
         tokenizers = _tokenizers()
@@ -200,12 +182,8 @@ class TextTokenizer:
         tokenizer.json on every machine (tests/intra/test_tokenizer.py trains in two processes,
         with other hash seeds and thread counts, and compares the bytes); the job
         fingerprint carries its sha256 all the same, so a site whose ``tokenizers``
-        trains otherwise is refused.
-
-        Args:
-            texts: the training text, one string per span (no piece crosses two spans).
-            vocab_size: tokens, the 256 bytes included, in 257..65536.
-        """
+        trains otherwise is refused. ``texts``: one string per span (no piece crosses two
+        spans); ``vocab_size`` counts the 256 bytes."""
         if not MIN_BPE_VOCAB <= vocab_size <= MAX_VOCAB:
             raise ValueError(
                 f"vocab_size must be in {MIN_BPE_VOCAB}..{MAX_VOCAB}, got {vocab_size}"
@@ -237,17 +215,12 @@ class TextTokenizer:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """The text of token ids."""
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def split_text(n_bytes: int, fraction: float, seq_len: int) -> Split:
     """The held-out split of a text corpus, cut in bytes before it is tokenized
-    (``split_corpus`` with blocks of windows at ``BYTES_PER_TOKEN_BOUND`` bytes a token).
-
-    Raises:
-        ValueError: as ``split_corpus``.
-    """
+    (``split_corpus`` with blocks of windows at ``BYTES_PER_TOKEN_BOUND`` bytes a token)."""
     from .batches import split_corpus
 
     return split_corpus(n_bytes, fraction, seq_len, bytes_per_token=BYTES_PER_TOKEN_BOUND)
@@ -256,19 +229,12 @@ def split_text(n_bytes: int, fraction: float, seq_len: int) -> Split:
 def encode_spans(
     raw: np.ndarray, byte_split: Split, encode: Callable[[str], np.ndarray]
 ) -> tuple[np.ndarray, Split]:
-    """Encode a text corpus span by span: the tokens, and the split in token positions.
+    """Encode a text corpus (uint8 ``raw``) span by span: the uint16 tokens, and
+    ``byte_split`` in token positions.
 
     Every span of ``byte_split`` (which together cover ``raw``) is decoded and encoded
     on its own, in corpus order; the token spans follow from the lengths, so token span
     i holds exactly the text of byte span i and no token crosses a border.
-
-    Args:
-        raw: the corpus bytes (uint8).
-        byte_split: its split, in byte positions (``split_text``).
-        encode: text -> uint16 ids (``TextTokenizer.encode``).
-
-    Returns:
-        ``(tokens, split)``: uint16 ids, and the same spans in token positions.
     """
     import numpy as np
 

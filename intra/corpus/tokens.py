@@ -63,8 +63,7 @@ class ShardedTokens:
 class Corpus:
     """A flat token sequence (uint8 bytes or uint16 token ids) and where it came from."""
 
-    tokens: np.ndarray | ShardedTokens
-    """1-D uint8/uint16 array, possibly a read-only memory map, or memory-mapped shards."""
+    tokens: np.ndarray | ShardedTokens  # possibly a read-only memory map
     name: str
     """Human-readable origin, for logs and job fingerprints."""
 
@@ -89,22 +88,17 @@ def _read_files(files: list[Path], max_bytes: int) -> np.ndarray:
 
 
 def stdlib_root() -> Path:
-    """The folder of this Python's standard library (``stdlib_corpus``'s source)."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_name() -> str:
-    """``stdlib_corpus``'s name, also for a copy of its bytes read back from a cache."""
+def stdlib_name() -> str:  # also a cached copy's: the same bytes
     return f"stdlib:{stdlib_root()}"
 
 
 def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
-    """The standard library's ``*.py`` files as bytes, sorted by relative path.
-
-    ``site-packages`` is excluded so the corpus does not depend on what is
-    installed. The same Python version gives the same bytes on every machine. At most
-    ``max_bytes`` are loaded (the last file is truncated).
-    """
+    """The standard library's ``*.py`` files as bytes, sorted by relative path, at most
+    ``max_bytes``: the same bytes on every machine with the same Python version
+    (``site-packages`` is left out, so what is installed does not matter)."""
     if max_bytes < 2:
         raise ValueError(f"max_bytes must be >= 2, got {max_bytes}")
     root = stdlib_root()
@@ -116,18 +110,10 @@ def stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
 
 
 def from_path(path: str | Path, *, dtype: str = "uint8", max_bytes: int | None = None) -> Corpus:
-    """Load a user corpus.
-
-    Args:
-        path: a ``.npy`` token array (its own dtype), a ``.bin`` raw token file
-            (memory-mapped, ``dtype``), any other file read as bytes, or a directory
-            whose files (recursively, sorted by relative path) are read as bytes.
-        dtype: element type of a ``.bin`` file: ``"uint8"`` or ``"uint16"``.
-        max_bytes: cap on the bytes read from text files (``None``: no cap).
-
-    Raises:
-        ValueError: on a missing path, an unsupported dtype or an empty corpus.
-    """
+    """A user corpus: a ``.npy`` token array (its own dtype), a ``.bin`` raw token file
+    (memory-mapped, of ``dtype`` uint8 or uint16), any other file read as bytes, or a
+    directory whose files (recursively, sorted by relative path) are read as bytes, at
+    most ``max_bytes`` of them. ValueError on a missing path, another dtype, no tokens."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"corpus path {str(p)!r} does not exist")
@@ -158,11 +144,7 @@ def from_path(path: str | Path, *, dtype: str = "uint8", max_bytes: int | None =
 
 
 def read_manifest(folder: str | Path) -> dict:
-    """A prepared folder's manifest.json, its format checked.
-
-    Raises:
-        ValueError: no such folder or manifest, not JSON, or another format or version.
-    """
+    """A prepared folder's manifest.json, its format and version checked (ValueError)."""
     path = Path(folder) / "manifest.json"
     if not Path(folder).is_dir():
         raise ValueError(f"prepared data folder {str(folder)!r} does not exist")
@@ -186,12 +168,9 @@ def read_manifest(folder: str | Path) -> dict:
 
 
 def prepared_corpus(folder: str | Path) -> tuple[Corpus, dict]:
-    """The tokens of a prepared folder, memory-mapped, and its manifest.
-
-    Raises:
-        ValueError: as ``read_manifest``, or a shard that is missing or whose size is not
-            the manifest's (a folder copied in part, or changed since).
-    """
+    """The tokens of a prepared folder, memory-mapped, and its manifest. ValueError as
+    ``read_manifest``, or for a shard missing or not of the manifest's size (a folder
+    copied in part, or changed since)."""
     manifest = read_manifest(folder)
     try:
         dtype = np.dtype(manifest["dtype"])
