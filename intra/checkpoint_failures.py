@@ -26,9 +26,7 @@ __all__ = ["FileNamingFileSystem", "dcp_failure", "describe_os_error"]
 
 class FileNamingFileSystem(FileSystem):
     """DCP's file system, but a failed write raises the OSError that failed it, with the
-    file's name. torch.save's zip writer turns the stream's OSError (ENOSPC) into
-    RuntimeError "unexpected pos 704 vs 598" and keeps the OSError only as its
-    ``__context__``, which does not survive DCP's gathering of failures to rank 0."""
+    file's name (the module docstring says why)."""
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator:

@@ -57,7 +57,6 @@ class ContextShard:
     size: int
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
-        """Global positions of this rank's ``local_len`` tokens."""
         return local_positions(local_len, self.rank, self.size, device)
 
     def shard(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -81,12 +80,10 @@ class ContextShard:
         return gathered.index_select(2, _global_order(x.shape[2], self.size, x.device))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of this rank's queries over every cp rank's keys.
-
-        Each of the rank's two chunks (global chunk ``c`` of length ``C``) attends to
-        the keys of chunks ``0..c``, causally aligned to the end (``causal_lower_right``):
-        flash and memory-efficient kernels take that without a mask in memory, and the
-        work of the two chunks sums to ``2*cp + 1`` blocks on every rank.
+        """Causal attention of this rank's queries over every cp rank's keys: each of its
+        two chunks (global chunk ``c``) attends to the keys of chunks ``0..c``, aligned to
+        the end (``causal_lower_right``, which flash and memory-efficient kernels take
+        without a mask in memory); the two chunks' work is ``2*cp + 1`` blocks on every rank.
         """
         keys, values = self.gather(k), self.gather(v)
         # Grouped-query attention: gather the n_kv_heads, let the kernel share them.

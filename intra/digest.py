@@ -15,21 +15,15 @@ _M = TypeVar("_M", bound=nn.Module)  # so a list of Transformers is accepted (li
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor, or ``t`` itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
 def parameter_digest(model: _M | list[_M], pp_group: dist.ProcessGroup | None = None) -> str:
-    """sha256 over the full parameters, in ``named_parameters()`` order: a collective
-    of the site (DTensors are gathered with ``full_tensor()``).
-
-    Args:
-        model: a plain or sharded module, or this rank's model parts in order.
-        pp_group: with pipeline stages, the pp process group: the result is sha256
-            over the stages' digests in pp-rank order (equal for equal weights under
-            the same layout, not to the unsplit model's digest).
-    """
+    """sha256 over the full parameters of a module or this rank's model parts, in
+    ``named_parameters()`` order: a collective of the site (DTensors are gathered). With
+    ``pp_group``, sha256 over the stages' digests in pp-rank order (equal for equal
+    weights under the same layout, not to the unsplit model's digest)."""
     parts = model if isinstance(model, list) else [model]
     h = _hash_parameters(parts, lambda p: p.full_tensor() if isinstance(p, DTensor) else p)
     if pp_group is None:

@@ -28,7 +28,7 @@ PEAK_FLOPS: dict[str, float] = {
 def device_peak_flops(device: torch.device | str | None = None) -> float:
     """Peak dense bf16 FLOP/s of one CUDA device, by its name (an unknown GPU: the H100
     figure, so MFU is only indicative); the CPU placeholder for ``None`` or a CPU."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = torch.device(device or "cpu")
     if device.type != "cuda":
         return PEAK_FLOPS["cpu"]
     name = torch.cuda.get_device_name(device)

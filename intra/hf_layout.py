@@ -13,6 +13,7 @@ import json
 import re
 import struct
 from collections.abc import Iterable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,6 @@ __all__ = [
 ]
 
 FAMILIES = ("llama", "qwen2", "mistral")
-"""The ``model_type`` values built from a config.json."""
 NEEDED = (
     "hidden_size",
     "intermediate_size",
@@ -48,8 +48,6 @@ NEEDED = (
     "vocab_size",
     "max_position_embeddings",
 )
-"""Fields a config.json must have; num_key_value_heads, rms_norm_eps, rope_theta (or
-rope_parameters / rope_scaling), tie_word_embeddings and head_dim are read when present."""
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -90,17 +88,12 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     missing = [f for f in fields if f not in scaling]
     if missing:
         raise HFLayoutError(f"config.json: llama3 rope scaling lacks {', '.join(missing)}")
-    return theta, Llama3RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
+    factor, low, high = (float(scaling[f]) for f in fields[:3])
+    return theta, Llama3RopeScaling(factor, low, high, int(scaling[fields[3]]))
 
 
 def _window(hf: Mapping[str, Any], family: str) -> int | None:
-    """The sliding attention window in use, if any (Mistral's ``sliding_window``;
-    Qwen2's only with ``use_sliding_window``)."""
+    # Mistral's sliding_window; Qwen2's only with use_sliding_window.
     window = hf.get("sliding_window")
     if family == "qwen2" and not hf.get("use_sliding_window", False):
         return None
@@ -110,12 +103,8 @@ def _window(hf: Mapping[str, Any], family: str) -> int | None:
 def model_config(hf: Mapping[str, Any]) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face config.json of the Llama, Qwen2 or Mistral
     family. A sliding attention window (Mistral) sets ``max_seq_len`` to the window:
-    attention over sequences no longer than it is full causal attention.
-
-    Raises:
-        HFLayoutError: another family (naming it and the fields it needs), a missing
-            field, or a feature isthmus does not implement (naming it).
-    """
+    attention over sequences no longer than it is full causal attention. HFLayoutError
+    names another family, a missing field or a feature isthmus does not implement."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise _refuse_family(family)
@@ -176,17 +165,10 @@ def read_config(path: Path | str) -> dict[str, Any]:
 
 
 def hf_config(cfg: ModelConfig, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The config.json of a model of shape ``cfg``, for ``transformers``.
-
-    Args:
-        cfg: the model's shape.
-        base: the config.json the model was built from (``model.hf_config``), kept as
-            it is (its token ids, its family); None: a Llama config (Qwen2 with q/k/v
-            biases, which Llama's ``attention_bias`` would put on o_proj as well).
-
-    Raises:
-        HFLayoutError: a mixture of experts, which has no layout in these families.
-    """
+    """The config.json of a model of shape ``cfg``, for ``transformers``: ``base`` (the
+    one it was built from) as it is, or else a Llama config (Qwen2 with q/k/v biases,
+    which Llama's ``attention_bias`` would put on o_proj as well). HFLayoutError for a
+    mixture of experts, which has no layout in these families."""
     if cfg.n_experts:
         raise HFLayoutError(
             f"a mixture of experts (n_experts={cfg.n_experts}) has no Hugging Face Llama, "
@@ -197,7 +179,7 @@ def hf_config(cfg: ModelConfig, base: Mapping[str, Any] | None = None) -> dict[s
             raise HFLayoutError("the model's shape differs from its config.json's")
         return dict(base)
     family, arch = ("qwen2", "Qwen2ForCausalLM") if cfg.qkv_bias else ("llama", "LlamaForCausalLM")
-    scaling = cfg.rope_scaling
+    scaling = cfg.rope_scaling  # its fields are Hugging Face's names
     return {
         "architectures": [arch],
         "model_type": family,
@@ -213,15 +195,7 @@ def hf_config(cfg: ModelConfig, base: Mapping[str, Any] | None = None) -> dict[s
         "hidden_act": "silu",
         # The older spelling (top-level rope_theta, rope_scaling): transformers 5 reads it too.
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None
-        if scaling is None
-        else {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        },
+        "rope_scaling": None if scaling is None else {"rope_type": "llama3"} | asdict(scaling),
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -277,8 +251,7 @@ def from_hf_name(name: str) -> str:
 
 
 def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name -> shape of every tensor a model of shape ``cfg`` holds (the
-    head's only when it is not tied)."""
+    """Hugging Face name -> shape of every tensor a model of shape ``cfg`` holds."""
     d, f, kv = cfg.dim, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for i in range(cfg.n_layers):
@@ -295,11 +268,8 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (d, f),
         }
         if cfg.qkv_bias:
-            out |= {
-                p + "self_attn.q_proj.bias": (d,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
+            biases = {"q": d, "k": kv, "v": kv}
+            out |= {f"{p}self_attn.{x}_proj.bias": (n,) for x, n in biases.items()}
     out["model.norm.weight"] = (d,)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, d)
@@ -307,8 +277,7 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face model folder: ``model.safetensors``, or
-    the shards its ``model.safetensors.index.json`` names."""
+    """``model.safetensors``, or the shards its index names."""
     if (folder / WEIGHTS).is_file():
         return [folder / WEIGHTS]
     if (folder / INDEX).is_file():
@@ -345,13 +314,9 @@ def _header(path: Path) -> dict[str, Any]:
 
 
 def check_weights(folder: Path | str, cfg: ModelConfig) -> None:
-    """Check that ``folder``'s safetensors hold every tensor a model of shape ``cfg``
-    needs, each of its shape, and nothing else (a tied model's ``lm_head.weight`` may
-    be there too); reads only the files' headers.
-
-    Raises:
-        HFLayoutError: naming the folder and the first tensor missing, extra or misshapen.
-    """
+    """HFLayoutError, naming the first tensor missing, extra or misshapen, unless
+    ``folder``'s safetensors hold exactly the tensors of a model of shape ``cfg`` (a tied
+    model's ``lm_head.weight`` may be there too). Reads only the files' headers."""
     folder = Path(folder)
     found: dict[str, tuple[int, ...]] = {}
     for path in _weight_files(folder):
@@ -374,7 +339,6 @@ def check_weights(folder: Path | str, cfg: ModelConfig) -> None:
 
 
 def require_safetensors() -> None:
-    """Raise HFLayoutError, saying how to install it, when ``safetensors`` is missing."""
     if importlib.util.find_spec("safetensors") is None:
         raise HFLayoutError(
             "reading and writing model.safetensors needs the safetensors package: "
@@ -383,14 +347,9 @@ def require_safetensors() -> None:
 
 
 def load_weights(model: Transformer, folder: Path | str) -> None:
-    """Copy a Hugging Face model folder's weights (``model.safetensors`` or its shards)
-    into ``model``, a whole unsharded ``Transformer`` (before parallelization).
-
-    Raises:
-        HFLayoutError: the folder does not fit the model (see ``check_weights``);
-            ``model`` is then unchanged. Or a file's data does not read (cut short,
-            say): the message names the file.
-    """
+    """Copy a Hugging Face model folder's weights into ``model``, a whole unsharded
+    ``Transformer``. HFLayoutError when the folder does not fit it (``check_weights``:
+    ``model`` is then unchanged) or a file's data does not read (naming the file)."""
     import torch
 
     require_safetensors()

@@ -53,14 +53,11 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """Ranks in the site: ``pp * dp * cp * tp``."""
         return self.pp * self.dp * self.cp * self.tp
 
     @classmethod
     def for_ranks(cls, ranks: int, pp: int = 1, tp: int = 1, cp: int = 1) -> ParallelLayout:
-        """The layout of a site of ``ranks`` ranks: ``dp = ranks // (pp * cp * tp)``;
-        ValueError if a size is not a positive integer or ``pp * cp * tp`` does not
-        divide ``ranks``."""
+        """The layout of a site of ``ranks`` ranks: ``dp = ranks // (pp * cp * tp)``."""
         _check_count("ranks_per_site", ranks)
         probe = cls(pp=pp, tp=tp, cp=cp)  # validates pp, tp and cp
         model_ranks = probe.pp * probe.cp * probe.tp
@@ -143,20 +140,20 @@ class ParallelConfig:
 
     @property
     def local_stages(self) -> int:
-        """Pipeline stages per pp rank (``stages_per_rank`` resolved)."""
+        """``stages_per_rank`` resolved."""
         if self.stages_per_rank is not None:
             return self.stages_per_rank
         return 2 if self.schedule == PipelineSchedule.INTERLEAVED_1F1B else 1
 
     def num_microbatches(self, pp: int) -> int:
-        """Micro-batches per step for ``pp`` ranks (``microbatches`` resolved)."""
+        """``microbatches`` resolved for ``pp`` ranks."""
         return self.microbatches if self.microbatches is not None else pp * self.local_stages
 
     def check(
         self, layout: ParallelLayout, model: ModelConfig, *, batch_size: int, seq_len: int
     ) -> None:
-        """Check this config against a layout, a model shape and the per-rank batch
-        (sequences per dp rank); ValueError names the field that does not fit."""
+        """ValueError naming the field that does not fit a layout, a model shape and the
+        per-rank batch (sequences per dp rank)."""
         self._check_model_split(layout, model)
         self._check_sequence_split(layout, seq_len)
         if self.mixed_precision and not _cuda_available():

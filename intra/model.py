@@ -53,7 +53,7 @@ def rotary_frequencies(cfg: ModelConfig, device: torch.device | None = None) -> 
 
 
 def rotary_tables(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
-    """``[max_seq_len, head_dim]`` table holding cos in the first half and sin in the second."""
+    """``[max_seq_len, head_dim]``: cos in the first half, sin in the second."""
     inv_freq = rotary_frequencies(cfg, device)
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
@@ -77,9 +77,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.context: ContextShard | None = None
-        """With context parallelism (set by ``parallelize``): attend to every cp rank's
-        keys and values (``ContextShard.attend``)."""
+        self.context: ContextShard | None = None  # context parallelism: parallelize sets
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -118,9 +116,9 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: nn.Module = MoEFeedForward(cfg) if cfg.n_experts else FeedForward(cfg)
+        # Recompute activations in backward (parallelize sets it): a flag rather than
+        # checkpoint_wrapper, so parameter names do not change.
         self.checkpoint = False
-        """Recompute this block's activations in backward (set by ``parallelize``).
-        A flag rather than ``checkpoint_wrapper`` so parameter names do not change."""
 
     def _forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
@@ -152,9 +150,9 @@ class Transformer(nn.Module):
         self.tie_weights()
         # Not persistent: derived from the config, so it stays out of checkpoints and digests.
         self.register_buffer("rope", rotary_tables(cfg), persistent=False)
+        # Context parallelism (parallelize sets it): tokens are this rank's chunks of
+        # each sequence, rotated by their global positions.
         self.context: ContextShard | None = None
-        """With context parallelism (set by ``parallelize``): ``tokens`` are this rank's
-        chunks of each sequence, rotated by their global positions."""
 
     def tie_weights(self) -> None:
         """With ``cfg.tie_embeddings``, make the head's weight the embedding's: one
@@ -203,9 +201,8 @@ class Transformer(nn.Module):
         self.rope.copy_(rotary_tables(self.cfg, self.rope.device))
 
     def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
-        """Parameter count; ``exclude_embedding`` drops the input lookup table, ``active``
-        the experts a token is not routed to (mixture of experts; call it on the whole
-        model)."""
+        """Without the input lookup table, or (``active``, on the whole model) the experts
+        a token is not routed to."""
         n = sum(p.numel() for p in self.parameters())
         # A tied head is a matmul as well as the lookup: its weight stays counted.
         if exclude_embedding and self.tok_embeddings is not None and not self.cfg.tie_embeddings:
@@ -222,7 +219,6 @@ class Transformer(nn.Module):
 
 
 def flops_per_token(cfg: ModelConfig, params_without_embedding: int, seq_len: int) -> float:
-    """``6 N + 12 L d T``: see ``Transformer.flops_per_token``."""
     return 6 * params_without_embedding + 12 * cfg.n_layers * cfg.dim * seq_len
 
 

@@ -77,9 +77,9 @@ class GroupedExperts(nn.Module):
         """Multiplies the weights' gradients: ``1 / ep`` under expert parallelism, where an
         expert's gradient sums the ep ranks that sent it tokens (each a mean over its own
         tokens) while FSDP2 averages only over the ranks that share the expert."""
+        # auto: torch._grouped_mm where grouped_mm_usable says so, else one expert after
+        # another; grouped_mm forces it (tests, on CPU); loop never.
         self.kernel = "auto"
-        """``auto``: ``torch._grouped_mm`` where ``grouped_mm_usable`` says so, else one
-        expert after another; ``grouped_mm`` forces it (tests, on CPU); ``loop`` never."""
 
     def forward(
         self,
@@ -87,14 +87,11 @@ class GroupedExperts(nn.Module):
         offsets: torch.Tensor | None = None,
         counts: list[int] | None = None,
     ) -> torch.Tensor:
-        """``rows`` grouped by this rank's experts -> each row through its expert. The
-        groups come as device ``offsets`` (int32 ends), host ``counts``, or both; rows
-        past the last group give zeros (the loop) or are left unwritten (grouped_mm).
-
-        A forward of its own so that FSDP2 gathers the weights first (its hooks run
-        around a module's forward). Every expert runs, even on no rows: then every
-        rank's backward reaches every expert weight, and FSDP2 sees the same gradients
-        everywhere."""
+        """``rows`` grouped by this rank's experts (device ``offsets``, int32 ends, or host
+        ``counts``) -> each row through its expert; rows past the last group give zeros
+        (the loop) or are left unwritten (grouped_mm). A forward of its own, so that FSDP2
+        gathers the weights first. Every expert runs, even on no rows, so every rank's
+        backward reaches every expert weight and FSDP2 sees the same gradients everywhere."""
         w1, w3, w2 = (
             w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2)
         )
@@ -117,16 +114,11 @@ class GroupedExperts(nn.Module):
 class Routing(NamedTuple):
     """One forward's routing of ``[tokens, dim]``."""
 
-    chosen: torch.Tensor
-    """``[tokens, top_k]`` expert ids, best first."""
-    weights: torch.Tensor
-    """``[tokens, top_k]`` their weights, summing to 1 per token (the tokens' dtype)."""
-    scores: torch.Tensor
-    """``[tokens, top_k]`` their router probabilities (fp32)."""
-    routed: torch.Tensor
-    """Copies routed to each expert, before any capacity (int64)."""
-    aux: torch.Tensor
-    """The load-balancing loss of this routing."""
+    chosen: torch.Tensor  # [tokens, top_k] expert ids, best first
+    weights: torch.Tensor  # [tokens, top_k], summing to 1 per token (the tokens' dtype)
+    scores: torch.Tensor  # [tokens, top_k] router probabilities (fp32)
+    routed: torch.Tensor  # copies routed to each expert, before any capacity (int64)
+    aux: torch.Tensor  # the load-balancing loss of this routing
 
 
 class MoEFeedForward(nn.Module):
@@ -140,20 +132,15 @@ class MoEFeedForward(nn.Module):
         self.capacity_factor = cfg.capacity_factor
         self.router = nn.Linear(d, e, bias=False)
         self.experts = GroupedExperts(e, d, f)
-        self.impl = moe_impl_from_env()
-        """``grouped``, ``host-splits`` or ``loop`` (``MOE_IMPLS``; ``set_moe_impl``
-        changes a model's)."""
+        self.impl = moe_impl_from_env()  # MOE_IMPLS; set_moe_impl changes a model's
+        # The aux loss's weight in one backward: 1 / micro-batches (the trainer sets it).
         self.aux_scale = 1.0
-        """The aux loss's weight in one backward: 1, or 1 / micro-batches in a pipeline
-        (each micro-batch's loss is divided by their count). Set by the trainer."""
-        self.last_aux_loss: torch.Tensor | None = None
-        """The load-balancing loss of the last forward (before ``aux_loss_coef``)."""
+        self.last_aux_loss: torch.Tensor | None = None  # the last's, before aux_loss_coef
         self.last_stats: torch.Tensor | None = None
         """The last forward's load, on the device (no host read): the load-balancing
         loss, the busiest expert's routed copies over the mean, the share of copies
         dropped (0 when dropless); over this rank's tokens."""
-        self.expert_shard: ExpertShard | None = None
-        """With expert parallelism (set by ``parallelize``): where the experts are."""
+        self.expert_shard: ExpertShard | None = None  # expert parallelism: parallelize sets
 
     def route(self, tokens: torch.Tensor) -> Routing:
         """``[tokens, dim]`` -> each token's ``top_k`` experts, their weights and the
@@ -204,7 +191,6 @@ class MoEFeedForward(nn.Module):
         return out.view(b, t, d)
 
     def _record(self, routing: Routing, kept: torch.Tensor, dropless: bool) -> None:
-        """Keep this forward's load-balancing loss and load (``last_stats``)."""
         aux = routing.aux.detach()
         routed = routing.routed.float()
         # new_zeros, not torch.tensor(0.0, device=...): a host-to-device copy waits.
@@ -236,12 +222,8 @@ class MoEFeedForward(nn.Module):
 
 
 def set_moe_impl(model: nn.Module, impl: str) -> int:
-    """Switch every mixture-of-experts layer of ``model`` to ``impl`` (``MOE_IMPLS``);
-    returns how many layers there were.
-
-    Raises:
-        ValueError: an unknown ``impl``.
-    """
+    """Switch every mixture-of-experts layer of ``model`` to ``impl`` (``MOE_IMPLS``,
+    else ValueError); returns how many layers there were."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"MoE implementation {impl!r}: choose one of {list(MOE_IMPLS)}")
     layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]

@@ -39,21 +39,16 @@ __all__ = [
 
 MOE_IMPLS = ("grouped", "host-splits", "loop")
 """``grouped``: the device-side dispatch above (the default); under expert parallelism
-with a capacity, intra/moe_static.py's static slots. ``host-splits``: ``grouped``, but
-an expert-parallel layer with a capacity reads its split sizes to the host as a
-dropless one does (the path before static slots), kept to measure against. ``loop``:
-issue 17's path, also kept to measure against: counts read to the host in every layer,
-the experts run one after another, several host reads per expert-parallel layer."""
+with a capacity, intra/moe_static.py's static slots. Kept to measure against:
+``host-splits``, ``grouped`` with the split sizes read to the host as dropless (the path
+before static slots); ``loop``, issue 17's: counts read to the host in every layer and
+the experts one after another."""
 
 IMPL_ENV = "ISTHMUS_MOE_IMPL"
 
 
 def moe_impl_from_env() -> str:
-    """``ISTHMUS_MOE_IMPL`` (``grouped`` when unset).
-
-    Raises:
-        ValueError: on any other value.
-    """
+    """``ISTHMUS_MOE_IMPL`` (``grouped`` when unset; ValueError if not in MOE_IMPLS)."""
     impl = os.environ.get(IMPL_ENV, "") or "grouped"
     if impl not in MOE_IMPLS:
         raise ValueError(f"{IMPL_ENV}={impl!r}: choose one of {list(MOE_IMPLS)}")
@@ -93,29 +88,18 @@ class Dispatch:
     order: torch.Tensor
     """Copy indices (``token * top_k + j``) in expert order: each expert's kept copies
     together, expert 0 first; the dropped ones after all of them."""
-    source: torch.Tensor
-    """The token each copy in ``order`` comes from."""
-    counts: torch.Tensor
-    """Kept copies per expert (int64)."""
-    keep: torch.Tensor | None
-    """In ``order``: which copies are kept; None when dropless (all of them)."""
+    source: torch.Tensor  # the token each copy in order comes from
+    counts: torch.Tensor  # kept copies per expert (int64)
+    keep: torch.Tensor | None  # in order: which copies are kept; None when dropless
 
 
 def plan_dispatch(
     chosen: torch.Tensor, scores: torch.Tensor, routed: torch.Tensor, limit: int | None
 ) -> Dispatch:
-    """Sort the routed copies by expert and apply the capacity.
-
-    Args:
-        chosen: ``[tokens, top_k]`` expert ids.
-        scores: ``[tokens, top_k]`` their router probabilities.
-        routed: ``expert_counts`` of ``chosen``.
-        limit: copies each expert keeps (``capacity``), None = all.
-
-    Returns:
-        The dispatch. Beyond ``limit``, an expert drops the copies of lowest router
-        probability first; equal ones keep the earlier token.
-    """
+    """Sort the routed copies (``[tokens, top_k]`` expert ids ``chosen``, their router
+    ``scores``, ``routed`` their ``expert_counts``) by expert and apply the capacity: beyond
+    ``limit`` (None: all kept) an expert drops the copies of lowest router probability
+    first; equal ones keep the earlier token."""
     top_k = chosen.shape[-1]
     slots = chosen.reshape(-1)
     if limit is None:

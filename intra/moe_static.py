@@ -10,13 +10,11 @@ from each, ``local_n * limit`` rows, known everywhere without asking. The arriva
 sender-major, then expert, then slot; a transpose makes them expert-major, and the
 experts run on ``size * limit`` rows each, at offsets fixed by the shapes.
 
-The padded rows are zero on the way in and masked on the way out, as the dropped
-copies are: they add nothing to any output or gradient, but cost ``n_experts * limit``
-rows where the dropless path moves ``tokens * top_k``.
-
-Every rank of the expert group must route as many tokens, so that all share one
-``limit`` (the trainer's batches all have one shape): a rank with another count sends
-another number of rows, and the exchange fails or hangs.
+The padded rows are zero on the way in and masked on the way out, as the dropped copies
+are: they add nothing, but cost ``n_experts * limit`` rows where the dropless path moves
+``tokens * top_k``. Every rank of the expert group must route as many tokens (the
+trainer's batches have one shape), so that all share one ``limit``: else the exchange
+fails or hangs.
 """
 
 from __future__ import annotations
@@ -31,18 +29,11 @@ __all__ = ["run_expert_parallel_static", "slot_sources"]
 def slot_sources(
     counts: torch.Tensor, limit: int, n_copies: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each of ``n_experts * limit`` slots (expert-major) takes its copy from.
-
-    Args:
-        counts: kept copies per expert (at most ``limit``), whose copies lie together
-            in expert order (``plan_dispatch``'s ``order``).
-        limit: slots per expert.
-        n_copies: how many copies there are, the kept and the dropped.
-
-    Returns:
-        Each slot's copy index, and ``[slots, 1]``: which slots hold a copy. An empty
-        slot's index is another copy's (or the last): its row is masked.
-    """
+    """Where each of ``n_experts * limit`` slots (expert-major) takes its copy from,
+    given the kept copies per expert (``counts``, each at most ``limit``, lying together in
+    expert order as ``plan_dispatch`` orders them) of ``n_copies`` kept and dropped.
+    Returns each slot's copy index, and ``[slots, 1]``: which slots hold a copy (an empty
+    slot's index is another copy's, or the last: its row is masked)."""
     place = torch.arange(limit, device=counts.device)
     filled = place < counts.unsqueeze(1)
     starts = counts.cumsum(0) - counts
@@ -53,21 +44,10 @@ def slot_sources(
 def run_expert_parallel_static(
     copies: torch.Tensor, counts: torch.Tensor, limit: int, shard: ExpertShard, run: RunExperts
 ) -> torch.Tensor:
-    """``run_expert_parallel`` for a capacity, each expert's rows padded to ``limit``
-    per sender, so that both all-to-alls have equal splits and nothing is read back.
-
-    Args:
-        copies: ``[copies, dim]`` in expert order, the kept copies first.
-        counts: kept copies per expert (int64, on the device), each at most ``limit``.
-        limit: the capacity, the same on every rank of ``shard``.
-        shard: this rank's place among the ranks that split the experts.
-        run: this rank's experts.
-
-    Returns:
-        ``[copies, dim]``: each kept copy's expert output, in ``copies``' order; the
-        dropped copies (at the end) come back zero. Gradients flow back through both
-        exchanges.
-    """
+    """``run_expert_parallel`` for a capacity (``limit``, the same on every rank of
+    ``shard``), each expert's rows padded to ``limit`` per sender, so that both
+    all-to-alls have equal splits and nothing is read back. ``counts`` (int64, on the
+    device) are the kept copies per expert; ``copies`` and the result are as there."""
     size, dim = shard.size, copies.shape[1]
     local_n = counts.numel() // size
     index, filled = slot_sources(counts, limit, copies.shape[0])

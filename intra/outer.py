@@ -97,38 +97,27 @@ def _flat(group: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
 class _Round:
     """An outer all-reduce in flight."""
 
-    step: int
-    """The step after which its outer gradients were taken (the lane's round key)."""
-    groups: list[int]
-    """Indices of the groups it carries (one fragment's, or all at the job's end)."""
-    deltas: list[torch.Tensor]
-    """The outer gradients handed to the sync; they hold the mean once it finished."""
+    step: int  # after which its outer gradients were taken (the lane's round key)
+    groups: list[int]  # the groups it carries (one fragment's, or all at the job's end)
+    deltas: list[torch.Tensor]  # the outer gradients; they hold the mean once it finished
+    # Eager merge (alpha None) with a delay: copies of this site's own outer gradients
+    # (anchor - parameters when taken), to tell the progress since.
     taken: list[torch.Tensor] | None
-    """Eager merge (``alpha`` None) with a delay: copies of this site's own outer
-    gradients (anchor - parameters when they were taken), to tell the progress since."""
+    # Landing after later inner steps whose progress is kept (a delay and not the job's
+    # last step); otherwise the parameters become the new anchor.
     merge: bool
-    """Whether it lands after later inner steps, whose progress is kept (a delay and
-    not the job's last step); otherwise the parameters become the new anchor."""
 
 
 class OuterOptimizer:
     """Keeps the anchor and outer momentum of one rank's shards; runs the outer steps.
 
-    Args:
-        trainer: the rank's trainer, built *without* a sync (its steps stay in the site).
-        sync: the cross-site average of one flat fp32 tensor per group.
-        config: H, outer learning rate and momentum, delay, fragments and merge.
-        total_steps: the job's steps; the last one ends with a waited outer step of
-            every fragment, so a job ends with equal replicas.
+    ``trainer`` is built *without* a sync (its steps stay in the site); ``sync`` averages
+    one flat fp32 tensor per group across sites. The job's last step (``total_steps - 1``)
+    ends with a waited outer step of every fragment, so a job ends with equal replicas.
     """
 
     def __init__(
-        self,
-        trainer: Trainer,
-        sync: GradientSync,
-        config: OuterConfig,
-        *,
-        total_steps: int,
+        self, trainer: Trainer, sync: GradientSync, config: OuterConfig, *, total_steps: int
     ) -> None:
         if trainer.sync is not None:
             raise ValueError("the trainer must not sync gradients itself in DiLoCo mode")
@@ -148,13 +137,9 @@ class OuterOptimizer:
                 filled,
             )
         self.anchor = [_flat(g) for g in self.groups]
-        self._tied = tied_slice(trainer, self.groups)
-        """With a head tied across pipeline stages: (group, offset, count) of this rank's
-        copy of the tied weight in its flat group, or None."""
+        self._tied = tied_slice(trainer, self.groups)  # a head tied across stages
         self.momentum = [torch.zeros_like(a) for a in self.anchor]
-        self.outer_steps = 0
-        """Rounds applied by this optimizer (since it was built or loaded): outer steps
-        of DiLoCo, fragment outer steps of Streaming DiLoCo."""
+        self.outer_steps = 0  # rounds applied since built: (fragment) outer steps
         self._round: _Round | None = None
 
     @property
@@ -194,16 +179,11 @@ class OuterOptimizer:
         due, start a new round when one is due (and wait for it without a delay, or at
         the job's last step). Call after every inner step, on every rank.
 
-        Returns:
-            What the sync said of the round that landed, or None if none landed. When
-            it committed, the anchors are equal at every site, and so are the
-            parameters if :attr:`replicas_equal_on_landing` or at the end. When it did
-            not (the job went on without this site), nothing changed and the round is
-            still in flight: the caller pulls the live state.
-
-        Raises:
-            Whatever ``sync.finish()`` raises; the anchor, momentum and parameters are
-            then unchanged.
+        Returns what the sync said of the round that landed (None if none did). Committed:
+        the anchors are equal at every site, and so are the parameters if
+        :attr:`replicas_equal_on_landing` or at the end. Not committed (the job went on
+        without this site): nothing changed, the round is still in flight, and the caller
+        pulls the live state. Whatever ``sync.finish()`` raises leaves everything as it was.
         """
         landed = None
         if self.lands(step):
@@ -242,12 +222,8 @@ class OuterOptimizer:
     def finish(self) -> SyncResult | None:
         """Waits for the round in flight and applies it: Nesterov SGD on the anchor of
         each group it carries, then their parameters = the new anchor, merged with the
-        progress made since the round started if it landed late.
-
-        Returns:
-            What the sync said (None when no round was in flight); a round that did not
-            commit changes nothing and stays in flight.
-        """
+        progress made since the round started if it landed late. Returns what the sync
+        said (None: no round in flight); a round that did not commit stays in flight."""
         r = self._round
         if r is None:
             return None
@@ -299,18 +275,15 @@ class OuterOptimizer:
         return cfg.lr * (1.0 + (cfg.lr_ramp - 1.0) * self._trainer.config.decayed_at(step))
 
     def anchor_digest(self) -> str:
-        """The site's parameter digest of the anchors (a collective of the site's process
-        group): equal at every site after a round landed, though parameters differ with
-        a delay. Over the whole tensors (``Trainer.parameter_digest``), not each rank's
-        shards, so sites of different sizes compare too."""
+        """``Trainer.parameter_digest`` of the anchors (a collective of the site): equal at
+        every site of any size after a round landed, though parameters differ with a delay."""
         with self.shared_model():
             return self._trainer.parameter_digest()
 
     @contextmanager
     def shared_model(self) -> Iterator[None]:
-        """Inside the block, the parameters are the anchors: the model the sites share
-        (equal at every site at one step, though their local parameters drift apart
-        between outer steps). The local parameters are put back bit for bit after."""
+        """Inside the block, the parameters are the anchors, the model the sites share;
+        the local parameters (which drift apart between rounds) come back bit for bit."""
         with torch.no_grad():
             local = [_flat(g) for g in self.groups]
             for group, anchor in zip(self.groups, self.anchor, strict=True):
@@ -344,17 +317,10 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> bool:
-        """Restores what :meth:`state_dict` returned (other keys are ignored).
-
-        Without any ``outer/`` entry (a state saved in per-step mode) the outer loop
-        starts afresh: anchor = the current parameters, momentum zero.
-
-        Returns:
-            Whether outer state was found and loaded.
-
-        Raises:
-            ValueError: an entry is missing or has the wrong shape; nothing changed then.
-        """
+        """Restores what :meth:`state_dict` returned (other keys are ignored); returns
+        whether there was outer state. Without any ``outer/`` entry (a state saved in
+        per-step mode) the outer loop starts afresh (``reset``). ValueError, changing
+        nothing, when an entry is missing or has the wrong shape."""
         self._round = None  # a loaded state replaces whatever was in flight
         if not any(k.startswith(PREFIX) for k in state):
             self.reset()

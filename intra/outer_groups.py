@@ -26,13 +26,10 @@ class OuterGroup(list[tuple[str, torch.Tensor]]):
 
 
 def repeated_blocks(module: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]]:
-    """Where ``module`` keeps its repeated blocks: the built-in model's ``layers``
-    ModuleDict, else the ModuleList, ModuleDict or Sequential, at any depth (the root
-    too), with two or more children that hold parameters, preferring children of one
-    class and then the most parameters (Hugging Face's ``model.layers``,
-    ``transformer.h``, ``gpt_neox.layers``; an ``nn.Sequential`` of blocks). Returns
-    the container's name ("" for the root) and its children with parameters, in order;
-    ("", []) when no container has two."""
+    """Where ``module`` keeps its repeated blocks, and its children with parameters in
+    order: the built-in model's ``layers``, else the ModuleList, ModuleDict or Sequential
+    at any depth ("" for the root) with two or more children holding parameters,
+    preferring children of one class, then the most parameters. ("", []) if none."""
     layers = getattr(module, "layers", None)
     if isinstance(layers, nn.ModuleDict):
         return "layers", list(layers.items())
@@ -55,15 +52,10 @@ def repeated_blocks(module: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]
 
 
 def outer_groups(trainer: Trainer) -> list[OuterGroup]:
-    """This rank's local parameter shards in sync groups: each block, then the rest.
-
-    Model part by model part (pipeline stages in order), each repeated block
-    (:func:`repeated_blocks`: the built-in model's ``layers``, or a user's model's
-    largest list of blocks) in order, then the part's parameters outside them
-    (embedding, final norm, head). Groups without elements on this rank are left out;
-    the rank at the same coordinate of every site holds the same shards, so its groups
-    are the same.
-    """
+    """This rank's local parameter shards in sync groups: model part by model part, each
+    repeated block (:func:`repeated_blocks`) in order, then the part's parameters outside
+    them (embedding, final norm, head). Groups without elements here are left out; the
+    rank at one coordinate of every site holds the same shards, so the same groups."""
     groups: list[OuterGroup] = []
     for part in trainer.model_parts:
         where, blocks = repeated_blocks(part)

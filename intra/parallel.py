@@ -9,6 +9,7 @@ before any of this (``pipeline.py``) and each stage is parallelized on its own.
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
@@ -54,29 +55,20 @@ def apply_fsdp(
     offload: bool = False,
     expert_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
-    """Shard ``model`` with FSDP2: one group per entry of ``model.layers``, then the root.
+    """Shard ``model`` (with a ``layers`` ModuleDict: a ``Transformer`` or a pipeline stage
+    of one) over the mesh's ``dp`` axis with FSDP2: one group per layer, then the root.
 
-    Args:
-        model: a module with a ``layers`` ``ModuleDict`` (see ``Transformer``), or a
-            pipeline stage of one.
-        mesh: the site mesh; its ``dp`` axis shards the parameters.
-        mp_policy: optional mixed precision. Its ``reduce_dtype`` must be fp32 (or
-            equal to the parameters' dtype) for a ``GradientSync`` to work: FSDP2
-            casts the reduced shard back to the parameter dtype right after the
-            all-reduce hook, and an in-place update made later would be lost.
-        reshard_after_forward: free gathered parameters after forward. ``False``
-            with pipeline parallelism, where each micro-batch would gather them again.
-        offload: keep the sharded parameters, gradients and optimizer state in host
-            memory (FSDP2's ``CPUOffloadPolicy``; pinned when the mesh is on CUDA).
-        expert_mesh: with expert parallelism, the mesh of ``expert_parallel_mesh``: each
-            block's experts become a group of their own, sharded over its ``expert_dp``
-            axis (the ranks holding the same experts), just before the block's group.
+    ``mp_policy``'s ``reduce_dtype`` must be the parameters' (fp32) for a ``GradientSync``
+    to work: FSDP2 casts the reduced shard to the parameter dtype right after the
+    all-reduce hook, and an in-place update made later would be lost.
+    ``reshard_after_forward`` is off with pipeline parallelism, where each micro-batch
+    would gather again. ``offload``: FSDP2's ``CPUOffloadPolicy`` (pinned on CUDA). With
+    ``expert_mesh`` (``expert_parallel_mesh``) each block's experts are a group of their
+    own, just before the block's, sharded over its ``expert_dp`` axis.
 
-    Returns:
-        The FSDP groups that hold parameters, in a fixed order -- layers in index
-        order, then the root if it holds the embedding, final norm or head --
-        the same on every rank that holds the same layers, so group ``i`` names
-        the same parameters on every site.
+    Returns the groups that hold parameters in a fixed order -- layers in index order,
+    then the root if it holds the embedding, final norm or head -- so group ``i`` names
+    the same parameters at every site's rank that holds the same layers.
     """
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
@@ -209,14 +201,11 @@ def group_parameters(group: FSDPModule) -> list[nn.Parameter]:
 
 
 def sharded_rows(module: nn.Module) -> dict[int, tuple[int, int, int, int]]:
-    """How FSDP2 sharded each parameter under ``module``, by ``id(parameter)``:
-    ``(rows, row_elems, shard_index, shard_width)``: the rows along the sharded first
-    dimension before FSDP sharding (after tensor parallelism), the elements per row,
-    and this rank's chunk of them (torch.chunk's rule) among how many.
-
-    Sites of different sizes pair their ranks by these (inter/data/sync/shard_map.py). It
-    reads FSDP2's own record of each parameter, so it follows whatever it padded.
-    """
+    """How FSDP2 sharded each parameter under ``module``, by ``id(parameter)``: ``(rows,
+    row_elems, shard_index, shard_width)``, the first dimension's rows before FSDP (after
+    TP), the elements per row, and this rank's chunk (torch.chunk's rule) of how many.
+    Sites of different sizes pair their ranks by these (inter/data/sync/shard_map.py);
+    FSDP2's own record of each parameter follows whatever it padded."""
     out: dict[int, tuple[int, int, int, int]] = {}
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):
@@ -230,11 +219,8 @@ def sharded_rows(module: nn.Module) -> dict[int, tuple[int, int, int, int]]:
             for fp in group.fsdp_params:
                 if fp.fsdp_placement != Shard(0):
                     raise ValueError(f"FSDP sharded a parameter on {fp.fsdp_placement}, not dim 0")
-                size = fp._orig_size
-                info = fp.mesh_info
-                row_elems = 1
-                for d in size[1:]:
-                    row_elems *= d
+                size, info = fp._orig_size, fp.mesh_info
+                row_elems = math.prod(size[1:])
                 out[id(fp.sharded_param)] = (
                     size[0],
                     row_elems,

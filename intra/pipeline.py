@@ -34,16 +34,11 @@ def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:
     if n_layers < num_stages:
         raise ValueError(f"{n_layers} layers cannot fill {num_stages} pipeline stages")
     base, extra = divmod(n_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
+    start = [s * base + min(s, extra) for s in range(num_stages + 1)]
+    return [list(range(start[s], start[s + 1])) for s in range(num_stages)]
 
 
 def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """Stage indices held by pp rank ``pp_rank`` (loop order)."""
     return [pp_rank + i * pp for i in range(stages_per_rank)]
 
 
@@ -102,11 +97,8 @@ def build_schedule(
         for part, index in zip(parts, stages, strict=True)
     ]
     loss_fn = MicrobatchLoss(microbatches)
-    common: dict[str, Any] = {
-        "n_microbatches": microbatches,
-        "loss_fn": loss_fn,
-        "scale_grads": False,
-    }
+    common: dict[str, Any] = {"n_microbatches": microbatches, "loss_fn": loss_fn}
+    common["scale_grads"] = False  # the loss divides (see the module docstring)
     if schedule == PipelineSchedule.GPIPE:
         return ScheduleGPipe(pipeline_stages[0], **common)
     if schedule == PipelineSchedule.ONE_F_ONE_B:

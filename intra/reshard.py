@@ -21,6 +21,7 @@ from .train import Trainer
 __all__ = ["chunk_rows", "reshard_state", "source_shards"]
 
 OUTER = "extra/outer/"
+_Rows = dict[str, tuple[int, int, int, int]]
 
 
 def chunk_rows(n: int, width: int, index: int) -> tuple[int, int]:
@@ -29,8 +30,8 @@ def chunk_rows(n: int, width: int, index: int) -> tuple[int, int]:
     return min(index * c, n), min((index + 1) * c, n)
 
 
-def _rows(trainer: Trainer) -> dict[str, tuple[int, int, int, int]]:
-    """fqn -> (rows, row_elems, shard index, width) of this rank's parameters."""
+def _rows(trainer: Trainer) -> _Rows:
+    """fqn -> (rows, row_elems, shard index, width) (``sharded_rows``)."""
     by_id: dict[int, tuple[int, int, int, int]] = {}
     for part in trainer.model_parts:
         by_id |= sharded_rows(part)
@@ -94,9 +95,8 @@ def reshard_state(
 
     out: dict[str, torch.Tensor] = {}
     for fqn in rows:
-        out[f"model/{fqn}"] = gather(f"model/{fqn}", fqn)
-        out[f"optim/{fqn}/exp_avg"] = gather(f"optim/{fqn}/exp_avg", fqn)
-        out[f"optim/{fqn}/exp_avg_sq"] = gather(f"optim/{fqn}/exp_avg_sq", fqn)
+        for name in (f"model/{fqn}", f"optim/{fqn}/exp_avg", f"optim/{fqn}/exp_avg_sq"):
+            out[name] = gather(name, fqn)
         out[f"optim/{fqn}/step"] = first[f"optim/{fqn}/step"].clone()
     for name in ("rng/cpu", "rng/cuda", NEXT_STEP):
         if name in first:
@@ -109,13 +109,7 @@ def reshard_state(
     return out
 
 
-def _offset(
-    rows: Mapping[str, tuple[int, int, int, int]],
-    group: Sequence[str],
-    fqn: str,
-    width: int,
-    index: int,
-) -> int:
+def _offset(rows: _Rows, group: Sequence[str], fqn: str, width: int, index: int) -> int:
     """Where ``fqn``'s rows start in the packed flat of ``group`` at shard ``index``."""
     at = 0
     for name in group:

@@ -4,9 +4,8 @@ Megatron's layout: q/k/v and the MLP's gate/up are split by output columns (each
 ``tp`` rank owns ``n_heads / tp`` whole heads, the ``n_kv_heads / tp`` key/value heads
 its query heads read, and ``ffn_hidden / tp`` hidden units), the attention output and
 MLP down projections by input rows, so each block costs one all-reduce forward and one
-backward per sub-layer. With sequence
-parallelism those become a reduce-scatter and an all-gather, and the norms and
-the residual stream between blocks hold ``seq / tp`` positions per rank.
+backward per sub-layer. With sequence parallelism those become a reduce-scatter and an
+all-gather, and the norms and the residual stream hold ``seq / tp`` positions per rank.
 """
 
 from __future__ import annotations
@@ -37,12 +36,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
     (``use_local_output``), so pipeline stages send ordinary tensors: replicated
     ``[batch, seq, dim]`` without sequence parallelism, the rank's
     ``[batch, seq / tp, dim]`` slice with it. The logits come back replicated, so
-    every tp rank computes the same loss.
-
-    Args:
-        model: the module; ``tok_embeddings``, ``norm`` and ``output`` may be ``None``.
-        tp_mesh: the site mesh's ``tp`` axis.
-        sequence_parallel: shard norms and the residual stream along the sequence.
+    every tp rank computes the same loss. A stage may lack ``tok_embeddings``, ``norm``
+    and ``output``.
     """
     stream = Shard(1) if sequence_parallel else Replicate()
     root_plan: dict[str, ParallelStyle] = {}

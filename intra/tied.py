@@ -23,10 +23,8 @@ HEAD_COPY = "output.weight"
 
 def embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     """The two-rank group of this rank's first and last pipeline stage (same dp, cp and
-    tp coordinate), or None on a middle stage's rank.
-
-    A collective over the site: every rank creates every pair's group, in one order.
-    """
+    tp coordinate), or None on a middle stage's rank. A collective over the site: every
+    rank creates every pair's group, in one order."""
     names = list(mesh.mesh_dim_names or ())
     # The mesh's rank grid as (pp, rest): column j is one (dp, cp, tp) coordinate.
     grid = mesh.mesh.permute(
@@ -58,12 +56,8 @@ class TiedEmbedding:
         (each copy's gradient is then the mean over the sites, the same at every site,
         so their sum is too) and before the gradient is clipped."""
         grad = self.weight.grad
-        local = (
-            local_shard(grad) if grad is not None else torch.zeros_like(local_shard(self.weight))
-        )
-        # An offloaded gradient lives in host memory; NCCL reduces device tensors only.
-        buf = local if local.device.type == self.device.type else local.to(self.device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        local = local_shard(self.weight if grad is None else grad)
+        buf = self._summed(local if grad is not None else torch.zeros_like(local))
         if grad is None:
             raise RuntimeError("a tied weight's copy got no gradient in backward")
         if buf is not local:
@@ -76,22 +70,24 @@ class TiedEmbedding:
         bit (a + b is b + a). The outer modes' averaged outer gradient goes through
         here, as a lossy codec may round the two copies' rows apart (they sit at other
         offsets of their stages' flat groups, so in other chunks)."""
-        buf = values if values.device.type == self.device.type else values.to(self.device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
-        buf.div_(2)
+        buf = self._summed(values).div_(2)
         if buf is not values:
             values.copy_(buf)
+
+    def _summed(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the two ranks, in place where it is on ``device``: an
+        offloaded gradient lives in host memory, and NCCL reduces device tensors only."""
+        buf = t if t.device.type == self.device.type else t.to(self.device)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        return buf
 
 
 def tied_embedding(
     parts: Sequence[nn.Module], mesh: DeviceMesh, device: torch.device
 ) -> TiedEmbedding | None:
     """This rank's share of a head tied across stages, or None: no tie, ``pp == 1``
-    (the head then is the embedding's very parameter), or a middle stage's rank.
-
-    A collective over the site whenever the model is tied and ``pp > 1``; ``parts`` are
-    already parallelized.
-    """
+    (the head then is the embedding's very parameter), or a middle stage's rank. A
+    collective over the site whenever the model is tied and ``pp > 1``."""
     cfg = getattr(parts[0], "cfg", None)
     names = mesh.mesh_dim_names or ()
     if not getattr(cfg, "tie_embeddings", False) or MeshAxis.PP.value not in names:

@@ -12,17 +12,13 @@ from .layout import MeshAxis, ParallelLayout
 
 
 def build_site_mesh(layout: ParallelLayout, device_type: str = "cpu") -> DeviceMesh:
-    """Build the site's 4-D device mesh with axes named ``("pp", "dp", "cp", "tp")``.
+    """The site's 4-D device mesh, axes ``("pp", "dp", "cp", "tp")`` (size-1 ones kept).
 
-    Initializes the default process group from the environment (torchrun's
-    ``MASTER_ADDR``/``RANK``/...) if the caller has not; the world is the site's
-    ranks only, never another site's (docs/design.md: no communicator spans sites).
-    On ``cuda`` the rank's device is ``LOCAL_RANK``.
-
-    Ranks are laid out row-major, ``tp`` innermost, so a TP group is ``tp`` consecutive
-    ranks (one NVLink island on a GPU host) and a CP group the next-nearest. Size-1 axes
-    are kept, so ``mesh["dp"]`` etc. always exist. ValueError on an unknown device type
-    (``cpu``: gloo, ``cuda``: NCCL) or a world size other than the layout's.
+    Initializes the default process group from torchrun's environment if the caller has
+    not: the site's ranks only (docs/design.md: no communicator spans sites); on ``cuda``
+    the rank's device is ``LOCAL_RANK``. Ranks are row-major, ``tp`` innermost, so a TP
+    group is ``tp`` consecutive ranks (one NVLink island) and a CP group the next-nearest.
+    ValueError on a device type other than ``cpu``/``cuda`` or another world size.
     """
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")

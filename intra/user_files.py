@@ -1,11 +1,8 @@
 """Why a file a user handed isthmus did not decode, in words, for the one line that names
 the file (issue 63: a safetensors header nested 100,000 deep stopped a job with a bare
-``maximum recursion depth exceeded``, naming no file), and ConfigError, what a job's
-settings, files and data raise when they are wrong.
-
-Each reader of a user's file (the job config, a prepared data folder, a corpus, a
-tokenizer, a checkpoint's manifest, a model's weights) catches :data:`DECODE_ERRORS` and
-raises its own error with the path and :func:`decode_problem`.
+``maximum recursion depth exceeded``), and ConfigError, what a job's wrong settings, files
+and data raise. Each reader of a user's file catches :data:`DECODE_ERRORS` and raises its
+own error with the path and :func:`decode_problem`.
 """
 
 from __future__ import annotations
