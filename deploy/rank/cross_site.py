@@ -221,9 +221,7 @@ def expected_pull(
     source site's shard ranks when its size differs (its rank holds shard ``shard`` of
     each parameter's rows). ``extra/`` entries stay open, within :data:`EXTRA_COPIES`."""
     layout = expected_layout(trainer)
-    rows: dict[int, tuple[int, int, int, int]] = {}
-    for part in trainer.model_parts:
-        rows |= sharded_rows(part)
+    rows = {key: row for part in trainer.model_parts for key, row in sharded_rows(part).items()}
     shard_bytes = 0  # of the source's shard, padded, at fp32 or wider
     for fqn, p in named_parameters(trainer):
         shape, dtype = layout[f"model/{fqn}"]

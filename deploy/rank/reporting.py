@@ -44,11 +44,8 @@ class StepReporter:
         seconds = ("compute_s", "sync_s", "exposed_sync_s", "sync_busy_s")
         counts = ("bytes_sent", "raw_bytes", "corrupt_chunks", "nonfinite_chunks", "stalled_flows")
         self.totals = {**dict.fromkeys(seconds, 0.0), **dict.fromkeys(counts, 0)}
-        self._coordinator = (
-            CoordinatorClient.connect(coordinator, security)
-            if coordinator and metrics_path
-            else None
-        )
+        reports = bool(coordinator and metrics_path)  # rank 0 of a site with a coordinator
+        self._coordinator = CoordinatorClient.connect(coordinator, security) if reports else None
         self.started = time.perf_counter()
 
     def record(self, line: dict, *, digest: str = "", finished: bool = False) -> None:
