@@ -1,16 +1,12 @@
 """Precise wake-ups for the relay's pumps: a timerfd polled with the sockets.
 
-An asyncio loop wakes its timers on millisecond ticks (about +0.5 ms per hop, +1.5 ms
-per round trip measured through the old relay), so a link could not be shorter than
-~2 ms. A pump thread instead arms a timerfd at the absolute `time.monotonic()` time
-of its next release, polls it together with its sockets, and busy-polls the last
-`SPIN_S` (timer slack and wake-up latency; a timerfd with 1 ns slack wakes ~10 us
-late on an idle machine). `time.monotonic()` is CLOCK_MONOTONIC on Linux, the
-timerfd's clock. After a long wait the busy stretch is longer (`spin_for`).
-
-Python 3.13 has `os.timerfd_create`; before it, libc's is called through ctypes.
-Without either, `Timer.fd` is None and the pump falls back to poll's millisecond
-timeouts."""
+An asyncio loop wakes its timers on millisecond ticks (+0.5 ms per hop measured through
+the old relay), so a link could not be shorter than ~2 ms. A pump thread instead arms a
+timerfd (CLOCK_MONOTONIC, `time.monotonic()`'s clock) at its next release, polls it with
+its sockets, and busy-polls the last `SPIN_S` (a timerfd with 1 ns slack wakes ~10 us
+late on an idle machine; after a long wait longer: `spin_for`). Python 3.13 has
+`os.timerfd_create`; before it, libc's is called through ctypes; without either,
+`Timer.fd` is None and the pump falls back to poll's millisecond timeouts."""
 
 from __future__ import annotations
 

@@ -3,17 +3,13 @@
 A `DirectionPipe` is shared by every connection that crosses one direction of a link,
 because a link's bandwidth is shared. It keeps a serialization clock (each piece leaves
 at `max(now, next_free) + len * 8 / bandwidth` and reaches the far end `latency_s`
-later) and bounds the bytes in flight (read from a sender, not yet off the wire) by
-`bandwidth * delay` plus the queue (`queue_bytes`, at least `MIN_QUEUE_S` of the rate:
-`DirectionSpec.queue_limit_bytes`), so a sender feels the bandwidth-delay product as TCP
-backpressure instead of filling an unbounded buffer.
-
-A direction may also cap each connection (`DirectionSpec.per_flow_bps`, a token bucket:
-`charge_flow`). Each piece then passes the direction's impairments in order
-(`sim/impairments/`): they may move its time on the wire (jitter), hold it back on its
-connection (loss stalls, a flap, a stall of that one flow), change its bytes
-(corruption), split its delivery (slicing) or reset its connection. No impairment drops
-bytes while both ends are alive.
+later) and bounds the bytes in flight by `bandwidth * delay` plus the queue
+(`DirectionSpec.queue_limit_bytes`), so a sender feels the bandwidth-delay product as TCP
+backpressure instead of filling an unbounded buffer. A direction may also cap each
+connection (`per_flow_bps`, a token bucket: `charge_flow`). Each piece then passes the
+direction's impairments in order (`sim/impairments/`), which may delay it, hold it back
+on its connection, change its bytes, split its delivery or reset its connection, but
+never drop bytes while both ends are alive.
 
 The bytes themselves are moved by the direction's `Pump` (`sim/pump.py`), a thread of
 its own; this class is the bookkeeping it asks, safe to call from any thread. Times
