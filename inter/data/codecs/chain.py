@@ -37,12 +37,8 @@ _TENSOR_STAGES: dict[str, Callable[[], TensorStage]] = {
 
 
 class CodecChain:
-    """A tensor stage followed by byte stages.
-
-    Args:
-        tensor: the first stage.
-        byte_stages: applied in order on encode, in reverse on decode.
-    """
+    """A tensor stage followed by byte stages (applied in order on encode, in reverse
+    on decode)."""
 
     def __init__(self, tensor: TensorStage, byte_stages: list[ByteStage] | None = None) -> None:
         self.tensor = tensor
@@ -57,8 +53,7 @@ class CodecChain:
     @property
     def plain_fp32(self) -> bool:
         """Whether a payload is the values' own fp32 bytes (the raw stage alone), so that
-        a lane may check, sum and checksum it in one pass without the stages
-        (``round_tasks``: wirecore's ``sum_checked`` and ``crc_of_finite``)."""
+        a lane may check, sum and checksum it in one pass (wirecore's ``sum_checked``)."""
         return isinstance(self.tensor, Fp32Stage) and not self.byte_stages
 
     def encode(
@@ -89,9 +84,8 @@ class CodecChain:
         and the residual moved on, as :meth:`encode` does, but for a part that is never
         sent: no byte stage runs (they are lossless), and on int8's fused GPU path no
         payload reaches the host either (no copy, no wait) and nothing is checked there:
-        the caller checks what it sums ``decoded_out`` into. NonFiniteEncoding if a
-        payload made on the host holds NaN or Inf.
-        """
+        the caller checks what it sums ``decoded_out`` into (NonFiniteEncoding if a
+        payload made on the host holds NaN or Inf)."""
         self._encode_values(chunk, key, True, decoded_out, host=False)
 
     def _encode_values(

@@ -178,10 +178,11 @@ class Int8Stage:
         )
 
     def finite(self, payload: bytes | memoryview, num_elements: int) -> bool:
-        """The integers are finite by construction, so the block scales say it (a non-finite block keeps a non-finite scale), and the
-        largest of them times the largest integer the wire holds must stay within fp32:
-        a forged finite scale of 1e38 would decode to Inf. Exact for a payload from
-        anywhere, so a received chunk is checked here, not after its decode."""
+        """The integers are finite by construction, so the block scales say it (a
+        non-finite block keeps a non-finite scale), and the largest of them times the
+        largest integer the wire holds must stay within fp32: a forged finite scale of
+        1e38 would decode to Inf. Exact for a payload from anywhere, so a received chunk
+        is checked here, not after its decode."""
         scales = block_scales(payload, num_elements)
         if not np.isfinite(scales).all():
             return False

@@ -3,9 +3,8 @@
 With mutual TLS a caller speaks for the site its certificate names; without, a chunk
 is taken only on a ticket or pass granted to the site it claims to come from
 (``Tickets``), so that another caller cannot push chunks in a member's name (issue 14,
-row 9; issue 33, row 8). The lane's server and its handlers
-(:mod:`isthmus.inter.data.lane.handoff`, :mod:`isthmus.inter.data.lane.requests`) check
-through one :class:`LaneGate`, which reads the membership the server holds.
+row 9; issue 33, row 8). The lane's server and its handlers check through one
+:class:`LaneGate`, which reads the membership the server holds.
 """
 
 from __future__ import annotations

@@ -3,13 +3,11 @@
 Without TLS nothing binds a gRPC caller to a site's name, and an answer goes to whoever
 called (issue 33). So a chunk asked for again (``ResendChunk``) goes to the asking site's
 own lane in a ``DeliverChunk`` call (row 7: twenty live gradient chunks once went to a
-caller in site1's name), and a ticket to the bulk port (``OpenBulk``) is granted to that
-lane in a ``GrantBulk`` call, bound to its site (row 8: chunks injected in a peer's name
-each cost the job a retried step). Each request carries a nonce the asking lane made
-(``mailbox.Handoffs``), and that lane takes only what answers a nonce of its own: a
-stranger never sees one, so it can neither ask in a site's name and receive, nor hand a
-site what it did not ask for. A hand-off goes to the address this lane's rounds talk to
-(``Outbox.peers_of``), through the configured proxy as every push goes.
+caller in site1's name), and a bulk ticket (``OpenBulk``) is granted to that lane in a
+``GrantBulk`` call, bound to its site (row 8). Each request carries a nonce the asking
+lane made (``mailbox.Handoffs``), and that lane takes only what answers a nonce of its
+own: a stranger can neither ask in a site's name and receive, nor hand a site what it
+did not ask for. A hand-off goes to the address this lane's rounds talk to.
 
 A joining rank's pull of the state (``PullState``) is answered with the state itself, so
 its nonce works the other way round: the serving lane asks the joining rank's lane, at

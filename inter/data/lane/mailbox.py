@@ -41,11 +41,8 @@ MAX_STEPS_AHEAD = 4
 """Steps past the live one whose chunks are taken. Every step's rounds need every
 site, so a peer's rounds run at most a step or two ahead of ours; 1,500 chunks for
 far-future steps once took a rank from 0.65 to 2.2 GB, never released (issue 14)."""
-MAX_ABORTS = 1024
-"""Given-up rounds noted at once: a step has at most a few hundred groups' rounds, and
-only the live window of steps is kept."""
-MAX_REASON = 512
-"""Characters of a peer's reason kept for the log."""
+MAX_ABORTS = 1024  # given-up rounds noted at once (a step has a few hundred at most)
+MAX_REASON = 512  # characters of a peer's reason kept for the log
 
 
 class Mailbox:

@@ -34,6 +34,7 @@ TRANSPORTS = ("auto", "bulk", "grpc")
 RETIRE_S = 10.0
 """Seconds a channel left after a stall stays open for calls begun on it before."""
 
+_RESEND = "/isthmus.v1.Lane/ResendChunk"
 _DELIVER = "/isthmus.v1.Lane/DeliverChunk"
 Home = tuple[int, Handoffs]
 """This rank's site index and its lane's :class:`Handoffs`: what a peer's hand-offs
@@ -182,7 +183,12 @@ class LanePeer:
         """Asks the peer for one chunk again (``ResendChunk``); the peer hands it to
         this rank's lane (``DeliverChunk``) with ``request.nonce`` before it answers;
         grpc.RpcError if the peer refused, has no such chunk or did not answer."""
-        lane_pb2_grpc.LaneStub(self._turn()).ResendChunk(request, timeout=max(0.001, timeout))
+        call = self._turn().unary_unary(
+            _RESEND,
+            request_serializer=lane_pb2.ResendChunkRequest.SerializeToString,
+            response_deserializer=lane_pb2.ResendChunkResponse.FromString,
+        )
+        call(request, timeout=max(0.001, timeout))
 
     def deliver(self, frame: Frame | bytes, nonce: bytes, timeout: float) -> None:
         """Hands a chunk this site sent to the peer's lane again (``DeliverChunk``),

@@ -3,11 +3,10 @@ round up (``AbortRound``) and a joining rank pulling the training state (``PullS
 
 ``PullState`` streams the state this rank offers to a rank of a site the commit
 admitted, once, and to no one else (issue 63: the state offered at a rejoin stayed
-served to any token holder, and a holder could take both pull slots). A pull waits for
-nothing: a state not offered yet is answered UNAVAILABLE at once, and the joining rank
-asks again. Before a byte goes out the pull is checked with the asking rank's own lane,
-at the address the commit names (``ConfirmPull``); the asking site's share of the slots
-(:data:`PULL_STATE_SHARE`) is held only for that check and the stream.
+served to any token holder). A pull waits for nothing: a state not offered yet is
+answered UNAVAILABLE, and the joining rank asks again. Before a byte goes out the pull
+is checked with the asking rank's own lane (``ConfirmPull``); the asking site's share
+of the slots (:data:`PULL_STATE_SHARE`) is held only for that check and the stream.
 """
 
 from __future__ import annotations

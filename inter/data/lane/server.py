@@ -63,11 +63,9 @@ _MAILBOX_REFUSALS = {  # Mailbox.deposit's answers, as the sender hears them
 RESERVED_THREADS = 8
 """A lane's handler threads that ``PushChunks`` streams may never take."""
 PULL_STATE_SLOTS = 2 * PULL_STATE_SHARE
-"""``PullState`` calls a lane serves at once, each asking site its share
-(``PULL_STATE_SHARE``), and only a site the commit admitted, for its check with the
-joining rank's lane and its stream: a pull never waits for a state (issue 63). 40 calls
-held waiting once took every thread of a lane: its rounds, ``OpenBulk`` and health froze
-for 50 s (issue 33, row 3)."""
+"""``PullState`` calls a lane serves at once, each asking site its share, held only for
+the pull's check and stream: a pull never waits for a state (issue 63). 40 calls held
+waiting once took every thread of a lane for 50 s (issue 33, row 3)."""
 
 
 class LaneServer(lane_pb2_grpc.LaneServicer):
@@ -141,8 +139,10 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         for service in ("", "isthmus.v1.Lane"):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._address, self.bulk = self._listen(host, port, bulk)
-        self.handoff = LaneHandoff(gate=self.gate, outbox=self.outbox, tickets=self.tickets,
-                                   handoffs=self.mailbox.handoffs, bulk_port=self.bulk_port)  # fmt: skip
+        self.handoff = LaneHandoff(
+            gate=self.gate, outbox=self.outbox, tickets=self.tickets,
+            handoffs=self.mailbox.handoffs, bulk_port=self.bulk_port,
+        )  # fmt: skip
         self.requests = LaneRequests(gate=self.gate, mailbox=self.mailbox, offers=self.offers,
                                      pulls=self.pulls, rank=lambda: self.rank)  # fmt: skip
         self._server.add_generic_rpc_handlers((self._handlers(),))

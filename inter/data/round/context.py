@@ -172,11 +172,10 @@ class RoundStats:
     tensor_bytes: int = 0  # fp32 bytes of the whole round's buffer
     num_chunks: int = 0
     corrupt_chunks: int = 0  # chunks that arrived failing a checksum and were pulled or sent again
-    nonfinite_chunks: int = 0
-    """Chunks that decoded to NaN or Inf: refused before summing, pulled again."""
+    nonfinite_chunks: int = 0  # decoded to NaN or Inf: refused before summing, pulled again
     stalled_flows: int = 0
-    """Bulk connections that missed the deadline of one of this round's frames: closed,
-    and their frames in flight sent again on new ones (each stall counted once)."""
+    """Connections that missed the deadline of one of this round's frames: left, their
+    frames in flight sent again on new ones (each stall counted once)."""
     wall_s: float = 0.0
     encode_s: float = 0.0  # seconds spent encoding, summed over the pool's threads
     decode_s: float = 0.0  # seconds spent decoding, summed over the pool's threads

@@ -1,7 +1,6 @@
 """The state a live rank offers a joining site's ranks after the step that admitted them
 (issue 63): for the admitted sites' ranks only, once each, each pull confirmed by the
-joining rank's own lane, dropped after the pulls or at a deadline. The pieces' format and
-the pulling side are inter/data/state/transfer.py."""
+joining rank's own lane, dropped after the pulls or at a deadline (see transfer.py)."""
 
 from __future__ import annotations
 
@@ -86,10 +85,7 @@ class StateOffers:
     """The state a rank offers to the sites a commit admitted; thread-safe.
 
     Only the newest offer is kept: a joiner is admitted at one step boundary. It is
-    dropped once each rank it waits for has pulled it, or at its deadline.
-
-    Args:
-        clock: seconds, monotonic; what deadlines are read from.
+    dropped once each rank it waits for has pulled it, or at its deadline (``clock``).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:

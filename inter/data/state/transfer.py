@@ -64,8 +64,7 @@ class ExpectedState:
     """
 
     tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-    """Name -> (shape, dtype) of each tensor expected as it is (``intra.state``'s
-    ``expected_layout`` form)."""
+    """Name -> (shape, dtype) of each tensor expected as it is (``expected_layout``)."""
     open_prefix: str | None = None
     """Names under this prefix may take any dtype and shape (what the puller cannot
     know exactly: the codec residuals the source's lane made); None: no name is open,

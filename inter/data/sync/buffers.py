@@ -16,12 +16,10 @@ class GroupBuffers:
 
     A new host buffer costs more than the copy into it: the kernel faults its pages in
     and zeroes them (8 groups of 256 MiB spent 1.1 of a 1.8 s step there,
-    docs/benchmarks/lanes.md, "A CPU round's bytes in fewer passes"). Two steps, not one: a raw
-    chunk is sent from the buffer itself, and the outbox keeps the previous step's chunks
-    for a peer that asks again (its round can end after this site's), so a buffer is free
-    once every site began a step after it. Only a buffer whose round succeeded is reused:
-    a failed round's threads may still write into it. CUDA buffers come from torch's
-    caching allocator as they are.
+    docs/benchmarks/lanes.md). Two steps, not one: a raw chunk is sent from the buffer
+    itself, and the outbox keeps the previous step's chunks for a peer that asks again.
+    Only a buffer whose round succeeded is reused: a failed round's threads may still
+    write into it. CUDA buffers come from torch's caching allocator as they are.
     """
 
     def __init__(self) -> None:

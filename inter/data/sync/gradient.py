@@ -73,29 +73,24 @@ class LaneGradientSync:
             raise ValueError(f"rounds_in_flight must be >= 1, got {rounds_in_flight}")
         self.allreduce = allreduce
         self.finish_timeout_s = finish_timeout_s
-        self.membership = allreduce.membership
-        """The membership the rounds run under (the rank's one owner of it)."""
+        self.membership = allreduce.membership  # the rank's one owner of it
         self._voter = self.membership if isinstance(self.membership, SiteMembership) else None
         self._step: int | None = None  # the step whose rounds are started, until finish
         self._pending: list[_Pending] = []
-        # Rounds start in start() order on every site (the executor's queue is FIFO);
-        # up to rounds_in_flight run at once.
-        self._worker = futures.ThreadPoolExecutor(
-            max_workers=rounds_in_flight, thread_name_prefix="lane-sync"
-        )
+        # Rounds start in start() order on every site (the executor's queue is FIFO).
+        self._worker = futures.ThreadPoolExecutor(rounds_in_flight, "lane-sync")
         self._position: ShardPosition | None = None
         self._shapes: dict[int, GroupShape] = {}
         self._buffers = GroupBuffers()
         self._site_units: dict[str, int] = {}
         self.measure_norms = False
-        """Sum the squares of each round's input (``SyncStats.local_sq_norm``): one more
-        pass over the shard, on the lane's thread."""
+        """Sum the squares of each round's input (``SyncStats.local_sq_norm``; one more
+        pass over the shard)."""
 
     def set_site_units(self, units: dict[str, int]) -> None:
         """Each site's share of the global batch (micro-batches per step over its
-        replicas), by name: a site's contribution is weighted by it, so the round's
-        mean is the mean over every token the live sites processed. Unset, or equal
-        at every live site, the sites count alike."""
+        replicas), by name: a site's contribution is weighted by it, so the round's mean
+        is over every token the live sites processed (unset or equal: alike)."""
         if self._pending:
             raise RuntimeError(f"set_site_units() during step {self._step}")
         if any(n < 1 for n in units.values()):

@@ -86,7 +86,7 @@ class RankSyncSettings:
                 for n in ("timeout_s", "decision_timeout_s")
             ),
             *(  # only workers may be None
-                (v is None or v >= 1, f"{n} must be >= 1, got {v}")
+                ((n == "workers" and v is None) or v >= 1, f"{n} must be >= 1, got {v}")
                 for n, v in ((n, getattr(self, n)) for n in at_least_one)
             ),
             (

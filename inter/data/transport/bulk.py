@@ -3,10 +3,8 @@
 Why: python gRPC copies a received message about three times under the GIL, which held
 one lane near 0.5 GB/s (docs/benchmarks/lanes.md); here a chunk is read with ``recv_into``
 straight into the round's buffer and sent with one ``sendmsg``, the GIL released for both.
-
-The messages are the same ``PushChunksRequest`` encodings as on gRPC
-(:mod:`isthmus.inter.data.transport.wire`), validated by the same code (``LaneServer.accept``). On
-one connection, for as many rounds as the lane lives:
+The messages are ``PushChunksRequest`` encodings (:mod:`.wire`) judged by the same code
+as on gRPC (``LaneServer.take``). On one connection, for as many rounds as the lane lives:
 
 * client -> server: ``MAGIC`` and a 32-byte ticket that the lane granted the client's
   site (``OpenBulk`` asks; ``GrantBulk`` hands it to the asking site's own lane, so a
@@ -17,11 +15,9 @@ one connection, for as many rounds as the lane lives:
   ``u32`` payload length, ``u32`` CRC-32C of the header, ``u32`` CRC-32C of those 12
   bytes; little-endian), the header (a ``PushChunksRequest`` with every field but the
   payload) and the payload's bytes. The payload is covered by its own checksum, in
-  the header; the record's covers the header, which the payload's does not: a
-  flipped step or chunk index would misfile a chunk. So each byte is checksummed
-  once, and the receiver, which reads the header first, reads the payload straight
-  into the buffer the round uses, checksumming it as it comes
-  (:mod:`isthmus.inter.data.transport.wirecore`);
+  the header; the record's covers the header (a flipped step or chunk index would
+  misfile a chunk). So each byte is checksummed once, and the receiver reads the
+  payload straight into the round's buffer, checksumming it as it comes (:mod:`.wirecore`);
 * server -> client: one acknowledgement per frame, in order: ``ACCEPTED``, ``CORRUPT``
   (the payload failed its checksum: the round pulls it again with ``ResendChunk``),
   ``RESEND`` (the header failed the record's checksum: the client sends it again,

@@ -1,10 +1,7 @@
-"""The sending side of the bulk transport (protocol in :mod:`isthmus.inter.data.transport.bulk`).
-
-A :class:`BulkConnection` is one TCP connection to a peer lane's bulk port, shared by
-that peer's rounds (each a :class:`~isthmus.inter.data.transport.peer_round.PeerRound`). Every
-frame in flight has a deadline from its size and the connection's measured rate
-(:class:`~isthmus.inter.data.transport.flow_clock.FlowClock`); a connection that misses one is
-left for a new one (docs/wire.md, "Deadlines per frame").
+"""The sending side of the bulk transport (protocol in :mod:`.bulk`): a
+:class:`BulkConnection` is one TCP connection to a peer lane's bulk port, shared by that
+peer's rounds; a connection whose frame misses its deadline (:mod:`.flow_clock`) is left
+for a new one (docs/wire.md, "Deadlines per frame").
 """
 
 from __future__ import annotations
@@ -22,28 +19,9 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from isthmus.inter.data.transport.bulk import (
-    ACCEPTED,
-    CORRUPT,
-    HELLO_TIMEOUT_S,
-    LINGER_S,
-    MAGIC,
-    OK,
-    REFUSED,
-    RESEND,
-    BulkError,
-    BulkRefused,
-    frame_parts,
-    read_exact,
-    read_refusal,
-)
+from isthmus.inter.data.transport import bulk, flow_clock
+from isthmus.inter.data.transport.bulk import BulkError, BulkRefused, read_exact
 from isthmus.inter.data.transport.bulk_stream import PlainStream, Stream, TlsStream, tune
-from isthmus.inter.data.transport.flow_clock import (
-    FIRST_RATE_BPS,
-    LOSS_REDIAL_S,
-    MAX_LOSSES,
-    FlowClock,
-)
 from isthmus.inter.data.transport.peer_round import PeerRound
 from isthmus.inter.data.transport.wire import Frame
 
@@ -96,13 +74,11 @@ class BulkConnection:
     peer fails the rounds with frames in flight; one lost under them (a reset, a TLS
     record that failed its MAC) sends them again on a new one (:meth:`_lost`).
 
-    Every frame in flight has a deadline from its size and the rate the connection
-    measured on the frames acknowledged before it (:meth:`_due_locked`). A connection
-    whose oldest frame misses it is stalled (a flow black-holed on the way, a peer
-    that stopped reading): it is closed, its frames in flight go first on a new
-    connection (a new flow), and the rounds go on. The peer's lane stores a chunk at
-    most once and acknowledges an exact copy of one it has (``Mailbox.deposit``), so
-    a frame that did arrive on the stalled connection is not summed twice.
+    A connection whose oldest frame misses its deadline (:meth:`_due_locked`) is stalled
+    (a flow black-holed on the way, a peer that stopped reading): it is closed, its
+    frames in flight go first on a new connection (a new flow), and the rounds go on.
+    The peer's lane stores a chunk at most once (``Mailbox.deposit``), so a frame that
+    did arrive on the stalled connection is not summed twice.
 
     ``open_bulk(timeout)`` asks the peer's lane for (port, ticket) over gRPC (the
     ticket is granted to this rank's own lane: ``LanePeer._open_bulk``); ``proxy`` is an
@@ -125,12 +101,11 @@ class BulkConnection:
         self._sock: Stream | None = None
         self._closed = False
         self._dial_lock = threading.Lock()
-        self._clock = FlowClock()
+        self._clock = flow_clock.FlowClock()
         self._losses = 0  # connections lost in a row under frames (reset by an ack)
         self._bytes_put = 0
         self._lost_to: BaseException | None = None  # why the connection redialled was lost
-        self.stalls = 0
-        """Times this connection stalled and its frames went again on a new one."""
+        self.stalls = 0  # times it stalled and its frames went again on a new one
 
     def put(self, rnd: PeerRound, frame: Frame) -> None:
         with self._cond:
@@ -200,12 +175,12 @@ class BulkConnection:
             tune(sock)
             if self._tls is not None:
                 tls = TlsStream.wrap(sock, self._tls, server_side=False)
-                stream = TlsStream.handshake(tls, HELLO_TIMEOUT_S)
-            stream.send(MAGIC + ticket)
+                stream = TlsStream.handshake(tls, bulk.HELLO_TIMEOUT_S)
+            stream.send(bulk.MAGIC + ticket)
             answer = bytearray(1)
-            read_exact(stream, memoryview(answer), HELLO_TIMEOUT_S)
-            if answer[0] != OK:
-                raise read_refusal(stream, answer[0])
+            read_exact(stream, memoryview(answer), bulk.HELLO_TIMEOUT_S)
+            if answer[0] != bulk.OK:
+                raise bulk.read_refusal(stream, answer[0])
             if isinstance(stream, PlainStream):
                 sock.settimeout(None)
             return stream
@@ -220,8 +195,9 @@ class BulkConnection:
             with self._cond:
                 lost, self._lost_to = self._lost_to, None
             if lost is not None:  # a redial after a loss: say what was lost
+                within = flow_clock.LOSS_REDIAL_S
                 exc = BulkError(
-                    f"connection lost ({lost}) and no new one within {LOSS_REDIAL_S:g}s: {exc}"
+                    f"connection lost ({lost}) and no new one within {within:g}s: {exc}"
                 )
             self._fail(exc, None, queued_too=True)  # nothing can be sent
             return
@@ -255,11 +231,11 @@ class BulkConnection:
                         return
                     rnd, frame = self._queue.popleft()
                     self._inflight.append(_Sent(rnd, frame, time.monotonic()))
-                sock.send_parts(frame_parts(frame))  # from where the payload lies
+                sock.send_parts(bulk.frame_parts(frame))  # from where the payload lies
         except OSError as exc:
             # The peer may have refused a frame and closed: its reason is what the
             # rounds should hear, so the reader gets a moment to read it first.
-            reader.join(timeout=LINGER_S)
+            reader.join(timeout=bulk.LINGER_S)
             self._lost(BulkError(f"sending failed: {exc}"), sock)
 
     def _read_acks(self, sock: Stream) -> None:
@@ -267,9 +243,9 @@ class BulkConnection:
         try:
             while self._await_ack(sock):
                 read_exact(sock, memoryview(status))
-                if status[0] == REFUSED:
-                    raise read_refusal(sock, status[0])
-                if status[0] not in (ACCEPTED, CORRUPT, RESEND):
+                if status[0] == bulk.REFUSED:
+                    raise bulk.read_refusal(sock, status[0])
+                if status[0] not in (bulk.ACCEPTED, bulk.CORRUPT, bulk.RESEND):
                     raise BulkError(f"unknown acknowledgement {status[0]}")
                 now = time.monotonic()
                 with self._cond:
@@ -280,7 +256,7 @@ class BulkConnection:
                         self._losses = 0
                         size = item.frame.payload_bytes + len(item.frame.header)
                         self._clock.acknowledged(item.at, size, now)  # the measured rate
-                        if status[0] == RESEND:
+                        if status[0] == bulk.RESEND:
                             # Sent next; every frame already in flight is acknowledged
                             # before it, so the in-flight order stays the ack order.
                             self._queue.appendleft((item.rnd, item.frame))
@@ -311,7 +287,6 @@ class BulkConnection:
                 return True
 
     def _due_locked(self) -> float:
-        """When the oldest frame in flight is overdue (:meth:`FlowClock.due`)."""
         oldest = self._inflight[0] if self._inflight else None
         if oldest is None:
             return math.inf
@@ -334,13 +309,13 @@ class BulkConnection:
             "deadline: %.1fs at %.0f MB/s); its %d frame(s) in flight go again on a new "
             "connection",
             self._name, items[0].frame.payload_bytes / 1e6, now - began,
-            allowed, (self._clock.rate or FIRST_RATE_BPS) / 1e6, len(items),
+            allowed, (self._clock.rate or flow_clock.FIRST_RATE_BPS) / 1e6, len(items),
         )  # fmt: skip
         self._leave(sock, items, redial)
 
     def _requeue_inflight_locked(self) -> list[_Sent]:
-        """Takes the frames in flight back to the front of the queue, first in flight
-        first, ahead of what was still queued, and drops the connection; returns them."""
+        """Puts the frames in flight back first in the queue, in order, and drops the
+        connection; returns them."""
         items = list(self._inflight)
         self._inflight.clear()
         self._queue.extendleft((i.rnd, i.frame) for i in reversed(items))
@@ -349,8 +324,7 @@ class BulkConnection:
         return items
 
     def _leave(self, sock: Stream, items: list[_Sent], redial: float | None) -> None:
-        """Closes a connection left with ``items`` in flight (requeued), counts it with
-        the round whose frame was first, and dials a new one by ``redial``."""
+        """Closes a connection left with ``items`` (requeued) and dials a new one."""
         sock.shutdown()  # wakes this connection's other thread
         sock.close()
         items[0].rnd.stalled()  # counted once: a flow left, the round went on
@@ -361,18 +335,20 @@ class BulkConnection:
         """The connection broke under frames in flight (a reset; under TLS a record
         that failed its MAC, which the peer answers by closing): they go first on a new
         connection, as a stalled one's do (the peer stores a chunk at most once), and
-        the rounds go on. The redial must succeed within :data:`LOSS_REDIAL_S` (a peer
-        that went away fails its rounds then, not at their deadline), and past
-        :data:`MAX_LOSSES` losses in a row the rounds fail (:meth:`_fail`)."""
+        the rounds go on. The redial must succeed within ``LOSS_REDIAL_S`` (a peer that
+        went away fails its rounds then, not at their deadline), and past ``MAX_LOSSES``
+        losses in a row the rounds fail (:meth:`_fail`)."""
         with self._cond:
             if self._sock is not sock:
                 return  # an older connection's late news
             resend = None
-            if not self._closed and self._inflight and self._losses < MAX_LOSSES:
+            if not self._closed and self._inflight and self._losses < flow_clock.MAX_LOSSES:
                 self._losses += 1
                 resend = self._requeue_inflight_locked()
                 self._lost_to = exc
-                redial = min(self._queue[0][0].deadline, time.monotonic() + LOSS_REDIAL_S)
+                redial = min(
+                    self._queue[0][0].deadline, time.monotonic() + flow_clock.LOSS_REDIAL_S
+                )
         if resend is None:
             self._fail(exc, sock)
             return

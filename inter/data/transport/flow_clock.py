@@ -4,10 +4,8 @@ A long link can black-hole one TCP flow while the others carry on (an ECMP path 
 died, a middlebox that lost one connection's state), and a peer can stop reading while
 its kernel still acknowledges segments. Neither ends the connection in time
 (``TCP_USER_TIMEOUT`` after 30 s, or never), so every frame in flight has a deadline
-from its size and the rate the connection measured on the frames acknowledged before
-it (docs/wire.md, "Deadlines per frame"). The bulk port's connections
-(``bulk_peer.py``) and the one-chunk ``PushChunks`` calls under mutual TLS
-(``push.py``) keep one :class:`FlowClock` per connection.
+from its size and the connection's measured rate (docs/wire.md, "Deadlines per
+frame"); ``bulk_peer.py`` and ``push.py`` keep one :class:`FlowClock` per connection.
 """
 
 from __future__ import annotations
@@ -31,15 +29,14 @@ receiver's hiccup on a loaded host), before the connection counts as stalled."""
 RATE_SLACK = 4.0
 """A frame may take this many times as long as the connection's measured rate says."""
 FIRST_RATE_BPS = 32e6
-"""Bytes a second assumed of a connection that has not yet had a frame acknowledged
-(with the slack: 16 MiB in 2 s, past the floor; a 256 Mbit/s flow's worth)."""
+"""Bytes a second assumed before a connection's first acknowledgement (a 256 Mbit/s
+flow's worth)."""
 MAX_BACKOFF = 8
 """A connection that stalls again at once waits up to this many times longer (a
 whole link gone dark for a while is not many stalls)."""
 MAX_LOSSES = 4
 """Times in a row a connection may be lost (a reset, a TLS record that failed its MAC)
-before the rounds with chunks on it fail: a link that keeps losing connections, or a
-peer that is gone, is down."""
+before the rounds with chunks on it fail: the link, or the peer, is down."""
 LOSS_REDIAL_S = 3.0
 """How long a connection lost under its frames may take to come back before the rounds
 waiting on it fail: a live peer answers a redial at once, one that went away never."""
