@@ -139,10 +139,15 @@ class Context:
         corpus, split = load_corpus(c.data, seq_len=c.train.seq_len, vocab=vocab)
         index, count = self.data_shard()
         return ShardedBatches(
-            corpus, seq_len=c.train.seq_len, batch_size=c.train.batch_size, seed=c.job.seed,
-            shard_index=index, num_shards=count, units=c.site_accumulate[self.site_index],
+            corpus,
+            seq_len=c.train.seq_len,
+            batch_size=c.train.batch_size,
+            seed=c.job.seed,
+            shard_index=index,
+            num_shards=count,
+            units=c.site_accumulate[self.site_index],
             spans=split.train,
-        )  # fmt: skip
+        )
 
     # --- the model ---------------------------------------------------------------
 
@@ -187,10 +192,20 @@ class Context:
                 metrics.check_start(digest, layout, wait_s=config.sync.timeout_s)
         dist.barrier()
         parts = RankParts(
-            env=env, config=config, cross=cross, sync=sync, outer=outer, metrics=metrics,
-            site_dir=site_dir, checkpoints=checkpoints, start=start,
-            trainer=shaped, batches=None, held_out=None, plan=user,  # type: ignore[arg-type]
-        )  # fmt: skip
+            env=env,
+            config=config,
+            cross=cross,
+            sync=sync,
+            outer=outer,
+            metrics=metrics,
+            site_dir=site_dir,
+            checkpoints=checkpoints,
+            start=start,
+            trainer=shaped,
+            batches=None,
+            held_out=None,
+            plan=user,  # type: ignore[arg-type]
+        )
         self._loop = StepLoop(parts)
         self.start_step = start
         return start

@@ -261,13 +261,26 @@ def _inject(
                 _in_thread(flood, coordinators[fault.site], fault.duration_s, credentials)
             elif fault.kind == "forge-rejoin":
                 record = run_dir / FORGER_RECORD
-                _in_thread(forge_rejoin, coordinators[fault.site], coordinators["site1"],
-                           fault.duration_s, record=record, credentials=credentials,
-                           progress=progress)  # fmt: skip
+                _in_thread(
+                    forge_rejoin,
+                    coordinators[fault.site],
+                    coordinators["site1"],
+                    fault.duration_s,
+                    record=record,
+                    credentials=credentials,
+                    progress=progress,
+                )
             elif fault.kind == "forge":
-                _in_thread(forge, coordinators[fault.site], fingerprint, done, fault.duration_s,
-                           victims_coordinator=coordinators["site1"], credentials=credentials,
-                           progress=progress)  # fmt: skip
+                _in_thread(
+                    forge,
+                    coordinators[fault.site],
+                    fingerprint,
+                    done,
+                    fault.duration_s,
+                    victims_coordinator=coordinators["site1"],
+                    credentials=credentials,
+                    progress=progress,
+                )
         time.sleep(0.1)
 
 

@@ -41,8 +41,11 @@ def add_set_argument(
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool) -> None:
     add = parser.add_argument
-    add("--config", metavar="TOML", help="job config file (default: built-in defaults, see "
-        "`isthmus config`)")  # fmt: skip
+    add(
+        "--config",
+        metavar="TOML",
+        help="job config file (default: built-in defaults, see `isthmus config`)",
+    )
     add_set_argument(parser)
     if common_flags:
         defaults = JobConfig()
@@ -55,8 +58,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, common_flags: bool)
             f"(4,2) (default {defaults.topology.ranks_per_site})",
         )
         add("--steps", type=int, help=f"training steps (default {defaults.job.steps})")
-        add("--run-dir", help="keep the resolved config, metrics.jsonl, summary.json and logs here "
-            "(default: a temporary folder, removed after a successful run)")  # fmt: skip
+        add(
+            "--run-dir",
+            help="keep the resolved config, metrics.jsonl, summary.json and logs here "
+            "(default: a temporary folder, removed after a successful run)",
+        )
 
 
 def config_from_args(
@@ -85,9 +91,13 @@ def read_rank_secret(path: str) -> bytes:
 
 
 def add_insecure_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--insecure", action="store_true", help="let the site listen beyond "
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="let the site listen beyond "
         "loopback without mutual TLS and the job token (warned on every start); without it such a "
-        "site refuses to start (docs/security.md)")  # fmt: skip
+        "site refuses to start (docs/security.md)",
+    )
 
 
 def add_job_flags(parser: argparse.ArgumentParser, resume_help: str) -> None:
@@ -96,9 +106,13 @@ def add_job_flags(parser: argparse.ArgumentParser, resume_help: str) -> None:
     add("--quiet", action="store_true", help="no progress line")
     add("--resume", action="store_true", help=resume_help)
     add_insecure_flag(parser)
-    add("--oversubscribe", action="store_true", help="run more CPU ranks on this host than max(8, "
+    add(
+        "--oversubscribe",
+        action="store_true",
+        help="run more CPU ranks on this host than max(8, "
         "4 x its cores); without it such a job is refused before it starts "
-        "(run.oversubscribe)")  # fmt: skip
+        "(run.oversubscribe)",
+    )
 
 
 def run_job(job: Any, heading: str) -> int:

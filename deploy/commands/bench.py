@@ -112,16 +112,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--codec", help=f"codec specs (default {FULL['codec']})")
     add("--quick", action="store_true", help="a small grid for tests: " + str(QUICK))
     add("--chunk-kib", type=int, default=0, help="chunk size; 0 = from the link's BDP")
-    add("--connections", type=int, default=0, help="TCP connections per peer lane; 0 = as training "
-        "sizes them from the link")  # fmt: skip
-    add("--per-flow-mbit", type=float, default=0.0, help="the emulated link holds each TCP "
-        "connection to this many Mbit/s (0 = no cap)")  # fmt: skip
-    add("--relay-processes", action="store_true", help="the emulator pumps each link direction in "
+    add(
+        "--connections",
+        type=int,
+        default=0,
+        help="TCP connections per peer lane; 0 = as training sizes them from the link",
+    )
+    add(
+        "--per-flow-mbit",
+        type=float,
+        default=0.0,
+        help="the emulated link holds each TCP connection to this many Mbit/s (0 = no cap)",
+    )
+    add(
+        "--relay-processes",
+        action="store_true",
+        help="the emulator pumps each link direction in "
         "a process of its own (for links past ~15 Gbit/s loaded both ways: one relay process moves "
-        "~34 Gbit/s summed)")  # fmt: skip
-    add("--queue-kib", type=int, default=-1, help="the emulated link's router queue beyond its "
+        "~34 Gbit/s summed)",
+    )
+    add(
+        "--queue-kib",
+        type=int,
+        default=-1,
+        help="the emulated link's router queue beyond its "
         "bandwidth-delay product, KiB (-1 = the emulator's default, as `wan.queue_kib` of a "
-        "topology)")  # fmt: skip
+        "topology)",
+    )
     add("--workers", type=int, default=0, help="encode/decode threads per lane; 0 = auto")
     _add_step_arguments(parser)
 
@@ -129,31 +146,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of each case's lanes and steps (``add_arguments``'s second half)."""
     add = parser.add_argument
-    add("--tls", action="store_true", help="lanes run mutual TLS, as a secure job's (certificates "
-        "made for the run)")  # fmt: skip
-    add("--lanes", type=int, default=1, help="ranks (lanes, processes) per site, each all-reducing "
-        "an equal slice of the site's tensor over the site's shared links")  # fmt: skip
-    add("--links", type=int, default=1, help="emulated links between each pair of sites, each of "
+    add(
+        "--tls",
+        action="store_true",
+        help="lanes run mutual TLS, as a secure job's (certificates made for the run)",
+    )
+    add(
+        "--lanes",
+        type=int,
+        default=1,
+        help="ranks (lanes, processes) per site, each all-reducing "
+        "an equal slice of the site's tensor over the site's shared links",
+    )
+    add(
+        "--links",
+        type=int,
+        default=1,
+        help="emulated links between each pair of sites, each of "
         "--gbit; lane k crosses link k mod LINKS, as each host of a site has an uplink of its own "
-        "(must divide --lanes)")  # fmt: skip
-    add("--device", choices=("cpu", "cuda"), default="cpu", help="where each lane's slice lives; "
+        "(must divide --lanes)",
+    )
+    add(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where each lane's slice lives; "
         "cuda puts each lane on a GPU of its own, so rounds decode, sum and encode there as in "
-        "training")  # fmt: skip
-    add("--groups", type=int, default=1, help="split each slice into this many groups started one "
-        "after another, as backward starts FSDP groups (1 = one plain all-reduce)")  # fmt: skip
+        "training",
+    )
+    add(
+        "--groups",
+        type=int,
+        default=1,
+        help="split each slice into this many groups started one "
+        "after another, as backward starts FSDP groups (1 = one plain all-reduce)",
+    )
     add("--in-flight", type=int, default=4, help="rounds in flight with --groups > 1")
-    add("--load-ms", type=float, default=0.0, help="compute per step in ms, spread over the groups "
+    add(
+        "--load-ms",
+        type=float,
+        default=0.0,
+        help="compute per step in ms, spread over the groups "
         "(matrix products on the lane's GPU or CPU before each group starts); the table's "
         "'exposed' column is then how long the step waited for the sync after its "
-        "compute")  # fmt: skip
+        "compute",
+    )
     add("--repeats", type=int, default=1, help="timed steps per case; the median is shown")
-    add("--warmup", type=int, default=2, help="full-size untimed steps first, as training's steady "
+    add(
+        "--warmup",
+        type=int,
+        default=2,
+        help="full-size untimed steps first, as training's steady "
         "state follows its first steps (a lane's first two pay first-use allocations; 0 times "
-        "them)")  # fmt: skip
+        "them)",
+    )
     add("--timeout-s", type=float, default=600.0, help="limit on one all-reduce")
-    add("--direct", action="store_true", help="no emulated link: lanes talk on loopback, to tell "
+    add(
+        "--direct",
+        action="store_true",
+        help="no emulated link: lanes talk on loopback, to tell "
         "the lanes' own limit from the link's (efficiency is then still against the "
-        "--gbit/--rtt-ms bound)")  # fmt: skip
+        "--gbit/--rtt-ms bound)",
+    )
     add("--json", default="allreduce-bench.json", help="where the results go")
     add("--no-throughput", action="store_true", help="skip the per-core codec speeds")
 

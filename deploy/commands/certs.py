@@ -182,10 +182,18 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     parser = add_command(sub, formatter, "certs", cmd_certs)
     add = parser.add_argument
     add("--out", required=True, metavar="DIR", help="folder to write into")
-    add("--sites", metavar="SITE,SITE", help="site names (default: the job config's, site0, site1, "
-        "...)")  # fmt: skip
+    add(
+        "--sites",
+        metavar="SITE,SITE",
+        help="site names (default: the job config's, site0, site1, ...)",
+    )
     add("-c", "--config", metavar="TOML", help="take the sites from this job config")
     add("--days", type=int, default=365, help="validity of the certificates")
-    add("--host", action="append", default=[], metavar="NAME", help="extra DNS name or IP address "
-        "for every site certificate (repeatable)")  # fmt: skip
+    add(
+        "--host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="extra DNS name or IP address for every site certificate (repeatable)",
+    )
     add("--force", action="store_true", help="replace existing files")

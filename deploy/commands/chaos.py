@@ -38,7 +38,17 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     add("--quick", action="store_true", help="only the quick subset CI runs")
     add("--only", nargs="+", metavar="NAME", help="run only these scenarios")
     add("--keep", metavar="DIR", help="keep runs and logs here (default: a temp dir)")
-    add("--repeat", type=int, default=1, metavar="N", help="run the chosen scenarios N times and "
-        "report how often each passed")  # fmt: skip
-    add("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every site "
-        "of every scenario, e.g. sync.mode=diloco")  # fmt: skip
+    add(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the chosen scenarios N times and report how often each passed",
+    )
+    add(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for every site of every scenario, e.g. sync.mode=diloco",
+    )

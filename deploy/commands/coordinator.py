@@ -137,12 +137,23 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     add_config_arguments(parser, common_flags=False)
     add = parser.add_argument
     add("--site", required=True, help="this site's name (site0, site1, ...)")
-    add("--listen", help="HOST:PORT to serve on (default: cluster.coordinators.SITE, else "
-        "127.0.0.1:0)")  # fmt: skip
+    add(
+        "--listen",
+        help="HOST:PORT to serve on (default: cluster.coordinators.SITE, else 127.0.0.1:0)",
+    )
     add("--peer", action="append", default=[], metavar="SITE=HOST:PORT", help="a peer coordinator")
-    add("--proxy", action="append", default=[], metavar="SITE=URL", help="HTTP CONNECT proxy "
-        "(emulated link) to reach a peer through")  # fmt: skip
-    add("--rank-secret-file", metavar="PATH", help="0600 file of >= 16 random bytes; ranks that "
+    add(
+        "--proxy",
+        action="append",
+        default=[],
+        metavar="SITE=URL",
+        help="HTTP CONNECT proxy (emulated link) to reach a peer through",
+    )
+    add(
+        "--rank-secret-file",
+        metavar="PATH",
+        help="0600 file of >= 16 random bytes; ranks that "
         "read it (ISTHMUS_RANK_SECRET_FILE) derive their registration keys from it (default: ranks "
-        "register first come)")  # fmt: skip
+        "register first come)",
+    )
     add_insecure_flag(parser)

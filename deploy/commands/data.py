@@ -56,8 +56,11 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     add("--tokenizer", required=True, metavar="FILE", help="a tokenizer.json")
     add("--out", required=True, metavar="DIR", help="the folder to write")
     add("--text-field", default="text", metavar="NAME", help="jsonl/parquet text field")
-    add("--eos", metavar="TOKEN", help="a token of the tokenizer appended after every document "
-        "(default: none)")  # fmt: skip
+    add(
+        "--eos",
+        metavar="TOKEN",
+        help="a token of the tokenizer appended after every document (default: none)",
+    )
     add(
         "--shard-tokens",
         type=int,

@@ -198,9 +198,18 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     parser = add_command(sub, formatter, "export", cmd_export)
     add = parser.add_argument
     add("source", metavar="RUN_OR_CHECKPOINT", help="a run's --run-dir or a step-NNNNNNNN folder")
-    add("--to", nargs=2, metavar=("FORMAT", "DIR"), required=True, help="the layout (hf, or "
+    add(
+        "--to",
+        nargs=2,
+        metavar=("FORMAT", "DIR"),
+        required=True,
+        help="the layout (hf, or "
         "safetensors: the parameters under their own names, a script's run's way out) and the "
-        "folder to write (new, or empty)")  # fmt: skip
-    add("--config", metavar="TOML", help="the job's config (default: the config.toml in or above "
-        "RUN_OR_CHECKPOINT)")  # fmt: skip
+        "folder to write (new, or empty)",
+    )
+    add(
+        "--config",
+        metavar="TOML",
+        help="the job's config (default: the config.toml in or above RUN_OR_CHECKPOINT)",
+    )
     add_set_argument(parser, help="override a key of the job's config (repeatable)")

@@ -55,9 +55,13 @@ def resolve_local_job(
 
 def add_script_flag(parser: argparse.ArgumentParser) -> None:
     """``--script PATH [-- ARGS]``: every rank runs the user's script (deploy/api.py)."""
-    parser.add_argument("--script", metavar="PATH", help="run this Python script as every rank "
+    parser.add_argument(
+        "--script",
+        metavar="PATH",
+        help="run this Python script as every rank "
         "instead of the built-in trainer, as torchrun would; it trains through isthmus.deploy.api "
-        "(docs/api.md). Arguments for it follow `--`")  # fmt: skip
+        "(docs/api.md). Arguments for it follow `--`",
+    )
     parser.add_argument("script_args", nargs="*", help=argparse.SUPPRESS)
 
 
@@ -128,9 +132,13 @@ def cmd_local(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     parser = add_command(sub, formatter, "local", cmd_local)
     add_config_arguments(parser, common_flags=True)
-    parser.add_argument("--topology", metavar="TOML", help="emulate the links of this topology "
+    parser.add_argument(
+        "--topology",
+        metavar="TOML",
+        help="emulate the links of this topology "
         "file (docs/wan.md) instead of the uniform [wan] settings; its sites become site0, site1, "
-        "... in the file's order")  # fmt: skip
+        "... in the file's order",
+    )
     parser.add_argument(
         "--slow",
         metavar="SITE=FACTOR[@STEP]",

@@ -29,15 +29,24 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     add = up.add_argument
     add("--sites", type=int, default=2, help="number of sites")
     add("--distance-km", type=float, default=1000.0, help="fiber distance (~4.9 us per km one way)")
-    add("--bandwidth-mbit", type=float, default=1000.0, help="bandwidth each way, Mbit/s (0 = "
-        "none)")  # fmt: skip
-    add("--per-flow-mbit", type=float, default=0.0, help="most Mbit/s one TCP connection gets each "
-        "way, as clouds cap a flow (0 = no cap)")  # fmt: skip
+    add(
+        "--bandwidth-mbit", type=float, default=1000.0, help="bandwidth each way, Mbit/s (0 = none)"
+    )
+    add(
+        "--per-flow-mbit",
+        type=float,
+        default=0.0,
+        help="most Mbit/s one TCP connection gets each way, as clouds cap a flow (0 = no cap)",
+    )
     add("--queue-kib", type=int, default=256, help="buffering beyond the bandwidth-delay product")
     add("--job", default=DEFAULT_JOB, help="job name, 1-8 of [a-z0-9]")
     add("--pool", default=DEFAULT_POOL, help="IPv4 network the sites' /24s come from")
-    add("--control", default=DEFAULT_ADDRESS, metavar="HOST:PORT", help="serve the control "
-        "endpoint of `isthmus wan show/set` here (0: any port)")  # fmt: skip
+    add(
+        "--control",
+        default=DEFAULT_ADDRESS,
+        metavar="HOST:PORT",
+        help="serve the control endpoint of `isthmus wan show/set` here (0: any port)",
+    )
     down = add_command(actions, formatter, "down", cmd_down)
     down.add_argument("--job", default=DEFAULT_JOB, help="job name given to `up`")
 

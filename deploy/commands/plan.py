@@ -32,8 +32,12 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     _add_job_flags(add)
     _add_link_flags(add)
     _add_round_flags(add)
-    add("--target-efficiency", type=float, default=NEMO_EFFICIENCY, help="efficiency to solve "
-        "bandwidth for")  # fmt: skip
+    add(
+        "--target-efficiency",
+        type=float,
+        default=NEMO_EFFICIENCY,
+        help="efficiency to solve bandwidth for",
+    )
     add("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -41,25 +45,39 @@ def _add_job_flags(add: Callable[..., argparse.Action]) -> None:
     """The model, its batch and the sites' devices."""
     add("--preset", help="isthmus model preset (tiny ... 1b) instead of the 340B")
     add("--params", type=float, help="trained parameters (default: the model's)")
-    add("--tokens-per-step", type=float, help="global batch in tokens (default: the 340B's, or "
-        "--batch x --seq x devices x sites)")  # fmt: skip
+    add(
+        "--tokens-per-step",
+        type=float,
+        help="global batch in tokens (default: the 340B's, or --batch x --seq x devices x sites)",
+    )
     add("--batch", help="sequences per device per step; a comma list (4,8,16) prints the curve")
     add("--seq", type=int, default=2048, help="tokens per sequence with --batch")
     add("--sites", type=int, default=2, help="sites, each a data-parallel replica")
-    add("--devices-per-site", type=int, help="GPUs per site (default 1536 for the 340B, 1 with "
-        "--preset)")  # fmt: skip
+    add(
+        "--devices-per-site",
+        type=int,
+        help="GPUs per site (default 1536 for the 340B, 1 with --preset)",
+    )
     add("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (H100 bf16)")
     add("--mfu", type=float, help="model FLOPs utilisation inside a site")
-    add("--gradient-bytes", type=float, help="bytes per gradient element before the codec (4 fp32, "
-        "2 bf16)")  # fmt: skip
+    add(
+        "--gradient-bytes",
+        type=float,
+        help="bytes per gradient element before the codec (4 fp32, 2 bf16)",
+    )
 
 
 def _add_link_flags(add: Callable[..., argparse.Action]) -> None:
     """The codec and the link between sites."""
     add("--codec", help="sync.codec of the job: sets --codec-ratio from its tensor codec")
     add("--codec-ratio", type=float, help="raw bytes / wire bytes of the codec")
-    add("--bandwidth-gbit", "--gbit", dest="bandwidth_gbit", type=float, help="per-site link, "
-        "Gbit/s (default 400 for the 340B, 1 with --preset)")  # fmt: skip
+    add(
+        "--bandwidth-gbit",
+        "--gbit",
+        dest="bandwidth_gbit",
+        type=float,
+        help="per-site link, Gbit/s (default 400 for the 340B, 1 with --preset)",
+    )
     add("--distance-km", type=float, default=1000.0, help="fiber distance between sites")
     add("--rtt-ms", type=float, help="round-trip time; overrides --distance-km")
 
@@ -67,23 +85,53 @@ def _add_link_flags(add: Callable[..., argparse.Action]) -> None:
 def _add_round_flags(add: Callable[..., argparse.Action]) -> None:
     """How the cross-site rounds run: their count, window, chunks, overlap and period."""
     add("--rounds", type=int, help="cross-site rounds (FSDP groups) per step")
-    add("--window", type=int, help="rounds in flight at once (default 1 for the 340B, "
-        "sync.rounds_in_flight with --preset)")  # fmt: skip
+    add(
+        "--window",
+        type=int,
+        help="rounds in flight at once (default 1 for the 340B, "
+        "sync.rounds_in_flight with --preset)",
+    )
     add("--chunk-mib", type=float, help="chunk of a round, MiB")
-    add("--overlap", type=float, help="share of backward that hides sync, 0..1 (default "
+    add(
+        "--overlap",
+        type=float,
+        help="share of backward that hides sync, 0..1 (default "
         "(rounds-1)/rounds with --preset: each group's round starts when its gradients "
-        "exist)")  # fmt: skip
-    add("--activation-checkpoint", action="store_true", help="blocks recompute their forward in "
+        "exist)",
+    )
+    add(
+        "--activation-checkpoint",
+        action="store_true",
+        help="blocks recompute their forward in "
         "backward (parallel.activation_checkpoint): 3/4 of compute is backward; give the MFU such "
-        "a run reports")  # fmt: skip
-    add("--inner-steps", type=int, default=1, help="steps between cross-site rounds: 1 = per-step "
-        "sync, H > 1 = DiLoCo (sync.mode=diloco, sync.inner_steps)")  # fmt: skip
-    add("--outer-delay", type=int, default=0, help="DiLoCo: steps a round runs behind "
-        "(sync.outer_delay), 0..H/P-1")  # fmt: skip
-    add("--fragments", type=int, default=1, help="Streaming DiLoCo: fragments synced in turn "
-        "(sync.mode=streaming, sync.fragments), a divisor of H; 1 = DiLoCo")  # fmt: skip
-    add("--round-overhead-ms", type=float, default=0.0, help="fixed cost of a round beyond its "
-        "bytes")  # fmt: skip
+        "a run reports",
+    )
+    add(
+        "--inner-steps",
+        type=int,
+        default=1,
+        help="steps between cross-site rounds: 1 = per-step "
+        "sync, H > 1 = DiLoCo (sync.mode=diloco, sync.inner_steps)",
+    )
+    add(
+        "--outer-delay",
+        type=int,
+        default=0,
+        help="DiLoCo: steps a round runs behind (sync.outer_delay), 0..H/P-1",
+    )
+    add(
+        "--fragments",
+        type=int,
+        default=1,
+        help="Streaming DiLoCo: fragments synced in turn "
+        "(sync.mode=streaming, sync.fragments), a divisor of H; 1 = DiLoCo",
+    )
+    add(
+        "--round-overhead-ms",
+        type=float,
+        default=0.0,
+        help="fixed cost of a round beyond its bytes",
+    )
 
 
 def build_input(args: argparse.Namespace) -> tuple[PlanInput, list[int]]:

@@ -42,9 +42,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
     parser = add_command(sub, formatter, "report", cmd_report)
     add = parser.add_argument
-    add("run_dirs", nargs="+", metavar="RUN_DIR", help="finished runs' --run-dir; the first is the "
-        "baseline of a comparison")  # fmt: skip
-    add("--out", help="folder for the plots (default: RUN_DIR with one run, ./isthmus-compare with "
-        "several)")  # fmt: skip
-    add("--labels", metavar="A,B,...", help="names of the compared runs, in order (default: the "
-        "sync mode, codec, sites x ranks, ... where the runs differ)")  # fmt: skip
+    add(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="finished runs' --run-dir; the first is the baseline of a comparison",
+    )
+    add(
+        "--out",
+        help="folder for the plots (default: RUN_DIR with one run, ./isthmus-compare with several)",
+    )
+    add(
+        "--labels",
+        metavar="A,B,...",
+        help="names of the compared runs, in order (default: the "
+        "sync mode, codec, sites x ranks, ... where the runs differ)",
+    )

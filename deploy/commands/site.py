@@ -147,17 +147,38 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     node = parser.add_argument_group("a site on several nodes (one launcher a node)")
     add = node.add_argument
     add("--nodes", type=int, default=1, help="nodes the site spans")
-    add("--node-rank", type=int, default=0, help="this node's index; node 0 serves the "
-        "coordinator, node K starts site ranks K*L..K*L+L-1 (L = ranks / nodes)")  # fmt: skip
-    add("--master-addr", metavar="HOST", help="the first node's address as the others reach it "
-        "(the ranks' env:// rendezvous and the coordinator)")  # fmt: skip
+    add(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index; node 0 serves the "
+        "coordinator, node K starts site ranks K*L..K*L+L-1 (L = ranks / nodes)",
+    )
+    add(
+        "--master-addr",
+        metavar="HOST",
+        help="the first node's address as the others reach it "
+        "(the ranks' env:// rendezvous and the coordinator)",
+    )
     add("--master-port", type=int, default=29500, help="the ranks' rendezvous port on node 0")
-    add("--listen", metavar="HOST[:PORT]", help="where the coordinator binds (default: "
+    add(
+        "--listen",
+        metavar="HOST[:PORT]",
+        help="where the coordinator binds (default: "
         "cluster.coordinators.SITE), e.g. 0.0.0.0 where peers reach it under another name; without "
-        "a port, the one cluster.coordinators.SITE gives")  # fmt: skip
-    add("--advertise-host", metavar="HOST|auto", help="the address peers reach this node's lanes "
+        "a port, the one cluster.coordinators.SITE gives",
+    )
+    add(
+        "--advertise-host",
+        metavar="HOST|auto",
+        help="the address peers reach this node's lanes "
         "at (cluster.advertise_host); auto: this node's address on its route to "
-        "--master-addr")  # fmt: skip
-    add("--rank-secret-file", metavar="PATH", help="a file of >= 16 random bytes only its owner "
+        "--master-addr",
+    )
+    add(
+        "--rank-secret-file",
+        metavar="PATH",
+        help="a file of >= 16 random bytes only its owner "
         "reads, the same on every node: each node derives its ranks' registration keys from it "
-        "(needed with --nodes > 1)")  # fmt: skip
+        "(needed with --nodes > 1)",
+    )

@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     add_config_arguments(parser, common_flags=False)
     add = parser.add_argument
     add("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
-    add("--vocab-size", type=int, metavar="N", help="tokens, the 256 bytes included, 257..65536 "
-        "(default: data.vocab_size, 4096)")  # fmt: skip
+    add(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        help="tokens, the 256 bytes included, 257..65536 (default: data.vocab_size, 4096)",
+    )
     add("--force", action="store_true", help="replace an existing --out")

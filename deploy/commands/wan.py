@@ -67,15 +67,31 @@ def _add_up(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     add = up.add_argument
     add("topology", metavar="TOPOLOGY", help="topology file (TOML, see docs/wan.md)")
     add("--control", default=DEFAULT_CONTROL, metavar="HOST:PORT", help=CONTROL_HELP + " (0: any)")
-    add("--forward", action="append", default=[], metavar="SITE_A:SITE_B=HOST:PORT", help="also "
+    add(
+        "--forward",
+        action="append",
+        default=[],
+        metavar="SITE_A:SITE_B=HOST:PORT",
+        help="also "
         "listen for plain TCP from SITE_A and forward it to HOST:PORT (a loopback server standing "
-        "for SITE_B) across the link (repeatable)")  # fmt: skip
-    add("--proxy-port", type=int, default=0, metavar="PORT", help="first port of the proxies, one "
+        "for SITE_B) across the link (repeatable)",
+    )
+    add(
+        "--proxy-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="first port of the proxies, one "
         "per link direction in the file's order (so a job config can name them); 0 = any free "
-        "ports")  # fmt: skip
-    add("--processes", action="store_true", help="pump each link direction in a process of its "
+        "ports",
+    )
+    add(
+        "--processes",
+        action="store_true",
+        help="pump each link direction in a process of its "
         "own, not a thread of this one (links past ~15 Gbit/s loaded both ways, or many fast "
-        "links: one process moves ~30-50 Gbit/s summed)")  # fmt: skip
+        "links: one process moves ~30-50 Gbit/s summed)",
+    )
 
 
 def _add_show(wsub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:

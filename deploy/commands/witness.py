@@ -69,7 +69,11 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
 
     parser = add_command(sub, formatter, "witness", cmd_witness)
     add_config_arguments(parser, common_flags=False)
-    parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to serve (port "
-        "0: any)")  # fmt: skip
-    parser.add_argument("--insecure", action="store_true", help="serve beyond loopback without "
-        "mutual TLS and the job token (warned)")  # fmt: skip
+    parser.add_argument(
+        "--listen", required=True, metavar="HOST:PORT", help="where to serve (port 0: any)"
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve beyond loopback without mutual TLS and the job token (warned)",
+    )

@@ -118,9 +118,15 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         # A rank silent as long as a suspected peer site is dead (rank_liveness.py).
         self.rank_liveness = RankLiveness(s.ranks, s.failure_timeout_s, clock)
         self.failover = Failover(
-            s, st, stubs=self._stubs, rank_keys=self.rank_keys, refusals=self.refusals,
-            long_polls=self.long_polls, witness=self.witness, rank_liveness=self.rank_liveness,
-        )  # fmt: skip
+            s,
+            st,
+            stubs=self._stubs,
+            rank_keys=self.rank_keys,
+            refusals=self.refusals,
+            long_polls=self.long_polls,
+            witness=self.witness,
+            rank_liveness=self.rank_liveness,
+        )
         self.admission = Admission(
             settings=s,
             state=st,

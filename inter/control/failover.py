@@ -86,9 +86,14 @@ class Failover:
         self.rank_liveness = rank_liveness
         s = settings
         self.leader = Leader(
-            state=state, ballots=self.ballots, peer_stub=stubs.__getitem__, witness=witness,
-            rpc_timeout_s=s.rpc_timeout_s, min_sites=s.min_sites, quorum_wait_s=s.quorum_wait_s,
-        )  # fmt: skip
+            state=state,
+            ballots=self.ballots,
+            peer_stub=stubs.__getitem__,
+            witness=witness,
+            rpc_timeout_s=s.rpc_timeout_s,
+            min_sites=s.min_sites,
+            quorum_wait_s=s.quorum_wait_s,
+        )
         self._suspects: list[str] = []  # as the loop last saw them (it wakes waiters on a change)
         self._ranks_checked = float("-inf")  # when the ranks' silence was last checked
         self._thread = threading.Thread(

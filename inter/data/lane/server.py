@@ -127,9 +127,12 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
         self.tickets = Tickets()
         """Bulk tickets (and PushChunks passes) granted, each bound to a site."""
         self.gate = LaneGate(
-            security=self.security, where=self.where, refusals=self.refusals,
-            tickets=self.tickets, members=lambda: self._members,
-        )  # fmt: skip
+            security=self.security,
+            where=self.where,
+            refusals=self.refusals,
+            tickets=self.tickets,
+            members=lambda: self._members,
+        )
         # grpc.health.v1, like every isthmus server: SERVING until stop().
         self.health = BoundedHealth(self.refusals)
         streams = max(1, max_workers - RESERVED_THREADS)
@@ -142,13 +145,19 @@ class LaneServer(lane_pb2_grpc.LaneServicer):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._address, self.bulk = self._listen(host, port, bulk)
         self.handoff = LaneHandoff(
-            gate=self.gate, outbox=self.outbox, tickets=self.tickets,
-            handoffs=self.mailbox.handoffs, bulk_port=self.bulk_port,
-        )  # fmt: skip
+            gate=self.gate,
+            outbox=self.outbox,
+            tickets=self.tickets,
+            handoffs=self.mailbox.handoffs,
+            bulk_port=self.bulk_port,
+        )
         self.requests = LaneRequests(
-            gate=self.gate, mailbox=self.mailbox, offers=self.offers,
-            pulls=self.pulls, rank=lambda: self.rank,
-        )  # fmt: skip
+            gate=self.gate,
+            mailbox=self.mailbox,
+            offers=self.offers,
+            pulls=self.pulls,
+            rank=lambda: self.rank,
+        )
         self._server.add_generic_rpc_handlers((self._handlers(),))
         self._server.start()
         log.info("[site %d] lane server listening on %s", site_index, self._address)

@@ -144,11 +144,18 @@ class ChunkTasks:
         where it is already known."""
         lo, hi = self._bounds(c)
         header = lane_pb2.PushChunksRequest(
-            generation=self.view.generation, step=self.step, group=self.group, kind=kind,
-            chunk_index=c, num_chunks=self.num_chunks, from_site=self.view.site_index,
-            total_elements=self.total, num_elements=hi - lo, codec=self.codec.name,
+            generation=self.view.generation,
+            step=self.step,
+            group=self.group,
+            kind=kind,
+            chunk_index=c,
+            num_chunks=self.num_chunks,
+            from_site=self.view.site_index,
+            total_elements=self.total,
+            num_elements=hi - lo,
+            codec=self.codec.name,
             crc32=crc32(payload) if crc is None else crc,
-        )  # fmt: skip
+        )
         frame = Frame(header.SerializeToString(), memoryview(payload).cast("B"))
         self.outbox.put((self.step, self.group, kind, c), frame, to)
         for site in to:
@@ -371,8 +378,14 @@ class ChunkTasks:
         """The chunk ``key`` asked again of its sender until it comes intact; None if
         the round failed meanwhile (:func:`~isthmus.inter.data.round.pull.pull_intact`)."""
         return pull_intact(
-            key, peer=self.peers[key[4]], handoffs=self.handoffs, check=self.check,
-            generation=self.view.generation, site_index=self.view.site_index,
-            deadline=self.deadline, failed=self.failed, where=self.where,
+            key,
+            peer=self.peers[key[4]],
+            handoffs=self.handoffs,
+            check=self.check,
+            generation=self.view.generation,
+            site_index=self.view.site_index,
+            deadline=self.deadline,
+            failed=self.failed,
+            where=self.where,
             on_corrupt=lambda: self.count(corrupt_chunks=1),
-        )  # fmt: skip
+        )

@@ -308,9 +308,13 @@ class BulkConnection:
             "bulk connection %s stalled: a %.2f MB frame unacknowledged after %.1fs (its "
             "deadline: %.1fs at %.0f MB/s); its %d frame(s) in flight go again on a new "
             "connection",
-            self._name, items[0].frame.payload_bytes / 1e6, now - began,
-            allowed, (self._clock.rate or flow_clock.FIRST_RATE_BPS) / 1e6, len(items),
-        )  # fmt: skip
+            self._name,
+            items[0].frame.payload_bytes / 1e6,
+            now - began,
+            allowed,
+            (self._clock.rate or flow_clock.FIRST_RATE_BPS) / 1e6,
+            len(items),
+        )
         self._leave(sock, items, redial)
 
     def _requeue_inflight_locked(self) -> list[_Sent]:
@@ -352,8 +356,12 @@ class BulkConnection:
         if resend is None:
             self._fail(exc, sock)
             return
-        log.warning("bulk connection %s lost (%s); its %d frame(s) in flight go again on a "
-                    "new connection", self._name, exc, len(resend))  # fmt: skip
+        log.warning(
+            "bulk connection %s lost (%s); its %d frame(s) in flight go again on a new connection",
+            self._name,
+            exc,
+            len(resend),
+        )
         self._leave(sock, resend, redial)
 
     def _fail(self, exc: BaseException, sock: Stream | None, queued_too: bool = False) -> None:

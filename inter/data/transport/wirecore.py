@@ -62,8 +62,11 @@ def load() -> ModuleType | None:
     if _native is None and not _told:
         _told = True
         why = _why_not
-        log.warning("wirecore: no C extension (%s): the lanes check their bytes in Python "
-                    "(same results, slower)", why)  # fmt: skip
+        log.warning(
+            "wirecore: no C extension (%s): the lanes check their bytes in Python "
+            "(same results, slower)",
+            why,
+        )
     return _native
 
 
