@@ -201,9 +201,11 @@ class Context:
             site_dir=site_dir,
             checkpoints=checkpoints,
             start=start,
-            trainer=shaped,
-            batches=None,
-            held_out=None,
+            # A script's model stands where the built-in trainer would; the script feeds
+            # its own batches and measures its own loss, so those two parts stay unset.
+            trainer=shaped,  # type: ignore[arg-type]
+            batches=None,  # type: ignore[arg-type]
+            held_out=None,  # type: ignore[arg-type]
             plan=user,  # type: ignore[arg-type]
         )
         self._loop = StepLoop(parts)
