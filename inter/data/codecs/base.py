@@ -31,7 +31,16 @@ __all__ = [
 
 # numpy has no bfloat16: a tensor goes to bytes through the integer type of its width.
 _AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-_pinned = threading.local()
+
+
+class _PinnedBuffers(threading.local):
+    """Each thread's one growing pinned buffer per dtype (cudaHostAlloc is slow)."""
+
+    def __init__(self) -> None:
+        self.by_dtype: dict[torch.dtype, torch.Tensor] = {}
+
+
+_pinned = _PinnedBuffers()
 
 
 class CodecError(ValueError):
@@ -70,8 +79,7 @@ def check_size(stage: str, payload: bytes | memoryview, expected: int, num_eleme
 
 
 def _pinned_buffer(dtype: torch.dtype, numel: int) -> torch.Tensor:
-    # cudaHostAlloc is slow, so each thread keeps one growing pinned buffer per dtype.
-    cache = _pinned.__dict__.setdefault("buffers", {})  # this thread's
+    cache = _pinned.by_dtype
     buf = cache.get(dtype)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(max(numel, 1 << 20), dtype=dtype, pin_memory=True)

@@ -20,7 +20,16 @@ from isthmus.inter.data.transport.wirecore import all_finite, sum_checked
 
 __all__ = ["divisor", "finite", "lane_stream", "on_lane_stream", "sum_parts", "sum_raw_host"]
 
-_streams = threading.local()
+
+class _PerThread(threading.local):
+    """A pool thread's own CUDA streams and site-count tensors, made on first use."""
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.divisors: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+_per_thread = _PerThread()
 _PRIORITY = -1  # lower is more urgent; measured: 1b step's sync 2.67 s at 0, 2.48 s at -1
 
 
@@ -28,7 +37,7 @@ def lane_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's own CUDA stream on ``device`` (made once), of high priority: its
     kernels are small and a round waits on each, so the GPU should schedule them
     between backward's, not after the queue of them (NCCL's streams do the same)."""
-    streams = _streams.__dict__.setdefault("by_device", {})  # this thread's
+    streams = _per_thread.streams
     stream = streams.get(device)
     if stream is None:
         stream = streams[device] = torch.cuda.Stream(device, priority=_PRIORITY)
@@ -44,7 +53,7 @@ def divisor(device: torch.device, sites: int) -> torch.Tensor:
     every use; made on a round's thread it was a blocking copy on the default stream,
     queued behind all of backward's kernels, and every round waited for the GPU.
     """
-    divisors = _streams.__dict__.setdefault("divisors", {})
+    divisors = _per_thread.divisors
     t = divisors.get((device, sites))
     if t is None:
         t = divisors[(device, sites)] = torch.full(
