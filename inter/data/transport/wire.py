@@ -83,11 +83,11 @@ class Chunk:
         return _header(self)
 
 
-_HEADER_FIELDS = (
-    *("generation", "step", "group", "kind", "chunk_index", "num_chunks", "from_site"),
-    *("total_elements", "num_elements", "codec", "crc32"),
+# PushChunksRequest's fields but the payload, read from the proto so a new header field
+# cannot be dropped on the way (Chunk must then name it too, or building one fails).
+_HEADER_FIELDS = tuple(
+    f.name for f in lane_pb2.PushChunksRequest.DESCRIPTOR.fields if f.name != "payload"
 )
-"""``PushChunksRequest``'s fields but the payload, as :class:`Chunk` names them too."""
 
 
 def _header(c: Chunk) -> lane_pb2.PushChunksRequest:
