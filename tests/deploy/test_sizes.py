@@ -97,8 +97,14 @@ def test_the_size_check_sees_long_modules_and_functions_and_stale_entries(
 
 
 # The package's lines (every module of the five packages, generated code excepted), and a
-# ceiling that only comes down: lower it when the house shrinks.
-PACKAGE_LINES_CEILING = 37_240
+# ceiling: issue 64's base, which only comes down (lower it when the house shrinks), plus one
+# named allowance per feature added since, each its exact growth, so that what a feature
+# costs is on record and nothing else may grow in its shadow.
+PACKAGE_LINES_BASE = 37_141  # 37,140 lines at 4c4d548
+GROWTH = {
+    "issue 61: TCP_INFO read from a socket (inter/tcp_info.py)": 89,
+}
+PACKAGE_LINES_CEILING = PACKAGE_LINES_BASE + sum(GROWTH.values())
 
 
 def test_the_package_is_no_larger_than_its_ceiling() -> None:
