@@ -48,6 +48,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
         site_names=config.site_names,
         fingerprint=config.fingerprint(),
         failure_timeout_s=config.failover.failure_timeout_s,
+        heartbeat_s=config.failover.heartbeat_s,
         host=host,
         port=int(port),
         security=site_security(config.security, "witness", default_token=False),

@@ -144,10 +144,12 @@ class FailoverSection:
     min_sites: int = 1
     """Never train with fewer live sites than this; below it the job stops."""
     failure_timeout_s: float = 10.0
-    """A site not heard from (coordinator heartbeats) for this long is taken for dead:
-    the others finish the step's rounds without it and carry on."""
-    heartbeat_s: float = 1.0
-    """Period of the heartbeats between coordinators."""
+    """The most a site may be silent (no coordinator heartbeat) before it is taken for
+    dead: the others finish the step's rounds without it and carry on. Each site's own
+    deadline is learned from its heartbeats' arrivals (at least 4 periods; longer for a
+    jittery, lossy link or a stalled host), so a dead site costs about a second."""
+    heartbeat_s: float = 0.2
+    """Period of the heartbeats between coordinators (and of the pings to the witness)."""
     quorum_wait_s: float = 300.0
     """How long a site cut off from a quorum waits for the link to heal (then it
     pulls the state and rejoins) before it stops with a message saying why."""

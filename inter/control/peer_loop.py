@@ -18,6 +18,7 @@ site itself before it gives up.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class PeerLoop:
     refusals: RefusalLog
     proposing: Mapping[int, list[str]]  # generation -> members, while the leader proposes it
     _asked: dict[str, float] = field(default_factory=dict, init=False)  # when a claim was asked
+    _in_flight: dict[str, tuple[grpc.Future, int | None]] = field(default_factory=dict, init=False)
 
     def run(self) -> None:
         st, stubs = self.state, self.stubs
@@ -56,21 +58,31 @@ class PeerLoop:
             self.join_round(stubs)
             if st.error is not None:
                 return
-            joining = st.generation == 0 or st.joining
-            st.stopped.wait(0.2 if joining else self.settings.heartbeat_s)
+            wait_s = 0.2 if st.generation == 0 or st.joining else self.settings.heartbeat_s
+            with st.cond:  # how late this thread wakes is the host's lag (arrivals.py)
+                st.arrivals.sleeping_until(st.clock() + wait_s)
+            st.stopped.wait(wait_s)
+            with st.cond:
+                st.arrivals.woke()
         if st.generation > 0:
             # A last word on the way out, so peers hear this site's final digest
             # even when it finished last and its next heartbeat would never come.
-            self.heartbeat_round(stubs)
+            self.heartbeat_round(stubs, wait_s=self.settings.rpc_timeout_s)
 
-    def heartbeat_round(self, stubs: Mapping[str, pb_grpc.CoordinatorStub]) -> None:
+    def heartbeat_round(
+        self, stubs: Mapping[str, pb_grpc.CoordinatorStub], wait_s: float | None = None
+    ) -> None:
         """Tell every peer this site's step, latest digest and whether it finished;
-        settle what calls claiming to be that peer said, with its answer."""
-        site, st, site_up = self.settings.site, self.state, self.metrics.site_up
+        settle what calls claiming to be that peer said, with its answer. The calls run
+        at once, and the round waits for answers ``wait_s`` (a period by default): a
+        silent peer's call stays in flight (one at a time per peer, until its own
+        deadline) and never delays the heartbeats of the others, whose deadlines follow
+        their arrivals (``arrivals.py``)."""
+        st = self.state
         with st.cond:
             digest_step, digest = st.digest
             beat = pb.HeartbeatRequest(
-                site=site,
+                site=self.settings.site,
                 step=st.step,
                 digest=digest,
                 digest_step=digest_step,
@@ -78,29 +90,45 @@ class PeerLoop:
                 generation=st.generation,
             )
         for name, stub in stubs.items():
+            if name in self._in_flight and wait_s is None:
+                continue  # the last word (wait_s) goes out even so
             doubted = st.replicas.doubted(name)
             request = beat
             if doubted is not None:
                 request = pb.HeartbeatRequest()
                 request.CopyFrom(beat)
                 request.confirm_digest, request.confirm_step = True, doubted
+            call = stub.Heartbeat.future(request, timeout=self.settings.rpc_timeout_s)
+            self._in_flight[name] = (call, doubted)
+        until = time.monotonic() + (self.settings.heartbeat_s if wait_s is None else wait_s)
+        for name, (call, doubted) in list(self._in_flight.items()):
             try:
-                reply = stub.Heartbeat(request, timeout=self.settings.rpc_timeout_s)
-                with st.cond:
-                    st.heard_from_locked(name)
-                site_up.labels(site, name).set(1)
-                if reply is not None:  # None: an answer that did not parse
-                    st.abort.learn(name, reply.aborted)
-                    self.learn_progress(name, reply)
-                self.check_left_out(name, reply)
-                self.settle_claims(name, reply, doubted)
-            except grpc.RpcError as exc:
-                site_up.labels(site, name).set(0)
-                # A peer leaving at the end is no news, nor is a dead site the job
-                # already went on without (it is still asked, in case it comes back).
-                members = st.members
-                if not st.stopped.is_set() and (name in members or not members):
-                    log.warning("[%s] heartbeat to %s failed: %s", site, name, exc.code().name)
+                call.exception(timeout=max(0.0, until - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                continue  # still in flight: its answer is taken next round
+            del self._in_flight[name]
+            self._answered(name, call, doubted)
+
+    def _answered(self, name: str, call: grpc.Future, doubted: int | None) -> None:
+        site, st, site_up = self.settings.site, self.state, self.metrics.site_up
+        try:
+            reply = call.result()
+        except grpc.RpcError as exc:
+            site_up.labels(site, name).set(0)
+            # A peer leaving at the end is no news, nor is a dead site the job
+            # already went on without (it is still asked, in case it comes back).
+            members = st.members
+            if not st.stopped.is_set() and (name in members or not members):
+                log.warning("[%s] heartbeat to %s failed: %s", site, name, exc.code().name)
+            return
+        with st.cond:
+            st.heard_from_locked(name)
+        site_up.labels(site, name).set(1)
+        if reply is not None:  # None: an answer that did not parse
+            st.abort.learn(name, reply.aborted)
+            self.learn_progress(name, reply)
+        self.check_left_out(name, reply)
+        self.settle_claims(name, reply, doubted)
 
     def answer_heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext

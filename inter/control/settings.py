@@ -37,12 +37,13 @@ class CoordinatorSettings:
     """How long to wait for every site to be present and ready."""
     rpc_timeout_s: float = 5.0
     """Deadline of each RPC to a peer."""
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = 0.2
     """Period of heartbeats to peers (and pings to the witness) once joined."""
     metrics_port: int | None = None
     """Serve Prometheus /metrics on this port (0 = any free port); None serves none."""
     failure_timeout_s: float = 10.0
-    """A member not heard from for this long is suspected dead."""
+    """The most a member may be silent before it is suspected dead; its own deadline
+    follows its arrivals (``arrivals.py``)."""
     min_sites: int = 1
     """Never go on with fewer live sites."""
     quorum_wait_s: float = 60.0

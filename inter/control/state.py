@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 from isthmus.inter.control.abort import JobAbort
+from isthmus.inter.control.arrivals import ArrivalDeadlines
 from isthmus.inter.control.incarnations import Incarnations
 from isthmus.inter.control.join_claims import JoinClaims
 from isthmus.inter.control.replicas import ReplicaDigests
@@ -79,6 +80,10 @@ class CoordinatorState:
         self.index, self.ranks, self.peers = settings.index, settings.ranks, settings.peers
         self.failure_timeout_s = settings.failure_timeout_s
         self.clock = clock
+        self.arrivals = ArrivalDeadlines(
+            period_s=settings.heartbeat_s, ceiling_s=settings.failure_timeout_s, clock=clock
+        )
+        """Each peer's arrivals and deadline (guarded by ``cond``)."""
         self.address = ""  # where the coordinator listens, once its server is bound
         self.cond = threading.Condition(threading.RLock())
         self.stopped = threading.Event()  # the site left: loops end, long polls answer
@@ -91,7 +96,6 @@ class CoordinatorState:
         self._lanes: list[str | None] = [None] * self.ranks
         self._ready_sites: dict[str, pb.SiteInfo] = {}
         self._told_ready: set[str] = set()
-        self._last_seen: dict[str, float] = {}
         self._restarted: set[str] = set()
         self._asked_to_join: set[str] = set()
         self._digest: tuple[int, str] = (0, "")
@@ -124,8 +128,6 @@ class CoordinatorState:
     """Peers that said they are ready, with their SiteInfo."""
     told_ready: _Read[frozenset[str]] = _Read(frozenset)
     """Peers this site told, in a join, that it is ready."""
-    last_seen: _Read[Mapping[str, float]] = _Read(MappingProxyType)
-    """When each peer was last heard from (on :attr:`clock`)."""
     restarted: _Read[frozenset[str]] = _Read(frozenset)
     """Members seen joining afresh: their earlier incarnation is dead."""
     committed_steps: _Read[int] = _Read()
@@ -142,6 +144,11 @@ class CoordinatorState:
     finished_claims: _Read[frozenset[str]] = _Read(frozenset)
     """Peers that a heartbeat in their name said finished, not yet asked: anyone with
     the token can send one (issue 63: one stopped a restarting site for good)."""
+
+    @property
+    def last_seen(self) -> Mapping[str, float]:
+        """When each peer was last heard from (on :attr:`clock`)."""
+        return self.arrivals.last_heard()
 
     @property
     def running(self) -> bool:
@@ -172,16 +179,13 @@ class CoordinatorState:
         return sorted((infos[n] for n in names if n in infos), key=lambda info: info.index)
 
     def suspects_locked(self) -> list[str]:
-        """Members other than this site not heard from within the failure timeout, and
-        members that restarted (their old incarnation is gone)."""
-        now = self.clock()
-        started = self.started_at if self.started_at is not None else now
-        timeout = self.failure_timeout_s
+        """Members other than this site silent past their deadline (``arrivals``: at most
+        the failure timeout), and members that restarted (their old incarnation is gone)."""
+        started = self.started_at if self.started_at is not None else self.clock()
         return [
             m
             for m in self._members
-            if m != self.site
-            and (m in self._restarted or now - self._last_seen.get(m, started) > timeout)
+            if m != self.site and (m in self._restarted or self.arrivals.silent(m, started))
         ]
 
     def await_membership(self, known_generation: int, deadline: float) -> None:
@@ -277,13 +281,13 @@ class CoordinatorState:
     def heard_from_locked(self, name: str) -> None:
         """A call from, or an answer of, peer ``name`` arrived (wakes nobody: silence is
         noticed by time, by the failover loop)."""
-        self._last_seen[name] = self.clock()
+        self.arrivals.heard(name)
 
     def heartbeat_locked(self, name: str, finished: bool, caller: str) -> None:
         """A heartbeat in peer ``name``'s name from ``caller`` counts as hearing from it
         (docs/security.md); its progress is a claim: "finished" is kept to be asked of
         ``name`` itself (``peer_progress_locked`` settles it), and its step is not taken."""
-        self._last_seen[name] = self.clock()
+        self.arrivals.heard(name)
         if finished and name in self.peers and name not in self._finished_peers:
             self._finished_claims[name] = caller[:128]  # one a peer: the latest caller
         self.cond.notify_all()  # a peer's news: waiters re-check
@@ -292,7 +296,7 @@ class CoordinatorState:
         """Peer ``name``'s own answer, at its configured address: it runs ``step`` (and
         whether it finished). Settles a claim that it finished; returns the caller of a
         claim its answer belies, else None."""
-        self._last_seen[name] = self.clock()
+        self.arrivals.heard(name)
         self._peer_steps[name] = step
         claimed = self._finished_claims.pop(name, None)
         if finished:
@@ -338,11 +342,10 @@ class CoordinatorState:
         if generation <= self._generation:
             return Adoption.STALE
         left_out = self._excluded
-        now = self.clock()
         for info in sites:
             if info.name != self.site:
                 self._ready_sites[info.name] = info
-                self._last_seen.setdefault(info.name, now)
+                self.arrivals.expect(info.name)
         self._generation = generation
         self._members = [info.name for info in sites]
         self._start_step = start_step

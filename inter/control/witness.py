@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import grpc
 
+from isthmus.inter.control.arrivals import FLOOR_PERIODS, ArrivalDeadlines
 from isthmus.inter.control.channels import add_port, control_server, peer_channel
 from isthmus.inter.control.fingerprint import fingerprint_problem
 from isthmus.inter.control.settings import CoordinatorSettings
@@ -52,7 +53,8 @@ UNSEEN_KEYS = HOST_KEYS | SCRIPT_KEYS
 
 class WitnessServer(pb_grpc.WitnessServicer):
     """The witness process's gRPC server: every caller must match ``fingerprint``; a site
-    not heard from for ``failure_timeout_s`` (on ``clock``) is taken for dead."""
+    silent past the deadline its pings (every ``heartbeat_s``) teach, at most
+    ``failure_timeout_s`` (on ``clock``), is taken for dead (``arrivals.py``)."""
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
         site_names: list[str],
         fingerprint: Mapping[str, str],
         failure_timeout_s: float,
+        heartbeat_s: float | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         security: SiteSecurity | None = None,
@@ -71,8 +74,11 @@ class WitnessServer(pb_grpc.WitnessServicer):
         self.security = security or INSECURE
         self.where = "witness"
         self.holder: list[str] = []
-        self._last_seen: dict[str, float] = {}
-        self._clock = clock
+        # None: a fixed failure timeout (a floor of FLOOR_PERIODS periods is the ceiling)
+        period = failure_timeout_s / FLOOR_PERIODS if heartbeat_s is None else heartbeat_s
+        self._arrivals = ArrivalDeadlines(
+            period_s=period, ceiling_s=failure_timeout_s, clock=clock
+        )  # guarded by _lock
         self._started = clock()
         self._lock = threading.Lock()
         interceptors = self.security.server_interceptors(self.where)
@@ -106,7 +112,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
     def Ping(self, request, context):  # noqa: N802 (gRPC method name)
         self._check(request.site, request.fingerprint, context, "Ping")
         with self._lock:
-            self._last_seen[request.site] = self._clock()
+            self._arrivals.heard(request.site)
         return pb.WitnessPingResponse()
 
     def Grant(self, request, context):  # noqa: N802
@@ -122,7 +128,7 @@ class WitnessServer(pb_grpc.WitnessServicer):
                 f"members must be distinct sites of the job including {request.site[:64]!r}",
             )
         with self._lock:
-            self._last_seen[request.site] = self._clock()
+            self._arrivals.heard(request.site)
             why = self._refusal_locked(members)
             if why is None:
                 if set(members) != set(self.holder):
@@ -135,12 +141,10 @@ class WitnessServer(pb_grpc.WitnessServicer):
     def _refusal_locked(self, members: list[str]) -> str | None:
         if 2 * len(members) != len(self.site_names):
             return f"{len(members)} of {len(self.site_names)} sites is not an even split"
-        now = self._clock()
         alive = [
             s
             for s in self.holder
-            if s not in members
-            and now - self._last_seen.get(s, self._started) <= self.failure_timeout_s
+            if s not in members and not self._arrivals.silent(s, self._started)
         ]
         if alive:
             return f"the witness backs {', '.join(self.holder)}, and {', '.join(alive)} is alive"
