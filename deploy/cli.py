@@ -49,6 +49,7 @@ COMMANDS = (
     "plan",
     "bench",
     "wan",
+    "probe",
     "certs",
     "witness",
     "tokenizer",

@@ -14,6 +14,7 @@ from dataclasses import asdict, replace
 from isthmus.deploy.commands import add_command
 from isthmus.deploy.config.job import ConfigError
 from isthmus.deploy.config.planning import codec_ratio, preset_input
+from isthmus.deploy.config.run_sections import read_probe
 from isthmus.sim.plan import (
     Plan,
     PlanInput,
@@ -80,6 +81,12 @@ def _add_link_flags(add: Callable[..., argparse.Action]) -> None:
     )
     add("--distance-km", type=float, default=1000.0, help="fiber distance between sites")
     add("--rtt-ms", type=float, help="round-trip time; overrides --distance-km")
+    add(
+        "--probe",
+        metavar="JSON",
+        help="`isthmus probe --json` file: its slowest link's RTT and rate replace "
+        "--rtt-ms and --gbit",
+    )
 
 
 def _add_round_flags(add: Callable[..., argparse.Action]) -> None:
@@ -136,6 +143,10 @@ def _add_round_flags(add: Callable[..., argparse.Action]) -> None:
 
 def build_input(args: argparse.Namespace) -> tuple[PlanInput, list[int]]:
     """The PlanInput the arguments describe and the per-device batches asked for."""
+    if args.probe:
+        args.rtt_ms, mbit, _, line = read_probe(args.probe)
+        args.bandwidth_gbit = mbit / 1000
+        print(line, file=sys.stderr)
     rtt_s = args.rtt_ms / 1000 if args.rtt_ms is not None else 2 * args.distance_km * 4.9e-6
     try:
         batches = [int(b) for b in args.batch.split(",")] if args.batch else []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,6 +326,8 @@ def load_config(
             section, key = name.split(".", 1)
             _apply(config, section, key, value, "command line")
             given.add(name)
+    if config.wan.probe:
+        print(config.wan.take_probe(), file=sys.stderr)
     apply_preset_training(config, given)
     if fit is not None:
         fit(config, given)

@@ -1,0 +1,384 @@
+"""`isthmus probe`'s measurement: a probe server (echo, sink, and a probe run on a
+peer's behalf) and the client that measures a link's RTT, loss, 1-flow and N-flow
+throughput over plain TCP (docs/wan.md, "Probe a link before the job").
+
+Every connection opens with a header (MAGIC, an op, the optional job token, JSON
+parameters) and the server answers MAGIC and a status before anything else, so a probe
+pointed at another service fails in one line and a stray client gets nothing."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import select
+import selectors
+import socket
+import socketserver
+import statistics
+import struct
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from isthmus.inter.tcp_info import read_tcp_info
+
+MAGIC = b"isthmus-probe\x01"  # the last byte is the protocol's version
+_HEAD = struct.Struct("!cHI")  # op, token bytes, parameter bytes
+_STATUS = struct.Struct("!BH")  # 0 = ok, else refused; message bytes
+_LENGTH = struct.Struct("!I")
+ECHO, SINK, PROBE = b"E", b"S", b"P"
+MAX_SECONDS = 60.0  # the longest phase a server runs for anyone
+MAX_CONNECTIONS = 512  # the most a server serves at once (pings use up to MAX_PINGERS)
+MAX_PINGERS = 256
+PING_RATE = 4000.0
+"""Round trips a second the RTT phase aims at, over as many connections as that takes
+(each one ping in flight): enough pings for a loss estimate in seconds at 50 ms, few
+enough for Python and a 2-core emulator at 1 ms."""
+CAP_RATIO = 1.3
+"""N flows carrying this many times one flow's rate mean the link (or a host) caps a
+flow: the 1-flow figure is the cap. Below it one flow already fills the link."""
+IO_TIMEOUT_S = 10.0
+CHUNK = 1 << 20
+
+
+class ProbeError(RuntimeError):
+    """What went wrong reaching or reading a probe server, in one line."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """ "HOST:PORT" (IPv6 in brackets) as (host, port); ValueError in one line."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        got = sock.recv(n - len(data))
+        if not got:
+            raise ConnectionError("connection closed")
+        data += got
+    return bytes(data)
+
+
+def _send_blob(sock: socket.socket, value: Any) -> None:
+    raw = json.dumps(value).encode()
+    sock.sendall(_LENGTH.pack(len(raw)) + raw)
+
+
+def _recv_blob(sock: socket.socket) -> Any:
+    (n,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+    return json.loads(_recv_exact(sock, n))
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: ProbeServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(IO_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not self.server.slots.acquire(blocking=False):
+            return self._answer(1, "busy: too many probe connections")
+        try:
+            self._serve(sock)
+        except (OSError, ValueError, TypeError, ConnectionError):
+            pass  # a client that left or sent garbage: nothing to keep
+        finally:
+            self.server.slots.release()
+
+    def _answer(self, status: int, message: str = "") -> None:
+        raw = message.encode()
+        self.request.sendall(MAGIC + _STATUS.pack(status, len(raw)) + raw)
+
+    def _serve(self, sock: socket.socket) -> None:
+        if _recv_exact(sock, len(MAGIC)) != MAGIC:
+            return self._answer(1, "not an isthmus probe request (or another version)")
+        op, token_len, params_len = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+        token = _recv_exact(sock, token_len) if token_len <= 4096 else b""
+        params = json.loads(_recv_exact(sock, params_len)) if params_len <= 65536 else None
+        if not hmac.compare_digest(token, self.server.token):
+            return self._answer(1, "refused: wrong or missing job token")
+        if op not in (ECHO, SINK, PROBE) or not isinstance(params, dict):
+            return self._answer(1, f"unknown probe op {op!r}")
+        self._answer(0)
+        end = time.monotonic() + MAX_SECONDS * 2  # no client holds a server longer
+        if op == ECHO:
+            while time.monotonic() < end and (data := sock.recv(4096)):
+                sock.sendall(data)
+        elif op == SINK:
+            _send_blob(sock, _sink(sock, min(MAX_SECONDS, float(params.get("seconds", 1)))))
+            while time.monotonic() < end and sock.recv(CHUNK):  # until the sender leaves
+                pass
+        else:
+            _send_blob(sock, self.server.probe_for_peer(params))
+
+
+def _sink(sock: socket.socket, seconds: float) -> dict[str, float]:
+    """Read for ``seconds`` from the first byte; the rate over their second half, measured
+    here, at the receiver (the first half holds TCP's slow start). Stopping here, not at
+    the sender, leaves no sender's buffer to drain at the link's rate."""
+    buf = bytearray(CHUNK)
+    times, totals, total = [], [], 0
+    while n := sock.recv_into(buf):
+        total += n
+        times.append(time.monotonic())
+        totals.append(total)
+        if times[-1] - times[0] >= seconds:
+            break
+    if len(times) < 2:
+        return {"bytes": total, "bps": 0.0}
+    half = times[0] + (times[-1] - times[0]) / 2
+    i = next(k for k, t in enumerate(times) if t >= half)
+    span = times[-1] - times[i]
+    return {"bytes": total, "bps": (totals[-1] - totals[i]) * 8 / span if span > 0 else 0.0}
+
+
+class ProbeServer(socketserver.ThreadingTCPServer):
+    """`isthmus probe serve`: echoes pings, sinks bulk data, and probes another server on
+    a peer's request (so one command measures every pair of a job's sites)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = MAX_PINGERS  # the pingers connect at once
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        token: bytes = b"",
+        audit: Callable[[dict[str, Any]], list[dict[str, str]]] | None = None,
+    ) -> None:
+        super().__init__(address, _Handler)
+        self.token = token
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._audit = audit
+        self._probing = threading.Lock()  # one probe run on a peer's behalf at a time
+
+    @property
+    def address(self) -> str:
+        host, port = self.server_address[:2]
+        return f"{host}:{port}"
+
+    def probe_for_peer(self, params: dict[str, Any]) -> dict[str, Any]:
+        if not self._probing.acquire(blocking=False):
+            return {"error": "busy: already probing"}
+        try:
+            link = measure_link(
+                str(params.get("target")),
+                flows=int(params.get("flows", 8)),
+                seconds=float(params.get("seconds", 3)),
+                token=self.token,
+            )
+            if self._audit is not None:
+                link["audit"] = self._audit(link)
+            return link
+        except (ValueError, ProbeError, OSError) as exc:
+            return {"error": str(exc)}
+        finally:
+            self._probing.release()
+
+    def start(self) -> ProbeServer:
+        threading.Thread(target=self.serve_forever, name="probe-server", daemon=True).start()
+        return self
+
+
+def open_op(
+    target: str, op: bytes, token: bytes = b"", params: dict[str, Any] | None = None
+) -> socket.socket:
+    """A connection to the probe server at ``target`` that accepted ``op``."""
+    host, port = parse_address(target)
+    try:
+        sock = socket.create_connection((host, port), timeout=IO_TIMEOUT_S)
+    except OSError as exc:
+        raise ProbeError(
+            f"cannot reach a probe server at {target}: {exc.strerror or exc}"
+        ) from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw = json.dumps(params or {}).encode()
+    try:
+        sock.sendall(MAGIC + _HEAD.pack(op, len(token), len(raw)) + token + raw)
+        if _recv_exact(sock, len(MAGIC)) != MAGIC:
+            raise ProbeError(f"{target} is not an isthmus probe server (`isthmus probe serve`)")
+        status, n = _STATUS.unpack(_recv_exact(sock, _STATUS.size))
+        message = _recv_exact(sock, n).decode(errors="replace")
+    except (OSError, ConnectionError) as exc:
+        sock.close()
+        raise ProbeError(
+            f"{target} is not an isthmus probe server (`isthmus probe serve`): {exc}"
+        ) from None
+    except ProbeError:
+        sock.close()
+        raise
+    if status:
+        sock.close()
+        raise ProbeError(f"{target}: {message}")
+    return sock
+
+
+def open_ops(
+    target: str, op: bytes, token: bytes, n: int, params: dict[str, Any] | None = None
+) -> list[socket.socket]:
+    """``n`` connections of ``op``, opened at once: one after another would take n
+    round trips (13 s for 256 pingers at 50 ms)."""
+    with ThreadPoolExecutor(max_workers=min(n, 64)) as pool:
+        futures = [pool.submit(open_op, target, op, token, params) for _ in range(n)]
+    socks = [f.result() for f in futures if f.exception() is None]
+    if len(socks) < n:
+        for s in socks:
+            s.close()
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return socks
+
+
+def _ping_rtts(target: str, token: bytes, seconds: float, pingers: int) -> tuple[list, float]:
+    """Round trips (seconds) of one 8-byte ping at a time on each of ``pingers``
+    connections for ``seconds``; and the pings' retransmitted share (TCP_INFO)."""
+    socks = open_ops(target, ECHO, token, pingers)
+    sel = selectors.DefaultSelector()
+    sent: dict[socket.socket, float] = {}
+    rtts: list[float] = []
+    try:
+        for s in socks:
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ)
+            sent[s] = time.perf_counter()
+            s.send(b"isthmus!")
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for key, _ in sel.select(timeout=IO_TIMEOUT_S):
+                s = key.fileobj
+                if len(s.recv(64)) != 8:  # 8 bytes a ping; another count is a stall's split
+                    raise ProbeError(f"{target}: a ping came back wrong")
+                now = time.perf_counter()
+                rtts.append(now - sent[s])
+                sent[s] = now
+                s.send(b"isthmus!")
+        infos = [i for s in socks if (i := read_tcp_info(s)) is not None]
+        out = sum(i.segs_out for i in infos)
+        return rtts, sum(i.total_retrans for i in infos) / out if out else 0.0
+    finally:
+        sel.close()
+        for s in socks:
+            s.close()
+
+
+def rtt_and_loss(target: str, token: bytes, seconds: float) -> tuple[float, float, int]:
+    """The median RTT (s), the one-way loss estimate and the pings it rests on.
+
+    A ping whose segment (or its echo's) is lost comes back at least a retransmission
+    late: an RTT (fast retransmit; the emulator's default stall) or more (a lone
+    segment's tail-loss probe or timeout on a real link). So the share ``f`` of round
+    trips slower than 1.5 x the median + 0.5 ms is the chance either direction lost
+    one, and the one-way loss is 1 - sqrt(1 - f). The pings' own retransmits (TCP_INFO)
+    count on a real link, where host jitter may hide a stall; the larger estimate wins.
+    Limits: below ~2 ms RTT a stall is within host jitter; a loss rate p needs ~1/p x
+    100 pings for 10 % (PING_RATE)."""
+    # The RTT from one connection: many at once queue behind each other in this process.
+    first, _ = _ping_rtts(target, token, min(2.0, max(0.5, seconds / 4)), 1)
+    if not first:
+        raise ProbeError(f"{target}: no ping came back in {seconds:g} s")
+    median = statistics.median(first)
+    pingers = max(4, min(MAX_PINGERS, round(PING_RATE * median)))
+    rtts, retrans = _ping_rtts(target, token, seconds, pingers)
+    late = sum(r > 1.5 * median + 5e-4 for r in rtts) / max(1, len(rtts))
+    return median, max(1 - (1 - late) ** 0.5, retrans), len(rtts)
+
+
+def bulk(target: str, token: bytes, flows: int, seconds: float) -> dict[str, Any]:
+    """``flows`` connections sending for ``seconds`` at once; their summed rate as the
+    server received it, and what the kernel says of the sending side."""
+    socks = open_ops(target, SINK, token, flows, {"seconds": seconds})
+    payload = memoryview(bytes(CHUNK // 4))
+    results: list[dict[str, Any]] = [{} for _ in socks]
+    end = time.monotonic() + seconds + IO_TIMEOUT_S
+
+    def send(k: int) -> None:
+        s = socks[k]
+        try:  # until the server answers: it stops the clock
+            while not select.select([s], [], [], 0)[0]:
+                if time.monotonic() > end:
+                    raise ConnectionError(f"no answer after {seconds:g} s of data")
+                s.sendall(payload)
+            info = read_tcp_info(s)
+            results[k] = {**_recv_blob(s), "info": info}
+        except (OSError, ConnectionError, ValueError) as exc:
+            results[k] = {"error": str(exc)}
+
+    threads = [threading.Thread(target=send, args=(k,), daemon=True) for k in range(flows)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for s in socks:
+            s.close()
+    if failed := [r["error"] for r in results if "error" in r]:
+        raise ProbeError(f"{target}: a bulk flow failed: {failed[0]}")
+    infos = [r["info"] for r in results if r["info"] is not None]
+    out = sum(i.segs_out for i in infos)
+    return {
+        "gbit": sum(r["bps"] for r in results) / 1e9,
+        "retrans_ratio": sum(i.total_retrans for i in infos) / out if out else 0.0,
+        "mtu": infos[0].pmtu_bytes if infos else None,
+        "mss": infos[0].mss_bytes if infos else None,
+        "congestion": infos[0].congestion if infos else None,
+    }
+
+
+def measure_link(
+    target: str,
+    *,
+    flows: int = 8,
+    seconds: float = 3.0,
+    token: bytes = b"",
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Probe the link from here to the probe server at ``target`` (HOST:PORT): the
+    RTT and loss from pings, the rate of 1 flow and of ``flows``, and the per-flow cap
+    that implies (None when one flow already fills the link). Raises ProbeError."""
+    if not 1 <= flows <= 64 or not 0 < seconds <= MAX_SECONDS:
+        raise ValueError(f"need 1..64 flows and 0..{MAX_SECONDS:g} s, got {flows} and {seconds}")
+    progress(f"{target}: pings for {seconds:g} s")
+    rtt, loss, pings = rtt_and_loss(target, token, seconds)
+    progress(f"{target}: RTT {rtt * 1e3:.2f} ms; 1 flow for {seconds:g} s")
+    one = bulk(target, token, 1, seconds)
+    progress(f"{target}: 1 flow {one['gbit']:.3f} Gbit/s; {flows} flows for {seconds:g} s")
+    many = bulk(target, token, flows, seconds)
+    capped = many["gbit"] > CAP_RATIO * one["gbit"]
+    return {
+        "target": target,
+        "rtt_ms": rtt * 1e3,
+        "gbit_1flow": one["gbit"],
+        "gbit_nflows": many["gbit"],
+        "per_flow_cap_gbit": one["gbit"] if capped else None,
+        "loss": loss,
+        "retrans_ratio": many["retrans_ratio"],
+        "mtu": one["mtu"],
+        "mss": one["mss"],
+        "congestion": one["congestion"],
+        "flows": flows,
+        "seconds": seconds,
+        "pings": pings,
+    }
+
+
+def probe_pair(
+    server: str, target: str, *, flows: int, seconds: float, token: bytes = b""
+) -> dict[str, Any]:
+    """Ask the probe server at ``server`` to probe ``target`` from where it is."""
+    sock = open_op(server, PROBE, token, {"target": target, "flows": flows, "seconds": seconds})
+    try:
+        sock.settimeout(IO_TIMEOUT_S * 2 + 4 * seconds)
+        result = _recv_blob(sock)
+    except (OSError, ConnectionError, ValueError) as exc:
+        raise ProbeError(f"{server}: no result probing {target}: {exc}") from None
+    finally:
+        sock.close()
+    if "error" in result:
+        raise ProbeError(f"{server} probing {target}: {result['error']}")
+    return result
