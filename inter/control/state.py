@@ -83,7 +83,6 @@ class CoordinatorState:
         self.arrivals = ArrivalDeadlines(
             period_s=settings.heartbeat_s, ceiling_s=settings.failure_timeout_s, clock=clock
         )
-        """Each peer's arrivals and deadline (guarded by ``cond``)."""
         self.address = ""  # where the coordinator listens, once its server is bound
         self.cond = threading.Condition(threading.RLock())
         self.stopped = threading.Event()  # the site left: loops end, long polls answer
@@ -146,8 +145,7 @@ class CoordinatorState:
     the token can send one (issue 63: one stopped a restarting site for good)."""
 
     @property
-    def last_seen(self) -> Mapping[str, float]:
-        """When each peer was last heard from (on :attr:`clock`)."""
+    def last_seen(self) -> Mapping[str, float]:  # when each peer was last heard from
         return self.arrivals.last_heard()
 
     @property
@@ -279,8 +277,7 @@ class CoordinatorState:
         self.cond.notify_all()
 
     def heard_from_locked(self, name: str) -> None:
-        """A call from, or an answer of, peer ``name`` arrived (wakes nobody: silence is
-        noticed by time, by the failover loop)."""
+        """A call or an answer of peer ``name`` arrived (wakes nobody: silence is timed)."""
         self.arrivals.heard(name)
 
     def heartbeat_locked(self, name: str, finished: bool, caller: str) -> None:
