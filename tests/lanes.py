@@ -19,6 +19,7 @@ from isthmus.inter.data.codecs.chain import make_codec
 from isthmus.inter.data.lane.peer import LanePeer
 from isthmus.inter.data.lane.server import LaneServer
 from isthmus.inter.data.round.allreduce import CrossSiteAllReduce, FixedMembership
+from isthmus.inter.data.transport.link_watch import LinkWatch
 from isthmus.inter.security import SiteSecurity
 
 CHUNK = 4096  # bytes: 1024 fp32 per chunk, small so odd tensor sizes straddle chunks
@@ -35,10 +36,12 @@ def lane_pair(
     max_workers: int = 32,
     security: Callable[[int], SiteSecurity | None] = lambda site: None,
     proxy: Callable[[int], str | None] = lambda site: None,
+    watches: list[LinkWatch] | None = None,
 ) -> Iterator[list[CrossSiteAllReduce]]:
     """Two sites (or ``n``), one lane each, in generation 7: yields each site's
     all-reduce (``ar.server`` its lane, ``ar.membership.peers()`` its clients of the
-    other sites' lanes, through ``proxy(site)`` and under ``security(site)``)."""
+    other sites' lanes, through ``proxy(site)`` and under ``security(site)``, their
+    connections handed to ``watches[site]`` as links named "site{j}")."""
     servers = [
         LaneServer(
             site_index=i,
@@ -63,6 +66,7 @@ def lane_pair(
                         connections=connections,
                         security=security(i),
                         transport=transport,
+                        link=watches[i].link(f"site{j}") if watches else None,
                     )
                     for j in range(n)
                     if j != i

@@ -251,6 +251,8 @@ def _record(
         # not hidden behind backward), and how long the rounds ran.
         "exposed_sync_s": round_stats.wait_s if round_stats else 0.0,
         "sync_busy_s": round_stats.sync_s if round_stats else 0.0,
+        "hidden_sync_s": max(0.0, round_stats.sync_s - round_stats.wait_s) if round_stats else 0.0,
+        "links": _links(parts),
         "digest_s": digest_s,
         **measured.more,
         "live_sites": live_sites,
@@ -260,6 +262,18 @@ def _record(
     }
     parts.metrics.record(line, digest=progress.digest, finished=step == last)
     progress.reported_last = step == last
+
+
+def _links(parts: RankParts) -> dict[str, dict]:
+    """Rank 0's lane's link to each peer site since its last line (``RankSync.links``),
+    with the achieved rate's share of wan.bandwidth_mbit (docs/measure.md, "Links, live")."""
+    if parts.cross is None or parts.metrics.file is None:
+        return {}
+    links = parts.cross.link.links()
+    for figures in links.values():
+        gbit = figures["gbit_s"]
+        figures["line_share"] = gbit * 1e3 / parts.config.wan.bandwidth_mbit if gbit else None
+    return links
 
 
 def _step(

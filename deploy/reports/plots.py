@@ -1,6 +1,7 @@
 """`isthmus report RUN_DIR`: plots and a short text summary of a finished run, next to its
 files (or in --out): loss.png, step_time.png, wan_goodput.png, loss_vs_cost.png,
-batch.png (only for a run whose batch changed) and report.txt. Several runs are
+links.png (each link's rate and RTT, links.py), batch.png (only for a run whose batch
+changed) and report.txt. Several runs are
 overlaid instead (compare.py).
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.config.job import SECTION_TYPES, ConfigError
+from isthmus.deploy.reports.links import link_rows, links_figure, merge_links
 from isthmus.deploy.reports.summary import human_bytes, read_jsonl
 
 if sys.version_info >= (3, 11):
@@ -40,7 +42,7 @@ def load_run(run_dir: Path) -> tuple[list[dict], dict, float]:
             for r in read_jsonl(site_dir / "metrics.jsonl")
         ]
         for r in steps:
-            r["site_bytes"] = r["bytes_sent"]
+            r["site_bytes"], r["links"] = r["bytes_sent"], merge_links([r])
         summary_path = site_dir / "summary.json"
         config_file = run_dir / f"config-{site_dir.name}.toml"
     if not summary_path.exists():
@@ -133,6 +135,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     fig.suptitle("Training loss against what it cost")
     written.append(save_figure(fig, out / "loss_vs_cost.png"))
 
+    if (links := links_figure(steps, capacity / 1e6)) is not None:
+        written.append(save_figure(links, out / "links.png"))
     if _batch_changed(steps):
         written.append(batch_figure(steps, out / "batch.png"))
 
@@ -227,6 +231,7 @@ def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
             else ""
         )
         lines.append(f"WAN goodput while syncing: {goodput / 1e6:,.1f} Mbit/s{share}")
+    lines += [f"{name}: {value}" for name, value in link_rows(summary)]
     identical = len(set(summary["digests"].values())) == 1
     lines.append(
         f"replicas: {'identical' if identical else 'DIFFERENT'} ({', '.join(summary['digests'])})"

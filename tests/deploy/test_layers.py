@@ -34,7 +34,7 @@ RULES = (
             "isthmus.inter.data",
             *(
                 f"isthmus.inter.{shared}"
-                for shared in ("security", "closable", "bounds", "malformed", "metrics")
+                for shared in ("security", "closable", "bounds", "malformed", "metrics", "tcp_info")
             ),
             *(
                 f"isthmus.inter.control.{m}"

@@ -57,6 +57,17 @@ def test_report_draws_plausible_plots_of_a_real_run(two_runs):
     assert f"{summary['bytes_per_token']:,.1f} per token" in text
     assert summary["sync_mode"] == "step" and summary["outer_steps"] == 0
     assert text in result.stdout + "\n"
+    # Issue 61: each site's lane watched its link to the other, live, every step.
+    for site, peer in (("site0", "site1"), ("site1", "site0")):
+        for line in (run_dir / "sites" / site / "metrics.jsonl").read_text().splitlines():
+            step = json.loads(line)
+            link = step["links"][peer]
+            assert link["transport"] == "bulk" and 0 < link["bytes"] <= step["bytes_sent"] * 2
+            assert link["rtt_ms"] > 0 and link["retrans"] >= 0 and link["line_share"] > 0
+            assert step["hidden_sync_s"] >= 0
+        assert f"link {site}->{peer}: " in text and "Gbit/s" in text
+    assert_plot(run_dir / "links.png", (700, 600))
+    assert "straggler: " in text and summary["straggler"]["slowest"] in summary["links"]
 
 
 def test_report_of_a_folder_that_is_no_run_says_so(tmp_path):

@@ -20,6 +20,7 @@ from isthmus.inter.data.transport.bulk import TICKET_TTL_S, BulkRefused
 from isthmus.inter.data.transport.bulk_peer import BulkConnection
 from isthmus.inter.data.transport.bulk_stream import client_context
 from isthmus.inter.data.transport.chunk_checks import channel_options, stream_keepalive
+from isthmus.inter.data.transport.link_watch import Link
 from isthmus.inter.data.transport.peer_round import Connection, PeerRound
 from isthmus.inter.data.transport.push import StreamConnection
 from isthmus.inter.data.transport.wire import Frame, encode_delivery
@@ -46,7 +47,8 @@ class LanePeer:
     (HTTP CONNECT: the WAN emulator) if given. A round spreads its chunks over
     ``connections`` parallel TCP connections. ``transport``: "bulk" (the lane's bulk
     port, inter/data/transport/bulk.py, inside mutual TLS when ``security`` requires
-    it), "grpc" (``PushChunks`` calls) or "auto" (bulk).
+    it), "grpc" (``PushChunks`` calls) or "auto" (bulk). ``link``: the peer site's link
+    in the rank's ``LinkWatch``, handed the bulk connections.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class LanePeer:
         connections: int = 1,
         security: SiteSecurity | None = None,
         transport: str = "auto",
+        link: Link | None = None,
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
@@ -81,10 +84,12 @@ class LanePeer:
         if transport == "auto":
             transport = "bulk"
         self.transport = transport
+        if link is not None:
+            link.transport = transport
         host = address.rsplit(":", 1)[0].strip("[]")
         tls = client_context(security)
         self._bulk = [
-            BulkConnection(host, self._open_bulk, proxy, name=f"{address}-{i}", tls=tls)
+            BulkConnection(host, self._open_bulk, proxy, f"{address}-{i}", tls=tls, link=link)
             for i in range(connections if transport == "bulk" else 0)
         ]
         self._streams = [

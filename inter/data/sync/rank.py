@@ -30,6 +30,7 @@ from isthmus.inter.data.state.transfer import ExpectedState, pull_state
 from isthmus.inter.data.sync.gradient import LaneGradientSync
 from isthmus.inter.data.sync.membership import Generation, SiteMembership
 from isthmus.inter.data.transport.chunk_size import descriptors_needed, raise_descriptor_limit
+from isthmus.inter.data.transport.link_watch import LinkWatch
 from isthmus.inter.security import SiteSecurity
 from isthmus.proto import lane_pb2
 
@@ -119,6 +120,13 @@ class RankSync:
     """The membership this rank first learned (a running job's names the state to pull)."""
     membership: SiteMembership
     sync: LaneGradientSync  # what the trainer calls (it votes and follows each step's decision)
+    watch: LinkWatch  # the lane's link to each peer site, read once a step
+
+    def links(self) -> dict[str, dict]:
+        """Each member site's link from this lane since the last call (``Link.sample``)."""
+        return self.watch.sample(
+            [s for s in self.membership.member_names if s != self.settings.site]
+        )
 
     def pull_state(
         self, source: SiteInfo, *, generation: int, step: int, rank: int, expected: ExpectedState
@@ -201,6 +209,7 @@ def open_rank_sync(settings: RankSyncSettings, client: CoordinatorClient) -> Ran
     raise_descriptor_limit(
         descriptors_needed(len(settings.job_sites) - 1, settings.lane_connections)
     )
+    watch = LinkWatch()
     with contextlib.ExitStack() as undo:
         lane = _open_lane(settings, codec.name)
         undo.callback(lane.stop, 0)
@@ -210,7 +219,7 @@ def open_rank_sync(settings: RankSyncSettings, client: CoordinatorClient) -> Ran
             site=settings.site,
             rank=settings.rank,
             lane=lane,
-            make_peer=functools.partial(_open_peer, settings),
+            make_peer=functools.partial(_open_peer, settings, watch=watch),
             joined=Generation.of(joined),
             decision_timeout_s=settings.decision_timeout_s,
         )
@@ -225,7 +234,7 @@ def open_rank_sync(settings: RankSyncSettings, client: CoordinatorClient) -> Ran
         undo.callback(allreduce.close)
         sync = LaneGradientSync(allreduce, rounds_in_flight=settings.rounds_in_flight)
         undo.pop_all()  # open: RankSync.close ends it from here
-    return RankSync(settings, lane, joined, membership, sync)
+    return RankSync(settings, lane, joined, membership, sync, watch)
 
 
 def _open_lane(settings: RankSyncSettings, codec: str) -> LaneServer:
@@ -267,8 +276,11 @@ def _join(settings: RankSyncSettings, client: CoordinatorClient, lane: LaneServe
     return client.wait_membership(settings.timeout_s)
 
 
-def _open_peer(settings: RankSyncSettings, info: SiteInfo, rank: int) -> LanePeer:
-    """The lane client of ``rank`` at site ``info`` (through its proxy, if any)."""
+def _open_peer(
+    settings: RankSyncSettings, info: SiteInfo, rank: int, watch: LinkWatch | None = None
+) -> LanePeer:
+    """The lane client of ``rank`` at site ``info`` (through its proxy, if any), its
+    connections watched by ``watch`` (the membership's peers)."""
     return LanePeer(
         info.lane_addresses[rank],
         proxy=settings.proxies.get(info.name),
@@ -276,4 +288,5 @@ def _open_peer(settings: RankSyncSettings, info: SiteInfo, rank: int) -> LanePee
         chunk_bytes=settings.chunk_bytes,
         security=settings.security,
         transport=settings.transport,
+        link=watch.link(info.name) if watch is not None else None,
     )

@@ -22,6 +22,7 @@ import grpc
 from isthmus.inter.data.transport import bulk, flow_clock
 from isthmus.inter.data.transport.bulk import BulkError, BulkRefused, read_exact
 from isthmus.inter.data.transport.bulk_stream import PlainStream, Stream, TlsStream, tune
+from isthmus.inter.data.transport.link_watch import Link
 from isthmus.inter.data.transport.peer_round import PeerRound
 from isthmus.inter.data.transport.wire import Frame
 
@@ -82,7 +83,8 @@ class BulkConnection:
 
     ``open_bulk(timeout)`` asks the peer's lane for (port, ticket) over gRPC (the
     ticket is granted to this rank's own lane: ``LanePeer._open_bulk``); ``proxy`` is an
-    HTTP CONNECT proxy URL (the WAN emulator); ``tls`` is ``bulk_stream.client_context``.
+    HTTP CONNECT proxy URL (the WAN emulator); ``tls`` is ``bulk_stream.client_context``;
+    ``link`` is told when frames are in flight here and reads :meth:`watch` once a step.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class BulkConnection:
         proxy: str | None,
         name: str,
         tls: ssl.SSLContext | None = None,
+        link: Link | None = None,
     ) -> None:
         self._host, self._open_bulk, self._proxy, self._name = host, open_bulk, proxy, name
         self._tls = tls
@@ -106,6 +109,9 @@ class BulkConnection:
         self._bytes_put = 0
         self._lost_to: BaseException | None = None  # why the connection redialled was lost
         self.stalls = 0  # times it stalled and its frames went again on a new one
+        self._link, self._on_wire, self._acked_bytes = link, False, 0
+        if link is not None:
+            link.add(self)
 
     def put(self, rnd: PeerRound, frame: Frame) -> None:
         with self._cond:
@@ -231,6 +237,7 @@ class BulkConnection:
                         return
                     rnd, frame = self._queue.popleft()
                     self._inflight.append(_Sent(rnd, frame, time.monotonic()))
+                    self._wire_locked()
                 sock.send_parts(bulk.frame_parts(frame))  # from where the payload lies
         except OSError as exc:
             # The peer may have refused a frame and closed: its reason is what the
@@ -256,6 +263,8 @@ class BulkConnection:
                         self._losses = 0
                         size = item.frame.payload_bytes + len(item.frame.header)
                         self._clock.acknowledged(item.at, size, now)  # the measured rate
+                        self._acked_bytes += size
+                        self._wire_locked()
                         if status[0] == bulk.RESEND:
                             # Sent next; every frame already in flight is acknowledged
                             # before it, so the in-flight order stays the ack order.
@@ -322,6 +331,7 @@ class BulkConnection:
         connection; returns them."""
         items = list(self._inflight)
         self._inflight.clear()
+        self._wire_locked()
         self._queue.extendleft((i.rnd, i.frame) for i in reversed(items))
         self._sock = None
         self._cond.notify_all()
@@ -375,6 +385,7 @@ class BulkConnection:
             if queued_too:
                 failed.update((id(r), r) for r, _ in self._queue)
             self._inflight.clear()
+            self._wire_locked()
             self._queue = deque(item for item in self._queue if id(item[0]) not in failed)
             old, self._sock = self._sock, None
             redial = self._queue[0][0].deadline if self._queue and not self._closed else None
@@ -386,9 +397,25 @@ class BulkConnection:
         if redial is not None:
             self._ensure(redial)
 
+    def _wire_locked(self) -> None:
+        """Tells the link when frames in flight here go from none to some or back."""
+        busy = bool(self._inflight) and not self._closed
+        if self._link is not None and busy != self._on_wire:
+            self._on_wire = busy
+            self._link.wire(busy)
+
+    def watch(self) -> tuple[socket.socket | None, int, bool]:
+        """The TCP socket now (None while dialling), the frame bytes acknowledged here,
+        and whether the connection is closed (``link_watch.Flow``)."""
+        with self._cond:
+            stream, acked, closed = self._sock, self._acked_bytes, self._closed
+        live = isinstance(stream, PlainStream | TlsStream)
+        return (stream.sock if live else None), acked, closed
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            self._wire_locked()
             sock, self._sock = self._sock, None
             self._cond.notify_all()
         if isinstance(sock, PlainStream | TlsStream):
