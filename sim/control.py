@@ -1,6 +1,7 @@
 """The relay's control endpoint: HTTP/JSON on loopback, to read and change live links.
 
-    GET  /links               {name: {"spec": ..., "stats": ..., "listeners": [...]}}
+    GET  /links               {name: {"spec": ..., "stats": ..., "listeners": [...]}}, and
+                              "trace": {direction: {"row": ..., "next_s": ...}} if traced
     GET  /links/NAME          one link, same shape
     POST /links/NAME          body: topology-file keys, e.g. {"bandwidth_mbit": 50} or
                               {"a_to_b": {"impairments": [{"kind": "loss", "rate": 0.01}]}};
@@ -41,8 +42,10 @@ def parse_address(text: str, flag: str = "--control") -> tuple[str, int]:
 
 
 def describe(link: Link) -> dict[str, Any]:
-    """A link as the control endpoint shows it: spec tables, counters, listeners."""
-    return {"spec": spec_to_table(link.spec), "stats": link.stats(), "listeners": link.listeners}
+    """A link as the control endpoint shows it: spec tables, counters, listeners, and
+    where its traces are (`Replay.position`), if it has any."""
+    out = {"spec": spec_to_table(link.spec), "stats": link.stats(), "listeners": link.listeners}
+    return out if link.replay is None else {**out, "trace": link.replay.position()}
 
 
 class ControlServer:
@@ -126,7 +129,8 @@ class _Handler(BaseHTTPRequestHandler):
             changes = json.loads(self.rfile.read(length))
             if not isinstance(changes, dict) or not changes:
                 raise ValueError(f"the body must be a non-empty JSON object, got {changes!r}")
-            link.update(apply_changes(link.spec, changes, f"links.{link.name}"))
+            with link.lock:  # a trace's row may not come between reading and changing
+                link.update(apply_changes(link.spec, changes, f"links.{link.name}"))
         except ValueError as exc:  # json.JSONDecodeError is one too
             self._answer(400, {"error": str(exc)})
             return

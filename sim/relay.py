@@ -42,6 +42,7 @@ from .link import DirectionPipe
 from .pump import Connection
 from .pump_process import RemoteDirection
 from .spec import LinkSpec
+from .trace import Replay, follow
 
 CALL_TIMEOUT_S = 30.0
 T = TypeVar("T")
@@ -86,6 +87,8 @@ class Link:
         self._closed = False
         self.targets_connected = 0  # outbound connections the relay opened to targets
         self.proxy_refused = 0  # CONNECT requests answered 400/403, connecting nowhere
+        self.lock = threading.RLock()  # held while the spec is read and changed
+        self.replay: Replay | None = None  # the spec's traces, replayed (sim/trace.py)
 
     @property
     def spec(self) -> LinkSpec:
@@ -124,14 +127,16 @@ class Link:
 
     def update(self, spec: LinkSpec) -> None:
         """Change both directions of the live link, for bytes sent afterwards; changed
-        impairments (or seed) restart: fresh random streams, `at_s` counted from now."""
+        impairments (or seed) restart: fresh random streams, `at_s` counted from now; new
+        traces start from their first row now."""
         if not isinstance(spec, LinkSpec):
             raise ValueError(f"spec must be a LinkSpec, got {spec!r}")
-        if self._closed or self._loop.is_closed():
-            raise RuntimeError(f"link {self.name!r}: relay is closed")
-        self._spec = spec
-        self._pipes["a"].update(spec.a_to_b)
-        self._pipes["b"].update(spec.b_to_a)
+        with self.lock:
+            if self._closed or self._loop.is_closed():
+                raise RuntimeError(f"link {self.name!r}: relay is closed")
+            self.replay, self._spec = follow(self.replay, spec, self)
+            self._pipes["a"].update(self._spec.a_to_b)
+            self._pipes["b"].update(self._spec.b_to_a)
 
     def set_impairments(
         self,
@@ -140,13 +145,13 @@ class Link:
     ) -> None:
         """Replace the impairments of bytes sent by a (``a_to_b``) and by b; None keeps a
         direction's, () removes them all."""
-        a, b = self._spec.a_to_b, self._spec.b_to_a
-        self.update(
-            LinkSpec(
-                a_to_b=a if a_to_b is None else dataclasses.replace(a, impairments=tuple(a_to_b)),
-                b_to_a=b if b_to_a is None else dataclasses.replace(b, impairments=tuple(b_to_a)),
-            )
-        )
+        with self.lock:
+            spec = self._spec
+            for name, chain in (("a_to_b", a_to_b), ("b_to_a", b_to_a)):
+                if chain is not None:
+                    d = dataclasses.replace(getattr(spec, name), impairments=tuple(chain))
+                    spec = dataclasses.replace(spec, **{name: d})
+            self.update(spec)
 
     def reset(self) -> None:
         """Reset every connection on the link now: both sides get RST."""
@@ -295,6 +300,8 @@ class Link:
         await asyncio.gather(*self._handlers, return_exceptions=True)
 
     def _close_pumps(self) -> None:
+        if self.replay is not None:
+            self.replay.close()
         for pipe in self._pipes.values():
             pipe.close()
 

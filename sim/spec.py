@@ -32,6 +32,16 @@ bandwidth-delay product is infinite: still finite so that memory stays bounded."
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class Trace:
+    """A direction's spec as a step function of time (`sim/trace.py` reads and replays it):
+    row i's values hold from `times[i]`, seconds since the link started, until the next."""
+
+    path: str  # the CSV file it was read from
+    times: tuple[float, ...]  # 0 first, strictly increasing
+    rows: tuple[tuple[tuple[str, float], ...], ...]  # each row's (column, value) pairs
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class DirectionSpec:
     """The impairments of one direction of a link."""
 
@@ -49,6 +59,8 @@ class DirectionSpec:
     seed: int = 0
     """Seeds one `random.Random` per impairment (with the direction's name and the
     impairment's index and kind), so a run is reproducible."""
+    trace: Trace | None = None
+    """Replayed by the relay: each row changes the keys it names at its time."""
 
     def __post_init__(self) -> None:
         lat, bw, queue = self.latency_s, self.bandwidth_bps, self.queue_bytes
@@ -67,6 +79,8 @@ class DirectionSpec:
             raise ValueError(f"impairments must be a tuple of Impairment, got {self.impairments!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.trace is not None and not isinstance(self.trace, Trace):
+            raise ValueError(f"trace must be a Trace or None, got {self.trace!r}")
 
     @property
     def unlimited(self) -> bool:

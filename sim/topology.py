@@ -4,6 +4,7 @@ docs/wan.md, "Topology files", gives the keys and their precedence). The same ke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 from .impairments import impairment_from_dict
 from .spec import DEFAULT_QUEUE_BYTES, FIBER_S_PER_KM, DirectionSpec, LinkSpec
+from .trace import at_row, load_trace
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,8 +31,10 @@ DIRECTION_KEYS = (
     "queue_kib",
     "impairments",
     "seed",
+    "trace",
 )
-"""Keys of a direction's table (and of a link's or [defaults], which add a_to_b/b_to_a)."""
+"""Keys of a direction's table (and of a link's or [defaults], which add a_to_b/b_to_a);
+`trace` (a CSV file, relative to the topology file's folder) in files only."""
 DIRECTIONS = ("a_to_b", "b_to_a")
 SITE_NAME = re.compile(r"[A-Za-z0-9_.]+")
 
@@ -89,13 +93,14 @@ def load_topology(path: str | Path) -> Topology:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"topology file {path} is not valid TOML: {exc}") from None
     try:
-        return parse_topology(data)
+        return parse_topology(data, Path(path).parent)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
 
-def parse_topology(data: dict[str, Any]) -> Topology:
-    """Build a `Topology` from a parsed TOML document (format in the module docstring)."""
+def parse_topology(data: dict[str, Any], base: Path = Path(".")) -> Topology:
+    """Build a `Topology` from a parsed TOML document (format in the module docstring);
+    trace files are read from `base`."""
     _known(data, ("sites", "seed", "defaults", "links"), "the top level")
     sites = _check_sites(data.get("sites"))
     seed = _int("seed", data.get("seed", 0))
@@ -107,13 +112,15 @@ def parse_topology(data: dict[str, Any]) -> Topology:
         a, sep, b = name.partition("-")
         if not sep or a not in sites or b not in sites:
             raise ValueError(f'links."{name}": name a link "SITE-SITE" with sites from {sites}')
-        links.append(TopologyLink(a=a, b=b, spec=_link(defaults, table, f"links.{name}", seed)))
+        spec = _link(defaults, table, f"links.{name}", seed, base)
+        links.append(TopologyLink(a=a, b=b, spec=spec))
     if data.get("defaults") is not None:
         named = {frozenset((link.a, link.b)) for link in links}
         for i, a in enumerate(sites):
             for b in sites[i + 1 :]:
                 if frozenset((a, b)) not in named:
-                    links.append(TopologyLink(a=a, b=b, spec=_link(defaults, {}, f"{a}-{b}", seed)))
+                    spec = _link(defaults, {}, f"{a}-{b}", seed, base)
+                    links.append(TopologyLink(a=a, b=b, spec=spec))
     return Topology(sites=tuple(sites), links=tuple(links), seed=seed)
 
 
@@ -163,12 +170,16 @@ def apply_changes(spec: LinkSpec, changes: dict[str, Any], where: str = "changes
     for name in DIRECTIONS:
         table = now[name]
         for layer in (changes, _table(changes.get(name), f"{where}.{name}")):
+            if "trace" in layer:
+                raise ValueError(f"{where}: a trace is set in a topology file, not on a live link")
             table = _layer(table, layer, f"{where}.{name}")
-        new[name] = _direction(table, f"{where}.{name}", _int(f"{where}.seed", table["seed"]))
+        seed = _int(f"{where}.seed", table["seed"])
+        trace = getattr(spec, name).trace  # replayed on: its rows keep changing their keys
+        new[name] = dataclasses.replace(_direction(table, f"{where}.{name}", seed), trace=trace)
     return LinkSpec(**new)
 
 
-def _link(defaults: dict[str, Any], table: Any, where: str, seed: int) -> LinkSpec:
+def _link(defaults: dict[str, Any], table: Any, where: str, seed: int, base: Path) -> LinkSpec:
     table = _table(table, where)
     _known(table, (*DIRECTION_KEYS, *DIRECTIONS), where)
     derived_seed = zlib.crc32(f"{seed}/{where}".encode())  # links draw different streams
@@ -187,7 +198,7 @@ def _link(defaults: dict[str, Any], table: Any, where: str, seed: int) -> LinkSp
         ):
             merged = _layer(merged, layer, at)
         link_seed = _int(f"{where}.seed", merged.get("seed", derived_seed))
-        directions[name] = _direction(merged, f"{where}.{name}", link_seed)
+        directions[name] = _direction(merged, f"{where}.{name}", link_seed, base)
     return LinkSpec(**directions)
 
 
@@ -204,7 +215,9 @@ def _layer(base: dict[str, Any], layer: dict[str, Any], where: str) -> dict[str,
     return out
 
 
-def _direction(table: dict[str, Any], where: str, seed: int) -> DirectionSpec:
+def _direction(
+    table: dict[str, Any], where: str, seed: int, base: Path = Path(".")
+) -> DirectionSpec:
     if "distance_km" in table:
         latency_s = _number(f"{where}.distance_km", table["distance_km"]) * FIBER_S_PER_KM
     elif "latency_ms" in table:
@@ -222,7 +235,7 @@ def _direction(table: dict[str, Any], where: str, seed: int) -> DirectionSpec:
     impairments = tuple(
         impairment_from_dict(item, f"{where}.impairments[{i}]") for i, item in enumerate(items)
     )
-    return DirectionSpec(
+    spec = DirectionSpec(
         latency_s=latency_s,
         bandwidth_bps=_number(f"{where}.bandwidth_mbit", table["bandwidth_mbit"]) * 1e6,
         per_flow_bps=_number(f"{where}.per_flow_mbit", table.get("per_flow_mbit", 0)) * 1e6,
@@ -230,6 +243,11 @@ def _direction(table: dict[str, Any], where: str, seed: int) -> DirectionSpec:
         impairments=impairments,
         seed=seed,
     )
+    if "trace" not in table:
+        return spec
+    if not isinstance(table["trace"], str):
+        raise ValueError(f"{where}.trace must be a CSV file's name, got {table['trace']!r}")
+    return at_row(dataclasses.replace(spec, trace=load_trace(base / table["trace"])), 0)
 
 
 def _check_sites(sites: Any) -> Sequence[str]:
