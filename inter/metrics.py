@@ -44,7 +44,24 @@ def report_problem(report, site: str) -> str | None:
         value = getattr(report, name)
         if not (math.isfinite(value) and value >= 0):  # counters refuse negative amounts
             return f"{name} must be a finite number >= 0, got {value!r}"
-    return script_metrics_problem(report.script_metrics)
+    return script_metrics_problem(report.script_metrics) or links_problem(report.links)
+
+
+MAX_LINKS = 64  # a series each per peer site, for as long as the coordinator runs
+
+
+def links_problem(links) -> str | None:
+    """Why a step's ``LinkFigures`` cannot be reported, or None."""
+    if len(links) > MAX_LINKS:
+        return f"{len(links)} links in one step; at most {MAX_LINKS}"
+    for link in links:
+        if not (0 < len(link.peer) <= 64 and link.peer.isprintable()):
+            return f"link peer {link.peer[:80]!r}: 1 to 64 printable characters"
+        for name in ("wire_s", "rate_bps", "line_share", "rtt_s", "min_rtt_s"):
+            value = getattr(link, name)
+            if not (math.isfinite(value) and value >= 0):
+                return f"link {link.peer}: {name} must be a finite number >= 0, got {value!r}"
+    return None
 
 
 MAX_SCRIPT_METRICS = 32
@@ -112,6 +129,24 @@ class SiteMetrics:
         self.script_metric = gauge(
             "isthmus_script_metric", "A script's own number of its last step", ("name",)
         )
+        by_peer = ("peer",)
+        self.link_rate = gauge(
+            "isthmus_link_rate_bits_per_second",
+            "Bits a link moved over its time on the wire, last step",
+            by_peer,
+        )
+        self.link_line_share = gauge(
+            "isthmus_link_line_share_ratio", "Achieved rate over wan.bandwidth_mbit", by_peer
+        )
+        self.link_rtt = gauge("isthmus_link_rtt_seconds", "Smoothed RTT (TCP_INFO)", by_peer)
+        self.link_min_rtt = gauge("isthmus_link_min_rtt_seconds", "Least RTT seen", by_peer)
+        self.link_cwnd = gauge("isthmus_link_cwnd_bytes", "Congestion windows, added", by_peer)
+        self.link_bytes = Counter(
+            "isthmus_link_bytes", "Frame bytes a link delivered", ("site", "peer"), registry=r
+        )
+        self.link_retransmits = Counter(
+            "isthmus_link_retransmits", "TCP segments retransmitted", ("site", "peer"), registry=r
+        )
         self._server: WSGIServer | None = None
 
     def record_step(self, report) -> None:  # a ReportProgressRequest
@@ -132,6 +167,16 @@ class SiteMetrics:
         self.cross_site_seconds_total.labels(s).inc(report.cross_site_s)
         for name, value in report.script_metrics.items():
             self.script_metric.labels(s, name).set(value)
+        for link in report.links:
+            self.link_bytes.labels(s, link.peer).inc(link.bytes)
+            self.link_retransmits.labels(s, link.peer).inc(link.retransmits)
+            self.link_cwnd.labels(s, link.peer).set(link.cwnd_bytes)
+            if link.rate_bps > 0:  # a step that moved nothing leaves the last rate
+                self.link_rate.labels(s, link.peer).set(link.rate_bps)
+                self.link_line_share.labels(s, link.peer).set(link.line_share)
+            if link.rtt_s > 0:
+                self.link_rtt.labels(s, link.peer).set(link.rtt_s)
+                self.link_min_rtt.labels(s, link.peer).set(link.min_rtt_s)
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve /metrics over HTTP; returns the bound port."""

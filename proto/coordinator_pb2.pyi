@@ -292,7 +292,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., member: _Optional[bool] = ..., incarnation: _Optional[str] = ..., confirmed_digest: _Optional[str] = ..., site: _Optional[_Union[SiteInfo, _Mapping]] = ..., ready: _Optional[bool] = ..., proposed_members: _Optional[_Iterable[str]] = ..., aborted: _Optional[str] = ..., step: _Optional[int] = ..., finished: _Optional[bool] = ..., model_layout: _Optional[str] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key", "model_layout", "script_metrics")
+    __slots__ = ("site", "step", "loss", "step_s", "compute_s", "cross_site_s", "tokens", "cross_site_bytes", "raw_bytes", "mfu", "digest", "digest_step", "finished", "sync_busy_s", "rank_key", "model_layout", "script_metrics", "links")
     class ScriptMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,7 @@ class ReportProgressRequest(_message.Message):
     RANK_KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SCRIPT_METRICS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     site: str
     step: int
     loss: float
@@ -334,7 +335,30 @@ class ReportProgressRequest(_message.Message):
     rank_key: str
     model_layout: str
     script_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ..., rank_key: _Optional[str] = ..., model_layout: _Optional[str] = ..., script_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkFigures]
+    def __init__(self, site: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., cross_site_s: _Optional[float] = ..., tokens: _Optional[int] = ..., cross_site_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., mfu: _Optional[float] = ..., digest: _Optional[str] = ..., digest_step: _Optional[int] = ..., finished: _Optional[bool] = ..., sync_busy_s: _Optional[float] = ..., rank_key: _Optional[str] = ..., model_layout: _Optional[str] = ..., script_metrics: _Optional[_Mapping[str, float]] = ..., links: _Optional[_Iterable[_Union[LinkFigures, _Mapping]]] = ...) -> None: ...
+
+class LinkFigures(_message.Message):
+    __slots__ = ("peer", "bytes", "wire_s", "rate_bps", "line_share", "rtt_s", "min_rtt_s", "cwnd_bytes", "retransmits")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_S_FIELD_NUMBER: _ClassVar[int]
+    RATE_BPS_FIELD_NUMBER: _ClassVar[int]
+    LINE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    MIN_RTT_S_FIELD_NUMBER: _ClassVar[int]
+    CWND_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETRANSMITS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    bytes: int
+    wire_s: float
+    rate_bps: float
+    line_share: float
+    rtt_s: float
+    min_rtt_s: float
+    cwnd_bytes: int
+    retransmits: int
+    def __init__(self, peer: _Optional[str] = ..., bytes: _Optional[int] = ..., wire_s: _Optional[float] = ..., rate_bps: _Optional[float] = ..., line_share: _Optional[float] = ..., rtt_s: _Optional[float] = ..., min_rtt_s: _Optional[float] = ..., cwnd_bytes: _Optional[int] = ..., retransmits: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ("divergence", "agreed")

@@ -84,6 +84,9 @@ class StepReporter:
             },
             finished=finished,
         )
+        for peer, link in line.get("links", {}).items():
+            if link["bytes"] is not None:  # a gRPC lane has no socket figures
+                progress.links.add(**prometheus_link(peer, link))
         self._report(progress)
 
     def check_start(self, digest: str, layout: str, *, wait_s: float) -> None:
@@ -158,6 +161,21 @@ class StepReporter:
             self.board.close()
         if self._coordinator is not None:
             self._coordinator.close()
+
+
+def prometheus_link(peer: str, link: dict) -> dict:
+    """A metrics line's link as ``LinkFigures``' fields (SI units; None as 0)."""
+    ms = {"rtt_s": link["rtt_ms"], "min_rtt_s": link["min_rtt_ms"]}
+    return {
+        "peer": peer,
+        "bytes": link["bytes"],
+        "wire_s": link["wire_s"],
+        "rate_bps": (link["gbit_s"] or 0.0) * 1e9,
+        "line_share": link.get("line_share") or 0.0,
+        **{key: (value or 0.0) / 1e3 for key, value in ms.items()},
+        "cwnd_bytes": link["cwnd_bytes"] or 0,
+        "retransmits": link["retrans"] or 0,
+    }
 
 
 def open_tensorboard(path: Path):

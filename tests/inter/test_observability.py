@@ -112,9 +112,20 @@ def test_prometheus_values_match_the_reported_step(pair):
     }
     register_ranks(pair)
     report(pair[0], **line)
-    report(pair[0], **{**line, "step": 8}, script_metrics={"accuracy": 0.75})
+    link = {"peer": "site1", "bytes": 5000, "wire_s": 0.01, "rate_bps": 4e6, "line_share": 0.5}
+    link |= {"rtt_s": 0.02, "min_rtt_s": 0.01, "cwnd_bytes": 65536, "retransmits": 3}
+    links = [pb.LinkFigures(**link)]
+    report(pair[0], **{**line, "step": 8}, script_metrics={"accuracy": 0.75}, links=links)
     values = scrape(pair[0].metrics_address)
     label = '{site="site0"}'
+    by_peer = '{peer="site1",site="site0"}'
+    assert values[f"isthmus_link_rate_bits_per_second{by_peer}"] == 4e6
+    assert values[f"isthmus_link_line_share_ratio{by_peer}"] == 0.5
+    assert values[f"isthmus_link_rtt_seconds{by_peer}"] == 0.02
+    assert values[f"isthmus_link_min_rtt_seconds{by_peer}"] == 0.01
+    assert values[f"isthmus_link_cwnd_bytes{by_peer}"] == 65536
+    assert values[f"isthmus_link_bytes_total{by_peer}"] == 5000
+    assert values[f"isthmus_link_retransmits_total{by_peer}"] == 3
     assert values['isthmus_script_metric{name="accuracy",site="site0"}'] == 0.75
     assert values[f"isthmus_step{label}"] == 8
     assert values[f"isthmus_loss{label}"] == 3.25
@@ -172,12 +183,22 @@ def test_malformed_reports_are_refused_and_change_nothing(pair):
         with pytest.raises(grpc.RpcError) as info:
             report(pair[0], step=3, script_metrics=bad)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for links in (
+        [pb.LinkFigures(peer="site1", rtt_s=math.nan)],
+        [pb.LinkFigures(peer="site1", wire_s=-1.0)],
+        [pb.LinkFigures(peer="")],
+        [pb.LinkFigures(peer=f"s{i}") for i in range(65)],
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            report(pair[0], step=3, links=links)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as info:  # a layout only with a starting digest
         report(pair[0], step=3, digest=D1, digest_step=3, model_layout="w (1,) float32")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert pair[0].step == 0
     assert json.dumps(pair[0].replicas.latest()) == "{}"
     assert not any("isthmus_script_metric" in k for k in scrape(pair[0].metrics_address))
+    assert not any("isthmus_link" in k for k in scrape(pair[0].metrics_address))
 
 
 def test_sites_agree_on_their_start_or_name_the_parameter_that_differs(pair):
@@ -271,6 +292,13 @@ def test_a_live_job_serves_health_and_metrics_that_match_metrics_jsonl(tmp_path)
             line["raw_bytes"] / line["bytes_sent"]
         )
         assert values['isthmus_site_up{peer="site1",site="site0"}'] == 1
+        # The lane's link to site1, as metrics.jsonl's line of the same step has it.
+        link, by_peer = line["links"]["site1"], '{peer="site1",site="site0"}'
+        assert values[f"isthmus_link_bytes_total{by_peer}"] >= link["bytes"] > 0
+        if link["rtt_ms"]:
+            assert values[f"isthmus_link_rtt_seconds{by_peer}"] == pytest.approx(
+                link["rtt_ms"] / 1e3
+            )
     finally:
         job.terminate()
         job.wait(30)
