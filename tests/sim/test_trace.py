@@ -288,6 +288,7 @@ def test_wan_up_replays_a_topology_trace(tmp_path) -> None:
         up.wait(20)
 
 
+@pytest.mark.slow  # the real CLI end to end, as tests/e2e
 @pytest.mark.timeout(300)
 def test_isthmus_local_trains_to_identical_replicas_while_the_link_changes(tmp_path) -> None:
     """The link alternates 10 and 1 Gbit/s (and 1 and 3 ms) every 0.1 s for 5 minutes:
