@@ -15,6 +15,7 @@ travels as a pickled message on the same Unix socket."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import pickle
@@ -127,6 +128,7 @@ class RemoteDirection:
         """New spec for bytes entering after this call (the child's and the parent's)."""
         self._local.update(spec)
         back = self._local.reverse.spec if self._local.reverse is not None else spec
+        spec, back = (dataclasses.replace(s, trace=None) for s in (spec, back))  # rows stay here
         self._tell(("update", spec, back))
         if self._reverse is not None:  # its impairments read this direction's latency
             self._reverse._tell(("back", spec))
