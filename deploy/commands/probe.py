@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.commands import add_command
+from isthmus.deploy.commands.arguments import add_set_argument
 from isthmus.deploy.config.job import ConfigError, load_config
 from isthmus.deploy.launch.probe import ProbeServer, measure_link, parse_address, probe_pair
 from isthmus.deploy.launch.probe_audit import audit
@@ -112,7 +113,8 @@ def _table(links: list[dict[str, Any]]) -> None:
         )
     for link in links:
         if link.get("audit"):
-            print(f"advice for the host at {link['from']} (it measured {link['to']}):")
+            who = "this host" if link["from"] == "here" else f"the host of {link['from']}"
+            print(f"advice for {who} (it measured {link['to']}):")
             for finding in link["audit"]:
                 print(f"  - {finding['advice']}")
 
@@ -146,7 +148,7 @@ def register(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForma
     add("target", nargs="?", metavar="HOST:PORT|serve", help="a probe server, or `serve`")
     add("--listen", metavar="HOST:PORT", help="serve: where to listen (port 0: any)")
     add("--config", metavar="TOML", help="probe every pair of this job's sites")
-    add("--set", metavar="SECTION.KEY=VALUE", action="append", default=[], dest="overrides")
+    add_set_argument(parser)
     add("--site", metavar="NAME=HOST:PORT", action="append", default=[], help="a site's server")
     add("--port", type=int, default=DEFAULT_PORT, help="probe port at each coordinator's host")
     add("--flows", type=int, default=FLOWS, help="flows of the many-flow phase")

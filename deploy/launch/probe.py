@@ -8,7 +8,9 @@ pointed at another service fails in one line and a stray client gets nothing."""
 
 from __future__ import annotations
 
+import bisect
 import hmac
+import itertools
 import json
 import select
 import selectors
@@ -181,10 +183,6 @@ class ProbeServer(socketserver.ThreadingTCPServer):
         finally:
             self._probing.release()
 
-    def start(self) -> ProbeServer:
-        threading.Thread(target=self.serve_forever, name="probe-server", daemon=True).start()
-        return self
-
 
 def open_op(
     target: str, op: bytes, token: bytes = b"", params: dict[str, Any] | None = None
@@ -199,23 +197,18 @@ def open_op(
         ) from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     raw = json.dumps(params or {}).encode()
+    not_probe = f"{target} is not an isthmus probe server (`isthmus probe serve`)"
     try:
         sock.sendall(MAGIC + _HEAD.pack(op, len(token), len(raw)) + token + raw)
-        if _recv_exact(sock, len(MAGIC)) != MAGIC:
-            raise ProbeError(f"{target} is not an isthmus probe server (`isthmus probe serve`)")
+        magic = _recv_exact(sock, len(MAGIC))
         status, n = _STATUS.unpack(_recv_exact(sock, _STATUS.size))
-        message = _recv_exact(sock, n).decode(errors="replace")
+        message = _recv_exact(sock, n if magic == MAGIC else 0).decode(errors="replace")
     except (OSError, ConnectionError) as exc:
         sock.close()
-        raise ProbeError(
-            f"{target} is not an isthmus probe server (`isthmus probe serve`): {exc}"
-        ) from None
-    except ProbeError:
+        raise ProbeError(f"{not_probe}: {exc}") from None
+    if magic != MAGIC or status:
         sock.close()
-        raise
-    if status:
-        sock.close()
-        raise ProbeError(f"{target}: {message}")
+        raise ProbeError(not_probe if magic != MAGIC else f"{target}: {message}")
     return sock
 
 
@@ -235,12 +228,12 @@ def open_ops(
 
 
 def _ping_rtts(target: str, token: bytes, seconds: float, pingers: int) -> tuple[list, float]:
-    """Round trips (seconds) of one 8-byte ping at a time on each of ``pingers``
-    connections for ``seconds``; and the pings' retransmitted share (TCP_INFO)."""
+    """(when it came back, round trip) in seconds of each 8-byte ping, one at a time on
+    each of ``pingers`` connections for ``seconds``; the pings' share retransmitted."""
     socks = open_ops(target, ECHO, token, pingers)
     sel = selectors.DefaultSelector()
     sent: dict[socket.socket, float] = {}
-    rtts: list[float] = []
+    rtts: list[tuple[float, float]] = []
     try:
         for s in socks:
             s.setblocking(False)
@@ -254,7 +247,7 @@ def _ping_rtts(target: str, token: bytes, seconds: float, pingers: int) -> tuple
                 if len(s.recv(64)) != 8:  # 8 bytes a ping; another count is a stall's split
                     raise ProbeError(f"{target}: a ping came back wrong")
                 now = time.perf_counter()
-                rtts.append(now - sent[s])
+                rtts.append((now, now - sent[s]))
                 sent[s] = now
                 s.send(b"isthmus!")
         infos = [i for s in socks if (i := read_tcp_info(s)) is not None]
@@ -273,19 +266,28 @@ def rtt_and_loss(target: str, token: bytes, seconds: float) -> tuple[float, floa
     late: an RTT (fast retransmit; the emulator's default stall) or more (a lone
     segment's tail-loss probe or timeout on a real link). So the share ``f`` of round
     trips slower than 1.5 x the median + 0.5 ms is the chance either direction lost
-    one, and the one-way loss is 1 - sqrt(1 - f). The pings' own retransmits (TCP_INFO)
-    count on a real link, where host jitter may hide a stall; the larger estimate wins.
-    Limits: below ~2 ms RTT a stall is within host jitter; a loss rate p needs ~1/p x
-    100 pings for 10 % (PING_RATE)."""
+    one, and the one-way loss is 1 - sqrt(1 - f). A late ping among many late ones
+    (over a quarter of those back within half an RTT of it) was held up by a busy
+    host, not a loss, and is left out. The pings' own retransmits (TCP_INFO) count on a
+    real link; the larger estimate wins. Limits: below ~2 ms RTT a stall is within host
+    jitter, and so is jitter above half the RTT a loss; a loss rate p needs ~100 / p
+    pings for 10 % (PING_RATE)."""
     # The RTT from one connection: many at once queue behind each other in this process.
     first, _ = _ping_rtts(target, token, min(2.0, max(0.5, seconds / 4)), 1)
     if not first:
         raise ProbeError(f"{target}: no ping came back in {seconds:g} s")
-    median = statistics.median(first)
+    median = statistics.median(r for _, r in first)
     pingers = max(4, min(MAX_PINGERS, round(PING_RATE * median)))
-    rtts, retrans = _ping_rtts(target, token, seconds, pingers)
-    late = sum(r > 1.5 * median + 5e-4 for r in rtts) / max(1, len(rtts))
-    return median, max(1 - (1 - late) ** 0.5, retrans), len(rtts)
+    pings, retrans = _ping_rtts(target, token, seconds, pingers)
+    back = [t for t, _ in pings]
+    late = [r > 1.5 * median + 5e-4 for _, r in pings]
+    before = [0, *itertools.accumulate(late)]  # late pings before each index
+    lost = 0
+    for i, t in enumerate(back):
+        lo, hi = bisect.bisect_left(back, t - median / 2), bisect.bisect_right(back, t + median / 2)
+        lost += late[i] and before[hi] - before[lo] <= max(1, (hi - lo) // 4)
+    counted = len(pings) - (sum(late) - lost)
+    return median, max(1 - (1 - lost / max(1, counted)) ** 0.5, retrans), counted
 
 
 def bulk(target: str, token: bytes, flows: int, seconds: float) -> dict[str, Any]:
