@@ -32,7 +32,7 @@ DIRECTIONS = ("a_to_b", "b_to_a")
 def load_trace(path: str | Path) -> Trace:
     """Read a trace file; ValueError naming the file, its line and column."""
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # a spreadsheet's BOM too
             lines = [(n, row) for n, row in enumerate(csv.reader(f), 1) if any(row)]
     except FileNotFoundError:
         raise ValueError(f"trace file not found: {path}") from None

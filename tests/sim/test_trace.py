@@ -48,13 +48,14 @@ def _trace_threads() -> list[str]:
 
 
 def test_a_trace_is_a_step_function_of_its_rows(tmp_path) -> None:
-    path = _file(tmp_path, "t_s, bandwidth_mbit,latency_ms,loss\n0,100,5,\n\n0.5,10,,0.01\n")
+    text = "\ufefft_s, bandwidth_mbit,latency_ms,loss,per_flow_mbit\n0,100,5,,\n\n0.5,10,,0.01,5\n"
+    path = _file(tmp_path, text)
     trace = load_trace(path)
     assert trace.times == (0.0, 0.5)
     # An empty cell names nothing: that key keeps its value.
     assert trace.rows == (
         (("bandwidth_mbit", 100.0), ("latency_ms", 5.0)),
-        (("bandwidth_mbit", 10.0), ("loss", 0.01)),
+        (("bandwidth_mbit", 10.0), ("loss", 0.01), ("per_flow_mbit", 5.0)),
     )
     spec = LinkSpec.symmetric(latency_s=0.001, bandwidth_bps=1e9, impairments=(Jitter(ms=1),))
     d = dataclasses.replace(spec.a_to_b, trace=trace)
@@ -65,7 +66,7 @@ def test_a_trace_is_a_step_function_of_its_rows(tmp_path) -> None:
         d.impairments,
     )
     second = at_row(first, 1)
-    assert (second.bandwidth_bps, second.latency_s) == (10e6, 0.005)
+    assert (second.bandwidth_bps, second.latency_s, second.per_flow_bps) == (10e6, 0.005, 5e6)
     assert second.impairments == (Jitter(ms=1), Loss(rate=0.01))  # a loss is added last
     # A loss the link has keeps its other parameters; an unchanged rate leaves the chain
     # equal, so that the impairments do not restart.
