@@ -5,5 +5,6 @@ bounds the connections; :mod:`.chunk_checks` is what a receiver accepts. Chunks 
 on the bulk port (:mod:`.bulk` receives, :mod:`.bulk_peer` sends, :mod:`.bulk_stream` is
 one connection's bytes, plain or in TLS, a plain payload read in C by :mod:`.wirecore`)
 or as one-chunk gRPC calls (:mod:`.push`); :mod:`.peer_round` is one round's chunks to
-one peer over either, :mod:`.flow_clock` when a frame is overdue on both.
+one peer over either, :mod:`.flow_clock` when a frame is overdue on both; :mod:`.link_watch`
+reads each peer site's bulk connections once a step (rate, RTT, window, retransmits).
 """

@@ -409,8 +409,9 @@ class BulkConnection:
         and whether the connection is closed (``link_watch.Flow``)."""
         with self._cond:
             stream, acked, closed = self._sock, self._acked_bytes, self._closed
-        live = isinstance(stream, PlainStream | TlsStream)
-        return (stream.sock if live else None), acked, closed
+        if isinstance(stream, PlainStream | TlsStream):
+            return stream.sock, acked, closed
+        return None, acked, closed
 
     def close(self) -> None:
         with self._cond:

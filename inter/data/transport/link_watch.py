@@ -70,7 +70,7 @@ class Link:
             sock, acked, closed = flow.watch()
             info = read_tcp_info(sock) if sock is not None else None
             retrans = last_retrans if info is None else info.total_retrans
-            moved = {"bytes": acked - last_bytes, "retrans": None}
+            moved: dict[str, float | None] = {"bytes": acked - last_bytes, "retrans": None}
             if info is not None:
                 since = last_retrans if sock is last_sock else 0  # a new connection: all
                 moved |= {
@@ -88,8 +88,8 @@ class Link:
         return _link_figures(per_flow, wire_s)
 
 
-_KEYS = ("transport", "flows", "bytes", "wire_s", "gbit_s", "rtt_ms", "min_rtt_ms")
-_KEYS += ("cwnd_bytes", "retrans", "per_flow")
+_KEYS: tuple[str, ...] = ("transport", "flows", "bytes", "wire_s", "gbit_s", "rtt_ms")
+_KEYS += ("min_rtt_ms", "cwnd_bytes", "retrans", "per_flow")
 
 
 def _link_figures(per_flow: list[dict], wire_s: float) -> dict:
