@@ -75,12 +75,13 @@ def test_jitter_follows_the_seeded_draws(relay) -> None:
     assert ranked > 0.8
     # Each ping's added delay is its draw: the typical miss is a few milliseconds even
     # beside other jobs (an IQR of the measured delays drifted 11 % from the draws' at a
-    # load of 15, from a few delayed pings). Without the jitter the miss would be ~20
-    # ms (the draws themselves), at half the width ~10 ms.
+    # load of 15, from a few delayed pings; 4.2 ms once at a load of 14). Without the
+    # jitter the miss would be ~20 ms (the draws themselves), at half the width ~10 ms:
+    # 8 ms still tells them apart.
     offset = statistics.median(e - d for e, d in zip(extra, draws, strict=True))
     missed = statistics.median(abs(e - d - offset) for e, d in zip(extra, draws, strict=True))
     print(f"jitter: median miss {missed * 1e3:.2f} ms")
-    assert missed < 0.004, f"pings missed their draws by {missed * 1e3:.1f} ms (median)"
+    assert missed < 0.008, f"pings missed their draws by {missed * 1e3:.1f} ms (median)"
     # The seeded draws are the spec's: uniform in +-40 ms has an IQR of 40 ms.
     assert drawn == pytest.approx(0.040, rel=0.15)
 
