@@ -106,10 +106,11 @@ def test_probe_measures_a_capped_link_and_audits_the_host(tmp_path: Path) -> Non
 
 def test_probe_of_a_jobs_sites_asks_each_pairs_first_site(tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
-    job.write_text("[topology]\nsites = 2\n")
     out = tmp_path / "probe.json"
     with probe_server() as site0, probe_server() as site1, capped_link(site1) as forward:
-        sites = ["--site", f"site0={site0}", "--site", f"site1={forward}"]
+        # site0's server at its coordinator's host and --port; site1's across the link.
+        job.write_text('[cluster]\ncoordinators = { site0 = "127.0.0.1:7070" }\n')
+        sites = ["--port", site0.rsplit(":", 1)[1], "--site", f"site1={forward}"]
         args = ["--seconds", "1", "--flows", "4", "--json", str(out)]
         result = run_cli("probe", "--config", str(job), *sites, *args, timeout=60)
     assert result.returncode == 0, result.stderr
