@@ -76,7 +76,14 @@ def suspicions(minutes: float) -> dict:
                 now = peer.site in coord.state.suspects_locked()
                 if time.monotonic() > learned:
                     deadlines.append(coord.state.arrivals.deadline_s(peer.site))
-            counted += now and not suspected[i]
+            if now and not suspected[i]:
+                counted += 1
+                with coord.state.cond:
+                    silent = time.monotonic() - coord.state.last_seen.get(peer.site, 0.0)
+                    lag = coord.state.arrivals.own_lag_s()
+                print(
+                    f"{coord.site} suspects {peer.site}: silent {silent:.2f} s, own lag {lag:.2f} s"
+                )
             suspected[i] = now
         time.sleep(0.05)
     stats = link.stats()

@@ -18,6 +18,8 @@ from pathlib import Path
 from isthmus.deploy.chaos.hostile_calls import missed_forgeries, missed_rejoin_forgeries
 from isthmus.deploy.chaos.scenarios import Scenario
 from isthmus.deploy.chaos.sites import NODE1, SiteProcess
+from isthmus.deploy.reports.goodput import goodput
+from isthmus.deploy.reports.summary import merge_steps
 
 __all__ = ["FORGER_RECORD", "ScenarioResult", "judge", "metrics_records"]
 
@@ -41,6 +43,8 @@ class ScenarioResult:
     rejoined: list[str] = field(default_factory=list)
     micro_batches: dict[str, list[int]] = field(default_factory=dict)
     """Each survivor's micro-batches per rank, step by step (train.accumulate, balanced)."""
+    goodput: dict = field(default_factory=dict)
+    """The survivors' steps merged, as a run's summary has it (deploy/reports/goodput.py)."""
 
 
 def metrics_records(path: Path) -> list[dict]:
@@ -75,12 +79,13 @@ def judge(
         if code != 0:
             result.why = f"{name} exited with {code}: ...{sites[name].tail()}"
             return result
+    per_site = {}
     for name in scenario.survivors:
         summary = json.loads((run_dir / "sites" / name / "summary.json").read_text())
         result.digests[name] = summary["digests"][name]
-        _read_metrics(
-            scenario, result, name, metrics_records(run_dir / "sites" / name / "metrics.jsonl")
-        )
+        per_site[name] = metrics_records(run_dir / "sites" / name / "metrics.jsonl")
+        _read_metrics(scenario, result, name, per_site[name])
+    result.goodput = goodput(merge_steps(per_site))
     if len(set(result.digests.values())) != 1:
         result.why = f"survivors' digests differ: {result.digests}"
     elif scenario.expect_generations and result.generations < 2:

@@ -331,7 +331,7 @@ def run_suite(
     root = keep or Path(tempfile.mkdtemp(prefix="isthmus-chaos-"))
     results = []
     print(f"{'scenario':<14} {'result':<6} {'wall s':>7} {'gens':>4} {'retries':>7} "
-          f"{'min live':>8} {'corrupt':>7} {'stalled':>7}  rejoined", file=out)  # fmt: skip
+          f"{'min live':>8} {'corrupt':>7} {'stalled':>7} {'goodput':>7}  rejoined", file=out)  # fmt: skip
     for name, why in unfit.items():
         print(f"{name:<14} {'skip':<6}  with these settings: {why}", file=out)
     chosen = [s for s in chosen if s.name not in unfit]
@@ -342,8 +342,8 @@ def run_suite(
             results.append(r)
             print(
                 f"{r.name:<14} {'ok' if r.ok else 'FAIL':<6} {r.wall_s:7.1f} {r.generations:4d} "
-                f"{r.retries:7d} {r.min_live_sites:8d} {r.corrupt_chunks:7d} {r.stalled_flows:7d}  "
-                f"{','.join(r.rejoined) or '-'}",
+                f"{r.retries:7d} {r.min_live_sites:8d} {r.corrupt_chunks:7d} {r.stalled_flows:7d} "
+                f"{r.goodput.get('goodput_share', 0.0):7.0%}  {','.join(r.rejoined) or '-'}",
                 file=out,
                 flush=True,
             )

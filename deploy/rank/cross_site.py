@@ -69,6 +69,7 @@ class CrossSite:
     # the global batch's size and split.
     outer: OuterOptimizer | None = None
     plan: BatchPlan | None = None
+    pulled: tuple[float, int] | None = None  # the last state pull's seconds and bytes, unread
 
     @property
     def sync(self) -> LaneGradientSync:
@@ -151,6 +152,7 @@ class CrossSite:
             # The codec residuals belong to the source's lanes, cut into other pieces.
             load_extra_state(extra, None, self.outer, self.plan)
         size = sum(t.numel() * t.element_size() for t in state.values())
+        self.pulled = (time.perf_counter() - t0, size)
         log.warning(
             "[%s/%d] pulled the state after step %d from %s (%.1f MB in %.2fs); "
             "continuing at step %d",
@@ -159,7 +161,7 @@ class CrossSite:
             state_step,
             source,
             size / 1e6,
-            time.perf_counter() - t0,
+            self.pulled[0],
             next_step,
         )
         return next_step

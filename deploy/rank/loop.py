@@ -260,6 +260,9 @@ def _record(
         "retries": round_stats.retries if round_stats else 0,
         "outer_steps": outer.outer_steps if outer is not None else 0,
     }
+    if parts.cross is not None and parts.cross.pulled is not None:  # goodput's rejoins
+        line["state_pull_s"], line["state_pull_bytes"] = parts.cross.pulled
+        parts.cross.pulled = None
     parts.metrics.record(line, digest=progress.digest, finished=step == last)
     progress.reported_last = step == last
 

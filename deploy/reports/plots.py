@@ -1,5 +1,6 @@
 """`isthmus report RUN_DIR`: plots and a short text summary of a finished run, next to its
 files (or in --out): loss.png, step_time.png, wan_goodput.png, loss_vs_cost.png,
+goodput.png (committed tokens/s over time, time lost by cause: goodput.py),
 links.png (each link's rate and RTT, links.py), batch.png (only for a run whose batch
 changed) and report.txt. Several runs are
 overlaid instead (compare.py).
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.config.job import SECTION_TYPES, ConfigError
+from isthmus.deploy.reports.goodput import goodput_figure, goodput_rows
 from isthmus.deploy.reports.links import link_rows, links_figure, merge_links
 from isthmus.deploy.reports.summary import human_bytes, read_jsonl
 
@@ -135,6 +137,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     fig.suptitle("Training loss against what it cost")
     written.append(save_figure(fig, out / "loss_vs_cost.png"))
 
+    if steps:
+        written.append(save_figure(goodput_figure(steps), out / "goodput.png"))
     if (links := links_figure(steps, capacity / 1e6)) is not None:
         written.append(save_figure(links, out / "links.png"))
     if _batch_changed(steps):
@@ -231,7 +235,7 @@ def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
             else ""
         )
         lines.append(f"WAN goodput while syncing: {goodput / 1e6:,.1f} Mbit/s{share}")
-    lines += [f"{name}: {value}" for name, value in link_rows(summary)]
+    lines += [f"{name}: {value}" for name, value in link_rows(summary) + goodput_rows(summary)]
     identical = len(set(summary["digests"].values())) == 1
     lines.append(
         f"replicas: {'identical' if identical else 'DIFFERENT'} ({', '.join(summary['digests'])})"

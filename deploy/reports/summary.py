@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.reports.goodput import goodput, goodput_rows
 from isthmus.deploy.reports.links import link_rows, link_summary, merge_links
 
 
@@ -44,13 +45,16 @@ def _token_mean(rows: list[dict]) -> float:
 
 
 def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
-    """One record per step that every site completed: losses averaged, weighted by
+    """One record per step that a site committed, of the sites that did (a site the job
+    went on without is absent from the steps it missed): losses averaged, weighted by
     each site's tokens (sites of different sizes), bytes summed, times as the slowest
     site saw them."""
-    steps = min((len(lines) for lines in per_site.values()), default=0)
+    by_step: dict[int, list[dict]] = {}
+    for lines in per_site.values():
+        for line in lines:
+            by_step.setdefault(line["step"], []).append(line)
     merged = []
-    for i in range(steps):
-        rows = [lines[i] for lines in per_site.values()]
+    for _, rows in sorted(by_step.items()):
         merged.append(
             {
                 "step": rows[0]["step"],
@@ -80,6 +84,10 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "mfu": sum(r.get("mfu", 0.0) for r in rows) / len(rows),
                 "intra_site_s": max(r.get("intra_site_s", 0.0) for r in rows),
                 "outer_steps": max(r.get("outer_steps", 0) for r in rows),
+                "retries": max(r.get("retries", 0) for r in rows),
+                "live_sites": max(r.get("live_sites", len(rows)) for r in rows),
+                "state_pull_s": max(r.get("state_pull_s", 0.0) for r in rows),
+                "state_pull_bytes": sum(r.get("state_pull_bytes", 0) for r in rows),
                 "eval_s": max(r.get("eval_s", 0.0) for r in rows),
                 **_held_out(rows),
                 **_batch(rows),
@@ -269,6 +277,7 @@ def _summary(config: JobConfig, steps: list[dict], results: dict[str, list[dict]
         # Steps whose held-out loss differed between sites (never, unless replicas differ).
         "val_unequal_steps": unequal,
         **link_summary(steps, config.wan.bandwidth_mbit),
+        **goodput(steps),
         "digests": digests,
         "shard_digests": {
             site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
@@ -336,7 +345,7 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
                 + (f", {hidden:.0%} overlapped)" if hidden is not None else ")"),
             ),
         ]
-    rows += link_rows(summary)
+    rows += link_rows(summary) + goodput_rows(summary)
     if summary.get("outer_steps"):
         if summary.get("sync_mode") == "streaming":
             rows.append(("sync", f"Streaming DiLoCo: {summary['outer_steps']} fragment rounds"))

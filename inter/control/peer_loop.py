@@ -36,6 +36,11 @@ __all__ = ["PeerLoop"]
 
 log = logging.getLogger("isthmus.inter.control.coordinator")
 
+BEATS_IN_FLIGHT = 3
+"""Heartbeats to one peer whose answers may be awaited at once: one held up by a lost
+segment (a retransmission timeout) does not hold back the next, so the peer's gaps stay
+the link's stall, not a stall plus a skipped period."""
+
 
 @dataclass(eq=False, kw_only=True)
 class PeerLoop:
@@ -50,7 +55,7 @@ class PeerLoop:
     refusals: RefusalLog
     proposing: Mapping[int, list[str]]  # generation -> members, while the leader proposes it
     _asked: dict[str, float] = field(default_factory=dict, init=False)  # when a claim was asked
-    _in_flight: dict[str, tuple[grpc.Future, int | None]] = field(default_factory=dict, init=False)
+    _in_flight: list[tuple[str, grpc.Future, int | None]] = field(default_factory=list, init=False)
 
     def run(self) -> None:
         st, stubs = self.state, self.stubs
@@ -75,7 +80,7 @@ class PeerLoop:
         """Tell every peer this site's step, latest digest and whether it finished;
         settle what calls claiming to be that peer said, with its answer. The calls run
         at once, and the round waits for answers ``wait_s`` (a period by default): a
-        silent peer's call stays in flight (one at a time per peer, until its own
+        silent peer's calls stay in flight (``BEATS_IN_FLIGHT`` at most, until their
         deadline) and never delays the heartbeats of the others, whose deadlines follow
         their arrivals (``arrivals.py``)."""
         st = self.state
@@ -90,7 +95,7 @@ class PeerLoop:
                 generation=st.generation,
             )
         for name, stub in stubs.items():
-            if name in self._in_flight and wait_s is None:
+            if sum(n == name for n, _, _ in self._in_flight) >= BEATS_IN_FLIGHT and wait_s is None:
                 continue  # the last word (wait_s) goes out even so
             doubted = st.replicas.doubted(name)
             request = beat
@@ -99,15 +104,15 @@ class PeerLoop:
                 request.CopyFrom(beat)
                 request.confirm_digest, request.confirm_step = True, doubted
             call = stub.Heartbeat.future(request, timeout=self.settings.rpc_timeout_s)
-            self._in_flight[name] = (call, doubted)
+            self._in_flight.append((name, call, doubted))
         until = time.monotonic() + (self.settings.heartbeat_s if wait_s is None else wait_s)
-        for name, (call, doubted) in list(self._in_flight.items()):
+        for beat in list(self._in_flight):
             try:
-                call.exception(timeout=max(0.0, until - time.monotonic()))
+                beat[1].exception(timeout=max(0.0, until - time.monotonic()))
             except grpc.FutureTimeoutError:
                 continue  # still in flight: its answer is taken next round
-            del self._in_flight[name]
-            self._answered(name, call, doubted)
+            self._in_flight.remove(beat)
+            self._answered(*beat)
 
     def _answered(self, name: str, call: grpc.Future, doubted: int | None) -> None:
         site, st, site_up = self.settings.site, self.state, self.metrics.site_up

@@ -104,7 +104,8 @@ PACKAGE_LINES_BASE = 37_141  # 37,140 lines at 4c4d548
 GROWTH = {
     "issue 61: TCP_INFO read from a socket (inter/tcp_info.py)": 89,
     "issue 61: link traces replayed by the emulator (sim/trace.py)": 232,
-    "issue 62: a dead site found from its own heartbeats' arrivals (arrivals.py)": 141,
+    "issue 62: a dead site found from its own heartbeats' arrivals (arrivals.py)": 146,
+    "issue 62: goodput and the time lost by cause (deploy/reports/goodput.py)": 149,
     "issue 61: isthmus probe": 684,
     "issue 61: links watched live (TCP_INFO per peer, per step)": 380,
 }

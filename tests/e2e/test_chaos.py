@@ -36,6 +36,7 @@ def test_survivors_finish_with_identical_replicas(scenario, tmp_path):
         assert result.min_live_sites == 1  # site0 trained on alone
     if scenario.name in ("kill-restart", "forge-rejoin", "partition", "node-silent"):
         assert result.rejoined == ["site1"]  # it pulled site0's state and came back
+        assert result.goodput["state_pulls"]["bytes"] > 0  # and its goodput says so
     if scenario.name == "node-silent":
         assert result.min_live_sites == 1  # found silent: site0 trained on without it
 
