@@ -1,6 +1,6 @@
 """`isthmus probe`: measure the links of a job before it runs (RTT, loss, 1-flow and
 N-flow throughput, the per-flow cap they imply) and audit the host's TCP settings;
-`isthmus probe serve` is the other end (deploy/launch/probe.py, probe_audit.py)."""
+`isthmus probe serve` is the other end (deploy/launch/probe.py, probe_server.py, probe_audit.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Any
 from isthmus.deploy.commands import add_command
 from isthmus.deploy.commands.arguments import add_set_argument
 from isthmus.deploy.config.job import ConfigError, load_config
-from isthmus.deploy.launch.probe import ProbeServer, measure_link, parse_address, probe_pair
+from isthmus.deploy.launch.probe import measure_link, parse_address, probe_pair
 from isthmus.deploy.launch.probe_audit import audit
+from isthmus.deploy.launch.probe_server import ProbeServer
 
 DEFAULT_PORT = 7171
 FLOWS = 8
@@ -43,7 +44,8 @@ def _serve(args: argparse.Namespace, token: bytes) -> int:
         audit=lambda link: audit([link], args.sysctl_root),
     )
     try:
-        print(f"probe server listening on {server.address}", flush=True)
+        host, port = server.server_address[:2]
+        print(f"probe server listening on {host}:{port}", flush=True)
         server.serve_forever()
     finally:
         server.server_close()

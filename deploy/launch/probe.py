@@ -1,6 +1,6 @@
-"""`isthmus probe`'s measurement: a probe server (echo, sink, and a probe run on a
-peer's behalf) and the client that measures a link's RTT, loss, 1-flow and N-flow
-throughput over plain TCP (docs/wan.md, "Probe a link before the job").
+"""`isthmus probe`'s measurement: the wire both ends speak and the client that measures
+a link's RTT, loss, 1-flow and N-flow throughput over plain TCP against a probe server
+(probe_server.py; docs/wan.md, "Probe a link before the job").
 
 Every connection opens with a header (MAGIC, an op, the optional job token, JSON
 parameters) and the server answers MAGIC and a status before anything else, so a probe
@@ -9,13 +9,12 @@ pointed at another service fails in one line and a stray client gets nothing."""
 from __future__ import annotations
 
 import bisect
-import hmac
+import contextlib
 import itertools
 import json
 import select
 import selectors
 import socket
-import socketserver
 import statistics
 import struct
 import threading
@@ -27,20 +26,20 @@ from typing import Any
 from isthmus.inter.tcp_info import read_tcp_info
 
 MAGIC = b"isthmus-probe\x01"  # the last byte is the protocol's version
-_HEAD = struct.Struct("!cHI")  # op, token bytes, parameter bytes
-_STATUS = struct.Struct("!BH")  # 0 = ok, else refused; message bytes
-_LENGTH = struct.Struct("!I")
+HEAD = struct.Struct("!cHI")  # op, token bytes, parameter bytes
+STATUS = struct.Struct("!BH")  # 0 = ok, else refused; message bytes
+LENGTH = struct.Struct("!I")
 ECHO, SINK, PROBE = b"E", b"S", b"P"
 MAX_SECONDS = 60.0  # the longest phase a server runs for anyone
-MAX_CONNECTIONS = 512  # the most a server serves at once (pings use up to MAX_PINGERS)
 MAX_PINGERS = 256
-PING_RATE = 4000.0
-"""Round trips a second the RTT phase aims at, over as many connections as that takes
-(each one ping in flight): enough pings for a loss estimate in seconds at 50 ms, few
-enough for Python and a 2-core emulator at 1 ms."""
+PING_RATE = 2500.0
+"""Round trips a second the loss phase aims at, over as many connections as that takes
+(each one ping in flight): enough for a loss estimate in seconds at 50 ms, few enough
+for Python and the emulator on 2 cores (at 4,000 its pings queued up and read late)."""
 CAP_RATIO = 1.3
 """N flows carrying this many times one flow's rate mean the link (or a host) caps a
 flow: the 1-flow figure is the cap. Below it one flow already fills the link."""
+LATE_S = 2e-3  # a ping this much late is a loss: above a busy host's jitter
 IO_TIMEOUT_S = 10.0
 CHUNK = 1 << 20
 
@@ -57,7 +56,7 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     data = bytearray()
     while len(data) < n:
         got = sock.recv(n - len(data))
@@ -67,121 +66,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def _send_blob(sock: socket.socket, value: Any) -> None:
+def send_blob(sock: socket.socket, value: Any) -> None:
     raw = json.dumps(value).encode()
-    sock.sendall(_LENGTH.pack(len(raw)) + raw)
+    sock.sendall(LENGTH.pack(len(raw)) + raw)
 
 
-def _recv_blob(sock: socket.socket) -> Any:
-    (n,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-    return json.loads(_recv_exact(sock, n))
-
-
-class _Handler(socketserver.BaseRequestHandler):
-    server: ProbeServer
-
-    def handle(self) -> None:
-        sock: socket.socket = self.request
-        sock.settimeout(IO_TIMEOUT_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if not self.server.slots.acquire(blocking=False):
-            return self._answer(1, "busy: too many probe connections")
-        try:
-            self._serve(sock)
-        except (OSError, ValueError, TypeError, ConnectionError):
-            pass  # a client that left or sent garbage: nothing to keep
-        finally:
-            self.server.slots.release()
-
-    def _answer(self, status: int, message: str = "") -> None:
-        raw = message.encode()
-        self.request.sendall(MAGIC + _STATUS.pack(status, len(raw)) + raw)
-
-    def _serve(self, sock: socket.socket) -> None:
-        if _recv_exact(sock, len(MAGIC)) != MAGIC:
-            return self._answer(1, "not an isthmus probe request (or another version)")
-        op, token_len, params_len = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
-        token = _recv_exact(sock, token_len) if token_len <= 4096 else b""
-        params = json.loads(_recv_exact(sock, params_len)) if params_len <= 65536 else None
-        if not hmac.compare_digest(token, self.server.token):
-            return self._answer(1, "refused: wrong or missing job token")
-        if op not in (ECHO, SINK, PROBE) or not isinstance(params, dict):
-            return self._answer(1, f"unknown probe op {op!r}")
-        self._answer(0)
-        end = time.monotonic() + MAX_SECONDS * 2  # no client holds a server longer
-        if op == ECHO:
-            while time.monotonic() < end and (data := sock.recv(4096)):
-                sock.sendall(data)
-        elif op == SINK:
-            _send_blob(sock, _sink(sock, min(MAX_SECONDS, float(params.get("seconds", 1)))))
-            while time.monotonic() < end and sock.recv(CHUNK):  # until the sender leaves
-                pass
-        else:
-            _send_blob(sock, self.server.probe_for_peer(params))
-
-
-def _sink(sock: socket.socket, seconds: float) -> dict[str, float]:
-    """Read for ``seconds`` from the first byte; the rate over their second half, measured
-    here, at the receiver (the first half holds TCP's slow start). Stopping here, not at
-    the sender, leaves no sender's buffer to drain at the link's rate."""
-    buf = bytearray(CHUNK)
-    times, totals, total = [], [], 0
-    while n := sock.recv_into(buf):
-        total += n
-        times.append(time.monotonic())
-        totals.append(total)
-        if times[-1] - times[0] >= seconds:
-            break
-    if len(times) < 2:
-        return {"bytes": total, "bps": 0.0}
-    half = times[0] + (times[-1] - times[0]) / 2
-    i = next(k for k, t in enumerate(times) if t >= half)
-    span = times[-1] - times[i]
-    return {"bytes": total, "bps": (totals[-1] - totals[i]) * 8 / span if span > 0 else 0.0}
-
-
-class ProbeServer(socketserver.ThreadingTCPServer):
-    """`isthmus probe serve`: echoes pings, sinks bulk data, and probes another server on
-    a peer's request (so one command measures every pair of a job's sites)."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = MAX_PINGERS  # the pingers connect at once
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        token: bytes = b"",
-        audit: Callable[[dict[str, Any]], list[dict[str, str]]] | None = None,
-    ) -> None:
-        super().__init__(address, _Handler)
-        self.token = token
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._audit = audit
-        self._probing = threading.Lock()  # one probe run on a peer's behalf at a time
-
-    @property
-    def address(self) -> str:
-        host, port = self.server_address[:2]
-        return f"{host}:{port}"
-
-    def probe_for_peer(self, params: dict[str, Any]) -> dict[str, Any]:
-        if not self._probing.acquire(blocking=False):
-            return {"error": "busy: already probing"}
-        try:
-            link = measure_link(
-                str(params.get("target")),
-                flows=int(params.get("flows", 8)),
-                seconds=float(params.get("seconds", 3)),
-                token=self.token,
-            )
-            if self._audit is not None:
-                link["audit"] = self._audit(link)
-            return link
-        except (ValueError, ProbeError, OSError) as exc:
-            return {"error": str(exc)}
-        finally:
-            self._probing.release()
+def recv_blob(sock: socket.socket) -> Any:
+    (n,) = LENGTH.unpack(recv_exact(sock, LENGTH.size))
+    return json.loads(recv_exact(sock, n))
 
 
 def open_op(
@@ -199,10 +91,10 @@ def open_op(
     raw = json.dumps(params or {}).encode()
     not_probe = f"{target} is not an isthmus probe server (`isthmus probe serve`)"
     try:
-        sock.sendall(MAGIC + _HEAD.pack(op, len(token), len(raw)) + token + raw)
-        magic = _recv_exact(sock, len(MAGIC))
-        status, n = _STATUS.unpack(_recv_exact(sock, _STATUS.size))
-        message = _recv_exact(sock, n if magic == MAGIC else 0).decode(errors="replace")
+        sock.sendall(MAGIC + HEAD.pack(op, len(token), len(raw)) + token + raw)
+        magic = recv_exact(sock, len(MAGIC))
+        status, n = STATUS.unpack(recv_exact(sock, STATUS.size))
+        message = recv_exact(sock, n if magic == MAGIC else 0).decode(errors="replace")
     except (OSError, ConnectionError) as exc:
         sock.close()
         raise ProbeError(f"{not_probe}: {exc}") from None
@@ -227,9 +119,13 @@ def open_ops(
     return socks
 
 
-def _ping_rtts(target: str, token: bytes, seconds: float, pingers: int) -> tuple[list, float]:
+def _ping_rtts(
+    target: str, token: bytes, seconds: float, pingers: int, spread: float = 0.0
+) -> tuple[list, float]:
     """(when it came back, round trip) in seconds of each 8-byte ping, one at a time on
-    each of ``pingers`` connections for ``seconds``; the pings' share retransmitted."""
+    each of ``pingers`` connections for ``seconds``; the pings' share retransmitted.
+    The connections start evenly over ``spread`` s: started at once, their pings would
+    travel as one burst for good, and the burst's last ones come back late."""
     socks = open_ops(target, ECHO, token, pingers)
     sel = selectors.DefaultSelector()
     sent: dict[socket.socket, float] = {}
@@ -238,11 +134,16 @@ def _ping_rtts(target: str, token: bytes, seconds: float, pingers: int) -> tuple
         for s in socks:
             s.setblocking(False)
             sel.register(s, selectors.EVENT_READ)
-            sent[s] = time.perf_counter()
-            s.send(b"isthmus!")
-        end = time.monotonic() + seconds
+        first = time.perf_counter()
+        end, started = time.monotonic() + seconds, 0
         while time.monotonic() < end:
-            for key, _ in sel.select(timeout=IO_TIMEOUT_S):
+            now = time.perf_counter()
+            while started < pingers and first + spread * started / pingers <= now:
+                sent[socks[started]] = now
+                socks[started].send(b"isthmus!")
+                started += 1
+            wait = first + spread * started / pingers - now if started < pingers else 1.0
+            for key, _ in sel.select(timeout=max(0.0, wait)):
                 s = key.fileobj
                 if len(s.recv(64)) != 8:  # 8 bytes a ping; another count is a stall's split
                     raise ProbeError(f"{target}: a ping came back wrong")
@@ -263,24 +164,24 @@ def rtt_and_loss(target: str, token: bytes, seconds: float) -> tuple[float, floa
     """The median RTT (s), the one-way loss estimate and the pings it rests on.
 
     A ping whose segment (or its echo's) is lost comes back at least a retransmission
-    late: an RTT (fast retransmit; the emulator's default stall) or more (a lone
-    segment's tail-loss probe or timeout on a real link). So the share ``f`` of round
-    trips slower than 1.5 x the median + 0.5 ms is the chance either direction lost
-    one, and the one-way loss is 1 - sqrt(1 - f). A late ping among many late ones
-    (over a quarter of those back within half an RTT of it) was held up by a busy
-    host, not a loss, and is left out. The pings' own retransmits (TCP_INFO) count on a
-    real link; the larger estimate wins. Limits: below ~2 ms RTT a stall is within host
-    jitter, and so is jitter above half the RTT a loss; a loss rate p needs ~100 / p
-    pings for 10 % (PING_RATE)."""
+    late: an RTT (the emulator's stall) or more (a lone segment's tail-loss probe, 10 ms
+    or more, or timeout on a real link). So the share ``f`` of round trips later than
+    the median by half of it (at least LATE_S) is the chance either direction lost one,
+    and the one-way loss is 1 - sqrt(1 - f). A late ping among many late ones (over a
+    quarter of those back within half an RTT of it) was held up by a busy host, not a
+    loss, and is left out. The pings' own retransmits (TCP_INFO) count on a real link;
+    the larger estimate wins. Limits: the emulator's stalls are seen from 2 x LATE_S RTT
+    on; jitter beyond the threshold reads as loss; a loss rate p needs ~100 / p pings
+    for 10 % (PING_RATE)."""
     # The RTT from one connection: many at once queue behind each other in this process.
     first, _ = _ping_rtts(target, token, min(2.0, max(0.5, seconds / 4)), 1)
     if not first:
         raise ProbeError(f"{target}: no ping came back in {seconds:g} s")
     median = statistics.median(r for _, r in first)
     pingers = max(4, min(MAX_PINGERS, round(PING_RATE * median)))
-    pings, retrans = _ping_rtts(target, token, seconds, pingers)
+    pings, retrans = _ping_rtts(target, token, seconds, pingers, spread=median)
     back = [t for t, _ in pings]
-    late = [r > 1.5 * median + 5e-4 for _, r in pings]
+    late = [r > median + max(median / 2, LATE_S) for _, r in pings]
     before = [0, *itertools.accumulate(late)]  # late pings before each index
     lost = 0
     for i, t in enumerate(back):
@@ -306,9 +207,14 @@ def bulk(target: str, token: bytes, flows: int, seconds: float) -> dict[str, Any
                     raise ConnectionError(f"no answer after {seconds:g} s of data")
                 s.sendall(payload)
             info = read_tcp_info(s)
-            results[k] = {**_recv_blob(s), "info": info}
+            results[k] = {**recv_blob(s), "info": info}
         except (OSError, ConnectionError, ValueError) as exc:
             results[k] = {"error": str(exc)}
+        # Load on until every flow is measured: one that stopped early would give the
+        # others' last moments a share of the link they never had together.
+        with contextlib.suppress(OSError):
+            while not all(results) and time.monotonic() < end:
+                s.sendall(payload)
 
     threads = [threading.Thread(target=send, args=(k,), daemon=True) for k in range(flows)]
     try:
@@ -376,7 +282,7 @@ def probe_pair(
     sock = open_op(server, PROBE, token, {"target": target, "flows": flows, "seconds": seconds})
     try:
         sock.settimeout(IO_TIMEOUT_S * 2 + 4 * seconds)
-        result = _recv_blob(sock)
+        result = recv_blob(sock)
     except (OSError, ConnectionError, ValueError) as exc:
         raise ProbeError(f"{server}: no result probing {target}: {exc}") from None
     finally:
