@@ -12,7 +12,7 @@ import json
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from isthmus.deploy.chaos.hostile_calls import missed_forgeries, missed_rejoin_forgeries
@@ -45,6 +45,7 @@ class ScenarioResult:
     """Each survivor's micro-batches per rank, step by step (train.accumulate, balanced)."""
     goodput: dict = field(default_factory=dict)
     """The survivors' steps merged, as a run's summary has it (deploy/reports/goodput.py)."""
+    final_loss: float = 0.0  # the survivors' merged last step's
 
 
 def metrics_records(path: Path) -> list[dict]:
@@ -85,7 +86,8 @@ def judge(
         result.digests[name] = summary["digests"][name]
         per_site[name] = metrics_records(run_dir / "sites" / name / "metrics.jsonl")
         _read_metrics(scenario, result, name, per_site[name])
-    result.goodput = goodput(merge_steps(per_site))
+    merged = merge_steps(per_site)
+    result.goodput, result.final_loss = goodput(merged), merged[-1]["loss"] if merged else 0.0
     if len(set(result.digests.values())) != 1:
         result.why = f"survivors' digests differ: {result.digests}"
     elif scenario.expect_generations and result.generations < 2:
@@ -189,3 +191,21 @@ class _Marks:
         if "site1" not in self.result.rejoined:
             return "site1 never rejoined (its steps never jumped to site0's)"
         return missed_rejoin_forgeries(self.sites["site1"].text(), self.run_dir / FORGER_RECORD)
+
+
+def fault_free(scenario: Scenario) -> Scenario:
+    """The same job without its faults (nothing to judge but equal replicas)."""
+    return replace(scenario, name=f"{scenario.name}-baseline", faults=(), expect_generations=False)
+
+
+def against_baseline(result: ScenarioResult, baseline: ScenarioResult) -> str:
+    """One line: goodput and final loss against the fault-free run's."""
+    rate, base = (r.goodput.get("goodput_tokens_per_s", 0.0) for r in (result, baseline))
+    lost = ", ".join(f"{c} {s:.1f} s" for c, s in result.goodput.get("lost_s", {}).items() if s)
+    return (
+        f"  {result.name}: goodput {rate:,.0f} tokens/s, {rate / base:.0%} of the fault-free "
+        f"run's {base:,.0f} (lost: {lost or 'none'}); final loss {result.final_loss:.4f} "
+        f"against {baseline.final_loss:.4f} ({result.final_loss / baseline.final_loss - 1:+.1%})"
+        if base and baseline.final_loss
+        else f"  {result.name}: the fault-free run measured nothing to compare with"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 __all__ = ["SCENARIOS", "Fault", "Scenario"]
@@ -56,6 +57,8 @@ class Scenario:
     expect_rebalance: bool = False
     """The slowed site must end with fewer micro-batches per step than it began with
     (train.balance_every moved them to the others)."""
+    fault_free_baseline: bool = False
+    """Run the job once more without its faults and set goodput and final loss against it."""
     two_nodes: tuple[str, ...] = ()
     """Sites run as two node launchers (`isthmus site --nodes 2`, one rank each, as
     deploy/slurm and deploy/k8s run a site); every site then has two ranks."""
@@ -215,3 +218,45 @@ SCENARIOS: tuple[Scenario, ...] = (
         "node's rank votes and watches at the coordinator itself; nobody leaves",
     ),
 )
+
+
+# The soak scenario (issue 62): a seeded schedule of faults over a long streaming job of
+# three sites, judged as any scenario and then set against the same job without faults.
+SOAK_STEPS = 64
+STREAMING = ("sync.mode=streaming", "sync.inner_steps=4", "sync.fragments=2", "sync.outer_delay=1")
+
+
+def soak(seed: int = 0) -> Scenario:
+    """The soak scenario; ``seed`` draws where each fault falls (each in its own part of
+    the run, so that one has healed before the next) and which site it hits."""
+    rng = random.Random(seed)
+    third = SOAK_STEPS // 4
+    restarted, slowed = rng.sample(["site1", "site2"], 2)
+    faults = (
+        Fault(kind="restart", site=restarted, at_step=rng.randrange(4, third), duration_s=1.0),
+        Fault(
+            kind="partition",
+            link=("site0", restarted),
+            at_step=rng.randrange(third + 8, 2 * third),
+            duration_s=1.5,
+        ),
+        Fault(kind="slow", site=slowed, rate=2.0, at_step=rng.randrange(2 * third + 4, 3 * third)),
+    )
+    schedule = ", ".join(
+        f"{f.kind} {f.site or '-'.join(f.link)} at step {f.at_step}" for f in faults
+    )
+    return Scenario(
+        name="soak",
+        sites=3,
+        steps=SOAK_STEPS,
+        pace_s=0.3,
+        survivors=("site0", "site1", "site2"),
+        settings=STREAMING,
+        faults=faults,
+        fault_free_baseline=True,
+        description=f"3 sites in Streaming DiLoCo, seed {seed}: {schedule}; then the same "
+        "job without faults, against which its goodput and final loss are set",
+    )
+
+
+SCENARIOS += (soak(),)

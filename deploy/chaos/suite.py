@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.chaos.hostile_calls import flood, forge, forge_rejoin
-from isthmus.deploy.chaos.judge import FORGER_RECORD, ScenarioResult, judge, metrics_records
+from isthmus.deploy.chaos.judge import (
+    FORGER_RECORD,
+    ScenarioResult,
+    against_baseline,
+    fault_free,
+    judge,
+    metrics_records,
+)
 from isthmus.deploy.chaos.ports import free_ports
 from isthmus.deploy.chaos.scenarios import SCENARIOS, Fault, Scenario
 from isthmus.deploy.chaos.sites import NODE1, SiteProcess, node_argvs, site_processes
@@ -349,6 +356,11 @@ def run_suite(
             )
             if not r.ok:
                 print(f"  why: {r.why} (logs: {root / where})", file=out)
+            elif scenario.fault_free_baseline:
+                base = run_scenario(
+                    fault_free(scenario), root / f"{where}-baseline", None, overrides
+                )
+                print(against_baseline(r, base), file=out, flush=True)
     if repeat > 1:
         print(pass_counts(results), file=out)
     (root / "chaos.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")

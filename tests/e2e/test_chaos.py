@@ -196,3 +196,20 @@ def test_repeated_runs_are_counted_per_scenario():
         ScenarioResult(name="partition", ok=False, wall_s=200.0, why="no decision"),
     ]
     assert pass_counts(runs) == "passed: partition 1/2, kill 1/1"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_soak_ends_identical_and_sets_its_goodput_and_loss_against_a_fault_free_run(
+    tmp_path,
+):
+    """`isthmus chaos --only soak` as a user runs it: three streaming sites through a
+    restart, a link gone dark and a site slowed 2x; every site ends identical, and the
+    run is set against the same job without faults (issue 62: loss within 2 %)."""
+    result = run_cli("chaos", "--only", "soak", "--keep", str(tmp_path), timeout=380)
+    assert result.returncode == 0, result.stdout + result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith("soak "))
+    assert row.split()[1] == "ok", result.stdout
+    line = next(line for line in result.stdout.splitlines() if "of the fault-free run" in line)
+    change = float(line.rsplit("(", 1)[1].rstrip("%)"))
+    assert abs(change) < 2.0, line
