@@ -120,6 +120,9 @@ class ProbeServer(socketserver.ThreadingTCPServer):
         threading.Thread(target=self._echo_forever, name="probe-echo", daemon=True).start()
 
     def echo(self, sock: socket.socket, end: float) -> None:
+        if len(self._pings.get_map()) >= MAX_CONNECTIONS:  # past its handler: count here
+            sock.close()
+            return
         self._pings.register(sock, selectors.EVENT_READ, end)
 
     def shutdown_request(self, request: socket.socket) -> None:
