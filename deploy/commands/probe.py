@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace, token: bytes) -> int:
     )
     try:
         host, port = server.server_address[:2]
-        print(f"probe server listening on {host}:{port}", flush=True)
+        print(f"probe server listening on {host!s}:{port}", flush=True)
         server.serve_forever()
     finally:
         server.server_close()

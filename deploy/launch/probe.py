@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from isthmus.inter.tcp_info import read_tcp_info
 
@@ -115,7 +115,7 @@ def open_ops(
     if len(socks) < n:
         for s in socks:
             s.close()
-        raise next(f.exception() for f in futures if f.exception() is not None)
+        raise next(exc for f in futures if (exc := f.exception()) is not None)
     return socks
 
 
@@ -144,7 +144,7 @@ def _ping_rtts(
                 started += 1
             wait = first + spread * started / pingers - now if started < pingers else 1.0
             for key, _ in sel.select(timeout=max(0.0, wait)):
-                s = key.fileobj
+                s = cast(socket.socket, key.fileobj)
                 if len(s.recv(64)) != 8:  # 8 bytes a ping; another count is a stall's split
                     raise ProbeError(f"{target}: a ping came back wrong")
                 now = time.perf_counter()

@@ -29,7 +29,7 @@ def _buffer_findings(root: str | Path, bdp: float, rtt_s: float) -> list[dict[st
     as inter/data/transport/chunk_size.py's tcp_receive_window counts it), so each
     buffer maximum below 2 x the flow's bandwidth-delay product holds it back."""
     need = max(4 * MIB, int(2 * bdp + MIB - 1) // MIB * MIB)
-    out = []
+    out: list[dict[str, str]] = []
     for name in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"):
         value = read_sysctl(root, name)
         fields = (value or "").split()
@@ -40,7 +40,7 @@ def _buffer_findings(root: str | Path, bdp: float, rtt_s: float) -> list[dict[st
                 f"at {rtt_s * 1e3:.0f} ms (a flow needs {_mib(2 * bdp)}): "
                 f"sysctl -w {name}='{fields[0]} {fields[1]} {need}'"
             )
-            out.append({"setting": name, "value": value, "advice": advice})
+            out.append({"setting": name, "value": value or "", "advice": advice})
     for name in ("net.core.rmem_max", "net.core.wmem_max"):
         value = read_sysctl(root, name)
         if value is not None and value.isdigit() and int(value) < 2 * bdp:

@@ -11,7 +11,7 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from isthmus.deploy.launch.probe import (
     CHUNK,
@@ -125,13 +125,13 @@ class ProbeServer(socketserver.ThreadingTCPServer):
             return
         self._pings.register(sock, selectors.EVENT_READ, end)
 
-    def shutdown_request(self, request: socket.socket) -> None:
+    def shutdown_request(self, request) -> None:  # socketserver's request type, unannotated
         self.close_request(request)  # without socketserver's SHUT_WR: an echo's copy lives on
 
     def _echo_forever(self) -> None:
         while True:
             for key, _ in self._pings.select(timeout=1.0):
-                sock = key.fileobj
+                sock = cast(socket.socket, key.fileobj)
                 try:
                     if time.monotonic() < key.data and (data := sock.recv(4096)):
                         sock.sendall(data)

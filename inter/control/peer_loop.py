@@ -106,13 +106,13 @@ class PeerLoop:
             call = stub.Heartbeat.future(request, timeout=self.settings.rpc_timeout_s)
             self._in_flight.append((name, call, doubted))
         until = time.monotonic() + (self.settings.heartbeat_s if wait_s is None else wait_s)
-        for beat in list(self._in_flight):
+        for pending in list(self._in_flight):
             try:
-                beat[1].exception(timeout=max(0.0, until - time.monotonic()))
+                pending[1].exception(timeout=max(0.0, until - time.monotonic()))
             except grpc.FutureTimeoutError:
                 continue  # still in flight: its answer is taken next round
-            self._in_flight.remove(beat)
-            self._answered(*beat)
+            self._in_flight.remove(pending)
+            self._answered(*pending)
 
     def _answered(self, name: str, call: grpc.Future, doubted: int | None) -> None:
         site, st, site_up = self.settings.site, self.state, self.metrics.site_up
