@@ -14,7 +14,7 @@ from dataclasses import asdict, replace
 from isthmus.deploy.commands import add_command
 from isthmus.deploy.config.job import ConfigError
 from isthmus.deploy.config.planning import codec_ratio, preset_input
-from isthmus.deploy.config.run_sections import read_probe
+from isthmus.deploy.config.wan_section import read_probe
 from isthmus.sim.plan import (
     Plan,
     PlanInput,

@@ -23,7 +23,6 @@ from isthmus.deploy.config.run_sections import (
     RunSection,
     SecuritySection,
     SyncSection,
-    WanSection,
 )
 from isthmus.deploy.config.sections import (
     ConfigError,
@@ -36,6 +35,7 @@ from isthmus.deploy.config.sections import (
 )
 from isthmus.deploy.config.validation import check_eval_batch, check_layout, check_train
 from isthmus.deploy.config.values import coerce, read_toml, toml_string
+from isthmus.deploy.config.wan_section import WanSection
 from isthmus.inter.data import CODEC_FORMAT, connections_for_link, sync_chunk_bytes
 from isthmus.intra.layout import ParallelConfig, ParallelLayout
 from isthmus.intra.model_config import PRESET_TRAINING, ModelConfig
@@ -100,7 +100,7 @@ class JobConfig:
         self.data.check()
         self.sync.check(layers=model.n_layers)
         self.failover.check(sites=t.sites)
-        self.wan.check()
+        self.wan.check(t.site_names)
         self.run.check()
         check_eval_batch(t, par, self.run)
         self.checkpoint.check(steps=self.job.steps)
@@ -279,8 +279,11 @@ def _apply_mapping(target: Any, section: str, key: str, sub: str, value: Any, or
     entries = {sub: value} if sub else value
     if not isinstance(entries, dict):
         raise ConfigError(f'{where} must be a table of name = "value" ({origin})')
+    numbers = "float" in str(next(f.type for f in dataclasses.fields(target) if f.name == key))
     for name, item in entries.items():
-        if not isinstance(item, str) or not name:
+        if numbers and name:  # a price: a TOML number, or one given as --set text
+            item = coerce(section, f"{key}.{name}", item, 0.0)
+        elif not isinstance(item, str) or not name:
             raise ConfigError(f"{where}.{name} must be a string, got {item!r} ({origin})")
         getattr(target, key)[name] = item
 

@@ -4,7 +4,6 @@ section documents its fields and checks its values."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,62 +174,6 @@ class FailoverSection:
             not self.witness or (bool(host) and port.isdigit()),
             f"failover.witness must be HOST:PORT, got {self.witness!r}",
         )
-
-
-@dataclass(kw_only=True, slots=True)
-class WanSection:
-    distance_km: float = 1000.0
-    """Emulated fiber distance between every pair of sites; ~4.9 us per km one way."""
-    latency_ms: float = -1.0
-    """One-way latency; negative derives it from distance_km."""
-    bandwidth_mbit: float = 1000.0
-    """Link bandwidth in Mbit/s, each direction."""
-    per_flow_mbit: float = 0.0
-    """Most Mbit/s one TCP connection gets, each direction (public clouds cap a flow:
-    AWS at 5 Gbit/s); 0 = no cap. `isthmus local` emulates it, and the lanes open enough
-    connections to fill the link (sync.connections = 0)."""
-    queue_kib: int = 1024
-    """Buffering beyond the bandwidth-delay product, KiB."""
-    probe: str = ""
-    """A file of `isthmus probe --json`: its slowest link's RTT, N-flow rate and per-flow
-    cap replace latency_ms, bandwidth_mbit and per_flow_mbit as the config loads; the
-    key is then cleared, so the resolved config holds the figures. Empty = none."""
-
-    @property
-    def one_way_latency_s(self) -> float:
-        return self.latency_ms / 1000.0 if self.latency_ms >= 0 else self.distance_km * 4.9e-6
-
-    def take_probe(self) -> str:
-        """Take latency, bandwidth and per-flow cap from the probe file; what was taken."""
-        rtt, self.bandwidth_mbit, self.per_flow_mbit, line = read_probe(self.probe)
-        self.latency_ms, self.probe = rtt / 2, ""
-        return line
-
-    def check(self) -> None:
-        positive("wan", self, "bandwidth_mbit")
-        at_least("wan", self, distance_km=0, queue_kib=0)
-        require(
-            self.per_flow_mbit >= 0,
-            f"wan.per_flow_mbit must be >= 0 (0 = no cap), got {self.per_flow_mbit}",
-        )
-
-
-def read_probe(path: str) -> tuple[float, float, float, str]:
-    """The RTT (ms), rate and per-flow cap (Mbit/s, 0 = none) of the slowest link in an
-    `isthmus probe --json` file, and one line saying what was taken."""
-    try:
-        links = json.loads(Path(path).read_text())["links"]
-        rtt = max(link["rtt_ms"] for link in links)
-        mbit = min(link["gbit_nflows"] for link in links) * 1000
-        caps = [link["per_flow_cap_gbit"] * 1000 for link in links if link["per_flow_cap_gbit"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path}: not an `isthmus probe --json` file ({exc})") from None
-    cap = min(caps, default=0.0)
-    line = (
-        f"wan from {path} (slowest of {len(links)} link(s)): RTT {rtt:.2f} ms, "
-        f"{mbit:,.0f} Mbit/s, " + (f"{cap:,.0f} Mbit/s a flow" if cap else "no per-flow cap")
-    )
-    return rtt, mbit, cap, line
 
 
 @dataclass(kw_only=True, slots=True)

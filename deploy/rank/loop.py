@@ -16,6 +16,7 @@ and the script API's `Context` (deploy/api.py), whose `steps` are these and whos
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from isthmus.deploy.rank.checkpointing import save_due
 from isthmus.deploy.rank.faults import StepFloor
 from isthmus.deploy.rank.startup import RankParts
+from isthmus.deploy.reports.egress import site_egress, spend_usd
 from isthmus.inter.data import StepOutcome, SyncStats
 from isthmus.intra.digest import shard_digest as intra_shard_digest
 from isthmus.intra.train import StepStats, SyncResult
@@ -41,6 +43,7 @@ class LoopState:
     started: float  # ``time.perf_counter()`` when the loop began
     digest: str = ""  # the site's parameter digest after the last step run, when due
     reported_last: bool = False  # the job's last step was trained and reported here
+    egress_usd: float = 0.0  # what this site's bytes across sites cost so far
 
 
 @dataclass(kw_only=True, slots=True)
@@ -260,11 +263,28 @@ def _record(
         "retries": round_stats.retries if round_stats else 0,
         "outer_steps": outer.outer_steps if outer is not None else 0,
     }
+    _count_egress(parts, progress, line)
     if parts.cross is not None and parts.cross.pulled is not None:  # goodput's rejoins
         line["state_pull_s"], line["state_pull_bytes"] = parts.cross.pulled
         parts.cross.pulled = None
     parts.metrics.record(line, digest=progress.digest, finished=step == last)
     progress.reported_last = step == last
+
+
+def _count_egress(parts: RankParts, progress: LoopState, line: dict) -> None:
+    """Adds the step's egress to the site's spend, and says once when it passes the budget."""
+    wan, site = parts.config.wan, parts.env.site
+    if parts.metrics.file is None or not (wan.egress_usd_per_gb or wan.egress_prices):
+        return
+    peers = [s for s in parts.config.site_names if s != site]
+    sent = {f"{site}->{p}": b for p, b in site_egress(line, peers).items()}
+    before, progress.egress_usd = progress.egress_usd, progress.egress_usd + spend_usd(sent, wan)
+    budget = wan.egress_budget_usd
+    if budget and before <= budget < progress.egress_usd:
+        spent = f"${progress.egress_usd:.2f} passed wan.egress_budget_usd ${budget:.2f}"
+        logging.getLogger("isthmus.rank").warning(
+            "[%s step %d] egress %s", site, line["step"], spent
+        )
 
 
 def _links(parts: RankParts) -> dict[str, dict]:

@@ -113,7 +113,7 @@ def goodput_figure(steps: list[dict]):  # -> matplotlib Figure (imported by the 
     rate = [r["tokens"] / w if w > 0 else 0.0 for r, w in zip(steps, walls, strict=True)]
     at = [r["elapsed_s"] for r in steps]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(at, rate, color="#4477aa", linewidth=1, label="committed tokens/s")
+    ax.plot(at, rate, color="#4477aa", linewidth=2, marker="o", label="committed tokens/s")
     for cause, color in zip(CAUSES[:-1], ("#999999", "#ee6677", "#228833", "#ccbb44"), strict=True):
         marked = [(t, v) for t, v, c in zip(at, rate, causes, strict=True) if c == cause]
         if marked:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.deploy.config.job import SECTION_TYPES, ConfigError
+from isthmus.deploy.reports.egress import egress_rows
 from isthmus.deploy.reports.goodput import goodput_figure, goodput_rows
 from isthmus.deploy.reports.links import link_rows, links_figure, merge_links
 from isthmus.deploy.reports.summary import human_bytes, read_jsonl
@@ -235,7 +236,8 @@ def summary_text(steps: list[dict], summary: dict, capacity: float) -> str:
             else ""
         )
         lines.append(f"WAN goodput while syncing: {goodput / 1e6:,.1f} Mbit/s{share}")
-    lines += [f"{name}: {value}" for name, value in link_rows(summary) + goodput_rows(summary)]
+    more = link_rows(summary) + goodput_rows(summary) + egress_rows(summary)
+    lines += [f"{name}: {value}" for name, value in more]
     identical = len(set(summary["digests"].values())) == 1
     lines.append(
         f"replicas: {'identical' if identical else 'DIFFERENT'} ({', '.join(summary['digests'])})"

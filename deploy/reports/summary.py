@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TextIO
 
 from isthmus.deploy.config.job import JobConfig
+from isthmus.deploy.reports.egress import egress_rows, egress_summary, step_egress
 from isthmus.deploy.reports.goodput import goodput, goodput_rows
 from isthmus.deploy.reports.links import link_rows, link_summary, merge_links
 
@@ -80,6 +81,7 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "exposed_sync_s": max(r.get("exposed_sync_s", r["sync_s"]) for r in rows),
                 "sync_busy_s": max(r.get("sync_busy_s", 0.0) for r in rows),
                 "links": merge_links(rows),
+                "egress": step_egress(rows),
                 "digest_s": max(r.get("digest_s", 0.0) for r in rows),
                 "mfu": sum(r.get("mfu", 0.0) for r in rows) / len(rows),
                 "intra_site_s": max(r.get("intra_site_s", 0.0) for r in rows),
@@ -278,6 +280,7 @@ def _summary(config: JobConfig, steps: list[dict], results: dict[str, list[dict]
         "val_unequal_steps": unequal,
         **link_summary(steps, config.wan.bandwidth_mbit),
         **goodput(steps),
+        **egress_summary(steps, config.wan),
         "digests": digests,
         "shard_digests": {
             site: [r["shard_digest"] for r in ranks] for site, ranks in results.items()
@@ -345,7 +348,7 @@ def print_summary(summary: dict, out: TextIO, run_dir: Path | None) -> None:
                 + (f", {hidden:.0%} overlapped)" if hidden is not None else ")"),
             ),
         ]
-    rows += link_rows(summary) + goodput_rows(summary)
+    rows += link_rows(summary) + goodput_rows(summary) + egress_rows(summary)
     if summary.get("outer_steps"):
         if summary.get("sync_mode") == "streaming":
             rows.append(("sync", f"Streaming DiLoCo: {summary['outer_steps']} fragment rounds"))

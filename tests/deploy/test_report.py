@@ -68,6 +68,19 @@ def test_report_draws_plausible_plots_of_a_real_run(two_runs):
         assert f"link {site}->{peer}: " in text and "Gbit/s" in text
     assert_plot(run_dir / "links.png", (700, 600))
     assert "straggler: " in text and summary["straggler"]["slowest"] in summary["links"]
+    # Issue 62: goodput and the time lost by cause; issue 61: egress priced, budget passed.
+    assert 0 < summary["goodput_share"] <= 1 and summary["lost_s"]["start-up"] > 0
+    assert "goodput: " in text and "committed tokens/s" in text
+    assert_plot(run_dir / "goodput.png", (700, 400))
+    egress = summary["egress"]
+    assert set(egress["links"]) == {"site0->site1", "site1->site0"}
+    sent = sum(link["bytes"] for link in egress["links"].values())
+    assert sent == pytest.approx(summary["cross_site_bytes"])
+    assert egress["usd"] == pytest.approx(sent / 1e9 * 0.02) and egress["budget_usd"] == 1e-7
+    assert "egress: $" in text and "budget" in text
+    for site in ("site0", "site1"):
+        log = (run_dir / "logs" / f"{site}-rank0.log").read_text()
+        assert log.count("passed wan.egress_budget_usd") == 1, log[-2000:]
 
 
 def test_report_of_a_folder_that_is_no_run_says_so(tmp_path):
@@ -78,6 +91,8 @@ def test_report_of_a_folder_that_is_no_run_says_so(tmp_path):
 # --- several runs: `isthmus report RUN_A RUN_B ...` ---------------------------------
 
 TINY = ("--set", "model.preset=tiny", "--quiet")
+# Issue 61's egress: every link at 2 cents a GB, a budget the first step passes.
+PRICED = ("--set", "wan.egress_usd_per_gb=0.02", "--set", "wan.egress_budget_usd=1e-7")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +104,7 @@ def two_runs(tmp_path_factory) -> tuple[Path, Path]:
     for codec, steps in (("raw", "6"), ("int8", "4")):
         run_dir = root / codec
         trained = run_cli(
-            "local", "--steps", steps, "--set", f"sync.codec={codec}", *TINY,
+            "local", "--steps", steps, "--set", f"sync.codec={codec}", *TINY, *PRICED,
             "--run-dir", str(run_dir),
         )  # fmt: skip
         assert trained.returncode == 0, trained.stderr[-2000:]
