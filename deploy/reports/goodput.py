@@ -1,6 +1,6 @@
 """Goodput: committed tokens per second of the run, and where the rest of the time went.
 
-A step's wall time is the growth of the slowest site's elapsed time over it. The healthy
+A step's wall time is the slowest site's, on its own clock. The healthy
 step is the median of the steps no fault touched (not the first, no retry, no site
 admitted, checks left out); every step's time past it is lost, to one cause:
 
@@ -24,9 +24,12 @@ CAUSES = ("start-up", "retries", "rejoins", "stalls", "checks")
 
 
 def step_walls(steps: list[dict]) -> list[float]:
-    """Each merged step's wall time (seconds): the growth of its ``elapsed_s``."""
+    """Each merged step's wall time (seconds): the slowest site's own (``wall_s``; sites'
+    clocks start apart, so the growth of the merged ``elapsed_s`` jumps where the
+    slowest changes), else the growth of ``elapsed_s``."""
     ends = [r["elapsed_s"] for r in steps]
-    return [end - start for start, end in zip([0.0, *ends], ends, strict=False)]
+    grown = [end - start for start, end in zip([0.0, *ends], ends, strict=False)]
+    return [r.get("wall_s", g) for r, g in zip(steps, grown, strict=True)]
 
 
 def step_causes(steps: list[dict]) -> tuple[list[str | None], float]:
@@ -56,8 +59,8 @@ def step_causes(steps: list[dict]) -> tuple[list[str | None], float]:
 
 def goodput(steps: list[dict]) -> dict:
     """summary.json's goodput: committed tokens per second of the whole run, the healthy
-    step, the share of the run a fault-free run at that pace would take, the seconds lost
-    by cause, and the state pulled by sites that came back (seconds, bytes)."""
+    step, the share of the run's time not lost, the seconds lost by cause, and the state
+    pulled by sites that came back (seconds, bytes)."""
     if not steps:
         return {}
     walls = step_walls(steps)
@@ -68,11 +71,11 @@ def goodput(steps: list[dict]) -> dict:
         lost["checks"] += checks
         if cause is not None:
             lost[cause] += max(0.0, wall - checks - healthy)
-    total = steps[-1]["elapsed_s"]
+    total = sum(walls)
     return {
         "goodput_tokens_per_s": sum(r["tokens"] for r in steps) / total if total else 0.0,
         "healthy_step_s": healthy,
-        "goodput_share": len(steps) * healthy / total if total else 0.0,
+        "goodput_share": 1 - sum(lost.values()) / total if total else 0.0,
         "lost_s": lost,
         "state_pulls": {
             "seconds": sum(r.get("state_pull_s", 0.0) for r in steps),

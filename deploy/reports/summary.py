@@ -51,11 +51,16 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
     each site's tokens (sites of different sizes), bytes summed, times as the slowest
     site saw them."""
     by_step: dict[int, list[dict]] = {}
+    walls: dict[int, list[float]] = {}  # each site's own time for the step, on its clock
     for lines in per_site.values():
-        for line in lines:
+        for prev, line in zip([None, *lines], lines, strict=False):
             by_step.setdefault(line["step"], []).append(line)
+            if prev is None or prev["step"] == line["step"] - 1:  # not across a gap
+                walls.setdefault(line["step"], []).append(
+                    line["elapsed_s"] - (prev["elapsed_s"] if prev else 0.0)
+                )
     merged = []
-    for _, rows in sorted(by_step.items()):
+    for step, rows in sorted(by_step.items()):
         merged.append(
             {
                 "step": rows[0]["step"],
@@ -77,6 +82,7 @@ def merge_steps(per_site: dict[str, list[dict]]) -> list[dict]:
                 "nonfinite_chunks": sum(r.get("nonfinite_chunks", 0) for r in rows),
                 "stalled_flows": sum(r.get("stalled_flows", 0) for r in rows),
                 "elapsed_s": max(r["elapsed_s"] for r in rows),
+                "wall_s": max(walls.get(step, [0.0])),
                 # The slowest site's wait bounds the job's step.
                 "exposed_sync_s": max(r.get("exposed_sync_s", r["sync_s"]) for r in rows),
                 "sync_busy_s": max(r.get("sync_busy_s", 0.0) for r in rows),

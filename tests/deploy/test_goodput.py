@@ -20,16 +20,19 @@ def steps_of(walls: list[float], **marks: dict[int, dict]) -> list[dict]:
 
 
 def test_a_fault_free_run_loses_only_its_start_up_and_checks() -> None:
-    steps = steps_of([3.0] + [0.5] * 9, at={5: {"digest_s": 0.2}, 9: {"eval_s": 0.1}})
-    for i in (5, 9):
-        steps[i]["elapsed_s"] += 0.3 if i == 5 else 0.0  # the digest's own time
+    # Step 5 digests (0.3 s of its 0.8), step 9 evaluates (0.1 s of its 0.6).
+    walls = [3.0, 0.5, 0.5, 0.5, 0.5, 0.8, 0.5, 0.5, 0.5, 0.6]
+    steps = steps_of(walls, at={5: {"digest_s": 0.3}, 9: {"eval_s": 0.1}})
     summary = goodput(steps)
     assert summary["healthy_step_s"] == pytest.approx(0.5)
     assert summary["lost_s"]["start-up"] == pytest.approx(2.5)
-    assert summary["lost_s"]["checks"] == pytest.approx(0.3)
+    assert summary["lost_s"]["checks"] == pytest.approx(0.4)
     assert summary["lost_s"]["retries"] == summary["lost_s"]["stalls"] == 0.0
-    assert summary["goodput_tokens_per_s"] == pytest.approx(1000 / steps[-1]["elapsed_s"])
-    assert summary["goodput_share"] == pytest.approx(10 * 0.5 / steps[-1]["elapsed_s"])
+    assert summary["goodput_tokens_per_s"] == pytest.approx(1000 / 7.9)
+    assert summary["goodput_share"] == pytest.approx(1 - 2.9 / 7.9)
+    # A site's own clock, where the merged record has it, is the step's wall.
+    steps[3]["wall_s"] = 1.5
+    assert goodput(steps)["lost_s"]["stalls"] == pytest.approx(1.0)
 
 
 def test_each_lost_second_goes_to_its_cause() -> None:
@@ -90,4 +93,6 @@ def test_a_site_absent_from_some_steps_leaves_the_others_steps_in_the_run() -> N
     assert [r["step"] for r in merged] == list(range(8))
     assert [r["tokens"] for r in merged] == [200, 200, 200, 100, 100, 100, 200, 200]
     assert merged[6]["state_pull_bytes"] == 7 and merged[6]["live_sites"] == 2
+    # Each step's wall is a site's own step, never the time site1 spent out of the job.
+    assert [r["wall_s"] for r in merged] == [1.0] * 8
     assert step_causes(merged)[0][6] == "rejoins"
