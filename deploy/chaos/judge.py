@@ -199,13 +199,17 @@ def fault_free(scenario: Scenario) -> Scenario:
 
 
 def against_baseline(result: ScenarioResult, baseline: ScenarioResult) -> str:
-    """One line: goodput and final loss against the fault-free run's."""
+    """One line: goodput and final loss against the fault-free run's. The runs follow one
+    another, so on a shared machine their tokens/s may meet different loads; each run's
+    share of time not lost (against its own healthy step) is printed beside them."""
     rate, base = (r.goodput.get("goodput_tokens_per_s", 0.0) for r in (result, baseline))
+    share, base_share = (r.goodput.get("goodput_share", 0.0) for r in (result, baseline))
     lost = ", ".join(f"{c} {s:.1f} s" for c, s in result.goodput.get("lost_s", {}).items() if s)
     return (
         f"  {result.name}: goodput {rate:,.0f} tokens/s, {rate / base:.0%} of the fault-free "
-        f"run's {base:,.0f} (lost: {lost or 'none'}); final loss {result.final_loss:.4f} "
-        f"against {baseline.final_loss:.4f} ({result.final_loss / baseline.final_loss - 1:+.1%})"
+        f"run's {base:,.0f}; time not lost {share:.0%} against {base_share:.0%} (lost: "
+        f"{lost or 'none'}); final loss {result.final_loss:.4f} against "
+        f"{baseline.final_loss:.4f} ({result.final_loss / baseline.final_loss - 1:+.1%})"
         if base and baseline.final_loss
         else f"  {result.name}: the fault-free run measured nothing to compare with"
     )
