@@ -59,12 +59,15 @@ def test_report_draws_plausible_plots_of_a_real_run(two_runs):
     assert text in result.stdout + "\n"
     # Issue 61: each site's lane watched its link to the other, live, every step.
     for site, peer in (("site0", "site1"), ("site1", "site0")):
-        for line in (run_dir / "sites" / site / "metrics.jsonl").read_text().splitlines():
+        lines = (run_dir / "sites" / site / "metrics.jsonl").read_text().splitlines()
+        for k, line in enumerate(lines):
             step = json.loads(line)
             link = step["links"][peer]
             assert link["transport"] == "bulk" and 0 < link["bytes"] <= step["bytes_sent"] * 2
-            assert link["rtt_ms"] > 0 and link["retrans"] >= 0 and link["line_share"] > 0
-            assert step["hidden_sync_s"] >= 0
+            assert link["line_share"] > 0 and step["hidden_sync_s"] >= 0
+            if k == len(lines) - 1 and link["rtt_ms"] is None:
+                continue  # the peer that finished first closed the last step's connections
+            assert link["rtt_ms"] > 0 and link["retrans"] >= 0
         assert f"link {site}->{peer}: " in text and "Gbit/s" in text
     assert_plot(run_dir / "links.png", (700, 600))
     assert "straggler: " in text and summary["straggler"]["slowest"] in summary["links"]
