@@ -32,8 +32,9 @@ def step_walls(steps: list[dict]) -> list[float]:
     return [r.get("wall_s", g) for r, g in zip(steps, grown, strict=True)]
 
 
-def step_causes(steps: list[dict]) -> tuple[list[str | None], float]:
-    """Each step's cause of lost time (None: healthy) and the healthy step's seconds."""
+def step_causes(steps: list[dict]) -> tuple[list[float], list[str | None], float]:
+    """Each step's wall (``step_walls``), its cause of lost time (None: healthy), and the
+    healthy step's seconds."""
     walls = step_walls(steps)
     work = [
         w - r.get("digest_s", 0.0) - r.get("eval_s", 0.0) for w, r in zip(walls, steps, strict=True)
@@ -54,7 +55,7 @@ def step_causes(steps: list[dict]) -> tuple[list[str | None], float]:
     for i, cause in enumerate(causes):
         if cause is None and work[i] > STALL_FACTOR * healthy:
             causes[i] = "stalls"
-    return causes, healthy
+    return walls, causes, healthy
 
 
 def goodput(steps: list[dict]) -> dict:
@@ -63,8 +64,7 @@ def goodput(steps: list[dict]) -> dict:
     pulled by sites that came back (seconds, bytes)."""
     if not steps:
         return {}
-    walls = step_walls(steps)
-    causes, healthy = step_causes(steps)
+    walls, causes, healthy = step_causes(steps)
     lost = dict.fromkeys(CAUSES, 0.0)
     for wall, r, cause in zip(walls, steps, causes, strict=True):
         checks = r.get("digest_s", 0.0) + r.get("eval_s", 0.0)
@@ -111,8 +111,7 @@ def goodput_figure(steps: list[dict]):  # -> matplotlib Figure (imported by the 
     steps that lost time marked by their cause."""
     import matplotlib.pyplot as plt
 
-    walls = step_walls(steps)
-    causes, healthy = step_causes(steps)
+    walls, causes, healthy = step_causes(steps)
     rate = [r["tokens"] / w if w > 0 else 0.0 for r, w in zip(steps, walls, strict=True)]
     at = [r["elapsed_s"] for r in steps]
     fig, ax = plt.subplots(figsize=(7, 4))

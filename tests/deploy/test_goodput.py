@@ -44,7 +44,7 @@ def test_each_lost_second_goes_to_its_cause() -> None:
         8: {},  # a stall: no fault named in its line
     }
     steps = steps_of([2.0, 0.5, 0.5, 1.7, 0.5, 0.5, 2.5, 0.5, 1.5, 0.5], at=marks)
-    causes, healthy = step_causes(steps)
+    _, causes, healthy = step_causes(steps)
     assert healthy == pytest.approx(0.5)
     assert causes == [
         "start-up",
@@ -95,4 +95,4 @@ def test_a_site_absent_from_some_steps_leaves_the_others_steps_in_the_run() -> N
     assert merged[6]["state_pull_bytes"] == 7 and merged[6]["live_sites"] == 2
     # Each step's wall is a site's own step, never the time site1 spent out of the job.
     assert [r["wall_s"] for r in merged] == [1.0] * 8
-    assert step_causes(merged)[0][6] == "rejoins"
+    assert step_causes(merged)[1][6] == "rejoins"

@@ -105,7 +105,7 @@ GROWTH = {
     "issue 61: TCP_INFO read from a socket (inter/tcp_info.py)": 89,
     "issue 61: link traces replayed by the emulator (sim/trace.py)": 232,
     "issue 62: a dead site found from its own heartbeats' arrivals (arrivals.py)": 146,
-    "issue 62: goodput and the time lost by cause (deploy/reports/goodput.py)": 158,
+    "issue 62: goodput and the time lost by cause (deploy/reports/goodput.py)": 157,
     "issue 62: the soak scenario against a fault-free run (isthmus chaos --only soak)": 81,
     "issue 61: egress by link, priced, against a budget (deploy/reports/egress.py)": 122,
     "issue 61: isthmus probe": 752,
