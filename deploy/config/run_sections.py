@@ -148,7 +148,7 @@ class FailoverSection:
     dead: the others finish the step's rounds without it and carry on. Each site's own
     deadline is learned from its heartbeats' arrivals (at least 4 periods; longer for a
     jittery, lossy link or a stalled host), so a dead site costs about a second."""
-    heartbeat_s: float = 0.2
+    heartbeat_s: float = 1.0
     """Period of the heartbeats between coordinators (and of the pings to the witness)."""
     quorum_wait_s: float = 300.0
     """How long a site cut off from a quorum waits for the link to heal (then it

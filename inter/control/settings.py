@@ -37,7 +37,7 @@ class CoordinatorSettings:
     """How long to wait for every site to be present and ready."""
     rpc_timeout_s: float = 5.0
     """Deadline of each RPC to a peer."""
-    heartbeat_s: float = 0.2
+    heartbeat_s: float = 1.0
     """Period of heartbeats to peers (and pings to the witness) once joined."""
     metrics_port: int | None = None
     """Serve Prometheus /metrics on this port (0 = any free port); None serves none."""
